@@ -1,0 +1,394 @@
+"""The UMBP wire format: frames, opcodes, status codes, the object header and the arena superblock. No I/O.
+
+Every connection in UMBP (client -> metaserver, node -> metaserver, client -> node) carries the same frames::
+
+     0        2     3     4        6        8           12          16                      24
+     +--------+-----+-----+--------+--------+-----------+-----------+-----------------------+
+     | magic  | ver | op  | flags  | status | request_id| meta_len  | data_len              |
+     | u16    | u8  | u8  | u16    | u16    | u32       | u32       | u64                   |
+     +--------+-----+-----+--------+--------+-----------+-----------+-----------------------+
+     | meta: meta_len bytes of msgpack (a map or a list; bytes stay bytes, str stays str)   |
+     +--------------------------------------------------------------------------------------+
+     | data: data_len raw bytes (page payloads; never msgpack-encoded, never copied twice)   |
+     +--------------------------------------------------------------------------------------+
+
+All integers are little-endian. ``flags`` has RESPONSE (set on every answer) and NO_REPLY (the sender does not
+want an answer: lease releases). A response carries the request's ``request_id`` and opcode; ``status`` is OK or
+an error code, in which case ``meta`` is ``{"error": "<component>: <message>", ...}``. Room for authentication: the
+HELLO opcode carries a token and is the first frame on a connection when the server requires one.
+
+Invariants a reader enforces: magic and version match; ``meta_len <= max_meta`` and ``data_len <= max_data`` (the
+reader's limits, so a hostile length never allocates); a malformed header poisons the connection (the stream can no
+longer be framed), while a well-framed request with an unknown opcode or bad meta gets an error answer and the
+connection goes on.
+
+Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the payload, allocations aligned to
+``ALIGN`` (4 KiB)::
+
+     magic u32 | version u16 | flags u16 | key_hash u64 | generation u64 | payload_len u64 | checksum u32 |
+     header_crc u32 | 24 bytes reserved
+
+``header_crc`` (crc32 of the first 40 bytes) catches a torn header; ``checksum`` (crc32 of the payload) is
+optional (flag CHECKSUM). A reader compares key hash, generation and length with what the metaserver told it, so a
+slot that was evicted and reused is detected instead of returned.
+
+Costs: ``encode`` is one struct pack plus one msgpack pack; ``FrameReader`` copies header and meta bytes once into
+its staging buffer and hands data straight to the caller's sink (zero copies for page payloads).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+from umbp.errors import (
+    AuthError,
+    BadRequest,
+    CorruptionError,
+    NotFound,
+    NotLeader,
+    PoolFull,
+    ProtocolError,
+    RemoteError,
+    Unavailable,
+)
+
+MAGIC = 0x4D55  # b"UM" little-endian
+VERSION = 1
+HEADER = struct.Struct("<HBBHHIIQ")
+HEADER_SIZE = HEADER.size  # 24
+
+MAX_META = 16 << 20  # default reader limit for msgpack meta
+MAX_DATA = 1 << 30  # default reader limit for raw data
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    RESPONSE = 1
+    NO_REPLY = 2
+
+
+class Op(enum.IntEnum):
+    """Opcodes. 0x0_: any server; 0x1_/0x2_: metaserver; 0x4_: storage node."""
+
+    HELLO = 0x01  # {"token": str|None, "client": str} -> {"server": str, "version": int}
+    PING = 0x02  # {} -> {}
+    # metaserver: membership
+    REGISTER_NODE = 0x10  # node description -> {"heartbeat_s": float, "kept": int, "dropped": int}
+    HEARTBEAT = 0x11  # {"node_id"} -> {} (NOT_FOUND: register again)
+    # metaserver: data plane
+    ALLOC = 0x12  # {"ns", "keys", "sizes", "parents"?} -> {"items": [[state, node, off, size, gen] | None]}
+    COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
+    ABORT = 0x14  # {"ns", "keys", "gens"} -> {"aborted": int}
+    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease": int, "locs": [[node, off, size, gen] | None]}
+    RELEASE = 0x16  # {"lease": int} -> {} (usually NO_REPLY)
+    EXISTS = 0x17  # {"ns", "keys"} -> {"exists": [bool]}
+    PREFIX = 0x18  # {"ns", "keys"} -> {"hits": int}
+    REMOVE = 0x19  # {"ns", "keys"} -> {"removed": [bool]}
+    # metaserver: admin
+    STATS = 0x1A  # {} -> stats map (see README)
+    NODES = 0x1B  # {} -> {"nodes": [node map]}
+    LIST = 0x1C  # {"ns"?, "limit"?} -> {"objects": [[ns, key, size, node, state]], "truncated": bool}
+    EVICT = 0x1D  # {"bytes"?: int} -> {"evicted": int, "freed_bytes": int}
+    DRAIN = 0x1E  # {"node_id"} -> {"dropped": int, "pinned": int}
+    LEADER = 0x1F  # {} -> {"leader": "host:port" | None, "is_leader": bool}
+    # storage node
+    ARENA_INFO = 0x40  # {} -> arena map (node_id, arena_id, arena_path, capacity, boot_id, host, transports)
+    READ = 0x41  # [off, start, length, key_hash, gen] -> data: object header + payload[start:start+length]
+    WRITE = 0x42  # [off] + data: object header + payload -> {}
+    RDMA_CONNECT = 0x43  # queue-pair details -> queue-pair details (transport/rdma.py)
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    BAD_FRAME = 1
+    UNKNOWN_OPCODE = 2
+    BAD_REQUEST = 3
+    TOO_LARGE = 4
+    NOT_FOUND = 5
+    POOL_FULL = 6
+    NOT_LEADER = 7
+    UNAVAILABLE = 8
+    CORRUPT = 9
+    AUTH = 10
+    INTERNAL = 11
+
+
+_STATUS_ERRORS: dict[int, type[RemoteError]] = {
+    Status.BAD_REQUEST: BadRequest,
+    Status.UNKNOWN_OPCODE: BadRequest,
+    Status.TOO_LARGE: BadRequest,
+    Status.BAD_FRAME: BadRequest,
+    Status.NOT_FOUND: NotFound,
+    Status.POOL_FULL: PoolFull,
+    Status.NOT_LEADER: NotLeader,
+    Status.UNAVAILABLE: Unavailable,
+    Status.AUTH: AuthError,
+}
+
+
+@dataclass(slots=True)
+class Frame:
+    op: int
+    flags: int
+    status: int
+    request_id: int
+    meta: Any
+    data: memoryview | None
+    data_len: int
+
+
+_packer_opts = dict(use_bin_type=True)
+
+
+def pack_meta(meta: Any) -> bytes:
+    return msgpack.packb(meta, **_packer_opts)
+
+
+def unpack_meta(raw: bytes | memoryview, component: str) -> Any:
+    """Decode msgpack meta; a malformed map is a BadRequest naming ``component``."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True)
+    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
+            msgpack.exceptions.StackError, TypeError) as e:
+        raise BadRequest(component, f"malformed msgpack meta: {e}", Status.BAD_REQUEST) from e
+
+
+def encode(op: int, request_id: int, meta: Any = None, *, data_len: int = 0, flags: int = 0,
+           status: int = 0) -> bytes:
+    """Header plus msgpack meta of one frame; the sender writes ``data_len`` raw bytes after it."""
+    body = b"" if meta is None else msgpack.packb(meta, **_packer_opts)
+    return HEADER.pack(MAGIC, VERSION, op, flags, status, request_id & 0xFFFFFFFF, len(body), data_len) + body
+
+
+def encode_error(op: int, request_id: int, status: int, message: str, **extra: Any) -> bytes:
+    meta = {"error": message}
+    meta.update(extra)
+    return encode(op, request_id, meta, flags=Flag.RESPONSE, status=status)
+
+
+def decode_header(buf: bytes | memoryview, component: str,
+                  max_meta: int = MAX_META, max_data: int = MAX_DATA) -> tuple[int, int, int, int, int, int]:
+    """Return (op, flags, status, request_id, meta_len, data_len); ProtocolError when the stream is unframeable."""
+    magic, version, op, flags, status, rid, meta_len, data_len = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise ProtocolError(component, f"bad frame magic 0x{magic:04x} (expected 0x{MAGIC:04x}): not a UMBP peer?")
+    if version != VERSION:
+        raise ProtocolError(component, f"unsupported wire version {version} (this side speaks {VERSION})")
+    if meta_len > max_meta:
+        raise ProtocolError(component, f"frame meta of {meta_len} bytes exceeds the limit of {max_meta}")
+    if data_len > max_data:
+        raise ProtocolError(component, f"frame data of {data_len} bytes exceeds the limit of {max_data}")
+    return op, flags, status, rid, meta_len, data_len
+
+
+def raise_for_status(frame: Frame, component: str) -> None:
+    """Turn an error response into the matching RemoteError subclass (message from the server, named by it)."""
+    if frame.status == Status.OK:
+        return
+    meta = frame.meta if isinstance(frame.meta, dict) else {}
+    message = str(meta.get("error", f"error status {frame.status}"))
+    cls = _STATUS_ERRORS.get(frame.status, RemoteError)
+    # The server's message already names the server component; keep it verbatim after ours.
+    if cls is NotLeader:
+        raise NotLeader(component, message, frame.status, leader=meta.get("leader"))
+    if frame.status == Status.CORRUPT:
+        raise CorruptionError(component, message)
+    raise cls(component, message, frame.status)
+
+
+# A sink decides where a frame's data goes: given (op, request_id, meta, data_len) it returns a writable
+# memoryview of exactly data_len bytes, or None for a fresh buffer. It may raise RemoteError to refuse the data
+# (the reader then discards it and reports the error with the frame).
+Sink = Callable[[int, int, Any, int], memoryview | None]
+
+
+class FrameReader:
+    """Incremental, zero-copy-for-data frame parser for ``asyncio.BufferedProtocol`` or blocking ``recv_into``.
+
+    Use: ``buf = reader.get_buffer()``; receive into it; ``frames = reader.buffer_updated(n)``. Header and meta
+    bytes land in a staging buffer; data bytes land directly in what ``sink`` returns (for the storage node: the
+    arena). Frames whose data the sink refused come back with ``data=None`` and ``error`` set on the reader's
+    list as ``(frame, exc)`` pairs in ``frames`` order, so the server can answer with the error and go on.
+    """
+
+    def __init__(self, component: str, *, max_meta: int = MAX_META, max_data: int = MAX_DATA,
+                 sink: Sink | None = None, bufsize: int = 256 * 1024):
+        self.component = component
+        self.max_meta = max_meta
+        self.max_data = max_data
+        self._sink = sink
+        self._buf = bytearray(bufsize)
+        self._mv = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._need = HEADER_SIZE  # bytes needed in staging before the next parse step can make progress
+        self._pending: tuple | None = None  # (op, flags, status, rid, meta, data_len) while receiving data
+        self._data: memoryview | None = None
+        self._data_pos = 0
+        self._data_error: Exception | None = None
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._data is not None:
+            return self._data[self._data_pos:]
+        if self._start == self._end:
+            self._start = self._end = 0
+        room = len(self._buf) - self._end
+        if room < 4096 or self._start + self._need > len(self._buf):
+            # Move the unparsed tail to the front, growing when one header+meta does not fit.
+            tail = self._end - self._start
+            size = max(len(self._buf), self._need + 4096)
+            if size > len(self._buf):
+                newbuf = bytearray(size)
+                newbuf[:tail] = self._mv[self._start:self._end]
+                self._buf, self._mv = newbuf, memoryview(newbuf)
+            else:
+                self._mv[:tail] = self._mv[self._start:self._end]
+            self._start, self._end = 0, tail
+        return self._mv[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> list[tuple[Frame, Exception | None]]:
+        """Account for ``nbytes`` received into the last buffer; return the frames completed (with any error)."""
+        out: list[tuple[Frame, Exception | None]] = []
+        if self._data is not None:
+            self._data_pos += nbytes
+            if self._data_pos < len(self._data):
+                return out
+            out.append(self._finish_data())
+        else:
+            self._end += nbytes
+        self._parse(out)
+        return out
+
+    def _finish_data(self) -> tuple[Frame, Exception | None]:
+        op, flags, status, rid, meta, data_len = self._pending
+        data, err = self._data, self._data_error
+        self._pending, self._data, self._data_pos, self._data_error = None, None, 0, None
+        if err is not None:
+            data = None
+        return Frame(op, flags, status, rid, meta, data, data_len), err
+
+    def _parse(self, out: list) -> None:
+        while self._data is None:
+            avail = self._end - self._start
+            if avail < HEADER_SIZE:
+                self._need = HEADER_SIZE
+                return
+            op, flags, status, rid, meta_len, data_len = decode_header(
+                self._mv[self._start:self._start + HEADER_SIZE], self.component, self.max_meta, self.max_data)
+            if avail < HEADER_SIZE + meta_len:
+                self._need = HEADER_SIZE + meta_len
+                return
+            mstart = self._start + HEADER_SIZE
+            self._start = mstart + meta_len
+            self._need = HEADER_SIZE
+            err: Exception | None = None
+            meta: Any = None
+            if meta_len:
+                try:
+                    meta = unpack_meta(self._mv[mstart:mstart + meta_len], self.component)
+                except BadRequest as e:
+                    err = e
+            if data_len == 0:
+                out.append((Frame(op, flags, status, rid, meta, None, 0), err))
+                continue
+            target = None
+            if err is None and self._sink is not None:
+                try:
+                    target = self._sink(op, rid, meta, data_len)
+                except RemoteError as e:
+                    err = e
+            if target is None:
+                target = memoryview(bytearray(data_len)) if err is None else _discard_view(data_len)
+            elif len(target) != data_len:
+                raise ProtocolError(self.component, "sink returned a buffer of the wrong size")
+            self._pending = (op, flags, status, rid, meta, data_len)
+            self._data, self._data_pos, self._data_error = target, 0, err
+            # Bytes of this frame's data already in staging move to the target now.
+            take = min(self._end - self._start, data_len)
+            if take:
+                target[:take] = self._mv[self._start:self._start + take]
+                self._start += take
+                self._data_pos = take
+            if self._data_pos == data_len:
+                out.append(self._finish_data())
+
+
+_DISCARD = bytearray(1 << 20)
+
+
+def _discard_view(n: int) -> memoryview:
+    """A scratch buffer for data we refuse; large refused payloads are still bounded by the reader's max_data."""
+    if n <= len(_DISCARD):
+        return memoryview(_DISCARD)[:n]
+    return memoryview(bytearray(n))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Objects in an arena
+
+ALIGN = 4096
+OBJ_MAGIC = 0x4F424D55  # b"UMBO"
+OBJ_VERSION = 1
+OBJ_HEADER = struct.Struct("<IHHQQQII24x")
+OBJ_HEADER_SIZE = OBJ_HEADER.size  # 64
+OBJ_FLAG_CHECKSUM = 1
+_OBJ_CRC_SPAN = 40
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def object_size(payload_len: int) -> int:
+    """Bytes an object of ``payload_len`` occupies in an arena (header included, 4 KiB aligned)."""
+    return align_up(OBJ_HEADER_SIZE + payload_len)
+
+
+def key_hash(namespace: str, key: bytes) -> int:
+    """64-bit hash of (namespace, key) stored in the object header."""
+    h = hashlib.blake2b(namespace.encode() + b"\0" + key, digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def pack_object_header(khash: int, generation: int, payload_len: int, checksum: int | None = None) -> bytes:
+    flags = 0 if checksum is None else OBJ_FLAG_CHECKSUM
+    head = OBJ_HEADER.pack(OBJ_MAGIC, OBJ_VERSION, flags, khash, generation, payload_len, checksum or 0, 0)
+    crc = zlib.crc32(head[:_OBJ_CRC_SPAN])
+    return head[:_OBJ_CRC_SPAN + 4] + struct.pack("<I", crc) + head[_OBJ_CRC_SPAN + 8:]
+
+
+def check_object_header(buf: bytes | memoryview, component: str, khash: int, generation: int,
+                        payload_len: int) -> int | None:
+    """Validate an object header against what the directory says; return the payload checksum if present.
+
+    Raises CorruptionError (never returns) when the slot holds another object, a torn header, or nothing."""
+    magic, version, flags, kh, gen, plen, csum, hcrc = OBJ_HEADER.unpack_from(buf)
+    if magic != OBJ_MAGIC or version != OBJ_VERSION:
+        raise CorruptionError(component, "no object header at this location (slot empty or overwritten)")
+    if zlib.crc32(bytes(buf[:_OBJ_CRC_SPAN])) != hcrc:
+        raise CorruptionError(component, "torn object header (header crc mismatch)")
+    if kh != khash or gen != generation:
+        raise CorruptionError(component, f"stale slot: holds generation {gen} of another key, expected {generation}")
+    if plen != payload_len:
+        raise CorruptionError(component, f"object length {plen} does not match the directory's {payload_len}")
+    return csum if flags & OBJ_FLAG_CHECKSUM else None
+
+
+def payload_checksum(data: bytes | memoryview) -> int:
+    return zlib.crc32(data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Arena superblock: the first ALIGN bytes of every arena file. Objects live in [ALIGN, ALIGN + capacity).
+
+ARENA_MAGIC = b"UMBPAREN"
+ARENA_SUPER = struct.Struct("<8sI16sQQ")  # magic, version, arena_id (uuid bytes), capacity, created_ns
+ARENA_VERSION = 1
+ARENA_DATA_START = ALIGN

@@ -1,0 +1,182 @@
+"""Configuration: one frozen dataclass per component, resolved once, validated on construction.
+
+Precedence, highest first: explicit arguments (CLI flags, constructor arguments) > environment variables
+(``UMBP_<FIELD>`` upper-cased, e.g. ``UMBP_METASERVER``, ``UMBP_LEASE_TTL``) > the TOML file named by
+``UMBP_CONFIG`` (sections ``[metaserver]``, ``[node]``, ``[client]``) > the defaults below. This is the only module
+that reads the environment; everything else receives a config object.
+
+A leaf module: the metaserver imports it, so it imports nothing but ``umbp.errors`` and ``umbp.sizes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from umbp.errors import ConfigError
+from umbp.sizes import parse_size
+
+
+def split_host_port(addr: str, component: str = "config", default_port: int | None = None) -> tuple[str, int]:
+    """'host:port' / '[v6]:port' / 'http://host:port' -> (host, port)."""
+    text = addr.strip()
+    for scheme in ("http://", "https://", "tcp://"):
+        if text.startswith(scheme):
+            text = text[len(scheme):]
+    text = text.rstrip("/")
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_s = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, sep, port_s = text.rpartition(":")
+        if not sep:
+            host, port_s = text, ""
+    if not port_s:
+        if default_port is None:
+            raise ConfigError(component, f"address {addr!r} has no port (expected HOST:PORT)")
+        port_s = str(default_port)
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ConfigError(component, f"address {addr!r}: port {port_s!r} is not a number") from None
+    if not 0 <= port <= 65535 or not host:
+        raise ConfigError(component, f"address {addr!r} is not HOST:PORT")
+    return host, port
+
+
+def _addr_list(value: str | list[str] | tuple[str, ...], component: str) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = tuple(a.strip() for a in items if a and a.strip())
+    for a in out:
+        split_host_port(a, component)
+    return out
+
+
+@dataclass(frozen=True)
+class MetaserverConfig:
+    etcd: str = "127.0.0.1:2379"
+    listen: str = "127.0.0.1:7700"
+    advertise: str = ""  # address clients should use for this metaserver; defaults to listen
+    etcd_prefix: str = "/umbp"
+    read_lease_s: float = 10.0  # how long a lookup pins its objects unless released
+    pending_ttl_s: float = 30.0  # an allocation not committed by then is freed
+    high_watermark: float = 0.95  # background eviction starts above this fill ratio ...
+    low_watermark: float = 0.85  # ... and stops below this one
+    eviction_policy: str = "lru"  # "lru" or "prefix-lru"
+    persist_batch: int = 128  # operations per etcd transaction (etcd's default cap)
+    election_ttl_s: int = 5  # leader key lease: a dead leader is replaced within about this long
+    max_batch_keys: int = 100_000
+
+    def __post_init__(self) -> None:
+        c = "metaserver"
+        split_host_port(self.etcd, c, 2379)
+        split_host_port(self.listen, c)
+        if self.advertise:
+            split_host_port(self.advertise, c)
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError(c, "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
+        if self.eviction_policy not in ("lru", "prefix-lru"):
+            raise ConfigError(c, f"eviction_policy must be 'lru' or 'prefix-lru', got {self.eviction_policy!r}")
+        if not 1 <= self.persist_batch <= 128:
+            raise ConfigError(c, "persist_batch must be within 1..128 (etcd's per-transaction cap)")
+        if self.read_lease_s <= 0 or self.pending_ttl_s <= 0 or self.election_ttl_s < 1:
+            raise ConfigError(c, "lease durations must be positive")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    metaserver: tuple[str, ...] = ("127.0.0.1:7700",)
+    capacity: int = 1 << 30
+    listen: str = "127.0.0.1:0"
+    advertise: str = ""  # routable address clients use; defaults to the bound listen address
+    lease_ttl: float = 10.0
+    node_id: str = ""  # stable name; a node restarted with the same id on the same host reopens its arena
+    arena_dir: str = "/dev/shm"
+    max_frame_data: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        c = "node"
+        object.__setattr__(self, "metaserver", _addr_list(self.metaserver, c))
+        object.__setattr__(self, "capacity", parse_size(self.capacity, "capacity"))
+        if not self.metaserver:
+            raise ConfigError(c, "no metaserver address given (--metaserver or UMBP_METASERVER)")
+        if self.capacity < 1 << 20:
+            raise ConfigError(c, f"capacity {self.capacity} is below the 1 MiB minimum")
+        split_host_port(self.listen, c)
+        if self.lease_ttl < 1:
+            raise ConfigError(c, "lease_ttl must be at least 1 second")
+        if self.node_id and not all(ch.isalnum() or ch in "-_." for ch in self.node_id):
+            raise ConfigError(c, f"node_id {self.node_id!r} may only hold letters, digits, '-', '_' and '.'")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    metaserver: tuple[str, ...] = ("127.0.0.1:7700",)
+    namespace: str = "default"
+    token: str | None = None
+    transport: str = "auto"  # auto | tcp | shm | rdma
+    timeout_s: float = 30.0  # one deadline per call, shared by its retries
+    checksum: bool = False  # crc32 every payload on put and verify on get
+    staging_bytes: int = 64 << 20  # registered staging area for unregistered buffers (RDMA)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = "client"
+        object.__setattr__(self, "metaserver", _addr_list(self.metaserver, c))
+        if not self.metaserver:
+            raise ConfigError(c, "no metaserver address given")
+        if self.transport not in ("auto", "tcp", "shm", "rdma"):
+            raise ConfigError(c, f"transport must be auto, tcp, shm or rdma, got {self.transport!r}")
+        if not self.namespace or len(self.namespace.encode()) > 128:
+            raise ConfigError(c, "namespace must be 1..128 bytes")
+        if self.timeout_s <= 0:
+            raise ConfigError(c, "timeout_s must be positive")
+
+
+_SECTIONS = {MetaserverConfig: "metaserver", NodeConfig: "node", ClientConfig: "client"}
+
+
+def _coerce(f: dataclasses.Field, raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    t = str(f.type)
+    if t == "bool":
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if t == "int" and f.name != "capacity":
+        return int(raw)
+    if t == "float":
+        return float(raw)
+    return raw
+
+
+def resolve(cls: type, flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None):
+    """Build ``cls`` from flags > environment > UMBP_CONFIG file > defaults. ``None`` flags count as unset."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = env.get("UMBP_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                values.update(tomllib.load(fh).get(_SECTIONS[cls], {}))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError("config", f"cannot read UMBP_CONFIG={path}: {e}") from e
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(values) - set(names)
+    if unknown:
+        raise ConfigError("config", f"unknown keys in [{_SECTIONS[cls]}] of {path}: {sorted(unknown)}")
+    for name, f in names.items():
+        raw = env.get("UMBP_" + name.upper())
+        if raw is not None and raw != "":
+            try:
+                values[name] = _coerce(f, raw)
+            except ValueError as e:
+                raise ConfigError("config", f"UMBP_{name.upper()}={raw!r}: {e}") from e
+    for name, v in (flags or {}).items():
+        if name not in names:
+            raise ConfigError("config", f"unknown setting {name!r} for {cls.__name__}")
+        if v is not None:
+            values[name] = v
+    return cls(**values)
