@@ -81,3 +81,7 @@ class Unavailable(RemoteError):
 
 class AuthError(RemoteError, PermissionError):
     """The connection did not authenticate, or the token does not grant this namespace."""
+
+
+class InvalidArgument(UmbpError, TypeError):
+    """A caller passed a value of the wrong type or shape (a non-contiguous tensor, a key that is too long)."""

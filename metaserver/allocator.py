@@ -1,0 +1,205 @@
+"""Space allocator for one node's arena: segregated best-fit over free extents, in 4 KiB units.
+
+The data region of an arena is ``[base, base + capacity)`` (``base`` is ``wire.ARENA_DATA_START``); every object
+takes ``wire.object_size(payload_len)`` bytes, a multiple of ``wire.ALIGN``. The allocator hands out absolute arena
+offsets and never touches the arena itself: it is pure bookkeeping, owned by the directory.
+
+Structure (TLSF-like):
+
+- Free extents are indexed by start (``start -> length``) and by end (``end -> start``), so a freed block merges
+  with both neighbours in O(1) (immediate coalescing: two free extents are never adjacent).
+- Extents are binned by length: one exact bin per length below ``EXACT_UNITS`` (256 units = 1 MiB; KV pages are
+  almost always equal-sized, so these bins make the common case O(1)), then one bin per power of two. A Python int
+  is the bitmap of non-empty bins; the next non-empty bin at or above a request is found with one shift and one
+  lowest-set-bit, O(bins / 64) word operations, i.e. O(log capacity).
+- Within a power-of-two bin the allocator looks at up to ``SCAN_LIMIT`` extents for the tightest fit, then takes
+  any extent of a higher bin (all of which fit). So the fit is best-fit for small sizes and approximately best-fit
+  for large ones; the remainder of a split extent goes back to the free lists.
+
+What it tolerates: external fragmentation. A request can fail while the sum of free extents exceeds it (free space
+is scattered in holes smaller than the request); the caller then evicts, and eviction frees whole objects that
+coalesce with their neighbours. With uniform object sizes there is no fragmentation at all.
+
+Invariants (checked by ``check()`` in tests): free and allocated extents are disjoint, cover the region exactly,
+no two free extents touch, ``used + free == capacity``.
+
+Costs: ``alloc`` O(1) for exact bins, O(SCAN_LIMIT + log) otherwise; ``free`` O(1); ``rebuild`` O(n log n).
+Memory: one dict entry per allocated object and about three per free extent.
+"""
+
+from __future__ import annotations
+
+from transport.wire import ALIGN
+
+UNIT = ALIGN
+EXACT_UNITS = 256  # exact bins for lengths 1..255 units
+SCAN_LIMIT = 16  # extents examined in one power-of-two bin before falling back to a higher bin
+
+
+def _bin_of(units: int) -> int:
+    if units < EXACT_UNITS:
+        return units
+    return EXACT_UNITS + units.bit_length() - 9  # 256..511 -> bin 256, 512..1023 -> 257, ...
+
+
+class Allocator:
+    """Free-extent allocator over ``[base, base + capacity)``; offsets and sizes are bytes, multiples of 4 KiB."""
+
+    __slots__ = ("base", "capacity", "units", "used_units", "_free", "_ends", "_bins", "_mask", "_allocated")
+
+    def __init__(self, base: int, capacity: int):
+        self.base = base
+        self.units = capacity // UNIT
+        self.capacity = self.units * UNIT
+        self.used_units = 0
+        self._free: dict[int, int] = {}  # start unit -> length in units
+        self._ends: dict[int, int] = {}  # end unit (exclusive) -> start unit
+        self._bins: dict[int, dict[int, None]] = {}  # bin -> ordered set of start units
+        self._mask = 0  # bit b set <=> bin b non-empty
+        self._allocated: dict[int, int] = {}  # start unit -> length in units
+        if self.units:
+            self._add_free(0, self.units)
+
+    # -- accounting -------------------------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self.used_units * UNIT
+
+    @property
+    def free_bytes(self) -> int:
+        return (self.units - self.used_units) * UNIT
+
+    def largest_free(self) -> int:
+        """Length in bytes of the largest free extent (O(number of extents in the top bin))."""
+        if not self._mask:
+            return 0
+        top = self._mask.bit_length() - 1
+        return max(self._free[s] for s in self._bins[top]) * UNIT
+
+    # -- free-list plumbing ------------------------------------------------------------------------------------
+    def _add_free(self, start: int, length: int) -> None:
+        self._free[start] = length
+        self._ends[start + length] = start
+        b = _bin_of(length)
+        members = self._bins.get(b)
+        if members is None:
+            members = self._bins[b] = {}
+            self._mask |= 1 << b
+        members[start] = None
+
+    def _del_free(self, start: int) -> int:
+        length = self._free.pop(start)
+        del self._ends[start + length]
+        b = _bin_of(length)
+        members = self._bins[b]
+        del members[start]
+        if not members:
+            del self._bins[b]
+            self._mask &= ~(1 << b)
+        return length
+
+    # -- public operations -------------------------------------------------------------------------------------
+    def alloc(self, size: int) -> int | None:
+        """Return the absolute offset of a new extent of ``size`` bytes (a multiple of 4 KiB), or None if no free
+        extent is large enough (fragmented or full)."""
+        need = -(-size // UNIT)
+        if need <= 0 or need > self.units - self.used_units:
+            return None
+        b = _bin_of(need)
+        mask = self._mask >> b
+        if not mask:
+            return None
+        start = -1
+        if mask & 1 and b >= EXACT_UNITS:
+            # A power-of-two bin holds lengths on both sides of the request: look for the tightest fit.
+            best_len = 0
+            for i, s in enumerate(self._bins[b]):
+                ln = self._free[s]
+                if ln >= need and (start < 0 or ln < best_len):
+                    start, best_len = s, ln
+                    if ln == need:
+                        break
+                if i >= SCAN_LIMIT:
+                    break
+            if start < 0:
+                mask &= ~1
+        if start < 0:
+            if not mask:
+                return None
+            b += (mask & -mask).bit_length() - 1
+            start = next(iter(self._bins[b]))
+        length = self._del_free(start)
+        if length > need:
+            self._add_free(start + need, length - need)
+        self._allocated[start] = need
+        self.used_units += need
+        return self.base + start * UNIT
+
+    def free(self, offset: int, size: int) -> None:
+        """Return the extent at ``offset`` to the free lists, merging with free neighbours.
+
+        Raises ValueError on a double free or a size that does not match the allocation (a directory bug)."""
+        start = (offset - self.base) // UNIT
+        length = self._allocated.get(start)
+        if length is None or length != -(-size // UNIT):
+            raise ValueError(f"allocator: free of {size} bytes at {offset} does not match an allocation")
+        del self._allocated[start]
+        self.used_units -= length
+        end = start + length
+        nxt = self._free.get(end)
+        if nxt is not None:
+            self._del_free(end)
+            length += nxt
+        prev = self._ends.get(start)
+        if prev is not None:
+            length += self._del_free(prev)
+            start = prev
+        self._add_free(start, length)
+
+    def is_allocated(self, offset: int) -> bool:
+        return (offset - self.base) // UNIT in self._allocated
+
+    def rebuild(self, extents: list[tuple[int, int]]) -> list[int]:
+        """Reset to exactly ``extents`` [(offset, size)] allocated; return the indexes of extents rejected because
+        they overlap an earlier one or fall outside the region (the caller drops those objects). O(n log n)."""
+        self._free.clear()
+        self._ends.clear()
+        self._bins.clear()
+        self._mask = 0
+        self._allocated.clear()
+        self.used_units = 0
+        order = sorted(range(len(extents)), key=lambda i: extents[i][0])
+        rejected: list[int] = []
+        cursor = 0
+        for i in order:
+            off, size = extents[i]
+            rel = off - self.base
+            start, need = rel // UNIT, -(-size // UNIT)
+            if rel < 0 or rel % UNIT or need <= 0 or start < cursor or start + need > self.units:
+                rejected.append(i)
+                continue
+            if start > cursor:
+                self._add_free(cursor, start - cursor)
+            self._allocated[start] = need
+            self.used_units += need
+            cursor = start + need
+        if cursor < self.units:
+            self._add_free(cursor, self.units - cursor)
+        return sorted(rejected)
+
+    def check(self) -> None:
+        """Assert the invariants (tests only; O(n log n))."""
+        spans = sorted([(s, n, "free") for s, n in self._free.items()] +
+                       [(s, n, "used") for s, n in self._allocated.items()])
+        cursor, prev_kind = 0, None
+        for s, n, kind in spans:
+            assert s == cursor, f"gap or overlap at unit {s} (expected {cursor})"
+            assert not (kind == "free" and prev_kind == "free"), f"uncoalesced free extents at unit {s}"
+            assert self._ends[s + n] == s if kind == "free" else True
+            cursor, prev_kind = s + n, kind
+        assert cursor == self.units, "extents do not cover the region"
+        assert sum(self._allocated.values()) == self.used_units
+        assert sum(len(m) for m in self._bins.values()) == len(self._free)
+        for b, members in self._bins.items():
+            assert self._mask >> b & 1 and members
+            assert all(_bin_of(self._free[s]) == b for s in members)

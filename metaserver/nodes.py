@@ -1,0 +1,113 @@
+"""Membership: which storage nodes exist, their descriptions, liveness and etcd leases. No I/O.
+
+A node is alive from REGISTER_NODE (or from being loaded out of etcd at metaserver start, with a grace period of
+its lease_ttl) until ``lease_ttl`` seconds pass without a heartbeat. A dead node stays listed (alive=False) for
+``DEAD_KEEP_S`` so operators can see what went away, then is forgotten; re-registering revives it.
+
+Space (allocator, pages) is the directory's business; this module only decides *when* a node's space is kept,
+dropped or added, and returns that decision to the caller (``register`` says whether pages are kept).
+
+Costs: register/heartbeat O(1); ``expired`` O(nodes) (nodes are few: one per host).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DEAD_KEEP_S = 600.0
+
+
+class Node:
+    __slots__ = ("node_id", "host", "port", "pid", "capacity", "arena_id", "arena_path", "boot_id", "hostname",
+                 "transports", "lease_ttl", "rdma", "alive", "draining", "last_heartbeat", "lease_id", "dead_since",
+                 "conn", "refreshing")
+
+    def __init__(self, desc: dict[str, Any], now: float):
+        self.node_id: str = desc["node_id"]
+        self.alive = True
+        self.draining = False
+        self.last_heartbeat = now
+        self.lease_id = 0
+        self.dead_since = 0.0
+        self.conn = None
+        self.refreshing = False
+        self.update(desc)
+
+    def update(self, desc: dict[str, Any]) -> None:
+        self.host = desc["host"]
+        self.port = desc["port"]
+        self.pid = desc.get("pid", 0)
+        self.capacity = desc["capacity"]
+        self.arena_id = desc["arena_id"]
+        self.arena_path = desc.get("arena_path", "")
+        self.boot_id = desc.get("boot_id", "")
+        self.hostname = desc.get("hostname", "")
+        self.transports = list(desc.get("transports") or [])
+        self.lease_ttl = float(desc["lease_ttl"])
+        self.rdma = desc.get("rdma")
+
+    @property
+    def lease_ttl_int(self) -> int:
+        return max(1, math.ceil(self.lease_ttl))
+
+    def record(self) -> dict[str, Any]:
+        """What is persisted at ``{prefix}/nodes/{node_id}`` (under the node's lease)."""
+        return {"node_id": self.node_id, "host": self.host, "port": self.port, "pid": self.pid,
+                "capacity": self.capacity, "arena_id": self.arena_id, "arena_path": self.arena_path,
+                "boot_id": self.boot_id, "hostname": self.hostname, "transports": self.transports,
+                "lease_ttl": self.lease_ttl, "rdma": self.rdma, "lease_id": self.lease_id}
+
+    def info(self, used: int, objects: int) -> dict[str, Any]:
+        """The node map of STATS and NODES."""
+        return {"node_id": self.node_id, "host": self.host, "port": self.port, "addr": f"{self.host}:{self.port}",
+                "pid": self.pid, "hostname": self.hostname, "boot_id": self.boot_id, "arena_id": self.arena_id,
+                "arena_path": self.arena_path, "capacity_bytes": self.capacity if self.alive else 0,
+                "used_bytes": used, "objects": objects, "alive": self.alive, "draining": self.draining,
+                "transports": self.transports, "rdma": self.rdma}
+
+
+class Membership:
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+
+    def get(self, node_id: str) -> Node | None:
+        return self.nodes.get(node_id)
+
+    def alive(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.alive]
+
+    def register(self, desc: dict[str, Any], now: float) -> tuple[Node, bool]:
+        """Record a registration. Returns (node, keep_pages): pages survive only when a live node re-registers
+        the same arena (same arena_id and capacity: a node process restart that reopened its arena)."""
+        node = self.nodes.get(desc["node_id"])
+        if node is None:
+            node = self.nodes[desc["node_id"]] = Node(desc, now)
+            return node, False
+        keep = node.alive and node.arena_id == desc["arena_id"] and node.capacity == desc["capacity"]
+        node.update(desc)
+        node.alive = True
+        node.draining = False
+        node.last_heartbeat = now
+        node.dead_since = 0.0
+        return node, keep
+
+    def heartbeat(self, node_id: str, arena_id: bytes, now: float) -> Node | None:
+        """Refresh liveness; None when the node is unknown, dead, or on another arena (it must register again)."""
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive or node.arena_id != arena_id:
+            return None
+        node.last_heartbeat = now
+        return node
+
+    def expired(self, now: float) -> list[Node]:
+        """Mark nodes whose lease_ttl passed without a heartbeat dead and return them; forget long-dead ones."""
+        out = []
+        for node in list(self.nodes.values()):
+            if node.alive and now - node.last_heartbeat > node.lease_ttl:
+                node.alive = False
+                node.dead_since = now
+                out.append(node)
+            elif not node.alive and now - node.dead_since > DEAD_KEEP_S:
+                del self.nodes[node.node_id]
+        return out

@@ -1,0 +1,128 @@
+"""The transport interface: how a client moves object bytes to and from one storage node's arena.
+
+Five methods, two phases so that transfers to several nodes are in flight together: the client calls
+``start_read``/``start_write`` on every node's transport first, then ``finish`` on each. A transport for shared
+memory does its copies in ``start_*``; TCP sends its requests there and receives in ``finish``; RDMA posts work
+requests there and polls in ``finish``.
+
+Contracts:
+- Every read checks the object header against (key hash, generation, payload length) from the directory and
+  reports ``CorruptionError`` for that op instead of delivering bytes; the payload lands in ``ReadOp.out`` only.
+- Results are per op, in order: ``None`` for success or the exception for that op. A connection-level failure
+  fails every op still outstanding on it with ``TransportError`` and leaves the transport reusable (it reconnects).
+- ``finish`` blocks until every op of the batch is done or ``deadline`` (``time.monotonic()`` seconds) passes.
+
+``MemoryTransport`` is the test double: an arena in a bytearray, same checks, no I/O.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from transport import wire
+from umbp.errors import CorruptionError
+
+
+@dataclass(slots=True)
+class ReadOp:
+    offset: int  # object offset in the arena (its header)
+    start: int  # first payload byte to read
+    length: int  # payload bytes to read into out
+    khash: int
+    generation: int
+    payload_len: int
+    out: memoryview  # writable, at least ``length`` bytes
+
+
+@dataclass(slots=True)
+class WriteOp:
+    offset: int
+    header: bytes  # wire.pack_object_header(...)
+    payload: memoryview
+
+
+class Pending:
+    """What ``start_*`` hands to ``finish``: the ops, results filled so far, transport-private state."""
+
+    __slots__ = ("ops", "results", "kind", "state")
+
+    def __init__(self, ops: list, kind: str, state: object = None):
+        self.ops = ops
+        self.results: list[Exception | None] = [None] * len(ops)
+        self.kind = kind
+        self.state = state
+
+
+class Transport(abc.ABC):
+    name: str = "?"
+
+    @abc.abstractmethod
+    def start_read(self, ops: list[ReadOp], deadline: float) -> Pending: ...
+
+    @abc.abstractmethod
+    def start_write(self, ops: list[WriteOp], deadline: float) -> Pending: ...
+
+    @abc.abstractmethod
+    def finish(self, pending: Pending, deadline: float) -> list[Exception | None]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def register(self, buf: memoryview) -> None:
+        """Make ``buf`` zero-copy for this transport (RDMA registers it; others need nothing)."""
+
+
+def read_from_arena(arena: memoryview, op: ReadOp, component: str) -> None:
+    """Copy one object range out of a mapped arena, checking its header before and after the copy.
+
+    The second check catches a slot that was freed and rewritten while we copied (a torn read): the writer
+    rewrites the header of a reused slot, so an unchanged header means the payload we copied is the one it names."""
+    head = arena[op.offset:op.offset + wire.OBJ_HEADER_SIZE]
+    wire.check_object_header(head, component, op.khash, op.generation, op.payload_len)
+    if op.start < 0 or op.start + op.length > op.payload_len:
+        raise CorruptionError(component, f"range {op.start}+{op.length} outside payload of {op.payload_len}")
+    src = op.offset + wire.OBJ_HEADER_SIZE + op.start
+    op.out[:op.length] = arena[src:src + op.length]
+    csum = wire.check_object_header(head, component, op.khash, op.generation, op.payload_len)
+    if csum is not None and op.start == 0 and op.length == op.payload_len:
+        if wire.payload_checksum(op.out[:op.length]) != csum:
+            raise CorruptionError(component, "payload checksum mismatch")
+
+
+def write_to_arena(arena: memoryview, op: WriteOp) -> None:
+    """Payload first, header last: a reader that races the writer sees no valid header until the bytes are in."""
+    start = op.offset + wire.OBJ_HEADER_SIZE
+    arena[op.offset:op.offset + 4] = b"\0\0\0\0"  # invalidate any old header of a reused slot first
+    arena[start:start + len(op.payload)] = op.payload
+    arena[op.offset:op.offset + wire.OBJ_HEADER_SIZE] = op.header
+
+
+class MemoryTransport(Transport):
+    """Test double: an in-process arena. Same header checks as the real transports."""
+
+    name = "memory"
+
+    def __init__(self, size: int):
+        self.arena = memoryview(bytearray(size))
+        self.closed = False
+
+    def start_read(self, ops, deadline):
+        p = Pending(ops, "read")
+        for i, op in enumerate(ops):
+            try:
+                read_from_arena(self.arena, op, "transport memory")
+            except CorruptionError as e:
+                p.results[i] = e
+        return p
+
+    def start_write(self, ops, deadline):
+        for op in ops:
+            write_to_arena(self.arena, op)
+        return Pending(ops, "write")
+
+    def finish(self, pending, deadline):
+        return pending.results
+
+    def close(self):
+        self.closed = True

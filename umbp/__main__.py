@@ -1,0 +1,7 @@
+"""``python -m umbp`` is the ``umbp`` command."""
+
+import sys
+
+from umbp.cli import main
+
+sys.exit(main())

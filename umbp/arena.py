@@ -1,0 +1,86 @@
+"""A storage node's arena: one file in shared memory (``/dev/shm`` or a hugetlbfs mount), mapped once.
+
+Layout: a 4 KiB superblock (magic, version, arena id, capacity, creation time) then ``capacity`` bytes of objects.
+The file outlives the node process: a node restarted with the same ``--node-id`` on the same host reopens it, keeps
+the same arena id, and the metaserver keeps its pages (the id plus each object's generation prove the bytes are the
+same). A node started without a ``--node-id`` gets a fresh name and removes its file on a clean exit, since nobody
+could ever reopen it.
+
+Invariant: the mapping is page aligned and the data region starts at ``wire.ARENA_DATA_START``, so object offsets
+handed out by the metaserver are 4 KiB aligned in every process that maps the file (a same-host client, a GPU
+gather through pinned mapped memory, an RDMA memory region).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+
+from transport import wire
+from transport.shm import read_superblock
+from umbp.errors import ConfigError
+
+
+class Arena:
+    def __init__(self, path: str, capacity: int, *, remove_on_close: bool = False):
+        self.path = path
+        self.capacity = capacity
+        self.remove_on_close = remove_on_close
+        self.size = wire.ARENA_DATA_START + capacity
+        self.reopened = False
+        component = "node"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise ConfigError(component, f"cannot open arena file {path}: {e.strerror}") from e
+        try:
+            st = os.fstat(fd)
+            arena_id = None
+            if st.st_size == self.size:
+                with mmap.mmap(fd, wire.ARENA_DATA_START, mmap.MAP_SHARED, mmap.PROT_READ) as head:
+                    try:
+                        found, cap = read_superblock(head)
+                        if cap == capacity:
+                            arena_id = found
+                    except ValueError:
+                        pass
+            if arena_id is None:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, self.size)
+                try:
+                    os.posix_fallocate(fd, 0, self.size)
+                except OSError as e:
+                    os.unlink(path)
+                    raise ConfigError(component, f"cannot reserve {self.size} bytes for {path}: {e.strerror} "
+                                                 f"(is {os.path.dirname(path)} large enough?)") from e
+            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map)
+        if arena_id is None:
+            arena_id = uuid.uuid4().bytes
+            wire.ARENA_SUPER.pack_into(self.view, 0, wire.ARENA_MAGIC, wire.ARENA_VERSION, arena_id, capacity,
+                                       time.time_ns())
+        else:
+            self.reopened = True
+        self.arena_id = arena_id
+
+    @property
+    def arena_uuid(self) -> str:
+        return str(uuid.UUID(bytes=self.arena_id))
+
+    def close(self) -> None:
+        view, self.view = self.view, None
+        if view is not None:
+            view.release()
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+        if self.remove_on_close:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

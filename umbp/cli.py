@@ -1,0 +1,273 @@
+"""The ``umbp`` command: run the pool's processes (up, metaserver, node), administer it, and run the demo.
+
+Admin commands (stats, nodes, ls, evict, drain) take ``--metaserver HOST:PORT[,HOST:PORT...]`` or
+``UMBP_METASERVER``; they exit 0 on success, 1 with a one-line ``umbp: <component>: <message>`` on an UMBP error,
+2 on bad usage. ``--json`` output is one JSON object (stats) or list (nodes) on stdout, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from umbp.errors import UmbpError
+from umbp.sizes import format_size, parse_size
+
+
+def _metaserver_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metaserver", default=None,
+                   help="HOST:PORT of the metaserver (comma-separated for several); default $UMBP_METASERVER")
+
+
+def _admin_client(args):
+    from umbp.client import Client
+    from umbp.config import ClientConfig, resolve
+
+    cfg = resolve(ClientConfig, {"metaserver": args.metaserver, "timeout_s": 10.0})
+    return Client(config=cfg)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, bytes):
+        try:
+            return obj.decode()
+        except UnicodeDecodeError:
+            return obj.hex()
+    if isinstance(obj, dict):
+        return {str(_jsonable(k)): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _print_stats(s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    cap, used = s.get("capacity_bytes", 0), s.get("used_bytes", 0)
+    hits, misses = s.get("hits", 0), s.get("misses", 0)
+    lookups = hits + misses
+    t = Table(title="UMBP pool", show_header=False)
+    t.add_row("leader", f"{s.get('leader') or '-'} (this is leader: {s.get('is_leader', '?')})")
+    t.add_row("capacity", f"{format_size(cap)} in {sum(1 for n in s.get('nodes', []) if n.get('alive'))} live nodes")
+    t.add_row("used", f"{format_size(used)} ({100 * used / cap:.1f}%)" if cap else format_size(used))
+    t.add_row("objects", f"{s.get('objects', 0)} ready, {s.get('pending', 0)} pending, {s.get('pinned', 0)} leased")
+    t.add_row("hit rate", f"{100 * hits / lookups:.1f}% ({hits} hits, {misses} misses)" if lookups else "no lookups yet")
+    t.add_row("evictions", str(s.get("evictions", 0)))
+    con.print(t)
+    _print_nodes(s.get("nodes", []))
+
+
+def _print_nodes(nodes: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="nodes")
+    for col in ("node", "address", "pid", "alive", "used / capacity", "objects", "transports"):
+        t.add_column(col)
+    for n in nodes:
+        cap = n.get("capacity_bytes", 0)
+        t.add_row(str(n.get("node_id")), f"{n.get('host')}:{n.get('port')}", str(n.get("pid")),
+                  ("draining" if n.get("draining") else "yes") if n.get("alive") else "DEAD",
+                  f"{format_size(n.get('used_bytes', 0))} / {format_size(cap)}", str(n.get("objects", "")),
+                  ",".join(n.get("transports", [])))
+    Console().print(t)
+
+
+def cmd_stats(args) -> int:
+    from transport.wire import Op
+
+    with _admin_client(args) as c:
+        rounds = 0
+        while True:
+            s = c.admin(Op.STATS)
+            s.setdefault("leader", c._meta.address)
+            if args.json:
+                print(json.dumps(_jsonable(s), sort_keys=True), flush=True)
+            else:
+                _print_stats(s)
+            rounds += 1
+            if not args.watch or (args.count and rounds >= args.count):
+                return 0
+            time.sleep(args.watch)
+
+
+def cmd_nodes(args) -> int:
+    from transport.wire import Op
+
+    with _admin_client(args) as c:
+        nodes = c.admin(Op.NODES)["nodes"]
+    if args.json:
+        print(json.dumps(_jsonable(nodes), sort_keys=True))
+    else:
+        _print_nodes(nodes)
+    return 0
+
+
+def cmd_ls(args) -> int:
+    from transport.wire import Op
+
+    with _admin_client(args) as c:
+        r = c.admin(Op.LIST, {"ns": args.namespace, "limit": args.limit})
+    if args.json:
+        print(json.dumps(_jsonable(r), sort_keys=True))
+        return 0
+    for ns, key, size, node, state in r["objects"]:
+        print(f"{ns}\t{_jsonable(key)}\t{size}\t{node}\t{state}")
+    if r.get("truncated"):
+        print(f"(truncated at {args.limit}; use --limit)", file=sys.stderr)
+    return 0
+
+
+def cmd_evict(args) -> int:
+    from transport.wire import Op
+
+    meta: dict = {}
+    if args.all:
+        meta["all"] = True
+    elif args.bytes:
+        meta["bytes"] = parse_size(args.bytes, "--bytes")
+    with _admin_client(args) as c:
+        r = c.admin(Op.EVICT, meta)
+    print(f"evicted {r['evicted']} objects, freed {format_size(r['freed_bytes'])}")
+    return 0
+
+
+def cmd_drain(args) -> int:
+    from transport.wire import Op
+
+    with _admin_client(args) as c:
+        r = c.admin(Op.DRAIN, {"node_id": args.node})
+    print(f"node {args.node} draining: dropped {r['dropped']} objects, {r['pinned']} still leased")
+    return 0
+
+
+def cmd_metaserver(args) -> int:
+    from metaserver.server import run
+    from umbp.config import MetaserverConfig, resolve
+
+    cfg = resolve(MetaserverConfig, {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise,
+                                     "eviction_policy": args.eviction_policy})
+    run(cfg)
+    return 0
+
+
+def cmd_node(args) -> int:
+    from umbp.config import NodeConfig, resolve
+    from umbp.node import run
+
+    cfg = resolve(NodeConfig, {"metaserver": args.metaserver, "capacity": args.capacity, "listen": args.listen,
+                               "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id})
+    run(cfg)
+    return 0
+
+
+def cmd_up(args) -> int:
+    from umbp.launcher import LocalPool
+
+    parse_size(args.capacity, "--capacity")
+    pool = LocalPool(nodes=args.nodes, capacity=args.capacity, etcd=args.etcd, port=args.port,
+                     lease_ttl=args.lease_ttl, echo=args.verbose)
+    try:
+        pool.start()
+        print(f"metaserver: {pool.metaserver}", flush=True)
+        print(f"up: {args.nodes} nodes of {args.capacity}, etcd {pool.etcd_url}; Ctrl-C stops the pool",
+              file=sys.stderr, flush=True)
+        return pool.wait()
+    finally:
+        pool.stop()
+
+
+def cmd_demo(args) -> int:
+    from umbp.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="umbp", description="UMBP: a distributed KV-cache page pool")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("up", help="run a local pool (etcd, metaserver, nodes) in the foreground")
+    s.add_argument("--nodes", type=int, default=2)
+    s.add_argument("--capacity", default="1GiB", help="arena size of each node (512MiB, 4GiB, bytes)")
+    s.add_argument("--etcd", default=None, help="use this etcd (HOST:PORT) instead of starting one")
+    s.add_argument("--port", type=int, default=7700, help="metaserver port (0 = any free port)")
+    s.add_argument("--lease-ttl", type=float, default=10.0)
+    s.add_argument("-v", "--verbose", action="store_true", help="echo the children's logs")
+    s.set_defaults(func=cmd_up)
+
+    s = sub.add_parser("metaserver", help="run a metaserver (several may share one etcd: one leads)")
+    s.add_argument("--etcd", default=None, help="etcd HOST:PORT (default $UMBP_ETCD or 127.0.0.1:2379)")
+    s.add_argument("--listen", default=None, help="HOST:PORT to serve on (default 127.0.0.1:7700)")
+    s.add_argument("--advertise", default=None, help="address clients should use, if not --listen")
+    s.add_argument("--eviction-policy", default=None, choices=["lru", "prefix-lru"])
+    s.set_defaults(func=cmd_metaserver)
+
+    s = sub.add_parser("node", help="run a storage node")
+    _metaserver_arg(s)
+    s.add_argument("--capacity", default=None, help="arena size (512MiB, 4GiB, bytes)")
+    s.add_argument("--listen", default=None, help="HOST:PORT for the data server (default 127.0.0.1:0)")
+    s.add_argument("--advertise", default=None, help="routable HOST[:PORT] clients should use")
+    s.add_argument("--lease-ttl", type=float, default=None, help="seconds without heartbeat before the node is dead")
+    s.add_argument("--node-id", default=None, help="stable name: a restart with it reopens the same arena")
+    s.set_defaults(func=cmd_node)
+
+    s = sub.add_parser("stats", help="pool statistics")
+    _metaserver_arg(s)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="repeat every SECONDS")
+    s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many rounds")
+    s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("nodes", help="storage nodes and their state")
+    _metaserver_arg(s)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_nodes)
+
+    s = sub.add_parser("ls", help="list objects")
+    _metaserver_arg(s)
+    s.add_argument("--namespace", default=None)
+    s.add_argument("--limit", type=int, default=1000)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser("evict", help="evict unleased objects (default: one pass down to the low watermark)")
+    _metaserver_arg(s)
+    s.add_argument("--bytes", default=None, help="free at least this much (512MiB, ...)")
+    s.add_argument("--all", action="store_true", help="evict every unleased object")
+    s.set_defaults(func=cmd_evict)
+
+    s = sub.add_parser("drain", help="stop placing pages on NODE and drop its unleased pages")
+    _metaserver_arg(s)
+    s.add_argument("node")
+    s.set_defaults(func=cmd_drain)
+
+    s = sub.add_parser("demo", help="the main job: a local pool and a workload through it, with a summary")
+    s.add_argument("--pages", type=int, default=4000, help="synthetic KV pages per writer process")
+    s.add_argument("--page-size", default="256KiB")
+    s.add_argument("--nodes", type=int, default=2)
+    s.add_argument("--capacity", default="1GiB", help="per node")
+    s.add_argument("--metaserver", default=None, help="use this running pool instead of starting one")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except UmbpError as e:
+        print(f"umbp: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Blocking connection to the metaserver that finds and follows the leader.
+
+``MetaClient.call(op, meta, deadline)`` sends one request and returns the answer's meta. It tries the addresses it
+knows (the configured list plus any leader named in a NOT_LEADER answer) until one leader answers or the deadline
+passes; transport failures and UNAVAILABLE answers are retried with a short backoff, every other error is raised at
+once. Requests are idempotent at the metaserver (ALLOC dedups, COMMIT of a committed key reports False, LOOKUP takes a
+fresh lease), so retrying after a lost answer is safe.
+
+Thread-safe: one lock serialises use of the single connection (a client issues one metaserver call per batch).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from transport import wire
+from transport.tcp import FramedSocket
+from umbp.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
+
+_RETRY_SLEEP = (0.05, 0.1, 0.2, 0.4, 0.8)
+
+
+class MetaClient:
+    def __init__(self, addrs: tuple[str, ...] | list[str], component: str = "client", token: str | None = None):
+        self.addrs = list(addrs)
+        self.component = component
+        self.token = token
+        self._conn: FramedSocket | None = None
+        self._idx = 0
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str | None:
+        return self._conn.addr if self._conn is not None and not self._conn.closed else None
+
+    def _connect(self, deadline: float) -> FramedSocket:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        addr = self.addrs[self._idx % len(self.addrs)]
+        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", deadline)
+        if self.token is not None:
+            self._conn.request(wire.Op.HELLO, {"token": self.token, "client": self.component}, deadline)
+        return self._conn
+
+    def call(self, op: int, meta: Any, deadline: float) -> Any:
+        with self._lock:
+            attempt = 0
+            last: Exception | None = None
+            while True:
+                try:
+                    conn = self._connect(deadline)
+                    return conn.request(op, meta, deadline).meta
+                except NotLeader as e:
+                    last = e
+                    self._drop()
+                    if e.leader:
+                        if e.leader not in self.addrs:
+                            self.addrs.append(e.leader)
+                        self._idx = self.addrs.index(e.leader)
+                    else:
+                        self._idx += 1
+                except DeadlineExceeded:
+                    self._drop()
+                    raise
+                except (TransportError, Unavailable) as e:
+                    last = e
+                    self._drop()
+                    self._idx += 1
+                if time.monotonic() + _RETRY_SLEEP[min(attempt, 4)] >= deadline:
+                    raise DeadlineExceeded(self.component, f"no metaserver leader answered before the deadline "
+                                                           f"(tried {', '.join(self.addrs)}; last error: {last})")
+                time.sleep(_RETRY_SLEEP[min(attempt, 4)] if attempt >= len(self.addrs) else 0)
+                attempt += 1
+
+    def send_noreply(self, op: int, meta: Any, deadline: float) -> None:
+        """Fire and forget (lease releases): never retried, never raises on transport failure."""
+        with self._lock:
+            try:
+                self._connect(deadline).send_noreply(op, meta, deadline)
+            except TransportError:
+                self._drop()
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()

@@ -1,0 +1,310 @@
+"""The storage node: one per host. Owns a DRAM arena in shared memory and serves ranges of it.
+
+What it does:
+- maps its arena (``umbp.arena``), reopening the same file when restarted with the same ``--node-id``;
+- registers with the metaserver (which holds its etcd lease) and heartbeats every ``lease_ttl / 3``; when the
+  metaserver connection drops it re-registers with whichever metaserver leads, bounded backoff between tries;
+- serves READ and WRITE of arena ranges over TCP (uvloop): WRITE payloads are received straight into the arena
+  (``FrameReader`` sink), READ answers are two ``transport.write`` calls from the mapped arena, no copies;
+- answers ARENA_INFO so same-host clients can map the arena (shm transport).
+
+The node keeps no directory: the metaserver decides which ranges hold which objects. The node checks that every
+range lies inside the data region and, on READ, that the object header matches the key hash and generation asked
+for, so a client never receives bytes of another object even if its directory view is stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from typing import Any
+
+from transport import wire
+from transport.shm import boot_id
+from umbp.arena import Arena
+from umbp.config import NodeConfig, split_host_port
+from umbp.errors import BadRequest, CorruptionError, NotLeader, ProtocolError, RemoteError, UmbpError
+
+_WRITE_HIGH_WATER = 64 << 20
+
+
+class NodeServer:
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.node_id = config.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.component = f"node {self.node_id}"
+        os.makedirs(config.arena_dir, exist_ok=True)
+        path = os.path.join(config.arena_dir, f"umbp-{self.node_id}.arena")
+        self.arena = Arena(path, config.capacity, remove_on_close=not config.node_id)
+        self.data_start = wire.ARENA_DATA_START
+        self.data_end = self.arena.size
+        self.boot_id = boot_id()
+        self.host = ""
+        self.port = 0
+        self.stats = {"reads": 0, "writes": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0}
+        self.registered = asyncio.Event()
+        self._server: asyncio.AbstractServer | None = None
+        self.rdma = None  # transport.rdma endpoint factory when a device is present
+
+    # ---- request handling (synchronous: called from the protocol) -------------------------------------------
+
+    def check_range(self, offset: Any, length: Any, what: str) -> None:
+        if type(offset) is not int or type(length) is not int:
+            raise BadRequest(self.component, f"{what}: offset and length must be integers")
+        if offset < self.data_start or offset % wire.ALIGN or length < 0 or offset + length > self.data_end:
+            raise BadRequest(self.component, f"{what}: range {offset}+{length} outside the data region "
+                                              f"[{self.data_start}, {self.data_end}) or unaligned")
+
+    def write_sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | None:
+        if op != wire.Op.WRITE:
+            if data_len > 1 << 20:
+                raise BadRequest(self.component, f"opcode {op} carries no bulk data")
+            return None
+        if not isinstance(meta, list) or len(meta) != 1:
+            raise BadRequest(self.component, "WRITE: meta must be [offset]")
+        if data_len < wire.OBJ_HEADER_SIZE:
+            raise BadRequest(self.component, "WRITE: data shorter than an object header")
+        self.check_range(meta[0], data_len, "WRITE")
+        return self.arena.view[meta[0]:meta[0] + data_len]
+
+    def arena_info(self) -> dict:
+        return {"node_id": self.node_id, "arena_id": self.arena.arena_id, "arena_path": self.arena.path,
+                "capacity": self.config.capacity, "boot_id": self.boot_id, "host": self.host, "port": self.port,
+                "hostname": socket.gethostname(), "transports": self.transports(), "pid": os.getpid()}
+
+    def transports(self) -> list[str]:
+        return ["shm", "tcp"] + (["rdma"] if self.rdma is not None else [])
+
+    # ---- serving ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        host, port = split_host_port(self.config.listen, self.component)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: DataProtocol(self), host, port, reuse_address=True,
+                                                backlog=1024)
+        sockname = self._server.sockets[0].getsockname()
+        self.port = sockname[1]
+        if self.config.advertise:
+            self.host = split_host_port(self.config.advertise, self.component, self.port)[0]
+        elif host in ("0.0.0.0", "::", ""):
+            self.host = socket.gethostbyname(socket.gethostname())
+        else:
+            self.host = host
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self.arena.close()
+
+
+class DataProtocol(asyncio.BufferedProtocol):
+    """One client connection: frames in, answers out, in request order."""
+
+    def __init__(self, node: NodeServer):
+        self.node = node
+        self.reader = wire.FrameReader(node.component, max_data=node.config.max_frame_data, sink=node.write_sink)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            except OSError:
+                pass
+
+    def get_buffer(self, sizehint):
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes):
+        try:
+            frames = self.reader.buffer_updated(nbytes)
+        except ProtocolError as e:
+            self.node.stats["errors"] += 1
+            self.transport.write(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e)))
+            self.transport.close()
+            return
+        for frame, err in frames:
+            self.handle(frame, err)
+
+    def pause_writing(self):
+        # A client that pipelines reads faster than it drains them: stop parsing until the socket drains.
+        self.transport.pause_reading()
+
+    def resume_writing(self):
+        self.transport.resume_reading()
+
+    def handle(self, frame: wire.Frame, err: Exception | None) -> None:
+        node = self.node
+        write = self.transport.write
+        if err is not None:
+            node.stats["errors"] += 1
+            write(wire.encode_error(frame.op, frame.request_id, getattr(err, "code", 0) or wire.Status.BAD_REQUEST,
+                                    str(err)))
+            return
+        try:
+            op = frame.op
+            if op == wire.Op.READ:
+                self.read(frame)
+                return
+            if op == wire.Op.WRITE:
+                node.stats["writes"] += 1
+                node.stats["bytes_written"] += frame.data_len
+                reply = None
+            elif op == wire.Op.ARENA_INFO:
+                reply = node.arena_info()
+            elif op in (wire.Op.PING, wire.Op.HELLO):
+                reply = {"server": "node", "version": wire.VERSION}
+            elif op == wire.Op.RDMA_CONNECT:
+                if node.rdma is None:
+                    raise BadRequest(node.component, "RDMA_CONNECT: this node has no RDMA device")
+                reply = node.rdma.accept(frame.meta)
+            else:
+                write(wire.encode_error(op, frame.request_id, wire.Status.UNKNOWN_OPCODE,
+                                        f"{node.component}: unknown opcode {op}"))
+                node.stats["errors"] += 1
+                return
+            if not frame.flags & wire.Flag.NO_REPLY:
+                write(wire.encode(op, frame.request_id, reply, flags=wire.Flag.RESPONSE))
+        except RemoteError as e:
+            node.stats["errors"] += 1
+            write(wire.encode_error(frame.op, frame.request_id, e.code or wire.Status.BAD_REQUEST, str(e)))
+        except UmbpError as e:
+            node.stats["errors"] += 1
+            write(wire.encode_error(frame.op, frame.request_id, wire.Status.INTERNAL, str(e)))
+
+    def read(self, frame: wire.Frame) -> None:
+        node = self.node
+        meta = frame.meta
+        if not isinstance(meta, list) or len(meta) != 6 or not all(type(v) is int for v in meta):
+            raise BadRequest(node.component, "READ: meta must be [offset, start, length, key_hash, gen, payload_len]")
+        off, start, length, khash, gen, plen = meta
+        node.check_range(off, wire.OBJ_HEADER_SIZE + plen, "READ")
+        if start < 0 or length < 0 or start + length > plen:
+            raise BadRequest(node.component, f"READ: range {start}+{length} outside the payload of {plen}")
+        view = node.arena.view
+        head = view[off:off + wire.OBJ_HEADER_SIZE]
+        try:
+            wire.check_object_header(head, node.component, khash, gen, plen)
+        except CorruptionError as e:
+            self.transport.write(wire.encode_error(frame.op, frame.request_id, wire.Status.CORRUPT, str(e)))
+            return
+        node.stats["reads"] += 1
+        node.stats["bytes_read"] += length
+        src = off + wire.OBJ_HEADER_SIZE + start
+        self.transport.write(wire.encode(frame.op, frame.request_id, None, flags=wire.Flag.RESPONSE,
+                                         data_len=wire.OBJ_HEADER_SIZE + length) + bytes(head))
+        if length:
+            self.transport.write(view[src:src + length])
+
+
+class MetaLink:
+    """The node's connection to the metaserver: register, then heartbeat; re-register after any failure."""
+
+    def __init__(self, node: NodeServer):
+        self.node = node
+        self.addrs = list(node.config.metaserver)
+        self.component = f"{node.component} metaserver-link"
+        self._rid = 0
+        self.announced = False
+
+    async def _request(self, reader, writer, op: int, meta: Any, timeout: float) -> Any:
+        self._rid += 1
+        writer.write(wire.encode(op, self._rid, meta))
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readexactly(wire.HEADER_SIZE), timeout)
+        _op, _flags, status, rid, meta_len, data_len = wire.decode_header(head, self.component)
+        body = await asyncio.wait_for(reader.readexactly(meta_len + data_len), timeout)
+        frame = wire.Frame(_op, _flags, status, rid, wire.unpack_meta(body[:meta_len], self.component)
+                           if meta_len else None, None, 0)
+        wire.raise_for_status(frame, self.component)
+        return frame.meta
+
+    def registration(self) -> dict:
+        n = self.node
+        return {"node_id": n.node_id, "host": n.host, "port": n.port, "pid": os.getpid(),
+                "capacity": n.config.capacity, "arena_id": n.arena.arena_id, "arena_path": n.arena.path,
+                "boot_id": n.boot_id, "hostname": socket.gethostname(), "transports": n.transports(),
+                "lease_ttl": n.config.lease_ttl, "rdma": n.rdma.info() if n.rdma is not None else None}
+
+    async def run(self) -> None:
+        """Forever: connect to a metaserver, register, heartbeat until the connection fails; then retry."""
+        backoff = 0.2
+        idx = 0
+        ttl = self.node.config.lease_ttl
+        while True:
+            addr = self.addrs[idx % len(self.addrs)]
+            writer = None
+            try:
+                host, port = split_host_port(addr, self.component)
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), ttl / 2)
+                reply = await self._request(reader, writer, wire.Op.REGISTER_NODE, self.registration(), ttl)
+                backoff = 0.2
+                if not self.announced:
+                    self.announced = True
+                    n = self.node
+                    print(f"node {n.node_id}: serving on {n.host}:{n.port} arena {n.arena.path} "
+                          f"({'reopened' if n.arena.reopened else 'new'}, kept {reply.get('kept', 0)} pages)",
+                          flush=True)
+                self.node.registered.set()
+                interval = float(reply.get("heartbeat_s", ttl / 3))
+                while True:
+                    await asyncio.sleep(interval)
+                    await self._request(reader, writer, wire.Op.HEARTBEAT,
+                                        {"node_id": self.node.node_id, "arena_id": self.node.arena.arena_id},
+                                        max(interval, 1.0))
+            except NotLeader as e:
+                if e.leader and e.leader not in self.addrs:
+                    self.addrs.append(e.leader)
+                if e.leader:
+                    idx = self.addrs.index(e.leader)
+                    continue
+                idx += 1
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, UmbpError) as e:
+                print(f"{self.component}: {addr}: {type(e).__name__}: {e}; retrying", file=sys.stderr, flush=True)
+                idx += 1
+            finally:
+                if writer is not None:
+                    writer.close()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, max(1.0, ttl / 3))
+
+
+async def serve(config: NodeConfig) -> None:
+    node = NodeServer(config)
+    try:
+        from transport import rdma as rdma_mod  # optional: pyverbs may be missing
+
+        ok, why = rdma_mod.rdma_available()
+        if ok and hasattr(rdma_mod, "NodeRdma"):
+            node.rdma = rdma_mod.NodeRdma(node.arena.view)
+        elif not ok:
+            print(f"{node.component}: rdma off ({why})", file=sys.stderr, flush=True)
+    except ImportError as e:
+        print(f"{node.component}: rdma off (transport.rdma not importable: {e})", file=sys.stderr, flush=True)
+    await node.start()
+    link = MetaLink(node)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.create_task(link.run())
+    try:
+        await stop.wait()
+    finally:
+        task.cancel()
+        await node.close()
+
+
+def run(config: NodeConfig) -> None:
+    import uvloop
+
+    uvloop.run(serve(config))
