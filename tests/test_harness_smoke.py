@@ -1,0 +1,92 @@
+"""Smoke tests of the real-process harness itself (tests/cluster.py): a real etcd starts, serves, keeps its data
+across a restart, and dies when killed. Metaserver and node helpers are exercised by the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+
+import aetcd
+import pytest
+
+from cluster import Etcd, Harness, HarnessError, free_ports, tcp_connects
+
+
+async def _put_get(url: str, puts: dict[bytes, bytes], gets: list[bytes]) -> dict[bytes, bytes | None]:
+    host, port = url.rsplit(":", 1)
+    async with aetcd.Client(host=host, port=int(port), timeout=10) as client:
+        for k, v in puts.items():
+            await client.put(k, v)
+        out = {}
+        for k in gets:
+            r = await client.get(k)
+            out[k] = None if r is None else r.value
+        return out
+
+
+def put_get(url: str, puts: dict[bytes, bytes] = {}, gets: list[bytes] = ()) -> dict[bytes, bytes | None]:
+    return asyncio.run(_put_get(url, dict(puts), list(gets)))
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = free_ports(4)
+    assert len(set(ports)) == 4
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_etcd_serves_put_get(etcd: Etcd):
+    host, port = etcd.url.split(":")
+    assert host == "127.0.0.1" and int(port) == etcd.client_port and etcd.peer_port != etcd.client_port
+    got = put_get(etcd.url, {b"/umbp-smoke/a": b"1", b"/umbp-smoke/b": b"\x00" * 1000}, [b"/umbp-smoke/a",
+                                                                                        b"/umbp-smoke/b",
+                                                                                        b"/umbp-smoke/c"])
+    assert got == {b"/umbp-smoke/a": b"1", b"/umbp-smoke/b": b"\x00" * 1000, b"/umbp-smoke/c": None}
+
+
+def test_etcd_restart_keeps_data_and_ports(etcd: Etcd):
+    put_get(etcd.url, {b"/umbp-smoke/persist": b"kept"})
+    url, pid = etcd.url, etcd.pid
+    etcd.restart()
+    assert etcd.url == url and etcd.pid != pid and etcd.alive
+    assert put_get(etcd.url, gets=[b"/umbp-smoke/persist"]) == {b"/umbp-smoke/persist": b"kept"}
+    assert etcd.stdout_text(since_start=False).count("=== harness: start #") == 2
+
+
+def test_etcd_kill_then_start_again(etcd: Etcd):
+    put_get(etcd.url, {b"/umbp-smoke/k": b"v"})
+    etcd.kill()  # SIGKILL: a crash, waits until reaped
+    assert not etcd.alive and etcd.returncode == -signal.SIGKILL
+    assert not tcp_connects("127.0.0.1", etcd.client_port)
+    etcd.start()  # same ports and data dir: a crash loses nothing that was acknowledged
+    assert put_get(etcd.url, gets=[b"/umbp-smoke/k"]) == {b"/umbp-smoke/k": b"v"}
+
+
+def test_etcd_stop_is_bounded_and_clean(etcd: Etcd):
+    rc = etcd.stop()
+    assert not etcd.alive and rc is not None
+
+
+def test_harness_close_stops_processes_and_removes_dirs(etcd_binary: str):
+    h = Harness("close-check")
+    e = h.etcd()
+    workdir, shm_dir = h.workdir, h.shm_dir
+    assert workdir.is_dir() and shm_dir.is_dir() and e.alive
+    h.close()
+    assert not e.alive
+    assert not workdir.exists() and not shm_dir.exists()
+    h.close()  # idempotent
+
+
+def test_startup_failure_reports_log_tail(harness: Harness, etcd: Etcd):
+    # A second etcd on the first one's data dir and ports cannot start; the error must say why, from its log.
+    clash = Etcd(harness.workdir / "clash", name="etcd-clash")
+    clash.client_port, clash.peer_port = etcd.client_port, etcd.peer_port
+    harness.processes.append(clash)
+    with pytest.raises(HarnessError) as info:
+        clash.start(timeout=10)
+    msg = str(info.value)
+    assert "etcd-clash" in msg and "stderr" in msg and "address already in use" in msg
+    assert etcd.alive and put_get(etcd.url, {b"/x": b"y"}, [b"/x"]) == {b"/x": b"y"}

@@ -1,0 +1,125 @@
+"""The sans-I/O wire module: framing under every fragmentation, limits, error mapping, object headers."""
+
+import os
+import random
+
+import pytest
+
+from transport import wire
+from umbp.errors import BadRequest, CorruptionError, NotLeader, PoolFull, ProtocolError
+
+
+def feed(reader, data: bytes, chunks):
+    out, pos = [], 0
+    for n in chunks:
+        if pos >= len(data):
+            break
+        buf = reader.get_buffer()
+        n = min(n, len(buf), len(data) - pos)
+        buf[:n] = data[pos:pos + n]
+        pos += n
+        out += reader.buffer_updated(n)
+    while pos < len(data):
+        buf = reader.get_buffer()
+        n = min(len(buf), len(data) - pos)
+        buf[:n] = data[pos:pos + n]
+        pos += n
+        out += reader.buffer_updated(n)
+    return out
+
+
+def sample_stream():
+    payloads = [os.urandom(n) for n in (0, 1, 4095, 70000, 300000)]
+    frames = []
+    for i, p in enumerate(payloads):
+        frames.append(wire.encode(wire.Op.WRITE, i + 1, [4096 * (i + 1)], data_len=len(p)) + p)
+        frames.append(wire.encode(wire.Op.EXISTS, 100 + i, {"ns": "x", "keys": [b"k%d" % j for j in range(i * 50)]}))
+    return b"".join(frames), payloads
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 24, 4096, 1 << 20, "random"])
+def test_reader_reassembles_frames_under_any_fragmentation(chunk):
+    data, payloads = sample_stream()
+    rng = random.Random(5)
+    chunks = [rng.randint(1, 70000) for _ in range(10000)] if chunk == "random" else [chunk] * (len(data) + 1)
+    got = feed(wire.FrameReader("test"), data, chunks)
+    assert len(got) == 2 * len(payloads)
+    for i, p in enumerate(payloads):
+        f, err = got[2 * i]
+        assert err is None and f.op == wire.Op.WRITE and f.request_id == i + 1 and f.meta == [4096 * (i + 1)]
+        assert f.data_len == len(p) and (bytes(f.data) if p else b"") == p
+        f2, err2 = got[2 * i + 1]
+        assert err2 is None and f2.meta["keys"] == [b"k%d" % j for j in range(i * 50)]
+
+
+def test_sink_receives_data_in_place_and_may_refuse():
+    arena = bytearray(1 << 20)
+    def sink(op, rid, meta, n):
+        if meta[0] < 0:
+            raise BadRequest("node", "bad range")
+        return memoryview(arena)[meta[0]:meta[0] + n]
+    p1, p2 = os.urandom(5000), os.urandom(3000)
+    data = (wire.encode(wire.Op.WRITE, 1, [8192], data_len=len(p1)) + p1
+            + wire.encode(wire.Op.WRITE, 2, [-1], data_len=len(p2)) + p2
+            + wire.encode(wire.Op.PING, 3, {}))
+    got = feed(wire.FrameReader("node", sink=sink), data, [333] * 100)
+    assert [f.request_id for f, _ in got] == [1, 2, 3]
+    assert bytes(arena[8192:8192 + 5000]) == p1
+    assert got[1][1] is not None and "bad range" in str(got[1][1]) and got[1][0].data is None
+    assert got[2][1] is None and got[2][0].op == wire.Op.PING
+
+
+def test_bad_magic_version_and_oversized_lengths_are_protocol_errors():
+    r = wire.FrameReader("meta")
+    with pytest.raises(ProtocolError, match="meta: bad frame magic"):
+        feed(r, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [100])
+    hdr = wire.HEADER.pack(wire.MAGIC, 9, 1, 0, 0, 1, 0, 0)
+    with pytest.raises(ProtocolError, match="unsupported wire version 9"):
+        feed(wire.FrameReader("meta"), hdr, [100])
+    hdr = wire.HEADER.pack(wire.MAGIC, 1, 1, 0, 0, 1, 1 << 30, 0)
+    with pytest.raises(ProtocolError, match="meta of 1073741824 bytes exceeds"):
+        feed(wire.FrameReader("meta", max_meta=1 << 20), hdr, [100])
+    hdr = wire.HEADER.pack(wire.MAGIC, 1, 1, 0, 0, 1, 0, 1 << 40)
+    with pytest.raises(ProtocolError, match="data of 1099511627776 bytes exceeds"):
+        feed(wire.FrameReader("meta"), hdr, [100])
+
+
+def test_malformed_meta_is_a_bad_request_and_the_stream_goes_on():
+    bad = wire.HEADER.pack(wire.MAGIC, 1, wire.Op.LOOKUP, 0, 0, 7, 3, 0) + b"\xc1\xc1\xc1"
+    good = wire.encode(wire.Op.PING, 8, {})
+    got = feed(wire.FrameReader("meta"), bad + good, [5] * 20)
+    assert isinstance(got[0][1], BadRequest) and "malformed msgpack" in str(got[0][1])
+    assert got[1][1] is None and got[1][0].request_id == 8
+
+
+def test_error_status_maps_to_exception_classes():
+    def frame(status, **meta):
+        return wire.Frame(1, wire.Flag.RESPONSE, status, 1, {"error": "metaserver: x", **meta}, None, 0)
+    with pytest.raises(PoolFull, match="client: metaserver: x"):
+        wire.raise_for_status(frame(wire.Status.POOL_FULL), "client")
+    with pytest.raises(NotLeader) as ei:
+        wire.raise_for_status(frame(wire.Status.NOT_LEADER, leader="h:1"), "client")
+    assert ei.value.leader == "h:1"
+    with pytest.raises(CorruptionError):
+        wire.raise_for_status(frame(wire.Status.CORRUPT), "client")
+    wire.raise_for_status(frame(wire.Status.OK), "client")
+
+
+def test_object_header_detects_stale_torn_and_wrong_length():
+    kh = wire.key_hash("ns", b"key")
+    assert kh != wire.key_hash("ns2", b"key") and kh != wire.key_hash("ns", b"key2")
+    h = bytearray(wire.pack_object_header(kh, 42, 1000, 1234))
+    assert len(h) == wire.OBJ_HEADER_SIZE == 64
+    assert wire.check_object_header(h, "t", kh, 42, 1000) == 1234
+    assert wire.check_object_header(wire.pack_object_header(kh, 42, 1000), "t", kh, 42, 1000) is None
+    with pytest.raises(CorruptionError, match="stale slot"):
+        wire.check_object_header(h, "t", kh, 43, 1000)
+    with pytest.raises(CorruptionError, match="does not match"):
+        wire.check_object_header(h, "t", kh, 42, 999)
+    torn = bytearray(h)
+    torn[20] ^= 1
+    with pytest.raises(CorruptionError, match="torn"):
+        wire.check_object_header(torn, "t", kh, 42, 1000)
+    with pytest.raises(CorruptionError, match="no object header"):
+        wire.check_object_header(bytes(64), "t", kh, 42, 1000)
+    assert wire.object_size(0) == 4096 and wire.object_size(4032) == 4096 and wire.object_size(4033) == 8192
