@@ -1,0 +1,223 @@
+"""The metaserver's network side: an asyncio BufferedProtocol per connection, dispatch, and the process entry points.
+
+Frames are parsed by ``transport.wire.FrameReader`` straight from the socket buffer (``get_buffer`` /
+``buffer_updated`` delegate to it). Every request is answered with the same opcode and request id and the RESPONSE
+flag, unless it carries NO_REPLY. Answers to requests that wait on etcd (COMMIT, REGISTER_NODE) may overtake
+earlier ones on the same connection: clients match by request id.
+
+Error contract, in order:
+
+- unframeable bytes (bad magic/version, oversized lengths): one BAD_FRAME or TOO_LARGE answer, then the
+  connection closes (the stream can no longer be framed);
+- malformed msgpack, wrong types, unknown fields, out-of-range values: BAD_REQUEST "metaserver: OP: <field ...>";
+- unknown opcode: UNKNOWN_OPCODE; data-plane request to a standby: NOT_LEADER with ``leader``;
+- an etcd failure while serving: UNAVAILABLE; any other exception: INTERNAL with the message, logged.
+
+Nothing a peer sends can stop the server or affect other connections. Writes are not awaited; a connection whose
+peer stops reading is paused (reads stop) until its transport drains, which bounds its buffered answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+
+from metaserver.service import LEADER_ONLY, Metaserver
+from metaserver.validate import Reject
+from transport import wire
+from transport.wire import Flag, Op, Status
+from umbp.config import MetaserverConfig, split_host_port
+from umbp.errors import ProtocolError, RemoteError, UmbpError
+
+log = logging.getLogger("umbp.metaserver")
+
+MAX_REQUEST_DATA = 1 << 20  # requests carry no data; tolerate a little and discard it
+
+
+def _op_name(op: int) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"0x{op:02x}"
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, ms: Metaserver, conns: set):
+        self.ms = ms
+        self.conns = conns
+        self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA)
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.closed = False
+        self._paused = False
+        self._reading_paused = False
+
+    # -- asyncio callbacks -------------------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.conns.add(self)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.conns.discard(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            frames = self.reader.buffer_updated(nbytes)
+        except ProtocolError as e:
+            status = Status.TOO_LARGE if "exceeds the limit" in e.detail else Status.BAD_FRAME
+            self.send(wire.encode_error(0, 0, status, str(e)))
+            log.info("metaserver: closing %s: %s", self.peer, e)
+            self.transport.close()
+            return
+        for frame, err in frames:
+            self.dispatch(frame, err)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        if not self.closed and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def dispatch(self, frame: wire.Frame, err: Exception | None) -> None:
+        op, rid = frame.op, frame.request_id
+        if frame.flags & Flag.RESPONSE:
+            return  # nobody here asked a question
+        reply = not frame.flags & Flag.NO_REPLY
+        ms = self.ms
+        if err is not None:
+            self._error(op, rid, reply, Status.BAD_REQUEST, getattr(err, "detail", str(err)))
+            return
+        handler = ms.handlers.get(op)
+        if handler is None:
+            if reply:
+                self.send(wire.encode_error(op, rid, Status.UNKNOWN_OPCODE, f"metaserver: unknown opcode 0x{op:02x}"))
+            return
+        if op in LEADER_ONLY and not ms.leader.is_leader:
+            self._error(op, rid, reply, Status.NOT_LEADER, "this metaserver is a standby",
+                        leader=ms.leader.leader_addr)
+            return
+        try:
+            res = handler(frame.meta, self)
+        except Exception as e:  # noqa: BLE001 - every failure becomes an answer
+            self._fail(op, rid, reply, e)
+            return
+        if type(res) is dict:
+            if reply:
+                self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE))
+        else:
+            ms._spawn(self._finish(op, rid, reply, res))
+
+    async def _finish(self, op: int, rid: int, reply: bool, coro) -> None:
+        try:
+            res = await coro
+        except asyncio.CancelledError:
+            self._error(op, rid, reply, Status.UNAVAILABLE, "shutting down")
+            raise
+        except Exception as e:  # noqa: BLE001
+            self._fail(op, rid, reply, e)
+            return
+        if reply:
+            self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE))
+
+    def _fail(self, op: int, rid: int, reply: bool, e: Exception) -> None:
+        if isinstance(e, Reject):
+            self._error(op, rid, reply, e.status, e.message, **e.extra)
+        elif isinstance(e, RemoteError):
+            status = e.code or Status.INTERNAL
+            self._error(op, rid, reply, status, e.detail)
+        elif isinstance(e, UmbpError):
+            self._error(op, rid, reply, Status.INTERNAL, e.detail)
+        else:
+            log.exception("metaserver: %s from %s failed", _op_name(op), self.peer)
+            self._error(op, rid, reply, Status.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    def _error(self, op: int, rid: int, reply: bool, status: int, message: str, **extra) -> None:
+        if reply:
+            self.send(wire.encode_error(op, rid, status, f"metaserver: {_op_name(op)}: {message}", **extra))
+
+
+async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) -> None:
+    """Serve until cancelled. Connects to etcd and rebuilds the directory first (raises Unavailable
+    'metaserver: etcd at X unreachable' if etcd does not answer within the start deadline), then listens on
+    ``config.listen`` and prints ``metaserver: HOST:PORT`` (the bound address) once. Cancellation closes the
+    listener and every connection and flushes queued etcd writes (bounded), then re-raises."""
+    loop = asyncio.get_running_loop()
+    host, port = split_host_port(config.listen, "metaserver")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UmbpError("metaserver", f"cannot listen on {config.listen}: {e.strerror or e}") from e
+    bound_host, bound_port = sock.getsockname()[:2]
+    addr = f"{bound_host}:{bound_port}" if ":" not in bound_host else f"[{bound_host}]:{bound_port}"
+    ms = Metaserver(config, config.advertise or addr)
+    conns: set[Connection] = set()
+    server = None
+    try:
+        await ms.start()
+        server = await loop.create_server(lambda: Connection(ms, conns), sock=sock, backlog=1024)
+        print(f"metaserver: {addr}", flush=True)
+        log.info("metaserver: serving on %s (etcd %s, prefix %s)", addr, ms.store.addr, config.etcd_prefix)
+        if started is not None:
+            started.set()
+        await asyncio.Future()
+    finally:
+        if server is not None:
+            server.close()
+        else:
+            sock.close()
+        for c in list(conns):
+            if c.transport is not None:
+                c.transport.close()
+        await ms.close()
+        if server is not None:
+            await server.wait_closed()
+
+
+def run(config: MetaserverConfig) -> None:
+    """Blocking entry point: install uvloop, serve until SIGINT/SIGTERM, then close cleanly.
+    Raises UmbpError when the metaserver cannot start (etcd unreachable, address in use)."""
+    import uvloop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await serve(config)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())

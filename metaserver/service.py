@@ -1,0 +1,376 @@
+"""The metaserver's request handlers and background duties, between the protocol (server.py) and the state
+(directory, membership) and persistence (persist.py).
+
+Each handler takes a validated request meta and returns the response meta, or a coroutine for the few that wait on
+etcd (REGISTER_NODE, COMMIT with puts, ALLOC when generations run out, EVICT all). Bookkeeping happens
+synchronously inside the handler, before any await, so a request's effect on the directory is atomic; the etcd I/O
+the directory returns is handed to the batch writer afterwards (awaited only by COMMIT).
+
+Background (``tick`` every TICK_S): expire PENDING entries and read leases, detect dead nodes, evict nodes above
+the high watermark down to the low one. Every duty has a budget per tick, so a backlog (a million expired leases,
+a huge eviction) is worked off over several ticks while requests keep being served in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from metaserver import validate as v
+from metaserver.directory import Directory, Effects
+from metaserver.leader import SingleLeader
+from metaserver.nodes import Membership, Node
+from metaserver.persist import BatchWriter, EtcdStore, GenCounter
+from transport.wire import Op, Status
+from umbp.config import MetaserverConfig
+from umbp.errors import Unavailable
+
+log = logging.getLogger("umbp.metaserver")
+
+TICK_S = 0.05
+SWEEP_BUDGET = 20_000  # expired pending entries / leases examined per tick
+EVICT_BUDGET = 5_000  # evictions per tick (background) or per slice (EVICT all)
+ETCD_START_DEADLINE_S = 15.0
+
+_NONE = frozenset()
+_NS_KEYS = frozenset({"ns", "keys"})
+_NS_KEYS_GENS = frozenset({"ns", "keys", "gens"})
+_ALLOC = frozenset({"ns", "keys", "sizes", "parents"})
+
+# Ops a standby refuses with NOT_LEADER (everything that reads or changes the directory or membership).
+LEADER_ONLY = frozenset({Op.REGISTER_NODE, Op.HEARTBEAT, Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.RELEASE,
+                         Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN})
+
+
+class Metaserver:
+    def __init__(self, config: MetaserverConfig, advertise: str):
+        self.cfg = config
+        self.dir = Directory(pending_ttl_s=config.pending_ttl_s, read_lease_s=config.read_lease_s,
+                             policy=config.eviction_policy)
+        self.members = Membership()
+        self.store = EtcdStore(config.etcd, config.etcd_prefix)
+        self.writer = BatchWriter(self.store, batch=config.persist_batch)
+        self.gens = GenCounter(self.store)
+        self.leader = SingleLeader(advertise)
+        self.max_keys = config.max_batch_keys
+        self._bg: set[asyncio.Task] = set()
+        self._ticker: asyncio.Task | None = None
+        self.handlers = {
+            Op.HELLO: self.hello, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
+            Op.HEARTBEAT: self.heartbeat, Op.ALLOC: self.alloc, Op.COMMIT: self.commit, Op.ABORT: self.abort,
+            Op.LOOKUP: self.lookup, Op.RELEASE: self.release, Op.EXISTS: self.exists, Op.PREFIX: self.prefix,
+            Op.REMOVE: self.remove, Op.STATS: self.stats, Op.NODES: self.nodes, Op.LIST: self.list_objects,
+            Op.EVICT: self.evict, Op.DRAIN: self.drain, Op.LEADER: self.leader_info,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect to etcd (bounded retry), reserve generations, rebuild the directory, start background work.
+        Raises Unavailable('metaserver: etcd at X unreachable') when etcd does not answer in time."""
+        await self.store.wait_ready(ETCD_START_DEADLINE_S)
+        await self.gens.start()
+        self.writer.start()
+        await self._load()
+        self._ticker = asyncio.create_task(self._tick_loop(), name="metaserver-tick")
+
+    async def close(self) -> None:
+        """Stop background work and flush queued etcd writes (bounded); node leases are left to expire on their
+        own, so nodes outlive a metaserver restart shorter than their lease_ttl."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        for t in list(self._bg):
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        await self.writer.close(5.0)
+        await self.store.close()
+
+    async def _load(self) -> None:
+        t0 = time.monotonic()
+        node_recs, pages = await self.store.load()
+        now = time.monotonic()
+        for rec in node_recs:
+            try:
+                desc = v.node_description({k: rec.get(k) for k in v.REGISTER_FIELDS if k in rec})
+            except v.Reject as e:
+                log.warning("metaserver: ignoring node record %r: %s", rec.get("node_id"), e.message)
+                continue
+            node, _ = self.members.register(desc, now)  # alive, with a grace period of lease_ttl
+            node.lease_id = int(rec.get("lease_id") or 0)
+            self.dir.add_space(node.node_id, node.capacity)
+        by_node: dict[str, list] = {}
+        stale: list[bytes] = []
+        for p in pages:
+            if p[1] is None or p[1] not in self.dir.spaces:
+                stale.append(p[8])
+            else:
+                by_node.setdefault(p[1], []).append(p)
+        fx = Effects()
+        for node_id, recs in by_node.items():
+            recs.sort(key=lambda p: p[0])  # recency restarts from commit order
+            f = self.dir.load_pages(node_id, [(p[2], p[3], p[4], p[5], p[6], p[7]) for p in recs])
+            fx.deletes.extend(f.deletes)
+        self.writer.submit([], stale, wait=False)
+        self._apply(fx)
+        log.info("metaserver: loaded %d nodes, %d pages (%d stale) in %.2fs", len(node_recs), len(pages),
+                 len(stale) + len(fx.deletes), time.monotonic() - t0)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+        return t
+
+    def _apply(self, fx: Effects, wait: bool = False) -> asyncio.Future | None:
+        """Hand a mutation's etcd I/O to the writer; returns a future for the puts when ``wait``."""
+        if not fx:
+            return None
+        store = self.store
+        puts = [(store.page_key(e.ns, e.key), store.page_value(e.node_id, e.offset, e.payload_len, e.gen, e.parent))
+                for e in fx.puts]
+        deletes = [store.page_key(ns, k) for ns, k in fx.deletes]
+        if wait:
+            # Deletes ride along but the caller only waits for what it must: its puts.
+            self.writer.submit([], deletes, wait=False)
+            return self.writer.submit(puts, [], wait=True)
+        self.writer.submit(puts, deletes, wait=False)
+        return None
+
+    # -- background --------------------------------------------------------------------------------------------
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # noqa: BLE001 - a bug in one duty must not stop the others for good
+                log.exception("metaserver: background tick failed")
+
+    def tick(self, now: float) -> None:
+        d = self.dir
+        d.expire_pending(now, SWEEP_BUDGET)
+        d.expire_leases(now, SWEEP_BUDGET)
+        for node in self.members.expired(now):
+            self._node_lost(node)
+        if d.needs_eviction(self.cfg.high_watermark):
+            fx = Effects()
+            d.watermark_pass(self.cfg.high_watermark, self.cfg.low_watermark, EVICT_BUDGET, fx)
+            self._apply(fx)
+
+    def _node_lost(self, node: Node) -> None:
+        n, fx = self.dir.drop_space(node.node_id)
+        self._apply(fx)
+        log.warning("metaserver: node %s lost (no heartbeat for %.1fs): dropped %d pages", node.node_id,
+                    node.lease_ttl, n)
+        lease, node.lease_id = node.lease_id, 0
+        if lease:
+            self._spawn(self._revoke(lease))
+
+    async def _revoke(self, lease: int) -> None:
+        try:
+            await self.store.revoke(lease)
+        except Unavailable as e:
+            log.warning("metaserver: %s", e)
+
+    # -- handshake and membership -----------------------------------------------------------------------------
+    def hello(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, frozenset({"token", "client"}))
+        if m.get("token") is not None and type(m["token"]) is not str:
+            raise v.Reject("token must be a string or nil")
+        if m.get("client") is not None:
+            v.string(m, "client", max_len=256)
+        return {"server": "metaserver", "version": 1}
+
+    def ping(self, meta: Any, conn) -> dict:
+        v.fields(meta, _NONE)
+        return {}
+
+    def register_node(self, meta: Any, conn):
+        desc = v.node_description(meta if type(meta) is dict else v.fields(meta, _NONE))
+        now = time.monotonic()
+        node, keep = self.members.register(desc, now)
+        kept = dropped = 0
+        if keep and node.node_id in self.dir.spaces:
+            kept = len(self.dir.spaces[node.node_id].entries)
+            self.dir.set_placeable(node.node_id, True)
+        else:
+            dropped, fx = self.dir.drop_space(node.node_id)
+            self._apply(fx)
+            self.dir.add_space(node.node_id, node.capacity)
+        node.conn = conn
+        log.info("metaserver: node %s registered at %s:%d (%d bytes, kept %d, dropped %d)", node.node_id,
+                 node.host, node.port, node.capacity, kept, dropped)
+        return self._register_io(node, kept, dropped)
+
+    async def _register_io(self, node: Node, kept: int, dropped: int) -> dict:
+        old = node.lease_id
+        lease = await self.store.grant(node.lease_ttl_int)
+        node.lease_id = lease
+        await self.store.put_node(node.node_id, node.record(), lease)
+        if old and old != lease:
+            self._spawn(self._revoke(old))
+        return {"heartbeat_s": max(0.1, node.lease_ttl / 3), "kept": kept, "dropped": dropped}
+
+    def heartbeat(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, frozenset({"node_id", "arena_id"}), ("node_id", "arena_id"))
+        node = self.members.heartbeat(v.node_id(m), v.arena_id(m), time.monotonic())
+        if node is None:
+            raise v.Reject(f"node {m['node_id']} is not registered with this arena: register again",
+                           Status.NOT_FOUND)
+        if not node.refreshing:
+            node.refreshing = True
+            self._spawn(self._refresh(node))
+        return {}
+
+    async def _refresh(self, node: Node) -> None:
+        """Keep the node's etcd lease alive; if etcd forgot it (it expired while we were away), grant a new one."""
+        try:
+            ttl = await self.store.refresh(node.lease_id) if node.lease_id else 0
+            if ttl <= 0 and node.alive:
+                lease = await self.store.grant(node.lease_ttl_int)
+                node.lease_id = lease
+                await self.store.put_node(node.node_id, node.record(), lease)
+        except Unavailable as e:
+            log.warning("metaserver: node %s: %s", node.node_id, e)
+        finally:
+            node.refreshing = False
+
+    # -- data plane --------------------------------------------------------------------------------------------
+    def alloc(self, meta: Any, conn):
+        m = v.fields(meta, _ALLOC, ("ns", "keys", "sizes"))
+        ns = v.ns(m)
+        keys = v.keys(m, self.max_keys)
+        sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
+        parents = v.parents(m, len(keys))
+        base = self.gens.take_nowait(len(keys))
+        if base is None:
+            return self._alloc_later(ns, keys, sizes, parents)
+        return self._alloc_now(ns, keys, sizes, parents, base)
+
+    def _alloc_now(self, ns, keys, sizes, parents, base) -> dict:
+        items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic())
+        self._apply(fx)
+        return {"items": items}
+
+    async def _alloc_later(self, ns, keys, sizes, parents) -> dict:
+        base = await self.gens.take(len(keys))
+        return self._alloc_now(ns, keys, sizes, parents, base)
+
+    def commit(self, meta: Any, conn):
+        m = v.fields(meta, _NS_KEYS_GENS, ("ns", "keys", "gens"))
+        ns = v.ns(m)
+        keys = v.keys(m, self.max_keys)
+        gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
+        ok, fx = self.dir.commit(ns, keys, gens, time.monotonic())
+        fut = self._apply(fx, wait=True)
+        if fut is None:
+            return {"ok": ok}
+        return self._commit_wait(fut, ok)
+
+    @staticmethod
+    async def _commit_wait(fut: asyncio.Future, ok: list) -> dict:
+        await fut  # durable in etcd before the reply; Unavailable propagates as an error answer
+        return {"ok": ok}
+
+    def abort(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _NS_KEYS_GENS, ("ns", "keys", "gens"))
+        ns = v.ns(m)
+        keys = v.keys(m, self.max_keys)
+        gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
+        return {"aborted": self.dir.abort(ns, keys, gens)}
+
+    def lookup(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
+        lease, locs = self.dir.lookup(v.ns(m), v.keys(m, self.max_keys), time.monotonic())
+        return {"lease": lease, "locs": locs}
+
+    def release(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, frozenset({"lease"}), ("lease",))
+        self.dir.release(v.integer(m, "lease", 0, (1 << 63) - 1))
+        return {}
+
+    def exists(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
+        return {"exists": self.dir.exists(v.ns(m), v.keys(m, self.max_keys))}
+
+    def prefix(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
+        return {"hits": self.dir.prefix(v.ns(m), v.keys(m, self.max_keys))}
+
+    def remove(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
+        removed, fx = self.dir.remove(v.ns(m), v.keys(m, self.max_keys))
+        self._apply(fx)
+        return {"removed": removed}
+
+    # -- admin -------------------------------------------------------------------------------------------------
+    def _node_maps(self) -> list[dict]:
+        out = []
+        for node in self.members.nodes.values():
+            sp = self.dir.spaces.get(node.node_id)
+            used, objects = (sp.alloc.used, len(sp.entries)) if sp is not None and node.alive else (0, 0)
+            out.append(node.info(used, objects))
+        return out
+
+    def stats(self, meta: Any, conn) -> dict:
+        v.fields(meta, _NONE)
+        d = self.dir
+        return {"capacity_bytes": d.capacity, "used_bytes": d.used, "objects": d.objects, "pending": d.pending,
+                "pinned": d.pinned, "hits": d.hits, "misses": d.misses, "evictions": d.evictions, "puts": d.puts,
+                "namespaces": d.namespaces(), "is_leader": self.leader.is_leader, "etcd": self.store.addr,
+                "leader": self.leader.leader_addr, "etcd_pending_ops": self.writer.pending(),
+                "etcd_txns": self.writer.txns, "nodes": self._node_maps()}
+
+    def nodes(self, meta: Any, conn) -> dict:
+        v.fields(meta, _NONE)
+        return {"nodes": self._node_maps()}
+
+    def list_objects(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, frozenset({"ns", "limit"}))
+        ns = v.ns(m) if m.get("ns") is not None else None
+        limit = v.integer(m, "limit", 0, 1_000_000, default=1000)
+        objects, truncated = self.dir.list_objects(ns, limit)
+        return {"objects": objects, "truncated": truncated}
+
+    def evict(self, meta: Any, conn):
+        m = v.fields(meta, frozenset({"bytes", "all"}))
+        if m.get("all") is not None and type(m["all"]) is not bool:
+            raise v.Reject("all must be a boolean")
+        if m.get("all"):
+            return self._evict_all()
+        fx = Effects()
+        if m.get("bytes") is not None:
+            n, freed = self.dir.evict_bytes(v.integer(m, "bytes", 0, 1 << 60), 1 << 62, fx)
+        else:
+            # An operator's pass: every node above the low watermark goes down to it.
+            low = self.cfg.low_watermark
+            n, freed = self.dir.watermark_pass(low, low, 1 << 62, fx)
+        self._apply(fx)
+        return {"evicted": n, "freed_bytes": freed}
+
+    async def _evict_all(self) -> dict:
+        total = freed = 0
+        while True:
+            fx = Effects()
+            n, f, done = self.dir.evict_all(EVICT_BUDGET, fx)
+            self._apply(fx)
+            total += n
+            freed += f
+            if done:
+                return {"evicted": total, "freed_bytes": freed}
+            await asyncio.sleep(0)  # let other requests in between slices
+
+    def drain(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, frozenset({"node_id"}), ("node_id",))
+        node = self.members.get(v.node_id(m))
+        if node is None:
+            raise v.Reject(f"no node {m['node_id']!r}", Status.NOT_FOUND)
+        node.draining = True
+        dropped, pinned, fx = self.dir.drain(node.node_id)
+        self._apply(fx)
+        return {"dropped": dropped, "pinned": pinned}
+
+    def leader_info(self, meta: Any, conn) -> dict:
+        v.fields(meta, _NONE)
+        return {"leader": self.leader.leader_addr, "is_leader": self.leader.is_leader}
