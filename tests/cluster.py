@@ -133,6 +133,17 @@ def _listening_inodes(port: int) -> set[str] | None:
     return inodes if found_table else None
 
 
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child: ours plus ``extra``, unbuffered Python output (readiness lines reach the log at
+    once), and this checkout on PYTHONPATH so ``python -m umbp`` works even when it is not pip-installed
+    (entries already on PYTHONPATH, e.g. a test double of a module, still come first)."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO_ROOT)) if p)
+    return env
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -169,12 +180,7 @@ class Process:
             raise HarnessError(f"{self.name}: already running (pid {self.pid})")
         self.starts += 1
         self.argv = [str(a) for a in argv]
-        env = dict(os.environ)
-        env.update(self.extra_env)
-        env["PYTHONUNBUFFERED"] = "1"
-        # `python -m umbp` must find this checkout even when it is not pip-installed; entries the caller put on
-        # PYTHONPATH (a test double of a module) still come first.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO_ROOT)) if p)
+        env = child_env(self.extra_env)
         marker = f"=== harness: start #{self.starts} of {self.name}: {' '.join(self.argv)}\n".encode()
         for path in (self.out_path, self.err_path):
             with open(path, "ab") as fh:
@@ -679,7 +685,7 @@ class Cluster:
 
     def cli(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
         """Run ``python -m umbp ARGS`` against this cluster (UMBP_METASERVER set), capturing text output."""
-        env = dict(os.environ, UMBP_METASERVER=self.metaserver_addrs, PYTHONUNBUFFERED="1")
+        env = child_env({"UMBP_METASERVER": self.metaserver_addrs})
         argv = [sys.executable, "-m", "umbp", *args]
         try:
             r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,

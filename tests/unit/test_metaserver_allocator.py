@@ -1,0 +1,118 @@
+"""Unit tests of the per-node arena allocator (pure bookkeeping, no I/O)."""
+
+import random
+
+import pytest
+
+from metaserver.allocator import Allocator
+from transport.wire import ALIGN, ARENA_DATA_START
+
+MiB = 1 << 20
+
+
+def test_alloc_until_full_then_none():
+    a = Allocator(ARENA_DATA_START, 1 * MiB)
+    offs = [a.alloc(ALIGN) for _ in range(256)]
+    assert None not in offs
+    assert sorted(offs) == [ARENA_DATA_START + i * ALIGN for i in range(256)]
+    assert a.used == 1 * MiB and a.free_bytes == 0
+    assert a.alloc(ALIGN) is None
+    a.check()
+
+
+def test_capacity_rounds_down_to_units():
+    a = Allocator(ARENA_DATA_START, 10 * ALIGN + 123)
+    assert a.capacity == 10 * ALIGN
+    assert a.alloc(11 * ALIGN) is None
+    assert a.alloc(10 * ALIGN) == ARENA_DATA_START
+
+
+def test_free_coalesces_both_neighbours():
+    a = Allocator(ARENA_DATA_START, 16 * ALIGN)
+    x, y, z = a.alloc(4 * ALIGN), a.alloc(4 * ALIGN), a.alloc(4 * ALIGN)
+    a.free(x, 4 * ALIGN)
+    a.free(z, 4 * ALIGN)  # merges with the 4 free units at the tail
+    a.check()
+    assert a.largest_free() == 8 * ALIGN
+    a.free(y, 4 * ALIGN)  # merges with both sides: one extent again
+    a.check()
+    assert a.largest_free() == 16 * ALIGN and a.used == 0
+    assert a.alloc(16 * ALIGN) == ARENA_DATA_START
+
+
+def test_double_free_and_wrong_size_rejected():
+    a = Allocator(ARENA_DATA_START, 16 * ALIGN)
+    x = a.alloc(2 * ALIGN)
+    with pytest.raises(ValueError):
+        a.free(x, 3 * ALIGN)
+    a.free(x, 2 * ALIGN)
+    with pytest.raises(ValueError):
+        a.free(x, 2 * ALIGN)
+    a.check()
+
+
+def test_best_fit_prefers_exact_hole():
+    a = Allocator(ARENA_DATA_START, 64 * ALIGN)
+    blocks = [a.alloc(n * ALIGN) for n in (3, 1, 2, 1, 5, 1)]
+    a.free(blocks[0], 3 * ALIGN)
+    a.free(blocks[2], 2 * ALIGN)
+    a.free(blocks[4], 5 * ALIGN)
+    assert a.alloc(2 * ALIGN) == blocks[2]  # the exact 2-unit hole, not the first or the largest
+    assert a.alloc(5 * ALIGN) == blocks[4]
+    a.check()
+
+
+def test_large_power_of_two_bins():
+    a = Allocator(ARENA_DATA_START, 4096 * ALIGN)
+    big = [a.alloc(n * ALIGN) for n in (300, 700, 300, 1000)]
+    assert None not in big
+    a.free(big[1], 700 * ALIGN)
+    assert a.alloc(600 * ALIGN) == big[1]  # the 700-unit hole fits; 100 units stay free there
+    a.check()
+    assert a.alloc(5000 * ALIGN) is None
+
+
+def test_fragmentation_reports_none_despite_free_total():
+    a = Allocator(ARENA_DATA_START, 8 * ALIGN)
+    offs = [a.alloc(ALIGN) for _ in range(8)]
+    for o in offs[::2]:
+        a.free(o, ALIGN)
+    assert a.free_bytes == 4 * ALIGN
+    assert a.alloc(2 * ALIGN) is None  # scattered holes: the caller must evict
+    a.free(offs[1], ALIGN)
+    assert a.alloc(3 * ALIGN) == offs[0]
+
+
+def test_random_alloc_free_never_overlaps():
+    rng = random.Random(7)
+    a = Allocator(ARENA_DATA_START, 2048 * ALIGN)
+    live: dict[int, int] = {}
+    for step in range(3000):
+        if live and (rng.random() < 0.45 or a.free_bytes < 64 * ALIGN):
+            off = rng.choice(list(live))
+            a.free(off, live.pop(off))
+        else:
+            size = rng.choice([1, 1, 1, 2, 3, 8, 300, 600]) * ALIGN
+            off = a.alloc(size)
+            if off is not None:
+                assert off not in live
+                live[off] = size
+        if step % 250 == 0:
+            a.check()
+    spans = sorted(live.items())
+    for (o1, s1), (o2, _) in zip(spans, spans[1:]):
+        assert o1 + s1 <= o2
+    assert a.used == sum(live.values()) <= a.capacity
+    a.check()
+
+
+def test_rebuild_rejects_overlap_and_out_of_range():
+    a = Allocator(ARENA_DATA_START, 16 * ALIGN)
+    base = ARENA_DATA_START
+    rejected = a.rebuild([(base, 2 * ALIGN), (base + ALIGN, ALIGN), (base + 4 * ALIGN, ALIGN),
+                          (base + 15 * ALIGN, 2 * ALIGN), (base - ALIGN, ALIGN)])
+    assert rejected == [1, 3, 4]
+    assert a.used == 3 * ALIGN
+    a.check()
+    assert a.alloc(2 * ALIGN) == base + 2 * ALIGN
+    assert a.is_allocated(base + 4 * ALIGN)

@@ -1,0 +1,258 @@
+"""Unit tests of the page directory and eviction policies (pure bookkeeping, no I/O)."""
+
+import pytest
+
+from metaserver.directory import EXISTS, NEW, NO_SPACE, PENDING, READY, Directory, Effects
+from transport.wire import ALIGN, ARENA_DATA_START, object_size
+
+PAGE = ALIGN - 64  # payload that fills exactly one 4 KiB unit with its header
+
+
+def make(units=8, nodes=("n1",), policy="lru", **kw):
+    d = Directory(policy=policy, **kw)
+    for n in nodes:
+        d.add_space(n, units * ALIGN)
+    return d
+
+
+def put(d, ns, keys, now=0.0, gen=None, parents=None, size=PAGE):
+    gen = gen if gen is not None else 1000 + d.puts * 10 + len(d.entries.get(ns, {}))
+    items, fx = d.alloc(ns, keys, [size] * len(keys), parents, gen, now)
+    news = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+    ok, cfx = d.commit(ns, [k for k, _ in news], [g for _, g in news], now)
+    assert all(ok)
+    return items, fx, cfx
+
+
+def test_alloc_commit_exists_lookup():
+    d = make()
+    items, fx = d.alloc("m", [b"a", b"b"], [10, PAGE], None, 100, 0.0)
+    assert [it[0] for it in items] == [NEW, NEW]
+    assert items[0][1] == "n1" and items[0][3] == 10 and items[0][4] == 100 and items[1][4] == 101
+    assert {items[0][2], items[1][2]} == {ARENA_DATA_START, ARENA_DATA_START + ALIGN}
+    assert d.pending == 2 and d.objects == 0
+    assert d.exists("m", [b"a", b"b", b"c"]) == [False, False, False]  # PENDING is not visible
+    ok, cfx = d.commit("m", [b"a", b"b"], [100, 999], 1.0)
+    assert ok == [True, False]  # wrong generation
+    assert [e.key for e in cfx.puts] == [b"a"]
+    assert d.exists("m", [b"a", b"b"]) == [True, False]
+    assert d.pending == 1 and d.objects == 1 and d.puts == 1
+    lease, locs = d.lookup("m", [b"a", b"zz"], 2.0)
+    assert lease > 0 and locs == [("n1", items[0][2], 10, 100), None]
+    assert d.hits == 1 and d.misses == 1 and d.pinned == 1
+    assert d.release(lease) and not d.release(lease)
+    assert d.pinned == 0
+    d.check()
+
+
+def test_dedup_within_and_across_batches():
+    d = make()
+    items, _ = d.alloc("m", [b"k", b"k"], [1, 1], None, 1, 0.0)
+    assert [it[0] for it in items] == [NEW, EXISTS]
+    assert items[1][1:] == (None, None, None, None)
+    items2, _ = d.alloc("m", [b"k"], [1], None, 5, 0.0)
+    assert items2[0][0] == EXISTS  # PENDING counts as existing
+    items3, _ = d.alloc("other", [b"k"], [1], None, 6, 0.0)
+    assert items3[0][0] == NEW  # namespaces are separate
+    assert d.pending == 2
+    d.check()
+
+
+def test_no_space_when_everything_pending():
+    d = make(units=4)
+    items, fx = d.alloc("m", [b"%d" % i for i in range(6)], [PAGE] * 6, None, 1, 0.0)
+    assert [it[0] for it in items] == [NEW] * 4 + [NO_SPACE] * 2  # PENDING is never evicted
+    assert d.used == d.capacity == 4 * ALIGN and d.evictions == 0 and not fx
+    d.check()
+
+
+def test_alloc_evicts_lru_on_pressure():
+    d = make(units=4)
+    put(d, "m", [b"a", b"b", b"c", b"d"], now=0.0)
+    lease, _ = d.lookup("m", [b"a"], 1.0)  # a pinned: not evictable
+    d.release(lease)  # ... released again: a is now the most recent
+    items, fx = d.alloc("m", [b"e", b"f"], [PAGE, PAGE], None, 50, 2.0)
+    assert [it[0] for it in items] == [NEW, NEW]
+    assert sorted(fx.deletes) == [("m", b"b"), ("m", b"c")]  # LRU order: b, c went; a was touched
+    assert d.evictions == 2
+    assert d.exists("m", [b"a", b"b", b"c", b"d"]) == [True, False, False, True]
+    d.check()
+
+
+def test_pins_block_eviction():
+    d = make(units=2)
+    put(d, "m", [b"a", b"b"])
+    lease, locs = d.lookup("m", [b"a", b"b"], 1.0)
+    assert None not in locs
+    items, fx = d.alloc("m", [b"c"], [PAGE], None, 9, 2.0)
+    assert items[0][0] == NO_SPACE and not fx.deletes
+    fx2 = Effects()
+    assert d.evict_all(100, fx2) == (0, 0, True)
+    d.release(lease)
+    items, fx = d.alloc("m", [b"c"], [PAGE], None, 9, 3.0)
+    assert items[0][0] == NEW and fx.deletes == [("m", b"a")]
+    d.check()
+
+
+def test_remove_pinned_frees_space_at_last_unpin():
+    d = make(units=2)
+    put(d, "m", [b"a", b"b"])
+    lease, _ = d.lookup("m", [b"a"], 1.0)
+    removed, fx = d.remove("m", [b"a", b"nope"])
+    assert removed == [True, False] and fx.deletes == [("m", b"a")]
+    assert d.exists("m", [b"a"]) == [False]
+    assert d.used == 2 * ALIGN  # the reader still holds a's bytes
+    d.check()
+    d.release(lease)
+    assert d.used == ALIGN and d.pinned == 0
+    d.check()
+
+
+def test_abort_and_pending_expiry():
+    d = make(units=8, pending_ttl_s=5.0)
+    items, _ = d.alloc("m", [b"a", b"b", b"c"], [PAGE] * 3, None, 10, 0.0)
+    assert d.abort("m", [b"a", b"b"], [10, 999]) == 1
+    assert d.pending == 2 and d.used == 2 * ALIGN
+    d.commit("m", [b"c"], [12], 1.0)
+    assert d.expire_pending(4.9, 100) == 0
+    assert d.expire_pending(5.1, 100) == 1  # b expired; c is READY and stays
+    assert d.pending == 0 and d.used == ALIGN
+    ok, _ = d.commit("m", [b"b"], [11], 6.0)
+    assert ok == [False]
+    d.check()
+
+
+def test_read_lease_expiry_unpins():
+    d = make(read_lease_s=2.0)
+    put(d, "m", [b"a"])
+    lease, _ = d.lookup("m", [b"a"], 10.0)
+    assert d.expire_leases(11.0, 100) == 0 and d.pinned == 1
+    assert d.expire_leases(12.5, 100) == 1 and d.pinned == 0
+    assert not d.release(lease)
+    d.check()
+
+
+def test_prefix_and_exists_do_not_pin_or_touch():
+    d = make(units=3)
+    put(d, "m", [b"a", b"b"], now=0.0)
+    assert d.prefix("m", [b"a", b"b", b"c", b"a"]) == 2
+    assert d.prefix("m", [b"x", b"a"]) == 0
+    assert d.exists("m", [b"b"]) == [True] and d.pinned == 0
+    put(d, "m", [b"c"], now=1.0)
+    items, fx = d.alloc("m", [b"d"], [PAGE], None, 77, 2.0)
+    assert fx.deletes == [("m", b"a")]  # exists/prefix did not refresh a
+
+
+def test_spread_across_nodes_by_free_space():
+    d = make(units=4, nodes=("n1", "n2"))
+    items, _ = d.alloc("m", [b"%d" % i for i in range(4)], [PAGE] * 4, None, 1, 0.0)
+    nodes = [it[1] for it in items]
+    assert nodes.count("n1") == 2 and nodes.count("n2") == 2
+    d.set_placeable("n2", False)
+    items, _ = d.alloc("m", [b"x", b"y"], [PAGE] * 2, None, 9, 0.0)
+    assert [it[1] for it in items] == ["n1", "n1"]
+    d.check()
+
+
+def test_drop_space_and_drain():
+    d = make(units=4, nodes=("n1", "n2"))
+    put(d, "m", [b"%d" % i for i in range(6)])
+    on_n2 = [e.key for e in d.spaces["n2"].entries]
+    lease, _ = d.lookup("m", [on_n2[0]], 1.0)
+    dropped, pinned, fx = d.drain("n2")
+    assert (dropped, pinned) == (len(on_n2) - 1, 1)
+    assert len(fx.deletes) == dropped
+    d.check()
+    n, fx = d.drop_space("n2")
+    assert n == 1 and fx.deletes == [("m", on_n2[0])]
+    assert d.capacity == 4 * ALIGN and d.used == 3 * ALIGN
+    d.release(lease)  # space of a dead node: nothing to free, no error
+    assert d.pinned == 0
+    d.check()
+
+
+def test_watermark_pass_and_evict_bytes():
+    d = make(units=10)
+    put(d, "m", [b"%d" % i for i in range(10)], now=0.0)
+    fx = Effects()
+    assert d.watermark_pass(0.95, 0.85, 100, fx) == (2, 2 * ALIGN)  # 100% -> 80% (<= 85%)
+    assert fx.deletes == [("m", b"0"), ("m", b"1")]
+    assert d.watermark_pass(0.95, 0.85, 100, Effects()) == (0, 0)  # below high: nothing to do
+    assert d.evict_bytes(ALIGN + 1, 100, Effects()) == (2, 2 * ALIGN)
+    n, freed, done = d.evict_all(3, Effects())
+    assert (n, done) == (3, False)
+    n, freed, done = d.evict_all(100, Effects())
+    assert (n, done) == (3, True) and d.used == 0 and d.evictions == 10
+    d.check()
+
+
+def test_mixed_sizes_evict_until_contiguous_fit():
+    d = make(units=8)
+    put(d, "m", [b"%d" % i for i in range(8)], now=0.0)
+    items, fx = d.alloc("m", [b"big"], [3 * ALIGN], None, 99, 1.0)  # 4 units: evicts the 4 oldest
+    assert items[0][0] == NEW and len(fx.deletes) == 4
+    assert d.spaces["n1"].entries and d.used == 8 * ALIGN
+    d.check()
+
+
+def test_too_large_for_any_node_is_no_space():
+    d = make(units=4)
+    items, fx = d.alloc("m", [b"x"], [5 * ALIGN], None, 1, 0.0)
+    assert items[0][0] == NO_SPACE and d.evictions == 0
+
+
+def test_prefix_lru_evicts_leaves_before_parents():
+    d = make(units=4, policy="prefix-lru")
+    put(d, "m", [b"root"], now=0.0)
+    put(d, "m", [b"child"], now=1.0, parents=[b"root"])
+    put(d, "m", [b"leaf1", b"leaf2"], now=2.0)
+    assert d.spaces["n1"].entries and d.ready["m"][b"root"].children == 1
+    fx = Effects()
+    d.evict_node("n1", 3 * ALIGN, 10, fx)
+    assert [k for _, k in fx.deletes] == [b"child", b"leaf1", b"leaf2"]  # root had a child: last
+    d.check()
+    assert d.ready["m"][b"root"].children == 0
+
+
+def test_used_never_exceeds_capacity_under_churn():
+    import random
+    rng = random.Random(3)
+    d = make(units=64, nodes=("a", "b", "c"))
+    live_leases = []
+    for step in range(400):
+        keys = [b"k%d" % rng.randrange(300) for _ in range(rng.randrange(1, 8))]
+        sizes = [rng.choice([10, PAGE, 2 * ALIGN, 5 * ALIGN]) for _ in keys]
+        items, _ = d.alloc("ns", keys, sizes, None, 10_000 + step * 10, float(step))
+        news = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+        if rng.random() < 0.8:
+            d.commit("ns", [k for k, _ in news], [g for _, g in news], float(step))
+        if rng.random() < 0.3:
+            lease, _ = d.lookup("ns", keys, float(step))
+            live_leases.append(lease)
+        if live_leases and rng.random() < 0.3:
+            d.release(live_leases.pop(0))
+        if rng.random() < 0.1:
+            d.remove("ns", keys[:1])
+        d.expire_pending(float(step) - 20 + d.pending_ttl_s, 50)
+        assert d.used <= d.capacity
+        if step % 50 == 0:
+            d.check()
+    for lease in live_leases:
+        d.release(lease)
+    d.check()
+    assert d.pinned == 0
+    expected_used = sum(object_size(e.payload_len) for sp in d.spaces.values() for e in sp.entries)
+    assert d.used == expected_used
+
+
+def test_load_pages_rebuilds_and_rejects_overlaps():
+    d = make(units=8)
+    base = ARENA_DATA_START
+    fx = d.load_pages("n1", [("m", b"a", base, PAGE, 5, None), ("m", b"b", base, PAGE, 6, None),
+                             ("m", b"c", base + ALIGN, PAGE, 7, b"a")])
+    assert fx.deletes == [("m", b"b")]
+    assert d.exists("m", [b"a", b"b", b"c"]) == [True, False, True]
+    assert d.used == 2 * ALIGN and d.ready["m"][b"a"].children == 1
+    items, fx = d.alloc("m", [b"d"], [PAGE], None, 100, 0.0)
+    assert items[0][2] == base + 2 * ALIGN
+    d.check()
