@@ -20,7 +20,6 @@ import multiprocessing as mp
 import os
 import socket
 import sys
-import threading
 import time
 
 import numpy as np
@@ -89,16 +88,6 @@ def raw_tcp_gbps(total: int = 2 << 30, chunk: int = 4 * MiB) -> float:
     return got / dt / 1e9
 
 
-def memcpy_gbps(size: int, min_time: float) -> float:
-    srcs = [np.random.randint(0, 255, size, dtype=np.uint8) for _ in range(BATCH)]
-    dsts = [np.empty(size, np.uint8) for _ in range(BATCH)]
-
-    def run():
-        for s, d in zip(srcs, dsts):
-            np.copyto(d, s)
-    return BATCH * size / timed(run, min_time) / 1e9
-
-
 def etcd_txn_puts_per_s(etcd_url: str, seconds: float, per_txn: int = 100, in_flight: int = 4) -> float:
     import aetcd
 
@@ -129,33 +118,52 @@ def etcd_txn_puts_per_s(etcd_url: str, seconds: float, per_txn: int = 100, in_fl
 
 # ---- the pool -------------------------------------------------------------------------------------------------
 
+def _commit_worker(ms: str, w: int, seconds: float, batch: int, out) -> None:
+    val = b"p" * 4000
+    with umbp.Client(ms, namespace="bench-commit") as c:
+        c.batch_put([f"warm/{w}"], [val])
+        n, i = 0, 0
+        t = time.perf_counter()
+        end = t + seconds
+        while time.perf_counter() < end:
+            n += sum(c.batch_put([f"c/{w}/{i}/{j}" for j in range(batch)], [val] * batch))
+            i += 1
+        out.put((n, time.perf_counter() - t))
+
+
 class PoolBench:
-    def __init__(self, metaserver: str, min_time: float):
+    """Each figure moves a working set larger than the CPU caches, like a real pool: pages are put once (the
+    put figure), then read back in rotating batches of 64 (the get figure)."""
+
+    def __init__(self, metaserver: str, min_time: float, working_set: int):
         self.ms = metaserver
         self.min_time = min_time
-        self.round = 0
+        self.working_set = working_set
 
     def put_get(self, transport: str, size: int) -> tuple[float, float]:
+        n_batches = max(2, self.working_set // (size * BATCH))
         with umbp.Client(self.ms, namespace=f"bench-{transport}", transport=transport) as c:
             vals = [np.random.randint(0, 255, size, dtype=np.uint8) for _ in range(BATCH)]
             outs = [np.empty(size, np.uint8) for _ in range(BATCH)]
-            tag = f"{size}"
-
-            def put():
-                self.round += 1
-                keys = [f"{tag}/{self.round}/{i}" for i in range(BATCH)]
-                assert all(c.batch_put(keys, vals))
-                self.last = keys
-            put_s = timed(put, self.min_time, max_rounds=20)
-            keys = self.last
-
-            def get():
-                got = c.batch_get_into(keys, outs)
+            keys = [[f"{size}/{b}/{i}" for i in range(BATCH)] for b in range(n_batches)]
+            c.batch_put(["warm"], [vals[0]])  # connect and map outside the timing
+            t = time.perf_counter()
+            for kb in keys:
+                assert all(c.batch_put(kb, vals))
+            put_s = time.perf_counter() - t
+            moved, b = 0, 0
+            t = time.perf_counter()
+            while time.perf_counter() - t < self.min_time or b < n_batches:
+                got = c.batch_get_into(keys[b % n_batches], outs)
                 assert got == [size] * BATCH, got
-            get_s = timed(get, self.min_time)
+                moved += BATCH * size
+                b += 1
+            get_s = time.perf_counter() - t
             assert all(np.array_equal(v, o) for v, o in zip(vals, outs))
-            c.batch_remove([k for k in keys])
-            return BATCH * size / put_s / 1e9, BATCH * size / get_s / 1e9
+            for kb in keys:
+                c.batch_remove(kb)
+            c.remove("warm")
+            return n_batches * BATCH * size / put_s / 1e9, moved / get_s / 1e9
 
     def exists_keys_per_s(self) -> float:
         with umbp.Client(self.ms, namespace="bench-exists") as c:
@@ -164,25 +172,34 @@ class PoolBench:
             assert sum(c.batch_exists(keys)) == 500
             return 1000 / timed(lambda: c.batch_exists(keys), self.min_time, max_rounds=100000)
 
-    def committed_puts_per_s(self, seconds: float, threads: int = 4, batch: int = 128) -> float:
-        count = [0] * threads
-        end = time.perf_counter() + seconds
-        val = b"p" * 4000
+    def committed_puts_per_s(self, seconds: float, procs: int = 2, batch: int = 128) -> float:
+        """Client processes putting 4 KiB pages in batches of 128; every put is acknowledged only after etcd
+        holds its record."""
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        ps = [ctx.Process(target=_commit_worker, args=(self.ms, w, seconds, batch, q)) for w in range(procs)]
+        for p in ps:
+            p.start()
+        res = [q.get(timeout=seconds + 120) for _ in ps]
+        for p in ps:
+            p.join(10)
+        return sum(n for n, _ in res) / max(dt for _, dt in res)
 
-        def worker(w: int) -> None:
-            with umbp.Client(self.ms, namespace="bench-commit") as c:
-                i = 0
-                while time.perf_counter() < end:
-                    keys = [f"c/{w}/{i}/{j}" for j in range(batch)]
-                    count[w] += sum(c.batch_put(keys, [val] * batch))
-                    i += 1
-        t = time.perf_counter()
-        ths = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(seconds + 60)
-        return sum(count) / (time.perf_counter() - t)
+
+def memcpy_gbps(size: int, working_set: int, min_time: float) -> float:
+    """Single-thread memcpy of 64-page batches rotating through a working set of the same size as the pool's."""
+    n = max(2 * BATCH, working_set // size)
+    src = np.random.randint(0, 255, n * size, dtype=np.uint8).reshape(n, size)
+    dsts = [np.empty(size, np.uint8) for _ in range(BATCH)]
+    moved, b = 0, 0
+    t = time.perf_counter()
+    while time.perf_counter() - t < min_time or b < 3:
+        base = (b * BATCH) % (n - BATCH + 1)
+        for i, d in enumerate(dsts):
+            np.copyto(d, src[base + i])
+        moved += BATCH * size
+        b += 1
+    return moved / (time.perf_counter() - t) / 1e9
 
 
 def row(name: str, value: float, unit: str, base_name: str, base: float, target: float | None) -> str:
@@ -200,7 +217,8 @@ def main() -> int:
     lines = []
     print("umbp bench/pool.py: starting etcd, a metaserver and one node (separate processes) ...", flush=True)
     with LocalPool(nodes=1, capacity=args.capacity, port=0) as pool:
-        b = PoolBench(pool.metaserver, min_time)
+        ws = (256 << 20) if args.quick else (768 << 20)
+        b = PoolBench(pool.metaserver, min_time, ws)
         raw = raw_tcp_gbps(total=(1 << 30) if args.quick else (3 << 30))
         print(f"baseline raw loopback TCP stream: {raw:.2f} GB/s", flush=True)
         for transport in ("tcp", "shm"):
@@ -211,7 +229,7 @@ def main() -> int:
                     base_name, base = "raw TCP stream GB/s", raw
                     tget = 0.7 if size >= MiB else None
                 else:
-                    base_name, base = f"memcpy {label} GB/s", memcpy_gbps(size, min_time)
+                    base_name, base = f"memcpy {label} GB/s", memcpy_gbps(size, ws, min_time)
                     tget = 0.6
                 lines.append(row(f"{transport} get {label} x{BATCH}", get, "GB/s", base_name, base, tget))
                 lines.append(row(f"{transport} put {label} x{BATCH}", put, "GB/s", base_name, base, None))

@@ -55,7 +55,8 @@ class Arena:
                     os.unlink(path)
                     raise ConfigError(component, f"cannot reserve {self.size} bytes for {path}: {e.strerror} "
                                                  f"(is {os.path.dirname(path)} large enough?)") from e
-            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.view = memoryview(self._map)

@@ -19,7 +19,6 @@ Contracts:
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from typing import Any, Iterable, Sequence

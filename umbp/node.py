@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import uuid
 from typing import Any
 

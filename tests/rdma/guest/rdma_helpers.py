@@ -155,7 +155,7 @@ class Server:
 class Conn:
     """A control connection plus one connected client endpoint (``ep``) and the server arena's ``mr`` info."""
 
-    def __init__(self, ctx: RdmaContext, port: int, host: str = "127.0.0.1", timeout: float = 30):
+    def __init__(self, ctx: RdmaContext, port: int, host: str = "127.0.0.1", timeout: float = 30, **ep_kw):
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -165,7 +165,7 @@ class Conn:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        self.ep = RcEndpoint(ctx)
+        self.ep = RcEndpoint(ctx, **ep_kw)
         self.connect()
 
     def connect(self) -> None:
