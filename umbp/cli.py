@@ -47,7 +47,7 @@ def _print_stats(s: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 110)
     cap, used = s.get("capacity_bytes", 0), s.get("used_bytes", 0)
     hits, misses = s.get("hits", 0), s.get("misses", 0)
     lookups = hits + misses
@@ -75,7 +75,7 @@ def _print_nodes(nodes: list[dict]) -> None:
                   ("draining" if n.get("draining") else "yes") if n.get("alive") else "DEAD",
                   f"{format_size(n.get('used_bytes', 0))} / {format_size(cap)}", str(n.get("objects", "")),
                   ",".join(n.get("transports", [])))
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 110).print(t)
 
 
 def cmd_stats(args) -> int:
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_drain)
 
     s = sub.add_parser("demo", help="the main job: a local pool and a workload through it, with a summary")
-    s.add_argument("--pages", type=int, default=4000, help="synthetic KV pages per writer process")
+    s.add_argument("--pages", type=int, default=2000, help="synthetic KV pages per writer process")
     s.add_argument("--page-size", default="256KiB")
     s.add_argument("--nodes", type=int, default=2)
     s.add_argument("--capacity", default="1GiB", help="per node")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import sys
 import time
 
 import numpy as np
@@ -91,7 +92,7 @@ def run_demo(args) -> int:
     from umbp.client import Client
     from umbp.launcher import LocalPool
 
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 110)
     page_size = parse_size(args.page_size, "--page-size")
     pages = args.pages
     pool = None
