@@ -26,8 +26,6 @@ at most that much work per call.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
-
 from metaserver.allocator import Allocator
 from metaserver.eviction import Policy, bytes_to_low, make_policy, over_high
 from transport.wire import ARENA_DATA_START, object_size

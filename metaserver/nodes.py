@@ -62,7 +62,7 @@ class Node:
         """The node map of STATS and NODES."""
         return {"node_id": self.node_id, "host": self.host, "port": self.port, "addr": f"{self.host}:{self.port}",
                 "pid": self.pid, "hostname": self.hostname, "boot_id": self.boot_id, "arena_id": self.arena_id,
-                "arena_path": self.arena_path, "capacity_bytes": self.capacity if self.alive else 0,
+                "arena_path": self.arena_path, "capacity_bytes": self.capacity,
                 "used_bytes": used, "objects": objects, "alive": self.alive, "draining": self.draining,
                 "transports": self.transports, "rdma": self.rdma}
 

@@ -188,13 +188,13 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         await asyncio.Future()
     finally:
         if server is not None:
-            server.close()
+            server.close()  # no new connections; existing ones get the answers of work already in flight
         else:
             sock.close()
+        await ms.close()
         for c in list(conns):
             if c.transport is not None:
                 c.transport.close()
-        await ms.close()
         if server is not None:
             await server.wait_closed()
 

@@ -81,10 +81,10 @@ class Metaserver:
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
+        await self.writer.close(5.0)  # commits waiting on it get their answers first
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
-        await self.writer.close(5.0)
         await self.store.close()
 
     async def _load(self) -> None:

@@ -76,15 +76,17 @@ class Transport(abc.ABC):
 def read_from_arena(arena: memoryview, op: ReadOp, component: str) -> None:
     """Copy one object range out of a mapped arena, checking its header before and after the copy.
 
-    The second check catches a slot that was freed and rewritten while we copied (a torn read): the writer
+    The second look catches a slot that was freed and rewritten while we copied (a torn read): a writer always
     rewrites the header of a reused slot, so an unchanged header means the payload we copied is the one it names."""
-    head = arena[op.offset:op.offset + wire.OBJ_HEADER_SIZE]
-    wire.check_object_header(head, component, op.khash, op.generation, op.payload_len)
+    o = op.offset
+    head = bytes(arena[o:o + wire.OBJ_HEADER_SIZE])
+    csum = wire.check_object_header(head, component, op.khash, op.generation, op.payload_len)
     if op.start < 0 or op.start + op.length > op.payload_len:
         raise CorruptionError(component, f"range {op.start}+{op.length} outside payload of {op.payload_len}")
-    src = op.offset + wire.OBJ_HEADER_SIZE + op.start
+    src = o + wire.OBJ_HEADER_SIZE + op.start
     op.out[:op.length] = arena[src:src + op.length]
-    csum = wire.check_object_header(head, component, op.khash, op.generation, op.payload_len)
+    if arena[o:o + wire.OBJ_HEADER_SIZE] != head:
+        raise CorruptionError(component, "slot rewritten during the read (torn read)")
     if csum is not None and op.start == 0 and op.length == op.payload_len:
         if wire.payload_checksum(op.out[:op.length]) != csum:
             raise CorruptionError(component, "payload checksum mismatch")

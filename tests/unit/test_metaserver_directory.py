@@ -1,7 +1,5 @@
 """Unit tests of the page directory and eviction policies (pure bookkeeping, no I/O)."""
 
-import pytest
-
 from metaserver.directory import EXISTS, NEW, NO_SPACE, PENDING, READY, Directory, Effects
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 
@@ -37,6 +35,7 @@ def test_alloc_commit_exists_lookup():
     assert [e.key for e in cfx.puts] == [b"a"]
     assert d.exists("m", [b"a", b"b"]) == [True, False]
     assert d.pending == 1 and d.objects == 1 and d.puts == 1
+    assert d.entries["m"][b"a"].state == READY and d.entries["m"][b"b"].state == PENDING
     lease, locs = d.lookup("m", [b"a", b"zz"], 2.0)
     assert lease > 0 and locs == [("n1", items[0][2], 10, 100), None]
     assert d.hits == 1 and d.misses == 1 and d.pinned == 1
