@@ -215,3 +215,25 @@ def test_admin_cli_stats_nodes_ls_evict_drain(cluster):
 
 def victim_count(stats: dict, node_id: str) -> int:
     return next(n["objects"] for n in stats["nodes"] if n["node_id"] == node_id)
+
+
+def test_transport_selection_on_a_host_without_rdma(cluster):
+    """auto picks shm for same-host nodes; tcp can be forced; forcing rdma here fails loudly, never a silent miss."""
+    from transport.rdma import rdma_available
+    from umbp.errors import TransportUnavailable
+
+    ok, why = rdma_available()
+    assert not ok and "transport rdma" in why  # this suite runs on hosts without RDMA; the guest suite covers it
+    nodes = cluster.cli_json("nodes")
+    assert all(n["transports"] == ["shm", "tcp"] for n in nodes)
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert c.batch_put([f"sel/{i}" for i in range(8)], [b"s" * 100] * 8) == [True] * 8
+        assert c.batch_get_into([f"sel/{i}" for i in range(8)], [bytearray(100) for _ in range(8)]) == [100] * 8
+        assert set(c.transport_names().values()) == {"shm"}
+    with umbp.Client(cluster.metaserver_addr, transport="rdma") as c:
+        with pytest.raises(TransportUnavailable, match="transport rdma forced but unusable"):
+            c.get_into("sel/0", bytearray(100))
+        with pytest.raises(TransportUnavailable):
+            c.put("sel/new", b"x")
+        assert c.batch_exists(["sel/new"]) == [False]  # the aborted put left nothing behind
+        assert c.stats()["pending"] == 0  # ... not even a PENDING allocation

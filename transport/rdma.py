@@ -36,7 +36,8 @@ is a syscall); a batch of N contiguous requests becomes ceil(N / max_sge) WRs. R
 the arena and long-lived client buffers once, not per transfer.
 
 Dead peer detection follows RC retransmission: ``timeout`` (4.096 us * 2**timeout per try) times ``retry_cnt``
-tries, by default about 7 * 0.27 s ~ 2 s.
+retries, by default about 7 * 0.27 s ~ 2 s. ``retry_cnt`` must stay below 7: rxe (like some HCAs) treats 7 as
+"retry forever", and a dead peer would then never be reported.
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ class RcEndpoint:
     a client endpoint leaves it False."""
 
     def __init__(self, ctx: RdmaContext, *, depth: int = DEFAULT_DEPTH, remote_access: bool = False,
-                 timeout: int = 16, retry_cnt: int = 7, max_sge: int | None = None):
+                 timeout: int = 16, retry_cnt: int = 6, max_sge: int | None = None):
         self.ctx = ctx
         attr = ctx.device_attr
         self.depth = max(1, min(depth, attr.max_qp_wr))

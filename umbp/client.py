@@ -30,7 +30,7 @@ from transport.tcp import TcpTransport
 from umbp.buffers import CudaOut, as_bytes_view, as_writable_view
 from umbp.config import ClientConfig, resolve
 from umbp.errors import (CorruptionError, InvalidArgument, NotFound, PoolFull, RemoteError, TransportError,
-                         UmbpError)
+                         TransportUnavailable, UmbpError)
 from umbp.metaclient import MetaClient
 
 MAX_KEY_BYTES = 512
@@ -123,7 +123,7 @@ class Client:
         if t is None and mode in ("auto", "rdma"):
             if "rdma" in info.get("transports", ()):
                 try:
-                    from transport.rdma import client_transport
+                    from transport.rdma_link import client_transport
 
                     t = client_transport(node_id, info, self._registered, self.config)
                 except (ImportError, TransportError) as e:
@@ -133,8 +133,8 @@ class Client:
         if t is None and mode in ("auto", "tcp"):
             t = TcpTransport(node_id, info.get("addr") or f"{info['host']}:{info['port']}")
         if t is None:
-            raise TransportError(self.component, f"transport {mode} forced but unusable for node {node_id}: "
-                                                 + "; ".join(errors))
+            raise TransportUnavailable(self.component, f"transport {mode} forced but unusable for node {node_id}: "
+                                                       + "; ".join(errors))
         for buf in self._registered:
             t.register(buf)
         self._transports[node_id] = t
@@ -167,6 +167,8 @@ class Client:
             try:
                 t = self._transport_for(node_id, deadline)
                 pending[node_id] = t.start_read(ops, deadline) if kind == "read" else t.start_write(ops, deadline)
+            except TransportUnavailable:
+                raise
             except TransportError as e:
                 pending[node_id] = e
         results: dict[str, list] = {}
@@ -210,7 +212,13 @@ class Client:
                                                  wire.payload_checksum(payload) if checksum else None)
                 batches.setdefault(node_id, []).append(WriteOp(off, header, payload))
                 index.setdefault(node_id, []).append(i)
-            results = self._run(batches, "write", deadline) if batches else {}
+            try:
+                results = self._run(batches, "write", deadline) if batches else {}
+            except UmbpError:
+                new = [i for i, it in enumerate(items) if it[0] == NEW]
+                self._meta.call(wire.Op.ABORT, {"ns": ns, "keys": [kb[i] for i in new],
+                                                "gens": [items[i][4] for i in new]}, deadline)
+                raise
             ok_idx, bad_idx, first_err = [], [], None
             for node_id, res in results.items():
                 for i, r in zip(index[node_id], res):

@@ -31,6 +31,10 @@ class TransportError(UmbpError):
     """A peer could not be reached, closed the connection, or a transfer failed mid-way."""
 
 
+class TransportUnavailable(TransportError):
+    """The transport the caller forced (``transport="shm"``/``"rdma"``) cannot reach this node at all."""
+
+
 class DeadlineExceeded(TransportError, TimeoutError):
     """An operation did not finish within its deadline (which covers every retry of it)."""
 

@@ -108,6 +108,12 @@ class DataProtocol(asyncio.BufferedProtocol):
         self.node = node
         self.reader = wire.FrameReader(node.component, max_data=node.config.max_frame_data, sink=node.write_sink)
         self.transport: asyncio.Transport | None = None
+        self.rdma_eps: list = []  # RDMA endpoints this client set up over this connection
+
+    def connection_lost(self, exc):
+        for ep in self.rdma_eps:
+            ep.close()
+        self.rdma_eps.clear()
 
     def connection_made(self, transport):
         self.transport = transport
@@ -165,7 +171,7 @@ class DataProtocol(asyncio.BufferedProtocol):
             elif op == wire.Op.RDMA_CONNECT:
                 if node.rdma is None:
                     raise BadRequest(node.component, "RDMA_CONNECT: this node has no RDMA device")
-                reply = node.rdma.accept(frame.meta)
+                reply = node.rdma.accept(frame.meta, self.rdma_eps)
             else:
                 write(wire.encode_error(op, frame.request_id, wire.Status.UNKNOWN_OPCODE,
                                         f"{node.component}: unknown opcode {op}"))
@@ -279,16 +285,19 @@ class MetaLink:
 
 async def serve(config: NodeConfig) -> None:
     node = NodeServer(config)
-    try:
-        from transport import rdma as rdma_mod  # optional: pyverbs may be missing
+    try:  # optional: pyverbs and a device may be missing; then the node offers shm and tcp only
+        from transport.rdma import rdma_available
 
-        ok, why = rdma_mod.rdma_available()
-        if ok and hasattr(rdma_mod, "NodeRdma"):
-            node.rdma = rdma_mod.NodeRdma(node.arena.view)
-        elif not ok:
+        ok, why = rdma_available()
+        if ok:
+            from transport.rdma_link import NodeRdma
+
+            node.rdma = NodeRdma(node.arena.view)
+            print(f"{node.component}: rdma on ({why})", file=sys.stderr, flush=True)
+        else:
             print(f"{node.component}: rdma off ({why})", file=sys.stderr, flush=True)
-    except ImportError as e:
-        print(f"{node.component}: rdma off (transport.rdma not importable: {e})", file=sys.stderr, flush=True)
+    except (ImportError, UmbpError) as e:
+        print(f"{node.component}: rdma off ({e})", file=sys.stderr, flush=True)
     await node.start()
     link = MetaLink(node)
     stop = asyncio.Event()
