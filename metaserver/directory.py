@@ -249,7 +249,9 @@ class Directory:
         return None
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int], now: float) -> tuple[list[bool], Effects]:
-        """PENDING -> READY for each (key, gen) that is still pending with that generation."""
+        """PENDING -> READY for each (key, gen) that is still pending with that generation. Idempotent: a key
+        already READY with that very generation reports True again (a retry whose first answer was lost, possibly
+        across a failover that loaded the commit from etcd); anything else reports False."""
         fx = Effects()
         d = self.entries.get(ns, {})
         r = self.ready.get(ns)
@@ -257,7 +259,7 @@ class Directory:
         for key, gen in zip(keys, gens):
             e = d.get(key)
             if e is None or e.state != PENDING or e.gen != gen:
-                ok.append(False)
+                ok.append(e is not None and e.state == READY and e.gen == gen)
                 continue
             if r is None:
                 r = self.ready[ns] = {}

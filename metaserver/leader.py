@@ -1,22 +1,49 @@
-"""Leadership: whether this metaserver serves the data plane, and where the leader is.
+"""Leadership: which metaserver of an etcd prefix serves the data plane, and where the others send clients.
 
-Today a metaserver is always the leader of its etcd prefix (``SingleLeader``). The seam for standbys: an
-implementation that campaigns on an etcd election (``{prefix}/leader`` under a lease of ``election_ttl_s``) keeps
-``is_leader`` and ``leader_addr`` current; the server already answers data-plane requests from a non-leader with
-NOT_LEADER plus ``{"leader": leader_addr}``, and loads the directory from etcd when it becomes the leader.
+Several metaservers run against one etcd; each runs an ``Election``. The leader key ``{prefix}/leader`` holds the
+winner's advertise address and is attached to the winner's lease of ``election_ttl_s`` seconds, kept alive every
+ttl/3. A round is one transaction that creates the key only if it does not exist (create_revision == 0); the
+winner's fence is the key's create_revision, which ``EtcdStore`` adds as a compare to every later write, so a
+deposed leader (its lease expired while it was stopped or cut off, and someone else created the key) cannot write.
 
-Invariant: at most one metaserver per prefix believes ``is_leader`` at a time (trivially true for one process; an
-election implementation must fence its writes on the leader key's revision).
+Standbys poll the key every ``POLL_S`` (a get: cheaper and sturdier than a watch stream that must be re-established
+after every etcd hiccup) and campaign as soon as it is gone, so a dead leader is replaced within about
+``election_ttl_s + POLL_S`` plus the new leader's directory load.
+
+The leader also keeps a local validity deadline: the send time of the last acknowledged keep-alive plus the TTL
+etcd granted. etcd measures the lease from when the keep-alive *arrived*, so the local deadline always passes
+first: a leader that was frozen (SIGSTOP, a long GC pause) stops serving the moment it runs again, before it
+could act on stale state, even if no write of it has been refused yet. If a later keep-alive finds the lease still
+alive, nobody else can have led meanwhile (the key is still ours), so serving resumes without a reload.
+
+Invariant: at most one metaserver per prefix has ``is_leader`` true at any instant, and at most one can write.
+
+Cancellation: ``run`` cancelled while leading resigns nothing by itself; ``resign`` (on a clean stop) revokes the
+lease so a standby takes over at once instead of after the TTL.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+from metaserver.persist import EtcdStore
+from umbp.errors import RemoteError, UmbpError
+
+log = logging.getLogger("umbp.metaserver")
+
+POLL_S = 0.25  # how often a standby reads the leader key
+RETRY_S = 0.5  # pause after an etcd failure before the next round
+
 
 class SingleLeader:
-    """The only metaserver: always the leader, at its own advertised address."""
+    """A metaserver alone with its etcd prefix and no election (unit tests): always the leader."""
 
     def __init__(self, addr: str):
         self.addr = addr
+        self.revision = 0
 
     @property
     def is_leader(self) -> bool:
@@ -25,3 +52,166 @@ class SingleLeader:
     @property
     def leader_addr(self) -> str | None:
         return self.addr
+
+
+class Election:
+    """Campaign for the leader key, keep it, and tell the metaserver when leadership starts and ends.
+
+    ``on_elected(revision)`` runs (awaited) after a win and before ``is_leader`` turns true: the metaserver loads
+    its directory there. ``on_deposed(reason)`` runs (awaited) when the lease is lost or a write was fenced."""
+
+    def __init__(self, store: EtcdStore, addr: str, ttl_s: int,
+                 on_elected: Callable[[int], Awaitable[None]], on_deposed: Callable[[str], Awaitable[None]]):
+        self.store = store
+        self.addr = addr
+        self.ttl = int(ttl_s)
+        self.on_elected = on_elected
+        self.on_deposed = on_deposed
+        self.revision = 0  # create_revision of the leader key while we hold it
+        self.lease_id = 0
+        self.holder: str | None = None  # the leader's address as last read (ours while leading)
+        self.first_round = asyncio.Event()  # set once the first round is decided (won and loaded, or lost)
+        self._won = False
+        self._valid_until = 0.0
+        self._lost = asyncio.Event()
+
+    @property
+    def is_leader(self) -> bool:
+        return self._won and time.monotonic() < self._valid_until
+
+    @property
+    def leader_addr(self) -> str | None:
+        if self._won:
+            return self.addr
+        return self.holder
+
+    def deposed(self) -> None:
+        """A write of ours was fenced: leadership is gone; ``run`` steps down at once."""
+        self._lost.set()
+
+    async def run(self) -> None:
+        """Forever: campaign; lead until the lease is lost; stand by while someone else leads. Cancellable at any
+        point; etcd failures are retried every RETRY_S."""
+        while True:
+            try:
+                if await self._campaign():
+                    reason = await self._lead()
+                    await self._step_down(reason)
+                else:
+                    self.first_round.set()
+                    await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except UmbpError as e:
+                if self._won:
+                    await self._step_down(str(e))
+                log.warning("metaserver: election: %s; retrying", e)
+                self.first_round.set()
+                await asyncio.sleep(RETRY_S)
+
+    async def _campaign(self) -> bool:
+        t0 = time.monotonic()
+        lease = await self.store.grant(self.ttl)
+        won, rev, value, holder_lease = await self.store.campaign(self.addr.encode(), lease)
+        if not won:
+            await self._revoke(lease)
+            holder = value.decode(errors="replace") if value is not None else None
+            if holder == self.addr and holder_lease:
+                # A leader key with our own address while we hold its port: a previous incarnation of this
+                # metaserver that died without resigning. Nobody else can be serving there, so end its term now
+                # instead of waiting out its lease.
+                log.info("metaserver: revoking the lease of a previous incarnation at %s", holder)
+                await self._revoke(holder_lease)
+                return await self._campaign()
+            if holder != self.holder:
+                log.info("metaserver: standby, leader is %s", holder or "unknown")
+                print(f"metaserver: standby, leader is {holder or 'unknown'}", flush=True)
+            self.holder = holder
+            return False
+        self.lease_id, self.revision, self.holder = lease, rev, self.addr
+        self._lost = asyncio.Event()
+        self.store.fence(rev)
+        self.store.on_fenced = self.deposed
+        self._valid_until = t0 + self.ttl
+        try:
+            # Keep the lease alive while the directory loads (a big one can take longer than the TTL).
+            keep = asyncio.create_task(self._keepalive_loop(), name="metaserver-election-keepalive")
+            try:
+                await self.on_elected(rev)
+            finally:
+                if keep.done():
+                    raise UmbpError("metaserver", f"election: {keep.result()} while loading")
+                keep.cancel()
+                await asyncio.gather(keep, return_exceptions=True)
+        except BaseException:
+            await self._revoke(lease)
+            self.lease_id = 0
+            raise
+        self._won = True
+        self.first_round.set()
+        log.info("metaserver: leader at revision %d (%s)", rev, self.addr)
+        print(f"metaserver: leader at revision {rev}", flush=True)
+        return True
+
+    async def _lead(self) -> str:
+        """Keep the lease alive until it is lost; returns why."""
+        return await self._keepalive_loop()
+
+    async def _keepalive_loop(self) -> str:
+        interval = self.ttl / 3
+        while True:
+            try:
+                await asyncio.wait_for(self._lost.wait(), interval)
+                return "a write was fenced (another metaserver leads)"
+            except asyncio.TimeoutError:
+                pass
+            sent = time.monotonic()
+            try:
+                left = await asyncio.wait_for(self.store.refresh(self.lease_id), interval)
+            except (asyncio.TimeoutError, RemoteError) as e:
+                if time.monotonic() >= self._valid_until:
+                    return f"no keep-alive acknowledged within the lease ({e or 'timeout'})"
+                continue
+            if left <= 0:
+                return "the election lease expired"
+            self._valid_until = sent + left
+
+    async def _step_down(self, reason: str) -> None:
+        was = self._won
+        self._won = False
+        self._valid_until = 0.0
+        lease, self.lease_id = self.lease_id, 0
+        self.holder = None
+        if was:
+            log.warning("metaserver: stepping down: %s", reason)
+            print(f"metaserver: standby, stepped down ({reason})", flush=True)
+            await self.on_deposed(reason)
+        if lease:
+            await self._revoke(lease)
+
+    async def _follow(self) -> None:
+        """Poll the leader key until it is gone (then return to campaign)."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            cur = await self.store.leader()
+            if cur is None:
+                return
+            holder = cur[0].decode(errors="replace")
+            if holder != self.holder:
+                self.holder = holder
+                log.info("metaserver: standby, leader is %s", holder)
+                print(f"metaserver: standby, leader is {holder}", flush=True)
+
+    async def _revoke(self, lease: int) -> None:
+        try:
+            await self.store.revoke(lease)
+        except UmbpError as e:
+            log.warning("metaserver: election: %s", e)
+
+    async def resign(self) -> None:
+        """Give leadership up now (clean stop): revoking the lease deletes the leader key."""
+        self._won = False
+        self._valid_until = 0.0
+        lease, self.lease_id = self.lease_id, 0
+        if lease:
+            await self._revoke(lease)

@@ -1,7 +1,7 @@
 """Membership: which storage nodes exist, their descriptions, liveness and etcd leases. No I/O.
 
-A node is alive from REGISTER_NODE (or from being loaded out of etcd at metaserver start, with a grace period of
-its lease_ttl) until ``lease_ttl`` seconds pass without a heartbeat. A dead node stays listed (alive=False) for
+A node is alive from REGISTER_NODE (or from being loaded out of etcd at a takeover: *provisional*, with a grace
+period the caller sets through ``last_heartbeat``) until ``lease_ttl`` seconds pass without a heartbeat. A dead node stays listed (alive=False) for
 ``DEAD_KEEP_S`` so operators can see what went away, then is forgotten; re-registering revives it.
 
 Space (allocator, pages) is the directory's business; this module only decides *when* a node's space is kept,
@@ -21,7 +21,7 @@ DEAD_KEEP_S = 600.0
 class Node:
     __slots__ = ("node_id", "host", "port", "pid", "capacity", "arena_id", "arena_path", "boot_id", "hostname",
                  "transports", "lease_ttl", "rdma", "alive", "draining", "last_heartbeat", "lease_id", "dead_since",
-                 "conn", "refreshing")
+                 "conn", "refreshing", "provisional")
 
     def __init__(self, desc: dict[str, Any], now: float):
         self.node_id: str = desc["node_id"]
@@ -32,6 +32,7 @@ class Node:
         self.dead_since = 0.0
         self.conn = None
         self.refreshing = False
+        self.provisional = False  # loaded from etcd at a takeover, not re-registered yet
         self.update(desc)
 
     def update(self, desc: dict[str, Any]) -> None:
@@ -64,6 +65,7 @@ class Node:
                 "pid": self.pid, "hostname": self.hostname, "boot_id": self.boot_id, "arena_id": self.arena_id,
                 "arena_path": self.arena_path, "capacity_bytes": self.capacity,
                 "used_bytes": used, "objects": objects, "alive": self.alive, "draining": self.draining,
+                "provisional": self.provisional,
                 "transports": self.transports, "rdma": self.rdma}
 
 

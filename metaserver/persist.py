@@ -3,8 +3,18 @@
 Layout under ``prefix`` (``MetaserverConfig.etcd_prefix``)::
 
     {prefix}/nodes/{node_id}        msgpack(node record incl. lease_id), attached to the node's lease
+    {prefix}/arenas/{node_id}       msgpack(the same record), durable: which arena the node's pages live in
     {prefix}/pages/{ns}/{hex key}   msgpack([node_id, offset, payload_len, gen, parent]); READY pages only
     {prefix}/gen                    decimal: every generation below it may have been handed out
+    {prefix}/leader                 the leader's advertise address, attached to its election lease
+
+The arena record outlives the node's lease on purpose: when every metaserver is away longer than a node's lease_ttl
+the leased record expires, but the next leader still knows which arena (id, capacity) the pages were written to,
+so it can keep them for a node that comes back with that arena and drop them for one that does not.
+
+Fencing: once this metaserver wins the election, ``fence(revision)`` makes every transaction written through this
+store (pages, node records, generations) carry ``create_revision(leader key) == revision``. A deposed leader's
+writes therefore fail in etcd itself; the store raises ``NotLeader`` and calls ``on_fenced`` once.
 
 This is the only module that talks to aetcd/grpc. Their errors are translated here into ``Unavailable``
 (``raise ... from``), so the rest of the metaserver sees one error type for "etcd could not do it".
@@ -38,7 +48,7 @@ import msgpack
 
 from transport.wire import Status
 from umbp.config import split_host_port
-from umbp.errors import Unavailable
+from umbp.errors import NotLeader, RemoteError, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -61,7 +71,11 @@ class EtcdStore:
         self.client = aetcd.Client(host, port, timeout=timeout_s)
         self._pages = f"{self.prefix}/pages/".encode()
         self._nodes = f"{self.prefix}/nodes/".encode()
+        self._arenas = f"{self.prefix}/arenas/".encode()
         self.gen_key = f"{self.prefix}/gen".encode()
+        self.leader_key = f"{self.prefix}/leader".encode()
+        self.fence_rev = 0  # create_revision of the leader key we won at; 0: writes are not fenced
+        self.on_fenced = None  # called (once per fence) when etcd refuses a write because we are deposed
 
     # -- keys --------------------------------------------------------------------------------------------------
     def page_key(self, ns: str, key: bytes) -> bytes:
@@ -69,6 +83,9 @@ class EtcdStore:
 
     def node_key(self, node_id: str) -> bytes:
         return self._nodes + node_id.encode()
+
+    def arena_key(self, node_id: str) -> bytes:
+        return self._arenas + node_id.encode()
 
     @staticmethod
     def page_value(node_id: str, offset: int, payload_len: int, gen: int, parent: bytes | None) -> bytes:
@@ -105,10 +122,34 @@ class EtcdStore:
         except Exception:  # closing a broken channel: nothing left to do
             pass
 
+    def fence(self, revision: int) -> None:
+        """Fence every later write on the leader key's create_revision (0: unfenced, for a single-shot tool)."""
+        self.fence_rev = revision
+
     async def txn(self, ops: list, compare: list | None = None) -> bool:
-        res = await self._call("transaction", self.client.transaction(compare=compare or [], success=ops,
-                                                                       failure=[]))
-        return bool(res[0])
+        """Apply ``ops`` if every compare holds (and, when fenced, the leader key is still the one we created).
+        Returns False when one of ``compare`` failed; raises NotLeader when the fence did."""
+        compare = list(compare or [])
+        rev = self.fence_rev
+        if rev:
+            compare.append(self.client.transactions.create(self.leader_key) == rev)
+        res = await self._call("transaction", self.client.transaction(compare=compare, success=ops, failure=[]))
+        if res[0]:
+            return True
+        if rev:
+            cur = await self._call("get", self.client.get(self.leader_key))
+            if cur is None or cur.create_revision != rev:
+                self._fenced(rev, cur)
+        return False
+
+    def _fenced(self, rev: int, cur) -> None:
+        holder = cur.value.decode(errors="replace") if cur is not None else None
+        cb, self.on_fenced = self.on_fenced, None
+        if cb is not None:
+            cb()
+        raise NotLeader("metaserver", f"deposed: the leader key is no longer the one created at revision {rev} "
+                                      f"(leader now {holder or 'none'}); etcd refused the write",
+                        Status.NOT_LEADER, leader=holder)
 
     def op_put(self, key: bytes, value: bytes, lease: int | None = None):
         return self.client.transactions.put(key, value, lease=lease)
@@ -132,9 +173,29 @@ class EtcdStore:
             if "not found" not in str(e):
                 raise
 
+    # -- election (metaserver/leader.py drives these) ---------------------------------------------------------
+    async def campaign(self, value: bytes, lease_id: int) -> tuple[bool, int, bytes | None, int]:
+        """Create the leader key under ``lease_id`` unless it exists (compare create_revision == 0).
+        Returns (won, create_revision, holder value, holder lease) of the key as it is after the attempt."""
+        t = self.client.transactions
+        await self._call("campaign", self.client.transaction(
+            compare=[t.create(self.leader_key) == 0], success=[t.put(self.leader_key, value, lease=lease_id)],
+            failure=[]))
+        cur = await self._call("get", self.client.get(self.leader_key))
+        if cur is None:  # created and already gone (lease lost in between): a lost round
+            return False, 0, None, 0
+        return cur.lease == lease_id, cur.create_revision, cur.value, cur.lease
+
+    async def leader(self) -> tuple[bytes, int, int] | None:
+        """(value, create_revision, lease) of the leader key, or None when nobody leads."""
+        cur = await self._call("get", self.client.get(self.leader_key))
+        return None if cur is None else (cur.value, cur.create_revision, cur.lease)
+
     async def put_node(self, node_id: str, record: dict[str, Any], lease_id: int) -> None:
-        await self._call("put", self.client.put(self.node_key(node_id), msgpack.packb(record, use_bin_type=True),
-                                                lease=lease_id))
+        """The leased liveness record and the durable arena record, in one (fenced) transaction."""
+        value = msgpack.packb(record, use_bin_type=True)
+        await self.txn([self.op_put(self.node_key(node_id), value, lease_id),
+                        self.op_put(self.arena_key(node_id), value)])
 
     async def delete_node(self, node_id: str) -> None:
         await self._call("delete", self.client.delete(self.node_key(node_id)))
@@ -156,19 +217,26 @@ class EtcdStore:
                 return
             start = kvs[-1].key + b"\0"
 
-    async def load(self) -> tuple[list[dict], list[tuple]]:
-        """Read node records and page records. Pages come back as
-        (mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key); unparsable ones with
-        node_id None (the caller deletes them)."""
-        nodes: list[dict] = []
-        async for kvs in self.scan(self._nodes, 1000):
+    async def _records(self, prefix: bytes) -> list[dict]:
+        out: list[dict] = []
+        async for kvs in self.scan(prefix, 1000):
             for kv in kvs:
                 try:
                     rec = msgpack.unpackb(kv.value, raw=False)
-                    rec["lease_id"] = kv.lease or rec.get("lease_id", 0)
-                    nodes.append(rec)
+                    if type(rec) is not dict:
+                        raise TypeError("not a map")
+                    rec["lease_id"] = kv.lease or 0
+                    out.append(rec)
                 except (ValueError, TypeError, msgpack.exceptions.UnpackException):
-                    log.warning("metaserver: ignoring unreadable node record %r", kv.key)
+                    log.warning("metaserver: ignoring unreadable record %r", kv.key)
+        return out
+
+    async def load(self) -> tuple[list[dict], list[dict], list[tuple]]:
+        """Read live node records (their lease still held), durable arena records and page records. Pages come
+        back as (mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key); unparsable ones with
+        node_id None (the caller deletes them)."""
+        nodes = await self._records(self._nodes)
+        arenas = await self._records(self._arenas)
         pages: list[tuple] = []
         plen_prefix = len(self._pages)
         async for kvs in self.scan(self._pages):
@@ -180,7 +248,7 @@ class EtcdStore:
                                   int(off), int(plen), int(gen), parent, kv.key))
                 except (ValueError, TypeError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
                     pages.append((0, None, "", b"", 0, 0, 0, None, kv.key))
-        return nodes, pages
+        return nodes, arenas, pages
 
 
 class _Ticket:
@@ -301,7 +369,7 @@ class BatchWriter:
                 err = Unavailable("metaserver", "shutting down before the write reached etcd", Status.UNAVAILABLE)
                 raise
             except Exception as e:  # noqa: BLE001 - every failure goes to the waiters, none is lost
-                err = e if isinstance(e, Unavailable) else _unavailable("transaction", e)
+                err = e if isinstance(e, RemoteError) else _unavailable("transaction", e)
                 log.error("metaserver: dropping %d etcd ops: %s", len(items), err)
             finally:
                 self._running -= 1
@@ -329,10 +397,22 @@ class BatchWriter:
     async def close(self, timeout_s: float = 5.0) -> None:
         if self._queue or self._busy:
             await self.flush(timeout_s)
+        await self.abort(Unavailable("metaserver", "shutting down before the write reached etcd",
+                                     Status.UNAVAILABLE))
+
+    async def abort(self, err: Exception) -> None:
+        """Stop now without writing what is queued (a deposed leader must not write): in-flight transactions are
+        cancelled and every waiter, queued or in flight, gets ``err`` (or 'shutting down')."""
         for t in self._workers:
             t.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers.clear()
+        q, self._queue = self._queue, {}
+        for _, tickets in q.values():
+            for t in tickets or ():
+                if not t.fut.done():
+                    t.fut.set_exception(err)
+        self._idle.set()
 
 
 class GenCounter:

@@ -10,7 +10,8 @@ Error contract, in order:
 - unframeable bytes (bad magic/version, oversized lengths): one BAD_FRAME or TOO_LARGE answer, then the
   connection closes (the stream can no longer be framed);
 - malformed msgpack, wrong types, unknown fields, out-of-range values: BAD_REQUEST "metaserver: OP: <field ...>";
-- unknown opcode: UNKNOWN_OPCODE; data-plane request to a standby: NOT_LEADER with ``leader``;
+- unknown opcode: UNKNOWN_OPCODE; data-plane request to a standby: NOT_LEADER with ``leader`` (UNAVAILABLE from
+  a leader still loading its directory: ask again);
 - an etcd failure while serving: UNAVAILABLE; any other exception: INTERNAL with the message, logged.
 
 Nothing a peer sends can stop the server or affect other connections. Writes are not awaited; a connection whose
@@ -30,7 +31,7 @@ from metaserver.validate import Reject
 from transport import wire
 from transport.wire import Flag, Op, Status
 from umbp.config import MetaserverConfig, split_host_port
-from umbp.errors import ProtocolError, RemoteError, UmbpError
+from umbp.errors import NotLeader, ProtocolError, RemoteError, UmbpError
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -115,9 +116,8 @@ class Connection(asyncio.BufferedProtocol):
             if reply:
                 self.send(wire.encode_error(op, rid, Status.UNKNOWN_OPCODE, f"metaserver: unknown opcode 0x{op:02x}"))
             return
-        if op in LEADER_ONLY and not ms.leader.is_leader:
-            self._error(op, rid, reply, Status.NOT_LEADER, "this metaserver is a standby",
-                        leader=ms.leader.leader_addr)
+        if op in LEADER_ONLY and not ms.serving:
+            self._not_serving(op, rid, reply)
             return
         try:
             res = handler(frame.meta, self)
@@ -142,8 +142,19 @@ class Connection(asyncio.BufferedProtocol):
         if reply:
             self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE))
 
+    def _not_serving(self, op: int, rid: int, reply: bool) -> None:
+        el = self.ms.leader
+        if el.leader_addr == el.addr:
+            # Elected but still loading, or our lease lapsed and the election has not decided yet: ask again here.
+            self._error(op, rid, reply, Status.UNAVAILABLE, "taking over as leader; not serving yet")
+        else:
+            self._error(op, rid, reply, Status.NOT_LEADER, "this metaserver is a standby", leader=el.leader_addr)
+
     def _fail(self, op: int, rid: int, reply: bool, e: Exception) -> None:
-        if isinstance(e, Reject):
+        if isinstance(e, NotLeader):
+            self._error(op, rid, reply, Status.NOT_LEADER, e.detail,
+                        leader=e.leader or (self.ms.leader.leader_addr if not self.ms.serving else None))
+        elif isinstance(e, Reject):
             self._error(op, rid, reply, e.status, e.message, **e.extra)
         elif isinstance(e, RemoteError):
             status = e.code or Status.INTERNAL
@@ -160,9 +171,10 @@ class Connection(asyncio.BufferedProtocol):
 
 
 async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) -> None:
-    """Serve until cancelled. Connects to etcd and rebuilds the directory first (raises Unavailable
-    'metaserver: etcd at X unreachable' if etcd does not answer within the start deadline), then listens on
-    ``config.listen`` and prints ``metaserver: HOST:PORT`` (the bound address) once. Cancellation closes the
+    """Serve until cancelled. Connects to etcd and joins the election first (raises Unavailable
+    'metaserver: etcd at X unreachable' if etcd does not answer within the start deadline); once the first round is
+    decided (won and directory loaded, or standing by) it listens on ``config.listen`` and prints
+    ``metaserver: HOST:PORT`` (the bound address) once, leader or standby. Cancellation closes the
     listener and every connection and flushes queued etcd writes (bounded), then re-raises."""
     loop = asyncio.get_running_loop()
     host, port = split_host_port(config.listen, "metaserver")

@@ -9,6 +9,19 @@ the directory returns is handed to the batch writer afterwards (awaited only by 
 Background (``tick`` every TICK_S): expire PENDING entries and read leases, detect dead nodes, evict nodes above
 the high watermark down to the low one. Every duty has a budget per tick, so a backlog (a million expired leases,
 a huge eviction) is worked off over several ticks while requests keep being served in between.
+
+Leadership (``metaserver.leader.Election``): every term starts from nothing. On a win the metaserver builds a fresh
+directory, membership, etcd writer and generation range (all etcd writes fenced on the leader key), loads the
+directory from etcd, then serves; on losing the lease or a fenced write it drops that state (queued writes are not
+written) and stands by. Only READY pages are in etcd, so PENDING allocations of the previous term vanish and
+their space is free again. Recency restarts from commit order.
+
+Nodes after a takeover: every node with an arena record is loaded *provisionally* with its pages, alive but not
+yet confirmed, for ``max(lease_ttl, NODE_GRACE_S)``. A node that re-registers the same arena (id and capacity)
+within that grace keeps its pages (kept=N); one that comes back with another arena, or not at all, loses them.
+This holds even when every metaserver was away longer than the node's lease (its leased record is gone then; the
+durable arena record is not). ALLOC waits (at most ``ALLOC_HOLD_S``) until the loaded nodes re-registered, so the
+first puts after a takeover are placed on every node instead of failing or piling onto the first to return.
 """
 
 from __future__ import annotations
@@ -20,12 +33,12 @@ from typing import Any
 
 from metaserver import validate as v
 from metaserver.directory import Directory, Effects
-from metaserver.leader import SingleLeader
+from metaserver.leader import Election
 from metaserver.nodes import Membership, Node
 from metaserver.persist import BatchWriter, EtcdStore, GenCounter
 from transport.wire import Op, Status
 from umbp.config import MetaserverConfig
-from umbp.errors import Unavailable
+from umbp.errors import NotLeader, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -33,6 +46,8 @@ TICK_S = 0.05
 SWEEP_BUDGET = 20_000  # expired pending entries / leases examined per tick
 EVICT_BUDGET = 5_000  # evictions per tick (background) or per slice (EVICT all)
 ETCD_START_DEADLINE_S = 15.0
+NODE_GRACE_S = 10.0  # a node loaded from etcd keeps its pages this long (at least its lease_ttl) to re-register
+ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loaded nodes to re-register
 
 _NONE = frozenset()
 _NS_KEYS = frozenset({"ns", "keys"})
@@ -40,23 +55,23 @@ _NS_KEYS_GENS = frozenset({"ns", "keys", "gens"})
 _ALLOC = frozenset({"ns", "keys", "sizes", "parents"})
 
 # Ops a standby refuses with NOT_LEADER (everything that reads or changes the directory or membership).
+# STATS too: a standby's empty directory would read as an empty pool. HELLO, PING and LEADER answer anywhere.
 LEADER_ONLY = frozenset({Op.REGISTER_NODE, Op.HEARTBEAT, Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.RELEASE,
-                         Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN})
+                         Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN, Op.STATS})
 
 
 class Metaserver:
     def __init__(self, config: MetaserverConfig, advertise: str):
         self.cfg = config
-        self.dir = Directory(pending_ttl_s=config.pending_ttl_s, read_lease_s=config.read_lease_s,
-                             policy=config.eviction_policy)
-        self.members = Membership()
         self.store = EtcdStore(config.etcd, config.etcd_prefix)
-        self.writer = BatchWriter(self.store, batch=config.persist_batch)
-        self.gens = GenCounter(self.store)
-        self.leader = SingleLeader(advertise)
+        self.leader = Election(self.store, advertise, config.election_ttl_s, self._elected, self._deposed)
         self.max_keys = config.max_batch_keys
+        self.term = 0  # bumped at every win and every step-down; coroutines of an older term stop
+        self.loaded = False  # this term's directory is loaded (serving = loaded and the lease is valid)
+        self._new_state()
         self._bg: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
+        self._election: asyncio.Task | None = None
         self.handlers = {
             Op.HELLO: self.hello, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
             Op.HEARTBEAT: self.heartbeat, Op.ALLOC: self.alloc, Op.COMMIT: self.commit, Op.ABORT: self.abort,
@@ -66,40 +81,116 @@ class Metaserver:
         }
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Connect to etcd (bounded retry), reserve generations, rebuild the directory, start background work.
-        Raises Unavailable('metaserver: etcd at X unreachable') when etcd does not answer in time."""
-        await self.store.wait_ready(ETCD_START_DEADLINE_S)
-        await self.gens.start()
-        self.writer.start()
-        await self._load()
-        self._ticker = asyncio.create_task(self._tick_loop(), name="metaserver-tick")
+    def _new_state(self) -> None:
+        """Fresh per-term state: nothing of a previous term survives into the next."""
+        cfg = self.cfg
+        self.dir = Directory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s,
+                             policy=cfg.eviction_policy)
+        self.members = Membership()
+        self.writer = BatchWriter(self.store, batch=cfg.persist_batch)
+        self.gens = GenCounter(self.store)
+        self.settled = asyncio.Event()  # every node loaded at takeover re-registered (or ALLOC_HOLD_S passed)
+        self.took_over = 0.0
 
-    async def close(self) -> None:
-        """Stop background work and flush queued etcd writes (bounded); node leases are left to expire on their
-        own, so nodes outlive a metaserver restart shorter than their lease_ttl."""
+    @property
+    def serving(self) -> bool:
+        return self.loaded and self.leader.is_leader
+
+    def check_term(self, term: int) -> None:
+        """Raise NotLeader when leadership changed since ``term`` (a coroutine resumed after an await)."""
+        if term != self.term or not self.serving:
+            raise NotLeader("metaserver", "leadership changed during the request", Status.NOT_LEADER,
+                            leader=None if self.leader.leader_addr == self.leader.addr else self.leader.leader_addr)
+
+    async def start(self) -> None:
+        """Connect to etcd (bounded retry) and join the election; return once the first round is decided: as the
+        leader with its directory loaded, or as a standby. Raises Unavailable('metaserver: etcd at X unreachable')
+        when etcd does not answer in time."""
+        await self.store.wait_ready(ETCD_START_DEADLINE_S)
+        self._election = asyncio.create_task(self.leader.run(), name="metaserver-election")
+        first = asyncio.create_task(self.leader.first_round.wait())
+        await asyncio.wait({self._election, first}, return_when=asyncio.FIRST_COMPLETED)
+        first.cancel()
+        if self._election.done():
+            self._election.result()  # raises what ended it
+
+    async def _elected(self, revision: int) -> None:
+        """Won at ``revision``: build this term's state from etcd. Serving starts when this returns."""
+        self.term += 1
+        self._new_state()
+        try:
+            await self.gens.start()
+            self.writer.start()
+            await self._load()
+        except BaseException:
+            await self._teardown(Unavailable("metaserver", "takeover failed", Status.UNAVAILABLE))
+            self._new_state()
+            raise
+        self.took_over = time.monotonic()
+        if not any(n.provisional for n in self.members.nodes.values()):
+            self.settled.set()
+        self._ticker = asyncio.create_task(self._tick_loop(), name="metaserver-tick")
+        self.loaded = True
+
+    async def _deposed(self, reason: str) -> None:
+        """Lost leadership: stop serving and drop this term's state; queued etcd writes are not written."""
+        self.loaded = False
+        self.term += 1
+        await self._teardown(NotLeader("metaserver", f"deposed ({reason})", Status.NOT_LEADER))
+        self._new_state()
+
+    async def _teardown(self, err: Exception) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
-        await self.writer.close(5.0)  # commits waiting on it get their answers first
+            self._ticker = None
+        await self.writer.abort(err)
+        await self._cancel_bg()
+
+    async def _cancel_bg(self) -> None:
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop the election and background work, flush queued etcd writes (bounded), then resign so a standby
+        takes over at once. Node leases are left to expire on their own, and nodes' arena records stay, so nodes
+        outlive a metaserver restart."""
+        if self._election is not None:
+            self._election.cancel()
+            await asyncio.gather(self._election, return_exceptions=True)
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        if self.loaded:
+            await self.writer.close(5.0)  # commits waiting on it get their answers first
+            self.loaded = False
+            await self.leader.resign()
+        else:
+            await self.writer.abort(Unavailable("metaserver", "shutting down", Status.UNAVAILABLE))
+        await self._cancel_bg()
         await self.store.close()
 
     async def _load(self) -> None:
         t0 = time.monotonic()
-        node_recs, pages = await self.store.load()
+        node_recs, arena_recs, pages = await self.store.load()
         now = time.monotonic()
-        for rec in node_recs:
+        live = {r.get("node_id"): r for r in node_recs}
+        recs = {r.get("node_id"): r for r in arena_recs}
+        recs.update(live)  # a leased record is at least as new as the durable one
+        for node_id, rec in recs.items():
             try:
                 desc = v.node_description({k: rec.get(k) for k in v.REGISTER_FIELDS if k in rec})
             except v.Reject as e:
-                log.warning("metaserver: ignoring node record %r: %s", rec.get("node_id"), e.message)
+                log.warning("metaserver: ignoring node record %r: %s", node_id, e.message)
                 continue
-            node, _ = self.members.register(desc, now)  # alive, with a grace period of lease_ttl
-            node.lease_id = int(rec.get("lease_id") or 0)
+            node, _ = self.members.register(desc, now)
+            node.lease_id = int(live[node_id].get("lease_id") or 0) if node_id in live else 0
+            # Provisional until it re-registers this arena: dropped after its grace if it does not.
+            node.provisional = True
+            node.last_heartbeat = now + max(0.0, max(node.lease_ttl, NODE_GRACE_S) - node.lease_ttl)
             self.dir.add_space(node.node_id, node.capacity)
+            self.dir.set_placeable(node.node_id, False)
         by_node: dict[str, list] = {}
         stale: list[bytes] = []
         for p in pages:
@@ -114,8 +205,9 @@ class Metaserver:
             fx.deletes.extend(f.deletes)
         self.writer.submit([], stale, wait=False)
         self._apply(fx)
-        log.info("metaserver: loaded %d nodes, %d pages (%d stale) in %.2fs", len(node_recs), len(pages),
-                 len(stale) + len(fx.deletes), time.monotonic() - t0)
+        self.load_s = time.monotonic() - t0
+        log.info("metaserver: loaded %d nodes (%d with a live lease), %d pages (%d stale) in %.2fs", len(recs),
+                 len(live), len(pages), len(stale) + len(fx.deletes), self.load_s)
 
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
@@ -148,6 +240,10 @@ class Metaserver:
                 log.exception("metaserver: background tick failed")
 
     def tick(self, now: float) -> None:
+        if not self.serving:
+            return  # a lapsed lease: touch nothing until the election says whether we still lead
+        if not self.settled.is_set() and now - self.took_over > ALLOC_HOLD_S:
+            self.settled.set()
         d = self.dir
         d.expire_pending(now, SWEEP_BUDGET)
         d.expire_leases(now, SWEEP_BUDGET)
@@ -161,8 +257,15 @@ class Metaserver:
     def _node_lost(self, node: Node) -> None:
         n, fx = self.dir.drop_space(node.node_id)
         self._apply(fx)
-        log.warning("metaserver: node %s lost (no heartbeat for %.1fs): dropped %d pages", node.node_id,
-                    node.lease_ttl, n)
+        self.writer.submit([], [self.store.arena_key(node.node_id)], wait=False)
+        if node.provisional:
+            node.provisional = False
+            log.warning("metaserver: node %s did not re-register after the takeover: dropped %d pages",
+                        node.node_id, n)
+        else:
+            log.warning("metaserver: node %s lost (no heartbeat for %.1fs): dropped %d pages", node.node_id,
+                        node.lease_ttl, n)
+        self._check_settled()
         lease, node.lease_id = node.lease_id, 0
         if lease:
             self._spawn(self._revoke(lease))
@@ -190,6 +293,8 @@ class Metaserver:
         desc = v.node_description(meta if type(meta) is dict else v.fields(meta, _NONE))
         now = time.monotonic()
         node, keep = self.members.register(desc, now)
+        node.provisional = False
+        self._check_settled()
         kept = dropped = 0
         if keep and node.node_id in self.dir.spaces:
             kept = len(self.dir.spaces[node.node_id].entries)
@@ -201,13 +306,19 @@ class Metaserver:
         node.conn = conn
         log.info("metaserver: node %s registered at %s:%d (%d bytes, kept %d, dropped %d)", node.node_id,
                  node.host, node.port, node.capacity, kept, dropped)
-        return self._register_io(node, kept, dropped)
+        return self._register_io(node, kept, dropped, self.term)
 
-    async def _register_io(self, node: Node, kept: int, dropped: int) -> dict:
+    def _check_settled(self) -> None:
+        if not self.settled.is_set() and not any(n.provisional for n in self.members.nodes.values()):
+            self.settled.set()
+
+    async def _register_io(self, node: Node, kept: int, dropped: int, term: int) -> dict:
         old = node.lease_id
         lease = await self.store.grant(node.lease_ttl_int)
+        self.check_term(term)
         node.lease_id = lease
         await self.store.put_node(node.node_id, node.record(), lease)
+        self.check_term(term)
         if old and old != lease:
             self._spawn(self._revoke(old))
         return {"heartbeat_s": max(0.1, node.lease_ttl / 3), "kept": kept, "dropped": dropped}
@@ -215,7 +326,7 @@ class Metaserver:
     def heartbeat(self, meta: Any, conn) -> dict:
         m = v.fields(meta, frozenset({"node_id", "arena_id"}), ("node_id", "arena_id"))
         node = self.members.heartbeat(v.node_id(m), v.arena_id(m), time.monotonic())
-        if node is None:
+        if node is None or node.provisional:
             raise v.Reject(f"node {m['node_id']} is not registered with this arena: register again",
                            Status.NOT_FOUND)
         if not node.refreshing:
@@ -231,7 +342,7 @@ class Metaserver:
                 lease = await self.store.grant(node.lease_ttl_int)
                 node.lease_id = lease
                 await self.store.put_node(node.node_id, node.record(), lease)
-        except Unavailable as e:
+        except (Unavailable, NotLeader) as e:
             log.warning("metaserver: node %s: %s", node.node_id, e)
         finally:
             node.refreshing = False
@@ -243,9 +354,9 @@ class Metaserver:
         keys = v.keys(m, self.max_keys)
         sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
         parents = v.parents(m, len(keys))
-        base = self.gens.take_nowait(len(keys))
+        base = self.gens.take_nowait(len(keys)) if self.settled.is_set() else None
         if base is None:
-            return self._alloc_later(ns, keys, sizes, parents)
+            return self._alloc_later(ns, keys, sizes, parents, self.term)
         return self._alloc_now(ns, keys, sizes, parents, base)
 
     def _alloc_now(self, ns, keys, sizes, parents, base) -> dict:
@@ -253,8 +364,16 @@ class Metaserver:
         self._apply(fx)
         return {"items": items}
 
-    async def _alloc_later(self, ns, keys, sizes, parents) -> dict:
+    async def _alloc_later(self, ns, keys, sizes, parents, term: int) -> dict:
+        if not self.settled.is_set():
+            # Just took over: let the nodes re-register first (bounded by ALLOC_HOLD_S via tick).
+            try:
+                await asyncio.wait_for(self.settled.wait(), ALLOC_HOLD_S + 1.0)
+            except asyncio.TimeoutError:
+                pass
+            self.check_term(term)
         base = await self.gens.take(len(keys))
+        self.check_term(term)
         return self._alloc_now(ns, keys, sizes, parents, base)
 
     def commit(self, meta: Any, conn):
@@ -318,8 +437,9 @@ class Metaserver:
         d = self.dir
         return {"capacity_bytes": d.capacity, "used_bytes": d.used, "objects": d.objects, "pending": d.pending,
                 "pinned": d.pinned, "hits": d.hits, "misses": d.misses, "evictions": d.evictions, "puts": d.puts,
-                "namespaces": d.namespaces(), "is_leader": self.leader.is_leader, "etcd": self.store.addr,
-                "leader": self.leader.leader_addr, "etcd_pending_ops": self.writer.pending(),
+                "namespaces": d.namespaces(), "is_leader": self.serving, "etcd": self.store.addr,
+                "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
+                "load_s": round(getattr(self, "load_s", 0.0), 3), "etcd_pending_ops": self.writer.pending(),
                 "etcd_txns": self.writer.txns, "nodes": self._node_maps()}
 
     def nodes(self, meta: Any, conn) -> dict:
@@ -351,7 +471,9 @@ class Metaserver:
 
     async def _evict_all(self) -> dict:
         total = freed = 0
+        term = self.term
         while True:
+            self.check_term(term)
             fx = Effects()
             n, f, done = self.dir.evict_all(EVICT_BUDGET, fx)
             self._apply(fx)
@@ -373,4 +495,4 @@ class Metaserver:
 
     def leader_info(self, meta: Any, conn) -> dict:
         v.fields(meta, _NONE)
-        return {"leader": self.leader.leader_addr, "is_leader": self.leader.is_leader}
+        return {"leader": self.leader.leader_addr, "is_leader": self.serving}

@@ -90,6 +90,7 @@ WC_STATUS = (
 )
 FLUSHED = "IBV_WC_WR_FLUSH_ERR"
 TIMED_OUT = "UMBP_DEADLINE"  # a request cancelled because ``transfer``'s deadline passed
+POST_FAILED = "UMBP_POST_SEND_FAILED"  # ibv_post_send refused the doorbell carrying the request
 
 DEFAULT_DEPTH = 128
 SIGNAL_EVERY = 16
@@ -320,6 +321,8 @@ class RcEndpoint:
 
     def local_info(self) -> dict:
         """What the peer needs to connect to this QP (msgpack-able: ints and one str)."""
+        if self.qp is None:
+            raise TransportError(COMPONENT, "endpoint is closed")
         return {"qpn": self.qp.qp_num, "psn": self.psn, "gid": self.ctx.gid, "lid": self.ctx.port_attr.lid,
                 "mtu": int(self.ctx.port_attr.active_mtu), "gid_index": self.ctx.gid_index,
                 "rd_atomic": self.rd_atomic}
@@ -379,6 +382,8 @@ class RcEndpoint:
         return self._submit(_e.IBV_WR_RDMA_WRITE, reqs)
 
     def _check_usable(self) -> None:
+        if self.qp is None:
+            raise TransportError(COMPONENT, "endpoint is closed")
         if self.broken:
             raise TransportError(COMPONENT, f"queue pair {self.qp.qp_num} is broken ({self.broken}); reset() it")
         if not self.connected:
@@ -441,10 +446,11 @@ class RcEndpoint:
         try:
             self.qp.post_send(wrs[0])
         except PyverbsError as exc:
-            # Nothing of this doorbell is known to be posted: fail it and everything after it.
+            # Which WRs of the list got posted is unknown: the QP is unusable. Report this doorbell as failed
+            # (through poll, like any failure) and everything after it as flushed.
             self._queue.extendleft(reversed(batch))
-            self._break(f"post_send failed: {exc}", None)
-            raise _fail("post_send", exc) from exc
+            self._break(f"post_send failed: {exc}", {w.seq for w in batch}, POST_FAILED)
+            return
         self._inflight.extend(batch)
         self.stats["wrs"] += len(batch)
         self.stats["doorbells"] += 1
@@ -478,7 +484,7 @@ class RcEndpoint:
         try:
             n, wcs = self.cq.poll(num_entries=self.depth)
         except PyverbsError as exc:
-            self._break(f"poll_cq failed: {exc}", None)
+            self._break(f"poll_cq failed: {exc}", ())
             return
         for wc in wcs[:n] if n > 0 else ():
             if wc.status == _e.IBV_WC_SUCCESS:
@@ -492,14 +498,15 @@ class RcEndpoint:
                     self.stats["bytes"] += w.nbytes
                     self._done.extend((rid, None) for rid in w.req_ids)
                 name = status_name(wc.status)
-                self._break(f"{name} on wr {wc.wr_id}", wc.wr_id if name != FLUSHED else None, name)
+                self._break(f"{name} on wr {wc.wr_id}", {wc.wr_id} if name != FLUSHED else (), name)
 
-    def _break(self, why: str, failed_seq: int | None, status: str = FLUSHED) -> None:
-        """Mark broken; report ``failed_seq``'s requests with ``status`` and everything else pending as flushed."""
+    def _break(self, why: str, failed: Iterable[int], status: str = FLUSHED) -> None:
+        """Mark broken; report the WRs ``failed`` (wr ids) with ``status``, everything else pending as flushed."""
         if not self.broken:
             self.broken = why
+        failed = set(failed)
         for w in list(self._inflight) + list(self._queue):
-            st = status if w.seq == failed_seq else FLUSHED
+            st = status if w.seq in failed else FLUSHED
             self._done.extend((rid, st) for rid in w.req_ids)
         self._inflight.clear()
         self._queue.clear()
@@ -513,20 +520,25 @@ class RcEndpoint:
             self.qp.modify(a, _e.IBV_QP_STATE)
         except PyverbsError:
             pass  # already dead; reset() recreates it either way
-        self._break(why, None, status)
+        self._break(why, (), status)
         for i, (rid, st) in enumerate(self._done):
             if st == FLUSHED:
                 self._done[i] = (rid, status)
 
     def transfer(self, opcode: str, reqs: Sequence[Request], deadline: float) -> int:
         """Post ``reqs`` (``opcode`` "read" or "write") and wait until every one finished; returns bytes moved.
-        Raises ``TransportError`` naming the first failure's ibv status, or ``DeadlineExceeded`` (after aborting
-        the QP) when ``deadline`` passes first. Requests posted earlier by the caller are reported the same way."""
+        Blocks until then or ``deadline``. Raises ``TransportError`` naming the root failure's ibv status, or
+        ``DeadlineExceeded`` when the deadline passes first (the QP is aborted, and everything pending on it is
+        dropped). Results of requests posted earlier with ``post_*`` are kept for the next ``poll``."""
         ids = (self.post_reads if opcode == "read" else self.post_writes)(reqs)
         want = set(ids)
         failed: list[tuple[int, str]] = []
+        others: list[tuple[int, str | None]] = []
         while want:
             for rid, st in self.poll(deadline):
+                if rid not in want:
+                    others.append((rid, st))
+                    continue
                 want.discard(rid)
                 if st is not None:
                     failed.append((rid, st))
@@ -535,9 +547,11 @@ class RcEndpoint:
                 self._done.clear()
                 raise DeadlineExceeded(COMPONENT, f"{opcode} of {len(ids)} requests: {len(want)} unfinished at "
                                                   f"the deadline; queue pair aborted")
+        self._done[:0] = others
         if failed:
-            first = min(failed)[1]
-            raise TransportError(COMPONENT, f"{opcode} failed: {first} ({len(failed)} of {len(ids)} requests "
+            failed.sort()
+            root = next((st for _, st in failed if st != FLUSHED), failed[0][1])
+            raise TransportError(COMPONENT, f"{opcode} failed: {root} ({len(failed)} of {len(ids)} requests "
                                             f"failed; queue pair {self.qp.qp_num} broken: {self.broken})")
         return sum(r[2] if len(r) == 5 else sum(s[2] for s in r[0]) for r in reqs)
 

@@ -2,8 +2,10 @@
 
 ``MetaClient.call(op, meta, deadline)`` sends one request and returns the answer's meta. It tries the addresses it
 knows (the configured list plus any leader named in a NOT_LEADER answer) until one leader answers or the deadline
-passes; transport failures and UNAVAILABLE answers are retried with a short backoff, every other error is raised at
-once. Requests are idempotent at the metaserver (ALLOC dedups, COMMIT of a committed key reports False, LOOKUP takes a
+passes; transport failures move on to the next address, UNAVAILABLE answers (a leader still loading, etcd briefly
+away) ask the same one again, both after a short backoff (first pass over the list without one); every other error
+is raised at once. One attempt waits at most ATTEMPT_S for its answer, so a frozen metaserver (SIGSTOP, a hung
+host) costs that much, not the whole deadline, before the client tries the others. Requests are idempotent at the metaserver (ALLOC dedups, COMMIT of a committed key reports False, LOOKUP takes a
 fresh lease), so retrying after a lost answer is safe.
 
 Thread-safe: one lock serialises use of the single connection (a client issues one metaserver call per batch).
@@ -19,7 +21,8 @@ from transport import wire
 from transport.tcp import FramedSocket
 from umbp.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
 
-_RETRY_SLEEP = (0.05, 0.1, 0.2, 0.4, 0.8)
+_RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
+ATTEMPT_S = 10.0  # one request's answer, unless the call's deadline is nearer
 
 
 class MetaClient:
@@ -49,9 +52,10 @@ class MetaClient:
             attempt = 0
             last: Exception | None = None
             while True:
+                attempt_end = min(deadline, time.monotonic() + ATTEMPT_S)
                 try:
-                    conn = self._connect(deadline)
-                    return conn.request(op, meta, deadline).meta
+                    conn = self._connect(attempt_end)
+                    return conn.request(op, meta, attempt_end).meta
                 except NotLeader as e:
                     last = e
                     self._drop()
@@ -61,10 +65,19 @@ class MetaClient:
                         self._idx = self.addrs.index(e.leader)
                     else:
                         self._idx += 1
-                except DeadlineExceeded:
+                except DeadlineExceeded as e:
                     self._drop()
-                    raise
-                except (TransportError, Unavailable) as e:
+                    if attempt_end >= deadline:
+                        raise
+                    last = e  # only this attempt's bound: try the others
+                    self._idx += 1
+                except Unavailable as e:
+                    last = e
+                    attempt = max(attempt, len(self.addrs))  # same address again, after a backoff ...
+                    if attempt % 4 == 3:  # ... but not forever: it may be one cut off from etcd
+                        self._drop()
+                        self._idx += 1
+                except TransportError as e:
                     last = e
                     self._drop()
                     self._idx += 1

@@ -27,7 +27,7 @@ from transport import wire
 from transport.shm import boot_id
 from umbp.arena import Arena
 from umbp.config import NodeConfig, split_host_port
-from umbp.errors import BadRequest, CorruptionError, NotLeader, ProtocolError, RemoteError, UmbpError
+from umbp.errors import BadRequest, CorruptionError, NotFound, NotLeader, ProtocolError, RemoteError, UmbpError
 
 _WRITE_HIGH_WATER = 64 << 20
 
@@ -212,7 +212,16 @@ class DataProtocol(asyncio.BufferedProtocol):
 
 
 class MetaLink:
-    """The node's connection to the metaserver: register, then heartbeat; re-register after any failure."""
+    """The node's connection to the metaserver: register, then heartbeat; re-register after any failure.
+
+    Convergence after a failover: the node cycles through its ``--metaserver`` list plus any leader named in a
+    NOT_LEADER answer, first retry after RETRY_FIRST_S and doubling to at most RETRY_MAX_S, so it is registered with
+    a new leader well within a second of that leader serving. Each attempt is bounded (connect, REGISTER) so a
+    frozen metaserver costs a couple of seconds, not a lease_ttl. A NOT_FOUND heartbeat answer (the metaserver does
+    not know this registration, e.g. it just took over) re-registers on the same address at once."""
+
+    RETRY_FIRST_S = 0.05
+    RETRY_MAX_S = 0.5
 
     def __init__(self, node: NodeServer):
         self.node = node
@@ -220,6 +229,7 @@ class MetaLink:
         self.component = f"{node.component} metaserver-link"
         self._rid = 0
         self.announced = False
+        self.leader: str | None = None  # the metaserver the node is registered with, while it is
 
     async def _request(self, reader, writer, op: int, meta: Any, timeout: float) -> Any:
         self._rid += 1
@@ -242,23 +252,30 @@ class MetaLink:
 
     async def run(self) -> None:
         """Forever: connect to a metaserver, register, heartbeat until the connection fails; then retry."""
-        backoff = 0.2
+        delay = self.RETRY_FIRST_S
         idx = 0
         ttl = self.node.config.lease_ttl
+        step_s = min(2.0, max(1.0, ttl / 3))  # bound on connect and on REGISTER's answer
+        quiet = 0  # consecutive failures; log the first few of a streak only
         while True:
             addr = self.addrs[idx % len(self.addrs)]
             writer = None
             try:
                 host, port = split_host_port(addr, self.component)
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), ttl / 2)
-                reply = await self._request(reader, writer, wire.Op.REGISTER_NODE, self.registration(), ttl)
-                backoff = 0.2
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), step_s)
+                reply = await self._request(reader, writer, wire.Op.REGISTER_NODE, self.registration(), step_s)
+                delay = self.RETRY_FIRST_S
+                quiet = 0
+                self.leader = addr
                 if not self.announced:
                     self.announced = True
                     n = self.node
                     print(f"node {n.node_id}: serving on {n.host}:{n.port} arena {n.arena.path} "
                           f"({'reopened' if n.arena.reopened else 'new'}, kept {reply.get('kept', 0)} pages)",
                           flush=True)
+                else:
+                    print(f"{self.component}: registered with {addr} (kept {reply.get('kept', 0)}, dropped "
+                          f"{reply.get('dropped', 0)} pages)", file=sys.stderr, flush=True)
                 self.node.registered.set()
                 interval = float(reply.get("heartbeat_s", ttl / 3))
                 while True:
@@ -267,20 +284,27 @@ class MetaLink:
                                         {"node_id": self.node.node_id, "arena_id": self.node.arena.arena_id},
                                         max(interval, 1.0))
             except NotLeader as e:
-                if e.leader and e.leader not in self.addrs:
-                    self.addrs.append(e.leader)
-                if e.leader:
+                self.leader = None
+                if e.leader and e.leader != addr:
+                    if e.leader not in self.addrs:
+                        self.addrs.append(e.leader)
                     idx = self.addrs.index(e.leader)
-                    continue
+                    continue  # straight to the named leader; a stale name fails to connect and costs one delay
                 idx += 1
+            except NotFound:
+                self.leader = None  # this metaserver lost our registration (it took over): register again here
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, UmbpError) as e:
-                print(f"{self.component}: {addr}: {type(e).__name__}: {e}; retrying", file=sys.stderr, flush=True)
+                self.leader = None
+                quiet += 1
+                if quiet <= 3:
+                    print(f"{self.component}: {addr}: {type(e).__name__}: {e}; retrying", file=sys.stderr,
+                          flush=True)
                 idx += 1
             finally:
                 if writer is not None:
                     writer.close()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, max(1.0, ttl / 3))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.RETRY_MAX_S)
 
 
 async def serve(config: NodeConfig) -> None:

@@ -3,7 +3,7 @@
 Absolute numbers under TCG mean nothing (about 0.1 GB/s for everything); the ratio says how much the Python engine
 costs over C on one RC QP. Run it in the guest (not collected by pytest):
 
-    python tests/rdma/testbed.py run -- python3 tests/rdma/guest/bench.py [--sizes 65536,1048576] [--total-mib 64]
+    python tests/rdma/testbed.py run -- python3 tests/rdma/guest/bench.py [--sizes 4096,65536,1048576] [--total-mib 64]
 
 With --peer HOST (two guests, see testbed.py run2) it measures against a ``rdma_helpers.py serve`` on HOST and
 skips perftest.
@@ -48,13 +48,13 @@ def perftest(tool: str, size: int, iters: int, gid_index: int, host: str = "127.
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--sizes", default="65536,1048576")
+    p.add_argument("--sizes", default="4096,65536,1048576")
     p.add_argument("--total-mib", type=int, default=64)
     p.add_argument("--peer", default=None, help="host of a running rdma_helpers.py serve (two guests)")
     p.add_argument("--port", type=int, default=0)
     a = p.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
-    total = a.total_mib << 20
+    total_max = a.total_mib << 20
     ctx = RdmaContext()
     region = 16 << 20
     server = None if a.peer else Server(region)
@@ -63,6 +63,7 @@ def main() -> int:
     rows = []
     try:
         for size in sizes:
+            total = min(total_max, size * 4096)  # small messages: fewer bytes, same count as perftest's -n
             for op, tool in (("read", "ib_read_bw"), ("write", "ib_write_bw")):
                 measure_throughput(conn.ep, local, conn.mr, op, size, min(total, 8 << 20))  # warm up
                 eng = measure_throughput(conn.ep, local, conn.mr, op, size, total)

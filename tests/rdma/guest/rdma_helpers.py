@@ -12,8 +12,8 @@ The server registers one arena (``ARENA_ACCESS``) filled with ``pattern(seed, si
 
 It prints ``PORT <n>`` once it listens, and exits after ``--clients`` connections ended (0: never).
 
-    python3 tests/rdma/guest/rdma_helpers.py serve --size BYTES [--seed S] [--clients N] [--host H]
-    python3 tests/rdma/guest/rdma_helpers.py client --port P --slice I --slice-size BYTES [--host H]
+    python3 tests/rdma/guest/rdma_helpers.py serve --size BYTES [--seed S] [--clients N] [--host H] [--port P]
+    python3 tests/rdma/guest/rdma_helpers.py client --port P --slice I --slice-size BYTES [--host H] [--rounds R]
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ def recv_msg(sock: socket.socket):
 
 # ---------------------------------------------------------------------------------------------------- server side
 
-def serve(size: int, seed: int, clients: int, host: str) -> None:
+def serve(size: int, seed: int, clients: int, host: str, port: int = 0) -> None:
     ctx = RdmaContext()
     buf = bytearray(pattern(seed, size))
     state = {"mr": ctx.register(buf, ARENA_ACCESS)}
     lock = threading.Lock()
-    lsock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    lsock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     print(f"PORT {lsock.getsockname()[1]}", flush=True)
     finished = threading.Semaphore(0)
 
@@ -207,11 +207,11 @@ def measure_throughput(ep: RcEndpoint, local, remote: dict, opcode: str, msg_siz
     return moved / (time.monotonic() - t0) / 1e9
 
 
-def client_main(host: str, port: int, slice_no: int, slice_size: int, rounds: int) -> int:
+def client_main(host: str, port: int, slice_no: int, slice_size: int, rounds: int, timeout: float = 30) -> int:
     """A workload for the concurrency test: write random data into its own arena slice, read it back, compare both
     the read-back bytes and the server's sha of the slice. Prints one JSON line."""
     ctx = RdmaContext()
-    c = Conn(ctx, port, host)
+    c = Conn(ctx, port, host, timeout)
     base = slice_no * slice_size
     src = ctx.alloc(slice_size, CLIENT_ACCESS)
     dst = ctx.alloc(slice_size, CLIENT_ACCESS)
@@ -225,8 +225,10 @@ def client_main(host: str, port: int, slice_no: int, slice_size: int, rounds: in
         c.ep.transfer("read", reqs, time.monotonic() + 60)
         want = sha(src.view)
         ok &= sha(dst.view) == want and c.remote_sha(base, slice_size) == want
+    report = {"slice": slice_no, "ok": ok, "rounds": rounds, "stats": c.ep.stats, "gid": ctx.gid,
+              "mtu": c.ep.local_info()["mtu"]}
     c.close()
-    print(json.dumps({"slice": slice_no, "ok": ok, "rounds": rounds, "stats": c.ep.stats}), flush=True)
+    print(json.dumps(report), flush=True)
     return 0 if ok else 1
 
 
@@ -238,17 +240,19 @@ def main() -> int:
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--clients", type=int, default=0)
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=0)
     c = sub.add_parser("client")
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, required=True)
     c.add_argument("--slice", type=int, default=0)
     c.add_argument("--slice-size", type=int, default=4 << 20)
     c.add_argument("--rounds", type=int, default=2)
+    c.add_argument("--connect-timeout", type=float, default=30)
     a = p.parse_args()
     if a.what == "serve":
-        serve(a.size, a.seed, a.clients, a.host)
+        serve(a.size, a.seed, a.clients, a.host, a.port)
         return 0
-    return client_main(a.host, a.port, a.slice, a.slice_size, a.rounds)
+    return client_main(a.host, a.port, a.slice, a.slice_size, a.rounds, a.connect_timeout)
 
 
 if __name__ == "__main__":

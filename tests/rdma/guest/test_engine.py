@@ -292,3 +292,39 @@ def test_many_small_requests_bounded_window(conn, bufs):
     for i in range(0, n, 7):
         assert dst.view[2 * i * size:(2 * i + 1) * size] == src.view[2 * i * size:(2 * i + 1) * size]
     assert conn.ep.pending() == 0
+
+
+def test_read_only_buffer_as_write_source(ctx, conn):
+    data = random.Random(6).randbytes(200 * KiB)  # bytes: registered in place, no copy
+    ro = ctx.register(data, 0)
+    try:
+        with pytest.raises(TransportError, match="read-only"):
+            ctx.register(data, CLIENT_ACCESS)
+        conn.ep.transfer("write", [(ro, 0, len(data), conn.mr["addr"] + 5 * MiB, conn.mr["rkey"])], deadline())
+        assert conn.remote_sha(5 * MiB, len(data)) == sha(data)
+    finally:
+        ctx.deregister(ro)
+
+
+def test_post_and_poll_report_every_request_once(conn, bufs):
+    """The low-level API: several post_* calls in flight, poll() reports each request id exactly once."""
+    src, dst = bufs
+    mr = conn.mr
+    src.view[:1 * MiB] = random.Random(8).randbytes(1 * MiB)
+    w = conn.ep.post_writes([(src, i * 64 * KiB, 64 * KiB, mr["addr"] + 6 * MiB + i * 64 * KiB, mr["rkey"])
+                             for i in range(16)])
+    # reads of the pristine area in the same window, reversed so they do not coalesce
+    r = conn.ep.post_reads([(dst, i * 4 * KiB, 4 * KiB, mr["addr"] + PRISTINE + i * 4 * KiB, mr["rkey"])
+                            for i in reversed(range(100))])
+    # a transfer in the middle keeps the others' results for poll
+    conn.ep.transfer("read", [(dst, 2 * MiB, 4 * KiB, mr["addr"] + PRISTINE, mr["rkey"])], deadline())
+    seen: dict[int, str | None] = {}
+    end = deadline(60)
+    while len(seen) < len(w) + len(r):
+        for rid, st in conn.ep.poll(end):
+            assert rid not in seen
+            seen[rid] = st
+        assert time.monotonic() < end
+    assert sorted(seen) == sorted(w + r) and all(st is None for st in seen.values())
+    assert conn.remote_sha(6 * MiB, 1 * MiB) == sha(src.view[:1 * MiB])
+    assert dst.view[:400 * KiB] == pattern(SEED, ARENA)[PRISTINE:PRISTINE + 400 * KiB]
