@@ -164,35 +164,29 @@ class TcpTransport(Transport):
         return self._conn
 
     def start_read(self, ops, deadline):
-        p = Pending(ops, "read")
-        try:
-            conn = self._connection(deadline)
-            ids = []
-            frames = []
-            for op in ops:
-                rid = conn.next_id()
-                ids.append(rid)
-                frames.append(wire.encode(wire.Op.READ, rid, [op.offset, op.start, op.length, op.khash,
-                                                             op.generation, op.payload_len]))
-            conn.send([b"".join(frames)], deadline)
-            p.state = (conn, ids)
-        except TransportError as e:
-            p.results = [e] * len(ops)
-            p.state = None
-        return p
+        def frames(rid, op):
+            return [wire.encode(wire.Op.READ, rid, [op.offset, op.start, op.length, op.khash, op.generation,
+                                                    op.payload_len])]
+        return self._start(ops, "read", frames, deadline)
 
     def start_write(self, ops, deadline):
-        p = Pending(ops, "write")
+        def frames(rid, op):
+            head = wire.encode(wire.Op.WRITE, rid, [op.offset], data_len=len(op.header) + len(op.payload))
+            return [head, op.header, op.payload]
+        return self._start(ops, "write", frames, deadline)
+
+    def _start(self, ops, kind: str, frames, deadline: float) -> Pending:
+        """Send every op's request in one ``sendmsg`` sequence; answers are read in ``finish``."""
+        p = Pending(ops, kind)
         try:
             conn = self._connection(deadline)
-            ids = []
-            bufs: list = []
+            ids, bufs = [], []
             for op in ops:
                 rid = conn.next_id()
                 ids.append(rid)
-                bufs.append(wire.encode(wire.Op.WRITE, rid, [op.offset], data_len=len(op.header) + len(op.payload)))
-                bufs.append(op.header)
-                bufs.append(op.payload)
+                bufs.extend(frames(rid, op))
+            if kind == "read":
+                bufs = [b"".join(bufs)]  # small requests: one buffer, one syscall
             conn.send(bufs, deadline)
             p.state = (conn, ids)
         except TransportError as e:

@@ -32,20 +32,26 @@ def _is_torch(obj: Any) -> bool:
     return mod is not None and isinstance(obj, mod.Tensor)
 
 
+def _flat_view(obj: Any, what: str, writable: bool) -> memoryview:
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise InvalidArgument("client", f"{what} of type {type(obj).__name__} does not support the buffer "
+                                        f"protocol (use bytes, bytearray, memoryview, numpy arrays or tensors)") from None
+    if writable and mv.readonly:
+        raise InvalidArgument("client", f"{what} is read-only (bytes?); pass a bytearray, numpy array or tensor")
+    if not mv.c_contiguous:
+        raise InvalidArgument("client", f"{what} is not C-contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
 def as_bytes_view(value: Any, what: str = "value") -> memoryview:
-    """A read-only flat byte view of ``value``."""
+    """A read-only flat byte view of ``value`` (a CUDA tensor is copied to the host first)."""
     if _is_torch(value):
         if value.device.type != "cpu":
             value = value.detach().to("cpu")
         return _torch_view(value, writable=False)
-    try:
-        mv = memoryview(value)
-    except TypeError:
-        raise InvalidArgument("client", f"{what} of type {type(value).__name__} does not support the buffer "
-                                     f"protocol (use bytes, bytearray, memoryview, numpy arrays or tensors)") from None
-    if not mv.c_contiguous:
-        raise InvalidArgument("client", f"{what} is not C-contiguous")
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    return _flat_view(value, what, writable=False)
 
 
 class CudaOut:
@@ -68,17 +74,9 @@ class CudaOut:
 
 
 def as_writable_view(out: Any, what: str = "out") -> memoryview | CudaOut:
+    """A writable flat byte view of ``out``, or a ``CudaOut`` for a CUDA tensor."""
     if _is_torch(out):
         if out.device.type != "cpu":
             return CudaOut(out)
         return _torch_view(out, writable=True)
-    try:
-        mv = memoryview(out)
-    except TypeError:
-        raise InvalidArgument("client", f"{what} of type {type(out).__name__} does not support the buffer "
-                                     f"protocol") from None
-    if mv.readonly:
-        raise InvalidArgument("client", f"{what} is read-only (bytes?); pass a bytearray, numpy array or tensor")
-    if not mv.c_contiguous:
-        raise InvalidArgument("client", f"{what} is not C-contiguous")
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    return _flat_view(out, what, writable=True)
