@@ -15,7 +15,8 @@ The same trace runs against two fresh pools (``umbp.launcher.LocalPool``: etcd, 
 that differ only in ``--eviction-policy``, with a capacity of ``--capacity-frac`` of the trace's working set (every
 distinct page), so eviction decides what is reused. The figure is the prefix hit rate, tokens reused / tokens asked
 (full pages of each prompt), for each policy, next to the ceiling of an unbounded pool, and the ratio prefix-lru /
-lru. Nothing asserts; ``--quick`` runs a smaller trace.
+lru. ``lost`` counts matched pages gone by the time of the load (the background watermark pass runs in between).
+Nothing asserts; ``--quick`` runs a smaller trace, ``--nodes 1`` shows the policy without chains split across nodes.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--advertise", help="address clients should use for this metaserver")
     p.add_argument("--etcd-prefix", dest="etcd_prefix", help="key prefix in etcd (default /umbp)")
     p.add_argument("--eviction-policy", dest="eviction_policy", choices=("lru", "prefix-lru"))
+    p.add_argument("--election-ttl", dest="election_ttl_s", type=int,
+                   help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
     args = p.parse_args(argv)
     try:
         config = resolve(MetaserverConfig, vars(args))

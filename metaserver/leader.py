@@ -102,10 +102,13 @@ class Election:
                     await self._follow()
             except asyncio.CancelledError:
                 raise
-            except UmbpError as e:
+            except Exception as e:  # noqa: BLE001 - etcd trouble or a failed load: never stop campaigning
                 if self._won:
                     await self._step_down(str(e))
-                log.warning("metaserver: election: %s; retrying", e)
+                if isinstance(e, UmbpError):
+                    log.warning("metaserver: election: %s; retrying", e)
+                else:
+                    log.exception("metaserver: election round failed; retrying")
                 self.first_round.set()
                 await asyncio.sleep(RETRY_S)
 

@@ -68,6 +68,7 @@ class Metaserver:
         self.max_keys = config.max_batch_keys
         self.term = 0  # bumped at every win and every step-down; coroutines of an older term stop
         self.loaded = False  # this term's directory is loaded (serving = loaded and the lease is valid)
+        self.load_s = 0.0  # how long the last takeover's directory load took
         self._new_state()
         self._bg: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
@@ -176,9 +177,9 @@ class Metaserver:
         node_recs, arena_recs, pages = await self.store.load()
         now = time.monotonic()
         live = {r.get("node_id"): r for r in node_recs}
-        recs = {r.get("node_id"): r for r in arena_recs}
-        recs.update(live)  # a leased record is at least as new as the durable one
-        for node_id, rec in recs.items():
+        records = {r.get("node_id"): r for r in arena_recs}
+        records.update(live)  # a leased record is at least as new as the durable one
+        for node_id, rec in records.items():
             try:
                 desc = v.node_description({k: rec.get(k) for k in v.REGISTER_FIELDS if k in rec})
             except v.Reject as e:
@@ -206,7 +207,7 @@ class Metaserver:
         self.writer.submit([], stale, wait=False)
         self._apply(fx)
         self.load_s = time.monotonic() - t0
-        log.info("metaserver: loaded %d nodes (%d with a live lease), %d pages (%d stale) in %.2fs", len(recs),
+        log.info("metaserver: loaded %d nodes (%d with a live lease), %d pages (%d stale) in %.2fs", len(records),
                  len(live), len(pages), len(stale) + len(fx.deletes), self.load_s)
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -360,6 +361,10 @@ class Metaserver:
         return self._alloc_now(ns, keys, sizes, parents, base)
 
     def _alloc_now(self, ns, keys, sizes, parents, base) -> dict:
+        if not any(sp.placeable for sp in self.dir.spaces.values()) and any(
+                n.provisional for n in self.members.nodes.values()):
+            # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
+            raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
         items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic())
         self._apply(fx)
         return {"items": items}
@@ -439,7 +444,7 @@ class Metaserver:
                 "pinned": d.pinned, "hits": d.hits, "misses": d.misses, "evictions": d.evictions, "puts": d.puts,
                 "namespaces": d.namespaces(), "is_leader": self.serving, "etcd": self.store.addr,
                 "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
-                "load_s": round(getattr(self, "load_s", 0.0), 3), "etcd_pending_ops": self.writer.pending(),
+                "load_s": round(self.load_s, 3), "etcd_pending_ops": self.writer.pending(),
                 "etcd_txns": self.writer.txns, "nodes": self._node_maps()}
 
     def nodes(self, meta: Any, conn) -> dict:

@@ -49,8 +49,9 @@ import os
 import random
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from umbp.errors import DeadlineExceeded, TransportError
 
@@ -68,7 +69,7 @@ try:  # pyverbs exists only for Debian's /usr/bin/python3 (or a venv that sees i
     from pyverbs.wr import SGE, SendWR
 
     _IMPORT_ERROR: str | None = None
-except Exception as exc:  # ImportError, or a broken install raising anything at import time
+except Exception as exc:  # noqa: BLE001 -- ImportError, or a broken install raising anything at import
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
     PyverbsError = OSError  # type: ignore[misc,assignment]  # keeps the except clauses below valid
 
@@ -114,7 +115,7 @@ def rdma_available(device_name: str | None = None) -> tuple[bool, str]:
         return False, f"{COMPONENT}: pyverbs not importable ({_IMPORT_ERROR})"
     try:
         names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in get_device_list()]
-    except Exception as exc:  # PyverbsRDMAError("Failed to get devices list") on hosts without RDMA
+    except Exception as exc:  # noqa: BLE001 -- PyverbsRDMAError("Failed to get devices list") without RDMA
         return False, f"{COMPONENT}: no RDMA device ({getattr(exc, 'args', [exc])[0] if exc.args else exc})"
     if not names:
         return False, f"{COMPONENT}: no RDMA device (empty device list)"
@@ -146,7 +147,7 @@ class MemoryRegion:
     While registered the buffer is pinned and exported (an mmap cannot be closed under it); ``close`` (or
     ``RdmaContext.deregister``) revokes the rkey at once: later remote access fails with IBV_WC_REM_ACCESS_ERR."""
 
-    __slots__ = ("mr", "addr", "length", "lkey", "rkey", "access", "view", "_holder")
+    __slots__ = ("_holder", "access", "addr", "length", "lkey", "mr", "rkey", "view")
 
     def __init__(self, mr: Any, addr: int, length: int, access: int, holder: Any):
         self.mr = mr
@@ -173,8 +174,11 @@ class MemoryRegion:
                 raise _fail("deregister", exc) from exc
             finally:
                 self.mr = None
-                self._holder = None
-                self.view.release()
+                self._holder = None  # drops the ctypes/numpy export of ``view``
+                try:
+                    self.view.release()
+                except BufferError:  # someone still exports the view; it goes when they do
+                    pass
 
 
 class RdmaContext:
@@ -182,7 +186,7 @@ class RdmaContext:
     verbs objects do not survive fork). Chooses the GID to use unless ``gid_index`` is given: RoCE v2 first, then
     IPv4-mapped, then global IPv6, then link-local (link-local on ``lo`` cannot route; on a real link it can)."""
 
-    _default: tuple[int, "RdmaContext"] | None = None
+    _default: tuple[int, RdmaContext] | None = None
 
     def __init__(self, device_name: str | None = None, gid_index: int | None = None):
         ok, why = rdma_available(device_name)
@@ -205,7 +209,7 @@ class RdmaContext:
         self.regions: set[MemoryRegion] = set()
 
     @classmethod
-    def default(cls) -> "RdmaContext":
+    def default(cls) -> RdmaContext:
         if cls._default is None or cls._default[0] != os.getpid():
             cls._default = (os.getpid(), cls())
         return cls._default[1]

@@ -151,7 +151,8 @@ def cmd_metaserver(args) -> int:
     from umbp.config import MetaserverConfig, resolve
 
     cfg = resolve(MetaserverConfig, {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise,
-                                     "eviction_policy": args.eviction_policy})
+                                     "eviction_policy": args.eviction_policy,
+                                     "election_ttl_s": args.election_ttl})
     run(cfg)
     return 0
 
@@ -206,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", default=None, help="HOST:PORT to serve on (default 127.0.0.1:7700)")
     s.add_argument("--advertise", default=None, help="address clients should use, if not --listen")
     s.add_argument("--eviction-policy", default=None, choices=["lru", "prefix-lru"])
+    s.add_argument("--election-ttl", type=int, default=None,
+                   help="seconds of leader-lease: a dead leader is replaced within about this long (default 5)")
     s.set_defaults(func=cmd_metaserver)
 
     s = sub.add_parser("node", help="run a storage node")

@@ -193,66 +193,90 @@ class Client:
             return []
         kb = [normalize_key(k) for k in keys]
         views = [as_bytes_view(v, f"values[{i}]") for i, v in enumerate(values)]
-        meta: dict[str, Any] = {"ns": self.namespace, "keys": kb, "sizes": [len(v) for v in views]}
-        if parents is not None:
-            meta["parents"] = [None if p is None else normalize_key(p) for p in parents]
+        pb = None if parents is None else [None if p is None else normalize_key(p) for p in parents]
+        out = [False] * len(kb)
         with self._lock:
             deadline = self._deadline()
-            items = self._meta.call(wire.Op.ALLOC, meta, deadline)["items"]
-            batches: dict[str, list[WriteOp]] = {}
-            index: dict[str, list[int]] = {}
-            checksum = self.config.checksum
-            ns = self.namespace
-            for i, item in enumerate(items):
-                if item[0] != NEW:
-                    continue
-                _, node_id, off, size, gen = item
-                payload = views[i]
-                header = wire.pack_object_header(wire.key_hash(ns, kb[i]), gen, size,
-                                                 wire.payload_checksum(payload) if checksum else None)
-                batches.setdefault(node_id, []).append(WriteOp(off, header, payload))
-                index.setdefault(node_id, []).append(i)
-            try:
-                results = self._run(batches, "write", deadline) if batches else {}
-            except UmbpError:
-                new = [i for i, it in enumerate(items) if it[0] == NEW]
-                self._meta.call(wire.Op.ABORT, {"ns": ns, "keys": [kb[i] for i in new],
-                                                "gens": [items[i][4] for i in new]}, deadline)
-                raise
-            ok_idx, bad_idx, first_err = [], [], None
-            for node_id, res in results.items():
-                for i, r in zip(index[node_id], res):
-                    if r is None:
-                        ok_idx.append(i)
-                    else:
-                        bad_idx.append(i)
-                        first_err = first_err or r
-            if bad_idx:
-                self._meta.call(wire.Op.ABORT, {"ns": ns, "keys": [kb[i] for i in bad_idx],
-                                                "gens": [items[i][4] for i in bad_idx]}, deadline)
-            committed = []
-            if ok_idx:
-                committed = self._meta.call(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
-                                                             "gens": [items[i][4] for i in ok_idx]}, deadline)["ok"]
-        out = [False] * len(kb)
-        lost = 0
-        for i, ok in zip(ok_idx, committed):
-            out[i] = bool(ok)
-            lost += not ok
-            if ok:
-                self.counters["bytes_put"] += len(views[i])
-        self.counters["puts"] += len(ok_idx) - lost
-        self.counters["dedup"] += sum(1 for it in items if it[0] == EXISTS)
-        if first_err is not None:
-            raise TransportError(self.component, f"batch_put: {len(bad_idx)} of {len(kb)} pages were not stored "
-                                                 f"(aborted): {first_err}") from first_err
-        full = sum(1 for it in items if it[0] == NO_SPACE)
+            todo = list(range(len(kb)))
+            # A commit can come back not-ok when its allocation was lost (the metaserver leader died between ALLOC
+            # and COMMIT, or the allocation expired): the bytes were never visible, so allocate and write again,
+            # once, within the same deadline.
+            for attempt in range(2):
+                stored, lost, full, err = self._put_once(kb, views, pb, todo, deadline)
+                for i in stored:
+                    out[i] = True
+                if err is not None or full or not lost or attempt:
+                    break
+                todo = lost
+        if err is not None:
+            raise err
         if full:
-            raise PoolFull(self.component, f"pool full: {full} of {len(kb)} pages found no space "
-                                           f"(every evictable page is leased or pending); {len(ok_idx) - lost} stored")
+            raise PoolFull(self.component, f"pool full: {len(full)} of {len(kb)} pages found no space "
+                                           f"(every evictable page is leased or pending); {sum(out)} stored")
         if lost:
-            raise TransportError(self.component, f"batch_put: {lost} pages expired before commit and were dropped")
+            raise TransportError(self.component, f"batch_put: {len(lost)} pages lost their allocation before "
+                                                 f"commit twice and were not stored")
         return out
+
+    def _put_once(self, kb: list[bytes], views: list[memoryview], parents: list | None, idxs: list[int],
+                  deadline: float) -> tuple[list[int], list[int], list[int], Exception | None]:
+        """ALLOC, write, COMMIT the keys at ``idxs``. Returns (stored, lost, no_space, error); keys that already
+        existed are in none of the lists. Keys whose write failed are aborted and reported through ``error``."""
+        ns = self.namespace
+        meta: dict[str, Any] = {"ns": ns, "keys": [kb[i] for i in idxs], "sizes": [len(views[i]) for i in idxs]}
+        if parents is not None:
+            meta["parents"] = [parents[i] for i in idxs]
+        items = self._meta.call(wire.Op.ALLOC, meta, deadline)["items"]
+        batches: dict[str, list[WriteOp]] = {}
+        index: dict[str, list[int]] = {}
+        gens: dict[int, int] = {}
+        checksum = self.config.checksum
+        full = []
+        for i, item in zip(idxs, items):
+            if item[0] == EXISTS:
+                self.counters["dedup"] += 1
+                continue
+            if item[0] == NO_SPACE:
+                full.append(i)
+                continue
+            _, node_id, off, size, gen = item
+            payload = views[i]
+            gens[i] = gen
+            header = wire.pack_object_header(wire.key_hash(ns, kb[i]), gen, size,
+                                             wire.payload_checksum(payload) if checksum else None)
+            batches.setdefault(node_id, []).append(WriteOp(off, header, payload))
+            index.setdefault(node_id, []).append(i)
+        try:
+            results = self._run(batches, "write", deadline) if batches else {}
+        except UmbpError:
+            self._meta.call(wire.Op.ABORT, {"ns": ns, "keys": [kb[i] for i in gens],
+                                            "gens": list(gens.values())}, deadline)
+            raise
+        ok_idx, bad_idx, first_err = [], [], None
+        for node_id, res in results.items():
+            for i, r in zip(index[node_id], res):
+                if r is None:
+                    ok_idx.append(i)
+                else:
+                    bad_idx.append(i)
+                    first_err = first_err or r
+        if bad_idx:
+            self._meta.call(wire.Op.ABORT, {"ns": ns, "keys": [kb[i] for i in bad_idx],
+                                            "gens": [gens[i] for i in bad_idx]}, deadline)
+        committed = []
+        if ok_idx:
+            committed = self._meta.call(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
+                                                         "gens": [gens[i] for i in ok_idx]}, deadline)["ok"]
+        stored = [i for i, ok in zip(ok_idx, committed) if ok]
+        lost = [i for i, ok in zip(ok_idx, committed) if not ok]
+        self.counters["puts"] += len(stored)
+        self.counters["bytes_put"] += sum(len(views[i]) for i in stored)
+        err = None
+        if first_err is not None:
+            err = TransportError(self.component, f"batch_put: {len(bad_idx)} of {len(kb)} pages were not stored "
+                                                 f"(aborted): {first_err}")
+            err.__cause__ = first_err
+        return stored, lost, full, err
 
     def put(self, key: Any, value: Any) -> bool:
         return self.batch_put([key], [value])[0]

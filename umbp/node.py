@@ -243,6 +243,16 @@ class MetaLink:
         wire.raise_for_status(frame, self.component)
         return frame.meta
 
+    async def _idle(self, reader, interval: float) -> None:
+        """Wait ``interval`` between heartbeats, but notice at once when the metaserver closes the connection (it
+        died or stepped down): it never sends unsolicited frames, so anything read here is the end of the link."""
+        try:
+            got = await asyncio.wait_for(reader.read(1), interval)
+        except asyncio.TimeoutError:
+            return
+        raise ProtocolError(self.component, "metaserver closed the connection" if not got
+                            else "unsolicited bytes from the metaserver")
+
     def registration(self) -> dict:
         n = self.node
         return {"node_id": n.node_id, "host": n.host, "port": n.port, "pid": os.getpid(),
@@ -279,7 +289,7 @@ class MetaLink:
                 self.node.registered.set()
                 interval = float(reply.get("heartbeat_s", ttl / 3))
                 while True:
-                    await asyncio.sleep(interval)
+                    await self._idle(reader, interval)
                     await self._request(reader, writer, wire.Op.HEARTBEAT,
                                         {"node_id": self.node.node_id, "arena_id": self.node.arena.arena_id},
                                         max(interval, 1.0))

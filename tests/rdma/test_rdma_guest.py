@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import testbed  # noqa: E402
+import testbed
 
 pytestmark = [pytest.mark.rdma, pytest.mark.timeout(900)]
 

@@ -12,7 +12,7 @@ Commands (stdlib only)::
 
     python tests/rdma/testbed.py setup                  # idempotent; cached under tests/rdma/.build/
     python tests/rdma/testbed.py run [--timeout S] -- CMD...
-    python tests/rdma/testbed.py run2 --server 'CMD' --client 'CMD' [--timeout S]
+    python tests/rdma/testbed.py run2 --server 'CMD' --client 'CMD' [--timeout S] [--ipv4]
 
 ``run`` boots one guest with ``rxe0`` on ``lo`` (use GID index 1, ``::ffff:127.0.0.1``). ``run2`` boots two
 guests joined by a QEMU socket netdev on host loopback, ``rxe0`` on ``eth0`` (MTU 9000), IPv6 link-local
@@ -20,8 +20,14 @@ addresses; each command sees ``UMBP_RDMA_SELF`` and ``UMBP_RDMA_PEER`` (``fe80::
 bash from the repository root with ``PYTHONPATH`` = repo + the venv's site-packages, so ``python3`` (Debian's
 3.11, the only one with pyverbs) imports umbp, msgpack, numpy and pytest. ``UMBP_RDMA_GUEST=1`` marks the guest.
 
-Costs: setup from a fresh machine is dominated by apt (tens of seconds); a guest boots in a few seconds to its
-command, then runs about 10x slower than the host (TCG). Two guests eat two host cores: run one at a time.
+The guest CPU is ``qemu64`` plus the x86-64-v2 flags (numpy 2.x dies with SIGILL on bare ``qemu64``), not
+``-cpu max`` (rxe's CRC then picks PCLMUL, which TCG emulates slowly). ``UMBP_TESTBED_CPU`` overrides it;
+``UMBP_TESTBED_KEEP=1`` keeps each run's directory (job script, console log) under .build/runs/.
+
+Costs (measured on 2 shared cores): setup from a fresh machine is dominated by apt (about 30 s), cached 0.1 s; a
+guest reaches its command 3-4 s after qemu starts (rxe up at 4-5 s) and a trivial command's whole run is about
+11 s; the guest suite about 35 s; two guests about 20 s. Code runs several times slower than on the host (TCG).
+Two guests eat two host cores: run one at a time.
 The exit status of ``run`` is the command's; 124 means the guest was killed at the timeout, 125 that the guest
 could not set up rxe.
 """
@@ -139,7 +145,7 @@ def can_run() -> tuple[bool, str]:
 def _missing_packages() -> list[str]:
     missing = []
     for p in PACKAGES:
-        r = subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], text=True, capture_output=True)
+        r = subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], text=True, capture_output=True, check=False)
         if r.returncode != 0 or "install ok installed" not in r.stdout:
             missing.append(p)
     return missing
@@ -148,10 +154,10 @@ def _missing_packages() -> list[str]:
 def _apt_install(pkgs: list[str]) -> None:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     cmd = ["apt-get", "install", "-y", "--no-install-recommends", *pkgs]
-    if subprocess.run(cmd, env=env, capture_output=True, text=True).returncode != 0:
+    if subprocess.run(cmd, env=env, capture_output=True, text=True, check=False).returncode != 0:
         log("apt-get install failed; running apt-get update once")
         _sh(["apt-get", "update"], env=env)
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise SystemExit(f"testbed: apt-get install failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
 
@@ -278,7 +284,7 @@ class GuestResult:
     timings: dict = field(default_factory=dict)
 
     def summary(self) -> str:
-        f = lambda v: "?" if v is None else f"{v:.1f}s"  # noqa: E731
+        f = lambda v: "?" if v is None else f"{v:.1f}s"
         return (f"rc={self.rc} wall={self.wall_s:.1f}s boot={f(self.boot_s)} rxe-ready={f(self.ready_s)} "
                 f"cmd-end={f(self.end_s)}")
 
@@ -316,7 +322,7 @@ class Guest:
 
     def start(self) -> None:
         self.t0 = time.monotonic()
-        self.console = open(self.dir / "console.log", "wb")
+        self.console = open(self.dir / "console.log", "wb")  # noqa: SIM115 -- closed by wait()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.console,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         if self.stream:
@@ -366,8 +372,8 @@ class Guest:
         if self.stream:
             self._stop.set()
             self._tail.join(timeout=5)
-        rd = lambda n: (self.dir / n).read_text(errors="replace") if (self.dir / n).exists() else ""  # noqa: E731
-        upt = lambda n: float(rd(n).split()[0]) if rd(n).strip() else None  # noqa: E731
+        rd = lambda n: (self.dir / n).read_text(errors="replace") if (self.dir / n).exists() else ""
+        upt = lambda n: float(rd(n).split()[0]) if rd(n).strip() else None
         rc_text = rd("rc").strip()
         rc = 124 if timed_out else (int(rc_text) if rc_text.lstrip("-").isdigit() else 126)
         res = GuestResult(rc=rc, output=rd("output.log"), wall_s=wall, boot_s=upt("boot_uptime"),
@@ -414,18 +420,23 @@ def _link_local(mac: str) -> str:
 
 
 def run2(server_cmd: str, client_cmd: str, timeout: float = 600, stream: bool = True,
-         server_grace: float = 30) -> tuple[GuestResult, GuestResult]:
+         server_grace: float = 30, ipv4: bool = False) -> tuple[GuestResult, GuestResult]:
     """Boot guests A (server) and B (client) on one virtual Ethernet; rxe0 on eth0, MTU 9000. Blocks.
 
+    Addresses are IPv6 link-local only, unless ``ipv4`` (10.77.0.1 and .2/24, in ``UMBP_RDMA_SELF4`` and
+    ``UMBP_RDMA_PEER4``; perftest's TCP exchange is IPv4-only; note rxe then also lists an IPv4-mapped GID).
     The server command must exit on its own; it gets ``server_grace`` seconds after the client finished."""
     port = _free_port()
     addrs = [_link_local(m) for m in MACS]
-    net_setup = ("sysctl -qw net.ipv6.conf.eth0.accept_dad=0; ip link set eth0 mtu 9000 && ip link set eth0 up && "
-                 "for i in $(seq 50); do ip -6 addr show dev eth0 scope link | grep -q 'inet6' && break; sleep 0.1; "
-                 "done &&")
     guests = []
     for i, (role, cmd, mode) in enumerate((("server", server_cmd, "listen"), ("client", client_cmd, "connect"))):
+        net_setup = ("sysctl -qw net.ipv6.conf.eth0.accept_dad=0; ip link set eth0 mtu 9000 && ip link set eth0 up "
+                     + (f"&& ip addr add 10.77.0.{i + 1}/24 dev eth0 " if ipv4 else "")
+                     + "&& for i in $(seq 50); do ip -6 addr show dev eth0 scope link | grep -q 'inet6' && break; "
+                     "sleep 0.1; done &&")
         env = {"UMBP_RDMA_ROLE": role, "UMBP_RDMA_SELF": f"{addrs[i]}%eth0", "UMBP_RDMA_PEER": f"{addrs[1 - i]}%eth0"}
+        if ipv4:
+            env.update(UMBP_RDMA_SELF4=f"10.77.0.{i + 1}", UMBP_RDMA_PEER4=f"10.77.0.{2 - i}")
         net = ["-netdev", f"socket,id=n0,{mode}=127.0.0.1:{port}",
                "-device", f"virtio-net-pci,netdev=n0,mac={MACS[i]},romfile="]
         guests.append(Guest(cmd, netdev="eth0", net_args=net, net_setup=net_setup, env=env,
@@ -461,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     r2.add_argument("--server", required=True)
     r2.add_argument("--client", required=True)
     r2.add_argument("--timeout", type=float, default=600)
+    r2.add_argument("--ipv4", action="store_true", help="also give eth0 IPv4 addresses (perftest needs them)")
     a = p.parse_args(argv)
     if a.what == "setup":
         print(json.dumps(setup(force=a.force), indent=1))
@@ -476,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run(cmd[0] if len(cmd) == 1 else shlex.join(cmd), timeout=a.timeout)
         log(res.summary())
         return res.rc
-    ra, rb = run2(a.server, a.client, timeout=a.timeout)
+    ra, rb = run2(a.server, a.client, timeout=a.timeout, ipv4=a.ipv4)
     log(f"server: {ra.summary()}")
     log(f"client: {rb.summary()}")
     return rb.rc or ra.rc

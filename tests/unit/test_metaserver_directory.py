@@ -255,3 +255,18 @@ def test_load_pages_rebuilds_and_rejects_overlaps():
     items, fx = d.alloc("m", [b"d"], [PAGE], None, 100, 0.0)
     assert items[0][2] == base + 2 * ALIGN
     d.check()
+
+
+def test_commit_is_idempotent_for_the_same_generation():
+    # A COMMIT retried after its answer was lost (or after a failover that loaded the commit from etcd) must report
+    # success again; another generation of the key must not.
+    d = make()
+    items, _ = d.alloc("m", [b"a"], [10], None, 100, 0.0)
+    ok, fx = d.commit("m", [b"a"], [100], 1.0)
+    assert ok == [True] and len(fx.puts) == 1
+    ok, fx = d.commit("m", [b"a"], [100], 2.0)
+    assert ok == [True] and not fx  # nothing new to persist
+    ok, _ = d.commit("m", [b"a", b"zz"], [101, 100], 2.0)
+    assert ok == [False, False]
+    assert d.objects == 1 and d.puts == 1
+    d.check()

@@ -19,14 +19,14 @@ import time
 
 import msgpack
 import pytest
-
 from rdma_helpers import Conn, Server, pattern, sha
+
 from transport.rdma import (
     CLIENT_ACCESS,
     FLUSHED,
+    TIMED_OUT,
     RcEndpoint,
     RdmaContext,
-    TIMED_OUT,
     rdma_available,
 )
 from umbp.errors import DeadlineExceeded, TransportError
