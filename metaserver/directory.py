@@ -97,6 +97,9 @@ class Directory:
         self.ready: dict[str, dict[bytes, Entry]] = {}
         self.spaces: dict[str, NodeSpace] = {}
         self.leases: dict[int, list[Entry]] = {}
+        # READY entries by the (ns, key) they name as parent, whether or not that parent is cached: lets a parent
+        # that arrives (or comes back) adopt its children, and a parent that goes orphan them (prefix-lru).
+        self.kids: dict[tuple[str, bytes], set[Entry]] = {}
         self._lease_q: deque[tuple[float, int]] = deque()
         self._pending_q: deque[tuple[float, Entry, int]] = deque()
         self._next_lease = 1
@@ -188,11 +191,11 @@ class Directory:
             self.entries.setdefault(ns, {})[key] = e
             self.ready.setdefault(ns, {})[key] = e
             sp.entries[e] = None
+        loaded = [self.ready[ns][key] for i, (ns, key, *_) in enumerate(keep) if i not in rejected]
+        for e in loaded:
+            self._link_ready(e)
+        for e in loaded:
             self.policy.add(e)
-        for ns, key, *_ in keep:
-            e = self.ready.get(ns, {}).get(key)
-            if e is not None and e.parent is not None:
-                self._link_parent(e)
         return fx
 
     # -- data plane --------------------------------------------------------------------------------------------
@@ -211,7 +214,9 @@ class Directory:
                 items.append(_EXISTS_ITEM)
                 continue
             plen = sizes[i]
-            placed = self._place(object_size(plen), fx)
+            parent = parents[i] if parents else None
+            pe = d.get(parent) if parent is not None else None
+            placed = self._place(object_size(plen), fx, pe.space if pe is not None else None)
             if placed is None:
                 items.append(_NO_SPACE_ITEM)
                 continue
@@ -225,20 +230,22 @@ class Directory:
             items.append((NEW, sp.node_id, off, plen, gen))
         return items, fx
 
-    def _place(self, size: int, fx: Effects) -> tuple[NodeSpace, int] | None:
+    def _place(self, size: int, fx: Effects, near: NodeSpace | None = None) -> tuple[NodeSpace, int] | None:
+        """Find ``size`` bytes: a free hole first (on ``near``, the parent's node, then on the node with most free
+        space, then any), and only when no node has a hole, evict, starting on ``near`` so a chain stays on one
+        node and prefix-aware eviction sees whole chains."""
         spaces = [s for s in self.spaces.values() if s.placeable and s.alloc.capacity >= size]
         if not spaces:
             return None
-        best = max(spaces, key=_free_of)
-        off = best.alloc.alloc(size)
-        if off is not None:
-            return best, off
         spaces.sort(key=_free_of, reverse=True)
-        for sp in spaces[1:]:
+        if near is not None and near in spaces:
+            spaces.remove(near)
+            spaces.insert(0, near)
+        for sp in spaces:
             off = sp.alloc.alloc(size)
             if off is not None:
                 return sp, off
-        # No hole fits anywhere: evict on the candidates, most free first, until one fits.
+        # No hole fits anywhere: evict on the candidates in that order until one fits.
         for sp in spaces:
             for victim in self.policy.victims(sp.node_id):
                 self._drop(victim, fx)
@@ -268,9 +275,8 @@ class Directory:
             r[key] = e
             self.pending -= 1
             self.puts += 1
+            self._link_ready(e)
             self.policy.add(e)
-            if e.parent is not None:
-                self._link_parent(e)
             fx.puts.append(e)
             ok.append(True)
         return ok, fx
@@ -446,13 +452,23 @@ class Directory:
         return n
 
     # -- internals ---------------------------------------------------------------------------------------------
-    def _link_parent(self, e: Entry) -> None:
-        p = self.ready.get(e.ns, {}).get(e.parent)
-        if p is not None and p is not e:
-            e.parent_ref = p
-            p.children += 1
-            if p.children == 1 and p.pins == 0:
-                self.policy.children_changed(p)
+    def _link_ready(self, e: Entry) -> None:
+        """``e`` just became READY: link it to its cached parent, and adopt its cached children."""
+        if e.parent is not None:
+            self.kids.setdefault((e.ns, e.parent), set()).add(e)
+            p = self.ready.get(e.ns, {}).get(e.parent)
+            if p is not None and p is not e:
+                self._link(e, p)
+        for c in self.kids.get((e.ns, e.key), ()):
+            if c.parent_ref is None and c is not e:
+                self._link(c, e)
+                self.policy.children_changed(c)  # no longer an orphan
+
+    def _link(self, child: Entry, parent: Entry) -> None:
+        child.parent_ref = parent
+        parent.children += 1
+        if parent.children == 1 and parent.pins == 0:
+            self.policy.children_changed(parent)
 
     def _unlink(self, e: Entry, fx: Effects) -> None:
         """Remove ``e`` from the maps and the policy; no space accounting."""
@@ -477,6 +493,18 @@ class Directory:
             p.children -= 1
             if p.children == 0 and not p.gone and p.state == READY and p.pins == 0:
                 self.policy.children_changed(p)
+        if e.state == READY:
+            if e.parent is not None:
+                sibs = self.kids.get((e.ns, e.parent))
+                if sibs is not None:
+                    sibs.discard(e)
+                    if not sibs:
+                        del self.kids[(e.ns, e.parent)]
+            for c in self.kids.get((e.ns, e.key), ()):
+                if c.parent_ref is e:
+                    c.parent_ref = None
+                    self.policy.children_changed(c)  # orphaned: no prefix match reaches it any more
+            e.children = 0
         e.gone = True
 
     def _drop(self, e: Entry, fx: Effects) -> None:

@@ -9,17 +9,18 @@ Policies:
 
 - ``lru``: one insertion-ordered dict per node; touch moves to the end. The victim is the least recently used.
 - ``prefix-lru``: a prefix match stops at the first missing page, so a page whose children are cached is worth more
-  than a leaf. Two ordered dicts per node, leaves and inner pages (``entry.children > 0``); victims are leaves in
-  LRU order, then inner pages. Evicting a leaf may turn its parent into a leaf (``children_changed``).
+  than a leaf, and a page whose parent is gone is worth nothing. Three tiers per node (orphans, leaves, inner
+  pages), each ordered by last access; see ``PrefixLruPolicy``.
 
 What it approximates: recency is metaserver memory only; after a restart it restarts from commit order (etcd
-mod revision). Costs: add/discard/touch O(1); ``victims`` yields in O(1) per step.
+mod revision). Costs: lru add/discard/touch O(1); prefix-lru O(log n) (heaps keyed on last access).
 
 Watermarks: ``over_high(used, cap)`` starts a background pass, ``bytes_to_low(used, cap)`` is how much it frees.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterator, Protocol
 
 
@@ -76,59 +77,113 @@ class LruPolicy:
         return len(self._order.get(node_id, ()))
 
 
+class _Tier:
+    """Entries of one tier of one node, ordered by (last_access, seq): a heap with lazy deletion. ``live`` maps each
+    member to the seq of its valid heap record; records of removed or re-pushed entries are skipped when they reach
+    the top, and the heap is rebuilt when stale records outnumber live ones (bounded memory)."""
+
+    __slots__ = ("heap", "live")
+
+    def __init__(self) -> None:
+        self.heap: list = []
+        self.live: dict = {}
+
+    def push(self, entry, seq: int) -> None:
+        self.live[entry] = seq
+        heapq.heappush(self.heap, (entry.last_access, seq, entry))
+        if len(self.heap) > 2 * len(self.live) + 64:
+            self.heap = [(e.last_access, q, e) for e, q in self.live.items()]
+            heapq.heapify(self.heap)
+
+    def remove(self, entry) -> bool:
+        return self.live.pop(entry, None) is not None
+
+    def first(self):
+        heap, live = self.heap, self.live
+        while heap:
+            _, seq, e = heap[0]
+            if live.get(e) == seq:
+                return e
+            heapq.heappop(heap)
+        return None
+
+
 class PrefixLruPolicy:
-    """Leaves (no cached children) in LRU order first, then inner pages in LRU order."""
+    """Prefix-aware LRU. A prefix match stops at the first missing page, so per node, victims come from three
+    tiers, least recently used first within each:
+
+    0. orphans: the page names a parent that is not cached (evicted, removed), so no prefix match reaches it;
+    1. leaves: no cached page names this one as parent;
+    2. inner pages: other cached pages depend on this one.
+
+    The directory tells the policy when a page's tier may have changed (``children_changed``: its cached children
+    went to or from zero, or its parent came or went); the page keeps its own recency when it moves, so a cold
+    chain loses its tail before a hot chain does. Costs: O(log n) per add/touch/move, amortised O(log n) per victim.
+    """
 
     name = "prefix-lru"
 
     def __init__(self) -> None:
-        self._leaves: dict[str, dict] = {}
-        self._inner: dict[str, dict] = {}
+        self._tiers: dict[str, tuple[_Tier, _Tier, _Tier]] = {}
+        self._where: dict = {}  # entry -> tier index while evictable
+        self._seq = 0
 
-    def _home(self, entry) -> dict:
-        tier = self._inner if entry.children > 0 else self._leaves
-        d = tier.get(entry.node_id)
-        if d is None:
-            d = tier[entry.node_id] = {}
-        return d
+    @staticmethod
+    def tier_of(entry) -> int:
+        if entry.children > 0:
+            return 2
+        if entry.parent is not None and entry.parent_ref is None:
+            return 0
+        return 1
+
+    def _node(self, node_id: str) -> tuple[_Tier, _Tier, _Tier]:
+        t = self._tiers.get(node_id)
+        if t is None:
+            t = self._tiers[node_id] = (_Tier(), _Tier(), _Tier())
+        return t
 
     def add(self, entry) -> None:
-        self._home(entry)[entry] = None
+        self._seq += 1
+        t = self.tier_of(entry)
+        self._node(entry.node_id)[t].push(entry, self._seq)
+        self._where[entry] = t
 
     def discard(self, entry) -> None:
-        for tier in (self._leaves, self._inner):
-            d = tier.get(entry.node_id)
-            if d is not None and d.pop(entry, 0) is None:
-                return
+        t = self._where.pop(entry, None)
+        if t is not None:
+            self._node(entry.node_id)[t].remove(entry)
 
     def touch(self, entry) -> None:
-        d = self._home(entry)
-        if d.pop(entry, 0) is None:
-            d[entry] = None
+        if entry in self._where:
+            self.discard(entry)
+            self.add(entry)
 
     def children_changed(self, entry) -> None:
-        """Called when ``entry.children`` crosses zero; moves it between tiers if it is evictable."""
-        for tier in (self._leaves, self._inner):
-            d = tier.get(entry.node_id)
-            if d is not None and d.pop(entry, 0) is None:
-                self.add(entry)
-                return
+        """Re-file ``entry`` if it is evictable and its tier changed (keeping its own recency)."""
+        t = self._where.get(entry)
+        if t is not None and t != self.tier_of(entry):
+            self.discard(entry)
+            self.add(entry)
 
     def victims(self, node_id: str) -> Iterator:
-        while True:
-            d = self._leaves.get(node_id)
-            if not d:
-                d = self._inner.get(node_id)
-            if not d:
+        tiers = self._tiers.get(node_id)
+        while tiers:
+            for tier in tiers:
+                e = tier.first()
+                if e is not None:
+                    break
+            else:
                 return
-            yield next(iter(d))
+            yield e
 
     def drop_node(self, node_id: str) -> None:
-        self._leaves.pop(node_id, None)
-        self._inner.pop(node_id, None)
+        tiers = self._tiers.pop(node_id, None)
+        for tier in tiers or ():
+            for e in tier.live:
+                self._where.pop(e, None)
 
     def count(self, node_id: str) -> int:
-        return len(self._leaves.get(node_id, ())) + len(self._inner.get(node_id, ()))
+        return sum(len(t.live) for t in self._tiers.get(node_id, ()))
 
 
 POLICIES = {"lru": LruPolicy, "prefix-lru": PrefixLruPolicy}

@@ -150,8 +150,6 @@ def test_exists_and_prefix_checks_never_pin_or_refresh(make_cluster):
         assert c.stats()["evictions"] == 5
 
 
-@pytest.mark.xfail(strict=True, reason="metaserver/eviction.py PrefixLruPolicy has no orphan tier: a page whose "
-                                       "parent is gone stays in the leaf LRU at its old place (here: last)")
 def test_page_whose_parent_was_evicted_goes_first(make_cluster):
     """Chain p -> c; c is read-leased, so when sixteen puts land in the full pool the pressure evicts its parent p
     (and the fifteen independent pages y*) while c survives. Once the lease goes, c can never be reached by a prefix
@@ -179,9 +177,6 @@ def test_page_whose_parent_was_evicted_goes_first(make_cluster):
         assert c.batch_exists(fresh) == [True] * len(fresh)
 
 
-@pytest.mark.xfail(strict=True, reason="metaserver/eviction.py PrefixLruPolicy.children_changed appends a parent "
-                                       "that just became a leaf at the most-recent end of the leaf LRU instead of "
-                                       "at its own last use")
 def test_parent_that_becomes_a_leaf_keeps_its_own_recency(make_cluster):
     """Chain a0..a3 (oldest, never read again), then twelve independent pages. The first put evicts the chain's leaf
     a3; a2 is now a leaf too and the least recently used one, so the second put should evict a2 (LRU among equals),

@@ -207,10 +207,32 @@ def test_prefix_lru_evicts_leaves_before_parents():
     put(d, "m", [b"leaf1", b"leaf2"], now=2.0)
     assert d.spaces["n1"].entries and d.ready["m"][b"root"].children == 1
     fx = Effects()
-    d.evict_node("n1", 3 * ALIGN, 10, fx)
-    assert [k for _, k in fx.deletes] == [b"child", b"leaf1", b"leaf2"]  # root had a child: last
+    d.evict_node("n1", 2 * ALIGN, 10, fx)
+    # root is the oldest but has a cached child: the child (older than the leaves) goes first; root then becomes
+    # a leaf with its own (oldest) recency and goes next, before the younger leaves.
+    assert [k for _, k in fx.deletes] == [b"child", b"root"]
     d.check()
-    assert d.ready["m"][b"root"].children == 0
+    assert set(d.ready["m"]) == {b"leaf1", b"leaf2"}
+
+
+def test_prefix_lru_orphans_go_first_and_a_returning_parent_adopts_them():
+    d = make(units=8, policy="prefix-lru")
+    put(d, "m", [b"old1", b"old2"], now=0.0)
+    put(d, "m", [b"p"], now=1.0)
+    put(d, "m", [b"c"], now=2.0, parents=[b"p"])
+    assert d.ready["m"][b"p"].children == 1
+    removed, fx = d.remove("m", [b"p"])
+    assert removed == [True] and d.ready["m"][b"c"].parent_ref is None
+    fx = Effects()
+    d.evict_node("n1", ALIGN, 10, fx)
+    assert [k for _, k in fx.deletes] == [b"c"]  # newest, but orphaned: unreachable by prefix match
+    put(d, "m", [b"c2"], now=3.0, parents=[b"p2"])  # its parent is not cached yet: an orphan
+    put(d, "m", [b"p2"], now=4.0)  # the parent arrives and adopts it
+    assert d.ready["m"][b"p2"].children == 1 and d.ready["m"][b"c2"].parent_ref is d.ready["m"][b"p2"]
+    fx = Effects()
+    d.evict_node("n1", 2 * ALIGN, 10, fx)
+    assert [k for _, k in fx.deletes] == [b"old1", b"old2"]
+    d.check()
 
 
 def test_used_never_exceeds_capacity_under_churn():
