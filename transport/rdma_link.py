@@ -27,17 +27,21 @@ from transport import wire
 from transport.base import Pending, Transport
 from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext
 from transport.tcp import FramedSocket
-from umbp.errors import CorruptionError, TransportError
+from umbp.errors import CorruptionError, ProtocolError, RemoteError, TransportError
 
 MAX_QPS_PER_CONNECTION = 4
 
 
 def _addr_of(mv: memoryview) -> int:
-    if mv.readonly:
+    if mv.readonly or not mv.nbytes:
         import numpy
 
-        return int(numpy.frombuffer(mv, dtype=numpy.uint8).ctypes.data)
-    return ctypes.addressof((ctypes.c_char * len(mv)).from_buffer(mv))
+        return int(numpy.frombuffer(mv, dtype=numpy.uint8).ctypes.data) if mv.nbytes else 0
+    return ctypes.addressof((ctypes.c_char * mv.nbytes).from_buffer(mv))
+
+
+class _Unreachable(TransportError):
+    """The node's TCP port could not be reached (down, restarting): not a reason to give up on RDMA for it."""
 
 
 class NodeRdma:
@@ -79,17 +83,43 @@ class RdmaTransport(Transport):
         self.registered: list[Any] = []  # MemoryRegions of caller buffers (zero copy)
         self.ep: RcEndpoint | None = None
         self.ctl: FramedSocket | None = None
-        self._connect(deadline)
+        try:
+            self._connect(deadline)
+        except _Unreachable:
+            pass  # the node is down or not yet listening: every batch retries the connection (ops fail, no fallback)
+        except BaseException:
+            self.close()  # the staging area is pinned memory: never leak it when RDMA cannot be set up
+            raise
 
     def _connect(self, deadline: float) -> None:
         if self.ctl is not None:
             self.ctl.close()
+            self.ctl = None
         if self.ep is not None:
             self.ep.close()
-        self.ep = RcEndpoint(self.ctx)
-        self.ctl = FramedSocket(self.addr, self.component, deadline)
-        reply = self.ctl.request(wire.Op.RDMA_CONNECT, {"qp": self.ep.local_info()}, deadline).meta
-        self.ep.connect(reply["qp"])
+            self.ep = None
+        try:
+            ctl = FramedSocket(self.addr, self.component, deadline)
+        except TransportError as e:
+            raise _Unreachable(self.component, str(e).split(": ", 1)[-1]) from e
+        try:
+            self.ep = RcEndpoint(self.ctx)
+            try:
+                reply = ctl.request(wire.Op.RDMA_CONNECT, {"qp": self.ep.local_info()}, deadline).meta
+            except RemoteError as e:  # e.g. the node has no RDMA device: a TransportError, so auto falls back
+                raise TransportError(self.component, f"RDMA_CONNECT refused: {e}") from e
+            except ProtocolError as e:
+                raise TransportError(self.component, f"RDMA_CONNECT: {e}") from e
+            if not isinstance(reply, dict) or not all(k in reply for k in ("qp", "addr", "rkey", "length")):
+                raise TransportError(self.component, f"RDMA_CONNECT: bad answer {reply!r}")
+            self.ep.connect(reply["qp"])
+        except BaseException:
+            ctl.close()
+            if self.ep is not None:
+                self.ep.close()
+                self.ep = None
+            raise
+        self.ctl = ctl
         self.remote_base, self.rkey, self.remote_len = reply["addr"], reply["rkey"], reply["length"]
 
     def _ready(self, deadline: float) -> None:
@@ -97,12 +127,18 @@ class RdmaTransport(Transport):
             self._connect(deadline)
 
     def register(self, buf: memoryview) -> None:
-        if not buf.readonly:
-            self.registered.append(self.ctx.register(buf, CLIENT_ACCESS))
+        if buf.readonly:
+            return
+        a = _addr_of(buf)
+        n = buf.nbytes
+        if any(r.addr == a and r.length == n and not r.closed for r in self.registered):
+            return  # already registered (the client registers its buffers with every new transport)
+        self.registered.append(self.ctx.register(buf, CLIENT_ACCESS))
 
     def _local(self, mv: memoryview):
-        """(region, offset) when ``mv`` lies inside a registered caller buffer, else None."""
-        if not self.registered or mv.readonly:
+        """(region, offset) when ``mv`` lies inside a registered caller buffer, else None. A read-only view (a
+        put's payload) of registered memory counts too: a WRITE's source needs only local read access."""
+        if not self.registered or not len(mv):
             return None
         a = _addr_of(mv)
         for r in self.registered:
@@ -129,6 +165,7 @@ class RdmaTransport(Transport):
             self._ready(deadline)
             self._post_wave(p)
         except TransportError as e:
+            self._drop_tmp(p.state)
             p.results = [e] * len(ops)
             p.state = None
         return p
@@ -154,17 +191,25 @@ class RdmaTransport(Transport):
             loc = self._local(dst) if length else None
             need = wire.OBJ_HEADER_SIZE if loc is not None or not length else wire.align_up(
                 wire.OBJ_HEADER_SIZE + length, 64)
-            if used + need > cap and reqs:
-                break
             if need > cap:
-                p.results[i] = TransportError(self.component, f"object of {length} bytes exceeds the staging "
-                                                              f"area; register the buffer")
-                i += 1
-                continue
+                need = wire.OBJ_HEADER_SIZE  # too big for staging: register the caller's buffer for this batch
+            if used and used + need > cap:
+                break
+            if loc is None and need == wire.OBJ_HEADER_SIZE and length:
+                try:
+                    tmp = self.ctx.register(dst, 0 if dst.readonly or p.kind == "write" else CLIENT_ACCESS)
+                except TransportError as e:
+                    p.results[i] = e
+                    i += 1
+                    continue
+                st.setdefault("tmp", []).append(tmp)
+                loc = (tmp, 0)
             used += need
             try:
                 if p.kind == "read" and op.start == 0:
                     remote = self._remote(op.offset, wire.OBJ_HEADER_SIZE + length)
+                elif p.kind == "read" and not length:
+                    remote = self._remote(op.offset, wire.OBJ_HEADER_SIZE)
                 elif p.kind == "read":
                     # a ranged read: header and range are not contiguous, fetch them as two requests
                     remote = self._remote(op.offset, wire.OBJ_HEADER_SIZE)
@@ -179,7 +224,8 @@ class RdmaTransport(Transport):
                 continue
             if p.kind == "write":
                 self.staging.view[hslot:hslot + wire.OBJ_HEADER_SIZE] = op.header
-            segs = [] if (p.kind == "read" and op.start) else [(self.staging, hslot, wire.OBJ_HEADER_SIZE)]
+            ranged = p.kind == "read" and op.start and length
+            segs = [] if ranged else [(self.staging, hslot, wire.OBJ_HEADER_SIZE)]
             if length:
                 if loc is not None:
                     segs.append((loc[0], loc[1], length))
@@ -189,7 +235,7 @@ class RdmaTransport(Transport):
                         self.staging.view[dslot:dslot + length] = dst
                     segs.append((self.staging, dslot, length))
             reqs.append((segs, remote, self.rkey))
-            idx.append((i, hslot))
+            idx.append((i, hslot, loc is not None))
             i += 1
         st["next"] = i
         post = self.ep.post_reads if p.kind == "read" else self.ep.post_writes
@@ -223,13 +269,14 @@ class RdmaTransport(Transport):
                     if ix is None:
                         prev = rid
                         continue
-                    i, hslot = ix
+                    i, hslot, in_place = ix
                     if rid in failed or (prev is not None and prev in failed):
                         pending.results[i] = TransportError(self.component, f"RDMA {pending.kind} failed: "
                                                                             f"{failed.get(rid) or failed.get(prev)}")
                     elif pending.kind == "read":
-                        pending.results[i] = self._check_read(ops[i], hslot, st)
+                        pending.results[i] = self._check_read(ops[i], hslot, in_place)
                     prev = None
+                self._drop_tmp(st)
                 if st["next"] >= len(ops):
                     break
                 if failed:
@@ -241,22 +288,32 @@ class RdmaTransport(Transport):
             for j, r in enumerate(pending.results):
                 if r is None:
                     pending.results[j] = e
+        finally:
+            self._drop_tmp(st)
         if self.ep.broken:
             self.ep.reset()
             if self.ctl is not None:
                 self.ctl.close()
         return pending.results
 
-    def _check_read(self, op, hslot: int, st: dict) -> Exception | None:
+    def _drop_tmp(self, st: dict) -> None:
+        """Deregister the buffers registered for one wave only (objects larger than the staging area)."""
+        for r in st.pop("tmp", ()):
+            try:
+                self.ctx.deregister(r)
+            except TransportError:
+                pass
+
+    def _check_read(self, op, hslot: int, in_place: bool) -> Exception | None:
         try:
             csum = wire.check_object_header(self.staging.view[hslot:hslot + wire.OBJ_HEADER_SIZE], self.component,
                                             op.khash, op.generation, op.payload_len)
         except CorruptionError as e:
             return e
-        return self._finish_copy(op, hslot, csum)
+        return self._finish_copy(op, hslot, csum, in_place)
 
-    def _finish_copy(self, op, hslot: int, csum: int | None) -> Exception | None:
-        if op.length and self._local(op.out[:op.length]) is None:
+    def _finish_copy(self, op, hslot: int, csum: int | None, in_place: bool) -> Exception | None:
+        if op.length and not in_place:
             dslot = hslot + wire.OBJ_HEADER_SIZE
             op.out[:op.length] = self.staging.view[dslot:dslot + op.length]
         if csum is not None and op.start == 0 and op.length == op.payload_len:

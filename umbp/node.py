@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import sys
@@ -35,7 +36,9 @@ _WRITE_HIGH_WATER = 64 << 20
 class NodeServer:
     def __init__(self, config: NodeConfig):
         self.config = config
-        self.node_id = config.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        # a hostname may be unusable as an id: a bare VM's kernel default is "(none)"
+        host_part = re.sub(r"[^A-Za-z0-9_.-]+", "", socket.gethostname()) or "node"
+        self.node_id = config.node_id or f"{host_part}-{uuid.uuid4().hex[:6]}"
         self.component = f"node {self.node_id}"
         os.makedirs(config.arena_dir, exist_ok=True)
         path = os.path.join(config.arena_dir, f"umbp-{self.node_id}.arena")
@@ -98,6 +101,12 @@ class NodeServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self.rdma is not None:  # deregister the arena first: a registered (exported) mapping cannot be closed
+            try:
+                self.rdma.close()
+            except UmbpError:
+                pass
+            self.rdma = None
         self.arena.close()
 
 
