@@ -103,7 +103,10 @@ R=/umbp-results
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
 cat /proc/uptime > $R/boot_uptime
 exec >>$R/output.log 2>&1 </dev/null
+# The checkout may live under /tmp or /run (CI clones anywhere): set it aside before the fresh tmpfs mounts hide it.
+mkdir -p /umbp-repo && mount --bind {{REPO}} /umbp-repo
 mount -t tmpfs tmpfs /tmp; mount -t tmpfs tmpfs /run
+mkdir -p {{REPO}} && mount --bind /umbp-repo {{REPO}}
 mkdir -p /dev/shm /dev/pts; mount -t tmpfs tmpfs /dev/shm; mount -t devpts devpts /dev/pts
 ip link set lo up
 finish() { echo $1 > $R/rc.tmp; mv $R/rc.tmp $R/rc; cat /proc/uptime > $R/end_uptime; sync;
