@@ -19,13 +19,12 @@ Staging: a registered area of ``ClientConfig.staging_bytes`` (default 64 MiB); a
 
 from __future__ import annotations
 
-import ctypes
 import time
 from typing import Any
 
 from transport import wire
 from transport.base import Pending, Transport
-from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext
+from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext, _address_of
 from transport.tcp import FramedSocket
 from umbp.errors import CorruptionError, ProtocolError, RemoteError, TransportError
 
@@ -33,11 +32,8 @@ MAX_QPS_PER_CONNECTION = 4
 
 
 def _addr_of(mv: memoryview) -> int:
-    if mv.readonly or not mv.nbytes:
-        import numpy
-
-        return int(numpy.frombuffer(mv, dtype=numpy.uint8).ctypes.data) if mv.nbytes else 0
-    return ctypes.addressof((ctypes.c_char * mv.nbytes).from_buffer(mv))
+    """Address of a buffer's first byte (0 for an empty one)."""
+    return _address_of(mv)[0] if mv.nbytes else 0
 
 
 class _Unreachable(TransportError):

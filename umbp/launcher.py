@@ -45,7 +45,6 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: str
-    lines: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
     match: re.Match | None = None
 

@@ -49,7 +49,6 @@ class NodeServer:
         self.host = ""
         self.port = 0
         self.stats = {"reads": 0, "writes": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0}
-        self.registered = asyncio.Event()
         self._server: asyncio.AbstractServer | None = None
         self.rdma = None  # transport.rdma endpoint factory when a device is present
 
@@ -295,7 +294,6 @@ class MetaLink:
                 else:
                     print(f"{self.component}: registered with {addr} (kept {reply.get('kept', 0)}, dropped "
                           f"{reply.get('dropped', 0)} pages)", file=sys.stderr, flush=True)
-                self.node.registered.set()
                 interval = float(reply.get("heartbeat_s", ttl / 3))
                 while True:
                     await self._idle(reader, interval)
