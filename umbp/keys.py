@@ -1,9 +1,17 @@
-"""Page keys: chained hashes over token pages, under a namespace of model and KV layout.
+"""Page keys: SGLang's chained page hashes, plus the namespace and TP-rank naming around them.
 
-A page key is ``sha256(parent_key || token_ids_of_page)``, hex encoded, so a key names the whole prefix up to and
-including its page: two requests share a key exactly when they share that prefix. The first page's parent is the
-empty string. This is the same chaining SGLang's HiCache uses, so keys computed here and there agree when the
-namespace and page size match.
+A page key is ``sha256(parent_digest || tokens_of_page)`` as 64 hex characters, so a key names the whole prefix up
+to and including its page: two requests share a key exactly when they share that prefix. This is byte for byte
+SGLang 0.5.23's ``get_hash_str`` (``sglang/srt/mem_cache/utils.py`` and its native ``hash_binding.cpp``):
+
+- the parent enters as the *raw 32 bytes* of its digest (``bytes.fromhex(parent)``), nothing for the first page;
+- each token id enters as 4 bytes little-endian unsigned; a tuple token (EAGLE bigram pages) feeds each element;
+- a page holding any id above 2**32-1 is hashed "wide": a 0xff tag byte, then every id as 8 bytes little-endian;
+- storage chains may be seeded by ``storage_namespace_seed(extra_key, cache_salt)`` (SGLang's
+  ``get_storage_hash_str``), so LoRA adapters or per-tenant salts never share pages.
+
+So a router that computes keys here finds the pages an SGLang engine wrote, and the other way round. Unlike SGLang,
+``chain_keys`` gives no key to a trailing partial page: a partial page is not shareable until it is full.
 
 KV that every TP rank holds in full (MLA latents, DSA indexer KV) is keyed without a rank: all ranks share one copy
 and ``alloc`` answers EXISTS to all but the first writer (dedup). KV sharded across TP ranks (MHA heads) carries the
@@ -16,21 +24,57 @@ import hashlib
 import struct
 from typing import Iterable, Sequence
 
+_U32_MAX = 0xFFFFFFFF
+
 
 def namespace(model: str, layout: str, page_size: int, dtype: str = "bf16") -> str:
     """A namespace naming everything that changes the bytes of a page: model, KV layout, page size, dtype."""
     return f"{model}/{layout}/p{page_size}/{dtype}"
 
 
-def page_key(parent: str, token_ids: Sequence[int]) -> str:
-    h = hashlib.sha256(parent.encode())
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str:
+    """SGLang's chain seed for a request namespace (``""`` when both parts are None: an unseeded chain)."""
+    if extra_key is None and cache_salt is None:
+        return ""
+    digest = hashlib.sha256(b"sglang-cache-namespace-v1")
+    for part in (extra_key, cache_salt):
+        if part is None:
+            digest.update(b"\x00")
+            continue
+        encoded = part.encode("utf-8")
+        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.hexdigest()
+
+
+def _flat_ids(token_ids: Sequence) -> list[int]:
+    if token_ids and isinstance(token_ids[0], tuple):
+        return [int(e) for t in token_ids for e in t]
+    return [int(t) for t in token_ids]
+
+
+def page_key(parent: str, token_ids: Sequence) -> str:
+    """The key of one page whose parent page has key ``parent`` (``""`` for the first page of a chain)."""
+    h = hashlib.sha256(bytes.fromhex(parent) if parent else b"")
+    ids = _flat_ids(token_ids)
+    if any(t < 0 for t in ids):
+        raise ValueError("keys: token ids must be non-negative")
+    if ids and max(ids) > _U32_MAX:
+        h.update(b"\xff")
+        h.update(struct.pack(f"<{len(ids)}Q", *ids))
+    else:
+        h.update(struct.pack(f"<{len(ids)}I", *ids))
     return h.hexdigest()
 
 
-def chain_keys(token_ids: Sequence[int], page_size: int, parent: str = "") -> list[str]:
-    """Keys of every full page of ``token_ids``, each chained on the previous one (a trailing partial page has
-    no key: it is not shareable until it is full)."""
+def chain_keys(token_ids: Sequence, page_size: int, parent: str = "", *, extra_key: str | None = None,
+               cache_salt: str | None = None) -> list[str]:
+    """Keys of every full page of ``token_ids``, each chained on the previous one; the first page chains on
+    ``parent`` (the key of the page before ``token_ids[0]``), or, when that is empty, on SGLang's namespace seed of
+    ``extra_key``/``cache_salt``. A trailing partial page has no key."""
+    if page_size <= 0:
+        raise ValueError(f"keys: page_size must be positive, got {page_size}")
+    if not parent:
+        parent = storage_namespace_seed(extra_key, cache_salt)
     keys = []
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         parent = page_key(parent, token_ids[start:start + page_size])

@@ -21,3 +21,34 @@ def test_parents_ranks_and_split():
     parts = [keys.split_for_ranks(ks, 2, r) for r in range(2)]
     assert parts == [[0, 2, 4], [1, 3]]
     assert keys.namespace("llama", "mha", 64) == "llama/mha/p64/bf16"
+
+
+# Vectors computed with SGLang 0.5.23's own native hash (sglang/srt/mem_cache/cpp_utils/hash_binding.cpp, compiled
+# from the wheel, called through its native_hash.get_native_hash with page_size): they pin the byte format.
+SGL_PAGES4 = ["1d533aec2cd826f8f398589c20e169718d95dc7b123918889d58e0d09b7960c7",
+              "2be5b730d7617a19b1b69dac4c2006c6e7bfd529c18f7580d47ab872f44b17bb",
+              "90a04688b0ce8b4e82f689cd33ebedb79508e1da7d9c19f0a8bedc2cfaf928d2"]
+SGL_SEED = "df3c1352162eaa748618b2b650a1c2a650963edc6dc8f59db1f798d0c9039a46"  # seed("lora-a", "salt")
+SGL_SEEDED = ["a15f4d1d1110cdf91a87a95e9d59358c43817d828e415bd39b2a5079eea8cf80",
+              "c9c391da06ce9d5359d15831ac119270ba9893498c55e3634e7f120f7e33aa6a",
+              "565e33af049bd204484ac7b0bc380e4eb2c904aac0914e43fbb488a9e9bd3ff6"]
+SGL_TUPLES = ["cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72",
+              "4ebfa8a1f3c341517621838c6e1b9aa350307e3f00b3cbd1a07ef740f54396d6"]
+SGL_U32_EDGE = ["5981693c8df83eea16da42a0f748facb299546688544a0c2887ed5ffbf086e86",
+                "5282e418a86c66022ad1faa50289c3f876e81cc0149fe104b3c1e6a3aba68584"]
+
+
+def test_keys_match_sglang_vectors():
+    toks = list(range(1000, 1012))
+    assert keys.chain_keys(toks, 4) == SGL_PAGES4
+    assert keys.chain_keys(toks[4:], 4, parent=SGL_PAGES4[0]) == SGL_PAGES4[1:]
+    assert keys.storage_namespace_seed("lora-a", "salt") == SGL_SEED
+    assert keys.storage_namespace_seed(None, None) == ""
+    assert keys.chain_keys(toks, 4, extra_key="lora-a", cache_salt="salt") == SGL_SEEDED
+    assert keys.chain_keys(toks, 4, parent=SGL_SEED) == SGL_SEEDED
+    assert keys.chain_keys([(1, 2), (3, 4), (5, 6), (7, 8)], 2) == SGL_TUPLES
+    assert keys.chain_keys([0, 2**32 - 1, 7, 123456], 2) == SGL_U32_EDGE
+    # an id past 2**32-1 makes its page "wide" (0xff tag, 8-byte ids); the next page is regular again
+    assert keys.chain_keys([5, 2**33, 9, 10], 2) == [
+        "a906f94ecc3445d17f46e328299e9efc07e9a7750d074c5808e2b8624062e2f5",
+        "3a0ec5d4a66ab332883e4630c0ab13e1d814ac60a8ed46be591b1beb39bf2d78"]
