@@ -28,11 +28,12 @@ from __future__ import annotations
 from collections import deque
 from metaserver.allocator import Allocator
 from metaserver.eviction import Policy, bytes_to_low, make_policy, over_high
+from transport import wire
 from transport.wire import ARENA_DATA_START, object_size
 
 PENDING, READY = 0, 1
 STATE_NAMES = ("PENDING", "READY")
-NEW, EXISTS, NO_SPACE = 0, 1, 2
+NEW, EXISTS, NO_SPACE = wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE
 _EXISTS_ITEM = (EXISTS, None, None, None, None)
 _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
 

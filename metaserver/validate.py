@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from transport import wire
 from transport.wire import Status
 
-MAX_KEY = 512
+MAX_KEY = wire.MAX_KEY_BYTES
 MAX_NS = 128
 MAX_PAYLOAD = 1 << 40
 

@@ -8,6 +8,13 @@ requests there and polls in ``finish``.
 Contracts:
 - Every read checks the object header against (key hash, generation, payload length) from the directory and
   reports ``CorruptionError`` for that op instead of delivering bytes; the payload lands in ``ReadOp.out`` only.
+  A ranged read (``start``/``length`` a part of the payload: one layer group of a page) checks the header too.
+- What keeps a slot from being reused *during* a read: shm checks the header again after its copy (a torn read is
+  detected); tcp and rdma copy header and payload in one request but do not look again, so for them the read lease
+  the metaserver granted with LOOKUP is what guarantees it (a leased object is never evicted or freed). A read that
+  outlives its lease (a client stalled past ``lease_s``) is covered on shm only.
+- A write's payload is a list of parts (``WriteOp.parts``) written back to back: a page assembled from one buffer
+  per layer is never concatenated first.
 - Results are per op, in order: ``None`` for success or the exception for that op. A connection-level failure
   fails every op still outstanding on it with ``TransportError`` and leaves the transport reusable (it reconnects).
 - ``finish`` blocks until every op of the batch is done or ``deadline`` (``time.monotonic()`` seconds) passes.
@@ -39,7 +46,16 @@ class ReadOp:
 class WriteOp:
     offset: int
     header: bytes  # wire.pack_object_header(...)
-    payload: memoryview
+    parts: list[memoryview]  # the payload, in order (one part, or one per layer)
+    nbytes: int  # sum of the parts' lengths
+
+
+def check_payload(op: ReadOp, csum: int | None, component: str) -> CorruptionError | None:
+    """The payload checksum check, when the header carries one and the read covered the whole payload."""
+    if csum is not None and op.start == 0 and op.length == op.payload_len:
+        if wire.payload_checksum(op.out[:op.length]) != csum:
+            return CorruptionError(component, "payload checksum mismatch")
+    return None
 
 
 class Pending:
@@ -87,16 +103,18 @@ def read_from_arena(arena: memoryview, op: ReadOp, component: str) -> None:
     op.out[:op.length] = arena[src:src + op.length]
     if arena[o:o + wire.OBJ_HEADER_SIZE] != head:
         raise CorruptionError(component, "slot rewritten during the read (torn read)")
-    if csum is not None and op.start == 0 and op.length == op.payload_len:
-        if wire.payload_checksum(op.out[:op.length]) != csum:
-            raise CorruptionError(component, "payload checksum mismatch")
+    err = check_payload(op, csum, component)
+    if err is not None:
+        raise err
 
 
 def write_to_arena(arena: memoryview, op: WriteOp) -> None:
     """Payload first, header last: a reader that races the writer sees no valid header until the bytes are in."""
-    start = op.offset + wire.OBJ_HEADER_SIZE
+    pos = op.offset + wire.OBJ_HEADER_SIZE
     arena[op.offset:op.offset + 4] = b"\0\0\0\0"  # invalidate any old header of a reused slot first
-    arena[start:start + len(op.payload)] = op.payload
+    for part in op.parts:
+        arena[pos:pos + len(part)] = part
+        pos += len(part)
     arena[op.offset:op.offset + wire.OBJ_HEADER_SIZE] = op.header
 
 

@@ -10,7 +10,8 @@ node's CPU is not involved in any transfer.
 Client side (``RdmaTransport``): one RC queue pair per node, set up over the same control connection. Reads post one
 RDMA READ per object covering header + payload range, scattered into a staging slot (header) and the caller's
 buffer (payload) when that buffer lies inside memory the caller registered with ``Client.register_buffer``, else a
-staging slot too (then one memcpy). Writes gather header and payload the same way into one RDMA WRITE. Headers are
+staging slot too (then one memcpy). Writes gather header and payload parts (one per layer, say) the same way into
+one RDMA WRITE. The header is not read again after the payload: the read lease keeps the slot (transport/base.py). Headers are
 checked exactly as on the other transports; a failed completion fails that op (and the QP, which is re-established on
 the next batch), never delivering bytes.
 
@@ -23,7 +24,7 @@ import time
 from typing import Any
 
 from transport import wire
-from transport.base import Pending, Transport
+from transport.base import Pending, Transport, check_payload
 from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext, _address_of
 from transport.tcp import FramedSocket
 from umbp.errors import CorruptionError, ProtocolError, RemoteError, TransportError
@@ -181,25 +182,33 @@ class RdmaTransport(Transport):
                 continue
             hslot = used
             if p.kind == "read":
-                length, dst = op.length, op.out[:op.length]
+                length, pieces = op.length, ([op.out[:op.length]] if op.length else [])
             else:
-                length, dst = len(op.payload), op.payload
-            loc = self._local(dst) if length else None
-            need = wire.OBJ_HEADER_SIZE if loc is not None or not length else wire.align_up(
-                wire.OBJ_HEADER_SIZE + length, 64)
-            if need > cap:
-                need = wire.OBJ_HEADER_SIZE  # too big for staging: register the caller's buffer for this batch
+                length, pieces = op.nbytes, [q for q in op.parts if len(q)]
+            locs = [self._local(q) for q in pieces]
+            # zero copy when every piece lies in registered memory (and the header slot plus the pieces fit in
+            # one scatter-gather list); otherwise the pieces go through staging with one memcpy each
+            in_place = all(loc is not None for loc in locs) and len(pieces) < self.ep.max_sge
+            staged = wire.align_up(wire.OBJ_HEADER_SIZE + length, 64)
+            need = wire.OBJ_HEADER_SIZE if in_place or staged > cap else staged
             if used and used + need > cap:
                 break
-            if loc is None and need == wire.OBJ_HEADER_SIZE and length:
+            if not in_place and need == wire.OBJ_HEADER_SIZE:
+                # too big for staging: register the caller's buffers for this batch
                 try:
-                    tmp = self.ctx.register(dst, 0 if dst.readonly or p.kind == "write" else CLIENT_ACCESS)
+                    if len(pieces) >= self.ep.max_sge:
+                        raise TransportError(self.component, f"object of {len(pieces)} parts, {length} bytes: "
+                                                             f"more parts than max_sge and larger than staging")
+                    for j, q in enumerate(pieces):
+                        if locs[j] is None:
+                            tmp = self.ctx.register(q, 0 if q.readonly or p.kind == "write" else CLIENT_ACCESS)
+                            st.setdefault("tmp", []).append(tmp)
+                            locs[j] = (tmp, 0)
                 except TransportError as e:
                     p.results[i] = e
                     i += 1
                     continue
-                st.setdefault("tmp", []).append(tmp)
-                loc = (tmp, 0)
+                in_place = True
             used += need
             try:
                 if p.kind == "read" and op.start == 0:
@@ -222,16 +231,17 @@ class RdmaTransport(Transport):
                 self.staging.view[hslot:hslot + wire.OBJ_HEADER_SIZE] = op.header
             ranged = p.kind == "read" and op.start and length
             segs = [] if ranged else [(self.staging, hslot, wire.OBJ_HEADER_SIZE)]
-            if length:
-                if loc is not None:
-                    segs.append((loc[0], loc[1], length))
-                else:
-                    dslot = hslot + wire.OBJ_HEADER_SIZE
-                    if p.kind == "write":
-                        self.staging.view[dslot:dslot + length] = dst
-                    segs.append((self.staging, dslot, length))
+            if in_place:
+                segs.extend((loc[0], loc[1], len(q)) for loc, q in zip(locs, pieces))
+            elif length:
+                dslot = pos = hslot + wire.OBJ_HEADER_SIZE
+                if p.kind == "write":
+                    for q in pieces:
+                        self.staging.view[pos:pos + len(q)] = q
+                        pos += len(q)
+                segs.append((self.staging, dslot, length))
             reqs.append((segs, remote, self.rkey))
-            idx.append((i, hslot, loc is not None))
+            idx.append((i, hslot, in_place))
             i += 1
         st["next"] = i
         post = self.ep.post_reads if p.kind == "read" else self.ep.post_writes
@@ -312,10 +322,7 @@ class RdmaTransport(Transport):
         if op.length and not in_place:
             dslot = hslot + wire.OBJ_HEADER_SIZE
             op.out[:op.length] = self.staging.view[dslot:dslot + op.length]
-        if csum is not None and op.start == 0 and op.length == op.payload_len:
-            if wire.payload_checksum(op.out[:op.length]) != csum:
-                return CorruptionError(self.component, "payload checksum mismatch")
-        return None
+        return check_payload(op, csum, self.component)
 
     def close(self) -> None:
         if self.ep is not None:

@@ -30,14 +30,6 @@ def boot_id() -> str:
         return ""
 
 
-def read_superblock(buf) -> tuple[bytes, int]:
-    """(arena_id, capacity) from an arena's first bytes; ValueError if it is not an arena."""
-    magic, version, arena_id, capacity, _created = wire.ARENA_SUPER.unpack_from(buf)
-    if magic != wire.ARENA_MAGIC or version != wire.ARENA_VERSION:
-        raise ValueError("not a UMBP arena (bad superblock)")
-    return arena_id, capacity
-
-
 class ShmTransport(Transport):
     name = "shm"
 
@@ -59,7 +51,7 @@ class ShmTransport(Transport):
             os.close(fd)
         self.arena = memoryview(self._map)
         try:
-            found, _cap = read_superblock(self.arena)
+            found, _cap = wire.unpack_superblock(self.arena)
         except ValueError as e:
             self.close()
             raise TransportError(self.component, f"{arena_path}: {e}") from e
@@ -87,7 +79,7 @@ class ShmTransport(Transport):
         p = Pending(ops, "write")
         for i, op in enumerate(ops):
             try:
-                self._check_range(op.offset, wire.OBJ_HEADER_SIZE + len(op.payload))
+                self._check_range(op.offset, wire.OBJ_HEADER_SIZE + op.nbytes)
                 write_to_arena(self.arena, op)
             except CorruptionError as e:
                 p.results[i] = e

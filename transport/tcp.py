@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from transport import wire
-from transport.base import Pending, Transport
+from transport.base import Pending, Transport, check_payload
 from umbp.config import split_host_port
 from umbp.errors import CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
 
@@ -80,15 +80,16 @@ class FramedSocket:
             self.sock.settimeout(_remaining(deadline, self.component))
             views = [memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b) for b in bufs]
             views = [v for v in views if len(v)]
-            while views:
-                sent = self.sock.sendmsg(views[:_IOV_MAX])
-                while sent and views:
-                    n = len(views[0])
+            i = 0  # first buffer not yet fully sent (an index, not pops: a batch may have thousands of parts)
+            while i < len(views):
+                sent = self.sock.sendmsg(views[i:i + _IOV_MAX])
+                while sent and i < len(views):
+                    n = len(views[i])
                     if sent >= n:
                         sent -= n
-                        views.pop(0)
+                        i += 1
                     else:
-                        views[0] = views[0][sent:]
+                        views[i] = views[i][sent:]
                         sent = 0
         except (OSError, DeadlineExceeded) as e:
             raise self._fail(e, "send to") from e
@@ -171,8 +172,8 @@ class TcpTransport(Transport):
 
     def start_write(self, ops, deadline):
         def frames(rid, op):
-            head = wire.encode(wire.Op.WRITE, rid, [op.offset], data_len=len(op.header) + len(op.payload))
-            return [head, op.header, op.payload]
+            head = wire.encode(wire.Op.WRITE, rid, [op.offset], data_len=len(op.header) + op.nbytes)
+            return [head, op.header, *op.parts]
         return self._start(ops, "write", frames, deadline)
 
     def _start(self, ops, kind: str, frames, deadline: float) -> Pending:
@@ -240,10 +241,7 @@ class TcpTransport(Transport):
         except CorruptionError as e:
             err, csum = e, None
         conn.recv_into(op.out[:op.length])
-        if err is None and csum is not None and op.start == 0 and op.length == op.payload_len:
-            if wire.payload_checksum(op.out[:op.length]) != csum:
-                err = CorruptionError(self.component, "payload checksum mismatch")
-        return err
+        return err or check_payload(op, csum, self.component)
 
     def close(self):
         if self._conn is not None:

@@ -66,6 +66,7 @@ HEADER_SIZE = HEADER.size  # 24
 
 MAX_META = 16 << 20  # default reader limit for msgpack meta
 MAX_DATA = 1 << 30  # default reader limit for raw data
+MAX_KEY_BYTES = 512  # a page key, UTF-8 encoded when given as str
 
 
 class Flag(enum.IntFlag):
@@ -103,6 +104,15 @@ class Op(enum.IntEnum):
     READ = 0x41  # [off, start, length, key_hash, gen] -> data: object header + payload[start:start+length]
     WRITE = 0x42  # [off] + data: object header + payload -> {}
     RDMA_CONNECT = 0x43  # queue-pair details -> queue-pair details (transport/rdma.py)
+
+
+class AllocState(enum.IntEnum):
+    """First field of each ALLOC item: NEW carries a place ``[NEW, node, off, size, gen]``; the others are
+    ``[state, None, None, None, None]``."""
+
+    NEW = 0  # allocated for this writer: write the bytes there, then COMMIT
+    EXISTS = 1  # someone already stored (or is storing) this key: dedup, nothing to write
+    NO_SPACE = 2  # no space even after eviction (everything evictable is leased or pending)
 
 
 class Status(enum.IntEnum):
@@ -145,10 +155,6 @@ class Frame:
 
 
 _packer_opts = dict(use_bin_type=True)
-
-
-def pack_meta(meta: Any) -> bytes:
-    return msgpack.packb(meta, **_packer_opts)
 
 
 def unpack_meta(raw: bytes | memoryview, component: str) -> Any:
@@ -381,7 +387,13 @@ def check_object_header(buf: bytes | memoryview, component: str, khash: int, gen
     return csum if flags & OBJ_FLAG_CHECKSUM else None
 
 
-def payload_checksum(data: bytes | memoryview) -> int:
+def payload_checksum(data: bytes | memoryview | list) -> int:
+    """crc32 of a payload, given whole or as the list of parts it is written from."""
+    if isinstance(data, list):
+        crc = 0
+        for part in data:
+            crc = zlib.crc32(part, crc)
+        return crc
     return zlib.crc32(data)
 
 
@@ -392,3 +404,15 @@ ARENA_MAGIC = b"UMBPAREN"
 ARENA_SUPER = struct.Struct("<8sI16sQQ")  # magic, version, arena_id (uuid bytes), capacity, created_ns
 ARENA_VERSION = 1
 ARENA_DATA_START = ALIGN
+
+
+def pack_superblock(arena_id: bytes, capacity: int, created_ns: int) -> bytes:
+    return ARENA_SUPER.pack(ARENA_MAGIC, ARENA_VERSION, arena_id, capacity, created_ns)
+
+
+def unpack_superblock(buf) -> tuple[bytes, int]:
+    """(arena_id, capacity) from an arena's first bytes; ValueError if it is not an arena."""
+    magic, version, arena_id, capacity, _created = ARENA_SUPER.unpack_from(buf)
+    if magic != ARENA_MAGIC or version != ARENA_VERSION:
+        raise ValueError("not a UMBP arena (bad superblock)")
+    return arena_id, capacity

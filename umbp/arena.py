@@ -19,7 +19,6 @@ import time
 import uuid
 
 from transport import wire
-from transport.shm import read_superblock
 from umbp.errors import ConfigError
 
 
@@ -41,7 +40,7 @@ class Arena:
             if st.st_size == self.size:
                 with mmap.mmap(fd, wire.ARENA_DATA_START, mmap.MAP_SHARED, mmap.PROT_READ) as head:
                     try:
-                        found, cap = read_superblock(head)
+                        found, cap = wire.unpack_superblock(head)
                         if cap == capacity:
                             arena_id = found
                     except ValueError:
@@ -62,15 +61,11 @@ class Arena:
         self.view = memoryview(self._map)
         if arena_id is None:
             arena_id = uuid.uuid4().bytes
-            wire.ARENA_SUPER.pack_into(self.view, 0, wire.ARENA_MAGIC, wire.ARENA_VERSION, arena_id, capacity,
-                                       time.time_ns())
+            sb = wire.pack_superblock(arena_id, capacity, time.time_ns())
+            self.view[:len(sb)] = sb
         else:
             self.reopened = True
         self.arena_id = arena_id
-
-    @property
-    def arena_uuid(self) -> str:
-        return str(uuid.UUID(bytes=self.arena_id))
 
     def close(self) -> None:
         view, self.view = self.view, None

@@ -12,29 +12,38 @@ Contracts:
 - ``get_into``/``batch_get_into``: bytes written, or -1 for a miss. A page on a node that died is a miss. A slot
   whose header does not match the directory (stale, torn, corrupt) raises ``CorruptionError``; wrong bytes are never
   returned as data.
+- ``batch_get_ranges_into``/``batch_put_ranges``: the same, for byte ranges of pages (a layer group of a page-first
+  page) and for pages assembled from several buffers (one per layer). Still one LOOKUP (or ALLOC + COMMIT) per
+  batch; every range read checks its object's header.
+- ``mapped``: zero-copy access to pages on same-host nodes (the mapped arena), under a read lease, headers checked
+  again on exit; a GPU gather reads straight from it.
 - One deadline (``timeout_s``) covers each call, retries included. Calls from several threads are serialised.
 - Transport per node: ``auto`` picks shm (same host), then rdma (device on both ends), then tcp.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
 from typing import Any, Iterable, Sequence
 
 from transport import wire
+import contextlib
+from dataclasses import dataclass
+
 from transport.base import Pending, ReadOp, Transport, WriteOp
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
 from umbp.buffers import CudaOut, as_bytes_view, as_writable_view
 from umbp.config import ClientConfig, resolve
-from umbp.errors import (CorruptionError, InvalidArgument, NotFound, PoolFull, RemoteError, TransportError,
-                         TransportUnavailable, UmbpError)
+from umbp.errors import (CorruptionError, InvalidArgument, NotFound, PoolFull, RemoteError,
+                         TransportError, TransportUnavailable, UmbpError)
 from umbp.metaclient import MetaClient
 
-MAX_KEY_BYTES = 512
-NEW, EXISTS, NO_SPACE = 0, 1, 2
+MAX_KEY_BYTES = wire.MAX_KEY_BYTES
+NEW, EXISTS, NO_SPACE = wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE
 
 
 def normalize_key(key: Any) -> bytes:
@@ -47,6 +56,16 @@ def normalize_key(key: Any) -> bytes:
     if not key or len(key) > MAX_KEY_BYTES:
         raise InvalidArgument("client", f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
     return key
+
+
+@dataclass
+class MappedPages:
+    """What ``Client.mapped`` yields: ``locs[i]`` is ``(node_id, payload_offset, payload_len)`` in
+    ``arenas[node_id]`` (the node's whole arena, mapped shared and writable), or None for a miss / a page that is
+    not mapped."""
+
+    locs: list[tuple[str, int, int] | None]
+    arenas: dict[str, memoryview]
 
 
 class Client:
@@ -65,7 +84,7 @@ class Client:
         self._boot = boot_id()
         self._registered: list[memoryview] = []
         self.counters = {"puts": 0, "dedup": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0,
-                         "node_failures": 0}
+                         "bytes_mapped": 0, "node_failures": 0}
         self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -94,7 +113,7 @@ class Client:
 
     def _deadline(self) -> float:
         if self._closed:
-            raise UmbpError(self.component, "client is closed")
+            raise InvalidArgument(self.component, "client is closed")
         return time.monotonic() + self.config.timeout_s
 
     # ---- nodes and transports -------------------------------------------------------------------------------
@@ -189,10 +208,29 @@ class Client:
                   ) -> list[bool]:
         if len(keys) != len(values):
             raise InvalidArgument(self.component, f"batch_put: {len(keys)} keys but {len(values)} values")
+        return self._put(keys, [[as_bytes_view(v, f"values[{i}]")] for i, v in enumerate(values)], parents)
+
+    def batch_put_ranges(self, keys: Sequence[Any], parts: Sequence[Sequence[Any]],
+                         parents: Sequence[Any] | None = None) -> list[bool]:
+        """Store page i as the concatenation of the buffers ``parts[i]`` (one per layer, say), without joining
+        them first: each transport writes the parts back to back into the page's slot. Same contract as
+        ``batch_put``: True stored by this call, False already there."""
+        if len(keys) != len(parts):
+            raise InvalidArgument(self.component, f"batch_put_ranges: {len(keys)} keys but {len(parts)} part lists")
+        views = []
+        for i, ps in enumerate(parts):
+            if isinstance(ps, (bytes, bytearray, memoryview)) or not isinstance(ps, Sequence):
+                raise InvalidArgument(self.component, f"batch_put_ranges: parts[{i}] must be a list of buffers")
+            views.append([as_bytes_view(v, f"parts[{i}][{j}]") for j, v in enumerate(ps)])
+        return self._put(keys, views, parents)
+
+    def _put(self, keys: Sequence[Any], views: list[list[memoryview]], parents: Sequence[Any] | None
+             ) -> list[bool]:
         if not keys:
             return []
         kb = [normalize_key(k) for k in keys]
-        views = [as_bytes_view(v, f"values[{i}]") for i, v in enumerate(values)]
+        if parents is not None and len(parents) != len(kb):
+            raise InvalidArgument(self.component, f"batch_put: {len(kb)} keys but {len(parents)} parents")
         pb = None if parents is None else [None if p is None else normalize_key(p) for p in parents]
         out = [False] * len(kb)
         with self._lock:
@@ -218,12 +256,13 @@ class Client:
                                                  f"commit twice and were not stored")
         return out
 
-    def _put_once(self, kb: list[bytes], views: list[memoryview], parents: list | None, idxs: list[int],
+    def _put_once(self, kb: list[bytes], views: list[list[memoryview]], parents: list | None, idxs: list[int],
                   deadline: float) -> tuple[list[int], list[int], list[int], Exception | None]:
         """ALLOC, write, COMMIT the keys at ``idxs``. Returns (stored, lost, no_space, error); keys that already
         existed are in none of the lists. Keys whose write failed are aborted and reported through ``error``."""
         ns = self.namespace
-        meta: dict[str, Any] = {"ns": ns, "keys": [kb[i] for i in idxs], "sizes": [len(views[i]) for i in idxs]}
+        sizes = [sum(len(v) for v in views[i]) for i in idxs]
+        meta: dict[str, Any] = {"ns": ns, "keys": [kb[i] for i in idxs], "sizes": sizes}
         if parents is not None:
             meta["parents"] = [parents[i] for i in idxs]
         items = self._meta.call(wire.Op.ALLOC, meta, deadline)["items"]
@@ -240,11 +279,11 @@ class Client:
                 full.append(i)
                 continue
             _, node_id, off, size, gen = item
-            payload = views[i]
+            parts = views[i]
             gens[i] = gen
             header = wire.pack_object_header(wire.key_hash(ns, kb[i]), gen, size,
-                                             wire.payload_checksum(payload) if checksum else None)
-            batches.setdefault(node_id, []).append(WriteOp(off, header, payload))
+                                             wire.payload_checksum(parts) if checksum else None)
+            batches.setdefault(node_id, []).append(WriteOp(off, header, parts, size))
             index.setdefault(node_id, []).append(i)
         try:
             results = self._run(batches, "write", deadline) if batches else {}
@@ -270,7 +309,7 @@ class Client:
         stored = [i for i, ok in zip(ok_idx, committed) if ok]
         lost = [i for i, ok in zip(ok_idx, committed) if not ok]
         self.counters["puts"] += len(stored)
-        self.counters["bytes_put"] += sum(len(views[i]) for i in stored)
+        self.counters["bytes_put"] += sum(sum(len(v) for v in views[i]) for i in stored)
         err = None
         if first_err is not None:
             err = TransportError(self.component, f"batch_put: {len(bad_idx)} of {len(kb)} pages were not stored "
@@ -283,11 +322,11 @@ class Client:
 
     # ---- gets -----------------------------------------------------------------------------------------------
 
-    def _get(self, keys: Sequence[Any], outs: Sequence[Any] | None) -> tuple[list[int], list[Any]]:
+    def _get(self, keys: Sequence[Any], segs: list[list[tuple[int, int, Any]]] | None) -> tuple[list[int], list]:
+        """Read pages. ``segs[i]`` lists (start, length, dest) of page i, dest a writable view or ``CudaOut``
+        (length -1: the whole payload, which must fit dest); ``segs=None`` reads every page into a new bytearray.
+        Returns (bytes written per key or -1 for a miss, the bytearrays when ``segs`` is None)."""
         kb = [normalize_key(k) for k in keys]
-        if outs is not None and len(outs) != len(kb):
-            raise InvalidArgument(self.component, f"batch_get_into: {len(kb)} keys but {len(outs)} outs")
-        views = None if outs is None else [as_writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
         ns = self.namespace
         with self._lock:
             deadline = self._deadline()
@@ -296,60 +335,147 @@ class Client:
             try:
                 batches: dict[str, list[ReadOp]] = {}
                 index: dict[str, list[int]] = {}
-                dests: list[Any] = [None] * len(kb)
+                fresh: list[Any] = [None] * len(kb)
                 for i, loc in enumerate(locs):
                     if loc is None:
                         continue
                     node_id, off, size, gen = loc
-                    if views is None:
-                        dests[i] = bytearray(size)
-                        dest = memoryview(dests[i])
+                    khash = wire.key_hash(ns, kb[i])
+                    if segs is None:
+                        fresh[i] = bytearray(size)
+                        page_segs = [(0, size, memoryview(fresh[i]))]
                     else:
-                        dests[i] = views[i]
-                        dest = views[i].view if isinstance(views[i], CudaOut) else views[i]
-                        if len(dest) < size:
-                            raise InvalidArgument(self.component, f"outs[{i}] holds {len(dest)} bytes but the "
-                                                                  f"page has {size}")
-                    batches.setdefault(node_id, []).append(
-                        ReadOp(off, 0, size, wire.key_hash(ns, kb[i]), gen, size, dest))
-                    index.setdefault(node_id, []).append(i)
+                        page_segs = segs[i]
+                    for j, (start, length, dest) in enumerate(page_segs):
+                        if length < 0:
+                            start, length = 0, size
+                        view = dest.view if isinstance(dest, CudaOut) else dest
+                        if start + length > size:
+                            raise InvalidArgument(self.component, f"range {j} of key {i} ({start}+{length}) lies "
+                                                                  f"outside the page's {size} bytes")
+                        if len(view) < length:
+                            raise InvalidArgument(self.component, f"out {j} of key {i} holds {len(view)} bytes "
+                                                                  f"but {length} are to be read")
+                        batches.setdefault(node_id, []).append(ReadOp(off, start, length, khash, gen, size, view))
+                        index.setdefault(node_id, []).append(i)
                 results = self._run(batches, "read", deadline) if batches else {}
             finally:
                 if lease:
                     self._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, deadline)
-        sizes = [-1] * len(kb)
+        got = [0 if loc is not None else -1 for loc in locs]
         corrupt: Exception | None = None
         for node_id, res in results.items():
-            for i, r in zip(index[node_id], res):
+            for op, i, r in zip(batches[node_id], index[node_id], res):
                 if r is None:
-                    sizes[i] = locs[i][2]
-                    if isinstance(dests[i], CudaOut):
-                        dests[i].flush(sizes[i])
-                elif isinstance(r, CorruptionError):
+                    if got[i] >= 0:
+                        got[i] += op.length
+                    continue
+                got[i] = -1  # any range of a page missing makes the page a miss
+                if isinstance(r, CorruptionError) or (isinstance(r, RemoteError) and not isinstance(r, NotFound)):
                     corrupt = corrupt or r
-                elif isinstance(r, (TransportError, NotFound)):
-                    pass  # the page's node is gone or no longer has it: a miss
-                elif isinstance(r, RemoteError):
-                    corrupt = corrupt or r
+                # TransportError, NotFound: the page's node is gone or no longer has it: a miss
         if corrupt is not None:
             raise corrupt
-        hits = sum(1 for s in sizes if s >= 0)
+        if segs is not None:
+            for i, page_segs in enumerate(segs):
+                if got[i] >= 0:
+                    for start, length, dest in page_segs:
+                        if isinstance(dest, CudaOut):
+                            dest.flush(locs[i][2] if length < 0 else length)
+        hits = sum(1 for g in got if g >= 0)
         self.counters["gets"] += hits
         self.counters["misses"] += len(kb) - hits
-        self.counters["bytes_got"] += sum(s for s in sizes if s > 0)
-        return sizes, dests
+        self.counters["bytes_got"] += sum(g for g in got if g > 0)
+        return got, fresh
 
     def batch_get_into(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[int]:
+        if len(outs) != len(keys):
+            raise InvalidArgument(self.component, f"batch_get_into: {len(keys)} keys but {len(outs)} outs")
         if not keys:
             return []
-        return self._get(keys, outs)[0]
+        segs = [[(0, -1, as_writable_view(o, f"outs[{i}]"))] for i, o in enumerate(outs)]
+        return self._get(keys, segs)[0]
+
+    def batch_get_ranges_into(self, keys: Sequence[Any], ranges: Sequence[Sequence[tuple[int, int]]],
+                              outs: Sequence[Sequence[Any]]) -> list[int]:
+        """Read byte ranges of pages: ``ranges[i]`` lists ``(offset, length)`` within page i's payload (a layer
+        group of a page-first page), ``outs[i]`` the buffer each range lands in (one per range, at least
+        ``length`` bytes). Returns the bytes written per key, or -1 for a miss (a page whose ranges did not all
+        arrive counts as a miss). A range outside the page raises ``InvalidArgument``."""
+        if not (len(keys) == len(ranges) == len(outs)):
+            raise InvalidArgument(self.component, f"batch_get_ranges_into: {len(keys)} keys, {len(ranges)} range "
+                                                  f"lists and {len(outs)} out lists")
+        if not keys:
+            return []
+        segs = []
+        for i, (rs, os_) in enumerate(zip(ranges, outs)):
+            if len(rs) != len(os_):
+                raise InvalidArgument(self.component, f"key {i}: {len(rs)} ranges but {len(os_)} outs")
+            page = []
+            for j, (r, o) in enumerate(zip(rs, os_)):
+                try:
+                    start, length = (operator.index(x) for x in r)
+                except (TypeError, ValueError):
+                    raise InvalidArgument(self.component, f"ranges[{i}][{j}] = {r!r}: must be (offset, length) "
+                                                          f"integers") from None
+                if start < 0 or length < 0:
+                    raise InvalidArgument(self.component, f"ranges[{i}][{j}] = {r!r}: offset and length must be "
+                                                          f"non-negative integers")
+                page.append((start, length, as_writable_view(o, f"outs[{i}][{j}]")))
+            segs.append(page)
+        return self._get(keys, segs)[0]
 
     def get_into(self, key: Any, out: Any) -> int:
-        return self._get([key], [out])[0][0]
+        return self.batch_get_into([key], [out])[0]
 
     def get(self, key: Any) -> bytes | None:
-        sizes, dests = self._get([key], None)
-        return bytes(dests[0]) if sizes[0] >= 0 else None
+        sizes, fresh = self._get([key], None)
+        return bytes(fresh[0]) if sizes[0] >= 0 else None
+
+    @contextlib.contextmanager
+    def mapped(self, keys: Sequence[Any]):
+        """Zero-copy access to pages held by same-host nodes, for a GPU gather that reads the mapped arena.
+
+        One LOOKUP takes a read lease (the pages cannot be evicted or their slots reused while it lasts, up to the
+        metaserver's ``read_lease_s``); the object headers are checked now and again on exit, so bytes that changed
+        under the caller raise ``CorruptionError`` on exit (treat what was read as garbage then). Pages on nodes
+        that are not reachable over shm, and misses, have ``locs[i] = None``: fetch those with
+        ``batch_get_ranges_into``. Blocks for the LOOKUP only; the lease is released on exit, also on error."""
+        kb = [normalize_key(k) for k in keys]
+        ns = self.namespace
+        with self._lock:
+            deadline = self._deadline()
+            reply = self._meta.call(wire.Op.LOOKUP, {"ns": ns, "keys": kb}, deadline) if kb else {"locs": []}
+            lease = reply.get("lease", 0)
+        m = MappedPages([None] * len(kb), {})
+        checks: list[tuple[memoryview, int, int, int, int]] = []
+        try:
+            for i, loc in enumerate(reply["locs"]):
+                if loc is None:
+                    continue
+                node_id, off, size, gen = loc
+                with self._lock:
+                    try:
+                        t = self._transport_for(node_id, deadline)
+                    except TransportError:
+                        continue
+                arena = getattr(t, "arena", None)
+                if t.name != "shm" or arena is None:
+                    continue
+                khash = wire.key_hash(ns, kb[i])
+                wire.check_object_header(arena[off:off + wire.OBJ_HEADER_SIZE], self.component, khash, gen, size)
+                m.arenas[node_id] = arena
+                m.locs[i] = (node_id, off + wire.OBJ_HEADER_SIZE, size)
+                checks.append((arena, off, khash, gen, size))
+            yield m
+            for arena, off, khash, gen, size in checks:
+                wire.check_object_header(arena[off:off + wire.OBJ_HEADER_SIZE], self.component, khash, gen, size)
+            self.counters["gets"] += len(checks)
+            self.counters["bytes_mapped"] += sum(c[4] for c in checks)
+        finally:
+            if lease:
+                with self._lock:
+                    self._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, self._deadline())
 
     # ---- directory only -------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from umbp.errors import CorruptionError
 def put(t, off, key, gen, data, checksum=False):
     kh = wire.key_hash("ns", key)
     hdr = wire.pack_object_header(kh, gen, len(data), wire.payload_checksum(data) if checksum else None)
-    assert t.finish(t.start_write([WriteOp(off, hdr, memoryview(data))], 0), 0) == [None]
+    assert t.finish(t.start_write([WriteOp(off, hdr, [memoryview(data)], len(data))], 0), 0) == [None]
     return kh
 
 
@@ -46,3 +46,17 @@ def test_reused_slot_is_never_read_as_the_old_key():
     out = bytearray(3000)
     res = t.finish(t.start_read([ReadOp(4096, 0, 3000, old, 1, 3000, memoryview(out))], 0), 0)
     assert isinstance(res[0], CorruptionError) and b"y" not in out
+
+
+def test_write_from_parts_lands_back_to_back():
+    t = MemoryTransport(1 << 20)
+    parts = [os.urandom(n) for n in (4096, 1, 0, 7000)]
+    whole = b"".join(parts)
+    kh = wire.key_hash("ns", b"p")
+    hdr = wire.pack_object_header(kh, 5, len(whole), wire.payload_checksum([memoryview(p) for p in parts]))
+    assert wire.payload_checksum([memoryview(p) for p in parts]) == wire.payload_checksum(whole)
+    op = WriteOp(8192, hdr, [memoryview(p) for p in parts], len(whole))
+    assert t.finish(t.start_write([op], 0), 0) == [None]
+    out = bytearray(len(whole))
+    res = t.finish(t.start_read([ReadOp(8192, 0, len(whole), kh, 5, len(whole), memoryview(out))], 0), 0)
+    assert res == [None] and bytes(out) == whole
