@@ -183,6 +183,36 @@ def test_batch_larger_than_staging(pool, monkeypatch):
         assert c.get(keys[-2]) == vals[-2]
 
 
+def test_layer_parts_and_ranged_reads(pool, monkeypatch):
+    """Pages written from one buffer per layer and read back a layer group at a time: parts in registered memory
+    (zero copy, one scatter-gather list), parts staged, and a page of parts larger than the staging area."""
+    monkeypatch.setenv("UMBP_STAGING_BYTES", str(MiB))
+    layers, lb = 8, 24 * KiB + 40
+    with rdma_client(pool, namespace="layers") as c:
+        reg = np.frombuffer(rand(16 * layers * lb, 7), dtype=np.uint8).copy()
+        c.register_buffer(reg)
+        pages = [[reg[(p * layers + l) * lb:(p * layers + l + 1) * lb] for l in range(layers)] for p in range(16)]
+        pages += [[np.frombuffer(rand(lb, 1000 + p * layers + l), np.uint8) for l in range(layers)] for p in range(16)]
+        pages.append([np.frombuffer(rand(160 * KiB, 3000 + l), np.uint8) for l in range(layers)])  # 1.25 MiB
+        keys = [f"L{p}" for p in range(len(pages))]
+        assert c.batch_put_ranges(keys, pages) == [True] * len(keys)
+        sizes = [sum(len(x) for x in ls) for ls in pages]
+        whole = [bytearray(n) for n in sizes]
+        assert c.batch_get_into(keys, whole) == sizes
+        assert all(w == b"".join(x.tobytes() for x in ls) for w, ls in zip(whole, pages))
+        outs = np.zeros((len(keys), 2 * 160 * KiB), np.uint8)
+        c.register_buffer(outs)
+        for g in range(0, layers, 2):  # groups of two layers
+            outs[:] = 0
+            ranges = [[(g * len(ls[0]), 2 * len(ls[0]))] for ls in pages]
+            got = c.batch_get_ranges_into(keys, ranges, [[outs[i]] for i in range(len(keys))])
+            assert got == [2 * len(ls[0]) for ls in pages]
+            for i, ls in enumerate(pages):
+                assert outs[i, :got[i]].tobytes() == ls[g].tobytes() + ls[g + 1].tobytes(), (g, i)
+        assert set(c.transport_names().values()) == {"rdma"}
+        assert all(len(t.registered) == 2 for t in c._transports.values())
+
+
 def test_stale_generation_is_detected(pool):
     """Remove a key, put another of the same size into the freed slot, then read the old location over RDMA:
     CorruptionError, never the old or the new bytes as data; through the client the old key is a miss."""
