@@ -1,0 +1,15 @@
+"""Engine helpers: the path an inference engine uses to move KV pages between the pool and its paged KV buffer.
+
+- ``layout``: page-first page objects (``PageLayout``) and the engine's paged KV buffer (``PagedKV``);
+- ``gather``: scattered pages in host memory <-> scattered KV slots, CPU (memmove) or CUDA (one kernel reading
+  pinned/registered host memory directly);
+- ``loader``: layer-wise loads (group g+1 moves while the caller computes with group g) and offload;
+- ``tp``: tensor-parallel groups: replicated (MLA) KV stored once, loaded 1/N per rank and exchanged through
+  ``torch.distributed``; sharded (MHA) KV per rank.
+
+Layering: these import ``umbp.client``'s public API and ``umbp.keys``; nothing below imports them.
+"""
+
+from umbp.engine.layout import PagedKV, PageLayout
+
+__all__ = ["PagedKV", "PageLayout"]
