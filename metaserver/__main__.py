@@ -1,4 +1,8 @@
-"""``python -m metaserver --etcd HOST:PORT [--listen HOST:PORT]``: run one metaserver in the foreground."""
+"""``python -m metaserver --etcd HOST:PORT [--listen HOST:PORT]``: run one metaserver in the foreground.
+
+``add_arguments`` and ``config_from`` are the one definition of the metaserver's flags: ``umbp metaserver``
+(umbp/cli.py) uses them too, so the two command lines cannot drift apart.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,28 @@ from umbp.config import MetaserverConfig, resolve
 from umbp.errors import UmbpError
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", default=None, help="etcd HOST:PORT (default $UMBP_ETCD or 127.0.0.1:2379)")
+    p.add_argument("--listen", default=None, help="HOST:PORT to serve on (default 127.0.0.1:7700; port 0: any)")
+    p.add_argument("--advertise", default=None, help="address clients should use, if not --listen")
+    p.add_argument("--etcd-prefix", dest="etcd_prefix", default=None, help="key prefix in etcd (default /umbp)")
+    p.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=("lru", "prefix-lru"))
+    p.add_argument("--election-ttl", dest="election_ttl_s", type=int, default=None,
+                   help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
+
+
+def config_from(args: argparse.Namespace) -> MetaserverConfig:
+    return resolve(MetaserverConfig, {k: getattr(args, k) for k in
+                                      ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
+                                       "election_ttl_s")})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m metaserver", description="UMBP metaserver")
-    p.add_argument("--etcd", help="etcd HOST:PORT (default 127.0.0.1:2379)")
-    p.add_argument("--listen", help="HOST:PORT to serve on (port 0: ephemeral)")
-    p.add_argument("--advertise", help="address clients should use for this metaserver")
-    p.add_argument("--etcd-prefix", dest="etcd_prefix", help="key prefix in etcd (default /umbp)")
-    p.add_argument("--eviction-policy", dest="eviction_policy", choices=("lru", "prefix-lru"))
-    p.add_argument("--election-ttl", dest="election_ttl_s", type=int,
-                   help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
+    add_arguments(p)
     args = p.parse_args(argv)
     try:
-        config = resolve(MetaserverConfig, vars(args))
+        config = config_from(args)
         from metaserver.server import run
         run(config)
     except UmbpError as e:

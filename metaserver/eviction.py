@@ -3,17 +3,18 @@
 A policy keeps, per node, the set of *evictable* entries current (READY and unpinned), in victim order, so
 eviction only ever looks at candidates (as SGLang's radix cache keeps its evictable leaves): the directory calls
 ``add`` when an entry becomes evictable (commit, last unpin), ``discard`` when it stops being so (first pin, removal,
-eviction) and ``touch`` on a read. PENDING and pinned entries are never in the set, so they can never be chosen.
+eviction). A read is a pin then an unpin, so the lease release re-adds the entry at the recent end: that is what
+makes a read count as a use. PENDING and pinned entries are never in the set, so they can never be chosen.
 
 Policies:
 
-- ``lru``: one insertion-ordered dict per node; touch moves to the end. The victim is the least recently used.
+- ``lru``: one insertion-ordered dict per node; an entry re-added goes to the end. The victim is the least recently used.
 - ``prefix-lru``: a prefix match stops at the first missing page, so a page whose children are cached is worth more
   than a leaf, and a page whose parent is gone is worth nothing. Three tiers per node (orphans, leaves, inner
   pages), each ordered by last access; see ``PrefixLruPolicy``.
 
 What it approximates: recency is metaserver memory only; after a restart it restarts from commit order (etcd
-mod revision). Costs: lru add/discard/touch O(1); prefix-lru O(log n) (heaps keyed on last access).
+mod revision). Costs: lru add/discard O(1); prefix-lru O(log n) (heaps keyed on last access).
 
 Watermarks: ``over_high(used, cap)`` starts a background pass, ``bytes_to_low(used, cap)`` is how much it frees.
 """
@@ -29,7 +30,6 @@ class Policy(Protocol):
 
     def add(self, entry) -> None: ...
     def discard(self, entry) -> None: ...
-    def touch(self, entry) -> None: ...
     def children_changed(self, entry) -> None: ...
     def victims(self, node_id: str) -> Iterator: ...
     def drop_node(self, node_id: str) -> None: ...
@@ -54,11 +54,6 @@ class LruPolicy:
         d = self._order.get(entry.node_id)
         if d is not None:
             d.pop(entry, None)
-
-    def touch(self, entry) -> None:
-        d = self._order.get(entry.node_id)
-        if d is not None and d.pop(entry, 0) is None:
-            d[entry] = None
 
     def children_changed(self, entry) -> None:
         pass
@@ -118,7 +113,7 @@ class PrefixLruPolicy:
 
     The directory tells the policy when a page's tier may have changed (``children_changed``: its cached children
     went to or from zero, or its parent came or went); the page keeps its own recency when it moves, so a cold
-    chain loses its tail before a hot chain does. Costs: O(log n) per add/touch/move, amortised O(log n) per victim.
+    chain loses its tail before a hot chain does. Costs: O(log n) per add/discard/move, amortised O(log n) per victim.
     """
 
     name = "prefix-lru"
@@ -153,10 +148,6 @@ class PrefixLruPolicy:
         if t is not None:
             self._node(entry.node_id)[t].remove(entry)
 
-    def touch(self, entry) -> None:
-        if entry in self._where:
-            self.discard(entry)
-            self.add(entry)
 
     def children_changed(self, entry) -> None:
         """Re-file ``entry`` if it is evictable and its tier changed (keeping its own recency)."""

@@ -30,28 +30,12 @@ import time
 from typing import Awaitable, Callable
 
 from metaserver.persist import EtcdStore
-from umbp.errors import RemoteError, UmbpError
+from umbp.errors import RemoteError, Unavailable, UmbpError
 
 log = logging.getLogger("umbp.metaserver")
 
 POLL_S = 0.25  # how often a standby reads the leader key
 RETRY_S = 0.5  # pause after an etcd failure before the next round
-
-
-class SingleLeader:
-    """A metaserver alone with its etcd prefix and no election (unit tests): always the leader."""
-
-    def __init__(self, addr: str):
-        self.addr = addr
-        self.revision = 0
-
-    @property
-    def is_leader(self) -> bool:
-        return True
-
-    @property
-    def leader_addr(self) -> str | None:
-        return self.addr
 
 
 class Election:
@@ -143,7 +127,7 @@ class Election:
                 await self.on_elected(rev)
             finally:
                 if keep.done():
-                    raise UmbpError("metaserver", f"election: {keep.result()} while loading")
+                    raise Unavailable("metaserver", f"election: {keep.result()} while loading")
                 keep.cancel()
                 await asyncio.gather(keep, return_exceptions=True)
         except BaseException:

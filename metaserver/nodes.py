@@ -30,7 +30,6 @@ class Node:
         self.last_heartbeat = now
         self.lease_id = 0
         self.dead_since = 0.0
-        self.conn = None
         self.refreshing = False
         self.provisional = False  # loaded from etcd at a takeover, not re-registered yet
         self.update(desc)
@@ -75,9 +74,6 @@ class Membership:
 
     def get(self, node_id: str) -> Node | None:
         return self.nodes.get(node_id)
-
-    def alive(self) -> list[Node]:
-        return [n for n in self.nodes.values() if n.alive]
 
     def register(self, desc: dict[str, Any], now: float) -> tuple[Node, bool]:
         """Record a registration. Returns (node, keep_pages): pages survive only when a live node re-registers

@@ -197,9 +197,6 @@ class EtcdStore:
         await self.txn([self.op_put(self.node_key(node_id), value, lease_id),
                         self.op_put(self.arena_key(node_id), value)])
 
-    async def delete_node(self, node_id: str) -> None:
-        await self._call("delete", self.client.delete(self.node_key(node_id)))
-
     async def scan(self, prefix: bytes, page: int = LOAD_PAGE) -> AsyncIterator[list]:
         """Yield the key-values under ``prefix`` in pages of at most ``page`` (raw protobuf kvs: key, value,
         mod_revision, lease). aetcd's get_range has no limit, so this builds the RangeRequest itself."""

@@ -31,7 +31,7 @@ from metaserver.validate import Reject
 from transport import wire
 from transport.wire import Flag, Op, Status
 from umbp.config import MetaserverConfig, split_host_port
-from umbp.errors import NotLeader, ProtocolError, RemoteError, UmbpError
+from umbp.errors import NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -184,7 +184,7 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UmbpError("metaserver", f"cannot listen on {config.listen}: {e.strerror or e}") from e
+        raise StartupError("metaserver", f"cannot listen on {config.listen}: {e.strerror or e}") from e
     bound_host, bound_port = sock.getsockname()[:2]
     addr = f"{bound_host}:{bound_port}" if ":" not in bound_host else f"[{bound_host}]:{bound_port}"
     ms = Metaserver(config, config.advertise or addr)

@@ -304,7 +304,6 @@ class Metaserver:
             dropped, fx = self.dir.drop_space(node.node_id)
             self._apply(fx)
             self.dir.add_space(node.node_id, node.capacity)
-        node.conn = conn
         log.info("metaserver: node %s registered at %s:%d (%d bytes, kept %d, dropped %d)", node.node_id,
                  node.host, node.port, node.capacity, kept, dropped)
         return self._register_io(node, kept, dropped, self.term)

@@ -1,6 +1,6 @@
 """Request validation: every field of every request meta is type- and range-checked here, before any handler runs.
 
-A violation raises ``Reject(status, message)`` naming the field ("keys[3] must be bytes"); the server prefixes the
+A violation raises ``Reject(message, status)`` (a ``BadRequest``) naming the field ("keys[3] must be bytes"); the server prefixes the
 component and opcode ("metaserver: ALLOC: keys[3] must be bytes") and answers BAD_REQUEST. Unknown fields are
 rejected too, so a client typo is an error rather than a silently ignored option.
 
@@ -14,15 +14,18 @@ from typing import Any
 
 from transport import wire
 from transport.wire import Status
+from umbp.errors import BadRequest
 
 MAX_KEY = wire.MAX_KEY_BYTES
 MAX_NS = 128
 MAX_PAYLOAD = 1 << 40
 
 
-class Reject(Exception):
+class Reject(BadRequest):
+    """A request the metaserver refuses; ``extra`` rides along in the error answer's meta."""
+
     def __init__(self, message: str, status: int = Status.BAD_REQUEST, **extra: Any):
-        super().__init__(message)
+        super().__init__("metaserver", message, status)
         self.status = status
         self.message = message
         self.extra = extra

@@ -20,6 +20,7 @@ Staging: a registered area of ``ClientConfig.staging_bytes`` (default 64 MiB); a
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ from transport import wire
 from transport.base import Pending, Transport, check_payload
 from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext, _address_of
 from transport.tcp import FramedSocket
-from umbp.errors import CorruptionError, ProtocolError, RemoteError, TransportError
+from umbp.errors import BadRequest, CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
 
 MAX_QPS_PER_CONNECTION = 4
 
@@ -56,7 +57,7 @@ class NodeRdma:
         """Answer RDMA_CONNECT: ``meta`` is {"qp": client's local_info()}; ``owned`` is the connection's list of
         endpoints (closed with the connection)."""
         if not isinstance(meta, dict) or not isinstance(meta.get("qp"), dict):
-            raise TransportError("transport rdma", "RDMA_CONNECT: meta must be {'qp': {...}}")
+            raise BadRequest("transport rdma", "RDMA_CONNECT: meta must be {'qp': {...}}")
         if len(owned) >= MAX_QPS_PER_CONNECTION:
             owned.pop(0).close()
         ep = RcEndpoint(self.ctx, remote_access=True)
@@ -267,7 +268,7 @@ class RdmaTransport(Transport):
                                 failed[rid] = status
                     if want and time.monotonic() >= deadline:
                         self.ep.abort("deadline passed")
-                        raise TransportError(self.component, f"{len(want)} transfers unfinished at the deadline")
+                        raise DeadlineExceeded(self.component, f"{len(want)} transfers unfinished at the deadline")
                 # a ranged read is a header-only request (ix None) followed by its payload request
                 prev = None
                 for rid in sorted(posted):
@@ -307,8 +308,8 @@ class RdmaTransport(Transport):
         for r in st.pop("tmp", ()):
             try:
                 self.ctx.deregister(r)
-            except TransportError:
-                pass
+            except TransportError as e:  # pinned memory stays pinned: say so, the batch itself is unaffected
+                print(f"{self.component}: warning: {e}", file=sys.stderr, flush=True)
 
     def _check_read(self, op, hslot: int, in_place: bool) -> Exception | None:
         try:

@@ -5,7 +5,7 @@ tensors. They must be C-contiguous: a strided view would need a gather, and sile
 slow path, so it is refused with a clear error. CPU torch tensors are viewed through ``tensor.view(torch.uint8)``
 (works for bfloat16 and float8, which numpy cannot represent). A CUDA tensor is not host memory: values are staged
 to the host with one copy, and outs are filled through a host buffer and copied up (``CudaOut``); the zero-copy GPU
-path is the gather in ``umbp.gather``.
+path is the gather in ``umbp.engine.gather``.
 """
 
 from __future__ import annotations

@@ -147,13 +147,10 @@ def cmd_drain(args) -> int:
 
 
 def cmd_metaserver(args) -> int:
+    from metaserver.__main__ import config_from
     from metaserver.server import run
-    from umbp.config import MetaserverConfig, resolve
 
-    cfg = resolve(MetaserverConfig, {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise,
-                                     "eviction_policy": args.eviction_policy,
-                                     "election_ttl_s": args.election_ttl})
-    run(cfg)
+    run(config_from(args))
     return 0
 
 
@@ -203,12 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("metaserver", help="run a metaserver (several may share one etcd: one leads)")
-    s.add_argument("--etcd", default=None, help="etcd HOST:PORT (default $UMBP_ETCD or 127.0.0.1:2379)")
-    s.add_argument("--listen", default=None, help="HOST:PORT to serve on (default 127.0.0.1:7700)")
-    s.add_argument("--advertise", default=None, help="address clients should use, if not --listen")
-    s.add_argument("--eviction-policy", default=None, choices=["lru", "prefix-lru"])
-    s.add_argument("--election-ttl", type=int, default=None,
-                   help="seconds of leader-lease: a dead leader is replaced within about this long (default 5)")
+    from metaserver.__main__ import add_arguments as metaserver_arguments
+
+    metaserver_arguments(s)
     s.set_defaults(func=cmd_metaserver)
 
     s = sub.add_parser("node", help="run a storage node")

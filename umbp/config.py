@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from umbp.errors import ConfigError
@@ -121,7 +121,6 @@ class ClientConfig:
     timeout_s: float = 30.0  # one deadline per call, shared by its retries
     checksum: bool = False  # crc32 every payload on put and verify on get
     staging_bytes: int = 64 << 20  # registered staging area for unregistered buffers (RDMA)
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         c = "client"

@@ -23,6 +23,10 @@ class ConfigError(UmbpError, ValueError):
     """A setting is missing, malformed or out of range (raised at construction, never later)."""
 
 
+class StartupError(UmbpError):
+    """A process could not start: its port is busy, its arena file cannot be created, a child it launched exited."""
+
+
 class ProtocolError(UmbpError):
     """Bytes on a connection do not form a valid frame; the connection that carried them is no longer usable."""
 

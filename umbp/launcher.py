@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from umbp.errors import ConfigError, UmbpError
+from umbp.errors import ConfigError, StartupError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -103,9 +103,9 @@ class LocalPool:
         end = time.monotonic() + timeout
         while not child.ready.wait(0.1):
             if time.monotonic() > end:
-                raise UmbpError("up", f"{name} did not start within {timeout:.0f}s; log tail:\n{child.tail()}")
+                raise StartupError("up", f"{name} did not start within {timeout:.0f}s; log tail:\n{child.tail()}")
         if child.match is None:
-            raise UmbpError("up", f"{name} exited with code {proc.wait()}; log tail:\n{child.tail()}")
+            raise StartupError("up", f"{name} exited with code {proc.wait()}; log tail:\n{child.tail()}")
         return child
 
     def start(self) -> "LocalPool":

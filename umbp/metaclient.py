@@ -5,8 +5,11 @@ knows (the configured list plus any leader named in a NOT_LEADER answer) until o
 passes; transport failures move on to the next address, UNAVAILABLE answers (a leader still loading, etcd briefly
 away) ask the same one again, both after a short backoff (first pass over the list without one); every other error
 is raised at once. One attempt waits at most ATTEMPT_S for its answer, so a frozen metaserver (SIGSTOP, a hung
-host) costs that much, not the whole deadline, before the client tries the others. Requests are idempotent at the metaserver (ALLOC dedups, COMMIT of a committed key reports False, LOOKUP takes a
-fresh lease), so retrying after a lost answer is safe.
+host) costs that much, not the whole deadline, before the client tries the others. Retrying after a lost answer
+is safe for COMMIT (a key already committed with this generation reports True again), LOOKUP (a fresh lease) and
+the directory-only requests. ALLOC is not idempotent yet: a retry finds its own PENDING entry and answers EXISTS,
+so that ``put`` returns False and the key stays unreadable until the pending entry expires (``pending_ttl_s``);
+allocation tokens are the planned fix (issue 11).
 
 Thread-safe: one lock serialises use of the single connection (a client issues one metaserver call per batch).
 """

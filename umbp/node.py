@@ -28,7 +28,8 @@ from transport import wire
 from transport.shm import boot_id
 from umbp.arena import Arena
 from umbp.config import NodeConfig, split_host_port
-from umbp.errors import BadRequest, CorruptionError, NotFound, NotLeader, ProtocolError, RemoteError, UmbpError
+from umbp.errors import (BadRequest, CorruptionError, NotFound, NotLeader, ProtocolError, RemoteError, StartupError,
+                         UmbpError)
 
 _WRITE_HIGH_WATER = 64 << 20
 
@@ -40,7 +41,11 @@ class NodeServer:
         host_part = re.sub(r"[^A-Za-z0-9_.-]+", "", socket.gethostname()) or "node"
         self.node_id = config.node_id or f"{host_part}-{uuid.uuid4().hex[:6]}"
         self.component = f"node {self.node_id}"
-        os.makedirs(config.arena_dir, exist_ok=True)
+        try:
+            os.makedirs(config.arena_dir, exist_ok=True)
+        except OSError as e:
+            raise StartupError(self.component, f"cannot create the arena directory {config.arena_dir}: "
+                                               f"{e.strerror or e}") from e
         path = os.path.join(config.arena_dir, f"umbp-{self.node_id}.arena")
         self.arena = Arena(path, config.capacity, remove_on_close=not config.node_id)
         self.data_start = wire.ARENA_DATA_START
@@ -86,8 +91,11 @@ class NodeServer:
     async def start(self) -> None:
         host, port = split_host_port(self.config.listen, self.component)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: DataProtocol(self), host, port, reuse_address=True,
-                                                backlog=1024)
+        try:
+            self._server = await loop.create_server(lambda: DataProtocol(self), host, port, reuse_address=True,
+                                                    backlog=1024)
+        except OSError as e:
+            raise StartupError(self.component, f"cannot listen on {self.config.listen}: {e.strerror or e}") from e
         sockname = self._server.sockets[0].getsockname()
         self.port = sockname[1]
         if self.config.advertise:
