@@ -202,3 +202,4 @@ class Election:
         lease, self.lease_id = self.lease_id, 0
         if lease:
             await self._revoke(lease)
+            log.info("metaserver: resigned: election lease %x revoked", lease)

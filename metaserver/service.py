@@ -68,6 +68,7 @@ class Metaserver:
         self.max_keys = config.max_batch_keys
         self.term = 0  # bumped at every win and every step-down; coroutines of an older term stop
         self.loaded = False  # this term's directory is loaded (serving = loaded and the lease is valid)
+        self.ticks = 0  # background ticks run (stats: lets tests wait for ticks instead of sleeping)
         self.load_s = 0.0  # how long the last takeover's directory load took
         self._new_state()
         self._bg: set[asyncio.Task] = set()
@@ -241,6 +242,7 @@ class Metaserver:
                 log.exception("metaserver: background tick failed")
 
     def tick(self, now: float) -> None:
+        self.ticks += 1
         if not self.serving:
             return  # a lapsed lease: touch nothing until the election says whether we still lead
         if not self.settled.is_set() and now - self.took_over > ALLOC_HOLD_S:
@@ -444,7 +446,8 @@ class Metaserver:
                 "namespaces": d.namespaces(), "is_leader": self.serving, "etcd": self.store.addr,
                 "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
                 "load_s": round(self.load_s, 3), "etcd_pending_ops": self.writer.pending(),
-                "etcd_txns": self.writer.txns, "nodes": self._node_maps()}
+                "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
+                "ticks": self.ticks, "nodes": self._node_maps()}
 
     def nodes(self, meta: Any, conn) -> dict:
         v.fields(meta, _NONE)

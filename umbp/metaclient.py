@@ -36,6 +36,7 @@ class MetaClient:
         self._conn: FramedSocket | None = None
         self._idx = 0
         self._lock = threading.Lock()
+        self.sent: dict[int, int] = {}  # requests sent per opcode, retries included (observability, tests)
 
     @property
     def address(self) -> str | None:
@@ -58,6 +59,7 @@ class MetaClient:
                 attempt_end = min(deadline, time.monotonic() + ATTEMPT_S)
                 try:
                     conn = self._connect(attempt_end)
+                    self.sent[op] = self.sent.get(op, 0) + 1
                     return conn.request(op, meta, attempt_end).meta
                 except NotLeader as e:
                     last = e
