@@ -1,0 +1,174 @@
+"""TP group loads against a real pool: N rank processes (gloo over torch.distributed), N = 2 and 4.
+
+Replicated (MLA) KV: each page is written once (split offload; and with split=False the metaserver's dedup leaves
+exactly one writer per page), each rank reads 1/N of the pages from the pool and the ranks exchange the rest, so
+every rank ends with every page, bytes exact, while its pool->host and host->device counters are 1/N of an unsplit
+load's. A missing page cuts the prefix on every rank alike. Sharded (MHA) KV keeps per-rank keys and bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from processes import child_env  # noqa: E402
+
+PAGES, LAYERS, SLOTS = 8, 6, 32
+TOKENS, DIM = 16, 32  # bf16 latent rows: 16 tokens x 32 x 2 bytes = 1 KiB per layer, 6 KiB pages
+
+
+def _kv(seed: int | None):
+    import torch
+
+    t = torch.zeros(LAYERS, SLOTS, TOKENS, DIM, dtype=torch.bfloat16)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=g, dtype=torch.int16))
+    return t
+
+
+def _keys(tag: str) -> list[str]:
+    from umbp.keys import chain_keys
+
+    import zlib
+
+    base = zlib.crc32(tag.encode())  # not hash(): string hashes differ between the rank processes
+    return chain_keys([(base + i) & 0xFFFF for i in range(PAGES * TOKENS)], TOKENS)
+
+
+def _same(a, b) -> bool:
+    """Bitwise equality (random bf16 bit patterns include NaNs, which torch.equal calls unequal)."""
+    import torch
+
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def worker(rank: int, size: int, init_file: str, addr: str, transport: str) -> dict:
+    """One TP rank: offload, load, check bytes, report results and counters."""
+    import torch
+    import torch.distributed as dist
+
+    import umbp
+    from umbp.engine.loader import LayerwiseLoader
+    from umbp.engine.tp import TPGroup
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    out: dict = {"rank": rank}
+    with umbp.Client(addr, namespace=f"tp{size}", transport=transport) as c:
+        src = _kv(seed=7)  # replicated: the same bytes on every rank
+        slots = list(range(PAGES))
+        tp_src = TPGroup(c, src, replicated=True, group_size=2)
+        keys_a, keys_b, keys_d = _keys("a"), _keys("b"), _keys("d")
+        out["split_store"] = tp_src.store(keys_a, slots)
+        out["store_counters"] = dict(tp_src.counters)
+        dist.barrier()
+        out["dedup_store"] = tp_src.store(keys_b, slots, split=False)
+        gap = [i for i in range(PAGES) if i != 5]
+        tp_src.store([keys_d[i] for i in gap], gap)
+        dist.barrier()
+
+        dst = _kv(seed=None)
+        dst_slots = [SLOTS - 1 - 3 * i for i in range(PAGES)]
+        tp = TPGroup(c, dst, replicated=True, group_size=2)
+        with tp.load(keys_a, dst_slots) as load:
+            out["group_pages"] = [g.pages for g in load]
+        out["pages"] = load.pages
+        out["bytes_ok"] = all(_same(dst[:, d], src[:, s]) for s, d in zip(slots, dst_slots))
+        out["untouched_ok"] = all(not dst[:, s].view(torch.int16).any()
+                                  for s in set(range(SLOTS)) - set(dst_slots))
+        out["tp_counters"] = dict(tp.counters)
+
+        base_kv = _kv(seed=None)
+        base = LayerwiseLoader(c, base_kv, group_size=2)  # the unsplit load of the same pages
+        out["base_pages"] = base.load_all(keys_a, slots)
+        out["base_counters"] = dict(base.counters)
+
+        gap_kv = _kv(seed=None)
+        tpg = TPGroup(c, gap_kv, replicated=True, group_size=3)
+        out["gap_pages"] = tpg.load_all(keys_d, slots)
+        out["gap_ok"] = _same(gap_kv[:, :5], src[:, :5]) and not gap_kv[:, 5:].view(torch.int16).any()
+
+        shard = _kv(seed=100 + rank)  # sharded: each rank its own heads
+        tps = TPGroup(c, shard, replicated=False)
+        out["shard_store"] = tps.store(keys_a, slots)
+        back = _kv(seed=None)
+        tpl = TPGroup(c, back, replicated=False, group_size=3)
+        out["shard_pages"] = tpl.load_all(keys_a, dst_slots)
+        out["shard_ok"] = all(_same(back[:, d], shard[:, s]) for s, d in zip(slots, dst_slots))
+        out["shard_counters"] = dict(tpl.counters)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def run_ranks(size: int, addr: str, transport: str, tmp_path: Path) -> list[dict]:
+    init = tmp_path / "dist-init"
+    here = str(Path(__file__).resolve().parent)
+    procs = []
+    for rank in range(size):
+        code = textwrap.dedent(f"""
+            import json, sys
+            sys.path.insert(0, {here!r})
+            from test_engine_tp import worker
+            print("RESULT " + json.dumps(worker({rank}, {size}, {str(init)!r}, {addr!r}, {transport!r})))
+        """)
+        env = child_env({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, f"rank exited {p.returncode}\n{se[-4000:]}"
+        line = [ln for ln in so.splitlines() if ln.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT "):]))
+    return sorted(results, key=lambda r: r["rank"])
+
+
+@pytest.mark.parametrize("size,transport", [(2, "tcp"), (4, "auto")])
+def test_tp_split_load_and_exchange(cluster, tmp_path, size, transport):
+    res = run_ranks(size, cluster.metaserver_addr, transport, tmp_path)
+    page = LAYERS * TOKENS * DIM * 2
+    total = PAGES * page
+    # offload: every page written exactly once, by rank i % N (split) or by whichever rank won ALLOC (dedup)
+    for r in res:
+        assert r["split_store"] == [i % size == r["rank"] for i in range(PAGES)]
+        assert r["store_counters"]["host_to_pool_bytes"] == total // size
+    assert [sum(r["dedup_store"][i] for r in res) for i in range(PAGES)] == [1] * PAGES
+    for r in res:
+        assert r["pages"] == PAGES and r["group_pages"] == [PAGES] * (LAYERS // 2)
+        assert r["bytes_ok"], r
+        assert r["untouched_ok"], r
+        assert r["base_pages"] == PAGES and r["base_counters"]["pool_to_host_bytes"] == total
+        c = r["tp_counters"]
+        # the N-fold fall: each rank reads and moves 1/N of the unsplit load, gets the rest from its peers
+        assert c["pool_to_host_bytes"] == r["base_counters"]["pool_to_host_bytes"] // size == total // size
+        assert c["host_to_device_bytes"] == r["base_counters"]["host_to_device_bytes"] // size
+        assert c["exchange_bytes"] == total - total // size
+        assert c["scatter_bytes"] == total and c["pages_loaded"] == PAGES
+        assert r["gap_pages"] == 5 and r["gap_ok"]
+        assert r["shard_store"] == [True] * PAGES and r["shard_pages"] == PAGES and r["shard_ok"]
+        assert r["shard_counters"]["pool_to_host_bytes"] == total and r["shard_counters"]["exchange_bytes"] == 0
+    print(f"\nTP N={size}: per-rank pool->host {[r['tp_counters']['pool_to_host_bytes'] for r in res]} B, "
+          f"unsplit {total} B")
+
+
+def test_tp_needs_torch_distributed():
+    import torch
+
+    from umbp.engine.tp import TPGroup
+    from umbp.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="engine tp: torch.distributed is not initialised"):
+        TPGroup(None, torch.zeros(2, 4, 8), replicated=True)
