@@ -7,8 +7,9 @@ layers can start long before the whole prefix has arrived. Per group:
 - pages on a same-host node (``Client.mapped``: one LOOKUP and one read lease for the whole load) are gathered
   straight out of the mapped arena: on CPU by memmove, on CUDA by the gather kernel reading the arena, which is
   ``cudaHostRegister``-ed once (zero-copy: no pool->host copy at all);
-- other pages come by one ranged read per page (``batch_get_ranges_into``): on CPU straight into the KV rows, on
-  CUDA into a pinned staging buffer (two, used alternately) that the gather kernel then reads.
+- other pages come by one ranged read per page per group (``batch_get_ranges_into``) into host staging (on CUDA
+  pinned, two buffers used alternately), from which the gather moves them into the KV slots (one request per
+  page and group: a range per layer part straight into the rows would cost a transport request each).
 On CUDA each group's copies run on the loader's copy stream and a ``torch.cuda.Event`` is recorded after them;
 ``ReadyGroup.wait()`` makes the caller's stream wait for it. On CPU a group is yielded once its bytes are in place.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -233,6 +235,9 @@ class LayerLoad:
                     ld._ring_events[g % 2] = ev
                 ld.counters["groups_loaded"] += 1
                 self._q.put(ReadyGroup(g, layers, live, ev))
+                # Let the consumer take the GIL now: otherwise this thread, busy with the next group's copies,
+                # can keep it for a whole switch interval (5 ms) and the ready group waits for nothing.
+                time.sleep(0)
             ld.counters["pages_loaded"] += live
 
 
@@ -259,6 +264,7 @@ class LayerwiseLoader:
         self._staging: list[Any] = [None, None]
         self._ring_events: list[Any] = [None, None]
         self._store_staging = None
+        self._cpu_staging: np.ndarray | None = None
         self._registered: dict[int, gather.HostBuffer | None] = {}
 
     # ---- loads
@@ -311,25 +317,24 @@ class LayerwiseLoader:
         """Ranged reads of group ``g`` for pages ``fi``; returns bytes got per page (-1 = miss)."""
         kv = self.kv
         sub_keys = [keys[p] for p in fi.tolist()]
-        if not kv.is_cuda:
-            segs = kv.segments(layers)
-            ranges = [[(goff + rel, ln) for rel, ln, _, _ in segs]] * len(sub_keys)
-            outs = [[row for li in layers for row in kv.rows(li, s)] for s in slots[fi].tolist()]
-            got = np.asarray(self.client.batch_get_ranges_into(sub_keys, ranges, outs), dtype=np.int64)
-            nbytes = int(got[got > 0].sum())
-            self.counters["pool_to_host_bytes"] += nbytes
-            self.counters["host_to_device_bytes"] += nbytes
-            return got
-        import torch
-
-        k = g % 2
         need = len(sub_keys) * glen
-        if self._ring_events[k] is not None:
-            self._ring_events[k].synchronize()  # the kernel that read this staging buffer two groups ago is done
-        if self._staging[k] is None or self._staging[k].numel() < need:
-            self._staging[k] = torch.empty(max(need, 1 << 20), dtype=torch.uint8, pin_memory=True)
-        st = self._staging[k]
-        view = memoryview(st.numpy())
+        # One ranged read per page per group into host staging, then the gather into the KV slots: a range per
+        # layer part straight into the rows would cost a transport request each on tcp/rdma.
+        if kv.is_cuda:
+            import torch
+
+            k = g % 2
+            if self._ring_events[k] is not None:
+                self._ring_events[k].synchronize()  # the kernel that read this buffer two groups ago is done
+            if self._staging[k] is None or self._staging[k].numel() < need:
+                self._staging[k] = torch.empty(max(need, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            st = self._staging[k]
+            view = memoryview(st.numpy())
+        else:
+            if self._cpu_staging is None or self._cpu_staging.size < need:
+                self._cpu_staging = np.empty(max(need, 1 << 20), dtype=np.uint8)
+            st = self._cpu_staging
+            view = memoryview(st)
         outs = [[view[i * glen:(i + 1) * glen]] for i in range(len(sub_keys))]
         got = np.asarray(self.client.batch_get_ranges_into(sub_keys, [[(goff, glen)]] * len(sub_keys), outs),
                          dtype=np.int64)

@@ -1,0 +1,155 @@
+"""Layer-wise loading benchmark: time to the first ready layer group vs the whole prefix, against a real local pool.
+
+Stores a prefix of ``--pages`` page-first pages (``--layers`` layers of ``--layer-kib`` KiB each) from a KV buffer
+(CPU, or CUDA with ``--device cuda``), then loads it back into other slots with ``--groups`` layer groups and
+reports, per transport path (shm via the mapped arena; tcp ranged reads):
+- first: from ``load()`` to the first group being usable (CPU: yielded; CUDA: its event passed),
+- whole: from ``load()`` to the last group being usable,
+- first/whole (the target is at most 1/4 with 8 groups), and the same prefix loaded as one group.
+Bytes are checked after every load. Median of ``--iters`` runs. Without ``--metaserver`` a pool is started with
+``python -m umbp up`` (needs etcd on PATH or next to this Python) and stopped at the end.
+
+    python3 bench/layerwise.py [--device cpu|cuda] [--pages 256] [--layers 32] [--groups 8] [--layer-kib 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_pool(nodes: int, capacity: int) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p))
+    p = subprocess.Popen([sys.executable, "-m", "umbp", "up", "--nodes", str(nodes), "--capacity", str(capacity),
+                          "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    deadline = time.monotonic() + 60
+    lines = []
+    while time.monotonic() < deadline:  # bounded: `umbp up` prints the address once it serves
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.match(r"metaserver: (\S+)", line)
+        if m:
+            return p, m.group(1)
+    stop_pool(p)
+    raise SystemExit("layerwise: `umbp up` did not come up:\n" + "".join(lines[-20:]))
+
+
+def stop_pool(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--metaserver", help="use this pool instead of starting one")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--pages", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--layer-kib", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--json", help="write the figures here as JSON")
+    args = ap.parse_args()
+
+    import torch
+
+    import umbp
+    from umbp.engine.layout import PagedKV
+    from umbp.engine.loader import LayerwiseLoader
+
+    L, n = args.layers, args.pages
+    if L % args.groups:
+        raise SystemExit(f"layerwise: --layers {L} is not a multiple of --groups {args.groups}")
+    row = args.layer_kib * 1024
+    page = L * row
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    pool = None
+    addr = args.metaserver
+    if not addr:
+        pool, addr = start_pool(2, max(64 << 20, (n * page * 3) // 2 // 2 + (8 << 20)))
+    results: dict = {"pages": n, "layers": L, "groups": args.groups, "page_bytes": page, "device": str(dev),
+                     "paths": {}}
+    try:
+        src_t = torch.randint(0, 256, (L, 2 * n, row), dtype=torch.uint8, device=dev)
+        dst_t = torch.zeros_like(src_t)
+        src, dst = PagedKV(src_t), PagedKV(dst_t)
+        src_slots = list(range(n))
+        dst_slots = list(range(2 * n - 1, n - 1, -1))
+        keys = [f"layerwise-{L}x{row}-{i}" for i in range(n)]
+        print(f"prefix: {n} pages x {L} layers x {row // 1024} KiB = {n * page / 2**20:.0f} MiB, {args.groups} groups "
+              f"of {L // args.groups} layers, KV on {dev}")
+        with umbp.Client(addr) as c:
+            LayerwiseLoader(c, src).store(keys, src_slots)
+        want = src_t[:, :n].flip(1)  # dst slot 2n-1-i holds page i
+
+        def one(client, group_size: int, mapped: bool) -> tuple[float, float, LayerwiseLoader]:
+            dst_t.zero_()
+            if cuda:
+                torch.cuda.synchronize()
+            loader = LayerwiseLoader(client, dst, group_size=group_size, use_mapped=mapped)
+            t0 = time.perf_counter()
+            first = None
+            with loader.load(keys, dst_slots) as load:
+                for grp in load:
+                    if first is None:
+                        grp.synchronize()
+                        first = time.perf_counter() - t0
+                    last = grp
+                last.synchronize()
+            whole = time.perf_counter() - t0
+            if load.pages != n or not torch.equal(dst_t[:, n:], want):
+                raise SystemExit(f"layerwise: bytes differ after a load ({load.pages} of {n} pages)")
+            loader.close()
+            return first, whole, loader
+
+        for name in args.transports.split(","):
+            mapped = name == "shm"
+            with umbp.Client(addr, transport=name) as c:
+                one(c, L // args.groups, mapped)  # warm-up: connections, mappings, registrations
+                runs = [one(c, L // args.groups, mapped) for _ in range(args.iters)]
+                mono = [one(c, L, mapped)[1] for _ in range(args.iters)]
+            first = statistics.median(r[0] for r in runs)
+            whole = statistics.median(r[1] for r in runs)
+            whole1 = statistics.median(mono)
+            ctr = runs[-1][2].counters
+            results["paths"][name] = {"first_s": first, "whole_s": whole, "ratio": first / whole,
+                                      "one_group_s": whole1, "gbs": n * page / whole / 1e9,
+                                      "pool_to_host_bytes": ctr["pool_to_host_bytes"],
+                                      "zero_copy_bytes": ctr["zero_copy_bytes"]}
+            print(f"{name:4s} first group {first * 1e3:8.2f} ms   whole prefix {whole * 1e3:8.2f} ms   "
+                  f"first/whole {first / whole:.3f}   ({n * page / whole / 1e9:.2f} GB/s; as one group "
+                  f"{whole1 * 1e3:.2f} ms; pool->host {ctr['pool_to_host_bytes'] >> 20} MiB, zero-copy "
+                  f"{ctr['zero_copy_bytes'] >> 20} MiB)")
+    finally:
+        if pool is not None:
+            stop_pool(pool)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
