@@ -14,13 +14,15 @@ Every connection in UMBP (client -> metaserver, node -> metaserver, client -> no
 
 All integers are little-endian. ``flags`` has RESPONSE (set on every answer) and NO_REPLY (the sender does not
 want an answer: lease releases). A response carries the request's ``request_id`` and opcode; ``status`` is OK or
-an error code, in which case ``meta`` is ``{"error": "<component>: <message>", ...}``. Room for authentication: the
-HELLO opcode carries a token and is the first frame on a connection when the server requires one.
+an error code, in which case ``meta`` is ``{"error": "<component>: <message>", ...}``. Authentication: HELLO then
+AUTH, a challenge-response described in ``umbp/auth.py``; a closed server answers anything else before it with AUTH.
 
 Invariants a reader enforces: magic and version match; ``meta_len <= max_meta`` and ``data_len <= max_data`` (the
-reader's limits, so a hostile length never allocates); a malformed header poisons the connection (the stream can no
-longer be framed), while a well-framed request with an unknown opcode or bad meta gets an error answer and the
-connection goes on.
+reader's limits); memory follows the bytes that arrived, never an announced length: the staging buffer grows at
+most to twice what it holds, data goes to the sink's memory (the node's arena) or, up to ``buffer_data`` bytes, to
+a buffer, and anything else is discarded by counting (a 24-byte header announcing 1 GiB allocates nothing). A
+malformed header poisons the connection (the stream can no longer be framed), while a well-framed request with an
+unknown opcode or bad meta gets an error answer and the connection goes on.
 
 Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the payload, allocations aligned to
 ``ALIGN`` (4 KiB)::
@@ -60,12 +62,13 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 1
+VERSION = 2  # 2: HELLO/AUTH handshake, capabilities and tags in ALLOC/LOOKUP/READ/WRITE, allocation tokens
 HEADER = struct.Struct("<HBBHHIIQ")
 HEADER_SIZE = HEADER.size  # 24
 
 MAX_META = 16 << 20  # default reader limit for msgpack meta
 MAX_DATA = 1 << 30  # default reader limit for raw data
+BUFFER_DATA = 1 << 20  # default: frame data up to this size, with no sink memory for it, lands in a fresh buffer
 MAX_KEY_BYTES = 512  # a page key, UTF-8 encoded when given as str
 
 
@@ -78,16 +81,19 @@ class Flag(enum.IntFlag):
 class Op(enum.IntEnum):
     """Opcodes. 0x0_: any server; 0x1_/0x2_: metaserver; 0x4_: storage node."""
 
-    HELLO = 0x01  # {"token": str|None, "client": str} -> {"server": str, "version": int}
+    HELLO = 0x01  # {"client": str, "nonce": bytes} -> {"server", "version", "auth": bool, "nonce": bytes}
     PING = 0x02  # {} -> {}
+    AUTH = 0x03  # {"id": str, "proof": bytes} -> {"scope": str, "proof": bytes}   (umbp/auth.py)
     # metaserver: membership
     REGISTER_NODE = 0x10  # node description -> {"heartbeat_s": float, "kept": int, "dropped": int}
     HEARTBEAT = 0x11  # {"node_id"} -> {} (NOT_FOUND: register again)
     # metaserver: data plane
-    ALLOC = 0x12  # {"ns", "keys", "sizes", "parents"?} -> {"items": [[state, node, off, size, gen] | None]}
+    # ALLOC: "token" names the allocation: a retry with the same token gets the same places back (idempotent)
+    ALLOC = 0x12  # {"ns", "keys", "sizes", "parents"?, "token"?} -> {"items": [[state, node, off, size, gen,
+    #               tag, write_cap]]} (AllocState; tag: the object header's key hash; write_cap: b"" when open)
     COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
     ABORT = 0x14  # {"ns", "keys", "gens"} -> {"aborted": int}
-    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease": int, "locs": [[node, off, size, gen] | None]}
+    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease": int, "locs": [[node, off, size, gen, tag, read_cap] | None]}
     RELEASE = 0x16  # {"lease": int} -> {} (usually NO_REPLY)
     EXISTS = 0x17  # {"ns", "keys"} -> {"exists": [bool]}
     PREFIX = 0x18  # {"ns", "keys"} -> {"hits": int}
@@ -101,8 +107,8 @@ class Op(enum.IntEnum):
     LEADER = 0x1F  # {} -> {"leader": "host:port" | None, "is_leader": bool}
     # storage node
     ARENA_INFO = 0x40  # {} -> arena map (node_id, arena_id, arena_path, capacity, boot_id, host, transports)
-    READ = 0x41  # [off, start, length, key_hash, gen] -> data: object header + payload[start:start+length]
-    WRITE = 0x42  # [off] + data: object header + payload -> {}
+    READ = 0x41  # [off, start, length, tag, gen, payload_len, read_cap] -> data: header + payload[start:+length]
+    WRITE = 0x42  # [off, gen, write_cap] + data: object header + payload -> {}
     RDMA_CONNECT = 0x43  # queue-pair details -> queue-pair details (transport/rdma.py)
 
 
@@ -113,6 +119,7 @@ class AllocState(enum.IntEnum):
     NEW = 0  # allocated for this writer: write the bytes there, then COMMIT
     EXISTS = 1  # someone already stored (or is storing) this key: dedup, nothing to write
     NO_SPACE = 2  # no space even after eviction (everything evictable is leased or pending)
+    IN_FLIGHT = 3  # another writer holds this key PENDING: wait for it (READY) or for it to go away, then retry
 
 
 class Status(enum.IntEnum):
@@ -220,15 +227,20 @@ class FrameReader:
 
     Use: ``buf = reader.get_buffer()``; receive into it; ``frames = reader.buffer_updated(n)``. Header and meta
     bytes land in a staging buffer; data bytes land directly in what ``sink`` returns (for the storage node: the
-    arena). Frames whose data the sink refused come back with ``data=None`` and ``error`` set on the reader's
-    list as ``(frame, exc)`` pairs in ``frames`` order, so the server can answer with the error and go on.
+    arena), else in a fresh buffer when ``data_len <= buffer_data``, else they are discarded by counting and the
+    frame comes back with ``data=None`` and a BadRequest. Frames come back as ``(frame, error)`` pairs in stream
+    order, so a server can answer an error and go on.
+
+    Memory per reader: the staging buffer (``bufsize``, grown only by doubling once it is full of bytes that really
+    arrived, so a trickle of a huge announced meta cannot inflate it) plus at most ``buffer_data`` for one frame.
     """
 
     def __init__(self, component: str, *, max_meta: int = MAX_META, max_data: int = MAX_DATA,
-                 sink: Sink | None = None, bufsize: int = 256 * 1024):
+                 sink: Sink | None = None, bufsize: int = 64 * 1024, buffer_data: int = BUFFER_DATA):
         self.component = component
         self.max_meta = max_meta
         self.max_data = max_data
+        self.buffer_data = buffer_data
         self._sink = sink
         self._buf = bytearray(bufsize)
         self._mv = memoryview(self._buf)
@@ -238,20 +250,27 @@ class FrameReader:
         self._pending: tuple | None = None  # (op, flags, status, rid, meta, data_len) while receiving data
         self._data: memoryview | None = None
         self._data_pos = 0
+        self._skip = 0  # data bytes still to discard (refused data: no memory is allocated for it)
         self._data_error: Exception | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of memory this reader holds (staging plus any data buffer of its own)."""
+        return len(self._buf)
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._data is not None:
             return self._data[self._data_pos:]
+        if self._skip:
+            return _DISCARD[:min(self._skip, len(_DISCARD))]
         if self._start == self._end:
             self._start = self._end = 0
         room = len(self._buf) - self._end
         if room < 4096 or self._start + self._need > len(self._buf):
-            # Move the unparsed tail to the front, growing when one header+meta does not fit.
+            # Move the unparsed tail to the front; grow (by doubling) only when the tail fills the buffer.
             tail = self._end - self._start
-            size = max(len(self._buf), self._need + 4096)
-            if size > len(self._buf):
-                newbuf = bytearray(size)
+            if self._need > len(self._buf) and len(self._buf) - tail < 4096:
+                newbuf = bytearray(min(max(2 * len(self._buf), 4096), self._need + 4096))
                 newbuf[:tail] = self._mv[self._start:self._end]
                 self._buf, self._mv = newbuf, memoryview(newbuf)
             else:
@@ -267,6 +286,11 @@ class FrameReader:
             if self._data_pos < len(self._data):
                 return out
             out.append(self._finish_data())
+        elif self._skip:
+            self._skip -= nbytes
+            if self._skip:
+                return out
+            out.append(self._finish_data())
         else:
             self._end += nbytes
         self._parse(out)
@@ -275,13 +299,13 @@ class FrameReader:
     def _finish_data(self) -> tuple[Frame, Exception | None]:
         op, flags, status, rid, meta, data_len = self._pending
         data, err = self._data, self._data_error
-        self._pending, self._data, self._data_pos, self._data_error = None, None, 0, None
+        self._pending, self._data, self._data_pos, self._skip, self._data_error = None, None, 0, 0, None
         if err is not None:
             data = None
         return Frame(op, flags, status, rid, meta, data, data_len), err
 
     def _parse(self, out: list) -> None:
-        while self._data is None:
+        while self._data is None and not self._skip:
             avail = self._end - self._start
             if avail < HEADER_SIZE:
                 self._need = HEADER_SIZE
@@ -310,30 +334,29 @@ class FrameReader:
                     target = self._sink(op, rid, meta, data_len)
                 except RemoteError as e:
                     err = e
-            if target is None:
-                target = memoryview(bytearray(data_len)) if err is None else _discard_view(data_len)
-            elif len(target) != data_len:
+            if target is None and err is None:
+                if data_len <= self.buffer_data:
+                    target = memoryview(bytearray(data_len))
+                else:
+                    err = BadRequest(self.component, f"opcode {op} does not take {data_len} bytes of data",
+                                     Status.TOO_LARGE)
+            if target is not None and len(target) != data_len:
                 raise ProtocolError(self.component, "sink returned a buffer of the wrong size")
             self._pending = (op, flags, status, rid, meta, data_len)
-            self._data, self._data_pos, self._data_error = target, 0, err
-            # Bytes of this frame's data already in staging move to the target now.
-            take = min(self._end - self._start, data_len)
-            if take:
-                target[:take] = self._mv[self._start:self._start + take]
-                self._start += take
-                self._data_pos = take
-            if self._data_pos == data_len:
+            self._data_error = err
+            take = min(self._end - self._start, data_len)  # bytes of this frame's data already in staging
+            if target is None:
+                self._skip = data_len - take
+            else:
+                self._data, self._data_pos = target, take
+                if take:
+                    target[:take] = self._mv[self._start:self._start + take]
+            self._start += take
+            if take == data_len:
                 out.append(self._finish_data())
 
 
-_DISCARD = bytearray(1 << 20)
-
-
-def _discard_view(n: int) -> memoryview:
-    """A scratch buffer for data we refuse; large refused payloads are still bounded by the reader's max_data."""
-    if n <= len(_DISCARD):
-        return memoryview(_DISCARD)[:n]
-    return memoryview(bytearray(n))
+_DISCARD = memoryview(bytearray(1 << 16))  # scratch for refused data, shared: its bytes are never read
 
 
 # ---------------------------------------------------------------------------------------------------------------

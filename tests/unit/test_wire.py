@@ -76,16 +76,16 @@ def test_bad_magic_version_and_oversized_lengths_are_protocol_errors():
     hdr = wire.HEADER.pack(wire.MAGIC, 9, 1, 0, 0, 1, 0, 0)
     with pytest.raises(ProtocolError, match="unsupported wire version 9"):
         feed(wire.FrameReader("meta"), hdr, [100])
-    hdr = wire.HEADER.pack(wire.MAGIC, 1, 1, 0, 0, 1, 1 << 30, 0)
+    hdr = wire.HEADER.pack(wire.MAGIC, wire.VERSION, 1, 0, 0, 1, 1 << 30, 0)
     with pytest.raises(ProtocolError, match="meta of 1073741824 bytes exceeds"):
         feed(wire.FrameReader("meta", max_meta=1 << 20), hdr, [100])
-    hdr = wire.HEADER.pack(wire.MAGIC, 1, 1, 0, 0, 1, 0, 1 << 40)
+    hdr = wire.HEADER.pack(wire.MAGIC, wire.VERSION, 1, 0, 0, 1, 0, 1 << 40)
     with pytest.raises(ProtocolError, match="data of 1099511627776 bytes exceeds"):
         feed(wire.FrameReader("meta"), hdr, [100])
 
 
 def test_malformed_meta_is_a_bad_request_and_the_stream_goes_on():
-    bad = wire.HEADER.pack(wire.MAGIC, 1, wire.Op.LOOKUP, 0, 0, 7, 3, 0) + b"\xc1\xc1\xc1"
+    bad = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Op.LOOKUP, 0, 0, 7, 3, 0) + b"\xc1\xc1\xc1"
     good = wire.encode(wire.Op.PING, 8, {})
     got = feed(wire.FrameReader("meta"), bad + good, [5] * 20)
     assert isinstance(got[0][1], BadRequest) and "malformed msgpack" in str(got[0][1])
@@ -123,3 +123,30 @@ def test_object_header_detects_stale_torn_and_wrong_length():
     with pytest.raises(CorruptionError, match="no object header"):
         wire.check_object_header(bytes(64), "t", kh, 42, 1000)
     assert wire.object_size(0) == 4096 and wire.object_size(4032) == 4096 and wire.object_size(4033) == 8192
+
+
+def test_memory_follows_arrived_bytes_not_announced_lengths():
+    """A header announcing 1 GiB of data (no sink memory for it) allocates nothing: the data is discarded by
+    counting and the frame comes back refused; a trickle of a 16 MiB announced meta grows staging only by doubling
+    once it is full of bytes that arrived."""
+    r = wire.FrameReader("node", buffer_data=0)
+    hdr = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Op.WRITE, 0, 0, 5, 0, 1 << 30)
+    assert feed(r, hdr, [len(hdr)]) == []
+    assert r.buffered <= 64 * 1024
+    got = []
+    for _ in range(16):  # 16 MiB of the announced GiB
+        got += feed(r, bytes(1 << 20), [1 << 16] * 16)
+        assert r.buffered <= 64 * 1024
+    assert got == []
+    r = wire.FrameReader("node", buffer_data=0)
+    frames = feed(r, wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Op.PING, 0, 0, 9, 0, 300_000) + bytes(300_000)
+                  + wire.encode(wire.Op.PING, 10, {}), [7919] * 40)
+    assert [(f.request_id, f.data, type(e).__name__) for f, e in frames] == [(9, None, "BadRequest"),
+                                                                            (10, None, "NoneType")]
+    assert "does not take 300000 bytes" in str(frames[0][1])
+    r = wire.FrameReader("metaserver")
+    meta_hdr = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Op.PING, 0, 0, 1, 16 << 20, 0)
+    feed(r, meta_hdr + bytes(1000), [100] * 11)
+    assert r.buffered <= 64 * 1024
+    feed(r, bytes(1 << 20), [4096] * 256)  # 1 MiB arrived: staging holds it, at most doubled once
+    assert (1 << 20) < r.buffered <= 2 * ((1 << 20) + 64 * 1024)
