@@ -33,8 +33,10 @@ from transport.wire import ARENA_DATA_START, object_size
 
 PENDING, READY = 0, 1
 STATE_NAMES = ("PENDING", "READY")
-NEW, EXISTS, NO_SPACE = wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE
+NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
+                                    wire.AllocState.IN_FLIGHT)
 _EXISTS_ITEM = (EXISTS, None, None, None, None)
+_IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
 _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
 
 
@@ -42,7 +44,7 @@ class Entry:
     """One object. Hashable by identity (eviction policies key their ordered dicts by the entry itself)."""
 
     __slots__ = ("ns", "key", "space", "node_id", "offset", "size", "payload_len", "gen", "state", "parent",
-                 "last_access", "pins", "children", "parent_ref", "gone")
+                 "last_access", "pins", "children", "parent_ref", "gone", "token")
 
     def __init__(self, ns: str, key: bytes, space: "NodeSpace", offset: int, payload_len: int, gen: int,
                  state: int, parent: bytes | None, now: float):
@@ -61,6 +63,7 @@ class Entry:
         self.children = 0  # READY entries naming this one as parent (prefix-aware eviction)
         self.parent_ref: Entry | None = None  # the parent entry whose ``children`` this one incremented
         self.gone = False
+        self.token: int | None = None  # the allocation token of its writer while PENDING (idempotent ALLOC)
 
 
 class NodeSpace:
@@ -201,18 +204,31 @@ class Directory:
 
     # -- data plane --------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], parents: list | None, gen_base: int,
-              now: float) -> tuple[list, Effects]:
+              now: float, token: int | None = None) -> tuple[list, Effects]:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting if needed. Returns (items, effects):
-        item = [NEW, node_id, offset, payload_len, gen] | [EXISTS, None...] | [NO_SPACE, None...]."""
+        item = [NEW, node_id, offset, payload_len, gen] | [EXISTS, None...] | [NO_SPACE, None...] |
+        [IN_FLIGHT, None...] (another writer holds the key PENDING). A PENDING key allocated under the same
+        ``token`` gets its place again (a retried ALLOC whose answer was lost), so ALLOC is idempotent."""
         fx = Effects()
         d = self.entries.get(ns)
         if d is None:
             d = self.entries[ns] = {}
         items: list = []
         expiry = now + self.pending_ttl_s
+        seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         for i, key in enumerate(keys):
-            if key in d:
+            e = d.get(key)
+            if key in seen:
                 items.append(_EXISTS_ITEM)
+                continue
+            seen.add(key)
+            if e is not None:
+                if e.state != PENDING:
+                    items.append(_EXISTS_ITEM)
+                elif token is not None and e.token == token and e.payload_len == sizes[i]:
+                    items.append((NEW, e.node_id, e.offset, e.payload_len, e.gen))
+                else:
+                    items.append(_IN_FLIGHT_ITEM)
                 continue
             plen = sizes[i]
             parent = parents[i] if parents else None
@@ -224,6 +240,7 @@ class Directory:
             sp, off = placed
             gen = gen_base + i
             e = Entry(ns, key, sp, off, plen, gen, PENDING, parents[i] if parents else None, now)
+            e.token = token
             d[key] = e
             sp.entries[e] = None
             self.pending += 1

@@ -21,7 +21,7 @@ DEAD_KEEP_S = 600.0
 class Node:
     __slots__ = ("node_id", "host", "port", "pid", "capacity", "arena_id", "arena_path", "boot_id", "hostname",
                  "transports", "lease_ttl", "rdma", "alive", "draining", "last_heartbeat", "lease_id", "dead_since",
-                 "conn", "refreshing", "provisional")
+                 "conn", "refreshing", "provisional", "cap_key")
 
     def __init__(self, desc: dict[str, Any], now: float):
         self.node_id: str = desc["node_id"]
@@ -32,6 +32,8 @@ class Node:
         self.dead_since = 0.0
         self.refreshing = False
         self.provisional = False  # loaded from etcd at a takeover, not re-registered yet
+        self.conn = None  # the connection it registered on: heartbeats come from it, a twin is refused while open
+        self.cap_key: bytes | None = None  # capabilities for this node's arena (closed pools; umbp/auth.py)
         self.update(desc)
 
     def update(self, desc: dict[str, Any]) -> None:

@@ -16,6 +16,12 @@ Error contract, in order:
 
 Nothing a peer sends can stop the server or affect other connections. Writes are not awaited; a connection whose
 peer stops reading is paused (reads stop) until its transport drains, which bounds its buffered answers.
+
+Security (umbp/auth.py): a closed metaserver answers everything but HELLO, AUTH and PING with AUTH until the
+connection authenticated; handlers check the connection's scope (namespace rights, admin, node). Requests carry no
+data, so a connection holds only its staging buffer (grown with the bytes that arrived); at most
+``max_connections`` connections, each closed after ``idle_timeout_s`` without a byte. A writer's connection that
+closes takes its still-PENDING allocations with it.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import logging
 import signal
 import socket
 import sys
+import time
 
 from metaserver.service import LEADER_ONLY, Metaserver
 from metaserver.validate import Reject
 from transport import wire
 from transport.wire import Flag, Op, Status
+from umbp.auth import ServerAuth
 from umbp.config import MetaserverConfig, split_host_port
 from umbp.errors import NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
 
@@ -49,7 +57,10 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, ms: Metaserver, conns: set):
         self.ms = ms
         self.conns = conns
-        self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA)
+        self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA, buffer_data=0)
+        self.auth = ServerAuth(ms.tokens, "metaserver")
+        self.pending: set = set()  # directory entries this connection allocated (ALLOC) and has not committed
+        self.last_active = time.monotonic()
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.closed = False
@@ -59,6 +70,12 @@ class Connection(asyncio.BufferedProtocol):
     # -- asyncio callbacks -------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if len(self.conns) >= self.ms.cfg.max_connections:
+            transport.write(wire.encode_error(0, 0, Status.UNAVAILABLE, f"metaserver: too many connections "
+                                                                        f"({self.ms.cfg.max_connections})"))
+            transport.close()
+            self.closed = True
+            return
         self.conns.add(self)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -69,11 +86,16 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.conns.discard(self)
+        if self.pending:
+            n = self.ms.drop_pending(self)
+            if n:
+                log.info("metaserver: %s closed with %d allocations pending: freed", self.peer, n)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_active = time.monotonic()
         try:
             frames = self.reader.buffer_updated(nbytes)
         except ProtocolError as e:
@@ -116,10 +138,12 @@ class Connection(asyncio.BufferedProtocol):
             if reply:
                 self.send(wire.encode_error(op, rid, Status.UNKNOWN_OPCODE, f"metaserver: unknown opcode 0x{op:02x}"))
             return
-        if op in LEADER_ONLY and not ms.serving:
-            self._not_serving(op, rid, reply)
-            return
         try:
+            if op not in (Op.HELLO, Op.AUTH, Op.PING):
+                self.auth.require()
+            if op in LEADER_ONLY and not ms.serving:
+                self._not_serving(op, rid, reply)
+                return
             res = handler(frame.meta, self)
         except Exception as e:  # noqa: BLE001 - every failure becomes an answer
             self._fail(op, rid, reply, e)
@@ -170,6 +194,16 @@ class Connection(asyncio.BufferedProtocol):
             self.send(wire.encode_error(op, rid, status, f"metaserver: {_op_name(op)}: {message}", **extra))
 
 
+async def close_idle(conns: set, limit: float) -> None:
+    """Forever: close connections that sent nothing for ``limit`` seconds (checked a few times per limit)."""
+    while True:
+        await asyncio.sleep(min(5.0, limit / 4))
+        cutoff = time.monotonic() - limit
+        for c in [c for c in conns if c.last_active < cutoff]:
+            log.info("metaserver: closing %s: idle for %.0fs", c.peer, limit)
+            c.transport.close()
+
+
 async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) -> None:
     """Serve until cancelled. Connects to etcd and joins the election first (raises Unavailable
     'metaserver: etcd at X unreachable' if etcd does not answer within the start deadline); once the first round is
@@ -188,8 +222,12 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
     bound_host, bound_port = sock.getsockname()[:2]
     addr = f"{bound_host}:{bound_port}" if ":" not in bound_host else f"[{bound_host}]:{bound_port}"
     ms = Metaserver(config, config.advertise or addr)
+    if not ms.tokens.closed:
+        log.warning("metaserver: no --token: OPEN pool, anyone who reaches %s may read, write, evict and register "
+                    "nodes", addr)
     conns: set[Connection] = set()
     server = None
+    sweeper = asyncio.create_task(close_idle(conns, config.idle_timeout_s))
     try:
         await ms.start()
         server = await loop.create_server(lambda: Connection(ms, conns), sock=sock, backlog=1024)
@@ -199,6 +237,7 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
             started.set()
         await asyncio.Future()
     finally:
+        sweeper.cancel()
         if server is not None:
             server.close()  # no new connections; existing ones get the answers of work already in flight
         else:

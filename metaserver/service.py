@@ -32,13 +32,14 @@ import time
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.directory import Directory, Effects
+from metaserver.directory import NEW, PENDING, Directory, Effects
 from metaserver.leader import Election
 from metaserver.nodes import Membership, Node
 from metaserver.persist import BatchWriter, EtcdStore, GenCounter
-from transport.wire import Op, Status
+from transport.wire import VERSION, Op, Status
+from umbp.auth import Tokens, capability
 from umbp.config import MetaserverConfig
-from umbp.errors import NotLeader, Unavailable
+from umbp.errors import AuthError, NotLeader, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -52,7 +53,7 @@ ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loa
 _NONE = frozenset()
 _NS_KEYS = frozenset({"ns", "keys"})
 _NS_KEYS_GENS = frozenset({"ns", "keys", "gens"})
-_ALLOC = frozenset({"ns", "keys", "sizes", "parents"})
+_ALLOC = frozenset({"ns", "keys", "sizes", "parents", "token"})
 
 # Ops a standby refuses with NOT_LEADER (everything that reads or changes the directory or membership).
 # STATS too: a standby's empty directory would read as an empty pool. HELLO, PING and LEADER answer anywhere.
@@ -60,9 +61,15 @@ LEADER_ONLY = frozenset({Op.REGISTER_NODE, Op.HEARTBEAT, Op.ALLOC, Op.COMMIT, Op
                          Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN, Op.STATS})
 
 
+def require_admin(conn, what: str) -> None:
+    if not conn.auth.scope.admin:
+        raise AuthError("metaserver", f"{what} needs an admin token; {conn.auth.scope.name!r} is not one")
+
+
 class Metaserver:
     def __init__(self, config: MetaserverConfig, advertise: str):
         self.cfg = config
+        self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
         self.store = EtcdStore(config.etcd, config.etcd_prefix)
         self.leader = Election(self.store, advertise, config.election_ttl_s, self._elected, self._deposed)
         self.max_keys = config.max_batch_keys
@@ -75,7 +82,7 @@ class Metaserver:
         self._ticker: asyncio.Task | None = None
         self._election: asyncio.Task | None = None
         self.handlers = {
-            Op.HELLO: self.hello, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
+            Op.HELLO: self.hello, Op.AUTH: self.authenticate, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
             Op.HEARTBEAT: self.heartbeat, Op.ALLOC: self.alloc, Op.COMMIT: self.commit, Op.ABORT: self.abort,
             Op.LOOKUP: self.lookup, Op.RELEASE: self.release, Op.EXISTS: self.exists, Op.PREFIX: self.prefix,
             Op.REMOVE: self.remove, Op.STATS: self.stats, Op.NODES: self.nodes, Op.LIST: self.list_objects,
@@ -187,6 +194,7 @@ class Metaserver:
                 log.warning("metaserver: ignoring node record %r: %s", node_id, e.message)
                 continue
             node, _ = self.members.register(desc, now)
+            node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
             node.lease_id = int(live[node_id].get("lease_id") or 0) if node_id in live else 0
             # Provisional until it re-registers this arena: dropped after its grace if it does not.
             node.provisional = True
@@ -281,21 +289,31 @@ class Metaserver:
 
     # -- handshake and membership -----------------------------------------------------------------------------
     def hello(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, frozenset({"token", "client"}))
-        if m.get("token") is not None and type(m["token"]) is not str:
-            raise v.Reject("token must be a string or nil")
+        m = v.fields(meta, frozenset({"client", "nonce"}))
         if m.get("client") is not None:
             v.string(m, "client", max_len=256)
-        return {"server": "metaserver", "version": 1}
+        return conn.auth.hello(m, "metaserver", VERSION)
+
+    def authenticate(self, meta: Any, conn) -> dict:
+        return conn.auth.auth(meta)
 
     def ping(self, meta: Any, conn) -> dict:
         v.fields(meta, _NONE)
         return {}
 
     def register_node(self, meta: Any, conn):
+        if not conn.auth.scope.node:
+            raise AuthError("metaserver", f"token {conn.auth.scope.name!r} may not register a storage node")
         desc = v.node_description(meta if type(meta) is dict else v.fields(meta, _NONE))
         now = time.monotonic()
+        old = self.members.get(desc["node_id"])
+        if (old is not None and old.alive and not old.provisional and old.conn is not None and old.conn is not conn
+                and not old.conn.closed and now - old.last_heartbeat <= old.lease_ttl):
+            raise AuthError("metaserver", f"node id {old.node_id!r} is held by a live node at {old.host}:{old.port} "
+                                          f"(registered on another connection, heartbeating): refused")
         node, keep = self.members.register(desc, now)
+        node.conn = conn
+        node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
         node.provisional = False
         self._check_settled()
         kept = dropped = 0
@@ -327,8 +345,10 @@ class Metaserver:
 
     def heartbeat(self, meta: Any, conn) -> dict:
         m = v.fields(meta, frozenset({"node_id", "arena_id"}), ("node_id", "arena_id"))
+        if not conn.auth.scope.node:
+            raise AuthError("metaserver", f"token {conn.auth.scope.name!r} may not heartbeat as a storage node")
         node = self.members.heartbeat(v.node_id(m), v.arena_id(m), time.monotonic())
-        if node is None or node.provisional:
+        if node is None or node.provisional or node.conn is not conn:
             raise v.Reject(f"node {m['node_id']} is not registered with this arena: register again",
                            Status.NOT_FOUND)
         if not node.refreshing:
@@ -353,24 +373,48 @@ class Metaserver:
     def alloc(self, meta: Any, conn):
         m = v.fields(meta, _ALLOC, ("ns", "keys", "sizes"))
         ns = v.ns(m)
+        conn.auth.scope.check(ns, True, "metaserver")
         keys = v.keys(m, self.max_keys)
         sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
         parents = v.parents(m, len(keys))
+        token = v.integer(m, "token", 1, (1 << 63) - 1) if m.get("token") is not None else None
         base = self.gens.take_nowait(len(keys)) if self.settled.is_set() else None
         if base is None:
-            return self._alloc_later(ns, keys, sizes, parents, self.term)
-        return self._alloc_now(ns, keys, sizes, parents, base)
+            return self._alloc_later(ns, keys, sizes, parents, self.term, token, conn)
+        return self._alloc_now(ns, keys, sizes, parents, base, token, conn)
 
-    def _alloc_now(self, ns, keys, sizes, parents, base) -> dict:
+    def _alloc_now(self, ns, keys, sizes, parents, base, token, conn) -> dict:
         if not any(sp.placeable for sp in self.dir.spaces.values()) and any(
                 n.provisional for n in self.members.nodes.values()):
             # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
             raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
-        items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic())
+        items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token)
         self._apply(fx)
-        return {"items": items}
+        d = self.dir.entries.get(ns, {})
+        out = []
+        for key, item in zip(keys, items):
+            if item[0] == NEW:
+                _, node_id, off, plen, gen = item
+                node = self.members.get(node_id)
+                item = (NEW, node_id, off, plen, gen, self.tokens.tag(ns, key),
+                        capability(node.cap_key if node is not None else None, b"w", off, plen, gen))
+                conn.pending.add(d[key])  # aborted if this connection goes away before COMMIT
+            out.append(item)
+        return {"items": out}
 
-    async def _alloc_later(self, ns, keys, sizes, parents, term: int) -> dict:
+    def drop_pending(self, conn) -> int:
+        """The writer's connection closed: free its allocations still PENDING (their bytes can never be
+        committed by it now), so other writers of those keys need not wait out ``pending_ttl_s``."""
+        gone = [e for e in conn.pending if e.state == PENDING and not e.gone]
+        by_ns: dict[str, tuple[list, list]] = {}
+        for e in gone:
+            ks, gs = by_ns.setdefault(e.ns, ([], []))
+            ks.append(e.key)
+            gs.append(e.gen)
+        conn.pending.clear()
+        return sum(self.dir.abort(ns, ks, gs) for ns, (ks, gs) in by_ns.items()) if self.serving else 0
+
+    async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn) -> dict:
         if not self.settled.is_set():
             # Just took over: let the nodes re-register first (bounded by ALLOC_HOLD_S via tick).
             try:
@@ -380,13 +424,18 @@ class Metaserver:
             self.check_term(term)
         base = await self.gens.take(len(keys))
         self.check_term(term)
-        return self._alloc_now(ns, keys, sizes, parents, base)
+        return self._alloc_now(ns, keys, sizes, parents, base, token, conn)
 
     def commit(self, meta: Any, conn):
         m = v.fields(meta, _NS_KEYS_GENS, ("ns", "keys", "gens"))
         ns = v.ns(m)
+        conn.auth.scope.check(ns, True, "metaserver")
         keys = v.keys(m, self.max_keys)
         gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
+        if conn.pending:
+            d = self.dir.entries.get(ns, {})
+            for key in keys:
+                conn.pending.discard(d.get(key))
         ok, fx = self.dir.commit(ns, keys, gens, time.monotonic())
         fut = self._apply(fx, wait=True)
         if fut is None:
@@ -401,13 +450,28 @@ class Metaserver:
     def abort(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS_GENS, ("ns", "keys", "gens"))
         ns = v.ns(m)
+        conn.auth.scope.check(ns, True, "metaserver")
         keys = v.keys(m, self.max_keys)
         gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
+        if conn.pending:
+            d = self.dir.entries.get(ns, {})
+            for key in keys:
+                conn.pending.discard(d.get(key))
         return {"aborted": self.dir.abort(ns, keys, gens)}
 
     def lookup(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
-        lease, locs = self.dir.lookup(v.ns(m), v.keys(m, self.max_keys), time.monotonic())
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, False, "metaserver")
+        keys = v.keys(m, self.max_keys)
+        lease, locs = self.dir.lookup(ns, keys, time.monotonic())
+        tag, members = self.tokens.tag, self.members
+        for i, loc in enumerate(locs):
+            if loc is not None:
+                node_id, off, plen, gen = loc
+                node = members.get(node_id)
+                locs[i] = (node_id, off, plen, gen, tag(ns, keys[i]),
+                           capability(node.cap_key if node is not None else None, b"r", off, plen, gen))
         return {"lease": lease, "locs": locs}
 
     def release(self, meta: Any, conn) -> dict:
@@ -417,15 +481,21 @@ class Metaserver:
 
     def exists(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
-        return {"exists": self.dir.exists(v.ns(m), v.keys(m, self.max_keys))}
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, False, "metaserver")
+        return {"exists": self.dir.exists(ns, v.keys(m, self.max_keys))}
 
     def prefix(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
-        return {"hits": self.dir.prefix(v.ns(m), v.keys(m, self.max_keys))}
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, False, "metaserver")
+        return {"hits": self.dir.prefix(ns, v.keys(m, self.max_keys))}
 
     def remove(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
-        removed, fx = self.dir.remove(v.ns(m), v.keys(m, self.max_keys))
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, True, "metaserver")
+        removed, fx = self.dir.remove(ns, v.keys(m, self.max_keys))
         self._apply(fx)
         return {"removed": removed}
 
@@ -456,11 +526,16 @@ class Metaserver:
     def list_objects(self, meta: Any, conn) -> dict:
         m = v.fields(meta, frozenset({"ns", "limit"}))
         ns = v.ns(m) if m.get("ns") is not None else None
+        if ns is None:
+            require_admin(conn, "LIST of every namespace")
+        else:
+            conn.auth.scope.check(ns, False, "metaserver")
         limit = v.integer(m, "limit", 0, 1_000_000, default=1000)
         objects, truncated = self.dir.list_objects(ns, limit)
         return {"objects": objects, "truncated": truncated}
 
     def evict(self, meta: Any, conn):
+        require_admin(conn, "EVICT")
         m = v.fields(meta, frozenset({"bytes", "all"}))
         if m.get("all") is not None and type(m["all"]) is not bool:
             raise v.Reject("all must be a boolean")
@@ -491,6 +566,7 @@ class Metaserver:
             await asyncio.sleep(0)  # let other requests in between slices
 
     def drain(self, meta: Any, conn) -> dict:
+        require_admin(conn, "DRAIN")
         m = v.fields(meta, frozenset({"node_id"}), ("node_id",))
         node = self.members.get(v.node_id(m))
         if node is None:

@@ -214,12 +214,17 @@ def test_pending_allocation_at_crash_vanishes_and_its_space_is_reused(make_clust
         put_pages(c, [("small", 1000)])
         used0 = c.stats()["used_bytes"]
     big = 24 << 20
-    items = raw(old.addr, Op.ALLOC, {"ns": "default", "keys": [b"pending-key"], "sizes": [big]})["items"]
+    # The writer's connection stays open across the crash (a writer whose connection closes takes its pending
+    # allocations with it: that is another test).
+    writer = FramedSocket(old.addr, "test writer", time.monotonic() + 5)
+    items = writer.request(Op.ALLOC, {"ns": "default", "keys": [b"pending-key"], "sizes": [big]},
+                           time.monotonic() + 5).meta["items"]
     assert items[0][0] == 0 and items[0][1] == "node0"  # NEW, placed, never written nor committed
     s = raw(old.addr, Op.STATS)
     assert s["pending"] == 1 and s["used_bytes"] == used0 + wire.object_size(big)
 
     old.kill(signal.SIGKILL)
+    writer.close()
     new = wait_leader(cluster, exclude=(old,), timeout=FAILOVER_BOUND_S + 10)
     wait_confirmed(new.addr, ["node0"], timeout=15)
     listed = raw(new.addr, Op.LIST, {"ns": "default"})["objects"]

@@ -40,6 +40,7 @@ class ReadOp:
     generation: int
     payload_len: int
     out: memoryview  # writable, at least ``length`` bytes
+    cap: bytes = b""  # the metaserver's read capability (closed pools; the node checks it)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,8 @@ class WriteOp:
     header: bytes  # wire.pack_object_header(...)
     parts: list[memoryview]  # the payload, in order (one part, or one per layer)
     nbytes: int  # sum of the parts' lengths
+    gen: int = 0  # the allocation's generation (part of what the write capability covers)
+    cap: bytes = b""  # the metaserver's write capability (closed pools; the node checks it)
 
 
 def check_payload(op: ReadOp, csum: int | None, component: str) -> CorruptionError | None:

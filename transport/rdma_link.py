@@ -72,9 +72,10 @@ class NodeRdma:
 class RdmaTransport(Transport):
     name = "rdma"
 
-    def __init__(self, node_id: str, addr: str, staging_bytes: int, deadline: float):
+    def __init__(self, node_id: str, addr: str, staging_bytes: int, deadline: float, token: str | None = None):
         self.node_id = node_id
         self.addr = addr
+        self.token = token
         self.component = f"transport rdma {node_id}"
         self.ctx = RdmaContext.default()
         self.staging = self.ctx.alloc(max(staging_bytes, 1 << 20), CLIENT_ACCESS)
@@ -97,7 +98,7 @@ class RdmaTransport(Transport):
             self.ep.close()
             self.ep = None
         try:
-            ctl = FramedSocket(self.addr, self.component, deadline)
+            ctl = FramedSocket(self.addr, self.component, deadline, self.token)
         except TransportError as e:
             raise _Unreachable(self.component, str(e).split(": ", 1)[-1]) from e
         try:
@@ -338,7 +339,7 @@ class RdmaTransport(Transport):
 
 def client_transport(node_id: str, info: dict, registered: list, config) -> RdmaTransport:
     t = RdmaTransport(node_id, info.get("addr") or f"{info['host']}:{info['port']}", config.staging_bytes,
-                      time.monotonic() + min(config.timeout_s, 10))
+                      time.monotonic() + min(config.timeout_s, 10), config.token)
     for buf in registered:
         t.register(buf)
     return t

@@ -18,6 +18,7 @@ from typing import Any
 
 from transport import wire
 from transport.base import Pending, Transport, check_payload
+from umbp.auth import ClientAuth
 from umbp.config import split_host_port
 from umbp.errors import CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
 
@@ -32,9 +33,13 @@ def _remaining(deadline: float, component: str) -> float:
 
 
 class FramedSocket:
-    """A blocking connection carrying wire frames. Not thread-safe: callers serialise access."""
+    """A blocking connection carrying wire frames. Not thread-safe: callers serialise access.
 
-    def __init__(self, addr: str, component: str, deadline: float):
+    With a ``token`` the connection authenticates right after connecting (HELLO, AUTH: umbp/auth.py) and raises
+    AuthError when the server refuses it or cannot prove it knows the token. Without one it says nothing: an open
+    server serves it, a closed one answers its first request with AUTH "authentication required"."""
+
+    def __init__(self, addr: str, component: str, deadline: float, token: str | None = None):
         self.addr = addr
         self.component = component
         host, port = split_host_port(addr, component)
@@ -52,6 +57,33 @@ class FramedSocket:
         self._hdr_mv = memoryview(self._hdr)
         self._next_id = 1
         self.closed = False
+        if token is not None:
+            try:
+                self.handshake(token, deadline)
+            except BaseException:
+                self.close()
+                raise
+
+    def handshake(self, token: str, deadline: float) -> str:
+        """HELLO, then AUTH when the server asks for it; returns the scope the server granted."""
+        auth = ClientAuth(token, self.component)
+        meta = auth.auth_meta(self.request(wire.Op.HELLO, auth.hello_meta(self.component), deadline).meta)
+        if meta is None:
+            return "open"
+        return auth.check(self.request(wire.Op.AUTH, meta, deadline).meta)
+
+    def peer_closed(self) -> bool:
+        """True when the server closed this (idle) connection: a peek that finds EOF. Costs one syscall."""
+        timeout = self.sock.gettimeout()
+        self.sock.setblocking(False)  # a socket with a timeout would wait for data before the peek
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        finally:
+            self.sock.settimeout(timeout)
 
     def next_id(self) -> int:
         rid = self._next_id
@@ -152,27 +184,30 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, node_id: str, addr: str):
+    def __init__(self, node_id: str, addr: str, token: str | None = None):
         self.node_id = node_id
         self.addr = addr
+        self.token = token
         self.component = f"transport tcp {node_id}"
         self._conn: FramedSocket | None = None
         self._ohdr = memoryview(bytearray(wire.OBJ_HEADER_SIZE))
 
     def _connection(self, deadline: float) -> FramedSocket:
+        if self._conn is not None and not self._conn.closed and self._conn.peer_closed():
+            self._conn.close()  # the node dropped it (idle timeout, restart): reconnect rather than fail the batch
         if self._conn is None or self._conn.closed:
-            self._conn = FramedSocket(self.addr, self.component, deadline)
+            self._conn = FramedSocket(self.addr, self.component, deadline, self.token)
         return self._conn
 
     def start_read(self, ops, deadline):
         def frames(rid, op):
             return [wire.encode(wire.Op.READ, rid, [op.offset, op.start, op.length, op.khash, op.generation,
-                                                    op.payload_len])]
+                                                    op.payload_len, op.cap])]
         return self._start(ops, "read", frames, deadline)
 
     def start_write(self, ops, deadline):
         def frames(rid, op):
-            head = wire.encode(wire.Op.WRITE, rid, [op.offset], data_len=len(op.header) + op.nbytes)
+            head = wire.encode(wire.Op.WRITE, rid, [op.offset, op.gen, op.cap], data_len=len(op.header) + op.nbytes)
             return [head, op.header, *op.parts]
         return self._start(ops, "write", frames, deadline)
 

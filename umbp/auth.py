@@ -188,29 +188,43 @@ def check_capability(cap_key: bytes | None, cap: object, kind: bytes, offset: in
 
 
 class ClientAuth:
-    """The client side of the handshake over any blocking request function ``call(op, meta) -> meta``."""
+    """The client side of the handshake, in steps so blocking and asyncio callers share it::
+
+        hello = auth.hello_meta(name); reply = <HELLO>; meta = auth.auth_meta(reply)
+        if meta is not None: auth.check(<AUTH with meta>)
+    """
 
     def __init__(self, token: str | None, component: str):
         self.secret = token.encode() if token else None
         self.component = component
+        self.nonce = nonce()
+        self._server_nonce = b""
+        self.scope = "open"
 
-    def handshake(self, call, hello_op: int, auth_op: int, client_name: str) -> str:
-        """Run HELLO (+ AUTH when the server asks for it). Returns the scope name ("open" for an open server)."""
-        cn = nonce()
-        hello = call(hello_op, {"client": client_name, "nonce": cn})
+    def hello_meta(self, client_name: str) -> dict:
+        return {"client": client_name, "nonce": self.nonce}
+
+    def auth_meta(self, hello: object) -> dict | None:
+        """The AUTH request to send after this HELLO answer, or None when the server is open."""
         if not isinstance(hello, dict) or not hello.get("auth"):
-            return "open"
-        sn = hello.get("nonce")
+            return None
         if self.secret is None:
-            raise AuthError(self.component, f"{hello.get('server', 'server')} requires a token (--token, UMBP_TOKEN "
-                                            f"or Client(token=...))")
+            raise AuthError(self.component, f"{hello.get('server', 'server')} requires a token (--token, "
+                                            f"UMBP_TOKEN or Client(token=...))")
+        sn = hello.get("nonce")
         if not isinstance(sn, bytes) or len(sn) != NONCE_BYTES:
             raise AuthError(self.component, "server sent no valid challenge")
-        reply = call(auth_op, {"id": token_id(self.secret), "proof": proof(self.secret, b"client", sn, cn)})
+        self._server_nonce = sn
+        return {"id": token_id(self.secret), "proof": proof(self.secret, b"client", sn, self.nonce)}
+
+    def check(self, reply: object) -> str:
+        """Verify the server's proof in the AUTH answer; returns the granted scope name."""
         sp = reply.get("proof") if isinstance(reply, dict) else None
-        if not isinstance(sp, bytes) or not hmac.compare_digest(sp, proof(self.secret, b"server", cn, sn)):
+        if not isinstance(sp, bytes) or not hmac.compare_digest(
+                sp, proof(self.secret, b"server", self.nonce, self._server_nonce)):
             raise AuthError(self.component, "the server could not prove it knows the token (impostor?)")
-        return str(reply.get("scope", "?"))
+        self.scope = str(reply.get("scope", "?"))
+        return self.scope
 
 
 class ServerAuth:

@@ -9,24 +9,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
 
-from umbp.errors import UmbpError
+from umbp.errors import ConfigError, UmbpError
 from umbp.sizes import format_size, parse_size
 
 
 def _metaserver_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metaserver", default=None,
                    help="HOST:PORT of the metaserver (comma-separated for several); default $UMBP_METASERVER")
+    _token_arg(p)
+
+
+def _token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=None, help="the pool's secret or a scoped token (default $UMBP_TOKEN)")
 
 
 def _admin_client(args):
     from umbp.client import Client
     from umbp.config import ClientConfig, resolve
 
-    cfg = resolve(ClientConfig, {"metaserver": args.metaserver, "timeout_s": 10.0})
+    cfg = resolve(ClientConfig, {"metaserver": args.metaserver, "timeout_s": 10.0, "token": args.token})
     return Client(config=cfg)
 
 
@@ -159,7 +165,8 @@ def cmd_node(args) -> int:
     from umbp.node import run
 
     cfg = resolve(NodeConfig, {"metaserver": args.metaserver, "capacity": args.capacity, "listen": args.listen,
-                               "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id})
+                               "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id,
+                               "token": args.token, "tokens_file": args.tokens})
     run(cfg)
     return 0
 
@@ -168,6 +175,13 @@ def cmd_up(args) -> int:
     from umbp.launcher import LocalPool
 
     parse_size(args.capacity, "--capacity")
+    if args.token:
+        if len(args.token) < 16:
+            raise ConfigError("up", "--token must be at least 16 characters")
+        os.environ["UMBP_TOKEN"] = args.token  # the children (metaserver, nodes) inherit it
+    else:
+        print("up: WARNING: no --token: the pool is open to anyone who can reach its ports", file=sys.stderr,
+              flush=True)
     pool = LocalPool(nodes=args.nodes, capacity=args.capacity, etcd=args.etcd, port=args.port,
                      lease_ttl=args.lease_ttl, echo=args.verbose)
     try:
@@ -197,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=7700, help="metaserver port (0 = any free port)")
     s.add_argument("--lease-ttl", type=float, default=10.0)
     s.add_argument("-v", "--verbose", action="store_true", help="echo the children's logs")
+    _token_arg(s)
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("metaserver", help="run a metaserver (several may share one etcd: one leads)")
@@ -212,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--advertise", default=None, help="routable HOST[:PORT] clients should use")
     s.add_argument("--lease-ttl", type=float, default=None, help="seconds without heartbeat before the node is dead")
     s.add_argument("--node-id", default=None, help="stable name: a restart with it reopens the same arena")
+    s.add_argument("--tokens", default=None, metavar="FILE",
+                   help="scoped client tokens (TOML, see umbp/auth.py); the same file as the metaservers'")
     s.set_defaults(func=cmd_node)
 
     s = sub.add_parser("stats", help="pool statistics")

@@ -38,12 +38,14 @@ from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
 from umbp.buffers import CudaOut, as_bytes_view, as_writable_view
 from umbp.config import ClientConfig, resolve
-from umbp.errors import (CorruptionError, InvalidArgument, NotFound, PoolFull, RemoteError,
+from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, PoolFull, RemoteError,
                          TransportError, TransportUnavailable, UmbpError)
 from umbp.metaclient import MetaClient
 
 MAX_KEY_BYTES = wire.MAX_KEY_BYTES
-NEW, EXISTS, NO_SPACE = wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE
+NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
+                                    wire.AllocState.IN_FLIGHT)
+IN_FLIGHT_WAIT_S = (0.005, 0.01, 0.02, 0.05, 0.1)  # backoff while another writer holds a key PENDING
 
 
 def normalize_key(key: Any) -> bytes:
@@ -150,7 +152,7 @@ class Client:
             else:
                 errors.append(f"transport rdma {node_id}: node offers no RDMA")
         if t is None and mode in ("auto", "tcp"):
-            t = TcpTransport(node_id, info.get("addr") or f"{info['host']}:{info['port']}")
+            t = TcpTransport(node_id, info.get("addr") or f"{info['host']}:{info['port']}", self.config.token)
         if t is None:
             raise TransportUnavailable(self.component, f"transport {mode} forced but unusable for node {node_id}: "
                                                        + "; ".join(errors))
@@ -238,14 +240,24 @@ class Client:
             todo = list(range(len(kb)))
             # A commit can come back not-ok when its allocation was lost (the metaserver leader died between ALLOC
             # and COMMIT, or the allocation expired): the bytes were never visible, so allocate and write again,
-            # once, within the same deadline.
-            for attempt in range(2):
-                stored, lost, full, err = self._put_once(kb, views, pb, todo, deadline)
+            # once, within the same deadline. Keys another writer holds PENDING (IN_FLIGHT) are asked again with
+            # a short backoff until they are READY (False: someone else stored them) or free (we write them), so
+            # a False from put always means the page is there.
+            relost = 0
+            for attempt in range(1 << 20):  # bounded by the deadline (IN_FLIGHT waits) and by relost < 2
+                stored, lost, full, err, waiting = self._put_once(kb, views, pb, todo, deadline)
                 for i in stored:
                     out[i] = True
-                if err is not None or full or not lost or attempt:
+                relost += bool(lost)
+                if err is not None or full or (not lost and not waiting) or relost > 1:
                     break
-                todo = lost
+                if waiting:
+                    pause = IN_FLIGHT_WAIT_S[min(attempt, len(IN_FLIGHT_WAIT_S) - 1)]
+                    if time.monotonic() + pause >= deadline:
+                        raise DeadlineExceeded(self.component, f"batch_put: {len(waiting)} keys still being "
+                                                               f"written by another writer at the deadline")
+                    time.sleep(pause)
+                todo = lost + waiting
         if err is not None:
             raise err
         if full:
@@ -257,12 +269,15 @@ class Client:
         return out
 
     def _put_once(self, kb: list[bytes], views: list[list[memoryview]], parents: list | None, idxs: list[int],
-                  deadline: float) -> tuple[list[int], list[int], list[int], Exception | None]:
-        """ALLOC, write, COMMIT the keys at ``idxs``. Returns (stored, lost, no_space, error); keys that already
-        existed are in none of the lists. Keys whose write failed are aborted and reported through ``error``."""
+                  deadline: float) -> tuple[list[int], list[int], list[int], Exception | None, list[int]]:
+        """ALLOC, write, COMMIT the keys at ``idxs``. Returns (stored, lost, no_space, error, in_flight); keys that
+        already existed are in none of the lists. Keys whose write failed are aborted and reported through
+        ``error``. The ALLOC carries a fresh token, so the metaclient's retry of it is answered with the same
+        places."""
         ns = self.namespace
         sizes = [sum(len(v) for v in views[i]) for i in idxs]
-        meta: dict[str, Any] = {"ns": ns, "keys": [kb[i] for i in idxs], "sizes": sizes}
+        meta: dict[str, Any] = {"ns": ns, "keys": [kb[i] for i in idxs], "sizes": sizes,
+                                "token": int.from_bytes(os.urandom(8), "little") >> 1 or 1}
         if parents is not None:
             meta["parents"] = [parents[i] for i in idxs]
         items = self._meta.call(wire.Op.ALLOC, meta, deadline)["items"]
@@ -270,7 +285,7 @@ class Client:
         index: dict[str, list[int]] = {}
         gens: dict[int, int] = {}
         checksum = self.config.checksum
-        full = []
+        full, waiting = [], []
         for i, item in zip(idxs, items):
             if item[0] == EXISTS:
                 self.counters["dedup"] += 1
@@ -278,12 +293,14 @@ class Client:
             if item[0] == NO_SPACE:
                 full.append(i)
                 continue
-            _, node_id, off, size, gen = item
+            if item[0] == IN_FLIGHT:
+                waiting.append(i)
+                continue
+            _, node_id, off, size, gen, tag, cap = item
             parts = views[i]
             gens[i] = gen
-            header = wire.pack_object_header(wire.key_hash(ns, kb[i]), gen, size,
-                                             wire.payload_checksum(parts) if checksum else None)
-            batches.setdefault(node_id, []).append(WriteOp(off, header, parts, size))
+            header = wire.pack_object_header(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
+            batches.setdefault(node_id, []).append(WriteOp(off, header, parts, size, gen, cap))
             index.setdefault(node_id, []).append(i)
         try:
             results = self._run(batches, "write", deadline) if batches else {}
@@ -315,7 +332,7 @@ class Client:
             err = TransportError(self.component, f"batch_put: {len(bad_idx)} of {len(kb)} pages were not stored "
                                                  f"(aborted): {first_err}")
             err.__cause__ = first_err
-        return stored, lost, full, err
+        return stored, lost, full, err, waiting
 
     def put(self, key: Any, value: Any) -> bool:
         return self.batch_put([key], [value])[0]
@@ -339,8 +356,7 @@ class Client:
                 for i, loc in enumerate(locs):
                     if loc is None:
                         continue
-                    node_id, off, size, gen = loc
-                    khash = wire.key_hash(ns, kb[i])
+                    node_id, off, size, gen, khash, cap = loc
                     if segs is None:
                         fresh[i] = bytearray(size)
                         page_segs = [(0, size, memoryview(fresh[i]))]
@@ -356,7 +372,8 @@ class Client:
                         if len(view) < length:
                             raise InvalidArgument(self.component, f"out {j} of key {i} holds {len(view)} bytes "
                                                                   f"but {length} are to be read")
-                        batches.setdefault(node_id, []).append(ReadOp(off, start, length, khash, gen, size, view))
+                        batches.setdefault(node_id, []).append(ReadOp(off, start, length, khash, gen, size, view,
+                                                                      cap))
                         index.setdefault(node_id, []).append(i)
                 results = self._run(batches, "read", deadline) if batches else {}
             finally:
@@ -371,8 +388,9 @@ class Client:
                         got[i] += op.length
                     continue
                 got[i] = -1  # any range of a page missing makes the page a miss
-                if isinstance(r, CorruptionError) or (isinstance(r, RemoteError) and not isinstance(r, NotFound)):
-                    corrupt = corrupt or r
+                if isinstance(r, (CorruptionError, DeadlineExceeded)) or (
+                        isinstance(r, RemoteError) and not isinstance(r, NotFound)):
+                    corrupt = corrupt or r  # raised: a timeout is not a miss, a refusal is not a miss
                 # TransportError, NotFound: the page's node is gone or no longer has it: a miss
         if corrupt is not None:
             raise corrupt
@@ -453,7 +471,7 @@ class Client:
             for i, loc in enumerate(reply["locs"]):
                 if loc is None:
                     continue
-                node_id, off, size, gen = loc
+                node_id, off, size, gen, khash, _cap = loc
                 with self._lock:
                     try:
                         t = self._transport_for(node_id, deadline)
@@ -462,7 +480,6 @@ class Client:
                 arena = getattr(t, "arena", None)
                 if t.name != "shm" or arena is None:
                     continue
-                khash = wire.key_hash(ns, kb[i])
                 wire.check_object_header(arena[off:off + wire.OBJ_HEADER_SIZE], self.component, khash, gen, size)
                 m.arenas[node_id] = arena
                 m.locs[i] = (node_id, off + wire.OBJ_HEADER_SIZE, size)

@@ -55,6 +55,13 @@ def _addr_list(value: str | list[str] | tuple[str, ...], component: str) -> tupl
     return out
 
 
+def _check_limits(cfg, c: str) -> None:
+    if cfg.max_connections < 1 or cfg.idle_timeout_s <= 0:
+        raise ConfigError(c, "max_connections must be >= 1 and idle_timeout_s positive")
+    if cfg.token is not None and len(cfg.token) < 16:
+        raise ConfigError(c, "token must be at least 16 characters")
+
+
 @dataclass(frozen=True)
 class MetaserverConfig:
     etcd: str = "127.0.0.1:2379"
@@ -69,6 +76,10 @@ class MetaserverConfig:
     persist_batch: int = 128  # operations per etcd transaction (etcd's default cap)
     election_ttl_s: int = 5  # leader key lease: a dead leader is replaced within about this long
     max_batch_keys: int = 100_000
+    token: str | None = None  # the cluster secret (umbp/auth.py); None and no tokens_file: the pool runs open
+    tokens_file: str = ""  # TOML of scoped tokens plus the cluster secret
+    max_connections: int = 4096  # more are closed at once, with an UNAVAILABLE answer
+    idle_timeout_s: float = 600.0  # a connection that sends nothing for this long is closed
 
     def __post_init__(self) -> None:
         c = "metaserver"
@@ -84,6 +95,7 @@ class MetaserverConfig:
             raise ConfigError(c, "persist_batch must be within 1..128 (etcd's per-transaction cap)")
         if self.read_lease_s <= 0 or self.pending_ttl_s <= 0 or self.election_ttl_s < 1:
             raise ConfigError(c, "lease durations must be positive")
+        _check_limits(self, c)
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,10 @@ class NodeConfig:
     node_id: str = ""  # stable name; a node restarted with the same id on the same host reopens its arena
     arena_dir: str = "/dev/shm"
     max_frame_data: int = 1 << 30
+    token: str | None = None  # the cluster secret: registers with the metaserver, checks capabilities
+    tokens_file: str = ""  # scoped tokens clients may present (the same file as the metaservers')
+    max_connections: int = 4096
+    idle_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         c = "node"
@@ -110,6 +126,7 @@ class NodeConfig:
             raise ConfigError(c, "lease_ttl must be at least 1 second")
         if self.node_id and not all(ch.isalnum() or ch in "-_." for ch in self.node_id):
             raise ConfigError(c, f"node_id {self.node_id!r} may only hold letters, digits, '-', '_' and '.'")
+        _check_limits(self, c)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ class Unavailable(RemoteError):
 class AuthError(RemoteError, PermissionError):
     """The connection did not authenticate, or the token does not grant this namespace."""
 
+    code = 10  # transport.wire.Status.AUTH (this module imports nothing of UMBP)
+
 
 class InvalidArgument(UmbpError, TypeError):
     """A caller passed a value of the wrong type or shape (a non-contiguous tensor, a key that is too long)."""

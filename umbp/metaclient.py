@@ -4,7 +4,9 @@
 knows (the configured list plus any leader named in a NOT_LEADER answer) until one leader answers or the deadline
 passes; transport failures move on to the next address, UNAVAILABLE answers (a leader still loading, etcd briefly
 away) ask the same one again, both after a short backoff (first pass over the list without one); every other error
-is raised at once. One attempt waits at most ATTEMPT_S for its answer, so a frozen metaserver (SIGSTOP, a hung
+is raised at once. Connection refused at every address, pass after pass (REFUSED_PASSES, about half a second of
+backoff), fails the call at once with TransportError: nobody is listening, waiting out the deadline would not help
+(a metaserver restarting on the same address is listening again within that). One attempt waits at most ATTEMPT_S for its answer, so a frozen metaserver (SIGSTOP, a hung
 host) costs that much, not the whole deadline, before the client tries the others. Retrying after a lost answer
 is safe for COMMIT (a key already committed with this generation reports True again), LOOKUP (a fresh lease) and
 the directory-only requests. ALLOC is not idempotent yet: a retry finds its own PENDING entry and answers EXISTS,
@@ -20,12 +22,12 @@ import threading
 import time
 from typing import Any
 
-from transport import wire
 from transport.tcp import FramedSocket
 from umbp.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
 
 _RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
 ATTEMPT_S = 10.0  # one request's answer, unless the call's deadline is nearer
+REFUSED_PASSES = 4  # connection refused at every address this many times in a row: fail now (about 0.5 s)
 
 
 class MetaClient:
@@ -46,14 +48,13 @@ class MetaClient:
         if self._conn is not None and not self._conn.closed:
             return self._conn
         addr = self.addrs[self._idx % len(self.addrs)]
-        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", deadline)
-        if self.token is not None:
-            self._conn.request(wire.Op.HELLO, {"token": self.token, "client": self.component}, deadline)
+        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", deadline, self.token)
         return self._conn
 
     def call(self, op: int, meta: Any, deadline: float) -> Any:
         with self._lock:
             attempt = 0
+            refused = 0  # consecutive connection refusals: nobody listens at any address
             last: Exception | None = None
             while True:
                 attempt_end = min(deadline, time.monotonic() + ATTEMPT_S)
@@ -62,7 +63,7 @@ class MetaClient:
                     self.sent[op] = self.sent.get(op, 0) + 1
                     return conn.request(op, meta, attempt_end).meta
                 except NotLeader as e:
-                    last = e
+                    last, refused = e, 0
                     self._drop()
                     if e.leader:
                         if e.leader not in self.addrs:
@@ -71,13 +72,14 @@ class MetaClient:
                     else:
                         self._idx += 1
                 except DeadlineExceeded as e:
+                    refused = 0
                     self._drop()
                     if attempt_end >= deadline:
                         raise
                     last = e  # only this attempt's bound: try the others
                     self._idx += 1
                 except Unavailable as e:
-                    last = e
+                    last, refused = e, 0
                     attempt = max(attempt, len(self.addrs))  # same address again, after a backoff ...
                     if attempt % 4 == 3:  # ... but not forever: it may be one cut off from etcd
                         self._drop()
@@ -86,6 +88,14 @@ class MetaClient:
                     last = e
                     self._drop()
                     self._idx += 1
+                    if isinstance(e.__cause__, ConnectionRefusedError):
+                        refused += 1
+                        if refused >= REFUSED_PASSES * len(self.addrs):
+                            raise TransportError(self.component, f"no metaserver is listening at "
+                                                                 f"{', '.join(self.addrs)} (connection refused "
+                                                                 f"{refused} times)") from e
+                    else:
+                        refused = 0
                 if time.monotonic() + _RETRY_SLEEP[min(attempt, 4)] >= deadline:
                     raise DeadlineExceeded(self.component, f"no metaserver leader answered before the deadline "
                                                            f"(tried {', '.join(self.addrs)}; last error: {last})")

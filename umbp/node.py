@@ -11,6 +11,13 @@ What it does:
 The node keeps no directory: the metaserver decides which ranges hold which objects. The node checks that every
 range lies inside the data region and, on READ, that the object header matches the key hash and generation asked
 for, so a client never receives bytes of another object even if its directory view is stale.
+
+Security (umbp/auth.py): with a token the node authenticates every connection (HELLO, AUTH) before serving it,
+registers with the metaserver using the cluster secret, and serves a WRITE or READ only with the capability the
+metaserver granted for exactly that object (offset, length, generation), so a client writes only the slots it was
+allocated and reads only what it looked up. Per connection: memory follows the bytes that arrived (a WRITE lands in
+the arena once its capability checks out; refused data is discarded by counting), at most ``max_connections``
+connections, and a connection idle for ``idle_timeout_s`` is closed.
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ import re
 import signal
 import socket
 import sys
+import time
 import uuid
 from typing import Any
 
 from transport import wire
 from transport.shm import boot_id
 from umbp.arena import Arena
+from umbp.auth import ClientAuth, ServerAuth, Tokens, check_capability
 from umbp.config import NodeConfig, split_host_port
 from umbp.errors import (BadRequest, CorruptionError, NotFound, NotLeader, ProtocolError, RemoteError, StartupError,
                          UmbpError)
@@ -48,6 +57,9 @@ class NodeServer:
                                                f"{e.strerror or e}") from e
         path = os.path.join(config.arena_dir, f"umbp-{self.node_id}.arena")
         self.arena = Arena(path, config.capacity, remove_on_close=not config.node_id)
+        self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
+        self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
+        self.conns: set[DataProtocol] = set()
         self.data_start = wire.ARENA_DATA_START
         self.data_end = self.arena.size
         self.boot_id = boot_id()
@@ -67,15 +79,17 @@ class NodeServer:
                                               f"[{self.data_start}, {self.data_end}) or unaligned")
 
     def write_sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | None:
+        """Where a WRITE's data goes: its slot in the arena, once range and capability check out. Other opcodes
+        carry no data (the reader refuses it without allocating)."""
         if op != wire.Op.WRITE:
-            if data_len > 1 << 20:
-                raise BadRequest(self.component, f"opcode {op} carries no bulk data")
-            return None
-        if not isinstance(meta, list) or len(meta) != 1:
-            raise BadRequest(self.component, "WRITE: meta must be [offset]")
+            raise BadRequest(self.component, f"opcode {op} carries no data")
+        if not isinstance(meta, list) or len(meta) != 3 or type(meta[1]) is not int:
+            raise BadRequest(self.component, "WRITE: meta must be [offset, generation, capability]")
         if data_len < wire.OBJ_HEADER_SIZE:
             raise BadRequest(self.component, "WRITE: data shorter than an object header")
         self.check_range(meta[0], data_len, "WRITE")
+        check_capability(self.cap_key, meta[2], b"w", meta[0], data_len - wire.OBJ_HEADER_SIZE, meta[1],
+                         self.component)
         return self.arena.view[meta[0]:meta[0] + data_len]
 
     def arena_info(self) -> dict:
@@ -122,17 +136,33 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, node: NodeServer):
         self.node = node
-        self.reader = wire.FrameReader(node.component, max_data=node.config.max_frame_data, sink=node.write_sink)
+        self.reader = wire.FrameReader(node.component, max_data=node.config.max_frame_data, sink=self.sink,
+                                       buffer_data=0)
+        self.auth = ServerAuth(node.tokens, node.component)
         self.transport: asyncio.Transport | None = None
         self.rdma_eps: list = []  # RDMA endpoints this client set up over this connection
+        self.last_active = 0.0
+
+    def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | None:
+        self.auth.require()  # no byte of an unauthenticated peer reaches the arena
+        return self.node.write_sink(op, rid, meta, data_len)
 
     def connection_lost(self, exc):
+        self.node.conns.discard(self)
         for ep in self.rdma_eps:
             ep.close()
         self.rdma_eps.clear()
 
     def connection_made(self, transport):
         self.transport = transport
+        self.last_active = time.monotonic()
+        if len(self.node.conns) >= self.node.config.max_connections:
+            transport.write(wire.encode_error(0, 0, wire.Status.UNAVAILABLE,
+                                              f"{self.node.component}: too many connections "
+                                              f"({self.node.config.max_connections})"))
+            transport.close()
+            return
+        self.node.conns.add(self)
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -146,6 +176,7 @@ class DataProtocol(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes):
+        self.last_active = time.monotonic()
         try:
             frames = self.reader.buffer_updated(nbytes)
         except ProtocolError as e:
@@ -173,6 +204,8 @@ class DataProtocol(asyncio.BufferedProtocol):
             return
         try:
             op = frame.op
+            if op not in (wire.Op.HELLO, wire.Op.AUTH, wire.Op.PING):
+                self.auth.require()
             if op == wire.Op.READ:
                 self.read(frame)
                 return
@@ -182,7 +215,11 @@ class DataProtocol(asyncio.BufferedProtocol):
                 reply = None
             elif op == wire.Op.ARENA_INFO:
                 reply = node.arena_info()
-            elif op in (wire.Op.PING, wire.Op.HELLO):
+            elif op == wire.Op.HELLO:
+                reply = self.auth.hello(frame.meta, "node", wire.VERSION)
+            elif op == wire.Op.AUTH:
+                reply = self.auth.auth(frame.meta)
+            elif op == wire.Op.PING:
                 reply = {"server": "node", "version": wire.VERSION}
             elif op == wire.Op.RDMA_CONNECT:
                 if node.rdma is None:
@@ -205,10 +242,12 @@ class DataProtocol(asyncio.BufferedProtocol):
     def read(self, frame: wire.Frame) -> None:
         node = self.node
         meta = frame.meta
-        if not isinstance(meta, list) or len(meta) != 6 or not all(type(v) is int for v in meta):
-            raise BadRequest(node.component, "READ: meta must be [offset, start, length, key_hash, gen, payload_len]")
-        off, start, length, khash, gen, plen = meta
+        if not isinstance(meta, list) or len(meta) != 7 or not all(type(v) is int for v in meta[:6]):
+            raise BadRequest(node.component, "READ: meta must be [offset, start, length, tag, gen, payload_len, "
+                                             "capability]")
+        off, start, length, khash, gen, plen, cap = meta
         node.check_range(off, wire.OBJ_HEADER_SIZE + plen, "READ")
+        check_capability(node.cap_key, cap, b"r", off, plen, gen, node.component)
         if start < 0 or length < 0 or start + length > plen:
             raise BadRequest(node.component, f"READ: range {start}+{length} outside the payload of {plen}")
         view = node.arena.view
@@ -259,6 +298,14 @@ class MetaLink:
         wire.raise_for_status(frame, self.component)
         return frame.meta
 
+    async def _authenticate(self, reader, writer, timeout: float) -> None:
+        """HELLO (+ AUTH with the cluster secret when the metaserver is closed); AuthError when refused."""
+        auth = ClientAuth(self.node.config.token, self.component)
+        hello = await self._request(reader, writer, wire.Op.HELLO, auth.hello_meta(self.node.node_id), timeout)
+        meta = auth.auth_meta(hello)
+        if meta is not None:
+            auth.check(await self._request(reader, writer, wire.Op.AUTH, meta, timeout))
+
     async def _idle(self, reader, interval: float) -> None:
         """Wait ``interval`` between heartbeats, but notice at once when the metaserver closes the connection (it
         died or stepped down): it never sends unsolicited frames, so anything read here is the end of the link."""
@@ -289,6 +336,7 @@ class MetaLink:
             try:
                 host, port = split_host_port(addr, self.component)
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), step_s)
+                await self._authenticate(reader, writer, step_s)
                 reply = await self._request(reader, writer, wire.Op.REGISTER_NODE, self.registration(), step_s)
                 delay = self.RETRY_FIRST_S
                 quiet = 0
@@ -332,6 +380,16 @@ class MetaLink:
             delay = min(delay * 2, self.RETRY_MAX_S)
 
 
+async def close_idle(node: NodeServer) -> None:
+    """Forever: close connections that sent nothing for ``idle_timeout_s`` (checked a few times per timeout)."""
+    limit = node.config.idle_timeout_s
+    while True:
+        await asyncio.sleep(min(5.0, limit / 4))
+        cutoff = time.monotonic() - limit
+        for conn in [c for c in node.conns if c.last_active < cutoff]:
+            conn.transport.close()
+
+
 async def serve(config: NodeConfig) -> None:
     node = NodeServer(config)
     try:  # optional: pyverbs and a device may be missing; then the node offers shm and tcp only
@@ -347,6 +405,9 @@ async def serve(config: NodeConfig) -> None:
             print(f"{node.component}: rdma off ({why})", file=sys.stderr, flush=True)
     except (ImportError, UmbpError) as e:
         print(f"{node.component}: rdma off ({e})", file=sys.stderr, flush=True)
+    if not node.tokens.closed:
+        print(f"{node.component}: WARNING: no --token: this node serves anyone who connects (open pool)",
+              file=sys.stderr, flush=True)
     await node.start()
     link = MetaLink(node)
     stop = asyncio.Event()
@@ -354,10 +415,12 @@ async def serve(config: NodeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     task = asyncio.create_task(link.run())
+    sweeper = asyncio.create_task(close_idle(node))
     try:
         await stop.wait()
     finally:
         task.cancel()
+        sweeper.cancel()
         await node.close()
 
 

@@ -1,6 +1,6 @@
 """Unit tests of the page directory and eviction policies (pure bookkeeping, no I/O)."""
 
-from metaserver.directory import EXISTS, NEW, NO_SPACE, PENDING, READY, Directory, Effects
+from metaserver.directory import EXISTS, IN_FLIGHT, NEW, NO_SPACE, PENDING, READY, Directory, Effects
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 
 PAGE = ALIGN - 64  # payload that fills exactly one 4 KiB unit with its header
@@ -50,10 +50,28 @@ def test_dedup_within_and_across_batches():
     assert [it[0] for it in items] == [NEW, EXISTS]
     assert items[1][1:] == (None, None, None, None)
     items2, _ = d.alloc("m", [b"k"], [1], None, 5, 0.0)
-    assert items2[0][0] == EXISTS  # PENDING counts as existing
+    assert items2[0][0] == IN_FLIGHT  # PENDING for another writer: "in flight", not "exists"
+    assert d.commit("m", [b"k"], [items[0][4]], 0.0)[0] == [True]
+    items2, _ = d.alloc("m", [b"k"], [1], None, 5, 0.0)
+    assert items2[0][0] == EXISTS  # READY now
     items3, _ = d.alloc("other", [b"k"], [1], None, 6, 0.0)
     assert items3[0][0] == NEW  # namespaces are separate
-    assert d.pending == 2
+    assert d.pending == 1
+    d.check()
+
+
+def test_alloc_with_the_same_token_is_idempotent_and_others_see_in_flight():
+    d = make()
+    first, _ = d.alloc("m", [b"a", b"b"], [10, 20], None, 1, 0.0, token=77)
+    again, _ = d.alloc("m", [b"a", b"b", b"c"], [10, 20, 5], None, 9, 0.0, token=77)  # the lost answer, retried
+    assert again[:2] == first and again[2][0] == NEW
+    other, _ = d.alloc("m", [b"a"], [10], None, 20, 0.0, token=78)
+    assert other[0][0] == IN_FLIGHT
+    resized, _ = d.alloc("m", [b"a"], [11], None, 21, 0.0, token=77)  # same token, other size: not the same put
+    assert resized[0][0] == IN_FLIGHT
+    assert d.abort("m", [b"a"], [first[0][4]]) == 1  # the writer went away
+    after, _ = d.alloc("m", [b"a"], [10], None, 30, 0.0, token=78)
+    assert after[0][0] == NEW and after[0][4] == 30
     d.check()
 
 

@@ -222,7 +222,7 @@ def test_stale_generation_is_detected(pool):
     with rdma_client(pool, namespace="stale") as c:
         old = rand(size, 1)
         assert c.put("old", old)
-        (node_id, off, _sz, gen), = locate(c, ["old"])
+        (node_id, off, _sz, gen, *_), = locate(c, ["old"])
         assert c.remove("old")
         new = rand(size, 2)
         reused = None
