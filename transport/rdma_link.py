@@ -98,7 +98,7 @@ class RdmaTransport(Transport):
             self.ep.close()
             self.ep = None
         try:
-            ctl = FramedSocket(self.addr, self.component, deadline, self.token)
+            ctl = FramedSocket(self.addr, self.component, deadline, self.token, hello=True)
         except TransportError as e:
             raise _Unreachable(self.component, str(e).split(": ", 1)[-1]) from e
         try:

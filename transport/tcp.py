@@ -35,11 +35,13 @@ def _remaining(deadline: float, component: str) -> float:
 class FramedSocket:
     """A blocking connection carrying wire frames. Not thread-safe: callers serialise access.
 
-    With a ``token`` the connection authenticates right after connecting (HELLO, AUTH: umbp/auth.py) and raises
-    AuthError when the server refuses it or cannot prove it knows the token. Without one it says nothing: an open
-    server serves it, a closed one answers its first request with AUTH "authentication required"."""
+    With ``hello`` (or a ``token``) the connection introduces itself right after connecting (HELLO, then AUTH with
+    the token when the server asks: umbp/auth.py) and raises AuthError when the server refuses it, needs a token
+    that was not given, or cannot prove it knows the token. Without either it says nothing: an open server serves
+    it, a closed one answers its first request with AUTH "authentication required"."""
 
-    def __init__(self, addr: str, component: str, deadline: float, token: str | None = None):
+    def __init__(self, addr: str, component: str, deadline: float, token: str | None = None,
+                 hello: bool = False):
         self.addr = addr
         self.component = component
         host, port = split_host_port(addr, component)
@@ -57,14 +59,14 @@ class FramedSocket:
         self._hdr_mv = memoryview(self._hdr)
         self._next_id = 1
         self.closed = False
-        if token is not None:
+        if token is not None or hello:
             try:
                 self.handshake(token, deadline)
             except BaseException:
                 self.close()
                 raise
 
-    def handshake(self, token: str, deadline: float) -> str:
+    def handshake(self, token: str | None, deadline: float) -> str:
         """HELLO, then AUTH when the server asks for it; returns the scope the server granted."""
         auth = ClientAuth(token, self.component)
         meta = auth.auth_meta(self.request(wire.Op.HELLO, auth.hello_meta(self.component), deadline).meta)
@@ -196,7 +198,7 @@ class TcpTransport(Transport):
         if self._conn is not None and not self._conn.closed and self._conn.peer_closed():
             self._conn.close()  # the node dropped it (idle timeout, restart): reconnect rather than fail the batch
         if self._conn is None or self._conn.closed:
-            self._conn = FramedSocket(self.addr, self.component, deadline, self.token)
+            self._conn = FramedSocket(self.addr, self.component, deadline, self.token, hello=True)
         return self._conn
 
     def start_read(self, ops, deadline):

@@ -48,7 +48,7 @@ class MetaClient:
         if self._conn is not None and not self._conn.closed:
             return self._conn
         addr = self.addrs[self._idx % len(self.addrs)]
-        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", deadline, self.token)
+        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", deadline, self.token, hello=True)
         return self._conn
 
     def call(self, op: int, meta: Any, deadline: float) -> Any:

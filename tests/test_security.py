@@ -1,0 +1,254 @@
+"""Hostile input against a closed pool (umbp/auth.py): tokens and scopes, impostor nodes, forged writes and reads,
+memory under announced-length and trickle connections, idle timeouts, writers that die or retry, and a client with
+no metaserver to talk to. Real etcd, metaserver and node processes; attacks go over raw sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from transport import wire
+from transport.tcp import FramedSocket
+from umbp.auth import ClientAuth
+from umbp.client import Client
+from umbp.config import ClientConfig, resolve
+from umbp.errors import AuthError, TransportError
+
+SECRET = "cluster-secret-0123456789"
+TENANT_A = "tenant-a-secret-0123456789"
+READER = "tenant-a-reader-0123456789"
+OPS = "ops-admin-secret-0123456789"
+TOKENS = f'''cluster_secret = "{SECRET}"
+[[tokens]]
+name = "tenant-a"
+secret = "{TENANT_A}"
+namespaces = {{ "tenant-a" = "rw", "shared/*" = "r" }}
+[[tokens]]
+name = "reader"
+secret = "{READER}"
+namespaces = {{ "tenant-a" = "r" }}
+[[tokens]]
+name = "ops"
+secret = "{OPS}"
+admin = true
+'''
+
+
+@pytest.fixture
+def closed(make_cluster, tmp_path, monkeypatch):
+    """Two nodes and a metaserver sharing a tokens file; the harness's own CLI calls use the cluster secret."""
+    path = tmp_path / "tokens.toml"
+    path.write_text(TOKENS)
+    monkeypatch.setenv("UMBP_TOKEN", SECRET)
+    env = {"UMBP_IDLE_TIMEOUT_S": "2"}
+    cluster = make_cluster(nodes=2, lease_ttl=3, metaserver_flags={"tokens": str(path), "env": env},
+                           node_flags={"tokens": str(path), "env": env})
+    monkeypatch.delenv("UMBP_TOKEN")  # clients below say which token they use
+    return cluster
+
+
+def client(cluster, token, ns="tenant-a", **kw) -> Client:
+    """A client that uses exactly ``token`` (the environment is not consulted)."""
+    cfg = resolve(ClientConfig, {"metaserver": cluster.metaserver_addrs, "namespace": ns, "token": token,
+                                 "timeout_s": 10.0, **kw}, env={})
+    return Client(config=cfg)
+
+
+def node_addr(cluster, node_id: str) -> str:
+    with client(cluster, OPS) as c:
+        return next(n["addr"] for n in c.admin(wire.Op.NODES)["nodes"] if n["node_id"] == node_id)
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+def test_tokens_and_scopes(closed):
+    page = os.urandom(10_000)
+    with client(closed, TENANT_A) as a:
+        assert a.put("p0", page) is True and a.get("p0") == page
+        with pytest.raises(AuthError, match="may not write namespace 'shared/x'"):
+            client(closed, TENANT_A, ns="shared/x").put("k", b"v")
+        with pytest.raises(AuthError, match="may not read namespace 'victim'"):
+            client(closed, TENANT_A, ns="victim").get("k")
+        with pytest.raises(AuthError, match="LIST of every namespace needs an admin token"):
+            a.admin(wire.Op.LIST, {})
+        with pytest.raises(AuthError, match="EVICT needs an admin token"):
+            a.admin(wire.Op.EVICT, {"bytes": 1})
+        with pytest.raises(AuthError, match="DRAIN needs an admin token"):
+            a.admin(wire.Op.DRAIN, {"node_id": "node0"})
+    with pytest.raises(AuthError, match="requires a token"):
+        client(closed, None).get("p0")
+    with pytest.raises(AuthError, match="authentication failed: unknown token"):
+        client(closed, "not-a-token-of-this-pool").get("p0")
+    with client(closed, READER) as r:
+        assert r.get("p0") == page  # read rights: the bytes, over the node too
+        with pytest.raises(AuthError, match="may not write namespace 'tenant-a'"):
+            r.put("p1", b"x")
+        with pytest.raises(AuthError, match="may not write"):
+            r.remove("p0")
+    with client(closed, OPS) as ops:
+        listed = ops.admin(wire.Op.LIST, {})["objects"]
+        assert [(o[0], o[1]) for o in listed] == [("tenant-a", b"p0")]
+    # the admin CLI with a token: stats of the whole pool
+    stats = closed.cli_json("stats", "--token", OPS)
+    assert stats["objects"] == 1
+
+
+def test_handshake_never_sends_the_secret_and_checks_the_server(closed):
+    """Every byte the client sends during HELLO+AUTH, and the server's proof is checked: a server that does not know
+    the token cannot complete the handshake."""
+    sent = []
+    conn = FramedSocket(closed.metaserver_addr, "spy", time.monotonic() + 5)
+    real_send = conn.send
+    conn.send = lambda bufs, dl: (sent.extend(bytes(memoryview(b).cast("B")) for b in bufs), real_send(bufs, dl))
+    assert conn.handshake(TENANT_A, time.monotonic() + 5) == "tenant-a"
+    wire_bytes = b"".join(sent)
+    assert TENANT_A.encode() not in wire_bytes and SECRET.encode() not in wire_bytes
+    conn.close()
+    auth = ClientAuth(TENANT_A, "test")
+    auth.auth_meta({"auth": True, "nonce": os.urandom(32), "server": "fake"})
+    with pytest.raises(AuthError, match="could not prove"):
+        auth.check({"scope": "tenant-a", "proof": os.urandom(32)})
+
+
+def test_impostor_cannot_take_over_a_live_node_id(closed):
+    with client(closed, TENANT_A) as a:
+        keys = [f"imp/{i}" for i in range(20)]
+        vals = [os.urandom(5000) for _ in keys]
+        assert a.batch_put(keys, vals) == [True] * 20
+        with client(closed, OPS) as ops:
+            real = {n["node_id"]: n for n in ops.admin(wire.Op.NODES)["nodes"]}
+        desc = {k: real["node0"][k] for k in ("node_id", "host", "port", "pid", "arena_id", "arena_path", "boot_id",
+                                               "hostname", "transports", "rdma")}
+        desc.update(capacity=real["node0"]["capacity_bytes"], lease_ttl=3.0, port=1)  # clients would go to port 1
+        tenant = FramedSocket(closed.metaserver_addr, "tenant impostor", time.monotonic() + 5, TENANT_A)
+        with pytest.raises(AuthError, match="may not register a storage node"):
+            tenant.request(wire.Op.REGISTER_NODE, desc, time.monotonic() + 5)
+        twin = FramedSocket(closed.metaserver_addr, "impostor", time.monotonic() + 5, SECRET)
+        with pytest.raises(AuthError, match="held by a live node"):
+            twin.request(wire.Op.REGISTER_NODE, desc, time.monotonic() + 5)
+        with pytest.raises(Exception, match="register again"):  # heartbeats count only on the node's connection
+            twin.request(wire.Op.HEARTBEAT, {"node_id": "node0", "arena_id": desc["arena_id"]},
+                         time.monotonic() + 5)
+        twin.close()
+        tenant.close()
+        time.sleep(3.5)  # past node0's lease: it stays alive only if its own heartbeats are still accepted
+        with client(closed, OPS) as ops:
+            now = {n["node_id"]: n for n in ops.admin(wire.Op.NODES)["nodes"]}
+        assert now["node0"]["alive"] and now["node0"]["port"] == real["node0"]["port"]
+        outs = [bytearray(5000) for _ in keys]
+        assert a.batch_get_into(keys, outs) == [5000] * 20 and outs == vals
+
+
+def test_forged_writes_and_reads_are_refused_at_the_node(closed):
+    page = os.urandom(8000)
+    with client(closed, TENANT_A) as a:
+        assert a.put("victim", page) is True
+    with client(closed, READER) as r:  # may read tenant-a: learns where the page is, with a read capability only
+        loc = r.admin(wire.Op.LOOKUP, {"ns": "tenant-a", "keys": [b"victim"]})["locs"][0]
+    node_id, off, size, gen, tag, rcap = loc
+    assert tag != wire.key_hash("tenant-a", b"victim")  # the header's key hash is keyed: not from public fields
+    attacker = FramedSocket(node_addr(closed, node_id), "attacker", time.monotonic() + 5, READER)
+    forged = os.urandom(size)
+    header = wire.pack_object_header(tag, gen, size)  # even with the real tag and generation
+    for cap in (b"", rcap, os.urandom(16)):
+        with pytest.raises(AuthError, match="no valid capability to write"):
+            attacker.request(wire.Op.WRITE, [off, gen, cap], time.monotonic() + 5, data=[header, forged])
+    with pytest.raises(AuthError, match="no valid capability to read"):
+        attacker.request(wire.Op.READ, [off, 0, size, tag, gen, size, os.urandom(16)], time.monotonic() + 5)
+    f = attacker.request(wire.Op.READ, [off, 0, size, tag, gen, size, rcap], time.monotonic() + 5)
+    assert bytes(f.data[wire.OBJ_HEADER_SIZE:]) == page  # the granted read works
+    attacker.close()
+    anon = FramedSocket(node_addr(closed, node_id), "anonymous", time.monotonic() + 5)
+    with pytest.raises(AuthError, match="authentication required"):
+        anon.request(wire.Op.ARENA_INFO, {}, time.monotonic() + 5)  # arena path and rkey: for clients only
+    with pytest.raises(AuthError, match="authentication required"):
+        anon.request(wire.Op.WRITE, [off, gen, b""], time.monotonic() + 5, data=[header, forged])
+    anon.close()
+    with client(closed, TENANT_A, checksum=True) as a:
+        assert a.get("victim") == page
+
+
+def test_memory_stays_bounded_under_announced_lengths_and_trickles(closed):
+    node = closed.nodes[0]
+    addr = node_addr(closed, node.name)
+    ms = closed.metaserver
+    before = {"node": rss_kib(node.pid), "metaserver": rss_kib(ms.pid)}
+    socks = []
+    for i in range(16):  # 16 x "1 GiB is coming" to the node, half of them authenticated
+        s = FramedSocket(addr, "hog", time.monotonic() + 5, SECRET if i % 2 else None)
+        s.sock.sendall(wire.encode(wire.Op.WRITE, 1, [4096, 1, b""], data_len=1 << 30) + os.urandom(1 << 16))
+        socks.append(s)
+    for i in range(16):  # 16 x "16 MiB of meta is coming" trickled to both servers
+        for target in (addr, closed.metaserver_addr):
+            host, port = target.rsplit(":", 1)
+            s = socket.create_connection((host, int(port)))
+            s.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Op.PING, 0, 0, 1, 16 << 20, 0) + b"\x80" * 1000)
+            socks.append(s)
+    time.sleep(0.5)
+    after = {"node": rss_kib(node.pid), "metaserver": rss_kib(ms.pid)}
+    print(f"\nRSS KiB before {before}, after 16 announced-GiB writes and 32 trickled 16 MiB metas: {after}")
+    assert after["node"] - before["node"] < 32 * 1024  # the announced GiBs and MiBs were never allocated
+    assert after["metaserver"] - before["metaserver"] < 32 * 1024
+    for s in socks:
+        s.close()
+    with client(closed, TENANT_A) as a:
+        assert a.put("after-hogs", b"still serving") and a.get("after-hogs") == b"still serving"
+
+
+def test_idle_connections_are_closed_and_clients_reconnect(closed):
+    page = os.urandom(3000)
+    with client(closed, TENANT_A, transport="tcp") as a:
+        assert a.put("idle", page)
+        s = socket.create_connection(("127.0.0.1", int(closed.metaserver_addr.rsplit(":", 1)[1])))
+        s.settimeout(20)
+        assert s.recv(1) == b""  # closed by the metaserver after its 2 s idle timeout
+        s.close()
+        time.sleep(2.5)  # the client's own metaserver and node connections went idle too
+        assert a.get("idle") == page
+        assert a.counters["node_failures"] == 0  # a closed idle connection is reopened, not a failed read
+
+
+def test_dead_writer_frees_its_pending_keys_and_others_wait_for_a_live_one(closed):
+    writer = FramedSocket(closed.metaserver_addr, "writer", time.monotonic() + 5, TENANT_A)
+    meta = {"ns": "tenant-a", "keys": [b"contended"], "sizes": [1000], "token": 4242}
+    first = writer.request(wire.Op.ALLOC, meta, time.monotonic() + 5).meta["items"]
+    again = writer.request(wire.Op.ALLOC, meta, time.monotonic() + 5).meta["items"]
+    assert first[0][0] == wire.AllocState.NEW and again == first  # a retried ALLOC gets the same place
+    other = dict(meta, token=4343)
+    assert writer.request(wire.Op.ALLOC, other, time.monotonic() + 5).meta["items"][0][0] == \
+        wire.AllocState.IN_FLIGHT
+    result: dict = {}
+
+    def second_writer():
+        with client(closed, TENANT_A) as c:
+            try:
+                result["put"] = c.put("contended", b"w" * 1000)
+                result["get"] = c.get("contended")
+            except BaseException as e:  # noqa: BLE001 - reported by the assertions below
+                result["error"] = repr(e)
+
+    t = threading.Thread(target=second_writer)
+    t.start()
+    time.sleep(0.5)
+    assert "put" not in result  # it waits for the first writer: neither "stored" nor "exists" yet
+    writer.close()  # the first writer dies without writing
+    t.join(20)
+    assert result == {"put": True, "get": b"w" * 1000}
+
+
+def test_no_metaserver_fails_fast(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    cfg = resolve(ClientConfig, {"metaserver": f"127.0.0.1:{port}", "timeout_s": 120.0}, env={})
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="no metaserver is listening"):
+        Client(config=cfg).put("k", b"v")
+    print(f"\nno metaserver: failed after {time.monotonic() - t0:.2f}s (deadline 120 s)")
