@@ -169,7 +169,8 @@ def main() -> int:
             print(f"\narena (/dev/shm mapping, cudaHostRegister-ed) -> device: {gb / t_arena:6.1f} GB/s  "
                   f"ratio {t_h2d / t_arena:.3f}")
             gather.unregister_host(buf)
-        del arena
+            del buf, ap_
+        arena.release()
         m.close()
     finally:
         os.close(fd)

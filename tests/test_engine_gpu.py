@@ -118,7 +118,8 @@ def test_one_group_from_a_registered_shm_arena():
             assert not stacked[others].any()
         finally:
             gather.unregister_host(buf)
-            del arena
+            del buf, hp
+            arena.release()
             m.close()
     finally:
         os.close(fd)
