@@ -21,12 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=("lru", "prefix-lru"))
     p.add_argument("--election-ttl", dest="election_ttl_s", type=int, default=None,
                    help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
+    p.add_argument("--metrics-listen", dest="metrics_listen", default=None, metavar="HOST:PORT",
+                   help="serve /metrics (Prometheus), /healthz and /readyz on this address (port 0: any)")
 
 
 def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
                                       ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
-                                       "election_ttl_s")})
+                                       "election_ttl_s", "metrics_listen")})
 
 
 def main(argv: list[str] | None = None) -> int:

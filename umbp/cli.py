@@ -159,7 +159,8 @@ def cmd_node(args) -> int:
     from umbp.node import run
 
     cfg = resolve(NodeConfig, {"metaserver": args.metaserver, "capacity": args.capacity, "listen": args.listen,
-                               "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id})
+                               "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id,
+                               "metrics_listen": args.metrics_listen})
     run(cfg)
     return 0
 
@@ -212,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--advertise", default=None, help="routable HOST[:PORT] clients should use")
     s.add_argument("--lease-ttl", type=float, default=None, help="seconds without heartbeat before the node is dead")
     s.add_argument("--node-id", default=None, help="stable name: a restart with it reopens the same arena")
+    s.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                   help="serve /metrics (Prometheus), /healthz and /readyz on this address (port 0: any)")
     s.set_defaults(func=cmd_node)
 
     s = sub.add_parser("stats", help="pool statistics")

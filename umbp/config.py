@@ -69,11 +69,14 @@ class MetaserverConfig:
     persist_batch: int = 128  # operations per etcd transaction (etcd's default cap)
     election_ttl_s: int = 5  # leader key lease: a dead leader is replaced within about this long
     max_batch_keys: int = 100_000
+    metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
 
     def __post_init__(self) -> None:
         c = "metaserver"
         split_host_port(self.etcd, c, 2379)
         split_host_port(self.listen, c)
+        if self.metrics_listen:
+            split_host_port(self.metrics_listen, c)
         if self.advertise:
             split_host_port(self.advertise, c)
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -96,9 +99,12 @@ class NodeConfig:
     node_id: str = ""  # stable name; a node restarted with the same id on the same host reopens its arena
     arena_dir: str = "/dev/shm"
     max_frame_data: int = 1 << 30
+    metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
 
     def __post_init__(self) -> None:
         c = "node"
+        if self.metrics_listen:
+            split_host_port(self.metrics_listen, c)
         object.__setattr__(self, "metaserver", _addr_list(self.metaserver, c))
         object.__setattr__(self, "capacity", parse_size(self.capacity, "capacity"))
         if not self.metaserver:
