@@ -177,7 +177,8 @@ def main() -> int:
             t_arena = timed(lambda: gather.run_kernel(aplan, dev), args.iters)
             check_kv(kv_t, src_off, "arena gather")
             results.update(arena_registered=True, gather_arena_gbs=gb / t_arena)
-            print(f"\narena ({d or tempfile.gettempdir()} mapping, cudaHostRegister-ed) -> device: {gb / t_arena:6.1f} GB/s  "
+            where = d or tempfile.gettempdir()
+            print(f"\narena ({where} mapping, cudaHostRegister-ed) -> device: {gb / t_arena:6.1f} GB/s  "
                   f"ratio {t_h2d / t_arena:.3f}")
             gather.unregister_host(buf)
             del buf, ap_

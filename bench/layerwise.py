@@ -119,12 +119,14 @@ def main() -> int:
                     last = grp
                 last.synchronize()
             whole = time.perf_counter() - t0
+            lookups.append((load.marks["lookup"] or t0) - load.marks["start"])
             if load.pages != n or not torch.equal(dst_t[:, n:], want):
                 raise SystemExit(f"layerwise: bytes differ after a load ({load.pages} of {n} pages)")
             return first, whole
 
         for name in args.transports.split(","):
             mapped = name == "shm"
+            lookups: list[float] = []
             with umbp.Client(addr, transport=name) as c:
                 # one loader per shape, reused: an engine keeps its loader (and its arena registrations)
                 grouped = LayerwiseLoader(c, dst, group_size=L // args.groups, use_mapped=mapped)
@@ -141,12 +143,15 @@ def main() -> int:
             first = statistics.median(r[0] for r in runs)
             whole = statistics.median(r[1] for r in runs)
             whole1 = statistics.median(mono)
+            lookup = statistics.median(lookups)
             results["paths"][name] = {"first_s": first, "whole_s": whole, "ratio": first / whole,
-                                      "one_group_s": whole1, "gbs": n * page / whole / 1e9,
+                                      "one_group_s": whole1, "mapped_lookup_s": lookup if mapped else None,
+                                      "gbs": n * page / whole / 1e9,
                                       "pool_to_host_bytes": ctr["pool_to_host_bytes"],
                                       "zero_copy_bytes": ctr["zero_copy_bytes"]}
             print(f"{name:4s} first group {first * 1e3:8.2f} ms   whole prefix {whole * 1e3:8.2f} ms   "
-                  f"first/whole {first / whole:.3f}   ({n * page / whole / 1e9:.2f} GB/s; as one group "
+                  f"first/whole {first / whole:.3f}   ({n * page / whole / 1e9:.2f} GB/s; "
+                  + (f"mapped LOOKUP {lookup * 1e3:.2f} ms of the first; " if mapped else "") + "as one group "
                   f"{whole1 * 1e3:.2f} ms; pool->host {ctr['pool_to_host_bytes'] >> 20} MiB, zero-copy "
                   f"{ctr['zero_copy_bytes'] >> 20} MiB)")
     finally:

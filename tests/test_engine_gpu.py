@@ -49,7 +49,8 @@ def _random_u8(n: int, seed: int) -> torch.Tensor:
 def _kv_pages_on_host(kv: PagedKV, slots, layers=None) -> list[bytes]:
     layers = range(kv.num_layers) if layers is None else layers
     torch.cuda.synchronize()
-    return [b"".join(r.cpu().numpy().tobytes() for li in layers for r in kv.rows(li, s)) for s in slots]
+    return [b"".join(r.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() for li in layers for r in kv.rows(li, s))
+            for s in slots]  # as bytes: numpy has no bfloat16
 
 
 @pytest.fixture(params=["kernel", "staged", "torch"])

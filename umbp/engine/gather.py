@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -333,7 +334,12 @@ def run_kernel(p: Plan, device: Any, stream: Any = None) -> int:
     ny = max(1, -(-int(p.lens.max()) // CHUNK))
     if ny > 65535:
         raise InvalidArgument(COMPONENT, f"segment of {int(p.lens.max())} bytes is too long for one launch")
-    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(stream.cuda_stream, dev):
+    with warnings.catch_warnings():
+        # CuPy 14 deprecates ExternalStream for Stream.from_external; the old name still works and also runs on
+        # CuPy releases without the new one
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cstream = cupy.cuda.ExternalStream(stream.cuda_stream, dev)
+    with cupy.cuda.Device(dev), cstream:
         k((len(p), ny), (THREADS,), (np.uint64(t.data_ptr()), np.int32(len(p)), np.int64(CHUNK)))
     # keep the table alive until the kernel ran: the caching allocator reuses it only after the stream passes
     t.record_stream(stream)
