@@ -181,12 +181,6 @@ def cmd_up(args) -> int:
         pool.stop()
 
 
-def cmd_demo(args) -> int:
-    from umbp.demo import run_demo
-
-    return run_demo(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="umbp", description="UMBP: a distributed KV-cache page pool")
     sub = p.add_subparsers(dest="command", required=True)
@@ -247,13 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("node")
     s.set_defaults(func=cmd_drain)
 
-    s = sub.add_parser("demo", help="the main job: a local pool and a workload through it, with a summary")
-    s.add_argument("--pages", type=int, default=2000, help="synthetic KV pages per writer process")
-    s.add_argument("--page-size", default="256KiB")
-    s.add_argument("--nodes", type=int, default=2)
-    s.add_argument("--capacity", default="1GiB", help="per node")
-    s.add_argument("--metaserver", default=None, help="use this running pool instead of starting one")
-    s.set_defaults(func=cmd_demo)
+    from umbp.demo import add_subcommands  # demo, replay, bench: the main job and the bandwidth bench
+
+    add_subcommands(sub)
     return p
 
 
