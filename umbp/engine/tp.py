@@ -265,12 +265,16 @@ class TPLoad:
 
     def close(self) -> None:
         """Run the remaining groups' exchanges (every rank must take part), then settle the counters."""
-        while not self._done:
-            try:
-                next(self)
-            except StopIteration:
-                break
-        self._inner.close()
+        try:
+            for _ in range(self._tp.layout.num_groups + 1):  # bounded: one exchange per remaining group
+                if self._done:
+                    break
+                try:
+                    next(self)
+                except StopIteration:
+                    break
+        finally:
+            self._inner.close()
 
     def __enter__(self) -> "TPLoad":
         return self
