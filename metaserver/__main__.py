@@ -24,12 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=None, help="the pool's cluster secret (default $UMBP_TOKEN); none: open pool")
     p.add_argument("--tokens", dest="tokens_file", default=None, metavar="FILE",
                    help="scoped tokens and the cluster secret (TOML, see umbp/auth.py)")
+    p.add_argument("--metrics-listen", dest="metrics_listen", default=None, metavar="HOST:PORT",
+                   help="serve /metrics (Prometheus), /healthz and /readyz on this address (port 0: any)")
 
 
 def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
                                       ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
-                                       "election_ttl_s", "token", "tokens_file")})
+                                       "election_ttl_s", "token", "tokens_file", "metrics_listen")})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,6 +138,7 @@ class Connection(asyncio.BufferedProtocol):
             if reply:
                 self.send(wire.encode_error(op, rid, Status.UNKNOWN_OPCODE, f"metaserver: unknown opcode 0x{op:02x}"))
             return
+        t0 = time.perf_counter()
         try:
             if op not in (Op.HELLO, Op.AUTH, Op.PING):
                 self.auth.require()
@@ -147,14 +148,16 @@ class Connection(asyncio.BufferedProtocol):
             res = handler(frame.meta, self)
         except Exception as e:  # noqa: BLE001 - every failure becomes an answer
             self._fail(op, rid, reply, e)
+            ms.metrics.requests.since(op, t0)
             return
         if type(res) is dict:
+            ms.metrics.requests.since(op, t0)
             if reply:
                 self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE))
         else:
-            ms._spawn(self._finish(op, rid, reply, res))
+            ms._spawn(self._finish(op, rid, reply, res, t0))
 
-    async def _finish(self, op: int, rid: int, reply: bool, coro) -> None:
+    async def _finish(self, op: int, rid: int, reply: bool, coro, t0: float) -> None:
         try:
             res = await coro
         except asyncio.CancelledError:
@@ -162,7 +165,9 @@ class Connection(asyncio.BufferedProtocol):
             raise
         except Exception as e:  # noqa: BLE001
             self._fail(op, rid, reply, e)
+            self.ms.metrics.requests.since(op, t0)
             return
+        self.ms.metrics.requests.since(op, t0)
         if reply:
             self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE))
 
@@ -190,6 +195,7 @@ class Connection(asyncio.BufferedProtocol):
             self._error(op, rid, reply, Status.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     def _error(self, op: int, rid: int, reply: bool, status: int, message: str, **extra) -> None:
+        self.ms.metrics.requests.error(op, status)
         if reply:
             self.send(wire.encode_error(op, rid, status, f"metaserver: {_op_name(op)}: {message}", **extra))
 
@@ -228,7 +234,14 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
     conns: set[Connection] = set()
     server = None
     sweeper = asyncio.create_task(close_idle(conns, config.idle_timeout_s))
+    endpoint = None
     try:
+        if config.metrics_listen:  # up before the election and the directory load, so /healthz answers during them
+            from umbp.metrics import start_endpoint
+
+            endpoint = await start_endpoint("metaserver", config.metrics_listen, ms.metrics.registry,
+                                            ms.metrics.healthy, ms.metrics.ready)
+            print(f"metaserver: metrics on {endpoint.url}", flush=True)
         await ms.start()
         server = await loop.create_server(lambda: Connection(ms, conns), sock=sock, backlog=1024)
         print(f"metaserver: {addr}", flush=True)
@@ -243,6 +256,8 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         else:
             sock.close()
         await ms.close()
+        if endpoint is not None:
+            await endpoint.close()
         for c in list(conns):
             if c.transport is not None:
                 c.transport.close()

@@ -34,6 +34,7 @@ from typing import Any
 from metaserver import validate as v
 from metaserver.directory import NEW, PENDING, Directory, Effects
 from metaserver.leader import Election
+from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
 from metaserver.persist import BatchWriter, EtcdStore, GenCounter
 from transport.wire import VERSION, Op, Status
@@ -77,6 +78,7 @@ class Metaserver:
         self.loaded = False  # this term's directory is loaded (serving = loaded and the lease is valid)
         self.ticks = 0  # background ticks run (stats: lets tests wait for ticks instead of sleeping)
         self.load_s = 0.0  # how long the last takeover's directory load took
+        self.metrics = MetaserverMetrics(self)  # read at scrape time; request latencies observed in server.py
         self._new_state()
         self._bg: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
@@ -440,11 +442,13 @@ class Metaserver:
         fut = self._apply(fx, wait=True)
         if fut is None:
             return {"ok": ok}
-        return self._commit_wait(fut, ok)
+        return self._commit_wait(fut, ok, self.metrics.etcd_commit)
 
     @staticmethod
-    async def _commit_wait(fut: asyncio.Future, ok: list) -> dict:
+    async def _commit_wait(fut: asyncio.Future, ok: list, latency) -> dict:
+        t0 = time.perf_counter()
         await fut  # durable in etcd before the reply; Unavailable propagates as an error answer
+        latency.observe(time.perf_counter() - t0)
         return {"ok": ok}
 
     def abort(self, meta: Any, conn) -> dict:

@@ -47,6 +47,7 @@ SHM_PREFIX = "umbp-test-"
 
 METASERVER_READY = re.compile(r"^metaserver: (\S+):(\d+)$", re.M)
 NODE_READY = re.compile(r"^node (\S+): serving on (\S+):(\d+)", re.M)
+METRICS_LINE = re.compile(r"^(?:metaserver|node \S+): metrics on (http://\S+)$", re.M)
 
 
 class HarnessError(AssertionError):
@@ -423,7 +424,9 @@ def _flag_args(flags: dict[str, Any]) -> list[str]:
 
 
 class Served(Process):
-    """A umbp process that announces the address it serves on; ``addr`` is that address once started."""
+    """A umbp process that announces the address it serves on; ``addr`` is that address once started.
+    ``metrics_url`` is the ``/metrics`` URL it announced (``... metrics on URL``) when started with
+    ``metrics_listen=HOST:PORT``."""
 
     host: str | None = None
     port: int | None = None
@@ -433,6 +436,14 @@ class Served(Process):
         if self.port is None:
             raise HarnessError(f"{self.name}: not started yet")
         return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        m = METRICS_LINE.search(self.stdout_text())
+        if m is None:
+            raise HarnessError(f"{self.name}: announced no metrics endpoint (started with metrics_listen?)\n"
+                               f"{self.tail()}")
+        return m.group(1)
 
 
 class Metaserver(Served):

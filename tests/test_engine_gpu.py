@@ -31,6 +31,17 @@ from umbp.engine.loader import LayerwiseLoader  # noqa: E402
 DEV = torch.device("cuda", 0)
 
 
+def shm_dir(size: int) -> str | None:
+    """/dev/shm when it has room for ``size`` bytes (containers often give it 64 MiB), else the temp dir."""
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize > size + (64 << 20):
+            return "/dev/shm"
+    except OSError:
+        pass
+    return None
+
+
 def _random_u8(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
 
@@ -38,7 +49,8 @@ def _random_u8(n: int, seed: int) -> torch.Tensor:
 def _kv_pages_on_host(kv: PagedKV, slots, layers=None) -> list[bytes]:
     layers = range(kv.num_layers) if layers is None else layers
     torch.cuda.synchronize()
-    return [b"".join(r.cpu().numpy().tobytes() for li in layers for r in kv.rows(li, s)) for s in slots]
+    return [b"".join(r.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() for li in layers for r in kv.rows(li, s))
+            for s in slots]  # as bytes: numpy has no bfloat16
 
 
 @pytest.fixture(params=["kernel", "staged", "torch"])
@@ -89,10 +101,10 @@ def test_one_group_from_a_registered_shm_arena():
     stacked = torch.zeros(layers, slots_n, row, dtype=torch.uint8, device=DEV)
     kv = PagedKV(stacked)
     pb = kv.page_bytes
-    d = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    size = (n + 2) * pb + 4096
+    d = shm_dir(size)
     fd, path = tempfile.mkstemp(dir=d, prefix="umbp-gpu-test-")
     try:
-        size = (n + 2) * pb + 4096
         os.ftruncate(fd, size)
         m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         arena = memoryview(m)
@@ -118,7 +130,8 @@ def test_one_group_from_a_registered_shm_arena():
             assert not stacked[others].any()
         finally:
             gather.unregister_host(buf)
-            del arena
+            del buf, hp
+            arena.release()
             m.close()
     finally:
         os.close(fd)

@@ -166,7 +166,8 @@ def cmd_node(args) -> int:
 
     cfg = resolve(NodeConfig, {"metaserver": args.metaserver, "capacity": args.capacity, "listen": args.listen,
                                "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id,
-                               "token": args.token, "tokens_file": args.tokens})
+                               "token": args.token, "tokens_file": args.tokens,
+                               "metrics_listen": args.metrics_listen})
     run(cfg)
     return 0
 
@@ -192,12 +193,6 @@ def cmd_up(args) -> int:
         return pool.wait()
     finally:
         pool.stop()
-
-
-def cmd_demo(args) -> int:
-    from umbp.demo import run_demo
-
-    return run_demo(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-id", default=None, help="stable name: a restart with it reopens the same arena")
     s.add_argument("--tokens", default=None, metavar="FILE",
                    help="scoped client tokens (TOML, see umbp/auth.py); the same file as the metaservers'")
+    s.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                   help="serve /metrics (Prometheus), /healthz and /readyz on this address (port 0: any)")
     s.set_defaults(func=cmd_node)
 
     s = sub.add_parser("stats", help="pool statistics")
@@ -261,13 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("node")
     s.set_defaults(func=cmd_drain)
 
-    s = sub.add_parser("demo", help="the main job: a local pool and a workload through it, with a summary")
-    s.add_argument("--pages", type=int, default=2000, help="synthetic KV pages per writer process")
-    s.add_argument("--page-size", default="256KiB")
-    s.add_argument("--nodes", type=int, default=2)
-    s.add_argument("--capacity", default="1GiB", help="per node")
-    s.add_argument("--metaserver", default=None, help="use this running pool instead of starting one")
-    s.set_defaults(func=cmd_demo)
+    from umbp.demo import add_subcommands  # demo, replay, bench: the main job and the bandwidth bench
+
+    add_subcommands(sub)
     return p
 
 

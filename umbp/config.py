@@ -80,11 +80,14 @@ class MetaserverConfig:
     tokens_file: str = ""  # TOML of scoped tokens plus the cluster secret
     max_connections: int = 4096  # more are closed at once, with an UNAVAILABLE answer
     idle_timeout_s: float = 600.0  # a connection that sends nothing for this long is closed
+    metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
 
     def __post_init__(self) -> None:
         c = "metaserver"
         split_host_port(self.etcd, c, 2379)
         split_host_port(self.listen, c)
+        if self.metrics_listen:
+            split_host_port(self.metrics_listen, c)
         if self.advertise:
             split_host_port(self.advertise, c)
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -112,9 +115,12 @@ class NodeConfig:
     tokens_file: str = ""  # scoped tokens clients may present (the same file as the metaservers')
     max_connections: int = 4096
     idle_timeout_s: float = 600.0
+    metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
 
     def __post_init__(self) -> None:
         c = "node"
+        if self.metrics_listen:
+            split_host_port(self.metrics_listen, c)
         object.__setattr__(self, "metaserver", _addr_list(self.metaserver, c))
         object.__setattr__(self, "capacity", parse_size(self.capacity, "capacity"))
         if not self.metaserver:

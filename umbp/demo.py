@@ -1,10 +1,16 @@
-"""``umbp demo``: start a local pool and push synthetic KV pages through it from two processes.
+"""``umbp demo``, ``umbp replay`` and ``umbp bench``: the CLI side of the main job, and the bandwidth bench.
 
-Each of two worker processes writes ``--pages`` pages (numpy arrays shaped like a KV page, contents derived from
-the key so any reader can check them) in batches, then reads back every page the *other* process wrote and checks
-each byte; a third pass re-puts its own pages to show dedup (every put answers "already there") and asks
-``prefix_hits`` for a chain. The parent shows progress bars and ends with a table of what was done and the rates
-reached, then the pool's own statistics. Exit code 0 only if every page read back is byte-identical.
+- ``umbp demo [--out DIR]``: generates a short AgentX-shaped trace (``umbp.workload.generator``), starts a local
+  pool, replays the trace at three concurrencies with round-robin and session-affinity routing, each with and
+  without the pool, prints the table and the target checks, writes ``trace.jsonl``, ``results.json``,
+  ``shares.png`` and ``ttft.png`` into DIR (default ``./umbp-demo/``). About two minutes on two cores.
+- ``umbp replay TRACE``: the same for a JSONL trace (``umbp.workload.trace``), every setting a flag;
+  ``--metaserver`` uses a running pool instead of starting one.
+- ``umbp bench`` (the old demo): two processes push synthetic KV pages through a local pool, read back each
+  other's pages and check every byte, and report the rates reached. Exit code 0 only if every byte matched.
+
+``add_subcommands`` registers the three on the ``umbp`` parser (``umbp.cli``). The work lives in
+``umbp.workload.job``; this module only turns flags into its configuration.
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ def worker(wid: int, metaserver: str, pages: int, page_size: int, progress, resu
     results.put(out)
 
 
-def run_demo(args) -> int:
+def run_bench(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -99,7 +105,7 @@ def run_demo(args) -> int:
     if args.metaserver:
         metaserver = args.metaserver
     else:
-        con.print(f"[bold]umbp demo[/]: starting a local pool: etcd, a metaserver, {args.nodes} nodes of "
+        con.print(f"[bold]umbp bench[/]: starting a local pool: etcd, a metaserver, {args.nodes} nodes of "
                   f"{args.capacity}")
         pool = LocalPool(nodes=args.nodes, capacity=args.capacity, port=0).start()
         metaserver = pool.metaserver
@@ -134,7 +140,7 @@ def run_demo(args) -> int:
         for p in procs:
             p.join(5)
         if len(outs) < 2:
-            con.print(f"[red]demo: a worker failed (exit codes {[p.exitcode for p in procs]})[/]")
+            con.print(f"[red]bench: a worker failed (exit codes {[p.exitcode for p in procs]})[/]")
             return 1
         with Client(metaserver=metaserver, namespace="demo") as c:
             stats = c.stats()
@@ -143,7 +149,7 @@ def run_demo(args) -> int:
             pool.stop()
 
     total = pages * page_size
-    t = Table(title=f"umbp demo: 2 processes x {pages} pages of {format_size(page_size)}")
+    t = Table(title=f"umbp bench: 2 processes x {pages} pages of {format_size(page_size)}")
     for col in ("worker", "phase", "pages", "bytes", "seconds", "rate", "result"):
         t.add_column(col, justify="right" if col not in ("phase", "result") else "left")
     ok = True
@@ -167,5 +173,142 @@ def run_demo(args) -> int:
     con.print(f"pool: {stats['objects']} objects, {format_size(used)} of {format_size(cap)} used, "
               f"{stats['hits']} hits / {stats['misses']} misses, {stats['evictions']} evictions, "
               f"{sum(1 for n in stats['nodes'] if n['alive'])} live nodes")
-    con.print("[green]demo: every page read back was byte-identical[/]" if ok else "[red]demo: FAILED[/]")
+    con.print("[green]bench: every page read back was byte-identical[/]" if ok else "[red]bench: FAILED[/]")
     return 0 if ok else 1
+
+
+# ---- umbp demo / umbp replay ----------------------------------------------------------------------------------
+
+DEMO_SESSIONS = 64
+DEMO_CONCURRENCY = "8,16,32"
+DEMO_HBM_PAGES = 400  # per rank: about 4 sessions' contexts, so HBM alone cannot hold 8+ concurrent sessions
+DEMO_POOL_PAGES = 5120  # holds the working set of 32 concurrent sessions (~3.6K pages), not the whole trace (~7K)
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or any(x < 1 for x in out):
+        from umbp.errors import ConfigError
+
+        raise ConfigError("replay", f"{flag} takes positive integers separated by commas, got {text!r}")
+    return out
+
+
+def _add_replay_flags(s, demo: bool) -> None:
+    from umbp.workload.costmodel import CostModel
+    from umbp.workload.replay import ReplayConfig
+
+    rc, cm = ReplayConfig(), CostModel()
+    g = s.add_argument_group("pool")
+    g.add_argument("--metaserver", default=None, help="use this running pool (HOST:PORT) instead of starting one")
+    g.add_argument("--nodes", type=int, default=1,
+                   help="nodes of the local pool (1: see README on placement when chains share a root)")
+    g.add_argument("--pool-pages", type=int, default=DEMO_POOL_PAGES, help="local pool capacity in pages")
+    g.add_argument("--eviction-policy", default="prefix-lru", choices=["lru", "prefix-lru"])
+    g.add_argument("--transport", default="auto", choices=["auto", "tcp", "shm", "rdma"])
+    g = s.add_argument_group("replay")
+    g.add_argument("--ranks", type=int, default=rc.ranks, help="DP ranks")
+    g.add_argument("--hbm-pages", type=int, default=DEMO_HBM_PAGES, help="HBM prefix cache per rank, in pages")
+    g.add_argument("--page-size", type=int, default=rc.page_size, help="tokens per page")
+    g.add_argument("--page-bytes", type=int, default=rc.page_bytes, help="payload bytes of a pool page")
+    g.add_argument("--concurrency", default=DEMO_CONCURRENCY, help="sessions in flight, comma separated")
+    g.add_argument("--routers", default="round-robin,affinity",
+                   help="comma separated: round-robin, affinity, least-loaded, cache-aware")
+    g.add_argument("--pool", default="both", choices=["both", "on", "off"], help="run with the pool, without, or both")
+    g.add_argument("--load-factor", type=float, default=rc.affinity_load_factor, help="affinity's bounded load")
+    g.add_argument("--write-batch-pages", type=int, default=rc.write_batch_pages)
+    g.add_argument("--out", default="umbp-demo" if demo else "umbp-replay", help="directory for JSON and plots")
+    g.add_argument("--no-plots", action="store_true")
+    g = s.add_argument_group("cost model (simulated prefill time; see README)")
+    g.add_argument("--params", type=float, default=cm.params, help="model parameters (matmul FLOPs = 2 x params)")
+    g.add_argument("--layers", type=int, default=cm.layers)
+    g.add_argument("--attn-dim", type=int, default=cm.attn_dim, help="query heads x head dim")
+    g.add_argument("--kv-bytes-per-token", type=int, default=cm.kv_bytes_per_token)
+    g.add_argument("--gpu-tflops", type=float, default=cm.gpu_tflops, help="peak dense TFLOPS per GPU")
+    g.add_argument("--mfu", type=float, default=cm.mfu, help="fraction of peak a prefill sustains")
+    g.add_argument("--gpus-per-rank", type=int, default=cm.gpus_per_rank)
+    g.add_argument("--load-gbps", type=float, default=cm.load_gbps, help="pool-to-HBM GB/s per rank")
+    g.add_argument("--overlap", action="store_true", help="loads overlap compute (layer-wise)")
+    g.add_argument("--tpot-s", type=float, default=cm.tpot_s, help="decode seconds per output token")
+
+
+def _job(args, title: str):
+    from umbp.workload.costmodel import CostModel
+    from umbp.workload.job import JobConfig
+    from umbp.workload.replay import ReplayConfig
+
+    routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
+    from umbp.routing import ROUTERS
+
+    for r in routers:
+        if r not in ROUTERS:
+            from umbp.errors import ConfigError
+
+            raise ConfigError("replay", f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.pool]
+    runs = tuple((r, m) for r in routers for m in modes)
+    rc = ReplayConfig(ranks=args.ranks, hbm_pages=args.hbm_pages, page_size=args.page_size,
+                      page_bytes=args.page_bytes, write_batch_pages=args.write_batch_pages,
+                      affinity_load_factor=args.load_factor)
+    cost = CostModel(params=args.params, layers=args.layers, attn_dim=args.attn_dim,
+                     kv_bytes_per_token=args.kv_bytes_per_token, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
+                     gpus_per_rank=args.gpus_per_rank, load_gbps=args.load_gbps, overlap=args.overlap,
+                     tpot_s=args.tpot_s)
+    return JobConfig(concurrencies=_int_list(args.concurrency, "--concurrency"), runs=runs, replay=rc, cost=cost,
+                     metaserver=args.metaserver, nodes=args.nodes, pool_pages=args.pool_pages,
+                     eviction_policy=args.eviction_policy, transport=args.transport, out=args.out,
+                     plots=not args.no_plots, title=title)
+
+
+def cmd_demo(args) -> int:
+    import os
+
+    from umbp.workload.generator import AgentXShape, generate
+    from umbp.workload.job import run_job
+    from umbp.workload.trace import dump_trace
+
+    job = _job(args, "umbp demo")
+    trace = generate(AgentXShape(sessions=args.sessions, seed=args.seed, scale=args.scale))
+    os.makedirs(job.out, exist_ok=True)
+    path = os.path.join(job.out, "trace.jsonl")
+    dump_trace(trace, path)
+    return run_job(trace, job, trace_path=path)
+
+
+def cmd_replay(args) -> int:
+    from umbp.workload.job import run_job
+    from umbp.workload.trace import Trace, load_trace
+
+    trace = load_trace(args.trace)
+    if args.sessions:
+        keep = set(trace.roots()[:args.sessions])
+        trace = Trace([r for r in trace.requests if r.root in keep], trace.header)
+    return run_job(trace, _job(args, f"umbp replay {args.trace}"), trace_path=args.trace)
+
+
+def add_subcommands(sub) -> None:
+    """Register ``demo``, ``replay`` and ``bench`` on the ``umbp`` sub-parser."""
+    s = sub.add_parser("demo", help="the main job: an agentic trace replayed through a local pool by DP ranks, "
+                                    "with and without the pool: a table, JSON and plots")
+    s.add_argument("--sessions", type=int, default=DEMO_SESSIONS, help="sessions in the generated trace")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--scale", type=float, default=0.01, help="token counts x this (1.0 = full-size AgentX shape)")
+    _add_replay_flags(s, demo=True)
+    s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("replay", help="replay a JSONL trace through the pool with DP routers (see README)")
+    s.add_argument("trace", help="JSONL trace file")
+    s.add_argument("--sessions", type=int, default=0, help="replay only the first N sessions (0: all)")
+    _add_replay_flags(s, demo=False)
+    s.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("bench", help="push synthetic KV pages through a local pool from two processes, check bytes")
+    s.add_argument("--pages", type=int, default=2000, help="synthetic KV pages per writer process")
+    s.add_argument("--page-size", default="256KiB")
+    s.add_argument("--nodes", type=int, default=2)
+    s.add_argument("--capacity", default="1GiB", help="per node")
+    s.add_argument("--metaserver", default=None, help="use this running pool instead of starting one")
+    s.set_defaults(func=run_bench)

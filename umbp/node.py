@@ -414,13 +414,23 @@ async def serve(config: NodeConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    task = asyncio.create_task(link.run())
     sweeper = asyncio.create_task(close_idle(node))
+    endpoint = None
+    task = None
     try:
+        if config.metrics_listen:
+            from umbp.metrics import node_endpoint_parts, start_endpoint
+
+            endpoint = await start_endpoint(node.component, config.metrics_listen, *node_endpoint_parts(node, link))
+            print(f"{node.component}: metrics on {endpoint.url}", flush=True)
+        task = asyncio.create_task(link.run())
         await stop.wait()
     finally:
-        task.cancel()
         sweeper.cancel()
+        if task is not None:
+            task.cancel()
+        if endpoint is not None:
+            await endpoint.close()
         await node.close()
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -55,7 +56,7 @@ umbp_segment_copy(const long long* __restrict__ table, const int n, const long l
     const long long len = table[2 * n + s];
     const long long begin = (long long)blockIdx.y * chunk;
     if (begin >= len) return;
-    const long long end = min(len, begin + chunk);
+    const long long end = (begin + chunk < len) ? begin + chunk : len;
     const unsigned long long src = (unsigned long long)table[s];
     const unsigned long long dst = (unsigned long long)table[n + s];
     const int T = blockDim.x;
@@ -309,7 +310,7 @@ def _kernel(device: int):
         except Exception as e:
             raise GatherUnavailable(COMPONENT, f"the gather kernel needs CuPy (cupy-cuda13x): {e}") from e
         with cupy.cuda.Device(device):
-            k = cupy.RawKernel(_KERNEL_SOURCE, "umbp_segment_copy", options=("--std=c++17",))
+            k = cupy.RawKernel(_KERNEL_SOURCE, "umbp_segment_copy")
             k.compile()
         _kernels[device] = k
     return k
@@ -326,13 +327,19 @@ def run_kernel(p: Plan, device: Any, stream: Any = None) -> int:
     dev = device.index if device.index is not None else torch.cuda.current_device()
     stream = stream or torch.cuda.current_stream(dev)
     k = _kernel(dev)
-    table = np.concatenate([p.src, p.dst, p.lens])
+    table = torch.from_numpy(np.concatenate([p.src, p.dst, p.lens])).pin_memory()
     with torch.cuda.stream(stream):
-        t = torch.from_numpy(table).to(f"cuda:{dev}", non_blocking=False)
+        # from pinned memory: asynchronous, and the pinned block is not reused before the copy has run
+        t = table.to(f"cuda:{dev}", non_blocking=True)
     ny = max(1, -(-int(p.lens.max()) // CHUNK))
     if ny > 65535:
         raise InvalidArgument(COMPONENT, f"segment of {int(p.lens.max())} bytes is too long for one launch")
-    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(stream.cuda_stream, dev):
+    with warnings.catch_warnings():
+        # CuPy 14 deprecates ExternalStream for Stream.from_external; the old name still works and also runs on
+        # CuPy releases without the new one
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cstream = cupy.cuda.ExternalStream(stream.cuda_stream, dev)
+    with cupy.cuda.Device(dev), cstream:
         k((len(p), ny), (THREADS,), (np.uint64(t.data_ptr()), np.int32(len(p)), np.int64(CHUNK)))
     # keep the table alive until the kernel ran: the caching allocator reuses it only after the stream passes
     t.record_stream(stream)

@@ -89,6 +89,9 @@ class LayerLoad:
         self._finished = False
         self.pages = 0
         self.groups: list[ReadyGroup] = []
+        # perf_counter() marks for diagnosis (benchmarks print them): start, lookup (the mapped LOOKUP and header
+        # checks done), and when each group was queued (its copies launched, on CUDA; done, on CPU)
+        self.marks: dict[str, Any] = {"start": time.perf_counter(), "lookup": None, "queued": []}
         self._start_event = None
         if loader.kv.is_cuda:
             import torch
@@ -184,6 +187,7 @@ class LayerLoad:
             arena_of = np.zeros(n, dtype=np.int64)
             if ld.use_mapped and n and hasattr(client, "mapped"):
                 m = stack.enter_context(client.mapped(keys))
+                self.marks["lookup"] = time.perf_counter()
                 if stream is not None:
                     # the header re-check on exit must come after every kernel that read the arena
                     stack.callback(stream.synchronize)
@@ -234,6 +238,7 @@ class LayerLoad:
                     ev.record(stream)
                     ld._ring_events[g % 2] = ev
                 ld.counters["groups_loaded"] += 1
+                self.marks["queued"].append(time.perf_counter())
                 self._q.put(ReadyGroup(g, layers, live, ev))
                 # Let the consumer take the GIL now: otherwise this thread, busy with the next group's copies,
                 # can keep it for a whole switch interval (5 ms) and the ready group waits for nothing.

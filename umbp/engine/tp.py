@@ -102,7 +102,8 @@ class TPGroup:
         if len(keys) != slots_a.size:
             raise InvalidArgument(COMPONENT, f"{len(keys)} keys but {slots_a.size} slots")
         if not self.replicated:
-            return _Counted(self, self.loader, self.loader.load(self.keys_for(keys), slots_a))
+            before = dict(self.loader.counters)  # before the load's thread starts counting
+            return _Counted(self, self.loader, self.loader.load(self.keys_for(keys), slots_a), before)
         return TPLoad(self, keys, slots_a)
 
     def load_all(self, keys: Sequence[str], slots: Sequence[int]) -> int:
@@ -145,9 +146,9 @@ class TPGroup:
 class _Counted:
     """A sharded load: a plain ``LayerLoad`` whose byte counters are added to the group's on the way."""
 
-    def __init__(self, tp: TPGroup, loader: LayerwiseLoader, load: LayerLoad):
+    def __init__(self, tp: TPGroup, loader: LayerwiseLoader, load: LayerLoad, before: dict):
         self._tp, self._loader, self._load = tp, loader, load
-        self._before = dict(loader.counters)
+        self._before: dict | None = before
 
     @property
     def pages(self) -> int:
@@ -265,12 +266,16 @@ class TPLoad:
 
     def close(self) -> None:
         """Run the remaining groups' exchanges (every rank must take part), then settle the counters."""
-        while not self._done:
-            try:
-                next(self)
-            except StopIteration:
-                break
-        self._inner.close()
+        try:
+            for _ in range(self._tp.layout.num_groups + 1):  # bounded: one exchange per remaining group
+                if self._done:
+                    break
+                try:
+                    next(self)
+                except StopIteration:
+                    break
+        finally:
+            self._inner.close()
 
     def __enter__(self) -> "TPLoad":
         return self

@@ -1,0 +1,137 @@
+"""Byte views of SGLang host KV pool pages, for zero-copy puts and gets between the pool and a host pool.
+
+SGLang describes where a page lives in a host pool with ``get_page_buffer_meta(indices) -> (ptrs, sizes)``: raw
+addresses inside the pool's buffers. This module turns them into ``memoryview`` s the client writes from and reads
+into directly (shm: one memcpy per part; RDMA: the host pool is registered, so the NIC reads and writes it).
+
+Per page the meta lists ``k`` addresses, and the page becomes ``n`` objects (``naming.ObjectNaming.kv_suffixes``).
+When ``k == n`` each object is one contiguous run (page_first, page_first_direct, page_head). When ``k`` is a
+multiple of ``n`` the object is gathered from ``k / n`` runs, object ``j`` taking addresses ``j, j+n, j+2n, ...``:
+layer_first, where SGLang lists per layer K then V (MHA) or the latent (MLA), so object K is the concatenation of
+every layer's K run. The client writes such parts back to back (``batch_put_ranges``) and reads them back with one
+ranged read per part (``batch_get_ranges_into``), never joining them in a temporary buffer.
+
+Invariant: every view lies inside one of the pool's own buffers (checked before any byte moves), so a wrong index
+or a meta bug raises ``InvalidArgument`` instead of writing over unrelated memory. Cost: O(addresses) Python work
+per batch, no copies.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+from typing import Any, Sequence
+
+from umbp.errors import InvalidArgument
+
+COMPONENT = "sglang hicache"
+
+
+def pool_buffers(host_pool: Any) -> list[Any]:
+    """Every non-empty physical tensor of a host pool (``get_hybrid_pool_buffer`` where it exists)."""
+    getter = getattr(host_pool, "get_hybrid_pool_buffer", None)
+    buffers = getter() if getter is not None else None
+    if not buffers:
+        buffers = [getattr(host_pool, "kv_buffer", None)]
+    flat = []
+    for b in buffers:
+        if b is None:
+            continue
+        for t in (b if isinstance(b, (list, tuple)) else [b]):
+            if t is not None and t.numel() > 0:
+                flat.append(t)
+    return flat
+
+
+class Extents:
+    """The address ranges of a pool's buffers (whole allocations), for bounds checks."""
+
+    def __init__(self, buffers: Sequence[Any]):
+        spans = set()
+        for t in buffers:
+            st = t.untyped_storage()
+            spans.add((int(st.data_ptr()), int(st.data_ptr()) + int(st.nbytes())))
+        self.spans = sorted(spans)
+        self._starts = [s for s, _ in self.spans]
+
+    def allocations(self) -> list[tuple[int, int]]:
+        """(address, length) of each distinct allocation, for ``Client.register_buffer``."""
+        return [(s, e - s) for s, e in self.spans]
+
+    def check(self, ptr: int, size: int) -> None:
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0 or size < 0 or ptr + size > self.spans[i][1]:
+            raise InvalidArgument(COMPONENT, f"host page address 0x{ptr:x}+{size} lies outside the host pool's "
+                                             f"buffers (bad host indices?)")
+
+
+def view_at(ptr: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes at ``ptr`` (memory owned by someone else: keep the owner alive)."""
+    return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
+
+
+def tensor_at(ptr: int, size: int):
+    """A uint8 CPU tensor over ``size`` bytes at ``ptr`` (for reading with torch, e.g. in tests)."""
+    import torch
+
+    return torch.frombuffer(view_at(ptr, size), dtype=torch.uint8)
+
+
+def object_parts(ptrs: Sequence[int], sizes: Sequence[int] | int, n_pages: int, n_objects: int,
+                 extents: Extents | None) -> list[list[memoryview]]:
+    """Group the meta of ``n_pages`` pages into ``n_pages * n_objects`` objects (page-major), each a list of views
+    whose concatenation is the object."""
+    if isinstance(sizes, int):
+        sizes = [sizes] * len(ptrs)
+    elif len(sizes) == 1 and len(ptrs) > 1:
+        sizes = list(sizes) * len(ptrs)
+    if len(sizes) != len(ptrs) or n_pages <= 0 or len(ptrs) % n_pages:
+        raise InvalidArgument(COMPONENT, f"buffer meta of {len(ptrs)} addresses and {len(sizes)} sizes does not "
+                                         f"split into {n_pages} pages")
+    per_page = len(ptrs) // n_pages
+    if per_page % n_objects:
+        raise InvalidArgument(COMPONENT, f"{per_page} addresses per page do not split into {n_objects} objects")
+    out: list[list[memoryview]] = []
+    for p in range(n_pages):
+        base = p * per_page
+        for j in range(n_objects):
+            parts = []
+            for a in range(base + j, base + per_page, n_objects):
+                ptr, size = int(ptrs[a]), int(sizes[a])
+                if extents is not None:
+                    extents.check(ptr, size)
+                parts.append(view_at(ptr, size))
+            out.append(parts)
+    return out
+
+
+def flat_byte_view(value: Any, what: str, writable: bool = False) -> memoryview:
+    """A flat byte view of a CPU tensor or buffer. A non-contiguous tensor is copied when only read (``writable``
+    False) and refused as a destination, where a copy would swallow the bytes."""
+    mod = getattr(value, "__module__", "") or ""
+    if mod.startswith("torch") or type(value).__name__ == "Tensor":
+        import torch
+
+        t = value.detach()
+        if t.device.type != "cpu":
+            raise InvalidArgument(COMPONENT, f"{what} is on {t.device}; the HiCache path moves host memory only")
+        if not t.is_contiguous():
+            if writable:
+                raise InvalidArgument(COMPONENT, f"{what} is not contiguous; it cannot be filled in place")
+            t = t.contiguous()
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    try:
+        mv = memoryview(value)
+    except TypeError:
+        raise InvalidArgument(COMPONENT, f"{what} of type {type(value).__name__} is not a tensor or a buffer") \
+            from None
+    if writable and mv.readonly:
+        raise InvalidArgument(COMPONENT, f"{what} is read-only")
+    return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+
+
+def split_equal(view: memoryview, pieces: int, what: str) -> list[memoryview]:
+    if pieces <= 0 or len(view) % pieces:
+        raise InvalidArgument(COMPONENT, f"{what}: {len(view)} bytes do not split into {pieces} equal objects")
+    n = len(view) // pieces
+    return [view[i * n:(i + 1) * n] for i in range(pieces)]

@@ -1,0 +1,151 @@
+"""``umbp demo`` and ``umbp replay``: a replay matrix (concurrency x router x with/without pool) and its report.
+
+``run_job`` starts a local pool (``umbp.launcher.LocalPool``: etcd, a metaserver, N nodes) unless it is given a
+metaserver, runs every combination as one ``Replay`` with a progress bar, prints the table and the target checks,
+and writes ``results.json``, ``shares.png`` and ``ttft.png`` into the output directory.
+
+Isolation between runs: every run uses its own namespace (``<prefix>/<run>``), so no run finds another's pages.
+On a pool it started itself the job also evicts everything before each run, so each starts empty and its
+``evicted`` count is its own; on a pool given with ``--metaserver`` it evicts nothing (other tenants' pages may
+be evicted by this job's writes, and counted).
+
+Pool size: ``pool_pages`` objects of ``page_bytes`` payload (plus the 64-byte object header, 4 KiB aligned),
+split evenly over the nodes. Blocking: ``run_job`` blocks for the whole matrix; Ctrl-C stops the local pool.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from umbp.errors import ConfigError
+from umbp.workload import report
+from umbp.workload.costmodel import CostModel
+from umbp.workload.replay import Replay, ReplayConfig, RunResult
+from umbp.workload.trace import Trace, trace_stats
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    concurrencies: tuple[int, ...] = (8, 16, 32)
+    runs: tuple[tuple[str, bool], ...] = (("round-robin", True), ("round-robin", False), ("affinity", True),
+                                          ("affinity", False))
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    cost: CostModel = field(default_factory=CostModel)
+    metaserver: str | None = None  # None: start a local pool
+    nodes: int = 1
+    pool_pages: int = 4096
+    eviction_policy: str = "prefix-lru"
+    namespace: str = "umbp-replay"
+    transport: str = "auto"
+    out: str = "umbp-demo"
+    plots: bool = True
+    title: str = "umbp replay"
+
+    def __post_init__(self) -> None:
+        if not self.concurrencies or any(c < 1 for c in self.concurrencies):
+            raise ConfigError("replay", "concurrencies must be a non-empty list of positive integers")
+        if not self.runs:
+            raise ConfigError("replay", "nothing to run: no router/pool combination")
+        if self.pool_pages < 1 or not 0 <= self.nodes <= 64:
+            raise ConfigError("replay", "pool_pages must be >= 1 and nodes within 0..64")
+
+    def node_capacity(self) -> int:
+        from transport.wire import object_size
+
+        per_node = math.ceil(self.pool_pages * object_size(self.replay.page_bytes) / max(1, self.nodes))
+        return max(1 << 20, (per_node + (1 << 20) - 1) // (1 << 20) * (1 << 20))
+
+
+def _evict_all(metaserver: str, transport: str) -> None:
+    from transport.wire import Op
+    from umbp.client import Client
+
+    with Client(metaserver=metaserver, namespace="umbp-replay", transport=transport) as c:
+        c.admin(Op.EVICT, {"all": True})
+
+
+def run_job(trace: Trace, job: JobConfig, console: Any = None, trace_path: str | None = None) -> int:
+    """Run the matrix, print and write the report. Returns the exit code (0: every run completed)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    con = console or Console(width=None if sys.stdout.isatty() else 118)
+    os.makedirs(job.out, exist_ok=True)
+    stats = trace_stats(trace)
+    con.print(f"[bold]{job.title}[/]: {stats['sessions']} sessions ({stats['subagent_sessions']} subagent "
+              f"sessions), {stats['requests']} requests, {stats['turns_per_session_mean']:.1f} turns per session, "
+              f"median prompt {stats['prompt_tokens_median'] / 1000:.0f}K tokens at full scale "
+              f"(x{trace.scale:g} here), {100 * stats['prefix_share']:.1f}% of each prompt from the previous turn")
+    rc = job.replay
+    con.print(f"{rc.ranks} DP ranks x {rc.hbm_pages} HBM pages of {rc.page_size} tokens; pool pages carry "
+              f"{rc.page_bytes} bytes; concurrency {', '.join(map(str, job.concurrencies))}")
+    pool = None
+    metaserver = job.metaserver
+    if any(use for _, use in job.runs) and metaserver is None:
+        from umbp.launcher import LocalPool
+        from umbp.sizes import format_size
+
+        cap = job.node_capacity()
+        con.print(f"starting a local pool: etcd, a metaserver ({job.eviction_policy}), {job.nodes} nodes of "
+                  f"{format_size(cap)} ({job.pool_pages} pages)")
+        pool = LocalPool(nodes=job.nodes, capacity=cap, port=0,
+                         metaserver_args=["--eviction-policy", job.eviction_policy]).start()
+        metaserver = pool.metaserver
+    rows: list[RunResult] = []
+    run_id = uuid.uuid4().hex[:8]
+    t0 = time.perf_counter()
+    try:
+        plan = [(c, router, use) for c in job.concurrencies for router, use in job.runs]
+        cols = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*cols, console=con, transient=False) as bar:
+            task = bar.add_task("replay", total=len(plan) * len(trace))
+            for i, (c, router, use) in enumerate(plan):
+                cfg = replace(rc, concurrency=c, router=router, use_pool=use)
+                factory = None
+                if use:
+                    if pool is not None:
+                        _evict_all(metaserver, job.transport)
+                    ns = f"{job.namespace}/{run_id}/{router}-c{c}"
+                    factory = _client_factory(metaserver, ns, job.transport)
+                bar.update(task, description=f"c{c} {router} {'+pool' if use else 'no pool'}")
+                done0 = i * len(trace)
+                rows.append(Replay(trace, cfg, job.cost, factory,
+                                   progress=lambda n, d=done0: bar.update(task, completed=d + n)).run())
+    finally:
+        if pool is not None:
+            pool.stop()
+    wall = time.perf_counter() - t0
+    con.print(report.table(rows, title=f"{job.title}: shares of prompt tokens, simulated TTFT"))
+    checks = report.targets(rows)
+    for t in checks:
+        mark = {True: "[green]met[/]", False: "[red]NOT met[/]", None: "[yellow]not measured[/]"}[t["met"]]
+        con.print(f"  {mark}: {t['target']} ({t['detail']})")
+    payload = {"title": job.title, "trace": {"path": trace_path, "header": {k: v for k, v in trace.header.items()},
+                                             "stats": stats},
+               "job": {k: v for k, v in asdict(job).items() if k not in ("replay", "cost")},
+               "replay": asdict(rc), "cost_model": asdict(job.cost), "runs": [r.to_json() for r in rows],
+               "targets": checks, "wall_s": wall}
+    files = [os.path.join(job.out, "results.json")]
+    report.write_json(files[0], payload)
+    if job.plots:
+        files += [os.path.join(job.out, "shares.png"), os.path.join(job.out, "ttft.png")]
+        report.plot_shares(rows, files[1])
+        report.plot_ttft(rows, files[2])
+    con.print(f"wrote {', '.join(files)}; {len(rows)} runs in {wall:.0f}s wall "
+              f"({sum(r.pages_verified for r in rows)} pool pages read back and verified byte for byte)")
+    return 0
+
+
+def _client_factory(metaserver: str, namespace: str, transport: str):
+    from umbp.client import Client
+
+    def make() -> Client:
+        return Client(metaserver=metaserver, namespace=namespace, transport=transport)
+
+    return make
