@@ -466,29 +466,37 @@ class Client:
             reply = self._meta.call(wire.Op.LOOKUP, {"ns": ns, "keys": kb}, deadline) if kb else {"locs": []}
             lease = reply.get("lease", 0)
         m = MappedPages([None] * len(kb), {})
-        checks: list[tuple[memoryview, int, int, int, int]] = []
+        checks: list[tuple[memoryview, int, bytes, int]] = []  # (arena, header offset, header bytes, size)
+        arenas: dict[str, memoryview | None] = {}
+        hs = wire.OBJ_HEADER_SIZE
         try:
             for i, loc in enumerate(reply["locs"]):
                 if loc is None:
                     continue
                 node_id, off, size, gen, khash, _cap = loc
-                with self._lock:
-                    try:
-                        t = self._transport_for(node_id, deadline)
-                    except TransportError:
-                        continue
-                arena = getattr(t, "arena", None)
-                if t.name != "shm" or arena is None:
+                if node_id not in arenas:  # one transport lookup per node, not per page
+                    with self._lock:
+                        try:
+                            t = self._transport_for(node_id, deadline)
+                        except TransportError:
+                            t = None
+                    arenas[node_id] = t.arena if t is not None and t.name == "shm" else None
+                arena = arenas[node_id]
+                if arena is None:
                     continue
-                wire.check_object_header(arena[off:off + wire.OBJ_HEADER_SIZE], self.component, khash, gen, size)
+                head = bytes(arena[off:off + hs])
+                wire.check_object_header(head, self.component, khash, gen, size)
                 m.arenas[node_id] = arena
-                m.locs[i] = (node_id, off + wire.OBJ_HEADER_SIZE, size)
-                checks.append((arena, off, khash, gen, size))
+                m.locs[i] = (node_id, off + hs, size)
+                checks.append((arena, off, head, size))
             yield m
-            for arena, off, khash, gen, size in checks:
-                wire.check_object_header(arena[off:off + wire.OBJ_HEADER_SIZE], self.component, khash, gen, size)
+            # Unchanged header bytes prove the slot still holds what was checked on entry (a reused slot always
+            # gets a new header: another generation, at least).
+            for arena, off, head, _size in checks:
+                if arena[off:off + hs] != head:
+                    raise CorruptionError(self.component, f"slot at {off} was rewritten while it was mapped")
             self.counters["gets"] += len(checks)
-            self.counters["bytes_mapped"] += sum(c[4] for c in checks)
+            self.counters["bytes_mapped"] += sum(c[3] for c in checks)
         finally:
             if lease:
                 with self._lock:
