@@ -141,7 +141,7 @@ def plot_ttft(rows: Sequence[RunResult], path: str, title: str = "Simulated TTFT
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = plt.subplots(figsize=(8.6, 4.4))
     for j, cfg in enumerate(_configs(rows)):
         rs = sorted((r for r in rows if label(r) == cfg), key=lambda r: r.concurrency)
         xs = [r.concurrency for r in rs]
@@ -153,7 +153,7 @@ def plot_ttft(rows: Sequence[RunResult], path: str, title: str = "Simulated TTFT
     ax.set_yscale("log")
     ax.set_xticks(sorted({r.concurrency for r in rows}))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
