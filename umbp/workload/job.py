@@ -92,7 +92,8 @@ def run_job(trace: Trace, job: JobConfig, console: Any = None, trace_path: str |
         from umbp.sizes import format_size
 
         cap = job.node_capacity()
-        con.print(f"starting a local pool: etcd, a metaserver ({job.eviction_policy}), {job.nodes} nodes of "
+        con.print(f"starting a local pool: etcd, a metaserver ({job.eviction_policy}), {job.nodes} "
+                  f"node{'s' if job.nodes != 1 else ''} of "
                   f"{format_size(cap)} ({job.pool_pages} pages)")
         pool = LocalPool(nodes=job.nodes, capacity=cap, port=0,
                          metaserver_args=["--eviction-policy", job.eviction_policy]).start()
