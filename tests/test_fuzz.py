@@ -40,7 +40,10 @@ looks at, so sending it would make the check meaningless, not stronger):
 
 Bounds: every hypothesis test has ``max_examples`` (scaled by ``UMBP_FUZZ_SCALE``, default 1), ``deadline=None``
 and ``database=None`` (the checkout is shared: no .hypothesis directory); every socket wait has ANSWER_S. Cost on
-2 busy cores: pool start ~3 s, each remote example ~2-5 ms, the module well under 60 s.
+2 cores: pool start ~3 s, a remote example ~2-10 ms, the module ~20 s (under a load average of 7).
+
+Known failures today are separate tests marked ``xfail(strict=True)`` with a KNOWN FAILURE comment: each is one
+invariant the code does not meet yet; when a fix lands the test XPASSes, fails, and its marker must go.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ from umbp.errors import BadRequest, CorruptionError, ProtocolError, TransportErr
 
 SCALE = max(1, int(os.environ.get("UMBP_FUZZ_SCALE", "1")))
 ANSWER_S = 10.0  # every exchange with a server is answered within this, or the example fails
-CAPACITY = 256 << 20  # per node; arenas are sparse /dev/shm files, so only written pages cost memory
-ALLOC_BUDGET = 1 << 20  # bytes one fuzzed ALLOC may reserve (pending entries live 30 s)
+CAPACITY = 128 << 20  # per node (arenas are fallocated and populated: this is real /dev/shm memory)
+ALLOC_BUDGET = 512 << 10  # bytes one fuzzed ALLOC may reserve (pending entries live 30 s; ~1% of requests ALLOC)
 FORGED_WRITES = False  # True once node WRITE checks a capability (issue 11 item 3); see the module docstring
 CHECK_NS = "fuzz-check"  # pages the fuzz never mutates: checked byte-exactly at the end
 LIVE_NS = "fuzz-live"  # pages the fuzz may remove/abort/re-allocate: never read back as other bytes
@@ -355,7 +358,7 @@ def hostile_streams(draw):
 cut_points = st.lists(st.integers(0, 1 << 16), max_size=12)
 
 
-@fuzz_settings(200)
+@fuzz_settings(150)
 @given(stream=hostile_streams(), cuts=cut_points, kind=st.sampled_from(["metaserver", "node"]))
 def test_reader_raises_only_protocol_errors_and_names_the_component(stream, cuts, kind):
     reader, _sink = make_reader(kind)
@@ -371,7 +374,7 @@ def test_reader_raises_only_protocol_errors_and_names_the_component(stream, cuts
             assert f.data is not None and len(f.data) == f.data_len
 
 
-@fuzz_settings(150)
+@fuzz_settings(100)
 @given(frames=valid_frames(), cuts=cut_points, kind=st.sampled_from(["plain", "metaserver", "node"]))
 def test_frame_stream_cut_anywhere_decodes_to_the_same_frames(frames, cuts, kind):
     stream = encode_frames(frames)
@@ -389,7 +392,7 @@ def test_frame_stream_cut_anywhere_decodes_to_the_same_frames(frames, cuts, kind
             for op, fl, stt, rid, meta, data in frames]
 
 
-@fuzz_settings(100)
+@fuzz_settings(60)
 @given(frames=valid_frames(), garbage=st.binary(min_size=1, max_size=64), cuts=cut_points)
 def test_valid_prefix_then_garbage_yields_a_prefix_of_the_frames(frames, garbage, cuts):
     assume(garbage[:2] != struct.pack("<H", wire.MAGIC))
@@ -471,7 +474,7 @@ def _only(fn, allowed, component=None):
         return e
 
 
-@fuzz_settings(200)
+@fuzz_settings(150)
 @given(head=st.binary(min_size=wire.HEADER_SIZE, max_size=wire.HEADER_SIZE + 8),
        obj=st.binary(min_size=wire.OBJ_HEADER_SIZE, max_size=wire.OBJ_HEADER_SIZE + 8),
        sb=st.binary(min_size=wire.ARENA_SUPER.size, max_size=wire.ARENA_SUPER.size + 8),
@@ -775,7 +778,7 @@ def fuzz_one(pool: FuzzPool, target, req: Req) -> list[wire.Frame]:
     return answers
 
 
-@fuzz_settings(800)
+@fuzz_settings(500)
 @given(req=requests(ops=st.one_of(st.sampled_from(DATA_PLANE_OPS), st.sampled_from(METASERVER_OPS),
                                   st.sampled_from(ALL_OPS))),
        follow=st.sampled_from([None, Op.COMMIT, Op.ABORT]), data=st.data())
@@ -825,7 +828,7 @@ def node_meta(draw, pool: FuzzPool, op: int):
     return draw(schema_meta(op))
 
 
-@fuzz_settings(500)
+@fuzz_settings(400)
 @given(data=st.data())
 def test_node_handlers_survive_fuzzed_requests(pool, data):
     node = data.draw(st.sampled_from(pool.cluster.nodes))
@@ -873,7 +876,7 @@ def unframeable(draw, max_data: int):
     return head + draw(st.binary(max_size=64))
 
 
-@fuzz_settings(100)
+@fuzz_settings(80)
 @given(data=st.data())
 def test_unframeable_headers_get_one_error_then_close(pool, data):
     c = pool.cluster
