@@ -6,6 +6,7 @@ evict, and ``umbp replay`` / ``umbp demo`` end to end (table, JSON, PNGs).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -74,9 +75,9 @@ def test_umbp_demo_starts_its_own_pool(etcd_binary, tmp_path):
     out = tmp_path / "demo"
     argv = [sys.executable, "-m", "umbp", "demo", "--sessions", "3", "--scale", "0.004", "--concurrency", "1,2",
             "--hbm-pages", "16", "--pool-pages", "300", "--page-bytes", str(PAGE_BYTES), "--out", str(out)]
-    r = subprocess.run(argv, env=child_env({"PATH": f"{__import__('os').path.dirname(etcd_binary)}:"
-                                                    f"{__import__('os').environ.get('PATH', '')}"}),
-                       capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    path = f"{os.path.dirname(etcd_binary)}:{os.environ.get('PATH', '')}"  # the demo finds etcd on PATH
+    r = subprocess.run(argv, env=child_env({"PATH": path}), capture_output=True, text=True, timeout=180,
+                       stdin=subprocess.DEVNULL, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "starting a local pool" in r.stdout and "token accounting exact" in r.stdout
     doc = json.loads((out / "results.json").read_text())

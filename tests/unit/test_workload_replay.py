@@ -1,6 +1,6 @@
 """Replay logic against the in-process pool double (``MemoryPool``): token accounting, what HBM and the pool serve
 in cases where the exact answer is known, byte verification, the concurrency mechanism; plus the HBM cache and
-the cost model on their own. The same replay against real pool processes is tests/test_workload_replay.py.
+the cost model on their own. The same replay against real pool processes is tests/test_workload_pool.py.
 """
 
 from __future__ import annotations
