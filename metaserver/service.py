@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.directory import NEW, PENDING, Directory, Effects
+from metaserver.directory import NEW, PENDING, READY, Directory, Effects
 from metaserver.leader import Election
 from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
@@ -49,6 +49,7 @@ SWEEP_BUDGET = 20_000  # expired pending entries / leases examined per tick
 EVICT_BUDGET = 5_000  # evictions per tick (background) or per slice (EVICT all)
 ETCD_START_DEADLINE_S = 15.0
 NODE_GRACE_S = 10.0  # a node loaded from etcd keeps its pages this long (at least its lease_ttl) to re-register
+REJOIN_GRACE_S = 120.0  # a node lost by its lease: its pages are parked this long for it to re-register its arena
 ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loaded nodes to re-register
 
 _NONE = frozenset()
@@ -102,6 +103,7 @@ class Metaserver:
         self.gens = GenCounter(self.store)
         self.settled = asyncio.Event()  # every node loaded at takeover re-registered (or ALLOC_HOLD_S passed)
         self.took_over = 0.0
+        self.parked: dict[str, tuple] = {}  # lost node id -> (arena_id, capacity, deadline, page records); _park
 
     @property
     def serving(self) -> bool:
@@ -261,27 +263,80 @@ class Metaserver:
         d.expire_pending(now, SWEEP_BUDGET)
         d.expire_leases(now, SWEEP_BUDGET)
         for node in self.members.expired(now):
-            self._node_lost(node)
+            self._node_lost(node, now)
+        if self.parked:
+            self._expire_parked(now)
         if d.needs_eviction(self.cfg.high_watermark):
             fx = Effects()
             d.watermark_pass(self.cfg.high_watermark, self.cfg.low_watermark, EVICT_BUDGET, fx)
             self._apply(fx)
 
-    def _node_lost(self, node: Node) -> None:
+    def _node_lost(self, node: Node, now: float) -> None:
+        parked = 0 if node.provisional else self._park(node, now)
         n, fx = self.dir.drop_space(node.node_id)
-        self._apply(fx)
-        self.writer.submit([], [self.store.arena_key(node.node_id)], wait=False)
-        if node.provisional:
-            node.provisional = False
-            log.warning("metaserver: node %s did not re-register after the takeover: dropped %d pages",
-                        node.node_id, n)
+        if parked:
+            # Out of the directory (no lookup finds them, nothing is placed there) but still in etcd, with the arena
+            # record: a return within the grace brings them back (_unpark); _expire_parked deletes them after it.
+            log.warning("metaserver: node %s lost (no heartbeat for %.1fs): %d pages parked for %.0fs",
+                        node.node_id, node.lease_ttl, parked, REJOIN_GRACE_S)
         else:
-            log.warning("metaserver: node %s lost (no heartbeat for %.1fs): dropped %d pages", node.node_id,
-                        node.lease_ttl, n)
+            self._apply(fx)
+            self.writer.submit([], [self.store.arena_key(node.node_id)], wait=False)
+            if node.provisional:
+                log.warning("metaserver: node %s did not re-register after the takeover: dropped %d pages",
+                            node.node_id, n)
+            else:
+                log.warning("metaserver: node %s lost (no heartbeat for %.1fs): dropped %d pages", node.node_id,
+                            node.lease_ttl, n)
+        node.provisional = False
         self._check_settled()
         lease, node.lease_id = node.lease_id, 0
         if lease:
             self._spawn(self._revoke(lease))
+
+    def _park(self, node: Node, now: float) -> int:
+        """Record a lost node's READY pages (recency order) so a re-registration of the same arena within
+        REJOIN_GRACE_S gets them back: a node cut off or paused past its lease still holds the bytes. O(its pages)."""
+        sp = self.dir.spaces.get(node.node_id)
+        if sp is None:
+            return 0
+        ready = sorted((e for e in sp.entries if e.state == READY), key=lambda e: e.last_access)
+        if ready:
+            self.parked[node.node_id] = (node.arena_id, node.capacity, now + max(REJOIN_GRACE_S, node.lease_ttl),
+                                         [(e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent) for e in ready])
+        return len(ready)
+
+    def _unpark(self, node: Node) -> int:
+        """On re-registration: bring the node's parked pages back if it kept the same arena. Keys written elsewhere
+        meanwhile stay where they are now. Returns the pages restored."""
+        p = self.parked.pop(node.node_id, None)
+        if p is None:
+            return 0
+        arena_id, capacity, _deadline, recs = p
+        if arena_id != node.arena_id or capacity != node.capacity:
+            self._forget_parked(node.node_id, recs, arena=False)
+            return 0
+        present = self.dir.entries
+        recs = [r for r in recs if r[1] not in present.get(r[0], ())]
+        fx = self.dir.load_pages(node.node_id, recs)
+        self._apply(fx)
+        return len(recs) - len(fx.deletes)
+
+    def _expire_parked(self, now: float) -> None:
+        for node_id, (_a, _c, deadline, recs) in list(self.parked.items()):
+            if deadline < now:
+                del self.parked[node_id]
+                self._forget_parked(node_id, recs, arena=True)
+                log.warning("metaserver: node %s did not return within %.0fs: dropped its %d parked pages", node_id,
+                            REJOIN_GRACE_S, len(recs))
+
+    def _forget_parked(self, node_id: str, recs: list, arena: bool) -> None:
+        """Delete parked page records from etcd, except keys written again since (their record is the new one)."""
+        present = self.dir.entries
+        keys = [self.store.page_key(ns, k) for ns, k, *_ in recs if k not in present.get(ns, ())]
+        if arena:
+            keys.append(self.store.arena_key(node_id))
+        self.writer.submit([], keys, wait=False)
 
     async def _revoke(self, lease: int) -> None:
         try:
@@ -326,6 +381,7 @@ class Metaserver:
             dropped, fx = self.dir.drop_space(node.node_id)
             self._apply(fx)
             self.dir.add_space(node.node_id, node.capacity)
+            kept = self._unpark(node)
         log.info("metaserver: node %s registered at %s:%d (%d bytes, kept %d, dropped %d)", node.node_id,
                  node.host, node.port, node.capacity, kept, dropped)
         return self._register_io(node, kept, dropped, self.term)

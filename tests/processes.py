@@ -169,6 +169,7 @@ class Process:
         self.out_path = self.workdir / f"{name}.out"
         self.err_path = self.workdir / f"{name}.err"
         self.extra_env = dict(env or {})
+        self.wrap: list[str] = []  # argv prefix, e.g. netns.Host.wrap(): run the command as another host's process
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self._out_offset = 0
@@ -180,7 +181,7 @@ class Process:
         if self.alive:
             raise HarnessError(f"{self.name}: already running (pid {self.pid})")
         self.starts += 1
-        self.argv = [str(a) for a in argv]
+        self.argv = [str(a) for a in (*self.wrap, *argv)]
         env = child_env(self.extra_env)
         marker = f"=== harness: start #{self.starts} of {self.name}: {' '.join(self.argv)}\n".encode()
         for path in (self.out_path, self.err_path):
@@ -430,6 +431,7 @@ class Served(Process):
 
     host: str | None = None
     port: int | None = None
+    umbp: list[str] = [sys.executable, "-m", "umbp"]  # how to run the CLI; an image's own ``["umbp"]`` instead
 
     @property
     def addr(self) -> str:
@@ -458,7 +460,7 @@ class Metaserver(Served):
         self.flags = flags
 
     def start(self, timeout: float = PROCESS_READY_S) -> "Metaserver":
-        argv = [sys.executable, "-m", "umbp", "metaserver", "--etcd", self.etcd_url, "--listen", self.listen]
+        argv = [*self.umbp, "metaserver", "--etcd", self.etcd_url, "--listen", self.listen]
         self._spawn(argv + _flag_args(self.flags))
         m = self.wait_for_line(METASERVER_READY, timeout, "'metaserver: HOST:PORT' line")
         self.host, self.port = m.group(1), int(m.group(2))
@@ -496,7 +498,7 @@ class Node(Served):
 
     def launch(self) -> None:
         """Spawn without waiting; pair with ``wait_ready()`` to start several nodes in parallel."""
-        argv = [sys.executable, "-m", "umbp", "node", "--metaserver", self.metaserver_addr,
+        argv = [*self.umbp, "node", "--metaserver", self.metaserver_addr,
                 "--capacity", str(self.capacity), "--listen", self.listen, "--node-id", self.node_id]
         if self.lease_ttl is not None:
             argv += ["--lease-ttl", str(self.lease_ttl)]

@@ -83,8 +83,10 @@ def run_job(trace: Trace, job: JobConfig, console: Any = None, trace_path: str |
               f"median prompt {stats['prompt_tokens_median'] / 1000:.0f}K tokens at full scale "
               f"(x{trace.scale:g} here), {100 * stats['prefix_share']:.1f}% of each prompt from the previous turn")
     rc = job.replay
-    con.print(f"{rc.ranks} DP ranks x {rc.hbm_pages} HBM pages of {rc.page_size} tokens; pool pages carry "
-              f"{rc.page_bytes} bytes; concurrency {', '.join(map(str, job.concurrencies))}")
+    median_pages = max(1.0, stats["prompt_tokens_median"] * trace.scale / rc.page_size)
+    con.print(f"{rc.ranks} DP ranks x {rc.hbm_pages} HBM pages of {rc.page_size} tokens (each rank holds about "
+              f"{rc.hbm_pages / median_pages:.1f} median prompts); pool pages carry {rc.page_bytes} bytes; "
+              f"concurrency {', '.join(map(str, job.concurrencies))}")
     pool = None
     metaserver = job.metaserver
     if any(use for _, use in job.runs) and metaserver is None:
@@ -92,7 +94,8 @@ def run_job(trace: Trace, job: JobConfig, console: Any = None, trace_path: str |
         from umbp.sizes import format_size
 
         cap = job.node_capacity()
-        con.print(f"starting a local pool: etcd, a metaserver ({job.eviction_policy}), {job.nodes} nodes of "
+        con.print(f"starting a local pool: etcd, a metaserver ({job.eviction_policy}), {job.nodes} "
+                  f"node{'s' if job.nodes != 1 else ''} of "
                   f"{format_size(cap)} ({job.pool_pages} pages)")
         pool = LocalPool(nodes=job.nodes, capacity=cap, port=0,
                          metaserver_args=["--eviction-policy", job.eviction_policy]).start()

@@ -27,6 +27,10 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _secs(x: float) -> str:
+    return f"{x:.1f}s" if x >= 1 else f"{1000 * x:.0f}ms"
+
+
 def table(rows: Sequence[RunResult], title: str = "umbp replay"):
     from rich.table import Table
 
@@ -43,7 +47,7 @@ def table(rows: Sequence[RunResult], title: str = "umbp replay"):
         t.add_row(str(r.concurrency), r.router, "yes" if r.use_pool else "no", _pct(r.share("hbm")),
                   _pct(r.share("pool")), _pct(r.share("recomputed")), _pct(r.cached_share),
                   f"{r.pool_gbps:.2f}" if r.use_pool else "-", str(r.pages_evicted) if r.use_pool else "-",
-                  f"{r.ttft_p50_s:.1f}s", f"{r.ttft_p90_s:.1f}s")
+                  _secs(r.ttft_p50_s), _secs(r.ttft_p90_s))
     return t
 
 
@@ -141,7 +145,7 @@ def plot_ttft(rows: Sequence[RunResult], path: str, title: str = "Simulated TTFT
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = plt.subplots(figsize=(8.6, 4.4))
     for j, cfg in enumerate(_configs(rows)):
         rs = sorted((r for r in rows if label(r) == cfg), key=lambda r: r.concurrency)
         xs = [r.concurrency for r in rs]
@@ -153,7 +157,7 @@ def plot_ttft(rows: Sequence[RunResult], path: str, title: str = "Simulated TTFT
     ax.set_yscale("log")
     ax.set_xticks(sorted({r.concurrency for r in rows}))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
