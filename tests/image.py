@@ -123,7 +123,7 @@ def debian_mirror() -> str:
 def _images() -> dict[str, str]:
     out = buildah("images", "--json")
     found = {}
-    for img in json.loads(out or "[]"):
+    for img in json.loads(out or "null") or []:
         for name in img.get("names") or []:
             found[name] = img["id"]
     return found
@@ -244,7 +244,7 @@ def build() -> dict:
 def sweep_containers() -> None:
     """Remove working containers of test runs whose process is gone."""
     with contextlib.suppress(ImageError, ValueError):
-        for c in json.loads(buildah("containers", "--json") or "[]"):
+        for c in json.loads(buildah("containers", "--json") or "null") or []:
             name = c.get("containername", "")
             m = re.fullmatch(r"umbp-(?:mh|base)-(\d+)", name)
             # a failed `buildah bud` leaves its "<id>-working-container" behind

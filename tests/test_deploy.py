@@ -21,10 +21,14 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is missing: pip install -e '.[
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-TARGETS = ["base", "overlays/dev"]
+TARGETS = ["base", "overlays/dev", "overlays/tcp", "overlays/rdma", "overlays/monitoring"]
+# Kinds from CRDs (the Prometheus operator's): no schema in kubernetes-validate; checked by hand below.
+CRD_KINDS = {"ServiceMonitor"}
 K8S_VERSION = "1.30.0"  # validated against this schema version (bundled in kubernetes-validate, offline)
 NAMESPACE = "umbp"
 IMAGE = "umbp:0.1.0"
+IMAGES = {"overlays/rdma": "umbp-rdma:0.1.0"}  # targets whose image is not IMAGE
+METAS_METRICS, NODE_METRICS = 7701, 7801  # --metrics-listen ports (the node's is a host port: hostNetwork)
 
 KUBECTL = shutil.which("kubectl")
 if KUBECTL is None:
@@ -146,7 +150,8 @@ def test_validates_against_kubernetes_schema_strict(target, tmp_path):
     pytest.importorskip("kubernetes_validate",
                         reason="kubernetes-validate is missing: pip install -e '.[test]' (tests/test_deploy.py)")
     f = tmp_path / "rendered.yaml"
-    f.write_text(_render(target))
+    docs = [d for d in yaml.safe_load_all(_render(target)) if d]
+    f.write_text(yaml.safe_dump_all([d for d in docs if d["kind"] not in CRD_KINDS]))
     r = subprocess.run([sys.executable, "-m", "kubernetes_validate", "-k", K8S_VERSION, "--strict", "--quiet",
                         str(f)], check=False, capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
@@ -155,14 +160,22 @@ def test_validates_against_kubernetes_schema_strict(target, tmp_path):
     assert not re.search(r"^(WARN|ERROR|FATAL)", out, re.MULTILINE), out
 
 
-def test_every_object_in_the_namespace_and_images_pinned(docs):
+def test_every_object_in_the_namespace_and_images_pinned(docs, target):
     ns = _one(docs, "Namespace")
     assert ns["metadata"]["name"] == NAMESPACE
     for d in docs:
         if d["kind"] != "Namespace":
             assert d["metadata"].get("namespace") == NAMESPACE, f"{d['kind']}/{d['metadata']['name']}"
     for kind, name in (("Deployment", "metaserver"), ("DaemonSet", "umbp-node")):
-        assert _container(_one(docs, kind, name))["image"] == IMAGE
+        assert _container(_one(docs, kind, name))["image"] == IMAGES.get(target, IMAGE)
+
+
+def _check_http_probes(c: dict, metrics_port: int, ready_on_startup: bool) -> None:
+    """Liveness on /healthz and readiness on /readyz, both on the container port that --metrics-listen binds."""
+    for probe, path in (("startupProbe", "/readyz" if ready_on_startup else "/healthz"),
+                        ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        get = c[probe]["httpGet"]
+        assert get["path"] == path and _port(c, get["port"]) == metrics_port, (c["name"], probe, get)
 
 
 # -- etcd ------------------------------------------------------------------------------------------------------
@@ -211,14 +224,16 @@ def test_metaserver_leader_and_standby(docs):
     assert _one(docs, "Service", etcd_host)["spec"]["ports"][0]["port"] == int(etcd_port)
     assert flags["--listen"] == "0.0.0.0:7700"
     assert flags["--advertise"] == "$(POD_IP):7700"
+    assert flags["--metrics-listen"] == f"0.0.0.0:{METAS_METRICS}"
     assert _env(c)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert _port(c, c[probe]["tcpSocket"]["port"]) == 7700, probe
+    _check_http_probes(c, METAS_METRICS, ready_on_startup=True)
 
     svc = _one(docs, "Service", "metaserver")
     assert _selects(svc["spec"]["selector"], labels)
-    (p,) = svc["spec"]["ports"]
-    assert p["port"] == 7700 and _port(c, p["targetPort"]) == 7700
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert set(ports) == {"control", "metrics"}
+    assert ports["control"]["port"] == 7700 and _port(c, ports["control"]["targetPort"]) == 7700
+    assert _port(c, ports["metrics"]["targetPort"]) == METAS_METRICS
     pdb = _one(docs, "PodDisruptionBudget", "metaserver")
     assert _selects(pdb["spec"]["selector"]["matchLabels"], labels)
     assert 1 <= pdb["spec"]["minAvailable"] < dep["spec"]["replicas"]
@@ -237,8 +252,7 @@ def test_node_daemonset_host_shm_and_network(docs):
     assert "/dev/shm" in mounts, "the node must mount the host's /dev/shm"
     vol = next(v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"])
     assert vol["hostPath"]["path"] == "/dev/shm", "the arena must live in the host's /dev/shm (outlives the pod)"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert _port(c, c[probe]["tcpSocket"]["port"]) == 7800, probe
+    _check_http_probes(c, NODE_METRICS, ready_on_startup=False)
 
     argv = _cmdline(c)
     assert argv[:2] == ["umbp", "node"], argv
@@ -246,6 +260,12 @@ def test_node_daemonset_host_shm_and_network(docs):
     assert flags["--capacity"] == "$(UMBP_CAPACITY)"
     assert flags["--listen"] == "0.0.0.0:7800" and flags["--advertise"] == "$(POD_IP):7800"
     assert flags["--node-id"] == "$(NODE_NAME)"
+    assert flags["--metrics-listen"] == f"0.0.0.0:{NODE_METRICS}"
+    metrics_svc = _one(docs, "Service", "umbp-node")
+    assert metrics_svc["spec"]["clusterIP"] == "None"
+    assert _selects(metrics_svc["spec"]["selector"], ds["spec"]["template"]["metadata"]["labels"])
+    (mp,) = metrics_svc["spec"]["ports"]
+    assert mp["name"] == "metrics" and _port(c, mp["targetPort"]) == NODE_METRICS
     env = _env(c)
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -324,3 +344,83 @@ def test_dev_overlay_is_smaller_with_the_same_topology():
         assert _one(dev, kind, name)["spec"]["replicas"] == _one(base, kind, name)["spec"]["replicas"]
         b, d = (_quantity(_container(_one(x, kind, name))["resources"]["limits"]["memory"]) for x in (base, dev))
         assert d < b, f"{kind}/{name}: dev memory limit not smaller"
+
+
+# -- transport overlays and monitoring --------------------------------------------------------------------------
+
+def _node_container(docs: list[dict]) -> dict:
+    return _container(_one(docs, "DaemonSet", "umbp-node"))
+
+
+def _rdma_resources(c: dict) -> dict[str, dict]:
+    return {kind: {k: v for k, v in c["resources"].get(kind, {}).items() if k.startswith("rdma/")}
+            for kind in ("requests", "limits")}
+
+
+def test_rdma_overlay_device_capability_and_pinned_memory():
+    from umbp.sizes import parse_size
+
+    docs = _docs("overlays/rdma")
+    ds = _one(docs, "DaemonSet", "umbp-node")
+    pod = ds["spec"]["template"]["spec"]
+    c = _node_container(docs)
+    assert pod["hostNetwork"] is True, "RDMA needs the host's NIC and address"
+    assert pod["nodeSelector"] == {"umbp.io/rdma": "true"}
+    assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"], "registering the arena pins it"
+    rdma = _rdma_resources(c)
+    assert rdma["requests"] and rdma["requests"] == rdma["limits"], "an extended resource: requests == limits"
+    assert all(int(v) >= 1 for v in rdma["limits"].values())
+    capacity = parse_size(_env(c)["UMBP_CAPACITY"]["value"], "UMBP_CAPACITY")
+    for kind in ("requests", "limits"):  # the pinned arena counts against the memory cgroup
+        assert _quantity(c["resources"][kind]["memory"]) >= capacity + (1 << 30), kind
+    assert c["image"] == "umbp-rdma:0.1.0"
+    assert ds["metadata"]["labels"]["umbp.io/transport"] == "rdma"
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "ARG WITH_RDMA=0" in dockerfile and "python3-pyverbs" in dockerfile, "the image the overlay names"
+
+
+def test_tcp_overlay_asks_for_no_rdma_and_more_node_cpu():
+    base, tcp = _docs("base"), _docs("overlays/tcp")
+    c, b = _node_container(tcp), _node_container(base)
+    assert not any(_rdma_resources(c).values())
+    assert "IPC_LOCK" not in str(c.get("securityContext", {}))
+    assert _one(tcp, "DaemonSet", "umbp-node")["spec"]["template"]["spec"]["hostNetwork"] is True
+    assert _quantity(c["resources"]["requests"]["cpu"]) > _quantity(b["resources"]["requests"]["cpu"])
+    assert c["resources"]["limits"]["memory"] == b["resources"]["limits"]["memory"]
+    for d in tcp:
+        if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet"):
+            assert d["metadata"]["labels"]["umbp.io/transport"] == "tcp"
+
+
+def test_monitoring_servicemonitors_reach_the_metrics_ports():
+    docs = _docs("overlays/monitoring")
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert {m["metadata"]["name"] for m in monitors} == {"umbp-metaserver", "umbp-node"}
+    workloads = {"umbp-metaserver": ("Deployment", "metaserver", METAS_METRICS),
+                 "umbp-node": ("DaemonSet", "umbp-node", NODE_METRICS)}
+    for m in monitors:
+        assert m["apiVersion"] == "monitoring.coreos.com/v1" and m["metadata"]["namespace"] == NAMESPACE
+        svcs = [d for d in docs if d["kind"] == "Service" and _selects(m["spec"]["selector"]["matchLabels"],
+                                                                      d["metadata"].get("labels", {}))]
+        assert svcs, f"{m['metadata']['name']} selects no Service"
+        kind, name, port = workloads[m["metadata"]["name"]]
+        c = _container(_one(docs, kind, name))
+        for ep in m["spec"]["endpoints"]:
+            assert ep["path"] == "/metrics"
+            for svc in svcs:
+                sp = next((p for p in svc["spec"]["ports"] if p.get("name") == ep["port"]), None)
+                if sp is not None:
+                    assert _port(c, sp["targetPort"]) == port
+                    break
+            else:
+                raise AssertionError(f"no selected Service has a port named {ep['port']!r}")
+    cm = _one(docs, "ConfigMap", "umbp-grafana-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    import json
+
+    (text,) = cm["data"].values()
+    assert json.loads(text) == json.loads((DEPLOY / "grafana" / "umbp-dashboard.json").read_text())
+    # the other targets carry no CRD kinds: they apply on a cluster without the Prometheus operator
+    for t in TARGETS:
+        if t != "overlays/monitoring":
+            assert not [d for d in _docs(t) if d["kind"] in CRD_KINDS], t
