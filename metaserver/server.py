@@ -99,13 +99,18 @@ class Connection(asyncio.BufferedProtocol):
         try:
             frames = self.reader.buffer_updated(nbytes)
         except ProtocolError as e:
-            status = Status.TOO_LARGE if "exceeds the limit" in e.detail else Status.BAD_FRAME
-            self.send(wire.encode_error(0, 0, status, str(e)))
-            log.info("metaserver: closing %s: %s", self.peer, e)
-            self.transport.close()
+            self._unframeable(e)
             return
         for frame, err in frames:
             self.dispatch(frame, err)
+        if self.reader.poisoned is not None:  # good frames answered first, then the bad header
+            self._unframeable(self.reader.poisoned)
+
+    def _unframeable(self, e: ProtocolError) -> None:
+        status = Status.TOO_LARGE if "exceeds the limit" in e.detail else Status.BAD_FRAME
+        self.send(wire.encode_error(0, 0, status, str(e)))
+        log.info("metaserver: closing %s: %s", self.peer, e)
+        self.transport.close()
 
     def pause_writing(self) -> None:
         self._paused = True

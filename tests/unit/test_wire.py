@@ -150,3 +150,11 @@ def test_memory_follows_arrived_bytes_not_announced_lengths():
     assert r.buffered <= 64 * 1024
     feed(r, bytes(1 << 20), [4096] * 256)  # 1 MiB arrived: staging holds it, at most doubled once
     assert (1 << 20) < r.buffered <= 2 * ((1 << 20) + 64 * 1024)
+
+
+def test_good_frames_before_a_bad_header_are_returned_then_the_reader_is_poisoned():
+    r = wire.FrameReader("node")
+    data = wire.encode(wire.Op.PING, 1, {}) + b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    frames = feed(r, data, [len(data)])
+    assert [f.request_id for f, _ in frames] == [1]
+    assert isinstance(r.poisoned, ProtocolError) and "bad frame magic" in str(r.poisoned)
