@@ -33,6 +33,7 @@ from transport.wire import ARENA_DATA_START, object_size
 
 PENDING, READY = 0, 1
 STATE_NAMES = ("PENDING", "READY")
+PLACE_EVICT_BUDGET = 1024  # victims one placement may evict before it answers NO_SPACE for that key
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
 _EXISTS_ITEM = (EXISTS, None, None, None, None)
@@ -249,29 +250,40 @@ class Directory:
         return items, fx
 
     def _place(self, size: int, fx: Effects, near: NodeSpace | None = None) -> tuple[NodeSpace, int] | None:
-        """Find ``size`` bytes: a free hole first (on ``near``, the parent's node, then on the node with most free
-        space, then any), and only when no node has a hole, evict, starting on ``near`` so a chain stays on one
-        node and prefix-aware eviction sees whole chains."""
+        """Find ``size`` bytes. A free hole first: on ``near`` (the parent's node, so a chain stays together) unless
+        it has less than half the free space of the emptiest node (chains that all descend from one shared prefix
+        would otherwise pile onto one node), then on the node with most free space, then any. Only when no node has
+        a hole, evict: on the node whose next victim was used least recently first (an approximation of one LRU
+        across nodes, so a busy node does not evict its fresh pages while another keeps stale ones), at most
+        PLACE_EVICT_BUDGET victims for this placement (bounded work per request; the background pass does the
+        rest)."""
         spaces = [s for s in self.spaces.values() if s.placeable and s.alloc.capacity >= size]
         if not spaces:
             return None
         spaces.sort(key=_free_of, reverse=True)
-        if near is not None and near in spaces:
+        if near is not None and near in spaces and 2 * _free_of(near) >= _free_of(spaces[0]):
             spaces.remove(near)
             spaces.insert(0, near)
         for sp in spaces:
             off = sp.alloc.alloc(size)
             if off is not None:
                 return sp, off
-        # No hole fits anywhere: evict on the candidates in that order until one fits.
-        for sp in spaces:
+        budget = PLACE_EVICT_BUDGET
+        for sp in sorted(spaces, key=self._next_victim_access):
             for victim in self.policy.victims(sp.node_id):
+                if budget <= 0:
+                    return None
+                budget -= 1
                 self._drop(victim, fx)
                 self.evictions += 1
                 off = sp.alloc.alloc(size)
                 if off is not None:
                     return sp, off
         return None
+
+    def _next_victim_access(self, sp: NodeSpace) -> float:
+        victim = next(iter(self.policy.victims(sp.node_id)), None)
+        return victim.last_access if victim is not None else float("inf")
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int], now: float) -> tuple[list[bool], Effects]:
         """PENDING -> READY for each (key, gen) that is still pending with that generation. Idempotent: a key

@@ -310,3 +310,31 @@ def test_commit_is_idempotent_for_the_same_generation():
     assert ok == [False, False]
     assert d.objects == 1 and d.puts == 1
     d.check()
+
+
+def test_chains_from_one_shared_prefix_spread_over_nodes_and_evict_the_older_node_first():
+    """Every chain descends from one root page (a shared system prompt): children stay on their parent's node only
+    while it has at least half the free space of the emptiest node, so both nodes fill; once full, eviction goes
+    where the least recently used victim is."""
+    d = make(units=16, nodes=("n1", "n2"))
+    put(d, "m", [b"root"])
+    for i in range(20):  # 21 pages in 32 units: with pure parent affinity all would sit on one node
+        put(d, "m", [b"c%d" % i], now=float(i), parents=[b"root"])
+    used = {n: sp.alloc.used for n, sp in d.spaces.items()}
+    assert min(used.values()) >= 8 * ALIGN, used  # both nodes carry a fair share
+    # fill both, then one more page: the victim is the globally least recently used child, wherever it lives
+    i = 20
+    while any(_free for _free in (sp.alloc.units - sp.alloc.used_units for sp in d.spaces.values())):
+        put(d, "m", [b"c%d" % i], now=100.0 + i, parents=[b"root"])
+        i += 1
+    # use every page on the root's node again: the least recently used page now lives on the other node, which
+    # is where a parent-first eviction would never look
+    root_node = d.entries["m"][b"root"].node_id
+    hot = [e.key for e in d.entries["m"].values() if e.node_id == root_node]
+    lease, _ = d.lookup("m", hot, 500.0)
+    d.release(lease)
+    oldest = min(d.entries["m"].values(), key=lambda e: e.last_access)
+    assert oldest.node_id != root_node
+    items, fx = d.alloc("m", [b"new"], [PAGE], [b"root"], 99_999, 1000.0)
+    assert items[0][0] == NEW and [k for _, k in fx.deletes] == [oldest.key]
+    d.check()
