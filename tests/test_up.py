@@ -1,0 +1,155 @@
+"""``umbp up`` keeps serving: a node killed under it is named, restarted with the same node id and gets its pages
+back from its arena; past ``--max-restarts`` it is left down while the rest serves on; every process announces a
+``metrics: URL`` that answers; SIGTERM stops everything and removes the arenas ``up`` made.
+
+Runs the real command (``python -m umbp up``) with its own etcd; assertions are on the lines it prints, page bytes
+and counts, never on elapsed time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT_S = 60.0
+
+
+def payload(key: str, n: int = 40_000) -> bytes:
+    return (key.encode() * (n // len(key) + 1))[:n]
+
+
+class Up:
+    def __init__(self, tmp: Path, *args: str):
+        self.err_path = tmp / "up.err"
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p))
+        self.err = open(self.err_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "umbp", "up", *args], stdout=subprocess.PIPE,
+                                     stderr=self.err, stdin=subprocess.DEVNULL, env=env, text=True,
+                                     start_new_session=True)
+        self.out: list[str] = []
+
+    def stdout_until(self, pattern: str, count: int = 1) -> list[re.Match]:
+        """Read stdout lines until ``count`` lines match (each read bounded by the process living)."""
+        rx = re.compile(pattern)
+        found = [m for m in map(rx.search, self.out) if m]
+        deadline = time.monotonic() + WAIT_S
+        while len(found) < count:
+            assert time.monotonic() < deadline, f"no {count} stdout lines like {pattern!r}:\n{self.out}\n{self.stderr()}"
+            line = self.proc.stdout.readline()
+            assert line, f"`umbp up` ended (rc {self.proc.poll()}):\n{self.out}\n{self.stderr()}"
+            self.out.append(line.rstrip("\n"))
+            m = rx.search(line)
+            if m:
+                found.append(m)
+        return found
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_stderr(self, pattern: str) -> re.Match:
+        rx = re.compile(pattern, re.M)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            m = rx.search(self.stderr())
+            if m:
+                return m
+            assert self.proc.poll() is None, f"`umbp up` exited with {self.proc.returncode}:\n{self.stderr()}"
+            assert time.monotonic() < deadline, f"no stderr line like {pattern!r}:\n{self.stderr()}"
+            time.sleep(0.1)
+
+    def cli_json(self, metaserver: str, *args: str):
+        r = subprocess.run([sys.executable, "-m", "umbp", *args, "--json", "--metaserver", metaserver],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def close(self) -> None:
+        """SIGTERM (up stops its children and removes its arenas), SIGKILL to the group if that hangs; then remove
+        whatever arena directory a killed `up` left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        for d in glob.glob(f"/dev/shm/umbp-up-{self.proc.pid}-*"):
+            shutil.rmtree(d, ignore_errors=True)
+        self.err.close()
+
+
+@pytest.fixture
+def up(tmp_path, etcd_binary):
+    holder = []
+
+    def start(*args: str) -> Up:
+        u = Up(tmp_path, *args)
+        holder.append(u)
+        return u
+
+    yield start
+    for u in holder:
+        u.close()
+
+
+def test_up_restarts_a_dead_node_with_its_pages_then_gives_up(up):
+    import umbp
+
+    u = up("--nodes", "2", "--capacity", "32MiB", "--port", "0", "--max-restarts", "1")
+    (ms,) = u.stdout_until(r"^metaserver: (\S+)$")
+    addr = ms.group(1)
+    metrics = {m.group(2): m.group(1) for m in u.stdout_until(r"^metrics: (http://\S+) \((\S+)\)$", 4)}
+    assert set(metrics) == {"etcd", "metaserver", "node-0", "node-1"}
+    for name, url in metrics.items():
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.status == 200 and b"process_" in r.read() or name == "etcd", name
+    up_pid = u.proc.pid
+    arena_dirs = glob.glob(f"/dev/shm/umbp-up-{up_pid}-*")
+    assert len(arena_dirs) == 1 and sorted(os.listdir(arena_dirs[0])) == ["umbp-node-0.arena", "umbp-node-1.arena"]
+
+    keys = [f"up/{i}" for i in range(40)]
+    with umbp.Client(addr) as c:
+        assert c.batch_put(keys, [payload(k) for k in keys]) == [True] * len(keys)
+    where = {k if isinstance(k, str) else k.decode(): node
+             for _ns, k, _s, node, _st in u.cli_json(addr, "ls", "--limit", "1000")["objects"]}
+    on1 = [k for k in keys if where[k] == "node-1"]
+    assert 0 < len(on1) < len(keys)
+    pid1 = {n["node_id"]: n["pid"] for n in u.cli_json(addr, "nodes")}["node-1"]
+
+    os.kill(pid1, signal.SIGKILL)
+    u.wait_stderr(rf"^up: node-1 \(pid {pid1}\) was killed by SIGKILL; restarting it with the same node id and arena")
+    m = u.wait_stderr(r"^up: node-1 restarted \(pid (\d+)\), kept (\d+) pages; metrics: (\S+)$")
+    assert int(m.group(2)) == len(on1), "its arena came back with every page on it"
+    assert m.group(3) == metrics["node-1"], "same metrics port after the restart"
+    pid1b = int(m.group(1))
+    with umbp.Client(addr) as c:
+        for k in keys:
+            assert c.get(k) == payload(k)
+    nodes = {n["node_id"]: n for n in u.cli_json(addr, "nodes")}
+    assert nodes["node-1"]["pid"] == pid1b and nodes["node-1"]["alive"] and nodes["node-0"]["alive"]
+
+    os.kill(pid1b, signal.SIGKILL)  # the second death within the window: over --max-restarts 1
+    u.wait_stderr(r"^up: node-1 was killed by SIGKILL; it died 2 times within 600s, over the restart limit \(1\): "
+                  r"left down, the rest of the pool serves on")
+    assert u.proc.poll() is None, "the pool keeps serving"
+    with umbp.Client(addr) as c:
+        for k in keys:
+            if where[k] == "node-0":
+                assert c.get(k) == payload(k)
+
+    u.proc.send_signal(signal.SIGTERM)
+    assert u.proc.wait(30) == 0
+    assert not os.path.exists(arena_dirs[0]), "`up` removes the arenas it made"
