@@ -88,10 +88,18 @@ def cmd_stats(args) -> int:
     from transport.wire import Op
 
     with _admin_client(args) as c:
-        rounds = 0
-        while True:
+        def fetch() -> dict:
             s = c.admin(Op.STATS)
             s.setdefault("leader", c._meta.address)
+            return s
+
+        if args.watch and not args.json:  # a live table (umbp/watch.py); --json stays one object per line
+            from umbp.watch import watch
+
+            return watch(fetch, args.watch, args.count)
+        rounds = 0
+        while True:
+            s = fetch()
             if args.json:
                 print(json.dumps(_jsonable(s), sort_keys=True), flush=True)
             else:
@@ -100,6 +108,20 @@ def cmd_stats(args) -> int:
             if not args.watch or (args.count and rounds >= args.count):
                 return 0
             time.sleep(args.watch)
+
+
+def cmd_top(args) -> int:
+    """``umbp stats --watch`` full screen, refreshed every --interval seconds (default 1) until Ctrl-C."""
+    from transport.wire import Op
+    from umbp.watch import watch
+
+    with _admin_client(args) as c:
+        def fetch() -> dict:
+            s = c.admin(Op.STATS)
+            s.setdefault("leader", c._meta.address)
+            return s
+
+        return watch(fetch, args.interval, args.count, screen=True, title="umbp top")
 
 
 def cmd_nodes(args) -> int:
@@ -239,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="repeat every SECONDS")
     s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many rounds")
     s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("top", help="live pool and node view, full screen (Ctrl-C quits)")
+    _metaserver_arg(s)
+    s.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period (default 1)")
+    s.add_argument("--count", type=int, default=0, help="stop after this many refreshes (default: until Ctrl-C)")
+    s.set_defaults(func=cmd_top)
 
     s = sub.add_parser("nodes", help="storage nodes and their state")
     _metaserver_arg(s)
