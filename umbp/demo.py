@@ -204,8 +204,7 @@ def _add_replay_flags(s, demo: bool) -> None:
     rc, cm = ReplayConfig(), CostModel()
     g = s.add_argument_group("pool")
     g.add_argument("--metaserver", default=None, help="use this running pool (HOST:PORT) instead of starting one")
-    g.add_argument("--nodes", type=int, default=1,
-                   help="nodes of the local pool (1: see README on placement when chains share a root)")
+    g.add_argument("--nodes", type=int, default=2, help="nodes of the local pool (the pool pages split over them)")
     g.add_argument("--pool-pages", type=int, default=DEMO_POOL_PAGES, help="local pool capacity in pages")
     g.add_argument("--eviction-policy", default="prefix-lru", choices=["lru", "prefix-lru"])
     g.add_argument("--transport", default="auto", choices=["auto", "tcp", "shm", "rdma"])

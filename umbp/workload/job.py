@@ -38,7 +38,7 @@ class JobConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     cost: CostModel = field(default_factory=CostModel)
     metaserver: str | None = None  # None: start a local pool
-    nodes: int = 1
+    nodes: int = 2
     pool_pages: int = 4096
     eviction_policy: str = "prefix-lru"
     namespace: str = "umbp-replay"
