@@ -61,7 +61,7 @@ log "installing umbp (editable) with test and sglang extras"
 # configs (transformers, torchvision), and torchvision's wheels need the torch they were built with (2.14.1, a CUDA
 # build that also runs on CPU), which the main venv's CPU torch is not. About 2 minutes and 6 GB on a fresh
 # machine (torch and its CUDA libraries come from local wheels here). Failure is not fatal: the linker's factory
-# tests then skip with the reason, loudly. Measured, not guessed: see umbp/integrations/README-section.md.
+# tests then skip with the reason, loudly. Measured, not guessed: see README.md, SGLang.
 LINKER_VENV="$VENV/sglang-linker"
 LINKER_TORCH=2.14.1
 if [[ "${UMBP_SGLANG_LINKER_VENV:-1}" != 0 ]]; then

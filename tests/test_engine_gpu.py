@@ -5,7 +5,7 @@ The pool-free tests move pages between pinned or ``cudaHostRegister``-ed host me
 mapped like a node arena) and scattered slots of device KV buffers. The pool tests (loader on CUDA, offload from
 CUDA) need etcd like every integration test.
 
-On the GPU machine: ``python3 -m pytest -q tests/test_engine_gpu.py`` (see umbp/engine/README-section.md for the
+On the GPU machine: ``python3 -m pytest -q tests/test_engine_gpu.py`` (see README.md, Engine path for the
 device call that carries the etcd/aetcd wheels)."""
 
 from __future__ import annotations

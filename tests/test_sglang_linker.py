@@ -231,7 +231,7 @@ def test_full_linker_refuses_bad_config(cluster):
 
 @needs_linker
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NO CUDA DEVICE: the CUDA linker tests run on the GPU "
-                                                          "machine only (umbp/integrations/README-section.md)")
+                                                          "machine only (README.md, SGLang)")
 def test_full_linker_contract_cuda(cluster):
     _contract(cluster, "mha", "cuda")
     _contract(cluster, "mla", "cuda")
