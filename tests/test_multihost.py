@@ -46,6 +46,9 @@ if not _ok:
     warnings.warn(_msg)
     pytest.skip(_msg, allow_module_level=True)
 
+# the first run on a machine builds the image (debootstrap base about a minute, the image about 30 s)
+pytestmark = pytest.mark.timeout(900)
+
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = ["etcd", "ms1", "ms2", "n1", "n2", "n3", "c1", "c2"]
 NODE_HOSTS = ["n1", "n2", "n3"]
