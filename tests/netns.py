@@ -100,16 +100,13 @@ def support() -> tuple[bool, str]:
     missing = [b for b in ("ip", "unshare", "mount", "chroot") if shutil.which(b) is None]
     if missing and os.geteuid() == 0 and shutil.which("apt-get"):  # a bare Debian: fetch them once, as testbed.py does
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for cmd in (["apt-get", "install", "-y", "-q", "--no-install-recommends", "iproute2", "util-linux", "mount",
-                     "coreutils"], ["apt-get", "update", "-q"]):
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "iproute2", "util-linux", "mount",
+                   "coreutils"]
+        for cmd in (install, ["apt-get", "update", "-q"], install):
             subprocess.run(cmd, env=env, capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
             missing = [b for b in missing if shutil.which(b) is None]
             if not missing:
                 break
-        else:
-            subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "iproute2", "util-linux"],
-                           env=env, capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
-            missing = [b for b in missing if shutil.which(b) is None]
     if missing:
         _support = (False, f"missing commands: {', '.join(missing)} (Debian: iproute2, util-linux, mount, coreutils)")
         return _support
