@@ -167,6 +167,24 @@ class Client:
             t.close()
         self._nodes.pop(node_id, None)
 
+    def local_arenas(self) -> dict[str, memoryview]:
+        """The mapped arena of every live node on this host (shm reachable), by node id: what a GPU gather may
+        register with CUDA ahead of the first load. Blocks for one NODES request."""
+        with self._lock:
+            deadline = self._deadline()
+            self._refresh_nodes(deadline)
+            out = {}
+            for node_id, info in list(self._nodes.items()):
+                if not info.get("alive", True):
+                    continue
+                try:
+                    t = self._transport_for(node_id, deadline)
+                except TransportError:
+                    continue
+                if t.name == "shm" and getattr(t, "arena", None) is not None:
+                    out[node_id] = t.arena
+            return out
+
     def transport_names(self) -> dict[str, str]:
         """Which transport this client uses for each node it has talked to."""
         return {n: t.name for n, t in self._transports.items()}

@@ -402,6 +402,14 @@ class LayerwiseLoader:
         self.counters["host_to_pool_bytes"] += stored * pb
         return out
 
+    def prepare(self) -> int:
+        """Register every same-host node arena with CUDA now (a one-time cost of ~50 ms per GiB pinned), so the
+        first load does not pay it before its first group. No-op on CPU or without mapped loads; returns the
+        arenas the GPU can read."""
+        if not (self.kv.is_cuda and self.use_mapped and hasattr(self.client, "local_arenas")):
+            return 0
+        return sum(self._arena_buffer(a) is not None for a in self.client.local_arenas().values())
+
     def close(self) -> None:
         """Stop a running load and unregister the arenas this loader registered with CUDA."""
         if self._active is not None:

@@ -125,6 +125,7 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         # Two loaders over one client: loads and offloads run on their own threads, each with its own staging.
         self.loader = LayerwiseLoader(self.client, self.kv, group, use_mapped=use_mapped, method=method)
         self.storer = LayerwiseLoader(self.client, self.kv, group, use_mapped=False, method=method)
+        self.loader.prepare()  # pin the same-host arenas now, not in front of the first load's first layer
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self.pending_loads: dict[str, tuple[list[str], list[int]]] = {}
         self.load_queue: queue.Queue = queue.Queue()
