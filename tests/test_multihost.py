@@ -335,6 +335,8 @@ def test_lossy_link_then_black_hole_loses_only_that_host(mh):
     t1 = time.monotonic()
     mh.wait("n2 alive again", lambda: mh.nodes_state().get("n2") is True)
     TIMINGS["n2 rejoined after its link healed s"] = round(time.monotonic() - t1, 2)
+    got, exact, _ = mh.get("c2", keys + keys_c)
+    assert all(exact), "n2 kept its arena (its process never stopped): its parked pages are served again"
 
 
 def test_link_down_and_rejoin_with_arena_intact(mh):
