@@ -6,12 +6,13 @@ passes; transport failures move on to the next address, UNAVAILABLE answers (a l
 away) ask the same one again, both after a short backoff (first pass over the list without one); every other error
 is raised at once. Connection refused at every address, pass after pass (REFUSED_PASSES, about half a second of
 backoff), fails the call at once with TransportError: nobody is listening, waiting out the deadline would not help
-(a metaserver restarting on the same address is listening again within that). One attempt waits at most ATTEMPT_S for its answer, so a frozen metaserver (SIGSTOP, a hung
-host) costs that much, not the whole deadline, before the client tries the others. Retrying after a lost answer
-is safe for COMMIT (a key already committed with this generation reports True again), LOOKUP (a fresh lease) and
-the directory-only requests. ALLOC is not idempotent yet: a retry finds its own PENDING entry and answers EXISTS,
-so that ``put`` returns False and the key stays unreadable until the pending entry expires (``pending_ttl_s``);
-allocation tokens are the planned fix (issue 11).
+(a metaserver restarting on the same address is listening again within that). Connecting (with the handshake) is
+bounded by CONNECT_S and one attempt's answer by ATTEMPT_S, so a frozen metaserver (SIGSTOP, a hung host) costs
+that much, not the whole deadline, before the client tries the others. Retrying after a lost answer
+is safe for COMMIT (a key already committed with this generation reports True again), LOOKUP (a fresh lease), the
+directory-only requests and ALLOC (the client's allocation token gets the same places back). A call that runs out
+of its deadline on one address leaves the next call starting at the next address, so a leader whose host went
+silent (no RST) costs one call, not every call.
 
 Thread-safe: one lock serialises use of the single connection (a client issues one metaserver call per batch).
 """
@@ -26,7 +27,8 @@ from transport.tcp import FramedSocket
 from umbp.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
 
 _RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
-ATTEMPT_S = 10.0  # one request's answer, unless the call's deadline is nearer
+ATTEMPT_S = 5.0  # one request's answer, unless the call's deadline is nearer
+CONNECT_S = 2.0  # connecting and the handshake: a black-holed host (no RST) costs this, not ATTEMPT_S
 REFUSED_PASSES = 4  # connection refused at every address this many times in a row: fail now (about 0.5 s)
 
 
@@ -48,7 +50,8 @@ class MetaClient:
         if self._conn is not None and not self._conn.closed:
             return self._conn
         addr = self.addrs[self._idx % len(self.addrs)]
-        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", deadline, self.token, hello=True)
+        connect_by = min(deadline, time.monotonic() + CONNECT_S)
+        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", connect_by, self.token, hello=True)
         return self._conn
 
     def call(self, op: int, meta: Any, deadline: float) -> Any:
@@ -74,10 +77,10 @@ class MetaClient:
                 except DeadlineExceeded as e:
                     refused = 0
                     self._drop()
+                    self._idx += 1  # this address did not answer in time: the next attempt (or call) tries another
                     if attempt_end >= deadline:
                         raise
                     last = e  # only this attempt's bound: try the others
-                    self._idx += 1
                 except Unavailable as e:
                     last, refused = e, 0
                     attempt = max(attempt, len(self.addrs))  # same address again, after a backoff ...
