@@ -32,11 +32,15 @@ import time
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.directory import NEW, PENDING, READY, Directory, Effects
+from metaserver.admin import EVICT_BUDGET, AdminHandlers
+from metaserver.directory import NEW, PENDING, Directory, Effects
 from metaserver.leader import Election
 from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
-from metaserver.persist import BatchWriter, EtcdStore, GenCounter
+from metaserver.batcher import BatchWriter
+from metaserver.generations import GenCounter
+from metaserver.persist import EtcdStore
+from metaserver.rejoin import REJOIN_GRACE_S, RejoinHandlers
 from transport.wire import VERSION, Op, Status
 from umbp.auth import Tokens, capability
 from umbp.config import MetaserverConfig
@@ -46,10 +50,8 @@ log = logging.getLogger("umbp.metaserver")
 
 TICK_S = 0.05
 SWEEP_BUDGET = 20_000  # expired pending entries / leases examined per tick
-EVICT_BUDGET = 5_000  # evictions per tick (background) or per slice (EVICT all)
 ETCD_START_DEADLINE_S = 15.0
 NODE_GRACE_S = 10.0  # a node loaded from etcd keeps its pages this long (at least its lease_ttl) to re-register
-REJOIN_GRACE_S = 120.0  # a node lost by its lease: its pages are parked this long for it to re-register its arena
 ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loaded nodes to re-register
 
 _NONE = frozenset()
@@ -63,12 +65,7 @@ LEADER_ONLY = frozenset({Op.REGISTER_NODE, Op.HEARTBEAT, Op.ALLOC, Op.COMMIT, Op
                          Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN, Op.STATS})
 
 
-def require_admin(conn, what: str) -> None:
-    if not conn.auth.scope.admin:
-        raise AuthError("metaserver", f"{what} needs an admin token; {conn.auth.scope.name!r} is not one")
-
-
-class Metaserver:
+class Metaserver(AdminHandlers, RejoinHandlers):
     def __init__(self, config: MetaserverConfig, advertise: str):
         self.cfg = config
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
@@ -294,50 +291,6 @@ class Metaserver:
         if lease:
             self._spawn(self._revoke(lease))
 
-    def _park(self, node: Node, now: float) -> int:
-        """Record a lost node's READY pages (recency order) so a re-registration of the same arena within
-        REJOIN_GRACE_S gets them back: a node cut off or paused past its lease still holds the bytes. O(its pages)."""
-        sp = self.dir.spaces.get(node.node_id)
-        if sp is None:
-            return 0
-        ready = sorted((e for e in sp.entries if e.state == READY), key=lambda e: e.last_access)
-        if ready:
-            self.parked[node.node_id] = (node.arena_id, node.capacity, now + max(REJOIN_GRACE_S, node.lease_ttl),
-                                         [(e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent) for e in ready])
-        return len(ready)
-
-    def _unpark(self, node: Node) -> int:
-        """On re-registration: bring the node's parked pages back if it kept the same arena. Keys written elsewhere
-        meanwhile stay where they are now. Returns the pages restored."""
-        p = self.parked.pop(node.node_id, None)
-        if p is None:
-            return 0
-        arena_id, capacity, _deadline, recs = p
-        if arena_id != node.arena_id or capacity != node.capacity:
-            self._forget_parked(node.node_id, recs, arena=False)
-            return 0
-        present = self.dir.entries
-        recs = [r for r in recs if r[1] not in present.get(r[0], ())]
-        fx = self.dir.load_pages(node.node_id, recs)
-        self._apply(fx)
-        return len(recs) - len(fx.deletes)
-
-    def _expire_parked(self, now: float) -> None:
-        for node_id, (_a, _c, deadline, recs) in list(self.parked.items()):
-            if deadline < now:
-                del self.parked[node_id]
-                self._forget_parked(node_id, recs, arena=True)
-                log.warning("metaserver: node %s did not return within %.0fs: dropped its %d parked pages", node_id,
-                            REJOIN_GRACE_S, len(recs))
-
-    def _forget_parked(self, node_id: str, recs: list, arena: bool) -> None:
-        """Delete parked page records from etcd, except keys written again since (their record is the new one)."""
-        present = self.dir.entries
-        keys = [self.store.page_key(ns, k) for ns, k, *_ in recs if k not in present.get(ns, ())]
-        if arena:
-            keys.append(self.store.arena_key(node_id))
-        self.writer.submit([], keys, wait=False)
-
     async def _revoke(self, lease: int) -> None:
         try:
             await self.store.revoke(lease)
@@ -559,83 +512,3 @@ class Metaserver:
         self._apply(fx)
         return {"removed": removed}
 
-    # -- admin -------------------------------------------------------------------------------------------------
-    def _node_maps(self) -> list[dict]:
-        out = []
-        for node in self.members.nodes.values():
-            sp = self.dir.spaces.get(node.node_id)
-            used, objects = (sp.alloc.used, len(sp.entries)) if sp is not None and node.alive else (0, 0)
-            out.append(node.info(used, objects))
-        return out
-
-    def stats(self, meta: Any, conn) -> dict:
-        v.fields(meta, _NONE)
-        d = self.dir
-        return {"capacity_bytes": d.capacity, "used_bytes": d.used, "objects": d.objects, "pending": d.pending,
-                "pinned": d.pinned, "hits": d.hits, "misses": d.misses, "evictions": d.evictions, "puts": d.puts,
-                "namespaces": d.namespaces(), "is_leader": self.serving, "etcd": self.store.addr,
-                "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
-                "load_s": round(self.load_s, 3), "etcd_pending_ops": self.writer.pending(),
-                "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
-                "ticks": self.ticks, "nodes": self._node_maps()}
-
-    def nodes(self, meta: Any, conn) -> dict:
-        v.fields(meta, _NONE)
-        return {"nodes": self._node_maps()}
-
-    def list_objects(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, frozenset({"ns", "limit"}))
-        ns = v.ns(m) if m.get("ns") is not None else None
-        if ns is None:
-            require_admin(conn, "LIST of every namespace")
-        else:
-            conn.auth.scope.check(ns, False, "metaserver")
-        limit = v.integer(m, "limit", 0, 1_000_000, default=1000)
-        objects, truncated = self.dir.list_objects(ns, limit)
-        return {"objects": objects, "truncated": truncated}
-
-    def evict(self, meta: Any, conn):
-        require_admin(conn, "EVICT")
-        m = v.fields(meta, frozenset({"bytes", "all"}))
-        if m.get("all") is not None and type(m["all"]) is not bool:
-            raise v.Reject("all must be a boolean")
-        if m.get("all"):
-            return self._evict_all()
-        fx = Effects()
-        if m.get("bytes") is not None:
-            n, freed = self.dir.evict_bytes(v.integer(m, "bytes", 0, 1 << 60), 1 << 62, fx)
-        else:
-            # An operator's pass: every node above the low watermark goes down to it.
-            low = self.cfg.low_watermark
-            n, freed = self.dir.watermark_pass(low, low, 1 << 62, fx)
-        self._apply(fx)
-        return {"evicted": n, "freed_bytes": freed}
-
-    async def _evict_all(self) -> dict:
-        total = freed = 0
-        term = self.term
-        while True:
-            self.check_term(term)
-            fx = Effects()
-            n, f, done = self.dir.evict_all(EVICT_BUDGET, fx)
-            self._apply(fx)
-            total += n
-            freed += f
-            if done:
-                return {"evicted": total, "freed_bytes": freed}
-            await asyncio.sleep(0)  # let other requests in between slices
-
-    def drain(self, meta: Any, conn) -> dict:
-        require_admin(conn, "DRAIN")
-        m = v.fields(meta, frozenset({"node_id"}), ("node_id",))
-        node = self.members.get(v.node_id(m))
-        if node is None:
-            raise v.Reject(f"no node {m['node_id']!r}", Status.NOT_FOUND)
-        node.draining = True
-        dropped, pinned, fx = self.dir.drain(node.node_id)
-        self._apply(fx)
-        return {"dropped": dropped, "pinned": pinned}
-
-    def leader_info(self, meta: Any, conn) -> dict:
-        v.fields(meta, _NONE)
-        return {"leader": self.leader.leader_addr, "is_leader": self.serving}

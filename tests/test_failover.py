@@ -280,7 +280,8 @@ def test_deposed_leader_is_fenced_and_steps_down(make_cluster):
         time.sleep(0.1)
 
     # The fence itself: a write carrying the old leader's revision is refused by etcd.
-    from metaserver.persist import BatchWriter, EtcdStore
+    from metaserver.batcher import BatchWriter
+    from metaserver.persist import EtcdStore
 
     async def fenced_write():
         store = EtcdStore(cluster.etcd.url.split("//")[-1], PREFIX)
