@@ -43,7 +43,7 @@ class GenCounter:
             r = self._ranges[0]
             base = r[0]
             r[0] += n
-        if self._left() < self.span // 2 and (self._refill is None or self._refill.done()):
+        if self._left() < max(self.span // 2, n) and (self._refill is None or self._refill.done()):
             self._refill = asyncio.create_task(self._reserve())
         return base
 
