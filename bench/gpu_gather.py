@@ -26,21 +26,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from umbp.arena import arena_dir_with_room  # noqa: E402
+
 
 def rows_at(arr: np.ndarray, offs: np.ndarray, n: int) -> np.ndarray:
     """``arr[o:o+n]`` for each offset, stacked (no int64 index array of pages x bytes)."""
     return np.stack([arr[o:o + n] for o in offs.tolist()])
-
-
-def shm_dir(size: int) -> str | None:
-    """/dev/shm when it has room for ``size`` bytes (containers often give it 64 MiB), else the temp dir."""
-    try:
-        st = os.statvfs("/dev/shm")
-        if st.f_bavail * st.f_frsize > size + (64 << 20):
-            return "/dev/shm"
-    except OSError:
-        pass
-    return None
 
 
 def timed(fn, iters: int) -> float:
@@ -157,7 +148,7 @@ def main() -> int:
 
     # 5. a /dev/shm file mapped like a node arena, registered with cudaHostRegister
     size = 2 * total + 4096
-    d = shm_dir(size)
+    d = arena_dir_with_room(size)
     fd, path = tempfile.mkstemp(dir=d, prefix="umbp-bench-arena-")
     try:
         os.ftruncate(fd, size)

@@ -23,23 +23,13 @@ if not torch.cuda.is_available():
                 "(python3 -m pytest -q tests/test_engine_gpu.py); the CPU path is tested in "
                 "tests/unit/test_engine_gather.py", allow_module_level=True)
 
+from umbp.arena import arena_dir_with_room  # noqa: E402
 from umbp.engine import gather  # noqa: E402
 from umbp.engine.gather import HostPages  # noqa: E402
 from umbp.engine.layout import PagedKV  # noqa: E402
 from umbp.engine.loader import LayerwiseLoader  # noqa: E402
 
 DEV = torch.device("cuda", 0)
-
-
-def shm_dir(size: int) -> str | None:
-    """/dev/shm when it has room for ``size`` bytes (containers often give it 64 MiB), else the temp dir."""
-    try:
-        st = os.statvfs("/dev/shm")
-        if st.f_bavail * st.f_frsize > size + (64 << 20):
-            return "/dev/shm"
-    except OSError:
-        pass
-    return None
 
 
 def _random_u8(n: int, seed: int) -> torch.Tensor:
@@ -102,7 +92,7 @@ def test_one_group_from_a_registered_shm_arena():
     kv = PagedKV(stacked)
     pb = kv.page_bytes
     size = (n + 2) * pb + 4096
-    d = shm_dir(size)
+    d = arena_dir_with_room(size)
     fd, path = tempfile.mkstemp(dir=d, prefix="umbp-gpu-test-")
     try:
         os.ftruncate(fd, size)
