@@ -1,0 +1,487 @@
+"""Scale benchmark: what one metaserver's page directory costs at rack size (10 M pages by default).
+
+A ``metaserver.directory.Directory`` is driven directly, through its real methods, the way the request handlers
+drive it, minus the network: every request is a msgpack map packed and unpacked as on the wire, so keys, parents,
+sizes and the namespace are fresh objects per request exactly as the metaserver receives them (nothing is shared
+that a real request would not share). The workload is a rack serving three models from one pool:
+
+- ``llama-3.1-70b/mha-tp8``: MHA heads sharded over 8 TP ranks, so every page has one key per rank
+  (``{sha256 hex}_{rank}``, ``umbp.keys.rank_key``), 2.5 MiB per rank-page (64 tokens x 80 layers x K,V x 1 KV
+  head x 128 x bf16), 50% of the pages;
+- ``deepseek-v3/mla``: MLA latents replicated on every rank, one key per page (64 hex bytes, SGLang's
+  ``get_hash_str``), 64 tokens x 61 layers x 656 bytes (fp8 latent + rope + scales), 30%;
+- ``qwen3-8b/mha-tp1``: 64 tokens x 36 layers x K,V x 8 KV heads x 128 x bf16 = 9 MiB, 20%.
+
+Pages come in agentic chains as engines send them: each session's chain descends from its model's shared
+system-prompt chain (32 pages) and runs 32..512 pages (2k..32k tokens), every page naming its parent; puts are
+batches of 1,000 keys (a rank sends its own keys). The pool is 32 nodes (a 32-host rack) sized to hold exactly the
+pages built, so the build evicts nothing and the steady-state puts afterwards evict one old page per new one.
+
+Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own fresh process:
+
+- memory per page: VmRSS (``/proc/self/status``) after the build minus before it, both after ``gc.collect()``,
+  divided by the pages; and, in a separate smaller run (``--trace-pages``), tracemalloc's traced bytes per page
+  (what Python asked the allocator for: RSS minus allocator slack and fragmentation);
+- alloc+commit/s while building (growing directory) and at size N (full pool: every new page evicts one);
+- lookup+release keys/s (a get's metaserver work: locations, a read lease, its release) and exists keys/s at N,
+  in 1,000-key batches taken as prompt prefixes of random chains (hits);
+- load: N page records as ``EtcdStore.load`` returns them (each parsed from its etcd key and msgpack value, as
+  ``persist.load`` does) grouped per node and sorted by revision as ``service._load`` does, then
+  ``Directory.load_pages`` per node (the takeover path), with the parse and the directory load timed apart;
+- optionally (``--etcd-pages``), the time for ``EtcdStore.load`` to read that many page records from a real etcd
+  (started here from the ``etcd`` on PATH) and what N would take at that rate (an extrapolation, labelled so).
+
+Nothing asserts. Timings are CPU-bound single-threaded Python: they are this machine's, printed next to the
+per-key cost so they can be scaled. ``--quick`` runs 200k pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from array import array
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import msgpack  # noqa: E402
+
+from metaserver.directory import NEW, Directory  # noqa: E402
+from transport.wire import object_size  # noqa: E402
+from umbp.keys import namespace  # noqa: E402
+
+NODES = 32
+BATCH = 1000
+ROOT_PAGES = 32  # each model's shared system prompt, in pages
+CHAIN_MIN, CHAIN_MAX = 32, 512  # a session's own pages (64-token pages: 2k..32k tokens)
+POLICIES = ("lru", "prefix-lru")
+
+
+class Model:
+    __slots__ = ("tag", "ns", "share", "payload", "ranks", "lengths", "pages")
+
+    def __init__(self, tag: str, ns: str, share: float, payload: int, ranks: int | None):
+        self.tag = tag.encode()
+        self.ns = ns
+        self.share = share
+        self.payload = payload
+        self.ranks = ranks  # None: one key per page (replicated KV); n: one key per TP rank
+        self.lengths = array("H")  # own pages of each session chain
+        self.pages = 0  # keys written (all ranks)
+
+
+def models() -> list[Model]:
+    return [
+        Model("llama", namespace("llama-3.1-70b", "mha-tp8", 64), 0.5, 64 * 80 * 2 * 1 * 128 * 2, 8),
+        Model("dsv3", namespace("deepseek-v3", "mla", 64, "fp8"), 0.3, 64 * 61 * 656, None),
+        Model("qwen", namespace("qwen3-8b", "mha-tp1", 64), 0.2, 64 * 36 * 2 * 8 * 128 * 2, None),
+    ]
+
+
+def page_hex(m: Model, chain: int, pos: int) -> bytes:
+    """The 64-hex key of page ``pos`` of session ``chain`` (chain -1: the model's shared system prompt)."""
+    if chain >= 0 and pos < ROOT_PAGES:
+        chain = -1
+    return hashlib.sha256(b"%s:%d:%d" % (m.tag, chain, pos)).hexdigest().encode()
+
+
+def rank_keys(m: Model, hexes: list[bytes]) -> list[list[bytes]]:
+    if m.ranks is None:
+        return [hexes]
+    return [[h + b"_%d" % r for h in hexes] for r in range(m.ranks)]
+
+
+def chain_pages(m: Model, chain: int, start: int, stop: int) -> tuple[list[bytes], list[bytes | None]]:
+    """Keys (rank-less) of pages [start, stop) of a session chain and of their parents."""
+    hexes = [page_hex(m, chain, p) for p in range(max(0, start - 1), stop)]
+    if start == 0:
+        return hexes, [None] + hexes[:-1]
+    return hexes[1:], hexes[:-1]
+
+
+class Wire:
+    """Requests packed and unpacked as msgpack, as the metaserver receives them."""
+
+    @staticmethod
+    def put(ns: str, keys: list[bytes], sizes: list[int], parents: list) -> dict:
+        return msgpack.unpackb(msgpack.packb({"ns": ns, "keys": keys, "sizes": sizes, "parents": parents},
+                                             use_bin_type=True), raw=False)
+
+    @staticmethod
+    def keys(ns: str, keys: list[bytes]) -> dict:
+        return msgpack.unpackb(msgpack.packb({"ns": ns, "keys": keys}, use_bin_type=True), raw=False)
+
+
+class Driver:
+    """Builds the directory through alloc+commit and times the directory calls only."""
+
+    def __init__(self, d: Directory, ms: list[Model], seed: int):
+        self.d = d
+        self.ms = ms
+        self.rng = random.Random(seed)
+        self.gen = 1 << 20
+        self.put_s = 0.0
+        self.put_keys = 0
+        self.new_keys = 0
+
+    def put_batch(self, ns: str, keys: list[bytes], size: int, parents: list) -> int:
+        req = Wire.put(ns, keys, [size] * len(keys), parents)
+        d = self.d
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        items, _fx = d.alloc(req["ns"], req["keys"], req["sizes"], req["parents"], self.gen, now)
+        news = [(k, it[4]) for k, it in zip(req["keys"], items) if it[0] == NEW]
+        d.commit(req["ns"], [k for k, _ in news], [g for _, g in news], now)
+        self.put_s += time.perf_counter() - t0
+        self.gen += len(keys)
+        self.put_keys += len(keys)
+        self.new_keys += len(news)
+        return len(news)
+
+    def put_chains(self, m: Model, chains: list[tuple[int, int, int]]) -> None:
+        """Write pages [start, stop) of each chain, 1,000-key batches per rank, every page with its parent."""
+        hexes: list[bytes] = []
+        parents: list = []
+        for c, start, stop in chains:
+            h, p = chain_pages(m, c, start, stop)
+            hexes += h
+            parents += p
+        for rk, rp in zip(rank_keys(m, hexes), rank_keys_opt(m, parents)):
+            for i in range(0, len(rk), BATCH):
+                m.pages += self.put_batch(m.ns, rk[i:i + BATCH], m.payload, rp[i:i + BATCH])
+
+    def build(self, n_pages: int) -> None:
+        for m in self.ms:
+            self.put_chains(m, [(-1, 0, ROOT_PAGES)])
+        total = sum(m.pages for m in self.ms)
+        while total < n_pages:
+            m = min(self.ms, key=lambda m: m.pages / m.share)
+            per_page = m.ranks or 1
+            chains, logical = [], 0
+            left = (n_pages - total) // per_page + 1
+            while logical < min(BATCH, left):
+                n = self.rng.randint(CHAIN_MIN, CHAIN_MAX)
+                c = len(m.lengths)
+                m.lengths.append(n)
+                chains.append((c, ROOT_PAGES, ROOT_PAGES + n))
+                logical += n
+            before = m.pages
+            self.put_chains(m, chains)
+            total += m.pages - before
+
+    def prompt(self, m: Model) -> list[bytes]:
+        """A 1,000-key lookup: a session's prompt prefix (system prompt and its own pages), for one rank."""
+        c = self.rng.randrange(len(m.lengths))
+        n = min(BATCH, ROOT_PAGES + m.lengths[c])
+        keys = rank_keys(m, [page_hex(m, c, p) for p in range(n)])
+        return keys[self.rng.randrange(len(keys))]
+
+
+def rank_keys_opt(m: Model, parents: list) -> list[list]:
+    if m.ranks is None:
+        return [parents]
+    return [[p + b"_%d" % r if p is not None else None for p in parents] for r in range(m.ranks)]
+
+
+def rss() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def hwm() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def new_directory(policy: str, ms: list[Model], n_pages: int) -> Directory:
+    """A directory over NODES spaces holding exactly n_pages of the workload's mix (a little slack per node)."""
+    d = Directory(policy=policy)
+    per_key = sum(m.share * object_size(m.payload) for m in ms)
+    cap = int(per_key * (n_pages + 2000) / NODES * 1.001) + 4 * object_size(max(m.payload for m in ms))
+    for i in range(NODES):
+        d.add_space(f"host{i:02d}", cap)
+    return d
+
+
+# ---- child: build, memory, rates ------------------------------------------------------------------------------
+
+def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool) -> dict:
+    ms = models()
+    d = new_directory(policy, ms, n_pages)
+    gc.collect()
+    if trace:
+        tracemalloc.start()
+    before = rss()
+    traced0 = tracemalloc.get_traced_memory()[0] if trace else 0
+    drv = Driver(d, ms, seed)
+    t0 = time.perf_counter()
+    drv.build(n_pages)
+    build_wall = time.perf_counter() - t0
+    # What the metaserver's tick would have done meanwhile: drop committed pages' pending-expiry records.
+    d.expire_pending(float("inf"), 1 << 62)
+    gc.collect()
+    pages = d.objects
+    out = {"policy": policy, "pages": pages, "build_wall_s": round(build_wall, 1),
+           "build_put_keys_s": drv.put_keys / drv.put_s}
+    if trace:
+        out["traced_per_page"] = (tracemalloc.get_traced_memory()[0] - traced0) / pages
+        tracemalloc.stop()
+        return out
+    out["rss_per_page"] = (rss() - before) / pages
+    out["rss_gib"] = rss() / 2**30
+
+    # exists and lookup+release at N: prompt prefixes of random chains
+    reqs = []
+    for _ in range(max(1, ops // BATCH)):
+        m = drv.rng.choices(ms, weights=[m.share for m in ms])[0]
+        reqs.append(Wire.keys(m.ns, drv.prompt(m)))
+    n_keys = sum(len(r["keys"]) for r in reqs)
+    t = time.perf_counter()
+    hits = 0
+    for r in reqs:
+        hits += sum(d.exists(r["ns"], r["keys"]))
+    out["exists_keys_s"] = n_keys / (time.perf_counter() - t)
+    t = time.perf_counter()
+    for r in reqs:
+        lease, _locs = d.lookup(r["ns"], r["keys"], time.monotonic())
+        d.release(lease)
+    out["lookup_keys_s"] = n_keys / (time.perf_counter() - t)
+    out["lookup_hit_ratio"] = hits / n_keys
+
+    # alloc+commit at N: new sessions into the full pool (each new page evicts one)
+    drv.put_s, drv.put_keys, drv.new_keys = 0.0, 0, 0
+    ev0 = d.evictions
+    target = sum(m.pages for m in ms) + ops
+    drv.build(target)
+    out["put_keys_s"] = drv.put_keys / drv.put_s
+    out["put_evictions"] = d.evictions - ev0
+    out["pages_after"] = d.objects
+    return out
+
+
+# ---- child: load (takeover) -----------------------------------------------------------------------------------
+
+def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
+    """Yield (etcd key, msgpack value, mod_revision) of n_pages page records, as a metaserver wrote them: the
+    workload's keys and parents, placed round robin over the nodes at consecutive offsets."""
+    ms = models()
+    per_node_off = [4096] * NODES
+    rev = 1000
+    rng = random.Random(seed)
+    total = 0
+    i = 0
+    while total < n_pages:
+        m = min(ms, key=lambda m: m.pages / m.share)
+        c = len(m.lengths)
+        n = rng.randint(CHAIN_MIN, CHAIN_MAX)
+        m.lengths.append(n)
+        hexes, parents = chain_pages(m, c, 0 if c == 0 else ROOT_PAGES, ROOT_PAGES + n)
+        size = object_size(m.payload)
+        for rk, rp in zip(rank_keys(m, hexes), rank_keys_opt(m, parents)):
+            for k, p in zip(rk, rp):
+                node = i % NODES
+                i += 1
+                off = per_node_off[node]
+                per_node_off[node] += size
+                rev += 1
+                yield (prefix + m.ns.encode() + b"/" + k.hex().encode(),
+                       msgpack.packb([f"host{node:02d}", off, m.payload, rev, p], use_bin_type=True), rev)
+                m.pages += 1
+                total += 1
+                if total >= n_pages:
+                    return
+
+
+def parse_pages(kvs, plen_prefix: int) -> list[tuple]:
+    """The page half of ``EtcdStore.load`` (metaserver/persist.py), on (key, value, mod_revision) records."""
+    pages: list[tuple] = []
+    for key, value, mod_revision in kvs:
+        try:
+            ns_b, _, hexkey = key[plen_prefix:].rpartition(b"/")
+            node_id, off, plen, gen, parent = msgpack.unpackb(value, raw=False)
+            pages.append((mod_revision, node_id, ns_b.decode(), bytes.fromhex(hexkey.decode()),
+                          int(off), int(plen), int(gen), parent, key))
+        except (ValueError, TypeError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
+            pages.append((0, None, "", b"", 0, 0, 0, None, key))
+    return pages
+
+
+def load_directory(policy: str, pages: list[tuple], n_pages: int) -> tuple[Directory, float]:
+    """The directory half of ``Metaserver._load`` (metaserver/service.py): group by node, sort by revision,
+    ``load_pages`` per node. Returns the directory and the seconds it took."""
+    t = time.perf_counter()
+    d = new_directory(policy, models(), n_pages)
+    by_node: dict[str, list] = {}
+    for p in pages:
+        by_node.setdefault(p[1], []).append(p)
+    for node_id, recs in by_node.items():
+        recs.sort(key=lambda p: p[0])
+        fx = d.load_pages(node_id, [(p[2], p[3], p[4], p[5], p[6], p[7]) for p in recs])
+        assert not fx.deletes, len(fx.deletes)
+    return d, time.perf_counter() - t
+
+
+def run_load(policy: str, n_pages: int, seed: int) -> dict:
+    kvs = list(etcd_records(n_pages, seed))
+    gc.collect()
+    t = time.perf_counter()
+    pages = parse_pages(kvs, len(b"/umbp/pages/"))
+    parse_s = time.perf_counter() - t
+    del kvs
+    gc.collect()
+    d, load_s = load_directory(policy, pages, n_pages)
+    out = {"policy": policy, "pages": d.objects, "parse_s": parse_s, "load_s": load_s, "peak_rss_gib": hwm() / 2**30}
+    return out
+
+
+# ---- child: a real etcd -----------------------------------------------------------------------------------------
+
+async def _fill_and_read(addr: str, n_pages: int, seed: int) -> dict:
+    from metaserver.persist import EtcdStore
+    store = EtcdStore(addr, "/umbp")
+    await store.wait_ready(20.0)
+    t = time.perf_counter()
+    batch, inflight = [], []
+    sem = asyncio.Semaphore(16)
+
+    async def txn(ops):
+        async with sem:
+            await store.txn(ops)
+
+    for key, value, _rev in etcd_records(n_pages, seed, store._pages):
+        batch.append(store.op_put(key, value))
+        if len(batch) == 128:
+            inflight.append(asyncio.create_task(txn(batch)))
+            batch = []
+            if len(inflight) >= 64:
+                await asyncio.gather(*inflight)
+                inflight = []
+    if batch:
+        inflight.append(asyncio.create_task(txn(batch)))
+    await asyncio.gather(*inflight)
+    write_s = time.perf_counter() - t
+    t = time.perf_counter()
+    _nodes, _arenas, pages = await store.load()
+    read_s = time.perf_counter() - t
+    await store.close()
+    return {"etcd_pages": len(pages), "etcd_write_s": write_s, "etcd_load_s": read_s}
+
+
+def run_etcd(n_pages: int, seed: int) -> dict:
+    from umbp.launcher import find_etcd, free_port
+    exe = find_etcd()
+    if exe is None:
+        return {"etcd_error": "no etcd on PATH"}
+    port, peer = free_port(), free_port()
+    with tempfile.TemporaryDirectory(prefix="umbp-scale-etcd-") as tmp:
+        proc = subprocess.Popen([exe, "--data-dir", tmp, "--listen-client-urls", f"http://127.0.0.1:{port}",
+                                 "--advertise-client-urls", f"http://127.0.0.1:{port}",
+                                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                                 "--quota-backend-bytes", str(8 << 30), "--max-request-bytes", str(8 << 20)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            return asyncio.run(_fill_and_read(f"127.0.0.1:{port}", n_pages, seed))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+# ---- parent: run the children, print the table ------------------------------------------------------------------
+
+def child(args: list[str]) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child"] + args
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if res.returncode != 0:
+        return {"error": f"exit {res.returncode}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x / 1e6:.2f} M/s" if x >= 1e6 else f"{x / 1e3:.0f} k/s"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=10_000_000, help="directory size N (default 10 M)")
+    ap.add_argument("--policy", choices=POLICIES + ("both",), default="both")
+    ap.add_argument("--ops", type=int, default=200_000, help="keys looked up and keys put at size N")
+    ap.add_argument("--trace-pages", type=int, default=1_000_000, help="pages of the tracemalloc run (0: skip)")
+    ap.add_argument("--etcd-pages", type=int, default=0, help="also time EtcdStore.load of this many records")
+    ap.add_argument("--no-load", action="store_true", help="skip the load (takeover) figures")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="200k pages, 100k ops")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        kind, policy, n = a.child[0], a.child[1], int(a.child[2])
+        if kind == "build":
+            res = run_build(policy, n, a.ops, a.seed, trace=False)
+        elif kind == "trace":
+            res = run_build(policy, n, a.ops, a.seed, trace=True)
+        elif kind == "load":
+            res = run_load(policy, n, a.seed)
+        else:
+            res = run_etcd(n, a.seed)
+        print(json.dumps(res))
+        return
+    if a.quick:
+        a.pages, a.ops, a.trace_pages = 200_000, 100_000, min(a.trace_pages, 200_000)
+    pols = POLICIES if a.policy == "both" else (a.policy,)
+    n = a.pages
+    print(f"scale: {n:,} pages, {NODES} nodes, batches of {BATCH} keys; python {sys.version.split()[0]}")
+    print("target: <= 300 bytes of metaserver memory per page at 10 M pages")
+    common = ["--ops", str(a.ops), "--seed", str(a.seed)]
+    for pol in pols:
+        b = child(["build", pol, str(n)] + common)
+        if "error" in b:
+            print(f"{pol:>10}: build failed ({b['error']})")
+            continue
+        tr = child(["trace", pol, str(min(a.trace_pages, n))] + common) if a.trace_pages else {}
+        print(f"{pol:>10}: RSS {b['rss_per_page']:.0f} B/page ({b['rss_gib']:.2f} GiB in all at "
+              f"{b['pages']:,} pages)"
+              + (f", tracemalloc {tr['traced_per_page']:.0f} B/page at {tr['pages']:,}" if "traced_per_page" in tr
+                 else "")
+              + f"  [target 300 B/page: {'met' if b['rss_per_page'] <= 300 else 'not met'}]")
+        print(f"{'':>10}  lookup+release {fmt_rate(b['lookup_keys_s'])} keys ({1e6 / b['lookup_keys_s']:.2f} us/key), "
+              f"exists {fmt_rate(b['exists_keys_s'])} keys, hit ratio {b['lookup_hit_ratio']:.2f}")
+        print(f"{'':>10}  alloc+commit {fmt_rate(b['put_keys_s'])} keys at N ({1e6 / b['put_keys_s']:.2f} us/key, "
+              f"{b['put_evictions']:,} evictions for {a.ops:,} new keys); "
+              f"{fmt_rate(b['build_put_keys_s'])} while building ({b['build_wall_s']:.0f} s wall incl. key "
+              f"generation and msgpack)")
+        if not a.no_load:
+            ld = child(["load", pol, str(n)] + common)
+            if "error" in ld:
+                print(f"{'':>10}  load failed ({ld['error']})")
+            else:
+                print(f"{'':>10}  load {ld['pages']:,} pages: parse records {ld['parse_s']:.1f} s + "
+                      f"Directory.load_pages {ld['load_s']:.1f} s = {ld['parse_s'] + ld['load_s']:.1f} s "
+                      f"({(ld['parse_s'] + ld['load_s']) / ld['pages'] * 1e6:.2f} us/page; "
+                      f"peak RSS {ld['peak_rss_gib']:.1f} GiB)")
+    if a.etcd_pages:
+        e = child(["etcd", "-", str(a.etcd_pages)] + common)
+        if "etcd_error" in e or "error" in e:
+            print(f"etcd: {e.get('etcd_error') or e.get('error')}")
+        else:
+            rate = e["etcd_pages"] / e["etcd_load_s"]
+            print(f"etcd: EtcdStore.load read {e['etcd_pages']:,} page records in {e['etcd_load_s']:.1f} s "
+                  f"({fmt_rate(rate)}; written in {e['etcd_write_s']:.0f} s in 128-op transactions); "
+                  f"EXTRAPOLATED to {n:,}: {n / rate:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
