@@ -62,7 +62,8 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 2  # 2: HELLO/AUTH handshake, capabilities and tags in ALLOC/LOOKUP/READ/WRITE, allocation tokens
+VERSION = 3  # 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks
+#              2: HELLO/AUTH handshake, capabilities and tags in ALLOC/LOOKUP/READ/WRITE, allocation tokens
 HEADER = struct.Struct("<HBBHHIIQ")
 HEADER_SIZE = HEADER.size  # 24
 
@@ -70,6 +71,7 @@ MAX_META = 16 << 20  # default reader limit for msgpack meta
 MAX_DATA = 1 << 30  # default reader limit for raw data
 BUFFER_DATA = 1 << 20  # default: frame data up to this size, with no sink memory for it, lands in a fresh buffer
 MAX_KEY_BYTES = 512  # a page key, UTF-8 encoded when given as str
+MAX_VEC_OPS = 4096  # objects in one READV/WRITEV frame
 
 
 class Flag(enum.IntFlag):
@@ -110,6 +112,12 @@ class Op(enum.IntEnum):
     READ = 0x41  # [off, start, length, tag, gen, payload_len, read_cap] -> data: header + payload[start:+length]
     WRITE = 0x42  # [off, gen, write_cap] + data: object header + payload -> {}
     RDMA_CONNECT = 0x43  # queue-pair details -> queue-pair details (transport/rdma.py)
+    # Batched forms: one frame and one answer for up to MAX_VEC_OPS objects. The answer's meta is None when every
+    # object succeeded, else the failed ones as [[index, status, message], ...]; the others are served.
+    READV = 0x44  # [[off, start, length, tag, gen, payload_len, read_cap], ...] -> failures; data: for each op
+    #               that did not fail, in order, its object header + payload[start:+length]
+    WRITEV = 0x45  # [[off, gen, write_cap, nbytes], ...] + data: each op's nbytes (object header + payload), back
+    #                to back -> failures (a failed op's bytes are discarded, the others land)
 
 
 class AllocState(enum.IntEnum):
@@ -209,19 +217,42 @@ def raise_for_status(frame: Frame, component: str) -> None:
         return
     meta = frame.meta if isinstance(frame.meta, dict) else {}
     message = str(meta.get("error", f"error status {frame.status}"))
-    cls = _STATUS_ERRORS.get(frame.status, RemoteError)
-    # The server's message already names the server component; keep it verbatim after ours.
-    if cls is NotLeader:
+    if _STATUS_ERRORS.get(frame.status) is NotLeader:
         raise NotLeader(component, message, frame.status, leader=meta.get("leader"))
-    if frame.status == Status.CORRUPT:
-        raise CorruptionError(component, message)
-    raise cls(component, message, frame.status)
+    raise error_for_status(frame.status, message, component)
+
+
+def error_for_status(status: int, message: str, component: str) -> RemoteError | CorruptionError:
+    """The exception for one error status (a whole answer's, or one op's in a READV/WRITEV answer)."""
+    if status == Status.CORRUPT:
+        return CorruptionError(component, message)
+    return _STATUS_ERRORS.get(status, RemoteError)(component, message, status)
+
+
+def vec_failures(meta: Any, nops: int, component: str) -> dict[int, RemoteError | CorruptionError]:
+    """The failed ops of a READV/WRITEV answer (``meta`` None: none failed), by index. ProtocolError when the
+    list is malformed (the stream can then no longer be trusted)."""
+    if meta is None:
+        return {}
+    out = {}
+    if isinstance(meta, list):
+        for item in meta:
+            if (isinstance(item, list) and len(item) == 3 and type(item[0]) is int and 0 <= item[0] < nops
+                    and type(item[1]) is int and item[1] != Status.OK):
+                out[item[0]] = error_for_status(item[1], str(item[2]), component)
+            else:
+                break
+        else:
+            return out
+    raise ProtocolError(component, "malformed failure list in a batched answer")
 
 
 # A sink decides where a frame's data goes: given (op, request_id, meta, data_len) it returns a writable
-# memoryview of exactly data_len bytes, or None for a fresh buffer. It may raise RemoteError to refuse the data
-# (the reader then discards it and reports the error with the frame).
-Sink = Callable[[int, int, Any, int], memoryview | None]
+# memoryview of exactly data_len bytes, None for a fresh buffer, or a scatter list: memoryviews (bytes land there,
+# in order) and ints (that many bytes are discarded) adding up to data_len (a WRITEV: each object into its slot,
+# a refused object's bytes dropped). It may raise RemoteError to refuse all of the data (the reader then discards
+# it and reports the error with the frame).
+Sink = Callable[[int, int, Any, int], "memoryview | list | None"]
 
 
 class FrameReader:
@@ -229,9 +260,13 @@ class FrameReader:
 
     Use: ``buf = reader.get_buffer()``; receive into it; ``frames = reader.buffer_updated(n)``. Header and meta
     bytes land in a staging buffer; data bytes land directly in what ``sink`` returns (for the storage node: the
-    arena), else in a fresh buffer when ``data_len <= buffer_data``, else they are discarded by counting and the
-    frame comes back with ``data=None`` and a BadRequest. Frames come back as ``(frame, error)`` pairs in stream
-    order, so a server can answer an error and go on.
+    arena, one slot or a scatter list of slots), else in a fresh buffer when ``data_len <= buffer_data``, else they
+    are discarded by counting and the frame comes back with ``data=None`` and a BadRequest. Frames come back as
+    ``(frame, error)`` pairs in stream order, so a server can answer an error and go on. A frame whose data went to
+    a scatter list comes back with ``data=None``.
+
+    Copies: data bytes that arrive in the same receive as their frame's header (at most the staging buffer's free
+    room) are copied once from staging to their place; everything after goes straight there.
 
     Memory per reader: the staging buffer (``bufsize``, grown only by doubling once it is full of bytes that really
     arrived, so a trickle of a huge announced meta cannot inflate it) plus at most ``buffer_data`` for one frame.
@@ -250,9 +285,12 @@ class FrameReader:
         self._end = 0
         self._need = HEADER_SIZE  # bytes needed in staging before the next parse step can make progress
         self._pending: tuple | None = None  # (op, flags, status, rid, meta, data_len) while receiving data
-        self._data: memoryview | None = None
+        self._pieces: list = []  # where the data of the frame in progress goes: views and discard counts
+        self._pi = 0  # the piece being filled
+        self._data: memoryview | None = None  # the piece being filled, when it is memory
         self._data_pos = 0
-        self._skip = 0  # data bytes still to discard (refused data: no memory is allocated for it)
+        self._skip = 0  # bytes of the current (discarded) piece still to drop: no memory is allocated for them
+        self._fdata: memoryview | None = None  # the frame's data as handed back (one view; None when scattered)
         self._data_error: Exception | None = None
         self._own = 0  # bytes of the data buffer this reader allocated for the frame in progress
         # A malformed header after good frames in the same read: the good frames are returned, this is set, and
@@ -287,14 +325,17 @@ class FrameReader:
     def buffer_updated(self, nbytes: int) -> list[tuple[Frame, Exception | None]]:
         """Account for ``nbytes`` received into the last buffer; return the frames completed (with any error)."""
         out: list[tuple[Frame, Exception | None]] = []
-        if self._data is not None:
-            self._data_pos += nbytes
-            if self._data_pos < len(self._data):
-                return out
-            out.append(self._finish_data())
-        elif self._skip:
-            self._skip -= nbytes
-            if self._skip:
+        if self._pending is not None:
+            if self._data is not None:
+                self._data_pos += nbytes
+                if self._data_pos < len(self._data):
+                    return out
+            else:
+                self._skip -= nbytes
+                if self._skip:
+                    return out
+            self._pi += 1
+            if self._load_piece():
                 return out
             out.append(self._finish_data())
         else:
@@ -307,17 +348,34 @@ class FrameReader:
             self.poisoned = e
         return out
 
+    def _load_piece(self) -> bool:
+        """Make the next non-empty piece current; False when the frame's data is complete."""
+        pieces = self._pieces
+        while self._pi < len(pieces):
+            p = pieces[self._pi]
+            if type(p) is int:
+                if p:
+                    self._data, self._skip = None, p
+                    return True
+            elif len(p):
+                self._data, self._data_pos, self._skip = p, 0, 0
+                return True
+            self._pi += 1
+        self._data, self._skip = None, 0
+        return False
+
     def _finish_data(self) -> tuple[Frame, Exception | None]:
         op, flags, status, rid, meta, data_len = self._pending
-        data, err = self._data, self._data_error
+        data, err = self._fdata, self._data_error
         self._pending, self._data, self._data_pos, self._skip, self._data_error = None, None, 0, 0, None
+        self._pieces, self._pi, self._fdata = [], 0, None
         self._own = 0
         if err is not None:
             data = None
         return Frame(op, flags, status, rid, meta, data, data_len), err
 
     def _parse(self, out: list) -> None:
-        while self._data is None and not self._skip:
+        while self._pending is None:
             avail = self._end - self._start
             if avail < HEADER_SIZE:
                 self._need = HEADER_SIZE
@@ -353,19 +411,41 @@ class FrameReader:
                 else:
                     err = BadRequest(self.component, f"opcode {op} does not take {data_len} bytes of data",
                                      Status.TOO_LARGE)
-            if target is not None and len(target) != data_len:
-                raise ProtocolError(self.component, "sink returned a buffer of the wrong size")
+            if target is None:
+                pieces = [data_len]
+            elif type(target) is list:
+                if sum(p if type(p) is int else len(p) for p in target) != data_len:
+                    raise ProtocolError(self.component, "sink returned pieces of the wrong total size")
+                pieces = target
+            else:
+                if len(target) != data_len:
+                    raise ProtocolError(self.component, "sink returned a buffer of the wrong size")
+                pieces = [target]
+                self._fdata = target
             self._pending = (op, flags, status, rid, meta, data_len)
             self._data_error = err
-            take = min(self._end - self._start, data_len)  # bytes of this frame's data already in staging
-            if target is None:
-                self._skip = data_len - take
-            else:
-                self._data, self._data_pos = target, take
-                if take:
-                    target[:take] = self._mv[self._start:self._start + take]
-            self._start += take
-            if take == data_len:
+            self._pieces, self._pi = pieces, 0
+            self._load_piece()
+            # Data of this frame already in staging: copy (or drop) it into its pieces, in order.
+            pos, left = self._start, min(self._end - self._start, data_len)
+            self._start += left
+            while left:
+                if self._data is not None:
+                    n = min(left, len(self._data) - self._data_pos)
+                    self._data[self._data_pos:self._data_pos + n] = self._mv[pos:pos + n]
+                    self._data_pos += n
+                    done = self._data_pos == len(self._data)
+                else:
+                    n = min(left, self._skip)
+                    self._skip -= n
+                    done = not self._skip
+                pos += n
+                left -= n
+                if done:
+                    self._pi += 1
+                    if not self._load_piece():
+                        break
+            if self._data is None and not self._skip:
                 out.append(self._finish_data())
 
 

@@ -4,13 +4,23 @@ Accepted: anything with the buffer protocol (bytes, bytearray, memoryview, mmap,
 tensors. They must be C-contiguous: a strided view would need a gather, and silently copying it would hide a
 slow path, so it is refused with a clear error. CPU torch tensors are viewed through ``tensor.view(torch.uint8)``
 (works for bfloat16 and float8, which numpy cannot represent). A CUDA tensor is not host memory: values are staged
-to the host with one copy, and outs are filled through a host buffer and copied up (``CudaOut``); the zero-copy GPU
-path is the gather in ``umbp.engine.gather``.
+to the host with one copy, and outs are filled through a pinned host buffer and copied up (``CudaOut``); the
+zero-copy GPU path is the gather in ``umbp.engine.gather``.
+
+Pinned host buffers come from a per-process pool (``PINNED``, power-of-two size classes, at most
+``PinnedPool.KEEP_BYTES`` kept): pinning memory costs a ``cudaHostAlloc`` (hundreds of microseconds to milliseconds),
+far more than the copy of a page, so a batch of CUDA outs must not pin one buffer per page per call. ``flush_cuda``
+issues every page's host-to-device copy asynchronously and waits once.
+
+``new_bytes(n)``: a fresh ``bytes`` object and a writable view of its memory, to fill it before it is handed out
+(``Client.get`` reads a page straight into the ``bytes`` it returns instead of into a bytearray copied again).
 """
 
 from __future__ import annotations
 
+import ctypes
 import sys
+import threading
 from typing import Any
 
 from umbp.errors import InvalidArgument
@@ -54,23 +64,98 @@ def as_bytes_view(value: Any, what: str = "value") -> memoryview:
     return _flat_view(value, what, writable=False)
 
 
-class CudaOut:
-    """A destination on a CUDA device: filled through a host buffer, copied up by ``flush``."""
+class PinnedPool:
+    """Pinned host buffers reused across calls. ``take`` rounds up to a power of two (at least 4 KiB); ``give``
+    keeps a buffer for reuse while the pool holds at most KEEP_BYTES, else lets it go. Thread-safe."""
 
-    def __init__(self, tensor: Any):
+    KEEP_BYTES = 256 << 20
+
+    def __init__(self) -> None:
+        self._free: dict[int, list] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers pinned so far (observability, tests)
+
+    def take(self, nbytes: int) -> Any:
+        size = max(4096, 1 << (max(nbytes, 1) - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._kept -= size
+                return free.pop()
+            self.allocated += 1
         import torch
 
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def give(self, host: Any) -> None:
+        size = host.numel()
+        with self._lock:
+            if self._kept + size <= self.KEEP_BYTES:
+                self._free.setdefault(size, []).append(host)
+                self._kept += size
+
+
+PINNED = PinnedPool()
+
+
+class CudaOut:
+    """A destination on a CUDA device: filled through a pinned host buffer from ``PINNED``, copied up by
+    ``flush_cuda``, which also gives the buffer back (``release`` gives it back without copying)."""
+
+    def __init__(self, tensor: Any):
         if not tensor.is_contiguous():
             raise InvalidArgument("client", "CUDA out tensor is not contiguous")
         self.tensor = tensor
-        self.host = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8, pin_memory=True)
-        self.view = memoryview(self.host.numpy()).cast("B")
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.host = PINNED.take(self.nbytes)
+        self.view = memoryview(self.host.numpy()).cast("B")[:self.nbytes]
 
-    def flush(self, nbytes: int) -> None:
-        import torch
+    def release(self) -> None:
+        host, self.host = self.host, None
+        if host is not None:
+            self.view = None
+            PINNED.give(host)
 
-        dst = self.tensor.reshape(-1).view(torch.uint8)
-        dst[:nbytes].copy_(self.host[:nbytes], non_blocking=False)
+
+def flush_cuda(outs: list[tuple[CudaOut, int]]) -> None:
+    """Copy ``nbytes`` of each out's host buffer to its tensor: all copies queued asynchronously on the current
+    stream of each tensor's device, then one wait per device; every host buffer goes back to the pool. Blocks until
+    the copies are done (the tensors are ready when it returns)."""
+    import torch
+
+    devices = set()
+    try:
+        for out, nbytes in outs:
+            if nbytes > 0 and out.host is not None:
+                dst = out.tensor.reshape(-1).view(torch.uint8)
+                dst[:nbytes].copy_(out.host[:nbytes], non_blocking=True)
+                devices.add(out.tensor.device)
+        for dev in devices:
+            torch.cuda.current_stream(dev).synchronize()
+    finally:
+        for out, _ in outs:
+            out.release()
+
+
+_CPYTHON = sys.implementation.name == "cpython"
+if _CPYTHON:
+    _bytes_from_size = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _bytes_from_size.restype = ctypes.py_object
+    _bytes_from_size.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+    _BYTES_DATA = sys.getsizeof(b"") - 1  # offset of a bytes object's data (the header; the 1 is the final NUL)
+
+
+def new_bytes(n: int) -> tuple[bytes | bytearray, memoryview]:
+    """A new object of ``n`` bytes and a writable view of its memory. On CPython it is a ``bytes`` made by
+    ``PyBytes_FromStringAndSize(NULL, n)``, the C API's way to build a bytes object by filling it: the caller fills
+    it through the view before anyone else sees it, then drops the view (no copy to make it a ``bytes``). Elsewhere,
+    and for n < 2 (small bytes may be shared singletons), a bytearray: convert it with ``bytes()``."""
+    if not _CPYTHON or n < 2:
+        b = bytearray(n)
+        return b, memoryview(b)
+    b = _bytes_from_size(None, n)
+    return b, memoryview((ctypes.c_char * n).from_address(id(b) + _BYTES_DATA)).cast("B")
 
 
 def as_writable_view(out: Any, what: str = "out") -> memoryview | CudaOut:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from transport.base import Pending, ReadOp, Transport, WriteOp
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
-from umbp.buffers import CudaOut, as_bytes_view, as_writable_view
+from umbp.buffers import CudaOut, as_bytes_view, as_writable_view, flush_cuda, new_bytes
 from umbp.config import ClientConfig, resolve
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, PoolFull, RemoteError,
                          TransportError, TransportUnavailable, UmbpError)
@@ -46,9 +46,18 @@ MAX_KEY_BYTES = wire.MAX_KEY_BYTES
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
 IN_FLIGHT_WAIT_S = (0.005, 0.01, 0.02, 0.05, 0.1)  # backoff while another writer holds a key PENDING
+# A batch_put larger than this is written in chunks: ALLOC of the next chunk and COMMIT of the previous one overlap
+# the writes (every chunk still acknowledged only once its COMMIT is durable). A chunk is about CHUNK_BYTES, at
+# least CHUNK_MIN_PAGES and at most CHUNK_MAX_PAGES pages (enough keys per COMMIT to fill the metaserver's
+# 128-operation etcd transactions).
+CHUNK_BYTES = 8 << 20
+CHUNK_MIN_PAGES = 2
+CHUNK_MAX_PAGES = 512
 
 
 def normalize_key(key: Any) -> bytes:
+    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
+        return key
     if isinstance(key, str):
         key = key.encode()
     elif isinstance(key, (bytearray, memoryview)):
@@ -58,6 +67,26 @@ def normalize_key(key: Any) -> bytes:
     if not key or len(key) > MAX_KEY_BYTES:
         raise InvalidArgument("client", f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
     return key
+
+
+class _PutResult:
+    """What the chunks of one ``_put_once`` found, gathered as they are written and committed."""
+
+    __slots__ = ("stored", "lost", "full", "waiting", "bad", "dedup", "first_err", "chunks_done")
+
+    def __init__(self) -> None:
+        self.stored: list[int] = []  # committed by this call
+        self.lost: list[int] = []  # written, but COMMIT found the allocation gone: write again
+        self.full: list[int] = []  # NO_SPACE
+        self.waiting: list[int] = []  # IN_FLIGHT: another writer holds the key
+        self.bad: list[int] = []  # write failed: aborted
+        self.dedup = 0
+        self.first_err: Exception | None = None
+        self.chunks_done: list[dict] = []  # per chunk whose ALLOC answer was used: key index -> generation
+
+    def committed(self, idxs: list[int], oks: list[bool]) -> None:
+        for i, ok in zip(idxs, oks):
+            (self.stored if ok else self.lost).append(i)
 
 
 @dataclass
@@ -193,6 +222,7 @@ class Client:
         """Register ``buf`` for zero-copy transfers (RDMA memory registration); harmless on other transports."""
         mv = as_writable_view(buf, "registered buffer")
         if isinstance(mv, CudaOut):
+            mv.release()
             raise InvalidArgument(self.component, "register_buffer takes host memory")
         with self._lock:
             self._registered.append(mv)
@@ -252,6 +282,7 @@ class Client:
         if parents is not None and len(parents) != len(kb):
             raise InvalidArgument(self.component, f"batch_put: {len(kb)} keys but {len(parents)} parents")
         pb = None if parents is None else [None if p is None else normalize_key(p) for p in parents]
+        sizes = [len(v[0]) if len(v) == 1 else sum(len(x) for x in v) for v in views]
         out = [False] * len(kb)
         with self._lock:
             deadline = self._deadline()
@@ -263,7 +294,7 @@ class Client:
             # a False from put always means the page is there.
             relost = 0
             for attempt in range(1 << 20):  # bounded by the deadline (IN_FLIGHT waits) and by relost < 2
-                stored, lost, full, err, waiting = self._put_once(kb, views, pb, todo, deadline)
+                stored, lost, full, err, waiting = self._put_once(kb, views, sizes, pb, todo, deadline)
                 for i in stored:
                     out[i] = True
                 relost += bool(lost)
@@ -286,71 +317,151 @@ class Client:
                                                  f"commit twice and were not stored")
         return out
 
-    def _put_once(self, kb: list[bytes], views: list[list[memoryview]], parents: list | None, idxs: list[int],
-                  deadline: float) -> tuple[list[int], list[int], list[int], Exception | None, list[int]]:
-        """ALLOC, write, COMMIT the keys at ``idxs``. Returns (stored, lost, no_space, error, in_flight); keys that
-        already existed are in none of the lists. Keys whose write failed are aborted and reported through
-        ``error``. The ALLOC carries a fresh token, so the metaclient's retry of it is answered with the same
-        places."""
-        ns = self.namespace
-        sizes = [sum(len(v) for v in views[i]) for i in idxs]
-        meta: dict[str, Any] = {"ns": ns, "keys": [kb[i] for i in idxs], "sizes": sizes,
+    @staticmethod
+    def _chunks(idxs: list[int], sizes: list[int]) -> list[list[int]]:
+        """Split a batch into chunks of about CHUNK_BYTES (CHUNK_MIN_PAGES..CHUNK_MAX_PAGES pages each)."""
+        chunks, cur, nbytes = [], [], 0
+        for i in idxs:
+            cur.append(i)
+            nbytes += sizes[i]
+            if len(cur) >= CHUNK_MAX_PAGES or (nbytes >= CHUNK_BYTES and len(cur) >= CHUNK_MIN_PAGES):
+                chunks.append(cur)
+                cur, nbytes = [], 0
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _alloc_meta(self, kb: list[bytes], sizes: list[int], parents: list | None, idxs: list[int]) -> dict:
+        meta: dict[str, Any] = {"ns": self.namespace, "keys": [kb[i] for i in idxs], "sizes": [sizes[i] for i in idxs],
                                 "token": int.from_bytes(os.urandom(8), "little") >> 1 or 1}
         if parents is not None:
             meta["parents"] = [parents[i] for i in idxs]
-        items = self._meta.call(wire.Op.ALLOC, meta, deadline)["items"]
+        return meta
+
+    def _put_once(self, kb: list[bytes], views: list[list[memoryview]], sizes: list[int], parents: list | None,
+                  idxs: list[int], deadline: float
+                  ) -> tuple[list[int], list[int], list[int], Exception | None, list[int]]:
+        """ALLOC, write, COMMIT the keys at ``idxs``. Returns (stored, lost, no_space, error, in_flight); keys that
+        already existed are in none of the lists. Keys whose write failed are aborted and reported through
+        ``error``. Each ALLOC carries a fresh token, so the metaclient's retry of it is answered with the same
+        places.
+
+        A batch of more than one chunk (``_chunks``) is pipelined on the metaserver connection: chunk c+1's ALLOC
+        is in flight while chunk c is written, and chunk c's COMMIT while chunk c+1 is written; the call returns
+        once every COMMIT is answered (durable in etcd). A single chunk is one ALLOC and one COMMIT call."""
+        ns = self.namespace
+        meta = self._meta
+        chunks = self._chunks(idxs, sizes)
+        acc = _PutResult()
+        if len(chunks) == 1:
+            items = meta.call(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, idxs), deadline)["items"]
+            ok_idx, gens = self._write_chunk(kb, views, idxs, items, deadline, acc)
+            if ok_idx:
+                committed = meta.call(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
+                                                       "gens": [gens[i] for i in ok_idx]}, deadline)["ok"]
+                acc.committed(ok_idx, committed)
+        else:
+            allocs = [meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, chunks[0]), deadline)]
+            commits: list[tuple[Any, list[int]]] = []
+            try:
+                for c, chunk in enumerate(chunks):
+                    items = meta.result(allocs[c], deadline)["items"]
+                    if c + 1 < len(chunks):
+                        allocs.append(meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, chunks[c + 1]),
+                                                  deadline))
+                    ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc)
+                    if ok_idx:
+                        commits.append((meta.submit(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
+                                                                     "gens": [gens[i] for i in ok_idx]}, deadline),
+                                        ok_idx))
+                for t, ok_idx in commits:
+                    acc.committed(ok_idx, meta.result(t, deadline)["ok"])
+                commits = []
+            except BaseException:
+                self._unwind(kb, allocs, commits, len(acc.chunks_done), deadline)
+                raise
+        self.counters["puts"] += len(acc.stored)
+        self.counters["dedup"] += acc.dedup
+        self.counters["bytes_put"] += sum(sizes[i] for i in acc.stored)
+        err = None
+        if acc.first_err is not None:
+            err = TransportError(self.component, f"batch_put: {len(acc.bad)} of {len(kb)} pages were not stored "
+                                                 f"(aborted): {acc.first_err}")
+            err.__cause__ = acc.first_err
+        return acc.stored, acc.lost, acc.full, err, acc.waiting
+
+    def _write_chunk(self, kb: list[bytes], views: list[list[memoryview]], idxs: list[int], items: list,
+                     deadline: float, acc: "_PutResult") -> tuple[list[int], dict[int, int]]:
+        """Write one chunk's NEW places (every node's transfer in flight together); abort the keys whose write
+        failed. Returns (keys written, their generations). A transport that raises aborts the whole chunk."""
         batches: dict[str, list[WriteOp]] = {}
         index: dict[str, list[int]] = {}
         gens: dict[int, int] = {}
         checksum = self.config.checksum
-        full, waiting = [], []
+        pack = wire.pack_object_header
         for i, item in zip(idxs, items):
-            if item[0] == EXISTS:
-                self.counters["dedup"] += 1
-                continue
-            if item[0] == NO_SPACE:
-                full.append(i)
-                continue
-            if item[0] == IN_FLIGHT:
-                waiting.append(i)
+            state = item[0]
+            if state != NEW:
+                if state == EXISTS:
+                    acc.dedup += 1
+                elif state == NO_SPACE:
+                    acc.full.append(i)
+                elif state == IN_FLIGHT:
+                    acc.waiting.append(i)
                 continue
             _, node_id, off, size, gen, tag, cap = item
             parts = views[i]
             gens[i] = gen
-            header = wire.pack_object_header(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
-            batches.setdefault(node_id, []).append(WriteOp(off, header, parts, size, gen, cap))
-            index.setdefault(node_id, []).append(i)
+            header = pack(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
+            ops = batches.get(node_id)
+            if ops is None:
+                ops = batches[node_id] = []
+                index[node_id] = []
+            ops.append(WriteOp(off, header, parts, size, gen, cap))
+            index[node_id].append(i)
+        acc.chunks_done.append(gens)
         try:
             results = self._run(batches, "write", deadline) if batches else {}
         except UmbpError:
-            self._meta.call(wire.Op.ABORT, {"ns": ns, "keys": [kb[i] for i in gens],
+            self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in gens],
                                             "gens": list(gens.values())}, deadline)
+            acc.chunks_done[-1] = {}
             raise
-        ok_idx, bad_idx, first_err = [], [], None
+        ok_idx, bad_idx = [], []
         for node_id, res in results.items():
+            if not any(res):
+                ok_idx.extend(index[node_id])
+                continue
             for i, r in zip(index[node_id], res):
                 if r is None:
                     ok_idx.append(i)
                 else:
                     bad_idx.append(i)
-                    first_err = first_err or r
+                    acc.first_err = acc.first_err or r
         if bad_idx:
-            self._meta.call(wire.Op.ABORT, {"ns": ns, "keys": [kb[i] for i in bad_idx],
+            self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in bad_idx],
                                             "gens": [gens[i] for i in bad_idx]}, deadline)
-        committed = []
-        if ok_idx:
-            committed = self._meta.call(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
-                                                         "gens": [gens[i] for i in ok_idx]}, deadline)["ok"]
-        stored = [i for i, ok in zip(ok_idx, committed) if ok]
-        lost = [i for i, ok in zip(ok_idx, committed) if not ok]
-        self.counters["puts"] += len(stored)
-        self.counters["bytes_put"] += sum(sum(len(v) for v in views[i]) for i in stored)
-        err = None
-        if first_err is not None:
-            err = TransportError(self.component, f"batch_put: {len(bad_idx)} of {len(kb)} pages were not stored "
-                                                 f"(aborted): {first_err}")
-            err.__cause__ = first_err
-        return stored, lost, full, err, waiting
+            acc.bad.extend(bad_idx)
+        return ok_idx, gens
+
+    def _unwind(self, kb: list[bytes], allocs: list, commits: list, written: int, deadline: float) -> None:
+        """A pipelined put is failing: give back the places of ALLOCs whose chunk was not written (so they do not
+        wait out the pending TTL) and collect the COMMITs in flight; best effort, the original error is raised."""
+        for t in allocs[written:]:
+            try:
+                items = self._meta.result(t, deadline)["items"]
+                keys = [k for k, item in zip(t.meta["keys"], items) if item[0] == NEW]
+                if keys:
+                    self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": keys,
+                                                    "gens": [item[4] for item in items if item[0] == NEW]}, deadline)
+            except UmbpError:
+                break
+        try:
+            for t, _ in commits:
+                self._meta.result(t, deadline)
+        except UmbpError:
+            pass
+        self._meta.forget([t for t in allocs] + [t for t, _ in commits])
 
     def put(self, key: Any, value: Any) -> bool:
         return self.batch_put([key], [value])[0]
@@ -359,70 +470,95 @@ class Client:
 
     def _get(self, keys: Sequence[Any], segs: list[list[tuple[int, int, Any]]] | None) -> tuple[list[int], list]:
         """Read pages. ``segs[i]`` lists (start, length, dest) of page i, dest a writable view or ``CudaOut``
-        (length -1: the whole payload, which must fit dest); ``segs=None`` reads every page into a new bytearray.
-        Returns (bytes written per key or -1 for a miss, the bytearrays when ``segs`` is None)."""
+        (length -1: the whole payload, which must fit dest); ``segs=None`` reads every page into a new ``bytes``.
+        Returns (bytes written per key or -1 for a miss, the new objects when ``segs`` is None)."""
         kb = [normalize_key(k) for k in keys]
         ns = self.namespace
-        with self._lock:
-            deadline = self._deadline()
-            reply = self._meta.call(wire.Op.LOOKUP, {"ns": ns, "keys": kb}, deadline)
-            lease, locs = reply.get("lease", 0), reply["locs"]
-            try:
-                batches: dict[str, list[ReadOp]] = {}
-                index: dict[str, list[int]] = {}
-                fresh: list[Any] = [None] * len(kb)
-                for i, loc in enumerate(locs):
-                    if loc is None:
-                        continue
-                    node_id, off, size, gen, khash, cap = loc
-                    if segs is None:
-                        fresh[i] = bytearray(size)
-                        page_segs = [(0, size, memoryview(fresh[i]))]
-                    else:
-                        page_segs = segs[i]
-                    for j, (start, length, dest) in enumerate(page_segs):
-                        if length < 0:
-                            start, length = 0, size
-                        view = dest.view if isinstance(dest, CudaOut) else dest
-                        if start + length > size:
-                            raise InvalidArgument(self.component, f"range {j} of key {i} ({start}+{length}) lies "
-                                                                  f"outside the page's {size} bytes")
-                        if len(view) < length:
-                            raise InvalidArgument(self.component, f"out {j} of key {i} holds {len(view)} bytes "
-                                                                  f"but {length} are to be read")
-                        batches.setdefault(node_id, []).append(ReadOp(off, start, length, khash, gen, size, view,
-                                                                      cap))
-                        index.setdefault(node_id, []).append(i)
-                results = self._run(batches, "read", deadline) if batches else {}
-            finally:
-                if lease:
-                    self._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, deadline)
-        got = [0 if loc is not None else -1 for loc in locs]
-        corrupt: Exception | None = None
-        for node_id, res in results.items():
-            for op, i, r in zip(batches[node_id], index[node_id], res):
-                if r is None:
-                    if got[i] >= 0:
-                        got[i] += op.length
-                    continue
-                got[i] = -1  # any range of a page missing makes the page a miss
-                if isinstance(r, (CorruptionError, DeadlineExceeded)) or (
-                        isinstance(r, RemoteError) and not isinstance(r, NotFound)):
-                    corrupt = corrupt or r  # raised: a timeout is not a miss, a refusal is not a miss
-                # TransportError, NotFound: the page's node is gone or no longer has it: a miss
-        if corrupt is not None:
-            raise corrupt
+        cuda: list[CudaOut] = []
         if segs is not None:
-            for i, page_segs in enumerate(segs):
-                if got[i] >= 0:
-                    for start, length, dest in page_segs:
-                        if isinstance(dest, CudaOut):
-                            dest.flush(locs[i][2] if length < 0 else length)
-        hits = sum(1 for g in got if g >= 0)
-        self.counters["gets"] += hits
-        self.counters["misses"] += len(kb) - hits
-        self.counters["bytes_got"] += sum(g for g in got if g > 0)
+            cuda = [d for page in segs for _s, _l, d in page if type(d) is CudaOut]
+        try:
+            with self._lock:
+                deadline = self._deadline()
+                reply = self._meta.call(wire.Op.LOOKUP, {"ns": ns, "keys": kb}, deadline)
+                lease, locs = reply.get("lease", 0), reply["locs"]
+                try:
+                    batches, index, fresh = self._read_ops(locs, segs)
+                    results = self._run(batches, "read", deadline) if batches else {}
+                finally:
+                    if lease:
+                        self._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, deadline)
+            got = [0 if loc is not None else -1 for loc in locs]
+            corrupt: Exception | None = None
+            for node_id, res in results.items():
+                ops = batches[node_id]
+                if not any(res):
+                    for op, i in zip(ops, index[node_id]):
+                        if got[i] >= 0:
+                            got[i] += op.length
+                    continue
+                for op, i, r in zip(ops, index[node_id], res):
+                    if r is None:
+                        if got[i] >= 0:
+                            got[i] += op.length
+                        continue
+                    got[i] = -1  # any range of a page missing makes the page a miss
+                    if isinstance(r, (CorruptionError, DeadlineExceeded)) or (
+                            isinstance(r, RemoteError) and not isinstance(r, NotFound)):
+                        corrupt = corrupt or r  # raised: a timeout is not a miss, a refusal is not a miss
+                    # TransportError, NotFound: the page's node is gone or no longer has it: a miss
+            if corrupt is not None:
+                raise corrupt
+            if cuda:
+                todo = []
+                for i, page_segs in enumerate(segs):
+                    if got[i] >= 0:
+                        for start, length, dest in page_segs:
+                            if type(dest) is CudaOut:
+                                todo.append((dest, locs[i][2] if length < 0 else length))
+                flush_cuda(todo)  # every page's copy queued, one wait; the pinned buffers go back to the pool
+        finally:
+            for d in cuda:
+                d.release()
+        hits = len(kb) - got.count(-1)
+        counters = self.counters
+        counters["gets"] += hits
+        counters["misses"] += len(kb) - hits
+        counters["bytes_got"] += sum(got) + (len(kb) - hits)
         return got, fresh
+
+    def _read_ops(self, locs: list, segs: list | None) -> tuple[dict[str, list[ReadOp]], dict[str, list[int]], list]:
+        """The read ops of a LOOKUP answer, by node (and the page index of each op), checked against the outs."""
+        batches: dict[str, list[ReadOp]] = {}
+        index: dict[str, list[int]] = {}
+        fresh: list[Any] = [None] * len(locs)
+        for i, loc in enumerate(locs):
+            if loc is None:
+                continue
+            node_id, off, size, gen, khash, cap = loc
+            ops = batches.get(node_id)
+            if ops is None:
+                ops = batches[node_id] = []
+                index[node_id] = []
+            idx = index[node_id]
+            if segs is None:
+                fresh[i], view = new_bytes(size)
+                ops.append(ReadOp(off, 0, size, khash, gen, size, view, cap))
+                idx.append(i)
+                continue
+            for j, (start, length, dest) in enumerate(segs[i]):
+                if length < 0:
+                    start, length = 0, size
+                view = dest.view if type(dest) is CudaOut else dest
+                if start + length > size:
+                    raise InvalidArgument(self.component, f"range {j} of key {i} ({start}+{length}) lies "
+                                                          f"outside the page's {size} bytes")
+                if len(view) < length:
+                    raise InvalidArgument(self.component, f"out {j} of key {i} holds {len(view)} bytes "
+                                                          f"but {length} are to be read")
+                ops.append(ReadOp(off, start, length, khash, gen, size, view, cap))
+                idx.append(i)
+        return batches, index, fresh
 
     def batch_get_into(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[int]:
         if len(outs) != len(keys):
@@ -465,8 +601,12 @@ class Client:
         return self.batch_get_into([key], [out])[0]
 
     def get(self, key: Any) -> bytes | None:
+        """The page's bytes (read straight into the ``bytes`` object returned: no second copy), or None."""
         sizes, fresh = self._get([key], None)
-        return bytes(fresh[0]) if sizes[0] >= 0 else None
+        if sizes[0] < 0:
+            return None
+        page = fresh[0]
+        return bytes(page) if type(page) is bytearray else page
 
     @contextlib.contextmanager
     def mapped(self, keys: Sequence[Any]):

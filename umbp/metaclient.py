@@ -14,6 +14,13 @@ directory-only requests and ALLOC (the client's allocation token gets the same p
 of its deadline on one address leaves the next call starting at the next address, so a leader whose host went
 silent (no RST) costs one call, not every call.
 
+Pipelining (``submit`` then ``result``): several requests in flight on the one connection, answers matched by
+request id (the metaserver may answer a COMMIT waiting on etcd after a later ALLOC). A batch put overlaps its
+chunks' COMMITs with the next chunks' ALLOCs and writes this way. ``result`` is ``call``'s contract: when the
+pipelined attempt fails for a retryable reason (connection lost, NOT_LEADER, UNAVAILABLE, no answer in time) it
+falls back to ``call`` for that request, which is safe for the idempotent requests pipelined (ALLOC with a token,
+COMMIT, LOOKUP).
+
 Thread-safe: one lock serialises use of the single connection (a client issues one metaserver call per batch).
 """
 
@@ -23,13 +30,26 @@ import threading
 import time
 from typing import Any
 
+from transport import wire
 from transport.tcp import FramedSocket
-from umbp.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
+from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, TransportError, Unavailable
 
 _RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
 ATTEMPT_S = 5.0  # one request's answer, unless the call's deadline is nearer
 CONNECT_S = 2.0  # connecting and the handshake: a black-holed host (no RST) costs this, not ATTEMPT_S
 REFUSED_PASSES = 4  # connection refused at every address this many times in a row: fail now (about 0.5 s)
+
+
+class Ticket:
+    """A request sent by ``MetaClient.submit`` whose answer ``MetaClient.result`` collects."""
+
+    __slots__ = ("op", "meta", "rid", "conn")
+
+    def __init__(self, op: int, meta: Any):
+        self.op = op
+        self.meta = meta
+        self.rid = 0
+        self.conn: FramedSocket | None = None  # None: not sent (result() makes the full call)
 
 
 class MetaClient:
@@ -39,7 +59,9 @@ class MetaClient:
         self.token = token
         self._conn: FramedSocket | None = None
         self._idx = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._waiting: dict[int, Ticket | None] = {}  # request id -> ticket awaiting its answer (None: forgotten)
+        self._inbox: dict[int, wire.Frame] = {}  # answers that arrived while another one was awaited
         self.sent: dict[int, int] = {}  # requests sent per opcode, retries included (observability, tests)
 
     @property
@@ -64,7 +86,7 @@ class MetaClient:
                 try:
                     conn = self._connect(attempt_end)
                     self.sent[op] = self.sent.get(op, 0) + 1
-                    return conn.request(op, meta, attempt_end).meta
+                    return self._roundtrip(conn, op, meta, attempt_end)
                 except NotLeader as e:
                     last, refused = e, 0
                     self._drop()
@@ -105,6 +127,76 @@ class MetaClient:
                 time.sleep(_RETRY_SLEEP[min(attempt, 4)] if attempt >= len(self.addrs) else 0)
                 attempt += 1
 
+    def _roundtrip(self, conn: FramedSocket, op: int, meta: Any, deadline: float) -> Any:
+        rid = conn.next_id()
+        conn.send([wire.encode(op, rid, meta)], deadline)
+        frame = self._await(conn, rid, deadline)
+        wire.raise_for_status(frame, conn.component)
+        return frame.meta
+
+    def _await(self, conn: FramedSocket, rid: int, deadline: float) -> wire.Frame:
+        """The answer to ``rid``; answers to other outstanding requests that come first are kept for them."""
+        frame = self._inbox.pop(rid, None)
+        while frame is None:
+            got = conn.recv_frame(deadline)
+            if got.request_id == rid:
+                return got
+            if got.request_id not in self._waiting:
+                conn.close()
+                raise ProtocolError(conn.component, f"answer for request {got.request_id}, expected {rid}")
+            if self._waiting[got.request_id] is not None:
+                self._inbox[got.request_id] = got
+            else:
+                del self._waiting[got.request_id]  # forgotten: its answer is dropped
+        return frame
+
+    def submit(self, op: int, meta: Any, deadline: float) -> Ticket:
+        """Send a request and return at once; ``result`` waits for its answer. Never raises: a request that could
+        not be sent is made in full by ``result``."""
+        t = Ticket(op, meta)
+        with self._lock:
+            try:
+                conn = self._connect(min(deadline, time.monotonic() + CONNECT_S))
+                t.rid = conn.next_id()
+                self.sent[op] = self.sent.get(op, 0) + 1
+                conn.send([wire.encode(op, t.rid, meta)], deadline)
+            except TransportError:
+                self._drop()
+                return t
+            t.conn = conn
+            self._waiting[t.rid] = t
+        return t
+
+    def result(self, t: Ticket, deadline: float) -> Any:
+        """The answer's meta for a submitted request (``call``'s contract: raises what ``call`` raises)."""
+        with self._lock:
+            if t.conn is not None and t.conn is self._conn and not t.conn.closed:
+                try:
+                    frame = self._await(t.conn, t.rid, min(deadline, time.monotonic() + ATTEMPT_S))
+                    self._waiting.pop(t.rid, None)
+                    wire.raise_for_status(frame, t.conn.component)
+                    return frame.meta
+                except (NotLeader, Unavailable, TransportError, ProtocolError):
+                    self._waiting.pop(t.rid, None)
+                    if time.monotonic() >= deadline:
+                        raise
+                    if t.conn is self._conn and t.conn.closed:
+                        self._drop()
+                    # retried in full below (a NOT_LEADER or UNAVAILABLE answer keeps the connection for call)
+            t.conn = None
+            return self.call(t.op, t.meta, deadline)
+
+    def forget(self, tickets) -> None:
+        """Give up on submitted requests (an error elsewhere ended the batch): their answers are dropped."""
+        with self._lock:
+            for t in tickets:
+                if t.conn is not None and t.conn is self._conn and t.rid in self._waiting:
+                    if self._inbox.pop(t.rid, None) is not None:
+                        del self._waiting[t.rid]
+                    else:
+                        self._waiting[t.rid] = None
+                t.conn = None
+
     def send_noreply(self, op: int, meta: Any, deadline: float) -> None:
         """Fire and forget (lease releases): never retried, never raises on transport failure."""
         with self._lock:
@@ -117,6 +209,8 @@ class MetaClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        self._waiting.clear()  # their answers can no longer come: result() retries them in full
+        self._inbox.clear()
 
     def close(self) -> None:
         with self._lock:

@@ -4,8 +4,11 @@ What it does:
 - maps its arena (``umbp.arena``), reopening the same file when restarted with the same ``--node-id``;
 - registers with the metaserver (which holds its etcd lease) and heartbeats every ``lease_ttl / 3``; when the
   metaserver connection drops it re-registers with whichever metaserver leads, bounded backoff between tries;
-- serves READ and WRITE of arena ranges over TCP (uvloop): WRITE payloads are received straight into the arena
-  (``FrameReader`` sink), READ answers are two ``transport.write`` calls from the mapped arena, no copies;
+- serves READ and WRITE of arena ranges over TCP (uvloop), one object per frame or a batch per frame (READV,
+  WRITEV: what clients send): written objects are received straight into their slots (``FrameReader`` sink, a
+  scatter list for WRITEV), read answers point into the mapped arena; the answers to everything one receive
+  completed go out in one ``writelines`` (one ``writev``). Per object in a batch: a range check, a capability
+  check (closed pools), a header check on reads, no copies;
 - answers ARENA_INFO so same-host clients can map the arena (shm transport).
 
 The node keeps no directory: the metaserver decides which ranges hold which objects. The node checks that every
@@ -78,9 +81,9 @@ class NodeServer:
             raise BadRequest(self.component, f"{what}: range {offset}+{length} outside the data region "
                                               f"[{self.data_start}, {self.data_end}) or unaligned")
 
-    def write_sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | None:
-        """Where a WRITE's data goes: its slot in the arena, once range and capability check out. Other opcodes
-        carry no data (the reader refuses it without allocating)."""
+    def write_sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
+        """Where a WRITE's data goes: its slot in the arena, once range and capability check out (a WRITEV's:
+        ``writev_pieces``). Other opcodes carry no data (the reader refuses it without allocating)."""
         if op != wire.Op.WRITE:
             raise BadRequest(self.component, f"opcode {op} carries no data")
         if not isinstance(meta, list) or len(meta) != 3 or type(meta[1]) is not int:
@@ -91,6 +94,33 @@ class NodeServer:
         check_capability(self.cap_key, meta[2], b"w", meta[0], data_len - wire.OBJ_HEADER_SIZE, meta[1],
                          self.component)
         return self.arena.view[meta[0]:meta[0] + data_len]
+
+    def writev_pieces(self, meta: Any, data_len: int) -> tuple[list, list]:
+        """Where a WRITEV's data goes, every object checked (range, capability) before a byte lands: a scatter list
+        (``wire.Sink``), each object's slot or, when refused, a count of bytes to discard; and the refused ones as
+        ``[index, status, message]``. A malformed list refuses the whole frame (BadRequest)."""
+        if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
+            raise BadRequest(self.component, f"WRITEV: meta must be a list of 1..{wire.MAX_VEC_OPS} "
+                                             f"[offset, generation, capability, nbytes]")
+        view, cap_key, hs = self.arena.view, self.cap_key, wire.OBJ_HEADER_SIZE
+        pieces, failures, total = [], [], 0
+        for i, m in enumerate(meta):
+            if type(m) is not list or len(m) != 4 or type(m[1]) is not int or type(m[3]) is not int or m[3] < hs:
+                raise BadRequest(self.component, f"WRITEV: op {i} must be [offset, generation, capability, nbytes "
+                                                  f">= {hs}]")
+            off, gen, cap, n = m
+            total += n
+            try:
+                self.check_range(off, n, "WRITEV")
+                check_capability(cap_key, cap, b"w", off, n - hs, gen, self.component)
+            except RemoteError as e:
+                failures.append([i, e.code or wire.Status.BAD_REQUEST, str(e)])
+                pieces.append(n)
+                continue
+            pieces.append(view[off:off + n])
+        if total != data_len:
+            raise BadRequest(self.component, f"WRITEV: objects add up to {total} bytes, the frame carries {data_len}")
+        return pieces, failures
 
     def arena_info(self) -> dict:
         return {"node_id": self.node_id, "arena_id": self.arena.arena_id, "arena_path": self.arena.path,
@@ -132,7 +162,10 @@ class NodeServer:
 
 
 class DataProtocol(asyncio.BufferedProtocol):
-    """One client connection: frames in, answers out, in request order."""
+    """One client connection: frames in, answers out, in request order.
+
+    Answers to every frame completed by one receive are written together (``transport.writelines``: one
+    ``writev`` for a pipelined batch, not two sends per object); READ/READV answers point into the mapped arena."""
 
     def __init__(self, node: NodeServer):
         self.node = node
@@ -142,9 +175,14 @@ class DataProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.rdma_eps: list = []  # RDMA endpoints this client set up over this connection
         self.last_active = 0.0
+        self.vec_failures: list = []  # the WRITEV whose data is arriving: its refused objects
+        self._out: list = []  # answers not yet handed to the transport
 
-    def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | None:
+    def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
         self.auth.require()  # no byte of an unauthenticated peer reaches the arena
+        if op == wire.Op.WRITEV:
+            pieces, self.vec_failures = self.node.writev_pieces(meta, data_len)
+            return pieces
         return self.node.write_sink(op, rid, meta, data_len)
 
     def connection_lost(self, exc):
@@ -184,12 +222,17 @@ class DataProtocol(asyncio.BufferedProtocol):
             return
         for frame, err in frames:
             self.handle(frame, err)
+        if self._out:
+            out, self._out = self._out, []
+            self.transport.writelines(out)
         if self.reader.poisoned is not None:  # good frames answered first, then the bad header
             self._unframeable(self.reader.poisoned)
 
     def _unframeable(self, e: ProtocolError) -> None:
         self.node.stats["errors"] += 1
-        self.transport.write(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e)))
+        out, self._out = self._out, []
+        out.append(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e)))
+        self.transport.writelines(out)
         self.transport.close()
 
     def pause_writing(self):
@@ -201,20 +244,31 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     def handle(self, frame: wire.Frame, err: Exception | None) -> None:
         node = self.node
-        write = self.transport.write
+        out = self._out
         if err is not None:
             node.stats["errors"] += 1
-            write(wire.encode_error(frame.op, frame.request_id, getattr(err, "code", 0) or wire.Status.BAD_REQUEST,
-                                    str(err)))
+            out.append(wire.encode_error(frame.op, frame.request_id,
+                                         getattr(err, "code", 0) or wire.Status.BAD_REQUEST, str(err)))
             return
         try:
             op = frame.op
             if op not in (wire.Op.HELLO, wire.Op.AUTH, wire.Op.PING):
                 self.auth.require()
+            if op == wire.Op.READV:
+                self.readv(frame)
+                return
             if op == wire.Op.READ:
                 self.read(frame)
                 return
-            if op == wire.Op.WRITE:
+            if op == wire.Op.WRITEV:
+                if not frame.data_len:  # with data, the sink validated the list before any of it landed
+                    raise BadRequest(node.component, "WRITEV: no data")
+                failures, self.vec_failures = self.vec_failures, []
+                node.stats["writes"] += len(frame.meta) - len(failures)
+                node.stats["bytes_written"] += frame.data_len  # refused objects' bytes included: they arrived
+                node.stats["errors"] += len(failures)
+                reply = failures or None
+            elif op == wire.Op.WRITE:
                 if frame.data_len < wire.OBJ_HEADER_SIZE:  # with data, the sink validated it before it landed
                     raise BadRequest(node.component, "WRITE: data shorter than an object header")
                 node.stats["writes"] += 1
@@ -233,18 +287,18 @@ class DataProtocol(asyncio.BufferedProtocol):
                     raise BadRequest(node.component, "RDMA_CONNECT: this node has no RDMA device")
                 reply = node.rdma.accept(frame.meta, self.rdma_eps)
             else:
-                write(wire.encode_error(op, frame.request_id, wire.Status.UNKNOWN_OPCODE,
-                                        f"{node.component}: unknown opcode {op}"))
+                out.append(wire.encode_error(op, frame.request_id, wire.Status.UNKNOWN_OPCODE,
+                                             f"{node.component}: unknown opcode {op}"))
                 node.stats["errors"] += 1
                 return
             if not frame.flags & wire.Flag.NO_REPLY:
-                write(wire.encode(op, frame.request_id, reply, flags=wire.Flag.RESPONSE))
+                out.append(wire.encode(op, frame.request_id, reply, flags=wire.Flag.RESPONSE))
         except RemoteError as e:
             node.stats["errors"] += 1
-            write(wire.encode_error(frame.op, frame.request_id, e.code or wire.Status.BAD_REQUEST, str(e)))
+            out.append(wire.encode_error(frame.op, frame.request_id, e.code or wire.Status.BAD_REQUEST, str(e)))
         except UmbpError as e:
             node.stats["errors"] += 1
-            write(wire.encode_error(frame.op, frame.request_id, wire.Status.INTERNAL, str(e)))
+            out.append(wire.encode_error(frame.op, frame.request_id, wire.Status.INTERNAL, str(e)))
 
     def read(self, frame: wire.Frame) -> None:
         node = self.node
@@ -262,15 +316,70 @@ class DataProtocol(asyncio.BufferedProtocol):
         try:
             wire.check_object_header(head, node.component, khash, gen, plen)
         except CorruptionError as e:
-            self.transport.write(wire.encode_error(frame.op, frame.request_id, wire.Status.CORRUPT, str(e)))
+            self._out.append(wire.encode_error(frame.op, frame.request_id, wire.Status.CORRUPT, str(e)))
             return
         node.stats["reads"] += 1
         node.stats["bytes_read"] += length
         src = off + wire.OBJ_HEADER_SIZE + start
-        self.transport.write(wire.encode(frame.op, frame.request_id, None, flags=wire.Flag.RESPONSE,
-                                         data_len=wire.OBJ_HEADER_SIZE + length) + bytes(head))
+        self._out.append(wire.encode(frame.op, frame.request_id, None, flags=wire.Flag.RESPONSE,
+                                     data_len=wire.OBJ_HEADER_SIZE + length) + bytes(head))
         if length:
-            self.transport.write(view[src:src + length])
+            self._out.append(view[src:src + length])
+
+    def readv(self, frame: wire.Frame) -> None:
+        """A batch of reads, one answer: every object checked first (range, capability, header), then one frame
+        whose data is each served object's header and payload range, straight from the arena (no copies), and whose
+        meta lists the failed ones. A malformed list fails the whole frame (BadRequest)."""
+        node = self.node
+        meta = frame.meta
+        if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
+            raise BadRequest(node.component, f"READV: meta must be a list of 1..{wire.MAX_VEC_OPS} [offset, start, "
+                                             f"length, tag, gen, payload_len, capability]")
+        view, cap_key, comp, hs = node.arena.view, node.cap_key, node.component, wire.OBJ_HEADER_SIZE
+        lo, hi = node.data_start, node.data_end
+        check_header = wire.check_object_header
+        bufs: list = []
+        failures: list = []
+        total = 0
+        for i, m in enumerate(meta):
+            if type(m) is not list or len(m) != 7:
+                raise BadRequest(comp, f"READV: op {i} must be [offset, start, length, tag, gen, payload_len, "
+                                       f"capability]")
+            off, start, length, khash, gen, plen, cap = m
+            if not (type(off) is int and type(start) is int and type(length) is int and type(khash) is int
+                    and type(gen) is int and type(plen) is int):
+                raise BadRequest(comp, f"READV: op {i}: offset, start, length, tag, gen and payload_len must be "
+                                       f"integers")
+            try:
+                if off < lo or off % wire.ALIGN or plen < 0 or off + hs + plen > hi:
+                    raise BadRequest(comp, f"READV: range {off}+{hs + plen} outside the data region [{lo}, {hi}) "
+                                           f"or unaligned")
+                if cap_key is not None:
+                    check_capability(cap_key, cap, b"r", off, plen, gen, comp)
+                if start < 0 or length < 0 or start + length > plen:
+                    raise BadRequest(comp, f"READV: range {start}+{length} outside the payload of {plen}")
+                check_header(view[off:off + hs], comp, khash, gen, plen)
+            except RemoteError as e:
+                failures.append([i, e.code or wire.Status.BAD_REQUEST, str(e)])
+                continue
+            except CorruptionError as e:
+                failures.append([i, wire.Status.CORRUPT, str(e)])
+                continue
+            if start == 0:
+                bufs.append(view[off:off + hs + length])
+            else:
+                bufs.append(view[off:off + hs])
+                if length:
+                    bufs.append(view[off + hs + start:off + hs + start + length])
+            total += hs + length
+        stats = node.stats
+        stats["reads"] += len(meta) - len(failures)
+        stats["bytes_read"] += total - hs * (len(meta) - len(failures))
+        stats["errors"] += len(failures)
+        out = self._out
+        out.append(wire.encode(frame.op, frame.request_id, failures or None, flags=wire.Flag.RESPONSE,
+                               data_len=total))
+        out.extend(bufs)
 
 
 class MetaLink:
