@@ -23,8 +23,17 @@ coalesce with their neighbours. With uniform object sizes there is no fragmentat
 Invariants (checked by ``check()`` in tests): free and allocated extents are disjoint, cover the region exactly,
 no two free extents touch, ``used + free == capacity``.
 
-Costs: ``alloc`` O(1) for exact bins, O(SCAN_LIMIT + log) otherwise; ``free`` O(1); ``rebuild`` O(n log n).
-Memory: one dict entry per allocated object and about three per free extent.
+Tracking: by default the allocator remembers every allocated extent (``start -> length``), so ``free`` refuses a
+double free or a wrong size and ``check()`` verifies the tiling by itself. The page directory passes
+``track=False``: its entries already record each object's extent, and at 10 M pages the allocator's copy (one dict
+slot and one int per object, about 70 bytes) was a fifth of the metaserver's memory. Untracked, ``free`` still refuses
+an extent outside the region or one that starts or ends a free extent (the double free of an extent that did not
+merge with a neighbour), ``is_allocated`` answers "not free", and ``check(extents)`` takes the allocated extents
+from the caller.
+
+Costs: ``alloc`` O(1) for exact bins, O(SCAN_LIMIT + log) otherwise; ``free`` O(1); ``rebuild`` O(n log n);
+``reserve`` (an exact extent) O(1) at the start of a free extent, else O(free extents).
+Memory: about three dict entries per free extent, plus one per allocated object when tracking.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ class Allocator:
 
     __slots__ = ("base", "capacity", "units", "used_units", "_free", "_ends", "_bins", "_mask", "_allocated")
 
-    def __init__(self, base: int, capacity: int):
+    def __init__(self, base: int, capacity: int, *, track: bool = True):
         self.base = base
         self.units = capacity // UNIT
         self.capacity = self.units * UNIT
@@ -56,7 +65,7 @@ class Allocator:
         self._ends: dict[int, int] = {}  # end unit (exclusive) -> start unit
         self._bins: dict[int, dict[int, None]] = {}  # bin -> ordered set of start units
         self._mask = 0  # bit b set <=> bin b non-empty
-        self._allocated: dict[int, int] = {}  # start unit -> length in units
+        self._allocated: dict[int, int] | None = {} if track else None  # start unit -> length in units
         if self.units:
             self._add_free(0, self.units)
 
@@ -131,19 +140,27 @@ class Allocator:
         length = self._del_free(start)
         if length > need:
             self._add_free(start + need, length - need)
-        self._allocated[start] = need
+        if self._allocated is not None:
+            self._allocated[start] = need
         self.used_units += need
         return self.base + start * UNIT
 
     def free(self, offset: int, size: int) -> None:
         """Return the extent at ``offset`` to the free lists, merging with free neighbours.
 
-        Raises ValueError on a double free or a size that does not match the allocation (a directory bug)."""
+        Raises ValueError on a double free or a size that does not match the allocation (a directory bug); untracked,
+        only on an extent outside the region or one that starts or ends a free extent."""
         start = (offset - self.base) // UNIT
-        length = self._allocated.get(start)
-        if length is None or length != -(-size // UNIT):
-            raise ValueError(f"allocator: free of {size} bytes at {offset} does not match an allocation")
-        del self._allocated[start]
+        if self._allocated is not None:
+            length = self._allocated.get(start)
+            if length is None or length != -(-size // UNIT):
+                raise ValueError(f"allocator: free of {size} bytes at {offset} does not match an allocation")
+            del self._allocated[start]
+        else:
+            length = -(-size // UNIT)
+            if (start < 0 or length <= 0 or start + length > self.units or start in self._free
+                    or start + length in self._ends):
+                raise ValueError(f"allocator: free of {size} bytes at {offset} overlaps free space or the end")
         self.used_units -= length
         end = start + length
         nxt = self._free.get(end)
@@ -156,8 +173,44 @@ class Allocator:
             start = prev
         self._add_free(start, length)
 
+    def reserve(self, offset: int, size: int) -> bool:
+        """Allocate exactly ``[offset, offset + size)`` if all of it is free and inside the region; False otherwise
+        (nothing changes). For a warm standby replaying the leader's placements (``metaserver/standby.py``).
+        O(1) when ``offset`` starts a free extent (the leader allocated from the same layout), else O(free extents):
+        the extent is then inside a larger free one, split around it."""
+        rel = offset - self.base
+        need = -(-size // UNIT)
+        start = rel // UNIT
+        if rel < 0 or rel % UNIT or need <= 0 or start + need > self.units:
+            return False
+        fs = start if start in self._free else -1
+        if fs < 0:
+            for s, ln in self._free.items():
+                if s < start < s + ln:
+                    fs = s
+                    break
+            else:
+                return False
+        end = fs + self._free[fs]
+        if start + need > end:
+            return False
+        self._del_free(fs)
+        if start > fs:
+            self._add_free(fs, start - fs)
+        if end > start + need:
+            self._add_free(start + need, end - start - need)
+        if self._allocated is not None:
+            self._allocated[start] = need
+        self.used_units += need
+        return True
+
     def is_allocated(self, offset: int) -> bool:
-        return (offset - self.base) // UNIT in self._allocated
+        """Tracked: ``offset`` starts an allocated extent. Untracked: the unit at ``offset`` is in the region and not
+        free (O(free extents))."""
+        unit = (offset - self.base) // UNIT
+        if self._allocated is not None:
+            return unit in self._allocated
+        return 0 <= unit < self.units and not any(s <= unit < s + n for s, n in self._free.items())
 
     def rebuild(self, extents: list[tuple[int, int]]) -> list[int]:
         """Reset to exactly ``extents`` [(offset, size)] allocated; return the indexes of extents rejected because
@@ -166,7 +219,8 @@ class Allocator:
         self._ends.clear()
         self._bins.clear()
         self._mask = 0
-        self._allocated.clear()
+        if self._allocated is not None:
+            self._allocated.clear()
         self.used_units = 0
         order = sorted(range(len(extents)), key=lambda i: extents[i][0])
         rejected: list[int] = []
@@ -180,17 +234,27 @@ class Allocator:
                 continue
             if start > cursor:
                 self._add_free(cursor, start - cursor)
-            self._allocated[start] = need
+            if self._allocated is not None:
+                self._allocated[start] = need
             self.used_units += need
             cursor = start + need
         if cursor < self.units:
             self._add_free(cursor, self.units - cursor)
         return sorted(rejected)
 
-    def check(self) -> None:
-        """Assert the invariants (tests only; O(n log n))."""
+    def check(self, extents: list[tuple[int, int]] | None = None) -> None:
+        """Assert the invariants (tests only; O(n log n)). ``extents`` [(offset, size)]: the allocated extents as the
+        caller knows them (required when untracked; when tracking, they must be exactly the tracked ones)."""
+        if extents is not None:
+            used = {(off - self.base) // UNIT: -(-size // UNIT) for off, size in extents}
+            assert len(used) == len(extents), "two extents start at the same unit"
+            if self._allocated is not None:
+                assert used == self._allocated, "the caller's extents are not the allocated ones"
+        else:
+            assert self._allocated is not None, "an untracked allocator checks against the caller's extents"
+            used = self._allocated
         spans = sorted([(s, n, "free") for s, n in self._free.items()] +
-                       [(s, n, "used") for s, n in self._allocated.items()])
+                       [(s, n, "used") for s, n in used.items()])
         cursor, prev_kind = 0, None
         for s, n, kind in spans:
             assert s == cursor, f"gap or overlap at unit {s} (expected {cursor})"
@@ -198,7 +262,7 @@ class Allocator:
             assert self._ends[s + n] == s if kind == "free" else True
             cursor, prev_kind = s + n, kind
         assert cursor == self.units, "extents do not cover the region"
-        assert sum(self._allocated.values()) == self.used_units
+        assert sum(used.values()) == self.used_units
         assert sum(len(m) for m in self._bins.values()) == len(self._free)
         for b, members in self._bins.items():
             assert self._mask >> b & 1 and members

@@ -6,78 +6,271 @@ afterwards; nothing here awaits, so a request's bookkeeping is atomic with respe
 
 Entry lifecycle::
 
-    alloc -> PENDING --commit--> READY --remove / evict / node loss--> gone
-                 \\--abort / pending_ttl expiry--> gone (never persisted, so nothing to delete)
+    alloc -> PENDING --commit--> READY --remove / evict / node loss--> GONE
+                 \\--abort / pending_ttl expiry--> GONE (never persisted, so nothing to delete)
 
-Invariants:
+Invariants (``check()``):
 
-- ``ready[ns]`` holds exactly the READY entries of ``entries[ns]``; EXISTS, PREFIX and LOOKUP read only it.
+- ``ready[ns]`` holds exactly the READY entries, ``pending_keys[ns]`` exactly the PENDING ones (a key is in at most
+  one of them); ``entries`` is a read-only view of both. EXISTS, PREFIX and LOOKUP read only ``ready``.
 - Every live entry owns one allocator extent on its node's ``NodeSpace``; a gone entry still pinned by a read lease
   (a *zombie*) keeps its extent until its last pin goes, so a reader never races a new writer into the same bytes.
 - The eviction policy holds exactly the READY, unpinned, live entries: PENDING and pinned ones can never be evicted.
+- A READY entry naming a parent is *linked* (``up`` is the parent's Entry, and it is among the parent's ``kids``)
+  exactly when that parent is READY; otherwise ``up`` is the parent's key and the entry waits in ``orphans`` to be
+  adopted if the parent arrives.
 - ``used <= capacity`` per node (the allocator enforces it) and in total (totals sum live nodes only).
 - Generations come from the caller (reserved from etcd), unique and increasing across restarts.
 
+Memory (the figure that decides how many pages one metaserver holds; ``bench/scale.py`` measures it): a READY page
+is its key (the caller's bytes object), one ``Entry`` of 14 slots, its offset and generation ints, and one slot of
+``ready[ns]``. Nothing else is per page: the payload length is interned (pages of a namespace share a size), the
+namespace string is interned, the parent's key is the parent entry's own key object whenever the parent is known,
+the eviction order is threaded through the entries (``eviction.Ring``), a node's entries are the policy's plus its
+few PENDING and pinned ones (``NodeSpace.entries`` is a view, with a count), the allocator does not track allocated
+extents (the entries do), and PENDING expiry walks the insertion-ordered ``_pending`` dict instead of a queue that
+kept every committed entry for pending_ttl_s.
+
 Costs: exists/prefix O(keys) with one dict probe per key and no allocation per key; lookup/alloc/commit O(keys);
-alloc on a full node adds O(victims) evictions. Sweeps (pending expiry, read leases, eviction) take a budget and do
-at most that much work per call.
+alloc on a full node adds O(victims) evictions; per key, placement scans the nodes' free space and next victims
+cached for the request (O(nodes) at C speed, no sort). Sweeps (pending expiry, read leases, eviction) take a budget
+and do at most that much work per call.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
-from metaserver.allocator import Allocator
+
+from metaserver.allocator import UNIT, Allocator
 from metaserver.eviction import Policy, bytes_to_low, make_policy, over_high
 from transport import wire
 from transport.wire import ARENA_DATA_START, object_size
 
-PENDING, READY = 0, 1
-STATE_NAMES = ("PENDING", "READY")
+PENDING, READY, GONE = 0, 1, 2
+STATE_NAMES = ("PENDING", "READY", "GONE")
 PLACE_EVICT_BUDGET = 1024  # victims one placement may evict before it answers NO_SPACE for that key
+SIZE_INTERN = 4096  # distinct payload lengths shared between entries (pages of a namespace are one size)
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
 _EXISTS_ITEM = (EXISTS, None, None, None, None)
 _IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
 _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
+_INF = float("inf")
+_intern = sys.intern
 
 
 class Entry:
-    """One object. Hashable by identity (eviction policies key their ordered dicts by the entry itself)."""
+    """One object. Hashable by identity (kids sets, the pending dict and lease lists hold entries themselves).
 
-    __slots__ = ("ns", "key", "space", "node_id", "offset", "size", "payload_len", "gen", "state", "parent",
-                 "last_access", "pins", "children", "parent_ref", "gone", "token")
+    ``up``: None (no parent), the parent's key (bytes: named but not cached, or the entry is not READY yet) or the
+    parent's Entry (linked). ``kids``: None, the one linked child, or a set of them (two or more). ``prev``, ``next``
+    and ``tier`` belong to the eviction policy. ``node_id``, ``size``, ``gone``, ``parent``, ``parent_ref`` and
+    ``children`` are derived (properties), so they cost no memory."""
+
+    __slots__ = ("key", "ns", "space", "offset", "payload_len", "gen", "state", "pins", "last_access", "up", "kids",
+                 "prev", "next", "tier")
 
     def __init__(self, ns: str, key: bytes, space: "NodeSpace", offset: int, payload_len: int, gen: int,
                  state: int, parent: bytes | None, now: float):
-        self.ns = ns
         self.key = key
+        self.ns = ns
         self.space = space
-        self.node_id = space.node_id
         self.offset = offset
-        self.size = object_size(payload_len)
         self.payload_len = payload_len
         self.gen = gen
         self.state = state
-        self.parent = parent
-        self.last_access = now
         self.pins = 0
-        self.children = 0  # READY entries naming this one as parent (prefix-aware eviction)
-        self.parent_ref: Entry | None = None  # the parent entry whose ``children`` this one incremented
-        self.gone = False
-        self.token: int | None = None  # the allocation token of its writer while PENDING (idempotent ALLOC)
+        self.last_access = now
+        self.up = parent
+        self.kids = None
+        self.prev = self.next = self.tier = None
+
+    @property
+    def node_id(self) -> str:
+        return self.space.node_id
+
+    @property
+    def size(self) -> int:
+        return object_size(self.payload_len)
+
+    @property
+    def gone(self) -> bool:
+        return self.state == GONE
+
+    @property
+    def parent(self) -> bytes | None:
+        up = self.up
+        return up.key if type(up) is Entry else up
+
+    @property
+    def parent_ref(self) -> "Entry | None":
+        up = self.up
+        return up if type(up) is Entry else None
+
+    @property
+    def children(self) -> int:
+        k = self.kids
+        return 0 if k is None else len(k) if type(k) is set else 1
 
 
 class NodeSpace:
-    """A live node's arena space: its allocator and the entries placed on it."""
+    """A live node's arena space: its allocator and a count of the live entries placed on it (``entries`` is a view
+    of them)."""
 
-    __slots__ = ("node_id", "alloc", "entries", "placeable", "dead")
+    __slots__ = ("node_id", "alloc", "placeable", "dead", "n", "owner")
 
-    def __init__(self, node_id: str, capacity: int):
+    def __init__(self, node_id: str, capacity: int, owner: "Directory | None" = None):
         self.node_id = node_id
-        self.alloc = Allocator(ARENA_DATA_START, capacity)
-        self.entries: dict[Entry, None] = {}
+        self.alloc = Allocator(ARENA_DATA_START, capacity, track=False)
         self.placeable = True
         self.dead = False
+        self.n = 0  # live entries on this node
+        self.owner = owner
+
+    @property
+    def entries(self) -> "SpaceEntries":
+        return SpaceEntries(self)
+
+
+class SpaceEntries:
+    """The live entries of one node: its evictable ones (the policy's), its PENDING ones and its pinned READY ones.
+    ``len`` is O(1); iteration makes a snapshot, O(its entries + all PENDING + all pinned)."""
+
+    __slots__ = ("_sp",)
+
+    def __init__(self, sp: NodeSpace):
+        self._sp = sp
+
+    def __len__(self) -> int:
+        return self._sp.n
+
+    def __bool__(self) -> bool:
+        return self._sp.n > 0
+
+    def __contains__(self, e) -> bool:
+        return type(e) is Entry and e.space is self._sp and e.state != GONE
+
+    def __iter__(self):
+        return iter(self.snapshot())
+
+    def snapshot(self) -> list:
+        sp = self._sp
+        d = sp.owner
+        if d is None or not sp.n:
+            return []
+        out = d.policy.members(sp.node_id)
+        out += [e for e in d._pending if e.space is sp]
+        pinned = {id(e): e for es in d.leases.values() for e in es if e.space is sp and e.state == READY}
+        out += pinned.values()
+        return out
+
+    def __setitem__(self, e, _value) -> None:
+        """Count an entry placed on this node from outside the directory (prefer ``Directory.put_ready``)."""
+        self._sp.n += 1
+
+
+class NsEntries:
+    """Every live entry of one namespace, READY or PENDING: a view over ``ready[ns]`` and ``pending_keys[ns]``."""
+
+    __slots__ = ("_d", "_ns")
+
+    def __init__(self, d: "Directory", ns: str):
+        self._d = d
+        self._ns = ns
+
+    def get(self, key, default=None):
+        r = self._d.ready.get(self._ns)
+        e = r.get(key) if r is not None else None
+        if e is None:
+            p = self._d.pending_keys.get(self._ns)
+            e = p.get(key) if p is not None else None
+        return default if e is None else e
+
+    def __getitem__(self, key):
+        e = self.get(key)
+        if e is None:
+            raise KeyError(key)
+        return e
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None
+
+    def _parts(self) -> list[dict]:
+        return [m for m in (self._d.ready.get(self._ns), self._d.pending_keys.get(self._ns)) if m]
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self._parts())
+
+    def __bool__(self) -> bool:
+        return bool(self._parts())
+
+    def __iter__(self):
+        for m in self._parts():
+            yield from list(m)
+
+    def keys(self) -> list:
+        return [k for m in self._parts() for k in m]
+
+    def values(self) -> list:
+        return [e for m in self._parts() for e in m.values()]
+
+    def items(self) -> list:
+        return [kv for m in self._parts() for kv in m.items()]
+
+    def __setitem__(self, key, e: Entry) -> None:
+        """File an entry built outside the directory (prefer ``Directory.put_ready``)."""
+        d = self._d
+        target = d.ready if e.state == READY else d.pending_keys
+        target.setdefault(self._ns, {})[key] = e
+        if e.state == PENDING:
+            d._pending.setdefault(e, None)
+
+
+class Entries:
+    """ns -> ``NsEntries`` for every namespace with a live entry (read-only view; ``setdefault`` returns the view)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: "Directory"):
+        self._d = d
+
+    def _names(self) -> list[str]:
+        d = self._d
+        return list(d.ready) + [ns for ns in d.pending_keys if ns not in d.ready]
+
+    def get(self, ns, default=None):
+        d = self._d
+        if ns in d.ready or ns in d.pending_keys:
+            return NsEntries(d, ns)
+        return default
+
+    def __getitem__(self, ns) -> NsEntries:
+        v = self.get(ns)
+        if v is None:
+            raise KeyError(ns)
+        return v
+
+    def setdefault(self, ns, _default=None) -> NsEntries:
+        return NsEntries(self._d, ns)
+
+    def __contains__(self, ns) -> bool:
+        return ns in self._d.ready or ns in self._d.pending_keys
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def keys(self) -> list[str]:
+        return self._names()
+
+    def values(self) -> list[NsEntries]:
+        return [NsEntries(self._d, ns) for ns in self._names()]
+
+    def items(self) -> list[tuple[str, NsEntries]]:
+        return [(ns, NsEntries(self._d, ns)) for ns in self._names()]
 
 
 class Effects:
@@ -98,18 +291,19 @@ class Directory:
         self.pending_ttl_s = pending_ttl_s
         self.read_lease_s = read_lease_s
         self.policy: Policy = make_policy(policy)
-        self.entries: dict[str, dict[bytes, Entry]] = {}
         self.ready: dict[str, dict[bytes, Entry]] = {}
+        self.pending_keys: dict[str, dict[bytes, Entry]] = {}
+        self._pending: dict[Entry, int | None] = {}  # PENDING entries in allocation order -> their writer's token
+        self.entries = Entries(self)
         self.spaces: dict[str, NodeSpace] = {}
         self.leases: dict[int, list[Entry]] = {}
-        # READY entries by the (ns, key) they name as parent, whether or not that parent is cached: lets a parent
-        # that arrives (or comes back) adopt its children, and a parent that goes orphan them (prefix-lru).
-        self.kids: dict[tuple[str, bytes], set[Entry]] = {}
+        # READY entries naming a parent that is not READY, by namespace and parent key: a parent that arrives (or
+        # comes back) adopts them (prefix-lru files them as orphans meanwhile).
+        self.orphans: dict[str, dict[bytes, Entry | set[Entry]]] = {}
         self._lease_q: deque[tuple[float, int]] = deque()
-        self._pending_q: deque[tuple[float, Entry, int]] = deque()
+        self._sizes: dict[int, int] = {}
         self._next_lease = 1
         self.hits = self.misses = self.evictions = self.puts = 0
-        self.pending = 0
         self.pinned = 0  # entries (live or zombie) with pins > 0
 
     # -- totals ------------------------------------------------------------------------------------------------
@@ -125,14 +319,27 @@ class Directory:
     def objects(self) -> int:
         return sum(len(r) for r in self.ready.values())
 
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
     def namespaces(self) -> dict[str, int]:
         return {ns: len(r) for ns, r in self.ready.items() if r}
+
+    def _plen(self, n: int) -> int:
+        """The shared int object for payload length ``n`` (pages of a namespace are one size)."""
+        v = self._sizes.get(n)
+        if v is None:
+            if len(self._sizes) >= SIZE_INTERN:
+                return n
+            v = self._sizes[n] = n
+        return v
 
     # -- nodes -------------------------------------------------------------------------------------------------
     def add_space(self, node_id: str, capacity: int) -> NodeSpace:
         """Give a (re)registered node a fresh, empty arena space. The node must not have one (drop it first)."""
         assert node_id not in self.spaces, node_id
-        sp = self.spaces[node_id] = NodeSpace(node_id, capacity)
+        sp = self.spaces[node_id] = NodeSpace(node_id, capacity, self)
         return sp
 
     def drop_space(self, node_id: str) -> tuple[int, Effects]:
@@ -142,13 +349,13 @@ class Directory:
         sp = self.spaces.pop(node_id, None)
         if sp is None:
             return 0, fx
+        gone = sp.entries.snapshot()
         sp.dead = True
-        n = len(sp.entries)
-        for e in list(sp.entries):
+        for e in gone:
             self._unlink(e, fx)
-        sp.entries.clear()
+        sp.n = 0
         self.policy.drop_node(node_id)
-        return n, fx
+        return len(gone), fx
 
     def set_placeable(self, node_id: str, placeable: bool) -> None:
         sp = self.spaces.get(node_id)
@@ -164,7 +371,7 @@ class Directory:
             return 0, 0, fx
         sp.placeable = False
         dropped = pinned = 0
-        for e in list(sp.entries):
+        for e in sp.entries.snapshot():
             if e.state != READY:
                 continue
             if e.pins:
@@ -177,31 +384,65 @@ class Directory:
     def load_pages(self, node_id: str, pages: list[tuple[str, bytes, int, int, int, bytes | None]]) -> Effects:
         """Rebuild a node's entries from persisted records [(ns, key, offset, payload_len, gen, parent)], given in
         recency order (oldest first). Overlapping or out-of-range records, and keys already present, are dropped
-        (returned as deletes). The node's space must exist and be empty."""
+        (returned as deletes). The node's space must exist and be empty. O(records log records)."""
         sp = self.spaces[node_id]
         fx = Effects()
+        ready, pend = self.ready, self.pending_keys
         keep = []
         for rec in pages:
             ns, key = rec[0], rec[1]
-            if key in self.entries.get(ns, ()):
+            r, p = ready.get(ns), pend.get(ns)
+            if (r is not None and key in r) or (p is not None and key in p):
                 fx.deletes.append((ns, key))
             else:
                 keep.append(rec)
-        rejected = set(sp.alloc.rebuild([(r[2], object_size(r[3])) for r in keep]))
+        rejected = sp.alloc.rebuild([(r[2], object_size(r[3])) for r in keep])
+        skip = set(rejected)
+        loaded: list[Entry] = []
+        plen_of = self._plen
+        r = None
+        last_ns = None
         for i, (ns, key, off, plen, gen, parent) in enumerate(keep):
-            if i in rejected:
+            if skip and i in skip:
                 fx.deletes.append((ns, key))
                 continue
-            e = Entry(ns, key, sp, off, plen, gen, READY, parent, 0.0)
-            self.entries.setdefault(ns, {})[key] = e
-            self.ready.setdefault(ns, {})[key] = e
-            sp.entries[e] = None
-        loaded = [self.ready[ns][key] for i, (ns, key, *_) in enumerate(keep) if i not in rejected]
+            if ns != last_ns:
+                ns = last_ns = _intern(ns)
+                r = ready.get(ns)
+                if r is None:
+                    r = ready[ns] = {}
+            if key in r:  # the same key twice in these records: the later one is dropped
+                fx.deletes.append((ns, key))
+                sp.alloc.free(off, object_size(plen))
+                continue
+            e = Entry(last_ns, key, sp, off, plen_of(plen), gen, READY, parent, 0.0)
+            r[key] = e
+            loaded.append(e)
+        sp.n += len(loaded)
         for e in loaded:
             self._link_ready(e)
+        add = self.policy.add
         for e in loaded:
-            self.policy.add(e)
+            add(e)
         return fx
+
+    def put_ready(self, node_id: str, ns: str, key: bytes, offset: int, payload_len: int, gen: int,
+                  parent: bytes | None) -> Entry | None:
+        """Add one persisted page at its exact extent, as ``load_pages`` adds each record, at the recent end of its
+        node's order (a warm standby replaying a commit). None, changing nothing, when the node has no space, the
+        key is present or the extent is not free. O(1) (``Allocator.reserve``)."""
+        sp = self.spaces.get(node_id)
+        if sp is None or key in self.entries.get(ns, ()):
+            return None
+        if payload_len < 0 or not sp.alloc.reserve(offset, object_size(payload_len)):
+            return None
+        ns = _intern(ns)
+        e = Entry(ns, key, sp, offset, self._plen(payload_len), gen, READY, parent, 0.0)
+        self.ready.setdefault(ns, {})[key] = e
+        sp.n += 1
+        self._link_ready(e)
+        self.policy.add(e)
+        return e
 
     # -- data plane --------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], parents: list | None, gen_base: int,
@@ -211,114 +452,109 @@ class Directory:
         [IN_FLIGHT, None...] (another writer holds the key PENDING). A PENDING key allocated under the same
         ``token`` gets its place again (a retried ALLOC whose answer was lost), so ALLOC is idempotent."""
         fx = Effects()
-        d = self.entries.get(ns)
-        if d is None:
-            d = self.entries[ns] = {}
+        ns = _intern(ns)
+        r = self.ready.get(ns) or {}
+        pend = self.pending_keys
+        pending = self._pending
         items: list = []
-        expiry = now + self.pending_ttl_s
+        placer: _Placer | None = None
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         for i, key in enumerate(keys):
-            e = d.get(key)
             if key in seen:
                 items.append(_EXISTS_ITEM)
                 continue
             seen.add(key)
+            if key in r:
+                items.append(_EXISTS_ITEM)
+                continue
+            pd = pend.get(ns)
+            e = pd.get(key) if pd is not None else None
             if e is not None:
-                if e.state != PENDING:
-                    items.append(_EXISTS_ITEM)
-                elif token is not None and e.token == token and e.payload_len == sizes[i]:
-                    items.append((NEW, e.node_id, e.offset, e.payload_len, e.gen))
+                if token is not None and pending.get(e) == token and e.payload_len == sizes[i]:
+                    items.append((NEW, e.space.node_id, e.offset, e.payload_len, e.gen))
                 else:
                     items.append(_IN_FLIGHT_ITEM)
                 continue
             plen = sizes[i]
             parent = parents[i] if parents else None
-            pe = d.get(parent) if parent is not None else None
-            placed = self._place(object_size(plen), fx, pe.space if pe is not None else None)
+            near = None
+            if parent is not None:
+                pe = r.get(parent)
+                if pe is None and pd is not None:
+                    pe = pd.get(parent)
+                if pe is not None:
+                    near = pe.space
+                    parent = pe.key  # one key object for the parent and every child naming it
+            if placer is None:
+                placer = _Placer(self, fx)
+            placed = placer.place(object_size(plen), near)
             if placed is None:
                 items.append(_NO_SPACE_ITEM)
                 continue
             sp, off = placed
             gen = gen_base + i
-            e = Entry(ns, key, sp, off, plen, gen, PENDING, parents[i] if parents else None, now)
-            e.token = token
-            d[key] = e
-            sp.entries[e] = None
-            self.pending += 1
-            self._pending_q.append((expiry, e, gen))
+            e = Entry(ns, key, sp, off, self._plen(plen), gen, PENDING, parent, now)
+            pd = pend.get(ns)
+            if pd is None:
+                pd = pend[ns] = {}
+            pd[key] = e
+            pending[e] = token
+            sp.n += 1
             items.append((NEW, sp.node_id, off, plen, gen))
         return items, fx
 
-    def _place(self, size: int, fx: Effects, near: NodeSpace | None = None) -> tuple[NodeSpace, int] | None:
-        """Find ``size`` bytes. A free hole first: on ``near`` (the parent's node, so a chain stays together) unless
-        it has less than half the free space of the emptiest node (chains that all descend from one shared prefix
-        would otherwise pile onto one node), then on the node with most free space, then any. Only when no node has
-        a hole, evict: on the node whose next victim was used least recently first (an approximation of one LRU
-        across nodes, so a busy node does not evict its fresh pages while another keeps stale ones), at most
-        PLACE_EVICT_BUDGET victims for this placement (bounded work per request; the background pass does the
-        rest)."""
-        spaces = [s for s in self.spaces.values() if s.placeable and s.alloc.capacity >= size]
-        if not spaces:
-            return None
-        spaces.sort(key=_free_of, reverse=True)
-        if near is not None and near in spaces and 2 * _free_of(near) >= _free_of(spaces[0]):
-            spaces.remove(near)
-            spaces.insert(0, near)
-        for sp in spaces:
-            off = sp.alloc.alloc(size)
-            if off is not None:
-                return sp, off
-        budget = PLACE_EVICT_BUDGET
-        for sp in sorted(spaces, key=self._next_victim_access):
-            for victim in self.policy.victims(sp.node_id):
-                if budget <= 0:
-                    return None
-                budget -= 1
-                self._drop(victim, fx)
-                self.evictions += 1
-                off = sp.alloc.alloc(size)
-                if off is not None:
-                    return sp, off
-        return None
-
     def _next_victim_access(self, sp: NodeSpace) -> float:
-        victim = next(iter(self.policy.victims(sp.node_id)), None)
-        return victim.last_access if victim is not None else float("inf")
+        victim = self.policy.first(sp.node_id)
+        return victim.last_access if victim is not None else _INF
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int], now: float) -> tuple[list[bool], Effects]:
         """PENDING -> READY for each (key, gen) that is still pending with that generation. Idempotent: a key
         already READY with that very generation reports True again (a retry whose first answer was lost, possibly
         across a failover that loaded the commit from etcd); anything else reports False."""
         fx = Effects()
-        d = self.entries.get(ns, {})
+        pd = self.pending_keys.get(ns)
         r = self.ready.get(ns)
         ok: list[bool] = []
+        if pd is None:
+            for key, gen in zip(keys, gens):
+                e = r.get(key) if r is not None else None
+                ok.append(e is not None and e.gen == gen)
+            return ok, fx
+        pending = self._pending
+        link, add = self._link_ready, self.policy.add
         for key, gen in zip(keys, gens):
-            e = d.get(key)
-            if e is None or e.state != PENDING or e.gen != gen:
-                ok.append(e is not None and e.state == READY and e.gen == gen)
+            e = pd.get(key)
+            if e is None:
+                e = r.get(key) if r is not None else None
+                ok.append(e is not None and e.gen == gen)
+                continue
+            if e.gen != gen:
+                ok.append(False)
                 continue
             if r is None:
-                r = self.ready[ns] = {}
+                r = self.ready[e.ns] = {}
+            del pd[key]
+            del pending[e]
             e.state = READY
             e.last_access = now
             r[key] = e
-            self.pending -= 1
             self.puts += 1
-            self._link_ready(e)
-            self.policy.add(e)
+            link(e)
+            add(e)
             fx.puts.append(e)
             ok.append(True)
+        if not pd and self.pending_keys.get(ns) is pd:
+            del self.pending_keys[ns]
         return ok, fx
 
     def abort(self, ns: str, keys: list[bytes], gens: list[int]) -> int:
         """Free PENDING entries whose generation matches. Returns how many were freed (nothing to persist)."""
-        d = self.entries.get(ns, {})
         fx = Effects()
         n = 0
         for key, gen in zip(keys, gens):
-            e = d.get(key)
-            if e is not None and e.state == PENDING and e.gen == gen:
+            pd = self.pending_keys.get(ns)
+            e = pd.get(key) if pd is not None else None
+            if e is not None and e.gen == gen:
                 self._drop(e, fx)
                 n += 1
         return n
@@ -345,19 +581,21 @@ class Directory:
         r = self.ready.get(ns) or {}
         locs: list = []
         found: list[Entry] = []
-        policy = self.policy
+        discard = self.policy.discard
+        pinned = 0
         for k in keys:
             e = r.get(k)
             if e is None:
                 locs.append(None)
                 continue
-            locs.append((e.node_id, e.offset, e.payload_len, e.gen))
+            locs.append((e.space.node_id, e.offset, e.payload_len, e.gen))
             found.append(e)
             if e.pins == 0:
-                policy.discard(e)
-                self.pinned += 1
+                discard(e)
+                pinned += 1
             e.pins += 1
             e.last_access = now
+        self.pinned += pinned
         self.hits += len(found)
         self.misses += len(keys) - len(found)
         if not found:
@@ -380,10 +618,10 @@ class Directory:
     def remove(self, ns: str, keys: list[bytes]) -> tuple[list[bool], Effects]:
         """Remove keys (READY or PENDING). A pinned object's space is freed when its last pin goes."""
         fx = Effects()
-        d = self.entries.get(ns, {})
         out: list[bool] = []
+        view = NsEntries(self, ns)
         for k in keys:
-            e = d.get(k)
+            e = view.get(k)
             if e is None:
                 out.append(False)
             else:
@@ -395,10 +633,10 @@ class Directory:
         out: list = []
         names = [ns] if ns is not None else list(self.entries)
         for name in names:
-            for key, e in self.entries.get(name, {}).items():
+            for key, e in NsEntries(self, name).items():
                 if len(out) >= limit:
                     return out, True
-                out.append((name, key, e.payload_len, e.node_id, STATE_NAMES[e.state]))
+                out.append((name, key, e.payload_len, e.space.node_id, STATE_NAMES[e.state]))
         return out, False
 
     # -- eviction ----------------------------------------------------------------------------------------------
@@ -409,7 +647,7 @@ class Directory:
         for victim in self.policy.victims(node_id):
             if freed >= nbytes or n >= budget:
                 break
-            freed += victim.size
+            freed += object_size(victim.payload_len)
             self._drop(victim, fx)
             n += 1
         self.evictions += n
@@ -459,17 +697,17 @@ class Directory:
 
     # -- background expiry -------------------------------------------------------------------------------------
     def expire_pending(self, now: float, budget: int) -> int:
-        """Free PENDING entries older than pending_ttl_s; examines at most ``budget`` queue items."""
-        q = self._pending_q
+        """Free PENDING entries older than pending_ttl_s, oldest first; frees at most ``budget``."""
+        ttl = self.pending_ttl_s
+        due = []
+        for e in self._pending:
+            if len(due) >= budget or e.last_access + ttl > now:
+                break
+            due.append(e)
         fx = Effects()
-        n = 0
-        while q and budget > 0 and q[0][0] <= now:
-            _, e, gen = q.popleft()
-            budget -= 1
-            if not e.gone and e.state == PENDING and e.gen == gen:
-                self._drop(e, fx)
-                n += 1
-        return n
+        for e in due:
+            self._drop(e, fx)
+        return len(due)
 
     def expire_leases(self, now: float, budget: int) -> int:
         q = self._lease_q
@@ -483,94 +721,298 @@ class Directory:
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _link_ready(self, e: Entry) -> None:
-        """``e`` just became READY: link it to its cached parent, and adopt its cached children."""
-        if e.parent is not None:
-            self.kids.setdefault((e.ns, e.parent), set()).add(e)
-            p = self.ready.get(e.ns, {}).get(e.parent)
-            if p is not None and p is not e:
+        """``e`` just became READY (and is in ``ready``): link it to its parent if that is READY, else file it as an
+        orphan; then adopt the orphans that name it."""
+        up = e.up
+        if up is not None:
+            p = self.ready.get(e.ns, {}).get(up) if type(up) is bytes else up
+            if p is not None and p is not e and p.state == READY:
                 self._link(e, p)
-        for c in self.kids.get((e.ns, e.key), ()):
-            if c.parent_ref is None and c is not e:
-                self._link(c, e)
-                self.policy.children_changed(c)  # no longer an orphan
+            else:
+                if type(up) is not bytes:
+                    e.up = up.key
+                self._add_orphan(e)
+        o = self.orphans.get(e.ns)
+        if o:
+            waiting = o.pop(e.key, None)
+            if waiting is not None:
+                if not o:
+                    del self.orphans[e.ns]
+                for c in (waiting if type(waiting) is set else (waiting,)):
+                    if c is e:  # names itself: stays an orphan
+                        self._add_orphan(e)
+                    else:
+                        self._link(c, e)
+                        self.policy.children_changed(c)  # no longer an orphan
 
     def _link(self, child: Entry, parent: Entry) -> None:
-        child.parent_ref = parent
-        parent.children += 1
-        if parent.children == 1 and parent.pins == 0:
+        child.up = parent
+        k = parent.kids
+        if k is None:
+            parent.kids = child
+            if parent.pins == 0:
+                self.policy.children_changed(parent)
+        elif type(k) is set:
+            k.add(child)
+        else:
+            parent.kids = {k, child}
+
+    def _drop_kid(self, parent: Entry, child: Entry) -> None:
+        k = parent.kids
+        if k is child:
+            parent.kids = None
+        elif type(k) is set:
+            k.discard(child)
+            if len(k) == 1:
+                parent.kids = next(iter(k))
+            return
+        else:
+            return
+        if parent.state == READY and parent.pins == 0:
             self.policy.children_changed(parent)
 
+    def _add_orphan(self, c: Entry) -> None:
+        o = self.orphans.get(c.ns)
+        if o is None:
+            o = self.orphans[c.ns] = {}
+        k = c.up
+        cur = o.get(k)
+        if cur is None:
+            o[k] = c
+        elif type(cur) is set:
+            cur.add(c)
+        elif cur is not c:
+            o[k] = {cur, c}
+
+    def _forget_orphan(self, c: Entry) -> None:
+        o = self.orphans.get(c.ns)
+        if o is None:
+            return
+        k = c.up
+        cur = o.get(k)
+        if cur is c:
+            del o[k]
+            if not o:
+                del self.orphans[c.ns]
+        elif type(cur) is set:
+            cur.discard(c)
+            if len(cur) == 1:
+                o[k] = next(iter(cur))
+
     def _unlink(self, e: Entry, fx: Effects) -> None:
-        """Remove ``e`` from the maps and the policy; no space accounting."""
-        d = self.entries.get(e.ns)
-        if d is not None and d.get(e.key) is e:
-            del d[e.key]
-            if not d:
-                del self.entries[e.ns]
+        """Remove ``e`` from the maps, the links and the policy; no space accounting."""
+        ns, key = e.ns, e.key
         if e.state == READY:
-            r = self.ready.get(e.ns)
-            if r is not None and r.get(e.key) is e:
-                del r[e.key]
+            r = self.ready.get(ns)
+            if r is not None and r.get(key) is e:
+                del r[key]
                 if not r:
-                    del self.ready[e.ns]
+                    del self.ready[ns]
             self.policy.discard(e)
-            fx.deletes.append((e.ns, e.key))
-        else:
-            self.pending -= 1
-        p = e.parent_ref
-        if p is not None:
-            e.parent_ref = None
-            p.children -= 1
-            if p.children == 0 and not p.gone and p.state == READY and p.pins == 0:
-                self.policy.children_changed(p)
-        if e.state == READY:
-            if e.parent is not None:
-                sibs = self.kids.get((e.ns, e.parent))
-                if sibs is not None:
-                    sibs.discard(e)
-                    if not sibs:
-                        del self.kids[(e.ns, e.parent)]
-            for c in self.kids.get((e.ns, e.key), ()):
-                if c.parent_ref is e:
-                    c.parent_ref = None
+            fx.deletes.append((ns, key))
+            up = e.up
+            if type(up) is bytes:
+                self._forget_orphan(e)
+            elif up is not None:
+                e.up = up.key
+                self._drop_kid(up, e)
+            kids = e.kids
+            if kids is not None:
+                e.kids = None
+                for c in (list(kids) if type(kids) is set else (kids,)):
+                    c.up = key
+                    self._add_orphan(c)
                     self.policy.children_changed(c)  # orphaned: no prefix match reaches it any more
-            e.children = 0
-        e.gone = True
+        elif e.state == PENDING:
+            pd = self.pending_keys.get(ns)
+            if pd is not None and pd.get(key) is e:
+                del pd[key]
+                if not pd:
+                    del self.pending_keys[ns]
+            self._pending.pop(e, None)
+        e.state = GONE
 
     def _drop(self, e: Entry, fx: Effects) -> None:
         """Remove a live entry; free its extent now, or at its last unpin if a read lease holds it."""
         self._unlink(e, fx)
         sp = e.space
-        sp.entries.pop(e, None)
+        sp.n -= 1
         if e.pins == 0:
-            sp.alloc.free(e.offset, e.size)
+            sp.alloc.free(e.offset, object_size(e.payload_len))
 
     def _unpin(self, e: Entry) -> None:
         e.pins -= 1
         if e.pins:
             return
         self.pinned -= 1
-        if e.gone:
+        if e.state == GONE:
             if not e.space.dead:
-                e.space.alloc.free(e.offset, e.size)
+                e.space.alloc.free(e.offset, object_size(e.payload_len))
         elif e.state == READY:
             self.policy.add(e)
 
     def check(self) -> None:
-        """Assert the invariants (tests only)."""
-        for ns, d in self.entries.items():
-            for k, e in d.items():
-                assert not e.gone and e.ns == ns and e.key == k
-                assert (self.ready.get(ns, {}).get(k) is e) == (e.state == READY)
-                assert e in e.space.entries and e.space.alloc.is_allocated(e.offset)
-        n_pending = sum(1 for d in self.entries.values() for e in d.values() if e.state == PENDING)
+        """Assert the invariants (tests only; O(entries log entries))."""
+        live: list[Entry] = []
+        for ns, r in self.ready.items():
+            assert r, f"empty ready map kept for {ns!r}"
+            for k, e in r.items():
+                assert e.state == READY and e.ns == ns and e.key == k, (ns, k)
+                live.append(e)
+        n_pending = 0
+        for ns, pd in self.pending_keys.items():
+            assert pd, f"empty pending map kept for {ns!r}"
+            for k, e in pd.items():
+                assert e.state == PENDING and e.ns == ns and e.key == k and e in self._pending, (ns, k)
+                assert k not in self.ready.get(ns, {}), (ns, k)
+                live.append(e)
+                n_pending += 1
         assert n_pending == self.pending, (n_pending, self.pending)
+        by_space: dict[int, list[Entry]] = {}
+        for e in live:
+            by_space.setdefault(id(e.space), []).append(e)
+        zombies: dict[int, Entry] = {id(e): e for es in self.leases.values() for e in es if e.state == GONE}
+        for z in zombies.values():
+            assert z.pins > 0
+            by_space.setdefault(id(z.space), []).append(z)
+        pinned = {id(e) for es in self.leases.values() for e in es}
+        assert len(pinned) == self.pinned, (len(pinned), self.pinned)
         for sp in self.spaces.values():
-            sp.alloc.check()
+            es = by_space.pop(id(sp), [])
+            sp.alloc.check([(e.offset, object_size(e.payload_len)) for e in es])
             assert sp.alloc.used <= sp.alloc.capacity
-            evictable = sum(1 for e in sp.entries if e.state == READY and e.pins == 0)
-            assert self.policy.count(sp.node_id) == evictable, (self.policy.count(sp.node_id), evictable)
+            mine = [e for e in es if e.state != GONE]
+            assert sp.n == len(mine), (sp.node_id, sp.n, len(mine))
+            assert {id(e) for e in sp.entries} == {id(e) for e in mine}, sp.node_id
+            evictable = {id(e) for e in mine if e.state == READY and e.pins == 0}
+            assert self.policy.count(sp.node_id) == len(evictable), (self.policy.count(sp.node_id), len(evictable))
+            assert {id(e) for e in self.policy.members(sp.node_id)} == evictable, sp.node_id
+        assert all(e.space.dead for es in by_space.values() for e in es), "entries on a space the directory lost"
+        for e in live:
+            if e.state != READY:
+                assert type(e.up) is not Entry and e.kids is None
+                continue
+            up = e.up
+            if type(up) is Entry:
+                assert up.state == READY and up.ns == e.ns and self.ready[e.ns].get(up.key) is up
+                assert up.kids is e or (type(up.kids) is set and e in up.kids)
+            elif up is not None:
+                p = self.ready.get(e.ns, {}).get(up)
+                assert p is None or p is e, "a READY parent left unlinked"
+                w = self.orphans.get(e.ns, {}).get(up)
+                assert w is e or (type(w) is set and e in w), "an orphan not filed for adoption"
+            kids = e.kids
+            for c in (kids if type(kids) is set else () if kids is None else (kids,)):
+                assert c.up is e and c.state == READY
+            assert type(kids) is not set or len(kids) >= 2
+        n_orphans = sum(len(w) if type(w) is set else 1 for o in self.orphans.values() for w in o.values())
+        assert n_orphans == sum(1 for e in live if e.state == READY and type(e.up) is bytes)
         assert self.used <= self.capacity
+
+
+class _Placer:
+    """Placement state for one ALLOC request: the placeable spaces, their free units and (once eviction is needed)
+    the recency of each one's next victim, kept current as the request allocates and evicts, so a key costs a
+    C-level max/min over nodes instead of a sort. Evictions that re-tier pages on other nodes (prefix-lru) are seen
+    from the next request on: an approximation of the one LRU across nodes that placement aims for."""
+
+    __slots__ = ("d", "fx", "spaces", "free", "failed", "index", "va", "min_cap")
+
+    def __init__(self, d: Directory, fx: Effects):
+        self.d = d
+        self.fx = fx
+        self.spaces = [s for s in d.spaces.values() if s.placeable]
+        self.free = [s.alloc.units - s.alloc.used_units for s in self.spaces]
+        self.failed = [_INF] * len(self.spaces)  # least units an alloc failed to find there (fragmented)
+        self.index = {id(s): i for i, s in enumerate(self.spaces)}
+        self.va: list[float] | None = None
+        self.min_cap = min((s.alloc.capacity for s in self.spaces), default=0)
+
+    def place(self, size: int, near: NodeSpace | None) -> tuple[NodeSpace, int] | None:
+        """Find ``size`` bytes. A free hole first: on ``near`` (the parent's node, so a chain stays together) unless
+        it has less than half the free space of the emptiest node (chains that all descend from one shared prefix
+        would otherwise pile onto one node), then on the node with most free space, then any. Only when no node has
+        a hole, evict: on the node whose next victim was used least recently first (an approximation of one LRU
+        across nodes, so a busy node does not evict its fresh pages while another keeps stale ones), at most
+        PLACE_EVICT_BUDGET victims for this placement (bounded work per request; the background pass does the
+        rest)."""
+        spaces, free = self.spaces, self.free
+        if not spaces:
+            return None
+        need = -(-size // UNIT)
+        if size > self.min_cap:  # some nodes cannot hold it at all: leave them out (rare: huge objects)
+            ok = [i for i, s in enumerate(spaces) if s.alloc.capacity >= size]
+        else:
+            ok = None
+        if ok is not None and not ok:
+            return None
+        top = max(free) if ok is None else max(free[i] for i in ok)
+        if near is not None:
+            i = self.index.get(id(near))
+            if (i is not None and free[i] >= need and need < self.failed[i] and 2 * free[i] >= top
+                    and (ok is None or i in ok)):
+                off = spaces[i].alloc.alloc(size)
+                if off is not None:
+                    free[i] -= need
+                    return spaces[i], off
+                self.failed[i] = need
+        if top >= need:
+            failed = self.failed
+            best = free.index(top) if ok is None else max(ok, key=free.__getitem__)
+            if need < failed[best]:
+                off = spaces[best].alloc.alloc(size)
+                if off is not None:
+                    free[best] -= need
+                    return spaces[best], off
+                failed[best] = need
+            # fragmented: any node with enough free units in one extent, most free first
+            for i in sorted(ok if ok is not None else range(len(spaces)), key=free.__getitem__, reverse=True):
+                if free[i] < need:
+                    break
+                if need >= failed[i]:
+                    continue
+                off = spaces[i].alloc.alloc(size)
+                if off is not None:
+                    free[i] -= need
+                    return spaces[i], off
+                failed[i] = need
+        return self._evict_for(size, need, ok)
+
+    def _evict_for(self, size: int, need: int, ok: list[int] | None) -> tuple[NodeSpace, int] | None:
+        d, spaces, free = self.d, self.spaces, self.free
+        first = d.policy.first
+        va = self.va
+        if va is None:
+            va = self.va = [d._next_victim_access(s) for s in spaces]
+        cand = va if ok is None else [va[i] if i in ok else _INF for i in range(len(spaces))]
+        budget = PLACE_EVICT_BUDGET
+        while True:
+            m = min(cand)
+            if m == _INF:
+                return None
+            i = cand.index(m)
+            sp = spaces[i]
+            nid = sp.node_id
+            victim = first(nid)
+            while victim is not None:
+                if budget <= 0:
+                    va[i] = victim.last_access
+                    return None
+                budget -= 1
+                d._drop(victim, self.fx)
+                d.evictions += 1
+                free[i] = sp.alloc.units - sp.alloc.used_units
+                self.failed[i] = _INF
+                victim = first(nid)
+                if free[i] >= need:
+                    off = sp.alloc.alloc(size)
+                    if off is not None:
+                        free[i] -= need
+                        va[i] = victim.last_access if victim is not None else _INF
+                        return sp, off
+            va[i] = _INF  # nothing left to evict there
+            if cand is not va:
+                cand[i] = _INF
 
 
 def _free_of(sp: NodeSpace) -> int:

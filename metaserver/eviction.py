@@ -6,23 +6,40 @@ eviction only ever looks at candidates (as SGLang's radix cache keeps its evicta
 eviction). A read is a pin then an unpin, so the lease release re-adds the entry at the recent end: that is what
 makes a read count as a use. PENDING and pinned entries are never in the set, so they can never be chosen.
 
+Representation: intrusive rings. Each order is a circular doubly linked list threaded through the entries' own
+``prev``/``next`` slots, with a ``Ring`` sentinel holding the count. No per-entry dict slot, heap record or sequence
+number: membership costs two pointers per entry (three with prefix-lru's ``tier``), and the first victim is
+``ring.next`` in O(1). (A dict used as an ordered set costs ~35-50 bytes per member, and its first key is found by
+scanning past every slot deleted from its front since the last resize: tens of microseconds per victim once a node
+is full.)
+
 Policies:
 
-- ``lru``: one insertion-ordered dict per node; an entry re-added goes to the end. The victim is the least recently used.
+- ``lru``: one ring per node; an entry re-added goes to the recent end. The victim is the least recently used.
 - ``prefix-lru``: a prefix match stops at the first missing page, so a page whose children are cached is worth more
   than a leaf, and a page whose parent is gone is worth nothing. Three tiers per node (orphans, leaves, inner
-  pages), each ordered by last access; see ``PrefixLruPolicy``.
+  pages), each a ring ordered by last access; see ``PrefixLruPolicy``.
 
 What it approximates: recency is metaserver memory only; after a restart it restarts from commit order (etcd
-mod revision). Costs: lru add/discard O(1); prefix-lru O(log n) (heaps keyed on last access).
+mod revision). prefix-lru files an entry that changes tier by its own last access, walking at most ``TIER_WALK``
+steps in from each end of the tier; an entry that would sort deeper is placed ``TIER_WALK`` steps from the old end
+(older than it should be, so it goes a little early).
+
+Costs: lru add/discard/first O(1). prefix-lru discard/first O(1); add O(1) when the entry is the most recent of
+its tier (a commit, a release: the common case), else O(min(distance from either end, TIER_WALK)).
+
+Contract with the directory: entries carry ``prev``, ``next`` and ``tier`` slots for the policy's use only, their
+``last_access``, and ``space.node_id``; prefix-lru reads the directory's link slots (``kids``: None while no cached
+page names this one as parent; ``up``: the parent's key, bytes, while it names a parent that is not cached).
 
 Watermarks: ``over_high(used, cap)`` starts a background pass, ``bytes_to_low(used, cap)`` is how much it frees.
 """
 
 from __future__ import annotations
 
-import heapq
 from typing import Iterator, Protocol
+
+TIER_WALK = 256  # prefix-lru: steps from each end of a tier to find an out-of-order entry's place
 
 
 class Policy(Protocol):
@@ -32,75 +49,137 @@ class Policy(Protocol):
     def discard(self, entry) -> None: ...
     def children_changed(self, entry) -> None: ...
     def victims(self, node_id: str) -> Iterator: ...
+    def first(self, node_id: str): ...
+    def members(self, node_id: str) -> list: ...
     def drop_node(self, node_id: str) -> None: ...
     def count(self, node_id: str) -> int: ...
 
 
+class Ring:
+    """Sentinel of a circular doubly linked list of entries, oldest first (``next`` is the oldest, ``prev`` the most
+    recent). An entry is in at most one ring; ``entry.prev is None`` when it is in none."""
+
+    __slots__ = ("prev", "next", "count")
+
+    def __init__(self) -> None:
+        self.prev = self.next = self
+        self.count = 0
+
+    def push(self, e) -> None:
+        """Append at the recent end. O(1)."""
+        p = self.prev
+        e.prev = p
+        e.next = self
+        p.next = e
+        self.prev = e
+        self.count += 1
+
+    def insert_by_access(self, e) -> None:
+        """Insert after the last member whose last_access is <= e's (ties keep arrival order), searching from both
+        ends at once, at most TIER_WALK steps each (then placed TIER_WALK steps in from the old end)."""
+        a = e.last_access
+        back = self.prev
+        if back is self or back.last_access <= a:
+            self.push(e)
+            return
+        fwd = self.next
+        at = None
+        for _ in range(TIER_WALK):
+            if fwd is self or fwd.last_access > a:
+                at = fwd
+                break
+            back = back.prev
+            if back is self or back.last_access <= a:
+                at = back.next
+                break
+            fwd = fwd.next
+        if at is None:
+            at = fwd
+        p = at.prev
+        e.prev = p
+        e.next = at
+        p.next = e
+        at.prev = e
+        self.count += 1
+
+    def unlink(self, e) -> None:
+        p, n = e.prev, e.next
+        p.next = n
+        n.prev = p
+        e.prev = e.next = None
+        self.count -= 1
+
+    def first(self):
+        e = self.next
+        return None if e is self else e
+
+    def members(self) -> list:
+        """Members oldest first (a snapshot; O(count))."""
+        out = []
+        e = self.next
+        for _ in range(self.count):
+            out.append(e)
+            e = e.next
+        return out
+
+    def clear(self) -> None:
+        """Empty the ring, leaving every member unlinked. O(count)."""
+        for e in self.members():
+            e.prev = e.next = e.tier = None
+        self.prev = self.next = self
+        self.count = 0
+
+
 class LruPolicy:
-    """Least recently used first. ``entry.node_id`` selects the per-node order."""
+    """Least recently used first: one ring per node, keyed by ``entry.space.node_id``."""
 
     name = "lru"
 
     def __init__(self) -> None:
-        self._order: dict[str, dict] = {}
+        self._rings: dict[str, Ring] = {}
 
     def add(self, entry) -> None:
-        d = self._order.get(entry.node_id)
-        if d is None:
-            d = self._order[entry.node_id] = {}
-        d[entry] = None
+        nid = entry.space.node_id
+        r = self._rings.get(nid)
+        if r is None:
+            r = self._rings[nid] = Ring()
+        elif entry.prev is not None:
+            r.unlink(entry)  # already evictable: a re-add moves it to the recent end
+        r.push(entry)
 
     def discard(self, entry) -> None:
-        d = self._order.get(entry.node_id)
-        if d is not None:
-            d.pop(entry, None)
+        if entry.prev is not None:
+            r = self._rings.get(entry.space.node_id)
+            if r is not None:
+                r.unlink(entry)
 
     def children_changed(self, entry) -> None:
         pass
 
     def victims(self, node_id: str) -> Iterator:
         """Evictable entries of ``node_id`` in victim order. The caller discards each one it takes before the next
-        step (so the iteration never sees a dict mutated under it)."""
-        d = self._order.get(node_id)
-        while d:
-            yield next(iter(d))
+        step (otherwise the same entry comes back)."""
+        r = self._rings.get(node_id)
+        while r is not None and r.count:
+            yield r.next
+
+    def first(self, node_id: str):
+        r = self._rings.get(node_id)
+        return r.first() if r is not None else None
+
+    def members(self, node_id: str) -> list:
+        """Evictable entries of ``node_id`` in victim order (a snapshot)."""
+        r = self._rings.get(node_id)
+        return r.members() if r is not None else []
 
     def drop_node(self, node_id: str) -> None:
-        self._order.pop(node_id, None)
+        r = self._rings.pop(node_id, None)
+        if r is not None:
+            r.clear()
 
     def count(self, node_id: str) -> int:
-        return len(self._order.get(node_id, ()))
-
-
-class _Tier:
-    """Entries of one tier of one node, ordered by (last_access, seq): a heap with lazy deletion. ``live`` maps each
-    member to the seq of its valid heap record; records of removed or re-pushed entries are skipped when they reach
-    the top, and the heap is rebuilt when stale records outnumber live ones (bounded memory)."""
-
-    __slots__ = ("heap", "live")
-
-    def __init__(self) -> None:
-        self.heap: list = []
-        self.live: dict = {}
-
-    def push(self, entry, seq: int) -> None:
-        self.live[entry] = seq
-        heapq.heappush(self.heap, (entry.last_access, seq, entry))
-        if len(self.heap) > 2 * len(self.live) + 64:
-            self.heap = [(e.last_access, q, e) for e, q in self.live.items()]
-            heapq.heapify(self.heap)
-
-    def remove(self, entry) -> bool:
-        return self.live.pop(entry, None) is not None
-
-    def first(self):
-        heap, live = self.heap, self.live
-        while heap:
-            _, seq, e = heap[0]
-            if live.get(e) == seq:
-                return e
-            heapq.heappop(heap)
-        return None
+        r = self._rings.get(node_id)
+        return r.count if r is not None else 0
 
 
 class PrefixLruPolicy:
@@ -113,68 +192,77 @@ class PrefixLruPolicy:
 
     The directory tells the policy when a page's tier may have changed (``children_changed``: its cached children
     went to or from zero, or its parent came or went); the page keeps its own recency when it moves, so a cold
-    chain loses its tail before a hot chain does. Costs: O(log n) per add/discard/move, amortised O(log n) per victim.
+    chain loses its tail before a hot chain does. ``entry.tier`` is the tier it is filed in (None: not evictable).
+    Costs: O(1) per discard and victim; O(1) per add of a most recent entry, else a bounded walk (module doc).
     """
 
     name = "prefix-lru"
 
     def __init__(self) -> None:
-        self._tiers: dict[str, tuple[_Tier, _Tier, _Tier]] = {}
-        self._where: dict = {}  # entry -> tier index while evictable
-        self._seq = 0
+        self._tiers: dict[str, tuple[Ring, Ring, Ring]] = {}
 
     @staticmethod
     def tier_of(entry) -> int:
-        if entry.children > 0:
+        if entry.kids is not None:
             return 2
-        if entry.parent is not None and entry.parent_ref is None:
+        if type(entry.up) is bytes:
             return 0
         return 1
 
-    def _node(self, node_id: str) -> tuple[_Tier, _Tier, _Tier]:
-        t = self._tiers.get(node_id)
-        if t is None:
-            t = self._tiers[node_id] = (_Tier(), _Tier(), _Tier())
-        return t
-
     def add(self, entry) -> None:
-        self._seq += 1
+        if entry.tier is not None:
+            self.discard(entry)
+        nid = entry.space.node_id
+        tiers = self._tiers.get(nid)
+        if tiers is None:
+            tiers = self._tiers[nid] = (Ring(), Ring(), Ring())
         t = self.tier_of(entry)
-        self._node(entry.node_id)[t].push(entry, self._seq)
-        self._where[entry] = t
+        tiers[t].insert_by_access(entry)
+        entry.tier = t
 
     def discard(self, entry) -> None:
-        t = self._where.pop(entry, None)
+        t = entry.tier
         if t is not None:
-            self._node(entry.node_id)[t].remove(entry)
-
+            tiers = self._tiers.get(entry.space.node_id)
+            if tiers is not None:
+                tiers[t].unlink(entry)
+            entry.tier = None
 
     def children_changed(self, entry) -> None:
         """Re-file ``entry`` if it is evictable and its tier changed (keeping its own recency)."""
-        t = self._where.get(entry)
+        t = entry.tier
         if t is not None and t != self.tier_of(entry):
             self.discard(entry)
             self.add(entry)
 
     def victims(self, node_id: str) -> Iterator:
         tiers = self._tiers.get(node_id)
-        while tiers:
-            for tier in tiers:
-                e = tier.first()
-                if e is not None:
+        while tiers is not None:
+            for r in tiers:
+                if r.count:
+                    yield r.next
                     break
             else:
                 return
-            yield e
+
+    def first(self, node_id: str):
+        for r in self._tiers.get(node_id, ()):
+            if r.count:
+                return r.next
+        return None
+
+    def members(self, node_id: str) -> list:
+        out: list = []
+        for r in self._tiers.get(node_id, ()):
+            out += r.members()
+        return out
 
     def drop_node(self, node_id: str) -> None:
-        tiers = self._tiers.pop(node_id, None)
-        for tier in tiers or ():
-            for e in tier.live:
-                self._where.pop(e, None)
+        for r in self._tiers.pop(node_id, ()):
+            r.clear()
 
     def count(self, node_id: str) -> int:
-        return sum(len(t.live) for t in self._tiers.get(node_id, ()))
+        return sum(r.count for r in self._tiers.get(node_id, ()))
 
 
 POLICIES = {"lru": LruPolicy, "prefix-lru": PrefixLruPolicy}

@@ -116,3 +116,25 @@ def test_rebuild_rejects_overlap_and_out_of_range():
     a.check()
     assert a.alloc(2 * ALIGN) == base + 2 * ALIGN
     assert a.is_allocated(base + 4 * ALIGN)
+
+
+def test_untracked_allocator_checks_against_the_callers_extents():
+    # The directory's allocators keep no per-object map (its entries record the extents): check() takes them from
+    # the caller, and free() still refuses what it can see cheaply.
+    a = Allocator(ARENA_DATA_START, 16 * ALIGN, track=False)
+    x, y = a.alloc(2 * ALIGN), a.alloc(3 * ALIGN)
+    a.check([(x, 2 * ALIGN), (y, 3 * ALIGN)])
+    with pytest.raises(AssertionError):
+        a.check([(x, 2 * ALIGN)])  # an allocated extent the caller does not know of
+    with pytest.raises(AssertionError):
+        a.check()  # untracked: the caller must say what is allocated
+    a.free(x, 2 * ALIGN)
+    with pytest.raises(ValueError):
+        a.free(x, 2 * ALIGN)  # x starts a free extent now: a double free
+    with pytest.raises(ValueError):
+        a.free(y, 20 * ALIGN)  # past the end of the region
+    assert a.is_allocated(y) and not a.is_allocated(x)
+    assert a.reserve(x, ALIGN) and a.used == 4 * ALIGN
+    a.check([(x, ALIGN), (y, 3 * ALIGN)])
+    assert a.rebuild([(y, 3 * ALIGN), (y, ALIGN)]) == [1] and a.used == 3 * ALIGN
+    a.check([(y, 3 * ALIGN)])

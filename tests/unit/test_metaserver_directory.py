@@ -338,3 +338,111 @@ def test_chains_from_one_shared_prefix_spread_over_nodes_and_evict_the_older_nod
     items, fx = d.alloc("m", [b"new"], [PAGE], [b"root"], 99_999, 1000.0)
     assert items[0][0] == NEW and [k for _, k in fx.deletes] == [oldest.key]
     d.check()
+
+
+def test_a_page_shares_its_parents_key_its_size_and_its_namespace():
+    # What keeps a page near 300 bytes: a child holds its parent's own key object, pages of one size share one int,
+    # a namespace is one string, committed pages leave no pending record behind, the allocator keeps no copy.
+    d = make(units=8)
+    put(d, "m", [b"a"], now=0.0)
+    ns2 = "".join(["m"])  # another str object with the same value, as every decoded request brings
+    put(d, ns2, [b"b", b"c"], now=1.0, parents=[bytes(b"a"), b"b"])
+    a, b, c = (d.ready["m"][k] for k in (b"a", b"b", b"c"))
+    assert b.parent is a.key and c.parent is b.key and b.parent_ref is a and c.parent_ref is b
+    assert a.payload_len is b.payload_len is c.payload_len
+    assert a.ns is b.ns is c.ns
+    assert a.children == b.children == 1 and c.children == 0
+    assert d.pending == 0 and not d._pending and not d.pending_keys
+    assert d.spaces["n1"].alloc._allocated is None and len(d.spaces["n1"].entries) == 3
+    d.check()
+
+
+def test_entries_view_covers_pending_and_ready():
+    d = make(units=8)
+    items, _ = d.alloc("m", [b"a", b"b"], [PAGE, PAGE], None, 10, 0.0)
+    d.commit("m", [b"a"], [10], 0.0)
+    view = d.entries["m"]
+    assert len(view) == 2 and b"a" in view and b"b" in view and b"c" not in view
+    assert view[b"a"].state == READY and view.get(b"b").state == PENDING and view.get(b"c") is None
+    assert sorted(view) == [b"a", b"b"] and list(d.entries) == ["m"]
+    assert d.remove("m", [b"a", b"b"])[0] == [True, True]
+    assert "m" not in d.entries and d.entries.get("m", {}) == {} and d.used == 0
+    d.check()
+
+
+def test_a_full_pool_evicts_one_victim_per_new_page_in_lru_order():
+    d = make(units=16, nodes=("n1", "n2"))
+    for i in range(32):
+        put(d, "m", [b"old%d" % i], now=float(i))
+    assert d.used == d.capacity and d.evictions == 0
+    items, fx = d.alloc("m", [b"new%d" % i for i in range(10)], [PAGE] * 10, None, 500, 100.0)
+    assert [it[0] for it in items] == [NEW] * 10
+    # one victim per page, the globally least recently used first, whichever node it is on
+    assert d.evictions == 10 and [k for _, k in fx.deletes] == [b"old%d" % i for i in range(10)]
+    d.check()
+
+
+def test_prefix_lru_cold_chain_loses_its_tail_first():
+    d = make(units=8, policy="prefix-lru")
+    put(d, "m", [b"a1", b"a2", b"a3"], now=0.0, parents=[None, b"a1", b"a2"])
+    put(d, "m", [b"b1", b"b2", b"b3"], now=1.0, parents=[None, b"b1", b"b2"])
+    fx = Effects()
+    d.evict_node("n1", 3 * ALIGN, 10, fx)
+    # each parent becomes a leaf with its own (old) recency, ahead of the hot chain's leaf
+    assert [k for _, k in fx.deletes] == [b"a3", b"a2", b"a1"]
+    d.check()
+
+
+def test_prefix_lru_refiles_a_page_by_its_own_recency():
+    d = make(units=8, policy="prefix-lru")
+    put(d, "m", [b"l1"], now=0.0)
+    put(d, "m", [b"p"], now=5.0)
+    put(d, "m", [b"l2"], now=10.0)
+    put(d, "m", [b"c"], now=20.0, parents=[b"p"])
+    assert d.policy.tier_of(d.ready["m"][b"p"]) == 2
+    d.remove("m", [b"c"])  # p is a leaf again: it sorts between l1 and l2, not after l2
+    assert [e.key for e in d.policy.members("n1")] == [b"l1", b"p", b"l2"]
+    fx = Effects()
+    d.evict_node("n1", 3 * ALIGN, 10, fx)
+    assert [k for _, k in fx.deletes] == [b"l1", b"p", b"l2"]
+    d.check()
+
+
+def test_orphans_across_nodes_are_adopted_when_the_parent_returns():
+    d = make(units=4, nodes=("n1", "n2"), policy="prefix-lru")
+    put(d, "m", [b"p"], now=0.0)
+    p_node = d.ready["m"][b"p"].node_id
+    other = "n2" if p_node == "n1" else "n1"
+    d.set_placeable(p_node, False)
+    put(d, "m", [b"c"], now=1.0, parents=[b"p"])  # on the other node, linked across nodes
+    assert d.ready["m"][b"c"].node_id == other and d.ready["m"][b"c"].parent_ref is d.ready["m"][b"p"]
+    n, fx = d.drop_space(p_node)
+    assert n == 1 and fx.deletes == [("m", b"p")]
+    c = d.ready["m"][b"c"]
+    assert c.parent_ref is None and c.parent == b"p" and d.policy.tier_of(c) == 0 and d.orphans["m"][b"p"] is c
+    d.check()
+    put(d, "m", [b"p"], now=2.0)  # the parent is written again (on the remaining node): it adopts c
+    assert c.parent_ref is d.ready["m"][b"p"] and d.ready["m"][b"p"].children == 1 and not d.orphans
+    d.check()
+
+
+def test_put_ready_places_a_persisted_page_at_its_extent():
+    d = make(units=8, policy="prefix-lru")
+    base = ARENA_DATA_START
+    c = d.put_ready("n1", "m", b"c", base + ALIGN, PAGE, 7, b"p")  # its parent is not there yet: an orphan
+    assert c is not None and c.state == READY and d.policy.tier_of(c) == 0
+    p = d.put_ready("n1", "m", b"p", base, PAGE, 6, None)
+    assert p is not None and c.parent_ref is p and p.children == 1
+    assert d.put_ready("n1", "m", b"p", base + 2 * ALIGN, PAGE, 8, None) is None  # key present
+    assert d.put_ready("n1", "m", b"x", base + ALIGN, PAGE, 9, None) is None  # extent taken
+    assert d.put_ready("nope", "m", b"y", base + 3 * ALIGN, PAGE, 9, None) is None  # no such node
+    assert d.objects == 2 and d.used == 2 * ALIGN and d.exists("m", [b"p", b"c"]) == [True, True]
+    d.check()
+
+
+def test_load_pages_drops_a_key_given_twice():
+    d = make(units=8)
+    base = ARENA_DATA_START
+    fx = d.load_pages("n1", [("m", b"a", base, PAGE, 5, None), ("m", b"a", base + ALIGN, PAGE, 6, None)])
+    assert fx.deletes == [("m", b"a")] and d.ready["m"][b"a"].gen == 5 and d.used == ALIGN
+    d.check()
