@@ -42,235 +42,22 @@ from __future__ import annotations
 import sys
 from collections import deque
 
-from metaserver.allocator import UNIT, Allocator
+from metaserver.entry import GONE, PENDING, READY, STATE_NAMES, Entries, Entry, NodeSpace, NsEntries, SpaceEntries
 from metaserver.eviction import Policy, bytes_to_low, make_policy, over_high
+from metaserver.placement import PLACE_EVICT_BUDGET, Placer, next_victim_access
 from transport import wire
-from transport.wire import ARENA_DATA_START, object_size
+from transport.wire import object_size
 
-PENDING, READY, GONE = 0, 1, 2
-STATE_NAMES = ("PENDING", "READY", "GONE")
-PLACE_EVICT_BUDGET = 1024  # victims one placement may evict before it answers NO_SPACE for that key
+__all__ = ["Directory", "Effects", "Entry", "NodeSpace", "Entries", "NsEntries", "SpaceEntries", "PENDING", "READY",
+           "GONE", "STATE_NAMES", "NEW", "EXISTS", "NO_SPACE", "IN_FLIGHT", "PLACE_EVICT_BUDGET"]
+
 SIZE_INTERN = 4096  # distinct payload lengths shared between entries (pages of a namespace are one size)
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
 _EXISTS_ITEM = (EXISTS, None, None, None, None)
 _IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
 _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
-_INF = float("inf")
 _intern = sys.intern
-
-
-class Entry:
-    """One object. Hashable by identity (kids sets, the pending dict and lease lists hold entries themselves).
-
-    ``up``: None (no parent), the parent's key (bytes: named but not cached, or the entry is not READY yet) or the
-    parent's Entry (linked). ``kids``: None, the one linked child, or a set of them (two or more). ``prev``, ``next``
-    and ``tier`` belong to the eviction policy. ``node_id``, ``size``, ``gone``, ``parent``, ``parent_ref`` and
-    ``children`` are derived (properties), so they cost no memory."""
-
-    __slots__ = ("key", "ns", "space", "offset", "payload_len", "gen", "state", "pins", "last_access", "up", "kids",
-                 "prev", "next", "tier")
-
-    def __init__(self, ns: str, key: bytes, space: "NodeSpace", offset: int, payload_len: int, gen: int,
-                 state: int, parent: bytes | None, now: float):
-        self.key = key
-        self.ns = ns
-        self.space = space
-        self.offset = offset
-        self.payload_len = payload_len
-        self.gen = gen
-        self.state = state
-        self.pins = 0
-        self.last_access = now
-        self.up = parent
-        self.kids = None
-        self.prev = self.next = self.tier = None
-
-    @property
-    def node_id(self) -> str:
-        return self.space.node_id
-
-    @property
-    def size(self) -> int:
-        return object_size(self.payload_len)
-
-    @property
-    def gone(self) -> bool:
-        return self.state == GONE
-
-    @property
-    def parent(self) -> bytes | None:
-        up = self.up
-        return up.key if type(up) is Entry else up
-
-    @property
-    def parent_ref(self) -> "Entry | None":
-        up = self.up
-        return up if type(up) is Entry else None
-
-    @property
-    def children(self) -> int:
-        k = self.kids
-        return 0 if k is None else len(k) if type(k) is set else 1
-
-
-class NodeSpace:
-    """A live node's arena space: its allocator and a count of the live entries placed on it (``entries`` is a view
-    of them)."""
-
-    __slots__ = ("node_id", "alloc", "placeable", "dead", "n", "owner")
-
-    def __init__(self, node_id: str, capacity: int, owner: "Directory | None" = None):
-        self.node_id = node_id
-        self.alloc = Allocator(ARENA_DATA_START, capacity, track=False)
-        self.placeable = True
-        self.dead = False
-        self.n = 0  # live entries on this node
-        self.owner = owner
-
-    @property
-    def entries(self) -> "SpaceEntries":
-        return SpaceEntries(self)
-
-
-class SpaceEntries:
-    """The live entries of one node: its evictable ones (the policy's), its PENDING ones and its pinned READY ones.
-    ``len`` is O(1); iteration makes a snapshot, O(its entries + all PENDING + all pinned)."""
-
-    __slots__ = ("_sp",)
-
-    def __init__(self, sp: NodeSpace):
-        self._sp = sp
-
-    def __len__(self) -> int:
-        return self._sp.n
-
-    def __bool__(self) -> bool:
-        return self._sp.n > 0
-
-    def __contains__(self, e) -> bool:
-        return type(e) is Entry and e.space is self._sp and e.state != GONE
-
-    def __iter__(self):
-        return iter(self.snapshot())
-
-    def snapshot(self) -> list:
-        sp = self._sp
-        d = sp.owner
-        if d is None or not sp.n:
-            return []
-        out = d.policy.members(sp.node_id)
-        out += [e for e in d._pending if e.space is sp]
-        pinned = {id(e): e for es in d.leases.values() for e in es if e.space is sp and e.state == READY}
-        out += pinned.values()
-        return out
-
-    def __setitem__(self, e, _value) -> None:
-        """Count an entry placed on this node from outside the directory (prefer ``Directory.put_ready``)."""
-        self._sp.n += 1
-
-
-class NsEntries:
-    """Every live entry of one namespace, READY or PENDING: a view over ``ready[ns]`` and ``pending_keys[ns]``."""
-
-    __slots__ = ("_d", "_ns")
-
-    def __init__(self, d: "Directory", ns: str):
-        self._d = d
-        self._ns = ns
-
-    def get(self, key, default=None):
-        r = self._d.ready.get(self._ns)
-        e = r.get(key) if r is not None else None
-        if e is None:
-            p = self._d.pending_keys.get(self._ns)
-            e = p.get(key) if p is not None else None
-        return default if e is None else e
-
-    def __getitem__(self, key):
-        e = self.get(key)
-        if e is None:
-            raise KeyError(key)
-        return e
-
-    def __contains__(self, key) -> bool:
-        return self.get(key) is not None
-
-    def _parts(self) -> list[dict]:
-        return [m for m in (self._d.ready.get(self._ns), self._d.pending_keys.get(self._ns)) if m]
-
-    def __len__(self) -> int:
-        return sum(len(m) for m in self._parts())
-
-    def __bool__(self) -> bool:
-        return bool(self._parts())
-
-    def __iter__(self):
-        for m in self._parts():
-            yield from list(m)
-
-    def keys(self) -> list:
-        return [k for m in self._parts() for k in m]
-
-    def values(self) -> list:
-        return [e for m in self._parts() for e in m.values()]
-
-    def items(self) -> list:
-        return [kv for m in self._parts() for kv in m.items()]
-
-    def __setitem__(self, key, e: Entry) -> None:
-        """File an entry built outside the directory (prefer ``Directory.put_ready``)."""
-        d = self._d
-        target = d.ready if e.state == READY else d.pending_keys
-        target.setdefault(self._ns, {})[key] = e
-        if e.state == PENDING:
-            d._pending.setdefault(e, None)
-
-
-class Entries:
-    """ns -> ``NsEntries`` for every namespace with a live entry (read-only view; ``setdefault`` returns the view)."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self, d: "Directory"):
-        self._d = d
-
-    def _names(self) -> list[str]:
-        d = self._d
-        return list(d.ready) + [ns for ns in d.pending_keys if ns not in d.ready]
-
-    def get(self, ns, default=None):
-        d = self._d
-        if ns in d.ready or ns in d.pending_keys:
-            return NsEntries(d, ns)
-        return default
-
-    def __getitem__(self, ns) -> NsEntries:
-        v = self.get(ns)
-        if v is None:
-            raise KeyError(ns)
-        return v
-
-    def setdefault(self, ns, _default=None) -> NsEntries:
-        return NsEntries(self._d, ns)
-
-    def __contains__(self, ns) -> bool:
-        return ns in self._d.ready or ns in self._d.pending_keys
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def keys(self) -> list[str]:
-        return self._names()
-
-    def values(self) -> list[NsEntries]:
-        return [NsEntries(self._d, ns) for ns in self._names()]
-
-    def items(self) -> list[tuple[str, NsEntries]]:
-        return [(ns, NsEntries(self._d, ns)) for ns in self._names()]
 
 
 class Effects:
@@ -457,7 +244,7 @@ class Directory:
         pend = self.pending_keys
         pending = self._pending
         items: list = []
-        placer: _Placer | None = None
+        placer: Placer | None = None
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         for i, key in enumerate(keys):
             if key in seen:
@@ -486,7 +273,7 @@ class Directory:
                     near = pe.space
                     parent = pe.key  # one key object for the parent and every child naming it
             if placer is None:
-                placer = _Placer(self, fx)
+                placer = Placer(self, fx)
             placed = placer.place(object_size(plen), near)
             if placed is None:
                 items.append(_NO_SPACE_ITEM)
@@ -504,8 +291,7 @@ class Directory:
         return items, fx
 
     def _next_victim_access(self, sp: NodeSpace) -> float:
-        victim = self.policy.first(sp.node_id)
-        return victim.last_access if victim is not None else _INF
+        return next_victim_access(self, sp)
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int], now: float) -> tuple[list[bool], Effects]:
         """PENDING -> READY for each (key, gen) that is still pending with that generation. Idempotent: a key
@@ -908,115 +694,6 @@ class Directory:
         n_orphans = sum(len(w) if type(w) is set else 1 for o in self.orphans.values() for w in o.values())
         assert n_orphans == sum(1 for e in live if e.state == READY and type(e.up) is bytes)
         assert self.used <= self.capacity
-
-
-class _Placer:
-    """Placement state for one ALLOC request: the placeable spaces, their free units and (once eviction is needed)
-    the recency of each one's next victim, kept current as the request allocates and evicts, so a key costs a
-    C-level max/min over nodes instead of a sort. Evictions that re-tier pages on other nodes (prefix-lru) are seen
-    from the next request on: an approximation of the one LRU across nodes that placement aims for."""
-
-    __slots__ = ("d", "fx", "spaces", "free", "failed", "index", "va", "min_cap")
-
-    def __init__(self, d: Directory, fx: Effects):
-        self.d = d
-        self.fx = fx
-        self.spaces = [s for s in d.spaces.values() if s.placeable]
-        self.free = [s.alloc.units - s.alloc.used_units for s in self.spaces]
-        self.failed = [_INF] * len(self.spaces)  # least units an alloc failed to find there (fragmented)
-        self.index = {id(s): i for i, s in enumerate(self.spaces)}
-        self.va: list[float] | None = None
-        self.min_cap = min((s.alloc.capacity for s in self.spaces), default=0)
-
-    def place(self, size: int, near: NodeSpace | None) -> tuple[NodeSpace, int] | None:
-        """Find ``size`` bytes. A free hole first: on ``near`` (the parent's node, so a chain stays together) unless
-        it has less than half the free space of the emptiest node (chains that all descend from one shared prefix
-        would otherwise pile onto one node), then on the node with most free space, then any. Only when no node has
-        a hole, evict: on the node whose next victim was used least recently first (an approximation of one LRU
-        across nodes, so a busy node does not evict its fresh pages while another keeps stale ones), at most
-        PLACE_EVICT_BUDGET victims for this placement (bounded work per request; the background pass does the
-        rest)."""
-        spaces, free = self.spaces, self.free
-        if not spaces:
-            return None
-        need = -(-size // UNIT)
-        if size > self.min_cap:  # some nodes cannot hold it at all: leave them out (rare: huge objects)
-            ok = [i for i, s in enumerate(spaces) if s.alloc.capacity >= size]
-        else:
-            ok = None
-        if ok is not None and not ok:
-            return None
-        top = max(free) if ok is None else max(free[i] for i in ok)
-        if near is not None:
-            i = self.index.get(id(near))
-            if (i is not None and free[i] >= need and need < self.failed[i] and 2 * free[i] >= top
-                    and (ok is None or i in ok)):
-                off = spaces[i].alloc.alloc(size)
-                if off is not None:
-                    free[i] -= need
-                    return spaces[i], off
-                self.failed[i] = need
-        if top >= need:
-            failed = self.failed
-            best = free.index(top) if ok is None else max(ok, key=free.__getitem__)
-            if need < failed[best]:
-                off = spaces[best].alloc.alloc(size)
-                if off is not None:
-                    free[best] -= need
-                    return spaces[best], off
-                failed[best] = need
-            # fragmented: any node with enough free units in one extent, most free first
-            for i in sorted(ok if ok is not None else range(len(spaces)), key=free.__getitem__, reverse=True):
-                if free[i] < need:
-                    break
-                if need >= failed[i]:
-                    continue
-                off = spaces[i].alloc.alloc(size)
-                if off is not None:
-                    free[i] -= need
-                    return spaces[i], off
-                failed[i] = need
-        return self._evict_for(size, need, ok)
-
-    def _evict_for(self, size: int, need: int, ok: list[int] | None) -> tuple[NodeSpace, int] | None:
-        d, spaces, free = self.d, self.spaces, self.free
-        first = d.policy.first
-        va = self.va
-        if va is None:
-            va = self.va = [d._next_victim_access(s) for s in spaces]
-        cand = va if ok is None else [va[i] if i in ok else _INF for i in range(len(spaces))]
-        budget = PLACE_EVICT_BUDGET
-        while True:
-            m = min(cand)
-            if m == _INF:
-                return None
-            i = cand.index(m)
-            sp = spaces[i]
-            nid = sp.node_id
-            victim = first(nid)
-            while victim is not None:
-                if budget <= 0:
-                    va[i] = victim.last_access
-                    return None
-                budget -= 1
-                d._drop(victim, self.fx)
-                d.evictions += 1
-                free[i] = sp.alloc.units - sp.alloc.used_units
-                self.failed[i] = _INF
-                victim = first(nid)
-                if free[i] >= need:
-                    off = sp.alloc.alloc(size)
-                    if off is not None:
-                        free[i] -= need
-                        va[i] = victim.last_access if victim is not None else _INF
-                        return sp, off
-            va[i] = _INF  # nothing left to evict there
-            if cand is not va:
-                cand[i] = _INF
-
-
-def _free_of(sp: NodeSpace) -> int:
-    return sp.alloc.units - sp.alloc.used_units
 
 
 def _fill_of(sp: NodeSpace) -> float:

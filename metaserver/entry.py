@@ -1,0 +1,238 @@
+"""The directory's data model: one ``Entry`` per object, one ``NodeSpace`` per live node, and the read-only views
+(``Entries``, ``NsEntries``, ``SpaceEntries``) that present them as the maps callers expect. No I/O, no policy.
+
+An entry is what a page costs the metaserver, so it holds only what cannot be derived: 14 slots (about 144 bytes
+with the object header) next to its key, offset and generation objects. ``node_id``, ``size``, ``gone``, ``parent``,
+``parent_ref`` and ``children`` are properties over those slots. The views hold no per-entry state: a node's
+entries are the eviction policy's members plus its few PENDING and pinned ones (``NodeSpace.n`` counts them), a
+namespace's entries are ``ready[ns]`` and ``pending_keys[ns]`` of the directory.
+
+Costs: view lookups O(1) (two dict probes); ``len`` O(1); iteration is a snapshot, O(its entries, plus every
+PENDING and pinned entry for a node's view).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from metaserver.allocator import Allocator
+from transport.wire import ARENA_DATA_START, object_size
+
+if TYPE_CHECKING:
+    from metaserver.directory import Directory
+
+PENDING, READY, GONE = 0, 1, 2
+STATE_NAMES = ("PENDING", "READY", "GONE")
+
+
+class Entry:
+    """One object. Hashable by identity (kids sets, the pending dict and lease lists hold entries themselves).
+
+    ``up``: None (no parent), the parent's key (bytes: named but not cached, or the entry is not READY yet) or the
+    parent's Entry (linked). ``kids``: None, the one linked child, or a set of them (two or more). ``prev``, ``next``
+    and ``tier`` belong to the eviction policy. ``node_id``, ``size``, ``gone``, ``parent``, ``parent_ref`` and
+    ``children`` are derived (properties), so they cost no memory."""
+
+    __slots__ = ("key", "ns", "space", "offset", "payload_len", "gen", "state", "pins", "last_access", "up", "kids",
+                 "prev", "next", "tier")
+
+    def __init__(self, ns: str, key: bytes, space: "NodeSpace", offset: int, payload_len: int, gen: int,
+                 state: int, parent: bytes | None, now: float):
+        self.key = key
+        self.ns = ns
+        self.space = space
+        self.offset = offset
+        self.payload_len = payload_len
+        self.gen = gen
+        self.state = state
+        self.pins = 0
+        self.last_access = now
+        self.up = parent
+        self.kids = None
+        self.prev = self.next = self.tier = None
+
+    @property
+    def node_id(self) -> str:
+        return self.space.node_id
+
+    @property
+    def size(self) -> int:
+        return object_size(self.payload_len)
+
+    @property
+    def gone(self) -> bool:
+        return self.state == GONE
+
+    @property
+    def parent(self) -> bytes | None:
+        up = self.up
+        return up.key if type(up) is Entry else up
+
+    @property
+    def parent_ref(self) -> "Entry | None":
+        up = self.up
+        return up if type(up) is Entry else None
+
+    @property
+    def children(self) -> int:
+        k = self.kids
+        return 0 if k is None else len(k) if type(k) is set else 1
+
+
+class NodeSpace:
+    """A live node's arena space: its allocator and a count of the live entries placed on it (``entries`` is a view
+    of them)."""
+
+    __slots__ = ("node_id", "alloc", "placeable", "dead", "n", "owner")
+
+    def __init__(self, node_id: str, capacity: int, owner: "Directory | None" = None):
+        self.node_id = node_id
+        self.alloc = Allocator(ARENA_DATA_START, capacity, track=False)
+        self.placeable = True
+        self.dead = False
+        self.n = 0  # live entries on this node
+        self.owner = owner
+
+    @property
+    def entries(self) -> "SpaceEntries":
+        return SpaceEntries(self)
+
+
+class SpaceEntries:
+    """The live entries of one node: its evictable ones (the policy's), its PENDING ones and its pinned READY ones.
+    ``len`` is O(1); iteration makes a snapshot, O(its entries + all PENDING + all pinned)."""
+
+    __slots__ = ("_sp",)
+
+    def __init__(self, sp: NodeSpace):
+        self._sp = sp
+
+    def __len__(self) -> int:
+        return self._sp.n
+
+    def __bool__(self) -> bool:
+        return self._sp.n > 0
+
+    def __contains__(self, e) -> bool:
+        return type(e) is Entry and e.space is self._sp and e.state != GONE
+
+    def __iter__(self):
+        return iter(self.snapshot())
+
+    def snapshot(self) -> list:
+        sp = self._sp
+        d = sp.owner
+        if d is None or not sp.n:
+            return []
+        out = d.policy.members(sp.node_id)
+        out += [e for e in d._pending if e.space is sp]
+        pinned = {id(e): e for es in d.leases.values() for e in es if e.space is sp and e.state == READY}
+        out += pinned.values()
+        return out
+
+    def __setitem__(self, e, _value) -> None:
+        """Count an entry placed on this node from outside the directory (prefer ``Directory.put_ready``)."""
+        self._sp.n += 1
+
+
+class NsEntries:
+    """Every live entry of one namespace, READY or PENDING: a view over ``ready[ns]`` and ``pending_keys[ns]``."""
+
+    __slots__ = ("_d", "_ns")
+
+    def __init__(self, d: "Directory", ns: str):
+        self._d = d
+        self._ns = ns
+
+    def get(self, key, default=None):
+        r = self._d.ready.get(self._ns)
+        e = r.get(key) if r is not None else None
+        if e is None:
+            p = self._d.pending_keys.get(self._ns)
+            e = p.get(key) if p is not None else None
+        return default if e is None else e
+
+    def __getitem__(self, key):
+        e = self.get(key)
+        if e is None:
+            raise KeyError(key)
+        return e
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None
+
+    def _parts(self) -> list[dict]:
+        return [m for m in (self._d.ready.get(self._ns), self._d.pending_keys.get(self._ns)) if m]
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self._parts())
+
+    def __bool__(self) -> bool:
+        return bool(self._parts())
+
+    def __iter__(self):
+        for m in self._parts():
+            yield from list(m)
+
+    def keys(self) -> list:
+        return [k for m in self._parts() for k in m]
+
+    def values(self) -> list:
+        return [e for m in self._parts() for e in m.values()]
+
+    def items(self) -> list:
+        return [kv for m in self._parts() for kv in m.items()]
+
+    def __setitem__(self, key, e: Entry) -> None:
+        """File an entry built outside the directory (prefer ``Directory.put_ready``)."""
+        d = self._d
+        target = d.ready if e.state == READY else d.pending_keys
+        target.setdefault(self._ns, {})[key] = e
+        if e.state == PENDING:
+            d._pending.setdefault(e, None)
+
+
+class Entries:
+    """ns -> ``NsEntries`` for every namespace with a live entry (read-only view; ``setdefault`` returns the view)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: "Directory"):
+        self._d = d
+
+    def _names(self) -> list[str]:
+        d = self._d
+        return list(d.ready) + [ns for ns in d.pending_keys if ns not in d.ready]
+
+    def get(self, ns, default=None):
+        d = self._d
+        if ns in d.ready or ns in d.pending_keys:
+            return NsEntries(d, ns)
+        return default
+
+    def __getitem__(self, ns) -> NsEntries:
+        v = self.get(ns)
+        if v is None:
+            raise KeyError(ns)
+        return v
+
+    def setdefault(self, ns, _default=None) -> NsEntries:
+        return NsEntries(self._d, ns)
+
+    def __contains__(self, ns) -> bool:
+        return ns in self._d.ready or ns in self._d.pending_keys
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def keys(self) -> list[str]:
+        return self._names()
+
+    def values(self) -> list[NsEntries]:
+        return [NsEntries(self._d, ns) for ns in self._names()]
+
+    def items(self) -> list[tuple[str, NsEntries]]:
+        return [(ns, NsEntries(self._d, ns)) for ns in self._names()]
