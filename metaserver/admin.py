@@ -42,7 +42,7 @@ class AdminHandlers:
                 "pinned": d.pinned, "hits": d.hits, "misses": d.misses, "evictions": d.evictions, "puts": d.puts,
                 "namespaces": d.namespaces(), "is_leader": self.serving, "etcd": self.store.addr,
                 "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
-                "load_s": round(self.load_s, 3), "etcd_pending_ops": self.writer.pending(),
+                "load_s": round(self.load_s, 3), "takeover": self.takeover, "etcd_pending_ops": self.writer.pending(),
                 "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
                 "ticks": self.ticks, "nodes": self._node_maps()}
 

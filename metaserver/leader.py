@@ -8,7 +8,8 @@ deposed leader (its lease expired while it was stopped or cut off, and someone e
 
 Standbys poll the key every ``POLL_S`` (a get: cheaper and sturdier than a watch stream that must be re-established
 after every etcd hiccup) and campaign as soon as it is gone, so a dead leader is replaced within about
-``election_ttl_s + POLL_S`` plus the new leader's directory load.
+``election_ttl_s + POLL_S`` plus the new leader's takeover: a catch-up of its warm directory (``on_standby`` starts
+one whenever a round is lost; ``metaserver/standby.py``), or a full directory load when it has none.
 
 The leader also keeps a local validity deadline: the send time of the last acknowledged keep-alive plus the TTL
 etcd granted. etcd measures the lease from when the keep-alive *arrived*, so the local deadline always passes
@@ -41,16 +42,19 @@ RETRY_S = 0.5  # pause after an etcd failure before the next round
 class Election:
     """Campaign for the leader key, keep it, and tell the metaserver when leadership starts and ends.
 
-    ``on_elected(revision)`` runs (awaited) after a win and before ``is_leader`` turns true: the metaserver loads
-    its directory there. ``on_deposed(reason)`` runs (awaited) when the lease is lost or a write was fenced."""
+    ``on_elected(revision)`` runs (awaited) after a win and before ``is_leader`` turns true: the metaserver takes
+    over its directory there. ``on_deposed(reason)`` runs (awaited) when the lease is lost or a write was fenced.
+    ``on_standby()`` (optional, not awaited, must not block) runs after every lost round, before following."""
 
     def __init__(self, store: EtcdStore, addr: str, ttl_s: int,
-                 on_elected: Callable[[int], Awaitable[None]], on_deposed: Callable[[str], Awaitable[None]]):
+                 on_elected: Callable[[int], Awaitable[None]], on_deposed: Callable[[str], Awaitable[None]],
+                 on_standby: Callable[[], None] | None = None):
         self.store = store
         self.addr = addr
         self.ttl = int(ttl_s)
         self.on_elected = on_elected
         self.on_deposed = on_deposed
+        self.on_standby = on_standby
         self.revision = 0  # create_revision of the leader key while we hold it
         self.lease_id = 0
         self.holder: str | None = None  # the leader's address as last read (ours while leading)
@@ -83,6 +87,8 @@ class Election:
                     await self._step_down(reason)
                 else:
                     self.first_round.set()
+                    if self.on_standby is not None:
+                        self.on_standby()
                     await self._follow()
             except asyncio.CancelledError:
                 raise

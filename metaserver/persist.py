@@ -21,7 +21,15 @@ This is the only module that talks to aetcd/grpc. Their errors are translated he
 
 The batching writer lives in ``metaserver/batcher.py``, the generation counter in ``metaserver/generations.py``.
 
-Costs: one etcd round trip per ``batch`` ops under load; the loader reads ``LOAD_PAGE`` records per round trip.
+Snapshot and watch (the warm standby, ``metaserver/standby.py``): ``load_at`` reads every record at one revision
+(each paged range request names it, so the pages of a long scan are one consistent snapshot) and returns it;
+``watch(start)`` then streams every change under the prefix from ``start`` on, in revision order, as batches of raw
+events. A compacted ``start`` is not an error but a value (the caller must load again), every other failure is
+``Unavailable``.
+
+Costs: one etcd round trip per ``batch`` ops under load; the loader reads ``LOAD_PAGE`` records per round trip; a
+watch costs one stream, its responses fragmented by etcd (``fragment``) so a burst of revisions never exceeds
+gRPC's message limit.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from umbp.errors import NotLeader, Unavailable
 log = logging.getLogger("umbp.metaserver")
 
 LOAD_PAGE = 5000
+PAGE, NODE, ARENA, OTHER = range(4)  # what an etcd key under the prefix holds (``EtcdStore.kind_of``)
 
 
 def unavailable(what: str, e: BaseException) -> Unavailable:
@@ -196,14 +205,23 @@ class EtcdStore:
         await self.txn([self.op_put(self.node_key(node_id), value, lease_id),
                         self.op_put(self.arena_key(node_id), value)])
 
-    async def scan(self, prefix: bytes, page: int = LOAD_PAGE) -> AsyncIterator[list]:
+    async def revision(self) -> int:
+        """etcd's current revision (the header of a count-only read)."""
+        await self._call("connect", self.client.connect())
+        req = aetcd.rpc.RangeRequest(key=self.leader_key, count_only=True)
+        resp = await self._call("range", self.client.kvstub.Range(req, timeout=self.client._timeout,
+                                                                     metadata=self.client.metadata))
+        return int(resp.header.revision)
+
+    async def scan(self, prefix: bytes, page: int = LOAD_PAGE, revision: int = 0) -> AsyncIterator[list]:
         """Yield the key-values under ``prefix`` in pages of at most ``page`` (raw protobuf kvs: key, value,
-        mod_revision, lease). aetcd's get_range has no limit, so this builds the RangeRequest itself."""
+        mod_revision, lease), as of ``revision`` (0: each page as of its own read). aetcd's get_range has no limit,
+        so this builds the RangeRequest itself."""
         start = prefix
         end = aetcd.utils.prefix_range_end(prefix)
         await self._call("connect", self.client.connect())
         while True:
-            req = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=page)
+            req = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=page, revision=revision)
             resp = await self._call("range", self.client.kvstub.Range(req, timeout=self.client._timeout,
                                                                          metadata=self.client.metadata))
             kvs = list(resp.kvs)
@@ -213,35 +231,117 @@ class EtcdStore:
                 return
             start = kvs[-1].key + b"\0"
 
-    async def _records(self, prefix: bytes) -> list[dict]:
+    @staticmethod
+    def node_record(kv) -> dict | None:
+        """A node or arena record as a map with ``lease_id`` (the kv's lease) added; None when unreadable."""
+        try:
+            rec = msgpack.unpackb(kv.value, raw=False)
+            if type(rec) is not dict:
+                raise TypeError("not a map")
+        except (ValueError, TypeError, msgpack.exceptions.UnpackException):
+            log.warning("metaserver: ignoring unreadable record %r", kv.key)
+            return None
+        rec["lease_id"] = kv.lease or 0
+        return rec
+
+    def page_record(self, kv) -> tuple:
+        """(mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key) of a page kv; node_id None
+        when the record cannot be read (the leader deletes it)."""
+        try:
+            ns_b, _, hexkey = kv.key[len(self._pages):].rpartition(b"/")
+            node_id, off, plen, gen, parent = msgpack.unpackb(kv.value, raw=False)
+            return (kv.mod_revision, node_id, ns_b.decode(), bytes.fromhex(hexkey.decode()), int(off), int(plen),
+                    int(gen), parent, kv.key)
+        except (ValueError, TypeError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
+            return (0, None, "", b"", 0, 0, 0, None, kv.key)
+
+    def page_name(self, etcd_key: bytes) -> tuple[str, bytes] | None:
+        """(ns, key) named by a page's etcd key; None when it does not parse."""
+        try:
+            ns_b, _, hexkey = etcd_key[len(self._pages):].rpartition(b"/")
+            return ns_b.decode(), bytes.fromhex(hexkey.decode())
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def kind_of(self, etcd_key: bytes) -> int:
+        """Which record an etcd key under the prefix is: PAGE, NODE, ARENA, or OTHER (leader, gen, foreign)."""
+        if etcd_key.startswith(self._pages):
+            return PAGE
+        if etcd_key.startswith(self._nodes):
+            return NODE
+        if etcd_key.startswith(self._arenas):
+            return ARENA
+        return OTHER
+
+    def node_of(self, etcd_key: bytes) -> str:
+        """The node id of a ``nodes/`` or ``arenas/`` key."""
+        return etcd_key.rpartition(b"/")[2].decode(errors="replace")
+
+    async def _records(self, prefix: bytes, revision: int = 0) -> list[dict]:
         out: list[dict] = []
-        async for kvs in self.scan(prefix, 1000):
+        async for kvs in self.scan(prefix, 1000, revision):
             for kv in kvs:
-                try:
-                    rec = msgpack.unpackb(kv.value, raw=False)
-                    if type(rec) is not dict:
-                        raise TypeError("not a map")
-                    rec["lease_id"] = kv.lease or 0
+                rec = self.node_record(kv)
+                if rec is not None:
                     out.append(rec)
-                except (ValueError, TypeError, msgpack.exceptions.UnpackException):
-                    log.warning("metaserver: ignoring unreadable record %r", kv.key)
         return out
 
     async def load(self) -> tuple[list[dict], list[dict], list[tuple]]:
         """Read live node records (their lease still held), durable arena records and page records. Pages come
         back as (mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key); unparsable ones with
         node_id None (the caller deletes them)."""
-        nodes = await self._records(self._nodes)
-        arenas = await self._records(self._arenas)
+        return (await self.load_at())[1:]
+
+    async def load_at(self, revision: int = 0) -> tuple[int, list[dict], list[dict], list[tuple]]:
+        """``load`` as one snapshot: every range read names the same revision (0: the current one), returned
+        first, so a watch from revision + 1 misses nothing and repeats nothing. Raises Unavailable (also when
+        that revision is compacted meanwhile: load again)."""
+        rev = revision or await self.revision()
+        nodes = await self._records(self._nodes, rev)
+        arenas = await self._records(self._arenas, rev)
         pages: list[tuple] = []
-        plen_prefix = len(self._pages)
-        async for kvs in self.scan(self._pages):
-            for kv in kvs:
-                try:
-                    ns_b, _, hexkey = kv.key[plen_prefix:].rpartition(b"/")
-                    node_id, off, plen, gen, parent = msgpack.unpackb(kv.value, raw=False)
-                    pages.append((kv.mod_revision, node_id, ns_b.decode(), bytes.fromhex(hexkey.decode()),
-                                  int(off), int(plen), int(gen), parent, kv.key))
-                except (ValueError, TypeError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
-                    pages.append((0, None, "", b"", 0, 0, 0, None, kv.key))
-        return nodes, arenas, pages
+        record = self.page_record
+        async for kvs in self.scan(self._pages, revision=rev):
+            pages.extend(map(record, kvs))
+        return rev, nodes, arenas, pages
+
+    async def watch(self, start_revision: int) -> AsyncIterator[list | None]:
+        """Stream every change under the prefix from ``start_revision`` (inclusive), in revision order: yields lists
+        of raw protobuf events (``type`` 0 put / 1 delete; ``kv`` with key, value, mod_revision, lease), each list
+        ending on a whole revision (etcd's fragments are joined here). When ``start_revision`` is compacted it
+        yields None once and ends: the caller must load again. Raises Unavailable when the stream fails or etcd
+        cancels it. Blocks while nothing changes; cancelling the consuming task closes the stream."""
+        await self._call("connect", self.client.connect())
+        create = aetcd.rpc.WatchCreateRequest(key=self.prefix.encode() + b"/",
+                                              range_end=aetcd.utils.prefix_range_end(self.prefix.encode() + b"/"),
+                                              start_revision=start_revision, fragment=True)
+        done = asyncio.Event()
+
+        async def requests():
+            yield aetcd.rpc.WatchRequest(create_request=create)
+            await done.wait()  # keep the request side open for as long as we read
+
+        call = aetcd.rpc.WatchStub(self.client.channel).Watch(requests(), metadata=self.client.metadata)
+        parts: list = []
+        try:
+            try:
+                async for resp in call:
+                    if resp.compact_revision:
+                        log.warning("metaserver: etcd watch from revision %d: compacted up to %d", start_revision,
+                                    resp.compact_revision)
+                        yield None
+                        return
+                    if resp.canceled:
+                        raise Unavailable("metaserver", f"etcd watch canceled: {resp.cancel_reason or 'no reason'}",
+                                          Status.UNAVAILABLE)
+                    if resp.events:
+                        parts.extend(resp.events)
+                    if parts and not resp.fragment:
+                        batch, parts = parts, []
+                        yield batch
+            except (aetcd.exceptions.ClientError, aetcd.rpc.BaseError, aetcd.rpc.RpcError, OSError) as e:
+                raise unavailable("watch", e) from e
+            raise Unavailable("metaserver", "etcd watch: the stream ended", Status.UNAVAILABLE)
+        finally:
+            done.set()
+            call.cancel()

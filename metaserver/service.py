@@ -10,11 +10,15 @@ Background (``tick`` every TICK_S): expire PENDING entries and read leases, dete
 the high watermark down to the low one. Every duty has a budget per tick, so a backlog (a million expired leases,
 a huge eviction) is worked off over several ticks while requests keep being served in between.
 
-Leadership (``metaserver.leader.Election``): every term starts from nothing. On a win the metaserver builds a fresh
-directory, membership, etcd writer and generation range (all etcd writes fenced on the leader key), loads the
-directory from etcd, then serves; on losing the lease or a fenced write it drops that state (queued writes are not
-written) and stands by. Only READY pages are in etcd, so PENDING allocations of the previous term vanish and
-their space is free again. Recency restarts from commit order.
+Leadership (``metaserver.leader.Election``): every term starts from what etcd holds. A metaserver that loses a
+round keeps a warm copy of the directory (``metaserver.standby.WarmDirectory``: loaded once, then fed by an etcd
+watch). On a win it builds a fresh membership, etcd writer and generation range (all etcd writes fenced on the
+leader key), takes the warm directory over once the watch has applied everything up to the winning revision (no
+page is read again: O(events not applied yet + nodes)), or, with no warm copy or one that cannot catch up, loads
+the directory from etcd in full; then serves. On losing the lease or a fenced write it drops that state (queued
+writes are not written) and stands by again (a fresh warm copy: loaded, then watched). Only READY pages are in
+etcd, so PENDING allocations, read leases and recency from reads of the previous term vanish (their space is free
+again); recency restarts from commit order. STATS ``takeover`` says which way this term started.
 
 Nodes after a takeover: every node with an arena record is loaded *provisionally* with its pages, alive but not
 yet confirmed, for ``max(lease_ttl, NODE_GRACE_S)``. A node that re-registers the same arena (id and capacity)
@@ -41,6 +45,7 @@ from metaserver.batcher import BatchWriter
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.rejoin import REJOIN_GRACE_S, RejoinHandlers
+from metaserver.standby import CATCHUP_S, Handover, WarmDirectory, fill, node_descs
 from transport.wire import VERSION, Op, Status
 from umbp.auth import Tokens, capability
 from umbp.config import MetaserverConfig
@@ -70,7 +75,10 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         self.cfg = config
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
         self.store = EtcdStore(config.etcd, config.etcd_prefix)
-        self.leader = Election(self.store, advertise, config.election_ttl_s, self._elected, self._deposed)
+        self.leader = Election(self.store, advertise, config.election_ttl_s, self._elected, self._deposed,
+                               self._standing_by)
+        self.warm: WarmDirectory | None = None  # the directory kept current while standing by
+        self.takeover: dict = {}  # how this term started (STATS): warm or a full load, pages read, events
         self.max_keys = config.max_batch_keys
         self.term = 0  # bumped at every win and every step-down; coroutines of an older term stop
         self.loaded = False  # this term's directory is loaded (serving = loaded and the lease is valid)
@@ -93,14 +101,17 @@ class Metaserver(AdminHandlers, RejoinHandlers):
     def _new_state(self) -> None:
         """Fresh per-term state: nothing of a previous term survives into the next."""
         cfg = self.cfg
-        self.dir = Directory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s,
-                             policy=cfg.eviction_policy)
+        self.dir = self._make_dir()
         self.members = Membership()
         self.writer = BatchWriter(self.store, batch=cfg.persist_batch)
         self.gens = GenCounter(self.store)
         self.settled = asyncio.Event()  # every node loaded at takeover re-registered (or ALLOC_HOLD_S passed)
         self.took_over = 0.0
         self.parked: dict[str, tuple] = {}  # lost node id -> (arena_id, capacity, deadline, page records); _park
+
+    def _make_dir(self) -> Directory:
+        cfg = self.cfg
+        return Directory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy)
 
     @property
     def serving(self) -> bool:
@@ -124,15 +135,36 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         if self._election.done():
             self._election.result()  # raises what ended it
 
+    def _standing_by(self) -> None:
+        """Lost a round: keep a warm copy of the directory (started once per stretch as a standby)."""
+        if self.warm is None:
+            self.warm = WarmDirectory(self.store, self._make_dir)
+            self.warm.start()
+
     async def _elected(self, revision: int) -> None:
-        """Won at ``revision``: build this term's state from etcd. Serving starts when this returns."""
+        """Won at ``revision``: build this term's state: the warm directory caught up to ``revision``, else a full
+        load from etcd. Serving starts when this returns."""
         self.term += 1
         self._new_state()
+        warm, self.warm = self.warm, None
         try:
             await self.gens.start()
             self.writer.start()
-            await self._load()
+            t0 = time.monotonic()
+            seen = (warm.loads, warm.events) if warm is not None else (0, 0)
+            if warm is not None and await warm.catch_up(revision, CATCHUP_S):
+                await warm.stop()
+                caught = warm.events - seen[1] if warm.loads == seen[0] else warm.events
+                self._adopt(warm.take(), caught, t0)
+            else:
+                if warm is not None:
+                    await warm.stop()
+                    log.warning("metaserver: the warm directory did not catch up to revision %d: full load",
+                                revision)
+                await self._load()
         except BaseException:
+            if warm is not None:
+                await warm.stop()
             await self._teardown(Unavailable("metaserver", "takeover failed", Status.UNAVAILABLE))
             self._new_state()
             raise
@@ -169,6 +201,8 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         if self._election is not None:
             self._election.cancel()
             await asyncio.gather(self._election, return_exceptions=True)
+        if self.warm is not None:
+            await self.warm.stop()
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
@@ -182,43 +216,45 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         await self.store.close()
 
     async def _load(self) -> None:
+        """The full load: every record from etcd into this term's (empty) directory. O(pages)."""
         t0 = time.monotonic()
         node_recs, arena_recs, pages = await self.store.load()
-        now = time.monotonic()
-        live = {r.get("node_id"): r for r in node_recs}
-        records = {r.get("node_id"): r for r in arena_recs}
-        records.update(live)  # a leased record is at least as new as the durable one
-        for node_id, rec in records.items():
-            try:
-                desc = v.node_description({k: rec.get(k) for k in v.REGISTER_FIELDS if k in rec})
-            except v.Reject as e:
-                log.warning("metaserver: ignoring node record %r: %s", node_id, e.message)
-                continue
+        descs = node_descs(node_recs, arena_recs)
+        stale, rejected = fill(self.dir, descs, pages)
+        self._provisional_nodes(descs, time.monotonic())
+        self.writer.submit([], [p[8] for p in stale] + [p[8] for p in rejected], wait=False)
+        self.load_s = time.monotonic() - t0
+        self.takeover = {"warm": False, "load_pages": len(pages), "catchup_events": 0, "pages": self.dir.objects,
+                         "standby_load_pages": 0, "standby_load_s": 0.0, "standby_events": 0, "standby_reloads": 0,
+                         "s": round(self.load_s, 3)}
+        log.info("metaserver: loaded %d nodes (%d with a live lease), %d pages (%d stale) in %.2fs", len(descs),
+                 len(node_recs), len(pages), len(stale) + len(rejected), self.load_s)
+
+    def _adopt(self, h: Handover, catchup_events: int, t0: float) -> None:
+        """Take a warm standby's directory over: no page is read; nodes become provisional members as after a
+        full load, and the records it could not place are deleted. O(nodes + stale)."""
+        self.dir = h.dir
+        self._provisional_nodes(h.descs, time.monotonic())
+        self.writer.submit([], h.stale, wait=False)
+        self.load_s = time.monotonic() - t0
+        self.takeover = {"warm": True, "load_pages": 0, "catchup_events": catchup_events, "pages": h.pages,
+                         "standby_load_pages": h.load_pages, "standby_load_s": round(h.load_s, 3),
+                         "standby_events": h.events, "standby_reloads": h.reloads, "s": round(self.load_s, 3)}
+        log.info("metaserver: took the warm directory over at revision %d: %d pages of %d nodes (%d stale), "
+                 "%d events caught up, in %.3fs", h.revision, h.pages, len(h.descs), len(h.stale), catchup_events,
+                 self.load_s)
+        print(f"metaserver: warm takeover at revision {h.revision}: {h.pages} pages, {catchup_events} events "
+              f"caught up in {self.load_s:.3f}s", flush=True)
+
+    def _provisional_nodes(self, descs: dict, now: float) -> None:
+        """Every node with a record becomes a member, provisional until it re-registers this arena: dropped after
+        its grace (``max(lease_ttl, NODE_GRACE_S)``) if it does not. Their spaces are in the directory already."""
+        for desc, lease in descs.values():
             node, _ = self.members.register(desc, now)
             node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
-            node.lease_id = int(live[node_id].get("lease_id") or 0) if node_id in live else 0
-            # Provisional until it re-registers this arena: dropped after its grace if it does not.
+            node.lease_id = lease
             node.provisional = True
             node.last_heartbeat = now + max(0.0, max(node.lease_ttl, NODE_GRACE_S) - node.lease_ttl)
-            self.dir.add_space(node.node_id, node.capacity)
-            self.dir.set_placeable(node.node_id, False)
-        by_node: dict[str, list] = {}
-        stale: list[bytes] = []
-        for p in pages:
-            if p[1] is None or p[1] not in self.dir.spaces:
-                stale.append(p[8])
-            else:
-                by_node.setdefault(p[1], []).append(p)
-        fx = Effects()
-        for node_id, recs in by_node.items():
-            recs.sort(key=lambda p: p[0])  # recency restarts from commit order
-            f = self.dir.load_pages(node_id, [(p[2], p[3], p[4], p[5], p[6], p[7]) for p in recs])
-            fx.deletes.extend(f.deletes)
-        self.writer.submit([], stale, wait=False)
-        self._apply(fx)
-        self.load_s = time.monotonic() - t0
-        log.info("metaserver: loaded %d nodes (%d with a live lease), %d pages (%d stale) in %.2fs", len(records),
-                 len(live), len(pages), len(stale) + len(fx.deletes), self.load_s)
 
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)

@@ -1,0 +1,393 @@
+"""Warm standby: a standby metaserver's copy of the page directory, kept current from an etcd watch.
+
+A standby loads the directory once (``EtcdStore.load_at``: one snapshot at revision R, built by ``fill``, the very
+code a leader's full load runs), then applies every change from R + 1 on as the watch delivers it: page records put
+and deleted (commits, removals, evictions, dropped nodes), leased node records and durable arena records put and
+deleted. On winning the election the new leader calls ``catch_up(W)`` for its winning revision W (the creation of
+the leader key, itself an event under the watched prefix, so "applied up to W" is exact), stops the watch and
+``take``s the directory: no page is read from etcd again, so a takeover costs O(events not applied yet + nodes +
+held pages) instead of O(pages).
+
+What it holds is only what etcd holds. What a leader keeps in memory alone (read leases, PENDING allocations,
+recency from reads) is not in etcd, so a takeover starts without it, exactly as after a full load; recency is commit
+order (``fill`` sorts by mod revision, events arrive in revision order).
+
+Invariant (tests compare ``fingerprint`` of a taken directory with that of a full load of the same etcd state):
+after ``catch_up(W)`` and ``take``, the directory is what ``fill`` builds from a snapshot at W:
+
+- a space for every node with a valid record (the leased one preferred over the arena record), of the capacity that
+  record states, not placeable (the leader marks the node provisional until it re-registers);
+- every page record whose node has a space and whose extent fits there, READY, parents linked;
+- page records that cannot stand (unreadable, node unknown, extent taken or out of range) come back as stale etcd
+  keys for the leader to delete, as a full load deletes them.
+
+What it approximates: the leader's batch writer runs several transactions at once, so the put of a page can reach
+etcd before the delete of the page whose freed extent it reuses. Such a put waits in ``held`` until that delete
+arrives (it is retried then) or the takeover (retried once more, else stale); a page placed late goes to the recent
+end of its node's recency order instead of its commit position. A node record that changes capacity rebuilds that
+node's space from its current pages (in their current recency order).
+
+Failures: every etcd error is retried (the watch resumes after the last applied revision, RETRY_S doubling up to
+RETRY_MAX_S); a compacted resume revision means events are lost, so the standby loads again. None of this writes to
+etcd: a standby never writes, and a takeover's stale deletes go through the leader's fenced writer.
+
+Costs: the initial load is a full load (about 100k pages/s, one directory's memory plus the snapshot's records while
+it runs); an event is O(1) (a dict probe, one allocator reservation, a policy append) except a page whose extent
+lies inside a larger free one (O(free extents) in ``Allocator.reserve``); ``take`` O(nodes + held pages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from metaserver import validate as v
+from metaserver.directory import Directory
+from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
+from umbp.errors import Unavailable
+
+log = logging.getLogger("umbp.metaserver")
+
+CATCHUP_S = 5.0  # a takeover waits this long without progress of the watch before it loads in full instead
+RETRY_S = 0.1  # first pause after an etcd failure of the standby's load or watch ...
+RETRY_MAX_S = 2.0  # ... doubling up to this
+HELD_RETRY = 64  # held pages of a node retried when one of its pages goes (more wait for the takeover)
+_PUT = 0  # etcd Event.EventType PUT (DELETE is 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the full load: shared by a leader without a warm copy and by the standby's initial load
+
+
+def node_descs(live: list[dict], arenas: list[dict]) -> dict[str, tuple[dict, int]]:
+    """Every node with a valid record: node_id -> (description, lease id of its leased record or 0). The leased
+    record wins over the durable arena record (it is at least as new); invalid records are logged and skipped."""
+    records = {r.get("node_id"): r for r in arenas}
+    leases: dict = {}
+    for r in live:
+        records[r.get("node_id")] = r
+        leases[r.get("node_id")] = int(r.get("lease_id") or 0)
+    out: dict[str, tuple[dict, int]] = {}
+    for node_id, rec in records.items():
+        desc = _describe(node_id, rec)
+        if desc is not None:
+            out[desc["node_id"]] = (desc, leases.get(node_id, 0))
+    return out
+
+
+def _describe(node_id, rec: dict | None) -> dict | None:
+    if rec is None:
+        return None
+    try:
+        desc = v.node_description({k: rec.get(k) for k in v.REGISTER_FIELDS if k in rec})
+    except v.Reject as e:
+        log.warning("metaserver: ignoring node record %r: %s", node_id, e.message)
+        return None
+    return desc if desc["node_id"] == node_id else None
+
+
+def fill(d: Directory, descs: dict[str, tuple[dict, int]], pages: list[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """Build an empty directory from a snapshot (the full load): a space per described node, not placeable, then its
+    pages in commit order (``EtcdStore.page_record`` tuples). Returns (stale, rejected) page tuples: stale ones are
+    unreadable or name a node without a record, rejected ones overlap another page or fall outside the arena; a
+    leader deletes both. O(pages log pages)."""
+    for node_id, (desc, _) in descs.items():
+        d.add_space(node_id, desc["capacity"])
+        d.set_placeable(node_id, False)
+    by_node: dict[str, list] = {}
+    stale: list[tuple] = []
+    spaces = d.spaces
+    for p in pages:
+        if p[1] is None or type(p[1]) is not str or p[1] not in spaces:
+            stale.append(p)
+        else:
+            by_node.setdefault(p[1], []).append(p)
+    rejected: list[tuple] = []
+    for node_id, recs in by_node.items():
+        recs.sort(key=lambda p: p[0])  # recency restarts from commit order
+        fx = d.load_pages(node_id, [(p[2], p[3], p[4], p[5], p[6], p[7]) for p in recs])
+        if fx.deletes:
+            gone = set(fx.deletes)
+            rejected.extend(p for p in recs if (p[2], p[3]) in gone)
+    return stale, rejected
+
+
+def fingerprint(d: Directory) -> dict:
+    """A canonical summary of a directory, equal for two directories that hold the same things (tests; O(n log n)):
+    every entry with its place, state and parent link, every space's capacity, use and placeability, and each node's
+    eviction order."""
+    entries = sorted(
+        (ns, k, e.node_id, e.offset, e.size, e.payload_len, e.gen, e.state, e.parent,
+         e.parent_ref.key if e.parent_ref is not None else None, e.children)
+        for ns, m in d.ready.items() for k, e in m.items())
+    spaces = {node_id: (sp.alloc.capacity, sp.alloc.used, sp.placeable, len(sp.entries))
+              for node_id, sp in d.spaces.items()}
+    order = {node_id: [(e.ns, e.key) for e in d.policy.members(node_id)] for node_id in d.spaces}
+    return {"entries": entries, "spaces": spaces, "order": order, "pending": d.pending, "pinned": d.pinned,
+            "objects": d.objects}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the watch-fed copy
+
+
+@dataclass
+class Handover:
+    """What a takeover gets from a warm standby (``WarmDirectory.take``)."""
+
+    dir: Directory
+    descs: dict[str, tuple[dict, int]]  # as ``node_descs``: the nodes to load as provisional members
+    stale: list[bytes]  # etcd keys of page records that cannot stand: the new leader deletes them
+    revision: int  # last revision applied
+    pages: int  # pages in the directory handed over
+    load_pages: int  # pages the standby's last load read (before the takeover, not during it)
+    load_s: float  # how long that load took
+    events: int  # watch events applied since that load
+    reloads: int  # loads after the first (compacted watch revisions)
+
+
+class WarmDirectory:
+    """A standby's directory, loaded once and then fed by an etcd watch. ``start`` runs it in the background;
+    ``catch_up`` + ``stop`` + ``take`` hand it to a takeover. Only one takeover may take it."""
+
+    def __init__(self, store: EtcdStore, make_dir: Callable[[], Directory]):
+        self.store = store
+        self.make_dir = make_dir
+        self.dir: Directory | None = None
+        self.rev = 0  # last revision applied (the snapshot's, then each event's)
+        self.live: dict[str, dict] = {}  # node id -> leased node record
+        self.arenas: dict[str, dict] = {}  # node id -> durable arena record
+        self.caps: dict[str, int] = {}  # node id -> capacity its space was made with
+        self.held: dict[tuple[str, bytes], tuple] = {}  # (ns, key) -> page record that has no place yet
+        self.held_on: dict[str, dict[tuple[str, bytes], None]] = {}  # node id -> its held (ns, key)s
+        self.junk: set[bytes] = set()  # etcd keys of unreadable page records
+        self.loaded = False
+        self.loading = False
+        self.load_pages = 0
+        self.load_s = 0.0
+        self.loads = 0
+        self.events = 0
+        self._moved = asyncio.Event()  # set whenever the copy changes: catch_up waits on it
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="metaserver-warm-standby")
+
+    async def stop(self) -> None:
+        """Stop following etcd; the copy stays as it is (events are applied whole, never half)."""
+        t, self._task = self._task, None
+        if t is not None:
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+
+    async def run(self) -> None:
+        """Load (unless loaded already), then follow the watch, until cancelled. etcd failures are retried (RETRY_S
+        doubling to RETRY_MAX_S): the watch resumes after the last applied revision; a compacted one makes it load
+        again."""
+        delay = RETRY_S
+        reload = not self.loaded  # a copy stopped and started again resumes after its last revision
+        while True:
+            try:
+                if reload:
+                    await self._load()
+                    reload = False
+                async for batch in self.store.watch(self.rev + 1):
+                    if batch is None:
+                        reload = True
+                        break
+                    self.apply(batch)
+                    delay = RETRY_S
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug here must not pass silently: the takeover loads in full
+                if not isinstance(e, Unavailable):
+                    log.exception("metaserver: warm standby stopped; a takeover will load the directory in full")
+                    self.loading = False
+                    self._moved.set()
+                    return
+                self.loading = False
+                self._moved.set()  # a takeover waiting on a load in progress re-evaluates
+                log.warning("metaserver: warm standby: %s; retrying in %.1fs", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _load(self) -> None:
+        self.loading = True
+        t0 = time.monotonic()
+        rev, live, arenas, pages = await self.store.load_at()
+        d = self.make_dir()
+        descs = node_descs(live, arenas)
+        stale, rejected = fill(d, descs, pages)
+        self.dir, self.rev = d, rev
+        self.live = {r.get("node_id"): r for r in live}
+        self.arenas = {r.get("node_id"): r for r in arenas}
+        self.caps = {node_id: desc["capacity"] for node_id, (desc, _) in descs.items()}
+        self.held, self.held_on, self.junk = {}, {}, set()
+        for p in stale + rejected:
+            if p[1] is None:
+                self.junk.add(p[8])
+            else:
+                self._hold(p)
+        self.load_pages = len(pages)
+        self.load_s = time.monotonic() - t0
+        self.loads += 1
+        self.events = 0
+        self.loaded = True
+        self.loading = False
+        self._moved.set()
+        log.info("metaserver: warm standby: %d pages of %d nodes at revision %d, loaded in %.2fs", d.objects,
+                 len(descs), rev, self.load_s)
+        print(f"metaserver: warm standby: {d.objects} pages at revision {rev} (loaded in {self.load_s:.2f}s)",
+              flush=True)
+
+    # -- events ------------------------------------------------------------------------------------------------
+    def apply(self, events: list) -> None:
+        """Apply one batch of watch events (raw protobuf, in revision order). Synchronous: a batch is applied whole."""
+        store = self.store
+        for ev in events:
+            kv = ev.kv
+            kind = store.kind_of(kv.key)
+            if kind == PAGE:
+                if ev.type == _PUT:
+                    self._put_page(store.page_record(kv))
+                else:
+                    self._delete_page(kv.key)
+            elif kind == NODE or kind == ARENA:
+                node_id = store.node_of(kv.key)
+                records = self.live if kind == NODE else self.arenas
+                rec = store.node_record(kv) if ev.type == _PUT else None
+                if rec is None:
+                    records.pop(node_id, None)
+                else:
+                    records[node_id] = rec
+                self._sync_node(node_id)
+        if events:
+            self.rev = max(self.rev, events[-1].kv.mod_revision)
+            self.events += len(events)
+            self._moved.set()
+
+    def _put_page(self, p: tuple) -> None:
+        _rev, node_id, ns, key, off, plen, gen, parent, ekey = p
+        if node_id is None or type(node_id) is not str:
+            self.junk.add(ekey)
+            return
+        self.junk.discard(ekey)
+        name = (ns, key)
+        self._unhold(name)
+        d = self.dir
+        e = d.ready.get(ns, {}).get(key)
+        if e is not None:
+            if (e.node_id, e.offset, e.payload_len, e.gen, e.parent) == (node_id, off, plen, gen, parent):
+                return
+            d.remove(ns, [key])
+        if not self._place(p):
+            self._hold(p)
+
+    def _place(self, p: tuple) -> bool:
+        return self.dir.put_ready(p[1], p[2], p[3], p[4], p[5], p[6], p[7]) is not None
+
+    def _delete_page(self, ekey: bytes) -> None:
+        self.junk.discard(ekey)
+        name = self.store.page_name(ekey)
+        if name is None or self._unhold(name):
+            return
+        ns, key = name
+        e = self.dir.ready.get(ns, {}).get(key)
+        if e is None:
+            return
+        self.dir.remove(ns, [key])
+        waiting = self.held_on.get(e.node_id)
+        if waiting and len(waiting) <= HELD_RETRY:
+            self._retry(e.node_id)
+
+    def _sync_node(self, node_id: str) -> None:
+        """Make the node's space match its current record: none without one, of the stated capacity with one."""
+        desc = _describe(node_id, self.live.get(node_id) or self.arenas.get(node_id))
+        cap = desc["capacity"] if desc is not None else None
+        d = self.dir
+        sp = d.spaces.get(node_id)
+        if sp is not None:
+            if self.caps.get(node_id) == cap:
+                return
+            # Gone, or another capacity: its pages wait for a space that fits them (a full load would put them in
+            # the new space if they fit, and call them stale if there is none).
+            for e in list(sp.entries):
+                self._hold((0, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, None))
+            d.drop_space(node_id)
+            self.caps.pop(node_id, None)
+        if desc is not None:
+            d.add_space(node_id, cap)
+            d.set_placeable(node_id, False)
+            self.caps[node_id] = cap
+            self._retry(node_id)
+
+    def _hold(self, p: tuple) -> None:
+        name = (p[2], p[3])
+        self.held[name] = p
+        self.held_on.setdefault(p[1], {})[name] = None
+
+    def _unhold(self, name: tuple[str, bytes]) -> bool:
+        p = self.held.pop(name, None)
+        if p is None:
+            return False
+        waiting = self.held_on.get(p[1])
+        if waiting is not None:
+            waiting.pop(name, None)
+            if not waiting:
+                del self.held_on[p[1]]
+        return True
+
+    def _retry(self, node_id: str) -> None:
+        """Place the node's held pages that fit now, in commit order."""
+        names = self.held_on.get(node_id)
+        if not names or node_id not in self.dir.spaces:
+            return
+        for p in sorted((self.held[n] for n in names), key=lambda p: p[0]):
+            if self._place(p):
+                self._unhold((p[2], p[3]))
+
+    # -- takeover ----------------------------------------------------------------------------------------------
+    async def catch_up(self, revision: int, timeout_s: float = CATCHUP_S) -> bool:
+        """Wait until every change up to ``revision`` is applied: True. False when the copy cannot get there: it is
+        not following etcd, or neither a load nor the watch moved for ``timeout_s`` (the caller loads in full
+        then). A load in progress is waited for (it is the work a full load would do). Blocks at most that long
+        past the last progress; cancelling it leaves the copy following etcd."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        seen = (self.loads, self.rev)
+        while not (self.loaded and self.rev >= revision):
+            if self._task is None or self._task.done():
+                return False
+            if (self.loads, self.rev) != seen:
+                seen = (self.loads, self.rev)
+                deadline = loop.time() + timeout_s
+            wait = None if self.loading else deadline - loop.time()
+            if wait is not None and wait <= 0:
+                return False
+            self._moved.clear()
+            try:
+                await asyncio.wait_for(self._moved.wait(), wait)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    def take(self) -> Handover:
+        """Hand the directory over (after ``catch_up`` and ``stop``): held pages that fit now are placed, the rest
+        and the unreadable records become stale keys. The copy is empty afterwards."""
+        d = self.dir
+        assert d is not None and self._task is None, "warm standby: take() before a load, or while following etcd"
+        for node_id in list(self.held_on):
+            self._retry(node_id)
+        stale = [self.store.page_key(ns, key) for ns, key in self.held] + sorted(self.junk)
+        h = Handover(dir=d, descs=node_descs(list(self.live.values()), list(self.arenas.values())), stale=stale,
+                     revision=self.rev, pages=d.objects, load_pages=self.load_pages, load_s=self.load_s,
+                     events=self.events, reloads=max(0, self.loads - 1))
+        self.dir = None
+        self.loaded = False
+        self.held, self.held_on, self.junk = {}, {}, set()
+        return h

@@ -1,0 +1,386 @@
+"""The warm standby (metaserver/standby.py): a standby's directory fed by an etcd watch, taken over without a load.
+
+Two layers, both against a real etcd:
+
+- in-process: ``WarmDirectory`` follows records written straight into etcd in the metaserver's format (every kind of
+  change a leader makes, plus the odd ones: unreadable records, a page before its node, a page put before the delete
+  of the page whose extent it reuses), then is caught up and taken; its directory must equal, entry for entry,
+  extent for extent and in eviction order, what a full load of the same etcd state builds (``fingerprint``);
+- real processes: a leader and a standby metaserver, pages written after the standby loaded, removals and evictions,
+  node registration and loss; SIGKILL of the leader; the standby serves every page byte-exactly, its STATS say it
+  read no page at the takeover, and its listing equals a full load of etcd.
+
+Assertions are on bytes, counts and events; timings are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+
+import msgpack
+
+import umbp
+from cluster import HarnessError
+from metaserver.allocator import Allocator
+from metaserver.directory import Directory
+from metaserver.persist import EtcdStore
+from metaserver.standby import WarmDirectory, fill, fingerprint, node_descs
+from test_failover import etcd_state, locations, ms_env, put_pages, raw, wait_confirmed, wait_leader
+from test_pool import payload
+from transport.wire import ARENA_DATA_START, Op
+
+UNIT = 4096
+WARM_LINE = re.compile(r"metaserver: warm standby: (\d+) pages at revision (\d+)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the allocator's exact reservation (what the standby replays placements with)
+
+
+def test_reserve_takes_exact_extents_and_refuses_taken_or_outside_ones():
+    a = Allocator(ARENA_DATA_START, 64 * UNIT)
+    base = ARENA_DATA_START
+    assert a.reserve(base, 2 * UNIT)  # the start of the one free extent
+    assert a.reserve(base + 10 * UNIT, UNIT)  # inside a larger free extent: split around it
+    assert a.used == 3 * UNIT
+    assert not a.reserve(base + UNIT, UNIT)  # taken
+    assert not a.reserve(base + 9 * UNIT, 2 * UNIT)  # overlaps the one at 10
+    assert not a.reserve(base + 63 * UNIT, 2 * UNIT)  # runs past the end
+    assert not a.reserve(base + 100, UNIT)  # not aligned
+    assert not a.reserve(base - UNIT, UNIT)  # before the region
+    a.check()
+    assert a.reserve(base + 2 * UNIT, 8 * UNIT)  # exactly the hole between them
+    a.check()
+    assert a.used == 11 * UNIT
+    a.free(base + 10 * UNIT, UNIT)
+    assert a.alloc(UNIT) == base + 10 * UNIT  # the freed extent is the first hole again
+    a.check()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# in-process: WarmDirectory against a full load of the same etcd state
+
+PREFIX = "/umbp-standby"
+NS = "default"
+
+
+def node_rec(node_id: str, capacity: int = 256 * UNIT, arena: bytes = b"A" * 16) -> dict:
+    return {"node_id": node_id, "host": "127.0.0.1", "port": 9, "pid": 1, "capacity": capacity, "arena_id": arena,
+            "arena_path": "", "boot_id": "", "hostname": "h", "transports": ["tcp"], "lease_ttl": 5.0, "rdma": None}
+
+
+def key(i: int) -> bytes:
+    return f"k{i:05d}".encode()
+
+
+class Writer:
+    """Writes records as the leader would (unfenced), counting the watch events each write makes."""
+
+    def __init__(self, store: EtcdStore):
+        self.store = store
+        self.events = 0
+
+    async def txn(self, ops: list) -> None:
+        for i in range(0, len(ops), 100):
+            await self.store.txn(ops[i:i + 100])
+            self.events += len(ops[i:i + 100])
+
+    def page(self, i: int, node: str, slot: int, parent: int | None = None, plen: int = 1000, gen: int = 0):
+        s = self.store
+        return s.op_put(s.page_key(NS, key(i)), s.page_value(node, ARENA_DATA_START + slot * UNIT, plen, gen or i + 1,
+                                                             key(parent) if parent is not None else None))
+
+    def arena(self, node_id: str, **kw):
+        return self.store.op_put(self.store.arena_key(node_id), msgpack.packb(node_rec(node_id, **kw),
+                                                                              use_bin_type=True))
+
+    def delete(self, i: int):
+        return self.store.op_delete(self.store.page_key(NS, key(i)))
+
+
+async def wait_until(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def full_load(store: EtcdStore):
+    """What a takeover without a warm copy builds: (directory, node descriptions, stale etcd keys)."""
+    nodes, arenas, pages = await store.load()
+    d = Directory()
+    descs = node_descs(nodes, arenas)
+    stale, rejected = fill(d, descs, pages)
+    return d, descs, sorted(p[8] for p in stale + rejected)
+
+
+async def take_over(store: EtcdStore, warm: WarmDirectory, w: Writer):
+    """Create the leader key (a win at revision W), catch up to W, take the directory."""
+    await store.txn([store.op_put(store.leader_key, b"me")])
+    w.events += 1
+    won = await store.revision()
+    assert await warm.catch_up(won, 10.0)
+    assert warm.rev >= won
+    await warm.stop()
+    return warm.take()
+
+
+def test_watch_fed_directory_equals_a_full_load(etcd):
+    asyncio.run(_equal_to_full_load(etcd.url))
+
+
+async def _equal_to_full_load(url: str) -> None:
+    store = EtcdStore(url, PREFIX)
+    await store.wait_ready(10)
+    w = Writer(store)
+    try:
+        # Before the standby loads: n1 (leased record + arena record), n2 (arena record only), 200 pages in chains.
+        lease = await store.grant(60)
+        await store.put_node("n1", node_rec("n1"), lease)
+        await w.txn([w.arena("n2")])
+        await w.txn([w.page(i, "n1" if i < 100 else "n2", i % 100, parent=i - 1 if i % 10 else None)
+                     for i in range(200)])
+        warm = WarmDirectory(store, Directory)
+        warm.start()
+        await wait_until(lambda: warm.loaded)
+        assert warm.load_pages == 200 and warm.dir.objects == 200 and warm.events == 0
+        w.events = 0
+
+        # After it loaded: children of loaded pages and parents of pages that arrive later (links both ways).
+        await w.txn([w.page(200 + i, "n1", 100 + i, parent=i) for i in range(50)])
+        await w.txn([w.page(300 + i, "n2", 100 + i, parent=350 + i) for i in range(25)])
+        await w.txn([w.page(350 + i, "n2", 130 + i) for i in range(25)])
+        # Removals and evictions (both are deletes of the record).
+        await w.txn([w.delete(i) for i in range(0, 200, 10)])
+        # An unreadable record; a page of a node whose record arrives later.
+        await w.txn([store.op_put(store.page_key(NS, b"junk"), b"\xc1not msgpack")])
+        await w.txn([w.page(400, "n3", 0)])
+        await w.txn([w.arena("n3")])
+        # The batch writer's race: B reuses the extent of A (n2 slot 55, page 155) and lands before A's delete.
+        await w.txn([w.page(401, "n2", 55)])
+        await wait_until(lambda: (NS, key(401)) in warm.held)
+        await w.txn([w.delete(155)])
+        # n2 comes back with a larger arena: its space is remade with its pages.
+        await w.txn([w.arena("n2", capacity=512 * UNIT, arena=b"B" * 16)])
+        # n1 loses its lease (the leased record goes, the arena record stays).
+        await store.revoke(lease)
+        w.events += 1
+        # n4 with pages, then its arena record is deleted: its pages are stale.
+        await w.txn([w.arena("n4")] + [w.page(500 + i, "n4", i) for i in range(5)])
+        await w.txn([store.op_delete(store.arena_key("n4"))])
+        # A page out of its node's range, and one overlapping another: stale for both.
+        await w.txn([w.page(600, "n3", 10_000), w.page(601, "n3", 0, gen=7)])
+
+        h = await take_over(store, warm, w)
+        assert h.load_pages == 200 and h.reloads == 0
+        assert h.events == w.events  # every change came through the watch, one event per record written
+        d, descs, stale = await full_load(store)
+        h.dir.check()
+        d.check()
+        assert fingerprint(h.dir) == fingerprint(d)
+        assert h.descs == descs
+        assert sorted(h.stale) == stale
+        assert len(stale) == 1 + 5 + 2  # junk, n4's pages, the out-of-range and the overlapping page
+        assert h.pages == d.objects == 200 - 20 + 50 + 50 + 1 + 1 - 1
+        assert (NS, key(401)) in {(e.ns, e.key) for e in h.dir.spaces["n2"].entries}
+        assert h.dir.spaces["n2"].alloc.capacity == 512 * UNIT
+        assert not any(sp.placeable for sp in h.dir.spaces.values())
+        assert descs["n1"][1] == 0  # its lease is gone: loaded from the arena record
+    finally:
+        await store.close()
+
+
+def test_compacted_watch_revision_makes_the_standby_load_again(etcd):
+    asyncio.run(_compacted(etcd.url))
+
+
+async def _compacted(url: str) -> None:
+    store = EtcdStore(url, PREFIX)
+    await store.wait_ready(10)
+    w = Writer(store)
+    try:
+        await w.txn([w.arena("n1")] + [w.page(i, "n1", i) for i in range(30)])
+        warm = WarmDirectory(store, Directory)
+        warm.start()
+        await wait_until(lambda: warm.loaded)
+        await warm.stop()  # away while etcd moves on and compacts what it missed
+        await w.txn([w.page(30 + i, "n1", 30 + i) for i in range(20)])
+        await w.txn([w.delete(i) for i in range(5)])
+        await store.client.compact(await store.revision())  # everything before the last revision is gone
+        warm.start()
+        await wait_until(lambda: warm.loads == 2)
+        h = await take_over(store, warm, w)
+        assert h.reloads == 1 and h.load_pages == 45
+        d, descs, stale = await full_load(store)
+        assert fingerprint(h.dir) == fingerprint(d) and h.descs == descs and stale == []
+    finally:
+        await store.close()
+
+
+def test_stopped_standby_resumes_after_its_last_revision(etcd):
+    asyncio.run(_resume(etcd.url))
+
+
+async def _resume(url: str) -> None:
+    store = EtcdStore(url, PREFIX)
+    await store.wait_ready(10)
+    w = Writer(store)
+    try:
+        await w.txn([w.arena("n1")] + [w.page(i, "n1", i) for i in range(10)])
+        warm = WarmDirectory(store, Directory)
+        warm.start()
+        await wait_until(lambda: warm.loaded)
+        await warm.stop()
+        w.events = 0
+        await w.txn([w.page(10 + i, "n1", 10 + i) for i in range(10)])
+        warm.start()
+        h = await take_over(store, warm, w)
+        assert h.reloads == 0 and h.load_pages == 10 and h.events == w.events == 11
+        d, _, _ = await full_load(store)
+        assert fingerprint(h.dir) == fingerprint(d)
+    finally:
+        await store.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# real processes: SIGKILL of the leader, the warm standby takes over
+
+
+def wait_warm(ms, timeout: float = 30.0) -> int:
+    """The page count of the standby's first 'warm standby: N pages' line (its load is done, the watch follows)."""
+    return int(ms.wait_for_line(WARM_LINE, timeout, "'warm standby' line").group(1))
+
+
+def settle(cluster, addr: str, timeout: float = 15.0) -> int:
+    """Wait until etcd holds exactly the leader's objects (its batch writer drained); return that count."""
+    deadline = time.monotonic() + timeout
+    while True:
+        objects = raw(addr, Op.STATS)["objects"]
+        pages = etcd_state(cluster.etcd.url)[1]
+        if pages == objects:
+            return objects
+        if time.monotonic() > deadline:
+            raise HarnessError(f"etcd holds {pages} pages, the leader {objects}")
+        time.sleep(0.1)
+
+
+def listing_equals_full_load(cluster, addr: str) -> None:
+    """The new leader's LIST and per-node use equal a full load of what etcd holds now."""
+    async def load():
+        store = EtcdStore(cluster.etcd.url, "/umbp")
+        try:
+            return await full_load(store)
+        finally:
+            await store.close()
+
+    d, _, _ = asyncio.run(load())
+    listed = raw(addr, Op.LIST, {"ns": NS, "limit": 1_000_000}, timeout=10)["objects"]
+    assert sorted((o[0], o[1], o[2], o[3], o[4]) for o in listed) == sorted(
+        (ns, k, e.payload_len, e.node_id, "READY") for ns, m in d.entries.items() for k, e in m.items())
+    used = {n["node_id"]: n["used_bytes"] for n in raw(addr, Op.STATS)["nodes"]}
+    assert used == {node_id: sp.alloc.used for node_id, sp in d.spaces.items()}
+
+
+def test_sigkill_leader_warm_standby_serves_every_page_without_a_load(make_cluster):
+    cluster = make_cluster(metaservers=2, nodes=2, capacity="8MiB", lease_ttl=5, metaserver_flags=ms_env())
+    old, standby = cluster.metaservers
+    assert wait_leader(cluster, timeout=10) is old
+    assert wait_warm(standby) == 0  # it loaded an empty pool: every page below reaches it through the watch
+
+    ks = [(f"ws/{i}", 1 + (i * 7919) % 200_000) for i in range(60)]
+    big = [(f"ws-big/{i}", 900_000 + i) for i in range(8)]  # ~6 MiB of small pages + ~7 MiB: under the watermark
+    with cluster.client() as c:
+        put_pages(c, ks)
+        removed = [k for k, _ in ks[:8]]
+        assert [c.remove(k) for k in removed] == [True] * len(removed)
+        check = ks[30:]  # read now, so recent: eviction takes older pages first
+        assert [c.get(k) for k, _ in check] == [payload(k, s) for k, s in check]
+        for i in range(0, len(big), 4):
+            put_pages(c, big[i:i + 4])
+        evicted = c.admin(Op.EVICT, {"bytes": 3 << 20})  # least recently used first: the small pages not read
+        assert evicted["evicted"] > 0 and raw(old.addr, Op.STATS)["evictions"] == evicted["evicted"]
+        objects = settle(cluster, old.addr)
+        everything = ks + big
+        present = dict(zip([k for k, _ in everything], c.batch_exists([k for k, _ in everything])))
+    assert objects == sum(present.values()) and not any(present[k] for k in removed)
+    assert 0 < sum(present[k] for k, _ in ks) < len(ks) - len(removed)  # small pages both kept and evicted
+
+    t0 = time.monotonic()
+    old.kill(signal.SIGKILL)
+    new = wait_leader(cluster, exclude=(old,), timeout=30)
+    took = time.monotonic() - t0
+    assert new is standby
+    s = raw(new.addr, Op.STATS)
+    t = s["takeover"]
+    print(f"\nwarm takeover: serving {took:.2f}s after SIGKILL (election ttl 5s), {t}")
+    assert t["warm"] is True and t["load_pages"] == 0 and t["standby_load_pages"] == 0
+    assert t["pages"] == objects == s["objects"]
+    assert t["standby_events"] >= len(ks) + len(removed) + len(big)  # a put per page, a delete per removal
+    listing_equals_full_load(cluster, new.addr)  # before any node re-registered: exactly what etcd says
+
+    with umbp.Client(cluster.metaserver_addrs) as c:
+        for k, size in everything:
+            got = c.get(k)
+            assert got == (payload(k, size) if present[k] else None), k
+        more = [(f"ws-after/{i}", 5000 + i) for i in range(5)]
+        put_pages(c, more)
+        assert [c.get(k) for k, _ in more] == [payload(k, s) for k, s in more]
+    wait_confirmed(new.addr, ["node0", "node1"])
+
+
+def test_standby_started_later_follows_node_registration_and_loss(make_cluster):
+    cluster = make_cluster(metaservers=1, nodes=1, capacity="32MiB", lease_ttl=2, metaserver_flags=ms_env())
+    old = cluster.metaserver
+    first = [(f"late/{i}", 200_000 + 101 * i) for i in range(40)]  # 8 MiB on node0: node1 gets the next ones
+    with cluster.client() as c:
+        put_pages(c, first)
+    settle(cluster, old.addr)
+    standby = cluster.harness.metaserver(cluster.etcd.url, **ms_env())
+    cluster.metaservers.append(standby)
+    assert wait_warm(standby) == len(first)  # loaded the pages that were there
+
+    cluster.add_node(node_id="node1")  # registered after the standby loaded: known to it through the watch only
+    cluster.wait_nodes()
+    second = [(f"late2/{i}", 4000 + 103 * i) for i in range(40)]
+    with cluster.client() as c:
+        put_pages(c, second)
+        where = dict(zip([k for k, _ in first + second], locations(c, [k for k, _ in first + second])))
+    assert {where[k] for k, _ in second} == {"node1"}  # the empty node takes them (most free space)
+    settle(cluster, old.addr)
+
+    cluster.node("node0").kill(signal.SIGKILL)  # lost: the leader drops its lease, parks its pages
+    cluster.wait_nodes(alive=["node1"], dead=["node0"], timeout=20)
+    deadline = time.monotonic() + 15
+    while etcd_state(cluster.etcd.url)[2] != ["node1"]:  # node0's leased record is gone from etcd
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+    old.kill(signal.SIGKILL)
+    new = wait_leader(cluster, exclude=(old,), timeout=30)
+    assert new is standby
+    t = raw(new.addr, Op.STATS)["takeover"]
+    assert t["warm"] is True and t["load_pages"] == 0 and t["standby_load_pages"] == len(first)
+    # As a full load would: node0 has only its arena record left, so it is back as provisional with its pages,
+    # node1 (seen through the watch) too, until it re-registers.
+    assert t["pages"] == len(first) + len(second)
+    listing_equals_full_load(cluster, new.addr)
+    listing = wait_confirmed(new.addr, ["node1"])
+    caps = {n["node_id"]: n["capacity_bytes"] for n in listing}
+    assert caps == {"node0": 32 << 20, "node1": 32 << 20}
+    with umbp.Client(cluster.metaserver_addrs) as c:
+        for k, size in second:
+            assert c.get(k) == payload(k, size), k
+        cluster.wait_nodes(alive=["node1"], dead=["node0"], timeout=30)  # its grace ran out: dropped
+        assert c.batch_exists([k for k, _ in first]) == [False] * len(first)
+        assert c.stats()["objects"] == len(second)
+
+
+def test_catch_up_without_a_following_copy_says_so():
+    """catch_up on a copy that is not following etcd reports False at once (the takeover then loads in full)."""
+    async def go():
+        warm = WarmDirectory(None, Directory)  # type: ignore[arg-type]
+        assert await warm.catch_up(10, 0.5) is False
+    asyncio.run(go())
