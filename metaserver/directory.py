@@ -175,18 +175,23 @@ class Directory:
         sp = self.spaces[node_id]
         fx = Effects()
         ready, pend = self.ready, self.pending_keys
-        keep = []
+        osize: dict[int, int] = {}  # payload_len -> object size (the pages of a namespace share one)
+        keep: list[tuple] = []
+        extents: list[tuple[int, int]] = []
         for rec in pages:
-            ns, key = rec[0], rec[1]
-            r, p = ready.get(ns), pend.get(ns)
-            if (r is not None and key in r) or (p is not None and key in p):
+            ns, key, plen = rec[0], rec[1], rec[3]
+            r = ready.get(ns)
+            if (r is not None and key in r) or (pend and key in pend.get(ns, ())):
                 fx.deletes.append((ns, key))
-            else:
-                keep.append(rec)
-        rejected = sp.alloc.rebuild([(r[2], object_size(r[3])) for r in keep])
-        skip = set(rejected)
+                continue
+            sz = osize.get(plen)
+            if sz is None:
+                sz = osize[plen] = object_size(plen)
+            keep.append(rec)
+            extents.append((rec[2], sz))
+        skip = set(sp.alloc.rebuild(extents))
         loaded: list[Entry] = []
-        plen_of = self._plen
+        plens: dict[int, int] = {}  # payload_len -> its interned int
         r = None
         last_ns = None
         for i, (ns, key, off, plen, gen, parent) in enumerate(keep):
@@ -194,20 +199,24 @@ class Directory:
                 fx.deletes.append((ns, key))
                 continue
             if ns != last_ns:
-                ns = last_ns = _intern(ns)
-                r = ready.get(ns)
+                last_ns = _intern(ns)
+                r = ready.get(last_ns)
                 if r is None:
-                    r = ready[ns] = {}
+                    r = ready[last_ns] = {}
             if key in r:  # the same key twice in these records: the later one is dropped
                 fx.deletes.append((ns, key))
-                sp.alloc.free(off, object_size(plen))
+                sp.alloc.free(off, osize[plen])
                 continue
-            e = Entry(last_ns, key, sp, off, plen_of(plen), gen, READY, parent, 0.0)
+            pl = plens.get(plen)
+            if pl is None:
+                pl = plens[plen] = self._plen(plen)
+            e = Entry(last_ns, key, sp, off, pl, gen, READY, parent, 0.0)
             r[key] = e
             loaded.append(e)
         sp.n += len(loaded)
+        link = self._link_ready
         for e in loaded:
-            self._link_ready(e)
+            link(e)
         add = self.policy.add
         for e in loaded:
             add(e)
@@ -511,7 +520,11 @@ class Directory:
         orphan; then adopt the orphans that name it."""
         up = e.up
         if up is not None:
-            p = self.ready.get(e.ns, {}).get(up) if type(up) is bytes else up
+            if type(up) is bytes:
+                r = self.ready.get(e.ns)
+                p = r.get(up) if r is not None else None
+            else:
+                p = up
             if p is not None and p is not e and p.state == READY:
                 self._link(e, p)
             else:
