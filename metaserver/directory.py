@@ -88,7 +88,8 @@ class Directory:
         # comes back) adopts them (prefix-lru files them as orphans meanwhile).
         self.orphans: dict[str, dict[bytes, Entry | set[Entry]]] = {}
         self._lease_q: deque[tuple[float, int]] = deque()
-        self._sizes: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}  # interned payload lengths
+        self._osizes: dict[int, int] = {}  # their object sizes
         self._next_lease = 1
         self.hits = self.misses = self.evictions = self.puts = 0
         self.pinned = 0  # entries (live or zombie) with pins > 0
@@ -120,6 +121,7 @@ class Directory:
             if len(self._sizes) >= SIZE_INTERN:
                 return n
             v = self._sizes[n] = n
+            self._osizes[n] = object_size(n)
         return v
 
     # -- nodes -------------------------------------------------------------------------------------------------
@@ -254,6 +256,7 @@ class Directory:
         pending = self._pending
         items: list = []
         placer: Placer | None = None
+        interned, osizes = self._sizes, self._osizes
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         for i, key in enumerate(keys):
             if key in seen:
@@ -283,13 +286,19 @@ class Directory:
                     parent = pe.key  # one key object for the parent and every child naming it
             if placer is None:
                 placer = Placer(self, fx)
-            placed = placer.place(object_size(plen), near)
+            pl = interned.get(plen)
+            if pl is None:
+                pl = self._plen(plen)
+                osize = object_size(plen)
+            else:
+                osize = osizes[pl]
+            placed = placer.place(osize, near)
             if placed is None:
                 items.append(_NO_SPACE_ITEM)
                 continue
             sp, off = placed
             gen = gen_base + i
-            e = Entry(ns, key, sp, off, self._plen(plen), gen, PENDING, parent, now)
+            e = Entry(ns, key, sp, off, pl, gen, PENDING, parent, now)
             pd = pend.get(ns)
             if pd is None:
                 pd = pend[ns] = {}
