@@ -28,6 +28,11 @@ Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own f
 - load: N page records as ``EtcdStore.load`` returns them (each parsed from its etcd key and msgpack value, as
   ``persist.load`` does) grouped per node and sorted by revision as ``service._load`` does, then
   ``Directory.load_pages`` per node (the takeover path), with the parse and the directory load timed apart;
+- the same at N through the metaserver's per-request work minus I/O ("wire path"): msgpack in and out, the
+  request's validation (``metaserver.validate``), the directory call, and what ``service.py`` adds per key in a
+  closed pool (the object tag and an HMAC capability per location or placement, ``umbp.auth``; for a commit, the
+  etcd record ``EtcdStore.page_value`` of each page): one metaserver process's CPU-bound ceiling, with the etcd
+  round trips and sockets left out;
 - optionally (``--etcd-pages``), the time for ``EtcdStore.load`` to read that many page records from a real etcd
   (started here from the ``etcd`` on PATH) and what N would take at that rate (an extrapolation, labelled so).
 
@@ -56,7 +61,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import msgpack  # noqa: E402
 
+from metaserver import validate as v  # noqa: E402
 from metaserver.directory import NEW, Directory  # noqa: E402
+from metaserver.persist import EtcdStore  # noqa: E402
+from umbp.auth import Tokens, capability  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.keys import namespace  # noqa: E402
 
@@ -120,6 +128,64 @@ class Wire:
     @staticmethod
     def keys(ns: str, keys: list[bytes]) -> dict:
         return msgpack.unpackb(msgpack.packb({"ns": ns, "keys": keys}, use_bin_type=True), raw=False)
+
+
+class ServicePath:
+    """What ``metaserver/service.py`` does around the directory for LOOKUP+RELEASE and ALLOC+COMMIT, minus sockets and
+    etcd: decode, validate, directory call, per-key tag and capability (closed pool), etcd record of each commit,
+    encode. Mirrors service.lookup/alloc/commit; kept here so the figure does not need a running metaserver."""
+
+    def __init__(self, d: Directory):
+        self.d = d
+        self.tokens = Tokens.load("scale-bench-cluster-secret", None, "bench")
+        self.cap_keys = {nid: self.tokens.cap_key(nid, b"arena-" + nid.encode()) for nid in d.spaces}
+        self.pages_prefix = b"/umbp/pages/"
+        self.gen = 1 << 40
+
+    def lookup(self, frame: bytes) -> bytes:
+        m = msgpack.unpackb(frame, raw=False)
+        ns = v.ns(m)
+        keys = v.keys(m, 4096)
+        lease, locs = self.d.lookup(ns, keys, time.monotonic())
+        tag, caps = self.tokens.tag, self.cap_keys
+        for i, loc in enumerate(locs):
+            if loc is not None:
+                node_id, off, plen, gen = loc
+                locs[i] = (node_id, off, plen, gen, tag(ns, keys[i]), capability(caps.get(node_id), b"r", off, plen, gen))
+        reply = msgpack.packb({"lease": lease, "locs": locs}, use_bin_type=True)
+        rel = msgpack.unpackb(msgpack.packb({"lease": lease}), raw=False)
+        self.d.release(v.integer(rel, "lease", 0, (1 << 63) - 1))
+        return reply
+
+    def put(self, frame: bytes) -> int:
+        m = msgpack.unpackb(frame, raw=False)
+        ns = v.ns(m)
+        keys = v.keys(m, 4096)
+        sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
+        parents = v.parents(m, len(keys))
+        now = time.monotonic()
+        items, _fx = self.d.alloc(ns, keys, sizes, parents, self.gen, now)
+        self.gen += len(keys)
+        tag, caps = self.tokens.tag, self.cap_keys
+        out = []
+        for key, item in zip(keys, items):
+            if item[0] == NEW:
+                _, node_id, off, plen, gen = item
+                item = (NEW, node_id, off, plen, gen, tag(ns, key), capability(caps.get(node_id), b"w", off, plen, gen))
+            out.append(item)
+        answer = msgpack.unpackb(msgpack.packb({"items": out}, use_bin_type=True), raw=False)
+        news = [(k, it[4]) for k, it in zip(keys, answer["items"]) if it[0] == NEW]
+        c = msgpack.unpackb(msgpack.packb({"ns": ns, "keys": [k for k, _ in news], "gens": [g for _, g in news]},
+                                          use_bin_type=True), raw=False)
+        cns = v.ns(c)
+        ckeys = v.keys(c, 4096)
+        gens = v.ints(c, "gens", len(ckeys), 0, (1 << 63) - 1)
+        ok, fx = self.d.commit(cns, ckeys, gens, time.monotonic())
+        pfx = self.pages_prefix
+        records = [(pfx + e.ns.encode() + b"/" + e.key.hex().encode(),
+                    EtcdStore.page_value(e.node_id, e.offset, e.payload_len, e.gen, e.parent)) for e in fx.puts]
+        msgpack.packb({"ok": ok}, use_bin_type=True)
+        return len(records)
 
 
 class Driver:
@@ -277,6 +343,31 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool) -> di
     out["put_keys_s"] = drv.put_keys / drv.put_s
     out["put_evictions"] = d.evictions - ev0
     out["pages_after"] = d.objects
+
+    # the same through the service's per-request work (minus sockets and etcd)
+    svc = ServicePath(d)
+    frames = [msgpack.packb(r, use_bin_type=True) for r in reqs]
+    t = cpu()
+    for f in frames:
+        svc.lookup(f)
+    out["wire_lookup_keys_s"] = n_keys / (cpu() - t)
+    put_frames = []
+    while sum(len(f[1]) for f in put_frames) < ops:
+        m = min(ms, key=lambda m: m.pages / m.share)
+        c = len(m.lengths)
+        n = drv.rng.randint(CHAIN_MIN, CHAIN_MAX)
+        m.lengths.append(n)
+        hexes, parents = chain_pages(m, c, ROOT_PAGES, ROOT_PAGES + n)
+        for rk, rp in zip(rank_keys(m, hexes), rank_keys_opt(m, parents)):
+            for i in range(0, len(rk), BATCH):
+                ks = rk[i:i + BATCH]
+                put_frames.append((msgpack.packb({"ns": m.ns, "keys": ks, "sizes": [m.payload] * len(ks),
+                                                  "parents": rp[i:i + BATCH]}, use_bin_type=True), ks))
+                m.pages += len(ks)
+    t = cpu()
+    for f, _ks in put_frames:
+        svc.put(f)
+    out["wire_put_keys_s"] = sum(len(ks) for _f, ks in put_frames) / (cpu() - t)
     return out
 
 
@@ -469,6 +560,10 @@ def main() -> None:
               f"{b['put_evictions']:,} evictions for {a.ops:,} new keys); "
               f"{fmt_rate(b['build_put_keys_s'])} while building ({b['build_wall_s']:.0f} s wall incl. key "
               f"generation and msgpack)")
+        print(f"{'':>10}  wire path at N (decode, validate, directory, tags and capabilities, etcd records, encode; "
+              f"no sockets, no etcd): lookup+release {fmt_rate(b['wire_lookup_keys_s'])} keys "
+              f"({1e6 / b['wire_lookup_keys_s']:.2f} us/key), alloc+commit {fmt_rate(b['wire_put_keys_s'])} keys "
+              f"({1e6 / b['wire_put_keys_s']:.2f} us/key)")
         if not a.no_load:
             ld = child(["load", pol, str(n)] + common)
             if "error" in ld:
