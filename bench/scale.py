@@ -434,16 +434,29 @@ def load_directory(policy: str, pages: list[tuple], n_pages: int) -> tuple[Direc
 
 
 def run_load(policy: str, n_pages: int, seed: int) -> dict:
-    kvs = list(etcd_records(n_pages, seed))
-    gc.collect()
+    """Records are made and parsed in slices of LOAD_PAGE, as ``EtcdStore.load`` reads and parses them while it
+    scans, so what is held at the end is what a takeover holds: the parsed page tuples (with their etcd keys), then
+    the directory built from them."""
+    from metaserver.persist import LOAD_PAGE
+    pages: list[tuple] = []
+    parse_s = 0.0
+    plen_prefix = len(b"/umbp/pages/")
+    chunk: list[tuple] = []
+    for rec in etcd_records(n_pages, seed):
+        chunk.append(rec)
+        if len(chunk) == LOAD_PAGE:
+            t = cpu()
+            pages += parse_pages(chunk, plen_prefix)
+            parse_s += cpu() - t
+            chunk = []
     t = cpu()
-    pages = parse_pages(kvs, len(b"/umbp/pages/"))
-    parse_s = cpu() - t
-    del kvs
+    pages += parse_pages(chunk, plen_prefix)
+    parse_s += cpu() - t
+    del chunk
     gc.collect()
     d, load_s = load_directory(policy, pages, n_pages)
-    out = {"policy": policy, "pages": d.objects, "parse_s": parse_s, "load_s": load_s, "peak_rss_gib": hwm() / 2**30}
-    return out
+    return {"policy": policy, "pages": d.objects, "parse_s": parse_s, "load_s": load_s,
+            "peak_rss_gib": hwm() / 2**30}
 
 
 # ---- child: a real etcd -----------------------------------------------------------------------------------------
