@@ -280,11 +280,11 @@ def hwm() -> int:
     return 0
 
 
-def new_directory(policy: str, ms: list[Model], n_pages: int) -> Directory:
+def new_directory(policy: str, ms: list[Model], n_pages: int, slack: float = 1.001) -> Directory:
     """A directory over NODES spaces holding exactly n_pages of the workload's mix (a little slack per node)."""
     d = Directory(policy=policy)
     per_key = sum(m.share * object_size(m.payload) for m in ms)
-    cap = int(per_key * (n_pages + 2000) / NODES * 1.001) + 4 * object_size(max(m.payload for m in ms))
+    cap = int(per_key * (n_pages + 2000) / NODES * slack) + 4 * object_size(max(m.payload for m in ms))
     for i in range(NODES):
         d.add_space(f"host{i:02d}", cap)
     return d
@@ -375,13 +375,13 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool) -> di
 
 def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
     """Yield (etcd key, msgpack value, mod_revision) of n_pages page records, as a metaserver wrote them: the
-    workload's keys and parents, placed round robin over the nodes at consecutive offsets."""
+    workload's keys and parents at consecutive offsets, each session chain (all its ranks) on one node, the least
+    filled one when it starts (placement keeps a chain on its parent's node), the system prompts on the first."""
     ms = models()
     per_node_off = [4096] * NODES
     rev = 1000
     rng = random.Random(seed)
     total = 0
-    i = 0
     while total < n_pages:
         m = min(ms, key=lambda m: m.pages / m.share)
         c = len(m.lengths)
@@ -389,10 +389,9 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
         m.lengths.append(n)
         hexes, parents = chain_pages(m, c, 0 if c == 0 else ROOT_PAGES, ROOT_PAGES + n)
         size = object_size(m.payload)
+        node = per_node_off.index(min(per_node_off))
         for rk, rp in zip(rank_keys(m, hexes), rank_keys_opt(m, parents)):
             for k, p in zip(rk, rp):
-                node = i % NODES
-                i += 1
                 off = per_node_off[node]
                 per_node_off[node] += size
                 rev += 1
@@ -422,7 +421,8 @@ def load_directory(policy: str, pages: list[tuple], n_pages: int) -> tuple[Direc
     """The directory half of ``Metaserver._load`` (metaserver/service.py): group by node, sort by revision,
     ``load_pages`` per node. Returns the directory and the seconds it took."""
     t = cpu()
-    d = new_directory(policy, models(), n_pages)
+    # room for the chains' imbalance across nodes (whole chains are placed at once)
+    d = new_directory(policy, models(), n_pages, slack=1.0 + 0.05 + 2e4 * CHAIN_MAX / max(n_pages, 1))
     by_node: dict[str, list] = {}
     for p in pages:
         by_node.setdefault(p[1], []).append(p)
