@@ -61,6 +61,70 @@ def test_reserve_takes_exact_extents_and_refuses_taken_or_outside_ones():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the snapshot scan: every key once, and no quadratic index walk
+
+
+class FakeKV:
+    """etcd's Range over a sorted key list, counting the keys each request walks (etcd 3.4 walks the whole range
+    to count it, whatever the limit)."""
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = sorted(set(keys))
+        self.walked = 0
+        self.requests = 0
+
+    async def Range(self, req, timeout=None, metadata=None):
+        import bisect
+        from types import SimpleNamespace
+        lo = bisect.bisect_left(self.keys, req.key)
+        hi = bisect.bisect_left(self.keys, req.range_end)
+        self.walked += hi - lo
+        self.requests += 1
+        kvs = [SimpleNamespace(key=k) for k in self.keys[lo:min(hi, lo + req.limit)]]
+        return SimpleNamespace(kvs=kvs, more=hi - lo > req.limit, count=hi - lo)
+
+
+def scan_all(keys: list[bytes], prefix: bytes, page: int) -> tuple[list[bytes], FakeKV]:
+    store = EtcdStore("127.0.0.1:1", "/umbp")
+    fake = FakeKV(keys)
+
+    async def go():
+        async def connect():
+            return None
+        store.client.connect = connect
+        store.client.kvstub = fake
+        out = []
+        async for kvs in store.scan(prefix, page):
+            out += [kv.key for kv in kvs]
+        return out
+
+    return asyncio.run(go()), fake
+
+
+def test_scan_yields_every_key_once_and_walks_each_about_log_times():
+    import hashlib
+    import math
+    import random
+    rng = random.Random(7)
+    pre = b"/umbp/pages/"
+    keys = [pre + b"default/" + hashlib.sha256(b"%d" % i).hexdigest().encode() for i in range(60_000)]
+    keys += [pre + ns + b"/" + hashlib.sha256(b"%d" % i).hexdigest()[:rng.randrange(1, 64)].encode()
+             for ns in (b"a", b"a/b", b"a/x", b"llama/mha-tp8", b"z\xc3\xa9", b"0", b"f/0") for i in range(700)]
+    outside = [b"/umbp/pages", b"/umbp/pagez/x", b"/umbp/nodes/n1"]
+    got, fake = scan_all(keys + outside, pre, 1000)
+    assert sorted(got) == sorted(set(keys)) and len(got) == len(set(keys))
+    n = len(keys)
+    paged = n * n / 2 / 1000  # what paging one range walks
+    print(f"\nscan of {n} keys: walked {fake.walked} keys in {fake.requests} requests (paged: {paged:.0f})")
+    assert fake.walked <= 4 * n * (math.log(n / 1000, 16) + 1)
+    assert fake.walked * 5 < paged
+    small, fake = scan_all(keys[:500], pre, 1000)
+    assert sorted(small) == sorted(keys[:500]) and fake.requests == 1
+    one, fake = scan_all(keys[:50], pre, 1)  # a page of one key: still every key once
+    assert sorted(one) == sorted(keys[:50])
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # in-process: WarmDirectory against a full load of the same etcd state
 
 PREFIX = "/umbp-standby"
