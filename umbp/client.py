@@ -46,13 +46,14 @@ MAX_KEY_BYTES = wire.MAX_KEY_BYTES
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
 IN_FLIGHT_WAIT_S = (0.005, 0.01, 0.02, 0.05, 0.1)  # backoff while another writer holds a key PENDING
-# A batch_put larger than this is written in chunks: ALLOC of the next chunk and COMMIT of the previous one overlap
-# the writes (every chunk still acknowledged only once its COMMIT is durable). A chunk is about CHUNK_BYTES, at
-# least CHUNK_MIN_PAGES and at most CHUNK_MAX_PAGES pages (enough keys per COMMIT to fill the metaserver's
-# 128-operation etcd transactions).
-CHUNK_BYTES = 8 << 20
+# A batch_put of more than one chunk is pipelined: ALLOC of the next chunk and COMMIT of the previous ones overlap
+# the writes (every page still acknowledged only once its COMMIT is durable). A chunk is at most CHUNK_MAX_PAGES
+# pages (one full etcd transaction of the metaserver's writer per COMMIT) and about CHUNK_BYTES (at least
+# CHUNK_MIN_PAGES pages): big pages are bandwidth-bound, one metaserver round trip per few MiB would only cost.
+CHUNK_BYTES = 64 << 20
 CHUNK_MIN_PAGES = 2
-CHUNK_MAX_PAGES = 512
+CHUNK_MAX_PAGES = 128
+ALLOC_AHEAD = 2  # ALLOCs in flight beyond the chunk being written
 
 
 def normalize_key(key: Any) -> bytes:
@@ -346,9 +347,10 @@ class Client:
         ``error``. Each ALLOC carries a fresh token, so the metaclient's retry of it is answered with the same
         places.
 
-        A batch of more than one chunk (``_chunks``) is pipelined on the metaserver connection: chunk c+1's ALLOC
-        is in flight while chunk c is written, and chunk c's COMMIT while chunk c+1 is written; the call returns
-        once every COMMIT is answered (durable in etcd). A single chunk is one ALLOC and one COMMIT call."""
+        A batch of more than one chunk (``_chunks``) is pipelined on the metaserver connection: the ALLOCs of the
+        next ALLOC_AHEAD chunks are in flight while chunk c is written, and the COMMITs of every chunk written so
+        far; the call returns once every COMMIT is answered (durable in etcd). A single chunk is one ALLOC and one
+        COMMIT call. An error unwinds: places allocated but not written are aborted, COMMITs in flight collected."""
         ns = self.namespace
         meta = self._meta
         chunks = self._chunks(idxs, sizes)
@@ -361,14 +363,14 @@ class Client:
                                                        "gens": [gens[i] for i in ok_idx]}, deadline)["ok"]
                 acc.committed(ok_idx, committed)
         else:
-            allocs = [meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, chunks[0]), deadline)]
+            allocs: list = []
             commits: list[tuple[Any, list[int]]] = []
             try:
                 for c, chunk in enumerate(chunks):
+                    while len(allocs) < min(len(chunks), c + 1 + ALLOC_AHEAD):
+                        allocs.append(meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents,
+                                                                                  chunks[len(allocs)]), deadline))
                     items = meta.result(allocs[c], deadline)["items"]
-                    if c + 1 < len(chunks):
-                        allocs.append(meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, chunks[c + 1]),
-                                                  deadline))
                     ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc)
                     if ok_idx:
                         commits.append((meta.submit(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
