@@ -157,6 +157,10 @@ class ServicePath:
         self.d.release(v.integer(rel, "lease", 0, (1 << 63) - 1))
         return reply
 
+    def exists(self, frame: bytes) -> bytes:
+        m = msgpack.unpackb(frame, raw=False)
+        return msgpack.packb({"exists": self.d.exists(v.ns(m), v.keys(m, 4096))}, use_bin_type=True)
+
     def put(self, frame: bytes) -> int:
         m = msgpack.unpackb(frame, raw=False)
         ns = v.ns(m)
@@ -351,6 +355,10 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool) -> di
     for f in frames:
         svc.lookup(f)
     out["wire_lookup_keys_s"] = n_keys / (cpu() - t)
+    t = cpu()
+    for f in frames:
+        svc.exists(f)
+    out["wire_exists_keys_s"] = n_keys / (cpu() - t)
     put_frames = []
     while sum(len(f[1]) for f in put_frames) < ops:
         m = min(ms, key=lambda m: m.pages / m.share)
@@ -575,7 +583,8 @@ def main() -> None:
               f"generation and msgpack)")
         print(f"{'':>10}  wire path at N (decode, validate, directory, tags and capabilities, etcd records, encode; "
               f"no sockets, no etcd): lookup+release {fmt_rate(b['wire_lookup_keys_s'])} keys "
-              f"({1e6 / b['wire_lookup_keys_s']:.2f} us/key), alloc+commit {fmt_rate(b['wire_put_keys_s'])} keys "
+              f"({1e6 / b['wire_lookup_keys_s']:.2f} us/key), exists {fmt_rate(b['wire_exists_keys_s'])} keys, "
+              f"alloc+commit {fmt_rate(b['wire_put_keys_s'])} keys "
               f"({1e6 / b['wire_put_keys_s']:.2f} us/key)")
         if not a.no_load:
             ld = child(["load", pol, str(n)] + common)
