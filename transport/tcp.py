@@ -162,9 +162,11 @@ class FramedSocket:
                     else:
                         views[i] = views[i][k:]
                         k = 0
-        except (OSError, TransportError, DeadlineExceeded) as e:
+        except (OSError, TransportError) as e:
             err = self._fail(e, "receive from")
             err.received = got
+            if err is e:
+                raise
             raise err from e
 
     def recv_header(self, deadline: float) -> tuple[int, int, int, int, int, int]:

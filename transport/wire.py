@@ -34,8 +34,15 @@ Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the
 optional (flag CHECKSUM). A reader compares key hash, generation and length with what the metaserver told it, so a
 slot that was evicted and reused is detected instead of returned.
 
+Batched node ops (READV, WRITEV): one frame carries up to ``MAX_VEC_OPS`` objects, one answer frame comes back whose
+meta lists only the objects that failed (``[[index, status, message], ...]``, None when none did), so the reader
+knows the layout of the answer's data before it arrives (READV: each served object's header + payload range, back
+to back) and receives it straight into the callers' buffers. A WRITEV's data is every object back to back; the
+node's sink returns a scatter list (each object's slot, or a discard count for a refused one).
+
 Costs: ``encode`` is one struct pack plus one msgpack pack; ``FrameReader`` copies header and meta bytes once into
-its staging buffer and hands data straight to the caller's sink (zero copies for page payloads).
+its staging buffer and hands data straight to the caller's sink (zero copies for page payloads, apart from the data
+bytes that arrive in the same receive as their frame's header).
 """
 
 from __future__ import annotations
