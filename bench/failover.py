@@ -119,6 +119,12 @@ async def fill(addr: str, pages: int, nodes: int, chain: int) -> float:
     return time.monotonic() - t0
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when this benchmark dies, however it dies (Linux prctl)."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Child:
     """A child process with its stdout+stderr in a log file."""
 
@@ -131,7 +137,7 @@ class Child:
         e["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), e.get("PYTHONPATH")) if p)
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=e,
-                                         cwd=workdir)
+                                         cwd=workdir, preexec_fn=_die_with_parent)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -272,7 +278,10 @@ def main() -> int:
         return 0
     finally:
         for c in reversed(children):
-            c.kill(signal.SIGKILL if c.name != "etcd" else signal.SIGTERM)
+            try:
+                c.kill(signal.SIGKILL if c.name != "etcd" else signal.SIGTERM)
+            except BaseException:  # noqa: BLE001 - a second Ctrl-C: still stop the rest
+                c.proc.kill()
         if a.keep:
             print(f"kept {workdir}")
         else:

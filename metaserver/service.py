@@ -220,7 +220,11 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         t0 = time.monotonic()
         node_recs, arena_recs, pages = await self.store.load()
         descs = node_descs(node_recs, arena_recs)
-        stale, rejected = fill(self.dir, descs, pages)
+        # In a thread: building millions of entries holds the interpreter for tens of seconds, and the election's
+        # keep-alive must still run meanwhile (the event loop gets the GIL back every switch interval). Nothing else
+        # touches this term's directory until serving starts; a cancelled takeover leaves the thread to finish on
+        # a directory nobody uses.
+        stale, rejected = await asyncio.to_thread(fill, self.dir, descs, pages)
         self._provisional_nodes(descs, time.monotonic())
         self.writer.submit([], [p[8] for p in stale] + [p[8] for p in rejected], wait=False)
         self.load_s = time.monotonic() - t0
