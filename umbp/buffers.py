@@ -37,12 +37,24 @@ def _torch_view(t: Any, writable: bool) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+_PLAIN = (bytes, bytearray, memoryview)
+
+
 def _is_torch(obj: Any) -> bool:
+    # The common types first: isinstance against torch.Tensor goes through its metaclass (microseconds per call).
+    t = type(obj)
+    if t in _PLAIN or t.__module__ == "numpy":
+        return False
     mod = sys.modules.get("torch")
     return mod is not None and isinstance(obj, mod.Tensor)
 
 
-def _flat_view(obj: Any, what: str, writable: bool) -> memoryview:
+def _flat_view(obj: Any, what: str, writable: bool, index: int | None = None) -> memoryview:
+    if type(obj) is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous and (
+            not writable or not obj.readonly):
+        return obj
+    if index is not None:
+        what = f"{what}[{index}]"
     try:
         mv = memoryview(obj)
     except TypeError:
@@ -55,13 +67,14 @@ def _flat_view(obj: Any, what: str, writable: bool) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
-def as_bytes_view(value: Any, what: str = "value") -> memoryview:
-    """A read-only flat byte view of ``value`` (a CUDA tensor is copied to the host first)."""
+def as_bytes_view(value: Any, what: str = "value", index: int | None = None) -> memoryview:
+    """A read-only flat byte view of ``value`` (a CUDA tensor is copied to the host first). ``what`` (with
+    ``index``: ``what[index]``) names it in errors."""
     if _is_torch(value):
         if value.device.type != "cpu":
             value = value.detach().to("cpu")
         return _torch_view(value, writable=False)
-    return _flat_view(value, what, writable=False)
+    return _flat_view(value, what, False, index)
 
 
 class PinnedPool:
@@ -158,10 +171,10 @@ def new_bytes(n: int) -> tuple[bytes | bytearray, memoryview]:
     return b, memoryview((ctypes.c_char * n).from_address(id(b) + _BYTES_DATA)).cast("B")
 
 
-def as_writable_view(out: Any, what: str = "out") -> memoryview | CudaOut:
+def as_writable_view(out: Any, what: str = "out", index: int | None = None) -> memoryview | CudaOut:
     """A writable flat byte view of ``out``, or a ``CudaOut`` for a CUDA tensor."""
     if _is_torch(out):
         if out.device.type != "cpu":
             return CudaOut(out)
         return _torch_view(out, writable=True)
-    return _flat_view(out, what, writable=True)
+    return _flat_view(out, what, True, index)

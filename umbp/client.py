@@ -259,7 +259,7 @@ class Client:
                   ) -> list[bool]:
         if len(keys) != len(values):
             raise InvalidArgument(self.component, f"batch_put: {len(keys)} keys but {len(values)} values")
-        return self._put(keys, [[as_bytes_view(v, f"values[{i}]")] for i, v in enumerate(values)], parents)
+        return self._put(keys, [[as_bytes_view(v, "values", i)] for i, v in enumerate(values)], parents)
 
     def batch_put_ranges(self, keys: Sequence[Any], parts: Sequence[Sequence[Any]],
                          parents: Sequence[Any] | None = None) -> list[bool]:
@@ -567,7 +567,7 @@ class Client:
             raise InvalidArgument(self.component, f"batch_get_into: {len(keys)} keys but {len(outs)} outs")
         if not keys:
             return []
-        segs = [[(0, -1, as_writable_view(o, f"outs[{i}]"))] for i, o in enumerate(outs)]
+        segs = [[(0, -1, as_writable_view(o, "outs", i))] for i, o in enumerate(outs)]
         return self._get(keys, segs)[0]
 
     def batch_get_ranges_into(self, keys: Sequence[Any], ranges: Sequence[Sequence[tuple[int, int]]],
