@@ -80,12 +80,9 @@ class Placer:
                     free[best] -= need
                     return spaces[best], off
                 failed[best] = need
-            # fragmented: any node with enough free units in one extent, most free first
-            for i in sorted(ok if ok is not None else range(len(spaces)), key=free.__getitem__, reverse=True):
-                if free[i] < need:
-                    break
-                if need >= failed[i]:
-                    continue
+            # fragmented: any other node with enough free units that may hold them in one extent, most free first
+            cands = [i for i in (ok if ok is not None else range(len(spaces))) if free[i] >= need and need < failed[i]]
+            for i in sorted(cands, key=free.__getitem__, reverse=True) if len(cands) > 1 else cands:
                 off = spaces[i].alloc.alloc(size)
                 if off is not None:
                     free[i] -= need
