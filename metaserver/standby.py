@@ -25,7 +25,9 @@ What it approximates: the leader's batch writer runs several transactions at onc
 etcd before the delete of the page whose freed extent it reuses. Such a put waits in ``held`` until that delete
 arrives (it is retried then) or the takeover (retried once more, else stale); a page placed late goes to the recent
 end of its node's recency order instead of its commit position. A node record that changes capacity rebuilds that
-node's space from its current pages (in their current recency order).
+node's space from its current pages (in their current recency order). Pages committed in one etcd transaction share
+a revision, so their order among themselves is not defined (operation order through the watch, scan order in a full
+load): ``fingerprint`` compares equal only where commits differ in revision.
 
 Failures: every etcd error is retried (the watch resumes after the last applied revision, RETRY_S doubling up to
 RETRY_MAX_S); a compacted resume revision means events are lost, so the standby loads again. None of this writes to
