@@ -350,7 +350,10 @@ def test_metaserver_down_longer_than_node_lease_keeps_live_nodes_pages(make_clus
     ms.start()  # same port
     wait_confirmed(ms.addr, ["node0"], timeout=20)
     print(f"\nnode0 re-registered {time.monotonic() - t0:.2f}s after the metaserver restart")
-    assert "kept" in cluster.node("node0").stderr_text()
+    deadline = time.monotonic() + 10  # NODES shows it confirmed before its REGISTER answer (etcd lease) reaches it
+    while "kept" not in cluster.node("node0").stderr_text():
+        assert time.monotonic() < deadline, cluster.node("node0").tail()
+        time.sleep(0.1)
     on0 = [(k, s) for (k, s), w in zip(ks, where) if w == "node0"]
     on1 = [(k, s) for (k, s), w in zip(ks, where) if w == "node1"]
     with umbp.Client(cluster.metaserver_addrs) as c:
