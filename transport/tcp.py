@@ -26,6 +26,7 @@ from umbp.config import split_host_port
 from umbp.errors import CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
 
 _IOV_MAX = 512
+_BIG_VIEW = 256 << 10  # recv_scatter: views this large are received on their own
 
 
 def _remaining(deadline: float, component: str) -> float:
@@ -142,15 +143,24 @@ class FramedSocket:
             pos += got
 
     def recv_scatter(self, views: list[memoryview], deadline: float) -> None:
-        """Fill every view completely, in order, with as few ``recvmsg_into`` calls as the kernel allows. On failure
-        the TransportError carries ``received``: how many bytes landed first (the views they filled are good)."""
+        """Fill every view completely, in order: runs of small views with one ``recvmsg_into`` per socket buffer's
+        worth, a large view (``_BIG_VIEW``) with ``recv_into`` on its own (measured: on Linux, many-iovec
+        ``recvmsg`` into MiB-sized buffers moves a quarter less than plain ``recv`` into each). On failure the
+        TransportError carries ``received``: how many bytes landed first (the views they filled are good)."""
         got = 0
         try:
             self.sock.settimeout(_remaining(deadline, self.component))
             recvmsg_into = self.sock.recvmsg_into
+            recv_into = self.sock.recv_into
             i, n = 0, len(views)
             while i < n:
-                k = recvmsg_into(views[i:i + _IOV_MAX])[0]
+                if len(views[i]) >= _BIG_VIEW:
+                    k = recv_into(views[i])
+                else:
+                    j = i + 1
+                    while j < n and j - i < _IOV_MAX and len(views[j]) < _BIG_VIEW:
+                        j += 1
+                    k = recvmsg_into(views[i:j])[0]
                 if not k:
                     raise TransportError(self.component, f"{self.addr} closed the connection")
                 got += k
