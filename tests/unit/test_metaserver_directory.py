@@ -446,3 +446,29 @@ def test_load_pages_drops_a_key_given_twice():
     fx = d.load_pages("n1", [("m", b"a", base, PAGE, 5, None), ("m", b"a", base + ALIGN, PAGE, 6, None)])
     assert fx.deletes == [("m", b"a")] and d.ready["m"][b"a"].gen == 5 and d.used == ALIGN
     d.check()
+
+
+class _Node:
+    __slots__ = ("prev", "next", "last_access", "tier")
+
+    def __init__(self, t: float):
+        self.prev = self.next = self.tier = None
+        self.last_access = t
+
+
+def test_ring_files_by_recency_within_a_bounded_walk(monkeypatch):
+    from metaserver import eviction
+    r = eviction.Ring()
+    for i in range(10):
+        r.push(_Node(float(i)))
+    x = _Node(4.5)
+    r.insert_by_access(x)
+    assert r.count == 11 and r.members().index(x) == 5  # its exact place
+    r.unlink(x)
+    assert r.count == 10 and x.prev is None and x not in r.members()
+    monkeypatch.setattr(eviction, "TIER_WALK", 2)
+    r.insert_by_access(x)  # 5 steps from either end, the walk allows 2: placed 2 in from the old end
+    members = r.members()
+    assert r.count == 11 and len({id(m) for m in members}) == 11 and members.index(x) == 2
+    r.clear()
+    assert r.count == 0 and r.first() is None and x.prev is None
