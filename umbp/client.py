@@ -3,7 +3,13 @@
 Every batch call is one metaserver round trip for placement or lookup, then the data moves straight between the
 caller's memory and the nodes' arenas, with the transfers to all nodes of the batch in flight together (each
 node's transport is started before any is finished), then one more metaserver message (COMMIT for puts; a
-fire-and-forget RELEASE of the read lease for gets).
+fire-and-forget RELEASE of the read lease for gets). A batch_put of more than one chunk (CHUNK_MAX_PAGES pages or
+CHUNK_BYTES) is pipelined on the metaserver connection: the next chunks' ALLOCs and the previous chunks' COMMITs
+are in flight while a chunk is written; the call still returns only once every COMMIT is durable.
+
+Per page on the hot path: no copies beyond the transport's own (tcp: one READV/WRITEV frame per batch and node,
+received with ``recvmsg_into`` straight into the outs; shm: one memcpy), ``get()`` reads into the ``bytes`` it
+returns, CUDA outs are staged through pooled pinned buffers and copied up asynchronously with one wait.
 
 Contracts:
 - ``put``/``batch_put``: True = stored by this call, False = the key already existed (dedup; nothing written).
