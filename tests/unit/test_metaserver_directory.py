@@ -472,3 +472,23 @@ def test_ring_files_by_recency_within_a_bounded_walk(monkeypatch):
     assert r.count == 11 and len({id(m) for m in members}) == 11 and members.index(x) == 2
     r.clear()
     assert r.count == 0 and r.first() is None and x.prev is None
+
+
+def test_one_placement_evicts_at_most_its_budget(monkeypatch):
+    """A page that needs more victims than PLACE_EVICT_BUDGET gets NO_SPACE after exactly that many evictions
+    (bounded work per request); the next request goes on from there and places it."""
+    import metaserver.placement as placement
+
+    monkeypatch.setattr(placement, "PLACE_EVICT_BUDGET", 5)
+    d = make(units=16)
+    for i in range(16):
+        put(d, "m", [b"small%d" % i], now=float(i))
+    big = 12 * ALIGN - 64  # needs 12 contiguous units: 12 victims in LRU order
+    items, fx = d.alloc("m", [b"big"], [big], None, 500, 100.0)
+    assert items[0][0] == NO_SPACE and len(fx.deletes) == 5 and d.evictions == 5
+    items, fx = d.alloc("m", [b"big"], [big], None, 600, 101.0)
+    assert items[0][0] == NO_SPACE and d.evictions == 10
+    items, fx = d.alloc("m", [b"big"], [big], None, 700, 102.0)
+    assert items[0][0] == NEW and d.evictions == 12
+    assert d.exists("m", [b"small%d" % i for i in range(16)]) == [False] * 12 + [True] * 4
+    d.check()
