@@ -11,7 +11,7 @@ import pytest
 
 from transport import wire
 from transport.tcp import FramedSocket
-from umbp import client as client_mod
+from umbp import puts as client_mod
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

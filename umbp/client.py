@@ -35,65 +35,23 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
-from transport import wire
 import contextlib
 from dataclasses import dataclass
 
-from transport.base import Pending, ReadOp, Transport, WriteOp
+from transport import wire
+from transport.base import Pending, ReadOp, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
 from umbp.buffers import CudaOut, as_bytes_view, as_writable_view, flush_cuda, new_bytes
 from umbp.config import ClientConfig, resolve
-from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, PoolFull, RemoteError,
-                         TransportError, TransportUnavailable, UmbpError)
+from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
+                         TransportUnavailable)
+from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
 from umbp.metaclient import MetaClient
+from umbp.puts import PutPath
 
-MAX_KEY_BYTES = wire.MAX_KEY_BYTES
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
-IN_FLIGHT_WAIT_S = (0.005, 0.01, 0.02, 0.05, 0.1)  # backoff while another writer holds a key PENDING
-# A batch_put of more than one chunk is pipelined: ALLOC of the next chunk and COMMIT of the previous ones overlap
-# the writes (every page still acknowledged only once its COMMIT is durable). A chunk is at most CHUNK_MAX_PAGES
-# pages (one full etcd transaction of the metaserver's writer per COMMIT) and about CHUNK_BYTES (at least
-# CHUNK_MIN_PAGES pages): big pages are bandwidth-bound, one metaserver round trip per few MiB would only cost.
-CHUNK_BYTES = 64 << 20
-CHUNK_MIN_PAGES = 2
-CHUNK_MAX_PAGES = 128
-ALLOC_AHEAD = 2  # ALLOCs in flight beyond the chunk being written
-
-
-def normalize_key(key: Any) -> bytes:
-    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
-        return key
-    if isinstance(key, str):
-        key = key.encode()
-    elif isinstance(key, (bytearray, memoryview)):
-        key = bytes(key)
-    elif not isinstance(key, bytes):
-        raise InvalidArgument("client", f"key must be str or bytes, got {type(key).__name__}")
-    if not key or len(key) > MAX_KEY_BYTES:
-        raise InvalidArgument("client", f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-    return key
-
-
-class _PutResult:
-    """What the chunks of one ``_put_once`` found, gathered as they are written and committed."""
-
-    __slots__ = ("stored", "lost", "full", "waiting", "bad", "dedup", "first_err", "chunks_done")
-
-    def __init__(self) -> None:
-        self.stored: list[int] = []  # committed by this call
-        self.lost: list[int] = []  # written, but COMMIT found the allocation gone: write again
-        self.full: list[int] = []  # NO_SPACE
-        self.waiting: list[int] = []  # IN_FLIGHT: another writer holds the key
-        self.bad: list[int] = []  # write failed: aborted
-        self.dedup = 0
-        self.first_err: Exception | None = None
-        self.chunks_done: list[dict] = []  # per chunk whose ALLOC answer was used: key index -> generation
-
-    def committed(self, idxs: list[int], oks: list[bool]) -> None:
-        for i, ok in zip(idxs, oks):
-            (self.stored if ok else self.lost).append(i)
 
 
 @dataclass
@@ -106,7 +64,7 @@ class MappedPages:
     arenas: dict[str, memoryview]
 
 
-class Client:
+class Client(PutPath):
     def __init__(self, metaserver: str | None = None, namespace: str | None = None, token: str | None = None,
                  transport: str | None = None, *, timeout: float | None = None, checksum: bool | None = None,
                  config: ClientConfig | None = None):
@@ -280,196 +238,6 @@ class Client:
                 raise InvalidArgument(self.component, f"batch_put_ranges: parts[{i}] must be a list of buffers")
             views.append([as_bytes_view(v, f"parts[{i}][{j}]") for j, v in enumerate(ps)])
         return self._put(keys, views, parents)
-
-    def _put(self, keys: Sequence[Any], views: list[list[memoryview]], parents: Sequence[Any] | None
-             ) -> list[bool]:
-        if not keys:
-            return []
-        kb = [normalize_key(k) for k in keys]
-        if parents is not None and len(parents) != len(kb):
-            raise InvalidArgument(self.component, f"batch_put: {len(kb)} keys but {len(parents)} parents")
-        pb = None if parents is None else [None if p is None else normalize_key(p) for p in parents]
-        sizes = [len(v[0]) if len(v) == 1 else sum(len(x) for x in v) for v in views]
-        out = [False] * len(kb)
-        with self._lock:
-            deadline = self._deadline()
-            todo = list(range(len(kb)))
-            # A commit can come back not-ok when its allocation was lost (the metaserver leader died between ALLOC
-            # and COMMIT, or the allocation expired): the bytes were never visible, so allocate and write again,
-            # once, within the same deadline. Keys another writer holds PENDING (IN_FLIGHT) are asked again with
-            # a short backoff until they are READY (False: someone else stored them) or free (we write them), so
-            # a False from put always means the page is there.
-            relost = 0
-            for attempt in range(1 << 20):  # bounded by the deadline (IN_FLIGHT waits) and by relost < 2
-                stored, lost, full, err, waiting = self._put_once(kb, views, sizes, pb, todo, deadline)
-                for i in stored:
-                    out[i] = True
-                relost += bool(lost)
-                if err is not None or full or (not lost and not waiting) or relost > 1:
-                    break
-                if waiting:
-                    pause = IN_FLIGHT_WAIT_S[min(attempt, len(IN_FLIGHT_WAIT_S) - 1)]
-                    if time.monotonic() + pause >= deadline:
-                        raise DeadlineExceeded(self.component, f"batch_put: {len(waiting)} keys still being "
-                                                               f"written by another writer at the deadline")
-                    time.sleep(pause)
-                todo = lost + waiting
-        if err is not None:
-            raise err
-        if full:
-            raise PoolFull(self.component, f"pool full: {len(full)} of {len(kb)} pages found no space "
-                                           f"(every evictable page is leased or pending); {sum(out)} stored")
-        if lost:
-            raise TransportError(self.component, f"batch_put: {len(lost)} pages lost their allocation before "
-                                                 f"commit twice and were not stored")
-        return out
-
-    @staticmethod
-    def _chunks(idxs: list[int], sizes: list[int]) -> list[list[int]]:
-        """Split a batch into chunks of about CHUNK_BYTES (CHUNK_MIN_PAGES..CHUNK_MAX_PAGES pages each)."""
-        chunks, cur, nbytes = [], [], 0
-        for i in idxs:
-            cur.append(i)
-            nbytes += sizes[i]
-            if len(cur) >= CHUNK_MAX_PAGES or (nbytes >= CHUNK_BYTES and len(cur) >= CHUNK_MIN_PAGES):
-                chunks.append(cur)
-                cur, nbytes = [], 0
-        if cur:
-            chunks.append(cur)
-        return chunks
-
-    def _alloc_meta(self, kb: list[bytes], sizes: list[int], parents: list | None, idxs: list[int]) -> dict:
-        meta: dict[str, Any] = {"ns": self.namespace, "keys": [kb[i] for i in idxs], "sizes": [sizes[i] for i in idxs],
-                                "token": int.from_bytes(os.urandom(8), "little") >> 1 or 1}
-        if parents is not None:
-            meta["parents"] = [parents[i] for i in idxs]
-        return meta
-
-    def _put_once(self, kb: list[bytes], views: list[list[memoryview]], sizes: list[int], parents: list | None,
-                  idxs: list[int], deadline: float
-                  ) -> tuple[list[int], list[int], list[int], Exception | None, list[int]]:
-        """ALLOC, write, COMMIT the keys at ``idxs``. Returns (stored, lost, no_space, error, in_flight); keys that
-        already existed are in none of the lists. Keys whose write failed are aborted and reported through
-        ``error``. Each ALLOC carries a fresh token, so the metaclient's retry of it is answered with the same
-        places.
-
-        A batch of more than one chunk (``_chunks``) is pipelined on the metaserver connection: the ALLOCs of the
-        next ALLOC_AHEAD chunks are in flight while chunk c is written, and the COMMITs of every chunk written so
-        far; the call returns once every COMMIT is answered (durable in etcd). A single chunk is one ALLOC and one
-        COMMIT call. An error unwinds: places allocated but not written are aborted, COMMITs in flight collected."""
-        ns = self.namespace
-        meta = self._meta
-        chunks = self._chunks(idxs, sizes)
-        acc = _PutResult()
-        if len(chunks) == 1:
-            items = meta.call(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, idxs), deadline)["items"]
-            ok_idx, gens = self._write_chunk(kb, views, idxs, items, deadline, acc)
-            if ok_idx:
-                committed = meta.call(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
-                                                       "gens": [gens[i] for i in ok_idx]}, deadline)["ok"]
-                acc.committed(ok_idx, committed)
-        else:
-            allocs: list = []
-            commits: list[tuple[Any, list[int]]] = []
-            try:
-                for c, chunk in enumerate(chunks):
-                    while len(allocs) < min(len(chunks), c + 1 + ALLOC_AHEAD):
-                        allocs.append(meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents,
-                                                                                  chunks[len(allocs)]), deadline))
-                    items = meta.result(allocs[c], deadline)["items"]
-                    ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc)
-                    if ok_idx:
-                        commits.append((meta.submit(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
-                                                                     "gens": [gens[i] for i in ok_idx]}, deadline),
-                                        ok_idx))
-                for t, ok_idx in commits:
-                    acc.committed(ok_idx, meta.result(t, deadline)["ok"])
-                commits = []
-            except BaseException:
-                self._unwind(kb, allocs, commits, len(acc.chunks_done), deadline)
-                raise
-        self.counters["puts"] += len(acc.stored)
-        self.counters["dedup"] += acc.dedup
-        self.counters["bytes_put"] += sum(sizes[i] for i in acc.stored)
-        err = None
-        if acc.first_err is not None:
-            err = TransportError(self.component, f"batch_put: {len(acc.bad)} of {len(kb)} pages were not stored "
-                                                 f"(aborted): {acc.first_err}")
-            err.__cause__ = acc.first_err
-        return acc.stored, acc.lost, acc.full, err, acc.waiting
-
-    def _write_chunk(self, kb: list[bytes], views: list[list[memoryview]], idxs: list[int], items: list,
-                     deadline: float, acc: "_PutResult") -> tuple[list[int], dict[int, int]]:
-        """Write one chunk's NEW places (every node's transfer in flight together); abort the keys whose write
-        failed. Returns (keys written, their generations). A transport that raises aborts the whole chunk."""
-        batches: dict[str, list[WriteOp]] = {}
-        index: dict[str, list[int]] = {}
-        gens: dict[int, int] = {}
-        checksum = self.config.checksum
-        pack = wire.pack_object_header
-        for i, item in zip(idxs, items):
-            state = item[0]
-            if state != NEW:
-                if state == EXISTS:
-                    acc.dedup += 1
-                elif state == NO_SPACE:
-                    acc.full.append(i)
-                elif state == IN_FLIGHT:
-                    acc.waiting.append(i)
-                continue
-            _, node_id, off, size, gen, tag, cap = item
-            parts = views[i]
-            gens[i] = gen
-            header = pack(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
-            ops = batches.get(node_id)
-            if ops is None:
-                ops = batches[node_id] = []
-                index[node_id] = []
-            ops.append(WriteOp(off, header, parts, size, gen, cap))
-            index[node_id].append(i)
-        acc.chunks_done.append(gens)
-        try:
-            results = self._run(batches, "write", deadline) if batches else {}
-        except UmbpError:
-            self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in gens],
-                                            "gens": list(gens.values())}, deadline)
-            acc.chunks_done[-1] = {}
-            raise
-        ok_idx, bad_idx = [], []
-        for node_id, res in results.items():
-            if not any(res):
-                ok_idx.extend(index[node_id])
-                continue
-            for i, r in zip(index[node_id], res):
-                if r is None:
-                    ok_idx.append(i)
-                else:
-                    bad_idx.append(i)
-                    acc.first_err = acc.first_err or r
-        if bad_idx:
-            self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in bad_idx],
-                                            "gens": [gens[i] for i in bad_idx]}, deadline)
-            acc.bad.extend(bad_idx)
-        return ok_idx, gens
-
-    def _unwind(self, kb: list[bytes], allocs: list, commits: list, written: int, deadline: float) -> None:
-        """A pipelined put is failing: give back the places of ALLOCs whose chunk was not written (so they do not
-        wait out the pending TTL) and collect the COMMITs in flight; best effort, the original error is raised."""
-        for t in allocs[written:]:
-            try:
-                items = self._meta.result(t, deadline)["items"]
-                keys = [k for k, item in zip(t.meta["keys"], items) if item[0] == NEW]
-                if keys:
-                    self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": keys,
-                                                    "gens": [item[4] for item in items if item[0] == NEW]}, deadline)
-            except UmbpError:
-                break
-        try:
-            for t, _ in commits:
-                self._meta.result(t, deadline)
-        except UmbpError:
-            pass
-        self._meta.forget([t for t in allocs] + [t for t, _ in commits])
 
     def put(self, key: Any, value: Any) -> bool:
         return self.batch_put([key], [value])[0]

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
+
+from transport.wire import MAX_KEY_BYTES
+from umbp.errors import InvalidArgument
 
 _U32_MAX = 0xFFFFFFFF
 
@@ -96,3 +99,18 @@ def split_for_ranks(keys: Iterable[str], tp_size: int, tp_rank: int) -> list[int
     """Indices of ``keys`` this rank loads when a replicated page set is fetched once, split across ranks
     (round robin by page); the ranks then exchange what they loaded."""
     return [i for i, _ in enumerate(keys) if i % tp_size == tp_rank]
+
+
+def normalize_key(key: Any) -> bytes:
+    """A pool key as bytes (str is UTF-8 encoded); InvalidArgument unless 1..MAX_KEY_BYTES bytes."""
+    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
+        return key
+    if isinstance(key, str):
+        key = key.encode()
+    elif isinstance(key, (bytearray, memoryview)):
+        key = bytes(key)
+    elif not isinstance(key, bytes):
+        raise InvalidArgument("client", f"key must be str or bytes, got {type(key).__name__}")
+    if not key or len(key) > MAX_KEY_BYTES:
+        raise InvalidArgument("client", f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+    return key
