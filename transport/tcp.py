@@ -29,6 +29,20 @@ _IOV_MAX = 512
 _BIG_VIEW = 256 << 10  # recv_scatter: views this large are received on their own
 
 
+def _advance(views: list, i: int, n: int) -> int:
+    """Account for ``n`` bytes moved into (or out of) ``views`` from view ``i`` on: fully moved views are passed,
+    a partly moved one is replaced by its rest. Returns the index of the first view not fully moved."""
+    while n and i < len(views):
+        m = len(views[i])
+        if n >= m:
+            n -= m
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
+
+
 def _remaining(deadline: float, component: str) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -120,15 +134,7 @@ class FramedSocket:
             views = [v for v in views if len(v)]
             i = 0  # first buffer not yet fully sent (an index, not pops: a batch may have thousands of parts)
             while i < len(views):
-                sent = self.sock.sendmsg(views[i:i + _IOV_MAX])
-                while sent and i < len(views):
-                    n = len(views[i])
-                    if sent >= n:
-                        sent -= n
-                        i += 1
-                    else:
-                        views[i] = views[i][sent:]
-                        sent = 0
+                i = _advance(views, i, self.sock.sendmsg(views[i:i + _IOV_MAX]))
         except (OSError, DeadlineExceeded) as e:
             raise self._fail(e, "send to") from e
 
@@ -164,14 +170,7 @@ class FramedSocket:
                 if not k:
                     raise TransportError(self.component, f"{self.addr} closed the connection")
                 got += k
-                while k:
-                    m = len(views[i])
-                    if k >= m:
-                        k -= m
-                        i += 1
-                    else:
-                        views[i] = views[i][k:]
-                        k = 0
+                i = _advance(views, i, k)
         except (OSError, TransportError) as e:
             err = self._fail(e, "receive from")
             err.received = got
