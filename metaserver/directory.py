@@ -43,7 +43,9 @@ import sys
 from collections import deque
 
 from metaserver.entry import GONE, PENDING, READY, STATE_NAMES, Entries, Entry, NodeSpace, NsEntries, SpaceEntries
-from metaserver.eviction import Policy, bytes_to_low, make_policy, over_high
+from metaserver.eviction import Policy, make_policy
+from metaserver.invariants import DirectoryInvariants
+from metaserver.passes import EvictionPasses
 from metaserver.placement import PLACE_EVICT_BUDGET, Placer, next_victim_access
 from transport import wire
 from transport.wire import object_size
@@ -73,7 +75,7 @@ class Effects:
         return bool(self.puts or self.deletes)
 
 
-class Directory:
+class Directory(EvictionPasses, DirectoryInvariants):
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru"):
         self.pending_ttl_s = pending_ttl_s
         self.read_lease_s = read_lease_s
@@ -443,86 +445,6 @@ class Directory:
                 out.append((name, key, e.payload_len, e.space.node_id, STATE_NAMES[e.state]))
         return out, False
 
-    # -- eviction ----------------------------------------------------------------------------------------------
-    def evict_node(self, node_id: str, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
-        """Evict on one node in policy order until ``nbytes`` are freed or ``budget`` objects went.
-        Returns (evicted, freed_bytes)."""
-        n = freed = 0
-        for victim in self.policy.victims(node_id):
-            if freed >= nbytes or n >= budget:
-                break
-            freed += object_size(victim.payload_len)
-            self._drop(victim, fx)
-            n += 1
-        self.evictions += n
-        return n, freed
-
-    def evict_bytes(self, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
-        """Free at least ``nbytes`` across nodes, always from the fullest node (by fill ratio). Bounded by
-        ``budget`` evictions. Returns (evicted, freed_bytes)."""
-        n = freed = 0
-        while freed < nbytes and n < budget:
-            cands = [s for s in self.spaces.values() if self.policy.count(s.node_id)]
-            if not cands:
-                break
-            sp = max(cands, key=_fill_of)
-            k, f = self.evict_node(sp.node_id, 1, 1, fx)
-            n += k
-            freed += f
-        return n, freed
-
-    def watermark_pass(self, high: float, low: float, budget: int, fx: Effects) -> tuple[int, int]:
-        """Evict each node above ``high`` down to ``low`` (pass ``high=low`` to force a pass). Bounded by ``budget``
-        evictions in total; returns (evicted, freed_bytes)."""
-        n = freed = 0
-        for sp in list(self.spaces.values()):
-            cap, used = sp.alloc.capacity, sp.alloc.used
-            if n >= budget or not over_high(used, cap, high):
-                continue
-            k, f = self.evict_node(sp.node_id, bytes_to_low(used, cap, low), budget - n, fx)
-            n += k
-            freed += f
-        return n, freed
-
-    def needs_eviction(self, high: float) -> bool:
-        return any(over_high(s.alloc.used, s.alloc.capacity, high) and self.policy.count(s.node_id)
-                   for s in self.spaces.values())
-
-    def evict_all(self, budget: int, fx: Effects) -> tuple[int, int, bool]:
-        """Evict every unpinned READY object, at most ``budget`` per call. Returns (evicted, freed, done)."""
-        n = freed = 0
-        for sp in list(self.spaces.values()):
-            k, f = self.evict_node(sp.node_id, 1 << 62, budget - n, fx)
-            n += k
-            freed += f
-            if n >= budget:
-                return n, freed, False
-        return n, freed, True
-
-    # -- background expiry -------------------------------------------------------------------------------------
-    def expire_pending(self, now: float, budget: int) -> int:
-        """Free PENDING entries older than pending_ttl_s, oldest first; frees at most ``budget``."""
-        ttl = self.pending_ttl_s
-        due = []
-        for e in self._pending:
-            if len(due) >= budget or e.last_access + ttl > now:
-                break
-            due.append(e)
-        fx = Effects()
-        for e in due:
-            self._drop(e, fx)
-        return len(due)
-
-    def expire_leases(self, now: float, budget: int) -> int:
-        q = self._lease_q
-        n = 0
-        while q and budget > 0 and q[0][0] <= now:
-            _, lease = q.popleft()
-            budget -= 1
-            if self.release(lease):
-                n += 1
-        return n
-
     # -- internals ---------------------------------------------------------------------------------------------
     def _link_ready(self, e: Entry) -> None:
         """``e`` just became READY (and is in ``ready``): link it to its parent if that is READY, else file it as an
@@ -658,65 +580,3 @@ class Directory:
                 e.space.alloc.free(e.offset, object_size(e.payload_len))
         elif e.state == READY:
             self.policy.add(e)
-
-    def check(self) -> None:
-        """Assert the invariants (tests only; O(entries log entries))."""
-        live: list[Entry] = []
-        for ns, r in self.ready.items():
-            assert r, f"empty ready map kept for {ns!r}"
-            for k, e in r.items():
-                assert e.state == READY and e.ns == ns and e.key == k, (ns, k)
-                live.append(e)
-        n_pending = 0
-        for ns, pd in self.pending_keys.items():
-            assert pd, f"empty pending map kept for {ns!r}"
-            for k, e in pd.items():
-                assert e.state == PENDING and e.ns == ns and e.key == k and e in self._pending, (ns, k)
-                assert k not in self.ready.get(ns, {}), (ns, k)
-                live.append(e)
-                n_pending += 1
-        assert n_pending == self.pending, (n_pending, self.pending)
-        by_space: dict[int, list[Entry]] = {}
-        for e in live:
-            by_space.setdefault(id(e.space), []).append(e)
-        zombies: dict[int, Entry] = {id(e): e for es in self.leases.values() for e in es if e.state == GONE}
-        for z in zombies.values():
-            assert z.pins > 0
-            by_space.setdefault(id(z.space), []).append(z)
-        pinned = {id(e) for es in self.leases.values() for e in es}
-        assert len(pinned) == self.pinned, (len(pinned), self.pinned)
-        for sp in self.spaces.values():
-            es = by_space.pop(id(sp), [])
-            sp.alloc.check([(e.offset, object_size(e.payload_len)) for e in es])
-            assert sp.alloc.used <= sp.alloc.capacity
-            mine = [e for e in es if e.state != GONE]
-            assert sp.n == len(mine), (sp.node_id, sp.n, len(mine))
-            assert {id(e) for e in sp.entries} == {id(e) for e in mine}, sp.node_id
-            evictable = {id(e) for e in mine if e.state == READY and e.pins == 0}
-            assert self.policy.count(sp.node_id) == len(evictable), (self.policy.count(sp.node_id), len(evictable))
-            assert {id(e) for e in self.policy.members(sp.node_id)} == evictable, sp.node_id
-        assert all(e.space.dead for es in by_space.values() for e in es), "entries on a space the directory lost"
-        for e in live:
-            if e.state != READY:
-                assert type(e.up) is not Entry and e.kids is None
-                continue
-            up = e.up
-            if type(up) is Entry:
-                assert up.state == READY and up.ns == e.ns and self.ready[e.ns].get(up.key) is up
-                assert up.kids is e or (type(up.kids) is set and e in up.kids)
-            elif up is not None:
-                p = self.ready.get(e.ns, {}).get(up)
-                assert p is None or p is e, "a READY parent left unlinked"
-                w = self.orphans.get(e.ns, {}).get(up)
-                assert w is e or (type(w) is set and e in w), "an orphan not filed for adoption"
-            kids = e.kids
-            for c in (kids if type(kids) is set else () if kids is None else (kids,)):
-                assert c.up is e and c.state == READY
-            assert type(kids) is not set or len(kids) >= 2
-        n_orphans = sum(len(w) if type(w) is set else 1 for o in self.orphans.values() for w in o.values())
-        assert n_orphans == sum(1 for e in live if e.state == READY and type(e.up) is bytes)
-        assert self.used <= self.capacity
-
-
-def _fill_of(sp: NodeSpace) -> float:
-    return sp.alloc.used_units / sp.alloc.units if sp.alloc.units else 1.0

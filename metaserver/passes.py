@@ -1,0 +1,107 @@
+"""Eviction passes and background expiry of the page directory (``EvictionPasses``, a mixin of
+``metaserver.directory.Directory``): per-node eviction in policy order, a number of bytes from the fullest nodes, the
+watermark pass, evict-all in slices, and the budgeted expiry of PENDING entries and read leases.
+
+Every pass takes a budget of evictions (or expiries) and returns what it did, so the callers (the background tick,
+an operator's EVICT in slices) bound the work done between two turns of the event loop. Effects (the etcd deletes)
+are collected in the ``Effects`` passed in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from metaserver.entry import NodeSpace
+from metaserver.eviction import bytes_to_low, over_high
+from transport.wire import object_size
+
+if TYPE_CHECKING:
+    from metaserver.directory import Effects
+
+
+class EvictionPasses:
+    # -- eviction ----------------------------------------------------------------------------------------------
+    def evict_node(self, node_id: str, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
+        """Evict on one node in policy order until ``nbytes`` are freed or ``budget`` objects went.
+        Returns (evicted, freed_bytes)."""
+        n = freed = 0
+        for victim in self.policy.victims(node_id):
+            if freed >= nbytes or n >= budget:
+                break
+            freed += object_size(victim.payload_len)
+            self._drop(victim, fx)
+            n += 1
+        self.evictions += n
+        return n, freed
+
+    def evict_bytes(self, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
+        """Free at least ``nbytes`` across nodes, always from the fullest node (by fill ratio). Bounded by
+        ``budget`` evictions. Returns (evicted, freed_bytes)."""
+        n = freed = 0
+        while freed < nbytes and n < budget:
+            cands = [s for s in self.spaces.values() if self.policy.count(s.node_id)]
+            if not cands:
+                break
+            sp = max(cands, key=_fill_of)
+            k, f = self.evict_node(sp.node_id, 1, 1, fx)
+            n += k
+            freed += f
+        return n, freed
+
+    def watermark_pass(self, high: float, low: float, budget: int, fx: Effects) -> tuple[int, int]:
+        """Evict each node above ``high`` down to ``low`` (pass ``high=low`` to force a pass). Bounded by ``budget``
+        evictions in total; returns (evicted, freed_bytes)."""
+        n = freed = 0
+        for sp in list(self.spaces.values()):
+            cap, used = sp.alloc.capacity, sp.alloc.used
+            if n >= budget or not over_high(used, cap, high):
+                continue
+            k, f = self.evict_node(sp.node_id, bytes_to_low(used, cap, low), budget - n, fx)
+            n += k
+            freed += f
+        return n, freed
+
+    def needs_eviction(self, high: float) -> bool:
+        return any(over_high(s.alloc.used, s.alloc.capacity, high) and self.policy.count(s.node_id)
+                   for s in self.spaces.values())
+
+    def evict_all(self, budget: int, fx: Effects) -> tuple[int, int, bool]:
+        """Evict every unpinned READY object, at most ``budget`` per call. Returns (evicted, freed, done)."""
+        n = freed = 0
+        for sp in list(self.spaces.values()):
+            k, f = self.evict_node(sp.node_id, 1 << 62, budget - n, fx)
+            n += k
+            freed += f
+            if n >= budget:
+                return n, freed, False
+        return n, freed, True
+
+    # -- background expiry -------------------------------------------------------------------------------------
+    def expire_pending(self, now: float, budget: int) -> int:
+        """Free PENDING entries older than pending_ttl_s, oldest first; frees at most ``budget``."""
+        ttl = self.pending_ttl_s
+        due = []
+        for e in self._pending:
+            if len(due) >= budget or e.last_access + ttl > now:
+                break
+            due.append(e)
+        from metaserver.directory import Effects  # the directory's effect record (this module is its mixin)
+
+        fx = Effects()
+        for e in due:
+            self._drop(e, fx)
+        return len(due)
+
+    def expire_leases(self, now: float, budget: int) -> int:
+        q = self._lease_q
+        n = 0
+        while q and budget > 0 and q[0][0] <= now:
+            _, lease = q.popleft()
+            budget -= 1
+            if self.release(lease):
+                n += 1
+        return n
+
+
+def _fill_of(sp: NodeSpace) -> float:
+    return sp.alloc.used_units / sp.alloc.units if sp.alloc.units else 1.0
