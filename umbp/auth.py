@@ -17,7 +17,15 @@ Tokens. A pool runs *open* (no token: everything allowed, said loudly at start-u
       secret = "..."
       admin = true                           # EVICT, DRAIN, LIST of every namespace (and every namespace rw)
 
-  The cluster secret itself is a token with every right (nodes use it to register).
+      [quotas]                               # optional: bytes a namespace may hold (exact names)
+      "tenant-a" = "512MiB"                  # a size string (umbp.sizes) or an int of bytes
+
+  The cluster secret itself is a token with every right (nodes use it to register). The file is read strictly: it
+  must be UTF-8; top-level keys are ``cluster_secret``, ``tokens`` and ``quotas`` only, a token's are ``name``,
+  ``secret``, ``namespaces`` and ``admin`` only; ``admin`` is a TOML boolean (``"false"`` is an error, not true);
+  no two tokens share a secret or a name, and no token's secret is the cluster secret. Any violation is a
+  ConfigError naming the entry, and the server refuses to start. ``Tokens.quotas`` maps namespace -> bytes (empty
+  when the file has no ``[quotas]``, and for ``--token`` alone or an open pool); the metaserver enforces them.
 
 Handshake (every control and data connection; the secret never crosses the wire)::
 
@@ -26,20 +34,30 @@ Handshake (every control and data connection; the secret never crosses the wire)
     client -> AUTH {"id": token_id(secret), "proof": HMAC(secret, "client" | server_nonce | client_nonce)}
     server -> {"scope": name, "proof": HMAC(secret, "server" | client_nonce | server_nonce)}
 
-The server's proof lets the client tell a real server from an impostor that only collects proofs. Until AUTH
-succeeds a closed server answers every other request (PING and HELLO aside) with AUTH "authentication required".
+The server's proof lets the client tell a real server from an impostor that only collects proofs. A client that
+holds a token accepts nothing less: a server that answers HELLO with ``auth: false`` (an open server, or an
+impostor downgrading the connection) is refused with AuthError before the client sends a namespace or a key, so a
+client with a token always ends its handshake with a verified server proof. Until AUTH succeeds a closed server answers every other request (PING and HELLO aside) with AUTH "authentication required".
 
-Capabilities. In a closed pool the metaserver hands a writer, with each allocation, ``HMAC(cap_key, "w" | offset |
-payload_len | gen)`` and a reader, with each lookup, ``HMAC(cap_key, "r" | offset | payload_len | gen)``; the node
-checks them before touching its arena, so a connection can only write the slots it was granted and read the objects
-it looked up (namespace rights are checked at the metaserver). ``cap_key`` is derived from the cluster secret, the
+Capabilities. In a closed pool the metaserver hands a writer, with each allocation, ``write_capability``: an HMAC
+over (offset, payload_len, gen, epoch, deadline), where epoch is the metaserver's term (its election revision) and
+the deadline ``write_cap_ttl_s`` away; and a reader, with each lookup, ``HMAC(cap_key, "r" | offset | payload_len |
+gen)``. The node checks them before touching its arena, so a connection can only write the slots it was granted and
+read the objects it looked up (namespace rights are checked at the metaserver). A write capability dies with its
+allocation: (1) it writes once: the node refuses it when the slot's header already carries its generation or a newer
+one (committed or not); (2) it dies at its deadline and at a takeover (the node refuses epochs older than the term it
+registered with or saw in a newer capability); (3) until its deadline nobody else can be given its bytes: the
+metaserver holds an extent freed within ``write_cap_ttl_s`` + skew of its allocation (abort, remove, eviction of a
+young page) in quarantine until the deadline has passed. So a capability kept after its keys were removed writes
+only free, quarantined space, and never another allocation's. ``cap_key`` is derived from the cluster secret, the
 node id and the arena id: both sides compute it, nothing about it crosses the wire. The object header's key hash
 becomes ``HMAC(cluster_secret, ns | key)`` (the *tag*), handed out by the metaserver, so a header built from public
 fields does not pass a reader's check.
 
 What this does not cover: a process that can map an arena file (same host, file permissions) or holds a node's RDMA
 rkey can read and write that arena directly; the rkey and the arena path are only told to authenticated clients.
-Confidentiality on the wire needs TLS (not built yet). Costs: one HMAC-SHA256 per handshake step, about 1 µs per
+Confidentiality on the wire needs TLS (``--tls-cert``/``--tls-key`` on servers, ``tls_ca`` on clients:
+transport/tcp.py). Costs: one HMAC-SHA256 per handshake step, about 1 µs per
 capability or tag.
 """
 
@@ -54,9 +72,13 @@ import tomllib
 from dataclasses import dataclass
 
 from umbp.errors import AuthError, ConfigError
+from umbp.sizes import parse_size
 
 NONCE_BYTES = 32
 _CAP = struct.Struct("<cQQQ")
+_WCAP = struct.Struct("<QQQ")  # offset, payload_len, gen
+_WCAP_HEAD = struct.Struct("<QQ")  # epoch, expires_ms: sent in the clear, covered by the MAC
+WRITE_CAP_SIZE = _WCAP_HEAD.size + 16
 
 
 @dataclass(frozen=True)
@@ -102,8 +124,10 @@ def nonce() -> bytes:
 class Tokens:
     """The secrets a server accepts. ``Tokens.open()`` accepts everything; ``closed`` is False then."""
 
-    def __init__(self, cluster_secret: bytes | None, scoped: dict[str, tuple[bytes, Scope]]):
+    def __init__(self, cluster_secret: bytes | None, scoped: dict[str, tuple[bytes, Scope]],
+                 quotas: dict[str, int] | None = None):
         self.cluster_secret = cluster_secret
+        self.quotas: dict[str, int] = dict(quotas or {})  # namespace -> bytes it may hold (enforced elsewhere)
         self._by_id = dict(scoped)
         if cluster_secret is not None:
             self._by_id[token_id(cluster_secret)] = (cluster_secret, FULL)
@@ -114,35 +138,86 @@ class Tokens:
 
     @classmethod
     def load(cls, token: str | None, tokens_file: str | None, component: str) -> "Tokens":
-        """From ``--token`` and/or ``--tokens FILE`` (a token given both ways must be the file's cluster secret)."""
+        """From ``--token`` and/or ``--tokens FILE`` (a token given both ways must be the file's cluster secret).
+        ConfigError naming the entry for anything the module docstring's format does not allow."""
         scoped: dict[str, tuple[bytes, Scope]] = {}
         cluster = token.encode() if token else None
+        quotas: dict[str, int] = {}
         if tokens_file:
             try:
                 with open(tokens_file, "rb") as fh:
                     doc = tomllib.load(fh)
+            except UnicodeDecodeError as e:
+                raise ConfigError(component, f"cannot read tokens file {tokens_file}: not UTF-8 text "
+                                             f"(byte {e.start})") from e
             except (OSError, tomllib.TOMLDecodeError) as e:
                 raise ConfigError(component, f"cannot read tokens file {tokens_file}: {e}") from e
+            unknown = set(doc) - {"cluster_secret", "tokens", "quotas"}
+            if unknown:
+                raise ConfigError(component, f"{tokens_file}: unknown top-level keys {sorted(unknown)} (expected "
+                                             f"cluster_secret, [[tokens]], [quotas])")
             cs = doc.get("cluster_secret")
             if not isinstance(cs, str) or len(cs) < 16:
                 raise ConfigError(component, f"{tokens_file}: cluster_secret must be a string of 16+ characters")
             if cluster is not None and cluster != cs.encode():
                 raise ConfigError(component, "--token differs from the tokens file's cluster_secret")
             cluster = cs.encode()
-            for i, t in enumerate(doc.get("tokens", [])):
+            entries = doc.get("tokens", [])
+            if not isinstance(entries, list):
+                raise ConfigError(component, f"{tokens_file}: tokens must be an array of tables ([[tokens]])")
+            seen_secret: dict[bytes, str] = {cluster: "cluster_secret"}
+            seen_name: dict[str, str] = {}
+            for i, t in enumerate(entries):
                 where = f"{tokens_file}: tokens[{i}]"
-                if not isinstance(t, dict) or not isinstance(t.get("secret"), str) or len(t["secret"]) < 16:
+                if not isinstance(t, dict):
+                    raise ConfigError(component, f"{where}: must be a table ([[tokens]])")
+                if "name" in t:
+                    if not isinstance(t["name"], str) or not t["name"]:
+                        raise ConfigError(component, f"{where}: name must be a non-empty string")
+                    where += f" (name {t['name']!r})"
+                if not isinstance(t.get("secret"), str) or len(t["secret"]) < 16:
                     raise ConfigError(component, f"{where}: secret must be a string of 16+ characters")
                 unknown = set(t) - {"name", "secret", "namespaces", "admin"}
                 if unknown:
-                    raise ConfigError(component, f"{where}: unknown fields {sorted(unknown)}")
+                    raise ConfigError(component, f"{where}: unknown fields {sorted(unknown)} (expected name, "
+                                                 f"secret, namespaces, admin)")
                 nss = t.get("namespaces", {})
                 if not isinstance(nss, dict) or not all(r in ("r", "rw") for r in nss.values()):
                     raise ConfigError(component, f"{where}: namespaces must map patterns to 'r' or 'rw'")
+                admin = t.get("admin", False)
+                if type(admin) is not bool:
+                    raise ConfigError(component, f"{where}: admin must be a boolean (true or false, unquoted), got "
+                                                 f"{admin!r}")
                 secret = t["secret"].encode()
-                scope = Scope(str(t.get("name", f"token{i}")), tuple(nss.items()), bool(t.get("admin", False)))
-                scoped[token_id(secret)] = (secret, scope)
-        return cls(cluster, scoped)
+                if secret in seen_secret:
+                    raise ConfigError(component, f"{where}: its secret is the same as {seen_secret[secret]}'s "
+                                                 f"(every token needs its own secret)")
+                seen_secret[secret] = f"tokens[{i}]"
+                name = t.get("name", f"token{i}")
+                if name in seen_name:
+                    raise ConfigError(component, f"{where}: name {name!r} is already used by {seen_name[name]}")
+                seen_name[name] = f"tokens[{i}]"
+                scoped[token_id(secret)] = (secret, Scope(name, tuple(nss.items()), admin))
+            quotas = cls._quotas(doc.get("quotas", {}), tokens_file, component)
+        return cls(cluster, scoped, quotas)
+
+    @staticmethod
+    def _quotas(table: object, tokens_file: str, component: str) -> dict[str, int]:
+        """``[quotas]``: exact namespace name -> size (``"512MiB"`` or an int of bytes)."""
+        if not isinstance(table, dict):
+            raise ConfigError(component, f"{tokens_file}: quotas must be a table ([quotas]) of namespace = size")
+        out = {}
+        for ns, size in table.items():
+            if not ns or len(ns.encode()) > 128:
+                raise ConfigError(component, f"{tokens_file}: quotas: namespace {ns!r} must be 1..128 bytes")
+            if not isinstance(size, (str, int)) or isinstance(size, bool):
+                raise ConfigError(component, f"{tokens_file}: quotas.{ns!r}: expected a size like \"512MiB\" or "
+                                             f"an integer of bytes, got {size!r}")
+            try:
+                out[ns] = parse_size(size, f"quotas.{ns!r}")
+            except ConfigError as e:
+                raise ConfigError(component, f"{tokens_file}: {e.detail}") from None
+        return out
 
     def verify(self, tid: object, client_proof: object, server_nonce: bytes, client_nonce: bytes,
                component: str) -> tuple[Scope, bytes]:
@@ -171,7 +246,7 @@ class Tokens:
 
 
 def capability(cap_key: bytes | None, kind: bytes, offset: int, payload_len: int, gen: int) -> bytes:
-    """The grant to read (kind b"r") or write (b"w") one object; b"" when the pool is open."""
+    """The grant to read (kind b"r") one object; b"" when the pool is open. Writes use ``write_capability``."""
     if cap_key is None:
         return b""
     return hmac.digest(cap_key, _CAP.pack(kind, offset, payload_len, gen), "sha256")[:16]
@@ -185,6 +260,37 @@ def check_capability(cap_key: bytes | None, cap: object, kind: bytes, offset: in
                                                                             gen)):
         what = "write to" if kind == b"w" else "read"
         raise AuthError(component, f"no valid capability to {what} the object at {offset}")
+
+
+def write_capability(cap_key: bytes | None, offset: int, payload_len: int, gen: int, epoch: int,
+                     expires_ms: int) -> bytes:
+    """The grant to write one allocation: ``epoch | expires_ms | HMAC(cap_key, "w2" | offset | payload_len | gen |
+    epoch | expires_ms)[:16]`` (32 bytes); b"" when the pool is open. ``epoch`` is the issuing metaserver's term
+    (its election revision), ``expires_ms`` a wall-clock deadline in ms since the epoch (the metaserver's clock)."""
+    if cap_key is None:
+        return b""
+    head = _WCAP_HEAD.pack(epoch, expires_ms)
+    return head + hmac.digest(cap_key, b"w2" + _WCAP.pack(offset, payload_len, gen) + head, "sha256")[:16]
+
+
+def check_write_capability(cap_key: bytes | None, cap: object, offset: int, payload_len: int, gen: int,
+                           min_epoch: int, now_ms: int, component: str) -> int:
+    """Check a write capability for exactly this allocation; returns its epoch (0 in an open pool). Raises AuthError
+    when it is forged or for another object, issued by a metaserver term older than ``min_epoch`` (a takeover since),
+    or past its deadline. Whether the slot was written already is the node's check (``NodeServer.check_slot``)."""
+    if cap_key is None:
+        return 0
+    if not isinstance(cap, bytes) or len(cap) != WRITE_CAP_SIZE or not hmac.compare_digest(
+            cap, write_capability(cap_key, offset, payload_len, gen, *_WCAP_HEAD.unpack_from(cap))):
+        raise AuthError(component, f"no valid capability to write to the object at {offset}")
+    epoch, expires_ms = _WCAP_HEAD.unpack_from(cap)
+    if epoch < min_epoch:
+        raise AuthError(component, f"stale capability to write to the object at {offset}: issued in metaserver term "
+                                   f"{epoch}, before the takeover of term {min_epoch}")
+    if now_ms > expires_ms:
+        raise AuthError(component, f"expired capability to write to the object at {offset} (expired "
+                                   f"{(now_ms - expires_ms) / 1000:.1f}s ago): allocate again")
+    return epoch
 
 
 class ClientAuth:
@@ -205,8 +311,15 @@ class ClientAuth:
         return {"client": client_name, "nonce": self.nonce}
 
     def auth_meta(self, hello: object) -> dict | None:
-        """The AUTH request to send after this HELLO answer, or None when the server is open."""
-        if not isinstance(hello, dict) or not hello.get("auth"):
+        """The AUTH request to send after this HELLO answer, or None when the server is open and this client holds
+        no token. A client with a token refuses a server that does not ask for it (AuthError: a downgrade), so every
+        caller holding a token ends with ``check`` of the server's proof."""
+        if not isinstance(hello, dict) or hello.get("auth") is not True:
+            if self.secret is not None:
+                who = hello.get("server", "server") if isinstance(hello, dict) else "server"
+                raise AuthError(self.component, f"{who} did not ask for authentication (HELLO answered with auth "
+                                                f"false), but this client holds a token: refusing a server that "
+                                                f"cannot prove it knows the secret (downgrade or impostor?)")
             return None
         if self.secret is None:
             raise AuthError(self.component, f"{hello.get('server', 'server')} requires a token (--token, "
