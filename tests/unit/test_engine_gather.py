@@ -111,3 +111,90 @@ def test_pinned_detection_and_plan_counts():
     p = gather.plan(kv, [3, 2, 1, 0], hp)
     assert len(p) == 4 * 3 * 2 and p.nbytes == 4 * kv.page_bytes
     assert set(p.lens.tolist()) == {32}
+
+
+# ---- CUDA host registrations, reference counted (a cudart double stands in for CUDA) ----------------------------
+
+class FakeCudart:
+    """``torch.cuda.cudart()`` as the registry uses it: counts calls, tracks what CUDA holds pinned, and fails
+    on demand with a given cudaError (CUDA itself refuses a second registration of a range: error 712)."""
+
+    def __init__(self):
+        self.pinned: dict[int, int] = {}
+        self.calls = {"register": 0, "unregister": 0}
+        self.fail_unregister = 0
+
+    def cudaHostRegister(self, addr, nbytes, flags):
+        self.calls["register"] += 1
+        if addr in self.pinned:
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.pinned[addr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, addr):
+        self.calls["unregister"] += 1
+        if self.fail_unregister:
+            return self.fail_unregister
+        return 0 if self.pinned.pop(addr, None) is not None else 713  # cudaErrorHostMemoryNotRegistered
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    from types import SimpleNamespace
+
+    cudart = FakeCudart()
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(cudart=lambda: cudart, current_device=lambda: 0))
+    monkeypatch.setattr(gather, "_require_cuda", lambda: fake_torch)
+    monkeypatch.setattr(gather, "_device_attr", lambda dev, attr: 1)
+    monkeypatch.setattr(gather, "_host_registry", gather.HostRegistry())
+    return cudart
+
+
+def test_two_loaders_share_an_arena_registration(fake_cuda):
+    from umbp.engine.loader import LayerwiseLoader
+
+    arena = mmap.mmap(-1, 1 << 16)
+    view = memoryview(arena)
+    key = (gather.host_buffer(view, writable=False).addr, 1 << 16)
+    kv, _ = make_kv(layers=2, slots=4, row=64)
+    loaders = []
+    for _ in range(2):
+        ld = LayerwiseLoader(None, kv)  # no load runs: only the arena registrations are driven
+        ld.kv = type("CudaKV", (), {"is_cuda": True})()  # only _arena_buffer/close are driven: CUDA by the double
+        loaders.append(ld)
+    assert all(ld._arena_buffer(view) is not None for ld in loaders)
+    assert loaders[0]._arena_buffer(view) is not None  # a loader registers an arena once, however often asked
+    assert fake_cuda.calls == {"register": 1, "unregister": 0}
+    assert gather._host_registry.refs(*key) == 2
+    loaders[0].close()
+    # the other loader's kernels may still read the arena: it stays registered, with one reference
+    assert fake_cuda.calls == {"register": 1, "unregister": 0}
+    assert gather._host_registry.refs(*key) == 1 and key[0] in fake_cuda.pinned
+    assert gather.host_buffer(view, writable=False).pinned
+    loaders[1].close()
+    assert fake_cuda.calls == {"register": 1, "unregister": 1}
+    assert gather._host_registry.refs(*key) == 0 and not fake_cuda.pinned
+    assert not gather.host_buffer(view, writable=False).pinned
+    loaders[1].close()  # closing twice gives back nothing twice
+    assert fake_cuda.calls["unregister"] == 1
+
+
+def test_registration_counts_and_failed_statuses(fake_cuda):
+    buf = np.zeros(1 << 14, np.uint8)
+    a = gather.register_host(buf)
+    b = gather.register_host(buf[4096:8192])  # inside a registered range: one more reference on that range
+    assert a.pinned and b.pinned
+    assert fake_cuda.calls["register"] == 1 and gather._host_registry.refs(a.addr, a.nbytes) == 2
+    assert gather.unregister_host(b) is False  # not the last reference
+    assert fake_cuda.calls["unregister"] == 0
+    assert gather.unregister_host(np.zeros(16, np.uint8)) is False  # never registered: nothing to give back
+    fake_cuda.fail_unregister = 1  # cudaErrorInvalidValue
+    with pytest.raises(gather.HostRegistrationError, match="engine gather: cudaHostUnregister of 16384 bytes .* "
+                                                           "cudaError 1"):
+        gather.unregister_host(a)
+    assert gather._host_registry.refs(a.addr, a.nbytes) == 0  # forgotten: CUDA's state for it is unknown
+    # a registration CUDA refuses raises, and counts nothing
+    fake_cuda.pinned[a.addr] = a.nbytes
+    with pytest.raises(gather.GatherUnavailable, match="engine gather: cudaHostRegister .* cudaError 712"):
+        gather.register_host(buf)
+    assert gather._host_registry.refs(a.addr, a.nbytes) == 0

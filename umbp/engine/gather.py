@@ -8,7 +8,9 @@ arrays). The KV side is a ``PagedKV`` plus the slot of each page. A move is plan
 - CPU (the KV buffer is on the host): one ``memmove`` per segment through ctypes (releases the GIL).
 - CUDA, ``kernel``: one CuPy ``RawKernel`` launch over the whole table. Threads read (or, offloading, write) host
   memory directly over PCIe through unified virtual addressing: the host buffer must be pinned (a torch
-  ``pin_memory`` tensor) or registered with ``cudaHostRegister`` (``register_host``; a mapped arena is). 16-byte
+  ``pin_memory`` tensor) or registered with ``cudaHostRegister`` (``register_host``; a mapped arena is;
+  registrations are reference counted process-wide, ``HostRegistry``, so users of one arena do not unpin it under
+  each other). 16-byte
   loads, 4 in flight per thread, 16 KiB per thread block, several blocks per segment. No staging copy: this is
   the zero-copy path, 51 GB/s for 64 KiB pages on an H200 per the environment notes.
 - CUDA, ``staged``: for host memory the kernel cannot reach (or where CuPy is missing): ``memmove`` each page's
@@ -25,6 +27,7 @@ the kernel path is one launch plus a table upload of 24 bytes per segment.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -36,6 +39,7 @@ from umbp.engine.layout import PagedKV
 from umbp.errors import InvalidArgument, UmbpError
 
 COMPONENT = "engine gather"
+logger = logging.getLogger(__name__)
 _memmove = ctypes.memmove
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped
@@ -81,6 +85,10 @@ umbp_segment_copy(const long long* __restrict__ table, const int n, const long l
 
 class GatherUnavailable(UmbpError, RuntimeError):
     """The requested gather method cannot run here (no CUDA, no CuPy, memory the GPU cannot reach)."""
+
+
+class HostRegistrationError(UmbpError, RuntimeError):
+    """``cudaHostUnregister`` failed: the range's CUDA state is unknown (it is no longer counted as registered)."""
 
 
 # ---- host buffers ---------------------------------------------------------------------------------------------
@@ -228,48 +236,113 @@ def _torch_or_none():
     return sys.modules.get("torch")
 
 
-_registry_lock = threading.Lock()
-_registry: dict[int, int] = {}  # registered host ranges: addr -> nbytes
+class HostRegistry:
+    """Process-wide reference counts of ``cudaHostRegister``-ed host ranges, keyed by ``(address, length)``.
+
+    CUDA registers a range once per process: a second ``cudaHostRegister`` of it fails, and one
+    ``cudaHostUnregister`` ends it for every user. So the first ``acquire`` of a range registers it, later ones (of
+    the same range, or of a range inside one already registered) count a reference, and only the ``release`` of
+    the last reference unregisters it: one loader's ``close()`` never unpins an arena another loader's kernel may
+    still be reading. The status of both calls is checked: a failed register raises ``GatherUnavailable``; a failed
+    unregister is logged and raised as ``HostRegistrationError`` (the range is forgotten either way: CUDA's state for
+    it is unknown, and a retry would unregister twice). ``cudart`` is ``torch.cuda.cudart()`` (a test double
+    stands in for it on CPU). Thread-safe; O(ranges) per call (a process registers a handful of arenas)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._refs: dict[tuple[int, int], int] = {}
+
+    def refs(self, addr: int, nbytes: int) -> int:
+        """References held on exactly the range ``(addr, nbytes)`` (0: not registered as such)."""
+        with self._lock:
+            return self._refs.get((addr, nbytes), 0)
+
+    def covering(self, addr: int, nbytes: int) -> tuple[int, int] | None:
+        """The registered range that contains ``[addr, addr + nbytes)``, if any."""
+        with self._lock:
+            return self._covering(addr, nbytes)
+
+    def _covering(self, addr: int, nbytes: int) -> tuple[int, int] | None:
+        if (addr, nbytes) in self._refs:
+            return addr, nbytes
+        return next(((a, n) for a, n in self._refs if a <= addr and addr + nbytes <= a + n), None)
+
+    def acquire(self, addr: int, nbytes: int, cudart: Any, check_device: Any = None) -> tuple[int, int]:
+        """Take a reference on the range (registering it if no registered range covers it); returns the key to
+        ``release``. ``check_device()`` runs after a fresh registration: False undoes it and raises."""
+        with self._lock:  # held across the CUDA call: two threads must not both register one range
+            key = self._covering(addr, nbytes)
+            if key is not None:
+                self._refs[key] += 1
+                return key
+            err = int(cudart.cudaHostRegister(addr, nbytes, _REGISTER_FLAGS))
+            if err != 0:
+                raise GatherUnavailable(COMPONENT, f"cudaHostRegister of {nbytes} bytes at {addr:#x} failed with "
+                                                   f"cudaError {err}")
+            if check_device is not None and not check_device():
+                undo = int(cudart.cudaHostUnregister(addr))
+                raise GatherUnavailable(COMPONENT, f"the device cannot use host pointers for registered memory "
+                                                   f"(registration of {addr:#x} undone, cudaError {undo})")
+            self._refs[(addr, nbytes)] = 1
+            return addr, nbytes
+
+    def release(self, key: tuple[int, int], cudart: Any) -> bool:
+        """Drop one reference; the last one unregisters the range (True then). Raises ``HostRegistrationError`` if
+        ``cudaHostUnregister`` fails; ``InvalidArgument`` for a range holding no reference."""
+        with self._lock:
+            n = self._refs.get(key, 0)
+            if n <= 0:
+                raise InvalidArgument(COMPONENT, f"release of host range {key[0]:#x}+{key[1]} that holds no "
+                                                 f"registration")
+            if n > 1:
+                self._refs[key] = n - 1
+                return False
+            del self._refs[key]
+            err = int(cudart.cudaHostUnregister(key[0]))
+        if err != 0:
+            msg = f"cudaHostUnregister of {key[1]} bytes at {key[0]:#x} failed with cudaError {err}"
+            logger.error("%s: %s", COMPONENT, msg)
+            raise HostRegistrationError(COMPONENT, msg)
+        return True
+
+
+_host_registry = HostRegistry()
 
 
 def _registered(addr: int, nbytes: int) -> bool:
-    with _registry_lock:
-        return any(a <= addr and addr + nbytes <= a + n for a, n in _registry.items())
+    return _host_registry.covering(addr, nbytes) is not None
+
+
+def _cudart() -> Any:
+    return _require_cuda().cuda.cudart()
 
 
 def register_host(obj: Any) -> HostBuffer:
     """``cudaHostRegister`` a host buffer (a mapped arena, a numpy array) so the gather kernel reads and writes it
-    directly. Idempotent per address. Raises ``GatherUnavailable`` where CUDA is absent or the registration fails
-    (some sandboxes refuse to pin shared mappings: use the staged path then). Undo with ``unregister_host`` before
+    directly. Reference counted process-wide (``HostRegistry``): every call takes one reference, to be given back
+    by one ``unregister_host``; the range is unpinned at the last. Raises ``GatherUnavailable`` where CUDA is absent
+    or the registration fails (some sandboxes refuse to pin shared mappings: use the staged path then). Undo before
     the memory is unmapped."""
-    torch = _require_cuda()
+    cudart = _cudart()
     buf = host_buffer(obj, writable=False)
-    if _registered(buf.addr, buf.nbytes):
-        buf.pinned = True
-        return buf
-    err = int(torch.cuda.cudart().cudaHostRegister(buf.addr, buf.nbytes, _REGISTER_FLAGS))
-    if err != 0:
-        raise GatherUnavailable(COMPONENT, f"cudaHostRegister of {buf.nbytes} bytes at {buf.addr:#x} failed with "
-                                           f"cudaError {err}")
-    dev = torch.cuda.current_device()
-    if not _device_attr(dev, _CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM):
-        torch.cuda.cudart().cudaHostUnregister(buf.addr)
-        raise GatherUnavailable(COMPONENT, f"device {dev} cannot use host pointers for registered memory")
-    with _registry_lock:
-        _registry[buf.addr] = buf.nbytes
+
+    def usable() -> bool:
+        return bool(_device_attr(_require_cuda().cuda.current_device(), _CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM))
+
+    _host_registry.acquire(buf.addr, buf.nbytes, cudart, usable)
     buf.pinned = True
     return buf
 
 
-def unregister_host(obj: Any) -> None:
-    """Undo ``register_host`` (no-op if the buffer was not registered)."""
-    addr = obj.addr if isinstance(obj, HostBuffer) else host_buffer(obj, writable=False).addr
-    with _registry_lock:
-        if _registry.pop(addr, None) is None:
-            return
-    torch = _torch_or_none()
-    if torch is not None:
-        torch.cuda.cudart().cudaHostUnregister(addr)
+def unregister_host(obj: Any) -> bool:
+    """Give back one ``register_host`` reference of this buffer (by its range, or the registered range that
+    contains it); the last reference unregisters it (True then). No-op (False) for a buffer never registered.
+    Raises ``HostRegistrationError`` if ``cudaHostUnregister`` fails."""
+    buf = obj if isinstance(obj, HostBuffer) else host_buffer(obj, writable=False)
+    key = _host_registry.covering(buf.addr, buf.nbytes)
+    if key is None:
+        return False
+    return _host_registry.release(key, _cudart())
 
 
 def _device_attr(dev: int, attr: int) -> int:
@@ -377,26 +450,25 @@ def to_kv(kv: PagedKV, slots: Any, host: HostPages, layers: range | None = None,
           stream: Any = None, staging: Staging | None = None) -> int:
     """Copy ``layers`` of each page from ``host`` into ``kv`` at ``slots``; returns the bytes moved.
     On CUDA this is asynchronous on ``stream`` (see the module contract)."""
-    p = plan(kv, slots, host, layers, to_kv=True)
-    if not kv.is_cuda:
-        return run_cpu(p)
-    how = _resolve(method, host)
-    if how == "kernel":
-        return run_kernel(p, kv.device, stream)
-    return _staged(kv, slots, host, layers, p, True, stream, staging or _default_staging)
+    return _move(kv, slots, host, layers, True, method, stream, staging)
 
 
 def from_kv(kv: PagedKV, slots: Any, host: HostPages, layers: range | None = None, *, method: str = "auto",
             stream: Any = None, staging: Staging | None = None) -> int:
     """Copy ``layers`` of each ``kv`` slot ``slots[p]`` out to page ``p`` of ``host`` (offload); returns bytes moved.
     On CUDA the kernel path is asynchronous on ``stream``; the staged path returns after the bytes are on the host."""
-    p = plan(kv, slots, host, layers, to_kv=False)
+    return _move(kv, slots, host, layers, False, method, stream, staging)
+
+
+def _move(kv: PagedKV, slots: Any, host: HostPages, layers: range | None, load: bool, method: str, stream: Any,
+          staging: Staging | None) -> int:
+    """Plan, then run on the CPU, the kernel or the staged path (``load``: host -> KV)."""
+    p = plan(kv, slots, host, layers, to_kv=load)
     if not kv.is_cuda:
         return run_cpu(p)
-    how = _resolve(method, host)
-    if how == "kernel":
+    if _resolve(method, host) == "kernel":
         return run_kernel(p, kv.device, stream)
-    return _staged(kv, slots, host, layers, p, False, stream, staging or _default_staging)
+    return _staged(kv, slots, host, layers, p, load, stream, staging or _default_staging)
 
 
 def _staged(kv: PagedKV, slots: Any, host: HostPages, layers: range | None, p: Plan, load: bool, stream: Any,

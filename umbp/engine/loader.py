@@ -6,7 +6,8 @@ layers can start long before the whole prefix has arrived. Per group:
 
 - pages on a same-host node (``Client.mapped``: one LOOKUP and one read lease for the whole load) are gathered
   straight out of the mapped arena: on CPU by memmove, on CUDA by the gather kernel reading the arena, which is
-  ``cudaHostRegister``-ed once (zero-copy: no pool->host copy at all);
+  ``cudaHostRegister``-ed once per loader (a process-wide reference count: ``gather.HostRegistry``) (zero-copy: no
+  pool->host copy at all);
 - other pages come by one ranged read per page per group (``batch_get_ranges_into``) into host staging (on CUDA
   pinned, two buffers used alternately), from which the gather moves them into the KV slots (one request per
   page and group: a range per layer part straight into the rows would cost a transport request each).
@@ -43,7 +44,7 @@ import numpy as np
 
 from umbp.engine import gather
 from umbp.engine.layout import PagedKV, PageLayout
-from umbp.errors import InvalidArgument, UmbpError
+from umbp.errors import DeadlineExceeded, InvalidArgument, UmbpError
 
 COMPONENT = "engine loader"
 _DONE = object()
@@ -154,7 +155,7 @@ class LayerLoad:
         limit = self._loader.client.config.timeout_s * 2 + 10
         self._thread.join(limit)
         if self._thread.is_alive():
-            raise UmbpError(COMPONENT, f"load thread still running after {limit:.0f}s")
+            raise DeadlineExceeded(COMPONENT, f"load thread still running after {limit:.0f}s")
 
     # ---- worker thread
 
@@ -283,7 +284,7 @@ class LayerwiseLoader:
         if np.unique(slots_a).size != slots_a.size:
             raise InvalidArgument(COMPONENT, "two pages map to the same slot")
         if not self._busy.acquire(blocking=False):
-            raise UmbpError(COMPONENT, "a load is already running on this loader (one at a time)")
+            raise InvalidArgument(COMPONENT, "a load is already running on this loader (one at a time)")
         try:
             self._active = LayerLoad(self, keys, slots_a)
         except BaseException:
@@ -411,13 +412,21 @@ class LayerwiseLoader:
         return sum(self._arena_buffer(a) is not None for a in self.client.local_arenas().values())
 
     def close(self) -> None:
-        """Stop a running load and unregister the arenas this loader registered with CUDA."""
+        """Stop a running load and give back this loader's references on the arenas it registered with CUDA (the
+        registrations are counted process-wide: an arena another loader still uses stays registered). Every
+        reference is given back even if one fails; the first failure (``HostRegistrationError``) is raised."""
         if self._active is not None:
             self._active.close()
-        for buf in self._registered.values():
-            if buf is not None:
-                gather.unregister_host(buf)
+        bufs = [b for b in self._registered.values() if b is not None]
         self._registered.clear()
+        first: UmbpError | None = None
+        for buf in bufs:
+            try:
+                gather.unregister_host(buf)
+            except UmbpError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def __enter__(self) -> "LayerwiseLoader":
         return self
