@@ -1,0 +1,184 @@
+"""Authentication-side hardening (issue 15): a client holding a token refuses a server that does not prove the
+secret (downgrade), pre-auth connections cannot fill a server's connection cap, a tokens file is read strictly,
+and TLS on every TCP connection. Real etcd, metaserver and node processes; attackers and impostors are raw sockets
+speaking transport/wire.py frames."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from transport import wire
+from transport.tcp import FramedSocket, TcpTransport
+from umbp.client import Client
+from umbp.config import ClientConfig, resolve
+from umbp.errors import AuthError
+
+SECRET = "cluster-secret-0123456789"
+TENANT_A = "tenant-a-secret-0123456789"
+OPS = "ops-admin-secret-0123456789"
+TOKENS = f'''cluster_secret = "{SECRET}"
+[[tokens]]
+name = "tenant-a"
+secret = "{TENANT_A}"
+namespaces = {{ "tenant-a" = "rw" }}
+[[tokens]]
+name = "ops"
+secret = "{OPS}"
+admin = true
+'''
+
+
+def client(addrs: str, token, ns="tenant-a", **kw) -> Client:
+    """A client that uses exactly ``token`` (the environment is not consulted)."""
+    cfg = resolve(ClientConfig, {"metaserver": addrs, "namespace": ns, "token": token, "timeout_s": 10.0, **kw},
+                  env={})
+    return Client(config=cfg)
+
+
+class OpenImpostor:
+    """A fake server on 127.0.0.1 that answers HELLO with ``auth: false`` (an open pool, or an impostor downgrading
+    the connection) and every other request with an empty OK answer. Records every frame and every byte received."""
+
+    def __init__(self, server: str = "metaserver"):
+        self.server = server
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.ops: list[int] = []
+        self.raw = bytearray()
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        end = time.monotonic() + 120  # bounded: a test never runs this long
+        while not self._stop.is_set() and time.monotonic() < end:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            threading.Thread(target=self._conn, args=(conn,), daemon=True).start()
+
+    def _conn(self, conn: socket.socket) -> None:
+        reader = wire.FrameReader("impostor")
+        conn.settimeout(0.2)
+        end = time.monotonic() + 60
+        with conn:
+            while not self._stop.is_set() and time.monotonic() < end:
+                buf = reader.get_buffer()
+                try:
+                    n = conn.recv_into(buf)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not n:
+                    return
+                self.raw += bytes(buf[:n])
+                for frame, _err in reader.buffer_updated(n):
+                    self.ops.append(frame.op)
+                    meta = {}
+                    if frame.op == wire.Op.HELLO:
+                        meta = {"server": self.server, "version": wire.VERSION, "auth": False,
+                                "nonce": os.urandom(32)}
+                    conn.sendall(wire.encode(frame.op, frame.request_id, meta, flags=wire.Flag.RESPONSE))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def impostor():
+    s = OpenImpostor()
+    yield s
+    s.close()
+
+
+def test_client_with_a_token_refuses_an_open_server(impostor):
+    """Downgrade: before the fix the client went on after ``auth: false`` and sent its namespace and keys."""
+    c = client(impostor.addr, TENANT_A, ns="secret-namespace")
+    with pytest.raises(AuthError, match=r"did not ask for authentication .*holds a token.*\(downgrade"):
+        c.put("secret-key-name", b"secret page bytes")
+    with pytest.raises(AuthError, match="downgrade"):
+        c.get("secret-key-name")
+    c.close()
+    assert impostor.connections >= 1
+    assert set(impostor.ops) == {wire.Op.HELLO}, [wire.Op(o).name for o in impostor.ops]
+    for leaked in (b"secret-namespace", b"secret-key-name", b"secret page bytes", TENANT_A.encode()):
+        assert leaked not in impostor.raw
+
+
+def test_data_connection_with_a_token_refuses_an_open_node(impostor):
+    """The TCP data transport (client -> node) and a bare FramedSocket refuse the downgrade too."""
+    deadline = time.monotonic() + 5
+    with pytest.raises(AuthError, match="downgrade"):
+        FramedSocket(impostor.addr, "client", deadline, TENANT_A, hello=True)
+    t = TcpTransport("node0", impostor.addr, TENANT_A)
+    out = bytearray(100)
+
+    class Op:  # a READ op as the client builds it
+        offset, start, length, khash, generation, payload_len, cap = 4096, 0, 100, 1, 1, 100, b""
+        out = memoryview(bytearray(100))
+    with pytest.raises(AuthError, match="downgrade"):
+        t.start_read([Op], deadline)
+    t.close()
+    assert set(impostor.ops) == {wire.Op.HELLO} and out == bytearray(100)
+    # without a token an open server is still fine (an open pool)
+    conn = FramedSocket(impostor.addr, "client", time.monotonic() + 5, None, hello=True)
+    assert conn.request(wire.Op.PING, {}, time.monotonic() + 5).meta == {}
+    conn.close()
+
+
+def test_node_with_a_token_does_not_register_with_an_open_metaserver(harness, impostor):
+    """The node's registration link refuses a metaserver that does not authenticate: no REGISTER_NODE (arena path,
+    rkey, host) is ever sent to it."""
+    node = harness.node(impostor.addr, start=False, token=SECRET)
+    node.launch()
+    deadline = time.monotonic() + 30
+    while "downgrade" not in node.stderr_text() and time.monotonic() < deadline and node.alive:
+        time.sleep(0.1)
+    assert "did not ask for authentication" in node.stderr_text(), node.tail()
+    assert wire.Op.HELLO in impostor.ops and wire.Op.REGISTER_NODE not in impostor.ops
+    assert b"arena" not in impostor.raw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokens file: the server refuses to start
+
+
+@pytest.mark.parametrize("body,match", [
+    (f'[[tokens]]\nname = "x"\nsecret = "{TENANT_A}"\nadmin = "false"\n', r"tokens\[0\] \(name 'x'\): admin must be "
+                                                                          r"a boolean"),
+    (f'[[tokens]]\nname = "r"\nsecret = "{TENANT_A}"\n[[tokens]]\nname = "w"\nsecret = "{TENANT_A}"\n',
+     r"tokens\[1\] \(name 'w'\): its secret is the same as tokens\[0\]'s"),
+    (f'[[tokenz]]\nname = "x"\nsecret = "{TENANT_A}"\n', r"unknown top-level keys \['tokenz'\]"),
+    (f'[[tokens]]\nname = "x"\nsecret = "{TENANT_A}"\nnamespace = {{ a = "rw" }}\n',
+     r"tokens\[0\] \(name 'x'\): unknown fields \['namespace'\]"),
+    (b'\xff\xfe', r"not UTF-8"),
+])
+def test_metaserver_refuses_to_start_with_a_bad_tokens_file(tmp_path, body, match):
+    path = tmp_path / "tokens.toml"
+    if isinstance(body, bytes):
+        path.write_bytes(f'cluster_secret = "{SECRET}"\n'.encode() + body + b"\n")
+    else:
+        path.write_text(f'cluster_secret = "{SECRET}"\n' + body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMBP_")}
+    r = subprocess.run([sys.executable, "-m", "umbp", "metaserver", "--etcd", "127.0.0.1:1", "--listen",
+                        "127.0.0.1:0", "--tokens", str(path)], capture_output=True, text=True, timeout=60, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert re.search(r"umbp: metaserver: .*tokens.toml: " + match if "UTF-8" not in match else match, r.stderr), \
+        r.stderr
+    assert "metaserver: 127.0.0.1" not in r.stdout  # never served
