@@ -5,7 +5,8 @@ this transport only when it runs on the same boot of the same host (``/proc/sys/
 the file at that path carries the same arena id in its superblock; otherwise ``ShmTransport.open`` raises and the
 selection rule falls through to RDMA or TCP.
 
-Cost: one memcpy per object range (single-thread memcpy speed), no syscalls, no node CPU. The mapping is MAP_SHARED
+Cost: one memcpy per object range, no syscalls, no node CPU; a batch's copies are split across threads
+(``umbp.copies``: memory bandwidth rather than one core's memcpy for batches of SERIAL_BYTES and more). The mapping is MAP_SHARED
 read-write so puts land in the arena directly; the metaserver's allocation is what makes the range ours to write.
 """
 
@@ -17,6 +18,7 @@ import uuid
 
 from transport import wire
 from transport.base import Pending, Transport, check_payload
+from umbp import copies
 from umbp.errors import CorruptionError, TransportError
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -61,10 +63,6 @@ class ShmTransport(Transport):
                                                  f"not {uuid.UUID(bytes=arena_id)}")
         self.size = size
 
-    def _check_range(self, offset: int, length: int) -> None:
-        if offset < wire.ARENA_DATA_START or offset + length > self.size:
-            raise CorruptionError(self.component, f"range {offset}+{length} outside the arena of {self.size}")
-
     def start_read(self, ops, deadline):
         """Copy every op's range out of the mapped arena: ``read_from_arena`` (header checked before, compared
         after the copy: a torn read is detected) inlined into one loop, since at small pages the Python around the
@@ -74,6 +72,7 @@ class ShmTransport(Transport):
         arena, comp, size = self.arena, self.component, self.size
         hs, lo = wire.OBJ_HEADER_SIZE, wire.ARENA_DATA_START
         check = wire.check_object_header
+        pairs, checked = [], []  # (dst, src) of each copy, (op index, header, checksum) to check after it
         for i, op in enumerate(ops):
             o = op.offset
             plen = op.payload_len
@@ -91,8 +90,12 @@ class ShmTransport(Transport):
                 results[i] = CorruptionError(comp, f"range {start}+{n} outside payload of {plen}")
                 continue
             src = o + hs + start
-            op.out[:n] = arena[src:src + n]
-            if arena[o:o + hs] != head:
+            pairs.append((op.out[:n], arena[src:src + n]))
+            checked.append((i, head, csum))
+        copies.copy_pairs(pairs, deadline)  # threads for big batches; the headers are checked after every copy
+        for i, head, csum in checked:
+            op = ops[i]
+            if arena[op.offset:op.offset + hs] != head:
                 results[i] = CorruptionError(comp, "slot rewritten during the read (torn read)")
             elif csum is not None:
                 results[i] = check_payload(op, csum, comp)
@@ -104,6 +107,7 @@ class ShmTransport(Transport):
         results = p.results
         arena, comp, size = self.arena, self.component, self.size
         hs, lo = wire.OBJ_HEADER_SIZE, wire.ARENA_DATA_START
+        pairs, written = [], []
         for i, op in enumerate(ops):
             o = op.offset
             if o < lo or o + hs + op.nbytes > size:
@@ -113,9 +117,12 @@ class ShmTransport(Transport):
             pos = o + hs
             for part in op.parts:
                 n = len(part)
-                arena[pos:pos + n] = part
+                pairs.append((arena[pos:pos + n], part))
                 pos += n
-            arena[o:o + hs] = op.header
+            written.append(op)
+        copies.copy_pairs(pairs, deadline)  # every payload (threads for big batches), then the headers last
+        for op in written:
+            arena[op.offset:op.offset + hs] = op.header
         return p
 
     def finish(self, pending, deadline):

@@ -1,0 +1,174 @@
+"""Threaded host copies (``umbp.copies``): exact bytes for many shapes of source and destination, errors of one job
+surfacing in the caller, the deadline bound, the thread sizing; and the shm transport moving a batch big enough to be
+split across threads, checked byte for byte on real node processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from umbp import copies
+from umbp.errors import DeadlineExceeded, InvalidArgument
+
+
+@pytest.fixture
+def threaded():
+    """Every batch threaded (cut-over at 0 bytes, 4 threads, small pieces) so that small test batches exercise the
+    pool; restored afterwards."""
+    saved = copies.SERIAL_BYTES, copies.MIN_BYTES_PER_THREAD, copies.PIECE_BYTES
+    copies.SERIAL_BYTES, copies.MIN_BYTES_PER_THREAD, copies.PIECE_BYTES = 0, 1, 64 << 10
+    copies.set_max_threads(4)
+    try:
+        yield
+    finally:
+        copies.SERIAL_BYTES, copies.MIN_BYTES_PER_THREAD, copies.PIECE_BYTES = saved
+        copies.set_max_threads(None)
+
+
+def _rand(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("sizes", [[1], [3, 0, 5], [65536] * 7, [1 << 20, 17, (1 << 20) + 3], [300_001] * 5])
+def test_threaded_copy_moves_exact_bytes_numpy_and_offsets(threaded, sizes):
+    srcs = [_rand(n + 11, i)[11:] for i, n in enumerate(sizes)]  # views at an odd offset
+    backing = [np.full(n + 64, 0xAB, np.uint8) for n in sizes]
+    dsts = [b[7:7 + n + 3] for b, n in zip(backing, sizes)]  # 3 bytes longer than the source: left untouched
+    assert copies.copy_pairs(list(zip(dsts, srcs))) == sum(sizes)
+    for b, s, n in zip(backing, srcs, sizes):
+        assert b[7:7 + n].tobytes() == s.tobytes()
+        assert (b[:7] == 0xAB).all() and (b[7 + n:] == 0xAB).all()
+
+
+def test_threaded_copy_memoryviews_bytes_and_2d_arrays(threaded):
+    src_bytes = _rand(200_000, 1).tobytes()
+    src_2d = _rand(64 * 4096, 2).reshape(64, 4096)
+    dst_ba = bytearray(200_000)
+    dst_mv = memoryview(bytearray(64 * 4096 + 100))[50:50 + 64 * 4096]
+    copies.copy_pairs([(dst_ba, src_bytes), (dst_mv, src_2d)])
+    assert bytes(dst_ba) == src_bytes
+    assert dst_mv.tobytes() == src_2d.tobytes()
+
+
+def test_threaded_copy_torch_tensors(threaded):
+    torch = pytest.importorskip("torch", reason="torch is not installed in this venv: torch tensors not exercised")
+    src = torch.randn(3, 1000, 33, dtype=torch.float32).to(torch.bfloat16)
+    dst = torch.zeros_like(src)
+    half = torch.arange(0, 100_000, dtype=torch.int16)
+    dst_half = torch.zeros(100_000 + 10, dtype=torch.int16)[10:]
+    copies.copy_pairs([(dst, src), (dst_half, half)])
+    assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    assert torch.equal(dst_half, half)
+
+
+def test_threaded_copy_splits_across_threads(threaded):
+    seen: set = set()
+    real = copies._memmove_all
+
+    def spy(pieces):
+        seen.add(threading.get_ident())
+        return real(pieces)
+
+    copies._memmove_all = spy
+    try:
+        src = _rand(4 << 20, 3)
+        dst = np.zeros_like(src)
+        copies.copy_pairs([(dst, src)])
+    finally:
+        copies._memmove_all = real
+    assert np.array_equal(dst, src)
+    assert len(seen) >= 2, "a 4 MiB batch with 4 threads allowed ran on one thread"
+
+
+def test_bad_pairs_are_refused_before_any_byte_moves(threaded):
+    dst = bytearray(10)
+    with pytest.raises(InvalidArgument, match="copies: pair 1: destination of 4 bytes for 5"):
+        copies.copy_pairs([(dst, b"0123456789"), (bytearray(4), b"abcde")])
+    assert dst == bytearray(10)
+    with pytest.raises(InvalidArgument, match="read-only"):
+        copies.copy_pairs([(b"xxxx", b"abcd")])
+    with pytest.raises(InvalidArgument, match="does not support the buffer protocol"):
+        copies.copy_pairs([(bytearray(4), object())])
+
+
+def test_error_in_one_job_surfaces_after_the_others_finish(threaded):
+    finished = []
+
+    def slow(i):
+        def job():
+            time.sleep(0.05)  # work, not synchronisation: the failing job must not cut it short
+            finished.append(i)
+            return i
+        return job
+
+    def bad():
+        raise InvalidArgument("copies", "job 2 failed")
+
+    with pytest.raises(InvalidArgument, match="job 2 failed"):
+        copies.run_parallel([slow(0), slow(1), bad, slow(3)])
+    assert sorted(finished) == [0, 1, 3]  # every other job ran to its end before the error came back
+    assert copies.run_parallel([slow(0), slow(1), lambda: "last"]) == [0, 1, "last"]
+
+
+def test_run_parallel_is_bounded_by_its_deadline(threaded):
+    release = threading.Event()
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="copies: 1 of 2 copy jobs still running"):
+        copies.run_parallel([lambda: release.wait(10), lambda: None], deadline=time.monotonic() + 0.2)
+    assert time.monotonic() - started < 5
+    release.set()
+
+
+def test_thread_sizing():
+    copies.set_max_threads(8)
+    try:
+        assert copies.threads_for(copies.SERIAL_BYTES - 1) == 1
+        assert copies.threads_for(1 << 30) == 8
+        assert 1 <= copies.threads_for(copies.SERIAL_BYTES) <= 8
+        assert copies.threads_for(copies.SERIAL_BYTES) <= copies.SERIAL_BYTES // copies.MIN_BYTES_PER_THREAD
+    finally:
+        copies.set_max_threads(None)
+    assert 1 <= copies.max_threads() <= copies.MAX_THREADS
+    with pytest.raises(InvalidArgument, match="copies: max threads"):
+        copies.set_max_threads(0)
+
+
+def test_shm_batch_split_across_threads_exact_bytes(make_cluster):
+    """A batch of 24 pages of 1 MiB + 4 KiB (above the cut-over) written and read over shm: every page exact, and
+    the copies ran on more than one thread."""
+    seen: set = set()
+    real = copies._memmove_all
+
+    def spy(pieces):
+        seen.add(threading.get_ident())
+        return real(pieces)
+
+    cluster = make_cluster(nodes=1, capacity="128MiB")
+    copies.set_max_threads(4)
+    copies._memmove_all = spy
+    try:
+        n, size = 24, (1 << 20) + 4096
+        keys = [f"threaded/{i}" for i in range(n)]
+        pages = [_rand(size, 100 + i) for i in range(n)]
+        with cluster.client(transport="shm", checksum=True) as c:
+            assert c.batch_put(keys, pages) == [True] * n
+            assert len(seen) >= 2, "the put's copies ran on one thread"
+            seen.clear()
+            outs = [np.zeros(size, np.uint8) for _ in range(n)]
+            assert c.batch_get_into(keys, outs) == [size] * n
+            assert len(seen) >= 2, "the get's copies ran on one thread"
+            for o, p in zip(outs, pages):
+                assert np.array_equal(o, p)
+            # ranges: the second half of each page, into views at an offset inside one big buffer
+            big = np.zeros(n * (size // 2 + 8), np.uint8)
+            views = [[big[i * (size // 2 + 8) + 8:(i + 1) * (size // 2 + 8)]] for i in range(n)]
+            assert c.batch_get_ranges_into(keys, [[(size // 2, size // 2)]] * n, views) == [size // 2] * n
+            for v, p in zip(views, pages):
+                assert np.array_equal(v[0], p[size // 2:])
+            assert c.transport_names() == {cluster.nodes[0].node_id: "shm"}
+    finally:
+        copies._memmove_all = real
+        copies.set_max_threads(None)

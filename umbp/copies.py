@@ -1,0 +1,200 @@
+"""Host copies of a batch split across a small process-wide pool of threads: memory bandwidth, not one core's memcpy.
+
+One core's memcpy moves a fraction of what a host's memory gives (on the 16-core H200 host about a fifth); the
+shm transport, the client's staging and the HiCache backend's host-pool paths copy whole batches, so a batch's
+copies are cut into pieces and the pieces handed to ``threads_for(nbytes)`` threads (the calling thread is one of
+them). Each piece is one ``ctypes.memmove``, which releases the GIL, so the threads copy in parallel.
+
+Sizing: at most ``max_threads()`` threads (the cores this process may run on, capped at MAX_THREADS), and at least
+MIN_BYTES_PER_THREAD bytes per thread; a batch below SERIAL_BYTES stays on the calling thread with plain memoryview
+slice assignment (no handoff: a thread wake-up costs tens of microseconds, a 64 KiB copy a few). SERIAL_BYTES is
+where the cut-over measured in ``bench/pool.py`` (``threaded copy``) pays on the 2-core and 16-core machines.
+
+Contracts:
+- ``copy_pairs(pairs)`` copies ``len(src)`` bytes of each ``(dst, src)`` pair (flat byte memoryviews, or anything
+  ``umbp.buffers`` views: numpy arrays, CPU tensors, bytearrays; dst writable and at least as long) and returns the bytes copied once every piece is done. Pairs must not overlap each other
+  (pieces run in any order).
+- ``run_parallel(jobs, deadline)`` runs callables on the pool and the calling thread; the first exception a job
+  raised is re-raised in the caller after every job has finished or the deadline passed (``DeadlineExceeded``:
+  jobs still running keep their buffers alive through their closures, so nothing is freed under them).
+- After ``fork`` the child gets a fresh pool (threads do not survive a fork).
+
+Cost: below SERIAL_BYTES one memoryview assignment per pair; above, one address lookup per pair (numpy), one
+``memmove`` per piece (PIECE_BYTES at most) and one future per extra thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from umbp.buffers import as_bytes_view, as_writable_view
+from umbp.errors import DeadlineExceeded, InvalidArgument
+
+COMPONENT = "copies"
+MAX_THREADS = 16
+SERIAL_BYTES = 4 << 20  # below this a batch is copied on the calling thread (bench/pool.py: threaded copy)
+MIN_BYTES_PER_THREAD = 1 << 20
+PIECE_BYTES = 4 << 20  # pieces of a long pair, so one big page splits across threads too
+WAIT_S = 60.0  # default bound of one batch's copies (copies at even 1 GB/s finish a 60 GB batch in that)
+
+_memmove = ctypes.memmove
+_lock = threading.Lock()
+_pool: cf.ThreadPoolExecutor | None = None
+_limit: int | None = None  # set_max_threads override
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def max_threads() -> int:
+    """Threads a batch may use: the cores this process may run on, at most MAX_THREADS (or ``set_max_threads``)."""
+    return _limit if _limit is not None else max(1, min(MAX_THREADS, _cores()))
+
+
+def set_max_threads(n: int | None) -> None:
+    """Cap the threads of every later batch (None: back to the cores); 1 turns threading off. For benchmarks and
+    tests; the pool itself is rebuilt on the next batch that needs more threads than it has."""
+    global _limit
+    if n is not None and (not isinstance(n, int) or n < 1 or n > 256):
+        raise InvalidArgument(COMPONENT, f"max threads must be an integer 1..256, got {n!r}")
+    _limit = n
+
+
+def threads_for(nbytes: int) -> int:
+    """Threads for a batch of ``nbytes``: 1 below SERIAL_BYTES, else up to ``max_threads()`` with at least
+    MIN_BYTES_PER_THREAD each."""
+    if nbytes < SERIAL_BYTES:
+        return 1
+    return max(1, min(max_threads(), nbytes // MIN_BYTES_PER_THREAD))
+
+
+def _executor(workers: int) -> cf.ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None or _pool._max_workers < workers:
+            old, _pool = _pool, cf.ThreadPoolExecutor(max_workers=max(workers, max_threads()),
+                                                       thread_name_prefix="umbp-copy")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def _after_fork() -> None:
+    global _pool
+    _pool = None  # the parent's threads are not in the child; its executor object must not be used
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def run_parallel(jobs: Sequence[Callable[[], Any]], deadline: float | None = None) -> list[Any]:
+    """Run ``jobs`` (the last one on the calling thread, the others on the pool) and return their results in
+    order. Blocks until all are done or ``deadline`` (``time.monotonic()``; default WAIT_S from now) passes; the
+    first exception raised by a job is re-raised here (after the others finished, so no job still writes into a
+    buffer the caller is about to reuse), a missed deadline raises ``DeadlineExceeded``."""
+    if not jobs:
+        return []
+    if len(jobs) == 1:
+        return [jobs[0]()]
+    deadline = time.monotonic() + WAIT_S if deadline is None else deadline
+    pool = _executor(len(jobs) - 1)
+    futures = [pool.submit(j) for j in jobs[:-1]]
+    first: BaseException | None = None
+    try:
+        last = jobs[-1]()
+    except BaseException as e:  # still wait for the others: they may write into the caller's buffers
+        first, last = e, None
+    done, not_done = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+    if not_done:
+        raise DeadlineExceeded(COMPONENT, f"{len(not_done)} of {len(jobs)} copy jobs still running at the deadline")
+    results = []
+    for f in futures:
+        e = f.exception()
+        if e is not None and first is None:
+            first = e
+        results.append(None if e is not None else f.result())
+    if first is not None:
+        raise first
+    results.append(last)
+    return results
+
+
+def _flat(x: Any, writable: bool, i: int) -> memoryview:
+    if type(x) is memoryview and x.format == "B" and x.ndim == 1 and x.c_contiguous:
+        return x
+    view = as_writable_view(x, "destination", i) if writable else as_bytes_view(x, "source", i)
+    if type(view) is not memoryview:  # a CUDA tensor (CudaOut): not host memory
+        view.release()
+        raise InvalidArgument(COMPONENT, f"pair {i}: CUDA tensors are not host memory (use the gather kernel)")
+    return view
+
+
+def _address(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
+
+
+def _memmove_all(pieces: list[tuple[int, int, int]]) -> int:
+    n = 0
+    for d, s, k in pieces:
+        _memmove(d, s, k)
+        n += k
+    return n
+
+
+def plan_pieces(pairs: Sequence[tuple[memoryview, memoryview]], workers: int) -> list[list[tuple[int, int, int]]]:
+    """Cut the pairs into (dst address, src address, length) pieces of at most PIECE_BYTES and deal them into
+    ``workers`` groups of about equal bytes, each group contiguous in batch order."""
+    total = sum(len(s) for _d, s in pairs)
+    piece = max(64 << 10, min(PIECE_BYTES, -(-total // (workers * 2))))
+    flat: list[tuple[int, int, int]] = []
+    for d, s in pairs:
+        n = len(s)
+        if n == 0:
+            continue
+        da, sa = _address(d), _address(s)
+        for off in range(0, n, piece):
+            flat.append((da + off, sa + off, min(piece, n - off)))
+    groups: list[list[tuple[int, int, int]]] = [[] for _ in range(workers)]
+    share, acc, g = total / workers, 0, 0
+    for p in flat:
+        while g < workers - 1 and acc >= share * (g + 1):
+            g += 1
+        groups[g].append(p)
+        acc += p[2]
+    return [grp for grp in groups if grp]
+
+
+def copy_pairs(pairs: Sequence[tuple[memoryview, memoryview]], deadline: float | None = None) -> int:
+    """Copy each ``(dst, src)`` pair (``dst[:len(src)] = src``); threads for batches of SERIAL_BYTES and more.
+    Returns the bytes copied. A dst shorter than its src, or read-only, raises ``InvalidArgument`` before any byte
+    moves."""
+    total = 0
+    pairs = [(_flat(d, True, i), _flat(s, False, i)) for i, (d, s) in enumerate(pairs)]
+    for i, (d, s) in enumerate(pairs):
+        if len(d) < len(s):
+            raise InvalidArgument(COMPONENT, f"pair {i}: destination of {len(d)} bytes for {len(s)} source bytes")
+        if d.readonly:
+            raise InvalidArgument(COMPONENT, f"pair {i}: destination is read-only")
+        total += len(s)
+    workers = threads_for(total)
+    if workers == 1:
+        for d, s in pairs:
+            n = len(s)
+            d[:n] = s
+        return total
+    groups = plan_pieces(pairs, workers)
+    # the closures hold the views (and so the memory) of their pieces until they are done
+    run_parallel([lambda g=g, keep=pairs: _memmove_all(g) for g in groups], deadline)
+    return total
