@@ -167,6 +167,55 @@ def memcpy_gbps(size: int, working_set: int, min_time: float) -> float:
     return best_rate(rounds) / 1e9
 
 
+def host_copy_rows(size: int, working_set: int, min_time: float, shm: dict) -> list[str]:
+    """Host copies of 64-page batches over a working set: the machine's own multi-threaded copy (as many plain
+    threads as ``umbp.copies`` may use, each ``np.copyto`` of its share: numpy releases the GIL) as the baseline
+    beside the single-thread memcpy, ``umbp.copies.copy_pairs`` of the same bytes, and the shm get/put figures
+    (``shm``: ``put_get``'s answer) against the multi-threaded baseline. Target (issue 16): copies >= 0.8x the
+    multi-threaded baseline for batches of 64 MiB and more."""
+    import concurrent.futures as cf
+
+    from umbp import copies
+
+    n = max(2 * BATCH, working_set // size)
+    src = np.random.randint(0, 255, n * size, dtype=np.uint8).reshape(n, size)
+    dsts = np.ones((BATCH, size), np.uint8)
+    threads = copies.max_threads()
+    pool = cf.ThreadPoolExecutor(threads)
+
+    def rate(copy_batch) -> float:
+        rounds, b = [], 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < min_time or b < 3:
+            base = (b * BATCH) % (n - BATCH + 1)
+            t = time.perf_counter()
+            copy_batch(src[base:base + BATCH])
+            rounds.append((t, time.perf_counter(), BATCH * size))
+            b += 1
+        return best_rate(rounds) / 1e9
+
+    def raw_threads(batch) -> None:  # the same bytes cut into equal flat shares, one per thread
+        s, d = batch.reshape(-1), dsts.reshape(-1)
+        step = -(-s.size // threads)
+        list(pool.map(lambda i: np.copyto(d[i:i + step], s[i:i + step]), range(0, s.size, step)))
+
+    def one_thread(batch) -> None:
+        np.copyto(dsts, batch)
+
+    def umbp_copies(batch) -> None:
+        copies.copy_pairs([(memoryview(d), memoryview(x)) for d, x in zip(dsts, batch)])
+
+    try:
+        single, multi, ours = rate(one_thread), rate(raw_threads), rate(umbp_copies)
+    finally:
+        pool.shutdown()
+    lb, mt = label(size), f"{threads}-thread copy {label(size)} GB/s"
+    return [row(f"memcpy 1 thread {lb} x{BATCH} (info)", single, "GB/s", mt, multi, None),
+            row(f"umbp.copies {lb} x{BATCH}", ours, "GB/s", mt, multi, 0.8 if size * BATCH >= 64 * MiB else None),
+            row(f"shm get {lb} x{BATCH} vs threads", shm["get"], "GB/s", mt, multi, None),
+            row(f"shm put {lb} x{shm['per_call']} vs threads", shm["put"], "GB/s", mt, multi, None)]
+
+
 def etcd_txn_puts_per_s(etcd_url: str, seconds: float, per_txn: int = 100, in_flight: int = ETCD_WRITER_INFLIGHT
                         ) -> float:
     """etcd's own rate: 100 puts (64-byte values, like a page record) per transaction, ``in_flight`` at once."""
@@ -349,6 +398,9 @@ def main() -> int:
                             f"{transport} get {lb} x{BATCH} GB/s", r["get"], 0.7))
                     out(row(f"{transport} put {lb} x{BATCH} (info)", r["put64"], "GB/s",
                             f"{transport} get {lb} x{BATCH} GB/s", r["get"], None))
+                    if transport == "shm":
+                        for line in host_copy_rows(size, ws, min_time, r):
+                            out(line)
         if "cold" in parts:
             raw = raw_tcp_gbps(total=raw_total)
             out(row(f"tcp cold get 4 MiB x{BATCH}", b.cold_get(sets=2 if args.quick else 3), "GB/s",

@@ -39,7 +39,7 @@ from umbp.errors import DeadlineExceeded, InvalidArgument
 
 COMPONENT = "copies"
 MAX_THREADS = 16
-SERIAL_BYTES = 4 << 20  # below this a batch is copied on the calling thread (bench/pool.py: threaded copy)
+SERIAL_BYTES = 8 << 20  # below this a batch is copied on the calling thread (bench/pool.py: threaded copy)
 MIN_BYTES_PER_THREAD = 1 << 20
 PIECE_BYTES = 4 << 20  # pieces of a long pair, so one big page splits across threads too
 WAIT_S = 60.0  # default bound of one batch's copies (copies at even 1 GB/s finish a 60 GB batch in that)
