@@ -227,6 +227,55 @@ def test_full_linker_refuses_bad_config(cluster):
     linker.close()
 
 
+@needs_linker
+def test_full_linker_worker_survives_unexpected_errors(cluster):
+    """An error other than UmbpError/OSError in the offload thread fails that one offload; the thread keeps serving
+    the next, and ``reset`` returns. A dead worker makes ``reset`` raise at once instead of blocking forever."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    from umbp import keys as umbp_keys
+    from umbp.errors import TransportError
+
+    page = 4
+    pool = device_pool("mha", tokens=32, page=page, layers=2)
+    linker = load_linker(cluster.metaserver_addr, pool, page)
+    keys = umbp_keys.chain_keys(list(range(2 * page)), page, extra_key="worker-errors")
+    fill(pool, [1, 2], page, seed=5)
+    real_store, calls = linker.storer.store, []
+
+    def store_failing_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: not an UmbpError")
+        return real_store(*a, **k)
+
+    linker.storer.store = store_failing_once
+    for p, k in zip([1, 2], keys):
+        assert linker.offload([PoolTransfer(PoolName.KV, device_indices=indices([p], page), keys=[k])])
+    deadline = time.monotonic() + 60
+    while linker.num_completed_offloads() < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # bounded poll of an observable count
+    assert linker.num_completed_offloads() == 2, linker.stats
+    assert [linker.pop_completed_offload() for _ in range(2)] == [False, True]
+    assert len(calls) == 2 and linker._offload_thread.is_alive()
+    assert linker.stats["worker_errors"] == 1 and linker.stats["offload_failures"] == 1
+    assert linker.stats["pages_offloaded"] == 1 and "RuntimeError: injected" in linker.last_worker_error
+    assert linker.client.get(linker.objects(keys[1:2])[0]) == page_bytes(pool, 2, page)
+    linker.reset()  # returns: nothing queued is left behind
+    # a worker that is gone (stopped here by its own marker) makes reset fail fast, naming the thread
+    linker.offload_queue.put(None)
+    linker._offload_thread.join(30)
+    assert not linker._offload_thread.is_alive()
+    assert linker.offload([PoolTransfer(PoolName.KV, device_indices=indices([1], page), keys=keys[:1])])
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="sglang linker: the offload thread is dead with 1 tasks queued"):
+        linker.reset()
+    print(f"reset with a dead offload thread raised after {time.monotonic() - t0:.3f}s")
+    linker.offload_queue.get_nowait()
+    linker.offload_queue.task_done()
+    linker.close()
+
+
 # ---- the GPU machine ---------------------------------------------------------------------------------------------
 
 @needs_linker

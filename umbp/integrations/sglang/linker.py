@@ -24,7 +24,9 @@ Contracts (SGLang's ``UnifiedCacheLinker``):
 - ``offload`` queues; results come back in order through ``num_completed_offloads`` / ``pop_completed_offload``.
 - MLA/DSA-style replicated KV is named without the TP rank (stored once); only TP rank 0 offloads it (the others
   report success at once, as SGLang's built-in linkers do). MHA KV is per rank.
-- ``reset`` quiesces both queues and forgets queued work; ``close`` also stops the threads and the client.
+- ``reset`` quiesces both queues and forgets queued work; ``close`` also stops the threads and the client. An
+  unexpected error in a worker thread fails that one task (counted in ``stats["worker_errors"]``, logged); the
+  thread keeps serving, and ``reset`` waits with a bound (a dead worker or a stalled queue raises, never hangs).
 
 Supported pools: SGLang's plain ``MHATokenToKVPool`` and ``MLATokenToKVPool`` (the FULL component). SWA tails are
 skipped by SGLang's wrapper (tombstoned, recomputed); Mamba, DSA indexer and DeepSeek-V4 pools are refused at
@@ -48,7 +50,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 import umbp
 from umbp.engine.layout import PagedKV
 from umbp.engine.loader import LayerwiseLoader
-from umbp.errors import ConfigError, InvalidArgument, UmbpError
+from umbp.errors import ConfigError, DeadlineExceeded, InvalidArgument, NotFound, TransportError, UmbpError
 from umbp.integrations.sglang.naming import ObjectNaming, dtype_name, namespace_for, parents_for
 
 logger = logging.getLogger(__name__)
@@ -132,7 +134,8 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         self.offload_queue: queue.Queue = queue.Queue()
         self.offload_results: queue.Queue = queue.Queue()
         self.stats = {"lookups": 0, "lookup_hit_pages": 0, "loads": 0, "pages_loaded": 0, "load_failures": 0,
-                      "offloads": 0, "pages_offloaded": 0, "offload_failures": 0}
+                      "offloads": 0, "pages_offloaded": 0, "offload_failures": 0, "worker_errors": 0}
+        self.last_worker_error: str | None = None
         self.last_load: dict = {}
         self._closed = False
         self._load_thread = threading.Thread(target=self._load_loop, name=f"umbp-linker-load-tp{self.tp_rank}",
@@ -217,7 +220,9 @@ class UmbpDirectLinker(UnifiedCacheLinker):
             try:
                 if task is None:
                     return
-                self._load_batch(*task)
+                self._load_batch(*task)  # reports every failure through the counter, raises nothing
+            except Exception as e:  # noqa: BLE001 - a bug in the bookkeeping must not kill the thread
+                self._worker_failed("load", e)
             finally:
                 self.load_queue.task_done()
 
@@ -233,8 +238,8 @@ class UmbpDirectLinker(UnifiedCacheLinker):
                     if group.event is not None:
                         group.event.synchronize()  # report a layer only once its device copies are done
                     if group.pages < len(keys):
-                        raise UmbpError(COMPONENT, f"only {group.pages} of {len(keys)} pages are in the pool "
-                                                   f"(evicted since lookup?)")
+                        raise NotFound(COMPONENT, f"only {group.pages} of {len(keys)} pages are in the pool "
+                                                  f"(evicted since lookup?)")
                     for layer in group.layers:
                         counter.complete(index, layer)
                     if first is None:
@@ -286,9 +291,19 @@ class UmbpDirectLinker(UnifiedCacheLinker):
                 except (UmbpError, OSError) as e:
                     self.stats["offload_failures"] += 1
                     logger.warning("%s: offload of %d pages failed: %s", COMPONENT, len(page_keys), e)
+                except Exception as e:  # noqa: BLE001 - any other error is one failed offload, not a dead thread
+                    self.stats["offload_failures"] += 1
+                    self._worker_failed("offload", e)
                 self.offload_results.put(ok)
             finally:
                 self.offload_queue.task_done()
+
+    def _worker_failed(self, what: str, e: BaseException) -> None:
+        """Record an unexpected error of a worker thread (kept alive: the next task is served)."""
+        self.stats["worker_errors"] += 1
+        self.last_worker_error = f"{what}: {type(e).__name__}: {e}"
+        logger.error("%s: unexpected error in the %s thread (it keeps serving): %s", COMPONENT, what,
+                     self.last_worker_error, exc_info=e)
 
     def num_completed_offloads(self) -> int:
         return self.offload_results.qsize()
@@ -298,10 +313,32 @@ class UmbpDirectLinker(UnifiedCacheLinker):
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
 
+    def _drain(self, q: queue.Queue, thread: threading.Thread, what: str) -> None:
+        """Wait until every task queued on ``q`` is done. Bounded: raises ``TransportError`` at once if the worker
+        thread is dead, and ``DeadlineExceeded`` if no task finishes within ``stall_s`` (one task is at most a few
+        client calls, each bounded by the client's deadline)."""
+        stall_s = 4 * float(self.client.config.timeout_s) + 10 if hasattr(self.client, "config") else 60.0
+        with q.all_tasks_done:
+            left = q.unfinished_tasks
+            progress_at = time.monotonic()
+            for _ in range(1 << 30):  # bounded by the stall deadline below
+                if not q.unfinished_tasks:
+                    return
+                if not thread.is_alive():
+                    raise TransportError(COMPONENT, f"the {what} thread is dead with {q.unfinished_tasks} tasks "
+                                                    f"queued (last error: {self.last_worker_error})")
+                if q.unfinished_tasks < left:
+                    left, progress_at = q.unfinished_tasks, time.monotonic()
+                if time.monotonic() - progress_at > stall_s:
+                    raise DeadlineExceeded(COMPONENT, f"no {what} task finished in {stall_s:.0f}s "
+                                                      f"({q.unfinished_tasks} queued)")
+                q.all_tasks_done.wait(0.5)
+
     def reset(self) -> None:
+        """Forget queued loads, wait for queued work to finish (bounded: see ``_drain``) and drop the results."""
         self.pending_loads.clear()
-        self.load_queue.join()
-        self.offload_queue.join()
+        self._drain(self.load_queue, self._load_thread, "load")
+        self._drain(self.offload_queue, self._offload_thread, "offload")
         while True:
             try:
                 self.offload_results.get_nowait()
@@ -316,8 +353,10 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         self._closed = True
         self.load_queue.put(None)
         self.offload_queue.put(None)
-        self._load_thread.join()
-        self._offload_thread.join()
+        for t in (self._load_thread, self._offload_thread):
+            t.join(10.0)  # each has drained its queue (reset): only the stop marker is left
+            if t.is_alive():
+                logger.error("%s: %s did not stop within 10 s", COMPONENT, t.name)
         self.loader.close()
         self.storer.close()
         self.client.close()
