@@ -64,7 +64,7 @@ import msgpack  # noqa: E402
 from metaserver import validate as v  # noqa: E402
 from metaserver.directory import NEW, Directory  # noqa: E402
 from metaserver.persist import EtcdStore  # noqa: E402
-from umbp.auth import Tokens, capability  # noqa: E402
+from umbp.auth import Tokens, capability, write_capability  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.keys import namespace  # noqa: E402
 
@@ -171,11 +171,13 @@ class ServicePath:
         items, _fx = self.d.alloc(ns, keys, sizes, parents, self.gen, now)
         self.gen += len(keys)
         tag, caps = self.tokens.tag, self.cap_keys
+        deadline_ms = int((time.time() + 10.0) * 1000)
         out = []
         for key, item in zip(keys, items):
             if item[0] == NEW:
                 _, node_id, off, plen, gen = item
-                item = (NEW, node_id, off, plen, gen, tag(ns, key), capability(caps.get(node_id), b"w", off, plen, gen))
+                item = (NEW, node_id, off, plen, gen, tag(ns, key),
+                        write_capability(caps.get(node_id), off, plen, gen, 1, deadline_ms))
             out.append(item)
         answer = msgpack.unpackb(msgpack.packb({"items": out}, use_bin_type=True), raw=False)
         news = [(k, it[4]) for k, it in zip(keys, answer["items"]) if it[0] == NEW]

@@ -25,9 +25,12 @@ class GenCounter:
         self.span = span
         self._ranges: deque[list[int]] = deque()  # [next, limit)
         self._refill: asyncio.Task | None = None
+        self.issued_below = 0  # every generation handed out so far is below this (write-capability quarantine)
 
     async def start(self) -> None:
         await self._reserve()
+        if self._ranges:
+            self.issued_below = max(self.issued_below, self._ranges[0][0])
 
     def _left(self) -> int:
         return sum(hi - lo for lo, hi in self._ranges)
@@ -43,6 +46,7 @@ class GenCounter:
             r = self._ranges[0]
             base = r[0]
             r[0] += n
+            self.issued_below = r[0]
         if self._left() < max(self.span // 2, n) and (self._refill is None or self._refill.done()):
             self._refill = asyncio.create_task(self._reserve())
         return base

@@ -21,7 +21,7 @@ DEAD_KEEP_S = 600.0
 class Node:
     __slots__ = ("node_id", "host", "port", "pid", "capacity", "arena_id", "arena_path", "boot_id", "hostname",
                  "transports", "lease_ttl", "rdma", "alive", "draining", "last_heartbeat", "lease_id", "dead_since",
-                 "conn", "refreshing", "provisional", "cap_key")
+                 "conn", "refreshing", "provisional", "cap_key", "cap_epoch")
 
     def __init__(self, desc: dict[str, Any], now: float):
         self.node_id: str = desc["node_id"]
@@ -34,6 +34,7 @@ class Node:
         self.provisional = False  # loaded from etcd at a takeover, not re-registered yet
         self.conn = None  # the connection it registered on: heartbeats come from it, a twin is refused while open
         self.cap_key: bytes | None = None  # capabilities for this node's arena (closed pools; umbp/auth.py)
+        self.cap_epoch = 0  # the write capabilities' epoch since this registration (the node refuses older ones)
         self.update(desc)
 
     def update(self, desc: dict[str, Any]) -> None:

@@ -55,7 +55,10 @@ becomes ``HMAC(cluster_secret, ns | key)`` (the *tag*), handed out by the metase
 fields does not pass a reader's check.
 
 What this does not cover: a process that can map an arena file (same host, file permissions) or holds a node's RDMA
-rkey can read and write that arena directly; the rkey and the arena path are only told to authenticated clients.
+rkey can read and write that arena directly, any slot, any time: capabilities bind TCP writes only, and one-sided
+RDMA never involves the node's CPU (memory windows per allocation would be the fix; not built). The rkey and the
+arena path are only told to authenticated clients; run RDMA on a network only trusted hosts reach. The quarantine
+and deadlines assume the metaserver's and nodes' clocks agree within ``CLOCK_SKEW_S`` (NTP does much better).
 Confidentiality on the wire needs TLS (``--tls-cert``/``--tls-key`` on servers, ``tls_ca`` on clients:
 transport/tcp.py). Costs: one HMAC-SHA256 per handshake step, about 1 µs per
 capability or tag.
@@ -79,6 +82,7 @@ _CAP = struct.Struct("<cQQQ")
 _WCAP = struct.Struct("<QQQ")  # offset, payload_len, gen
 _WCAP_HEAD = struct.Struct("<QQ")  # epoch, expires_ms: sent in the clear, covered by the MAC
 WRITE_CAP_SIZE = _WCAP_HEAD.size + 16
+CLOCK_SKEW_S = 2.0  # metaserver vs node clocks: extents freed young stay held this much past a deadline
 
 
 @dataclass(frozen=True)

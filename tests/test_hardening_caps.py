@@ -1,0 +1,158 @@
+"""Write capabilities die with their allocation (issue 15, finding 1; umbp/auth.py, metaserver/quarantine.py,
+``NodeServer.check_write``). A tenant allocates slots, keeps the WRITE capabilities and removes its keys; another
+tenant's pages later land in the same slots. The old capabilities must not write there, whatever header the attacker
+builds (it may read the victim's namespace, so it knows the victim's tags and generations). Also: a capability writes
+its slot once (a second write after the put is refused), and the freed slots are not handed to anybody until the
+capabilities' deadline has passed. Real etcd, metaserver and node; the attack goes over raw node sockets."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from transport import wire
+from transport.tcp import FramedSocket
+from umbp.client import Client
+from umbp.config import ClientConfig, resolve
+from umbp.errors import AuthError, PoolFull
+
+SECRET = "cluster-secret-0123456789"
+ATTACKER = "attacker-secret-0123456789"
+VICTIM = "victim-secret-0123456789"
+OPS = "ops-admin-secret-0123456789"
+TOKENS = f'''cluster_secret = "{SECRET}"
+[[tokens]]
+name = "attacker"
+secret = "{ATTACKER}"
+namespaces = {{ "attacker" = "rw", "victim" = "r" }}
+[[tokens]]
+name = "victim"
+secret = "{VICTIM}"
+namespaces = {{ "victim" = "rw" }}
+[[tokens]]
+name = "ops"
+secret = "{OPS}"
+admin = true
+'''
+PAGE = 60_000  # one 61,440-byte slot; a 1 MiB node holds 17, 16 stay under the high watermark
+SLOTS = 16
+CAP_TTL_S = 2.0  # the metaserver's write_cap_ttl_s here: held extents come back after it plus the clock skew
+
+
+@pytest.fixture
+def tiny(make_cluster, tmp_path, monkeypatch):
+    path = tmp_path / "tokens.toml"
+    path.write_text(TOKENS)
+    monkeypatch.setenv("UMBP_TOKEN", SECRET)
+    cluster = make_cluster(nodes=1, capacity="1MiB", lease_ttl=3,
+                           metaserver_flags={"tokens": str(path), "env": {"UMBP_WRITE_CAP_TTL_S": str(CAP_TTL_S)}},
+                           node_flags={"tokens": str(path)})
+    monkeypatch.delenv("UMBP_TOKEN")
+    return cluster
+
+
+def client(cluster, token, ns, **kw) -> Client:
+    cfg = resolve(ClientConfig, {"metaserver": cluster.metaserver_addrs, "namespace": ns, "token": token,
+                                 "timeout_s": 10.0, **kw}, env={})
+    return Client(config=cfg)
+
+
+def deadline() -> float:
+    return time.monotonic() + 5
+
+
+def node_addr(cluster) -> str:
+    with client(cluster, OPS, "victim") as c:
+        return c.admin(wire.Op.NODES)["nodes"][0]["addr"]
+
+
+def alloc(sock: FramedSocket, ns: str, keys: list[bytes]) -> list[tuple]:
+    items = sock.request(wire.Op.ALLOC, {"ns": ns, "keys": keys, "sizes": [PAGE] * len(keys)}, deadline()).meta
+    items = items["items"]
+    assert all(it[0] == wire.AllocState.NEW for it in items), items
+    return [tuple(it[1:]) for it in items]  # (node_id, offset, payload_len, gen, tag, capability)
+
+
+def write(sock: FramedSocket, off: int, gen: int, cap: bytes, tag: int, payload: bytes):
+    header = wire.pack_object_header(tag, gen, len(payload))
+    return sock.request(wire.Op.WRITE, [off, gen, cap], deadline(), data=[header, payload])
+
+
+def overlaps(a_off: int, b_off: int) -> bool:
+    size = wire.object_size(PAGE)
+    return a_off < b_off + size and b_off < a_off + size
+
+
+def test_kept_capabilities_cannot_forge_or_destroy_the_next_owners_pages(tiny):
+    meta = FramedSocket(tiny.metaserver_addr, "attacker", deadline(), ATTACKER)
+    keys = [f"a{i}".encode() for i in range(SLOTS)]
+    grants = alloc(meta, "attacker", keys)
+    assert len({g[1] for g in grants}) == SLOTS
+    # committed without writing (COMMIT does not read the slot), then removed: the capabilities are all it keeps
+    assert meta.request(wire.Op.COMMIT, {"ns": "attacker", "keys": keys, "gens": [g[3] for g in grants]},
+                        deadline()).meta["ok"] == [True] * SLOTS
+    assert meta.request(wire.Op.REMOVE, {"ns": "attacker", "keys": keys}, deadline()).meta["removed"] == [True] * SLOTS
+
+    victim_pages = [os.urandom(PAGE) for _ in range(SLOTS)]
+    vkeys = [f"v{i}" for i in range(SLOTS)]
+    with client(tiny, VICTIM, "victim", transport="tcp", checksum=True) as v:
+        # the removed slots are held until the capabilities' deadline: nobody else is given them before
+        with pytest.raises(PoolFull):
+            v.batch_put(vkeys, victim_pages)
+        t0 = time.monotonic()
+        for _ in range(200):  # the quarantine ends CAP_TTL_S + the 2 s skew margin after the remove
+            try:
+                assert v.batch_put(vkeys, victim_pages) == [True] * SLOTS
+                break
+            except PoolFull:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the freed slots never came back from quarantine")
+        print(f"\nfreed slots placeable again after {time.monotonic() - t0:.1f} s (write_cap_ttl_s {CAP_TTL_S})")
+
+    with client(tiny, ATTACKER, "attacker") as a:  # read rights on victim: tags and generations of its pages
+        locs = a.admin(wire.Op.LOOKUP, {"ns": "victim", "keys": [k.encode() for k in vkeys]})["locs"]
+    reused = [(g, loc) for g in grants for loc in locs if overlaps(g[1], loc[1])]
+    assert len({loc[1] for _, loc in reused}) >= SLOTS - 1  # the victim's pages sit in the attacker's old slots
+
+    node = FramedSocket(node_addr(tiny), "attacker node", deadline(), ATTACKER)
+    refused = 0
+    for g, loc in reused:
+        _, off, _, gen, tag, cap = g
+        forged = os.urandom(PAGE)
+        for hdr_tag, hdr_gen in ((loc[4], loc[3]), (tag, gen)):  # as the victim's page, or as its own
+            with pytest.raises(AuthError, match="expired capability|already holds generation"):
+                write(node, off, gen, cap, hdr_tag, forged) if hdr_gen == gen else \
+                    node.request(wire.Op.WRITE, [off, gen, cap], deadline(),
+                                 data=[wire.pack_object_header(hdr_tag, hdr_gen, PAGE), forged])
+            refused += 1
+    assert refused == 2 * len(reused)
+    node.close()
+    meta.close()
+    with client(tiny, VICTIM, "victim", transport="tcp", checksum=True) as v:
+        outs = [bytearray(PAGE) for _ in vkeys]
+        assert v.batch_get_into(vkeys, outs) == [PAGE] * SLOTS
+        assert outs == victim_pages  # every byte the victim's
+
+
+def test_a_capability_writes_its_slot_once(tiny):
+    meta = FramedSocket(tiny.metaserver_addr, "writer", deadline(), ATTACKER)
+    (node_id, off, plen, gen, tag, cap), = alloc(meta, "attacker", [b"once"])
+    node = FramedSocket(node_addr(tiny), "writer node", deadline(), ATTACKER)
+    page = os.urandom(PAGE)
+    write(node, off, gen, cap, tag, page)
+    assert meta.request(wire.Op.COMMIT, {"ns": "attacker", "keys": [b"once"], "gens": [gen]},
+                        deadline()).meta["ok"] == [True]
+    for _ in range(2):  # after the commit, the same capability cannot rewrite the page (nor retry the refusal)
+        with pytest.raises(AuthError, match=f"already holds generation {gen}"):
+            write(node, off, gen, cap, tag, os.urandom(PAGE))
+    # a WRITEV carrying it fails that object only, and the node keeps serving the connection
+    f = node.request(wire.Op.WRITEV, [[off, gen, cap, wire.OBJ_HEADER_SIZE + PAGE]], deadline(),
+                     data=[wire.pack_object_header(tag, gen, PAGE), os.urandom(PAGE)])
+    assert [e[0] for e in f.meta] == [0] and "already holds" in f.meta[0][2]
+    node.close()
+    meta.close()
+    with client(tiny, ATTACKER, "attacker", checksum=True) as a:
+        assert a.get("once") == page
