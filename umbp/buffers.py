@@ -4,8 +4,9 @@ Accepted: anything with the buffer protocol (bytes, bytearray, memoryview, mmap,
 tensors. They must be C-contiguous: a strided view would need a gather, and silently copying it would hide a
 slow path, so it is refused with a clear error. CPU torch tensors are viewed through ``tensor.view(torch.uint8)``
 (works for bfloat16 and float8, which numpy cannot represent). A CUDA tensor is not host memory: values are staged
-to the host with one copy, and outs are filled through a pinned host buffer and copied up (``CudaOut``); the
-zero-copy GPU path is the gather in ``umbp.engine.gather``.
+to the host through pooled pinned buffers (``stage_cuda``: asynchronous copies, one wait), and outs are either
+filled by the gather kernel straight from a same-host arena (``umbp.devcopy``) or through a pinned host buffer
+taken on first use and copied up (``CudaOut``).
 
 Pinned host buffers come from a per-process pool (``PINNED``, power-of-two size classes, at most
 ``PinnedPool.KEEP_BYTES`` kept): pinning memory costs a ``cudaHostAlloc`` (hundreds of microseconds to milliseconds),
@@ -121,14 +122,49 @@ class CudaOut:
             raise InvalidArgument("client", "CUDA out tensor is not contiguous")
         self.tensor = tensor
         self.nbytes = tensor.numel() * tensor.element_size()
-        self.host = PINNED.take(self.nbytes)
-        self.view = memoryview(self.host.numpy()).cast("B")[:self.nbytes]
+        self.host = None  # taken on first use of ``view``: outs the gather kernel fills never pin a buffer
+        self._view: memoryview | None = None
+
+    @property
+    def view(self) -> memoryview:
+        if self._view is None:
+            self.host = PINNED.take(self.nbytes)
+            self._view = memoryview(self.host.numpy()).cast("B")[:self.nbytes]
+        return self._view
 
     def release(self) -> None:
         host, self.host = self.host, None
+        self._view = None
         if host is not None:
-            self.view = None
             PINNED.give(host)
+
+
+def stage_cuda(values: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Copy the CUDA tensors among ``values`` down into pooled pinned buffers: every copy queued asynchronously,
+    one wait per device (pinned device-to-host copies run at the link's rate; ``.to("cpu")`` of each tensor would
+    be a pageable copy, a fraction of it). Returns (values with each CUDA tensor replaced by a host tensor of its
+    bytes, the pinned buffers to hand back to ``PINNED.give`` once the bytes are written)."""
+    import torch
+
+    out, taken, devices = list(values), [], set()
+    try:
+        for i, v in enumerate(values):
+            if _is_torch(v) and v.device.type != "cpu":
+                if not v.is_contiguous():
+                    raise InvalidArgument("client", f"CUDA value {i} is not contiguous")
+                n = v.numel() * v.element_size()
+                host = PINNED.take(n)
+                taken.append(host)
+                host[:n].copy_(v.reshape(-1).view(torch.uint8), non_blocking=True)
+                devices.add(v.device)
+                out[i] = host[:n]
+        for dev in devices:
+            torch.cuda.current_stream(dev).synchronize()
+    except BaseException:
+        for h in taken:
+            PINNED.give(h)
+        raise
+    return out, taken
 
 
 def flush_cuda(outs: list[tuple[CudaOut, int]]) -> None:
@@ -173,6 +209,8 @@ def new_bytes(n: int) -> tuple[bytes | bytearray, memoryview]:
 
 def as_writable_view(out: Any, what: str = "out", index: int | None = None) -> memoryview | CudaOut:
     """A writable flat byte view of ``out``, or a ``CudaOut`` for a CUDA tensor."""
+    if type(out) is CudaOut:  # already wrapped (test doubles wrap host tensors to stand for device ones)
+        return out
     if _is_torch(out):
         if out.device.type != "cpu":
             return CudaOut(out)

@@ -18,6 +18,9 @@ Contracts:
 - ``get_into``/``batch_get_into``: bytes written, or -1 for a miss. A page on a node that died is a miss. A slot
   whose header does not match the directory (stale, torn, corrupt) raises ``CorruptionError``; wrong bytes are never
   returned as data.
+- CUDA outs: pages on same-host nodes are read by the gather kernel straight from the mapped arena (``umbp.devcopy``,
+  arena registered once per client), others through pooled pinned buffers; CUDA values of puts are staged through
+  pooled pinned buffers (asynchronous copies, one wait).
 - ``batch_get_ranges_into``/``batch_put_ranges``: the same, for byte ranges of pages (a layer group of a page-first
   page) and for pages assembled from several buffers (one per layer). Still one LOOKUP (or ALLOC + COMMIT) per
   batch; every range read checks its object's header.
@@ -42,8 +45,9 @@ from transport import wire
 from transport.base import Pending, ReadOp, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
-from umbp.buffers import CudaOut, as_bytes_view, as_writable_view, flush_cuda, new_bytes
+from umbp.buffers import PINNED, CudaOut, as_bytes_view, as_writable_view, flush_cuda, new_bytes, stage_cuda
 from umbp.config import ClientConfig, resolve
+from umbp.devcopy import DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
@@ -79,6 +83,7 @@ class Client(PutPath):
         self._lock = threading.RLock()
         self._boot = boot_id()
         self._registered: list[memoryview] = []
+        self._device = DeviceCopier(self.component)  # CUDA outs on same-host pages: the gather kernel
         self.counters = {"puts": 0, "dedup": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0,
                          "bytes_mapped": 0, "node_failures": 0}
         self._closed = False
@@ -96,6 +101,7 @@ class Client(PutPath):
             if self._closed:
                 return
             self._closed = True
+            self._device.close()  # arena registrations go before the arenas are unmapped
             for t in self._transports.values():
                 t.close()
             self._transports.clear()
@@ -223,7 +229,20 @@ class Client(PutPath):
                   ) -> list[bool]:
         if len(keys) != len(values):
             raise InvalidArgument(self.component, f"batch_put: {len(keys)} keys but {len(values)} values")
-        return self._put(keys, [[as_bytes_view(v, "values", i)] for i, v in enumerate(values)], parents)
+        values, pinned = stage_cuda(values) if self._any_cuda(values) else (values, [])
+        try:
+            return self._put(keys, [[as_bytes_view(v, "values", i)] for i, v in enumerate(values)], parents)
+        finally:
+            for h in pinned:
+                PINNED.give(h)
+
+    @staticmethod
+    def _any_cuda(values: Sequence[Any]) -> bool:
+        for v in values:
+            dev = getattr(v, "device", None)
+            if dev is not None and getattr(dev, "type", "cpu") != "cpu":
+                return True
+        return False
 
     def batch_put_ranges(self, keys: Sequence[Any], parts: Sequence[Sequence[Any]],
                          parents: Sequence[Any] | None = None) -> list[bool]:
@@ -232,12 +251,19 @@ class Client(PutPath):
         ``batch_put``: True stored by this call, False already there."""
         if len(keys) != len(parts):
             raise InvalidArgument(self.component, f"batch_put_ranges: {len(keys)} keys but {len(parts)} part lists")
-        views = []
-        for i, ps in enumerate(parts):
-            if isinstance(ps, (bytes, bytearray, memoryview)) or not isinstance(ps, Sequence):
-                raise InvalidArgument(self.component, f"batch_put_ranges: parts[{i}] must be a list of buffers")
-            views.append([as_bytes_view(v, f"parts[{i}][{j}]") for j, v in enumerate(ps)])
-        return self._put(keys, views, parents)
+        views, pinned = [], []
+        try:
+            for i, ps in enumerate(parts):
+                if isinstance(ps, (bytes, bytearray, memoryview)) or not isinstance(ps, Sequence):
+                    raise InvalidArgument(self.component, f"batch_put_ranges: parts[{i}] must be a list of buffers")
+                if self._any_cuda(ps):
+                    ps, taken = stage_cuda(ps)
+                    pinned += taken
+                views.append([as_bytes_view(v, f"parts[{i}][{j}]") for j, v in enumerate(ps)])
+            return self._put(keys, views, parents)
+        finally:
+            for h in pinned:
+                PINNED.give(h)
 
     def put(self, key: Any, value: Any) -> bool:
         return self.batch_put([key], [value])[0]
@@ -259,12 +285,17 @@ class Client(PutPath):
                 reply = self._meta.call(wire.Op.LOOKUP, {"ns": ns, "keys": kb}, deadline)
                 lease, locs = reply.get("lease", 0), reply["locs"]
                 try:
-                    batches, index, fresh = self._read_ops(locs, segs)
+                    kernel = self._kernel_nodes(locs, deadline) if cuda else {}
+                    batches, index, fresh, kern = self._read_ops(locs, segs, kernel)
                     results = self._run(batches, "read", deadline) if batches else {}
+                    if kern:
+                        self._device.read([item for _i, item in kern])
                 finally:
                     if lease:
                         self._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, deadline)
             got = [0 if loc is not None else -1 for loc in locs]
+            for i, item in kern:
+                got[i] += item[-1]
             corrupt: Exception | None = None
             for node_id, res in results.items():
                 ops = batches[node_id]
@@ -290,7 +321,7 @@ class Client(PutPath):
                 for i, page_segs in enumerate(segs):
                     if got[i] >= 0:
                         for start, length, dest in page_segs:
-                            if type(dest) is CudaOut:
+                            if type(dest) is CudaOut and dest.host is not None:
                                 todo.append((dest, locs[i][2] if length < 0 else length))
                 flush_cuda(todo)  # every page's copy queued, one wait; the pinned buffers go back to the pool
         finally:
@@ -303,8 +334,30 @@ class Client(PutPath):
         counters["bytes_got"] += sum(got) + (len(kb) - hits)
         return got, fresh
 
-    def _read_ops(self, locs: list, segs: list | None) -> tuple[dict[str, list[ReadOp]], dict[str, list[int]], list]:
-        """The read ops of a LOOKUP answer, by node (and the page index of each op), checked against the outs."""
+    def _kernel_nodes(self, locs: list, deadline: float) -> dict[str, tuple[memoryview, int]]:
+        """The nodes of ``locs`` whose pages CUDA outs may take through the gather kernel: reachable over shm, arena
+        registered with CUDA (``DeviceCopier``); none without CUDA or CuPy, or with payload checksums on."""
+        dev = self._device
+        if self.config.checksum or not dev.usable():
+            return {}
+        out: dict[str, tuple[memoryview, int]] = {}
+        for node_id in {loc[0] for loc in locs if loc is not None}:
+            try:
+                t = self._transport_for(node_id, deadline)
+            except TransportError:
+                continue
+            arena = getattr(t, "arena", None) if t.name == "shm" else None
+            base = dev.arena_address(node_id, arena) if arena is not None else None
+            if base is not None:
+                out[node_id] = (arena, base)
+        return out
+
+    def _read_ops(self, locs: list, segs: list | None, kernel: dict | None = None
+                  ) -> tuple[dict[str, list[ReadOp]], dict[str, list[int]], list, list]:
+        """The read ops of a LOOKUP answer, by node (and the page index of each op), checked against the outs; CUDA
+        outs of pages on ``kernel`` nodes become ``(page index, DeviceCopier.read item)`` instead."""
+        kern: list = []
+        kernel = kernel or {}
         batches: dict[str, list[ReadOp]] = {}
         index: dict[str, list[int]] = {}
         fresh: list[Any] = [None] * len(locs)
@@ -325,6 +378,13 @@ class Client(PutPath):
             for j, (start, length, dest) in enumerate(segs[i]):
                 if length < 0:
                     start, length = 0, size
+                if type(dest) is CudaOut and node_id in kernel:
+                    if start + length > size or dest.nbytes < length:
+                        raise InvalidArgument(self.component, f"range {j} of key {i} ({start}+{length}) does not "
+                                                              f"fit the page's {size} bytes or the out's {dest.nbytes}")
+                    arena, base = kernel[node_id]
+                    kern.append((i, (arena, base, off, khash, gen, size, start, dest.tensor, length)))
+                    continue
                 view = dest.view if type(dest) is CudaOut else dest
                 if start + length > size:
                     raise InvalidArgument(self.component, f"range {j} of key {i} ({start}+{length}) lies "
@@ -334,7 +394,9 @@ class Client(PutPath):
                                                           f"but {length} are to be read")
                 ops.append(ReadOp(off, start, length, khash, gen, size, view, cap))
                 idx.append(i)
-        return batches, index, fresh
+        if kern:  # nodes whose every range went to the kernel have no transport work
+            batches = {n: ops for n, ops in batches.items() if ops}
+        return batches, index, fresh, kern
 
     def batch_get_into(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[int]:
         if len(outs) != len(keys):

@@ -1,0 +1,272 @@
+"""End-to-end engine benchmark: a real transformer's KV through the pool, writer and reader in separate processes.
+
+A Llama-architecture model with random weights (transformers' ``LlamaConfig`` + ``LlamaForCausalLM(config)``, seeded:
+no download) prefills a prompt in a *writer* process, which stores its KV in the pool as page-first pages (each page
+``[layers, K|V, kv_heads, page_tokens, head_dim]``) under SGLang-identical chained keys (``umbp.keys.chain_keys``).
+A *reader* process builds the same model, finds the prefix with ``prefix_hits``, loads it and decodes the last prompt
+token; its reference is its own recompute (prefill of the prefix, then the same decode step). Per path it checks the
+loaded KV bit for bit against the recompute's KV and the next-token logits for exact equality, and prints the load
+time, GB/s and TTFT (load + decode) against recompute (prefill + decode):
+
+- ``plain``: ``Client.batch_get_into`` into one buffer per page on the model's device (CUDA outs: the gather kernel
+  straight from the mapped arena on a same-host pool; CPU: the shm copy, threaded for big batches);
+- ``layerwise``: ``umbp.engine.LayerwiseLoader`` into a paged KV buffer (``PagedKV`` of per-layer K and V slots),
+  all groups, then the decode;
+- ``layerwise-overlap``: the same loader with ``--groups`` layer groups, the decode's layers running as their group
+  arrives is approximated by waiting group by group (TTFT printed from the last group's arrival);
+- the writer's ``batch_put`` of the pages (store GB/s).
+The SGLang HiCache backend path is not part of this bench yet (it needs SGLang's host pool objects).
+
+CPU mode (``--device cpu``, the default, tiny config) is what ``tests/test_engine_e2e.py`` runs in CI; on the GPU
+machine: ``python bench/engine_e2e.py --device cuda --preset h200`` (16 layers, 8 KV heads x 128, bf16, 16,384
+tokens, 64-token pages: 256 pages of 4 MiB). Prints one JSON line ``E2E {...}`` with every figure; exits 1 when a
+byte or logit check fails. Without ``--metaserver`` a pool (etcd, metaserver, one node) is started and stopped here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PRESETS = {
+    # name: (layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, prompt pages, page tokens, dtype)
+    "tiny": (2, 64, 4, 2, 16, 128, 128, 6, 16, "float32"),
+    "h200": (16, 2048, 16, 8, 128, 5632, 32000, 256, 64, "bfloat16"),
+}
+
+
+def build_model(preset: str, device: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, hidden, heads, kv_heads, head_dim, inter, vocab, _pages, _pt, dtype = PRESETS[preset]
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
+                      max_position_embeddings=1 << 16)
+    torch.manual_seed(1234)  # same weights in writer and reader
+    model = LlamaForCausalLM(cfg).to(dtype=getattr(torch, dtype), device=device).eval()
+    return model, cfg
+
+
+def prompt(preset: str):
+    import torch
+
+    _l, _h, _hd, _kv, _d, _i, vocab, pages, page_tokens, _dt = PRESETS[preset]
+    g = torch.Generator().manual_seed(99)
+    return torch.randint(0, vocab, (pages * page_tokens + 1,), generator=g).tolist(), page_tokens
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def kv_of(cache, layer: int):
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def prefill(model, ids, device: str):
+    """Prefill ``ids``; returns the cache (DynamicCache)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids], device=device), use_cache=True)
+    return out.past_key_values
+
+
+def decode(model, cache, token: int, device: str):
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+    return out.logits[0, -1].float().cpu()
+
+
+def pages_of(cache, layers: int, pages: int, page_tokens: int):
+    """The cache as page-first pages: ``[pages, layers, 2, kv_heads, page_tokens, head_dim]``."""
+    import torch
+
+    per_layer = []
+    for li in range(layers):
+        k, v = kv_of(cache, li)  # [1, H, S, D]
+        kv = torch.stack([k[0], v[0]])[:, :, :pages * page_tokens]  # [2, H, S, D]
+        h, d = kv.shape[1], kv.shape[3]
+        per_layer.append(kv.reshape(2, h, pages, page_tokens, d).permute(2, 0, 1, 3, 4))  # [P, 2, H, T, D]
+    return torch.stack(per_layer, dim=1).contiguous()
+
+
+def cache_from_layers(ks, vs):
+    """A DynamicCache from per-layer K and V ``[pages, H, T, D]`` (slot order = page order)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for li, (k, v) in enumerate(zip(ks, vs)):
+        p, h, t, d = k.shape
+        cache.update(k.permute(1, 0, 2, 3).reshape(1, h, p * t, d), v.permute(1, 0, 2, 3).reshape(1, h, p * t, d), li)
+    return cache
+
+
+def writer(ms: str, preset: str, device: str, q) -> None:
+    import umbp
+    from umbp.keys import chain_keys
+
+    model, cfg = build_model(preset, device)
+    ids, page_tokens = prompt(preset)
+    npages = (len(ids) - 1) // page_tokens
+    cache = prefill(model, ids[:-1], device)
+    pages = pages_of(cache, cfg.num_hidden_layers, npages, page_tokens)
+    keys = chain_keys(ids[:-1], page_tokens)
+    with umbp.Client(metaserver=ms, namespace=f"e2e-{preset}") as c:
+        sync(device)
+        t = time.perf_counter()
+        stored = c.batch_put(keys, [pages[p] for p in range(npages)])
+        put_s = time.perf_counter() - t
+    q.put({"writer": {"stored": sum(stored), "pages": npages, "put_s": put_s,
+                      "put_gbps": pages.numel() * pages.element_size() / put_s / 1e9}})
+
+
+def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> None:
+    import torch
+
+    import umbp
+    from umbp.engine.loader import LayerwiseLoader
+    from umbp.keys import chain_keys
+
+    model, cfg = build_model(preset, device)
+    ids, page_tokens = prompt(preset)
+    npages = (len(ids) - 1) // page_tokens
+    nl = cfg.num_hidden_layers
+    keys = chain_keys(ids[:-1], page_tokens)
+    res: dict = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", "preset": preset}
+
+    def best(fn):
+        times, last = [], None
+        for _ in range(iters):
+            sync(device)
+            t = time.perf_counter()
+            last = fn()
+            sync(device)
+            times.append(time.perf_counter() - t)
+        return min(times), last
+
+    decode(model, prefill(model, ids[:8], device), ids[8], device)  # warm-up (kernels, allocator)
+    rec_s, (ref_cache, ref_logits) = best(lambda: (lambda c: (c, decode(model, c, ids[-1], device)))(
+        prefill(model, ids[:-1], device)))
+    ref_pages = pages_of(ref_cache, nl, npages, page_tokens)  # pages_of copies: the decode appended a token
+    nbytes = ref_pages.numel() * ref_pages.element_size()
+    res["recompute_ttft_ms"] = rec_s * 1e3
+    res["kv_bytes"] = nbytes
+    ok = True
+    with umbp.Client(metaserver=ms, namespace=f"e2e-{preset}") as c:
+        res["prefix_hits"] = c.prefix_hits(keys)
+
+        # plain API: one out per page on the model's device
+        buf = torch.empty_like(ref_pages)
+        load_s, got = best(lambda: c.batch_get_into(keys, [buf[p] for p in range(npages)]))
+        same_kv = bool(torch.equal(buf.view(torch.uint8), ref_pages.view(torch.uint8)))
+        t = time.perf_counter()
+        logits = decode(model, cache_from_layers([buf[:, li, 0] for li in range(nl)],
+                                                 [buf[:, li, 1] for li in range(nl)]), ids[-1], device)
+        dec_s = time.perf_counter() - t
+        same_logits = bool(torch.equal(logits, ref_logits))
+        ok &= same_kv and same_logits and got == [nbytes // npages] * npages
+        res["plain"] = {"load_ms": load_s * 1e3, "gbps": nbytes / load_s / 1e9, "ttft_ms": (load_s + dec_s) * 1e3,
+                        "vs_recompute": rec_s / (load_s + dec_s), "kv_exact": same_kv, "logits_exact": same_logits,
+                        "transports": c.transport_names(), "kernel_launches": c._device.launches}
+        del buf
+
+        # layer-wise loader into a paged KV buffer: per layer (K slots, V slots) [pages, H, T, D]
+        shape = ref_pages[:, 0, 0].shape
+        dt = ref_pages.dtype
+        ks = [torch.empty(shape, dtype=dt, device=device) for _ in range(nl)]
+        vs = [torch.empty(shape, dtype=dt, device=device) for _ in range(nl)]
+        for name, gs in (("layerwise", nl), ("layerwise_groups", max(1, nl // groups))):
+            with LayerwiseLoader(c, list(zip(ks, vs)), group_size=gs) as loader:
+                first = []
+
+                def run():
+                    with loader.load(keys, list(range(npages))) as ld:
+                        t0 = time.perf_counter()
+                        for i, g in enumerate(ld):
+                            g.synchronize()
+                            if i == 0:
+                                first.append(time.perf_counter() - t0)
+                        return ld.wait_all()
+
+                load_s, loaded = best(run)
+            same_kv = all(torch.equal(ks[li].view(torch.uint8), ref_pages[:, li, 0].contiguous().view(torch.uint8))
+                          and torch.equal(vs[li].view(torch.uint8), ref_pages[:, li, 1].contiguous().view(torch.uint8))
+                          for li in range(nl))
+            t = time.perf_counter()
+            logits = decode(model, cache_from_layers(ks, vs), ids[-1], device)
+            dec_s = time.perf_counter() - t
+            same_logits = bool(torch.equal(logits, ref_logits))
+            ok &= same_kv and same_logits and loaded == npages
+            res[name] = {"group_size": gs, "load_ms": load_s * 1e3, "gbps": nbytes / load_s / 1e9,
+                         "first_group_ms": min(first) * 1e3, "ttft_ms": (load_s + dec_s) * 1e3,
+                         "vs_recompute": rec_s / (load_s + dec_s), "kv_exact": same_kv, "logits_exact": same_logits}
+    res["ok"] = bool(ok)
+    q.put({"reader": res})
+
+
+def run(ms: str, preset: str, device: str, groups: int, iters: int) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    out: dict = {}
+    for target, args in ((writer, (ms, preset, device, q)), (reader, (ms, preset, device, groups, iters, q))):
+        p = ctx.Process(target=target, args=args, daemon=True)
+        p.start()
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and p.is_alive() and q.empty():  # bounded wait for its answer
+            p.join(0.2)
+        if q.empty():
+            p.kill()
+            raise SystemExit(f"engine_e2e: {target.__name__} process ended without an answer "
+                             f"(exit code {p.exitcode})")
+        out.update(q.get())
+        p.join(30)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model size (cpu: tiny, cuda: h200)")
+    ap.add_argument("--groups", type=int, default=4, help="layer groups of the grouped layer-wise load")
+    ap.add_argument("--iters", type=int, default=3, help="runs per path (the best is printed)")
+    ap.add_argument("--metaserver", default=None, help="an existing pool (default: start one here)")
+    ap.add_argument("--capacity", default=None, help="node arena of the pool started here")
+    args = ap.parse_args()
+    preset = args.preset or ("tiny" if args.device == "cpu" else "h200")
+    if args.metaserver:
+        res = run(args.metaserver, preset, args.device, args.groups, args.iters)
+    else:
+        from umbp.launcher import LocalPool
+
+        cap = args.capacity or ("64MiB" if preset == "tiny" else "3GiB")
+        with LocalPool(nodes=1, capacity=cap, port=0, metrics=False) as pool:
+            res = run(pool.metaserver, preset, args.device, args.groups, args.iters)
+    print("E2E " + json.dumps(res), flush=True)
+    r = res["reader"]
+    print(f"recompute TTFT {r['recompute_ttft_ms']:.1f} ms, KV {r['kv_bytes'] / 2**20:.1f} MiB, "
+          f"store {res['writer']['put_gbps']:.2f} GB/s")
+    for name in ("plain", "layerwise", "layerwise_groups"):
+        x = r[name]
+        print(f"{name:<18} load {x['load_ms']:8.1f} ms {x['gbps']:7.2f} GB/s  TTFT {x['ttft_ms']:8.1f} ms "
+              f"({x['vs_recompute']:.1f}x recompute)  kv exact {x['kv_exact']}  logits exact {x['logits_exact']}")
+    return 0 if r["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
