@@ -108,7 +108,54 @@ def worker(rank: int, size: int, init_file: str, addr: str, transport: str) -> d
     return out
 
 
-def run_ranks(size: int, addr: str, transport: str, tmp_path: Path) -> list[dict]:
+def failing_worker(rank: int, size: int, init_file: str, addr: str, transport: str) -> dict:
+    """One TP rank of a replicated load in which rank 1's share raises at layer group 1 (a RuntimeError from its
+    ranged reads): every rank must raise at that step, none may wait in the collective."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    import umbp
+    from umbp.engine.loader import LayerwiseLoader
+    from umbp.engine.tp import TPGroup
+
+    # a rank left in a collective would wait this long: far beyond the test's bound
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=600))
+    out: dict = {"rank": rank}
+    with umbp.Client(addr, namespace=f"tpfail{size}", transport=transport) as c:
+        src = _kv(seed=11)
+        keys = _keys("fail")
+        TPGroup(c, src, replicated=True, group_size=2).store(keys, list(range(PAGES)))
+        dist.barrier()
+        if rank == 1:
+            real = LayerwiseLoader._fetch
+
+            def fetch(self, g, *a, **k):
+                if g == 1:
+                    raise RuntimeError("injected: rank 1 share fails at group 1")
+                return real(self, g, *a, **k)
+
+            LayerwiseLoader._fetch = fetch
+        tp = TPGroup(c, _kv(seed=None), replicated=True, group_size=2, use_mapped=False)
+        groups: list[int] = []
+        t0 = time.monotonic()
+        try:
+            with tp.load(keys, list(range(PAGES))) as load:
+                for g in load:
+                    groups.append(g.index)
+            out["error"] = None
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["raise_s"] = time.monotonic() - t0
+        out["groups"] = groups
+    dist.destroy_process_group()
+    return out
+
+
+def run_ranks(size: int, addr: str, transport: str, tmp_path: Path, fn: str = "worker",
+              timeout: float = 240) -> list[dict]:
     init = tmp_path / "dist-init"
     here = str(Path(__file__).resolve().parent)
     procs = []
@@ -116,8 +163,8 @@ def run_ranks(size: int, addr: str, transport: str, tmp_path: Path) -> list[dict
         code = textwrap.dedent(f"""
             import json, sys
             sys.path.insert(0, {here!r})
-            from test_engine_tp import worker
-            print("RESULT " + json.dumps(worker({rank}, {size}, {str(init)!r}, {addr!r}, {transport!r})))
+            from test_engine_tp import {fn}
+            print("RESULT " + json.dumps({fn}({rank}, {size}, {str(init)!r}, {addr!r}, {transport!r})))
         """)
         env = child_env({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
@@ -125,7 +172,7 @@ def run_ranks(size: int, addr: str, transport: str, tmp_path: Path) -> list[dict
     results = []
     for p in procs:
         try:
-            so, se = p.communicate(timeout=240)
+            so, se = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -162,6 +209,20 @@ def test_tp_split_load_and_exchange(cluster, tmp_path, size, transport):
         assert r["shard_counters"]["pool_to_host_bytes"] == total and r["shard_counters"]["exchange_bytes"] == 0
     print(f"\nTP N={size}: per-rank pool->host {[r['tp_counters']['pool_to_host_bytes'] for r in res]} B, "
           f"unsplit {total} B")
+
+
+def test_tp_failed_share_raises_on_every_rank(cluster, tmp_path):
+    """Rank 1's share raises at layer group 1: rank 1 raises its own error, ranks 0 and 2 raise TransportError at
+    the same step (each yielded group 0 only); every rank process exits well within the bound (none hangs)."""
+    res = run_ranks(3, cluster.metaserver_addr, "tcp", tmp_path, fn="failing_worker", timeout=120)
+    for r in res:
+        assert r["groups"] == [0], r
+        if r["rank"] == 1:
+            assert r["error"] == "RuntimeError: injected: rank 1 share fails at group 1", r
+        else:
+            assert r["error"].startswith(f"TransportError: engine tp: rank {r['rank']}: another rank of the TP "
+                                         f"group failed"), r
+    print(f"\nTP failure: every rank raised after {[round(r['raise_s'], 3) for r in res]} s")
 
 
 def test_tp_needs_torch_distributed():

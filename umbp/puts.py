@@ -4,9 +4,10 @@ and counters): ALLOC, write, COMMIT, in chunks pipelined on the metaserver conne
 A batch_put of more than one chunk (CHUNK_MAX_PAGES pages or about CHUNK_BYTES) has the next chunks' ALLOCs
 (ALLOC_AHEAD of them) and the previous chunks' COMMITs in flight while a chunk is written; the call returns only once
 every COMMIT is durable. Keys another writer holds PENDING (IN_FLIGHT) are asked again with a short backoff
-(IN_FLIGHT_WAIT_S) until they are READY (False: someone else stored them) or free (this call writes them); a commit
-that finds its allocation lost (a failover, an expiry) is written again once. Keys whose write failed are aborted,
-never committed. Bounded by the call's one deadline.
+(IN_FLIGHT_WAIT_S, slept without the client lock: other threads' calls on the client go on meanwhile) until they are
+READY (False: someone else stored them) or free (this call writes them); a commit that finds its allocation lost (a
+failover, an expiry) is written again once. Keys whose write failed are aborted, never committed. Bounded by the
+call's one deadline.
 """
 
 from __future__ import annotations
@@ -68,27 +69,29 @@ class PutPath:
         out = [False] * len(kb)
         with self._lock:
             deadline = self._deadline()
-            todo = list(range(len(kb)))
-            # A commit can come back not-ok when its allocation was lost (the metaserver leader died between ALLOC
-            # and COMMIT, or the allocation expired): the bytes were never visible, so allocate and write again,
-            # once, within the same deadline. Keys another writer holds PENDING (IN_FLIGHT) are asked again with
-            # a short backoff until they are READY (False: someone else stored them) or free (we write them), so
-            # a False from put always means the page is there.
-            relost = 0
-            for attempt in range(1 << 20):  # bounded by the deadline (IN_FLIGHT waits) and by relost < 2
+        todo = list(range(len(kb)))
+        # A commit can come back not-ok when its allocation was lost (the metaserver leader died between ALLOC and
+        # COMMIT, or the allocation expired): the bytes were never visible, so allocate and write again, once,
+        # within the same deadline. Keys another writer holds PENDING (IN_FLIGHT) are asked again with a short
+        # backoff until they are READY (False: someone else stored them) or free (we write them), so a False from
+        # put always means the page is there. Each attempt holds the client lock; the backoff does not, so other
+        # threads' gets and puts on this client go on while this one waits.
+        relost = 0
+        for attempt in range(1 << 20):  # bounded by the deadline (IN_FLIGHT waits) and by relost < 2
+            with self._lock:
                 stored, lost, full, err, waiting = self._put_once(kb, views, sizes, pb, todo, deadline)
-                for i in stored:
-                    out[i] = True
-                relost += bool(lost)
-                if err is not None or full or (not lost and not waiting) or relost > 1:
-                    break
-                if waiting:
-                    pause = IN_FLIGHT_WAIT_S[min(attempt, len(IN_FLIGHT_WAIT_S) - 1)]
-                    if time.monotonic() + pause >= deadline:
-                        raise DeadlineExceeded(self.component, f"batch_put: {len(waiting)} keys still being "
-                                                               f"written by another writer at the deadline")
-                    time.sleep(pause)
-                todo = lost + waiting
+            for i in stored:
+                out[i] = True
+            relost += bool(lost)
+            if err is not None or full or (not lost and not waiting) or relost > 1:
+                break
+            if waiting:
+                pause = IN_FLIGHT_WAIT_S[min(attempt, len(IN_FLIGHT_WAIT_S) - 1)]
+                if time.monotonic() + pause >= deadline:
+                    raise DeadlineExceeded(self.component, f"batch_put: {len(waiting)} keys still being "
+                                                           f"written by another writer at the deadline")
+                time.sleep(pause)  # not holding the client lock
+            todo = lost + waiting
         if err is not None:
             raise err
         if full:

@@ -17,12 +17,14 @@ stores and loads its own pages through a plain ``LayerwiseLoader``; nothing is e
 
 Contracts: every rank of the group calls ``store``/``load`` with the same keys in the same order and iterates every
 group of a replicated load (the exchange is collective; ``close()`` finishes the remaining groups so the ranks stay
-in step). Counters per rank (cumulative): ``pool_to_host_bytes``, ``host_to_device_bytes`` (the rank's own share
+in step). Failure is collective too: every ``next()`` starts with one small ``all_reduce`` in which each rank says
+whether its share failed, so when one rank's share raises, that rank raises its error and every other rank raises
+``TransportError`` at the same step; no rank is left waiting in a collective. Counters per rank (cumulative): ``pool_to_host_bytes``, ``host_to_device_bytes`` (the rank's own share
 moved into device memory; a CPU KV buffer counts as the device), ``exchange_bytes`` (received from peers),
 ``scatter_bytes`` (device-local copies into KV slots), pages stored/existing/loaded.
 
 Cost per replicated load group: one ranged-read batch of P/N pages, one all_gather of N x ceil(P/N) x group bytes,
-one tiny all_reduce, one index copy per layer part.
+one tiny all_reduce (prefix agreement and failure flag), one index copy per layer part.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 
 from umbp.engine.layout import PagedKV
 from umbp.engine.loader import LayerLoad, LayerwiseLoader, ReadyGroup
-from umbp.errors import InvalidArgument
+from umbp.errors import InvalidArgument, TransportError
 from umbp.keys import rank_key, split_for_ranks
 
 COMPONENT = "engine tp"
@@ -211,28 +213,42 @@ class TPLoad:
     def __iter__(self) -> "TPLoad":
         return self
 
-    def _agree(self, own_pages: int) -> int:
-        """The common prefix across ranks: MIN over ranks of the first page (global index) each one misses."""
+    def _agree(self, own_pages: int, failed: bool) -> tuple[int, bool]:
+        """One collective round: the common prefix across ranks (MIN over ranks of the first page, global index,
+        each one misses) and whether any rank failed. Every rank takes part in it on every ``next()``, the last
+        (StopIteration) and a failing one included, so a rank whose share raised never leaves the others waiting."""
         import torch
 
         first_miss = self._mine[own_pages] if own_pages < len(self._mine) else self._n
-        t = torch.tensor([first_miss], dtype=torch.int64, device=self._cdev)
+        t = torch.tensor([first_miss, -int(failed)], dtype=torch.int64, device=self._cdev)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._tp.group)
-        return int(t.item())
+        return int(t[0].item()), bool(t[1].item() < 0)
 
     def __next__(self) -> ReadyGroup:
         import torch
 
         if self._done:
             raise StopIteration
+        grp, err, ended = None, None, False
         try:
             grp = next(self._inner)
         except StopIteration:
+            ended = True
+        except Exception as e:  # this rank's share failed: tell the others before raising it
+            err = e
+        agreed, any_failed = self._agree(grp.pages if grp is not None else 0, err is not None)
+        if any_failed:
+            self._done = True  # the others raise too: no later round
+            if err is not None:
+                raise err
+            raise TransportError(COMPONENT, f"rank {self._tp.rank}: another rank of the TP group failed to load its "
+                                            f"share; the load is abandoned on every rank")
+        if ended:
             self._finish()
-            raise
+            raise StopIteration
         grp.wait()  # this stream waits for the copies of our share
         tp = self._tp
-        pages = min(self.pages, self._agree(grp.pages))
+        pages = min(self.pages, agreed)
         self.pages = pages
         goff, glen = tp.layout.group_range(grp.index)
         chunk = self._send[: self._rows, goff:goff + glen].contiguous()
