@@ -289,3 +289,36 @@ def test_device_read_detects_a_rewritten_slot(make_cluster):
         with pytest.raises(CorruptionError, match="rewritten during a device read"):
             c.batch_get_into(["torn/0"], [buffers.CudaOut(torch.zeros(10_000, dtype=torch.uint8))])
         assert kernel.launches == 1
+
+
+def test_gpu_plain_api_cuda_outs_and_values(make_cluster):
+    """On a GPU machine: CUDA values stored with batch_put and batch_put_ranges, read back into CUDA outs with
+    batch_get_into (the gather kernel from the mapped arena: launches counted) and batch_get_ranges_into, bytes
+    exact; over tcp the same outs are staged and equally exact."""
+    torch = pytest.importorskip("torch", reason="torch is not installed in this venv")
+    if not torch.cuda.is_available():
+        pytest.skip("NO CUDA on this machine: the GPU half of the plain-API CUDA path runs on the GPU machine")
+    from umbp.engine import gather
+
+    if not gather.cupy_available():
+        pytest.skip("NO CUPY on this machine: the gather kernel cannot run; the staged path is covered above")
+    cluster = make_cluster(nodes=1, capacity="256MiB")
+    n, size = 32, (1 << 20) + 4096
+    keys = [f"gpu-plain/{i}" for i in range(n)]
+    vals = [torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda") for _ in range(n)]
+    with cluster.client(transport="shm") as c, cluster.client(transport="tcp") as t:
+        assert c.batch_put(keys[:16], vals[:16]) == [True] * 16
+        halves = [[v[:size // 2], v[size // 2:]] for v in vals[16:]]
+        assert c.batch_put_ranges(keys[16:], halves) == [True] * 16
+        outs = [torch.zeros(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
+        assert c.batch_get_into(keys, outs) == [size] * n
+        assert c._device.launches == 1
+        assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+        parts = [[torch.zeros(4096, dtype=torch.uint8, device="cuda")] for _ in range(n)]
+        assert c.batch_get_ranges_into(keys, [[(size - 4096, 4096)]] * n, parts) == [4096] * n
+        assert c._device.launches == 2
+        assert all(torch.equal(p[0], v[-4096:]) for p, v in zip(parts, vals))
+        outs = [torch.zeros(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
+        assert t.batch_get_into(keys, outs) == [size] * n
+        assert t._device.launches == 0
+        assert all(torch.equal(o, v) for o, v in zip(outs, vals))
