@@ -20,8 +20,11 @@ peer stops reading is paused (reads stop) until its transport drains, which boun
 Security (umbp/auth.py): a closed metaserver answers everything but HELLO, AUTH and PING with AUTH until the
 connection authenticated; handlers check the connection's scope (namespace rights, admin, node). Requests carry no
 data, so a connection holds only its staging buffer (grown with the bytes that arrived); at most
-``max_connections`` connections, each closed after ``idle_timeout_s`` without a byte. A writer's connection that
-closes takes its still-PENDING allocations with it.
+``max_connections`` authenticated connections and, in a closed pool, at most ``preauth_connections`` still to
+authenticate, each of those closed ``auth_timeout_s`` after connecting unless it authenticated (umbp/admission.py);
+every connection is closed after ``idle_timeout_s`` without a byte. A connection turned away by a cap gets its first
+request answered with UNAVAILABLE naming the cap, then closes. A writer's connection that closes takes its
+still-PENDING allocations with it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from metaserver.service import LEADER_ONLY, Metaserver
 from metaserver.validate import Reject
 from transport import wire
 from transport.wire import Flag, Op, Status
+from umbp.admission import Admission
 from umbp.auth import ServerAuth
 from umbp.config import MetaserverConfig, split_host_port
 from umbp.errors import NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
@@ -44,6 +48,7 @@ from umbp.errors import NotLeader, ProtocolError, RemoteError, StartupError, Umb
 log = logging.getLogger("umbp.metaserver")
 
 MAX_REQUEST_DATA = 1 << 20  # requests carry no data; tolerate a little and discard it
+REFUSED_LINGER_S = 1.0  # a connection turned away by a cap waits this long for a request to answer, then closes
 
 
 def _op_name(op: int) -> str:
@@ -54,12 +59,16 @@ def _op_name(op: int) -> str:
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, ms: Metaserver, conns: set):
+    def __init__(self, ms: Metaserver, conns: set, admission: Admission):
         self.ms = ms
         self.conns = conns
+        self.admission = admission
+        self.refused = ""  # why a cap turned this connection away (its next request is answered with it)
+        self._timer: asyncio.TimerHandle | None = None  # the authentication deadline, or the refused linger
         self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA, buffer_data=0)
         self.auth = ServerAuth(ms.tokens, "metaserver")
         self.pending: set = set()  # directory entries this connection allocated (ALLOC) and has not committed
+        self.leases: set = set()  # read lease ids its LOOKUPs took (released on close: metaserver/ownership.py)
         self.last_active = time.monotonic()
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -70,15 +79,17 @@ class Connection(asyncio.BufferedProtocol):
     # -- asyncio callbacks -------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        if len(self.conns) >= self.ms.cfg.max_connections:
-            transport.write(wire.encode_error(0, 0, Status.UNAVAILABLE, f"metaserver: too many connections "
-                                                                        f"({self.ms.cfg.max_connections})"))
-            transport.close()
-            self.closed = True
-            return
-        self.conns.add(self)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        loop = asyncio.get_running_loop()
+        refused = self.admission.admit(self)
+        if refused:
+            self.refused = refused
+            self._timer = loop.call_later(REFUSED_LINGER_S, transport.close)
+            return
+        self.conns.add(self)
+        if self.admission.pending(self):
+            self._timer = loop.call_later(self.admission.auth_timeout_s, self._auth_expired)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -86,7 +97,10 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.conns.discard(self)
-        if self.pending:
+        self.admission.drop(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.pending or self.leases:
             n = self.ms.drop_pending(self)
             if n:
                 log.info("metaserver: %s closed with %d allocations pending: freed", self.peer, n)
@@ -101,10 +115,40 @@ class Connection(asyncio.BufferedProtocol):
         except ProtocolError as e:
             self._unframeable(e)
             return
+        if self.refused:
+            self._answer_refused(frames)
+            return
         for frame, err in frames:
             self.dispatch(frame, err)
         if self.reader.poisoned is not None:  # good frames answered first, then the bad header
             self._unframeable(self.reader.poisoned)
+
+    def _answer_refused(self, frames: list) -> None:
+        """A connection a cap turned away: its requests get UNAVAILABLE with the reason, then it closes."""
+        for frame, _err in frames:
+            if not frame.flags & (Flag.NO_REPLY | Flag.RESPONSE):
+                self.send(wire.encode_error(frame.op, frame.request_id, Status.UNAVAILABLE, self.refused))
+        if frames or self.reader.poisoned is not None:
+            self.transport.close()
+
+    def _auth_expired(self) -> None:
+        if self.admission.pending(self) and not self.closed:
+            log.info("metaserver: closing %s: not authenticated within %gs", self.peer, self.admission.auth_timeout_s)
+            self.send(wire.encode_error(0, 0, Status.AUTH, f"metaserver: not authenticated within "
+                                                           f"{self.admission.auth_timeout_s:g}s of connecting"))
+            self.transport.close()
+
+    def _authenticated(self, op: int, rid: int) -> bool:
+        """AUTH succeeded: move to the authenticated cap; False (answered and closing) when that cap is full."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        refused = self.admission.authenticated(self)
+        if refused:
+            self.send(wire.encode_error(op, rid, Status.UNAVAILABLE, refused))
+            self.transport.close()
+            return False
+        return True
 
     def _unframeable(self, e: ProtocolError) -> None:
         status = Status.TOO_LARGE if "exceeds the limit" in e.detail else Status.BAD_FRAME
@@ -154,6 +198,8 @@ class Connection(asyncio.BufferedProtocol):
         except Exception as e:  # noqa: BLE001 - every failure becomes an answer
             self._fail(op, rid, reply, e)
             ms.metrics.requests.since(op, t0)
+            return
+        if op == Op.AUTH and not self._authenticated(op, rid):
             return
         if type(res) is dict:
             ms.metrics.requests.since(op, t0)
@@ -237,6 +283,8 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         log.warning("metaserver: no --token: OPEN pool, anyone who reaches %s may read, write, evict and register "
                     "nodes", addr)
     conns: set[Connection] = set()
+    admission = Admission("metaserver", ms.tokens.closed, config.max_connections, config.preauth_connections,
+                          config.auth_timeout_s)
     server = None
     sweeper = asyncio.create_task(close_idle(conns, config.idle_timeout_s))
     endpoint = None
@@ -248,7 +296,7 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
                                             ms.metrics.healthy, ms.metrics.ready)
             print(f"metaserver: metrics on {endpoint.url}", flush=True)
         await ms.start()
-        server = await loop.create_server(lambda: Connection(ms, conns), sock=sock, backlog=1024)
+        server = await loop.create_server(lambda: Connection(ms, conns, admission), sock=sock, backlog=1024)
         print(f"metaserver: {addr}", flush=True)
         log.info("metaserver: serving on %s (etcd %s, prefix %s)", addr, ms.store.addr, config.etcd_prefix)
         if started is not None:

@@ -19,7 +19,7 @@ from transport import wire
 from transport.tcp import FramedSocket, TcpTransport
 from umbp.client import Client
 from umbp.config import ClientConfig, resolve
-from umbp.errors import AuthError
+from umbp.errors import AuthError, Unavailable
 
 SECRET = "cluster-secret-0123456789"
 TENANT_A = "tenant-a-secret-0123456789"
@@ -182,3 +182,120 @@ def test_metaserver_refuses_to_start_with_a_bad_tokens_file(tmp_path, body, matc
     assert re.search(r"umbp: metaserver: .*tokens.toml: " + match if "UTF-8" not in match else match, r.stderr), \
         r.stderr
     assert "metaserver: 127.0.0.1" not in r.stdout  # never served
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# connection caps before authentication
+
+AUTH_TIMEOUT_S = 3.0
+
+
+@pytest.fixture
+def closed(make_cluster, tmp_path, monkeypatch):
+    """One node and a metaserver sharing a tokens file, 64 connections each, 16 before authentication (the
+    defaults), 3 s to authenticate; the harness's own CLI calls use the cluster secret."""
+    path = tmp_path / "tokens.toml"
+    path.write_text(TOKENS)
+    monkeypatch.setenv("UMBP_TOKEN", SECRET)
+    env = {"UMBP_MAX_CONNECTIONS": "64", "UMBP_AUTH_TIMEOUT_S": str(AUTH_TIMEOUT_S)}
+    cluster = make_cluster(nodes=1, lease_ttl=3, metaserver_flags={"tokens": str(path), "env": env},
+                           node_flags={"tokens": str(path), "env": env})
+    monkeypatch.delenv("UMBP_TOKEN")
+    return cluster
+
+
+def ping(sock: socket.socket, rid: int) -> wire.Frame | None:
+    """One PING on a raw socket; the answer frame, or None when the server closed the connection."""
+    sock.sendall(wire.encode(wire.Op.PING, rid, {}))
+    reader = wire.FrameReader("attacker")
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        buf = reader.get_buffer()
+        try:
+            n = sock.recv_into(buf)
+        except (ConnectionResetError, BrokenPipeError):
+            return None
+        if not n:
+            return None
+        for frame, _err in reader.buffer_updated(n):
+            return frame
+    raise AssertionError("no answer to PING within 5 s")
+
+
+def flood(addr: str, n: int) -> tuple[list[socket.socket], list[tuple[int, wire.Frame | None]]]:
+    """Open ``n`` connections one after the other, each PINGing once: (sockets served, [(index, refusal)])."""
+    host, port = addr.rsplit(":", 1)
+    served, refused = [], []
+    for i in range(n):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        f = ping(s, 1)
+        if f is not None and f.status == wire.Status.OK:
+            served.append(s)
+        else:
+            refused.append((i, f))
+            s.close()
+    return served, refused
+
+
+def keep_pinging(socks: list[socket.socket], stop: threading.Event) -> list[int]:
+    """Ping every socket every 0.3 s until ``stop`` (bounded: 60 s); returns, per socket, the round it was closed
+    in (-1: never)."""
+    closed_at = [-1] * len(socks)
+    for rnd in range(200):
+        if stop.wait(0.3):
+            break
+        for i, s in enumerate(socks):
+            if closed_at[i] < 0:
+                try:
+                    f = ping(s, 2 + rnd)
+                except OSError:
+                    f = None
+                if f is None or f.status != wire.Status.OK:
+                    closed_at[i] = rnd
+    return closed_at
+
+
+@pytest.mark.parametrize("target", ["metaserver", "node"])
+def test_preauth_connections_cannot_fill_the_cap(closed, target):
+    """80 unauthenticated connections kept alive with PING held a cap of 64: a client with a token then failed with
+    'ProtocolError: answer for request 0'. Now 16 may wait to authenticate, the 17th is told which cap it met, the
+    16 are closed after the authentication deadline however much they ping, and clients with a token get in."""
+    page = os.urandom(300_000)
+    early = client(closed.metaserver_addr, TENANT_A, transport="tcp")
+    assert early.put("early", page) is True  # authenticated before the flood: its connections stay
+    with client(closed.metaserver_addr, OPS) as ops:
+        node_addr = ops.admin(wire.Op.NODES)["nodes"][0]["addr"]
+    addr = closed.metaserver_addr if target == "metaserver" else node_addr
+    component = "metaserver" if target == "metaserver" else "node node0"
+    t0 = time.monotonic()
+    served, refused = flood(addr, 80)
+    try:
+        assert len(served) == 16 and [i for i, _ in refused] == list(range(16, 80))
+        seventeenth = refused[0][1]
+        assert seventeenth is not None and seventeenth.status == wire.Status.UNAVAILABLE
+        assert seventeenth.request_id == 1  # the answer to its own request, not 'answer for request 0'
+        assert seventeenth.meta["error"].startswith(f"{component}: too many unauthenticated connections "
+                                                    f"(preauth_connections 16 reached")
+        # a blocking client meeting the cap gets that error as Unavailable, by name
+        with pytest.raises(Unavailable, match="too many unauthenticated connections"):
+            FramedSocket(addr, "client", time.monotonic() + 5, TENANT_A, hello=True)
+        stop = threading.Event()
+        result: list = []
+        pinger = threading.Thread(target=lambda: result.append(keep_pinging(served, stop)), daemon=True)
+        pinger.start()
+        # while they ping: the client connected before the flood works over its authenticated connections
+        assert early.get("early") == page
+        # the 16 are closed by the server AUTH_TIMEOUT_S after connecting, however much they ping
+        stop.wait(max(0.0, t0 + AUTH_TIMEOUT_S + 3 - time.monotonic()))
+        stop.set()
+        pinger.join(10)
+        closed_at = result[0]
+        assert all(r >= 0 for r in closed_at), closed_at  # every one of the 16 was closed within the deadline
+        # and a new client with a token gets in
+        with client(closed.metaserver_addr, TENANT_A, transport="tcp") as late:
+            assert late.put("late", page[::-1]) is True
+            assert late.get("late") == page[::-1] and late.get("early") == page
+    finally:
+        for s in served:
+            s.close()
+        early.close()

@@ -1,8 +1,10 @@
 """TCP: the blocking framed connection every client-side peer uses, and the TCP data transport to a node.
 
 ``FramedSocket`` is a blocking socket speaking ``transport.wire`` frames: ``send`` writes header, meta and data
-buffers with ``sendmsg`` (no joining of payloads), ``recv_frame`` reads header and meta into a reusable buffer and
-data straight into the caller's memory. One deadline covers a whole call; a timeout or a broken stream closes the
+buffers with ``sendmsg`` (no joining of payloads), header and meta are received into buffers the connection reuses
+(grown to the largest meta seen), page data straight into the caller's memory (``recv_scatter``); data received only
+to be dropped goes through a small fixed buffer (``discard``), so no allocation follows an announced length. A
+malformed answer closes the connection (its data would be left unread). One deadline covers a whole call; a timeout or a broken stream closes the
 socket (the next call reconnects), because a half-read frame cannot be resynchronised.
 
 ``TcpTransport`` sends a batch as READV/WRITEV frames (up to ``VEC_OPS`` objects each), all of them in one
@@ -27,6 +29,7 @@ from umbp.errors import CorruptionError, DeadlineExceeded, ProtocolError, Remote
 
 _IOV_MAX = 512
 _BIG_VIEW = 256 << 10  # recv_scatter: views this large are received on their own
+_DISCARD = memoryview(bytearray(64 << 10))  # scratch for data that is received only to be dropped (never read)
 
 
 def _advance(views: list, i: int, n: int) -> int:
@@ -41,6 +44,13 @@ def _advance(views: list, i: int, n: int) -> int:
             views[i] = views[i][n:]
             n = 0
     return i
+
+
+def connection_error(frame: wire.Frame, component: str) -> None:
+    """An error frame with request id 0 is the server's word on the whole connection (a cap turned it away, its
+    authentication deadline passed, the stream was unframeable): raise it as its RemoteError. Otherwise return."""
+    if frame.request_id == 0 and frame.status != wire.Status.OK and frame.flags & wire.Flag.RESPONSE:
+        wire.raise_for_status(frame, component)
 
 
 def _remaining(deadline: float, component: str) -> float:
@@ -75,6 +85,7 @@ class FramedSocket:
                 pass
         self._hdr = bytearray(wire.HEADER_SIZE)
         self._hdr_mv = memoryview(self._hdr)
+        self._meta = memoryview(bytearray(4096))  # meta of received frames (recv_meta), grown on demand
         self._next_id = 1
         self.closed = False
         if token is not None or hello:
@@ -192,13 +203,39 @@ class FramedSocket:
         except (OSError, TransportError) as e:
             raise self._fail(e, "receive from") from e
 
+    def recv_meta(self, meta_len: int) -> Any:
+        """Receive and decode ``meta_len`` bytes of meta into the reusable meta buffer (grown to the largest meta
+        seen). Malformed meta closes the connection (its data would be left unread) and raises ProtocolError."""
+        if not meta_len:
+            return None
+        if len(self._meta) < meta_len:
+            self._meta = memoryview(bytearray(max(meta_len, 2 * len(self._meta))))
+        mv = self._meta[:meta_len]
+        self.recv_into(mv)
+        try:
+            return wire.unpack_meta(mv, self.component)
+        except RemoteError as e:
+            self.close()
+            raise ProtocolError(self.component, f"unreadable answer from {self.addr}: {e.detail}") from e
+
+    def discard(self, n: int, deadline: float) -> None:
+        """Receive and drop ``n`` bytes (data of a refused answer) through a small fixed buffer: no memory follows
+        the announced length."""
+        try:
+            self.sock.settimeout(_remaining(deadline, self.component))
+            while n:
+                got = self.sock.recv_into(_DISCARD[:min(n, len(_DISCARD))])
+                if not got:
+                    raise TransportError(self.component, f"{self.addr} closed the connection")
+                n -= got
+        except (OSError, TransportError, DeadlineExceeded) as e:
+            raise self._fail(e, "receive from") from e
+
     def recv_frame(self, deadline: float) -> wire.Frame:
+        """One frame: meta decoded from the reusable buffer, data (if any) into a fresh buffer of its length (the
+        frames read this way, answers to control requests, carry none but small READ answers)."""
         op, flags, status, rid, meta_len, data_len = self.recv_header(deadline)
-        meta = None
-        if meta_len:
-            raw = bytearray(meta_len)
-            self.recv_into(memoryview(raw))
-            meta = wire.unpack_meta(raw, self.component)
+        meta = self.recv_meta(meta_len)
         data = None
         if data_len:
             data = memoryview(bytearray(data_len))
@@ -213,6 +250,7 @@ class FramedSocket:
         frame = self.recv_frame(deadline)
         if frame.request_id != rid:
             self.close()
+            connection_error(frame, self.component)
             raise ProtocolError(self.component, f"answer for request {frame.request_id}, expected {rid}")
         wire.raise_for_status(frame, self.component)
         return frame
@@ -326,21 +364,17 @@ class TcpTransport(Transport):
         """Header and meta of one READV/WRITEV answer: (data_len, failures by index). A whole-frame error (the
         request refused: not authenticated, malformed) fails every op of the frame with it."""
         op, flags, status, got_id, meta_len, data_len = conn.recv_header(deadline)
+        try:
+            meta = conn.recv_meta(meta_len)
+        except ProtocolError as e:
+            raise TransportError(self.component, str(e)) from e
         if got_id != rid:
             conn.close()
+            connection_error(wire.Frame(op, flags, status, got_id, meta, None, 0), self.component)
             raise TransportError(self.component, f"answer for request {got_id}, expected {rid}")
-        meta = None
-        if meta_len:
-            raw = bytearray(meta_len)
-            conn.recv_into(memoryview(raw))
-            try:
-                meta = wire.unpack_meta(raw, self.component)
-            except RemoteError as e:
-                conn.close()
-                raise TransportError(self.component, f"unreadable answer: {e}") from e
         if status != wire.Status.OK:
             if data_len:
-                conn.recv_into(memoryview(bytearray(data_len)))
+                conn.discard(data_len, deadline)
             try:
                 wire.raise_for_status(wire.Frame(op, flags, status, rid, meta, None, 0), self.component)
             except (RemoteError, CorruptionError) as e:
@@ -354,7 +388,7 @@ class TcpTransport(Transport):
     def _finish_writes(self, conn, rid, lo, hi, results, deadline) -> None:
         data_len, failures = self._answer(conn, rid, hi - lo, deadline)
         if data_len > 0:
-            conn.recv_into(memoryview(bytearray(data_len)))
+            conn.discard(data_len, deadline)
         for i, e in failures.items():
             results[lo + i] = e
 

@@ -58,8 +58,20 @@ def _addr_list(value: str | list[str] | tuple[str, ...], component: str) -> tupl
 def _check_limits(cfg, c: str) -> None:
     if cfg.max_connections < 1 or cfg.idle_timeout_s <= 0:
         raise ConfigError(c, "max_connections must be >= 1 and idle_timeout_s positive")
+    if cfg.preauth_connections < 1 or cfg.auth_timeout_s <= 0:
+        raise ConfigError(c, "preauth_connections must be >= 1 and auth_timeout_s positive")
+    _check_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, c, server=True)
     if cfg.token is not None and len(cfg.token) < 16:
         raise ConfigError(c, "token must be at least 16 characters")
+
+
+def _check_tls(cert: str, key: str, ca: str, c: str, server: bool) -> None:
+    """Files exist (read by ``ssl`` later; a missing one is named here). A server needs cert and key together."""
+    if server and bool(cert) != bool(key):
+        raise ConfigError(c, "tls_cert and tls_key go together (--tls-cert and --tls-key)")
+    for what, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
+        if path and not os.path.isfile(path):
+            raise ConfigError(c, f"{what}: no such file {path!r}")
 
 
 @dataclass(frozen=True)
@@ -78,8 +90,13 @@ class MetaserverConfig:
     max_batch_keys: int = 100_000
     token: str | None = None  # the cluster secret (umbp/auth.py); None and no tokens_file: the pool runs open
     tokens_file: str = ""  # TOML of scoped tokens plus the cluster secret
-    max_connections: int = 4096  # more are closed at once, with an UNAVAILABLE answer
+    max_connections: int = 4096  # authenticated connections (open pool: all); more get an UNAVAILABLE answer
     idle_timeout_s: float = 600.0  # a connection that sends nothing for this long is closed
+    preauth_connections: int = 16  # closed pool: connections not yet authenticated; more get UNAVAILABLE
+    auth_timeout_s: float = 5.0  # closed pool: a connection not authenticated by then is closed (PING or not)
+    tls_cert: str = ""  # PEM certificate chain: serve TLS on the TCP port (with tls_key)
+    tls_key: str = ""
+    tls_ca: str = ""  # PEM CA bundle: verify the metaserver's certificate (node registration link)
     metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
 
     def __post_init__(self) -> None:
@@ -115,6 +132,11 @@ class NodeConfig:
     tokens_file: str = ""  # scoped tokens clients may present (the same file as the metaservers')
     max_connections: int = 4096
     idle_timeout_s: float = 600.0
+    preauth_connections: int = 16
+    auth_timeout_s: float = 5.0
+    tls_cert: str = ""  # PEM: serve TLS on the data port (with tls_key); clients then need tls_ca
+    tls_key: str = ""
+    tls_ca: str = ""  # PEM CA bundle: the metaserver's certificate is checked against it (registration link)
     metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
 
     def __post_init__(self) -> None:
@@ -144,6 +166,7 @@ class ClientConfig:
     timeout_s: float = 30.0  # one deadline per call, shared by its retries
     checksum: bool = False  # crc32 every payload on put and verify on get
     staging_bytes: int = 64 << 20  # registered staging area for unregistered buffers (RDMA)
+    tls_ca: str = ""  # PEM CA bundle: speak TLS to the metaserver and to nodes over TCP, verifying them against it
 
     def __post_init__(self) -> None:
         c = "client"
@@ -156,6 +179,7 @@ class ClientConfig:
             raise ConfigError(c, "namespace must be 1..128 bytes")
         if self.timeout_s <= 0:
             raise ConfigError(c, "timeout_s must be positive")
+        _check_tls("", "", self.tls_ca, c, server=False)
 
 
 _SECTIONS = {MetaserverConfig: "metaserver", NodeConfig: "node", ClientConfig: "client"}

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.tcp import FramedSocket, connection_error
 from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, TransportError, Unavailable
 
 _RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
@@ -143,6 +143,7 @@ class MetaClient:
                 return got
             if got.request_id not in self._waiting:
                 conn.close()
+                connection_error(got, conn.component)
                 raise ProtocolError(conn.component, f"answer for request {got.request_id}, expected {rid}")
             if self._waiting[got.request_id] is not None:
                 self._inbox[got.request_id] = got

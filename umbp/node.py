@@ -20,7 +20,9 @@ registers with the metaserver using the cluster secret, and serves a WRITE or RE
 metaserver granted for exactly that object (offset, length, generation), so a client writes only the slots it was
 allocated and reads only what it looked up. Per connection: memory follows the bytes that arrived (a WRITE lands in
 the arena once its capability checks out; refused data is discarded by counting), at most ``max_connections``
-connections, and a connection idle for ``idle_timeout_s`` is closed.
+authenticated connections plus, in a closed pool, ``preauth_connections`` still to authenticate (each closed
+``auth_timeout_s`` after connecting unless it did: umbp/admission.py; one turned away gets its first request
+answered with UNAVAILABLE naming the cap), and a connection idle for ``idle_timeout_s`` is closed.
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ from typing import Any
 
 from transport import wire
 from transport.shm import boot_id
+from umbp.admission import Admission
 from umbp.arena import Arena
 from umbp.auth import ClientAuth, ServerAuth, Tokens, check_capability
 from umbp.config import NodeConfig, split_host_port
 from umbp.errors import (BadRequest, CorruptionError, NotFound, NotLeader, ProtocolError, RemoteError, StartupError,
                          UmbpError)
+from umbp.errors import Unavailable
 
 _WRITE_HIGH_WATER = 64 << 20
+REFUSED_LINGER_S = 1.0  # a connection turned away by a cap waits this long for a request to answer, then closes
 
 
 class NodeServer:
@@ -63,6 +68,8 @@ class NodeServer:
         self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
         self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
         self.conns: set[DataProtocol] = set()
+        self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
+                                   config.preauth_connections, config.auth_timeout_s)
         self.data_start = wire.ARENA_DATA_START
         self.data_end = self.arena.size
         self.boot_id = boot_id()
@@ -177,6 +184,8 @@ class DataProtocol(asyncio.BufferedProtocol):
         self.last_active = 0.0
         self.vec_failures: list = []  # the WRITEV whose data is arriving: its refused objects
         self._out: list = []  # answers not yet handed to the transport
+        self.refused = ""  # why a cap turned this connection away (its next request is answered with it)
+        self._timer: asyncio.TimerHandle | None = None  # the authentication deadline, or the refused linger
 
     def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
         self.auth.require()  # no byte of an unauthenticated peer reaches the arena
@@ -187,6 +196,9 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc):
         self.node.conns.discard(self)
+        self.node.admission.drop(self)
+        if self._timer is not None:
+            self._timer.cancel()
         for ep in self.rdma_eps:
             ep.close()
         self.rdma_eps.clear()
@@ -194,13 +206,15 @@ class DataProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport):
         self.transport = transport
         self.last_active = time.monotonic()
-        if len(self.node.conns) >= self.node.config.max_connections:
-            transport.write(wire.encode_error(0, 0, wire.Status.UNAVAILABLE,
-                                              f"{self.node.component}: too many connections "
-                                              f"({self.node.config.max_connections})"))
-            transport.close()
+        loop = asyncio.get_running_loop()
+        admission = self.node.admission
+        self.refused = admission.admit(self) or ""
+        if self.refused:
+            self._timer = loop.call_later(REFUSED_LINGER_S, transport.close)
             return
         self.node.conns.add(self)
+        if admission.pending(self):
+            self._timer = loop.call_later(admission.auth_timeout_s, self._auth_expired)
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -220,6 +234,9 @@ class DataProtocol(asyncio.BufferedProtocol):
         except ProtocolError as e:
             self._unframeable(e)
             return
+        if self.refused:
+            self._answer_refused(frames)
+            return
         for frame, err in frames:
             self.handle(frame, err)
         if self._out:
@@ -227,6 +244,30 @@ class DataProtocol(asyncio.BufferedProtocol):
             self.transport.writelines(out)
         if self.reader.poisoned is not None:  # good frames answered first, then the bad header
             self._unframeable(self.reader.poisoned)
+
+    def _answer_refused(self, frames: list) -> None:
+        """A connection a cap turned away: its requests get UNAVAILABLE with the reason, then it closes."""
+        self.transport.writelines([wire.encode_error(f.op, f.request_id, wire.Status.UNAVAILABLE, self.refused)
+                                   for f, _err in frames if not f.flags & (wire.Flag.NO_REPLY | wire.Flag.RESPONSE)])
+        if frames or self.reader.poisoned is not None:
+            self.transport.close()
+
+    def _auth_expired(self) -> None:
+        if self.node.admission.pending(self) and not self.transport.is_closing():
+            self.transport.write(wire.encode_error(0, 0, wire.Status.AUTH, f"{self.node.component}: not "
+                                                   f"authenticated within {self.node.admission.auth_timeout_s:g}s of "
+                                                   f"connecting"))
+            self.transport.close()
+
+    def _authenticated(self) -> None:
+        """AUTH succeeded: move to the authenticated cap; Unavailable (answered, then closed) when it is full."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        refused = self.node.admission.authenticated(self)
+        if refused:
+            asyncio.get_running_loop().call_soon(self.transport.close)  # after buffer_updated writes the answer
+            raise Unavailable(self.node.component, refused.split(": ", 1)[1], wire.Status.UNAVAILABLE)
 
     def _unframeable(self, e: ProtocolError) -> None:
         self.node.stats["errors"] += 1
@@ -280,6 +321,7 @@ class DataProtocol(asyncio.BufferedProtocol):
                 reply = self.auth.hello(frame.meta, "node", wire.VERSION)
             elif op == wire.Op.AUTH:
                 reply = self.auth.auth(frame.meta)
+                self._authenticated()
             elif op == wire.Op.PING:
                 reply = {"server": "node", "version": wire.VERSION}
             elif op == wire.Op.RDMA_CONNECT:
