@@ -60,7 +60,7 @@ def page_key(parent: str, token_ids: Sequence) -> str:
     h = hashlib.sha256(bytes.fromhex(parent) if parent else b"")
     ids = _flat_ids(token_ids)
     if any(t < 0 for t in ids):
-        raise ValueError("keys: token ids must be non-negative")
+        raise InvalidArgument("keys", "token ids must be non-negative")
     if ids and max(ids) > _U32_MAX:
         h.update(b"\xff")
         h.update(struct.pack(f"<{len(ids)}Q", *ids))
@@ -75,7 +75,7 @@ def chain_keys(token_ids: Sequence, page_size: int, parent: str = "", *, extra_k
     ``parent`` (the key of the page before ``token_ids[0]``), or, when that is empty, on SGLang's namespace seed of
     ``extra_key``/``cache_salt``. A trailing partial page has no key."""
     if page_size <= 0:
-        raise ValueError(f"keys: page_size must be positive, got {page_size}")
+        raise InvalidArgument("keys", f"page_size must be positive, got {page_size}")
     if not parent:
         parent = storage_namespace_seed(extra_key, cache_salt)
     keys = []

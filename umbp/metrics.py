@@ -20,8 +20,8 @@ where requests finish (``RequestMetrics``: one dict probe and one ``observe``, a
 Costs: a metaserver scrape is O(nodes) plus the histograms (a few hundred series: a millisecond or two); nothing
 here walks the directory.
 
-A shared leaf like ``umbp.config``: it imports ``prometheus_client`` and ``umbp.errors`` only, so the metaserver may
-use it. The metaserver's collector lives in ``metaserver/metrics.py``; the node's is below (``NodeCollector``).
+A shared leaf like ``umbp.config``: it imports ``prometheus_client``, ``umbp.errors`` and (inside ``MetricsServer``,
+to parse its listen address) ``umbp.config``, both leaves themselves, so the metaserver may use it. The metaserver's collector lives in ``metaserver/metrics.py``; the node's is below (``NodeCollector``).
 """
 
 from __future__ import annotations

@@ -25,9 +25,11 @@ it, or the router's own approximation of it).
   the cheapest rank wins. So the rank holding the prefix wins unless its backlog outweighs what it saves.
 
 Contract of ``route``: returns an index in ``range(n)`` and counts the request in flight there until
-``on_finish(id)``; routing the same id twice before it finishes raises ``ConfigError``. Cost: round-robin,
-least-loaded O(n); affinity O(log(n * vnodes) + n); cache-aware O(n * matched pages) plus one pool round trip
-per distinct HBM match length.
+``on_finish(id)``; routing the same id twice before it finishes raises ``InvalidArgument`` (``ConfigError`` is
+for a router's settings, at construction). Cost: round-robin, least-loaded O(n); affinity O(log(n * vnodes)) to
+find the session's point plus a clockwise walk of at most one lap, n * vnodes points (a handful while loads are
+even: the first rank under its bound wins); cache-aware O(n * matched pages) plus one pool round trip per distinct
+HBM match length.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from umbp.errors import ConfigError
+from umbp.errors import ConfigError, InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,10 @@ class Router:
 
     def route(self, req: RouteRequest, ranks: Sequence[RankView] = ()) -> int:
         if req.id in self._routed:
-            raise ConfigError("routing", f"request {req.id!r} routed twice before finishing")
+            raise InvalidArgument("routing", f"request {req.id!r} routed twice before finishing")
         r = self._choose(req, ranks)
         if not 0 <= r < self.n:
-            raise ConfigError("routing", f"{self.name} chose rank {r} of {self.n}")
+            raise InvalidArgument("routing", f"{self.name} chose rank {r} of {self.n}")
         self.inflight[r] += 1
         self.inflight_tokens[r] += req.prompt_tokens
         self._routed[req.id] = (r, req.prompt_tokens)
@@ -128,11 +130,6 @@ class SessionAffinity(Router):
         self._points = [p for p, _ in ring]
         self._owners = [r for _, r in ring]
 
-    def home(self, session: str) -> int:
-        """The rank a session maps to when no rank is over its bound."""
-        i = bisect.bisect(self._points, _h64(session)) % len(self._points)
-        return self._owners[i]
-
     def bound(self) -> int:
         return math.ceil(self.load_factor * (sum(self.inflight) + 1) / self.n)
 
@@ -178,7 +175,8 @@ class CacheAware(Router):
     def estimates(self, req: RouteRequest, ranks: Sequence[RankView]) -> list[tuple[float, int, int]]:
         """Per rank: (estimated seconds until its prefill of ``req`` ends, HBM pages, pool pages)."""
         if len(ranks) != self.n:
-            raise ConfigError("routing", f"cache-aware needs a view of each of the {self.n} ranks, got {len(ranks)}")
+            raise InvalidArgument("routing", f"cache-aware needs a view of each of the {self.n} ranks, "
+                                             f"got {len(ranks)}")
         cap = req.cacheable_pages
         keys = req.keys[:cap]
         pool_after: dict[int, int] = {}

@@ -1,5 +1,7 @@
 """Chained page keys: prefix sharing, partial pages, rank naming and split."""
 
+import pytest
+
 from umbp import keys
 
 
@@ -52,3 +54,12 @@ def test_keys_match_sglang_vectors():
     assert keys.chain_keys([5, 2**33, 9, 10], 2) == [
         "a906f94ecc3445d17f46e328299e9efc07e9a7750d074c5808e2b8624062e2f5",
         "3a0ec5d4a66ab332883e4630c0ab13e1d814ac60a8ed46be591b1beb39bf2d78"]
+
+
+def test_bad_token_ids_and_page_size_raise_invalid_argument():
+    from umbp.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="^keys: token ids must be non-negative$"):
+        keys.page_key("", [1, -2, 3])
+    with pytest.raises(InvalidArgument, match="^keys: page_size must be positive, got 0$"):
+        keys.chain_keys([1, 2, 3], 0)

@@ -7,7 +7,10 @@
 - ``tp``: tensor-parallel groups: replicated (MLA) KV stored once, loaded 1/N per rank and exchanged through
   ``torch.distributed``; sharded (MHA) KV per rank.
 
-Layering: these import ``umbp.client``'s public API and ``umbp.keys``; nothing below imports them.
+Layering: they never import ``umbp.client``: the loader and the TP group take a client by duck typing and call only
+its public methods (``batch_get_ranges_into``, ``batch_put_ranges``, ``batch_exists``, ``mapped``,
+``local_arenas``), so a test double serves as well; they import ``umbp.keys`` and ``umbp.errors``. Nothing below
+imports them.
 """
 
 from umbp.engine.layout import PagedKV, PageLayout

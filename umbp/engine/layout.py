@@ -70,9 +70,6 @@ class PageLayout:
     def num_groups(self) -> int:
         return -(-self.num_layers // self.group_size)
 
-    def layer_offset(self, layer: int) -> int:
-        return self._offsets[layer]  # type: ignore[attr-defined]
-
     def layer_range(self, layer: int) -> tuple[int, int]:
         """``(offset, length)`` of one layer within the page payload."""
         if not 0 <= layer < self.num_layers:

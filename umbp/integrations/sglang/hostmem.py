@@ -70,13 +70,6 @@ def view_at(ptr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
 
 
-def tensor_at(ptr: int, size: int):
-    """A uint8 CPU tensor over ``size`` bytes at ``ptr`` (for reading with torch, e.g. in tests)."""
-    import torch
-
-    return torch.frombuffer(view_at(ptr, size), dtype=torch.uint8)
-
-
 def object_parts(ptrs: Sequence[int], sizes: Sequence[int] | int, n_pages: int, n_objects: int,
                  extents: Extents | None) -> list[list[memoryview]]:
     """Group the meta of ``n_pages`` pages into ``n_pages * n_objects`` objects (page-major), each a list of views
