@@ -337,106 +337,26 @@ class Replay:
                     close()
 
     def _loop(self, ranks: list[Rank], router: Router) -> RunResult:
-        cfg, trace = self.cfg, self.trace
-        res = RunResult(router=cfg.router, concurrency=cfg.concurrency, use_pool=cfg.use_pool,
-                        config={**asdict(cfg), "cost_model": asdict(self.cost), "scale": self.scale})
-        waiters, remaining, per_root = self._deps()
-        ctx_of: dict[str, tuple[np.ndarray, list[str]]] = {}  # finished requests whose context children need
-        children: dict[str, int] = {}
-        for r in trace.requests:
-            if r.parent is not None:
-                children[r.parent] = children.get(r.parent, 0) + 1
-        base: dict[str, float] = {}
-        live: dict[str, _Live] = {}
-        seen: set[str] = set()
-        roots = deque(trace.roots())
-        first_of_root: dict[str, list[str]] = {}
-        for r in trace.requests:
-            if remaining[r.id] == 0:
-                first_of_root.setdefault(r.root, []).append(r.id)
-        events: list[tuple[float, int, str, str]] = []
-        seq = 0
-        ttft: list[float] = []
-        in_flight = 0
-        area = 0.0
-        last_t = 0.0
+        """Run the event loop to the end: each request makes three events (ready, prefilled, finished), so the
+        loop is bounded by that count; the figures come from ``_Sim.result``."""
         t0 = time.perf_counter()
-
-        def push(t: float, kind: str, what: str) -> None:
-            nonlocal seq
-            heapq.heappush(events, (t, seq, kind, what))
-            seq += 1
-
-        def admit(now: float) -> None:
-            nonlocal in_flight
-            while roots and in_flight < cfg.concurrency:
-                root = roots.popleft()
-                in_flight += 1
-                for rid in first_of_root.get(root, []):
-                    push(max(now, trace.by_id[rid].arrival_s), "ready", rid)
-
-        admit(0.0)
-        n_events = 0
-        max_events = 8 * len(trace.requests) + 16
-        done = 0
-        while events:
-            n_events += 1
-            if n_events > max_events:  # each request makes at most 3 events: anything more is a bug
-                raise ReplayError("replay", f"more than {max_events} events for {len(trace)} requests")
-            now, _, kind, rid = heapq.heappop(events)
-            area += in_flight * (now - last_t)
-            last_t = now
-            if kind == "ready":
-                lv = self._ready(trace.by_id[rid], now, ctx_of, children)
-                live[rid] = lv
-                lv.rank = router.route(RouteRequest(rid, lv.req.session, lv.ctx_keys[:lv.req.prompt_len //
-                                                    cfg.page_size], lv.req.prompt_len, cfg.page_size, now),
-                                       ranks)
-                rank = ranks[lv.rank]
-                rank.queue.append(rid)
-                if not rank.busy:
-                    push(now + self._start(rank, live[rank.queue.popleft()], seen, res), "prefilled",
-                         f"{rank.index}")
-            elif kind == "prefilled":
-                rank = ranks[int(rid)]
-                lv = live[rank.current]
-                router.on_finish(lv.req.id)
-                ttft.append(now - lv.ready_s)
-                ps = cfg.page_size
-                full = lv.req.prompt_len // ps
-                self._write(rank, lv.ctx_keys, lv.computed_from, full, seen)
-                push(now + self.cost.decode_s(lv.req.output_len, self.scale), "finished", lv.req.id)
-                rank.busy = False
-                if rank.queue:
-                    push(now + self._start(rank, live[rank.queue.popleft()], seen, res), "prefilled",
-                         f"{rank.index}")
-            else:  # finished: decode done
-                lv = live.pop(rid)
-                ps = cfg.page_size
-                self._write(ranks[lv.rank], lv.ctx_keys, lv.req.prompt_len // ps, lv.req.context_len // ps, seen)
-                if children.get(rid):
-                    ctx_of[rid] = (lv.ctx_tokens, lv.ctx_keys)
-                done += 1
-                if self.progress is not None:
-                    self.progress(done)
-                for w in waiters.get(rid, ()):
-                    base[w] = max(base.get(w, 0.0), now)
-                    remaining[w] -= 1
-                    if remaining[w] == 0:
-                        push(base.pop(w) + trace.by_id[w].think_s, "ready", w)
-                per_root[lv.req.root] -= 1
-                if per_root[lv.req.root] == 0:
-                    in_flight -= 1
-                    admit(now)
-        if done != len(trace.requests):
-            raise ReplayError("replay", f"{len(trace) - done} requests never became ready (a dependency cycle?)")
-        t = np.array(ttft) if ttft else np.zeros(1)
-        res.ttft_p50_s, res.ttft_p90_s = float(np.percentile(t, 50)), float(np.percentile(t, 90))
-        res.ttft_mean_s = float(t.mean())
-        res.sim_s = last_t
-        res.mean_sessions_in_flight = area / last_t if last_t > 0 else 0.0
-        res.wall_s = time.perf_counter() - t0
-        return res
+        sim = _Sim(self, ranks, router)
+        handlers = {"ready": sim.ready, "prefilled": sim.prefilled, "finished": sim.finished}
+        sim.admit(0.0)
+        max_events = 8 * len(self.trace.requests) + 16
+        for _ in range(max_events):
+            if not sim.events:
+                break
+            now, _, kind, what = heapq.heappop(sim.events)
+            sim.area += sim.in_flight * (now - sim.last_t)
+            sim.last_t = now
+            handlers[kind](now, what)
+        if sim.events:  # each request makes at most 3 events: anything more is a bug
+            raise ReplayError("replay", f"more than {max_events} events for {len(self.trace)} requests")
+        if sim.done != len(self.trace.requests):
+            raise ReplayError("replay", f"{len(self.trace) - sim.done} requests never became ready "
+                                        f"(a dependency cycle?)")
+        return sim.result(time.perf_counter() - t0)
 
     def _ready(self, req: Request, now: float, ctx_of: dict, children: dict) -> _Live:
         """Tokens and chained keys of ``req``'s context (prompt + output), extended from its parent's."""
@@ -515,6 +435,111 @@ class Replay:
         seen.update(keys[lo:hi])
         if rank.writeback is not None:
             rank.writeback.submit(keys[lo:hi], [keys[i - 1] if i else None for i in range(lo, hi)])
+
+
+class _Sim:
+    """The state of one run's event loop (``Replay._loop``) and one handler per event kind.
+
+    Events are ``(simulated time, sequence, kind, what)`` on a heap: ``ready`` (a request's dependencies are done
+    and its think time passed: route it), ``prefilled`` (rank ``what`` finished a prefill: write its pages, start
+    the next queued one) and ``finished`` (decode done: release dependants; a session tree that ends admits the
+    next under the concurrency cap). ``area`` integrates sessions in flight over simulated time."""
+
+    def __init__(self, replay: Replay, ranks: list[Rank], router: Router):
+        cfg, trace = replay.cfg, replay.trace
+        self.rp, self.cfg, self.trace, self.ranks, self.router = replay, cfg, trace, ranks, router
+        self.res = RunResult(router=cfg.router, concurrency=cfg.concurrency, use_pool=cfg.use_pool,
+                             config={**asdict(cfg), "cost_model": asdict(replay.cost), "scale": replay.scale})
+        self.waiters, self.remaining, self.per_root = replay._deps()
+        self.ctx_of: dict[str, tuple[np.ndarray, list[str]]] = {}  # finished requests whose children need context
+        self.children: dict[str, int] = {}
+        for r in trace.requests:
+            if r.parent is not None:
+                self.children[r.parent] = self.children.get(r.parent, 0) + 1
+        self.base: dict[str, float] = {}
+        self.live: dict[str, _Live] = {}
+        self.seen: set[str] = set()
+        self.roots = deque(trace.roots())
+        self.first_of_root: dict[str, list[str]] = {}
+        for r in trace.requests:
+            if self.remaining[r.id] == 0:
+                self.first_of_root.setdefault(r.root, []).append(r.id)
+        self.events: list[tuple[float, int, str, str]] = []
+        self.seq = 0
+        self.ttft: list[float] = []
+        self.in_flight = 0
+        self.area = 0.0
+        self.last_t = 0.0
+        self.done = 0
+
+    def push(self, t: float, kind: str, what: str) -> None:
+        heapq.heappush(self.events, (t, self.seq, kind, what))
+        self.seq += 1
+
+    def admit(self, now: float) -> None:
+        """Start session trees while fewer than ``concurrency`` are in flight."""
+        while self.roots and self.in_flight < self.cfg.concurrency:
+            root = self.roots.popleft()
+            self.in_flight += 1
+            for rid in self.first_of_root.get(root, []):
+                self.push(max(now, self.trace.by_id[rid].arrival_s), "ready", rid)
+
+    def _start_next(self, rank: Rank, now: float) -> None:
+        lv = self.live[rank.queue.popleft()]
+        self.push(now + self.rp._start(rank, lv, self.seen, self.res), "prefilled", f"{rank.index}")
+
+    def ready(self, now: float, rid: str) -> None:
+        cfg = self.cfg
+        lv = self.rp._ready(self.trace.by_id[rid], now, self.ctx_of, self.children)
+        self.live[rid] = lv
+        lv.rank = self.router.route(RouteRequest(rid, lv.req.session, lv.ctx_keys[:lv.req.prompt_len //
+                                                 cfg.page_size], lv.req.prompt_len, cfg.page_size, now),
+                                    self.ranks)
+        rank = self.ranks[lv.rank]
+        rank.queue.append(rid)
+        if not rank.busy:
+            self._start_next(rank, now)
+
+    def prefilled(self, now: float, what: str) -> None:
+        rank = self.ranks[int(what)]
+        lv = self.live[rank.current]
+        self.router.on_finish(lv.req.id)
+        self.ttft.append(now - lv.ready_s)
+        self.rp._write(rank, lv.ctx_keys, lv.computed_from, lv.req.prompt_len // self.cfg.page_size, self.seen)
+        self.push(now + self.rp.cost.decode_s(lv.req.output_len, self.rp.scale), "finished", lv.req.id)
+        rank.busy = False
+        if rank.queue:
+            self._start_next(rank, now)
+
+    def finished(self, now: float, rid: str) -> None:
+        lv = self.live.pop(rid)
+        ps = self.cfg.page_size
+        self.rp._write(self.ranks[lv.rank], lv.ctx_keys, lv.req.prompt_len // ps, lv.req.context_len // ps,
+                       self.seen)
+        if self.children.get(rid):
+            self.ctx_of[rid] = (lv.ctx_tokens, lv.ctx_keys)
+        self.done += 1
+        if self.rp.progress is not None:
+            self.rp.progress(self.done)
+        for w in self.waiters.get(rid, ()):
+            self.base[w] = max(self.base.get(w, 0.0), now)
+            self.remaining[w] -= 1
+            if self.remaining[w] == 0:
+                self.push(self.base.pop(w) + self.trace.by_id[w].think_s, "ready", w)
+        self.per_root[lv.req.root] -= 1
+        if self.per_root[lv.req.root] == 0:
+            self.in_flight -= 1
+            self.admit(now)
+
+    def result(self, wall_s: float) -> RunResult:
+        res = self.res
+        t = np.array(self.ttft) if self.ttft else np.zeros(1)
+        res.ttft_p50_s, res.ttft_p90_s = float(np.percentile(t, 50)), float(np.percentile(t, 90))
+        res.ttft_mean_s = float(t.mean())
+        res.sim_s = self.last_t
+        res.mean_sessions_in_flight = self.area / self.last_t if self.last_t > 0 else 0.0
+        res.wall_s = wall_s
+        return res
 
 
 class _WaitingPool:
