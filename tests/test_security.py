@@ -51,6 +51,30 @@ def closed(make_cluster, tmp_path, monkeypatch):
     return cluster
 
 
+CLOSE_WAIT = "08"  # /proc/net/tcp state: the peer closed, this end has not
+
+
+def own_tcp_states(remote_ports: set[int]) -> dict[int, str]:
+    """{inode: TCP state} of this process's sockets connected to any of ``remote_ports`` on 127.0.0.1 (from
+    /proc/self/fd and /proc/net/tcp: what the kernel says, no client internals)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    out = {}
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            remote, state, inode = parts[2], parts[3], int(parts[9])
+            if inode in inodes and int(remote.split(":")[1], 16) in remote_ports:
+                out[inode] = state
+    return out
+
+
 def client(cluster, token, ns="tenant-a", **kw) -> Client:
     """A client that uses exactly ``token`` (the environment is not consulted)."""
     cfg = resolve(ClientConfig, {"metaserver": cluster.metaserver_addrs, "namespace": ns, "token": token,
@@ -138,10 +162,18 @@ def test_impostor_cannot_take_over_a_live_node_id(closed):
                          time.monotonic() + 5)
         twin.close()
         tenant.close()
-        time.sleep(3.5)  # past node0's lease: it stays alive only if its own heartbeats are still accepted
+        # Past node0's lease (3 s): it stays alive only if its own heartbeats are still accepted. Counted in the
+        # metaserver's ticks (every 0.05 s it checks leases): 70 ticks ran, so a lease missed would have been seen.
         with client(closed, OPS) as ops:
-            now = {n["node_id"]: n for n in ops.admin(wire.Op.NODES)["nodes"]}
-        assert now["node0"]["alive"] and now["node0"]["port"] == real["node0"]["port"]
+            start = ops.stats()["ticks"]
+            for _ in range(600):  # bounded: 600 polls of 0.05 s at most
+                st = ops.stats()
+                node0 = next(n for n in st["nodes"] if n["node_id"] == "node0")
+                assert node0["alive"] and node0["port"] == real["node0"]["port"], node0
+                if st["ticks"] - start >= 70:
+                    break
+                time.sleep(0.05)  # poll interval of an observable count, not a synchronisation
+            assert st["ticks"] - start >= 70, "the metaserver's ticks did not advance past node0's lease"
         outs = [bytearray(5000) for _ in keys]
         assert a.batch_get_into(keys, outs) == [5000] * 20 and outs == vals
 
@@ -210,7 +242,16 @@ def test_idle_connections_are_closed_and_clients_reconnect(closed):
         s.settimeout(20)
         assert s.recv(1) == b""  # closed by the metaserver after its 2 s idle timeout
         s.close()
-        time.sleep(2.5)  # the client's own metaserver and node connections went idle too
+        # the client's own metaserver and node connections went idle too: wait until both servers closed them
+        ports = {int(closed.metaserver_addr.rsplit(":", 1)[1])} | {int(node_addr(closed, n.name).rsplit(":", 1)[1])
+                                                                   for n in closed.nodes}
+        states: dict = {}
+        for _ in range(200):  # bounded: 200 polls of 0.05 s
+            states = own_tcp_states(ports)
+            if states and all(st == CLOSE_WAIT for st in states.values()):
+                break
+            time.sleep(0.05)  # poll interval of an observable state
+        assert states and all(st == CLOSE_WAIT for st in states.values()), states
         assert a.get("idle") == page
         assert a.counters["node_failures"] == 0  # a closed idle connection is reopened, not a failed read
 
@@ -220,14 +261,26 @@ def test_dead_writer_frees_its_pending_keys_and_others_wait_for_a_live_one(close
     meta = {"ns": "tenant-a", "keys": [b"contended"], "sizes": [1000], "token": 4242}
     first = writer.request(wire.Op.ALLOC, meta, time.monotonic() + 5).meta["items"]
     again = writer.request(wire.Op.ALLOC, meta, time.monotonic() + 5).meta["items"]
-    assert first[0][0] == wire.AllocState.NEW and again == first  # a retried ALLOC gets the same place
+    # a retried ALLOC gets the same place (and a fresh capability for it: its deadline counts from the retry)
+    assert first[0][0] == wire.AllocState.NEW and again[0][:6] == first[0][:6]
     other = dict(meta, token=4343)
     assert writer.request(wire.Op.ALLOC, other, time.monotonic() + 5).meta["items"][0][0] == \
         wire.AllocState.IN_FLIGHT
     result: dict = {}
 
+    waiting = threading.Event()
+
     def second_writer():
         with client(closed, TENANT_A) as c:
+            real_once = c._put_once
+
+            def put_once(*a, **k):  # notes each round whose ALLOC answered IN_FLIGHT (the put then backs off)
+                res = real_once(*a, **k)
+                if res[4]:
+                    waiting.set()
+                return res
+
+            c._put_once = put_once
             try:
                 result["put"] = c.put("contended", b"w" * 1000)
                 result["get"] = c.get("contended")
@@ -236,7 +289,7 @@ def test_dead_writer_frees_its_pending_keys_and_others_wait_for_a_live_one(close
 
     t = threading.Thread(target=second_writer)
     t.start()
-    time.sleep(0.5)
+    assert waiting.wait(20), "the second writer never found the key IN_FLIGHT"
     assert "put" not in result  # it waits for the first writer: neither "stored" nor "exists" yet
     writer.close()  # the first writer dies without writing
     t.join(20)
