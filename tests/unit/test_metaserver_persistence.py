@@ -24,6 +24,8 @@ class MemoryStore:
         self.fail = fail
         self.cas_races = cas_races
         self.gate: asyncio.Event | None = None  # when set, a transaction waits for it (to build up a queue)
+        self.in_txn = asyncio.Event()  # set once a transaction has started (and waits at the gate, if any)
+        self.cas_ok = 0  # successful compare_and_put calls (generation reservations)
 
     def op_put(self, key, value, lease=None):
         return ("put", key, value)
@@ -32,6 +34,7 @@ class MemoryStore:
         return ("del", key)
 
     async def txn(self, ops, compare=None):
+        self.in_txn.set()
         if self.gate is not None:
             await self.gate.wait()
         if self.fail:
@@ -58,6 +61,7 @@ class MemoryStore:
         if self.kv.get(key) != expect:
             return False
         self.kv[key] = value
+        self.cas_ok += 1
         return True
 
 
@@ -72,7 +76,7 @@ def test_batch_writer_coalesces_orders_and_acknowledges_only_durable_writes():
         w = BatchWriter(store, batch=4, inflight=1)
         w.start()
         first = w.submit([(b"a", b"1")], [], wait=True)
-        await asyncio.sleep(0.01)  # the worker took "a" and waits in its transaction
+        await asyncio.wait_for(store.in_txn.wait(), 5)  # the worker took "a" and waits in its transaction
         later = w.submit([(b"a", b"2"), (b"b", b"1"), (b"c", b"1")], [b"d"], wait=True)
         w.submit([(b"b", b"2")], [], wait=False)  # replaces the unsent put of b
         assert not first.done() and not later.done()
@@ -115,9 +119,14 @@ def test_generation_counter_hands_out_unique_increasing_values_across_restarts_a
         await g.start()
         got = [g.take_nowait(1) for _ in range(30)]
         assert got == list(range(got[0], got[0] + 30))
+        reserved = store.cas_ok
         big = await g.take(60)  # past half a range: a refill runs in the background
         assert big >= got[-1] + 1
-        await asyncio.sleep(0.05)
+        for _ in range(1000):  # bounded poll (each step yields to the loop) until that refill reserved a range
+            if store.cas_ok > reserved:
+                break
+            await asyncio.sleep(0.001)
+        assert store.cas_ok == reserved + 1
         more = await g.take(150)  # more than a range: waits for reservations
         assert more >= big + 60
         limit = int(store.kv[store.gen_key])
