@@ -2,7 +2,11 @@
 ``metaserver.service.Metaserver``: it reads the directory, membership and writer that class owns).
 
 Authorization (umbp/auth.py): EVICT, DRAIN and a LIST of every namespace need an admin token; a LIST of one
-namespace needs read rights on it; STATS and NODES any authenticated connection. Operator evictions run in slices
+namespace needs read rights on it; STATS and NODES any authenticated connection, but a scoped (non-admin) token sees
+a scoped view: the per-namespace sections only for namespaces its scope grants (r or rw), no etcd address, and node
+maps without node-internal fields (``NODE_INTERNAL``: arena path and id, boot id, pid, hostname: blanked, so a
+scoped client falls back from shm, which would map the whole arena, to TCP or RDMA). Admin tokens, the cluster
+secret and open pools see everything. Operator evictions run in slices
 of EVICT_BUDGET evictions with the event loop served in between, so ``umbp evict --all`` on a pool of millions of
 pages never stalls data requests. Costs: STATS and NODES O(nodes); LIST O(limit).
 """
@@ -19,6 +23,7 @@ from umbp.errors import AuthError
 
 EVICT_BUDGET = 5_000  # evictions per slice of an operator's EVICT (and per background tick)
 _NONE = frozenset()
+NODE_INTERNAL = {"arena_path": "", "arena_id": b"", "boot_id": "", "pid": 0, "hostname": ""}  # blanked for scopes
 
 
 def require_admin(conn, what: str) -> None:
@@ -27,28 +32,40 @@ def require_admin(conn, what: str) -> None:
 
 
 class AdminHandlers:
-    def _node_maps(self) -> list[dict]:
+    def _node_maps(self, full: bool = True) -> list[dict]:
+        """Every node's map; ``full`` False: node-internal fields blanked (a scoped token's view)."""
         out = []
         for node in self.members.nodes.values():
             sp = self.dir.spaces.get(node.node_id)
             used, objects = (sp.alloc.used, len(sp.entries)) if sp is not None and node.alive else (0, 0)
-            out.append(node.info(used, objects))
+            info = node.info(used, objects)
+            if not full:
+                info.update(NODE_INTERNAL)
+            out.append(info)
         return out
 
     def stats(self, meta: Any, conn) -> dict:
         v.fields(meta, _NONE)
         d = self.dir
-        return {"capacity_bytes": d.capacity, "used_bytes": d.used, "objects": d.objects, "pending": d.pending,
-                "pinned": d.pinned, "hits": d.hits, "misses": d.misses, "evictions": d.evictions, "puts": d.puts,
-                "namespaces": d.namespaces(), "is_leader": self.serving, "etcd": self.store.addr,
-                "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
-                "load_s": round(self.load_s, 3), "takeover": self.takeover, "etcd_pending_ops": self.writer.pending(),
-                "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
-                "ticks": self.ticks, "nodes": self._node_maps()}
+        scope = conn.auth.scope
+        usage = d.namespace_usage()  # ns -> {objects, used_bytes, quota_bytes}
+        if not scope.admin:
+            usage = {ns: u for ns, u in usage.items() if scope.right(ns)}
+        out = {"capacity_bytes": d.capacity, "used_bytes": d.used, "objects": d.objects, "pending": d.pending,
+               "pinned": d.pinned, "hits": d.hits, "misses": d.misses, "evictions": d.evictions, "puts": d.puts,
+               "namespaces": {ns: u["objects"] for ns, u in usage.items() if u["objects"]},
+               "namespace_usage": usage, "is_leader": self.serving, "etcd": self.store.addr,
+               "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
+               "load_s": round(self.load_s, 3), "takeover": self.takeover, "etcd_pending_ops": self.writer.pending(),
+               "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
+               "ticks": self.ticks, "nodes": self._node_maps(scope.admin)}
+        if not scope.admin:
+            del out["etcd"]
+        return out
 
     def nodes(self, meta: Any, conn) -> dict:
         v.fields(meta, _NONE)
-        return {"nodes": self._node_maps()}
+        return {"nodes": self._node_maps(conn.auth.scope.admin)}
 
     def list_objects(self, meta: Any, conn) -> dict:
         m = v.fields(meta, frozenset({"ns", "limit"}))

@@ -39,10 +39,14 @@ and do at most that much work per call.
 
 from __future__ import annotations
 
+import heapq
+import secrets
 import sys
 from collections import deque
+from operator import attrgetter
 
-from metaserver.entry import GONE, PENDING, READY, STATE_NAMES, Entries, Entry, NodeSpace, NsEntries, SpaceEntries
+from metaserver.entry import (GONE, PENDING, READY, STATE_NAMES, Effects, Entries, Entry, NodeSpace, NsEntries,
+                              SpaceEntries)
 from metaserver.eviction import Policy, make_policy
 from metaserver.invariants import DirectoryInvariants
 from metaserver.passes import EvictionPasses
@@ -59,40 +63,39 @@ NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS,
 _EXISTS_ITEM = (EXISTS, None, None, None, None)
 _IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
 _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
+OVER_QUOTA = -1  # internal item state (never on the wire): the key does not fit in its namespace's quota
+_OVER_QUOTA_ITEM = (OVER_QUOTA, None, None, None, None)
+NS_VICTIMS = 1024  # quota eviction: the oldest evictable entries of a namespace gathered per rebuild
+_access = attrgetter("last_access")
 _intern = sys.intern
 
 
-class Effects:
-    """I/O a mutation leaves to its caller: pages to persist and persisted pages to delete."""
-
-    __slots__ = ("puts", "deletes")
-
-    def __init__(self) -> None:
-        self.puts: list[Entry] = []
-        self.deletes: list[tuple[str, bytes]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.puts or self.deletes)
-
-
 class Directory(EvictionPasses, DirectoryInvariants):
-    def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru"):
+    def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
+                 quotas: dict[str, int] | None = None):
         self.pending_ttl_s = pending_ttl_s
         self.read_lease_s = read_lease_s
         self.policy: Policy = make_policy(policy)
         self.ready: dict[str, dict[bytes, Entry]] = {}
         self.pending_keys: dict[str, dict[bytes, Entry]] = {}
-        self._pending: dict[Entry, int | None] = {}  # PENDING entries in allocation order -> their writer's token
+        # PENDING entries in allocation order -> (their writer's token, the connection that owns them now)
+        self._pending: dict[Entry, tuple[int | None, object]] = {}
         self.entries = Entries(self)
         self.spaces: dict[str, NodeSpace] = {}
-        self.leases: dict[int, list[Entry]] = {}
+        self.leases: dict[int, list[Entry]] = {}  # random 63-bit ids: a lease cannot be guessed
+        self._lease_owner: dict[int, object] = {}  # lease -> the connection that took it (absent: none given)
+        # Nodes being dropped in slices (detach_space, drop_slice): node id -> (its space, parked records or None)
+        self.dying: dict[str, tuple[NodeSpace, list | None]] = {}
+        # Per-namespace quotas (bytes) and use: object sizes of the live (READY and PENDING) entries
+        self.quotas: dict[str, int] = dict(quotas or {})
+        self.ns_used: dict[str, int] = {}
+        self._ns_victims: dict[str, list[tuple[Entry, float]]] = {}  # quota eviction candidates, newest first
         # READY entries naming a parent that is not READY, by namespace and parent key: a parent that arrives (or
         # comes back) adopts them (prefix-lru files them as orphans meanwhile).
         self.orphans: dict[str, dict[bytes, Entry | set[Entry]]] = {}
         self._lease_q: deque[tuple[float, int]] = deque()
         self._sizes: dict[int, int] = {}  # interned payload lengths
         self._osizes: dict[int, int] = {}  # their object sizes
-        self._next_lease = 1
         self.hits = self.misses = self.evictions = self.puts = 0
         self.pinned = 0  # entries (live or zombie) with pins > 0
 
@@ -116,6 +119,25 @@ class Directory(EvictionPasses, DirectoryInvariants):
     def namespaces(self) -> dict[str, int]:
         return {ns: len(r) for ns, r in self.ready.items() if r}
 
+    def namespace_usage(self) -> dict[str, dict]:
+        """Per namespace with objects, use or a quota: objects, used_bytes, quota_bytes (None: no quota)."""
+        names = set(self.ready) | set(self.ns_used) | set(self.quotas)
+        return {ns: {"objects": len(self.ready.get(ns, ())), "used_bytes": self.ns_used.get(ns, 0),
+                     "quota_bytes": self.quotas.get(ns)} for ns in sorted(names)}
+
+    def writer_of(self, e: Entry) -> object:
+        """The connection that owns PENDING entry ``e`` now (None: unknown or not PENDING)."""
+        w = self._pending.get(e)
+        return w[1] if w is not None else None
+
+    def _count(self, ns: str, nbytes: int) -> None:
+        """Add ``nbytes`` (negative: remove) to namespace ``ns``'s use."""
+        u = self.ns_used.get(ns, 0) + nbytes
+        if u:
+            self.ns_used[ns] = u
+        else:
+            self.ns_used.pop(ns, None)
+
     def _plen(self, n: int) -> int:
         """The shared int object for payload length ``n`` (pages of a namespace are one size)."""
         v = self._sizes.get(n)
@@ -134,19 +156,69 @@ class Directory(EvictionPasses, DirectoryInvariants):
         return sp
 
     def drop_space(self, node_id: str) -> tuple[int, Effects]:
-        """Forget a node's arena (node died or came back with another arena): every entry on it goes, pinned or not
-        (the bytes are gone or belong to another arena; readers detect that by the object header)."""
+        """Forget a node's arena (node died or came back with another arena) in one step: every entry on it goes,
+        pinned or not (the bytes are gone or belong to another arena; readers detect that by the object header).
+        O(its entries); the metaserver's tick uses ``detach_space`` and ``drop_slice`` instead."""
+        n, fx = self.detach_space(node_id)
+        n += self.drop_slice(node_id, 1 << 62, fx)[0]
+        return n, fx
+
+    def detach_space(self, node_id: str, park: bool = False) -> tuple[int, Effects]:
+        """First step of dropping a node's arena in slices: nothing is placed there any more, totals leave it out,
+        LOOKUP misses its pages and its PENDING entries go now (O(all PENDING)); its READY entries stay in the maps
+        until ``drop_slice`` takes them (EXISTS and PREFIX may still count them until then). ``park``: keep each
+        dropped READY page's record (``drop_slice`` returns them) instead of deleting it from etcd. A drop of
+        the same node still under way is finished first. Returns (entries dropped, effects)."""
         fx = Effects()
+        n = 0
+        if node_id in self.dying:
+            n = self.drop_slice(node_id, 1 << 62, fx)[0]
         sp = self.spaces.pop(node_id, None)
         if sp is None:
-            return 0, fx
-        gone = sp.entries.snapshot()
+            return n, fx
         sp.dead = True
-        for e in gone:
+        sp.placeable = False
+        self.dying[node_id] = (sp, [] if park else None)
+        pend = [e for e in self._pending if e.space is sp]
+        for e in pend:
             self._unlink(e, fx)
-        sp.n = 0
+            sp.n -= 1
+        return n + len(pend), fx
+
+    def drop_slice(self, node_id: str, budget: int, fx: Effects) -> tuple[int, list | None]:
+        """Drop at most ``budget`` READY entries of a detached node (policy order; its pinned entries, few, in the
+        last slice). Returns (dropped, None while entries remain | the parked records once done: a list, empty
+        without ``park``). O(budget), plus O(leases) in the last slice."""
+        d = self.dying.get(node_id)
+        if d is None:
+            return 0, []
+        sp, _recs = d
+        n = 0
+        for e in self.policy.victims(node_id):
+            if n >= budget:
+                return n, None
+            self._drop_dying(e, fx)
+            n += 1
+        if sp.n:
+            pinned = {id(e): e for es in self.leases.values() for e in es if e.space is sp and e.state == READY}
+            for e in pinned.values():
+                self._drop_dying(e, fx)
+                n += 1
+        assert sp.n == 0, (node_id, sp.n)
         self.policy.drop_node(node_id)
-        return len(gone), fx
+        del self.dying[node_id]
+        return n, _recs if _recs is not None else []
+
+    def _drop_dying(self, e: Entry, fx: Effects) -> None:
+        """Take a READY entry of a detached node out of the directory: its record is parked (kept in etcd for the
+        node's return) when the drop parks, else deleted."""
+        recs = self.dying[e.space.node_id][1]
+        if recs is not None:
+            recs.append((e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, e.last_access))
+            self._unlink(e, Effects())
+        else:
+            self._unlink(e, fx)
+        e.space.n -= 1
 
     def set_placeable(self, node_id: str, placeable: bool) -> None:
         sp = self.spaces.get(node_id)
@@ -216,6 +288,7 @@ class Directory(EvictionPasses, DirectoryInvariants):
                 pl = plens[plen] = self._plen(plen)
             e = Entry(last_ns, key, sp, off, pl, gen, READY, parent, 0.0)
             r[key] = e
+            self._count(last_ns, osize[plen])
             loaded.append(e)
         sp.n += len(loaded)
         link = self._link_ready
@@ -239,6 +312,7 @@ class Directory(EvictionPasses, DirectoryInvariants):
         ns = _intern(ns)
         e = Entry(ns, key, sp, offset, self._plen(payload_len), gen, READY, parent, 0.0)
         self.ready.setdefault(ns, {})[key] = e
+        self._count(ns, object_size(payload_len))
         sp.n += 1
         self._link_ready(e)
         self.policy.add(e)
@@ -246,11 +320,14 @@ class Directory(EvictionPasses, DirectoryInvariants):
 
     # -- data plane --------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], parents: list | None, gen_base: int,
-              now: float, token: int | None = None) -> tuple[list, Effects]:
+              now: float, token: int | None = None, owner: object = None) -> tuple[list, Effects]:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting if needed. Returns (items, effects):
         item = [NEW, node_id, offset, payload_len, gen] | [EXISTS, None...] | [NO_SPACE, None...] |
-        [IN_FLIGHT, None...] (another writer holds the key PENDING). A PENDING key allocated under the same
-        ``token`` gets its place again (a retried ALLOC whose answer was lost), so ALLOC is idempotent."""
+        [IN_FLIGHT, None...] (another writer holds the key PENDING) | [OVER_QUOTA, None...] for every key (internal:
+        the request's new keys do not fit in the namespace's quota even after evicting its own unpinned pages;
+        nothing was allocated and the caller refuses the request). A PENDING key allocated under the same ``token`` gets its place again (a retried
+        ALLOC whose answer was lost), so ALLOC is idempotent; it then belongs to ``owner`` (the retry's
+        connection), so the first connection closing does not abort it."""
         fx = Effects()
         ns = _intern(ns)
         r = self.ready.get(ns) or {}
@@ -259,19 +336,27 @@ class Directory(EvictionPasses, DirectoryInvariants):
         items: list = []
         placer: Placer | None = None
         interned, osizes = self._sizes, self._osizes
+        quota = self.quotas.get(ns) if self.quotas else None
+        if quota is not None and not self._fit_quota(ns, keys, sizes, quota, fx):
+            return [_OVER_QUOTA_ITEM] * len(keys), fx
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         for i, key in enumerate(keys):
             if key in seen:
                 items.append(_EXISTS_ITEM)
                 continue
             seen.add(key)
-            if key in r:
-                items.append(_EXISTS_ITEM)
-                continue
+            e = r.get(key)
+            if e is not None:
+                if not e.space.dead:
+                    items.append(_EXISTS_ITEM)
+                    continue
+                self._drop_dying(e, fx)  # on a node being dropped: gone for readers already, write it anew
             pd = pend.get(ns)
             e = pd.get(key) if pd is not None else None
             if e is not None:
-                if token is not None and pending.get(e) == token and e.payload_len == sizes[i]:
+                w = pending.get(e)
+                if token is not None and w[0] == token and e.payload_len == sizes[i]:
+                    pending[e] = (token, owner)
                     items.append((NEW, e.space.node_id, e.offset, e.payload_len, e.gen))
                 else:
                     items.append(_IN_FLIGHT_ITEM)
@@ -305,13 +390,76 @@ class Directory(EvictionPasses, DirectoryInvariants):
             if pd is None:
                 pd = pend[ns] = {}
             pd[key] = e
-            pending[e] = token
+            pending[e] = (token, owner)
+            self._count(ns, osize)
             sp.n += 1
             items.append((NEW, sp.node_id, off, plen, gen))
         return items, fx
 
-    def _next_victim_access(self, sp: NodeSpace) -> float:
-        return next_victim_access(self, sp)
+    def _fit_quota(self, ns: str, keys: list[bytes], sizes: list[int], quota: int, fx: Effects) -> bool:
+        """Make room in ``ns``'s quota for the new keys of an ALLOC, evicting the namespace's own least recently
+        used pages; False (nothing evicted) when they cannot fit even then: more than the quota, or more than
+        what is not pinned or PENDING. O(keys), plus O(read leases + the namespace's PENDING) and the eviction
+        when the namespace is over."""
+        r = self.ready.get(ns) or {}
+        pd = self.pending_keys.get(ns) or {}
+        seen: set[bytes] = set()
+        need = 0
+        for key, size in zip(keys, sizes):
+            if key in seen or key in pd:
+                continue
+            seen.add(key)
+            e = r.get(key)
+            if e is None or e.space.dead:
+                need += object_size(size)
+        used = self.ns_used.get(ns, 0)
+        over = used + need - quota
+        if over <= 0:
+            return True
+        if need > quota:
+            return False
+        held = sum(object_size(e.payload_len) for e in pd.values())
+        pinned = {id(e): e for es in self.leases.values() for e in es if e.ns == ns and e.state == READY}
+        held += sum(object_size(e.payload_len) for e in pinned.values())
+        if over > used - held:
+            return False
+        return self._evict_ns(ns, over, PLACE_EVICT_BUDGET + len(keys), fx) >= over
+
+    def _evict_ns(self, ns: str, nbytes: int, budget: int, fx: Effects) -> int:
+        """Evict READY, unpinned entries of namespace ``ns``, least recently used first, until ``nbytes`` are freed
+        or ``budget`` entries went. Returns the bytes freed.
+
+        The candidates are the namespace's NS_VICTIMS oldest evictable entries, gathered when the previous batch is
+        used up (O(namespace log NS_VICTIMS), at most once per call) and consumed oldest first; an entry used,
+        pinned or gone since it was gathered is skipped (a newer commit is newer than every candidate). What it
+        approximates: an entry pinned when the batch was gathered and released since is seen from the next batch
+        on. O(budget) per call otherwise."""
+        freed = n = 0
+        for _ in range(2):  # the batch gathered before, then (if that was not enough) one fresh batch
+            q = self._ns_victims.get(ns)
+            while q and freed < nbytes and n < budget:
+                e, acc = q.pop()
+                if e.state != READY or e.pins or e.last_access != acc:
+                    continue
+                freed += object_size(e.payload_len)
+                if e.space.dead:
+                    self._drop_dying(e, fx)
+                else:
+                    self._drop(e, fx)
+                n += 1
+            if freed >= nbytes or n >= budget:
+                break
+            r = self.ready.get(ns)
+            if not r:
+                break
+            oldest = heapq.nsmallest(NS_VICTIMS, (e for e in r.values() if not e.pins), key=_access)
+            if not oldest:
+                break
+            self._ns_victims[ns] = [(e, e.last_access) for e in reversed(oldest)]
+        if not self.ready.get(ns):
+            self._ns_victims.pop(ns, None)
+        self.evictions += n
+        return freed
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int], now: float) -> tuple[list[bool], Effects]:
         """PENDING -> READY for each (key, gen) that is still pending with that generation. Idempotent: a key
@@ -382,8 +530,9 @@ class Directory(EvictionPasses, DirectoryInvariants):
             n += 1
         return n
 
-    def lookup(self, ns: str, keys: list[bytes], now: float) -> tuple[int, list]:
-        """Locations of READY keys, each pinned under one read lease (0 when nothing was found)."""
+    def lookup(self, ns: str, keys: list[bytes], now: float, owner: object = None) -> tuple[int, list]:
+        """Locations of READY keys, each pinned under one read lease (0 when nothing was found). The lease id is
+        random (63 bits, never 0) and belongs to ``owner``: only it may ``release`` it (expiry aside)."""
         r = self.ready.get(ns) or {}
         locs: list = []
         found: list[Entry] = []
@@ -391,7 +540,7 @@ class Directory(EvictionPasses, DirectoryInvariants):
         pinned = 0
         for k in keys:
             e = r.get(k)
-            if e is None:
+            if e is None or e.space.dead:  # dead: on a node being dropped in slices
                 locs.append(None)
                 continue
             locs.append((e.space.node_id, e.offset, e.payload_len, e.gen))
@@ -406,17 +555,26 @@ class Directory(EvictionPasses, DirectoryInvariants):
         self.misses += len(keys) - len(found)
         if not found:
             return 0, locs
-        lease = self._next_lease
-        self._next_lease += 1
-        self.leases[lease] = found
+        leases = self.leases
+        lease = 0
+        for _ in range(64):  # a collision among 2^63 ids is practically impossible; bounded all the same
+            lease = secrets.randbits(63)
+            if lease and lease not in leases:
+                break
+        leases[lease] = found
+        if owner is not None:
+            self._lease_owner[lease] = owner
         self._lease_q.append((now + self.read_lease_s, lease))
         return lease, locs
 
-    def release(self, lease: int) -> bool:
-        """Unpin everything under ``lease``; False when it is unknown or already expired (not an error)."""
-        found = self.leases.pop(lease, None)
-        if found is None:
+    def release(self, lease: int, owner: object = None) -> bool:
+        """Unpin everything under ``lease``; False, changing nothing, when it is unknown, already expired, or
+        (``owner`` given) taken by another owner. ``owner`` None: the directory's own expiry, tests."""
+        found = self.leases.get(lease)
+        if found is None or (owner is not None and self._lease_owner.get(lease) is not owner):
             return False
+        del self.leases[lease]
+        self._lease_owner.pop(lease, None)
         for e in found:
             self._unpin(e)
         return True
@@ -538,6 +696,7 @@ class Directory(EvictionPasses, DirectoryInvariants):
                 del r[key]
                 if not r:
                     del self.ready[ns]
+                self._count(ns, -object_size(e.payload_len))
             self.policy.discard(e)
             fx.deletes.append((ns, key))
             up = e.up
@@ -559,6 +718,7 @@ class Directory(EvictionPasses, DirectoryInvariants):
                 del pd[key]
                 if not pd:
                     del self.pending_keys[ns]
+                self._count(ns, -object_size(e.payload_len))
             self._pending.pop(e, None)
         e.state = GONE
 

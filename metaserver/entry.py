@@ -1,5 +1,7 @@
-"""The directory's data model: one ``Entry`` per object, one ``NodeSpace`` per live node, and the read-only views
-(``Entries``, ``NsEntries``, ``SpaceEntries``) that present them as the maps callers expect. No I/O, no policy.
+"""The directory's data model: one ``Entry`` per object, one ``NodeSpace`` per live node, the read-only views
+(``Entries``, ``NsEntries``, ``SpaceEntries``) that present them as the maps callers expect, and ``Effects``, the
+I/O a mutation leaves to its caller. No I/O, no policy. The directory and its helpers (passes, placement,
+invariants) import these records from here; nothing here imports them back.
 
 An entry is what a page costs the metaserver, so it holds only what cannot be derived: 14 slots (about 144 bytes
 with the object header) next to its key, offset and generation objects. ``node_id``, ``size``, ``gone``, ``parent``,
@@ -77,6 +79,19 @@ class Entry:
     def children(self) -> int:
         k = self.kids
         return 0 if k is None else len(k) if type(k) is set else 1
+
+
+class Effects:
+    """I/O a mutation leaves to its caller: pages to persist and persisted pages to delete."""
+
+    __slots__ = ("puts", "deletes")
+
+    def __init__(self) -> None:
+        self.puts: list[Entry] = []
+        self.deletes: list[tuple[str, bytes]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.puts or self.deletes)
 
 
 class NodeSpace:
@@ -188,8 +203,9 @@ class NsEntries:
         d = self._d
         target = d.ready if e.state == READY else d.pending_keys
         target.setdefault(self._ns, {})[key] = e
+        d._count(self._ns, object_size(e.payload_len))
         if e.state == PENDING:
-            d._pending.setdefault(e, None)
+            d._pending.setdefault(e, (None, None))
 
 
 class Entries:

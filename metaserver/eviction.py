@@ -67,11 +67,15 @@ class Ring:
 
     def push(self, e) -> None:
         """Append at the recent end. O(1)."""
-        p = self.prev
+        self._link_before(self, e)
+
+    def _link_before(self, at, e) -> None:
+        """Link ``e`` in just before ``at`` (a member, or the sentinel: the recent end). O(1)."""
+        p = at.prev
         e.prev = p
-        e.next = self
+        e.next = at
         p.next = e
-        self.prev = e
+        at.prev = e
         self.count += 1
 
     def insert_by_access(self, e) -> None:
@@ -93,14 +97,7 @@ class Ring:
                 at = back.next
                 break
             fwd = fwd.next
-        if at is None:
-            at = fwd
-        p = at.prev
-        e.prev = p
-        e.next = at
-        p.next = e
-        at.prev = e
-        self.count += 1
+        self._link_before(fwd if at is None else at, e)
 
     def unlink(self, e) -> None:
         p, n = e.prev, e.next

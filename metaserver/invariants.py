@@ -1,6 +1,7 @@
 """The page directory's invariants (``DirectoryInvariants.check``, a mixin of ``metaserver.directory.Directory``):
 every entry in exactly the maps its state says, allocator extents equal to the live entries, the eviction policy
-holding exactly the READY unpinned entries, parent/child and orphan links consistent. Tests only: O(entries log
+holding exactly the READY unpinned entries, parent/child and orphan links consistent, per-namespace use equal to
+the object sizes of its live entries, nodes being dropped in slices holding only READY entries. Tests only: O(entries log
 entries).
 """
 
@@ -47,7 +48,19 @@ class DirectoryInvariants:
             evictable = {id(e) for e in mine if e.state == READY and e.pins == 0}
             assert self.policy.count(sp.node_id) == len(evictable), (self.policy.count(sp.node_id), len(evictable))
             assert {id(e) for e in self.policy.members(sp.node_id)} == evictable, sp.node_id
-        assert all(e.space.dead for es in by_space.values() for e in es), "entries on a space the directory lost"
+        for nid, (sp, _recs) in self.dying.items():  # nodes being dropped in slices: READY entries only remain
+            assert sp.dead and nid not in self.spaces, nid
+            es = [e for e in by_space.pop(id(sp), []) if e.state != GONE]
+            assert all(e.state == READY for e in es) and sp.n == len(es), (nid, sp.n, len(es))
+            assert self.policy.count(nid) == sum(1 for e in es if e.pins == 0), nid
+        assert all(e.space.dead and e.state == GONE for es in by_space.values() for e in es), \
+            "entries on a space the directory lost"
+        used: dict[str, int] = {}
+        for e in live:
+            used[e.ns] = used.get(e.ns, 0) + object_size(e.payload_len)
+        assert used == self.ns_used, ("per-namespace use", used, self.ns_used)
+        assert set(self._lease_owner) <= set(self.leases), "an owner kept for a lease that is gone"
+        assert all(w is not None and type(w) is tuple and len(w) == 2 for w in self._pending.values())
         for e in live:
             if e.state != READY:
                 assert type(e.up) is not Entry and e.kids is None

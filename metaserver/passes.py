@@ -9,14 +9,9 @@ are collected in the ``Effects`` passed in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from metaserver.entry import NodeSpace
+from metaserver.entry import Effects, NodeSpace
 from metaserver.eviction import bytes_to_low, over_high
 from transport.wire import object_size
-
-if TYPE_CHECKING:
-    from metaserver.directory import Effects
 
 
 class EvictionPasses:
@@ -85,8 +80,6 @@ class EvictionPasses:
             if len(due) >= budget or e.last_access + ttl > now:
                 break
             due.append(e)
-        from metaserver.directory import Effects  # the directory's effect record (this module is its mixin)
-
         fx = Effects()
         for e in due:
             self._drop(e, fx)

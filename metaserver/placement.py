@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from metaserver.allocator import UNIT
-from metaserver.entry import NodeSpace
+from metaserver.entry import Effects, NodeSpace
 
-if TYPE_CHECKING:
-    from metaserver.directory import Directory, Effects
+if TYPE_CHECKING:  # the directory passes itself in; only its type is named here
+    from metaserver.directory import Directory
 
 PLACE_EVICT_BUDGET = 1024  # victims one placement may evict before it answers NO_SPACE for that key
 _INF = float("inf")

@@ -1,37 +1,92 @@
-"""Pages of a node lost by its lease, parked for its return (``RejoinHandlers``, a mixin of
-``metaserver.service.Metaserver``).
+"""Pages of a node lost by its lease: dropped from the directory in budgeted slices and parked for its return
+(``RejoinHandlers``, a mixin of ``metaserver.service.Metaserver``).
 
-A node that stops heartbeating may only be cut off or paused, its arena intact. Its READY pages leave the directory
-(no lookup finds them, nothing is placed there) but their etcd records and the arena record stay for
-REJOIN_GRACE_S; a re-registration of the same arena (id and capacity) in that time loads them back, except keys
-written elsewhere meanwhile. After the grace, or when the node returns with another arena, the records are deleted.
-Costs: parking and restoring are O(the node's pages); expiry is checked every tick, O(parked nodes).
+A node that stops heartbeating may only be cut off or paused, its arena intact. When its lease lapses the node is
+*detached* at once (nothing is placed there, LOOKUP misses its pages, its PENDING allocations go), then its READY
+pages leave the directory in slices of at most the tick's budget (``Directory.drop_slice``), so a node of millions
+of pages never holds the event loop for long (the election's keep-alive runs between ticks). Their etcd records and
+the arena record stay for REJOIN_GRACE_S (they are *parked*); a re-registration of the same arena (id and capacity)
+in that time loads them back, except keys written elsewhere meanwhile. After the grace, or when the node returns
+with another arena, the records are deleted. A node that was only provisional (loaded at a takeover, never
+re-registered) is not parked: its records are deleted slice by slice.
+
+Costs: detaching O(PENDING entries); a tick O(its budget); the last slice of a node O(read leases) and a sort of its
+parked records (O(pages log pages) in C: tens of ms per million); restoring O(the node's pages); expiry of parked
+nodes is checked every tick, O(parked nodes).
 """
 
 from __future__ import annotations
 
 import logging
+from operator import itemgetter
 
-from metaserver.directory import READY
+from metaserver.entry import Effects
 from metaserver.nodes import Node
 
 log = logging.getLogger("umbp.metaserver")
 
 REJOIN_GRACE_S = 120.0  # a node lost by its lease: its pages are parked this long for it to re-register its arena
+_ACCESS = itemgetter(6)
 
 
 class RejoinHandlers:
-    def _park(self, node: Node, now: float) -> int:
-        """Record a lost node's READY pages (recency order) so a re-registration of the same arena within
-        REJOIN_GRACE_S gets them back: a node cut off or paused past its lease still holds the bytes. O(its pages)."""
-        sp = self.dir.spaces.get(node.node_id)
-        if sp is None:
-            return 0
-        ready = sorted((e for e in sp.entries if e.state == READY), key=lambda e: e.last_access)
-        if ready:
-            self.parked[node.node_id] = (node.arena_id, node.capacity, now + max(REJOIN_GRACE_S, node.lease_ttl),
-                                         [(e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent) for e in ready])
-        return len(ready)
+    def _node_lost(self, node: Node, now: float) -> None:
+        """A node's lease lapsed: detach it now, drop its pages in later ticks (``_drop_lost``)."""
+        nid = node.node_id
+        sp = self.dir.spaces.get(nid)
+        pages = sp.n if sp is not None else 0
+        park = not node.provisional and sp is not None
+        _, fx = self.dir.detach_space(nid, park=park)
+        self._apply(fx)
+        if park:
+            # Out of the directory (no lookup finds them, nothing is placed there) but still in etcd, with the arena
+            # record: a return within the grace brings them back (_unpark); _expire_parked deletes them after it.
+            self.parked[nid] = (node.arena_id, node.capacity, now + max(REJOIN_GRACE_S, node.lease_ttl), [])
+            log.warning("metaserver: node %s lost (no heartbeat for %.1fs): %d pages parked for %.0fs", nid,
+                        node.lease_ttl, pages, REJOIN_GRACE_S)
+        else:
+            self.writer.submit([], [self.store.arena_key(nid)], wait=False)
+            if node.provisional:
+                log.warning("metaserver: node %s did not re-register after the takeover: dropping %d pages", nid,
+                            pages)
+            else:
+                log.warning("metaserver: node %s lost (no heartbeat for %.1fs): dropping %d pages", nid,
+                            node.lease_ttl, pages)
+        node.provisional = False
+        self._check_settled()
+        lease, node.lease_id = node.lease_id, 0
+        if lease:
+            self._spawn(self._revoke(lease))
+
+    def _drop_lost(self, budget: int) -> int:
+        """One tick's share of dropping detached nodes' pages: at most ``budget`` pages in all. Returns how many."""
+        done = 0
+        for nid in list(self.dir.dying):
+            if done >= budget:
+                break
+            fx = Effects()
+            n, recs = self.dir.drop_slice(nid, budget - done, fx)
+            self._apply(fx)
+            done += n
+            if recs is not None:
+                self._dropped(nid, recs)
+        return done
+
+    def _finish_drop(self, node_id: str) -> None:
+        """Finish a detached node's drop in one step (it re-registers: its parked pages must be complete first)."""
+        if node_id in self.dir.dying:
+            fx = Effects()
+            _, recs = self.dir.drop_slice(node_id, 1 << 62, fx)
+            self._apply(fx)
+            self._dropped(node_id, recs)
+
+    def _dropped(self, node_id: str, recs: list) -> None:
+        """A detached node's last slice: its parked records, in recency order (oldest first) for a reload."""
+        p = self.parked.get(node_id)
+        if p is not None and recs:
+            recs.sort(key=_ACCESS)
+            p[3].extend(r[:6] for r in recs)
+        log.info("metaserver: node %s: its pages are out of the directory", node_id)
 
     def _unpark(self, node: Node) -> int:
         """On re-registration: bring the node's parked pages back if it kept the same arena. Keys written elsewhere
@@ -51,7 +106,7 @@ class RejoinHandlers:
 
     def _expire_parked(self, now: float) -> None:
         for node_id, (_a, _c, deadline, recs) in list(self.parked.items()):
-            if deadline < now:
+            if deadline < now and node_id not in self.dir.dying:  # a drop still under way: its records are not all in
                 del self.parked[node_id]
                 self._forget_parked(node_id, recs, arena=True)
                 log.warning("metaserver: node %s did not return within %.0fs: dropped its %d parked pages", node_id,
@@ -64,4 +119,3 @@ class RejoinHandlers:
         if arena:
             keys.append(self.store.arena_key(node_id))
         self.writer.submit([], keys, wait=False)
-

@@ -6,9 +6,15 @@ etcd (REGISTER_NODE, COMMIT with puts, ALLOC when generations run out, EVICT all
 synchronously inside the handler, before any await, so a request's effect on the directory is atomic; the etcd I/O
 the directory returns is handed to the batch writer afterwards (awaited only by COMMIT).
 
-Background (``tick`` every TICK_S): expire PENDING entries and read leases, detect dead nodes, evict nodes above
-the high watermark down to the low one. Every duty has a budget per tick, so a backlog (a million expired leases,
-a huge eviction) is worked off over several ticks while requests keep being served in between.
+Background (``tick`` every TICK_S): expire PENDING entries and read leases, detect dead nodes and drop their pages,
+evict nodes above the high watermark down to the low one. Each of these sweeps has a budget per tick (SWEEP_BUDGET,
+EVICT_BUDGET), so a backlog (a million expired leases, a lost node of millions of pages, a huge eviction) is worked
+off over several ticks while requests keep being served in between. What is not budgeted: detaching a lost node
+(O(PENDING entries)), the last slice of its drop (O(read leases) and a sort of its parked records), and a node that
+re-registers mid-drop (the rest of its drop at once, as its parked pages are reloaded in one step).
+
+Read leases and PENDING allocations belong to a connection, and namespaces may have quotas:
+``metaserver.ownership``.
 
 Leadership (``metaserver.leader.Election``): every term starts from what etcd holds. A metaserver that loses a
 round keeps a warm copy of the directory (``metaserver.standby.WarmDirectory``: loaded once, then fed by an etcd
@@ -37,10 +43,11 @@ from typing import Any
 
 from metaserver import validate as v
 from metaserver.admin import EVICT_BUDGET, AdminHandlers
-from metaserver.directory import NEW, PENDING, Directory, Effects
+from metaserver.directory import NEW, OVER_QUOTA, Directory, Effects
 from metaserver.leader import Election
 from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
+from metaserver.ownership import OwnershipHandlers
 from metaserver.batcher import BatchWriter
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
@@ -70,7 +77,7 @@ LEADER_ONLY = frozenset({Op.REGISTER_NODE, Op.HEARTBEAT, Op.ALLOC, Op.COMMIT, Op
                          Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN, Op.STATS})
 
 
-class Metaserver(AdminHandlers, RejoinHandlers):
+class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
     def __init__(self, config: MetaserverConfig, advertise: str):
         self.cfg = config
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
@@ -111,7 +118,8 @@ class Metaserver(AdminHandlers, RejoinHandlers):
 
     def _make_dir(self) -> Directory:
         cfg = self.cfg
-        return Directory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy)
+        return Directory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
+                         quotas=getattr(self.tokens, "quotas", None))
 
     @property
     def serving(self) -> bool:
@@ -301,35 +309,14 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         d.expire_leases(now, SWEEP_BUDGET)
         for node in self.members.expired(now):
             self._node_lost(node, now)
+        if d.dying:
+            self._drop_lost(SWEEP_BUDGET)
         if self.parked:
             self._expire_parked(now)
         if d.needs_eviction(self.cfg.high_watermark):
             fx = Effects()
             d.watermark_pass(self.cfg.high_watermark, self.cfg.low_watermark, EVICT_BUDGET, fx)
             self._apply(fx)
-
-    def _node_lost(self, node: Node, now: float) -> None:
-        parked = 0 if node.provisional else self._park(node, now)
-        n, fx = self.dir.drop_space(node.node_id)
-        if parked:
-            # Out of the directory (no lookup finds them, nothing is placed there) but still in etcd, with the arena
-            # record: a return within the grace brings them back (_unpark); _expire_parked deletes them after it.
-            log.warning("metaserver: node %s lost (no heartbeat for %.1fs): %d pages parked for %.0fs",
-                        node.node_id, node.lease_ttl, parked, REJOIN_GRACE_S)
-        else:
-            self._apply(fx)
-            self.writer.submit([], [self.store.arena_key(node.node_id)], wait=False)
-            if node.provisional:
-                log.warning("metaserver: node %s did not re-register after the takeover: dropped %d pages",
-                            node.node_id, n)
-            else:
-                log.warning("metaserver: node %s lost (no heartbeat for %.1fs): dropped %d pages", node.node_id,
-                            node.lease_ttl, n)
-        node.provisional = False
-        self._check_settled()
-        lease, node.lease_id = node.lease_id, 0
-        if lease:
-            self._spawn(self._revoke(lease))
 
     async def _revoke(self, lease: int) -> None:
         try:
@@ -371,6 +358,7 @@ class Metaserver(AdminHandlers, RejoinHandlers):
             kept = len(self.dir.spaces[node.node_id].entries)
             self.dir.set_placeable(node.node_id, True)
         else:
+            self._finish_drop(node.node_id)  # a drop under way completes its parked records first
             dropped, fx = self.dir.drop_space(node.node_id)
             self._apply(fx)
             self.dir.add_space(node.node_id, node.capacity)
@@ -439,8 +427,10 @@ class Metaserver(AdminHandlers, RejoinHandlers):
                 n.provisional for n in self.members.nodes.values()):
             # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
             raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
-        items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token)
+        items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn)
         self._apply(fx)
+        if self.dir.quotas and any(it[0] == OVER_QUOTA for it in items):
+            self._refuse_over_quota(ns, keys, items)
         d = self.dir.entries.get(ns, {})
         out = []
         for key, item in zip(keys, items):
@@ -452,18 +442,6 @@ class Metaserver(AdminHandlers, RejoinHandlers):
                 conn.pending.add(d[key])  # aborted if this connection goes away before COMMIT
             out.append(item)
         return {"items": out}
-
-    def drop_pending(self, conn) -> int:
-        """The writer's connection closed: free its allocations still PENDING (their bytes can never be
-        committed by it now), so other writers of those keys need not wait out ``pending_ttl_s``."""
-        gone = [e for e in conn.pending if e.state == PENDING and not e.gone]
-        by_ns: dict[str, tuple[list, list]] = {}
-        for e in gone:
-            ks, gs = by_ns.setdefault(e.ns, ([], []))
-            ks.append(e.key)
-            gs.append(e.gen)
-        conn.pending.clear()
-        return sum(self.dir.abort(ns, ks, gs) for ns, (ks, gs) in by_ns.items()) if self.serving else 0
 
     async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn) -> dict:
         if not self.settled.is_set():
@@ -477,7 +455,9 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         self.check_term(term)
         return self._alloc_now(ns, keys, sizes, parents, base, token, conn)
 
-    def commit(self, meta: Any, conn):
+    def _settle_request(self, meta: Any, conn) -> tuple[str, list, list]:
+        """The shared opening of COMMIT and ABORT: validate (ns, keys, gens), check write rights, and take the keys
+        out of this connection's pending set (they are settled by this request, whatever its outcome)."""
         m = v.fields(meta, _NS_KEYS_GENS, ("ns", "keys", "gens"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, True, "metaserver")
@@ -487,6 +467,10 @@ class Metaserver(AdminHandlers, RejoinHandlers):
             d = self.dir.entries.get(ns, {})
             for key in keys:
                 conn.pending.discard(d.get(key))
+        return ns, keys, gens
+
+    def commit(self, meta: Any, conn):
+        ns, keys, gens = self._settle_request(meta, conn)
         ok, fx = self.dir.commit(ns, keys, gens, time.monotonic())
         fut = self._apply(fx, wait=True)
         if fut is None:
@@ -501,15 +485,7 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         return {"ok": ok}
 
     def abort(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, _NS_KEYS_GENS, ("ns", "keys", "gens"))
-        ns = v.ns(m)
-        conn.auth.scope.check(ns, True, "metaserver")
-        keys = v.keys(m, self.max_keys)
-        gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
-        if conn.pending:
-            d = self.dir.entries.get(ns, {})
-            for key in keys:
-                conn.pending.discard(d.get(key))
+        ns, keys, gens = self._settle_request(meta, conn)
         return {"aborted": self.dir.abort(ns, keys, gens)}
 
     def lookup(self, meta: Any, conn) -> dict:
@@ -517,7 +493,9 @@ class Metaserver(AdminHandlers, RejoinHandlers):
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")
         keys = v.keys(m, self.max_keys)
-        lease, locs = self.dir.lookup(ns, keys, time.monotonic())
+        lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn)
+        if lease:
+            self._own_lease(conn, lease)
         tag, members = self.tokens.tag, self.members
         for i, loc in enumerate(locs):
             if loc is not None:
@@ -526,11 +504,6 @@ class Metaserver(AdminHandlers, RejoinHandlers):
                 locs[i] = (node_id, off, plen, gen, tag(ns, keys[i]),
                            capability(node.cap_key if node is not None else None, b"r", off, plen, gen))
         return {"lease": lease, "locs": locs}
-
-    def release(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, frozenset({"lease"}), ("lease",))
-        self.dir.release(v.integer(m, "lease", 0, (1 << 63) - 1))
-        return {}
 
     def exists(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))

@@ -63,6 +63,7 @@ from umbp.errors import (
     NotFound,
     NotLeader,
     PoolFull,
+    QuotaExceeded,
     ProtocolError,
     RemoteError,
     Unavailable,
@@ -150,6 +151,7 @@ class Status(enum.IntEnum):
     CORRUPT = 9
     AUTH = 10
     INTERNAL = 11
+    QUOTA = 12  # a namespace over its quota (umbp.errors.QuotaExceeded)
 
 
 _STATUS_ERRORS: dict[int, type[RemoteError]] = {
@@ -162,6 +164,7 @@ _STATUS_ERRORS: dict[int, type[RemoteError]] = {
     Status.NOT_LEADER: NotLeader,
     Status.UNAVAILABLE: Unavailable,
     Status.AUTH: AuthError,
+    Status.QUOTA: QuotaExceeded,
 }
 
 

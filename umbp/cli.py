@@ -65,6 +65,17 @@ def _print_stats(s: dict) -> None:
     t.add_row("hit rate", f"{100 * hits / lookups:.1f}% ({hits} hits, {misses} misses)" if lookups else "no lookups yet")
     t.add_row("evictions", str(s.get("evictions", 0)))
     con.print(t)
+    usage = s.get("namespace_usage") or {}
+    if usage:  # per namespace: objects, use against quota (a scoped token sees its own namespaces only)
+        nt = Table(title="namespaces")
+        for col in ("namespace", "objects", "used", "quota"):
+            nt.add_column(col)
+        for ns, u in usage.items():
+            q = u.get("quota_bytes")
+            nt.add_row(ns, str(u.get("objects", 0)), format_size(u.get("used_bytes", 0)),
+                       "-" if q is None else f"{format_size(q)} ({100 * u.get('used_bytes', 0) / q:.1f}%)" if q
+                       else format_size(q))
+        con.print(nt)
     _print_nodes(s.get("nodes", []))
 
 

@@ -75,6 +75,14 @@ class PoolFull(RemoteError):
     """No space can be found or freed: every evictable page is leased, pending, or too small a hole."""
 
 
+class QuotaExceeded(PoolFull):
+    """A put would take its namespace over its quota (bytes, from the tokens file's ``[quotas]`` table) even after
+    evicting the namespace's own unpinned pages; the message names the namespace. A ``PoolFull`` for callers that
+    treat both alike."""
+
+    code = 12  # transport.wire.Status.QUOTA
+
+
 class NotLeader(RemoteError):
     """This metaserver is a standby; ``leader`` (when known) is the address of the current leader."""
 

@@ -1,0 +1,97 @@
+"""Who owns what the metaserver hands out, and per-namespace quotas (``OwnershipHandlers``, a mixin of
+``metaserver.service.Metaserver``).
+
+Read leases. A LOOKUP pins what it found under one lease with a random 63-bit id (``Directory.lookup``: not
+guessable, unlike the sequential ids it replaced), owned by the connection that took it. A RELEASE from any other
+connection is refused with NOT_FOUND and changes nothing, the same answer as for an unknown or expired lease, so it
+tells nothing about other connections' leases; a connection's leases are released when it closes (``drop_pending``,
+called by ``metaserver.server`` on close). A lease that nobody releases expires after ``read_lease_s``.
+
+PENDING allocations. An allocation belongs to the connection that made it, or to the one that retried the ALLOC with
+the same token last (the answer of the first was lost, typically with its connection): only the owner's closing
+aborts it, so a retry on a new connection is not aborted when the old one finally goes.
+
+Quotas (``Tokens.quotas``: exact namespace name -> bytes, from the tokens file's ``[quotas]`` table). A namespace's
+use is the object sizes (header included, 4 KiB aligned: what it takes of the arenas) of its READY and PENDING
+entries, kept exact by the directory through every transition (``check()`` verifies it). An ALLOC that would take
+its namespace over evicts the namespace's own least recently used READY pages first (never pinned or PENDING ones),
+at most PLACE_EVICT_BUDGET per key; keys that still do not fit fail the whole request: it allocates nothing and
+answers QUOTA (``QuotaExceeded`` naming the namespace). STATS shows ``used_bytes`` and ``quota_bytes`` per namespace.
+
+Costs: RELEASE O(pages under the lease); a connection's close O(its leases + its PENDING); quota checks O(1) per key,
+quota eviction as ``Directory._evict_ns`` says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metaserver import validate as v
+from metaserver.directory import NEW, OVER_QUOTA, PENDING
+from transport.wire import Status
+from umbp.errors import QuotaExceeded
+
+LEASES_PRUNE_AT = 4096  # a connection's remembered lease ids are pruned of expired ones at this size
+
+
+class OwnershipHandlers:
+    def release(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, frozenset({"lease"}), ("lease",))
+        lease = v.integer(m, "lease", 0, (1 << 63) - 1)
+        held = getattr(conn, "leases", None)
+        if held is not None:
+            held.discard(lease)
+        if not self.dir.release(lease, conn):
+            # Unknown, expired, or another connection's: the same answer, so it tells nothing about other leases.
+            raise v.Reject(f"no read lease {lease} held by this connection", Status.NOT_FOUND)
+        return {}
+
+    def _own_lease(self, conn, lease: int) -> None:
+        """Remember a lease on its connection (released when it closes). Leases that expired meanwhile are pruned
+        when the set grows, so a connection that never releases holds O(live leases) ids."""
+        held = getattr(conn, "leases", None)
+        if held is None:
+            return
+        if len(held) >= LEASES_PRUNE_AT:
+            live = self.dir.leases
+            held.intersection_update([x for x in held if x in live])
+        held.add(lease)
+
+    def drop_leases(self, conn) -> int:
+        """Release every lease ``conn`` still holds (it closed). Returns how many were live."""
+        held = getattr(conn, "leases", None)
+        if not held:
+            return 0
+        release = self.dir.release
+        n = sum(1 for lease in held if release(lease, conn))
+        held.clear()
+        return n
+
+    def drop_pending(self, conn) -> int:
+        """The writer's connection closed: free its allocations still PENDING (their bytes can never be
+        committed by it now), so other writers of those keys need not wait out ``pending_ttl_s``; and release the
+        read leases it still holds. An allocation another connection took over (an ALLOC retried with its token)
+        is not this connection's any more and stays."""
+        self.drop_leases(conn)
+        writer_of = self.dir.writer_of
+        gone = [e for e in conn.pending if e.state == PENDING and writer_of(e) is conn]
+        by_ns: dict[str, tuple[list, list]] = {}
+        for e in gone:
+            ks, gs = by_ns.setdefault(e.ns, ([], []))
+            ks.append(e.key)
+            gs.append(e.gen)
+        conn.pending.clear()
+        return sum(self.dir.abort(ns, ks, gs) for ns, (ks, gs) in by_ns.items()) if self.serving else 0
+
+    def _refuse_over_quota(self, ns: str, keys: list, items: list) -> None:
+        """Some keys of an ALLOC do not fit in ``ns``'s quota: give back what this request allocated (nothing was
+        written: no capability left the metaserver) and raise QuotaExceeded naming the namespace."""
+        d = self.dir
+        new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+        if new:
+            d.abort(ns, [k for k, _ in new], [g for _, g in new])
+        over = sum(1 for it in items if it[0] == OVER_QUOTA)
+        raise QuotaExceeded("metaserver", f"namespace {ns!r} is over its quota of {d.quotas[ns]} bytes: {over} of "
+                                          f"{len(keys)} pages do not fit even after evicting its own unpinned pages "
+                                          f"({d.ns_used.get(ns, 0)} bytes in use); nothing of this request was "
+                                          f"allocated", Status.QUOTA)
