@@ -26,12 +26,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scoped tokens and the cluster secret (TOML, see umbp/auth.py)")
     p.add_argument("--metrics-listen", dest="metrics_listen", default=None, metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz on this address (port 0: any)")
+    tls_arguments(p)
+
+
+def tls_arguments(p: argparse.ArgumentParser) -> None:
+    """--tls-cert/--tls-key/--tls-ca of a server (metaserver, node; umbp/tls.py)."""
+    p.add_argument("--tls-cert", dest="tls_cert", default=None, metavar="PEM",
+                   help="serve TLS with this certificate chain (default $UMBP_TLS_CERT; with --tls-key)")
+    p.add_argument("--tls-key", dest="tls_key", default=None, metavar="PEM", help="the certificate's private key")
+    if "--tls-ca" not in p._option_string_actions:  # `umbp node` has it already, as a client of the metaserver
+        p.add_argument("--tls-ca", dest="tls_ca", default=None, metavar="PEM",
+                       help="CA bundle to verify the servers this process connects to (default $UMBP_TLS_CA)")
 
 
 def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
                                       ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
-                                       "election_ttl_s", "token", "tokens_file", "metrics_listen")})
+                                       "election_ttl_s", "token", "tokens_file", "metrics_listen", "tls_cert", "tls_key",
+                                       "tls_ca")})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from transport.wire import Flag, Op, Status
 from umbp.admission import Admission
 from umbp.auth import ServerAuth
 from umbp.config import MetaserverConfig, split_host_port
+from umbp.tls import server_context
 from umbp.errors import NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
 
 log = logging.getLogger("umbp.metaserver")
@@ -296,7 +297,11 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
                                             ms.metrics.healthy, ms.metrics.ready)
             print(f"metaserver: metrics on {endpoint.url}", flush=True)
         await ms.start()
-        server = await loop.create_server(lambda: Connection(ms, conns, admission), sock=sock, backlog=1024)
+        tls = server_context(config.tls_cert, config.tls_key, "metaserver")
+        server = await loop.create_server(lambda: Connection(ms, conns, admission), sock=sock, backlog=1024,
+                                          ssl=tls, ssl_handshake_timeout=config.auth_timeout_s if tls else None)
+        if tls is not None:
+            log.info("metaserver: TLS on (certificate %s)", config.tls_cert)
         print(f"metaserver: {addr}", flush=True)
         log.info("metaserver: serving on %s (etcd %s, prefix %s)", addr, ms.store.addr, config.etcd_prefix)
         if started is not None:

@@ -19,7 +19,7 @@ from transport import wire
 from transport.tcp import FramedSocket, TcpTransport
 from umbp.client import Client
 from umbp.config import ClientConfig, resolve
-from umbp.errors import AuthError, Unavailable
+from umbp.errors import AuthError, ProtocolError, TransportError, Unavailable
 
 SECRET = "cluster-secret-0123456789"
 TENANT_A = "tenant-a-secret-0123456789"
@@ -85,7 +85,11 @@ class OpenImpostor:
                 if not n:
                     return
                 self.raw += bytes(buf[:n])
-                for frame, _err in reader.buffer_updated(n):
+                try:
+                    frames = reader.buffer_updated(n)
+                except ProtocolError:
+                    return  # not UMBP frames (a TLS ClientHello): hang up, as a plaintext server would
+                for frame, _err in frames:
                     self.ops.append(frame.op)
                     meta = {}
                     if frame.op == wire.Op.HELLO:
@@ -299,3 +303,89 @@ def test_preauth_connections_cannot_fill_the_cap(closed, target):
         for s in served:
             s.close()
         early.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TLS
+
+
+def _openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 (subjectAltName IP:127.0.0.1) it signed, and an unrelated CA."""
+    import shutil
+    if shutil.which("openssl") is None:
+        pytest.skip("no `openssl` command to make the test certificates with")
+    d = tmp_path_factory.mktemp("tls")
+    for ca in ("ca", "other"):
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.pem",
+                 "-days", "2", "-subj", f"/CN=umbp test {ca}", cwd=d)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj",
+             "/CN=127.0.0.1", cwd=d)
+    (d / "ext.cnf").write_text("subjectAltName = IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+             "server.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)
+    return {"ca": str(d / "ca.pem"), "other": str(d / "other.pem"), "cert": str(d / "server.pem"),
+            "key": str(d / "server.key")}
+
+
+@pytest.fixture
+def tls_pool(make_cluster, tmp_path, monkeypatch, certs):
+    """A closed pool serving TLS only: metaserver and node (data port and its registration link)."""
+    path = tmp_path / "tokens.toml"
+    path.write_text(TOKENS)
+    monkeypatch.setenv("UMBP_TOKEN", SECRET)
+    monkeypatch.setenv("UMBP_TLS_CA", certs["ca"])  # the harness's CLI calls and the node's link verify with it
+    tls = {"tls_cert": certs["cert"], "tls_key": certs["key"]}
+    cluster = make_cluster(nodes=1, lease_ttl=3, metaserver_flags={"tokens": str(path), **tls},
+                           node_flags={"tokens": str(path), **tls})
+    monkeypatch.delenv("UMBP_TOKEN")
+    monkeypatch.delenv("UMBP_TLS_CA")
+    return cluster
+
+
+def test_tls_pool_end_to_end(tls_pool, certs):
+    pages = [os.urandom(n) for n in (1, 4096, 300_000, 1 << 20, 3 << 20)]
+    keys = [f"tls-{i}" for i in range(len(pages))]
+    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"]) as c:
+        assert c.batch_put(keys, pages) == [True] * len(pages)
+        outs = [bytearray(len(p)) for p in pages]
+        assert c.batch_get_into(keys, outs) == [len(p) for p in pages]
+        assert [bytes(o) for o in outs] == pages
+        assert c.get(keys[3]) == pages[3] and c.get("missing") is None
+    # the admin CLI over TLS (and the CA from --tls-ca)
+    stats = tls_pool.cli_json("stats", "--token", OPS, "--tls-ca", certs["ca"])
+    assert stats["objects"] == len(pages)
+    r = tls_pool.cli("stats", "--token", OPS, "--json", check=False, timeout=60)
+    assert r.returncode == 1 and "TLS" in r.stderr, r.stderr
+
+
+def test_tls_refuses_wrong_ca_and_plaintext(tls_pool, certs):
+    node_addr = f"{tls_pool.nodes[0].host}:{tls_pool.nodes[0].port}"
+    # a client that trusts another CA: the servers' certificates do not verify, said at once
+    for addr in (tls_pool.metaserver_addr, node_addr):
+        with pytest.raises(AuthError, match=r"TLS: the certificate of 127\.0\.0\.1:\d+ does not verify against .*"
+                                            r"other\.pem: certificate verify failed|unable to get local issuer"):
+            FramedSocket(addr, "client", time.monotonic() + 5, TENANT_A, hello=True, tls_ca=certs["other"])
+    with pytest.raises(AuthError, match="does not verify"):
+        client(tls_pool.metaserver_addr, TENANT_A, tls_ca=certs["other"]).get("k")
+    # a plaintext client against a TLS server: a clear TransportError that names TLS
+    for addr in (tls_pool.metaserver_addr, node_addr):
+        with pytest.raises(TransportError, match="during HELLO: if it serves TLS, give the client its CA"):
+            FramedSocket(addr, "client", time.monotonic() + 5, TENANT_A, hello=True)
+    with pytest.raises(TransportError, match="serves TLS"):
+        client(tls_pool.metaserver_addr, TENANT_A, timeout_s=2.0).get("k")
+    # a TLS client against a plaintext server
+    impostor = OpenImpostor()
+    try:
+        with pytest.raises(TransportError, match=r"TLS handshake with .* failed"):
+            FramedSocket(impostor.addr, "client", time.monotonic() + 5, TENANT_A, hello=True, tls_ca=certs["ca"])
+        assert not impostor.ops  # nothing but a TLS ClientHello left the client
+    finally:
+        impostor.close()
+    # the pool still serves
+    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"]) as c:
+        assert c.put("after", b"x" * 5000) is True and c.get("after") == b"x" * 5000

@@ -72,10 +72,12 @@ class NodeRdma:
 class RdmaTransport(Transport):
     name = "rdma"
 
-    def __init__(self, node_id: str, addr: str, staging_bytes: int, deadline: float, token: str | None = None):
+    def __init__(self, node_id: str, addr: str, staging_bytes: int, deadline: float, token: str | None = None,
+                 tls_ca: str = ""):
         self.node_id = node_id
         self.addr = addr
         self.token = token
+        self.tls_ca = tls_ca  # the control connection (queue-pair exchange) goes over the node's TCP port
         self.component = f"transport rdma {node_id}"
         self.ctx = RdmaContext.default()
         self.staging = self.ctx.alloc(max(staging_bytes, 1 << 20), CLIENT_ACCESS)
@@ -98,7 +100,7 @@ class RdmaTransport(Transport):
             self.ep.close()
             self.ep = None
         try:
-            ctl = FramedSocket(self.addr, self.component, deadline, self.token, hello=True)
+            ctl = FramedSocket(self.addr, self.component, deadline, self.token, hello=True, tls_ca=self.tls_ca)
         except TransportError as e:
             raise _Unreachable(self.component, str(e).split(": ", 1)[-1]) from e
         try:
@@ -339,7 +341,7 @@ class RdmaTransport(Transport):
 
 def client_transport(node_id: str, info: dict, registered: list, config) -> RdmaTransport:
     t = RdmaTransport(node_id, info.get("addr") or f"{info['host']}:{info['port']}", config.staging_bytes,
-                      time.monotonic() + min(config.timeout_s, 10), config.token)
+                      time.monotonic() + min(config.timeout_s, 10), config.token, config.tls_ca)
     for buf in registered:
         t.register(buf)
     return t

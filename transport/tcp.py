@@ -17,7 +17,9 @@ the mapped arena and goes out in one ``writev``.
 
 from __future__ import annotations
 
+import select
 import socket
+import ssl
 import time
 from typing import Any
 
@@ -25,11 +27,13 @@ from transport import wire
 from transport.base import Pending, Transport, check_payload
 from umbp.auth import ClientAuth
 from umbp.config import split_host_port
-from umbp.errors import CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
+from umbp.errors import AuthError, CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
+from umbp.tls import client_context
 
 _IOV_MAX = 512
 _BIG_VIEW = 256 << 10  # recv_scatter: views this large are received on their own
 _DISCARD = memoryview(bytearray(64 << 10))  # scratch for data that is received only to be dropped (never read)
+_TLS_COALESCE = 256 << 10  # TLS sends: runs of smaller buffers are joined (one record) up to about this much
 
 
 def _advance(views: list, i: int, n: int) -> int:
@@ -69,9 +73,10 @@ class FramedSocket:
     it, a closed one answers its first request with AUTH "authentication required"."""
 
     def __init__(self, addr: str, component: str, deadline: float, token: str | None = None,
-                 hello: bool = False):
+                 hello: bool = False, tls_ca: str = ""):
         self.addr = addr
         self.component = component
+        self.tls = bool(tls_ca)
         host, port = split_host_port(addr, component)
         try:
             self.sock = socket.create_connection((host, port), timeout=_remaining(deadline, component))
@@ -83,6 +88,8 @@ class FramedSocket:
                 self.sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
             except OSError:
                 pass
+        if tls_ca:
+            self._wrap_tls(host, tls_ca)
         self._hdr = bytearray(wire.HEADER_SIZE)
         self._hdr_mv = memoryview(self._hdr)
         self._meta = memoryview(bytearray(4096))  # meta of received frames (recv_meta), grown on demand
@@ -95,16 +102,43 @@ class FramedSocket:
                 self.close()
                 raise
 
+    def _wrap_tls(self, host: str, ca: str) -> None:
+        """TLS client handshake (under the connect timeout), verifying the server's certificate against ``ca``
+        and the dialled address. AuthError when it does not verify, TransportError when there is no TLS there."""
+        raw = self.sock
+        try:
+            self.sock = client_context(ca, self.component).wrap_socket(raw, server_hostname=host)
+        except ssl.SSLCertVerificationError as e:
+            raw.close()
+            raise AuthError(self.component, f"TLS: the certificate of {self.addr} does not verify against "
+                                            f"{ca}: {e.verify_message}") from e
+        except (ssl.SSLError, OSError) as e:
+            raw.close()
+            raise TransportError(self.component, f"TLS handshake with {self.addr} failed ({e}): does it serve "
+                                                 f"TLS (--tls-cert)?") from e
+
     def handshake(self, token: str | None, deadline: float) -> str:
         """HELLO, then AUTH when the server asks for it; returns the scope the server granted."""
         auth = ClientAuth(token, self.component)
-        meta = auth.auth_meta(self.request(wire.Op.HELLO, auth.hello_meta(self.component), deadline).meta)
+        try:
+            hello = self.request(wire.Op.HELLO, auth.hello_meta(self.component), deadline)
+        except TransportError as e:
+            if self.tls or type(e) is not TransportError:
+                raise
+            raise TransportError(self.component, f"{e.detail} during HELLO: if it serves TLS, give the client "
+                                                 f"its CA (tls_ca=, UMBP_TLS_CA, --tls-ca)") from e
+        meta = auth.auth_meta(hello.meta)
         if meta is None:
             return "open"
         return auth.check(self.request(wire.Op.AUTH, meta, deadline).meta)
 
     def peer_closed(self) -> bool:
         """True when the server closed this (idle) connection: a peek that finds EOF. Costs one syscall."""
+        if self.tls:  # no peek through TLS; a server sends nothing unasked but a last error before it closes
+            try:
+                return bool(self.sock.pending() or select.select([self.sock], [], [], 0)[0])
+            except (OSError, ValueError):
+                return True
         timeout = self.sock.gettimeout()
         self.sock.setblocking(False)  # a socket with a timeout would wait for data before the peek
         try:
@@ -143,11 +177,34 @@ class FramedSocket:
             self.sock.settimeout(_remaining(deadline, self.component))
             views = [memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b) for b in bufs]
             views = [v for v in views if len(v)]
+            if self.tls:
+                self._send_tls(views)
+                return
             i = 0  # first buffer not yet fully sent (an index, not pops: a batch may have thousands of parts)
             while i < len(views):
                 i = _advance(views, i, self.sock.sendmsg(views[i:i + _IOV_MAX]))
         except (OSError, DeadlineExceeded) as e:
             raise self._fail(e, "send to") from e
+
+    def _send_tls(self, views: list) -> None:
+        """SSLSocket has no sendmsg: large buffers go out with sendall each, runs of small ones joined first (TLS
+        copies every byte into a record anyway)."""
+        run: list = []
+        size = 0
+        for v in views:
+            if len(v) >= _TLS_COALESCE:
+                if run:
+                    self.sock.sendall(b"".join(run))
+                    run, size = [], 0
+                self.sock.sendall(v)
+                continue
+            run.append(v)
+            size += len(v)
+            if size >= _TLS_COALESCE:
+                self.sock.sendall(b"".join(run))
+                run, size = [], 0
+        if run:
+            self.sock.sendall(b"".join(run) if len(run) > 1 else run[0])
 
     def recv_exact(self, mv: memoryview) -> None:
         """Fill ``mv`` completely (socket timeout already set by the caller)."""
@@ -170,8 +227,9 @@ class FramedSocket:
             recvmsg_into = self.sock.recvmsg_into
             recv_into = self.sock.recv_into
             i, n = 0, len(views)
+            tls = self.tls  # SSLSocket has no recvmsg_into: one recv_into per view
             while i < n:
-                if len(views[i]) >= _BIG_VIEW:
+                if tls or len(views[i]) >= _BIG_VIEW:
                     k = recv_into(views[i])
                 else:
                     j = i + 1
@@ -272,10 +330,11 @@ class TcpTransport(Transport):
     VEC_OPS = 1024
     VEC_BYTES = 64 << 20
 
-    def __init__(self, node_id: str, addr: str, token: str | None = None):
+    def __init__(self, node_id: str, addr: str, token: str | None = None, tls_ca: str = ""):
         self.node_id = node_id
         self.addr = addr
         self.token = token
+        self.tls_ca = tls_ca
         self.component = f"transport tcp {node_id}"
         self._conn: FramedSocket | None = None
         self._ohdr = memoryview(bytearray(wire.OBJ_HEADER_SIZE * 64))  # object headers of one READV answer
@@ -284,7 +343,7 @@ class TcpTransport(Transport):
         if self._conn is not None and not self._conn.closed and self._conn.peer_closed():
             self._conn.close()  # the node dropped it (idle timeout, restart): reconnect rather than fail the batch
         if self._conn is None or self._conn.closed:
-            self._conn = FramedSocket(self.addr, self.component, deadline, self.token, hello=True)
+            self._conn = FramedSocket(self.addr, self.component, deadline, self.token, hello=True, tls_ca=self.tls_ca)
         return self._conn
 
     def start_read(self, ops, deadline):

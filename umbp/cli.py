@@ -22,17 +22,25 @@ def _metaserver_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metaserver", default=None,
                    help="HOST:PORT of the metaserver (comma-separated for several); default $UMBP_METASERVER")
     _token_arg(p)
+    if "--tls-ca" not in p._option_string_actions:
+        _tls_ca_arg(p)
 
 
 def _token_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=None, help="the pool's secret or a scoped token (default $UMBP_TOKEN)")
 
 
+def _tls_ca_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", dest="tls_ca", default=None, metavar="PEM",
+                   help="speak TLS, verifying the servers' certificates against this CA bundle (default $UMBP_TLS_CA)")
+
+
 def _admin_client(args):
     from umbp.client import Client
     from umbp.config import ClientConfig, resolve
 
-    cfg = resolve(ClientConfig, {"metaserver": args.metaserver, "timeout_s": 10.0, "token": args.token})
+    cfg = resolve(ClientConfig, {"metaserver": args.metaserver, "timeout_s": 10.0, "token": args.token,
+                                 "tls_ca": getattr(args, "tls_ca", None)})
     return Client(config=cfg)
 
 
@@ -200,7 +208,8 @@ def cmd_node(args) -> int:
     cfg = resolve(NodeConfig, {"metaserver": args.metaserver, "capacity": args.capacity, "listen": args.listen,
                                "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id,
                                "token": args.token, "tokens_file": args.tokens,
-                               "metrics_listen": args.metrics_listen})
+                               "metrics_listen": args.metrics_listen, "tls_cert": args.tls_cert,
+                               "tls_key": args.tls_key, "tls_ca": args.tls_ca})
     run(cfg)
     return 0
 
@@ -216,6 +225,9 @@ def cmd_up(args) -> int:
     else:
         print("up: WARNING: no --token: the pool is open to anyone who can reach its ports", file=sys.stderr,
               flush=True)
+    for flag, name in (("tls_cert", "UMBP_TLS_CERT"), ("tls_key", "UMBP_TLS_KEY"), ("tls_ca", "UMBP_TLS_CA")):
+        if getattr(args, flag):
+            os.environ[name] = os.path.abspath(getattr(args, flag))  # the children and our own checks inherit it
     pool = LocalPool(nodes=args.nodes, capacity=args.capacity, etcd=args.etcd, port=args.port,
                      lease_ttl=args.lease_ttl, echo=args.verbose, max_restarts=args.max_restarts)
     try:
@@ -231,6 +243,8 @@ def cmd_up(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from metaserver.__main__ import tls_arguments
+
     p = argparse.ArgumentParser(prog="umbp", description="UMBP: a distributed KV-cache page pool")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -245,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "minutes; then leave it down (default 3)")
     s.add_argument("-v", "--verbose", action="store_true", help="echo the children's logs")
     _token_arg(s)
+    tls_arguments(s)
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("metaserver", help="run a metaserver (several may share one etcd: one leads)")
@@ -264,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scoped client tokens (TOML, see umbp/auth.py); the same file as the metaservers'")
     s.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz on this address (port 0: any)")
+    tls_arguments(s)
     s.set_defaults(func=cmd_node)
 
     s = sub.add_parser("stats", help="pool statistics")

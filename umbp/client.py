@@ -77,7 +77,7 @@ class Client(PutPath):
                                                        "timeout_s": timeout, "checksum": checksum})
         self.namespace = self.config.namespace
         self.component = f"client {self.namespace}"
-        self._meta = MetaClient(self.config.metaserver, "client", self.config.token)
+        self._meta = MetaClient(self.config.metaserver, "client", self.config.token, tls_ca=self.config.tls_ca)
         self._nodes: dict[str, dict] = {}
         self._transports: dict[str, Transport] = {}
         self._lock = threading.RLock()
@@ -152,7 +152,8 @@ class Client(PutPath):
             else:
                 errors.append(f"transport rdma {node_id}: node offers no RDMA")
         if t is None and mode in ("auto", "tcp"):
-            t = TcpTransport(node_id, info.get("addr") or f"{info['host']}:{info['port']}", self.config.token)
+            t = TcpTransport(node_id, info.get("addr") or f"{info['host']}:{info['port']}", self.config.token,
+                             tls_ca=self.config.tls_ca)
         if t is None:
             raise TransportUnavailable(self.component, f"transport {mode} forced but unusable for node {node_id}: "
                                                        + "; ".join(errors))

@@ -53,10 +53,12 @@ class Ticket:
 
 
 class MetaClient:
-    def __init__(self, addrs: tuple[str, ...] | list[str], component: str = "client", token: str | None = None):
+    def __init__(self, addrs: tuple[str, ...] | list[str], component: str = "client", token: str | None = None,
+                 tls_ca: str = ""):
         self.addrs = list(addrs)
         self.component = component
         self.token = token
+        self.tls_ca = tls_ca  # speak TLS, verifying the metaservers' certificates against this CA bundle
         self._conn: FramedSocket | None = None
         self._idx = 0
         self._lock = threading.RLock()
@@ -73,7 +75,8 @@ class MetaClient:
             return self._conn
         addr = self.addrs[self._idx % len(self.addrs)]
         connect_by = min(deadline, time.monotonic() + CONNECT_S)
-        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", connect_by, self.token, hello=True)
+        self._conn = FramedSocket(addr, f"{self.component} metaserver {addr}", connect_by, self.token, hello=True,
+                                  tls_ca=self.tls_ca)
         return self._conn
 
     def call(self, op: int, meta: Any, deadline: float) -> Any:

@@ -46,6 +46,7 @@ from umbp.config import NodeConfig, split_host_port
 from umbp.errors import (BadRequest, CorruptionError, NotFound, NotLeader, ProtocolError, RemoteError, StartupError,
                          UmbpError)
 from umbp.errors import Unavailable
+from umbp.tls import client_context, server_context
 
 _WRITE_HIGH_WATER = 64 << 20
 REFUSED_LINGER_S = 1.0  # a connection turned away by a cap waits this long for a request to answer, then closes
@@ -143,8 +144,10 @@ class NodeServer:
         host, port = split_host_port(self.config.listen, self.component)
         loop = asyncio.get_running_loop()
         try:
+            tls = server_context(self.config.tls_cert, self.config.tls_key, self.component)
             self._server = await loop.create_server(lambda: DataProtocol(self), host, port, reuse_address=True,
-                                                    backlog=1024)
+                                                    backlog=1024, ssl=tls,
+                                                    ssl_handshake_timeout=self.config.auth_timeout_s if tls else None)
         except OSError as e:
             raise StartupError(self.component, f"cannot listen on {self.config.listen}: {e.strerror or e}") from e
         sockname = self._server.sockets[0].getsockname()
@@ -493,7 +496,10 @@ class MetaLink:
             writer = None
             try:
                 host, port = split_host_port(addr, self.component)
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), step_s)
+                tls = self.node.config.tls_ca  # TLS to the metaserver, its certificate checked against this CA
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                    host, port, **({"ssl": client_context(tls, self.component), "server_hostname": host} if tls
+                                   else {})), step_s)
                 await self._authenticate(reader, writer, step_s)
                 reply = await self._request(reader, writer, wire.Op.REGISTER_NODE, self.registration(), step_s)
                 delay = self.RETRY_FIRST_S
