@@ -80,7 +80,12 @@ def worker_main(addr: str, wid: int, seed: int, duration: float, out_path: str) 
     seq = 0
     c = umbp.Client(addr, timeout=CLIENT_TIMEOUT_S)
     end = time.monotonic() + duration
+    started = False
     while time.monotonic() < end:
+        if not started and committed:  # the parent starts the faults once every worker has stored a batch
+            started = True
+            with open(out_path + ".started", "w") as fh:
+                fh.write(str(len(committed)))
         if not committed or rng.random() < 0.5:
             keys = [f"w{wid}/{seq + i}" for i in range(BATCH)]
             seq += BATCH
@@ -256,7 +261,14 @@ def test_chaos_no_wrong_bytes_and_no_lost_committed_pages(make_cluster, harness)
     procs = [spawn_worker(addrs, w, outs[w], harness.workdir) for w in range(WORKERS)]
     chaos = Chaos(cluster, random.Random(SEED))
     try:
-        time.sleep(2.0)  # let the workers' interpreters start before the first fault
+        # the first fault only once every worker has stored its first batch (its interpreter started, its client
+        # reached the pool): a bounded poll of the workers' marker files
+        markers = [Path(str(o) + ".started") for o in outs]
+        for _ in range(1200):  # at most 60 s
+            if all(m.exists() for m in markers) or any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.05)  # poll interval of an observable state
+        assert all(m.exists() for m in markers), f"workers not started: {[str(m) for m in markers if not m.exists()]}"
         chaos.t0 = time.monotonic()
         chaos.start()
         for p in procs:
