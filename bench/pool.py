@@ -357,6 +357,52 @@ class PoolBench:
         return best_events_rate(events, COMMIT_WINDOW_S)
 
 
+def tls_cost_row(plain_ms: str, min_time: float) -> str:
+    """tcp get 1 MiB x64 with TLS on (a second one-node pool serving TLS, certificates made here with ``openssl``)
+    against TLS off (the bench's own pool), same run: the ratio is what TLS costs on this machine."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("openssl") is None:
+        return "tcp get 1 MiB, TLS on vs off: skipped (no `openssl` command to make certificates with)"
+    d = tempfile.mkdtemp(prefix="umbp-bench-tls-")
+    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True, timeout=60)  # noqa
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=umbp bench ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=127.0.0.1")
+    with open(os.path.join(d, "ext.cnf"), "w") as fh:
+        fh.write("subjectAltName = IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
+        "-days", "1", "-extfile", "ext.cnf")
+    pages = [np.random.randint(0, 255, MiB, dtype=np.uint8) for _ in range(BATCH)]
+    outs = [np.empty(MiB, np.uint8) for _ in range(BATCH)]
+
+    def gbps(ms: str, ca: str) -> float:
+        with umbp.Client(metaserver=ms, namespace="bench-tls", transport="tcp", tls_ca=ca or None) as c:
+            keys = [f"tls-{i}" for i in range(BATCH)]
+            c.batch_put(keys, pages)
+            assert c.batch_get_into(keys, outs) == [MiB] * BATCH and all(np.array_equal(a, b) for a, b in
+                                                                          zip(outs, pages))
+            return BATCH * MiB / timed(lambda: c.batch_get_into(keys, outs), min_time) / 1e9
+
+    off = gbps(plain_ms, "")
+    saved = {k: os.environ.get(k) for k in ("UMBP_TLS_CERT", "UMBP_TLS_KEY", "UMBP_TLS_CA")}
+    os.environ.update(UMBP_TLS_CERT=os.path.join(d, "s.pem"), UMBP_TLS_KEY=os.path.join(d, "s.key"),
+                      UMBP_TLS_CA=os.path.join(d, "ca.pem"))  # the TLS pool's processes inherit them
+    try:
+        with LocalPool(nodes=1, capacity="256MiB", port=0, metrics=False) as tp:
+            on = gbps(tp.metaserver, os.path.join(d, "ca.pem"))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(d, ignore_errors=True)
+    return row(f"tcp get 1 MiB x{BATCH}, TLS on", on, "GB/s", f"tcp get 1 MiB x{BATCH}, TLS off GB/s", off, None)
+
+
 def row(name: str, value: float, unit: str, base_name: str, base: float, target: float | None) -> str:
     ratio = value / base if base else float("nan")
     tgt = f"target >= {target:g}x: {'MET' if ratio >= target else 'MISSED'}" if target else ""
@@ -401,6 +447,8 @@ def main() -> int:
                     if transport == "shm":
                         for line in host_copy_rows(size, ws, min_time, r):
                             out(line)
+        if "data" in parts:
+            out(tls_cost_row(pool.metaserver, min_time))
         if "cold" in parts:
             raw = raw_tcp_gbps(total=raw_total)
             out(row(f"tcp cold get 4 MiB x{BATCH}", b.cold_get(sets=2 if args.quick else 3), "GB/s",

@@ -71,10 +71,11 @@ class MappedPages:
 class Client(PutPath):
     def __init__(self, metaserver: str | None = None, namespace: str | None = None, token: str | None = None,
                  transport: str | None = None, *, timeout: float | None = None, checksum: bool | None = None,
-                 config: ClientConfig | None = None):
+                 tls_ca: str | None = None, config: ClientConfig | None = None):
         self.config = config or resolve(ClientConfig, {"metaserver": metaserver, "namespace": namespace,
                                                        "token": token, "transport": transport,
-                                                       "timeout_s": timeout, "checksum": checksum})
+                                                       "timeout_s": timeout, "checksum": checksum,
+                                                       "tls_ca": tls_ca})
         self.namespace = self.config.namespace
         self.component = f"client {self.namespace}"
         self._meta = MetaClient(self.config.metaserver, "client", self.config.token, tls_ca=self.config.tls_ca)
