@@ -18,9 +18,11 @@ an error code, in which case ``meta`` is ``{"error": "<component>: <message>", .
 AUTH, a challenge-response described in ``umbp/auth.py``; a closed server answers anything else before it with AUTH.
 
 Invariants a reader enforces: magic and version match; ``meta_len <= max_meta`` and ``data_len <= max_data`` (the
-reader's limits); memory follows the bytes that arrived, never an announced length: the staging buffer grows at
-most to twice what it holds, data goes to the sink's memory (the node's arena) or, up to ``buffer_data`` bytes, to
-a buffer, and anything else is discarded by counting (a 24-byte header announcing 1 GiB allocates nothing). A
+reader's limits); the staging buffer follows the bytes that arrived (it grows at most to twice what it holds), and
+data goes to the sink's memory (the node's arena), or to a fresh buffer of the announced length when that is at most
+``buffer_data`` (allocated when the header arrives, before the data: 1 MiB by default, 0 in the metaserver and the
+node, so there a peer's announcement allocates nothing), or is discarded by counting into a fixed scratch buffer (a
+24-byte header announcing 1 GiB allocates nothing). A
 malformed header poisons the connection (the stream can no longer be framed), while a well-framed request with an
 unknown opcode or bad meta gets an error answer and the connection goes on.
 
@@ -534,15 +536,19 @@ ARENA_VERSION = 1
 ARENA_DATA_START = ALIGN
 
 
+class NotAnArena(CorruptionError, ValueError):
+    """The bytes at the start of a mapped file are no arena superblock (a ValueError too, for older callers)."""
+
+
 def pack_superblock(arena_id: bytes, capacity: int, created_ns: int) -> bytes:
     return ARENA_SUPER.pack(ARENA_MAGIC, ARENA_VERSION, arena_id, capacity, created_ns)
 
 
 def unpack_superblock(buf) -> tuple[bytes, int]:
-    """(arena_id, capacity) from an arena's first bytes; ValueError if it is not an arena."""
+    """(arena_id, capacity) from an arena's first bytes; NotAnArena if it is not an arena."""
     if len(buf) < ARENA_SUPER.size:
-        raise ValueError(f"not a UMBP arena ({len(buf)} bytes, shorter than a superblock)")
+        raise NotAnArena("arena", f"not a UMBP arena ({len(buf)} bytes, shorter than a superblock)")
     magic, version, arena_id, capacity, _created = ARENA_SUPER.unpack_from(buf)
     if magic != ARENA_MAGIC or version != ARENA_VERSION:
-        raise ValueError("not a UMBP arena (bad superblock)")
+        raise NotAnArena("arena", "not a UMBP arena (bad superblock)")
     return arena_id, capacity
