@@ -50,7 +50,8 @@ from metaserver.entry import (GONE, PENDING, READY, STATE_NAMES, Effects, Entrie
 from metaserver.eviction import Policy, make_policy
 from metaserver.invariants import DirectoryInvariants
 from metaserver.passes import EvictionPasses
-from metaserver.placement import PLACE_EVICT_BUDGET, Placer, next_victim_access
+from metaserver.placement import PLACE_EVICT_BUDGET, Placer
+from metaserver.quarantine import Quarantine
 from transport import wire
 from transport.wire import object_size
 
@@ -98,6 +99,7 @@ class Directory(EvictionPasses, DirectoryInvariants):
         self._osizes: dict[int, int] = {}  # their object sizes
         self.hits = self.misses = self.evictions = self.puts = 0
         self.pinned = 0  # entries (live or zombie) with pins > 0
+        self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities
 
     # -- totals ------------------------------------------------------------------------------------------------
     @property
@@ -727,8 +729,8 @@ class Directory(EvictionPasses, DirectoryInvariants):
         self._unlink(e, fx)
         sp = e.space
         sp.n -= 1
-        if e.pins == 0:
-            sp.alloc.free(e.offset, object_size(e.payload_len))
+        if e.pins == 0 and not sp.dead:  # a dead space's bytes are gone with its node
+            self.quarantine.free(sp, e.offset, object_size(e.payload_len), e.gen)
 
     def _unpin(self, e: Entry) -> None:
         e.pins -= 1
@@ -737,6 +739,6 @@ class Directory(EvictionPasses, DirectoryInvariants):
         self.pinned -= 1
         if e.state == GONE:
             if not e.space.dead:
-                e.space.alloc.free(e.offset, object_size(e.payload_len))
+                self.quarantine.free(e.space, e.offset, object_size(e.payload_len), e.gen)
         elif e.state == READY:
             self.policy.add(e)

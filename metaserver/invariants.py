@@ -40,7 +40,7 @@ class DirectoryInvariants:
         assert len(pinned) == self.pinned, (len(pinned), self.pinned)
         for sp in self.spaces.values():
             es = by_space.pop(id(sp), [])
-            sp.alloc.check([(e.offset, object_size(e.payload_len)) for e in es])
+            sp.alloc.check([(e.offset, object_size(e.payload_len)) for e in es] + self.quarantine.extents(sp))
             assert sp.alloc.used <= sp.alloc.capacity
             mine = [e for e in es if e.state != GONE]
             assert sp.n == len(mine), (sp.node_id, sp.n, len(mine))

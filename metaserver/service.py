@@ -51,10 +51,11 @@ from metaserver.ownership import OwnershipHandlers
 from metaserver.batcher import BatchWriter
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
-from metaserver.rejoin import REJOIN_GRACE_S, RejoinHandlers
+from metaserver.rejoin import RejoinHandlers
 from metaserver.standby import CATCHUP_S, Handover, WarmDirectory, fill, node_descs
 from transport.wire import VERSION, Op, Status
-from umbp.auth import Tokens, capability
+from metaserver.quarantine import Quarantine
+from umbp.auth import CLOCK_SKEW_S, Tokens, capability, write_capability
 from umbp.config import MetaserverConfig
 from umbp.errors import AuthError, NotLeader, Unavailable
 
@@ -177,6 +178,9 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             self._new_state()
             raise
         self.took_over = time.monotonic()
+        hold = self.cfg.write_cap_ttl_s + CLOCK_SKEW_S if self.tokens.closed else 0.0
+        self.dir.quarantine = Quarantine(hold)
+        self.dir.quarantine.start(self.took_over, self.gens.issued_below)
         if not any(n.provisional for n in self.members.nodes.values()):
             self.settled.set()
         self._ticker = asyncio.create_task(self._tick_loop(), name="metaserver-tick")
@@ -307,6 +311,9 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         d = self.dir
         d.expire_pending(now, SWEEP_BUDGET)
         d.expire_leases(now, SWEEP_BUDGET)
+        if d.quarantine.held or d.quarantine.hold_s:
+            d.quarantine.observe(now, self.gens.issued_below)
+            d.quarantine.release(now, d.spaces, SWEEP_BUDGET)
         for node in self.members.expired(now):
             self._node_lost(node, now)
         if d.dying:
@@ -351,6 +358,10 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         node, keep = self.members.register(desc, now)
         node.conn = conn
         node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
+        # Every generation handed out so far is below this, so every capability of an earlier registration (or
+        # term: generations increase across takeovers) carries a smaller epoch; the node refuses those once it
+        # has this one (from the answer, or from the first new capability it checks).
+        node.cap_epoch = self.gens.issued_below
         node.provisional = False
         self._check_settled()
         kept = dropped = 0
@@ -380,7 +391,8 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         self.check_term(term)
         if old and old != lease:
             self._spawn(self._revoke(old))
-        return {"heartbeat_s": max(0.1, node.lease_ttl / 3), "kept": kept, "dropped": dropped}
+        return {"heartbeat_s": max(0.1, node.lease_ttl / 3), "kept": kept, "dropped": dropped,
+                "epoch": node.cap_epoch}
 
     def heartbeat(self, meta: Any, conn) -> dict:
         m = v.fields(meta, frozenset({"node_id", "arena_id"}), ("node_id", "arena_id"))
@@ -433,12 +445,14 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             self._refuse_over_quota(ns, keys, items)
         d = self.dir.entries.get(ns, {})
         out = []
+        deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
         for key, item in zip(keys, items):
             if item[0] == NEW:
                 _, node_id, off, plen, gen = item
                 node = self.members.get(node_id)
                 item = (NEW, node_id, off, plen, gen, self.tokens.tag(ns, key),
-                        capability(node.cap_key if node is not None else None, b"w", off, plen, gen))
+                        write_capability(node.cap_key, off, plen, gen, node.cap_epoch, deadline_ms)
+                        if node is not None else b"")
                 conn.pending.add(d[key])  # aborted if this connection goes away before COMMIT
             out.append(item)
         return {"items": out}

@@ -72,7 +72,8 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 3  # 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks
+VERSION = 4  # 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
+#              carry an epoch and a deadline (32 bytes, umbp/auth.py), REGISTER_NODE answers the epoch
 #              2: HELLO/AUTH handshake, capabilities and tags in ALLOC/LOOKUP/READ/WRITE, allocation tokens
 HEADER = struct.Struct("<HBBHHIIQ")
 HEADER_SIZE = HEADER.size  # 24
@@ -515,6 +516,15 @@ def check_object_header(buf: bytes | memoryview, component: str, khash: int, gen
     if plen != payload_len:
         raise CorruptionError(component, f"object length {plen} does not match the directory's {payload_len}")
     return csum if flags & OBJ_FLAG_CHECKSUM else None
+
+
+def header_generation(view: memoryview, offset: int) -> int | None:
+    """The generation in a well-formed object header at ``view[offset:]`` (magic, version and header crc good), or
+    None when the slot holds no header: what a node checks before letting a write capability write the slot."""
+    magic, version, _, _, gen, _, _, hcrc = OBJ_HEADER.unpack_from(view, offset)
+    if magic != OBJ_MAGIC or version != OBJ_VERSION:
+        return None
+    return gen if zlib.crc32(view[offset:offset + _OBJ_CRC_SPAN]) == hcrc else None
 
 
 def payload_checksum(data: bytes | memoryview | list) -> int:

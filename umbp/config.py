@@ -82,6 +82,7 @@ class MetaserverConfig:
     etcd_prefix: str = "/umbp"
     read_lease_s: float = 10.0  # how long a lookup pins its objects unless released
     pending_ttl_s: float = 30.0  # an allocation not committed by then is freed
+    write_cap_ttl_s: float = 10.0  # closed pools: a write capability is refused by the node after this long
     high_watermark: float = 0.95  # background eviction starts above this fill ratio ...
     low_watermark: float = 0.85  # ... and stops below this one
     eviction_policy: str = "lru"  # "lru" or "prefix-lru"
@@ -113,7 +114,8 @@ class MetaserverConfig:
             raise ConfigError(c, f"eviction_policy must be 'lru' or 'prefix-lru', got {self.eviction_policy!r}")
         if not 1 <= self.persist_batch <= 128:
             raise ConfigError(c, "persist_batch must be within 1..128 (etcd's per-transaction cap)")
-        if self.read_lease_s <= 0 or self.pending_ttl_s <= 0 or self.election_ttl_s < 1:
+        if (self.read_lease_s <= 0 or self.pending_ttl_s <= 0 or self.write_cap_ttl_s <= 0
+                or self.election_ttl_s < 1):
             raise ConfigError(c, "lease durations must be positive")
         _check_limits(self, c)
 

@@ -41,10 +41,10 @@ from transport import wire
 from transport.shm import boot_id
 from umbp.admission import Admission
 from umbp.arena import Arena
-from umbp.auth import ClientAuth, ServerAuth, Tokens, check_capability
+from umbp.auth import ClientAuth, ServerAuth, Tokens, check_capability, check_write_capability
 from umbp.config import NodeConfig, split_host_port
-from umbp.errors import (BadRequest, CorruptionError, NotFound, NotLeader, ProtocolError, RemoteError, StartupError,
-                         UmbpError)
+from umbp.errors import (AuthError, BadRequest, CorruptionError, NotFound, NotLeader, ProtocolError, RemoteError,
+                         StartupError, UmbpError)
 from umbp.errors import Unavailable
 from umbp.tls import client_context, server_context
 
@@ -68,6 +68,7 @@ class NodeServer:
         self.arena = Arena(path, config.capacity, remove_on_close=not config.node_id)
         self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
         self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
+        self.cap_epoch = 0  # write capabilities of older epochs are refused (raised by REGISTER and by newer caps)
         self.conns: set[DataProtocol] = set()
         self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
                                    config.preauth_connections, config.auth_timeout_s)
@@ -99,9 +100,25 @@ class NodeServer:
         if data_len < wire.OBJ_HEADER_SIZE:
             raise BadRequest(self.component, "WRITE: data shorter than an object header")
         self.check_range(meta[0], data_len, "WRITE")
-        check_capability(self.cap_key, meta[2], b"w", meta[0], data_len - wire.OBJ_HEADER_SIZE, meta[1],
-                         self.component)
+        self.check_write(meta[0], data_len, meta[1], meta[2])
         return self.arena.view[meta[0]:meta[0] + data_len]
+
+    def check_write(self, offset: int, nbytes: int, gen: int, cap: Any) -> None:
+        """Closed pools: may this write land? Its capability must be the metaserver's for exactly this allocation,
+        of the current epoch and before its deadline (``auth.check_write_capability``), and the slot must not hold
+        this generation or a newer one already: a capability writes its slot once, so one kept after the put, the
+        remove or the eviction of its page cannot write there again (the metaserver holds young freed extents
+        until the deadline, so no other allocation is in its range meanwhile). AuthError otherwise."""
+        if self.cap_key is None:
+            return
+        epoch = check_write_capability(self.cap_key, cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen, self.cap_epoch,
+                                       int(time.time() * 1000), self.component)
+        if epoch > self.cap_epoch:
+            self.cap_epoch = epoch  # a metaserver term or registration newer than ours: older capabilities die
+        held = wire.header_generation(self.arena.view, offset)
+        if held is not None and held >= gen:
+            raise AuthError(self.component, f"the slot at {offset} already holds generation {held}: a write "
+                                            f"capability of generation {gen} writes once (allocate again)")
 
     def writev_pieces(self, meta: Any, data_len: int) -> tuple[list, list]:
         """Where a WRITEV's data goes, every object checked (range, capability) before a byte lands: a scatter list
@@ -110,7 +127,7 @@ class NodeServer:
         if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
             raise BadRequest(self.component, f"WRITEV: meta must be a list of 1..{wire.MAX_VEC_OPS} "
                                              f"[offset, generation, capability, nbytes]")
-        view, cap_key, hs = self.arena.view, self.cap_key, wire.OBJ_HEADER_SIZE
+        view, hs = self.arena.view, wire.OBJ_HEADER_SIZE
         pieces, failures, total = [], [], 0
         for i, m in enumerate(meta):
             if type(m) is not list or len(m) != 4 or type(m[1]) is not int or type(m[3]) is not int or m[3] < hs:
@@ -120,7 +137,7 @@ class NodeServer:
             total += n
             try:
                 self.check_range(off, n, "WRITEV")
-                check_capability(cap_key, cap, b"w", off, n - hs, gen, self.component)
+                self.check_write(off, n, gen, cap)
             except RemoteError as e:
                 failures.append([i, e.code or wire.Status.BAD_REQUEST, str(e)])
                 pieces.append(n)
@@ -514,6 +531,9 @@ class MetaLink:
                 else:
                     print(f"{self.component}: registered with {addr} (kept {reply.get('kept', 0)}, dropped "
                           f"{reply.get('dropped', 0)} pages)", file=sys.stderr, flush=True)
+                epoch = reply.get("epoch", 0)
+                if type(epoch) is int and epoch > self.node.cap_epoch:
+                    self.node.cap_epoch = epoch  # capabilities of an earlier registration or term die here
                 interval = float(reply.get("heartbeat_s", ttl / 3))
                 while True:
                     await self._idle(reader, interval)
