@@ -12,7 +12,7 @@ import torch
 
 from umbp.engine.layout import PagedKV
 from umbp.engine.loader import LayerwiseLoader
-from umbp.errors import InvalidArgument, UmbpError
+from umbp.errors import InvalidArgument
 from umbp.keys import chain_keys, parents_of
 
 LAYERS, SLOTS, ROW = 8, 32, 512  # MHA: K and V rows of 512 bytes per layer -> 8 KiB pages
@@ -109,7 +109,7 @@ def test_one_load_at_a_time_and_bad_arguments(cluster):
         with pytest.raises(InvalidArgument, match="slots"):
             loader.load(keys, [0, 1])
         with loader.load(keys, [0, 1, 2, 3]) as first:
-            with pytest.raises(UmbpError, match="already running"):
+            with pytest.raises(InvalidArgument, match="engine loader: a load is already running"):
                 loader.load(keys, [4, 5, 6, 7])
             assert [g.pages for g in first] == [0, 0]  # nothing stored under these keys
         with loader.load(keys, [4, 5, 6, 7]) as second:  # the loader is free again
