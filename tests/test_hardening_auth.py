@@ -389,3 +389,35 @@ def test_tls_refuses_wrong_ca_and_plaintext(tls_pool, certs):
     # the pool still serves
     with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"]) as c:
         assert c.put("after", b"x" * 5000) is True and c.get("after") == b"x" * 5000
+
+
+def test_malformed_answer_meta_closes_the_connection():
+    """Review: a malformed answer meta raised but left the answer's data unread on an open socket, so the next
+    request on it read those bytes as a frame header. Now the connection is closed."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    addr = "127.0.0.1:%d" % srv.getsockname()[1]
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(5)
+            conn.recv(4096)  # the PING
+            bad = b"\xc1"  # never valid msgpack
+            conn.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Op.PING, wire.Flag.RESPONSE, 0, 1,
+                                          len(bad), 100) + bad + b"D" * 100)
+            try:
+                seen.append(conn.recv(4096))  # b"": the client hung up instead of sending on
+            except ConnectionResetError:
+                seen.append(b"")  # it closed with our data unread: a reset, just as good
+
+    seen: list[bytes] = []
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    conn = FramedSocket(addr, "client", time.monotonic() + 5)
+    with pytest.raises(ProtocolError, match="unreadable answer"):
+        conn.request(wire.Op.PING, {}, time.monotonic() + 5)
+    assert conn.closed
+    t.join(5)
+    srv.close()
+    assert seen == [b""]
