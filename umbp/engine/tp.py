@@ -19,9 +19,10 @@ Contracts: every rank of the group calls ``store``/``load`` with the same keys i
 group of a replicated load (the exchange is collective; ``close()`` finishes the remaining groups so the ranks stay
 in step). Failure is collective too: every ``next()`` starts with one small ``all_reduce`` in which each rank says
 whether its share failed, so when one rank's share raises, that rank raises its error and every other rank raises
-``TransportError`` at the same step; no rank is left waiting in a collective. Counters per rank (cumulative): ``pool_to_host_bytes``, ``host_to_device_bytes`` (the rank's own share
-moved into device memory; a CPU KV buffer counts as the device), ``exchange_bytes`` (received from peers),
-``scatter_bytes`` (device-local copies into KV slots), pages stored/existing/loaded.
+``TransportError`` at the same step; no rank is left waiting in a collective. Counters per rank (cumulative):
+``pool_to_host_bytes``, ``host_to_device_bytes`` (the rank's own share moved into device memory; a CPU KV buffer
+counts as the device), ``exchange_bytes`` (received from peers), ``scatter_bytes`` (device-local copies into KV
+slots), pages stored/existing/loaded.
 
 Cost per replicated load group: one ranged-read batch of P/N pages, one all_gather of N x ceil(P/N) x group bytes,
 one tiny all_reduce (prefix agreement and failure flag), one index copy per layer part.
