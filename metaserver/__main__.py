@@ -42,8 +42,8 @@ def tls_arguments(p: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
                                       ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
-                                       "election_ttl_s", "token", "tokens_file", "metrics_listen", "tls_cert", "tls_key",
-                                       "tls_ca")})
+                                       "election_ttl_s", "token", "tokens_file", "metrics_listen", "tls_cert",
+                                       "tls_key", "tls_ca")})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,10 @@
 buffers with ``sendmsg`` (no joining of payloads), header and meta are received into buffers the connection reuses
 (grown to the largest meta seen), page data straight into the caller's memory (``recv_scatter``); data received only
 to be dropped goes through a small fixed buffer (``discard``), so no allocation follows an announced length. A
-malformed answer closes the connection (its data would be left unread). One deadline covers a whole call; a timeout or a broken stream closes the
-socket (the next call reconnects), because a half-read frame cannot be resynchronised.
+malformed answer closes the connection (its data would be left unread). One deadline covers a whole call; a
+timeout or a broken stream closes the socket (the next call reconnects), because a half-read frame cannot be
+resynchronised. With ``tls_ca`` the socket is wrapped in TLS (umbp/tls.py): sends then go out with ``sendall`` of
+coalesced pieces and receives with ``recv_into`` per view (SSLSocket has no ``sendmsg``/``recvmsg_into``).
 
 ``TcpTransport`` sends a batch as READV/WRITEV frames (up to ``VEC_OPS`` objects each), all of them in one
 ``sendmsg`` sequence in ``start_*``; ``finish`` reads the answers in order. A READV answer says up front which

@@ -32,7 +32,8 @@ def _token_arg(p: argparse.ArgumentParser) -> None:
 
 def _tls_ca_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", dest="tls_ca", default=None, metavar="PEM",
-                   help="speak TLS, verifying the servers' certificates against this CA bundle (default $UMBP_TLS_CA)")
+                   help="speak TLS, verifying the servers' certificates against this CA bundle "
+                        "(default $UMBP_TLS_CA)")
 
 
 def _admin_client(args):
