@@ -37,7 +37,8 @@ Handshake (every control and data connection; the secret never crosses the wire)
 The server's proof lets the client tell a real server from an impostor that only collects proofs. A client that
 holds a token accepts nothing less: a server that answers HELLO with ``auth: false`` (an open server, or an
 impostor downgrading the connection) is refused with AuthError before the client sends a namespace or a key, so a
-client with a token always ends its handshake with a verified server proof. Until AUTH succeeds a closed server answers every other request (PING and HELLO aside) with AUTH "authentication required".
+client with a token always ends its handshake with a verified server proof. Until AUTH succeeds a closed server
+answers every other request (PING and HELLO aside) with AUTH "authentication required".
 
 Capabilities. In a closed pool the metaserver hands a writer, with each allocation, ``write_capability``: an HMAC
 over (offset, payload_len, gen, epoch, deadline), where epoch is the metaserver's term (its election revision) and
