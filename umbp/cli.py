@@ -104,15 +104,21 @@ def _print_nodes(nodes: list[dict]) -> None:
     Console(width=None if sys.stdout.isatty() else 110).print(t)
 
 
-def cmd_stats(args) -> int:
+def _stats_fetcher(c):
+    """STATS of the pool, with the address of the metaserver that answered (the leader) filled in."""
     from transport.wire import Op
 
-    with _admin_client(args) as c:
-        def fetch() -> dict:
-            s = c.admin(Op.STATS)
-            s.setdefault("leader", c._meta.address)
-            return s
+    def fetch() -> dict:
+        s = c.admin(Op.STATS)
+        s.setdefault("leader", c.leader)
+        return s
 
+    return fetch
+
+
+def cmd_stats(args) -> int:
+    with _admin_client(args) as c:
+        fetch = _stats_fetcher(c)
         if args.watch and not args.json:  # a live table (umbp/watch.py); --json stays one object per line
             from umbp.watch import watch
 
@@ -132,15 +138,10 @@ def cmd_stats(args) -> int:
 
 def cmd_top(args) -> int:
     """``umbp stats --watch`` full screen, refreshed every --interval seconds (default 1) until Ctrl-C."""
-    from transport.wire import Op
     from umbp.watch import watch
 
     with _admin_client(args) as c:
-        def fetch() -> dict:
-            s = c.admin(Op.STATS)
-            s.setdefault("leader", c._meta.address)
-            return s
-
+        fetch = _stats_fetcher(c)
         return watch(fetch, args.interval, args.count, screen=True, title="umbp top")
 
 

@@ -533,3 +533,8 @@ class Client(PutPath):
 
     def admin(self, op: int, meta: dict | None = None) -> Any:
         return self._meta.call(op, meta or {}, self._deadline())
+
+    @property
+    def leader(self) -> str | None:
+        """The metaserver address this client talks to now (the leader it found), or None before the first call."""
+        return self._meta.address
