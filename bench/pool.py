@@ -415,6 +415,8 @@ def main() -> int:
     ap.add_argument("--capacity", default="3GiB", help="node arena size")
     ap.add_argument("--only", default="", help="comma list of parts: data,cold,exists,commit (default: all)")
     ap.add_argument("--clients", default="1,4,16", help="client process counts for committed puts")
+    ap.add_argument("--sizes", default="", help="comma list of page sizes in KiB for the data part (default: all)")
+    ap.add_argument("--transports", default="tcp,shm", help="comma list of transports for the data part")
     args = ap.parse_args()
     parts = set(args.only.split(",")) if args.only else {"data", "cold", "exists", "commit"}
     min_time = 0.4 if args.quick else 1.5
@@ -430,8 +432,9 @@ def main() -> int:
         b = PoolBench(pool.metaserver, min_time, ws)
         raw_total = (512 << 20) if args.quick else (2 << 30)
         if "data" in parts:
-            for transport in ("tcp", "shm"):
-                for size in SIZES:
+            sizes = [int(x) * KiB for x in args.sizes.split(",")] if args.sizes else SIZES
+            for transport in args.transports.split(","):
+                for size in sizes:
                     lb = label(size)
                     if transport == "tcp":  # the baseline next to its figure: the machine's load drifts
                         base_name, base = "raw TCP stream GB/s", raw_tcp_gbps(total=raw_total)

@@ -174,6 +174,53 @@ def test_shm_batch_split_across_threads_exact_bytes(make_cluster):
         copies.set_max_threads(None)
 
 
+@pytest.mark.parametrize("serial", [True, False])
+def test_copy_pieces_raw_addresses_exact_bytes(threaded, serial):
+    """copy_pieces moves raw (dst, src, n) pieces, on the calling thread below the cut-over and in pieces across
+    threads above it; bytes exact, nothing outside the ranges touched."""
+    if serial:
+        copies.SERIAL_BYTES = 1 << 40
+    sizes = [5, 65536, (1 << 20) + 3, 0, 300_001]
+    srcs = [_rand(n + 3, 50 + i)[3:] for i, n in enumerate(sizes)]
+    dst = np.full(sum(sizes) + 64, 0xCD, np.uint8)
+    base, pos, pieces = copies.address(dst), 32, []
+    for s, n in zip(srcs, sizes):
+        pieces.append((base + pos, copies.address(s), n))
+        pos += n
+    assert copies.copy_pieces(pieces, sum(sizes)) == sum(sizes)
+    assert dst[32:32 + sum(sizes)].tobytes() == b"".join(s.tobytes() for s in srcs)
+    assert (dst[:32] == 0xCD).all() and (dst[32 + sum(sizes):] == 0xCD).all()
+    ro = memoryview(bytes(range(256)) * 4)  # read-only: the numpy address path
+    out = bytearray(1024)
+    copies.copy_pieces([(copies.address(out), copies.address(ro), 1024)], 1024)
+    assert bytes(out) == bytes(ro)
+
+
+def test_shm_header_memo_still_catches_a_changed_header(make_cluster):
+    """The shm read remembers headers it checked; a header changed in place after that (another generation, a
+    flipped crc byte, a shorter length) is still a CorruptionError, and the intact page reads exactly again."""
+    from umbp.errors import CorruptionError
+
+    cluster = make_cluster(nodes=1, capacity="64MiB")
+    with cluster.client(transport="shm") as c:
+        page = _rand(70_000, 7)
+        assert c.put("memo/0", page)
+        out = np.zeros(70_000, np.uint8)
+        for _ in range(2):  # the second read takes the memo path
+            assert c.get_into("memo/0", out) == 70_000 and np.array_equal(out, page)
+        (t,) = c._transports.values()
+        (off,) = [o for (o, _k, _g) in t._checked]
+        good = t.arena[off:off + 64].tobytes()
+        for pos in (12, 16, 24, 36):  # key hash, generation, payload length, header crc
+            bad = bytearray(good)
+            bad[pos] ^= 0x01
+            t.arena[off:off + 64] = bytes(bad)
+            with pytest.raises(CorruptionError):
+                c.get_into("memo/0", out)
+            t.arena[off:off + 64] = good
+            assert c.get_into("memo/0", out) == 70_000 and np.array_equal(out, page)
+
+
 # ---- CUDA outs in the plain API: which path each page takes (CPU side, with test doubles) -----------------------
 
 
