@@ -30,22 +30,24 @@ version_is() {  # is distribution $1 at version $2 in the engines venv?
     "$EV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null
 }
 
-if ( set -e
-     [[ -x "$EV/bin/python" ]] || "$PYTHON" -m venv "$EV"
-     PIP=("$EV/bin/python" -m pip --disable-pip-version-check -q --no-warn-conflicts)
-     if ! "$EV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$ENGINES_TORCH')" \
-             2>/dev/null; then
-         log "installing torch==$ENGINES_TORCH and torchvision (CPU-capable CUDA build)"
-         "${PIP[@]}" install "torch==$ENGINES_TORCH" "torchvision==0.29.1"
-     fi
-     log "installing umbp (editable) with test, sglang-linker and vllm extras"
-     "${PIP[@]}" install -e '.[test,sglang-linker,vllm]'
-     version_is sglang "$SGLANG_VERSION" || "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
-     if ! version_is vllm "$VLLM_VERSION"; then
-         log "installing vllm==$VLLM_VERSION without its dependencies (336 MB download)"
-         "${PIP[@]}" install --no-deps "vllm==$VLLM_VERSION"
-     fi
-   ); then
+# A function with explicit `|| return`: `set -e` does not apply inside a command tested by `if`.
+build() {
+    [[ -x "$EV/bin/python" ]] || "$PYTHON" -m venv "$EV" || return 1
+    local INSTALL=("$EV/bin/python" -m pip --disable-pip-version-check install -q --no-warn-conflicts)
+    if ! "$EV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$ENGINES_TORCH')" \
+            2>/dev/null; then
+        log "installing torch==$ENGINES_TORCH and torchvision (CPU-capable CUDA build)"
+        "${INSTALL[@]}" "torch==$ENGINES_TORCH" "torchvision==0.29.1" || return 1
+    fi
+    log "installing umbp (editable) with test, sglang-linker and vllm extras"
+    "${INSTALL[@]}" -e '.[test,sglang-linker,vllm]' || return 1
+    version_is sglang "$SGLANG_VERSION" || "${INSTALL[@]}" --no-deps "sglang==$SGLANG_VERSION" || return 1
+    if ! version_is vllm "$VLLM_VERSION"; then
+        log "installing vllm==$VLLM_VERSION without its dependencies (336 MB download)"
+        "${INSTALL[@]}" --no-deps "vllm==$VLLM_VERSION" || return 1
+    fi
+}
+if build; then
     log "ok: engines venv at $EV"
 else
     log "WARNING: could not build the engines venv at $EV; the SGLang linker's and vLLM's tests will be SKIPPED" >&2

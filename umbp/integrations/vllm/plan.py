@@ -1,0 +1,163 @@
+"""Scheduler-side bookkeeping of the vLLM connector: which pool pages a request loads and which blocks it saves.
+
+A pool page is one vLLM block (``block_size`` tokens): its key is ``umbp.keys.chain_keys`` over the request's token
+ids, so a key names the whole prefix up to and including its block, and a router or another engine computing keys
+the same way finds it. Per request the tracker keeps the block ids vLLM gave it (new requests: all of them; running
+ones: the appended ones; resumed ones: all again) and how many leading blocks are known to be in the pool.
+
+- Loads: ``get_num_new_matched_tokens`` finds the leading run of pages in the pool (``pool_blocks``); the scheduler
+  then allocates blocks and ``update_state_after_alloc`` names the ones to fill: blocks
+  ``[local_blocks, local_blocks + external_blocks)`` get pages with the same indices.
+- Saves: each step, blocks that became full (``num_computed + num_scheduled`` tokens, within the token ids known)
+  and are not yet in the pool are saved once; a request with any save scheduled is freed late (vLLM's delayed free:
+  ``request_finished`` answers True, and the worker reports it in ``finished_sending`` once its saves are done).
+
+No vLLM, torch or I/O here: plain records and integer arithmetic. Cost: one sha256 per 4 bytes of token ids when a
+request's keys grow (``umbp.keys``), O(blocks) per step otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from umbp import keys as umbp_keys
+
+
+@dataclass
+class LoadSpec:
+    """Fill vLLM blocks ``block_ids[i]`` from pool page ``keys[i]`` (base keys; the worker adds its rank)."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Save vLLM blocks ``block_ids[i]`` as pool page ``keys[i]``; ``parent`` is the key of the page before
+    ``keys[0]`` (None for the first page of a chain), for prefix-aware eviction."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+    parent: str | None
+
+
+@dataclass
+class StepPlan:
+    """What one step's workers do: loads before the forward, saves after it."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class RequestState:
+    """One request as the scheduler side tracks it between steps."""
+
+    req_id: str
+    token_ids: Sequence[int]
+    keys: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    pool_blocks: int = 0       # leading blocks known to be in the pool (hit at admission, or saved by us)
+    load: LoadSpec | None = None
+    saved_any: bool = False
+
+
+class Planner:
+    """Per-request state and the step plans built from it. ``block_size``: tokens per vLLM block (= pool page);
+    ``save``: whether to save at all (kv_role kv_consumer does not)."""
+
+    def __init__(self, block_size: int, save: bool = True):
+        self.block_size = block_size
+        self.save = save
+        self.requests: dict[str, RequestState] = {}
+        self._pending_loads: list[LoadSpec] = []
+
+    def keys_for(self, st: RequestState, num_blocks: int) -> list[str]:
+        """The keys of the first ``num_blocks`` blocks of the request (extends the cached chain as needed)."""
+        bs = self.block_size
+        num_blocks = min(num_blocks, len(st.token_ids) // bs)
+        if len(st.keys) < num_blocks:
+            start = len(st.keys)
+            parent = st.keys[-1] if st.keys else ""
+            st.keys.extend(umbp_keys.chain_keys(list(st.token_ids[start * bs:num_blocks * bs]), bs, parent))
+        return st.keys[:num_blocks]
+
+    def track(self, req_id: str, token_ids: Sequence[int]) -> RequestState:
+        st = self.requests.get(req_id)
+        if st is None:
+            st = self.requests[req_id] = RequestState(req_id, token_ids)
+        return st
+
+    def lookup_keys(self, req_id: str, token_ids: Sequence[int]) -> list[str]:
+        """Keys a prefix lookup asks the pool about: every full block but the one holding the last prompt token
+        (vLLM computes at least one token of every prompt itself)."""
+        st = self.track(req_id, token_ids)
+        return self.keys_for(st, max(0, (len(token_ids) - 1) // self.block_size))
+
+    def matched(self, req_id: str, pool_blocks: int, num_computed_tokens: int) -> int:
+        """Record the pool's leading run for a request; returns the tokens vLLM may load beyond its own
+        ``num_computed_tokens`` (a multiple of the block size, or 0)."""
+        st = self.requests[req_id]
+        st.pool_blocks = max(st.pool_blocks, pool_blocks)
+        return max(0, pool_blocks * self.block_size - num_computed_tokens)
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """After vLLM allocated ``block_ids`` (all the request's blocks): schedule the load of the external ones."""
+        st = self.requests.get(req_id)
+        if st is None or num_external_tokens <= 0:
+            return
+        bs = self.block_size
+        n_ext = num_external_tokens // bs
+        first = st.pool_blocks - n_ext  # the external run ends at the pool's leading run
+        keys = self.keys_for(st, st.pool_blocks)[first:]
+        blocks = list(block_ids[first:first + n_ext])
+        if first < 0 or len(keys) != n_ext or len(blocks) != n_ext:
+            return  # inconsistent with what we answered: load nothing (vLLM then computes these tokens)
+        st.load = LoadSpec(req_id, keys, blocks)
+        self._pending_loads.append(st.load)
+
+    def step(self, new: Sequence[tuple[str, Sequence[int], int, int]],
+             cached: Sequence[tuple[str, Sequence[int] | None, bool, int, int]]) -> StepPlan:
+        """Build one step's plan. ``new``: (req_id, block_ids, num_computed_tokens, num_scheduled_tokens) of newly
+        scheduled requests; ``cached``: (req_id, new_block_ids, resumed, num_computed_tokens, num_scheduled_tokens)
+        of running ones. Pending loads are handed out exactly once."""
+        plan = StepPlan(loads=self._pending_loads)
+        self._pending_loads = []
+        for req_id, block_ids, computed, scheduled in new:
+            st = self.requests.get(req_id)
+            if st is not None:
+                st.block_ids = list(block_ids)
+                self._plan_save(st, computed + scheduled, plan)
+        for req_id, new_blocks, resumed, computed, scheduled in cached:
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            if resumed:
+                st.block_ids = list(new_blocks or [])
+            elif new_blocks:
+                st.block_ids.extend(new_blocks)
+            self._plan_save(st, computed + scheduled, plan)
+        return plan
+
+    def _plan_save(self, st: RequestState, tokens_after_step: int, plan: StepPlan) -> None:
+        if not self.save:
+            return
+        full = min(tokens_after_step, len(st.token_ids)) // self.block_size
+        full = min(full, len(st.block_ids))
+        if full <= st.pool_blocks:
+            return
+        keys = self.keys_for(st, full)
+        start = st.pool_blocks
+        plan.saves.append(SaveSpec(st.req_id, keys[start:full], st.block_ids[start:full],
+                                   keys[start - 1] if start else None))
+        st.pool_blocks = full
+        st.saved_any = True
+
+    def finished(self, req_id: str) -> bool:
+        """A request finished: forget it; True if its blocks must outlive it until the worker's saves are done."""
+        st = self.requests.pop(req_id, None)
+        self._pending_loads = [ld for ld in self._pending_loads if ld.req_id != req_id]
+        return bool(st and st.saved_any)
