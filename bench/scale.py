@@ -30,7 +30,7 @@ Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own f
   ``Directory.load_pages`` per node (the takeover path), with the parse and the directory load timed apart;
 - the same at N through the metaserver's per-request work minus I/O ("wire path"): msgpack in and out, the
   request's validation (``metaserver.validate``), the directory call, and what ``service.py`` adds per key in a
-  closed pool (the object tag and an HMAC capability per location or placement, ``umbp.auth``; for a commit, the
+  closed pool (a keyed blake2b object tag per key and one capability per node per batch, ``metaserver.grants``; for a commit, the
   etcd record ``EtcdStore.page_value`` of each page): one metaserver process's CPU-bound ceiling, with the etcd
   round trips and sockets left out;
 - optionally (``--etcd-pages``), the time for ``EtcdStore.load`` to read that many page records from a real etcd
@@ -64,7 +64,8 @@ import msgpack  # noqa: E402
 from metaserver import validate as v  # noqa: E402
 from metaserver.directory import NEW, Directory  # noqa: E402
 from metaserver.persist import EtcdStore  # noqa: E402
-from umbp.auth import Tokens, capability, write_capability  # noqa: E402
+from metaserver.grants import grant_reads, grant_writes  # noqa: E402
+from umbp.auth import Tokens  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.keys import namespace  # noqa: E402
 
@@ -130,6 +131,16 @@ class Wire:
         return msgpack.unpackb(msgpack.packb({"ns": ns, "keys": keys}, use_bin_type=True), raw=False)
 
 
+class _Member:
+    """What the grants read of a member node: its capability key and epoch."""
+
+    __slots__ = ("cap_key", "cap_epoch")
+
+    def __init__(self, cap_key: bytes):
+        self.cap_key = cap_key
+        self.cap_epoch = 1
+
+
 class ServicePath:
     """What ``metaserver/service.py`` does around the directory for LOOKUP+RELEASE and ALLOC+COMMIT, minus sockets and
     etcd: decode, validate, directory call, per-key tag and capability (closed pool), etcd record of each commit,
@@ -138,7 +149,7 @@ class ServicePath:
     def __init__(self, d: Directory):
         self.d = d
         self.tokens = Tokens.load("scale-bench-cluster-secret", None, "bench")
-        self.cap_keys = {nid: self.tokens.cap_key(nid, b"arena-" + nid.encode()) for nid in d.spaces}
+        self.members = {nid: _Member(self.tokens.cap_key(nid, b"arena-" + nid.encode())) for nid in d.spaces}
         self.pages_prefix = b"/umbp/pages/"
         self.gen = 1 << 40
 
@@ -147,12 +158,8 @@ class ServicePath:
         ns = v.ns(m)
         keys = v.keys(m, 4096)
         lease, locs = self.d.lookup(ns, keys, time.monotonic())
-        tag, caps = self.tokens.tag, self.cap_keys
-        for i, loc in enumerate(locs):
-            if loc is not None:
-                node_id, off, plen, gen = loc
-                locs[i] = (node_id, off, plen, gen, tag(ns, keys[i]), capability(caps.get(node_id), b"r", off, plen, gen))
-        reply = msgpack.packb({"lease": lease, "locs": locs}, use_bin_type=True)
+        caps = grant_reads(self.tokens, self.members.get, ns, keys, locs)
+        reply = msgpack.packb({"lease": lease, "locs": locs, "caps": caps}, use_bin_type=True)
         rel = msgpack.unpackb(msgpack.packb({"lease": lease}), raw=False)
         self.d.release(v.integer(rel, "lease", 0, (1 << 63) - 1))
         return reply
@@ -170,16 +177,9 @@ class ServicePath:
         now = time.monotonic()
         items, _fx = self.d.alloc(ns, keys, sizes, parents, self.gen, now)
         self.gen += len(keys)
-        tag, caps = self.tokens.tag, self.cap_keys
         deadline_ms = int((time.time() + 10.0) * 1000)
-        out = []
-        for key, item in zip(keys, items):
-            if item[0] == NEW:
-                _, node_id, off, plen, gen = item
-                item = (NEW, node_id, off, plen, gen, tag(ns, key),
-                        write_capability(caps.get(node_id), off, plen, gen, 1, deadline_ms))
-            out.append(item)
-        answer = msgpack.unpackb(msgpack.packb({"items": out}, use_bin_type=True), raw=False)
+        out, caps, _new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms)
+        answer = msgpack.unpackb(msgpack.packb({"items": out, "caps": caps}, use_bin_type=True), raw=False)
         news = [(k, it[4]) for k, it in zip(keys, answer["items"]) if it[0] == NEW]
         c = msgpack.unpackb(msgpack.packb({"ns": ns, "keys": [k for k, _ in news], "gens": [g for _, g in news]},
                                           use_bin_type=True), raw=False)

@@ -43,7 +43,7 @@ from typing import Any
 
 from metaserver import validate as v
 from metaserver.admin import EVICT_BUDGET, AdminHandlers
-from metaserver.directory import NEW, OVER_QUOTA, Directory, Effects
+from metaserver.directory import OVER_QUOTA, Directory, Effects
 from metaserver.leader import Election
 from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
@@ -55,7 +55,8 @@ from metaserver.rejoin import RejoinHandlers
 from metaserver.standby import CATCHUP_S, Handover, WarmDirectory, fill, node_descs
 from transport.wire import VERSION, Op, Status
 from metaserver.quarantine import Quarantine
-from umbp.auth import CLOCK_SKEW_S, Tokens, capability, write_capability
+from metaserver.grants import grant_reads, grant_writes
+from umbp.auth import CLOCK_SKEW_S, Tokens
 from umbp.config import MetaserverConfig
 from umbp.errors import AuthError, NotLeader, Unavailable
 
@@ -443,19 +444,14 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         self._apply(fx)
         if self.dir.quotas and any(it[0] == OVER_QUOTA for it in items):
             self._refuse_over_quota(ns, keys, items)
-        d = self.dir.entries.get(ns, {})
-        out = []
         deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
-        for key, item in zip(keys, items):
-            if item[0] == NEW:
-                _, node_id, off, plen, gen = item
-                node = self.members.get(node_id)
-                item = (NEW, node_id, off, plen, gen, self.tokens.tag(ns, key),
-                        write_capability(node.cap_key, off, plen, gen, node.cap_epoch, deadline_ms)
-                        if node is not None else b"")
-                conn.pending.add(d[key])  # aborted if this connection goes away before COMMIT
-            out.append(item)
-        return {"items": out}
+        out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms)
+        if new:
+            d = self.dir.entries.get(ns, {})
+            add = conn.pending.add
+            for i in new:
+                add(d[keys[i]])  # aborted if this connection goes away before COMMIT
+        return {"items": out, "caps": caps}
 
     async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn) -> dict:
         if not self.settled.is_set():
@@ -510,14 +506,8 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn)
         if lease:
             self._own_lease(conn, lease)
-        tag, members = self.tokens.tag, self.members
-        for i, loc in enumerate(locs):
-            if loc is not None:
-                node_id, off, plen, gen = loc
-                node = members.get(node_id)
-                locs[i] = (node_id, off, plen, gen, tag(ns, keys[i]),
-                           capability(node.cap_key if node is not None else None, b"r", off, plen, gen))
-        return {"lease": lease, "locs": locs}
+        caps = grant_reads(self.tokens, self.members.get, ns, keys, locs)
+        return {"lease": lease, "locs": locs, "caps": caps}
 
     def exists(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))

@@ -14,6 +14,7 @@ import pytest
 
 from transport import wire
 from transport.tcp import FramedSocket
+from umbp.auth import with_caps
 from umbp.client import Client
 from umbp.config import ClientConfig, resolve
 from umbp.errors import AuthError, PoolFull
@@ -70,7 +71,8 @@ def node_addr(cluster) -> str:
 
 def alloc(sock: FramedSocket, ns: str, keys: list[bytes]) -> list[tuple]:
     items = sock.request(wire.Op.ALLOC, {"ns": ns, "keys": keys, "sizes": [PAGE] * len(keys)}, deadline()).meta
-    items = items["items"]
+    assert len(items["caps"]) == len({it[1] for it in items["items"]})  # one write capability per node per batch
+    items = with_caps(items["items"], items["caps"], 6)
     assert all(it[0] == wire.AllocState.NEW for it in items), items
     return [tuple(it[1:]) for it in items]  # (node_id, offset, payload_len, gen, tag, capability)
 

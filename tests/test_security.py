@@ -13,7 +13,7 @@ import pytest
 
 from transport import wire
 from transport.tcp import FramedSocket
-from umbp.auth import ClientAuth
+from umbp.auth import ClientAuth, with_caps
 from umbp.client import Client
 from umbp.config import ClientConfig, resolve
 from umbp.errors import AuthError, TransportError
@@ -183,8 +183,9 @@ def test_forged_writes_and_reads_are_refused_at_the_node(closed):
     with client(closed, TENANT_A) as a:
         assert a.put("victim", page) is True
     with client(closed, READER) as r:  # may read tenant-a: learns where the page is, with a read capability only
-        loc = r.admin(wire.Op.LOOKUP, {"ns": "tenant-a", "keys": [b"victim"]})["locs"][0]
-    node_id, off, size, gen, tag, rcap = loc
+        reply = r.admin(wire.Op.LOOKUP, {"ns": "tenant-a", "keys": [b"victim"]})
+    assert len(reply["caps"]) == 1  # one read capability per node of the batch
+    node_id, off, size, gen, tag, rcap = with_caps(reply["locs"], reply["caps"], 5)[0]
     assert tag != wire.key_hash("tenant-a", b"victim")  # the header's key hash is keyed: not from public fields
     attacker = FramedSocket(node_addr(closed, node_id), "attacker", time.monotonic() + 5, READER)
     forged = os.urandom(size)

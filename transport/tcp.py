@@ -357,8 +357,12 @@ class TcpTransport(Transport):
             for lo, hi in self._runs(ops, lambda op: op.length):
                 rid = conn.next_id()
                 frames.append((rid, lo, hi))
-                bufs.append(encode(READV, rid, [[op.offset, op.start, op.length, op.khash, op.generation,
-                                                 op.payload_len, op.cap] for op in ops[lo:hi]]))
+                meta, prev = [], None
+                for op in ops[lo:hi]:  # a batch's capability once per frame (b"": the previous op's)
+                    meta.append([op.offset, op.start, op.length, op.khash, op.generation, op.payload_len,
+                                 b"" if op.cap is prev else op.cap])
+                    prev = op.cap
+                bufs.append(encode(READV, rid, meta))
             conn.send([b"".join(bufs)] if len(bufs) > 1 else bufs, deadline)
             p.state = (conn, frames)
         except TransportError as e:
@@ -375,7 +379,10 @@ class TcpTransport(Transport):
                 rid = conn.next_id()
                 frames.append((rid, lo, hi))
                 run = ops[lo:hi]
-                meta = [[op.offset, op.gen, op.cap, hs + op.nbytes] for op in run]
+                meta, prev = [], None
+                for op in run:  # a batch's capability once per frame (b"": the previous op's)
+                    meta.append([op.offset, op.gen, b"" if op.cap is prev else op.cap, hs + op.nbytes])
+                    prev = op.cap
                 bufs.append(encode(WRITEV, rid, meta, data_len=sum(m[3] for m in meta)))
                 for op in run:
                     bufs.append(op.header)

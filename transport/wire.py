@@ -72,8 +72,10 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 4  # 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
-#              carry an epoch and a deadline (32 bytes, umbp/auth.py), REGISTER_NODE answers the epoch
+VERSION = 5  # 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
+#              carry an epoch and a deadline (32 bytes, umbp/auth.py), REGISTER_NODE answers the epoch; 5: one
+#              capability per node per ALLOC/LOOKUP batch ("caps", items name theirs by index; b"" in a READV/WRITEV
+#              op: the previous op's), keyed blake2b capabilities and tags
 #              2: HELLO/AUTH handshake, capabilities and tags in ALLOC/LOOKUP/READ/WRITE, allocation tokens
 HEADER = struct.Struct("<HBBHHIIQ")
 HEADER_SIZE = HEADER.size  # 24
@@ -103,10 +105,12 @@ class Op(enum.IntEnum):
     # metaserver: data plane
     # ALLOC: "token" names the allocation: a retry with the same token gets the same places back (idempotent)
     ALLOC = 0x12  # {"ns", "keys", "sizes", "parents"?, "token"?} -> {"items": [[state, node, off, size, gen,
-    #               tag, write_cap]]} (AllocState; tag: the object header's key hash; write_cap: b"" when open)
+    #               tag, cap_index]], "caps": [write_cap]} (AllocState; tag: the object header's key hash;
+    #               caps[cap_index]: the write capability of the batch's slots on that node, b"" when open)
     COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
     ABORT = 0x14  # {"ns", "keys", "gens"} -> {"aborted": int}
-    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease": int, "locs": [[node, off, size, gen, tag, read_cap] | None]}
+    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease": int, "locs": [[node, off, size, gen, tag, cap_index] | None],
+    #                "caps": [read_cap]} (one read capability per node of the batch)
     RELEASE = 0x16  # {"lease": int} -> {} (usually NO_REPLY)
     EXISTS = 0x17  # {"ns", "keys"} -> {"exists": [bool]}
     PREFIX = 0x18  # {"ns", "keys"} -> {"hits": int}
@@ -126,9 +130,11 @@ class Op(enum.IntEnum):
     # Batched forms: one frame and one answer for up to MAX_VEC_OPS objects. The answer's meta is None when every
     # object succeeded, else the failed ones as [[index, status, message], ...]; the others are served.
     READV = 0x44  # [[off, start, length, tag, gen, payload_len, read_cap], ...] -> failures; data: for each op
-    #               that did not fail, in order, its object header + payload[start:+length]
+    #               that did not fail, in order, its object header + payload[start:+length] (read_cap b"": the
+    #               previous op's)
     WRITEV = 0x45  # [[off, gen, write_cap, nbytes], ...] + data: each op's nbytes (object header + payload), back
-    #                to back -> failures (a failed op's bytes are discarded, the others land)
+    #                to back -> failures (a failed op's bytes are discarded, the others land; write_cap b"": the
+    #                previous op's)
 
 
 class AllocState(enum.IntEnum):

@@ -40,20 +40,25 @@ impostor downgrading the connection) is refused with AuthError before the client
 client with a token always ends its handshake with a verified server proof. Until AUTH succeeds a closed server
 answers every other request (PING and HELLO aside) with AUTH "authentication required".
 
-Capabilities. In a closed pool the metaserver hands a writer, with each allocation, ``write_capability``: an HMAC
-over (offset, payload_len, gen, epoch, deadline), where epoch is the metaserver's term (its election revision) and
-the deadline ``write_cap_ttl_s`` away; and a reader, with each lookup, ``HMAC(cap_key, "r" | offset | payload_len |
-gen)``. The node checks them before touching its arena, so a connection can only write the slots it was granted and
-read the objects it looked up (namespace rights are checked at the metaserver). A write capability dies with its
-allocation: (1) it writes once: the node refuses it when the slot's header already carries its generation or a newer
-one (committed or not); (2) it dies at its deadline and at a takeover (the node refuses epochs older than the term it
-registered with or saw in a newer capability); (3) until its deadline nobody else can be given its bytes: the
+Capabilities. In a closed pool the metaserver grants capabilities per node per batch, not per key: with an ALLOC
+answer one ``write_capability`` per node that got places, covering that node's slots of the batch (offset,
+payload_len, generation each), the metaserver's term (``epoch``, its election revision) and a deadline
+``write_cap_ttl_s`` away; with a LOOKUP answer one ``read_capability`` per node holding hits, covering those objects.
+A capability is its slot list in the clear plus a keyed blake2b MAC (16 bytes) over it under ``cap_key``, so the node
+checks it once per batch per connection (``CapCache``: verified capabilities by their MAC, bounded) and then each
+object of it by a dict look-up, while the batch's writes may arrive in several WRITE/WRITEV frames. The node checks
+them before touching its arena, so a connection can only write the slots it was granted and read the objects it
+looked up (namespace rights are checked at the metaserver). A write capability dies with its allocation: (1) each
+slot is written once: the node refuses a write when the slot's header already carries its generation or a newer
+one (committed or not); (2) it dies at its deadline and at a takeover (the node refuses epochs older than the term
+it registered with or saw in a newer capability); (3) until its deadline nobody else can be given its bytes: the
 metaserver holds an extent freed within ``write_cap_ttl_s`` + skew of its allocation (abort, remove, eviction of a
 young page) in quarantine until the deadline has passed. So a capability kept after its keys were removed writes
 only free, quarantined space, and never another allocation's. ``cap_key`` is derived from the cluster secret, the
-node id and the arena id: both sides compute it, nothing about it crosses the wire. The object header's key hash
-becomes ``HMAC(cluster_secret, ns | key)`` (the *tag*), handed out by the metaserver, so a header built from public
-fields does not pass a reader's check.
+node id and the arena id: both sides compute it, nothing about it crosses the wire, and a capability of one node
+(or arena) is worthless at another. The object header's key hash becomes a keyed blake2b of ns | key under a key
+derived from the cluster secret (the *tag*), handed out by the metaserver, so a header built from public fields does
+not pass a reader's check.
 
 What this does not cover: a process that can map an arena file (same host, file permissions) or holds a node's RDMA
 rkey can read and write that arena directly, any slot, any time: capabilities bind TCP writes only, and one-sided
@@ -61,8 +66,8 @@ RDMA never involves the node's CPU (memory windows per allocation would be the f
 arena path are only told to authenticated clients; run RDMA on a network only trusted hosts reach. The quarantine
 and deadlines assume the metaserver's and nodes' clocks agree within ``CLOCK_SKEW_S`` (NTP does much better).
 Confidentiality on the wire needs TLS (``--tls-cert``/``--tls-key`` on servers, ``tls_ca`` on clients:
-transport/tcp.py). Costs: one HMAC-SHA256 per handshake step, about 1 µs per
-capability or tag.
+transport/tcp.py). Costs: one HMAC-SHA256 per handshake step; per key a keyed blake2b tag (about 3x cheaper than
+HMAC-SHA256) and 24 bytes of slot list; per node per batch one MAC.
 """
 
 from __future__ import annotations
@@ -74,15 +79,19 @@ import os
 import struct
 import tomllib
 from dataclasses import dataclass
+from itertools import chain
 
 from umbp.errors import AuthError, ConfigError
 from umbp.sizes import parse_size
 
 NONCE_BYTES = 32
-_CAP = struct.Struct("<cQQQ")
-_WCAP = struct.Struct("<QQQ")  # offset, payload_len, gen
-_WCAP_HEAD = struct.Struct("<QQ")  # epoch, expires_ms: sent in the clear, covered by the MAC
-WRITE_CAP_SIZE = _WCAP_HEAD.size + 16
+_SLOT = struct.Struct("<QQQ")  # one object of a capability: offset, payload_len, gen
+_CAP_HEAD = struct.Struct("<QQ")  # epoch, expires_ms (0, 0 in a read capability): in the clear, covered by the MAC
+CAP_MAC = 16  # bytes of keyed blake2b closing a capability
+CAP_MIN = _CAP_HEAD.size + _SLOT.size + CAP_MAC  # a capability of one object
+WRITE_CAP_SIZE = CAP_MIN  # kept for callers: the size of a one-object write capability
+CAP_CACHE = 64  # verified capabilities a node keeps per connection (a batch's frames hit it; oldest dropped)
+_WRITE, _READ = b"umbp-wcap-v5", b"umbp-rcap-v5"  # blake2b personalisation: a read grant never passes as a write
 CLOCK_SKEW_S = 2.0  # metaserver vs node clocks: extents freed young stay held this much past a deadline
 
 
@@ -133,6 +142,8 @@ class Tokens:
                  quotas: dict[str, int] | None = None):
         self.cluster_secret = cluster_secret
         self.quotas: dict[str, int] = dict(quotas or {})  # namespace -> bytes it may hold (enforced elsewhere)
+        self._tag_key = (hmac.digest(cluster_secret, b"umbp-tag-v2", "sha256") if cluster_secret is not None
+                         else None)
         self._by_id = dict(scoped)
         if cluster_secret is not None:
             self._by_id[token_id(cluster_secret)] = (cluster_secret, FULL)
@@ -242,53 +253,60 @@ class Tokens:
         return hmac.digest(self.cluster_secret, b"umbp-cap-v1|" + node_id.encode() + b"|" + arena_id, "sha256")
 
     def tag(self, ns: str, key: bytes) -> int:
-        """The object header's key hash: keyed in a closed pool, ``wire.key_hash``'s blake2b in an open one."""
-        if self.cluster_secret is None:
-            h = hashlib.blake2b(ns.encode() + b"\0" + key, digest_size=8).digest()
-        else:
-            h = hmac.digest(self.cluster_secret, b"umbp-tag-v1|" + ns.encode() + b"\0" + key, "sha256")[:8]
-        return int.from_bytes(h, "little")
+        """The object header's key hash: keyed blake2b in a closed pool, ``wire.key_hash``'s blake2b in an open one."""
+        return int.from_bytes(hashlib.blake2b(ns.encode() + b"\0" + key, digest_size=8,
+                                              key=self._tag_key or b"").digest(), "little")
+
+    def tags(self, ns: str, keys: list) -> list[int]:
+        """``tag`` of every key of one namespace (the keyed state is set up once per batch)."""
+        h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"")
+        h0.update(ns.encode() + b"\0")
+        out = []
+        for key in keys:
+            h = h0.copy()
+            h.update(key)
+            out.append(int.from_bytes(h.digest(), "little"))
+        return out
 
 
-def capability(cap_key: bytes | None, kind: bytes, offset: int, payload_len: int, gen: int) -> bytes:
-    """The grant to read (kind b"r") one object; b"" when the pool is open. Writes use ``write_capability``."""
+def _cap(cap_key: bytes, person: bytes, slots: list, epoch: int, expires_ms: int) -> bytes:
+    body = _CAP_HEAD.pack(epoch, expires_ms) + struct.pack(f"<{3 * len(slots)}Q", *chain.from_iterable(slots))
+    return body + hashlib.blake2b(body, digest_size=CAP_MAC, key=cap_key, person=person).digest()
+
+
+def write_capability(cap_key: bytes | None, slots: list, epoch: int, expires_ms: int) -> bytes:
+    """The grant to write a batch's allocations on one node: ``epoch | expires_ms | (offset, payload_len, gen) per
+    slot | blake2b(cap_key)[:16]``; b"" when the pool is open. ``epoch`` is the issuing metaserver's term (its election
+    revision), ``expires_ms`` a wall-clock deadline in ms since the epoch (the metaserver's clock)."""
     if cap_key is None:
         return b""
-    return hmac.digest(cap_key, _CAP.pack(kind, offset, payload_len, gen), "sha256")[:16]
+    return _cap(cap_key, _WRITE, slots, epoch, expires_ms)
 
 
-def check_capability(cap_key: bytes | None, cap: object, kind: bytes, offset: int, payload_len: int, gen: int,
-                     component: str) -> None:
-    if cap_key is None:
-        return
-    if not isinstance(cap, bytes) or not hmac.compare_digest(cap, capability(cap_key, kind, offset, payload_len,
-                                                                            gen)):
-        what = "write to" if kind == b"w" else "read"
-        raise AuthError(component, f"no valid capability to {what} the object at {offset}")
-
-
-def write_capability(cap_key: bytes | None, offset: int, payload_len: int, gen: int, epoch: int,
-                     expires_ms: int) -> bytes:
-    """The grant to write one allocation: ``epoch | expires_ms | HMAC(cap_key, "w2" | offset | payload_len | gen |
-    epoch | expires_ms)[:16]`` (32 bytes); b"" when the pool is open. ``epoch`` is the issuing metaserver's term
-    (its election revision), ``expires_ms`` a wall-clock deadline in ms since the epoch (the metaserver's clock)."""
+def read_capability(cap_key: bytes | None, slots: list) -> bytes:
+    """The grant to read a batch's objects on one node (``(offset, payload_len, gen)`` each); b"" when open."""
     if cap_key is None:
         return b""
-    head = _WCAP_HEAD.pack(epoch, expires_ms)
-    return head + hmac.digest(cap_key, b"w2" + _WCAP.pack(offset, payload_len, gen) + head, "sha256")[:16]
+    return _cap(cap_key, _READ, slots, 0, 0)
 
 
-def check_write_capability(cap_key: bytes | None, cap: object, offset: int, payload_len: int, gen: int,
-                           min_epoch: int, now_ms: int, component: str) -> int:
-    """Check a write capability for exactly this allocation; returns its epoch (0 in an open pool). Raises AuthError
-    when it is forged or for another object, issued by a metaserver term older than ``min_epoch`` (a takeover since),
-    or past its deadline. Whether the slot was written already is the node's check (``NodeServer.check_slot``)."""
-    if cap_key is None:
-        return 0
-    if not isinstance(cap, bytes) or len(cap) != WRITE_CAP_SIZE or not hmac.compare_digest(
-            cap, write_capability(cap_key, offset, payload_len, gen, *_WCAP_HEAD.unpack_from(cap))):
+def _open(cap_key: bytes, cap: object, person: bytes) -> tuple[int, int, dict] | None:
+    """(epoch, expires_ms, {offset: (payload_len, gen)}) of a genuine capability, None for anything else."""
+    if type(cap) is not bytes or len(cap) < CAP_MIN or (len(cap) - CAP_MIN) % _SLOT.size:
+        return None
+    body = cap[:-CAP_MAC]
+    if not hmac.compare_digest(cap[-CAP_MAC:], hashlib.blake2b(body, digest_size=CAP_MAC, key=cap_key,
+                                                               person=person).digest()):
+        return None
+    epoch, expires_ms = _CAP_HEAD.unpack_from(body)
+    return epoch, expires_ms, {off: (plen, gen) for off, plen, gen in _SLOT.iter_unpack(body[_CAP_HEAD.size:])}
+
+
+def _check_write(grant: tuple | None, offset: int, payload_len: int, gen: int, min_epoch: int, now_ms: int,
+                 component: str) -> int:
+    if grant is None or grant[2].get(offset) != (payload_len, gen):
         raise AuthError(component, f"no valid capability to write to the object at {offset}")
-    epoch, expires_ms = _WCAP_HEAD.unpack_from(cap)
+    epoch, expires_ms, _ = grant
     if epoch < min_epoch:
         raise AuthError(component, f"stale capability to write to the object at {offset}: issued in metaserver term "
                                    f"{epoch}, before the takeover of term {min_epoch}")
@@ -296,6 +314,83 @@ def check_write_capability(cap_key: bytes | None, cap: object, offset: int, payl
         raise AuthError(component, f"expired capability to write to the object at {offset} (expired "
                                    f"{(now_ms - expires_ms) / 1000:.1f}s ago): allocate again")
     return epoch
+
+
+def check_write_capability(cap_key: bytes | None, cap: object, offset: int, payload_len: int, gen: int,
+                           min_epoch: int, now_ms: int, component: str) -> int:
+    """Check that ``cap`` grants writing exactly this allocation; returns its epoch (0 in an open pool). Raises
+    AuthError when it is forged, of another node, does not cover this slot and generation, was issued by a metaserver
+    term older than ``min_epoch`` (a takeover since), or is past its deadline. Whether the slot was written already
+    is the node's check (``NodeServer.check_write``). Stateless: a node checks through ``CapCache``."""
+    if cap_key is None:
+        return 0
+    return _check_write(_open(cap_key, cap, _WRITE), offset, payload_len, gen, min_epoch, now_ms, component)
+
+
+def check_read_capability(cap_key: bytes | None, cap: object, offset: int, payload_len: int, gen: int,
+                          component: str) -> None:
+    """Check that ``cap`` grants reading exactly this object (stateless; a node checks through ``CapCache``)."""
+    if cap_key is None:
+        return
+    grant = _open(cap_key, cap, _READ)
+    if grant is None or grant[2].get(offset) != (payload_len, gen):
+        raise AuthError(component, f"no valid capability to read the object at {offset}")
+
+
+def with_caps(rows: list, caps: list | None, at: int) -> list:
+    """An ALLOC answer's items (``at`` 6) or a LOOKUP answer's locations (``at`` 5) with each capability index
+    replaced by the capability itself: one bytes object per node, so a transport sends it once per frame. Rows
+    without one (None, a non-NEW item) are kept."""
+    if not caps:
+        return rows
+    return [r if r is None or len(r) <= at else [*r[:at], caps[r[at]]] for r in rows]
+
+
+class CapCache:
+    """One connection's verified capabilities, by their MAC: a batch's capability is verified (MAC, slot list
+    parsed) the first time one of its frames arrives, then each object is a dict look-up. A hit also compares the
+    whole capability with the verified one, so only bytes that were verified are ever trusted. At most ``limit``
+    of each kind are kept (the oldest dropped: it is verified again if it comes back)."""
+
+    __slots__ = ("cap_key", "limit", "_w", "_r", "verified")
+
+    def __init__(self, cap_key: bytes | None, limit: int = CAP_CACHE):
+        self.cap_key = cap_key
+        self.limit = limit
+        self._w: dict[bytes, tuple] = {}
+        self._r: dict[bytes, tuple] = {}
+        self.verified = 0  # MACs computed (tests: one per batch, not one per object)
+
+    def _grant(self, cap: object, person: bytes, table: dict) -> tuple | None:
+        if type(cap) is not bytes or len(cap) < CAP_MIN:
+            return None
+        mac = cap[-CAP_MAC:]
+        hit = table.get(mac)
+        if hit is not None and hit[0] == cap:
+            return hit[1]
+        self.verified += 1
+        grant = _open(self.cap_key, cap, person)
+        if grant is not None:
+            if len(table) >= self.limit:
+                del table[next(iter(table))]
+            table[mac] = (cap, grant)
+        return grant
+
+    def write(self, cap: object, offset: int, payload_len: int, gen: int, min_epoch: int, now_ms: int,
+              component: str) -> int:
+        """``check_write_capability`` through the cache; returns the epoch (0 in an open pool)."""
+        if self.cap_key is None:
+            return 0
+        return _check_write(self._grant(cap, _WRITE, self._w), offset, payload_len, gen, min_epoch, now_ms,
+                            component)
+
+    def read(self, cap: object, offset: int, payload_len: int, gen: int, component: str) -> None:
+        """``check_read_capability`` through the cache."""
+        if self.cap_key is None:
+            return
+        grant = self._grant(cap, _READ, self._r)
+        if grant is None or grant[2].get(offset) != (payload_len, gen):
+            raise AuthError(component, f"no valid capability to read the object at {offset}")
 
 
 class ClientAuth:

@@ -45,6 +45,7 @@ from transport import wire
 from transport.base import Pending, ReadOp, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
+from umbp.auth import with_caps
 from umbp.buffers import PINNED, CudaOut, as_bytes_view, as_writable_view, flush_cuda, new_bytes, stage_cuda
 from umbp.config import ClientConfig, resolve
 from umbp.devcopy import DeviceCopier
@@ -285,7 +286,7 @@ class Client(PutPath):
             with self._lock:
                 deadline = self._deadline()
                 reply = self._meta.call(wire.Op.LOOKUP, {"ns": ns, "keys": kb}, deadline)
-                lease, locs = reply.get("lease", 0), reply["locs"]
+                lease, locs = reply.get("lease", 0), with_caps(reply["locs"], reply.get("caps"), 5)
                 try:
                     kernel = self._kernel_nodes(locs, deadline) if cuda else {}
                     batches, index, fresh, kern = self._read_ops(locs, segs, kernel)

@@ -17,8 +17,9 @@ for, so a client never receives bytes of another object even if its directory vi
 
 Security (umbp/auth.py): with a token the node authenticates every connection (HELLO, AUTH) before serving it,
 registers with the metaserver using the cluster secret, and serves a WRITE or READ only with the capability the
-metaserver granted for exactly that object (offset, length, generation), so a client writes only the slots it was
-allocated and reads only what it looked up. Per connection: memory follows the bytes that arrived (a WRITE lands in
+metaserver granted for that object (offset, length, generation: one capability per node per batch, verified once
+per connection and cached by its MAC, ``auth.CapCache``), so a client writes only the slots it was allocated and
+reads only what it looked up. Per connection: memory follows the bytes that arrived (a WRITE lands in
 the arena once its capability checks out; refused data is discarded by counting), at most ``max_connections``
 authenticated connections plus, in a closed pool, ``preauth_connections`` still to authenticate (each closed
 ``auth_timeout_s`` after connecting unless it did: umbp/admission.py; one turned away gets its first request
@@ -41,7 +42,7 @@ from transport import wire
 from transport.shm import boot_id
 from umbp.admission import Admission
 from umbp.arena import Arena
-from umbp.auth import ServerAuth, Tokens, check_capability, check_write_capability
+from umbp.auth import CapCache, ServerAuth, Tokens
 from umbp.config import NodeConfig, split_host_port
 from umbp.errors import (AuthError, BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
@@ -90,7 +91,8 @@ class NodeServer:
             raise BadRequest(self.component, f"{what}: range {offset}+{length} outside the data region "
                                               f"[{self.data_start}, {self.data_end}) or unaligned")
 
-    def write_sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
+    def write_sink(self, op: int, rid: int, meta: Any, data_len: int, caps: CapCache | None = None
+                   ) -> memoryview | list:
         """Where a WRITE's data goes: its slot in the arena, once range and capability check out (a WRITEV's:
         ``writev_pieces``). Other opcodes carry no data (the reader refuses it without allocating)."""
         if op != wire.Op.WRITE:
@@ -100,19 +102,20 @@ class NodeServer:
         if data_len < wire.OBJ_HEADER_SIZE:
             raise BadRequest(self.component, "WRITE: data shorter than an object header")
         self.check_range(meta[0], data_len, "WRITE")
-        self.check_write(meta[0], data_len, meta[1], meta[2])
+        self.check_write(meta[0], data_len, meta[1], meta[2], caps)
         return self.arena.view[meta[0]:meta[0] + data_len]
 
-    def check_write(self, offset: int, nbytes: int, gen: int, cap: Any) -> None:
-        """Closed pools: may this write land? Its capability must be the metaserver's for exactly this allocation,
-        of the current epoch and before its deadline (``auth.check_write_capability``), and the slot must not hold
+    def check_write(self, offset: int, nbytes: int, gen: int, cap: Any, caps: CapCache | None = None) -> None:
+        """Closed pools: may this write land? Its capability must be the metaserver's for a batch covering exactly
+        this allocation, of the current epoch and before its deadline (``auth.CapCache.write``, through the
+        connection's ``caps``: the batch's MAC is computed once), and the slot must not hold
         this generation or a newer one already: a capability writes its slot once, so one kept after the put, the
         remove or the eviction of its page cannot write there again (the metaserver holds young freed extents
         until the deadline, so no other allocation is in its range meanwhile). AuthError otherwise."""
         if self.cap_key is None:
             return
-        epoch = check_write_capability(self.cap_key, cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen, self.cap_epoch,
-                                       int(time.time() * 1000), self.component)
+        epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen,
+                                                          self.cap_epoch, int(time.time() * 1000), self.component)
         if epoch > self.cap_epoch:
             self.cap_epoch = epoch  # a metaserver term or registration newer than ours: older capabilities die
         held = wire.header_generation(self.arena.view, offset)
@@ -120,24 +123,29 @@ class NodeServer:
             raise AuthError(self.component, f"the slot at {offset} already holds generation {held}: a write "
                                             f"capability of generation {gen} writes once (allocate again)")
 
-    def writev_pieces(self, meta: Any, data_len: int) -> tuple[list, list]:
+    def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None) -> tuple[list, list]:
         """Where a WRITEV's data goes, every object checked (range, capability) before a byte lands: a scatter list
         (``wire.Sink``), each object's slot or, when refused, a count of bytes to discard; and the refused ones as
-        ``[index, status, message]``. A malformed list refuses the whole frame (BadRequest)."""
+        ``[index, status, message]``. An op's capability b"" is the previous op's (a batch's capability crosses the
+        wire once per frame). A malformed list refuses the whole frame (BadRequest)."""
+        caps = caps or CapCache(self.cap_key)
         if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
             raise BadRequest(self.component, f"WRITEV: meta must be a list of 1..{wire.MAX_VEC_OPS} "
                                              f"[offset, generation, capability, nbytes]")
         view, hs = self.arena.view, wire.OBJ_HEADER_SIZE
-        pieces, failures, total = [], [], 0
+        pieces, failures, total, prev = [], [], 0, b""
         for i, m in enumerate(meta):
             if type(m) is not list or len(m) != 4 or type(m[1]) is not int or type(m[3]) is not int or m[3] < hs:
                 raise BadRequest(self.component, f"WRITEV: op {i} must be [offset, generation, capability, nbytes "
                                                   f">= {hs}]")
             off, gen, cap, n = m
+            if cap == b"":
+                cap = prev
+            prev = cap
             total += n
             try:
                 self.check_range(off, n, "WRITEV")
-                self.check_write(off, n, gen, cap)
+                self.check_write(off, n, gen, cap, caps)
             except RemoteError as e:
                 failures.append([i, e.code or wire.Status.BAD_REQUEST, str(e)])
                 pieces.append(n)
@@ -199,6 +207,7 @@ class DataProtocol(asyncio.BufferedProtocol):
         self.reader = wire.FrameReader(node.component, max_data=node.config.max_frame_data, sink=self.sink,
                                        buffer_data=0)
         self.auth = ServerAuth(node.tokens, node.component)
+        self.caps = CapCache(node.cap_key)  # this connection's verified capabilities (one MAC per batch)
         self.transport: asyncio.Transport | None = None
         self.rdma_eps: list = []  # RDMA endpoints this client set up over this connection
         self.last_active = 0.0
@@ -210,9 +219,9 @@ class DataProtocol(asyncio.BufferedProtocol):
     def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
         self.auth.require()  # no byte of an unauthenticated peer reaches the arena
         if op == wire.Op.WRITEV:
-            pieces, self.vec_failures = self.node.writev_pieces(meta, data_len)
+            pieces, self.vec_failures = self.node.writev_pieces(meta, data_len, self.caps)
             return pieces
-        return self.node.write_sink(op, rid, meta, data_len)
+        return self.node.write_sink(op, rid, meta, data_len, self.caps)
 
     def connection_lost(self, exc):
         self.node.conns.discard(self)
@@ -370,7 +379,7 @@ class DataProtocol(asyncio.BufferedProtocol):
                                              "capability]")
         off, start, length, khash, gen, plen, cap = meta
         node.check_range(off, wire.OBJ_HEADER_SIZE + plen, "READ")
-        check_capability(node.cap_key, cap, b"r", off, plen, gen, node.component)
+        self.caps.read(cap, off, plen, gen, node.component)
         if start < 0 or length < 0 or start + length > plen:
             raise BadRequest(node.component, f"READ: range {start}+{length} outside the payload of {plen}")
         view = node.arena.view
@@ -391,13 +400,15 @@ class DataProtocol(asyncio.BufferedProtocol):
     def readv(self, frame: wire.Frame) -> None:
         """A batch of reads, one answer: every object checked first (range, capability, header), then one frame
         whose data is each served object's header and payload range, straight from the arena (no copies), and whose
-        meta lists the failed ones. A malformed list fails the whole frame (BadRequest)."""
+        meta lists the failed ones. An op's capability b"" is the previous op's. A malformed list fails the whole
+        frame (BadRequest)."""
         node = self.node
         meta = frame.meta
         if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
             raise BadRequest(node.component, f"READV: meta must be a list of 1..{wire.MAX_VEC_OPS} [offset, start, "
                                              f"length, tag, gen, payload_len, capability]")
         view, cap_key, comp, hs = node.arena.view, node.cap_key, node.component, wire.OBJ_HEADER_SIZE
+        check_cap, prev = self.caps.read, b""
         lo, hi = node.data_start, node.data_end
         check_header = wire.check_object_header
         bufs: list = []
@@ -408,6 +419,9 @@ class DataProtocol(asyncio.BufferedProtocol):
                 raise BadRequest(comp, f"READV: op {i} must be [offset, start, length, tag, gen, payload_len, "
                                        f"capability]")
             off, start, length, khash, gen, plen, cap = m
+            if cap == b"":
+                cap = prev
+            prev = cap
             if not (type(off) is int and type(start) is int and type(length) is int and type(khash) is int
                     and type(gen) is int and type(plen) is int):
                 raise BadRequest(comp, f"READV: op {i}: offset, start, length, tag, gen and payload_len must be "
@@ -417,7 +431,7 @@ class DataProtocol(asyncio.BufferedProtocol):
                     raise BadRequest(comp, f"READV: range {off}+{hs + plen} outside the data region [{lo}, {hi}) "
                                            f"or unaligned")
                 if cap_key is not None:
-                    check_capability(cap_key, cap, b"r", off, plen, gen, comp)
+                    check_cap(cap, off, plen, gen, comp)
                 if start < 0 or length < 0 or start + length > plen:
                     raise BadRequest(comp, f"READV: range {start}+{length} outside the payload of {plen}")
                 check_header(view[off:off + hs], comp, khash, gen, plen)

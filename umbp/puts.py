@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from transport import wire
 from transport.base import WriteOp
+from umbp.auth import with_caps
 from umbp.errors import DeadlineExceeded, InvalidArgument, PoolFull, TransportError, UmbpError
 from umbp.keys import normalize_key
 
@@ -140,7 +141,8 @@ class PutPath:
         chunks = self._chunks(idxs, sizes)
         acc = _PutResult()
         if len(chunks) == 1:
-            items = meta.call(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, idxs), deadline)["items"]
+            reply = meta.call(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, idxs), deadline)
+            items = with_caps(reply["items"], reply.get("caps"), 6)
             ok_idx, gens = self._write_chunk(kb, views, idxs, items, deadline, acc)
             if ok_idx:
                 committed = meta.call(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
@@ -154,7 +156,8 @@ class PutPath:
                     while len(allocs) < min(len(chunks), c + 1 + ALLOC_AHEAD):
                         allocs.append(meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents,
                                                                                   chunks[len(allocs)]), deadline))
-                    items = meta.result(allocs[c], deadline)["items"]
+                    reply = meta.result(allocs[c], deadline)
+                    items = with_caps(reply["items"], reply.get("caps"), 6)
                     ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc)
                     if ok_idx:
                         commits.append((meta.submit(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],

@@ -1,5 +1,6 @@
-"""Unit tests of write capabilities that die with their allocation: the capability itself (umbp/auth.py), the node's
-check (``NodeServer.check_write`` over a real shared-memory arena) and the metaserver's quarantine of extents freed
+"""Unit tests of capabilities granted per node per batch, and write capabilities that die with their allocation: the
+capabilities themselves and the node's cache of verified ones (umbp/auth.py), the node's check
+(``NodeServer.check_write``, ``writev_pieces`` over a real shared-memory arena) and the metaserver's quarantine of extents freed
 while their capabilities may live (metaserver/quarantine.py, with the directory's invariant check)."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from metaserver.directory import NEW, Directory
 from metaserver.quarantine import NEVER, Quarantine
 from transport import wire
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
-from umbp.auth import WRITE_CAP_SIZE, check_write_capability, write_capability
+from umbp.auth import (WRITE_CAP_SIZE, CapCache, check_read_capability, check_write_capability, read_capability,
+                       write_capability)
 from umbp.config import NodeConfig
 from umbp.errors import AuthError
 from umbp.node import NodeServer
@@ -21,28 +23,88 @@ KEY = b"k" * 32
 NOW_MS = 1_000_000
 
 
-def test_a_write_capability_binds_object_epoch_and_deadline():
-    cap = write_capability(KEY, 4096, 100, 7, 3, NOW_MS + 10)
-    assert len(cap) == WRITE_CAP_SIZE
-    assert check_write_capability(KEY, cap, 4096, 100, 7, 3, NOW_MS, "t") == 3
+def wcap(key, off, plen, gen, epoch, expires_ms, *more):
+    """A write capability of one slot (plus ``more`` (off, plen, gen) slots of the same batch)."""
+    return write_capability(key, [(off, plen, gen), *more], epoch, expires_ms)
+
+
+def test_a_write_capability_binds_its_slots_epoch_and_deadline():
+    cap = wcap(KEY, 4096, 100, 7, 3, NOW_MS + 10, (8192, 200, 8))
+    assert len(cap) == WRITE_CAP_SIZE + 24  # one batch, two slots: 24 bytes a slot
+    for slot in ((4096, 100, 7), (8192, 200, 8)):
+        assert check_write_capability(KEY, cap, *slot, 3, NOW_MS, "t") == 3
     assert check_write_capability(KEY, cap, 4096, 100, 7, 2, NOW_MS, "t") == 3  # a newer epoch than the floor
-    for args in ((8192, 100, 7), (4096, 101, 7), (4096, 100, 8)):  # another object or generation
+    for args in ((12288, 100, 7), (4096, 101, 7), (4096, 100, 8), (8192, 200, 7)):  # not a slot of the batch
         with pytest.raises(AuthError, match="no valid capability to write"):
             check_write_capability(KEY, cap, *args, 3, NOW_MS, "t")
     with pytest.raises(AuthError, match="no valid capability to write"):  # a deadline moved by the holder
-        check_write_capability(KEY, write_capability(KEY, 4096, 100, 7, 3, NOW_MS + 10)[:8]
-                               + (NOW_MS + 99_999).to_bytes(8, "little") + cap[16:], 4096, 100, 7, 3, NOW_MS, "t")
+        check_write_capability(KEY, cap[:8] + (NOW_MS + 99_999).to_bytes(8, "little") + cap[16:], 4096, 100, 7, 3,
+                               NOW_MS, "t")
+    forged = bytearray(cap)
+    forged[16:24] = (12288).to_bytes(8, "little")  # a slot moved by the holder
+    with pytest.raises(AuthError, match="no valid capability to write"):
+        check_write_capability(KEY, bytes(forged), 12288, 100, 7, 3, NOW_MS, "t")
     with pytest.raises(AuthError, match="no valid capability to write"):  # signed with another node's key
         check_write_capability(b"x" * 32, cap, 4096, 100, 7, 3, NOW_MS, "t")
+    with pytest.raises(AuthError, match="no valid capability to write"):  # a read grant is no write grant
+        check_write_capability(KEY, read_capability(KEY, [(4096, 100, 7)]), 4096, 100, 7, 0, 0, "t")
     with pytest.raises(AuthError, match="stale capability.*term 3.*term 4"):
         check_write_capability(KEY, cap, 4096, 100, 7, 4, NOW_MS, "t")
     with pytest.raises(AuthError, match="expired capability"):
         check_write_capability(KEY, cap, 4096, 100, 7, 3, NOW_MS + 11, "t")
-    for bad in (b"", b"\0" * 16, None, "str", cap + b"\0"):
+    for bad in (b"", b"\0" * 16, None, "str", cap + b"\0", cap[:-1]):
         with pytest.raises(AuthError):
             check_write_capability(KEY, bad, 4096, 100, 7, 3, NOW_MS, "t")
-    assert write_capability(None, 4096, 100, 7, 3, NOW_MS) == b""  # open pool
+    assert write_capability(None, [(4096, 100, 7)], 3, NOW_MS) == b""  # open pool
     assert check_write_capability(None, b"", 4096, 100, 7, 3, NOW_MS, "t") == 0
+
+
+def test_a_read_capability_covers_its_batch_only():
+    cap = read_capability(KEY, [(4096, 100, 7), (8192, 50, 9)])
+    check_read_capability(KEY, cap, 4096, 100, 7, "t")
+    check_read_capability(KEY, cap, 8192, 50, 9, "t")
+    for args in ((4096, 100, 8), (12288, 100, 7), (8192, 51, 9)):
+        with pytest.raises(AuthError, match="no valid capability to read"):
+            check_read_capability(KEY, cap, *args, "t")
+    for bad in (wcap(KEY, 4096, 100, 7, 0, 0), read_capability(b"y" * 32, [(4096, 100, 7)]), b"", None, cap[1:]):
+        with pytest.raises(AuthError, match="no valid capability to read"):
+            check_read_capability(KEY, bad, 4096, 100, 7, "t")
+
+
+def test_the_cache_verifies_a_batch_once_and_trusts_only_verified_bytes():
+    later = NOW_MS + 10_000
+    slots = [(4096 * (i + 1), 100, 50 + i) for i in range(32)]
+    cap = write_capability(KEY, slots, 3, later)
+    cache = CapCache(KEY, limit=2)
+    for off, plen, gen in slots:
+        assert cache.write(cap, off, plen, gen, 3, NOW_MS, "t") == 3
+    assert cache.verified == 1  # one MAC for the batch's 32 slots
+    again = bytes(bytearray(cap))  # the same capability in a later frame (a fresh bytes object)
+    assert cache.write(again, *slots[5], 3, NOW_MS, "t") == 3 and cache.verified == 1
+    # same MAC, another slot list: not the verified bytes, verified afresh and refused
+    tampered = bytearray(cap)
+    tampered[16:24] = (1 << 30).to_bytes(8, "little")
+    with pytest.raises(AuthError, match="no valid capability to write"):
+        cache.write(bytes(tampered), 1 << 30, 100, 50, 3, NOW_MS, "t")
+    assert cache.verified == 2
+    # epochs and deadlines are checked at every use, not only when verified
+    with pytest.raises(AuthError, match="stale capability"):
+        cache.write(cap, *slots[0], 4, NOW_MS, "t")
+    with pytest.raises(AuthError, match="expired capability"):
+        cache.write(cap, *slots[0], 3, later + 1, "t")
+    # bounded: two batches kept, a third pushes the oldest out (verified again when it comes back)
+    caps = [write_capability(KEY, [(4096, 100, g)], 3, later) for g in (1, 2, 3)]
+    for c, g in zip(caps, (1, 2, 3)):
+        cache.write(c, 4096, 100, g, 3, NOW_MS, "t")
+    assert len(cache._w) == 2 and cache.verified == 5
+    cache.write(cap, *slots[0], 3, NOW_MS, "t")
+    assert cache.verified == 6
+    # reads: their own table; a write capability does not read
+    rcap = read_capability(KEY, slots)
+    for off, plen, gen in slots:
+        cache.read(rcap, off, plen, gen, "t")
+    with pytest.raises(AuthError, match="no valid capability to read"):
+        cache.read(cap, *slots[0], "t")
 
 
 @pytest.fixture
@@ -58,21 +120,43 @@ def test_the_node_refuses_old_epochs_and_writes_a_slot_once(node):
     later = int(time.time() * 1000) + 60_000
     node.cap_epoch = 5  # as REGISTER_NODE answered
     with pytest.raises(AuthError, match="stale capability"):
-        node.check_write(off, n, 10, write_capability(node.cap_key, off, plen, 10, 4, later))
-    node.check_write(off, n, 10, write_capability(node.cap_key, off, plen, 10, 5, later))
-    node.check_write(off, n, 11, write_capability(node.cap_key, off, plen, 11, 9, later))
+        node.check_write(off, n, 10, wcap(node.cap_key, off, plen, 10, 4, later))
+    node.check_write(off, n, 10, wcap(node.cap_key, off, plen, 10, 5, later))
+    node.check_write(off, n, 11, wcap(node.cap_key, off, plen, 11, 9, later))
     assert node.cap_epoch == 9  # a newer metaserver term or registration: epoch 5 capabilities die from here on
     with pytest.raises(AuthError, match="stale capability"):
-        node.check_write(off, n, 12, write_capability(node.cap_key, off, plen, 12, 5, later))
+        node.check_write(off, n, 12, wcap(node.cap_key, off, plen, 12, 5, later))
     # the slot now holds generation 11 (its first write landed): 11 and anything older are refused, newer allowed
     node.arena.view[off:off + wire.OBJ_HEADER_SIZE] = wire.pack_object_header(1, 11, plen)
     for gen in (10, 11):
         with pytest.raises(AuthError, match="already holds generation 11"):
-            node.check_write(off, n, gen, write_capability(node.cap_key, off, plen, gen, 9, later))
-    node.check_write(off, n, 12, write_capability(node.cap_key, off, plen, 12, 9, later))
+            node.check_write(off, n, gen, wcap(node.cap_key, off, plen, gen, 9, later))
+    node.check_write(off, n, 12, wcap(node.cap_key, off, plen, 12, 9, later))
     # a torn header (crc) is no header: the slot may be written
     node.arena.view[off + 20] ^= 0xFF
-    node.check_write(off, n, 10, write_capability(node.cap_key, off, plen, 10, 9, later))
+    node.check_write(off, n, 10, wcap(node.cap_key, off, plen, 10, 9, later))
+
+
+def test_a_writev_checks_each_slot_of_one_batch_capability_sent_once(node):
+    """Several frames of one batch: the capability crosses once per frame (b"" after the first op: the previous
+    op's), is verified once per connection, each slot is checked and written once."""
+    plen, hs = 1000, wire.OBJ_HEADER_SIZE
+    offs = [ARENA_DATA_START + i * ALIGN for i in range(6)]
+    later = int(time.time() * 1000) + 60_000
+    cap = write_capability(node.cap_key, [(o, plen, 100 + i) for i, o in enumerate(offs)], 0, later)
+    caps = CapCache(node.cap_key)
+    first = [[offs[0], 100, cap, hs + plen], [offs[1], 101, b"", hs + plen], [offs[2], 999, b"", hs + plen]]
+    pieces, failures = node.writev_pieces(first, 3 * (hs + plen), caps)
+    assert [f[0] for f in failures] == [2] and "no valid capability to write" in failures[0][2]  # wrong generation
+    assert pieces[2] == hs + plen and isinstance(pieces[0], memoryview)  # the refused op's bytes are discarded
+    for i in (0, 1):
+        pieces[i][:hs] = wire.pack_object_header(1, 100 + i, plen)
+    second = [[offs[3], 103, cap, hs + plen], [offs[0], 100, b"", hs + plen]]  # op 0 again: written once
+    pieces, failures = node.writev_pieces(second, 2 * (hs + plen), caps)
+    assert [f[0] for f in failures] == [1] and "already holds generation 100" in failures[0][2]
+    assert caps.verified == 1  # one MAC for both frames
+    with pytest.raises(AuthError, match="no valid capability to write"):  # b"" first: no previous op's
+        node.check_write(offs[4], hs + plen, 104, b"", caps)
 
 
 def test_quarantine_holds_young_frees_only():
