@@ -9,6 +9,8 @@ are collected in the ``Effects`` passed in.
 
 from __future__ import annotations
 
+import heapq
+
 from metaserver.entry import Effects, NodeSpace
 from metaserver.eviction import bytes_to_low, over_high
 from transport.wire import object_size
@@ -30,17 +32,26 @@ class EvictionPasses:
         return n, freed
 
     def evict_bytes(self, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
-        """Free at least ``nbytes`` across nodes, always from the fullest node (by fill ratio). Bounded by
-        ``budget`` evictions. Returns (evicted, freed_bytes)."""
+        """Free at least ``nbytes`` across nodes, always from the fullest node (by fill ratio; ties: the first in
+        ``spaces`` order). Bounded by ``budget`` evictions. Returns (evicted, freed_bytes).
+
+        The nodes are ranked once in a heap; a node evicts until it is no longer the fullest (evicting on one node
+        changes no other node's fill), then goes back into the heap: O(nodes + victims x log nodes), instead of a
+        scan of every node per victim."""
         n = freed = 0
-        while freed < nbytes and n < budget:
-            cands = [s for s in self.spaces.values() if self.policy.count(s.node_id)]
-            if not cands:
-                break
-            sp = max(cands, key=_fill_of)
-            k, f = self.evict_node(sp.node_id, 1, 1, fx)
-            n += k
-            freed += f
+        heap = [(-_fill_of(sp), i, sp) for i, sp in enumerate(self.spaces.values()) if self.policy.count(sp.node_id)]
+        heapq.heapify(heap)
+        while heap and freed < nbytes and n < budget:
+            _, i, sp = heapq.heappop(heap)
+            k = 0
+            while freed < nbytes and n < budget:
+                k, f = self.evict_node(sp.node_id, 1, 1, fx)
+                n += k
+                freed += f
+                if not k or (heap and (-_fill_of(sp), i) > heap[0][:2]):
+                    break
+            if k and self.policy.count(sp.node_id):
+                heapq.heappush(heap, (-_fill_of(sp), i, sp))
         return n, freed
 
     def watermark_pass(self, high: float, low: float, budget: int, fx: Effects) -> tuple[int, int]:

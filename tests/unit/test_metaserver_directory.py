@@ -631,3 +631,40 @@ def test_quota_evicts_within_the_namespace_then_refuses():
     assert d.exists("small", [b"s0", b"s3", b"s4", b"s5"]) == [True, False, False, False]
     assert d.ns_used["small"] == 4 * sz
     d.check()
+
+
+def test_evict_bytes_takes_the_fullest_node_first_without_a_scan_per_victim(monkeypatch):
+    """The victims' nodes are exactly the old rule's (one victim at a time from the fullest node, ties to the first
+    in ``spaces`` order), while node fills are computed O(nodes + victims) times, not nodes x victims."""
+    import random
+
+    from metaserver import passes
+
+    rng = random.Random(7)
+    nodes = tuple(f"n{i:02d}" for i in range(16))
+    d = make(units=64, nodes=nodes)
+    keys = [f"k{i}".encode() for i in range(16 * 60)]
+    put(d, "m", keys)
+    d.remove("m", rng.sample(keys, 400))  # uneven fills, ties among them
+    node_of = {k: e.node_id for k, e in d.entries["m"].items()}
+    used = {n: sp.alloc.used_units for n, sp in d.spaces.items()}
+    units = {n: sp.alloc.units for n, sp in d.spaces.items()}
+    expected = []
+    for _ in range(300):  # the old rule, simulated: every page is one unit
+        n = max((n for n in d.spaces if used[n]), key=lambda n: used[n] / units[n])
+        used[n] -= 1
+        expected.append(n)
+    calls = [0]
+    fill = passes._fill_of
+
+    def counted(sp):
+        calls[0] += 1
+        return fill(sp)
+
+    monkeypatch.setattr(passes, "_fill_of", counted)
+    fx = Effects()
+    assert d.evict_bytes(300 * ALIGN, 1000, fx) == (300, 300 * ALIGN)
+    assert [node_of[k] for _ns, k in fx.deletes] == expected
+    assert calls[0] <= len(nodes) + 2 * 300, calls[0]  # the old loop: 16 x 300 = 4,800
+    assert d.evict_bytes(1 << 40, 50, Effects())[0] == 50  # the budget bounds a call
+    d.check()
