@@ -64,6 +64,7 @@ log = logging.getLogger("umbp.metaserver")
 
 TICK_S = 0.05
 SWEEP_BUDGET = 20_000  # expired pending entries / leases examined per tick
+STEP_BUDGET = 20_000  # entries one tick may examine in all duties together: the event loop's longest background step
 ETCD_START_DEADLINE_S = 15.0
 NODE_GRACE_S = 10.0  # a node loaded from etcd keeps its pages this long (at least its lease_ttl) to re-register
 ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loaded nodes to re-register
@@ -98,6 +99,8 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         self._bg: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
         self._election: asyncio.Task | None = None
+        self._duties = (self._expire_pending, self._expire_leases, self._release_quarantine, self._drop_dying,
+                        self._evict_over_high)
         self.handlers = {
             Op.HELLO: self.hello, Op.AUTH: self.authenticate, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
             Op.HEARTBEAT: self.heartbeat, Op.ALLOC: self.alloc, Op.COMMIT: self.commit, Op.ABORT: self.abort,
@@ -303,28 +306,55 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             except Exception:  # noqa: BLE001 - a bug in one duty must not stop the others for good
                 log.exception("metaserver: background tick failed")
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float) -> int:
+        """One background step: expiry of PENDING entries and read leases, quarantine releases, lost nodes' drops
+        and the watermark eviction, all within STEP_BUDGET entries examined. Returns the entries examined."""
         self.ticks += 1
         if not self.serving:
-            return  # a lapsed lease: touch nothing until the election says whether we still lead
+            return 0  # a lapsed lease: touch nothing until the election says whether we still lead
         if not self.settled.is_set() and now - self.took_over > ALLOC_HOLD_S:
             self.settled.set()
         d = self.dir
-        d.expire_pending(now, SWEEP_BUDGET)
-        d.expire_leases(now, SWEEP_BUDGET)
         if d.quarantine.held or d.quarantine.hold_s:
             d.quarantine.observe(now, self.gens.issued_below)
-            d.quarantine.release(now, d.spaces, SWEEP_BUDGET)
         for node in self.members.expired(now):
             self._node_lost(node, now)
-        if d.dying:
-            self._drop_lost(SWEEP_BUDGET)
         if self.parked:
             self._expire_parked(now)
-        if d.needs_eviction(self.cfg.high_watermark):
-            fx = Effects()
-            d.watermark_pass(self.cfg.high_watermark, self.cfg.low_watermark, EVICT_BUDGET, fx)
-            self._apply(fx)
+        # The budgeted duties share one budget, each taking at most its own share; the first duty rotates, so a
+        # backlog in one (a million expired leases) delays the others by a tick at most, never starves them.
+        duties = self._duties
+        left = STEP_BUDGET
+        for i in range(len(duties)):
+            if left <= 0:
+                break
+            left -= duties[(self.ticks + i) % len(duties)](now, left)
+        return STEP_BUDGET - left
+
+    def _expire_pending(self, now: float, budget: int) -> int:
+        return self.dir.expire_pending(now, min(budget, SWEEP_BUDGET))
+
+    def _expire_leases(self, now: float, budget: int) -> int:
+        q = self.dir._lease_q
+        before = len(q)
+        self.dir.expire_leases(now, min(budget, SWEEP_BUDGET))
+        return before - len(q)  # examined: released or already gone
+
+    def _release_quarantine(self, now: float, budget: int) -> int:
+        q = self.dir.quarantine
+        return q.release(now, self.dir.spaces, min(budget, SWEEP_BUDGET)) if q.held else 0
+
+    def _drop_dying(self, now: float, budget: int) -> int:
+        return self._drop_lost(min(budget, SWEEP_BUDGET)) if self.dir.dying else 0
+
+    def _evict_over_high(self, now: float, budget: int) -> int:
+        d = self.dir
+        if not d.needs_eviction(self.cfg.high_watermark):
+            return 0
+        fx = Effects()
+        n, _ = d.watermark_pass(self.cfg.high_watermark, self.cfg.low_watermark, min(budget, EVICT_BUDGET), fx)
+        self._apply(fx)
+        return n
 
     async def _revoke(self, lease: int) -> None:
         try:
