@@ -14,6 +14,11 @@ time, GB/s and TTFT (load + decode) against recompute (prefill + decode):
   all groups, then the decode;
 - ``layerwise-overlap``: the same loader with ``--groups`` layer groups, the decode's layers running as their group
   arrives is approximated by waiting group by group (TTFT printed from the last group's arrival);
+- ``layerwise_cache_layout``: the loader straight into the model's own cache layout (per layer K and V
+  ``[1, heads, tokens, head_dim]``, one PagedKV part per head): no permute before the decode; its TTFT is the best of
+  whole runs (load, cache, decode);
+- ``offload``: ``LayerwiseLoader.store`` (the SGLang linker's offload) of the loaded KV under new keys, GB/s beside
+  the layer-wise load;
 - the writer's ``batch_put`` of the pages (store GB/s).
 The SGLang HiCache backend path is not part of this bench yet (it needs SGLang's host pool objects).
 
@@ -117,6 +122,16 @@ def cache_from_layers(ks, vs):
     return cache
 
 
+def cache_direct(ks, vs):
+    """A DynamicCache over per-layer K and V already in its layout ``[1, H, S, D]`` (no permute)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for li, (k, v) in enumerate(zip(ks, vs)):
+        cache.update(k, v, li)
+    return cache
+
+
 def writer(ms: str, preset: str, device: str, q) -> None:
     import umbp
     from umbp.keys import chain_keys
@@ -216,6 +231,54 @@ def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> Non
             res[name] = {"group_size": gs, "load_ms": load_s * 1e3, "gbps": nbytes / load_s / 1e9,
                          "first_group_ms": min(first) * 1e3, "ttft_ms": (load_s + dec_s) * 1e3,
                          "vs_recompute": rec_s / (load_s + dec_s), "kv_exact": same_kv, "logits_exact": same_logits}
+
+        # the loader straight into the model's cache layout: per layer K and V [1, H, S, D] (DynamicCache's own),
+        # one PagedKV part per head ([pages, T, D] views, K heads then V heads as in the page bytes): no permute
+        h, pt, hd = shape[1], shape[2], shape[3]
+        ck = [torch.empty((1, h, npages * pt, hd), dtype=dt, device=device) for _ in range(nl)]
+        cv = [torch.empty((1, h, npages * pt, hd), dtype=dt, device=device) for _ in range(nl)]
+        parts = [tuple(x[0, hh].view(npages, pt, hd) for x in (ck[li], cv[li]) for hh in range(h)) for li in range(nl)]
+        with LayerwiseLoader(c, parts, group_size=nl) as loader:
+            def direct():
+                with loader.load(keys, list(range(npages))) as ld:
+                    n = ld.wait_all()
+                cache = cache_direct(ck, cv)
+                return n, decode(model, cache, ids[-1], device)
+
+            def load_only():
+                with loader.load(keys, list(range(npages))) as ld:
+                    return ld.wait_all()
+
+            ttft_s, (loaded, logits) = best(direct)
+            load_s, _ = best(load_only)
+        same_kv = all(torch.equal(ck[li][0].view(torch.uint8), kv_of(ref_cache, li)[0][0, :, :npages * pt]
+                                  .contiguous().view(torch.uint8)) and
+                      torch.equal(cv[li][0].view(torch.uint8), kv_of(ref_cache, li)[1][0, :, :npages * pt]
+                                  .contiguous().view(torch.uint8)) for li in range(nl))
+        same_logits = bool(torch.equal(logits, ref_logits))
+        ok &= same_kv and same_logits and loaded == npages
+        res["layerwise_cache_layout"] = {"group_size": nl, "load_ms": load_s * 1e3, "gbps": nbytes / load_s / 1e9,
+                                         "first_group_ms": load_s * 1e3, "ttft_ms": ttft_s * 1e3,
+                                         "vs_recompute": rec_s / ttft_s, "kv_exact": same_kv,
+                                         "logits_exact": same_logits}
+        del ck, cv, parts
+
+        # offload (the SGLang linker's path: LayerwiseLoader.store with skip_existing) of the loaded paged KV
+        with LayerwiseLoader(c, list(zip(ks, vs)), group_size=nl) as loader:
+            times, stored = [], []
+            for it in range(iters):
+                okeys = [f"offload/{it}/{k}" for k in keys]
+                sync(device)
+                t = time.perf_counter()
+                stored = loader.store(okeys, list(range(npages)), skip_existing=True)
+                times.append(time.perf_counter() - t)
+                back = torch.empty_like(ref_pages[:2], device="cpu")
+                same = c.batch_get_into(okeys[:2], [back[0], back[1]]) == [nbytes // npages] * 2 and bool(
+                    torch.equal(back.view(torch.uint8), ref_pages[:2].cpu().view(torch.uint8)))
+                c.batch_remove(okeys)
+            ok &= same and all(stored)
+            res["offload"] = {"store_ms": min(times) * 1e3, "gbps": nbytes / min(times) / 1e9, "bytes_exact": same,
+                              "counters": dict(loader.counters)}
     res["ok"] = bool(ok)
     q.put({"reader": res})
 
@@ -261,10 +324,13 @@ def main() -> int:
     r = res["reader"]
     print(f"recompute TTFT {r['recompute_ttft_ms']:.1f} ms, KV {r['kv_bytes'] / 2**20:.1f} MiB, "
           f"store {res['writer']['put_gbps']:.2f} GB/s")
-    for name in ("plain", "layerwise", "layerwise_groups"):
+    for name in ("plain", "layerwise", "layerwise_groups", "layerwise_cache_layout"):
         x = r[name]
         print(f"{name:<18} load {x['load_ms']:8.1f} ms {x['gbps']:7.2f} GB/s  TTFT {x['ttft_ms']:8.1f} ms "
               f"({x['vs_recompute']:.1f}x recompute)  kv exact {x['kv_exact']}  logits exact {x['logits_exact']}")
+    o = r["offload"]
+    print(f"{'offload (store)':<18} {o['store_ms']:8.1f} ms {o['gbps']:7.2f} GB/s  bytes exact {o['bytes_exact']}  "
+          f"vs the layer-wise load {o['gbps'] / r['layerwise']['gbps']:.2f}x")
     return 0 if r["ok"] else 1
 
 
