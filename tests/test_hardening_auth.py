@@ -18,29 +18,16 @@ import pytest
 from transport import wire
 from transport.tcp import FramedSocket, TcpTransport
 from umbp.client import Client
-from umbp.config import ClientConfig, resolve
 from umbp.errors import AuthError, ProtocolError, TransportError, Unavailable
 
-SECRET = "cluster-secret-0123456789"
+from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
+
 TENANT_A = "tenant-a-secret-0123456789"
-OPS = "ops-admin-secret-0123456789"
-TOKENS = f'''cluster_secret = "{SECRET}"
-[[tokens]]
-name = "tenant-a"
-secret = "{TENANT_A}"
-namespaces = {{ "tenant-a" = "rw" }}
-[[tokens]]
-name = "ops"
-secret = "{OPS}"
-admin = true
-'''
+TOKENS = tokens_toml({"tenant-a": (TENANT_A, {"tenant-a": "rw"})})
 
 
 def client(addrs: str, token, ns="tenant-a", **kw) -> Client:
-    """A client that uses exactly ``token`` (the environment is not consulted)."""
-    cfg = resolve(ClientConfig, {"metaserver": addrs, "namespace": ns, "token": token, "timeout_s": 10.0, **kw},
-                  env={})
-    return Client(config=cfg)
+    return scoped_client(addrs, token, ns, **kw)
 
 
 class OpenImpostor:
@@ -198,14 +185,8 @@ AUTH_TIMEOUT_S = 3.0
 def closed(make_cluster, tmp_path, monkeypatch):
     """One node and a metaserver sharing a tokens file, 64 connections each, 16 before authentication (the
     defaults), 3 s to authenticate; the harness's own CLI calls use the cluster secret."""
-    path = tmp_path / "tokens.toml"
-    path.write_text(TOKENS)
-    monkeypatch.setenv("UMBP_TOKEN", SECRET)
     env = {"UMBP_MAX_CONNECTIONS": "64", "UMBP_AUTH_TIMEOUT_S": str(AUTH_TIMEOUT_S)}
-    cluster = make_cluster(nodes=1, lease_ttl=3, metaserver_flags={"tokens": str(path), "env": env},
-                           node_flags={"tokens": str(path), "env": env})
-    monkeypatch.delenv("UMBP_TOKEN")
-    return cluster
+    return closed_cluster(make_cluster, tmp_path, monkeypatch, TOKENS, nodes=1, lease_ttl=3, env=env)
 
 
 def ping(sock: socket.socket, rid: int) -> wire.Frame | None:
@@ -335,14 +316,10 @@ def certs(tmp_path_factory):
 @pytest.fixture
 def tls_pool(make_cluster, tmp_path, monkeypatch, certs):
     """A closed pool serving TLS only: metaserver and node (data port and its registration link)."""
-    path = tmp_path / "tokens.toml"
-    path.write_text(TOKENS)
-    monkeypatch.setenv("UMBP_TOKEN", SECRET)
     monkeypatch.setenv("UMBP_TLS_CA", certs["ca"])  # the harness's CLI calls and the node's link verify with it
     tls = {"tls_cert": certs["cert"], "tls_key": certs["key"]}
-    cluster = make_cluster(nodes=1, lease_ttl=3, metaserver_flags={"tokens": str(path), **tls},
-                           node_flags={"tokens": str(path), **tls})
-    monkeypatch.delenv("UMBP_TOKEN")
+    cluster = closed_cluster(make_cluster, tmp_path, monkeypatch, TOKENS, nodes=1, lease_ttl=3,
+                             metaserver_flags=tls, node_flags=tls)
     monkeypatch.delenv("UMBP_TLS_CA")
     return cluster
 

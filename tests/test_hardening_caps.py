@@ -16,27 +16,13 @@ from transport import wire
 from transport.tcp import FramedSocket
 from umbp.auth import with_caps
 from umbp.client import Client
-from umbp.config import ClientConfig, resolve
 from umbp.errors import AuthError, PoolFull
 
-SECRET = "cluster-secret-0123456789"
+from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
+
 ATTACKER = "attacker-secret-0123456789"
 VICTIM = "victim-secret-0123456789"
-OPS = "ops-admin-secret-0123456789"
-TOKENS = f'''cluster_secret = "{SECRET}"
-[[tokens]]
-name = "attacker"
-secret = "{ATTACKER}"
-namespaces = {{ "attacker" = "rw", "victim" = "r" }}
-[[tokens]]
-name = "victim"
-secret = "{VICTIM}"
-namespaces = {{ "victim" = "rw" }}
-[[tokens]]
-name = "ops"
-secret = "{OPS}"
-admin = true
-'''
+TOKENS = tokens_toml({"attacker": (ATTACKER, {"attacker": "rw", "victim": "r"}), "victim": (VICTIM, {"victim": "rw"})})
 PAGE = 60_000  # one 61,440-byte slot; a 1 MiB node holds 17, 16 stay under the high watermark
 SLOTS = 16
 CAP_TTL_S = 2.0  # the metaserver's write_cap_ttl_s here: held extents come back after it plus the clock skew
@@ -44,20 +30,12 @@ CAP_TTL_S = 2.0  # the metaserver's write_cap_ttl_s here: held extents come back
 
 @pytest.fixture
 def tiny(make_cluster, tmp_path, monkeypatch):
-    path = tmp_path / "tokens.toml"
-    path.write_text(TOKENS)
-    monkeypatch.setenv("UMBP_TOKEN", SECRET)
-    cluster = make_cluster(nodes=1, capacity="1MiB", lease_ttl=3,
-                           metaserver_flags={"tokens": str(path), "env": {"UMBP_WRITE_CAP_TTL_S": str(CAP_TTL_S)}},
-                           node_flags={"tokens": str(path)})
-    monkeypatch.delenv("UMBP_TOKEN")
-    return cluster
+    return closed_cluster(make_cluster, tmp_path, monkeypatch, TOKENS, nodes=1, capacity="1MiB", lease_ttl=3,
+                          metaserver_flags={"env": {"UMBP_WRITE_CAP_TTL_S": str(CAP_TTL_S)}})
 
 
 def client(cluster, token, ns, **kw) -> Client:
-    cfg = resolve(ClientConfig, {"metaserver": cluster.metaserver_addrs, "namespace": ns, "token": token,
-                                 "timeout_s": 10.0, **kw}, env={})
-    return Client(config=cfg)
+    return scoped_client(cluster.metaserver_addrs, token, ns, **kw)
 
 
 def deadline() -> float:

@@ -13,68 +13,36 @@ import pytest
 from transport import wire
 from transport.tcp import FramedSocket
 from umbp.client import Client
-from umbp.config import ClientConfig, resolve
 from umbp.errors import NotFound, QuotaExceeded
 
-SECRET = "cluster-secret-0123456789"
+from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
+
 TENANT_A = "tenant-a-secret-0123456789"
 TENANT_B = "tenant-b-secret-0123456789"
 READER_B = "tenant-b-reader-0123456789"
-OPS = "ops-admin-secret-0123456789"
 PAGE = 64 << 10
 OBJ = wire.object_size(PAGE)  # what one page takes of its namespace's quota (header included, 4 KiB aligned)
 QUOTA_A = 16 * OBJ
 QUOTA_B = 40 * OBJ
-TOKENS = f'''cluster_secret = "{SECRET}"
-[[tokens]]
-name = "tenant-a"
-secret = "{TENANT_A}"
-namespaces = {{ "tenant-a" = "rw" }}
-[[tokens]]
-name = "tenant-b"
-secret = "{TENANT_B}"
-namespaces = {{ "tenant-b" = "rw" }}
-[[tokens]]
-name = "reader-b"
-secret = "{READER_B}"
-namespaces = {{ "tenant-b" = "r" }}
-[[tokens]]
-name = "ops"
-secret = "{OPS}"
-admin = true
-'''
-QUOTAS = f'''
-[quotas]
-"tenant-a" = {QUOTA_A}
-"tenant-b" = {QUOTA_B}
-'''
-
-
-def _closed(make_cluster, tmp_path, monkeypatch, text: str):
-    path = tmp_path / "tokens.toml"
-    path.write_text(text)
-    monkeypatch.setenv("UMBP_TOKEN", SECRET)
-    cluster = make_cluster(nodes=2, metaserver_flags={"tokens": str(path)}, node_flags={"tokens": str(path)})
-    monkeypatch.delenv("UMBP_TOKEN")  # clients below say which token they use
-    return cluster
+SCOPES = {"tenant-a": (TENANT_A, {"tenant-a": "rw"}), "tenant-b": (TENANT_B, {"tenant-b": "rw"}),
+          "reader-b": (READER_B, {"tenant-b": "r"})}
 
 
 @pytest.fixture
 def closed(make_cluster, tmp_path, monkeypatch):
     """Two nodes and a metaserver sharing a tokens file without quotas."""
-    return _closed(make_cluster, tmp_path, monkeypatch, TOKENS)
+    return closed_cluster(make_cluster, tmp_path, monkeypatch, tokens_toml(SCOPES))
 
 
 @pytest.fixture
 def quotas(make_cluster, tmp_path, monkeypatch):
     """As ``closed``, with quotas for tenant-a (16 pages) and tenant-b (40 pages)."""
-    return _closed(make_cluster, tmp_path, monkeypatch, TOKENS + QUOTAS)
+    return closed_cluster(make_cluster, tmp_path, monkeypatch,
+                          tokens_toml(SCOPES, quotas={"tenant-a": QUOTA_A, "tenant-b": QUOTA_B}))
 
 
 def client(cluster, token, ns, **kw) -> Client:
-    cfg = resolve(ClientConfig, {"metaserver": cluster.metaserver_addrs, "namespace": ns, "token": token,
-                                 "timeout_s": 10.0, **kw}, env={})
-    return Client(config=cfg)
+    return scoped_client(cluster.metaserver_addrs, token, ns, **kw)
 
 
 def raw(cluster, token, name="raw") -> FramedSocket:

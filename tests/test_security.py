@@ -18,37 +18,18 @@ from umbp.client import Client
 from umbp.config import ClientConfig, resolve
 from umbp.errors import AuthError, TransportError
 
-SECRET = "cluster-secret-0123456789"
+from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
+
 TENANT_A = "tenant-a-secret-0123456789"
 READER = "tenant-a-reader-0123456789"
-OPS = "ops-admin-secret-0123456789"
-TOKENS = f'''cluster_secret = "{SECRET}"
-[[tokens]]
-name = "tenant-a"
-secret = "{TENANT_A}"
-namespaces = {{ "tenant-a" = "rw", "shared/*" = "r" }}
-[[tokens]]
-name = "reader"
-secret = "{READER}"
-namespaces = {{ "tenant-a" = "r" }}
-[[tokens]]
-name = "ops"
-secret = "{OPS}"
-admin = true
-'''
+TOKENS = tokens_toml({"tenant-a": (TENANT_A, {"tenant-a": "rw", "shared/*": "r"}),
+                      "reader": (READER, {"tenant-a": "r"})})
 
 
 @pytest.fixture
 def closed(make_cluster, tmp_path, monkeypatch):
     """Two nodes and a metaserver sharing a tokens file; the harness's own CLI calls use the cluster secret."""
-    path = tmp_path / "tokens.toml"
-    path.write_text(TOKENS)
-    monkeypatch.setenv("UMBP_TOKEN", SECRET)
-    env = {"UMBP_IDLE_TIMEOUT_S": "2"}
-    cluster = make_cluster(nodes=2, lease_ttl=3, metaserver_flags={"tokens": str(path), "env": env},
-                           node_flags={"tokens": str(path), "env": env})
-    monkeypatch.delenv("UMBP_TOKEN")  # clients below say which token they use
-    return cluster
+    return closed_cluster(make_cluster, tmp_path, monkeypatch, TOKENS, lease_ttl=3, env={"UMBP_IDLE_TIMEOUT_S": "2"})
 
 
 CLOSE_WAIT = "08"  # /proc/net/tcp state: the peer closed, this end has not
@@ -76,10 +57,7 @@ def own_tcp_states(remote_ports: set[int]) -> dict[int, str]:
 
 
 def client(cluster, token, ns="tenant-a", **kw) -> Client:
-    """A client that uses exactly ``token`` (the environment is not consulted)."""
-    cfg = resolve(ClientConfig, {"metaserver": cluster.metaserver_addrs, "namespace": ns, "token": token,
-                                 "timeout_s": 10.0, **kw}, env={})
-    return Client(config=cfg)
+    return scoped_client(cluster.metaserver_addrs, token, ns, **kw)
 
 
 def node_addr(cluster, node_id: str) -> str:
