@@ -50,6 +50,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 import umbp
 from umbp.engine.layout import PagedKV
 from umbp.engine.loader import LayerwiseLoader
+from umbp.engine.offload import PipelinedStore
 from umbp.errors import ConfigError, DeadlineExceeded, InvalidArgument, NotFound, TransportError, UmbpError
 from umbp.integrations.sglang.naming import ObjectNaming, dtype_name, namespace_for, parents_for
 
@@ -126,7 +127,8 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         method = str(extra.get("gather_method", "auto"))
         # Two loaders over one client: loads and offloads run on their own threads, each with its own staging.
         self.loader = LayerwiseLoader(self.client, self.kv, group, use_mapped=use_mapped, method=method)
-        self.storer = LayerwiseLoader(self.client, self.kv, group, use_mapped=False, method=method)
+        # offloads: the device-to-host copy of one chunk overlaps the put of the previous one (umbp.engine.offload)
+        self.storer = PipelinedStore(self.client, self.kv, group, method=method)
         self.loader.prepare()  # pin the same-host arenas now, not in front of the first load's first layer
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self.pending_loads: dict[str, tuple[list[str], list[int]]] = {}
