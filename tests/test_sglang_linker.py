@@ -14,19 +14,15 @@ group against the whole prefix and the pool->HBM rate.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parent.parent
-LINKER_PY = Path(os.environ.get("UMBP_SGLANG_LINKER_PYTHON", Path(sys.prefix) / "sglang-linker" / "bin" / "python"))
+from enginesvenv import run_pytest  # noqa: E402
+
 
 
 def _linker_import_error() -> str | None:
@@ -50,18 +46,8 @@ needs_linker = pytest.mark.skipif(
 def test_full_suite_in_linker_venv(etcd_binary):
     if _ERR is None:
         pytest.skip("already running inside a venv where the SGLang linker imports: the tests below run directly")
-    if not LINKER_PY.exists():
-        pytest.skip(f"SGLANG LINKER VENV MISSING at {LINKER_PY} (scripts/install-venv.sh builds it unless "
-                    f"UMBP_SGLANG_LINKER_VENV=0): the linker's factory tests and the real host pool tests DID NOT RUN")
-    env = dict(os.environ, UMBP_TEST_ETCD=etcd_binary, PYTHONPATH=str(REPO))
-    r = subprocess.run([str(LINKER_PY), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                        "tests/test_sglang_linker.py", "tests/test_sglang_hicache.py", "-k", "full"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    tail = (r.stdout + r.stderr)[-6000:]
-    assert r.returncode == 0, f"linker venv run failed (rc {r.returncode}):\n{tail}"
-    passed = re.search(r"(\d+) passed", r.stdout)
-    assert passed and int(passed.group(1)) >= 5, tail
-    print(tail)
+    print(run_pytest(["tests/test_sglang_linker.py", "tests/test_sglang_hicache.py", "-k", "full"], etcd_binary,
+                     "the SGLang linker's factory tests and the real host pool tests", min_passed=5))
 
 
 # ---- device pools as SGLang builds them ---------------------------------------------------------------------------

@@ -14,9 +14,6 @@ gets the prompt's prefix as computed tokens from the connector, and its loaded b
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +21,8 @@ import pytest
 from umbp.integrations.vllm.plan import Planner
 from umbp.keys import chain_keys
 
-REPO = Path(__file__).resolve().parent.parent
-ENGINES_PY = Path(os.environ.get("UMBP_ENGINES_PYTHON", Path(sys.prefix) / "sglang-linker" / "bin" / "python"))
+from enginesvenv import run_pytest
+
 
 
 def _vllm_import_error() -> str | None:
@@ -49,18 +46,8 @@ needs_vllm = pytest.mark.skipif(
 def test_vllm_suite_in_engines_venv(etcd_binary):
     if _ERR is None:
         pytest.skip("already running inside a venv where vLLM imports: the tests below run directly")
-    if not ENGINES_PY.exists():
-        pytest.skip(f"ENGINES VENV MISSING at {ENGINES_PY} (scripts/install-engines.sh builds it unless "
-                    f"UMBP_ENGINES_VENV=0): the vLLM connector's tests DID NOT RUN")
-    env = dict(os.environ, UMBP_TEST_ETCD=etcd_binary, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    r = subprocess.run([str(ENGINES_PY), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                        "tests/test_vllm_connector.py", "-k", "not engines_venv"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=900, stdin=subprocess.DEVNULL)
-    tail = (r.stdout + r.stderr)[-6000:]
-    assert r.returncode == 0, f"vLLM connector tests failed in {ENGINES_PY}:\n{tail}"
-    summary = [ln for ln in r.stdout.splitlines() if " passed" in ln]
-    assert summary and "skipped" not in summary[-1] and "deselected" in summary[-1], tail
-    print(tail[-800:])
+    print(run_pytest(["tests/test_vllm_connector.py", "-k", "not engines_venv"], etcd_binary,
+                     "the vLLM connector's tests", min_passed=3, no_skips=True, HF_HUB_OFFLINE="1")[-800:])
 
 
 # ---- the planner (no vLLM) ----------------------------------------------------------------------------------------
