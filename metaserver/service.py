@@ -8,8 +8,9 @@ the directory returns is handed to the batch writer afterwards (awaited only by 
 
 Background (``tick`` every TICK_S): expire PENDING entries and read leases, detect dead nodes and drop their pages,
 evict nodes above the high watermark down to the low one. Each of these sweeps has a budget per tick (SWEEP_BUDGET,
-EVICT_BUDGET), so a backlog (a million expired leases, a lost node of millions of pages, a huge eviction) is worked
-off over several ticks while requests keep being served in between. What is not budgeted: detaching a lost node
+EVICT_BUDGET) and together they examine at most STEP_BUDGET entries a tick (the first duty rotating), so a
+backlog (a million expired leases, a lost node of millions of pages, a huge eviction) is worked off over several
+ticks while requests keep being served in between. What is not budgeted: detaching a lost node
 (O(PENDING entries)), the last slice of its drop (O(read leases) and a sort of its parked records), and a node that
 re-registers mid-drop (the rest of its drop at once, as its parked pages are reloaded in one step).
 
