@@ -47,8 +47,11 @@ def test_engine_e2e_cpu_mode_kv_and_logits_exact():
     assert w["stored"] == w["pages"] == 6
     assert rd["prefix_hits"] == 6
     assert rd["kv_bytes"] == 6 * 2 * 2 * 2 * 16 * 16 * 4  # pages x layers x K|V x kv_heads x tokens x dim x fp32
-    for path in ("plain", "layerwise", "layerwise_groups"):
+    for path in ("plain", "layerwise", "layerwise_groups", "layerwise_cache_layout"):
         assert rd[path]["kv_exact"] is True, (path, rd[path])
         assert rd[path]["logits_exact"] is True, (path, rd[path])
+    assert rd["overlap"]["logits_exact"] is True and rd["overlap"]["same_next_token"] is True, rd["overlap"]
+    for path in ("offload_plain", "offload"):  # 6 pages stored per run, read back exact
+        assert rd[path]["bytes_exact"] is True and rd[path]["counters"]["pages_stored"] % 6 == 0, (path, rd[path])
     assert rd["plain"]["transports"] == {"node-0": "shm"} or set(rd["plain"]["transports"].values()) == {"shm"}
     assert rd["ok"] is True and r.returncode == 0, r.stdout[-2000:]
