@@ -253,9 +253,9 @@ class Tokens:
         return hmac.digest(self.cluster_secret, b"umbp-cap-v1|" + node_id.encode() + b"|" + arena_id, "sha256")
 
     def tag(self, ns: str, key: bytes) -> int:
-        """The object header's key hash: keyed blake2b in a closed pool, ``wire.key_hash``'s blake2b in an open one."""
-        return int.from_bytes(hashlib.blake2b(ns.encode() + b"\0" + key, digest_size=8,
-                                              key=self._tag_key or b"").digest(), "little")
+        """The object header's key hash: keyed blake2b in a closed pool; in an open one (no key) exactly
+        ``wire.key_hash``, the hash every client computes itself."""
+        return self.tags(ns, [key])[0]
 
     def tags(self, ns: str, keys: list) -> list[int]:
         """``tag`` of every key of one namespace (the keyed state is set up once per batch)."""

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from transport import wire
 from umbp.auth import ClientAuth, Tokens, token_id
 from umbp.errors import AuthError, ConfigError
 
@@ -128,3 +129,14 @@ def test_client_with_a_token_refuses_an_open_server():
         ClientAuth(None, "client").auth_meta({"auth": True, "nonce": os.urandom(32)})
     meta = ClientAuth(A, "client").auth_meta({"auth": True, "nonce": os.urandom(32)})
     assert set(meta) == {"id", "proof"} and meta["id"] == token_id(A.encode())
+
+
+def test_tags_are_wire_key_hash_in_an_open_pool_and_keyed_in_a_closed_one():
+    keys = [b"a", b"\xff" * 32, "k".encode() * 64]
+    open_pool, closed = Tokens(None, {}), Tokens(b"cluster-secret-0123456789", {})
+    assert open_pool.tags("ns", keys) == [wire.key_hash("ns", k) for k in keys]
+    assert [open_pool.tag("ns", k) for k in keys] == open_pool.tags("ns", keys)
+    tagged = closed.tags("ns", keys)
+    assert tagged == [closed.tag("ns", k) for k in keys]
+    assert not set(tagged) & {wire.key_hash("ns", k) for k in keys}  # not computable from public fields
+    assert closed.tags("other", keys) != tagged  # the namespace is part of it
