@@ -43,13 +43,13 @@ from transport.wire import Flag, Op, Status
 from umbp.admission import Admission
 from umbp.auth import ServerAuth
 from umbp.config import MetaserverConfig, split_host_port
-from umbp.tls import server_context
 from umbp.errors import NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
+from umbp.serving import FramedProtocol
+from umbp.tls import server_context
 
 log = logging.getLogger("umbp.metaserver")
 
 MAX_REQUEST_DATA = 1 << 20  # requests carry no data; tolerate a little and discard it
-REFUSED_LINGER_S = 1.0  # a connection turned away by a cap waits this long for a request to answer, then closes
 
 
 def _op_name(op: int) -> str:
@@ -59,13 +59,13 @@ def _op_name(op: int) -> str:
         return f"0x{op:02x}"
 
 
-class Connection(asyncio.BufferedProtocol):
+class Connection(FramedProtocol):
+    component = "metaserver"
+
     def __init__(self, ms: Metaserver, conns: set, admission: Admission):
         self.ms = ms
         self.conns = conns
         self.admission = admission
-        self.refused = ""  # why a cap turned this connection away (its next request is answered with it)
-        self._timer: asyncio.TimerHandle | None = None  # the authentication deadline, or the refused linger
         self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA, buffer_data=0)
         self.auth = ServerAuth(ms.tokens, "metaserver")
         self.pending: set = set()  # directory entries this connection allocated (ALLOC) and has not committed
@@ -79,79 +79,28 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- asyncio callbacks -------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
-        self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        loop = asyncio.get_running_loop()
-        refused = self.admission.admit(self)
-        if refused:
-            self.refused = refused
-            self._timer = loop.call_later(REFUSED_LINGER_S, transport.close)
-            return
-        self.conns.add(self)
-        if self.admission.pending(self):
-            self._timer = loop.call_later(self.admission.auth_timeout_s, self._auth_expired)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.admit(transport)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self.conns.discard(self)
-        self.admission.drop(self)
-        if self._timer is not None:
-            self._timer.cancel()
+        self.release()
         if self.pending or self.leases:
             n = self.ms.drop_pending(self)
             if n:
                 log.info("metaserver: %s closed with %d allocations pending: freed", self.peer, n)
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.last_active = time.monotonic()
-        try:
-            frames = self.reader.buffer_updated(nbytes)
-        except ProtocolError as e:
-            self._unframeable(e)
-            return
-        if self.refused:
-            self._answer_refused(frames)
-            return
-        for frame, err in frames:
-            self.dispatch(frame, err)
-        if self.reader.poisoned is not None:  # good frames answered first, then the bad header
-            self._unframeable(self.reader.poisoned)
-
-    def _answer_refused(self, frames: list) -> None:
-        """A connection a cap turned away: its requests get UNAVAILABLE with the reason, then it closes."""
-        for frame, _err in frames:
-            if not frame.flags & (Flag.NO_REPLY | Flag.RESPONSE):
-                self.send(wire.encode_error(frame.op, frame.request_id, Status.UNAVAILABLE, self.refused))
-        if frames or self.reader.poisoned is not None:
-            self.transport.close()
-
-    def _auth_expired(self) -> None:
-        if self.admission.pending(self) and not self.closed:
-            log.info("metaserver: closing %s: not authenticated within %gs", self.peer, self.admission.auth_timeout_s)
-            self.send(wire.encode_error(0, 0, Status.AUTH, f"metaserver: not authenticated within "
-                                                           f"{self.admission.auth_timeout_s:g}s of connecting"))
-            self.transport.close()
-
     def _authenticated(self, op: int, rid: int) -> bool:
         """AUTH succeeded: move to the authenticated cap; False (answered and closing) when that cap is full."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        refused = self.admission.authenticated(self)
+        refused = self.authenticated_now()
         if refused:
             self.send(wire.encode_error(op, rid, Status.UNAVAILABLE, refused))
             self.transport.close()
             return False
         return True
 
-    def _unframeable(self, e: ProtocolError) -> None:
+    def unframeable(self, e: ProtocolError) -> None:
         status = Status.TOO_LARGE if "exceeds the limit" in e.detail else Status.BAD_FRAME
         self.send(wire.encode_error(0, 0, status, str(e)))
         log.info("metaserver: closing %s: %s", self.peer, e)
@@ -174,7 +123,7 @@ class Connection(asyncio.BufferedProtocol):
         if not self.closed and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
-    def dispatch(self, frame: wire.Frame, err: Exception | None) -> None:
+    def handle(self, frame: wire.Frame, err: Exception | None) -> None:
         op, rid = frame.op, frame.request_id
         if frame.flags & Flag.RESPONSE:
             return  # nobody here asked a question

@@ -47,10 +47,10 @@ from umbp.config import NodeConfig, split_host_port
 from umbp.errors import (AuthError, BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
 from umbp.metalink import MetaLink
+from umbp.serving import FramedProtocol
 from umbp.tls import server_context
 
 _WRITE_HIGH_WATER = 64 << 20
-REFUSED_LINGER_S = 1.0  # a connection turned away by a cap waits this long for a request to answer, then closes
 
 
 class NodeServer:
@@ -196,7 +196,7 @@ class NodeServer:
         self.arena.close()
 
 
-class DataProtocol(asyncio.BufferedProtocol):
+class DataProtocol(FramedProtocol):
     """One client connection: frames in, answers out, in request order.
 
     Answers to every frame completed by one receive are written together (``transport.writelines``: one
@@ -213,8 +213,9 @@ class DataProtocol(asyncio.BufferedProtocol):
         self.last_active = 0.0
         self.vec_failures: list = []  # the WRITEV whose data is arriving: its refused objects
         self._out: list = []  # answers not yet handed to the transport
-        self.refused = ""  # why a cap turned this connection away (its next request is answered with it)
-        self._timer: asyncio.TimerHandle | None = None  # the authentication deadline, or the refused linger
+        self.component = node.component
+        self.admission = node.admission
+        self.conns = node.conns
 
     def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
         self.auth.require()  # no byte of an unauthenticated peer reaches the arena
@@ -224,81 +225,35 @@ class DataProtocol(asyncio.BufferedProtocol):
         return self.node.write_sink(op, rid, meta, data_len, self.caps)
 
     def connection_lost(self, exc):
-        self.node.conns.discard(self)
-        self.node.admission.drop(self)
-        if self._timer is not None:
-            self._timer.cancel()
+        self.release()
         for ep in self.rdma_eps:
             ep.close()
         self.rdma_eps.clear()
 
     def connection_made(self, transport):
-        self.transport = transport
-        self.last_active = time.monotonic()
-        loop = asyncio.get_running_loop()
-        admission = self.node.admission
-        self.refused = admission.admit(self) or ""
-        if self.refused:
-            self._timer = loop.call_later(REFUSED_LINGER_S, transport.close)
+        if not self.admit(transport):
             return
-        self.node.conns.add(self)
-        if admission.pending(self):
-            self._timer = loop.call_later(admission.auth_timeout_s, self._auth_expired)
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             except OSError:
                 pass
 
-    def get_buffer(self, sizehint):
-        return self.reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes):
-        self.last_active = time.monotonic()
-        try:
-            frames = self.reader.buffer_updated(nbytes)
-        except ProtocolError as e:
-            self._unframeable(e)
-            return
-        if self.refused:
-            self._answer_refused(frames)
-            return
-        for frame, err in frames:
-            self.handle(frame, err)
+    def flush(self) -> None:
         if self._out:
             out, self._out = self._out, []
             self.transport.writelines(out)
-        if self.reader.poisoned is not None:  # good frames answered first, then the bad header
-            self._unframeable(self.reader.poisoned)
-
-    def _answer_refused(self, frames: list) -> None:
-        """A connection a cap turned away: its requests get UNAVAILABLE with the reason, then it closes."""
-        self.transport.writelines([wire.encode_error(f.op, f.request_id, wire.Status.UNAVAILABLE, self.refused)
-                                   for f, _err in frames if not f.flags & (wire.Flag.NO_REPLY | wire.Flag.RESPONSE)])
-        if frames or self.reader.poisoned is not None:
-            self.transport.close()
-
-    def _auth_expired(self) -> None:
-        if self.node.admission.pending(self) and not self.transport.is_closing():
-            self.transport.write(wire.encode_error(0, 0, wire.Status.AUTH, f"{self.node.component}: not "
-                                                   f"authenticated within {self.node.admission.auth_timeout_s:g}s of "
-                                                   f"connecting"))
-            self.transport.close()
 
     def _authenticated(self) -> None:
         """AUTH succeeded: move to the authenticated cap; Unavailable (answered, then closed) when it is full."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        refused = self.node.admission.authenticated(self)
+        refused = self.authenticated_now()
         if refused:
             asyncio.get_running_loop().call_soon(self.transport.close)  # after buffer_updated writes the answer
             raise Unavailable(self.node.component, refused.split(": ", 1)[1], wire.Status.UNAVAILABLE)
 
-    def _unframeable(self, e: ProtocolError) -> None:
+    def unframeable(self, e: ProtocolError) -> None:
         self.node.stats["errors"] += 1
         out, self._out = self._out, []
         out.append(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e)))
