@@ -121,12 +121,12 @@ class BatchWriter:
             self._running += 1
             err: BaseException | None = None
             try:
-                ops = [self.store.op_put(k, v) if v is not None else self.store.op_delete(k) for k, v, _ in items]
+                ops = [(k, v) for k, v, _ in items]
                 deadline = loop.time() + self.retry_s
                 delay = 0.05
                 while True:
                     try:
-                        await self.store.txn(ops)
+                        await self.store.write(ops)
                         break
                     except Unavailable as e:
                         self.failures += 1

@@ -178,6 +178,35 @@ class EtcdStore:
                 self._fenced(rev, cur)
         return False
 
+    async def write(self, items: list) -> None:
+        """Apply (etcd key, value | None: delete) pairs in one fenced transaction, the writer's hot path: the
+        request protobuf is built in place (``success.add()``, no per-op aetcd objects, about 0.8 us an op against
+        3.6) and the answer's per-op responses are never converted (only ``succeeded`` is read). Raises NotLeader
+        when the fence failed, Unavailable when etcd could not do it."""
+        req = aetcd.rpc.TxnRequest()
+        rev = self.fence_rev
+        if rev:
+            req.compare.append(self.client.transactions.create(self.leader_key).__eq__(rev).build_message())
+        add = req.success.add
+        for key, value in items:
+            if value is None:
+                add().request_delete_range.key = key
+            else:
+                p = add().request_put
+                p.key = key
+                p.value = value
+        c = self.client
+        if not c._connected.is_set():
+            await self._call("connect", c.connect())
+        res = await self._call("transaction", c.kvstub.Txn(req, timeout=c._timeout, metadata=c.metadata))
+        if res.succeeded or not rev:
+            return
+        cur = await self._call("get", c.get(self.leader_key))
+        if cur is None or cur.create_revision != rev:
+            self._fenced(rev, cur)
+        raise Unavailable("metaserver", "etcd transaction refused although the leader key is ours",
+                          Status.UNAVAILABLE)
+
     def _fenced(self, rev: int, cur) -> None:
         holder = cur.value.decode(errors="replace") if cur is not None else None
         cb, self.on_fenced = self.on_fenced, None

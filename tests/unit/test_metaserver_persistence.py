@@ -1,5 +1,5 @@
 """The metaserver's etcd writers without etcd: the batch writer and the generation counter over an in-memory store
-double (same calls as ``metaserver.persist.EtcdStore``: op_put, op_delete, txn, get_value, compare_and_put)."""
+double (same calls as ``metaserver.persist.EtcdStore``: op_put, op_delete, txn, write, get_value, compare_and_put)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ class MemoryStore:
                 self.kv.pop(op[1], None)
         self.txns.append(ops)
         return True
+
+    async def write(self, items):
+        """The writer's path: (key, value | None) pairs, as ``EtcdStore.write``."""
+        await self.txn([("put", k, v) if v is not None else ("del", k) for k, v in items])
 
     async def get_value(self, key):
         return self.kv.get(key)
