@@ -28,8 +28,7 @@ double free or a wrong size and ``check()`` verifies the tiling by itself. The p
 ``track=False``: its entries already record each object's extent, and at 10 M pages the allocator's copy (one dict
 slot and one int per object, about 70 bytes) was a fifth of the metaserver's memory. Untracked, ``free`` still refuses
 an extent outside the region or one that starts or ends a free extent (the double free of an extent that did not
-merge with a neighbour), ``is_allocated`` answers "not free", and ``check(extents)`` takes the allocated extents
-from the caller.
+merge with a neighbour), and ``check(extents)`` takes the allocated extents from the caller.
 
 Costs: ``alloc`` O(1) for exact bins, O(SCAN_LIMIT + log) otherwise; ``free`` O(1); ``rebuild`` O(n log n);
 ``reserve`` (an exact extent) O(1) at the start of a free extent, else O(free extents).
@@ -77,13 +76,6 @@ class Allocator:
     @property
     def free_bytes(self) -> int:
         return (self.units - self.used_units) * UNIT
-
-    def largest_free(self) -> int:
-        """Length in bytes of the largest free extent (O(number of extents in the top bin))."""
-        if not self._mask:
-            return 0
-        top = self._mask.bit_length() - 1
-        return max(self._free[s] for s in self._bins[top]) * UNIT
 
     # -- free-list plumbing ------------------------------------------------------------------------------------
     def _add_free(self, start: int, length: int) -> None:
@@ -203,14 +195,6 @@ class Allocator:
             self._allocated[start] = need
         self.used_units += need
         return True
-
-    def is_allocated(self, offset: int) -> bool:
-        """Tracked: ``offset`` starts an allocated extent. Untracked: the unit at ``offset`` is in the region and not
-        free (O(free extents))."""
-        unit = (offset - self.base) // UNIT
-        if self._allocated is not None:
-            return unit in self._allocated
-        return 0 <= unit < self.units and not any(s <= unit < s + n for s, n in self._free.items())
 
     def rebuild(self, extents: list[tuple[int, int]]) -> list[int]:
         """Reset to exactly ``extents`` [(offset, size)] allocated; return the indexes of extents rejected because
