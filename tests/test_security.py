@@ -56,6 +56,18 @@ def own_tcp_states(remote_ports: set[int]) -> dict[int, str]:
     return out
 
 
+def unread_by_servers(client_ports: set[int]) -> int:
+    """Bytes the kernel still queues for the server ends of connections from ``client_ports`` on 127.0.0.1 (the
+    rx_queue of sockets whose remote port is one of them): 0 once the servers have read everything sent."""
+    total = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if int(parts[2].split(":")[1], 16) in client_ports:
+                total += int(parts[4].split(":")[1], 16)
+    return total
+
+
 def client(cluster, token, ns="tenant-a", **kw) -> Client:
     return scoped_client(cluster.metaserver_addrs, token, ns, **kw)
 
@@ -202,7 +214,13 @@ def test_memory_stays_bounded_under_announced_lengths_and_trickles(closed):
             s = socket.create_connection((host, int(port)))
             s.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Op.PING, 0, 0, 1, 16 << 20, 0) + b"\x80" * 1000)
             socks.append(s)
-    time.sleep(0.5)
+    ports = {(x.sock if isinstance(x, FramedSocket) else x).getsockname()[1] for x in socks}
+    for _ in range(200):  # until both servers have read every byte sent (or closed the connection): then measure
+        if unread_by_servers(ports) == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the servers left {unread_by_servers(ports)} bytes unread for 10 s")
     after = {"node": rss_kib(node.pid), "metaserver": rss_kib(ms.pid)}
     print(f"\nRSS KiB before {before}, after 16 announced-GiB writes and 32 trickled 16 MiB metas: {after}")
     assert after["node"] - before["node"] < 32 * 1024  # the announced GiBs and MiBs were never allocated
