@@ -8,8 +8,8 @@ that a real request would not share). The workload is a rack serving three model
 - ``llama-3.1-70b/mha-tp8``: MHA heads sharded over 8 TP ranks, so every page has one key per rank
   (``{sha256 hex}_{rank}``, ``umbp.keys.rank_key``), 2.5 MiB per rank-page (64 tokens x 80 layers x K,V x 1 KV
   head x 128 x bf16), 50% of the pages;
-- ``deepseek-v3/mla``: MLA latents replicated on every rank, one key per page (64 hex bytes, SGLang's
-  ``get_hash_str``), 64 tokens x 61 layers x 656 bytes (fp8 latent + rope + scales), 30%;
+- ``deepseek-v3/mla``: MLA latents replicated on every rank, one key per page (SGLang's ``get_hash_str``, sent as
+  its raw 32-byte digest as ``umbp.keys.normalize_key`` does; ``--key-form hex``: the 64 hex characters), 64 tokens x 61 layers x 656 bytes (fp8 latent + rope + scales), 30%;
 - ``qwen3-8b/mha-tp1``: 64 tokens x 36 layers x K,V x 8 KV heads x 128 x bf16 = 9 MiB, 20%.
 
 Pages come in agentic chains as engines send them: each session's chain descends from its model's shared
@@ -97,17 +97,28 @@ def models() -> list[Model]:
     ]
 
 
+HEX_KEYS = False  # --key-form hex: keys as the 64-character hex text (what clients sent before umbp.keys.digest_key)
+
+
 def page_hex(m: Model, chain: int, pos: int) -> bytes:
-    """The 64-hex key of page ``pos`` of session ``chain`` (chain -1: the model's shared system prompt)."""
+    """The key of page ``pos`` of session ``chain`` (chain -1: the model's shared system prompt) as a client sends
+    it: the raw 32-byte digest (``umbp.keys.normalize_key`` of the 64-hex text), or the hex text with --key-form
+    hex."""
     if chain >= 0 and pos < ROOT_PAGES:
         chain = -1
-    return hashlib.sha256(b"%s:%d:%d" % (m.tag, chain, pos)).hexdigest().encode()
+    h = hashlib.sha256(b"%s:%d:%d" % (m.tag, chain, pos))
+    return h.hexdigest().encode() if HEX_KEYS else h.digest()
+
+
+def _ranked(key: bytes, r: int) -> bytes:
+    """``umbp.keys.rank_key`` in the form a client sends: a rank byte after the raw digest (``_{rank}`` after hex)."""
+    return key + (b"_%d" % r if HEX_KEYS else bytes((r,)))
 
 
 def rank_keys(m: Model, hexes: list[bytes]) -> list[list[bytes]]:
     if m.ranks is None:
         return [hexes]
-    return [[h + b"_%d" % r for h in hexes] for r in range(m.ranks)]
+    return [[_ranked(h, r) for h in hexes] for r in range(m.ranks)]
 
 
 def chain_pages(m: Model, chain: int, start: int, stop: int) -> tuple[list[bytes], list[bytes | None]]:
@@ -262,7 +273,7 @@ class Driver:
 def rank_keys_opt(m: Model, parents: list) -> list[list]:
     if m.ranks is None:
         return [parents]
-    return [[p + b"_%d" % r if p is not None else None for p in parents] for r in range(m.ranks)]
+    return [[_ranked(p, r) if p is not None else None for p in parents] for r in range(m.ranks)]
 
 
 def cpu() -> float:
@@ -545,8 +556,12 @@ def main() -> None:
     ap.add_argument("--no-load", action="store_true", help="skip the load (takeover) figures")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="200k pages, 100k ops")
+    ap.add_argument("--key-form", choices=("raw", "hex"), default="raw",
+                    help="digest keys as clients send them now (raw 32 bytes) or as before (64 hex characters)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global HEX_KEYS
+    HEX_KEYS = a.key_form == "hex"
     if a.child:
         kind, policy, n = a.child[0], a.child[1], int(a.child[2])
         if kind == "build":
@@ -564,8 +579,9 @@ def main() -> None:
     pols = POLICIES if a.policy == "both" else (a.policy,)
     n = a.pages
     print(f"scale: {n:,} pages, {NODES} nodes, batches of {BATCH} keys; python {sys.version.split()[0]}")
-    print("target: <= 300 bytes of metaserver memory per page at 10 M pages")
-    common = ["--ops", str(a.ops), "--seed", str(a.seed)]
+    print("target: <= 200 bytes of metaserver memory per page at 10 M pages")
+    common = ["--ops", str(a.ops), "--seed", str(a.seed), "--key-form", a.key_form]
+    print(f"keys: {'64-hex text' if HEX_KEYS else 'raw 32-byte digests (plus a rank byte)'}")
     for pol in pols:
         b = child(["build", pol, str(n)] + common)
         if "error" in b:
@@ -576,7 +592,7 @@ def main() -> None:
               f"{b['pages']:,} pages)"
               + (f", tracemalloc {tr['traced_per_page']:.0f} B/page at {tr['pages']:,}" if "traced_per_page" in tr
                  else "")
-              + f"  [target 300 B/page: {'met' if b['rss_per_page'] <= 300 else 'not met'}]")
+              + f"  [target 200 B/page: {'met' if b['rss_per_page'] <= 200 else 'not met'}]")
         print(f"{'':>10}  lookup+release {fmt_rate(b['lookup_keys_s'])} keys ({1e6 / b['lookup_keys_s']:.2f} us/key), "
               f"exists {fmt_rate(b['exists_keys_s'])} keys, hit ratio {b['lookup_hit_ratio']:.2f}")
         print(f"{'':>10}  alloc+commit {fmt_rate(b['put_keys_s'])} keys at N ({1e6 / b['put_keys_s']:.2f} us/key, "

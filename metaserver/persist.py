@@ -4,7 +4,8 @@ Layout under ``prefix`` (``MetaserverConfig.etcd_prefix``)::
 
     {prefix}/nodes/{node_id}        msgpack(node record incl. lease_id), attached to the node's lease
     {prefix}/arenas/{node_id}       msgpack(the same record), durable: which arena the node's pages live in
-    {prefix}/pages/{ns}/{hex key}   msgpack([node_id, offset, payload_len, gen, parent]); READY pages only
+    {prefix}/pages/{ns}/{hex key}   msgpack([node_id, offset, payload_len, gen, parent]); READY pages only; the key
+                                    in its digest form (``umbp.keys.digest_key``: 64 hex characters for a digest)
     {prefix}/gen                    decimal: every generation below it may have been handed out
     {prefix}/leader                 the leader's advertise address, attached to its election lease
 
@@ -46,6 +47,7 @@ import msgpack
 from transport.wire import Status
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, Unavailable
+from umbp.keys import digest_key
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -323,20 +325,29 @@ class EtcdStore:
 
     def page_record(self, kv) -> tuple:
         """(mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key) of a page kv; node_id None
-        when the record cannot be read (the leader deletes it)."""
+        when the record cannot be read (the leader deletes it). A record named by a digest key's hex text instead of
+        its raw form (written before keys had one form, ``umbp.keys.digest_key``) counts as unreadable: a cache
+        page lost once at that upgrade, never two records for one page."""
         try:
             ns_b, _, hexkey = kv.key[len(self._pages):].rpartition(b"/")
+            key = bytes.fromhex(hexkey.decode())
+            if len(key) >= 64 and digest_key(key) is not key:
+                raise ValueError("a digest key not in its raw form")
             node_id, off, plen, gen, parent = msgpack.unpackb(kv.value, raw=False)
-            return (kv.mod_revision, node_id, ns_b.decode(), bytes.fromhex(hexkey.decode()), int(off), int(plen),
-                    int(gen), parent, kv.key)
+            return (kv.mod_revision, node_id, ns_b.decode(), key, int(off), int(plen), int(gen),
+                    digest_key(parent) if type(parent) is bytes and len(parent) >= 64 else parent, kv.key)
         except (ValueError, TypeError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
             return (0, None, "", b"", 0, 0, 0, None, kv.key)
 
     def page_name(self, etcd_key: bytes) -> tuple[str, bytes] | None:
-        """(ns, key) named by a page's etcd key; None when it does not parse."""
+        """(ns, key) named by a page's etcd key; None when it does not parse or names a digest key by its hex
+        text (``page_record``)."""
         try:
             ns_b, _, hexkey = etcd_key[len(self._pages):].rpartition(b"/")
-            return ns_b.decode(), bytes.fromhex(hexkey.decode())
+            key = bytes.fromhex(hexkey.decode())
+            if len(key) >= 64 and digest_key(key) is not key:
+                return None
+            return ns_b.decode(), key
         except (ValueError, UnicodeDecodeError):
             return None
 

@@ -5,7 +5,9 @@ component and opcode ("metaserver: ALLOC: keys[3] must be bytes") and answers BA
 rejected too, so a client typo is an error rather than a silently ignored option.
 
 Costs: key lists are checked with C-level passes (``map(type, ...)``, ``max(map(len, ...))``), about 20 ns per key;
-the slow per-index scan only runs to name the offending element once a pass has failed.
+the slow per-index scan only runs to name the offending element once a pass has failed. Keys and parents come back
+in the pool's digest form (``umbp.keys.digest_key``: a 64-hex key as its 32 raw bytes), converted only when a list
+holds a key of 64 bytes or more (clients send the raw form already).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from transport import wire
 from transport.wire import Status
 from umbp.errors import BadRequest
+from umbp.keys import digest_key
 
 MAX_KEY = wire.MAX_KEY_BYTES
 MAX_NS = 128
@@ -65,9 +68,12 @@ def keys(meta: dict, max_n: int, name: str = "keys") -> list[bytes]:
         if types != {bytes}:
             i = next(i for i, k in enumerate(v) if type(k) is not bytes)
             raise Reject(f"{name}[{i}] must be bytes")
-        if max(map(len, v)) > MAX_KEY or min(map(len, v)) == 0:
+        longest = max(map(len, v))
+        if longest > MAX_KEY or min(map(len, v)) == 0:
             i = next(i for i, k in enumerate(v) if not 0 < len(k) <= MAX_KEY)
             raise Reject(f"{name}[{i}] must be 1..{MAX_KEY} bytes")
+        if longest >= 64:  # digest keys sent as hex text: the directory keeps their raw form (umbp.keys)
+            v = [digest_key(k) for k in v]
     return v
 
 
@@ -98,7 +104,7 @@ def parents(meta: dict, n: int) -> list | None:
     for i, p in enumerate(v):
         if p is not None and (type(p) is not bytes or not 0 < len(p) <= MAX_KEY):
             raise Reject(f"parents[{i}] must be 1..{MAX_KEY} bytes or nil")
-    return v
+    return [digest_key(p) if p is not None and len(p) >= 64 else p for p in v]
 
 
 def string(meta: dict, name: str, *, required: bool = True, max_len: int = 4096, empty: bool = True) -> str | None:

@@ -63,3 +63,19 @@ def test_bad_token_ids_and_page_size_raise_invalid_argument():
         keys.page_key("", [1, -2, 3])
     with pytest.raises(InvalidArgument, match="^keys: page_size must be positive, got 0$"):
         keys.chain_keys([1, 2, 3], 0)
+
+
+def test_digest_keys_have_one_raw_form():
+    h = SGL_PAGES4[0]
+    raw = bytes.fromhex(h)
+    # the hex text (str or bytes) and the raw digest name one page, 32 bytes; a rank key adds one rank byte
+    assert keys.normalize_key(h) == keys.normalize_key(h.encode()) == keys.normalize_key(raw) == raw
+    assert keys.normalize_key(keys.rank_key(h, 7)) == raw + b"\x07"
+    assert keys.normalize_key(keys.rank_key(h, 255)) == raw + b"\xff"
+    assert keys.digest_key(h.encode() + b"_0") == raw + b"\x00"
+    # anything else is kept as it is: not lowercase hex, a rank out of range or with a leading zero, other lengths
+    for k in (h.upper(), h + "_256", h + "_07", h + "_", h + "_1000", h[:63] + "g", h[:63] + " ", h + "x", h[:62]):
+        assert keys.normalize_key(k) == k.encode(), k
+    # a non-digest key keeps its identity (no copy)
+    other = b"x" * 64
+    assert keys.digest_key(other) is other
