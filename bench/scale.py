@@ -603,7 +603,9 @@ def main() -> None:
               f"no sockets, no etcd): lookup+release {fmt_rate(b['wire_lookup_keys_s'])} keys "
               f"({1e6 / b['wire_lookup_keys_s']:.2f} us/key), exists {fmt_rate(b['wire_exists_keys_s'])} keys, "
               f"alloc+commit {fmt_rate(b['wire_put_keys_s'])} keys "
-              f"({1e6 / b['wire_put_keys_s']:.2f} us/key)")
+              f"({1e6 / b['wire_put_keys_s']:.2f} us/key)"
+              + ("  [NOT COMPARABLE with --key-form hex: the metaserver converts hex keys to the raw form, so they "
+                 "miss a directory built with hex keys]" if HEX_KEYS else ""))
         if not a.no_load:
             ld = child(["load", pol, str(n)] + common)
             if "error" in ld:
