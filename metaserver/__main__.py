@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=("lru", "prefix-lru"))
     p.add_argument("--election-ttl", dest="election_ttl_s", type=int, default=None,
                    help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="slots of a new pool (>1: partitioned among every metaserver of the prefix; fixed at pool "
+                        "creation; default: what the pool has, else 1)")
     p.add_argument("--token", default=None, help="the pool's cluster secret (default $UMBP_TOKEN); none: open pool")
     p.add_argument("--tokens", dest="tokens_file", default=None, metavar="FILE",
                    help="scoped tokens and the cluster secret (TOML, see umbp/auth.py)")
@@ -42,7 +45,7 @@ def tls_arguments(p: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
                                       ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
-                                       "election_ttl_s", "token", "tokens_file", "metrics_listen", "tls_cert",
+                                       "election_ttl_s", "slots", "token", "tokens_file", "metrics_listen", "tls_cert",
                                        "tls_key", "tls_ca")})
 
 

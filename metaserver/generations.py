@@ -20,8 +20,9 @@ GEN_RANGE = 1 << 20
 class GenCounter:
     """Hands out unique, increasing generations from ranges reserved in etcd."""
 
-    def __init__(self, store: EtcdStore, span: int = GEN_RANGE):
+    def __init__(self, store: EtcdStore, span: int = GEN_RANGE, first: int = 1):
         self.store = store
+        self.first = first  # the counter's value when its key is absent (a slot's range starts there)
         self.span = span
         self._ranges: deque[list[int]] = deque()  # [next, limit)
         self._refill: asyncio.Task | None = None
@@ -68,7 +69,7 @@ class GenCounter:
         key = self.store.gen_key
         for _ in range(50):
             cur = await self.store.get_value(key)
-            lo = 1 if cur is None else int(cur)
+            lo = self.first if cur is None else int(cur)
             hi = lo + self.span
             if await self.store.compare_and_put(key, str(hi).encode(), cur):
                 if self._ranges and self._ranges[-1][1] == lo:

@@ -36,6 +36,7 @@ import socket
 import sys
 import time
 
+from metaserver.partition import Partition, pool_slots
 from metaserver.service import LEADER_ONLY, Metaserver
 from metaserver.validate import Reject
 from transport import wire
@@ -86,7 +87,7 @@ class Connection(FramedProtocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.release()
-        if self.pending or self.leases:
+        if self.pending or self.leases or getattr(self, "slot_conns", None):  # slot_conns: metaserver/partition.py
             n = self.ms.drop_pending(self)
             if n:
                 log.info("metaserver: %s closed with %d allocations pending: freed", self.peer, n)
@@ -228,7 +229,9 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         raise StartupError("metaserver", f"cannot listen on {config.listen}: {e.strerror or e}") from e
     bound_host, bound_port = sock.getsockname()[:2]
     addr = f"{bound_host}:{bound_port}" if ":" not in bound_host else f"[{bound_host}]:{bound_port}"
-    ms = Metaserver(config, config.advertise or addr)
+    slots = await pool_slots(config)  # 1: today's single directory; more: this process joins a partitioned pool
+    advertise = config.advertise or addr
+    ms = Partition(config, advertise, slots) if slots > 1 else Metaserver(config, advertise)
     if not ms.tokens.closed:
         log.warning("metaserver: no --token: OPEN pool, anyone who reaches %s may read, write, evict and register "
                     "nodes", addr)
@@ -252,7 +255,8 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         if tls is not None:
             log.info("metaserver: TLS on (certificate %s)", config.tls_cert)
         print(f"metaserver: {addr}", flush=True)
-        log.info("metaserver: serving on %s (etcd %s, prefix %s)", addr, ms.store.addr, config.etcd_prefix)
+        log.info("metaserver: serving on %s (etcd %s, prefix %s, %d slots)", addr, ms.store.addr, config.etcd_prefix,
+                 slots)
         if started is not None:
             started.set()
         await asyncio.Future()

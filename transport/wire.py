@@ -72,7 +72,8 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 5  # 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
+VERSION = 6  # 6: a partitioned pool: LEADER answers the slot map ("slots", "map", "members"), NOT_LEADER for a
+#              slot names the slot's leader and the slot (MOVED), ``slot_of``; 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
 #              carry an epoch and a deadline (32 bytes, umbp/auth.py), REGISTER_NODE answers the epoch; 5: one
 #              capability per node per ALLOC/LOOKUP batch ("caps", items name theirs by index; b"" in a READV/WRITEV
 #              op: the previous op's), keyed blake2b capabilities and tags
@@ -121,7 +122,8 @@ class Op(enum.IntEnum):
     LIST = 0x1C  # {"ns"?, "limit"?} -> {"objects": [[ns, key, size, node, state]], "truncated": bool}
     EVICT = 0x1D  # {"bytes"?: int} -> {"evicted": int, "freed_bytes": int}
     DRAIN = 0x1E  # {"node_id"} -> {"dropped": int, "pinned": int}
-    LEADER = 0x1F  # {} -> {"leader": "host:port" | None, "is_leader": bool}
+    LEADER = 0x1F  # {} -> {"leader": "host:port" | None, "is_leader": bool} and, from a partitioned pool,
+    #               "slots": S, "map": [leader address | None per slot], "members": [metaserver address]
     # storage node
     ARENA_INFO = 0x40  # {} -> arena map (node_id, arena_id, arena_path, capacity, boot_id, host, transports)
     READ = 0x41  # [off, start, length, tag, gen, payload_len, read_cap] -> data: header + payload[start:+length]
@@ -496,6 +498,14 @@ def key_hash(namespace: str, key: bytes) -> int:
     """64-bit hash of (namespace, key) stored in the object header."""
     h = hashlib.blake2b(namespace.encode() + b"\0" + key, digest_size=8)
     return int.from_bytes(h.digest(), "little")
+
+
+def slot_of(namespace: str, key: bytes | str, slots: int) -> int:
+    """The slot of (namespace, key) in a pool partitioned into ``slots`` slots: ``key_hash`` mod ``slots``, the same
+    on every client and metaserver (``metaserver/partition.py``, ``umbp/slotrouter.py``)."""
+    if type(key) is str:
+        key = key.encode()
+    return key_hash(namespace, key) % slots if slots > 1 else 0
 
 
 def pack_object_header(khash: int, generation: int, payload_len: int, checksum: int | None = None) -> bytes:

@@ -52,7 +52,7 @@ from umbp.devcopy import DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
-from umbp.metaclient import MetaClient
+from umbp.slotrouter import MetaRouter
 from umbp.puts import PutPath
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
@@ -79,7 +79,7 @@ class Client(PutPath):
                                                        "tls_ca": tls_ca})
         self.namespace = self.config.namespace
         self.component = f"client {self.namespace}"
-        self._meta = MetaClient(self.config.metaserver, "client", self.config.token, tls_ca=self.config.tls_ca)
+        self._meta = MetaRouter(self.config.metaserver, "client", self.config.token, tls_ca=self.config.tls_ca)
         self._nodes: dict[str, dict] = {}
         self._transports: dict[str, Transport] = {}
         self._lock = threading.RLock()

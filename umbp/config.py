@@ -88,6 +88,7 @@ class MetaserverConfig:
     eviction_policy: str = "lru"  # "lru" or "prefix-lru"
     persist_batch: int = 128  # operations per etcd transaction (etcd's default cap)
     election_ttl_s: int = 5  # leader key lease: a dead leader is replaced within about this long
+    slots: int = 0  # slots of a new pool (>1: partitioned, metaserver/partition.py); 0: what the pool has, else 1
     max_batch_keys: int = 100_000
     token: str | None = None  # the cluster secret (umbp/auth.py); None and no tokens_file: the pool runs open
     tokens_file: str = ""  # TOML of scoped tokens plus the cluster secret
@@ -117,6 +118,8 @@ class MetaserverConfig:
         if (self.read_lease_s <= 0 or self.pending_ttl_s <= 0 or self.write_cap_ttl_s <= 0
                 or self.election_ttl_s < 1):
             raise ConfigError(c, "lease durations must be positive")
+        if not 0 <= self.slots <= 1024:
+            raise ConfigError(c, f"slots must be within 0..1024, got {self.slots}")
         _check_limits(self, c)
 
 

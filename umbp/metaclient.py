@@ -54,8 +54,9 @@ class Ticket:
 
 class MetaClient:
     def __init__(self, addrs: tuple[str, ...] | list[str], component: str = "client", token: str | None = None,
-                 tls_ca: str = ""):
+                 tls_ca: str = "", follow: bool = True):
         self.addrs = list(addrs)
+        self.follow = follow  # False: a NOT_LEADER answer is raised (umbp/slotrouter.py re-routes by slot itself)
         self.component = component
         self.token = token
         self.tls_ca = tls_ca  # speak TLS, verifying the metaservers' certificates against this CA bundle
@@ -91,6 +92,8 @@ class MetaClient:
                     self.sent[op] = self.sent.get(op, 0) + 1
                     return self._roundtrip(conn, op, meta, attempt_end)
                 except NotLeader as e:
+                    if not self.follow:
+                        raise
                     last, refused = e, 0
                     self._drop()
                     if e.leader:

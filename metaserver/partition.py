@@ -1,0 +1,563 @@
+"""One metaserver process of a partitioned pool: per-slot elections with no coordinator, slot routing, handover
+to a joining process, and the process-level answers (LEADER with the slot map, STATS/NODES/LIST/EVICT/DRAIN over
+the slots it leads).
+
+Election (``_round``, every POLL_S): the process holds one etcd lease of ``election_ttl_s`` (kept alive every
+ttl/3, with today's local validity deadline, ``leader.py``) under which it puts ``members/{addr}`` and every slot
+key it wins, so a process that dies loses all of them at once when its lease expires. Each round reads
+``members/`` and ``slotmap/`` (two range reads) and, for each slot s and for the membership role ``m``:
+
+- nobody holds it: campaign (create ``slotmap/{s}`` if absent) when this process is rank r of ``rank(s, live
+  members)`` and the slot has been vacant for r * RANK_DELAY_S: a dead process's slots go to each one's
+  next-ranked process, all in the same round, in parallel;
+- we hold it and a process ranked above us reports its warm copy of s loaded (``members`` value ``warm``): hand it
+  over (stop serving, flush queued writes, delete the key fenced): that is how a joining process takes its share;
+- someone else holds it: keep a warm copy (today's ``WarmDirectory``, on this slot's pages) when this process is
+  rank 0 (the slot comes here once the copy is loaded) or the next-ranked after the holder (the successor).
+
+Invariants: at most one process serves a slot at a time (the slot key is created once per term and every write
+is fenced on its create revision); a slot's leader serves only while the process lease is valid by its local
+deadline. Requests for a slot served elsewhere are answered NOT_LEADER naming the slot's leader (``leader``) and
+the slot (``slot``): a client learns the map from LEADER and from these answers (Redis' MOVED).
+
+Costs: a round is two range reads plus O(S * members) hashing; a campaign is a transaction and a read per slot
+won; every served slot runs today's background tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgpack
+
+from metaserver import validate as v
+from metaserver.admin import require_admin
+from metaserver.metrics import MetaserverMetrics
+from metaserver.persist import EtcdStore
+from metaserver.service import ETCD_START_DEADLINE_S
+from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank
+from metaserver.standby import node_descs
+from transport import wire
+from transport.wire import Op, Status
+from umbp.auth import Tokens
+from umbp.config import MetaserverConfig
+from umbp.errors import NotLeader, StartupError, Unavailable, UmbpError
+from umbp.slotmap import merge_stats
+
+log = logging.getLogger("umbp.metaserver")
+
+POLL_S = 0.25  # a round of the slot election
+RANK_DELAY_S = 0.5  # a vacant slot waits this long per rank before that rank campaigns
+HANDOVER_FLUSH_S = 5.0  # a handed-over slot's queued etcd writes get this long to land
+START_WAIT_S = 30.0  # start() waits at most this long for every slot to have a leader
+_KEYED = (Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.EXISTS, Op.PREFIX, Op.REMOVE)
+
+
+async def pool_slots(config: MetaserverConfig) -> int:
+    """The slot count of the pool at ``config.etcd_prefix`` (1: unpartitioned), creating it on first use with
+    ``config.slots``. Raises StartupError when the flag contradicts the pool."""
+    store = EtcdStore(config.etcd, config.etcd_prefix)
+    try:
+        await store.wait_ready(ETCD_START_DEADLINE_S)
+        key = f"{store.prefix}/slots/count".encode()
+        cur = await store.get_value(key)
+        if cur is None and config.slots > 1:
+            if await store.get_value(store.gen_key) is not None:
+                raise StartupError("metaserver", f"the pool at {store.prefix} was created unpartitioned: it cannot "
+                                                 f"take --slots {config.slots}")
+            await store.compare_and_put(key, str(config.slots).encode(), None)
+            cur = await store.get_value(key)
+        n = int(cur) if cur is not None else 1
+        if config.slots and config.slots != n:
+            raise StartupError("metaserver", f"the pool at {store.prefix} has {n} slots, not --slots {config.slots} "
+                                             f"(fixed when the pool was created)")
+        return n
+    finally:
+        await store.close()
+
+
+class SlotConn:
+    """A connection as one slot server sees it: the peer's authentication, but its own PENDING allocations and read
+    leases (ownership is per directory)."""
+
+    __slots__ = ("conn", "pending", "leases")
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.pending: set = set()
+        self.leases: set = set()
+
+    @property
+    def auth(self):
+        return self.conn.auth
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed
+
+    @property
+    def peer(self) -> str:
+        return self.conn.peer
+
+
+class _Leadership:
+    """What ``metaserver.server.Connection`` and the metrics read of ``ms.leader``: the membership role's."""
+
+    def __init__(self, p: "Partition"):
+        self.p = p
+        self.first_round = asyncio.Event()
+
+    @property
+    def addr(self) -> str:
+        return self.p.addr
+
+    @property
+    def leader_addr(self) -> str | None:
+        return self.p.holder(MEMBERSHIP)
+
+    @property
+    def revision(self) -> int:
+        return self.p.servers[MEMBERSHIP].leader.revision
+
+    @property
+    def is_leader(self) -> bool:
+        return self.p.servers[MEMBERSHIP].serving
+
+
+class Partition:
+    """The process: its lease, its slot servers, the election rounds and the request routing."""
+
+    def __init__(self, config: MetaserverConfig, advertise: str, slots: int):
+        self.cfg = config
+        self.addr = advertise
+        self.slots = slots
+        self.store = EtcdStore(config.etcd, config.etcd_prefix)
+        self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
+        self.leader = _Leadership(self)
+        self.metrics = MetaserverMetrics(self)
+        self.lease = 0
+        self._valid_until = 0.0
+        self.holders: dict[str, tuple[str, int, int]] = {}  # slot name -> (address, create revision, lease)
+        self.members: dict[str, dict] = {}  # live process address -> its members record
+        self.names = [str(s) for s in range(slots)] + [MEMBERSHIP]
+        self.servers: dict[str, SlotServer] = {s: SlotServer(config, self, s) for s in self.names[:-1]}
+        self.servers[MEMBERSHIP] = MembershipServer(config, self)
+        self._vacant: dict[str, float] = {}
+        self._busy: set[str] = set()  # slots being elected or handed over right now
+        self._warm_sent: tuple = ()
+        self._bg: set[asyncio.Task] = set()
+        self._loop: asyncio.Task | None = None
+        self._election = None  # MetaserverMetrics.healthy reads it
+        self.rounds = 0
+        self.handovers = 0
+        self.load_s = 0.0
+        self.ticks = 0
+        m = self.servers[MEMBERSHIP]
+        self.handlers = {op: self._keyed(op) for op in _KEYED}
+        self.handlers.update({
+            Op.HELLO: m.hello, Op.AUTH: m.authenticate, Op.PING: m.ping, Op.LEADER: self.leader_info,
+            Op.REGISTER_NODE: self._membership(Op.REGISTER_NODE), Op.HEARTBEAT: self._membership(Op.HEARTBEAT),
+            Op.RELEASE: self.release, Op.STATS: self.stats, Op.NODES: self.nodes, Op.LIST: self.list_objects,
+            Op.EVICT: self.evict, Op.DRAIN: self.drain,
+        })
+
+    # -- what server.py and the metrics read -------------------------------------------------------------------
+    serving = True  # every request is routed (or answered NOT_LEADER) per slot below
+
+    @property
+    def writer(self):
+        return self.servers[MEMBERSHIP].writer
+
+    @property
+    def dir(self):
+        return self.servers[MEMBERSHIP].dir
+
+    def lease_valid(self) -> bool:
+        return time.monotonic() < self._valid_until
+
+    def holder(self, name: str) -> str | None:
+        h = self.holders.get(name)
+        return h[0] if h is not None else None
+
+    def led(self) -> list[str]:
+        return [s for s in self.names[:-1] if self.servers[s].serving]
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+        return t
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect, take the process lease, join ``members/``, and run rounds until every slot has a leader (at
+        most START_WAIT_S): then the pool serves, whether this process leads anything yet or not."""
+        await self.store.wait_ready(ETCD_START_DEADLINE_S)
+        await self._join()
+        self._loop = asyncio.create_task(self._run(), name="metaserver-slot-election")
+        self._election = self._loop
+        end = time.monotonic() + START_WAIT_S
+        while time.monotonic() < end:
+            await asyncio.sleep(POLL_S)
+            if self._loop.done():
+                self._loop.result()
+            if all(n in self.holders for n in self.names) and not self._busy:
+                break
+        self.leader.first_round.set()
+        print(f"metaserver: {len(self.led())} of {self.slots} slots led here"
+              f"{', membership leader' if self.servers[MEMBERSHIP].serving else ''}", flush=True)
+
+    async def _join(self) -> None:
+        t0 = time.monotonic()
+        self.lease = await self.store.grant(self.cfg.election_ttl_s)
+        self._valid_until = t0 + self.cfg.election_ttl_s
+        await self._put_member()
+
+    async def _put_member(self) -> None:
+        warm = sorted(self._warm_loaded())
+        self._warm_sent = tuple(warm)
+        rec = msgpack.packb({"addr": self.addr, "warm": warm}, use_bin_type=True)
+        await self.store.client.put(self._member_key(self.addr), rec, lease=self.lease)
+
+    def _member_key(self, addr: str) -> bytes:
+        return f"{self.store.prefix}/members/{addr}".encode()
+
+    def _warm_loaded(self) -> set[str]:
+        out = {s for s, srv in self.servers.items() if srv.warm is not None and srv.warm.loaded}
+        return out | {MEMBERSHIP}  # the membership role has no pages: always ready to take
+
+    async def close(self) -> None:
+        """Stop the rounds, hand every led slot back (queued writes flushed, keys deleted), drop the lease."""
+        if self._loop is not None:
+            self._loop.cancel()
+            await asyncio.gather(self._loop, return_exceptions=True)
+        for t in list(self._bg):
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        await asyncio.gather(*(srv.close() for srv in self.servers.values()), return_exceptions=True)
+        if self.lease:
+            try:
+                await self.store.revoke(self.lease)
+            except UmbpError as e:
+                log.warning("metaserver: %s", e)
+        await self.store.close()
+
+    async def resign(self, name: str) -> None:
+        """Delete our key of slot ``name`` (fenced: only the term we won)."""
+        srv = self.servers[name]
+        srv.leader.won = False
+        try:
+            await srv.store.txn([srv.store.op_delete(srv.store.leader_key)])
+        except UmbpError as e:
+            log.warning("metaserver: slot %s: resign: %s", name, e)
+
+    # -- the election ------------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        keep = asyncio.create_task(self._keepalive(), name="metaserver-process-lease")
+        try:
+            for _ in range(1 << 62):  # bounded by cancellation; each round is bounded by etcd timeouts
+                try:
+                    await self._round()
+                except UmbpError as e:
+                    log.warning("metaserver: slot election round: %s", e)
+                self.rounds += 1
+                await asyncio.sleep(POLL_S)
+        finally:
+            keep.cancel()
+            await asyncio.gather(keep, return_exceptions=True)
+
+    async def _keepalive(self) -> None:
+        ttl = self.cfg.election_ttl_s
+        while True:
+            await asyncio.sleep(ttl / 3)
+            sent = time.monotonic()
+            try:
+                left = await asyncio.wait_for(self.store.refresh(self.lease), ttl / 3)
+            except (asyncio.TimeoutError, UmbpError) as e:
+                if time.monotonic() >= self._valid_until:
+                    await self._lost_lease(f"no keep-alive acknowledged within the lease ({e or 'timeout'})")
+                continue
+            if left <= 0:
+                await self._lost_lease("the process lease expired")
+                continue
+            self._valid_until = sent + left
+
+    async def _lost_lease(self, reason: str) -> None:
+        """Every slot of ours is gone with the lease: stop serving them, then join again with a new lease."""
+        self._valid_until = 0.0
+        for name, srv in self.servers.items():
+            if srv.leader.won or srv.loaded:
+                srv.leader.won = False
+                await srv._deposed(reason)
+        log.warning("metaserver: process lease lost (%s): every slot stepped down", reason)
+        try:
+            await self._join()
+        except UmbpError as e:
+            log.warning("metaserver: rejoining: %s", e)
+
+    async def _read(self) -> None:
+        prefix = self.store.prefix
+        members: dict[str, dict] = {}
+        async for kvs in self.store.scan(f"{prefix}/members/".encode()):
+            for kv in kvs:
+                try:
+                    rec = msgpack.unpackb(kv.value, raw=False)
+                    members[rec["addr"]] = rec
+                except (ValueError, TypeError, KeyError, msgpack.exceptions.UnpackException):
+                    log.warning("metaserver: ignoring unreadable member record %r", kv.key)
+        holders: dict[str, tuple[str, int, int]] = {}
+        base = f"{prefix}/slotmap/".encode()
+        async for kvs in self.store.scan(base):
+            for kv in kvs:
+                holders[kv.key[len(base):].decode(errors="replace")] = (
+                    kv.value.decode(errors="replace"), kv.create_revision, kv.lease)
+        self.members, self.holders = members, holders
+
+    async def _round(self) -> None:
+        await self._read()
+        now = time.monotonic()
+        live = sorted(self.members) if self.addr in self.members else sorted(set(self.members) | {self.addr})
+        if self.addr not in self.members and self.lease_valid():
+            await self._put_member()
+        campaigns = []
+        for name in self.names:
+            if name in self._busy:
+                continue
+            srv = self.servers[name]
+            order = rank(name, live)
+            h = self.holders.get(name)
+            if h is None:
+                if srv.leader.won:
+                    self._spawn(self._depose(name, "its slot key is gone"))
+                    continue
+                since = self._vacant.setdefault(name, now)
+                if now - since >= order.index(self.addr) * RANK_DELAY_S and self.lease_valid():
+                    campaigns.append(name)
+                continue
+            self._vacant.pop(name, None)
+            addr, rev, lease = h
+            if addr == self.addr and lease != self.lease:
+                # A previous incarnation of this process (same address) that died without resigning: end its term.
+                log.info("metaserver: revoking the lease of a previous incarnation at %s", addr)
+                await self.store.revoke(lease)
+                continue
+            if srv.leader.won and rev != srv.leader.revision:
+                self._spawn(self._depose(name, f"slot {name} is led by {addr} now"))
+            elif srv.leader.won and srv.loaded and order[0] != self.addr:
+                first = self.members.get(order[0])
+                if first is not None and name in (first.get("warm") or ()):
+                    self._busy.add(name)
+                    self._spawn(self._handover(name, order[0]))
+            elif addr != self.addr:
+                self._keep_warm(srv, name, order, addr)
+        for name in campaigns:
+            self._busy.add(name)
+            self._spawn(self._campaign(name))
+        if self._nodes_due():
+            await self._sync_nodes(now)
+        if tuple(sorted(self._warm_loaded())) != self._warm_sent and self.lease_valid():
+            await self._put_member()
+
+    def _keep_warm(self, srv: SlotServer, name: str, order: list[str], holder: str) -> None:
+        if name == MEMBERSHIP:
+            return
+        successor = next((a for a in order if a != holder), None)
+        want = order[0] == self.addr or successor == self.addr
+        if want and srv.warm is None:
+            srv._standing_by()
+        elif not want and srv.warm is not None:
+            warm, srv.warm = srv.warm, None
+            self._spawn(warm.stop())
+
+    async def _campaign(self, name: str) -> None:
+        srv = self.servers[name]
+        store = srv.store
+        try:
+            t = store.client.transactions
+            key = store.leader_key
+            await store._call("campaign", store.client.transaction(
+                compare=[t.create(key) == 0], success=[t.put(key, self.addr.encode(), lease=self.lease)],
+                failure=[]))
+            cur = await store._call("get", store.client.get(key))
+            if cur is None or cur.lease != self.lease:
+                return
+            srv.leader.revision = cur.create_revision
+            store.fence(cur.create_revision)
+            store.on_fenced = lambda n=name: self._spawn(self._depose(n, "a write was fenced"))
+            self.holders[name] = (self.addr, cur.create_revision, self.lease)
+            t0 = time.monotonic()
+            try:
+                await srv._elected(cur.create_revision)
+            except BaseException:
+                await self.resign(name)
+                raise
+            srv.leader.won = True
+            self.load_s = max(self.load_s, time.monotonic() - t0)
+            log.info("metaserver: slot %s: leader at revision %d (%s, %.3fs)", name, cur.create_revision,
+                     "warm" if srv.takeover.get("warm") else "full load", time.monotonic() - t0)
+        except UmbpError as e:
+            log.warning("metaserver: slot %s: campaign: %s", name, e)
+        finally:
+            self._busy.discard(name)
+
+    async def _depose(self, name: str, reason: str) -> None:
+        srv = self.servers[name]
+        if not srv.leader.won and not srv.loaded:
+            return
+        srv.leader.won = False
+        log.warning("metaserver: slot %s: stepping down: %s", name, reason)
+        await srv._deposed(reason)
+
+    async def _handover(self, name: str, to: str) -> None:
+        """A process ranked above us has its warm copy of ``name``: stop serving it, let its queued writes land,
+        then delete our key (fenced) so that process wins the next round."""
+        srv = self.servers[name]
+        try:
+            srv.loaded = False
+            try:
+                await srv.writer.close(HANDOVER_FLUSH_S)
+            except UmbpError as e:
+                log.warning("metaserver: slot %s: handover flush: %s", name, e)
+            srv.leader.won = False
+            srv.term += 1
+            await srv._teardown(NotLeader("metaserver", f"slot {name} handed over to {to}", Status.NOT_LEADER,
+                                          leader=to))
+            srv._new_state()
+            await self.resign(name)
+            self.handovers += 1
+            log.info("metaserver: slot %s handed over to %s", name, to)
+        finally:
+            self._busy.discard(name)
+
+    # -- nodes -------------------------------------------------------------------------------------------------
+    _nodes_at = 0.0
+
+    def _nodes_due(self) -> bool:
+        return any(self.servers[s].serving for s in self.names[:-1])
+
+    async def _sync_nodes(self, now: float) -> None:
+        """Feed every served slot the pool's leased node records (the membership leader's)."""
+        live = [r for r in await self.store._records(self.store._nodes)]
+        descs = {nid: d for nid, (d, lease) in node_descs(live, []).items() if lease}
+        for s in self.names[:-1]:
+            self.servers[s].sync_nodes(descs, now)
+
+    # -- routing -----------------------------------------------------------------------------------------------
+    def _moved(self, name: str) -> v.Reject:
+        holder = self.holder(name)
+        if holder == self.addr:
+            return v.Reject(f"slot {name} is taking over here; not serving yet", Status.UNAVAILABLE)
+        return v.Reject(f"slot {name} is led by {holder or 'nobody yet'}", Status.NOT_LEADER, leader=holder,
+                        slot=int(name) if name != MEMBERSHIP else -1)
+
+    def _slot_conn(self, conn, name: str) -> SlotConn:
+        sc = getattr(conn, "slot_conns", None)
+        if sc is None:
+            sc = conn.slot_conns = {}
+        c = sc.get(name)
+        if c is None:
+            c = sc[name] = SlotConn(conn)
+        return c
+
+    def slot_of_request(self, meta: Any) -> str:
+        """The slot every key of a request belongs to; BAD_REQUEST when they span several (the client splits)."""
+        if type(meta) is not dict or type(meta.get("ns")) is not str or type(meta.get("keys")) is not list:
+            return "0"  # malformed: slot 0's handler answers with the precise error
+        ns, keys = meta["ns"], meta["keys"]
+        S = self.slots
+        slots = {wire.slot_of(ns, k, S) for k in keys if type(k) in (bytes, str)}
+        if len(slots) > 1:
+            raise v.Reject(f"keys of {len(slots)} slots in one request: a partitioned pool ({S} slots) takes one "
+                           f"slot's keys per request")
+        return str(slots.pop()) if slots else "0"
+
+    def _keyed(self, op: int):
+        def handle(meta: Any, conn):
+            name = self.slot_of_request(meta)
+            srv = self.servers[name]
+            if not srv.serving:
+                raise self._moved(name)
+            return srv.handlers[op](meta, self._slot_conn(conn, name))
+        return handle
+
+    def _membership(self, op: int):
+        def handle(meta: Any, conn):
+            srv = self.servers[MEMBERSHIP]
+            if not srv.serving:
+                raise self._moved(MEMBERSHIP)
+            return srv.handlers[op](meta, conn)
+        return handle
+
+    def release(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, frozenset({"lease"}), ("lease",))
+        lease = v.integer(m, "lease", 0, (1 << 63) - 1)
+        for name, sc in (getattr(conn, "slot_conns", None) or {}).items():
+            if lease in sc.leases and self.servers[name].serving:
+                return self.servers[name].release(meta, sc)
+        raise v.Reject(f"no read lease {lease} held by this connection", Status.NOT_FOUND)
+
+    def drop_pending(self, conn) -> int:
+        n = 0
+        for name, sc in (getattr(conn, "slot_conns", None) or {}).items():
+            n += self.servers[name].drop_pending(sc)
+        return n
+
+    # -- process-level answers ---------------------------------------------------------------------------------
+    def slot_map(self) -> list[str | None]:
+        return [self.holder(s) for s in self.names[:-1]]
+
+    def leader_info(self, meta: Any, conn) -> dict:
+        v.fields(meta, frozenset())
+        return {"leader": self.holder(MEMBERSHIP), "is_leader": self.servers[MEMBERSHIP].serving,
+                "slots": self.slots, "map": self.slot_map(), "members": sorted(self.members)}
+
+    def stats(self, meta: Any, conn) -> dict:
+        v.fields(meta, frozenset())
+        parts = [self.servers[s].stats(meta, self._slot_conn(conn, s)) for s in self.led()]
+        out = merge_stats(parts, self.addr)
+        out.update({"metaserver": self.addr, "slots": self.slots, "slots_led": [int(s) for s in self.led()],
+                    "slot_map": self.slot_map(), "members": sorted(self.members),
+                    "membership_leader": self.holder(MEMBERSHIP), "handovers": self.handovers,
+                    "is_leader": bool(parts), "leader": self.holder(MEMBERSHIP)})
+        if not parts:
+            out["nodes"] = self.nodes(meta, conn)["nodes"]
+        return out
+
+    def nodes(self, meta: Any, conn) -> dict:
+        v.fields(meta, frozenset())
+        m = self.servers[MEMBERSHIP]
+        parts = [{"nodes": self.servers[s].nodes(meta, conn)["nodes"]} for s in self.led()]
+        if m.serving:
+            parts.append({"nodes": [dict(n, used_bytes=0, objects=0) for n in m.nodes(meta, conn)["nodes"]]})
+        return {"nodes": merge_stats(parts, self.addr).get("nodes", [])}
+
+    def list_objects(self, meta: Any, conn) -> dict:
+        objects, truncated = [], False
+        for s in self.led():
+            res = self.servers[s].list_objects(meta, self._slot_conn(conn, s))
+            objects.extend(res["objects"])
+            truncated = truncated or res["truncated"]
+        limit = meta.get("limit", 1000) if type(meta) is dict and type(meta.get("limit")) is int else 1000
+        return {"objects": objects[:limit], "truncated": truncated or len(objects) > limit}
+
+    async def _all_slots(self, op: int, meta: Any, conn, keys: tuple[str, ...]) -> dict:
+        out = {k: 0 for k in keys}
+        for s in self.led():
+            res = self.servers[s].handlers[op](meta, self._slot_conn(conn, s))
+            if type(res) is not dict:
+                res = await res
+            for k in keys:
+                out[k] += res.get(k, 0)
+        return out
+
+    def evict(self, meta: Any, conn):
+        require_admin(conn, "EVICT")
+        return self._all_slots(Op.EVICT, meta, conn, ("evicted", "freed_bytes"))
+
+    def drain(self, meta: Any, conn):
+        require_admin(conn, "DRAIN")
+        return self._all_slots(Op.DRAIN, meta, conn, ("dropped", "pinned"))
+

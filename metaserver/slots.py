@@ -1,0 +1,201 @@
+"""One slot of a partitioned pool: its etcd keys (``SlotStore``), its node regions (``SlotDirectory``) and its
+server (``SlotServer``, today's ``Metaserver`` handlers and duties over that slot alone); the membership role
+(``MembershipServer``); the ranking that spreads slots over processes (``rank``).
+
+A partitioned pool (``metaserver/partition.py`` runs one process of it) cuts the key space into S slots,
+slot = ``wire.slot_of(ns, key, S)``. Each slot is a whole directory of its own, built *around* the unpartitioned
+code: a ``SlotServer`` is a ``Metaserver`` whose store, election and directory are the slot's, so allocation,
+commit, lookup, expiry, eviction, node loss, warm standby and takeover are exactly today's code, per slot.
+
+etcd layout under ``prefix`` (next to today's ``nodes/`` and ``arenas/``, which the membership leader writes)::
+
+    {prefix}/slots/count              decimal S, written once when the pool is created
+    {prefix}/slotmap/{s}              slot s's leader address, under that process's lease (``m``: membership)
+    {prefix}/members/{addr}           msgpack {"addr", "warm": [slots whose warm copy is loaded]}, same lease
+    {prefix}/slots/{s}/pages/{ns}/{hex key}   slot s's READY pages (today's record)
+    {prefix}/slots/{s}/gen            slot s's generation counter
+
+Fencing is today's, per slot: every write of slot s compares ``create_revision(slotmap/{s})`` with the revision its
+leader won at. Generations are unique across slots without coordination: slot s counts from ``(s << 52) + 1``
+(at most 1024 slots, 2^52 generations each).
+
+Node space: slot s of S allocates and evicts only in region s of every node, ``[ARENA_DATA_START + s * R,
++ R)`` with ``R = capacity // S`` rounded down to 4 KiB, so two slots never hand out the same bytes. Keys hash
+uniformly, so every slot sees a uniform sample of the workload and per-slot LRU approximates the pool's LRU; an
+object larger than R cannot be stored (slabs handed to slots on demand are the refinement).
+
+What a slot leader does not own: node leases and arena records (the membership leader, ``MembershipServer``: nodes
+register and heartbeat there; every slot leader follows the leased ``nodes/`` records instead, ``sync_nodes``),
+and write-capability epochs: a node keeps one epoch, which S independent counters cannot order, so a partitioned
+pool issues epoch 0 and relies on the capabilities' deadline and the takeover quarantine (``quarantine.py``) to
+keep a deposed slot leader's grants from writing into reused space.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from metaserver.allocator import Allocator
+from metaserver.directory import Directory
+from metaserver.generations import GenCounter
+from metaserver.persist import EtcdStore
+from metaserver.service import Metaserver
+from transport.wire import ALIGN, ARENA_DATA_START
+from umbp.config import MetaserverConfig
+
+MEMBERSHIP = "m"  # the slot-like role that keeps node leases and arena records
+GEN_SHIFT = 52
+
+
+def rank(name: str, members: list[str]) -> list[str]:
+    """Rendezvous order of ``members`` for slot ``name``: the first leads it, the next keeps its warm copy. Every
+    process computes the same order from the same member list, with no coordinator; removing a member moves only
+    the slots it led, each to its own next-ranked process. O(members)."""
+    def score(addr: str) -> bytes:
+        return hashlib.blake2b(f"{name}|{addr}".encode(), digest_size=8).digest()
+    return sorted(members, key=score, reverse=True)
+
+
+def region(slot: int, slots: int, capacity: int) -> tuple[int, int]:
+    """(base, size) of slot ``slot``'s region of a node arena of ``capacity`` bytes."""
+    size = (capacity // slots) // ALIGN * ALIGN
+    return ARENA_DATA_START + slot * size, size
+
+
+class SlotStore(EtcdStore):
+    """``EtcdStore`` over one slot's keys, sharing the process's etcd client (``close`` leaves it open). Node and
+    arena records are read from the pool's ``nodes/`` and ``arenas/``; a slot leader never writes them: its arena
+    deletes (a lost node's, in ``rejoin.py``) go to a key of its own that nothing reads."""
+
+    def __init__(self, root: EtcdStore, name: str, owns_nodes: bool):
+        self.addr, self.prefix, self.client = root.addr, root.prefix, root.client
+        base = f"{root.prefix}/slots/{name}/"
+        self._pages = (base + "pages/").encode()
+        self._nodes, self._arenas = root._nodes, root._arenas
+        self.gen_key = (base + "gen").encode()
+        self.leader_key = f"{root.prefix}/slotmap/{name}".encode()
+        self.fence_rev = 0
+        self.on_fenced = None
+        self._sink = None if owns_nodes else (base + "arena-not-owned/").encode()
+
+    def arena_key(self, node_id: str) -> bytes:
+        return super().arena_key(node_id) if self._sink is None else self._sink + node_id.encode()
+
+    async def close(self) -> None:
+        return None  # the process's client is closed by the partition
+
+
+class SlotDirectory(Directory):
+    """A slot's directory: every node space is the slot's region of that node's arena (``region``)."""
+
+    def __init__(self, slot: int, slots: int, **kw):
+        super().__init__(**kw)
+        self.slot, self.slots = slot, slots
+
+    def add_space(self, node_id: str, capacity: int):
+        sp = super().add_space(node_id, capacity)
+        base, size = region(self.slot, self.slots, capacity)
+        sp.alloc = Allocator(base, size, track=False)
+        return sp
+
+
+class SlotLeadership:
+    """What ``Metaserver`` reads of its election, for one slot led by a partition's process (``is_leader``,
+    ``leader_addr``, ``addr``, ``revision``); the partition's campaign loop sets it."""
+
+    def __init__(self, partition, name: str):
+        self.partition = partition
+        self.name = name
+        self.addr = partition.addr
+        self.revision = 0
+        self.won = False
+
+    @property
+    def is_leader(self) -> bool:
+        return self.won and self.partition.lease_valid()
+
+    @property
+    def leader_addr(self) -> str | None:
+        return self.addr if self.won else self.partition.holder(self.name)
+
+    async def resign(self) -> None:
+        await self.partition.resign(self.name)
+
+
+class SlotServer(Metaserver):
+    """Today's metaserver handlers and duties over one slot (see the module docstring). Built by the partition,
+    which elects it (``_elected``/``_deposed``/``_standing_by`` as ``Election`` would call them), routes requests to
+    it and feeds it the pool's node records (``sync_nodes``)."""
+
+    def __init__(self, config: MetaserverConfig, partition, name: str):
+        self.partition = partition
+        self.name = name
+        self.slot = int(name) if name != MEMBERSHIP else -1
+        super().__init__(config, partition.addr)
+        self.store = SlotStore(partition.store, name, owns_nodes=self.slot < 0)
+        self.leader = SlotLeadership(partition, name)
+        self.metrics = partition.metrics
+        self._new_state()
+
+    def _new_state(self) -> None:
+        super()._new_state()
+        first = (self.slot << GEN_SHIFT) + 1 if self.slot >= 0 else 1
+        self.gens = GenCounter(self.store, first=first)
+
+    def _make_dir(self) -> Directory:
+        if self.slot < 0:
+            return super()._make_dir()
+        cfg = self.cfg
+        return SlotDirectory(self.slot, self.partition.slots, pending_ttl_s=cfg.pending_ttl_s,
+                             read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
+                             quotas=getattr(self.tokens, "quotas", None))
+
+    def _provisional_nodes(self, descs: dict, now: float) -> None:
+        super()._provisional_nodes(descs, now)
+        for node in self.members.nodes.values():
+            node.lease_id = 0  # the membership leader's lease: a slot leader never revokes it
+
+    def sync_nodes(self, live: dict[str, dict], now: float) -> None:
+        """The pool's leased node records (node id -> description) as the membership leader keeps them: a node
+        with one is alive here (its 'heartbeat'), a new or re-registered one gets its region (kept pages when it is
+        the same arena, as ``register_node`` decides); a node whose record went stops being refreshed and is lost
+        after its ``lease_ttl`` (parked, then dropped, as today). O(nodes)."""
+        if not self.serving:
+            return
+        for node_id, desc in live.items():
+            node = self.members.get(node_id)
+            if (node is not None and node.alive and not node.provisional and node.arena_id == desc["arena_id"]
+                    and node.capacity == desc["capacity"]):
+                node.last_heartbeat = now
+                continue
+            node, keep = self.members.register(desc, now)
+            node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
+            node.cap_epoch = 0
+            node.lease_id = 0
+            node.provisional = False
+            self._check_settled()
+            if keep and node.node_id in self.dir.spaces:
+                self.dir.set_placeable(node.node_id, True)
+            else:
+                self._finish_drop(node.node_id)
+                _, fx = self.dir.drop_space(node.node_id)
+                self._apply(fx)
+                self.dir.add_space(node.node_id, node.capacity)
+                self._unpark(node)
+
+
+class MembershipServer(SlotServer):
+    """The membership leader: REGISTER_NODE and HEARTBEAT as today (node leases, ``nodes/`` and ``arenas/``
+    records), no pages. Its registrations answer epoch 0 (see the module docstring)."""
+
+    def __init__(self, config: MetaserverConfig, partition):
+        super().__init__(config, partition, MEMBERSHIP)
+
+    def register_node(self, meta, conn):
+        res = super().register_node(meta, conn)
+        for node in self.members.nodes.values():
+            node.cap_epoch = 0
+        return res
+
+    def sync_nodes(self, live: dict[str, dict], now: float) -> None:
+        return None  # nodes register here

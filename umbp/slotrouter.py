@@ -1,0 +1,326 @@
+"""The client's metaserver layer for a pool of either kind (``MetaRouter``): ``MetaClient``'s interface (``call``,
+``submit``/``result``/``forget``, ``send_noreply``, ``close``, ``address``, ``sent``), routing by slot when the pool
+is partitioned, so everything above it (puts, gets, ``prefix_hits``, ``mapped``, the engine loaders) is unchanged.
+
+Discovery: the first call asks any configured metaserver LEADER. An answer without ``slots`` (an unpartitioned
+pool) makes this a plain ``MetaClient`` for good (one extra round trip per client lifetime, nothing per call).
+Otherwise it keeps the slot map (slot -> leader address) and the live processes, and one ``MetaClient`` per
+process address that does not follow NOT_LEADER by itself (``follow=False``).
+
+A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``wire.slot_of``: one request per
+slot, all in flight at once (submitted on each process's pipelined connection, then collected), answers merged
+back into key order. Capabilities are concatenated and each item's ``cap_index`` shifted; the read leases of the
+slots of one LOOKUP become one handle that RELEASE expands; PREFIX becomes EXISTS per slot and the leading run is
+counted here. A slot's part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent there; a part whose
+process cannot be reached re-reads the map from any process (LEADER) and is resent, with a backoff, until the
+call's deadline: a dead process's slots move within its lease TTL and the client follows without a restart.
+Admin requests (STATS, NODES, LIST, EVICT, DRAIN) go to every live process and are summed (``slotmap``).
+
+Thread-safe: one lock serialises the router (a client makes one metaserver call per batch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from transport import wire
+from transport.wire import Op
+from umbp.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
+from umbp.metaclient import MetaClient, Ticket
+from umbp.slotmap import merge_nodes, merge_stats
+
+_KEYED = frozenset({Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.EXISTS, Op.PREFIX, Op.REMOVE})
+_LISTS = ("keys", "sizes", "parents", "gens")  # the per-key lists of a keyed request
+_LEASES_KEPT = 1 << 16  # composite read leases remembered for RELEASE (older ones expired at the metaservers)
+_BACKOFF = (0.05, 0.1, 0.2, 0.3, 0.5)
+_PART_TRIES = 200  # per slot part; the deadline ends it first in practice
+
+
+class _Part:
+    __slots__ = ("slot", "idx", "meta", "ticket", "addr")
+
+    def __init__(self, slot: int, idx: list[int], meta: dict):
+        self.slot, self.idx, self.meta = slot, idx, meta
+        self.ticket: Ticket | None = None
+        self.addr: str | None = None
+
+
+class SlotTicket:
+    """A routed request in flight (``MetaRouter.submit``)."""
+
+    __slots__ = ("op", "meta", "parts", "n", "plain")
+
+    def __init__(self, op: int, meta: Any, parts: list[_Part], n: int, plain: Ticket | None = None):
+        self.op, self.meta, self.parts, self.n, self.plain = op, meta, parts, n, plain
+
+
+class MetaRouter:
+    def __init__(self, addrs: tuple[str, ...] | list[str], component: str = "client", token: str | None = None,
+                 tls_ca: str = ""):
+        self.component = component
+        self.token, self.tls_ca = token, tls_ca
+        self.seed = MetaClient(addrs, component, token, tls_ca=tls_ca)
+        self.slots = 0  # 0: not discovered yet; 1: unpartitioned (everything goes to ``seed``)
+        self.map: list[str | None] = []
+        self.members: list[str] = list(addrs)
+        self._conns: dict[str, MetaClient] = {}
+        self._leases: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self.moved = 0  # NOT_LEADER answers followed (tests, observability)
+        self.refreshes = 0  # slot map re-reads
+
+    # -- MetaClient's interface --------------------------------------------------------------------------------
+    @property
+    def sent(self) -> dict[int, int]:
+        if self.slots <= 1:
+            return self.seed.sent
+        out = dict(self.seed.sent)
+        for c in self._conns.values():
+            for op, n in c.sent.items():
+                out[op] = out.get(op, 0) + n
+        return out
+
+    @property
+    def address(self) -> str | None:
+        if self.slots <= 1:
+            return self.seed.address
+        return next((c.address for c in self._conns.values() if c.address), None)
+
+    def close(self) -> None:
+        with self._lock:
+            self.seed.close()
+            for c in self._conns.values():
+                c.close()
+
+    def call(self, op: int, meta: Any, deadline: float) -> Any:
+        with self._lock:
+            self._discover(deadline)
+            if self.slots <= 1:
+                return self.seed.call(op, meta, deadline)
+            if op in _KEYED:
+                return self._finish(self._start(op, meta, deadline), deadline)
+            if op in (Op.STATS, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN):
+                return self._fan_out(op, meta, deadline)
+            return self.seed.call(op, meta, deadline)
+
+    def submit(self, op: int, meta: Any, deadline: float) -> SlotTicket:
+        with self._lock:
+            try:
+                self._discover(deadline)
+            except (TransportError, DeadlineExceeded, Unavailable):
+                return SlotTicket(op, meta, [], 0)  # result() makes the full call
+            if self.slots <= 1 or op not in _KEYED:
+                return SlotTicket(op, meta, [], 0, plain=self.seed.submit(op, meta, deadline))
+            return self._start(op, meta, deadline)
+
+    def result(self, t: SlotTicket, deadline: float) -> Any:
+        with self._lock:
+            if t.plain is not None:
+                return self.seed.result(t.plain, deadline)
+            if not t.parts:
+                return self.call(t.op, t.meta, deadline)
+            return self._finish(t, deadline)
+
+    def forget(self, tickets) -> None:
+        with self._lock:
+            for t in tickets:
+                if t.plain is not None:
+                    self.seed.forget([t.plain])
+                for p in t.parts:
+                    if p.ticket is not None and p.addr in self._conns:
+                        self._conns[p.addr].forget([p.ticket])
+                    p.ticket = None
+
+    def send_noreply(self, op: int, meta: Any, deadline: float) -> None:
+        with self._lock:
+            if self.slots <= 1:
+                self.seed.send_noreply(op, meta, deadline)
+                return
+            if op == Op.RELEASE and type(meta) is dict:
+                for addr, lease in self._leases.pop(meta.get("lease"), ()):
+                    self._conn(addr).send_noreply(op, {"lease": lease}, deadline)
+
+    # -- the slot map ------------------------------------------------------------------------------------------
+    def _discover(self, deadline: float) -> None:
+        if self.slots == 0:
+            info = self.seed.call(Op.LEADER, {}, deadline)
+            self._learn(info)
+
+    def _learn(self, info: Any) -> None:
+        slots = info.get("slots") if type(info) is dict else None
+        if type(slots) is not int or slots <= 1:
+            self.slots = 1
+            return
+        self.slots = slots
+        m = info.get("map")
+        if type(m) is list and len(m) == slots:
+            self.map = [a if type(a) is str else None for a in m]
+        elif len(self.map) != slots:
+            self.map = [None] * slots
+        members = info.get("members")
+        if type(members) is list and members:
+            self.members = [a for a in members if type(a) is str]
+
+    def _refresh(self, deadline: float) -> None:
+        """Re-read the map from the first process that answers LEADER (every live one knows it)."""
+        self.refreshes += 1
+        for addr in list(dict.fromkeys(self.members + self.seed.addrs)):
+            try:
+                info = self._conn(addr).call(Op.LEADER, {}, min(deadline, time.monotonic() + 1.0))
+            except (TransportError, DeadlineExceeded, Unavailable, NotLeader):
+                continue
+            self._learn(info)
+            return
+
+    def _conn(self, addr: str) -> MetaClient:
+        c = self._conns.get(addr)
+        if c is None:
+            c = self._conns[addr] = MetaClient([addr], self.component, self.token, tls_ca=self.tls_ca, follow=False)
+        return c
+
+    # -- keyed requests ----------------------------------------------------------------------------------------
+    def _split(self, op: int, meta: dict) -> list[_Part]:
+        ns, keys = meta["ns"], meta["keys"]
+        S = self.slots
+        by: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            by.setdefault(wire.slot_of(ns, k, S), []).append(i)
+        parts = []
+        for slot, idx in by.items():
+            if len(by) == 1:
+                m = dict(meta)
+            else:
+                m = {k: ([v[i] for i in idx] if k in _LISTS and type(v) is list else v) for k, v in meta.items()}
+            parts.append(_Part(slot, idx, m))
+        return parts
+
+    def _start(self, op: int, meta: Any, deadline: float) -> SlotTicket:
+        if type(meta) is not dict or type(meta.get("keys")) is not list or type(meta.get("ns")) is not str:
+            return SlotTicket(op, meta, [], 0, plain=self.seed.submit(op, meta, deadline))
+        parts = self._split(op, meta)
+        sub = Op.EXISTS if op == Op.PREFIX else op
+        for p in parts:
+            addr = self.map[p.slot] if p.slot < len(self.map) else None
+            if addr is not None:
+                p.addr = addr
+                p.ticket = self._conn(addr).submit(sub, p.meta, deadline)
+        return SlotTicket(op, meta, parts, len(meta["keys"]))
+
+    def _finish(self, t: SlotTicket, deadline: float) -> Any:
+        sub = Op.EXISTS if t.op == Op.PREFIX else t.op
+        answers = []
+        for p in t.parts:
+            answers.append(self._part(sub, p, deadline))
+        return self._merge(t.op, t, answers)
+
+    def _part(self, op: int, p: _Part, deadline: float) -> Any:
+        """One slot's answer: its submitted ticket's, else a call to the slot's leader; follows NOT_LEADER and
+        re-reads the map when the leader cannot be reached, until ``deadline``."""
+        for attempt in range(_PART_TRIES):
+            try:
+                if p.ticket is not None:
+                    t, p.ticket = p.ticket, None
+                    return self._conn(p.addr).result(t, deadline)
+                addr = self.map[p.slot]
+                if addr is None:
+                    raise Unavailable(self.component, f"slot {p.slot} has no leader yet")
+                p.addr = addr
+                return self._conn(addr).call(op, p.meta, deadline)
+            except NotLeader as e:
+                self.moved += 1
+                if e.leader:
+                    self.map[p.slot] = e.leader
+                    if e.leader not in self.members:
+                        self.members.append(e.leader)
+                    continue
+                self._refresh(deadline)
+            except (TransportError, DeadlineExceeded, Unavailable) as e:
+                if time.monotonic() >= deadline:
+                    raise
+                if p.addr and not isinstance(e, Unavailable):
+                    self._conn(p.addr).close()
+                self._refresh(deadline)
+            pause = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
+            if time.monotonic() + pause >= deadline:
+                raise DeadlineExceeded(self.component, f"slot {p.slot}: no leader answered before the deadline "
+                                                       f"(map says {self.map[p.slot]})")
+            time.sleep(pause)
+        raise DeadlineExceeded(self.component, f"slot {p.slot}: gave up after {_PART_TRIES} tries")
+
+    def _merge(self, op: int, t: SlotTicket, answers: list) -> Any:
+        n = t.n
+        if len(answers) == 1 and op != Op.PREFIX and op != Op.LOOKUP:
+            return answers[0]
+        if op == Op.ABORT:
+            return {"aborted": sum(a.get("aborted", 0) for a in answers)}
+        if op == Op.PREFIX:
+            hit = [False] * n
+            for p, a in zip(t.parts, answers):
+                for i, x in zip(p.idx, a["exists"]):
+                    hit[i] = x
+            run = 0
+            while run < n and hit[run]:
+                run += 1
+            return {"hits": run}
+        field = {Op.ALLOC: "items", Op.COMMIT: "ok", Op.LOOKUP: "locs", Op.EXISTS: "exists", Op.REMOVE: "removed"}[op]
+        out: list = [None] * n
+        caps: list = []
+        cap_at = 6 if op == Op.ALLOC else 5
+        leases: list[tuple[str, int]] = []
+        for p, a in zip(t.parts, answers):
+            shift = len(caps)
+            caps.extend(a.get("caps") or ())
+            for i, x in zip(p.idx, a[field]):
+                if shift and type(x) is list and len(x) > cap_at and type(x[cap_at]) is int:
+                    x[cap_at] += shift
+                out[i] = x
+            if op == Op.LOOKUP and a.get("lease"):
+                leases.append((p.addr, a["lease"]))
+        res: dict[str, Any] = {field: out}
+        if op in (Op.ALLOC, Op.LOOKUP):
+            res["caps"] = caps
+        if op == Op.LOOKUP:
+            res["lease"] = 0
+            if leases:
+                handle = next(self._ids)
+                self._leases[handle] = leases
+                while len(self._leases) > _LEASES_KEPT:
+                    self._leases.popitem(last=False)
+                res["lease"] = handle
+        return res
+
+    # -- admin -------------------------------------------------------------------------------------------------
+    def _fan_out(self, op: int, meta: Any, deadline: float) -> Any:
+        """Ask every live process (the one answering for the slots it leads) and sum."""
+        self._refresh(deadline)
+        answers = []
+        for addr in list(self.members):
+            try:
+                answers.append(self._conn(addr).call(op, meta, deadline))
+            except (TransportError, DeadlineExceeded):
+                continue
+        if not answers:
+            raise TransportError(self.component, f"no metaserver of {', '.join(self.members)} answered")
+        if op == Op.STATS:
+            out = merge_stats(answers)
+            out.update({"slots": self.slots, "slot_map": list(self.map), "is_leader": True,
+                        "leader": next((a.get("membership_leader") for a in answers if a.get("membership_leader")),
+                                       None),
+                        "metaservers": [{"addr": a.get("metaserver"), "slots_led": a.get("slots_led", []),
+                                         "objects": a.get("objects", 0), "used_bytes": a.get("used_bytes", 0),
+                                         "handovers": a.get("handovers", 0)} for a in answers]})
+            return out
+        if op == Op.NODES:
+            return {"nodes": merge_nodes([a.get("nodes") or [] for a in answers])}
+        if op == Op.LIST:
+            objects = [o for a in answers for o in a.get("objects", ())]
+            limit = meta.get("limit", 1000) if type(meta) is dict and type(meta.get("limit")) is int else 1000
+            return {"objects": objects[:limit], "truncated": any(a.get("truncated") for a in answers)
+                    or len(objects) > limit}
+        keys = ("evicted", "freed_bytes") if op == Op.EVICT else ("dropped", "pinned")
+        return {k: sum(a.get(k, 0) for a in answers) for k in keys}
