@@ -395,6 +395,7 @@ class Partition:
                 await self.resign(name)
                 raise
             srv.leader.won = True
+            await self._sync_nodes(time.monotonic(), [name])  # its nodes now, not at the next round
             self.load_s = max(self.load_s, time.monotonic() - t0)
             log.info("metaserver: slot %s: leader at revision %d (%s, %.3fs)", name, cur.create_revision,
                      "warm" if srv.takeover.get("warm") else "full load", time.monotonic() - t0)
@@ -438,11 +439,11 @@ class Partition:
     def _nodes_due(self) -> bool:
         return any(self.servers[s].serving for s in self.names[:-1])
 
-    async def _sync_nodes(self, now: float) -> None:
-        """Feed every served slot the pool's leased node records (the membership leader's)."""
-        live = [r for r in await self.store._records(self.store._nodes)]
+    async def _sync_nodes(self, now: float, names: list[str] | None = None) -> None:
+        """Feed the served slots (or ``names``) the pool's leased node records (the membership leader's)."""
+        live = await self.store._records(self.store._nodes)
         descs = {nid: d for nid, (d, lease) in node_descs(live, []).items() if lease}
-        for s in self.names[:-1]:
+        for s in names or self.names[:-1]:
             self.servers[s].sync_nodes(descs, now)
 
     # -- routing -----------------------------------------------------------------------------------------------

@@ -40,8 +40,9 @@ from metaserver.directory import Directory
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.service import Metaserver
-from transport.wire import ALIGN, ARENA_DATA_START
+from transport.wire import ALIGN, ARENA_DATA_START, Status
 from umbp.config import MetaserverConfig
+from umbp.errors import Unavailable
 
 MEMBERSHIP = "m"  # the slot-like role that keeps node leases and arena records
 GEN_SHIFT = 52
@@ -154,6 +155,13 @@ class SlotServer(Metaserver):
         super()._provisional_nodes(descs, now)
         for node in self.members.nodes.values():
             node.lease_id = 0  # the membership leader's lease: a slot leader never revokes it
+
+    def alloc(self, meta, conn):
+        if not self.dir.spaces:
+            # No node record has reached this slot yet (it took over before the nodes registered, and the next
+            # round brings them): a retry, not a full pool.
+            raise Unavailable("metaserver", f"slot {self.name}: no storage node known yet", Status.UNAVAILABLE)
+        return super().alloc(meta, conn)
 
     def sync_nodes(self, live: dict[str, dict], now: float) -> None:
         """The pool's leased node records (node id -> description) as the membership leader keeps them: a node

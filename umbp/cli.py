@@ -73,6 +73,15 @@ def _print_stats(s: dict) -> None:
     t.add_row("objects", f"{s.get('objects', 0)} ready, {s.get('pending', 0)} pending, {s.get('pinned', 0)} leased")
     t.add_row("hit rate", f"{100 * hits / lookups:.1f}% ({hits} hits, {misses} misses)" if lookups else "no lookups yet")
     t.add_row("evictions", str(s.get("evictions", 0)))
+    if s.get("slot_map"):  # a partitioned pool: which metaserver leads which slots (umbp/slotrouter.py)
+        t.add_row("slots", f"{s.get('slots')} slots over {len(s.get('metaservers') or [])} metaservers, "
+                           f"membership leader {s.get('leader') or '-'}")
+        for m in s.get("metaservers") or []:
+            t.add_row(f"  {m.get('addr')}", f"slots {_ranges(m.get('slots_led') or [])}: {m.get('objects', 0)} "
+                                            f"objects, {format_size(m.get('used_bytes', 0))}")
+        vacant = [i for i, a in enumerate(s["slot_map"]) if not a]
+        if vacant:
+            t.add_row("  no leader", f"slots {_ranges(vacant)}")
     con.print(t)
     usage = s.get("namespace_usage") or {}
     if usage:  # per namespace: objects, use against quota (a scoped token sees its own namespaces only)
@@ -86,6 +95,19 @@ def _print_stats(s: dict) -> None:
                        else format_size(q))
         con.print(nt)
     _print_nodes(s.get("nodes", []))
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, xs = [], sorted(xs)
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out) or "-"
 
 
 def _print_nodes(nodes: list[dict]) -> None:

@@ -1,0 +1,274 @@
+"""A partitioned pool (``metaserver/partition.py``, ``metaserver/slots.py``, ``umbp/slotrouter.py``): slot routing,
+MOVED answers, per-slot failover with three processes (SIGKILL under load), joins and leaves, stats aggregation.
+
+Real etcd, metaserver and node processes; assertions on bytes, counts and slot maps; every wait bounded.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from test_failover import raw
+from metaserver.slots import rank, region
+from transport import wire
+from transport.wire import Op
+from umbp.errors import NotLeader, RemoteError, UmbpError
+
+SLOTS = 8
+TTL_S = 2  # --election-ttl of these tests: a dead process's slots move within this + a round
+
+
+def payload(i: int, n: int = 6000) -> bytes:
+    return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
+
+
+def slot_map(addr: str) -> dict:
+    return raw(addr, Op.LEADER)
+
+
+def wait_map(addrs: list[str], want: set[str], timeout: float) -> dict:
+    """Poll LEADER until the slot map is the rendezvous ranking's over exactly the processes ``want`` (each slot
+    led by its first-ranked one, the membership role too); returns the LEADER answer."""
+    expect = [rank(str(s), sorted(want))[0] for s in range(SLOTS)]
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        for a in addrs:
+            try:
+                last = slot_map(a)
+                break
+            except (UmbpError, OSError):
+                continue
+        if last is not None and last["map"] == expect and sorted(last["members"]) == sorted(want):
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"slot map did not settle on {sorted(want)} within {timeout}s: {last}")
+
+
+def partitioned(make_cluster, metaservers: int = 3, **kw):
+    return make_cluster(metaservers=metaservers, nodes=2, capacity="64MiB",
+                        metaserver_flags={"slots": SLOTS, "election_ttl": TTL_S}, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the arithmetic: slots, ranking, regions (no processes)
+
+
+def test_slot_ranking_and_regions():
+    keys = [f"key{i}".encode() for i in range(4000)]
+    slots = [wire.slot_of("ns", k, SLOTS) for k in keys]
+    assert slots == [wire.slot_of("ns", k.decode(), SLOTS) for k in keys]  # str and bytes keys agree
+    counts = [slots.count(s) for s in range(SLOTS)]
+    assert min(counts) > 400 and max(counts) < 600, counts  # uniform: 500 expected per slot
+    members = [f"10.0.0.{i}:7700" for i in range(4)]
+    names = [str(s) for s in range(64)]
+    first = {n: rank(n, members)[0] for n in names}
+    per = [list(first.values()).count(m) for m in members]
+    assert min(per) >= 8, per  # spread: 16 expected each
+    gone = members[1]
+    after = {n: rank(n, [m for m in members if m != gone])[0] for n in names}
+    moved = [n for n in names if first[n] != after[n]]
+    assert set(moved) == {n for n in names if first[n] == gone}  # only the dead process's slots move ...
+    assert all(after[n] == rank(n, members)[1] for n in moved)  # ... each to its next-ranked process
+    cap = 64 << 20
+    regions = sorted(region(s, SLOTS, cap) for s in range(SLOTS))
+    for (b0, n0), (b1, _) in zip(regions, regions[1:]):
+        assert b0 + n0 <= b1  # never overlapping
+    assert regions[0][0] == wire.ARENA_DATA_START and regions[-1][0] + regions[-1][1] <= wire.ARENA_DATA_START + cap
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# routing and MOVED
+
+
+def test_slot_routing_and_moved(make_cluster):
+    cl = partitioned(make_cluster)
+    addrs = [m.addr for m in cl.metaservers]
+    info = wait_map(addrs, set(addrs), 30.0)
+    assert info["slots"] == SLOTS and sorted(info["members"]) == sorted(addrs)
+    keys = [f"route{i}".encode() for i in range(300)]
+    with cl.client() as c:
+        assert c.batch_put(keys, [payload(i) for i in range(300)]) == [True] * 300
+        assert c.batch_put(keys[:10], [payload(i) for i in range(10)]) == [False] * 10  # dedup across slots
+        outs = [bytearray(6000) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [6000] * 300
+        assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
+        assert c.batch_exists(keys[:5] + [b"absent"] + keys[5:10]) == [True] * 5 + [False] + [True] * 5
+        assert c.prefix_hits(keys[:20] + [b"absent"] + keys[20:40]) == 20
+        assert c.batch_remove(keys[:3]) == [True] * 3 and c.get(keys[0]) is None
+        assert c._meta.slots == SLOTS and c._meta.moved == 0
+        # A client whose map is wrong everywhere learns every slot from NOT_LEADER answers (MOVED).
+        c._meta.map = [info["map"][(s + 1) % SLOTS] if info["map"][(s + 1) % SLOTS] != info["map"][s]
+                       else next(a for a in addrs if a != info["map"][s]) for s in range(SLOTS)]
+        outs = [bytearray(6000) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [-1] * 3 + [6000] * 297
+        assert all(bytes(o) == payload(i) for i, o in enumerate(outs) if i >= 3)
+        assert c._meta.moved >= SLOTS and c._meta.map == info["map"]
+    # The MOVED answer itself: a slot's key sent to a process that does not lead it names the leader and the slot.
+    k = keys[5]
+    s = wire.slot_of("default", k, SLOTS)
+    other = next(a for a in addrs if a != info["map"][s])
+    with pytest.raises(NotLeader) as e:
+        raw(other, Op.EXISTS, {"ns": "default", "keys": [k]})
+    assert e.value.leader == info["map"][s] and f"slot {s} is led by {info['map'][s]}" in str(e.value)
+    assert raw(info["map"][s], Op.EXISTS, {"ns": "default", "keys": [k]}) == {"exists": [True]}
+    # Keys of several slots in one request: refused with a clear error, the server keeps serving.
+    two = [k, next(x for x in keys if wire.slot_of("default", x, SLOTS) != s)]
+    with pytest.raises(RemoteError) as e:
+        raw(info["map"][s], Op.EXISTS, {"ns": "default", "keys": two})
+    assert e.value.code == wire.Status.BAD_REQUEST and "one slot's keys per request" in str(e.value)
+    assert raw(info["map"][s], Op.PING) == {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# failover
+
+
+def test_sigkill_one_of_three_under_load(make_cluster):
+    cl = partitioned(make_cluster)
+    addrs = [m.addr for m in cl.metaservers]
+    info = wait_map(addrs, set(addrs), 30.0)
+    committed: dict[bytes, int] = {}
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def writer(w: int) -> None:
+        with cl.client(timeout=30.0) as c:
+            i = 0
+            while not stop.is_set() and i < 100_000:
+                keys = [f"w{w}-{i + j}".encode() for j in range(16)]
+                try:
+                    ok = c.batch_put(keys, [payload(w * 1_000_000 + i + j) for j in range(16)])
+                except UmbpError as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    ok = [False] * 16
+                for j, k in enumerate(keys):
+                    if ok[j]:
+                        committed[k] = w * 1_000_000 + i + j
+                i += 16
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while len(committed) < 300 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim = max(cl.metaservers, key=lambda m: info["map"].count(m.addr))
+    led = [s for s, a in enumerate(info["map"]) if a == victim.addr]
+    assert led, info
+    victim.kill(signal.SIGKILL, wait=True)
+    t_kill = time.monotonic()
+    survivors = [a for a in addrs if a != victim.addr]
+    after = wait_map(survivors, set(survivors), TTL_S + 10.0)
+    moved_s = time.monotonic() - t_kill
+    # Served, not only mapped: an EXISTS per slot the victim led answers at its new leader.
+    with cl.client() as c:
+        probe = {}
+        for i in range(10_000):
+            k = f"probe{i}".encode()
+            probe.setdefault(wire.slot_of("default", k, SLOTS), k)
+            if len(probe) == SLOTS:
+                break
+        while True:
+            try:
+                assert c.batch_exists([probe[s] for s in led]) == [False] * len(led)
+                break
+            except UmbpError:
+                if time.monotonic() - t_kill > TTL_S + 10:
+                    raise
+                time.sleep(0.05)
+        served_s = time.monotonic() - t_kill
+    before = len(committed)
+    deadline = time.monotonic() + 20
+    while len(committed) < before + 300 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert len(committed) >= before + 300, f"writers did not carry on after the failover: {errors[-3:]}"
+    print(f"\nslot failover: {len(led)} slots of {victim.addr} mapped to survivors after {moved_s:.2f}s, served "
+          f"after {served_s:.2f}s (election TTL {TTL_S}s); {len(committed)} pages committed, "
+          f"{len(errors)} put errors")
+    assert served_s <= TTL_S + 1.0 + 1.5, served_s  # TTL + 1 s, plus a round and the test's own polling
+    keys = list(committed)
+    with cl.client() as c:
+        outs = [bytearray(6000) for _ in keys]
+        got = c.batch_get_into(keys, outs)
+    lost = [k for k, g in zip(keys, got) if g != 6000]
+    wrong = [k for k, o in zip(keys, outs) if bytes(o) != payload(committed[k])]
+    assert not lost, f"{len(lost)} committed pages lost, e.g. {lost[:3]}"
+    assert not wrong, f"{len(wrong)} pages with wrong bytes"
+    assert set(after["map"]) <= set(survivors)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# joins and leaves
+
+
+def test_join_takes_its_share_and_leave_gives_it_back(make_cluster):
+    cl = partitioned(make_cluster, metaservers=1)
+    first = cl.metaserver.addr
+    wait_map([first], {first}, 30.0)
+    keys = [f"j{i}".encode() for i in range(200)]
+    with cl.client() as c:
+        assert all(c.batch_put(keys, [payload(i) for i in range(200)]))
+    joined = cl.harness.metaserver(cl.etcd.url, slots=SLOTS, election_ttl=TTL_S)
+    cl.metaservers.append(joined)
+    info = wait_map([first, joined.addr], {first, joined.addr}, 30.0)
+    want = {str(s) for s in range(SLOTS) if rank(str(s), sorted([first, joined.addr]))[0] == joined.addr}
+    assert {str(s) for s, a in enumerate(info["map"]) if a == joined.addr} == want  # exactly its ranked share
+    with cl.client() as c:  # a client that only knows the first address still reaches every slot
+        outs = [bytearray(6000) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [6000] * 200
+        assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
+        assert all(c.batch_put([b"after-join"], [payload(7)]))
+    st = cl.cli_json("stats")
+    assert sorted(m["addr"] for m in st["metaservers"]) == sorted([first, joined.addr])
+    assert st["objects"] == 201 and st["slots"] == SLOTS
+    joined.stop()  # a clean leave: its slots are handed back at once (resigned), not after the TTL
+    t0 = time.monotonic()
+    wait_map([first], {first}, 10.0)
+    left_s = time.monotonic() - t0
+    assert left_s < TTL_S + 1.0, left_s
+    with cl.client() as c:
+        outs = [bytearray(6000) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [6000] * 200
+        assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
+        assert c.get(b"after-join") == payload(7)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# operations
+
+
+def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
+    cl = partitioned(make_cluster)
+    addrs = [m.addr for m in cl.metaservers]
+    info = wait_map(addrs, set(addrs), 30.0)
+    keys = [f"s{i}".encode() for i in range(240)]
+    with cl.client() as c:
+        assert all(c.batch_put(keys, [payload(i) for i in range(240)]))
+    st = cl.cli_json("stats")
+    assert st["objects"] == 240
+    assert st["slots"] == SLOTS and st["slot_map"] == info["map"]
+    per = {m["addr"]: m for m in st["metaservers"]}
+    assert sorted(per) == sorted(addrs)
+    assert sum(m["objects"] for m in per.values()) == 240
+    for a in addrs:  # each process counts exactly the pages of the slots it leads
+        mine = sum(1 for k in keys if info["map"][wire.slot_of("default", k, SLOTS)] == a)
+        assert per[a]["objects"] == mine
+        assert sorted(per[a]["slots_led"]) == [s for s, x in enumerate(info["map"]) if x == a]
+    nodes = cl.cli_json("nodes")
+    assert sorted(n["node_id"] for n in nodes) == sorted(n.node_id for n in cl.nodes)
+    assert sum(n["objects"] for n in nodes) == 240
+    assert sum(n["used_bytes"] for n in nodes) == st["used_bytes"] == 240 * wire.object_size(6000)
+    assert all(n["capacity_bytes"] == 64 << 20 and n["alive"] for n in nodes)
+    assert st["capacity_bytes"] <= 2 * (64 << 20) and st["capacity_bytes"] > 2 * (64 << 20) - SLOTS * 2 * 4096
+    text = cl.cli("stats").stdout
+    assert f"{SLOTS} slots over 3 metaservers" in text
+    for a in addrs:
+        assert a in text
