@@ -6,6 +6,7 @@ Real etcd, metaserver and node processes; assertions on bytes, counts and slot m
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from test_failover import raw
+from test_up import up  # noqa: F401  (the fixture)
 from metaserver.slots import rank, region
 from transport import wire
 from transport.wire import Op
@@ -272,3 +274,32 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
     assert f"{SLOTS} slots over 3 metaservers" in text
     for a in addrs:
         assert a in text
+
+
+def test_up_with_three_metaservers(up):
+    """``umbp up --metaservers 3`` prints every address on its metaserver line, the slots spread over all three
+    (each process's first rank), and a client given that line reads back exactly what it wrote."""
+    u = up("--nodes", "2", "--capacity", "64MiB", "--port", "0", "--metaservers", "3", "--slots", str(SLOTS))
+    line = u.stdout_until(r"^metaserver: (\S+)$")[0].group(1)
+    addrs = line.split(",")
+    assert len(addrs) == 3 and all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in addrs), line
+    metrics = u.stdout_until(r"^metrics: (\S+) \((\S+)\)$", 5)
+    assert {"metaserver", "metaserver-1", "metaserver-2"} <= {m.group(2) for m in metrics}  # metrics per process
+    wait_map(addrs, set(addrs), 30.0)
+    import umbp
+
+    with umbp.Client(metaserver=line) as c:
+        keys = [f"up{i}".encode() for i in range(64)]
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert all(c.batch_put(keys, [payload(i) for i in range(64)]))
+                break
+            except UmbpError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        outs = [bytearray(6000) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [6000] * 64
+        assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
+    st = u.cli_json(line, "stats")
+    assert st["objects"] == 64 and sorted(m["addr"] for m in st["metaservers"]) == sorted(addrs)

@@ -253,7 +253,8 @@ def cmd_up(args) -> int:
         if getattr(args, flag):
             os.environ[name] = os.path.abspath(getattr(args, flag))  # the children and our own checks inherit it
     pool = LocalPool(nodes=args.nodes, capacity=args.capacity, etcd=args.etcd, port=args.port,
-                     lease_ttl=args.lease_ttl, echo=args.verbose, max_restarts=args.max_restarts)
+                     lease_ttl=args.lease_ttl, echo=args.verbose, max_restarts=args.max_restarts,
+                     metaservers=args.metaservers, slots=args.slots)
     try:
         pool.start()
         print(f"metaserver: {pool.metaserver}", flush=True)
@@ -278,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--etcd", default=None, help="use this etcd (HOST:PORT) instead of starting one")
     s.add_argument("--port", type=int, default=7700, help="metaserver port (0 = any free port)")
     s.add_argument("--lease-ttl", type=float, default=10.0)
+    s.add_argument("--metaservers", type=int, default=1, metavar="N",
+                   help="metaserver processes (default 1); more than one partition the directory into slots led by "
+                        "all of them (ports --port, --port+1, ...)")
+    s.add_argument("--slots", type=int, default=0, help="slots of the partitioned pool (default 64 with "
+                                                        "--metaservers > 1)")
     s.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="restart a process that dies (same node id and arena, same ports) at most N times within 10 "
                         "minutes; then leave it down (default 3)")

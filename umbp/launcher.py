@@ -44,6 +44,8 @@ RESTART_WINDOW_S = 600.0
 METRICS_RX = re.compile(r"metrics on (http://\S+)")
 
 
+DEFAULT_SLOTS = 64  # slots of a pool `umbp up --metaservers N` (N > 1) creates
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -100,7 +102,12 @@ class LocalPool:
     def __init__(self, nodes: int = 2, capacity: str | int = "1GiB", etcd: str | None = None, port: int = 0,
                  lease_ttl: float = 10.0, echo: bool = False, workdir: str | None = None,
                  metaserver_args: list[str] | None = None, max_restarts: int = 3, metrics: bool = True,
-                 out=None):
+                 out=None, metaservers: int = 1, slots: int = 0):
+        if not 1 <= metaservers <= 32:
+            raise ConfigError("up", f"--metaservers must be within 1..32, got {metaservers}")
+        if slots < 0 or slots == 1 and metaservers > 1 or slots > 1024:
+            raise ConfigError("up", f"--slots must be 0 (default: {DEFAULT_SLOTS} with several metaservers) or "
+                                    f"2..1024, got {slots}")
         if nodes < 0 or nodes > 64:
             raise ConfigError("up", f"--nodes must be within 0..64, got {nodes}")
         if max_restarts < 0:
@@ -112,6 +119,8 @@ class LocalPool:
         self.lease_ttl = lease_ttl
         self.echo = echo
         self.metaserver_args = metaserver_args or []
+        self.metaservers = metaservers
+        self.slots = slots or (DEFAULT_SLOTS if metaservers > 1 else 0)  # 0: one unpartitioned directory
         self.max_restarts = max_restarts
         self.with_metrics = metrics
         self.out = out or sys.stderr  # where supervision messages go
@@ -208,11 +217,16 @@ class LocalPool:
                                         "--quota-backend-bytes", str(8 << 30)],
                                r"ready to serve client requests|serving client requests on|serving insecure client")
             etcd.metrics = f"http://127.0.0.1:{cport}/metrics"
-        ms = self._spawn("metaserver", py + ["metaserver", "--etcd", self.etcd_url,
-                                             "--listen", f"127.0.0.1:{self.port}"] + self._metrics_flag()
-                         + self.metaserver_args, r"^metaserver: (\S+):(\d+)$")
-        self.metaserver = f"{ms.match.group(1)}:{ms.match.group(2)}"
-        self._pin_ports(ms, "--listen", ms.match.group(2))
+        addrs = []
+        slots = ["--slots", str(self.slots)] if self.slots else []
+        for i in range(self.metaservers):  # a partitioned pool: every process joins it, slots spread as they join
+            port = self.port + i if self.port else 0
+            ms = self._spawn("metaserver" if i == 0 else f"metaserver-{i}",
+                             py + ["metaserver", "--etcd", self.etcd_url, "--listen", f"127.0.0.1:{port}"]
+                             + slots + self._metrics_flag() + self.metaserver_args, r"^metaserver: (\S+):(\d+)$")
+            addrs.append(f"{ms.match.group(1)}:{ms.match.group(2)}")
+            self._pin_ports(ms, "--listen", ms.match.group(2))
+        self.metaserver = ",".join(addrs)
         launched = []
         for i in range(self.nodes):
             name = f"node-{i}"
@@ -285,8 +299,9 @@ class LocalPool:
             signal.signal(sig, lambda *_: self._stop.set())
         while not self._stop.wait(POLL_S):
             self.check()
-            vital = [c for c in self.children if c.name in ("etcd", "metaserver")]
-            if any(c.given_up for c in vital):
+            vital = [c for c in self.children if c.name == "etcd" or c.name.startswith("metaserver")]
+            metas = [c for c in vital if c.name != "etcd"]
+            if any(c.given_up for c in vital if c.name == "etcd") or all(c.given_up for c in metas):
                 self.say("the pool cannot serve without " + ", ".join(c.name for c in vital if c.given_up)
                          + "; stopping")
                 return 1
