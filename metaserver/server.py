@@ -42,7 +42,7 @@ from metaserver.validate import Reject
 from transport import wire
 from transport.wire import Flag, Op, Status
 from umbp.admission import Admission
-from umbp.auth import ServerAuth
+from umbp.auth import ServerAuth, Tokens
 from umbp.config import MetaserverConfig, split_host_port
 from umbp.errors import NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
 from umbp.serving import FramedProtocol
@@ -229,6 +229,11 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         raise StartupError("metaserver", f"cannot listen on {config.listen}: {e.strerror or e}") from e
     bound_host, bound_port = sock.getsockname()[:2]
     addr = f"{bound_host}:{bound_port}" if ":" not in bound_host else f"[{bound_host}]:{bound_port}"
+    try:
+        Tokens.load(config.token, config.tokens_file, "metaserver")  # a bad tokens file is named before etcd is asked
+    except BaseException:
+        sock.close()
+        raise
     slots = await pool_slots(config)  # 1: today's single directory; more: this process joins a partitioned pool
     advertise = config.advertise or addr
     ms = Partition(config, advertise, slots) if slots > 1 else Metaserver(config, advertise)

@@ -26,26 +26,35 @@ object larger than R cannot be stored (slabs handed to slots on demand are the r
 
 What a slot leader does not own: node leases and arena records (the membership leader, ``MembershipServer``: nodes
 register and heartbeat there; every slot leader follows the leased ``nodes/`` records instead, ``sync_nodes``),
-and write-capability epochs: a node keeps one epoch, which S independent counters cannot order, so a partitioned
-pool issues epoch 0 and relies on the capabilities' deadline and the takeover quarantine (``quarantine.py``) to
-keep a deposed slot leader's grants from writing into reused space.
+and the unpartitioned write-capability epoch: a node's one epoch cannot order S slots' terms, so a slot leader's
+capabilities carry ``wire.SLOT_EPOCH | g`` (g: the slot's generation floor at its takeover, increasing across the
+slot's terms) and the node keeps one floor per slot, i.e. per region of its arena. In a closed pool a new slot
+leader FENCEs every node before it serves (``metaserver/fence.py``): the deposed leader's capabilities die at the
+takeover, not at their deadline; a node the fence did not reach is not placed on by this slot until one does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 
 from metaserver.allocator import Allocator
 from metaserver.directory import Directory
+from metaserver.fence import fence_nodes
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.service import Metaserver
-from transport.wire import ALIGN, ARENA_DATA_START, Status
+from transport import wire
+from transport.wire import Status
 from umbp.config import MetaserverConfig
 from umbp.errors import Unavailable
 
+log = logging.getLogger("umbp.metaserver")
+
+FENCE_RETRY_S = 1.0  # a node a fence did not reach is tried again this often (not placed on meanwhile)
 MEMBERSHIP = "m"  # the slot-like role that keeps node leases and arena records
-GEN_SHIFT = 52
+GEN_SHIFT = wire.SLOT_GEN_SHIFT
 
 
 def rank(name: str, members: list[str]) -> list[str]:
@@ -57,10 +66,7 @@ def rank(name: str, members: list[str]) -> list[str]:
     return sorted(members, key=score, reverse=True)
 
 
-def region(slot: int, slots: int, capacity: int) -> tuple[int, int]:
-    """(base, size) of slot ``slot``'s region of a node arena of ``capacity`` bytes."""
-    size = (capacity // slots) // ALIGN * ALIGN
-    return ARENA_DATA_START + slot * size, size
+region = wire.slot_region  # (base, size) of slot s's region of a node arena (the node checks capabilities by it)
 
 
 class SlotStore(EtcdStore):
@@ -142,6 +148,49 @@ class SlotServer(Metaserver):
         super()._new_state()
         first = (self.slot << GEN_SHIFT) + 1 if self.slot >= 0 else 1
         self.gens = GenCounter(self.store, first=first)
+        self.epoch = 0  # this term's write-capability epoch (wire.SLOT_EPOCH | generation floor at the takeover)
+        self.unfenced: dict[str, str] = {}  # node id -> why this term's FENCE has not reached it (not placed on)
+        self.fenced: dict[str, tuple] = {}  # node id -> (arena id, pid) this term's FENCE reached
+        self._fenced_at = 0.0
+
+    async def _elected(self, revision: int) -> None:
+        """Today's takeover, then (a page slot) this term's epoch on every node and, in a closed pool, the FENCE
+        that kills the slot's earlier capabilities on every node, before the partition starts serving the slot."""
+        await super()._elected(revision)
+        if self.slot < 0:
+            return
+        self.epoch = wire.SLOT_EPOCH | self.gens.issued_below
+        for node in self.members.nodes.values():
+            node.cap_epoch = self.epoch
+        await self.fence(list(self.members.nodes.values()))
+
+    async def fence(self, nodes: list) -> None:
+        """FENCE ``nodes`` at this term's epoch (closed pools; bounded by ``fence.FENCE_TIMEOUT_S``): a node not
+        reached is taken out of this slot's placement until a later fence reaches it (``tick`` retries)."""
+        if not self.tokens.closed or self.slot < 0 or not nodes:
+            return
+        self._fenced_at = time.monotonic()
+        failed = await fence_nodes(nodes, self.epoch, self.partition.slots, getattr(self.cfg, "tls_ca", ""))
+        for n in nodes:
+            why = failed.get(n.node_id)
+            if why:
+                if n.node_id not in self.unfenced:
+                    log.warning("metaserver: slot %s: node %s not fenced (%s): not placed on until it is",
+                                self.name, n.node_id, why)
+                self.unfenced[n.node_id] = why
+                self.dir.set_placeable(n.node_id, False)
+            else:
+                self.fenced[n.node_id] = (n.arena_id, n.pid)
+                if self.unfenced.pop(n.node_id, None) is not None and not n.draining:
+                    self.dir.set_placeable(n.node_id, True)
+
+    def tick(self, now: float) -> int:
+        if self.unfenced and self.serving and now - self._fenced_at >= FENCE_RETRY_S:
+            self._fenced_at = now
+            nodes = [n for i in self.unfenced if (n := self.members.get(i)) is not None and n.alive]
+            if nodes:
+                self._spawn(self.fence(nodes))
+        return super().tick(now)
 
     def _make_dir(self) -> Directory:
         if self.slot < 0:
@@ -161,6 +210,11 @@ class SlotServer(Metaserver):
             # No node record has reached this slot yet (it took over before the nodes registered, and the next
             # round brings them): a retry, not a full pool.
             raise Unavailable("metaserver", f"slot {self.name}: no storage node known yet", Status.UNAVAILABLE)
+        if self.unfenced and not any(sp.placeable for sp in self.dir.spaces.values()):
+            # Nodes new to this term wait for their FENCE (a round trip, retried every tick): a retry, not a full
+            # pool.
+            raise Unavailable("metaserver", f"slot {self.name}: storage nodes not fenced yet ({len(self.unfenced)})",
+                              Status.UNAVAILABLE)
         return super().alloc(meta, conn)
 
     def sync_nodes(self, live: dict[str, dict], now: float) -> None:
@@ -173,12 +227,12 @@ class SlotServer(Metaserver):
         for node_id, desc in live.items():
             node = self.members.get(node_id)
             if (node is not None and node.alive and not node.provisional and node.arena_id == desc["arena_id"]
-                    and node.capacity == desc["capacity"]):
+                    and node.capacity == desc["capacity"] and node.pid == desc.get("pid", node.pid)):
                 node.last_heartbeat = now
                 continue
             node, keep = self.members.register(desc, now)
             node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
-            node.cap_epoch = 0
+            node.cap_epoch = self.epoch
             node.lease_id = 0
             node.provisional = False
             self._check_settled()
@@ -190,6 +244,11 @@ class SlotServer(Metaserver):
                 self._apply(fx)
                 self.dir.add_space(node.node_id, node.capacity)
                 self._unpark(node)
+            if self.tokens.closed and self.fenced.get(node.node_id) != (node.arena_id, node.pid):
+                # a node new to this term, or restarted (its floors are gone): fenced before it is placed on
+                self.unfenced[node.node_id] = "not fenced yet"
+                self.dir.set_placeable(node.node_id, False)
+                self._fenced_at = 0.0
 
 
 class MembershipServer(SlotServer):

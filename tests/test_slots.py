@@ -6,6 +6,7 @@ Real etcd, metaserver and node processes; assertions on bytes, counts and slot m
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -13,12 +14,14 @@ import time
 
 import pytest
 
+from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
 from test_failover import raw
 from test_up import up  # noqa: F401  (the fixture)
 from metaserver.slots import rank, region
 from transport import wire
+from transport.tcp import FramedSocket
 from transport.wire import Op
-from umbp.errors import NotLeader, RemoteError, UmbpError
+from umbp.errors import AuthError, NotLeader, RemoteError, UmbpError
 
 SLOTS = 8
 TTL_S = 2  # --election-ttl of these tests: a dead process's slots move within this + a round
@@ -205,6 +208,101 @@ def test_sigkill_one_of_three_under_load(make_cluster):
     assert not lost, f"{len(lost)} committed pages lost, e.g. {lost[:3]}"
     assert not wrong, f"{len(wrong)} pages with wrong bytes"
     assert set(after["map"]) <= set(survivors)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# closed pools: per-slot epochs and the FENCE at a takeover
+
+WRITER = "writer-secret-0123456789"
+
+
+def authed(addr: str, op: int, meta: dict, token: str, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    s = FramedSocket(addr, f"test {addr}", deadline, token)
+    try:
+        return s.request(op, meta, deadline).meta
+    finally:
+        s.close()
+
+
+def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_cluster, tmp_path, monkeypatch):
+    """A write capability the old leader of a slot granted is refused at the node once another process took the
+    slot over (SIGKILL of the leader): the new leader FENCEd every node before serving, the node names the stale
+    epoch; a page the new leader placed in the same region reads back intact."""
+    cl = closed_cluster(make_cluster, tmp_path, monkeypatch, tokens_toml({"w": (WRITER, {"t": "rw"})}), nodes=1,
+                        metaservers=3, capacity="64MiB", metaserver_flags={"slots": SLOTS, "election_ttl": TTL_S})
+    addrs = [m.addr for m in cl.metaservers]
+
+    def leader_map(among: list[str], timeout: float) -> list:
+        expect = [rank(str(s), sorted(among))[0] for s in range(SLOTS)]
+        deadline, last = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            for a in among:
+                try:
+                    last = authed(a, Op.LEADER, {}, OPS)["map"]
+                    break
+                except (UmbpError, OSError):
+                    continue
+            if last == expect:
+                return last
+            time.sleep(0.1)
+        raise AssertionError(f"slot map did not settle on {sorted(among)}: {last}")
+
+    smap = leader_map(addrs, 30.0)
+    keys = [f"k{i}".encode() for i in range(2000)]
+    s = wire.slot_of("t", keys[0], SLOTS)
+    mine = [k for k in keys if wire.slot_of("t", k, SLOTS) == s]
+    old = smap[s]
+    size = 8000
+    deadline = time.monotonic() + 10
+    while True:  # the slot's leader learns the node from the membership records within a round
+        try:
+            ans = authed(old, Op.ALLOC, {"ns": "t", "keys": mine[:2], "sizes": [size, size]}, WRITER)
+            break
+        except UmbpError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    (state, node_id, off, plen, gen, tag, ix), second = ans["items"]
+    cap = ans["caps"][ix]
+    assert state == second[0] == wire.AllocState.NEW and plen == size and second[6] == ix
+
+    def stale_write(at: int, g: int, t: int) -> None:
+        w = FramedSocket(node, "stale writer", time.monotonic() + 5, WRITER)
+        try:
+            with pytest.raises(AuthError, match=r"slot %d at stale epoch 0x[0-9a-f]+: the slot was taken over" % s):
+                w.request(Op.WRITE, [at, g, cap], time.monotonic() + 5,
+                          data=[wire.pack_object_header(t, g, size), b"\xee" * size])
+        finally:
+            w.close()
+    assert wire.epoch_slot(int.from_bytes(cap[:8], "little")) == s  # a slot leader's epoch names its slot
+    node = next(n["addr"] for n in authed(old, Op.NODES, {}, OPS)["nodes"] if n["node_id"] == node_id)
+    victim = next(m for m in cl.metaservers if m.addr == old)
+    victim.kill(signal.SIGKILL, wait=True)
+    survivors = [a for a in addrs if a != old]
+    smap = leader_map(survivors, TTL_S + 15.0)
+    # Refused before the new term wrote anything on the node: the FENCE, not a newer capability, raised the floor.
+    stale_write(second[2], second[4], second[5])
+    # The new leader does not know the dead one's PENDING allocation: it places new pages over the same bytes.
+    pages = {k: os.urandom(size) for k in mine[2:18]}
+    with scoped_client(",".join(survivors), WRITER, "t") as c:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert c.batch_put(list(pages), list(pages.values())) == [True] * len(pages)
+                break
+            except UmbpError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        locs = authed(smap[s], Op.LOOKUP, {"ns": "t", "keys": list(pages)}, WRITER)["locs"]
+        overlapped = [k for k, loc in zip(pages, locs) if loc[1] < off + wire.object_size(size) and
+                      off < loc[1] + wire.object_size(loc[2])]
+        stale_write(off, gen, tag)
+        outs = [bytearray(size) for _ in pages]
+        assert c.batch_get_into(list(pages), outs) == [size] * len(pages)
+        assert all(bytes(o) == p for o, p in zip(outs, pages.values()))
+    print(f"\nclosed slot takeover: the dead leader's capability for {off}+{size} refused at the node "
+          f"({len(overlapped)} of the new leader's pages over those bytes), every new page intact")
+    assert overlapped, (off, locs)  # the capability aimed at bytes the new term reused
 
 
 # ----------------------------------------------------------------------------------------------------------------

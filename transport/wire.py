@@ -137,6 +137,9 @@ class Op(enum.IntEnum):
     WRITEV = 0x45  # [[off, gen, write_cap, nbytes], ...] + data: each op's nbytes (object header + payload), back
     #                to back -> failures (a failed op's bytes are discarded, the others land; write_cap b"": the
     #                previous op's)
+    FENCE = 0x46  # fence token (umbp/auth.py: epoch, slots, MAC) -> {"floor": int}: a partitioned pool's new slot
+    #               leader raises its slot's write-capability epoch floor on the node before it serves the slot
+    #               (needs no AUTH: only a holder of the node's cap_key can make one)
 
 
 class AllocState(enum.IntEnum):
@@ -506,6 +509,24 @@ def slot_of(namespace: str, key: bytes | str, slots: int) -> int:
     if type(key) is str:
         key = key.encode()
     return key_hash(namespace, key) % slots if slots > 1 else 0
+
+
+SLOT_EPOCH = 1 << 63  # set in the write-capability epoch of a partitioned pool's slot leader (see ``epoch_slot``)
+SLOT_GEN_SHIFT = 52  # slot s of a partitioned pool counts generations from (s << 52) + 1 (at most 1024 slots)
+
+
+def epoch_slot(epoch: int) -> int | None:
+    """The slot whose leader issued a write-capability ``epoch``, None for an unpartitioned pool's epoch. A slot
+    leader's epoch is ``SLOT_EPOCH | g`` with g its generations' floor at its takeover, ``(s << 52) + counter``:
+    epochs of one slot increase across its terms, and the node keeps one floor per slot."""
+    return (epoch >> SLOT_GEN_SHIFT) & 0x3FF if epoch & SLOT_EPOCH else None
+
+
+def slot_region(slot: int, slots: int, capacity: int) -> tuple[int, int]:
+    """(base, size) of slot ``slot``'s region of a node arena of ``capacity`` bytes in a pool of ``slots`` slots:
+    ``[ARENA_DATA_START + slot * R, + R)``, R = ``capacity // slots`` rounded down to ALIGN."""
+    size = (capacity // slots) // ALIGN * ALIGN
+    return ARENA_DATA_START + slot * size, size
 
 
 def pack_object_header(khash: int, generation: int, payload_len: int, checksum: int | None = None) -> bytes:

@@ -92,6 +92,8 @@ CAP_MIN = _CAP_HEAD.size + _SLOT.size + CAP_MAC  # a capability of one object
 WRITE_CAP_SIZE = CAP_MIN  # kept for callers: the size of a one-object write capability
 CAP_CACHE = 64  # verified capabilities a node keeps per connection (a batch's frames hit it; oldest dropped)
 _WRITE, _READ = b"umbp-wcap-v5", b"umbp-rcap-v5"  # blake2b personalisation: a read grant never passes as a write
+_FENCE = b"umbp-fence-v6"  # a slot leader's FENCE (never passes as a capability, nor one as it)
+_FENCE_BODY = struct.Struct("<QQ")  # epoch, slots
 CLOCK_SKEW_S = 2.0  # metaserver vs node clocks: extents freed young stay held this much past a deadline
 
 
@@ -314,6 +316,23 @@ def _check_write(grant: tuple | None, offset: int, payload_len: int, gen: int, m
         raise AuthError(component, f"expired capability to write to the object at {offset} (expired "
                                    f"{(now_ms - expires_ms) / 1000:.1f}s ago): allocate again")
     return epoch
+
+
+def fence_token(cap_key: bytes, epoch: int, slots: int) -> bytes:
+    """A partitioned pool's new slot leader's FENCE for one node: ``epoch | slots | blake2b(cap_key)[:16]``. The node
+    raises the floor of the epoch's slot (``wire.epoch_slot``) to ``epoch``, so capabilities of the slot's earlier
+    terms die at the takeover; ``slots`` lets it map capability offsets to that slot's region."""
+    body = _FENCE_BODY.pack(epoch, slots)
+    return body + hashlib.blake2b(body, digest_size=CAP_MAC, key=cap_key, person=_FENCE).digest()
+
+
+def open_fence(cap_key: bytes, token: object, component: str) -> tuple[int, int]:
+    """(epoch, slots) of a genuine FENCE token for this node; AuthError for anything else."""
+    if type(token) is not bytes or len(token) != _FENCE_BODY.size + CAP_MAC or not hmac.compare_digest(
+            token[-CAP_MAC:], hashlib.blake2b(token[:-CAP_MAC], digest_size=CAP_MAC, key=cap_key,
+                                              person=_FENCE).digest()):
+        raise AuthError(component, "FENCE: not a fence of this node's metaserver")
+    return _FENCE_BODY.unpack_from(token)
 
 
 def check_write_capability(cap_key: bytes | None, cap: object, offset: int, payload_len: int, gen: int,

@@ -42,7 +42,7 @@ from transport import wire
 from transport.shm import boot_id
 from umbp.admission import Admission
 from umbp.arena import Arena
-from umbp.auth import CapCache, ServerAuth, Tokens
+from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
 from umbp.errors import (AuthError, BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
@@ -70,6 +70,10 @@ class NodeServer:
         self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
         self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
         self.cap_epoch = 0  # write capabilities of older epochs are refused (raised by REGISTER and by newer caps)
+        # A partitioned pool: one epoch floor per slot (= per region of this arena), raised by a slot leader's FENCE
+        # and by newer capabilities of that slot; ``slots`` (from a FENCE) maps a capability's offsets to regions.
+        self.slot_floors: dict[int, int] = {}
+        self.slots = 0
         self.conns: set[DataProtocol] = set()
         self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
                                    config.preauth_connections, config.auth_timeout_s)
@@ -116,12 +120,46 @@ class NodeServer:
             return
         epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen,
                                                           self.cap_epoch, int(time.time() * 1000), self.component)
-        if epoch > self.cap_epoch:
+        slot = wire.epoch_slot(epoch)
+        if slot is not None:
+            self.check_slot_epoch(slot, epoch, offset, nbytes)
+        elif epoch > self.cap_epoch:
             self.cap_epoch = epoch  # a metaserver term or registration newer than ours: older capabilities die
         held = wire.header_generation(self.arena.view, offset)
         if held is not None and held >= gen:
             raise AuthError(self.component, f"the slot at {offset} already holds generation {held}: a write "
                                             f"capability of generation {gen} writes once (allocate again)")
+
+    def check_slot_epoch(self, slot: int, epoch: int, offset: int, nbytes: int) -> None:
+        """A partitioned pool's capability, of slot ``slot``'s leader at ``epoch``: refused when the slot has been
+        fenced (or written) at a newer epoch since (a takeover: the deposed leader's grants die), or when the
+        object is outside the slot's region of this arena (slot leaders never grant another slot's bytes); else it
+        raises the slot's floor. AuthError naming the stale epoch."""
+        floor = self.slot_floors.get(slot, 0)
+        if epoch < floor:
+            raise AuthError(self.component, f"write capability of slot {slot} at stale epoch {epoch:#x}: the slot "
+                                            f"was taken over at epoch {floor:#x} (fenced), its earlier grants are dead")
+        if self.slots:
+            base, size = wire.slot_region(slot, self.slots, self.config.capacity)
+            if offset < base or offset + nbytes > base + size:
+                raise AuthError(self.component, f"write capability of slot {slot} for {offset}+{nbytes}: outside "
+                                                f"the slot's region [{base}, {base + size})")
+        if epoch > floor:
+            self.slot_floors[slot] = epoch
+
+    def fence(self, token: Any) -> dict:
+        """FENCE from a partitioned pool's new slot leader (``auth.fence_token``): the slot's floor rises to its
+        epoch, so every capability of the slot's earlier terms is refused from now on. Answers the floor."""
+        if self.cap_key is None:
+            raise BadRequest(self.component, "FENCE: this node runs an open pool (no capabilities to fence)")
+        epoch, slots = open_fence(self.cap_key, token, self.component)
+        slot = wire.epoch_slot(epoch)
+        if slot is None or not 1 < slots <= 1024 or slot >= slots:
+            raise BadRequest(self.component, f"FENCE: epoch {epoch:#x} names no slot of a {slots}-slot pool")
+        self.slots = slots
+        floor = max(self.slot_floors.get(slot, 0), epoch)
+        self.slot_floors[slot] = floor
+        return {"floor": floor}
 
     def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None) -> tuple[list, list]:
         """Where a WRITEV's data goes, every object checked (range, capability) before a byte lands: a scatter list
@@ -277,7 +315,7 @@ class DataProtocol(FramedProtocol):
             return
         try:
             op = frame.op
-            if op not in (wire.Op.HELLO, wire.Op.AUTH, wire.Op.PING):
+            if op not in (wire.Op.HELLO, wire.Op.AUTH, wire.Op.PING, wire.Op.FENCE):  # FENCE: MAC'd by cap_key
                 self.auth.require()
             if op == wire.Op.READV:
                 self.readv(frame)
@@ -308,6 +346,8 @@ class DataProtocol(FramedProtocol):
                 self._authenticated()
             elif op == wire.Op.PING:
                 reply = {"server": "node", "version": wire.VERSION}
+            elif op == wire.Op.FENCE:
+                reply = node.fence(frame.meta)
             elif op == wire.Op.RDMA_CONNECT:
                 if node.rdma is None:
                     raise BadRequest(node.component, "RDMA_CONNECT: this node has no RDMA device")
