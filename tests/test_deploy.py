@@ -166,7 +166,7 @@ def test_every_object_in_the_namespace_and_images_pinned(docs, target):
     for d in docs:
         if d["kind"] != "Namespace":
             assert d["metadata"].get("namespace") == NAMESPACE, f"{d['kind']}/{d['metadata']['name']}"
-    for kind, name in (("Deployment", "metaserver"), ("DaemonSet", "umbp-node")):
+    for kind, name in (("StatefulSet", "metaserver"), ("DaemonSet", "umbp-node")):
         assert _container(_one(docs, kind, name))["image"] == IMAGES.get(target, IMAGE)
 
 
@@ -211,11 +211,21 @@ def test_etcd_three_members_with_compaction_and_quota(docs):
 
 # -- metaserver ------------------------------------------------------------------------------------------------
 
-def test_metaserver_leader_and_standby(docs):
-    dep = _one(docs, "Deployment", "metaserver")
-    assert dep["spec"]["replicas"] >= 2, "one leader plus at least one standby"
-    labels = dep["spec"]["template"]["metadata"]["labels"]
-    c = _container(dep)
+def _metaserver_names(sts: dict) -> list[str]:
+    """The stable address of every replica of the metaserver StatefulSet: pod name . headless Service . namespace."""
+    return [f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}.{NAMESPACE}.svc:7700"
+            for i in range(sts["spec"]["replicas"])]
+
+
+def test_metaserver_statefulset_of_a_partitioned_pool(docs):
+    """The metaservers are a StatefulSet of N (>= 3) processes of one partitioned pool behind a headless Service:
+    each advertises its stable DNS name, and the nodes are given every one of them."""
+    sts = _one(docs, "StatefulSet", "metaserver")
+    n = sts["spec"]["replicas"]
+    assert n >= 3, "a partitioned pool of at least three processes (one may die, two share its slots)"
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    c = _container(sts)
     argv = _cmdline(c)
     assert argv[:2] == ["umbp", "metaserver"], argv
     flags = _flags(argv[2:])
@@ -223,20 +233,25 @@ def test_metaserver_leader_and_standby(docs):
     etcd_host, etcd_port = flags["--etcd"].rsplit(":", 1)
     assert _one(docs, "Service", etcd_host)["spec"]["ports"][0]["port"] == int(etcd_port)
     assert flags["--listen"] == "0.0.0.0:7700"
-    assert flags["--advertise"] == "$(POD_IP):7700"
+    assert int(flags["--slots"]) > 1
+    headless = _one(docs, "Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"].get("publishNotReadyAddresses") is True
+    assert flags["--advertise"] == f"$(POD_NAME).{headless['metadata']['name']}.{NAMESPACE}.svc:7700"
+    assert _env(c)["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert flags["--metrics-listen"] == f"0.0.0.0:{METAS_METRICS}"
-    assert _env(c)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     _check_http_probes(c, METAS_METRICS, ready_on_startup=True)
 
-    svc = _one(docs, "Service", "metaserver")
-    assert _selects(svc["spec"]["selector"], labels)
-    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert _selects(headless["spec"]["selector"], labels)
+    ports = {p["name"]: p for p in headless["spec"]["ports"]}
     assert set(ports) == {"control", "metrics"}
     assert ports["control"]["port"] == 7700 and _port(c, ports["control"]["targetPort"]) == 7700
     assert _port(c, ports["metrics"]["targetPort"]) == METAS_METRICS
     pdb = _one(docs, "PodDisruptionBudget", "metaserver")
     assert _selects(pdb["spec"]["selector"]["matchLabels"], labels)
-    assert 1 <= pdb["spec"]["minAvailable"] < dep["spec"]["replicas"]
+    assert n - 1 <= pdb["spec"]["minAvailable"] < n, "one process away at a time"
+
+    node = _flags(_cmdline(_container(_one(docs, "DaemonSet", "umbp-node")))[2:])
+    assert node["--metaserver"].split(",") == _metaserver_names(sts), "the nodes must be given every process"
 
 
 # -- storage node ----------------------------------------------------------------------------------------------
@@ -269,8 +284,9 @@ def test_node_daemonset_host_shm_and_network(docs):
     env = _env(c)
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    ms_host, ms_port = flags["--metaserver"].rsplit(":", 1)
-    assert int(ms_port) == 7700 and _one(docs, "Service", ms_host.split(".")[0])
+    for addr in flags["--metaserver"].split(","):  # pod.service.namespace.svc:7700 of the metaserver StatefulSet
+        host, port = addr.rsplit(":", 1)
+        assert int(port) == 7700 and _one(docs, "Service", host.split(".")[1])
 
     from umbp.sizes import parse_size
 
@@ -305,8 +321,8 @@ def test_command_lines_and_configmap_resolve_with_the_real_config(docs):
     from umbp.cli import build_parser
     from umbp.config import MetaserverConfig, NodeConfig, resolve
 
-    sample = {"POD_IP": "10.1.2.3", "NODE_NAME": "gpu-host-07.rack1"}
-    ms = _container(_one(docs, "Deployment", "metaserver"))
+    sample = {"POD_IP": "10.1.2.3", "POD_NAME": "metaserver-1", "NODE_NAME": "gpu-host-07.rack1"}
+    ms = _container(_one(docs, "StatefulSet", "metaserver"))
     node = _container(_one(docs, "DaemonSet", "umbp-node"))
     for c in (ms, node):
         cm = _configmap_env(docs, c)
@@ -316,8 +332,8 @@ def test_command_lines_and_configmap_resolve_with_the_real_config(docs):
     cm = _configmap_env(docs, ms)
     args = build_parser().parse_args([_expand(a, sample) for a in _cmdline(ms)[1:]])
     cfg = resolve(MetaserverConfig, {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise,
-                                     "eviction_policy": args.eviction_policy}, env=cm)
-    assert cfg.advertise == "10.1.2.3:7700"
+                                     "eviction_policy": args.eviction_policy, "slots": args.slots}, env=cm)
+    assert cfg.advertise == f"metaserver-1.metaserver.{NAMESPACE}.svc:7700" and cfg.slots == 64
     assert cfg.eviction_policy == cm["UMBP_EVICTION_POLICY"]
     assert cfg.high_watermark == float(cm["UMBP_HIGH_WATERMARK"])
 
@@ -340,7 +356,7 @@ def test_dev_overlay_is_smaller_with_the_same_topology():
     from umbp.sizes import parse_size
 
     assert parse_size(cap(dev), "dev") < parse_size(cap(base), "base")
-    for kind, name in (("StatefulSet", "etcd"), ("Deployment", "metaserver")):
+    for kind, name in (("StatefulSet", "etcd"), ("StatefulSet", "metaserver")):
         assert _one(dev, kind, name)["spec"]["replicas"] == _one(base, kind, name)["spec"]["replicas"]
         b, d = (_quantity(_container(_one(x, kind, name))["resources"]["limits"]["memory"]) for x in (base, dev))
         assert d < b, f"{kind}/{name}: dev memory limit not smaller"
@@ -396,7 +412,7 @@ def test_monitoring_servicemonitors_reach_the_metrics_ports():
     docs = _docs("overlays/monitoring")
     monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
     assert {m["metadata"]["name"] for m in monitors} == {"umbp-metaserver", "umbp-node"}
-    workloads = {"umbp-metaserver": ("Deployment", "metaserver", METAS_METRICS),
+    workloads = {"umbp-metaserver": ("StatefulSet", "metaserver", METAS_METRICS),
                  "umbp-node": ("DaemonSet", "umbp-node", NODE_METRICS)}
     for m in monitors:
         assert m["apiVersion"] == "monitoring.coreos.com/v1" and m["metadata"]["namespace"] == NAMESPACE
