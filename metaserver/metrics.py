@@ -8,7 +8,9 @@ What is exported (names are a contract: deploy/grafana/umbp-dashboard.json and t
   ``umbp_pool_objects``, ``umbp_pool_pending_objects``, ``umbp_pool_leased_objects``, counters
   ``umbp_pool_hits_total``, ``umbp_pool_misses_total``, ``umbp_pool_evictions_total``, ``umbp_pool_puts_total``
   (they restart from 0 at a takeover: Prometheus' ``rate()`` treats that as a counter reset), per node
-  ``umbp_pool_node_capacity_bytes``/``_used_bytes``/``_objects``/``_alive``/``_provisional`` ``{node_id}``;
+  ``umbp_pool_node_capacity_bytes``/``_used_bytes``/``_objects``/``_alive``/``_provisional`` ``{node_id}``; a
+  partitioned pool's process (``metaserver/partition.py``) exports them summed over the slots it leads (node
+  capacity: its regions of the node), plus ``umbp_metaserver_slots_led``;
 - leadership: ``umbp_metaserver_leader`` (1 while serving), ``umbp_metaserver_leader_revision``,
   ``umbp_metaserver_directory_load_seconds`` (the last takeover's load), ``umbp_metaserver_ticks_total``;
 - requests: ``umbp_metaserver_request_seconds{op}`` (histogram) and ``umbp_metaserver_request_errors_total
@@ -32,6 +34,7 @@ from prometheus_client.registry import Collector
 
 from transport.wire import Op, Status
 from umbp.metrics import LATENCY_BUCKETS, RequestMetrics, new_registry
+from umbp.slotmap import merge_nodes
 
 
 def _op_label(op: int) -> str | None:
@@ -105,21 +108,30 @@ class _Collector(Collector):
         yield _gauge("umbp_etcd_pending_ops", "Operations queued for etcd, not yet written", w.pending())
         if not serving:
             return
-        d = ms.dir
-        yield _gauge("umbp_pool_capacity_bytes", "Arena bytes of the live nodes", d.capacity)
-        yield _gauge("umbp_pool_used_bytes", "Arena bytes held by objects (READY, PENDING and leased)", d.used)
-        yield _gauge("umbp_pool_objects", "READY objects", d.objects)
-        yield _gauge("umbp_pool_pending_objects", "Allocated, not yet committed objects", d.pending)
-        yield _gauge("umbp_pool_leased_objects", "Objects pinned by a read lease", d.pinned)
-        yield _counter("umbp_pool_hits", "Keys found by LOOKUP", d.hits)
-        yield _counter("umbp_pool_misses", "Keys not found by LOOKUP", d.misses)
-        yield _counter("umbp_pool_evictions", "Objects evicted (pressure, watermark, admin)", d.evictions)
-        yield _counter("umbp_pool_puts", "Objects committed", d.puts)
+        # A partitioned pool's process (metaserver/partition.py): the pool gauges are the sums over the slots it
+        # leads (its membership role's directory is empty), so sum() over every process is still the pool.
+        led = [ms.servers[x] for x in ms.led()] if hasattr(ms, "led") else None
+        if led is not None:
+            yield _gauge("umbp_metaserver_slots_led", "Slots of a partitioned pool this process leads", len(led))
+        dirs = [x.dir for x in led] if led is not None else [ms.dir]
+
+        def total(attr: str) -> int:
+            return sum(getattr(d, attr) for d in dirs)
+
+        yield _gauge("umbp_pool_capacity_bytes", "Arena bytes of the live nodes", total("capacity"))
+        yield _gauge("umbp_pool_used_bytes", "Arena bytes held by objects (READY, PENDING and leased)", total("used"))
+        yield _gauge("umbp_pool_objects", "READY objects", total("objects"))
+        yield _gauge("umbp_pool_pending_objects", "Allocated, not yet committed objects", total("pending"))
+        yield _gauge("umbp_pool_leased_objects", "Objects pinned by a read lease", total("pinned"))
+        yield _counter("umbp_pool_hits", "Keys found by LOOKUP", total("hits"))
+        yield _counter("umbp_pool_misses", "Keys not found by LOOKUP", total("misses"))
+        yield _counter("umbp_pool_evictions", "Objects evicted (pressure, watermark, admin)", total("evictions"))
+        yield _counter("umbp_pool_puts", "Objects committed", total("puts"))
         fams = {name: GaugeMetricFamily(f"umbp_pool_node_{name}", doc, labels=["node_id"]) for name, doc in (
             ("capacity_bytes", "A node's arena capacity"), ("used_bytes", "A node's arena bytes held by objects"),
             ("objects", "Objects on a node"), ("alive", "1 while the node heartbeats within its lease"),
             ("provisional", "1 while a node loaded at a takeover has not re-registered"))}
-        for info in ms._node_maps():
+        for info in (merge_nodes([x._node_maps() for x in led]) if led is not None else ms._node_maps()):
             nid = [info["node_id"]]
             fams["capacity_bytes"].add_metric(nid, info["capacity_bytes"])
             fams["used_bytes"].add_metric(nid, info["used_bytes"])

@@ -16,6 +16,7 @@ import pytest
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
 from test_failover import raw
+from test_metrics import scrape, value
 from test_up import up  # noqa: F401  (the fixture)
 from metaserver.slots import rank, region
 from transport import wire
@@ -401,3 +402,16 @@ def test_up_with_three_metaservers(up):
         assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
     st = u.cli_json(line, "stats")
     assert st["objects"] == 64 and sorted(m["addr"] for m in st["metaservers"]) == sorted(addrs)
+    # Metrics per process: each exports the pool gauges of the slots it leads; summed, they are the pool.
+    scraped = [scrape(m.group(1)) for m in metrics
+               if m.group(2).startswith("metaserver")]
+    assert len(scraped) == 3
+    got = sorted((int(value(x, "umbp_metaserver_slots_led")), int(value(x, "umbp_pool_objects"))) for x in scraped)
+    want = sorted((len(m["slots_led"]), m["objects"]) for m in st["metaservers"])
+    assert got == want and sum(o for _, o in got) == 64, (got, want)
+    assert sum(value(x, "umbp_pool_used_bytes") for x in scraped) == 64 * wire.object_size(6000)
+    assert sum(value(x, "umbp_pool_puts_total") for x in scraped) == 64
+    cap = sum(value(x, "umbp_pool_capacity_bytes") for x in scraped)
+    assert 2 * (64 << 20) - SLOTS * 2 * 4096 < cap <= 2 * (64 << 20)  # every slot's region of both nodes, once
+    for n in st["nodes"]:
+        assert sum(value(x, "umbp_pool_node_objects", node_id=n["node_id"]) for x in scraped) == n["objects"]
