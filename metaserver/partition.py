@@ -45,7 +45,7 @@ from transport.wire import Op, Status
 from umbp.auth import Tokens
 from umbp.config import MetaserverConfig
 from umbp.errors import NotLeader, StartupError, Unavailable, UmbpError
-from umbp.slotmap import merge_stats
+from umbp.slotmap import merge_stats, split_by_use
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -556,7 +556,24 @@ class Partition:
 
     def evict(self, meta: Any, conn):
         require_admin(conn, "EVICT")
+        if type(meta) is dict and type(meta.get("bytes")) is int and meta["bytes"] >= 0 and len(meta) == 1:
+            return self._evict_bytes(meta["bytes"], conn)
         return self._all_slots(Op.EVICT, meta, conn, ("evicted", "freed_bytes"))
+
+    async def _evict_bytes(self, want: int, conn) -> dict:
+        """EVICT {"bytes"}: the bytes split over the slots led here by their use (``split_by_use``), not asked of
+        every slot (S times too much)."""
+        led = self.led()
+        out = {"evicted": 0, "freed_bytes": 0}
+        for s, share in zip(led, split_by_use(want, [self.servers[s].dir.used for s in led])):
+            if share <= 0:
+                continue
+            res = self.servers[s].handlers[Op.EVICT]({"bytes": share}, self._slot_conn(conn, s))
+            if type(res) is not dict:
+                res = await res
+            for k in out:
+                out[k] += res.get(k, 0)
+        return out
 
     def drain(self, meta: Any, conn):
         require_admin(conn, "DRAIN")

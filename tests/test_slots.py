@@ -19,6 +19,7 @@ from test_failover import raw
 from test_metrics import scrape, value
 from test_up import up  # noqa: F401  (the fixture)
 from metaserver.slots import rank, region
+from umbp.slotmap import split_by_use
 from transport import wire
 from transport.tcp import FramedSocket
 from transport.wire import Op
@@ -373,6 +374,18 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
     assert f"{SLOTS} slots over 3 metaservers" in text
     for a in addrs:
         assert a in text
+    # EVICT --bytes: split over the processes and their slots by use, not asked of each (S times too much).
+    osize = wire.object_size(6000)
+    with cl.client() as c:
+        res = c.admin(Op.EVICT, {"bytes": 10 * osize})
+    assert res["freed_bytes"] >= 10 * osize and 10 <= res["evicted"] <= 10 + SLOTS, res
+    assert cl.cli_json("stats")["objects"] == 240 - res["evicted"]
+
+
+def test_split_by_use():
+    assert split_by_use(100, [1, 1, 2]) == [25, 25, 50]
+    assert split_by_use(10, [0, 0]) == [5, 5] and split_by_use(7, []) == []
+    assert sum(split_by_use(1001, [3, 7, 11, 0])) == 1001 and split_by_use(1001, [3, 7, 11, 0])[3] == 0
 
 
 def test_up_with_three_metaservers(up):

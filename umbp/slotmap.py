@@ -15,6 +15,22 @@ SUMMED = ("capacity_bytes", "used_bytes", "objects", "pending", "pinned", "hits"
           "etcd_pending_ops", "etcd_txns", "etcd_ops", "etcd_retries", "ticks")
 
 
+def split_by_use(total: int, uses: list[int]) -> list[int]:
+    """``total`` bytes (an EVICT's) split over parts in proportion to the bytes each uses (evenly when none uses
+    any), shares adding up to exactly ``total``, so asking every part for its share does not overshoot by the
+    number of parts: largest remainders get the leftover bytes. O(parts log parts)."""
+    n = len(uses)
+    if n == 0:
+        return []
+    weights = uses if sum(uses) > 0 else [1] * n
+    whole = sum(weights)
+    shares = [total * w // whole for w in weights]
+    left = total - sum(shares)
+    for i in sorted(range(n), key=lambda i: (total * weights[i]) % whole, reverse=True)[:left]:
+        shares[i] += 1
+    return shares
+
+
 def merge_nodes(lists: list[list[dict]]) -> list[dict]:
     """Node maps of several slots (or processes) merged by node id, in first-seen order."""
     out: dict[str, dict] = {}

@@ -31,7 +31,7 @@ from transport import wire
 from transport.wire import Op
 from umbp.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
 from umbp.metaclient import MetaClient, Ticket
-from umbp.slotmap import merge_nodes, merge_stats
+from umbp.slotmap import merge_nodes, merge_stats, split_by_use
 
 _KEYED = frozenset({Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.EXISTS, Op.PREFIX, Op.REMOVE})
 _LISTS = ("keys", "sizes", "parents", "gens")  # the per-key lists of a keyed request
@@ -299,9 +299,24 @@ class MetaRouter:
         """Ask every live process (the one answering for the slots it leads) and sum."""
         self._refresh(deadline)
         answers = []
+        metas = {addr: meta for addr in self.members}
+        if op == Op.EVICT and type(meta) is dict and type(meta.get("bytes")) is int and len(meta) == 1:
+            # The bytes split over the processes by their use (each splits its share over its slots), not asked
+            # of every process: one STATS each first.
+            uses = {}
+            for addr in list(self.members):
+                try:
+                    uses[addr] = int(self._conn(addr).call(Op.STATS, {}, deadline).get("used_bytes", 0))
+                except (TransportError, DeadlineExceeded):
+                    continue
+            metas = {a: {"bytes": b} for a, b in zip(uses, split_by_use(meta["bytes"], list(uses.values()))) if b}
+            if uses and not metas:
+                return {"evicted": 0, "freed_bytes": 0}  # nothing asked
         for addr in list(self.members):
+            if addr not in metas:
+                continue
             try:
-                answers.append(self._conn(addr).call(op, meta, deadline))
+                answers.append(self._conn(addr).call(op, metas[addr], deadline))
             except (TransportError, DeadlineExceeded):
                 continue
         if not answers:
