@@ -17,6 +17,10 @@ distinct page), so eviction decides what is reused. The figure is the prefix hit
 (full pages of each prompt), for each policy, next to the ceiling of an unbounded pool, and the ratio prefix-lru /
 lru. ``lost`` counts matched pages gone by the time of the load (the background watermark pass runs in between).
 Nothing asserts; ``--quick`` runs a smaller trace, ``--nodes 1`` shows the policy without chains split across nodes.
+
+``--metaservers N`` (> 1) replays each policy on a partitioned pool too (N metaserver processes, ``--slots`` slots:
+every slot evicts in its own region of each node, ``metaserver/slots.py``) and prints its hit rate next to one
+process's and the difference in points (issue 18: within 2 points of pool-wide LRU).
 """
 
 from __future__ import annotations
@@ -117,11 +121,12 @@ def ceiling(trace: list[Turn]) -> tuple[int, int, int]:
     return hit, asked, len(seen)
 
 
-def replay(trace: list[Turn], policy: str, args, node_capacity: int) -> dict:
+def replay(trace: list[Turn], policy: str, args, node_capacity: int, metaservers: int = 1) -> dict:
     payload = bytes(args.page_bytes)
     out = bytearray(args.page_bytes)
+    parts = {"metaservers": metaservers, "slots": args.slots} if metaservers > 1 else {}
     with LocalPool(nodes=args.nodes, capacity=node_capacity,
-                   metaserver_args=["--eviction-policy", policy]) as pool:
+                   metaserver_args=["--eviction-policy", policy], **parts) as pool:
         with umbp.Client(pool.metaserver, namespace=f"bench/eviction/p{args.page}") as c:
             hit = asked = loaded = 0
             t0 = time.perf_counter()
@@ -154,6 +159,9 @@ def main() -> int:
     p.add_argument("--capacity-frac", type=float, default=0.1, help="pool capacity / working set")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a smaller trace (about a third)")
+    p.add_argument("--metaservers", type=int, default=1, help="also replay on a partitioned pool of N processes")
+    p.add_argument("--slots", type=int, default=8, help="slots of the partitioned pool (--metaservers > 1)")
+    p.add_argument("--policies", default="lru,prefix-lru", help="comma-separated eviction policies to replay")
     args = p.parse_args()
     if args.quick:
         args.sessions, args.live = 16, 6
@@ -171,14 +179,22 @@ def main() -> int:
     print(f"working set {working:,} pages ({working * obj / 2**20:.1f} MiB); pool {cap_pages:,} pages "
           f"({args.nodes} x {node_capacity / 2**20:.1f} MiB, {cap_pages / working:.0%} of the working set)")
     print(f"ceiling (unbounded pool): hit rate {c_hit / c_asked:.1%}")
-    print(f"{'policy':<11} {'hit rate':>9} {'tokens reused':>15} {'evictions':>10} {'lost':>5} {'seconds':>8}")
+    print(f"{'policy':<11} {'pool':<14} {'hit rate':>9} {'tokens reused':>15} {'evictions':>10} {'lost':>5} "
+          f"{'seconds':>8}")
+    kinds = [1] + ([args.metaservers] if args.metaservers > 1 else [])
     res = {}
-    for policy in ("lru", "prefix-lru"):
-        r = res[policy] = replay(trace, policy, args, node_capacity)
-        print(f"{policy:<11} {r['hit'] / r['asked']:>9.1%} {r['hit'] * args.page:>15,} {r['evictions']:>10,} "
-              f"{r['hit'] - r['loaded']:>5} {r['elapsed']:>8.1f}", flush=True)
-    lru, plru = (res[k]["hit"] / res[k]["asked"] for k in ("lru", "prefix-lru"))
-    print(f"ratio prefix-lru / lru: {plru / lru:.2f}x" if lru else "ratio: lru reused nothing")
+    for policy in args.policies.split(","):
+        for n in kinds:
+            r = res[policy, n] = replay(trace, policy, args, node_capacity, n)
+            pool = "1 process" if n == 1 else f"{n} procs/{args.slots} sl"
+            print(f"{policy:<11} {pool:<14} {r['hit'] / r['asked']:>9.1%} {r['hit'] * args.page:>15,} "
+                  f"{r['evictions']:>10,} {r['hit'] - r['loaded']:>5} {r['elapsed']:>8.1f}", flush=True)
+        if args.metaservers > 1:
+            one, many = (res[policy, n]["hit"] / res[policy, n]["asked"] for n in kinds)
+            print(f"{policy}: partitioned {many:.1%} vs one process {one:.1%}: {(many - one) * 100:+.1f} points")
+    if ("lru", 1) in res and ("prefix-lru", 1) in res:
+        lru, plru = (res[k, 1]["hit"] / res[k, 1]["asked"] for k in ("lru", "prefix-lru"))
+        print(f"ratio prefix-lru / lru: {plru / lru:.2f}x" if lru else "ratio: lru reused nothing")
     return 0
 
 
