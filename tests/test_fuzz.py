@@ -444,3 +444,61 @@ def test_unframeable_headers_get_one_error_then_close(pool, data):
 def test_pool_intact_after_unframeable_input(pool):
     pool.assert_intact()
 
+
+
+# ===============================================================================================================
+# FENCE (a partitioned pool's slot-leader fence, accepted by nodes without AUTH): every malformed, forged or
+# out-of-range FENCE gets a clean refusal naming the component, and both servers keep serving.
+
+FENCE_JUNK = [None, 0, -1, "junk", [], {"epoch": 1}, b"", b"\x00" * 31, b"\x00" * 32, b"\xff" * 33, b"\x00" * 4096]
+
+
+@pytest.mark.parametrize("meta", FENCE_JUNK, ids=lambda m: type(m).__name__ + str(len(m) if hasattr(m, "__len__")
+                                                                                   else m))
+def test_fence_to_an_open_pool_is_refused(pool, meta):
+    """An open pool has no capabilities to fence: nodes answer BAD_REQUEST naming the node, the metaserver (FENCE
+    is not one of its operations) "unknown opcode"; never INTERNAL, and both answer a PING after."""
+    c = pool.cluster
+    for target in [c.metaserver, *c.nodes]:
+        f = raw_request(target.addr, Op.FENCE, meta)
+        check_answer(pool.component(target), Req(Op.FENCE, 0, 9, 0, meta, b"", 0), f)
+        if target is c.metaserver:
+            assert f.status == Status.UNKNOWN_OPCODE and "unknown opcode 0x46" in f.meta["error"], f
+        else:
+            assert f.status in (Status.BAD_REQUEST, Status.AUTH), f
+        assert target.alive, target.tail()
+        assert ping(target.addr).status == Status.OK
+
+
+def test_forged_and_out_of_range_fences_to_a_closed_node(make_cluster, tmp_path, monkeypatch):
+    """A closed pool's node: random and truncated tokens, a token MAC'd by another key or for another arena are
+    AuthError ("not a fence of this node's metaserver"); a genuine token whose epoch names no slot (no SLOT_EPOCH
+    bit, a slot past the slot count, slot counts 0, 1 and 1025) is BadRequest; each leaves the node serving, and a
+    genuine fence after all of them is accepted (its floor answered)."""
+    from closedpool import OPS, SECRET, closed_cluster, tokens_toml
+    from test_slots import authed
+    from umbp.auth import Tokens, fence_token
+
+    cl = closed_cluster(make_cluster, tmp_path, monkeypatch, tokens_toml({}), nodes=1)
+    node = cl.nodes[0]
+    comp = f"node {node.node_id}: "
+    info = authed(node.addr, Op.ARENA_INFO, {}, OPS)
+    tokens = Tokens(SECRET.encode(), {})
+    key = tokens.cap_key(info["node_id"], info["arena_id"])
+    other_arena = tokens.cap_key(info["node_id"], bytes(len(info["arena_id"])))
+    slot3 = wire.SLOT_EPOCH | (3 << wire.SLOT_GEN_SHIFT) | 7
+    forged = [os.urandom(32), os.urandom(31), fence_token(b"k" * 32, slot3, 8), fence_token(other_arena, slot3, 8),
+              fence_token(key, slot3, 8)[:-1] + b"\x00", fence_token(key, slot3, 8) + b"\x00"]
+    for tok in forged:
+        f = raw_request(node.addr, Op.FENCE, tok)
+        assert f.status == Status.AUTH and f.meta["error"].startswith(comp), f
+        assert "not a fence of this node's metaserver" in f.meta["error"], f
+    for epoch, slots in [(7, 8), (slot3, 0), (slot3, 1), (slot3, 1025), (slot3, 3),
+                         (wire.SLOT_EPOCH | (9 << wire.SLOT_GEN_SHIFT), 8)]:
+        f = raw_request(node.addr, Op.FENCE, fence_token(key, epoch, slots))
+        assert f.status == Status.BAD_REQUEST and f.meta["error"].startswith(comp), (epoch, slots, f)
+        assert "names no slot" in f.meta["error"], f
+    assert node.alive and ping(node.addr).status == Status.OK
+    f = raw_request(node.addr, Op.FENCE, fence_token(key, slot3, 8))
+    assert f.status == Status.OK and f.meta == {"floor": slot3}, f
+    assert node.alive and ping(node.addr).status == Status.OK
