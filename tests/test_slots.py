@@ -307,6 +307,36 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
     assert overlapped, (off, locs)  # the capability aimed at bytes the new term reused
 
 
+def test_slot_floors_survive_a_node_restart_with_the_same_arena(make_cluster, tmp_path, monkeypatch):
+    """A node's per-slot epoch floors are kept next to its arena: after a SIGKILL and a restart with the same node id
+    and arena, a FENCE of slot 3 at an older epoch answers the floor set before the crash (a deposed leader's
+    capabilities stay dead across the restart), slot 5 kept its own floor, and a new arena starts with none."""
+    from closedpool import SECRET
+    from umbp.auth import Tokens, fence_token
+
+    cl = closed_cluster(make_cluster, tmp_path, monkeypatch, tokens_toml({}), nodes=1)
+    node = cl.nodes[0]
+    tokens = Tokens(SECRET.encode(), {})
+
+    def fence(slot: int, counter: int) -> int:
+        info = authed(node.addr, Op.ARENA_INFO, {}, OPS)
+        key = tokens.cap_key(info["node_id"], info["arena_id"])
+        epoch = wire.SLOT_EPOCH | (slot << wire.SLOT_GEN_SHIFT) | counter
+        return authed(node.addr, Op.FENCE, fence_token(key, epoch, SLOTS), OPS)["floor"] & ((1 << 52) - 1)
+
+    assert fence(3, 900) == 900 and fence(5, 40) == 40 and fence(3, 100) == 900
+    arena = authed(node.addr, Op.ARENA_INFO, {}, OPS)["arena_id"]
+    monkeypatch.setenv("UMBP_TOKEN", SECRET)  # the node's own secret for its restarts (closed_cluster forgot it)
+    node.restart(sig=signal.SIGKILL)
+    assert authed(node.addr, Op.ARENA_INFO, {}, OPS)["arena_id"] == arena  # the same arena, reopened
+    assert fence(3, 100) == 900 and fence(5, 1) == 40 and fence(6, 2) == 2
+    for f in node.arena_files():  # a new arena (the old one and its floors gone) starts with no floors
+        f.unlink()
+    node.restart(sig=signal.SIGKILL)
+    assert authed(node.addr, Op.ARENA_INFO, {}, OPS)["arena_id"] != arena
+    assert fence(3, 100) == 100
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # joins and leaves
 

@@ -29,6 +29,7 @@ answered with UNAVAILABLE naming the cap), and a connection idle for ``idle_time
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -74,6 +75,10 @@ class NodeServer:
         # and by newer capabilities of that slot; ``slots`` (from a FENCE) maps a capability's offsets to regions.
         self.slot_floors: dict[int, int] = {}
         self.slots = 0
+        # ... kept next to the arena (``{arena}.floors``) so a node restarted with the same arena keeps them: a
+        # deposed slot leader's capabilities stay dead across the restart, not only once slot leaders re-fence it.
+        self.floors_path = "" if self.arena.remove_on_close else self.arena.path + ".floors"
+        self._load_floors()
         self.conns: set[DataProtocol] = set()
         self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
                                    config.preauth_connections, config.auth_timeout_s)
@@ -146,6 +151,7 @@ class NodeServer:
                                                 f"the slot's region [{base}, {base + size})")
         if epoch > floor:
             self.slot_floors[slot] = epoch
+            self._save_floors()
 
     def fence(self, token: Any) -> dict:
         """FENCE from a partitioned pool's new slot leader (``auth.fence_token``): the slot's floor rises to its
@@ -156,10 +162,49 @@ class NodeServer:
         slot = wire.epoch_slot(epoch)
         if slot is None or not 1 < slots <= 1024 or slot >= slots:
             raise BadRequest(self.component, f"FENCE: epoch {epoch:#x} names no slot of a {slots}-slot pool")
+        changed = slots != self.slots or epoch > self.slot_floors.get(slot, 0)
         self.slots = slots
         floor = max(self.slot_floors.get(slot, 0), epoch)
         self.slot_floors[slot] = floor
+        if changed:
+            self._save_floors()
         return {"floor": floor}
+
+    def _load_floors(self) -> None:
+        """The per-slot floors an earlier run of this node kept for this same arena (none for a new arena or an
+        unreadable file: a fresh arena holds nothing a stale capability could harm, and the slot leaders re-fence
+        a node whose pid changed)."""
+        if not self.floors_path or not self.arena.reopened:
+            return
+        try:
+            with open(self.floors_path, encoding="utf-8") as f:
+                rec = json.load(f)
+            if rec.get("arena_id") != self.arena.arena_id.hex():
+                return
+            slots, floors = int(rec["slots"]), {int(k): int(v) for k, v in rec["floors"].items()}
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            print(f"{self.component}: WARNING: ignoring unreadable slot floors {self.floors_path} ({e})",
+                  file=sys.stderr, flush=True)
+            return
+        self.slots, self.slot_floors = slots, floors
+
+    def _save_floors(self) -> None:
+        """Write the floors next to the arena (a new file renamed over the old one; raised once per slot term per
+        node, so rarely). A failure is logged: the floors in memory still hold for this run."""
+        if not self.floors_path:
+            return
+        rec = {"arena_id": self.arena.arena_id.hex(), "slots": self.slots,
+               "floors": {str(k): v for k, v in self.slot_floors.items()}}
+        tmp = self.floors_path + ".tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(rec, f)
+            os.replace(tmp, self.floors_path)
+        except OSError as e:
+            print(f"{self.component}: WARNING: cannot keep slot floors in {self.floors_path}: {e}", file=sys.stderr,
+                  flush=True)
 
     def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None) -> tuple[list, list]:
         """Where a WRITEV's data goes, every object checked (range, capability) before a byte lands: a scatter list
