@@ -21,7 +21,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is missing: pip install -e '.[
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-TARGETS = ["base", "overlays/dev", "overlays/tcp", "overlays/rdma", "overlays/monitoring"]
+TARGETS = ["base", "overlays/dev", "overlays/tcp", "overlays/rdma", "overlays/monitoring", "overlays/partitioned"]
 # Kinds from CRDs (the Prometheus operator's): no schema in kubernetes-validate; checked by hand below.
 CRD_KINDS = {"ServiceMonitor"}
 K8S_VERSION = "1.30.0"  # validated against this schema version (bundled in kubernetes-validate, offline)
@@ -217,12 +217,13 @@ def _metaserver_names(sts: dict) -> list[str]:
             for i in range(sts["spec"]["replicas"])]
 
 
-def test_metaserver_statefulset_of_a_partitioned_pool(docs):
-    """The metaservers are a StatefulSet of N (>= 3) processes of one partitioned pool behind a headless Service:
-    each advertises its stable DNS name, and the nodes are given every one of them."""
+def test_metaserver_statefulset(docs, target):
+    """The metaservers are a StatefulSet of N (>= 3) processes of one pool behind a headless Service: each advertises
+    its stable DNS name, and the nodes are given every one of them. One slot (a leader and warm standbys) unless the
+    partitioned overlay creates the pool with 64."""
     sts = _one(docs, "StatefulSet", "metaserver")
     n = sts["spec"]["replicas"]
-    assert n >= 3, "a partitioned pool of at least three processes (one may die, two share its slots)"
+    assert n >= 3, "at least three processes (one may die, two share its slots)"
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     labels = sts["spec"]["template"]["metadata"]["labels"]
     c = _container(sts)
@@ -233,7 +234,7 @@ def test_metaserver_statefulset_of_a_partitioned_pool(docs):
     etcd_host, etcd_port = flags["--etcd"].rsplit(":", 1)
     assert _one(docs, "Service", etcd_host)["spec"]["ports"][0]["port"] == int(etcd_port)
     assert flags["--listen"] == "0.0.0.0:7700"
-    assert int(flags["--slots"]) > 1
+    assert int(flags["--slots"]) == (64 if target == "overlays/partitioned" else 1)
     headless = _one(docs, "Service", sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"].get("publishNotReadyAddresses") is True
     assert flags["--advertise"] == f"$(POD_NAME).{headless['metadata']['name']}.{NAMESPACE}.svc:7700"
@@ -315,7 +316,7 @@ def test_variable_references_are_defined(docs):
             assert refs <= set(_env(c)), f"{d['metadata']['name']}/{c['name']}: undefined {refs - set(_env(c))}"
 
 
-def test_command_lines_and_configmap_resolve_with_the_real_config(docs):
+def test_command_lines_and_configmap_resolve_with_the_real_config(docs, target):
     """Expand the pods' command lines with sample downward-API values and build the components' configs exactly
     as `umbp metaserver` / `umbp node` do (flags > UMBP_* from the ConfigMap): bad values fail here."""
     from umbp.cli import build_parser
@@ -333,7 +334,8 @@ def test_command_lines_and_configmap_resolve_with_the_real_config(docs):
     args = build_parser().parse_args([_expand(a, sample) for a in _cmdline(ms)[1:]])
     cfg = resolve(MetaserverConfig, {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise,
                                      "eviction_policy": args.eviction_policy, "slots": args.slots}, env=cm)
-    assert cfg.advertise == f"metaserver-1.metaserver.{NAMESPACE}.svc:7700" and cfg.slots == 64
+    assert cfg.advertise == f"metaserver-1.metaserver.{NAMESPACE}.svc:7700"
+    assert cfg.slots == (64 if target == "overlays/partitioned" else 1)
     assert cfg.eviction_policy == cm["UMBP_EVICTION_POLICY"]
     assert cfg.high_watermark == float(cm["UMBP_HIGH_WATERMARK"])
 
