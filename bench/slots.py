@@ -6,8 +6,9 @@ first allocates and commits its own pages in batches of ``--batch`` keys for ``-
 batch, metadata only: no page bytes are written, so the figure is the directory's, not the nodes'), then looks
 random batches of its committed keys up for ``--seconds`` (LOOKUP, then RELEASE of the read lease). The figure is
 keys per second summed over the clients, counted between a common start and end; the ratio is N processes over one.
-Through the client's router a batch becomes one request per slot it touches, so with many slots and small batches
-the partitioned pool does more requests per key than one process: ``--batch`` and ``--slots`` say how many.
+Through the client's router a batch becomes one request per process it touches (the slots a process leads ride in
+one multi-slot request, ``metaserver/multislot.py``), each process then running one part per slot: ``--batch`` and
+``--slots`` say how many keys a part has.
 
 Nothing asserts; the issue's target is a ratio of at least 3.5 for 4 processes, on a machine with enough cores
 for the processes and their clients (the GPU machine's 16, not this 2-core VM).

@@ -33,6 +33,7 @@ from typing import Any
 
 import msgpack
 
+from metaserver import multislot
 from metaserver import validate as v
 from metaserver.admin import require_admin
 from metaserver.metrics import MetaserverMetrics
@@ -464,7 +465,8 @@ class Partition:
         return c
 
     def slot_of_request(self, meta: Any) -> str:
-        """The slot every key of a request belongs to; BAD_REQUEST when they span several (the client splits)."""
+        """The slot every key of a request belongs to; BAD_REQUEST when they span several (a request for several
+        slots says so with ``parts``: ``metaserver/multislot.py``)."""
         if type(meta) is not dict or type(meta.get("ns")) is not str or type(meta.get("keys")) is not list:
             return "0"  # malformed: slot 0's handler answers with the precise error
         ns, keys = meta["ns"], meta["keys"]
@@ -472,11 +474,13 @@ class Partition:
         slots = {wire.slot_of(ns, k, S) for k in keys if type(k) in (bytes, str)}
         if len(slots) > 1:
             raise v.Reject(f"keys of {len(slots)} slots in one request: a partitioned pool ({S} slots) takes one "
-                           f"slot's keys per request")
+                           f"slot's keys per request unless it names its 'parts'")
         return str(slots.pop()) if slots else "0"
 
     def _keyed(self, op: int):
         def handle(meta: Any, conn):
+            if type(meta) is dict and "parts" in meta:
+                return multislot.dispatch(self, op, meta, conn)  # several slots' keys in one request
             name = self.slot_of_request(meta)
             srv = self.servers[name]
             if not srv.serving:

@@ -131,6 +131,80 @@ def test_slot_routing_and_moved(make_cluster):
     assert raw(info["map"][s], Op.PING) == {}
 
 
+def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
+    cl = partitioned(make_cluster)
+    addrs = [m.addr for m in cl.metaservers]
+    info = wait_map(addrs, set(addrs), 30.0)
+    procs = {a for a in info["map"]}
+    assert len(procs) == 3  # every process leads some of the 8 slots
+    keys = [f"group{i}".encode() for i in range(240)]
+    with cl.client() as c:
+        r = c._meta
+        assert c.batch_put(keys, [payload(i) for i in range(240)]) == [True] * 240
+        sent = dict(r.sent)
+        outs = [bytearray(6000) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [6000] * 240
+        assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
+        # 240 keys over 8 slots led by 3 processes: one LOOKUP per process, not one per slot.
+        assert r.sent[Op.LOOKUP] - sent.get(Op.LOOKUP, 0) == 3 and r.moved == 0
+        assert c.batch_exists(keys[:50] + [b"absent"]) == [True] * 50 + [False]
+        assert c.prefix_hits(keys[:100] + [b"absent"] + keys[100:]) == 100
+        # One slot's map entry wrong, pointing at a process that leads other slots of the batch: that slot's keys
+        # ride in that process's multi-slot request, are answered NOT_LEADER for that part only and resent to
+        # the slot's leader; the other parts are answered in the same request.
+        s = wire.slot_of("default", keys[0], SLOTS)
+        wrong = next(a for a in addrs if a != info["map"][s])
+        r.map[s] = wrong
+        groups = len(set(r.map))  # 3, or 2 when the slot's leader leads no other slot
+        assert {wire.slot_of("default", k, SLOTS) for k in keys} == set(range(SLOTS))
+        n_slot = sum(1 for k in keys if wire.slot_of("default", k, SLOTS) == s)
+        sent = dict(r.sent)
+        outs = [bytearray(6000) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [6000] * 240
+        assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
+        assert r.moved == 1 and r.map == info["map"]  # learned from the one part's MOVED
+        assert r.sent[Op.LOOKUP] - sent.get(Op.LOOKUP, 0) == groups + 1  # one per process, then the moved part
+        assert 0 < n_slot < 240
+        # Puts too: ALLOC and COMMIT one per process, bytes exact through a fresh read.
+        more = [f"group-more{i}".encode() for i in range(120)]
+        sent = dict(r.sent)
+        assert c.batch_put(more, [payload(i + 7) for i in range(120)]) == [True] * 120
+        assert r.sent[Op.ALLOC] - sent.get(Op.ALLOC, 0) == 3 and r.sent[Op.COMMIT] - sent.get(Op.COMMIT, 0) == 3
+        assert all(c.get(k) == payload(i + 7) for i, k in enumerate(more))
+        assert c.batch_remove(more[:30]) == [True] * 30 and c.batch_exists(more[:31]) == [False] * 30 + [True]
+
+
+def test_multi_slot_request_on_the_wire(make_cluster):
+    cl = partitioned(make_cluster)
+    addrs = [m.addr for m in cl.metaservers]
+    info = wait_map(addrs, set(addrs), 30.0)
+    keys = [f"wire{i}".encode() for i in range(200)]
+    with cl.client() as c:
+        assert c.batch_put(keys, [payload(i, 100) for i in range(200)]) == [True] * 200
+    by: dict[int, list[bytes]] = {}
+    for k in keys:
+        by.setdefault(wire.slot_of("default", k, SLOTS), []).append(k)
+    a = info["map"][0]
+    mine = [s for s in sorted(by) if info["map"][s] == a]
+    other = next(s for s in sorted(by) if info["map"][s] != a)
+    parts = [[s, len(by[s])] for s in mine] + [[other, len(by[other])]]
+    flat = [k for s, _ in parts for k in by[s]] + [b"absent-" + by[mine[0]][0]]
+    # A key that is not of its part's slot is refused, naming it; the parts must add up to the keys.
+    with pytest.raises(RemoteError) as e:
+        raw(a, Op.EXISTS, {"ns": "default", "keys": flat, "parts": parts + [[SLOTS - 1, 0]]})
+    assert e.value.code == wire.Status.BAD_REQUEST and "'parts': bad entry" in str(e.value)
+    with pytest.raises(RemoteError) as e:
+        raw(a, Op.EXISTS, {"ns": "default", "keys": flat[:-1], "parts": [[other, len(flat) - 1]]})
+    assert e.value.code == wire.Status.BAD_REQUEST and "is not of slot" in str(e.value)
+    # The other process's slot fails alone, NOT_LEADER naming its leader; the others are answered in key order.
+    res = raw(a, Op.EXISTS, {"ns": "default", "keys": flat[:-1], "parts": parts})
+    assert len(res["parts"]) == len(parts) and res["parts"][-1] is None
+    assert [x for ans in res["parts"][:-1] for x in ans["exists"]] == [True] * sum(len(by[s]) for s in mine)
+    assert len(res["failed"]) == 1 and res["failed"][0][0] == len(parts) - 1
+    assert res["failed"][0][1] == wire.Status.NOT_LEADER and res["failed"][0][3] == info["map"][other]
+    assert raw(a, Op.PING) == {}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # failover
 

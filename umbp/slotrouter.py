@@ -7,13 +7,16 @@ pool) makes this a plain ``MetaClient`` for good (one extra round trip per clien
 Otherwise it keeps the slot map (slot -> leader address) and the live processes, and one ``MetaClient`` per
 process address that does not follow NOT_LEADER by itself (``follow=False``).
 
-A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``wire.slot_of``: one request per
-slot, all in flight at once (submitted on each process's pipelined connection, then collected), answers merged
-back into key order. Capabilities are concatenated and each item's ``cap_index`` shifted; the read leases of the
-slots of one LOOKUP become one handle that RELEASE expands; PREFIX becomes EXISTS per slot and the leading run is
-counted here. A slot's part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent there; a part whose
-process cannot be reached re-reads the map from any process (LEADER) and is resent, with a backoff, until the
-call's deadline: a dead process's slots move within its lease TTL and the client follows without a restart.
+A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``wire.slot_of`` and the slots'
+parts are grouped by the process the map names as each slot's leader: one request per process, all in flight at
+once (submitted on each process's pipelined connection, then collected): a single-slot request when the process
+gets one slot's keys, a multi-slot one (``parts``: ``metaserver/multislot.py``, answered per part) otherwise. The
+parts' answers are merged back into key order. Capabilities are concatenated and each item's ``cap_index``
+shifted; the read leases of the slots of one LOOKUP become one handle that RELEASE expands; PREFIX becomes EXISTS
+per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent
+there, only that part's keys; a part whose process cannot be reached re-reads the map from any process (LEADER) and
+is resent, with a backoff, until the call's deadline: a dead process's slots move within its lease TTL and the
+client follows without a restart.
 Admin requests (STATS, NODES, LIST, EVICT, DRAIN) go to every live process and are summed (``slotmap``).
 
 Thread-safe: one lock serialises the router (a client makes one metaserver call per batch).
@@ -28,8 +31,8 @@ from collections import OrderedDict
 from typing import Any
 
 from transport import wire
-from transport.wire import Op
-from umbp.errors import DeadlineExceeded, NotLeader, TransportError, Unavailable
+from transport.wire import Op, Status
+from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, RemoteError, TransportError, Unavailable
 from umbp.metaclient import MetaClient, Ticket
 from umbp.slotmap import merge_nodes, merge_stats, split_by_use
 
@@ -41,21 +44,32 @@ _PART_TRIES = 200  # per slot part; the deadline ends it first in practice
 
 
 class _Part:
-    __slots__ = ("slot", "idx", "meta", "ticket", "addr")
+    __slots__ = ("slot", "idx", "meta", "addr", "answer")
 
     def __init__(self, slot: int, idx: list[int], meta: dict):
         self.slot, self.idx, self.meta = slot, idx, meta
-        self.ticket: Ticket | None = None
         self.addr: str | None = None
+        self.answer: Any = None
+
+
+class _Group:
+    """The parts of one request sent to one process (one part: a single-slot request; more: ``parts``)."""
+
+    __slots__ = ("addr", "parts", "ticket")
+
+    def __init__(self, addr: str, parts: list[_Part], ticket: Ticket):
+        self.addr, self.parts, self.ticket = addr, parts, ticket
 
 
 class SlotTicket:
     """A routed request in flight (``MetaRouter.submit``)."""
 
-    __slots__ = ("op", "meta", "parts", "n", "plain")
+    __slots__ = ("op", "meta", "parts", "n", "plain", "groups", "unrouted")
 
     def __init__(self, op: int, meta: Any, parts: list[_Part], n: int, plain: Ticket | None = None):
         self.op, self.meta, self.parts, self.n, self.plain = op, meta, parts, n, plain
+        self.groups: list[_Group] = []
+        self.unrouted: list[_Part] = []  # parts whose slot has no known leader yet
 
 
 class MetaRouter:
@@ -131,10 +145,7 @@ class MetaRouter:
             for t in tickets:
                 if t.plain is not None:
                     self.seed.forget([t.plain])
-                for p in t.parts:
-                    if p.ticket is not None and p.addr in self._conns:
-                        self._conns[p.addr].forget([p.ticket])
-                    p.ticket = None
+                self._forget(t)
 
     def send_noreply(self, op: int, meta: Any, deadline: float) -> None:
         with self._lock:
@@ -203,54 +214,130 @@ class MetaRouter:
         if type(meta) is not dict or type(meta.get("keys")) is not list or type(meta.get("ns")) is not str:
             return SlotTicket(op, meta, [], 0, plain=self.seed.submit(op, meta, deadline))
         parts = self._split(op, meta)
-        sub = Op.EXISTS if op == Op.PREFIX else op
+        t = SlotTicket(op, meta, parts, len(meta["keys"]))
+        self._send(Op.EXISTS if op == Op.PREFIX else op, t, parts, deadline)
+        return t
+
+    def _send(self, op: int, t: SlotTicket, parts: list[_Part], deadline: float) -> None:
+        """Submit ``parts`` grouped by the process the map names for each slot: one request per process (a
+        single-slot request when it gets one part, a multi-slot one with ``parts`` otherwise)."""
+        by: dict[str, list[_Part]] = {}
+        t.groups, t.unrouted = [], []
         for p in parts:
             addr = self.map[p.slot] if p.slot < len(self.map) else None
-            if addr is not None:
-                p.addr = addr
-                p.ticket = self._conn(addr).submit(sub, p.meta, deadline)
-        return SlotTicket(op, meta, parts, len(meta["keys"]))
+            if addr is None:
+                t.unrouted.append(p)
+                continue
+            p.addr = addr
+            by.setdefault(addr, []).append(p)
+        for addr, ps in by.items():
+            meta = ps[0].meta if len(ps) == 1 else self._combine(ps)
+            t.groups.append(_Group(addr, ps, self._conn(addr).submit(op, meta, deadline)))
+
+    @staticmethod
+    def _combine(ps: list[_Part]) -> dict:
+        """One multi-slot request of several parts (``metaserver/multislot.py``): the per-key lists concatenated
+        part after part, ``parts`` saying each one's slot and key count."""
+        first = ps[0].meta
+        out = {k: x for k, x in first.items() if k not in _LISTS or type(x) is not list}
+        for k in _LISTS:
+            if type(first.get(k)) is list:
+                out[k] = [x for p in ps for x in p.meta[k]]
+        out["parts"] = [[p.slot, len(p.idx)] for p in ps]
+        return out
+
+    def _forget(self, t: SlotTicket) -> None:
+        for g in t.groups:
+            if g.ticket is not None and g.addr in self._conns:
+                self._conns[g.addr].forget([g.ticket])
+            g.ticket = None
+
+    def _moved_to(self, slot: int, leader: str | None) -> bool:
+        """A NOT_LEADER for ``slot`` (MOVED): remember its leader; False when it names none (re-read the map)."""
+        self.moved += 1
+        if not leader:
+            return False
+        self.map[slot] = leader
+        if leader not in self.members:
+            self.members.append(leader)
+        return True
 
     def _finish(self, t: SlotTicket, deadline: float) -> Any:
-        sub = Op.EXISTS if t.op == Op.PREFIX else t.op
-        answers = []
-        for p in t.parts:
-            answers.append(self._part(sub, p, deadline))
-        return self._merge(t.op, t, answers)
+        """Collect every group's answer; parts answered NOT_LEADER are resent to the leader named (only those
+        keys), parts whose process cannot be reached re-read the map and are resent after a backoff, until
+        ``deadline``. Then merge in key order."""
+        op = Op.EXISTS if t.op == Op.PREFIX else t.op
+        try:
+            for attempt in range(_PART_TRIES):
+                retry = list(t.unrouted)
+                refresh = pause = bool(t.unrouted)
+                for g in t.groups:
+                    conn = self._conn(g.addr)
+                    ticket, g.ticket = g.ticket, None
+                    try:
+                        res = conn.result(ticket, deadline)
+                    except NotLeader as e:
+                        if not (len(g.parts) == 1 and self._moved_to(g.parts[0].slot, e.leader)):
+                            refresh = True
+                        retry.extend(g.parts)
+                        continue
+                    except (TransportError, DeadlineExceeded, Unavailable) as e:
+                        if time.monotonic() >= deadline:
+                            raise
+                        if not isinstance(e, Unavailable):
+                            conn.close()
+                        refresh = pause = True
+                        retry.extend(g.parts)
+                        continue
+                    if len(g.parts) == 1:
+                        g.parts[0].answer = res
+                        continue
+                    answers, failed = self._parts_of(res, len(g.parts), g.addr)
+                    for i, p in enumerate(g.parts):
+                        e = failed.get(i)
+                        if e is None:
+                            p.answer = answers[i]
+                            continue
+                        if isinstance(e, NotLeader):
+                            refresh = not self._moved_to(p.slot, e.leader) or refresh
+                        elif isinstance(e, Unavailable):
+                            refresh = pause = True
+                        else:
+                            raise e
+                        retry.append(p)
+                if not retry:
+                    return self._merge(t.op, t, [p.answer for p in t.parts])
+                if refresh:
+                    self._refresh(deadline)
+                if pause:
+                    wait = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
+                    if time.monotonic() + wait >= deadline:
+                        raise DeadlineExceeded(self.component, f"slot {retry[0].slot}: no leader answered before the "
+                                                               f"deadline (map says {self.map[retry[0].slot]})")
+                    time.sleep(wait)
+                self._send(op, t, retry, deadline)
+            raise DeadlineExceeded(self.component, f"{len(retry)} slot parts: gave up after {_PART_TRIES} tries")
+        except BaseException:
+            self._forget(t)
+            raise
 
-    def _part(self, op: int, p: _Part, deadline: float) -> Any:
-        """One slot's answer: its submitted ticket's, else a call to the slot's leader; follows NOT_LEADER and
-        re-reads the map when the leader cannot be reached, until ``deadline``."""
-        for attempt in range(_PART_TRIES):
-            try:
-                if p.ticket is not None:
-                    t, p.ticket = p.ticket, None
-                    return self._conn(p.addr).result(t, deadline)
-                addr = self.map[p.slot]
-                if addr is None:
-                    raise Unavailable(self.component, f"slot {p.slot} has no leader yet")
-                p.addr = addr
-                return self._conn(addr).call(op, p.meta, deadline)
-            except NotLeader as e:
-                self.moved += 1
-                if e.leader:
-                    self.map[p.slot] = e.leader
-                    if e.leader not in self.members:
-                        self.members.append(e.leader)
-                    continue
-                self._refresh(deadline)
-            except (TransportError, DeadlineExceeded, Unavailable) as e:
-                if time.monotonic() >= deadline:
-                    raise
-                if p.addr and not isinstance(e, Unavailable):
-                    self._conn(p.addr).close()
-                self._refresh(deadline)
-            pause = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
-            if time.monotonic() + pause >= deadline:
-                raise DeadlineExceeded(self.component, f"slot {p.slot}: no leader answered before the deadline "
-                                                       f"(map says {self.map[p.slot]})")
-            time.sleep(pause)
-        raise DeadlineExceeded(self.component, f"slot {p.slot}: gave up after {_PART_TRIES} tries")
+    def _parts_of(self, res: Any, n: int, addr: str) -> tuple[list, dict[int, RemoteError]]:
+        """The per-part answers and failures of a multi-slot answer (``metaserver/multislot.py``)."""
+        answers = res.get("parts") if type(res) is dict else None
+        failed = res.get("failed") if type(res) is dict else None
+        if type(answers) is not list or len(answers) != n or type(failed) is not list:
+            raise ProtocolError(self.component, f"metaserver {addr}: malformed multi-slot answer")
+        out: dict[int, RemoteError] = {}
+        for f in failed:
+            if (type(f) is not list or len(f) != 4 or type(f[0]) is not int or not 0 <= f[0] < n
+                    or type(f[1]) is not int):
+                raise ProtocolError(self.component, f"metaserver {addr}: malformed failure in a multi-slot answer")
+            i, status, message, leader = f
+            if status == Status.NOT_LEADER:
+                out[i] = NotLeader(self.component, str(message), status, leader=leader if type(leader) is str else None)
+            else:
+                out[i] = wire.error_for_status(status, str(message), self.component)
+        return answers, out
 
     def _merge(self, op: int, t: SlotTicket, answers: list) -> Any:
         n = t.n
