@@ -45,7 +45,7 @@ from transport import wire
 from transport.wire import Op, Status
 from umbp.auth import Tokens
 from umbp.config import MetaserverConfig
-from umbp.errors import NotLeader, StartupError, Unavailable, UmbpError
+from umbp.errors import NotLeader, StartupError, UmbpError
 from umbp.slotmap import merge_stats, split_by_use
 
 log = logging.getLogger("umbp.metaserver")
@@ -548,9 +548,13 @@ class Partition:
         limit = meta.get("limit", 1000) if type(meta) is dict and type(meta.get("limit")) is int else 1000
         return {"objects": objects[:limit], "truncated": truncated or len(objects) > limit}
 
-    async def _all_slots(self, op: int, meta: Any, conn, keys: tuple[str, ...]) -> dict:
+    def _all_slots(self, op: int, meta: Any, conn, keys: tuple[str, ...]):
+        return self._sum_over(op, [(s, meta) for s in self.led()], conn, keys)
+
+    async def _sum_over(self, op: int, asks: list, conn, keys: tuple[str, ...]) -> dict:
+        """Ask each (slot, meta) of ``asks`` with ``op`` in turn; the answers' ``keys`` summed."""
         out = {k: 0 for k in keys}
-        for s in self.led():
+        for s, meta in asks:
             res = self.servers[s].handlers[op](meta, self._slot_conn(conn, s))
             if type(res) is not dict:
                 res = await res
@@ -564,20 +568,13 @@ class Partition:
             return self._evict_bytes(meta["bytes"], conn)
         return self._all_slots(Op.EVICT, meta, conn, ("evicted", "freed_bytes"))
 
-    async def _evict_bytes(self, want: int, conn) -> dict:
+    def _evict_bytes(self, want: int, conn):
         """EVICT {"bytes"}: the bytes split over the slots led here by their use (``split_by_use``), not asked of
         every slot (S times too much)."""
         led = self.led()
-        out = {"evicted": 0, "freed_bytes": 0}
-        for s, share in zip(led, split_by_use(want, [self.servers[s].dir.used for s in led])):
-            if share <= 0:
-                continue
-            res = self.servers[s].handlers[Op.EVICT]({"bytes": share}, self._slot_conn(conn, s))
-            if type(res) is not dict:
-                res = await res
-            for k in out:
-                out[k] += res.get(k, 0)
-        return out
+        shares = split_by_use(want, [self.servers[s].dir.used for s in led])
+        return self._sum_over(Op.EVICT, [(s, {"bytes": share}) for s, share in zip(led, shares) if share > 0], conn,
+                              ("evicted", "freed_bytes"))
 
     def drain(self, meta: Any, conn):
         require_admin(conn, "DRAIN")

@@ -5,7 +5,7 @@ Layout under ``prefix`` (``MetaserverConfig.etcd_prefix``)::
     {prefix}/nodes/{node_id}        msgpack(node record incl. lease_id), attached to the node's lease
     {prefix}/arenas/{node_id}       msgpack(the same record), durable: which arena the node's pages live in
     {prefix}/pages/{ns}/{hex key}   msgpack([node_id, offset, payload_len, gen, parent]); READY pages only; the key
-                                    in its digest form (``umbp.keys.digest_key``: 64 hex characters for a digest)
+                                    in its digest form (``wire.digest_key``: 64 hex characters for a digest)
     {prefix}/gen                    decimal: every generation below it may have been handed out
     {prefix}/leader                 the leader's advertise address, attached to its election lease
 
@@ -44,10 +44,9 @@ import aetcd.exceptions
 import aetcd.rpc
 import msgpack
 
-from transport.wire import Status
+from transport.wire import Status, digest_key
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, Unavailable
-from umbp.keys import digest_key
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -326,7 +325,7 @@ class EtcdStore:
     def page_record(self, kv) -> tuple:
         """(mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key) of a page kv; node_id None
         when the record cannot be read (the leader deletes it). A record named by a digest key's hex text instead of
-        its raw form (written before keys had one form, ``umbp.keys.digest_key``) counts as unreadable: a cache
+        its raw form (written before keys had one form, ``wire.digest_key``) counts as unreadable: a cache
         page lost once at that upgrade, never two records for one page."""
         try:
             ns_b, _, hexkey = kv.key[len(self._pages):].rpartition(b"/")
