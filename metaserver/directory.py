@@ -35,6 +35,10 @@ Costs: exists/prefix O(keys) with one dict probe per key and no allocation per k
 alloc on a full node adds O(victims) evictions; per key, placement scans the nodes' free space and next victims
 cached for the request (O(nodes) at C speed, no sort). Sweeps (pending expiry, read leases, eviction) take a budget
 and do at most that much work per call.
+
+Where the rest of ``Directory`` lives (mixins, one responsibility each): node spaces, their loss, drains and loads in
+``metaserver/spaces.py``; prefix links and orphans in ``metaserver/links.py``; eviction passes and budgeted expiry in
+``metaserver/passes.py``; the invariant check in ``metaserver/invariants.py``.
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ from metaserver.entry import (GONE, PENDING, READY, STATE_NAMES, Effects, Entrie
                               SpaceEntries)
 from metaserver.eviction import Policy, make_policy
 from metaserver.invariants import DirectoryInvariants
+from metaserver.links import PrefixLinks
 from metaserver.passes import EvictionPasses
 from metaserver.placement import PLACE_EVICT_BUDGET, Placer
 from metaserver.quarantine import Quarantine
+from metaserver.spaces import NodeSpaces
 from transport import wire
 from transport.wire import object_size
 
@@ -71,7 +77,7 @@ _access = attrgetter("last_access")
 _intern = sys.intern
 
 
-class Directory(EvictionPasses, DirectoryInvariants):
+class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
                  quotas: dict[str, int] | None = None):
         self.pending_ttl_s = pending_ttl_s
@@ -149,176 +155,6 @@ class Directory(EvictionPasses, DirectoryInvariants):
             v = self._sizes[n] = n
             self._osizes[n] = object_size(n)
         return v
-
-    # -- nodes -------------------------------------------------------------------------------------------------
-    def add_space(self, node_id: str, capacity: int) -> NodeSpace:
-        """Give a (re)registered node a fresh, empty arena space. The node must not have one (drop it first)."""
-        assert node_id not in self.spaces, node_id
-        sp = self.spaces[node_id] = NodeSpace(node_id, capacity, self)
-        return sp
-
-    def drop_space(self, node_id: str) -> tuple[int, Effects]:
-        """Forget a node's arena (node died or came back with another arena) in one step: every entry on it goes,
-        pinned or not (the bytes are gone or belong to another arena; readers detect that by the object header).
-        O(its entries); the metaserver's tick uses ``detach_space`` and ``drop_slice`` instead."""
-        n, fx = self.detach_space(node_id)
-        n += self.drop_slice(node_id, 1 << 62, fx)[0]
-        return n, fx
-
-    def detach_space(self, node_id: str, park: bool = False) -> tuple[int, Effects]:
-        """First step of dropping a node's arena in slices: nothing is placed there any more, totals leave it out,
-        LOOKUP misses its pages and its PENDING entries go now (O(all PENDING)); its READY entries stay in the maps
-        until ``drop_slice`` takes them (EXISTS and PREFIX may still count them until then). ``park``: keep each
-        dropped READY page's record (``drop_slice`` returns them) instead of deleting it from etcd. A drop of
-        the same node still under way is finished first. Returns (entries dropped, effects)."""
-        fx = Effects()
-        n = 0
-        if node_id in self.dying:
-            n = self.drop_slice(node_id, 1 << 62, fx)[0]
-        sp = self.spaces.pop(node_id, None)
-        if sp is None:
-            return n, fx
-        sp.dead = True
-        sp.placeable = False
-        self.dying[node_id] = (sp, [] if park else None)
-        pend = [e for e in self._pending if e.space is sp]
-        for e in pend:
-            self._unlink(e, fx)
-            sp.n -= 1
-        return n + len(pend), fx
-
-    def drop_slice(self, node_id: str, budget: int, fx: Effects) -> tuple[int, list | None]:
-        """Drop at most ``budget`` READY entries of a detached node (policy order; its pinned entries, few, in the
-        last slice). Returns (dropped, None while entries remain | the parked records once done: a list, empty
-        without ``park``). O(budget), plus O(leases) in the last slice."""
-        d = self.dying.get(node_id)
-        if d is None:
-            return 0, []
-        sp, _recs = d
-        n = 0
-        for e in self.policy.victims(node_id):
-            if n >= budget:
-                return n, None
-            self._drop_dying(e, fx)
-            n += 1
-        if sp.n:
-            pinned = {id(e): e for es in self.leases.values() for e in es if e.space is sp and e.state == READY}
-            for e in pinned.values():
-                self._drop_dying(e, fx)
-                n += 1
-        assert sp.n == 0, (node_id, sp.n)
-        self.policy.drop_node(node_id)
-        del self.dying[node_id]
-        return n, _recs if _recs is not None else []
-
-    def _drop_dying(self, e: Entry, fx: Effects) -> None:
-        """Take a READY entry of a detached node out of the directory: its record is parked (kept in etcd for the
-        node's return) when the drop parks, else deleted."""
-        recs = self.dying[e.space.node_id][1]
-        if recs is not None:
-            recs.append((e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, e.last_access))
-            self._unlink(e, Effects())
-        else:
-            self._unlink(e, fx)
-        e.space.n -= 1
-
-    def set_placeable(self, node_id: str, placeable: bool) -> None:
-        sp = self.spaces.get(node_id)
-        if sp is not None:
-            sp.placeable = placeable
-
-    def drain(self, node_id: str) -> tuple[int, int, Effects]:
-        """Stop placing on ``node_id`` and drop its unpinned READY objects. Returns (dropped, pinned, effects);
-        PENDING objects stay until committed (then dropped by a later drain) or expired."""
-        fx = Effects()
-        sp = self.spaces.get(node_id)
-        if sp is None:
-            return 0, 0, fx
-        sp.placeable = False
-        dropped = pinned = 0
-        for e in sp.entries.snapshot():
-            if e.state != READY:
-                continue
-            if e.pins:
-                pinned += 1
-            else:
-                self._drop(e, fx)
-                dropped += 1
-        return dropped, pinned, fx
-
-    def load_pages(self, node_id: str, pages: list[tuple[str, bytes, int, int, int, bytes | None]]) -> Effects:
-        """Rebuild a node's entries from persisted records [(ns, key, offset, payload_len, gen, parent)], given in
-        recency order (oldest first). Overlapping or out-of-range records, and keys already present, are dropped
-        (returned as deletes). The node's space must exist and be empty. O(records log records)."""
-        sp = self.spaces[node_id]
-        fx = Effects()
-        ready, pend = self.ready, self.pending_keys
-        osize: dict[int, int] = {}  # payload_len -> object size (the pages of a namespace share one)
-        keep: list[tuple] = []
-        extents: list[tuple[int, int]] = []
-        for rec in pages:
-            ns, key, plen = rec[0], rec[1], rec[3]
-            r = ready.get(ns)
-            if (r is not None and key in r) or (pend and key in pend.get(ns, ())):
-                fx.deletes.append((ns, key))
-                continue
-            sz = osize.get(plen)
-            if sz is None:
-                sz = osize[plen] = object_size(plen)
-            keep.append(rec)
-            extents.append((rec[2], sz))
-        skip = set(sp.alloc.rebuild(extents))
-        loaded: list[Entry] = []
-        plens: dict[int, int] = {}  # payload_len -> its interned int
-        r = None
-        last_ns = None
-        for i, (ns, key, off, plen, gen, parent) in enumerate(keep):
-            if skip and i in skip:
-                fx.deletes.append((ns, key))
-                continue
-            if ns != last_ns:
-                last_ns = _intern(ns)
-                r = ready.get(last_ns)
-                if r is None:
-                    r = ready[last_ns] = {}
-            if key in r:  # the same key twice in these records: the later one is dropped
-                fx.deletes.append((ns, key))
-                sp.alloc.free(off, osize[plen])
-                continue
-            pl = plens.get(plen)
-            if pl is None:
-                pl = plens[plen] = self._plen(plen)
-            e = Entry(last_ns, key, sp, off, pl, gen, READY, parent, 0.0)
-            r[key] = e
-            self._count(last_ns, osize[plen])
-            loaded.append(e)
-        sp.n += len(loaded)
-        link = self._link_ready
-        for e in loaded:
-            link(e)
-        add = self.policy.add
-        for e in loaded:
-            add(e)
-        return fx
-
-    def put_ready(self, node_id: str, ns: str, key: bytes, offset: int, payload_len: int, gen: int,
-                  parent: bytes | None) -> Entry | None:
-        """Add one persisted page at its exact extent, as ``load_pages`` adds each record, at the recent end of its
-        node's order (a warm standby replaying a commit). None, changing nothing, when the node has no space, the
-        key is present or the extent is not free. O(1) (``Allocator.reserve``)."""
-        sp = self.spaces.get(node_id)
-        if sp is None or key in self.entries.get(ns, ()):
-            return None
-        if payload_len < 0 or not sp.alloc.reserve(offset, object_size(payload_len)):
-            return None
-        ns = _intern(ns)
-        e = Entry(ns, key, sp, offset, self._plen(payload_len), gen, READY, parent, 0.0)
-        self.ready.setdefault(ns, {})[key] = e
-        self._count(ns, object_size(payload_len))
-        sp.n += 1
-        self._link_ready(e)
-        self.policy.add(e)
-        return e
 
     # -- data plane --------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], parents: list | None, gen_base: int,
@@ -606,89 +442,6 @@ class Directory(EvictionPasses, DirectoryInvariants):
         return out, False
 
     # -- internals ---------------------------------------------------------------------------------------------
-    def _link_ready(self, e: Entry) -> None:
-        """``e`` just became READY (and is in ``ready``): link it to its parent if that is READY, else file it as an
-        orphan; then adopt the orphans that name it."""
-        up = e.up
-        if up is not None:
-            if type(up) is bytes:
-                r = self.ready.get(e.ns)
-                p = r.get(up) if r is not None else None
-            else:
-                p = up
-            if p is not None and p is not e and p.state == READY:
-                self._link(e, p)
-            else:
-                if type(up) is not bytes:
-                    e.up = up.key
-                self._add_orphan(e)
-        o = self.orphans.get(e.ns)
-        if o:
-            waiting = o.pop(e.key, None)
-            if waiting is not None:
-                if not o:
-                    del self.orphans[e.ns]
-                for c in (waiting if type(waiting) is set else (waiting,)):
-                    if c is e:  # names itself: stays an orphan
-                        self._add_orphan(e)
-                    else:
-                        self._link(c, e)
-                        self.policy.children_changed(c)  # no longer an orphan
-
-    def _link(self, child: Entry, parent: Entry) -> None:
-        child.up = parent
-        k = parent.kids
-        if k is None:
-            parent.kids = child
-            if parent.pins == 0:
-                self.policy.children_changed(parent)
-        elif type(k) is set:
-            k.add(child)
-        else:
-            parent.kids = {k, child}
-
-    def _drop_kid(self, parent: Entry, child: Entry) -> None:
-        k = parent.kids
-        if k is child:
-            parent.kids = None
-        elif type(k) is set:
-            k.discard(child)
-            if len(k) == 1:
-                parent.kids = next(iter(k))
-            return
-        else:
-            return
-        if parent.state == READY and parent.pins == 0:
-            self.policy.children_changed(parent)
-
-    def _add_orphan(self, c: Entry) -> None:
-        o = self.orphans.get(c.ns)
-        if o is None:
-            o = self.orphans[c.ns] = {}
-        k = c.up
-        cur = o.get(k)
-        if cur is None:
-            o[k] = c
-        elif type(cur) is set:
-            cur.add(c)
-        elif cur is not c:
-            o[k] = {cur, c}
-
-    def _forget_orphan(self, c: Entry) -> None:
-        o = self.orphans.get(c.ns)
-        if o is None:
-            return
-        k = c.up
-        cur = o.get(k)
-        if cur is c:
-            del o[k]
-            if not o:
-                del self.orphans[c.ns]
-        elif type(cur) is set:
-            cur.discard(c)
-            if len(cur) == 1:
-                o[k] = next(iter(cur))
-
     def _unlink(self, e: Entry, fx: Effects) -> None:
         """Remove ``e`` from the maps, the links and the policy; no space accounting."""
         ns, key = e.ns, e.key
