@@ -135,8 +135,8 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
     cl = partitioned(make_cluster)
     addrs = [m.addr for m in cl.metaservers]
     info = wait_map(addrs, set(addrs), 30.0)
-    procs = {a for a in info["map"]}
-    assert len(procs) == 3  # every process leads some of the 8 slots
+    procs = set(info["map"])  # the processes that lead slots: all 3, or 2 when the ranking gives one none of the 8
+    assert len(procs) >= 2, f"the ranking put all {SLOTS} slots on one process: nothing to route across"
     keys = [f"group{i}".encode() for i in range(240)]
     with cl.client() as c:
         r = c._meta
@@ -145,8 +145,8 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
         outs = [bytearray(6000) for _ in keys]
         assert c.batch_get_into(keys, outs) == [6000] * 240
         assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
-        # 240 keys over 8 slots led by 3 processes: one LOOKUP per process, not one per slot.
-        assert r.sent[Op.LOOKUP] - sent.get(Op.LOOKUP, 0) == 3 and r.moved == 0
+        # 240 keys over 8 slots led by 2-3 processes: one LOOKUP per process, not one per slot.
+        assert r.sent[Op.LOOKUP] - sent.get(Op.LOOKUP, 0) == len(procs) and r.moved == 0
         assert c.batch_exists(keys[:50] + [b"absent"]) == [True] * 50 + [False]
         assert c.prefix_hits(keys[:100] + [b"absent"] + keys[100:]) == 100
         # One slot's map entry wrong, pointing at a process that leads other slots of the batch: that slot's keys
@@ -155,7 +155,7 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
         s = wire.slot_of("default", keys[0], SLOTS)
         wrong = next(a for a in addrs if a != info["map"][s])
         r.map[s] = wrong
-        groups = len(set(r.map))  # 3, or 2 when the slot's leader leads no other slot
+        groups = len(set(r.map))  # the processes the (wrong) map names: the moved part rides with another's
         assert {wire.slot_of("default", k, SLOTS) for k in keys} == set(range(SLOTS))
         n_slot = sum(1 for k in keys if wire.slot_of("default", k, SLOTS) == s)
         sent = dict(r.sent)
@@ -169,7 +169,8 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
         more = [f"group-more{i}".encode() for i in range(120)]
         sent = dict(r.sent)
         assert c.batch_put(more, [payload(i + 7) for i in range(120)]) == [True] * 120
-        assert r.sent[Op.ALLOC] - sent.get(Op.ALLOC, 0) == 3 and r.sent[Op.COMMIT] - sent.get(Op.COMMIT, 0) == 3
+        assert r.sent[Op.ALLOC] - sent.get(Op.ALLOC, 0) == len(procs)
+        assert r.sent[Op.COMMIT] - sent.get(Op.COMMIT, 0) == len(procs)
         assert all(c.get(k) == payload(i + 7) for i, k in enumerate(more))
         assert c.batch_remove(more[:30]) == [True] * 30 and c.batch_exists(more[:31]) == [False] * 30 + [True]
 
