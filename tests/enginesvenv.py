@@ -4,6 +4,7 @@ through ``run_pytest`` (failing if anything there fails, skipping loudly when th
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -15,6 +16,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ENGINES_PY = Path(os.environ.get("UMBP_ENGINES_PYTHON", os.environ.get(
     "UMBP_SGLANG_LINKER_PYTHON", Path(sys.prefix) / "sglang-linker" / "bin" / "python")))
+
+
+def import_error(*modules: str) -> str | None:
+    """Why ``modules`` do not import in this venv ("Type: message"), or None when they all do."""
+    try:
+        for m in modules:
+            importlib.import_module(m)
+    except Exception as e:  # noqa: BLE001 - any import failure means: not here
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def run_pytest(args: list[str], etcd_binary: str, what: str, min_passed: int = 1, no_skips: bool = False,

@@ -21,20 +21,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from enginesvenv import run_pytest  # noqa: E402
+from enginesvenv import import_error, run_pytest  # noqa: E402
 
 
 
-def _linker_import_error() -> str | None:
-    try:
-        import sglang.srt.mem_cache.unified_cache.linker_factory  # noqa: F401
-        import sglang.srt.mem_cache.unified_cache.unified_cache_linker  # noqa: F401
-        return None
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-
-
-_ERR = _linker_import_error()
+_ERR = import_error("sglang.srt.mem_cache.unified_cache.linker_factory",
+                    "sglang.srt.mem_cache.unified_cache.unified_cache_linker")
 needs_linker = pytest.mark.skipif(
     _ERR is not None,
     reason=f"SGLANG LINKER MODULES DO NOT IMPORT IN THIS VENV ({_ERR}); they need transformers + torchvision; "

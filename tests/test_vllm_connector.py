@@ -21,20 +21,11 @@ import pytest
 from umbp.integrations.vllm.plan import Planner
 from umbp.keys import chain_keys
 
-from enginesvenv import run_pytest
+from enginesvenv import import_error, run_pytest
 
 
 
-def _vllm_import_error() -> str | None:
-    try:
-        import vllm.distributed.kv_transfer.kv_connector.factory  # noqa: F401
-        import vllm.v1.core.sched.scheduler  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: not here
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-_ERR = _vllm_import_error()
+_ERR = import_error("vllm.distributed.kv_transfer.kv_connector.factory", "vllm.v1.core.sched.scheduler")
 needs_vllm = pytest.mark.skipif(
     _ERR is not None,
     reason=f"VLLM DOES NOT IMPORT IN THIS VENV ({_ERR}); these tests run in the engines venv through "
