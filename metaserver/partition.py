@@ -242,6 +242,7 @@ class Partition:
         if self.lease:
             try:
                 await self.store.revoke(self.lease)
+                log.info("metaserver: left the pool: lease %x revoked, its slots free at once", self.lease)
             except UmbpError as e:
                 log.warning("metaserver: %s", e)
         await self.store.close()
