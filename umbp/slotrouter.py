@@ -16,7 +16,10 @@ shifted; the read leases of the slots of one LOOKUP become one handle that RELEA
 per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent
 there, only that part's keys; a part whose process cannot be reached re-reads the map from any process (LEADER) and
 is resent, with a backoff, until the call's deadline: a dead process's slots move within its lease TTL and the
-client follows without a restart.
+client follows without a restart. Waiting for one process's answer is bounded by half the time left (at most
+ATTEMPT_S, at least PART_ATTEMPT_MIN_S), so a process whose host went silent (no RST: a cut cable, a black hole)
+leaves the call time to re-read the map from another process and resend there; a call that still runs out of its
+deadline on such a process marks it suspect: the next call re-reads the map first, asking the suspects last.
 Admin requests (STATS, NODES, LIST, EVICT, DRAIN) go to every live process and are summed (``slotmap``).
 
 Thread-safe: one lock serialises the router (a client makes one metaserver call per batch).
@@ -33,7 +36,7 @@ from typing import Any
 from transport import wire
 from transport.wire import Op, Status
 from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, RemoteError, TransportError, Unavailable
-from umbp.metaclient import MetaClient, Ticket
+from umbp.metaclient import ATTEMPT_S, MetaClient, Ticket
 from umbp.slotmap import merge_nodes, merge_stats, split_by_use
 
 _KEYED = frozenset({Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.EXISTS, Op.PREFIX, Op.REMOVE})
@@ -41,6 +44,7 @@ _LISTS = ("keys", "sizes", "parents", "gens")  # the per-key lists of a keyed re
 _LEASES_KEPT = 1 << 16  # composite read leases remembered for RELEASE (older ones expired at the metaservers)
 _BACKOFF = (0.05, 0.1, 0.2, 0.3, 0.5)
 _PART_TRIES = 200  # per slot part; the deadline ends it first in practice
+PART_ATTEMPT_MIN_S = 1.0  # one process's answer is awaited at least this long (or to the deadline) before re-routing
 
 
 class _Part:
@@ -87,6 +91,7 @@ class MetaRouter:
         self._lock = threading.RLock()
         self.moved = 0  # NOT_LEADER answers followed (tests, observability)
         self.refreshes = 0  # slot map re-reads
+        self._suspects: set[str] = set()  # processes that did not answer in time: the map is re-read before a call
 
     # -- MetaClient's interface --------------------------------------------------------------------------------
     @property
@@ -161,6 +166,8 @@ class MetaRouter:
         if self.slots == 0:
             info = self.seed.call(Op.LEADER, {}, deadline)
             self._learn(info)
+        elif self._suspects and self.slots > 1:
+            self._refresh(deadline)  # a process went silent in an earlier call: its slots may have moved since
 
     def _learn(self, info: Any) -> None:
         slots = info.get("slots") if type(info) is dict else None
@@ -180,12 +187,16 @@ class MetaRouter:
     def _refresh(self, deadline: float) -> None:
         """Re-read the map from the first process that answers LEADER (every live one knows it)."""
         self.refreshes += 1
-        for addr in list(dict.fromkeys(self.members + self.seed.addrs)):
+        addrs = list(dict.fromkeys(self.members + self.seed.addrs))
+        for addr in [a for a in addrs if a not in self._suspects] + [a for a in addrs if a in self._suspects]:
             try:
                 info = self._conn(addr).call(Op.LEADER, {}, min(deadline, time.monotonic() + 1.0))
             except (TransportError, DeadlineExceeded, Unavailable, NotLeader):
                 continue
+            self._suspects.discard(addr)
             self._learn(info)
+            if not any(a in self._suspects for a in self.map):
+                self._suspects.clear()  # the map moved off them: nothing left to re-read for
             return
 
     def _conn(self, addr: str) -> MetaClient:
@@ -275,17 +286,19 @@ class MetaRouter:
                     conn = self._conn(g.addr)
                     ticket, g.ticket = g.ticket, None
                     try:
-                        res = conn.result(ticket, deadline)
+                        res = conn.result(ticket, self._attempt_end(deadline))
+                        self._suspects.discard(g.addr)
                     except NotLeader as e:
                         if not (len(g.parts) == 1 and self._moved_to(g.parts[0].slot, e.leader)):
                             refresh = True
                         retry.extend(g.parts)
                         continue
                     except (TransportError, DeadlineExceeded, Unavailable) as e:
-                        if time.monotonic() >= deadline:
-                            raise
                         if not isinstance(e, Unavailable):
                             conn.close()
+                            self._suspects.add(g.addr)
+                        if time.monotonic() >= deadline:
+                            raise
                         refresh = pause = True
                         retry.extend(g.parts)
                         continue
@@ -320,6 +333,13 @@ class MetaRouter:
         except BaseException:
             self._forget(t)
             raise
+
+    @staticmethod
+    def _attempt_end(deadline: float) -> float:
+        """When to stop waiting for one process's answer: half the time left, within [PART_ATTEMPT_MIN_S,
+        ATTEMPT_S], never past the deadline."""
+        now = time.monotonic()
+        return min(deadline, now + min(ATTEMPT_S, max(PART_ATTEMPT_MIN_S, (deadline - now) / 2)))
 
     def _parts_of(self, res: Any, n: int, addr: str) -> tuple[list, dict[int, RemoteError]]:
         """The per-part answers and failures of a multi-slot answer (``metaserver/multislot.py``)."""
