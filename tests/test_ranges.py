@@ -23,14 +23,21 @@ def count_meta_calls(client) -> dict:
     """Wrap the client's metaserver connection to count requests per opcode (one LOOKUP per batch, ...). NODES,
     asked once when the client first meets a node, is not counted."""
     counts: dict = {}
-    real = client._meta.call
+    real_call, real_submit = client._meta.call, client._meta.submit
 
-    def call(op, meta, deadline):
+    def count(op):
         if op != wire.Op.NODES:
             counts[wire.Op(op).name] = counts.get(wire.Op(op).name, 0) + 1
-        return real(op, meta, deadline)
 
-    client._meta.call = call
+    def call(op, meta, deadline):
+        count(op)
+        return real_call(op, meta, deadline)
+
+    def submit(op, meta, deadline):  # a get reading ahead submits its LOOKUP (umbp/speculate.py)
+        count(op)
+        return real_submit(op, meta, deadline)
+
+    client._meta.call, client._meta.submit = call, submit
     return counts
 
 

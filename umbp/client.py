@@ -7,6 +7,9 @@ fire-and-forget RELEASE of the read lease for gets). A batch_put of more than on
 CHUNK_BYTES) is pipelined on the metaserver connection: the next chunks' ALLOCs and the previous chunks' COMMITs
 are in flight while a chunk is written; the call still returns only once every COMMIT is durable.
 
+A get whose pages the client has seen before (an earlier LOOKUP's answer) reads them while its LOOKUP is in flight
+and keeps what the answer confirms (``umbp/speculate.py``): the round trip overlaps the copy instead of preceding it.
+
 Per page on the hot path: no copies beyond the transport's own (tcp: one READV/WRITEV frame per batch and node,
 received with ``recvmsg_into`` straight into the outs; shm: one memcpy), ``get()`` reads into the ``bytes`` it
 returns, CUDA outs are staged through pooled pinned buffers and copied up asynchronously with one wait.
@@ -50,9 +53,11 @@ from umbp.buffers import PINNED, CudaOut, as_bytes_view, as_writable_view, flush
 from umbp.config import ClientConfig, resolve
 from umbp.devcopy import DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
+                         UmbpError,
                          TransportUnavailable)
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
 from umbp.slotrouter import MetaRouter
+from umbp.speculate import Speculation
 from umbp.puts import PutPath
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
@@ -86,6 +91,7 @@ class Client(PutPath):
         self._boot = boot_id()
         self._registered: list[memoryview] = []
         self._device = DeviceCopier(self.component)  # CUDA outs on same-host pages: the gather kernel
+        self._spec = Speculation(enabled=self.config.read_ahead)  # remembered page locations, read ahead of the LOOKUP (umbp/speculate.py)
         self.counters = {"puts": 0, "dedup": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0,
                          "bytes_mapped": 0, "node_failures": 0}
         self._closed = False
@@ -285,11 +291,21 @@ class Client(PutPath):
         try:
             with self._lock:
                 deadline = self._deadline()
-                reply = self._meta.call(wire.Op.LOOKUP, {"ns": ns, "keys": kb}, deadline)
+                lookup = {"ns": ns, "keys": kb}
+                guess = self._spec.plan(kb) if segs is not None and not cuda else None
+                if guess is None:
+                    reply, early = self._meta.call(wire.Op.LOOKUP, lookup, deadline), None
+                else:  # umbp/speculate.py: remembered pages are read while the LOOKUP is in flight
+                    reply, early = self._read_ahead(lookup, guess, segs, deadline)
                 lease, locs = reply.get("lease", 0), with_caps(reply["locs"], reply.get("caps"), 5)
+                self._spec.cache.learn(kb, locs)
                 try:
+                    todo = locs
+                    if early is not None:
+                        done = self._spec.settle(guess, [e is not None for e in early], locs)
+                        todo = [None if d else loc for d, loc in zip(done, locs)]
                     kernel = self._kernel_nodes(locs, deadline) if cuda else {}
-                    batches, index, fresh, kern = self._read_ops(locs, segs, kernel)
+                    batches, index, fresh, kern = self._read_ops(todo, segs, kernel)
                     results = self._run(batches, "read", deadline) if batches else {}
                     if kern:
                         self._device.read([item for _i, item in kern])
@@ -297,6 +313,10 @@ class Client(PutPath):
                     if lease:
                         self._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, deadline)
             got = [0 if loc is not None else -1 for loc in locs]
+            if early is not None:
+                for i, d in enumerate(done):
+                    if d:
+                        got[i] = early[i]
             for i, item in kern:
                 got[i] += item[-1]
             corrupt: Exception | None = None
@@ -336,6 +356,32 @@ class Client(PutPath):
         counters["misses"] += len(kb) - hits
         counters["bytes_got"] += sum(got) + (len(kb) - hits)
         return got, fresh
+
+    def _read_ahead(self, lookup: dict, guess: list, segs: list, deadline: float) -> tuple[Any, list]:
+        """Submit the LOOKUP, read the remembered locations ``guess`` into the outs while it is in flight, then
+        take its answer. Returns (the answer, per key the bytes read ahead or None: not remembered or failed); the
+        caller keeps only pages whose answer names the location read (``Speculation.settle``)."""
+        ticket = self._meta.submit(wire.Op.LOOKUP, lookup, deadline)
+        early: list[int | None] = [None] * len(guess)
+        try:
+            try:
+                batches, index, _fresh, _kern = self._read_ops(guess, segs)
+                results = self._run(batches, "read", deadline)
+            except UmbpError:  # e.g. a remembered size the out no longer fits: the plain read decides
+                results = {}
+            failed = set()
+            for node_id, res in results.items():
+                for op, i, r in zip(batches[node_id], index[node_id], res):
+                    if r is None:
+                        early[i] = (early[i] or 0) + op.length
+                    else:
+                        failed.add(i)
+            for i in failed:
+                early[i] = None
+            return self._meta.result(ticket, deadline), early
+        except BaseException:
+            self._meta.forget([ticket])
+            raise
 
     def _kernel_nodes(self, locs: list, deadline: float) -> dict[str, tuple[memoryview, int]]:
         """The nodes of ``locs`` whose pages CUDA outs may take through the gather kernel: reachable over shm, arena
@@ -523,11 +569,12 @@ class Client(PutPath):
 
     def batch_remove(self, keys: Iterable[Any]) -> list[bool]:
         kb = [normalize_key(k) for k in keys]
+        self._spec.cache.forget(kb)
         return self._meta.call(wire.Op.REMOVE, {"ns": self.namespace, "keys": kb}, self._deadline())["removed"]
 
     def stats(self) -> dict:
         s = self._meta.call(wire.Op.STATS, {}, self._deadline())
-        s["client"] = dict(self.counters, transports=self.transport_names(), pid=os.getpid())
+        s["client"] = dict(self.counters, **self._spec.stats(), transports=self.transport_names(), pid=os.getpid())
         return s
 
     # ---- admin (used by the CLI) ----------------------------------------------------------------------------

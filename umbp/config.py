@@ -172,6 +172,7 @@ class ClientConfig:
     checksum: bool = False  # crc32 every payload on put and verify on get
     staging_bytes: int = 64 << 20  # registered staging area for unregistered buffers (RDMA)
     tls_ca: str = ""  # PEM CA bundle: speak TLS to the metaserver and to nodes over TCP, verifying them against it
+    read_ahead: bool = True  # read remembered page locations while the get's LOOKUP is in flight (umbp/speculate.py)
 
     def __post_init__(self) -> None:
         c = "client"

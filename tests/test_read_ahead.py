@@ -1,0 +1,126 @@
+"""Speculative reads (``umbp/speculate.py``): a client reads the pages it remembers while its LOOKUP is in flight,
+and keeps only those the answer names at the very location read. These tests make the remembered locations wrong
+behind the client's back (another client removes, rewrites, evicts) and check every byte and count it returns."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from transport import wire
+from umbp.speculate import BACKOFF_BATCHES, LocationCache, Speculation, same_place
+
+SIZE = 20_000
+
+
+def page(key: str, version: int, size: int = SIZE) -> bytes:
+    seed = hashlib.sha256(f"{key}/{version}".encode()).digest()
+    return (seed * (size // 32 + 1))[:size]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_repeated_gets_are_served_ahead_and_still_looked_up(make_cluster, transport):
+    cl = make_cluster(nodes=2)
+    keys = [f"ra-{i}" for i in range(32)]
+    with cl.client(transport=transport) as c:
+        assert c.batch_put(keys, [page(k, 1) for k in keys]) == [True] * 32
+        outs = [bytearray(SIZE) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [SIZE] * 32  # the first get learns the locations
+        before = c._meta.sent.get(wire.Op.LOOKUP, 0)
+        for _ in range(3):
+            outs = [bytearray(SIZE) for _ in keys]
+            assert c.batch_get_into(keys, outs) == [SIZE] * 32
+            assert [bytes(o) for o in outs] == [page(k, 1) for k in keys]
+        st = c.stats()
+        assert st["client"]["spec_hits"] == 3 * 32 and st["client"]["spec_wasted"] == 0
+        assert c._meta.sent.get(wire.Op.LOOKUP, 0) - before == 3  # every get still looked up (recency, lease)
+        assert st["hits"] >= 4 * 32 and st["pinned"] == 0  # and every lease released
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_pages_moved_behind_the_clients_back_are_read_again_or_missed(make_cluster, transport):
+    """Client A remembers 24 pages. Client B then removes 8 (misses now), rewrites 8 with new bytes (new
+    generations, maybe the same slots), and leaves 8; B's new pages and a stranger's may reuse the freed slots.
+    A's next get must return exactly: -1 for the removed, the new bytes for the rewritten, the old for the kept."""
+    cl = make_cluster(nodes=1, capacity="16MiB")
+    keys = [f"mv-{i}" for i in range(24)]
+    gone, rewritten, kept = keys[:8], keys[8:16], keys[16:]
+    with cl.client(transport=transport) as a, cl.client(transport=transport) as b:
+        assert a.batch_put(keys, [page(k, 1) for k in keys]) == [True] * 24
+        assert a.batch_get_into(keys, [bytearray(SIZE) for _ in keys]) == [SIZE] * 24
+        assert b.batch_remove(gone + rewritten) == [True] * 16
+        # strangers first, so the freed slots (the allocator reuses them) hold other keys' bytes
+        strangers = [f"st-{i}" for i in range(16)]
+        assert b.batch_put(strangers, [page(k, 9) for k in strangers]) == [True] * 16
+        assert b.batch_put(rewritten, [page(k, 2) for k in rewritten]) == [True] * 8
+        outs = [bytearray(SIZE) for _ in keys]
+        got = a.batch_get_into(keys, outs)
+        assert got == [-1] * 8 + [SIZE] * 16
+        assert [bytes(o) for o in outs[8:16]] == [page(k, 2) for k in rewritten]
+        assert [bytes(o) for o in outs[16:]] == [page(k, 1) for k in kept]
+        st = a.stats()["client"]
+        assert st["spec_hits"] == 8 and st["spec_wasted"] == 16, st
+        # 16 of 24 wasted: the next BACKOFF_BATCHES gets wait for their answer; then, since the answers taught A
+        # the new places, a get is served ahead again, all of it
+        for n in range(BACKOFF_BATCHES + 1):
+            outs = [bytearray(SIZE) for _ in rewritten + kept]
+            assert a.batch_get_into(rewritten + kept, outs) == [SIZE] * 16
+            assert [bytes(o) for o in outs] == [page(k, 2) for k in rewritten] + [page(k, 1) for k in kept]
+            assert a.stats()["client"]["spec_hits"] == 8 + (16 if n == BACKOFF_BATCHES else 0)
+
+
+def test_evicted_pages_are_misses_not_old_bytes(make_cluster):
+    cl = make_cluster(nodes=1, capacity="16MiB")
+    keys = [f"ev-{i}" for i in range(16)]
+    with cl.client(transport="shm") as a, cl.client(transport="shm") as b:
+        assert a.batch_put(keys, [page(k, 1) for k in keys]) == [True] * 16
+        assert a.batch_get_into(keys, [bytearray(SIZE) for _ in keys]) == [SIZE] * 16
+        res = b.admin(wire.Op.EVICT, {"all": True})
+        assert res["evicted"] == 16, res
+        others = [f"ot-{i}" for i in range(16)]
+        assert b.batch_put(others, [page(k, 3) for k in others]) == [True] * 16  # the freed slots, other bytes
+        outs = [bytearray(SIZE) for _ in keys]
+        assert a.batch_get_into(keys, outs) == [-1] * 16
+        assert a.stats()["client"]["spec_wasted"] == 16
+        # most of that batch was wasted: the next batches read the plain way (no second copy) for a while
+        assert a._spec.skip == BACKOFF_BATCHES
+
+
+def test_read_ahead_off_never_reads_before_the_answer(make_cluster):
+    cl = make_cluster(nodes=1)
+    keys = [f"off-{i}" for i in range(8)]
+    import umbp
+    from umbp.config import ClientConfig, resolve
+
+    cfg = resolve(ClientConfig, {"metaserver": cl.metaserver_addrs, "transport": "shm"}, env={"UMBP_READ_AHEAD": "0"})
+    with umbp.Client(config=cfg) as c:
+        assert c.batch_put(keys, [page(k, 1) for k in keys]) == [True] * 8
+        for _ in range(3):
+            outs = [bytearray(SIZE) for _ in keys]
+            assert c.batch_get_into(keys, outs) == [SIZE] * 8
+            assert [bytes(o) for o in outs] == [page(k, 1) for k in keys]
+        st = c.stats()["client"]
+        assert st["spec_hits"] == 0 and st["spec_cached"] == 0
+
+
+def test_location_cache_is_bounded_and_forgets_misses():
+    cache = LocationCache(limit=100)
+    keys = [b"k%d" % i for i in range(130)]
+    cache.learn(keys, [("n", i * 4096, 10, i + 1, b"t", None) for i in range(130)])
+    assert len(cache) <= 100 and cache.get(keys[-1])[3] == 130 and cache.get(keys[0]) is None
+    cache.learn([keys[-1]], [None])
+    assert cache.get(keys[-1]) is None
+    assert same_place(("n", 1, 2, 3, b"a", None), ("n", 1, 2, 3, b"a", b"cap"))
+    assert not same_place(("n", 1, 2, 3, b"a", None), ("n", 1, 2, 4, b"a", None))
+    assert not same_place(None, ("n", 1, 2, 3, b"a", None))
+
+
+def test_settle_keeps_only_equal_locations_read_without_error():
+    s = Speculation(limit=10)
+    loc = ("n", 0, 10, 7, b"t", None)
+    moved = ("n", 4096, 10, 8, b"t", None)
+    done = s.settle([loc, loc, loc, None], [True, False, True, False], [loc, loc, moved, loc])
+    assert done == [True, False, False, False]
+    assert (s.hits, s.wasted) == (1, 2) and s.skip == BACKOFF_BATCHES  # 2 of 3 tried were wasted
+    assert all(s.plan([b"x"]) is None for _ in range(BACKOFF_BATCHES)) and s.skip == 0
