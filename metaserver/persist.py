@@ -128,6 +128,22 @@ class EtcdStore:
     def page_value(node_id: str, offset: int, payload_len: int, gen: int, parent: bytes | None) -> bytes:
         return msgpack.packb([node_id, offset, payload_len, gen, parent], use_bin_type=True)
 
+    def page_puts(self, entries) -> list[tuple[bytes, bytes]]:
+        """(etcd key, ``page_value``) of each READY entry, the commit path's encoding: one Packer for the batch
+        (``packb`` builds one per call, about 4x the cost of packing a record) and the namespace's key prefix
+        built once per run of one namespace. Byte-identical to ``page_key``/``page_value``."""
+        pack = msgpack.Packer(use_bin_type=True).pack
+        pages = self._pages
+        out = []
+        ns = base = None
+        for e in entries:
+            if e.ns is not ns:
+                ns = e.ns
+                base = pages + ns.encode() + b"/"
+            out.append((base + e.key.hex().encode(),
+                        pack((e.space.node_id, e.offset, e.payload_len, e.gen, e.parent))))
+        return out
+
     # -- calls -------------------------------------------------------------------------------------------------
     async def _call(self, what: str, coro):
         try:

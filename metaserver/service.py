@@ -288,12 +288,12 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         if not fx:
             return None
         store = self.store
-        puts = [(store.page_key(e.ns, e.key), store.page_value(e.node_id, e.offset, e.payload_len, e.gen, e.parent))
-                for e in fx.puts]
-        deletes = [store.page_key(ns, k) for ns, k in fx.deletes]
+        puts = store.page_puts(fx.puts) if fx.puts else []
+        deletes = [store.page_key(ns, k) for ns, k in fx.deletes] if fx.deletes else []
         if wait:
             # Deletes ride along but the caller only waits for what it must: its puts.
-            self.writer.submit([], deletes, wait=False)
+            if deletes:
+                self.writer.submit([], deletes, wait=False)
             return self.writer.submit(puts, [], wait=True)
         self.writer.submit(puts, deletes, wait=False)
         return None

@@ -1,0 +1,78 @@
+"""The metaserver's commit path without etcd: the batch encoding of page records (``EtcdStore.page_puts``) and the
+batch writer's acknowledgements when submissions share keys, over the in-memory store double of
+test_metaserver_persistence."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from metaserver.batcher import BatchWriter
+from metaserver.directory import Directory
+from metaserver.persist import EtcdStore
+
+from test_metaserver_persistence import MemoryStore, run
+
+
+def test_page_puts_is_byte_identical_to_page_key_and_page_value():
+    store = EtcdStore("127.0.0.1:1", "/umbp")  # no connection is made: encoding only
+    d = Directory()
+    d.add_space("node-a", 1 << 30)
+    d.add_space("node-b", 1 << 30)
+    fx_puts = []
+    for r, (ns, parents) in enumerate((("ns1", None), ("other", [b"\x01" * 32] * 3), ("ns1", [None, b"p" * 70, b"q"]))):
+        keys = [ns.encode() + b"/%d/%d" % (r, i) + b"\xff" * i for i in range(3)]
+        items, _ = d.alloc(ns, keys, [4000, 1, 70000], parents, 100, 1.0)
+        _, fx = d.commit(ns, keys, [it[4] for it in items], 2.0)
+        fx_puts += fx.puts
+    assert len(fx_puts) == 9
+    got = store.page_puts(fx_puts)
+    want = [(store.page_key(e.ns, e.key), store.page_value(e.node_id, e.offset, e.payload_len, e.gen, e.parent))
+            for e in fx_puts]
+    assert got == want
+    assert [msgpack.unpackb(v, raw=False)[3] for _, v in got] == [e.gen for e in fx_puts]
+    assert store.page_puts([]) == []
+
+
+def test_batch_writer_acknowledges_each_submission_once_its_last_op_is_written():
+    async def main():
+        store = MemoryStore()
+        store.gate = asyncio.Event()
+        w = BatchWriter(store, batch=3, inflight=1)
+        w.start()
+        head = w.submit([(b"h", b"0")], [], wait=True)
+        await asyncio.wait_for(store.in_txn.wait(), 5)  # "h" in flight, the rest queues behind it
+        a = w.submit([(b"k1", b"a"), (b"k2", b"a"), (b"k1", b"a2")], [], wait=True)  # k1 twice in one submission
+        b = w.submit([(b"k2", b"b"), (b"k3", b"b"), (b"h", b"1")], [b"k4"], wait=True)  # supersedes a's k2
+        c = w.submit([(b"k5", b"c")], [], wait=False)
+        assert c is None and not a.done() and not b.done()
+        store.gate.set()
+        await asyncio.wait_for(asyncio.gather(head, a, b), 5)
+        assert await w.flush(5)
+        assert store.kv == {b"h": b"1", b"k1": b"a2", b"k2": b"b", b"k3": b"b", b"k5": b"c"}
+        # one op per key: k1 k2 k3 (head's h was in flight: its newer op waits its turn), then h k4 k5
+        assert [[op[1] for op in t] for t in store.txns] == [[b"h"], [b"k1", b"k2", b"k3"], [b"h", b"k4", b"k5"]]
+        assert (w.txns, w.ops, w.pending()) == (3, 7, 0)
+        await w.close()
+
+    run(main())
+
+
+def test_batch_writer_abort_fails_every_waiter_of_a_shared_key():
+    async def main():
+        store = MemoryStore()
+        store.gate = asyncio.Event()
+        w = BatchWriter(store, batch=2, inflight=1)
+        w.start()
+        first = w.submit([(b"x", b"1")], [], wait=True)
+        await asyncio.wait_for(store.in_txn.wait(), 5)
+        a = w.submit([(b"y", b"1"), (b"z", b"1")], [], wait=True)
+        b = w.submit([(b"y", b"2")], [], wait=True)  # y now has two waiters
+        await w.abort(RuntimeError("deposed"))
+        for fut in (first, a, b):
+            assert fut.done() and type(fut.exception()).__name__ in ("Unavailable", "RuntimeError")
+        assert type(a.exception()) is RuntimeError and type(b.exception()) is RuntimeError
+        assert store.kv == {} and w.pending() == 0
+
+    run(main())
