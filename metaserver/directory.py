@@ -178,6 +178,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
         if quota is not None and not self._fit_quota(ns, keys, sizes, quota, fx):
             return [_OVER_QUOTA_ITEM] * len(keys), fx
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
+        added = 0  # bytes the new entries add to the namespace's use (counted once, after the loop)
         for i, key in enumerate(keys):
             if key in seen:
                 items.append(_EXISTS_ITEM)
@@ -229,9 +230,11 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
                 pd = pend[ns] = {}
             pd[key] = e
             pending[e] = (token, owner)
-            self._count(ns, osize)
+            added += osize
             sp.n += 1
             items.append((NEW, sp.node_id, off, plen, gen))
+        if added:
+            self._count(ns, added)
         return items, fx
 
     def _fit_quota(self, ns: str, keys: list[bytes], sizes: list[int], quota: int, fx: Effects) -> bool:

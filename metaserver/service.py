@@ -478,10 +478,8 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
         out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms)
         if new:
-            d = self.dir.entries.get(ns, {})
-            add = conn.pending.add
-            for i in new:
-                add(d[keys[i]])  # aborted if this connection goes away before COMMIT
+            pd = self.dir.pending_keys[ns]  # a NEW item's entry is PENDING: straight from its dict, not the view
+            conn.pending.update([pd[keys[i]] for i in new])  # aborted if this connection goes away before COMMIT
         return {"items": out, "caps": caps}
 
     async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn) -> dict:
@@ -505,9 +503,11 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         keys = v.keys(m, self.max_keys)
         gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
         if conn.pending:
-            d = self.dir.entries.get(ns, {})
-            for key in keys:
-                conn.pending.discard(d.get(key))
+            pd = self.dir.pending_keys.get(ns)  # only PENDING entries are in conn.pending
+            if pd:
+                get, discard = pd.get, conn.pending.discard
+                for key in keys:
+                    discard(get(key))
         return ns, keys, gens
 
     def commit(self, meta: Any, conn):
