@@ -305,7 +305,10 @@ class Client(PutPath):
                         done = self._spec.settle(guess, [e is not None for e in early], locs)
                         todo = [None if d else loc for d, loc in zip(done, locs)]
                     kernel = self._kernel_nodes(locs, deadline) if cuda else {}
-                    batches, index, fresh, kern = self._read_ops(todo, segs, kernel)
+                    if early is not None and all(loc is None for loc in todo):  # every page served ahead
+                        batches, index, fresh, kern = {}, {}, [], []
+                    else:
+                        batches, index, fresh, kern = self._read_ops(todo, segs, kernel)
                     results = self._run(batches, "read", deadline) if batches else {}
                     if kern:
                         self._device.read([item for _i, item in kern])
