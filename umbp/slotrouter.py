@@ -403,7 +403,8 @@ class MetaRouter:
 
     # -- admin -------------------------------------------------------------------------------------------------
     def _fan_out(self, op: int, meta: Any, deadline: float) -> Any:
-        """Ask every live process (the one answering for the slots it leads) and sum."""
+        """Ask every live process (the one answering for the slots it leads) and sum. Each one's answer is awaited
+        at most half the time left (``_attempt_end``), so one silent process does not hide the others."""
         self._refresh(deadline)
         answers = []
         metas = {addr: meta for addr in self.members}
@@ -413,7 +414,8 @@ class MetaRouter:
             uses = {}
             for addr in list(self.members):
                 try:
-                    uses[addr] = int(self._conn(addr).call(Op.STATS, {}, deadline).get("used_bytes", 0))
+                    uses[addr] = int(self._conn(addr).call(Op.STATS, {}, self._attempt_end(deadline))
+                                     .get("used_bytes", 0))
                 except (TransportError, DeadlineExceeded):
                     continue
             metas = {a: {"bytes": b} for a, b in zip(uses, split_by_use(meta["bytes"], list(uses.values()))) if b}
@@ -422,9 +424,10 @@ class MetaRouter:
         for addr in list(self.members):
             if addr not in metas:
                 continue
-            try:
-                answers.append(self._conn(addr).call(op, metas[addr], deadline))
+            try:  # a process whose host went silent costs half the time left, not the others' answers
+                answers.append(self._conn(addr).call(op, metas[addr], self._attempt_end(deadline)))
             except (TransportError, DeadlineExceeded):
+                self._suspects.add(addr)
                 continue
         if not answers:
             raise TransportError(self.component, f"no metaserver of {', '.join(self.members)} answered")
