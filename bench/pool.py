@@ -300,6 +300,15 @@ class PoolBench:
                 assert got == [size] * BATCH, got
                 b += 1
             assert all(np.array_equal(vals[i], o) for i, o in enumerate(outs))  # keys[lo + i] holds vals[i]
+            # the same gets, each waiting for its LOOKUP before reading (read-ahead off: umbp/speculate.py)
+            c._spec.enabled = False
+            plain, t0 = [], time.perf_counter()
+            while time.perf_counter() - t0 < self.min_time / 2 or b % len(batches):
+                t = time.perf_counter()
+                assert c.batch_get_into(batches[b % len(batches)], outs) == [size] * BATCH
+                plain.append((t, time.perf_counter(), BATCH * size))
+                b += 1
+            c._spec.enabled = True
             # 64-page calls, each acknowledged after its own durable COMMIT
             puts64, n64 = [], 0
             t0 = time.perf_counter()
@@ -313,7 +322,7 @@ class PoolBench:
             c.batch_remove([f"{size}/x64/{n}/{i}" for n in range(n64) for i in range(BATCH)])
             c.remove("warm")
         return {"put": best_rate(puts) / 1e9, "get": best_rate(gets) / 1e9, "put64": best_rate(puts64) / 1e9,
-                "per_call": per_call}
+                "get_plain": best_rate(plain) / 1e9, "per_call": per_call}
 
     def cold_get(self, size: int = 4 * MiB, sets: int = 3) -> float:
         """Pages never read since their put, a fresh client and connection, each page read exactly once (one
@@ -443,6 +452,8 @@ def main() -> int:
                     r = b.put_get(transport, size)
                     out(row(f"{transport} get {lb} x{BATCH}", r["get"], "GB/s", base_name, base,
                             0.8 if size == 64 * KiB else None))
+                    out(row(f"{transport} get {lb} x{BATCH} no read-ahead", r["get_plain"], "GB/s",
+                            base_name, base, None))
                     out(row(f"{transport} put {lb} x{r['per_call']}", r["put"], "GB/s",
                             f"{transport} get {lb} x{BATCH} GB/s", r["get"], 0.7))
                     out(row(f"{transport} put {lb} x{BATCH} (info)", r["put64"], "GB/s",
