@@ -22,8 +22,8 @@ Contracts:
   whose header does not match the directory (stale, torn, corrupt) raises ``CorruptionError``; wrong bytes are never
   returned as data.
 - CUDA outs: pages on same-host nodes are read by the gather kernel straight from the mapped arena (``umbp.devcopy``,
-  arena registered once per client), others through pooled pinned buffers; CUDA values of puts are staged through
-  pooled pinned buffers (asynchronous copies, one wait).
+  arena registered once per client), others through pooled pinned buffers; CUDA values of puts are written by the
+  kernel straight into same-host arenas, or staged through pooled pinned buffers (``umbp.puts``).
 - ``batch_get_ranges_into``/``batch_put_ranges``: the same, for byte ranges of pages (a layer group of a page-first
   page) and for pages assembled from several buffers (one per layer). Still one LOOKUP (or ALLOC + COMMIT) per
   batch; every range read checks its object's header.
@@ -49,7 +49,7 @@ from transport.base import Pending, ReadOp, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
 from umbp.auth import with_caps
-from umbp.buffers import PINNED, CudaOut, as_bytes_view, as_writable_view, flush_cuda, new_bytes, stage_cuda
+from umbp.buffers import CudaOut, as_bytes_view, as_writable_view, flush_cuda, new_bytes
 from umbp.config import ClientConfig, resolve
 from umbp.devcopy import DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
@@ -93,7 +93,7 @@ class Client(PutPath):
         self._device = DeviceCopier(self.component)  # CUDA outs on same-host pages: the gather kernel
         self._spec = Speculation(enabled=self.config.read_ahead)  # remembered page locations, read ahead of the LOOKUP (umbp/speculate.py)
         self.counters = {"puts": 0, "dedup": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0,
-                         "bytes_mapped": 0, "node_failures": 0}
+                         "bytes_mapped": 0, "node_failures": 0, "kernel_put_bytes": 0, "staged_put_bytes": 0}
         self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -238,12 +238,9 @@ class Client(PutPath):
                   ) -> list[bool]:
         if len(keys) != len(values):
             raise InvalidArgument(self.component, f"batch_put: {len(keys)} keys but {len(values)} values")
-        values, pinned = stage_cuda(values) if self._any_cuda(values) else (values, [])
-        try:
-            return self._put(keys, [[as_bytes_view(v, "values", i)] for i, v in enumerate(values)], parents)
-        finally:
-            for h in pinned:
-                PINNED.give(h)
+        if self._any_cuda(values):  # umbp/puts.py: the kernel writes them straight into same-host arenas
+            return self._put_cuda(keys, [[v] for v in values], parents, "values")
+        return self._put(keys, [[as_bytes_view(v, "values", i)] for i, v in enumerate(values)], parents)
 
     @staticmethod
     def _any_cuda(values: Sequence[Any]) -> bool:
@@ -260,19 +257,15 @@ class Client(PutPath):
         ``batch_put``: True stored by this call, False already there."""
         if len(keys) != len(parts):
             raise InvalidArgument(self.component, f"batch_put_ranges: {len(keys)} keys but {len(parts)} part lists")
-        views, pinned = [], []
-        try:
-            for i, ps in enumerate(parts):
-                if isinstance(ps, (bytes, bytearray, memoryview)) or not isinstance(ps, Sequence):
-                    raise InvalidArgument(self.component, f"batch_put_ranges: parts[{i}] must be a list of buffers")
-                if self._any_cuda(ps):
-                    ps, taken = stage_cuda(ps)
-                    pinned += taken
-                views.append([as_bytes_view(v, f"parts[{i}][{j}]") for j, v in enumerate(ps)])
-            return self._put(keys, views, parents)
-        finally:
-            for h in pinned:
-                PINNED.give(h)
+        cuda = False
+        for i, ps in enumerate(parts):
+            if isinstance(ps, (bytes, bytearray, memoryview)) or not isinstance(ps, Sequence):
+                raise InvalidArgument(self.component, f"batch_put_ranges: parts[{i}] must be a list of buffers")
+            cuda = cuda or self._any_cuda(ps)
+        if cuda:
+            return self._put_cuda(keys, parts, parents, "parts")
+        return self._put(keys, [[as_bytes_view(v, f"parts[{i}][{j}]") for j, v in enumerate(ps)]
+                                for i, ps in enumerate(parts)], parents)
 
     def put(self, key: Any, value: Any) -> bool:
         return self.batch_put([key], [value])[0]

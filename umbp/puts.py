@@ -8,6 +8,14 @@ every COMMIT is durable. Keys another writer holds PENDING (IN_FLIGHT) are asked
 READY (False: someone else stored them) or free (this call writes them); a commit that finds its allocation lost (a
 failover, an expiry) is written again once. Keys whose write failed are aborted, never committed. Bounded by the
 call's one deadline.
+
+Payloads in device memory (``put_device``; ``batch_put`` / ``batch_put_ranges`` with CUDA tensors, through
+``_put_cuda``) come as a ``umbp.devcopy.DeviceBatch``. The same ALLOC / write / COMMIT runs; in each chunk the NEW
+places on nodes reachable over shm whose arena CUDA registered are written by the gather kernel straight from the
+device (``DeviceCopier.write``: old header invalidated, payload, header last), the others are staged to pinned host
+memory (the batch's stager) and written by their transport. Where the kernel cannot run at all (no CUDA or CuPy,
+payload checksums on: the checksum needs host bytes) every device page is staged once, up front. Counters:
+``kernel_put_bytes`` / ``staged_put_bytes`` (device payloads stored by this client through either path).
 """
 
 from __future__ import annotations
@@ -16,9 +24,13 @@ import os
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from transport import wire
 from transport.base import WriteOp
 from umbp.auth import with_caps
+from umbp.buffers import PINNED, as_bytes_view, stage_cuda
+from umbp.devcopy import DeviceBatch
 from umbp.errors import DeadlineExceeded, InvalidArgument, PoolFull, TransportError, UmbpError
 from umbp.keys import normalize_key
 
@@ -58,15 +70,87 @@ class _PutResult:
 class PutPath:
     """ALLOC, write and COMMIT for ``umbp.Client`` (see the module docstring)."""
 
-    def _put(self, keys: Sequence[Any], views: list[list[memoryview]], parents: Sequence[Any] | None
+    def put_device(self, keys: Sequence[Any], batch: DeviceBatch, parents: Sequence[Any] | None = None
+                   ) -> list[bool]:
+        """``batch_put`` of pages that lie in device memory (every page of ``batch``; see the module docstring).
+        Same contract: True stored by this call, False already there."""
+        if batch.n != len(keys) or not batch.on_device.all():
+            raise InvalidArgument(self.component, f"put_device: {len(keys)} keys but a device batch of {batch.n} "
+                                                  f"pages, {int(batch.on_device.sum())} on the device")
+        return self._put(keys, [None] * len(keys), parents, batch)
+
+    def _put_cuda(self, keys: Sequence[Any], parts: Sequence[Sequence[Any]], parents: Sequence[Any] | None,
+                  what: str) -> list[bool]:
+        """``batch_put`` / ``batch_put_ranges`` with CUDA tensors among the values: a page whose parts are all
+        contiguous tensors of one device goes through the device path; a page mixing host and device parts is
+        staged (``stage_cuda``) up front; host pages are viewed as usual."""
+        tensors: dict[int, list[Any]] = {}
+        views: list = [None] * len(parts)
+        pinned: list = []
+        try:
+            for i, ps in enumerate(parts):
+                devs = {getattr(getattr(v, "device", None), "type", "cpu") != "cpu" and v.device for v in ps}
+                if len(devs) == 1 and next(iter(devs)) is not False and all(v.is_contiguous() for v in ps):
+                    tensors[i] = list(ps)
+                    continue
+                if devs != {False}:
+                    ps, taken = stage_cuda(ps)
+                    pinned += taken
+                views[i] = [as_bytes_view(v, what, i) if what == "values" else as_bytes_view(v, f"{what}[{i}][{j}]")
+                            for j, v in enumerate(ps)]
+
+            def stager(idxs: list[int]) -> tuple[list, Any]:
+                hosts, taken = stage_cuda([t for i in idxs for t in tensors[i]])
+                out, k = [], 0
+                for i in idxs:
+                    m = len(tensors[i])
+                    out.append([as_bytes_view(h) for h in hosts[k:k + m]])
+                    k += m
+                return out, lambda: [PINNED.give(h) for h in taken]
+
+            batch = DeviceBatch.from_tensors(len(parts), tensors, stager) if tensors else None
+            return self._put(keys, views, parents, batch)
+        finally:
+            for h in pinned:
+                PINNED.give(h)
+
+    def direct_device_puts(self) -> bool:
+        """Whether device payloads can go straight to an arena here: the kernel runs, no payload checksums, and
+        at least one same-host node's arena is registered with CUDA. Blocks for one NODES request."""
+        if self.config.checksum or not self._device.usable():
+            return False
+        arenas = self.local_arenas()
+        with self._lock:
+            return bool(self._kernel_nodes([(n,) for n in arenas], self._deadline()))
+
+    def _put(self, keys: Sequence[Any], views: list, parents: Sequence[Any] | None, dev: DeviceBatch | None = None
              ) -> list[bool]:
+        """``views[i]``: page i's flat byte views, or None for a page of ``dev`` (device memory)."""
         if not keys:
             return []
+        release = None
+        if dev is not None and (self.config.checksum or not self._device.usable()):
+            # the kernel cannot run here (or the checksum needs host bytes): every device page staged once
+            idxs = np.flatnonzero(dev.on_device).tolist()
+            staged, release = dev.stager(idxs)
+            views = list(views)
+            for i, v in zip(idxs, staged):
+                views[i] = v
+            dev.via[idxs] = DeviceBatch.VIA_STAGED
+        try:
+            return self._put_views(keys, views, parents, dev)
+        finally:
+            if release is not None:
+                release()
+
+    def _put_views(self, keys: Sequence[Any], views: list, parents: Sequence[Any] | None, dev: DeviceBatch | None
+                   ) -> list[bool]:
         kb = [normalize_key(k) for k in keys]
         if parents is not None and len(parents) != len(kb):
             raise InvalidArgument(self.component, f"batch_put: {len(kb)} keys but {len(parents)} parents")
         pb = None if parents is None else [None if p is None else normalize_key(p) for p in parents]
-        sizes = [len(v[0]) if len(v) == 1 else sum(len(x) for x in v) for v in views]
+        sizes = [int(dev.nbytes[i]) if v is None else len(v[0]) if len(v) == 1 else sum(len(x) for x in v)
+                 for i, v in enumerate(views)]
         out = [False] * len(kb)
         with self._lock:
             deadline = self._deadline()
@@ -80,7 +164,7 @@ class PutPath:
         relost = 0
         for attempt in range(1 << 20):  # bounded by the deadline (IN_FLIGHT waits) and by relost < 2
             with self._lock:
-                stored, lost, full, err, waiting = self._put_once(kb, views, sizes, pb, todo, deadline)
+                stored, lost, full, err, waiting = self._put_once(kb, views, sizes, pb, todo, deadline, dev)
             for i in stored:
                 out[i] = True
             relost += bool(lost)
@@ -124,8 +208,8 @@ class PutPath:
             meta["parents"] = [parents[i] for i in idxs]
         return meta
 
-    def _put_once(self, kb: list[bytes], views: list[list[memoryview]], sizes: list[int], parents: list | None,
-                  idxs: list[int], deadline: float
+    def _put_once(self, kb: list[bytes], views: list, sizes: list[int], parents: list | None,
+                  idxs: list[int], deadline: float, dev: DeviceBatch | None = None
                   ) -> tuple[list[int], list[int], list[int], Exception | None, list[int]]:
         """ALLOC, write, COMMIT the keys at ``idxs``. Returns (stored, lost, no_space, error, in_flight); keys that
         already existed are in none of the lists. Keys whose write failed are aborted and reported through
@@ -143,7 +227,7 @@ class PutPath:
         if len(chunks) == 1:
             reply = meta.call(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, idxs), deadline)
             items = with_caps(reply["items"], reply.get("caps"), 6)
-            ok_idx, gens = self._write_chunk(kb, views, idxs, items, deadline, acc)
+            ok_idx, gens = self._write_chunk(kb, views, idxs, items, deadline, acc, dev)
             if ok_idx:
                 committed = meta.call(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
                                                        "gens": [gens[i] for i in ok_idx]}, deadline)["ok"]
@@ -158,7 +242,7 @@ class PutPath:
                                                                                   chunks[len(allocs)]), deadline))
                     reply = meta.result(allocs[c], deadline)
                     items = with_caps(reply["items"], reply.get("caps"), 6)
-                    ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc)
+                    ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc, dev)
                     if ok_idx:
                         commits.append((meta.submit(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
                                                                      "gens": [gens[i] for i in ok_idx]}, deadline),
@@ -172,6 +256,10 @@ class PutPath:
         self.counters["puts"] += len(acc.stored)
         self.counters["dedup"] += acc.dedup
         self.counters["bytes_put"] += sum(sizes[i] for i in acc.stored)
+        if dev is not None:
+            via = dev.via[acc.stored]
+            self.counters["kernel_put_bytes"] += int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_KERNEL].sum())
+            self.counters["staged_put_bytes"] += int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_STAGED].sum())
         err = None
         if acc.first_err is not None:
             err = TransportError(self.component, f"batch_put: {len(acc.bad)} of {len(kb)} pages were not stored "
@@ -179,15 +267,31 @@ class PutPath:
             err.__cause__ = acc.first_err
         return acc.stored, acc.lost, acc.full, err, acc.waiting
 
-    def _write_chunk(self, kb: list[bytes], views: list[list[memoryview]], idxs: list[int], items: list,
-                     deadline: float, acc: "_PutResult") -> tuple[list[int], dict[int, int]]:
-        """Write one chunk's NEW places (every node's transfer in flight together); abort the keys whose write
-        failed. Returns (keys written, their generations). A transport that raises aborts the whole chunk."""
+    def _write_chunk(self, kb: list[bytes], views: list, idxs: list[int], items: list, deadline: float,
+                     acc: "_PutResult", dev: DeviceBatch | None = None) -> tuple[list[int], dict[int, int]]:
+        """Write one chunk's NEW places (every node's transfer in flight together; device pages on kernel nodes by
+        the kernel, the other device pages staged first); abort the keys whose write failed. Returns (keys
+        written, their generations). A transport (or stager) that raises aborts the whole chunk."""
         batches: dict[str, list[WriteOp]] = {}
         index: dict[str, list[int]] = {}
         gens: dict[int, int] = {}
         checksum = self.config.checksum
         pack = wire.pack_object_header
+        kernel = self._kernel_nodes([(item[1],) for item in items if item[0] == NEW], deadline) if (
+            dev is not None and any(views[i] is None for i in idxs)) else {}
+        direct: list[tuple[int, memoryview, int, int, bytes]] = []  # device pages the kernel writes
+        to_stage: list[tuple[int, Any]] = []  # device pages placed where the kernel cannot write
+
+        def add(i: int, item: Any, parts: list[memoryview]) -> None:
+            _, node_id, off, size, gen, tag, cap = item
+            header = pack(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
+            ops = batches.get(node_id)
+            if ops is None:
+                ops = batches[node_id] = []
+                index[node_id] = []
+            ops.append(WriteOp(off, header, parts, size, gen, cap))
+            index[node_id].append(i)
+
         for i, item in zip(idxs, items):
             state = item[0]
             if state != NEW:
@@ -198,24 +302,35 @@ class PutPath:
                 elif state == IN_FLIGHT:
                     acc.waiting.append(i)
                 continue
-            _, node_id, off, size, gen, tag, cap = item
-            parts = views[i]
-            gens[i] = gen
-            header = pack(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
-            ops = batches.get(node_id)
-            if ops is None:
-                ops = batches[node_id] = []
-                index[node_id] = []
-            ops.append(WriteOp(off, header, parts, size, gen, cap))
-            index[node_id].append(i)
+            gens[i] = item[4]
+            if views[i] is not None:
+                add(i, item, views[i])
+            elif item[1] in kernel:
+                arena, base = kernel[item[1]]
+                direct.append((i, arena, base, item[2], pack(item[5], item[4], item[3], None)))
+            else:
+                to_stage.append((i, item))
         acc.chunks_done.append(gens)
+        release = None
         try:
+            if to_stage:
+                staged, release = dev.stager([i for i, _ in to_stage])
+                for (i, item), parts in zip(to_stage, staged):
+                    add(i, item, parts)
+                    dev.via[i] = DeviceBatch.VIA_STAGED
+            direct_res = self._device.write(dev, direct) if direct else []
             results = self._run(batches, "write", deadline) if batches else {}
-        except UmbpError:
+        except Exception:
             self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in gens],
                                             "gens": list(gens.values())}, deadline)
             acc.chunks_done[-1] = {}
             raise
+        finally:
+            if release is not None:
+                release()
+        if direct:
+            index[""] = [d[0] for d in direct]  # node ids are never empty: the kernel's results as one more node
+            results[""] = direct_res
         ok_idx, bad_idx = [], []
         for node_id, res in results.items():
             if not any(res):

@@ -201,23 +201,30 @@ def plan(kv: PagedKV, slots: Any, host: HostPages, layers: range | None = None, 
     """Segments moving ``layers`` (default: all) of each page between ``host`` and ``kv`` slot ``slots[p]``. On the
     host the layers of a page are contiguous (page-first order, starting at the page's address); on the KV side
     each layer part is one slot row."""
-    layers = range(kv.num_layers) if layers is None else layers
     slots_a = kv.check_slots(slots)
     if len(host) != slots_a.size:
         raise InvalidArgument(COMPONENT, f"{len(host)} host pages but {slots_a.size} slots")
+    k, rel, ln = slot_rows(kv, slots_a, layers)
+    haddr = host.addresses(int(ln.sum()), writable=not to_kv)
+    # [pages, segments-per-page], page-major: each page's host bytes are read front to back.
+    h = haddr[:, None] + rel[None, :]
+    lens = np.broadcast_to(ln[None, :], h.shape)
+    h, k, lens = h.reshape(-1), k.reshape(-1), np.ascontiguousarray(lens).reshape(-1)
+    return Plan(h, k, lens) if to_kv else Plan(k, h, lens)
+
+
+def slot_rows(kv: PagedKV, slots: Any, layers: range | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The KV side of a page move: ``(addresses [pages, segments], rel [segments], lens [segments])``, one segment per
+    layer x part of ``layers`` (default: all) of slot ``slots[p]``; ``rel`` is each segment's offset in the page's
+    bytes (page-first order, counted from the first of ``layers``). Slots are checked."""
+    layers = range(kv.num_layers) if layers is None else layers
+    slots_a = kv.check_slots(slots)
     segs = kv.segments(layers)
-    span = sum(s[1] for s in segs)
-    haddr = host.addresses(span, writable=not to_kv)
     rel = np.array([s[0] for s in segs], dtype=np.int64)
     ln = np.array([s[1] for s in segs], dtype=np.int64)
     base = np.array([s[2] for s in segs], dtype=np.int64)
     stride = np.array([s[3] for s in segs], dtype=np.int64)
-    # [pages, segments-per-page], page-major: each page's host bytes are read front to back.
-    h = haddr[:, None] + rel[None, :]
-    k = base[None, :] + slots_a[:, None] * stride[None, :]
-    lens = np.broadcast_to(ln[None, :], h.shape)
-    h, k, lens = h.reshape(-1), k.reshape(-1), np.ascontiguousarray(lens).reshape(-1)
-    return Plan(h, k, lens) if to_kv else Plan(k, h, lens)
+    return base[None, :] + slots_a[:, None] * stride[None, :], rel, ln
 
 
 # ---- executors ------------------------------------------------------------------------------------------------

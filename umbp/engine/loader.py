@@ -25,7 +25,9 @@ Contracts:
 - ``counters`` (cumulative): ``pool_to_host_bytes`` (bytes copied out of the pool into host memory: staging, or a
   CPU KV buffer), ``host_to_device_bytes`` (bytes written into the KV buffer by a gather or a direct read; a CPU KV
   buffer counts as the device so CPU runs can check splits), ``zero_copy_bytes`` (of those, read by the GPU
-  straight from a mapped arena), ``device_to_host_bytes`` and ``host_to_pool_bytes`` (offload), pages and groups.
+  straight from a mapped arena), ``device_to_host_bytes`` and ``host_to_pool_bytes`` (offload staged through
+  pinned host memory), ``device_to_pool_bytes`` (offload written by the kernel straight into a same-host arena),
+  pages and groups.
 
 Cost: per group, at most one client call (one LOOKUP + ranged reads) plus one gather; the mapped LOOKUP is once per
 load. Threads: one per active load.
@@ -42,6 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from umbp.devcopy import DeviceBatch
 from umbp.engine import gather
 from umbp.engine.layout import PagedKV, PageLayout
 from umbp.errors import DeadlineExceeded, InvalidArgument, UmbpError
@@ -263,7 +266,8 @@ class LayerwiseLoader:
         self.method = method
         self.counters = {"pool_to_host_bytes": 0, "host_to_device_bytes": 0, "zero_copy_bytes": 0,
                          "device_to_host_bytes": 0, "host_to_pool_bytes": 0, "pages_loaded": 0,
-                         "groups_loaded": 0, "pages_stored": 0, "pages_existing": 0}
+                         "groups_loaded": 0, "pages_stored": 0, "pages_existing": 0,
+                         "device_to_pool_bytes": 0}
         self._busy = threading.Semaphore(1)
         self._active: LayerLoad | None = None
         self._stream = None
@@ -359,7 +363,9 @@ class LayerwiseLoader:
         """Write KV slot ``slots[p]`` (all layers) as page object ``keys[p]``; returns ``batch_put``'s list (True:
         stored now, False: it already existed). ``skip_existing`` asks the metaserver first (no lease) and moves
         only missing pages off the device. CPU: the slot rows are handed to ``batch_put_ranges`` as they are
-        (one buffer per layer part, nothing concatenated); CUDA: the gather kernel packs them into pinned memory."""
+        (one buffer per layer part, nothing concatenated); CUDA: ``client.put_device`` of the slot rows, which the
+        kernel writes straight into same-host arenas (``device_to_pool_bytes``), the other pages packed into pinned
+        memory by the gather first (``device_to_host_bytes``, then ``host_to_pool_bytes``)."""
         keys = list(keys)
         slots_a = self.kv.check_slots(slots)
         if len(keys) != slots_a.size:
@@ -379,29 +385,45 @@ class LayerwiseLoader:
         sub_slots = slots_a[todo]
         if not kv.is_cuda:
             parts = [[row for li in range(kv.num_layers) for row in kv.rows(li, s)] for s in sub_slots.tolist()]
+            res = self.client.batch_put_ranges(sub_keys, parts, sub_parents)
+            direct = 0
         else:
-            import torch
-
-            need = len(todo) * pb
-            if self._store_staging is None or self._store_staging.numel() < need:
-                self._store_staging = torch.empty(max(need, 1 << 20), dtype=torch.uint8, pin_memory=True)
-            st = self._store_staging
-            stream = self._copy_stream()
-            stream.wait_stream(torch.cuda.current_stream(kv.device))  # the model's writes to these slots first
-            hp = gather.HostPages.rows(st, len(todo), pb, writable=True)
-            self.counters["device_to_host_bytes"] += gather.from_kv(kv, sub_slots, hp, method=self.method,
-                                                                    stream=stream)
-            stream.synchronize()
-            view = memoryview(st.numpy())
-            parts = [[view[i * pb:(i + 1) * pb]] for i in range(len(todo))]
-        res = self.client.batch_put_ranges(sub_keys, parts, sub_parents)
+            batch = self._device_batch(sub_slots)
+            res = self.client.put_device(sub_keys, batch, sub_parents)
+            direct = int(np.count_nonzero(np.asarray(res, dtype=bool) & (batch.via == DeviceBatch.VIA_KERNEL)))
         for i, r in zip(todo, res):
             out[i] = r
         stored = sum(1 for r in res if r)
         self.counters["pages_stored"] += stored
         self.counters["pages_existing"] += len(res) - stored
-        self.counters["host_to_pool_bytes"] += stored * pb
+        self.counters["device_to_pool_bytes"] += direct * pb
+        self.counters["host_to_pool_bytes"] += (stored - direct) * pb
         return out
+
+    def _device_batch(self, slots: np.ndarray) -> DeviceBatch:
+        """Slots ``slots`` of the CUDA KV buffer as a put's device pages: one segment per layer part (a slot row),
+        in page-byte order. Pages the kernel cannot place are staged by ``_stage_slots``."""
+        src, _rel, lens = gather.slot_rows(self.kv, slots)
+        m, per = src.shape
+        return DeviceBatch(m, np.arange(m), np.full(m, per), src, np.tile(lens, m), np.zeros(m, np.int64),
+                           [self.kv.device], lambda idxs: self._stage_slots(slots[idxs]), keep=self.kv)
+
+    def _stage_slots(self, slots: np.ndarray) -> tuple[list, Any]:
+        """The staged offload: the gather packs the slots into this loader's pinned staging (reused by the next
+        call: the put path releases one staging before the next). Returns (one view per page, release)."""
+        import torch
+
+        kv, pb, n = self.kv, self.layout.page_bytes, len(slots)
+        if self._store_staging is None or self._store_staging.numel() < n * pb:
+            self._store_staging = torch.empty(max(n * pb, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        st = self._store_staging
+        stream = self._copy_stream()
+        stream.wait_stream(torch.cuda.current_stream(kv.device))  # the model's writes to these slots first
+        hp = gather.HostPages.rows(st, n, pb, writable=True)
+        self.counters["device_to_host_bytes"] += gather.from_kv(kv, slots, hp, method=self.method, stream=stream)
+        stream.synchronize()
+        view = memoryview(st.numpy())
+        return [[view[i * pb:(i + 1) * pb]] for i in range(n)], lambda: None
 
     def prepare(self) -> int:
         """Register every same-host node arena with CUDA now (a one-time cost of ~50 ms per GiB pinned), so the

@@ -8,6 +8,10 @@ handed alternately to two storers (each a ``LayerwiseLoader`` with its own pinne
 on its own single worker thread: while one storer's put holds the client, the other's device-to-host copy of the
 next chunk runs. The client serialises the puts themselves, so the pages reach the pool in chunk order.
 
+Where the client writes device pages straight into same-host arenas (``Client.direct_device_puts``: the gather
+kernel, no pinned staging; ``umbp.puts``) there is no device-to-host copy to overlap: the batch is one ``store``,
+whose put pipelines its own ALLOCs and COMMITs around the kernel writes.
+
 Contracts: ``store`` is ``LayerwiseLoader.store``'s (True: stored now, False: it already existed; parents per page),
 blocks until every chunk is stored, and raises the first chunk's error after every chunk has finished (no chunk is
 left writing from a staging buffer). A batch of one chunk is one plain ``store``; on the CPU the chunks run the
@@ -55,7 +59,7 @@ class PipelinedStore:
             raise InvalidArgument(COMPONENT, f"{len(keys)} keys, {len(slots)} slots and "
                                              f"{'no' if parents is None else len(parents)} parents")
         n, step = len(keys), self.chunk_pages
-        if n <= step:
+        if n <= step or self._direct():
             return self.storers[0].store(keys, slots, parents, skip_existing=skip_existing)
         futures = []
         for c, lo in enumerate(range(0, n, step)):
@@ -68,6 +72,12 @@ class PipelinedStore:
         for f in futures:
             out += f.result()
         return out
+
+    def _direct(self) -> bool:
+        """The kernel writes device pages straight into arenas here: one put pipelines its own chunks (ALLOCs ahead,
+        COMMITs behind the writes) and there is no host copy to overlap, so the batch is not cut."""
+        client = self.storers[0].client
+        return self.kv.is_cuda and hasattr(client, "direct_device_puts") and client.direct_device_puts()
 
     def close(self) -> None:
         for w in self._workers:
