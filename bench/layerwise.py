@@ -5,11 +5,16 @@ Stores a prefix of ``--pages`` page-first pages (``--layers`` layers of ``--laye
 reports, per transport path (shm via the mapped arena; tcp ranged reads):
 - first: from ``load()`` to the first group being usable (CPU: yielded; CUDA: its event passed),
 - whole: from ``load()`` to the last group being usable,
-- first/whole (the target is at most 1/4 with 8 groups), and the same prefix loaded as one group.
-Bytes are checked after every load. Median of ``--iters`` runs. Without ``--metaserver`` a pool is started with
+- first/whole (the target is at most 1/4 with 8 groups), and the same prefix loaded as one group;
+- offload: the prefix's slots stored under fresh keys by ``LayerwiseLoader.store`` and by ``PipelinedStore`` (the
+  SGLang linker's path), GB/s and its ratio to the whole-prefix load rate (target >= 0.5x), with the path the bytes
+  took (``device_to_pool``: the kernel straight into a same-host arena; ``device_to_host``: staged through pinned
+  memory); the keys are removed after each run.
+Bytes are checked after every load and offload. Median of ``--iters`` runs. Without ``--metaserver`` a pool is started with
 ``python -m umbp up`` (needs etcd on PATH or next to this Python) and stopped at the end.
 
     python3 bench/layerwise.py [--device cpu|cuda] [--pages 256] [--layers 32] [--groups 8] [--layer-kib 8]
+    python3 bench/layerwise.py --device cuda --pages 512 --layers 32 --layer-kib 128   # 2 GiB, 4 MiB pages
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ def main() -> int:
     import umbp
     from umbp.engine.layout import PagedKV
     from umbp.engine.loader import LayerwiseLoader
+    from umbp.engine.offload import PipelinedStore
 
     L, n = args.layers, args.pages
     if L % args.groups:
@@ -89,7 +95,8 @@ def main() -> int:
     pool = None
     addr = args.metaserver
     if not addr:
-        pool, addr = start_pool(2, max(64 << 20, (n * page * 3) // 2 // 2 + (8 << 20)))
+        # room for the prefix and one offloaded copy of it (removed after each run), with slack: nothing evicted
+        pool, addr = start_pool(2, max(64 << 20, (n * page * 9) // 4 // 2 + (8 << 20)))
     results: dict = {"pages": n, "layers": L, "groups": args.groups, "page_bytes": page, "device": str(dev),
                      "paths": {}}
     try:
@@ -124,6 +131,23 @@ def main() -> int:
                 raise SystemExit(f"layerwise: bytes differ after a load ({load.pages} of {n} pages)")
             return first, whole
 
+        def offload(c, storer, name: str, kind: str, it: int) -> float:
+            """One offload of the prefix's slots under fresh keys; bytes of the first and last page checked, keys
+            removed afterwards (the pool keeps room for one copy)."""
+            okeys = [f"layerwise-offload-{name}-{kind}-{it}-{i}" for i in range(n)]
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            stored = storer.store(okeys, src_slots)
+            took = time.perf_counter() - t0
+            back = [torch.zeros(page, dtype=torch.uint8) for _ in range(2)]
+            got = c.batch_get_into([okeys[0], okeys[-1]], back)
+            want = [src_t[:, s].reshape(-1).cpu() for s in (src_slots[0], src_slots[-1])]
+            if not all(stored) or got != [page] * 2 or not all(torch.equal(b, w) for b, w in zip(back, want)):
+                raise SystemExit(f"layerwise: offload {kind} over {name}: bytes differ or pages not stored")
+            c.batch_remove(okeys)
+            return took
+
         for name in args.transports.split(","):
             mapped = name == "shm"
             lookups: list[float] = []
@@ -154,6 +178,23 @@ def main() -> int:
                   + (f"mapped LOOKUP {lookup * 1e3:.2f} ms of the first; " if mapped else "") + "as one group "
                   f"{whole1 * 1e3:.2f} ms; pool->host {ctr['pool_to_host_bytes'] >> 20} MiB, zero-copy "
                   f"{ctr['zero_copy_bytes'] >> 20} MiB)")
+            load_gbs = n * page / whole / 1e9
+            with umbp.Client(addr, transport=name) as c:
+                for kind, make in (("store", lambda: LayerwiseLoader(c, src, group_size=L, use_mapped=False)),
+                                   ("pipelined", lambda: PipelinedStore(c, src, L))):
+                    with make() as storer:
+                        secs = [offload(c, storer, name, kind, it) for it in range(args.iters + 1)][1:]
+                        per = {k: v // (args.iters + 1) for k, v in storer.counters.items()}
+                    best = min(secs)
+                    gbs = n * page / best / 1e9
+                    results["paths"][name][f"offload_{kind}"] = {
+                        "s": best, "gbs": gbs, "vs_load": gbs / load_gbs,
+                        "device_to_pool_bytes": per["device_to_pool_bytes"],
+                        "device_to_host_bytes": per["device_to_host_bytes"]}
+                    print(f"{name:4s} offload ({kind:9s}) {best * 1e3:8.2f} ms   {gbs:6.2f} GB/s   "
+                          f"{gbs / load_gbs:.2f}x the load ({load_gbs:.2f} GB/s)   per run: device->pool "
+                          f"{per['device_to_pool_bytes'] >> 20} MiB (kernel), device->host "
+                          f"{per['device_to_host_bytes'] >> 20} MiB (staged)")
     finally:
         if pool is not None:
             stop_pool(pool)
