@@ -153,7 +153,7 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
         # ride in that process's multi-slot request, are answered NOT_LEADER for that part only and resent to
         # the slot's leader; the other parts are answered in the same request.
         s = wire.slot_of("default", keys[0], SLOTS)
-        wrong = next(a for a in addrs if a != info["map"][s])
+        wrong = next(a for a in sorted(procs) if a != info["map"][s])  # leads slots: never the one leading none
         r.map[s] = wrong
         groups = len(set(r.map))  # the processes the (wrong) map names: the moved part rides with another's
         assert {wire.slot_of("default", k, SLOTS) for k in keys} == set(range(SLOTS))
@@ -165,6 +165,16 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
         assert r.moved == 1 and r.map == info["map"]  # learned from the one part's MOVED
         assert r.sent[Op.LOOKUP] - sent.get(Op.LOOKUP, 0) == groups + 1  # one per process, then the moved part
         assert 0 < n_slot < 240
+        # A single-slot request to a process that does not lead the slot: refused once (NOT_LEADER naming the
+        # leader), resent there; never resent to the process that refused it (a wasted round trip each MOVED).
+        only = [k for k in keys if wire.slot_of("default", k, SLOTS) == s]
+        r.map[s] = next(a for a in addrs if a != info["map"][s])  # any other process, whether it leads slots or not
+        sent = dict(r.sent)
+        outs = [bytearray(6000) for _ in only]
+        assert c.batch_get_into(only, outs) == [6000] * n_slot
+        assert all(bytes(o) == payload(keys.index(k)) for k, o in zip(only, outs))
+        assert r.moved == 2 and r.map == info["map"]
+        assert r.sent[Op.LOOKUP] - sent.get(Op.LOOKUP, 0) == 2  # the refused one, then at the leader
         # Puts too: ALLOC and COMMIT one per process, bytes exact through a fresh read.
         more = [f"group-more{i}".encode() for i in range(120)]
         sent = dict(r.sent)

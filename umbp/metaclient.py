@@ -183,10 +183,10 @@ class MetaClient:
                     self._waiting.pop(t.rid, None)
                     wire.raise_for_status(frame, t.conn.component)
                     return frame.meta
-                except (NotLeader, Unavailable, TransportError, ProtocolError):
+                except (NotLeader, Unavailable, TransportError, ProtocolError) as e:
                     self._waiting.pop(t.rid, None)
-                    if time.monotonic() >= deadline:
-                        raise
+                    if time.monotonic() >= deadline or (isinstance(e, NotLeader) and not self.follow):
+                        raise  # not following: resending to the same process would only be refused again
                     if t.conn is self._conn and t.conn.closed:
                         self._drop()
                     # retried in full below (a NOT_LEADER or UNAVAILABLE answer keeps the connection for call)
