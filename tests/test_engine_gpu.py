@@ -3,7 +3,8 @@
 Runs only where CUDA is available (the GPU machine); elsewhere the whole module is skipped with the reason below.
 The pool-free tests move pages between pinned or ``cudaHostRegister``-ed host memory (including a /dev/shm file
 mapped like a node arena) and scattered slots of device KV buffers. The pool tests (loader on CUDA, offload from
-CUDA) need etcd like every integration test.
+CUDA, CUDA values and KV slots written by the kernel straight into a same-host arena, with the offload rate printed
+next to the load's: run with -s to see it) need etcd like every integration test.
 
 On the GPU machine: ``python3 -m pytest -q tests/test_engine_gpu.py`` (see README.md, Engine path for the
 device call that carries the etcd/aetcd wheels)."""
@@ -151,7 +152,10 @@ def test_cuda_loader_round_trip(cluster, transport, mapped):
     with cluster.client(transport=transport) as c:
         saver = LayerwiseLoader(c, src)
         assert saver.store(keys, src_slots) == [True] * n
-        assert saver.counters["device_to_host_bytes"] == n * src.page_bytes
+        # over shm the kernel writes the slots straight into the arena (when CUDA registers it); over tcp staged
+        direct = transport == "shm" and c.direct_device_puts()
+        assert saver.counters["device_to_pool_bytes"] == (n * src.page_bytes if direct else 0)
+        assert saver.counters["device_to_host_bytes"] == (0 if direct else n * src.page_bytes)
         want = _kv_pages_on_host(src, src_slots)
 
         k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
@@ -178,3 +182,94 @@ def test_cuda_loader_round_trip(cluster, transport, mapped):
                 assert loader.counters["pool_to_host_bytes"] == n * dst.page_bytes
         finally:
             loader.close()
+
+
+# ---- direct device -> arena puts (umbp/puts.py, umbp/devcopy.py) ---------------------------------------------
+
+
+def _direct_or_skip(c) -> None:
+    if not gather.cupy_available():
+        pytest.skip("CuPy missing on this GPU machine: device puts are staged (covered by tests/test_device_puts.py)")
+    if not c.direct_device_puts():
+        pytest.skip("no same-host arena could be registered with CUDA here (cudaHostRegister refused the shared "
+                    "mapping): device puts are staged")
+
+
+@pytest.mark.cluster(nodes=1, capacity="512MiB")
+def test_cuda_values_written_by_the_kernel_bit_exact(cluster):
+    """batch_put / batch_put_ranges of CUDA tensors over shm: every byte written by the kernel (kernel_put_bytes,
+    nothing staged), read back bit for bit by a tcp client (host bytes) and into CUDA outs; over tcp the same
+    values are staged and equally exact."""
+    rng = torch.Generator(device=DEV).manual_seed(11)
+    sizes = [1 << 20, (1 << 20) + 4096, 777, 3 * (1 << 20) + 5]  # odd lengths: the kernel's byte tail
+    vals = [torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEV, generator=rng) for n in sizes]
+    bf = torch.randn(64, 1000, device=DEV, generator=rng).to(torch.bfloat16)  # not a byte tensor
+    with cluster.client(transport="shm") as c, cluster.client(transport="tcp") as t:
+        _direct_or_skip(c)
+        keys = [f"gpu-direct/{i}" for i in range(len(vals))]
+        assert c.batch_put(keys + ["gpu-direct/bf16"], vals + [bf]) == [True] * (len(vals) + 1)
+        halves = [[v[:len(v) // 2], v[len(v) // 2:]] for v in vals]
+        rkeys = [f"gpu-direct-ranges/{i}" for i in range(len(vals))]
+        assert c.batch_put_ranges(rkeys, halves) == [True] * len(vals)
+        total = 2 * sum(sizes) + bf.numel() * 2
+        assert c.counters["kernel_put_bytes"] == total and c.counters["staged_put_bytes"] == 0
+        for k, rk, v in zip(keys, rkeys, vals):
+            want = v.cpu().numpy().tobytes()
+            assert t.get(k) == want and t.get(rk) == want
+        assert t.get("gpu-direct/bf16") == bf.cpu().view(torch.uint8).numpy().tobytes()
+        outs = [torch.zeros_like(v) for v in vals]
+        assert c.batch_get_into(rkeys, outs) == sizes
+        assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+        tkeys = [f"gpu-staged/{i}" for i in range(len(vals))]
+        assert t.batch_put(tkeys, vals) == [True] * len(vals)
+        assert t.counters["kernel_put_bytes"] == 0 and t.counters["staged_put_bytes"] == sum(sizes)
+        assert all(c.get(k) == v.cpu().numpy().tobytes() for k, v in zip(tkeys, vals))
+
+
+@pytest.mark.cluster(nodes=1, capacity="2GiB")
+def test_offload_through_the_kernel_bit_exact_and_rate(cluster):
+    """LayerwiseLoader.store and PipelinedStore of CUDA KV slots over shm write straight into the arena (no byte
+    staged), loaded back layer-wise bit for bit; prints the offload GB/s next to the zero-copy load's."""
+    import time
+
+    from umbp.engine.offload import PipelinedStore
+
+    layers, slots_n, n = 32, 160, 128
+    k = torch.zeros(layers, slots_n, 16, 8, 64, dtype=torch.bfloat16, device=DEV)  # 16 KiB rows: 1 MiB pages
+    v = torch.zeros_like(k)
+    for t in (k, v):
+        t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16, device=DEV))
+    src = PagedKV([(k[i], v[i]) for i in range(layers)])
+    pb = src.page_bytes
+    slots = list(range(slots_n - 1, slots_n - 1 - n, -1))
+    want = _kv_pages_on_host(src, slots)
+    with cluster.client(transport="shm") as c:
+        _direct_or_skip(c)
+        rates = {}
+        for name, make in (("store", lambda: LayerwiseLoader(c, src, use_mapped=False)),
+                           ("pipelined", lambda: PipelinedStore(c, src, 1, chunk_pages=32))):
+            with make() as storer:
+                for it in range(2):  # the first run registers the arena
+                    keys = [f"gpu-offload/{name}/{it}/{i}" for i in range(n)]
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    assert storer.store(keys, slots) == [True] * n
+                    rates[name] = n * pb / (time.perf_counter() - t0) / 1e9
+                assert storer.counters["device_to_pool_bytes"] == 2 * n * pb
+                assert storer.counters["device_to_host_bytes"] == storer.counters["host_to_pool_bytes"] == 0
+        k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+        dst = PagedKV([(k2[i], v2[i]) for i in range(layers)])
+        with LayerwiseLoader(c, dst, group_size=8) as loader:
+            loader.prepare()
+            for name in ("store", "pipelined"):
+                keys = [f"gpu-offload/{name}/1/{i}" for i in range(n)]
+                k2.zero_()
+                v2.zero_()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                assert loader.load_all(keys, list(range(n))) == n
+                load = n * pb / (time.perf_counter() - t0) / 1e9
+                assert _kv_pages_on_host(dst, list(range(n))) == want
+        print(f"\noffload {n} x {pb >> 20} MiB pages: store {rates['store']:.2f} GB/s, pipelined "
+              f"{rates['pipelined']:.2f} GB/s; layer-wise zero-copy load {load:.2f} GB/s; offload/load "
+              f"{rates['store'] / load:.2f}x / {rates['pipelined'] / load:.2f}x (target >= 0.5x)")
