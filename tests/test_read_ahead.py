@@ -124,3 +124,23 @@ def test_settle_keeps_only_equal_locations_read_without_error():
     assert done == [True, False, False, False]
     assert (s.hits, s.wasted) == (1, 2) and s.skip == BACKOFF_BATCHES  # 2 of 3 tried were wasted
     assert all(s.plan([b"x"]) is None for _ in range(BACKOFF_BATCHES)) and s.skip == 0
+
+
+def test_closed_pool_tcp_reads_ahead_with_the_capabilities_of_earlier_answers(make_cluster, tmp_path, monkeypatch):
+    """Over TCP in a closed pool every read carries the read capability of the LOOKUP answer it came from: pages
+    remembered from two different answers, read ahead in one batch, are served (no refusal, no dropped
+    connection)."""
+    from closedpool import closed_cluster, scoped_client, tokens_toml
+
+    writer = "w-secret-0123456789abcdef"
+    cl = closed_cluster(make_cluster, tmp_path, monkeypatch, tokens_toml({"w": (writer, {"t": "rw"})}), nodes=1)
+    keys = [f"cp-{i}" for i in range(16)]
+    with scoped_client(cl.metaserver_addrs, writer, "t", transport="tcp") as c:
+        assert c.batch_put(keys, [page(k, 1) for k in keys]) == [True] * 16
+        assert c.batch_get_into(keys[:8], [bytearray(SIZE) for _ in range(8)]) == [SIZE] * 8  # answer 1
+        assert c.batch_get_into(keys[8:], [bytearray(SIZE) for _ in range(8)]) == [SIZE] * 8  # answer 2
+        outs = [bytearray(SIZE) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [SIZE] * 16
+        assert [bytes(o) for o in outs] == [page(k, 1) for k in keys]
+        st = c.stats()["client"]
+        assert st["spec_hits"] == 16 and st["spec_wasted"] == 0 and st["node_failures"] == 0, st
