@@ -179,6 +179,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
             return [_OVER_QUOTA_ITEM] * len(keys), fx
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         added = 0  # bytes the new entries add to the namespace's use (counted once, after the loop)
+        touch = self.policy.add  # an evictable entry re-added moves to the recent end
         for i, key in enumerate(keys):
             if key in seen:
                 items.append(_EXISTS_ITEM)
@@ -188,6 +189,12 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
             if e is not None:
                 if not e.space.dead:
                     items.append(_EXISTS_ITEM)
+                    # A put of a page already here is a use of it: the engine holds it in a live context (after a
+                    # broken prefix it re-offers pages that survived elsewhere). Not refreshing them evicted those
+                    # pages next, which cost a partitioned pool 6 of its 12 points against pool-wide LRU.
+                    e.last_access = now
+                    if e.pins == 0:
+                        touch(e)
                     continue
                 self._drop_dying(e, fx)  # on a node being dropped: gone for readers already, write it anew
             pd = pend.get(ns)

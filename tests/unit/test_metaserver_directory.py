@@ -495,3 +495,38 @@ def test_one_placement_evicts_at_most_its_budget(monkeypatch):
 
 
 # -- hardening: lease ownership, allocation ownership, budgeted node drops, per-namespace quotas ----------------------
+
+
+def test_a_put_of_a_page_already_here_counts_as_a_use():
+    """ALLOC answering EXISTS refreshes the page's recency (the engine holds it in a live context), for both
+    policies; a pinned page keeps its new recency for when its lease ends."""
+    for policy in ("lru", "prefix-lru"):
+        d = make(units=4, policy=policy)
+        put(d, "m", [b"a", b"b", b"c", b"d"], now=0.0)
+        items, _ = d.alloc("m", [b"a"], [PAGE], None, 50, 1.0)  # dedup: nothing allocated
+        assert [it[0] for it in items] == [EXISTS]
+        items, fx = d.alloc("m", [b"e"], [PAGE], None, 60, 2.0)
+        assert [it[0] for it in items] == [NEW] and fx.deletes == [("m", b"b")], (policy, fx.deletes)
+        lease, _ = d.lookup("m", [b"c"], 3.0)  # pinned: out of the victim order
+        assert [it[0] for it in d.alloc("m", [b"c"], [PAGE], None, 70, 4.0)[0]] == [EXISTS]
+        assert d.entries["m"][b"c"].last_access == 4.0
+        d.release(lease)
+        d.check()
+
+
+def test_a_slot_links_only_the_parents_of_its_own_slot():
+    """A partitioned pool's slot never sees a parent held by another slot: it drops such a parent at ALLOC, so
+    under prefix-lru the page is ordinary (evicted by recency), not an orphan that goes first."""
+    from metaserver.slots import SlotDirectory
+    from transport.wire import slot_of
+
+    d = SlotDirectory(1, 4, policy="prefix-lru")
+    d.add_space("n1", 64 * ALIGN)
+    mine = next(k for k in (b"p%d" % i for i in range(100)) if slot_of("m", k, 4) == 1)
+    other = next(k for k in (b"p%d" % i for i in range(100)) if slot_of("m", k, 4) != 1)
+    put(d, "m", [mine], now=0.0)
+    put(d, "m", [b"kid-of-mine", b"kid-of-other"], now=1.0, parents=[mine, other])
+    e = d.entries["m"]
+    assert e[b"kid-of-mine"].parent == mine and e[b"kid-of-other"].parent is None
+    assert d.policy.tier_of(e[b"kid-of-other"]) == 1 and d.policy.tier_of(e[mine]) == 2
+    d.check()
