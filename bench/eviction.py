@@ -20,7 +20,11 @@ Nothing asserts; ``--quick`` runs a smaller trace, ``--nodes 1`` shows the polic
 
 ``--metaservers N`` (> 1) replays each policy on a partitioned pool too (N metaserver processes, ``--slots`` slots:
 every slot evicts in its own region of each node, ``metaserver/slots.py``) and prints its hit rate next to one
-process's and the difference in points (issue 18: within 2 points of pool-wide LRU).
+process's and the difference in points (issue 18: within 2 points of pool-wide LRU). It also prints what ideal
+static partitions would lose on the same trace (``static_split``: an offline LRU per slot of capacity / slots, no
+pool): the part of the loss that only moving space between slots could win back. Both replays are then paced at
+``--pace-ms`` (30 ms) a request: the background watermark pass runs on a clock, so an unpaced replay that runs 3x
+slower on 3 processes (2 cores) would meet 3x more passes per request and measure the pass, not the partition.
 """
 
 from __future__ import annotations
@@ -121,16 +125,59 @@ def ceiling(trace: list[Turn]) -> tuple[int, int, int]:
     return hit, asked, len(seen)
 
 
+def namespace(args) -> str:
+    return f"bench/eviction/p{args.page}"
+
+
+def static_split(trace: list[Turn], cap_pages: int, slots: int, ns: str) -> float:
+    """Hit rate of ``slots`` ideal LRU partitions of ``cap_pages // slots`` pages each (slot = ``wire.slot_of``),
+    replayed offline as the pool is used: prefix hits refreshed, puts of pages already held refresh them too."""
+    from collections import OrderedDict
+
+    from transport.wire import slot_of
+    from umbp.keys import normalize_key
+
+    parts = [OrderedDict() for _ in range(slots)]
+    each = cap_pages // slots
+    where: dict[str, OrderedDict] = {}
+    hit = asked = 0
+    for t in trace:
+        for k in t.prompt + t.after:
+            if k not in where:
+                where[k] = parts[slot_of(ns, normalize_key(k), slots)]
+        n = 0
+        for k in t.prompt:
+            if k not in where[k]:
+                break
+            n += 1
+        hit += n
+        asked += len(t.prompt)
+        for k in t.prompt[:n] + t.after[n:]:
+            p = where[k]
+            p[k] = True
+            p.move_to_end(k)
+            if len(p) > each:
+                p.popitem(last=False)
+    return hit / asked if asked else 0.0
+
+
 def replay(trace: list[Turn], policy: str, args, node_capacity: int, metaservers: int = 1) -> dict:
     payload = bytes(args.page_bytes)
     out = bytearray(args.page_bytes)
     parts = {"metaservers": metaservers, "slots": args.slots} if metaservers > 1 else {}
     with LocalPool(nodes=args.nodes, capacity=node_capacity,
                    metaserver_args=["--eviction-policy", policy], **parts) as pool:
-        with umbp.Client(pool.metaserver, namespace=f"bench/eviction/p{args.page}") as c:
+        with umbp.Client(pool.metaserver, namespace=namespace(args)) as c:
             hit = asked = loaded = 0
             t0 = time.perf_counter()
+            pace = args.pace_ms / 1000.0
+            due = time.perf_counter()
             for t in trace:
+                if pace:  # every request starts on the same clock in every replay (see --pace-ms)
+                    due += pace
+                    wait = due - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(min(wait, pace))
                 n = c.prefix_hits(t.prompt) if t.prompt else 0
                 hit += n
                 asked += len(t.prompt)
@@ -162,9 +209,13 @@ def main() -> int:
     p.add_argument("--metaservers", type=int, default=1, help="also replay on a partitioned pool of N processes")
     p.add_argument("--slots", type=int, default=8, help="slots of the partitioned pool (--metaservers > 1)")
     p.add_argument("--policies", default="lru,prefix-lru", help="comma-separated eviction policies to replay")
+    p.add_argument("--pace-ms", type=float, default=None,
+                   help="start a request every N ms (default: 0, as fast as possible; 30 with --metaservers > 1)")
     args = p.parse_args()
     if args.quick:
         args.sessions, args.live = 16, 6
+    if args.pace_ms is None:
+        args.pace_ms = 30.0 if args.metaservers > 1 else 0.0
 
     t0 = time.perf_counter()
     trace = make_trace(args)
@@ -192,6 +243,11 @@ def main() -> int:
         if args.metaservers > 1:
             one, many = (res[policy, n]["hit"] / res[policy, n]["asked"] for n in kinds)
             print(f"{policy}: partitioned {many:.1%} vs one process {one:.1%}: {(many - one) * 100:+.1f} points")
+    if args.metaservers > 1:
+        one_lru = static_split(trace, cap_pages, 1, namespace(args))
+        split = static_split(trace, cap_pages, args.slots, namespace(args))
+        print(f"ideal static split (offline LRU, same trace): {args.slots} slots {split:.1%} vs one LRU "
+              f"{one_lru:.1%}: {(split - one_lru) * 100:+.1f} points (what only moving space between slots wins back)")
     if ("lru", 1) in res and ("prefix-lru", 1) in res:
         lru, plru = (res[k, 1]["hit"] / res[k, 1]["asked"] for k in ("lru", "prefix-lru"))
         print(f"ratio prefix-lru / lru: {plru / lru:.2f}x" if lru else "ratio: lru reused nothing")
