@@ -44,19 +44,19 @@ Where the rest of ``Directory`` lives (mixins, one responsibility each): node sp
 from __future__ import annotations
 
 import heapq
-import secrets
 import sys
 from collections import deque
 from operator import attrgetter
 
 from metaserver.entry import (GONE, PENDING, READY, STATE_NAMES, Effects, Entries, Entry, NodeSpace, NsEntries,
-                              SpaceEntries)
+                              SpaceEntries, extent_size, PART_MASK, SHARD_SHIFT)
 from metaserver.eviction import Policy, make_policy
 from metaserver.invariants import DirectoryInvariants
 from metaserver.links import PrefixLinks
 from metaserver.passes import EvictionPasses
 from metaserver.placement import PLACE_EVICT_BUDGET, Placer
 from metaserver.quarantine import Quarantine
+from metaserver.shared import ShardState, SharedEntries
 from metaserver.spaces import NodeSpaces
 from transport import wire
 from transport.wire import object_size
@@ -77,7 +77,7 @@ _access = attrgetter("last_access")
 _intern = sys.intern
 
 
-class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
+class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, DirectoryInvariants):
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
                  quotas: dict[str, int] | None = None):
         self.pending_ttl_s = pending_ttl_s
@@ -87,6 +87,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
         self.pending_keys: dict[str, dict[bytes, Entry]] = {}
         # PENDING entries in allocation order -> (their writer's token, the connection that owns them now)
         self._pending: dict[Entry, tuple[int | None, object]] = {}
+        self._shards: dict[Entry, ShardState] = {}  # PENDING shared entries' sub-slots (metaserver/shared.py)
         self.entries = Entries(self)
         self.spaces: dict[str, NodeSpace] = {}
         self.leases: dict[int, list[Entry]] = {}  # random 63-bit ids: a lease cannot be guessed
@@ -153,19 +154,23 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
             if len(self._sizes) >= SIZE_INTERN:
                 return n
             v = self._sizes[n] = n
-            self._osizes[n] = object_size(n)
+            self._osizes[n] = extent_size(n)
         return v
 
     # -- data plane --------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], parents: list | None, gen_base: int,
-              now: float, token: int | None = None, owner: object = None) -> tuple[list, Effects]:
+              now: float, token: int | None = None, owner: object = None, shard: tuple[int, int] | None = None
+              ) -> tuple[list, Effects]:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting if needed. Returns (items, effects):
         item = [NEW, node_id, offset, payload_len, gen] | [EXISTS, None...] | [NO_SPACE, None...] |
         [IN_FLIGHT, None...] (another writer holds the key PENDING) | [OVER_QUOTA, None...] for every key (internal:
         the request's new keys do not fit in the namespace's quota even after evicting its own unpinned pages;
         nothing was allocated and the caller refuses the request). A PENDING key allocated under the same ``token`` gets its place again (a retried
         ALLOC whose answer was lost), so ALLOC is idempotent; it then belongs to ``owner`` (the retry's
-        connection), so the first connection closing does not abort it."""
+        connection), so the first connection closing does not abort it. ``shard`` (rank, n): a shared entry's
+        sub-slot (``alloc_shared``)."""
+        if shard is not None:
+            return self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
         fx = Effects()
         ns = _intern(ns)
         r = self.ready.get(ns) or {}
@@ -259,16 +264,16 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
             seen.add(key)
             e = r.get(key)
             if e is None or e.space.dead:
-                need += object_size(size)
+                need += extent_size(size)
         used = self.ns_used.get(ns, 0)
         over = used + need - quota
         if over <= 0:
             return True
         if need > quota:
             return False
-        held = sum(object_size(e.payload_len) for e in pd.values())
+        held = sum(extent_size(e.payload_len) for e in pd.values())
         pinned = {id(e): e for es in self.leases.values() for e in es if e.ns == ns and e.state == READY}
-        held += sum(object_size(e.payload_len) for e in pinned.values())
+        held += sum(extent_size(e.payload_len) for e in pinned.values())
         if over > used - held:
             return False
         return self._evict_ns(ns, over, PLACE_EVICT_BUDGET + len(keys), fx) >= over
@@ -289,7 +294,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
                 e, acc = q.pop()
                 if e.state != READY or e.pins or e.last_access != acc:
                     continue
-                freed += object_size(e.payload_len)
+                freed += extent_size(e.payload_len)
                 if e.space.dead:
                     self._drop_dying(e, fx)
                 else:
@@ -309,10 +314,14 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
         self.evictions += n
         return freed
 
-    def commit(self, ns: str, keys: list[bytes], gens: list[int], now: float) -> tuple[list[bool], Effects]:
+    def commit(self, ns: str, keys: list[bytes], gens: list[int], now: float, shard: tuple[int, int] | None = None
+               ) -> tuple[list[bool], Effects]:
         """PENDING -> READY for each (key, gen) that is still pending with that generation. Idempotent: a key
         already READY with that very generation reports True again (a retry whose first answer was lost, possibly
-        across a failover that loaded the commit from etcd); anything else reports False."""
+        across a failover that loaded the commit from etcd); anything else reports False (so does a shared entry:
+        its ranks commit with ``shard``, ``commit_shared``)."""
+        if shard is not None:
+            return self.commit_shared(ns, keys, gens, now, shard)
         fx = Effects()
         pd = self.pending_keys.get(ns)
         r = self.ready.get(ns)
@@ -320,7 +329,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
         if pd is None:
             for key, gen in zip(keys, gens):
                 e = r.get(key) if r is not None else None
-                ok.append(e is not None and e.gen == gen)
+                ok.append(e is not None and e.gen == gen and e.payload_len <= PART_MASK)
             return ok, fx
         pending = self._pending
         link, add = self._link_ready, self.policy.add
@@ -328,9 +337,9 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
             e = pd.get(key)
             if e is None:
                 e = r.get(key) if r is not None else None
-                ok.append(e is not None and e.gen == gen)
+                ok.append(e is not None and e.gen == gen and e.payload_len <= PART_MASK)
                 continue
-            if e.gen != gen:
+            if e.gen != gen or e.payload_len > PART_MASK:
                 ok.append(False)
                 continue
             if r is None:
@@ -378,42 +387,24 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
             n += 1
         return n
 
-    def lookup(self, ns: str, keys: list[bytes], now: float, owner: object = None) -> tuple[int, list]:
+    def lookup(self, ns: str, keys: list[bytes], now: float, owner: object = None,
+               shard: tuple[int, int] | None = None) -> tuple[int, list]:
         """Locations of READY keys, each pinned under one read lease (0 when nothing was found). The lease id is
-        random (63 bits, never 0) and belongs to ``owner``: only it may ``release`` it (expiry aside)."""
+        random (63 bits, never 0) and belongs to ``owner``: only it may ``release`` it (expiry aside). A shared
+        entry is a miss here; ``shard`` (rank, n) reads shared entries' sub-slots instead (``lookup_shared``)."""
+        if shard is not None:
+            return self.lookup_shared(ns, keys, now, owner, shard)
         r = self.ready.get(ns) or {}
         locs: list = []
         found: list[Entry] = []
-        discard = self.policy.discard
-        pinned = 0
         for k in keys:
             e = r.get(k)
-            if e is None or e.space.dead:  # dead: on a node being dropped in slices
+            if e is None or e.space.dead or e.payload_len > PART_MASK:  # dead: being dropped; > PART_MASK: shared
                 locs.append(None)
                 continue
             locs.append((e.space.node_id, e.offset, e.payload_len, e.gen))
             found.append(e)
-            if e.pins == 0:
-                discard(e)
-                pinned += 1
-            e.pins += 1
-            e.last_access = now
-        self.pinned += pinned
-        self.hits += len(found)
-        self.misses += len(keys) - len(found)
-        if not found:
-            return 0, locs
-        leases = self.leases
-        lease = 0
-        for _ in range(64):  # a collision among 2^63 ids is practically impossible; bounded all the same
-            lease = secrets.randbits(63)
-            if lease and lease not in leases:
-                break
-        leases[lease] = found
-        if owner is not None:
-            self._lease_owner[lease] = owner
-        self._lease_q.append((now + self.read_lease_s, lease))
-        return lease, locs
+        return self._pin_found(found, len(keys), now, owner), locs
 
     def release(self, lease: int, owner: object = None) -> bool:
         """Unpin everything under ``lease``; False, changing nothing, when it is unknown, already expired, or
@@ -448,7 +439,9 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
             for key, e in NsEntries(self, name).items():
                 if len(out) >= limit:
                     return out, True
-                out.append((name, key, e.payload_len, e.space.node_id, STATE_NAMES[e.state]))
+                code = e.payload_len  # a shared entry: its parts' payload together
+                out.append((name, key, code if code <= PART_MASK else (code & PART_MASK) * (code >> SHARD_SHIFT),
+                            e.space.node_id, STATE_NAMES[e.state]))
         return out, False
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -461,7 +454,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
                 del r[key]
                 if not r:
                     del self.ready[ns]
-                self._count(ns, -object_size(e.payload_len))
+                self._count(ns, -extent_size(e.payload_len))
             self.policy.discard(e)
             fx.deletes.append((ns, key))
             up = e.up
@@ -483,8 +476,10 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
                 del pd[key]
                 if not pd:
                     del self.pending_keys[ns]
-                self._count(ns, -object_size(e.payload_len))
+                self._count(ns, -extent_size(e.payload_len))
             self._pending.pop(e, None)
+            if self._shards:
+                self._shards.pop(e, None)
         e.state = GONE
 
     def _drop(self, e: Entry, fx: Effects) -> None:
@@ -493,7 +488,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
         sp = e.space
         sp.n -= 1
         if e.pins == 0 and not sp.dead:  # a dead space's bytes are gone with its node
-            self.quarantine.free(sp, e.offset, object_size(e.payload_len), e.gen)
+            self.quarantine.free(sp, e.offset, extent_size(e.payload_len), e.gen)
 
     def _unpin(self, e: Entry) -> None:
         e.pins -= 1
@@ -502,6 +497,6 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, DirectoryInvariants):
         self.pinned -= 1
         if e.state == GONE:
             if not e.space.dead:
-                self.quarantine.free(e.space, e.offset, object_size(e.payload_len), e.gen)
+                self.quarantine.free(e.space, e.offset, extent_size(e.payload_len), e.gen)
         elif e.state == READY:
             self.policy.add(e)

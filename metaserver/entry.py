@@ -9,6 +9,11 @@ with the object header) next to its key, offset and generation objects. ``node_i
 entries are the eviction policy's members plus its few PENDING and pinned ones (``NodeSpace.n`` counts them), a
 namespace's entries are ``ready[ns]`` and ``pending_keys[ns]`` of the directory.
 
+Shared entries (TP-sharded KV, ``metaserver/shared.py``): one entry holds one extent of ``n`` sub-slots, each a
+normal object slot of ``part_len`` payload bytes. Its ``payload_len`` slot holds the *layout code*
+``part_len | n << SHARD_SHIFT`` (``layout``), so a shared entry costs no more memory than any other; every extent size
+is ``extent_size(payload_len)``, never ``object_size`` of it. A plain entry's code is its payload length.
+
 Costs: view lookups O(1) (two dict probes); ``len`` O(1); iteration is a snapshot, O(its entries, plus every
 PENDING and pinned entry for a node's view).
 """
@@ -24,6 +29,35 @@ if TYPE_CHECKING:
     from metaserver.directory import Directory
 
 PENDING, READY, GONE = 0, 1, 2
+SHARD_SHIFT = 41  # payload lengths are at most 1 << 40 (validate.MAX_PAYLOAD)
+PART_MASK = (1 << SHARD_SHIFT) - 1
+MAX_SHARDS = 256
+
+
+def layout(part_len: int, n: int) -> int:
+    """The layout code of a shared entry of ``n`` sub-slots of ``part_len`` payload bytes each."""
+    return part_len | (n << SHARD_SHIFT)
+
+
+def shards_of(code: int) -> int:
+    """``n`` of a shared entry's layout code; 0 for a plain entry."""
+    return code >> SHARD_SHIFT
+
+
+def part_len(code: int) -> int:
+    """The payload length of one sub-slot (a plain entry: its payload length)."""
+    return code & PART_MASK
+
+
+def stride(code: int) -> int:
+    """Bytes between two sub-slots of a shared entry: one object slot of its part length."""
+    return object_size(code & PART_MASK)
+
+
+def extent_size(code: int) -> int:
+    """Bytes the entry's one extent takes: ``n`` object slots for a shared entry, one for a plain one."""
+    n = code >> SHARD_SHIFT
+    return object_size(code) if not n else n * object_size(code & PART_MASK)
 STATE_NAMES = ("PENDING", "READY", "GONE")
 
 
@@ -59,7 +93,7 @@ class Entry:
 
     @property
     def size(self) -> int:
-        return object_size(self.payload_len)
+        return extent_size(self.payload_len)
 
     @property
     def gone(self) -> bool:
@@ -203,7 +237,7 @@ class NsEntries:
         d = self._d
         target = d.ready if e.state == READY else d.pending_keys
         target.setdefault(self._ns, {})[key] = e
-        d._count(self._ns, object_size(e.payload_len))
+        d._count(self._ns, extent_size(e.payload_len))
         if e.state == PENDING:
             d._pending.setdefault(e, (None, None))
 

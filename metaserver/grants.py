@@ -17,15 +17,16 @@ from metaserver.directory import NEW
 from umbp.auth import Tokens, read_capability, write_capability
 
 
-def grant_writes(tokens: Tokens, node: Callable, ns: str, keys: list, items: list, deadline_ms: int
-                 ) -> tuple[list, list[bytes], list[int]]:
+def grant_writes(tokens: Tokens, node: Callable, ns: str, keys: list, items: list, deadline_ms: int,
+                 rank: int | None = None) -> tuple[list, list[bytes], list[int]]:
     """Turn the directory's ALLOC items into the answer's: a NEW ``(NEW, node_id, off, plen, gen)`` becomes
     ``(NEW, node_id, off, plen, gen, tag, cap_index)``. ``node(node_id)`` gives the member (``cap_key``,
-    ``cap_epoch``) or None. Returns (items, caps, indices of the NEW items)."""
+    ``cap_epoch``) or None. ``rank``: the items are that rank's sub-slots of shared entries (tags of (key, rank)).
+    Returns (items, caps, indices of the NEW items)."""
     new = [i for i, it in enumerate(items) if it[0] == NEW]
     if not new:
         return items, [], new
-    tags = tokens.tags(ns, [keys[i] for i in new])
+    tags = tokens.tags(ns, [keys[i] for i in new], rank)
     index: dict[str, int] = {}
     slots: list[list] = []
     out = list(items)
@@ -45,13 +46,15 @@ def grant_writes(tokens: Tokens, node: Callable, ns: str, keys: list, items: lis
     return out, caps, new
 
 
-def grant_reads(tokens: Tokens, node: Callable, ns: str, keys: list, locs: list) -> list[bytes]:
+def grant_reads(tokens: Tokens, node: Callable, ns: str, keys: list, locs: list, rank: int | None = None
+                ) -> list[bytes]:
     """Turn the directory's LOOKUP locations ``(node_id, off, plen, gen)`` into the answer's, in place:
-    ``(node_id, off, plen, gen, tag, cap_index)``. Returns the capabilities."""
+    ``(node_id, off, plen, gen, tag, cap_index)`` (``rank``: sub-slots of shared entries, as ``grant_writes``).
+    Returns the capabilities."""
     hits = [i for i, loc in enumerate(locs) if loc is not None]
     if not hits:
         return []
-    tags = tokens.tags(ns, [keys[i] for i in hits])
+    tags = tokens.tags(ns, [keys[i] for i in hits], rank)
     index: dict[str, int] = {}
     slots: list[list] = []
     for i, tag in zip(hits, tags):

@@ -7,8 +7,7 @@ entries).
 
 from __future__ import annotations
 
-from metaserver.entry import GONE, PENDING, READY, Entry
-from transport.wire import object_size
+from metaserver.entry import GONE, PENDING, READY, Entry, extent_size
 
 
 class DirectoryInvariants:
@@ -40,7 +39,7 @@ class DirectoryInvariants:
         assert len(pinned) == self.pinned, (len(pinned), self.pinned)
         for sp in self.spaces.values():
             es = by_space.pop(id(sp), [])
-            sp.alloc.check([(e.offset, object_size(e.payload_len)) for e in es] + self.quarantine.extents(sp))
+            sp.alloc.check([(e.offset, extent_size(e.payload_len)) for e in es] + self.quarantine.extents(sp))
             assert sp.alloc.used <= sp.alloc.capacity
             mine = [e for e in es if e.state != GONE]
             assert sp.n == len(mine), (sp.node_id, sp.n, len(mine))
@@ -57,7 +56,7 @@ class DirectoryInvariants:
             "entries on a space the directory lost"
         used: dict[str, int] = {}
         for e in live:
-            used[e.ns] = used.get(e.ns, 0) + object_size(e.payload_len)
+            used[e.ns] = used.get(e.ns, 0) + extent_size(e.payload_len)
         assert used == self.ns_used, ("per-namespace use", used, self.ns_used)
         assert set(self._lease_owner) <= set(self.leases), "an owner kept for a lease that is gone"
         assert all(w is not None and type(w) is tuple and len(w) == 2 for w in self._pending.values())
@@ -81,3 +80,4 @@ class DirectoryInvariants:
         n_orphans = sum(len(w) if type(w) is set else 1 for o in self.orphans.values() for w in o.values())
         assert n_orphans == sum(1 for e in live if e.state == READY and type(e.up) is bytes)
         assert self.used <= self.capacity
+        self._check_shared(live)

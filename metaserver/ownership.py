@@ -73,8 +73,8 @@ class OwnershipHandlers:
         read leases it still holds. An allocation another connection took over (an ALLOC retried with its token)
         is not this connection's any more and stays."""
         self.drop_leases(conn)
-        writer_of = self.dir.writer_of
-        gone = [e for e in conn.pending if e.state == PENDING and writer_of(e) is conn]
+        owned_by = self.dir.owned_by  # a shared entry: a sub-slot this connection holds and has not written
+        gone = [e for e in conn.pending if e.state == PENDING and owned_by(e, conn)]
         by_ns: dict[str, tuple[list, list]] = {}
         for e in gone:
             ks, gs = by_ns.setdefault(e.ns, ([], []))

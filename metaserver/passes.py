@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import heapq
 
-from metaserver.entry import Effects, NodeSpace
+from metaserver.entry import Effects, NodeSpace, extent_size
 from metaserver.eviction import bytes_to_low, over_high
-from transport.wire import object_size
 
 
 class EvictionPasses:
@@ -25,7 +24,7 @@ class EvictionPasses:
         for victim in self.policy.victims(node_id):
             if freed >= nbytes or n >= budget:
                 break
-            freed += object_size(victim.payload_len)
+            freed += extent_size(victim.payload_len)
             self._drop(victim, fx)
             n += 1
         self.evictions += n

@@ -5,7 +5,9 @@ Layout under ``prefix`` (``MetaserverConfig.etcd_prefix``)::
     {prefix}/nodes/{node_id}        msgpack(node record incl. lease_id), attached to the node's lease
     {prefix}/arenas/{node_id}       msgpack(the same record), durable: which arena the node's pages live in
     {prefix}/pages/{ns}/{hex key}   msgpack([node_id, offset, payload_len, gen, parent]); READY pages only; the key
-                                    in its digest form (``wire.digest_key``: 64 hex characters for a digest)
+                                    in its digest form (``wire.digest_key``: 64 hex characters for a digest). A
+                                    shared entry (``metaserver/shared.py``) appends its part count:
+                                    [node_id, offset, part_len, gen, parent, n]
     {prefix}/gen                    decimal: every generation below it may have been handed out
     {prefix}/leader                 the leader's advertise address, attached to its election lease
 
@@ -44,6 +46,7 @@ import aetcd.exceptions
 import aetcd.rpc
 import msgpack
 
+from metaserver.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, layout
 from transport.wire import Status, digest_key
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, Unavailable
@@ -126,6 +129,11 @@ class EtcdStore:
 
     @staticmethod
     def page_value(node_id: str, offset: int, payload_len: int, gen: int, parent: bytes | None) -> bytes:
+        """The record of a page; ``payload_len`` is the entry's layout code (a shared entry's: ``part_len | n <<
+        SHARD_SHIFT``, written as its part length and ``n`` appended)."""
+        if payload_len > PART_MASK:
+            return msgpack.packb([node_id, offset, payload_len & PART_MASK, gen, parent, payload_len >> SHARD_SHIFT],
+                                 use_bin_type=True)
         return msgpack.packb([node_id, offset, payload_len, gen, parent], use_bin_type=True)
 
     def page_puts(self, entries) -> list[tuple[bytes, bytes]]:
@@ -140,8 +148,10 @@ class EtcdStore:
             if e.ns is not ns:
                 ns = e.ns
                 base = pages + ns.encode() + b"/"
+            pl = e.payload_len
             out.append((base + e.key.hex().encode(),
-                        pack((e.space.node_id, e.offset, e.payload_len, e.gen, e.parent))))
+                        pack((e.space.node_id, e.offset, pl, e.gen, e.parent)) if pl <= PART_MASK else
+                        pack((e.space.node_id, e.offset, pl & PART_MASK, e.gen, e.parent, pl >> SHARD_SHIFT))))
         return out
 
     # -- calls -------------------------------------------------------------------------------------------------
@@ -340,15 +350,26 @@ class EtcdStore:
 
     def page_record(self, kv) -> tuple:
         """(mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key) of a page kv; node_id None
-        when the record cannot be read (the leader deletes it). A record named by a digest key's hex text instead of
-        its raw form (written before keys had one form, ``wire.digest_key``) counts as unreadable: a cache
-        page lost once at that upgrade, never two records for one page."""
+        when the record cannot be read (the leader deletes it). ``payload_len`` is the layout code (a shared
+        entry's record, six fields, folds its ``n`` in: ``metaserver.entry.layout``). A record named by a digest
+        key's hex text instead of its raw form (written before keys had one form, ``wire.digest_key``) counts as
+        unreadable: a cache page lost once at that upgrade, never two records for one page."""
         try:
             ns_b, _, hexkey = kv.key[len(self._pages):].rpartition(b"/")
             key = bytes.fromhex(hexkey.decode())
             if len(key) >= 64 and digest_key(key) is not key:
                 raise ValueError("a digest key not in its raw form")
-            node_id, off, plen, gen, parent = msgpack.unpackb(kv.value, raw=False)
+            rec = msgpack.unpackb(kv.value, raw=False)
+            if type(rec) is list and len(rec) == 6:
+                node_id, off, plen, gen, parent, n = rec
+                if (type(n) is not int or not 1 <= n <= MAX_SHARDS or type(plen) is not int
+                        or not 0 <= plen <= PART_MASK):
+                    raise ValueError("a shared page's part count or length out of range")
+                plen = layout(plen, n)
+            else:
+                node_id, off, plen, gen, parent = rec
+                if type(plen) is int and plen > PART_MASK:
+                    raise ValueError("a payload length out of range")
             return (kv.mod_revision, node_id, ns_b.decode(), key, int(off), int(plen), int(gen),
                     digest_key(parent) if type(parent) is bytes and len(parent) >= 64 else parent, kv.key)
         except (ValueError, TypeError, UnicodeDecodeError, msgpack.exceptions.UnpackException):

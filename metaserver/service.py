@@ -72,8 +72,10 @@ ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loa
 
 _NONE = frozenset()
 _NS_KEYS = frozenset({"ns", "keys"})
+_LOOKUP = frozenset({"ns", "keys", "shard"})
 _NS_KEYS_GENS = frozenset({"ns", "keys", "gens"})
-_ALLOC = frozenset({"ns", "keys", "sizes", "parents", "token"})
+_COMMIT = frozenset({"ns", "keys", "gens", "shard"})
+_ALLOC = frozenset({"ns", "keys", "sizes", "parents", "token", "shard"})
 
 # Ops a standby refuses with NOT_LEADER (everything that reads or changes the directory or membership).
 # STATS too: a standby's empty directory would read as an empty pool. HELLO, PING and LEADER answer anywhere.
@@ -461,28 +463,31 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
         parents = v.parents(m, len(keys))
         token = v.integer(m, "token", 1, (1 << 63) - 1) if m.get("token") is not None else None
+        shard = v.shard(m)
         base = self.gens.take_nowait(len(keys)) if self.settled.is_set() else None
         if base is None:
-            return self._alloc_later(ns, keys, sizes, parents, self.term, token, conn)
-        return self._alloc_now(ns, keys, sizes, parents, base, token, conn)
+            return self._alloc_later(ns, keys, sizes, parents, self.term, token, conn, shard)
+        return self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard)
 
-    def _alloc_now(self, ns, keys, sizes, parents, base, token, conn) -> dict:
+    def _alloc_now(self, ns, keys, sizes, parents, base, token, conn, shard=None) -> dict:
         if not any(sp.placeable for sp in self.dir.spaces.values()) and any(
                 n.provisional for n in self.members.nodes.values()):
             # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
             raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
-        items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn)
+        items, fx = (self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn) if shard is None
+                     else self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard))
         self._apply(fx)
         if self.dir.quotas and any(it[0] == OVER_QUOTA for it in items):
             self._refuse_over_quota(ns, keys, items)
         deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
-        out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms)
+        out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms,
+                                      shard[0] if shard is not None else None)
         if new:
             pd = self.dir.pending_keys[ns]  # a NEW item's entry is PENDING: straight from its dict, not the view
             conn.pending.update([pd[keys[i]] for i in new])  # aborted if this connection goes away before COMMIT
         return {"items": out, "caps": caps}
 
-    async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn) -> dict:
+    async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn, shard=None) -> dict:
         if not self.settled.is_set():
             # Just took over: let the nodes re-register first (bounded by ALLOC_HOLD_S via tick).
             try:
@@ -492,12 +497,12 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             self.check_term(term)
         base = await self.gens.take(len(keys))
         self.check_term(term)
-        return self._alloc_now(ns, keys, sizes, parents, base, token, conn)
+        return self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard)
 
-    def _settle_request(self, meta: Any, conn) -> tuple[str, list, list]:
+    def _settle_request(self, meta: Any, conn, allowed: frozenset = _NS_KEYS_GENS) -> tuple[str, list, list]:
         """The shared opening of COMMIT and ABORT: validate (ns, keys, gens), check write rights, and take the keys
         out of this connection's pending set (they are settled by this request, whatever its outcome)."""
-        m = v.fields(meta, _NS_KEYS_GENS, ("ns", "keys", "gens"))
+        m = v.fields(meta, allowed, ("ns", "keys", "gens"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, True, "metaserver")
         keys = v.keys(m, self.max_keys)
@@ -511,8 +516,10 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         return ns, keys, gens
 
     def commit(self, meta: Any, conn):
-        ns, keys, gens = self._settle_request(meta, conn)
-        ok, fx = self.dir.commit(ns, keys, gens, time.monotonic())
+        ns, keys, gens = self._settle_request(meta, conn, _COMMIT)
+        shard = v.shard(meta)
+        ok, fx = (self.dir.commit(ns, keys, gens, time.monotonic()) if shard is None
+                  else self.dir.commit(ns, keys, gens, time.monotonic(), shard))
         fut = self._apply(fx, wait=True)
         if fut is None:
             return {"ok": ok}
@@ -530,14 +537,18 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         return {"aborted": self.dir.abort(ns, keys, gens)}
 
     def lookup(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
+        m = v.fields(meta, _LOOKUP, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")
         keys = v.keys(m, self.max_keys)
-        lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn)
+        shard = v.shard(m)
+        if shard is None:
+            lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn)
+        else:
+            lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn, shard)
         if lease:
             self._own_lease(conn, lease)
-        caps = grant_reads(self.tokens, self.members.get, ns, keys, locs)
+        caps = grant_reads(self.tokens, self.members.get, ns, keys, locs, shard[0] if shard is not None else None)
         return {"lease": lease, "locs": locs, "caps": caps}
 
     def exists(self, meta: Any, conn) -> dict:

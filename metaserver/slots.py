@@ -105,14 +105,14 @@ class SlotDirectory(Directory):
         sp.alloc = Allocator(base, size, track=False)
         return sp
 
-    def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None):
+    def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
         """``Directory.alloc`` with the parents of other slots left out: they are never linked here, so a page
         naming one would count as an orphan under ``prefix-lru`` and go first (it cost that policy 54 points of
         hit rate on bench/eviction.py); without it the page is ordinary, evicted by recency."""
         if parents:
             me, n = self.slot, self.slots
             parents = [p if p is None or wire.slot_of(ns, p, n) == me else None for p in parents]
-        return super().alloc(ns, keys, sizes, parents, gen_base, now, token, owner)
+        return super().alloc(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
 
 
 class SlotLeadership:

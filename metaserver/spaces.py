@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from metaserver.entry import READY, Effects, Entry, NodeSpace
-from transport.wire import object_size
+from metaserver.entry import READY, Effects, Entry, NodeSpace, extent_size
 
 _intern = sys.intern
 
@@ -131,7 +130,7 @@ class NodeSpaces:
                 continue
             sz = osize.get(plen)
             if sz is None:
-                sz = osize[plen] = object_size(plen)
+                sz = osize[plen] = extent_size(plen)
             keep.append(rec)
             extents.append((rec[2], sz))
         skip = set(sp.alloc.rebuild(extents))
@@ -176,12 +175,12 @@ class NodeSpaces:
         sp = self.spaces.get(node_id)
         if sp is None or key in self.entries.get(ns, ()):
             return None
-        if payload_len < 0 or not sp.alloc.reserve(offset, object_size(payload_len)):
+        if payload_len < 0 or not sp.alloc.reserve(offset, extent_size(payload_len)):
             return None
         ns = _intern(ns)
         e = Entry(ns, key, sp, offset, self._plen(payload_len), gen, READY, parent, 0.0)
         self.ready.setdefault(ns, {})[key] = e
-        self._count(ns, object_size(payload_len))
+        self._count(ns, extent_size(payload_len))
         sp.n += 1
         self._link_ready(e)
         self.policy.add(e)

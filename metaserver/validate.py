@@ -21,6 +21,7 @@ from umbp.errors import BadRequest
 MAX_KEY = wire.MAX_KEY_BYTES
 MAX_NS = 128
 MAX_PAYLOAD = 1 << 40
+MAX_SHARDS = 256  # parts of one shared entry (metaserver/entry.py MAX_SHARDS)
 
 
 class Reject(BadRequest):
@@ -104,6 +105,18 @@ def parents(meta: dict, n: int) -> list | None:
         if p is not None and (type(p) is not bytes or not 0 < len(p) <= MAX_KEY):
             raise Reject(f"parents[{i}] must be 1..{MAX_KEY} bytes or nil")
     return [digest_key(p) if p is not None and len(p) >= 64 else p for p in v]
+
+
+def shard(meta: dict) -> tuple[int, int] | None:
+    """``shard``: [rank, n] of a TP-sharded page's writer or reader (``metaserver/shared.py``), 0 <= rank < n <=
+    MAX_SHARDS; None when absent."""
+    v = meta.get("shard")
+    if v is None:
+        return None
+    if (type(v) is not list or len(v) != 2 or type(v[0]) is not int or type(v[1]) is not int
+            or not 0 <= v[0] < v[1] <= MAX_SHARDS):
+        raise Reject(f"shard must be [rank, n] with 0 <= rank < n <= {MAX_SHARDS}, got {v!r}")
+    return v[0], v[1]
 
 
 def string(meta: dict, name: str, *, required: bool = True, max_len: int = 4096, empty: bool = True) -> str | None:

@@ -429,6 +429,42 @@ def test_mla_pages_are_stored_once_across_tp_ranks(cluster):
         b.close()
 
 
+def test_mha_tp_shared_entries_one_entry_per_object(cluster):
+    """``tp_shared_entries``: four MHA ranks (different heads, so different bytes) store one logical page as ONE
+    shared entry per object ({hash}_k, {hash}_v), visible once every rank set it; each rank reads its own bytes."""
+    n, pages = 4, 3
+    ranks = [load_backend(cluster.metaserver_addr, MhaHostPool("page_first"), tp_rank=r, tp_size=n, model="llama-sh",
+                          tp_shared_entries=True) for r in range(n)]
+    keys = page_keys(pages, salt=900)
+    idx = host_indices(list(range(pages)))
+    for r in range(n):
+        fill_random(ranks[r].mem_pool_host, list(range(pages)), seed=40 + r)
+    want = [[page_bytes(ranks[r].mem_pool_host, p) for p in range(pages)] for r in range(n)]
+    assert len({w[0] for w in want}) == n  # every rank holds other heads
+    for r in range(n - 1):
+        assert ranks[r].batch_set_v1(keys, idx) == [True] * pages  # its part is written
+        assert ranks[0].batch_exists(keys) == 0  # not visible before every rank's part is in
+    assert ranks[n - 1].batch_set_v1(keys, idx) == [True] * pages
+    assert all(b.batch_exists(keys) == pages for b in ranks)
+    objs = pool_objects(cluster, ranks[0].namespace)
+    assert len(objs) == 2 * pages  # ONE entry per object for all four ranks (per-rank names: 2 * 4 * pages)
+    assert sorted(o[1][-2:] for o in objs) == sorted(["_k", "_v"] * pages) and not any("_0_" in o[1] for o in objs)
+    for r in range(n):
+        pool = ranks[r].mem_pool_host
+        pool.kv_buffer.zero_()
+        assert ranks[r].batch_get_v1(keys, host_indices([7, 6, 5])) == [True] * pages
+        for p, dst in zip(range(pages), [7, 6, 5]):
+            assert page_bytes(pool, dst) == want[r][p], (r, p)
+    # MLA keeps its names and dedup with the flag on; a plain per-rank reader finds nothing of the shared objects
+    mla = load_backend(cluster.metaserver_addr, MlaHostPool("page_first"), mla=True, tp_rank=1, tp_size=n,
+                       model="llama-sh", tp_shared_entries=True)
+    assert not mla.tp_shared and mla.naming.kv_suffixes() == ("__k",)
+    plain = load_backend(cluster.metaserver_addr, MhaHostPool("page_first"), tp_rank=0, tp_size=n, model="llama-sh")
+    assert plain.batch_exists(keys) == 0
+    for b in ranks + [mla, plain]:
+        b.close()
+
+
 def test_naming_pp_split_heads_and_side_pools():
     assert ObjectNaming(rank_replicated=True).kv_suffixes() == ("__k",)
     assert ObjectNaming(rank_replicated=True, pp_rank=1, pp_size=2).kv_suffixes() == ("_1_k",)
@@ -439,6 +475,10 @@ def test_naming_pp_split_heads_and_side_pools():
     assert ObjectNaming(rank_replicated=False, tp_rank=0, attn_cp_rank=1, attn_cp_size=2).kv_suffixes() == \
         ("_0_cp1_k", "_0_cp1_v")
     assert ObjectNaming(rank_replicated=True, tp_rank=5).pool_suffixes("mamba", 1, sharded=True) == ("_5_mamba",)
+    shared = ObjectNaming(rank_replicated=False, tp_rank=3, shared=True)
+    assert shared.kv_suffixes() == ("_k", "_v") and shared.pool_suffixes("swa", 2, packed=False) == ("_swa_k", "_swa_v")
+    assert ObjectNaming(rank_replicated=False, tp_rank=3, pp_rank=1, pp_size=2, shared=True).kv_suffixes() == \
+        ("_1_k", "_1_v")
     assert ObjectNaming(rank_replicated=False).pool_suffixes("swa", 2, packed=False) == ("_0_swa_k", "_0_swa_v")
     long_ns = namespace_for("x" * 300, "page_first", 64, "bf16", 8)
     assert len(long_ns.encode()) <= 128 and long_ns != namespace_for("x" * 299, "page_first", 64, "bf16", 8)

@@ -73,7 +73,9 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 7  # 7: a keyed request carries several slots' keys ("parts", answered per part: metaserver/multislot.py)
+VERSION = 8  # 8: "shard": [rank, n] on ALLOC/COMMIT/LOOKUP: one shared entry per TP-sharded page, a rank's
+#              sub-slot (metaserver/shared.py);
+#              7: a keyed request carries several slots' keys ("parts", answered per part: metaserver/multislot.py)
 #              6: a partitioned pool: LEADER answers the slot map ("slots", "map", "members"), NOT_LEADER for a
 #              slot names the slot's leader and the slot (MOVED), ``slot_of``; 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
 #              carry an epoch and a deadline (32 bytes, umbp/auth.py), REGISTER_NODE answers the epoch; 5: one

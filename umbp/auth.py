@@ -259,14 +259,22 @@ class Tokens:
         ``wire.key_hash``, the hash every client computes itself."""
         return self.tags(ns, [key])[0]
 
-    def tags(self, ns: str, keys: list) -> list[int]:
-        """``tag`` of every key of one namespace (the keyed state is set up once per batch)."""
-        h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"")
+    def tags(self, ns: str, keys: list, rank: int | None = None) -> list[int]:
+        """``tag`` of every key of one namespace (the keyed state is set up once per batch). ``rank``: the tags of
+        rank ``rank``'s sub-slots of shared entries (metaserver/shared.py), keyed blake2b over ns | key | rank under
+        their own personalisation, so no plain key's tag and no other rank's sub-slot tag equals them."""
+        if rank is None:
+            h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"")
+        else:
+            h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"", person=b"umbp-shard")
         h0.update(ns.encode() + b"\0")
         out = []
+        rb = bytes([rank]) if rank is not None else b""
         for key in keys:
             h = h0.copy()
             h.update(key)
+            if rb:
+                h.update(rb)
             out.append(int.from_bytes(h.digest(), "little"))
         return out
 

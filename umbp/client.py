@@ -56,6 +56,7 @@ from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, Not
                          UmbpError,
                          TransportUnavailable)
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
+from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
 from umbp.speculate import Speculation
 from umbp.puts import PutPath
@@ -77,14 +78,16 @@ class MappedPages:
 class Client(PutPath):
     def __init__(self, metaserver: str | None = None, namespace: str | None = None, token: str | None = None,
                  transport: str | None = None, *, timeout: float | None = None, checksum: bool | None = None,
-                 tls_ca: str | None = None, config: ClientConfig | None = None):
+                 tls_ca: str | None = None, config: ClientConfig | None = None, shard: tuple | None = None):
         self.config = config or resolve(ClientConfig, {"metaserver": metaserver, "namespace": namespace,
                                                        "token": token, "transport": transport,
                                                        "timeout_s": timeout, "checksum": checksum,
-                                                       "tls_ca": tls_ca})
+                                                       "tls_ca": tls_ca, "shard": shard})
         self.namespace = self.config.namespace
         self.component = f"client {self.namespace}"
         self._meta = MetaRouter(self.config.metaserver, "client", self.config.token, tls_ca=self.config.tls_ca)
+        if self.config.shard is not None:  # one rank's part of TP-sharded pages (umbp/shard.py)
+            self._meta = ShardedMeta(self._meta, self.config.shard)
         self._nodes: dict[str, dict] = {}
         self._transports: dict[str, Transport] = {}
         self._lock = threading.RLock()

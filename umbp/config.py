@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from umbp.errors import ConfigError
+from umbp.shard import check_shard
 from umbp.sizes import parse_size
 
 
@@ -173,6 +174,7 @@ class ClientConfig:
     staging_bytes: int = 64 << 20  # registered staging area for unregistered buffers (RDMA)
     tls_ca: str = ""  # PEM CA bundle: speak TLS to the metaserver and to nodes over TCP, verifying them against it
     read_ahead: bool = True  # read remembered page locations while the get's LOOKUP is in flight (umbp/speculate.py)
+    shard: tuple | None = None  # (rank, nranks): one rank's part of TP-sharded pages (umbp/shard.py)
 
     def __post_init__(self) -> None:
         c = "client"
@@ -186,6 +188,7 @@ class ClientConfig:
         if self.timeout_s <= 0:
             raise ConfigError(c, "timeout_s must be positive")
         _check_tls("", "", self.tls_ca, c, server=False)
+        object.__setattr__(self, "shard", check_shard(self.shard, c))
 
 
 _SECTIONS = {MetaserverConfig: "metaserver", NodeConfig: "node", ClientConfig: "client"}

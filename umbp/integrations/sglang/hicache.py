@@ -20,6 +20,11 @@ Contracts:
   (``PoolFull``, ``TransportError``, ``CorruptionError``) never escape into SGLang's storage threads: they are logged
   and the pages of that call report False, so SGLang recomputes them. A stale or torn read is never reported as a hit.
 - MLA/DSA pages are named without the TP rank: every rank's put names the same objects and the pool keeps one copy.
+- ``"tp_shared_entries": true`` (extra_config; default false: per-rank names): TP-sharded (MHA) KV is named without
+  the rank (``{hash}_k``, ``{hash}_v``) and each rank's client has ``shard=(tp_rank, tp_size)``, so the pool keeps ONE
+  directory entry, one etcd record and one LOOKUP key per object for all TP ranks (``metaserver/shared.py``): a
+  rank's set reports True once its part is written; the page exists (``batch_exists``, gets) once every rank's is.
+  Replicated KV (MLA) and heterogeneous TP (split heads) keep their names; every rank of a TP group must set it alike.
 - Thread safety: SGLang calls from its prefetch and backup threads at once; the client serialises its calls.
 
 Costs: one metaserver round trip per batch call (ALLOC+COMMIT for puts, LOOKUP for gets, PREFIX for
@@ -54,12 +59,19 @@ logger = logging.getLogger(__name__)
 COMPONENT = "sglang hicache"
 
 # Keys of --hicache-storage-backend-extra-config this backend reads (SGLang's own are passed through too).
-CONFIG_KEYS = {"metaserver", "namespace", "transport", "token", "timeout_s"}
+CONFIG_KEYS = {"metaserver", "namespace", "transport", "token", "timeout_s", "tp_shared_entries"}
 SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
                "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys"}
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 CLEAR_ROUNDS = 1000  # clear() removes at most CLEAR_ROUNDS * CLEAR_BATCH objects per call
 CLEAR_BATCH = 10_000
+
+
+def _flag(v: Any) -> bool:
+    """An extra_config boolean: true, 1, "true", "1", "yes", "on" (SGLang passes JSON, users pass strings)."""
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
 
 
 @dataclass
@@ -106,6 +118,14 @@ class UmbpHiCacheStorage(HiCacheStorage):
         if sc.dcp_size > 1:
             # A DCP rank holds its token shard of every logical page: the shard is part of the object's identity.
             self.naming = dataclasses.replace(self.naming, attn_cp_rank=sc.dcp_rank, attn_cp_size=sc.dcp_size)
+        # tp_shared_entries: TP-sharded KV as ONE shared entry per logical object, each rank its part through a
+        # client with shard=(tp_rank, tp_size) (metaserver/shared.py). Not for replicated KV (MLA: already one
+        # object, deduplicated) nor split heads (a rank holds several smaller-TP ranks' parts: per-rank names).
+        self.tp_shared = (_flag(extra.get("tp_shared_entries")) and not self.rank_replicated and not split
+                          and sc.tp_size > 1)
+        if self.tp_shared:
+            self.naming = dataclasses.replace(self.naming, shared=True)
+            self._client_args["shard"] = (sc.tp_rank, sc.tp_size)
         self.ns_tp = None if self.rank_replicated else (sc.tp_lcm_size if split else sc.tp_size)
         self.mem_pool_host = None
         self.registered_pools: dict = {}

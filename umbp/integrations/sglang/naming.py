@@ -10,6 +10,11 @@ a router that knows SGLang's scheme finds them:
 - KV sharded across TP ranks (MHA heads): two objects per page, ``{hash}_{tp}_k`` and ``{hash}_{tp}_v``
   (``{tp}_{pp}`` with PP). Heterogeneous TP (``should_split_heads``: a rank holds the heads of several smaller-TP
   ranks) names one K/V pair per covered rank, so a TP-4 writer and a TP-8 reader agree.
+- KV sharded across TP ranks with shared entries (``shared``; the backend's ``tp_shared_entries``): the logical
+  objects ``{hash}_k`` and ``{hash}_v`` (``{hash}_{pp}_k`` with PP), the same name on every rank; each rank's client
+  (``shard=(tp_rank, tp_size)``) writes and reads its part, and the pool keeps ONE entry per object for all ranks
+  (``metaserver/shared.py``). Side pools drop the rank the same way (``{hash}_{pool}``). Heterogeneous TP keeps
+  per-rank names (a rank covers several smaller-TP ranks' heads: not one part of one layout).
 - Context parallelism adds ``_cp{rank}`` to the tag (each CP rank holds a disjoint slice of every page).
 - Side pools of the v2 interface (``PoolName``: swa, mamba, indexer, ...): ``{hash}_{tag}_{pool}`` for a pool with
   one component, ``..._{pool}_k`` / ``_v`` for an unpacked pool with two. Mamba state is TP-sharded even when the
@@ -46,11 +51,14 @@ class ObjectNaming:
     attn_cp_rank: int = 0
     attn_cp_size: int = 1
     split_ranks: tuple[int, ...] = field(default=())
+    shared: bool = False  # TP-sharded objects named without the rank: one shared entry per object (tp_shared_entries)
 
     def _extra(self) -> str:
         return f"_cp{self.attn_cp_rank}" if self.attn_cp_size > 1 else ""
 
     def sharded_tag(self, rank: int | None = None) -> str:
+        if self.shared:
+            return (f"{self.pp_rank}" if self.pp_size > 1 else "") + self._extra()
         rank = self.tp_rank if rank is None else rank
         tag = f"{rank}_{self.pp_rank}" if self.pp_size > 1 else f"{rank}"
         return tag + self._extra()
@@ -66,6 +74,8 @@ class ObjectNaming:
         """Suffixes of the objects one page of the KV pool becomes, in the order of the host pool's buffer meta."""
         if self.rank_replicated:
             return (f"_{self.replicated_tag()}_k",)
+        if self.shared:
+            return tuple(_suffix(self.sharded_tag(), c) for c in ("k", "v"))
         return tuple(f"_{self.sharded_tag(r)}_{c}" for r in self.ranks for c in ("k", "v"))
 
     def kv_objects(self, page_keys: Sequence[str]) -> list[str]:
@@ -89,9 +99,18 @@ class ObjectNaming:
         if sharded is None:
             sharded = not self.rank_replicated
         tag = self.sharded_tag() if sharded else self.replicated_tag()
+        if self.shared and sharded:
+            if components == 2 and not packed:
+                return (_suffix(tag, f"{pool}_k"), _suffix(tag, f"{pool}_v"))
+            return (_suffix(tag, pool),)
         if components == 2 and not packed:
             return (f"_{tag}_{pool}_k", f"_{tag}_{pool}_v")
         return (f"_{tag}_{pool}",)
+
+
+def _suffix(tag: str, rest: str) -> str:
+    """``_{tag}_{rest}``, or ``_{rest}`` for an empty tag (shared entries' names: ``{hash}_k``)."""
+    return f"_{tag}_{rest}" if tag else f"_{rest}"
 
 
 def parents_for(objects_per_page: int, page_objects: Sequence[str], prefix_objects: Sequence[str] | None

@@ -1,0 +1,136 @@
+"""What a TP8 MHA page costs the metaserver with per-rank keys (before) and as one shared entry (after,
+``metaserver/shared.py``): directory entries, etcd records, keys sent (ALLOC, COMMIT, LOOKUP), EXISTS keys that tell
+whether a page is complete, memory and CPU per logical page; MLA (one replicated key, every rank deduplicated) as the
+reference.
+
+A ``metaserver.directory.Directory`` is driven through its real methods the way ``service.py`` drives them, minus
+the network and etcd: each of the 8 ranks sends its own batches (ALLOC, COMMIT, then LOOKUP+release), and for a
+closed pool the per-key tags and per-node capabilities (``metaserver.grants``) are computed as the service does.
+Records per page are the ``Effects.puts`` the commits return (what the etcd writer would put). Memory is tracemalloc's
+traced bytes per logical page after the build (what Python asked for; RSS adds allocator slack). Rates are logical
+pages per CPU-second of this process (``time.process_time``). Each layout runs in a fresh process.
+
+    python bench/shared.py [--pages 200000] [--ranks 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from metaserver.directory import NEW, Directory  # noqa: E402
+from metaserver.grants import grant_reads, grant_writes  # noqa: E402
+from transport.wire import object_size  # noqa: E402
+from umbp.auth import Tokens  # noqa: E402
+
+BATCH = 1000
+PART = (2560 << 10) - 64  # a Llama-70B TP8 rank-page: 64 tokens x 80 layers x K,V x 1 head x 128 x bf16 (header in)
+NODES = 32
+
+
+class _Member:
+    cap_key = b"k" * 32
+    cap_epoch = 1
+
+
+def fresh(hexes: list[bytes], rank: int | None) -> list[bytes]:
+    """A request's keys as the wire delivers them: new bytes objects (per-rank keys: the digest and the rank byte)."""
+    if rank is None:
+        return [bytes(bytearray(h)) for h in hexes]
+    rb = bytes([rank])
+    return [h + rb for h in hexes]
+
+
+def run(layout: str, pages: int, ranks: int) -> dict:
+    """Build ``pages`` logical pages in ``layout`` (per-rank | shared | mla), then LOOKUP each page from every rank."""
+    tokens = Tokens(b"cluster-secret-0123456789", {})
+    member = _Member()
+    node = {f"n{i}": member for i in range(NODES)}.get
+    per_node = -(-pages * ranks * object_size(PART) // NODES) + (64 << 20)
+    d = Directory()
+    for i in range(NODES):
+        d.add_space(f"n{i}", per_node)
+    hexes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(pages)]
+    counts = {"alloc_keys": 0, "commit_keys": 0, "lookup_keys": 0, "records": 0}
+    gen = 1
+    tracemalloc.start()
+    gc.collect()
+    base = tracemalloc.get_traced_memory()[0]
+    t0 = time.process_time()
+    for s in range(0, pages, BATCH):  # the ranks put the same batch at about the same time, as TP ranks do
+        for rk in range(ranks):
+            shard = (rk, ranks) if layout == "shared" else None
+            keys = fresh(hexes[s:s + BATCH], rk if layout == "per-rank" else None)
+            items, _ = d.alloc("kv", keys, [PART] * len(keys), None, gen, 0.0, 1 + rk, None, shard)
+            gen += len(keys)
+            out, _caps, new = grant_writes(tokens, node, "kv", keys, items, 1 << 50, rk if shard else None)
+            counts["alloc_keys"] += len(keys)
+            if not new:
+                continue  # MLA: every rank after the first is deduplicated (EXISTS), nothing to commit
+            ok, fx = d.commit("kv", [keys[i] for i in new], [out[i][4] for i in new], 0.0, shard)
+            assert all(ok) and all(out[i][0] == NEW for i in new)
+            counts["commit_keys"] += len(new)
+            counts["records"] += len(fx.puts)
+    build_s = time.process_time() - t0
+    gc.collect()
+    mem = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    t0 = time.process_time()
+    for s in range(0, pages, BATCH):
+        for rk in range(ranks):
+            shard = (rk, ranks) if layout == "shared" else None
+            keys = fresh(hexes[s:s + BATCH], rk if layout == "per-rank" else None)
+            lease, locs = d.lookup("kv", keys, 1.0, None, shard)
+            assert all(loc is not None for loc in locs)
+            grant_reads(tokens, node, "kv", keys, locs, rk if shard else None)
+            d.release(lease)
+            counts["lookup_keys"] += len(keys)
+    lookup_s = time.process_time() - t0
+    d.check()
+    return {"layout": layout, "pages": pages, "entries_per_page": d.objects / pages,
+            "records_per_page": counts["records"] / pages,
+            "alloc_keys_per_page": counts["alloc_keys"] / pages, "commit_keys_per_page": counts["commit_keys"] / pages,
+            "lookup_keys_per_page": counts["lookup_keys"] / pages,
+            "exists_keys_per_complete_page": ranks if layout == "per-rank" else 1,
+            "policy_members_per_page": sum(d.policy.count(f"n{i}") for i in range(NODES)) / pages,
+            "bytes_per_page": mem / pages, "put_pages_per_cpu_s": pages / build_s,
+            "lookup_pages_per_cpu_s": pages / lookup_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=200_000, help="logical pages (default 200k)")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(run(a.child, a.pages, a.ranks)))
+        return
+    rows = []
+    for layout in ("per-rank", "shared", "mla"):
+        r = subprocess.run([sys.executable, __file__, "--child", layout, "--pages", str(a.pages), "--ranks",
+                            str(a.ranks)], capture_output=True, text=True, check=True)
+        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    cols = [("entries_per_page", "dir entries", "{:.0f}"), ("records_per_page", "etcd records", "{:.0f}"),
+            ("policy_members_per_page", "evictable", "{:.0f}"), ("alloc_keys_per_page", "ALLOC keys", "{:.0f}"),
+            ("commit_keys_per_page", "COMMIT keys", "{:.0f}"), ("lookup_keys_per_page", "LOOKUP keys", "{:.0f}"),
+            ("exists_keys_per_complete_page", "EXISTS keys", "{:.0f}"), ("bytes_per_page", "bytes", "{:.0f}"),
+            ("put_pages_per_cpu_s", "puts pg/cpu-s", "{:,.0f}"), ("lookup_pages_per_cpu_s", "gets pg/cpu-s",
+                                                                  "{:,.0f}")]
+    print(f"TP{a.ranks} page, {a.pages:,} logical pages, per logical page (closed pool: tags and capabilities in):")
+    print(f"{'layout':10}" + "".join(f"{h:>15}" for _, h, _ in cols))
+    for r in rows:
+        print(f"{r['layout']:10}" + "".join(f"{f.format(r[k]):>15}" for k, _, f in cols))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Unit tests of shared entries (metaserver/shared.py): one directory entry per TP-sharded logical page, n sub-slots
+in one extent, one generation; the directory's invariants (``check()``) after every step."""
+
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+
+from metaserver import validate as v
+from metaserver.directory import EXISTS, IN_FLIGHT, NEW, NO_SPACE, Directory, Effects
+from metaserver.entry import extent_size, layout
+from metaserver.persist import EtcdStore
+from metaserver.standby import fill, fingerprint
+from transport.wire import ALIGN, ARENA_DATA_START, object_size
+
+PART = 3000  # one sub-slot: 3000 payload bytes + header = one 4 KiB unit
+STRIDE = object_size(PART)
+
+
+def make(units=64, nodes=("n1",), **kw):
+    d = Directory(**kw)
+    for n in nodes:
+        d.add_space(n, units * ALIGN)
+    return d
+
+
+def put_all(d, keys, n, gen=100, now=0.0, order=None):
+    """Every rank allocates and commits its part of ``keys``; returns the items per rank."""
+    out = {}
+    for rk in (order if order is not None else range(n)):
+        items, _ = d.alloc("kv", keys, [PART] * len(keys), None, gen, now, token=10 + rk, owner=f"c{rk}",
+                           shard=(rk, n))
+        out[rk] = items
+        news = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+        ok, _ = d.commit("kv", [k for k, _ in news], [g for _, g in news], now, shard=(rk, n))
+        assert all(ok)
+        d.check()
+    return out
+
+
+def test_ranks_fill_one_entry_and_read_their_sub_slots():
+    d = make()
+    keys = [b"p0", b"p1", b"p2"]
+    n = 4
+    items = {}
+    for rk in range(n):
+        its, fx = d.alloc("kv", keys, [PART] * 3, None, 100 + 10 * rk, 0.0, token=7 + rk, owner="c", shard=(rk, n))
+        assert [it[0] for it in its] == [NEW] * 3 and not fx
+        items[rk] = its
+        d.check()
+    # one extent per page, sub-slot r at off + r * stride, one generation (the first rank's)
+    for i in range(3):
+        base, gen = items[0][i][2], items[0][i][4]
+        for rk in range(n):
+            assert items[rk][i][1:] == ("n1", base + rk * STRIDE, PART, gen)
+    assert d.pending == 3 and d.objects == 0 and d.ns_used["kv"] == 3 * n * STRIDE
+    assert d.spaces["n1"].alloc.used == 3 * n * STRIDE
+    for rk in range(n - 1):
+        ok, fx = d.commit("kv", keys, [it[4] for it in items[rk]], 1.0, shard=(rk, n))
+        assert ok == [True] * 3 and not fx.puts  # a part is in; the page is not visible yet
+        assert d.exists("kv", keys) == [False] * 3
+        assert d.lookup("kv", keys, 1.0, shard=(rk, n))[1] == [None] * 3
+        d.check()
+    ok, fx = d.commit("kv", keys, [it[4] for it in items[n - 1]], 2.0, shard=(n - 1, n))
+    assert ok == [True] * 3 and [e.key for e in fx.puts] == keys  # ONE record per page
+    assert d.exists("kv", keys) == [True] * 3 and d.objects == 3 and d.pending == 0 and not d._shards
+    assert d.policy.count("n1") == 3  # one policy member per page
+    for rk in range(n):
+        lease, locs = d.lookup("kv", keys, 3.0, shard=(rk, n))
+        assert lease and locs == [("n1", items[0][i][2] + rk * STRIDE, PART, items[0][i][4]) for i in range(3)]
+        d.release(lease)
+    # another layout, or no shard at all, misses: never another layout's bytes
+    assert d.lookup("kv", keys, 3.0, shard=(0, 2))[1] == [None] * 3
+    assert d.lookup("kv", keys, 3.0)[1] == [None] * 3
+    assert d.commit("kv", keys, [it[4] for it in items[0]], 3.0)[0] == [False] * 3  # plain commit: not its entry
+    assert d.commit("kv", keys, [it[4] for it in items[0]], 3.0, shard=(1, n))[0] == [True] * 3  # idempotent
+    d.check()
+
+
+def test_retry_in_flight_exists_and_conflicts():
+    d = make()
+    a, _ = d.alloc("kv", [b"k"], [PART], None, 50, 0.0, token=1, owner="c0", shard=(0, 2))
+    assert a[0][0] == NEW
+    again, _ = d.alloc("kv", [b"k"], [PART], None, 60, 0.0, token=1, owner="c0b", shard=(0, 2))
+    assert again == a  # a retry with the same token: the same place and generation
+    other, _ = d.alloc("kv", [b"k"], [PART], None, 70, 0.0, token=2, owner="x", shard=(0, 2))
+    assert other[0][0] == IN_FLIGHT  # rank 0's sub-slot is handed out under another token
+    assert d.alloc("kv", [b"k"], [PART + 1], None, 70, 0.0, token=3, shard=(1, 2))[0][0][0] == IN_FLIGHT  # size
+    assert d.alloc("kv", [b"k"], [PART], None, 70, 0.0, token=3, shard=(1, 4))[0][0][0] == IN_FLIGHT  # layout
+    assert d.alloc("kv", [b"k"], [PART], None, 70, 0.0, token=3)[0][0][0] == IN_FLIGHT  # a plain writer
+    assert d.commit("kv", [b"k"], [50], 0.0, shard=(1, 2))[0] == [False]  # rank 1 was never handed its sub-slot
+    assert d.commit("kv", [b"k"], [50], 0.0)[0] == [False]  # a plain commit cannot complete a shared entry
+    assert d.commit("kv", [b"k"], [50], 0.0, shard=(0, 2))[0] == [True]
+    assert d.alloc("kv", [b"k"], [PART], None, 80, 0.0, token=9, shard=(0, 2))[0][0][0] == EXISTS  # part is in
+    assert d.owned_by(d.entries["kv"][b"k"], "c0b") is False  # its part is written: closing aborts nothing
+    b, _ = d.alloc("kv", [b"k"], [PART], None, 90, 0.0, token=5, owner="c1", shard=(1, 2))
+    assert b[0][1:] == (a[0][1], a[0][2] + STRIDE, PART, 50) and d.owned_by(d.entries["kv"][b"k"], "c1")
+    d.check()
+    ok, fx = d.commit("kv", [b"k"], [50], 1.0, shard=(1, 2))
+    assert ok == [True] and len(fx.puts) == 1
+    assert d.alloc("kv", [b"k"], [PART], None, 99, 2.0, token=1, shard=(1, 2))[0][0][0] == EXISTS
+    d.check()
+
+
+def test_incomplete_page_dropped_whole_after_pending_ttl_and_abort():
+    d = make(pending_ttl_s=5.0)
+    items, _ = d.alloc("kv", [b"a", b"b"], [PART] * 2, None, 10, 0.0, token=1, shard=(0, 3))
+    d.commit("kv", [b"a", b"b"], [10, 11], 0.0, shard=(0, 3))
+    d.alloc("kv", [b"a", b"b"], [PART] * 2, None, 20, 1.0, token=2, shard=(1, 3))
+    d.commit("kv", [b"a", b"b"], [10, 11], 1.0, shard=(1, 3))
+    used = d.spaces["n1"].alloc.used
+    assert used == 2 * 3 * STRIDE and d.pending == 2
+    assert d.expire_pending(4.9, 100) == 0  # a later rank's ALLOC does not extend the TTL
+    assert d.expire_pending(5.1, 100) == 2
+    assert d.pending == 0 and d.spaces["n1"].alloc.used == 0 and not d._shards and d.ns_used == {}
+    assert d.commit("kv", [b"a"], [10], 6.0, shard=(2, 3))[0] == [False]  # too late: the page is gone
+    d.check()
+    # an ABORT of any rank drops the whole page
+    items, _ = d.alloc("kv", [b"c"], [PART], None, 30, 7.0, token=3, shard=(2, 3))
+    assert d.abort("kv", [b"c"], [30]) == 1 and d.spaces["n1"].alloc.used == 0 and not d._shards
+    d.check()
+
+
+def test_eviction_remove_and_quota_take_the_whole_extent():
+    d = make(units=16, quotas={"kv": 12 * ALIGN})
+    keys = [b"e%d" % i for i in range(3)]
+    put_all(d, keys, 4)
+    assert d.spaces["n1"].alloc.used == 12 * STRIDE == d.ns_used["kv"]
+    fx = Effects()
+    n, freed = d.evict_node("n1", 1, 1, fx)
+    assert (n, freed) == (1, 4 * STRIDE) and fx.deletes == [("kv", b"e0")]  # one victim, its whole extent
+    assert d.spaces["n1"].alloc.used == 8 * STRIDE
+    d.check()
+    removed, fx = d.remove("kv", [b"e1"])
+    assert removed == [True] and d.spaces["n1"].alloc.used == 4 * STRIDE
+    d.check()
+    # quota of 12 units: two more pages fill it (12 in use); a third evicts the namespace's LRU page whole
+    put_all(d, [b"q0", b"q1"], 4, gen=500, now=5.0)
+    items, _ = d.alloc("kv", [b"q2"], [PART], None, 600, 6.0, token=1, shard=(0, 4))
+    assert items[0][0] == NEW and b"e2" not in d.ready["kv"]  # e2 (oldest) evicted to make room
+    d.check()
+    # a page larger than the quota: refused whole (internal OVER_QUOTA), nothing allocated
+    items, _ = d.alloc("kv", [b"big"], [PART], None, 700, 7.0, token=1, shard=(0, 13))
+    assert items[0][0] == -1
+    d.check()
+
+
+def test_no_space_for_the_whole_extent():
+    d = make(units=3)
+    items, _ = d.alloc("kv", [b"x"], [PART], None, 1, 0.0, shard=(0, 4))
+    assert items[0][0] == NO_SPACE and d.pending == 0
+    d.check()
+
+
+def test_persisted_record_round_trip_and_full_load_fingerprint():
+    d = make(units=64, nodes=("n1", "n2"))
+    keys = [b"r%d" % i for i in range(6)]
+    put_all(d, keys, 4)
+    store = EtcdStore.__new__(EtcdStore)
+    store._pages = b"/umbp/pages/"
+    puts = store.page_puts([d.ready["kv"][k] for k in keys])
+    assert len(puts) == 6  # one record per logical page
+    rec = msgpack.unpackb(puts[0][1], raw=False)
+    e0 = d.ready["kv"][keys[0]]
+    assert rec == [e0.node_id, e0.offset, PART, e0.gen, None, 4]  # part length and n, explicit
+    assert puts[0][1] == store.page_value(e0.node_id, e0.offset, e0.payload_len, e0.gen, None)
+    pages = [store.page_record(SimpleNamespace(key=k, value=val, mod_revision=i + 1)) for i, (k, val) in
+             enumerate(puts)]
+    assert pages[0][5] == layout(PART, 4) and extent_size(pages[0][5]) == 4 * STRIDE
+    d2 = Directory()
+    descs = {nid: ({"capacity": sp.alloc.capacity}, 0) for nid, sp in d.spaces.items()}
+    stale, rejected = fill(d2, descs, pages)
+    assert not stale and not rejected
+    d2.check()
+    f1, f2 = fingerprint(d), fingerprint(d2)
+    assert f1["entries"] == f2["entries"] and f1["spaces"] == {k: (c, u, True, n) for k, (c, u, _, n) in
+                                                               f2["spaces"].items()}
+    for rk in range(4):
+        assert d2.lookup("kv", keys, 1.0, shard=(rk, 4))[1] == d.lookup("kv", keys, 1.0, shard=(rk, 4))[1]
+    # a warm standby replaying the record (put_ready) rebuilds the same entry
+    d3 = make(units=64, nodes=("n1", "n2"))
+    p = pages[0]
+    assert d3.put_ready(p[1], p[2], p[3], p[4], p[5], p[6], p[7]) is not None
+    assert d3.spaces[p[1]].alloc.used == 4 * STRIDE
+    d3.check()
+    # an unreadable shared record (n out of range) is junk, never a page
+    bad = msgpack.packb(["n1", ARENA_DATA_START, PART, 1, None, 999])
+    assert store.page_record(SimpleNamespace(key=puts[0][0], value=bad, mod_revision=1))[1] is None
+
+
+@pytest.mark.parametrize("value", [[0, 0], [2, 2], [-1, 4], [0, 257], [0], "0,2", [0.0, 2], [True, 2]])
+def test_shard_field_validated(value):
+    with pytest.raises(v.Reject) as ei:
+        v.shard({"shard": value})
+    assert "shard must be [rank, n]" in ei.value.message
+
+
+def test_shard_field_accepted():
+    assert v.shard({"shard": [3, 8]}) == (3, 8) and v.shard({}) is None and v.shard({"shard": [255, 256]})
