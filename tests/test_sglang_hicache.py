@@ -295,11 +295,11 @@ def _v1_round_trip(cluster, kind: str, layout: str, make_pool) -> None:
     if kind == "mha":
         assert writer.client.remove(f"{keys[2]}_0_v")
         assert reader.batch_exists(keys) == 2
-        before = page_bytes(dst, 7)
         dst.get_data_page(7 * PS, flat=False).zero_()
         assert reader.batch_get_v1(keys, host_indices([5, 0, 7, 6])) == [True, True, False, True]
         assert page_bytes(dst, 5) == page_bytes(src, 1) and page_bytes(dst, 6) == page_bytes(src, 4)
-        assert before != page_bytes(dst, 7)
+        # page 7's host slot is unspecified after its miss: the reader remembered where "_0_v" was and may have
+        # read it ahead of the LOOKUP that then answered the miss (umbp/speculate.py); SGLang recomputes it
     assert writer.counters["pages_set"] == 4 and writer.counters["errors"] == 0
     writer.close()
     reader.close()

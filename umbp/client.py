@@ -18,7 +18,8 @@ Contracts:
 - ``put``/``batch_put``: True = stored by this call, False = the key already existed (dedup; nothing written).
   A pool with no space left raises ``PoolFull``; a node that fails mid-write raises ``TransportError``: keys whose
   bytes did not land are aborted, never committed, so no reader can see a half-written page.
-- ``get_into``/``batch_get_into``: bytes written, or -1 for a miss. A page on a node that died is a miss. A slot
+- ``get_into``/``batch_get_into``: bytes written, or -1 for a miss (whose out is unspecified: read-ahead may have
+  copied a remembered location into it before the LOOKUP answered the miss). A page on a node that died is a miss. A slot
   whose header does not match the directory (stale, torn, corrupt) raises ``CorruptionError``; wrong bytes are never
   returned as data.
 - CUDA outs: pages on same-host nodes are read by the gather kernel straight from the mapped arena (``umbp.devcopy``,
