@@ -158,6 +158,26 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
         return v
 
     # -- data plane --------------------------------------------------------------------------------------------
+
+    def _answers_exists(self, ready: dict, key: bytes, seen: set, now: float, fx: Effects) -> bool:
+        """Whether an ALLOC of ``key`` is answered EXISTS: a key already met in this request (the first occurrence
+        is the one stored), or a live READY page. A put of a page already here is a use of it: the engine holds it
+        in a live context (after a broken prefix it re-offers pages that survived elsewhere); not refreshing them
+        evicted those pages next, which cost a partitioned pool 6 of its 12 points against pool-wide LRU. A READY
+        page on a node being dropped is gone for readers already: it is dropped here and written anew."""
+        if key in seen:
+            return True
+        seen.add(key)
+        e = ready.get(key)
+        if e is None:
+            return False
+        if not e.space.dead:
+            e.last_access = now
+            if e.pins == 0:
+                self.policy.add(e)  # an evictable entry re-added moves to the recent end
+            return True
+        self._drop_dying(e, fx)
+        return False
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], parents: list | None, gen_base: int,
               now: float, token: int | None = None, owner: object = None, shard: tuple[int, int] | None = None
               ) -> tuple[list, Effects]:
@@ -184,24 +204,10 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
             return [_OVER_QUOTA_ITEM] * len(keys), fx
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         added = 0  # bytes the new entries add to the namespace's use (counted once, after the loop)
-        touch = self.policy.add  # an evictable entry re-added moves to the recent end
         for i, key in enumerate(keys):
-            if key in seen:
+            if self._answers_exists(r, key, seen, now, fx):
                 items.append(_EXISTS_ITEM)
                 continue
-            seen.add(key)
-            e = r.get(key)
-            if e is not None:
-                if not e.space.dead:
-                    items.append(_EXISTS_ITEM)
-                    # A put of a page already here is a use of it: the engine holds it in a live context (after a
-                    # broken prefix it re-offers pages that survived elsewhere). Not refreshing them evicted those
-                    # pages next, which cost a partitioned pool 6 of its 12 points against pool-wide LRU.
-                    e.last_access = now
-                    if e.pins == 0:
-                        touch(e)
-                    continue
-                self._drop_dying(e, fx)  # on a node being dropped: gone for readers already, write it anew
             pd = pend.get(ns)
             e = pd.get(key) if pd is not None else None
             if e is not None:

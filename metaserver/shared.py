@@ -84,22 +84,11 @@ class SharedEntries:
         placer: Placer | None = None
         seen: set[bytes] = set()
         added = 0
-        touch = self.policy.add
         tok = token if token is not None else 0
         for i, key in enumerate(keys):
-            if key in seen:
+            if self._answers_exists(r, key, seen, now, fx):  # a repeat, or a live page (a use of it)
                 items.append(_EXISTS_ITEM)
                 continue
-            seen.add(key)
-            e = r.get(key)
-            if e is not None:
-                if not e.space.dead:
-                    items.append(_EXISTS_ITEM)
-                    e.last_access = now  # a put of a page already here is a use of it (as Directory.alloc)
-                    if e.pins == 0:
-                        touch(e)
-                    continue
-                self._drop_dying(e, fx)
             pd = pend.get(ns)
             e = pd.get(key) if pd is not None else None
             code = codes[i]
