@@ -59,7 +59,7 @@ from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, Not
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
 from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
-from umbp.speculate import Speculation
+from umbp.speculate import Speculation, read_deadline
 from umbp.puts import PutPath
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
@@ -366,11 +366,14 @@ class Client(PutPath):
         try:
             try:
                 batches, index, _fresh, _kern = self._read_ops(guess, segs)
-                results = self._run(batches, "read", deadline)
+                nbytes = sum(op.length for ops in batches.values() for op in ops)
+                results = self._run(batches, "read", read_deadline(deadline, time.monotonic(), nbytes))
             except UmbpError:  # e.g. a remembered size the out no longer fits: the plain read decides
                 results = {}
             failed = set()
             for node_id, res in results.items():
+                if any(isinstance(r, TransportError) for r in res):  # silent or gone: read it only when named again
+                    self._spec.cache.forget_node(node_id)
                 for op, i, r in zip(batches[node_id], index[node_id], res):
                     if r is None:
                         early[i] = (early[i] or 0) + op.length

@@ -24,6 +24,13 @@ Why an equal answer proves the bytes:
 What it does not change: the LOOKUP still runs for every get (recency, hit/miss counters, the read lease, access
 rights: a key this client may no longer read answers as a miss and the speculative bytes are dropped).
 
+A remembered node that went silent (black-holed, frozen) must not hold the get: the speculative read runs under its
+own deadline, ``read_deadline`` (at most ``SPEC_READ_S`` plus the batch at ``SPEC_MIN_RATE``, never past the call's),
+and a node whose speculative read failed with a transport error (timeouts included) is forgotten
+(``LocationCache.forget_node``): later gets read it only where a LOOKUP answer names it again. Before this bound a
+get of pages remembered on a black-holed node waited out its whole deadline although the LOOKUP answer had already
+dropped that node's pages (found by tests/test_multihost.py's black hole).
+
 Cost: a remembered page that moved is copied twice. ``Speculation`` backs off when most of a batch was wasted (the
 next ``BACKOFF_BATCHES`` batches read after the answer only), so an eviction storm does not double the traffic.
 """
@@ -35,6 +42,13 @@ from typing import Any
 
 CACHE_MAX = 1 << 16  # remembered locations per client (about 15 MiB at most); the oldest quarter dropped when full
 BACKOFF_BATCHES = 8  # batches read the plain way after one whose speculation was mostly wasted
+SPEC_READ_S = 0.5  # a speculative read waits at most this long plus its bytes at SPEC_MIN_RATE
+SPEC_MIN_RATE = 1e9  # bytes per second
+
+
+def read_deadline(deadline: float, now: float, nbytes: int) -> float:
+    """The deadline of a speculative read of ``nbytes`` started at ``now`` within a call due at ``deadline``."""
+    return min(deadline, now + SPEC_READ_S + nbytes / SPEC_MIN_RATE)
 
 
 class LocationCache:
@@ -69,6 +83,14 @@ class LocationCache:
     def forget(self, keys: list[bytes]) -> None:
         for k in keys:
             self._locs.pop(k, None)
+
+    def forget_node(self, node_id: str) -> int:
+        """Forget every location on ``node_id`` (its speculative read failed); returns how many. O(remembered)."""
+        d = self._locs
+        gone = [k for k, loc in d.items() if loc[0] == node_id]
+        for k in gone:
+            del d[k]
+        return len(gone)
 
     def _trim(self) -> None:
         d = self._locs
