@@ -28,6 +28,12 @@ def import_error(*modules: str) -> str | None:
     return None
 
 
+def engine_modules(what: str, how: str, *modules: str):
+    """``(why, mark)``: why ``modules`` do not import in this venv (None when they do), and a skipif mark whose
+    reason says so loudly ("{what} IN THIS VENV (why); {how}")."""
+    err = import_error(*modules)
+    return err, pytest.mark.skipif(err is not None, reason=f"{what} IN THIS VENV ({err}); {how}")
+
 def run_pytest(args: list[str], etcd_binary: str, what: str, min_passed: int = 1, no_skips: bool = False,
                **env: str) -> str:
     """``pytest -q ARGS`` under the engines venv's Python; returns the output's tail. Skips (saying so) when the venv

@@ -207,6 +207,9 @@ class Host:
     def create(self) -> None:
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         sh("ip", "netns", "add", self.ns)
+        # a veth of this name can outlive its rack for a while: the kernel tears a deleted namespace down
+        # asynchronously (and a rack of the same process reuses the names), so a stale one is removed first
+        sh("ip", "link", "del", self.veth, check=False)
         sh("ip", "link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", self.ns)
         sh("ip", "link", "set", self.veth, "master", self.rack.bridge, "up")
         sh("ip", "-n", self.ns, "addr", "add", f"{self.ip}/{self.rack.net.prefixlen}", "dev", "eth0")
@@ -326,6 +329,7 @@ class Rack:
             self.harness.close()
         finally:
             for h in self.hosts.values():
+                sh("ip", "link", "del", h.veth, check=False)  # both ends, now (a namespace goes asynchronously)
                 sh("ip", "netns", "del", h.ns, check=False)
             sh("ip", "link", "del", self.bridge, check=False)
 

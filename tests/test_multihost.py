@@ -23,6 +23,7 @@ Skipped, loudly, where network namespaces cannot be made (not root, no iproute2)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -219,34 +220,42 @@ class MultiHost:
         return {d["node_id"]: bool(d.get("alive")) for d in json.loads(r.stdout)}
 
 
-@pytest.fixture(scope="module")
-def mh(etcd_binary, request):
+@contextlib.contextmanager
+def rack_pool(name: str, label: str, hosts, make_pool, timings: dict, request):
+    """The pool of a multi-host test module, started on a Rack of ``hosts`` by ``make_pool(harness, rack, root)``,
+    its processes run from the image (else from the checkout, said loudly); on exit stopped, and ``timings``
+    written to build/{name}-timings.json and to the terminal."""
     import image
 
     root, note = image.rootfs_for_tests()
-    TIMINGS["processes run from"] = note
+    timings["processes run from"] = note
     if root is None:
-        msg = f"MULTI-HOST TEST RUNS THE CHECKOUT, NOT THE IMAGE: {note}"
+        msg = f"{label.upper()} TEST RUNS THE CHECKOUT, NOT THE IMAGE: {note}"
         print(f"\n*** {msg}", file=sys.stderr)
         warnings.warn(msg)
-    harness = Harness("multihost")
-    rack = Rack(harness, HOSTS)
-    pool = MultiHost(harness, rack, root)
+    harness = Harness(name)
+    pool = make_pool(harness, Rack(harness, hosts), root)
     try:
         pool.start()
         yield pool
     finally:
         pool.close()
         image.release()
-        out = REPO / "build" / "multihost-timings.json"
+        out = REPO / "build" / f"{name}-timings.json"
         out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(TIMINGS, indent=2) + "\n")
+        out.write_text(json.dumps(timings, indent=2) + "\n")
         tr = request.config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:
             tr.write_line("")
-            tr.write_line(f"multi-host timings ({out.relative_to(REPO)}):")
-            for k, v in TIMINGS.items():
+            tr.write_line(f"{label} timings ({out.relative_to(REPO)}):")
+            for k, v in timings.items():
                 tr.write_line(f"  {k}: {v}")
+
+
+@pytest.fixture(scope="module")
+def mh(etcd_binary, request):
+    with rack_pool("multihost", "multi-host", HOSTS, MultiHost, TIMINGS, request) as pool:
+        yield pool
 
 
 @pytest.fixture(autouse=True)

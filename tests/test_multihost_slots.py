@@ -23,14 +23,13 @@ import json
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
 import netns
-from test_multihost import CAPACITY, LEASE_TTL, PAGE, HostEtcd, MultiHost  # where it skips, this module does too
-from cluster import Harness, HarnessError
+from test_multihost import CAPACITY, LEASE_TTL, PAGE, HostEtcd, MultiHost, rack_pool  # where it skips, this module does too
+from cluster import HarnessError
 from metaserver.slots import rank
 from test_failover import raw
 from transport import wire
@@ -169,32 +168,8 @@ class SlotRack(MultiHost):
 
 @pytest.fixture(scope="module")
 def sr(etcd_binary, request):
-    import image
-
-    root, note = image.rootfs_for_tests()
-    TIMINGS["processes run from"] = note
-    if root is None:
-        msg = f"MULTI-HOST SLOTS TEST RUNS THE CHECKOUT, NOT THE IMAGE: {note}"
-        print(f"\n*** {msg}", file=sys.stderr)
-        warnings.warn(msg)
-    harness = Harness("multihost-slots")
-    rack = netns.Rack(harness, HOSTS)
-    pool = SlotRack(harness, rack, root)
-    try:
-        pool.start()
+    with rack_pool("multihost-slots", "multi-host partitioned-pool", HOSTS, SlotRack, TIMINGS, request) as pool:
         yield pool
-    finally:
-        pool.close()
-        image.release()
-        out = REPO / "build" / "multihost-slots-timings.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(TIMINGS, indent=2) + "\n")
-        tr = request.config.pluginmanager.get_plugin("terminalreporter")
-        if tr is not None:
-            tr.write_line("")
-            tr.write_line(f"multi-host partitioned-pool timings ({out.relative_to(REPO)}):")
-            for k, v in TIMINGS.items():
-                tr.write_line(f"  {k}: {v}")
 
 
 @pytest.fixture(autouse=True)

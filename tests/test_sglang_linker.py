@@ -21,16 +21,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from enginesvenv import import_error, run_pytest  # noqa: E402
+from enginesvenv import engine_modules, run_pytest  # noqa: E402
 
 
-
-_ERR = import_error("sglang.srt.mem_cache.unified_cache.linker_factory",
-                    "sglang.srt.mem_cache.unified_cache.unified_cache_linker")
-needs_linker = pytest.mark.skipif(
-    _ERR is not None,
-    reason=f"SGLANG LINKER MODULES DO NOT IMPORT IN THIS VENV ({_ERR}); they need transformers + torchvision; "
-           f"these tests run in .venv/sglang-linker through test_full_suite_in_linker_venv")
+_ERR, needs_linker = engine_modules(
+    "SGLANG LINKER MODULES DO NOT IMPORT", "they need transformers + torchvision; these tests run in "
+    ".venv/sglang-linker through test_full_suite_in_linker_venv",
+    "sglang.srt.mem_cache.unified_cache.linker_factory", "sglang.srt.mem_cache.unified_cache.unified_cache_linker")
 
 
 # ---- driving the linker venv from the main run ----------------------------------------------------------------

@@ -21,15 +21,12 @@ import pytest
 from umbp.integrations.vllm.plan import Planner
 from umbp.keys import chain_keys
 
-from enginesvenv import import_error, run_pytest
+from enginesvenv import engine_modules, run_pytest
 
 
-
-_ERR = import_error("vllm.distributed.kv_transfer.kv_connector.factory", "vllm.v1.core.sched.scheduler")
-needs_vllm = pytest.mark.skipif(
-    _ERR is not None,
-    reason=f"VLLM DOES NOT IMPORT IN THIS VENV ({_ERR}); these tests run in the engines venv through "
-           f"test_vllm_suite_in_engines_venv")
+_ERR, needs_vllm = engine_modules(
+    "VLLM DOES NOT IMPORT", "these tests run in the engines venv through test_vllm_suite_in_engines_venv",
+    "vllm.distributed.kv_transfer.kv_connector.factory", "vllm.v1.core.sched.scheduler")
 
 
 # ---- driving the engines venv from the main run -----------------------------------------------------------------
