@@ -33,7 +33,7 @@ version_is() {  # is distribution $1 at version $2 in the engines venv?
 # A function with explicit `|| return`: `set -e` does not apply inside a command tested by `if`.
 build() {
     [[ -x "$EV/bin/python" ]] || "$PYTHON" -m venv "$EV" || return 1
-    local INSTALL=("$EV/bin/python" -m pip --disable-pip-version-check install -q --no-warn-conflicts)
+    local INSTALL=("$EV/bin/python" -m pip --disable-pip-version-check install -q --no-compile --no-warn-conflicts)
     if ! "$EV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$ENGINES_TORCH')" \
             2>/dev/null; then
         log "installing torch==$ENGINES_TORCH and torchvision (CPU-capable CUDA build)"

@@ -16,6 +16,9 @@
 # Engines installed --no-deps (SGLang here, vLLM in the engines venv) leave their own pins unmet on purpose; pip would
 # then print a red "dependency conflicts" block after every later install into that venv. Those installs pass
 # --no-warn-conflicts: the pins that matter are the extras in pyproject.toml, and the tests check what imports.
+#
+# --no-compile: pip would byte-compile every installed module (torch's thousands: about half of a fresh install's
+# time here); Python compiles what it imports on first use instead.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -46,15 +49,15 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     fi
 fi
 
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check install --no-compile)
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
     log "installing torch==$TORCH_VERSION (CPU wheel) before the project's dependencies"
-    "${PIP[@]}" install -q "torch==$TORCH_VERSION"
+    "${PIP[@]}" -q "torch==$TORCH_VERSION"
 fi
 
 if [[ $PROFILE == demo ]]; then
     log "installing umbp (editable) with its runtime dependencies"
-    "${PIP[@]}" install -q -e .
+    "${PIP[@]}" -q -e .
     "$VENV/bin/python" -c "import torch, umbp; print('install-venv: ok: torch', torch.__version__, '| umbp', umbp.__version__)"
     exit 0
 fi
@@ -63,11 +66,11 @@ SGLANG_VERSION=0.5.23
 # The `sglang` extra brings the few packages SGLang's storage interface imports, for the HiCache backend's tests;
 # SGLang itself then goes in without its dependencies (it pins a CUDA torch, flashinfer, ...).
 log "installing umbp (editable) with test and sglang extras"
-"${PIP[@]}" install -q --no-warn-conflicts -e '.[test,sglang]'
+"${PIP[@]}" -q --no-warn-conflicts -e '.[test,sglang]'
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" \
         2>/dev/null; then
     log "installing sglang==$SGLANG_VERSION without its dependencies (storage interface only)"
-    "${PIP[@]}" install -q --no-deps --no-warn-conflicts "sglang==$SGLANG_VERSION"
+    "${PIP[@]}" -q --no-deps --no-warn-conflicts "sglang==$SGLANG_VERSION"
 fi
 "$VENV/bin/python" -c "import torch, umbp, pytest; print('install-venv: ok: torch', torch.__version__, '| umbp', umbp.__version__)"
 
