@@ -116,8 +116,12 @@ def test_a_silent_node_does_not_hold_a_get(make_cluster):
                 assert c.batch_get_into(keys, outs) == want
                 assert all(bytes(o) == page(k, 1) for k, o in zip(keys, outs) if k not in on_victim)
                 st = c.stats()["client"]
-                # the first get's speculative read failed on the silent node (once); the second never went there
-                assert st["node_failures"] - failures == (1 if attempt == 0 else 0), (attempt, st)
+                # the first get's speculative read failed on the silent node (the other node's too, now and then,
+                # on a loaded machine: it is read again from the answer); the second never went to the silent node
+                if attempt == 0:
+                    assert st["node_failures"] - failures >= 1, st
+                else:
+                    assert st["node_failures"] == failures, st
                 assert st["spec_cached"] == 32 - len(on_victim), st
         finally:
             victim.kill(signal.SIGCONT)

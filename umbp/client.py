@@ -59,7 +59,7 @@ from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, Not
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
 from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
-from umbp.speculate import Speculation, read_deadline
+from umbp.speculate import SPEC_GRACE_S, Speculation, read_deadline
 from umbp.puts import PutPath
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
@@ -213,8 +213,11 @@ class Client(PutPath):
             for t in self._transports.values():
                 t.register(mv)
 
-    def _run(self, batches: dict[str, list], kind: str, deadline: float) -> dict[str, list]:
-        """Start every node's transfers, then finish them all; a failed node's ops get its error."""
+    def _run(self, batches: dict[str, list], kind: str, deadline: float,
+             grace: tuple[float, float] | None = None) -> dict[str, list]:
+        """Start every node's transfers, then finish them all; a failed node's ops get its error. ``grace``
+        (seconds, hard deadline): a node finished after ``deadline`` passed (another node used it up) still gets
+        that many seconds, never past the hard deadline, so its answer, long arrived, is not thrown away."""
         pending: dict[str, Pending | Exception] = {}
         for node_id, ops in batches.items():
             try:
@@ -229,7 +232,8 @@ class Client(PutPath):
             if isinstance(p, Exception):
                 res = [p] * len(batches[node_id])
             else:
-                res = self._transports[node_id].finish(p, deadline)
+                dl = deadline if grace is None else min(grace[1], max(deadline, time.monotonic() + grace[0]))
+                res = self._transports[node_id].finish(p, dl)
             if any(isinstance(r, TransportError) for r in res):
                 self.counters["node_failures"] += 1
                 self._drop_transport(node_id)
@@ -367,7 +371,8 @@ class Client(PutPath):
             try:
                 batches, index, _fresh, _kern = self._read_ops(guess, segs)
                 nbytes = sum(op.length for ops in batches.values() for op in ops)
-                results = self._run(batches, "read", read_deadline(deadline, time.monotonic(), nbytes))
+                results = self._run(batches, "read", read_deadline(deadline, time.monotonic(), nbytes),
+                                    grace=(SPEC_GRACE_S, deadline))
             except UmbpError:  # e.g. a remembered size the out no longer fits: the plain read decides
                 results = {}
             failed = set()

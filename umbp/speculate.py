@@ -26,7 +26,8 @@ rights: a key this client may no longer read answers as a miss and the speculati
 
 A remembered node that went silent (black-holed, frozen) must not hold the get: the speculative read runs under its
 own deadline, ``read_deadline`` (at most ``SPEC_READ_S`` plus the batch at ``SPEC_MIN_RATE``, never past the call's),
-and a node whose speculative read failed with a transport error (timeouts included) is forgotten
+(the other nodes of the batch, finished after a silent one used it up, get ``SPEC_GRACE_S`` more, so their answers
+are not thrown away), and a node whose speculative read failed with a transport error (timeouts included) is forgotten
 (``LocationCache.forget_node``): later gets read it only where a LOOKUP answer names it again. Before this bound a
 get of pages remembered on a black-holed node waited out its whole deadline although the LOOKUP answer had already
 dropped that node's pages (found by tests/test_multihost.py's black hole).
@@ -44,6 +45,7 @@ CACHE_MAX = 1 << 16  # remembered locations per client (about 15 MiB at most); t
 BACKOFF_BATCHES = 8  # batches read the plain way after one whose speculation was mostly wasted
 SPEC_READ_S = 0.5  # a speculative read waits at most this long plus its bytes at SPEC_MIN_RATE
 SPEC_MIN_RATE = 1e9  # bytes per second
+SPEC_GRACE_S = 0.1  # a node finished after a silent one used up the read's deadline still gets this long
 
 
 def read_deadline(deadline: float, now: float, nbytes: int) -> float:
