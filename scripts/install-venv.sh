@@ -8,8 +8,8 @@
 # Environment: PYTHON (interpreter that creates the venv, default python3), TORCH_VERSION (default 2.13.0);
 # UMBP_ENGINES_VENV=0 (or the older UMBP_SGLANG_LINKER_VENV=0) skips the engines venv and its tests skip, saying so.
 #
-# Idempotent: an existing venv is reused and pip skips what is already satisfied. torch is pinned and installed
-# before anything else because `torch>=2.2` left to the resolver would pull a multi-GB CUDA build; the pinned
+# Idempotent: an existing venv is reused and pip skips what is already satisfied. torch is pinned (in the same
+# pip call as umbp for the demo, before anything else for the tests) because `torch>=2.2` left to the resolver would pull a multi-GB CUDA build; the pinned
 # version is a CPU wheel that pip finds on local disk (find-links). On a Debian box without the venv module
 # (python3-venv), root with apt installs it.
 #
@@ -50,16 +50,17 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check install --no-compile)
+if [[ $PROFILE == demo ]]; then
+    # one resolver run: the pin is part of the request, so `torch>=2.2` resolves to the local CPU wheel
+    log "installing torch==$TORCH_VERSION (CPU wheel) and umbp (editable) with its runtime dependencies"
+    "${PIP[@]}" -q "torch==$TORCH_VERSION" -e .
+    "$VENV/bin/python" -c "import torch, umbp; print('install-venv: ok: torch', torch.__version__, '| umbp', umbp.__version__)"
+    exit 0
+fi
+
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
     log "installing torch==$TORCH_VERSION (CPU wheel) before the project's dependencies"
     "${PIP[@]}" -q "torch==$TORCH_VERSION"
-fi
-
-if [[ $PROFILE == demo ]]; then
-    log "installing umbp (editable) with its runtime dependencies"
-    "${PIP[@]}" -q -e .
-    "$VENV/bin/python" -c "import torch, umbp; print('install-venv: ok: torch', torch.__version__, '| umbp', umbp.__version__)"
-    exit 0
 fi
 
 SGLANG_VERSION=0.5.23
