@@ -178,6 +178,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
             return True
         self._drop_dying(e, fx)
         return False
+
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], parents: list | None, gen_base: int,
               now: float, token: int | None = None, owner: object = None, shard: tuple[int, int] | None = None
               ) -> tuple[list, Effects]:
@@ -185,10 +186,10 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
         item = [NEW, node_id, offset, payload_len, gen] | [EXISTS, None...] | [NO_SPACE, None...] |
         [IN_FLIGHT, None...] (another writer holds the key PENDING) | [OVER_QUOTA, None...] for every key (internal:
         the request's new keys do not fit in the namespace's quota even after evicting its own unpinned pages;
-        nothing was allocated and the caller refuses the request). A PENDING key allocated under the same ``token`` gets its place again (a retried
-        ALLOC whose answer was lost), so ALLOC is idempotent; it then belongs to ``owner`` (the retry's
-        connection), so the first connection closing does not abort it. ``shard`` (rank, n): a shared entry's
-        sub-slot (``alloc_shared``)."""
+        nothing was allocated and the caller refuses the request). A PENDING key allocated under the same ``token``
+        gets its place again (a retried ALLOC whose answer was lost), so ALLOC is idempotent; it then belongs to
+        ``owner`` (the retry's connection), so the first connection closing does not abort it. ``shard`` (rank, n):
+        a shared entry's sub-slot (``alloc_shared``)."""
         if shard is not None:
             return self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
         fx = Effects()

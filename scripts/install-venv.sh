@@ -10,8 +10,8 @@
 #
 # Idempotent: an existing venv is reused and pip skips what is already satisfied. torch is pinned (in the same
 # pip call as umbp for the demo, before anything else for the tests) because `torch>=2.2` left to the resolver
-# would pull a multi-GB CUDA build; the pinned version is a CPU wheel that pip finds on local disk (find-links). On a Debian box without the venv module
-# (python3-venv), root with apt installs it.
+# would pull a multi-GB CUDA build; the pinned version is a CPU wheel that pip finds on local disk (find-links).
+# On a Debian box without the venv module (python3-venv), root with apt installs it.
 #
 # Engines installed --no-deps (SGLang here, vLLM in the engines venv) leave their own pins unmet on purpose; pip would
 # then print a red "dependency conflicts" block after every later install into that venv. Those installs pass

@@ -126,6 +126,7 @@ def test_a_silent_node_does_not_hold_a_get(make_cluster):
         finally:
             victim.kill(signal.SIGCONT)
 
+
 def test_read_ahead_off_never_reads_before_the_answer(make_cluster):
     cl = make_cluster(nodes=1)
     keys = [f"off-{i}" for i in range(8)]

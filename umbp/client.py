@@ -19,9 +19,9 @@ Contracts:
   A pool with no space left raises ``PoolFull``; a node that fails mid-write raises ``TransportError``: keys whose
   bytes did not land are aborted, never committed, so no reader can see a half-written page.
 - ``get_into``/``batch_get_into``: bytes written, or -1 for a miss (whose out is unspecified: read-ahead may have
-  copied a remembered location into it before the LOOKUP answered the miss). A page on a node that died is a miss. A slot
-  whose header does not match the directory (stale, torn, corrupt) raises ``CorruptionError``; wrong bytes are never
-  returned as data.
+  copied a remembered location into it before the LOOKUP answered the miss). A page on a node that died is a miss.
+  A slot whose header does not match the directory (stale, torn, corrupt) raises ``CorruptionError``; wrong bytes
+  are never returned as data.
 - CUDA outs: pages on same-host nodes are read by the gather kernel straight from the mapped arena (``umbp.devcopy``,
   arena registered once per client), others through pooled pinned buffers; CUDA values of puts are written by the
   kernel straight into same-host arenas, or staged through pooled pinned buffers (``umbp.puts``).
@@ -95,7 +95,8 @@ class Client(PutPath):
         self._boot = boot_id()
         self._registered: list[memoryview] = []
         self._device = DeviceCopier(self.component)  # CUDA outs on same-host pages: the gather kernel
-        self._spec = Speculation(enabled=self.config.read_ahead)  # remembered page locations, read ahead of the LOOKUP (umbp/speculate.py)
+        # remembered page locations, read ahead of the LOOKUP (umbp/speculate.py)
+        self._spec = Speculation(enabled=self.config.read_ahead)
         self.counters = {"puts": 0, "dedup": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0,
                          "bytes_mapped": 0, "node_failures": 0, "kernel_put_bytes": 0, "staged_put_bytes": 0}
         self._closed = False
