@@ -7,9 +7,10 @@ ttl/3, with today's local validity deadline, ``leader.py``) under which it puts 
 key it wins, so a process that dies loses all of them at once when its lease expires. Each round reads
 ``members/`` and ``slotmap/`` (two range reads) and, for each slot s and for the membership role ``m``:
 
-- nobody holds it: campaign (create ``slotmap/{s}`` if absent) when this process is rank r of ``rank(s, live
-  members)`` and the slot has been vacant for r * RANK_DELAY_S: a dead process's slots go to each one's
-  next-ranked process, all in the same round, in parallel;
+- nobody holds it: campaign (create ``slotmap/{s}`` if absent) when this process is rank r of slot s's order in
+  ``ranking(S, live members)`` (balanced: S/N slots each; ``rank`` for ``m``) and the slot has been vacant for
+  r * RANK_DELAY_S: a dead process's slots go to each one's next-ranked process (its successor, which kept the
+  warm copy), all in the same round, in parallel;
 - we hold it and a process ranked above us reports its warm copy of s loaded (``members`` value ``warm``): hand it
   over (stop serving, flush queued writes, delete the key fenced): that is how a joining process takes its share;
 - someone else holds it: keep a warm copy (today's ``WarmDirectory``, on this slot's pages) when this process is
@@ -39,7 +40,7 @@ from metaserver.admin import require_admin
 from metaserver.metrics import MetaserverMetrics
 from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S
-from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank
+from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank, ranking
 from metaserver.standby import node_descs
 from transport import wire
 from transport.wire import Op, Status
@@ -325,11 +326,12 @@ class Partition:
         if self.addr not in self.members and self.lease_valid():
             await self._put_member()
         campaigns = []
+        orders = ranking(self.slots, tuple(live))
         for name in self.names:
             if name in self._busy:
                 continue
             srv = self.servers[name]
-            order = rank(name, live)
+            order = list(orders[int(name)]) if name != MEMBERSHIP else rank(name, live)
             h = self.holders.get(name)
             if h is None:
                 if srv.leader.won:

@@ -35,6 +35,7 @@ takeover, not at their deadline; a node the fence did not reach is not placed on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -57,13 +58,62 @@ MEMBERSHIP = "m"  # the slot-like role that keeps node leases and arena records
 GEN_SHIFT = wire.SLOT_GEN_SHIFT
 
 
+def _score(name: str, addr: str) -> bytes:
+    return hashlib.blake2b(f"{name}|{addr}".encode(), digest_size=8).digest()
+
+
 def rank(name: str, members: list[str]) -> list[str]:
-    """Rendezvous order of ``members`` for slot ``name``: the first leads it, the next keeps its warm copy. Every
-    process computes the same order from the same member list, with no coordinator; removing a member moves only
-    the slots it led, each to its own next-ranked process. O(members)."""
-    def score(addr: str) -> bytes:
-        return hashlib.blake2b(f"{name}|{addr}".encode(), digest_size=8).digest()
-    return sorted(members, key=score, reverse=True)
+    """Rendezvous order of ``members`` for role ``name`` (the membership role; page slots use ``ranking``).
+    O(members)."""
+    return sorted(members, key=lambda addr: _score(name, addr), reverse=True)
+
+
+def _balanced(slots: int, members: tuple[str, ...]) -> list[str]:
+    """The leader of each page slot: rendezvous pairs taken best first, a process taking floor(S/N) slots, or one
+    more while fewer than S mod N processes have taken that many, so every process leads floor or ceil of S/N
+    (plain rendezvous gave 4 processes 6, 5, 3 and 2 of 16, and every batch waited on the busiest). The caps add
+    up to S and every slot is paired with every process, so every slot gets a leader. O(S N log(S N))."""
+    low, big = divmod(slots, len(members))
+    pairs = sorted(((_score(str(s), a), s, a) for s in range(slots) for a in members), reverse=True)
+    out: list[str | None] = [None] * slots
+    load = dict.fromkeys(members, 0)
+    for _, s, a in pairs:
+        if out[s] is not None or load[a] > low or (load[a] == low and not big):
+            continue
+        if load[a] == low:
+            big -= 1
+        out[s] = a
+        load[a] += 1
+    return out  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=16)
+def ranking(slots: int, members: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """Per page slot, the order of ``members`` (sorted, no duplicates): [leader, successor, the rest by
+    rendezvous]. The leaders are ``_balanced`` over ``members``; a slot's successor is its leader in
+    ``_balanced`` over the members without its leader, so when a process dies each of its slots goes to the
+    process that kept its warm copy, and its slots spread over the survivors evenly. Every process computes the
+    same orders from the same member list, with no coordinator. A removal can also move a slot or two of the
+    survivors (1-2 on average for 16-64 slots over 2-8 processes): those are handed over warm (the new leader
+    loads its copy first), as a join's share is. Cached per member list; O(N) balanced assignments."""
+    if not members:
+        return tuple(() for _ in range(slots))
+    lead = _balanced(slots, members)
+    without = {a: _balanced(slots, tuple(m for m in members if m != a)) if len(members) > 1 else None
+               for a in members}
+    out = []
+    for s in range(slots):
+        first = lead[s]
+        after = without[first]
+        order = [first] + ([after[s]] if after is not None else [])
+        order += [a for a in rank(str(s), list(members)) if a not in order]
+        out.append(tuple(order))
+    return tuple(out)
+
+
+def leaders(slots: int, members) -> list[str]:
+    """The leader ``ranking`` gives each page slot over ``members`` (any order): the map a settled pool shows."""
+    return [order[0] for order in ranking(slots, tuple(sorted(set(members))))]
 
 
 region = wire.slot_region  # (base, size) of slot s's region of a node arena (the node checks capabilities by it)

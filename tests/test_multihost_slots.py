@@ -30,7 +30,7 @@ import pytest
 import netns
 from test_multihost import CAPACITY, LEASE_TTL, PAGE, HostEtcd, MultiHost, rack_pool  # where it skips, this module does too
 from cluster import HarnessError
-from metaserver.slots import rank
+from metaserver.slots import leaders
 from test_failover import raw
 from transport import wire
 from transport.wire import Op
@@ -125,10 +125,10 @@ class SlotRack(MultiHost):
         raise HarnessError(f"multihost-slots: no metaserver of {list(hosts)} answered LEADER: {errors}")
 
     def settled(self, hosts) -> dict | None:
-        """The LEADER answer when the map is the rendezvous ranking over exactly ``hosts``' processes (each slot
+        """The LEADER answer when the map is the balanced ranking over exactly ``hosts``' processes (each slot
         led by its first-ranked one, the membership role too) as every one of them reports it, else None."""
         want = sorted(self.addr(h) for h in hosts)
-        expect = [rank(str(s), want)[0] for s in range(SLOTS)]
+        expect = leaders(SLOTS, want)
         info = None
         for host in hosts:  # every process agrees, not only the first to answer
             info = self.leader_info([host])

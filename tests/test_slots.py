@@ -18,7 +18,7 @@ from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
 from test_failover import raw
 from test_metrics import scrape, value
 from test_up import up  # noqa: F401  (the fixture)
-from metaserver.slots import rank, region
+from metaserver.slots import leaders, ranking, region
 from umbp.slotmap import split_by_use
 from transport import wire
 from transport.tcp import FramedSocket
@@ -38,9 +38,9 @@ def slot_map(addr: str) -> dict:
 
 
 def wait_map(addrs: list[str], want: set[str], timeout: float) -> dict:
-    """Poll LEADER until the slot map is the rendezvous ranking's over exactly the processes ``want`` (each slot
+    """Poll LEADER until the slot map is the balanced ranking's over exactly the processes ``want`` (each slot
     led by its first-ranked one, the membership role too); returns the LEADER answer."""
-    expect = [rank(str(s), sorted(want))[0] for s in range(SLOTS)]
+    expect = leaders(SLOTS, want)
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -71,16 +71,22 @@ def test_slot_ranking_and_regions():
     assert slots == [wire.slot_of("ns", k.decode(), SLOTS) for k in keys]  # str and bytes keys agree
     counts = [slots.count(s) for s in range(SLOTS)]
     assert min(counts) > 400 and max(counts) < 600, counts  # uniform: 500 expected per slot
-    members = [f"10.0.0.{i}:7700" for i in range(4)]
-    names = [str(s) for s in range(64)]
-    first = {n: rank(n, members)[0] for n in names}
-    per = [list(first.values()).count(m) for m in members]
-    assert min(per) >= 8, per  # spread: 16 expected each
-    gone = members[1]
-    after = {n: rank(n, [m for m in members if m != gone])[0] for n in names}
-    moved = [n for n in names if first[n] != after[n]]
-    assert set(moved) == {n for n in names if first[n] == gone}  # only the dead process's slots move ...
-    assert all(after[n] == rank(n, members)[1] for n in moved)  # ... each to its next-ranked process
+    for n, slots in ((4, 64), (4, 16), (3, 64), (8, 16)):
+        members = tuple(sorted(f"10.0.0.{i}:7700" for i in range(n)))
+        orders = ranking(slots, members)
+        first = [o[0] for o in orders]
+        assert all(sorted(o) == list(members) for o in orders)  # an order ranks every member once
+        per = sorted(first.count(m) for m in members)
+        assert per[0] >= slots // n and per[-1] <= -(-slots // n), per  # balanced: floor or ceil of S/N each
+        gone = members[1]
+        after = leaders(slots, [m for m in members if m != gone])
+        mine = [s for s in range(slots) if first[s] == gone]
+        assert all(after[s] == orders[s][1] for s in mine)  # the dead process's slots go to their successors
+        per = sorted(after.count(m) for m in members if m != gone)
+        assert per[-1] - per[0] <= 1, per  # ... and spread evenly over the survivors
+        others = [s for s in range(slots) if first[s] != gone and after[s] != first[s]]
+        assert len(others) <= slots // 8, others  # the survivors keep (nearly) all of their own
+    assert leaders(16, ["b:1", "a:1", "b:1"]) == leaders(16, ("a:1", "b:1"))  # order and repeats do not matter
     cap = 64 << 20
     regions = sorted(region(s, SLOTS, cap) for s in range(SLOTS))
     for (b0, n0), (b1, _) in zip(regions, regions[1:]):
@@ -321,7 +327,7 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
     addrs = [m.addr for m in cl.metaservers]
 
     def leader_map(among: list[str], timeout: float) -> list:
-        expect = [rank(str(s), sorted(among))[0] for s in range(SLOTS)]
+        expect = leaders(SLOTS, among)
         deadline, last = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
             for a in among:
@@ -436,7 +442,7 @@ def test_join_takes_its_share_and_leave_gives_it_back(make_cluster):
     joined = cl.harness.metaserver(cl.etcd.url, slots=SLOTS, election_ttl=TTL_S)
     cl.metaservers.append(joined)
     info = wait_map([first, joined.addr], {first, joined.addr}, 30.0)
-    want = {str(s) for s in range(SLOTS) if rank(str(s), sorted([first, joined.addr]))[0] == joined.addr}
+    want = {str(s) for s, a in enumerate(leaders(SLOTS, [first, joined.addr])) if a == joined.addr}
     assert {str(s) for s, a in enumerate(info["map"]) if a == joined.addr} == want  # exactly its ranked share
     with cl.client() as c:  # a client that only knows the first address still reaches every slot
         outs = [bytearray(6000) for _ in keys]
