@@ -20,6 +20,8 @@ PENDING and pinned entry for a node's view).
 
 from __future__ import annotations
 
+import os
+import struct
 from typing import TYPE_CHECKING
 
 from metaserver.allocator import Allocator
@@ -59,6 +61,19 @@ def extent_size(code: int) -> int:
     n = code >> SHARD_SHIFT
     return object_size(code) if not n else n * object_size(code & PART_MASK)
 STATE_NAMES = ("PENDING", "READY", "GONE")
+
+_ID_BATCH = 512  # random ids drawn from os.urandom at once
+_ids: list[int] = []
+os.register_at_fork(after_in_child=_ids.clear)  # a forked child draws its own, never its parent's next ids
+
+
+def random_id() -> int:
+    """A uniformly random id in [0, 2^63) from the OS's CSPRNG (read leases: not guessable). Drawn 512 at a time
+    (one 4 KiB read of os.urandom, then a list pop, ~40 ns), where ``secrets.randbits`` paid a syscall each (10 %
+    of a 16-slot process's CPU on LOOKUP, one lease per slot of a request)."""
+    if not _ids:
+        _ids.extend(x >> 1 for x in struct.unpack(f"<{_ID_BATCH}Q", os.urandom(8 * _ID_BATCH)))
+    return _ids.pop()
 
 
 class Entry:

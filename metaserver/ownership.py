@@ -32,19 +32,42 @@ from transport.wire import Status
 from umbp.errors import QuotaExceeded
 
 LEASES_PRUNE_AT = 4096  # a connection's remembered lease ids are pruned of expired ones at this size
+MAX_RELEASE = 4096  # lease ids in one RELEASE
+
+
+def release_ids(meta: Any) -> list[int]:
+    """The lease ids of a RELEASE: ``lease`` (one) or ``leases`` (a list of 1..MAX_RELEASE), not both."""
+    m = v.fields(meta, frozenset({"lease", "leases"}))
+    if ("lease" in m) == ("leases" in m):
+        raise v.Reject("RELEASE takes 'lease' (an id) or 'leases' (a list of ids), exactly one of them")
+    if "lease" in m:
+        return [v.integer(m, "lease", 0, (1 << 63) - 1)]
+    ids = m["leases"]
+    if type(ids) is not list or not 1 <= len(ids) <= MAX_RELEASE:
+        raise v.Reject(f"leases must be a list of 1..{MAX_RELEASE} lease ids")
+    if not all(type(x) is int and 0 <= x < 1 << 63 for x in ids):
+        raise v.Reject("leases must hold integers within 0..2^63-1")
+    return ids
 
 
 class OwnershipHandlers:
     def release(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, frozenset({"lease"}), ("lease",))
-        lease = v.integer(m, "lease", 0, (1 << 63) - 1)
+        """RELEASE ``lease`` (NOT_FOUND unless this connection holds it), or ``leases``, a list of ids (the slots
+        of one multi-slot LOOKUP: one frame for all of them), answered ``released``: how many this connection
+        held. Either way an id it does not hold changes nothing and tells nothing about other connections'."""
+        leases = release_ids(meta)
         held = getattr(conn, "leases", None)
-        if held is not None:
-            held.discard(lease)
-        if not self.dir.release(lease, conn):
-            # Unknown, expired, or another connection's: the same answer, so it tells nothing about other leases.
-            raise v.Reject(f"no read lease {lease} held by this connection", Status.NOT_FOUND)
-        return {}
+        n = 0
+        for lease in leases:
+            if held is not None:
+                held.discard(lease)
+            n += self.dir.release(lease, conn)
+        if "lease" in meta:
+            if not n:
+                # Unknown, expired, or another connection's: the same answer, so it tells nothing about others'.
+                raise v.Reject(f"no read lease {leases[0]} held by this connection", Status.NOT_FOUND)
+            return {}
+        return {"released": n}
 
     def _own_lease(self, conn, lease: int) -> None:
         """Remember a lease on its connection (released when it closes). Leases that expired meanwhile are pruned

@@ -37,7 +37,9 @@ import msgpack
 from metaserver import multislot
 from metaserver import validate as v
 from metaserver.admin import require_admin
+from metaserver.combine import TxnCombiner
 from metaserver.metrics import MetaserverMetrics
+from metaserver.ownership import release_ids
 from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S
 from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank, ranking
@@ -137,6 +139,7 @@ class Partition:
         self.addr = advertise
         self.slots = slots
         self.store = EtcdStore(config.etcd, config.etcd_prefix)
+        self.combiner = TxnCombiner(self.store, config.persist_batch)  # the slots' etcd writes, combined
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
         self.leader = _Leadership(self)
         self.metrics = MetaserverMetrics(self)
@@ -500,12 +503,18 @@ class Partition:
         return handle
 
     def release(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, frozenset({"lease"}), ("lease",))
-        lease = v.integer(m, "lease", 0, (1 << 63) - 1)
+        """RELEASE on the slots that gave the leases (each slot's leases are its connection's: ``_slot_conn``)."""
+        ids = release_ids(meta)
+        n = 0
         for name, sc in (getattr(conn, "slot_conns", None) or {}).items():
-            if lease in sc.leases and self.servers[name].serving:
-                return self.servers[name].release(meta, sc)
-        raise v.Reject(f"no read lease {lease} held by this connection", Status.NOT_FOUND)
+            mine = [x for x in ids if x in sc.leases]
+            if mine and self.servers[name].serving:
+                n += self.servers[name].release({"leases": mine}, sc)["released"]
+        if "lease" in meta:
+            if not n:
+                raise v.Reject(f"no read lease {ids[0]} held by this connection", Status.NOT_FOUND)
+            return {}
+        return {"released": n}
 
     def drop_pending(self, conn) -> int:
         n = 0
@@ -529,7 +538,9 @@ class Partition:
         out.update({"metaserver": self.addr, "slots": self.slots, "slots_led": [int(s) for s in self.led()],
                     "slot_map": self.slot_map(), "members": sorted(self.members),
                     "membership_leader": self.holder(MEMBERSHIP), "handovers": self.handovers,
-                    "is_leader": bool(parts), "leader": self.holder(MEMBERSHIP)})
+                    "is_leader": bool(parts), "leader": self.holder(MEMBERSHIP),
+                    "etcd_combined": {"txns": self.combiner.txns, "parts": self.combiner.parts,
+                                      "split": self.combiner.split}})
         if not parts:
             out["nodes"] = self.nodes(meta, conn)["nodes"]
         return out

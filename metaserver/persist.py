@@ -101,6 +101,18 @@ def unavailable(what: str, e: BaseException) -> Unavailable:
     return Unavailable("metaserver", f"etcd {what} failed: {detail}", Status.UNAVAILABLE)
 
 
+def add_ops(req, items) -> None:
+    """Add (etcd key, value | None: delete) pairs to a TxnRequest's success branch, built in place."""
+    add = req.success.add
+    for key, value in items:
+        if value is None:
+            add().request_delete_range.key = key
+        else:
+            p = add().request_put
+            p.key = key
+            p.value = value
+
+
 class EtcdStore:
     """Thin async facade over one aetcd client; every method raises Unavailable on an etcd/grpc failure."""
 
@@ -211,28 +223,37 @@ class EtcdStore:
         3.6) and the answer's per-op responses are never converted (only ``succeeded`` is read). Raises NotLeader
         when the fence failed, Unavailable when etcd could not do it."""
         req = aetcd.rpc.TxnRequest()
-        rev = self.fence_rev
-        if rev:
-            req.compare.append(self.client.transactions.create(self.leader_key).__eq__(rev).build_message())
-        add = req.success.add
-        for key, value in items:
-            if value is None:
-                add().request_delete_range.key = key
-            else:
-                p = add().request_put
-                p.key = key
-                p.value = value
+        self.add_fence(req)
+        add_ops(req, items)
+        if await self.send(req):
+            return
+        await self.check_fence()
+        raise Unavailable("metaserver", "etcd transaction refused although the leader key is ours",
+                          Status.UNAVAILABLE)
+
+    def add_fence(self, req) -> None:
+        """Add this store's fence compare (its leader key's create revision) to ``req`` when fenced."""
+        if self.fence_rev:
+            req.compare.append(self.client.transactions.create(self.leader_key).__eq__(self.fence_rev)
+                               .build_message())
+
+    async def send(self, req) -> bool:
+        """Send a built TxnRequest through this store's client; its ``succeeded``. Unavailable on failure."""
         c = self.client
         if not c._connected.is_set():
             await self._call("connect", c.connect())
         res = await self._call("transaction", c.kvstub.Txn(req, timeout=c._timeout, metadata=c.metadata))
-        if res.succeeded or not rev:
+        return res.succeeded
+
+    async def check_fence(self) -> None:
+        """After a refused transaction: raise NotLeader (calling ``on_fenced``) when the leader key is no longer
+        the one this store's fence names; return when it still is (or the store is unfenced)."""
+        rev = self.fence_rev
+        if not rev:
             return
-        cur = await self._call("get", c.get(self.leader_key))
+        cur = await self._call("get", self.client.get(self.leader_key))
         if cur is None or cur.create_revision != rev:
             self._fenced(rev, cur)
-        raise Unavailable("metaserver", "etcd transaction refused although the leader key is ours",
-                          Status.UNAVAILABLE)
 
     def _fenced(self, rev: int, cur) -> None:
         holder = cur.value.decode(errors="replace") if cur is not None else None

@@ -37,10 +37,10 @@ Costs: as ``Directory.alloc``/``commit``/``lookup`` per key, plus O(1) for the s
 
 from __future__ import annotations
 
-import secrets
 import sys
 
-from metaserver.entry import (PART_MASK, PENDING, READY, Effects, Entry, extent_size, layout, shards_of)
+from metaserver.entry import (PART_MASK, PENDING, READY, Effects, Entry, extent_size, layout, random_id,
+                              shards_of)
 from metaserver.placement import Placer
 from transport import wire
 from transport.wire import object_size
@@ -220,7 +220,7 @@ class SharedEntries:
         leases = self.leases
         lease = 0
         for _ in range(64):  # a collision among 2^63 ids is practically impossible; bounded all the same
-            lease = secrets.randbits(63)
+            lease = random_id()
             if lease and lease not in leases:
                 break
         leases[lease] = found

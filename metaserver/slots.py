@@ -41,6 +41,7 @@ import logging
 import time
 
 from metaserver.allocator import Allocator
+from metaserver.combine import TxnCombiner
 from metaserver.directory import Directory
 from metaserver.fence import fence_nodes
 from metaserver.generations import GenCounter
@@ -124,8 +125,9 @@ class SlotStore(EtcdStore):
     arena records are read from the pool's ``nodes/`` and ``arenas/``; a slot leader never writes them: its arena
     deletes (a lost node's, in ``rejoin.py``) go to a key of its own that nothing reads."""
 
-    def __init__(self, root: EtcdStore, name: str, owns_nodes: bool):
+    def __init__(self, root: EtcdStore, name: str, owns_nodes: bool, combiner: TxnCombiner | None = None):
         self.addr, self.prefix, self.client = root.addr, root.prefix, root.client
+        self.combiner = combiner  # the process's (metaserver/combine.py): one transaction for several slots' writes
         base = f"{root.prefix}/slots/{name}/"
         self._pages = (base + "pages/").encode()
         self._nodes, self._arenas = root._nodes, root._arenas
@@ -137,6 +139,11 @@ class SlotStore(EtcdStore):
 
     def arena_key(self, node_id: str) -> bytes:
         return super().arena_key(node_id) if self._sink is None else self._sink + node_id.encode()
+
+    async def write(self, items: list) -> None:
+        if self.combiner is None:
+            return await super().write(items)
+        return await self.combiner.write(self, items)
 
     async def close(self) -> None:
         return None  # the process's client is closed by the partition
@@ -198,7 +205,8 @@ class SlotServer(Metaserver):
         self.name = name
         self.slot = int(name) if name != MEMBERSHIP else -1
         super().__init__(config, partition.addr)
-        self.store = SlotStore(partition.store, name, owns_nodes=self.slot < 0)
+        self.store = SlotStore(partition.store, name, owns_nodes=self.slot < 0,
+                               combiner=getattr(partition, "combiner", None))
         self.leader = SlotLeadership(partition, name)
         self.metrics = partition.metrics
         self._new_state()

@@ -13,7 +13,7 @@ import pytest
 from transport import wire
 from transport.tcp import FramedSocket
 from umbp.client import Client
-from umbp.errors import NotFound, QuotaExceeded
+from umbp.errors import BadRequest, NotFound, QuotaExceeded
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
 
@@ -104,6 +104,35 @@ def test_release_of_another_connections_lease_is_refused(closed):
     assert second != lease
     reader.close()
     assert wait_stat(closed, "pinned", 0)["pinned"] == 0
+    attacker.close()
+
+
+def test_release_of_several_leases_releases_only_the_callers(closed):
+    """RELEASE ``leases`` (one frame for a multi-slot LOOKUP's leases): an attacker's list naming the reader's lease
+    releases nothing and says so (``released`` 0); the reader's own list releases its leases, counted; malformed
+    lists are refused naming the metaserver and the field."""
+    keys = [f"multi/{i}".encode() for i in range(12)]
+    with client(closed, TENANT_A, "tenant-a") as a:
+        assert a.batch_put(keys, [os.urandom(4000) for _ in keys]) == [True] * 12
+    reader = raw(closed, TENANT_A, "reader")
+    leases = [req(reader, wire.Op.LOOKUP, {"ns": "tenant-a", "keys": keys[i:i + 4]})["lease"] for i in (0, 4, 8)]
+    assert stats(closed)["pinned"] == 12
+    attacker = raw(closed, READER_B, "attacker")
+    assert req(attacker, wire.Op.RELEASE, {"leases": [*leases, 1, 2, 3]}) == {"released": 0}
+    assert stats(closed)["pinned"] == 12
+    for bad, why in (({"leases": []}, "leases must be a list of 1..4096"),
+                     ({"leases": [1] * 4097}, "leases must be a list of 1..4096"),
+                     ({"leases": [1, "2"]}, "leases must hold integers"),
+                     ({"leases": [-1]}, "leases must hold integers"),
+                     ({"lease": 1, "leases": [2]}, "exactly one of them"),
+                     ({}, "exactly one of them")):
+        with pytest.raises(BadRequest, match=f"metaserver: RELEASE: .*{why}"):
+            req(reader, wire.Op.RELEASE, bad)
+    assert req(reader, wire.Op.RELEASE, {"leases": leases[:2] + [leases[0]]}) == {"released": 2}
+    assert stats(closed)["pinned"] == 4
+    assert req(reader, wire.Op.RELEASE, {"leases": leases}) == {"released": 1}
+    assert stats(closed)["pinned"] == 0
+    reader.close()
     attacker.close()
 
 

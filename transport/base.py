@@ -18,6 +18,10 @@ Contracts:
 - Results are per op, in order: ``None`` for success or the exception for that op. A connection-level failure
   fails every op still outstanding on it with ``TransportError`` and leaves the transport reusable (it reconnects).
 - ``finish`` blocks until every op of the batch is done or ``deadline`` (``time.monotonic()`` seconds) passes.
+  Past the deadline it still collects what has already arrived, without waiting, so a node finished after another
+  used up the deadline keeps its answer: tcp receives what sits in the socket buffer (non-blocking), rdma reaps the
+  completion queue before it aborts, shm finished its copies in ``start_*``. Only ops not complete by then fail
+  with ``DeadlineExceeded``; a partly received answer is never delivered as data.
 
 ``MemoryTransport`` is the test double: an arena in a bytearray, same checks, no I/O.
 """

@@ -6,7 +6,11 @@ buffers with ``sendmsg`` (no joining of payloads), header and meta are received 
 to be dropped goes through a small fixed buffer (``discard``), so no allocation follows an announced length. A
 malformed answer closes the connection (its data would be left unread). One deadline covers a whole call; a
 timeout or a broken stream closes the socket (the next call reconnects), because a half-read frame cannot be
-resynchronised. With ``tls_ca`` the socket is wrapped in TLS (umbp/tls.py): sends then go out with ``sendall`` of
+resynchronised. Past the deadline nothing new is sent, but a receive still takes what has already arrived, without
+waiting (a zero socket timeout): a batch's answer that sat in the socket buffer while another node used up the
+deadline is delivered; what is not all there yet raises DeadlineExceeded and closes the socket (a partly received
+frame or object is never returned as data; objects of a READV answer received whole before it are kept, as after
+any break). With ``tls_ca`` the socket is wrapped in TLS (umbp/tls.py): sends then go out with ``sendall`` of
 coalesced pieces and receives with ``recv_into`` per view (SSLSocket has no ``sendmsg``/``recvmsg_into``).
 
 ``TcpTransport`` sends a batch as READV/WRITEV frames (up to ``VEC_OPS`` objects each), all of them in one
@@ -36,6 +40,8 @@ _IOV_MAX = 512
 _BIG_VIEW = 256 << 10  # recv_scatter: views this large are received on their own
 _DISCARD = memoryview(bytearray(64 << 10))  # scratch for data that is received only to be dropped (never read)
 _TLS_COALESCE = 256 << 10  # TLS sends: runs of smaller buffers are joined (one record) up to about this much
+# what a receive raises when its deadline passed: waiting (timeout) or, past it, finding nothing more (non-blocking)
+_LATE = (TimeoutError, socket.timeout, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 def _advance(views: list, i: int, n: int) -> int:
@@ -60,10 +66,19 @@ def connection_error(frame: wire.Frame, component: str) -> None:
 
 
 def _remaining(deadline: float, component: str) -> float:
+    """Time left for a connect or a send: past the deadline nothing new is started (DeadlineExceeded)."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise DeadlineExceeded(component, "deadline exceeded")
     return left
+
+
+def _read_timeout(deadline: float) -> float:
+    """Socket timeout for a receive: the time left, or 0.0 (non-blocking) once the deadline has passed. A late
+    receive still takes what has already arrived (an answer that sat in the socket buffer while another node of
+    the batch used up the deadline is not thrown away); one that finds nothing more raises BlockingIOError (TLS:
+    SSLWantReadError), which ``_fail`` turns into DeadlineExceeded."""
+    return max(0.0, deadline - time.monotonic())
 
 
 class FramedSocket:
@@ -167,7 +182,7 @@ class FramedSocket:
 
     def _fail(self, e: BaseException, what: str) -> TransportError:
         self.close()
-        if isinstance(e, (TimeoutError, socket.timeout)):
+        if isinstance(e, _LATE):
             return DeadlineExceeded(self.component, f"{what} {self.addr}: deadline exceeded")
         if isinstance(e, TransportError):
             return e
@@ -225,7 +240,7 @@ class FramedSocket:
         TransportError carries ``received``: how many bytes landed first (the views they filled are good)."""
         got = 0
         try:
-            self.sock.settimeout(_remaining(deadline, self.component))
+            self.sock.settimeout(_read_timeout(deadline))
             recvmsg_into = self.sock.recvmsg_into
             recv_into = self.sock.recv_into
             i, n = 0, len(views)
@@ -251,7 +266,7 @@ class FramedSocket:
 
     def recv_header(self, deadline: float) -> tuple[int, int, int, int, int, int]:
         try:
-            self.sock.settimeout(_remaining(deadline, self.component))
+            self.sock.settimeout(_read_timeout(deadline))
             self.recv_exact(self._hdr_mv)
             return wire.decode_header(self._hdr_mv, self.component)
         except (OSError, TransportError, ProtocolError) as e:
@@ -282,7 +297,7 @@ class FramedSocket:
         """Receive and drop ``n`` bytes (data of a refused answer) through a small fixed buffer: no memory follows
         the announced length."""
         try:
-            self.sock.settimeout(_remaining(deadline, self.component))
+            self.sock.settimeout(_read_timeout(deadline))
             while n:
                 got = self.sock.recv_into(_DISCARD[:min(n, len(_DISCARD))])
                 if not got:

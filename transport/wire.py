@@ -73,7 +73,8 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 8  # 8: "shard": [rank, n] on ALLOC/COMMIT/LOOKUP: one shared entry per TP-sharded page, a rank's
+VERSION = 9  # 9: RELEASE takes "leases": [id, ...] (a multi-slot LOOKUP's leases, one frame per process);
+#              8: "shard": [rank, n] on ALLOC/COMMIT/LOOKUP: one shared entry per TP-sharded page, a rank's
 #              sub-slot (metaserver/shared.py);
 #              7: a keyed request carries several slots' keys ("parts", answered per part: metaserver/multislot.py)
 #              6: a partitioned pool: LEADER answers the slot map ("slots", "map", "members"), NOT_LEADER for a

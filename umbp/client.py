@@ -59,7 +59,7 @@ from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, Not
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
 from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
-from umbp.speculate import SPEC_GRACE_S, Speculation, read_deadline
+from umbp.speculate import Speculation, read_deadline
 from umbp.puts import PutPath
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
@@ -214,11 +214,10 @@ class Client(PutPath):
             for t in self._transports.values():
                 t.register(mv)
 
-    def _run(self, batches: dict[str, list], kind: str, deadline: float,
-             grace: tuple[float, float] | None = None) -> dict[str, list]:
-        """Start every node's transfers, then finish them all; a failed node's ops get its error. ``grace``
-        (seconds, hard deadline): a node finished after ``deadline`` passed (another node used it up) still gets
-        that many seconds, never past the hard deadline, so its answer, long arrived, is not thrown away."""
+    def _run(self, batches: dict[str, list], kind: str, deadline: float) -> dict[str, list]:
+        """Start every node's transfers, then finish them all; a failed node's ops get its error. A node finished
+        after another used up ``deadline`` keeps what has already arrived: a transport collects that without
+        waiting even past the deadline (transport/base.py), so one silent node does not fail the others."""
         pending: dict[str, Pending | Exception] = {}
         for node_id, ops in batches.items():
             try:
@@ -233,8 +232,7 @@ class Client(PutPath):
             if isinstance(p, Exception):
                 res = [p] * len(batches[node_id])
             else:
-                dl = deadline if grace is None else min(grace[1], max(deadline, time.monotonic() + grace[0]))
-                res = self._transports[node_id].finish(p, dl)
+                res = self._transports[node_id].finish(p, deadline)
             if any(isinstance(r, TransportError) for r in res):
                 self.counters["node_failures"] += 1
                 self._drop_transport(node_id)
@@ -372,8 +370,7 @@ class Client(PutPath):
             try:
                 batches, index, _fresh, _kern = self._read_ops(guess, segs)
                 nbytes = sum(op.length for ops in batches.values() for op in ops)
-                results = self._run(batches, "read", read_deadline(deadline, time.monotonic(), nbytes),
-                                    grace=(SPEC_GRACE_S, deadline))
+                results = self._run(batches, "read", read_deadline(deadline, time.monotonic(), nbytes))
             except UmbpError:  # e.g. a remembered size the out no longer fits: the plain read decides
                 results = {}
             failed = set()

@@ -158,8 +158,11 @@ class MetaRouter:
                 self.seed.send_noreply(op, meta, deadline)
                 return
             if op == Op.RELEASE and type(meta) is dict:
+                per: dict[str, list[int]] = {}
                 for addr, lease in self._leases.pop(meta.get("lease"), ()):
-                    self._conn(addr).send_noreply(op, {"lease": lease}, deadline)
+                    per.setdefault(addr, []).append(lease)
+                for addr, ids in per.items():  # one frame per process for all of its slots' leases
+                    self._conn(addr).send_noreply(op, {"leases": ids}, deadline)
 
     # -- the slot map ------------------------------------------------------------------------------------------
     def _discover(self, deadline: float) -> None:

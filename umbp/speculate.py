@@ -25,12 +25,13 @@ What it does not change: the LOOKUP still runs for every get (recency, hit/miss 
 rights: a key this client may no longer read answers as a miss and the speculative bytes are dropped).
 
 A remembered node that went silent (black-holed, frozen) must not hold the get: the speculative read runs under its
-own deadline, ``read_deadline`` (at most ``SPEC_READ_S`` plus the batch at ``SPEC_MIN_RATE``, never past the call's),
-(the other nodes of the batch, finished after a silent one used it up, get ``SPEC_GRACE_S`` more, so their answers
-are not thrown away), and a node whose speculative read failed with a transport error (timeouts included) is forgotten
-(``LocationCache.forget_node``): later gets read it only where a LOOKUP answer names it again. Before this bound a
-get of pages remembered on a black-holed node waited out its whole deadline although the LOOKUP answer had already
-dropped that node's pages (found by tests/test_multihost.py's black hole).
+own deadline, ``read_deadline`` (at most ``SPEC_READ_S`` plus the batch at ``SPEC_MIN_RATE``, never past the call's;
+the other nodes of the batch, finished after a silent one used it up, keep the answers that have already arrived:
+a transport collects those without waiting, transport/base.py), and a node whose speculative read failed with a
+transport error (timeouts included) is forgotten (``LocationCache.forget_node``): later gets read it only where a
+LOOKUP answer names it again. Before this bound a get of pages remembered on a black-holed node waited out its whole
+deadline although the LOOKUP answer had already dropped that node's pages (found by tests/test_multihost.py's black
+hole).
 
 Cost: a remembered page that moved is copied twice. ``Speculation`` backs off when most of a batch was wasted (the
 next ``BACKOFF_BATCHES`` batches read after the answer only), so an eviction storm does not double the traffic.
@@ -45,7 +46,6 @@ CACHE_MAX = 1 << 16  # remembered locations per client (about 15 MiB at most); t
 BACKOFF_BATCHES = 8  # batches read the plain way after one whose speculation was mostly wasted
 SPEC_READ_S = 0.5  # a speculative read waits at most this long plus its bytes at SPEC_MIN_RATE
 SPEC_MIN_RATE = 1e9  # bytes per second
-SPEC_GRACE_S = 0.1  # a node finished after a silent one used up the read's deadline still gets this long
 
 
 def read_deadline(deadline: float, now: float, nbytes: int) -> float:

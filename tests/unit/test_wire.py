@@ -73,8 +73,8 @@ def test_bad_magic_version_and_oversized_lengths_are_protocol_errors():
     r = wire.FrameReader("meta")
     with pytest.raises(ProtocolError, match="meta: bad frame magic"):
         feed(r, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [100])
-    hdr = wire.HEADER.pack(wire.MAGIC, 9, 1, 0, 0, 1, 0, 0)
-    with pytest.raises(ProtocolError, match="unsupported wire version 9"):
+    hdr = wire.HEADER.pack(wire.MAGIC, wire.VERSION + 1, 1, 0, 0, 1, 0, 0)
+    with pytest.raises(ProtocolError, match=f"unsupported wire version {wire.VERSION + 1}"):
         feed(wire.FrameReader("meta"), hdr, [100])
     hdr = wire.HEADER.pack(wire.MAGIC, wire.VERSION, 1, 0, 0, 1, 1 << 30, 0)
     with pytest.raises(ProtocolError, match="meta of 1073741824 bytes exceeds"):
