@@ -477,7 +477,8 @@ class Partition:
             return "0"  # malformed: slot 0's handler answers with the precise error
         ns, keys = meta["ns"], meta["keys"]
         S = self.slots
-        slots = {wire.slot_of(ns, k, S) for k in keys if type(k) in (bytes, str)}
+        slots = set(wire.slots_of(ns, keys, S))
+        slots.discard(-1)
         if len(slots) > 1:
             raise v.Reject(f"keys of {len(slots)} slots in one request: a partitioned pool ({S} slots) takes one "
                            f"slot's keys per request unless it names its 'parts'")

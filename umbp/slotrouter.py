@@ -213,8 +213,8 @@ class MetaRouter:
         ns, keys = meta["ns"], meta["keys"]
         S = self.slots
         by: dict[int, list[int]] = {}
-        for i, k in enumerate(keys):
-            by.setdefault(wire.slot_of(ns, k, S), []).append(i)
+        for i, slot in enumerate(wire.slots_of(ns, keys, S)):  # -1 (not a key): slot 0 refuses it precisely
+            by.setdefault(max(slot, 0), []).append(i)
         parts = []
         for slot, idx in by.items():
             if len(by) == 1:

@@ -158,3 +158,13 @@ def test_good_frames_before_a_bad_header_are_returned_then_the_reader_is_poisone
     frames = feed(r, data, [len(data)])
     assert [f.request_id for f, _ in frames] == [1]
     assert isinstance(r.poisoned, ProtocolError) and "bad frame magic" in str(r.poisoned)
+
+
+def test_slots_of_equals_slot_of_per_key():
+    keys = [b"", b"a", "a", "caf\u00e9", b"\xff" * 600, *(b"page/%d" % i for i in range(200))]
+    for slots in (1, 2, 16, 64, 1024):
+        for ns in ("", "tenant-a", "n\u00e9"):
+            assert wire.slots_of(ns, keys, slots) == [wire.slot_of(ns, k, slots) for k in keys]
+    assert wire.slots_of("ns", [b"k", 7, None, "k"], 16) == [wire.slot_of("ns", b"k", 16), -1, -1,
+                                                              wire.slot_of("ns", b"k", 16)]
+    assert wire.slots_of("ns", [b"k", 7], 1) == [0, -1]
