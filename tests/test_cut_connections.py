@@ -153,7 +153,7 @@ def test_a_lost_alloc_answer_is_retried_and_stores_the_page_once(cluster):
                                      flags=wire.Flag.RESPONSE))
         proxy.arm("down", alloc_meta // 2)  # the next answer (ALLOC's) is cut halfway: the client must retry
         assert c.put("cut/lost-answer", value) is True
-        assert proxy.cuts == 1 and c._meta.sent[wire.Op.ALLOC] >= 3
+        assert proxy.cuts == 1 and c.requests_sent()["ALLOC"] >= 3
         assert c.get("cut/lost-answer") == value
         s = c.stats()
         assert s["pending"] == 0

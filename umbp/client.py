@@ -580,8 +580,14 @@ class Client(PutPath):
 
     def stats(self) -> dict:
         s = self._meta.call(wire.Op.STATS, {}, self._deadline())
-        s["client"] = dict(self.counters, **self._spec.stats(), transports=self.transport_names(), pid=os.getpid())
+        s["client"] = dict(self.counters, **self._spec.stats(), transports=self.transport_names(), pid=os.getpid(),
+                           requests=self.requests_sent())
         return s
+
+    def requests_sent(self) -> dict[str, int]:
+        """Metaserver requests this client sent, by opcode name (retries and resent parts included): how batching
+        shows from outside, e.g. one ALLOC and one COMMIT per chunk of a ``batch_put``."""
+        return {wire.Op(op).name: n for op, n in self._meta.sent.items()}
 
     # ---- admin (used by the CLI) ----------------------------------------------------------------------------
 
