@@ -96,6 +96,19 @@ class MultiHost:
     def ms_addrs(self) -> str:
         return ",".join(f"{self.rack[h].ip}:7700" for h in ("ms1", "ms2"))
 
+    # what a subclass changes: its metaserver and node hosts, the metaservers' flags, its timings and agents
+    MS_HOSTS: tuple[str, ...] = ("ms1", "ms2")
+    NODE_HOSTS: tuple[str, ...] = tuple(NODE_HOSTS)
+    MS_FLAGS: dict = {}
+    START_LABEL = "pool start (etcd, 2 metaservers, 3 nodes in 6 hosts) s"
+
+    @property
+    def timings(self) -> dict:
+        return TIMINGS
+
+    def agent(self, host: str) -> Agent:
+        return Agent(self.rack[host], self.ms_addrs, self.harness.workdir)
+
     def start(self) -> "MultiHost":
         h, rack = self.harness, self.rack
         t0 = time.monotonic()
@@ -103,15 +116,15 @@ class MultiHost:
         h._track(etcd)
         etcd.start()
         self.cluster.etcd = etcd
-        for name in ("ms1", "ms2"):
+        for name in self.MS_HOSTS:  # one at a time: in a partitioned pool the first creates it, the others join
             ip = rack[name].ip
             m = h.metaserver(etcd.url, start=False, name=name, listen=f"{ip}:7700", advertise=f"{ip}:7700",
-                             election_ttl=ELECTION_TTL, metrics_listen=f"{ip}:9100")
+                             election_ttl=ELECTION_TTL, metrics_listen=f"{ip}:9100", **self.MS_FLAGS)
             self._place(m, rack[name])
             m.start()
             self.cluster.metaservers.append(m)
         nodes = []
-        for name in NODE_HOSTS:
+        for name in self.NODE_HOSTS:
             ip = rack[name].ip
             n = h.node(self.ms_addrs, start=False, node_id=name, capacity=CAPACITY, lease_ttl=LEASE_TTL,
                        listen=f"{ip}:7800", metrics_listen=f"{ip}:9100")
@@ -123,12 +136,12 @@ class MultiHost:
         for n in nodes:
             n.wait_ready()
         self.cluster.nodes = nodes
-        self.cluster.wait_nodes(alive=NODE_HOSTS)
-        TIMINGS["pool start (etcd, 2 metaservers, 3 nodes in 6 hosts) s"] = round(time.monotonic() - t0, 2)
+        self.cluster.wait_nodes(alive=list(self.NODE_HOSTS))
+        self.timings[self.START_LABEL] = round(time.monotonic() - t0, 2)
         t0 = time.monotonic()
         for name in ("c1", "c2"):
-            self.agents[name] = Agent(rack[name], self.ms_addrs, h.workdir)
-        TIMINGS["client agents start s"] = round(time.monotonic() - t0, 2)
+            self.agents[name] = self.agent(name)
+        self.timings["client agents start s"] = round(time.monotonic() - t0, 2)
         return self
 
     def _place(self, p, host: Host) -> None:

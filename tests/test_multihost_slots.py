@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from test_multihost import CAPACITY, LEASE_TTL, PAGE, HostEtcd, MultiHost, rack_pool  # where it skips, this module does too
+from test_multihost import PAGE, MultiHost, rack_pool  # where it skips, this module does too
 from cluster import HarnessError
 from metaserver.slots import leaders
 from test_failover import raw
@@ -69,6 +69,16 @@ print(json.dumps(out))
 class SlotRack(MultiHost):
     """``MultiHost`` with three metaserver hosts of one partitioned pool and two node hosts."""
 
+    MS_HOSTS, NODE_HOSTS, MS_FLAGS = MS_HOSTS, NODE_HOSTS, {"slots": SLOTS}
+    START_LABEL = "pool start (etcd, 3 metaservers of 8 slots, 2 nodes in 6 hosts) s"
+
+    @property
+    def timings(self) -> dict:
+        return TIMINGS
+
+    def agent(self, host: str) -> netns.Agent:
+        return netns.Agent(self.rack[host], self.ms_addrs, self.harness.workdir, timeout_s=AGENT_TIMEOUT_S)
+
     @property
     def ms_addrs(self) -> str:
         return ",".join(self.addr(h) for h in MS_HOSTS)
@@ -78,39 +88,6 @@ class SlotRack(MultiHost):
 
     def host_of(self, addr: str) -> str:
         return next(h for h in MS_HOSTS if self.addr(h) == addr)
-
-    def start(self) -> "SlotRack":
-        h, rack = self.harness, self.rack
-        t0 = time.monotonic()
-        etcd = HostEtcd(rack["etcd"], h.workdir)
-        h._track(etcd)
-        etcd.start()
-        self.cluster.etcd = etcd
-        for name in MS_HOSTS:  # one at a time: the first creates the pool, the others join and take their share
-            ip = rack[name].ip
-            m = h.metaserver(etcd.url, start=False, name=name, listen=f"{ip}:7700", advertise=f"{ip}:7700",
-                             slots=SLOTS, election_ttl=ELECTION_TTL, metrics_listen=f"{ip}:9100")
-            self._place(m, rack[name])
-            m.start()
-            self.cluster.metaservers.append(m)
-        nodes = []
-        for name in NODE_HOSTS:
-            ip = rack[name].ip
-            n = h.node(self.ms_addrs, start=False, node_id=name, capacity=CAPACITY, lease_ttl=LEASE_TTL,
-                       listen=f"{ip}:7800", metrics_listen=f"{ip}:9100")
-            n.extra_env["UMBP_ARENA_DIR"] = "/dev/shm"  # the host's own /dev/shm (netns.Host)
-            self._place(n, rack[name])
-            nodes.append(n)
-        for n in nodes:
-            n.launch()
-        for n in nodes:
-            n.wait_ready()
-        self.cluster.nodes = nodes
-        self.cluster.wait_nodes(alive=NODE_HOSTS)
-        TIMINGS["pool start (etcd, 3 metaservers of 8 slots, 2 nodes in 6 hosts) s"] = round(time.monotonic() - t0, 2)
-        for name in ("c1", "c2"):
-            self.agents[name] = netns.Agent(rack[name], self.ms_addrs, h.workdir, timeout_s=AGENT_TIMEOUT_S)
-        return self
 
     # --- the slot map
 
