@@ -49,7 +49,7 @@ from collections import deque
 from operator import attrgetter
 
 from metaserver.entry import (GONE, PENDING, READY, STATE_NAMES, Effects, Entries, Entry, NodeSpace, NsEntries,
-                              SpaceEntries, extent_size, PART_MASK, SHARD_SHIFT)
+                              SpaceEntries, extent_size, parent_of, PART_MASK, SHARD_SHIFT)
 from metaserver.eviction import Policy, make_policy
 from metaserver.invariants import DirectoryInvariants
 from metaserver.links import PrefixLinks
@@ -75,6 +75,7 @@ _OVER_QUOTA_ITEM = (OVER_QUOTA, None, None, None, None)
 NS_VICTIMS = 1024  # quota eviction: the oldest evictable entries of a namespace gathered per rebuild
 _access = attrgetter("last_access")
 _intern = sys.intern
+
 
 
 class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, DirectoryInvariants):
@@ -220,15 +221,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
                     items.append(_IN_FLIGHT_ITEM)
                 continue
             plen = sizes[i]
-            parent = parents[i] if parents else None
-            near = None
-            if parent is not None:
-                pe = r.get(parent)
-                if pe is None and pd is not None:
-                    pe = pd.get(parent)
-                if pe is not None:
-                    near = pe.space
-                    parent = pe.key  # one key object for the parent and every child naming it
+            near, parent = parent_of(r, pd, parents[i] if parents else None)
             if placer is None:
                 placer = Placer(self, fx)
             pl = interned.get(plen)
@@ -242,19 +235,22 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
                 items.append(_NO_SPACE_ITEM)
                 continue
             sp, off = placed
-            gen = gen_base + i
-            e = Entry(ns, key, sp, off, pl, gen, PENDING, parent, now)
-            pd = pend.get(ns)
-            if pd is None:
-                pd = pend[ns] = {}
-            pd[key] = e
-            pending[e] = (token, owner)
+            e = self._add_pending(Entry(ns, key, sp, off, pl, gen_base + i, PENDING, parent, now), token, owner)
             added += osize
             sp.n += 1
-            items.append((NEW, sp.node_id, off, plen, gen))
+            items.append((NEW, sp.node_id, off, plen, e.gen))
         if added:
             self._count(ns, added)
         return items, fx
+
+    def _add_pending(self, e: Entry, token: int | None, owner: object) -> Entry:
+        """Enter a new PENDING entry (ALLOC, plain or shared) under its writer's token and connection."""
+        pd = self.pending_keys.get(e.ns)
+        if pd is None:
+            pd = self.pending_keys[e.ns] = {}
+        pd[e.key] = e
+        self._pending[e] = (token, owner)
+        return e
 
     def _fit_quota(self, ns: str, keys: list[bytes], sizes: list[int], quota: int, fx: Effects) -> bool:
         """Make room in ``ns``'s quota for the new keys of an ALLOC, evicting the namespace's own least recently
@@ -339,7 +335,6 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
                 ok.append(e is not None and e.gen == gen and e.payload_len <= PART_MASK)
             return ok, fx
         pending = self._pending
-        link, add = self._link_ready, self.policy.add
         for key, gen in zip(keys, gens):
             e = pd.get(key)
             if e is None:
@@ -349,21 +344,27 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
             if e.gen != gen or e.payload_len > PART_MASK:
                 ok.append(False)
                 continue
-            if r is None:
-                r = self.ready[e.ns] = {}
             del pd[key]
             del pending[e]
-            e.state = READY
-            e.last_access = now
-            r[key] = e
-            self.puts += 1
-            link(e)
-            add(e)
-            fx.puts.append(e)
+            r = self._make_ready(e, r, now, fx)
             ok.append(True)
         if not pd and self.pending_keys.get(ns) is pd:
             del self.pending_keys[ns]
         return ok, fx
+
+    def _make_ready(self, e: Entry, r: dict | None, now: float, fx: Effects) -> dict:
+        """A committed PENDING entry (out of the pending maps already) becomes READY in ``r``, its namespace's READY
+        map (made when None, and returned), used now, linked, in the policy and to be persisted."""
+        if r is None:
+            r = self.ready[e.ns] = {}
+        e.state = READY
+        e.last_access = now
+        r[e.key] = e
+        self.puts += 1
+        self._link_ready(e)
+        self.policy.add(e)
+        fx.puts.append(e)
+        return r
 
     def abort(self, ns: str, keys: list[bytes], gens: list[int]) -> int:
         """Free PENDING entries whose generation matches. Returns how many were freed (nothing to persist)."""

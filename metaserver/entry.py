@@ -76,6 +76,18 @@ def random_id() -> int:
     return _ids.pop()
 
 
+def parent_of(ready: dict, pending: dict | None, parent: bytes | None) -> tuple:
+    """(the node space of ``parent``'s entry, READY or PENDING, and its key object) or (None, ``parent``) when the
+    pool has no such entry (or no parent is named): ALLOC places a child near its parent, and one key object serves
+    the parent and every child naming it."""
+    if parent is None:
+        return None, None
+    pe = ready.get(parent)
+    if pe is None and pending is not None:
+        pe = pending.get(parent)
+    return (pe.space, pe.key) if pe is not None else (None, parent)
+
+
 class Entry:
     """One object. Hashable by identity (kids sets, the pending dict and lease lists hold entries themselves).
 

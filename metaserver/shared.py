@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 
-from metaserver.entry import (PART_MASK, PENDING, READY, Effects, Entry, extent_size, layout, random_id,
+from metaserver.entry import (PART_MASK, PENDING, READY, Effects, Entry, extent_size, layout, parent_of, random_id,
                               shards_of)
 from metaserver.placement import Placer
 from transport import wire
@@ -79,7 +79,7 @@ class SharedEntries:
         if quota is not None and not self._fit_quota(ns, keys, codes, quota, fx):
             return [_OVER_QUOTA_ITEM] * len(keys), fx
         r = self.ready.get(ns) or {}
-        pend, pending, shards = self.pending_keys, self._pending, self._shards
+        pend, shards = self.pending_keys, self._shards
         items: list = []
         placer: Placer | None = None
         seen: set[bytes] = set()
@@ -106,15 +106,7 @@ class SharedEntries:
                 else:
                     items.append(_IN_FLIGHT_ITEM)
                 continue
-            parent = parents[i] if parents else None
-            near = None
-            if parent is not None:
-                pe = r.get(parent)
-                if pe is None and pd is not None:
-                    pe = pd.get(parent)
-                if pe is not None:
-                    near = pe.space
-                    parent = pe.key
+            near, parent = parent_of(r, pd, parents[i] if parents else None)
             if placer is None:
                 placer = Placer(self, fx)
             osize = extent_size(code)
@@ -123,20 +115,15 @@ class SharedEntries:
                 items.append(_NO_SPACE_ITEM)
                 continue
             sp, off = placed
-            gen = gen_base + i
-            e = Entry(ns, key, sp, off, self._plen(code), gen, PENDING, parent, now)
-            pd = pend.get(ns)
-            if pd is None:
-                pd = pend[ns] = {}
-            pd[key] = e
-            pending[e] = (token, owner)
+            e = self._add_pending(Entry(ns, key, sp, off, self._plen(code), gen_base + i, PENDING, parent, now),
+                                  token, owner)
             st = shards[e] = ShardState(n)
             st.tokens[rk] = tok
             st.owners[rk] = owner
             added += osize
             sp.n += 1
             part = code & PART_MASK
-            items.append((NEW, sp.node_id, off + rk * object_size(part), part, gen))
+            items.append((NEW, sp.node_id, off + rk * object_size(part), part, e.gen))
         if added:
             self._count(ns, added)
         return items, fx
@@ -151,7 +138,6 @@ class SharedEntries:
         pd = self.pending_keys.get(ns)
         r = self.ready.get(ns)
         shards, pending = self._shards, self._pending
-        link, add = self._link_ready, self.policy.add
         full = (1 << n) - 1
         ok: list[bool] = []
         for key, gen in zip(keys, gens):
@@ -171,15 +157,7 @@ class SharedEntries:
             del shards[e]
             del pd[key]
             del pending[e]
-            if r is None:
-                r = self.ready[e.ns] = {}
-            e.state = READY
-            e.last_access = now
-            r[key] = e
-            self.puts += 1
-            link(e)
-            add(e)
-            fx.puts.append(e)
+            r = self._make_ready(e, r, now, fx)
         if pd is not None and not pd and self.pending_keys.get(ns) is pd:
             del self.pending_keys[ns]
         return ok, fx
