@@ -102,7 +102,8 @@ def timed(fn, *args):
 def certs(tmp_path_factory):
     """A CA and a certificate for 127.0.0.1 it signed (EC keys: quick to make)."""
     if shutil.which("openssl") is None:
-        pytest.skip("no `openssl` command to make the test certificates with")
+        pytest.skip("NO `openssl` COMMAND on this machine: the TLS half of these receive tests cannot make its "
+                    "certificates")
     d = tmp_path_factory.mktemp("tls")
 
     def run(*args):
