@@ -39,6 +39,7 @@ class TxnCombiner:
         self.txns = 0  # combined transactions sent (a lone part goes out as its store's own)
         self.parts = 0  # slot transactions they carried
         self.split = 0  # combined transactions refused by a fence and sent again part by part
+        self._tasks: set[asyncio.Task] = set()
 
     async def write(self, store: EtcdStore, items: list) -> None:
         """Write ``items`` (``EtcdStore.write``'s pairs) fenced on ``store``'s fence, with the other slots' writes
@@ -66,13 +67,32 @@ class TxnCombiner:
             self._send(group)
 
     def _send(self, group: list) -> None:
-        if len(group) == 1:
-            store, items, fut = group[0]
-            _settle(asyncio.ensure_future(EtcdStore.write(store, items)), [fut])
-        else:
-            _settle(asyncio.ensure_future(self._combined(group)), [p[2] for p in group])
+        task = asyncio.ensure_future(self._run(group))
+        self._tasks.add(task)  # held until done (the loop keeps only weak references to tasks)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _combined(self, group: list) -> None:
+    async def _run(self, group: list) -> None:
+        """Send ``group`` and answer each part's waiter with its own outcome."""
+        futs = [p[2] for p in group]
+        try:
+            if len(group) == 1:
+                await EtcdStore.write(group[0][0], group[0][1])
+                outcome: list = [None]
+            else:
+                outcome = await self._combined(group)
+        except asyncio.CancelledError:
+            for f in futs:
+                f.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - every waiter gets the error (its writer retries Unavailable)
+            outcome = [e] * len(group)
+        for f, r in zip(futs, outcome):
+            if not f.done():
+                f.set_result(None) if r is None else f.set_exception(r)
+
+    async def _combined(self, group: list) -> list:
+        """One transaction for every part (each slot's fence compared once); when a fence refused it, each part
+        again on its own. The outcome per part: None (written) or its exception."""
         req = aetcd.rpc.TxnRequest()
         fenced = set()
         for store, items, _ in group:
@@ -83,32 +103,6 @@ class TxnCombiner:
         self.txns += 1
         self.parts += len(group)
         if await self.root.send(req):
-            return
+            return [None] * len(group)
         self.split += 1
-        outcome = await asyncio.gather(*(EtcdStore.write(s, items) for s, items, _ in group), return_exceptions=True)
-        for (_, _, fut), r in zip(group, outcome):
-            if not fut.done():
-                fut.set_exception(r) if isinstance(r, BaseException) else fut.set_result(None)
-        raise _Settled()
-
-
-class _Settled(Exception):
-    """The combined transaction's parts were answered one by one (``_combined``'s split path)."""
-
-
-def _settle(task: asyncio.Future, futs: list) -> None:
-    """When ``task`` ends, pass its outcome to each waiter still waiting (a split answered them itself)."""
-    def done(t: asyncio.Future) -> None:
-        err = None if t.cancelled() else t.exception()
-        if isinstance(err, _Settled):
-            return
-        for f in futs:
-            if f.done():
-                continue
-            if t.cancelled():
-                f.cancel()
-            elif err is not None:
-                f.set_exception(err)
-            else:
-                f.set_result(None)
-    task.add_done_callback(done)
+        return await asyncio.gather(*(EtcdStore.write(s, items) for s, items, _ in group), return_exceptions=True)

@@ -77,7 +77,6 @@ _access = attrgetter("last_access")
 _intern = sys.intern
 
 
-
 class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, DirectoryInvariants):
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
                  quotas: dict[str, int] | None = None):

@@ -50,24 +50,33 @@ def release_ids(meta: Any) -> list[int]:
     return ids
 
 
+def release_answer(meta: dict, ids: list[int], released: int) -> dict:
+    """The answer to a RELEASE that released ``released`` of ``ids``: ``lease`` (one id) is NOT_FOUND unless it was
+    this connection's (unknown, expired and another connection's answer alike, so it tells nothing about others');
+    ``leases`` answers the count."""
+    if "lease" in meta:
+        if not released:
+            raise v.Reject(f"no read lease {ids[0]} held by this connection", Status.NOT_FOUND)
+        return {}
+    return {"released": released}
+
+
 class OwnershipHandlers:
     def release(self, meta: Any, conn) -> dict:
-        """RELEASE ``lease`` (NOT_FOUND unless this connection holds it), or ``leases``, a list of ids (the slots
-        of one multi-slot LOOKUP: one frame for all of them), answered ``released``: how many this connection
-        held. Either way an id it does not hold changes nothing and tells nothing about other connections'."""
-        leases = release_ids(meta)
+        """RELEASE ``lease`` or ``leases``, a list of ids (the slots of one multi-slot LOOKUP: one frame for all of
+        them); an id this connection does not hold changes nothing (``release_answer``)."""
+        ids = release_ids(meta)
+        return release_answer(meta, ids, self.release_held(ids, conn))
+
+    def release_held(self, ids: list[int], conn) -> int:
+        """Release those of ``ids`` that ``conn`` holds; how many it held."""
         held = getattr(conn, "leases", None)
         n = 0
-        for lease in leases:
+        for lease in ids:
             if held is not None:
                 held.discard(lease)
             n += self.dir.release(lease, conn)
-        if "lease" in meta:
-            if not n:
-                # Unknown, expired, or another connection's: the same answer, so it tells nothing about others'.
-                raise v.Reject(f"no read lease {leases[0]} held by this connection", Status.NOT_FOUND)
-            return {}
-        return {"released": n}
+        return n
 
     def _own_lease(self, conn, lease: int) -> None:
         """Remember a lease on its connection (released when it closes). Leases that expired meanwhile are pruned

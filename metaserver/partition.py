@@ -39,7 +39,7 @@ from metaserver import validate as v
 from metaserver.admin import require_admin
 from metaserver.combine import TxnCombiner
 from metaserver.metrics import MetaserverMetrics
-from metaserver.ownership import release_ids
+from metaserver.ownership import release_answer, release_ids
 from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S
 from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank, ranking
@@ -510,12 +510,8 @@ class Partition:
         for name, sc in (getattr(conn, "slot_conns", None) or {}).items():
             mine = [x for x in ids if x in sc.leases]
             if mine and self.servers[name].serving:
-                n += self.servers[name].release({"leases": mine}, sc)["released"]
-        if "lease" in meta:
-            if not n:
-                raise v.Reject(f"no read lease {ids[0]} held by this connection", Status.NOT_FOUND)
-            return {}
-        return {"released": n}
+                n += self.servers[name].release_held(mine, sc)
+        return release_answer(meta, ids, n)
 
     def drop_pending(self, conn) -> int:
         n = 0

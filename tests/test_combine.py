@@ -23,14 +23,22 @@ async def won(store: SlotStore) -> None:
     store.fence(cur.create_revision)
 
 
-async def setup(url: str, max_ops: int = 128):
-    root = EtcdStore(url, "/umbp-combine")
-    await root.wait_ready(10)
-    comb = TxnCombiner(root, max_ops)
-    slots = [SlotStore(root, str(s), owns_nodes=False, combiner=comb) for s in range(3)]
-    for s in slots:
-        await won(s)
-    return root, comb, slots
+def run(url: str, body) -> None:
+    """``body(root, combiner, slot stores)`` against etcd at ``url``: three slot stores of one process, each fenced
+    on its own slotmap key, sharing one combiner (bounded: 30 s)."""
+    async def main():
+        root = EtcdStore(url, "/umbp-combine")
+        await root.wait_ready(10)
+        try:
+            comb = TxnCombiner(root, 128)
+            slots = [SlotStore(root, str(s), owns_nodes=False, combiner=comb) for s in range(3)]
+            for s in slots:
+                await won(s)
+            await body(root, comb, slots)
+        finally:
+            await root.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 def items(slot: int, n: int, tag: bytes = b"v") -> list[tuple[bytes, bytes]]:
@@ -42,62 +50,49 @@ async def values(root: EtcdStore, prefix: bytes) -> dict[bytes, bytes]:
 
 
 def test_writes_of_one_turn_go_out_as_one_fenced_transaction(etcd):
-    async def main():
-        root, comb, slots = await setup(etcd.url)
-        try:
-            await asyncio.gather(*(s.write(items(i, 5)) for i, s in enumerate(slots)))
-            assert (comb.txns, comb.parts, comb.split) == (1, 3, 0)
-            got = await values(root, b"/umbp-combine/slots/")
-            assert got == dict(sum((items(i, 5) for i in range(3)), []))
-            # more than max_ops in one turn: several transactions, none over the cap, every write applied
-            comb.max_ops = 8
-            await asyncio.gather(*(s.write(items(i, 5, b"w")) for i, s in enumerate(slots)))
-            assert comb.txns == 1 and comb.parts == 3  # 5 + 5 > 8: three transactions of one part each
-            got = await values(root, b"/umbp-combine/slots/")
-            assert got == dict(sum((items(i, 5, b"w") for i in range(3)), []))
-        finally:
-            await root.close()
+    async def body(root, comb, slots):
+        await asyncio.gather(*(s.write(items(i, 5)) for i, s in enumerate(slots)))
+        assert (comb.txns, comb.parts, comb.split) == (1, 3, 0)
+        got = await values(root, b"/umbp-combine/slots/")
+        assert got == dict(sum((items(i, 5) for i in range(3)), []))
+        # more than max_ops in one turn: several transactions, none over the cap, every write applied
+        comb.max_ops = 8
+        await asyncio.gather(*(s.write(items(i, 5, b"w")) for i, s in enumerate(slots)))
+        assert comb.txns == 1 and comb.parts == 3  # 5 + 5 > 8: three transactions of one part each
+        got = await values(root, b"/umbp-combine/slots/")
+        assert got == dict(sum((items(i, 5, b"w") for i in range(3)), []))
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(etcd.url, body)
 
 
 def test_a_deposed_slot_fails_alone_and_writes_nothing(etcd):
-    async def main():
-        root, comb, slots = await setup(etcd.url)
+    async def body(root, comb, slots):
         deposed = []
         slots[1].on_fenced = lambda: deposed.append(1)
-        try:
-            # another process took slot 1 over: its key was deleted and created again (a new create revision)
-            await root.client.delete(slots[1].leader_key)
-            await root.client.put(slots[1].leader_key, b"other")
-            res = await asyncio.gather(*(s.write(items(i, 4)) for i, s in enumerate(slots)),
-                                       return_exceptions=True)
-            assert res[0] is None and res[2] is None
-            assert isinstance(res[1], NotLeader) and "deposed" in str(res[1]) and "other" in str(res[1])
-            assert deposed == [1]
-            assert (comb.txns, comb.split) == (1, 1)
-            got = await values(root, b"/umbp-combine/slots/")
-            assert got == dict(items(0, 4) + items(2, 4))  # nothing of slot 1, all of the others
-        finally:
-            await root.close()
+        # another process took slot 1 over: its key was deleted and created again (a new create revision)
+        await root.client.delete(slots[1].leader_key)
+        await root.client.put(slots[1].leader_key, b"other")
+        res = await asyncio.gather(*(s.write(items(i, 4)) for i, s in enumerate(slots)), return_exceptions=True)
+        assert res[0] is None and res[2] is None
+        assert isinstance(res[1], NotLeader) and "deposed" in str(res[1]) and "other" in str(res[1])
+        assert deposed == [1]
+        assert (comb.txns, comb.split) == (1, 1)
+        got = await values(root, b"/umbp-combine/slots/")
+        assert got == dict(items(0, 4) + items(2, 4))  # nothing of slot 1, all of the others
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(etcd.url, body)
 
 
 def test_a_cancelled_writer_before_the_send_writes_nothing(etcd):
-    async def main():
-        root, comb, slots = await setup(etcd.url)
-        try:
-            t0 = asyncio.ensure_future(slots[0].write(items(0, 3)))
-            t1 = asyncio.ensure_future(slots[1].write(items(1, 3)))
-            await asyncio.sleep(0)  # both queued, the flush not run yet
-            t1.cancel()
-            await t0
-            with pytest.raises(asyncio.CancelledError):
-                await t1
-            assert (comb.txns, comb.parts) == (0, 0)  # one part left: sent on its own
-            assert await values(root, b"/umbp-combine/slots/") == dict(items(0, 3))
-        finally:
-            await root.close()
+    async def body(root, comb, slots):
+        t0 = asyncio.ensure_future(slots[0].write(items(0, 3)))
+        t1 = asyncio.ensure_future(slots[1].write(items(1, 3)))
+        await asyncio.sleep(0)  # one loop turn: both queued, the flush scheduled after them
+        t1.cancel()
+        await t0
+        with pytest.raises(asyncio.CancelledError):
+            await t1
+        assert (comb.txns, comb.parts) == (0, 0)  # one part left: sent on its own
+        assert await values(root, b"/umbp-combine/slots/") == dict(items(0, 3))
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run(etcd.url, body)

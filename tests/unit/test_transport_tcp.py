@@ -3,7 +3,9 @@ what is not all there raises DeadlineExceeded naming the component and closes th
 
 The case this covers: a batch read from two nodes, the first silent until the deadline, the second's answer long in
 the socket buffer. Finishing the second after the deadline must deliver its bytes, not throw them away. Each test
-talks to a scripted peer on loopback that writes exactly the bytes it is given (whole or cut short)."""
+talks to a scripted peer on loopback that writes exactly the bytes it is given (whole or cut short). No clock is
+asserted on: a receive that waited past its deadline would wait for a peer that never sends again, and the test
+would not finish (pytest's timeout fails it); the assertions are on bytes, answers and the connection's state."""
 
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from umbp.errors import DeadlineExceeded
 from umbp.tls import server_context
 
 COMP = "transport tcp t1"
-LATE_S = 0.05  # a receive past its deadline may take this long at most (it never waits for bytes to come)
 
 
 class Peer:
@@ -90,14 +91,6 @@ def late() -> float:
     return time.monotonic() - 1.0  # a deadline that passed a second ago
 
 
-def timed(fn, *args):
-    t0 = time.monotonic()
-    try:
-        return fn(*args)
-    finally:
-        assert time.monotonic() - t0 < LATE_S, "a receive past its deadline waited"
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     """A CA and a certificate for 127.0.0.1 it signed (EC keys: quick to make)."""
@@ -136,7 +129,7 @@ def test_an_arrived_answer_is_received_after_the_deadline(peer):
     answer = wire.encode(wire.Op.STATS, 7, {"n": 42}, flags=wire.Flag.RESPONSE)
     peer.write(answer)
     settle(fs, len(answer))
-    frame = timed(fs.recv_frame, late())
+    frame = fs.recv_frame(late())
     assert (frame.request_id, frame.meta, frame.status) == (7, {"n": 42}, wire.Status.OK)
     assert not fs.closed  # a whole frame was read: the stream is still framed
     fs.close()
@@ -149,7 +142,7 @@ def test_a_half_arrived_answer_after_the_deadline_raises_and_closes(peer, cut):
     peer.write(answer[:cut])
     settle(fs, cut)
     with pytest.raises(DeadlineExceeded) as e:
-        timed(fs.recv_frame, late())
+        fs.recv_frame(late())
     assert str(e.value).startswith(COMP) and "deadline exceeded" in str(e.value)
     assert fs.closed  # half a frame was consumed: the connection cannot be resynchronised
 
@@ -157,7 +150,7 @@ def test_a_half_arrived_answer_after_the_deadline_raises_and_closes(peer, cut):
 def test_nothing_arrived_after_the_deadline_raises_at_once(peer):
     fs = peer.connect(peer.tls_ca)
     with pytest.raises(DeadlineExceeded):
-        timed(fs.recv_frame, late())
+        fs.recv_frame(late())
     assert fs.closed
 
 
@@ -193,7 +186,7 @@ def test_tcp_batch_answered_before_the_deadline_is_delivered_after_it():
     t, p, answer = started_read(peer, objs)
     peer.write(answer)
     settle(t._conn, len(answer))
-    assert timed(t.finish, p, late()) == [None, None]
+    assert t.finish(p, late()) == [None, None]
     assert [bytes(op.out) for op, _ in objs] == [body[wire.OBJ_HEADER_SIZE:] for _, body in objs]
     assert not t._conn.closed
     t.close()
@@ -209,7 +202,7 @@ def test_tcp_batch_cut_short_fails_the_object_not_all_there():
     cut = len(answer) - 5_000
     peer.write(answer[:cut])
     settle(t._conn, cut)
-    res = timed(t.finish, p, late())
+    res = t.finish(p, late())
     assert res[0] is None and bytes(objs[0][0].out) == objs[0][1][wire.OBJ_HEADER_SIZE:]
     assert isinstance(res[1], DeadlineExceeded) and str(res[1]).startswith(COMP)
     assert t._conn.closed
