@@ -421,8 +421,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
             return False
         del self.leases[lease]
         self._lease_owner.pop(lease, None)
-        for e in found:
-            self._unpin(e)
+        self._unpin_all(found)
         return True
 
     def remove(self, ns: str, keys: list[bytes]) -> tuple[list[bool], Effects]:
@@ -497,13 +496,20 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
         if e.pins == 0 and not sp.dead:  # a dead space's bytes are gone with its node
             self.quarantine.free(sp, e.offset, extent_size(e.payload_len), e.gen)
 
-    def _unpin(self, e: Entry) -> None:
-        e.pins -= 1
-        if e.pins:
-            return
-        self.pinned -= 1
-        if e.state == GONE:
-            if not e.space.dead:
+    def _unpin_all(self, found) -> None:
+        """Drop one pin of each entry; those left unpinned become evictable again in ``found``'s order (READY:
+        the policy's recent end) or give their extent back (GONE, dropped while leased)."""
+        again = []
+        unpinned = 0
+        for e in found:
+            e.pins -= 1
+            if e.pins:
+                continue
+            unpinned += 1
+            if e.state == READY:
+                again.append(e)
+            elif e.state == GONE and not e.space.dead:
                 self.quarantine.free(e.space, e.offset, extent_size(e.payload_len), e.gen)
-        elif e.state == READY:
-            self.policy.add(e)
+        self.pinned -= unpinned
+        if again:
+            self.policy.add_many(again)

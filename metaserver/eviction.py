@@ -25,7 +25,9 @@ mod revision). prefix-lru files an entry that changes tier by its own last acces
 steps in from each end of the tier; an entry that would sort deeper is placed ``TIER_WALK`` steps from the old end
 (older than it should be, so it goes a little early).
 
-Costs: lru add/discard/first O(1). prefix-lru discard/first O(1); add O(1) when the entry is the most recent of
+Costs: lru add/discard/first O(1); ``add_many``/``discard_many`` are the same per entry with the calls inlined (a
+LOOKUP pins and its RELEASE unpins a whole batch: about a fifth of the directory's per-key lookup+release work was
+the four method calls per key). prefix-lru discard/first O(1); add O(1) when the entry is the most recent of
 its tier (a commit, a release: the common case), else O(min(distance from either end, TIER_WALK)).
 
 Contract with the directory: entries carry ``prev``, ``next`` and ``tier`` slots for the policy's use only, their
@@ -47,6 +49,8 @@ class Policy(Protocol):
 
     def add(self, entry) -> None: ...
     def discard(self, entry) -> None: ...
+    def add_many(self, entries: list) -> None: ...
+    def discard_many(self, entries: list) -> None: ...
     def children_changed(self, entry) -> None: ...
     def victims(self, node_id: str) -> Iterator: ...
     def first(self, node_id: str): ...
@@ -150,6 +154,42 @@ class LruPolicy:
             if r is not None:
                 r.unlink(entry)
 
+    def add_many(self, entries: list) -> None:
+        """``add`` of each entry in order (the last one ends most recent), with Ring.push/unlink inlined."""
+        rings = self._rings
+        for e in entries:
+            nid = e.space.node_id
+            r = rings.get(nid)
+            if r is None:
+                r = rings[nid] = Ring()
+            elif e.prev is not None:  # already evictable: moved to the recent end
+                p, n = e.prev, e.next
+                p.next = n
+                n.prev = p
+                r.count -= 1
+            p = r.prev
+            e.prev = p
+            e.next = r
+            p.next = e
+            r.prev = e
+            r.count += 1
+
+    def discard_many(self, entries: list) -> None:
+        """``discard`` of each entry, with Ring.unlink inlined."""
+        rings = self._rings
+        for e in entries:
+            p = e.prev
+            if p is None:
+                continue
+            r = rings.get(e.space.node_id)
+            if r is None:
+                continue
+            n = e.next
+            p.next = n
+            n.prev = p
+            e.prev = e.next = None
+            r.count -= 1
+
     def children_changed(self, entry) -> None:
         pass
 
@@ -224,6 +264,14 @@ class PrefixLruPolicy:
             if tiers is not None:
                 tiers[t].unlink(entry)
             entry.tier = None
+
+    def add_many(self, entries: list) -> None:
+        for e in entries:
+            self.add(e)
+
+    def discard_many(self, entries: list) -> None:
+        for e in entries:
+            self.discard(e)
 
     def children_changed(self, entry) -> None:
         """Re-file ``entry`` if it is evictable and its tier changed (keeping its own recency)."""

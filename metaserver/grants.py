@@ -51,10 +51,14 @@ def grant_reads(tokens: Tokens, node: Callable, ns: str, keys: list, locs: list,
     """Turn the directory's LOOKUP locations ``(node_id, off, plen, gen)`` into the answer's, in place:
     ``(node_id, off, plen, gen, tag, cap_index)`` (``rank``: sub-slots of shared entries, as ``grant_writes``).
     Returns the capabilities."""
-    hits = [i for i, loc in enumerate(locs) if loc is not None]
-    if not hits:
-        return []
-    tags = tokens.tags(ns, [keys[i] for i in hits], rank)
+    if None in locs:
+        hits = [i for i, loc in enumerate(locs) if loc is not None]
+        if not hits:
+            return []
+        tags = tokens.tags(ns, [keys[i] for i in hits], rank)
+    else:  # every key found (the common case of a prefix get): no index list
+        hits = range(len(locs))
+        tags = tokens.tags(ns, keys, rank)
     index: dict[str, int] = {}
     slots: list[list] = []
     for i, tag in zip(hits, tags):

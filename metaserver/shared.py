@@ -182,15 +182,15 @@ class SharedEntries:
 
     def _pin_found(self, found: list[Entry], asked: int, now: float, owner: object) -> int:
         """Pin ``found`` under one new read lease owned by ``owner`` (0: nothing found) and count hits/misses."""
-        discard = self.policy.discard
-        pinned = 0
+        first = []  # pinned by this lease and no other: no longer evictable (a key asked twice is pinned twice)
         for e in found:
             if e.pins == 0:
-                discard(e)
-                pinned += 1
+                first.append(e)
             e.pins += 1
             e.last_access = now
-        self.pinned += pinned
+        if first:
+            self.policy.discard_many(first)
+        self.pinned += len(first)
         self.hits += len(found)
         self.misses += asked - len(found)
         if not found:
