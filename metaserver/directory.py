@@ -404,6 +404,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
         r = self.ready.get(ns) or {}
         locs: list = []
         found: list[Entry] = []
+        first: list[Entry] = []  # pinned by this lease and no other (``_pin_found``, inlined: this runs per key)
         for k in keys:
             e = r.get(k)
             if e is None or e.space.dead or e.payload_len > PART_MASK:  # dead: being dropped; > PART_MASK: shared
@@ -411,7 +412,11 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
                 continue
             locs.append((e.space.node_id, e.offset, e.payload_len, e.gen))
             found.append(e)
-        return self._pin_found(found, len(keys), now, owner), locs
+            if not e.pins:
+                first.append(e)
+            e.pins += 1
+            e.last_access = now
+        return self._lease_for(found, first, len(keys), owner, now), locs
 
     def release(self, lease: int, owner: object = None) -> bool:
         """Unpin everything under ``lease``; False, changing nothing, when it is unknown, already expired, or

@@ -188,6 +188,11 @@ class SharedEntries:
                 first.append(e)
             e.pins += 1
             e.last_access = now
+        return self._lease_for(found, first, asked, owner, now)
+
+    def _lease_for(self, found: list[Entry], first: list[Entry], asked: int, owner: object, now: float) -> int:
+        """The lease over ``found`` (entries already pinned once more each; ``first``: those this pin took from
+        unpinned, now no longer evictable), as ``_pin_found``."""
         if first:
             self.policy.discard_many(first)
         self.pinned += len(first)
