@@ -51,7 +51,8 @@ def host_pool(layout: str, pages: int, page_tokens: int, layers: int, heads: int
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    dev = torch.device("cuda" if cuda else "cpu")
+    # an indexed device: SGLang's MHABufferInfo.validate compares it with each tensor's device (cuda:0 != cuda)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     n_dev = 4 * page_tokens
     k = tuple(torch.zeros(n_dev, heads, head_dim, dtype=torch.bfloat16, device=dev) for _ in range(layers))
     v = tuple(torch.zeros(n_dev, heads, head_dim, dtype=torch.bfloat16, device=dev) for _ in range(layers))
@@ -60,7 +61,8 @@ def host_pool(layout: str, pages: int, page_tokens: int, layers: int, heads: int
                                            layout=KVBufferLayout.NHD),
                          page_size=page_tokens, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
                          dtype=torch.bfloat16, device=dev)
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, page_tokens, layout, pin_memory=cuda, device=str(dev),
+    # device="cpu" as SGLang's pool assembler leaves it: the host pool is host memory (pinned with CUDA)
+    pool = MHATokenToKVPoolHost(info, 2.0, 0, page_tokens, layout, pin_memory=cuda, device="cpu",
                                 device_capacity_tokens=n_dev, start_layer=0, end_layer=layers,
                                 host_token_capacity=pages * page_tokens)
     pool._keepalive = info  # the device buffers its pointer tables refer to
