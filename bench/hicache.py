@@ -5,7 +5,9 @@
 - the plain API: ``Client.batch_put`` / ``Client.batch_get_into`` of objects of the same size from and into flat
   host tensors (the rate the backend should match: it is the same client underneath);
 - the host's own copies of exactly the pieces the backend moves (host pool -> host pool): one thread, and as many
-  plain threads as ``umbp.copies`` may use (``np.copyto`` of equal shares: numpy releases the GIL).
+  plain threads as ``umbp.copies`` may use (``np.copyto``: numpy releases the GIL), both over equal byte shares of
+  the pieces and over whole objects (one strided copy an object where its pieces are evenly spaced, as layer_first
+  ones are); the "N-thread copy" baseline is the better of the two.
 
 What a round does: pages of SGLang-identical chained keys are set from the first half of the host pool in calls of
 ``--batch`` pages (as the cache controller's backup does), then got into the second half (its prefetch); every page
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import ctypes
 import os
 import sys
 import time
@@ -96,8 +99,23 @@ def page_tensors(pool, page: int) -> tuple[torch.Tensor, torch.Tensor]:
     return pool.k_buffer[page * t:(page + 1) * t], pool.v_buffer[page * t:(page + 1) * t]
 
 
-def copy_rates(pairs: list[tuple[memoryview, memoryview]], rounds: int) -> tuple[float, float, float]:
-    """GB/s of copying every (dst, src) pair: one thread, plain threads, ``umbp.copies`` (best of ``rounds``)."""
+def as_rows(parts: list[memoryview]) -> np.ndarray | None:
+    """One object's parts as a (parts, length) uint8 array when they are of one length and evenly spaced (a
+    layer_first object: one run per layer), else None."""
+    n = len(parts[0])
+    addrs = [copies.address(p) for p in parts]
+    step = addrs[1] - addrs[0] if len(parts) > 1 else n
+    if any(len(p) != n for p in parts) or step < n or any(b - a != step for a, b in zip(addrs, addrs[1:])):
+        return None
+    buf = (ctypes.c_ubyte * ((len(parts) - 1) * step + n)).from_address(addrs[0])
+    return np.ndarray((len(parts), n), np.uint8, buffer=buf, strides=(step, 1))
+
+
+def copy_rates(objects: list[tuple[list[memoryview], list[memoryview]]], rounds: int) -> dict:
+    """GB/s of copying every object's (dst parts, src parts), best of ``rounds``: one thread piece by piece; plain
+    threads over equal byte shares of the pieces (``np.copyto`` each: numpy releases the GIL); plain threads over
+    whole objects, one strided ``np.copyto`` an object where its parts are evenly spaced; ``umbp.copies``."""
+    pairs = [(d, s) for ds, ss in objects for d, s in zip(ds, ss)]
     nbytes = sum(len(s) for _d, s in pairs)
     threads = copies.max_threads()
     arrays = [(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8)) for d, s in pairs]
@@ -113,6 +131,11 @@ def copy_rates(pairs: list[tuple[memoryview, memoryview]], rounds: int) -> tuple
             room -= n
             if room == 0 and t + 1 < threads:
                 t, room = t + 1, step
+    whole: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(threads)]
+    for i, (ds, ss) in enumerate(objects):  # objects dealt round robin (they are all one size)
+        d2, s2 = as_rows(ds), as_rows(ss)
+        whole[i % threads] += [(d2, s2)] if d2 is not None and s2 is not None else \
+            [(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8)) for d, s in zip(ds, ss)]
 
     def one() -> None:
         for d, s in arrays:
@@ -123,21 +146,18 @@ def copy_rates(pairs: list[tuple[memoryview, memoryview]], rounds: int) -> tuple
             np.copyto(d, s)
 
     with cf.ThreadPoolExecutor(threads) as ex:
-        def multi() -> None:
-            list(ex.map(share, shares))
-
-        def ours() -> None:
-            copies.copy_pairs(pairs)
-
-        out = []
-        for fn in (one, multi, ours):
+        fns = {"memcpy": one, "threads_pieces": lambda: list(ex.map(share, shares)),
+               "threads_objects": lambda: list(ex.map(share, whole)), "copies": lambda: copies.copy_pairs(pairs)}
+        out = {}
+        for name, fn in fns.items():
             best = 0.0
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 fn()
                 best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
-            out.append(best)
-    return out[0], out[1], out[2]
+            out[name] = best
+    out["threads"] = max(out["threads_pieces"], out["threads_objects"])
+    return out
 
 
 def run_layout(ms: str, layout: str, args, cuda: bool) -> dict:
@@ -184,12 +204,10 @@ def run_layout(ms: str, layout: str, args, cuda: bool) -> dict:
         pages = range(b, min(n, b + batch))
         src += backend._kv_parts(pool, [""] * len(pages), indices(pages, pt))[1]
         dst += backend._kv_parts(pool, [""] * len(pages), indices(range(n + b, n + pages.stop), pt))[1]
-    pairs = [(d, s) for ds, ss in zip(dst, src) for d, s in zip(ds, ss)]
-    one, multi, ours = copy_rates(pairs, args.rounds)
-    parts = len(pairs) // (2 * n)
+    rates = copy_rates(list(zip(dst, src)), args.rounds)
+    parts = sum(len(p) for p in src) // (2 * n)
     backend.close()
-    return {"set": max(sets), "get": max(gets), "memcpy": one, "threads": multi, "copies": ours,
-            "parts_per_object": parts, "page_bytes": page_bytes}
+    return {"set": max(sets), "get": max(gets), **rates, "parts_per_object": parts, "page_bytes": page_bytes}
 
 
 def plain_api(ms: str, args) -> dict:
@@ -252,10 +270,10 @@ def main() -> int:
             rows.append((f"hicache batch_set_v1 {name}", r["set"], "plain batch_put", plain["put"]))
             rows.append((f"hicache batch_get_v1 {name}", r["get"], f"{copies.max_threads()}-thread copy", r["threads"]))
             rows.append((f"hicache batch_set_v1 {name}", r["set"], f"{copies.max_threads()}-thread copy", r["threads"]))
-            rows.append((f"memcpy 1 thread, {layout} pieces (info)", r["memcpy"], f"{copies.max_threads()}-thread copy",
-                         r["threads"]))
-            rows.append((f"umbp.copies, {layout} pieces (info)", r["copies"], f"{copies.max_threads()}-thread copy",
-                         r["threads"]))
+            for what, key in (("memcpy 1 thread", "memcpy"), ("threads, piece by piece", "threads_pieces"),
+                              ("threads, an object a strided copy", "threads_objects"), ("umbp.copies", "copies")):
+                rows.append((f"{what}, {layout} pieces (info)", r[key], f"{copies.max_threads()}-thread copy",
+                             r["threads"]))
     print("\n=== figure GB/s | baseline GB/s | ratio (target: backend >= 0.8x the plain API) ===")
     for name, v, base, b in rows:
         print(f"{name:<58} {v:7.2f} | {base:<24} {b:7.2f} | {v / b:5.2f}")

@@ -196,6 +196,52 @@ def test_copy_pieces_raw_addresses_exact_bytes(threaded, serial):
     assert bytes(out) == bytes(ro)
 
 
+@pytest.mark.parametrize("direction", ["scatter", "gather"])
+def test_evenly_spaced_pieces_copy_as_strided_runs_exact_bytes(threaded, direction):
+    """Pieces of one length evenly spaced on one side and back to back on the other (a layer_first HiCache page:
+    one page object's layers in the host pool, the object in the arena) go to the workers as strided runs, one
+    numpy copy each instead of a memmove per piece; bytes exact both ways, the gaps between rows untouched, and a
+    broken pattern (another length, an uneven step) splits the run."""
+    n, rows, stride = 3000, 40, 5000  # rows of 3,000 bytes every 5,000
+    spaced = np.full(rows * stride + 64, 0xEE, np.uint8)
+    packed = np.full(rows * n + 64, 0xEE, np.uint8)
+    src_rows = _rand(rows * n, 7)
+    seen = []
+    real = copies._memmove_all
+
+    def spy(items):
+        seen.extend(items)
+        return real(items)
+
+    if direction == "scatter":  # arena -> host pool (a get): packed source, spaced destination
+        packed[:rows * n] = src_rows
+        pieces = [(copies.address(spaced) + r * stride, copies.address(packed) + r * n, n) for r in range(rows)]
+    else:  # host pool -> arena (a put)
+        for r in range(rows):
+            spaced[r * stride:r * stride + n] = src_rows[r * n:(r + 1) * n]
+        pieces = [(copies.address(packed) + r * n, copies.address(spaced) + r * stride, n) for r in range(rows)]
+    pieces[25] = (pieces[25][0], pieces[25][1], n - 1)  # another length: the run stops there
+    copies._memmove_all = spy
+    try:
+        assert copies.copy_pieces(pieces, rows * n - 1) == rows * n - 1
+    finally:
+        copies._memmove_all = real
+    runs = [p for p in seen if len(p) == 6]
+    assert runs and sum(p[3] for p in runs) + sum(1 for p in seen if len(p) == 3) == rows
+    assert max(p[3] for p in runs) > 2, "evenly spaced pieces went as runs of several rows"
+    for r in range(rows):
+        k = n - 1 if r == 25 else n
+        got = spaced[r * stride:r * stride + k] if direction == "scatter" else packed[r * n:r * n + k]
+        assert got.tobytes() == src_rows[r * n:r * n + k].tobytes(), r
+    if direction == "scatter":  # the gaps between rows and the byte after row 25 keep their old bytes
+        for r in range(rows):
+            gap = spaced[r * stride + (n - 1 if r == 25 else n):(r + 1) * stride]
+            assert (gap == 0xEE).all(), r
+        assert (spaced[rows * stride:] == 0xEE).all()
+    else:
+        assert packed[25 * n + n - 1] == 0xEE and (packed[rows * n:] == 0xEE).all()
+
+
 def test_shm_header_memo_still_catches_a_changed_header(make_cluster):
     """The shm read remembers headers it checked; a header changed in place after that (another generation, a
     flipped crc byte, a shorter length) is still a CorruptionError, and the intact page reads exactly again."""
