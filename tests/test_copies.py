@@ -267,6 +267,63 @@ def test_shm_header_memo_still_catches_a_changed_header(make_cluster):
             assert c.get_into("memo/0", out) == 70_000 and np.array_equal(out, page)
 
 
+def test_shm_ranges_of_one_object_share_one_header_check_and_a_torn_one_fails(make_cluster, threaded, monkeypatch):
+    """The shm read checks an object's header once for all its consecutive ranges (a layer_first page: one range per
+    layer), before and after the copy: a slot rewritten while its ranges are copied fails the read, the other
+    page's ranges land exactly, and an undisturbed read of both is exact."""
+    from transport import shm
+    from umbp.errors import CorruptionError
+
+    cluster = make_cluster(nodes=1, capacity="64MiB")
+    layers, run = 8, 16_384
+    pages = {k: _rand(layers * run, i) for i, k in enumerate(("torn/a", "torn/b"))}
+    real = shm.copies.copy_pieces
+    with cluster.client(transport="shm") as c:
+        assert c.batch_put(list(pages), list(pages.values())) == [True, True]
+        (t,) = c._transports.values()
+        keys = list(pages)
+        ranges = [[(j * run, run) for j in range(layers)]] * 2
+        spaced = [np.zeros((layers, 2 * run), np.uint8) for _ in keys]  # each range into every other run of bytes
+        outs = [[s[j, :run] for j in range(layers)] for s in spaced]
+        assert c.batch_get_ranges_into(keys, ranges, outs) == [layers * run] * 2
+        for s, k in zip(spaced, keys):
+            assert s[:, :run].tobytes() == pages[k].tobytes() and not s[:, run:].any()
+        offs = sorted({o for (o, _k, _g) in t._checked})
+        assert len(offs) == 2, "one header remembered per object, not per range"
+        a_off = offs[0]
+        good = t.arena[a_off:a_off + 64].tobytes()
+
+        def rewrite_then_copy(pieces, total, deadline=None):
+            bad = bytearray(good)
+            bad[16] ^= 0x01  # the generation: another object now holds the slot
+            t.arena[a_off:a_off + 64] = bytes(bad)
+            return real(pieces, total, deadline)
+
+        # the transport's own answer per range, from the locations the client remembers
+        from transport.base import ReadOp
+        from umbp.keys import normalize_key
+
+        ops = []
+        for k, s in zip(keys, spaced):
+            _node, off, size, gen, tag, cap = c._spec.cache.get(normalize_key(k))
+            ops += [ReadOp(off, j * run, run, tag, gen, size, memoryview(s[j, :run]), cap) for j in range(layers)]
+        monkeypatch.setattr(shm.copies, "copy_pieces", rewrite_then_copy)
+        results = t.finish(t.start_read(ops, time.monotonic() + 10), time.monotonic() + 10)
+        monkeypatch.setattr(shm.copies, "copy_pieces", real)
+        assert [type(r) for r in results[:layers]] == [CorruptionError] * layers, "every range of the torn object"
+        assert all("torn read" in str(r) for r in results[:layers])
+        assert results[layers:] == [None] * layers
+        assert spaced[1][:, :run].tobytes() == pages["torn/b"].tobytes()
+        with pytest.raises(CorruptionError, match="torn"):  # through the client: an error, never the bytes
+            c.batch_get_ranges_into(keys, ranges, outs)
+        t.arena[a_off:a_off + 64] = good
+        for s in spaced:
+            s[:] = 0
+        assert c.batch_get_ranges_into(keys, ranges, outs) == [layers * run] * 2
+        for s, k in zip(spaced, keys):
+            assert s[:, :run].tobytes() == pages[k].tobytes()
+
+
 # ---- CUDA outs in the plain API: which path each page takes (CPU side, with test doubles) -----------------------
 
 

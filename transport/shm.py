@@ -73,7 +73,8 @@ class ShmTransport(Transport):
     def start_read(self, ops, deadline):
         """Copy every op's range out of the mapped arena: ``read_from_arena`` (header checked before, compared
         after the copy: a torn read is detected) inlined into one loop, since at small pages the Python around the
-        memcpy is what costs."""
+        memcpy is what costs. Consecutive ops of one object (the ranges of a layer_first page: 32 of them) share
+        one header check before and one after."""
         p = Pending(ops, "read")
         results = p.results
         arena, comp, size, base = self.arena, self.component, self.size, self._base
@@ -81,28 +82,37 @@ class ShmTransport(Transport):
         check = wire.check_object_header
         memo = self._checked
         address = copies.address_of_view
-        pieces, checked = [], []  # (dst, src, n) of each copy, (op index, header, checksum) to check after it
+        # (dst, src, n) of each copy; per object read, [its op indices, header, checksum, offset] to check after
+        pieces, checked = [], []
         total = 0
+        prev = None  # ((offset, khash, generation), payload_len, header, checksum) of the last object that passed
+        entry = None  # that object's entry in ``checked`` once one of its ranges is to be copied
         for i, op in enumerate(ops):
             o = op.offset
             plen = op.payload_len
             start, n = op.start, op.length
-            if o < lo or o + hs + plen > size:
-                results[i] = CorruptionError(comp, f"range {o}+{hs + plen} outside the arena of {size}")
-                continue
-            head = arena[o:o + hs].tobytes()
-            known = memo.get((o, op.khash, op.generation))
-            if known is not None and known[0] == head and known[1] == plen:
-                csum = known[2]  # the very bytes checked before against the same directory entry
+            ident = (o, op.khash, op.generation)
+            if prev is not None and prev[0] == ident and prev[1] == plen:
+                head, csum = prev[2], prev[3]  # another range of the same object: one header check covers them all
             else:
-                try:
-                    csum = check(head, comp, op.khash, op.generation, plen)
-                except CorruptionError as e:
-                    results[i] = e
+                entry = prev = None
+                if o < lo or o + hs + plen > size:
+                    results[i] = CorruptionError(comp, f"range {o}+{hs + plen} outside the arena of {size}")
                     continue
-                if len(memo) >= HEADER_MEMO:
-                    memo.clear()
-                memo[(o, op.khash, op.generation)] = (head, plen, csum)
+                head = arena[o:o + hs].tobytes()
+                known = memo.get(ident)
+                if known is not None and known[0] == head and known[1] == plen:
+                    csum = known[2]  # the very bytes checked before against the same directory entry
+                else:
+                    try:
+                        csum = check(head, comp, op.khash, op.generation, plen)
+                    except CorruptionError as e:
+                        results[i] = e
+                        continue
+                    if len(memo) >= HEADER_MEMO:
+                        memo.clear()
+                    memo[ident] = (head, plen, csum)
+                prev = (ident, plen, head, csum)
             if start < 0 or start + n > plen:
                 results[i] = CorruptionError(comp, f"range {start}+{n} outside payload of {plen}")
                 continue
@@ -113,19 +123,24 @@ class ShmTransport(Transport):
             if n:
                 pieces.append((out, o + hs + start, n))
                 total += n
-            checked.append((i, head, csum))
+            if entry is None:
+                entry = [[i], head, csum, o]
+                checked.append(entry)
+            else:
+                entry[0].append(i)
         if copies.threads_for(total) == 1:  # slice assignment: a third faster than a ctypes memmove per page
             for out, src, n in pieces:
                 out[:n] = arena[src:src + n]
         else:  # threads for big batches
             copies.copy_pieces([(address(out), base + src, n) for out, src, n in pieces], total, deadline)
-        # the headers are checked after every copy
-        for i, head, csum in checked:
-            o = ops[i].offset
+        # each object's header is checked again after every copy: a slot rewritten meanwhile fails all its ranges
+        for idxs, head, csum, o in checked:
             if arena[o:o + hs] != head:
-                results[i] = CorruptionError(comp, "slot rewritten during the read (torn read)")
+                for i in idxs:
+                    results[i] = CorruptionError(comp, "slot rewritten during the read (torn read)")
             elif csum is not None:
-                results[i] = check_payload(ops[i], csum, comp)
+                for i in idxs:
+                    results[i] = check_payload(ops[i], csum, comp)
         return p
 
     def start_write(self, ops, deadline):
