@@ -478,11 +478,14 @@ class Client(PutPath):
                 raise InvalidArgument(self.component, f"key {i}: {len(rs)} ranges but {len(os_)} outs")
             page = []
             for j, (r, o) in enumerate(zip(rs, os_)):
-                try:
-                    start, length = (operator.index(x) for x in r)
-                except (TypeError, ValueError):
-                    raise InvalidArgument(self.component, f"ranges[{i}][{j}] = {r!r}: must be (offset, length) "
-                                                          f"integers") from None
+                if type(r) is tuple and len(r) == 2 and type(r[0]) is int and type(r[1]) is int:
+                    start, length = r  # the common shape, without a generator per range (a layer_first page: 32)
+                else:
+                    try:
+                        start, length = (operator.index(x) for x in r)
+                    except (TypeError, ValueError):
+                        raise InvalidArgument(self.component, f"ranges[{i}][{j}] = {r!r}: must be (offset, length) "
+                                                              f"integers") from None
                 if start < 0 or length < 0:
                     raise InvalidArgument(self.component, f"ranges[{i}][{j}] = {r!r}: offset and length must be "
                                                           f"non-negative integers")
