@@ -242,6 +242,32 @@ def test_evenly_spaced_pieces_copy_as_strided_runs_exact_bytes(threaded, directi
         assert packed[25 * n + n - 1] == 0xEE and (packed[rows * n:] == 0xEE).all()
 
 
+def test_stream_copies_while_pieces_come_and_finish_waits_for_all(threaded):
+    """copies.Stream hands pieces to the threads as they are added (a job started before the last piece came) and
+    cuts a long piece; finish() leaves every byte in place; abort() waits for started jobs and raises nothing."""
+    sizes = [70_000] * 30 + [1 << 20]  # the last piece is cut into chunks
+    srcs = [_rand(n, 200 + i) for i, n in enumerate(sizes)]
+    dst = np.full(sum(sizes) + 32, 0x5A, np.uint8)
+    total = sum(sizes)
+    stream = copies.Stream(total)
+    assert stream.workers == 4
+    pos = 16
+    started_before_the_end = False
+    for s, n in zip(srcs, sizes):
+        stream.add(copies.address(dst) + pos, copies.address(s), n)
+        pos += n
+        started_before_the_end = started_before_the_end or bool(stream.futures)
+    assert started_before_the_end, "no job went to the threads before the last piece was added"
+    stream.finish()
+    assert dst[16:16 + total].tobytes() == b"".join(s.tobytes() for s in srcs)
+    assert (dst[:16] == 0x5A).all() and (dst[16 + total:] == 0x5A).all()
+    again = copies.Stream(total)
+    dst[:] = 0
+    again.add(copies.address(dst), copies.address(srcs[-1]), sizes[-1])
+    again.abort()  # a caller failing midway: what was handed off has landed, what was pending is dropped
+    assert all(f.done() for f in again.futures) and not again.pending
+
+
 def test_shm_header_memo_still_catches_a_changed_header(make_cluster):
     """The shm read remembers headers it checked; a header changed in place after that (another generation, a
     flipped crc byte, a shorter length) is still a CorruptionError, and the intact page reads exactly again."""
@@ -277,7 +303,7 @@ def test_shm_ranges_of_one_object_share_one_header_check_and_a_torn_one_fails(ma
     cluster = make_cluster(nodes=1, capacity="64MiB")
     layers, run = 8, 16_384
     pages = {k: _rand(layers * run, i) for i, k in enumerate(("torn/a", "torn/b"))}
-    real = shm.copies.copy_pieces
+    real = shm.copies.Stream.finish
     with cluster.client(transport="shm") as c:
         assert c.batch_put(list(pages), list(pages.values())) == [True, True]
         (t,) = c._transports.values()
@@ -293,11 +319,11 @@ def test_shm_ranges_of_one_object_share_one_header_check_and_a_torn_one_fails(ma
         a_off = offs[0]
         good = t.arena[a_off:a_off + 64].tobytes()
 
-        def rewrite_then_copy(pieces, total, deadline=None):
+        def rewrite_then_copy(stream):  # after every header was checked, while the copies run
             bad = bytearray(good)
             bad[16] ^= 0x01  # the generation: another object now holds the slot
             t.arena[a_off:a_off + 64] = bytes(bad)
-            return real(pieces, total, deadline)
+            return real(stream)
 
         # the transport's own answer per range, from the locations the client remembers
         from transport.base import ReadOp
@@ -307,9 +333,9 @@ def test_shm_ranges_of_one_object_share_one_header_check_and_a_torn_one_fails(ma
         for k, s in zip(keys, spaced):
             _node, off, size, gen, tag, cap = c._spec.cache.get(normalize_key(k))
             ops += [ReadOp(off, j * run, run, tag, gen, size, memoryview(s[j, :run]), cap) for j in range(layers)]
-        monkeypatch.setattr(shm.copies, "copy_pieces", rewrite_then_copy)
+        monkeypatch.setattr(shm.copies.Stream, "finish", rewrite_then_copy)
         results = t.finish(t.start_read(ops, time.monotonic() + 10), time.monotonic() + 10)
-        monkeypatch.setattr(shm.copies, "copy_pieces", real)
+        monkeypatch.setattr(shm.copies.Stream, "finish", real)
         assert [type(r) for r in results[:layers]] == [CorruptionError] * layers, "every range of the torn object"
         assert all("torn read" in str(r) for r in results[:layers])
         assert results[layers:] == [None] * layers

@@ -82,9 +82,12 @@ class ShmTransport(Transport):
         check = wire.check_object_header
         memo = self._checked
         address = copies.address_of_view
-        # (dst, src, n) of each copy; per object read, [its op indices, header, checksum, offset] to check after
+        # (dst, src, n) of each copy (threaded batches: handed to the copy threads as they come, ``copies.Stream``);
+        # per object read, [its op indices, header, checksum, offset] to check after every copy
         pieces, checked = [], []
-        total = 0
+        total = sum(op.length for op in ops)
+        stream = copies.Stream(total, deadline) if copies.threads_for(total) > 1 else None
+        add = stream.add if stream is not None else None
         prev = None  # ((offset, khash, generation), payload_len, header, checksum) of the last object that passed
         entry = None  # that object's entry in ``checked`` once one of its ranges is to be copied
         for i, op in enumerate(ops):
@@ -117,22 +120,26 @@ class ShmTransport(Transport):
                 results[i] = CorruptionError(comp, f"range {start}+{n} outside payload of {plen}")
                 continue
             out = op.out  # a flat writable byte view (umbp.buffers) of at least n bytes (the client checked)
-            if len(out) < n or out.readonly:  # before any byte moves, as copies.copy_pairs would
+            if len(out) < n or out.readonly:  # before this op's bytes move, as copies.copy_pairs would
+                if stream is not None:
+                    stream.abort()
                 raise InvalidArgument(comp, f"op {i}: out of {len(out)} bytes (read-only: {out.readonly}) for "
                                             f"a range of {n}")
             if n:
-                pieces.append((out, o + hs + start, n))
-                total += n
+                if add is not None:
+                    add(address(out), base + o + hs + start, n)
+                else:
+                    pieces.append((out, o + hs + start, n))
             if entry is None:
                 entry = [[i], head, csum, o]
                 checked.append(entry)
             else:
                 entry[0].append(i)
-        if copies.threads_for(total) == 1:  # slice assignment: a third faster than a ctypes memmove per page
+        if stream is None:  # slice assignment: a third faster than a ctypes memmove per page
             for out, src, n in pieces:
                 out[:n] = arena[src:src + n]
-        else:  # threads for big batches
-            copies.copy_pieces([(address(out), base + src, n) for out, src, n in pieces], total, deadline)
+        else:  # the copy threads have been at it since the first pieces came
+            stream.finish()
         # each object's header is checked again after every copy: a slot rewritten meanwhile fails all its ranges
         for idxs, head, csum, o in checked:
             if arena[o:o + hs] != head:
@@ -151,7 +158,8 @@ class ShmTransport(Transport):
         hs, lo = wire.OBJ_HEADER_SIZE, wire.ARENA_DATA_START
         address = copies.address_of_view
         pieces, written = [], []
-        total = 0
+        total = sum(op.nbytes for op in ops)
+        stream = copies.Stream(total, deadline) if copies.threads_for(total) > 1 else None
         for i, op in enumerate(ops):
             o = op.offset
             if o < lo or o + hs + op.nbytes > size:
@@ -165,17 +173,22 @@ class ShmTransport(Transport):
                     run.append((pos, part, n))
                 pos += n
             if pos - o - hs != op.nbytes:  # the bound above was checked with nbytes
+                if stream is not None:
+                    stream.abort()
                 raise InvalidArgument(comp, f"op {i}: parts of {pos - o - hs} bytes for a write of {op.nbytes}")
             arena[o:o + 4] = b"\0\0\0\0"  # a reader racing this write sees no valid header until the end
-            pieces += run
-            total += op.nbytes
+            if stream is not None:  # to the copy threads now: the header above is already invalid
+                for dst, part, n in run:
+                    stream.add(base + dst, address(part), n)
+            else:
+                pieces += run
             written.append(op)
-        # every payload (threads for big batches), then the headers last
-        if copies.threads_for(total) == 1:
+        # every payload (threads for big batches: running since the first ops), then the headers last
+        if stream is None:
             for dst, part, n in pieces:
                 arena[dst:dst + n] = part
         else:
-            copies.copy_pieces([(base + dst, address(part), n) for dst, part, n in pieces], total, deadline)
+            stream.finish()
         for op in written:
             arena[op.offset:op.offset + hs] = op.header
         return p
