@@ -70,6 +70,7 @@ def test_threaded_copy_splits_across_threads(threaded):
 
     def spy(pieces):
         seen.add(threading.get_ident())
+        time.sleep(0.001)  # work that takes time, as a real piece's copy does: a finished thread is not reused at once
         return real(pieces)
 
     copies._memmove_all = spy
@@ -94,32 +95,64 @@ def test_bad_pairs_are_refused_before_any_byte_moves(threaded):
         copies.copy_pairs([(bytearray(4), object())])
 
 
-def test_error_in_one_job_surfaces_after_the_others_finish(threaded):
+def _stream_of_jobs(n_jobs: int, src: np.ndarray, dst: np.ndarray):
+    """A Stream of ``n_jobs`` pool jobs of one 64 KiB piece each (8 bytes apart: not merged) and a 4 KiB remainder
+    that finish() copies on the caller (4 threads allowed)."""
+    stream = copies.Stream(n_jobs * 65536 + 4096, keep=(src, dst))  # a late job writes memory that still exists
+    stream.chunk = 65536 - 8  # one job per piece
+    for j in range(n_jobs):
+        stream.add(copies.address(dst) + j * 65536, copies.address(src) + j * 65536, 65536 - 8)
+    stream.add(copies.address(dst) + n_jobs * 65536, copies.address(src) + n_jobs * 65536, 4096)
+    assert len(stream.futures) == n_jobs
+    return stream
+
+
+def test_error_in_one_job_surfaces_after_the_others_finish(threaded, monkeypatch):
+    """A Stream job that raises: finish() re-raises it only once every other job has finished (they write into
+    the caller's buffers), and the others' bytes are all in place."""
     finished = []
+    real = copies._memmove_all
+    bad_addr = []
 
-    def slow(i):
-        def job():
-            time.sleep(0.05)  # work, not synchronisation: the failing job must not cut it short
-            finished.append(i)
-            return i
-        return job
+    def job(items):
+        if items[0][0] == bad_addr[0]:  # the second 64 KiB piece's job fails
+            raise InvalidArgument("copies", "job failed")
+        if items[0][2] != 4096:  # not the caller's remainder
+            time.sleep(0.02)  # work, not synchronisation: the failing job must not cut the others short
+        finished.append(real(items))
+        return finished[-1]
 
-    def bad():
-        raise InvalidArgument("copies", "job 2 failed")
+    monkeypatch.setattr(copies, "_memmove_all", job)
+    src, dst = _rand(4 * 65536 + 4096, 9), np.zeros(4 * 65536 + 4096, np.uint8)
+    bad_addr.append(copies.address(dst) + 65536)
+    stream = _stream_of_jobs(4, src, dst)
+    with pytest.raises(InvalidArgument, match="job failed"):
+        stream.finish()
+    assert len(finished) == 4 and all(f.done() for f in stream.futures)  # 3 good jobs and the remainder
+    for j in (0, 2, 3):
+        assert np.array_equal(dst[j * 65536:(j + 1) * 65536 - 8], src[j * 65536:(j + 1) * 65536 - 8]), j
+    assert not dst[65536:2 * 65536].any()
 
-    with pytest.raises(InvalidArgument, match="job 2 failed"):
-        copies.run_parallel([slow(0), slow(1), bad, slow(3)])
-    assert sorted(finished) == [0, 1, 3]  # every other job ran to its end before the error came back
-    assert copies.run_parallel([slow(0), slow(1), lambda: "last"]) == [0, 1, "last"]
 
-
-def test_run_parallel_is_bounded_by_its_deadline(threaded):
+def test_stream_is_bounded_by_its_deadline(threaded, monkeypatch):
     release = threading.Event()
+    real = copies._memmove_all
+
+    def job(items):
+        if items[0][2] != 4096:
+            release.wait(10)
+        return real(items)
+
+    monkeypatch.setattr(copies, "_memmove_all", job)
+    src, dst = _rand(65536 + 4096, 10), np.zeros(65536 + 4096, np.uint8)
+    stream = _stream_of_jobs(1, src, dst)
+    stream.deadline = time.monotonic() + 0.2
     started = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match="copies: 1 of 2 copy jobs still running"):
-        copies.run_parallel([lambda: release.wait(10), lambda: None], deadline=time.monotonic() + 0.2)
+    with pytest.raises(DeadlineExceeded, match="copies: 1 of 1 copy jobs still running"):
+        stream.finish()
     assert time.monotonic() - started < 5
     release.set()
+    stream.futures[0].result(10)  # the late job ends, into memory kept alive by its stream
 
 
 def test_thread_sizing():
@@ -144,6 +177,7 @@ def test_shm_batch_split_across_threads_exact_bytes(make_cluster):
 
     def spy(pieces):
         seen.add(threading.get_ident())
+        time.sleep(0.001)  # work that takes time, as a real piece's copy does: a finished thread is not reused at once
         return real(pieces)
 
     cluster = make_cluster(nodes=1, capacity="128MiB")

@@ -86,7 +86,8 @@ class ShmTransport(Transport):
         # per object read, [its op indices, header, checksum, offset] to check after every copy
         pieces, checked = [], []
         total = sum(op.length for op in ops)
-        stream = copies.Stream(total, deadline) if copies.threads_for(total) > 1 else None
+        # keep=ops: a copy job still running past the deadline holds the views it writes into (or reads from)
+        stream = copies.Stream(total, deadline, keep=ops) if copies.threads_for(total) > 1 else None
         add = stream.add if stream is not None else None
         prev = None  # ((offset, khash, generation), payload_len, header, checksum) of the last object that passed
         entry = None  # that object's entry in ``checked`` once one of its ranges is to be copied
@@ -159,7 +160,8 @@ class ShmTransport(Transport):
         address = copies.address_of_view
         pieces, written = [], []
         total = sum(op.nbytes for op in ops)
-        stream = copies.Stream(total, deadline) if copies.threads_for(total) > 1 else None
+        # keep=ops: a copy job still running past the deadline holds the views it writes into (or reads from)
+        stream = copies.Stream(total, deadline, keep=ops) if copies.threads_for(total) > 1 else None
         for i, op in enumerate(ops):
             o = op.offset
             if o < lo or o + hs + op.nbytes > size:

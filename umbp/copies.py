@@ -2,8 +2,9 @@
 
 One core's memcpy moves a fraction of what a host's memory gives (on the 16-core H200 host about a fifth); the
 shm transport, the client's staging and the HiCache backend's host-pool paths copy whole batches, so a batch's
-copies are cut into pieces and the pieces handed to ``threads_for(nbytes)`` threads (the calling thread is one of
-them). Each piece is one ``ctypes.memmove``, which releases the GIL, so the threads copy in parallel.
+copies are cut into pieces and the pieces handed to ``threads_for(nbytes)`` threads (the calling thread copies the
+last share). Each piece is one ``ctypes.memmove`` (a strided run of equal pieces, one numpy copy), which releases
+the GIL, so the threads copy in parallel.
 
 Sizing: at most ``max_threads()`` threads (the cores this process may run on, capped at MAX_THREADS), and at least
 MIN_BYTES_PER_THREAD bytes per thread; a batch below SERIAL_BYTES stays on the calling thread with plain memoryview
@@ -11,25 +12,25 @@ slice assignment (no handoff: a thread wake-up costs tens of microseconds, a 64 
 where the cut-over pays, measured on the 16-core H200 host (best of 15 batches over a 1 GiB working set): 64 KiB x64
 (4 MiB) one thread 8.8 GB/s, threaded 4.6-5.6; 1 MiB x8 (8 MiB) 9.1 vs 17.6 (4 threads); 1 MiB x64 6.9 vs 38.7
 (8-16 threads); 4 MiB x64 7.6 vs 42.2 (16 threads). On the shared 2-core machine 4 MiB batches threaded ran at a
-third of one thread. With adjacent pieces merged (``_deal``) and ctypes address lookups, ``copy_pairs`` of 1 MiB x64
-ran at 36.2 GB/s beside 42.1 for 16 plain threads of np.copyto in the same run (0.86x; 4 MiB x64: 40.9 vs 48.2).
+third of one thread. With adjacent pieces merged (``Stream.add``) and ctypes address lookups, ``copy_pairs`` of
+1 MiB x64 ran at 36.2 GB/s beside 42.1 for 16 plain threads of np.copyto in the same run (0.86x; 4 MiB x64: 40.9
+vs 48.2; measured with the earlier up-front dealing into one share per thread).
 
 Contracts:
 - ``copy_pairs(pairs)`` copies ``len(src)`` bytes of each ``(dst, src)`` pair (flat byte memoryviews, or anything
-  ``umbp.buffers`` views: numpy arrays, CPU tensors, bytearrays; dst writable and at least as long) and returns the bytes copied once every piece is done. Pairs must not overlap each other
-  (pieces run in any order).
-- ``run_parallel(jobs, deadline)`` runs callables on the pool and the calling thread; the first exception a job
-  raised is re-raised in the caller after every job has finished or the deadline passed (``DeadlineExceeded``:
-  jobs still running keep their buffers alive through their closures, so nothing is freed under them).
+  ``umbp.buffers`` views: numpy arrays, CPU tensors, bytearrays; dst writable and at least as long) and returns
+  the bytes copied once every piece is done. Pairs must not overlap each other (pieces run in any order).
+- ``Stream.finish`` re-raises the first exception a job raised once every job has finished, or raises
+  ``DeadlineExceeded`` when the deadline passes first (jobs still running hold ``keep``: ``copy_pairs``' views).
 - After ``fork`` the child gets a fresh pool (threads do not survive a fork).
 
-- ``copy_pieces(pieces, total)`` copies raw (dst address, src address, length) pieces the caller has checked (arena
-  addresses come from the mapping's base, no view per page); ``Stream`` does the same while the caller is still
-  planning the batch (the shm transport's path: its per-range checks run beside the copies).
+- ``Stream(total, deadline)`` copies raw (dst address, src address, length) pieces the caller has checked while the
+  caller is still adding them (the shm transport's path: arena addresses from the mapping's base, no view per page,
+  its per-range checks beside the copies); ``copy_pieces`` and ``copy_pairs`` are built on it.
 
 Cost: below SERIAL_BYTES one memoryview assignment per pair (``copy_pieces``: one ``memmove``); above, one address
 lookup per pair (ctypes for writable views, about 0.2 us; numpy for read-only ones, about 1 us), one ``memmove`` per
-piece (PIECE_BYTES at most) and one future per extra thread.
+piece (PIECE_BYTES at most) or one numpy copy per strided run, and one future per ``total / (2 x threads)`` bytes.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import ctypes
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -109,38 +110,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
-def run_parallel(jobs: Sequence[Callable[[], Any]], deadline: float | None = None) -> list[Any]:
-    """Run ``jobs`` (the last one on the calling thread, the others on the pool) and return their results in
-    order. Blocks until all are done or ``deadline`` (``time.monotonic()``; default WAIT_S from now) passes; the
-    first exception raised by a job is re-raised here (after the others finished, so no job still writes into a
-    buffer the caller is about to reuse), a missed deadline raises ``DeadlineExceeded``."""
-    if not jobs:
-        return []
-    if len(jobs) == 1:
-        return [jobs[0]()]
-    deadline = time.monotonic() + WAIT_S if deadline is None else deadline
-    pool = _executor(len(jobs) - 1)
-    futures = [pool.submit(j) for j in jobs[:-1]]
-    first: BaseException | None = None
-    try:
-        last = jobs[-1]()
-    except BaseException as e:  # still wait for the others: they may write into the caller's buffers
-        first, last = e, None
-    done, not_done = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-    if not_done:
-        raise DeadlineExceeded(COMPONENT, f"{len(not_done)} of {len(jobs)} copy jobs still running at the deadline")
-    results = []
-    for f in futures:
-        e = f.exception()
-        if e is not None and first is None:
-            first = e
-        results.append(None if e is not None else f.result())
-    if first is not None:
-        raise first
-    results.append(last)
-    return results
-
-
 def _flat(x: Any, writable: bool, i: int) -> memoryview:
     if type(x) is memoryview and x.format == "B" and x.ndim == 1 and x.c_contiguous:
         return x
@@ -190,6 +159,11 @@ def _memmove_all(pieces: list[tuple]) -> int:
     return n
 
 
+def _job(runs: list[tuple], keep: Any) -> int:
+    """A pool thread's share of a ``Stream``; ``keep`` (unused) holds the memory its raw addresses point into."""
+    return _memmove_all(runs)
+
+
 def _strided(addr: int, rows: int, n: int, stride: int) -> np.ndarray:
     """A (rows, n) uint8 array over raw memory: row r is ``[addr + r * stride, + n)`` (the caller keeps it alive)."""
     return np.ndarray((rows, n), np.uint8, buffer=(_c_ubyte * ((rows - 1) * stride + n)).from_address(addr),
@@ -199,11 +173,11 @@ def _strided(addr: int, rows: int, n: int, stride: int) -> np.ndarray:
 def _runs(flat: list[tuple[int, int, int]]) -> list[tuple]:
     """Coalesce consecutive pieces of one length whose destinations and sources each advance by one positive
     stride (at least the length: rows never overlap) into runs ``(dst, src, n, rows, dst stride, src stride)`` of at
-    most RUN_BYTES (pieces contiguous on both sides stay pieces: ``_deal`` merges those within a share). Why: a worker thread re-acquires the GIL after
-    every memmove, and with many threads each hand-over of the GIL costs a thread wake-up (tens of microseconds): a
-    layer_first HiCache page is 2 x layers pieces of 128 KiB, one page object's pieces evenly spaced in the host pool
-    and back to back in the arena, and 16 threads copying them piece by piece moved 3.4 GB/s on the H200 host
-    where whole 4 MiB pieces moved 27."""
+    most RUN_BYTES (pieces contiguous on both sides are merged by ``Stream.add`` already). Why: a worker thread
+    re-acquires the GIL after every memmove, and with many threads each hand-over of the GIL costs a thread wake-up
+    (tens of microseconds): a layer_first HiCache page is 2 x layers pieces of 128 KiB, one page object's pieces
+    evenly spaced in the host pool and back to back in the arena, and 16 threads copying them piece by piece moved
+    3.4 GB/s on the H200 host where whole 4 MiB pieces moved 27."""
     out: list[tuple] = []
     i, m = 0, len(flat)
     while i < m:
@@ -211,7 +185,7 @@ def _runs(flat: list[tuple[int, int, int]]) -> list[tuple]:
         j = i + 1
         if j < m and flat[j][2] == n and n < RUN_BYTES:
             ds, ss = flat[j][0] - d0, flat[j][1] - s0
-            if ds >= n and ss >= n and (ds, ss) != (n, n):  # contiguous on both sides: ``_deal`` merges those
+            if ds >= n and ss >= n and (ds, ss) != (n, n):  # contiguous on both sides: one piece already
                 limit = min(m, i + max(2, RUN_BYTES // n))
                 while j < limit and flat[j][2] == n and flat[j][0] == d0 + (j - i) * ds \
                         and flat[j][1] == s0 + (j - i) * ss:
@@ -222,40 +196,14 @@ def _runs(flat: list[tuple[int, int, int]]) -> list[tuple]:
     return out
 
 
-def plan_pieces(pairs: Sequence[tuple[memoryview, memoryview]], workers: int) -> list[list[tuple[int, int, int]]]:
-    """Cut the pairs into (dst address, src address, length) pieces of at most PIECE_BYTES and deal them into
-    ``workers`` groups of about equal bytes, each group contiguous in batch order."""
-    total = sum(len(s) for _d, s in pairs)
-    piece = max(64 << 10, min(PIECE_BYTES, -(-total // (workers * 2))))
-    flat: list[tuple[int, int, int]] = []
-    for d, s in pairs:
-        n = len(s)
-        if n == 0:
-            continue
-        da, sa = _address(d), _address(s)
-        for off in range(0, n, piece):
-            flat.append((da + off, sa + off, min(piece, n - off)))
-    return _deal(_runs(flat), total, workers)
-
-
 def copy_pieces(pieces: list[tuple[int, int, int]], total: int, deadline: float | None = None) -> int:
-    """Copy raw ``(dst address, src address, length)`` pieces (the caller keeps their memory alive and has checked
-    every bound: nothing is checked here); threads as for ``copy_pairs`` when ``total`` bytes reach SERIAL_BYTES.
-    The shm transport's path: one side is its mapped arena, whose addresses it computes from the mapping's base,
-    so a page costs one ``memmove`` and no view. Returns ``total``."""
-    workers = threads_for(total)
-    if workers == 1:
-        for d, s, k in pieces:
-            _memmove(d, s, k)
-        return total
-    piece = max(64 << 10, min(PIECE_BYTES, -(-total // (workers * 2))))
-    flat: list[tuple[int, int, int]] = []
+    """Copy raw ``(dst address, src address, length)`` pieces the caller has checked (the caller keeps their memory
+    alive: nothing is checked here), through one ``Stream`` (threads when ``total`` reaches SERIAL_BYTES). Returns
+    ``total``."""
+    stream = Stream(total, deadline)
     for d, s, n in pieces:
-        if n <= piece:
-            flat.append((d, s, n))
-        else:
-            flat.extend((d + off, s + off, min(piece, n - off)) for off in range(0, n, piece))
-    run_parallel([lambda g=g: _memmove_all(g) for g in _deal(_runs(flat), total, workers)], deadline)
+        stream.add(d, s, n)
+    stream.finish()
     return total
 
 
@@ -263,34 +211,42 @@ class Stream:
     """The copies of one batch, started while the caller is still planning the rest of it: raw ``(dst, src, n)``
     pieces come in batch order (``add``), and each time about ``total / (2 x threads)`` bytes have come they go to a
     pool thread as one job (coalesced into strided runs, ``_runs``), so the Python that turns a batch's ops into
-    pieces (the shm transport's per-range checks: about 5 ms of a 256 MiB layer_first call on the H200 host) runs
-    beside the copies instead of before them. ``finish`` copies what is left on the calling thread and waits for
-    every job (``deadline``: DeadlineExceeded, jobs still running keep their pieces' memory alive through the caller's
-    views, as ``run_parallel``); ``abort`` (the caller failed midway) waits for the jobs already started and raises
-    nothing: they write into the caller's buffers. Below SERIAL_BYTES nothing is handed off (``finish`` copies it
-    all). The caller keeps every piece's memory alive and has checked every bound, as for ``copy_pieces``."""
+    pieces (the shm transport's per-range checks) runs beside the copies instead of before them. ``finish`` copies
+    what is left on the calling thread and waits for every job (``deadline``: DeadlineExceeded; jobs still running
+    hold ``keep``, the memory their pieces point into); ``abort`` (the caller failed midway) waits for the jobs
+    already started and raises nothing: they write into the caller's buffers. Below SERIAL_BYTES nothing is handed
+    off (``finish`` copies it all). The caller has checked every bound: nothing is checked here."""
 
-    __slots__ = ("workers", "chunk", "pending", "nbytes", "futures", "pool", "deadline")
+    __slots__ = ("workers", "chunk", "pending", "nbytes", "futures", "pool", "deadline", "keep")
 
-    def __init__(self, total: int, deadline: float | None = None):
+    def __init__(self, total: int, deadline: float | None = None, keep: Any = None):
         self.workers = threads_for(total)
-        self.chunk = max(64 << 10, -(-total // (2 * self.workers)))
+        self.chunk = max(64 << 10, min(PIECE_BYTES, -(-total // (2 * self.workers))))
         self.pending: list[tuple[int, int, int]] = []
         self.nbytes = 0
         self.futures: list[cf.Future] = []
         self.pool = _executor(self.workers - 1) if self.workers > 1 else None
         self.deadline = time.monotonic() + WAIT_S if deadline is None else deadline
+        self.keep = keep  # held by every job (``copy_pairs``' views): memory a late job writes stays allocated
 
     def add(self, dst: int, src: int, n: int) -> None:
+        """One more piece, in batch order. A piece continuing the previous one on both sides (rows of one array into
+        rows of another) is merged into it: each ``memmove`` is a GIL release and re-acquire, and sixteen threads
+        queueing for the GIL cost more than the copy of a small piece."""
         if n > self.chunk:  # a long piece is cut, so one big page spreads over the threads too
             step = self.chunk
             for off in range(0, n, step):
                 self.add(dst + off, src + off, min(step, n - off))
             return
-        self.pending.append((dst, src, n))
+        pending = self.pending
+        last = pending[-1] if pending else None
+        if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src and last[2] + n <= self.chunk:
+            pending[-1] = (last[0], last[1], last[2] + n)
+        else:
+            pending.append((dst, src, n))
         self.nbytes += n
         if self.pool is not None and self.nbytes >= self.chunk:
-            self.futures.append(self.pool.submit(_memmove_all, _runs(self.pending)))
+            self.futures.append(self.pool.submit(_job, _runs(pending), self.keep))
             self.pending, self.nbytes = [], 0
 
     def finish(self) -> None:
@@ -317,32 +273,6 @@ class Stream:
         cf.wait(self.futures, timeout=max(0.0, self.deadline - time.monotonic()))
 
 
-def _deal(flat: list[tuple], total: int, workers: int) -> list[list[tuple]]:
-    """Deal pieces into ``workers`` groups of about equal bytes, each group contiguous in batch order. A piece that
-    continues the group's previous one on both sides (rows of one array into rows of another) is merged into it:
-    each ``memmove`` is a GIL release and re-acquire, and sixteen threads queueing for the GIL cost more than the
-    copy of a piece."""
-    groups: list[list[tuple]] = [[] for _ in range(workers)]
-    share, acc, g = total / workers, 0, 0
-    for p in flat:
-        while g < workers - 1 and acc >= share * (g + 1):
-            g += 1
-        grp = groups[g]
-        if len(p) > 3:  # a strided run (``_runs``): rows x n bytes
-            grp.append(p)
-            acc += p[2] * p[3]
-            continue
-        if grp and len(grp[-1]) == 3:
-            d, s, n = grp[-1]
-            if d + n == p[0] and s + n == p[1]:
-                grp[-1] = (d, s, n + p[2])
-                acc += p[2]
-                continue
-        grp.append(p)
-        acc += p[2]
-    return [grp for grp in groups if grp]
-
-
 def copy_pairs(pairs: Sequence[tuple[memoryview, memoryview]], deadline: float | None = None) -> int:
     """Copy each ``(dst, src)`` pair (``dst[:len(src)] = src``); threads for batches of SERIAL_BYTES and more.
     Returns the bytes copied. A dst shorter than its src, or read-only, raises ``InvalidArgument`` before any byte
@@ -355,13 +285,14 @@ def copy_pairs(pairs: Sequence[tuple[memoryview, memoryview]], deadline: float |
         if d.readonly:
             raise InvalidArgument(COMPONENT, f"pair {i}: destination is read-only")
         total += len(s)
-    workers = threads_for(total)
-    if workers == 1:
+    if threads_for(total) == 1:
         for d, s in pairs:
             n = len(s)
             d[:n] = s
         return total
-    groups = plan_pieces(pairs, workers)
-    # the closures hold the views (and so the memory) of their pieces until they are done
-    run_parallel([lambda g=g, keep=pairs: _memmove_all(g) for g in groups], deadline)
+    stream = Stream(total, deadline, keep=pairs)  # the jobs hold the views (and so the memory) until they are done
+    for d, s in pairs:
+        if len(s):
+            stream.add(_address(d), _address(s), len(s))
+    stream.finish()
     return total
