@@ -42,8 +42,6 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
-import contextlib
-from dataclasses import dataclass
 
 from transport import wire
 from transport.base import Pending, ReadOp, Transport
@@ -60,23 +58,14 @@ from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is
 from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
 from umbp.speculate import Speculation, read_deadline
+from umbp.mapped import MappedPages, MappedPath  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp.puts import PutPath
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
 
 
-@dataclass
-class MappedPages:
-    """What ``Client.mapped`` yields: ``locs[i]`` is ``(node_id, payload_offset, payload_len)`` in
-    ``arenas[node_id]`` (the node's whole arena, mapped shared and writable), or None for a miss / a page that is
-    not mapped."""
-
-    locs: list[tuple[str, int, int] | None]
-    arenas: dict[str, memoryview]
-
-
-class Client(PutPath):
+class Client(PutPath, MappedPath):
     def __init__(self, metaserver: str | None = None, namespace: str | None = None, token: str | None = None,
                  transport: str | None = None, *, timeout: float | None = None, checksum: bool | None = None,
                  tls_ca: str | None = None, config: ClientConfig | None = None, shard: tuple | None = None):
@@ -503,58 +492,6 @@ class Client(PutPath):
             return None
         page = fresh[0]
         return bytes(page) if type(page) is bytearray else page
-
-    @contextlib.contextmanager
-    def mapped(self, keys: Sequence[Any]):
-        """Zero-copy access to pages held by same-host nodes, for a GPU gather that reads the mapped arena.
-
-        One LOOKUP takes a read lease (the pages cannot be evicted or their slots reused while it lasts, up to the
-        metaserver's ``read_lease_s``); the object headers are checked now and again on exit, so bytes that changed
-        under the caller raise ``CorruptionError`` on exit (treat what was read as garbage then). Pages on nodes
-        that are not reachable over shm, and misses, have ``locs[i] = None``: fetch those with
-        ``batch_get_ranges_into``. Blocks for the LOOKUP only; the lease is released on exit, also on error."""
-        kb = [normalize_key(k) for k in keys]
-        ns = self.namespace
-        with self._lock:
-            deadline = self._deadline()
-            reply = self._meta.call(wire.Op.LOOKUP, {"ns": ns, "keys": kb}, deadline) if kb else {"locs": []}
-            lease = reply.get("lease", 0)
-        m = MappedPages([None] * len(kb), {})
-        checks: list[tuple[memoryview, int, bytes, int]] = []  # (arena, header offset, header bytes, size)
-        arenas: dict[str, memoryview | None] = {}
-        hs = wire.OBJ_HEADER_SIZE
-        try:
-            for i, loc in enumerate(reply["locs"]):
-                if loc is None:
-                    continue
-                node_id, off, size, gen, khash, _cap = loc
-                if node_id not in arenas:  # one transport lookup per node, not per page
-                    with self._lock:
-                        try:
-                            t = self._transport_for(node_id, deadline)
-                        except TransportError:
-                            t = None
-                    arenas[node_id] = t.arena if t is not None and t.name == "shm" else None
-                arena = arenas[node_id]
-                if arena is None:
-                    continue
-                head = bytes(arena[off:off + hs])
-                wire.check_object_header(head, self.component, khash, gen, size)
-                m.arenas[node_id] = arena
-                m.locs[i] = (node_id, off + hs, size)
-                checks.append((arena, off, head, size))
-            yield m
-            # Unchanged header bytes prove the slot still holds what was checked on entry (a reused slot always
-            # gets a new header: another generation, at least).
-            for arena, off, head, _size in checks:
-                if arena[off:off + hs] != head:
-                    raise CorruptionError(self.component, f"slot at {off} was rewritten while it was mapped")
-            self.counters["gets"] += len(checks)
-            self.counters["bytes_mapped"] += sum(c[3] for c in checks)
-        finally:
-            if lease:
-                with self._lock:
-                    self._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, self._deadline())
 
     # ---- directory only -------------------------------------------------------------------------------------
 
