@@ -13,6 +13,8 @@ Contracts:
   detected); tcp and rdma copy header and payload in one request but do not look again, so for them the read lease
   the metaserver granted with LOOKUP is what guarantees it (a leased object is never evicted or freed). A read that
   outlives its lease (a client stalled past ``lease_s``) is covered on shm only.
+- ``ReadOp.out`` is a flat writable view, or a ``umbp.buffers.Rows`` for a transport whose ``reads_rows`` is True
+  (shm: one strided copy); the client cuts a Rows out into one op per row for the others.
 - A write's payload is a list of parts (``WriteOp.parts``) written back to back: a page assembled from one buffer
   per layer is never concatenated first.
 - Results are per op, in order: ``None`` for success or the exception for that op. A connection-level failure
@@ -32,6 +34,7 @@ import abc
 from dataclasses import dataclass
 
 from transport import wire
+from umbp.buffers import Rows
 from umbp.errors import CorruptionError
 
 
@@ -43,7 +46,7 @@ class ReadOp:
     khash: int
     generation: int
     payload_len: int
-    out: memoryview  # writable, at least ``length`` bytes
+    out: memoryview  # writable, at least ``length`` bytes (or a ``Rows``: transports with ``reads_rows``)
     cap: bytes = b""  # the metaserver's read capability (closed pools; the node checks it)
 
 
@@ -60,7 +63,8 @@ class WriteOp:
 def check_payload(op: ReadOp, csum: int | None, component: str) -> CorruptionError | None:
     """The payload checksum check, when the header carries one and the read covered the whole payload."""
     if csum is not None and op.start == 0 and op.length == op.payload_len:
-        if wire.payload_checksum(op.out[:op.length]) != csum:
+        out = op.out
+        if wire.payload_checksum(out.gather(op.length) if type(out) is Rows else out[:op.length]) != csum:
             return CorruptionError(component, "payload checksum mismatch")
     return None
 
@@ -79,6 +83,7 @@ class Pending:
 
 class Transport(abc.ABC):
     name: str = "?"
+    reads_rows: bool = False  # ReadOp.out may be a umbp.buffers.Rows
 
     @abc.abstractmethod
     def start_read(self, ops: list[ReadOp], deadline: float) -> Pending: ...

@@ -5,7 +5,7 @@ this transport only when it runs on the same boot of the same host (``/proc/sys/
 the file at that path carries the same arena id in its superblock; otherwise ``ShmTransport.open`` raises and the
 selection rule falls through to RDMA or TCP.
 
-Cost: one memcpy per object range, no syscalls, no node CPU; a batch's copies are split across threads
+Cost: one memcpy per object range (one strided copy per ``umbp.buffers.Rows`` out), no syscalls, no node CPU; a batch's copies are split across threads
 (``umbp.copies``: memory bandwidth rather than one core's memcpy for batches of SERIAL_BYTES and more). Small
 batches copy with slice assignment on the calling thread; threaded ones take arena addresses as the mapping's base
 plus the offset (one address lookup per caller buffer, no view of the arena per page). The mapping is MAP_SHARED read-write so puts land in the arena directly;
@@ -21,6 +21,7 @@ import uuid
 from transport import wire
 from transport.base import Pending, Transport, check_payload
 from umbp import copies
+from umbp.buffers import Rows
 from umbp.errors import CorruptionError, InvalidArgument, TransportError
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -37,6 +38,7 @@ def boot_id() -> str:
 
 class ShmTransport(Transport):
     name = "shm"
+    reads_rows = True
 
     def __init__(self, node_id: str, arena_path: str, arena_id: bytes, boot: str):
         self.component = f"transport shm {node_id}"
@@ -120,17 +122,19 @@ class ShmTransport(Transport):
             if start < 0 or start + n > plen:
                 results[i] = CorruptionError(comp, f"range {start}+{n} outside payload of {plen}")
                 continue
-            out = op.out  # a flat writable byte view (umbp.buffers) of at least n bytes (the client checked)
+            out = op.out  # a flat writable byte view, or umbp.buffers.Rows, of at least n bytes (the client checked)
             if len(out) < n or out.readonly:  # before this op's bytes move, as copies.copy_pairs would
                 if stream is not None:
                     stream.abort()
                 raise InvalidArgument(comp, f"op {i}: out of {len(out)} bytes (read-only: {out.readonly}) for "
                                             f"a range of {n}")
             if n:
-                if add is not None:
-                    add(address(out), base + o + hs + start, n)
-                else:
+                if add is None:
                     pieces.append((out, o + hs + start, n))
+                elif type(out) is Rows:  # one strided copy for all its rows
+                    stream.add_rows(out.address, out.stride, base + o + hs + start, out.row, n)
+                else:
+                    add(address(out), base + o + hs + start, n)
             if entry is None:
                 entry = [[i], head, csum, o]
                 checked.append(entry)
@@ -138,7 +142,10 @@ class ShmTransport(Transport):
                 entry[0].append(i)
         if stream is None:  # slice assignment: a third faster than a ctypes memmove per page
             for out, src, n in pieces:
-                out[:n] = arena[src:src + n]
+                if type(out) is Rows:
+                    out.fill(arena[src:src + n], n)
+                else:
+                    out[:n] = arena[src:src + n]
         else:  # the copy threads have been at it since the first pieces came
             stream.finish()
         # each object's header is checked again after every copy: a slot rewritten meanwhile fails all its ranges

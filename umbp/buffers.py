@@ -13,6 +13,10 @@ Pinned host buffers come from a per-process pool (``PINNED``, power-of-two size 
 far more than the copy of a page, so a batch of CUDA outs must not pin one buffer per page per call. ``flush_cuda``
 issues every page's host-to-device copy asynchronously and waits once.
 
+``Rows``: an out of equal rows at a fixed stride inside one writable buffer (a layer_first host page's K or V: one
+run per layer, evenly spaced). A page read into it lands row by row: over shm as one strided copy per page instead
+of one op per row; other transports read it as one ranged read per row.
+
 ``new_bytes(n)``: a fresh ``bytes`` object and a writable view of its memory, to fill it before it is handed out
 (``Client.get`` reads a page straight into the ``bytes`` it returns instead of into a bytearray copied again).
 """
@@ -207,9 +211,55 @@ def new_bytes(n: int) -> tuple[bytes | bytearray, memoryview]:
     return b, memoryview((ctypes.c_char * n).from_address(id(b) + _BYTES_DATA)).cast("B")
 
 
-def as_writable_view(out: Any, what: str = "out", index: int | None = None) -> memoryview | CudaOut:
-    """A writable flat byte view of ``out``, or a ``CudaOut`` for a CUDA tensor."""
-    if type(out) is CudaOut:  # already wrapped (test doubles wrap host tensors to stand for device ones)
+class Rows:
+    """An out of ``count`` rows of ``row`` bytes, ``stride`` bytes apart, in the writable buffer ``base`` (row r is
+    ``base[r * stride : r * stride + row]``): bytes read into it fill row 0, then row 1, and so on. ``len`` is the
+    bytes it takes (``count * row``). Rows never overlap (``stride >= row``) and all lie inside ``base`` (checked
+    here, so a transport copies into them without further bounds checks)."""
+
+    __slots__ = ("base", "row", "stride", "count", "nbytes", "address")
+    readonly = False
+
+    def __init__(self, base: Any, row: int, stride: int, count: int):
+        mv = _flat_view(base, "Rows base", True)
+        for name, v in (("row", row), ("stride", stride), ("count", count)):
+            if type(v) is not int or v < 1:
+                raise InvalidArgument("client", f"Rows {name} must be a positive integer, got {v!r}")
+        if stride < row:
+            raise InvalidArgument("client", f"Rows stride {stride} is shorter than a row of {row}: rows overlap")
+        if (count - 1) * stride + row > len(mv):
+            raise InvalidArgument("client", f"{count} rows of {row} bytes every {stride} need "
+                                            f"{(count - 1) * stride + row} bytes; the base holds {len(mv)}")
+        self.base, self.row, self.stride, self.count = mv, row, stride, count
+        self.nbytes = row * count
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        return f"Rows({self.count} x {self.row} B every {self.stride} B)"
+
+    def views(self, n: int | None = None) -> list[memoryview]:
+        """The rows as flat views, cut to the first ``n`` bytes (default: all of them)."""
+        n = self.nbytes if n is None else n
+        b, row, stride = self.base, self.row, self.stride
+        return [b[r * stride:r * stride + min(row, n - r * row)] for r in range(-(-n // row))]
+
+    def fill(self, src: Any, n: int) -> None:
+        """Copy the first ``n`` bytes of the flat view ``src`` into the rows, in order (``n <= len(self)``)."""
+        row = self.row
+        for r, v in enumerate(self.views(n)):
+            v[:] = src[r * row:r * row + len(v)]
+
+    def gather(self, n: int) -> bytes:
+        """The first ``n`` bytes of the rows joined (payload checksums; a copy)."""
+        return b"".join(bytes(v) for v in self.views(n))
+
+
+def as_writable_view(out: Any, what: str = "out", index: int | None = None) -> memoryview | CudaOut | Rows:
+    """A writable flat byte view of ``out``, or a ``CudaOut`` for a CUDA tensor (a ``Rows`` passes as it is)."""
+    if type(out) is CudaOut or type(out) is Rows:  # already wrapped (test doubles wrap host tensors as CudaOut)
         return out
     if _is_torch(out):
         if out.device.type != "cpu":

@@ -48,7 +48,7 @@ from transport.base import Pending, ReadOp, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
 from umbp.auth import with_caps
-from umbp.buffers import CudaOut, as_bytes_view, as_writable_view, flush_cuda, new_bytes
+from umbp.buffers import CudaOut, Rows, as_bytes_view, as_writable_view, flush_cuda, new_bytes
 from umbp.config import ClientConfig, resolve
 from umbp.devcopy import DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
@@ -297,7 +297,7 @@ class Client(PutPath, MappedPath):
                     if early is not None and all(loc is None for loc in todo):  # every page served ahead
                         batches, index, fresh, kern = {}, {}, [], []
                     else:
-                        batches, index, fresh, kern = self._read_ops(todo, segs, kernel)
+                        batches, index, fresh, kern = self._read_ops(todo, segs, deadline, kernel)
                     results = self._run(batches, "read", deadline) if batches else {}
                     if kern:
                         self._device.read([item for _i, item in kern])
@@ -357,7 +357,7 @@ class Client(PutPath, MappedPath):
         early: list[int | None] = [None] * len(guess)
         try:
             try:
-                batches, index, _fresh, _kern = self._read_ops(guess, segs)
+                batches, index, _fresh, _kern = self._read_ops(guess, segs, deadline)
                 nbytes = sum(op.length for ops in batches.values() for op in ops)
                 results = self._run(batches, "read", read_deadline(deadline, time.monotonic(), nbytes))
             except UmbpError:  # e.g. a remembered size the out no longer fits: the plain read decides
@@ -396,10 +396,22 @@ class Client(PutPath, MappedPath):
                 out[node_id] = (arena, base)
         return out
 
-    def _read_ops(self, locs: list, segs: list | None, kernel: dict | None = None
+    def _reads_rows(self, node_id: str, deadline: float) -> bool:
+        """Whether ``node_id``'s transport takes ``Rows`` outs whole (shm); False when it cannot be opened (the
+        read itself then reports the node)."""
+        t = self._transports.get(node_id)
+        if t is None:
+            try:
+                t = self._transport_for(node_id, deadline)
+            except TransportError:
+                return False
+        return t.reads_rows
+
+    def _read_ops(self, locs: list, segs: list | None, deadline: float, kernel: dict | None = None
                   ) -> tuple[dict[str, list[ReadOp]], dict[str, list[int]], list, list]:
         """The read ops of a LOOKUP answer, by node (and the page index of each op), checked against the outs; CUDA
-        outs of pages on ``kernel`` nodes become ``(page index, DeviceCopier.read item)`` instead."""
+        outs of pages on ``kernel`` nodes become ``(page index, DeviceCopier.read item)`` instead; a ``Rows`` out
+        is one op where the node's transport reads rows, else one op per row."""
         kern: list = []
         kernel = kernel or {}
         batches: dict[str, list[ReadOp]] = {}
@@ -436,6 +448,12 @@ class Client(PutPath, MappedPath):
                 if len(view) < length:
                     raise InvalidArgument(self.component, f"out {j} of key {i} holds {len(view)} bytes "
                                                           f"but {length} are to be read")
+                if type(view) is Rows and not self._reads_rows(node_id, deadline):
+                    row = view.row
+                    for r, v in enumerate(view.views(length)):
+                        ops.append(ReadOp(off, start + r * row, len(v), khash, gen, size, v, cap))
+                        idx.append(i)
+                    continue
                 ops.append(ReadOp(off, start, length, khash, gen, size, view, cap))
                 idx.append(i)
         if kern:  # nodes whose every range went to the kernel have no transport work
@@ -443,6 +461,9 @@ class Client(PutPath, MappedPath):
         return batches, index, fresh, kern
 
     def batch_get_into(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[int]:
+        """Read each page's payload into ``outs[i]`` (a writable buffer at least the payload's size, a CUDA tensor,
+        or a ``umbp.buffers.Rows``: the payload laid row by row at a fixed stride). Returns the bytes written per
+        key, or -1 for a miss."""
         if len(outs) != len(keys):
             raise InvalidArgument(self.component, f"batch_get_into: {len(keys)} keys but {len(outs)} outs")
         if not keys:

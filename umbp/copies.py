@@ -181,13 +181,17 @@ def _runs(flat: list[tuple[int, int, int]]) -> list[tuple]:
     out: list[tuple] = []
     i, m = 0, len(flat)
     while i < m:
+        if len(flat[i]) != 3:  # a run already (``Stream.add_rows``)
+            out.append(flat[i])
+            i += 1
+            continue
         d0, s0, n = flat[i]
         j = i + 1
-        if j < m and flat[j][2] == n and n < RUN_BYTES:
+        if j < m and len(flat[j]) == 3 and flat[j][2] == n and n < RUN_BYTES:
             ds, ss = flat[j][0] - d0, flat[j][1] - s0
             if ds >= n and ss >= n and (ds, ss) != (n, n):  # contiguous on both sides: one piece already
                 limit = min(m, i + max(2, RUN_BYTES // n))
-                while j < limit and flat[j][2] == n and flat[j][0] == d0 + (j - i) * ds \
+                while j < limit and len(flat[j]) == 3 and flat[j][2] == n and flat[j][0] == d0 + (j - i) * ds \
                         and flat[j][1] == s0 + (j - i) * ss:
                     j += 1
         rows = j - i
@@ -240,13 +244,37 @@ class Stream:
             return
         pending = self.pending
         last = pending[-1] if pending else None
-        if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src and last[2] + n <= self.chunk:
+        if last is not None and len(last) == 3 and last[0] + last[2] == dst and last[1] + last[2] == src \
+                and last[2] + n <= self.chunk:
             pending[-1] = (last[0], last[1], last[2] + n)
         else:
             pending.append((dst, src, n))
+        self._took(n)
+
+    def add_rows(self, dst: int, stride: int, src: int, row: int, n: int) -> None:
+        """``n`` contiguous bytes from ``src`` into rows of ``row`` bytes at ``dst``, ``dst + stride``, ... (a
+        ``umbp.buffers.Rows`` out): strided runs of up to a job's bytes, each one numpy copy, and the last partial
+        row as a plain piece. One call per page object, where one ``add`` per row cost the caller a Python op per
+        row (a layer_first page object: one per layer)."""
+        full, rest = divmod(n, row)
+        if row >= self.chunk or full < 2:
+            for r in range(full):
+                self.add(dst + r * stride, src + r * row, row)
+        else:
+            per = max(2, self.chunk // row)
+            for r in range(0, full, per):
+                k = min(per, full - r)
+                self.pending.append((dst + r * stride, src + r * row, row, k, stride, row) if k > 1
+                                    else (dst + r * stride, src + r * row, row))
+                self._took(k * row)
+        if rest:
+            self.add(dst + full * stride, src + full * row, rest)
+
+    def _took(self, n: int) -> None:
+        """Count ``n`` bytes just queued; a job's worth goes to a pool thread."""
         self.nbytes += n
         if self.pool is not None and self.nbytes >= self.chunk:
-            self.futures.append(self.pool.submit(_job, _runs(pending), self.keep))
+            self.futures.append(self.pool.submit(_job, _runs(self.pending), self.keep))
             self.pending, self.nbytes = [], 0
 
     def finish(self) -> None:

@@ -8,8 +8,10 @@ Per page the meta lists ``k`` addresses, and the page becomes ``n`` objects (``n
 When ``k == n`` each object is one contiguous run (page_first, page_first_direct, page_head). When ``k`` is a
 multiple of ``n`` the object is gathered from ``k / n`` runs, object ``j`` taking addresses ``j, j+n, j+2n, ...``:
 layer_first, where SGLang lists per layer K then V (MHA) or the latent (MLA), so object K is the concatenation of
-every layer's K run. The client writes such parts back to back (``batch_put_ranges``) and reads them back with one
-ranged read per part (``batch_get_ranges_into``), never joining them in a temporary buffer.
+every layer's K run. The client writes such parts back to back (``batch_put_ranges``) and reads them back into one
+``umbp.buffers.Rows`` per object when the runs are evenly spaced (they are in SGLang's layer_first pools: one
+strided copy per object over shm), else with one ranged read per part (``batch_get_ranges_into``), never joining
+them in a temporary buffer.
 
 Invariant: every view lies inside one of the pool's own buffers (checked before any byte moves), so a wrong index
 or a meta bug raises ``InvalidArgument`` instead of writing over unrelated memory. Cost: O(addresses) Python work
@@ -22,6 +24,7 @@ import bisect
 import ctypes
 from typing import Any, Sequence
 
+from umbp.buffers import Rows
 from umbp.errors import InvalidArgument
 
 COMPONENT = "sglang hicache"
@@ -85,9 +88,10 @@ def view_at(ptr: int, size: int) -> memoryview:
 
 
 def object_parts(ptrs: Sequence[int], sizes: Sequence[int] | int, n_pages: int, n_objects: int,
-                 extents: Extents | None) -> list[list[memoryview]]:
+                 extents: Extents | None, rows: bool = False) -> list[list[Any]]:
     """Group the meta of ``n_pages`` pages into ``n_pages * n_objects`` objects (page-major), each a list of views
-    whose concatenation is the object."""
+    whose concatenation is the object. ``rows`` (gets): an object of equal runs at one stride (layer_first) is one
+    ``umbp.buffers.Rows`` instead, read over shm as one strided copy rather than one ranged read per run."""
     if isinstance(sizes, int):
         sizes = [sizes] * len(ptrs)
     elif len(sizes) == 1 and len(ptrs) > 1:
@@ -101,12 +105,34 @@ def object_parts(ptrs: Sequence[int], sizes: Sequence[int] | int, n_pages: int, 
     ptrs = ptrs.tolist() if hasattr(ptrs, "tolist") else ptrs  # a tensor's items one by one cost a microsecond each
     sizes = sizes.tolist() if hasattr(sizes, "tolist") else sizes
     view = extents.view if extents is not None else view_at
-    out: list[list[memoryview]] = []
+    out: list[list[Any]] = []
+    k = per_page // n_objects
     for p in range(n_pages):
         base = p * per_page
         for j in range(n_objects):
+            if rows and k > 1:
+                r = _rows(ptrs, sizes, base + j, n_objects, k, view)
+                if r is not None:
+                    out.append([r])
+                    continue
             out.append([view(int(ptrs[a]), int(sizes[a])) for a in range(base + j, base + per_page, n_objects)])
     return out
+
+
+def _rows(ptrs: Sequence[int], sizes: Sequence[int], first: int, step: int, k: int, view) -> Rows | None:
+    """The ``k`` runs ``ptrs[first::step]`` as one ``Rows`` when they are equal and evenly spaced, ascending and
+    not overlapping (one view over them all: checked to lie in one allocation); None otherwise."""
+    p0, n = int(ptrs[first]), int(sizes[first])
+    stride = int(ptrs[first + step]) - p0
+    if stride < n:
+        return None
+    for r in range(2, k):
+        a = first + r * step
+        if int(ptrs[a]) != p0 + r * stride or int(sizes[a]) != n:
+            return None
+    if int(sizes[first + step]) != n:
+        return None
+    return Rows(view(p0, (k - 1) * stride + n), n, stride, k)
 
 
 def flat_byte_view(value: Any, what: str, writable: bool = False) -> memoryview:
