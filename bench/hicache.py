@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 import umbp  # noqa: E402
 from umbp import copies  # noqa: E402
+from umbp.buffers import Rows  # noqa: E402
 from umbp import keys as umbp_keys  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 
@@ -109,6 +110,11 @@ def as_rows(parts: list[memoryview]) -> np.ndarray | None:
         return None
     buf = (ctypes.c_ubyte * ((len(parts) - 1) * step + n)).from_address(addrs[0])
     return np.ndarray((len(parts), n), np.uint8, buffer=buf, strides=(step, 1))
+
+
+def runs_of(objects: list[list]) -> list[list[memoryview]]:
+    """Each object's parts as flat views, an object given as ``Rows`` (layer_first) cut into its runs."""
+    return [[v for p in ps for v in (p.views() if type(p) is Rows else (p,))] for ps in objects]
 
 
 def copy_rates(objects: list[tuple[list[memoryview], list[memoryview]]], rounds: int) -> dict:
@@ -204,6 +210,7 @@ def run_layout(ms: str, layout: str, args, cuda: bool) -> dict:
         pages = range(b, min(n, b + batch))
         src += backend._kv_parts(pool, [""] * len(pages), indices(pages, pt))[1]
         dst += backend._kv_parts(pool, [""] * len(pages), indices(range(n + b, n + pages.stop), pt))[1]
+    src, dst = runs_of(src), runs_of(dst)
     rates = copy_rates(list(zip(dst, src)), args.rounds)
     parts = sum(len(p) for p in src) // (2 * n)
     backend.close()

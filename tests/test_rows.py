@@ -63,12 +63,18 @@ def test_stream_add_rows_exact_bytes(threaded, n):
         dst = np.full(STRIDE * COUNT, 0xAB, np.uint8)
         stream = copies.Stream(n)
         stream.chunk = 2 * ROW  # jobs of two rows each when threaded
-        stream.add_rows(copies.address(dst), STRIDE, copies.address(src), ROW, n)
+        stream.add_rows(copies.address(dst), STRIDE, copies.address(src), ROW, ROW, n)
         stream.finish()
         assert _rows_of(dst, n) == src[:n].tobytes()
         assert _gaps_untouched(dst, n, 0xAB)
         if threaded and n > 4 * ROW:
             assert len(stream.futures) >= 2, "the rows went to the threads in several jobs"
+        back = np.full(COUNT * ROW + 8, 0xCD, np.uint8)  # and the other way: rows gathered back to back (puts)
+        again = copies.Stream(n)
+        again.chunk = 2 * ROW
+        again.add_rows(copies.address(back), ROW, copies.address(dst), STRIDE, ROW, n)
+        again.finish()
+        assert back[:n].tobytes() == src[:n].tobytes() and (back[n:] == 0xCD).all()
     finally:
         copies.SERIAL_BYTES, copies.MIN_BYTES_PER_THREAD = saved
         copies.set_max_threads(None)
@@ -157,3 +163,36 @@ def test_rows_over_shm_checksums_and_torn_slots_still_fail(make_cluster, monkeyp
         buf[:] = 0
         assert c.get_into("rows/csum", Rows(buf, ROW, STRIDE, COUNT)) == len(page)
         assert _rows_of(buf) == page.tobytes()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("checksum", [False, True])
+def test_put_from_rows_exact_bytes(make_cluster, monkeypatch, transport, checksum):
+    """A page stored from Rows (its rows back to back), alone or among other parts, reads back exactly with a plain
+    get; over shm without checksums the rows go to the copy threads as strided runs (one ``add_rows`` per Rows)."""
+    monkeypatch.setattr(copies, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(copies, "MIN_BYTES_PER_THREAD", 1)
+    calls: list = []
+    real = copies.Stream.add_rows
+
+    def spy(self, *a):
+        calls.append(a)
+        return real(self, *a)
+
+    monkeypatch.setattr(copies.Stream, "add_rows", spy)
+    cluster = make_cluster(nodes=1, capacity="64MiB")
+    bufs = [np.full(STRIDE * COUNT, 0x33, np.uint8) for _ in range(4)]
+    for i, b in enumerate(bufs):
+        for r in range(COUNT):
+            b[r * STRIDE:r * STRIDE + ROW] = _rand(ROW, 100 * i + r)
+    want = [_rows_of(b) for b in bufs]
+    keys = [f"rows/put/{transport}/{checksum}/{i}" for i in range(4)]
+    with cluster.client(transport=transport, checksum=checksum) as c:
+        assert c.batch_put(keys[:2], [Rows(b, ROW, STRIDE, COUNT) for b in bufs[:2]]) == [True, True]
+        assert c.batch_put_ranges(keys[2:], [[b"head", Rows(b, ROW, STRIDE, COUNT), b"tail"] for b in bufs[2:]]) \
+            == [True, True]
+        assert c.get(keys[0]) == want[0] and c.get(keys[1]) == want[1]
+        assert c.get(keys[2]) == b"head" + want[2] + b"tail" and c.get(keys[3]) == b"head" + want[3] + b"tail"
+        assert all((b[r * STRIDE + ROW:(r + 1) * STRIDE] == 0x33).all() for b in bufs for r in range(COUNT - 1))
+        assert set(c.transport_names().values()) == {transport}
+    assert len(calls) == (4 if transport == "shm" and not checksum else 0)

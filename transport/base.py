@@ -14,7 +14,8 @@ Contracts:
   the metaserver granted with LOOKUP is what guarantees it (a leased object is never evicted or freed). A read that
   outlives its lease (a client stalled past ``lease_s``) is covered on shm only.
 - ``ReadOp.out`` is a flat writable view, or a ``umbp.buffers.Rows`` for a transport whose ``reads_rows`` is True
-  (shm: one strided copy); the client cuts a Rows out into one op per row for the others.
+  (shm: one strided copy); the client cuts a Rows out into one op per row for the others. Likewise a part of
+  ``WriteOp.parts`` may be a Rows (its rows written back to back) only for such a transport.
 - A write's payload is a list of parts (``WriteOp.parts``) written back to back: a page assembled from one buffer
   per layer is never concatenated first.
 - Results are per op, in order: ``None`` for success or the exception for that op. A connection-level failure
@@ -83,7 +84,7 @@ class Pending:
 
 class Transport(abc.ABC):
     name: str = "?"
-    reads_rows: bool = False  # ReadOp.out may be a umbp.buffers.Rows
+    reads_rows: bool = False  # ReadOp.out and WriteOp parts may be umbp.buffers.Rows
 
     @abc.abstractmethod
     def start_read(self, ops: list[ReadOp], deadline: float) -> Pending: ...

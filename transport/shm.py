@@ -132,7 +132,7 @@ class ShmTransport(Transport):
                 if add is None:
                     pieces.append((out, o + hs + start, n))
                 elif type(out) is Rows:  # one strided copy for all its rows
-                    stream.add_rows(out.address, out.stride, base + o + hs + start, out.row, n)
+                    stream.add_rows(out.address, out.stride, base + o + hs + start, out.row, out.row, n)
                 else:
                     add(address(out), base + o + hs + start, n)
             if entry is None:
@@ -176,7 +176,7 @@ class ShmTransport(Transport):
                 continue
             pos = o + hs
             run = []
-            for part in op.parts:  # flat byte views (umbp.buffers)
+            for part in op.parts:  # flat byte views (umbp.buffers), or Rows (``reads_rows``: writes take them too)
                 n = len(part)
                 if n:
                     run.append((pos, part, n))
@@ -188,14 +188,22 @@ class ShmTransport(Transport):
             arena[o:o + 4] = b"\0\0\0\0"  # a reader racing this write sees no valid header until the end
             if stream is not None:  # to the copy threads now: the header above is already invalid
                 for dst, part, n in run:
-                    stream.add(base + dst, address(part), n)
+                    if type(part) is Rows:  # one strided copy for all its rows
+                        stream.add_rows(base + dst, part.row, part.address, part.stride, part.row, n)
+                    else:
+                        stream.add(base + dst, address(part), n)
             else:
                 pieces += run
             written.append(op)
         # every payload (threads for big batches: running since the first ops), then the headers last
         if stream is None:
             for dst, part, n in pieces:
-                arena[dst:dst + n] = part
+                if type(part) is Rows:
+                    for v in part.views():
+                        arena[dst:dst + len(v)] = v
+                        dst += len(v)
+                else:
+                    arena[dst:dst + n] = part
         else:
             stream.finish()
         for op in written:

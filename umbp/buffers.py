@@ -13,9 +13,9 @@ Pinned host buffers come from a per-process pool (``PINNED``, power-of-two size 
 far more than the copy of a page, so a batch of CUDA outs must not pin one buffer per page per call. ``flush_cuda``
 issues every page's host-to-device copy asynchronously and waits once.
 
-``Rows``: an out of equal rows at a fixed stride inside one writable buffer (a layer_first host page's K or V: one
-run per layer, evenly spaced). A page read into it lands row by row: over shm as one strided copy per page instead
-of one op per row; other transports read it as one ranged read per row.
+``Rows``: equal rows at a fixed stride inside one writable buffer (a layer_first host page's K or V: one run per
+layer, evenly spaced), as an out (a page read into it lands row by row) or as a value (its rows back to back are the
+page). Over shm one strided copy per page instead of one op per row; other transports take one view per row.
 
 ``new_bytes(n)``: a fresh ``bytes`` object and a writable view of its memory, to fill it before it is handed out
 (``Client.get`` reads a page straight into the ``bytes`` it returns instead of into a bytearray copied again).
@@ -73,8 +73,10 @@ def _flat_view(obj: Any, what: str, writable: bool, index: int | None = None) ->
 
 
 def as_bytes_view(value: Any, what: str = "value", index: int | None = None) -> memoryview:
-    """A read-only flat byte view of ``value`` (a CUDA tensor is copied to the host first). ``what`` (with
-    ``index``: ``what[index]``) names it in errors."""
+    """A read-only flat byte view of ``value`` (a CUDA tensor is copied to the host first; a ``Rows`` passes as it
+    is: its rows back to back are the value). ``what`` (with ``index``: ``what[index]``) names it in errors."""
+    if type(value) is Rows:
+        return value
     if _is_torch(value):
         if value.device.type != "cpu":
             value = value.detach().to("cpu")

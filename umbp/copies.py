@@ -251,24 +251,25 @@ class Stream:
             pending.append((dst, src, n))
         self._took(n)
 
-    def add_rows(self, dst: int, stride: int, src: int, row: int, n: int) -> None:
-        """``n`` contiguous bytes from ``src`` into rows of ``row`` bytes at ``dst``, ``dst + stride``, ... (a
-        ``umbp.buffers.Rows`` out): strided runs of up to a job's bytes, each one numpy copy, and the last partial
-        row as a plain piece. One call per page object, where one ``add`` per row cost the caller a Python op per
-        row (a layer_first page object: one per layer)."""
+    def add_rows(self, dst: int, dst_stride: int, src: int, src_stride: int, row: int, n: int) -> None:
+        """``n`` bytes as rows of ``row`` bytes: row r from ``src + r * src_stride`` to ``dst + r * dst_stride`` (a
+        ``umbp.buffers.Rows`` on one side, contiguous bytes, stride ``row``, on the other), the last row cut short
+        when ``n`` is not whole rows. Strided runs of up to a job's bytes, each one numpy copy, and the partial row
+        as a plain piece: one call per page object, where one ``add`` per row cost the caller a Python op per row
+        (a layer_first page object: one per layer)."""
         full, rest = divmod(n, row)
         if row >= self.chunk or full < 2:
             for r in range(full):
-                self.add(dst + r * stride, src + r * row, row)
+                self.add(dst + r * dst_stride, src + r * src_stride, row)
         else:
             per = max(2, self.chunk // row)
             for r in range(0, full, per):
                 k = min(per, full - r)
-                self.pending.append((dst + r * stride, src + r * row, row, k, stride, row) if k > 1
-                                    else (dst + r * stride, src + r * row, row))
+                d, s = dst + r * dst_stride, src + r * src_stride
+                self.pending.append((d, s, row, k, dst_stride, src_stride) if k > 1 else (d, s, row))
                 self._took(k * row)
         if rest:
-            self.add(dst + full * stride, src + full * row, rest)
+            self.add(dst + full * dst_stride, src + full * src_stride, rest)
 
     def _took(self, n: int) -> None:
         """Count ``n`` bytes just queued; a job's worth goes to a pool thread."""

@@ -29,7 +29,7 @@ import numpy as np
 from transport import wire
 from transport.base import WriteOp
 from umbp.auth import with_caps
-from umbp.buffers import PINNED, as_bytes_view, stage_cuda
+from umbp.buffers import PINNED, Rows, as_bytes_view, stage_cuda
 from umbp.devcopy import DeviceBatch
 from umbp.errors import DeadlineExceeded, InvalidArgument, PoolFull, TransportError, UmbpError
 from umbp.keys import normalize_key
@@ -284,6 +284,8 @@ class PutPath:
 
         def add(i: int, item: Any, parts: list[memoryview]) -> None:
             _, node_id, off, size, gen, tag, cap = item
+            if any(type(p) is Rows for p in parts) and (checksum or not self._reads_rows(node_id, deadline)):
+                parts = [v for p in parts for v in (p.views() if type(p) is Rows else (p,))]  # one view per row
             header = pack(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
             ops = batches.get(node_id)
             if ops is None:

@@ -273,8 +273,7 @@ class UmbpHiCacheStorage(HiCacheStorage):
 
     # ---- v1: zero copy over host indices --------------------------------------------------------------------
 
-    def _kv_parts(self, pool, keys: List[str], host_indices, rows: bool = False
-                  ) -> tuple[list[str], list[list[Any]]]:
+    def _kv_parts(self, pool, keys: List[str], host_indices) -> tuple[list[str], list[list[Any]]]:
         n = len(keys)
         tokens = self._page_tokens(pool)
         if len(host_indices) != n * tokens:
@@ -284,7 +283,7 @@ class UmbpHiCacheStorage(HiCacheStorage):
         else:
             ptrs, sizes = pool.get_page_buffer_meta(host_indices)
         suffixes = self.naming.kv_suffixes()
-        parts = hostmem.object_parts(ptrs, sizes, n, len(suffixes), self._extents.get(id(pool)), rows)
+        parts = hostmem.object_parts(ptrs, sizes, n, len(suffixes), self._extents.get(id(pool)))
         return self.naming.kv_objects(keys), parts
 
     def batch_set_v1(self, keys: List[str], host_indices, extra_info: Optional[HiCacheStorageExtraInfo] = None
@@ -309,7 +308,7 @@ class UmbpHiCacheStorage(HiCacheStorage):
         if self._anchor_is_logical():
             return [True] * len(keys)
         started = time.perf_counter()
-        names, parts = self._kv_parts(self.mem_pool_host, keys, host_indices, rows=True)
+        names, parts = self._kv_parts(self.mem_pool_host, keys, host_indices)
         ok = self._per_page(self._get_objects(names, parts), len(self.naming.kv_suffixes()))
         self.counters["pages_got"] += sum(ok)
         self.counters["pages_missed"] += len(ok) - sum(ok)
@@ -499,7 +498,7 @@ class UmbpHiCacheStorage(HiCacheStorage):
                                                  f"indices, got {len(transfer.host_indices)}")
             names, per = self._pool_objects(name, pool, keys)
             ptrs, sizes = pool.get_page_buffer_meta(transfer.host_indices)
-            parts = hostmem.object_parts(ptrs, sizes, len(keys), per, self._extents.get(id(pool)), not is_set)
+            parts = hostmem.object_parts(ptrs, sizes, len(keys), per, self._extents.get(id(pool)))
             if is_set:
                 prefix = self._prefix_objects(extra_info, self._pool_suffixes(name, pool))
                 res = self._put_objects(names, parts, parents_for(per, names, prefix))

@@ -8,10 +8,10 @@ Per page the meta lists ``k`` addresses, and the page becomes ``n`` objects (``n
 When ``k == n`` each object is one contiguous run (page_first, page_first_direct, page_head). When ``k`` is a
 multiple of ``n`` the object is gathered from ``k / n`` runs, object ``j`` taking addresses ``j, j+n, j+2n, ...``:
 layer_first, where SGLang lists per layer K then V (MHA) or the latent (MLA), so object K is the concatenation of
-every layer's K run. The client writes such parts back to back (``batch_put_ranges``) and reads them back into one
-``umbp.buffers.Rows`` per object when the runs are evenly spaced (they are in SGLang's layer_first pools: one
-strided copy per object over shm), else with one ranged read per part (``batch_get_ranges_into``), never joining
-them in a temporary buffer.
+every layer's K run. When the runs are evenly spaced (they are in SGLang's layer_first pools) the object is one
+``umbp.buffers.Rows``, written and read as one strided copy per object over shm (one view per run elsewhere); else
+the client writes the parts back to back (``batch_put_ranges``) and reads them with one ranged read per part
+(``batch_get_ranges_into``), never joining them in a temporary buffer.
 
 Invariant: every view lies inside one of the pool's own buffers (checked before any byte moves), so a wrong index
 or a meta bug raises ``InvalidArgument`` instead of writing over unrelated memory. Cost: O(addresses) Python work
@@ -88,10 +88,10 @@ def view_at(ptr: int, size: int) -> memoryview:
 
 
 def object_parts(ptrs: Sequence[int], sizes: Sequence[int] | int, n_pages: int, n_objects: int,
-                 extents: Extents | None, rows: bool = False) -> list[list[Any]]:
+                 extents: Extents | None) -> list[list[Any]]:
     """Group the meta of ``n_pages`` pages into ``n_pages * n_objects`` objects (page-major), each a list of views
-    whose concatenation is the object. ``rows`` (gets): an object of equal runs at one stride (layer_first) is one
-    ``umbp.buffers.Rows`` instead, read over shm as one strided copy rather than one ranged read per run."""
+    whose concatenation is the object; an object of equal runs at one stride (layer_first) is one
+    ``umbp.buffers.Rows`` instead, copied over shm as one strided copy rather than one op per run."""
     if isinstance(sizes, int):
         sizes = [sizes] * len(ptrs)
     elif len(sizes) == 1 and len(ptrs) > 1:
@@ -110,7 +110,7 @@ def object_parts(ptrs: Sequence[int], sizes: Sequence[int] | int, n_pages: int, 
     for p in range(n_pages):
         base = p * per_page
         for j in range(n_objects):
-            if rows and k > 1:
+            if k > 1:
                 r = _rows(ptrs, sizes, base + j, n_objects, k, view)
                 if r is not None:
                     out.append([r])
