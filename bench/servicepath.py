@@ -1,7 +1,8 @@
 """What ``metaserver/service.py`` does per request around the directory, minus sockets and etcd, for
 ``bench/scale.py``'s "wire path" figures: ``Wire`` packs and unpacks requests as msgpack, as the metaserver receives
 them; ``ServicePath`` runs LOOKUP+RELEASE, EXISTS and ALLOC+COMMIT the way the handlers do (decode, validate, the
-directory call, tags and capabilities of a closed pool, the etcd record of each commit, encode). It mirrors
+directory call, tags and capabilities of a closed pool, the etcd keys of the deletes and the records of the commits
+as ``Metaserver._apply`` encodes them, the connection's pending set, encode). It mirrors
 service.lookup/alloc/commit so the figure needs no running metaserver; keep the two in step.
 """
 
@@ -15,6 +16,7 @@ from metaserver import validate as v
 from metaserver.directory import NEW, Directory
 from metaserver.grants import grant_reads, grant_writes
 from metaserver.persist import EtcdStore
+from metaserver.service import _ALLOC, _COMMIT
 from umbp.auth import Tokens
 
 
@@ -50,7 +52,8 @@ class ServicePath:
         self.d = d
         self.tokens = Tokens.load("scale-bench-cluster-secret", None, "bench")
         self.members = {nid: _Member(self.tokens.cap_key(nid, b"arena-" + nid.encode())) for nid in d.spaces}
-        self.pages_prefix = b"/umbp/pages/"
+        self.store = EtcdStore("127.0.0.1:2379", "/umbp")  # its key and record encoding only: never connected
+        self.conn_pending: set = set()  # the connection's PENDING entries (server.Connection.pending)
         self.gen = 1 << 40
 
     def lookup(self, frame: bytes) -> bytes:
@@ -69,26 +72,48 @@ class ServicePath:
         return msgpack.packb({"exists": self.d.exists(v.ns(m), v.keys(m, 4096))}, use_bin_type=True)
 
     def put(self, frame: bytes) -> int:
-        m = msgpack.unpackb(frame, raw=False)
+        """ALLOC then COMMIT of one request's keys, as service.alloc/_alloc_now/_apply and service.commit/
+        _settle_request/_apply do them: field checks, the connection's pending set (filled by ALLOC, emptied by
+        COMMIT), the etcd keys of the evictions' deletes and the commit's page records (``EtcdStore.page_puts``).
+        Returns the number of records."""
+        store = self.store
+        m = v.fields(msgpack.unpackb(frame, raw=False), _ALLOC, ("ns", "keys", "sizes"))
         ns = v.ns(m)
         keys = v.keys(m, 4096)
         sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
         parents = v.parents(m, len(keys))
         now = time.monotonic()
-        items, _fx = self.d.alloc(ns, keys, sizes, parents, self.gen, now)
+        items, fx = self.d.alloc(ns, keys, sizes, parents, self.gen, now)
         self.gen += len(keys)
+        _apply(store, fx)
         deadline_ms = int((time.time() + 10.0) * 1000)
-        out, caps, _new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms)
+        out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms)
+        pending = self.conn_pending
+        if new:
+            pd = self.d.pending_keys[ns]
+            pending.update([pd[keys[i]] for i in new])
         answer = msgpack.unpackb(msgpack.packb({"items": out, "caps": caps}, use_bin_type=True), raw=False)
         news = [(k, it[4]) for k, it in zip(keys, answer["items"]) if it[0] == NEW]
-        c = msgpack.unpackb(msgpack.packb({"ns": ns, "keys": [k for k, _ in news], "gens": [g for _, g in news]},
-                                          use_bin_type=True), raw=False)
+        c = v.fields(msgpack.unpackb(msgpack.packb({"ns": ns, "keys": [k for k, _ in news],
+                                                    "gens": [g for _, g in news]}, use_bin_type=True), raw=False),
+                     _COMMIT, ("ns", "keys", "gens"))
         cns = v.ns(c)
         ckeys = v.keys(c, 4096)
         gens = v.ints(c, "gens", len(ckeys), 0, (1 << 63) - 1)
+        if pending:
+            pd = self.d.pending_keys.get(cns)
+            if pd:
+                get, discard = pd.get, pending.discard
+                for key in ckeys:
+                    discard(get(key))
         ok, fx = self.d.commit(cns, ckeys, gens, time.monotonic())
-        pfx = self.pages_prefix
-        records = [(pfx + e.ns.encode() + b"/" + e.key.hex().encode(),
-                    EtcdStore.page_value(e.node_id, e.offset, e.payload_len, e.gen, e.parent)) for e in fx.puts]
+        puts, _deletes = _apply(store, fx)
         msgpack.packb({"ok": ok}, use_bin_type=True)
-        return len(records)
+        return len(puts)
+
+
+def _apply(store: EtcdStore, fx) -> tuple[list, list]:
+    """What ``Metaserver._apply`` encodes for the etcd writer: the page records and the deleted pages' keys."""
+    puts = store.page_puts(fx.puts) if fx.puts else []
+    deletes = [store.page_key(ns, k) for ns, k in fx.deletes] if fx.deletes else []
+    return puts, deletes
