@@ -45,6 +45,7 @@ SCAN_LIMIT = 16  # extents examined in one power-of-two bin before falling back 
 
 
 def _bin_of(units: int) -> int:
+    # inlined in Allocator.alloc and Allocator.free: keep the three in step
     if units < EXACT_UNITS:
         return units
     return EXACT_UNITS + units.bit_length() - 9  # 256..511 -> bin 256, 512..1023 -> 257, ...
@@ -102,20 +103,24 @@ class Allocator:
     # -- public operations -------------------------------------------------------------------------------------
     def alloc(self, size: int) -> int | None:
         """Return the absolute offset of a new extent of ``size`` bytes (a multiple of 4 KiB), or None if no free
-        extent is large enough (fragmented or full)."""
+        extent is large enough (fragmented or full).
+
+        ``_bin_of``, ``_del_free`` and ``_add_free`` are inlined (same steps, same order, so the same extent is
+        chosen): in a full pool every new page is one alloc and one free, and the five calls were a third of them."""
         need = -(-size // UNIT)
         if need <= 0 or need > self.units - self.used_units:
             return None
-        b = _bin_of(need)
+        b = need if need < EXACT_UNITS else EXACT_UNITS + need.bit_length() - 9
         mask = self._mask >> b
         if not mask:
             return None
+        fr, bins = self._free, self._bins
         start = -1
         if mask & 1 and b >= EXACT_UNITS:
             # A power-of-two bin holds lengths on both sides of the request: look for the tightest fit.
             best_len = 0
-            for i, s in enumerate(self._bins[b]):
-                ln = self._free[s]
+            for i, s in enumerate(bins[b]):
+                ln = fr[s]
                 if ln >= need and (start < 0 or ln < best_len):
                     start, best_len = s, ln
                     if ln == need:
@@ -128,10 +133,27 @@ class Allocator:
             if not mask:
                 return None
             b += (mask & -mask).bit_length() - 1
-            start = next(iter(self._bins[b]))
-        length = self._del_free(start)
-        if length > need:
-            self._add_free(start + need, length - need)
+            start = next(iter(bins[b]))
+        # _del_free(start): it is in bin b
+        length = fr.pop(start)
+        members = bins[b]
+        del members[start]
+        if not members:
+            del bins[b]
+            self._mask &= ~(1 << b)
+        end = start + length
+        if length > need:  # _add_free of the remainder; it ends where the extent ended
+            rs, rl = start + need, length - need
+            fr[rs] = rl
+            self._ends[end] = rs
+            rb = rl if rl < EXACT_UNITS else EXACT_UNITS + rl.bit_length() - 9
+            members = bins.get(rb)
+            if members is None:
+                members = bins[rb] = {}
+                self._mask |= 1 << rb
+            members[rs] = None
+        else:
+            del self._ends[end]
         if self._allocated is not None:
             self._allocated[start] = need
         self.used_units += need
@@ -141,8 +163,10 @@ class Allocator:
         """Return the extent at ``offset`` to the free lists, merging with free neighbours.
 
         Raises ValueError on a double free or a size that does not match the allocation (a directory bug); untracked,
-        only on an extent outside the region or one that starts or ends a free extent."""
+        only on an extent outside the region or one that starts or ends a free extent. The free-list helpers are
+        inlined, as in ``alloc``."""
         start = (offset - self.base) // UNIT
+        fr, ends, bins = self._free, self._ends, self._bins
         if self._allocated is not None:
             length = self._allocated.get(start)
             if length is None or length != -(-size // UNIT):
@@ -150,20 +174,39 @@ class Allocator:
             del self._allocated[start]
         else:
             length = -(-size // UNIT)
-            if (start < 0 or length <= 0 or start + length > self.units or start in self._free
-                    or start + length in self._ends):
+            if (start < 0 or length <= 0 or start + length > self.units or start in fr
+                    or start + length in ends):
                 raise ValueError(f"allocator: free of {size} bytes at {offset} overlaps free space or the end")
         self.used_units -= length
         end = start + length
-        nxt = self._free.get(end)
-        if nxt is not None:
-            self._del_free(end)
+        nxt = fr.pop(end, None)
+        if nxt is not None:  # merge with the next free extent; its end entry is rewritten below
+            b = nxt if nxt < EXACT_UNITS else EXACT_UNITS + nxt.bit_length() - 9
+            members = bins[b]
+            del members[end]
+            if not members:
+                del bins[b]
+                self._mask &= ~(1 << b)
             length += nxt
-        prev = self._ends.get(start)
-        if prev is not None:
-            length += self._del_free(prev)
+        prev = ends.pop(start, None)
+        if prev is not None:  # merge with the previous free extent
+            pl = fr.pop(prev)
+            b = pl if pl < EXACT_UNITS else EXACT_UNITS + pl.bit_length() - 9
+            members = bins[b]
+            del members[prev]
+            if not members:
+                del bins[b]
+                self._mask &= ~(1 << b)
+            length += pl
             start = prev
-        self._add_free(start, length)
+        fr[start] = length
+        ends[start + length] = start
+        b = length if length < EXACT_UNITS else EXACT_UNITS + length.bit_length() - 9
+        members = bins.get(b)
+        if members is None:
+            members = bins[b] = {}
+            self._mask |= 1 << b
+        members[start] = None
 
     def reserve(self, offset: int, size: int) -> bool:
         """Allocate exactly ``[offset, offset + size)`` if all of it is free and inside the region; False otherwise

@@ -25,7 +25,7 @@ class EvictionPasses:
             if freed >= nbytes or n >= budget:
                 break
             freed += extent_size(victim.payload_len)
-            self._drop(victim, fx)
+            self._evict(victim, fx)
             n += 1
         self.evictions += n
         return n, freed

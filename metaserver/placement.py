@@ -29,9 +29,15 @@ class Placer:
     """Placement state for one ALLOC request: the placeable spaces, their free units and (once eviction is needed)
     the recency of each one's next victim, kept current as the request allocates and evicts, so a key costs a
     C-level max/min over nodes instead of a sort. Evictions that re-tier pages on other nodes (prefix-lru) are seen
-    from the next request on: an approximation of the one LRU across nodes that placement aims for."""
+    from the next request on: an approximation of the one LRU across nodes that placement aims for.
 
-    __slots__ = ("d", "fx", "spaces", "free", "failed", "index", "va", "min_cap")
+    ``usable`` is ``free`` with the nodes where an allocation of the current size (``need`` units) failed marked
+    -1: the nodes worth trying for it, most free first, found with ``max`` and ``index`` (C-level) instead of a
+    comprehension and a sort per key (a full pool with mixed page sizes has holes too small or too scattered for
+    some size on most nodes, and tried them all for every key). It is rebuilt when the size changes (a request's
+    keys are nearly always one size)."""
+
+    __slots__ = ("d", "fx", "spaces", "free", "failed", "usable", "need", "index", "va", "min_cap")
 
     def __init__(self, d: Directory, fx: Effects):
         self.d = d
@@ -39,6 +45,8 @@ class Placer:
         self.spaces = [s for s in d.spaces.values() if s.placeable]
         self.free = [s.alloc.units - s.alloc.used_units for s in self.spaces]
         self.failed = [_INF] * len(self.spaces)  # least units an alloc failed to find there (fragmented)
+        self.usable = self.free[:]
+        self.need = -1  # the size ``usable`` holds for (-1: none yet, or stale after ``_place_some``)
         self.index = {id(s): i for i, s in enumerate(self.spaces)}
         self.va: list[float] | None = None
         self.min_cap = min((s.alloc.capacity for s in self.spaces), default=0)
@@ -51,21 +59,51 @@ class Placer:
         across nodes, so a busy node does not evict its fresh pages while another keeps stale ones), at most
         PLACE_EVICT_BUDGET victims for this placement (bounded work per request; the background pass does the
         rest)."""
-        spaces, free = self.spaces, self.free
+        spaces = self.spaces
         if not spaces:
             return None
         need = -(-size // UNIT)
         if size > self.min_cap:  # some nodes cannot hold it at all: leave them out (rare: huge objects)
-            ok = [i for i, s in enumerate(spaces) if s.alloc.capacity >= size]
-        else:
-            ok = None
-        if ok is not None and not ok:
-            return None
-        top = max(free) if ok is None else max(free[i] for i in ok)
+            return self._place_some(size, need, near)
+        if need != self.need:
+            self.usable = [f if fl > need else -1 for f, fl in zip(self.free, self.failed)]
+            self.need = need
+        free, usable = self.free, self.usable
         if near is not None:
             i = self.index.get(id(near))
-            if (i is not None and free[i] >= need and need < self.failed[i] and 2 * free[i] >= top
-                    and (ok is None or i in ok)):
+            if i is not None and usable[i] >= need and 2 * usable[i] >= max(free):
+                off = spaces[i].alloc.alloc(size)
+                if off is not None:
+                    free[i] -= need
+                    usable[i] -= need
+                    return spaces[i], off
+                self.failed[i] = need
+                usable[i] = -1
+        top = max(usable)
+        while top >= need:  # most free first (ties: the first in ``spaces`` order), then the next
+            i = usable.index(top)
+            off = spaces[i].alloc.alloc(size)
+            if off is not None:
+                free[i] -= need
+                usable[i] -= need
+                return spaces[i], off
+            self.failed[i] = need
+            usable[i] = -1
+            top = max(usable)
+        return self._evict_for(size, need, None)
+
+    def _place_some(self, size: int, need: int, near: NodeSpace | None) -> tuple[NodeSpace, int] | None:
+        """``place`` of an object some nodes cannot hold at all, among the nodes that can; ``usable`` is rebuilt
+        at the next ``place``."""
+        spaces, free = self.spaces, self.free
+        self.need = -1
+        ok = [i for i, s in enumerate(spaces) if s.alloc.capacity >= size]
+        if not ok:
+            return None
+        top = max(free[i] for i in ok)
+        if near is not None:
+            i = self.index.get(id(near))
+            if i is not None and free[i] >= need and need < self.failed[i] and 2 * free[i] >= top and i in ok:
                 off = spaces[i].alloc.alloc(size)
                 if off is not None:
                     free[i] -= need
@@ -73,7 +111,7 @@ class Placer:
                 self.failed[i] = need
         if top >= need:
             failed = self.failed
-            best = free.index(top) if ok is None else max(ok, key=free.__getitem__)
+            best = max(ok, key=free.__getitem__)
             if need < failed[best]:
                 off = spaces[best].alloc.alloc(size)
                 if off is not None:
@@ -81,7 +119,7 @@ class Placer:
                     return spaces[best], off
                 failed[best] = need
             # fragmented: any other node with enough free units that may hold them in one extent, most free first
-            cands = [i for i in (ok if ok is not None else range(len(spaces))) if free[i] >= need and need < failed[i]]
+            cands = [i for i in ok if free[i] >= need and need < failed[i]]
             for i in sorted(cands, key=free.__getitem__, reverse=True) if len(cands) > 1 else cands:
                 off = spaces[i].alloc.alloc(size)
                 if off is not None:
@@ -91,40 +129,48 @@ class Placer:
         return self._evict_for(size, need, ok)
 
     def _evict_for(self, size: int, need: int, ok: list[int] | None) -> tuple[NodeSpace, int] | None:
-        d, spaces, free = self.d, self.spaces, self.free
+        """Evict until ``size`` fits (see ``place``). ``free``, ``failed`` and ``usable`` stay current (a node that
+        evicted has lost no fit); evictions are counted once per call."""
+        d, spaces, free, usable, failed, fx = self.d, self.spaces, self.free, self.usable, self.failed, self.fx
         first = d.policy.first
+        evict = d._evict
         va = self.va
         if va is None:
             va = self.va = [next_victim_access(d, s) for s in spaces]
         cand = va if ok is None else [va[i] if i in ok else _INF for i in range(len(spaces))]
         budget = PLACE_EVICT_BUDGET
-        while True:
-            m = min(cand)
-            if m == _INF:
-                return None
-            i = cand.index(m)
-            sp = spaces[i]
-            nid = sp.node_id
-            victim = first(nid)
-            while victim is not None:
-                if budget <= 0:
-                    va[i] = victim.last_access
+        n = 0
+        try:
+            while True:
+                m = min(cand)
+                if m == _INF:
                     return None
-                budget -= 1
-                d._drop(victim, self.fx)
-                d.evictions += 1
-                free[i] = sp.alloc.units - sp.alloc.used_units
-                self.failed[i] = _INF
+                i = cand.index(m)
+                sp = spaces[i]
+                nid = sp.node_id
+                al = sp.alloc
                 victim = first(nid)
-                if free[i] >= need:
-                    off = sp.alloc.alloc(size)
-                    if off is not None:
-                        free[i] -= need
-                        va[i] = victim.last_access if victim is not None else _INF
-                        return sp, off
-            va[i] = _INF  # nothing left to evict there
-            if cand is not va:
-                cand[i] = _INF
+                while victim is not None:
+                    if budget <= 0:
+                        va[i] = victim.last_access
+                        return None
+                    budget -= 1
+                    evict(victim, fx)
+                    n += 1
+                    f = free[i] = usable[i] = al.units - al.used_units
+                    failed[i] = _INF
+                    victim = first(nid)
+                    if f >= need:
+                        off = al.alloc(size)
+                        if off is not None:
+                            free[i] = usable[i] = f - need
+                            va[i] = victim.last_access if victim is not None else _INF
+                            return sp, off
+                va[i] = _INF  # nothing left to evict there
+                if cand is not va:
+                    cand[i] = _INF
+        finally:
+            d.evictions += n
 
 
 def next_victim_access(d: "Directory", sp: NodeSpace) -> float:
