@@ -49,7 +49,7 @@ from collections import deque
 from operator import attrgetter
 
 from metaserver.entry import (GONE, PENDING, READY, STATE_NAMES, Effects, Entries, Entry, NodeSpace, NsEntries,
-                              SpaceEntries, extent_size, parent_of, PART_MASK, SHARD_SHIFT)
+                              SpaceEntries, extent_size, PART_MASK, SHARD_SHIFT)
 from metaserver.eviction import Policy, make_policy
 from metaserver.invariants import DirectoryInvariants
 from metaserver.links import PrefixLinks
@@ -198,46 +198,73 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
         pend = self.pending_keys
         pending = self._pending
         items: list = []
-        placer: Placer | None = None
         interned, osizes = self._sizes, self._osizes
         quota = self.quotas.get(ns) if self.quotas else None
         if quota is not None and not self._fit_quota(ns, keys, sizes, quota, fx):
             return [_OVER_QUOTA_ITEM] * len(keys), fx
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         added = 0  # bytes the new entries add to the namespace's use (counted once, after the loop)
+        # Per key, what _answers_exists, parent_of and _add_pending do, inlined (this loop runs once per key put);
+        # the namespace's PENDING map is looked up once (made at its first entry: nothing here removes it) and the
+        # writer's (token, owner) is one tuple for the request.
+        pd = pend.get(ns)
+        writer = (token, owner)
+        place = None
         for i, key in enumerate(keys):
-            if self._answers_exists(r, key, seen, now, fx):
+            if key in seen:
                 items.append(_EXISTS_ITEM)
                 continue
-            pd = pend.get(ns)
-            e = pd.get(key) if pd is not None else None
+            seen.add(key)
+            e = r.get(key)
             if e is not None:
-                w = pending.get(e)
-                if token is not None and w[0] == token and e.payload_len == sizes[i]:
-                    pending[e] = (token, owner)
-                    items.append((NEW, e.space.node_id, e.offset, e.payload_len, e.gen))
-                else:
-                    items.append(_IN_FLIGHT_ITEM)
-                continue
+                if not e.space.dead:  # a put of a live page is a use of it (_answers_exists)
+                    e.last_access = now
+                    if e.pins == 0:
+                        self.policy.add(e)
+                    items.append(_EXISTS_ITEM)
+                    continue
+                self._drop_dying(e, fx)
+            if pd is not None:
+                e = pd.get(key)
+                if e is not None:
+                    w = pending.get(e)
+                    if token is not None and w[0] == token and e.payload_len == sizes[i]:
+                        pending[e] = writer
+                        items.append((NEW, e.space.node_id, e.offset, e.payload_len, e.gen))
+                    else:
+                        items.append(_IN_FLIGHT_ITEM)
+                    continue
             plen = sizes[i]
-            near, parent = parent_of(r, pd, parents[i] if parents else None)
-            if placer is None:
-                placer = Placer(self, fx)
+            parent = parents[i] if parents else None
+            near = None
+            if parent is not None:  # parent_of: near the parent's entry, sharing its key object
+                pe = r.get(parent)
+                if pe is None and pd is not None:
+                    pe = pd.get(parent)
+                if pe is not None:
+                    near, parent = pe.space, pe.key
+            if place is None:
+                place = Placer(self, fx).place
             pl = interned.get(plen)
             if pl is None:
                 pl = self._plen(plen)
                 osize = object_size(plen)
             else:
                 osize = osizes[pl]
-            placed = placer.place(osize, near)
+            placed = place(osize, near)
             if placed is None:
                 items.append(_NO_SPACE_ITEM)
                 continue
             sp, off = placed
-            e = self._add_pending(Entry(ns, key, sp, off, pl, gen_base + i, PENDING, parent, now), token, owner)
+            gen = gen_base + i
+            e = Entry(ns, key, sp, off, pl, gen, PENDING, parent, now)
+            if pd is None:
+                pd = pend[ns] = {}
+            pd[key] = e
+            pending[e] = writer
             added += osize
             sp.n += 1
-            items.append((NEW, sp.node_id, off, plen, e.gen))
+            items.append((NEW, sp.node_id, off, plen, gen))
         if added:
             self._count(ns, added)
         return items, fx
@@ -334,6 +361,12 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
                 ok.append(e is not None and e.gen == gen and e.payload_len <= PART_MASK)
             return ok, fx
         pending = self._pending
+        policy = self.policy
+        # A policy that ignores prefix links takes the batch's entries at the end, in commit order (the same rings
+        # as one add each); prefix-lru files each one as it becomes READY (its links decide its tier).
+        later: list | None = [] if policy.links_blind else None
+        puts = fx.puts
+        orphans = self.orphans
         for key, gen in zip(keys, gens):
             e = pd.get(key)
             if e is None:
@@ -345,8 +378,37 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
                 continue
             del pd[key]
             del pending[e]
-            r = self._make_ready(e, r, now, fx)
+            # _make_ready, inlined
+            if r is None:
+                r = self.ready[ns] = {}
+            e.state = READY
+            e.last_access = now
+            r[e.key] = e
+            up = e.up
+            if up is None or type(up) is bytes:  # _link_ready, inlined (a PENDING entry names its parent by key)
+                if up is not None:
+                    p = r.get(up)
+                    if p is not None and p is not e and p.state == READY:
+                        self._link(e, p)
+                    else:
+                        self._add_orphan(e)
+                if orphans:
+                    o = orphans.get(ns)
+                    if o:
+                        waiting = o.pop(e.key, None)
+                        if waiting is not None:
+                            self._adopt(e, o, waiting)
+            else:
+                self._link_ready(e)
+            if later is None:
+                policy.add(e)
+            else:
+                later.append(e)
+            puts.append(e)
             ok.append(True)
+        if later:
+            policy.add_many(later)
+        self.puts += len(puts)
         if not pd and self.pending_keys.get(ns) is pd:
             del self.pending_keys[ns]
         return ok, fx

@@ -46,6 +46,7 @@ TIER_WALK = 256  # prefix-lru: steps from each end of a tier to find an out-of-o
 
 class Policy(Protocol):
     name: str
+    links_blind: bool  # True: the order ignores prefix links, so adds of a batch may be made after its linking
 
     def add(self, entry) -> None: ...
     def discard(self, entry) -> None: ...
@@ -135,6 +136,7 @@ class LruPolicy:
     """Least recently used first: one ring per node, keyed by ``entry.space.node_id``."""
 
     name = "lru"
+    links_blind = True  # prefix links never change an entry's place: a batch's adds may wait until its links are made
 
     def __init__(self) -> None:
         self._rings: dict[str, Ring] = {}
@@ -149,10 +151,15 @@ class LruPolicy:
         r.push(entry)
 
     def discard(self, entry) -> None:
-        if entry.prev is not None:
+        p = entry.prev
+        if p is not None:
             r = self._rings.get(entry.space.node_id)
-            if r is not None:
-                r.unlink(entry)
+            if r is not None:  # Ring.unlink, inlined: every eviction and every first pin comes here
+                n = entry.next
+                p.next = n
+                n.prev = p
+                entry.prev = entry.next = None
+                r.count -= 1
 
     def add_many(self, entries: list) -> None:
         """``add`` of each entry in order (the last one ends most recent), with Ring.push/unlink inlined."""
@@ -202,7 +209,10 @@ class LruPolicy:
 
     def first(self, node_id: str):
         r = self._rings.get(node_id)
-        return r.first() if r is not None else None
+        if r is None:
+            return None
+        e = r.next  # Ring.first, inlined: placement asks once per victim
+        return None if e is r else e
 
     def members(self, node_id: str) -> list:
         """Evictable entries of ``node_id`` in victim order (a snapshot)."""
@@ -234,6 +244,7 @@ class PrefixLruPolicy:
     """
 
     name = "prefix-lru"
+    links_blind = False  # an entry's tier follows its links: file it as they change
 
     def __init__(self) -> None:
         self._tiers: dict[str, tuple[Ring, Ring, Ring]] = {}
@@ -261,8 +272,12 @@ class PrefixLruPolicy:
         t = entry.tier
         if t is not None:
             tiers = self._tiers.get(entry.space.node_id)
-            if tiers is not None:
-                tiers[t].unlink(entry)
+            if tiers is not None:  # Ring.unlink, inlined
+                p, n = entry.prev, entry.next
+                p.next = n
+                n.prev = p
+                entry.prev = entry.next = None
+                tiers[t].count -= 1
             entry.tier = None
 
     def add_many(self, entries: list) -> None:
@@ -291,9 +306,11 @@ class PrefixLruPolicy:
                 return
 
     def first(self, node_id: str):
-        for r in self._tiers.get(node_id, ()):
-            if r.count:
-                return r.next
+        tiers = self._tiers.get(node_id)
+        if tiers is not None:
+            for r in tiers:
+                if r.count:
+                    return r.next
         return None
 
     def members(self, node_id: str) -> list:

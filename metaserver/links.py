@@ -31,14 +31,19 @@ class PrefixLinks:
         if o:
             waiting = o.pop(e.key, None)
             if waiting is not None:
-                if not o:
-                    del self.orphans[e.ns]
-                for c in (waiting if type(waiting) is set else (waiting,)):
-                    if c is e:  # names itself: stays an orphan
-                        self._add_orphan(e)
-                    else:
-                        self._link(c, e)
-                        self.policy.children_changed(c)  # no longer an orphan
+                self._adopt(e, o, waiting)
+
+    def _adopt(self, e: Entry, o: dict, waiting) -> None:
+        """``e`` just became READY: link the orphans ``waiting`` for it (popped from ``o``, its namespace's
+        orphans)."""
+        if not o:
+            del self.orphans[e.ns]
+        for c in (waiting if type(waiting) is set else (waiting,)):
+            if c is e:  # names itself: stays an orphan
+                self._add_orphan(e)
+            else:
+                self._link(c, e)
+                self.policy.children_changed(c)  # no longer an orphan
 
     def _link(self, child: Entry, parent: Entry) -> None:
         child.up = parent
