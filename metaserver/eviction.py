@@ -258,13 +258,18 @@ class PrefixLruPolicy:
         return 1
 
     def add(self, entry) -> None:
-        if entry.tier is not None:
-            self.discard(entry)
         nid = entry.space.node_id
         tiers = self._tiers.get(nid)
+        t = entry.tier
+        if t is not None and tiers is not None:  # discard, inlined
+            p, n = entry.prev, entry.next
+            p.next = n
+            n.prev = p
+            entry.prev = entry.next = None
+            tiers[t].count -= 1
         if tiers is None:
             tiers = self._tiers[nid] = (Ring(), Ring(), Ring())
-        t = self.tier_of(entry)
+        t = 2 if entry.kids is not None else 0 if type(entry.up) is bytes else 1  # tier_of, inlined
         tiers[t].insert_by_access(entry)
         entry.tier = t
 
@@ -291,9 +296,22 @@ class PrefixLruPolicy:
     def children_changed(self, entry) -> None:
         """Re-file ``entry`` if it is evictable and its tier changed (keeping its own recency)."""
         t = entry.tier
-        if t is not None and t != self.tier_of(entry):
-            self.discard(entry)
-            self.add(entry)
+        if t is None:
+            return
+        nt = 2 if entry.kids is not None else 0 if type(entry.up) is bytes else 1  # tier_of, inlined
+        if t != nt:  # discard then add, inlined (an eviction re-files the victim's parent, and its orphaned kids)
+            tiers = self._tiers.get(entry.space.node_id)
+            if tiers is None:
+                self.discard(entry)
+                self.add(entry)
+                return
+            p, n = entry.prev, entry.next
+            p.next = n
+            n.prev = p
+            entry.prev = entry.next = None
+            tiers[t].count -= 1
+            tiers[nt].insert_by_access(entry)
+            entry.tier = nt
 
     def victims(self, node_id: str) -> Iterator:
         tiers = self._tiers.get(node_id)

@@ -37,7 +37,7 @@ class Placer:
     some size on most nodes, and tried them all for every key). It is rebuilt when the size changes (a request's
     keys are nearly always one size)."""
 
-    __slots__ = ("d", "fx", "spaces", "free", "failed", "usable", "need", "index", "va", "min_cap")
+    __slots__ = ("d", "fx", "spaces", "free", "failed", "usable", "need", "top", "index", "va", "min_cap")
 
     def __init__(self, d: Directory, fx: Effects):
         self.d = d
@@ -47,6 +47,9 @@ class Placer:
         self.failed = [_INF] * len(self.spaces)  # least units an alloc failed to find there (fragmented)
         self.usable = self.free[:]
         self.need = -1  # the size ``usable`` holds for (-1: none yet, or stale after ``_place_some``)
+        # At least max(free): the near rule compares with max(free), scanned only when this bound does not decide
+        # (allocations only lower free; an eviction raises this with it)
+        self.top = max(self.free, default=0)
         self.index = {id(s): i for i, s in enumerate(self.spaces)}
         self.va: list[float] | None = None
         self.min_cap = min((s.alloc.capacity for s in self.spaces), default=0)
@@ -71,7 +74,8 @@ class Placer:
         free, usable = self.free, self.usable
         if near is not None:
             i = self.index.get(id(near))
-            if i is not None and usable[i] >= need and 2 * usable[i] >= max(free):
+            if i is not None and usable[i] >= need and (2 * usable[i] >= self.top or
+                                                        2 * usable[i] >= self._rescan_top()):
                 off = spaces[i].alloc.alloc(size)
                 if off is not None:
                     free[i] -= need
@@ -91,6 +95,10 @@ class Placer:
             usable[i] = -1
             top = max(usable)
         return self._evict_for(size, need, None)
+
+    def _rescan_top(self) -> int:
+        top = self.top = max(self.free)
+        return top
 
     def _place_some(self, size: int, need: int, near: NodeSpace | None) -> tuple[NodeSpace, int] | None:
         """``place`` of an object some nodes cannot hold at all, among the nodes that can; ``usable`` is rebuilt
@@ -159,6 +167,8 @@ class Placer:
                     n += 1
                     f = free[i] = usable[i] = al.units - al.used_units
                     failed[i] = _INF
+                    if f > self.top:
+                        self.top = f
                     victim = first(nid)
                     if f >= need:
                         off = al.alloc(size)
