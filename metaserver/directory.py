@@ -38,15 +38,13 @@ and do at most that much work per call.
 
 Where the rest of ``Directory`` lives (mixins, one responsibility each): node spaces, their loss, drains and loads in
 ``metaserver/spaces.py``; prefix links and orphans in ``metaserver/links.py``; eviction passes and budgeted expiry in
-``metaserver/passes.py``; the invariant check in ``metaserver/invariants.py``.
+``metaserver/passes.py``; namespace quotas in ``metaserver/quotas.py``; the invariant check in ``metaserver/invariants.py``.
 """
 
 from __future__ import annotations
 
-import heapq
 import sys
 from collections import deque
-from operator import attrgetter
 
 from metaserver.entry import (GONE, PENDING, READY, STATE_NAMES, Effects, Entries, Entry, NodeSpace, NsEntries,
                               SpaceEntries, extent_size, PART_MASK, SHARD_SHIFT)
@@ -56,6 +54,7 @@ from metaserver.links import PrefixLinks
 from metaserver.passes import EvictionPasses
 from metaserver.placement import PLACE_EVICT_BUDGET, Placer
 from metaserver.quarantine import Quarantine
+from metaserver.quotas import NamespaceQuotas
 from metaserver.shared import ShardState, SharedEntries
 from metaserver.spaces import NodeSpaces
 from transport import wire
@@ -72,12 +71,10 @@ _IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
 _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
 OVER_QUOTA = -1  # internal item state (never on the wire): the key does not fit in its namespace's quota
 _OVER_QUOTA_ITEM = (OVER_QUOTA, None, None, None, None)
-NS_VICTIMS = 1024  # quota eviction: the oldest evictable entries of a namespace gathered per rebuild
-_access = attrgetter("last_access")
 _intern = sys.intern
 
 
-class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, DirectoryInvariants):
+class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, SharedEntries, DirectoryInvariants):
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
                  quotas: dict[str, int] | None = None):
         self.pending_ttl_s = pending_ttl_s
@@ -277,71 +274,6 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
         pd[e.key] = e
         self._pending[e] = (token, owner)
         return e
-
-    def _fit_quota(self, ns: str, keys: list[bytes], sizes: list[int], quota: int, fx: Effects) -> bool:
-        """Make room in ``ns``'s quota for the new keys of an ALLOC, evicting the namespace's own least recently
-        used pages; False (nothing evicted) when they cannot fit even then: more than the quota, or more than
-        what is not pinned or PENDING. O(keys), plus O(read leases + the namespace's PENDING) and the eviction
-        when the namespace is over."""
-        r = self.ready.get(ns) or {}
-        pd = self.pending_keys.get(ns) or {}
-        seen: set[bytes] = set()
-        need = 0
-        for key, size in zip(keys, sizes):
-            if key in seen or key in pd:
-                continue
-            seen.add(key)
-            e = r.get(key)
-            if e is None or e.space.dead:
-                need += extent_size(size)
-        used = self.ns_used.get(ns, 0)
-        over = used + need - quota
-        if over <= 0:
-            return True
-        if need > quota:
-            return False
-        held = sum(extent_size(e.payload_len) for e in pd.values())
-        pinned = {id(e): e for es in self.leases.values() for e in es if e.ns == ns and e.state == READY}
-        held += sum(extent_size(e.payload_len) for e in pinned.values())
-        if over > used - held:
-            return False
-        return self._evict_ns(ns, over, PLACE_EVICT_BUDGET + len(keys), fx) >= over
-
-    def _evict_ns(self, ns: str, nbytes: int, budget: int, fx: Effects) -> int:
-        """Evict READY, unpinned entries of namespace ``ns``, least recently used first, until ``nbytes`` are freed
-        or ``budget`` entries went. Returns the bytes freed.
-
-        The candidates are the namespace's NS_VICTIMS oldest evictable entries, gathered when the previous batch is
-        used up (O(namespace log NS_VICTIMS), at most once per call) and consumed oldest first; an entry used,
-        pinned or gone since it was gathered is skipped (a newer commit is newer than every candidate). What it
-        approximates: an entry pinned when the batch was gathered and released since is seen from the next batch
-        on. O(budget) per call otherwise."""
-        freed = n = 0
-        for _ in range(2):  # the batch gathered before, then (if that was not enough) one fresh batch
-            q = self._ns_victims.get(ns)
-            while q and freed < nbytes and n < budget:
-                e, acc = q.pop()
-                if e.state != READY or e.pins or e.last_access != acc:
-                    continue
-                freed += extent_size(e.payload_len)
-                if e.space.dead:
-                    self._drop_dying(e, fx)
-                else:
-                    self._drop(e, fx)
-                n += 1
-            if freed >= nbytes or n >= budget:
-                break
-            r = self.ready.get(ns)
-            if not r:
-                break
-            oldest = heapq.nsmallest(NS_VICTIMS, (e for e in r.values() if not e.pins), key=_access)
-            if not oldest:
-                break
-            self._ns_victims[ns] = [(e, e.last_access) for e in reversed(oldest)]
-        if not self.ready.get(ns):
-            self._ns_victims.pop(ns, None)
-        self.evictions += n
-        return freed
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int], now: float, shard: tuple[int, int] | None = None
                ) -> tuple[list[bool], Effects]:
@@ -543,12 +475,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, SharedEntries, Director
             del r[key]
             if not r:
                 del self.ready[ns]
-            size = self._osizes.get(e.payload_len) or extent_size(e.payload_len)
-            u = self.ns_used.get(ns, 0) - size  # _count, inlined
-            if u:
-                self.ns_used[ns] = u
-            else:
-                self.ns_used.pop(ns, None)
+            self._count(ns, -(self._osizes.get(e.payload_len) or extent_size(e.payload_len)))
         self.policy.discard(e)
         fx.deletes.append((ns, key))
         up = e.up

@@ -262,11 +262,7 @@ class PrefixLruPolicy:
         tiers = self._tiers.get(nid)
         t = entry.tier
         if t is not None and tiers is not None:  # discard, inlined
-            p, n = entry.prev, entry.next
-            p.next = n
-            n.prev = p
-            entry.prev = entry.next = None
-            tiers[t].count -= 1
+            tiers[t].unlink(entry)
         if tiers is None:
             tiers = self._tiers[nid] = (Ring(), Ring(), Ring())
         t = 2 if entry.kids is not None else 0 if type(entry.up) is bytes else 1  # tier_of, inlined
@@ -277,12 +273,8 @@ class PrefixLruPolicy:
         t = entry.tier
         if t is not None:
             tiers = self._tiers.get(entry.space.node_id)
-            if tiers is not None:  # Ring.unlink, inlined
-                p, n = entry.prev, entry.next
-                p.next = n
-                n.prev = p
-                entry.prev = entry.next = None
-                tiers[t].count -= 1
+            if tiers is not None:
+                tiers[t].unlink(entry)
             entry.tier = None
 
     def add_many(self, entries: list) -> None:
@@ -305,11 +297,7 @@ class PrefixLruPolicy:
                 self.discard(entry)
                 self.add(entry)
                 return
-            p, n = entry.prev, entry.next
-            p.next = n
-            n.prev = p
-            entry.prev = entry.next = None
-            tiers[t].count -= 1
+            tiers[t].unlink(entry)
             tiers[nt].insert_by_access(entry)
             entry.tier = nt
 

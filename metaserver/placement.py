@@ -71,30 +71,34 @@ class Placer:
         if need != self.need:
             self.usable = [f if fl > need else -1 for f, fl in zip(self.free, self.failed)]
             self.need = need
-        free, usable = self.free, self.usable
+        usable = self.usable
         if near is not None:
             i = self.index.get(id(near))
             if i is not None and usable[i] >= need and (2 * usable[i] >= self.top or
                                                         2 * usable[i] >= self._rescan_top()):
-                off = spaces[i].alloc.alloc(size)
+                off = self._try(i, size, need)
                 if off is not None:
-                    free[i] -= need
-                    usable[i] -= need
                     return spaces[i], off
-                self.failed[i] = need
-                usable[i] = -1
         top = max(usable)
         while top >= need:  # most free first (ties: the first in ``spaces`` order), then the next
             i = usable.index(top)
-            off = spaces[i].alloc.alloc(size)
+            off = self._try(i, size, need)
             if off is not None:
-                free[i] -= need
-                usable[i] -= need
                 return spaces[i], off
-            self.failed[i] = need
-            usable[i] = -1
             top = max(usable)
         return self._evict_for(size, need, None)
+
+    def _try(self, i: int, size: int, need: int) -> int | None:
+        """Allocate ``size`` on node ``i``: its offset with ``free`` and ``usable`` lowered, or None with the node
+        marked as failing ``need`` units (fragmented)."""
+        off = self.spaces[i].alloc.alloc(size)
+        if off is not None:
+            self.free[i] -= need
+            self.usable[i] -= need
+            return off
+        self.failed[i] = need
+        self.usable[i] = -1
+        return None
 
     def _rescan_top(self) -> int:
         top = self.top = max(self.free)
