@@ -26,7 +26,8 @@ Contracts:
 
 - ``Stream(total, deadline)`` copies raw (dst address, src address, length) pieces the caller has checked while the
   caller is still adding them (the shm transport's path: arena addresses from the mapping's base, no view per page,
-  its per-range checks beside the copies); ``copy_pieces`` and ``copy_pairs`` are built on it.
+  its per-range checks beside the copies); ``add_rows`` queues a ``umbp.buffers.Rows`` page as strided runs in one
+  call; ``copy_pieces`` and ``copy_pairs`` are built on it.
 
 Cost: below SERIAL_BYTES one memoryview assignment per pair (``copy_pieces``: one ``memmove``); above, one address
 lookup per pair (ctypes for writable views, about 0.2 us; numpy for read-only ones, about 1 us), one ``memmove`` per

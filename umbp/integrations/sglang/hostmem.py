@@ -126,12 +126,10 @@ def _rows(ptrs: Sequence[int], sizes: Sequence[int], first: int, step: int, k: i
     stride = int(ptrs[first + step]) - p0
     if stride < n:
         return None
-    for r in range(2, k):
+    for r in range(1, k):
         a = first + r * step
         if int(ptrs[a]) != p0 + r * stride or int(sizes[a]) != n:
             return None
-    if int(sizes[first + step]) != n:
-        return None
     return Rows(view(p0, (k - 1) * stride + n), n, stride, k)
 
 
