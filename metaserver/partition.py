@@ -484,11 +484,28 @@ class Partition:
                            f"slot's keys per request unless it names its 'parts'")
         return str(slots.pop()) if slots else "0"
 
+    def named_slot(self, meta: dict, check: bool) -> str:
+        """The slot a single-slot request names (``"slot"``, taken out of ``meta``: wire VERSION 10), instead of the
+        one its keys hash to. ``check`` (ALLOC: the one request that creates entries) hashes every key and refuses a
+        key of another slot, so an entry only ever lives in its key's slot; the other keyed requests trust the name,
+        since against the wrong slot they can only miss (``multislot.split``)."""
+        s = meta.pop("slot")
+        if type(s) is not int or not 0 <= s < self.slots:
+            raise v.Reject(f"'slot' must be an int 0..{self.slots - 1}, got {s!r}")
+        if check and type(meta.get("ns")) is str and type(meta.get("keys")) is list:
+            for i, got in enumerate(wire.slots_of(meta["ns"], meta["keys"], self.slots)):
+                if got != s and got != -1:  # -1: not a key at all, refused by the slot's own validation
+                    raise v.Reject(f"key {i} is not of slot {s}")
+        return str(s)
+
     def _keyed(self, op: int):
+        check = op == Op.ALLOC
+
         def handle(meta: Any, conn):
             if type(meta) is dict and "parts" in meta:
                 return multislot.dispatch(self, op, meta, conn)  # several slots' keys in one request
-            name = self.slot_of_request(meta)
+            name = (self.named_slot(meta, check) if type(meta) is dict and "slot" in meta
+                    else self.slot_of_request(meta))
             srv = self.servers[name]
             if not srv.serving:
                 raise self._moved(name)

@@ -211,8 +211,26 @@ def test_multi_slot_request_on_the_wire(make_cluster):
         raw(a, Op.EXISTS, {"ns": "default", "keys": flat, "parts": parts + [[SLOTS - 1, 0]]})
     assert e.value.code == wire.Status.BAD_REQUEST and "'parts': bad entry" in str(e.value)
     with pytest.raises(RemoteError) as e:
-        raw(a, Op.EXISTS, {"ns": "default", "keys": flat[:-1], "parts": [[other, len(flat) - 1]]})
+        raw(a, Op.ALLOC, {"ns": "default", "keys": [by[other][0]], "sizes": [100], "parts": [[mine[0], 1]]})
     assert e.value.code == wire.Status.BAD_REQUEST and "is not of slot" in str(e.value)
+    # Reads trust the parts (only an ALLOC's keys are hashed: an entry lives in its key's slot alone), so a key sent
+    # under another slot misses there, though it is in the pool: no error, no wrong answer about that slot.
+    got = raw(a, Op.EXISTS, {"ns": "default", "keys": [by[other][0], by[mine[0]][0]], "parts": [[mine[0], 2]]})
+    assert got == {"parts": [{"exists": [False, True]}], "failed": []}
+    # A single-slot request names its slot ("slot", wire VERSION 10): read as named, an ALLOC's keys checked.
+    s0 = mine[0]
+    assert raw(a, Op.EXISTS, {"ns": "default", "keys": by[s0][:3], "slot": s0}) == {"exists": [True] * 3}
+    assert raw(a, Op.EXISTS, {"ns": "default", "keys": [by[other][0]], "slot": s0}) == {"exists": [False]}
+    with pytest.raises(RemoteError) as e:
+        raw(a, Op.ALLOC, {"ns": "default", "keys": [by[other][0]], "sizes": [100], "slot": s0})
+    assert e.value.code == wire.Status.BAD_REQUEST and f"key 0 is not of slot {s0}" in str(e.value)
+    for bad in (SLOTS, -1, "1", None):
+        with pytest.raises(RemoteError) as e:
+            raw(a, Op.EXISTS, {"ns": "default", "keys": by[s0][:1], "slot": bad})
+        assert e.value.code == wire.Status.BAD_REQUEST and "'slot' must be an int" in str(e.value)
+    with pytest.raises(NotLeader) as e:  # a slot led elsewhere: MOVED, naming its leader
+        raw(a, Op.EXISTS, {"ns": "default", "keys": by[other][:1], "slot": other})
+    assert e.value.leader == info["map"][other]
     # The other process's slot fails alone, NOT_LEADER naming its leader; the others are answered in key order.
     res = raw(a, Op.EXISTS, {"ns": "default", "keys": flat[:-1], "parts": parts})
     assert len(res["parts"]) == len(parts) and res["parts"][-1] is None

@@ -73,7 +73,9 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 9  # 9: RELEASE takes "leases": [id, ...] (a multi-slot LOOKUP's leases, one frame per process);
+VERSION = 10  # 10: a single-slot keyed request to a partitioned pool names its slot ("slot": s), so the process
+#              hashes only an ALLOC's keys (metaserver/partition.py ``named_slot``, metaserver/multislot.py);
+#              9: RELEASE takes "leases": [id, ...] (a multi-slot LOOKUP's leases, one frame per process);
 #              8: "shard": [rank, n] on ALLOC/COMMIT/LOOKUP: one shared entry per TP-sharded page, a rank's
 #              sub-slot (metaserver/shared.py);
 #              7: a keyed request carries several slots' keys ("parts", answered per part: metaserver/multislot.py)

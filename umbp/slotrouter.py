@@ -9,8 +9,8 @@ process address that does not follow NOT_LEADER by itself (``follow=False``).
 
 A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``wire.slot_of`` and the slots'
 parts are grouped by the process the map names as each slot's leader: one request per process, all in flight at
-once (submitted on each process's pipelined connection, then collected): a single-slot request when the process
-gets one slot's keys, a multi-slot one (``parts``: ``metaserver/multislot.py``, answered per part) otherwise. The
+once (submitted on each process's pipelined connection, then collected): a single-slot request naming its slot
+(``"slot"``, wire VERSION 10) when the process gets one slot's keys, a multi-slot one (``parts``: ``metaserver/multislot.py``, answered per part) otherwise. The
 parts' answers are merged back into key order. Capabilities are concatenated and each item's ``cap_index``
 shifted; the read leases of the slots of one LOOKUP become one handle that RELEASE expands; PREFIX becomes EXISTS
 per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent
@@ -221,6 +221,7 @@ class MetaRouter:
                 m = dict(meta)
             else:
                 m = {k: ([v[i] for i in idx] if k in _LISTS and type(v) is list else v) for k, v in meta.items()}
+            m["slot"] = slot  # sent as a single-slot request: the process needs not hash the keys again
             parts.append(_Part(slot, idx, m))
         return parts
 
@@ -253,7 +254,7 @@ class MetaRouter:
         """One multi-slot request of several parts (``metaserver/multislot.py``): the per-key lists concatenated
         part after part, ``parts`` saying each one's slot and key count."""
         first = ps[0].meta
-        out = {k: x for k, x in first.items() if k not in _LISTS or type(x) is not list}
+        out = {k: x for k, x in first.items() if k != "slot" and (k not in _LISTS or type(x) is not list)}
         for k in _LISTS:
             if type(first.get(k)) is list:
                 out[k] = [x for p in ps for x in p.meta[k]]
