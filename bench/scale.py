@@ -220,11 +220,16 @@ def hwm() -> int:
     return 0
 
 
+def node_capacity(ms: list[Model], n_pages: int, slack: float) -> int:
+    """Arena bytes per node for NODES nodes to hold n_pages of the workload's mix (``slack``: a factor on top)."""
+    per_key = sum(m.share * object_size(m.payload) for m in ms)
+    return int(per_key * (n_pages + 2000) / NODES * slack) + 4 * object_size(max(m.payload for m in ms))
+
+
 def new_directory(policy: str, ms: list[Model], n_pages: int, slack: float = 1.001) -> Directory:
     """A directory over NODES spaces holding exactly n_pages of the workload's mix (a little slack per node)."""
     d = Directory(policy=policy)
-    per_key = sum(m.share * object_size(m.payload) for m in ms)
-    cap = int(per_key * (n_pages + 2000) / NODES * slack) + 4 * object_size(max(m.payload for m in ms))
+    cap = node_capacity(ms, n_pages, slack)
     for i in range(NODES):
         d.add_space(f"host{i:02d}", cap)
     return d
@@ -347,58 +352,46 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
                     return
 
 
-def parse_pages(kvs, plen_prefix: int) -> list[tuple]:
-    """The page half of ``EtcdStore.load`` (metaserver/persist.py), on (key, value, mod_revision) records."""
-    pages: list[tuple] = []
-    for key, value, mod_revision in kvs:
-        try:
-            ns_b, _, hexkey = key[plen_prefix:].rpartition(b"/")
-            node_id, off, plen, gen, parent = msgpack.unpackb(value, raw=False)
-            pages.append((mod_revision, node_id, ns_b.decode(), bytes.fromhex(hexkey.decode()),
-                          int(off), int(plen), int(gen), parent, key))
-        except (ValueError, TypeError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
-            pages.append((0, None, "", b"", 0, 0, 0, None, key))
-    return pages
-
-
-def load_directory(policy: str, pages: list[tuple], n_pages: int) -> tuple[Directory, float]:
-    """The directory half of ``Metaserver._load`` (metaserver/service.py): group by node, sort by revision,
-    ``load_pages`` per node. Returns the directory and the seconds it took."""
+def load_directory(policy: str, pages, n_pages: int) -> tuple[Directory, float]:
+    """The directory half of ``Metaserver._load`` (metaserver/service.py): ``metaserver.standby.fill`` itself
+    (group by node, sort by revision, ``load_pages`` per node) into a directory of NODES spaces. Returns the
+    directory and the CPU seconds it took."""
+    from metaserver.standby import fill
     t = cpu()
+    d = Directory(policy=policy)
     # room for the chains' imbalance across nodes (whole chains are placed at once)
-    d = new_directory(policy, models(), n_pages, slack=1.0 + 0.05 + 2e4 * CHAIN_MAX / max(n_pages, 1))
-    by_node: dict[str, list] = {}
-    for p in pages:
-        by_node.setdefault(p[1], []).append(p)
-    for node_id, recs in by_node.items():
-        recs.sort(key=lambda p: p[0])
-        fx = d.load_pages(node_id, [(p[2], p[3], p[4], p[5], p[6], p[7]) for p in recs])
-        assert not fx.deletes, len(fx.deletes)
+    cap = node_capacity(models(), n_pages, slack=1.0 + 0.05 + 2e4 * CHAIN_MAX / max(n_pages, 1))
+    stale, rejected = fill(d, {f"host{i:02d}": ({"capacity": cap}, 0) for i in range(NODES)}, pages)
+    assert not stale and not rejected, (len(stale), len(rejected))
     return d, cpu() - t
 
 
 def run_load(policy: str, n_pages: int, seed: int) -> dict:
-    """Records are made and parsed in slices of LOAD_PAGE, as ``EtcdStore.load`` reads and parses them while it
-    scans, so what is held at the end is what a takeover holds: the parsed page tuples (with their etcd keys), then
-    the directory built from them."""
-    from metaserver.persist import LOAD_PAGE
-    pages: list[tuple] = []
+    """Records are made as etcd returns them (protobuf KeyValues, LOAD_PAGE a range response) and parsed as
+    ``EtcdStore.load`` parses them while it scans (``PageRecords.add``, timed), so what is held at the end is what
+    a takeover holds: the parsed records, then the directory built from them (``fill``). The collector is paused as
+    ``Metaserver._load`` pauses it (``gc_paused``)."""
+    import aetcd.rpc
+    from metaserver.persist import LOAD_PAGE, PageRecords
+    from metaserver.standby import gc_paused
     parse_s = 0.0
-    plen_prefix = len(b"/umbp/pages/")
-    chunk: list[tuple] = []
-    for rec in etcd_records(n_pages, seed):
-        chunk.append(rec)
-        if len(chunk) == LOAD_PAGE:
-            t = cpu()
-            pages += parse_pages(chunk, plen_prefix)
-            parse_s += cpu() - t
-            chunk = []
-    t = cpu()
-    pages += parse_pages(chunk, plen_prefix)
-    parse_s += cpu() - t
-    del chunk
-    gc.collect()
-    d, load_s = load_directory(policy, pages, n_pages)
+    with gc_paused():
+        pages = PageRecords(b"/umbp/pages/")
+        resp = aetcd.rpc.RangeResponse()
+        for key, value, rev in etcd_records(n_pages, seed):
+            resp.kvs.add(key=key, value=value, mod_revision=rev)
+            if len(resp.kvs) == LOAD_PAGE:
+                kvs = list(resp.kvs)
+                t = cpu()
+                pages.add(kvs)
+                parse_s += cpu() - t
+                resp = aetcd.rpc.RangeResponse()
+        kvs = list(resp.kvs)
+        t = cpu()
+        pages.add(kvs)
+        parse_s += cpu() - t
+        del kvs, resp
+        d, load_s = load_directory(policy, pages, n_pages)
     return {"policy": policy, "pages": d.objects, "parse_s": parse_s, "load_s": load_s,
             "peak_rss_gib": hwm() / 2**30}
 
@@ -429,11 +422,13 @@ async def _fill_and_read(addr: str, n_pages: int, seed: int) -> dict:
         inflight.append(asyncio.create_task(txn(batch)))
     await asyncio.gather(*inflight)
     write_s = time.perf_counter() - t
-    t = time.perf_counter()
-    _nodes, _arenas, pages = await store.load()
-    read_s = time.perf_counter() - t
+    from metaserver.standby import gc_paused
+    t, c = time.perf_counter(), cpu()
+    with gc_paused():  # as Metaserver._load reads
+        _nodes, _arenas, pages = await store.load()
+    read_s, read_cpu = time.perf_counter() - t, cpu() - c
     await store.close()
-    return {"etcd_pages": len(pages), "etcd_write_s": write_s, "etcd_load_s": read_s}
+    return {"etcd_pages": len(pages), "etcd_write_s": write_s, "etcd_load_s": read_s, "etcd_load_cpu_s": read_cpu}
 
 
 def run_etcd(n_pages: int, seed: int) -> dict:
@@ -545,7 +540,8 @@ def main() -> None:
         else:
             rate = e["etcd_pages"] / e["etcd_load_s"]
             print(f"etcd: EtcdStore.load read {e['etcd_pages']:,} page records in {e['etcd_load_s']:.1f} s "
-                  f"({fmt_rate(rate)}; written in {e['etcd_write_s']:.0f} s in 128-op transactions); "
+                  f"({fmt_rate(rate)}; {e['etcd_load_cpu_s']:.1f} CPU-s in this process, the rest is etcd's; "
+                  f"written in {e['etcd_write_s']:.0f} s in 128-op transactions); "
                   f"EXTRAPOLATED to {n:,}: {n / rate:.0f} s")
 
 

@@ -242,32 +242,44 @@ class Allocator:
     def rebuild(self, extents: list[tuple[int, int]]) -> list[int]:
         """Reset to exactly ``extents`` [(offset, size)] allocated; return the indexes of extents rejected because
         they overlap an earlier one or fall outside the region (the caller drops those objects). O(n log n)."""
+        return self.rebuild_columns([x[0] for x in extents], [x[1] for x in extents])
+
+    def rebuild_columns(self, offsets: list[int], sizes: list[int]) -> list[int]:
+        """``rebuild`` of the extents (offsets[i], sizes[i]): the same result, without a tuple per extent. Extents
+        are taken in offset order (equal offsets in index order); one that starts before the end of the previous
+        one taken, or lies outside the region, is rejected. O(n log n): one sort of the indexes by offset (a C-level
+        key), then one pass; the free extents between them are filed lowest first."""
         self._free.clear()
         self._ends.clear()
         self._bins.clear()
         self._mask = 0
-        if self._allocated is not None:
-            self._allocated.clear()
-        self.used_units = 0
-        order = sorted(range(len(extents)), key=lambda i: extents[i][0])
+        tracked = self._allocated
+        if tracked is not None:
+            tracked.clear()
+        base, units = self.base, self.units
         rejected: list[int] = []
-        cursor = 0
-        for i in order:
-            off, size = extents[i]
-            rel = off - self.base
-            start, need = rel // UNIT, -(-size // UNIT)
-            if rel < 0 or rel % UNIT or need <= 0 or start < cursor or start + need > self.units:
+        gaps: list[int] = []  # start, length of each free extent, in order
+        cursor = used = 0
+        for i in sorted(range(len(offsets)), key=offsets.__getitem__):
+            rel = offsets[i] - base
+            start, need = rel // UNIT, -(-sizes[i] // UNIT)
+            if rel < 0 or rel % UNIT or need <= 0 or start < cursor or start + need > units:
                 rejected.append(i)
                 continue
             if start > cursor:
-                self._add_free(cursor, start - cursor)
-            if self._allocated is not None:
-                self._allocated[start] = need
-            self.used_units += need
+                gaps += (cursor, start - cursor)
+            if tracked is not None:
+                tracked[start] = need
+            used += need
             cursor = start + need
-        if cursor < self.units:
-            self._add_free(cursor, self.units - cursor)
-        return sorted(rejected)
+        self.used_units = used
+        add = self._add_free
+        for j in range(0, len(gaps), 2):
+            add(gaps[j], gaps[j + 1])
+        if cursor < units:
+            add(cursor, units - cursor)
+        rejected.sort()
+        return rejected
 
     def check(self, extents: list[tuple[int, int]] | None = None) -> None:
         """Assert the invariants (tests only; O(n log n)). ``extents`` [(offset, size)]: the allocated extents as the

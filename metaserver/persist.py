@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from binascii import unhexlify
 from typing import Any, AsyncIterator
 
 import aetcd
@@ -46,12 +48,13 @@ import aetcd.exceptions
 import aetcd.rpc
 import msgpack
 
-from metaserver.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, layout
+from metaserver.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT
 from transport.wire import Status, digest_key
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
+_intern = sys.intern
 
 LOAD_PAGE = 5000
 PAGE, NODE, ARENA, OTHER = range(4)  # what an etcd key under the prefix holds (``EtcdStore.kind_of``)
@@ -111,6 +114,128 @@ def add_ops(req, items) -> None:
             p = add().request_put
             p.key = key
             p.value = value
+
+
+def _name(etcd_key: bytes, cut: int) -> tuple[str, bytes]:
+    """(ns, key) of a page's etcd key (``cut``: the length of the pages prefix); raises ValueError (also
+    binascii.Error) or UnicodeDecodeError when it is not a name this pool writes (``PageRecords``)."""
+    ns_b, _, hexkey = etcd_key[cut:].rpartition(b"/")
+    key = unhexlify(hexkey)
+    if not hexkey.islower() and hexkey != key.hex().encode():
+        raise ValueError("a page key not in lower-case hex")
+    if len(key) >= 64 and digest_key(key) is not key:
+        raise ValueError("a digest key not in its raw form")
+    return ns_b.decode(), key
+
+
+class PageRecords:
+    """The page records of one load, parsed as the scan delivers them (``add``) and grouped by node: ``groups``
+    maps node_id -> ([(ns, key, offset, payload_len, gen, parent)], [mod_revision]), both in scan order, the
+    tuples exactly what ``Directory.load_pages`` takes; ``junk`` holds the etcd keys of the unreadable records
+    (the leader deletes them). ``len`` is every record added. ``metaserver.standby.fill`` builds a directory
+    from it; ``page_key(ns, key)`` is the etcd key of every record that was read.
+
+    Unreadable: a value that is not a 5- or 6-field record (a shared entry's: its part count ``n`` in 1..MAX_SHARDS
+    and its part length in range), a node id that is not a string, a parent that is neither bytes nor nil, fields
+    ``int`` refuses; a name that is not ``{ns}/{lower-case hex}`` (the leader writes no other, so it could never
+    delete another form: upper-case hex would come back after every restart) or that names a digest key by its hex
+    text instead of its raw form (written before keys had one form, ``wire.digest_key``: a cache page lost once at
+    that upgrade, never two records for one page).
+
+    Why this shape: a takeover holds every record until the directory is built (10 M pages). One 6-tuple and one
+    revision per record, the namespace one interned string, the etcd key not kept: what ``load_pages`` consumes as
+    it is, against the 9-tuple with its etcd key that every record was (9.7 GiB at 10 M pages, 2.7x the directory).
+    Cost of ``add``: about 1 us a record (a msgpack unpack, an unhexlify, two appends)."""
+
+    __slots__ = ("groups", "junk", "n", "_prefix", "_cut", "_names", "_ekeys")
+
+    def __init__(self, prefix: bytes):
+        self.groups: dict[str, tuple[list[tuple], list[int]]] = {}
+        self.junk: list[bytes] = []
+        self.n = 0
+        self._prefix = prefix
+        self._cut = len(prefix)
+        self._names: dict[bytes, str] = {}  # namespace as in the etcd key -> its (interned) str
+        self._ekeys: dict[tuple[str, bytes], bytes] | None = None  # ``of``: the tuples' own etcd keys
+
+    def __len__(self) -> int:
+        return self.n
+
+    @classmethod
+    def of(cls, pages: list[tuple]) -> "PageRecords":
+        """From ``EtcdStore.page_record`` tuples (tests, tools), their etcd keys kept as they were given."""
+        recs = cls(b"")
+        recs._ekeys = {}
+        for p in pages:
+            recs.n += 1
+            if p[1] is None or type(p[1]) is not str:
+                recs.junk.append(p[8])
+                continue
+            g = recs.groups.get(p[1])
+            if g is None:
+                g = recs.groups[p[1]] = ([], [])
+            g[0].append(p[2:8])
+            g[1].append(p[0])
+            recs._ekeys[(p[2], p[3])] = p[8]
+        return recs
+
+    def etcd_key(self, ns: str, key: bytes) -> bytes:
+        """The etcd key of the record read for (ns, key): ``EtcdStore.page_key`` of it (``of``: the tuple's)."""
+        if self._ekeys is not None:
+            return self._ekeys[(ns, key)]
+        return self._prefix + ns.encode() + b"/" + key.hex().encode()
+
+    def add(self, kvs) -> None:
+        """Parse page kvs (key, value, mod_revision) into ``groups``, or ``junk`` when unreadable. The loop is
+        ``_name`` and the record checks inlined (``page_record`` is this on one kv): keep them in step."""
+        cut = self._cut
+        names = self._names
+        groups = self.groups
+        unpack = msgpack.unpackb
+        self.n += len(kvs)
+        for kv in kvs:
+            ekey = kv.key
+            try:
+                ns_b, _, hexkey = ekey[cut:].rpartition(b"/")
+                key = unhexlify(hexkey)
+                if not hexkey.islower() and hexkey != key.hex().encode():
+                    raise ValueError("a page key not in lower-case hex")
+                if len(key) >= 64 and digest_key(key) is not key:
+                    raise ValueError("a digest key not in its raw form")
+                ns = names.get(ns_b)
+                if ns is None:
+                    ns = names[ns_b] = _intern(ns_b.decode())
+                rec = unpack(kv.value)
+                if type(rec) is list and len(rec) == 6:
+                    node_id, off, plen, gen, parent, n = rec
+                    if (type(n) is not int or not 1 <= n <= MAX_SHARDS or type(plen) is not int
+                            or not 0 <= plen <= PART_MASK):
+                        raise ValueError("a shared page's part count or length out of range")
+                    plen |= n << SHARD_SHIFT  # metaserver.entry.layout
+                else:
+                    node_id, off, plen, gen, parent = rec
+                    if type(plen) is not int:
+                        plen = int(plen)
+                    elif plen > PART_MASK:
+                        raise ValueError("a payload length out of range")
+                if type(off) is not int:
+                    off = int(off)
+                if type(gen) is not int:
+                    gen = int(gen)
+                if parent is not None:
+                    if type(parent) is not bytes:
+                        raise TypeError("a parent that is not bytes")
+                    if len(parent) >= 64:
+                        parent = digest_key(parent)
+                g = groups.get(node_id)
+                if g is None:
+                    if type(node_id) is not str:
+                        raise TypeError("a node id that is not a string")
+                    g = groups[node_id] = ([], [])
+                g[0].append((ns, key, off, plen, gen, parent))
+                g[1].append(kv.mod_revision)
+            except (ValueError, TypeError, OverflowError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
+                self.junk.append(ekey)
 
 
 class EtcdStore:
@@ -372,39 +497,19 @@ class EtcdStore:
     def page_record(self, kv) -> tuple:
         """(mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key) of a page kv; node_id None
         when the record cannot be read (the leader deletes it). ``payload_len`` is the layout code (a shared
-        entry's record, six fields, folds its ``n`` in: ``metaserver.entry.layout``). A record named by a digest
-        key's hex text instead of its raw form (written before keys had one form, ``wire.digest_key``) counts as
-        unreadable: a cache page lost once at that upgrade, never two records for one page."""
-        try:
-            ns_b, _, hexkey = kv.key[len(self._pages):].rpartition(b"/")
-            key = bytes.fromhex(hexkey.decode())
-            if len(key) >= 64 and digest_key(key) is not key:
-                raise ValueError("a digest key not in its raw form")
-            rec = msgpack.unpackb(kv.value, raw=False)
-            if type(rec) is list and len(rec) == 6:
-                node_id, off, plen, gen, parent, n = rec
-                if (type(n) is not int or not 1 <= n <= MAX_SHARDS or type(plen) is not int
-                        or not 0 <= plen <= PART_MASK):
-                    raise ValueError("a shared page's part count or length out of range")
-                plen = layout(plen, n)
-            else:
-                node_id, off, plen, gen, parent = rec
-                if type(plen) is int and plen > PART_MASK:
-                    raise ValueError("a payload length out of range")
-            return (kv.mod_revision, node_id, ns_b.decode(), key, int(off), int(plen), int(gen),
-                    digest_key(parent) if type(parent) is bytes and len(parent) >= 64 else parent, kv.key)
-        except (ValueError, TypeError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
+        entry's record, six fields, folds its ``n`` in: ``metaserver.entry.layout``). What counts as unreadable is
+        ``PageRecords``' rule (one record at a time here: a watch event)."""
+        recs = PageRecords(self._pages)
+        recs.add((kv,))
+        if recs.junk:
             return (0, None, "", b"", 0, 0, 0, None, kv.key)
+        (node_id, (items, revs)), = recs.groups.items()
+        return (revs[0], node_id) + items[0] + (kv.key,)
 
     def page_name(self, etcd_key: bytes) -> tuple[str, bytes] | None:
-        """(ns, key) named by a page's etcd key; None when it does not parse or names a digest key by its hex
-        text (``page_record``)."""
+        """(ns, key) named by a page's etcd key; None when it is not a name this pool writes (``PageRecords``)."""
         try:
-            ns_b, _, hexkey = etcd_key[len(self._pages):].rpartition(b"/")
-            key = bytes.fromhex(hexkey.decode())
-            if len(key) >= 64 and digest_key(key) is not key:
-                return None
-            return ns_b.decode(), key
+            return _name(etcd_key, len(self._pages))
         except (ValueError, UnicodeDecodeError):
             return None
 
@@ -431,23 +536,21 @@ class EtcdStore:
                     out.append(rec)
         return out
 
-    async def load(self) -> tuple[list[dict], list[dict], list[tuple]]:
-        """Read live node records (their lease still held), durable arena records and page records. Pages come
-        back as (mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key); unparsable ones with
-        node_id None (the caller deletes them)."""
+    async def load(self) -> tuple[list[dict], list[dict], "PageRecords"]:
+        """Read live node records (their lease still held), durable arena records and page records (parsed and
+        grouped by node as they arrive: ``PageRecords``)."""
         return (await self.load_at())[1:]
 
-    async def load_at(self, revision: int = 0) -> tuple[int, list[dict], list[dict], list[tuple]]:
+    async def load_at(self, revision: int = 0) -> tuple[int, list[dict], list[dict], "PageRecords"]:
         """``load`` as one snapshot: every range read names the same revision (0: the current one), returned
         first, so a watch from revision + 1 misses nothing and repeats nothing. Raises Unavailable (also when
         that revision is compacted meanwhile: load again)."""
         rev = revision or await self.revision()
         nodes = await self._records(self._nodes, rev)
         arenas = await self._records(self._arenas, rev)
-        pages: list[tuple] = []
-        record = self.page_record
+        pages = PageRecords(self._pages)
         async for kvs in self.scan(self._pages, revision=rev):
-            pages.extend(map(record, kvs))
+            pages.add(kvs)
         return rev, nodes, arenas, pages
 
     async def watch(self, start_revision: int) -> AsyncIterator[list | None]:

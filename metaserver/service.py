@@ -53,7 +53,7 @@ from metaserver.batcher import BatchWriter
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.rejoin import RejoinHandlers
-from metaserver.standby import CATCHUP_S, Handover, WarmDirectory, fill, node_descs
+from metaserver.standby import CATCHUP_S, Handover, WarmDirectory, fill, gc_paused, node_descs
 from transport.wire import VERSION, Op, Status
 from metaserver.quarantine import Quarantine
 from metaserver.grants import grant_reads, grant_writes
@@ -237,13 +237,14 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
     async def _load(self) -> None:
         """The full load: every record from etcd into this term's (empty) directory. O(pages)."""
         t0 = time.monotonic()
-        node_recs, arena_recs, pages = await self.store.load()
-        descs = node_descs(node_recs, arena_recs)
-        # In a thread: building millions of entries holds the interpreter for tens of seconds, and the election's
-        # keep-alive must still run meanwhile (the event loop gets the GIL back every switch interval). Nothing else
-        # touches this term's directory until serving starts; a cancelled takeover leaves the thread to finish on
-        # a directory nobody uses.
-        stale, rejected = await asyncio.to_thread(fill, self.dir, descs, pages)
+        with gc_paused():  # millions of objects that all survive: no collection walks them while they are made
+            node_recs, arena_recs, pages = await self.store.load()
+            descs = node_descs(node_recs, arena_recs)
+            # In a thread: building millions of entries holds the interpreter for seconds, and the election's
+            # keep-alive must still run meanwhile (the event loop gets the GIL back every switch interval). Nothing
+            # else touches this term's directory until serving starts; a cancelled takeover leaves the thread to
+            # finish on a directory nobody uses.
+            stale, rejected = await asyncio.to_thread(fill, self.dir, descs, pages)
         self._provisional_nodes(descs, time.monotonic())
         self.writer.submit([], [p[8] for p in stale] + [p[8] for p in rejected], wait=False)
         self.load_s = time.monotonic() - t0
