@@ -77,9 +77,8 @@ def settle(fs: FramedSocket, nbytes: int) -> None:
                 time.sleep(0.05)
                 return
         else:
-            fs.sock.setblocking(False)
-            try:
-                if len(fs.sock.recv(nbytes, socket.MSG_PEEK)) >= nbytes:
+            try:  # MSG_DONTWAIT: the connection's own blocking mode is left as it is
+                if len(fs.sock.recv(nbytes, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= nbytes:
                     return
             except BlockingIOError:
                 pass
@@ -207,4 +206,59 @@ def test_tcp_batch_cut_short_fails_the_object_not_all_there():
     assert isinstance(res[1], DeadlineExceeded) and str(res[1]).startswith(COMP)
     assert t._conn.closed
     t.close()
+    peer.close()
+
+
+# ---- plain sockets: blocking receives under a socket timeout, MSG_WAITALL ----------------------------------------
+
+class CountingSocket:
+    """The connection's socket with its receive calls counted (everything else passes through)."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self.calls = {"recv_into": 0, "recvmsg_into": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self._sock, name)
+        if name not in self.calls:
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+        return counted
+
+
+def test_a_batch_arriving_in_pieces_is_received_with_one_syscall():
+    """A READV answer whose data comes in two pieces, the second some time after the first, goes into the header
+    slots and outs with one ``recvmsg_into`` (MSG_WAITALL), not one per piece that happened to be there: the
+    Python per socket buffer is what a 64-page batch of small pages paid for (12 calls a batch on loopback)."""
+    peer = Peer()
+    objs = objects(8, 20_000)
+    t, p, answer = started_read(peer, objs)
+    counting = t._conn.sock = CountingSocket(t._conn.sock)
+    half = wire.HEADER_SIZE + len(answer) // 2
+    peer.write(answer[:half])
+    settle(t._conn, half)  # the first piece is there when the receive starts; the second is not
+    later = threading.Timer(0.2, peer.write, (answer[half:],))
+    later.start()
+    try:
+        assert t.finish(p, time.monotonic() + 10) == [None] * 8
+    finally:
+        later.join()
+    assert [bytes(op.out) for op, _ in objs] == [body[wire.OBJ_HEADER_SIZE:] for _, body in objs]
+    assert counting.calls == {"recv_into": 1, "recvmsg_into": 1}  # the frame header, then all the data
+    assert not t._conn.closed
+    t.close()
+    peer.close()
+
+
+def test_a_silent_peer_fails_the_receive_at_its_deadline():
+    """A blocking receive waits no longer than its deadline (the socket timeout is half the time left, set again
+    when it runs out early): a peer that never answers gives DeadlineExceeded, and the connection is closed."""
+    peer = Peer()
+    fs = peer.connect()
+    with pytest.raises(DeadlineExceeded) as e:
+        fs.recv_frame(time.monotonic() + 0.3)
+    assert str(e.value).startswith(COMP) and fs.closed
     peer.close()
