@@ -37,6 +37,9 @@ Memory: about three dict entries per free extent, plus one per allocated object 
 
 from __future__ import annotations
 
+from itertools import compress, islice
+from operator import add as _plus, le, lt
+
 from transport.wire import ALIGN
 
 UNIT = ALIGN
@@ -257,10 +260,30 @@ class Allocator:
         if tracked is not None:
             tracked.clear()
         base, units = self.base, self.units
+        n = len(offsets)
+        order = sorted(range(n), key=offsets.__getitem__)
+        if n and tracked is None and not base % UNIT:
+            # The common case checked and done at C level: every extent aligned, of whole units, none overlapping
+            # the next, all inside the region (what the loop below would then find, extent by extent).
+            offs = list(map(offsets.__getitem__, order))
+            lens = list(map(sizes.__getitem__, order))
+            ends = list(map(_plus, offs, lens))
+            if (offs[0] >= base and ends[-1] <= base + units * UNIT and min(lens) > 0
+                    and not any(map(UNIT.__rmod__, offs)) and not any(map(UNIT.__rmod__, lens))
+                    and all(map(le, ends, islice(offs, 1, None)))):
+                self.used_units = sum(lens) // UNIT
+                addf = self._add_free
+                if offs[0] > base:
+                    addf(0, (offs[0] - base) // UNIT)
+                for j in compress(range(n - 1), map(lt, ends, islice(offs, 1, None))):
+                    addf((ends[j] - base) // UNIT, (offs[j + 1] - ends[j]) // UNIT)
+                if ends[-1] < base + units * UNIT:
+                    addf((ends[-1] - base) // UNIT, units - (ends[-1] - base) // UNIT)
+                return []
         rejected: list[int] = []
         gaps: list[int] = []  # start, length of each free extent, in order
         cursor = used = 0
-        for i in sorted(range(len(offsets)), key=offsets.__getitem__):
+        for i in order:
             rel = offsets[i] - base
             start, need = rel // UNIT, -(-sizes[i] // UNIT)
             if rel < 0 or rel % UNIT or need <= 0 or start < cursor or start + need > units:

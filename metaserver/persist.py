@@ -48,7 +48,7 @@ import aetcd.exceptions
 import aetcd.rpc
 import msgpack
 
-from metaserver.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT
+from metaserver.entry import MAX_SHARDS, PART_MASK, READY, SHARD_SHIFT, Entry
 from transport.wire import Status, digest_key
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, Unavailable
@@ -130,10 +130,11 @@ def _name(etcd_key: bytes, cut: int) -> tuple[str, bytes]:
 
 class PageRecords:
     """The page records of one load, parsed as the scan delivers them (``add``) and grouped by node: ``groups``
-    maps node_id -> ([(ns, key, offset, payload_len, gen, parent)], [mod_revision]), both in scan order, the
-    tuples exactly what ``Directory.load_pages`` takes; ``junk`` holds the etcd keys of the unreadable records
-    (the leader deletes them). ``len`` is every record added. ``metaserver.standby.fill`` builds a directory
-    from it; ``page_key(ns, key)`` is the etcd key of every record that was read.
+    maps node_id -> ([Entry], [mod_revision]), both in scan order, each record parsed straight into the directory
+    entry it becomes (READY, not filed: ``space`` None, parent named by key), which ``Directory.load_entries``
+    files; ``junk`` holds the etcd keys of the unreadable records (the leader deletes them). ``len`` is every record
+    added. ``metaserver.standby.fill`` builds a directory from it; ``etcd_key(ns, key)`` is the etcd key of every
+    record that was read (``EtcdStore.page_key``).
 
     Unreadable: a value that is not a 5- or 6-field record (a shared entry's: its part count ``n`` in 1..MAX_SHARDS
     and its part length in range), a node id that is not a string, a parent that is neither bytes nor nil, fields
@@ -142,20 +143,23 @@ class PageRecords:
     text instead of its raw form (written before keys had one form, ``wire.digest_key``: a cache page lost once at
     that upgrade, never two records for one page).
 
-    Why this shape: a takeover holds every record until the directory is built (10 M pages). One 6-tuple and one
-    revision per record, the namespace one interned string, the etcd key not kept: what ``load_pages`` consumes as
-    it is, against the 9-tuple with its etcd key that every record was (9.7 GiB at 10 M pages, 2.7x the directory).
-    Cost of ``add``: about 1 us a record (a msgpack unpack, an unhexlify, two appends)."""
+    Why this shape: a takeover holds every record until the directory is built (10 M pages). An entry made here,
+    while the key, offset and parent objects msgpack just made are in the cache, is half the cost of one made from
+    a tuple of them later (1 M pages: the load's per-record loop went from 1.1 to 0.6 us); no tuple per record, the
+    namespace one interned string, the etcd key not kept (the 9-tuple with its etcd key that every record was: 9.7
+    GiB at 10 M pages, 2.7x the directory). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack
+    unpack, an unhexlify, an entry)."""
 
-    __slots__ = ("groups", "junk", "n", "_prefix", "_cut", "_names", "_ekeys")
+    __slots__ = ("groups", "junk", "n", "_prefix", "_cut", "_names", "_apps", "_ekeys")
 
     def __init__(self, prefix: bytes):
-        self.groups: dict[str, tuple[list[tuple], list[int]]] = {}
+        self.groups: dict[str, tuple[list[Entry], list[int]]] = {}
         self.junk: list[bytes] = []
         self.n = 0
         self._prefix = prefix
         self._cut = len(prefix)
         self._names: dict[bytes, str] = {}  # namespace as in the etcd key -> its (interned) str
+        self._apps: dict[str, tuple] = {}  # node id -> the append methods of its two lists in ``groups``
         self._ekeys: dict[tuple[str, bytes], bytes] | None = None  # ``of``: the tuples' own etcd keys
 
     def __len__(self) -> int:
@@ -174,10 +178,16 @@ class PageRecords:
             g = recs.groups.get(p[1])
             if g is None:
                 g = recs.groups[p[1]] = ([], [])
-            g[0].append(p[2:8])
+            g[0].append(Entry(p[2], p[3], None, p[4], p[5], p[6], READY, p[7], 0.0))
             g[1].append(p[0])
             recs._ekeys[(p[2], p[3])] = p[8]
         return recs
+
+    def done(self) -> dict[str, tuple[list[Entry], list[int]]]:
+        """No more ``add``: ``groups``, its lists no longer referenced from here (so a caller that pops a node's
+        lists frees them)."""
+        self._apps = {}
+        return self.groups
 
     def etcd_key(self, ns: str, key: bytes) -> bytes:
         """The etcd key of the record read for (ns, key): ``EtcdStore.page_key`` of it (``of``: the tuple's)."""
@@ -189,22 +199,24 @@ class PageRecords:
         """Parse page kvs (key, value, mod_revision) into ``groups``, or ``junk`` when unreadable. The loop is
         ``_name`` and the record checks inlined (``page_record`` is this on one kv): keep them in step."""
         cut = self._cut
-        names = self._names
+        names = self._names  # the etcd key before its last "/" -> its namespace
         groups = self.groups
+        apps = self._apps
         unpack = msgpack.unpackb
+        new = Entry.__new__
         self.n += len(kvs)
         for kv in kvs:
             ekey = kv.key
             try:
-                ns_b, _, hexkey = ekey[cut:].rpartition(b"/")
+                head, _, hexkey = ekey.rpartition(b"/")  # the prefix ends in "/": what ``_name`` reads
                 key = unhexlify(hexkey)
                 if not hexkey.islower() and hexkey != key.hex().encode():
                     raise ValueError("a page key not in lower-case hex")
                 if len(key) >= 64 and digest_key(key) is not key:
                     raise ValueError("a digest key not in its raw form")
-                ns = names.get(ns_b)
+                ns = names.get(head)
                 if ns is None:
-                    ns = names[ns_b] = _intern(ns_b.decode())
+                    ns = names[head] = _intern(head[cut:].decode())
                 rec = unpack(kv.value)
                 if type(rec) is list and len(rec) == 6:
                     node_id, off, plen, gen, parent, n = rec
@@ -227,13 +239,29 @@ class PageRecords:
                         raise TypeError("a parent that is not bytes")
                     if len(parent) >= 64:
                         parent = digest_key(parent)
-                g = groups.get(node_id)
+                g = apps.get(node_id)
                 if g is None:
                     if type(node_id) is not str:
                         raise TypeError("a node id that is not a string")
-                    g = groups[node_id] = ([], [])
-                g[0].append((ns, key, off, plen, gen, parent))
-                g[1].append(kv.mod_revision)
+                    ents, revs = groups[node_id] = ([], [])
+                    g = apps[node_id] = (ents.append, revs.append)
+                # Entry(ns, key, None, off, plen, gen, READY, parent, 0.0), inlined: keep in step
+                e = new(Entry)
+                e.key = key
+                e.ns = ns
+                e.space = None
+                e.offset = off
+                e.payload_len = plen
+                e.gen = gen
+                e.state = READY
+                e.pins = 0
+                e.last_access = 0.0
+                e.up = parent
+                e.kids = None
+                e.prev = e.next = e.tier = None
+                add_e, add_rev = g
+                add_e(e)
+                add_rev(kv.mod_revision)
             except (ValueError, TypeError, OverflowError, UnicodeDecodeError, msgpack.exceptions.UnpackException):
                 self.junk.append(ekey)
 
@@ -503,8 +531,9 @@ class EtcdStore:
         recs.add((kv,))
         if recs.junk:
             return (0, None, "", b"", 0, 0, 0, None, kv.key)
-        (node_id, (items, revs)), = recs.groups.items()
-        return (revs[0], node_id) + items[0] + (kv.key,)
+        (node_id, (ents, revs)), = recs.groups.items()
+        e = ents[0]
+        return (revs[0], node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up, kv.key)
 
     def page_name(self, etcd_key: bytes) -> tuple[str, bytes] | None:
         """(ns, key) named by a page's etcd key; None when it is not a name this pool writes (``PageRecords``)."""

@@ -10,10 +10,13 @@ Costs: add/set_placeable O(1); detach O(PENDING + pinned entries of the node); `
 from __future__ import annotations
 
 import sys
+from operator import attrgetter
 
 from metaserver.entry import READY, Effects, Entry, NodeSpace, extent_size
 
 _intern = sys.intern
+_offset = attrgetter("offset")
+_payload_len = attrgetter("payload_len")
 
 
 class NodeSpaces:
@@ -115,31 +118,39 @@ class NodeSpaces:
     def load_pages(self, node_id: str, pages: list[tuple[str, bytes, int, int, int, bytes | None]]) -> Effects:
         """Rebuild a node's entries from persisted records [(ns, key, offset, payload_len, gen, parent)], given in
         recency order (oldest first). Overlapping or out-of-range records, and keys already present, are dropped
-        (returned as deletes). The node's space must exist and be empty. O(records log records).
+        (returned as deletes). The node's space must exist and be empty. O(records log records)."""
+        return self.load_entries(node_id, [Entry(ns, key, None, off, plen, gen, READY, parent, 0.0)
+                                           for ns, key, off, plen, gen, parent in pages])
+
+    def load_entries(self, node_id: str, ents: list[Entry]) -> Effects:
+        """``load_pages`` of records already made into entries (READY, not filed: ``space`` None, parent named by
+        key or None; ``persist.PageRecords`` makes them as it parses), in recency order. Entries it drops are left
+        to the caller (unfiled). O(records log records).
 
         The rules: a key already present (another node's, or PENDING) takes no extent; the others' extents go to
         ``Allocator.rebuild_columns``, which rejects overlapping and out-of-range ones; of a key given twice the
-        first record that fits is kept (the later one's extent is freed again). Each kept record then becomes what
-        ``put_ready`` makes of one (an entry, ``_link_ready``, ``policy.add``), batched (``_load_entries``).
+        first record that fits is kept (the later one's extent is freed again). Each kept record is then filed as
+        ``put_ready`` files one (``_link_ready``, ``policy.add``), batched (``_file_entries``).
 
         Fast path (a takeover's records: every key once, nothing overlapping): the extents of all records are
-        rebuilt first; when none is rejected, the keys already present are found while the entries are filed (one
-        probe of the namespace's map per record, where a check beforehand cost a second, cold one: a fifth of
-        the load) and their extents freed again, which leaves the allocator as if they had never taken one (only
-        the order of its free lists may differ). Otherwise the exact steps above, in that order."""
+        rebuilt first, read in their given order at C level (``attrgetter``); when none is rejected, the keys already
+        present are found while the entries are filed (one probe of the namespace's map per record, where a check
+        beforehand cost a second, cold one: a fifth of the load) and their extents freed again, which leaves the
+        allocator as if they had never taken one (only the order of its free lists may differ). Otherwise the
+        exact steps above, in that order."""
         sp = self.spaces[node_id]
         fx = Effects()
-        osize = {plen: extent_size(plen) for plen in {rec[3] for rec in pages}}  # the pages of a namespace: one
+        plens = list(map(_payload_len, ents))
+        osize = {plen: extent_size(plen) for plen in set(plens)}  # the pages of a namespace share one
         alloc = sp.alloc
-        skip = alloc.rebuild_columns([rec[2] for rec in pages], [osize[rec[3]] for rec in pages])
-        keep = pages
+        skip = alloc.rebuild_columns(list(map(_offset, ents)), list(map(osize.__getitem__, plens)))
         if skip:
             ready, pend = self.ready, self.pending_keys
             keep = []
             r = pd = None
             last_ns = None
-            for rec in pages:
-                ns, key = rec[0], rec[1]
+            for e in ents:
+                ns, key = e.ns, e.key
                 if ns is not last_ns:
                     last_ns = ns
                     r = ready.get(ns)
@@ -147,25 +158,25 @@ class NodeSpaces:
                 if (r is not None and key in r) or (pd is not None and key in pd):
                     fx.deletes.append((ns, key))
                 else:
-                    keep.append(rec)
-            skip = alloc.rebuild_columns([rec[2] for rec in keep], [osize[rec[3]] for rec in keep])
-        self._load_entries(sp, keep, set(skip) if skip else None, osize, fx)
+                    keep.append(e)
+            ents = keep
+            skip = alloc.rebuild_columns([e.offset for e in ents], [osize[e.payload_len] for e in ents])
+        self._file_entries(sp, ents, set(skip) if skip else None, osize, fx)
         return fx
 
-    def _load_entries(self, sp: NodeSpace, recs: list[tuple], skip: set | None, osize: dict[int, int],
+    def _file_entries(self, sp: NodeSpace, ents: list[Entry], skip: set | None, osize: dict[int, int],
                       fx: Effects) -> None:
-        """``load_pages``' second half: an entry per record of ``recs`` (their extents allocated) not in ``skip``
-        (indexes of rejected ones: deletes), in order, unless its key is present (PENDING, or READY: another node's
-        or an earlier record's) — then a delete and its extent freed. Each entry is linked as it is filed
-        (``_link_ready``'s common case inlined: a child met before its parent waits as an orphan and is adopted
-        when the parent comes, the links ``_link_ready`` after all of them would make), then all go to the policy
-        (``add_many``, in order); the namespace's use is counted once per run of one namespace."""
+        """``load_entries``' second half: each entry of ``ents`` (their extents allocated) not in ``skip`` (indexes
+        of rejected ones: deletes) is filed on ``sp``, in order, unless its key is present (PENDING, or READY:
+        another node's or an earlier record's) — then a delete and its extent freed. Each entry is linked as it is
+        filed (``_link_ready``'s common case inlined: a child met before its parent waits as an orphan and is
+        adopted when the parent comes, the links ``_link_ready`` after all of them would make), then all go to the
+        policy (``add_many``, in order); the namespace's use is counted once per run of one namespace."""
         deletes = fx.deletes
         ready, pend = self.ready, self.pending_keys
         alloc = sp.alloc
         loaded: list[Entry] = []
         add_loaded = loaded.append
-        new = Entry.__new__
         orphans = self.orphans
         blind = self.policy.links_blind
         changed = self.policy.children_changed
@@ -173,43 +184,39 @@ class NodeSpaces:
         r = pd = None
         last_ns = None
         used = 0
-        for i, (ns, key, off, plen, gen, parent) in enumerate(recs):
+        for i, e in enumerate(ents):
             if skip is not None and i in skip:
-                deletes.append((ns, key))
+                deletes.append((e.ns, e.key))
                 continue
-            if ns != last_ns:
-                if used:
-                    self._count(last_ns, used)
-                    used = 0
-                last_ns = _intern(ns)
-                r = ready.get(last_ns)
-                if r is None:
-                    r = ready[last_ns] = {}
-                pd = pend.get(last_ns) if pend else None
-            # Entry(last_ns, key, sp, off, self._plen(plen), gen, READY, parent, 0.0), inlined: keep in step
-            e = new(Entry)
-            e.key = key
-            e.ns = last_ns
-            e.space = sp
-            e.offset = off
+            ns = e.ns
+            if ns is not last_ns:
+                if ns != last_ns:
+                    if used:
+                        self._count(last_ns, used)
+                        used = 0
+                    last_ns = _intern(ns)
+                    r = ready.get(last_ns)
+                    if r is None:
+                        r = ready[last_ns] = {}
+                    pd = pend.get(last_ns) if pend else None
+                if ns is not last_ns:
+                    e.ns = last_ns
+            key = e.key
+            plen = e.payload_len
+            if (pd is not None and key in pd) or r.setdefault(key, e) is not e:  # present: the record is dropped
+                deletes.append((ns, key))
+                alloc.free(e.offset, osize[plen])
+                continue
             pl = plens.get(plen)
             if pl is None:
                 pl = plens[plen] = self._plen(plen)
-            e.payload_len = pl
-            e.gen = gen
-            e.state = READY
-            e.pins = 0
-            e.last_access = 0.0
-            e.up = parent
-            e.kids = None
-            e.prev = e.next = e.tier = None
-            if (pd is not None and key in pd) or r.setdefault(key, e) is not e:  # present: the record is dropped
-                deletes.append((ns, key))
-                alloc.free(off, osize[plen])
-                continue
+            if pl is not plen:
+                e.payload_len = pl
+            e.space = sp
             used += osize[plen]
             add_loaded(e)
             # _link_ready(e), inlined for a parent named by key (every loaded record's)
+            parent = e.up
             if parent is not None:
                 p = r.get(parent)
                 if p is not None and p is not e and p.state == READY:

@@ -136,27 +136,27 @@ def fill(d: Directory, descs: dict[str, tuple[dict, int]],
     recs = pages if type(pages) is PageRecords else PageRecords.of(pages)
     stale: list[tuple] = [(0, None, "", b"", 0, 0, 0, None, k) for k in recs.junk]
     rejected: list[tuple] = []
-    groups = recs.groups
+    groups = recs.done()
     spaces = d.spaces
     for node_id in list(groups):
-        items, revs = groups.pop(node_id)
+        ents, revs = groups.pop(node_id)
         if node_id not in spaces:
-            stale.extend(_record(recs, node_id, rec, rev) for rec, rev in zip(items, revs))
+            stale.extend(_record(recs, node_id, e, rev) for e, rev in zip(ents, revs))
             continue
         order = sorted(range(len(revs)), key=revs.__getitem__)  # recency restarts from commit order
-        items = list(map(items.__getitem__, order))
-        fx = d.load_pages(node_id, items)
+        ents = list(map(ents.__getitem__, order))
+        fx = d.load_entries(node_id, ents)
         if fx.deletes:
             gone = set(fx.deletes)
-            rejected.extend(_record(recs, node_id, rec, revs[i]) for rec, i in zip(items, order)
-                            if (rec[0], rec[1]) in gone)
-        del items, revs, order
+            rejected.extend(_record(recs, node_id, e, revs[i]) for e, i in zip(ents, order)
+                            if (e.ns, e.key) in gone)
+        del ents, revs, order
     return stale, rejected
 
 
-def _record(recs: PageRecords, node_id: str, rec: tuple, rev: int) -> tuple:
-    """The ``page_record`` tuple of a record of ``node_id`` (stale or rejected: a few)."""
-    return (rev, node_id) + rec + (recs.etcd_key(rec[0], rec[1]),)
+def _record(recs: PageRecords, node_id: str, e, rev: int) -> tuple:
+    """The ``page_record`` tuple of a record of ``node_id`` (stale or rejected: a few) from its entry."""
+    return (rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, recs.etcd_key(e.ns, e.key))
 
 
 def fingerprint(d: Directory) -> dict:
