@@ -48,6 +48,7 @@ from umbp.tls import client_context
 _IOV_MAX = 512
 _BIG_VIEW = 256 << 10  # recv_scatter: views this large are received on their own
 _DISCARD = memoryview(bytearray(64 << 10))  # scratch for data that is received only to be dropped (never read)
+HEADER_MEMO = 65536  # READV headers remembered as checked (TcpTransport._checked); cleared when full
 _TLS_COALESCE = 256 << 10  # TLS sends: runs of smaller buffers are joined (one record) up to about this much
 # what a receive raises when its deadline passed: waiting (timeout) or, past it, finding nothing more (non-blocking)
 _LATE = (TimeoutError, socket.timeout, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
@@ -418,6 +419,10 @@ class TcpTransport(Transport):
         self.component = f"transport tcp {node_id}"
         self._conn: FramedSocket | None = None
         self._ohdr = memoryview(bytearray(wire.OBJ_HEADER_SIZE * 64))  # object headers of one READV answer
+        self._slots = [self._ohdr[n * wire.OBJ_HEADER_SIZE:(n + 1) * wire.OBJ_HEADER_SIZE] for n in range(64)]
+        # (offset, key hash, generation, payload length) -> (header bytes, checksum) that passed the header check:
+        # the same bytes received again for the same directory entry pass without the unpack and crc
+        self._checked: dict[tuple[int, int, int, int], tuple[bytes, int | None]] = {}
 
     def _connection(self, deadline: float) -> FramedSocket:
         if self._conn is not None and not self._conn.closed and self._conn.peer_closed():
@@ -550,15 +555,18 @@ class TcpTransport(Transport):
         if data_len != expect:
             conn.close()
             raise TransportError(self.component, f"READV answer of {data_len} bytes, expected {expect}")
-        if len(self._ohdr) < hs * len(served):
+        slots = self._slots  # one 64-byte view of ``_ohdr`` per object: the header slots of the iovec
+        if len(slots) < len(served):
             self._ohdr = memoryview(bytearray(hs * len(served)))
-        ohdr = self._ohdr
+            slots = self._slots = [self._ohdr[n * hs:(n + 1) * hs] for n in range(len(served))]
         iov = []
         for n, j in enumerate(served):
-            iov.append(ohdr[n * hs:(n + 1) * hs])
+            iov.append(slots[n])
             op = ops[j]
-            if op.length:
-                iov.append(op.out[:op.length])
+            k = op.length
+            if k:
+                out = op.out
+                iov.append(out if len(out) == k else out[:k])
         try:
             conn.recv_scatter(iov, deadline)
             got = data_len
@@ -569,6 +577,8 @@ class TcpTransport(Transport):
             err = None
         check = wire.check_object_header
         comp = self.component
+        memo = self._checked
+        heads = self._ohdr[:hs * len(served)].tobytes()
         pos = 0
         for n, j in enumerate(served):
             op = ops[j]
@@ -578,11 +588,20 @@ class TcpTransport(Transport):
                     results[m] = err
                 err.settled = True
                 raise err
-            try:
-                csum = check(ohdr[n * hs:(n + 1) * hs], comp, op.khash, op.generation, op.payload_len)
-            except CorruptionError as e:
-                results[j] = e
-                continue
+            head = heads[n * hs:(n + 1) * hs]
+            ident = (op.offset, op.khash, op.generation, op.payload_len)
+            known = memo.get(ident)
+            if known is not None and known[0] == head:
+                csum = known[1]  # the very bytes that passed for this directory entry before
+            else:
+                try:
+                    csum = check(head, comp, op.khash, op.generation, op.payload_len)
+                except CorruptionError as e:
+                    results[j] = e
+                    continue
+                if len(memo) >= HEADER_MEMO:
+                    memo.clear()
+                memo[ident] = (head, csum)
             if csum is not None:
                 results[j] = check_payload(op, csum, comp)
 

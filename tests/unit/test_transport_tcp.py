@@ -262,3 +262,32 @@ def test_a_silent_peer_fails_the_receive_at_its_deadline():
         fs.recv_frame(time.monotonic() + 0.3)
     assert str(e.value).startswith(COMP) and fs.closed
     peer.close()
+
+
+def test_a_header_received_again_is_not_checked_again_but_a_changed_one_is(monkeypatch):
+    """The client remembers the headers that passed for each directory entry (``TcpTransport._checked``): the same
+    64 bytes for the same (offset, tag, generation, length) pass without the unpack and crc; any other bytes there
+    (a slot rewritten, a torn header) get the full check and fail that object only."""
+    calls = []
+    real = wire.check_object_header
+    monkeypatch.setattr(wire, "check_object_header", lambda *a: calls.append(a[2:]) or real(*a))
+    peer = Peer()
+    objs = objects(3, 5_000)
+    t, p, answer = started_read(peer, objs)
+    peer.write(answer)
+    assert t.finish(p, time.monotonic() + 10) == [None] * 3 and len(calls) == 3
+    calls.clear()
+    for op, _ in objs:
+        op.out[:] = bytes(len(op.out))
+    p = t.start_read([op for op, _ in objs], time.monotonic() + 5)
+    req = peer.read_request()
+    torn = bytearray(answer)
+    torn[wire.HEADER_SIZE + (wire.OBJ_HEADER_SIZE + 5_000) + 20] ^= 0xFF  # object 1's header, a byte of its key tag
+    peer.write(wire.encode(wire.Op.READV, req.request_id, None, data_len=len(torn) - wire.HEADER_SIZE,
+                           flags=wire.Flag.RESPONSE) + bytes(torn[wire.HEADER_SIZE:]))
+    res = t.finish(p, time.monotonic() + 10)
+    assert res[0] is None and res[2] is None and "torn object header" in str(res[1])
+    assert len(calls) == 1  # object 1 only: 0 and 2 were the very bytes checked before
+    assert [bytes(objs[i][0].out) for i in (0, 2)] == [objs[i][1][wire.OBJ_HEADER_SIZE:] for i in (0, 2)]
+    t.close()
+    peer.close()
