@@ -168,6 +168,56 @@ def test_thread_sizing():
         copies.set_max_threads(0)
 
 
+def test_sharing_cores_leaves_cores_to_other_work_on_this_thread_only():
+    copies.set_max_threads(4)
+    seen = []
+    try:
+        with copies.sharing_cores(1):
+            assert copies.threads_for(1 << 30) == 3
+            with copies.sharing_cores(5):
+                assert copies.threads_for(1 << 30) == 1  # never fewer than one
+            assert copies.threads_for(1 << 30) == 3
+            t = threading.Thread(target=lambda: seen.append(copies.threads_for(1 << 30)))
+            t.start()
+            t.join()
+        assert copies.threads_for(1 << 30) == 4 and seen == [4]
+    finally:
+        copies.set_max_threads(None)
+
+
+def test_a_pipelined_put_leaves_a_core_to_the_allocs_and_commits(make_cluster, monkeypatch):
+    """A batch_put of several chunks writes each chunk while other chunks' ALLOCs and COMMITs are served: its shm
+    copies use one thread fewer than the cores (``copies.sharing_cores``), a one-chunk put and a get all of them;
+    every page exact either way."""
+    from umbp import puts
+    from transport import shm
+
+    sizes: list[int] = []
+    real = copies.threads_for
+    monkeypatch.setattr(shm.copies, "threads_for", lambda n: sizes.append(real(n)) or sizes[-1])
+    monkeypatch.setattr(copies, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(copies, "MIN_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(puts, "CHUNK_MAX_PAGES", 8)
+    cluster = make_cluster(nodes=1, capacity="64MiB")
+    copies.set_max_threads(4)
+    try:
+        n, size = 32, 64 << 10
+        pages = [_rand(size, 300 + i) for i in range(n)]
+        with cluster.client(transport="shm") as c:
+            assert c.batch_put([f"pipe/{i}" for i in range(n)], pages) == [True] * n  # 4 chunks of 8
+            assert sizes and set(sizes) == {3}  # every chunk's write (shm sizes its Stream by it, and so does Stream)
+            sizes.clear()
+            assert c.batch_put([f"one/{i}" for i in range(8)], pages[:8]) == [True] * 8  # one chunk
+            assert sizes and set(sizes) == {4}
+            sizes.clear()
+            outs = [np.zeros(size, np.uint8) for _ in range(n)]
+            assert c.batch_get_into([f"pipe/{i}" for i in range(n)], outs) == [size] * n
+            assert sizes and set(sizes) == {4}
+            assert all(np.array_equal(o, p) for o, p in zip(outs, pages))
+    finally:
+        copies.set_max_threads(None)
+
+
 def test_shm_batch_split_across_threads_exact_bytes(make_cluster):
     """A batch of 24 pages of 1 MiB + 4 KiB (above the cut-over) written and read over shm: every page exact, and
     the copies ran on more than one thread."""

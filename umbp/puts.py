@@ -28,6 +28,7 @@ import numpy as np
 
 from transport import wire
 from transport.base import WriteOp
+from umbp import copies
 from umbp.auth import with_caps
 from umbp.buffers import PINNED, Rows, as_bytes_view, stage_cuda
 from umbp.devcopy import DeviceBatch
@@ -242,7 +243,7 @@ class PutPath:
                                                                                   chunks[len(allocs)]), deadline))
                     reply = meta.result(allocs[c], deadline)
                     items = with_caps(reply["items"], reply.get("caps"), 6)
-                    ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc, dev)
+                    ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc, dev, pipelined=True)
                     if ok_idx:
                         commits.append((meta.submit(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
                                                                      "gens": [gens[i] for i in ok_idx]}, deadline),
@@ -268,10 +269,13 @@ class PutPath:
         return acc.stored, acc.lost, acc.full, err, acc.waiting
 
     def _write_chunk(self, kb: list[bytes], views: list, idxs: list[int], items: list, deadline: float,
-                     acc: "_PutResult", dev: DeviceBatch | None = None) -> tuple[list[int], dict[int, int]]:
+                     acc: "_PutResult", dev: DeviceBatch | None = None, pipelined: bool = False
+                     ) -> tuple[list[int], dict[int, int]]:
         """Write one chunk's NEW places (every node's transfer in flight together; device pages on kernel nodes by
         the kernel, the other device pages staged first); abort the keys whose write failed. Returns (keys
-        written, their generations). A transport (or stager) that raises aborts the whole chunk."""
+        written, their generations). A transport (or stager) that raises aborts the whole chunk. ``pipelined``:
+        other chunks' ALLOCs and COMMITs are in flight, so host copies leave a core to whoever serves them
+        (``copies.sharing_cores``)."""
         batches: dict[str, list[WriteOp]] = {}
         index: dict[str, list[int]] = {}
         gens: dict[int, int] = {}
@@ -321,7 +325,13 @@ class PutPath:
                     add(i, item, parts)
                     dev.via[i] = DeviceBatch.VIA_STAGED
             direct_res = self._device.write(dev, direct) if direct else []
-            results = self._run(batches, "write", deadline) if batches else {}
+            if not batches:
+                results = {}
+            elif pipelined:  # other chunks' ALLOCs and COMMITs are being served meanwhile: leave them a core
+                with copies.sharing_cores(1):
+                    results = self._run(batches, "write", deadline)
+            else:
+                results = self._run(batches, "write", deadline)
         except Exception:
             self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in gens],
                                             "gens": list(gens.values())}, deadline)
