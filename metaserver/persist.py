@@ -522,6 +522,10 @@ class EtcdStore:
         rec["lease_id"] = kv.lease or 0
         return rec
 
+    def page_records(self) -> PageRecords:
+        """An empty ``PageRecords`` for this store's page keys (a standby parses a run of watch events with it)."""
+        return PageRecords(self._pages)
+
     def page_record(self, kv) -> tuple:
         """(mod_revision, node_id, ns, key, offset, payload_len, gen, parent, etcd_key) of a page kv; node_id None
         when the record cannot be read (the leader deletes it). ``payload_len`` is the layout code (a shared

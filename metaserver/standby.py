@@ -36,7 +36,9 @@ etcd: a standby never writes, and a takeover's stale deletes go through the lead
 Costs: the initial load is a full load (1 M pages in about 30 s on 2 busy cores; one directory's memory plus the
 snapshot's records while it runs; the directory is built in a thread, so the event loop keeps answering meanwhile);
 an event is O(1) (a dict probe, one allocator reservation, a policy append) except a page whose extent lies inside a
-larger free one (O(free extents) in ``Allocator.reserve``); ``take`` O(nodes + held pages).
+larger free one (O(free extents) in ``Allocator.reserve``); a watch batch's runs of page puts (lru) and of
+page deletes are applied together (``_put_pages``, ``_delete_pages``: about a third less CPU an event, which is
+what a partitioned pool's processes spend on their successor slots); ``take`` O(nodes + held pages).
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable
 
 from metaserver import validate as v
 from metaserver.directory import Directory
+from metaserver.entry import extent_size
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore, PageRecords
 from umbp.errors import Unavailable
 
@@ -61,6 +65,7 @@ RETRY_S = 0.1  # first pause after an etcd failure of the standby's load or watc
 RETRY_MAX_S = 2.0  # ... doubling up to this
 HELD_RETRY = 64  # held pages of a node retried when one of its pages goes (more wait for the takeover)
 _PUT = 0  # etcd Event.EventType PUT (DELETE is 1)
+_NS, _KEY = attrgetter("ns"), attrgetter("key")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,6 +219,8 @@ class WarmDirectory:
         self.load_s = 0.0
         self.loads = 0
         self.events = 0
+        self.fast_runs = 0  # runs of page puts filed at once (``_put_pages``)
+        self.fast_deletes = 0  # runs of page deletes removed at once (``_delete_pages``)
         self._moved = asyncio.Event()  # set whenever the copy changes: catch_up waits on it
         self._task: asyncio.Task | None = None
 
@@ -295,15 +302,30 @@ class WarmDirectory:
     def apply(self, events: list) -> None:
         """Apply one batch of watch events (raw protobuf, in revision order). Synchronous: a batch is applied whole."""
         store = self.store
+        run: list = []  # page puts in a row: applied together (``_put_pages``)
+        gone: list = []  # page deletes in a row: the same (``_delete_pages``)
         for ev in events:
             kv = ev.kv
             kind = store.kind_of(kv.key)
             if kind == PAGE:
                 if ev.type == _PUT:
-                    self._put_page(store.page_record(kv))
+                    if gone:
+                        self._delete_pages(gone)
+                        gone = []
+                    run.append(kv)
                 else:
-                    self._delete_page(kv.key)
-            elif kind == NODE or kind == ARENA:
+                    if run:
+                        self._put_pages(run)
+                        run = []
+                    gone.append(kv.key)
+                continue
+            if run:
+                self._put_pages(run)
+                run = []
+            if gone:
+                self._delete_pages(gone)
+                gone = []
+            if kind == NODE or kind == ARENA:
                 node_id = store.node_of(kv.key)
                 records = self.live if kind == NODE else self.arenas
                 rec = store.node_record(kv) if ev.type == _PUT else None
@@ -312,10 +334,95 @@ class WarmDirectory:
                 else:
                     records[node_id] = rec
                 self._sync_node(node_id)
+        if run:
+            self._put_pages(run)
+        if gone:
+            self._delete_pages(gone)
         if events:
             self.rev = max(self.rev, events[-1].kv.mod_revision)
             self.events += len(events)
             self._moved.set()
+
+    def _put_pages(self, kvs: list) -> None:
+        """``_put_page`` of each of a run of page puts, in order. An lru copy with nothing held or unreadable (the
+        steady state: a leader committing new pages) parses the run at once (``PageRecords``) and files each node's
+        new pages together (``_file_run``), which makes exactly what one put at a time makes: lru keeps one ring per
+        node, and the prefix links never move its entries (``links_blind``), so only each node's own order counts
+        (tests/unit/test_standby_batch.py compares the two on random streams). A run with an unreadable record, a
+        key present already or twice, or a node without a space, and every run of a prefix-lru copy, goes one put
+        at a time. CPU a put event (a 2-core VM, watch batches of 1,000 new pages of one node, best of 3): 7.4-10.6
+        us one at a time, 4.5-5.1 us in runs; a delete 5.5-7.7 us, 4.0-4.7 us (``_delete_pages``)."""
+        if len(kvs) > 1 and not self.held and not self.junk and self.dir.policy.links_blind:
+            recs = self.store.page_records()
+            recs.add(kvs)
+            if not recs.junk and self._file_run(recs):
+                self.fast_runs += 1
+                return
+        page_record = self.store.page_record
+        for kv in kvs:
+            self._put_page(page_record(kv))
+
+    def _file_run(self, recs: PageRecords) -> bool:
+        """File the parsed run ``recs`` as ``put_ready`` files each page (held when its extent is not free); False,
+        changing nothing, when some key is present or given twice, or a node has no space."""
+        d = self.dir
+        spaces, ready, pend = d.spaces, d.ready, d.pending_keys
+        groups = recs.done()
+        keys_of: dict[str, list[bytes]] = {}  # namespace -> the run's keys
+        for node_id, (ents, _revs) in groups.items():
+            if node_id not in spaces:
+                return False
+            nss = set(map(_NS, ents))
+            if len(nss) == 1:
+                keys_of.setdefault(nss.pop(), []).extend(map(_KEY, ents))
+            else:
+                for e in ents:
+                    keys_of.setdefault(e.ns, []).append(e.key)
+        for ns, keys in keys_of.items():
+            ks = set(keys)
+            if len(ks) != len(keys):
+                return False
+            r, pd = ready.get(ns), pend.get(ns)
+            if (r is not None and not r.keys().isdisjoint(ks)) or (pd is not None and not pd.keys().isdisjoint(ks)):
+                return False
+        plens: dict[int, tuple[int, int]] = {}  # layout code -> (its interned int, extent size; -1: none)
+        link, count = d._link_ready, d._count
+        for node_id, (ents, revs) in groups.items():
+            sp = spaces[node_id]
+            reserve = sp.alloc.reserve
+            filed: list = []
+            put = filed.append
+            r = last_ns = None
+            used = 0
+            for e, rev in zip(ents, revs):
+                pl = plens.get(e.payload_len)
+                if pl is None:
+                    pl = plens[e.payload_len] = ((d._plen(e.payload_len), extent_size(e.payload_len))
+                                                 if e.payload_len >= 0 else (e.payload_len, -1))
+                if pl[1] < 0 or not reserve(e.offset, pl[1]):
+                    self._hold((rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up,
+                                recs.etcd_key(e.ns, e.key)))
+                    continue
+                e.space = sp
+                e.payload_len = pl[0]
+                if e.ns != last_ns:
+                    if used:
+                        count(last_ns, used)
+                        used = 0
+                    last_ns = e.ns
+                    r = ready.get(last_ns)
+                    if r is None:
+                        r = ready[last_ns] = {}
+                r[e.key] = e
+                used += pl[1]
+                put(e)
+            if used:
+                count(last_ns, used)
+            sp.n += len(filed)
+            for e in filed:
+                link(e)
+            d.policy.add_many(filed)
+        return True
 
     def _put_page(self, p: tuple) -> None:
         _rev, node_id, ns, key, off, plen, gen, parent, ekey = p
@@ -336,6 +443,28 @@ class WarmDirectory:
 
     def _place(self, p: tuple) -> bool:
         return self.dir.put_ready(p[1], p[2], p[3], p[4], p[5], p[6], p[7]) is not None
+
+    def _delete_pages(self, ekeys: list) -> None:
+        """``_delete_page`` of each of a run of page deletes, in order: with nothing held or unreadable, the pages
+        named are removed with one ``Directory.remove`` per run of one namespace (the same removals, in order)."""
+        if self.held or self.junk:
+            for ekey in ekeys:
+                self._delete_page(ekey)
+            return
+        page_name, remove = self.store.page_name, self.dir.remove
+        ns, keys = None, []
+        for ekey in ekeys:
+            name = page_name(ekey)
+            if name is None:
+                continue
+            if name[0] != ns:
+                if keys:
+                    remove(ns, keys)
+                ns, keys = name[0], []
+            keys.append(name[1])
+        if keys:
+            remove(ns, keys)
+        self.fast_deletes += 1
 
     def _delete_page(self, ekey: bytes) -> None:
         self.junk.discard(ekey)
