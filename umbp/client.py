@@ -222,7 +222,7 @@ class Client(PutPath, MappedPath):
                 res = [p] * len(batches[node_id])
             else:
                 res = self._transports[node_id].finish(p, deadline)
-            if any(isinstance(r, TransportError) for r in res):
+            if any(res) and any(isinstance(r, TransportError) for r in res):  # any(res): all None, the usual case
                 self.counters["node_failures"] += 1
                 self._drop_transport(node_id)
             results[node_id] = res
@@ -364,6 +364,10 @@ class Client(PutPath, MappedPath):
                 results = {}
             failed = set()
             for node_id, res in results.items():
+                if not any(res):  # every read ahead succeeded (the usual case)
+                    for op, i in zip(batches[node_id], index[node_id]):
+                        early[i] = (early[i] or 0) + op.length
+                    continue
                 if any(isinstance(r, TransportError) for r in res):  # silent or gone: read it only when named again
                     self._spec.cache.forget_node(node_id)
                 for op, i, r in zip(batches[node_id], index[node_id], res):
@@ -431,7 +435,17 @@ class Client(PutPath, MappedPath):
                 ops.append(ReadOp(off, 0, size, khash, gen, size, view, cap))
                 idx.append(i)
                 continue
-            for j, (start, length, dest) in enumerate(segs[i]):
+            page = segs[i]
+            if len(page) == 1:  # the common shape (batch_get_into): the whole payload into one flat host view
+                start, length, dest = page[0]
+                if length < 0 and type(dest) is memoryview:
+                    if len(dest) < size:
+                        raise InvalidArgument(self.component, f"out 0 of key {i} holds {len(dest)} bytes but "
+                                                              f"{size} are to be read")
+                    ops.append(ReadOp(off, 0, size, khash, gen, size, dest, cap))
+                    idx.append(i)
+                    continue
+            for j, (start, length, dest) in enumerate(page):
                 if length < 0:
                     start, length = 0, size
                 if type(dest) is CudaOut and node_id in kernel:
