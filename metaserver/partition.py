@@ -1,6 +1,6 @@
-"""One metaserver process of a partitioned pool: per-slot elections with no coordinator, slot routing, handover
-to a joining process, and the process-level answers (LEADER with the slot map, STATS/NODES/LIST/EVICT/DRAIN over
-the slots it leads).
+"""One metaserver process of a partitioned pool: per-slot elections with no coordinator, slot routing and handover
+to a joining process. The process-level answers (LEADER with the slot map, STATS/NODES/LIST/EVICT/DRAIN over the
+slots it leads) are ``metaserver/partanswers.py``'s.
 
 Election (``_round``, every POLL_S): the process holds one etcd lease of ``election_ttl_s`` (kept alive every
 ttl/3, with today's local validity deadline, ``leader.py``) under which it puts ``members/{addr}`` and every slot
@@ -36,10 +36,10 @@ import msgpack
 
 from metaserver import multislot
 from metaserver import validate as v
-from metaserver.admin import require_admin
 from metaserver.combine import TxnCombiner
 from metaserver.metrics import MetaserverMetrics
 from metaserver.ownership import release_answer, release_ids
+from metaserver.partanswers import PartitionAnswers
 from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S
 from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank, ranking
@@ -49,7 +49,6 @@ from transport.wire import Op, Status
 from umbp.auth import Tokens
 from umbp.config import MetaserverConfig
 from umbp.errors import NotLeader, StartupError, UmbpError
-from umbp.slotmap import merge_stats, split_by_use
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -131,7 +130,7 @@ class _Leadership:
         return self.p.servers[MEMBERSHIP].serving
 
 
-class Partition:
+class Partition(PartitionAnswers):
     """The process: its lease, its slot servers, the election rounds and the request routing."""
 
     def __init__(self, config: MetaserverConfig, advertise: str, slots: int):
@@ -535,76 +534,3 @@ class Partition:
         for name, sc in (getattr(conn, "slot_conns", None) or {}).items():
             n += self.servers[name].drop_pending(sc)
         return n
-
-    # -- process-level answers ---------------------------------------------------------------------------------
-    def slot_map(self) -> list[str | None]:
-        return [self.holder(s) for s in self.names[:-1]]
-
-    def leader_info(self, meta: Any, conn) -> dict:
-        v.fields(meta, frozenset())
-        return {"leader": self.holder(MEMBERSHIP), "is_leader": self.servers[MEMBERSHIP].serving,
-                "slots": self.slots, "map": self.slot_map(), "members": sorted(self.members)}
-
-    def stats(self, meta: Any, conn) -> dict:
-        v.fields(meta, frozenset())
-        parts = [self.servers[s].stats(meta, self._slot_conn(conn, s)) for s in self.led()]
-        out = merge_stats(parts, self.addr)
-        out.update({"metaserver": self.addr, "slots": self.slots, "slots_led": [int(s) for s in self.led()],
-                    "slot_map": self.slot_map(), "members": sorted(self.members),
-                    "membership_leader": self.holder(MEMBERSHIP), "handovers": self.handovers,
-                    "is_leader": bool(parts), "leader": self.holder(MEMBERSHIP),
-                    "etcd_combined": {"txns": self.combiner.txns, "parts": self.combiner.parts,
-                                      "split": self.combiner.split}})
-        if not parts:
-            out["nodes"] = self.nodes(meta, conn)["nodes"]
-        return out
-
-    def nodes(self, meta: Any, conn) -> dict:
-        v.fields(meta, frozenset())
-        m = self.servers[MEMBERSHIP]
-        parts = [{"nodes": self.servers[s].nodes(meta, conn)["nodes"]} for s in self.led()]
-        if m.serving:
-            parts.append({"nodes": [dict(n, used_bytes=0, objects=0) for n in m.nodes(meta, conn)["nodes"]]})
-        return {"nodes": merge_stats(parts, self.addr).get("nodes", [])}
-
-    def list_objects(self, meta: Any, conn) -> dict:
-        objects, truncated = [], False
-        for s in self.led():
-            res = self.servers[s].list_objects(meta, self._slot_conn(conn, s))
-            objects.extend(res["objects"])
-            truncated = truncated or res["truncated"]
-        limit = meta.get("limit", 1000) if type(meta) is dict and type(meta.get("limit")) is int else 1000
-        return {"objects": objects[:limit], "truncated": truncated or len(objects) > limit}
-
-    def _all_slots(self, op: int, meta: Any, conn, keys: tuple[str, ...]):
-        return self._sum_over(op, [(s, meta) for s in self.led()], conn, keys)
-
-    async def _sum_over(self, op: int, asks: list, conn, keys: tuple[str, ...]) -> dict:
-        """Ask each (slot, meta) of ``asks`` with ``op`` in turn; the answers' ``keys`` summed."""
-        out = {k: 0 for k in keys}
-        for s, meta in asks:
-            res = self.servers[s].handlers[op](meta, self._slot_conn(conn, s))
-            if type(res) is not dict:
-                res = await res
-            for k in keys:
-                out[k] += res.get(k, 0)
-        return out
-
-    def evict(self, meta: Any, conn):
-        require_admin(conn, "EVICT")
-        if type(meta) is dict and type(meta.get("bytes")) is int and meta["bytes"] >= 0 and len(meta) == 1:
-            return self._evict_bytes(meta["bytes"], conn)
-        return self._all_slots(Op.EVICT, meta, conn, ("evicted", "freed_bytes"))
-
-    def _evict_bytes(self, want: int, conn):
-        """EVICT {"bytes"}: the bytes split over the slots led here by their use (``split_by_use``), not asked of
-        every slot (S times too much)."""
-        led = self.led()
-        shares = split_by_use(want, [self.servers[s].dir.used for s in led])
-        return self._sum_over(Op.EVICT, [(s, {"bytes": share}) for s, share in zip(led, shares) if share > 0], conn,
-                              ("evicted", "freed_bytes"))
-
-    def drain(self, meta: Any, conn):
-        require_admin(conn, "DRAIN")
-        return self._all_slots(Op.DRAIN, meta, conn, ("dropped", "pinned"))
-
