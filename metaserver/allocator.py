@@ -261,25 +261,33 @@ class Allocator:
             tracked.clear()
         base, units = self.base, self.units
         n = len(offsets)
-        order = sorted(range(n), key=offsets.__getitem__)
+        order = None
         if n and tracked is None and not base % UNIT:
             # The common case checked and done at C level: every extent aligned, of whole units, none overlapping
-            # the next, all inside the region (what the loop below would then find, extent by extent).
-            offs = list(map(offsets.__getitem__, order))
-            lens = list(map(sizes.__getitem__, order))
+            # the next, all inside the region (what the loop below would then find, extent by extent). Offsets
+            # given in order already (a pool filled in commit order) are not sorted again.
+            if all(map(le, offsets, islice(offsets, 1, None))):
+                offs, lens = offsets, sizes
+            else:
+                order = sorted(range(n), key=offsets.__getitem__)
+                offs = list(map(offsets.__getitem__, order))
+                lens = list(map(sizes.__getitem__, order))
+            kinds = set(lens)  # a few sizes
             ends = list(map(_plus, offs, lens))
-            if (offs[0] >= base and ends[-1] <= base + units * UNIT and min(lens) > 0
-                    and not any(map(UNIT.__rmod__, offs)) and not any(map(UNIT.__rmod__, lens))
-                    and all(map(le, ends, islice(offs, 1, None)))):
+            limit = base + units * UNIT
+            if (offs[0] >= base and ends[-1] <= limit and min(kinds) > 0 and not any(k % UNIT for k in kinds)
+                    and not any(map(UNIT.__rmod__, offs)) and all(map(le, ends, islice(offs, 1, None)))):
                 self.used_units = sum(lens) // UNIT
                 addf = self._add_free
                 if offs[0] > base:
                     addf(0, (offs[0] - base) // UNIT)
                 for j in compress(range(n - 1), map(lt, ends, islice(offs, 1, None))):
                     addf((ends[j] - base) // UNIT, (offs[j + 1] - ends[j]) // UNIT)
-                if ends[-1] < base + units * UNIT:
+                if ends[-1] < limit:
                     addf((ends[-1] - base) // UNIT, units - (ends[-1] - base) // UNIT)
                 return []
+        if order is None:
+            order = sorted(range(n), key=offsets.__getitem__)
         rejected: list[int] = []
         gaps: list[int] = []  # start, length of each free extent, in order
         cursor = used = 0

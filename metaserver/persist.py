@@ -223,6 +223,7 @@ class PageRecords:
             recs = list(map(unpack, map(_value, kvs)))
         except _UNREADABLE:
             recs = list(map(_unpack_or_none, map(_value, kvs)))
+        last_head = ns = None
         for ekey, rec, rev in zip(map(_key, kvs), recs, map(_mod_revision, kvs)):
             try:
                 head, _, hexkey = ekey.rpartition(b"/")  # the prefix ends in "/": what ``_name`` reads
@@ -231,9 +232,11 @@ class PageRecords:
                     raise ValueError("a page key not in lower-case hex")
                 if len(key) >= 64 and digest_key(key) is not key:
                     raise ValueError("a digest key not in its raw form")
-                ns = names.get(head)
-                if ns is None:
-                    ns = names[head] = _intern(head[cut:].decode())
+                if head != last_head:  # (a scan returns a namespace's keys together)
+                    ns = names.get(head)
+                    if ns is None:
+                        ns = names[head] = _intern(head[cut:].decode())
+                    last_head = head
                 if type(rec) is list and len(rec) == 6:
                     node_id, off, plen, gen, parent, n = rec
                     if (type(n) is not int or not 1 <= n <= MAX_SHARDS or type(plen) is not int

@@ -225,7 +225,7 @@ class NodeSpaces:
                     k = p.kids
                     if k is None:
                         p.kids = e
-                        if p.pins == 0 and not blind:
+                        if p.pins == 0 and not blind and p.tier is not None:  # (unfiled: nothing to re-file)
                             changed(p)
                     elif type(k) is set:
                         k.add(e)

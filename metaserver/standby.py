@@ -33,8 +33,10 @@ Failures: every etcd error is retried (the watch resumes after the last applied 
 RETRY_MAX_S); a compacted resume revision means events are lost, so the standby loads again. None of this writes to
 etcd: a standby never writes, and a takeover's stale deletes go through the leader's fenced writer.
 
-Costs: the initial load is a full load (1 M pages in about 30 s on 2 busy cores; one directory's memory plus the
-snapshot's records while it runs; the directory is built in a thread, so the event loop keeps answering meanwhile);
+Costs: the initial load is a full load (1 M pages from a local etcd: about 10 s, 3.5 CPU-s of it this process's,
+plus 1.2-1.5 CPU-s for ``fill``; 10 M pages: 35-45 CPU-s on this project's 2-core VM, ``bench/scale.py``'s load;
+one directory's memory plus the snapshot's records while it runs, each node's released once it is in; the
+directory is built in a thread, so the event loop keeps answering meanwhile);
 an event is O(1) (a dict probe, one allocator reservation, a policy append) except a page whose extent lies inside a
 larger free one (O(free extents) in ``Allocator.reserve``); a watch batch's runs of page puts (lru) and of
 page deletes are applied together (``_put_pages``, ``_delete_pages``: about a third less CPU an event, which is
