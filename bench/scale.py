@@ -25,9 +25,10 @@ Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own f
 - alloc+commit/s while building (growing directory) and at size N (full pool: every new page evicts one);
 - lookup+release keys/s (a get's metaserver work: locations, a read lease, its release) and exists keys/s at N,
   in 1,000-key batches taken as prompt prefixes of random chains (hits);
-- load: N page records as ``EtcdStore.load`` returns them (each parsed from its etcd key and msgpack value, as
-  ``persist.load`` does) grouped per node and sorted by revision as ``service._load`` does, then
-  ``Directory.load_pages`` per node (the takeover path), with the parse and the directory load timed apart;
+- load: N page records as etcd returns them (protobuf kvs, ``LOAD_PAGE`` a response) parsed by the metaserver's
+  own ``persist.PageRecords.add`` (what ``EtcdStore.load`` runs on each response), then ``standby.fill`` (what
+  ``Metaserver._load`` runs: per node a sort by revision and ``Directory.load_entries``), the collector paused as
+  there (``standby.gc_paused``), with the parse and the directory load timed apart;
 - the same at N through the metaserver's per-request work minus I/O ("wire path"): msgpack in and out, the
   request's validation (``metaserver.validate``), the directory call, and what ``service.py`` adds per key in a
   closed pool (a keyed blake2b object tag per key and one capability per node per batch, ``metaserver.grants``; for a commit, the
@@ -62,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgpack  # noqa: E402
 
 from metaserver.directory import NEW, Directory  # noqa: E402
-from transport.wire import object_size  # noqa: E402
+from transport.wire import digest_key, object_size  # noqa: E402
 from umbp.keys import namespace  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself, for the helper below
@@ -344,6 +345,8 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
                 off = per_node_off[node]
                 per_node_off[node] += size
                 rev += 1
+                if HEX_KEYS:  # the metaserver keeps (and persists) a digest key in its raw form (wire.digest_key)
+                    k, p = digest_key(k), digest_key(p) if p is not None else None
                 yield (prefix + m.ns.encode() + b"/" + k.hex().encode(),
                        msgpack.packb([f"host{node:02d}", off, m.payload, rev, p], use_bin_type=True), rev)
                 m.pages += 1
@@ -530,7 +533,7 @@ def main() -> None:
                 print(f"{'':>10}  load failed ({ld['error']})")
             else:
                 print(f"{'':>10}  load {ld['pages']:,} pages: parse records {ld['parse_s']:.1f} s + "
-                      f"Directory.load_pages {ld['load_s']:.1f} s = {ld['parse_s'] + ld['load_s']:.1f} s "
+                      f"fill {ld['load_s']:.1f} s = {ld['parse_s'] + ld['load_s']:.1f} s "
                       f"({(ld['parse_s'] + ld['load_s']) / ld['pages'] * 1e6:.2f} us/page; "
                       f"peak RSS {ld['peak_rss_gib']:.1f} GiB)")
     if a.etcd_pages:
