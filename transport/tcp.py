@@ -14,9 +14,10 @@ object is never returned as data; objects of a READV answer received whole befor
 Plain sockets are in blocking mode, their deadline kept by SO_RCVTIMEO / SO_SNDTIMEO (set to half the time left when
 the one set is longer than that: a client's calls, each due ``timeout_s`` out, set it once), and every receive asks
 for MSG_WAITALL: one syscall per frame header and one per run of views, however the bytes arrive. Python's
-timeout mode polled before every call and returned to Python for each socket buffer's worth: a 64 KiB x64 READV
-answer on loopback took 31 syscalls (12 ``recvmsg_into``, 11 ``poll``, 8 ``ioctl`` for timeouts and the idle-peer
-peek), now 8 (cProfile of the client: ``recv_scatter``'s own Python 290 us a batch, now 50). With ``tls_ca`` the
+timeout mode polled before every call and returned to Python for each socket buffer's worth: a 64 KiB x64 get on
+loopback took 31 client syscalls (strace -c: 11 ``poll``, 8 ``ioctl`` for timeouts and the idle-peer peek, 5
+``recvmsg``, 4 ``recvfrom``, 3 ``sendmsg``; 12 ``recvmsg_into`` a get without strace), now 8 (1 ``recvmsg``, 4
+``recvfrom``, 3 ``sendmsg``); cProfile: ``recv_scatter``'s own Python 290 us a get, now 50. With ``tls_ca`` the
 socket is wrapped in TLS (umbp/tls.py), keeps Python's timeout mode, and sends with ``sendall`` of coalesced
 pieces and receives with ``recv_into`` per view (SSLSocket has no ``sendmsg``/``recvmsg_into``).
 
