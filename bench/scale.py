@@ -375,7 +375,8 @@ def run_load(policy: str, n_pages: int, seed: int) -> dict:
     a takeover holds: the parsed records, then the directory built from them (``fill``). The collector is paused as
     ``Metaserver._load`` pauses it (``gc_paused``)."""
     import aetcd.rpc
-    from metaserver.persist import LOAD_PAGE, PageRecords
+    from metaserver.persist import LOAD_PAGE
+    from metaserver.records import PageRecords
     from metaserver.standby import gc_paused
     parse_s = 0.0
     with gc_paused():

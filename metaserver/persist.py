@@ -31,7 +31,7 @@ events. A compacted ``start`` is not an error but a value (the caller must load 
 ``Unavailable``.
 
 Costs: one etcd round trip per ``batch`` ops under load; the loader reads ``LOAD_PAGE`` records per round trip and
-parses them as they arrive into the entries they become (``PageRecords``, about 1.5 us a record); a watch costs one
+parses them as they arrive into the entries they become (``metaserver/records.py``, about 1.5 us a record); a watch costs one
 stream, its responses fragmented by etcd (``fragment``) so a burst of revisions never exceeds
 gRPC's message limit.
 """
@@ -40,9 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-from binascii import unhexlify
-from operator import attrgetter
 from typing import Any, AsyncIterator
 
 import aetcd
@@ -50,13 +47,13 @@ import aetcd.exceptions
 import aetcd.rpc
 import msgpack
 
-from metaserver.entry import MAX_SHARDS, PART_MASK, READY, SHARD_SHIFT, Entry
-from transport.wire import Status, digest_key
+from metaserver.entry import PART_MASK, SHARD_SHIFT
+from metaserver.records import PageRecords, _name
+from transport.wire import Status
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
-_intern = sys.intern
 
 LOAD_PAGE = 5000
 PAGE, NODE, ARENA, OTHER = range(4)  # what an etcd key under the prefix holds (``EtcdStore.kind_of``)
@@ -116,173 +113,6 @@ def add_ops(req, items) -> None:
             p = add().request_put
             p.key = key
             p.value = value
-
-
-def _name(etcd_key: bytes, cut: int) -> tuple[str, bytes]:
-    """(ns, key) of a page's etcd key (``cut``: the length of the pages prefix); raises ValueError (also
-    binascii.Error) or UnicodeDecodeError when it is not a name this pool writes (``PageRecords``)."""
-    ns_b, _, hexkey = etcd_key[cut:].rpartition(b"/")
-    key = unhexlify(hexkey)
-    if not hexkey.islower() and hexkey != key.hex().encode():
-        raise ValueError("a page key not in lower-case hex")
-    if len(key) >= 64 and digest_key(key) is not key:
-        raise ValueError("a digest key not in its raw form")
-    return ns_b.decode(), key
-
-
-_UNREADABLE = (ValueError, TypeError, OverflowError, UnicodeDecodeError, msgpack.exceptions.UnpackException)
-_key, _value, _mod_revision = attrgetter("key"), attrgetter("value"), attrgetter("mod_revision")
-
-
-def _unpack_or_none(value: bytes):
-    """The unpacked value, None when it is not msgpack (None is no record either: the record is unreadable)."""
-    try:
-        return msgpack.unpackb(value)
-    except _UNREADABLE:
-        return None
-
-
-class PageRecords:
-    """The page records of one load, parsed as the scan delivers them (``add``) and grouped by node: ``groups``
-    maps node_id -> ([Entry], [mod_revision]), both in scan order, each record parsed straight into the directory
-    entry it becomes (READY, not filed: ``space`` None, parent named by key), which ``Directory.load_entries``
-    files; ``junk`` holds the etcd keys of the unreadable records (the leader deletes them). ``len`` is every record
-    added. ``metaserver.standby.fill`` builds a directory from it; ``etcd_key(ns, key)`` is the etcd key of every
-    record that was read (``EtcdStore.page_key``).
-
-    Unreadable: a value that is not a 5- or 6-field record (a shared entry's: its part count ``n`` in 1..MAX_SHARDS
-    and its part length in range), a node id that is not a string, a parent that is neither bytes nor nil, fields
-    ``int`` refuses; a name that is not ``{ns}/{lower-case hex}`` (the leader writes no other, so it could never
-    delete another form: upper-case hex would come back after every restart) or that names a digest key by its hex
-    text instead of its raw form (written before keys had one form, ``wire.digest_key``: a cache page lost once at
-    that upgrade, never two records for one page).
-
-    Why this shape: a takeover holds every record until the directory is built (10 M pages). An entry made here,
-    while the key, offset and parent objects msgpack just made are in the cache, is half the cost of one made from
-    a tuple of them later (1 M pages: the load's per-record loop went from 1.1 to 0.6 us); no tuple per record, the
-    namespace one interned string, the etcd key not kept (the 9-tuple with its etcd key that every record was: 9.7
-    GiB at 10 M pages, 2.7x the directory). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack
-    unpack, an unhexlify, an entry)."""
-
-    __slots__ = ("groups", "junk", "n", "_prefix", "_cut", "_names", "_apps", "_ekeys")
-
-    def __init__(self, prefix: bytes):
-        self.groups: dict[str, tuple[list[Entry], list[int]]] = {}
-        self.junk: list[bytes] = []
-        self.n = 0
-        self._prefix = prefix
-        self._cut = len(prefix)
-        self._names: dict[bytes, str] = {}  # namespace as in the etcd key -> its (interned) str
-        self._apps: dict[str, tuple] = {}  # node id -> the append methods of its two lists in ``groups``
-        self._ekeys: dict[tuple[str, bytes], bytes] | None = None  # ``of``: the tuples' own etcd keys
-
-    def __len__(self) -> int:
-        return self.n
-
-    @classmethod
-    def of(cls, pages: list[tuple]) -> "PageRecords":
-        """From ``EtcdStore.page_record`` tuples (tests, tools), their etcd keys kept as they were given."""
-        recs = cls(b"")
-        recs._ekeys = {}
-        for p in pages:
-            recs.n += 1
-            if p[1] is None or type(p[1]) is not str:
-                recs.junk.append(p[8])
-                continue
-            g = recs.groups.get(p[1])
-            if g is None:
-                g = recs.groups[p[1]] = ([], [])
-            g[0].append(Entry(p[2], p[3], None, p[4], p[5], p[6], READY, p[7], 0.0))
-            g[1].append(p[0])
-            recs._ekeys[(p[2], p[3])] = p[8]
-        return recs
-
-    def done(self) -> dict[str, tuple[list[Entry], list[int]]]:
-        """No more ``add``: ``groups``, its lists no longer referenced from here (so a caller that pops a node's
-        lists frees them)."""
-        self._apps = {}
-        return self.groups
-
-    def etcd_key(self, ns: str, key: bytes) -> bytes:
-        """The etcd key of the record read for (ns, key): ``EtcdStore.page_key`` of it (``of``: the tuple's)."""
-        if self._ekeys is not None:
-            return self._ekeys[(ns, key)]
-        return self._prefix + ns.encode() + b"/" + key.hex().encode()
-
-    def add(self, kvs) -> None:
-        """Parse page kvs (key, value, mod_revision) into ``groups``, or ``junk`` when unreadable. The loop is
-        ``_name`` and the record checks inlined (``page_record`` is this on one kv): keep them in step."""
-        cut = self._cut
-        names = self._names  # the etcd key before its last "/" -> its namespace
-        groups = self.groups
-        apps = self._apps
-        unpack = msgpack.unpackb
-        new = Entry.__new__
-        self.n += len(kvs)
-        try:  # the values unpacked at C level (one unreadable one: each on its own, None for the unreadable)
-            recs = list(map(unpack, map(_value, kvs)))
-        except _UNREADABLE:
-            recs = list(map(_unpack_or_none, map(_value, kvs)))
-        last_head = ns = None
-        for ekey, rec, rev in zip(map(_key, kvs), recs, map(_mod_revision, kvs)):
-            try:
-                head, _, hexkey = ekey.rpartition(b"/")  # the prefix ends in "/": what ``_name`` reads
-                key = unhexlify(hexkey)
-                if not hexkey.islower() and hexkey != key.hex().encode():
-                    raise ValueError("a page key not in lower-case hex")
-                if len(key) >= 64 and digest_key(key) is not key:
-                    raise ValueError("a digest key not in its raw form")
-                if head != last_head:  # (a scan returns a namespace's keys together)
-                    ns = names.get(head)
-                    if ns is None:
-                        ns = names[head] = _intern(head[cut:].decode())
-                    last_head = head
-                if type(rec) is list and len(rec) == 6:
-                    node_id, off, plen, gen, parent, n = rec
-                    if (type(n) is not int or not 1 <= n <= MAX_SHARDS or type(plen) is not int
-                            or not 0 <= plen <= PART_MASK):
-                        raise ValueError("a shared page's part count or length out of range")
-                    plen |= n << SHARD_SHIFT  # metaserver.entry.layout
-                else:
-                    node_id, off, plen, gen, parent = rec
-                    if type(plen) is not int:
-                        plen = int(plen)
-                    elif plen > PART_MASK:
-                        raise ValueError("a payload length out of range")
-                if type(off) is not int:
-                    off = int(off)
-                if type(gen) is not int:
-                    gen = int(gen)
-                if parent is not None:
-                    if type(parent) is not bytes:
-                        raise TypeError("a parent that is not bytes")
-                    if len(parent) >= 64:
-                        parent = digest_key(parent)
-                g = apps.get(node_id)
-                if g is None:
-                    if type(node_id) is not str:
-                        raise TypeError("a node id that is not a string")
-                    ents, revs = groups[node_id] = ([], [])
-                    g = apps[node_id] = (ents.append, revs.append)
-                # Entry(ns, key, None, off, plen, gen, READY, parent, 0.0), inlined: keep in step
-                e = new(Entry)
-                e.key = key
-                e.ns = ns
-                e.space = None
-                e.offset = off
-                e.payload_len = plen
-                e.gen = gen
-                e.state = READY
-                e.pins = 0
-                e.last_access = 0.0
-                e.up = parent
-                e.kids = None
-                e.prev = e.next = e.tier = None
-                add_e, add_rev = g
-                add_e(e)
-                add_rev(rev)
-            except _UNREADABLE:
-                self.junk.append(ekey)
 
 
 class EtcdStore:

@@ -57,7 +57,8 @@ from typing import Callable
 from metaserver import validate as v
 from metaserver.directory import Directory
 from metaserver.entry import extent_size
-from metaserver.persist import ARENA, NODE, PAGE, EtcdStore, PageRecords
+from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
+from metaserver.records import PageRecords
 from umbp.errors import Unavailable
 
 log = logging.getLogger("umbp.metaserver")
