@@ -130,11 +130,11 @@ def namespace(args) -> str:
 
 
 def static_split(trace: list[Turn], cap_pages: int, slots: int, ns: str) -> float:
-    """Hit rate of ``slots`` ideal LRU partitions of ``cap_pages // slots`` pages each (slot = ``wire.slot_of``),
+    """Hit rate of ``slots`` ideal LRU partitions of ``cap_pages // slots`` pages each (slot = ``slotrules.slot_of``),
     replayed offline as the pool is used: prefix hits refreshed, puts of pages already held refresh them too."""
     from collections import OrderedDict
 
-    from transport.wire import slot_of
+    from transport.slotrules import slot_of
     from umbp.keys import normalize_key
 
     parts = [OrderedDict() for _ in range(slots)]

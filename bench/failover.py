@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 import msgpack  # noqa: E402
 
 from metaserver.persist import EtcdStore  # noqa: E402
-from transport.tcp import FramedSocket  # noqa: E402
+from transport.framed import FramedSocket  # noqa: E402
 from transport.wire import ARENA_DATA_START, Op, object_size  # noqa: E402
 from umbp.errors import UmbpError  # noqa: E402
 from umbp.launcher import find_etcd, free_port  # noqa: E402

@@ -63,7 +63,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgpack  # noqa: E402
 
 from metaserver.directory import NEW, Directory  # noqa: E402
-from transport.wire import digest_key, object_size  # noqa: E402
+from transport.keyform import digest_key  # noqa: E402
+from transport.wire import object_size  # noqa: E402
 from umbp.keys import namespace  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself, for the helper below
@@ -345,7 +346,7 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
                 off = per_node_off[node]
                 per_node_off[node] += size
                 rev += 1
-                if HEX_KEYS:  # the metaserver keeps (and persists) a digest key in its raw form (wire.digest_key)
+                if HEX_KEYS:  # the metaserver keeps (and persists) a digest key in its raw form (keyform.digest_key)
                     k, p = digest_key(k), digest_key(p) if p is not None else None
                 yield (prefix + m.ns.encode() + b"/" + k.hex().encode(),
                        msgpack.packb([f"host{node:02d}", off, m.payload, rev, p], use_bin_type=True), rev)

@@ -5,7 +5,7 @@ one request per process instead of one per slot (``umbp/slotrouter.py`` sends th
 Request: the op's usual meta (``ns``, ``keys``, the per-key lists ``sizes``/``parents``/``gens``, any per-request
 field such as ``token``) plus ``parts``: ``[[slot, n], ...]``: the keys grouped by slot in that order, ``n`` keys
 each (every slot once, every ``n`` >= 1, the counts adding up to ``len(keys)``). An ALLOC's keys are each checked to
-hash to their part's slot (``wire.slots_of``), so an entry only ever lives in its key's slot; the other requests
+hash to their part's slot (``slotrules.slots_of``), so an entry only ever lives in its key's slot; the other requests
 trust the parts (a key sent under another slot can only miss there: not found, not committed, not removed), which
 saves a keyed hash per key on every read (12 % of a 4-process pool's CPU on lookups, py-spy on the GPU machine). A
 single-slot request names its slot the same way with ``"slot": s`` (wire VERSION 10, ``Partition.named_slot``).
@@ -26,7 +26,7 @@ import asyncio
 from typing import Any
 
 from metaserver import validate as v
-from transport import wire
+from transport import slotrules
 from transport.wire import Op, Status
 from umbp.errors import NotLeader, RemoteError, UmbpError
 
@@ -59,7 +59,7 @@ def split(meta: dict, slots: int, check: bool = True) -> list[tuple[int, dict]]:
                 m[k] = x[at:at + n]
             elif k in meta:
                 m[k] = x
-        for i, got in enumerate(wire.slots_of(ns, m["keys"], slots) if check else ()):
+        for i, got in enumerate(slotrules.slots_of(ns, m["keys"], slots) if check else ()):
             if got != slot and got != -1:  # -1: not a key at all, refused by the part's own validation
                 raise v.Reject(f"'parts': key {at + i} is not of slot {slot}")
         out.append((slot, m))

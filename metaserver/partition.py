@@ -44,7 +44,7 @@ from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S
 from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank, ranking
 from metaserver.standby import node_descs
-from transport import wire
+from transport import slotrules
 from transport.wire import Op, Status
 from umbp.auth import Tokens
 from umbp.config import MetaserverConfig
@@ -476,7 +476,7 @@ class Partition(PartitionAnswers):
             return "0"  # malformed: slot 0's handler answers with the precise error
         ns, keys = meta["ns"], meta["keys"]
         S = self.slots
-        slots = set(wire.slots_of(ns, keys, S))
+        slots = set(slotrules.slots_of(ns, keys, S))
         slots.discard(-1)
         if len(slots) > 1:
             raise v.Reject(f"keys of {len(slots)} slots in one request: a partitioned pool ({S} slots) takes one "
@@ -492,7 +492,7 @@ class Partition(PartitionAnswers):
         if type(s) is not int or not 0 <= s < self.slots:
             raise v.Reject(f"'slot' must be an int 0..{self.slots - 1}, got {s!r}")
         if check and type(meta.get("ns")) is str and type(meta.get("keys")) is list:
-            for i, got in enumerate(wire.slots_of(meta["ns"], meta["keys"], self.slots)):
+            for i, got in enumerate(slotrules.slots_of(meta["ns"], meta["keys"], self.slots)):
                 if got != s and got != -1:  # -1: not a key at all, refused by the slot's own validation
                     raise v.Reject(f"key {i} is not of slot {s}")
         return str(s)

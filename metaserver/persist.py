@@ -5,7 +5,7 @@ Layout under ``prefix`` (``MetaserverConfig.etcd_prefix``)::
     {prefix}/nodes/{node_id}        msgpack(node record incl. lease_id), attached to the node's lease
     {prefix}/arenas/{node_id}       msgpack(the same record), durable: which arena the node's pages live in
     {prefix}/pages/{ns}/{hex key}   msgpack([node_id, offset, payload_len, gen, parent]); READY pages only; the key
-                                    in its digest form (``wire.digest_key``: 64 hex characters for a digest). A
+                                    in its digest form (``keyform.digest_key``: 64 hex characters for a digest). A
                                     shared entry (``metaserver/shared.py``) appends its part count:
                                     [node_id, offset, part_len, gen, parent, n]
     {prefix}/gen                    decimal: every generation below it may have been handed out

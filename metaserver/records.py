@@ -13,7 +13,7 @@ from operator import attrgetter
 import msgpack
 
 from metaserver.entry import MAX_SHARDS, PART_MASK, READY, SHARD_SHIFT, Entry
-from transport.wire import digest_key
+from transport.keyform import digest_key
 
 _intern = sys.intern
 
@@ -54,7 +54,7 @@ class PageRecords:
     and its part length in range), a node id that is not a string, a parent that is neither bytes nor nil, fields
     ``int`` refuses; a name that is not ``{ns}/{lower-case hex}`` (the leader writes no other, so it could never
     delete another form: upper-case hex would come back after every restart) or that names a digest key by its hex
-    text instead of its raw form (written before keys had one form, ``wire.digest_key``: a cache page lost once at
+    text instead of its raw form (written before keys had one form, ``keyform.digest_key``: a cache page lost once at
     that upgrade, never two records for one page).
 
     Why this shape: a takeover holds every record until the directory is built (10 M pages). An entry made here,

@@ -3,7 +3,7 @@ server (``SlotServer``, today's ``Metaserver`` handlers and duties over that slo
 (``MembershipServer``); the ranking that spreads slots over processes (``rank``).
 
 A partitioned pool (``metaserver/partition.py`` runs one process of it) cuts the key space into S slots,
-slot = ``wire.slot_of(ns, key, S)``. Each slot is a whole directory of its own, built *around* the unpartitioned
+slot = ``slotrules.slot_of(ns, key, S)``. Each slot is a whole directory of its own, built *around* the unpartitioned
 code: a ``SlotServer`` is a ``Metaserver`` whose store, election and directory are the slot's, so allocation,
 commit, lookup, expiry, eviction, node loss, warm standby and takeover are exactly today's code, per slot.
 
@@ -27,7 +27,7 @@ object larger than R cannot be stored (slabs handed to slots on demand are the r
 What a slot leader does not own: node leases and arena records (the membership leader, ``MembershipServer``: nodes
 register and heartbeat there; every slot leader follows the leased ``nodes/`` records instead, ``sync_nodes``),
 and the unpartitioned write-capability epoch: a node's one epoch cannot order S slots' terms, so a slot leader's
-capabilities carry ``wire.SLOT_EPOCH | g`` (g: the slot's generation floor at its takeover, increasing across the
+capabilities carry ``slotrules.SLOT_EPOCH | g`` (g: the slot's generation floor at its takeover, increasing across the
 slot's terms) and the node keeps one floor per slot, i.e. per region of its arena. In a closed pool a new slot
 leader FENCEs every node before it serves (``metaserver/fence.py``): the deposed leader's capabilities die at the
 takeover, not at their deadline; a node the fence did not reach is not placed on by this slot until one does.
@@ -47,7 +47,7 @@ from metaserver.fence import fence_nodes
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.service import Metaserver
-from transport import wire
+from transport import slotrules
 from transport.wire import Status
 from umbp.config import MetaserverConfig
 from umbp.errors import Unavailable
@@ -56,7 +56,7 @@ log = logging.getLogger("umbp.metaserver")
 
 FENCE_RETRY_S = 1.0  # a node a fence did not reach is tried again this often (not placed on meanwhile)
 MEMBERSHIP = "m"  # the slot-like role that keeps node leases and arena records
-GEN_SHIFT = wire.SLOT_GEN_SHIFT
+GEN_SHIFT = slotrules.SLOT_GEN_SHIFT
 
 
 def _score(name: str, addr: str) -> bytes:
@@ -117,7 +117,7 @@ def leaders(slots: int, members) -> list[str]:
     return [order[0] for order in ranking(slots, tuple(sorted(set(members))))]
 
 
-region = wire.slot_region  # (base, size) of slot s's region of a node arena (the node checks capabilities by it)
+region = slotrules.slot_region  # (base, size) of slot s's region of a node arena (the node checks capabilities by it)
 
 
 class SlotStore(EtcdStore):
@@ -168,7 +168,7 @@ class SlotDirectory(Directory):
         hit rate on bench/eviction.py); without it the page is ordinary, evicted by recency."""
         if parents:
             me, n = self.slot, self.slots
-            parents = [p if p is None or wire.slot_of(ns, p, n) == me else None for p in parents]
+            parents = [p if p is None or slotrules.slot_of(ns, p, n) == me else None for p in parents]
         return super().alloc(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
 
 
@@ -215,7 +215,7 @@ class SlotServer(Metaserver):
         super()._new_state()
         first = (self.slot << GEN_SHIFT) + 1 if self.slot >= 0 else 1
         self.gens = GenCounter(self.store, first=first)
-        self.epoch = 0  # this term's write-capability epoch (wire.SLOT_EPOCH | generation floor at the takeover)
+        self.epoch = 0  # this term's write-capability epoch (slotrules.SLOT_EPOCH | generation floor at the takeover)
         self.unfenced: dict[str, str] = {}  # node id -> why this term's FENCE has not reached it (not placed on)
         self.fenced: dict[str, tuple] = {}  # node id -> (arena id, pid) this term's FENCE reached
         self._fenced_at = 0.0
@@ -226,7 +226,7 @@ class SlotServer(Metaserver):
         await super()._elected(revision)
         if self.slot < 0:
             return
-        self.epoch = wire.SLOT_EPOCH | self.gens.issued_below
+        self.epoch = slotrules.SLOT_EPOCH | self.gens.issued_below
         for node in self.members.nodes.values():
             node.cap_epoch = self.epoch
         await self.fence(list(self.members.nodes.values()))

@@ -6,7 +6,7 @@ rejected too, so a client typo is an error rather than a silently ignored option
 
 Costs: key lists are checked with C-level passes (``map(type, ...)``, ``max(map(len, ...))``), about 20 ns per key;
 the slow per-index scan only runs to name the offending element once a pass has failed. Keys and parents come back
-in the pool's digest form (``wire.digest_key``: a 64-hex key as its 32 raw bytes), converted only when a list
+in the pool's digest form (``keyform.digest_key``: a 64-hex key as its 32 raw bytes), converted only when a list
 holds a key of 64 bytes or more (clients send the raw form already).
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from transport import wire
-from transport.wire import Status, digest_key
+from transport.keyform import digest_key
+from transport.wire import Status
 from umbp.errors import BadRequest
 
 MAX_KEY = wire.MAX_KEY_BYTES

@@ -9,7 +9,7 @@ import pytest
 
 import umbp
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from umbp.config import split_host_port
 from umbp.errors import BadRequest
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from umbp import puts as client_mod
 
 

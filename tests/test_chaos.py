@@ -39,7 +39,7 @@ from pathlib import Path
 
 import umbp
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from umbp.errors import UmbpError
 
 METASERVERS = int(os.environ.get("UMBP_CHAOS_METASERVERS", "1"))  # >1: the chaos thread kills the leader

@@ -26,7 +26,7 @@ import pytest
 
 import umbp
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from umbp.errors import PoolFull
 from umbp.keys import parents_of
 

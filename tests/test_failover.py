@@ -17,7 +17,7 @@ import umbp
 from cluster import HarnessError
 from test_pool import payload
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.errors import NotLeader, UmbpError
 

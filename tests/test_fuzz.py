@@ -44,8 +44,8 @@ from hypothesis import strategies as st
 
 from cluster import Cluster, Harness
 from test_bad_input import request as raw_request
-from transport import wire
-from transport.tcp import FramedSocket
+from transport import slotrules, wire
+from transport.framed import FramedSocket
 from transport.wire import Flag, Op, Status
 from umbp.config import split_host_port
 from umbp.errors import CorruptionError, TransportError
@@ -486,7 +486,7 @@ def test_forged_and_out_of_range_fences_to_a_closed_node(make_cluster, tmp_path,
     tokens = Tokens(SECRET.encode(), {})
     key = tokens.cap_key(info["node_id"], info["arena_id"])
     other_arena = tokens.cap_key(info["node_id"], bytes(len(info["arena_id"])))
-    slot3 = wire.SLOT_EPOCH | (3 << wire.SLOT_GEN_SHIFT) | 7
+    slot3 = slotrules.SLOT_EPOCH | (3 << slotrules.SLOT_GEN_SHIFT) | 7
     forged = [os.urandom(32), os.urandom(31), fence_token(b"k" * 32, slot3, 8), fence_token(other_arena, slot3, 8),
               fence_token(key, slot3, 8)[:-1] + b"\x00", fence_token(key, slot3, 8) + b"\x00"]
     for tok in forged:
@@ -494,7 +494,7 @@ def test_forged_and_out_of_range_fences_to_a_closed_node(make_cluster, tmp_path,
         assert f.status == Status.AUTH and f.meta["error"].startswith(comp), f
         assert "not a fence of this node's metaserver" in f.meta["error"], f
     for epoch, slots in [(7, 8), (slot3, 0), (slot3, 1), (slot3, 1025), (slot3, 3),
-                         (wire.SLOT_EPOCH | (9 << wire.SLOT_GEN_SHIFT), 8)]:
+                         (slotrules.SLOT_EPOCH | (9 << slotrules.SLOT_GEN_SHIFT), 8)]:
         f = raw_request(node.addr, Op.FENCE, fence_token(key, epoch, slots))
         assert f.status == Status.BAD_REQUEST and f.meta["error"].startswith(comp), (epoch, slots, f)
         assert "names no slot" in f.meta["error"], f

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from transport import wire
-from transport.tcp import FramedSocket, TcpTransport
+from transport.framed import FramedSocket
+from transport.tcp import TcpTransport
 from umbp.client import Client
 from umbp.errors import AuthError, ProtocolError, TransportError, Unavailable
 

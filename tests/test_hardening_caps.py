@@ -13,7 +13,7 @@ import time
 import pytest
 
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from umbp.auth import with_caps
 from umbp.client import Client
 from umbp.errors import AuthError, PoolFull

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from umbp.client import Client
 from umbp.errors import BadRequest, NotFound, QuotaExceeded
 

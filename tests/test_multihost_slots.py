@@ -32,7 +32,7 @@ from test_multihost import PAGE, MultiHost, rack_pool  # where it skips, this mo
 from cluster import HarnessError
 from metaserver.slots import leaders
 from test_failover import raw
-from transport import wire
+from transport import slotrules
 from transport.wire import Op
 from umbp.errors import NotLeader, TransportError, UmbpError, Unavailable
 
@@ -51,7 +51,7 @@ TIMINGS: dict[str, float | str] = {}
 # run inside a host: EXISTS per key (argv[2:]) at argv[1], on one connection; prints the outcome per key
 _PROBE = r"""
 import json, sys, time
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.errors import UmbpError
 s = FramedSocket(sys.argv[1], "probe", time.monotonic() + 3)
@@ -169,7 +169,7 @@ def test_metaserver_host_cut_moves_its_slots_and_loses_no_page(sr):
 
     keys = [f"mhs-a-{i}" for i in range(48)]
     assert sr.put("c1", keys, seed=11) == [True] * len(keys)
-    on_victim = [k for k in keys if wire.slot_of(NS, k, SLOTS) in led[victim]]
+    on_victim = [k for k in keys if slotrules.slot_of(NS, k, SLOTS) in led[victim]]
     assert on_victim, f"none of {len(keys)} keys falls in {victim}'s slots {led[victim]}: the cut would test nothing"
     got, exact, _ = sr.get("c2", keys)
     assert got == [PAGE] * len(keys) and all(exact)
@@ -186,7 +186,7 @@ def test_metaserver_host_cut_moves_its_slots_and_loses_no_page(sr):
         # Served, not only mapped: an EXISTS for each slot the victim led answers at its new leader (a slot still
         # loading there answers UNAVAILABLE: polled).
         after = sr.settled(survivors)
-        probe = {wire.slot_of(NS, k, SLOTS): k for k in on_victim}
+        probe = {slotrules.slot_of(NS, k, SLOTS): k for k in on_victim}
         sr.wait(f"slots {sorted(probe)} served at their new leaders",
                 lambda: all(sr.exists(after["map"][s], k) for s, k in probe.items()))
         TIMINGS[f"{victim} cut: its slots served by the survivors after s"] = round(time.monotonic() - t0, 2)
@@ -208,7 +208,7 @@ def test_metaserver_host_cut_moves_its_slots_and_loses_no_page(sr):
         sr.wait("c1 puts again", lambda: sr.timed("c1 put", lambda: sr.put("c1", keys_b, seed=12))
                 == [True] * len(keys_b), timeout=2 * AGENT_TIMEOUT_S + 2)
         TIMINGS[f"{victim} cut: c1 puts again after s"] = round(time.monotonic() - t0, 2)
-        assert any(wire.slot_of(NS, k, SLOTS) in led[victim] for k in keys_b)
+        assert any(slotrules.slot_of(NS, k, SLOTS) in led[victim] for k in keys_b)
         got, exact, _ = sr.timed("c2 get", lambda: sr.get("c2", keys_b))
         assert got == [PAGE] * len(keys_b) and all(exact), "pages put after the cut read back byte-exact"
 
@@ -238,7 +238,7 @@ def test_metaserver_host_cut_moves_its_slots_and_loses_no_page(sr):
     # the process that came back serves its slots itself: what it answers for them is what was committed
     back = sr.settled(MS_HOSTS)
     for k in every:
-        s = wire.slot_of(NS, k, SLOTS)
+        s = slotrules.slot_of(NS, k, SLOTS)
         if back["map"][s] == victim_addr:
             assert sr.exists(victim_addr, k), f"{victim} serves slot {s} again and must know {k}"
     keys_c = [f"mhs-c-{i}" for i in range(16)]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from umbp.auth import ClientAuth, with_caps
 from umbp.client import Client
 from umbp.config import ClientConfig, resolve

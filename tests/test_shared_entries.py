@@ -20,7 +20,7 @@ from test_digest_keys import page_records
 from test_failover import raw, wait_confirmed, wait_leader
 from test_slots import partitioned, wait_map
 from transport import wire
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.auth import with_caps
 from umbp.errors import AuthError

@@ -20,8 +20,8 @@ from test_metrics import scrape, value
 from test_up import up  # noqa: F401  (the fixture)
 from metaserver.slots import leaders, ranking, region
 from umbp.slotmap import split_by_use
-from transport import wire
-from transport.tcp import FramedSocket
+from transport import slotrules, wire
+from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.errors import AuthError, NotLeader, RemoteError, UmbpError
 
@@ -67,8 +67,8 @@ def partitioned(make_cluster, metaservers: int = 3, **kw):
 
 def test_slot_ranking_and_regions():
     keys = [f"key{i}".encode() for i in range(4000)]
-    slots = [wire.slot_of("ns", k, SLOTS) for k in keys]
-    assert slots == [wire.slot_of("ns", k.decode(), SLOTS) for k in keys]  # str and bytes keys agree
+    slots = [slotrules.slot_of("ns", k, SLOTS) for k in keys]
+    assert slots == [slotrules.slot_of("ns", k.decode(), SLOTS) for k in keys]  # str and bytes keys agree
     counts = [slots.count(s) for s in range(SLOTS)]
     assert min(counts) > 400 and max(counts) < 600, counts  # uniform: 500 expected per slot
     for n, slots in ((4, 64), (4, 16), (3, 64), (8, 16)):
@@ -123,14 +123,14 @@ def test_slot_routing_and_moved(make_cluster):
         assert c._meta.moved >= SLOTS and c._meta.map == info["map"]
     # The MOVED answer itself: a slot's key sent to a process that does not lead it names the leader and the slot.
     k = keys[5]
-    s = wire.slot_of("default", k, SLOTS)
+    s = slotrules.slot_of("default", k, SLOTS)
     other = next(a for a in addrs if a != info["map"][s])
     with pytest.raises(NotLeader) as e:
         raw(other, Op.EXISTS, {"ns": "default", "keys": [k]})
     assert e.value.leader == info["map"][s] and f"slot {s} is led by {info['map'][s]}" in str(e.value)
     assert raw(info["map"][s], Op.EXISTS, {"ns": "default", "keys": [k]}) == {"exists": [True]}
     # Keys of several slots in one request: refused with a clear error, the server keeps serving.
-    two = [k, next(x for x in keys if wire.slot_of("default", x, SLOTS) != s)]
+    two = [k, next(x for x in keys if slotrules.slot_of("default", x, SLOTS) != s)]
     with pytest.raises(RemoteError) as e:
         raw(info["map"][s], Op.EXISTS, {"ns": "default", "keys": two})
     assert e.value.code == wire.Status.BAD_REQUEST and "one slot's keys per request" in str(e.value)
@@ -158,12 +158,12 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
         # One slot's map entry wrong, pointing at a process that leads other slots of the batch: that slot's keys
         # ride in that process's multi-slot request, are answered NOT_LEADER for that part only and resent to
         # the slot's leader; the other parts are answered in the same request.
-        s = wire.slot_of("default", keys[0], SLOTS)
+        s = slotrules.slot_of("default", keys[0], SLOTS)
         wrong = next(a for a in sorted(procs) if a != info["map"][s])  # leads slots: never the one leading none
         r.map[s] = wrong
         groups = len(set(r.map))  # the processes the (wrong) map names: the moved part rides with another's
-        assert {wire.slot_of("default", k, SLOTS) for k in keys} == set(range(SLOTS))
-        n_slot = sum(1 for k in keys if wire.slot_of("default", k, SLOTS) == s)
+        assert {slotrules.slot_of("default", k, SLOTS) for k in keys} == set(range(SLOTS))
+        n_slot = sum(1 for k in keys if slotrules.slot_of("default", k, SLOTS) == s)
         sent = dict(r.sent)
         outs = [bytearray(6000) for _ in keys]
         assert c.batch_get_into(keys, outs) == [6000] * 240
@@ -173,7 +173,7 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
         assert 0 < n_slot < 240
         # A single-slot request to a process that does not lead the slot: refused once (NOT_LEADER naming the
         # leader), resent there; never resent to the process that refused it (a wasted round trip each MOVED).
-        only = [k for k in keys if wire.slot_of("default", k, SLOTS) == s]
+        only = [k for k in keys if slotrules.slot_of("default", k, SLOTS) == s]
         r.map[s] = next(a for a in addrs if a != info["map"][s])  # any other process, whether it leads slots or not
         sent = dict(r.sent)
         outs = [bytearray(6000) for _ in only]
@@ -200,7 +200,7 @@ def test_multi_slot_request_on_the_wire(make_cluster):
         assert c.batch_put(keys, [payload(i, 100) for i in range(200)]) == [True] * 200
     by: dict[int, list[bytes]] = {}
     for k in keys:
-        by.setdefault(wire.slot_of("default", k, SLOTS), []).append(k)
+        by.setdefault(slotrules.slot_of("default", k, SLOTS), []).append(k)
     a = info["map"][0]
     mine = [s for s in sorted(by) if info["map"][s] == a]
     other = next(s for s in sorted(by) if info["map"][s] != a)
@@ -286,7 +286,7 @@ def test_sigkill_one_of_three_under_load(make_cluster):
         probe = {}
         for i in range(10_000):
             k = f"probe{i}".encode()
-            probe.setdefault(wire.slot_of("default", k, SLOTS), k)
+            probe.setdefault(slotrules.slot_of("default", k, SLOTS), k)
             if len(probe) == SLOTS:
                 break
         while True:
@@ -361,8 +361,8 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
 
     smap = leader_map(addrs, 30.0)
     keys = [f"k{i}".encode() for i in range(2000)]
-    s = wire.slot_of("t", keys[0], SLOTS)
-    mine = [k for k in keys if wire.slot_of("t", k, SLOTS) == s]
+    s = slotrules.slot_of("t", keys[0], SLOTS)
+    mine = [k for k in keys if slotrules.slot_of("t", k, SLOTS) == s]
     old = smap[s]
     size = 8000
     deadline = time.monotonic() + 10
@@ -385,7 +385,7 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
                           data=[wire.pack_object_header(t, g, size), b"\xee" * size])
         finally:
             w.close()
-    assert wire.epoch_slot(int.from_bytes(cap[:8], "little")) == s  # a slot leader's epoch names its slot
+    assert slotrules.epoch_slot(int.from_bytes(cap[:8], "little")) == s  # a slot leader's epoch names its slot
     node = next(n["addr"] for n in authed(old, Op.NODES, {}, OPS)["nodes"] if n["node_id"] == node_id)
     victim = next(m for m in cl.metaservers if m.addr == old)
     victim.kill(signal.SIGKILL, wait=True)
@@ -430,7 +430,7 @@ def test_slot_floors_survive_a_node_restart_with_the_same_arena(make_cluster, tm
     def fence(slot: int, counter: int) -> int:
         info = authed(node.addr, Op.ARENA_INFO, {}, OPS)
         key = tokens.cap_key(info["node_id"], info["arena_id"])
-        epoch = wire.SLOT_EPOCH | (slot << wire.SLOT_GEN_SHIFT) | counter
+        epoch = slotrules.SLOT_EPOCH | (slot << slotrules.SLOT_GEN_SHIFT) | counter
         return authed(node.addr, Op.FENCE, fence_token(key, epoch, SLOTS), OPS)["floor"] & ((1 << 52) - 1)
 
     assert fence(3, 900) == 900 and fence(5, 40) == 40 and fence(3, 100) == 900
@@ -500,7 +500,7 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
     assert sorted(per) == sorted(addrs)
     assert sum(m["objects"] for m in per.values()) == 240
     for a in addrs:  # each process counts exactly the pages of the slots it leads
-        mine = sum(1 for k in keys if info["map"][wire.slot_of("default", k, SLOTS)] == a)
+        mine = sum(1 for k in keys if info["map"][slotrules.slot_of("default", k, SLOTS)] == a)
         assert per[a]["objects"] == mine
         assert sorted(per[a]["slots_led"]) == [s for s, x in enumerate(info["map"]) if x == a]
     nodes = cl.cli_json("nodes")

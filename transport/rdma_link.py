@@ -27,7 +27,7 @@ from typing import Any
 from transport import wire
 from transport.base import Pending, Transport, check_payload
 from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext, _address_of
-from transport.tcp import FramedSocket
+from transport.framed import FramedSocket
 from umbp.errors import BadRequest, CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
 
 MAX_QPS_PER_CONNECTION = 4

@@ -53,7 +53,6 @@ import enum
 import hashlib
 import struct
 import zlib
-from binascii import unhexlify
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -508,77 +507,6 @@ def key_hash(namespace: str, key: bytes) -> int:
     """64-bit hash of (namespace, key) stored in the object header."""
     h = hashlib.blake2b(namespace.encode() + b"\0" + key, digest_size=8)
     return int.from_bytes(h.digest(), "little")
-
-
-def slot_of(namespace: str, key: bytes | str, slots: int) -> int:
-    """The slot of (namespace, key) in a pool partitioned into ``slots`` slots: ``key_hash`` mod ``slots``, the same
-    on every client and metaserver (``metaserver/partition.py``, ``umbp/slotrouter.py``)."""
-    if type(key) is str:
-        key = key.encode()
-    return key_hash(namespace, key) % slots if slots > 1 else 0
-
-
-def slots_of(namespace: str, keys: list, slots: int) -> list[int]:
-    """``slot_of`` of every key of one namespace (bytes or str; anything else gets -1, for the caller's validation
-    to refuse), the namespace hashed once: 0.5 us a key against 1.2 us for ``slot_of`` per key."""
-    if slots <= 1:
-        return [0 if type(k) in (bytes, str) else -1 for k in keys]
-    h0 = hashlib.blake2b(namespace.encode() + b"\0", digest_size=8)
-    from_bytes = int.from_bytes
-    out = []
-    for k in keys:
-        tk = type(k)
-        if tk is str:
-            k = k.encode()
-        elif tk is not bytes:
-            out.append(-1)
-            continue
-        h = h0.copy()
-        h.update(k)
-        out.append(from_bytes(h.digest(), "little") % slots)
-    return out
-
-
-SLOT_EPOCH = 1 << 63  # set in the write-capability epoch of a partitioned pool's slot leader (see ``epoch_slot``)
-SLOT_GEN_SHIFT = 52  # slot s of a partitioned pool counts generations from (s << 52) + 1 (at most 1024 slots)
-
-
-def epoch_slot(epoch: int) -> int | None:
-    """The slot whose leader issued a write-capability ``epoch``, None for an unpartitioned pool's epoch. A slot
-    leader's epoch is ``SLOT_EPOCH | g`` with g its generations' floor at its takeover, ``(s << 52) + counter``:
-    epochs of one slot increase across its terms, and the node keeps one floor per slot."""
-    return (epoch >> SLOT_GEN_SHIFT) & 0x3FF if epoch & SLOT_EPOCH else None
-
-
-def slot_region(slot: int, slots: int, capacity: int) -> tuple[int, int]:
-    """(base, size) of slot ``slot``'s region of a node arena of ``capacity`` bytes in a pool of ``slots`` slots:
-    ``[ARENA_DATA_START + slot * R, + R)``, R = ``capacity // slots`` rounded down to ALIGN."""
-    size = (capacity // slots) // ALIGN * ALIGN
-    return ARENA_DATA_START + slot * size, size
-
-
-def digest_key(key: bytes) -> bytes:
-    """The pool's one form of a digest key: 64 lowercase hex characters become their 32 raw bytes, and a rank key
-    ``{64 hex}_{rank}`` (rank 0..255, no leading zeros) the 32 bytes plus one rank byte; every other key is
-    returned as it is. So the hex text, its bytes and its raw digest name the same page (a 32- or 33-byte binary
-    key is the digest form of its hex text). The client sends this form (``normalize_key``) and the metaserver
-    applies it again to whatever it receives (``metaserver/validate.py``): one rule, here, for both sides, so the directory keeps 32-byte keys
-    (33 with a rank): 32 bytes less a page than the hex text, and half the bytes on the wire. Cost: ~0.3 us for a
-    key of 64..68 bytes, a length check for others."""
-    n = len(key)
-    if n < 64 or n > 68:
-        return key
-    if n == 64:
-        rank = b""
-    elif key[64] == 95 and key[65:].isdigit() and (n == 66 or key[65] != 48) and int(key[65:]) < 256:  # "_"
-        rank = bytes((int(key[65:]),))
-    else:
-        return key
-    try:
-        raw = unhexlify(key[:64])
-    except ValueError:
-        return key
-    return raw + rank if raw.hex().encode() == key[:64] else key
 
 
 def pack_object_header(khash: int, generation: int, payload_len: int, checksum: int | None = None) -> bytes:

@@ -66,7 +66,7 @@ RDMA never involves the node's CPU (memory windows per allocation would be the f
 arena path are only told to authenticated clients; run RDMA on a network only trusted hosts reach. The quarantine
 and deadlines assume the metaserver's and nodes' clocks agree within ``CLOCK_SKEW_S`` (NTP does much better).
 Confidentiality on the wire needs TLS (``--tls-cert``/``--tls-key`` on servers, ``tls_ca`` on clients:
-transport/tcp.py). Costs: one HMAC-SHA256 per handshake step; per key a keyed blake2b tag (about 3x cheaper than
+transport/framed.py). Costs: one HMAC-SHA256 per handshake step; per key a keyed blake2b tag (about 3x cheaper than
 HMAC-SHA256) and 24 bytes of slot list; per node per batch one MAC.
 """
 
@@ -334,7 +334,7 @@ def _check_write(grant: tuple | None, offset: int, payload_len: int, gen: int, m
 
 def fence_token(cap_key: bytes, epoch: int, slots: int) -> bytes:
     """A partitioned pool's new slot leader's FENCE for one node: ``epoch | slots | blake2b(cap_key)[:16]``. The node
-    raises the floor of the epoch's slot (``wire.epoch_slot``) to ``epoch``, so capabilities of the slot's earlier
+    raises the floor of the epoch's slot (``slotrules.epoch_slot``) to ``epoch``, so capabilities of the slot's earlier
     terms die at the takeover; ``slots`` lets it map capability offsets to that slot's region."""
     body = _FENCE_BODY.pack(epoch, slots)
     return body + hashlib.blake2b(body, digest_size=CAP_MAC, key=cap_key, person=_FENCE).digest()

@@ -24,7 +24,8 @@ import hashlib
 import struct
 from typing import Any, Iterable, Sequence
 
-from transport.wire import MAX_KEY_BYTES, digest_key
+from transport.keyform import digest_key
+from transport.wire import MAX_KEY_BYTES
 from umbp.errors import InvalidArgument
 
 _U32_MAX = 0xFFFFFFFF

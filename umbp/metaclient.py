@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from transport import wire
-from transport.tcp import FramedSocket, connection_error
+from transport.framed import FramedSocket, connection_error
 from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, TransportError, Unavailable
 
 _RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)

@@ -39,7 +39,7 @@ import time
 import uuid
 from typing import Any
 
-from transport import wire
+from transport import slotrules, wire
 from transport.shm import boot_id
 from umbp.admission import Admission
 from umbp.arena import Arena
@@ -130,7 +130,7 @@ class NodeServer:
             return
         epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen,
                                                           self.cap_epoch, int(time.time() * 1000), self.component)
-        slot = wire.epoch_slot(epoch)
+        slot = slotrules.epoch_slot(epoch)
         if slot is not None:
             self.check_slot_epoch(slot, epoch, offset, nbytes)
         elif epoch > self.cap_epoch:
@@ -150,7 +150,7 @@ class NodeServer:
             raise AuthError(self.component, f"write capability of slot {slot} at stale epoch {epoch:#x}: the slot "
                                             f"was taken over at epoch {floor:#x} (fenced), its earlier grants are dead")
         if self.slots:
-            base, size = wire.slot_region(slot, self.slots, self.config.capacity)
+            base, size = slotrules.slot_region(slot, self.slots, self.config.capacity)
             if offset < base or offset + nbytes > base + size:
                 raise AuthError(self.component, f"write capability of slot {slot} for {offset}+{nbytes}: outside "
                                                 f"the slot's region [{base}, {base + size})")
@@ -164,7 +164,7 @@ class NodeServer:
         if self.cap_key is None:
             raise BadRequest(self.component, "FENCE: this node runs an open pool (no capabilities to fence)")
         epoch, slots = open_fence(self.cap_key, token, self.component)
-        slot = wire.epoch_slot(epoch)
+        slot = slotrules.epoch_slot(epoch)
         if slot is None or not 1 < slots <= 1024 or slot >= slots:
             raise BadRequest(self.component, f"FENCE: epoch {epoch:#x} names no slot of a {slots}-slot pool")
         changed = slots != self.slots or epoch > self.slot_floors.get(slot, 0)

@@ -7,7 +7,7 @@ pool) makes this a plain ``MetaClient`` for good (one extra round trip per clien
 Otherwise it keeps the slot map (slot -> leader address) and the live processes, and one ``MetaClient`` per
 process address that does not follow NOT_LEADER by itself (``follow=False``).
 
-A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``wire.slot_of`` and the slots'
+A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``slotrules.slot_of`` and the slots'
 parts are grouped by the process the map names as each slot's leader: one request per process, all in flight at
 once (submitted on each process's pipelined connection, then collected): a single-slot request naming its slot
 (``"slot"``, wire VERSION 10) when the process gets one slot's keys, a multi-slot one (``parts``: ``metaserver/multislot.py``, answered per part) otherwise. The
@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from transport import wire
+from transport import slotrules, wire
 from transport.wire import Op, Status
 from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, RemoteError, TransportError, Unavailable
 from umbp.metaclient import ATTEMPT_S, MetaClient, Ticket
@@ -213,7 +213,7 @@ class MetaRouter:
         ns, keys = meta["ns"], meta["keys"]
         S = self.slots
         by: dict[int, list[int]] = {}
-        for i, slot in enumerate(wire.slots_of(ns, keys, S)):  # -1 (not a key): slot 0 refuses it precisely
+        for i, slot in enumerate(slotrules.slots_of(ns, keys, S)):  # -1 (not a key): slot 0 refuses it precisely
             by.setdefault(max(slot, 0), []).append(i)
         parts = []
         for slot, idx in by.items():

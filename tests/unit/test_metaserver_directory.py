@@ -518,7 +518,7 @@ def test_a_slot_links_only_the_parents_of_its_own_slot():
     """A partitioned pool's slot never sees a parent held by another slot: it drops such a parent at ALLOC, so
     under prefix-lru the page is ordinary (evicted by recency), not an orphan that goes first."""
     from metaserver.slots import SlotDirectory
-    from transport.wire import slot_of
+    from transport.slotrules import slot_of
 
     d = SlotDirectory(1, 4, policy="prefix-lru")
     d.add_space("n1", 64 * ALIGN)

@@ -1,4 +1,4 @@
-"""TCP receives past the deadline (transport/tcp.py): what has already arrived is still collected, without waiting;
+"""TCP receives past the deadline (transport/framed.py, transport/tcp.py): what has already arrived is still collected, without waiting;
 what is not all there raises DeadlineExceeded naming the component and closes the connection.
 
 The case this covers: a batch read from two nodes, the first silent until the deadline, the second's answer long in
@@ -22,7 +22,8 @@ import pytest
 
 from transport import wire
 from transport.base import ReadOp
-from transport.tcp import FramedSocket, TcpTransport
+from transport.framed import FramedSocket
+from transport.tcp import TcpTransport
 from umbp.errors import DeadlineExceeded
 from umbp.tls import server_context
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from transport import wire
+from transport import slotrules, wire
 from umbp.errors import BadRequest, CorruptionError, NotLeader, PoolFull, ProtocolError
 
 
@@ -164,7 +164,7 @@ def test_slots_of_equals_slot_of_per_key():
     keys = [b"", b"a", "a", "caf\u00e9", b"\xff" * 600, *(b"page/%d" % i for i in range(200))]
     for slots in (1, 2, 16, 64, 1024):
         for ns in ("", "tenant-a", "n\u00e9"):
-            assert wire.slots_of(ns, keys, slots) == [wire.slot_of(ns, k, slots) for k in keys]
-    assert wire.slots_of("ns", [b"k", 7, None, "k"], 16) == [wire.slot_of("ns", b"k", 16), -1, -1,
-                                                              wire.slot_of("ns", b"k", 16)]
-    assert wire.slots_of("ns", [b"k", 7], 1) == [0, -1]
+            assert slotrules.slots_of(ns, keys, slots) == [slotrules.slot_of(ns, k, slots) for k in keys]
+    assert slotrules.slots_of("ns", [b"k", 7, None, "k"], 16) == [slotrules.slot_of("ns", b"k", 16), -1, -1,
+                                                              slotrules.slot_of("ns", b"k", 16)]
+    assert slotrules.slots_of("ns", [b"k", 7], 1) == [0, -1]
