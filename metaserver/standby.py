@@ -56,7 +56,7 @@ from typing import Callable
 
 from metaserver import validate as v
 from metaserver.directory import Directory
-from metaserver.entry import extent_size
+from metaserver.entry import Effects, extent_size
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
 from metaserver.records import PageRecords
 from umbp.errors import Unavailable
@@ -366,8 +366,9 @@ class WarmDirectory:
             self._put_page(page_record(kv))
 
     def _file_run(self, recs: PageRecords) -> bool:
-        """File the parsed run ``recs`` as ``put_ready`` files each page (held when its extent is not free); False,
-        changing nothing, when some key is present or given twice, or a node has no space."""
+        """File the parsed run ``recs`` as ``put_ready`` files each page (held when its extent is not free): the
+        extents reserved, then filed as a load files its records (``NodeSpaces._file_entries``). False, changing
+        nothing, when some key is present or given twice, or a node has no space."""
         d = self.dir
         spaces, ready, pend = d.spaces, d.ready, d.pending_keys
         groups = recs.done()
@@ -388,43 +389,21 @@ class WarmDirectory:
             r, pd = ready.get(ns), pend.get(ns)
             if (r is not None and not r.keys().isdisjoint(ks)) or (pd is not None and not pd.keys().isdisjoint(ks)):
                 return False
-        plens: dict[int, tuple[int, int]] = {}  # layout code -> (its interned int, extent size; -1: none)
-        link, count = d._link_ready, d._count
+        osize: dict[int, int] = {}  # layout code -> extent size (-1: none, a negative code)
         for node_id, (ents, revs) in groups.items():
             sp = spaces[node_id]
             reserve = sp.alloc.reserve
             filed: list = []
-            put = filed.append
-            r = last_ns = None
-            used = 0
             for e, rev in zip(ents, revs):
-                pl = plens.get(e.payload_len)
-                if pl is None:
-                    pl = plens[e.payload_len] = ((d._plen(e.payload_len), extent_size(e.payload_len))
-                                                 if e.payload_len >= 0 else (e.payload_len, -1))
-                if pl[1] < 0 or not reserve(e.offset, pl[1]):
+                size = osize.get(e.payload_len)
+                if size is None:
+                    size = osize[e.payload_len] = extent_size(e.payload_len) if e.payload_len >= 0 else -1
+                if size < 0 or not reserve(e.offset, size):
                     self._hold((rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up,
                                 recs.etcd_key(e.ns, e.key)))
-                    continue
-                e.space = sp
-                e.payload_len = pl[0]
-                if e.ns != last_ns:
-                    if used:
-                        count(last_ns, used)
-                        used = 0
-                    last_ns = e.ns
-                    r = ready.get(last_ns)
-                    if r is None:
-                        r = ready[last_ns] = {}
-                r[e.key] = e
-                used += pl[1]
-                put(e)
-            if used:
-                count(last_ns, used)
-            sp.n += len(filed)
-            for e in filed:
-                link(e)
-            d.policy.add_many(filed)
+                else:
+                    filed.append(e)
+            d._file_entries(sp, filed, None, osize, Effects())  # as a load files them: no key is present (above)
         return True
 
     def _put_page(self, p: tuple) -> None:

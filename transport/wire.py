@@ -79,7 +79,7 @@ VERSION = 10  # 10: a single-slot keyed request to a partitioned pool names its 
 #              sub-slot (metaserver/shared.py);
 #              7: a keyed request carries several slots' keys ("parts", answered per part: metaserver/multislot.py)
 #              6: a partitioned pool: LEADER answers the slot map ("slots", "map", "members"), NOT_LEADER for a
-#              slot names the slot's leader and the slot (MOVED), ``slot_of``; 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
+#              slot names the slot's leader and the slot (MOVED), ``slotrules.slot_of``; 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
 #              carry an epoch and a deadline (32 bytes, umbp/auth.py), REGISTER_NODE answers the epoch; 5: one
 #              capability per node per ALLOC/LOOKUP batch ("caps", items name theirs by index; b"" in a READV/WRITEV
 #              op: the previous op's), keyed blake2b capabilities and tags
