@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import hashlib
 import json
@@ -141,6 +142,7 @@ class Driver:
         self.put_s = 0.0
         self.put_keys = 0
         self.new_keys = 0
+        self.tick = None  # called after each put (timed with it): the GC policy's step when it is due
 
     def put_batch(self, ns: str, keys: list[bytes], size: int, parents: list) -> int:
         req = Wire.put(ns, keys, [size] * len(keys), parents)
@@ -150,6 +152,8 @@ class Driver:
         items, _fx = d.alloc(req["ns"], req["keys"], req["sizes"], req["parents"], self.gen, now)
         news = [(k, it[4]) for k, it in zip(req["keys"], items) if it[0] == NEW]
         d.commit(req["ns"], [k for k, _ in news], [g for _, g in news], now)
+        if self.tick is not None:
+            self.tick()
         self.put_s += cpu() - t0
         self.gen += len(keys)
         self.put_keys += len(keys)
@@ -239,7 +243,50 @@ def new_directory(policy: str, ms: list[Model], n_pages: int, slack: float = 1.0
 
 # ---- child: build, memory, rates ------------------------------------------------------------------------------
 
-def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool) -> dict:
+@contextlib.contextmanager
+def collector(mode: str, drv: Driver):
+    """The collector during the churn at N; yields the list its pauses are appended to (seconds). ``default``:
+    CPython's own, its full (generation 2) collections timed through ``gc.callbacks``; ``policy``: the
+    metaserver's (``metaserver/gcpolicy.py``, as ``metaserver/server.py`` installs it), its step run once a second
+    of wall time as the server runs it, each step timed."""
+    pauses: list[float] = []
+    if mode == "default":
+        started = []
+
+        def cb(phase, info):
+            if info["generation"] == 2:
+                if phase == "start":
+                    started.append(time.perf_counter())
+                elif started:
+                    pauses.append(time.perf_counter() - started.pop())
+
+        gc.callbacks.append(cb)
+        try:
+            yield pauses
+        finally:
+            gc.callbacks.remove(cb)
+        return
+    from metaserver.gcpolicy import GcPolicy
+
+    pol = GcPolicy().install()
+    gc.freeze()  # as a load leaves it (standby.gc_paused under the policy)
+    due = [time.perf_counter() + pol.every_s]
+
+    def tick():
+        if time.perf_counter() >= due[0]:
+            pauses.append(pol.step())
+            due[0] = time.perf_counter() + pol.every_s
+
+    drv.tick = tick
+    try:
+        yield pauses
+    finally:
+        drv.tick = None
+        pol.uninstall()
+        gc.unfreeze()
+
+
+def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mode: str = "policy") -> dict:
     ms = models()
     d = new_directory(policy, ms, n_pages)
     gc.collect()
@@ -282,11 +329,20 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool) -> di
     out["lookup_keys_s"] = n_keys / (cpu() - t)
     out["lookup_hit_ratio"] = hits / n_keys
 
-    # alloc+commit at N: new sessions into the full pool (each new page evicts one)
+    # The pause CPython's own collector makes at N: one full collection walks every tracked object.
+    t = time.perf_counter()
+    gc.collect()
+    out["gc_full_s"] = time.perf_counter() - t
+
+    # alloc+commit at N: new sessions into the full pool (each new page evicts one), under the collector chosen
     drv.put_s, drv.put_keys, drv.new_keys = 0.0, 0, 0
     ev0 = d.evictions
     target = sum(m.pages for m in ms) + ops
-    drv.build(target)
+    with collector(gc_mode, drv) as pauses:
+        drv.build(target)
+    out["gc_mode"] = gc_mode
+    out["gc_pauses"] = len(pauses)
+    out["gc_pause_max_s"] = max(pauses, default=0.0)
     out["put_keys_s"] = drv.put_keys / drv.put_s
     out["put_evictions"] = d.evictions - ev0
     out["pages_after"] = d.objects
@@ -481,6 +537,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="200k pages, 100k ops")
     ap.add_argument("--key-form", choices=("raw", "hex"), default="raw",
                     help="digest keys as clients send them now (raw 32 bytes) or as before (64 hex characters)")
+    ap.add_argument("--gc", choices=("policy", "default"), default="policy",
+                    help="the collector during the churn at N: the metaserver's (metaserver/gcpolicy.py) or CPython's")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     global HEX_KEYS
@@ -488,7 +546,7 @@ def main() -> None:
     if a.child:
         kind, policy, n = a.child[0], a.child[1], int(a.child[2])
         if kind == "build":
-            res = run_build(policy, n, a.ops, a.seed, trace=False)
+            res = run_build(policy, n, a.ops, a.seed, trace=False, gc_mode=a.gc)
         elif kind == "trace":
             res = run_build(policy, n, a.ops, a.seed, trace=True)
         elif kind == "load":
@@ -503,7 +561,7 @@ def main() -> None:
     n = a.pages
     print(f"scale: {n:,} pages, {NODES} nodes, batches of {BATCH} keys; python {sys.version.split()[0]}")
     print("target: <= 200 bytes of metaserver memory per page at 10 M pages")
-    common = ["--ops", str(a.ops), "--seed", str(a.seed), "--key-form", a.key_form]
+    common = ["--ops", str(a.ops), "--seed", str(a.seed), "--key-form", a.key_form, "--gc", a.gc]
     print(f"keys: {'64-hex text' if HEX_KEYS else 'raw 32-byte digests (plus a rank byte)'}")
     for pol in pols:
         b = child(["build", pol, str(n)] + common)
@@ -522,6 +580,10 @@ def main() -> None:
               f"{b['put_evictions']:,} evictions for {a.ops:,} new keys); "
               f"{fmt_rate(b['build_put_keys_s'])} while building ({b['build_wall_s']:.0f} s wall incl. key "
               f"generation and msgpack)")
+        print(f"{'':>10}  gc: a full collection at N {b['gc_full_s'] * 1e3:.0f} ms (CPython's collector makes one "
+              f"every ~N/4 new objects); during the churn at N ({b['gc_mode']}): {b['gc_pauses']} "
+              f"{'full collections' if b['gc_mode'] == 'default' else 'steps'}, longest "
+              f"{b['gc_pause_max_s'] * 1e3:.0f} ms")
         print(f"{'':>10}  wire path at N (decode, validate, directory, tags and capabilities, etcd records, encode; "
               f"no sockets, no etcd): lookup+release {fmt_rate(b['wire_lookup_keys_s'])} keys "
               f"({1e6 / b['wire_lookup_keys_s']:.2f} us/key), exists {fmt_rate(b['wire_exists_keys_s'])} keys, "

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scoped tokens and the cluster secret (TOML, see umbp/auth.py)")
     p.add_argument("--metrics-listen", dest="metrics_listen", default=None, metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz on this address (port 0: any)")
+    p.add_argument("--gc-freeze-ms", dest="gc_freeze_ms", type=float, default=None, metavar="MS",
+                   help="garbage collection: a step whose walk takes this long freezes what survived it, so no "
+                        "collection walks the whole directory (default 20; -1: CPython's own collector)")
     tls_arguments(p)
 
 
@@ -45,8 +48,8 @@ def tls_arguments(p: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
                                       ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
-                                       "election_ttl_s", "slots", "token", "tokens_file", "metrics_listen", "tls_cert",
-                                       "tls_key", "tls_ca")})
+                                       "election_ttl_s", "slots", "token", "tokens_file", "metrics_listen", "gc_freeze_ms",
+                                       "tls_cert", "tls_key", "tls_ca")})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,6 +131,12 @@ class Ring:
         self.prev = self.next = self
         self.count = 0
 
+    def close(self) -> None:
+        """Empty the ring for good (its node is dropped): also the sentinel's links to itself, so no cycle is left
+        for the collector (metaserver/gcpolicy.py keeps long-lived objects frozen: a cycle there is never freed)."""
+        self.clear()
+        self.prev = self.next = None
+
 
 class LruPolicy:
     """Least recently used first: one ring per node, keyed by ``entry.space.node_id``."""
@@ -222,7 +228,7 @@ class LruPolicy:
     def drop_node(self, node_id: str) -> None:
         r = self._rings.pop(node_id, None)
         if r is not None:
-            r.clear()
+            r.close()
 
     def count(self, node_id: str) -> int:
         r = self._rings.get(node_id)
@@ -350,7 +356,7 @@ class PrefixLruPolicy:
 
     def drop_node(self, node_id: str) -> None:
         for r in self._tiers.pop(node_id, ()):
-            r.clear()
+            r.close()
 
     def count(self, node_id: str) -> int:
         return sum(r.count for r in self._tiers.get(node_id, ()))

@@ -18,6 +18,9 @@ What is exported (names are a contract: deploy/grafana/umbp-dashboard.json and t
 - etcd: ``umbp_etcd_commit_seconds`` (histogram: a COMMIT's wait until its pages are durable, queueing in the batch
   writer included), ``umbp_etcd_txns_total``, ``umbp_etcd_ops_total``, ``umbp_etcd_retries_total``,
   ``umbp_etcd_pending_ops``;
+- the collector (``metaserver/gcpolicy.py``, when installed): ``umbp_metaserver_gc_steps_total``,
+  ``umbp_metaserver_gc_freezes_total``, ``umbp_metaserver_gc_thaws_total``, ``umbp_metaserver_gc_pause_max_seconds``,
+  ``umbp_metaserver_gc_frozen_objects``;
 - ``process_*`` (CPU, memory, fds).
 
 Everything except the histograms is read from the live state at scrape time, on the event loop, so nothing is
@@ -32,6 +35,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from metaserver import gcpolicy
 from transport.wire import Op, Status
 from umbp.metrics import LATENCY_BUCKETS, RequestMetrics, new_registry
 from umbp.slotmap import merge_nodes
@@ -106,6 +110,13 @@ class _Collector(Collector):
         yield _counter("umbp_etcd_ops", "etcd operations (puts and deletes) written", w.ops)
         yield _counter("umbp_etcd_retries", "Failed etcd transactions retried", w.failures)
         yield _gauge("umbp_etcd_pending_ops", "Operations queued for etcd, not yet written", w.pending())
+        gcp = gcpolicy.installed()
+        if gcp is not None:
+            yield _counter("umbp_metaserver_gc_steps", "Collection steps run (metaserver/gcpolicy.py)", gcp.steps)
+            yield _counter("umbp_metaserver_gc_freezes", "Steps that froze their survivors", gcp.freezes)
+            yield _counter("umbp_metaserver_gc_thaws", "Dropped directories that unfroze everything", gcp.thaws)
+            yield _gauge("umbp_metaserver_gc_pause_max_seconds", "The longest collection step so far", gcp.max_pause_s)
+            yield _gauge("umbp_metaserver_gc_frozen_objects", "Objects in the permanent generation", gcp.frozen)
         if not serving:
             return
         # A partitioned pool's process (metaserver/partition.py): the pool gauges are the sums over the slots it

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgpack
 
-from metaserver import multislot
+from metaserver import gcpolicy, multislot
 from metaserver import validate as v
 from metaserver.combine import TxnCombiner
 from metaserver.metrics import MetaserverMetrics
@@ -376,7 +376,12 @@ class Partition(PartitionAnswers):
             srv._standing_by()
         elif not want and srv.warm is not None:
             warm, srv.warm = srv.warm, None
-            self._spawn(warm.stop())
+            self._spawn(self._drop_warm(warm, name))
+
+    @staticmethod
+    async def _drop_warm(warm, name: str) -> None:
+        await warm.stop()
+        gcpolicy.thaw(f"metaserver: slot {name}'s warm copy dropped")  # it may be frozen cyclic garbage now
 
     async def _campaign(self, name: str) -> None:
         srv = self.servers[name]

@@ -36,6 +36,7 @@ import socket
 import sys
 import time
 
+from metaserver.gcpolicy import GcPolicy
 from metaserver.partition import Partition, pool_slots
 from metaserver.service import LEADER_ONLY, Metaserver
 from metaserver.validate import Reject
@@ -245,6 +246,8 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
                           config.auth_timeout_s)
     server = None
     sweeper = asyncio.create_task(close_idle(conns, config.idle_timeout_s))
+    policy = GcPolicy(freeze_s=config.gc_freeze_ms / 1000).install() if config.gc_freeze_ms >= 0 else None
+    collector = asyncio.create_task(policy.run()) if policy is not None else None
     endpoint = None
     try:
         if config.metrics_listen:  # up before the election and the directory load, so /healthz answers during them
@@ -267,6 +270,9 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         await asyncio.Future()
     finally:
         sweeper.cancel()
+        if collector is not None:
+            collector.cancel()
+            policy.uninstall()
         if server is not None:
             server.close()  # no new connections; existing ones get the answers of work already in flight
         else:

@@ -53,6 +53,7 @@ from metaserver.batcher import BatchWriter
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.rejoin import RejoinHandlers
+from metaserver import gcpolicy
 from metaserver.standby import CATCHUP_S, Handover, WarmDirectory, fill, gc_paused, node_descs
 from transport.wire import VERSION, Op, Status
 from metaserver.quarantine import Quarantine
@@ -116,6 +117,9 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
     def _new_state(self) -> None:
         """Fresh per-term state: nothing of a previous term survives into the next."""
         cfg = self.cfg
+        old = getattr(self, "dir", None)
+        if old is not None and (old.objects or old.pending):
+            gcpolicy.thaw("metaserver: a term's directory dropped")  # it may be frozen cyclic garbage now
         self.dir = self._make_dir()
         self.members = Membership()
         self.writer = BatchWriter(self.store, batch=cfg.persist_batch)
@@ -175,12 +179,14 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             else:
                 if warm is not None:
                     await warm.stop()
+                    gcpolicy.thaw("metaserver: a warm directory dropped")
                     log.warning("metaserver: the warm directory did not catch up to revision %d: full load",
                                 revision)
                 await self._load()
         except BaseException:
             if warm is not None:
                 await warm.stop()
+                gcpolicy.thaw("metaserver: a warm directory dropped")
             await self._teardown(Unavailable("metaserver", "takeover failed", Status.UNAVAILABLE))
             self._new_state()
             raise

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
 
+from metaserver import gcpolicy
 from metaserver import validate as v
 from metaserver.directory import Directory
 from metaserver.entry import Effects, extent_size
@@ -112,7 +113,8 @@ def gc_paused():
     that all survive, and every collection the allocation count triggers walks all of them so far; that was half of
     the CPU of ``fill`` (1 M pages: 7.3 s against 3.7 s without). Leaving, the load's survivors are moved to the
     oldest generation without a walk (``gc.freeze`` then ``gc.unfreeze``) instead of being walked by the first
-    young collections of the serving loop; they are collected as usual from then on. What it tolerates: cyclic
+    young collections of the serving loop; they are collected as usual from then on (with ``metaserver.gcpolicy``
+    installed they stay frozen instead: what a load built is live). What it tolerates: cyclic
     garbage made by anything else meanwhile waits for the next collection."""
     st = _gc_pause
     if st[0] == 0:
@@ -124,7 +126,9 @@ def gc_paused():
     finally:
         st[0] -= 1
         if st[0] == 0 and st[1]:
-            if not gc.get_freeze_count():  # (someone else's frozen objects stay frozen)
+            if gcpolicy.installed() is not None:
+                gcpolicy.loaded()  # the policy keeps the load frozen: no step walks it (metaserver/gcpolicy.py)
+            elif not gc.get_freeze_count():  # (someone else's frozen objects stay frozen)
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()
@@ -279,6 +283,8 @@ class WarmDirectory:
             d = self.make_dir()
             descs = node_descs(live, arenas)
             stale, rejected = await asyncio.to_thread(fill, d, descs, pages)  # the loop keeps answering meanwhile
+        if self.dir is not None:
+            gcpolicy.thaw("warm standby: reloaded")  # the copy it replaces may be frozen cyclic garbage now
         self.dir, self.rev = d, rev
         self.live = {r.get("node_id"): r for r in live}
         self.arenas = {r.get("node_id"): r for r in arenas}

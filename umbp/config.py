@@ -101,6 +101,7 @@ class MetaserverConfig:
     tls_key: str = ""
     tls_ca: str = ""  # PEM CA bundle: verify the metaserver's certificate (node registration link)
     metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
+    gc_freeze_ms: float = 20.0  # metaserver/gcpolicy.py: a collection step this long freezes its survivors; -1: off
 
     def __post_init__(self) -> None:
         c = "metaserver"
@@ -121,6 +122,8 @@ class MetaserverConfig:
             raise ConfigError(c, "lease durations must be positive")
         if not 0 <= self.slots <= 1024:
             raise ConfigError(c, f"slots must be within 0..1024, got {self.slots}")
+        if not (self.gc_freeze_ms >= 0 or self.gc_freeze_ms == -1):
+            raise ConfigError(c, f"gc_freeze_ms must be >= 0, or -1 for CPython's own collector, got {self.gc_freeze_ms}")
         _check_limits(self, c)
 
 
