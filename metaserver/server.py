@@ -36,6 +36,7 @@ import socket
 import sys
 import time
 
+from metaserver import gcpolicy
 from metaserver.gcpolicy import GcPolicy
 from metaserver.partition import Partition, pool_slots
 from metaserver.service import LEADER_ONLY, Metaserver
@@ -246,7 +247,9 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
                           config.auth_timeout_s)
     server = None
     sweeper = asyncio.create_task(close_idle(conns, config.idle_timeout_s))
-    policy = GcPolicy(freeze_s=config.gc_freeze_ms / 1000).install() if config.gc_freeze_ms >= 0 else None
+    # The collector is the process's: a second serve() in one process (tests) shares the first one's policy.
+    policy = (GcPolicy(freeze_s=config.gc_freeze_ms / 1000).install()
+              if config.gc_freeze_ms >= 0 and gcpolicy.installed() is None else None)
     collector = asyncio.create_task(policy.run()) if policy is not None else None
     endpoint = None
     try:
