@@ -76,3 +76,34 @@ def test_batch_writer_abort_fails_every_waiter_of_a_shared_key():
         assert store.kv == {} and w.pending() == 0
 
     run(main())
+
+
+def test_batch_writer_drains_a_flood_of_deletes_in_order_with_keys_resubmitted_behind_in_flight_ones():
+    """A flood (a node's pages dropped at once) taken by several workers: every op written exactly once (the
+    workers' transactions may land in any order), in submission order per key, a key resubmitted while its first op is in flight written after it, and the queue's
+    head found again after every take (the queue is taken from the head thousands of times with no insert between)."""
+    async def main():
+        store = MemoryStore()
+        w = BatchWriter(store, batch=16, inflight=4)
+        w.start()
+        n = 5000
+        keys = [b"p/%05d" % i for i in range(n)]
+        w.submit([(k, b"v") for k in keys], [], wait=False)
+        assert await w.flush(10)
+        store.txns.clear()
+        store.gate = asyncio.Event()
+        store.in_txn.clear()
+        done = w.submit([], keys, wait=True)  # the flood: n deletes, no insert among them
+        await asyncio.wait_for(store.in_txn.wait(), 5)
+        again = w.submit([(keys[0], b"back")], [], wait=True)  # keys[0]'s delete is in flight: this waits its turn
+        store.gate.set()
+        await asyncio.wait_for(asyncio.gather(done, again), 10)
+        assert await w.flush(5)
+        written = [op for t in store.txns for op in t]
+        assert len(written) == n + 1 and all(len(t) <= 16 for t in store.txns)
+        assert sorted(op[1] for op in written if op[0] == "del") == keys  # each delete once
+        assert written.index(("put", keys[0], b"back")) > written.index(("del", keys[0]))
+        assert store.kv == {keys[0]: b"back"} and w.pending() == 0
+        await w.close()
+
+    run(main())
