@@ -139,3 +139,36 @@ def test_untracked_allocator_checks_against_the_callers_extents():
     a.check([(x, ALIGN), (y, 3 * ALIGN)])
     assert a.rebuild([(y, 3 * ALIGN), (y, ALIGN)]) == [1] and a.used == 3 * ALIGN
     a.check([(y, 3 * ALIGN)])
+
+
+@pytest.mark.parametrize("units", [1, 64, 300, 2305])  # exact bins and power-of-two bins
+def test_holes_are_refilled_oldest_first_and_bins_that_empty_stay_consistent(units):
+    """A pool fragmented into many same-size holes (every other object freed: what evictions leave) is refilled in
+    the order the holes were freed, with every bin's mask bit in step with its members after each step (bins that
+    empty are kept, their bit cleared). Taking from a bin's head thousands of times is the case that made a
+    dict-backed bin quadratic (``bench`` figure in the allocator's docstring)."""
+    size = units * ALIGN
+    n = 400
+    a = Allocator(ARENA_DATA_START, (2 * n + 1) * size, track=False)
+    offs = [a.alloc(size) for _ in range(2 * n)]
+    assert None not in offs
+    holes = offs[::2]
+    order = holes[1::2] + holes[0::2]  # freed out of address order
+    for off in order:
+        a.free(off, size)
+    extents = {o: size for o in offs[1::2]}
+    a.check(list(extents.items()))
+    tail = ARENA_DATA_START + 2 * n * size  # the extent left after the 2n objects: the bin's oldest member
+    got = []
+    for i in range(n + 1):
+        off = a.alloc(size)
+        got.append(off)
+        extents[off] = size
+        if i % 50 == 0 or i == n:
+            a.check(list(extents.items()))
+    assert got == [tail] + order  # oldest hole first, none skipped or repeated
+    assert a.alloc(size) is None
+    a.free(got[1], size)  # a bin emptied to nothing is used again
+    del extents[got[1]]
+    a.check(list(extents.items()))
+    assert a.alloc(size) == got[1]
