@@ -32,13 +32,20 @@ class InstantStore:
         self.ops += len(items)
 
 
-async def drain(n: int, plain_dict: bool) -> float:
-    """CPU-seconds from submitting ``n`` deletes at once until all of them are written."""
+def writer(plain_dict: bool) -> tuple[InstantStore, BatchWriter]:
+    """A started writer as the metaserver runs it (128-op transactions, four in flight) over an ``InstantStore``;
+    ``plain_dict``: its queue swapped for a dict (the baseline)."""
     store = InstantStore()
     w = BatchWriter(store, batch=128, inflight=4)
     if plain_dict:
         w._queue = {}
     w.start()
+    return store, w
+
+
+async def drain(n: int, plain_dict: bool) -> float:
+    """CPU-seconds from submitting ``n`` deletes at once until all of them are written."""
+    store, w = writer(plain_dict)
     keys = [b"/umbp/pages/ns/%064x" % i for i in range(n)]
     t = time.process_time()
     w.submit([], keys, wait=False)
@@ -51,11 +58,7 @@ async def drain(n: int, plain_dict: bool) -> float:
 
 async def steady(rounds: int, plain_dict: bool) -> float:
     """CPU-us per op of 128-op waited submissions, four at a time (the commit path under load)."""
-    store = InstantStore()
-    w = BatchWriter(store, batch=128, inflight=4)
-    if plain_dict:
-        w._queue = {}
-    w.start()
+    _store, w = writer(plain_dict)
     t = time.process_time()
     for r in range(rounds):
         futs = [w.submit([(b"/umbp/pages/ns/%d/%d/%d" % (r, f, i), b"v") for i in range(128)], [], wait=True)
