@@ -50,6 +50,7 @@ import msgpack  # noqa: E402
 from metaserver.persist import EtcdStore  # noqa: E402
 from transport.framed import FramedSocket  # noqa: E402
 from transport.wire import ARENA_DATA_START, Op, object_size  # noqa: E402
+from umbp.config import ETCD_TXN_OPS  # noqa: E402
 from umbp.errors import UmbpError  # noqa: E402
 from umbp.launcher import find_etcd, free_port  # noqa: E402
 
@@ -233,7 +234,8 @@ def main() -> int:
                               f"http://{etcd_addr}", "--listen-peer-urls", f"http://127.0.0.1:{pport}",
                               "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}", "--initial-cluster",
                               f"bench=http://127.0.0.1:{pport}", "--auto-compaction-retention=1",
-                              "--quota-backend-bytes=8589934592", "--logger=zap"], workdir)
+                              "--quota-backend-bytes=8589934592", "--logger=zap",
+                              f"--max-txn-ops={ETCD_TXN_OPS}"], workdir)
         children.append(etcd)
         print(f"failover: {a.pages:,} pages on {a.nodes} nodes, election ttl {a.ttl}s; work dir {workdir}", flush=True)
         ma, addr_a = metaserver("metaserver-a", etcd_addr, workdir, a.ttl)

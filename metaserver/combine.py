@@ -8,7 +8,9 @@ process was far from its limit), so the partitioned pool committed fewer pages p
 
 ``write(store, items)`` queues a slot's transaction and awaits it; the writes queued in one turn of the event loop
 (the writers a COMMIT woke all run in the next turn) are sent as transactions of at most ``max_ops`` operations
-(etcd's per-transaction cap), each carrying the fence compare of every slot in it. All of it is applied or none:
+(etcd's per-transaction cap; lowered for good when etcd refuses one for its size, whose parts then fail with
+``TxnTooLarge`` and are split by their writers), each carrying the fence compare of every slot in it. All of it is
+applied or none:
 
 - it succeeded: every part is durable;
 - a compare failed (a slot in it was deposed): each part is sent again on its own through its store
@@ -28,11 +30,13 @@ import asyncio
 
 import aetcd.rpc
 
+from metaserver.batcher import ETCD_DEFAULT_TXN_OPS, TXN_OPS
 from metaserver.persist import EtcdStore, add_ops
+from umbp.errors import TxnTooLarge
 
 
 class TxnCombiner:
-    def __init__(self, root: EtcdStore, max_ops: int = 128):
+    def __init__(self, root: EtcdStore, max_ops: int = TXN_OPS):
         self.root = root  # whose client sends the combined transactions
         self.max_ops = max_ops
         self._queue: list[tuple[EtcdStore, list, asyncio.Future]] = []
@@ -85,6 +89,9 @@ class TxnCombiner:
                 f.cancel()
             raise
         except Exception as e:  # noqa: BLE001 - every waiter gets the error (its writer retries Unavailable)
+            if isinstance(e, TxnTooLarge):  # etcd's cap is below ours: combine less from now on (the writers split)
+                n = sum(len(p[1]) for p in group)
+                self.max_ops = min(self.max_ops, ETCD_DEFAULT_TXN_OPS if n > ETCD_DEFAULT_TXN_OPS else max(1, n // 2))
             outcome = [e] * len(group)
         for f, r in zip(futs, outcome):
             if not f.done():

@@ -51,7 +51,7 @@ from metaserver.entry import PART_MASK, SHARD_SHIFT
 from metaserver.records import PageRecords, _name
 from transport.wire import Status
 from umbp.config import split_host_port
-from umbp.errors import NotLeader, Unavailable
+from umbp.errors import NotLeader, TxnTooLarge, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -99,8 +99,16 @@ def _split(first: bytes, last: bytes, hi: bytes, root: int) -> list[tuple[bytes,
 
 
 def unavailable(what: str, e: BaseException) -> Unavailable:
+    """The metaserver's error for an etcd/grpc failure: ``TxnTooLarge`` when etcd refused a transaction for its
+    number of operations (INVALID_ARGUMENT "too many operations in txn request"), else ``Unavailable``."""
     detail = str(e) or type(e).__name__
+    if _TOO_MANY_OPS in detail:
+        return TxnTooLarge("metaserver", f"etcd {what} refused: too many operations in one transaction",
+                           Status.UNAVAILABLE)
     return Unavailable("metaserver", f"etcd {what} failed: {detail}", Status.UNAVAILABLE)
+
+
+_TOO_MANY_OPS = "too many operations in txn request"  # etcd's error text (etcdserver: ErrGRPCTooManyOps)
 
 
 def add_ops(req, items) -> None:

@@ -53,8 +53,8 @@ class Harness:
             i += 1
         return f"{base}{i}"
 
-    def etcd(self, start: bool = True, name: str = "etcd") -> Etcd:
-        e = self._track(Etcd(self.workdir, self._unique(name)))
+    def etcd(self, start: bool = True, name: str = "etcd", **kw: Any) -> Etcd:
+        e = self._track(Etcd(self.workdir, self._unique(name), **kw))
         return e.start() if start else e
 
     def metaserver(self, etcd_url: str, start: bool = True, name: str = "metaserver", **flags: Any) -> Metaserver:

@@ -37,6 +37,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from umbp.config import ETCD_TXN_OPS
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 5.0
 ETCD_READY_S = 20.0
@@ -322,10 +324,13 @@ class Process:
 
 class Etcd(Process):
     """A single-member etcd with its data in ``workdir/<name>.data``. ``url`` is "127.0.0.1:PORT".
-    ``restart()`` keeps the data directory and both ports."""
+    ``restart()`` keeps the data directory and both ports. ``max_txn_ops``: its cap on operations per transaction,
+    as ``umbp up`` starts etcd (None: etcd's own default, 128)."""
 
-    def __init__(self, workdir: Path, name: str = "etcd", binary: str | None = None):
+    def __init__(self, workdir: Path, name: str = "etcd", binary: str | None = None,
+                 max_txn_ops: int | None = ETCD_TXN_OPS):
         super().__init__(name, workdir)
+        self.max_txn_ops = max_txn_ops
         self.binary = binary or find_etcd()
         if not self.binary:
             raise HarnessError("etcd: no etcd binary on PATH, in .venv/bin or in the interpreter's prefix; "
@@ -357,7 +362,7 @@ class Etcd(Process):
             "--auto-compaction-retention=1",
             "--quota-backend-bytes=8589934592",
             "--logger=zap",
-        ]
+        ] + ([f"--max-txn-ops={self.max_txn_ops}"] if self.max_txn_ops is not None else [])
 
     def start(self, timeout: float = ETCD_READY_S) -> "Etcd":
         fresh = self.client_port == 0

@@ -10,9 +10,11 @@ import asyncio
 
 import pytest
 
+from metaserver.batcher import ETCD_DEFAULT_TXN_OPS, BatchWriter
 from metaserver.combine import TxnCombiner
 from metaserver.persist import EtcdStore
 from metaserver.slots import SlotStore
+from umbp.config import ETCD_TXN_OPS
 from umbp.errors import NotLeader
 
 
@@ -23,14 +25,14 @@ async def won(store: SlotStore) -> None:
     store.fence(cur.create_revision)
 
 
-def run(url: str, body) -> None:
+def run(url: str, body, max_ops: int = 128) -> None:
     """``body(root, combiner, slot stores)`` against etcd at ``url``: three slot stores of one process, each fenced
-    on its own slotmap key, sharing one combiner (bounded: 30 s)."""
+    on its own slotmap key, sharing one combiner of ``max_ops`` (bounded: 30 s)."""
     async def main():
         root = EtcdStore(url, "/umbp-combine")
         await root.wait_ready(10)
         try:
-            comb = TxnCombiner(root, 128)
+            comb = TxnCombiner(root, max_ops)
             slots = [SlotStore(root, str(s), owns_nodes=False, combiner=comb) for s in range(3)]
             for s in slots:
                 await won(s)
@@ -96,3 +98,33 @@ def test_a_cancelled_writer_before_the_send_writes_nothing(etcd):
         assert await values(root, b"/umbp-combine/slots/") == dict(items(0, 3))
 
     run(etcd.url, body)
+
+
+def test_an_etcd_with_its_default_cap_gets_the_writers_pages_in_transactions_it_accepts(harness):
+    """The metaserver writes up to ETCD_TXN_OPS operations a transaction (1024); an etcd started without
+    --max-txn-ops refuses more than 128 (TxnTooLarge). Each slot's batch writer and the process's combiner then keep
+    to 128 for good, and every page of every slot is written, each once."""
+    small = harness.etcd(max_txn_ops=None)
+
+    async def body(root, comb, slots):
+        writers = [BatchWriter(s, batch=ETCD_TXN_OPS) for s in slots]
+        for w in writers:
+            w.start()
+        want = {i: items(i, 300) for i in range(3)}
+        futs = [w.submit(want[i], [], wait=True) for i, w in enumerate(writers)]  # one turn: 900 ops combined
+        await asyncio.wait_for(asyncio.gather(*futs), 20)
+        assert comb.max_ops == ETCD_DEFAULT_TXN_OPS
+        assert [w.batch for w in writers] == [ETCD_DEFAULT_TXN_OPS] * 3 and all(w.lowered == 1 for w in writers)
+        assert sum(w.ops for w in writers) == 900
+        assert await values(root, b"/umbp-combine/slots/") == dict(sum(want.values(), []))
+        # the unpartitioned writer on its own store: a 1024-op transaction refused, then 128 at a time
+        w = BatchWriter(root, batch=ETCD_TXN_OPS)
+        w.start()
+        flat = [(b"/umbp-combine/pages/ns/%05d" % i, b"p%d" % i) for i in range(1500)]
+        await asyncio.wait_for(w.submit(flat, [], wait=True), 20)
+        assert (w.batch, w.lowered, w.ops) == (ETCD_DEFAULT_TXN_OPS, 1, 1500)
+        assert await values(root, b"/umbp-combine/pages/") == dict(flat)
+        for x in writers + [w]:
+            await x.close()
+
+    run(small.url, body, max_ops=ETCD_TXN_OPS)

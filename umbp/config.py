@@ -75,6 +75,13 @@ def _check_tls(cert: str, key: str, ca: str, c: str, server: bool) -> None:
             raise ConfigError(c, f"{what}: no such file {path!r}")
 
 
+# Operations per etcd transaction the metaserver writes: etcd's default cap is 128 (--max-txn-ops), and much of a
+# transaction's cost is per transaction in etcd and in the metaserver, so the etcd that `umbp up`, the tests and the
+# Kubernetes base start runs with --max-txn-ops=1024 and the metaserver writes that many; against an etcd with a
+# lower cap its writer falls back to 128 at the first refusal (metaserver/batcher.py).
+ETCD_TXN_OPS = 1024
+
+
 @dataclass(frozen=True)
 class MetaserverConfig:
     etcd: str = "127.0.0.1:2379"
@@ -87,7 +94,7 @@ class MetaserverConfig:
     high_watermark: float = 0.95  # background eviction starts above this fill ratio ...
     low_watermark: float = 0.85  # ... and stops below this one
     eviction_policy: str = "lru"  # "lru" or "prefix-lru"
-    persist_batch: int = 128  # operations per etcd transaction (etcd's default cap)
+    persist_batch: int = ETCD_TXN_OPS  # operations per etcd transaction at most (lowered to what etcd accepts)
     election_ttl_s: int = 5  # leader key lease: a dead leader is replaced within about this long
     slots: int = 0  # slots of a new pool (>1: partitioned, metaserver/partition.py); 0: what the pool has, else 1
     max_batch_keys: int = 100_000
@@ -115,8 +122,8 @@ class MetaserverConfig:
             raise ConfigError(c, "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
         if self.eviction_policy not in ("lru", "prefix-lru"):
             raise ConfigError(c, f"eviction_policy must be 'lru' or 'prefix-lru', got {self.eviction_policy!r}")
-        if not 1 <= self.persist_batch <= 128:
-            raise ConfigError(c, "persist_batch must be within 1..128 (etcd's per-transaction cap)")
+        if not 1 <= self.persist_batch <= 4096:
+            raise ConfigError(c, "persist_batch must be within 1..4096 (operations per etcd transaction)")
         if (self.read_lease_s <= 0 or self.pending_ttl_s <= 0 or self.write_cap_ttl_s <= 0
                 or self.election_ttl_s < 1):
             raise ConfigError(c, "lease durations must be positive")

@@ -95,6 +95,11 @@ class Unavailable(RemoteError):
     """The server is alive but cannot serve now (starting up, etcd unreachable, shutting down). Retryable."""
 
 
+class TxnTooLarge(Unavailable):
+    """etcd refused a transaction for its number of operations (its ``--max-txn-ops``): retryable in smaller ones
+    (the metaserver's etcd writer splits and lowers its transaction size, ``metaserver/batcher.py``)."""
+
+
 class AuthError(RemoteError, PermissionError):
     """The connection did not authenticate, or the token does not grant this namespace."""
 

@@ -43,6 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from umbp.config import ETCD_TXN_OPS
 from umbp.errors import ConfigError, StartupError
 
 READY_S = 30.0
@@ -276,7 +277,8 @@ class LocalPool:
                                         "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
                                         "--initial-cluster", f"umbp-up=http://127.0.0.1:{pport}",
                                         "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
-                                        "--quota-backend-bytes", str(8 << 30)],
+                                        "--quota-backend-bytes", str(8 << 30),
+                                        "--max-txn-ops", str(ETCD_TXN_OPS)],
                                r"ready to serve client requests|serving client requests on|serving insecure client")
             etcd.metrics = f"http://127.0.0.1:{cport}/metrics"
         addrs = []

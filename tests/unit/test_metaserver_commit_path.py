@@ -12,6 +12,9 @@ from metaserver.batcher import BatchWriter
 from metaserver.directory import Directory
 from metaserver.persist import EtcdStore
 
+from transport.wire import Status
+from umbp.errors import TxnTooLarge, Unavailable
+
 from test_metaserver_persistence import MemoryStore, run
 
 
@@ -107,3 +110,49 @@ def test_batch_writer_drains_a_flood_of_deletes_in_order_with_keys_resubmitted_b
         await w.close()
 
     run(main())
+
+
+class CappedStore(MemoryStore):
+    """An etcd double whose cap on operations per transaction is ``cap`` (etcd's --max-txn-ops)."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self.cap = cap
+        self.refused: list[int] = []
+
+    async def txn(self, ops, compare=None):
+        if len(ops) > self.cap:
+            self.refused.append(len(ops))
+            raise TxnTooLarge("metaserver", "etcd transaction refused: too many operations in one transaction",
+                              Status.UNAVAILABLE)
+        return await super().txn(ops, compare)
+
+
+def test_batch_writer_keeps_to_what_etcd_accepts_once_refused_for_size():
+    """A writer of 1024 ops a transaction against an etcd capped at 100: refused at 1024, then at etcd's default
+    128, then writes 64 at a time for good; every op written once, in order per key, waiters answered."""
+    async def main():
+        store = CappedStore(100)
+        w = BatchWriter(store, batch=1024, inflight=2)
+        w.start()
+        puts = [(b"k%04d" % i, b"a") for i in range(3000)]
+        first = w.submit(puts, [], wait=True)
+        await asyncio.wait_for(first, 10)
+        assert store.refused[:2] == [1024, 128] and set(store.refused) <= {1024, 128}
+        assert (w.batch, w.lowered) == (64, 2)
+        assert all(len(t) <= 64 for t in store.txns) and sum(len(t) for t in store.txns) == 3000
+        again = w.submit([(b"k0001", b"b")], [b"k0002"], wait=True)  # later ops on written keys
+        await asyncio.wait_for(again, 10)
+        assert store.kv[b"k0001"] == b"b" and b"k0002" not in store.kv and len(store.kv) == 2999
+        assert w.pending() == 0 and w.failures == 0
+        await w.close()
+
+    run(main())
+
+
+def test_txn_too_large_is_told_apart_from_other_etcd_failures():
+    from metaserver.persist import unavailable
+    e = unavailable("transaction", RuntimeError("<AioRpcError status = StatusCode.INVALID_ARGUMENT details = "
+                                               '"etcdserver: too many operations in txn request">'))
+    assert type(e) is TxnTooLarge and "too many operations" in str(e) and isinstance(e, Unavailable)
+    assert type(unavailable("transaction", RuntimeError("connection refused"))) is Unavailable
