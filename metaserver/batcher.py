@@ -42,6 +42,28 @@ log = logging.getLogger("umbp.metaserver")
 
 TXN_OPS = ETCD_TXN_OPS  # operations a transaction by default (MetaserverConfig.persist_batch, umbp/config.py)
 ETCD_DEFAULT_TXN_OPS = 128  # etcd's own default cap: where a writer refused for its size goes first
+TXN_BYTES = 1 << 20  # keys and values of one transaction at most: etcd refuses a request over its --max-request-bytes
+# (1.5 MiB by default), and 1024 records of long keys (512-byte string keys are 1 KiB in hex) would pass it
+
+
+def txn_bytes(ops: list, i: int = 0, j: int | None = None) -> int:
+    """Bytes of keys and values of ``ops[i:j]`` ((etcd key, value | None) pairs)."""
+    return sum(len(k) + (len(v) if v is not None else 0) for k, v in islice(ops, i, j))
+
+
+def cut(ops: list, i: int, n: int) -> int:
+    """Where the transaction that starts at ``ops[i]`` ends: at most ``n`` ops and ``TXN_BYTES`` (at least one op).
+    O(ops in it)."""
+    j = min(len(ops), i + n)
+    if txn_bytes(ops, i, j) <= TXN_BYTES:  # the common case (about 0.1 us an op)
+        return j
+    size = 0
+    for k in range(i, j):
+        key, v = ops[k]
+        size += len(key) + (len(v) if v is not None else 0)
+        if size > TXN_BYTES and k > i:
+            return k
+    return j
 
 
 class _Ticket:
@@ -168,15 +190,15 @@ class BatchWriter:
                 self._wake.set()
 
     async def _write(self, ops: list) -> None:
-        """``ops`` in transactions of at most ``batch``. When etcd refuses one for its size (``TxnTooLarge``: its
-        ``--max-txn-ops`` is below ours), ``batch`` drops to etcd's default cap (then halves, down to 1) for good
+        """``ops`` in transactions of at most ``batch`` ops and ``TXN_BYTES``. When etcd refuses one for its size
+        (``TxnTooLarge``: its ``--max-txn-ops`` or ``--max-request-bytes`` is below ours), ``batch`` drops to etcd's default cap (then halves, down to 1) for good
         and what is left goes again in smaller ones; the keys stay busy meanwhile, so order per key holds. Raises
         as ``EtcdStore.write`` (a failure after some transactions went through: the caller writes ``ops`` again,
         which puts and deletes allow)."""
         i = 0
         while i < len(ops):
-            n = self.batch
-            part = ops if i == 0 and len(ops) <= n else ops[i:i + n]
+            j = cut(ops, i, self.batch)
+            part = ops if i == 0 and j == len(ops) else ops[i:j]
             try:
                 await self.store.write(part)
             except TxnTooLarge:
@@ -184,8 +206,8 @@ class BatchWriter:
                     raise
                 lower = ETCD_DEFAULT_TXN_OPS if len(part) > ETCD_DEFAULT_TXN_OPS else len(part) // 2
                 if lower < self.batch:
-                    log.warning("metaserver: etcd refused %d operations in one transaction (its --max-txn-ops); "
-                                "writing at most %d a transaction from now on", len(part), lower)
+                    log.warning("metaserver: etcd refused %d operations in one transaction (its --max-txn-ops or "
+                                "--max-request-bytes); writing at most %d a transaction from now on", len(part), lower)
                     self.batch = lower
                     self.lowered += 1
                 continue

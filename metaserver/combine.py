@@ -9,8 +9,8 @@ process was far from its limit), so the partitioned pool committed fewer pages p
 ``write(store, items)`` queues a slot's transaction and awaits it; the writes queued in one turn of the event loop
 (the writers a COMMIT woke all run in the next turn) are sent as transactions of at most ``max_ops`` operations
 (etcd's per-transaction cap; lowered for good when etcd refuses one for its size, whose parts then fail with
-``TxnTooLarge`` and are split by their writers), each carrying the fence compare of every slot in it. All of it is
-applied or none:
+``TxnTooLarge`` and are split by their writers) and ``TXN_BYTES`` of keys and values, each carrying the fence compare
+of every slot in it. All of it is applied or none:
 
 - it succeeded: every part is durable;
 - a compare failed (a slot in it was deposed): each part is sent again on its own through its store
@@ -30,7 +30,7 @@ import asyncio
 
 import aetcd.rpc
 
-from metaserver.batcher import ETCD_DEFAULT_TXN_OPS, TXN_OPS
+from metaserver.batcher import ETCD_DEFAULT_TXN_OPS, TXN_BYTES, TXN_OPS, txn_bytes
 from metaserver.persist import EtcdStore, add_ops
 from umbp.errors import TxnTooLarge
 
@@ -39,7 +39,7 @@ class TxnCombiner:
     def __init__(self, root: EtcdStore, max_ops: int = TXN_OPS):
         self.root = root  # whose client sends the combined transactions
         self.max_ops = max_ops
-        self._queue: list[tuple[EtcdStore, list, asyncio.Future]] = []
+        self._queue: list[tuple[EtcdStore, list, asyncio.Future, int]] = []  # (store, items, waiter, their bytes)
         self.txns = 0  # combined transactions sent (a lone part goes out as its store's own)
         self.parts = 0  # slot transactions they carried
         self.split = 0  # combined transactions refused by a fence and sent again part by part
@@ -48,11 +48,12 @@ class TxnCombiner:
     async def write(self, store: EtcdStore, items: list) -> None:
         """Write ``items`` (``EtcdStore.write``'s pairs) fenced on ``store``'s fence, with the other slots' writes
         of this turn of the loop. Raises as ``store.write`` would."""
-        if len(items) >= self.max_ops:
+        nbytes = txn_bytes(items)
+        if len(items) >= self.max_ops or nbytes >= TXN_BYTES:
             return await EtcdStore.write(store, items)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.append((store, items, fut))
+        self._queue.append((store, items, fut, nbytes))
         if len(self._queue) == 1:
             loop.call_soon(self._flush)
         await fut
@@ -60,13 +61,14 @@ class TxnCombiner:
     def _flush(self) -> None:
         queue, self._queue = [part for part in self._queue if not part[2].done()], []
         group: list = []
-        n = 0
+        n = nbytes = 0
         for part in queue:
-            if n + len(part[1]) > self.max_ops:
+            if n + len(part[1]) > self.max_ops or nbytes + part[3] > TXN_BYTES:
                 self._send(group)
-                group, n = [], 0
+                group, n, nbytes = [], 0, 0
             group.append(part)
             n += len(part[1])
+            nbytes += part[3]
         if group:
             self._send(group)
 
@@ -102,7 +104,7 @@ class TxnCombiner:
         again on its own. The outcome per part: None (written) or its exception."""
         req = aetcd.rpc.TxnRequest()
         fenced = set()
-        for store, items, _ in group:
+        for store, items, *_ in group:
             if store.leader_key not in fenced:
                 fenced.add(store.leader_key)
                 store.add_fence(req)
@@ -112,4 +114,4 @@ class TxnCombiner:
         if await self.root.send(req):
             return [None] * len(group)
         self.split += 1
-        return await asyncio.gather(*(EtcdStore.write(s, items) for s, items, _ in group), return_exceptions=True)
+        return await asyncio.gather(*(EtcdStore.write(s, items) for s, items, *_ in group), return_exceptions=True)

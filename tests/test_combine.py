@@ -128,3 +128,19 @@ def test_an_etcd_with_its_default_cap_gets_the_writers_pages_in_transactions_it_
             await x.close()
 
     run(small.url, body, max_ops=ETCD_TXN_OPS)
+
+
+def test_long_keys_are_written_in_requests_etcd_accepts(etcd):
+    """1,500 records of 1.2 KiB keys and 600-byte values (1024 of them would be 1.8 MB, over etcd's 1.5 MiB request
+    limit): the writer cuts its transactions by bytes too, so etcd refuses none and every record is written."""
+    async def body(root, comb, slots):
+        w = BatchWriter(root, batch=ETCD_TXN_OPS)
+        w.start()
+        recs = [(b"/umbp-combine/long/%04d/" % i + b"ab" * 600, b"v" * 600) for i in range(1500)]
+        await asyncio.wait_for(w.submit(recs, [], wait=True), 20)
+        assert (w.lowered, w.failures, w.ops) == (0, 0, 1500) and w.txns >= 2
+        got = await values(root, b"/umbp-combine/long/")
+        assert got == dict(recs)
+        await w.close()
+
+    run(etcd.url, body, max_ops=ETCD_TXN_OPS)

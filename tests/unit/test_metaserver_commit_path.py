@@ -8,7 +8,7 @@ import asyncio
 
 import msgpack
 
-from metaserver.batcher import BatchWriter
+from metaserver.batcher import TXN_BYTES, BatchWriter, cut
 from metaserver.directory import Directory
 from metaserver.persist import EtcdStore
 
@@ -156,3 +156,25 @@ def test_txn_too_large_is_told_apart_from_other_etcd_failures():
                                                '"etcdserver: too many operations in txn request">'))
     assert type(e) is TxnTooLarge and "too many operations" in str(e) and isinstance(e, Unavailable)
     assert type(unavailable("transaction", RuntimeError("connection refused"))) is Unavailable
+
+
+def test_transactions_are_cut_by_bytes_as_well_as_operations():
+    """Records with long keys (a 512-byte string key is 1 KiB of hex in its etcd key): no transaction carries more
+    than TXN_BYTES of keys and values (etcd refuses requests over its --max-request-bytes), except an op that is
+    larger on its own, which goes alone; every op written once."""
+    async def main():
+        store = MemoryStore()
+        w = BatchWriter(store, batch=1024, inflight=2)
+        w.start()
+        big = [(b"/umbp/pages/ns/" + b"%04d" % i + b"ab" * 600, b"v" * 600) for i in range(2000)]
+        huge = (b"/umbp/pages/ns/huge", b"x" * (TXN_BYTES + 1))
+        await asyncio.wait_for(w.submit(big + [huge], [], wait=True), 10)
+        sizes = [sum(len(op[1]) + len(op[2]) for op in t) for t in store.txns]
+        assert all(s <= TXN_BYTES for s, t in zip(sizes, store.txns) if len(t) > 1)
+        assert [len(t) for t in store.txns if t[0][1] == huge[0]] == [1]
+        assert sum(len(t) for t in store.txns) == 2001 and len(store.kv) == 2001 and w.lowered == 0
+        assert cut(big, 0, 1024) == TXN_BYTES // len(big[0][0] + big[0][1])
+        assert cut([(b"k", b"v")] * 3000, 10, 1024) == 1034 and cut([huge, huge], 0, 1024) == 1
+        await w.close()
+
+    run(main())
