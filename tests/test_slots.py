@@ -391,6 +391,16 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
     victim.kill(signal.SIGKILL, wait=True)
     survivors = [a for a in addrs if a != old]
     smap = leader_map(survivors, TTL_S + 15.0)
+    # The map names a slot's new leader once it is elected; it serves the slot once its FENCE reached every node
+    # (SlotServer._elected). Wait for that (an EXISTS of the slot's key answered there), not for a sleep.
+    deadline = time.monotonic() + 15.0
+    while True:
+        try:
+            authed(smap[s], Op.EXISTS, {"ns": "t", "keys": mine[:1]}, WRITER)
+            break
+        except UmbpError:
+            assert time.monotonic() < deadline, f"slot {s}'s new leader {smap[s]} did not serve it"
+            time.sleep(0.1)
     # Refused before the new term wrote anything on the node: the FENCE, not a newer capability, raised the floor.
     stale_write(second[2], second[4], second[5])
     # The new leader does not know the dead one's PENDING allocation: it places new pages over the same bytes.
