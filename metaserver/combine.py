@@ -8,9 +8,9 @@ process was far from its limit), so the partitioned pool committed fewer pages p
 
 ``write(store, items)`` queues a slot's transaction and awaits it; the writes queued in one turn of the event loop
 (the writers a COMMIT woke all run in the next turn) are sent as transactions of at most ``max_ops`` operations
-(etcd's per-transaction cap; lowered for good when etcd refuses one for its size, whose parts then fail with
-``TxnTooLarge`` and are split by their writers) and ``TXN_BYTES`` of keys and values, each carrying the fence compare
-of every slot in it. All of it is applied or none:
+(etcd's per-transaction cap; lowered for good when etcd refuses one for its size, and its parts sent again under
+the new cap) and ``TXN_BYTES`` of keys and values, each carrying the fence compare of every slot in it. All of it is
+applied or none:
 
 - it succeeded: every part is durable;
 - a compare failed (a slot in it was deposed): each part is sent again on its own through its store
@@ -43,6 +43,7 @@ class TxnCombiner:
         self.txns = 0  # combined transactions sent (a lone part goes out as its store's own)
         self.parts = 0  # slot transactions they carried
         self.split = 0  # combined transactions refused by a fence and sent again part by part
+        self.lowered = 0  # times etcd refused a combined transaction for its size (max_ops lowered)
         self._tasks: set[asyncio.Task] = set()
 
     async def write(self, store: EtcdStore, items: list) -> None:
@@ -60,17 +61,24 @@ class TxnCombiner:
 
     def _flush(self) -> None:
         queue, self._queue = [part for part in self._queue if not part[2].done()], []
+        for group in self._groups(queue):
+            self._send(group)
+
+    def _groups(self, parts: list) -> list[list]:
+        """``parts`` in order, in groups of at most ``max_ops`` operations and ``TXN_BYTES`` (a larger part alone)."""
+        out: list[list] = []
         group: list = []
         n = nbytes = 0
-        for part in queue:
-            if n + len(part[1]) > self.max_ops or nbytes + part[3] > TXN_BYTES:
-                self._send(group)
+        for part in parts:
+            if group and (n + len(part[1]) > self.max_ops or nbytes + part[3] > TXN_BYTES):
+                out.append(group)
                 group, n, nbytes = [], 0, 0
             group.append(part)
             n += len(part[1])
             nbytes += part[3]
         if group:
-            self._send(group)
+            out.append(group)
+        return out
 
     def _send(self, group: list) -> None:
         task = asyncio.ensure_future(self._run(group))
@@ -85,19 +93,39 @@ class TxnCombiner:
                 await EtcdStore.write(group[0][0], group[0][1])
                 outcome: list = [None]
             else:
-                outcome = await self._combined(group)
+                outcome = await self._combined_fitting(group)
         except asyncio.CancelledError:
             for f in futs:
                 f.cancel()
             raise
         except Exception as e:  # noqa: BLE001 - every waiter gets the error (its writer retries Unavailable)
-            if isinstance(e, TxnTooLarge):  # etcd's cap is below ours: combine less from now on (the writers split)
-                n = sum(len(p[1]) for p in group)
-                self.max_ops = min(self.max_ops, ETCD_DEFAULT_TXN_OPS if n > ETCD_DEFAULT_TXN_OPS else max(1, n // 2))
             outcome = [e] * len(group)
         for f, r in zip(futs, outcome):
             if not f.done():
                 f.set_result(None) if r is None else f.set_exception(r)
+
+    async def _combined_fitting(self, group: list) -> list:
+        """``_combined``; when etcd refuses the transaction for its size (TxnTooLarge: its cap is below ours), the
+        cap drops for good (to etcd's default, then halving) and the parts go again in groups under it, a lone part
+        through its store (refused too: that part's writer splits it). The refusal is the combination's, so a
+        writer whose own part was small never sees it and keeps its transaction size."""
+        try:
+            return await self._combined(group)
+        except TxnTooLarge:
+            n = sum(len(p[1]) for p in group)
+            self.max_ops = min(self.max_ops, ETCD_DEFAULT_TXN_OPS if n > ETCD_DEFAULT_TXN_OPS else max(1, n // 2))
+            self.lowered += 1
+        outcome: list = []
+        for sub in self._groups(group):  # smaller groups now, each a strictly smaller combination: this ends
+            if len(sub) > 1:
+                outcome += await self._combined_fitting(sub)
+                continue
+            try:
+                await EtcdStore.write(sub[0][0], sub[0][1])
+                outcome.append(None)
+            except Exception as e:  # noqa: BLE001 - the part's own outcome (CancelledError is not an Exception)
+                outcome.append(e)
+        return outcome
 
     async def _combined(self, group: list) -> list:
         """One transaction for every part (each slot's fence compared once); when a fence refused it, each part

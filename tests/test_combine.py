@@ -113,10 +113,22 @@ def test_an_etcd_with_its_default_cap_gets_the_writers_pages_in_transactions_it_
         want = {i: items(i, 300) for i in range(3)}
         futs = [w.submit(want[i], [], wait=True) for i, w in enumerate(writers)]  # one turn: 900 ops combined
         await asyncio.wait_for(asyncio.gather(*futs), 20)
-        assert comb.max_ops == ETCD_DEFAULT_TXN_OPS
+        assert comb.max_ops == ETCD_DEFAULT_TXN_OPS and comb.lowered == 1
         assert [w.batch for w in writers] == [ETCD_DEFAULT_TXN_OPS] * 3 and all(w.lowered == 1 for w in writers)
         assert sum(w.ops for w in writers) == 900
         assert await values(root, b"/umbp-combine/slots/") == dict(sum(want.values(), []))
+        # small parts whose combination etcd refuses: the combiner regroups them, the writers never see it
+        small = [BatchWriter(s, batch=ETCD_TXN_OPS) for s in slots]
+        for w in small:
+            w.start()
+        comb.max_ops = ETCD_TXN_OPS
+        more = {i: items(i, 60, b"s") for i in range(3)}  # 180 ops combined
+        await asyncio.wait_for(asyncio.gather(*(w.submit(more[i], [], wait=True) for i, w in enumerate(small))), 20)
+        assert comb.max_ops == ETCD_DEFAULT_TXN_OPS and comb.lowered == 2
+        assert [(w.batch, w.lowered, w.failures) for w in small] == [(ETCD_TXN_OPS, 0, 0)] * 3
+        assert await values(root, b"/umbp-combine/slots/") == dict(sum(more.values(), []) + want[0][60:] +
+                                                                    want[1][60:] + want[2][60:])
+        writers += small
         # the unpartitioned writer on its own store: a 1024-op transaction refused, then 128 at a time
         w = BatchWriter(root, batch=ETCD_TXN_OPS)
         w.start()
