@@ -191,10 +191,11 @@ class BatchWriter:
 
     async def _write(self, ops: list) -> None:
         """``ops`` in transactions of at most ``batch`` ops and ``TXN_BYTES``. When etcd refuses one for its size
-        (``TxnTooLarge``: its ``--max-txn-ops`` or ``--max-request-bytes`` is below ours), ``batch`` drops to etcd's default cap (then halves, down to 1) for good
-        and what is left goes again in smaller ones; the keys stay busy meanwhile, so order per key holds. Raises
-        as ``EtcdStore.write`` (a failure after some transactions went through: the caller writes ``ops`` again,
-        which puts and deletes allow)."""
+        (``TxnTooLarge``: its ``--max-txn-ops`` or ``--max-request-bytes`` is below ours), ``batch`` drops to etcd's
+        default cap (then halves, down to 1) for good and what is left goes again in smaller ones; the keys stay busy
+        meanwhile, so order per key holds. Ends: a refused part is never retried at its size. Raises as
+        ``EtcdStore.write`` (a failure after some transactions went through: the caller writes ``ops`` again, which
+        puts and deletes allow)."""
         i = 0
         while i < len(ops):
             j = cut(ops, i, self.batch)
