@@ -58,6 +58,7 @@ class AdminHandlers:
                "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
                "load_s": round(self.load_s, 3), "takeover": self.takeover, "etcd_pending_ops": self.writer.pending(),
                "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
+               "etcd_txn_max_ops": self.writer.batch,
                "ticks": self.ticks, "nodes": self._node_maps(scope.admin)}
         if not scope.admin:
             del out["etcd"]

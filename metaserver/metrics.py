@@ -17,7 +17,8 @@ What is exported (names are a contract: deploy/grafana/umbp-dashboard.json and t
   {op,status}`` (``umbp.metrics.RequestMetrics``, observed in ``metaserver/server.py``);
 - etcd: ``umbp_etcd_commit_seconds`` (histogram: a COMMIT's wait until its pages are durable, queueing in the batch
   writer included), ``umbp_etcd_txns_total``, ``umbp_etcd_ops_total``, ``umbp_etcd_retries_total``,
-  ``umbp_etcd_pending_ops``;
+  ``umbp_etcd_pending_ops``, ``umbp_etcd_txn_max_ops`` (the writer's transaction size: below ``persist_batch`` once
+  etcd refused one for its size);
 - the collector (``metaserver/gcpolicy.py``, when installed): ``umbp_metaserver_gc_steps_total``,
   ``umbp_metaserver_gc_freezes_total``, ``umbp_metaserver_gc_thaws_total``, ``umbp_metaserver_gc_pause_max_seconds``,
   ``umbp_metaserver_gc_frozen_objects``;
@@ -110,6 +111,8 @@ class _Collector(Collector):
         yield _counter("umbp_etcd_ops", "etcd operations (puts and deletes) written", w.ops)
         yield _counter("umbp_etcd_retries", "Failed etcd transactions retried", w.failures)
         yield _gauge("umbp_etcd_pending_ops", "Operations queued for etcd, not yet written", w.pending())
+        yield _gauge("umbp_etcd_txn_max_ops", "Operations a transaction at most: persist_batch, or less once etcd "
+                     "refused one for its size (its --max-txn-ops)", w.batch)
         gcp = gcpolicy.installed()
         if gcp is not None:
             yield _counter("umbp_metaserver_gc_steps", "Collection steps run (metaserver/gcpolicy.py)", gcp.steps)

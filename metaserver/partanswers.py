@@ -39,7 +39,7 @@ class PartitionAnswers:
                     "membership_leader": self.holder(MEMBERSHIP), "handovers": self.handovers,
                     "is_leader": bool(parts), "leader": self.holder(MEMBERSHIP),
                     "etcd_combined": {"txns": self.combiner.txns, "parts": self.combiner.parts,
-                                      "split": self.combiner.split}})
+                                      "split": self.combiner.split, "max_ops": self.combiner.max_ops}})
         if not parts:
             out["nodes"] = self.nodes(meta, conn)["nodes"]
         return out

@@ -121,8 +121,9 @@ class Cluster:
     def __init__(self, harness: Harness, nodes: int = 2, capacity: str | int = "64MiB",
                  lease_ttl: float | None = None, metaservers: int = 1,
                  metaserver_flags: dict[str, Any] | None = None, node_flags: dict[str, Any] | None = None,
-                 wait_registered: bool = True):
+                 wait_registered: bool = True, etcd_flags: dict[str, Any] | None = None):
         self.harness = harness
+        self.etcd_flags = dict(etcd_flags or {})  # Etcd's keywords (max_txn_ops=None: etcd's default cap)
         self.n_nodes = nodes
         self.capacity = capacity
         self.lease_ttl = lease_ttl
@@ -151,7 +152,7 @@ class Cluster:
         return ",".join(m.addr for m in self.metaservers)
 
     def start(self) -> "Cluster":
-        self.etcd = self.harness.etcd()
+        self.etcd = self.harness.etcd(**self.etcd_flags)
         for _ in range(self.n_metaservers):
             self.metaservers.append(self.harness.metaserver(self.etcd.url, **self.metaserver_flags))
         launched = [self.add_node(start=False) for _ in range(self.n_nodes)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,36 @@ def test_commits_of_several_clients_coalesce_into_shared_transactions(cluster):
         assert after["objects"] - before["objects"] == commits and ops >= commits
         assert txns < commits  # several clients' commits rode in one transaction
         assert all(c.exists(f"co/{w}/{i}") for w in range(clients) for i in (0, puts - 1))
+
+
+@pytest.mark.cluster(nodes=1, etcd_flags={"max_txn_ops": None}, metaserver_flags={"metrics_listen": "127.0.0.1:0"})
+def test_a_pool_on_an_etcd_at_its_default_cap_writes_everything_in_transactions_it_accepts(cluster):
+    """The metaserver writes up to 1,024 operations a transaction; this pool's etcd runs without --max-txn-ops (128).
+    One REMOVE of 600 pages queues 600 deletes at once: etcd refuses that transaction for its size, the writer
+    writes them 128 at a time from then on (STATS and /metrics say so), no failure is retried, and the pool keeps
+    committing and serving exact bytes."""
+    def settled(c) -> dict:
+        deadline = time.monotonic() + 20
+        while True:
+            st = c.stats()
+            if st["etcd_pending_ops"] == 0:
+                return st
+            assert time.monotonic() < deadline, st
+            time.sleep(0.05)  # poll interval of an observable count
+
+    with cluster.client() as c:
+        assert c.stats()["etcd_txn_max_ops"] == 1024
+        first = {f"cap/{i}": os.urandom(4096) for i in range(600)}
+        assert c.batch_put(list(first), list(first.values())) == [True] * 600
+        before = settled(c)
+        assert c.batch_remove(list(first)) == [True] * 600
+        st = settled(c)
+        assert st["etcd_txn_max_ops"] == 128 and st["etcd_retries"] == 0
+        assert st["etcd_ops"] - before["etcd_ops"] == 600 and st["objects"] == before["objects"] - 600
+        assert value(scrape(cluster.metaserver.metrics_url), "umbp_etcd_txn_max_ops") == 128
+        again = {f"cap2/{i}": os.urandom(4096) for i in range(600)}
+        assert c.batch_put(list(again), list(again.values())) == [True] * 600
+        outs = [bytearray(4096) for _ in again]
+        assert c.batch_get_into(list(again), outs) == [4096] * 600
+        assert all(bytes(o) == v for o, v in zip(outs, again.values()))
+        assert not any(c.batch_exists(list(first)))

@@ -40,7 +40,8 @@ NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS,
 IN_FLIGHT_WAIT_S = (0.005, 0.01, 0.02, 0.05, 0.1)  # backoff while another writer holds a key PENDING
 # A batch_put of more than one chunk is pipelined: ALLOC of the next chunk and COMMIT of the previous ones overlap
 # the writes (every page still acknowledged only once its COMMIT is durable). A chunk is at most CHUNK_MAX_PAGES
-# pages (one full etcd transaction of the metaserver's writer per COMMIT) and about CHUNK_BYTES (at least
+# pages (etcd's default transaction cap: one COMMIT fits a transaction of any etcd; the metaserver's writer takes up
+# to 1,024 operations, so the COMMITs of several chunks and clients share one) and about CHUNK_BYTES (at least
 # CHUNK_MIN_PAGES pages): big pages are bandwidth-bound, one metaserver round trip per few MiB would only cost.
 CHUNK_BYTES = 64 << 20
 CHUNK_MIN_PAGES = 2

@@ -51,7 +51,8 @@ def merge_nodes(lists: list[list[dict]]) -> list[dict]:
 
 def merge_stats(parts: list[dict], addr: str = "") -> dict[str, Any]:
     """One STATS answer from several: numbers in SUMMED added, namespace counts and usage added per namespace,
-    nodes merged (``merge_nodes``); ``takeover`` is the list of the parts' (one per slot)."""
+    nodes merged (``merge_nodes``); ``takeover`` is the list of the parts' (one per slot); ``etcd_txn_max_ops``
+    the smallest."""
     out: dict[str, Any] = {k: 0 for k in SUMMED}
     namespaces: dict[str, int] = {}
     usage: dict[str, dict] = {}
@@ -72,5 +73,8 @@ def merge_stats(parts: list[dict], addr: str = "") -> dict[str, Any]:
     if any("etcd" in p for p in parts):
         out["etcd"] = next(p["etcd"] for p in parts if "etcd" in p)
     out["load_s"] = max([p.get("load_s", 0.0) for p in parts] or [0.0])
+    caps = [p["etcd_txn_max_ops"] for p in parts if type(p.get("etcd_txn_max_ops")) is int]
+    if caps:
+        out["etcd_txn_max_ops"] = min(caps)  # the smallest writer's: below 1,024 once etcd refused one for its size
     out["takeover"] = [p.get("takeover") for p in parts if p.get("takeover")]
     return out
