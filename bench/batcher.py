@@ -18,25 +18,30 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from metaserver.batcher import BatchWriter  # noqa: E402
+from metaserver.batcher import TXN_OPS, BatchWriter  # noqa: E402
 
 
 class InstantStore:
-    """What the writer calls of ``EtcdStore``: ``write`` returns at once (after one loop turn, as an answer would)."""
+    """What the writer calls of ``EtcdStore``: ``write`` returns after ``LATENCY_S`` (an etcd round trip: the other
+    workers take meanwhile, past the keys in flight), or after one loop turn when it is 0."""
 
     def __init__(self):
         self.ops = 0
 
     async def write(self, items) -> None:
-        await asyncio.sleep(0)
+        await asyncio.sleep(LATENCY_S)
         self.ops += len(items)
 
 
+BATCH = TXN_OPS  # operations a transaction (--batch)
+LATENCY_S = 0.002  # a transaction's round trip (--latency-ms)
+
+
 def writer(plain_dict: bool) -> tuple[InstantStore, BatchWriter]:
-    """A started writer as the metaserver runs it (128-op transactions, four in flight) over an ``InstantStore``;
-    ``plain_dict``: its queue swapped for a dict (the baseline)."""
+    """A started writer as the metaserver runs it (``BATCH``-op transactions, four in flight) over an
+    ``InstantStore``; ``plain_dict``: its queue swapped for a dict (the baseline)."""
     store = InstantStore()
-    w = BatchWriter(store, batch=128, inflight=4)
+    w = BatchWriter(store, batch=BATCH, inflight=4)
     if plain_dict:
         w._queue = {}
     w.start()
@@ -60,7 +65,7 @@ async def steady(rounds: int, plain_dict: bool) -> float:
     """CPU-us per op of 128-op waited submissions, four at a time (the commit path under load)."""
     _store, w = writer(plain_dict)
     t = time.process_time()
-    for r in range(rounds):
+    for r in range(rounds):  # (with LATENCY_S > 0 the four submissions wait on each other: CPU is what counts)
         futs = [w.submit([(b"/umbp/pages/ns/%d/%d/%d" % (r, f, i), b"v") for i in range(128)], [], wait=True)
                 for f in range(4)]
         await asyncio.gather(*futs)
@@ -72,7 +77,12 @@ async def steady(rounds: int, plain_dict: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="floods of 30k and 100k ops only")
+    ap.add_argument("--batch", type=int, default=TXN_OPS, help="operations a transaction (the metaserver's default)")
+    ap.add_argument("--latency-ms", type=float, default=2.0, help="a transaction's round trip (0: one loop turn)")
     a = ap.parse_args()
+    global BATCH, LATENCY_S
+    BATCH, LATENCY_S = a.batch, a.latency_ms / 1e3
+    print(f"{BATCH}-op transactions, four in flight, {a.latency_ms:g} ms a transaction (not counted: CPU only)")
     sizes = (30_000, 100_000) if a.quick else (30_000, 300_000, 1_000_000)
     for n in sizes:
         new, old = asyncio.run(drain(n, False)), asyncio.run(drain(n, True))
