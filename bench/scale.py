@@ -3,7 +3,8 @@
 A ``metaserver.directory.Directory`` is driven directly, through its real methods, the way the request handlers
 drive it, minus the network: every request is a msgpack map packed and unpacked as on the wire, so keys, parents,
 sizes and the namespace are fresh objects per request exactly as the metaserver receives them (nothing is shared
-that a real request would not share). The workload is a rack serving three models from one pool:
+that a real request would not share). The workload (``bench/scaleworkload.py``) is a rack serving three models
+from one pool:
 
 - ``llama-3.1-70b/mha-tp8``: MHA heads sharded over 8 TP ranks, so every page has one key per rank
   (``{sha256 hex}_{rank}``, ``umbp.keys.rank_key``), 2.5 MiB per rank-page (64 tokens x 80 layers x K,V x 1 KV
@@ -48,7 +49,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hashlib
 import json
 import os
 import random
@@ -57,7 +57,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from array import array
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,69 +65,15 @@ import msgpack  # noqa: E402
 from metaserver.directory import NEW, Directory  # noqa: E402
 from transport.keyform import digest_key  # noqa: E402
 from transport.wire import object_size  # noqa: E402
-from umbp.keys import namespace  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself, for the helper below
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself, for the helpers below
+import scaleworkload as workload  # noqa: E402
+from scaleworkload import (BATCH, CHAIN_MAX, CHAIN_MIN, NODES, ROOT_PAGES, Model, chain_pages, models,  # noqa: E402
+                           new_directory, node_capacity, page_hex, rank_keys, rank_keys_opt)
 from servicepath import ServicePath, Wire  # noqa: E402
 
-NODES = 32
-BATCH = 1000
-ROOT_PAGES = 32  # each model's shared system prompt, in pages
-CHAIN_MIN, CHAIN_MAX = 32, 512  # a session's own pages (64-token pages: 2k..32k tokens)
 POLICIES = ("lru", "prefix-lru")
 
-
-class Model:
-    __slots__ = ("tag", "ns", "share", "payload", "ranks", "lengths", "pages")
-
-    def __init__(self, tag: str, ns: str, share: float, payload: int, ranks: int | None):
-        self.tag = tag.encode()
-        self.ns = ns
-        self.share = share
-        self.payload = payload
-        self.ranks = ranks  # None: one key per page (replicated KV); n: one key per TP rank
-        self.lengths = array("H")  # own pages of each session chain
-        self.pages = 0  # keys written (all ranks)
-
-
-def models() -> list[Model]:
-    return [
-        Model("llama", namespace("llama-3.1-70b", "mha-tp8", 64), 0.5, 64 * 80 * 2 * 1 * 128 * 2, 8),
-        Model("dsv3", namespace("deepseek-v3", "mla", 64, "fp8"), 0.3, 64 * 61 * 656, None),
-        Model("qwen", namespace("qwen3-8b", "mha-tp1", 64), 0.2, 64 * 36 * 2 * 8 * 128 * 2, None),
-    ]
-
-
-HEX_KEYS = False  # --key-form hex: keys as the 64-character hex text (what clients sent before umbp.keys.digest_key)
-
-
-def page_hex(m: Model, chain: int, pos: int) -> bytes:
-    """The key of page ``pos`` of session ``chain`` (chain -1: the model's shared system prompt) as a client sends
-    it: the raw 32-byte digest (``umbp.keys.normalize_key`` of the 64-hex text), or the hex text with --key-form
-    hex."""
-    if chain >= 0 and pos < ROOT_PAGES:
-        chain = -1
-    h = hashlib.sha256(b"%s:%d:%d" % (m.tag, chain, pos))
-    return h.hexdigest().encode() if HEX_KEYS else h.digest()
-
-
-def _ranked(key: bytes, r: int) -> bytes:
-    """``umbp.keys.rank_key`` in the form a client sends: a rank byte after the raw digest (``_{rank}`` after hex)."""
-    return key + (b"_%d" % r if HEX_KEYS else bytes((r,)))
-
-
-def rank_keys(m: Model, hexes: list[bytes]) -> list[list[bytes]]:
-    if m.ranks is None:
-        return [hexes]
-    return [[_ranked(h, r) for h in hexes] for r in range(m.ranks)]
-
-
-def chain_pages(m: Model, chain: int, start: int, stop: int) -> tuple[list[bytes], list[bytes | None]]:
-    """Keys (rank-less) of pages [start, stop) of a session chain and of their parents."""
-    hexes = [page_hex(m, chain, p) for p in range(max(0, start - 1), stop)]
-    if start == 0:
-        return hexes, [None] + hexes[:-1]
-    return hexes[1:], hexes[:-1]
 
 
 class Driver:
@@ -199,12 +144,6 @@ class Driver:
         return keys[self.rng.randrange(len(keys))]
 
 
-def rank_keys_opt(m: Model, parents: list) -> list[list]:
-    if m.ranks is None:
-        return [parents]
-    return [[_ranked(p, r) if p is not None else None for p in parents] for r in range(m.ranks)]
-
-
 def cpu() -> float:
     """This process's CPU seconds: the figures are CPU-bound, and this machine may be shared while they run."""
     return time.process_time()
@@ -224,21 +163,6 @@ def hwm() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def node_capacity(ms: list[Model], n_pages: int, slack: float) -> int:
-    """Arena bytes per node for NODES nodes to hold n_pages of the workload's mix (``slack``: a factor on top)."""
-    per_key = sum(m.share * object_size(m.payload) for m in ms)
-    return int(per_key * (n_pages + 2000) / NODES * slack) + 4 * object_size(max(m.payload for m in ms))
-
-
-def new_directory(policy: str, ms: list[Model], n_pages: int, slack: float = 1.001) -> Directory:
-    """A directory over NODES spaces holding exactly n_pages of the workload's mix (a little slack per node)."""
-    d = Directory(policy=policy)
-    cap = node_capacity(ms, n_pages, slack)
-    for i in range(NODES):
-        d.add_space(f"host{i:02d}", cap)
-    return d
 
 
 # ---- child: build, memory, rates ------------------------------------------------------------------------------
@@ -402,7 +326,7 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
                 off = per_node_off[node]
                 per_node_off[node] += size
                 rev += 1
-                if HEX_KEYS:  # the metaserver keeps (and persists) a digest key in its raw form (keyform.digest_key)
+                if workload.HEX_KEYS:  # the metaserver keeps (and persists) a digest key in its raw form (keyform.digest_key)
                     k, p = digest_key(k), digest_key(p) if p is not None else None
                 yield (prefix + m.ns.encode() + b"/" + k.hex().encode(),
                        msgpack.packb([f"host{node:02d}", off, m.payload, rev, p], use_bin_type=True), rev)
@@ -541,8 +465,7 @@ def main() -> None:
                     help="the collector during the churn at N: the metaserver's (metaserver/gcpolicy.py) or CPython's")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    global HEX_KEYS
-    HEX_KEYS = a.key_form == "hex"
+    workload.HEX_KEYS = a.key_form == "hex"
     if a.child:
         kind, policy, n = a.child[0], a.child[1], int(a.child[2])
         if kind == "build":
@@ -562,7 +485,7 @@ def main() -> None:
     print(f"scale: {n:,} pages, {NODES} nodes, batches of {BATCH} keys; python {sys.version.split()[0]}")
     print("target: <= 200 bytes of metaserver memory per page at 10 M pages")
     common = ["--ops", str(a.ops), "--seed", str(a.seed), "--key-form", a.key_form, "--gc", a.gc]
-    print(f"keys: {'64-hex text' if HEX_KEYS else 'raw 32-byte digests (plus a rank byte)'}")
+    print(f"keys: {'64-hex text' if workload.HEX_KEYS else 'raw 32-byte digests (plus a rank byte)'}")
     for pol in pols:
         b = child(["build", pol, str(n)] + common)
         if "error" in b:
@@ -590,7 +513,7 @@ def main() -> None:
               f"alloc+commit {fmt_rate(b['wire_put_keys_s'])} keys "
               f"({1e6 / b['wire_put_keys_s']:.2f} us/key)"
               + ("  [NOT COMPARABLE with --key-form hex: the metaserver converts hex keys to the raw form, so they "
-                 "miss a directory built with hex keys]" if HEX_KEYS else ""))
+                 "miss a directory built with hex keys]" if workload.HEX_KEYS else ""))
         if not a.no_load:
             ld = child(["load", pol, str(n)] + common)
             if "error" in ld:
