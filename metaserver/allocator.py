@@ -19,7 +19,7 @@ Structure (TLSF-like):
 - A bin is an ``OrderedDict`` (start -> None), taken from its head: oldest free extent first. Not a dict: a dict
   taken from its head keeps a hole at the head of its entry table per member taken until an insert resizes it, and
   iterating it skips them all, so refilling a pool fragmented into L same-size holes (what evictions down to a
-  watermark leave) cost O(L) an allocation: 20-22 us at L = 60k, 66 us at 200k, against 0.7-1.0 us now
+  watermark leave) cost O(L) an allocation: 15-22 us at L = 60k, 66 us at 200k, against 0.65-1.6 us now
   (``bench/allocator.py``). A bin that empties stays, its mask bit cleared (no bin object made per allocation in a
   full pool).
 

@@ -23,7 +23,8 @@ etcd, so transactions carry up to ``TXN_OPS`` = 1024 operations, not etcd's defa
 ``umbp up``, the tests and the Kubernetes base start runs with ``--max-txn-ops=1024``. Measured on the 2-core VM
 (a real etcd, 100k page records, four transactions in flight): 128 ops a transaction 38-45k puts/s, this process
 4.0 us an op and etcd 14.9-16.7 us; 1024 ops 60-86k puts/s, 1.7 us and 9.5-9.8 us. An etcd with a lower cap refuses
-the first large transaction (``TxnTooLarge``); the writer then keeps to 128 (or less) for good and logs it once.
+the first large transaction (``TxnTooLarge``); the writer then keeps to 128 (or less) for good and logs each step
+down.
 """
 
 from __future__ import annotations
@@ -53,10 +54,8 @@ def txn_bytes(ops: list, i: int = 0, j: int | None = None) -> int:
 
 def cut(ops: list, i: int, n: int) -> int:
     """Where the transaction that starts at ``ops[i]`` ends: at most ``n`` ops and ``TXN_BYTES`` (at least one op).
-    O(ops in it)."""
+    O(ops in it), about 0.1 us an op."""
     j = min(len(ops), i + n)
-    if txn_bytes(ops, i, j) <= TXN_BYTES:  # the common case (about 0.1 us an op)
-        return j
     size = 0
     for k in range(i, j):
         key, v = ops[k]
@@ -64,6 +63,12 @@ def cut(ops: list, i: int, n: int) -> int:
         if size > TXN_BYTES and k > i:
             return k
     return j
+
+
+def smaller_cap(refused: int) -> int:
+    """The transaction size to keep to after etcd refused one of ``refused`` operations for its size: etcd's default
+    cap first, then halves (the writer's and the combiner's rule)."""
+    return ETCD_DEFAULT_TXN_OPS if refused > ETCD_DEFAULT_TXN_OPS else max(1, refused // 2)
 
 
 class _Ticket:
@@ -204,7 +209,7 @@ class BatchWriter:
             except TxnTooLarge:
                 if len(part) <= 1:
                     raise
-                lower = ETCD_DEFAULT_TXN_OPS if len(part) > ETCD_DEFAULT_TXN_OPS else len(part) // 2
+                lower = smaller_cap(len(part))
                 if lower < self.batch:
                     log.warning("metaserver: etcd refused %d operations in one transaction (its --max-txn-ops or "
                                 "--max-request-bytes); writing at most %d a transaction from now on", len(part), lower)

@@ -30,7 +30,7 @@ import asyncio
 
 import aetcd.rpc
 
-from metaserver.batcher import ETCD_DEFAULT_TXN_OPS, TXN_BYTES, TXN_OPS, txn_bytes
+from metaserver.batcher import TXN_BYTES, TXN_OPS, smaller_cap, txn_bytes
 from metaserver.persist import EtcdStore, add_ops
 from umbp.errors import TxnTooLarge
 
@@ -112,8 +112,7 @@ class TxnCombiner:
         try:
             return await self._combined(group)
         except TxnTooLarge:
-            n = sum(len(p[1]) for p in group)
-            self.max_ops = min(self.max_ops, ETCD_DEFAULT_TXN_OPS if n > ETCD_DEFAULT_TXN_OPS else max(1, n // 2))
+            self.max_ops = min(self.max_ops, smaller_cap(sum(len(p[1]) for p in group)))
             self.lowered += 1
         outcome: list = []
         for sub in self._groups(group):  # smaller groups now, each a strictly smaller combination: this ends

@@ -112,7 +112,7 @@ class _Collector(Collector):
         yield _counter("umbp_etcd_retries", "Failed etcd transactions retried", w.failures)
         yield _gauge("umbp_etcd_pending_ops", "Operations queued for etcd, not yet written", w.pending())
         yield _gauge("umbp_etcd_txn_max_ops", "Operations a transaction at most: persist_batch, or less once etcd "
-                     "refused one for its size (its --max-txn-ops)", w.batch)
+                     "refused one for its size (its --max-txn-ops or --max-request-bytes)", w.batch)
         gcp = gcpolicy.installed()
         if gcp is not None:
             yield _counter("umbp_metaserver_gc_steps", "Collection steps run (metaserver/gcpolicy.py)", gcp.steps)

@@ -98,19 +98,19 @@ def _split(first: bytes, last: bytes, hi: bytes, root: int) -> list[tuple[bytes,
     return out
 
 
+_TOO_MANY_OPS = "too many operations in txn request"  # etcd's error texts: ErrGRPCTooManyOps,
+_TOO_LARGE = "request is too large"  # ErrGRPCRequestTooLarge
+
+
 def unavailable(what: str, e: BaseException) -> Unavailable:
     """The metaserver's error for an etcd/grpc failure: ``TxnTooLarge`` when etcd refused a transaction for its
     number of operations (INVALID_ARGUMENT "too many operations in txn request") or its bytes ("request is too
     large"), else ``Unavailable``."""
     detail = str(e) or type(e).__name__
     if _TOO_MANY_OPS in detail or _TOO_LARGE in detail:
-        return TxnTooLarge("metaserver", f"etcd {what} refused: too many operations in one transaction",
+        return TxnTooLarge("metaserver", f"etcd {what} refused: too large a transaction ({detail})",
                            Status.UNAVAILABLE)
     return Unavailable("metaserver", f"etcd {what} failed: {detail}", Status.UNAVAILABLE)
-
-
-_TOO_MANY_OPS = "too many operations in txn request"  # etcd's error texts: ErrGRPCTooManyOps,
-_TOO_LARGE = "request is too large"  # ErrGRPCRequestTooLarge
 
 
 def add_ops(req, items) -> None:
