@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from metaserver.batcher import TXN_OPS, BatchWriter  # noqa: E402
 
 
-class InstantStore:
+class TimedStore:
     """What the writer calls of ``EtcdStore``: ``write`` returns after ``LATENCY_S`` (an etcd round trip: the other
     workers take meanwhile, past the keys in flight), or after one loop turn when it is 0."""
 
@@ -37,10 +37,10 @@ BATCH = TXN_OPS  # operations a transaction (--batch)
 LATENCY_S = 0.002  # a transaction's round trip (--latency-ms)
 
 
-def writer(plain_dict: bool) -> tuple[InstantStore, BatchWriter]:
+def writer(plain_dict: bool) -> tuple[TimedStore, BatchWriter]:
     """A started writer as the metaserver runs it (``BATCH``-op transactions, four in flight) over an
-    ``InstantStore``; ``plain_dict``: its queue swapped for a dict (the baseline)."""
-    store = InstantStore()
+    ``TimedStore``; ``plain_dict``: its queue swapped for a dict (the baseline)."""
+    store = TimedStore()
     w = BatchWriter(store, batch=BATCH, inflight=4)
     if plain_dict:
         w._queue = {}
