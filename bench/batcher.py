@@ -1,6 +1,7 @@
 """The metaserver's etcd batch writer (``metaserver/batcher.py``) on its own: loop CPU to drain a flood of deletes
 (a node's pages dropped at once, ``umbp evict``, a client's removals) and to pass a steady stream of commits, over an
-etcd double that answers at once, so the figure is the writer's bookkeeping alone.
+etcd double that answers after a set latency (``--latency-ms``: other workers take past the keys in flight
+meanwhile), counting CPU only, so the figure is the writer's bookkeeping alone.
 
 Baseline, same run: the same writer with its queue swapped for a plain dict (what it used before). A dict used as a
 FIFO keeps a hole at the head of its entry table for every op taken until an insert resizes it, and iterating it
