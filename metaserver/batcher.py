@@ -34,12 +34,14 @@ import logging
 from collections import OrderedDict
 from itertools import filterfalse, islice
 
+from metaserver.entry import Batch
 from metaserver.persist import EtcdStore, unavailable
 from transport.wire import Status
 from umbp.config import ETCD_TXN_OPS
 from umbp.errors import RemoteError, TxnTooLarge, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
+batch_value = EtcdStore.batch_value
 
 TXN_OPS = ETCD_TXN_OPS  # operations a transaction by default (MetaserverConfig.persist_batch, umbp/config.py)
 ETCD_DEFAULT_TXN_OPS = 128  # etcd's own default cap: where a writer refused for its size goes first
@@ -118,9 +120,11 @@ class BatchWriter:
         for i in range(self.inflight):
             self._workers.append(asyncio.create_task(self._work(), name=f"metaserver-etcd-writer-{i}"))
 
-    def submit(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], wait: bool) -> asyncio.Future | None:
+    def submit(self, puts: list[tuple[bytes, "bytes | Batch"]], deletes: list[bytes], wait: bool
+               ) -> asyncio.Future | None:
         """Queue puts and deletes; with ``wait``, return a future done when all of them are in etcd (or failed).
-        O(ops): one dict insert each."""
+        A put's value may be a commit record (``entry.Batch``): encoded when taken, a delete when it has no live
+        page left. O(ops): one dict insert each."""
         ticket = None
         if wait and (puts or deletes):
             ticket = _Ticket(asyncio.get_running_loop().create_future(), len(puts) + len(deletes))
@@ -165,7 +169,8 @@ class BatchWriter:
             self._running += 1
             err: BaseException | None = None
             try:
-                ops = [(k, sv[0]) for k, sv in zip(keys, slots)]
+                # a commit record's value is encoded now, from its pages still in the directory (persist.py)
+                ops = [(k, v if type(v) is not Batch else batch_value(v)) for k, (v, _) in zip(keys, slots)]
                 deadline = loop.time() + self.retry_s
                 delay = 0.05
                 while True:

@@ -477,7 +477,11 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
                 del self.ready[ns]
             self._count(ns, -(self._osizes.get(e.payload_len) or extent_size(e.payload_len)))
         self.policy.discard(e)
-        fx.deletes.append((ns, key))
+        b = e.batch
+        if b is None:
+            fx.deletes.append((ns, key))
+        else:
+            fx.batches.append(b)
         up = e.up
         if type(up) is bytes:
             self._forget_orphan(e)

@@ -97,7 +97,7 @@ class Entry:
     ``children`` are derived (properties), so they cost no memory."""
 
     __slots__ = ("key", "ns", "space", "offset", "payload_len", "gen", "state", "pins", "last_access", "up", "kids",
-                 "prev", "next", "tier")
+                 "prev", "next", "tier", "batch")
 
     def __init__(self, ns: str, key: bytes, space: "NodeSpace", offset: int, payload_len: int, gen: int,
                  state: int, parent: bytes | None, now: float):
@@ -113,6 +113,7 @@ class Entry:
         self.up = parent
         self.kids = None
         self.prev = self.next = self.tier = None
+        self.batch = None
 
     @property
     def node_id(self) -> str:
@@ -142,17 +143,42 @@ class Entry:
         return 0 if k is None else len(k) if type(k) is set else 1
 
 
-class Effects:
-    """I/O a mutation leaves to its caller: pages to persist and persisted pages to delete."""
+class Batch:
+    """The etcd record of one commit: every page a COMMIT made READY in one namespace, under one etcd key (``name``,
+    ``persist.EtcdStore.batch_name``). ``ents`` are the entries written with it; the record always holds exactly
+    those of them still in the directory (``live``), so evicting or removing one of them rewrites the record
+    without it (coalesced in the writer's queue: a burst of evictions of one batch is one rewrite), and the last one
+    deletes it. An entry's ``batch`` names its record (None: a record of its own, the per-page layout)."""
 
-    __slots__ = ("puts", "deletes")
+    __slots__ = ("name", "ents")
+
+    def __init__(self, name: bytes, ents: list):
+        self.name = name
+        self.ents = ents
+
+    def live(self) -> list:
+        """The entries the record holds now (and keeps only those): in the directory, READY, this batch's. O(ents)."""
+        ents = [e for e in self.ents if e.batch is self and e.state == READY and e.space is not None]
+        self.ents = ents
+        return ents
+
+    def __repr__(self) -> str:
+        return f"Batch({self.name!r}, {len(self.ents)} entries)"
+
+
+class Effects:
+    """I/O a mutation leaves to its caller: pages to persist, persisted pages to delete (``deletes``: (ns, key) of
+    a page with a record of its own) and commit records to rewrite without pages that left (``batches``)."""
+
+    __slots__ = ("puts", "deletes", "batches")
 
     def __init__(self) -> None:
         self.puts: list[Entry] = []
         self.deletes: list[tuple[str, bytes]] = []
+        self.batches: list[Batch] = []
 
     def __bool__(self) -> bool:
-        return bool(self.puts or self.deletes)
+        return bool(self.puts or self.deletes or self.batches)
 
 
 class NodeSpace:

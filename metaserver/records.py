@@ -12,10 +12,12 @@ from operator import attrgetter
 
 import msgpack
 
-from metaserver.entry import MAX_SHARDS, PART_MASK, READY, SHARD_SHIFT, Entry
+from metaserver.entry import MAX_SHARDS, PART_MASK, READY, SHARD_SHIFT, Batch, Entry
 from transport.keyform import digest_key
 
 _intern = sys.intern
+BATCH_MARK = b"+"  # a commit record's name: {pages}{ns}/+{hex id} (a page key's name is lower-case hex)
+MAX_BATCH = 4096  # pages a commit record may hold when read (the metaserver writes at most persist.BATCH_PAGES)
 
 
 def _name(etcd_key: bytes, cut: int) -> tuple[str, bytes]:
@@ -32,6 +34,61 @@ def _name(etcd_key: bytes, cut: int) -> tuple[str, bytes]:
 
 _UNREADABLE = (ValueError, TypeError, OverflowError, UnicodeDecodeError, msgpack.exceptions.UnpackException)
 _key, _value, _mod_revision = attrgetter("key"), attrgetter("value"), attrgetter("mod_revision")
+
+
+def batch_entries(ns: str, name: bytes, value) -> tuple[list[str], list[Entry]]:
+    """(node ids, entries) of a commit record (its unpacked value: a list of [key, node_id, offset, payload_len, gen,
+    parent] or, for a shared entry, [..., n]), each READY, not filed, its ``batch`` one ``Batch`` named ``name``.
+    Raises as ``_UNREADABLE`` when any page of it is not a record this pool writes (the whole record is then
+    unreadable: the leader deletes it), the same rules as a page record's."""
+    if type(value) is not list or not 0 < len(value) <= MAX_BATCH:
+        raise ValueError("a commit record that is not a list of pages")
+    b = Batch(name, [])
+    ents = b.ents
+    nodes: list[str] = []
+    new = Entry.__new__
+    for rec in value:
+        if type(rec) is not list:
+            raise TypeError("a page of a commit record that is not a list")
+        if len(rec) == 7:
+            key, node_id, off, plen, gen, parent, n = rec
+            if (type(n) is not int or not 1 <= n <= MAX_SHARDS or type(plen) is not int
+                    or not 0 <= plen <= PART_MASK):
+                raise ValueError("a shared page's part count or length out of range")
+            plen |= n << SHARD_SHIFT  # metaserver.entry.layout
+        else:
+            key, node_id, off, plen, gen, parent = rec
+            if type(plen) is not int or not 0 <= plen <= PART_MASK:
+                raise ValueError("a payload length out of range")
+        if type(key) is not bytes or (len(key) >= 64 and digest_key(key) is not key):
+            raise ValueError("a page key that is not bytes in its one form")
+        if type(node_id) is not str:
+            raise TypeError("a node id that is not a string")
+        if type(off) is not int or type(gen) is not int or off < 0 or gen < 0:
+            raise TypeError("an offset or generation that is not a natural number")
+        if parent is not None:
+            if type(parent) is not bytes:
+                raise TypeError("a parent that is not bytes")
+            if len(parent) >= 64:
+                parent = digest_key(parent)
+        # Entry(ns, key, None, off, plen, gen, READY, parent, 0.0), inlined as in ``PageRecords.add``: keep in step
+        e = new(Entry)
+        e.key = key
+        e.ns = ns
+        e.space = None
+        e.offset = off
+        e.payload_len = plen
+        e.gen = gen
+        e.state = READY
+        e.pins = 0
+        e.last_access = 0.0
+        e.up = parent
+        e.kids = None
+        e.prev = e.next = e.tier = None
+        e.batch = b
+        ents.append(e)
+        nodes.append(node_id)
+    return nodes, ents
 
 
 def _unpack_or_none(value: bytes):
@@ -64,12 +121,13 @@ class PageRecords:
     GiB at 10 M pages, 2.7x the directory). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack
     unpack, an unhexlify, an entry)."""
 
-    __slots__ = ("groups", "junk", "n", "_prefix", "_cut", "_names", "_apps", "_ekeys")
+    __slots__ = ("groups", "junk", "n", "batches", "_prefix", "_cut", "_names", "_apps", "_ekeys")
 
     def __init__(self, prefix: bytes):
         self.groups: dict[str, tuple[list[Entry], list[int]]] = {}
         self.junk: list[bytes] = []
         self.n = 0
+        self.batches: dict[bytes, Batch] = {}  # commit records read: name -> its Batch
         self._prefix = prefix
         self._cut = len(prefix)
         self._names: dict[bytes, str] = {}  # namespace as in the etcd key -> its (interned) str
@@ -103,6 +161,11 @@ class PageRecords:
         self._apps = {}
         return self.groups
 
+    def record_of(self, e: Entry) -> "bytes | Batch":
+        """What holds ``e``'s record in etcd: its commit record (a ``Batch``: the writer rewrites it without the
+        pages that are not in the directory) or its own etcd key (``etcd_key``)."""
+        return e.batch if e.batch is not None else self.etcd_key(e.ns, e.key)
+
     def etcd_key(self, ns: str, key: bytes) -> bytes:
         """The etcd key of the record read for (ns, key): ``EtcdStore.page_key`` of it (``of``: the tuple's)."""
         if self._ekeys is not None:
@@ -124,9 +187,12 @@ class PageRecords:
         except _UNREADABLE:
             recs = list(map(_unpack_or_none, map(_value, kvs)))
         last_head = ns = None
-        for ekey, rec, rev in zip(map(_key, kvs), recs, map(_mod_revision, kvs)):
+        for ekey, rec, rev, kv in zip(map(_key, kvs), recs, map(_mod_revision, kvs), kvs):
             try:
                 head, _, hexkey = ekey.rpartition(b"/")  # the prefix ends in "/": what ``_name`` reads
+                if hexkey[:1] == BATCH_MARK:
+                    self._add_batch(ekey, head, rec, kv.create_revision)
+                    continue
                 key = unhexlify(hexkey)
                 if not hexkey.islower() and hexkey != key.hex().encode():
                     raise ValueError("a page key not in lower-case hex")
@@ -177,9 +243,31 @@ class PageRecords:
                 e.last_access = 0.0
                 e.up = parent
                 e.kids = None
-                e.prev = e.next = e.tier = None
+                e.prev = e.next = e.tier = e.batch = None
                 add_e, add_rev = g
                 add_e(e)
                 add_rev(rev)
             except _UNREADABLE:
                 self.junk.append(ekey)
+
+    def _add_batch(self, ekey: bytes, head: bytes, value, rev: int) -> None:
+        """A commit record's pages into ``groups`` (each at the record's create revision: a rewrite keeps its
+        pages' place in commit order). Raises as ``_UNREADABLE`` (nothing added) when it is not one."""
+        term, dot, seq = ekey[len(head) + 2:].partition(b".")
+        if not (dot and term and seq and term.isalnum() and seq.isalnum()):
+            raise ValueError("a commit record's name that is not {term}.{count}")
+        int(term, 16), int(seq, 16)
+        ns = self._names.get(head)
+        if ns is None:
+            ns = self._names[head] = _intern(head[self._cut:].decode())
+        nodes, ents = batch_entries(ns, ekey, value)
+        self.batches[ekey] = ents[0].batch
+        self.n += len(ents) - 1  # ``n`` counts pages: ``add`` counted the record as one
+        groups, apps = self.groups, self._apps
+        for node_id, e in zip(nodes, ents):
+            g = apps.get(node_id)
+            if g is None:
+                elist, revs = groups[node_id] = ([], [])
+                g = apps[node_id] = (elist.append, revs.append)
+            g[0](e)
+            g[1](rev)

@@ -45,6 +45,7 @@ from typing import Any
 from metaserver import validate as v
 from metaserver.admin import EVICT_BUDGET, AdminHandlers
 from metaserver.directory import OVER_QUOTA, Directory, Effects
+from metaserver.entry import Batch
 from metaserver.leader import Election
 from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
@@ -252,7 +253,7 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             # finish on a directory nobody uses.
             stale, rejected = await asyncio.to_thread(fill, self.dir, descs, pages)
         self._provisional_nodes(descs, time.monotonic())
-        self.writer.submit([], [p[8] for p in stale] + [p[8] for p in rejected], wait=False)
+        self._drop_records([p[8] for p in stale] + [p[8] for p in rejected])
         self.load_s = time.monotonic() - t0
         self.takeover = {"warm": False, "load_pages": len(pages), "catchup_events": 0, "pages": self.dir.objects,
                          "standby_load_pages": 0, "standby_load_s": 0.0, "standby_events": 0, "standby_reloads": 0,
@@ -265,7 +266,7 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         full load, and the records it could not place are deleted. O(nodes + stale)."""
         self.dir = h.dir
         self._provisional_nodes(h.descs, time.monotonic())
-        self.writer.submit([], h.stale, wait=False)
+        self._drop_records(h.stale)
         self.load_s = time.monotonic() - t0
         self.takeover = {"warm": True, "load_pages": 0, "catchup_events": catchup_events, "pages": h.pages,
                          "standby_load_pages": h.load_pages, "standby_load_s": round(h.load_s, 3),
@@ -297,15 +298,22 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         if not fx:
             return None
         store = self.store
-        puts = store.page_puts(fx.puts) if fx.puts else []
+        puts = [(b.name, b) for b in store.batches_of(fx.puts)] if fx.puts else []
         deletes = [store.page_key(ns, k) for ns, k in fx.deletes] if fx.deletes else []
+        rewrites = [(b.name, b) for b in dict.fromkeys(fx.batches)] if fx.batches else []  # pages left them
         if wait:
-            # Deletes ride along but the caller only waits for what it must: its puts.
-            if deletes:
-                self.writer.submit([], deletes, wait=False)
+            # Deletes and rewrites ride along but the caller only waits for what it must: its puts.
+            if deletes or rewrites:
+                self.writer.submit(rewrites, deletes, wait=False)
             return self.writer.submit(puts, [], wait=True)
-        self.writer.submit(puts, deletes, wait=False)
+        self.writer.submit(puts + rewrites, deletes, wait=False)
         return None
+
+    def _drop_records(self, records: list) -> None:
+        """Records a load or a takeover could not place (``standby.fill``, ``Handover.stale``): an etcd key is
+        deleted, a commit record (``Batch``) rewritten without them (they are not in the directory)."""
+        puts = [(r.name, r) for r in dict.fromkeys(r for r in records if type(r) is Batch)]
+        self.writer.submit(puts, [r for r in records if type(r) is not Batch], wait=False)
 
     # -- background --------------------------------------------------------------------------------------------
     async def _tick_loop(self) -> None:

@@ -158,17 +158,15 @@ def fill(d: Directory, descs: dict[str, tuple[dict, int]],
         order = sorted(range(len(revs)), key=revs.__getitem__)  # recency restarts from commit order
         ents = list(map(ents.__getitem__, order))
         fx = d.load_entries(node_id, ents)
-        if fx.deletes:
-            gone = set(fx.deletes)
-            rejected.extend(_record(recs, node_id, e, revs[i]) for e, i in zip(ents, order)
-                            if (e.ns, e.key) in gone)
+        if fx.deletes:  # the entries it did not file (``space`` None), by identity: one key may be in two records
+            rejected.extend(_record(recs, node_id, e, revs[i]) for e, i in zip(ents, order) if e.space is None)
         del ents, revs, order
     return stale, rejected
 
 
 def _record(recs: PageRecords, node_id: str, e, rev: int) -> tuple:
     """The ``page_record`` tuple of a record of ``node_id`` (stale or rejected: a few) from its entry."""
-    return (rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, recs.etcd_key(e.ns, e.key))
+    return (rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, recs.record_of(e))
 
 
 def fingerprint(d: Directory) -> dict:

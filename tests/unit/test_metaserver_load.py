@@ -67,6 +67,11 @@ def reference_load_pages(d: Directory, node_id: str, pages: list[tuple]) -> Effe
     return fx
 
 
+def _filed(d: Directory, node_id: str, p: tuple) -> bool:
+    e = d.ready.get(p[2], {}).get(p[3])
+    return e is not None and e.node_id == node_id and e.offset == p[4] and e.gen == p[6]
+
+
 def reference_fill(d: Directory, descs: dict, pages: list[tuple]) -> tuple[list, list]:
     for node_id, (desc, _) in descs.items():
         d.add_space(node_id, desc["capacity"])
@@ -81,9 +86,10 @@ def reference_fill(d: Directory, descs: dict, pages: list[tuple]) -> tuple[list,
     rejected = []
     for node_id, recs in by_node.items():
         recs.sort(key=lambda p: p[0])
-        fx = reference_load_pages(d, node_id, [p[2:8] for p in recs])
-        gone = set(fx.deletes)
-        rejected.extend(p for p in recs if (p[2], p[3]) in gone)
+        reference_load_pages(d, node_id, [p[2:8] for p in recs])
+        # rejected: every record not filed (of a key given twice, the one kept is not rejected: its etcd record
+        # must stay)
+        rejected.extend(p for p in recs if not _filed(d, node_id, p))
     return stale, rejected
 
 
