@@ -466,6 +466,25 @@ class EtcdStore:
         e = ents[0]
         return (revs[0], node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up, kv.key)
 
+    def records_of(self, kv) -> list[tuple]:
+        """``page_record`` of a page kv, as a list; of a commit record, one such tuple per page, each at the
+        record's create revision and naming its ``Batch`` where the etcd key would be (unreadable: one tuple with
+        node_id None and the record's etcd key, as ``page_record``'s)."""
+        if not self.is_batch(kv.key):
+            return [self.page_record(kv)]
+        recs = PageRecords(self._pages)
+        recs.add((kv,))
+        if recs.junk:
+            return [(0, None, "", b"", 0, 0, 0, None, kv.key)]
+        (b,) = recs.batches.values()
+        return [(rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up, b)
+                for node_id, (ents, revs) in recs.done().items() for e, rev in zip(ents, revs)]
+
+    @staticmethod
+    def is_batch(etcd_key: bytes) -> bool:
+        """Whether a page-space etcd key names a commit record (``{ns}/+{term}.{n}``) rather than one page."""
+        return etcd_key[etcd_key.rfind(b"/") + 1:etcd_key.rfind(b"/") + 2] == BATCH_MARK
+
     def page_name(self, etcd_key: bytes) -> tuple[str, bytes] | None:
         """(ns, key) named by a page's etcd key; None when it is not a name this pool writes (``PageRecords``)."""
         try:

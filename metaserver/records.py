@@ -32,14 +32,14 @@ def _name(etcd_key: bytes, cut: int) -> tuple[str, bytes]:
     return ns_b.decode(), key
 
 
-_UNREADABLE = (ValueError, TypeError, OverflowError, UnicodeDecodeError, msgpack.exceptions.UnpackException)
+UNREADABLE = (ValueError, TypeError, OverflowError, UnicodeDecodeError, msgpack.exceptions.UnpackException)
 _key, _value, _mod_revision = attrgetter("key"), attrgetter("value"), attrgetter("mod_revision")
 
 
 def batch_entries(ns: str, name: bytes, value) -> tuple[list[str], list[Entry]]:
     """(node ids, entries) of a commit record (its unpacked value: a list of [key, node_id, offset, payload_len, gen,
     parent] or, for a shared entry, [..., n]), each READY, not filed, its ``batch`` one ``Batch`` named ``name``.
-    Raises as ``_UNREADABLE`` when any page of it is not a record this pool writes (the whole record is then
+    Raises as ``UNREADABLE`` when any page of it is not a record this pool writes (the whole record is then
     unreadable: the leader deletes it), the same rules as a page record's."""
     if type(value) is not list or not 0 < len(value) <= MAX_BATCH:
         raise ValueError("a commit record that is not a list of pages")
@@ -95,7 +95,7 @@ def _unpack_or_none(value: bytes):
     """The unpacked value, None when it is not msgpack (None is no record either: the record is unreadable)."""
     try:
         return msgpack.unpackb(value)
-    except _UNREADABLE:
+    except UNREADABLE:
         return None
 
 
@@ -184,7 +184,7 @@ class PageRecords:
         self.n += len(kvs)
         try:  # the values unpacked at C level (one unreadable one: each on its own, None for the unreadable)
             recs = list(map(unpack, map(_value, kvs)))
-        except _UNREADABLE:
+        except UNREADABLE:
             recs = list(map(_unpack_or_none, map(_value, kvs)))
         last_head = ns = None
         for ekey, rec, rev, kv in zip(map(_key, kvs), recs, map(_mod_revision, kvs), kvs):
@@ -247,12 +247,12 @@ class PageRecords:
                 add_e, add_rev = g
                 add_e(e)
                 add_rev(rev)
-            except _UNREADABLE:
+            except UNREADABLE:
                 self.junk.append(ekey)
 
     def _add_batch(self, ekey: bytes, head: bytes, value, rev: int) -> None:
         """A commit record's pages into ``groups`` (each at the record's create revision: a rewrite keeps its
-        pages' place in commit order). Raises as ``_UNREADABLE`` (nothing added) when it is not one."""
+        pages' place in commit order). Raises as ``UNREADABLE`` (nothing added) when it is not one."""
         term, dot, seq = ekey[len(head) + 2:].partition(b".")
         if not (dot and term and seq and term.isalnum() and seq.isalnum()):
             raise ValueError("a commit record's name that is not {term}.{count}")

@@ -85,7 +85,7 @@ class RejoinHandlers:
         p = self.parked.get(node_id)
         if p is not None and recs:
             recs.sort(key=_ACCESS)
-            p[3].extend(r[:6] for r in recs)
+            p[3].extend(r[:6] + r[7:] for r in recs)  # (ns, key, offset, payload_len, gen, parent, its Batch)
         log.info("metaserver: node %s: its pages are out of the directory", node_id)
 
     def _unpark(self, node: Node) -> int:
@@ -100,7 +100,15 @@ class RejoinHandlers:
             return 0
         present = self.dir.entries
         recs = [r for r in recs if r[1] not in present.get(r[0], ())]
-        fx = self.dir.load_pages(node.node_id, recs)
+        fx = self.dir.load_pages(node.node_id, [r[:6] for r in recs])
+        ready = self.dir.ready
+        for r in recs:  # back in their commit records, which may have been rewritten without them meanwhile
+            b = r[6]
+            e = ready.get(r[0], {}).get(r[1])
+            if b is not None and e is not None and e.gen == r[4] and e.space.node_id == node.node_id:
+                e.batch = b
+                b.ents.append(e)
+                fx.batches.append(b)
         self._apply(fx)
         return len(recs) - len(fx.deletes)
 
@@ -115,7 +123,8 @@ class RejoinHandlers:
     def _forget_parked(self, node_id: str, recs: list, arena: bool) -> None:
         """Delete parked page records from etcd, except keys written again since (their record is the new one)."""
         present = self.dir.entries
-        keys = [self.store.page_key(ns, k) for ns, k, *_ in recs if k not in present.get(ns, ())]
+        keys = [r[6] if r[6] is not None else self.store.page_key(r[0], r[1]) for r in recs
+                if r[6] is not None or r[1] not in present.get(r[0], ())]  # a commit record: rewritten without it
         if arena:
             keys.append(self.store.arena_key(node_id))
-        self.writer.submit([], keys, wait=False)
+        self._drop_records(keys)

@@ -86,7 +86,7 @@ class NodeSpaces:
         node's return) when the drop parks, else deleted."""
         recs = self.dying[e.space.node_id][1]
         if recs is not None:
-            recs.append((e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, e.last_access))
+            recs.append((e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, e.last_access, e.batch))
             self._unlink(e, Effects())
         else:
             self._unlink(e, fx)

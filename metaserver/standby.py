@@ -57,9 +57,11 @@ from typing import Callable
 from metaserver import gcpolicy
 from metaserver import validate as v
 from metaserver.directory import Directory
-from metaserver.entry import Effects, extent_size
+import msgpack
+
+from metaserver.entry import Batch, Effects, extent_size
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
-from metaserver.records import PageRecords
+from metaserver.records import UNREADABLE, PageRecords, batch_entries
 from umbp.errors import Unavailable
 
 log = logging.getLogger("umbp.metaserver")
@@ -218,6 +220,7 @@ class WarmDirectory:
         self.held: dict[tuple[str, bytes], tuple] = {}  # (ns, key) -> page record that has no place yet
         self.held_on: dict[str, dict[tuple[str, bytes], None]] = {}  # node id -> its held (ns, key)s
         self.junk: set[bytes] = set()  # etcd keys of unreadable page records
+        self.batches: dict[bytes, Batch] = {}  # commit records: name -> its Batch (its pages' ``batch``)
         self.loaded = False
         self.loading = False
         self.load_pages = 0
@@ -288,6 +291,7 @@ class WarmDirectory:
         self.arenas = {r.get("node_id"): r for r in arenas}
         self.caps = {node_id: desc["capacity"] for node_id, (desc, _) in descs.items()}
         self.held, self.held_on, self.junk = {}, {}, set()
+        self.batches = pages.batches
         for p in stale + rejected:
             if p[1] is None:
                 self.junk.add(p[8])
@@ -315,6 +319,16 @@ class WarmDirectory:
             kv = ev.kv
             kind = store.kind_of(kv.key)
             if kind == PAGE:
+                if store.is_batch(kv.key) and (ev.type != _PUT or kv.key in self.batches):
+                    # a commit record rewritten (pages left it) or deleted: in order with the runs around it
+                    if run:
+                        self._put_pages(run)
+                        run = []
+                    if gone:
+                        self._delete_pages(gone)
+                        gone = []
+                    self._shrink_batch(kv.key, kv if ev.type == _PUT else None)
+                    continue
                 if ev.type == _PUT:
                     if gone:
                         self._delete_pages(gone)
@@ -363,11 +377,13 @@ class WarmDirectory:
             recs = self.store.page_records()
             recs.add(kvs)
             if not recs.junk and self._file_run(recs):
+                self.batches.update(recs.batches)
                 self.fast_runs += 1
                 return
-        page_record = self.store.page_record
+        records_of = self.store.records_of
         for kv in kvs:
-            self._put_page(page_record(kv))
+            for p in records_of(kv):
+                self._put_page(p)
 
     def _file_run(self, recs: PageRecords) -> bool:
         """File the parsed run ``recs`` as ``put_ready`` files each page (held when its extent is not free): the
@@ -403,8 +419,7 @@ class WarmDirectory:
                 if size is None:
                     size = osize[e.payload_len] = extent_size(e.payload_len) if e.payload_len >= 0 else -1
                 if size < 0 or not reserve(e.offset, size):
-                    self._hold((rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up,
-                                recs.etcd_key(e.ns, e.key)))
+                    self._hold((rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up, recs.record_of(e)))
                 else:
                     filed.append(e)
             d._file_entries(sp, filed, None, osize, Effects())  # as a load files them: no key is present (above)
@@ -415,7 +430,10 @@ class WarmDirectory:
         if node_id is None or type(node_id) is not str:
             self.junk.add(ekey)
             return
-        self.junk.discard(ekey)
+        if type(ekey) is Batch:
+            self.batches[ekey.name] = ekey
+        else:
+            self.junk.discard(ekey)
         name = (ns, key)
         self._unhold(name)
         d = self.dir
@@ -428,7 +446,45 @@ class WarmDirectory:
             self._hold(p)
 
     def _place(self, p: tuple) -> bool:
-        return self.dir.put_ready(p[1], p[2], p[3], p[4], p[5], p[6], p[7]) is not None
+        e = self.dir.put_ready(p[1], p[2], p[3], p[4], p[5], p[6], p[7])
+        if e is None:
+            return False
+        b = p[8]
+        if type(b) is Batch:  # a page of a commit record: the record holds it (a rewrite without it removes it)
+            e.batch = b
+            b.ents.append(e)
+        return True
+
+    def _shrink_batch(self, name: bytes, kv) -> None:
+        """A commit record rewritten (``kv``: it holds fewer pages now; ``apply`` sends only records this copy has
+        read here) or deleted (None): the pages that left it leave the directory, or stop waiting when held. A
+        rewrite that cannot be read removes every page of it and leaves the record as junk (deleted at takeover)."""
+        b = self.batches.get(name)
+        keep: set = set()
+        if kv is not None:
+            try:
+                keep = {(e.key, e.gen) for e in batch_entries("", name, msgpack.unpackb(kv.value))[1]}
+            except UNREADABLE:  # unreadable now: its pages go, the record is the leader's to delete
+                self.batches.pop(name, None)
+                self.junk.add(name)
+        else:
+            self.batches.pop(name, None)
+            self.junk.discard(name)
+        if b is None:
+            return
+        d = self.dir
+        nodes = set()
+        for e in b.live():
+            if (e.key, e.gen) not in keep and d.ready.get(e.ns, {}).get(e.key) is e:
+                nodes.add(e.node_id)
+                d.remove(e.ns, [e.key])
+        if self.held:
+            for p in [p for p in self.held.values() if p[8] is b and (p[3], p[6]) not in keep]:
+                self._unhold((p[2], p[3]))
+        for node_id in nodes:
+            waiting = self.held_on.get(node_id)
+            if waiting and len(waiting) <= HELD_RETRY:
+                self._retry(node_id)
 
     def _delete_pages(self, ekeys: list) -> None:
         """``_delete_page`` of each of a run of page deletes, in order: with nothing held or unreadable, the pages
@@ -478,7 +534,7 @@ class WarmDirectory:
             # Gone, or another capacity: its pages wait for a space that fits them (a full load would put them in
             # the new space if they fit, and call them stale if there is none).
             for e in list(sp.entries):
-                self._hold((0, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, None))
+                self._hold((0, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, e.batch))
             d.drop_space(node_id)
             self.caps.pop(node_id, None)
         if desc is not None:
@@ -544,11 +600,12 @@ class WarmDirectory:
         assert d is not None and self._task is None, "warm standby: take() before a load, or while following etcd"
         for node_id in list(self.held_on):
             self._retry(node_id)
-        stale = [self.store.page_key(ns, key) for ns, key in self.held] + sorted(self.junk)
+        page_key = self.store.page_key
+        stale = [p[8] if type(p[8]) is Batch else page_key(p[2], p[3]) for p in self.held.values()] + sorted(self.junk)
         h = Handover(dir=d, descs=node_descs(list(self.live.values()), list(self.arenas.values())), stale=stale,
                      revision=self.rev, pages=d.objects, load_pages=self.load_pages, load_s=self.load_s,
                      events=self.events, reloads=max(0, self.loads - 1))
         self.dir = None
         self.loaded = False
-        self.held, self.held_on, self.junk = {}, {}, set()
+        self.held, self.held_on, self.junk, self.batches = {}, {}, set(), {}
         return h

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import msgpack
 import pytest
 
 import umbp
@@ -94,6 +95,12 @@ def locations(c, keys):
     return [loc[0] if loc else None for loc in locs]
 
 
+def page_count(kvs) -> int:
+    """Pages held by page-space kvs: a commit record (``{ns}/+{term}.{n}``, metaserver/persist.py) holds a list of
+    pages, a page record one."""
+    return sum(len(msgpack.unpackb(kv.value)) if kv.key.rpartition(b"/")[2][:1] == b"+" else 1 for kv in kvs)
+
+
 def etcd_state(etcd_url: str):
     """(leader value, leader create_revision, page record count, node ids with a leased record, arena ids)."""
     import aetcd
@@ -105,7 +112,7 @@ def etcd_state(etcd_url: str):
             pages = await cl.get_prefix(f"{PREFIX}/pages/".encode())
             nodes = await cl.get_prefix(f"{PREFIX}/nodes/".encode())
             arenas = await cl.get_prefix(f"{PREFIX}/arenas/".encode())
-            return ((lead.value.decode(), lead.create_revision) if lead else (None, 0), len(pages),
+            return ((lead.value.decode(), lead.create_revision) if lead else (None, 0), page_count(pages),
                     sorted(kv.key.decode().rsplit("/", 1)[1] for kv in nodes),
                     sorted(kv.key.decode().rsplit("/", 1)[1] for kv in arenas))
 

@@ -382,7 +382,9 @@ def test_sigkill_leader_warm_standby_serves_every_page_without_a_load(make_clust
     print(f"\nwarm takeover: serving {took:.2f}s after SIGKILL (election ttl 5s), {t}")
     assert t["warm"] is True and t["load_pages"] == 0 and t["standby_load_pages"] == 0
     assert t["pages"] == objects == s["objects"]
-    assert t["standby_events"] >= len(ks) + len(removed) + len(big)  # a put per page, a delete per removal
+    # every page came through the watch (the standby loaded an empty pool, the takeover loaded none): a commit
+    # record per COMMIT (put_pages: one for ks, two for big), a rewrite or delete per removal and eviction
+    assert t["standby_events"] >= 3 + 1
     listing_equals_full_load(cluster, new.addr)  # before any node re-registered: exactly what etcd says
 
     with umbp.Client(cluster.metaserver_addrs) as c:
@@ -448,3 +450,89 @@ def test_catch_up_without_a_following_copy_says_so():
         warm = WarmDirectory(None, Directory)  # type: ignore[arg-type]
         assert await warm.catch_up(10, 0.5) is False
     asyncio.run(go())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# commit records: a leader's directory writes them (Metaserver._apply, the batch writer), a warm copy follows
+
+
+def test_commit_records_warm_copy_equals_a_full_load_and_the_leader(etcd):
+    """The same pages, places, generations and prefix links as the leader and as a full load. The recency order
+    too with lru and one transaction in flight: the copy then applies every rewrite before the commit that reuses
+    its extents. With four (the writer's default) a commit can reach etcd before the rewrite that frees its extent:
+    the copy holds those pages until it arrives and places them at the recent end, and prefix-lru's tiers follow
+    the history of removals, which a load does not replay (both approximations ``metaserver/standby.py`` states)."""
+    for policy in ("lru", "prefix-lru"):
+        for inflight in (1, 4):
+            asyncio.run(_commit_records(etcd.url, policy, inflight))
+
+
+async def _commit_records(url: str, policy: str, inflight: int) -> None:
+    import random
+    from types import SimpleNamespace
+
+    from metaserver.batcher import BatchWriter
+    from metaserver.service import Metaserver
+    from test_failover import page_count
+
+    prefix = f"{PREFIX}-records-{policy}-{inflight}"
+    store = EtcdStore(url, prefix)
+    await store.wait_ready(10)
+    writer = BatchWriter(store, inflight=inflight)
+    writer.start()
+    server = SimpleNamespace(store=store, writer=writer)  # what Metaserver._apply uses
+    leader = Directory(policy=policy)
+    rng = random.Random(11)
+    try:
+        await store.txn([store.op_put(store.arena_key(n), msgpack.packb(node_rec(n, capacity=96 * UNIT),
+                                                                       use_bin_type=True)) for n in ("n1", "n2")])
+        for n in ("n1", "n2"):
+            leader.add_space(n, 96 * UNIT)
+        warm = WarmDirectory(store, lambda: Directory(policy=policy))
+        warm.start()
+        await wait_until(lambda: warm.loaded)
+        gen = 1
+        now = 0.0
+        for rnd in range(30):  # a pool of 192 units filled about three times over: evictions rewrite records
+            now += 1.0
+            keys = [key(rnd * 1000 + i) for i in range(rng.randrange(1, 24))]
+            parents = [None] + keys[:-1]  # one chain a commit
+            items, fx = leader.alloc(NS, keys, [1000] * len(keys), parents, gen, now)
+            gen += len(keys)
+            Metaserver._apply(server, fx)
+            new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == 0]  # NEW
+            ok, fx = leader.commit(NS, [k for k, _ in new], [g for _, g in new], now)
+            assert all(ok)
+            await Metaserver._apply(server, fx, wait=True)
+            if rnd % 4 == 3:  # a client's removals: a page of a few earlier commits each
+                ready = sorted(leader.ready.get(NS, {}))
+                _, fx = leader.remove(NS, rng.sample(ready, min(5, len(ready))))
+                Metaserver._apply(server, fx)
+        assert leader.evictions > 0
+        assert await writer.flush(10)
+        kvs = [kv async for page in store.scan(store._pages) for kv in page]
+        assert all(store.is_batch(kv.key) for kv in kvs)  # one record a commit, none a page
+        assert page_count(kvs) == leader.objects  # every live page once, no page that left
+        assert len(kvs) < leader.objects / 2
+
+        h = await take_over(store, warm, Writer(store))
+        d, descs, stale = await full_load(store)
+        h.dir.check()
+        assert stale == [] and h.stale == []
+        assert fingerprint(h.dir)["entries"] == fingerprint(d)["entries"]
+        if inflight == 1 and policy == "lru":
+            assert fingerprint(h.dir) == fingerprint(d)
+        assert sorted((e.ns, e.key, e.gen, e.node_id, e.offset) for m in d.ready.values() for e in m.values()) == \
+            sorted((e.ns, e.key, e.gen, e.node_id, e.offset) for m in leader.ready.values() for e in m.values())
+        # the taken directory's pages still belong to their records: evicting one rewrites its record without it
+        e = next(iter(h.dir.ready[NS].values()))
+        before = e.batch.live()
+        _, fx = h.dir.remove(NS, [e.key])
+        assert fx.batches == [e.batch] and not fx.deletes
+        value = store.batch_value(e.batch)
+        assert (value is None) == (len(before) == 1)
+        if value is not None:
+            assert [p[0] for p in msgpack.unpackb(value)] == [x.key for x in before if x is not e]
+    finally:
+        await writer.close()
+        await store.close()

@@ -258,3 +258,73 @@ def test_rebuild_columns_fast_path_on_dense_extents():
         assert c._free == a._free and c._ends == a._ends and c._mask == a._mask and c.used_units == a.used_units
         assert {k: list(m) for k, m in c._bins.items()} == {k: list(m) for k, m in a._bins.items()}
         c.check(ext)
+
+
+def bkv(name: bytes, value, create: int, mod: int | None = None):
+    """A commit record's kv: its pages' place in commit order is its create revision (a rewrite keeps it)."""
+    x = kv(name, value, mod or create)
+    x.create_revision = create
+    return x
+
+
+def test_commit_records_round_trip_and_a_rejected_page_leaves_its_record():
+    """A leader's commits as commit records (``batches_of``, ``batch_value``) load back as the same pages; a page
+    of a record that another record's page overlaps is rejected alone: the record is rewritten without it, never
+    deleted with its other pages."""
+    store = EtcdStore.__new__(EtcdStore)
+    store._pages, store.fence_rev = PREFIX, 7
+    leader = Directory()
+    leader.add_space("n1", UNITS * ALIGN)
+    keys = [b"k%03d" % i for i in range(20)]
+    items, _ = leader.alloc("ns", keys, [1000] * 20, [None] + keys[:-1], 1, 1.0)
+    ok, fx = leader.commit("ns", keys, [it[4] for it in items], 1.0)
+    assert all(ok)
+    batches = store.batches_of(fx.puts)
+    assert len(batches) == 1 and all(e.batch is batches[0] for e in fx.puts)
+    b = batches[0]
+    assert b.name == PREFIX + b"ns/+7.1" and store.is_batch(b.name) and not store.is_batch(PREFIX + b"ns/abcd")
+    # another record (written later) claims the extent of k005: that page alone is rejected
+    e5 = leader.ready["ns"][b"k005"]
+    other = msgpack.packb([[b"x", "n1", e5.offset, 1000, 99, None]], use_bin_type=True)
+    recs = PageRecords(PREFIX)
+    recs.add([bkv(b.name, store.batch_value(b), 10, 12), bkv(PREFIX + b"ns/+8.1", other, 11)])
+    assert len(recs) == 21 and not recs.junk and set(recs.batches) == {b.name, PREFIX + b"ns/+8.1"}
+    d = Directory()
+    stale, rejected = fill(d, {"n1": ({"capacity": UNITS * ALIGN}, 0)}, recs)
+    assert stale == [] and [(p[3], type(p[8]).__name__) for p in rejected] == [(b"x", "Batch")]
+    assert sorted(d.ready["ns"]) == keys
+    assert [(e.key, e.offset, e.gen, e.parent) for e in d.policy.members("n1")] == \
+        [(e.key, e.offset, e.gen, e.parent) for e in leader.policy.members("n1")]
+    loaded = d.ready["ns"][b"k000"].batch
+    assert loaded.name == b.name and len(loaded.live()) == 20
+    assert store.batch_value(rejected[0][8]) is None  # its one page was rejected: the record is deleted
+    # evicting two pages of the loaded record rewrites it without them
+    _, fx = d.remove("ns", [b"k003", b"k017"])
+    assert fx.batches == [loaded, loaded] and not fx.deletes
+    assert [p[0] for p in msgpack.unpackb(store.batch_value(loaded))] == [k for k in keys if k not in (b"k003", b"k017")]
+
+
+def test_unreadable_commit_records_are_junk_whole():
+    off = ARENA_DATA_START
+    good = [b"k1", "n1", off, 100, 3, None]
+    kvs = [
+        bkv(PREFIX + b"m/+1.1", [good, [b"k2", "n1", off + ALIGN, 100, 4, None, 2]], 5),  # readable: 2 pages
+        bkv(PREFIX + b"m/+zz", [good], 6),  # a name that is not {term}.{count}
+        bkv(PREFIX + b"m/+1.", [good], 6),
+        bkv(PREFIX + b"m/+1.2", b"\xc1", 6),  # not msgpack
+        bkv(PREFIX + b"m/+1.3", [], 6),  # no page
+        bkv(PREFIX + b"m/+1.4", {"a": 1}, 6),  # not a list
+        bkv(PREFIX + b"m/+1.5", [good, [b"k2", 5, off, 100, 4, None]], 6),  # one page's node id not a string
+        bkv(PREFIX + b"m/+1.6", [good, ["k2", "n1", off, 100, 4, None]], 6),  # a key that is not bytes
+        bkv(PREFIX + b"m/+1.7", [good, [b"k2", "n1", -1, 100, 4, None]], 6),  # negative offset
+        bkv(PREFIX + b"m/+1.8", [good, [b"k2", "n1", off, 100, 4, 12]], 6),  # parent neither bytes nor nil
+        bkv(PREFIX + b"m/+1.9", [good, [b"k2", "n1", off, 100, 4, None, 999]], 6),  # part count out of range
+        bkv(PREFIX + b"m/+1.a", [good, [b"cd" * 32, "n1", off, 100, 4, None]], 6),  # a digest key as hex text
+    ]
+    recs = PageRecords(PREFIX)
+    recs.add(kvs)
+    assert recs.junk == [x.key for x in kvs[1:]]
+    ents, revs = recs.groups["n1"]
+    assert [(e.key, e.payload_len, e.batch.name) for e in ents] == [(b"k1", 100, PREFIX + b"m/+1.1"),
+                                                                   (b"k2", 100 | 2 << 41, PREFIX + b"m/+1.1")]
+    assert revs == [5, 5] and list(recs.batches) == [PREFIX + b"m/+1.1"]
