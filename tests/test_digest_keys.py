@@ -59,9 +59,9 @@ def test_hex_text_bytes_and_raw_digest_name_one_page(cluster):
     # a raw request carrying the hex text (a client that does not convert) finds them too
     ans = raw(cluster.metaserver_addr, Op.EXISTS, {"ns": "default", "keys": [h.encode() for h in hexes] + [b"x"]})
     assert ans["exists"] == [True] * 40 + [False]
-    # etcd names each record by the raw form's hex: 64 characters (66 with the rank byte), not the text's 128
-    names = [k.rsplit(b"/", 1)[1] for k in page_records(cluster.etcd.url)]
-    assert sorted(names) == sorted([h.encode() for h in hexes] + [h.encode() + b"03" for h in hexes[:10]])
+    # etcd's commit records hold each key in its raw form: 32 bytes (33 with the rank byte), not the text's 64
+    keys = [p[0] for v in page_records(cluster.etcd.url).values() for p in msgpack.unpackb(v)]
+    assert sorted(keys) == sorted([bytes.fromhex(h) for h in hexes] + [bytes.fromhex(h) + b"\x03" for h in hexes[:10]])
 
 
 def test_record_named_by_hex_text_is_deleted_at_load(cluster):
@@ -69,11 +69,13 @@ def test_record_named_by_hex_text_is_deleted_at_load(cluster):
     with umbp.Client(cluster.metaserver_addr) as c:
         assert all(c.batch_put(hexes, [payload(h, 1000) for h in hexes]))
     recs = page_records(cluster.etcd.url)
-    assert len(recs) == 5
-    # The record of hexes[0] rewritten under the old name (hex of the 64-character text), pointing at the same slot
-    new_name = f"{PREFIX}/pages/default/{hexes[0]}".encode()
+    (new_name, value), = recs.items()  # one commit record
+    assert len(msgpack.unpackb(value)) == 5
+    # A page record of its own (the layout before commit records) for hexes[0] under the old name (hex of the
+    # 64-character text), pointing at the same slot
     old_name = f"{PREFIX}/pages/default/{hexes[0].encode().hex()}".encode()
-    node_id, off, plen, gen, parent = msgpack.unpackb(recs[new_name], raw=False)
+    _key, node_id, off, plen, gen, parent = next(p for p in msgpack.unpackb(value, raw=False)
+                                                 if p[0] == bytes.fromhex(hexes[0]))
     put_record(cluster.etcd.url, old_name, msgpack.packb([node_id, off, plen, gen + 1, parent], use_bin_type=True))
     cluster.metaserver.restart()
     cluster.wait_nodes()
@@ -83,7 +85,7 @@ def test_record_named_by_hex_text_is_deleted_at_load(cluster):
         if old_name not in recs or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert old_name not in recs and new_name in recs and len(recs) == 5
+    assert old_name not in recs and list(recs) == [new_name] and recs[new_name] == value
     with umbp.Client(cluster.metaserver_addr) as c:
         assert c.batch_exists(hexes) == [True] * 5
         outs = [bytearray(1000) for _ in hexes]

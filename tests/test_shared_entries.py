@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+import msgpack
 import pytest
 
 import umbp
@@ -90,7 +91,9 @@ def test_tp_ranks_fill_one_entry_per_page(cluster):
         assert s["objects"] == len(keys) and s["pending"] == 0, s
         assert s["used_bytes"] == len(keys) * n * STRIDE, s
         recs = page_records(cluster.etcd.client_url)
-        assert len(recs) == len(keys), sorted(recs)
+        pages = [p for v in recs.values() for p in msgpack.unpackb(v)]  # in commit records (metaserver/persist.py)
+        assert sorted(p[0] for p in pages) == sorted(k.encode() for k in keys), sorted(recs)
+        assert all(len(p) == 7 and p[6] == n for p in pages)  # a shared entry's record: its part count last
         # a plain client and a client of another TP size see a miss, never another layout's bytes
         with cluster.client() as plain, cluster.client(shard=(0, 2)) as other:
             assert plain.get(keys[0]) is None and other.get(keys[0]) is None
