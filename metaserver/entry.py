@@ -3,11 +3,12 @@
 I/O a mutation leaves to its caller. No I/O, no policy. The directory and its helpers (passes, placement,
 invariants) import these records from here; nothing here imports them back.
 
-An entry is what a page costs the metaserver, so it holds only what cannot be derived: 14 slots (about 144 bytes
-with the object header) next to its key, offset and generation objects. ``node_id``, ``size``, ``gone``, ``parent``,
-``parent_ref`` and ``children`` are properties over those slots. The views hold no per-entry state: a node's
-entries are the eviction policy's members plus its few PENDING and pinned ones (``NodeSpace.n`` counts them), a
-namespace's entries are ``ready[ns]`` and ``pending_keys[ns]`` of the directory.
+An entry is what a page costs the metaserver, so it holds only what cannot be derived: 15 slots (about 152 bytes
+with the object header; the 15th names its commit record, ``Batch``) next to its key, offset and generation
+objects. ``node_id``, ``size``, ``gone``, ``parent``, ``parent_ref`` and ``children`` are properties over those
+slots. The views hold no per-entry state: a node's entries are the eviction policy's members plus its few PENDING
+and pinned ones (``NodeSpace.n`` counts them), a namespace's entries are ``ready[ns]`` and ``pending_keys[ns]`` of
+the directory.
 
 Shared entries (TP-sharded KV, ``metaserver/shared.py``): one entry holds one extent of ``n`` sub-slots, each a
 normal object slot of ``part_len`` payload bytes. Its ``payload_len`` slot holds the *layout code*

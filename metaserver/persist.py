@@ -67,7 +67,12 @@ from umbp.errors import NotLeader, TxnTooLarge, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
-LOAD_PAGE = 5000
+LOAD_PAGE = 5000  # records a range request of a scan asks for at most ...
+SCAN_FIRST = 256  # ... and at first, until the answers show how large the records are:
+SCAN_BYTES = 4 << 20  # each later request asks for about this many bytes (a commit record of 128 digest pages is
+# about 12 KB, a page record 0.1 KB; one of 128 pages with 512-byte keys and parents about 140 KB)
+GRPC_OPTIONS = {"grpc.max_receive_message_length": 64 << 20}  # gRPC's default is 4 MiB: a first answer of
+# SCAN_FIRST large commit records (36 MB) must still arrive
 BATCH_PAGES = 128  # pages of one commit record at most (a larger COMMIT writes several): 128 records of 512-byte keys
 # stay far below a transaction's TXN_BYTES
 PAGE, NODE, ARENA, OTHER = range(4)  # what an etcd key under the prefix holds (``EtcdStore.kind_of``)
@@ -150,7 +155,7 @@ class EtcdStore:
         host, port = split_host_port(addr, "metaserver", 2379)
         self.addr = f"{host}:{port}"
         self.prefix = prefix.rstrip("/")
-        self.client = aetcd.Client(host, port, timeout=timeout_s)
+        self.client = aetcd.Client(host, port, timeout=timeout_s, options=GRPC_OPTIONS)
         self._pages = f"{self.prefix}/pages/".encode()
         self._nodes = f"{self.prefix}/nodes/".encode()
         self._arenas = f"{self.prefix}/arenas/".encode()
@@ -222,24 +227,6 @@ class EtcdStore:
             add((e.key, e.space.node_id, e.offset, pl, e.gen, e.parent) if pl <= PART_MASK else
                 (e.key, e.space.node_id, e.offset, pl & PART_MASK, e.gen, e.parent, pl >> SHARD_SHIFT))
         return msgpack.packb(pages, use_bin_type=True)
-
-    def page_puts(self, entries) -> list[tuple[bytes, bytes]]:
-        """(etcd key, ``page_value``) of each READY entry, the commit path's encoding: one Packer for the batch
-        (``packb`` builds one per call, about 4x the cost of packing a record) and the namespace's key prefix
-        built once per run of one namespace. Byte-identical to ``page_key``/``page_value``."""
-        pack = msgpack.Packer(use_bin_type=True).pack
-        pages = self._pages
-        out = []
-        ns = base = None
-        for e in entries:
-            if e.ns is not ns:
-                ns = e.ns
-                base = pages + ns.encode() + b"/"
-            pl = e.payload_len
-            out.append((base + e.key.hex().encode(),
-                        pack((e.space.node_id, e.offset, pl, e.gen, e.parent)) if pl <= PART_MASK else
-                        pack((e.space.node_id, e.offset, pl & PART_MASK, e.gen, e.parent, pl >> SHARD_SHIFT))))
-        return out
 
     # -- calls -------------------------------------------------------------------------------------------------
     async def _call(self, what: str, coro):
@@ -407,7 +394,10 @@ class EtcdStore:
     async def scan(self, prefix: bytes, page: int = LOAD_PAGE, revision: int = 0) -> AsyncIterator[list]:
         """Yield the key-values under ``prefix`` in pages of at most ``page`` (raw protobuf kvs: key, value,
         mod_revision, lease), in no particular order, as of ``revision`` (0: each page as of its own read). aetcd's
-        get_range has no limit, so this builds the RangeRequest itself.
+        get_range has no limit, so this builds the RangeRequest itself. The first request asks for SCAN_FIRST
+        records, each later one for about SCAN_BYTES as the answers so far measured them (commit records are a
+        hundred times a page record's size: 5,000 of them would pass any sane gRPC message limit); when that makes
+        the limit more than double, the range goes on after the answer's last key instead of being split.
 
         Cost: etcd (3.4) walks its index over a request's whole range to count it, whatever the limit, so paging
         through one prefix range walks O(N^2 / page) keys (1 M pages: minutes). A range that returns ``more`` is
@@ -418,16 +408,21 @@ class EtcdStore:
         end = aetcd.utils.prefix_range_end(prefix)
         await self._call("connect", self.client.connect())
         todo = [(prefix, end, len(prefix))]  # (from, to, length of the prefix every key in it shares)
+        limit = min(page, SCAN_FIRST)
         for _ in range(1 << 40):  # bounded: every round finishes a range or replaces it by smaller ones
             if not todo:
                 return
             lo, hi, root = todo.pop()
-            req = aetcd.rpc.RangeRequest(key=lo, range_end=hi, limit=page, revision=revision)
+            req = aetcd.rpc.RangeRequest(key=lo, range_end=hi, limit=limit, revision=revision)
             resp = await self._call("range", self.client.kvstub.Range(req, timeout=self.client._timeout,
                                                                          metadata=self.client.metadata))
             kvs = list(resp.kvs)
             if kvs:
+                asked, limit = limit, max(16, min(page, SCAN_BYTES * len(kvs) // max(1, resp.ByteSize())))
                 yield kvs
+                if resp.more and limit > asked * 2:  # the first, cautious answer: go on from it at full size
+                    todo.append((kvs[-1].key + b"\0", hi, root))
+                    continue
             if resp.more and kvs:
                 todo.extend(_split(kvs[0].key, kvs[-1].key, hi, root))
 

@@ -1,4 +1,5 @@
-"""The metaserver's commit path without etcd: the batch encoding of page records (``EtcdStore.page_puts``) and the
+"""The metaserver's commit path without etcd: the encoding of commit records (``EtcdStore.batches_of``,
+``batch_value``) and the
 batch writer's acknowledgements when submissions share keys, over the in-memory store double of
 test_metaserver_persistence."""
 
@@ -18,24 +19,37 @@ from umbp.errors import TxnTooLarge, Unavailable
 from test_metaserver_persistence import MemoryStore, run
 
 
-def test_page_puts_is_byte_identical_to_page_key_and_page_value():
+def test_commit_records_hold_each_run_of_one_namespace_128_pages_at_most():
     store = EtcdStore("127.0.0.1:1", "/umbp")  # no connection is made: encoding only
+    store.fence(41)
     d = Directory()
     d.add_space("node-a", 1 << 30)
     d.add_space("node-b", 1 << 30)
     fx_puts = []
     for r, (ns, parents) in enumerate((("ns1", None), ("other", [b"\x01" * 32] * 3), ("ns1", [None, b"p" * 70, b"q"]))):
         keys = [ns.encode() + b"/%d/%d" % (r, i) + b"\xff" * i for i in range(3)]
-        items, _ = d.alloc(ns, keys, [4000, 1, 70000], parents, 100, 1.0)
+        items, _ = d.alloc(ns, keys, [4000, 1, 70000], parents, 100 + 10 * r, 1.0)
         _, fx = d.commit(ns, keys, [it[4] for it in items], 2.0)
         fx_puts += fx.puts
-    assert len(fx_puts) == 9
-    got = store.page_puts(fx_puts)
-    want = [(store.page_key(e.ns, e.key), store.page_value(e.node_id, e.offset, e.payload_len, e.gen, e.parent))
-            for e in fx_puts]
-    assert got == want
-    assert [msgpack.unpackb(v, raw=False)[3] for _, v in got] == [e.gen for e in fx_puts]
-    assert store.page_puts([]) == []
+    keys = [b"big/%d" % i for i in range(300)]
+    items, _ = d.alloc("ns1", keys, [100] * 300, None, 1000, 1.0)
+    _, fx = d.commit("ns1", keys, [it[4] for it in items], 2.0)
+    fx_puts += fx.puts
+    batches = store.batches_of(fx_puts)
+    assert [len(b.ents) for b in batches] == [3, 3, 128, 128, 47]  # a run of one namespace, 128 at most
+    assert [b.name for b in batches] == [b"/umbp/pages/%s/+29.%x" % (ns, i + 1) for i, ns in
+                                         enumerate([b"ns1", b"other", b"ns1", b"ns1", b"ns1"])]
+    assert all(e.batch is b for b in batches for e in b.ents)
+    pages = [p for b in batches for p in msgpack.unpackb(store.batch_value(b), raw=False)]
+    assert pages == [[e.key, e.node_id, e.offset, e.payload_len, e.gen, e.parent] for e in fx_puts]
+    assert store.batches_of([]) == []
+    # a page leaving the directory: its record is rewritten without it, the last one deletes it
+    b = batches[0]
+    _, fx = d.remove("ns1", [b.ents[1].key])
+    assert fx.batches == [b] and fx.deletes == []
+    assert [p[0] for p in msgpack.unpackb(store.batch_value(b))] == [b.ents[0].key, b.ents[1].key]
+    d.remove("ns1", [e.key for e in b.ents])
+    assert store.batch_value(b) is None
 
 
 def test_batch_writer_acknowledges_each_submission_once_its_last_op_is_written():

@@ -158,14 +158,13 @@ def test_persisted_record_round_trip_and_full_load_fingerprint():
     put_all(d, keys, 4)
     store = EtcdStore.__new__(EtcdStore)
     store._pages = b"/umbp/pages/"
-    puts = store.page_puts([d.ready["kv"][k] for k in keys])
-    assert len(puts) == 6  # one record per logical page
-    rec = msgpack.unpackb(puts[0][1], raw=False)
+    store.fence_rev = 3
+    (b,) = store.batches_of([d.ready["kv"][k] for k in keys])  # one record, one page a logical page
+    recs = msgpack.unpackb(store.batch_value(b), raw=False)
     e0 = d.ready["kv"][keys[0]]
-    assert rec == [e0.node_id, e0.offset, PART, e0.gen, None, 4]  # part length and n, explicit
-    assert puts[0][1] == store.page_value(e0.node_id, e0.offset, e0.payload_len, e0.gen, None)
-    pages = [store.page_record(SimpleNamespace(key=k, value=val, mod_revision=i + 1)) for i, (k, val) in
-             enumerate(puts)]
+    assert len(recs) == 6 and recs[0] == [keys[0], e0.node_id, e0.offset, PART, e0.gen, None, 4]  # part length, n
+    pages = store.records_of(SimpleNamespace(key=b.name, value=store.batch_value(b), mod_revision=1,
+                                             create_revision=1))
     assert pages[0][5] == layout(PART, 4) and extent_size(pages[0][5]) == 4 * STRIDE
     d2 = Directory()
     descs = {nid: ({"capacity": sp.alloc.capacity}, 0) for nid, sp in d.spaces.items()}
@@ -184,8 +183,8 @@ def test_persisted_record_round_trip_and_full_load_fingerprint():
     assert d3.spaces[p[1]].alloc.used == 4 * STRIDE
     d3.check()
     # an unreadable shared record (n out of range) is junk, never a page
-    bad = msgpack.packb(["n1", ARENA_DATA_START, PART, 1, None, 999])
-    assert store.page_record(SimpleNamespace(key=puts[0][0], value=bad, mod_revision=1))[1] is None
+    bad = msgpack.packb([[keys[0], "n1", ARENA_DATA_START, PART, 1, None, 999]])
+    assert store.records_of(SimpleNamespace(key=b.name, value=bad, mod_revision=1, create_revision=1))[0][1] is None
 
 
 @pytest.mark.parametrize("value", [[0, 0], [2, 2], [-1, 4], [0, 257], [0], "0,2", [0.0, 2], [True, 2]])
