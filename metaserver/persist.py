@@ -60,7 +60,7 @@ import aetcd.rpc
 import msgpack
 
 from metaserver.entry import PART_MASK, SHARD_SHIFT, Batch
-from metaserver.records import BATCH_MARK, PageRecords, _name, batch_entries
+from metaserver.records import BATCH_MARK, PageRecords, _name
 from transport.wire import Status
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, TxnTooLarge, Unavailable

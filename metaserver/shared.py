@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 
-from metaserver.entry import (PART_MASK, PENDING, READY, Effects, Entry, extent_size, layout, parent_of, random_id,
+from metaserver.entry import (PART_MASK, PENDING, Effects, Entry, extent_size, layout, parent_of, random_id,
                               shards_of)
 from metaserver.placement import Placer
 from transport import wire
