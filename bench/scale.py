@@ -26,7 +26,8 @@ Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own f
 - alloc+commit/s while building (growing directory) and at size N (full pool: every new page evicts one);
 - lookup+release keys/s (a get's metaserver work: locations, a read lease, its release) and exists keys/s at N,
   in 1,000-key batches taken as prompt prefixes of random chains (hits);
-- load: N page records as etcd returns them (protobuf kvs, ``LOAD_PAGE`` a response) parsed by the metaserver's
+- load: the records of N pages as etcd returns them (commit records, one per 128 pages of a COMMIT, the
+  metaserver's layout; ``--records page``: a record per page, the layout before) parsed by the metaserver's
   own ``persist.PageRecords.add`` (what ``EtcdStore.load`` runs on each response), then ``standby.fill`` (what
   ``Metaserver._load`` runs: per node a sort by revision and ``Directory.load_entries``), the collector paused as
   there (``standby.gc_paused``), with the parse and the directory load timed apart;
@@ -73,6 +74,8 @@ from scaleworkload import (BATCH, CHAIN_MAX, CHAIN_MIN, NODES, ROOT_PAGES, Model
 from servicepath import ServicePath, Wire  # noqa: E402
 
 POLICIES = ("lru", "prefix-lru")
+RECORDS = "commit"  # the etcd layout of the load's records (--records)
+SCAN_COMMIT_RECORDS = 320  # commit records of 128 pages in one range answer: about what EtcdStore.scan asks for
 
 
 
@@ -305,7 +308,31 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mo
 # ---- child: load (takeover) -----------------------------------------------------------------------------------
 
 def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
-    """Yield (etcd key, msgpack value, mod_revision) of n_pages page records, as a metaserver wrote them: the
+    """Yield (etcd key, msgpack value, revision) of the records of n_pages pages as a metaserver writes them
+    (``RECORDS``): commit records (``persist.BATCH_PAGES`` consecutive pages of one namespace each) or, with
+    ``--records page``, a record per page (the layout before them)."""
+    if RECORDS == "page":
+        for ns, k, node, off, payload, rev, p in page_rows(n_pages, seed):
+            yield (prefix + ns + b"/" + k.hex().encode(), msgpack.packb([node, off, payload, rev, p], use_bin_type=True),
+                   rev)
+        return
+    from metaserver.persist import BATCH_PAGES
+    cur: list = []
+    cur_ns = None
+    n = 0
+    for ns, k, node, off, payload, rev, p in page_rows(n_pages, seed):
+        if (ns != cur_ns or len(cur) >= BATCH_PAGES) and cur:
+            n += 1
+            yield (b"%s%s/+1.%x" % (prefix, cur_ns, n), msgpack.packb(cur, use_bin_type=True), rev)
+            cur = []
+        cur_ns = ns
+        cur.append((k, node, off, payload, rev, p))
+    if cur:
+        yield (b"%s%s/+1.%x" % (prefix, cur_ns, n + 1), msgpack.packb(cur, use_bin_type=True), rev + 1)
+
+
+def page_rows(n_pages: int, seed: int):
+    """Yield (ns, key, node, offset, payload_len, gen, parent) of n_pages pages as a metaserver placed them: the
     workload's keys and parents at consecutive offsets, each session chain (all its ranks) on one node, the least
     filled one when it starts (placement keeps a chain on its parent's node), the system prompts on the first."""
     ms = models()
@@ -328,8 +355,7 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
                 rev += 1
                 if workload.HEX_KEYS:  # the metaserver keeps (and persists) a digest key in its raw form (keyform.digest_key)
                     k, p = digest_key(k), digest_key(p) if p is not None else None
-                yield (prefix + m.ns.encode() + b"/" + k.hex().encode(),
-                       msgpack.packb([f"host{node:02d}", off, m.payload, rev, p], use_bin_type=True), rev)
+                yield (m.ns.encode(), k, f"host{node:02d}", off, m.payload, rev, p)
                 m.pages += 1
                 total += 1
                 if total >= n_pages:
@@ -351,7 +377,8 @@ def load_directory(policy: str, pages, n_pages: int) -> tuple[Directory, float]:
 
 
 def run_load(policy: str, n_pages: int, seed: int) -> dict:
-    """Records are made as etcd returns them (protobuf KeyValues, LOAD_PAGE a range response) and parsed as
+    """Records are made as etcd returns them (protobuf KeyValues, a range response of LOAD_PAGE page records or
+    SCAN_COMMIT_RECORDS commit records: what ``EtcdStore.scan`` asks for, about 4 MB) and parsed as
     ``EtcdStore.load`` parses them while it scans (``PageRecords.add``, timed), so what is held at the end is what
     a takeover holds: the parsed records, then the directory built from them (``fill``). The collector is paused as
     ``Metaserver._load`` pauses it (``gc_paused``)."""
@@ -364,8 +391,8 @@ def run_load(policy: str, n_pages: int, seed: int) -> dict:
         pages = PageRecords(b"/umbp/pages/")
         resp = aetcd.rpc.RangeResponse()
         for key, value, rev in etcd_records(n_pages, seed):
-            resp.kvs.add(key=key, value=value, mod_revision=rev)
-            if len(resp.kvs) == LOAD_PAGE:
+            resp.kvs.add(key=key, value=value, mod_revision=rev, create_revision=rev)
+            if len(resp.kvs) == (LOAD_PAGE if RECORDS == "page" else SCAN_COMMIT_RECORDS):
                 kvs = list(resp.kvs)
                 t = cpu()
                 pages.add(kvs)
@@ -397,7 +424,7 @@ async def _fill_and_read(addr: str, n_pages: int, seed: int) -> dict:
 
     for key, value, _rev in etcd_records(n_pages, seed, store._pages):
         batch.append(store.op_put(key, value))
-        if len(batch) == 128:
+        if len(batch) == (128 if RECORDS == "page" else 8):  # 8 commit records: about 100 KB
             inflight.append(asyncio.create_task(txn(batch)))
             batch = []
             if len(inflight) >= 64:
@@ -463,9 +490,13 @@ def main() -> None:
                     help="digest keys as clients send them now (raw 32 bytes) or as before (64 hex characters)")
     ap.add_argument("--gc", choices=("policy", "default"), default="policy",
                     help="the collector during the churn at N: the metaserver's (metaserver/gcpolicy.py) or CPython's")
+    ap.add_argument("--records", choices=("commit", "page"), default="commit",
+                    help="the etcd layout the load reads: a record per COMMIT (the metaserver's) or per page (before)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     workload.HEX_KEYS = a.key_form == "hex"
+    global RECORDS
+    RECORDS = a.records
     if a.child:
         kind, policy, n = a.child[0], a.child[1], int(a.child[2])
         if kind == "build":
@@ -484,7 +515,8 @@ def main() -> None:
     n = a.pages
     print(f"scale: {n:,} pages, {NODES} nodes, batches of {BATCH} keys; python {sys.version.split()[0]}")
     print("target: <= 200 bytes of metaserver memory per page at 10 M pages")
-    common = ["--ops", str(a.ops), "--seed", str(a.seed), "--key-form", a.key_form, "--gc", a.gc]
+    common = ["--ops", str(a.ops), "--seed", str(a.seed), "--key-form", a.key_form, "--gc", a.gc,
+              "--records", a.records]
     print(f"keys: {'64-hex text' if workload.HEX_KEYS else 'raw 32-byte digests (plus a rank byte)'}")
     for pol in pols:
         b = child(["build", pol, str(n)] + common)
@@ -519,7 +551,7 @@ def main() -> None:
             if "error" in ld:
                 print(f"{'':>10}  load failed ({ld['error']})")
             else:
-                print(f"{'':>10}  load {ld['pages']:,} pages: parse records {ld['parse_s']:.1f} s + "
+                print(f"{'':>10}  load {ld['pages']:,} pages ({a.records} records): parse {ld['parse_s']:.1f} s + "
                       f"fill {ld['load_s']:.1f} s = {ld['parse_s'] + ld['load_s']:.1f} s "
                       f"({(ld['parse_s'] + ld['load_s']) / ld['pages'] * 1e6:.2f} us/page; "
                       f"peak RSS {ld['peak_rss_gib']:.1f} GiB)")

@@ -74,8 +74,8 @@ class ServicePath:
     def put(self, frame: bytes) -> int:
         """ALLOC then COMMIT of one request's keys, as service.alloc/_alloc_now/_apply and service.commit/
         _settle_request/_apply do them: field checks, the connection's pending set (filled by ALLOC, emptied by
-        COMMIT), the etcd keys of the evictions' deletes and the commit's page records (``EtcdStore.page_puts``).
-        Returns the number of records."""
+        COMMIT), the rewrites of the records the evictions left and the commit's records (``_apply``). Returns the
+        number of records the commit wrote."""
         store = self.store
         m = v.fields(msgpack.unpackb(frame, raw=False), _ALLOC, ("ns", "keys", "sizes"))
         ns = v.ns(m)
@@ -113,7 +113,11 @@ class ServicePath:
 
 
 def _apply(store: EtcdStore, fx) -> tuple[list, list]:
-    """What ``Metaserver._apply`` encodes for the etcd writer: the page records and the deleted pages' keys."""
-    puts = store.page_puts(fx.puts) if fx.puts else []
+    """What ``Metaserver._apply`` and the etcd writer encode: the commit records (``batches_of``, then the writer's
+    ``batch_value`` when it takes them), the rewrites of records that pages left (encoded here once a request; the
+    writer coalesces a record's rewrites while it waits) and the keys of deleted page records of their own."""
+    puts = [(b.name, store.batch_value(b)) for b in store.batches_of(fx.puts)] if fx.puts else []
+    if fx.batches:
+        puts += [(b.name, store.batch_value(b)) for b in dict.fromkeys(fx.batches)]
     deletes = [store.page_key(ns, k) for ns, k in fx.deletes] if fx.deletes else []
     return puts, deletes

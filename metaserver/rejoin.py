@@ -101,16 +101,22 @@ class RejoinHandlers:
         present = self.dir.entries
         recs = [r for r in recs if r[1] not in present.get(r[0], ())]
         fx = self.dir.load_pages(node.node_id, [r[:6] for r in recs])
+        dropped = len(fx.deletes)
         ready = self.dir.ready
-        for r in recs:  # back in their commit records, which may have been rewritten without them meanwhile
-            b = r[6]
+        for r in recs:  # each page of a commit record back in it (it may have been rewritten without it meanwhile),
+            b = r[6]    # or, when it could not come back, left out of it by the same rewrite
+            if b is None:
+                continue
             e = ready.get(r[0], {}).get(r[1])
-            if b is not None and e is not None and e.gen == r[4] and e.space.node_id == node.node_id:
+            if e is not None and e.gen == r[4] and e.space.node_id == node.node_id:
                 e.batch = b
                 b.ents.append(e)
-                fx.batches.append(b)
+            fx.batches.append(b)
+        if dropped:  # the pages that could not come back: only those with a record of their own are deleted
+            own = {(r[0], r[1]) for r in recs if r[6] is None}
+            fx.deletes = [d for d in fx.deletes if d in own]
         self._apply(fx)
-        return len(recs) - len(fx.deletes)
+        return len(recs) - dropped
 
     def _expire_parked(self, now: float) -> None:
         for node_id, (_a, _c, deadline, recs) in list(self.parked.items()):

@@ -60,3 +60,56 @@ def test_a_backlog_is_worked_off_in_slices_of_the_step_budget(monkeypatch):
         print(f"\nbacklog of {backlog} entries worked off in {slices} ticks of at most 500")
 
     asyncio.run(main())
+
+
+def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
+    """A lost node's pages are parked: a rewrite of their commit record meanwhile leaves them out (they are not in
+    the directory); when the node returns with its arena they are filed again and the record is rewritten with
+    them; when it does not return, the record is rewritten without them. Read from the writer's queue (etcd is
+    never reached here): the value each record would be written with."""
+    from types import SimpleNamespace
+
+    import msgpack
+
+    async def main():
+        ms = Metaserver(MetaserverConfig(), "127.0.0.1:1")
+        d = ms.dir
+        d.add_space("n1", 64 * ALIGN)
+        d.add_space("n2", 64 * ALIGN)
+        keys = [b"k%02d" % i for i in range(20)]
+        items, fx = d.alloc("ns", keys, [PAGE] * 20, None, 100, 0.0)
+        assert {it[1] for it in items} == {"n1", "n2"}  # one COMMIT over both nodes: one record
+        _, fx = d.commit("ns", keys, [it[4] for it in items], 0.0)
+        ms._apply(fx)
+        (name,) = [k for k in ms.writer._queue if ms.store.is_batch(k)]
+
+        def record() -> list[bytes] | None:
+            value = ms.writer._queue[name][0]
+            value = ms.store.batch_value(value) if not isinstance(value, (bytes, type(None))) else value
+            return None if value is None else [p[0] for p in msgpack.unpackb(value)]
+
+        on = {node: [k for k, it in zip(keys, items) if it[1] == node] for node in ("n1", "n2")}
+        assert record() == keys
+        for round_, returns in (("back", True), ("gone", False)):
+            ms.parked["n2"] = (b"A" * 16, 64 * ALIGN, 1e18, [])
+            _, fx = d.detach_space("n2", park=True)
+            ms._apply(fx)
+            ms._finish_drop("n2")
+            assert len(ms.parked["n2"][3]) == len(on["n2"])
+            gone = on["n1"][0]
+            _, fx = d.remove("ns", [gone])  # a page of n1 leaves: the record is rewritten without it ...
+            ms._apply(fx)
+            on["n1"].remove(gone)
+            assert record() == on["n1"]  # ... and without the parked pages
+            if returns:
+                d.add_space("n2", 64 * ALIGN)
+                kept = ms._unpark(SimpleNamespace(node_id="n2", arena_id=b"A" * 16, capacity=64 * ALIGN))
+                assert kept == len(on["n2"]) and sorted(record()) == sorted(on["n1"] + on["n2"])
+                d.check()
+            else:
+                _a, _c, _d, recs = ms.parked.pop("n2")
+                ms._forget_parked("n2", recs, arena=True)
+                assert record() == on["n1"]  # rewritten without them for good
+                assert ms.store.arena_key("n2") in ms.writer._queue
+
+    asyncio.run(main())
