@@ -46,7 +46,6 @@ def batch_entries(ns: str, name: bytes, value) -> tuple[list[str], list[Entry]]:
     b = Batch(name, [])
     ents = b.ents
     nodes: list[str] = []
-    new = Entry.__new__
     for rec in value:
         if type(rec) is not list:
             raise TypeError("a page of a commit record that is not a list")
@@ -71,20 +70,7 @@ def batch_entries(ns: str, name: bytes, value) -> tuple[list[str], list[Entry]]:
                 raise TypeError("a parent that is not bytes")
             if len(parent) >= 64:
                 parent = digest_key(parent)
-        # Entry(ns, key, None, off, plen, gen, READY, parent, 0.0), inlined as in ``PageRecords.add``: keep in step
-        e = new(Entry)
-        e.key = key
-        e.ns = ns
-        e.space = None
-        e.offset = off
-        e.payload_len = plen
-        e.gen = gen
-        e.state = READY
-        e.pins = 0
-        e.last_access = 0.0
-        e.up = parent
-        e.kids = None
-        e.prev = e.next = e.tier = None
+        e = Entry(ns, key, None, off, plen, gen, READY, parent, 0.0)
         e.batch = b
         ents.append(e)
         nodes.append(node_id)

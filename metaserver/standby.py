@@ -313,39 +313,30 @@ class WarmDirectory:
     def apply(self, events: list) -> None:
         """Apply one batch of watch events (raw protobuf, in revision order). Synchronous: a batch is applied whole."""
         store = self.store
-        run: list = []  # page puts in a row: applied together (``_put_pages``)
-        gone: list = []  # page deletes in a row: the same (``_delete_pages``)
+        run: list = []  # page events of one kind in a row: puts applied together (``_put_pages``), deletes too
+        putting = True  # (``_delete_pages``)
+
+        def flush() -> None:
+            nonlocal run
+            if run:
+                (self._put_pages if putting else self._delete_pages)(run)
+                run = []
+
         for ev in events:
             kv = ev.kv
             kind = store.kind_of(kv.key)
             if kind == PAGE:
                 if store.is_batch(kv.key) and (ev.type != _PUT or kv.key in self.batches):
-                    # a commit record rewritten (pages left it) or deleted: in order with the runs around it
-                    if run:
-                        self._put_pages(run)
-                        run = []
-                    if gone:
-                        self._delete_pages(gone)
-                        gone = []
+                    flush()  # a commit record rewritten (pages left it) or deleted: in order with the runs around it
                     self._shrink_batch(kv.key, kv if ev.type == _PUT else None)
                     continue
-                if ev.type == _PUT:
-                    if gone:
-                        self._delete_pages(gone)
-                        gone = []
-                    run.append(kv)
-                else:
-                    if run:
-                        self._put_pages(run)
-                        run = []
-                    gone.append(kv.key)
+                put = ev.type == _PUT
+                if put != putting:
+                    flush()
+                    putting = put
+                run.append(kv if put else kv.key)
                 continue
-            if run:
-                self._put_pages(run)
-                run = []
-            if gone:
-                self._delete_pages(gone)
-                gone = []
+            flush()
             if kind == NODE or kind == ARENA:
                 node_id = store.node_of(kv.key)
                 records = self.live if kind == NODE else self.arenas
@@ -355,10 +346,7 @@ class WarmDirectory:
                 else:
                     records[node_id] = rec
                 self._sync_node(node_id)
-        if run:
-            self._put_pages(run)
-        if gone:
-            self._delete_pages(gone)
+        flush()
         if events:
             self.rev = max(self.rev, events[-1].kv.mod_revision)
             self.events += len(events)
