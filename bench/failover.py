@@ -4,8 +4,9 @@ Steps (every process real, on this machine):
 
 1. etcd (the ``etcd`` on PATH or next to this Python) with a temporary data directory, and metaserver A, which
    leads from then on (it loads an empty directory).
-2. Fill: ``--pages`` page records (default 1,000,000) written straight into etcd in the metaserver's record format
-   (``metaserver.persist.EtcdStore`` keys and values), in 128-op transactions with several in flight, not through
+2. Fill: ``--pages`` pages (default 1,000,000) written straight into etcd in the metaserver's record format
+   (commit records of up to 128 pages, ``metaserver.persist.EtcdStore``), 8 records (about 1,024 pages) a
+   transaction with several in flight, not through
    the data path (A does not learn of them: it only holds the leadership, which is all this measures of it). Keys
    are 32-byte digests in chains of ``--chain`` pages (each names its parent), spread over ``--nodes`` node arenas
    of 64 KiB objects filled to half. The nodes exist only as durable arena records with a lease_ttl of an hour: a
@@ -47,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 import msgpack  # noqa: E402
 
-from metaserver.persist import EtcdStore  # noqa: E402
+from metaserver.persist import BATCH_PAGES, EtcdStore  # noqa: E402
 from transport.framed import FramedSocket  # noqa: E402
 from transport.wire import ARENA_DATA_START, Op, object_size  # noqa: E402
 from umbp.config import ETCD_TXN_OPS  # noqa: E402
@@ -57,7 +58,7 @@ from umbp.launcher import find_etcd, free_port  # noqa: E402
 PREFIX = "/umbp"
 NS = "default"
 PLEN = 64 * 1024 - 64  # a 64 KiB object per page
-TXN_OPS = 128  # etcd's default cap on operations per transaction
+TXN_RECORDS = 8  # commit records a transaction (about 1,024 pages, 100 KB)
 INFLIGHT = 8  # transactions in flight while filling
 READY_LINE = re.compile(r"^metaserver: (\S+):(\d+)$", re.M)
 WARM_LINE = re.compile(r"metaserver: warm standby: (\d+) pages at revision (\d+) \(loaded in ([\d.]+)s\)")
@@ -95,6 +96,7 @@ async def fill(addr: str, pages: int, nodes: int, chain: int) -> float:
 
     workers = [asyncio.create_task(writer()) for _ in range(INFLIGHT)]
     ops: list = []
+    rec: list = []  # the commit record being filled: BATCH_PAGES pages of one chain at most
     parent = None
     for i in range(pages):
         c = i // chain
@@ -102,15 +104,20 @@ async def fill(addr: str, pages: int, nodes: int, chain: int) -> float:
         k = page_key(i)
         if i % chain == 0:
             parent = None
+        if rec and (i % chain == 0 or len(rec) == BATCH_PAGES):
+            ops.append(store.op_put(store.batch_name(NS), msgpack.packb(rec, use_bin_type=True)))
+            rec = []
         off = ARENA_DATA_START + slots[node] * object_size(PLEN)
         slots[node] += 1
-        ops.append(store.op_put(store.page_key(NS, k), store.page_value(f"bench{node}", off, PLEN, i + 1, parent)))
+        rec.append((k, f"bench{node}", off, PLEN, i + 1, parent))
         parent = k
-        if len(ops) == TXN_OPS:
+        if len(ops) == TXN_RECORDS:
             await queue.put(ops)
             ops = []
         if i and i % 200_000 == 0:
             print(f"  filled {i:,} pages ({i / (time.monotonic() - t0):,.0f}/s)", flush=True)
+    if rec:
+        ops.append(store.op_put(store.batch_name(NS), msgpack.packb(rec, use_bin_type=True)))
     if ops:
         await queue.put(ops)
     for _ in workers:
@@ -242,7 +249,7 @@ def main() -> int:
         children.append(ma)
         ma.wait_line(READY_LINE, 60)
         fill_s = asyncio.run(fill(etcd_addr, a.pages, a.nodes, a.chain))
-        print(f"fill: {a.pages:,} page records in {fill_s:.1f}s ({a.pages / fill_s:,.0f}/s), etcd RSS "
+        print(f"fill: {a.pages:,} pages (commit records) in {fill_s:.1f}s ({a.pages / fill_s:,.0f}/s), etcd RSS "
               f"{mib(etcd.rss())}; leader A at {addr_a}", flush=True)
 
         mb, addr_b = metaserver("metaserver-b", etcd_addr, workdir, a.ttl)
