@@ -315,26 +315,33 @@ class WarmDirectory:
         store = self.store
         run: list = []  # page events of one kind in a row: puts applied together (``_put_pages``), deletes too
         putting = True  # (``_delete_pages``)
+        named: set = set()  # the commit records among the run's puts
 
         def flush() -> None:
             nonlocal run
             if run:
                 (self._put_pages if putting else self._delete_pages)(run)
                 run = []
+                named.clear()
 
         for ev in events:
             kv = ev.kv
             kind = store.kind_of(kv.key)
             if kind == PAGE:
-                if store.is_batch(kv.key) and (ev.type != _PUT or kv.key in self.batches):
-                    flush()  # a commit record rewritten (pages left it) or deleted: in order with the runs around it
-                    self._shrink_batch(kv.key, kv if ev.type == _PUT else None)
-                    continue
+                if store.is_batch(kv.key):
+                    if kv.key in named:
+                        flush()  # put in this run already: this is its rewrite
+                    if ev.type != _PUT or kv.key in self.batches:
+                        flush()  # a commit record rewritten (pages left it) or deleted: in order with the runs
+                        self._shrink_batch(kv.key, kv if ev.type == _PUT else None)
+                        continue
                 put = ev.type == _PUT
                 if put != putting:
                     flush()
                     putting = put
                 run.append(kv if put else kv.key)
+                if put:
+                    named.add(kv.key)
                 continue
             flush()
             if kind == NODE or kind == ARENA:

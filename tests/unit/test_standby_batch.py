@@ -4,7 +4,8 @@ applying every event on its own gives (``_put_page`` of ``page_record`` per put,
 standby did before), on randomised event streams that hit every
 case: new pages, pages put again unchanged and changed, extents taken (held, placed when freed), keys given twice in
 one run, unreadable records and their readable successors, deletes of present, held and unknown pages, and node
-records that come, change capacity and go."""
+records that come, change capacity and go. The same for commit records (one etcd record per COMMIT): new ones,
+rewrites without some of their pages, deletes, unreadable ones, a record put and rewritten in one watch batch."""
 
 from __future__ import annotations
 
@@ -160,3 +161,107 @@ def test_batched_page_puts_equal_one_event_at_a_time(policy, seed):
     assert a.fast_deletes > deletes  # runs of deletes went at once too
     # lru files clean runs at once (at least the fresh ones); prefix-lru always goes one put at a time
     assert (fast >= 6 if policy == "lru" else fast == 0), (fast, a.held, a.junk)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# commit records (one etcd record per COMMIT): new ones filed as runs, rewrites and deletes taking pages out
+
+
+class RecordStream(Stream):
+    """``Stream`` plus commit records: new ones (1-6 pages of distinct keys, extents that may collide), rewrites
+    without some of their pages (what an eviction or removal writes), deletes, unreadable ones."""
+
+    def __init__(self, store: EtcdStore, seed: int):
+        super().__init__(store, seed)
+        self.records: dict[bytes, list] = {}  # name -> its pages, as etcd holds them now
+        self.n = 0
+
+    def record(self) -> rpc.Event:
+        rng, s = self.rng, self.store
+        self.n += 1
+        name = b"%sdefault/+1.%x" % (s._pages, self.n)
+        if rng.random() < 0.05:
+            return self.event(0, name, b"\x93\x01")  # unreadable
+        keys = rng.sample(self.keys, rng.randint(1, 6))
+        pages = [[k, rng.choice(NODES), ARENA_DATA_START + rng.randrange(SLOTS - 1) * UNIT,
+                  rng.choice((5000, 5000, 12000)), self.rev + 1 + i, rng.choice(self.keys) if rng.random() < 0.5
+                  else None] for i, k in enumerate(keys)]
+        self.records[name] = pages
+        return self.event(0, name, msgpack.packb(pages, use_bin_type=True))
+
+    def shrink(self) -> rpc.Event:
+        rng = self.rng
+        if not self.records:
+            return self.record()
+        name = rng.choice(sorted(self.records))
+        pages = self.records[name]
+        keep = [p for p in pages if rng.random() < 0.6]
+        if not keep or rng.random() < 0.2:
+            del self.records[name]
+            return self.event(1, name)
+        self.records[name] = keep
+        return self.event(0, name, msgpack.packb(keep, use_bin_type=True))
+
+    def batch(self) -> list:
+        rng = self.rng
+        out = []
+        for _ in range(rng.randint(1, 30)):
+            x = rng.random()
+            out.append(self.record() if x < 0.5 else self.shrink() if x < 0.85 else self.page() if x < 0.92 else
+                       self.node(rng.choice(NODES), rng.choice((SLOTS, SLOTS, SLOTS // 2))))
+        return out
+
+    def sweep(self) -> list:
+        gone = [self.event(1, name) for name in sorted(self.records)]
+        self.records = {}
+        return gone + super().sweep()
+
+
+def reference_apply_records(w: WarmDirectory, events: list) -> None:
+    """One event at a time: a commit record's pages one ``_put_page`` each (``records_of``), a rewrite or delete of a
+    known record through ``_shrink_batch``; every other event as ``reference_apply``."""
+    store = w.store
+    for ev in events:
+        kv = ev.kv
+        if store.kind_of(kv.key) == PAGE and store.is_batch(kv.key):
+            if ev.type == 0 and kv.key not in w.batches:
+                for p in store.records_of(kv):
+                    w._put_page(p)
+            else:
+                w._shrink_batch(kv.key, kv if ev.type == 0 else None)
+        else:
+            reference_apply(w, [ev])
+
+
+def held_names(w: WarmDirectory) -> dict:
+    return {name: p[:8] + ((p[8].name,) if not isinstance(p[8], (bytes, type(None))) else (p[8],))
+            for name, p in w.held.items()}
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix-lru"])
+@pytest.mark.parametrize("seed", range(8))
+def test_commit_records_batched_equal_one_event_at_a_time(policy, seed):
+    store = EtcdStore("127.0.0.1:1", "/umbp")
+    stream = RecordStream(store, seed)
+    a, b = warm(store, policy), warm(store, policy)
+    first = [stream.node(n) for n in NODES]
+    a.apply(first)
+    reference_apply_records(b, first)
+    most = shrunk = 0
+    for i in range(60):
+        events = stream.sweep() if i % 10 == 9 else stream.batch()
+        a.apply(events)
+        reference_apply_records(b, events)
+        assert comparable(a.dir, policy) == comparable(b.dir, policy)
+        assert held_names(a) == held_names(b) and a.held_on == b.held_on and a.junk == b.junk
+        assert sorted(a.batches) == sorted(b.batches)
+        a.dir.check()
+        most = max(most, a.dir.objects)
+        # every page in the copy is in its record as etcd holds it now, with its place and generation
+        for m in a.dir.ready.values():
+            for e in m.values():
+                if e.batch is not None:
+                    assert [e.key, e.node_id, e.offset, e.payload_len, e.gen] in \
+                        [p[:5] for p in stream.records.get(e.batch.name, [])]
+                    shrunk += 1
+    assert most >= 10 and shrunk > 0
