@@ -12,7 +12,7 @@ etcd layout under ``prefix`` (next to today's ``nodes/`` and ``arenas/``, which 
     {prefix}/slots/count              decimal S, written once when the pool is created
     {prefix}/slotmap/{s}              slot s's leader address, under that process's lease (``m``: membership)
     {prefix}/members/{addr}           msgpack {"addr", "warm": [slots whose warm copy is loaded]}, same lease
-    {prefix}/slots/{s}/pages/{ns}/{hex key}   slot s's READY pages (today's record)
+    {prefix}/slots/{s}/pages/{ns}/+{term}.{n}   slot s's READY pages (commit records, as ``persist.py`` writes them)
     {prefix}/slots/{s}/gen            slot s's generation counter
 
 Fencing is today's, per slot: every write of slot s compares ``create_revision(slotmap/{s})`` with the revision its
