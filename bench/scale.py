@@ -313,8 +313,8 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
     ``--records page``, a record per page (the layout before them)."""
     if RECORDS == "page":
         for ns, k, node, off, payload, rev, p in page_rows(n_pages, seed):
-            yield (prefix + ns + b"/" + k.hex().encode(), msgpack.packb([node, off, payload, rev, p], use_bin_type=True),
-                   rev)
+            yield (prefix + ns + b"/" + k.hex().encode(),
+                   msgpack.packb([node, off, payload, rev, p], use_bin_type=True), rev)
         return
     from metaserver.persist import BATCH_PAGES
     cur: list = []

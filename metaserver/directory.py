@@ -24,12 +24,13 @@ Invariants (``check()``):
 
 Memory (the figure that decides how many pages one metaserver holds; ``bench/scale.py`` measures it): a READY page
 is its key (the caller's bytes object), one ``Entry`` of 15 slots, its offset and generation ints, one slot of
-``ready[ns]`` and one in its commit record's entry list (``entry.Batch``: an etcd record per COMMIT). Nothing else is per page: the payload length is interned (pages of a namespace share a size), the
-namespace string is interned, the parent's key is the parent entry's own key object whenever the parent is known,
-the eviction order is threaded through the entries (``eviction.Ring``), a node's entries are the policy's plus its
-few PENDING and pinned ones (``NodeSpace.entries`` is a view, with a count), the allocator does not track allocated
-extents (the entries do), and PENDING expiry walks the insertion-ordered ``_pending`` dict instead of a queue that
-kept every committed entry for pending_ttl_s.
+``ready[ns]`` and one in its commit record's entry list (``entry.Batch``: an etcd record per COMMIT). Nothing else
+is per page: the payload length is interned (pages of a namespace share a size), the namespace string is interned,
+the parent's key is the parent entry's own key object whenever the parent is known, the eviction order is threaded
+through the entries (``eviction.Ring``), a node's entries are the policy's plus its few PENDING and pinned ones
+(``NodeSpace.entries`` is a view, with a count), the allocator does not track allocated extents (the entries do),
+and PENDING expiry walks the insertion-ordered ``_pending`` dict instead of a queue that kept every committed entry
+for pending_ttl_s.
 
 Costs: exists/prefix O(keys) with one dict probe per key and no allocation per key; lookup/alloc/commit O(keys);
 alloc on a full node adds O(victims) evictions; per key, placement scans the nodes' free space and next victims

@@ -16,7 +16,7 @@ from metaserver.entry import MAX_SHARDS, PART_MASK, READY, SHARD_SHIFT, Batch, E
 from transport.keyform import digest_key
 
 _intern = sys.intern
-BATCH_MARK = b"+"  # a commit record's name: {pages}{ns}/+{hex id} (a page key's name is lower-case hex)
+BATCH_MARK = b"+"  # a commit record's name: {pages}{ns}/+{term}.{n} (a page record's name is lower-case hex)
 MAX_BATCH = 4096  # pages a commit record may hold when read (the metaserver writes at most persist.BATCH_PAGES)
 
 
