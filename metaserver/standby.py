@@ -1,33 +1,38 @@
 """Warm standby: a standby metaserver's copy of the page directory, kept current from an etcd watch.
 
 A standby loads the directory once (``EtcdStore.load_at``: one snapshot at revision R, built by ``fill``, the very
-code a leader's full load runs), then applies every change from R + 1 on as the watch delivers it: page records put
-and deleted (commits, removals, evictions, dropped nodes), leased node records and durable arena records put and
-deleted. On winning the election the new leader calls ``catch_up(W)`` for its winning revision W (the creation of
+code a leader's full load runs), then applies every change from R + 1 on as the watch delivers it: commit records
+put (a COMMIT's pages), rewritten without pages and deleted (removals, evictions, dropped nodes: the pages that left
+the record leave the copy), page records of the layout before them put and deleted, leased node records and durable
+arena records put and deleted. On winning the election the new leader calls ``catch_up(W)`` for its winning revision W (the creation of
 the leader key, itself an event under the watched prefix, so "applied up to W" is exact), stops the watch and
 ``take``s the directory: no page is read from etcd again, so a takeover costs O(events not applied yet + nodes +
 held pages) instead of O(pages).
 
 What it holds is only what etcd holds. What a leader keeps in memory alone (read leases, PENDING allocations,
 recency from reads) is not in etcd, so a takeover starts without it, exactly as after a full load; recency is commit
-order (``fill`` sorts by mod revision, events arrive in revision order).
+order (``fill`` sorts by revision, a commit record's by its create revision, which its rewrites keep; events
+arrive in revision order).
 
 Invariant (tests compare ``fingerprint`` of a taken directory with that of a full load of the same etcd state):
 after ``catch_up(W)`` and ``take``, the directory is what ``fill`` builds from a snapshot at W:
 
 - a space for every node with a valid record (the leased one preferred over the arena record), of the capacity that
   record states, not placeable (the leader marks the node provisional until it re-registers);
-- every page record whose node has a space and whose extent fits there, READY, parents linked;
-- page records that cannot stand (unreadable, node unknown, extent taken or out of range) come back as stale etcd
-  keys for the leader to delete, as a full load deletes them.
+- every page of a record whose node has a space and whose extent fits there, READY, parents linked;
+- pages that cannot stand (unreadable, node unknown, extent taken or out of range) come back as stale: an etcd key
+  for the leader to delete, or their commit record (a ``Batch``) for the leader to rewrite without them, as after a
+  full load.
 
 What it approximates: the leader's batch writer runs several transactions at once, so the put of a page can reach
-etcd before the delete of the page whose freed extent it reuses. Such a put waits in ``held`` until that delete
+etcd before the delete of the page whose freed extent it reuses (or the rewrite of its commit record without it). Such a put waits in ``held`` until that delete
 arrives (it is retried then) or the takeover (retried once more, else stale); a page placed late goes to the recent
 end of its node's recency order instead of its commit position. A node record that changes capacity rebuilds that
 node's space from its current pages (in their current recency order). Pages committed in one etcd transaction share
 a revision, so their order among themselves is not defined (operation order through the watch, scan order in a full
-load): ``fingerprint`` compares equal only where commits differ in revision.
+load): ``fingerprint`` compares equal only where commits differ in revision. prefix-lru's tiers follow the history
+of removals (a parent whose last child went moves), which a load does not replay: its eviction order is equal only
+as a set.
 
 Failures: every etcd error is retried (the watch resumes after the last applied revision, RETRY_S doubling up to
 RETRY_MAX_S); a compacted resume revision means events are lost, so the standby loads again. None of this writes to
@@ -54,11 +59,11 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
 
+import msgpack
+
 from metaserver import gcpolicy
 from metaserver import validate as v
 from metaserver.directory import Directory
-import msgpack
-
 from metaserver.entry import Batch, Effects, extent_size
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
 from metaserver.records import UNREADABLE, PageRecords, batch_entries
