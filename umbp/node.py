@@ -49,7 +49,7 @@ from umbp.errors import (AuthError, BadRequest, CorruptionError, ProtocolError, 
                          Unavailable)
 from umbp.metalink import MetaLink
 from umbp.serving import FramedProtocol
-from umbp.tls import server_context
+from umbp.tls import server_context, tune_malloc_for_tls
 
 _WRITE_HIGH_WATER = 64 << 20
 HEADER_MEMO = 65536  # READV headers remembered as checked (NodeServer.checked: about 10 MiB at most)
@@ -258,6 +258,8 @@ class NodeServer:
         loop = asyncio.get_running_loop()
         try:
             tls = server_context(self.config.tls_cert, self.config.tls_key, self.component)
+            if tls is not None:
+                tune_malloc_for_tls()
             self._server = await loop.create_server(lambda: DataProtocol(self), host, port, reuse_address=True,
                                                     backlog=1024, ssl=tls,
                                                     ssl_handshake_timeout=self.config.auth_timeout_s if tls else None)
