@@ -28,9 +28,9 @@ Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own f
   in 1,000-key batches taken as prompt prefixes of random chains (hits);
 - load: the records of N pages as etcd returns them (commit records, one per 128 pages of a COMMIT, the
   metaserver's layout; ``--records page``: a record per page, the layout before) parsed by the metaserver's
-  own ``persist.PageRecords.add`` (what ``EtcdStore.load`` runs on each response), then ``standby.fill`` (what
+  own ``persist.PageRecords.add`` (what ``EtcdStore.load`` runs on each response), then ``fullload.fill`` (what
   ``Metaserver._load`` runs: per node a sort by revision and ``Directory.load_entries``), the collector paused as
-  there (``standby.gc_paused``), with the parse and the directory load timed apart;
+  there (``fullload.gc_paused``), with the parse and the directory load timed apart;
 - the same at N through the metaserver's per-request work minus I/O ("wire path"): msgpack in and out, the
   request's validation (``metaserver.validate``), the directory call, and what ``service.py`` adds per key in a
   closed pool (a keyed blake2b object tag per key and one capability per node per batch, ``metaserver.grants``; for a commit, the
@@ -196,7 +196,7 @@ def collector(mode: str, drv: Driver):
     from metaserver.gcpolicy import GcPolicy
 
     pol = GcPolicy().install()
-    gc.freeze()  # as a load leaves it (standby.gc_paused under the policy)
+    gc.freeze()  # as a load leaves it (fullload.gc_paused under the policy)
     due = [time.perf_counter() + pol.every_s]
 
     def tick():
@@ -363,10 +363,10 @@ def page_rows(n_pages: int, seed: int):
 
 
 def load_directory(policy: str, pages, n_pages: int) -> tuple[Directory, float]:
-    """The directory half of ``Metaserver._load`` (metaserver/service.py): ``metaserver.standby.fill`` itself
+    """The directory half of ``Metaserver._load`` (metaserver/service.py): ``metaserver.fullload.fill`` itself
     (group by node, sort by revision, ``load_pages`` per node) into a directory of NODES spaces. Returns the
     directory and the CPU seconds it took."""
-    from metaserver.standby import fill
+    from metaserver.fullload import fill
     t = cpu()
     d = Directory(policy=policy)
     # room for the chains' imbalance across nodes (whole chains are placed at once)
@@ -385,7 +385,7 @@ def run_load(policy: str, n_pages: int, seed: int) -> dict:
     import aetcd.rpc
     from metaserver.persist import LOAD_PAGE
     from metaserver.records import PageRecords
-    from metaserver.standby import gc_paused
+    from metaserver.fullload import gc_paused
     parse_s = 0.0
     with gc_paused():
         pages = PageRecords(b"/umbp/pages/")
@@ -434,7 +434,7 @@ async def _fill_and_read(addr: str, n_pages: int, seed: int) -> dict:
         inflight.append(asyncio.create_task(txn(batch)))
     await asyncio.gather(*inflight)
     write_s = time.perf_counter() - t
-    from metaserver.standby import gc_paused
+    from metaserver.fullload import gc_paused
     t, c = time.perf_counter(), cpu()
     with gc_paused():  # as Metaserver._load reads
         _nodes, _arenas, pages = await store.load()

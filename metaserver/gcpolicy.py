@@ -15,7 +15,7 @@ What this does instead (``GcPolicy``, installed once per process by ``metaserver
   freeze, and when that walk took ``freeze_s`` or more it freezes the survivors (``gc.freeze``: the permanent
   generation, which no collection walks). So a step walks at most what one ``every_s`` adds on top of what fits
   in ``freeze_s``: its pause does not grow with the directory;
-- a full load (``standby.gc_paused``) freezes what it built when it ends.
+- a full load (``fullload.gc_paused``) freezes what it built when it ends.
 
 What it relies on, and what it tolerates:
 
@@ -125,5 +125,5 @@ def thaw(why: str) -> None:
 
 
 def loaded() -> None:
-    """A full load ended (``standby.gc_paused``): with a policy installed its survivors stay frozen."""
+    """A full load ended (``fullload.gc_paused``): with a policy installed its survivors stay frozen."""
     gc.freeze()

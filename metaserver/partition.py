@@ -43,7 +43,7 @@ from metaserver.partanswers import PartitionAnswers
 from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S
 from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank, ranking
-from metaserver.standby import node_descs
+from metaserver.fullload import node_descs
 from transport import slotrules
 from transport.wire import Op, Status
 from umbp.auth import Tokens

@@ -90,7 +90,7 @@ class PageRecords:
     maps node_id -> ([Entry], [mod_revision]), both in scan order, each record parsed straight into the directory
     entry it becomes (READY, not filed: ``space`` None, parent named by key), which ``Directory.load_entries``
     files; ``junk`` holds the etcd keys of the unreadable records (the leader deletes them). ``len`` is every record
-    added. ``metaserver.standby.fill`` builds a directory from it; ``etcd_key(ns, key)`` is the etcd key of every
+    added. ``metaserver.fullload.fill`` builds a directory from it; ``etcd_key(ns, key)`` is the etcd key of every
     record that was read (``EtcdStore.page_key``).
 
     Unreadable: a value that is not a 5- or 6-field record (a shared entry's: its part count ``n`` in 1..MAX_SHARDS

@@ -55,7 +55,8 @@ from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.rejoin import RejoinHandlers
 from metaserver import gcpolicy
-from metaserver.standby import CATCHUP_S, Handover, WarmDirectory, fill, gc_paused, node_descs
+from metaserver.fullload import fill, gc_paused, node_descs
+from metaserver.standby import CATCHUP_S, Handover, WarmDirectory
 from transport.wire import VERSION, Op, Status
 from metaserver.quarantine import Quarantine
 from metaserver.grants import grant_reads, grant_writes
@@ -310,7 +311,7 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         return None
 
     def _drop_records(self, records: list) -> None:
-        """Records a load or a takeover could not place (``standby.fill``, ``Handover.stale``): an etcd key is
+        """Records a load or a takeover could not place (``fullload.fill``, ``Handover.stale``): an etcd key is
         deleted, a commit record (``Batch``) rewritten without them (they are not in the directory)."""
         puts = [(r.name, r) for r in dict.fromkeys(r for r in records if type(r) is Batch)]
         self.writer.submit(puts, [r for r in records if type(r) is not Batch], wait=False)

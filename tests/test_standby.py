@@ -27,7 +27,8 @@ from cluster import HarnessError
 from metaserver.allocator import Allocator
 from metaserver.directory import Directory
 from metaserver.persist import EtcdStore
-from metaserver.standby import WarmDirectory, fill, fingerprint, node_descs
+from metaserver.fullload import fill, fingerprint, node_descs
+from metaserver.standby import WarmDirectory
 from test_failover import etcd_state, locations, ms_env, put_pages, raw, wait_confirmed, wait_leader
 from test_pool import payload
 from transport.wire import ARENA_DATA_START, Op

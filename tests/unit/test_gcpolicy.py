@@ -17,7 +17,7 @@ from metaserver import gcpolicy
 from metaserver.directory import NEW, Directory
 from metaserver.entry import Effects
 from metaserver.gcpolicy import NEVER, GcPolicy
-from metaserver.standby import gc_paused
+from metaserver.fullload import gc_paused
 from transport.wire import ALIGN
 
 PAGE = ALIGN - 64  # one 4 KiB unit with its header

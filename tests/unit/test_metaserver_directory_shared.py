@@ -10,7 +10,7 @@ from metaserver import validate as v
 from metaserver.directory import EXISTS, IN_FLIGHT, NEW, NO_SPACE, Directory, Effects
 from metaserver.entry import extent_size, layout
 from metaserver.persist import EtcdStore
-from metaserver.standby import fill, fingerprint
+from metaserver.fullload import fill, fingerprint
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 
 PART = 3000  # one sub-slot: 3000 payload bytes + header = one 4 KiB unit

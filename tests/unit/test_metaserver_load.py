@@ -20,7 +20,7 @@ from metaserver.directory import Directory
 from metaserver.entry import READY, Effects, Entry, extent_size
 from metaserver.persist import EtcdStore
 from metaserver.records import PageRecords
-from metaserver.standby import fill, fingerprint, gc_paused
+from metaserver.fullload import fill, fingerprint, gc_paused
 from transport.wire import ALIGN, ARENA_DATA_START
 
 PREFIX = b"/umbp/pages/"

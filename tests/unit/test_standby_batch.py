@@ -17,7 +17,8 @@ import pytest
 
 from metaserver.directory import Directory
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
-from metaserver.standby import WarmDirectory, fingerprint
+from metaserver.fullload import fingerprint
+from metaserver.standby import WarmDirectory
 from transport.wire import ARENA_DATA_START
 
 UNIT = 8192
