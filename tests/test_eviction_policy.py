@@ -242,11 +242,11 @@ def test_put_into_fully_leased_pool_fails_fast_with_pool_full(make_cluster):
             assert c.stats()["pinned"] == SLOTS
             for attempt in range(3):
                 t0 = time.monotonic()
-                allocs = c._meta.sent.get(wire.Op.ALLOC, 0)
+                allocs = c.requests_sent().get("ALLOC", 0)
                 with pytest.raises(PoolFull) as ei:
                     c.put("lease/new", payload("lease/new"))
                 print(f"put into a fully leased pool failed after {time.monotonic() - t0:.3f}s")
-                assert c._meta.sent.get(wire.Op.ALLOC, 0) == allocs + 1  # one ALLOC: no waiting, no retry loop
+                assert c.requests_sent().get("ALLOC", 0) == allocs + 1  # one ALLOC: no waiting, no retry loop
                 assert "pool full" in str(ei.value) and "1 of 1 pages found no space" in str(ei.value)
             with pytest.raises(PoolFull):
                 c.batch_put(["lease/n1", "lease/n2"], [payload("lease/n1"), payload("lease/n2")])

@@ -27,14 +27,14 @@ def test_repeated_gets_are_served_ahead_and_still_looked_up(make_cluster, transp
         assert c.batch_put(keys, [page(k, 1) for k in keys]) == [True] * 32
         outs = [bytearray(SIZE) for _ in keys]
         assert c.batch_get_into(keys, outs) == [SIZE] * 32  # the first get learns the locations
-        before = c._meta.sent.get(wire.Op.LOOKUP, 0)
+        before = c.requests_sent().get("LOOKUP", 0)
         for _ in range(3):
             outs = [bytearray(SIZE) for _ in keys]
             assert c.batch_get_into(keys, outs) == [SIZE] * 32
             assert [bytes(o) for o in outs] == [page(k, 1) for k in keys]
         st = c.stats()
         assert st["client"]["spec_hits"] == 3 * 32 and st["client"]["spec_wasted"] == 0
-        assert c._meta.sent.get(wire.Op.LOOKUP, 0) - before == 3  # every get still looked up (recency, lease)
+        assert c.requests_sent().get("LOOKUP", 0) - before == 3  # every get still looked up (recency, lease)
         assert st["hits"] >= 4 * 32 and st["pinned"] == 0  # and every lease released
 
 
