@@ -1,7 +1,8 @@
 """The full load: a page directory built from one etcd snapshot.
 
 Shared by a leader that has no warm copy (``Metaserver._load``), by a warm standby's initial load and reloads
-(``metaserver/standby.py``), by a partitioned pool's rejoin and by ``bench/scale.py``'s load figures:
+(``metaserver/standby.py``), by a partitioned pool's node sync (``partition.py``: ``node_descs``) and by
+``bench/scale.py``'s load figures:
 
 - ``node_descs``: every node with a valid record (leased record preferred over the durable arena record);
 - ``fill``: an empty directory filled from the snapshot's page records, in commit order; what cannot stand comes
@@ -24,8 +25,6 @@ from metaserver.records import PageRecords
 log = logging.getLogger("umbp.metaserver")
 
 
-
-
 def node_descs(live: list[dict], arenas: list[dict]) -> dict[str, tuple[dict, int]]:
     """Every node with a valid record: node_id -> (description, lease id of its leased record or 0). The leased
     record wins over the durable arena record (it is at least as new); invalid records are logged and skipped."""
@@ -43,6 +42,8 @@ def node_descs(live: list[dict], arenas: list[dict]) -> dict[str, tuple[dict, in
 
 
 def describe(node_id, rec: dict | None) -> dict | None:
+    """The validated description of ``node_id``'s record, or None (no record, an invalid one: logged, or one that
+    names another node)."""
     if rec is None:
         return None
     try:
