@@ -5,6 +5,7 @@ rule on a missing page, dedup on a second offload, and the loader's byte counter
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 import pytest
@@ -99,11 +100,34 @@ def test_missing_page_cuts_the_prefix(cluster):
             assert loader.counters["pages_loaded"] == 5
 
 
+class _Held:
+    """A client whose calls from any thread but the test's wait for ``go``: a load's worker is still running (its
+    first client call held) while the test asserts, however fast the machine (a load of misses ends in
+    milliseconds, and the loader is free again once its worker ends)."""
+
+    def __init__(self, client):
+        self._client = client
+        self._caller = threading.current_thread()
+        self.go = threading.Event()
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def held(*args, **kwargs):
+            if threading.current_thread() is not self._caller:
+                assert self.go.wait(60), "the test never let the held load go"
+            return attr(*args, **kwargs)
+        return held
+
+
 def test_one_load_at_a_time_and_bad_arguments(cluster):
     _, kv = mha_buffer(fill=False)
     keys = keys_for(4, "busy")
     with cluster.client() as c:
-        loader = LayerwiseLoader(c, kv, group_size=4)
+        held = _Held(c)
+        loader = LayerwiseLoader(held, kv, group_size=4)
         with pytest.raises(InvalidArgument, match="same slot"):
             loader.load(keys, [0, 1, 1, 2])
         with pytest.raises(InvalidArgument, match="slots"):
@@ -111,6 +135,7 @@ def test_one_load_at_a_time_and_bad_arguments(cluster):
         with loader.load(keys, [0, 1, 2, 3]) as first:
             with pytest.raises(InvalidArgument, match="engine loader: a load is already running"):
                 loader.load(keys, [4, 5, 6, 7])
+            held.go.set()
             assert [g.pages for g in first] == [0, 0]  # nothing stored under these keys
         with loader.load(keys, [4, 5, 6, 7]) as second:  # the loader is free again
             assert second.wait_all() == 0
