@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -86,7 +87,7 @@ class Up:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        for d in glob.glob(f"/dev/shm/umbp-up-{self.proc.pid}-*"):
+        for d in glob.glob(f"/dev/shm/umbp-up-{self.proc.pid}-*") + _workdirs(self.proc.pid):
             shutil.rmtree(d, ignore_errors=True)
         self.err.close()
 
@@ -172,8 +173,8 @@ def _children(pid: int) -> list[int]:
 
 def test_a_killed_up_leaves_no_process_and_the_next_start_removes_its_arenas(up):
     """SIGKILL to `umbp up` (no handler runs, no stop()): its etcd, metaserver and nodes die with it (they carry
-    PR_SET_PDEATHSIG); its arena directory, which a dead pool's nodes can no longer use, is removed by the next
-    pool that starts on this machine, and that pool's own arenas are left alone."""
+    PR_SET_PDEATHSIG); its arena directory, which a dead pool's nodes can no longer use, and its work directory
+    (etcd data, logs) are removed by the next pool that starts on this machine, and that pool's own are left alone."""
     first = up("--nodes", "2", "--capacity", "16MiB", "--port", "0")
     first.stdout_until(r"^metaserver: (\S+)$")
     first.stdout_until(r"^metrics: (http://\S+) \((\S+)\)$", 4)
@@ -181,6 +182,8 @@ def test_a_killed_up_leaves_no_process_and_the_next_start_removes_its_arenas(up)
     assert len(kids) == 4, f"etcd, metaserver and 2 nodes under `up`: {kids}"
     (arena_dir,) = glob.glob(f"/dev/shm/umbp-up-{first.proc.pid}-*")
     assert sorted(os.listdir(arena_dir)) == ["umbp-node-0.arena", "umbp-node-1.arena"]
+    (workdir,) = _workdirs(first.proc.pid)
+    assert "etcd" in os.listdir(workdir)
 
     os.kill(first.proc.pid, signal.SIGKILL)
     assert first.proc.wait(10) == -signal.SIGKILL
@@ -190,14 +193,21 @@ def test_a_killed_up_leaves_no_process_and_the_next_start_removes_its_arenas(up)
         assert time.monotonic() < deadline, f"children of the killed `up` still alive: {alive}"
         time.sleep(0.1)  # poll interval of an observable state (the processes' exits)
         alive = [p for p in alive if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
-    assert os.path.isdir(arena_dir), "nothing removed it yet: the killed pool ran no cleanup"
+    assert os.path.isdir(arena_dir) and os.path.isdir(workdir), "nothing removed them yet: the killed pool ran no cleanup"
 
     second = up("--nodes", "1", "--capacity", "16MiB", "--port", "0")
     second.stdout_until(r"^metaserver: (\S+)$")
     second.wait_stderr(rf"^up: removed {re.escape(arena_dir)}: the arenas of a pool whose process is gone$")
-    assert not os.path.exists(arena_dir)
+    second.wait_stderr(rf"^up: removed {re.escape(workdir)}: the work directory of a pool whose process is gone$")
+    assert not os.path.exists(arena_dir) and not os.path.exists(workdir)
     (own,) = glob.glob(f"/dev/shm/umbp-up-{second.proc.pid}-*")
     assert os.listdir(own) == ["umbp-node-0.arena"], "the new pool's own arena is there"
+    assert len(_workdirs(second.proc.pid)) == 1, "and its own work directory"
+
+
+def _workdirs(pid: int) -> list[str]:
+    """The work directories (etcd data, logs) `umbp up` process ``pid`` made in the temporary directory."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"umbp-up-{pid}-*"))
 
 
 def _state(pid: int) -> str:

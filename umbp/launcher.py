@@ -22,7 +22,8 @@ A pool that dies without ``stop()`` (SIGKILL, or SIGTERM in a process that insta
 running and, from the next pool on, nothing in memory: children started from the main thread carry
 ``PR_SET_PDEATHSIG`` (SIGKILL when the thread that started them dies; not set from other threads, whose end would
 kill the pool early), and ``start()`` removes the arena directories of pools whose process no longer exists (a dead
-pool's arenas can only be garbage: only its own nodes, started with its directory, ever open them).
+pool's arenas can only be garbage: only its own nodes, started with its directory, ever open them), and the work
+directories (``umbp-up-{pid}-*`` in the temporary directory: etcd data and logs) such pools made themselves.
 
 Blocking: ``start()`` blocks until every process serves or raises ``StartupError`` with the tail of the failing
 process's log; a restart blocks the supervisor (not the pool) up to ``READY_S``; ``stop()`` blocks at most a few
@@ -82,7 +83,8 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_dead_arenas(root: str = "/dev/shm") -> list[str]:
-    """Remove this user's ``umbp-up-{pid}-*`` arena directories under ``root`` whose pool process ``pid`` is gone.
+    """Remove this user's ``umbp-up-{pid}-*`` directories (arenas under /dev/shm, work directories under the
+    temporary directory) in ``root`` whose pool process ``pid`` is gone.
     Returns the paths removed. A live pid (or a reused one) keeps its directory. Assumes one pid namespace shares
     ``root`` (a container sharing the host's /dev/shm but not its pids would see live pools as dead)."""
     removed = []
@@ -184,7 +186,7 @@ class LocalPool:
         self.with_metrics = metrics
         self.out = out or sys.stderr  # where supervision messages go
         self._own_dir = workdir is None
-        self.workdir = workdir or tempfile.mkdtemp(prefix="umbp-up-")
+        self.workdir = workdir or tempfile.mkdtemp(prefix=f"umbp-up-{os.getpid()}-")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else self.workdir
         self.arena_dir = tempfile.mkdtemp(prefix=f"umbp-up-{os.getpid()}-", dir=shm)
         self.children: list[Child] = []
@@ -262,6 +264,9 @@ class LocalPool:
     def _start(self) -> None:
         for path in sweep_dead_arenas(os.path.dirname(self.arena_dir)):
             self.say(f"removed {path}: the arenas of a pool whose process is gone")
+        if self._own_dir:  # its etcd data (a WAL preallocates 64 MB), logs: nothing a later pool reads
+            for path in sweep_dead_arenas(os.path.dirname(self.workdir)):
+                self.say(f"removed {path}: the work directory of a pool whose process is gone")
         py = [sys.executable, "-m", "umbp"]
         if not self.etcd_url:
             binary = find_etcd()
