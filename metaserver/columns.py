@@ -1,0 +1,372 @@
+"""A columnar page table: the page directory's state in arrays, one row per page (issue 17, item 3), staged beside
+``Directory``. Not serving yet: ``bench/columns.py`` measures it against ``Directory`` in the same run and
+``tests/unit/test_columns.py`` checks it; the metaserver still runs ``Directory``.
+
+Why: a ``Directory`` page is a Python ``Entry`` of 15 slots (152 bytes with its object header) plus its offset and
+generation ints, and every per-key step is attribute work on it (a LOOKUP pins each entry, unlinks it from its
+eviction ring and links it back at the release). Here a page is a row: its key bytes and one dict slot map the key to
+the row, and everything else is a fixed-width column, so per page there is the key, the dict slot, the row's int,
+one list slot and ``ROW_BYTES`` of columns; batch operations (pin, unpin, touch, commit, gather the answer) are
+numpy operations over the batch's rows instead of a Python step per key.
+
+Columns: ``node`` (u16, the node's index), ``off`` (u64), ``code`` (u64: payload length, or a shared entry's layout
+code as ``entry.layout``), ``gen`` (u64), ``pins`` (u32), ``stamp`` (u64: the access clock), ``state`` (u8:
+``entry.PENDING``, ``READY``, ``GONE`` or ``FREE``), ``ns`` (u16, the namespace's index). ``keys`` (a list) names
+each row's key, so an eviction can drop the key from its namespace's dict.
+
+Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
+
+Eviction is exact LRU by ``stamp`` per node: every access (COMMIT, LOOKUP, and the RELEASE that ends a read)
+stamps its rows with the next values of one clock, in key order. A node that needs room takes victims from its
+candidate queue; an empty queue is refilled with the oldest READY unpinned rows of the node (``np.argpartition``
+over its blocks; at least ``CANDIDATES``, or 1/64 of the node's rows), each with the stamp it had. A candidate is
+evicted only if it is still READY, unpinned and carries that stamp; a row touched since then is newer than every row
+left in the queue, and a row not in the queue was newer than all of them when it was filled, so victims leave in
+exact stamp order. Costs: a refill O(node's rows) at C speed, amortised over the candidates it yields.
+
+What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
+sub-slots, quotas, the write quarantine, pending expiry and writer tokens, read-lease owners and expiry, node loss
+and drains, commit records, placement near a parent (here: round-robin over the nodes, evicting on the chosen
+one), and the invariants and fingerprint that the warm standby compares. Those are what moving the metaserver onto
+it takes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metaserver.allocator import Allocator
+from metaserver.entry import GONE, PENDING, READY, extent_size, random_id
+from transport import wire
+from umbp.errors import ConfigError
+
+FREE = 3  # a row on its node's free list
+BLOCK = 1 << 14  # rows a node takes at a time
+CANDIDATES = 1024  # the fewest victims a queue refill collects
+COLUMNS = (("node", np.uint16), ("off", np.uint64), ("code", np.uint64), ("gen", np.uint64), ("pins", np.uint32),
+           ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16))
+ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
+NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
+                                    wire.AllocState.IN_FLIGHT)
+_EXISTS_ITEM = (EXISTS, None, None, None, None)
+_IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
+_NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
+
+
+class NodeRows:
+    """One node: its arena allocator, its row blocks, its free rows and its eviction candidates."""
+
+    __slots__ = ("ix", "node_id", "alloc", "blocks", "free", "queue", "qstamp", "qpos")
+
+    def __init__(self, ix: int, node_id: str, capacity: int):
+        self.ix = ix
+        self.node_id = node_id
+        self.alloc = Allocator(wire.ARENA_DATA_START, capacity, track=False)
+        self.blocks: list[int] = []
+        self.free: list[int] = []  # free rows, taken from the end
+        self.queue: list[int] = []  # eviction candidates, oldest first
+        self.qstamp: list[int] = []  # the stamp each had when queued
+        self.qpos = 0
+
+
+class PageTable:
+    """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
+    ``lookup``, ``release``, ``exists``, ``remove``; ``check()`` verifies the invariants below.
+
+    Invariants: ``index[ns][key] == row`` exactly for the rows whose state is PENDING or READY, with
+    ``keys[row] == key`` and ``ns[row]`` naming ``ns``; a GONE row is pinned (a zombie: its extent stays allocated
+    until its last pin goes); every FREE row is on its node's free list once; each node's allocator holds exactly
+    the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row."""
+
+    def __init__(self, capacity_rows: int = BLOCK):
+        self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
+        self.keys: list = []
+        self._grow(max(capacity_rows, BLOCK))
+        self.index: dict[str, dict[bytes, int]] = {}
+        self.ns_names: list[str] = []
+        self.ns_ix: dict[str, int] = {}
+        self.nodes: list[NodeRows] = []
+        self.node_by_id: dict[str, NodeRows] = {}
+        self.blocks_used = 0
+        self.leases: dict[int, np.ndarray] = {}
+        self.clock = 1
+        self._rr = 0  # round-robin placement cursor
+        self.hits = self.misses = self.evictions = 0
+
+    # -- rows and columns -------------------------------------------------------------------------------------
+    def _grow(self, rows: int) -> None:
+        """Make room for ``rows`` rows (a quarter more than asked: amortised copies, little slack)."""
+        have = len(self.keys)
+        if rows <= have:
+            return
+        rows = max(rows, have + have // 4)
+        for name, arr in list(self.cols.items()):
+            grown = np.zeros(rows, arr.dtype)
+            grown[:have] = arr
+            self.cols[name] = grown
+        self.keys.extend([None] * (rows - have))
+        self.cols["state"][have:] = FREE
+
+    def _take_row(self, node: NodeRows) -> int:
+        if not node.free:
+            b = self.blocks_used
+            self.blocks_used += 1
+            self._grow((b + 1) * BLOCK)
+            node.blocks.append(b)
+            node.free.extend(range((b + 1) * BLOCK - 1, b * BLOCK - 1, -1))
+        return node.free.pop()
+
+    def _free_row(self, row: int, node: NodeRows) -> None:
+        self.cols["state"][row] = FREE
+        self.keys[row] = None
+        node.free.append(row)
+
+    def _stamp(self, rows: np.ndarray) -> None:
+        """Stamp ``rows`` with the next clock values, in order (the last is the most recent)."""
+        n = len(rows)
+        self.cols["stamp"][rows] = np.arange(self.clock, self.clock + n, dtype=np.uint64)
+        self.clock += n
+
+    def _rows(self, ns: str, keys: list) -> np.ndarray:
+        idx = self.index.get(ns)
+        if not idx:
+            return np.full(len(keys), -1, np.int64)
+        get = idx.get
+        return np.array([get(k, -1) for k in keys], np.int64)
+
+    # -- nodes ------------------------------------------------------------------------------------------------
+    def add_node(self, node_id: str, capacity: int) -> None:
+        if node_id in self.node_by_id:
+            raise ConfigError("columns", f"node {node_id!r} already has rows")
+        if len(self.nodes) >= np.iinfo(np.uint16).max:
+            raise ConfigError("columns", "too many nodes for a u16 node column")
+        node = NodeRows(len(self.nodes), node_id, capacity)
+        self.nodes.append(node)
+        self.node_by_id[node_id] = node
+
+    def _ns(self, ns: str) -> int:
+        ix = self.ns_ix.get(ns)
+        if ix is None:
+            ix = self.ns_ix[ns] = len(self.ns_names)
+            self.ns_names.append(ns)
+            self.index[ns] = {}
+        return ix
+
+    # -- eviction ---------------------------------------------------------------------------------------------
+    def _refill(self, node: NodeRows) -> None:
+        state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
+        parts = []
+        for b in node.blocks:
+            lo = b * BLOCK
+            parts.append(np.flatnonzero((state[lo:lo + BLOCK] == READY) & (pins[lo:lo + BLOCK] == 0)) + lo)
+        rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        k = min(len(rows), max(CANDIDATES, len(rows) // 64))
+        if k < len(rows):
+            rows = rows[np.argpartition(stamp[rows], k - 1)[:k]]
+        rows = rows[np.argsort(stamp[rows], kind="stable")]
+        node.queue = rows.tolist()
+        node.qstamp = stamp[rows].tolist()
+        node.qpos = 0
+
+    def _victim(self, node: NodeRows) -> int:
+        """The node's least recently used READY unpinned row, or -1 when it has none."""
+        state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
+        for _ in range(2):  # at most one refill: a fresh queue holds only valid candidates
+            q, qs = node.queue, node.qstamp
+            while node.qpos < len(q):
+                i = node.qpos
+                node.qpos += 1
+                r = q[i]
+                if state[r] == READY and not pins[r] and stamp[r] == qs[i]:
+                    return r
+            self._refill(node)
+        return -1
+
+    def _evict(self, row: int, node: NodeRows) -> None:
+        c = self.cols
+        del self.index[self.ns_names[c["ns"][row]]][self.keys[row]]
+        node.alloc.free(int(c["off"][row]), extent_size(int(c["code"][row])))
+        self._free_row(row, node)
+        self.evictions += 1
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int) -> list:
+        """Place each new key (PENDING, generation ``gen_base + i``), evicting the placed node's least recently
+        used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
+        ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``."""
+        nsix = self._ns(ns)
+        idx = self.index[ns]
+        state = self.cols["state"]
+        nodes = self.nodes
+        items: list = []
+        rows: list[int] = []
+        offs: list[int] = []
+        codes: list[int] = []
+        gens: list[int] = []
+        node_ix: list[int] = []
+        for i, (k, plen) in enumerate(zip(keys, sizes)):
+            r = idx.get(k)
+            if r is not None:
+                items.append(_EXISTS_ITEM if state[r] == READY else _IN_FLIGHT_ITEM)
+                continue
+            if not nodes:
+                items.append(_NO_SPACE_ITEM)
+                continue
+            node = nodes[self._rr % len(nodes)]
+            self._rr += 1
+            size = wire.object_size(plen)
+            off = node.alloc.alloc(size)
+            while off is None:
+                v = self._victim(node)
+                if v < 0:
+                    break
+                self._evict(v, node)
+                off = node.alloc.alloc(size)
+            if off is None:
+                items.append(_NO_SPACE_ITEM)
+                continue
+            r = self._take_row(node)
+            state = self.cols["state"]  # a new block may have grown (replaced) the columns
+            state[r] = PENDING  # taken now: a later victim scan of this batch must not see it FREE and reuse it
+            self.keys[r] = k
+            idx[k] = r
+            gen = gen_base + i
+            rows.append(r)
+            offs.append(off)
+            codes.append(plen)
+            gens.append(gen)
+            node_ix.append(node.ix)
+            items.append((NEW, node.node_id, off, plen, gen))
+        if rows:
+            c = self.cols
+            ra = np.array(rows, np.int64)
+            c["node"][ra] = node_ix
+            c["off"][ra] = offs
+            c["code"][ra] = codes
+            c["gen"][ra] = gens
+            c["pins"][ra] = 0
+            c["ns"][ra] = nsix
+        return items
+
+    def commit(self, ns: str, keys: list[bytes], gens: list[int]) -> list[bool]:
+        """PENDING -> READY for each (key, gen) still pending with that generation; a key already READY with that
+        generation reports True again (idempotent), anything else False."""
+        rows = self._rows(ns, keys)
+        c = self.cols
+        found = rows >= 0
+        ok = np.zeros(len(keys), bool)
+        if found.any():
+            fr = rows[found]
+            same = c["gen"][fr] == np.array(gens, np.uint64)[found]
+            st = c["state"][fr]
+            ok[found] = same & ((st == PENDING) | (st == READY))
+            new = fr[same & (st == PENDING)]
+            c["state"][new] = READY
+            self._stamp(new)
+        return ok.tolist()
+
+    def lookup(self, ns: str, keys: list[bytes]) -> tuple[int, list]:
+        """Locations ``(node_id, offset, payload_len, gen)`` of READY keys (None for the others), pinned under one
+        read lease (0 when nothing was found)."""
+        rows = self._rows(ns, keys)
+        c = self.cols
+        hit = rows >= 0
+        if hit.any():
+            hit[hit] = c["state"][rows[hit]] == READY
+        hr = rows[hit]
+        n = len(hr)
+        self.hits += n
+        self.misses += len(keys) - n
+        if not n:
+            return 0, [None] * len(keys)
+        np.add.at(c["pins"], hr, 1)  # a key twice in one batch is pinned twice, as the lease names it twice
+        self._stamp(hr)
+        lease = random_id() or 1
+        while lease in self.leases:
+            lease = random_id() or 1
+        self.leases[lease] = hr
+        names = [self.nodes[i].node_id for i in c["node"][hr].tolist()]
+        locs = list(zip(names, c["off"][hr].tolist(), c["code"][hr].tolist(), c["gen"][hr].tolist()))
+        if n == len(keys):
+            return lease, locs
+        out: list = [None] * len(keys)
+        for i, loc in zip(np.flatnonzero(hit).tolist(), locs):
+            out[i] = loc
+        return lease, out
+
+    def release(self, lease: int) -> bool:
+        """Unpin everything under ``lease`` and stamp it (a read's end is its last access); a row removed while
+        pinned gives its extent and row back with its last pin. False when the lease is unknown."""
+        hr = self.leases.pop(lease, None)
+        if hr is None:
+            return False
+        c = self.cols
+        np.subtract.at(c["pins"], hr, 1)
+        live = hr[c["state"][hr] == READY]
+        if len(live):
+            self._stamp(live)
+        gone = hr[(c["state"][hr] == GONE) & (c["pins"][hr] == 0)]
+        for r in np.unique(gone).tolist():
+            node = self.nodes[c["node"][r]]
+            node.alloc.free(int(c["off"][r]), extent_size(int(c["code"][r])))
+            self._free_row(r, node)
+        return True
+
+    def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
+        rows = self._rows(ns, keys)
+        ok = rows >= 0
+        if ok.any():
+            ok[ok] = self.cols["state"][rows[ok]] == READY
+        return ok.tolist()
+
+    def remove(self, ns: str, keys: list[bytes]) -> list[bool]:
+        """Remove keys (READY or PENDING). A pinned row stays GONE, its extent allocated, until its last pin."""
+        idx = self.index.get(ns) or {}
+        c = self.cols
+        out = []
+        for k in keys:
+            r = idx.pop(k, None)
+            out.append(r is not None)
+            if r is None:
+                continue
+            node = self.nodes[c["node"][r]]
+            if c["pins"][r]:
+                c["state"][r] = GONE
+                self.keys[r] = None
+            else:
+                node.alloc.free(int(c["off"][r]), extent_size(int(c["code"][r])))
+                self._free_row(r, node)
+        return out
+
+    # -- figures and checks -----------------------------------------------------------------------------------
+    @property
+    def objects(self) -> int:
+        return int(np.count_nonzero(self.cols["state"][:self.blocks_used * BLOCK] == READY))
+
+    def check(self) -> None:
+        """Verify the invariants of the class docstring; AssertionError naming the first one broken."""
+        c = self.cols
+        top = self.blocks_used * BLOCK
+        state = c["state"][:top]
+        for ns, idx in self.index.items():
+            nsix = self.ns_ix[ns]
+            for k, r in idx.items():
+                assert self.keys[r] == k and c["ns"][r] == nsix, f"columns: index[{ns!r}] row {r} names another key"
+                assert state[r] in (PENDING, READY), f"columns: indexed row {r} is in state {state[r]}"
+        live = np.count_nonzero((state == PENDING) | (state == READY))
+        assert live == sum(len(i) for i in self.index.values()), "columns: live rows and index disagree"
+        want = np.zeros(top, np.int64)
+        for hr in self.leases.values():
+            np.add.at(want, hr, 1)
+        assert np.array_equal(want, c["pins"][:top].astype(np.int64)), "columns: pins and leases disagree"
+        assert not np.any((state == GONE) & (c["pins"][:top] == 0)), "columns: an unpinned GONE row kept its extent"
+        for node in self.nodes:
+            rows = np.concatenate([np.arange(b * BLOCK, (b + 1) * BLOCK) for b in node.blocks]) if node.blocks \
+                else np.zeros(0, np.int64)
+            st = c["state"][rows]
+            assert np.all(c["node"][rows[st != FREE]] == node.ix), f"columns: {node.node_id} owns another's row"
+            free = rows[st == FREE]
+            assert sorted(node.free) == sorted(free.tolist()), f"columns: {node.node_id}'s free list is wrong"
+            held = rows[st != FREE]
+            used = sum(extent_size(int(code)) for code in c["code"][held])
+            assert used == node.alloc.used, f"columns: {node.node_id} allocator holds {node.alloc.used}, rows {used}"

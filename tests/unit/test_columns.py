@@ -1,0 +1,187 @@
+"""metaserver/columns.py: the columnar page table against a reference model (an ordered dict per node), its
+invariant check after every step, leases and zombies, commit rules, and block growth across many rows."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import pytest
+
+from metaserver.columns import BLOCK, EXISTS, IN_FLIGHT, NEW, NO_SPACE, PageTable
+from transport.wire import object_size
+from umbp.errors import ConfigError
+
+PLEN = 60_000  # one 64 KiB object slot each
+
+
+def table(nodes: int = 1, slots: int = 8) -> PageTable:
+    t = PageTable()
+    for i in range(nodes):
+        t.add_node(f"n{i}", slots * object_size(PLEN))
+    return t
+
+
+def put(t: PageTable, keys: list[bytes], gen: int = 1, ns: str = "a") -> list:
+    items = t.alloc(ns, keys, [PLEN] * len(keys), gen)
+    new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+    assert t.commit(ns, [k for k, _ in new], [g for _, g in new]) == [True] * len(new)
+    return items
+
+
+class Model:
+    """One node of ``slots`` pages: READY keys in recency order (oldest first), and pins per incarnation of a key
+    (a key removed while pinned and put again is a new page; the old one holds its slot until unpinned)."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.order: OrderedDict[bytes, int] = OrderedDict()  # key -> its incarnation
+        self.pins: dict[tuple[bytes, int], int] = {}
+        self.zombies: set[tuple[bytes, int]] = set()
+        self.leases: dict[int, list[tuple[bytes, int]]] = {}
+        self.made = 0
+
+    def used(self) -> int:
+        return len(self.order) + len(self.zombies)
+
+    def alloc(self, keys: list[bytes]) -> list[int]:
+        out = []
+        batch = set()  # this request's new keys: PENDING until its commit, so never its own victims
+        for k in keys:
+            if k in self.order:
+                out.append(EXISTS)
+                continue
+            while self.used() >= self.slots:
+                victim = next((v for v, inc in self.order.items() if v not in batch and not self.pins.get((v, inc))),
+                              None)
+                if victim is None:
+                    break
+                del self.order[victim]
+            if self.used() >= self.slots:
+                out.append(NO_SPACE)
+                continue
+            self.made += 1
+            self.order[k] = self.made  # committed by the test right after
+            batch.add(k)
+            out.append(NEW)
+        return out
+
+    def touch(self, pages: list[tuple[bytes, int]]) -> None:
+        for k, inc in pages:
+            if self.order.get(k) == inc:
+                self.order.move_to_end(k)
+
+    def lookup(self, lease: int, keys: list[bytes]) -> list[bool]:
+        hits = [(k, self.order[k]) for k in keys if k in self.order]
+        for page in hits:
+            self.pins[page] = self.pins.get(page, 0) + 1
+        self.touch(hits)
+        if hits:
+            self.leases[lease] = hits
+        return [k in self.order for k in keys]
+
+    def release(self, lease: int) -> None:
+        hits = self.leases.pop(lease)
+        for page in hits:
+            self.pins[page] -= 1
+            if not self.pins[page]:
+                self.zombies.discard(page)
+        self.touch(hits)
+
+    def remove(self, keys: list[bytes]) -> None:
+        for k in keys:
+            inc = self.order.pop(k, None)
+            if inc is not None and self.pins.get((k, inc)):
+                self.zombies.add((k, inc))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_steps_match_an_exact_lru_model(seed):
+    rng = random.Random(seed)
+    slots = 24
+    t, m = table(1, slots), Model(slots)
+    universe = [bytes([i]) * 32 for i in range(60)]
+    gen = 1
+    for _step in range(400):
+        op = rng.random()
+        if op < 0.4:
+            keys = rng.sample(universe, rng.randint(1, 6))
+            items = put(t, keys, gen)
+            gen += len(keys)
+            assert [it[0] for it in items] == m.alloc(keys)
+        elif op < 0.65:
+            keys = rng.sample(universe, rng.randint(1, 8))
+            lease, locs = t.lookup("a", keys)
+            assert [loc is not None for loc in locs] == m.lookup(lease, keys)
+            assert (lease == 0) == all(loc is None for loc in locs)
+        elif op < 0.85 and m.leases:
+            lease = rng.choice(list(m.leases))
+            assert t.release(lease)
+            m.release(lease)
+        else:
+            keys = rng.sample(universe, rng.randint(1, 3))
+            want = [k in m.order for k in keys]
+            assert t.remove("a", keys) == want
+            m.remove(keys)
+        t.check()
+        assert t.exists("a", universe) == [k in m.order for k in universe]
+    for lease in list(m.leases):
+        assert t.release(lease)
+    t.check()
+    assert t.nodes[0].alloc.used == len(m.order) * object_size(PLEN)
+
+
+def test_lookup_answers_locations_and_pins_until_release():
+    t = table(2, 4)
+    keys = [b"k%d" % i for i in range(8)]
+    items = put(t, keys, gen=100)
+    lease, locs = t.lookup("a", [keys[3], b"missing", keys[0]])
+    assert locs[1] is None and lease != 0
+    assert locs[0] == items[3][1:] and locs[2] == items[0][1:], "(node, offset, payload_len, gen) as ALLOC gave"
+    assert put(t, [b"new"], gen=200)[0][0] == NEW  # evicts an unpinned page of the placed node, not a pinned one
+    assert t.exists("a", [keys[3], keys[0]]) == [True, True]
+    assert t.release(lease) and not t.release(lease), "a lease is released once"
+    t.check()
+
+
+def test_a_removed_pinned_page_keeps_its_bytes_until_its_last_pin():
+    t = table(1, 2)
+    put(t, [b"a", b"b"])
+    lease, _ = t.lookup("a", [b"a"])
+    assert t.remove("a", [b"a"]) == [True]
+    t.check()
+    assert put(t, [b"c"], gen=10)[0][0] == NEW, "b was evictable"
+    lease_c, _ = t.lookup("a", [b"c"])
+    assert put(t, [b"d"], gen=11)[0][0] == NO_SPACE, "a's zombie and the pinned c hold both slots"
+    t.check()
+    assert t.release(lease)
+    t.check()
+    assert t.nodes[0].alloc.used == object_size(PLEN) and t.exists("a", [b"a", b"c"]) == [False, True]
+    assert put(t, [b"d"], gen=12)[0][0] == NEW, "a's bytes came back with its last pin"
+    assert t.release(lease_c)
+    t.check()
+
+
+def test_commit_rules_and_in_flight_keys():
+    t = table(1, 4)
+    items = t.alloc("a", [b"x", b"y"], [PLEN, PLEN], 7)
+    assert [it[0] for it in items] == [NEW, NEW]
+    assert t.alloc("a", [b"x"], [PLEN], 9)[0][0] == IN_FLIGHT
+    assert t.exists("a", [b"x"]) == [False] and t.lookup("a", [b"x"]) == (0, [None])
+    assert t.commit("a", [b"x", b"y", b"z"], [7, 99, 1]) == [True, False, False], "wrong gen, unknown key"
+    assert t.commit("a", [b"x"], [7]) == [True], "a retried commit of the same generation"
+    assert t.alloc("a", [b"x"], [PLEN], 9)[0][0] == EXISTS
+    t.check()
+
+
+def test_namespaces_are_apart_and_rows_grow_past_a_block():
+    t = table(3, BLOCK)  # enough room: nothing evicted
+    keys = [i.to_bytes(32, "little") for i in range(BLOCK + 500)]
+    for i in range(0, len(keys), 1000):
+        put(t, keys[i:i + 1000], gen=1 + i, ns="a")
+    put(t, keys[:10], gen=10**6, ns="b")
+    t.check()
+    assert t.evictions == 0 and t.objects == len(keys) + 10
+    assert sum(t.exists("a", keys)) == len(keys) and t.exists("b", keys[9:11]) == [True, False]
+    with pytest.raises(ConfigError, match="columns: node 'n0' already has rows"):
+        t.add_node("n0", 1 << 20)
