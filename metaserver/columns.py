@@ -41,7 +41,7 @@ from transport import wire
 from umbp.errors import ConfigError
 
 FREE = 3  # a row on its node's free list
-BLOCK = 1 << 14  # rows a node takes at a time
+BLOCK = 1 << 12  # rows a node takes at a time
 CANDIDATES = 1024  # the fewest victims a queue refill collects
 COLUMNS = (("node", np.uint16), ("off", np.uint64), ("code", np.uint64), ("gen", np.uint64), ("pins", np.uint32),
            ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16))
@@ -56,7 +56,7 @@ _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
 class NodeRows:
     """One node: its arena allocator, its row blocks, its free rows and its eviction candidates."""
 
-    __slots__ = ("ix", "node_id", "alloc", "blocks", "free", "queue", "qstamp", "qpos")
+    __slots__ = ("ix", "node_id", "alloc", "blocks", "free", "queue", "qstamp", "qoff", "qcode", "qns", "qpos")
 
     def __init__(self, ix: int, node_id: str, capacity: int):
         self.ix = ix
@@ -66,6 +66,9 @@ class NodeRows:
         self.free: list[int] = []  # free rows, taken from the end
         self.queue: list[int] = []  # eviction candidates, oldest first
         self.qstamp: list[int] = []  # the stamp each had when queued
+        self.qoff: list[int] = []  # and its offset, layout code and namespace (unchanged while its stamp is)
+        self.qcode: list[int] = []
+        self.qns: list[int] = []
         self.qpos = 0
 
 
@@ -73,8 +76,8 @@ class PageTable:
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
     ``lookup``, ``release``, ``exists``, ``remove``; ``check()`` verifies the invariants below.
 
-    Invariants: ``index[ns][key] == row`` exactly for the rows whose state is PENDING or READY, with
-    ``keys[row] == key`` and ``ns[row]`` naming ``ns``; a GONE row is pinned (a zombie: its extent stays allocated
+    Invariants: ``ready[ns][key] == row`` exactly for the READY rows and ``pending[ns][key] == row`` exactly for
+    the PENDING ones (a key in at most one of them), with ``keys[row] == key`` and ``ns[row]`` naming ``ns``; a GONE row is pinned (a zombie: its extent stays allocated
     until its last pin goes); every FREE row is on its node's free list once; each node's allocator holds exactly
     the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row."""
 
@@ -82,15 +85,18 @@ class PageTable:
         self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
         self.keys: list = []
         self._grow(max(capacity_rows, BLOCK))
-        self.index: dict[str, dict[bytes, int]] = {}
+        self.ready: dict[str, dict[bytes, int]] = {}  # EXISTS and LOOKUP read only these
+        self.pending: dict[str, dict[bytes, int]] = {}
+        self.node_names = np.zeros(0, object)  # node index -> node id, for gathering an answer's names
         self.ns_names: list[str] = []
         self.ns_ix: dict[str, int] = {}
         self.nodes: list[NodeRows] = []
         self.node_by_id: dict[str, NodeRows] = {}
         self.blocks_used = 0
-        self.leases: dict[int, np.ndarray] = {}
+        self.leases: dict[int, tuple[np.ndarray, bool]] = {}  # lease -> (its rows, whether a row repeats)
         self.clock = 1
         self._rr = 0  # round-robin placement cursor
+        self._osize: dict[int, int] = {}  # payload length -> object size
         self.hits = self.misses = self.evictions = 0
 
     # -- rows and columns -------------------------------------------------------------------------------------
@@ -127,8 +133,7 @@ class PageTable:
         self.cols["stamp"][rows] = np.arange(self.clock, self.clock + n, dtype=np.uint64)
         self.clock += n
 
-    def _rows(self, ns: str, keys: list) -> np.ndarray:
-        idx = self.index.get(ns)
+    def _rows(self, idx: dict | None, keys: list) -> np.ndarray:
         if not idx:
             return np.full(len(keys), -1, np.int64)
         get = idx.get
@@ -143,13 +148,15 @@ class PageTable:
         node = NodeRows(len(self.nodes), node_id, capacity)
         self.nodes.append(node)
         self.node_by_id[node_id] = node
+        self.node_names = np.array([n.node_id for n in self.nodes] + [None], object)[:-1]  # 1-d even for one node
 
     def _ns(self, ns: str) -> int:
         ix = self.ns_ix.get(ns)
         if ix is None:
             ix = self.ns_ix[ns] = len(self.ns_names)
             self.ns_names.append(ns)
-            self.index[ns] = {}
+            self.ready[ns] = {}
+            self.pending[ns] = {}
         return ix
 
     # -- eviction ---------------------------------------------------------------------------------------------
@@ -164,12 +171,17 @@ class PageTable:
         if k < len(rows):
             rows = rows[np.argpartition(stamp[rows], k - 1)[:k]]
         rows = rows[np.argsort(stamp[rows], kind="stable")]
+        c = self.cols
         node.queue = rows.tolist()
         node.qstamp = stamp[rows].tolist()
+        node.qoff = c["off"][rows].tolist()
+        node.qcode = c["code"][rows].tolist()
+        node.qns = c["ns"][rows].tolist()
         node.qpos = 0
 
     def _victim(self, node: NodeRows) -> int:
-        """The node's least recently used READY unpinned row, or -1 when it has none."""
+        """The queue position of the node's least recently used READY unpinned row, or -1 when it has none. A row
+        that is READY with its queued stamp is the page that was queued: ``qoff``, ``qcode``, ``qns`` describe it."""
         state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
         for _ in range(2):  # at most one refill: a fresh queue holds only valid candidates
             q, qs = node.queue, node.qstamp
@@ -178,16 +190,29 @@ class PageTable:
                 node.qpos += 1
                 r = q[i]
                 if state[r] == READY and not pins[r] and stamp[r] == qs[i]:
-                    return r
+                    return i
             self._refill(node)
         return -1
 
-    def _evict(self, row: int, node: NodeRows) -> None:
-        c = self.cols
-        del self.index[self.ns_names[c["ns"][row]]][self.keys[row]]
-        node.alloc.free(int(c["off"][row]), extent_size(int(c["code"][row])))
-        self._free_row(row, node)
-        self.evictions += 1
+    def _make_room(self, node: NodeRows, size: int) -> tuple[int | None, int]:
+        """Evict the node's least recently used pages until ``size`` bytes fit: (offset, row to reuse or -1), or
+        (None, -1) when nothing more can go. A victim of exactly ``size`` bytes hands over its extent and its row
+        as they are (no allocator round trip)."""
+        while True:
+            i = self._victim(node)
+            if i < 0:
+                return None, -1
+            r = node.queue[i]
+            del self.ready[self.ns_names[node.qns[i]]][self.keys[r]]
+            self.evictions += 1
+            vsize = extent_size(node.qcode[i])
+            if vsize == size:
+                return node.qoff[i], r
+            node.alloc.free(node.qoff[i], vsize)
+            self._free_row(r, node)
+            off = node.alloc.alloc(size)
+            if off is not None:
+                return off, -1
 
     # -- requests ---------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int) -> list:
@@ -195,9 +220,10 @@ class PageTable:
         used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
         ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``."""
         nsix = self._ns(ns)
-        idx = self.index[ns]
+        ready, pending = self.ready[ns], self.pending[ns]
         state = self.cols["state"]
         nodes = self.nodes
+        osize = self._osize
         items: list = []
         rows: list[int] = []
         offs: list[int] = []
@@ -205,31 +231,33 @@ class PageTable:
         gens: list[int] = []
         node_ix: list[int] = []
         for i, (k, plen) in enumerate(zip(keys, sizes)):
-            r = idx.get(k)
-            if r is not None:
-                items.append(_EXISTS_ITEM if state[r] == READY else _IN_FLIGHT_ITEM)
+            if k in ready:
+                items.append(_EXISTS_ITEM)
+                continue
+            if k in pending:
+                items.append(_IN_FLIGHT_ITEM)
                 continue
             if not nodes:
                 items.append(_NO_SPACE_ITEM)
                 continue
             node = nodes[self._rr % len(nodes)]
             self._rr += 1
-            size = wire.object_size(plen)
-            off = node.alloc.alloc(size)
-            while off is None:
-                v = self._victim(node)
-                if v < 0:
-                    break
-                self._evict(v, node)
-                off = node.alloc.alloc(size)
+            size = osize.get(plen)
+            if size is None:
+                size = osize[plen] = wire.object_size(plen)
+            r = -1
+            off = node.alloc.alloc(size) if node.alloc.free_bytes >= size else None
             if off is None:
-                items.append(_NO_SPACE_ITEM)
-                continue
-            r = self._take_row(node)
-            state = self.cols["state"]  # a new block may have grown (replaced) the columns
+                off, r = self._make_room(node, size)
+                if off is None:
+                    items.append(_NO_SPACE_ITEM)
+                    continue
+            if r < 0:
+                r = self._take_row(node)
+                state = self.cols["state"]  # a new block may have grown (replaced) the columns
             state[r] = PENDING  # taken now: a later victim scan of this batch must not see it FREE and reuse it
             self.keys[r] = k
-            idx[k] = r
+            pending[k] = r
             gen = gen_base + i
             rows.append(r)
             offs.append(off)
@@ -251,42 +279,53 @@ class PageTable:
     def commit(self, ns: str, keys: list[bytes], gens: list[int]) -> list[bool]:
         """PENDING -> READY for each (key, gen) still pending with that generation; a key already READY with that
         generation reports True again (idempotent), anything else False."""
-        rows = self._rows(ns, keys)
-        c = self.cols
-        found = rows >= 0
-        ok = np.zeros(len(keys), bool)
-        if found.any():
-            fr = rows[found]
-            same = c["gen"][fr] == np.array(gens, np.uint64)[found]
-            st = c["state"][fr]
-            ok[found] = same & ((st == PENDING) | (st == READY))
-            new = fr[same & (st == PENDING)]
-            c["state"][new] = READY
-            self._stamp(new)
-        return ok.tolist()
+        pending, ready = self.pending.get(ns), self.ready.get(ns)
+        if pending is None:
+            return [False] * len(keys)
+        gen = self.cols["gen"]
+        ok = []
+        new = []
+        for k, g in zip(keys, gens):
+            r = pending.get(k)
+            if r is not None and gen[r] == g:
+                del pending[k]
+                ready[k] = r
+                new.append(r)
+                ok.append(True)
+            else:
+                r = ready.get(k)
+                ok.append(r is not None and gen[r] == g)
+        if new:
+            rows = np.array(new, np.int64)
+            self.cols["state"][rows] = READY
+            self._stamp(rows)
+        return ok
 
     def lookup(self, ns: str, keys: list[bytes]) -> tuple[int, list]:
         """Locations ``(node_id, offset, payload_len, gen)`` of READY keys (None for the others), pinned under one
         read lease (0 when nothing was found)."""
-        rows = self._rows(ns, keys)
+        rows = self._rows(self.ready.get(ns), keys)
         c = self.cols
         hit = rows >= 0
-        if hit.any():
-            hit[hit] = c["state"][rows[hit]] == READY
         hr = rows[hit]
         n = len(hr)
         self.hits += n
         self.misses += len(keys) - n
         if not n:
             return 0, [None] * len(keys)
-        np.add.at(c["pins"], hr, 1)  # a key twice in one batch is pinned twice, as the lease names it twice
+        srt = np.sort(hr)
+        repeats = bool(np.any(srt[1:] == srt[:-1]))
+        if repeats:  # a key twice in one batch is pinned twice, as the lease names it twice
+            np.add.at(c["pins"], hr, 1)
+        else:
+            c["pins"][hr] += 1
         self._stamp(hr)
         lease = random_id() or 1
         while lease in self.leases:
             lease = random_id() or 1
-        self.leases[lease] = hr
-        names = [self.nodes[i].node_id for i in c["node"][hr].tolist()]
-        locs = list(zip(names, c["off"][hr].tolist(), c["code"][hr].tolist(), c["gen"][hr].tolist()))
+        self.leases[lease] = (hr, repeats)
+        locs = list(zip(self.node_names[c["node"][hr]].tolist(), c["off"][hr].tolist(), c["code"][hr].tolist(),
+                        c["gen"][hr].tolist()))
         if n == len(keys):
             return lease, locs
         out: list = [None] * len(keys)
@@ -297,15 +336,21 @@ class PageTable:
     def release(self, lease: int) -> bool:
         """Unpin everything under ``lease`` and stamp it (a read's end is its last access); a row removed while
         pinned gives its extent and row back with its last pin. False when the lease is unknown."""
-        hr = self.leases.pop(lease, None)
-        if hr is None:
+        held = self.leases.pop(lease, None)
+        if held is None:
             return False
+        hr, repeats = held
         c = self.cols
-        np.subtract.at(c["pins"], hr, 1)
-        live = hr[c["state"][hr] == READY]
-        if len(live):
-            self._stamp(live)
-        gone = hr[(c["state"][hr] == GONE) & (c["pins"][hr] == 0)]
+        if repeats:
+            np.subtract.at(c["pins"], hr, 1)
+        else:
+            c["pins"][hr] -= 1
+        st = c["state"][hr]
+        if np.all(st == READY):
+            self._stamp(hr)
+            return True
+        self._stamp(hr[st == READY])
+        gone = hr[(st == GONE) & (c["pins"][hr] == 0)]
         for r in np.unique(gone).tolist():
             node = self.nodes[c["node"][r]]
             node.alloc.free(int(c["off"][r]), extent_size(int(c["code"][r])))
@@ -313,19 +358,20 @@ class PageTable:
         return True
 
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
-        rows = self._rows(ns, keys)
-        ok = rows >= 0
-        if ok.any():
-            ok[ok] = self.cols["state"][rows[ok]] == READY
-        return ok.tolist()
+        ready = self.ready.get(ns)
+        if not ready:
+            return [False] * len(keys)
+        return list(map(ready.__contains__, keys))
 
     def remove(self, ns: str, keys: list[bytes]) -> list[bool]:
         """Remove keys (READY or PENDING). A pinned row stays GONE, its extent allocated, until its last pin."""
-        idx = self.index.get(ns) or {}
+        ready, pending = self.ready.get(ns) or {}, self.pending.get(ns) or {}
         c = self.cols
         out = []
         for k in keys:
-            r = idx.pop(k, None)
+            r = ready.pop(k, None)
+            if r is None:
+                r = pending.pop(k, None)
             out.append(r is not None)
             if r is None:
                 continue
@@ -348,15 +394,17 @@ class PageTable:
         c = self.cols
         top = self.blocks_used * BLOCK
         state = c["state"][:top]
-        for ns, idx in self.index.items():
-            nsix = self.ns_ix[ns]
-            for k, r in idx.items():
-                assert self.keys[r] == k and c["ns"][r] == nsix, f"columns: index[{ns!r}] row {r} names another key"
-                assert state[r] in (PENDING, READY), f"columns: indexed row {r} is in state {state[r]}"
-        live = np.count_nonzero((state == PENDING) | (state == READY))
-        assert live == sum(len(i) for i in self.index.values()), "columns: live rows and index disagree"
+        for name, maps, st in (("ready", self.ready, READY), ("pending", self.pending, PENDING)):
+            for ns, idx in maps.items():
+                nsix = self.ns_ix[ns]
+                for k, r in idx.items():
+                    assert self.keys[r] == k and c["ns"][r] == nsix, f"columns: {name}[{ns!r}] row {r} names another key"
+                    assert state[r] == st, f"columns: {name}[{ns!r}] row {r} is in state {state[r]}"
+                    assert name == "pending" or k not in self.pending[ns], f"columns: {k!r} both READY and PENDING"
+            count = int(np.count_nonzero(state == st))
+            assert count == sum(len(i) for i in maps.values()), f"columns: {name} rows and maps disagree"
         want = np.zeros(top, np.int64)
-        for hr in self.leases.values():
+        for hr, _ in self.leases.values():
             np.add.at(want, hr, 1)
         assert np.array_equal(want, c["pins"][:top].astype(np.int64)), "columns: pins and leases disagree"
         assert not np.any((state == GONE) & (c["pins"][:top] == 0)), "columns: an unpinned GONE row kept its extent"

@@ -1,0 +1,164 @@
+"""The columnar page table (``metaserver/columns.py``) against the metaserver's ``Directory`` (lru), same workload,
+same run, each in a fresh child process: what issue 17 item 3's targets measure at the directory level.
+
+Workload: one namespace, keys of 32 random bytes (SGLang's digests as ``umbp.keys.normalize_key`` sends them), one
+payload size, 32 nodes sized to hold exactly ``--pages`` pages, requests of 1,000 keys as msgpack would hand them
+over (fresh bytes objects). Figures:
+
+- memory per page: VmRSS after building N pages minus before, after ``gc.collect()``, divided by N;
+- alloc+commit keys per CPU-second at N (a full pool: every new key evicts the least recently used page of its node);
+- lookup+release keys per CPU-second (1,000 consecutive keys of the build order: a prompt's prefix, all hits);
+- exists keys per CPU-second on the same batches.
+
+The collector is frozen after the build and disabled while timing, in both children (the metaserver's GC policy
+handles its cost apart: ``metaserver/gcpolicy.py``). Rates are CPU seconds of the child (``time.process_time``).
+Nothing asserts; the last column is the table's figure over the directory's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import msgpack  # noqa: E402
+
+from transport.wire import object_size  # noqa: E402
+
+NODES = 32
+BATCH = 1000
+PLEN = 64 * 61 * 656  # an MLA page of 64 tokens (DeepSeek-V3), as bench/scale.py's model
+
+
+def rss() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def fresh(keys: list[bytes]) -> list[bytes]:
+    """The keys as new objects, the way a request's msgpack decode hands them to the handler."""
+    return msgpack.unpackb(msgpack.packb(keys, use_bin_type=True))
+
+
+class Subject:
+    """The calls a request makes, on the directory or the table."""
+
+    def __init__(self, kind: str, pages: int):
+        per_node = -(-pages // NODES) * object_size(PLEN)
+        self.kind = kind
+        if kind == "directory":
+            from metaserver.directory import NEW, Directory
+            self.d = Directory(policy="lru")
+            for i in range(NODES):
+                self.d.add_space(f"node-{i}", per_node)
+        else:
+            from metaserver.columns import NEW, PageTable
+            self.d = PageTable(pages + NODES * 1024)
+            for i in range(NODES):
+                self.d.add_node(f"node-{i}", per_node)
+        self.new = NEW
+
+    def put(self, keys: list[bytes], gen: int) -> int:
+        d = self.d
+        if self.kind == "directory":
+            now = time.monotonic()
+            items, _ = d.alloc("kv", keys, [PLEN] * len(keys), None, gen, now)
+            new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == self.new]
+            d.commit("kv", [k for k, _ in new], [g for _, g in new], now)
+        else:
+            items = d.alloc("kv", keys, [PLEN] * len(keys), gen)
+            new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == self.new]
+            d.commit("kv", [k for k, _ in new], [g for _, g in new])
+        return len(new)
+
+    def lookup_release(self, keys: list[bytes]) -> int:
+        if self.kind == "directory":
+            lease, locs = self.d.lookup("kv", keys, time.monotonic())
+        else:
+            lease, locs = self.d.lookup("kv", keys)
+        self.d.release(lease)
+        return len(locs) - locs.count(None)  # at C speed: the count is not what is measured
+
+    def exists(self, keys: list[bytes]) -> int:
+        return self.d.exists("kv", keys).count(True)
+
+
+def run(kind: str, pages: int, ops: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    keys = [rng.randbytes(32) for _ in range(pages)]
+    gc.collect()
+    base = rss()
+    s = Subject(kind, pages)
+    gen = 1
+    t0 = time.process_time()
+    for i in range(0, pages, BATCH):
+        s.put(fresh(keys[i:i + BATCH]), gen)
+        gen += BATCH
+    build_s = time.process_time() - t0
+    gc.collect()
+    per_page = (rss() - base) / pages
+    gc.freeze()
+    gc.disable()
+    out = {"kind": kind, "pages": pages, "rss_per_page": per_page, "build_keys_per_s": pages / build_s}
+    starts = [rng.randrange(0, pages - BATCH) for _ in range(ops // BATCH)]
+    batches = [fresh(keys[a:a + BATCH]) for a in starts]
+    t0 = time.process_time()
+    found = sum(s.lookup_release(b) for b in batches)
+    out["lookup_keys_per_s"] = len(batches) * BATCH / (time.process_time() - t0)
+    out["lookup_found"] = found
+    t0 = time.process_time()
+    found = sum(s.exists(b) for b in batches)
+    out["exists_keys_per_s"] = len(batches) * BATCH / (time.process_time() - t0)
+    new = [fresh([rng.randbytes(32) for _ in range(BATCH)]) for _ in range(ops // BATCH)]
+    t0 = time.process_time()
+    placed = 0
+    for b in new:
+        placed += s.put(b, gen)
+        gen += BATCH
+    out["put_at_n_keys_per_s"] = len(new) * BATCH / (time.process_time() - t0)
+    out["put_at_n_placed"] = placed
+    out["evictions"] = s.d.evictions
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pages", type=int, default=1_000_000)
+    ap.add_argument("--ops", type=int, default=200_000, help="keys looked up and keys put at size N")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(run(a.child, a.pages, a.ops, a.seed)))
+        return
+    res = {}
+    for kind in ("directory", "columns"):
+        r = subprocess.run([sys.executable, __file__, "--child", kind, "--pages", str(a.pages), "--ops", str(a.ops),
+                            "--seed", str(a.seed)], capture_output=True, text=True, check=True)
+        res[kind] = json.loads(r.stdout.strip().splitlines()[-1])
+    d, c = res["directory"], res["columns"]
+    print(f"{a.pages:,} pages on {NODES} nodes, {a.ops:,} keys per figure, 1,000-key requests; CPU seconds")
+    print(f"{'figure':34s} {'Directory':>12s} {'PageTable':>12s} {'ratio':>7s}  issue 17 target")
+    rows = [("RSS bytes per page", "rss_per_page", "<= 200 B"),
+            ("build alloc+commit keys/s", "build_keys_per_s", ""),
+            ("alloc+commit at N keys/s", "put_at_n_keys_per_s", ">= 150k"),
+            ("lookup+release keys/s", "lookup_keys_per_s", ">= 2 M"),
+            ("exists keys/s", "exists_keys_per_s", ">= 3 M")]
+    for name, k, target in rows:
+        print(f"{name:34s} {d[k]:12,.0f} {c[k]:12,.0f} {c[k] / d[k]:6.2f}x  {target}")
+    for k in ("lookup_found", "put_at_n_placed", "evictions"):
+        print(f"{k:34s} {d[k]:12,} {c[k]:12,}")
+
+
+if __name__ == "__main__":
+    main()
