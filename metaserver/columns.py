@@ -9,10 +9,11 @@ the row, and everything else is a fixed-width column, so per page there is the k
 one list slot and ``ROW_BYTES`` of columns; batch operations (pin, unpin, touch, commit, gather the answer) are
 numpy operations over the batch's rows instead of a Python step per key.
 
-Columns: ``node`` (u16, the node's index), ``off`` (u64), ``code`` (u64: payload length, or a shared entry's layout
-code as ``entry.layout``), ``gen`` (u64), ``pins`` (u32), ``stamp`` (u64: the access clock), ``state`` (u8:
-``entry.PENDING``, ``READY``, ``GONE`` or ``FREE``), ``ns`` (u16, the namespace's index). ``keys`` (a list) names
-each row's key, so an eviction can drop the key from its namespace's dict.
+Columns (``ROW_BYTES`` = 31 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
+16 TiB per arena), ``size`` (u16: the index of its layout code, the payload length or a shared entry's
+``entry.layout``, in ``codes``; pages of a namespace share one), ``gen`` (u64), ``pins`` (u32), ``stamp`` (u64: the
+access clock), ``state`` (u8: ``entry.PENDING``, ``READY``, ``GONE`` or ``FREE``), ``ns`` (u16, the namespace's
+index). ``keys`` (a list) names each row's key, so an eviction can drop the key from its namespace's dict.
 
 Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
 
@@ -33,6 +34,8 @@ it takes.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from metaserver.allocator import Allocator
@@ -43,14 +46,23 @@ from umbp.errors import ConfigError
 FREE = 3  # a row on its node's free list
 BLOCK = 1 << 12  # rows a node takes at a time
 CANDIDATES = 1024  # the fewest victims a queue refill collects
-COLUMNS = (("node", np.uint16), ("off", np.uint64), ("code", np.uint64), ("gen", np.uint64), ("pins", np.uint32),
+COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
            ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16))
+UNIT_SHIFT = 12  # offsets are multiples of the allocator's 4 KiB unit: the column holds offset >> 12
+MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
 ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
 _EXISTS_ITEM = (EXISTS, None, None, None, None)
 _IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
 _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
+
+
+def _zeros(n: int, dtype) -> np.ndarray:
+    """A zeroed column in anonymous memory of its own (mmap), so the copy a growth leaves behind goes back to the
+    OS when it is dropped, instead of staying in the C heap as RSS."""
+    itemsize = np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n * itemsize, 1)), dtype, count=n)
 
 
 class NodeRows:
@@ -96,18 +108,22 @@ class PageTable:
         self.leases: dict[int, tuple[np.ndarray, bool]] = {}  # lease -> (its rows, whether a row repeats)
         self.clock = 1
         self._rr = 0  # round-robin placement cursor
-        self._osize: dict[int, int] = {}  # payload length -> object size
+        self._osize: dict[int, tuple[int, int]] = {}  # payload length -> (object size, its code's index)
+        self.codes: list[int] = []  # the layout codes the ``size`` column indexes
+        self.code_ix: dict[int, int] = {}
+        self.code_arr = np.zeros(0, np.uint64)
         self.hits = self.misses = self.evictions = 0
 
     # -- rows and columns -------------------------------------------------------------------------------------
     def _grow(self, rows: int) -> None:
-        """Make room for ``rows`` rows (a quarter more than asked: amortised copies, little slack)."""
+        """Make room for ``rows`` rows: an eighth more than there are (or 64 blocks), so copies are amortised and the
+        slack stays under an eighth of the table."""
         have = len(self.keys)
         if rows <= have:
             return
-        rows = max(rows, have + have // 4)
+        rows = max(rows, have + max(have // 8, 64 * BLOCK))
         for name, arr in list(self.cols.items()):
-            grown = np.zeros(rows, arr.dtype)
+            grown = _zeros(rows, arr.dtype)
             grown[:have] = arr
             self.cols[name] = grown
         self.keys.extend([None] * (rows - have))
@@ -127,6 +143,21 @@ class PageTable:
         self.keys[row] = None
         node.free.append(row)
 
+    def _free_extent(self, row: int, node: NodeRows) -> None:
+        c = self.cols
+        node.alloc.free(int(c["unit"][row]) << UNIT_SHIFT, extent_size(self.codes[c["size"][row]]))
+
+    def _code(self, code: int) -> int | None:
+        """The index of layout code ``code`` in ``codes`` (interned on first use); None when the table is full."""
+        ix = self.code_ix.get(code)
+        if ix is None:
+            if len(self.codes) >= MAX_CODES:
+                return None
+            ix = self.code_ix[code] = len(self.codes)
+            self.codes.append(code)
+            self.code_arr = np.array(self.codes, np.uint64)
+        return ix
+
     def _stamp(self, rows: np.ndarray) -> None:
         """Stamp ``rows`` with the next clock values, in order (the last is the most recent)."""
         n = len(rows)
@@ -145,6 +176,9 @@ class PageTable:
             raise ConfigError("columns", f"node {node_id!r} already has rows")
         if len(self.nodes) >= np.iinfo(np.uint16).max:
             raise ConfigError("columns", "too many nodes for a u16 node column")
+        if wire.ARENA_DATA_START + capacity > 1 << (32 + UNIT_SHIFT):
+            raise ConfigError("columns", f"node {node_id!r}: an arena of {capacity} bytes is past the 16 TiB a u32 "
+                                         "offset column of 4 KiB units addresses")
         node = NodeRows(len(self.nodes), node_id, capacity)
         self.nodes.append(node)
         self.node_by_id[node_id] = node
@@ -174,8 +208,8 @@ class PageTable:
         c = self.cols
         node.queue = rows.tolist()
         node.qstamp = stamp[rows].tolist()
-        node.qoff = c["off"][rows].tolist()
-        node.qcode = c["code"][rows].tolist()
+        node.qoff = (c["unit"][rows].astype(np.uint64) << UNIT_SHIFT).tolist()
+        node.qcode = self.code_arr[c["size"][rows]].tolist()
         node.qns = c["ns"][rows].tolist()
         node.qpos = 0
 
@@ -242,9 +276,14 @@ class PageTable:
                 continue
             node = nodes[self._rr % len(nodes)]
             self._rr += 1
-            size = osize.get(plen)
-            if size is None:
-                size = osize[plen] = wire.object_size(plen)
+            got = osize.get(plen)
+            if got is None:
+                cix = self._code(plen)
+                if cix is None:  # MAX_CODES distinct lengths already: this one has no column value
+                    items.append(_NO_SPACE_ITEM)
+                    continue
+                got = osize[plen] = (wire.object_size(plen), cix)
+            size, cix = got
             r = -1
             off = node.alloc.alloc(size) if node.alloc.free_bytes >= size else None
             if off is None:
@@ -261,7 +300,7 @@ class PageTable:
             gen = gen_base + i
             rows.append(r)
             offs.append(off)
-            codes.append(plen)
+            codes.append(cix)
             gens.append(gen)
             node_ix.append(node.ix)
             items.append((NEW, node.node_id, off, plen, gen))
@@ -269,8 +308,8 @@ class PageTable:
             c = self.cols
             ra = np.array(rows, np.int64)
             c["node"][ra] = node_ix
-            c["off"][ra] = offs
-            c["code"][ra] = codes
+            c["unit"][ra] = np.array(offs, np.uint64) >> UNIT_SHIFT
+            c["size"][ra] = codes
             c["gen"][ra] = gens
             c["pins"][ra] = 0
             c["ns"][ra] = nsix
@@ -324,7 +363,8 @@ class PageTable:
         while lease in self.leases:
             lease = random_id() or 1
         self.leases[lease] = (hr, repeats)
-        locs = list(zip(self.node_names[c["node"][hr]].tolist(), c["off"][hr].tolist(), c["code"][hr].tolist(),
+        locs = list(zip(self.node_names[c["node"][hr]].tolist(),
+                        (c["unit"][hr].astype(np.uint64) << UNIT_SHIFT).tolist(), self.code_arr[c["size"][hr]].tolist(),
                         c["gen"][hr].tolist()))
         if n == len(keys):
             return lease, locs
@@ -353,7 +393,7 @@ class PageTable:
         gone = hr[(st == GONE) & (c["pins"][hr] == 0)]
         for r in np.unique(gone).tolist():
             node = self.nodes[c["node"][r]]
-            node.alloc.free(int(c["off"][r]), extent_size(int(c["code"][r])))
+            self._free_extent(r, node)
             self._free_row(r, node)
         return True
 
@@ -380,7 +420,7 @@ class PageTable:
                 c["state"][r] = GONE
                 self.keys[r] = None
             else:
-                node.alloc.free(int(c["off"][r]), extent_size(int(c["code"][r])))
+                self._free_extent(r, node)
                 self._free_row(r, node)
         return out
 
@@ -416,5 +456,5 @@ class PageTable:
             free = rows[st == FREE]
             assert sorted(node.free) == sorted(free.tolist()), f"columns: {node.node_id}'s free list is wrong"
             held = rows[st != FREE]
-            used = sum(extent_size(int(code)) for code in c["code"][held])
+            used = sum(extent_size(code) for code in self.code_arr[c["size"][held]].tolist())
             assert used == node.alloc.used, f"columns: {node.node_id} allocator holds {node.alloc.used}, rows {used}"
