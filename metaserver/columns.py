@@ -2,18 +2,19 @@
 ``Directory``. Not serving yet: ``bench/columns.py`` measures it against ``Directory`` in the same run and
 ``tests/unit/test_columns.py`` checks it; the metaserver still runs ``Directory``.
 
-Why: a ``Directory`` page is a Python ``Entry`` of 15 slots (152 bytes with its object header) plus its offset and
-generation ints, and every per-key step is attribute work on it (a LOOKUP pins each entry, unlinks it from its
-eviction ring and links it back at the release). Here a page is a row: its key bytes and one dict slot map the key to
-the row, and everything else is a fixed-width column, so per page there is the key, the dict slot, the row's int,
-one list slot and ``ROW_BYTES`` of columns; batch operations (pin, unpin, touch, commit, gather the answer) are
-numpy operations over the batch's rows instead of a Python step per key.
+Why: a ``Directory`` page is a Python ``Entry`` of 15 slots (152 bytes with its object header) plus its key, offset and
+generation objects and a dict slot, and every per-key step is attribute work on it (a LOOKUP pins each entry,
+unlinks it from its eviction ring and links it back at the release). Here a page is a row: ``ROW_BYTES`` of
+fixed-width columns, its 32-byte key digest and about two slots of the key index (``metaserver/keyindex.py``: an
+open-addressing table probed a batch at a time), with no Python object per page; every batch operation (find the
+keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's rows instead of a Python step
+per key. What stays per key in Python: placement and eviction in ``alloc`` (the allocator is per extent).
 
 Columns (``ROW_BYTES`` = 31 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
 16 TiB per arena), ``size`` (u16: the index of its layout code, the payload length or a shared entry's
 ``entry.layout``, in ``codes``; pages of a namespace share one), ``gen`` (u64), ``pins`` (u32), ``stamp`` (u64: the
 access clock), ``state`` (u8: ``entry.PENDING``, ``READY``, ``GONE`` or ``FREE``), ``ns`` (u16, the namespace's
-index). ``keys`` (a list) names each row's key, so an eviction can drop the key from its namespace's dict.
+index). The key index holds each live row's key digest and finds rows by (namespace, key).
 
 Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
 
@@ -34,12 +35,11 @@ it takes.
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 
 from metaserver.allocator import Allocator
 from metaserver.entry import GONE, PENDING, READY, extent_size, random_id
+from metaserver.keyindex import KeyIndex, digests, zeros
 from transport import wire
 from umbp.errors import ConfigError
 
@@ -56,13 +56,6 @@ NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS,
 _EXISTS_ITEM = (EXISTS, None, None, None, None)
 _IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
 _NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
-
-
-def _zeros(n: int, dtype) -> np.ndarray:
-    """A zeroed column in anonymous memory of its own (mmap), so the copy a growth leaves behind goes back to the
-    OS when it is dropped, instead of staying in the C heap as RSS."""
-    itemsize = np.dtype(dtype).itemsize
-    return np.frombuffer(mmap.mmap(-1, max(n * itemsize, 1)), dtype, count=n)
 
 
 class NodeRows:
@@ -88,17 +81,16 @@ class PageTable:
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
     ``lookup``, ``release``, ``exists``, ``remove``; ``check()`` verifies the invariants below.
 
-    Invariants: ``ready[ns][key] == row`` exactly for the READY rows and ``pending[ns][key] == row`` exactly for
-    the PENDING ones (a key in at most one of them), with ``keys[row] == key`` and ``ns[row]`` naming ``ns``; a GONE row is pinned (a zombie: its extent stays allocated
+    Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
+    (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated
     until its last pin goes); every FREE row is on its node's free list once; each node's allocator holds exactly
     the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row."""
 
     def __init__(self, capacity_rows: int = BLOCK):
         self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
-        self.keys: list = []
+        self.ix = KeyIndex()
+        self.rows = 0  # rows the columns have room for
         self._grow(max(capacity_rows, BLOCK))
-        self.ready: dict[str, dict[bytes, int]] = {}  # EXISTS and LOOKUP read only these
-        self.pending: dict[str, dict[bytes, int]] = {}
         self.node_names = np.zeros(0, object)  # node index -> node id, for gathering an answer's names
         self.ns_names: list[str] = []
         self.ns_ix: dict[str, int] = {}
@@ -113,21 +105,23 @@ class PageTable:
         self.code_ix: dict[int, int] = {}
         self.code_arr = np.zeros(0, np.uint64)
         self.hits = self.misses = self.evictions = 0
+        self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
 
     # -- rows and columns -------------------------------------------------------------------------------------
     def _grow(self, rows: int) -> None:
         """Make room for ``rows`` rows: an eighth more than there are (or 64 blocks), so copies are amortised and the
         slack stays under an eighth of the table."""
-        have = len(self.keys)
+        have = self.rows
         if rows <= have:
             return
         rows = max(rows, have + max(have // 8, 64 * BLOCK))
         for name, arr in list(self.cols.items()):
-            grown = _zeros(rows, arr.dtype)
+            grown = zeros(rows, arr.dtype)
             grown[:have] = arr
             self.cols[name] = grown
-        self.keys.extend([None] * (rows - have))
+        self.ix.grow(rows)
         self.cols["state"][have:] = FREE
+        self.rows = rows
 
     def _take_row(self, node: NodeRows) -> int:
         if not node.free:
@@ -140,7 +134,6 @@ class PageTable:
 
     def _free_row(self, row: int, node: NodeRows) -> None:
         self.cols["state"][row] = FREE
-        self.keys[row] = None
         node.free.append(row)
 
     def _free_extent(self, row: int, node: NodeRows) -> None:
@@ -164,11 +157,16 @@ class PageTable:
         self.cols["stamp"][rows] = np.arange(self.clock, self.clock + n, dtype=np.uint64)
         self.clock += n
 
-    def _rows(self, idx: dict | None, keys: list) -> np.ndarray:
-        if not idx:
+    def _find(self, ns: str, keys: list[bytes]) -> np.ndarray:
+        """Rows of ``keys`` in ``ns`` (int64; -1: absent), PENDING or READY."""
+        nsix = self.ns_ix.get(ns)
+        if nsix is None or not keys:
             return np.full(len(keys), -1, np.int64)
-        get = idx.get
-        return np.array([get(k, -1) for k in keys], np.int64)
+        return self.ix.find(nsix, digests(keys)[0], self.cols["ns"])
+
+    def key_of(self, row: int) -> bytes:
+        """A live row's key, as the client sent it."""
+        return self.ix.key_of(row)
 
     # -- nodes ------------------------------------------------------------------------------------------------
     def add_node(self, node_id: str, capacity: int) -> None:
@@ -189,8 +187,6 @@ class PageTable:
         if ix is None:
             ix = self.ns_ix[ns] = len(self.ns_names)
             self.ns_names.append(ns)
-            self.ready[ns] = {}
-            self.pending[ns] = {}
         return ix
 
     # -- eviction ---------------------------------------------------------------------------------------------
@@ -237,7 +233,7 @@ class PageTable:
             if i < 0:
                 return None, -1
             r = node.queue[i]
-            del self.ready[self.ns_names[node.qns[i]]][self.keys[r]]
+            self._evicted_now[r] = node.qns[i]  # unfiled at the end of the request, before its new rows are filed
             self.evictions += 1
             vsize = extent_size(node.qcode[i])
             if vsize == size:
@@ -252,23 +248,30 @@ class PageTable:
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int) -> list:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting the placed node's least recently
         used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
-        ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``."""
+        ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``; keys are taken in order, so a key that an earlier
+        key of the same request evicted is placed again and a key given twice is IN_FLIGHT the second time."""
         nsix = self._ns(ns)
-        ready, pending = self.ready[ns], self.pending[ns]
-        state = self.cols["state"]
+        c = self.cols
+        dig, longs = digests(keys)
+        found = self.ix.find(nsix, dig, c["ns"]) if keys else np.zeros(0, np.int64)
+        found_state = np.where(found >= 0, c["state"][np.maximum(found, 0)], FREE).tolist()
+        found = found.tolist()
+        evicted = self._evicted_now
+        evicted.clear()
         nodes = self.nodes
         osize = self._osize
         items: list = []
+        new: list[int] = []  # positions in ``keys`` of the NEW items
         rows: list[int] = []
         offs: list[int] = []
         codes: list[int] = []
-        gens: list[int] = []
         node_ix: list[int] = []
+        seen: set = set()
         for i, (k, plen) in enumerate(zip(keys, sizes)):
-            if k in ready:
-                items.append(_EXISTS_ITEM)
+            if found[i] >= 0 and found[i] not in evicted:
+                items.append(_EXISTS_ITEM if found_state[i] == READY else _IN_FLIGHT_ITEM)
                 continue
-            if k in pending:
+            if k in seen:
                 items.append(_IN_FLIGHT_ITEM)
                 continue
             if not nodes:
@@ -293,59 +296,57 @@ class PageTable:
                     continue
             if r < 0:
                 r = self._take_row(node)
-                state = self.cols["state"]  # a new block may have grown (replaced) the columns
-            state[r] = PENDING  # taken now: a later victim scan of this batch must not see it FREE and reuse it
-            self.keys[r] = k
-            pending[k] = r
-            gen = gen_base + i
+            c = self.cols  # a new block may have grown (replaced) the columns
+            c["state"][r] = PENDING  # taken now: a later victim scan of this request must not see it FREE
+            seen.add(k)
+            new.append(i)
             rows.append(r)
             offs.append(off)
             codes.append(cix)
-            gens.append(gen)
             node_ix.append(node.ix)
-            items.append((NEW, node.node_id, off, plen, gen))
+            items.append((NEW, node.node_id, off, plen, gen_base + i))
+        if evicted:
+            self.ix.delete(np.fromiter(evicted.keys(), np.int64, len(evicted)),
+                           np.fromiter(evicted.values(), np.uint64, len(evicted)))
+            evicted.clear()
         if rows:
-            c = self.cols
             ra = np.array(rows, np.int64)
             c["node"][ra] = node_ix
             c["unit"][ra] = np.array(offs, np.uint64) >> UNIT_SHIFT
             c["size"][ra] = codes
-            c["gen"][ra] = gens
+            c["gen"][ra] = np.array(new, np.uint64) + np.uint64(gen_base)
             c["pins"][ra] = 0
             c["ns"][ra] = nsix
+            where = {i: j for j, i in enumerate(new)} if longs else {}
+            self.ix.insert(ra, dig[new], c["ns"], [(where[i], k) for i, k in longs if i in where])
         return items
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int]) -> list[bool]:
         """PENDING -> READY for each (key, gen) still pending with that generation; a key already READY with that
         generation reports True again (idempotent), anything else False."""
-        pending, ready = self.pending.get(ns), self.ready.get(ns)
-        if pending is None:
-            return [False] * len(keys)
-        gen = self.cols["gen"]
-        ok = []
-        new = []
-        for k, g in zip(keys, gens):
-            r = pending.get(k)
-            if r is not None and gen[r] == g:
-                del pending[k]
-                ready[k] = r
-                new.append(r)
-                ok.append(True)
-            else:
-                r = ready.get(k)
-                ok.append(r is not None and gen[r] == g)
-        if new:
-            rows = np.array(new, np.int64)
-            self.cols["state"][rows] = READY
-            self._stamp(rows)
-        return ok
+        rows = self._find(ns, keys)
+        c = self.cols
+        found = rows >= 0
+        ok = np.zeros(len(keys), bool)
+        if found.any():
+            fr = rows[found]
+            st = c["state"][fr]
+            same = c["gen"][fr] == np.array(gens, np.uint64)[found]
+            ok[found] = same
+            new = fr[same & (st == PENDING)]
+            if len(new):
+                new = new[np.sort(np.unique(new, return_index=True)[1])]  # a key given twice: once, in key order
+                c["state"][new] = READY
+                self._stamp(new)
+        return ok.tolist()
 
     def lookup(self, ns: str, keys: list[bytes]) -> tuple[int, list]:
         """Locations ``(node_id, offset, payload_len, gen)`` of READY keys (None for the others), pinned under one
         read lease (0 when nothing was found)."""
-        rows = self._rows(self.ready.get(ns), keys)
+        rows = self._find(ns, keys)
         c = self.cols
         hit = rows >= 0
+        hit[hit] = c["state"][rows[hit]] == READY
         hr = rows[hit]
         n = len(hr)
         self.hits += n
@@ -398,30 +399,31 @@ class PageTable:
         return True
 
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
-        ready = self.ready.get(ns)
-        if not ready:
-            return [False] * len(keys)
-        return list(map(ready.__contains__, keys))
+        rows = self._find(ns, keys)
+        ok = rows >= 0
+        ok[ok] = self.cols["state"][rows[ok]] == READY
+        return ok.tolist()
 
     def remove(self, ns: str, keys: list[bytes]) -> list[bool]:
         """Remove keys (READY or PENDING). A pinned row stays GONE, its extent allocated, until its last pin."""
-        ready, pending = self.ready.get(ns) or {}, self.pending.get(ns) or {}
+        rows = self._find(ns, keys).tolist()
         c = self.cols
         out = []
-        for k in keys:
-            r = ready.pop(k, None)
-            if r is None:
-                r = pending.pop(k, None)
-            out.append(r is not None)
-            if r is None:
+        gone = []
+        for r in rows:
+            if r < 0 or c["state"][r] not in (PENDING, READY):  # absent, or given twice and removed already
+                out.append(False)
                 continue
+            out.append(True)
+            gone.append(r)
             node = self.nodes[c["node"][r]]
             if c["pins"][r]:
                 c["state"][r] = GONE
-                self.keys[r] = None
             else:
                 self._free_extent(r, node)
                 self._free_row(r, node)
+        if gone:
+            self.ix.delete(np.array(gone, np.int64), np.full(len(gone), self.ns_ix[ns], np.uint64))
         return out
 
     # -- figures and checks -----------------------------------------------------------------------------------
@@ -434,15 +436,8 @@ class PageTable:
         c = self.cols
         top = self.blocks_used * BLOCK
         state = c["state"][:top]
-        for name, maps, st in (("ready", self.ready, READY), ("pending", self.pending, PENDING)):
-            for ns, idx in maps.items():
-                nsix = self.ns_ix[ns]
-                for k, r in idx.items():
-                    assert self.keys[r] == k and c["ns"][r] == nsix, f"columns: {name}[{ns!r}] row {r} names another key"
-                    assert state[r] == st, f"columns: {name}[{ns!r}] row {r} is in state {state[r]}"
-                    assert name == "pending" or k not in self.pending[ns], f"columns: {k!r} both READY and PENDING"
-            count = int(np.count_nonzero(state == st))
-            assert count == sum(len(i) for i in maps.values()), f"columns: {name} rows and maps disagree"
+        live = np.flatnonzero((state == PENDING) | (state == READY))
+        self.ix.check(live, c["ns"])
         want = np.zeros(top, np.int64)
         for hr, _ in self.leases.values():
             np.add.at(want, hr, 1)

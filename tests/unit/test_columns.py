@@ -1,5 +1,6 @@
-"""metaserver/columns.py: the columnar page table against a reference model (an ordered dict per node), its
-invariant check after every step, leases and zombies, commit rules, and block growth across many rows."""
+"""metaserver/columns.py and metaserver/keyindex.py: the columnar page table against a reference model (an ordered
+dict per node), its invariant check after every step, leases and zombies, commit rules, block growth across many
+rows, and the key index's rebuilds, tombstones, namespaces and keys that are not 32-byte digests."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_random_steps_match_an_exact_lru_model(seed):
     rng = random.Random(seed)
     slots = 24
     t, m = table(1, slots), Model(slots)
-    universe = [bytes([i]) * 32 for i in range(60)]
+    universe = [bytes([i]) * 32 for i in range(30)] + [b"key-%d" % i for i in range(30)]  # raw digests and others
     gen = 1
     for _step in range(400):
         op = rng.random()
@@ -185,3 +186,30 @@ def test_namespaces_are_apart_and_rows_grow_past_a_block():
     assert sum(t.exists("a", keys)) == len(keys) and t.exists("b", keys[9:11]) == [True, False]
     with pytest.raises(ConfigError, match="columns: node 'n0' already has rows"):
         t.add_node("n0", 1 << 20)
+
+
+def test_key_index_rebuilds_keeps_namespaces_apart_and_gives_keys_back():
+    """Enough keys for several rebuilds of the index (it starts at 65,536 slots, at most half full), half of them
+    removed (tombstones), the rest still found in their own namespace only; long keys come back as sent."""
+    t = table(2, 200_000)
+    raw = [i.to_bytes(32, "little") for i in range(50_000)]
+    long = [b"sglang-page-%d" % i for i in range(20_000)]
+    for ns, keys in (("a", raw), ("b", long), ("c", raw[:1000])):
+        for i in range(0, len(keys), 5000):
+            put(t, keys[i:i + 5000], gen=1 + i, ns=ns)
+    assert t.evictions == 0 and len(t.ix.slots) > 1 << 16, "the index grew"
+    assert t.remove("a", raw[::2]) == [True] * 25_000 and t.ix.tombstones >= 25_000
+    t.check()
+    assert t.exists("a", raw) == [i % 2 == 1 for i in range(len(raw))]
+    assert sum(t.exists("b", long)) == len(long) and sum(t.exists("c", raw)) == 1000
+    assert t.exists("b", raw[:5]) == [False] * 5 and t.exists("zz", long[:3]) == [False] * 3
+    lease, locs = t.lookup("b", long[7:9])
+    rows = t._find("b", long[7:9]).tolist()
+    assert [t.key_of(r) for r in rows] == long[7:9] and t.key_of(int(t._find("a", raw[1:2])[0])) == raw[1]
+    assert t.release(lease)
+    for n in range(40):  # until a rebuild drops the tombstones (bounded: 200k more keys at most)
+        if not t.ix.tombstones:
+            break
+        put(t, [b"after-%d-%d" % (n, i) for i in range(5000)], gen=10**7 + n * 5000, ns="a")
+    t.check()
+    assert t.ix.tombstones == 0 and sum(t.exists("a", raw)) == 25_000
