@@ -3,28 +3,29 @@
 
 Why not a dict: at 10 M pages a dict look-up is three dependent cache misses (index slot, entry, the stored key
 object for the equality test) taken one key at a time by the interpreter, and the dict, the row's int and the key's
-bytes object cost about 140 bytes a page. Here a page costs its 32-byte digest in a column and two to five table
-slots of 4 bytes (the table is at most half full), and a batch's probes are numpy gathers, whose independent loads
-the CPU overlaps.
+bytes object cost about 140 bytes a page. Here a page costs its 32-byte digest in a column and two to five 8-byte
+slots, and a batch's probes are numpy gathers, whose independent loads the CPU overlaps.
 
 Keys. A key of 32 bytes (SGLang's page hash, sent raw: ``umbp.keys.normalize_key``) is its own digest; any other key
-is represented by its blake2b-256 digest (personalised, so it cannot equal a raw 32-byte key without a
-second preimage) and its bytes are kept in ``long_keys`` (row -> key) for whoever needs the original (listings, etcd
+is represented by its blake2b-256 digest (personalised, so it cannot equal a raw 32-byte key without a second
+preimage) and its bytes are kept in ``long_keys`` (row -> key) for whoever needs the original (listings, etcd
 record names). Two keys are the same page exactly when namespace and digest match.
 
-Table: ``slots`` (int32: a row, ``EMPTY`` or ``TOMBSTONE``), a power of two in size, linear probing from the home
-slot ``h(ns, digest)``, a batch's probes ``WINDOW`` slots a round after the first: a multiply-shift hash of two digest words and the namespace under multipliers drawn at
-random per process, so a client that picks raw 32-byte keys cannot aim them at one slot. Invariant: between a
-live row's home and its slot every slot is occupied (a row or a tombstone), and no row sits more than ``max_disp``
-slots past its home, so a probe of ``max_disp + 1`` rounds is exact. Inserts run in rounds over the batch (each
-round every key not yet placed looks at its current slot; among those that find it empty one per slot wins;
-the rest move one slot on; a tombstone is as good as an empty slot, as the keys are absent), deletes leave a
-tombstone, and the table is rebuilt (same rounds, 2.5 times the live
-rows rounded up to a power of two: at most 2/5 full) when rows and tombstones would pass half of it. So a page
-costs 8 to 20 bytes of slots, and a churning pool rebuilds after evicting a tenth to a half of its pages.
+Table: ``slots`` (int64), a power of two in size: ``EMPTY``, ``TOMBSTONE``, or a row with a 31-bit tag of its
+digest above it (``tag << 32 | row``), so a probe rejects other keys' slots without reading their digests. Linear
+probing from the home slot ``h(ns, digest)``, a multiply-shift hash of two digest words and the namespace under
+odd multipliers drawn at random per process (a client that picks raw 32-byte keys cannot aim them at one slot).
+A probe reads each key's home slot, then ``WINDOW`` slots a round (one 64-byte line when aligned) for the keys
+not settled, compares the tags, and reads the digest of the rows whose tag matches (about one a key). Invariant: between a live row's home and its slot every slot is
+occupied (a row or a tombstone), and no row sits more than ``max_disp`` slots past its home, so probing stops at
+an empty slot or after ``max_disp`` slots, exactly. Inserts run in rounds over the batch (each key not yet placed
+looks at its current slot; among those that find it free, empty or a tombstone, one per slot wins; the rest move
+one slot on); a delete leaves a tombstone; when rows and tombstones would pass ``MAX_LOAD`` of the slots the table
+is rebuilt (the same rounds) at the smallest power of two that ``REBUILD_LOAD`` of it holds the live rows.
 
-Costs: ``find`` O(n x rounds) numpy work for n keys (rounds are 1-2 for almost every key); ``insert`` the same;
-``delete`` the same; a rebuild O(live rows) numpy work.
+Costs: ``find`` and ``delete`` O(n x rounds) numpy work for n keys (one round for almost every key); ``insert``
+the same; a rebuild O(live rows) numpy work, taken by the request that crosses the bound (at 10 M pages about a
+second; not sliced yet).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ import numpy as np
 
 EMPTY, TOMBSTONE = -1, -2
 MIN_SLOTS = 1 << 16
-WINDOW = 8  # slots a probe round looks at past the home slot
+MAX_LOAD = 0.5  # rows and tombstones over slots that triggers a rebuild
+REBUILD_LOAD = 0.4  # the most rows over slots a rebuild leaves
+WINDOW = 8  # slots a probe round reads
 _STEPS = np.arange(WINDOW)
+_ROW = np.int64(0xFFFFFFFF)
 _LONG_PERSON = b"umbp-keyindex"
 
 
@@ -54,13 +58,24 @@ def zeros(shape, dtype) -> np.ndarray:
 def digests(keys: list[bytes]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
     """(n, 4) uint64 digests of ``keys`` and the (position, key) of those that are not 32 bytes long."""
     n = len(keys)
-    if n and min(map(len, keys)) == 32 == max(map(len, keys)):  # SGLang's digests: the common case, at C speed
-        return np.frombuffer(b"".join(keys), np.uint64).reshape(n, 4), []
+    joined = b"".join(keys)
+    if n and len(joined) == 32 * n and min(map(len, keys)) == 32:  # all 32 bytes (SGLang's digests), at C speed
+        return np.frombuffer(joined, np.uint64).reshape(n, 4), []
     longs = [(i, k) for i, k in enumerate(keys) if len(k) != 32]
     raw = list(keys)
     for i, k in longs:
         raw[i] = hashlib.blake2b(k, digest_size=32, person=_LONG_PERSON).digest()
     return np.frombuffer(b"".join(raw), np.uint64).reshape(n, 4), longs
+
+
+def _tags(dig: np.ndarray) -> np.ndarray:
+    """The 31-bit tags (int64) of digests: the top of their third word."""
+    return (dig[:, 2] >> np.uint64(33)).astype(np.int64)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise equality of two (n, 4) digest arrays (four word compares: cheaper than ``all(axis=1)``)."""
+    return (a[:, 0] == b[:, 0]) & (a[:, 1] == b[:, 1]) & (a[:, 2] == b[:, 2]) & (a[:, 3] == b[:, 3])
 
 
 class KeyIndex:
@@ -75,7 +90,7 @@ class KeyIndex:
         self._new_slots(MIN_SLOTS)
 
     def _new_slots(self, size: int) -> None:
-        self.slots = zeros(size, np.int32)
+        self.slots = zeros(size, np.int64)
         self.slots[:] = EMPTY
         self.bits = size.bit_length() - 1
         self.mask = size - 1
@@ -90,44 +105,48 @@ class KeyIndex:
             kc[:have] = self.kc
             self.kc = kc
 
-    # -- hashing ----------------------------------------------------------------------------------------------
     def _home(self, nsix, dig: np.ndarray) -> np.ndarray:
         """Home slots (int64) of digests ``dig`` in namespaces ``nsix`` (an int or one per digest)."""
-        with np.errstate(over="ignore"):
-            h = (dig[:, 0] * self._m0) ^ (dig[:, 1] * self._m1) ^ (np.asarray(nsix, np.uint64) * self._m2)
+        h = (dig[:, 0] * self._m0) ^ (dig[:, 1] * self._m1)  # array arithmetic wraps silently, as meant
+        h ^= np.asarray(nsix, np.uint64) * self._m2 if np.ndim(nsix) else np.uint64((int(nsix) * int(self._m2)) % 2**64)
         return (h >> np.uint64(64 - self.bits)).astype(np.int64)
+
+    def _rounds(self) -> int:
+        return self.max_disp // WINDOW + 1
 
     # -- queries ----------------------------------------------------------------------------------------------
     def find(self, nsix: int, dig: np.ndarray, ns_col: np.ndarray) -> np.ndarray:
         """Rows (int64, -1: absent) of digests ``dig`` in namespace ``nsix``; ``ns_col`` is the table's namespace
-        column (a row matches when its digest and namespace do). One probe of every key's home slot settles most
-        of them; the rest look at ``WINDOW`` slots a round."""
+        column (a row matches when its digest and namespace do). The first round reads each key's home slot alone
+        (most keys end there); the rest read ``WINDOW`` slots a round."""
         n = len(dig)
         rows = np.full(n, -1, np.int64)
         if not self.live or not n:
             return rows
         pos = self._home(nsix, dig)
-        r = self.slots[pos].astype(np.int64)
-        held = r >= 0
-        hr = r[held]
-        match = np.zeros(n, bool)
-        match[held] = (self.kc[hr] == dig[held]).all(axis=1) & (ns_col[hr] == nsix)
-        rows[match] = r[match]
-        todo = np.flatnonzero(~match & (r != EMPTY))
+        tags = _tags(dig)
+        v = self.slots.take(pos)
+        hit = np.flatnonzero((v >> 32) == tags)
+        self._match(nsix, dig, ns_col, rows, hit, v, hit)
+        todo = np.flatnonzero((rows < 0) & (v != EMPTY))  # a live row never sits past an empty slot of its path
         pos = (pos[todo] + 1) & self.mask
-        for _ in range(self.max_disp // WINDOW + 1):
+        for _ in range(self._rounds()):
             if not len(todo):
                 break
-            win = (pos[:, None] + _STEPS) & self.mask
-            r = self.slots[win].astype(np.int64)  # (m, WINDOW)
-            safe = np.maximum(r, 0)
-            eq = (r >= 0) & (self.kc[safe] == dig[todo][:, None, :]).all(axis=2) & (ns_col[safe] == nsix)
-            hit = eq.any(axis=1)  # a live row never sits past an EMPTY slot of its path: no check needed
-            rows[todo[hit]] = r[hit, eq[hit].argmax(axis=1)]
-            go = ~hit & ~(r == EMPTY).any(axis=1)
-            todo = todo[go]
-            pos = (pos[go] + WINDOW) & self.mask
+            v = self.slots.take((pos[:, None] + _STEPS) & self.mask)  # (m, WINDOW)
+            hit = np.flatnonzero((v >> 32) == tags[todo][:, None])  # EMPTY, TOMBSTONE: tag -1, never equal
+            self._match(nsix, dig, ns_col, rows, todo[hit // WINDOW], v.ravel(), hit)
+            left = np.flatnonzero((rows[todo] < 0) & (v != EMPTY).all(axis=1))
+            todo = todo[left]
+            pos = (pos[left] + WINDOW) & self.mask
         return rows
+
+    def _match(self, nsix, dig, ns_col, rows, at, v, hit) -> None:
+        """Set ``rows[at[i]]`` for the candidate slot values ``v[hit[i]]`` (tags equal to key ``at[i]``'s) whose row
+        has that key's digest and namespace; a live row is filed once, so a key matches at most once."""
+        rr = v.take(hit) & _ROW
+        ok = _same(self.kc.take(rr, axis=0), dig.take(at, axis=0)) & (ns_col.take(rr) == nsix)
+        rows[at[ok]] = rr[ok]
 
     def key_of(self, row: int) -> bytes:
         """The key of a live row (its bytes: the digest itself for a 32-byte key)."""
@@ -138,39 +157,37 @@ class KeyIndex:
     def insert(self, rows: np.ndarray, dig: np.ndarray, ns_col: np.ndarray,
                longs: list[tuple[int, bytes]] | None = None) -> None:
         """File new rows (absent keys, their namespaces already in ``ns_col``; their digests ``dig`` go into
-        ``kc``), rebuilding first if they would fill the table past half. ``longs``: (position in ``rows``, key) of
-        keys that are not their own digest."""
+        ``kc``), rebuilding first if they would fill the table past ``MAX_LOAD``. ``longs``: (position in ``rows``,
+        key) of keys that are not their own digest."""
         rows = np.asarray(rows, np.int64)
         self.kc[rows] = dig
         for i, k in longs or ():
             self.long_keys[int(rows[i])] = k
-        if 2 * (self.live + self.tombstones + len(rows)) > len(self.slots):
-            old = self.slots[self.slots >= 0].astype(np.int64)
-            rows = np.concatenate([old, rows])
+        if self.live + self.tombstones + len(rows) > MAX_LOAD * len(self.slots):
+            held = self.slots[self.slots >= 0]
+            rows = np.concatenate([held & _ROW, rows])
             size = MIN_SLOTS
-            while 2 * size < 5 * len(rows):  # then at most 2/5 full: room to grow before the next rebuild
+            while REBUILD_LOAD * size < len(rows):
                 size *= 2
             self._new_slots(size)
         self._place(rows, self._home(ns_col[rows], self.kc[rows]))
 
     def _place(self, rows: np.ndarray, pos: np.ndarray) -> None:
-        """The rounds of the module docstring: file ``rows`` from home slots ``pos``. A tombstone is as good as an
-        empty slot here (the keys are absent, so nothing past it needs finding through this key's path)."""
+        """The insert rounds of the module docstring: file ``rows`` from home slots ``pos``."""
         slots, mask = self.slots, self.mask
+        vals = (_tags(self.kc[rows]) << 32) | rows
         disp = 0
         while len(rows):
-            got = slots[pos]
-            free = got < 0
-            cand_pos = pos[free]
-            won_pos, first = np.unique(cand_pos, return_index=True)
+            free = slots[pos] < 0
+            won_pos, first = np.unique(pos[free], return_index=True)
             self.tombstones -= int(np.count_nonzero(slots[won_pos] == TOMBSTONE))
-            slots[won_pos] = rows[free][first]
+            slots[won_pos] = vals[free][first]
             lost = np.ones(len(rows), bool)
             lost[np.flatnonzero(free)[first]] = False
-            if disp > self.max_disp:
+            if len(first) and disp > self.max_disp:
                 self.max_disp = disp
             self.live += len(first)
-            rows = rows[lost]
+            rows, vals = rows[lost], vals[lost]
             pos = (pos[lost] + 1) & mask
             disp += 1
 
@@ -179,17 +196,19 @@ class KeyIndex:
         rows = np.asarray(rows, np.int64)
         if not len(rows):
             return
-        pos = self._home(ns, self.kc[rows])
+        dig = self.kc[rows]
+        want = (_tags(dig) << 32) | rows
+        pos = self._home(ns, dig)
         todo = np.arange(len(rows))
-        for _ in range(self.max_disp // WINDOW + 1):
+        for _ in range(self._rounds()):
             win = (pos[:, None] + _STEPS) & self.mask
-            eq = self.slots[win] == rows[todo][:, None]
+            eq = self.slots[win] == want[todo][:, None]
             hit = eq.any(axis=1)
             self.slots[win[hit, eq[hit].argmax(axis=1)]] = TOMBSTONE
-            todo = todo[~hit]
-            pos = (pos[~hit] + WINDOW) & self.mask
+            todo, pos = todo[~hit], pos[~hit]
             if not len(todo):
                 break
+            pos = (pos + WINDOW) & self.mask
         assert not len(todo), f"keyindex: rows {rows[todo][:8].tolist()} are not filed"
         self.live -= len(rows)
         self.tombstones += len(rows)
@@ -197,9 +216,12 @@ class KeyIndex:
             self.long_keys.pop(r, None)
 
     def check(self, live_rows: np.ndarray, ns_col: np.ndarray) -> None:
-        """Every live row is filed once and found from its home; nothing else is filed."""
-        filed = np.sort(self.slots[self.slots >= 0].astype(np.int64))
-        assert np.array_equal(filed, np.sort(live_rows)), "keyindex: filed rows differ from the live rows"
+        """Every live row is filed once, with its tag, and found from its home; nothing else is filed."""
+        held = self.slots[self.slots >= 0]
+        filed = held & _ROW
+        order = np.argsort(filed)
+        assert np.array_equal(filed[order], np.sort(live_rows)), "keyindex: filed rows differ from the live rows"
+        assert np.array_equal(held[order] >> 32, _tags(self.kc[filed[order]])), "keyindex: a slot's tag is wrong"
         assert self.live == len(filed) and self.tombstones == int(np.count_nonzero(self.slots == TOMBSTONE))
         for nsix in np.unique(ns_col[live_rows]).tolist():
             rows = live_rows[ns_col[live_rows] == nsix]
