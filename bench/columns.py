@@ -33,17 +33,12 @@ import msgpack  # noqa: E402
 
 from transport.wire import object_size  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself
+from scale import rss  # noqa: E402
+
 NODES = 32
 BATCH = 1000
 PLEN = 64 * 61 * 656  # an MLA page of 64 tokens (DeepSeek-V3), as bench/scale.py's model
-
-
-def rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def malloc_trim() -> bool:
