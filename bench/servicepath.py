@@ -48,10 +48,12 @@ class ServicePath:
     etcd: decode, validate, directory call, per-key tag and capability (closed pool), etcd record of each commit,
     encode. Mirrors service.lookup/alloc/commit; kept here so the figure does not need a running metaserver."""
 
-    def __init__(self, d: Directory):
+    def __init__(self, d: Directory | None, node_ids: list[str] | None = None):
+        """``node_ids``: the members' ids, where ``d`` is not a directory to take them from (``bench/columns.py``)."""
         self.d = d
         self.tokens = Tokens.load("scale-bench-cluster-secret", None, "bench")
-        self.members = {nid: _Member(self.tokens.cap_key(nid, b"arena-" + nid.encode())) for nid in d.spaces}
+        self.members = {nid: _Member(self.tokens.cap_key(nid, b"arena-" + nid.encode()))
+                        for nid in (node_ids if node_ids is not None else d.spaces)}
         self.store = EtcdStore("127.0.0.1:2379", "/umbp")  # its key and record encoding only: never connected
         self.conn_pending: set = set()  # the connection's PENDING entries (server.Connection.pending)
         self.gen = 1 << 40

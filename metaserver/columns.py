@@ -10,11 +10,11 @@ open-addressing table probed a batch at a time), with no Python object per page;
 keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's rows instead of a Python step
 per key. What stays per key in Python: placement and eviction in ``alloc`` (the allocator is per extent).
 
-Columns (``ROW_BYTES`` = 31 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
+Columns (``ROW_BYTES`` = 39 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
 16 TiB per arena), ``size`` (u16: the index of its layout code, the payload length or a shared entry's
 ``entry.layout``, in ``codes``; pages of a namespace share one), ``gen`` (u64), ``pins`` (u32), ``stamp`` (u64: the
 access clock), ``state`` (u8: ``entry.PENDING``, ``READY``, ``GONE`` or ``FREE``), ``ns`` (u16, the namespace's
-index). The key index holds each live row's key digest and finds rows by (namespace, key).
+index), ``tag`` (u64: the object tag ALLOC handed out, kept so a LOOKUP need not compute it again). The key index holds each live row's key digest and finds rows by (namespace, key).
 
 Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
 
@@ -47,7 +47,7 @@ FREE = 3  # a row on its node's free list
 BLOCK = 1 << 12  # rows a node takes at a time
 CANDIDATES = 1024  # the fewest victims a queue refill collects
 COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
-           ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16))
+           ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16), ("tag", np.uint64))
 UNIT_SHIFT = 12  # offsets are multiples of the allocator's 4 KiB unit: the column holds offset >> 12
 MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
 ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
@@ -245,11 +245,14 @@ class PageTable:
                 return off, -1
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int) -> list:
+    def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int,
+              tags: list[int] | None = None) -> list:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting the placed node's least recently
         used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
         ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``; keys are taken in order, so a key that an earlier
-        key of the same request evicted is placed again and a key given twice is IN_FLIGHT the second time."""
+        key of the same request evicted is placed again and a key given twice is IN_FLIGHT the second time.
+        ``tags``: each key's object tag (``umbp.auth.Tokens.tags``, a closed pool), kept in the ``tag`` column so a
+        LOOKUP answers it without computing it again (0 when not given)."""
         nsix = self._ns(ns)
         c = self.cols
         dig, longs = digests(keys)
@@ -317,6 +320,7 @@ class PageTable:
             c["gen"][ra] = np.array(new, np.uint64) + np.uint64(gen_base)
             c["pins"][ra] = 0
             c["ns"][ra] = nsix
+            c["tag"][ra] = np.array(tags, np.uint64).take(new) if tags is not None else 0
             where = {i: j for j, i in enumerate(new)} if longs else {}
             self.ix.insert(ra, dig[new], c["ns"], [(where[i], k) for i, k in longs if i in where])
         return items
@@ -343,16 +347,32 @@ class PageTable:
     def lookup(self, ns: str, keys: list[bytes]) -> tuple[int, list]:
         """Locations ``(node_id, offset, payload_len, gen)`` of READY keys (None for the others), pinned under one
         read lease (0 when nothing was found)."""
+        lease, hit, hr = self.lookup_rows(ns, keys)
+        if not lease:
+            return 0, [None] * len(keys)
+        c = self.cols
+        locs = list(zip(self.node_names[c["node"][hr]].tolist(),
+                        (c["unit"][hr].astype(np.uint64) << UNIT_SHIFT).tolist(), self.code_arr[c["size"][hr]].tolist(),
+                        c["gen"][hr].tolist()))
+        if len(hr) == len(keys):
+            return lease, locs
+        out: list = [None] * len(keys)
+        for i, loc in zip(np.flatnonzero(hit).tolist(), locs):
+            out[i] = loc
+        return lease, out
+
+    def lookup_rows(self, ns: str, keys: list[bytes]) -> tuple[int, np.ndarray, np.ndarray]:
+        """``lookup`` as columns: (lease, which keys were found, their rows in key order), the rows pinned under
+        the lease (0, and no rows, when nothing was found)."""
         rows = self._find(ns, keys)
         c = self.cols
-        hit = rows >= 0
-        hit[hit] = c["state"][rows[hit]] == READY
+        hit = (rows >= 0) & (c["state"].take(rows) == READY)  # rows of -1 read the last row: masked by the first test
         hr = rows[hit]
         n = len(hr)
         self.hits += n
         self.misses += len(keys) - n
         if not n:
-            return 0, [None] * len(keys)
+            return 0, hit, hr
         srt = np.sort(hr)
         repeats = bool(np.any(srt[1:] == srt[:-1]))
         if repeats:  # a key twice in one batch is pinned twice, as the lease names it twice
@@ -364,15 +384,7 @@ class PageTable:
         while lease in self.leases:
             lease = random_id() or 1
         self.leases[lease] = (hr, repeats)
-        locs = list(zip(self.node_names[c["node"][hr]].tolist(),
-                        (c["unit"][hr].astype(np.uint64) << UNIT_SHIFT).tolist(), self.code_arr[c["size"][hr]].tolist(),
-                        c["gen"][hr].tolist()))
-        if n == len(keys):
-            return lease, locs
-        out: list = [None] * len(keys)
-        for i, loc in zip(np.flatnonzero(hit).tolist(), locs):
-            out[i] = loc
-        return lease, out
+        return lease, hit, hr
 
     def release(self, lease: int) -> bool:
         """Unpin everything under ``lease`` and stamp it (a read's end is its last access); a row removed while

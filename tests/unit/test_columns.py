@@ -163,6 +163,17 @@ def test_a_removed_pinned_page_keeps_its_bytes_until_its_last_pin():
     t.check()
 
 
+def test_tags_given_at_alloc_come_back_with_the_rows():
+    t = table(1, 8)
+    keys = [b"t%d" % i for i in range(4)]
+    items = t.alloc("a", keys, [PLEN] * 4, 50, tags=[11, 12, 13, 14])
+    assert t.commit("a", keys, [it[4] for it in items]) == [True] * 4
+    lease, hit, rows = t.lookup_rows("a", [keys[2], b"nope", keys[0]])
+    assert hit.tolist() == [True, False, True] and t.cols["tag"].take(rows).tolist() == [13, 11]
+    assert t.release(lease)
+    t.check()
+
+
 def test_commit_rules_and_in_flight_keys():
     t = table(1, 4)
     items = t.alloc("a", [b"x", b"y"], [PLEN, PLEN], 7)

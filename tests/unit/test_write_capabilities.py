@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from metaserver.directory import NEW, Directory
@@ -14,7 +15,7 @@ from metaserver.quarantine import NEVER, Quarantine
 from transport import wire
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 from umbp.auth import (WRITE_CAP_SIZE, CapCache, check_read_capability, check_write_capability, read_capability,
-                       write_capability)
+                       read_capability_packed, write_capability)
 from umbp.config import NodeConfig
 from umbp.errors import AuthError
 from umbp.node import NodeServer
@@ -69,6 +70,13 @@ def test_a_read_capability_covers_its_batch_only():
     for bad in (wcap(KEY, 4096, 100, 7, 0, 0), read_capability(b"y" * 32, [(4096, 100, 7)]), b"", None, cap[1:]):
         with pytest.raises(AuthError, match="no valid capability to read"):
             check_read_capability(KEY, bad, 4096, 100, 7, "t")
+
+
+def test_a_read_capability_of_packed_slots_is_the_same_capability():
+    slots = [(4096, 100, 7), (8192, 50, 9)]
+    packed = np.array(slots, "<u8").tobytes()  # how a columnar caller packs them
+    assert read_capability_packed(KEY, packed) == read_capability(KEY, slots)
+    assert read_capability_packed(None, packed) == b""
 
 
 def test_the_cache_verifies_a_batch_once_and_trusts_only_verified_bytes():
