@@ -2,19 +2,21 @@
 ``Directory``. Not serving yet: ``bench/columns.py`` measures it against ``Directory`` in the same run and
 ``tests/unit/test_columns.py`` checks it; the metaserver still runs ``Directory``.
 
-Why: a ``Directory`` page is a Python ``Entry`` of 15 slots (152 bytes with its object header) plus its key, offset and
-generation objects and a dict slot, and every per-key step is attribute work on it (a LOOKUP pins each entry,
+Why: a ``Directory`` page is a Python ``Entry`` of 15 slots (152 bytes with its object header) plus its key, offset
+and generation objects and a dict slot, and every per-key step is attribute work on it (a LOOKUP pins each entry,
 unlinks it from its eviction ring and links it back at the release). Here a page is a row: ``ROW_BYTES`` of
-fixed-width columns, its 32-byte key digest and about two slots of the key index (``metaserver/keyindex.py``: an
-open-addressing table probed a batch at a time), with no Python object per page; every batch operation (find the
-keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's rows instead of a Python step
-per key. What stays per key in Python: placement and eviction in ``alloc`` (the allocator is per extent).
+fixed-width columns, its 32-byte key digest and two to five 8-byte slots of the key index
+(``metaserver/keyindex.py``: an open-addressing table probed a batch at a time), with no Python object per page;
+every batch operation (find the keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's
+rows instead of a Python step per key. What stays per key in Python: placement and eviction in ``alloc`` (the
+allocator is per extent).
 
 Columns (``ROW_BYTES`` = 39 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
 16 TiB per arena), ``size`` (u16: the index of its layout code, the payload length or a shared entry's
 ``entry.layout``, in ``codes``; pages of a namespace share one), ``gen`` (u64), ``pins`` (u32), ``stamp`` (u64: the
 access clock), ``state`` (u8: ``entry.PENDING``, ``READY``, ``GONE`` or ``FREE``), ``ns`` (u16, the namespace's
-index), ``tag`` (u64: the object tag ALLOC handed out, kept so a LOOKUP need not compute it again). The key index holds each live row's key digest and finds rows by (namespace, key).
+index), ``tag`` (u64: the object tag ALLOC handed out, kept so a LOOKUP need not compute it again). The key index
+holds each live row's key digest and finds rows by (namespace, key).
 
 Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
 
@@ -82,8 +84,8 @@ class PageTable:
     ``lookup``, ``release``, ``exists``, ``remove``; ``check()`` verifies the invariants below.
 
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
-    (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated
-    until its last pin goes); every FREE row is on its node's free list once; each node's allocator holds exactly
+    (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
+    goes); every FREE row is on its node's free list once; each node's allocator holds exactly
     the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row."""
 
     def __init__(self, capacity_rows: int = BLOCK):

@@ -11,17 +11,19 @@ is represented by its blake2b-256 digest (personalised, so it cannot equal a raw
 preimage) and its bytes are kept in ``long_keys`` (row -> key) for whoever needs the original (listings, etcd
 record names). Two keys are the same page exactly when namespace and digest match.
 
-Table: ``slots`` (int64), a power of two in size: ``EMPTY``, ``TOMBSTONE``, or a row with a 31-bit tag of its
-digest above it (``tag << 32 | row``), so a probe rejects other keys' slots without reading their digests. Linear
-probing from the home slot ``h(ns, digest)``, a multiply-shift hash of two digest words and the namespace under
-odd multipliers drawn at random per process (a client that picks raw 32-byte keys cannot aim them at one slot).
-A probe reads each key's home slot, then ``WINDOW`` slots a round (one 64-byte line when aligned) for the keys
-not settled, compares the tags, and reads the digest of the rows whose tag matches (about one a key). Invariant: between a live row's home and its slot every slot is
-occupied (a row or a tombstone), and no row sits more than ``max_disp`` slots past its home, so probing stops at
-an empty slot or after ``max_disp`` slots, exactly. Inserts run in rounds over the batch (each key not yet placed
-looks at its current slot; among those that find it free, empty or a tombstone, one per slot wins; the rest move
-one slot on); a delete leaves a tombstone; when rows and tombstones would pass ``MAX_LOAD`` of the slots the table
-is rebuilt (the same rounds) at the smallest power of two that ``REBUILD_LOAD`` of it holds the live rows.
+Table: ``slots`` (int64), a power of two in size: ``EMPTY``, ``TOMBSTONE``, or a row with a 31-bit tag of its digest
+above it (``tag << 32 | row``), so a probe rejects other keys' slots without reading their digests. Linear probing
+from the home slot ``h(ns, digest)``, the xor of multiply-shift hashes of the four digest words and the namespace
+under odd multipliers drawn at random per process (keys that differ in any word land apart unless the multipliers
+are known, so a client that picks raw 32-byte keys cannot aim them at one slot). A probe
+reads each key's home slot, then ``WINDOW`` slots a round (one 64-byte line when aligned) for the keys not settled,
+compares the tags, and reads the digest of the rows whose tag matches (about one a key). Invariant: between a live
+row's home and its slot every slot is occupied (a row or a tombstone), and no row sits more than ``max_disp`` slots
+past its home, so probing stops at an empty slot or after ``max_disp`` slots, exactly. Inserts run in rounds over
+the batch (each key not yet placed looks at its current slot; among those that find it free, empty or a tombstone,
+one per slot wins; the rest move one slot on); a delete leaves a tombstone; when rows and tombstones would pass
+``MAX_LOAD`` of the slots the table is rebuilt (the same rounds) at the smallest power of two that ``REBUILD_LOAD``
+of it holds the live rows.
 
 Costs: ``find`` and ``delete`` O(n x rounds) numpy work for n keys (one round for almost every key); ``insert``
 the same; a rebuild O(live rows) numpy work, taken by the request that crosses the bound (at 10 M pages about a
@@ -85,8 +87,8 @@ class KeyIndex:
     def __init__(self) -> None:
         self.kc = zeros((0, 4), np.uint64)
         self.long_keys: dict[int, bytes] = {}
-        rnd = np.frombuffer(os.urandom(24), np.uint64)
-        self._m0, self._m1, self._m2 = rnd | np.uint64(1)  # odd multipliers
+        self._m = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd multipliers, one per digest word
+        self._mns = int.from_bytes(os.urandom(8), "little") | 1  # and one for the namespace
         self._new_slots(MIN_SLOTS)
 
     def _new_slots(self, size: int) -> None:
@@ -107,8 +109,12 @@ class KeyIndex:
 
     def _home(self, nsix, dig: np.ndarray) -> np.ndarray:
         """Home slots (int64) of digests ``dig`` in namespaces ``nsix`` (an int or one per digest)."""
-        h = (dig[:, 0] * self._m0) ^ (dig[:, 1] * self._m1)  # array arithmetic wraps silently, as meant
-        h ^= np.asarray(nsix, np.uint64) * self._m2 if np.ndim(nsix) else np.uint64((int(nsix) * int(self._m2)) % 2**64)
+        m = self._m
+        h = (dig[:, 0] * m[0]) ^ (dig[:, 1] * m[1]) ^ (dig[:, 2] * m[2]) ^ (dig[:, 3] * m[3])  # wraps, as meant
+        if np.ndim(nsix):
+            h ^= np.asarray(nsix, np.uint64) * np.uint64(self._mns)
+        else:
+            h ^= np.uint64(int(nsix) * self._mns % 2**64)
         return (h >> np.uint64(64 - self.bits)).astype(np.int64)
 
     def _rounds(self) -> int:
