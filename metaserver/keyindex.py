@@ -26,8 +26,8 @@ one per slot wins; the rest move one slot on); a delete leaves a tombstone; when
 of it holds the live rows.
 
 Costs: ``find`` and ``delete`` O(n x rounds) numpy work for n keys (one round for almost every key); ``insert``
-the same; a rebuild O(live rows) numpy work, taken by the request that crosses the bound (at 10 M pages about a
-second; not sliced yet).
+the same; a rebuild O(live rows) numpy work, taken by the request that crosses the bound (0.65 CPU-seconds for 2 M
+rows on a 2-core VM; not sliced yet).
 """
 
 from __future__ import annotations
