@@ -375,13 +375,15 @@ class PageTable:
         self.misses += len(keys) - n
         if not n:
             return 0, hit, hr
-        srt = np.sort(hr)
-        repeats = bool(np.any(srt[1:] == srt[:-1]))
-        if repeats:  # a key twice in one batch is pinned twice, as the lease names it twice
+        first = self.clock
+        self._stamp(hr)
+        # A row given twice keeps only its later stamp: the stamps read back tell whether any row repeats, cheaper
+        # than a sort. A repeated row is pinned once per time it is named, as the lease names it.
+        repeats = not np.array_equal(c["stamp"].take(hr), np.arange(first, first + n, dtype=np.uint64))
+        if repeats:
             np.add.at(c["pins"], hr, 1)
         else:
             c["pins"][hr] += 1
-        self._stamp(hr)
         lease = random_id() or 1
         while lease in self.leases:
             lease = random_id() or 1

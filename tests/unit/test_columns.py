@@ -236,3 +236,17 @@ def test_keys_that_differ_in_one_word_do_not_pile_up():
     t.check()
     assert t.ix.max_disp < 32, t.ix.max_disp
     assert sum(t.exists("a", keys)) == 5000
+
+
+def test_a_key_named_twice_in_a_lookup_is_pinned_twice_and_freed_once():
+    t = table(1, 4)
+    put(t, [b"x", b"y"])
+    lease, locs = t.lookup("a", [b"x", b"y", b"x"])
+    assert locs[0] == locs[2] is not None
+    (row,) = t._find("a", [b"x"]).tolist()
+    assert t.cols["pins"][row] == 2
+    t.check()
+    assert t.remove("a", [b"x"]) == [True]
+    assert t.release(lease)
+    t.check()
+    assert t.nodes[0].alloc.used == object_size(PLEN), "x's bytes came back once, with its last pin"
