@@ -29,13 +29,15 @@ left in the queue, and a row not in the queue was newer than all of them when it
 exact stamp order. Costs: a refill O(node's rows) at C speed, amortised over the candidates it yields.
 
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
-sub-slots, quotas, the write quarantine, pending expiry and writer tokens, read-lease owners and expiry, node loss
-and drains, commit records, placement near a parent (here: round-robin over the nodes, evicting on the chosen
-one), and the invariants and fingerprint that the warm standby compares. Those are what moving the metaserver onto
-it takes.
+sub-slots, quotas, the write quarantine, pending expiry and writer tokens, node loss and drains, commit records,
+placement near a parent (here: round-robin over the nodes, evicting on the chosen one), and the invariants and
+fingerprint that the warm standby compares. Those are what moving the metaserver onto it takes.
+Read leases have owners and a budgeted expiry (``expire_leases``), as ``Directory``'s.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
@@ -88,7 +90,7 @@ class PageTable:
     goes); every FREE row is on its node's free list once; each node's allocator holds exactly
     the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row."""
 
-    def __init__(self, capacity_rows: int = BLOCK):
+    def __init__(self, capacity_rows: int = BLOCK, read_lease_s: float = 10.0):
         self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
         self.ix = KeyIndex()
         self.rows = 0  # rows the columns have room for
@@ -100,6 +102,9 @@ class PageTable:
         self.node_by_id: dict[str, NodeRows] = {}
         self.blocks_used = 0
         self.leases: dict[int, tuple[np.ndarray, bool]] = {}  # lease -> (its rows, whether a row repeats)
+        self.read_lease_s = read_lease_s
+        self._lease_owner: dict[int, object] = {}  # lease -> the connection that took it (absent: none given)
+        self._lease_q: deque[tuple[float, int]] = deque()  # (expiry, lease) in the order they were granted
         self.clock = 1
         self._rr = 0  # round-robin placement cursor
         self._osize: dict[int, tuple[int, int]] = {}  # payload length -> (object size, its code's index)
@@ -346,10 +351,11 @@ class PageTable:
                 self._stamp(new)
         return ok.tolist()
 
-    def lookup(self, ns: str, keys: list[bytes]) -> tuple[int, list]:
+    def lookup(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None) -> tuple[int, list]:
         """Locations ``(node_id, offset, payload_len, gen)`` of READY keys (None for the others), pinned under one
-        read lease (0 when nothing was found)."""
-        lease, hit, hr = self.lookup_rows(ns, keys)
+        read lease (0 when nothing was found) that belongs to ``owner`` and expires ``read_lease_s`` after ``now``
+        (``expire_leases``), as ``Directory.lookup``."""
+        lease, hit, hr = self.lookup_rows(ns, keys, now, owner)
         if not lease:
             return 0, [None] * len(keys)
         c = self.cols
@@ -363,7 +369,8 @@ class PageTable:
             out[i] = loc
         return lease, out
 
-    def lookup_rows(self, ns: str, keys: list[bytes]) -> tuple[int, np.ndarray, np.ndarray]:
+    def lookup_rows(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None
+                    ) -> tuple[int, np.ndarray, np.ndarray]:
         """``lookup`` as columns: (lease, which keys were found, their rows in key order), the rows pinned under
         the lease (0, and no rows, when nothing was found)."""
         rows = self._find(ns, keys)
@@ -388,14 +395,21 @@ class PageTable:
         while lease in self.leases:
             lease = random_id() or 1
         self.leases[lease] = (hr, repeats)
+        if owner is not None:
+            self._lease_owner[lease] = owner
+        self._lease_q.append((now + self.read_lease_s, lease))
         return lease, hit, hr
 
-    def release(self, lease: int) -> bool:
+    def release(self, lease: int, owner: object = None) -> bool:
         """Unpin everything under ``lease`` and stamp it (a read's end is its last access); a row removed while
-        pinned gives its extent and row back with its last pin. False when the lease is unknown."""
+        pinned gives its extent and row back with its last pin. False, changing nothing, when the lease is unknown,
+        already expired, or (``owner`` given) taken by another owner. ``owner`` None: expiry, tests."""
+        if owner is not None and self._lease_owner.get(lease) is not owner:
+            return False
         held = self.leases.pop(lease, None)
         if held is None:
             return False
+        self._lease_owner.pop(lease, None)
         hr, repeats = held
         c = self.cols
         if repeats:
@@ -413,6 +427,17 @@ class PageTable:
             self._free_extent(r, node)
             self._free_row(r, node)
         return True
+
+    def expire_leases(self, now: float, budget: int) -> int:
+        """Release leases whose ``read_lease_s`` ran out by ``now``, at most ``budget`` of the oldest; returns how
+        many were still held (the others were released by their owners already)."""
+        q = self._lease_q
+        n = 0
+        while q and budget > 0 and q[0][0] <= now:
+            _, lease = q.popleft()
+            budget -= 1
+            n += self.release(lease)
+        return n
 
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
         rows = self._find(ns, keys)

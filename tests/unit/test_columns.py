@@ -250,3 +250,21 @@ def test_a_key_named_twice_in_a_lookup_is_pinned_twice_and_freed_once():
     assert t.release(lease)
     t.check()
     assert t.nodes[0].alloc.used == object_size(PLEN), "x's bytes came back once, with its last pin"
+
+
+def test_leases_belong_to_their_owner_and_expire_in_budgeted_steps():
+    t = PageTable(read_lease_s=10.0)
+    t.add_node("n0", 8 * object_size(PLEN))
+    put(t, [b"p", b"q"])
+    mine, other = object(), object()
+    l1, _ = t.lookup("a", [b"p"], now=100.0, owner=mine)
+    l2, _ = t.lookup("a", [b"q"], now=101.0, owner=mine)
+    l3, _ = t.lookup("a", [b"p", b"q"], now=102.0)
+    assert not t.release(l1, owner=other) and l1 in t.leases, "another connection cannot release it"
+    assert t.release(l1, owner=mine) and not t.release(l1, owner=mine)
+    assert t.expire_leases(111.5, budget=10) == 1, "l1 was released by its owner; l2 ran out at 111"
+    assert set(t.leases) == {l3}
+    assert t.expire_leases(200.0, budget=0) == 0 and set(t.leases) == {l3}, "no budget, no work"
+    assert t.expire_leases(200.0, budget=1) == 1 and not t.leases
+    t.check()
+    assert t.cols["pins"].sum() == 0
