@@ -29,10 +29,11 @@ left in the queue, and a row not in the queue was newer than all of them when it
 exact stamp order. Costs: a refill O(node's rows) at C speed, amortised over the candidates it yields.
 
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
-sub-slots, quotas, the write quarantine, pending expiry and writer tokens, node loss and drains, commit records,
+sub-slots, quotas, the write quarantine, writer tokens, node loss and drains, commit records,
 placement near a parent (here: round-robin over the nodes, evicting on the chosen one), and the invariants and
 fingerprint that the warm standby compares. Those are what moving the metaserver onto it takes.
-Read leases have owners and a budgeted expiry (``expire_leases``), as ``Directory``'s.
+Read leases have owners and a budgeted expiry (``expire_leases``), and PENDING rows a budgeted expiry
+(``expire_pending``), as ``Directory``'s.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ class PageTable:
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
     goes); every FREE row is on its node's free list once; each node's allocator holds exactly
-    the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row."""
+    the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row;
+    ``_pending`` holds exactly the PENDING rows."""
 
-    def __init__(self, capacity_rows: int = BLOCK, read_lease_s: float = 10.0):
+    def __init__(self, capacity_rows: int = BLOCK, read_lease_s: float = 10.0, pending_ttl_s: float = 30.0):
         self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
         self.ix = KeyIndex()
         self.rows = 0  # rows the columns have room for
@@ -103,6 +105,8 @@ class PageTable:
         self.blocks_used = 0
         self.leases: dict[int, tuple[np.ndarray, bool]] = {}  # lease -> (its rows, whether a row repeats)
         self.read_lease_s = read_lease_s
+        self.pending_ttl_s = pending_ttl_s
+        self._pending: dict[int, None] = {}  # PENDING rows in allocation order (their deadline: the stamp column)
         self._lease_owner: dict[int, object] = {}  # lease -> the connection that took it (absent: none given)
         self._lease_q: deque[tuple[float, int]] = deque()  # (expiry, lease) in the order they were granted
         self.clock = 1
@@ -253,13 +257,15 @@ class PageTable:
 
     # -- requests ---------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int,
-              tags: list[int] | None = None) -> list:
+              tags: list[int] | None = None, now: float = 0.0) -> list:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting the placed node's least recently
         used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
         ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``; keys are taken in order, so a key that an earlier
         key of the same request evicted is placed again and a key given twice is IN_FLIGHT the second time.
         ``tags``: each key's object tag (``umbp.auth.Tokens.tags``, a closed pool), kept in the ``tag`` column so a
-        LOOKUP answers it without computing it again (0 when not given)."""
+        LOOKUP answers it without computing it again (0 when not given). A PENDING row not committed within
+        ``pending_ttl_s`` of ``now`` is dropped by ``expire_pending``; until its commit its ``stamp`` holds that
+        deadline in milliseconds."""
         nsix = self._ns(ns)
         c = self.cols
         dig, longs = digests(keys)
@@ -328,6 +334,8 @@ class PageTable:
             c["pins"][ra] = 0
             c["ns"][ra] = nsix
             c["tag"][ra] = np.array(tags, np.uint64).take(new) if tags is not None else 0
+            c["stamp"][ra] = int((now + self.pending_ttl_s) * 1000)
+            self._pending.update(dict.fromkeys(rows))
             where = {i: j for j, i in enumerate(new)} if longs else {}
             self.ix.insert(ra, dig[new], c["ns"], [(where[i], k) for i, k in longs if i in where])
         return items
@@ -349,6 +357,9 @@ class PageTable:
                 new = new[np.sort(np.unique(new, return_index=True)[1])]  # a key given twice: once, in key order
                 c["state"][new] = READY
                 self._stamp(new)
+                pending = self._pending
+                for r in new.tolist():
+                    del pending[r]
         return ok.tolist()
 
     def lookup(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None) -> tuple[int, list]:
@@ -439,6 +450,25 @@ class PageTable:
             n += self.release(lease)
         return n
 
+    def expire_pending(self, now: float, budget: int) -> int:
+        """Drop PENDING rows whose writer did not commit within ``pending_ttl_s``, oldest first, at most ``budget``;
+        returns how many."""
+        c = self.cols
+        due = []
+        limit = now * 1000
+        for r in self._pending:
+            if len(due) >= budget or c["stamp"][r] > limit:
+                break
+            due.append(r)
+        for r in due:
+            del self._pending[r]
+            self._free_extent(r, self.nodes[c["node"][r]])
+            self._free_row(r, self.nodes[c["node"][r]])
+        if due:
+            rows = np.array(due, np.int64)
+            self.ix.delete(rows, c["ns"].take(rows).astype(np.uint64))
+        return len(due)
+
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
         rows = self._find(ns, keys)
         ok = rows >= 0
@@ -457,6 +487,7 @@ class PageTable:
                 continue
             out.append(True)
             gone.append(r)
+            self._pending.pop(r, None)
             node = self.nodes[c["node"][r]]
             if c["pins"][r]:
                 c["state"][r] = GONE
@@ -479,6 +510,7 @@ class PageTable:
         state = c["state"][:top]
         live = np.flatnonzero((state == PENDING) | (state == READY))
         self.ix.check(live, c["ns"])
+        assert sorted(self._pending) == np.flatnonzero(state == PENDING).tolist(), "columns: pending rows differ"
         want = np.zeros(top, np.int64)
         for hr, _ in self.leases.values():
             np.add.at(want, hr, 1)

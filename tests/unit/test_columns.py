@@ -268,3 +268,20 @@ def test_leases_belong_to_their_owner_and_expire_in_budgeted_steps():
     assert t.expire_leases(200.0, budget=1) == 1 and not t.leases
     t.check()
     assert t.cols["pins"].sum() == 0
+
+
+def test_uncommitted_rows_expire_oldest_first_within_a_budget():
+    t = PageTable(pending_ttl_s=30.0)
+    t.add_node("n0", 8 * object_size(PLEN))
+    old = t.alloc("a", [b"o1", b"o2"], [PLEN, PLEN], 1, now=100.0)
+    new = t.alloc("a", [b"n1"], [PLEN], 3, now=120.0)
+    assert [it[0] for it in old + new] == [NEW] * 3
+    t.check()
+    assert t.expire_pending(129.9, budget=10) == 0, "nothing is due yet"
+    assert t.expire_pending(131.0, budget=1) == 1 and t.expire_pending(131.0, budget=10) == 1, "o1, then o2"
+    t.check()
+    assert t.alloc("a", [b"o1"], [PLEN], 9, now=131.0)[0][0] == NEW, "an expired key can be written again"
+    assert t.commit("a", [b"n1"], [3]) == [True] and t.expire_pending(1000.0, budget=10) == 1, "only o1's new row"
+    t.check()
+    assert t.exists("a", [b"o1", b"o2", b"n1"]) == [False, False, True]
+    assert t.nodes[0].alloc.used == object_size(PLEN)
