@@ -265,7 +265,8 @@ class PageTable:
         ``tags``: each key's object tag (``umbp.auth.Tokens.tags``, a closed pool), kept in the ``tag`` column so a
         LOOKUP answers it without computing it again (0 when not given). A PENDING row not committed within
         ``pending_ttl_s`` of ``now`` is dropped by ``expire_pending``; until its commit its ``stamp`` holds that
-        deadline in milliseconds."""
+        deadline in milliseconds. Sizes come validated (``metaserver/validate.py``), as for ``Directory``: nothing
+        in the loop raises, so a request's evictions and placements always reach the key index together."""
         nsix = self._ns(ns)
         c = self.cols
         dig, longs = digests(keys)
