@@ -41,6 +41,7 @@ from transport.wire import object_size  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself
 from scale import rss  # noqa: E402
+from servicepath import ServicePath, Wire  # noqa: E402
 
 NODES = 32
 BATCH = 1000
@@ -62,7 +63,7 @@ def malloc_trim() -> bool:
 
 def fresh(keys: list[bytes]) -> list[bytes]:
     """The keys as new objects, the way a request's msgpack decode hands them to the handler."""
-    return msgpack.unpackb(msgpack.packb(keys, use_bin_type=True))
+    return Wire.keys("kv", keys)["keys"]
 
 
 class Subject:
@@ -82,8 +83,6 @@ class Subject:
             for i in range(NODES):
                 self.d.add_node(f"node-{i}", per_node)
         self.new = NEW
-        from servicepath import ServicePath
-
         self.svc = ServicePath(self.d if kind == "directory" else None, [f"node-{i}" for i in range(NODES)])
         self.tokens = self.svc.tokens
 
@@ -123,14 +122,11 @@ class Subject:
         from the columns."""
         if self.kind == "directory":
             return self.svc.lookup(frame)
-        from metaserver import validate as v
-        from metaserver.columns import UNIT_SHIFT
+        from metaserver.columns import UNIT_SHIFT, by_key
         from umbp.auth import read_capability_packed
 
         t = self.d
-        m = msgpack.unpackb(frame, raw=False)
-        ns = v.ns(m)
-        keys = v.keys(m, 4096)
+        ns, keys = self.svc.keys_of(frame)
         lease, hit, hr = t.lookup_rows(ns, keys)
         c = t.cols
         nodes = c["node"].take(hr)
@@ -141,17 +137,9 @@ class Subject:
         slots = np.stack([offs, codes, gens], axis=1).astype("<u8")
         caps = [read_capability_packed(self.svc.members[t.nodes[n].node_id].cap_key, slots[inv == j].tobytes())
                 for j, n in enumerate(uniq.tolist())]
-        locs = list(zip(t.node_names.take(nodes).tolist(), offs.tolist(), codes.tolist(), gens.tolist(),
-                        c["tag"].take(hr).tolist(), inv.tolist()))
-        if len(hr) != len(keys):
-            out: list = [None] * len(keys)
-            for i, loc in zip(np.flatnonzero(hit).tolist(), locs):
-                out[i] = loc
-            locs = out
-        reply = msgpack.packb({"lease": lease, "locs": locs, "caps": caps}, use_bin_type=True)
-        rel = msgpack.unpackb(msgpack.packb({"lease": lease}), raw=False)
-        t.release(v.integer(rel, "lease", 0, (1 << 63) - 1))
-        return reply
+        locs = by_key(hit, list(zip(t.node_names.take(nodes).tolist(), offs.tolist(), codes.tolist(), gens.tolist(),
+                                    c["tag"].take(hr).tolist(), inv.tolist())))
+        return self.svc.answer_lookup(t, lease, locs, caps)
 
 
 def run(kind: str, pages: int, ops: int, seed: int) -> dict:

@@ -59,14 +59,24 @@ class ServicePath:
         self.gen = 1 << 40
 
     def lookup(self, frame: bytes) -> bytes:
-        m = msgpack.unpackb(frame, raw=False)
-        ns = v.ns(m)
-        keys = v.keys(m, 4096)
+        ns, keys = self.keys_of(frame)
         lease, locs = self.d.lookup(ns, keys, time.monotonic())
         caps = grant_reads(self.tokens, self.members.get, ns, keys, locs)
+        return self.answer_lookup(self.d, lease, locs, caps)
+
+    @staticmethod
+    def keys_of(frame: bytes) -> tuple[str, list]:
+        """A LOOKUP request decoded and validated: (namespace, keys)."""
+        m = msgpack.unpackb(frame, raw=False)
+        return v.ns(m), v.keys(m, 4096)
+
+    @staticmethod
+    def answer_lookup(d, lease: int, locs: list, caps: list) -> bytes:
+        """The LOOKUP answer encoded, then the client's RELEASE of its lease decoded, validated and applied to
+        ``d`` (a directory or a page table)."""
         reply = msgpack.packb({"lease": lease, "locs": locs, "caps": caps}, use_bin_type=True)
         rel = msgpack.unpackb(msgpack.packb({"lease": lease}), raw=False)
-        self.d.release(v.integer(rel, "lease", 0, (1 << 63) - 1))
+        d.release(v.integer(rel, "lease", 0, (1 << 63) - 1))
         return reply
 
     def exists(self, frame: bytes) -> bytes:

@@ -9,7 +9,7 @@ fixed-width columns, its 32-byte key digest and two to five 8-byte slots of the 
 (``metaserver/keyindex.py``: an open-addressing table probed a batch at a time), with no Python object per page;
 every batch operation (find the keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's
 rows instead of a Python step per key. What stays per key in Python: placement and eviction in ``alloc`` (the
-allocator is per extent).
+allocator is per extent), the pending set at COMMIT, and REMOVE.
 
 Columns (``ROW_BYTES`` = 39 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
 16 TiB per arena), ``size`` (u16: the index of its layout code, the payload length or a shared entry's
@@ -43,7 +43,8 @@ from collections import deque
 import numpy as np
 
 from metaserver.allocator import Allocator
-from metaserver.entry import GONE, PENDING, READY, extent_size, random_id
+from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, PENDING, READY, expire_queue,
+                              extent_size, random_id)
 from metaserver.keyindex import KeyIndex, digests, zeros
 from transport import wire
 from umbp.errors import ConfigError
@@ -56,11 +57,16 @@ COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen"
 UNIT_SHIFT = 12  # offsets are multiples of the allocator's 4 KiB unit: the column holds offset >> 12
 MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
 ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
-NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
-                                    wire.AllocState.IN_FLIGHT)
-_EXISTS_ITEM = (EXISTS, None, None, None, None)
-_IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
-_NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
+
+
+def by_key(hit: np.ndarray, found: list) -> list:
+    """One entry per key: ``found``'s items (the hits, in key order) where ``hit`` is set, None elsewhere."""
+    if len(found) == len(hit):
+        return found
+    out: list = [None] * len(hit)
+    for i, item in zip(np.flatnonzero(hit).tolist(), found):
+        out[i] = item
+    return out
 
 
 class NodeRows:
@@ -84,7 +90,8 @@ class NodeRows:
 
 class PageTable:
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
-    ``lookup``, ``release``, ``exists``, ``remove``; ``check()`` verifies the invariants below.
+    ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``; ``check()`` verifies the
+    invariants below.
 
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
@@ -92,11 +99,11 @@ class PageTable:
     the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row;
     ``_pending`` holds exactly the PENDING rows."""
 
-    def __init__(self, capacity_rows: int = BLOCK, read_lease_s: float = 10.0, pending_ttl_s: float = 30.0):
+    def __init__(self, read_lease_s: float = 10.0, pending_ttl_s: float = 30.0):
         self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
         self.ix = KeyIndex()
         self.rows = 0  # rows the columns have room for
-        self._grow(max(capacity_rows, BLOCK))
+        self._grow(BLOCK)
         self.node_names = np.zeros(0, object)  # node index -> node id, for gathering an answer's names
         self.ns_names: list[str] = []
         self.ns_ix: dict[str, int] = {}
@@ -286,13 +293,13 @@ class PageTable:
         seen: set = set()
         for i, (k, plen) in enumerate(zip(keys, sizes)):
             if found[i] >= 0 and found[i] not in evicted:
-                items.append(_EXISTS_ITEM if found_state[i] == READY else _IN_FLIGHT_ITEM)
+                items.append(EXISTS_ITEM if found_state[i] == READY else IN_FLIGHT_ITEM)
                 continue
             if k in seen:
-                items.append(_IN_FLIGHT_ITEM)
+                items.append(IN_FLIGHT_ITEM)
                 continue
             if not nodes:
-                items.append(_NO_SPACE_ITEM)
+                items.append(NO_SPACE_ITEM)
                 continue
             node = nodes[self._rr % len(nodes)]
             self._rr += 1
@@ -300,7 +307,7 @@ class PageTable:
             if got is None:
                 cix = self._code(plen)
                 if cix is None:  # MAX_CODES distinct lengths already: this one has no column value
-                    items.append(_NO_SPACE_ITEM)
+                    items.append(NO_SPACE_ITEM)
                     continue
                 got = osize[plen] = (wire.object_size(plen), cix)
             size, cix = got
@@ -309,7 +316,7 @@ class PageTable:
             if off is None:
                 off, r = self._make_room(node, size)
                 if off is None:
-                    items.append(_NO_SPACE_ITEM)
+                    items.append(NO_SPACE_ITEM)
                     continue
             if r < 0:
                 r = self._take_row(node)
@@ -371,15 +378,9 @@ class PageTable:
         if not lease:
             return 0, [None] * len(keys)
         c = self.cols
-        locs = list(zip(self.node_names[c["node"][hr]].tolist(),
-                        (c["unit"][hr].astype(np.uint64) << UNIT_SHIFT).tolist(), self.code_arr[c["size"][hr]].tolist(),
-                        c["gen"][hr].tolist()))
-        if len(hr) == len(keys):
-            return lease, locs
-        out: list = [None] * len(keys)
-        for i, loc in zip(np.flatnonzero(hit).tolist(), locs):
-            out[i] = loc
-        return lease, out
+        return lease, by_key(hit, list(zip(self.node_names[c["node"][hr]].tolist(),
+                                           (c["unit"][hr].astype(np.uint64) << UNIT_SHIFT).tolist(),
+                                           self.code_arr[c["size"][hr]].tolist(), c["gen"][hr].tolist())))
 
     def lookup_rows(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None
                     ) -> tuple[int, np.ndarray, np.ndarray]:
@@ -443,13 +444,7 @@ class PageTable:
     def expire_leases(self, now: float, budget: int) -> int:
         """Release leases whose ``read_lease_s`` ran out by ``now``, at most ``budget`` of the oldest; returns how
         many were still held (the others were released by their owners already)."""
-        q = self._lease_q
-        n = 0
-        while q and budget > 0 and q[0][0] <= now:
-            _, lease = q.popleft()
-            budget -= 1
-            n += self.release(lease)
-        return n
+        return expire_queue(self._lease_q, now, budget, self.release)
 
     def expire_pending(self, now: float, budget: int) -> int:
         """Drop PENDING rows whose writer did not commit within ``pending_ttl_s``, oldest first, at most ``budget``;

@@ -47,8 +47,9 @@ from __future__ import annotations
 import sys
 from collections import deque
 
-from metaserver.entry import (GONE, PENDING, READY, STATE_NAMES, Effects, Entries, Entry, NodeSpace, NsEntries,
-                              SpaceEntries, extent_size, PART_MASK, SHARD_SHIFT)
+from metaserver.entry import (EXISTS, EXISTS_ITEM, GONE, IN_FLIGHT, IN_FLIGHT_ITEM, NEW, NO_SPACE, NO_SPACE_ITEM,
+                              OVER_QUOTA, OVER_QUOTA_ITEM, PENDING, READY, STATE_NAMES, Effects, Entries, Entry,
+                              NodeSpace, NsEntries, SpaceEntries, extent_size, PART_MASK, SHARD_SHIFT)
 from metaserver.eviction import Policy, make_policy
 from metaserver.invariants import DirectoryInvariants
 from metaserver.links import PrefixLinks
@@ -58,20 +59,12 @@ from metaserver.quarantine import Quarantine
 from metaserver.quotas import NamespaceQuotas
 from metaserver.shared import ShardState, SharedEntries
 from metaserver.spaces import NodeSpaces
-from transport import wire
 from transport.wire import object_size
 
 __all__ = ["Directory", "Effects", "Entry", "NodeSpace", "Entries", "NsEntries", "SpaceEntries", "PENDING", "READY",
-           "GONE", "STATE_NAMES", "NEW", "EXISTS", "NO_SPACE", "IN_FLIGHT", "PLACE_EVICT_BUDGET"]
+           "GONE", "STATE_NAMES", "NEW", "EXISTS", "NO_SPACE", "IN_FLIGHT", "OVER_QUOTA", "PLACE_EVICT_BUDGET"]
 
 SIZE_INTERN = 4096  # distinct payload lengths shared between entries (pages of a namespace are one size)
-NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
-                                    wire.AllocState.IN_FLIGHT)
-_EXISTS_ITEM = (EXISTS, None, None, None, None)
-_IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
-_NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
-OVER_QUOTA = -1  # internal item state (never on the wire): the key does not fit in its namespace's quota
-_OVER_QUOTA_ITEM = (OVER_QUOTA, None, None, None, None)
 _intern = sys.intern
 
 
@@ -199,7 +192,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         interned, osizes = self._sizes, self._osizes
         quota = self.quotas.get(ns) if self.quotas else None
         if quota is not None and not self._fit_quota(ns, keys, sizes, quota, fx):
-            return [_OVER_QUOTA_ITEM] * len(keys), fx
+            return [OVER_QUOTA_ITEM] * len(keys), fx
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored
         added = 0  # bytes the new entries add to the namespace's use (counted once, after the loop)
         # Per key, what _answers_exists, parent_of and _add_pending do, inlined (this loop runs once per key put);
@@ -210,7 +203,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         place = None
         for i, key in enumerate(keys):
             if key in seen:
-                items.append(_EXISTS_ITEM)
+                items.append(EXISTS_ITEM)
                 continue
             seen.add(key)
             e = r.get(key)
@@ -219,7 +212,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
                     e.last_access = now
                     if e.pins == 0:
                         self.policy.add(e)
-                    items.append(_EXISTS_ITEM)
+                    items.append(EXISTS_ITEM)
                     continue
                 self._drop_dying(e, fx)
             if pd is not None:
@@ -230,7 +223,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
                         pending[e] = writer
                         items.append((NEW, e.space.node_id, e.offset, e.payload_len, e.gen))
                     else:
-                        items.append(_IN_FLIGHT_ITEM)
+                        items.append(IN_FLIGHT_ITEM)
                     continue
             plen = sizes[i]
             parent = parents[i] if parents else None
@@ -251,7 +244,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
                 osize = osizes[pl]
             placed = place(osize, near)
             if placed is None:
-                items.append(_NO_SPACE_ITEM)
+                items.append(NO_SPACE_ITEM)
                 continue
             sp, off = placed
             gen = gen_base + i

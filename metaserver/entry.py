@@ -26,7 +26,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from metaserver.allocator import Allocator
-from transport.wire import ARENA_DATA_START, object_size
+from transport.wire import ARENA_DATA_START, AllocState, object_size
 
 if TYPE_CHECKING:
     from metaserver.directory import Directory
@@ -63,6 +63,14 @@ def extent_size(code: int) -> int:
     return object_size(code) if not n else n * object_size(code & PART_MASK)
 STATE_NAMES = ("PENDING", "READY", "GONE")
 
+# ALLOC item states and the items that carry no place (directory.py, shared.py, columns.py answer with these)
+NEW, EXISTS, NO_SPACE, IN_FLIGHT = (AllocState.NEW, AllocState.EXISTS, AllocState.NO_SPACE, AllocState.IN_FLIGHT)
+OVER_QUOTA = -1  # internal item state (never on the wire): the key does not fit in its namespace's quota
+EXISTS_ITEM = (EXISTS, None, None, None, None)
+IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
+NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
+OVER_QUOTA_ITEM = (OVER_QUOTA, None, None, None, None)
+
 _ID_BATCH = 512  # random ids drawn from os.urandom at once
 _ids: list[int] = []
 os.register_at_fork(after_in_child=_ids.clear)  # a forked child draws its own, never its parent's next ids
@@ -75,6 +83,17 @@ def random_id() -> int:
     if not _ids:
         _ids.extend(x >> 1 for x in struct.unpack(f"<{_ID_BATCH}Q", os.urandom(8 * _ID_BATCH)))
     return _ids.pop()
+
+
+def expire_queue(q, now: float, budget: int, release) -> int:
+    """Release the leases of ``q`` (a deque of (expiry, lease) in grant order) whose expiry is past ``now``, at most
+    ``budget`` of the oldest; returns how many ``release`` still found held (the rest their owners released)."""
+    n = 0
+    while q and budget > 0 and q[0][0] <= now:
+        _, lease = q.popleft()
+        budget -= 1
+        n += release(lease)
+    return n
 
 
 def parent_of(ready: dict, pending: dict | None, parent: bytes | None) -> tuple:

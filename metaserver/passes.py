@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 
-from metaserver.entry import Effects, NodeSpace, extent_size
+from metaserver.entry import Effects, NodeSpace, expire_queue, extent_size
 from metaserver.eviction import bytes_to_low, over_high
 
 
@@ -96,14 +96,7 @@ class EvictionPasses:
         return len(due)
 
     def expire_leases(self, now: float, budget: int) -> int:
-        q = self._lease_q
-        n = 0
-        while q and budget > 0 and q[0][0] <= now:
-            _, lease = q.popleft()
-            budget -= 1
-            if self.release(lease):
-                n += 1
-        return n
+        return expire_queue(self._lease_q, now, budget, self.release)
 
 
 def _fill_of(sp: NodeSpace) -> float:

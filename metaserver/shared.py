@@ -39,20 +39,12 @@ from __future__ import annotations
 
 import sys
 
-from metaserver.entry import (PART_MASK, PENDING, Effects, Entry, extent_size, layout, parent_of, random_id,
-                              shards_of)
+from metaserver.entry import (EXISTS_ITEM, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, OVER_QUOTA_ITEM, PART_MASK, PENDING,
+                              Effects, Entry, extent_size, layout, parent_of, random_id, shards_of)
 from metaserver.placement import Placer
-from transport import wire
 from transport.wire import object_size
 
 _intern = sys.intern
-NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
-                                    wire.AllocState.IN_FLIGHT)
-_EXISTS_ITEM = (EXISTS, None, None, None, None)
-_IN_FLIGHT_ITEM = (IN_FLIGHT, None, None, None, None)
-_NO_SPACE_ITEM = (NO_SPACE, None, None, None, None)
-OVER_QUOTA = -1  # as metaserver.directory.OVER_QUOTA
-_OVER_QUOTA_ITEM = (OVER_QUOTA, None, None, None, None)
 
 
 class ShardState:
@@ -77,7 +69,7 @@ class SharedEntries:
         codes = [layout(s, n) for s in sizes]
         quota = self.quotas.get(ns) if self.quotas else None
         if quota is not None and not self._fit_quota(ns, keys, codes, quota, fx):
-            return [_OVER_QUOTA_ITEM] * len(keys), fx
+            return [OVER_QUOTA_ITEM] * len(keys), fx
         r = self.ready.get(ns) or {}
         pend, shards = self.pending_keys, self._shards
         items: list = []
@@ -87,7 +79,7 @@ class SharedEntries:
         tok = token if token is not None else 0
         for i, key in enumerate(keys):
             if self._answers_exists(r, key, seen, now, fx):  # a repeat, or a live page (a use of it)
-                items.append(_EXISTS_ITEM)
+                items.append(EXISTS_ITEM)
                 continue
             pd = pend.get(ns)
             e = pd.get(key) if pd is not None else None
@@ -95,16 +87,16 @@ class SharedEntries:
             if e is not None:
                 st = shards.get(e)
                 if st is None or e.payload_len != code:
-                    items.append(_IN_FLIGHT_ITEM)  # a plain writer, or another layout, holds the key
+                    items.append(IN_FLIGHT_ITEM)  # a plain writer, or another layout, holds the key
                 elif st.written >> rk & 1:
-                    items.append(_EXISTS_ITEM)  # this rank's part is in already
+                    items.append(EXISTS_ITEM)  # this rank's part is in already
                 elif st.tokens[rk] is None or (token is not None and st.tokens[rk] == token):
                     st.tokens[rk] = tok
                     st.owners[rk] = owner
                     part = code & PART_MASK
                     items.append((NEW, e.space.node_id, e.offset + rk * object_size(part), part, e.gen))
                 else:
-                    items.append(_IN_FLIGHT_ITEM)
+                    items.append(IN_FLIGHT_ITEM)
                 continue
             near, parent = parent_of(r, pd, parents[i] if parents else None)
             if placer is None:
@@ -112,7 +104,7 @@ class SharedEntries:
             osize = extent_size(code)
             placed = placer.place(osize, near)
             if placed is None:
-                items.append(_NO_SPACE_ITEM)
+                items.append(NO_SPACE_ITEM)
                 continue
             sp, off = placed
             e = self._add_pending(Entry(ns, key, sp, off, self._plen(code), gen_base + i, PENDING, parent, now),

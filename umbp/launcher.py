@@ -82,7 +82,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep_dead_arenas(root: str = "/dev/shm") -> list[str]:
+def sweep_dead_pool_dirs(root: str = "/dev/shm") -> list[str]:
     """Remove this user's ``umbp-up-{pid}-*`` directories (arenas under /dev/shm, work directories under the
     temporary directory) in ``root`` whose pool process ``pid`` is gone.
     Returns the paths removed. A live pid (or a reused one) keeps its directory. Assumes one pid namespace shares
@@ -262,10 +262,10 @@ class LocalPool:
         return ["--metrics-listen", "127.0.0.1:0"] if self.with_metrics else []
 
     def _start(self) -> None:
-        for path in sweep_dead_arenas(os.path.dirname(self.arena_dir)):
+        for path in sweep_dead_pool_dirs(os.path.dirname(self.arena_dir)):
             self.say(f"removed {path}: the arenas of a pool whose process is gone")
         if self._own_dir:  # its etcd data (a WAL preallocates 64 MB), logs: nothing a later pool reads
-            for path in sweep_dead_arenas(os.path.dirname(self.workdir)):
+            for path in sweep_dead_pool_dirs(os.path.dirname(self.workdir)):
                 self.say(f"removed {path}: the work directory of a pool whose process is gone")
         py = [sys.executable, "-m", "umbp"]
         if not self.etcd_url:

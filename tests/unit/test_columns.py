@@ -9,7 +9,8 @@ from collections import OrderedDict
 
 import pytest
 
-from metaserver.columns import BLOCK, EXISTS, IN_FLIGHT, NEW, NO_SPACE, PageTable
+from metaserver.columns import BLOCK, PageTable
+from metaserver.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE
 from transport.wire import object_size
 from umbp.errors import ConfigError
 
