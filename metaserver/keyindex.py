@@ -21,13 +21,23 @@ compares the tags, and reads the digest of the rows whose tag matches (about one
 row's home and its slot every slot is occupied (a row or a tombstone), and no row sits more than ``max_disp`` slots
 past its home, so probing stops at an empty slot or after ``max_disp`` slots, exactly. Inserts run in rounds over
 the batch (each key not yet placed looks at its current slot; among those that find it free, empty or a tombstone,
-one per slot wins; the rest move one slot on); a delete leaves a tombstone; when rows and tombstones would pass
-``MAX_LOAD`` of the slots the table is rebuilt (the same rounds) at the smallest power of two that ``REBUILD_LOAD``
-of it holds the live rows.
+one per slot wins; the rest move one slot on); a delete leaves a tombstone.
 
-Costs: ``find`` and ``delete`` O(n x rounds) numpy work for n keys (one round for almost every key); ``insert``
-the same; a rebuild O(live rows) numpy work, taken by the request that crosses the bound (0.65 CPU-seconds for 2 M
-rows on a 2-core VM; not sliced yet).
+Resizing is incremental, as Redis's ``dict.c`` rehash: when rows and tombstones would pass ``MAX_LOAD`` of the
+slots, a new table is made at the smallest power of two that ``REBUILD_LOAD`` of it holds the live rows (and the
+insert), and the old one is drained into it a slice at a time: each insert of n rows moves the rows of the next
+``pace`` x n slots of the old table (``pace`` chosen so the drain ends before the new table has used half its room
+above ``REBUILD_LOAD``), and ``step(budget)`` (the owner's background tick) moves the rows of ``budget`` more. A
+moved row's old slot becomes a tombstone, so the old table's probe paths stay whole. Meanwhile new rows go to the
+new table, ``find`` probes the new table and then, for the keys it did not find, the old one, and ``delete`` unfiles
+a row from whichever holds it. Invariant: every live row is filed exactly once, in one of the two, and the old
+table's slots below the drain cursor hold no row. Only an insert that would overfill the new table before the drain
+ends (one request of more rows than the room left, far past what the pace allows for) finishes the drain at once.
+
+Costs: ``find`` and ``delete`` O(n x rounds) numpy work for n keys (one round for almost every key; while a drain
+runs, keys not in the new table are probed in the old one too); ``insert`` the same plus its share of the drain,
+O(pace x n) slots scanned and their rows moved; no step is O(table). A one-step rebuild of 2 M rows took 0.65
+CPU-seconds on the 2-core VM: what a request would have waited for.
 """
 
 from __future__ import annotations
@@ -80,25 +90,57 @@ def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a[:, 0] == b[:, 0]) & (a[:, 1] == b[:, 1]) & (a[:, 2] == b[:, 2]) & (a[:, 3] == b[:, 3])
 
 
-class KeyIndex:
-    """Rows by (namespace index, key digest). Rows and their namespaces are the page table's; this holds the digest
-    column ``kc`` (grown with the table's rows by ``grow``), the slots and the long keys."""
+class _Slots:
+    """One open-addressing table: its slots, and the counts and bound that probing relies on."""
 
-    def __init__(self) -> None:
-        self.kc = zeros((0, 4), np.uint64)
-        self.long_keys: dict[int, bytes] = {}
-        self._m = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd multipliers, one per digest word
-        self._mns = int.from_bytes(os.urandom(8), "little") | 1  # and one for the namespace
-        self._new_slots(MIN_SLOTS)
+    __slots__ = ("slots", "bits", "mask", "live", "tombstones", "max_disp")
 
-    def _new_slots(self, size: int) -> None:
+    def __init__(self, size: int):
         self.slots = zeros(size, np.int64)
         self.slots[:] = EMPTY
         self.bits = size.bit_length() - 1
         self.mask = size - 1
         self.live = 0
         self.tombstones = 0
-        self.max_disp = 0
+        self.max_disp = 0  # no row sits further than this past its home
+
+    def rounds(self) -> int:
+        return self.max_disp // WINDOW + 1
+
+
+class KeyIndex:
+    """Rows by (namespace index, key digest). Rows and their namespaces are the page table's; this holds the digest
+    column ``kc`` (grown with the table's rows by ``grow``), the slots (``t``, and ``old`` while a resize drains it)
+    and the long keys."""
+
+    def __init__(self) -> None:
+        self.kc = zeros((0, 4), np.uint64)
+        self.long_keys: dict[int, bytes] = {}
+        self._m = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd multipliers, one per digest word
+        self._mns = int.from_bytes(os.urandom(8), "little") | 1  # and one for the namespace
+        self.t = _Slots(MIN_SLOTS)
+        self.old: _Slots | None = None  # the table being drained into ``t`` (None: no resize under way)
+        self.cursor = 0  # the old table's slots below this hold no row
+        self.pace = 0  # old slots drained per row inserted, for the drain under way
+        self.resizes = 0
+        self.drained = 0  # old slots drained, over all resizes (figures, tests)
+
+    # what tests and figures read: the current table's size and bound, the counts of both
+    @property
+    def slots(self) -> np.ndarray:
+        return self.t.slots
+
+    @property
+    def max_disp(self) -> int:
+        return self.t.max_disp
+
+    @property
+    def live(self) -> int:
+        return self.t.live + (self.old.live if self.old is not None else 0)
+
+    @property
+    def tombstones(self) -> int:
+        return self.t.tombstones + (self.old.tombstones if self.old is not None else 0)
 
     def grow(self, rows: int) -> None:
         have = len(self.kc)
@@ -107,45 +149,57 @@ class KeyIndex:
             kc[:have] = self.kc
             self.kc = kc
 
-    def _home(self, nsix, dig: np.ndarray) -> np.ndarray:
-        """Home slots (int64) of digests ``dig`` in namespaces ``nsix`` (an int or one per digest)."""
+    def _home(self, nsix, dig: np.ndarray, bits: int) -> np.ndarray:
+        """Home slots (int64) in a table of ``2**bits`` slots of digests ``dig`` in namespaces ``nsix`` (an int or one
+        per digest)."""
         m = self._m
         h = (dig[:, 0] * m[0]) ^ (dig[:, 1] * m[1]) ^ (dig[:, 2] * m[2]) ^ (dig[:, 3] * m[3])  # wraps, as meant
         if np.ndim(nsix):
             h ^= np.asarray(nsix, np.uint64) * np.uint64(self._mns)
         else:
             h ^= np.uint64(int(nsix) * self._mns % 2**64)
-        return (h >> np.uint64(64 - self.bits)).astype(np.int64)
-
-    def _rounds(self) -> int:
-        return self.max_disp // WINDOW + 1
+        return (h >> np.uint64(64 - bits)).astype(np.int64)
 
     # -- queries ----------------------------------------------------------------------------------------------
     def find(self, nsix: int, dig: np.ndarray, ns_col: np.ndarray) -> np.ndarray:
         """Rows (int64, -1: absent) of digests ``dig`` in namespace ``nsix``; ``ns_col`` is the table's namespace
-        column (a row matches when its digest and namespace do). The first round reads each key's home slot alone
-        (most keys end there); the rest read ``WINDOW`` slots a round."""
+        column (a row matches when its digest and namespace do). While a resize drains, the keys the new table
+        does not hold are looked for in the old one."""
         n = len(dig)
         rows = np.full(n, -1, np.int64)
-        if not self.live or not n:
+        if not n:
             return rows
-        pos = self._home(nsix, dig)
+        if self.t.live:
+            self._find_in(self.t, nsix, dig, ns_col, rows)
+        old = self.old
+        if old is not None and old.live:
+            miss = np.flatnonzero(rows < 0)
+            if len(miss):
+                sub = np.full(len(miss), -1, np.int64)
+                self._find_in(old, nsix, dig[miss], ns_col, sub)
+                rows[miss] = sub
+        return rows
+
+    def _find_in(self, tab: _Slots, nsix, dig: np.ndarray, ns_col: np.ndarray, rows: np.ndarray) -> None:
+        """``find`` in one table, into ``rows``. The first round reads each key's home slot alone (most keys end
+        there); the rest read ``WINDOW`` slots a round."""
+        slots, mask = tab.slots, tab.mask
+        pos = self._home(nsix, dig, tab.bits)
         tags = _tags(dig)
-        v = self.slots.take(pos)
+        v = slots.take(pos)
         hit = np.flatnonzero((v >> 32) == tags)
         self._match(nsix, dig, ns_col, rows, hit, v, hit)
         todo = np.flatnonzero((rows < 0) & (v != EMPTY))  # a live row never sits past an empty slot of its path
-        pos = (pos[todo] + 1) & self.mask
-        for _ in range(self._rounds()):
+        pos = (pos[todo] + 1) & mask
+        for _ in range(tab.rounds()):
             if not len(todo):
                 break
-            v = self.slots.take((pos[:, None] + _STEPS) & self.mask)  # (m, WINDOW)
+            v = slots.take((pos[:, None] + _STEPS) & mask)  # (m, WINDOW)
             hit = np.flatnonzero((v >> 32) == tags[todo][:, None])  # EMPTY, TOMBSTONE: tag -1, never equal
             self._match(nsix, dig, ns_col, rows, todo[hit // WINDOW], v.ravel(), hit)
             left = np.flatnonzero((rows[todo] < 0) & (v != EMPTY).all(axis=1))
             todo = todo[left]
-            pos = (pos[left] + WINDOW) & self.mask
-        return rows
+            pos = (pos[left] + WINDOW) & mask
 
     def _match(self, nsix, dig, ns_col, rows, at, v, hit) -> None:
         """Set ``rows[at[i]]`` for the candidate slot values ``v[hit[i]]`` (tags equal to key ``at[i]``'s) whose row
@@ -163,72 +217,128 @@ class KeyIndex:
     def insert(self, rows: np.ndarray, dig: np.ndarray, ns_col: np.ndarray,
                longs: list[tuple[int, bytes]] | None = None) -> None:
         """File new rows (absent keys, their namespaces already in ``ns_col``; their digests ``dig`` go into
-        ``kc``), rebuilding first if they would fill the table past ``MAX_LOAD``. ``longs``: (position in ``rows``,
-        key) of keys that are not their own digest."""
+        ``kc``), starting a resize first if they would fill the table past ``MAX_LOAD``, then drain the old table
+        by this insert's share (module docstring). ``longs``: (position in ``rows``, key) of keys that are not their
+        own digest."""
         rows = np.asarray(rows, np.int64)
         self.kc[rows] = dig
         for i, k in longs or ():
             self.long_keys[int(rows[i])] = k
-        if self.live + self.tombstones + len(rows) > MAX_LOAD * len(self.slots):
-            held = self.slots[self.slots >= 0]
-            rows = np.concatenate([held & _ROW, rows])
-            size = MIN_SLOTS
-            while REBUILD_LOAD * size < len(rows):
-                size *= 2
-            self._new_slots(size)
-        self._place(rows, self._home(ns_col[rows], self.kc[rows]))
+        n = len(rows)
+        t = self.t
+        if t.live + t.tombstones + n > MAX_LOAD * len(t.slots):
+            if self.old is not None:  # more than the pace allowed for: finish that drain first
+                self._drain(len(self.old.slots), ns_col)
+            self._resize(n)
+        self._place(self.t, rows, self._home(ns_col[rows], self.kc[rows], self.t.bits))
+        if self.old is not None:
+            self._drain(self.pace * n, ns_col)
 
-    def _place(self, rows: np.ndarray, pos: np.ndarray) -> None:
-        """The insert rounds of the module docstring: file ``rows`` from home slots ``pos``."""
-        slots, mask = self.slots, self.mask
+    def step(self, budget: int, ns_col: np.ndarray) -> int:
+        """Drain at most ``budget`` slots of a resize under way (the owner's background step); returns how many."""
+        return self._drain(budget, ns_col) if self.old is not None else 0
+
+    def _resize(self, adding: int) -> None:
+        """Start draining the current table into a new one sized for its live rows and ``adding`` more."""
+        old = self.t
+        size = MIN_SLOTS
+        while REBUILD_LOAD * size < old.live + adding:
+            size *= 2
+        self.t = _Slots(size)
+        self.resizes += 1
+        self.cursor = 0
+        self.old = old if old.live else None
+        # finish while the new table has used at most half its room between REBUILD_LOAD and MAX_LOAD
+        room = (MAX_LOAD * size - old.live - adding) / 2
+        self.pace = max(1, -int(-len(old.slots) // max(room, 1)))
+
+    def _drain(self, budget: int, ns_col: np.ndarray) -> int:
+        """Move the rows of the old table's next ``budget`` slots into the new one (their slots become tombstones,
+        so the old table's probe paths stay whole); drop the old table once drained. Returns slots visited."""
+        old = self.old
+        lo = self.cursor
+        hi = min(len(old.slots), lo + max(0, budget))
+        at = np.flatnonzero(old.slots[lo:hi] >= 0) + lo
+        if len(at):
+            moved = old.slots[at] & _ROW
+            old.slots[at] = TOMBSTONE
+            old.live -= len(at)
+            old.tombstones += len(at)
+            self._place(self.t, moved, self._home(ns_col[moved], self.kc[moved], self.t.bits))
+        self.cursor = hi
+        self.drained += hi - lo
+        if hi == len(old.slots):
+            self.old = None
+        return hi - lo
+
+    def _place(self, tab: _Slots, rows: np.ndarray, pos: np.ndarray) -> None:
+        """The insert rounds of the module docstring: file ``rows`` in ``tab`` from home slots ``pos``."""
+        slots, mask = tab.slots, tab.mask
         vals = (_tags(self.kc[rows]) << 32) | rows
         disp = 0
         while len(rows):
             free = slots[pos] < 0
             won_pos, first = np.unique(pos[free], return_index=True)
-            self.tombstones -= int(np.count_nonzero(slots[won_pos] == TOMBSTONE))
+            tab.tombstones -= int(np.count_nonzero(slots[won_pos] == TOMBSTONE))
             slots[won_pos] = vals[free][first]
             lost = np.ones(len(rows), bool)
             lost[np.flatnonzero(free)[first]] = False
-            if len(first) and disp > self.max_disp:
-                self.max_disp = disp
-            self.live += len(first)
+            if len(first) and disp > tab.max_disp:
+                tab.max_disp = disp
+            tab.live += len(first)
             rows, vals = rows[lost], vals[lost]
             pos = (pos[lost] + 1) & mask
             disp += 1
 
     def delete(self, rows: np.ndarray, ns: np.ndarray) -> None:
-        """Unfile live ``rows`` (their namespaces ``ns``, their digests still in ``kc``): a tombstone in each slot."""
+        """Unfile live ``rows`` (their namespaces ``ns``, their digests still in ``kc``): a tombstone in each slot,
+        in whichever table holds the row."""
         rows = np.asarray(rows, np.int64)
         if not len(rows):
             return
         dig = self.kc[rows]
         want = (_tags(dig) << 32) | rows
-        pos = self._home(ns, dig)
-        todo = np.arange(len(rows))
-        for _ in range(self._rounds()):
-            win = (pos[:, None] + _STEPS) & self.mask
-            eq = self.slots[win] == want[todo][:, None]
-            hit = eq.any(axis=1)
-            self.slots[win[hit, eq[hit].argmax(axis=1)]] = TOMBSTONE
-            todo, pos = todo[~hit], pos[~hit]
-            if not len(todo):
-                break
-            pos = (pos + WINDOW) & self.mask
-        assert not len(todo), f"keyindex: rows {rows[todo][:8].tolist()} are not filed"
-        self.live -= len(rows)
-        self.tombstones += len(rows)
+        ns = np.asarray(ns, np.uint64)
+        left = self._delete_in(self.t, dig, ns, want)
+        if len(left) and self.old is not None:
+            left = left[self._delete_in(self.old, dig[left], ns[left], want[left])]
+        assert not len(left), f"keyindex: rows {rows[left][:8].tolist()} are not filed"
         for r in rows.tolist():
             self.long_keys.pop(r, None)
 
+    def _delete_in(self, tab: _Slots, dig: np.ndarray, ns: np.ndarray, want: np.ndarray) -> np.ndarray:
+        """Tombstone the slots of ``tab`` holding ``want`` (slot values); returns the positions not found there."""
+        slots, mask = tab.slots, tab.mask
+        pos = self._home(ns, dig, tab.bits)
+        todo = np.arange(len(want))
+        for _ in range(tab.rounds()):
+            win = (pos[:, None] + _STEPS) & mask
+            eq = slots[win] == want[todo][:, None]
+            hit = eq.any(axis=1)
+            slots[win[hit, eq[hit].argmax(axis=1)]] = TOMBSTONE
+            n = int(np.count_nonzero(hit))
+            tab.live -= n
+            tab.tombstones += n
+            todo, pos = todo[~hit], pos[~hit]
+            if not len(todo):
+                break
+            pos = (pos + WINDOW) & mask
+        return todo
+
     def check(self, live_rows: np.ndarray, ns_col: np.ndarray) -> None:
-        """Every live row is filed once, with its tag, and found from its home; nothing else is filed."""
-        held = self.slots[self.slots >= 0]
+        """Every live row is filed once (in the new table or the one being drained), with its tag, and found from
+        its home; nothing else is filed; the drained part of the old table holds no row; the counts are right."""
+        tabs = [self.t] + ([self.old] if self.old is not None else [])
+        held = np.concatenate([tb.slots[tb.slots >= 0] for tb in tabs])
         filed = held & _ROW
         order = np.argsort(filed)
         assert np.array_equal(filed[order], np.sort(live_rows)), "keyindex: filed rows differ from the live rows"
         assert np.array_equal(held[order] >> 32, _tags(self.kc[filed[order]])), "keyindex: a slot's tag is wrong"
-        assert self.live == len(filed) and self.tombstones == int(np.count_nonzero(self.slots == TOMBSTONE))
+        for tb in tabs:
+            assert tb.live == int(np.count_nonzero(tb.slots >= 0)), "keyindex: a table's live count is wrong"
+            assert tb.tombstones == int(np.count_nonzero(tb.slots == TOMBSTONE)), "keyindex: tombstone count wrong"
+        if self.old is not None:
+            assert not np.any(self.old.slots[:self.cursor] >= 0), "keyindex: a row left below the drain cursor"
         for nsix in np.unique(ns_col[live_rows]).tolist():
             rows = live_rows[ns_col[live_rows] == nsix]
             assert np.array_equal(self.find(nsix, self.kc[rows], ns_col), rows), "keyindex: a live row not found"
