@@ -31,7 +31,8 @@ exact stamp order. Costs: a refill O(node's rows) at C speed, amortised over the
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
 sub-slots, quotas, the write quarantine, writer tokens, node loss and drains, commit records,
 placement near a parent (here: round-robin over the nodes, evicting on the chosen one), and the invariants and
-fingerprint that the warm standby compares. Those are what moving the metaserver onto it takes.
+fingerprint that the warm standby compares. Those are what moving the metaserver onto it takes. The key index
+resizes a slice at a time (``step``, and each insert's share), so no request waits for a whole rebuild.
 Read leases have owners and a budgeted expiry (``expire_leases``), and PENDING rows a budgeted expiry
 (``expire_pending``), as ``Directory``'s.
 """
@@ -464,6 +465,11 @@ class PageTable:
             rows = np.array(due, np.int64)
             self.ix.delete(rows, c["ns"].take(rows).astype(np.uint64))
         return len(due)
+
+    def step(self, budget: int) -> int:
+        """Background work (the owner's tick): drain at most ``budget`` slots of a key index resize under way
+        (``keyindex.py``); returns how many. Inserts drain by their own share too, so this only speeds it up."""
+        return self.ix.step(budget, self.cols["ns"])
 
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
         rows = self._find(ns, keys)

@@ -286,3 +286,19 @@ def test_uncommitted_rows_expire_oldest_first_within_a_budget():
     t.check()
     assert t.exists("a", [b"o1", b"o2", b"n1"]) == [False, False, True]
     assert t.nodes[0].alloc.used == object_size(PLEN)
+
+
+def test_the_tables_step_drains_a_key_index_resize():
+    """A page table whose index is mid-resize: ``step`` drains it in budgeted slices and every page stays found."""
+    t = table(1, 40_000)
+    keys = [i.to_bytes(32, "little") for i in range(33_000)]
+    for i in range(0, len(keys), 1000):
+        put(t, keys[i:i + 1000], gen=1 + i)
+    assert t.ix.old is not None, "33,000 keys resized the 65,536-slot index; the drain is under way"
+    slices = 0
+    while t.step(2048):
+        slices += 1
+        assert slices < 1000
+    assert slices >= 2 and t.ix.old is None
+    t.check()
+    assert sum(t.exists("a", keys)) == len(keys)
