@@ -28,8 +28,11 @@ evicted only if it is still READY, unpinned and carries that stamp; a row touche
 left in the queue, and a row not in the queue was newer than all of them when it was filled, so victims leave in
 exact stamp order. Costs: a refill O(node's rows) at C speed, amortised over the candidates it yields.
 
+Nodes (``metaserver/tablenodes.py``): added, and a lost one detached at once and dropped in budgeted slices (its
+blocks and index reused once nothing of it is in use).
+
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
-sub-slots, quotas, the write quarantine, writer tokens, node loss and drains, commit records,
+sub-slots, quotas, the write quarantine, writer tokens, drains, commit records,
 placement near a parent (here: round-robin over the nodes, evicting on the chosen one), and the invariants and
 fingerprint that the warm standby compares. Those are what moving the metaserver onto it takes. The key index
 resizes a slice at a time (``step``, and each insert's share), so no request waits for a whole rebuild.
@@ -43,19 +46,16 @@ from collections import deque
 
 import numpy as np
 
-from metaserver.allocator import Allocator
 from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, PENDING, READY, expire_queue,
                               extent_size, random_id)
 from metaserver.keyindex import KeyIndex, digests, zeros
+from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from transport import wire
-from umbp.errors import ConfigError
 
-FREE = 3  # a row on its node's free list
 BLOCK = 1 << 12  # rows a node takes at a time
 CANDIDATES = 1024  # the fewest victims a queue refill collects
 COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
            ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16), ("tag", np.uint64))
-UNIT_SHIFT = 12  # offsets are multiples of the allocator's 4 KiB unit: the column holds offset >> 12
 MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
 ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
 
@@ -70,26 +70,7 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class NodeRows:
-    """One node: its arena allocator, its row blocks, its free rows and its eviction candidates."""
-
-    __slots__ = ("ix", "node_id", "alloc", "blocks", "free", "queue", "qstamp", "qoff", "qcode", "qns", "qpos")
-
-    def __init__(self, ix: int, node_id: str, capacity: int):
-        self.ix = ix
-        self.node_id = node_id
-        self.alloc = Allocator(wire.ARENA_DATA_START, capacity, track=False)
-        self.blocks: list[int] = []
-        self.free: list[int] = []  # free rows, taken from the end
-        self.queue: list[int] = []  # eviction candidates, oldest first
-        self.qstamp: list[int] = []  # the stamp each had when queued
-        self.qoff: list[int] = []  # and its offset, layout code and namespace (unchanged while its stamp is)
-        self.qcode: list[int] = []
-        self.qns: list[int] = []
-        self.qpos = 0
-
-
-class PageTable:
+class PageTable(TableNodes):
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
     ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``; ``check()`` verifies the
     invariants below.
@@ -97,8 +78,10 @@ class PageTable:
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
     goes); every FREE row is on its node's free list once; each node's allocator holds exactly
-    the extents of its PENDING, READY and GONE rows; ``pins`` equals the number of open leases naming each row;
-    ``_pending`` holds exactly the PENDING rows."""
+    the extents of its PENDING, READY and GONE rows (a detached node's allocator is not kept current: its arena is
+    gone); ``pins`` equals the number of open leases naming each row; ``_pending`` holds exactly the PENDING rows;
+    every block belongs to one node or to ``free_blocks`` (all FREE); a detached node holds no PENDING row and, once
+    its drop is done, no READY row."""
 
     def __init__(self, read_lease_s: float = 10.0, pending_ttl_s: float = 30.0):
         self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
@@ -108,9 +91,15 @@ class PageTable:
         self.node_names = np.zeros(0, object)  # node index -> node id, for gathering an answer's names
         self.ns_names: list[str] = []
         self.ns_ix: dict[str, int] = {}
-        self.nodes: list[NodeRows] = []
-        self.node_by_id: dict[str, NodeRows] = {}
+        self.nodes: list[NodeRows | None] = []  # by node index; None: a retired index, free for the next node
+        self.node_by_id: dict[str, NodeRows] = {}  # the live node of each id
+        self.placing: list[NodeRows] = []  # placeable live nodes, in index order
+        self.dead = np.zeros(0, bool)  # by node index: detached (LOOKUP masks its rows while it is dying)
+        self.dying: dict[str, NodeRows] = {}  # detached nodes whose READY rows are being dropped
+        self.free_node_ix: list[int] = []
+        self.block = BLOCK
         self.blocks_used = 0
+        self.free_blocks: list[int] = []  # blocks of retired nodes, taken before the columns grow
         self.leases: dict[int, tuple[np.ndarray, bool]] = {}  # lease -> (its rows, whether a row repeats)
         self.read_lease_s = read_lease_s
         self.pending_ttl_s = pending_ttl_s
@@ -144,9 +133,12 @@ class PageTable:
 
     def _take_row(self, node: NodeRows) -> int:
         if not node.free:
-            b = self.blocks_used
-            self.blocks_used += 1
-            self._grow((b + 1) * BLOCK)
+            if self.free_blocks:  # a retired node's block: every row FREE
+                b = self.free_blocks.pop()
+            else:
+                b = self.blocks_used
+                self.blocks_used += 1
+                self._grow((b + 1) * BLOCK)
             node.blocks.append(b)
             node.free.extend(range((b + 1) * BLOCK - 1, b * BLOCK - 1, -1))
         return node.free.pop()
@@ -188,19 +180,6 @@ class PageTable:
         return self.ix.key_of(row)
 
     # -- nodes ------------------------------------------------------------------------------------------------
-    def add_node(self, node_id: str, capacity: int) -> None:
-        if node_id in self.node_by_id:
-            raise ConfigError("columns", f"node {node_id!r} already has rows")
-        if len(self.nodes) >= np.iinfo(np.uint16).max:
-            raise ConfigError("columns", "too many nodes for a u16 node column")
-        if wire.ARENA_DATA_START + capacity > 1 << (32 + UNIT_SHIFT):
-            raise ConfigError("columns", f"node {node_id!r}: an arena of {capacity} bytes is past the 16 TiB a u32 "
-                                         "offset column of 4 KiB units addresses")
-        node = NodeRows(len(self.nodes), node_id, capacity)
-        self.nodes.append(node)
-        self.node_by_id[node_id] = node
-        self.node_names = np.array([n.node_id for n in self.nodes] + [None], object)[:-1]  # 1-d even for one node
-
     def _ns(self, ns: str) -> int:
         ix = self.ns_ix.get(ns)
         if ix is None:
@@ -283,7 +262,20 @@ class PageTable:
         found = found.tolist()
         evicted = self._evicted_now
         evicted.clear()
-        nodes = self.nodes
+        if self.dying and keys:  # a page of a node being dropped is gone for writers too: drop it now, place anew
+            fa = np.array(found, np.int64)
+            gone = fa[fa >= 0]
+            gone = gone[self.dead.take(c["node"].take(gone))]
+            for r in gone.tolist():
+                evicted[r] = nsix  # unfiled with the request's victims
+                node = self.nodes[c["node"][r]]
+                if c["pins"][r]:
+                    c["state"][r] = GONE
+                else:
+                    self._free_row(r, node)
+            if len(gone):
+                found = np.where(np.isin(fa, gone), -1, fa).tolist()
+        nodes = self.placing
         osize = self._osize
         items: list = []
         new: list[int] = []  # positions in ``keys`` of the NEW items
@@ -390,6 +382,8 @@ class PageTable:
         rows = self._find(ns, keys)
         c = self.cols
         hit = (rows >= 0) & (c["state"].take(rows) == READY)  # rows of -1 read the last row: masked by the first test
+        if self.dying:  # a detached node's pages miss at once, before their slice drops them
+            hit &= ~self.dead.take(c["node"].take(rows))
         hr = rows[hit]
         n = len(hr)
         self.hits += n
@@ -436,10 +430,16 @@ class PageTable:
             return True
         self._stamp(hr[st == READY])
         gone = hr[(st == GONE) & (c["pins"][hr] == 0)]
+        dead = set()
         for r in np.unique(gone).tolist():
             node = self.nodes[c["node"][r]]
-            self._free_extent(r, node)
+            if node.dead:  # its arena is gone: only the row comes back, and the node may now be retired
+                dead.add(node)
+            else:
+                self._free_extent(r, node)
             self._free_row(r, node)
+        for node in dead:
+            self.retire_if_done(node)
         return True
 
     def expire_leases(self, now: float, budget: int) -> int:
@@ -518,13 +518,23 @@ class PageTable:
             np.add.at(want, hr, 1)
         assert np.array_equal(want, c["pins"][:top].astype(np.int64)), "columns: pins and leases disagree"
         assert not np.any((state == GONE) & (c["pins"][:top] == 0)), "columns: an unpinned GONE row kept its extent"
+        owned = [b for node in self.nodes if node is not None for b in node.blocks]
+        assert sorted(owned + self.free_blocks) == list(range(self.blocks_used)), "columns: a block lost or shared"
+        for b in self.free_blocks:
+            assert np.all(state[b * BLOCK:(b + 1) * BLOCK] == FREE), "columns: a free block holds a row"
         for node in self.nodes:
+            if node is None:
+                continue
             rows = np.concatenate([np.arange(b * BLOCK, (b + 1) * BLOCK) for b in node.blocks]) if node.blocks \
                 else np.zeros(0, np.int64)
             st = c["state"][rows]
             assert np.all(c["node"][rows[st != FREE]] == node.ix), f"columns: {node.node_id} owns another's row"
             free = rows[st == FREE]
             assert sorted(node.free) == sorted(free.tolist()), f"columns: {node.node_id}'s free list is wrong"
+            if node.dead:  # its allocator went with its arena; a drained one holds no READY row
+                assert not (node.drained and np.any(st == READY)), f"columns: dropped {node.node_id} kept a page"
+                assert not np.any(st == PENDING), f"columns: detached {node.node_id} kept a PENDING row"
+                continue
             held = rows[st != FREE]
             used = sum(extent_size(code) for code in self.code_arr[c["size"][held]].tolist())
             assert used == node.alloc.used, f"columns: {node.node_id} allocator holds {node.alloc.used}, rows {used}"
