@@ -72,8 +72,8 @@ def by_key(hit: np.ndarray, found: list) -> list:
 
 class PageTable(TableNodes):
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
-    ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``; ``check()`` verifies the
-    invariants below.
+    ``abort``, ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``, and the node
+    side (``metaserver/tablenodes.py``); ``check()`` verifies the invariants below.
 
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
@@ -103,7 +103,8 @@ class PageTable(TableNodes):
         self.leases: dict[int, tuple[np.ndarray, bool]] = {}  # lease -> (its rows, whether a row repeats)
         self.read_lease_s = read_lease_s
         self.pending_ttl_s = pending_ttl_s
-        self._pending: dict[int, None] = {}  # PENDING rows in allocation order (their deadline: the stamp column)
+        # PENDING rows in allocation order (their deadline: the stamp column) -> their writer (token, owner)
+        self._pending: dict[int, tuple] = {}
         self._lease_owner: dict[int, object] = {}  # lease -> the connection that took it (absent: none given)
         self._lease_q: deque[tuple[float, int]] = deque()  # (expiry, lease) in the order they were granted
         self.clock = 1
@@ -244,11 +245,16 @@ class PageTable(TableNodes):
 
     # -- requests ---------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int,
-              tags: list[int] | None = None, now: float = 0.0) -> list:
+              tags: list[int] | None = None, now: float = 0.0, token: int | None = None, owner: object = None
+              ) -> list:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting the placed node's least recently
         used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
         ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``; keys are taken in order, so a key that an earlier
-        key of the same request evicted is placed again and a key given twice is IN_FLIGHT the second time.
+        key of the same request evicted is placed again, and a key given twice is EXISTS the second time (the first
+        is the one stored). A READY key answers EXISTS and counts as a use (its stamp moves to now), as in
+        ``Directory``: an engine re-offers pages it holds in a live context. A key PENDING under the same writer
+        ``token`` with the same length gets its place again (an ALLOC retried after a lost answer), and from then on
+        belongs to ``owner`` (``writer_of``); under another token it is IN_FLIGHT.
         ``tags``: each key's object tag (``umbp.auth.Tokens.tags``, a closed pool), kept in the ``tag`` column so a
         LOOKUP answers it without computing it again (0 when not given). A PENDING row not committed within
         ``pending_ttl_s`` of ``now`` is dropped by ``expire_pending``; until its commit its ``stamp`` holds that
@@ -265,7 +271,7 @@ class PageTable(TableNodes):
         if self.dying and keys:  # a page of a node being dropped is gone for writers too: drop it now, place anew
             fa = np.array(found, np.int64)
             gone = fa[fa >= 0]
-            gone = gone[self.dead.take(c["node"].take(gone))]
+            gone = np.unique(gone[self.dead.take(c["node"].take(gone))])  # a key given twice: its row once
             for r in gone.tolist():
                 evicted[r] = nsix  # unfiled with the request's victims
                 node = self.nodes[c["node"][r]]
@@ -284,12 +290,25 @@ class PageTable(TableNodes):
         codes: list[int] = []
         node_ix: list[int] = []
         seen: set = set()
+        pending = self._pending
+        writer = (token, owner)
         for i, (k, plen) in enumerate(zip(keys, sizes)):
-            if found[i] >= 0 and found[i] not in evicted:
-                items.append(EXISTS_ITEM if found_state[i] == READY else IN_FLIGHT_ITEM)
-                continue
             if k in seen:
-                items.append(IN_FLIGHT_ITEM)
+                items.append(EXISTS_ITEM)
+                continue
+            seen.add(k)
+            r = found[i]
+            if r >= 0 and r not in evicted:
+                if found_state[i] == READY:
+                    items.append(EXISTS_ITEM)
+                    c["stamp"][r] = self.clock  # a use: newer than every queued victim's stamp
+                    self.clock += 1
+                elif token is not None and pending[r][0] == token and self.codes[c["size"][r]] == plen:
+                    pending[r] = writer
+                    items.append((NEW, self.nodes[c["node"][r]].node_id, int(c["unit"][r]) << UNIT_SHIFT, plen,
+                                  int(c["gen"][r])))
+                else:
+                    items.append(IN_FLIGHT_ITEM)
                 continue
             if not nodes:
                 items.append(NO_SPACE_ITEM)
@@ -315,7 +334,6 @@ class PageTable(TableNodes):
                 r = self._take_row(node)
             c = self.cols  # a new block may have grown (replaced) the columns
             c["state"][r] = PENDING  # taken now: a later victim scan of this request must not see it FREE
-            seen.add(k)
             new.append(i)
             rows.append(r)
             offs.append(off)
@@ -336,7 +354,7 @@ class PageTable(TableNodes):
             c["ns"][ra] = nsix
             c["tag"][ra] = np.array(tags, np.uint64).take(new) if tags is not None else 0
             c["stamp"][ra] = int((now + self.pending_ttl_s) * 1000)
-            self._pending.update(dict.fromkeys(rows))
+            pending.update(dict.fromkeys(rows, writer))
             where = {i: j for j, i in enumerate(new)} if longs else {}
             self.ix.insert(ra, dig[new], c["ns"], [(where[i], k) for i, k in longs if i in where])
         return items
@@ -362,6 +380,28 @@ class PageTable(TableNodes):
                 for r in new.tolist():
                     del pending[r]
         return ok.tolist()
+
+    def abort(self, ns: str, keys: list[bytes], gens: list[int]) -> int:
+        """Give back the PENDING allocations of (key, gen) (a writer that will not write them, or whose connection
+        closed); returns how many. Anything else is left as it is."""
+        rows = self._find(ns, keys)
+        c = self.cols
+        ok = rows >= 0
+        fr = rows[ok]
+        hit = np.unique(fr[(c["state"][fr] == PENDING) & (c["gen"][fr] == np.array(gens, np.uint64)[ok])])
+        for r in hit.tolist():
+            del self._pending[r]
+            node = self.nodes[c["node"][r]]
+            self._free_extent(r, node)
+            self._free_row(r, node)
+        if len(hit):
+            self.ix.delete(hit, c["ns"].take(hit).astype(np.uint64))
+        return len(hit)
+
+    def writer_of(self, row: int) -> object:
+        """The owner of a PENDING row's allocation (the last ALLOC that named it with its token), or None."""
+        w = self._pending.get(row)
+        return w[1] if w is not None else None
 
     def lookup(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None) -> tuple[int, list]:
         """Locations ``(node_id, offset, payload_len, gen)`` of READY keys (None for the others), pinned under one

@@ -47,25 +47,29 @@ class Model:
         return len(self.order) + len(self.zombies)
 
     def alloc(self, keys: list[bytes]) -> list[int]:
+        """Keys in order: a READY one is a use (most recent now); a new one takes a slot, evicting the least
+        recently used unpinned page, and joins the order at its commit (the test commits right after), so after
+        this request's uses."""
         out = []
-        batch = set()  # this request's new keys: PENDING until its commit, so never its own victims
+        batch = []  # this request's new keys: PENDING until its commit, so never its own victims
         for k in keys:
-            if k in self.order:
+            if k in self.order:  # a put of a page already here is a use of it
+                self.order.move_to_end(k)
                 out.append(EXISTS)
                 continue
-            while self.used() >= self.slots:
-                victim = next((v for v, inc in self.order.items() if v not in batch and not self.pins.get((v, inc))),
-                              None)
+            while self.used() + len(batch) >= self.slots:
+                victim = next((v for v, inc in self.order.items() if not self.pins.get((v, inc))), None)
                 if victim is None:
                     break
                 del self.order[victim]
-            if self.used() >= self.slots:
+            if self.used() + len(batch) >= self.slots:
                 out.append(NO_SPACE)
                 continue
-            self.made += 1
-            self.order[k] = self.made  # committed by the test right after
-            batch.add(k)
+            batch.append(k)
             out.append(NEW)
+        for k in batch:
+            self.made += 1
+            self.order[k] = self.made
         return out
 
     def touch(self, pages: list[tuple[bytes, int]]) -> None:
@@ -302,3 +306,23 @@ def test_the_tables_step_drains_a_key_index_resize():
     assert slices >= 2 and t.ix.old is None
     t.check()
     assert sum(t.exists("a", keys)) == len(keys)
+
+
+def test_a_retried_alloc_gets_its_place_back_under_its_token_and_abort_gives_back():
+    t = table(1, 8)
+    items = t.alloc("a", [b"x", b"y"], [PLEN, PLEN], 7, token=11, owner="c1")
+    assert [it[0] for it in items] == [NEW, NEW]
+    assert t.alloc("a", [b"x", b"y"], [PLEN, PLEN], 20, token=11, owner="c2") == items, "same places, same gens"
+    assert t.writer_of(int(t._find("a", [b"x"])[0])) == "c2", "the retry's connection owns it now"
+    assert t.alloc("a", [b"x"], [PLEN], 30, token=12)[0][0] == IN_FLIGHT, "another writer's token"
+    assert t.alloc("a", [b"x"], [PLEN - 1], 30, token=11)[0][0] == IN_FLIGHT, "same token, another length"
+    z = t.alloc("a", [b"z", b"z"], [PLEN, PLEN], 40)
+    assert [it[0] for it in z] == [NEW, EXISTS], "a key given twice: the first is the one stored"
+    t.check()
+    assert t.abort("a", [b"x", b"y", b"z", b"q"], [7, 99, 40, 1]) == 2, "y's generation differs, q is unknown"
+    assert t.writer_of(int(t._find("a", [b"y"])[0])) == "c2" and t._find("a", [b"x", b"z"]).tolist() == [-1, -1]
+    assert t.nodes[0].alloc.used == object_size(PLEN), "only y's slot is still allocated"
+    t.check()
+    assert t.commit("a", [b"y"], [8]) == [True] and t.abort("a", [b"y"], [8]) == 0, "a READY page is not aborted"
+    assert [it[0] for it in t.alloc("a", [b"x"], [PLEN], 50)] == [NEW]
+    t.check()
