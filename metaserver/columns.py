@@ -11,12 +11,13 @@ every batch operation (find the keys, pin, unpin, touch, commit, gather the answ
 rows instead of a Python step per key. What stays per key in Python: placement and eviction in ``alloc`` (the
 allocator is per extent), the pending set at COMMIT, and REMOVE.
 
-Columns (``ROW_BYTES`` = 39 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
+Columns (``ROW_BYTES`` = 43 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
 16 TiB per arena), ``size`` (u16: the index of its layout code, the payload length or a shared entry's
 ``entry.layout``, in ``codes``; pages of a namespace share one), ``gen`` (u64), ``pins`` (u32), ``stamp`` (u64: the
 access clock), ``state`` (u8: ``entry.PENDING``, ``READY``, ``GONE`` or ``FREE``), ``ns`` (u16, the namespace's
-index), ``tag`` (u64: the object tag ALLOC handed out, kept so a LOOKUP need not compute it again). The key index
-holds each live row's key digest and finds rows by (namespace, key).
+index), ``tag`` (u64: the object tag ALLOC handed out, kept so a LOOKUP need not compute it again), ``rec`` (u32:
+its commit record, ``metaserver/tablerecords.py``). The key index holds each live row's key digest and finds rows
+by (namespace, key).
 
 Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
 
@@ -31,8 +32,11 @@ exact stamp order. Costs: a refill O(node's rows) at C speed, amortised over the
 Nodes (``metaserver/tablenodes.py``): added, and a lost one detached at once and dropped in budgeted slices (its
 blocks and index reused once nothing of it is in use).
 
+Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etcd records of ``Directory``'s layout,
+rewritten as rows leave.
+
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
-sub-slots, quotas, the write quarantine, writer tokens, drains, commit records,
+sub-slots, quotas, the write quarantine, drains,
 placement near a parent (here: round-robin over the nodes, evicting on the chosen one), and the invariants and
 fingerprint that the warm standby compares. Those are what moving the metaserver onto it takes. The key index
 resizes a slice at a time (``step``, and each insert's share), so no request waits for a whole rebuild.
@@ -50,12 +54,13 @@ from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_I
                               extent_size, random_id)
 from metaserver.keyindex import KeyIndex, digests, zeros
 from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
+from metaserver.tablerecords import TableRecords
 from transport import wire
 
 BLOCK = 1 << 12  # rows a node takes at a time
 CANDIDATES = 1024  # the fewest victims a queue refill collects
 COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
-           ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16), ("tag", np.uint64))
+           ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16), ("tag", np.uint64), ("rec", np.uint32))
 MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
 ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
 
@@ -70,7 +75,7 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class PageTable(TableNodes):
+class PageTable(TableNodes, TableRecords):
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
     ``abort``, ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``, and the node
     side (``metaserver/tablenodes.py``); ``check()`` verifies the invariants below.
@@ -81,7 +86,7 @@ class PageTable(TableNodes):
     the extents of its PENDING, READY and GONE rows (a detached node's allocator is not kept current: its arena is
     gone); ``pins`` equals the number of open leases naming each row; ``_pending`` holds exactly the PENDING rows;
     every block belongs to one node or to ``free_blocks`` (all FREE); a detached node holds no PENDING row and, once
-    its drop is done, no READY row."""
+    its drop is done, no READY row; a READY row's ``rec`` (when not 0) names a live record whose rows include it."""
 
     def __init__(self, read_lease_s: float = 10.0, pending_ttl_s: float = 30.0):
         self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
@@ -115,6 +120,7 @@ class PageTable(TableNodes):
         self.code_arr = np.zeros(0, np.uint64)
         self.hits = self.misses = self.evictions = 0
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
+        self._init_records()
 
     # -- rows and columns -------------------------------------------------------------------------------------
     def _grow(self, rows: int) -> None:
@@ -341,6 +347,7 @@ class PageTable(TableNodes):
             node_ix.append(node.ix)
             items.append((NEW, node.node_id, off, plen, gen_base + i))
         if evicted:
+            self._leaving(np.fromiter(evicted.keys(), np.int64, len(evicted)))
             self.ix.delete(np.fromiter(evicted.keys(), np.int64, len(evicted)),
                            np.fromiter(evicted.values(), np.uint64, len(evicted)))
             evicted.clear()
@@ -353,6 +360,7 @@ class PageTable(TableNodes):
             c["pins"][ra] = 0
             c["ns"][ra] = nsix
             c["tag"][ra] = np.array(tags, np.uint64).take(new) if tags is not None else 0
+            c["rec"][ra] = 0  # a commit files it under a record (``tablerecords.py``)
             c["stamp"][ra] = int((now + self.pending_ttl_s) * 1000)
             pending.update(dict.fromkeys(rows, writer))
             where = {i: j for j, i in enumerate(new)} if longs else {}
@@ -376,6 +384,7 @@ class PageTable(TableNodes):
                 new = new[np.sort(np.unique(new, return_index=True)[1])]  # a key given twice: once, in key order
                 c["state"][new] = READY
                 self._stamp(new)
+                self._committed(ns, new)
                 pending = self._pending
                 for r in new.tolist():
                     del pending[r]
@@ -537,6 +546,7 @@ class PageTable(TableNodes):
                 self._free_extent(r, node)
                 self._free_row(r, node)
         if gone:
+            self._leaving(np.array(gone, np.int64))
             self.ix.delete(np.array(gone, np.int64), np.full(len(gone), self.ns_ix[ns], np.uint64))
         return out
 
@@ -558,6 +568,12 @@ class PageTable(TableNodes):
             np.add.at(want, hr, 1)
         assert np.array_equal(want, c["pins"][:top].astype(np.int64)), "columns: pins and leases disagree"
         assert not np.any((state == GONE) & (c["pins"][:top] == 0)), "columns: an unpinned GONE row kept its extent"
+        ready = np.flatnonzero(state == READY)
+        rec = c["rec"][ready]
+        for rid in np.unique(rec[rec != 0]).tolist():
+            r = self.records.get(rid)
+            assert r is not None and not r.dead, f"columns: rows name record {rid}, which is gone"
+            assert np.isin(ready[rec == rid], r.rows).all(), f"columns: a row of record {rid} is not in its rows"
         owned = [b for node in self.nodes if node is not None for b in node.blocks]
         assert sorted(owned + self.free_blocks) == list(range(self.blocks_used)), "columns: a block lost or shared"
         for b in self.free_blocks:

@@ -60,7 +60,7 @@ import aetcd.rpc
 import msgpack
 
 from metaserver.entry import PART_MASK, SHARD_SHIFT, Batch
-from metaserver.records import BATCH_MARK, PageRecords, _name
+from metaserver.records import BATCH_MARK, BATCH_PAGES, PageRecords, _name
 from transport.wire import Status
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, TxnTooLarge, Unavailable
@@ -73,8 +73,6 @@ SCAN_BYTES = 4 << 20  # each later request asks for about this many bytes (a com
 # about 12 KB, a page record 0.1 KB; one of 128 pages with 512-byte keys and parents about 140 KB)
 GRPC_OPTIONS = {"grpc.max_receive_message_length": 64 << 20}  # gRPC's default is 4 MiB: a first answer of
 # SCAN_FIRST large commit records (36 MB) must still arrive
-BATCH_PAGES = 128  # pages of one commit record at most (a larger COMMIT writes several): 128 records of 512-byte keys
-# stay far below a transaction's TXN_BYTES
 PAGE, NODE, ARENA, OTHER = range(4)  # what an etcd key under the prefix holds (``EtcdStore.kind_of``)
 
 

@@ -17,7 +17,9 @@ from transport.keyform import digest_key
 
 _intern = sys.intern
 BATCH_MARK = b"+"  # a commit record's name: {pages}{ns}/+{term}.{n} (a page record's name is lower-case hex)
-MAX_BATCH = 4096  # pages a commit record may hold when read (the metaserver writes at most persist.BATCH_PAGES)
+BATCH_PAGES = 128  # pages of one commit record at most (a larger COMMIT writes several): 128 records of 512-byte keys
+# stay far below a transaction's TXN_BYTES
+MAX_BATCH = 4096  # pages a commit record may hold when read (the metaserver writes at most BATCH_PAGES)
 
 
 def _name(etcd_key: bytes, cut: int) -> tuple[str, bytes]:

@@ -145,6 +145,7 @@ class TableNodes:
             dropped += len(rows)
             if node.parked is not None:
                 node.parked.extend(self._records(rows))
+            self._leaving(rows)
             self.ix.delete(rows, c["ns"].take(rows).astype(np.uint64))
             held = pins.take(rows) > 0
             state[rows[held]] = GONE

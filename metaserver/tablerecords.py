@@ -1,0 +1,132 @@
+"""Commit records of the columnar page table (``TableRecords``, a mixin of ``metaserver.columns.PageTable``): what
+``entry.Batch`` and ``persist.EtcdStore.batches_of`` / ``batch_value`` are for ``Directory``. No I/O.
+
+A COMMIT's newly READY rows of one namespace become records of at most ``BATCH_PAGES`` rows each, one etcd key each,
+named by ``namer(ns)`` (the metaserver would set ``EtcdStore.batch_name``; the default names them with a count);
+each row's ``rec`` column names its record (0: none). A record holds exactly its rows still READY under it on a
+live node: a row that leaves (evicted, removed, dropped with its node) queues a rewrite of its record, and the
+value, encoded when the etcd writer takes it (``TableRecord.value``), lists the rows left; with none left it is
+None (delete the key) and the record's id is freed. A burst of evictions of one record is one rewrite, as
+``Directory``'s. The value has the layout ``Directory`` writes, ``[[key, node, offset, payload_len, gen, parent],
+...]`` with parent None (the table keeps no parent links yet), so a full load reads either's records.
+
+The table collects the records to put and to rewrite as its mutations run; the caller takes them after each request
+(``take_records``) and hands them to the writer, as it applies a Directory's ``Effects``.
+
+Costs: a COMMIT's assignment O(rows) numpy plus a record object per ``BATCH_PAGES`` rows; rows leaving O(rows)
+numpy (the unique record ids among them); a value O(its rows).
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+
+from metaserver.entry import READY
+from metaserver.records import BATCH_MARK, BATCH_PAGES
+
+UNIT_SHIFT = np.uint64(12)  # as tablenodes.UNIT_SHIFT
+
+
+class TableRecord:
+    """One commit record: its etcd key (``name``), namespace, id (the ``rec`` column's value) and the rows it was
+    written with (trimmed to the live ones at each ``value``)."""
+
+    __slots__ = ("table", "id", "name", "ns", "rows", "dead")
+
+    def __init__(self, table, rid: int, name: bytes, ns: str, rows: np.ndarray):
+        self.table = table
+        self.id = rid
+        self.name = name
+        self.ns = ns
+        self.rows = rows
+        self.dead = False
+
+    def live(self) -> np.ndarray:
+        """The rows the record holds now (and keeps only those): READY under this record, on a node not detached."""
+        if self.dead:
+            return self.rows[:0]
+        t = self.table
+        c = t.cols
+        rows = self.rows
+        rows = self.rows = rows[(c["rec"].take(rows) == self.id) & (c["state"].take(rows) == READY)
+                                & ~t.dead.take(c["node"].take(rows))]
+        return rows
+
+    def value(self) -> bytes | None:
+        """The record's value now; None (delete it) when no row is left, and then the record is done for good."""
+        rows = self.live()
+        if not len(rows):
+            self.table._end_record(self)
+            return None
+        return msgpack.packb(self.table.record_pages(rows), use_bin_type=True)
+
+    def __repr__(self) -> str:
+        return f"TableRecord({self.name!r}, {len(self.rows)} rows)"
+
+
+class TableRecords:
+    """Commit records of a ``PageTable``: see the module docstring. Uses the table's ``cols``, ``ix``, ``node_names``
+    and ``code_arr``."""
+
+    def _init_records(self) -> None:
+        self.namer = self._count_name  # ns -> a new record's etcd key
+        self.records: dict[int, TableRecord] = {}  # id -> record
+        self._rec_free: list[int] = []
+        self._rec_next = 1
+        self._rec_seq = 0
+        self._rec_puts: list[TableRecord] = []
+        self._rec_rewrites: dict[TableRecord, None] = {}
+
+    def _count_name(self, ns: str) -> bytes:
+        self._rec_seq += 1
+        return b"%s/%s%x" % (ns.encode(), BATCH_MARK, self._rec_seq)
+
+    def _committed(self, ns: str, rows: np.ndarray) -> None:
+        """``rows`` (of ``ns``, in key order) became READY: file them under new records."""
+        c = self.cols
+        for lo in range(0, len(rows), BATCH_PAGES):
+            part = rows[lo:lo + BATCH_PAGES]
+            if self._rec_free:
+                rid = self._rec_free.pop()
+            else:
+                rid = self._rec_next
+                self._rec_next += 1
+                if rid > np.iinfo(np.uint32).max:  # 4 G records live at once: far past any arena's pages
+                    raise OverflowError("columns: record ids past the u32 rec column")
+            r = self.records[rid] = TableRecord(self, rid, self.namer(ns), ns, part)
+            c["rec"][part] = rid
+            self._rec_puts.append(r)
+
+    def _leaving(self, rows: np.ndarray) -> None:
+        """``rows`` leave READY (evicted, removed, dropped): their records are rewritten without them."""
+        if not len(rows):
+            return
+        rec = self.cols["rec"]
+        ids = np.unique(rec.take(rows))
+        rec[rows] = 0
+        for rid in ids.tolist():
+            if rid:
+                self._rec_rewrites[self.records[rid]] = None
+
+    def _end_record(self, r: TableRecord) -> None:
+        if not r.dead:
+            r.dead = True
+            del self.records[r.id]
+            self._rec_free.append(r.id)
+
+    def take_records(self) -> tuple[list[TableRecord], list[TableRecord]]:
+        """(records to put, records to rewrite) since the last call: the etcd work of the requests in between."""
+        puts, self._rec_puts = self._rec_puts, []
+        rewrites = [r for r in self._rec_rewrites if not r.dead]
+        self._rec_rewrites = {}
+        return puts, rewrites
+
+    def record_pages(self, rows: np.ndarray) -> list:
+        """``[key, node_id, offset, payload_len, gen, None]`` of each row, the layout of a commit record's pages."""
+        c = self.cols
+        keys = [self.ix.key_of(r) for r in rows.tolist()]
+        return [list(p) for p in zip(keys, self.node_names.take(c["node"].take(rows)).tolist(),
+                                     (c["unit"].take(rows).astype(np.uint64) << UNIT_SHIFT).tolist(),
+                                     self.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
+                                     [None] * len(keys))]

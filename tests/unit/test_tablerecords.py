@@ -1,0 +1,98 @@
+"""metaserver/tablerecords.py: a COMMIT's rows become commit records of at most BATCH_PAGES pages in Directory's
+layout (read back by the loader's own ``records.batch_entries``); rows that leave (evicted, removed, dropped with
+their node) rewrite their records, a record with nothing left is deleted and its id reused, and a stale record
+object never lists another record's rows."""
+
+from __future__ import annotations
+
+import msgpack
+
+from metaserver.columns import PageTable
+from metaserver.entry import NEW
+from metaserver.records import BATCH_PAGES, batch_entries
+from transport.wire import object_size
+
+PLEN = 60_000
+
+
+def table(nodes: int, slots: int) -> PageTable:
+    t = PageTable()
+    for i in range(nodes):
+        t.add_node(f"n{i}", slots * object_size(PLEN))
+    return t
+
+
+def put(t: PageTable, keys: list[bytes], gen: int, ns: str = "a") -> None:
+    items = t.alloc(ns, keys, [PLEN] * len(keys), gen)
+    new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+    assert t.commit(ns, [k for k, _ in new], [g for _, g in new]) == [True] * len(new)
+
+
+def keys_of(lo: int, hi: int) -> list[bytes]:
+    return [i.to_bytes(32, "little") for i in range(lo, hi)]
+
+
+def pages(rec) -> dict[bytes, tuple]:
+    """A record's value read back as the full load reads it: key -> (node, offset, payload_len, gen)."""
+    value = rec.value()
+    if value is None:
+        return {}
+    nodes, ents = batch_entries(rec.ns, rec.name, msgpack.unpackb(value))
+    return {e.key: (n, e.offset, e.payload_len, e.gen) for n, e in zip(nodes, ents)}
+
+
+def locations(t: PageTable, ns: str, keys: list[bytes]) -> dict[bytes, tuple]:
+    lease, locs = t.lookup(ns, keys)
+    t.release(lease)
+    return {k: tuple(loc) for k, loc in zip(keys, locs) if loc is not None}
+
+
+def test_a_commit_writes_records_of_at_most_batch_pages_in_directorys_layout():
+    t = table(2, 400)
+    keys = keys_of(0, 300) + [b"sglang-%d" % i for i in range(20)]  # digests and other keys
+    put(t, keys, gen=1)
+    put(t, keys_of(1000, 1010), gen=5000, ns="b")
+    puts, rewrites = t.take_records()
+    assert [len(r.rows) for r in puts] == [BATCH_PAGES, BATCH_PAGES, 320 - 2 * BATCH_PAGES, 10] and not rewrites
+    assert len({r.name for r in puts}) == 4 and [r.ns for r in puts] == ["a", "a", "a", "b"]
+    got = {}
+    for r in puts[:3]:
+        got.update(pages(r))
+    assert got == locations(t, "a", keys), "each page once, where a lookup finds it"
+    assert pages(puts[3]) == locations(t, "b", keys_of(1000, 1010))
+    assert t.take_records() == ([], []), "taken once"
+    t.check()
+
+
+def test_pages_that_leave_rewrite_their_records_and_an_empty_record_goes():
+    t = table(2, 64)
+    put(t, keys_of(0, 128), gen=1)  # one record, the pool full (64 slots a node)
+    (first,), _ = t.take_records()
+    assert t.remove("a", keys_of(0, 3)) == [True] * 3
+    put(t, keys_of(500, 510), gen=1000)  # room for 3, evictions for the rest
+    puts, rewrites = t.take_records()
+    assert rewrites == [first] and len(puts) == 1
+    left = [k for k in keys_of(3, 128) if t.exists("a", [k])[0]]
+    assert len(left) == 118 and sorted(pages(first)) == sorted(left), "the record lists exactly the pages left"
+    assert pages(first) == locations(t, "a", left)
+    t.detach_node("n1")
+    on0 = locations(t, "a", left)
+    assert 0 < len(on0) < len(left) and pages(first) == on0, "a detached node's pages leave the record at once"
+    while t.drop_slice("n1", 1000)[1] is None:
+        pass
+    _, rewrites = t.take_records()
+    assert first in rewrites and puts[0] in rewrites
+    t.check()
+    here = [k for k in keys_of(0, 600) if t.exists("a", [k])[0]]
+    assert here and t.remove("a", here) == [True] * len(here)
+    _, rewrites = t.take_records()
+    assert {r.name for r in rewrites} == {first.name, puts[0].name}
+    old_id = first.id
+    assert first.value() is None and puts[0].value() is None, "nothing left: delete the records"
+    assert not t.records
+    put(t, keys_of(900, 905), gen=9000)
+    (fresh,), _ = t.take_records()
+    assert fresh.id in (old_id, puts[0].id), "a freed id is reused"
+    assert first.value() is None and puts[0].value() is None, "a stale record never lists another's rows"
+    assert sorted(pages(fresh)) == keys_of(900, 905)
+    t.check()
