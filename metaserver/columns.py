@@ -581,8 +581,7 @@ class PageTable(TableNodes, TableRecords):
         for node in self.nodes:
             if node is None:
                 continue
-            rows = np.concatenate([np.arange(b * BLOCK, (b + 1) * BLOCK) for b in node.blocks]) if node.blocks \
-                else np.zeros(0, np.int64)
+            rows = self._rows_of(node)
             st = c["state"][rows]
             assert np.all(c["node"][rows[st != FREE]] == node.ix), f"columns: {node.node_id} owns another's row"
             free = rows[st == FREE]

@@ -1,6 +1,6 @@
 """The node side of the columnar page table (``TableNodes``, a mixin of ``metaserver.columns.PageTable``, as
-``metaserver/spaces.py`` is of ``Directory``): nodes added, and a lost node detached at once and dropped in budgeted
-slices. No I/O.
+``metaserver/spaces.py`` is of ``Directory``): nodes added and drained, and a lost node detached at once and dropped
+in budgeted slices. No I/O.
 
 Loss, as ``Directory``'s (``detach_space`` then ``drop_slice``): ``detach_node`` takes the node out of placement, drops
 its PENDING rows (O(all PENDING)) and from then on LOOKUP misses its pages (a mask over the node column, applied only
@@ -14,9 +14,9 @@ Reuse: a drop that is done, and whose zombies are all released, hands the node's
 any node takes before the columns grow, and its node index to the next node added, so node churn grows neither the
 columns nor the u16 node column.
 
-Costs: ``add_node`` O(nodes); ``detach_node`` O(PENDING rows); ``drop_slice`` O(budget) numpy work plus a Python step
-per dropped page when parking (its record); a release that frees a dead node's zombie O(that node's rows) numpy
-work, to see whether it can be retired.
+Costs: ``add_node`` O(nodes); ``drain`` O(the node's rows) numpy work and an allocator rebuild; ``detach_node``
+O(PENDING rows); ``drop_slice`` O(budget) numpy work plus a Python step per dropped page when parking (its record);
+a release that frees a dead node's zombie O(that node's rows) numpy work, to see whether it can be retired.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from metaserver.allocator import Allocator
-from metaserver.entry import GONE, READY
+from metaserver.entry import GONE, READY, extent_size
 from transport import wire
 from umbp.errors import ConfigError
 
@@ -95,6 +95,39 @@ class TableNodes:
 
     def _placeable(self) -> None:
         self.placing = [n for n in self.nodes if n is not None and n.placeable and not n.dead]
+
+    def drain(self, node_id: str) -> tuple[int, int]:
+        """Stop placing on ``node_id`` and drop its unpinned READY pages (an operator's drain before maintenance), as
+        ``Directory.drain``. Returns (dropped, pinned: READY pages kept because a reader holds them); PENDING rows
+        stay until committed (a later drain drops them) or expired. O(its rows) numpy work, plus its allocator
+        rebuilt from the rows left (``Allocator.rebuild_columns``)."""
+        node = self.node_by_id.get(node_id)
+        if node is None:
+            return 0, 0
+        node.placeable = False
+        self._placeable()
+        c = self.cols
+        state = c["state"]
+        rows = self._rows_of(node)
+        ready = rows[state.take(rows) == READY]
+        held = c["pins"].take(ready) > 0
+        drop = ready[~held]
+        if len(drop):
+            self._leaving(drop)
+            self.ix.delete(drop, c["ns"].take(drop).astype(np.uint64))
+            state[drop] = FREE
+            node.free.extend(drop.tolist())
+            keep = rows[state.take(rows) != FREE]
+            extents = np.array([extent_size(code) for code in self.codes], np.int64)
+            node.alloc.rebuild_columns((c["unit"].take(keep).astype(np.int64) << UNIT_SHIFT).tolist(),
+                                       extents.take(c["size"].take(keep)).tolist())
+        return len(drop), int(np.count_nonzero(held))
+
+    def _rows_of(self, node) -> np.ndarray:
+        """Every row of ``node``'s blocks (int64), in block order."""
+        b = self.block
+        return (np.asarray(node.blocks, np.int64)[:, None] * b + np.arange(b)).ravel() if node.blocks \
+            else np.zeros(0, np.int64)
 
     def detach_node(self, node_id: str, park: bool = False) -> int:
         """First step of dropping a lost node: it is placed on no more, LOOKUP misses its pages and its PENDING rows
@@ -177,8 +210,7 @@ class TableNodes:
         when a lease lets go of one of its zombies (rare: leases held across a node's loss)."""
         if not node.drained or node.ix is None:
             return
-        state = self.cols["state"]
-        if any(np.any(state[b * self.block:(b + 1) * self.block] != FREE) for b in node.blocks):
+        if np.any(self.cols["state"].take(self._rows_of(node)) != FREE):
             return
         self.free_blocks.extend(node.blocks)
         node.blocks = []
