@@ -36,12 +36,12 @@ Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etc
 rewritten as rows leave.
 
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
-sub-slots, quotas, the write quarantine, drains,
-placement near a parent (here: round-robin over the nodes, evicting on the chosen one), and the invariants and
-fingerprint that the warm standby compares. Those are what moving the metaserver onto it takes. The key index
-resizes a slice at a time (``step``, and each insert's share), so no request waits for a whole rebuild.
-Read leases have owners and a budgeted expiry (``expire_leases``), and PENDING rows a budgeted expiry
-(``expire_pending``), as ``Directory``'s.
+sub-slots, quotas, the write quarantine, placement near a parent (here: round-robin over the placeable nodes,
+evicting on the chosen one), parked pages put back when their node returns, and the warm standby's copy. Those,
+and the service calling it, are what moving the metaserver onto it takes. As ``Directory``'s: read leases have
+owners and a budgeted expiry (``expire_leases``), PENDING rows a budgeted expiry (``expire_pending``) and their
+writer's token (a retried ALLOC gets its place back), and the key index resizes a slice at a time (``step``, and
+each insert's share), so no request waits for a whole rebuild.
 """
 
 from __future__ import annotations
