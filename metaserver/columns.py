@@ -36,12 +36,13 @@ Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etc
 rewritten as rows leave.
 
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
-sub-slots, quotas, the write quarantine, placement near a parent (here: round-robin over the placeable nodes,
+sub-slots, quotas, placement near a parent (here: round-robin over the placeable nodes,
 evicting on the chosen one), parked pages put back when their node returns, and the warm standby's copy. Those,
 and the service calling it, are what moving the metaserver onto it takes. As ``Directory``'s: read leases have
 owners and a budgeted expiry (``expire_leases``), PENDING rows a budgeted expiry (``expire_pending``) and their
-writer's token (a retried ALLOC gets its place back), and the key index resizes a slice at a time (``step``, and
-each insert's share), so no request waits for a whole rebuild.
+writer's token (a retried ALLOC gets its place back), extents freed young wait in the write quarantine
+(``metaserver/quarantine.py``, the same class), and the key index resizes a slice at a time (``step``, and each
+insert's share), so no request waits for a whole rebuild.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import numpy as np
 from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, PENDING, READY, expire_queue,
                               extent_size, random_id)
 from metaserver.keyindex import KeyIndex, digests, zeros
+from metaserver.quarantine import Quarantine
 from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tablerecords import TableRecords
 from transport import wire
@@ -121,6 +123,7 @@ class PageTable(TableNodes, TableRecords):
         self.hits = self.misses = self.evictions = 0
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
         self._init_records()
+        self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities
 
     # -- rows and columns -------------------------------------------------------------------------------------
     def _grow(self, rows: int) -> None:
@@ -155,8 +158,11 @@ class PageTable(TableNodes, TableRecords):
         node.free.append(row)
 
     def _free_extent(self, row: int, node: NodeRows) -> None:
+        """Give a row's extent back to its node: now, or after the quarantine's hold when its generation is young
+        (a write capability for it may still be alive: ``metaserver/quarantine.py``)."""
         c = self.cols
-        node.alloc.free(int(c["unit"][row]) << UNIT_SHIFT, extent_size(self.codes[c["size"][row]]))
+        self.quarantine.free(node, int(c["unit"][row]) << UNIT_SHIFT, extent_size(self.codes[c["size"][row]]),
+                             int(c["gen"][row]))
 
     def _code(self, code: int) -> int | None:
         """The index of layout code ``code`` in ``codes`` (interned on first use); None when the table is full."""
@@ -232,7 +238,9 @@ class PageTable(TableNodes, TableRecords):
     def _make_room(self, node: NodeRows, size: int) -> tuple[int | None, int]:
         """Evict the node's least recently used pages until ``size`` bytes fit: (offset, row to reuse or -1), or
         (None, -1) when nothing more can go. A victim of exactly ``size`` bytes hands over its extent and its row
-        as they are (no allocator round trip)."""
+        as they are (no allocator round trip), unless its generation is young: the quarantine holds that extent."""
+        young = self.quarantine.young_gen
+        gen = self.cols["gen"]
         while True:
             i = self._victim(node)
             if i < 0:
@@ -241,9 +249,10 @@ class PageTable(TableNodes, TableRecords):
             self._evicted_now[r] = node.qns[i]  # unfiled at the end of the request, before its new rows are filed
             self.evictions += 1
             vsize = extent_size(node.qcode[i])
-            if vsize == size:
+            g = int(gen[r])
+            if vsize == size and g < young:
                 return node.qoff[i], r
-            node.alloc.free(node.qoff[i], vsize)
+            self.quarantine.free(node, node.qoff[i], vsize, g)
             self._free_row(r, node)
             off = node.alloc.alloc(size)
             if off is not None:
@@ -592,4 +601,5 @@ class PageTable(TableNodes, TableRecords):
                 continue
             held = rows[st != FREE]
             used = sum(extent_size(code) for code in self.code_arr[c["size"][held]].tolist())
+            used += sum(size for _off, size in self.quarantine.extents(node))
             assert used == node.alloc.used, f"columns: {node.node_id} allocator holds {node.alloc.used}, rows {used}"

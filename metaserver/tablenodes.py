@@ -119,8 +119,10 @@ class TableNodes:
             node.free.extend(drop.tolist())
             keep = rows[state.take(rows) != FREE]
             extents = np.array([extent_size(code) for code in self.codes], np.int64)
-            node.alloc.rebuild_columns((c["unit"].take(keep).astype(np.int64) << UNIT_SHIFT).tolist(),
-                                       extents.take(c["size"].take(keep)).tolist())
+            waiting = self.quarantine.extents(node)  # freed young: still allocated until their hold ends
+            node.alloc.rebuild_columns((c["unit"].take(keep).astype(np.int64) << UNIT_SHIFT).tolist()
+                                       + [off for off, _ in waiting],
+                                       extents.take(c["size"].take(keep)).tolist() + [size for _, size in waiting])
         return len(drop), int(np.count_nonzero(held))
 
     def _rows_of(self, node) -> np.ndarray:

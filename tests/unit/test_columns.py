@@ -5,12 +5,14 @@ rows, and the key index's rebuilds, tombstones, namespaces and keys that are not
 from __future__ import annotations
 
 import random
+import time
 from collections import OrderedDict
 
 import pytest
 
 from metaserver.columns import BLOCK, PageTable
 from metaserver.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE
+from metaserver.quarantine import Quarantine
 from transport.wire import object_size
 from umbp.errors import ConfigError
 
@@ -325,4 +327,30 @@ def test_a_retried_alloc_gets_its_place_back_under_its_token_and_abort_gives_bac
     t.check()
     assert t.commit("a", [b"y"], [8]) == [True] and t.abort("a", [b"y"], [8]) == 0, "a READY page is not aborted"
     assert [it[0] for it in t.alloc("a", [b"x"], [PLEN], 50)] == [NEW]
+    t.check()
+
+
+def test_young_extents_wait_out_their_write_capabilities_in_the_quarantine():
+    """A closed pool's table: an extent freed while its generation is young (remove, eviction, abort) is held for
+    the quarantine's hold, not handed to the next writer, and the allocator counts it until released."""
+    t = table(1, 4)
+    q = Quarantine(hold_s=30.0)
+    q.start(time.monotonic(), 1)  # every generation from 1 on is young
+    t.quarantine = q
+    items = put(t, [b"a", b"b", b"c"], gen=1)
+    offs = {it[2] for it in items}
+    assert t.remove("a", [b"a"]) == [True]
+    assert q.held_bytes == object_size(PLEN) and t.nodes[0].alloc.used == 3 * object_size(PLEN)
+    (d,) = put(t, [b"d"], gen=10)
+    assert d[0] == NEW and d[2] not in offs, "the fourth slot, not the held one"
+    t.check()
+    e = t.alloc("a", [b"e"], [PLEN], 20)  # full: the LRU victims are young, so their extents are held too
+    assert e == [(NO_SPACE, None, None, None, None)] and t.evictions == 3
+    assert t.exists("a", [b"b", b"c", b"d"]) == [False] * 3 and q.held_bytes == 4 * object_size(PLEN)
+    t.check()
+    assert q.release(time.monotonic() + 31, t.node_by_id, 100) == 4
+    assert t.nodes[0].alloc.used == 0
+    q.young_gen = 1 << 40  # generations below it are old: freed at once
+    put(t, [b"f"], gen=30)
+    assert t.remove("a", [b"f"]) == [True] and not q.held and t.nodes[0].alloc.used == 0
     t.check()
