@@ -56,6 +56,7 @@ from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_I
 from metaserver.keyindex import KeyIndex, digests, zeros
 from metaserver.quarantine import Quarantine
 from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
+from metaserver.tablequeries import TableQueries
 from metaserver.tablerecords import TableRecords
 from transport import wire
 
@@ -77,10 +78,11 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class PageTable(TableNodes, TableRecords):
+class PageTable(TableNodes, TableRecords, TableQueries):
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
-    ``abort``, ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``, and the node
-    side (``metaserver/tablenodes.py``); ``check()`` verifies the invariants below.
+    ``abort``, ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``, the node side
+    (``metaserver/tablenodes.py``), commit records (``tablerecords.py``) and the totals and listings
+    (``tablequeries.py``); ``check()`` verifies the invariants below.
 
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
@@ -560,10 +562,6 @@ class PageTable(TableNodes, TableRecords):
         return out
 
     # -- figures and checks -----------------------------------------------------------------------------------
-    @property
-    def objects(self) -> int:
-        return int(np.count_nonzero(self.cols["state"][:self.blocks_used * BLOCK] == READY))
-
     def check(self) -> None:
         """Verify the invariants of the class docstring; AssertionError naming the first one broken."""
         c = self.cols

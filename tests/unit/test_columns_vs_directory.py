@@ -1,7 +1,7 @@
 """The columnar page table against the service's ``Directory`` (lru, one node): the same random requests (ALLOC with
 and without a writer token, COMMIT with right and wrong generations, ABORT, LOOKUP and RELEASE, REMOVE, EXISTS, lease
-and PENDING expiry) give the same answers, generations, hits and evictions step by step. What the table must keep
-equal before the metaserver can run on it."""
+and PENDING expiry) give the same answers, generations, hits and evictions step by step, and the same totals,
+prefix runs and listings. What the table must keep equal before the metaserver can run on it."""
 
 from __future__ import annotations
 
@@ -82,6 +82,13 @@ def test_the_table_answers_as_the_directory_does(seed):
             expired += n + m
         assert t.exists("a", universe) == d.exists("a", universe), step
         assert t.evictions == d.evictions, step
+        probe = [rng.choice(universe) for _ in range(6)]
+        assert t.prefix("a", probe) == d.prefix("a", probe)
+        assert (t.objects, t.pending, t.used, t.capacity) == (d.objects, d.pending, d.used, d.capacity), step
+        assert t.namespaces() == d.namespaces() and t.namespace_usage() == d.namespace_usage(), step
+        listed, more = t.list_objects("a", 1000)
+        assert sorted(listed) == sorted(d.list_objects("a", 1000)[0]) and not more
+        assert len(t.list_objects(None, 3)[0]) == min(3, d.objects + d.pending)
     t.check()
     d.check()
     assert d.evictions > 20 and expired and retried, (d.evictions, expired, retried)  # the paths were taken
