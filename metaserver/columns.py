@@ -36,8 +36,9 @@ Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etc
 rewritten as rows leave.
 
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
-sub-slots, quotas, placement near a parent (here: round-robin over the placeable nodes,
-evicting on the chosen one), parked pages put back when their node returns, and the warm standby's copy. Those,
+sub-slots, quotas, placement on the most free node and eviction where the next victim is oldest across nodes
+(here: in turn over the placeable nodes, near a parent by ``Directory``'s rule, evicting on the chosen one), parked
+pages put back when their node returns, and the warm standby's copy. Those,
 and the service calling it, are what moving the metaserver onto it takes. As ``Directory``'s: read leases have
 owners and a budgeted expiry (``expire_leases``), PENDING rows a budgeted expiry (``expire_pending``) and their
 writer's token (a retried ALLOC gets its place back), extents freed young wait in the write quarantine
@@ -66,6 +67,7 @@ COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen"
            ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16), ("tag", np.uint64), ("rec", np.uint32))
 MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
 ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
+_INF = float("inf")
 
 
 def by_key(hit: np.ndarray, found: list) -> list:
@@ -262,8 +264,8 @@ class PageTable(TableNodes, TableRecords, TableQueries):
 
     # -- requests ---------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int,
-              tags: list[int] | None = None, now: float = 0.0, token: int | None = None, owner: object = None
-              ) -> list:
+              tags: list[int] | None = None, now: float = 0.0, token: int | None = None, owner: object = None,
+              parents: list | None = None) -> list:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting the placed node's least recently
         used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
         ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``; keys are taken in order, so a key that an earlier
@@ -271,7 +273,11 @@ class PageTable(TableNodes, TableRecords, TableQueries):
         is the one stored). A READY key answers EXISTS and counts as a use (its stamp moves to now), as in
         ``Directory``: an engine re-offers pages it holds in a live context. A key PENDING under the same writer
         ``token`` with the same length gets its place again (an ALLOC retried after a lost answer), and from then on
-        belongs to ``owner`` (``writer_of``); under another token it is IN_FLIGHT.
+        belongs to ``owner`` (``writer_of``); under another token it is IN_FLIGHT. ``parents[i]``: the key of key i's
+        parent page (None: none), READY, PENDING or placed earlier in this request: key i goes to its parent's node
+        when that node has room for it and at least half the free bytes of the emptiest placeable node (as
+        ``Directory``'s placement, so a chain stays on one node without piling every chain of a shared prefix onto
+        it); otherwise to the next placeable node in turn.
         ``tags``: each key's object tag (``umbp.auth.Tokens.tags``, a closed pool), kept in the ``tag`` column so a
         LOOKUP answers it without computing it again (0 when not given). A PENDING row not committed within
         ``pending_ttl_s`` of ``now`` is dropped by ``expire_pending``; until its commit its ``stamp`` holds that
@@ -309,6 +315,8 @@ class PageTable(TableNodes, TableRecords, TableQueries):
         seen: set = set()
         pending = self._pending
         writer = (token, owner)
+        near_of = self._parents_near(nsix, parents) if parents is not None else None
+        top = _INF  # at least the most free bytes of a placeable node (rescanned when it does not decide)
         for i, (k, plen) in enumerate(zip(keys, sizes)):
             if k in seen:
                 items.append(EXISTS_ITEM)
@@ -330,8 +338,6 @@ class PageTable(TableNodes, TableRecords, TableQueries):
             if not nodes:
                 items.append(NO_SPACE_ITEM)
                 continue
-            node = nodes[self._rr % len(nodes)]
-            self._rr += 1
             got = osize.get(plen)
             if got is None:
                 cix = self._code(plen)
@@ -340,10 +346,20 @@ class PageTable(TableNodes, TableRecords, TableQueries):
                     continue
                 got = osize[plen] = (wire.object_size(plen), cix)
             size, cix = got
+            node = near_of.get(parents[i]) if near_of else None
+            if node is not None:
+                f = node.alloc.free_bytes
+                if f < size or not node.placeable or (2 * f < top and 2 * f < (
+                        top := max(n.alloc.free_bytes for n in nodes))):
+                    node = None
+            if node is None:
+                node = nodes[self._rr % len(nodes)]
+                self._rr += 1
             r = -1
             off = node.alloc.alloc(size) if node.alloc.free_bytes >= size else None
             if off is None:
                 off, r = self._make_room(node, size)
+                top = _INF  # evictions raised a node's free bytes: no longer a bound
                 if off is None:
                     items.append(NO_SPACE_ITEM)
                     continue
@@ -357,6 +373,8 @@ class PageTable(TableNodes, TableRecords, TableQueries):
             codes.append(cix)
             node_ix.append(node.ix)
             items.append((NEW, node.node_id, off, plen, gen_base + i))
+            if near_of is not None:
+                near_of[k] = node  # a child later in this request goes near it
         if evicted:
             self._leaving(np.fromiter(evicted.keys(), np.int64, len(evicted)))
             self.ix.delete(np.fromiter(evicted.keys(), np.int64, len(evicted)),
@@ -377,6 +395,21 @@ class PageTable(TableNodes, TableRecords, TableQueries):
             where = {i: j for j, i in enumerate(new)} if longs else {}
             self.ix.insert(ra, dig[new], c["ns"], [(where[i], k) for i, k in longs if i in where])
         return items
+
+    def _parents_near(self, nsix: int, parents: list) -> dict:
+        """Parent key -> the live node of its PENDING or READY row, for the parents of an ALLOC found in the table."""
+        named = list({p for p in parents if p is not None})
+        if not named:
+            return {}
+        rows = self.ix.find(nsix, digests(named)[0], self.cols["ns"])
+        c = self.cols
+        out = {}
+        for p, r in zip(named, rows.tolist()):
+            if r >= 0 and c["state"][r] in (PENDING, READY):
+                node = self.nodes[c["node"][r]]
+                if not node.dead:
+                    out[p] = node
+        return out
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int]) -> list[bool]:
         """PENDING -> READY for each (key, gen) still pending with that generation; a key already READY with that

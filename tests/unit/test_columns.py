@@ -354,3 +354,24 @@ def test_young_extents_wait_out_their_write_capabilities_in_the_quarantine():
     put(t, [b"f"], gen=30)
     assert t.remove("a", [b"f"]) == [True] and not q.held and t.nodes[0].alloc.used == 0
     t.check()
+
+
+def test_a_chain_goes_near_its_parent_unless_that_node_is_much_fuller():
+    t = table(3, 100)
+    chain = [b"c%d" % i for i in range(10)]
+    items = t.alloc("a", chain, [PLEN] * 10, 1, parents=[None] + chain[:-1])
+    assert len({it[1] for it in items}) == 1, "one ALLOC of a chain: every page near the first"
+    assert t.commit("a", chain, [it[4] for it in items]) == [True] * 10
+    home = items[0][1]
+    more = t.alloc("a", [b"c10", b"c11"], [PLEN] * 2, 100, parents=[b"c9", b"c10"])
+    assert {it[1] for it in more} == {home}, "a later ALLOC near its READY parent"
+    other = [it[1] for it in t.alloc("a", [b"x%d" % i for i in range(6)], [PLEN] * 6, 200)]
+    assert home in other and len(set(other)) == 3, "no parent: in turn over the nodes"
+    # fill the home node until it has less than half the free bytes of the emptiest one
+    filler = [b"f%d" % i for i in range(60)]
+    t.alloc("a", filler, [PLEN] * 60, 300, parents=[b"c11"] * 60)
+    free = {n.node_id: n.alloc.free_bytes for n in t.nodes}
+    assert 2 * free[home] < max(free.values()), free
+    far = t.alloc("a", [b"c12"], [PLEN], 400, parents=[b"c11"])
+    assert far[0][1] != home, "the parent's node is much fuller: placed in turn"
+    t.check()
