@@ -21,13 +21,8 @@ by (namespace, key).
 
 Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
 
-Eviction is exact LRU by ``stamp`` per node: every access (COMMIT, LOOKUP, and the RELEASE that ends a read)
-stamps its rows with the next values of one clock, in key order. A node that needs room takes victims from its
-candidate queue; an empty queue is refilled with the oldest READY unpinned rows of the node (``np.argpartition``
-over its blocks; at least ``CANDIDATES``, or 1/64 of the node's rows), each with the stamp it had. A candidate is
-evicted only if it is still READY, unpinned and carries that stamp; a row touched since then is newer than every row
-left in the queue, and a row not in the queue was newer than all of them when it was filled, so victims leave in
-exact stamp order. Costs: a refill O(node's rows) at C speed, amortised over the candidates it yields.
+Eviction (``metaserver/tableevict.py``) is exact LRU by ``stamp`` per node: every access stamps its rows with the
+next values of one clock, and victims leave each node in exact stamp order.
 
 Nodes (``metaserver/tablenodes.py``): added, and a lost one detached at once and dropped in budgeted slices (its
 blocks and index reused once nothing of it is in use).
@@ -56,13 +51,13 @@ from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_I
                               extent_size, random_id)
 from metaserver.keyindex import KeyIndex, digests, zeros
 from metaserver.quarantine import Quarantine
+from metaserver.tableevict import TableEviction
 from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tablequeries import TableQueries
 from metaserver.tablerecords import TableRecords
 from transport import wire
 
 BLOCK = 1 << 12  # rows a node takes at a time
-CANDIDATES = 1024  # the fewest victims a queue refill collects
 COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
            ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16), ("tag", np.uint64), ("rec", np.uint32))
 MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
@@ -80,7 +75,7 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class PageTable(TableNodes, TableRecords, TableQueries):
+class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
     ``abort``, ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``, the node side
     (``metaserver/tablenodes.py``), commit records (``tablerecords.py``) and the totals and listings
@@ -203,64 +198,6 @@ class PageTable(TableNodes, TableRecords, TableQueries):
             ix = self.ns_ix[ns] = len(self.ns_names)
             self.ns_names.append(ns)
         return ix
-
-    # -- eviction ---------------------------------------------------------------------------------------------
-    def _refill(self, node: NodeRows) -> None:
-        state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
-        parts = []
-        for b in node.blocks:
-            lo = b * BLOCK
-            parts.append(np.flatnonzero((state[lo:lo + BLOCK] == READY) & (pins[lo:lo + BLOCK] == 0)) + lo)
-        rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        k = min(len(rows), max(CANDIDATES, len(rows) // 64))
-        if k < len(rows):
-            rows = rows[np.argpartition(stamp[rows], k - 1)[:k]]
-        rows = rows[np.argsort(stamp[rows], kind="stable")]
-        c = self.cols
-        node.queue = rows.tolist()
-        node.qstamp = stamp[rows].tolist()
-        node.qoff = (c["unit"][rows].astype(np.uint64) << UNIT_SHIFT).tolist()
-        node.qcode = self.code_arr[c["size"][rows]].tolist()
-        node.qns = c["ns"][rows].tolist()
-        node.qpos = 0
-
-    def _victim(self, node: NodeRows) -> int:
-        """The queue position of the node's least recently used READY unpinned row, or -1 when it has none. A row
-        that is READY with its queued stamp is the page that was queued: ``qoff``, ``qcode``, ``qns`` describe it."""
-        state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
-        for _ in range(2):  # at most one refill: a fresh queue holds only valid candidates
-            q, qs = node.queue, node.qstamp
-            while node.qpos < len(q):
-                i = node.qpos
-                node.qpos += 1
-                r = q[i]
-                if state[r] == READY and not pins[r] and stamp[r] == qs[i]:
-                    return i
-            self._refill(node)
-        return -1
-
-    def _make_room(self, node: NodeRows, size: int) -> tuple[int | None, int]:
-        """Evict the node's least recently used pages until ``size`` bytes fit: (offset, row to reuse or -1), or
-        (None, -1) when nothing more can go. A victim of exactly ``size`` bytes hands over its extent and its row
-        as they are (no allocator round trip), unless its generation is young: the quarantine holds that extent."""
-        young = self.quarantine.young_gen
-        gen = self.cols["gen"]
-        while True:
-            i = self._victim(node)
-            if i < 0:
-                return None, -1
-            r = node.queue[i]
-            self._evicted_now[r] = node.qns[i]  # unfiled at the end of the request, before its new rows are filed
-            self.evictions += 1
-            vsize = extent_size(node.qcode[i])
-            g = int(gen[r])
-            if vsize == size and g < young:
-                return node.qoff[i], r
-            self.quarantine.free(node, node.qoff[i], vsize, g)
-            self._free_row(r, node)
-            off = node.alloc.alloc(size)
-            if off is not None:
-                return off, -1
 
     # -- requests ---------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int,

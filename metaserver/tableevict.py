@@ -1,0 +1,86 @@
+"""Eviction for the columnar page table (``TableEviction``, a mixin of ``metaserver.columns.PageTable``): exact LRU
+by access stamp per node. No I/O.
+
+Every access (COMMIT, LOOKUP, the RELEASE that ends a read, an ALLOC of a READY key) stamps its rows with the next
+values of one clock, in key order. A node that needs room takes victims from its candidate queue; an empty queue is
+refilled with the oldest READY unpinned rows of the node (``np.argpartition`` over its blocks; at least
+``CANDIDATES``, or 1/64 of the node's rows), each with the stamp it had. A candidate is evicted only if it is still
+READY, unpinned and carries that stamp; a row touched since then is newer than every row left in the queue, and a
+row not in the queue was newer than all of them when it was filled, so victims leave in exact stamp order. A victim
+of exactly the size wanted hands over its extent and its row (no allocator round trip) unless its generation is
+young (the write quarantine holds that extent).
+
+Costs: a refill O(node's rows) at C speed, amortised over the candidates it yields; a victim O(1) Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metaserver.entry import READY, extent_size
+from metaserver.tablenodes import UNIT_SHIFT, NodeRows
+
+CANDIDATES = 1024  # the fewest victims a queue refill collects
+
+
+class TableEviction:
+    """Victims of a ``PageTable``'s nodes: see the module docstring. Uses the table's ``cols``, ``code_arr``,
+    ``quarantine``, ``_evicted_now`` and row helpers."""
+
+    def _refill(self, node: NodeRows) -> None:
+        state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
+        parts = []
+        for b in node.blocks:
+            lo = b * self.block
+            hi = lo + self.block
+            parts.append(np.flatnonzero((state[lo:hi] == READY) & (pins[lo:hi] == 0)) + lo)
+        rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        k = min(len(rows), max(CANDIDATES, len(rows) // 64))
+        if k < len(rows):
+            rows = rows[np.argpartition(stamp[rows], k - 1)[:k]]
+        rows = rows[np.argsort(stamp[rows], kind="stable")]
+        c = self.cols
+        node.queue = rows.tolist()
+        node.qstamp = stamp[rows].tolist()
+        node.qoff = (c["unit"][rows].astype(np.uint64) << UNIT_SHIFT).tolist()
+        node.qcode = self.code_arr[c["size"][rows]].tolist()
+        node.qns = c["ns"][rows].tolist()
+        node.qpos = 0
+
+    def _victim(self, node: NodeRows) -> int:
+        """The queue position of the node's least recently used READY unpinned row, or -1 when it has none. A row
+        that is READY with its queued stamp is the page that was queued: ``qoff``, ``qcode``, ``qns`` describe it."""
+        state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
+        for _ in range(2):  # at most one refill: a fresh queue holds only valid candidates
+            q, qs = node.queue, node.qstamp
+            while node.qpos < len(q):
+                i = node.qpos
+                node.qpos += 1
+                r = q[i]
+                if state[r] == READY and not pins[r] and stamp[r] == qs[i]:
+                    return i
+            self._refill(node)
+        return -1
+
+    def _make_room(self, node: NodeRows, size: int) -> tuple[int | None, int]:
+        """Evict the node's least recently used pages until ``size`` bytes fit: (offset, row to reuse or -1), or
+        (None, -1) when nothing more can go. A victim of exactly ``size`` bytes hands over its extent and its row
+        as they are (no allocator round trip), unless its generation is young: the quarantine holds that extent."""
+        young = self.quarantine.young_gen
+        gen = self.cols["gen"]
+        while True:
+            i = self._victim(node)
+            if i < 0:
+                return None, -1
+            r = node.queue[i]
+            self._evicted_now[r] = node.qns[i]  # unfiled at the end of the request, before its new rows are filed
+            self.evictions += 1
+            vsize = extent_size(node.qcode[i])
+            g = int(gen[r])
+            if vsize == size and g < young:
+                return node.qoff[i], r
+            self.quarantine.free(node, node.qoff[i], vsize, g)
+            self._free_row(r, node)
+            off = node.alloc.alloc(size)
+            if off is not None:
+                return off, -1
