@@ -14,7 +14,15 @@ over (fresh bytes objects). Figures:
   (``bench/servicepath.py`` for the directory: decode, validate, the directory call, a keyed tag per key and a
   capability per node of a closed pool, encode); for the table a sketch of the same on it, in today's answer format,
   with the tags ALLOC computed kept in its tag column and the capabilities packed from its columns. The service
-  does not run on the table yet: this figure says what moving it would give, not what it gives.
+  does not run on the table yet: this figure says what moving it would give, not what it gives;
+- full load CPU seconds (a takeover without a warm copy), each in a fresh child of its own: the N pages of
+  ``bench/scale.py``'s workload (``page_rows``: three models, keys of 32 and 33 bytes, three namespaces, parents,
+  its 32 nodes, each node's pages at consecutive offsets) handed over as a scan's parse leaves them (not timed:
+  ``bench/scale.py`` times the parse), then, timed, for the directory ``metaserver.fullload.fill`` as
+  ``Metaserver._load`` runs it (``scale.load_directory``: per node a sort by revision and
+  ``Directory.load_entries``, which also links parents), for the table the same per node with
+  ``metaserver.tableload.load_pages`` (room reserved once, ``tableload.reserve``; no parent links: the table keeps
+  none). The table is handed each node's columns as Python lists, so their conversion to arrays is in its time.
 
 The collector is frozen after the build and disabled while timing, in both children (the metaserver's GC policy
 handles its cost apart: ``metaserver/gcpolicy.py``). Rates are CPU seconds of the child (``time.process_time``).
@@ -40,7 +48,8 @@ import numpy as np  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself
-from scale import rss  # noqa: E402
+from scale import load_capacity, load_directory, page_rows, rss  # noqa: E402
+from scaleworkload import NODES as LOAD_NODES  # noqa: E402
 from servicepath import ServicePath, Wire  # noqa: E402
 
 NODES = 32
@@ -153,6 +162,11 @@ def run(kind: str, pages: int, ops: int, seed: int) -> dict:
     for i in range(0, pages, BATCH):
         build_s += s.put(fresh(keys[i:i + BATCH]), gen)[1]
         gen += BATCH
+    if kind != "directory":  # what the metaserver's tick would run meanwhile: a key index resize drained (timed)
+        t0 = time.process_time()
+        while s.d.step(1 << 16):
+            pass
+        build_s += time.process_time() - t0
     gc.collect()
     per_page = (rss() - base) / pages
     trimmed = (rss() - base) / pages if malloc_trim() else None
@@ -189,6 +203,59 @@ def run(kind: str, pages: int, ops: int, seed: int) -> dict:
     return out
 
 
+def run_load(kind: str, pages: int, seed: int) -> dict:
+    """A full load of ``page_rows(pages, seed)`` into a ``Directory`` (kind "directory") or a ``PageTable``: the CPU
+    seconds of the load (module docstring) and the pages it holds after. The records are made first, as a scan's
+    parse would leave them: ``persist.PageRecords`` for the directory, each node's columns (lists, in scan order)
+    for the table."""
+    from metaserver.fullload import gc_paused
+
+    names: dict[bytes, str] = {}  # one str per namespace, as the parse interns them
+    recs = [(rev, node, names.setdefault(ns, ns.decode()), k, off, plen, rev, p, None)
+            for ns, k, node, off, plen, rev, p in page_rows(pages, seed)]
+    if kind == "directory":
+        from metaserver.records import PageRecords
+
+        parsed = PageRecords.of(recs)
+        del recs
+        gc.collect()
+        with gc_paused():
+            d, load_s = load_directory("lru", parsed, pages)
+        return {"kind": kind, "load_s": load_s, "load_objects": d.objects}
+    from metaserver.columns import PageTable
+    from metaserver.tableload import load_pages, reserve
+
+    groups: dict[str, tuple[list, ...]] = {}
+    for rev, node, ns, k, off, plen, gen, _parent, _ekey in recs:
+        g = groups.get(node)
+        if g is None:
+            g = groups[node] = ([], [], [], [], [], [])
+        for col, v in zip(g, (ns, k, off, plen, gen, rev)):
+            col.append(v)
+    del recs
+    gc.collect()
+    with gc_paused():
+        t0 = time.process_time()
+        t = PageTable()
+        cap = load_capacity(pages)
+        for i in range(LOAD_NODES):
+            t.add_node(f"host{i:02d}", cap)
+            t.set_placeable(f"host{i:02d}", False)  # as fill: placeable once the node registers again
+        reserve(t, pages, len(groups))
+        for node_id in list(groups):
+            ns, keys, offs, plens, gens, revs = groups.pop(node_id)
+            offs, plens, gens = np.asarray(offs, np.int64), np.asarray(plens, np.int64), np.asarray(gens, np.uint64)
+            revs = np.asarray(revs, np.int64)
+            if not (revs[1:] >= revs[:-1]).all():  # commit order: one sort by revision, as fill's
+                order = np.argsort(revs, kind="stable")
+                ns, keys = list(map(ns.__getitem__, order.tolist())), list(map(keys.__getitem__, order.tolist()))
+                offs, plens, gens = offs[order], plens[order], gens[order]
+            rejected = load_pages(t, node_id, ns, keys, offs, plens, gens)
+            assert not rejected, (node_id, len(rejected))
+        load_s = time.process_time() - t0
+    return {"kind": kind, "load_s": load_s, "load_objects": t.objects}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=1_000_000)
@@ -197,10 +264,11 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(run(a.child, a.pages, a.ops, a.seed)))
+        kind, _, load = a.child.partition("-")
+        print(json.dumps(run_load(kind, a.pages, a.seed) if load else run(kind, a.pages, a.ops, a.seed)))
         return
     res = {}
-    for kind in ("directory", "columns"):
+    for kind in ("directory", "columns", "directory-load", "columns-load"):
         r = subprocess.run([sys.executable, __file__, "--child", kind, "--pages", str(a.pages), "--ops", str(a.ops),
                             "--seed", str(a.seed)], capture_output=True, text=True, check=True)
         res[kind] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -216,7 +284,13 @@ def main() -> None:
             ("wire lookup keys/s (see docstring)", "wire_lookup_keys_per_s", ">= 500k")]
     for name, k, target in rows:
         print(f"{name:34s} {d[k]:12,.0f} {c[k]:12,.0f} {c[k] / d[k]:6.2f}x  {target}")
-    for k in ("lookup_found", "put_at_n_placed", "evictions", "wire_lookup_found"):
+    dl, cl = res["directory-load"], res["columns-load"]
+    print(f"{'full load CPU seconds (docstring)':34s} {dl['load_s']:12.3f} {cl['load_s']:12.3f} "
+          f"{cl['load_s'] / dl['load_s']:6.2f}x  (lower is better)")
+    print(f"{'full load pages/s':34s} {a.pages / dl['load_s']:12,.0f} {a.pages / cl['load_s']:12,.0f} "
+          f"{dl['load_s'] / cl['load_s']:6.2f}x")
+    d["load_objects"], c["load_objects"] = dl["load_objects"], cl["load_objects"]
+    for k in ("lookup_found", "put_at_n_placed", "evictions", "wire_lookup_found", "load_objects"):
         print(f"{k:34s} {d[k]:12,} {c[k]:12,}")
 
 

@@ -362,6 +362,12 @@ def page_rows(n_pages: int, seed: int):
                     return
 
 
+def load_capacity(n_pages: int) -> int:
+    """Arena bytes of each of the NODES nodes that ``page_rows(n_pages)`` fills: room for the chains' imbalance
+    across nodes (whole chains are placed at once)."""
+    return node_capacity(models(), n_pages, slack=1.0 + 0.05 + 2e4 * CHAIN_MAX / max(n_pages, 1))
+
+
 def load_directory(policy: str, pages, n_pages: int) -> tuple[Directory, float]:
     """The directory half of ``Metaserver._load`` (metaserver/service.py): ``metaserver.fullload.fill`` itself
     (group by node, sort by revision, ``load_pages`` per node) into a directory of NODES spaces. Returns the
@@ -369,8 +375,7 @@ def load_directory(policy: str, pages, n_pages: int) -> tuple[Directory, float]:
     from metaserver.fullload import fill
     t = cpu()
     d = Directory(policy=policy)
-    # room for the chains' imbalance across nodes (whole chains are placed at once)
-    cap = node_capacity(models(), n_pages, slack=1.0 + 0.05 + 2e4 * CHAIN_MAX / max(n_pages, 1))
+    cap = load_capacity(n_pages)
     stale, rejected = fill(d, {f"host{i:02d}": ({"capacity": cap}, 0) for i in range(NODES)}, pages)
     assert not stale and not rejected, (len(stale), len(rejected))
     return d, cpu() - t

@@ -234,6 +234,12 @@ class KeyIndex:
         if self.old is not None:
             self._drain(self.pace * n, ns_col)
 
+    def reserve(self, rows: int) -> None:
+        """Size an empty index for ``rows`` rows at once (a full load knows its count), instead of resizing and
+        draining as it fills. No effect on an index that holds anything."""
+        if not self.live and self.old is None and rows:
+            self._resize(rows)
+
     def step(self, budget: int, ns_col: np.ndarray) -> int:
         """Drain at most ``budget`` slots of a resize under way (the owner's background step); returns how many."""
         return self._drain(budget, ns_col) if self.old is not None else 0

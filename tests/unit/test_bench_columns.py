@@ -1,6 +1,6 @@
 """``bench/columns.py`` at a small size in `make test`, so the benchmark of the columnar table keeps running: both
 children build the same pages, every looked-up key is found (directory calls and the wire path), every new key at N
-is placed and evicts one page.
+is placed and evicts one page, and both full loads hold every page loaded.
 Counts only; its speed figures are printed, never asserted."""
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ def test_the_columns_bench_runs_and_both_sides_agree_on_counts():
     counts = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^(\w+)\s+([\d,]+)\s+([\d,]+)$",
                                                                             r.stdout, re.M)}
     assert counts == {"lookup_found": ("4,000", "4,000"), "put_at_n_placed": ("4,000", "4,000"),
-                      "evictions": ("4,000", "4,000"), "wire_lookup_found": ("4,000", "4,000")}, r.stdout
+                      "evictions": ("4,000", "4,000"), "wire_lookup_found": ("4,000", "4,000"),
+                      "load_objects": ("20,000", "20,000")}, r.stdout
     for figure in ("RSS bytes per page", "alloc+commit at N keys/s", "lookup+release keys/s", "exists keys/s",
-                   "wire lookup keys/s (see docstring)"):
+                   "wire lookup keys/s (see docstring)", "full load pages/s"):
         assert re.search(rf"^{re.escape(figure)}\s+[\d,]+\s+[\d,]+\s+[\d.]+x", r.stdout, re.M), figure
+    assert re.search(r"^full load CPU seconds \(docstring\)\s+\d+\.\d{3}\s+\d+\.\d{3}\s+[\d.]+x", r.stdout, re.M)
 
 
 def test_the_tables_wire_sketch_answers_what_a_node_accepts():
