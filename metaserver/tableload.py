@@ -27,10 +27,10 @@ Where it differs from ``Directory.load_entries``, and why:
   interned.
 - the node must be empty (no page, nothing held in the quarantine): the load rebuilds its allocator.
   ``Directory`` assumes the same without checking.
-- parents are not kept (the table keeps no prefix links), loaded rows are filed under no commit record (``rec`` 0:
-  the etcd records they came from are not the table's, so an eviction of one queues no record rewrite; the
-  ``Directory`` rewrites the ``Batch`` it read), tags are 0 as for an ALLOC given none (records do not carry
-  them: a closed pool's service would compute a loaded row's tag) and namespace use is not counted (no quotas).
+- parents are not kept (the table keeps no prefix links); loaded rows are filed under the commit records they
+  came from only when their names are given (``records``; else ``rec`` 0, and evicting one rewrites nothing);
+  tags are 0 as for an ALLOC given none (records do not carry them: a closed pool's service would compute a loaded
+  row's tag) and namespace use is not counted (no quotas).
 - the rejected pages come back as their positions (sorted), where ``Directory`` returns deletes and leaves the
   entries it did not file unfiled.
 
@@ -121,13 +121,15 @@ def reserve(t: PageTable, pages: int, nodes: int) -> None:
 
 
 def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes], offsets, payload_lens,
-               gens) -> list[int]:
+               gens, records: list | None = None) -> list[int]:
     """File one node's READY pages (``keys[i]`` of namespace ``ns[i]``, or all of ``ns`` when it is a string, at
     ``offsets[i]`` with layout code ``payload_lens[i]`` and generation ``gens[i]``), given in commit order, oldest
     first; the node's LRU order becomes that order. Returns the positions rejected, ascending (module docstring:
     the rules). ``offsets``, ``payload_lens`` and ``gens`` are sequences of ints or numpy arrays. Raises
     ConfigError when the node was not added (``add_node``) or holds anything, or when the columns' lengths
-    differ; nothing has changed then."""
+    differ; nothing has changed then. ``records[i]``: the etcd key of page i's commit record (None: none); the rows
+    filed go under records of those names (``TableRecords.adopt_records``), and a record with a page rejected here
+    is rewritten without it, as ``Directory``'s load does."""
     node = t.node_by_id.get(node_id)
     if node is None:
         raise ConfigError("columns", f"load of node {node_id!r}: no such node (add_node first)")
@@ -228,7 +230,11 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
         longs = list(zip((np.cumsum(ok)[pos[kept]] - 1).tolist(),
                          (k for (_, k), y in zip(longs, kept.tolist()) if y)))
     t.ix.insert(rows, dig if every else dig[keep], c["ns"], longs)
-    return np.flatnonzero(~ok).tolist()
+    rejected = np.flatnonzero(~ok).tolist()
+    if records is not None:
+        t.adopt_records(records if every else [records[i] for i in keep.tolist()], rows,
+                        [records[i] for i in rejected])
+    return rejected
 
 
 def fingerprint(t: PageTable) -> dict:

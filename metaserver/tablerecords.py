@@ -77,6 +77,7 @@ class TableRecords:
         self._rec_seq = 0
         self._rec_puts: list[TableRecord] = []
         self._rec_rewrites: dict[TableRecord, None] = {}
+        self._rec_by_name: dict[bytes, TableRecord] = {}  # records a full load filed rows under, by etcd key
 
     def _count_name(self, ns: str) -> bytes:
         self._rec_seq += 1
@@ -84,19 +85,50 @@ class TableRecords:
 
     def _committed(self, ns: str, rows: np.ndarray) -> None:
         """``rows`` (of ``ns``, in key order) became READY: file them under new records."""
-        c = self.cols
         for lo in range(0, len(rows), BATCH_PAGES):
             part = rows[lo:lo + BATCH_PAGES]
-            if self._rec_free:
-                rid = self._rec_free.pop()
-            else:
-                rid = self._rec_next
-                self._rec_next += 1
-                if rid > np.iinfo(np.uint32).max:  # 4 G records live at once: far past any arena's pages
-                    raise OverflowError("columns: record ids past the u32 rec column")
-            r = self.records[rid] = TableRecord(self, rid, self.namer(ns), ns, part)
-            c["rec"][part] = rid
-            self._rec_puts.append(r)
+            self._rec_puts.append(self._new_record(self.namer(ns), ns, part))
+
+    def _new_record(self, name: bytes, ns: str, rows: np.ndarray) -> TableRecord:
+        if self._rec_free:
+            rid = self._rec_free.pop()
+        else:
+            rid = self._rec_next
+            self._rec_next += 1
+            if rid > np.iinfo(np.uint32).max:  # 4 G records live at once: far past any arena's pages
+                raise OverflowError("columns: record ids past the u32 rec column")
+        r = self.records[rid] = TableRecord(self, rid, name, ns, rows)
+        self.cols["rec"][rows] = rid
+        return r
+
+    def adopt_records(self, names: list, rows: np.ndarray, rejected: list) -> None:
+        """A full load filed ``rows`` (READY, of one node, in commit order) from the records named ``names`` (the
+        etcd key of each row's commit record; None: a page record of its own): file each row under a record of that
+        name, the same one for every node's rows of it, so evicting one rewrites the record it came from; the names
+        in ``rejected`` (pages the load refused) are rewritten without them now (a record left with no page:
+        deleted). A record's rows share its revision, so in commit order they are runs: one step a run."""
+        by = self._rec_by_name
+        if len(rows):
+            arr = np.array(names, dtype=object)
+            cut = np.flatnonzero(arr[1:] != arr[:-1]) + 1
+            for lo, hi in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(arr)])).tolist()):
+                name = names[lo]
+                if name is None:
+                    continue
+                rec = by.get(name)
+                if rec is None:
+                    ns = self.ns_names[int(self.cols["ns"][rows[lo]])]
+                    rec = by[name] = self._new_record(name, ns, rows[lo:hi])
+                else:
+                    rec.rows = np.concatenate((rec.rows, rows[lo:hi]))
+                    self.cols["rec"][rows[lo:hi]] = rec.id
+        for name in dict.fromkeys(rejected):
+            if name is None:
+                continue
+            rec = by.get(name)
+            if rec is None:  # none of its pages was filed (so far): an empty record, deleted by its rewrite
+                rec = by[name] = self._new_record(name, "", np.zeros(0, np.int64))
+            self._rec_rewrites[rec] = None
 
     def _leaving(self, rows: np.ndarray) -> None:
         """``rows`` leave READY (evicted, removed, dropped): their records are rewritten without them."""
@@ -114,6 +146,8 @@ class TableRecords:
             r.dead = True
             del self.records[r.id]
             self._rec_free.append(r.id)
+            if self._rec_by_name.get(r.name) is r:
+                del self._rec_by_name[r.name]
 
     def take_records(self) -> tuple[list[TableRecord], list[TableRecord]]:
         """(records to put, records to rewrite) since the last call: the etcd work of the requests in between."""

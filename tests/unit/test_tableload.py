@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -315,3 +316,35 @@ def test_a_node_emptied_by_removes_loads_into_its_own_free_rows():
     assert fp["order"]["n0"] == list(zip(["a", "b"] * 3 + ["a"], new)), "commit order"
     assert fp["entries"] == sorted(zip(["a", "b"] * 3 + ["a"], new, ["n0"] * 7, offs, [PLEN] * 7, range(50, 57),
                                        [READY] * 7))
+
+
+PLEN_REC = 60_000
+
+
+def test_loaded_rows_are_filed_under_the_records_they_came_from():
+    """A load given each page's commit record: a record spread over two nodes is one record; evicting or removing a
+    loaded page rewrites the record it came from; a record with a page the load rejected is rewritten without it,
+    and one with no page filed is deleted."""
+    t = PageTable()
+    for n in ("n0", "n1"):
+        t.add_node(n, 8 * object_size(PLEN_REC))
+    size = object_size(PLEN_REC)
+    keys = [i.to_bytes(32, "little") for i in range(12)]
+    base = ARENA_DATA_START
+    # n0: r1's pages 0-2, r2's 3-4 (4 overlaps 3: rejected); n1: r1's 5-6, r3's only page 7 overlaps 6: rejected
+    rej0 = load_pages(t, "n0", "a", keys[:5], [base, base + size, base + 2 * size, base + 3 * size, base + 3 * size],
+                      [PLEN_REC] * 5, [1, 2, 3, 4, 5], records=[b"r1", b"r1", b"r1", b"r2", b"r2"])
+    rej1 = load_pages(t, "n1", "a", keys[5:8], [base, base + size, base + size], [PLEN_REC] * 3, [6, 7, 8],
+                      records=[b"r1", b"r1", b"r3"])
+    assert rej0 == [4] and rej1 == [2]
+    t.check()
+    puts, rewrites = t.take_records()
+    assert puts == [] and sorted(r.name for r in rewrites) == [b"r2", b"r3"]
+    r1 = t._rec_by_name[b"r1"]
+    assert sorted(r1.rows.tolist()) == sorted(t._find("a", keys[:3] + keys[5:7]).tolist())
+    assert [len(msgpack.unpackb(r.value())) if r.value() else 0 for r in sorted(rewrites, key=lambda r: r.name)] \
+        == [1, 0], "r2 keeps page 3; r3 had no page filed: deleted"
+    assert t.remove("a", [keys[5]]) == [True]
+    _, rewrites = t.take_records()
+    assert rewrites == [r1] and len(msgpack.unpackb(r1.value())) == 4
+    t.check()
