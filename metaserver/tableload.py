@@ -121,7 +121,7 @@ def reserve(t: PageTable, pages: int, nodes: int) -> None:
 
 
 def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes], offsets, payload_lens,
-               gens, records: list | None = None) -> list[int]:
+               gens, records: list | None = None, stamps=None) -> list[int]:
     """File one node's READY pages (``keys[i]`` of namespace ``ns[i]``, or all of ``ns`` when it is a string, at
     ``offsets[i]`` with layout code ``payload_lens[i]`` and generation ``gens[i]``), given in commit order, oldest
     first; the node's LRU order becomes that order. Returns the positions rejected, ascending (module docstring:
@@ -129,7 +129,9 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     ConfigError when the node was not added (``add_node``) or holds anything, or when the columns' lengths
     differ; nothing has changed then. ``records[i]``: the etcd key of page i's commit record (None: none); the rows
     filed go under records of those names (``TableRecords.adopt_records``), and a record with a page rejected here
-    is rewritten without it, as ``Directory``'s load does."""
+    is rewritten without it, as ``Directory``'s load does. ``stamps``: each page's recency (non-decreasing in the
+    given order; a full load passes the records' revisions, so that recency across nodes is commit order too); by
+    default fresh clock values in the given order (recency across nodes then follows the order of the loads)."""
     node = t.node_by_id.get(node_id)
     if node is None:
         raise ConfigError("columns", f"load of node {node_id!r}: no such node (add_node first)")
@@ -143,6 +145,10 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     if not len(off) == len(code) == len(gen) == n:
         raise ConfigError("columns", f"load of node {node_id!r}: {n} keys, {len(off)} offsets, {len(code)} "
                                      f"payload lengths, {len(gen)} generations")
+    if stamps is not None:
+        st = np.asarray(stamps, np.int64)
+        if len(st) != n or (n and (st[0] < 0 or (st[1:] < st[:-1]).any())):
+            raise ConfigError("columns", f"load of node {node_id!r}: stamps must be {n} non-decreasing naturals")
     nsix, ns_seen = _namespaces(t, ns, n)
     if not n:
         return []
@@ -222,8 +228,14 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     c["ns"][at] = nsix if every else nsix[keep]
     c["tag"][at] = 0
     c["rec"][at] = 0
-    c["stamp"][at] = np.arange(t.clock, t.clock + m, dtype=np.uint64)  # ``_stamp``: commit order is LRU order
-    t.clock += m
+    if stamps is None:
+        c["stamp"][at] = np.arange(t.clock, t.clock + m, dtype=np.uint64)  # ``_stamp``: commit order is LRU order
+        t.clock += m
+    elif m:
+        st = np.asarray(stamps, np.uint64)
+        st = st if every else st[keep]
+        c["stamp"][at] = st
+        t.clock = max(t.clock, int(st.max()) + 1)
     if longs and not every:  # their positions in ``keep``
         pos = np.fromiter((i for i, _ in longs), np.int64, len(longs))
         kept = ok[pos]

@@ -1,7 +1,10 @@
 """The columnar page table against the service's ``Directory`` (lru, one node): the same random requests (ALLOC with
 and without a writer token, COMMIT with right and wrong generations, ABORT, LOOKUP and RELEASE, REMOVE, EXISTS, lease
 and PENDING expiry) give the same answers, generations, hits and evictions step by step, and the same totals,
-prefix runs and listings. What the table must keep equal before the metaserver can run on it."""
+prefix runs and listings. What the table must keep equal before the metaserver can run on it. One node: across
+nodes the two choose where to evict by recency, a float time in ``Directory`` (equal for every page of one request,
+ties broken by node order) and a unique stamp in the table, so with several nodes they part ways at the first tie
+by design; placement itself is the same rule (tests/unit/test_columns.py)."""
 
 from __future__ import annotations
 
