@@ -250,7 +250,7 @@ def run_load(kind: str, pages: int, seed: int) -> dict:
                 order = np.argsort(revs, kind="stable")
                 ns, keys = list(map(ns.__getitem__, order.tolist())), list(map(keys.__getitem__, order.tolist()))
                 offs, plens, gens = offs[order], plens[order], gens[order]
-            rejected = load_pages(t, node_id, ns, keys, offs, plens, gens)
+            rejected = load_pages(t, node_id, ns, keys, offs, plens, gens, stamps=revs)  # recency: commit order
             assert not rejected, (node_id, len(rejected))
         load_s = time.process_time() - t0
     return {"kind": kind, "load_s": load_s, "load_objects": t.objects}
