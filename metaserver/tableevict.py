@@ -21,7 +21,6 @@ from metaserver.entry import READY, extent_size
 from metaserver.tablenodes import UNIT_SHIFT, NodeRows
 
 CANDIDATES = 1024  # the fewest victims a queue refill collects
-_INF = float("inf")
 
 
 class TableEviction:
@@ -62,14 +61,6 @@ class TableEviction:
                     return i
             self._refill(node)
         return -1
-
-    def _next_stamp(self, node: NodeRows) -> float:
-        """The stamp of the node's next victim (inf: none), left at the head of its queue."""
-        i = self._victim(node)
-        if i < 0:
-            return _INF
-        node.qpos = i  # not taken: the next ``_victim`` returns it again (it stays valid until touched)
-        return node.qstamp[i]
 
     def _make_room(self, node: NodeRows, size: int) -> tuple[int | None, int]:
         """Evict the node's least recently used pages until ``size`` bytes fit: (offset, row to reuse or -1), or

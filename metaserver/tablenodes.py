@@ -95,7 +95,6 @@ class TableNodes:
 
     def _placeable(self) -> None:
         self.placing = [n for n in self.nodes if n is not None and n.placeable and not n.dead]
-        self._place_ix = {n.ix: j for j, n in enumerate(self.placing)}  # node index -> its place in ``placing``
 
     def drain(self, node_id: str) -> tuple[int, int]:
         """Stop placing on ``node_id`` and drop its unpinned READY pages (an operator's drain before maintenance), as

@@ -2,9 +2,9 @@
 and without a writer token, COMMIT with right and wrong generations, ABORT, LOOKUP and RELEASE, REMOVE, EXISTS, lease
 and PENDING expiry) give the same answers, generations, hits and evictions step by step, and the same totals,
 prefix runs and listings. What the table must keep equal before the metaserver can run on it. One node: across
-nodes the two choose where to evict by recency, a float time in ``Directory`` (equal for every page of one request,
-ties broken by node order) and a unique stamp in the table, so with several nodes they part ways at the first tie
-by design; placement itself is the same rule (tests/unit/test_columns.py)."""
+nodes the two place differently (``Directory`` by most free bytes and evicting where the next victim is oldest, the
+table in turn) and break recency ties differently (a float time every page of a request shares, against unique
+stamps)."""
 
 from __future__ import annotations
 

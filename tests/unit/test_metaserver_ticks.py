@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
 from metaserver import service
 from metaserver.directory import NEW
