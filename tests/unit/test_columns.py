@@ -16,21 +16,7 @@ from metaserver.quarantine import Quarantine
 from transport.wire import object_size
 from umbp.errors import ConfigError
 
-PLEN = 60_000  # one 64 KiB object slot each
-
-
-def table(nodes: int = 1, slots: int = 8) -> PageTable:
-    t = PageTable()
-    for i in range(nodes):
-        t.add_node(f"n{i}", slots * object_size(PLEN))
-    return t
-
-
-def put(t: PageTable, keys: list[bytes], gen: int = 1, ns: str = "a") -> list:
-    items = t.alloc(ns, keys, [PLEN] * len(keys), gen)
-    new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
-    assert t.commit(ns, [k for k, _ in new], [g for _, g in new]) == [True] * len(new)
-    return items
+from tablekit import PLEN, put, table
 
 
 class Model:

@@ -9,14 +9,7 @@ from metaserver.columns import BLOCK, PageTable
 from metaserver.entry import NEW
 from transport.wire import object_size
 
-PLEN = 60_000
-
-
-def table(nodes: int, slots: int) -> PageTable:
-    t = PageTable()
-    for i in range(nodes):
-        t.add_node(f"n{i}", slots * object_size(PLEN))
-    return t
+from tablekit import PLEN, keys_of, table
 
 
 def put(t: PageTable, keys: list[bytes], gen: int, ns: str = "a") -> dict[bytes, str]:
@@ -25,10 +18,6 @@ def put(t: PageTable, keys: list[bytes], gen: int, ns: str = "a") -> dict[bytes,
     assert all(it[0] == NEW for it in items), items
     assert t.commit(ns, keys, [it[4] for it in items]) == [True] * len(keys)
     return {k: it[1] for k, it in zip(keys, items)}
-
-
-def keys_of(lo: int, hi: int) -> list[bytes]:
-    return [i.to_bytes(32, "little") for i in range(lo, hi)]
 
 
 def test_a_lost_node_misses_at_once_drops_in_slices_and_its_block_is_reused():

@@ -8,28 +8,9 @@ from __future__ import annotations
 import msgpack
 
 from metaserver.columns import PageTable
-from metaserver.entry import NEW
 from metaserver.records import BATCH_PAGES, batch_entries
-from transport.wire import object_size
 
-PLEN = 60_000
-
-
-def table(nodes: int, slots: int) -> PageTable:
-    t = PageTable()
-    for i in range(nodes):
-        t.add_node(f"n{i}", slots * object_size(PLEN))
-    return t
-
-
-def put(t: PageTable, keys: list[bytes], gen: int, ns: str = "a") -> None:
-    items = t.alloc(ns, keys, [PLEN] * len(keys), gen)
-    new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
-    assert t.commit(ns, [k for k, _ in new], [g for _, g in new]) == [True] * len(new)
-
-
-def keys_of(lo: int, hi: int) -> list[bytes]:
-    return [i.to_bytes(32, "little") for i in range(lo, hi)]
+from tablekit import keys_of, put, table
 
 
 def pages(rec) -> dict[bytes, tuple]:
