@@ -24,8 +24,9 @@ Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and
 Eviction (``metaserver/tableevict.py``) is exact LRU by ``stamp`` per node: every access stamps its rows with the
 next values of one clock, and victims leave each node in exact stamp order.
 
-Nodes (``metaserver/tablenodes.py``): added, and a lost one detached at once and dropped in budgeted slices (its
-blocks and index reused once nothing of it is in use).
+Nodes (``metaserver/tablenodes.py``): added and drained, and a lost one detached at once and dropped in budgeted
+slices (its blocks and index reused once nothing of it is in use). Totals and listings: ``tablequeries.py``; the
+full load and a fingerprint: ``tableload.py``.
 
 Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etcd records of ``Directory``'s layout,
 rewritten as rows leave.
@@ -33,8 +34,8 @@ rewritten as rows leave.
 What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
 sub-slots, quotas, placement on the most free node with eviction where the next victim is oldest across nodes
 (here: in turn over the placeable nodes, near a parent by ``Directory``'s rule, evicting on the chosen one), parked
-pages put back when their node returns, and the warm standby's copy. Those,
-and the service calling it, are what moving the metaserver onto it takes. As ``Directory``'s: read leases have
+pages put back when their node returns, and the warm standby's copy. Those, and the service calling it, are what
+moving the metaserver onto it takes. As ``Directory``'s: read leases have
 owners and a budgeted expiry (``expire_leases``), PENDING rows a budgeted expiry (``expire_pending``) and their
 writer's token (a retried ALLOC gets its place back), extents freed young wait in the write quarantine
 (``metaserver/quarantine.py``, the same class), and the key index resizes a slice at a time (``step``, and each

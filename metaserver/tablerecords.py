@@ -11,7 +11,8 @@ None (delete the key) and the record's id is freed. A burst of evictions of one 
 ...]`` with parent None (the table keeps no parent links yet), so a full load reads either's records.
 
 The table collects the records to put and to rewrite as its mutations run; the caller takes them after each request
-(``take_records``) and hands them to the writer, as it applies a Directory's ``Effects``.
+(``take_records``) and hands them to the writer, as it applies a Directory's ``Effects``. A full load files its
+rows under the records they came from, by name (``adopt_records``).
 
 Costs: a COMMIT's assignment O(rows) numpy plus a record object per ``BATCH_PAGES`` rows; rows leaving O(rows)
 numpy (the unique record ids among them); a value O(its rows).
