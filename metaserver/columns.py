@@ -188,6 +188,14 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
             return np.full(len(keys), -1, np.int64)
         return self.ix.find(nsix, digests(keys)[0], self.cols["ns"])
 
+    def offsets_of(self, rows: np.ndarray) -> list[int]:
+        """The byte offsets of ``rows`` (their ``unit`` column in 4 KiB units)."""
+        return (self.cols["unit"].take(rows).astype(np.uint64) << UNIT_SHIFT).tolist()
+
+    def code_extents(self) -> np.ndarray:
+        """The extent size of each interned layout code, by code index (int64): an extent of the ``size`` column."""
+        return np.array([extent_size(code) for code in self.codes], np.int64)
+
     def key_of(self, row: int) -> bytes:
         """A live row's key, as the client sent it."""
         return self.ix.key_of(row)
@@ -405,7 +413,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
             return 0, [None] * len(keys)
         c = self.cols
         return lease, by_key(hit, list(zip(self.node_names[c["node"][hr]].tolist(),
-                                           (c["unit"][hr].astype(np.uint64) << UNIT_SHIFT).tolist(),
+                                           self.offsets_of(hr),
                                            self.code_arr[c["size"][hr]].tolist(), c["gen"][hr].tolist())))
 
     def lookup_rows(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None

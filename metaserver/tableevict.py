@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from metaserver.entry import READY, extent_size
-from metaserver.tablenodes import UNIT_SHIFT, NodeRows
+from metaserver.tablenodes import NodeRows
 
 CANDIDATES = 1024  # the fewest victims a queue refill collects
 
@@ -42,7 +42,7 @@ class TableEviction:
         c = self.cols
         node.queue = rows.tolist()
         node.qstamp = stamp[rows].tolist()
-        node.qoff = (c["unit"][rows].astype(np.uint64) << UNIT_SHIFT).tolist()
+        node.qoff = self.offsets_of(rows)
         node.qcode = self.code_arr[c["size"][rows]].tolist()
         node.qns = c["ns"][rows].tolist()
         node.qpos = 0

@@ -14,8 +14,9 @@ a ``Directory``. No I/O.
 3. of a key given twice among the pages left, the first in commit order is filed; a later one is rejected and its
    extent freed again.
 
-The pages filed get fresh clock stamps in commit order (oldest first), so the node's LRU order is its commit order,
-as ``Directory``'s load adds its entries to the policy in the order given.
+The pages filed get fresh clock stamps in commit order (oldest first), or the stamps given (a takeover passes the
+records' revisions, so recency across nodes is commit order too), so the node's LRU order is its commit order, as
+``Directory``'s load adds its entries to the policy in the order given.
 
 Where it differs from ``Directory.load_entries``, and why:
 
@@ -263,7 +264,7 @@ def fingerprint(t: PageTable) -> dict:
     names = t.ns_names
     entries = sorted(zip([names[i] for i in c["ns"].take(live).tolist()], [t.key_of(r) for r in live.tolist()],
                          t.node_names.take(c["node"].take(live)).tolist(),
-                         (c["unit"].take(live).astype(np.uint64) << np.uint64(UNIT_SHIFT)).tolist(),
+                         t.offsets_of(live),
                          t.code_arr.take(c["size"].take(live)).tolist(), c["gen"].take(live).tolist(),
                          state.take(live).tolist()))
     nodes = {}

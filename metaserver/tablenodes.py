@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from metaserver.allocator import Allocator
-from metaserver.entry import GONE, READY, extent_size
+from metaserver.entry import GONE, READY
 from transport import wire
 from umbp.errors import ConfigError
 
@@ -118,10 +118,9 @@ class TableNodes:
             state[drop] = FREE
             node.free.extend(drop.tolist())
             keep = rows[state.take(rows) != FREE]
-            extents = np.array([extent_size(code) for code in self.codes], np.int64)
+            extents = self.code_extents()
             waiting = self.quarantine.extents(node)  # freed young: still allocated until their hold ends
-            node.alloc.rebuild_columns((c["unit"].take(keep).astype(np.int64) << UNIT_SHIFT).tolist()
-                                       + [off for off, _ in waiting],
+            node.alloc.rebuild_columns(self.offsets_of(keep) + [off for off, _ in waiting],
                                        extents.take(c["size"].take(keep)).tolist() + [size for _, size in waiting])
         return len(drop), int(np.count_nonzero(held))
 
@@ -202,7 +201,7 @@ class TableNodes:
         c = self.cols
         return list(zip([self.ns_names[i] for i in c["ns"].take(rows).tolist()],
                         [self.ix.key_of(r) for r in rows.tolist()],
-                        (c["unit"].take(rows).astype(np.uint64) << np.uint64(UNIT_SHIFT)).tolist(),
+                        self.offsets_of(rows),
                         self.code_arr.take(c["size"].take(rows)).tolist(),
                         c["gen"].take(rows).tolist(), c["stamp"].take(rows).tolist()))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metaserver.entry import PENDING, READY, STATE_NAMES, extent_size
+from metaserver.entry import PENDING, READY, STATE_NAMES
 
 
 class TableQueries:
@@ -49,7 +49,7 @@ class TableQueries:
         quota_bytes (None: the table keeps no quotas)."""
         state, ns = self._live()
         rows = np.flatnonzero((state == READY) | (state == PENDING))
-        sizes = np.array([extent_size(code) for code in self.codes], np.int64).take(self.cols["size"].take(rows))
+        sizes = self.code_extents().take(self.cols["size"].take(rows))
         used = np.bincount(ns.take(rows), weights=sizes, minlength=len(self.ns_names))
         objects = np.bincount(ns[state == READY], minlength=len(self.ns_names))
         return {name: {"objects": int(objects[i]), "used_bytes": int(used[i]), "quota_bytes": None}

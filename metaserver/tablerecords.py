@@ -26,7 +26,6 @@ import numpy as np
 from metaserver.entry import READY
 from metaserver.records import BATCH_MARK, BATCH_PAGES
 
-UNIT_SHIFT = np.uint64(12)  # as tablenodes.UNIT_SHIFT
 
 
 class TableRecord:
@@ -162,6 +161,6 @@ class TableRecords:
         c = self.cols
         keys = [self.ix.key_of(r) for r in rows.tolist()]
         return [list(p) for p in zip(keys, self.node_names.take(c["node"].take(rows)).tolist(),
-                                     (c["unit"].take(rows).astype(np.uint64) << UNIT_SHIFT).tolist(),
+                                     self.offsets_of(rows),
                                      self.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
                                      [None] * len(keys))]
