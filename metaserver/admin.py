@@ -36,8 +36,8 @@ class AdminHandlers:
         """Every node's map; ``full`` False: node-internal fields blanked (a scoped token's view)."""
         out = []
         for node in self.members.nodes.values():
-            sp = self.dir.spaces.get(node.node_id)
-            used, objects = (sp.alloc.used, len(sp.entries)) if sp is not None and node.alive else (0, 0)
+            use = self.dir.space_use(node.node_id) if node.alive else None
+            used, objects = use if use is not None else (0, 0)
             info = node.info(used, objects)
             if not full:
                 info.update(NODE_INTERNAL)
@@ -59,7 +59,7 @@ class AdminHandlers:
                "load_s": round(self.load_s, 3), "takeover": self.takeover, "etcd_pending_ops": self.writer.pending(),
                "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
                "etcd_txn_max_ops": self.writer.batch,
-               "ticks": self.ticks, "nodes": self._node_maps(scope.admin)}
+               "ticks": self.ticks, "directory": self.cfg.directory, "nodes": self._node_maps(scope.admin)}
         if not scope.admin:
             del out["etcd"]
         return out

@@ -43,6 +43,11 @@ from umbp.errors import RemoteError, TxnTooLarge, Unavailable
 log = logging.getLogger("umbp.metaserver")
 batch_value = EtcdStore.batch_value
 
+
+def encoded(record: "Batch | TableRecord") -> bytes | None:
+    """A commit record's value now (None: delete it), ``Directory``'s (``Batch``) or the table's."""
+    return batch_value(record) if type(record) is Batch else record.value()
+
 TXN_OPS = ETCD_TXN_OPS  # operations a transaction by default (MetaserverConfig.persist_batch, umbp/config.py)
 ETCD_DEFAULT_TXN_OPS = 128  # etcd's own default cap: where a writer refused for its size goes first
 TXN_BYTES = 1 << 20  # keys and values of one transaction at most: etcd refuses a request over its --max-request-bytes
@@ -169,8 +174,9 @@ class BatchWriter:
             self._running += 1
             err: BaseException | None = None
             try:
-                # a commit record's value is encoded now, from its pages still in the directory (persist.py)
-                ops = [(k, v if type(v) is not Batch else batch_value(v)) for k, (v, _) in zip(keys, slots)]
+                # a commit record's value is encoded now, from its pages still in the directory (persist.py,
+                # tablerecords.py)
+                ops = [(k, v if type(v) is bytes or v is None else encoded(v)) for k, (v, _) in zip(keys, slots)]
                 deadline = loop.time() + self.retry_s
                 delay = 0.05
                 while True:

@@ -130,6 +130,37 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         w = self._pending.get(e)
         return w[1] if w is not None else None
 
+    # -- what the service asks of either core (metaserver/tabledir.py answers the same) --------------------------
+    parks = True  # a lost node's pages are parked for its return (metaserver/rejoin.py)
+
+    def space_use(self, node_id: str) -> tuple[int, int] | None:
+        """(arena bytes held, live entries) of a node's space, None when it has none."""
+        sp = self.spaces.get(node_id)
+        return None if sp is None else (sp.alloc.used, sp.n)
+
+    def pending_handles(self, ns: str, keys: list, items: list, new: list[int]) -> list[Entry]:
+        """What a connection keeps of its NEW allocations (positions ``new``): their PENDING entries."""
+        pd = self.pending_keys[ns]  # a NEW item's entry is PENDING: straight from its dict, not the view
+        return [pd[keys[i]] for i in new]
+
+    def settle_handles(self, held: set, ns: str, keys: list, gens: list) -> None:
+        """A COMMIT or ABORT of (keys, gens) settles them: out of the connection's ``held`` set."""
+        pd = self.pending_keys.get(ns)  # only PENDING entries are in a connection's set
+        if pd:
+            get, discard = pd.get, held.discard
+            for key in keys:
+                discard(get(key))
+
+    def abort_owned(self, handles, owner: object) -> int:
+        """``owner`` closed: abort the entries of ``handles`` still PENDING and still its own (``owned_by``)."""
+        by_ns: dict[str, tuple[list, list]] = {}
+        for e in handles:
+            if e.state == PENDING and self.owned_by(e, owner):
+                ks, gs = by_ns.setdefault(e.ns, ([], []))
+                ks.append(e.key)
+                gs.append(e.gen)
+        return sum(self.abort(ns, ks, gs) for ns, (ks, gs) in by_ns.items())
+
     def _count(self, ns: str, nbytes: int) -> None:
         """Add ``nbytes`` (negative: remove) to namespace ``ns``'s use."""
         u = self.ns_used.get(ns, 0) + nbytes

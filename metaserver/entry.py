@@ -188,17 +188,20 @@ class Batch:
 
 class Effects:
     """I/O a mutation leaves to its caller: pages to persist, persisted pages to delete (``deletes``: (ns, key) of
-    a page with a record of its own) and commit records to rewrite without pages that left (``batches``)."""
+    a page with a record of its own) and commit records to rewrite without pages that left (``batches``). The
+    columnar directory (``metaserver/tabledir.py``) makes its commit records itself: ``recs``, put as they are
+    (``tablerecords.TableRecord``), and its rewrites are ``batches`` too."""
 
-    __slots__ = ("puts", "deletes", "batches")
+    __slots__ = ("puts", "deletes", "batches", "recs")
 
     def __init__(self) -> None:
         self.puts: list[Entry] = []
         self.deletes: list[tuple[str, bytes]] = []
-        self.batches: list[Batch] = []
+        self.batches: list = []
+        self.recs: list = []
 
     def __bool__(self) -> bool:
-        return bool(self.puts or self.deletes or self.batches)
+        return bool(self.puts or self.deletes or self.batches or self.recs)
 
 
 class NodeSpace:

@@ -104,18 +104,18 @@ def fill(d: Directory, descs: dict[str, tuple[dict, int]],
     for node_id in list(groups):
         ents, revs = groups.pop(node_id)
         if node_id not in spaces:
-            stale.extend(_record(recs, node_id, e, rev) for e, rev in zip(ents, revs))
+            stale.extend(record_tuple(recs, node_id, e, rev) for e, rev in zip(ents, revs))
             continue
         order = sorted(range(len(revs)), key=revs.__getitem__)  # recency restarts from commit order
         ents = list(map(ents.__getitem__, order))
         fx = d.load_entries(node_id, ents)
         if fx.deletes:  # the entries it did not file (``space`` None), by identity: one key may be in two records
-            rejected.extend(_record(recs, node_id, e, revs[i]) for e, i in zip(ents, order) if e.space is None)
+            rejected.extend(record_tuple(recs, node_id, e, revs[i]) for e, i in zip(ents, order) if e.space is None)
         del ents, revs, order
     return stale, rejected
 
 
-def _record(recs: PageRecords, node_id: str, e, rev: int) -> tuple:
+def record_tuple(recs: PageRecords, node_id: str, e, rev: int) -> tuple:
     """The ``page_record`` tuple of a record of ``node_id`` (stale or rejected: a few) from its entry."""
     return (rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, recs.record_of(e))
 

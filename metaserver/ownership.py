@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.directory import NEW, OVER_QUOTA, PENDING
+from metaserver.directory import NEW, OVER_QUOTA
 from transport.wire import Status
 from umbp.errors import QuotaExceeded
 
@@ -105,15 +105,9 @@ class OwnershipHandlers:
         read leases it still holds. An allocation another connection took over (an ALLOC retried with its token)
         is not this connection's any more and stays."""
         self.drop_leases(conn)
-        owned_by = self.dir.owned_by  # a shared entry: a sub-slot this connection holds and has not written
-        gone = [e for e in conn.pending if e.state == PENDING and owned_by(e, conn)]
-        by_ns: dict[str, tuple[list, list]] = {}
-        for e in gone:
-            ks, gs = by_ns.setdefault(e.ns, ([], []))
-            ks.append(e.key)
-            gs.append(e.gen)
+        handles = list(conn.pending)
         conn.pending.clear()
-        return sum(self.dir.abort(ns, ks, gs) for ns, (ks, gs) in by_ns.items()) if self.serving else 0
+        return self.dir.abort_owned(handles, conn) if self.serving else 0
 
     def _refuse_over_quota(self, ns: str, keys: list, items: list) -> None:
         """Some keys of an ALLOC do not fit in ``ns``'s quota: give back what this request allocated (nothing was

@@ -33,9 +33,9 @@ class RejoinHandlers:
     def _node_lost(self, node: Node, now: float) -> None:
         """A node's lease lapsed: detach it now, drop its pages in later ticks (``_drop_lost``)."""
         nid = node.node_id
-        sp = self.dir.spaces.get(nid)
-        pages = sp.n if sp is not None else 0
-        park = not node.provisional and sp is not None
+        use = self.dir.space_use(nid)
+        pages = use[1] if use is not None else 0
+        park = self.dir.parks and not node.provisional and use is not None  # the columnar directory parks none
         _, fx = self.dir.detach_space(nid, park=park)
         self._apply(fx)
         if park:

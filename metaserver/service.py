@@ -57,6 +57,7 @@ from metaserver.rejoin import RejoinHandlers
 from metaserver import gcpolicy
 from metaserver.fullload import fill, gc_paused, node_descs
 from metaserver.standby import CATCHUP_S, Handover, WarmDirectory
+from metaserver.tabledir import TableDirectory
 from transport.wire import VERSION, Op, Status
 from metaserver.quarantine import Quarantine
 from metaserver.grants import grant_reads, grant_writes
@@ -106,7 +107,7 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         self._ticker: asyncio.Task | None = None
         self._election: asyncio.Task | None = None
         self._duties = (self._expire_pending, self._expire_leases, self._release_quarantine, self._drop_dying,
-                        self._evict_over_high)
+                        self._evict_over_high) + ((self._step_table,) if config.directory == "table" else ())
         self.handlers = {
             Op.HELLO: self.hello, Op.AUTH: self.authenticate, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
             Op.HEARTBEAT: self.heartbeat, Op.ALLOC: self.alloc, Op.COMMIT: self.commit, Op.ABORT: self.abort,
@@ -130,8 +131,12 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         self.took_over = 0.0
         self.parked: dict[str, tuple] = {}  # lost node id -> (arena_id, capacity, deadline, page records); _park
 
-    def _make_dir(self) -> Directory:
+    def _make_dir(self) -> Directory | TableDirectory:
         cfg = self.cfg
+        if cfg.directory == "table":
+            return TableDirectory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s,
+                                  policy=cfg.eviction_policy, quotas=getattr(self.tokens, "quotas", None),
+                                  namer=self.store.batch_name)
         return Directory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
                          quotas=getattr(self.tokens, "quotas", None))
 
@@ -158,8 +163,9 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             self._election.result()  # raises what ended it
 
     def _standing_by(self) -> None:
-        """Lost a round: keep a warm copy of the directory (started once per stretch as a standby)."""
-        if self.warm is None:
+        """Lost a round: keep a warm copy of the directory (started once per stretch as a standby). The columnar
+        directory keeps none (not built yet): its takeover is a full load."""
+        if self.warm is None and self.cfg.directory != "table":
             self.warm = WarmDirectory(self.store, self._make_dir)
             self.warm.start()
 
@@ -252,7 +258,11 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             # keep-alive must still run meanwhile (the event loop gets the GIL back every switch interval). Nothing
             # else touches this term's directory until serving starts; a cancelled takeover leaves the thread to
             # finish on a directory nobody uses.
-            stale, rejected = await asyncio.to_thread(fill, self.dir, descs, pages)
+            d = self.dir
+            stale, rejected = await (asyncio.to_thread(d.load, descs, pages) if isinstance(d, TableDirectory)
+                                     else asyncio.to_thread(fill, d, descs, pages))
+        if isinstance(d, TableDirectory):
+            self._apply(d.effects())  # commit records rewritten without the pages the load could not place
         self._provisional_nodes(descs, time.monotonic())
         self._drop_records([p[8] for p in stale] + [p[8] for p in rejected])
         self.load_s = time.monotonic() - t0
@@ -300,6 +310,8 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             return None
         store = self.store
         puts = [(b.name, b) for b in store.batches_of(fx.puts)] if fx.puts else []
+        if fx.recs:
+            puts += [(r.name, r) for r in fx.recs]  # the columnar directory's own commit records
         deletes = [store.page_key(ns, k) for ns, k in fx.deletes] if fx.deletes else []
         rewrites = [(b.name, b) for b in dict.fromkeys(fx.batches)] if fx.batches else []  # pages left them
         if wait:
@@ -366,6 +378,9 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
     def _drop_dying(self, now: float, budget: int) -> int:
         return self._drop_lost(min(budget, SWEEP_BUDGET)) if self.dir.dying else 0
 
+    def _step_table(self, now: float, budget: int) -> int:
+        return self.dir.step(min(budget, SWEEP_BUDGET))  # a key index resize, a slice at a time (keyindex.py)
+
     def _evict_over_high(self, now: float, budget: int) -> int:
         d = self.dir
         if not d.needs_eviction(self.cfg.high_watermark):
@@ -416,7 +431,7 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         self._check_settled()
         kept = dropped = 0
         if keep and node.node_id in self.dir.spaces:
-            kept = len(self.dir.spaces[node.node_id].entries)
+            kept = self.dir.space_use(node.node_id)[1]
             self.dir.set_placeable(node.node_id, True)
         else:
             self._finish_drop(node.node_id)  # a drop under way completes its parked records first
@@ -498,9 +513,8 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
         out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms,
                                       shard[0] if shard is not None else None)
-        if new:
-            pd = self.dir.pending_keys[ns]  # a NEW item's entry is PENDING: straight from its dict, not the view
-            conn.pending.update([pd[keys[i]] for i in new])  # aborted if this connection goes away before COMMIT
+        if new:  # aborted if this connection goes away before COMMIT
+            conn.pending.update(self.dir.pending_handles(ns, keys, items, new))
         return {"items": out, "caps": caps}
 
     async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn, shard=None) -> dict:
@@ -524,11 +538,7 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         keys = v.keys(m, self.max_keys)
         gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
         if conn.pending:
-            pd = self.dir.pending_keys.get(ns)  # only PENDING entries are in conn.pending
-            if pd:
-                get, discard = pd.get, conn.pending.discard
-                for key in keys:
-                    discard(get(key))
+            self.dir.settle_handles(conn.pending, ns, keys, gens)
         return ns, keys, gens
 
     def commit(self, meta: Any, conn):

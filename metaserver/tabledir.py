@@ -1,0 +1,262 @@
+"""The metaserver's directory on the columnar page table (``umbp metaserver --directory table``): ``TableDirectory``
+gives ``metaserver.columns.PageTable`` the calls the service makes of a ``Directory`` (``metaserver/service.py``,
+``ownership.py``, ``rejoin.py``, ``admin.py``, ``metrics.py``), so one metaserver serves from either core.
+
+What it answers as ``Directory`` does (the table's own tests, ``tests/unit/test_columns_vs_directory.py``, compare
+the two request by request): ALLOC, COMMIT, ABORT, LOOKUP, RELEASE, EXISTS, PREFIX, REMOVE, LIST, STATS, read leases
+and their owners, PENDING expiry and writers' tokens, the write quarantine, node loss in budgeted slices, DRAIN, the
+watermark pass and an operator's EVICT (least recently used first on each node), commit records in etcd
+(``metaserver/tablerecords.py``: the layout ``Directory`` writes, so either core loads the other's pool) and the full
+load at a takeover (``load``).
+
+What it does not do yet, each refused where it would be asked for (``umbp/config.py``, ``service.py``), never
+answered differently: ``prefix-lru`` (no prefix links), partitioned pools (slots), quotas, shared entries (a LOOKUP or
+COMMIT with ``shard``), the warm standby's copy (a standby keeps none: its takeover is a full load), and parking a
+lost node's pages for its return (``parks`` False: they are dropped and their records deleted, as a node that
+returns with another arena). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s rule)
+where ``Directory`` places on the most free node: README, "The columnar directory".
+
+A connection's PENDING allocations are ``(ns, key, gen)`` handles here (``Directory``'s are its entries): COMMIT and
+ABORT settle them, and a closing connection aborts those still PENDING with that generation and still its own
+(``abort_owned``: another connection's retry with the writer's token took the allocation over).
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+import numpy as np
+
+from metaserver.columns import PageTable
+from metaserver.entry import PENDING, READY, Effects, extent_size
+from metaserver.eviction import bytes_to_low, over_high
+from metaserver.fullload import record_tuple
+from metaserver.records import PageRecords
+from metaserver.tableload import load_pages, reserve
+from metaserver.tablenodes import NodeRows, TableNodes
+from metaserver.validate import Reject
+from umbp.errors import ConfigError
+
+
+def no_shard(shard) -> None:
+    """Refuse a request on shared entries' sub-slots (``shard``): the table keeps none yet."""
+    if shard is not None:
+        raise Reject("shared entries (a request with 'shard') are not kept by this metaserver's columnar directory: "
+                     "run it with --directory objects")
+
+
+class TableDirectory(PageTable):
+    parks = False  # a lost node's pages are dropped, not parked for its return (module docstring)
+
+    def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
+                 quotas: dict | None = None, namer=None):
+        if policy != "lru":
+            raise ConfigError("metaserver", f"directory 'table' evicts by lru only, not {policy!r}")
+        if quotas:
+            raise ConfigError("metaserver", "directory 'table' keeps no namespace quotas: the tokens file names "
+                                            f"quotas for {sorted(quotas)}; run --directory objects")
+        super().__init__(read_lease_s=read_lease_s, pending_ttl_s=pending_ttl_s)
+        if namer is not None:
+            self.namer = namer  # a commit record's etcd key (EtcdStore.batch_name)
+        self.quotas: dict = {}
+        self.ns_used: dict = {}
+        self.puts = 0
+
+    # -- what the service reads -------------------------------------------------------------------------------
+    @property
+    def spaces(self) -> dict[str, NodeRows]:
+        """Live nodes by id (the quarantine's ``release`` checks a held extent's node against it)."""
+        return self.node_by_id
+
+    @property
+    def pinned(self) -> int:
+        return int(np.count_nonzero(self.cols["pins"]))
+
+    def space_use(self, node_id: str) -> tuple[int, int] | None:
+        """(arena bytes held, pages PENDING or READY) of a live node, None when it has none. O(its rows) numpy."""
+        node = self.node_by_id.get(node_id)
+        if node is None:
+            return None
+        st = self.cols["state"].take(self._rows_of(node))
+        return node.alloc.used, int(np.count_nonzero((st == READY) | (st == PENDING)))
+
+    def effects(self, fx: Effects | None = None) -> Effects:
+        """The etcd work of the requests since the last call (``take_records``) as ``Effects``: new commit records
+        to put (``recs``), records to rewrite without pages that left (``batches``)."""
+        fx = Effects() if fx is None else fx
+        puts, rewrites = self.take_records()
+        fx.recs.extend(puts)
+        fx.batches.extend(rewrites)
+        return fx
+
+    # -- requests, with Directory's signatures -----------------------------------------------------------------
+    def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
+        no_shard(shard)
+        items = PageTable.alloc(self, ns, keys, sizes, gen_base, None, now, token, owner, parents)
+        return items, self.effects()
+
+    def commit(self, ns, keys, gens, now, shard=None):
+        no_shard(shard)
+        ok = PageTable.commit(self, ns, keys, gens)
+        fx = self.effects()
+        self.puts += sum(len(r.rows) for r in fx.recs)
+        return ok, fx
+
+    def lookup(self, ns, keys, now, owner=None, shard=None):
+        no_shard(shard)
+        return PageTable.lookup(self, ns, keys, now, owner)
+
+    def remove(self, ns, keys):
+        return PageTable.remove(self, ns, keys), self.effects()
+
+    # -- a connection's PENDING allocations -------------------------------------------------------------------
+    @staticmethod
+    def pending_handles(ns: str, keys: list, items: list, new: list[int]) -> list:
+        return [(ns, keys[i], items[i][4]) for i in new]
+
+    @staticmethod
+    def settle_handles(held: set, ns: str, keys: list, gens: list) -> None:
+        held.difference_update(zip(repeat(ns), keys, gens))
+
+    def abort_owned(self, handles, owner) -> int:
+        """Abort the allocations of ``handles`` still PENDING with their generation and still ``owner``'s."""
+        by_ns: dict[str, tuple[list, list]] = {}
+        for ns, key, gen in handles:
+            ks, gs = by_ns.setdefault(ns, ([], []))
+            ks.append(key)
+            gs.append(gen)
+        n = 0
+        for ns, (ks, gs) in by_ns.items():
+            rows = self._find(ns, ks).tolist()
+            mine = [i for i, r in enumerate(rows) if r >= 0 and self.writer_of(r) is owner]
+            if mine:
+                n += PageTable.abort(self, ns, [ks[i] for i in mine], [gs[i] for i in mine])
+        return n
+
+    # -- nodes ------------------------------------------------------------------------------------------------
+    def add_space(self, node_id: str, capacity: int) -> NodeRows:
+        self.add_node(node_id, capacity)
+        return self.node_by_id[node_id]
+
+    def drop_space(self, node_id: str) -> tuple[int, Effects]:
+        """Drop a node and every page of it at once (it re-registered with another arena)."""
+        n = 0
+        if node_id in self.node_by_id or node_id in self.dying:
+            n = self.detach_node(node_id) + TableNodes.drop_slice(self, node_id, 1 << 62)[0]
+        return n, self.effects()
+
+    def detach_space(self, node_id: str, park: bool = False) -> tuple[int, Effects]:
+        return self.detach_node(node_id), self.effects()
+
+    def drop_slice(self, node_id: str, budget: int, fx: Effects | None = None) -> tuple[int, list | None]:
+        n, recs = TableNodes.drop_slice(self, node_id, budget)
+        if fx is not None:
+            self.effects(fx)
+        return n, None if recs is None else []
+
+    def drain(self, node_id: str) -> tuple[int, int, Effects]:
+        dropped, pinned = TableNodes.drain(self, node_id)
+        return dropped, pinned, self.effects()
+
+    # -- eviction passes (as metaserver/passes.py) ------------------------------------------------------------
+    def evict_node(self, node: NodeRows, nbytes: int, budget: int) -> tuple[int, int]:
+        """Evict the node's least recently used unpinned READY pages until ``nbytes`` are freed or ``budget``
+        pages went. Returns (evicted, freed bytes)."""
+        gen = self.cols["gen"]
+        rows: list[int] = []
+        nss: list[int] = []
+        freed = 0
+        while freed < nbytes and len(rows) < budget:
+            i = self._victim(node)
+            if i < 0:
+                break
+            r = node.queue[i]
+            size = extent_size(node.qcode[i])
+            self.quarantine.free(node, node.qoff[i], size, int(gen[r]))
+            self._free_row(r, node)
+            rows.append(r)
+            nss.append(node.qns[i])
+            freed += size
+        if rows:
+            ra = np.array(rows, np.int64)
+            self._leaving(ra)
+            self.ix.delete(ra, np.array(nss, np.uint64))
+        self.evictions += len(rows)
+        return len(rows), freed
+
+    def watermark_pass(self, high: float, low: float, budget: int, fx: Effects) -> tuple[int, int]:
+        n = freed = 0
+        for node in list(self.node_by_id.values()):
+            cap, used = node.alloc.capacity, node.alloc.used
+            if n >= budget or not over_high(used, cap, high):
+                continue
+            k, f = self.evict_node(node, bytes_to_low(used, cap, low), budget - n)
+            n += k
+            freed += f
+        self.effects(fx)
+        return n, freed
+
+    def needs_eviction(self, high: float) -> bool:
+        return any(over_high(n.alloc.used, n.alloc.capacity, high) for n in self.node_by_id.values())
+
+    def evict_bytes(self, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
+        """Free at least ``nbytes`` from the fullest nodes first (by fill ratio), at most ``budget`` evictions."""
+        n = freed = 0
+        for node in sorted(self.node_by_id.values(), key=lambda x: -x.alloc.used / max(1, x.alloc.capacity)):
+            if freed >= nbytes or n >= budget:
+                break
+            k, f = self.evict_node(node, nbytes - freed, budget - n)
+            n += k
+            freed += f
+        self.effects(fx)
+        return n, freed
+
+    def evict_all(self, budget: int, fx: Effects) -> tuple[int, int, bool]:
+        n = freed = 0
+        for node in list(self.node_by_id.values()):
+            k, f = self.evict_node(node, 1 << 62, budget - n)
+            n += k
+            freed += f
+            if n >= budget:
+                self.effects(fx)
+                return n, freed, False
+        self.effects(fx)
+        return n, freed, True
+
+    # -- the full load ----------------------------------------------------------------------------------------
+    def load(self, descs: dict, pages: PageRecords) -> tuple[list[tuple], list[tuple]]:
+        """``metaserver.fullload.fill`` for the table: a node per description (not placeable), then each node's
+        pages in commit order (recency: their records' revisions), filed under the commit records they came from.
+        Returns (stale, rejected) ``page_record`` tuples of the pages with an etcd key of their own, for the leader
+        to delete, as ``fill`` does. A page of a commit record that cannot stand (its node has no record, or the
+        load rejected it) is not returned: its record is rewritten without it (``TableRecords.adopt_records``;
+        the rewrite comes with the next ``effects``), never deleted with the pages of it that did load."""
+        for node_id, (desc, _) in descs.items():
+            self.add_node(node_id, desc["capacity"])
+            self.set_placeable(node_id, False)
+        stale: list[tuple] = [(0, None, "", b"", 0, 0, 0, None, k) for k in pages.junk]
+        rejected: list[tuple] = []
+        orphans: list[bytes] = []  # commit records with a page of a node that has no record
+        groups = pages.done()
+        reserve(self, len(pages), len(descs))
+        for node_id in list(groups):
+            ents, revs = groups.pop(node_id)
+            if node_id not in self.node_by_id:
+                for e, rev in zip(ents, revs):
+                    if e.batch is not None:
+                        orphans.append(e.batch.name)
+                    else:
+                        stale.append(record_tuple(pages, node_id, e, rev))
+                continue
+            order = sorted(range(len(revs)), key=revs.__getitem__)
+            ents = [ents[i] for i in order]
+            revs = [revs[i] for i in order]
+            names = [e.batch.name if e.batch is not None else None for e in ents]
+            bad = load_pages(self, node_id, [e.ns for e in ents], [e.key for e in ents], [e.offset for e in ents],
+                             [e.payload_len for e in ents], [e.gen for e in ents], records=names, stamps=revs)
+            rejected.extend(record_tuple(pages, node_id, ents[i], revs[i]) for i in bad if names[i] is None)
+        if orphans:
+            self.adopt_records([], np.zeros(0, np.int64), orphans)
+        return stale, rejected
+
+

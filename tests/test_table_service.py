@@ -1,0 +1,183 @@
+"""The metaserver serving from the columnar directory (``--directory table``, metaserver/tabledir.py), end to end:
+real etcd, metaserver and node processes.
+
+Two parts:
+
+- the pool's own end-to-end tests (test_pool.py, test_failover.py, test_hardening_caps.py, test_commit_coalescing.py,
+  test_cut_connections.py) collected again here, with every metaserver this module starts serving from the table
+  (the ``harness`` fixture below adds ``--directory table --eviction-policy lru`` to each metaserver a test starts,
+  unless the test names a core itself): the same assertions on bytes, counts and states hold on either core;
+- what is the table's own: STATS naming the core, eviction and node loss through the service with their etcd
+  records kept in step (a restarted metaserver loads exactly the pages left), each core loading a pool the other
+  wrote, and the refusals of what the table does not keep yet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import umbp
+from cluster import Cluster, Harness
+from processes import child_env
+from transport import wire
+from umbp.errors import UmbpError
+
+from test_pool import payload
+from test_pool import *  # noqa: F401,F403  (collected again on the table)
+from test_failover import *  # noqa: F401,F403
+from test_hardening_caps import *  # noqa: F401,F403
+from test_commit_coalescing import *  # noqa: F401,F403
+from test_cut_connections import *  # noqa: F401,F403
+
+TABLE = {"directory": "table", "eviction_policy": "lru"}
+
+
+class TableHarness(Harness):
+    """A harness whose metaservers serve from the columnar directory unless a test names a core."""
+
+    def metaserver(self, etcd_url: str, start: bool = True, name: str = "metaserver", **flags):
+        for k, val in TABLE.items():
+            flags.setdefault(k, val)
+        return super().metaserver(etcd_url, start=start, name=name, **flags)
+
+
+@pytest.fixture
+def harness(request: pytest.FixtureRequest):
+    h = TableHarness(request.node.name, keep=os.environ.get("UMBP_KEEP_TEST_DIRS") == "1")
+    request.node._umbp_harness = h
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def stats(cluster: Cluster) -> dict:
+    return cluster.cli_json("stats", "--metaserver", cluster.metaserver_addr)
+
+
+def restart_metaserver(cluster: Cluster, **flags) -> None:
+    """SIGKILL the metaserver and start it again (with ``flags`` changed): a full load from etcd; wait until every
+    running node re-registered."""
+    ms = cluster.metaserver
+    ms.flags.update(flags)
+    ms.restart(sig=signal.SIGKILL)
+    cluster.wait_nodes()
+
+
+def put_all(c: umbp.Client, keys: list[str], size: int) -> None:
+    assert c.batch_put(keys, [payload(k, size) for k in keys]) == [True] * len(keys)
+
+
+def readable(c: umbp.Client, keys: list[str], size: int) -> list[str]:
+    """The keys whose bytes come back exactly (a missing key is None; wrong bytes fail the test)."""
+    out = []
+    for k in keys:
+        got = c.get(k)
+        if got is not None:
+            assert got == payload(k, size), f"{k}: wrong bytes"
+            out.append(k)
+    return out
+
+
+def test_table_serves_round_trips_and_survives_a_full_load(harness, etcd_binary):
+    cluster = Cluster(harness, nodes=2).start()
+    keys = [f"t-{i}" for i in range(40)]
+    with umbp.Client(cluster.metaserver_addr) as c:
+        put_all(c, keys[:20], 5000)
+        put_all(c, keys[20:], 70_000)
+        assert c.batch_remove(keys[:5]) == [True] * 5
+        s = stats(cluster)
+        assert s["directory"] == "table"
+        assert s["objects"] == 35 and s["pending"] == 0 and s["puts"] == 40
+        assert sum(n["objects"] for n in s["nodes"]) == 35
+        assert sum(n["used_bytes"] for n in s["nodes"]) == s["used_bytes"] > 0
+    restart_metaserver(cluster)
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert stats(cluster)["objects"] == 35
+        assert readable(c, keys[5:20], 5000) == keys[5:20]
+        assert readable(c, keys[20:], 70_000) == keys[20:]
+        assert c.batch_exists(keys[:5]) == [False] * 5
+
+
+def test_each_core_loads_the_pool_the_other_wrote(harness, etcd_binary):
+    cluster = Cluster(harness, nodes=2, metaserver_flags={"directory": "objects"}).start()
+    a = [f"obj-{i}" for i in range(30)]
+    b = [f"tab-{i}" for i in range(20)]
+    with umbp.Client(cluster.metaserver_addr) as c:
+        put_all(c, a, 9000)
+        assert stats(cluster)["directory"] == "objects"
+    restart_metaserver(cluster, directory="table")
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert stats(cluster)["directory"] == "table"
+        assert readable(c, a, 9000) == a
+        put_all(c, b, 9000)
+        assert c.batch_remove(a[:10] + b[:5]) == [True] * 15  # commit records of both cores rewritten by the table
+    restart_metaserver(cluster, directory="objects")
+    with umbp.Client(cluster.metaserver_addr) as c:
+        s = stats(cluster)
+        assert s["directory"] == "objects" and s["objects"] == 35
+        assert readable(c, a, 9000) == a[10:]
+        assert readable(c, b, 9000) == b[5:]
+
+
+def test_table_evicts_least_recently_used_and_its_records_follow(harness, etcd_binary):
+    cluster = Cluster(harness, nodes=1, capacity="8MiB").start()
+    size = 1 << 20
+    keys = [f"ev-{i}" for i in range(20)]
+    with umbp.Client(cluster.metaserver_addr) as c:
+        put_all(c, keys[:3], size)
+        for k in keys[3:]:  # key 0 is read before every put: the most recently used page throughout
+            assert c.get(keys[0]) == payload(keys[0], size)
+            put_all(c, [k], size)
+        left = readable(c, keys, size)
+        s = stats(cluster)
+        assert keys[0] in left and keys[-1] in left
+        assert keys[1] not in left and keys[2] not in left  # the oldest unread pages went first
+        assert 3 <= len(left) <= 7 and s["objects"] == len(left)
+        assert s["evictions"] == len(keys) - len(left)
+    restart_metaserver(cluster)
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert stats(cluster)["objects"] == len(left)  # evicted pages' records were rewritten: none comes back
+        assert readable(c, keys, size) == left
+
+
+def test_table_drops_a_lost_nodes_pages_and_their_records(harness, etcd_binary):
+    cluster = Cluster(harness, nodes=2, lease_ttl=1.0).start()
+    keys = [f"lost-{i}" for i in range(24)]
+    with umbp.Client(cluster.metaserver_addr) as c:
+        put_all(c, keys, 20_000)
+    per_node = {n["node_id"]: n["objects"] for n in stats(cluster)["nodes"]}
+    assert per_node["node0"] > 0 and per_node["node1"] > 0 and sum(per_node.values()) == 24
+    cluster.node("node1").kill(signal.SIGKILL)
+    cluster.wait_nodes(alive=["node0"], dead=["node1"])
+    deadline = time.monotonic() + 20
+    while stats(cluster)["objects"] != per_node["node0"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with umbp.Client(cluster.metaserver_addr) as c:
+        left = readable(c, keys, 20_000)
+        assert len(left) == per_node["node0"] == stats(cluster)["objects"]
+    cluster.nodes = [n for n in cluster.nodes if n.node_id != "node1"]
+    restart_metaserver(cluster)
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert stats(cluster)["objects"] == len(left)  # node1's records were deleted, not loaded again
+        assert readable(c, keys, 20_000) == left
+
+
+def test_table_refuses_what_it_does_not_keep(harness, etcd_binary):
+    cluster = Cluster(harness, nodes=1).start()
+    with umbp.Client(cluster.metaserver_addr) as c:
+        put_all(c, ["sh-0"], 4096)
+        with pytest.raises(UmbpError, match="shared entries.*--directory objects"):
+            c._meta.call(wire.Op.LOOKUP, {"ns": "default", "keys": [b"sh-0"], "shard": [0, 2]}, time.monotonic() + 5)
+        assert c.get("sh-0") == payload("sh-0", 4096)  # and it keeps serving
+    r = subprocess.run([sys.executable, "-m", "umbp", "metaserver", "--etcd", cluster.etcd.url, "--directory", "table",
+                        "--eviction-policy", "prefix-lru"], capture_output=True, text=True, timeout=60,
+                       env=child_env())
+    assert r.returncode != 0
+    assert "directory 'table' evicts by lru only" in r.stderr
