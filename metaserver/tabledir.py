@@ -27,14 +27,15 @@ from itertools import repeat
 
 import numpy as np
 
-from metaserver.columns import PageTable
+from metaserver.columns import PageTable, by_key
 from metaserver.entry import PENDING, READY, Effects, extent_size
 from metaserver.eviction import bytes_to_low, over_high
 from metaserver.fullload import record_tuple
 from metaserver.records import PageRecords
 from metaserver.tableload import load_pages, reserve
-from metaserver.tablenodes import NodeRows, TableNodes
+from metaserver.tablenodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.validate import Reject
+from umbp.auth import read_capability_packed
 from umbp.errors import ConfigError
 
 
@@ -105,6 +106,35 @@ class TableDirectory(PageTable):
     def lookup(self, ns, keys, now, owner=None, shard=None):
         no_shard(shard)
         return PageTable.lookup(self, ns, keys, now, owner)
+
+    def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member) -> tuple[int, list, list]:
+        """LOOKUP with its closed-pool grants, from the columns (``metaserver.grants.grant_reads``' answer, without
+        a Python step per key): (lease, locs ``(node_id, offset, payload_len, gen, tag, cap_index)`` or None per
+        key, one read capability per node). Tags come from the ``tag`` column; a row that has none yet (0: never
+        looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and kept. ``member``:
+        node id -> its member (``cap_key``) or None."""
+        lease, hit, hr = self.lookup_rows(ns, keys, now, owner)
+        if not lease:
+            return 0, [None] * len(keys), []
+        c = self.cols
+        tags = c["tag"].take(hr)
+        none = np.flatnonzero(tags == 0)
+        if len(none):
+            at = np.flatnonzero(hit).take(none).tolist()
+            tags[none] = tokens.tags(ns, [keys[i] for i in at])
+            c["tag"][hr.take(none)] = tags.take(none)
+        nodes = c["node"].take(hr)
+        uniq, inv = np.unique(nodes, return_inverse=True)
+        offs = c["unit"].take(hr).astype(np.uint64) << UNIT_SHIFT
+        codes = self.code_arr.take(c["size"].take(hr))
+        gens = c["gen"].take(hr)
+        slots = np.stack([offs, codes, gens], axis=1).astype("<u8")
+        caps = []
+        for j, n in enumerate(uniq.tolist()):
+            m = member(self.nodes[n].node_id)
+            caps.append(read_capability_packed(m.cap_key if m is not None else None, slots[inv == j].tobytes()))
+        return lease, by_key(hit, list(zip(self.node_names.take(nodes).tolist(), offs.tolist(), codes.tolist(),
+                                           gens.tolist(), tags.tolist(), inv.tolist()))), caps
 
     def remove(self, ns, keys):
         return PageTable.remove(self, ns, keys), self.effects()

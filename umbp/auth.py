@@ -138,7 +138,8 @@ def nonce() -> bytes:
 
 
 class Tokens:
-    """The secrets a server accepts. ``Tokens.open()`` accepts everything; ``closed`` is False then."""
+    """The secrets a server accepts. With no cluster secret (``Tokens(None, {})``) it accepts everything; ``closed``
+    is False then."""
 
     def __init__(self, cluster_secret: bytes | None, scoped: dict[str, tuple[bytes, Scope]],
                  quotas: dict[str, int] | None = None):

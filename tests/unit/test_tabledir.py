@@ -1,0 +1,105 @@
+"""``metaserver/tabledir.py``: what the service asks of the columnar directory beyond the table's own calls (those
+are compared with ``Directory`` in test_columns_vs_directory.py): the columnar LOOKUP grants against
+``grants.grant_reads``, a connection's PENDING handles, the eviction passes and their commit records."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from metaserver.entry import NEW, Effects
+from metaserver.grants import grant_reads
+from metaserver.tabledir import TableDirectory
+from metaserver.validate import Reject
+from transport.wire import object_size
+from umbp.auth import Tokens
+from umbp.errors import ConfigError
+
+PLEN = 60_000
+
+
+def directory(nodes: int = 2, slots: int = 8) -> TableDirectory:
+    d = TableDirectory()
+    for i in range(nodes):
+        d.add_space(f"n{i}", slots * object_size(PLEN))
+    return d
+
+
+def keys_of(lo: int, hi: int) -> list[bytes]:
+    return [i.to_bytes(32, "little") for i in range(lo, hi)]
+
+
+def put(d: TableDirectory, keys: list[bytes], gen: int, owner=None) -> Effects:
+    items, _ = d.alloc("a", keys, [PLEN] * len(keys), None, gen, 0.0, None, owner)
+    new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+    ok, fx = d.commit("a", [k for k, _ in new], [g for _, g in new], 0.0)
+    assert ok == [True] * len(new)
+    return fx
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_lookup_granted_answers_as_grant_reads(closed):
+    d = directory()
+    put(d, keys_of(0, 10), 1)
+    tokens = Tokens(b"s" * 32, {}) if closed else Tokens(None, {})
+    members = {f"n{i}": SimpleNamespace(cap_key=(b"%d" % i) * 32 if closed else None) for i in range(2)}
+    ask = keys_of(0, 4) + [b"\xff" * 32] + keys_of(4, 10)  # one miss among them
+    for _ in range(2):  # the second time the tags come from the column
+        lease, locs, caps = d.lookup_granted("a", ask, 0.0, None, tokens, members.get)
+        want_lease, want = d.lookup("a", ask, 0.0)
+        want_caps = grant_reads(tokens, members.get, "a", ask, want)
+        assert lease and want_lease and lease != want_lease
+        assert [tuple(x) if x is not None else None for x in locs] == want
+        assert caps == want_caps and len(caps) == 2
+        assert all(c == b"" for c in caps) != closed
+        assert d.release(lease) and d.release(want_lease)
+    assert d.lookup_granted("a", [b"\xee" * 32], 0.0, None, tokens, members.get) == (0, [None], [])
+
+
+def test_pending_handles_settle_and_abort_only_the_owners():
+    d = directory()
+    me, other = object(), object()
+    keys = keys_of(0, 6)
+    items, _ = d.alloc("a", keys, [PLEN] * 6, None, 100, 0.0, 7, me)
+    held = set(d.pending_handles("a", keys, items, list(range(6))))
+    assert held == {("a", k, 100 + i) for i, k in enumerate(keys)}
+    ok, _ = d.commit("a", keys[:2], [100, 101], 0.0)
+    d.settle_handles(held, "a", keys[:2], [100, 101])
+    assert ok == [True, True] and len(held) == 4
+    d.alloc("a", keys[2:3], [PLEN], None, 200, 0.0, 7, other)  # a retry with the token: key 2 is other's now
+    assert d.abort_owned(held, me) == 3 and d.pending == 1
+    assert d.exists("a", keys) == [True, True, False, False, False, False]
+    assert d.abort_owned([("a", keys[2], 102)], other) == 1 and d.pending == 0
+    d.check()
+
+
+def test_eviction_passes_free_the_oldest_and_rewrite_their_records():
+    d = directory(nodes=1, slots=8)
+    for i in range(8):
+        put(d, keys_of(i, i + 1), 10 + i)
+    d.lookup("a", keys_of(0, 1), 0.0)  # key 0 used last... and pinned: never a victim
+    assert d.needs_eviction(0.9)
+    fx = Effects()
+    n, freed = d.watermark_pass(0.9, 0.5, 100, fx)
+    assert n == 4 and freed == 4 * object_size(PLEN)
+    assert d.exists("a", keys_of(0, 8)) == [True, False, False, False, False, True, True, True]
+    assert len(fx.batches) == 4 and all(r.value() is None for r in fx.batches)  # one record a page: all deleted
+    fx = Effects()
+    assert d.evict_all(2, fx)[:2] == (2, 2 * object_size(PLEN))
+    assert d.evict_all(100, fx) == (1, object_size(PLEN), True)  # key 0 stays: pinned
+    assert d.objects == 1 and d.evictions == 7
+    d.check()
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="lru only"):
+        TableDirectory(policy="prefix-lru")
+    with pytest.raises(ConfigError, match="quotas"):
+        TableDirectory(quotas={"t": 1 << 20})
+    d = directory()
+    with pytest.raises(Reject, match="shared entries"):
+        d.lookup("a", keys_of(0, 1), 0.0, None, (0, 2))
+    with pytest.raises(Reject, match="shared entries"):
+        d.alloc("a", keys_of(0, 1), [PLEN], None, 1, 0.0, None, None, (0, 2))
+    assert d.objects == 0 and d.pending == 0
