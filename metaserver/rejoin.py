@@ -98,25 +98,9 @@ class RejoinHandlers:
         if arena_id != node.arena_id or capacity != node.capacity:
             self._forget_parked(node.node_id, recs, arena=False)
             return 0
-        present = self.dir.entries
-        recs = [r for r in recs if r[1] not in present.get(r[0], ())]
-        fx = self.dir.load_pages(node.node_id, [r[:6] for r in recs])
-        dropped = len(fx.deletes)
-        ready = self.dir.ready
-        for r in recs:  # each page of a commit record back in it (it may have been rewritten without it meanwhile),
-            b = r[6]    # or, when it could not come back, left out of it by the same rewrite
-            if b is None:
-                continue
-            e = ready.get(r[0], {}).get(r[1])
-            if e is not None and e.gen == r[4] and e.space.node_id == node.node_id:
-                e.batch = b
-                b.ents.append(e)
-            fx.batches.append(b)
-        if dropped:  # the pages that could not come back: only those with a record of their own are deleted
-            own = {(r[0], r[1]) for r in recs if r[6] is None}
-            fx.deletes = [d for d in fx.deletes if d in own]
+        restored, fx = self.dir.unpark(node.node_id, recs)
         self._apply(fx)
-        return len(recs) - dropped
+        return restored
 
     def _expire_parked(self, now: float) -> None:
         for node_id, (_a, _c, deadline, recs) in list(self.parked.items()):
@@ -128,9 +112,7 @@ class RejoinHandlers:
 
     def _forget_parked(self, node_id: str, recs: list, arena: bool) -> None:
         """Delete parked page records from etcd, except keys written again since (their record is the new one)."""
-        present = self.dir.entries
-        keys = [r[6] if r[6] is not None else self.store.page_key(r[0], r[1]) for r in recs
-                if r[6] is not None or r[1] not in present.get(r[0], ())]  # a commit record: rewritten without it
+        keys = self.dir.forget_parked(recs, self.store.page_key)
         if arena:
             keys.append(self.store.arena_key(node_id))
         self._drop_records(keys)

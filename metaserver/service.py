@@ -323,10 +323,11 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         return None
 
     def _drop_records(self, records: list) -> None:
-        """Records a load or a takeover could not place (``fullload.fill``, ``Handover.stale``): an etcd key is
-        deleted, a commit record (``Batch``) rewritten without them (they are not in the directory)."""
-        puts = [(r.name, r) for r in dict.fromkeys(r for r in records if type(r) is Batch)]
-        self.writer.submit(puts, [r for r in records if type(r) is not Batch], wait=False)
+        """Records a load or a takeover could not place (``fullload.fill``, ``Handover.stale``), or parked pages
+        forgotten: an etcd key is deleted, a commit record (``Batch``, ``TableRecord``) rewritten without them
+        (they are not in the directory)."""
+        puts = [(r.name, r) for r in dict.fromkeys(r for r in records if type(r) is not bytes)]  # Batch, TableRecord
+        self.writer.submit(puts, [r for r in records if type(r) is bytes], wait=False)
 
     # -- background --------------------------------------------------------------------------------------------
     async def _tick_loop(self) -> None:

@@ -116,6 +116,40 @@ class NodeSpaces:
                 dropped += 1
         return dropped, pinned, fx
 
+    def unpark(self, node_id: str, recs: list) -> tuple[int, Effects]:
+        """A lost node came back with its arena: file its parked records ``(ns, key, offset, payload_len, gen,
+        parent, its Batch or None)`` (oldest first) again into its (new, empty) space, except keys present now
+        (written elsewhere meanwhile). Each page of a commit record goes back into it (the record may have been
+        rewritten without it meanwhile) or, when it could not come back, is left out by the same rewrite; of the
+        pages that could not come back, only those with a record of their own are deleted. Returns (restored,
+        effects). O(records log records)."""
+        present = self.entries
+        recs = [r for r in recs if r[1] not in present.get(r[0], ())]
+        fx = self.load_pages(node_id, [r[:6] for r in recs])
+        dropped = len(fx.deletes)
+        ready = self.ready
+        for r in recs:
+            b = r[6]
+            if b is None:
+                continue
+            e = ready.get(r[0], {}).get(r[1])
+            if e is not None and e.gen == r[4] and e.space.node_id == node_id:
+                e.batch = b
+                b.ents.append(e)
+            fx.batches.append(b)
+        if dropped:
+            own = {(r[0], r[1]) for r in recs if r[6] is None}
+            fx.deletes = [d for d in fx.deletes if d in own]
+        return len(recs) - dropped, fx
+
+    def forget_parked(self, recs: list, page_key) -> list:
+        """What deletes parked records for good (the node did not return, or came back with another arena): the
+        etcd key (``page_key(ns, key)``) of a page with a record of its own, its ``Batch`` for a page of a commit
+        record (rewritten without it); keys written again since are left alone (their record is the new one)."""
+        present = self.entries
+        return [r[6] if r[6] is not None else page_key(r[0], r[1]) for r in recs
+                if r[6] is not None or r[1] not in present.get(r[0], ())]
+
     def load_pages(self, node_id: str, pages: list[tuple[str, bytes, int, int, int, bytes | None]]) -> Effects:
         """Rebuild a node's entries from persisted records [(ns, key, offset, payload_len, gen, parent)], given in
         recency order (oldest first). Overlapping or out-of-range records, and keys already present, are dropped

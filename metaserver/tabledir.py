@@ -3,18 +3,18 @@ gives ``metaserver.columns.PageTable`` the calls the service makes of a ``Direct
 ``ownership.py``, ``rejoin.py``, ``admin.py``, ``metrics.py``), so one metaserver serves from either core.
 
 What it answers as ``Directory`` does (the table's own tests, ``tests/unit/test_columns_vs_directory.py``, compare
-the two request by request): ALLOC, COMMIT, ABORT, LOOKUP, RELEASE, EXISTS, PREFIX, REMOVE, LIST, STATS, read leases
-and their owners, PENDING expiry and writers' tokens, the write quarantine, node loss in budgeted slices, DRAIN, the
-watermark pass and an operator's EVICT (least recently used first on each node), commit records in etcd
-(``metaserver/tablerecords.py``: the layout ``Directory`` writes, so either core loads the other's pool) and the full
-load at a takeover (``load``).
+the two request by request; ``tests/test_table_service.py`` runs the pool's end-to-end tests on it): ALLOC, COMMIT,
+ABORT, LOOKUP, RELEASE, EXISTS, PREFIX, REMOVE, LIST, STATS, read leases and their owners, PENDING expiry and
+writers' tokens, the write quarantine, node loss in budgeted slices with the lost node's pages parked for its return
+(``unpark``, ``forget_parked``), DRAIN, the watermark pass and an operator's EVICT (least recently used first on each
+node), commit records in etcd (``metaserver/tablerecords.py``: the layout ``Directory`` writes, so either core loads
+the other's pool) and the full load at a takeover (``load``).
 
 What it does not do yet, each refused where it would be asked for (``umbp/config.py``, ``service.py``), never
-answered differently: ``prefix-lru`` (no prefix links), partitioned pools (slots), quotas, shared entries (a LOOKUP or
-COMMIT with ``shard``), the warm standby's copy (a standby keeps none: its takeover is a full load), and parking a
-lost node's pages for its return (``parks`` False: they are dropped and their records deleted, as a node that
-returns with another arena). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s rule)
-where ``Directory`` places on the most free node: README, "The columnar directory".
+answered differently: ``prefix-lru`` (no prefix links), partitioned pools (slots), quotas and shared entries (a
+LOOKUP, ALLOC or COMMIT with ``shard``); and the warm standby's copy (a standby keeps none: its takeover is a full
+load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s rule) where ``Directory``
+places on the most free node: README, "The columnar directory".
 
 A connection's PENDING allocations are ``(ns, key, gen)`` handles here (``Directory``'s are its entries): COMMIT and
 ABORT settle them, and a closing connection aborts those still PENDING with that generation and still its own
@@ -39,6 +39,16 @@ from umbp.auth import read_capability_packed
 from umbp.errors import ConfigError
 
 
+SCAN_PER_DROP = 16  # rows a drop slice may visit per page of its budget (numpy work over the state column)
+
+
+def _by_ns(recs: list) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for r in recs:
+        out.setdefault(r[0], []).append(r)
+    return out
+
+
 def no_shard(shard) -> None:
     """Refuse a request on shared entries' sub-slots (``shard``): the table keeps none yet."""
     if shard is not None:
@@ -47,7 +57,7 @@ def no_shard(shard) -> None:
 
 
 class TableDirectory(PageTable):
-    parks = False  # a lost node's pages are dropped, not parked for its return (module docstring)
+    parks = True  # a lost node's pages are parked for its return (metaserver/rejoin.py)
 
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
                  quotas: dict | None = None, namer=None):
@@ -176,13 +186,61 @@ class TableDirectory(PageTable):
         return n, self.effects()
 
     def detach_space(self, node_id: str, park: bool = False) -> tuple[int, Effects]:
-        return self.detach_node(node_id), self.effects()
+        return self.detach_node(node_id, park), self.effects()
 
     def drop_slice(self, node_id: str, budget: int, fx: Effects | None = None) -> tuple[int, list | None]:
+        """``Directory.drop_slice``: the parked records, once done, as the service keeps them (``rejoin.py``):
+        ``(ns, key, offset, payload_len, gen, None, stamp, record name | None)``."""
         n, recs = TableNodes.drop_slice(self, node_id, budget)
+        visited = budget
+        while recs is None and n < budget and visited < SCAN_PER_DROP * budget:
+            # the table's slice counts rows visited, the service's budget pages dropped: go on over rows that held
+            # no READY page (freed, PENDING dropped at the detach), at most SCAN_PER_DROP x budget rows a call
+            k, recs = TableNodes.drop_slice(self, node_id, budget - n)
+            visited += budget - n
+            n += k
         if fx is not None:
             self.effects(fx)
-        return n, None if recs is None else []
+        return n, None if recs is None else [(ns, k, off, plen, gen, None, st, name)
+                                             for ns, k, off, plen, gen, st, name in recs]
+
+    def unpark(self, node_id: str, recs: list) -> tuple[int, Effects]:
+        """``Directory.unpark``: a lost node came back with its arena; its parked records ``(ns, key, offset,
+        payload_len, gen, parent, record name | None)`` (oldest first) are filed again into its (new, empty) rows,
+        except keys present now, each under the commit record it came from (rewritten with it), by ``load_pages``'
+        rules. Returns (restored, effects): the commit records rewritten, the own records of pages that could not
+        come back deleted."""
+        present = set()
+        for ns, group in _by_ns(recs).items():
+            rows = self._find(ns, [r[1] for r in group]).tolist()
+            present.update(id(r) for r, row in zip(group, rows) if row >= 0)
+        keep = [r for r in recs if id(r) not in present]  # oldest first, as parked
+        fx = Effects()
+        if not keep:
+            return 0, fx
+        names = [r[6] for r in keep]
+        bad = load_pages(self, node_id, [r[0] for r in keep], [r[1] for r in keep], [r[2] for r in keep],
+                         [r[3] for r in keep], [r[4] for r in keep], records=names)
+        for name in dict.fromkeys(n for n in names if n is not None):
+            rec = self._rec_by_name.get(name)
+            if rec is not None:
+                self._rec_rewrites[rec] = None  # with its pages back
+        fx.deletes.extend((keep[i][0], keep[i][1]) for i in bad if names[i] is None)
+        return len(keep) - len(bad), self.effects(fx)
+
+    def forget_parked(self, recs: list, page_key) -> list:
+        """``Directory.forget_parked``: the etcd keys of parked pages with a record of their own (keys not written
+        again since), and the commit records holding parked pages (``TableRecord``: rewritten without them; the
+        parked rows left them when they were dropped)."""
+        out: list = []
+        for ns, group in _by_ns(recs).items():
+            rows = self._find(ns, [r[1] for r in group]).tolist()
+            out.extend(page_key(r[0], r[1]) for r, row in zip(group, rows) if r[6] is None and row < 0)
+        for name in dict.fromkeys(r[6] for r in recs if r[6] is not None):
+            rec = self._rec_by_name.get(name)
+            if rec is not None:
+                out.append(rec)
+        return out
 
     def drain(self, node_id: str) -> tuple[int, int, Effects]:
         dropped, pinned = TableNodes.drain(self, node_id)

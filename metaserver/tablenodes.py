@@ -158,8 +158,9 @@ class TableNodes:
 
     def drop_slice(self, node_id: str, budget: int) -> tuple[int, list | None]:
         """Drop the READY rows among the next ``budget`` rows of a detached node. Returns (pages dropped, None while
-        rows remain | once done, the parked records ``(ns, key, offset, payload_len, gen, stamp)``, oldest first,
-        or [] without ``park``)."""
+        rows remain | once done, the parked records ``(ns, key, offset, payload_len, gen, stamp, record name)``,
+        oldest first, or [] without ``park``). Parked rows leave their commit records as they are (not rewritten
+        without them: the node may come back), as ``Directory``'s parked pages do."""
         node = self.dying.get(node_id)
         if node is None:
             return 0, []
@@ -177,9 +178,11 @@ class TableNodes:
             if not len(rows):
                 continue
             dropped += len(rows)
-            if node.parked is not None:
+            if node.parked is not None:  # parked: their records stay in etcd as they are, for the node's return
                 node.parked.extend(self._records(rows))
-            self._leaving(rows)
+                c["rec"][rows] = 0
+            else:
+                self._leaving(rows)
             self.ix.delete(rows, c["ns"].take(rows).astype(np.uint64))
             held = pins.take(rows) > 0
             state[rows[held]] = GONE
@@ -193,17 +196,20 @@ class TableNodes:
         parked = node.parked if node.parked is not None else []
         node.parked = None
         self.retire_if_done(node)
-        parked.sort(key=lambda rec: rec[-1])
+        parked.sort(key=lambda rec: rec[5])
         return dropped, parked
 
     def _records(self, rows: np.ndarray) -> list[tuple]:
-        """The parked records of ``rows``: (ns, key, offset, payload_len, gen, stamp)."""
+        """The parked records of ``rows``: (ns, key, offset, payload_len, gen, stamp, the etcd key of its commit
+        record or None)."""
         c = self.cols
+        recs = self.records
         return list(zip([self.ns_names[i] for i in c["ns"].take(rows).tolist()],
                         [self.ix.key_of(r) for r in rows.tolist()],
                         self.offsets_of(rows),
                         self.code_arr.take(c["size"].take(rows)).tolist(),
-                        c["gen"].take(rows).tolist(), c["stamp"].take(rows).tolist()))
+                        c["gen"].take(rows).tolist(), c["stamp"].take(rows).tolist(),
+                        [recs[i].name if i else None for i in c["rec"].take(rows).tolist()]))
 
     def retire_if_done(self, node) -> None:
         """Retire a dead node whose drop is done once no row of it is in use (a zombie's last lease may still hold

@@ -77,7 +77,7 @@ class TableRecords:
         self._rec_seq = 0
         self._rec_puts: list[TableRecord] = []
         self._rec_rewrites: dict[TableRecord, None] = {}
-        self._rec_by_name: dict[bytes, TableRecord] = {}  # records a full load filed rows under, by etcd key
+        self._rec_by_name: dict[bytes, TableRecord] = {}  # live records by etcd key (a load, a node's return)
 
     def _count_name(self, ns: str) -> bytes:
         self._rec_seq += 1
@@ -99,6 +99,7 @@ class TableRecords:
                 raise OverflowError("columns: record ids past the u32 rec column")
         r = self.records[rid] = TableRecord(self, rid, name, ns, rows)
         self.cols["rec"][rows] = rid
+        self._rec_by_name[name] = r
         return r
 
     def adopt_records(self, names: list, rows: np.ndarray, rejected: list) -> None:

@@ -7,9 +7,10 @@ Two parts:
   test_cut_connections.py) collected again here, with every metaserver this module starts serving from the table
   (the ``harness`` fixture below adds ``--directory table --eviction-policy lru`` to each metaserver a test starts,
   unless the test names a core itself): the same assertions on bytes, counts and states hold on either core;
-- what is the table's own: STATS naming the core, eviction and node loss through the service with their etcd
-  records kept in step (a restarted metaserver loads exactly the pages left), each core loading a pool the other
-  wrote, and the refusals of what the table does not keep yet.
+- what is the table's own: STATS naming the core, eviction through the service with its etcd records kept in step
+  (a restarted metaserver loads exactly the pages left), node loss, each core loading a pool the other
+  wrote, a lost node's pages parked and given back when it returns (on both cores), and the refusals of what the
+  table does not keep yet.
 """
 
 from __future__ import annotations
@@ -148,8 +149,11 @@ def test_table_evicts_least_recently_used_and_its_records_follow(harness, etcd_b
         assert readable(c, keys, size) == left
 
 
-def test_table_drops_a_lost_nodes_pages_and_their_records(harness, etcd_binary):
-    cluster = Cluster(harness, nodes=2, lease_ttl=1.0).start()
+@pytest.mark.parametrize("core", ["table", "objects"])
+def test_table_takes_a_lost_nodes_pages_out_and_serves_the_rest(harness, etcd_binary, core):
+    """A node killed for good: its pages leave the directory (parked for a return that does not come: their records
+    are forgotten after the grace, ``tests/unit/test_metaserver_ticks.py``), the other node's are served exactly."""
+    cluster = Cluster(harness, nodes=2, lease_ttl=1.0, metaserver_flags={"directory": core}).start()
     keys = [f"lost-{i}" for i in range(24)]
     with umbp.Client(cluster.metaserver_addr) as c:
         put_all(c, keys, 20_000)
@@ -163,11 +167,9 @@ def test_table_drops_a_lost_nodes_pages_and_their_records(harness, etcd_binary):
     with umbp.Client(cluster.metaserver_addr) as c:
         left = readable(c, keys, 20_000)
         assert len(left) == per_node["node0"] == stats(cluster)["objects"]
-    cluster.nodes = [n for n in cluster.nodes if n.node_id != "node1"]
-    restart_metaserver(cluster)
-    with umbp.Client(cluster.metaserver_addr) as c:
-        assert stats(cluster)["objects"] == len(left)  # node1's records were deleted, not loaded again
-        assert readable(c, keys, 20_000) == left
+        lost = [k for k in keys if k not in left]
+        put_all(c, lost, 20_000)  # written again: on node0 now
+        assert readable(c, keys, 20_000) == keys
 
 
 def test_table_refuses_what_it_does_not_keep(harness, etcd_binary):
@@ -182,3 +184,36 @@ def test_table_refuses_what_it_does_not_keep(harness, etcd_binary):
                        env=child_env())
     assert r.returncode != 0
     assert "directory 'table' evicts by lru only" in r.stderr
+
+
+@pytest.mark.parametrize("core", ["table", "objects"])
+def test_a_node_back_after_its_lease_lapsed_gets_its_parked_pages_back(harness, etcd_binary, core):
+    """A node frozen past its lease (SIGSTOP) is detached and its pages parked; thawed, it registers the same arena
+    again and gets them back, bytes exact, into their commit records (a restart loads them)."""
+    cluster = Cluster(harness, nodes=2, lease_ttl=1.0, metaserver_flags={"directory": core}).start()
+    keys = [f"park-{i}" for i in range(24)]
+    with umbp.Client(cluster.metaserver_addr) as c:
+        put_all(c, keys, 20_000)
+    on1 = {n["node_id"]: n["objects"] for n in stats(cluster)["nodes"]}["node1"]
+    assert 0 < on1 < 24
+    node = cluster.node("node1")
+    node.kill(signal.SIGSTOP)
+    try:
+        cluster.wait_nodes(alive=["node0"], dead=["node1"])
+        deadline = time.monotonic() + 20
+        while stats(cluster)["objects"] != 24 - on1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with umbp.Client(cluster.metaserver_addr) as c:
+            assert len(readable(c, keys, 20_000)) == 24 - on1  # parked: out of the directory
+    finally:
+        node.kill(signal.SIGCONT)
+    cluster.wait_nodes(alive=["node0", "node1"])
+    deadline = time.monotonic() + 20
+    while stats(cluster)["objects"] != 24 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert readable(c, keys, 20_000) == keys
+    restart_metaserver(cluster)
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert stats(cluster)["objects"] == 24
+        assert readable(c, keys, 20_000) == keys

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 
 from metaserver import service
+from metaserver.batcher import encoded
 from metaserver.directory import NEW
 from metaserver.service import Metaserver
 from transport.wire import ALIGN
@@ -26,9 +28,14 @@ def fill(d, ns: str, n: int, gen: int, commit: bool) -> list[bytes]:
     return keys
 
 
-def test_a_backlog_is_worked_off_in_slices_of_the_step_budget(monkeypatch):
+CORES = pytest.mark.parametrize("core", ["objects", "table"])  # Directory, and the columnar TableDirectory
+
+
+@CORES
+def test_a_backlog_is_worked_off_in_slices_of_the_step_budget(monkeypatch, core):
     async def main():
-        ms = Metaserver(MetaserverConfig(pending_ttl_s=1.0, read_lease_s=1.0, high_watermark=1.0), "127.0.0.1:1")
+        ms = Metaserver(MetaserverConfig(pending_ttl_s=1.0, read_lease_s=1.0, high_watermark=1.0, directory=core),
+                        "127.0.0.1:1")
         monkeypatch.setattr(Metaserver, "serving", property(lambda self: True))
         monkeypatch.setattr(service, "STEP_BUDGET", 500)
         ms.settled.set()
@@ -61,7 +68,8 @@ def test_a_backlog_is_worked_off_in_slices_of_the_step_budget(monkeypatch):
     asyncio.run(main())
 
 
-def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
+@CORES
+def test_parked_pages_leave_their_commit_record_and_come_back_into_it(core):
     """A lost node's pages are parked: a rewrite of their commit record meanwhile leaves them out (they are not in
     the directory); when the node returns with its arena they are filed again and the record is rewritten with
     them; when it does not return, the record is rewritten without them. Read from the writer's queue (etcd is
@@ -71,7 +79,7 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
     import msgpack
 
     async def main():
-        ms = Metaserver(MetaserverConfig(), "127.0.0.1:1")
+        ms = Metaserver(MetaserverConfig(directory=core), "127.0.0.1:1")
         d = ms.dir
         d.add_space("n1", 64 * ALIGN)
         d.add_space("n2", 64 * ALIGN)
@@ -84,7 +92,7 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
 
         def record() -> list[bytes] | None:
             value = ms.writer._queue[name][0]
-            value = ms.store.batch_value(value) if not isinstance(value, (bytes, type(None))) else value
+            value = encoded(value) if not isinstance(value, (bytes, type(None))) else value
             return None if value is None else [p[0] for p in msgpack.unpackb(value)]
 
         on = {node: [k for k, it in zip(keys, items) if it[1] == node] for node in ("n1", "n2")}
