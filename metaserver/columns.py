@@ -48,8 +48,8 @@ from collections import deque
 
 import numpy as np
 
-from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, PENDING, READY, expire_queue,
-                              extent_size, random_id)
+from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, PENDING, READY, SHARD_SHIFT,
+                              expire_queue, extent_size, random_id)
 from metaserver.keyindex import KeyIndex, digests, zeros
 from metaserver.quarantine import Quarantine
 from metaserver.tableevict import TableEviction
@@ -120,6 +120,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
         self.codes: list[int] = []  # the layout codes the ``size`` column indexes
         self.code_ix: dict[int, int] = {}
         self.code_arr = np.zeros(0, np.uint64)
+        self.code_shared = np.zeros(0, bool)  # by code index: a shared entry's layout (metaserver/shared.py)
+        self.any_shared = False
         self.hits = self.misses = self.evictions = 0
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
         self._init_records()
@@ -173,6 +175,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
             ix = self.code_ix[code] = len(self.codes)
             self.codes.append(code)
             self.code_arr = np.array(self.codes, np.uint64)
+            self.code_shared = self.code_arr >= np.uint64(1 << SHARD_SHIFT)
+            self.any_shared = bool(self.code_shared.any())
         return ix
 
     def _stamp(self, rows: np.ndarray) -> None:
@@ -425,6 +429,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
         hit = (rows >= 0) & (c["state"].take(rows) == READY)  # rows of -1 read the last row: masked by the first test
         if self.dying:  # a detached node's pages miss at once, before their slice drops them
             hit &= ~self.dead.take(c["node"].take(rows))
+        if self.any_shared:  # a shared entry (a pool the objects core wrote) is a miss here, never another layout
+            hit &= ~self.code_shared.take(c["size"].take(rows))
         hr = rows[hit]
         n = len(hr)
         self.hits += n

@@ -23,7 +23,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from metaserver.entry import READY
+from metaserver.entry import PART_MASK, READY, SHARD_SHIFT
 from metaserver.records import BATCH_MARK, BATCH_PAGES
 
 
@@ -158,10 +158,18 @@ class TableRecords:
         return puts, rewrites
 
     def record_pages(self, rows: np.ndarray) -> list:
-        """``[key, node_id, offset, payload_len, gen, None]`` of each row, the layout of a commit record's pages."""
+        """``[key, node_id, offset, payload_len, gen, None]`` of each row, the layout of a commit record's pages; a
+        shared entry's (``metaserver/shared.py``) ``[key, node_id, offset, part_len, gen, None, n]``, as
+        ``EtcdStore.batch_value`` writes it."""
         c = self.cols
         keys = [self.ix.key_of(r) for r in rows.tolist()]
-        return [list(p) for p in zip(keys, self.node_names.take(c["node"].take(rows)).tolist(),
-                                     self.offsets_of(rows),
-                                     self.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
-                                     [None] * len(keys))]
+        pages = [list(p) for p in zip(keys, self.node_names.take(c["node"].take(rows)).tolist(),
+                                      self.offsets_of(rows),
+                                      self.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
+                                      [None] * len(keys))]
+        if self.any_shared:
+            for p in pages:
+                if p[3] > PART_MASK:
+                    p[3], n = p[3] & PART_MASK, p[3] >> SHARD_SHIFT
+                    p.append(n)
+        return pages

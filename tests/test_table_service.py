@@ -217,3 +217,26 @@ def test_a_node_back_after_its_lease_lapsed_gets_its_parked_pages_back(harness, 
     with umbp.Client(cluster.metaserver_addr) as c:
         assert stats(cluster)["objects"] == 24
         assert readable(c, keys, 20_000) == keys
+
+
+def test_the_table_keeps_the_shared_entries_of_a_pool_it_loaded(harness, etcd_binary):
+    """A pool the objects core wrote TP-sharded pages into (shared entries, metaserver/shared.py), served by the
+    table: a plain LOOKUP misses them (never another layout's bytes), a REMOVE rewrites their commit record in the
+    shared layout, and the objects core loads that record back with every rank's part exact."""
+    from test_shared_entries import part
+    cluster = Cluster(harness, nodes=1, metaserver_flags={"directory": "objects"}).start()
+    keys = [f"tp/{i}" for i in range(6)]
+    for r in range(2):
+        with cluster.client(shard=(r, 2)) as c:
+            assert c.batch_put(keys, [part(k, r) for k in keys]) == [True] * len(keys)
+    restart_metaserver(cluster, directory="table")
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert stats(cluster)["objects"] == len(keys)
+        assert c.get(keys[0]) is None and c.batch_exists(keys) == [True] * len(keys)
+        assert c.batch_remove(keys[:1]) == [True]
+    restart_metaserver(cluster, directory="objects")
+    assert stats(cluster)["objects"] == len(keys) - 1
+    for r in range(2):
+        with cluster.client(shard=(r, 2)) as c:
+            assert c.get(keys[0]) is None
+            assert [c.get(k) for k in keys[1:]] == [part(k, r) for k in keys[1:]]
