@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=("lru", "prefix-lru"))
     p.add_argument("--directory", default=None, choices=("objects", "table"),
                    help="the page directory's core: objects (default: every feature) or table (columnar: a third of "
-                        "the memory a page, faster per key; lru, unpartitioned, no quotas or shared entries, no warm "
-                        "standby copy; README, scale section)")
+                        "the memory a page, faster per key at millions of pages; lru, unpartitioned, no quotas, no "
+                        "warm standby copy; README, scale section)")
     p.add_argument("--election-ttl", dest="election_ttl_s", type=int, default=None,
                    help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
     p.add_argument("--slots", type=int, default=None,

@@ -56,7 +56,6 @@ from metaserver.tableevict import TableEviction
 from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tablequeries import TableQueries
 from metaserver.tablerecords import TableRecords
-from transport import wire
 
 BLOCK = 1 << 12  # rows a node takes at a time
 COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
@@ -120,7 +119,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
         self.codes: list[int] = []  # the layout codes the ``size`` column indexes
         self.code_ix: dict[int, int] = {}
         self.code_arr = np.zeros(0, np.uint64)
-        self.code_shared = np.zeros(0, bool)  # by code index: a shared entry's layout (metaserver/shared.py)
+        self.code_parts = np.zeros(0, np.uint64)  # by code index: a shared entry's part count (0: a plain page)
         self.any_shared = False
         self.hits = self.misses = self.evictions = 0
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
@@ -175,8 +174,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
             ix = self.code_ix[code] = len(self.codes)
             self.codes.append(code)
             self.code_arr = np.array(self.codes, np.uint64)
-            self.code_shared = self.code_arr >= np.uint64(1 << SHARD_SHIFT)
-            self.any_shared = bool(self.code_shared.any())
+            self.code_parts = self.code_arr >> np.uint64(SHARD_SHIFT)
+            self.any_shared = bool(self.code_parts.any())
         return ix
 
     def _stamp(self, rows: np.ndarray) -> None:
@@ -215,7 +214,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
     # -- requests ---------------------------------------------------------------------------------------------
     def alloc(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int,
               tags: list[int] | None = None, now: float = 0.0, token: int | None = None, owner: object = None,
-              parents: list | None = None) -> list:
+              parents: list | None = None, at: list[int] | None = None) -> list:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting the placed node's least recently
         used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
         ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``; keys are taken in order, so a key that an earlier
@@ -234,7 +233,9 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
         LOOKUP answers it without computing it again (0 when not given). A PENDING row not committed within
         ``pending_ttl_s`` of ``now`` is dropped by ``expire_pending``; until its commit its ``stamp`` holds that
         deadline in milliseconds. Sizes come validated (``metaserver/validate.py``), as for ``Directory``: nothing
-        in the loop raises, so a request's evictions and placements always reach the key index together."""
+        in the loop raises, so a request's evictions and placements always reach the key index together. ``at``:
+        the keys' positions in a larger request (their generations are ``gen_base + at[i]``; shared entries place
+        the keys they do not answer otherwise through here: ``metaserver/tableshared.py``)."""
         nsix = self._ns(ns)
         c = self.cols
         dig, longs = digests(keys)
@@ -296,7 +297,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
                 if cix is None:  # MAX_CODES distinct lengths already: this one has no column value
                     items.append(NO_SPACE_ITEM)
                     continue
-                got = osize[plen] = (wire.object_size(plen), cix)
+                got = osize[plen] = (extent_size(plen), cix)  # a shared entry's layout: its n sub-slots
             size, cix = got
             node = near_of.get(parents[i]) if near_of else None
             if node is not None:  # near the parent: when it has room and half the free bytes of the emptiest
@@ -324,7 +325,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
             offs.append(off)
             codes.append(cix)
             node_ix.append(node.ix)
-            items.append((NEW, node.node_id, off, plen, gen_base + i))
+            items.append((NEW, node.node_id, off, plen, gen_base + (i if at is None else at[i])))
             if near_of is not None:
                 near_of[k] = node  # a child later in this request goes near it
         if evicted:
@@ -337,7 +338,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
             c["node"][ra] = node_ix
             c["unit"][ra] = np.array(offs, np.uint64) >> UNIT_SHIFT
             c["size"][ra] = codes
-            c["gen"][ra] = np.array(new, np.uint64) + np.uint64(gen_base)
+            c["gen"][ra] = np.array(new if at is None else [at[i] for i in new], np.uint64) + np.uint64(gen_base)
             c["pins"][ra] = 0
             c["ns"][ra] = nsix
             c["tag"][ra] = np.array(tags, np.uint64).take(new) if tags is not None else 0
@@ -420,17 +421,20 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
                                            self.offsets_of(hr),
                                            self.code_arr[c["size"][hr]].tolist(), c["gen"][hr].tolist())))
 
-    def lookup_rows(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None
+    def lookup_rows(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None, parts: int = 0
                     ) -> tuple[int, np.ndarray, np.ndarray]:
         """``lookup`` as columns: (lease, which keys were found, their rows in key order), the rows pinned under
-        the lease (0, and no rows, when nothing was found)."""
+        the lease (0, and no rows, when nothing was found). ``parts``: the rows of shared entries of that many
+        parts (``metaserver/tableshared.py``); 0, plain pages only."""
         rows = self._find(ns, keys)
         c = self.cols
         hit = (rows >= 0) & (c["state"].take(rows) == READY)  # rows of -1 read the last row: masked by the first test
         if self.dying:  # a detached node's pages miss at once, before their slice drops them
             hit &= ~self.dead.take(c["node"].take(rows))
-        if self.any_shared:  # a shared entry (a pool the objects core wrote) is a miss here, never another layout
-            hit &= ~self.code_shared.take(c["size"].take(rows))
+        if self.any_shared:  # only pages of the layout asked for: never another layout's bytes
+            hit &= self.code_parts.take(c["size"].take(rows)) == parts
+        elif parts:  # no shared entry at all
+            hit[:] = False
         hr = rows[hit]
         n = len(hr)
         self.hits += n

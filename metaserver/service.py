@@ -569,9 +569,9 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
         conn.auth.scope.check(ns, False, "metaserver")
         keys = v.keys(m, self.max_keys)
         shard = v.shard(m)
-        if shard is None and self.cfg.directory == "table":  # tags and capabilities from the columns
+        if self.cfg.directory == "table":  # tags and capabilities from the columns
             lease, locs, caps = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens,
-                                                        self.members.get)
+                                                        self.members.get, shard)
             if lease:
                 self._own_lease(conn, lease)
             return {"lease": lease, "locs": locs, "caps": caps}

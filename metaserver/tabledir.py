@@ -7,13 +7,13 @@ the two request by request; ``tests/test_table_service.py`` runs the pool's end-
 ABORT, LOOKUP, RELEASE, EXISTS, PREFIX, REMOVE, LIST, STATS, read leases and their owners, PENDING expiry and
 writers' tokens, the write quarantine, node loss in budgeted slices with the lost node's pages parked for its return
 (``unpark``, ``forget_parked``), DRAIN, the watermark pass and an operator's EVICT (least recently used first on each
-node), commit records in etcd (``metaserver/tablerecords.py``: the layout ``Directory`` writes, so either core loads
-the other's pool) and the full load at a takeover (``load``).
+node), shared entries of TP-sharded pages (``metaserver/tableshared.py``; compared with ``Directory``'s request by
+request in ``tests/unit/test_tableshared.py``), commit records in etcd (``metaserver/tablerecords.py``: the layout
+``Directory`` writes, so either core loads the other's pool) and the full load at a takeover (``load``).
 
-What it does not do yet, each refused where it would be asked for (``umbp/config.py``, ``service.py``), never
-answered differently: ``prefix-lru`` (no prefix links), partitioned pools (slots), quotas and shared entries (a
-LOOKUP, ALLOC or COMMIT with ``shard``); and the warm standby's copy (a standby keeps none: its takeover is a full
-load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s rule) where ``Directory``
+What it does not do yet, each refused at start (``umbp/config.py``, ``__init__``), never answered differently:
+``prefix-lru`` (no prefix links), partitioned pools (slots), quotas; and the warm standby's copy (a standby keeps
+none: its takeover is a full load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s rule) where ``Directory``
 places on the most free node: README, "The columnar directory".
 
 A connection's PENDING allocations are ``(ns, key, gen)`` handles here (``Directory``'s are its entries): COMMIT and
@@ -34,7 +34,8 @@ from metaserver.fullload import record_tuple
 from metaserver.records import PageRecords
 from metaserver.tableload import load_pages, reserve
 from metaserver.tablenodes import UNIT_SHIFT, NodeRows, TableNodes
-from metaserver.validate import Reject
+from metaserver.shared import ShardState
+from metaserver.tableshared import TableShared
 from umbp.auth import read_capability_packed
 from umbp.errors import ConfigError
 
@@ -49,14 +50,7 @@ def _by_ns(recs: list) -> dict[str, list]:
     return out
 
 
-def no_shard(shard) -> None:
-    """Refuse a request on shared entries' sub-slots (``shard``): the table keeps none yet."""
-    if shard is not None:
-        raise Reject("shared entries (a request with 'shard') are not kept by this metaserver's columnar directory: "
-                     "run it with --directory objects")
-
-
-class TableDirectory(PageTable):
+class TableDirectory(TableShared, PageTable):
     parks = True  # a lost node's pages are parked for its return (metaserver/rejoin.py)
 
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
@@ -72,6 +66,7 @@ class TableDirectory(PageTable):
         self.quotas: dict = {}
         self.ns_used: dict = {}
         self.puts = 0
+        self._shards: dict[int, ShardState] = {}  # PENDING shared rows' sub-slots (metaserver/tableshared.py)
 
     # -- what the service reads -------------------------------------------------------------------------------
     @property
@@ -102,41 +97,57 @@ class TableDirectory(PageTable):
 
     # -- requests, with Directory's signatures -----------------------------------------------------------------
     def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
-        no_shard(shard)
+        if shard is not None:
+            return self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard), self.effects()
         items = PageTable.alloc(self, ns, keys, sizes, gen_base, None, now, token, owner, parents)
         return items, self.effects()
 
     def commit(self, ns, keys, gens, now, shard=None):
-        no_shard(shard)
-        ok = PageTable.commit(self, ns, keys, gens)
+        ok = (PageTable.commit(self, ns, keys, gens) if shard is None
+              else self.commit_shared(ns, keys, gens, shard))
         fx = self.effects()
         self.puts += sum(len(r.rows) for r in fx.recs)
         return ok, fx
 
     def lookup(self, ns, keys, now, owner=None, shard=None):
-        no_shard(shard)
+        if shard is not None:
+            return self.lookup_shared(ns, keys, now, owner, shard)
         return PageTable.lookup(self, ns, keys, now, owner)
 
-    def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member) -> tuple[int, list, list]:
+    def _free_row(self, row: int, node: NodeRows) -> None:
+        if self._shards:
+            self._shards.pop(row, None)  # a PENDING shared row ends whatever ends it
+        PageTable._free_row(self, row, node)
+
+    def check(self) -> None:
+        PageTable.check(self)
+        self._check_shared()
+
+    def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member, shard=None
+                       ) -> tuple[int, list, list]:
         """LOOKUP with its closed-pool grants, from the columns (``metaserver.grants.grant_reads``' answer, without
         a Python step per key): (lease, locs ``(node_id, offset, payload_len, gen, tag, cap_index)`` or None per
         key, one read capability per node). Tags come from the ``tag`` column; a row that has none yet (0: never
         looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and kept. ``member``:
         node id -> its member (``cap_key``) or None."""
-        lease, hit, hr = self.lookup_rows(ns, keys, now, owner)
+        lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
         if not lease:
             return 0, [None] * len(keys), []
         c = self.cols
-        tags = c["tag"].take(hr)
-        none = np.flatnonzero(tags == 0)
-        if len(none):
-            at = np.flatnonzero(hit).take(none).tolist()
-            tags[none] = tokens.tags(ns, [keys[i] for i in at])
-            c["tag"][hr.take(none)] = tags.take(none)
+        if shard is not None:  # a rank's sub-slots: tags of (key, rank), offsets and lengths of its part
+            tags = np.array(tokens.tags(ns, [keys[i] for i in np.flatnonzero(hit).tolist()], shard[0]), np.uint64)
+            offs, codes = self.shared_slots(hr, shard[0])
+        else:
+            tags = c["tag"].take(hr)
+            none = np.flatnonzero(tags == 0)
+            if len(none):
+                at = np.flatnonzero(hit).take(none).tolist()
+                tags[none] = tokens.tags(ns, [keys[i] for i in at])
+                c["tag"][hr.take(none)] = tags.take(none)
+            offs = c["unit"].take(hr).astype(np.uint64) << UNIT_SHIFT
+            codes = self.code_arr.take(c["size"].take(hr))
         nodes = c["node"].take(hr)
         uniq, inv = np.unique(nodes, return_inverse=True)
-        offs = c["unit"].take(hr).astype(np.uint64) << UNIT_SHIFT
-        codes = self.code_arr.take(c["size"].take(hr))
         gens = c["gen"].take(hr)
         slots = np.stack([offs, codes, gens], axis=1).astype("<u8")
         caps = []
@@ -168,7 +179,7 @@ class TableDirectory(PageTable):
         n = 0
         for ns, (ks, gs) in by_ns.items():
             rows = self._find(ns, ks).tolist()
-            mine = [i for i, r in enumerate(rows) if r >= 0 and self.writer_of(r) is owner]
+            mine = [i for i, r in enumerate(rows) if r >= 0 and self.owned_by_row(r, owner)]
             if mine:
                 n += PageTable.abort(self, ns, [ks[i] for i in mine], [gs[i] for i in mine])
         return n

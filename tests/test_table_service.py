@@ -4,7 +4,7 @@ real etcd, metaserver and node processes.
 Two parts:
 
 - the pool's own end-to-end tests (test_pool.py, test_failover.py, test_hardening_caps.py, test_commit_coalescing.py,
-  test_cut_connections.py) collected again here, with every metaserver this module starts serving from the table
+  test_cut_connections.py, test_shared_entries.py but its partitioned pool) collected again here, with every metaserver this module starts serving from the table
   (the ``harness`` fixture below adds ``--directory table --eviction-policy lru`` to each metaserver a test starts,
   unless the test names a core itself): the same assertions on bytes, counts and states hold on either core;
 - what is the table's own: STATS naming the core, eviction through the service with its etcd records kept in step
@@ -26,8 +26,6 @@ import pytest
 import umbp
 from cluster import Cluster, Harness
 from processes import child_env
-from transport import wire
-from umbp.errors import UmbpError
 
 from test_pool import payload
 from test_pool import *  # noqa: F401,F403  (collected again on the table)
@@ -35,6 +33,9 @@ from test_failover import *  # noqa: F401,F403
 from test_hardening_caps import *  # noqa: F401,F403
 from test_commit_coalescing import *  # noqa: F401,F403
 from test_cut_connections import *  # noqa: F401,F403
+from test_shared_entries import *  # noqa: F401,F403
+
+del test_partitioned_pool_keeps_a_shared_entry_in_its_key_slot  # noqa: F821 (the table serves no partitioned pool)
 
 TABLE = {"directory": "table", "eviction_policy": "lru"}
 
@@ -174,16 +175,14 @@ def test_table_takes_a_lost_nodes_pages_out_and_serves_the_rest(harness, etcd_bi
 
 def test_table_refuses_what_it_does_not_keep(harness, etcd_binary):
     cluster = Cluster(harness, nodes=1).start()
-    with umbp.Client(cluster.metaserver_addr) as c:
-        put_all(c, ["sh-0"], 4096)
-        with pytest.raises(UmbpError, match="shared entries.*--directory objects"):
-            c._meta.call(wire.Op.LOOKUP, {"ns": "default", "keys": [b"sh-0"], "shard": [0, 2]}, time.monotonic() + 5)
-        assert c.get("sh-0") == payload("sh-0", 4096)  # and it keeps serving
     r = subprocess.run([sys.executable, "-m", "umbp", "metaserver", "--etcd", cluster.etcd.url, "--directory", "table",
                         "--eviction-policy", "prefix-lru"], capture_output=True, text=True, timeout=60,
                        env=child_env())
     assert r.returncode != 0
     assert "directory 'table' evicts by lru only" in r.stderr
+    with umbp.Client(cluster.metaserver_addr) as c:  # and the running one keeps serving
+        put_all(c, ["ok-0"], 4096)
+        assert c.get("ok-0") == payload("ok-0", 4096)
 
 
 @pytest.mark.parametrize("core", ["table", "objects"])

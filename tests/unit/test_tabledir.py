@@ -11,7 +11,6 @@ import pytest
 from metaserver.entry import NEW, Effects
 from metaserver.grants import grant_reads
 from metaserver.tabledir import TableDirectory
-from metaserver.validate import Reject
 from transport.wire import object_size
 from umbp.auth import Tokens
 from umbp.errors import ConfigError
@@ -97,9 +96,21 @@ def test_refusals():
         TableDirectory(policy="prefix-lru")
     with pytest.raises(ConfigError, match="quotas"):
         TableDirectory(quotas={"t": 1 << 20})
-    d = directory()
-    with pytest.raises(Reject, match="shared entries"):
-        d.lookup("a", keys_of(0, 1), 0.0, None, (0, 2))
-    with pytest.raises(Reject, match="shared entries"):
-        d.alloc("a", keys_of(0, 1), [PLEN], None, 1, 0.0, None, None, (0, 2))
-    assert d.objects == 0 and d.pending == 0
+
+
+def test_shared_lookup_grants_a_ranks_sub_slot_with_its_rank_tag():
+    d = directory(nodes=1)
+    keys = keys_of(0, 3)
+    tokens = Tokens(b"s" * 32, {})
+    for rk in range(2):
+        items, _ = d.alloc("a", keys, [PLEN] * 3, None, 10, 0.0, None, None, (rk, 2))
+        assert d.commit("a", keys, [it[4] for it in items], 0.0, (rk, 2))[0] == [True] * 3
+    members = {"n0": SimpleNamespace(cap_key=b"k" * 32)}
+    for rk in range(2):
+        lease, locs, caps = d.lookup_granted("a", keys, 0.0, None, tokens, members.get, (rk, 2))
+        want_lease, want = d.lookup("a", keys, 0.0, None, (rk, 2))
+        assert [tuple(x) for x in locs] == [w + (t, 0) for w, t in zip(want, tokens.tags("a", keys, rk))]
+        assert caps == grant_reads(tokens, members.get, "a", keys, want, rk) and len(caps) == 1
+        assert all(loc[1] == off + rk * object_size(PLEN) for loc, off in zip(want, d.offsets_of(d._find("a", keys))))
+    assert d.lookup("a", keys, 0.0) == (0, [None] * 3)  # a plain LOOKUP misses shared pages
+    assert d.lookup("a", keys, 0.0, None, (0, 4)) == (0, [None] * 3)  # and so does another TP size

@@ -1,0 +1,182 @@
+"""Shared entries on the columnar directory (``TableShared``, a mixin of ``metaserver.tabledir.TableDirectory``):
+one row per logical page of TP-sharded KV, as ``metaserver/shared.py`` is for ``Directory`` (its docstring is the
+contract: ``"shard": [r, n]`` requests, one extent of ``n`` sub-slots, one generation, one record, one eviction
+member; a rank's put is True once its part is written, the page visible once every part is).
+
+Here a shared page is a row whose layout code (``size`` column) is ``entry.layout(part_len, n)``; a PENDING one has
+its sub-slot state (``shared.ShardState``: each rank's token and connection, a bit per written part) in
+``_shards`` by row, dropped with the row whatever ends it (commit of the last part, ABORT, expiry, REMOVE, node
+loss: ``_free_row``). A new page is placed by the table's own ALLOC (``PageTable.alloc`` with the layout codes as
+sizes: one extent of ``extent_size(code)``); LOOKUP of rank ``r`` pins the row and answers ``offset + r * stride``;
+a plain LOOKUP misses shared rows and a LOOKUP of another ``n`` misses them too (``lookup_rows``' ``parts``).
+Tags of a sub-slot are (key, rank)'s (``Tokens.tags`` with a rank), computed per LOOKUP: the tag column keeps
+plain pages' tags only.
+
+Costs: ALLOC and COMMIT a Python step per key (the sub-slot state), plus the table's ALLOC for the new pages;
+LOOKUP numpy over the request as a plain one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metaserver.columns import PageTable, by_key
+from metaserver.entry import EXISTS_ITEM, IN_FLIGHT_ITEM, NEW, PART_MASK, PENDING, READY, layout, shards_of
+from metaserver.shared import ShardState
+from metaserver.tablenodes import UNIT_SHIFT
+from transport import wire
+
+
+def strides(codes: np.ndarray) -> np.ndarray:
+    """``entry.stride`` of each layout code (uint64): one object slot of its part length."""
+    a = np.uint64(wire.ALIGN)
+    return (np.uint64(wire.OBJ_HEADER_SIZE) + (codes & np.uint64(PART_MASK)) + a - np.uint64(1)) // a * a
+
+
+class TableShared:
+    """Shared entries of a ``TableDirectory``: see the module docstring."""
+
+    def alloc_shared(self, ns, keys, sizes, parents, gen_base, now, token, owner, shard) -> list:
+        """``Directory.alloc_shared``: ALLOC of rank ``shard[0]`` of ``shard[1]``; ``sizes`` are the rank's parts."""
+        rk, n = shard
+        codes = [layout(s, n) for s in sizes]
+        c = self.cols
+        rows = self._find(ns, keys).tolist()
+        items: list = [None] * len(keys)
+        place: list[int] = []  # absent keys not placed yet, in order
+        seen: set = set()
+        tok = token if token is not None else 0
+        for i, k in enumerate(keys):
+            if k in seen:
+                items[i] = EXISTS_ITEM  # the first occurrence is the one stored
+                continue
+            seen.add(k)
+            r = rows[i]
+            if r >= 0 and place:
+                # keys are taken in order (as Directory's): the absent keys before this one are placed first, and
+                # a page their placement evicted is absent for the keys after them (its row may even be a new
+                # page's now: every row found before is stale, so the rest are found again)
+                evicted = self.evictions
+                self._place_shared(ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard)
+                place = []
+                if self.evictions != evicted:
+                    rows[i:] = self._find(ns, keys[i:]).tolist()
+                    r = rows[i]
+            if r < 0 or (self.dying and self.dead[c["node"][r]]):
+                place.append(i)  # absent, or on a node being dropped: the table's ALLOC places it anew
+                continue
+            if c["state"][r] == READY:
+                items[i] = EXISTS_ITEM
+                c["stamp"][r] = self.clock  # a use
+                self.clock += 1
+                continue
+            st = self._shards.get(r)
+            code = codes[i]
+            if st is None or self.codes[c["size"][r]] != code:
+                items[i] = IN_FLIGHT_ITEM  # a plain writer, or another layout, holds the key
+            elif st.written >> rk & 1:
+                items[i] = EXISTS_ITEM  # this rank's part is in already
+            elif st.tokens[rk] is None or (token is not None and st.tokens[rk] == token):
+                st.tokens[rk] = tok
+                st.owners[rk] = owner
+                part = code & PART_MASK
+                items[i] = (NEW, self.nodes[c["node"][r]].node_id,
+                            (int(c["unit"][r]) << UNIT_SHIFT) + rk * wire.object_size(part), part, int(c["gen"][r]))
+            else:
+                items[i] = IN_FLIGHT_ITEM
+        if place:
+            self._place_shared(ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard)
+        return items
+
+    def _place_shared(self, ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard) -> None:
+        """New shared pages for the keys at positions ``place``: the table's ALLOC with their layout codes (one
+        extent each, generation ``gen_base + position``), then each NEW row's sub-slot state and rank
+        ``shard[0]``'s sub-slot as its item."""
+        rk, n = shard
+        pk = [keys[i] for i in place]
+        got = PageTable.alloc(self, ns, pk, [codes[i] for i in place], gen_base, None, now, token, owner,
+                              [parents[i] for i in place] if parents else None, place)
+        new = [j for j, it in enumerate(got) if it[0] == NEW]
+        new_rows = self._find(ns, [pk[j] for j in new]).tolist() if new else []
+        tok = token if token is not None else 0
+        for j, r in zip(new, new_rows):
+            st = self._shards[r] = ShardState(n)
+            st.tokens[rk] = tok
+            st.owners[rk] = owner
+            _, node_id, off, code, gen = got[j]
+            part = code & PART_MASK
+            got[j] = (NEW, node_id, off + rk * wire.object_size(part), part, gen)
+        for i, it in zip(place, got):
+            items[i] = it
+
+    def commit_shared(self, ns, keys, gens, shard) -> list[bool]:
+        """``Directory.commit_shared``: rank ``shard[0]``'s part of each (key, gen) written; the last part makes the
+        row READY (stamped, filed under a commit record)."""
+        rk, n = shard
+        c = self.cols
+        full = (1 << n) - 1
+        ok: list[bool] = []
+        done: list[int] = []
+        for r, gen in zip(self._find(ns, keys).tolist(), gens):
+            if r < 0:
+                ok.append(False)
+                continue
+            code = self.codes[c["size"][r]]
+            if c["state"][r] == READY:
+                ok.append(int(c["gen"][r]) == gen and shards_of(code) == n)
+                continue
+            st = self._shards.get(r)
+            if int(c["gen"][r]) != gen or st is None or shards_of(code) != n or st.tokens[rk] is None:
+                ok.append(False)
+                continue
+            st.written |= 1 << rk
+            ok.append(True)
+            if st.written == full:
+                del self._shards[r]
+                del self._pending[r]
+                c["state"][r] = READY  # a key given twice: the second answers as READY
+                done.append(r)
+        if done:
+            ra = np.array(done, np.int64)
+            self._stamp(ra)
+            self._committed(ns, ra)
+        return ok
+
+    def shared_slots(self, hr: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(offset, part length) of rank ``rank``'s sub-slot of each of the shared rows ``hr`` (uint64)."""
+        c = self.cols
+        codes = self.code_arr.take(c["size"].take(hr))
+        offs = (c["unit"].take(hr).astype(np.uint64) << np.uint64(UNIT_SHIFT)) + np.uint64(rank) * strides(codes)
+        return offs, codes & np.uint64(PART_MASK)
+
+    def lookup_shared(self, ns, keys, now, owner, shard) -> tuple[int, list]:
+        """``Directory.lookup_shared``: rank ``shard[0]``'s sub-slot of each READY shared row of ``shard[1]`` parts,
+        the whole row pinned; anything else a miss."""
+        rk, n = shard
+        lease, hit, hr = self.lookup_rows(ns, keys, now, owner, n)
+        if not lease:
+            return 0, [None] * len(keys)
+        offs, parts = self.shared_slots(hr, rk)
+        c = self.cols
+        return lease, by_key(hit, list(zip(self.node_names.take(c["node"].take(hr)).tolist(), offs.tolist(),
+                                           parts.tolist(), c["gen"].take(hr).tolist())))
+
+    def owned_by_row(self, r: int, owner) -> bool:
+        """Whether ``owner`` closing must abort PENDING row ``r`` (``SharedEntries.owned_by``)."""
+        st = self._shards.get(r)
+        if st is None:
+            return self.writer_of(r) is owner
+        return any(o is owner and not st.written >> i & 1 for i, o in enumerate(st.owners))
+
+    def _check_shared(self) -> None:
+        """Invariants (tests): every PENDING row of a shared layout has its sub-slot state, with a part unwritten
+        and only handed-out parts written; no other row has one."""
+        c = self.cols
+        for r in self._pending:
+            if shards_of(self.codes[c["size"][r]]):
+                st = self._shards.get(r)
+                n = shards_of(self.codes[c["size"][r]])
+                assert st is not None and len(st.tokens) == n and st.written < (1 << n) - 1, r
+                assert all(st.tokens[i] is not None for i in range(n) if st.written >> i & 1), r
+        assert all(r in self._pending and c["state"][r] == PENDING for r in self._shards)
+
