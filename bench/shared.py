@@ -10,7 +10,12 @@ Records per page are the ``Effects.puts`` the commits return (what the etcd writ
 traced bytes per logical page after the build (what Python asked for; RSS adds allocator slack). Rates are logical
 pages per CPU-second of this process (``time.process_time``). Each layout runs in a fresh process.
 
-    python bench/shared.py [--pages 200000] [--ranks 8]
+``--directory table`` runs the same on the columnar directory as ``umbp metaserver --directory table`` serves it
+(``metaserver/tabledir.py``; its LOOKUP is the service's columnar call, ``lookup_granted``); its columns live in
+anonymous mmaps, which tracemalloc does not see, so compare the ``rss`` column (VmRSS after the build minus before,
+per logical page) across directories.
+
+    python bench/shared.py [--pages 200000] [--ranks 8] [--directory objects|table]
 """
 
 from __future__ import annotations
@@ -50,20 +55,32 @@ def fresh(hexes: list[bytes], rank: int | None) -> list[bytes]:
     return [h + rb for h in hexes]
 
 
-def run(layout: str, pages: int, ranks: int) -> dict:
+def rss() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(layout: str, pages: int, ranks: int, directory: str = "objects") -> dict:
     """Build ``pages`` logical pages in ``layout`` (per-rank | shared | mla), then LOOKUP each page from every rank."""
     tokens = Tokens(b"cluster-secret-0123456789", {})
     member = _Member()
     node = {f"n{i}": member for i in range(NODES)}.get
     per_node = -(-pages * ranks * object_size(PART) // NODES) + (64 << 20)
-    d = Directory()
+    table = directory == "table"
+    if table:
+        from metaserver.tabledir import TableDirectory
+    d = TableDirectory() if table else Directory()
     for i in range(NODES):
         d.add_space(f"n{i}", per_node)
     hexes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(pages)]
     counts = {"alloc_keys": 0, "commit_keys": 0, "lookup_keys": 0, "records": 0}
     gen = 1
-    tracemalloc.start()
     gc.collect()
+    rss0 = rss()
+    tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     t0 = time.process_time()
     for s in range(0, pages, BATCH):  # the ranks put the same batch at about the same time, as TP ranks do
@@ -79,19 +96,24 @@ def run(layout: str, pages: int, ranks: int) -> dict:
             ok, fx = d.commit("kv", [keys[i] for i in new], [out[i][4] for i in new], 0.0, shard)
             assert all(ok) and all(out[i][0] == NEW for i in new)
             counts["commit_keys"] += len(new)
-            counts["records"] += len(fx.puts)
+            counts["records"] += len(fx.puts) + sum(len(r.rows) for r in fx.recs)  # pages persisted
     build_s = time.process_time() - t0
     gc.collect()
     mem = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
+    gc.collect()
+    rss_mem = rss() - rss0
     t0 = time.process_time()
     for s in range(0, pages, BATCH):
         for rk in range(ranks):
             shard = (rk, ranks) if layout == "shared" else None
             keys = fresh(hexes[s:s + BATCH], rk if layout == "per-rank" else None)
-            lease, locs = d.lookup("kv", keys, 1.0, None, shard)
+            if table:
+                lease, locs, _caps = d.lookup_granted("kv", keys, 1.0, None, tokens, node, shard)
+            else:
+                lease, locs = d.lookup("kv", keys, 1.0, None, shard)
+                grant_reads(tokens, node, "kv", keys, locs, rk if shard else None)
             assert all(loc is not None for loc in locs)
-            grant_reads(tokens, node, "kv", keys, locs, rk if shard else None)
             d.release(lease)
             counts["lookup_keys"] += len(keys)
     lookup_s = time.process_time() - t0
@@ -101,8 +123,9 @@ def run(layout: str, pages: int, ranks: int) -> dict:
             "alloc_keys_per_page": counts["alloc_keys"] / pages, "commit_keys_per_page": counts["commit_keys"] / pages,
             "lookup_keys_per_page": counts["lookup_keys"] / pages,
             "exists_keys_per_complete_page": ranks if layout == "per-rank" else 1,
-            "policy_members_per_page": sum(d.policy.count(f"n{i}") for i in range(NODES)) / pages,
-            "bytes_per_page": mem / pages, "put_pages_per_cpu_s": pages / build_s,
+            "policy_members_per_page": (d.objects if table else sum(d.policy.count(f"n{i}") for i in range(NODES)))
+            / pages,  # the table: every unpinned READY row is an LRU candidate
+            "bytes_per_page": mem / pages, "rss_per_page": rss_mem / pages, "put_pages_per_cpu_s": pages / build_s,
             "lookup_pages_per_cpu_s": pages / lookup_s}
 
 
@@ -110,23 +133,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=200_000, help="logical pages (default 200k)")
     ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--directory", choices=("objects", "table"), default="objects")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(run(a.child, a.pages, a.ranks)))
+        print(json.dumps(run(a.child, a.pages, a.ranks, a.directory)))
         return
     rows = []
     for layout in ("per-rank", "shared", "mla"):
         r = subprocess.run([sys.executable, __file__, "--child", layout, "--pages", str(a.pages), "--ranks",
-                            str(a.ranks)], capture_output=True, text=True, check=True)
+                            str(a.ranks), "--directory", a.directory], capture_output=True, text=True, check=True)
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
     cols = [("entries_per_page", "dir entries", "{:.0f}"), ("records_per_page", "etcd records", "{:.0f}"),
             ("policy_members_per_page", "evictable", "{:.0f}"), ("alloc_keys_per_page", "ALLOC keys", "{:.0f}"),
             ("commit_keys_per_page", "COMMIT keys", "{:.0f}"), ("lookup_keys_per_page", "LOOKUP keys", "{:.0f}"),
-            ("exists_keys_per_complete_page", "EXISTS keys", "{:.0f}"), ("bytes_per_page", "bytes", "{:.0f}"),
+            ("exists_keys_per_complete_page", "EXISTS keys", "{:.0f}"), ("bytes_per_page", "bytes", "{:.0f}"), ("rss_per_page", "rss", "{:.0f}"),
             ("put_pages_per_cpu_s", "puts pg/cpu-s", "{:,.0f}"), ("lookup_pages_per_cpu_s", "gets pg/cpu-s",
                                                                   "{:,.0f}")]
-    print(f"TP{a.ranks} page, {a.pages:,} logical pages, per logical page (closed pool: tags and capabilities in):")
+    print(f"TP{a.ranks} page, {a.pages:,} logical pages, directory {a.directory}, per logical page (closed pool: tags "
+          "and capabilities in):")
     print(f"{'layout':10}" + "".join(f"{h:>15}" for _, h, _ in cols))
     for r in rows:
         print(f"{r['layout']:10}" + "".join(f"{f.format(r[k]):>15}" for k, _, f in cols))

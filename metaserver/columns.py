@@ -240,7 +240,15 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
         c = self.cols
         dig, longs = digests(keys)
         found = self.ix.find(nsix, dig, c["ns"]) if keys else np.zeros(0, np.int64)
-        found_state = np.where(found >= 0, c["state"][np.maximum(found, 0)], FREE).tolist()
+        found_st = np.where(found >= 0, c["state"][np.maximum(found, 0)], FREE)
+        if keys and not self.dying and (found_st == READY).all():
+            # every key READY (an engine re-offering pages it holds, a TP rank after the first of a replicated
+            # page): all EXISTS, each a use, stamped in key order; a repeated key stamps at its first occurrence
+            # as the loop below would: its second is EXISTS without a use
+            _, first = np.unique(found, return_index=True)
+            self._stamp(found.take(np.sort(first)))
+            return [EXISTS_ITEM] * len(keys)
+        found_state = found_st.tolist()
         found = found.tolist()
         evicted = self._evicted_now
         evicted.clear()

@@ -41,11 +41,12 @@ class TableShared:
         rk, n = shard
         codes = [layout(s, n) for s in sizes]
         c = self.cols
-        rows = self._find(ns, keys).tolist()
         items: list = [None] * len(keys)
         place: list[int] = []  # absent keys not placed yet, in order
         seen: set = set()
         tok = token if token is not None else 0
+        rows, state, size, unit, gen, node = self._shared_rows(ns, keys)
+        stride: dict[int, int] = {}
         for i, k in enumerate(keys):
             if k in seen:
                 items[i] = EXISTS_ITEM  # the first occurrence is the one stored
@@ -60,19 +61,19 @@ class TableShared:
                 self._place_shared(ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard)
                 place = []
                 if self.evictions != evicted:
-                    rows[i:] = self._find(ns, keys[i:]).tolist()
+                    rows, state, size, unit, gen, node = self._shared_rows(ns, keys)
                     r = rows[i]
-            if r < 0 or (self.dying and self.dead[c["node"][r]]):
+            if r < 0 or (self.dying and self.dead[node[i]]):
                 place.append(i)  # absent, or on a node being dropped: the table's ALLOC places it anew
                 continue
-            if c["state"][r] == READY:
+            if state[i] == READY:
                 items[i] = EXISTS_ITEM
                 c["stamp"][r] = self.clock  # a use
                 self.clock += 1
                 continue
             st = self._shards.get(r)
             code = codes[i]
-            if st is None or self.codes[c["size"][r]] != code:
+            if st is None or self.codes[size[i]] != code:
                 items[i] = IN_FLIGHT_ITEM  # a plain writer, or another layout, holds the key
             elif st.written >> rk & 1:
                 items[i] = EXISTS_ITEM  # this rank's part is in already
@@ -80,13 +81,24 @@ class TableShared:
                 st.tokens[rk] = tok
                 st.owners[rk] = owner
                 part = code & PART_MASK
-                items[i] = (NEW, self.nodes[c["node"][r]].node_id,
-                            (int(c["unit"][r]) << UNIT_SHIFT) + rk * wire.object_size(part), part, int(c["gen"][r]))
+                sz = stride.get(part)
+                if sz is None:
+                    sz = stride[part] = wire.object_size(part)
+                items[i] = (NEW, self.nodes[node[i]].node_id, (unit[i] << UNIT_SHIFT) + rk * sz, part, gen[i])
             else:
                 items[i] = IN_FLIGHT_ITEM
         if place:
             self._place_shared(ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard)
         return items
+
+    def _shared_rows(self, ns, keys) -> tuple[list, ...]:
+        """Each key's row (-1: absent) and that row's state, layout code index, unit, generation and node, as lists
+        (one gather per column instead of a numpy scalar per key and column)."""
+        c = self.cols
+        found = self._find(ns, keys)
+        at = np.maximum(found, 0)
+        return (found.tolist(), c["state"].take(at).tolist(), c["size"].take(at).tolist(),
+                c["unit"].take(at).tolist(), c["gen"].take(at).tolist(), c["node"].take(at).tolist())
 
     def _place_shared(self, ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard) -> None:
         """New shared pages for the keys at positions ``place``: the table's ALLOC with their layout codes (one
@@ -117,25 +129,29 @@ class TableShared:
         full = (1 << n) - 1
         ok: list[bool] = []
         done: list[int] = []
-        for r, gen in zip(self._find(ns, keys).tolist(), gens):
+        rows, state, size, _unit, gen_of, _node = self._shared_rows(ns, keys)
+        parts = self.code_parts.tolist()
+        shards, pending = self._shards, self._pending
+        completed: set[int] = set()
+        for i, (r, gen) in enumerate(zip(rows, gens)):
             if r < 0:
                 ok.append(False)
                 continue
-            code = self.codes[c["size"][r]]
-            if c["state"][r] == READY:
-                ok.append(int(c["gen"][r]) == gen and shards_of(code) == n)
+            if state[i] == READY or r in completed:
+                ok.append(gen_of[i] == gen and parts[size[i]] == n)
                 continue
-            st = self._shards.get(r)
-            if int(c["gen"][r]) != gen or st is None or shards_of(code) != n or st.tokens[rk] is None:
+            st = shards.get(r)
+            if gen_of[i] != gen or st is None or parts[size[i]] != n or st.tokens[rk] is None:
                 ok.append(False)
                 continue
             st.written |= 1 << rk
             ok.append(True)
             if st.written == full:
-                del self._shards[r]
-                del self._pending[r]
-                c["state"][r] = READY  # a key given twice: the second answers as READY
+                del shards[r]
+                del pending[r]
+                c["state"][r] = READY
                 done.append(r)
+                completed.add(r)  # a key given twice: the second answers as READY
         if done:
             ra = np.array(done, np.int64)
             self._stamp(ra)
