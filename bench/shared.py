@@ -37,6 +37,9 @@ from metaserver.grants import grant_reads, grant_writes  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself
+from scale import rss  # noqa: E402
+
 BATCH = 1000
 PART = (2560 << 10) - 64  # a Llama-70B TP8 rank-page: 64 tokens x 80 layers x K,V x 1 head x 128 x bf16 (header in)
 NODES = 32
@@ -53,14 +56,6 @@ def fresh(hexes: list[bytes], rank: int | None) -> list[bytes]:
         return [bytes(bytearray(h)) for h in hexes]
     rb = bytes([rank])
     return [h + rb for h in hexes]
-
-
-def rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run(layout: str, pages: int, ranks: int, directory: str = "objects") -> dict:

@@ -85,8 +85,14 @@ def etcd_binary(pytestconfig: pytest.Config) -> str:
 
 
 @pytest.fixture
-def harness(request: pytest.FixtureRequest):
-    h = Harness(request.node.name, keep=os.environ.get("UMBP_KEEP_TEST_DIRS") == "1")
+def harness_class() -> type:
+    """The harness a test's processes start through (a module may override it: tests/test_table_service.py)."""
+    return Harness
+
+
+@pytest.fixture
+def harness(request: pytest.FixtureRequest, harness_class: type):
+    h = harness_class(request.node.name, keep=os.environ.get("UMBP_KEEP_TEST_DIRS") == "1")
     request.node._umbp_harness = h
     try:
         yield h

@@ -15,7 +15,6 @@ Two parts:
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -50,13 +49,8 @@ class TableHarness(Harness):
 
 
 @pytest.fixture
-def harness(request: pytest.FixtureRequest):
-    h = TableHarness(request.node.name, keep=os.environ.get("UMBP_KEEP_TEST_DIRS") == "1")
-    request.node._umbp_harness = h
-    try:
-        yield h
-    finally:
-        h.close()
+def harness_class() -> type:
+    return TableHarness  # conftest's harness fixture starts this module's processes through it
 
 
 def stats(cluster: Cluster) -> dict:
