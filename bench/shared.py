@@ -142,7 +142,8 @@ def main() -> None:
     cols = [("entries_per_page", "dir entries", "{:.0f}"), ("records_per_page", "etcd records", "{:.0f}"),
             ("policy_members_per_page", "evictable", "{:.0f}"), ("alloc_keys_per_page", "ALLOC keys", "{:.0f}"),
             ("commit_keys_per_page", "COMMIT keys", "{:.0f}"), ("lookup_keys_per_page", "LOOKUP keys", "{:.0f}"),
-            ("exists_keys_per_complete_page", "EXISTS keys", "{:.0f}"), ("bytes_per_page", "bytes", "{:.0f}"), ("rss_per_page", "rss", "{:.0f}"),
+            ("exists_keys_per_complete_page", "EXISTS keys", "{:.0f}"), ("bytes_per_page", "bytes", "{:.0f}"),
+            ("rss_per_page", "rss", "{:.0f}"),
             ("put_pages_per_cpu_s", "puts pg/cpu-s", "{:,.0f}"), ("lookup_pages_per_cpu_s", "gets pg/cpu-s",
                                                                   "{:,.0f}")]
     print(f"TP{a.ranks} page, {a.pages:,} logical pages, directory {a.directory}, per logical page (closed pool: tags "

@@ -13,8 +13,8 @@ request in ``tests/unit/test_tableshared.py``), commit records in etcd (``metase
 
 What it does not do yet, each refused at start (``umbp/config.py``, ``__init__``), never answered differently:
 ``prefix-lru`` (no prefix links), partitioned pools (slots), quotas; and the warm standby's copy (a standby keeps
-none: its takeover is a full load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s rule) where ``Directory``
-places on the most free node: README, "The columnar directory".
+none: its takeover is a full load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s
+rule) where ``Directory`` places on the most free node: README, "The columnar directory".
 
 A connection's PENDING allocations are ``(ns, key, gen)`` handles here (``Directory``'s are its entries): COMMIT and
 ABORT settle them, and a closing connection aborts those still PENDING with that generation and still its own
@@ -32,9 +32,9 @@ from metaserver.entry import PENDING, READY, Effects, extent_size
 from metaserver.eviction import bytes_to_low, over_high
 from metaserver.fullload import record_tuple
 from metaserver.records import PageRecords
+from metaserver.shared import ShardState
 from metaserver.tableload import load_pages, reserve
 from metaserver.tablenodes import UNIT_SHIFT, NodeRows, TableNodes
-from metaserver.shared import ShardState
 from metaserver.tableshared import TableShared
 from umbp.auth import read_capability_packed
 from umbp.errors import ConfigError

@@ -4,9 +4,10 @@ real etcd, metaserver and node processes.
 Two parts:
 
 - the pool's own end-to-end tests (test_pool.py, test_failover.py, test_hardening_caps.py, test_commit_coalescing.py,
-  test_cut_connections.py, test_shared_entries.py but its partitioned pool) collected again here, with every metaserver this module starts serving from the table
-  (the ``harness`` fixture below adds ``--directory table --eviction-policy lru`` to each metaserver a test starts,
-  unless the test names a core itself): the same assertions on bytes, counts and states hold on either core;
+  test_cut_connections.py, test_shared_entries.py but its partitioned pool) collected again here, with every
+  metaserver this module starts serving from the table (``TableHarness``, through the ``harness_class`` fixture,
+  adds ``--directory table --eviction-policy lru`` to each metaserver a test starts, unless the test names a core
+  itself): the same assertions on bytes, counts and states hold on either core;
 - what is the table's own: STATS naming the core, eviction through the service with its etcd records kept in step
   (a restarted metaserver loads exactly the pages left), node loss, each core loading a pool the other
   wrote, a lost node's pages parked and given back when it returns (on both cores), and the refusals of what the
