@@ -113,8 +113,8 @@ def main() -> None:
             res.append(json.loads([ln for ln in so.splitlines() if ln.startswith("RESULT ")][-1][7:]))
     gb = kv_bytes / 1e9
     backend = "NCCL" if a.device == "cuda" else "gloo"
-    print(f"TP{a.ranks} over {backend}, replicated KV {kv_bytes / 2**20:.0f} MiB ({a.pages} pages x {a.layers} layers x "
-          f"{a.tokens} tokens x {a.dim} bf16), groups of {a.group} layers, best of {a.iters}")
+    print(f"TP{a.ranks} over {backend}, replicated KV {kv_bytes / 2**20:.0f} MiB ({a.pages} pages x {a.layers} "
+          f"layers x {a.tokens} tokens x {a.dim} bf16), groups of {a.group} layers, best of {a.iters}")
     ok = True
     for r in sorted(res, key=lambda x: x["rank"]):
         u, s = r["unsplit_counters"], r["split_counters"]
