@@ -10,6 +10,7 @@ expected). Timed: each load with ``torch.cuda.synchronize`` around it, best of `
 figures and checks are printed (and exit 1 when a byte check fails).
 
     python3 bench/tp_nccl.py [--ranks 2] [--pages 64] [--layers 61] [--tokens 64] [--dim 576] [--iters 3]
+                             [--transport auto|tcp] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def rank_main(a) -> dict:
     keys = chain_keys([i & 0xFFFF for i in range(a.pages * a.tokens)], a.tokens)
     slots = list(range(a.pages))
     out: dict = {"rank": a.rank}
-    with umbp.Client(a.ms, namespace="tp-nccl") as c:
+    with umbp.Client(a.ms, namespace="tp-nccl", transport=a.transport) as c:
         stored = TPGroup(c, src, replicated=True, group_size=a.group).store(keys, slots)
         out["stored"] = sum(stored)
         dist.barrier()
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda: NCCL, a GPU per rank; cpu: gloo (a smoke run of the same code anywhere)")
+    ap.add_argument("--transport", default="auto", help="the ranks' client transport (tcp: as from another host)")
     ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--init", default="", help=argparse.SUPPRESS)
     ap.add_argument("--ms", default="", help=argparse.SUPPRESS)
@@ -101,7 +103,8 @@ def main() -> None:
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--ranks", str(a.ranks), "--init", init,
                                    "--ms", pool.metaserver, "--pages", str(a.pages), "--layers", str(a.layers),
                                    "--tokens", str(a.tokens), "--dim", str(a.dim), "--group", str(a.group),
-                                   "--iters", str(a.iters), "--device", a.device],
+                                   "--iters", str(a.iters), "--device", a.device,
+                                   "--transport", a.transport],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(a.ranks)]
         res = []
