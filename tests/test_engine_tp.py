@@ -233,3 +233,24 @@ def test_tp_needs_torch_distributed():
 
     with pytest.raises(InvalidArgument, match="engine tp: torch.distributed is not initialised"):
         TPGroup(None, torch.zeros(2, 4, 8), replicated=True)
+
+
+def test_the_nccl_bench_runs_its_cpu_mode_with_exact_bytes_and_half_shares():
+    """``bench/tp_nccl.py`` (issue 16 item 7, run over NCCL on the GPU machine's 2-GPU kind) in its CPU mode (the same
+    code over gloo, its own local pool): every rank's split and unsplit loads are bit-exact and each rank reads half
+    of the unsplit load's bytes from the pool. Counts only; its times are printed, never asserted."""
+    import re
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "tp_nccl.py"
+    r = subprocess.run([sys.executable, str(bench), "--device", "cpu", "--transport", "tcp", "--pages", "8",
+                        "--layers", "6", "--tokens", "16", "--dim", "64", "--group", "2", "--iters", "1"],
+                       capture_output=True, text=True, timeout=240, env=child_env({"OMP_NUM_THREADS": "1"}),
+                       stdin=subprocess.DEVNULL)
+    print(r.stdout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = re.findall(r"^rank (\d): stored (\d+) pages; .* exact (\w+); .* exact (\w+); .*pool->host (\d+) of (\d+) B",
+                       r.stdout, re.M)
+    assert [x[0] for x in ranks] == ["0", "1"], r.stdout
+    for _rank, stored, unsplit_ok, split_ok, share, whole in ranks:
+        assert stored == "4" and unsplit_ok == "True" and split_ok == "True", r.stdout
+        assert int(whole) == 8 * 6 * 16 * 64 * 2 and int(share) * 2 == int(whole), r.stdout
