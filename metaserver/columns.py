@@ -1,6 +1,6 @@
-"""A columnar page table: the page directory's state in arrays, one row per page (issue 17, item 3), staged beside
-``Directory``. Not serving yet: ``bench/columns.py`` measures it against ``Directory`` in the same run and
-``tests/unit/test_columns.py`` checks it; the metaserver still runs ``Directory``.
+"""A columnar page table: the page directory's state in arrays, one row per page (issue 17, item 3). The metaserver
+serves from it with ``--directory table`` (``metaserver/tabledir.py`` gives it the service's calls);
+``bench/columns.py`` measures it against ``Directory`` in the same run and ``tests/unit/test_columns.py`` checks it.
 
 Why: a ``Directory`` page is a Python ``Entry`` of 15 slots (152 bytes with its object header) plus its key, offset
 and generation objects and a dict slot, and every per-key step is attribute work on it (a LOOKUP pins each entry,
@@ -31,11 +31,10 @@ full load and a fingerprint: ``tableload.py``.
 Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etcd records of ``Directory``'s layout,
 rewritten as rows leave.
 
-What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, shared entries' per-rank
-sub-slots, quotas, placement on the most free node with eviction where the next victim is oldest across nodes
-(here: in turn over the placeable nodes, near a parent by ``Directory``'s rule, evicting on the chosen one), parked
-pages put back when their node returns, and the warm standby's copy. Those, and the service calling it, are what
-moving the metaserver onto it takes. As ``Directory``'s: read leases have
+What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, quotas, placement on the most
+free node with eviction where the next victim is oldest across nodes (here: in turn over the placeable nodes, near
+a parent by ``Directory``'s rule, evicting on the chosen one), and the warm standby's copy. Shared entries, parking
+and the service's calls are ``tabledir.py``'s and ``tableshared.py``'s. As ``Directory``'s: read leases have
 owners and a budgeted expiry (``expire_leases``), PENDING rows a budgeted expiry (``expire_pending``) and their
 writer's token (a retried ALLOC gets its place back), extents freed young wait in the write quarantine
 (``metaserver/quarantine.py``, the same class), and the key index resizes a slice at a time (``step``, and each

@@ -1,7 +1,7 @@
 """The full load of the columnar page table (``metaserver/columns.py``): a node's READY pages filed from its etcd
 records in commit order, by ``Directory.load_entries``' rules, and ``fingerprint``, the table's canonical summary
-(what ``metaserver.fullload.fingerprint`` is for a ``Directory``). Staged with the table: the metaserver still loads
-a ``Directory``. No I/O.
+(what ``metaserver.fullload.fingerprint`` is for a ``Directory``). The metaserver's full load on the table
+(``TableDirectory.load``) and a returning node's parked pages (``TableDirectory.unpark``) file through it. No I/O.
 
 ``load_pages`` rules, in ``Directory.load_entries``' order (``metaserver/spaces.py``):
 

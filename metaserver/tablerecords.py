@@ -2,13 +2,15 @@
 ``entry.Batch`` and ``persist.EtcdStore.batches_of`` / ``batch_value`` are for ``Directory``. No I/O.
 
 A COMMIT's newly READY rows of one namespace become records of at most ``BATCH_PAGES`` rows each, one etcd key each,
-named by ``namer(ns)`` (the metaserver would set ``EtcdStore.batch_name``; the default names them with a count);
+named by ``namer(ns)`` (the metaserver sets ``EtcdStore.batch_name``; the default names them with a count);
 each row's ``rec`` column names its record (0: none). A record holds exactly its rows still READY under it on a
-live node: a row that leaves (evicted, removed, dropped with its node) queues a rewrite of its record, and the
+live node: a row that leaves (evicted, removed, dropped with its node unparked) queues a rewrite of its record (a
+parked row leaves it without one: its page stays in etcd for the node's return, as ``Directory``'s), and the
 value, encoded when the etcd writer takes it (``TableRecord.value``), lists the rows left; with none left it is
 None (delete the key) and the record's id is freed. A burst of evictions of one record is one rewrite, as
 ``Directory``'s. The value has the layout ``Directory`` writes, ``[[key, node, offset, payload_len, gen, parent],
-...]`` with parent None (the table keeps no parent links yet), so a full load reads either's records.
+...]`` with parent None (the table keeps no parent links yet), a shared entry's with its part count last, so a
+full load reads either's records.
 
 The table collects the records to put and to rewrite as its mutations run; the caller takes them after each request
 (``take_records``) and hands them to the writer, as it applies a Directory's ``Effects``. A full load files its
