@@ -12,7 +12,7 @@ over (fresh bytes objects). Figures:
 - exists keys per CPU-second on the same batches;
 - wire lookup keys per CPU-second: a LOOKUP and its RELEASE through the service's per-request work minus sockets
   (``bench/servicepath.py`` for the directory: decode, validate, the directory call, a keyed tag per key and a
-  capability per node of a closed pool, encode); for the table the same around the call ``service.lookup`` makes
+  capability per node of a closed pool, encode); for the table the same around the call ``dataplane.lookup`` makes
   with ``--directory table`` (``TableDirectory.lookup_granted``: tags kept in a column from a row's first LOOKUP on,
   capabilities packed from the columns), twice over the same prefixes: the first pass pays the tags of rows
   looked up for the first time, the second reads them. The table is driven as the metaserver drives it
@@ -115,7 +115,7 @@ class Subject:
     def wire_lookup(self, frame: bytes) -> bytes:
         """A LOOKUP and its RELEASE the way the service handles them (``bench/servicepath.py``: decode, validate,
         the directory call, tags and capabilities of a closed pool, encode). On the table, the service's own
-        columnar call (``TableDirectory.lookup_granted``, what ``service.lookup`` runs with ``--directory table``):
+        columnar call (``TableDirectory.lookup_granted``, what ``dataplane.lookup`` runs with ``--directory table``):
         tags from the column (computed at a row's first LOOKUP: the first pass over the pages pays them), each
         node's capability packed from the columns."""
         if self.kind == "directory":

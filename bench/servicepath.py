@@ -1,9 +1,9 @@
-"""What ``metaserver/service.py`` does per request around the directory, minus sockets and etcd, for
+"""What ``metaserver/dataplane.py`` does per request around the directory, minus sockets and etcd, for
 ``bench/scale.py``'s "wire path" figures: ``Wire`` packs and unpacks requests as msgpack, as the metaserver receives
 them; ``ServicePath`` runs LOOKUP+RELEASE, EXISTS and ALLOC+COMMIT the way the handlers do (decode, validate, the
 directory call, tags and capabilities of a closed pool, the etcd keys of the deletes and the records of the commits
 as ``Metaserver._apply`` encodes them, the connection's pending set, encode). It mirrors
-service.lookup/alloc/commit so the figure needs no running metaserver; keep the two in step.
+dataplane.lookup/alloc/commit so the figure needs no running metaserver; keep the two in step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from metaserver import validate as v
 from metaserver.directory import NEW, Directory
 from metaserver.grants import grant_reads, grant_writes
 from metaserver.persist import EtcdStore
-from metaserver.service import _ALLOC, _COMMIT
+from metaserver.dataplane import _ALLOC, _COMMIT
 from umbp.auth import Tokens
 
 
@@ -44,9 +44,9 @@ class _Member:
 
 
 class ServicePath:
-    """What ``metaserver/service.py`` does around the directory for LOOKUP+RELEASE and ALLOC+COMMIT, minus sockets and
+    """What ``metaserver/dataplane.py`` does around the directory for LOOKUP+RELEASE and ALLOC+COMMIT, minus sockets and
     etcd: decode, validate, directory call, per-key tag and capability (closed pool), etcd record of each commit,
-    encode. Mirrors service.lookup/alloc/commit; kept here so the figure does not need a running metaserver."""
+    encode. Mirrors dataplane.lookup/alloc/commit; kept here so the figure does not need a running metaserver."""
 
     def __init__(self, d: Directory | None, node_ids: list[str] | None = None):
         """``node_ids``: the members' ids, where ``d`` is not a directory to take them from (``bench/columns.py``)."""
@@ -84,7 +84,7 @@ class ServicePath:
         return msgpack.packb({"exists": self.d.exists(v.ns(m), v.keys(m, 4096))}, use_bin_type=True)
 
     def put(self, frame: bytes) -> int:
-        """ALLOC then COMMIT of one request's keys, as service.alloc/_alloc_now/_apply and service.commit/
+        """ALLOC then COMMIT of one request's keys, as dataplane.alloc/_alloc_now, service._apply and dataplane.commit/
         _settle_request/_apply do them: field checks, the connection's pending set (filled by ALLOC, emptied by
         COMMIT), the rewrites of the records the evictions left and the commit's records (``_apply``). Returns the
         number of records the commit wrote."""

@@ -52,6 +52,7 @@ from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_I
 from metaserver.keyindex import KeyIndex, digests, zeros
 from metaserver.quarantine import Quarantine
 from metaserver.tableevict import TableEviction
+from metaserver.tableinvariants import TableInvariants
 from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tablequeries import TableQueries
 from metaserver.tablerecords import TableRecords
@@ -74,11 +75,11 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
+class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInvariants):
     """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
     ``abort``, ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``, the node side
     (``metaserver/tablenodes.py``), commit records (``tablerecords.py``) and the totals and listings
-    (``tablequeries.py``); ``check()`` verifies the invariants below.
+    (``tablequeries.py``); ``check()`` verifies the invariants below (``tableinvariants.py``).
 
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
@@ -558,44 +559,3 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction):
             self._leaving(np.array(gone, np.int64))
             self.ix.delete(np.array(gone, np.int64), np.full(len(gone), self.ns_ix[ns], np.uint64))
         return out
-
-    # -- figures and checks -----------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Verify the invariants of the class docstring; AssertionError naming the first one broken."""
-        c = self.cols
-        top = self.blocks_used * BLOCK
-        state = c["state"][:top]
-        live = np.flatnonzero((state == PENDING) | (state == READY))
-        self.ix.check(live, c["ns"])
-        assert sorted(self._pending) == np.flatnonzero(state == PENDING).tolist(), "columns: pending rows differ"
-        want = np.zeros(top, np.int64)
-        for hr, _ in self.leases.values():
-            np.add.at(want, hr, 1)
-        assert np.array_equal(want, c["pins"][:top].astype(np.int64)), "columns: pins and leases disagree"
-        assert not np.any((state == GONE) & (c["pins"][:top] == 0)), "columns: an unpinned GONE row kept its extent"
-        ready = np.flatnonzero(state == READY)
-        rec = c["rec"][ready]
-        for rid in np.unique(rec[rec != 0]).tolist():
-            r = self.records.get(rid)
-            assert r is not None and not r.dead, f"columns: rows name record {rid}, which is gone"
-            assert np.isin(ready[rec == rid], r.rows).all(), f"columns: a row of record {rid} is not in its rows"
-        owned = [b for node in self.nodes if node is not None for b in node.blocks]
-        assert sorted(owned + self.free_blocks) == list(range(self.blocks_used)), "columns: a block lost or shared"
-        for b in self.free_blocks:
-            assert np.all(state[b * BLOCK:(b + 1) * BLOCK] == FREE), "columns: a free block holds a row"
-        for node in self.nodes:
-            if node is None:
-                continue
-            rows = self._rows_of(node)
-            st = c["state"][rows]
-            assert np.all(c["node"][rows[st != FREE]] == node.ix), f"columns: {node.node_id} owns another's row"
-            free = rows[st == FREE]
-            assert sorted(node.free) == sorted(free.tolist()), f"columns: {node.node_id}'s free list is wrong"
-            if node.dead:  # its allocator went with its arena; a drained one holds no READY row
-                assert not (node.drained and np.any(st == READY)), f"columns: dropped {node.node_id} kept a page"
-                assert not np.any(st == PENDING), f"columns: detached {node.node_id} kept a PENDING row"
-                continue
-            held = rows[st != FREE]
-            used = sum(extent_size(code) for code in self.code_arr[c["size"][held]].tolist())
-            used += sum(size for _off, size in self.quarantine.extents(node))
-            assert used == node.alloc.used, f"columns: {node.node_id} allocator holds {node.alloc.used}, rows {used}"

@@ -1,5 +1,6 @@
 """The metaserver's request handlers and background duties, between the protocol (server.py) and the state
-(directory, membership) and persistence (persist.py).
+(directory, membership) and persistence (persist.py). The data-plane handlers (ALLOC, COMMIT, ABORT, LOOKUP,
+EXISTS, PREFIX, REMOVE) are ``metaserver/dataplane.py``'s; admin, rejoin and ownership have mixins of their own.
 
 Each handler takes a validated request meta and returns the response meta, or a coroutine for the few that wait on
 etcd (REGISTER_NODE, COMMIT with puts, ALLOC when generations run out, EVICT all). Bookkeeping happens
@@ -44,8 +45,8 @@ from typing import Any
 
 from metaserver import validate as v
 from metaserver.admin import EVICT_BUDGET, AdminHandlers
-from metaserver.directory import OVER_QUOTA, Directory, Effects
-from metaserver.entry import Batch
+from metaserver.dataplane import ALLOC_HOLD_S, DataPlaneHandlers
+from metaserver.directory import Directory, Effects
 from metaserver.leader import Election
 from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
@@ -60,7 +61,6 @@ from metaserver.standby import CATCHUP_S, Handover, WarmDirectory
 from metaserver.tabledir import TableDirectory
 from transport.wire import VERSION, Op, Status
 from metaserver.quarantine import Quarantine
-from metaserver.grants import grant_reads, grant_writes
 from umbp.auth import CLOCK_SKEW_S, Tokens
 from umbp.config import MetaserverConfig
 from umbp.errors import AuthError, NotLeader, Unavailable
@@ -72,14 +72,8 @@ SWEEP_BUDGET = 20_000  # expired pending entries / leases examined per tick
 STEP_BUDGET = 20_000  # entries one tick may examine in all duties together: the event loop's longest background step
 ETCD_START_DEADLINE_S = 15.0
 NODE_GRACE_S = 10.0  # a node loaded from etcd keeps its pages this long (at least its lease_ttl) to re-register
-ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loaded nodes to re-register
 
 _NONE = frozenset()
-_NS_KEYS = frozenset({"ns", "keys"})
-_LOOKUP = frozenset({"ns", "keys", "shard"})
-_NS_KEYS_GENS = frozenset({"ns", "keys", "gens"})
-_COMMIT = frozenset({"ns", "keys", "gens", "shard"})
-_ALLOC = frozenset({"ns", "keys", "sizes", "parents", "token", "shard"})
 
 # Ops a standby refuses with NOT_LEADER (everything that reads or changes the directory or membership).
 # STATS too: a standby's empty directory would read as an empty pool. HELLO, PING and LEADER answer anywhere.
@@ -87,7 +81,7 @@ LEADER_ONLY = frozenset({Op.REGISTER_NODE, Op.HEARTBEAT, Op.ALLOC, Op.COMMIT, Op
                          Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN, Op.STATS})
 
 
-class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
+class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHandlers):
     def __init__(self, config: MetaserverConfig, advertise: str):
         self.cfg = config
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
@@ -485,122 +479,3 @@ class Metaserver(AdminHandlers, RejoinHandlers, OwnershipHandlers):
             log.warning("metaserver: node %s: %s", node.node_id, e)
         finally:
             node.refreshing = False
-
-    # -- data plane --------------------------------------------------------------------------------------------
-    def alloc(self, meta: Any, conn):
-        m = v.fields(meta, _ALLOC, ("ns", "keys", "sizes"))
-        ns = v.ns(m)
-        conn.auth.scope.check(ns, True, "metaserver")
-        keys = v.keys(m, self.max_keys)
-        sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
-        parents = v.parents(m, len(keys))
-        token = v.integer(m, "token", 1, (1 << 63) - 1) if m.get("token") is not None else None
-        shard = v.shard(m)
-        base = self.gens.take_nowait(len(keys)) if self.settled.is_set() else None
-        if base is None:
-            return self._alloc_later(ns, keys, sizes, parents, self.term, token, conn, shard)
-        return self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard)
-
-    def _alloc_now(self, ns, keys, sizes, parents, base, token, conn, shard=None) -> dict:
-        if not any(sp.placeable for sp in self.dir.spaces.values()) and any(
-                n.provisional for n in self.members.nodes.values()):
-            # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
-            raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
-        items, fx = (self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn) if shard is None
-                     else self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard))
-        self._apply(fx)
-        if self.dir.quotas and any(it[0] == OVER_QUOTA for it in items):
-            self._refuse_over_quota(ns, keys, items)
-        deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
-        out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms,
-                                      shard[0] if shard is not None else None)
-        if new:  # aborted if this connection goes away before COMMIT
-            conn.pending.update(self.dir.pending_handles(ns, keys, items, new))
-        return {"items": out, "caps": caps}
-
-    async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn, shard=None) -> dict:
-        if not self.settled.is_set():
-            # Just took over: let the nodes re-register first (bounded by ALLOC_HOLD_S via tick).
-            try:
-                await asyncio.wait_for(self.settled.wait(), ALLOC_HOLD_S + 1.0)
-            except asyncio.TimeoutError:
-                pass
-            self.check_term(term)
-        base = await self.gens.take(len(keys))
-        self.check_term(term)
-        return self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard)
-
-    def _settle_request(self, meta: Any, conn, allowed: frozenset = _NS_KEYS_GENS) -> tuple[str, list, list]:
-        """The shared opening of COMMIT and ABORT: validate (ns, keys, gens), check write rights, and take the keys
-        out of this connection's pending set (they are settled by this request, whatever its outcome)."""
-        m = v.fields(meta, allowed, ("ns", "keys", "gens"))
-        ns = v.ns(m)
-        conn.auth.scope.check(ns, True, "metaserver")
-        keys = v.keys(m, self.max_keys)
-        gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
-        if conn.pending:
-            self.dir.settle_handles(conn.pending, ns, keys, gens)
-        return ns, keys, gens
-
-    def commit(self, meta: Any, conn):
-        ns, keys, gens = self._settle_request(meta, conn, _COMMIT)
-        shard = v.shard(meta)
-        ok, fx = (self.dir.commit(ns, keys, gens, time.monotonic()) if shard is None
-                  else self.dir.commit(ns, keys, gens, time.monotonic(), shard))
-        fut = self._apply(fx, wait=True)
-        if fut is None:
-            return {"ok": ok}
-        return self._commit_wait(fut, ok, self.metrics.etcd_commit)
-
-    @staticmethod
-    async def _commit_wait(fut: asyncio.Future, ok: list, latency) -> dict:
-        t0 = time.perf_counter()
-        await fut  # durable in etcd before the reply; Unavailable propagates as an error answer
-        latency.observe(time.perf_counter() - t0)
-        return {"ok": ok}
-
-    def abort(self, meta: Any, conn) -> dict:
-        ns, keys, gens = self._settle_request(meta, conn)
-        return {"aborted": self.dir.abort(ns, keys, gens)}
-
-    def lookup(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, _LOOKUP, ("ns", "keys"))
-        ns = v.ns(m)
-        conn.auth.scope.check(ns, False, "metaserver")
-        keys = v.keys(m, self.max_keys)
-        shard = v.shard(m)
-        if self.cfg.directory == "table":  # tags and capabilities from the columns
-            lease, locs, caps = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens,
-                                                        self.members.get, shard)
-            if lease:
-                self._own_lease(conn, lease)
-            return {"lease": lease, "locs": locs, "caps": caps}
-        if shard is None:
-            lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn)
-        else:
-            lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn, shard)
-        if lease:
-            self._own_lease(conn, lease)
-        caps = grant_reads(self.tokens, self.members.get, ns, keys, locs, shard[0] if shard is not None else None)
-        return {"lease": lease, "locs": locs, "caps": caps}
-
-    def exists(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
-        ns = v.ns(m)
-        conn.auth.scope.check(ns, False, "metaserver")
-        return {"exists": self.dir.exists(ns, v.keys(m, self.max_keys))}
-
-    def prefix(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
-        ns = v.ns(m)
-        conn.auth.scope.check(ns, False, "metaserver")
-        return {"hits": self.dir.prefix(ns, v.keys(m, self.max_keys))}
-
-    def remove(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
-        ns = v.ns(m)
-        conn.auth.scope.check(ns, True, "metaserver")
-        removed, fx = self.dir.remove(ns, v.keys(m, self.max_keys))
-        self._apply(fx)
-        return {"removed": removed}
-
