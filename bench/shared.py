@@ -6,16 +6,18 @@ reference.
 A ``metaserver.directory.Directory`` is driven through its real methods the way ``service.py`` drives them, minus
 the network and etcd: each of the 8 ranks sends its own batches (ALLOC, COMMIT, then LOOKUP+release), and for a
 closed pool the per-key tags and per-node capabilities (``metaserver.grants``) are computed as the service does.
-Records per page are the ``Effects.puts`` the commits return (what the etcd writer would put). Memory is tracemalloc's
-traced bytes per logical page after the build (what Python asked for; RSS adds allocator slack). Rates are logical
-pages per CPU-second of this process (``time.process_time``). Each layout runs in a fresh process.
+Records per page are the ``Effects.puts`` the commits return (what the etcd writer would put). Memory is VmRSS
+after the build minus before, per logical page; with ``--traced`` also tracemalloc's traced bytes (what Python asked
+for; RSS adds allocator slack), from a second build in its own process: tracing every allocation slows the build
+3-5x, so the timed build never runs under it (before 2026-12-04 it did, and its put rates were that much low). Rates
+are logical pages per CPU-second of this process (``time.process_time``). Each layout runs in a fresh process.
 
 ``--directory table`` runs the same on the columnar directory as ``umbp metaserver --directory table`` serves it
 (``metaserver/tabledir.py``; its LOOKUP is the service's columnar call, ``lookup_granted``); its columns live in
 anonymous mmaps, which tracemalloc does not see, so compare the ``rss`` column (VmRSS after the build minus before,
 per logical page) across directories.
 
-    python bench/shared.py [--pages 200000] [--ranks 8] [--directory objects|table]
+    python bench/shared.py [--pages 200000] [--ranks 8] [--directory objects|table] [--traced]
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ def fresh(hexes: list[bytes], rank: int | None) -> list[bytes]:
     return [h + rb for h in hexes]
 
 
-def run(layout: str, pages: int, ranks: int, directory: str = "objects") -> dict:
-    """Build ``pages`` logical pages in ``layout`` (per-rank | shared | mla), then LOOKUP each page from every rank."""
+def run(layout: str, pages: int, ranks: int, directory: str = "objects", traced: bool = False) -> dict:
+    """Build ``pages`` logical pages in ``layout`` (per-rank | shared | mla), then LOOKUP each page from every rank.
+    ``traced``: the build runs under tracemalloc (its bytes are the figure; its rates are not)."""
     tokens = Tokens(b"cluster-secret-0123456789", {})
     member = _Member()
     node = {f"n{i}": member for i in range(NODES)}.get
@@ -75,7 +78,8 @@ def run(layout: str, pages: int, ranks: int, directory: str = "objects") -> dict
     gen = 1
     gc.collect()
     rss0 = rss()
-    tracemalloc.start()
+    if traced:
+        tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     t0 = time.process_time()
     for s in range(0, pages, BATCH):  # the ranks put the same batch at about the same time, as TP ranks do
@@ -94,7 +98,7 @@ def run(layout: str, pages: int, ranks: int, directory: str = "objects") -> dict
             counts["records"] += len(fx.puts) + sum(len(r.rows) for r in fx.recs)  # pages persisted
     build_s = time.process_time() - t0
     gc.collect()
-    mem = tracemalloc.get_traced_memory()[0] - base
+    mem = tracemalloc.get_traced_memory()[0] - base if traced else None
     tracemalloc.stop()
     gc.collect()
     rss_mem = rss() - rss0
@@ -120,7 +124,7 @@ def run(layout: str, pages: int, ranks: int, directory: str = "objects") -> dict
             "exists_keys_per_complete_page": ranks if layout == "per-rank" else 1,
             "policy_members_per_page": (d.objects if table else sum(d.policy.count(f"n{i}") for i in range(NODES)))
             / pages,  # the table: every unpinned READY row is an LRU candidate
-            "bytes_per_page": mem / pages, "rss_per_page": rss_mem / pages, "put_pages_per_cpu_s": pages / build_s,
+            "bytes_per_page": None if mem is None else mem / pages, "rss_per_page": rss_mem / pages, "put_pages_per_cpu_s": pages / build_s,
             "lookup_pages_per_cpu_s": pages / lookup_s}
 
 
@@ -129,16 +133,26 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=200_000, help="logical pages (default 200k)")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--directory", choices=("objects", "table"), default="objects")
+    ap.add_argument("--traced", action="store_true",
+                    help="also tracemalloc's bytes a page (a second, untimed build per layout)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(run(a.child, a.pages, a.ranks, a.directory)))
+        print(json.dumps(run(a.child, a.pages, a.ranks, a.directory, a.traced)))
         return
+
+    def child(layout: str, traced: bool) -> dict:
+        r = subprocess.run([sys.executable, __file__, "--child", layout, "--pages", str(a.pages), "--ranks",
+                            str(a.ranks), "--directory", a.directory] + ["--traced"] * traced,
+                           capture_output=True, text=True, check=True)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
     rows = []
     for layout in ("per-rank", "shared", "mla"):
-        r = subprocess.run([sys.executable, __file__, "--child", layout, "--pages", str(a.pages), "--ranks",
-                            str(a.ranks), "--directory", a.directory], capture_output=True, text=True, check=True)
-        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        row = child(layout, False)
+        if a.traced:
+            row["bytes_per_page"] = child(layout, True)["bytes_per_page"]
+        rows.append(row)
     cols = [("entries_per_page", "dir entries", "{:.0f}"), ("records_per_page", "etcd records", "{:.0f}"),
             ("policy_members_per_page", "evictable", "{:.0f}"), ("alloc_keys_per_page", "ALLOC keys", "{:.0f}"),
             ("commit_keys_per_page", "COMMIT keys", "{:.0f}"), ("lookup_keys_per_page", "LOOKUP keys", "{:.0f}"),
@@ -150,7 +164,7 @@ def main() -> None:
           "and capabilities in):")
     print(f"{'layout':10}" + "".join(f"{h:>15}" for _, h, _ in cols))
     for r in rows:
-        print(f"{r['layout']:10}" + "".join(f"{f.format(r[k]):>15}" for k, _, f in cols))
+        print(f"{r['layout']:10}" + "".join(f"{'-' if r[k] is None else f.format(r[k]):>15}" for k, _, f in cols))
 
 
 if __name__ == "__main__":
