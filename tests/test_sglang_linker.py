@@ -7,14 +7,20 @@ the torch they were built with, so these tests run in the SGLang linker venv (``
 host pool tests of ``test_sglang_hicache.py``) and fails if any fails; when that venv is absent it SKIPS, loudly.
 
 Device pools are SGLang's own ``MHATokenToKVPool`` / ``MLATokenToKVPool``, on CPU here; with CUDA (the GPU machine)
-the same contract runs on CUDA pools, and ``test_full_gpu_layerwise_figures`` prints the time to the first layer
+the same contract runs on CUDA pools; ``test_full_linker_tp_split_mla_cpu`` runs two TP rank processes (gloo) through
+the TP split of replicated KV; and ``test_full_gpu_layerwise_figures`` prints the time to the first layer
 group against the whole prefix and the pool->HBM rate.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -36,7 +42,7 @@ def test_full_suite_in_linker_venv(etcd_binary):
     if _ERR is None:
         pytest.skip("already running inside a venv where the SGLang linker imports: the tests below run directly")
     print(run_pytest(["tests/test_sglang_linker.py", "tests/test_sglang_hicache.py", "-k", "full"], etcd_binary,
-                     "the SGLang linker's factory tests and the real host pool tests", min_passed=5))
+                     "the SGLang linker's factory tests and the real host pool tests", min_passed=6))
 
 
 # ---- device pools as SGLang builds them ---------------------------------------------------------------------------
@@ -249,6 +255,129 @@ def test_full_linker_worker_survives_unexpected_errors(cluster):
     linker.offload_queue.get_nowait()
     linker.offload_queue.task_done()
     linker.close()
+
+
+# ---- the TP split of replicated (MLA) KV: two rank processes --------------------------------------------------------
+
+def tp_split_rank(rank: int, size: int, init_file: str, addr: str) -> dict:
+    """One TP rank (its own process, gloo over ``init_file``) of ``test_full_linker_tp_split_mla_cpu``: rank 0 offloads
+    the replicated pages, then every rank drives the linker's load contract; returns what the test checks."""
+    import datetime
+    import hashlib
+
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    from umbp import keys as umbp_keys
+
+    def load_batch(batches: list[tuple[list[int], list[str]]]) -> tuple[bool, float]:
+        for i, (slots, ks) in enumerate(batches):
+            assert linker.load(f"r{i}", [PoolTransfer(PoolName.KV, device_indices=indices(slots, page), keys=ks)])
+        t0 = time.monotonic()
+        ok = run_layerwise(linker, linker.start_layer_wise_loading())
+        linker.load_queue.join()  # the load thread's bookkeeping (counters, stats) is done too
+        return ok, time.monotonic() - t0
+
+    # a rank left waiting in a collective would wait this long: far past the test's bound, so a hang shows as one
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=600))
+    page, n = 4, 8
+    pool = device_pool("mla", tokens=40 * page, page=page, layers=3)
+    linker = load_linker(addr, pool, page, layer_group_size=2)
+    out: dict = {"rank": rank, "tp": [linker.tp_rank, linker.tp_size], "split": linker.tp_split,
+                 "page_bytes": linker.kv.page_bytes}
+    keys = umbp_keys.chain_keys(list(range(n * page)), page, extra_key="tp-split")
+    src = list(range(1, n + 1))
+    fill(pool, src, page, seed=3)  # replicated: the same bytes on every rank
+    want = [page_bytes(pool, p, page) for p in src]
+    assert linker.offload([PoolTransfer(PoolName.KV, device_indices=indices(src, page), keys=keys)])
+    out["offloaded"] = wait_offloads(linker, 1)
+    out["stored"] = linker.storer.counters["pages_stored"]
+    dist.barrier()  # rank 0's pages are in the pool before any rank looks up
+    out["lookup"] = linker.lookup("r", [PoolTransfer(PoolName.KV, keys=keys)])
+    dst = list(range(2 * n, n, -1))
+    out["finish"], _ = load_batch([(dst[:3], keys[:3]), (dst[3:], keys[3:])])
+    got = [page_bytes(pool, d, page) for d in dst]
+    out["bytes_ok"] = got == want
+    out["digest"] = hashlib.sha256(b"".join(got)).hexdigest()
+    out["tp_counters"] = dict(linker.tp.counters)
+    out["own_loader_pool_bytes"] = linker.loader.counters["pool_to_host_bytes"]
+    # the ranks load different key lists (same count): rank 0 pages 0..3, rank 1 pages 4..7
+    bad = list(range(20, 24))
+    before = [page_bytes(pool, b, page) for b in bad]
+    out["mismatch_finish"], out["mismatch_s"] = load_batch([(bad, keys[4 * rank:4 * rank + 4])])
+    out["mismatch_untouched"] = [page_bytes(pool, b, page) for b in bad] == before
+    out["mismatch_error"] = linker.last_load_error
+    # the ranks stay in step: the next batch, the same on both, loads
+    again = list(range(24, 24 + n))
+    out["again_finish"], _ = load_batch([(again, keys)])
+    out["again_ok"] = [page_bytes(pool, d, page) for d in again] == want
+    out["stats"] = dict(linker.stats)
+    linker.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def run_tp_ranks(size: int, addr: str, tmp_path: Path, timeout: float = 240) -> list[dict]:
+    """``tp_split_rank`` in ``size`` processes of this interpreter; every wait bounded (a hung rank is killed)."""
+    from processes import child_env
+
+    here = str(Path(__file__).resolve().parent)
+    procs = []
+    for rank in range(size):
+        code = textwrap.dedent(f"""
+            import json, sys
+            sys.path.insert(0, {here!r})
+            from test_sglang_linker import tp_split_rank
+            print("RESULT " + json.dumps(tp_split_rank({rank}, {size}, {str(tmp_path / 'dist-init')!r}, {addr!r})))
+        """)
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, stdin=subprocess.DEVNULL,
+                                      env=child_env({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})))
+    results = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"rank exited {p.returncode}\n{se[-4000:]}"
+            line = [ln for ln in so.splitlines() if ln.startswith("RESULT ")][-1]
+            results.append(json.loads(line[len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return sorted(results, key=lambda r: r["rank"])
+
+
+@needs_linker
+def test_full_linker_tp_split_mla_cpu(cluster, tmp_path):
+    """Two TP ranks of an MLA pool (SGLang's ``MLATokenToKVPool``, CPU, gloo): rank 0 alone stores the replicated
+    pages; each rank reads exactly half of them from the pool and gets the other half from its peer, and both end
+    with every page bit for bit; ranks that load different key lists fail that batch on both (nothing written, no
+    hang), and the next agreeing batch loads."""
+    res = run_tp_ranks(2, cluster.metaserver_addr, tmp_path)
+    whole = 8 * res[0]["page_bytes"]
+    for r in res:
+        assert r["tp"] == [r["rank"], 2] and r["split"] is True, r
+        assert r["offloaded"] == [True] and r["stored"] == (8 if r["rank"] == 0 else 0), r
+        assert r["lookup"] == list(range(1, 9)), r
+        assert r["finish"] is True and r["bytes_ok"], r
+        c = r["tp_counters"]
+        assert c["pool_to_host_bytes"] == whole // 2 and c["host_to_device_bytes"] == whole // 2, c
+        assert c["exchange_bytes"] == whole // 2 and c["scatter_bytes"] == whole, c
+        assert r["own_loader_pool_bytes"] == 0, r
+        assert r["mismatch_finish"] is False and r["mismatch_untouched"], r
+        assert r["mismatch_error"].startswith(f"InvalidArgument: engine tp: rank {r['rank']}: the ranks of the TP "
+                                              f"group load different key lists (4 pages here, 4..4 across ranks, "
+                                              f"key hashes differ)"), r
+        assert r["mismatch_s"] < 60, r
+        assert r["again_finish"] is True and r["again_ok"], r
+        assert r["stats"]["split_loads"] == 2 and r["stats"]["load_failures"] == 1, r["stats"]
+        assert r["stats"]["pages_loaded"] == 16, r["stats"]
+    assert res[0]["digest"] == res[1]["digest"]
+    print(f"\nTP split: per-rank pool->host {[r['tp_counters']['pool_to_host_bytes'] for r in res]} B of {whole} B; "
+          f"mismatched keys failed both ranks after {[round(r['mismatch_s'], 3) for r in res]} s")
 
 
 # ---- the GPU machine ---------------------------------------------------------------------------------------------

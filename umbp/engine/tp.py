@@ -17,19 +17,26 @@ stores and loads its own pages through a plain ``LayerwiseLoader``; nothing is e
 
 Contracts: every rank of the group calls ``store``/``load`` with the same keys in the same order and iterates every
 group of a replicated load (the exchange is collective; ``close()`` finishes the remaining groups so the ranks stay
-in step). Failure is collective too: every ``next()`` starts with one small ``all_reduce`` in which each rank says
-whether its share failed, so when one rank's share raises, that rank raises its error and every other rank raises
-``TransportError`` at the same step; no rank is left waiting in a collective. Counters per rank (cumulative):
+in step). A replicated load checks the keys up front: before any rank reads its share, one ``all_reduce`` MIN of
+``[n, -n, h, -h]`` (``n`` pages, ``h`` a 62-bit hash of the key list) tells every rank whether all ranks hold the
+same list; if not, every rank raises ``InvalidArgument`` from ``load`` (nothing read, nothing written, no rank left
+in a collective). Failure is collective too: every ``next()`` starts with one small ``all_reduce`` in which each
+rank says whether its share failed, so when one rank's share raises, that rank raises its error and every other
+rank raises ``TransportError`` at the same step; no rank is left waiting in a collective. Counters per rank
+(cumulative):
 ``pool_to_host_bytes``, ``host_to_device_bytes`` (the rank's own share moved into device memory; a CPU KV buffer
 counts as the device), ``exchange_bytes`` (received from peers), ``scatter_bytes`` (device-local copies into KV
 slots), pages stored/existing/loaded.
 
-Cost per replicated load group: one ranged-read batch of P/N pages, one all_gather of N x ceil(P/N) x group bytes,
-one tiny all_reduce (prefix agreement and failure flag), one index copy per layer part.
+Cost per replicated load: one tiny all_reduce (the key-list check) and a hash of the keys; then per layer group
+one ranged-read batch of P/N pages, one all_gather of N x ceil(P/N) x group bytes, one tiny all_reduce (prefix
+agreement and failure flag), one index copy per layer part. The exchange buffer grows by doubling (its loader is
+replaced, the old one closed), so a stream of growing loads reallocates O(log P) times.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -131,7 +138,10 @@ class TPGroup:
 
         pb = self.layout.page_bytes
         if self._send is None or self._send.shape[0] < rows:
-            self._send = torch.zeros(max(rows, 1), pb, dtype=torch.uint8, device=self.kv.device)
+            grown = max(rows, 1, 2 * (0 if self._send is None else self._send.shape[0]))
+            if self._flat is not None:
+                self._flat.close()  # its arena registrations; the new loader takes its own
+            self._send = torch.zeros(grown, pb, dtype=torch.uint8, device=self.kv.device)
             cols, off = [], 0
             for lb in self.layout.layer_bytes:
                 cols.append(self._send[:, off:off + lb])
@@ -183,9 +193,21 @@ class _Counted:
         self.close()
 
 
+def keys_digest(keys: Sequence[Any]) -> int:
+    """A 62-bit hash of a key list (str or bytes keys, order included): small enough that ``h`` and ``-h`` both fit
+    an int64 for an ``all_reduce`` MIN."""
+    h = hashlib.blake2b(digest_size=8)
+    for k in keys:
+        b = k.encode() if isinstance(k, str) else bytes(k)
+        h.update(len(b).to_bytes(4, "little"))
+        h.update(b)
+    return int.from_bytes(h.digest(), "little") & ((1 << 62) - 1)
+
+
 class TPLoad:
     """A replicated load in progress: this rank's share streams in on a background thread (``LayerLoad``); each
-    ``next()`` exchanges one layer group with the other ranks (collective) and scatters it into the KV slots."""
+    ``next()`` exchanges one layer group with the other ranks (collective) and scatters it into the KV slots.
+    Construction is collective too: it checks that every rank loads the same key list (``_check_same_keys``)."""
 
     def __init__(self, tp: TPGroup, keys: list, slots: np.ndarray):
         import torch
@@ -195,13 +217,14 @@ class TPLoad:
         self._dist = dist
         n, size, rank = len(keys), tp.size, tp.rank
         self._n = n
+        backend = dist.get_backend(tp.group)
+        self._cdev = torch.device("cpu") if backend == "gloo" else tp.kv.device
+        self._check_same_keys(keys)
         self._mine = split_for_ranks(keys, size, rank)
         self._rows = -(-n // size) if n else 0
         self._send, flat = tp._flat_loader(self._rows)
         self._flat = flat
         self._before = dict(flat.counters)
-        backend = dist.get_backend(tp.group)
-        self._cdev = torch.device("cpu") if backend == "gloo" else tp.kv.device
         self._slots = torch.as_tensor(slots, dtype=torch.int64, device=tp.kv.device)
         # page i sits in row (i % size) * rows + i // size of the gathered buffer
         ids = np.arange(n, dtype=np.int64)
@@ -213,6 +236,22 @@ class TPLoad:
 
     def __iter__(self) -> "TPLoad":
         return self
+
+    def _check_same_keys(self, keys: list) -> None:
+        """Collective: raise ``InvalidArgument`` on every rank unless every rank of the group loads the same key
+        list. One all_reduce MIN of ``[n, -n, h, -h]``: the ranks agree exactly when both pairs cancel. A rank whose
+        own lookup saw fewer pages (an eviction between two ranks' lookups) or whose batch holds other requests
+        would otherwise exchange rows of other pages and scatter wrong bytes."""
+        import torch
+
+        n, h = len(keys), keys_digest(keys)
+        t = torch.tensor([n, -n, h, -h], dtype=torch.int64, device=self._cdev)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._tp.group)
+        lo_n, hi_n, lo_h, hi_h = (int(x) for x in t.tolist())
+        if lo_n != -hi_n or lo_h != -hi_h:
+            raise InvalidArgument(COMPONENT, f"rank {self._tp.rank}: the ranks of the TP group load different key "
+                                             f"lists ({n} pages here, {lo_n}..{-hi_n} across ranks, key hashes "
+                                             f"{'differ' if lo_h != -hi_h else 'agree'}); nothing was loaded")
 
     def _agree(self, own_pages: int, failed: bool) -> tuple[int, bool]:
         """One collective round: the common prefix across ranks (MIN over ranks of the first page, global index,

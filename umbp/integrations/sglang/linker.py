@@ -15,23 +15,52 @@ layer is reported to SGLang's ``LayerWiseLoadCounter`` only after its device cop
 that waits on layer l (``wait_until(l)``) never reads a slot still being written. Offloads pack device slots into
 pinned memory with the gather kernel and put them (``skip_existing``: pages already in the pool are not moved).
 
+TP split of replicated (MLA) KV (``tp_split``, on by default for an MLA pool with TP > 1): every TP rank holds the
+same KV bytes, so instead of each rank reading every page the batch loads through ``umbp.engine.tp.TPGroup``: each
+rank reads 1/N of the pages (page i on rank i % N) into an exchange buffer, and per layer group the ranks
+``all_gather`` it and scatter every page into their own slots. That exchange runs on the load thread over a process
+group of its own with the TP group's ranks (NCCL for CUDA KV; for CPU KV the TP group's backend, gloo in SGLang),
+created at construction, because SGLang's forward uses the TP group's communicators on the main thread meanwhile
+and one communicator must not be driven from two threads.
+
 Contracts (SGLang's ``UnifiedCacheLinker``):
 - ``lookup`` returns every restorable prefix length: ``[1..n]`` where ``n`` is the leading run of pages present
-  (one PREFIX round trip, no lease). ``load`` only queues; ``start_layer_wise_loading`` starts everything queued as
-  one batch and returns its counter index (-1 when nothing was queued); ``finish_layer_wise_loading`` waits for it
-  and is True only when every page of every layer landed. A page evicted between lookup and load fails the batch
-  (SGLang aborts those requests; nothing wrong is ever reported as loaded).
+  (one PREFIX round trip, no lease). SGLang intersects these across the attention TP (and CP) ranks
+  (``UnifiedCacheLinkerWrapper._sync_restorable_prefix``: an ``all_reduce`` MIN of a 0/1 mask), so every rank
+  loads the same hit prefix, and reduces the ``finish`` verdict with MIN (``finish_loads``). ``load`` only queues;
+  ``start_layer_wise_loading`` starts everything queued as one batch and returns its counter index (-1 when nothing
+  was queued); ``finish_layer_wise_loading`` waits for it and is True only when every page of every layer landed.
+  A page evicted between lookup and load fails the batch (SGLang aborts those requests; nothing wrong is ever
+  reported as loaded).
+- With ``tp_split`` a load batch is collective: every rank of the TP group must start the same batches in the same
+  order with the same keys (SGLang's reduced lookup gives that). The batch first checks it (one ``all_reduce`` of
+  the page count and a hash of the key list); ranks that disagree (an eviction between two ranks' lookups, a load
+  cancelled on one rank only) fail that batch on every rank with nothing written. Failures after that are
+  collective too (``TPGroup``: a rank whose share fails makes every rank fail the same step). A rank that starts a
+  batch its peers never start waits in the first collective until the exchange group's timeout (torch's default).
+  Construction is collective over the whole world (every rank builds the linker: the exchange groups are created
+  in the same order everywhere).
 - ``offload`` queues; results come back in order through ``num_completed_offloads`` / ``pop_completed_offload``.
 - MLA/DSA-style replicated KV is named without the TP rank (stored once); only TP rank 0 offloads it (the others
-  report success at once, as SGLang's built-in linkers do). MHA KV is per rank.
+  report success at once, as SGLang's built-in linkers do), with or without ``tp_split``: rank 0 moves every
+  offloaded page device -> host -> pool alone. MHA KV is per rank.
 - ``reset`` quiesces both queues and forgets queued work; ``close`` also stops the threads and the client. An
   unexpected error in a worker thread fails that one task (counted in ``stats["worker_errors"]``, logged); the
   thread keeps serving, and ``reset`` waits with a bound (a dead worker or a stalled queue raises, never hangs).
 
 Supported pools: SGLang's plain ``MHATokenToKVPool`` and ``MLATokenToKVPool`` (the FULL component). SWA tails are
 skipped by SGLang's wrapper (tombstoned, recomputed); Mamba, DSA indexer and DeepSeek-V4 pools are refused at
-construction with the reason. Costs: per load batch one LOOKUP plus per layer group one ranged read per page (or
-none, mapped) and one gather launch; per offload one EXISTS, one gather and one put.
+construction with the reason.
+
+Costs: per load batch one LOOKUP plus per layer group one ranged read per page (or none, mapped) and one gather
+launch; per offload one EXISTS, one gather and one put. With ``tp_split`` (P pages, N ranks) each rank instead
+reads ceil(P/N) pages per group from the pool (pool -> host and host -> device traffic 1/N of an unsplit load's:
+``self.tp.counters``), then per group one tiny ``all_reduce`` (prefix and failure agreement), one ``all_gather`` of
+N x ceil(P/N) pages' group bytes (over NVLink with NCCL) and an index copy per layer; per batch one more tiny
+``all_reduce`` and a hash of the keys (the key-list check). The first layer group is ready only when the slowest
+rank's share of it is, and the batch is as slow as the slowest rank; the exchange buffer holds ceil(P/N) pages on
+the device (grown by doubling, kept). The world-wide ``all_gather_object`` and ``new_group`` calls are paid once,
+at construction.
 """
 
 from __future__ import annotations
@@ -51,20 +80,53 @@ import umbp
 from umbp.engine.layout import PagedKV
 from umbp.engine.loader import LayerwiseLoader
 from umbp.engine.offload import PipelinedStore
+from umbp.engine.tp import TPGroup
 from umbp.errors import ConfigError, DeadlineExceeded, InvalidArgument, NotFound, TransportError, UmbpError
 from umbp.integrations.sglang.naming import ObjectNaming, dtype_name, namespace_for, parents_for
 
 logger = logging.getLogger(__name__)
 COMPONENT = "sglang linker"
 CONFIG_KEYS = {"metaserver", "namespace", "transport", "token", "timeout_s", "layer_group_size", "use_mapped",
-               "gather_method", "model"}
+               "gather_method", "model", "tp_split"}
 
 
-def _tp_rank_size(params: Any) -> tuple[int, int]:
-    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+def _tp_group(params: Any) -> Any:
+    """The (attention) TP group the KV is replicated over; None is the world."""
+    return getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+
+
+def _tp_rank_size(group: Any) -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
     return 0, 1
+
+
+def _exchange_group(group: Any, cuda: bool) -> Any:
+    """A new process group with the ranks of ``group`` (None: the world) for the TP split's exchange. Collective over
+    the world: ``new_group`` must be called by every rank, in the same order, for every group created, and with DP
+    attention or PP there are several TP groups. So each rank publishes its group's ranks (``all_gather_object``),
+    and every rank creates one group per distinct rank tuple in sorted order, keeping the one holding itself.
+    Backend: NCCL for CUDA KV (SGLang's TP cache group is a gloo CPU group; gloo cannot gather CUDA tensors), else
+    the TP group's backend. Raises ``ConfigError`` on every rank when members of one group disagree on it."""
+    dist = torch.distributed
+    ranks = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else \
+        tuple(range(dist.get_world_size()))
+    backend = "nccl" if cuda else str(dist.get_backend(group))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (ranks, backend))
+    backends: dict[tuple, set] = {}
+    for r, b in every:
+        backends.setdefault(tuple(r), set()).add(b)
+    mixed = [r for r, bs in backends.items() if len(bs) > 1]
+    if mixed:
+        raise ConfigError(COMPONENT, f"TP groups {mixed} mix KV devices (backends {[backends[r] for r in mixed]}); "
+                                     f"tp_split needs the same on every rank")
+    mine = None
+    for r in sorted(backends):
+        g = dist.new_group(list(r), backend=next(iter(backends[r])))
+        if r == ranks:
+            mine = g
+    return mine
 
 
 def _page_view(t: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -105,7 +167,8 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         self.kv = PagedKV(per_layer)
         self.num_layers = self.kv.num_layers
         self.pools = {PoolName.KV: kvcache}
-        self.tp_rank, self.tp_size = _tp_rank_size(params)
+        tp_group = _tp_group(params)
+        self.tp_rank, self.tp_size = _tp_rank_size(tp_group)
         self.naming = ObjectNaming(rank_replicated=self.rank_replicated, tp_rank=self.tp_rank,
                                    pp_rank=int(getattr(params, "pp_rank", 0) or 0),
                                    pp_size=int(getattr(params, "pp_size", 1) or 1),
@@ -130,14 +193,19 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         # offloads: the device-to-host copy of one chunk overlaps the put of the previous one (umbp.engine.offload)
         self.storer = PipelinedStore(self.client, self.kv, group, method=method)
         self.loader.prepare()  # pin the same-host arenas now, not in front of the first load's first layer
+        # the TP split's exchange (None: each rank loads every page itself); its counters are this rank's share
+        self.tp = self._split_exchange(extra.get("tp_split"), tp_group, group, use_mapped, method)
+        self.tp_split = self.tp is not None
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self.pending_loads: dict[str, tuple[list[str], list[int]]] = {}
         self.load_queue: queue.Queue = queue.Queue()
         self.offload_queue: queue.Queue = queue.Queue()
         self.offload_results: queue.Queue = queue.Queue()
-        self.stats = {"lookups": 0, "lookup_hit_pages": 0, "loads": 0, "pages_loaded": 0, "load_failures": 0,
-                      "offloads": 0, "pages_offloaded": 0, "offload_failures": 0, "worker_errors": 0}
+        self.stats = {"lookups": 0, "lookup_hit_pages": 0, "loads": 0, "split_loads": 0, "pages_loaded": 0,
+                      "load_failures": 0, "offloads": 0, "pages_offloaded": 0, "offload_failures": 0,
+                      "worker_errors": 0}
         self.last_worker_error: str | None = None
+        self.last_load_error: str | None = None  # why the last failed load batch failed
         self.last_load: dict = {}
         self._closed = False
         self._load_thread = threading.Thread(target=self._load_loop, name=f"umbp-linker-load-tp{self.tp_rank}",
@@ -146,9 +214,21 @@ class UmbpDirectLinker(UnifiedCacheLinker):
                                                 name=f"umbp-linker-offload-tp{self.tp_rank}", daemon=True)
         self._load_thread.start()
         self._offload_thread.start()
-        logger.info("%s: namespace %s, %d layers, %s, tp %d/%d, page %d tokens (%d bytes)", COMPONENT,
+        logger.info("%s: namespace %s, %d layers, %s, tp %d/%d%s, page %d tokens (%d bytes)", COMPONENT,
                     self.namespace, self.num_layers, "MLA (replicated)" if self.rank_replicated else "MHA",
-                    self.tp_rank, self.tp_size, self.page_size, self.kv.page_bytes)
+                    self.tp_rank, self.tp_size, " split" if self.tp_split else "", self.page_size,
+                    self.kv.page_bytes)
+
+    def _split_exchange(self, split: Any, tp_group: Any, group_size: int, use_mapped: bool,
+                        method: str) -> TPGroup | None:
+        """``tp_split`` resolved (default on for replicated KV with TP > 1; off for MHA and TP 1, whatever is set)
+        and, when on, the ``TPGroup`` over a new exchange group (collective over the world: ``_exchange_group``)."""
+        if split is not None and not isinstance(split, bool):
+            raise ConfigError(COMPONENT, f"tp_split must be true or false, not {split!r}")
+        if not (self.rank_replicated and self.tp_size > 1 and split is not False):
+            return None
+        return TPGroup(self.client, self.kv, replicated=True, group_size=group_size, use_mapped=use_mapped,
+                       method=method, group=_exchange_group(tp_group, self.kv.is_cuda))
 
     # ---- keys and slots --------------------------------------------------------------------------------------
 
@@ -235,7 +315,11 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         try:
             if ready is not None:
                 ready.synchronize()
-            with self.loader.load(keys, slots) as ld:
+            # split: collective with the other TP ranks (TPGroup); raises on every rank if their keys differ
+            source = self.tp.load(keys, slots) if self.tp is not None else self.loader.load(keys, slots)
+            if self.tp is not None:
+                self.stats["split_loads"] += 1
+            with source as ld:
                 for group in ld:
                     if group.event is not None:
                         group.event.synchronize()  # report a layer only once its device copies are done
@@ -249,9 +333,10 @@ class UmbpDirectLinker(UnifiedCacheLinker):
             self.stats["pages_loaded"] += len(keys)
             total = time.perf_counter() - started
             self.last_load = {"pages": len(keys), "bytes": len(keys) * self.kv.page_bytes,
-                              "first_group_s": first, "total_s": total}
+                              "first_group_s": first, "total_s": total, "split": self.tp is not None}
         except BaseException as e:  # noqa: BLE001 - reported through the counter, never raised into SGLang
             self.stats["load_failures"] += 1
+            self.last_load_error = f"{type(e).__name__}: {e}"
             logger.warning("%s: layer-wise load of %d pages failed: %s", COMPONENT, len(keys), e)
             counter.fail(index, e if isinstance(e, Exception) else RuntimeError(str(e)))
 
@@ -360,6 +445,8 @@ class UmbpDirectLinker(UnifiedCacheLinker):
             if t.is_alive():
                 logger.error("%s: %s did not stop within 10 s", COMPONENT, t.name)
         self.loader.close()
+        if self.tp is not None:
+            self.tp.close()  # its loaders; the exchange group lives until torch.distributed is torn down
         self.storer.close()
         self.client.close()
         logger.info("%s: stats %s", COMPONENT, self.stats)
