@@ -40,7 +40,7 @@ from __future__ import annotations
 import sys
 
 from metaserver.entry import (EXISTS_ITEM, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, OVER_QUOTA_ITEM, PART_MASK, PENDING,
-                              Effects, Entry, extent_size, layout, parent_of, random_id, shards_of)
+                              SHARD_SHIFT, Effects, Entry, extent_size, parent_of, random_id, shards_of)
 from metaserver.placement import Placer
 from transport.wire import object_size
 
@@ -66,7 +66,7 @@ class SharedEntries:
         rk, n = shard
         fx = Effects()
         ns = _intern(ns)
-        codes = [layout(s, n) for s in sizes]
+        codes = [s | n << SHARD_SHIFT for s in sizes]  # layout(s, n)
         quota = self.quotas.get(ns) if self.quotas else None
         if quota is not None and not self._fit_quota(ns, keys, codes, quota, fx):
             return [OVER_QUOTA_ITEM] * len(keys), fx
@@ -77,6 +77,7 @@ class SharedEntries:
         seen: set[bytes] = set()
         added = 0
         tok = token if token is not None else 0
+        at: dict[int, tuple[int, int, int]] = {}  # code -> (rank's sub-slot start, part_len, extent): one per batch
         for i, key in enumerate(keys):
             if self._answers_exists(r, key, seen, now, fx):  # a repeat, or a live page (a use of it)
                 items.append(EXISTS_ITEM)
@@ -84,6 +85,10 @@ class SharedEntries:
             pd = pend.get(ns)
             e = pd.get(key) if pd is not None else None
             code = codes[i]
+            sub = at.get(code)
+            if sub is None:
+                part = code & PART_MASK
+                sub = at[code] = (rk * object_size(part), part, extent_size(code))
             if e is not None:
                 st = shards.get(e)
                 if st is None or e.payload_len != code:
@@ -93,15 +98,14 @@ class SharedEntries:
                 elif st.tokens[rk] is None or (token is not None and st.tokens[rk] == token):
                     st.tokens[rk] = tok
                     st.owners[rk] = owner
-                    part = code & PART_MASK
-                    items.append((NEW, e.space.node_id, e.offset + rk * object_size(part), part, e.gen))
+                    items.append((NEW, e.space.node_id, e.offset + sub[0], sub[1], e.gen))
                 else:
                     items.append(IN_FLIGHT_ITEM)
                 continue
             near, parent = parent_of(r, pd, parents[i] if parents else None)
             if placer is None:
                 placer = Placer(self, fx)
-            osize = extent_size(code)
+            osize = sub[2]
             placed = placer.place(osize, near)
             if placed is None:
                 items.append(NO_SPACE_ITEM)
@@ -114,8 +118,7 @@ class SharedEntries:
             st.owners[rk] = owner
             added += osize
             sp.n += 1
-            part = code & PART_MASK
-            items.append((NEW, sp.node_id, off + rk * object_size(part), part, e.gen))
+            items.append((NEW, sp.node_id, off + sub[0], sub[1], e.gen))
         if added:
             self._count(ns, added)
         return items, fx
@@ -159,16 +162,21 @@ class SharedEntries:
         """``Directory.lookup`` for rank ``shard[0]``: each READY shared entry of ``shard[1]`` parts answers that
         rank's sub-slot; anything else is a miss. The whole entry is pinned (one extent)."""
         rk, n = shard
-        r = self.ready.get(ns) or {}
+        get = (self.ready.get(ns) or {}).get
         locs: list = []
         found: list[Entry] = []
+        at: dict[int, tuple[int, int]] = {}  # layout code -> (rank's sub-slot start, part_len): one per batch
         for k in keys:
-            e = r.get(k)
-            if e is None or e.space.dead or shards_of(e.payload_len) != n:
+            e = get(k)
+            if e is None or e.space.dead or e.payload_len >> SHARD_SHIFT != n:
                 locs.append(None)
                 continue
-            part = e.payload_len & PART_MASK
-            locs.append((e.space.node_id, e.offset + rk * object_size(part), part, e.gen))
+            code = e.payload_len
+            sub = at.get(code)
+            if sub is None:
+                part = code & PART_MASK
+                sub = at[code] = (rk * object_size(part), part)
+            locs.append((e.space.node_id, e.offset + sub[0], sub[1], e.gen))
             found.append(e)
         return self._pin_found(found, len(keys), now, owner), locs
 
