@@ -36,7 +36,7 @@ from metaserver.shared import ShardState
 from metaserver.tableload import load_pages, reserve
 from metaserver.tablenodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tableshared import TableShared
-from umbp.auth import read_capability_packed
+from umbp.auth import rank_tags, read_capability_packed
 from umbp.errors import ConfigError
 
 
@@ -128,22 +128,18 @@ class TableDirectory(TableShared, PageTable):
         """LOOKUP with its closed-pool grants, from the columns (``metaserver.grants.grant_reads``' answer, without
         a Python step per key): (lease, locs ``(node_id, offset, payload_len, gen, tag, cap_index)`` or None per
         key, one read capability per node). Tags come from the ``tag`` column; a row that has none yet (0: never
-        looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and kept. ``member``:
+        looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and kept; a shared
+        row keeps its shard base there, and a rank's tags are one ``rank_tags`` step over them. ``member``:
         node id -> its member (``cap_key``) or None."""
         lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
         if not lease:
             return 0, [None] * len(keys), []
         c = self.cols
-        if shard is not None:  # a rank's sub-slots: tags of (key, rank), offsets and lengths of its part
-            tags = np.array(tokens.tags(ns, [keys[i] for i in np.flatnonzero(hit).tolist()], shard[0]), np.uint64)
+        if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
+            tags = rank_tags(self._kept_tags(ns, keys, hit, hr, tokens.shard_bases), shard[0])
             offs, codes = self.shared_slots(hr, shard[0])
         else:
-            tags = c["tag"].take(hr)
-            none = np.flatnonzero(tags == 0)
-            if len(none):
-                at = np.flatnonzero(hit).take(none).tolist()
-                tags[none] = tokens.tags(ns, [keys[i] for i in at])
-                c["tag"][hr.take(none)] = tags.take(none)
+            tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
             offs = c["unit"].take(hr).astype(np.uint64) << UNIT_SHIFT
             codes = self.code_arr.take(c["size"].take(hr))
         nodes = c["node"].take(hr)
@@ -156,6 +152,19 @@ class TableDirectory(TableShared, PageTable):
             caps.append(read_capability_packed(m.cap_key if m is not None else None, slots[inv == j].tobytes()))
         return lease, by_key(hit, list(zip(self.node_names.take(nodes).tolist(), offs.tolist(), codes.tolist(),
                                            gens.tolist(), tags.tolist(), inv.tolist()))), caps
+
+    def _kept_tags(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, compute) -> np.ndarray:
+        """The ``tag`` column of rows ``hr`` (the keys at ``hit``), each computed by ``compute(ns, keys)`` once, at
+        its row's first LOOKUP, and kept: a plain row's tag, a shared row's shard base (``Tokens.shard_bases``; a
+        row is never both). 0 means not computed yet (a keyed blake2b is 0 once in 2^64 lookups: then recomputed)."""
+        c = self.cols
+        tags = c["tag"].take(hr)
+        none = np.flatnonzero(tags == 0)
+        if len(none):
+            at = np.flatnonzero(hit).take(none).tolist()
+            tags[none] = compute(ns, [keys[i] for i in at])
+            c["tag"][hr.take(none)] = tags.take(none)
+        return tags
 
     def remove(self, ns, keys):
         return PageTable.remove(self, ns, keys), self.effects()

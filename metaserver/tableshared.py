@@ -9,8 +9,9 @@ its sub-slot state (``shared.ShardState``: each rank's token and connection, a b
 loss: ``_free_row``). A new page is placed by the table's own ALLOC (``PageTable.alloc`` with the layout codes as
 sizes: one extent of ``extent_size(code)``); LOOKUP of rank ``r`` pins the row and answers ``offset + r * stride``;
 a plain LOOKUP misses shared rows and a LOOKUP of another ``n`` misses them too (``lookup_rows``' ``parts``).
-Tags of a sub-slot are (key, rank)'s (``Tokens.tags`` with a rank), computed per LOOKUP: the tag column keeps
-plain pages' tags only.
+Tags of a sub-slot are (key, rank)'s (``Tokens.tags`` with a rank): a shared row's ``tag`` column keeps its
+shard base (``Tokens.shard_bases``, computed at its first LOOKUP by any rank), and each rank's tags are one numpy
+step over those (``auth.rank_tags``), so the 8 ranks of a TP8 page cost one keyed blake2b, not 8 a LOOKUP.
 
 Costs: ALLOC and COMMIT a Python step per key (the sub-slot state), plus the table's ALLOC for the new pages;
 LOOKUP numpy over the request as a plain one.

@@ -81,6 +81,8 @@ import tomllib
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
+
 from umbp.errors import AuthError, ConfigError
 from umbp.sizes import parse_size
 
@@ -262,28 +264,53 @@ class Tokens:
 
     def tags(self, ns: str, keys: list, rank: int | None = None) -> list[int]:
         """``tag`` of every key of one namespace (the keyed state is set up once per batch). ``rank``: the tags of
-        rank ``rank``'s sub-slots of shared entries (metaserver/shared.py), keyed blake2b over ns | key | rank under
-        their own personalisation, so no plain key's tag and no other rank's sub-slot tag equals them."""
-        if rank is None:
-            h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"")
-        else:
-            h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"", person=b"umbp-shard")
+        rank ``rank``'s sub-slots of shared entries (metaserver/shared.py): ``rank_tags`` of the keys' shard bases
+        (``shard_bases``), so no plain key's tag and no other rank's sub-slot tag equals them."""
+        if rank is not None:
+            return rank_tags(np.array(self.shard_bases(ns, keys), np.uint64), rank).tolist()
+        h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"")
         h0.update(ns.encode() + b"\0")
-        copy = h0.copy
-        digests = []
-        if rank is None:
-            for key in keys:
-                h = copy()
-                h.update(key)
-                digests.append(h.digest())
-        else:
-            rb = bytes([rank])
-            for key in keys:
-                h = copy()
-                h.update(key)
-                h.update(rb)
-                digests.append(h.digest())
-        return list(struct.unpack(f"<{len(digests)}Q", b"".join(digests)))  # one call, not an int per digest
+        return _digests(h0, keys)
+
+    def shard_bases(self, ns: str, keys: list) -> list[int]:
+        """The rank-independent part of shared entries' sub-slot tags: keyed blake2b over ns | key under its own
+        personalisation (so never a plain key's tag). A columnar directory keeps it per row and derives each rank's
+        tag from it with ``rank_tags``, one numpy step a batch instead of a blake2b a key and rank."""
+        h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"", person=b"umbp-shard")
+        h0.update(ns.encode() + b"\0")
+        return _digests(h0, keys)
+
+
+def _digests(h0, keys: list) -> list[int]:
+    """The 8-byte digest, as an int, of ``h0``'s state followed by each key."""
+    copy = h0.copy
+    digests = []
+    for key in keys:
+        h = copy()
+        h.update(key)
+        digests.append(h.digest())
+    return list(struct.unpack(f"<{len(digests)}Q", b"".join(digests)))  # one call, not an int per digest
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+
+
+def rank_tags(bases: np.ndarray, rank: int) -> np.ndarray:
+    """Rank ``rank``'s sub-slot tags (uint64) of shard bases ``bases`` (uint64): splitmix64's finalizer of
+    ``base + (rank + 1) * golden``. The finalizer is a bijection of 64-bit words and the offsets of two ranks
+    differ (golden is odd), so two ranks of one key never get one tag; without the cluster's tag key the bases, and
+    so the tags, are not computable from public fields. (A client handed its rank's tag could invert it to the base
+    and derive its peers' tags of the same page; a tag is no grant: writing or reading a sub-slot takes the node's
+    capability for it.)"""
+    x = bases + np.uint64(((rank + 1) * _GOLDEN) & 0xFFFFFFFFFFFFFFFF)
+    x ^= x >> _SHIFTS[0]
+    x *= _MIX[0]
+    x ^= x >> _SHIFTS[1]
+    x *= _MIX[1]
+    x ^= x >> _SHIFTS[2]
+    return x
 
 
 def _cap(cap_key: bytes, person: bytes, slots: list, epoch: int, expires_ms: int) -> bytes:

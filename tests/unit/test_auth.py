@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from transport import wire
-from umbp.auth import ClientAuth, Tokens, token_id
+from umbp.auth import ClientAuth, Tokens, rank_tags, token_id
 from umbp.errors import AuthError, ConfigError
 
 SECRET = "cluster-secret-0123456789"
@@ -140,3 +141,17 @@ def test_tags_are_wire_key_hash_in_an_open_pool_and_keyed_in_a_closed_one():
     assert tagged == [closed.tag("ns", k) for k in keys]
     assert not set(tagged) & {wire.key_hash("ns", k) for k in keys}  # not computable from public fields
     assert closed.tags("other", keys) != tagged  # the namespace is part of it
+
+
+def test_rank_tags_differ_per_rank_from_plain_tags_and_come_from_the_shard_bases():
+    keys = [b"\x01" * 32, b"\x02" * 32, b"k" * 40]
+    for tokens in (Tokens(None, {}), Tokens(b"cluster-secret-0123456789", {})):
+        plain = tokens.tags("ns", keys)
+        per_rank = [tokens.tags("ns", keys, r) for r in range(8)]
+        every = set(plain).union(*per_rank)
+        assert len(every) == 9 * len(keys)  # no two (key, rank) and no plain key share a tag
+        bases = np.array(tokens.shard_bases("ns", keys), np.uint64)
+        assert all(per_rank[r] == rank_tags(bases, r).tolist() for r in range(8))
+        assert not set(bases.tolist()) & every  # the base itself is never handed out as a tag
+        assert tokens.tags("other", keys, 3) != per_rank[3]
+    assert rank_tags(np.array([2**64 - 1], np.uint64), 255).dtype == np.uint64  # wraps, never overflows

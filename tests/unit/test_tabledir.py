@@ -112,5 +112,7 @@ def test_shared_lookup_grants_a_ranks_sub_slot_with_its_rank_tag():
         assert [tuple(x) for x in locs] == [w + (t, 0) for w, t in zip(want, tokens.tags("a", keys, rk))]
         assert caps == grant_reads(tokens, members.get, "a", keys, want, rk) and len(caps) == 1
         assert all(loc[1] == off + rk * object_size(PLEN) for loc, off in zip(want, d.offsets_of(d._find("a", keys))))
+    # the rows keep the keys' shard bases, computed at the first rank's LOOKUP: the others' tags derive from them
+    assert d.cols["tag"][d._find("a", keys)].tolist() == tokens.shard_bases("a", keys)
     assert d.lookup("a", keys, 0.0) == (0, [None] * 3)  # a plain LOOKUP misses shared pages
     assert d.lookup("a", keys, 0.0, None, (0, 4)) == (0, [None] * 3)  # and so does another TP size
