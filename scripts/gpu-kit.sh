@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build .gpu/ (ignored): what bench/hicache.py and the local pool need on the GPU machine beyond its own Python
+# Build .gpu/ (ignored): what bench/hicache.py, bench/tp_nccl.py --linker and the local pool need on the GPU machine
+# beyond its own Python
 # (3.12, torch 2.11 + CUDA 13, triton, numpy, msgpack, uvloop, grpcio, protobuf, transformers, ... but no package
 # registry, no SGLang, no etcd). The `run` tool carries ignored paths of at most 64 MiB in all, so the kit holds
 # only what is missing there:
@@ -122,6 +123,9 @@ import sglang.srt.mem_cache.device_pool_info  # noqa: E402
 import sglang.srt.mem_cache.hicache_storage  # noqa: E402
 import sglang.srt.mem_cache.storage.backend_factory  # noqa: E402
 import umbp.integrations.sglang.hicache  # noqa: E402
+import sglang.srt.mem_cache.memory_pool  # noqa: E402  bench/tp_nccl.py --linker: SGLang's device pools ...
+import sglang.srt.mem_cache.unified_cache.linker_factory  # noqa: E402  ... its linker factory ...
+import umbp.integrations.sglang.linker  # noqa: E402  ... and the linker
 json.dump({n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())}, open(sys.argv[1], "w"))
 EOF
 mkdir -p "$TMP/standin" && cp -r "$KIT/site/sgl_kernel" "$TMP/standin/"
@@ -234,14 +238,16 @@ chmod +x "$KIT/run.sh"
 
 # the cheap check to run on the device before the bench: .gpu/run.sh python3 .gpu/check.py
 cat > "$KIT/check.py" <<'EOF'
-"""Import what bench/hicache.py and the local pool import (kit built by scripts/gpu-kit.sh). On failure, import
+"""Import what bench/hicache.py, bench/tp_nccl.py --linker and the local pool import (kit built by scripts/gpu-kit.sh). On failure, import
 again with every missing module replaced by an empty module, to list all that are missing in one run (diagnosis
 only: nothing runs with those), then exit 1."""
 import importlib.abc, importlib.machinery, sys, traceback, types
 
 MODULES = ["sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.device_pool_info",
            "sglang.srt.mem_cache.hicache_storage", "sglang.srt.mem_cache.storage.backend_factory",
-           "umbp.integrations.sglang.hicache", "umbp.launcher", "umbp.node", "metaserver.server", "aetcd"]
+           "umbp.integrations.sglang.hicache", "umbp.launcher", "umbp.node", "metaserver.server", "aetcd",
+           "sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.unified_cache.linker_factory",
+           "umbp.integrations.sglang.linker"]
 
 
 def load():

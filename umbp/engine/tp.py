@@ -286,7 +286,9 @@ class TPLoad:
         if ended:
             self._finish()
             raise StopIteration
-        grp.wait()  # this stream waits for the copies of our share
+        # the KV device's stream waits for the copies of our share (named: a linker's load thread, whose current
+        # device is 0 whatever GPU this rank uses, would otherwise make device 0's stream wait)
+        grp.wait(torch.cuda.current_stream(self._tp.kv.device) if self._tp.kv.is_cuda else None)
         tp = self._tp
         pages = min(self.pages, agreed)
         self.pages = pages

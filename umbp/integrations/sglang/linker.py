@@ -296,7 +296,15 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         self.load_queue.put((index, keys, slots, ready))
         return index
 
+    def _bind_device(self) -> None:
+        """Make this worker thread's current CUDA device the KV's: a new thread starts on device 0, and SGLang runs
+        TP rank r on GPU r in one process per rank, so anything using the current device (streams, NCCL) would
+        otherwise run on GPU 0."""
+        if self.kv.is_cuda:
+            torch.cuda.set_device(self.kv.device)
+
     def _load_loop(self) -> None:
+        self._bind_device()
         while True:
             task = self.load_queue.get()
             try:
@@ -360,6 +368,7 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         return True
 
     def _offload_loop(self) -> None:
+        self._bind_device()
         while True:
             task = self.offload_queue.get()
             try:
