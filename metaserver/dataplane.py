@@ -46,8 +46,7 @@ class DataPlaneHandlers:
                 n.provisional for n in self.members.nodes.values()):
             # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
             raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
-        items, fx = (self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn) if shard is None
-                     else self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard))
+        items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
         self._apply(fx)
         if self.dir.quotas and any(it[0] == OVER_QUOTA for it in items):
             self._refuse_over_quota(ns, keys, items)
@@ -85,8 +84,7 @@ class DataPlaneHandlers:
     def commit(self, meta: Any, conn):
         ns, keys, gens = self._settle_request(meta, conn, _COMMIT)
         shard = v.shard(meta)
-        ok, fx = (self.dir.commit(ns, keys, gens, time.monotonic()) if shard is None
-                  else self.dir.commit(ns, keys, gens, time.monotonic(), shard))
+        ok, fx = self.dir.commit(ns, keys, gens, time.monotonic(), shard)
         fut = self._apply(fx, wait=True)
         if fut is None:
             return {"ok": ok}
@@ -112,16 +110,11 @@ class DataPlaneHandlers:
         if self.cfg.directory == "table":  # tags and capabilities from the columns
             lease, locs, caps = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens,
                                                         self.members.get, shard)
-            if lease:
-                self._own_lease(conn, lease)
-            return {"lease": lease, "locs": locs, "caps": caps}
-        if shard is None:
-            lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn)
         else:
             lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn, shard)
+            caps = grant_reads(self.tokens, self.members.get, ns, keys, locs, shard[0] if shard is not None else None)
         if lease:
             self._own_lease(conn, lease)
-        caps = grant_reads(self.tokens, self.members.get, ns, keys, locs, shard[0] if shard is not None else None)
         return {"lease": lease, "locs": locs, "caps": caps}
 
     def exists(self, meta: Any, conn) -> dict:

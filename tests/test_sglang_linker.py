@@ -371,7 +371,6 @@ def test_full_linker_tp_split_mla_cpu(cluster, tmp_path):
         assert r["mismatch_error"].startswith(f"InvalidArgument: engine tp: rank {r['rank']}: the ranks of the TP "
                                               f"group load different key lists (4 pages here, 4..4 across ranks, "
                                               f"key hashes differ)"), r
-        assert r["mismatch_s"] < 60, r
         assert r["again_finish"] is True and r["again_ok"], r
         assert r["stats"]["split_loads"] == 2 and r["stats"]["load_failures"] == 1, r["stats"]
         assert r["stats"]["pages_loaded"] == 16, r["stats"]

@@ -195,7 +195,6 @@ class UmbpDirectLinker(UnifiedCacheLinker):
         self.loader.prepare()  # pin the same-host arenas now, not in front of the first load's first layer
         # the TP split's exchange (None: each rank loads every page itself); its counters are this rank's share
         self.tp = self._split_exchange(extra.get("tp_split"), tp_group, group, use_mapped, method)
-        self.tp_split = self.tp is not None
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self.pending_loads: dict[str, tuple[list[str], list[int]]] = {}
         self.load_queue: queue.Queue = queue.Queue()
@@ -218,6 +217,11 @@ class UmbpDirectLinker(UnifiedCacheLinker):
                     self.namespace, self.num_layers, "MLA (replicated)" if self.rank_replicated else "MHA",
                     self.tp_rank, self.tp_size, " split" if self.tp_split else "", self.page_size,
                     self.kv.page_bytes)
+
+    @property
+    def tp_split(self) -> bool:
+        """Whether load batches go through the TP split (``self.tp``)."""
+        return self.tp is not None
 
     def _split_exchange(self, split: Any, tp_group: Any, group_size: int, use_mapped: bool,
                         method: str) -> TPGroup | None:
@@ -324,9 +328,11 @@ class UmbpDirectLinker(UnifiedCacheLinker):
             if ready is not None:
                 ready.synchronize()
             # split: collective with the other TP ranks (TPGroup); raises on every rank if their keys differ
-            source = self.tp.load(keys, slots) if self.tp is not None else self.loader.load(keys, slots)
             if self.tp is not None:
-                self.stats["split_loads"] += 1
+                source = self.tp.load(keys, slots)
+                self.stats["split_loads"] += 1  # a batch past the key-list check
+            else:
+                source = self.loader.load(keys, slots)
             with source as ld:
                 for group in ld:
                     if group.event is not None:
@@ -341,7 +347,7 @@ class UmbpDirectLinker(UnifiedCacheLinker):
             self.stats["pages_loaded"] += len(keys)
             total = time.perf_counter() - started
             self.last_load = {"pages": len(keys), "bytes": len(keys) * self.kv.page_bytes,
-                              "first_group_s": first, "total_s": total, "split": self.tp is not None}
+                              "first_group_s": first, "total_s": total, "split": self.tp_split}
         except BaseException as e:  # noqa: BLE001 - reported through the counter, never raised into SGLang
             self.stats["load_failures"] += 1
             self.last_load_error = f"{type(e).__name__}: {e}"
