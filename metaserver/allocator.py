@@ -87,6 +87,12 @@ class Allocator:
         return self.used_units * UNIT
 
     @property
+    def tracks_nothing(self) -> bool:
+        """No record of each allocation is kept (``track=False``): allocating two adjacent extents as one leaves
+        exactly the state allocating each does, and either may be freed on its own."""
+        return self._allocated is None
+
+    @property
     def free_bytes(self) -> int:
         return (self.units - self.used_units) * UNIT
 

@@ -39,7 +39,9 @@ class PartitionAnswers:
                     "membership_leader": self.holder(MEMBERSHIP), "handovers": self.handovers,
                     "is_leader": bool(parts), "leader": self.holder(MEMBERSHIP),
                     "etcd_combined": {"txns": self.combiner.txns, "parts": self.combiner.parts,
-                                      "split": self.combiner.split, "max_ops": self.combiner.max_ops}})
+                                      "split": self.combiner.split, "max_ops": self.combiner.max_ops},
+                    "warm_copies": {str(s): srv.warm.state() for s, srv in self.servers.items()
+                                    if srv.warm is not None and s != MEMBERSHIP}})
         if not parts:
             out["nodes"] = self.nodes(meta, conn)["nodes"]
         return out

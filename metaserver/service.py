@@ -176,8 +176,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
             seen = (warm.loads, warm.events) if warm is not None else (0, 0)
             if warm is not None and await warm.catch_up(revision, CATCHUP_S):
                 await warm.stop()
-                caught = warm.events - seen[1] if warm.loads == seen[0] else warm.events
-                self._adopt(warm.take(), caught, t0)
+                h = warm.take()  # applies what it had received and not applied yet: counted as caught up
+                self._adopt(h, warm.events - seen[1] if warm.loads == seen[0] else warm.events, t0)
             else:
                 if warm is not None:
                     await warm.stop()

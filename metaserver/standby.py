@@ -38,6 +38,20 @@ Failures: every etcd error is retried (the watch resumes after the last applied 
 RETRY_MAX_S); a compacted resume revision means events are lost, so the standby loads again. None of this writes to
 etcd: a standby never writes, and a takeover's stale deletes go through the leader's fenced writer.
 
+Under load (the process serves slots of its own while it keeps copies of others': a partitioned pool), the copy
+applies what the watch delivers paced, not at once (``_drain``): received batches wait in ``backlog`` and are applied
+in pieces of about PIECE_BYTES of records (consecutive batches merged, a large one split) for slices of about
+SLICE_S; after a slice in which the event loop was found serving (two yields to it took longer than BUSY_LAG_S) the
+copy rests until it has used at most DEFER_SHARE of the time. The pace is dropped, and the backlog applied at full
+speed, while the loop is idle, when the backlog holds more than LAG_MAX_BYTES of records, and from a takeover's
+``catch_up`` on; ``take`` applies what is left. So a copy lags under load by at most about LAG_MAX_BYTES (STATS
+``warm_copies``: ``lag`` events, ``lag_bytes``), which a takeover applies first (O(events not applied yet), as the
+invariant below states). Pacing moves work, it does not remove it: a process that commits at its limit for longer
+than the bound runs its copies at full speed again. What it buys is a serving loop that a burst of watch events does
+not hold: a watch batch (one etcd transaction of up to 1,024 commit records, hundreds of thousands of pages) used to
+be applied in one step. A standby process that serves nothing never finds its loop busy and applies everything as
+it arrives, as before.
+
 Costs: the initial load is a full load (1 M pages from a local etcd: about 10 s, 3.5 CPU-s of it this process's,
 plus 1.2-1.5 CPU-s for ``fill``; 10 M pages: 35-45 CPU-s on this project's 2-core VM, ``bench/scale.py``'s load;
 one directory's memory plus the snapshot's records while it runs, each node's released once it is in; the
@@ -45,7 +59,12 @@ directory is built in a thread, so the event loop keeps answering meanwhile);
 an event is O(1) (a dict probe, one allocator reservation, a policy append) except a page whose extent lies inside a
 larger free one (O(free extents) in ``Allocator.reserve``); a watch batch's runs of page puts (lru) and of
 page deletes are applied together (``_put_pages``, ``_delete_pages``: about a third less CPU an event, which is
-what a partitioned pool's processes spend on their successor slots); ``take`` O(nodes + held pages).
+what a partitioned pool's processes spend on their successor slots), a commit record being a run on its own, and
+the extents of a run that follow one another (a COMMIT's pages, placed one after another) are reserved as one
+(``_file_run``). CPU a page of 128-page commit records arriving one a watch batch (``bench/warmcopy.py``, this
+2-core VM): 8.6 us one page at a time (a lone commit record missed the run path until 2026-12-04), 4.9 us as a run,
+2.5 us with the extents reserved together (half the leader's ALLOC + COMMIT of them); ``take`` O(nodes + held
+pages).
 """
 
 from __future__ import annotations
@@ -54,6 +73,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
@@ -71,11 +91,23 @@ from umbp.errors import Unavailable
 log = logging.getLogger("umbp.metaserver")
 
 CATCHUP_S = 5.0  # a takeover waits this long without progress of the watch before it loads in full instead
+DEFER_SHARE = 0.2  # while the process serves, its warm copies apply watch events at most this share of the time
+LAG_MAX_BYTES = 4 << 20  # records received and not applied at most (about 40k pages, 0.1-0.3 s of applying them)
+# before the copy applies at full speed: what a takeover may have to apply on top of today's catch-up
+SLICE_S = 0.002  # one slice of applying events before a look at the event loop
+BUSY_LAG_S = 0.0005  # a yield to the loop that took longer than this found it serving requests
+PIECE_BYTES = 1 << 16  # records applied by one ``apply`` at most (about 650 pages, 1-3 ms of CPU): consecutive
+# received batches are merged up to it (longer runs of page puts), larger ones split (no long stall of the loop)
 RETRY_S = 0.1  # first pause after an etcd failure of the standby's load or watch ...
 RETRY_MAX_S = 2.0  # ... doubling up to this
 HELD_RETRY = 64  # held pages of a node retried when one of its pages goes (more wait for the takeover)
 _PUT = 0  # etcd Event.EventType PUT (DELETE is 1)
 _NS, _KEY = attrgetter("ns"), attrgetter("key")
+
+
+def _bytes(events: list) -> int:
+    """Bytes of the records of received events (the work of applying them grows with them); a delete counts 64."""
+    return sum(len(ev.kv.value) or 64 for ev in events)
 
 
 @dataclass
@@ -117,8 +149,22 @@ class WarmDirectory:
         self.events = 0
         self.fast_runs = 0  # runs of page puts filed at once (``_put_pages``)
         self.fast_deletes = 0  # runs of page deletes removed at once (``_delete_pages``)
+        self.seen = 0  # last revision received from etcd (the watch resumes after it); ``rev`` <= ``seen``
+        self.backlog: deque[tuple[list, int]] = deque()  # received (events, their bytes) not applied yet, in order
+        self.lag = 0  # events in ``backlog``
+        self.lag_bytes = 0  # their records' bytes
+        self.paused_s = 0.0  # time the copy rested because the loop was serving (``_drain``)
+        self.hurry = False  # apply at full speed from now on (a takeover is waiting: ``catch_up``)
+        self._more = asyncio.Event()  # set when a batch is received
+        self._hurried = asyncio.Event()  # set with ``hurry``
         self._moved = asyncio.Event()  # set whenever the copy changes: catch_up waits on it
         self._task: asyncio.Task | None = None
+
+    def state(self) -> dict:
+        """For STATS: loaded, events applied since the load, events received and not applied yet (``lag``) and
+        their records' bytes, the time rested for a serving loop."""
+        return {"loaded": self.loaded, "events": self.events, "lag": self.lag, "lag_bytes": self.lag_bytes,
+                "paused_s": round(self.paused_s, 3)}
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,22 +179,45 @@ class WarmDirectory:
             await asyncio.gather(t, return_exceptions=True)
 
     async def run(self) -> None:
-        """Load (unless loaded already), then follow the watch, until cancelled. etcd failures are retried (RETRY_S
-        doubling to RETRY_MAX_S): the watch resumes after the last applied revision; a compacted one makes it load
-        again."""
+        """Load (unless loaded already), then follow the watch, until cancelled; what it receives is applied by
+        ``_drain``, a task of its own. etcd failures are retried (RETRY_S doubling to RETRY_MAX_S): the watch resumes
+        after the last received revision; a compacted one makes it load again."""
+        drain = asyncio.create_task(self._drain(), name="metaserver-warm-apply")
+        follow = asyncio.create_task(self._follow(), name="metaserver-warm-watch")
+        try:
+            done, _ = await asyncio.wait({drain, follow}, return_when=asyncio.FIRST_COMPLETED)
+            if drain in done and not drain.cancelled() and drain.exception() is not None:
+                # a bug applying an event must not pass silently: the copy stops, a takeover loads in full
+                log.error("metaserver: warm standby stopped applying events; a takeover will load the directory "
+                          "in full", exc_info=drain.exception())
+                self._moved.set()
+        finally:
+            drain.cancel()
+            follow.cancel()
+            await asyncio.gather(drain, follow, return_exceptions=True)
+
+    async def _follow(self) -> None:
         delay = RETRY_S
         reload = not self.loaded  # a copy stopped and started again resumes after its last revision
         while True:
             try:
                 if reload:
+                    self.backlog.clear()  # the load's snapshot includes them
+                    self.lag = self.lag_bytes = 0
                     await self._load()
                     reload = False
-                async with contextlib.aclosing(self.store.watch(self.rev + 1)) as stream:  # closed on leaving
+                async with contextlib.aclosing(self.store.watch(self.seen + 1)) as stream:  # closed on leaving
                     async for batch in stream:
                         if batch is None:
                             reload = True
                             break
-                        self.apply(batch)
+                        if batch:
+                            size = _bytes(batch)
+                            self.backlog.append((batch, size))
+                            self.lag += len(batch)
+                            self.lag_bytes += size
+                            self.seen = max(self.seen, batch[-1].kv.mod_revision)
+                            self._more.set()
                         delay = RETRY_S
             except asyncio.CancelledError:
                 raise
@@ -174,7 +243,7 @@ class WarmDirectory:
             stale, rejected = await asyncio.to_thread(fill, d, descs, pages)  # the loop keeps answering meanwhile
         if self.dir is not None:
             gcpolicy.thaw("warm standby: reloaded")  # the copy it replaces may be frozen cyclic garbage now
-        self.dir, self.rev = d, rev
+        self.dir, self.rev, self.seen = d, rev, rev
         self.live = {r.get("node_id"): r for r in live}
         self.arenas = {r.get("node_id"): r for r in arenas}
         self.caps = {node_id: desc["capacity"] for node_id, (desc, _) in descs.items()}
@@ -198,6 +267,61 @@ class WarmDirectory:
               flush=True)
 
     # -- events ------------------------------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        """Apply the backlog in slices of about SLICE_S. After a slice in which the loop was found serving, the next
+        one waits until the copy has used at most DEFER_SHARE of the time since (unless ``hurry``, or the backlog is
+        over LAG_MAX_BYTES)."""
+        resume_at = 0.0  # when the next slice may start (perf_counter)
+        while True:
+            if not self.backlog:
+                self._more.clear()
+                await self._more.wait()
+                continue
+            rest = resume_at - time.perf_counter()
+            if rest > 0 and not self.hurry and self.lag_bytes <= LAG_MAX_BYTES:
+                self.paused_s += rest
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._hurried.wait(), rest)  # a takeover's catch_up ends the rest
+                continue
+            t0 = time.perf_counter()
+            self.apply_backlog(t0 + SLICE_S)
+            spent = time.perf_counter() - t0
+            # Two yields: asyncio's loop runs this task's next step ahead of the I/O callbacks of the same
+            # iteration (uvloop runs them first, in its poll phase), so the second one comes back after the frames
+            # that arrived during the slice were handled.
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            served = time.perf_counter() - t0 - spent > BUSY_LAG_S
+            resume_at = t0 + spent / DEFER_SHARE if served else 0.0
+
+    def apply_backlog(self, until: float | None = None) -> None:
+        """Apply received events in order, in pieces of about PIECE_BYTES of records (consecutive batches merged,
+        a larger one split: applying a sequence in pieces makes what applying it whole makes, each event being
+        applied in order), until the backlog is empty or ``time.perf_counter()`` passes ``until``. ``rev`` names
+        the last revision applied whole: a piece that ends inside a transaction's events leaves it one short."""
+        backlog = self.backlog
+        while backlog:
+            events, size = backlog.popleft()
+            if size > PIECE_BYTES and len(events) > 1:
+                n = used = 0
+                while n < len(events) - 1 and used < PIECE_BYTES:
+                    used += len(events[n].kv.value) or 64
+                    n += 1
+                backlog.appendleft((events[n:], size - used))
+                events, size = events[:n], used
+            else:
+                while backlog and size + backlog[0][1] <= PIECE_BYTES:
+                    more, extra = backlog.popleft()
+                    events = events + more
+                    size += extra
+            self.lag -= len(events)
+            self.lag_bytes -= size
+            self.apply(events)
+            if backlog and backlog[0][0][0].kv.mod_revision == events[-1].kv.mod_revision:
+                self.rev = events[-1].kv.mod_revision - 1  # the rest of that transaction is still to come
+            if until is not None and time.perf_counter() >= until:
+                return
+
     def apply(self, events: list) -> None:
         """Apply one batch of watch events (raw protobuf, in revision order). Synchronous: a batch is applied whole."""
         store = self.store
@@ -256,7 +380,8 @@ class WarmDirectory:
         key present already or twice, or a node without a space, and every run of a prefix-lru copy, goes one put
         at a time. CPU a put event (a 2-core VM, watch batches of 1,000 new pages of one node, best of 3): 7.4-10.6
         us one at a time, 4.5-5.1 us in runs; a delete 5.5-7.7 us, 4.0-4.7 us (``_delete_pages``)."""
-        if len(kvs) > 1 and not self.held and not self.junk and self.dir.policy.links_blind:
+        if ((len(kvs) > 1 or self.store.is_batch(kvs[0].key)) and not self.held and not self.junk
+                and self.dir.policy.links_blind):  # more than one page: a commit record is a run on its own
             recs = self.store.page_records()
             recs.add(kvs)
             if not recs.junk and self._file_run(recs):
@@ -296,15 +421,36 @@ class WarmDirectory:
         for node_id, (ents, revs) in groups.items():
             sp = spaces[node_id]
             reserve = sp.alloc.reserve
-            filed: list = []
-            for e, rev in zip(ents, revs):
+            whole = sp.alloc.tracks_nothing  # adjacent extents may be reserved as one (nothing records each)
+            sizes = []
+            for e in ents:
                 size = osize.get(e.payload_len)
                 if size is None:
                     size = osize[e.payload_len] = extent_size(e.payload_len) if e.payload_len >= 0 else -1
-                if size < 0 or not reserve(e.offset, size):
-                    self._hold((rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up, recs.record_of(e)))
-                else:
-                    filed.append(e)
+                sizes.append(size)
+            filed: list = []
+            i, n = 0, len(ents)
+            while i < n:
+                # A run of extents, each starting where the one before ends (the leader places a COMMIT's pages
+                # one after another): one reservation of all of them leaves the free extents that reserving each in
+                # turn leaves. If it fails, each is tried on its own, as before.
+                j, end = i + 1, ents[i].offset + sizes[i]
+                if whole and sizes[i] > 0:
+                    while j < n and sizes[j] > 0 and ents[j].offset == end:
+                        end += sizes[j]
+                        j += 1
+                if j - i > 1 and reserve(ents[i].offset, end - ents[i].offset):
+                    filed.extend(ents[i:j])
+                    i = j
+                    continue
+                for k in range(i, j):
+                    e = ents[k]
+                    if sizes[k] < 0 or not reserve(e.offset, sizes[k]):
+                        self._hold((revs[k], node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up,
+                                    recs.record_of(e)))
+                    else:
+                        filed.append(e)
+                i = j
             d._file_entries(sp, filed, None, osize, Effects())  # as a load files them: no key is present (above)
         return True
 
@@ -457,6 +603,8 @@ class WarmDirectory:
         not following etcd, or neither a load nor the watch moved for ``timeout_s`` (the caller loads in full
         then). A load in progress is waited for (it is the work a full load would do). Blocks at most that long
         past the last progress; cancelling it leaves the copy following etcd."""
+        self.hurry = True  # the backlog at full speed: a takeover waits for it
+        self._hurried.set()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         seen = (self.loads, self.rev)
@@ -481,6 +629,7 @@ class WarmDirectory:
         and the unreadable records become stale keys. The copy is empty afterwards."""
         d = self.dir
         assert d is not None and self._task is None, "warm standby: take() before a load, or while following etcd"
+        self.apply_backlog()  # received before the watch stopped: what a copy applying at once would hold
         for node_id in list(self.held_on):
             self._retry(node_id)
         page_key = self.store.page_key

@@ -513,6 +513,20 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
         mine = sum(1 for k in keys if info["map"][slotrules.slot_of("default", k, SLOTS)] == a)
         assert per[a]["objects"] == mine
         assert sorted(per[a]["slots_led"]) == [s for s, x in enumerate(info["map"]) if x == a]
+    # Every slot has a warm copy on a process other than its leader; once the watch delivered the commits, each
+    # copy is loaded with nothing left to apply (lag 0: an idle process applies as events come).
+    end = time.monotonic() + 20.0
+    while True:
+        warm = {a: {int(s): w for s, w in m["warm_copies"].items()} for a, m in per.items()}
+        if all(w["loaded"] and w["lag"] == 0 for ws in warm.values() for w in ws.values()) or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+        per = {m["addr"]: m for m in cl.cli_json("stats")["metaservers"]}
+    assert set().union(*(set(ws) for ws in warm.values())) == set(range(SLOTS)), warm
+    for a, ws in warm.items():
+        assert not set(ws) & set(per[a]["slots_led"]), (a, ws)
+        for w in ws.values():
+            assert w["loaded"] and w["lag"] == 0 and w["paused_s"] >= 0, w
     nodes = cl.cli_json("nodes")
     assert sorted(n["node_id"] for n in nodes) == sorted(n.node_id for n in cl.nodes)
     assert sum(n["objects"] for n in nodes) == 240
@@ -521,6 +535,7 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
     assert st["capacity_bytes"] <= 2 * (64 << 20) and st["capacity_bytes"] > 2 * (64 << 20) - SLOTS * 2 * 4096
     text = cl.cli("stats").stdout
     assert f"{SLOTS} slots over 3 metaservers" in text
+    assert text.count("events behind") == 3, text  # one line a metaserver, its warm copies
     for a in addrs:
         assert a in text
     # EVICT --bytes: split over the processes and their slots by use, not asked of each (S times too much).

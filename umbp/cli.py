@@ -77,8 +77,11 @@ def _print_stats(s: dict) -> None:
         t.add_row("slots", f"{s.get('slots')} slots over {len(s.get('metaservers') or [])} metaservers, "
                            f"membership leader {s.get('leader') or '-'}")
         for m in s.get("metaservers") or []:
+            warm = m.get("warm_copies") or {}  # its copies of the slots it would take over: events not applied yet
             t.add_row(f"  {m.get('addr')}", f"slots {_ranges(m.get('slots_led') or [])}: {m.get('objects', 0)} "
-                                            f"objects, {format_size(m.get('used_bytes', 0))}")
+                                            f"objects, {format_size(m.get('used_bytes', 0))}; warm copies "
+                                            f"{_ranges(sorted(int(x) for x in warm)) if warm else '-'}, "
+                                            f"{sum(w.get('lag', 0) for w in warm.values())} events behind")
         vacant = [i for i, a in enumerate(s["slot_map"]) if not a]
         if vacant:
             t.add_row("  no leader", f"slots {_ranges(vacant)}")

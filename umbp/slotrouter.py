@@ -442,7 +442,8 @@ class MetaRouter:
                                        None),
                         "metaservers": [{"addr": a.get("metaserver"), "slots_led": a.get("slots_led", []),
                                          "objects": a.get("objects", 0), "used_bytes": a.get("used_bytes", 0),
-                                         "handovers": a.get("handovers", 0)} for a in answers]})
+                                         "handovers": a.get("handovers", 0),
+                                         "warm_copies": a.get("warm_copies", {})} for a in answers]})
             return out
         if op == Op.NODES:
             return {"nodes": merge_nodes([a.get("nodes") or [] for a in answers])}

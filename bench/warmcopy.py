@@ -1,0 +1,113 @@
+"""What a warm copy (``metaserver/standby.py``) spends applying a leader's commits, against the baseline of the same
+events applied one page at a time in the same run, and against what the leader spent making them.
+
+A leader ``Directory`` allocates and commits ``--pages`` pages of 4,000 bytes in COMMITs of ``--batch`` pages into an
+empty node; each COMMIT's commit record is encoded as the leader's writer encodes it (``EtcdStore.batch_value``) and
+becomes one etcd watch event. Three copies then apply the same events, each timed in CPU seconds (best of
+``--rounds``):
+
+- one page at a time: each record parsed (``records_of``) and each page filed on its own (``_put_page``): what
+  the copy did for a watch batch holding a single commit record until 2026-12-04 (a lone record missed the run path);
+- ``apply`` one watch batch per COMMIT (a quiet leader: every record its own watch response);
+- ``apply_backlog`` of the same batches queued (a copy paced while its process served: pieces merged up to
+  ``PIECE_BYTES``).
+
+Printed: CPU microseconds a page of each, their ratio to the baseline, and the leader's own ALLOC + COMMIT CPU a
+page (directory only) for scale. Nothing asserts: ``tests/unit/test_standby_batch.py`` checks that every path ends
+in the same directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import aetcd.rpc as rpc  # noqa: E402
+import msgpack  # noqa: E402
+
+from metaserver.directory import Directory  # noqa: E402
+from metaserver.persist import EtcdStore  # noqa: E402
+from metaserver.standby import WarmDirectory, _bytes  # noqa: E402
+
+NODE = "n0"
+
+
+def node_event(store: EtcdStore, capacity: int, rev: int) -> rpc.Event:
+    rec = {"node_id": NODE, "host": "127.0.0.1", "port": 9, "pid": 1, "capacity": capacity, "arena_id": b"A" * 16,
+           "arena_path": "", "boot_id": "", "hostname": "h", "transports": ["tcp"], "lease_ttl": 5.0, "rdma": None}
+    return rpc.Event(type=0, kv=rpc.KeyValue(key=store.node_key(NODE), value=msgpack.packb(rec, use_bin_type=True),
+                                             mod_revision=rev, create_revision=rev))
+
+
+def leader_events(store: EtcdStore, pages: int, batch: int, capacity: int) -> tuple[list[list], float]:
+    """One watch batch per COMMIT (its commit records as etcd events), and the leader's CPU a page."""
+    d = Directory()
+    d.add_space(NODE, capacity)
+    out, gen, rev, cpu = [], 1, 10, 0.0
+    for b in range(pages // batch):
+        keys = [f"k{b}/{j}".encode() for j in range(batch)]
+        t = time.process_time()
+        items, _ = d.alloc("default", keys, [4000] * batch, None, gen, time.monotonic())
+        _, fx = d.commit("default", keys, [it[4] for it in items], time.monotonic())
+        cpu += time.process_time() - t
+        gen += batch
+        evs = []
+        for rec in store.batches_of(fx.puts):
+            rev += 1
+            evs.append(rpc.Event(type=0, kv=rpc.KeyValue(key=rec.name, value=store.batch_value(rec), mod_revision=rev,
+                                                         create_revision=rev)))
+        out.append(evs)
+    return out, cpu / pages
+
+
+def copy_cpu(store: EtcdStore, batches: list[list], capacity: int, how: str, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        w = WarmDirectory(store, Directory)
+        w.dir, w.loaded = w.make_dir(), True
+        w.apply([node_event(store, capacity, 1)])
+        t = time.process_time()
+        if how == "one page at a time":
+            for evs in batches:
+                for ev in evs:
+                    for p in store.records_of(ev.kv):  # _put_pages' path for a run it does not file at once
+                        w._put_page(p)
+        elif how == "apply":
+            for evs in batches:
+                w.apply(evs)
+        else:
+            for evs in batches:
+                w.backlog.append((evs, _bytes(evs)))
+                w.lag += len(evs)
+            w.apply_backlog()
+        best = min(best, time.process_time() - t)
+        assert w.dir.objects == sum(len(msgpack.unpackb(ev.kv.value)) for evs in batches for ev in evs), how
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=64_000)
+    ap.add_argument("--batch", type=int, default=128, help="pages a COMMIT (a commit record)")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    store = EtcdStore("127.0.0.1:1", "/umbp")  # its key and record formats only: never connected
+    capacity = (args.pages + 64) * 8192
+    batches, leader = leader_events(store, args.pages, args.batch, capacity)
+    n = args.batch * len(batches)
+    print(f"bench/warmcopy.py: {n:,} pages in commit records of {args.batch}; CPU us a page, best of {args.rounds}")
+    print(f"  {'leader ALLOC + COMMIT (directory only, for scale)':<52} {leader * 1e6:6.2f}")
+    base = copy_cpu(store, batches, capacity, "one page at a time", args.rounds) / n
+    print(f"  {'copy: one page at a time (baseline)':<52} {base * 1e6:6.2f}")
+    for how in ("apply", "apply_backlog"):
+        c = copy_cpu(store, batches, capacity, how, args.rounds) / n
+        print(f"  {'copy: ' + how:<52} {c * 1e6:6.2f}   {base / c:4.1f}x the baseline, {c / leader:4.2f} of the leader's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
