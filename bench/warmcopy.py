@@ -2,12 +2,14 @@
 events applied one page at a time in the same run, and against what the leader spent making them.
 
 A leader ``Directory`` allocates and commits ``--pages`` pages of 4,000 bytes in COMMITs of ``--batch`` pages into an
-empty node; each COMMIT's commit record is encoded as the leader's writer encodes it (``EtcdStore.batch_value``) and
+empty node (``--full``: a node with room for a quarter of them, so that past it every ALLOC evicts about as many
+pages, whose records are rewritten or deleted); each COMMIT's commit record is encoded as the leader's writer encodes it (``EtcdStore.batch_value``) and
 becomes one etcd watch event. Three copies then apply the same events, each timed in CPU seconds (best of
 ``--rounds``):
 
 - one page at a time: each record parsed (``records_of``) and each page filed on its own (``_put_page``): what
   the copy did for a watch batch holding a single commit record until 2026-12-04 (a lone record missed the run path);
+  records rewritten or deleted by evictions (``--full``) go through ``_shrink_batch`` as ``apply`` sends them;
 - ``apply`` one watch batch per COMMIT (a quiet leader: every record its own watch response);
 - ``apply_backlog`` of the same batches queued (a copy paced while its process served: pieces merged up to
   ``PIECE_BYTES``).
@@ -43,28 +45,35 @@ def node_event(store: EtcdStore, capacity: int, rev: int) -> rpc.Event:
                                              mod_revision=rev, create_revision=rev))
 
 
-def leader_events(store: EtcdStore, pages: int, batch: int, capacity: int) -> tuple[list[list], float]:
-    """One watch batch per COMMIT (its commit records as etcd events), and the leader's CPU a page."""
+def leader_events(store: EtcdStore, pages: int, batch: int, capacity: int) -> tuple[list[list], float, int]:
+    """One watch batch per COMMIT, the leader's CPU a page and its pages at the end. A batch holds what the leader's writer writes for
+    it: the records its ALLOC's evictions left (rewritten without the evicted pages, or deleted when empty), then
+    the COMMIT's own record."""
     d = Directory()
     d.add_space(NODE, capacity)
     out, gen, rev, cpu = [], 1, 10, 0.0
+
+    def event(name: bytes, value: bytes | None) -> rpc.Event:
+        nonlocal rev
+        rev += 1
+        if value is None:
+            return rpc.Event(type=1, kv=rpc.KeyValue(key=name, mod_revision=rev))
+        return rpc.Event(type=0, kv=rpc.KeyValue(key=name, value=value, mod_revision=rev, create_revision=rev))
+
     for b in range(pages // batch):
         keys = [f"k{b}/{j}".encode() for j in range(batch)]
         t = time.process_time()
-        items, _ = d.alloc("default", keys, [4000] * batch, None, gen, time.monotonic())
+        items, afx = d.alloc("default", keys, [4000] * batch, None, gen, time.monotonic())
         _, fx = d.commit("default", keys, [it[4] for it in items], time.monotonic())
         cpu += time.process_time() - t
         gen += batch
-        evs = []
-        for rec in store.batches_of(fx.puts):
-            rev += 1
-            evs.append(rpc.Event(type=0, kv=rpc.KeyValue(key=rec.name, value=store.batch_value(rec), mod_revision=rev,
-                                                         create_revision=rev)))
+        evs = [event(rec.name, store.batch_value(rec)) for rec in dict.fromkeys(afx.batches)]
+        evs += [event(rec.name, store.batch_value(rec)) for rec in store.batches_of(fx.puts)]
         out.append(evs)
-    return out, cpu / pages
+    return out, cpu / pages, d.objects
 
 
-def copy_cpu(store: EtcdStore, batches: list[list], capacity: int, how: str, rounds: int) -> float:
+def copy_cpu(store: EtcdStore, batches: list[list], capacity: int, how: str, rounds: int, objects: int) -> float:
     best = float("inf")
     for _ in range(rounds):
         w = WarmDirectory(store, Directory)
@@ -74,6 +83,9 @@ def copy_cpu(store: EtcdStore, batches: list[list], capacity: int, how: str, rou
         if how == "one page at a time":
             for evs in batches:
                 for ev in evs:
+                    if ev.type != 0 or ev.kv.key in w.batches:  # a record rewritten or deleted: as ``apply`` does
+                        w._shrink_batch(ev.kv.key, ev.kv if ev.type == 0 else None)
+                        continue
                     for p in store.records_of(ev.kv):  # _put_pages' path for a run it does not file at once
                         w._put_page(p)
         elif how == "apply":
@@ -85,7 +97,7 @@ def copy_cpu(store: EtcdStore, batches: list[list], capacity: int, how: str, rou
                 w.lag += len(evs)
             w.apply_backlog()
         best = min(best, time.process_time() - t)
-        assert w.dir.objects == sum(len(msgpack.unpackb(ev.kv.value)) for evs in batches for ev in evs), how
+        assert w.dir.objects == objects, (how, w.dir.objects, objects)
     return best
 
 
@@ -94,17 +106,21 @@ def main() -> int:
     ap.add_argument("--pages", type=int, default=64_000)
     ap.add_argument("--batch", type=int, default=128, help="pages a COMMIT (a commit record)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--full", action="store_true",
+                    help="a node with room for a quarter of the pages: past it, every COMMIT evicts about as many")
     args = ap.parse_args()
     store = EtcdStore("127.0.0.1:1", "/umbp")  # its key and record formats only: never connected
-    capacity = (args.pages + 64) * 8192
-    batches, leader = leader_events(store, args.pages, args.batch, capacity)
+    capacity = (args.pages // 4 if args.full else args.pages + 64) * 8192
+    batches, leader, objects = leader_events(store, args.pages, args.batch, capacity)
     n = args.batch * len(batches)
-    print(f"bench/warmcopy.py: {n:,} pages in commit records of {args.batch}; CPU us a page, best of {args.rounds}")
+    print(f"bench/warmcopy.py: {n:,} pages in commit records of {args.batch}"
+          f"{', into a full node (evictions rewrite records)' if args.full else ''}; CPU us a page, "
+          f"best of {args.rounds}")
     print(f"  {'leader ALLOC + COMMIT (directory only, for scale)':<52} {leader * 1e6:6.2f}")
-    base = copy_cpu(store, batches, capacity, "one page at a time", args.rounds) / n
+    base = copy_cpu(store, batches, capacity, "one page at a time", args.rounds, objects) / n
     print(f"  {'copy: one page at a time (baseline)':<52} {base * 1e6:6.2f}")
     for how in ("apply", "apply_backlog"):
-        c = copy_cpu(store, batches, capacity, how, args.rounds) / n
+        c = copy_cpu(store, batches, capacity, how, args.rounds, objects) / n
         print(f"  {'copy: ' + how:<52} {c * 1e6:6.2f}   {base / c:4.1f}x the baseline, {c / leader:4.2f} of the leader's")
     return 0
 
