@@ -1,22 +1,22 @@
 """What a warm copy (``metaserver/standby.py``) spends applying a leader's commits, against the baseline of the same
 events applied one page at a time in the same run, and against what the leader spent making them.
 
-A leader ``Directory`` allocates and commits ``--pages`` pages of 4,000 bytes in COMMITs of ``--batch`` pages into an
-empty node (``--full``: a node with room for a quarter of them, so that past it every ALLOC evicts about as many
-pages, whose records are rewritten or deleted); each COMMIT's commit record is encoded as the leader's writer encodes it (``EtcdStore.batch_value``) and
-becomes one etcd watch event. Three copies then apply the same events, each timed in CPU seconds (best of
-``--rounds``):
+A leader ``Directory`` allocates and commits ``--pages`` pages of 4,000 bytes in COMMITs of ``--batch`` pages into
+an empty node (``--full``: a node with room for a quarter of them, so that past it every ALLOC evicts about as many
+pages, whose records are rewritten or deleted); each COMMIT's commit record is encoded as the leader's writer
+encodes it (``EtcdStore.batch_value``) and becomes one etcd watch event. Three copies then apply the same events,
+each timed in CPU seconds (best of ``--rounds``):
 
 - one page at a time: each record parsed (``records_of``) and each page filed on its own (``_put_page``): what
   the copy did for a watch batch holding a single commit record until 2026-12-04 (a lone record missed the run path);
   records rewritten or deleted by evictions (``--full``) go through ``_shrink_batch`` as ``apply`` sends them;
 - ``apply`` one watch batch per COMMIT (a quiet leader: every record its own watch response);
 - ``apply_backlog`` of the same batches queued (a copy paced while its process served: pieces merged up to
-  ``PIECE_BYTES``).
+  ``warmpace.PIECE_BYTES``).
 
 Printed: CPU microseconds a page of each, their ratio to the baseline, and the leader's own ALLOC + COMMIT CPU a
-page (directory only) for scale. Nothing asserts: ``tests/unit/test_standby_batch.py`` checks that every path ends
-in the same directory.
+page (directory only) for scale. Nothing asserts on speed; each way must end with the leader's page count, and
+``tests/unit/test_standby_batch.py`` checks that every way ends in the same directory.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import msgpack  # noqa: E402
 
 from metaserver.directory import Directory  # noqa: E402
 from metaserver.persist import EtcdStore  # noqa: E402
-from metaserver.standby import WarmDirectory, _bytes  # noqa: E402
+from metaserver.standby import WarmDirectory  # noqa: E402
 
 NODE = "n0"
 
@@ -46,9 +46,9 @@ def node_event(store: EtcdStore, capacity: int, rev: int) -> rpc.Event:
 
 
 def leader_events(store: EtcdStore, pages: int, batch: int, capacity: int) -> tuple[list[list], float, int]:
-    """One watch batch per COMMIT, the leader's CPU a page and its pages at the end. A batch holds what the leader's writer writes for
-    it: the records its ALLOC's evictions left (rewritten without the evicted pages, or deleted when empty), then
-    the COMMIT's own record."""
+    """One watch batch per COMMIT, the leader's CPU a page and its pages at the end. A batch holds what the leader's
+    writer writes for it: the records its ALLOC's evictions left (rewritten without the evicted pages, or
+    deleted when empty), then the COMMIT's own record."""
     d = Directory()
     d.add_space(NODE, capacity)
     out, gen, rev, cpu = [], 1, 10, 0.0
@@ -93,8 +93,7 @@ def copy_cpu(store: EtcdStore, batches: list[list], capacity: int, how: str, rou
                 w.apply(evs)
         else:
             for evs in batches:
-                w.backlog.append((evs, _bytes(evs)))
-                w.lag += len(evs)
+                w.backlog.add(evs)
             w.apply_backlog()
         best = min(best, time.process_time() - t)
         assert w.dir.objects == objects, (how, w.dir.objects, objects)
@@ -121,7 +120,8 @@ def main() -> int:
     print(f"  {'copy: one page at a time (baseline)':<52} {base * 1e6:6.2f}")
     for how in ("apply", "apply_backlog"):
         c = copy_cpu(store, batches, capacity, how, args.rounds, objects) / n
-        print(f"  {'copy: ' + how:<52} {c * 1e6:6.2f}   {base / c:4.1f}x the baseline, {c / leader:4.2f} of the leader's")
+        print(f"  {'copy: ' + how:<52} {c * 1e6:6.2f}   {base / c:4.1f}x the baseline, "
+              f"{c / leader:4.2f} of the leader's")
     return 0
 
 

@@ -34,23 +34,14 @@ load): ``fingerprint`` compares equal only where commits differ in revision. pre
 of removals (a parent whose last child went moves), which a load does not replay: its eviction order is equal only
 as a set.
 
-Failures: every etcd error is retried (the watch resumes after the last applied revision, RETRY_S doubling up to
+Failures: every etcd error is retried (the watch resumes after the last received revision, RETRY_S doubling up to
 RETRY_MAX_S); a compacted resume revision means events are lost, so the standby loads again. None of this writes to
 etcd: a standby never writes, and a takeover's stale deletes go through the leader's fenced writer.
 
-Under load (the process serves slots of its own while it keeps copies of others': a partitioned pool), the copy
-applies what the watch delivers paced, not at once (``_drain``): received batches wait in ``backlog`` and are applied
-in pieces of about PIECE_BYTES of records (consecutive batches merged, a large one split) for slices of about
-SLICE_S; after a slice in which the event loop was found serving (two yields to it took longer than BUSY_LAG_S) the
-copy rests until it has used at most DEFER_SHARE of the time. The pace is dropped, and the backlog applied at full
-speed, while the loop is idle, when the backlog holds more than LAG_MAX_BYTES of records, and from a takeover's
-``catch_up`` on; ``take`` applies what is left. So a copy lags under load by at most about LAG_MAX_BYTES (STATS
-``warm_copies``: ``lag`` events, ``lag_bytes``), which a takeover applies first (O(events not applied yet), as the
-invariant below states). Pacing moves work, it does not remove it: a process that commits at its limit for longer
-than the bound runs its copies at full speed again. What it buys is a serving loop that a burst of watch events does
-not hold: a watch batch (one etcd transaction of up to 1,024 commit records, hundreds of thousands of pages) used to
-be applied in one step. A standby process that serves nothing never finds its loop busy and applies everything as
-it arrives, as before.
+Under load (a partitioned pool's process serves slots of its own while it keeps copies of others'), what the watch
+delivers is queued and applied paced (``metaserver/warmpace.py``): a copy lags by at most about
+``warmpace.LAG_MAX_BYTES`` of records (STATS ``warm_copies``: ``lag`` events, ``lag_bytes``), which a takeover's
+``catch_up`` and ``take`` apply first (O(events not applied yet), as the invariant below states).
 
 Costs: the initial load is a full load (1 M pages from a local etcd: about 10 s, 3.5 CPU-s of it this process's,
 plus 1.2-1.5 CPU-s for ``fill``; 10 M pages: 35-45 CPU-s on this project's 2-core VM, ``bench/scale.py``'s load;
@@ -73,7 +64,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
@@ -86,28 +76,17 @@ from metaserver.entry import Batch, Effects, extent_size
 from metaserver.fullload import describe, fill, gc_paused, node_descs
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
 from metaserver.records import UNREADABLE, PageRecords, batch_entries
+from metaserver.warmpace import Backlog, Pace
 from umbp.errors import Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
 CATCHUP_S = 5.0  # a takeover waits this long without progress of the watch before it loads in full instead
-DEFER_SHARE = 0.2  # while the process serves, its warm copies apply watch events at most this share of the time
-LAG_MAX_BYTES = 4 << 20  # records received and not applied at most (about 40k pages, 0.1-0.3 s of applying them)
-# before the copy applies at full speed: what a takeover may have to apply on top of today's catch-up
-SLICE_S = 0.002  # one slice of applying events before a look at the event loop
-BUSY_LAG_S = 0.0005  # a yield to the loop that took longer than this found it serving requests
-PIECE_BYTES = 1 << 16  # records applied by one ``apply`` at most (about 650 pages, 1-3 ms of CPU): consecutive
-# received batches are merged up to it (longer runs of page puts), larger ones split (no long stall of the loop)
 RETRY_S = 0.1  # first pause after an etcd failure of the standby's load or watch ...
 RETRY_MAX_S = 2.0  # ... doubling up to this
 HELD_RETRY = 64  # held pages of a node retried when one of its pages goes (more wait for the takeover)
 _PUT = 0  # etcd Event.EventType PUT (DELETE is 1)
 _NS, _KEY = attrgetter("ns"), attrgetter("key")
-
-
-def _bytes(events: list) -> int:
-    """Bytes of the records of received events (the work of applying them grows with them); a delete counts 64."""
-    return sum(len(ev.kv.value) or 64 for ev in events)
 
 
 @dataclass
@@ -150,21 +129,17 @@ class WarmDirectory:
         self.fast_runs = 0  # runs of page puts filed at once (``_put_pages``)
         self.fast_deletes = 0  # runs of page deletes removed at once (``_delete_pages``)
         self.seen = 0  # last revision received from etcd (the watch resumes after it); ``rev`` <= ``seen``
-        self.backlog: deque[tuple[list, int]] = deque()  # received (events, their bytes) not applied yet, in order
-        self.lag = 0  # events in ``backlog``
-        self.lag_bytes = 0  # their records' bytes
-        self.paused_s = 0.0  # time the copy rested because the loop was serving (``_drain``)
-        self.hurry = False  # apply at full speed from now on (a takeover is waiting: ``catch_up``)
-        self._more = asyncio.Event()  # set when a batch is received
-        self._hurried = asyncio.Event()  # set with ``hurry``
+        self.backlog = Backlog()  # received, not applied yet (metaserver/warmpace.py)
+        self.pace = Pace()
         self._moved = asyncio.Event()  # set whenever the copy changes: catch_up waits on it
         self._task: asyncio.Task | None = None
 
     def state(self) -> dict:
         """For STATS: loaded, events applied since the load, events received and not applied yet (``lag``) and
         their records' bytes, the time rested for a serving loop."""
-        return {"loaded": self.loaded, "events": self.events, "lag": self.lag, "lag_bytes": self.lag_bytes,
-                "paused_s": round(self.paused_s, 3)}
+        b = self.backlog
+        return {"loaded": self.loaded, "events": self.events, "lag": b.lag, "lag_bytes": b.lag_bytes,
+                "paused_s": round(self.pace.paused_s, 3)}
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -180,9 +155,9 @@ class WarmDirectory:
 
     async def run(self) -> None:
         """Load (unless loaded already), then follow the watch, until cancelled; what it receives is applied by
-        ``_drain``, a task of its own. etcd failures are retried (RETRY_S doubling to RETRY_MAX_S): the watch resumes
-        after the last received revision; a compacted one makes it load again."""
-        drain = asyncio.create_task(self._drain(), name="metaserver-warm-apply")
+        ``Pace.drain``, a task of its own. etcd failures are retried (RETRY_S doubling to RETRY_MAX_S): the watch
+        resumes after the last received revision; a compacted one makes it load again."""
+        drain = asyncio.create_task(self.pace.drain(self.backlog, self.apply_backlog), name="metaserver-warm-apply")
         follow = asyncio.create_task(self._follow(), name="metaserver-warm-watch")
         try:
             done, _ = await asyncio.wait({drain, follow}, return_when=asyncio.FIRST_COMPLETED)
@@ -203,7 +178,6 @@ class WarmDirectory:
             try:
                 if reload:
                     self.backlog.clear()  # the load's snapshot includes them
-                    self.lag = self.lag_bytes = 0
                     await self._load()
                     reload = False
                 async with contextlib.aclosing(self.store.watch(self.seen + 1)) as stream:  # closed on leaving
@@ -212,12 +186,9 @@ class WarmDirectory:
                             reload = True
                             break
                         if batch:
-                            size = _bytes(batch)
-                            self.backlog.append((batch, size))
-                            self.lag += len(batch)
-                            self.lag_bytes += size
+                            self.backlog.add(batch)
                             self.seen = max(self.seen, batch[-1].kv.mod_revision)
-                            self._more.set()
+                            self.pace.more.set()
                         delay = RETRY_S
             except asyncio.CancelledError:
                 raise
@@ -267,58 +238,17 @@ class WarmDirectory:
               flush=True)
 
     # -- events ------------------------------------------------------------------------------------------------
-    async def _drain(self) -> None:
-        """Apply the backlog in slices of about SLICE_S. After a slice in which the loop was found serving, the next
-        one waits until the copy has used at most DEFER_SHARE of the time since (unless ``hurry``, or the backlog is
-        over LAG_MAX_BYTES)."""
-        resume_at = 0.0  # when the next slice may start (perf_counter)
-        while True:
-            if not self.backlog:
-                self._more.clear()
-                await self._more.wait()
-                continue
-            rest = resume_at - time.perf_counter()
-            if rest > 0 and not self.hurry and self.lag_bytes <= LAG_MAX_BYTES:
-                self.paused_s += rest
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._hurried.wait(), rest)  # a takeover's catch_up ends the rest
-                continue
-            t0 = time.perf_counter()
-            self.apply_backlog(t0 + SLICE_S)
-            spent = time.perf_counter() - t0
-            # Two yields: asyncio's loop runs this task's next step ahead of the I/O callbacks of the same
-            # iteration (uvloop runs them first, in its poll phase), so the second one comes back after the frames
-            # that arrived during the slice were handled.
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-            served = time.perf_counter() - t0 - spent > BUSY_LAG_S
-            resume_at = t0 + spent / DEFER_SHARE if served else 0.0
-
     def apply_backlog(self, until: float | None = None) -> None:
-        """Apply received events in order, in pieces of about PIECE_BYTES of records (consecutive batches merged,
-        a larger one split: applying a sequence in pieces makes what applying it whole makes, each event being
-        applied in order), until the backlog is empty or ``time.perf_counter()`` passes ``until``. ``rev`` names
-        the last revision applied whole: a piece that ends inside a transaction's events leaves it one short."""
+        """Apply what was received, in ``Backlog.take``'s pieces, until none is left or ``time.perf_counter()``
+        passes ``until``. ``rev`` names the last revision applied whole: a piece that ends inside a transaction's
+        events leaves it one short."""
         backlog = self.backlog
         while backlog:
-            events, size = backlog.popleft()
-            if size > PIECE_BYTES and len(events) > 1:
-                n = used = 0
-                while n < len(events) - 1 and used < PIECE_BYTES:
-                    used += len(events[n].kv.value) or 64
-                    n += 1
-                backlog.appendleft((events[n:], size - used))
-                events, size = events[:n], used
-            else:
-                while backlog and size + backlog[0][1] <= PIECE_BYTES:
-                    more, extra = backlog.popleft()
-                    events = events + more
-                    size += extra
-            self.lag -= len(events)
-            self.lag_bytes -= size
+            events = backlog.take()
             self.apply(events)
-            if backlog and backlog[0][0][0].kv.mod_revision == events[-1].kv.mod_revision:
-                self.rev = events[-1].kv.mod_revision - 1  # the rest of that transaction is still to come
+            last = events[-1].kv.mod_revision
+            if backlog.continues(last):
+                self.rev = last - 1  # the rest of that transaction is still to come
             if until is not None and time.perf_counter() >= until:
                 return
 
@@ -603,8 +533,7 @@ class WarmDirectory:
         not following etcd, or neither a load nor the watch moved for ``timeout_s`` (the caller loads in full
         then). A load in progress is waited for (it is the work a full load would do). Blocks at most that long
         past the last progress; cancelling it leaves the copy following etcd."""
-        self.hurry = True  # the backlog at full speed: a takeover waits for it
-        self._hurried.set()
+        self.pace.hurried.set()  # the backlog at full speed: a takeover waits for it
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         seen = (self.loads, self.rev)

@@ -18,9 +18,8 @@ import pytest
 from metaserver.directory import Directory
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
 from metaserver.fullload import fingerprint
-from metaserver import standby
+from metaserver import warmpace
 from metaserver.standby import WarmDirectory
-from metaserver.standby import _bytes as standby_bytes
 from transport.wire import ARENA_DATA_START
 
 UNIT = 8192
@@ -274,20 +273,12 @@ def test_commit_records_batched_equal_one_event_at_a_time(policy, seed):
 # the backlog (a copy paced while its process serves): received batches applied in pieces, merged or split
 
 
-def receive(w: WarmDirectory, events: list) -> None:
-    """What ``WarmDirectory._follow`` does with a received batch."""
-    size = standby_bytes(events)
-    w.backlog.append((events, size))
-    w.lag += len(events)
-    w.lag_bytes += size
-
-
 @pytest.mark.parametrize("piece", [1, 300, 2000, 1 << 20])  # every event its own piece .. every batch merged
 @pytest.mark.parametrize("seed", range(4))
 def test_backlog_in_pieces_equals_one_event_at_a_time(monkeypatch, piece, seed):
     """Batches queued and applied by ``apply_backlog`` in pieces of ``piece`` bytes (split or merged), a few
     batches at a time, end as applying every event on its own does; the backlog's counts return to zero."""
-    monkeypatch.setattr(standby, "PIECE_BYTES", piece)
+    monkeypatch.setattr(warmpace, "PIECE_BYTES", piece)
     store = EtcdStore("127.0.0.1:1", "/umbp")
     stream = RecordStream(store, seed)
     a, b = warm(store, "lru"), warm(store, "lru")
@@ -296,11 +287,11 @@ def test_backlog_in_pieces_equals_one_event_at_a_time(monkeypatch, piece, seed):
     reference_apply_records(b, first)
     for i in range(40):
         events = stream.sweep() if i % 10 == 9 else stream.batch()
-        receive(a, events)
+        a.backlog.add(events)
         reference_apply_records(b, events)
         if i % 3 == 2:  # a few batches wait, then go
             a.apply_backlog()
-            assert not a.backlog and a.lag == 0 and a.lag_bytes == 0
+            assert not a.backlog and a.backlog.lag == 0 and a.backlog.lag_bytes == 0
             assert a.rev == stream.rev
             assert comparable(a.dir, "lru") == comparable(b.dir, "lru")
             assert held_names(a) == held_names(b) and a.junk == b.junk
@@ -310,13 +301,13 @@ def test_backlog_in_pieces_equals_one_event_at_a_time(monkeypatch, piece, seed):
 def test_a_piece_that_ends_inside_a_transaction_leaves_rev_one_short(monkeypatch):
     """Events of one etcd transaction share a revision: a copy that applied only some of them has not applied
     that revision (a takeover's catch_up waits for it), and the rest brings ``rev`` to it."""
-    monkeypatch.setattr(standby, "PIECE_BYTES", 1)
+    monkeypatch.setattr(warmpace, "PIECE_BYTES", 1)
     store = EtcdStore("127.0.0.1:1", "/umbp")
     w = warm(store, "lru")
     nodes = [rpc.Event(type=0, kv=rpc.KeyValue(key=store.node_key(n), value=msgpack.packb(node_rec(n)),
                                                mod_revision=7, create_revision=7)) for n in NODES]
-    receive(w, nodes)
+    w.backlog.add(nodes)
     w.apply_backlog(until=0.0)  # one piece: one event
-    assert w.rev == 6 and w.lag == 2 and set(w.live) == {"n0"}
+    assert w.rev == 6 and w.backlog.lag == 2 and set(w.live) == {"n0"}
     w.apply_backlog()
-    assert w.rev == 7 and w.lag == 0 and set(w.live) == set(NODES)
+    assert w.rev == 7 and w.backlog.lag == 0 and set(w.live) == set(NODES)

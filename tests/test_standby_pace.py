@@ -1,0 +1,101 @@
+"""A warm copy paced while its process serves (``metaserver/warmpace.py``), against a real etcd: it rests and falls
+behind while the loop is busy, applies as events come while idle, and a takeover applies what is behind (the taken
+directory equals a full load); a copy that fails to apply stops and the takeover loads in full."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from metaserver import warmpace
+from metaserver.directory import Directory
+from metaserver.persist import EtcdStore
+from metaserver.standby import WarmDirectory
+from test_standby import PREFIX, UNIT, Writer, equals_full_load, take_over, wait_until
+
+
+def test_copy_under_load_lags_paced_then_catches_up_to_a_full_load(etcd):
+    asyncio.run(_paced(etcd.url))
+
+
+async def _paced(url: str) -> None:
+    """A process that serves (here: a task that keeps the event loop busy in 3 ms steps) has its warm copy apply
+    paced: it rests (``paused_s``) and falls behind (``lag``) while pages arrive; idle, it applies as they come
+    and never rests; a takeover's catch_up applies the backlog, and the taken directory equals a full load."""
+    store = EtcdStore(url, PREFIX)
+    await store.wait_ready(10)
+    w = Writer(store)
+    try:
+        await w.txn([w.arena("n1", capacity=8192 * UNIT)])
+        warm = WarmDirectory(store, Directory)
+        warm.start()
+        await wait_until(lambda: warm.loaded)
+        w.events = 0
+        await w.txn([w.page(i, "n1", i) for i in range(100)])
+        await wait_until(lambda: warm.dir.objects == 100)
+        assert warm.pace.paused_s == 0.0 and warm.backlog.lag == 0  # idle: applied as it came, never rested
+
+        stop = asyncio.Event()
+
+        async def serve() -> None:  # the loop busy answering requests: 3 ms of work, then a yield
+            while not stop.is_set():
+                t = time.perf_counter()
+                while time.perf_counter() - t < 0.003:
+                    pass
+                await asyncio.sleep(0)
+
+        busy = asyncio.create_task(serve())
+        share, warmpace.DEFER_SHARE = warmpace.DEFER_SHARE, 0.02  # a slow pace, so the lag outlasts the writes
+        try:
+            for lo in range(100, 4100, 500):  # 8 x 500 page records (100-op transactions): 4,000 events
+                await w.txn([w.page(i, "n1", i) for i in range(lo, lo + 500)])
+            last = await store.revision()
+            await wait_until(lambda: warm.seen >= last)
+            behind = warm.backlog.lag
+            assert 0 < warm.backlog.lag_bytes < warmpace.LAG_MAX_BYTES
+            assert warm.pace.paused_s > 0, "the copy never rested while the loop was busy"
+        finally:
+            warmpace.DEFER_SHARE = share
+            stop.set()
+            await busy
+        print(f"paced copy: rested {warm.pace.paused_s:.3f}s, {behind} of 4,000 events behind, "
+              f"{warm.dir.objects} pages")
+        assert 0 < behind <= 4000 and warm.dir.objects < 4100  # it fell behind while the loop served
+        assert warm.backlog.lag_bytes < warmpace.LAG_MAX_BYTES  # (so the bound did not force it to full speed)
+
+        h = await take_over(store, warm, w)
+        assert warm.backlog.lag == 0 and not warm.backlog
+        assert h.pages == 4100 and h.events == w.events
+        h.dir.check()
+        assert await equals_full_load(store, h)
+    finally:
+        await store.close()
+
+
+def test_a_copy_that_fails_to_apply_stops_and_the_takeover_loads_in_full(etcd):
+    asyncio.run(_broken(etcd.url))
+
+
+async def _broken(url: str) -> None:
+    """An exception applying an event (a bug) stops the copy, logged, instead of leaving the watch to queue events
+    nobody applies: its task ends and a takeover's catch_up answers False (the caller loads in full)."""
+    store = EtcdStore(url, PREFIX)
+    await store.wait_ready(10)
+    w = Writer(store)
+    try:
+        await w.txn([w.arena("n1")])
+        warm = WarmDirectory(store, Directory)
+        warm.start()
+        await wait_until(lambda: warm.loaded)
+
+        def bug(events: list) -> None:
+            raise RuntimeError("a bug applying events")
+
+        warm.apply = bug  # type: ignore[method-assign]
+        await w.txn([w.page(0, "n1", 0)])
+        await wait_until(lambda: warm._task.done())
+        assert warm.dir.objects == 0 and warm._task.exception() is None  # ended, logged, not raised
+        await store.txn([store.op_put(store.leader_key, b"me")])
+        assert not await warm.catch_up(await store.revision(), 2.0)
+    finally:
+        await store.close()
