@@ -8,9 +8,9 @@ key it wins, so a process that dies loses all of them at once when its lease exp
 ``members/`` and ``slotmap/`` (two range reads) and, for each slot s and for the membership role ``m``:
 
 - nobody holds it: campaign (create ``slotmap/{s}`` if absent) when this process is rank r of slot s's order in
-  ``ranking(S, live members)`` (balanced: S/N slots each; ``rank`` for ``m``) and the slot has been vacant for
-  r * RANK_DELAY_S: a dead process's slots go to each one's next-ranked process (its successor, which kept the
-  warm copy), all in the same round, in parallel;
+  ``ranking(S, live members)`` (balanced: S/N slots each; ``rank`` for ``m``), the processes with a loaded warm
+  copy of s moved to the front, and the slot has been vacant for r * RANK_DELAY_S: a dead process's slots go to
+  each one's successor (which kept the warm copy), all in the same round, in parallel;
 - we hold it and a process ranked above us reports its warm copy of s loaded (``members`` value ``warm``): hand it
   over (stop serving, flush queued writes, delete the key fenced): that is how a joining process takes its share;
 - someone else holds it: keep a warm copy (today's ``WarmDirectory``, on this slot's pages) when this process is
@@ -340,7 +340,7 @@ class Partition(PartitionAnswers):
                     self._spawn(self._depose(name, "its slot key is gone"))
                     continue
                 since = self._vacant.setdefault(name, now)
-                if now - since >= order.index(self.addr) * RANK_DELAY_S and self.lease_valid():
+                if now - since >= self._delay(name, order) and self.lease_valid():
                     campaigns.append(name)
                 continue
             self._vacant.pop(name, None)
@@ -366,6 +366,16 @@ class Partition(PartitionAnswers):
             await self._sync_nodes(now)
         if tuple(sorted(self._warm_loaded())) != self._warm_sent and self.lease_valid():
             await self._put_member()
+
+    def _delay(self, name: str, order: list[str]) -> float:
+        """How long slot ``name`` stays vacant before this process campaigns: its place in the slot's order with the
+        processes whose warm copy of it is loaded moved to the front (in order), times RANK_DELAY_S. A dead leader's
+        slot goes to the process that kept its copy even where the survivors' map puts it elsewhere (``ranking``);
+        it moves there later, warm."""
+        loaded = self._warm_loaded()
+        warm = [a for a in order if (name in loaded if a == self.addr
+                                     else name in ((self.members.get(a) or {}).get("warm") or ()))]
+        return (warm + [a for a in order if a not in warm]).index(self.addr) * RANK_DELAY_S
 
     def _keep_warm(self, srv: SlotServer, name: str, order: list[str], holder: str) -> None:
         if name == MEMBERSHIP:

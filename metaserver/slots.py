@@ -88,25 +88,64 @@ def _balanced(slots: int, members: tuple[str, ...]) -> list[str]:
     return out  # type: ignore[return-value]
 
 
+def _successors(slots: int, members: tuple[str, ...], lead: list[str], without: dict) -> list[str]:
+    """Each page slot's successor (the process that keeps its warm copy and takes it over first), never its leader:
+    the slot's leader in ``_balanced`` over the members without its leader (``without``), so that after a death the
+    slot is where the survivors' own map puts it, while that process keeps at most floor or ceil of S/N copies as
+    ``_balanced`` caps leaders; the other slots go to the process with fewest copies (ties: rendezvous), and a last
+    pass moves copies from the busiest to the idlest process while they differ by two or more. A copy costs its
+    process about half of leading the slot (``bench/warmcopy.py``), and every batch waits on its busiest process:
+    successors taken from the removal maps alone gave 4 processes 2, 2, 0 and 0 copies of 4 slots, 8 processes
+    2 to 20 of 64. Slots whose successor is not the survivors' leader (10-30 %) move once more after a death, warm
+    (partition.py's handover). O(S N)."""
+    low, big = divmod(slots, len(members))
+    copies = dict.fromkeys(members, 0)
+    out: list[str] = [""] * slots
+    rest = []
+    for s in range(slots):
+        a = without[lead[s]][s]
+        if copies[a] < low or (copies[a] == low and big):
+            big -= copies[a] == low
+            out[s] = a
+            copies[a] += 1
+        else:
+            rest.append(s)
+    for s in rest:
+        a = min((m for m in members if m != lead[s]), key=lambda m, s=s: (copies[m], _score(str(s), m)))
+        out[s] = a
+        copies[a] += 1
+    for _ in range(slots):
+        hi = max(members, key=lambda m: (copies[m], m))
+        lo = min(members, key=lambda m: (copies[m], m))
+        s = next((s for s in range(slots) if out[s] == hi and lead[s] != lo), None) \
+            if copies[hi] - copies[lo] > 1 else None
+        if s is None:
+            break
+        out[s] = lo
+        copies[hi] -= 1
+        copies[lo] += 1
+    return out
+
+
 @functools.lru_cache(maxsize=16)
 def ranking(slots: int, members: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     """Per page slot, the order of ``members`` (sorted, no duplicates): [leader, successor, the rest by
-    rendezvous]. The leaders are ``_balanced`` over ``members``; a slot's successor is its leader in
-    ``_balanced`` over the members without its leader, so when a process dies each of its slots goes to the
-    process that kept its warm copy, and its slots spread over the survivors evenly. Every process computes the
-    same orders from the same member list, with no coordinator. A removal can also move a slot or two of the
-    survivors (1-2 on average for 16-64 slots over 2-8 processes): those are handed over warm (the new leader
-    loads its copy first), as a join's share is. Cached per member list; O(N) balanced assignments."""
+    rendezvous]. The leaders are ``_balanced`` over ``members``; successors are ``_successors``: balanced too, and
+    mostly the slot's leader in ``_balanced`` over the members without its leader, so when a process dies each of
+    its slots goes to the process that kept its warm copy (``partition.py`` lets a warm copy campaign first), its
+    slots spread over the survivors evenly, and most stay there. Every process computes the same orders from the
+    same member list, with no coordinator. A removal can also move a slot or two of the survivors (1-2 on average
+    for 16-64 slots over 2-8 processes): those are handed over warm (the new leader loads its copy first), as a
+    join's share is. Cached per member list; O(N) balanced assignments."""
     if not members:
         return tuple(() for _ in range(slots))
     lead = _balanced(slots, members)
-    without = {a: _balanced(slots, tuple(m for m in members if m != a)) if len(members) > 1 else None
-               for a in members}
+    if len(members) > 1:
+        without = {a: _balanced(slots, tuple(m for m in members if m != a)) for a in members}
+        succ = _successors(slots, members, lead, without)
     out = []
     for s in range(slots):
-        first = lead[s]
-        after = without[first]
-        order = [first] + ([after[s]] if after is not None else [])
+        order = [lead[s]] + ([succ[s]] if len(members) > 1 else [])
         order += [a for a in rank(str(s), list(members)) if a not in order]
         out.append(tuple(order))
     return tuple(out)
