@@ -11,11 +11,13 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
 from test_failover import raw
+from metaserver.partition import RANK_DELAY_S, Partition
 from metaserver.slots import leaders, ranking, region
 from transport import slotrules, wire
 from transport.framed import FramedSocket
@@ -96,6 +98,24 @@ def test_slot_ranking_and_regions():
     for (b0, n0), (b1, _) in zip(regions, regions[1:]):
         assert b0 + n0 <= b1  # never overlapping
     assert regions[0][0] == wire.ARENA_DATA_START and regions[-1][0] + regions[-1][1] <= wire.ARENA_DATA_START + cap
+
+
+def test_a_loaded_warm_copy_campaigns_first():
+    """A vacant slot's campaign delay: the rank in the slot's order with the processes reporting a loaded warm copy
+    of it moved to the front (a dead leader's slot goes to whoever kept its copy, ranked first or not)."""
+    p = Partition.__new__(Partition)
+    p.addr, order = "b:1", ["a:1", "c:1", "b:1"]
+    p.servers = {"0": SimpleNamespace(warm=None)}
+    p.members = {"a:1": {"warm": []}, "c:1": {"warm": []}}
+    assert p._delay("0", order) == 2 * RANK_DELAY_S  # nobody warm: the plain rank
+    p.members["c:1"]["warm"] = ["0"]
+    assert p._delay("0", order) == 2 * RANK_DELAY_S  # c first, then a, then b
+    p.servers["0"].warm = SimpleNamespace(loaded=True)
+    assert p._delay("0", order) == RANK_DELAY_S  # b and c both warm: in order, c then b
+    p.members["c:1"]["warm"] = ["1"]
+    assert p._delay("0", order) == 0  # b alone warm: first
+    p.servers["0"].warm.loaded = False  # a copy still loading counts as none
+    assert p._delay("0", order) == 2 * RANK_DELAY_S
 
 
 # ----------------------------------------------------------------------------------------------------------------
