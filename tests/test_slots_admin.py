@@ -43,6 +43,8 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
         time.sleep(0.2)
         per = {m["addr"]: m for m in cl.cli_json("stats")["metaservers"]}
     assert set().union(*(set(ws) for ws in warm.values())) == set(range(SLOTS)), warm
+    held = sorted(len(ws) for ws in warm.values())
+    assert len(held) == len(per) and held[-1] - held[0] <= 1, warm  # the copies spread as the leaders do
     for a, ws in warm.items():
         assert not set(ws) & set(per[a]["slots_led"]), (a, ws)
         for w in ws.values():
