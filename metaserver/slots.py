@@ -97,7 +97,7 @@ def _successors(slots: int, members: tuple[str, ...], lead: list[str], without: 
     process about half of leading the slot (``bench/warmcopy.py``), and every batch waits on its busiest process:
     successors taken from the removal maps alone gave 4 processes 2, 2, 0 and 0 copies of 4 slots, 8 processes
     2 to 20 of 64. Slots whose successor is not the survivors' leader (10-30 %) move once more after a death, warm
-    (partition.py's handover). O(S N)."""
+    (partition.py's handover). O(S N), the last pass O(S^2) at worst."""
     low, big = divmod(slots, len(members))
     copies = dict.fromkeys(members, 0)
     out: list[str] = [""] * slots
@@ -114,11 +114,12 @@ def _successors(slots: int, members: tuple[str, ...], lead: list[str], without: 
         a = min((m for m in members if m != lead[s]), key=lambda m, s=s: (copies[m], _score(str(s), m)))
         out[s] = a
         copies[a] += 1
-    for _ in range(slots):
+    for _ in range(slots):  # each move narrows the spread between the busiest and the idlest
         hi = max(members, key=lambda m: (copies[m], m))
         lo = min(members, key=lambda m: (copies[m], m))
-        s = next((s for s in range(slots) if out[s] == hi and lead[s] != lo), None) \
-            if copies[hi] - copies[lo] > 1 else None
+        if copies[hi] - copies[lo] < 2:
+            break
+        s = next((s for s in range(slots) if out[s] == hi and lead[s] != lo), None)
         if s is None:
             break
         out[s] = lo
