@@ -8,6 +8,7 @@ Real etcd, metaserver and node processes; assertions on bytes, counts and slot m
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -53,6 +54,21 @@ def wait_map(addrs: list[str], want: set[str], timeout: float) -> dict:
             return last
         time.sleep(0.1)
     raise AssertionError(f"slot map did not settle on {sorted(want)} within {timeout}s: {last}")
+
+
+TAKEOVER = re.compile(r"slot (\d+): leader at revision \d+ \((warm|full load)")  # partition.py's log line
+
+
+def wait_copies_loaded(cl, timeout: float) -> None:
+    """Until every slot's warm copy is loaded on its successor (STATS ``warm_copies``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        per = cl.cli_json("stats")["metaservers"]
+        copies = [w for m in per for w in (m.get("warm_copies") or {}).values()]
+        if len(copies) == SLOTS and all(w["loaded"] for w in copies):
+            return
+        assert time.monotonic() < deadline, f"warm copies not loaded within {timeout}s: {per}"
+        time.sleep(0.2)
 
 
 def partitioned(make_cluster, metaservers: int = 3, **kw):
@@ -300,6 +316,8 @@ def test_sigkill_one_of_three_under_load(make_cluster):
     victim = max(cl.metaservers, key=lambda m: info["map"].count(m.addr))
     led = [s for s, a in enumerate(info["map"]) if a == victim.addr]
     assert led, info
+    wait_copies_loaded(cl, 20.0)
+    logged = {m.addr: m.err_path.stat().st_size for m in cl.metaservers if m is not victim}
     victim.kill(signal.SIGKILL, wait=True)
     t_kill = time.monotonic()
     survivors = [a for a in addrs if a != victim.addr]
@@ -343,6 +361,16 @@ def test_sigkill_one_of_three_under_load(make_cluster):
     assert not lost, f"{len(lost)} committed pages lost, e.g. {lost[:3]}"
     assert not wrong, f"{len(wrong)} pages with wrong bytes"
     assert set(after["map"]) <= set(survivors)
+    # Every slot the survivors took since the kill, the victim's first and any moved on to the survivors' own map,
+    # started from a loaded warm copy (a process holding one campaigns first), never from a full load.
+    took = []
+    for m in cl.metaservers:
+        if m.addr in logged:
+            with open(m.err_path, errors="replace") as fh:
+                fh.seek(logged[m.addr])
+                took += TAKEOVER.findall(fh.read())
+    assert set(led) <= {int(s) for s, _ in took}, (led, took)
+    assert all(how == "warm" for _, how in took), took
 
 
 # ----------------------------------------------------------------------------------------------------------------
