@@ -51,7 +51,7 @@ async def _paced(url: str) -> None:
                 await w.txn([w.page(i, "n1", i) for i in range(lo, lo + 500)])
             last = await store.revision()
             await wait_until(lambda: warm.seen >= last)
-            behind = warm.backlog.lag
+            behind, applied = warm.backlog.lag, warm.dir.objects  # one instant: the idle loop catches up after
             assert 0 < warm.backlog.lag_bytes < warmpace.LAG_MAX_BYTES
             assert warm.pace.paused_s > 0, "the copy never rested while the loop was busy"
         finally:
@@ -59,9 +59,8 @@ async def _paced(url: str) -> None:
             stop.set()
             await busy
         print(f"paced copy: rested {warm.pace.paused_s:.3f}s, {behind} of 4,000 events behind, "
-              f"{warm.dir.objects} pages")
-        assert 0 < behind <= 4000 and warm.dir.objects < 4100  # it fell behind while the loop served
-        assert warm.backlog.lag_bytes < warmpace.LAG_MAX_BYTES  # (so the bound did not force it to full speed)
+              f"{applied} pages applied")
+        assert 0 < behind <= 4000 and applied < 4100  # it fell behind while the loop served
 
         h = await take_over(store, warm, w)
         assert warm.backlog.lag == 0 and not warm.backlog
