@@ -36,9 +36,14 @@ PIECE_BYTES = 1 << 16  # records applied by one ``apply`` at most (about 650 pag
 # received batches are merged up to it (longer runs of page puts), larger ones split (no long stall of the loop)
 
 
+def event_bytes(ev) -> int:
+    """Bytes of a received event's record (the work of applying it grows with them); a delete counts 64."""
+    return len(ev.kv.value) or 64
+
+
 def record_bytes(events: list) -> int:
-    """Bytes of the records of received events (the work of applying them grows with them); a delete counts 64."""
-    return sum(len(ev.kv.value) or 64 for ev in events)
+    """``event_bytes`` of received events, summed."""
+    return sum(map(event_bytes, events))
 
 
 class Backlog:
@@ -74,7 +79,7 @@ class Backlog:
         if size > PIECE_BYTES and len(events) > 1:
             n = used = 0
             while n < len(events) - 1 and used < PIECE_BYTES:
-                used += len(events[n].kv.value) or 64
+                used += event_bytes(events[n])
                 n += 1
             q.appendleft((events[n:], size - used))
             events, size = events[:n], used
