@@ -76,6 +76,18 @@ def partitioned(make_cluster, metaservers: int = 3, **kw):
                         metaserver_flags={"slots": SLOTS, "election_ttl": TTL_S}, **kw)
 
 
+def filled(make_cluster, prefix: str, n: int, size: int = 6000):
+    """A 3-process partitioned pool, its slot map settled, with pages ``{prefix}{i}`` (``payload(i, size)``) put:
+    (cluster, the processes' addresses, the LEADER answer, the keys)."""
+    cl = partitioned(make_cluster)
+    addrs = [m.addr for m in cl.metaservers]
+    info = wait_map(addrs, set(addrs), 30.0)
+    keys = [f"{prefix}{i}".encode() for i in range(n)]
+    with cl.client() as c:
+        assert c.batch_put(keys, [payload(i, size) for i in range(n)]) == [True] * n
+    return cl, addrs, info, keys
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the arithmetic: slots, ranking, regions (no processes)
 
@@ -232,12 +244,7 @@ def test_one_request_per_process_and_only_moved_keys_rerouted(make_cluster):
 
 
 def test_multi_slot_request_on_the_wire(make_cluster):
-    cl = partitioned(make_cluster)
-    addrs = [m.addr for m in cl.metaservers]
-    info = wait_map(addrs, set(addrs), 30.0)
-    keys = [f"wire{i}".encode() for i in range(200)]
-    with cl.client() as c:
-        assert c.batch_put(keys, [payload(i, 100) for i in range(200)]) == [True] * 200
+    cl, _, info, keys = filled(make_cluster, "wire", 200, 100)
     by: dict[int, list[bytes]] = {}
     for k in keys:
         by.setdefault(slotrules.slot_of("default", k, SLOTS), []).append(k)

@@ -8,7 +8,7 @@ import re
 import time
 
 from test_metrics import scrape, value
-from test_slots import SLOTS, partitioned, payload, wait_map
+from test_slots import SLOTS, filled, payload, wait_map
 from test_up import up  # noqa: F401  (the fixture)
 from transport import slotrules, wire
 from transport.wire import Op
@@ -17,12 +17,7 @@ from umbp.slotmap import split_by_use
 
 
 def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
-    cl = partitioned(make_cluster)
-    addrs = [m.addr for m in cl.metaservers]
-    info = wait_map(addrs, set(addrs), 30.0)
-    keys = [f"s{i}".encode() for i in range(240)]
-    with cl.client() as c:
-        assert all(c.batch_put(keys, [payload(i) for i in range(240)]))
+    cl, addrs, info, keys = filled(make_cluster, "s", 240)
     st = cl.cli_json("stats")
     assert st["objects"] == 240
     assert st["slots"] == SLOTS and st["slot_map"] == info["map"]
