@@ -492,6 +492,8 @@ OBJ_HEADER = struct.Struct("<IHHQQQII24x")
 OBJ_HEADER_SIZE = OBJ_HEADER.size  # 64
 OBJ_FLAG_CHECKSUM = 1
 _OBJ_CRC_SPAN = 36  # everything before header_crc
+_OBJ_HEAD = struct.Struct("<IHHQQQI")  # OBJ_HEADER's fields before header_crc (_OBJ_CRC_SPAN bytes)
+_OBJ_TAIL = struct.Struct("<I24x")  # header_crc and the padding
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -510,10 +512,11 @@ def key_hash(namespace: str, key: bytes) -> int:
 
 
 def pack_object_header(khash: int, generation: int, payload_len: int, checksum: int | None = None) -> bytes:
-    flags = 0 if checksum is None else OBJ_FLAG_CHECKSUM
-    head = OBJ_HEADER.pack(OBJ_MAGIC, OBJ_VERSION, flags, khash, generation, payload_len, checksum or 0, 0)
-    crc = zlib.crc32(head[:_OBJ_CRC_SPAN])
-    return head[:_OBJ_CRC_SPAN] + struct.pack("<I", crc) + head[_OBJ_CRC_SPAN + 4:]
+    """``OBJ_HEADER``'s bytes: the fields before header_crc, then their crc and the padding (two packs: once a
+    page put)."""
+    head = _OBJ_HEAD.pack(OBJ_MAGIC, OBJ_VERSION, 0 if checksum is None else OBJ_FLAG_CHECKSUM, khash, generation,
+                          payload_len, checksum or 0)
+    return head + _OBJ_TAIL.pack(zlib.crc32(head))
 
 
 def check_object_header(buf: bytes | memoryview, component: str, khash: int, generation: int,

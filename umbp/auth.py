@@ -83,7 +83,7 @@ from itertools import chain
 
 import numpy as np
 
-from umbp.errors import AuthError, ConfigError
+from umbp.errors import AuthError, ConfigError, ProtocolError
 from umbp.sizes import parse_size
 
 NONCE_BYTES = 32
@@ -411,13 +411,20 @@ def check_read_capability(cap_key: bytes | None, cap: object, offset: int, paylo
         raise AuthError(component, f"no valid capability to read the object at {offset}")
 
 
-def with_caps(rows: list, caps: list | None, at: int) -> list:
+def with_caps(rows: list, caps: list | None, at: int, component: str = "client") -> list:
     """An ALLOC answer's items (``at`` 6) or a LOOKUP answer's locations (``at`` 5) with each capability index
     replaced by the capability itself: one bytes object per node, so a transport sends it once per frame. Rows
-    without one (None, a non-NEW item) are kept."""
+    without one (None, a non-NEW item) are kept. The rows are the answer's own decoded lists, changed in place (a
+    new list a row cost a put or get a microsecond a page); an index that names no capability is a ProtocolError."""
     if not caps:
         return rows
-    return [r if r is None or len(r) <= at else [*r[:at], caps[r[at]]] for r in rows]
+    try:
+        for r in rows:
+            if r is not None and len(r) > at:
+                r[at] = caps[r[at]]
+    except (IndexError, TypeError) as e:
+        raise ProtocolError(component, f"malformed answer: a capability index names none of {len(caps)}") from e
+    return rows
 
 
 class CapCache:

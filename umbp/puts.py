@@ -289,7 +289,8 @@ class PutPath:
 
         def add(i: int, item: Any, parts: list[memoryview]) -> None:
             _, node_id, off, size, gen, tag, cap = item
-            if any(type(p) is Rows for p in parts) and (checksum or not self._reads_rows(node_id, deadline)):
+            if (type(parts[0]) is Rows if len(parts) == 1 else any(type(p) is Rows for p in parts)) and (
+                    checksum or not self._reads_rows(node_id, deadline)):
                 parts = [v for p in parts for v in (p.views() if type(p) is Rows else (p,))]  # one view per row
             header = pack(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
             ops = batches.get(node_id)

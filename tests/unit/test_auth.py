@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from transport import wire
-from umbp.auth import ClientAuth, Tokens, rank_tags, token_id
-from umbp.errors import AuthError, ConfigError
+from umbp.auth import ClientAuth, Tokens, rank_tags, token_id, with_caps
+from umbp.errors import AuthError, ConfigError, ProtocolError
 
 SECRET = "cluster-secret-0123456789"
 A = "tenant-a-secret-0123456789"
@@ -155,3 +155,16 @@ def test_rank_tags_differ_per_rank_from_plain_tags_and_come_from_the_shard_bases
         assert not set(bases.tolist()) & every  # the base itself is never handed out as a tag
         assert tokens.tags("other", keys, 3) != per_rank[3]
     assert rank_tags(np.array([2**64 - 1], np.uint64), 255).dtype == np.uint64  # wraps, never overflows
+
+
+def test_with_caps_puts_each_rows_capability_in_place_and_refuses_an_index_naming_none():
+    caps = [b"cap-node-a", b"cap-node-b"]
+    items = [[0, "a", 0, 10, 7, 99, 1], [1], [0, "b", 4096, 10, 8, 98, 0], None]
+    rows = list(items)
+    assert with_caps(items, caps, 6) is items
+    assert items == [[0, "a", 0, 10, 7, 99, b"cap-node-b"], [1], [0, "b", 4096, 10, 8, 98, b"cap-node-a"], None]
+    assert all(a is b for a, b in zip(items, rows))  # the decoded lists themselves, no copies
+    assert with_caps([[0, "a", 0, 10, 7, 99, 0]], [], 6) == [[0, "a", 0, 10, 7, 99, 0]]  # open pool: kept
+    for bad in (2, -3, "x", None):
+        with pytest.raises(ProtocolError, match="capability index"):
+            with_caps([["a", 0, 10, 7, 99, bad]], caps, 5)

@@ -3,6 +3,9 @@
 import os
 import random
 
+import struct
+import zlib
+
 import pytest
 
 from transport import slotrules, wire
@@ -123,6 +126,16 @@ def test_object_header_detects_stale_torn_and_wrong_length():
     with pytest.raises(CorruptionError, match="no object header"):
         wire.check_object_header(bytes(64), "t", kh, 42, 1000)
     assert wire.object_size(0) == 4096 and wire.object_size(4032) == 4096 and wire.object_size(4033) == 8192
+
+
+@pytest.mark.parametrize("csum", [None, 0, 0xDEADBEEF])
+def test_object_header_bytes_are_the_documented_layout(csum):
+    """The arena format, field by field: magic, version, flags, key hash, generation, payload length, checksum,
+    then the crc of those 36 bytes and 24 zero bytes (nodes reopening an arena written by an older build read it)."""
+    h = wire.pack_object_header(0x0123456789ABCDEF, (1 << 63) - 5, 4000, csum)
+    head = struct.pack("<IHHQQQI", wire.OBJ_MAGIC, wire.OBJ_VERSION, 0 if csum is None else wire.OBJ_FLAG_CHECKSUM,
+                       0x0123456789ABCDEF, (1 << 63) - 5, 4000, csum or 0)
+    assert h == head + struct.pack("<I", zlib.crc32(head)) + bytes(24)
 
 
 def test_memory_follows_arrived_bytes_not_announced_lengths():
