@@ -75,7 +75,10 @@ def _flat_view(obj: Any, what: str, writable: bool, index: int | None = None) ->
 def as_bytes_view(value: Any, what: str = "value", index: int | None = None) -> memoryview:
     """A read-only flat byte view of ``value`` (a CUDA tensor is copied to the host first; a ``Rows`` passes as it
     is: its rows back to back are the value). ``what`` (with ``index``: ``what[index]``) names it in errors."""
-    if type(value) is Rows:
+    t = type(value)
+    if t is bytes or t is bytearray:  # always flat bytes: their view needs none of the checks (a put's usual value)
+        return memoryview(value)
+    if t is Rows:
         return value
     if _is_torch(value):
         if value.device.type != "cpu":
