@@ -226,6 +226,24 @@ class Allocator:
         self._mask |= 1 << b
         members[start] = None
 
+    def alloc_run(self, size: int, count: int) -> tuple[int, int] | None:
+        """Up to ``count`` adjacent extents of ``size`` bytes each: the first as ``alloc`` chooses it, then as many
+        more as the free extent right after it holds (``reserve``: O(1) there). Returns (offset of the first, how
+        many), or None when not even one fits. Each extent may be freed on its own (tracked: each is recorded)."""
+        off = self.alloc(size)
+        if off is None:
+            return None
+        need = -(-size // UNIT)
+        more = min(count - 1, self._free.get((off - self.base) // UNIT + need, 0) // need)
+        if more > 0:
+            step = need * UNIT
+            if self._allocated is None:  # one reservation for all of them (see ``tracks_nothing``)
+                self.reserve(off + step, more * step)
+            else:
+                for j in range(1, more + 1):
+                    self.reserve(off + j * step, step)
+        return off, 1 + max(more, 0)
+
     def reserve(self, offset: int, size: int) -> bool:
         """Allocate exactly ``[offset, offset + size)`` if all of it is free and inside the region; False otherwise
         (nothing changes). For a warm standby replaying the leader's placements (``metaserver/standby.py``).

@@ -231,7 +231,12 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         # writer's (token, owner) is one tuple for the request.
         pd = pend.get(ns)
         writer = (token, owner)
-        place = None
+        placer = None
+        # A run (placement.Placer.want): the next run_left objects of run_size bytes at run_off, run_off +
+        # run_size, ... on run_sp, allocated at once and handed out to the keys that follow (no parent, or the run's
+        # node as parent's); what a request does not use goes back (Placer.give_back).
+        run_sp, run_off, run_left, run_size = None, 0, 0, 0
+        nkeys = len(keys)
         for i, key in enumerate(keys):
             if key in seen:
                 items.append(EXISTS_ITEM)
@@ -265,19 +270,28 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
                     pe = pd.get(parent)
                 if pe is not None:
                     near, parent = pe.space, pe.key
-            if place is None:
-                place = Placer(self, fx).place
             pl = interned.get(plen)
             if pl is None:
                 pl = self._plen(plen)
                 osize = object_size(plen)
             else:
                 osize = osizes[pl]
-            placed = place(osize, near)
-            if placed is None:
-                items.append(NO_SPACE_ITEM)
-                continue
-            sp, off = placed
+            if run_left and run_size == osize and (near is None or near is run_sp):
+                sp, off = run_sp, run_off
+                run_off += osize
+                run_left -= 1
+            else:
+                if run_left:
+                    placer.give_back(run_sp, run_off, run_left, run_size)
+                if placer is None:
+                    placer = Placer(self, fx)
+                placed = placer.place(osize, near, nkeys - i)
+                if placed is None:
+                    run_left = 0
+                    items.append(NO_SPACE_ITEM)
+                    continue
+                sp, off = placed
+                run_sp, run_off, run_left, run_size = sp, off + osize, placer.got - 1, osize
             gen = gen_base + i
             e = Entry(ns, key, sp, off, pl, gen, PENDING, parent, now)
             if pd is None:
@@ -287,6 +301,8 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
             added += osize
             sp.n += 1
             items.append((NEW, sp.node_id, off, plen, gen))
+        if run_left:
+            placer.give_back(run_sp, run_off, run_left, run_size)
         if added:
             self._count(ns, added)
         return items, fx

@@ -172,3 +172,19 @@ def test_holes_are_refilled_oldest_first_and_bins_that_empty_stay_consistent(uni
     del extents[got[1]]
     a.check(list(extents.items()))
     assert a.alloc(size) == got[1]
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_alloc_run_takes_adjacent_extents_each_freed_on_its_own(track):
+    a = Allocator(ARENA_DATA_START, 64 * ALIGN, track=track)
+    assert a.alloc_run(2 * ALIGN, 8) == (ARENA_DATA_START, 8)  # a fresh region: the whole run
+    assert a.used == 16 * ALIGN
+    assert a.alloc_run(ALIGN, 1) == (ARENA_DATA_START + 16 * ALIGN, 1)
+    for j in (1, 3, 5):  # each object of the run is an extent of its own
+        a.free(ARENA_DATA_START + j * 2 * ALIGN, 2 * ALIGN)
+    a.check(None if track else [(ARENA_DATA_START + j * 2 * ALIGN, 2 * ALIGN) for j in (0, 2, 4, 6, 7)]
+            + [(ARENA_DATA_START + 16 * ALIGN, ALIGN)])
+    # holes of one object each: a run there is one object, as alloc would give
+    assert a.alloc_run(2 * ALIGN, 4) == (ARENA_DATA_START + 2 * ALIGN, 1)
+    full = Allocator(ARENA_DATA_START, 4 * ALIGN, track=track)
+    assert full.alloc_run(ALIGN, 9) == (ARENA_DATA_START, 4) and full.alloc_run(ALIGN, 2) is None

@@ -530,3 +530,23 @@ def test_a_slot_links_only_the_parents_of_its_own_slot():
     assert e[b"kid-of-mine"].parent == mine and e[b"kid-of-other"].parent is None
     assert d.policy.tier_of(e[b"kid-of-other"]) == 1 and d.policy.tier_of(e[mine]) == 2
     d.check()
+
+
+def test_a_batch_is_placed_in_runs_spread_over_the_nodes_and_leftovers_go_back():
+    d = make(units=200, nodes=("n1", "n2"))
+    keys = [b"k%d" % i for i in range(96)]
+    items, _ = d.alloc("m", keys, [PAGE] * 96, None, 1, 0.0)
+    by_node = {n: sorted(it[2] for it in items if it[1] == n) for n in ("n1", "n2")}
+    assert len(by_node["n1"]) == len(by_node["n2"]) == 48  # the batch's share of each node
+    for offs in by_node.values():  # in runs of adjacent objects: 48 = 32 + 16, two runs a node
+        gaps = sum(1 for a, b in zip(offs, offs[1:]) if b != a + ALIGN)
+        assert gaps <= 1
+    d.check()
+    # a request whose later keys exist: the run made for them goes back (used == what the entries hold)
+    ok, _ = d.commit("m", keys, [it[4] for it in items], 1.0)
+    assert all(ok)
+    more = [b"new0"] + keys[:40]
+    items2, _ = d.alloc("m", more, [PAGE] * len(more), None, 500, 2.0)
+    assert items2[0][0] == NEW and [it[0] for it in items2[1:]] == [EXISTS] * 40
+    assert d.used == 97 * ALIGN
+    d.check()
