@@ -236,7 +236,13 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         # run_size, ... on run_sp, allocated at once and handed out to the keys that follow (no parent, or the run's
         # node as parent's); what a request does not use goes back (Placer.give_back).
         run_sp, run_off, run_left, run_size = None, 0, 0, 0
-        nkeys = len(keys)
+        # Keys this request will place (neither stored nor pending), so a run never exceeds what the request needs.
+        # Evicting for a run only when none of its keys is stored: one object at a time, a stored key later in the
+        # request is used (made most recent) before the evictions for the keys after it, which a run's evictions,
+        # made at its first key, could take.
+        distinct = set(keys)
+        stored = sum(1 for k in distinct if k in r) if r else 0
+        to_place = len(distinct) - stored - (sum(1 for k in distinct if k in pd) if pd else 0)
         for i, key in enumerate(keys):
             if key in seen:
                 items.append(EXISTS_ITEM)
@@ -276,6 +282,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
                 osize = object_size(plen)
             else:
                 osize = osizes[pl]
+            to_place -= 1
             if run_left and run_size == osize and (near is None or near is run_sp):
                 sp, off = run_sp, run_off
                 run_off += osize
@@ -285,7 +292,8 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
                     placer.give_back(run_sp, run_off, run_left, run_size)
                 if placer is None:
                     placer = Placer(self, fx)
-                placed = placer.place(osize, near, nkeys - i)
+                    placer.evict_runs = not stored
+                placed = placer.place(osize, near, to_place + 1 if to_place > 0 else 1)
                 if placed is None:
                     run_left = 0
                     items.append(NO_SPACE_ITEM)

@@ -43,7 +43,7 @@ class Placer:
     keys are nearly always one size)."""
 
     __slots__ = ("d", "fx", "spaces", "free", "failed", "usable", "need", "top", "index", "va", "min_cap", "want",
-                 "got")
+                 "got", "evict_runs")
 
     def __init__(self, d: Directory, fx: Effects):
         self.d = d
@@ -66,6 +66,7 @@ class Placer:
         # some sizes do not fit); the caller hands the rest out itself.
         self.want = 1
         self.got = 1
+        self.evict_runs = True  # False: evict for one object at a time (the caller's request uses stored keys)
 
     def place(self, size: int, near: NodeSpace | None, left: int = 1) -> tuple[NodeSpace, int] | None:
         """Find ``size`` bytes. A free hole first: on ``near`` (the parent's node, so a chain stays together) unless
@@ -176,8 +177,12 @@ class Placer:
         return self._evict_for(size, need, ok)
 
     def _evict_for(self, size: int, need: int, ok: list[int] | None) -> tuple[NodeSpace, int] | None:
-        """Evict until ``size`` fits (see ``place``). ``free``, ``failed`` and ``usable`` stay current (a node that
-        evicted has lost no fit); evictions are counted once per call."""
+        """Evict until ``size`` fits (see ``place``); for a run (``want``), on until a run's worth is free on the
+        node evicting, unless its next victim is more recent than another node's (by (last use, node index): the
+        order one object at a time evicts in), it has nothing more to evict, or the budget is spent. So a run evicts
+        exactly the pages, in the order, that its objects placed one at a time would have, and since pages put
+        together lie together (and share their last use), their space comes back as one run. ``free``, ``failed``
+        and ``usable`` stay current (a node that evicted has lost no fit); evictions are counted once per call."""
         d, spaces, free, usable, failed, fx = self.d, self.spaces, self.free, self.usable, self.failed, self.fx
         first = d.policy.first
         evict = d._evict
@@ -185,6 +190,8 @@ class Placer:
         if va is None:
             va = self.va = [next_victim_access(d, s) for s in spaces]
         cand = va if ok is None else [va[i] if i in ok else _INF for i in range(len(spaces))]
+        want = self.want if ok is None and self.evict_runs else 1
+        target = need * want
         budget = PLACE_EVICT_BUDGET
         n = 0
         try:
@@ -196,6 +203,8 @@ class Placer:
                 sp = spaces[i]
                 nid = sp.node_id
                 al = sp.alloc
+                # where one object at a time would turn next (only a run asks: the others' victims stay put here)
+                other = min(((va[j], j) for j in range(len(va)) if j != i), default=(_INF, 0)) if want > 1 else None
                 victim = first(nid)
                 while victim is not None:
                     if budget <= 0:
@@ -209,10 +218,16 @@ class Placer:
                     if f > self.top:
                         self.top = f
                     victim = first(nid)
-                    if f >= need:
-                        off = al.alloc(size)
+                    if f >= need and (f >= target or victim is None or budget <= 0 or
+                                      (victim.last_access, i) > other):
+                        if want > 1:
+                            run = al.alloc_run(size, want)
+                            off, got = run if run is not None else (None, 0)
+                        else:
+                            off, got = al.alloc(size), 1
                         if off is not None:
-                            free[i] = usable[i] = f - need
+                            self.got = got
+                            free[i] = usable[i] = f - need * got
                             va[i] = victim.last_access if victim is not None else _INF
                             return sp, off
                 va[i] = _INF  # nothing left to evict there
