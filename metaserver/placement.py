@@ -62,8 +62,9 @@ class Placer:
         # A run: ``place`` for ``left`` more objects of one size takes ``want`` of them at once, adjacent on one
         # node, where a free hole holds them (one allocator step for all: ``Allocator.alloc_run``): an equal share
         # of the nodes (left / nodes, at most PLACE_RUN), so a batch still spreads over the nodes as one object at
-        # a time would, in runs. ``got`` says how many the last ``place`` found (1 after an eviction or on a node
-        # some sizes do not fit); the caller hands the rest out itself.
+        # a time would, in runs; up to PLACE_RUN of a chain (``near``: the parent's node), which one object at a
+        # time keeps on one node anyway. ``got`` says how many the last ``place`` found (1 after an eviction or on
+        # a node some sizes do not fit); the caller hands the rest out itself.
         self.want = 1
         self.got = 1
         self.evict_runs = True  # False: evict for one object at a time (the caller's request uses stored keys)
@@ -80,7 +81,7 @@ class Placer:
         if not spaces:
             return None
         self.got = 1
-        self.want = min(PLACE_RUN, -(-left // len(spaces)))
+        self.want = min(PLACE_RUN, left if near is not None else -(-left // len(spaces)))
         need = -(-size // UNIT)
         if size > self.min_cap:  # some nodes cannot hold it at all: leave them out (rare: huge objects)
             return self._place_some(size, need, near)
