@@ -205,7 +205,12 @@ class Placer:
                 nid = sp.node_id
                 al = sp.alloc
                 # where one object at a time would turn next (only a run asks: the others' victims stay put here)
-                other = min(((va[j], j) for j in range(len(va)) if j != i), default=(_INF, 0)) if want > 1 else None
+                other = None
+                if want > 1:  # two C-level scans, not a generator over the nodes (cand is va: no ``ok``)
+                    va[i] = _INF
+                    o = min(va)
+                    other = (o, va.index(o))
+                    va[i] = m
                 victim = first(nid)
                 while victim is not None:
                     if budget <= 0:
