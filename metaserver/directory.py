@@ -241,8 +241,8 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         # request is used (made most recent) before the evictions for the keys after it, which a run's evictions,
         # made at its first key, could take.
         distinct = set(keys)
-        stored = len(r.keys() & distinct) if r else 0  # C-level: walks the request's keys, not the map
-        to_place = len(distinct) - stored - (len(pd.keys() & distinct) if pd else 0)
+        stored = sum(1 for k in distinct if k in r) if r else 0
+        to_place = len(distinct) - stored - (sum(1 for k in distinct if k in pd) if pd else 0)
         for i, key in enumerate(keys):
             if key in seen:
                 items.append(EXISTS_ITEM)
