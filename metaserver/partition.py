@@ -14,7 +14,10 @@ key it wins, so a process that dies loses all of them at once when its lease exp
 - we hold it and a process ranked above us reports its warm copy of s loaded (``members`` value ``warm``): hand it
   over (stop serving, flush queued writes, delete the key fenced): that is how a joining process takes its share;
 - someone else holds it: keep a warm copy (today's ``WarmDirectory``, on this slot's pages) when this process is
-  rank 0 (the slot comes here once the copy is loaded) or the next-ranked after the holder (the successor).
+  rank 0 (the slot comes here once the copy is loaded) or the next-ranked after the holder (the successor);
+- we hold it under our lease but do not serve it, nor elect, hand over or depose it, two rounds running (etcd
+  applied a campaign whose answer was lost, a resign failed): campaign again, which adopts the key
+  (``_adopt_unserved``); nothing else ends that state before the lease does.
 
 Invariants: at most one process serves a slot at a time (the slot key is created once per term and every write
 is fenced on its create revision); a slot's leader serves only while the process lease is valid by its local
@@ -151,6 +154,8 @@ class Partition(PartitionAnswers):
         self.servers[MEMBERSHIP] = MembershipServer(config, self)
         self._vacant: dict[str, float] = {}
         self._busy: set[str] = set()  # slots being elected or handed over right now
+        self._deposing: set[str] = set()  # slots stepping down right now (``_depose``)
+        self._unserved: set[str] = set()  # slots seen held here but not served last round (``_adopt_unserved``)
         self._warm_sent: tuple = ()
         self._bg: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
@@ -192,8 +197,15 @@ class Partition(PartitionAnswers):
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
         self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
+        t.add_done_callback(self._done)
         return t
+
+    def _done(self, t: asyncio.Task) -> None:
+        """A background task ended: forget it, and log what it raised (a bug in a campaign or a handover must not
+        pass silently: the round's ``_adopt_unserved`` then repairs the slot it left)."""
+        self._bg.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("metaserver: background task %s failed", t.get_name(), exc_info=t.exception())
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -350,6 +362,8 @@ class Partition(PartitionAnswers):
                 log.info("metaserver: revoking the lease of a previous incarnation at %s", addr)
                 await self.store.revoke(lease)
                 continue
+            if self._adopt_unserved(name, srv, h):
+                continue
             if srv.leader.won and rev != srv.leader.revision:
                 self._spawn(self._depose(name, f"slot {name} is led by {addr} now"))
             elif srv.leader.won and srv.loaded and order[0] != self.addr:
@@ -366,6 +380,25 @@ class Partition(PartitionAnswers):
             await self._sync_nodes(now)
         if tuple(sorted(self._warm_loaded())) != self._warm_sent and self.lease_valid():
             await self._put_member()
+
+    def _adopt_unserved(self, name: str, srv: SlotServer, h: tuple[str, int, int]) -> bool:
+        """Whether slot ``name``'s key is ours, under this lease, and neither served nor being elected, handed
+        over or deposed here, for a second round running: then campaign again (``_campaign`` adopts a key held
+        under our lease) and True. Nothing else would ever end that state before the lease does. How it happens:
+        etcd applied our campaign's transaction but its answer (or the read after it) failed, or a resign failed."""
+        addr, _rev, lease = h
+        if addr != self.addr or lease != self.lease or srv.leader.won or name in self._deposing \
+                or not self.lease_valid():
+            self._unserved.discard(name)
+            return False
+        if name not in self._unserved:
+            self._unserved.add(name)  # a depose or a handover may be ending right now: look again next round
+            return False
+        self._unserved.discard(name)
+        log.warning("metaserver: slot %s: its key is held here but the slot is not served: taking it up", name)
+        self._busy.add(name)
+        self._spawn(self._campaign(name))
+        return True
 
     def _delay(self, name: str, order: list[str]) -> float:
         """How long slot ``name`` stays vacant before this process campaigns: its place in the slot's order with the
@@ -430,8 +463,12 @@ class Partition(PartitionAnswers):
         if not srv.leader.won and not srv.loaded:
             return
         srv.leader.won = False
-        log.warning("metaserver: slot %s: stepping down: %s", name, reason)
-        await srv._deposed(reason)
+        self._deposing.add(name)
+        try:
+            log.warning("metaserver: slot %s: stepping down: %s", name, reason)
+            await srv._deposed(reason)
+        finally:
+            self._deposing.discard(name)
 
     async def _handover(self, name: str, to: str) -> None:
         """A process ranked above us has its warm copy of ``name``: stop serving it, let its queued writes land,

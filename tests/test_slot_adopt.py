@@ -1,0 +1,57 @@
+"""A slot whose key a process holds but does not serve is taken up again (``Partition._adopt_unserved``), against a
+real etcd, one partitioned process run in this test's event loop.
+
+How the state arises: etcd applies a campaign's transaction but its answer, or the read after it, fails (a timeout
+under load). The process then holds the slot's key under its lease, and before this repair nothing ended that state
+until the lease did: every client of that slot waited out its deadline (CI saw it once as "slot 0: no leader answered
+before the deadline (map says X)")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from metaserver.partition import Partition
+from metaserver.slots import SlotStore
+from umbp.config import MetaserverConfig
+from transport.wire import Status
+from umbp.errors import Unavailable
+
+
+def test_a_held_slot_whose_campaign_answer_was_lost_is_served(etcd, monkeypatch, caplog):
+    lost = []
+    real = SlotStore._call
+
+    async def flaky(self, what, coro):
+        res = await real(self, what, coro)
+        if what == "get" and self.leader_key.endswith(b"/slotmap/0") and not lost:
+            lost.append(time.monotonic())  # the campaign's transaction went through; its read "timed out"
+            raise Unavailable("metaserver", "etcd get: deadline exceeded (injected)", Status.UNAVAILABLE)
+        return res
+
+    monkeypatch.setattr(SlotStore, "_call", flaky)
+    cfg = MetaserverConfig(etcd=etcd.url, etcd_prefix="/umbp-adopt", slots=2, election_ttl_s=2)
+
+    async def main():
+        p = Partition(cfg, "127.0.0.1:1", 2)
+        try:
+            await p.start()
+            srv = p.servers["0"]
+            assert lost, "the injected failure did not happen: the test proves nothing"
+            end = time.monotonic() + 10
+            while not srv.serving and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+            assert srv.serving, f"slot 0 not served 10 s after its campaign's answer was lost: {p.holders}"
+            took = time.monotonic() - lost[0]
+            addr, rev, lease = p.holders["0"]
+            assert addr == p.addr and lease == p.lease and rev == srv.leader.revision  # the same key, adopted
+            assert p.servers["1"].serving
+            return took
+        finally:
+            await p.close()
+
+    with caplog.at_level(logging.WARNING, logger="umbp.metaserver"):
+        took = asyncio.run(asyncio.wait_for(main(), 60))
+    assert took < 5.0  # two rounds (POLL_S each) and a campaign, not a lease's end
+    assert any("slot 0: its key is held here but the slot is not served" in r.getMessage() for r in caplog.records)
