@@ -31,8 +31,21 @@ from metaserver.directory import NEW, OVER_QUOTA
 from transport.wire import Status
 from umbp.errors import QuotaExceeded
 
-LEASES_PRUNE_AT = 4096  # a connection's remembered lease ids are pruned of expired ones at this size
+LEASES_PRUNE_AT = 4096  # a connection's remembered lease ids are pruned of expired ones at this size at least
 MAX_RELEASE = 4096  # lease ids in one RELEASE
+
+
+class HeldLeases(set):
+    """A connection's read lease ids, and the size at which ``_own_lease`` next prunes them of expired ones: twice
+    what a prune left (at least LEASES_PRUNE_AT), so a connection that holds many live leases costs O(1) amortized
+    per LOOKUP, not a scan of every id it holds (that scan was 75% of the metaserver's CPU for a client never
+    releasing 64-key LOOKUPs)."""
+
+    __slots__ = ("prune_at",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prune_at = LEASES_PRUNE_AT
 
 
 def release_ids(meta: Any) -> list[int]:
@@ -80,13 +93,14 @@ class OwnershipHandlers:
 
     def _own_lease(self, conn, lease: int) -> None:
         """Remember a lease on its connection (released when it closes). Leases that expired meanwhile are pruned
-        when the set grows, so a connection that never releases holds O(live leases) ids."""
+        when the set has doubled (``HeldLeases``), so a connection that never releases holds O(live leases) ids."""
         held = getattr(conn, "leases", None)
         if held is None:
             return
-        if len(held) >= LEASES_PRUNE_AT:
+        if len(held) >= held.prune_at:
             live = self.dir.leases
             held.intersection_update([x for x in held if x in live])
+            held.prune_at = max(LEASES_PRUNE_AT, 2 * len(held))
         held.add(lease)
 
     def drop_leases(self, conn) -> int:

@@ -41,7 +41,7 @@ from metaserver import gcpolicy, multislot
 from metaserver import validate as v
 from metaserver.combine import TxnCombiner
 from metaserver.metrics import MetaserverMetrics
-from metaserver.ownership import release_answer, release_ids
+from metaserver.ownership import HeldLeases, release_answer, release_ids
 from metaserver.partanswers import PartitionAnswers
 from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S
@@ -94,7 +94,7 @@ class SlotConn:
     def __init__(self, conn):
         self.conn = conn
         self.pending: set = set()
-        self.leases: set = set()
+        self.leases = HeldLeases()
 
     @property
     def auth(self):

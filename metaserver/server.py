@@ -38,6 +38,7 @@ import time
 
 from metaserver import gcpolicy
 from metaserver.gcpolicy import GcPolicy
+from metaserver.ownership import HeldLeases
 from metaserver.partition import Partition, pool_slots
 from metaserver.service import LEADER_ONLY, Metaserver
 from metaserver.validate import Reject
@@ -72,7 +73,7 @@ class Connection(FramedProtocol):
         self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA, buffer_data=0)
         self.auth = ServerAuth(ms.tokens, "metaserver")
         self.pending: set = set()  # directory entries this connection allocated (ALLOC) and has not committed
-        self.leases: set = set()  # read lease ids its LOOKUPs took (released on close: metaserver/ownership.py)
+        self.leases = HeldLeases()  # read lease ids its LOOKUPs took (released on close: metaserver/ownership.py)
         self.last_active = time.monotonic()
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
