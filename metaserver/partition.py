@@ -15,9 +15,8 @@ key it wins, so a process that dies loses all of them at once when its lease exp
   over (stop serving, flush queued writes, delete the key fenced): that is how a joining process takes its share;
 - someone else holds it: keep a warm copy (today's ``WarmDirectory``, on this slot's pages) when this process is
   rank 0 (the slot comes here once the copy is loaded) or the next-ranked after the holder (the successor);
-- we hold it under our lease but do not serve it, nor elect, hand over or depose it, two rounds running (etcd
-  applied a campaign whose answer was lost, a resign failed): campaign again, which adopts the key
-  (``_adopt_unserved``); nothing else ends that state before the lease does.
+- we hold it under our lease but neither serve, elect, hand over nor depose it two rounds running (a campaign's
+  answer lost after etcd applied it, a failed resign): campaign again, adopting the key (``_adopt_unserved``).
 
 Invariants: at most one process serves a slot at a time (the slot key is created once per term and every write
 is fenced on its create revision); a slot's leader serves only while the process lease is valid by its local
@@ -57,6 +56,7 @@ log = logging.getLogger("umbp.metaserver")
 
 POLL_S = 0.25  # a round of the slot election
 RANK_DELAY_S = 0.5  # a vacant slot waits this long per rank before that rank campaigns
+BUSY_WARN_S = 10.0  # a slot's election or handover running this long is logged (again every such period)
 HANDOVER_FLUSH_S = 5.0  # a handed-over slot's queued etcd writes get this long to land
 START_WAIT_S = 30.0  # start() waits at most this long for every slot to have a leader
 _KEYED = (Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.EXISTS, Op.PREFIX, Op.REMOVE)
@@ -154,6 +154,7 @@ class Partition(PartitionAnswers):
         self.servers[MEMBERSHIP] = MembershipServer(config, self)
         self._vacant: dict[str, float] = {}
         self._busy: set[str] = set()  # slots being elected or handed over right now
+        self._busy_since: dict[str, list[float]] = {}  # ``_begin``: a long election or handover is logged
         self._deposing: set[str] = set()  # slots stepping down right now (``_depose``)
         self._unserved: set[str] = set()  # slots seen held here but not served last round (``_adopt_unserved``)
         self._warm_sent: tuple = ()
@@ -201,8 +202,7 @@ class Partition(PartitionAnswers):
         return t
 
     def _done(self, t: asyncio.Task) -> None:
-        """A background task ended: forget it, and log what it raised (a bug in a campaign or a handover must not
-        pass silently: the round's ``_adopt_unserved`` then repairs the slot it left)."""
+        """A background task ended: forget it; log what it raised (a failed campaign must not pass silently)."""
         self._bg.discard(t)
         if not t.cancelled() and t.exception() is not None:
             log.error("metaserver: background task %s failed", t.get_name(), exc_info=t.exception())
@@ -343,6 +343,7 @@ class Partition(PartitionAnswers):
         orders = ranking(self.slots, tuple(live))
         for name in self.names:
             if name in self._busy:
+                self._still_busy(name, now)
                 continue
             srv = self.servers[name]
             order = list(orders[int(name)]) if name != MEMBERSHIP else rank(name, live)
@@ -369,23 +370,34 @@ class Partition(PartitionAnswers):
             elif srv.leader.won and srv.loaded and order[0] != self.addr:
                 first = self.members.get(order[0])
                 if first is not None and name in (first.get("warm") or ()):
-                    self._busy.add(name)
+                    self._begin(name)
                     self._spawn(self._handover(name, order[0]))
             elif addr != self.addr:
                 self._keep_warm(srv, name, order, addr)
         for name in campaigns:
-            self._busy.add(name)
+            self._begin(name)
             self._spawn(self._campaign(name))
         if self._nodes_due():
             await self._sync_nodes(now)
         if tuple(sorted(self._warm_loaded())) != self._warm_sent and self.lease_valid():
             await self._put_member()
 
+    def _begin(self, name: str) -> None:
+        self._busy.add(name)  # being elected or handed over from now on
+        self._busy_since[name] = [time.monotonic()] * 2  # [since, last logged]
+
+    def _still_busy(self, name: str, now: float) -> None:
+        """Log an election or handover of ``name`` running for BUSY_WARN_S, and again every BUSY_WARN_S (a big
+        slot's load or catch-up takes a while; one that never ends would be a bug to see)."""
+        t = self._busy_since.setdefault(name, [now, now])
+        if now - t[1] >= BUSY_WARN_S:
+            t[1] = now
+            log.warning("metaserver: slot %s: its election or handover has run for %.0fs", name, now - t[0])
+
     def _adopt_unserved(self, name: str, srv: SlotServer, h: tuple[str, int, int]) -> bool:
-        """Whether slot ``name``'s key is ours, under this lease, and neither served nor being elected, handed
-        over or deposed here, for a second round running: then campaign again (``_campaign`` adopts a key held
-        under our lease) and True. Nothing else would ever end that state before the lease does. How it happens:
-        etcd applied our campaign's transaction but its answer (or the read after it) failed, or a resign failed."""
+        """True, campaigning again (which adopts a key held under our lease), when slot ``name``'s key is ours under
+        this lease and the slot neither served nor being elected, handed over or deposed here two rounds running
+        (see the module docstring): nothing else would end that state before the lease does."""
         addr, _rev, lease = h
         if addr != self.addr or lease != self.lease or srv.leader.won or name in self._deposing \
                 or not self.lease_valid():
@@ -396,7 +408,7 @@ class Partition(PartitionAnswers):
             return False
         self._unserved.discard(name)
         log.warning("metaserver: slot %s: its key is held here but the slot is not served: taking it up", name)
-        self._busy.add(name)
+        self._begin(name)
         self._spawn(self._campaign(name))
         return True
 

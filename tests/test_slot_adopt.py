@@ -56,3 +56,15 @@ def test_a_held_slot_whose_campaign_answer_was_lost_is_served(etcd, monkeypatch,
     print(f"slot 0 served again {took:.2f} s after its campaign's answer was lost")
     assert took < 5.0  # two rounds (POLL_S each) and a campaign, not a lease's end
     assert any("slot 0: its key is held here but the slot is not served" in r.getMessage() for r in caplog.records)
+
+
+def test_a_long_election_is_logged_once_a_period(caplog):
+    p = Partition.__new__(Partition)
+    p._busy, p._busy_since = set(), {}
+    p._begin("3")
+    t0 = p._busy_since["3"][0]
+    with caplog.at_level(logging.WARNING, logger="umbp.metaserver"):
+        for dt in (1.0, 9.9, 10.0, 12.0, 19.9, 20.1, 31.0):
+            p._still_busy("3", t0 + dt)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"metaserver: slot 3: its election or handover has run for {s}s" for s in ("10", "20", "31")]
