@@ -3,8 +3,8 @@ real etcd, one partitioned process run in this test's event loop.
 
 How the state arises: etcd applies a campaign's transaction but its answer, or the read after it, fails (a timeout
 under load). The process then holds the slot's key under its lease, and before this repair nothing ended that state
-until the lease did: every client of that slot waited out its deadline (CI saw that symptom twice: "slot 0: no leader answered
-before the deadline (map says X)")."""
+until the lease did: every client of that slot waited out its deadline (CI saw that symptom twice: "slot 0: no
+leader answered before the deadline (map says X)")."""
 
 from __future__ import annotations
 
