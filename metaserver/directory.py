@@ -116,6 +116,10 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
     def pending(self) -> int:
         return len(self._pending)
 
+    def open_extents(self) -> list[tuple[str, int, int]]:
+        """(node_id, offset, extent size) of every PENDING entry (``metaserver/handoff.py``)."""
+        return [(e.space.node_id, e.offset, extent_size(e.payload_len)) for e in self._pending]
+
     def namespaces(self) -> dict[str, int]:
         return {ns: len(r) for ns, r in self.ready.items() if r}
 

@@ -12,7 +12,8 @@ key it wins, so a process that dies loses all of them at once when its lease exp
   copy of s moved to the front, and the slot has been vacant for r * RANK_DELAY_S: a dead process's slots go to
   each one's successor (which kept the warm copy), all in the same round, in parallel;
 - we hold it and a process ranked above us reports its warm copy of s loaded (``members`` value ``warm``): hand it
-  over (stop serving, flush queued writes, delete the key fenced): that is how a joining process takes its share;
+  over (stop serving, flush queued writes, delete the key fenced, with the record of the slot's open allocations:
+  ``metaserver/handoff.py``): that is how a joining process takes its share;
 - someone else holds it: keep a warm copy (today's ``WarmDirectory``, on this slot's pages) when this process is
   rank 0 (the slot comes here once the copy is loaded) or the next-ranked after the holder (the successor);
 - we hold it under our lease but neither serve, elect, hand over nor depose it two rounds running (a campaign's
@@ -36,7 +37,7 @@ from typing import Any
 
 import msgpack
 
-from metaserver import gcpolicy, multislot
+from metaserver import gcpolicy, handoff, multislot
 from metaserver import validate as v
 from metaserver.combine import TxnCombiner
 from metaserver.metrics import MetaserverMetrics
@@ -50,7 +51,7 @@ from transport import slotrules
 from transport.wire import Op, Status
 from umbp.auth import Tokens
 from umbp.config import MetaserverConfig
-from umbp.errors import NotLeader, StartupError, UmbpError
+from umbp.errors import NotLeader, UmbpError
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -60,29 +61,6 @@ BUSY_WARN_S = 10.0  # a slot's election or handover running this long is logged 
 HANDOVER_FLUSH_S = 5.0  # a handed-over slot's queued etcd writes get this long to land
 START_WAIT_S = 30.0  # start() waits at most this long for every slot to have a leader
 _KEYED = (Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.EXISTS, Op.PREFIX, Op.REMOVE)
-
-
-async def pool_slots(config: MetaserverConfig) -> int:
-    """The slot count of the pool at ``config.etcd_prefix`` (1: unpartitioned), creating it on first use with
-    ``config.slots``. Raises StartupError when the flag contradicts the pool."""
-    store = EtcdStore(config.etcd, config.etcd_prefix)
-    try:
-        await store.wait_ready(ETCD_START_DEADLINE_S)
-        key = f"{store.prefix}/slots/count".encode()
-        cur = await store.get_value(key)
-        if cur is None and config.slots > 1:
-            if await store.get_value(store.gen_key) is not None:
-                raise StartupError("metaserver", f"the pool at {store.prefix} was created unpartitioned: it cannot "
-                                                 f"take --slots {config.slots}")
-            await store.compare_and_put(key, str(config.slots).encode(), None)
-            cur = await store.get_value(key)
-        n = int(cur) if cur is not None else 1
-        if config.slots and config.slots != n:
-            raise StartupError("metaserver", f"the pool at {store.prefix} has {n} slots, not --slots {config.slots} "
-                                             f"(fixed when the pool was created)")
-        return n
-    finally:
-        await store.close()
 
 
 class SlotConn:
@@ -262,12 +240,12 @@ class Partition(PartitionAnswers):
                 log.warning("metaserver: %s", e)
         await self.store.close()
 
-    async def resign(self, name: str) -> None:
-        """Delete our key of slot ``name`` (fenced: only the term we won)."""
+    async def resign(self, name: str, ops: tuple | list = ()) -> None:
+        """Delete our key of slot ``name`` (fenced: only the term we won), with ``ops`` in the same transaction."""
         srv = self.servers[name]
         srv.leader.won = False
         try:
-            await srv.store.txn([srv.store.op_delete(srv.store.leader_key)])
+            await srv.store.txn([*ops, srv.store.op_delete(srv.store.leader_key)])
         except UmbpError as e:
             log.warning("metaserver: slot %s: resign: %s", name, e)
 
@@ -496,8 +474,9 @@ class Partition(PartitionAnswers):
             srv.term += 1
             await srv._teardown(NotLeader("metaserver", f"slot {name} handed over to {to}", Status.NOT_LEADER,
                                           leader=to))
+            ops = handoff.open_ops(srv.store, srv.dir)  # `to` keeps their extents free (metaserver/handoff.py)
             srv._new_state()
-            await self.resign(name)
+            await self.resign(name, ops)
             self.handovers += 1
             log.info("metaserver: slot %s handed over to %s", name, to)
         finally:

@@ -15,6 +15,8 @@ Layout under ``prefix`` (``MetaserverConfig.etcd_prefix``)::
                                     its part count: [node_id, offset, part_len, gen, parent, n]
     {prefix}/gen                    decimal: every generation below it may have been handed out
     {prefix}/leader                 the leader's advertise address, attached to its election lease
+    {prefix}/open                   msgpack([wall time, [[node_id, offset, length], ...]]): the open allocations a
+                                    leader that stepped down on purpose handed on (``metaserver/handoff.py``)
 
 The arena record outlives the node's lease on purpose: when every metaserver is away longer than a node's lease_ttl
 the leased record expires, but the next leader still knows which arena (id, capacity) the pages were written to,
@@ -159,6 +161,7 @@ class EtcdStore:
         self._arenas = f"{self.prefix}/arenas/".encode()
         self.gen_key = f"{self.prefix}/gen".encode()
         self.leader_key = f"{self.prefix}/leader".encode()
+        self.open_key = f"{self.prefix}/open".encode()  # a leaving leader's open allocations (metaserver/handoff.py)
         self.fence_rev = 0  # create_revision of the leader key we won at; 0: writes are not fenced
         self.on_fenced = None  # called (once per fence) when etcd refuses a write because we are deposed
 

@@ -39,8 +39,9 @@ import time
 from metaserver import gcpolicy
 from metaserver.gcpolicy import GcPolicy
 from metaserver.ownership import HeldLeases
-from metaserver.partition import Partition, pool_slots
+from metaserver.partition import Partition
 from metaserver.service import LEADER_ONLY, Metaserver
+from metaserver.slots import pool_slots
 from metaserver.validate import Reject
 from transport import wire
 from transport.wire import Flag, Op, Status

@@ -55,7 +55,7 @@ from metaserver.batcher import BatchWriter
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.rejoin import RejoinHandlers
-from metaserver import gcpolicy
+from metaserver import gcpolicy, handoff
 from metaserver.fullload import fill, gc_paused, node_descs
 from metaserver.standby import CATCHUP_S, Handover, WarmDirectory
 from metaserver.tabledir import TableDirectory
@@ -63,7 +63,7 @@ from transport.wire import VERSION, Op, Status
 from metaserver.quarantine import Quarantine
 from umbp.auth import CLOCK_SKEW_S, Tokens
 from umbp.config import MetaserverConfig
-from umbp.errors import AuthError, NotLeader, Unavailable
+from umbp.errors import AuthError, NotLeader, UmbpError, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -172,6 +172,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         try:
             await self.gens.start()
             self.writer.start()
+            handed = await self.store.get_value(self.store.open_key)  # a predecessor's open allocations, if any
             t0 = time.monotonic()
             seen = (warm.loads, warm.events) if warm is not None else (0, 0)
             if warm is not None and await warm.catch_up(revision, CATCHUP_S):
@@ -196,6 +197,9 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         hold = self.cfg.write_cap_ttl_s + CLOCK_SKEW_S if self.tokens.closed else 0.0
         self.dir.quarantine = Quarantine(hold)
         self.dir.quarantine.start(self.took_over, self.gens.issued_below)
+        n, nbytes = handoff.hold(self.dir, handed, max(self.cfg.pending_ttl_s, self.cfg.write_cap_ttl_s) + CLOCK_SKEW_S)
+        if n:
+            log.info("metaserver: holding %d runs (%d bytes) the last leader left allocated and uncommitted", n, nbytes)
         if not any(n.provisional for n in self.members.nodes.values()):
             self.settled.set()
         self._ticker = asyncio.create_task(self._tick_loop(), name="metaserver-tick")
@@ -236,6 +240,10 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         if self.loaded:
             await self.writer.close(5.0)  # commits waiting on it get their answers first
             self.loaded = False
+            try:  # the next leader keeps our open allocations' extents free while their writers may still write
+                await self.store.txn(handoff.open_ops(self.store, self.dir))
+            except UmbpError as e:
+                log.warning("metaserver: handing open allocations on: %s", e)
             await self.leader.resign()
         else:
             await self.writer.abort(Unavailable("metaserver", "shutting down", Status.UNAVAILABLE))

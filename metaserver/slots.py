@@ -46,11 +46,11 @@ from metaserver.directory import Directory
 from metaserver.fence import fence_nodes
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
-from metaserver.service import Metaserver
+from metaserver.service import ETCD_START_DEADLINE_S, Metaserver
 from transport import slotrules
 from transport.wire import Status
 from umbp.config import MetaserverConfig
-from umbp.errors import Unavailable
+from umbp.errors import StartupError, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -172,6 +172,7 @@ class SlotStore(EtcdStore):
         self._pages = (base + "pages/").encode()
         self._nodes, self._arenas = root._nodes, root._arenas
         self.gen_key = (base + "gen").encode()
+        self.open_key = (base + "open").encode()
         self.leader_key = f"{root.prefix}/slotmap/{name}".encode()
         self.fence_rev = 0
         self.on_fenced = None
@@ -373,3 +374,26 @@ class MembershipServer(SlotServer):
 
     def sync_nodes(self, live: dict[str, dict], now: float) -> None:
         return None  # nodes register here
+
+
+async def pool_slots(config: MetaserverConfig) -> int:
+    """The slot count of the pool at ``config.etcd_prefix`` (1: unpartitioned), creating it on first use with
+    ``config.slots``. Raises StartupError when the flag contradicts the pool."""
+    store = EtcdStore(config.etcd, config.etcd_prefix)
+    try:
+        await store.wait_ready(ETCD_START_DEADLINE_S)
+        key = f"{store.prefix}/slots/count".encode()
+        cur = await store.get_value(key)
+        if cur is None and config.slots > 1:
+            if await store.get_value(store.gen_key) is not None:
+                raise StartupError("metaserver", f"the pool at {store.prefix} was created unpartitioned: it cannot "
+                                                 f"take --slots {config.slots}")
+            await store.compare_and_put(key, str(config.slots).encode(), None)
+            cur = await store.get_value(key)
+        n = int(cur) if cur is not None else 1
+        if config.slots and config.slots != n:
+            raise StartupError("metaserver", f"the pool at {store.prefix} has {n} slots, not --slots {config.slots} "
+                                             f"(fixed when the pool was created)")
+        return n
+    finally:
+        await store.close()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from metaserver.entry import PENDING, READY, STATE_NAMES
+from metaserver.entry import PENDING, READY, STATE_NAMES, extent_size
+from metaserver.tablenodes import UNIT_SHIFT
 
 
 class TableQueries:
@@ -28,6 +29,12 @@ class TableQueries:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def open_extents(self) -> list[tuple[str, int, int]]:
+        """(node_id, offset, extent size) of every PENDING row (``metaserver/handoff.py``)."""
+        c = self.cols
+        return [(self.nodes[c["node"][r]].node_id, int(c["unit"][r]) << UNIT_SHIFT,
+                 extent_size(self.codes[c["size"][r]])) for r in self._pending]
 
     def _live(self) -> tuple[np.ndarray, np.ndarray]:
         """(state, ns) columns of the rows in use so far."""

@@ -1,0 +1,65 @@
+"""Unit tests of the open-allocation hand-off record (``metaserver/handoff.py``): runs, the hold, bad records."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from metaserver import handoff
+from metaserver.directory import NEW, Directory
+from metaserver.quarantine import Quarantine
+from metaserver.tabledir import TableDirectory
+from transport.wire import ALIGN, ARENA_DATA_START
+
+PAGE = ALIGN - 64  # one 4 KiB unit with its header
+
+
+def make(kind: str, units: int = 8):
+    d = Directory() if kind == "objects" else TableDirectory()
+    d.add_space("n1", units * ALIGN)
+    d.quarantine = Quarantine(0.0)
+    return d
+
+
+def test_runs_merge_adjacent_extents_per_node():
+    got = handoff.runs([("b", 100, 10), ("a", 20, 5), ("a", 10, 10), ("a", 40, 4), ("b", 110, 1)])
+    assert got == [["a", 10, 15], ["a", 40, 4], ["b", 100, 11]]
+    assert handoff.runs([]) == []
+
+
+@pytest.mark.parametrize("kind", ["objects", "table"])
+def test_open_allocations_are_held_by_the_next_directory_then_released(kind):
+    old = make(kind)
+    items, _ = old.alloc("ns", [b"a", b"b", b"c"], [PAGE] * 3, None, 100, 0.0)
+    assert [it[0] for it in items] == [NEW] * 3
+    old.commit("ns", [b"b"], [101], 0.0)  # committed: not open any more
+    assert sorted(old.open_extents()) == [("n1", ARENA_DATA_START, ALIGN), ("n1", ARENA_DATA_START + 2 * ALIGN, ALIGN)]
+    blob = msgpack.packb([time.time(), handoff.runs(old.open_extents())])
+    new = make(kind)
+    assert handoff.hold(new, blob, 30.0) == (2, 2 * ALIGN)
+    items, _ = new.alloc("ns", [b"x", b"y"], [PAGE] * 2, None, 200, 0.0)
+    assert sorted(it[2] for it in items) == [ARENA_DATA_START + ALIGN, ARENA_DATA_START + 3 * ALIGN]
+    assert new.quarantine.release(time.monotonic() + 31.0, new.spaces, 10) == 2  # after the hold: placeable again
+    items, _ = new.alloc("ns", [b"z"], [PAGE], None, 300, 0.0)
+    assert items[0][2] == ARENA_DATA_START
+
+
+@pytest.mark.parametrize("blob", [b"\xc1", msgpack.packb("x"), msgpack.packb([1.0]), msgpack.packb([1.0, [[1]]]),
+                                  msgpack.packb(["t", []]), msgpack.packb([1.0, [["n1", "o", 1]]])])
+def test_an_unreadable_record_is_ignored(blob):
+    d = make("objects")
+    assert handoff.hold(d, blob, 30.0) == (0, 0)
+    assert d.quarantine.held_bytes == 0
+
+
+def test_an_old_record_or_unknown_node_or_used_bytes_hold_nothing():
+    d = make("objects")
+    old = msgpack.packb([time.time() - 60, [["n1", ARENA_DATA_START, ALIGN]]])
+    assert handoff.hold(d, old, 30.0) == (0, 0)
+    gone = msgpack.packb([time.time(), [["n9", ARENA_DATA_START, ALIGN], ["n1", 3, ALIGN]]])
+    assert handoff.hold(d, gone, 30.0) == (0, 0)
+    d.alloc("ns", [b"a"], [PAGE], None, 1, 0.0)
+    used = msgpack.packb([time.time(), [["n1", ARENA_DATA_START, 2 * ALIGN], ["n1", ARENA_DATA_START + ALIGN, ALIGN]]])
+    assert handoff.hold(d, used, 30.0) == (1, ALIGN)  # only the run whose bytes are all free
