@@ -26,7 +26,9 @@ page is read again: O(events not applied yet + nodes)), or, with no warm copy or
 the directory from etcd in full; then serves. On losing the lease or a fenced write it drops that state (queued
 writes are not written) and stands by again (a fresh warm copy: loaded, then watched). Only READY pages are in
 etcd, so PENDING allocations, read leases and recency from reads of the previous term vanish (their space is free
-again); recency restarts from commit order. STATS ``takeover`` says which way this term started.
+again, except the extents of the PENDING allocations a leader that stepped down on purpose handed on: held while
+their writers may still write, ``metaserver/handoff.py``); recency restarts from commit order. STATS ``takeover``
+says which way this term started.
 
 Nodes after a takeover: every node with an arena record is loaded *provisionally* with its pages, alive but not
 yet confirmed, for ``max(lease_ttl, NODE_GRACE_S)``. A node that re-registers the same arena (id and capacity)
