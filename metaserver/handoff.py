@@ -8,14 +8,14 @@ new object on such an extent and the late write would overwrite it. CI saw exact
 rebalance: a read failed with "stale slot: holds generation ... of another key" (the reader's checks caught it:
 no wrong bytes, but a lost page).
 
-So the leaving leader writes ``{prefix}/open`` (``open_ops``) in the fenced transaction that gives the slot up
-(the slot key's delete), or just before it revokes its election lease: msgpack ``[wall time, [[node_id, offset,
-length], ...]]``, its open extents merged into runs. The next leader reads it at its takeover and keeps those runs
+So the leaving leader writes ``{prefix}/open`` (``open_ops``), fenced: a handover in the transaction that deletes
+the slot key, a clean stop in one just before it resigns: msgpack ``[wall time, [[node_id, offset, length],
+...]]``, its open extents merged into runs. The next leader reads it at its takeover and keeps those runs
 out of placement (``hold``: reserved, then released by its ``Quarantine``) until ``hold_s`` after the record was
 written: the longest an open allocation's writer may write (``pending_ttl_s``, and a write capability's
 ``write_cap_ttl_s`` in a closed pool) plus clock skew. A leader that dies leaves no record: its open allocations
-are forgotten as before (tests/test_failover.py), since a crashed leader's writers write within milliseconds of
-their grant and the takeover comes an election TTL later.
+are forgotten as before (tests/test_failover.py): the takeover comes an election TTL after the death, and a writer
+still holding such a grant by then could write late (the reader's header check makes that page a miss).
 
 Costs: one etcd op at the handover, one read at a takeover; the record is O(runs), and a batch's pages are placed
 adjacent (runs of up to PLACE_RUN). At most MAX_RUNS runs are recorded (about 1 MB; etcd takes 1.5 MB a request):

@@ -131,8 +131,7 @@ class Partition(PartitionAnswers):
         self.servers: dict[str, SlotServer] = {s: SlotServer(config, self, s) for s in self.names[:-1]}
         self.servers[MEMBERSHIP] = MembershipServer(config, self)
         self._vacant: dict[str, float] = {}
-        self._busy: set[str] = set()  # slots being elected or handed over right now
-        self._busy_since: dict[str, list[float]] = {}  # ``_begin``: a long election or handover is logged
+        self._busy: dict[str, list[float]] = {}  # slots being elected or handed over: [since, last logged]
         self._deposing: set[str] = set()  # slots stepping down right now (``_depose``)
         self._unserved: set[str] = set()  # slots seen held here but not served last round (``_adopt_unserved``)
         self._warm_sent: tuple = ()
@@ -361,13 +360,12 @@ class Partition(PartitionAnswers):
             await self._put_member()
 
     def _begin(self, name: str) -> None:
-        self._busy.add(name)  # being elected or handed over from now on
-        self._busy_since[name] = [time.monotonic()] * 2  # [since, last logged]
+        self._busy[name] = [time.monotonic()] * 2  # being elected or handed over from now on
 
     def _still_busy(self, name: str, now: float) -> None:
         """Log an election or handover of ``name`` running for BUSY_WARN_S, and again every BUSY_WARN_S (a big
         slot's load or catch-up takes a while; one that never ends would be a bug to see)."""
-        t = self._busy_since.setdefault(name, [now, now])
+        t = self._busy[name]
         if now - t[1] >= BUSY_WARN_S:
             t[1] = now
             log.warning("metaserver: slot %s: its election or handover has run for %.0fs", name, now - t[0])
@@ -446,7 +444,7 @@ class Partition(PartitionAnswers):
         except UmbpError as e:
             log.warning("metaserver: slot %s: campaign: %s", name, e)
         finally:
-            self._busy.discard(name)
+            self._busy.pop(name, None)
 
     async def _depose(self, name: str, reason: str) -> None:
         srv = self.servers[name]
@@ -480,7 +478,7 @@ class Partition(PartitionAnswers):
             self.handovers += 1
             log.info("metaserver: slot %s handed over to %s", name, to)
         finally:
-            self._busy.discard(name)
+            self._busy.pop(name, None)
 
     # -- nodes -------------------------------------------------------------------------------------------------
     _nodes_at = 0.0

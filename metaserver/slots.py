@@ -14,6 +14,7 @@ etcd layout under ``prefix`` (next to today's ``nodes/`` and ``arenas/``, which 
     {prefix}/members/{addr}           msgpack {"addr", "warm": [slots whose warm copy is loaded]}, same lease
     {prefix}/slots/{s}/pages/{ns}/+{term}.{n}   slot s's READY pages (commit records, as ``persist.py`` writes them)
     {prefix}/slots/{s}/gen            slot s's generation counter
+    {prefix}/slots/{s}/open           the open allocations a leader that gave slot s up handed on (``handoff.py``)
 
 Fencing is today's, per slot: every write of slot s compares ``create_revision(slotmap/{s})`` with the revision its
 leader won at. Generations are unique across slots without coordination: slot s counts from ``(s << 52) + 1``

@@ -99,10 +99,10 @@ def test_slot_handover_hands_its_open_allocations_on(make_cluster):
                 assert held.request(Op.COMMIT, meta, time.monotonic() + 5).meta["ok"] == [True]
     finally:
         held.close()
-    assert HELD_LOG in joined.stderr_text(), joined.tail()
     # New pages of the moved slots, the late writes of their open allocations, and every new byte intact.
     fresh = [key_of_slot(s, f"fresh{j}") for s in moving for j in range(3)]
     put_and_check(cl, fresh, [opened[s][1:] for s in moving])
+    assert HELD_LOG in joined.stderr_text(), joined.tail()  # logged before serving: the puts were served
     with cl.client() as c:  # the open allocations of moved slots were never committed: nothing of theirs is read
         assert c.batch_exists([opened[s][0] for s in range(SLOTS)]) == [s not in moving for s in range(SLOTS)]
 
@@ -120,5 +120,5 @@ def test_clean_stop_hands_its_open_allocations_on(make_cluster, directory):
         held.close()
     assert "handing 1 runs" in old.stderr_text(), old.tail()  # three adjacent extents: one run
     assert wait_leader(cluster, exclude=(old,), timeout=ELECTION_TTL_S + 10) is standby
-    assert HELD_LOG in standby.stderr_text(), standby.tail()
     put_and_check(cluster, [f"fresh{i}".encode() for i in range(6)], opened)
+    assert HELD_LOG in standby.stderr_text(), standby.tail()  # logged before serving: the puts were served

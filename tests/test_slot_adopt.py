@@ -59,9 +59,9 @@ def test_a_held_slot_whose_campaign_answer_was_lost_is_served(etcd, monkeypatch,
 
 def test_a_long_election_is_logged_once_a_period(caplog):
     p = Partition.__new__(Partition)
-    p._busy, p._busy_since = set(), {}
+    p._busy = {}
     p._begin("3")
-    t0 = p._busy_since["3"][0]
+    t0 = p._busy["3"][0]
     with caplog.at_level(logging.WARNING, logger="umbp.metaserver"):
         for dt in (1.0, 9.9, 10.0, 12.0, 19.9, 20.1, 31.0):
             p._still_busy("3", t0 + dt)
