@@ -47,9 +47,10 @@ def runs(extents: list[tuple[str, int, int]]) -> list[list]:
 
 
 def open_ops(store, d) -> list:
-    """The etcd op that hands directory ``d``'s open allocations on: a put of the record, or a delete of an older
-    record when there are none."""
-    rs = runs(d.open_extents())
+    """The etcd op that hands directory ``d``'s open allocations on (its PENDING entries, and the extents of
+    aborted ones it still keeps: ``Quarantine.keeping``): a put of the record, or a delete of an older record when
+    there are none."""
+    rs = runs(d.open_extents() + d.quarantine.kept_extents())
     if not rs:
         return [store.op_delete(store.open_key)]
     if len(rs) > MAX_RUNS:
@@ -80,8 +81,7 @@ def hold(d, blob: bytes | None, hold_s: float) -> tuple[int, int]:
         sp = spaces.get(node_id)
         if sp is None or sp.dead or not sp.alloc.reserve(off, length):
             continue  # a node gone since, or bytes another record holds: nothing to keep free there
-        q.held.append((until, sp, off, length))
-        q.held_bytes += length
+        q.keep(sp, off, length, until)
         n += 1
         nbytes += length
     return n, nbytes

@@ -114,14 +114,18 @@ class OwnershipHandlers:
         return n
 
     def drop_pending(self, conn) -> int:
-        """The writer's connection closed: free its allocations still PENDING (their bytes can never be
-        committed by it now), so other writers of those keys need not wait out ``pending_ttl_s``; and release the
-        read leases it still holds. An allocation another connection took over (an ALLOC retried with its token)
-        is not this connection's any more and stays."""
+        """The writer's connection closed: abort its allocations still PENDING (they can never be committed by
+        it now), so other writers of those keys need not wait out ``pending_ttl_s``; and release the read leases it
+        still holds. Their extents are kept out of placement for the quarantine's ``keep_s`` (the writer may have
+        its places and still write them: ``metaserver/quarantine.py``). An allocation another connection took over
+        (an ALLOC retried with its token) is not this connection's any more and stays."""
         self.drop_leases(conn)
         handles = list(conn.pending)
         conn.pending.clear()
-        return self.dir.abort_owned(handles, conn) if self.serving else 0
+        if not self.serving:
+            return 0
+        with self.dir.quarantine.keeping():
+            return self.dir.abort_owned(handles, conn)
 
     def _refuse_over_quota(self, ns: str, keys: list, items: list) -> None:
         """Some keys of an ALLOC do not fit in ``ns``'s quota: give back what this request allocated (nothing was

@@ -197,9 +197,10 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
             raise
         self.took_over = time.monotonic()
         hold = self.cfg.write_cap_ttl_s + CLOCK_SKEW_S if self.tokens.closed else 0.0
-        self.dir.quarantine = Quarantine(hold)
+        keep = max(self.cfg.pending_ttl_s, self.cfg.write_cap_ttl_s) + CLOCK_SKEW_S  # open allocations' writers
+        self.dir.quarantine = Quarantine(hold, keep)
         self.dir.quarantine.start(self.took_over, self.gens.issued_below)
-        n, nbytes = handoff.hold(self.dir, handed, max(self.cfg.pending_ttl_s, self.cfg.write_cap_ttl_s) + CLOCK_SKEW_S)
+        n, nbytes = handoff.hold(self.dir, handed, keep)
         if n:
             log.info("metaserver: holding %d runs (%d bytes) the last leader left allocated and uncommitted", n, nbytes)
         if not any(n.provisional for n in self.members.nodes.values()):
@@ -351,7 +352,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         if not self.settled.is_set() and now - self.took_over > ALLOC_HOLD_S:
             self.settled.set()
         d = self.dir
-        if d.quarantine.held or d.quarantine.hold_s:
+        if d.quarantine.waiting or d.quarantine.hold_s:
             d.quarantine.observe(now, self.gens.issued_below)
         for node in self.members.expired(now):
             self._node_lost(node, now)
@@ -378,7 +379,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
 
     def _release_quarantine(self, now: float, budget: int) -> int:
         q = self.dir.quarantine
-        return q.release(now, self.dir.spaces, min(budget, SWEEP_BUDGET)) if q.held else 0
+        return q.release(now, self.dir.spaces, min(budget, SWEEP_BUDGET)) if q.waiting else 0
 
     def _drop_dying(self, now: float, budget: int) -> int:
         return self._drop_lost(min(budget, SWEEP_BUDGET)) if self.dir.dying else 0

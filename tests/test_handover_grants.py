@@ -122,3 +122,24 @@ def test_clean_stop_hands_its_open_allocations_on(make_cluster, directory):
     assert wait_leader(cluster, exclude=(old,), timeout=ELECTION_TTL_S + 10) is standby
     put_and_check(cluster, [f"fresh{i}".encode() for i in range(6)], opened)
     assert HELD_LOG in standby.stderr_text(), standby.tail()  # logged before serving: the puts were served
+
+
+@pytest.mark.parametrize("directory", ["objects", "table"])
+def test_a_closed_connections_open_allocations_stay_unplaced(make_cluster, directory):
+    """A writer's connection closes while its allocations are open (``drop_pending``): the keys are free for other
+    writers at once, but the extents stay out of placement while the writer may still write the places it got (it
+    writes without the metaserver, then finds its COMMIT failed). New pages put meanwhile survive its late writes."""
+    cluster = make_cluster(metaservers=1, nodes=1, metaserver_flags={"directory": directory})
+    held = FramedSocket(cluster.metaserver.addr, "test writer", time.monotonic() + 5)
+    try:
+        opened = [open_allocation(held, f"open-at-close{i}".encode()) for i in range(3)]
+    finally:
+        held.close()
+    with cluster.client() as c:
+        deadline = time.monotonic() + 10
+        while (s := c.admin(Op.STATS))["pending"] and time.monotonic() < deadline:  # the close is handled
+            time.sleep(0.02)
+        assert s["pending"] == 0 and s["held_bytes"] == 3 * wire.object_size(SIZE) > 0, s
+    # an aborted key itself is free for another writer at once
+    put_and_check(cluster, [b"open-at-close0"] + [f"fresh{i}".encode() for i in range(6)], opened)
+    assert "allocations pending: aborted" in cluster.metaserver.stderr_text(), cluster.metaserver.tail()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-SUMMED = ("capacity_bytes", "used_bytes", "objects", "pending", "pinned", "hits", "misses", "evictions", "puts",
-          "etcd_pending_ops", "etcd_txns", "etcd_ops", "etcd_retries", "ticks")
+SUMMED = ("capacity_bytes", "used_bytes", "objects", "pending", "pinned", "held_bytes", "hits", "misses", "evictions",
+          "puts", "etcd_pending_ops", "etcd_txns", "etcd_ops", "etcd_retries", "ticks")
 
 
 def split_by_use(total: int, uses: list[int]) -> list[int]:

@@ -63,3 +63,28 @@ def test_an_old_record_or_unknown_node_or_used_bytes_hold_nothing():
     d.alloc("ns", [b"a"], [PAGE], None, 1, 0.0)
     used = msgpack.packb([time.time(), [["n1", ARENA_DATA_START, 2 * ALIGN], ["n1", ARENA_DATA_START + ALIGN, ALIGN]]])
     assert handoff.hold(d, used, 30.0) == (1, ALIGN)  # only the run whose bytes are all free
+
+
+@pytest.mark.parametrize("kind", ["objects", "table"])
+def test_aborts_inside_keeping_keep_their_extents_and_a_handover_hands_them_on(kind):
+    """An allocation aborted because its writer's connection closed (``drop_pending`` frees inside ``keeping()``)
+    keeps its extent out of placement for keep_s, counted in held_bytes and the allocator invariant, and is part
+    of the hand-off record; an abort outside ``keeping()`` frees at once, as before."""
+    d = make(kind)
+    d.quarantine = Quarantine(0.0, keep_s=30.0)
+    items, _ = d.alloc("ns", [b"a", b"b", b"c"], [PAGE] * 3, None, 100, 0.0)
+    assert [it[2] for it in items] == [ARENA_DATA_START + i * ALIGN for i in range(3)]
+    with d.quarantine.keeping():
+        assert d.abort("ns", [b"a", b"b"], [100, 101]) == 2
+    assert d.abort("ns", [b"c"], [102]) == 1  # not inside keeping(): free now
+    assert d.pending == 0 and d.quarantine.held_bytes == 2 * ALIGN and d.quarantine.waiting
+    d.check()  # the kept extents are allocated and owned by no entry
+    assert handoff.runs(d.open_extents() + d.quarantine.kept_extents()) == [["n1", ARENA_DATA_START, 2 * ALIGN]]
+    items, _ = d.alloc("ns", [b"x", b"y"], [PAGE] * 2, None, 200, 0.0)
+    assert [it[2] for it in items] == [ARENA_DATA_START + 2 * ALIGN, ARENA_DATA_START + 3 * ALIGN]
+    assert d.quarantine.release(time.monotonic() + 1.0, d.spaces, 10) == 0  # not yet
+    assert d.quarantine.release(time.monotonic() + 31.0, d.spaces, 10) == 2
+    assert d.quarantine.held_bytes == 0 and not d.quarantine.waiting
+    items, _ = d.alloc("ns", [b"z"], [PAGE], None, 300, 0.0)
+    assert items[0][2] == ARENA_DATA_START
+    d.check()
