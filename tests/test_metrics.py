@@ -103,6 +103,7 @@ def test_scraped_counts_match_what_the_test_did(metered):
     assert delta("umbp_pool_used_bytes") == n * obj
     assert delta("umbp_pool_hits_total") == n and delta("umbp_pool_misses_total") == 5
     assert value(ms1, "umbp_pool_pending_objects") == 0 and value(ms1, "umbp_pool_leased_objects") == 0
+    assert value(ms1, "umbp_pool_held_bytes") == 0  # committed puts leave nothing in the quarantine
     assert value(ms1, "umbp_pool_node_objects") == n
     assert value(ms1, "umbp_pool_node_used_bytes") == n * obj
     # one ALLOC and one COMMIT for the batch, one LOOKUP per batch_get (two), a RELEASE for the one with hits
