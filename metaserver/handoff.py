@@ -15,7 +15,7 @@ out of placement (``hold``: reserved, then released by its ``Quarantine``) until
 written: the longest an open allocation's writer may write (``pending_ttl_s``, and a write capability's
 ``write_cap_ttl_s`` in a closed pool) plus clock skew. A leader that dies leaves no record: its open allocations
 are forgotten as before (tests/test_failover.py): the takeover comes an election TTL after the death, and a writer
-still holding such a grant by then could write late (the reader's header check makes that page a miss).
+still holding such a grant by then could write late (the reader's header check refuses that page: a CorruptionError).
 
 Costs: one etcd op at the handover, one read at a takeover; the record is O(runs), and a batch's pages are placed
 adjacent (runs of up to PLACE_RUN). At most MAX_RUNS runs are recorded (about 1 MB; etcd takes 1.5 MB a request):

@@ -1,4 +1,5 @@
-"""Quarantine of freed extents whose write capabilities may still be alive (closed pools; umbp/auth.py).
+"""Quarantine of freed extents that a writer may still write: write capabilities still alive (closed pools;
+umbp/auth.py) and open allocations whose writer's connection closed (every pool).
 
 A write capability is good until its deadline, ``write_cap_ttl_s`` after its allocation. If the allocation's extent
 were free to place at once (an abort, a remove, the eviction of a young page), a writer that kept the capability could
@@ -17,7 +18,7 @@ Open allocations, in every pool. An allocation aborted because its writer's conn
 may still be written: the writer got its places before the connection broke and writes them without the
 metaserver (shm writes, and every write of an open pool, are fenced by nothing); its COMMIT then fails and it writes
 again elsewhere. Placing a new object there at once would let that late write overwrite it (the reader's header
-check makes it a miss: a lost page). So frees made inside ``keeping()`` are kept (``kept``) for ``keep_s``: the
+check refuses it: a CorruptionError and a lost page). So frees made inside ``keeping()`` are kept (``kept``) for ``keep_s``: the
 longest an allocation's writer may write (``pending_ttl_s``, after which the allocation expires anyway, and
 ``write_cap_ttl_s`` in a closed pool) plus clock skew. The extents a departing leader handed on
 (``metaserver/handoff.py``) wait in the same queue, and a handover hands the kept ones on again.
