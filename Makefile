@@ -45,7 +45,7 @@ etcd: venv
 	@bash scripts/install-etcd.sh $(VENV)
 
 test: test-venv etcd
-	$(VPY) -m pytest -ra $(PYTEST_ARGS) tests
+	$(VPY) -m pytest -ra --durations=25 $(PYTEST_ARGS) tests
 
 demo: venv etcd
 	$(VENV)/bin/umbp demo
