@@ -52,7 +52,8 @@ class AdminHandlers:
         if not scope.admin:
             usage = {ns: u for ns, u in usage.items() if scope.right(ns)}
         out = {"capacity_bytes": d.capacity, "used_bytes": d.used, "objects": d.objects, "pending": d.pending,
-               "pinned": d.pinned, "held_bytes": d.quarantine.held_bytes, "hits": d.hits, "misses": d.misses, "evictions": d.evictions, "puts": d.puts,
+               "pinned": d.pinned, "held_bytes": d.quarantine.held_bytes, "hits": d.hits, "misses": d.misses,
+               "evictions": d.evictions, "puts": d.puts,
                "namespaces": {ns: u["objects"] for ns, u in usage.items() if u["objects"]},
                "namespace_usage": usage, "is_leader": self.serving, "etcd": self.store.addr,
                "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,

@@ -11,7 +11,7 @@ no wrong bytes, but a lost page).
 So the leaving leader writes ``{prefix}/open`` (``open_ops``), fenced: a handover in the transaction that deletes
 the slot key, a clean stop in one just before it resigns: msgpack ``[wall time, [[node_id, offset, length],
 ...]]``, its open extents merged into runs. The next leader reads it at its takeover and keeps those runs
-out of placement (``hold``: reserved, then released by its ``Quarantine``) until ``hold_s`` after the record was
+out of placement (``hold``: reserved, then released by its ``Quarantine``) until ``keep_s`` after the record was
 written: the longest an open allocation's writer may write (``pending_ttl_s``, and a write capability's
 ``write_cap_ttl_s`` in a closed pool) plus clock skew. A leader that dies leaves no record: its open allocations
 are forgotten as before (tests/test_failover.py): the takeover comes an election TTL after the death, and a writer
@@ -60,14 +60,15 @@ def open_ops(store, d) -> list:
     return [store.op_put(store.open_key, msgpack.packb([time.time(), rs]))]
 
 
-def hold(d, blob: bytes | None, hold_s: float) -> tuple[int, int]:
-    """Keep the runs of record ``blob`` out of directory ``d``'s placement until ``hold_s`` after it was written
-    (through ``d.quarantine``). Returns (runs held, bytes). A record of unknown shape is logged and ignored."""
+def hold(d, blob: bytes | None) -> tuple[int, int]:
+    """Keep the runs of record ``blob`` out of directory ``d``'s placement until its quarantine's ``keep_s`` after
+    the record was written (``Quarantine.keep``). Returns (runs held, bytes). A record of unknown shape is logged
+    and ignored."""
     if not blob:
         return 0, 0
     try:
         written, rs = msgpack.unpackb(blob, raw=False)
-        left = float(written) + hold_s - time.time()
+        left = float(written) + d.quarantine.keep_s - time.time()
         rs = [(str(n), int(o), int(ln)) for n, o, ln in rs]
     except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:
         log.warning("metaserver: ignoring an unreadable record of open allocations (%s)", e)

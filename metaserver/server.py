@@ -94,8 +94,8 @@ class Connection(FramedProtocol):
         if self.pending or self.leases or getattr(self, "slot_conns", None):  # slot_conns: metaserver/partition.py
             n = self.ms.drop_pending(self)
             if n:
-                log.info("metaserver: %s closed with %d allocations pending: aborted (their bytes kept out of placement "
-                         "while a late write may still come)", self.peer, n)
+                log.info("metaserver: %s closed with %d allocations pending: aborted (their bytes kept out of "
+                         "placement while a late write may still come)", self.peer, n)
 
     def _authenticated(self, op: int, rid: int) -> bool:
         """AUTH succeeded: move to the authenticated cap; False (answered and closing) when that cap is full."""

@@ -200,7 +200,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         keep = max(self.cfg.pending_ttl_s, self.cfg.write_cap_ttl_s) + CLOCK_SKEW_S  # open allocations' writers
         self.dir.quarantine = Quarantine(hold, keep)
         self.dir.quarantine.start(self.took_over, self.gens.issued_below)
-        n, nbytes = handoff.hold(self.dir, handed, keep)
+        n, nbytes = handoff.hold(self.dir, handed)
         if n:
             log.info("metaserver: holding %d runs (%d bytes) the last leader left allocated and uncommitted", n, nbytes)
         if not any(n.provisional for n in self.members.nodes.values()):

@@ -19,7 +19,7 @@ PAGE = ALIGN - 64  # one 4 KiB unit with its header
 def make(kind: str, units: int = 8):
     d = Directory() if kind == "objects" else TableDirectory()
     d.add_space("n1", units * ALIGN)
-    d.quarantine = Quarantine(0.0)
+    d.quarantine = Quarantine(0.0, keep_s=30.0)
     return d
 
 
@@ -38,7 +38,7 @@ def test_open_allocations_are_held_by_the_next_directory_then_released(kind):
     assert sorted(old.open_extents()) == [("n1", ARENA_DATA_START, ALIGN), ("n1", ARENA_DATA_START + 2 * ALIGN, ALIGN)]
     blob = msgpack.packb([time.time(), handoff.runs(old.open_extents())])
     new = make(kind)
-    assert handoff.hold(new, blob, 30.0) == (2, 2 * ALIGN)
+    assert handoff.hold(new, blob) == (2, 2 * ALIGN)
     items, _ = new.alloc("ns", [b"x", b"y"], [PAGE] * 2, None, 200, 0.0)
     assert sorted(it[2] for it in items) == [ARENA_DATA_START + ALIGN, ARENA_DATA_START + 3 * ALIGN]
     assert new.quarantine.release(time.monotonic() + 31.0, new.spaces, 10) == 2  # after the hold: placeable again
@@ -50,19 +50,19 @@ def test_open_allocations_are_held_by_the_next_directory_then_released(kind):
                                   msgpack.packb(["t", []]), msgpack.packb([1.0, [["n1", "o", 1]]])])
 def test_an_unreadable_record_is_ignored(blob):
     d = make("objects")
-    assert handoff.hold(d, blob, 30.0) == (0, 0)
+    assert handoff.hold(d, blob) == (0, 0)
     assert d.quarantine.held_bytes == 0
 
 
 def test_an_old_record_or_unknown_node_or_used_bytes_hold_nothing():
     d = make("objects")
     old = msgpack.packb([time.time() - 60, [["n1", ARENA_DATA_START, ALIGN]]])
-    assert handoff.hold(d, old, 30.0) == (0, 0)
+    assert handoff.hold(d, old) == (0, 0)
     gone = msgpack.packb([time.time(), [["n9", ARENA_DATA_START, ALIGN], ["n1", 3, ALIGN]]])
-    assert handoff.hold(d, gone, 30.0) == (0, 0)
+    assert handoff.hold(d, gone) == (0, 0)
     d.alloc("ns", [b"a"], [PAGE], None, 1, 0.0)
     used = msgpack.packb([time.time(), [["n1", ARENA_DATA_START, 2 * ALIGN], ["n1", ARENA_DATA_START + ALIGN, ALIGN]]])
-    assert handoff.hold(d, used, 30.0) == (1, ALIGN)  # only the run whose bytes are all free
+    assert handoff.hold(d, used) == (1, ALIGN)  # only the run whose bytes are all free
 
 
 @pytest.mark.parametrize("kind", ["objects", "table"])
@@ -71,7 +71,6 @@ def test_aborts_inside_keeping_keep_their_extents_and_a_handover_hands_them_on(k
     keeps its extent out of placement for keep_s, counted in held_bytes and the allocator invariant, and is part
     of the hand-off record; an abort outside ``keeping()`` frees at once, as before."""
     d = make(kind)
-    d.quarantine = Quarantine(0.0, keep_s=30.0)
     items, _ = d.alloc("ns", [b"a", b"b", b"c"], [PAGE] * 3, None, 100, 0.0)
     assert [it[2] for it in items] == [ARENA_DATA_START + i * ALIGN for i in range(3)]
     with d.quarantine.keeping():
