@@ -187,8 +187,8 @@ def test_sharing_cores_leaves_cores_to_other_work_on_this_thread_only():
 
 def test_a_pipelined_put_leaves_a_core_to_the_allocs_and_commits(make_cluster, monkeypatch):
     """A batch_put of several chunks writes each chunk while other chunks' ALLOCs and COMMITs are served: its shm
-    copies use one thread fewer than the cores (``copies.sharing_cores``), a one-chunk put and a get all of them;
-    every page exact either way."""
+    copies of small pages use one thread fewer than the cores (``copies.sharing_cores``); chunks of pages of
+    ``puts.SHARE_BELOW_PAGE_BYTES`` and more, a one-chunk put and a get use all of them; every page exact."""
     from umbp import puts
     from transport import shm
 
@@ -208,6 +208,10 @@ def test_a_pipelined_put_leaves_a_core_to_the_allocs_and_commits(make_cluster, m
             assert sizes and set(sizes) == {3}  # every chunk's write (shm sizes its Stream by it, and so does Stream)
             sizes.clear()
             assert c.batch_put([f"one/{i}" for i in range(8)], pages[:8]) == [True] * 8  # one chunk
+            assert sizes and set(sizes) == {4}
+            sizes.clear()
+            monkeypatch.setattr(puts, "SHARE_BELOW_PAGE_BYTES", size)  # pages this big are copy bound: every core
+            assert c.batch_put([f"big/{i}" for i in range(n)], pages) == [True] * n  # 4 chunks of 8
             assert sizes and set(sizes) == {4}
             sizes.clear()
             outs = [np.zeros(size, np.uint8) for _ in range(n)]

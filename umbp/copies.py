@@ -101,7 +101,8 @@ class sharing_cores:
     pipelined ``batch_put`` writes its chunks this way while the metaserver (and etcd) serve the ALLOCs and COMMITs
     of the others: on the 2-core test machine a 64 KiB x1024 shm put with two copy threads wrote its 64 MiB in
     17-27 ms and took 48 ms, with one 9-12 ms and 32-46 ms (its metaserver, etcd and the copies on the same two
-    cores). Where cores are plenty it changes nothing that matters (16 cores: 15 threads, not 16)."""
+    cores). Chunks of big pages are copy bound and do not share (``puts.SHARE_BELOW_PAGE_BYTES``). Where cores are
+    plenty it changes nothing that matters (16 cores: 15 threads, not 16)."""
 
     __slots__ = ("n", "prev")
 
