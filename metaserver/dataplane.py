@@ -22,6 +22,7 @@ ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loa
 _NS_KEYS = frozenset({"ns", "keys"})
 _LOOKUP = frozenset({"ns", "keys", "shard"})
 _NS_KEYS_GENS = frozenset({"ns", "keys", "gens"})
+_ABORT = frozenset({"ns", "keys", "gens", "written"})
 _COMMIT = frozenset({"ns", "keys", "gens", "shard"})
 _ALLOC = frozenset({"ns", "keys", "sizes", "parents", "token", "shard"})
 
@@ -98,7 +99,13 @@ class DataPlaneHandlers:
         return {"ok": ok}
 
     def abort(self, meta: Any, conn) -> dict:
-        ns, keys, gens = self._settle_request(meta, conn)
+        """Give up open allocations. ``"written": true``: the writer tried to write them (its write failed), so a
+        late write may still land: their extents stay out of placement for the quarantine's ``keep_s``
+        (``Quarantine.keeping``); the keys are free at once either way."""
+        ns, keys, gens = self._settle_request(meta, conn, _ABORT)
+        if v.boolean(meta, "written"):
+            with self.dir.quarantine.keeping():
+                return {"aborted": self.dir.abort(ns, keys, gens)}
         return {"aborted": self.dir.abort(ns, keys, gens)}
 
     def lookup(self, meta: Any, conn) -> dict:

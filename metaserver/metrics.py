@@ -138,7 +138,7 @@ class _Collector(Collector):
         yield _gauge("umbp_pool_pending_objects", "Allocated, not yet committed objects", total("pending"))
         yield _gauge("umbp_pool_leased_objects", "Objects pinned by a read lease", total("pinned"))
         yield _gauge("umbp_pool_held_bytes", "Freed arena bytes not yet placeable (write quarantine; open allocations "
-                     "of closed connections)", sum(d.quarantine.held_bytes for d in dirs))
+                     "of closed connections; aborted failed writes)", sum(d.quarantine.held_bytes for d in dirs))
         yield _counter("umbp_pool_hits", "Keys found by LOOKUP", total("hits"))
         yield _counter("umbp_pool_misses", "Keys not found by LOOKUP", total("misses"))
         yield _counter("umbp_pool_evictions", "Objects evicted (pressure, watermark, admin)", total("evictions"))

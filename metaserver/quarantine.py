@@ -18,7 +18,10 @@ Open allocations, in every pool. An allocation aborted because its writer's conn
 may still be written: the writer got its places before the connection broke and writes them without the
 metaserver (shm writes, and every write of an open pool, are fenced by nothing); its COMMIT then fails and it writes
 again elsewhere. Placing a new object there at once would let that late write overwrite it (the reader's header
-check refuses it: a CorruptionError and a lost page). So frees made inside ``keeping()`` are kept (``kept``) for
+check refuses it: a CorruptionError and a lost page). The same holds for an ABORT that says its places were
+written (``"written": true``): the writer's write failed (a timeout, a broken node connection, a copy that outlived
+its deadline), but a node may still apply a write in flight, or the copy threads finish it. So frees made inside
+``keeping()`` are kept (``kept``) for
 ``keep_s``: the longest an allocation's writer may write (``pending_ttl_s``, after which the allocation expires
 anyway, and ``write_cap_ttl_s`` in a closed pool) plus clock skew. The extents a departing leader handed on
 (``metaserver/handoff.py``) wait in the same queue, and a handover hands the kept ones on again.

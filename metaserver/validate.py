@@ -131,6 +131,14 @@ def string(meta: dict, name: str, *, required: bool = True, max_len: int = 4096,
     return v
 
 
+def boolean(meta: dict, name: str) -> bool:
+    """An optional flag: absent is False; anything but a bool is refused."""
+    x = meta.get(name, False)
+    if type(x) is not bool:
+        raise Reject(f"'{name}' must be true or false")
+    return x
+
+
 def integer(meta: dict, name: str, lo: int, hi: int, *, default: int | None = None) -> int:
     v = meta.get(name, default)
     if type(v) is not int:

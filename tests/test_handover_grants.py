@@ -25,7 +25,7 @@ from metaserver.slots import leaders
 from transport import slotrules, wire
 from transport.framed import FramedSocket
 from transport.wire import Op
-from umbp.errors import NotLeader
+from umbp.errors import BadRequest, NotLeader, TransportError
 
 NS = "default"
 SIZE = 6000
@@ -143,3 +143,38 @@ def test_a_closed_connections_open_allocations_stay_unplaced(make_cluster, direc
     # an aborted key itself is free for another writer at once
     put_and_check(cluster, [b"open-at-close0"] + [f"fresh{i}".encode() for i in range(6)], opened)
     assert "allocations pending: aborted" in cluster.metaserver.stderr_text(), cluster.metaserver.tail()
+
+
+@pytest.mark.parametrize("directory", ["objects", "table"])
+def test_an_abort_of_written_places_keeps_them_unplaced(make_cluster, directory, monkeypatch):
+    """An ABORT that says its places were written (``"written": true``: the write failed, a node or copy thread
+    may still apply it) keeps their extents out of placement like a closed connection's; one without it frees them
+    at once. New pages put meanwhile survive the late writes. The client says it on a failed write."""
+    cluster = make_cluster(metaservers=1, nodes=1, metaserver_flags={"directory": directory})
+    sock = FramedSocket(cluster.metaserver.addr, "test writer", time.monotonic() + 5)
+    try:
+        opened = [open_allocation(sock, f"failed-write{i}".encode()) for i in range(3)]
+        for i, (gen, _node, _off) in enumerate(opened):
+            meta = {"ns": NS, "keys": [f"failed-write{i}".encode()], "gens": [gen]}
+            if i < 2:
+                meta["written"] = True
+            assert sock.request(Op.ABORT, meta, time.monotonic() + 5).meta["aborted"] == 1
+        with pytest.raises(BadRequest, match="'written' must be true or false"):
+            sock.request(Op.ABORT, {"ns": NS, "keys": [b"x"], "gens": [1], "written": 1}, time.monotonic() + 5)
+    finally:
+        sock.close()
+    with cluster.client() as c:
+        s = c.admin(Op.STATS)
+        assert s["pending"] == 0 and s["held_bytes"] == 2 * wire.object_size(SIZE), s
+    put_and_check(cluster, [b"failed-write0"] + [f"fresh{i}".encode() for i in range(6)], opened[:2])
+    # the client's own failed write: its ABORT says written, so the chunk's extents are kept too
+    with cluster.client() as c:
+        before = c.admin(Op.STATS)["held_bytes"]
+
+        def broken(batches, what, deadline):
+            raise TransportError("test", "the write broke mid-way")
+
+        monkeypatch.setattr(c, "_run", broken)
+        with pytest.raises(TransportError, match="mid-way"):
+            c.batch_put([b"doomed0", b"doomed1"], [payload(0), payload(1)])
+        assert c.admin(Op.STATS)["held_bytes"] == before + 2 * wire.object_size(SIZE)

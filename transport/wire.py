@@ -72,7 +72,9 @@ from umbp.errors import (
 )
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 10  # 10: a single-slot keyed request to a partitioned pool names its slot ("slot": s), so the process
+VERSION = 11  # 11: ABORT may say "written": true (its places were written, the write failed: the metaserver keeps
+#              their extents out of placement while a late write may land, metaserver/quarantine.py);
+#              10: a single-slot keyed request to a partitioned pool names its slot ("slot": s), so the process
 #              hashes only an ALLOC's keys (metaserver/partition.py ``named_slot``, metaserver/multislot.py);
 #              9: RELEASE takes "leases": [id, ...] (a multi-slot LOOKUP's leases, one frame per process);
 #              8: "shard": [rank, n] on ALLOC/COMMIT/LOOKUP: one shared entry per TP-sharded page, a rank's
@@ -115,7 +117,7 @@ class Op(enum.IntEnum):
     #               tag, cap_index]], "caps": [write_cap]} (AllocState; tag: the object header's key hash;
     #               caps[cap_index]: the write capability of the batch's slots on that node, b"" when open)
     COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
-    ABORT = 0x14  # {"ns", "keys", "gens"} -> {"aborted": int}
+    ABORT = 0x14  # {"ns", "keys", "gens", "written"?} -> {"aborted": int}
     LOOKUP = 0x15  # {"ns", "keys"} -> {"lease": int, "locs": [[node, off, size, gen, tag, cap_index] | None],
     #                "caps": [read_cap]} (one read capability per node of the batch)
     RELEASE = 0x16  # {"lease": int} -> {} (usually NO_REPLY)

@@ -347,7 +347,7 @@ class PutPath:
                 results = self._run(batches, "write", deadline)
         except Exception:
             self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in gens],
-                                            "gens": list(gens.values())}, deadline)
+                                            "gens": list(gens.values()), "written": True}, deadline)
             acc.chunks_done[-1] = {}
             raise
         finally:
@@ -369,7 +369,7 @@ class PutPath:
                     acc.first_err = acc.first_err or r
         if bad_idx:
             self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in bad_idx],
-                                            "gens": [gens[i] for i in bad_idx]}, deadline)
+                                            "gens": [gens[i] for i in bad_idx], "written": True}, deadline)
             acc.bad.extend(bad_idx)
         return ok_idx, gens
 
