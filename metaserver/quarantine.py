@@ -21,10 +21,10 @@ again elsewhere. Placing a new object there at once would let that late write ov
 check refuses it: a CorruptionError and a lost page). The same holds for an ABORT that says its places were
 written (``"written": true``): the writer's write failed (a timeout, a broken node connection, a copy that outlived
 its deadline), but a node may still apply a write in flight, or the copy threads finish it. So frees made inside
-``keeping()`` are kept (``kept``) for
-``keep_s``: the longest an allocation's writer may write (``pending_ttl_s``, after which the allocation expires
-anyway, and ``write_cap_ttl_s`` in a closed pool) plus clock skew. The extents a departing leader handed on
-(``metaserver/handoff.py``) wait in the same queue, and a handover hands the kept ones on again.
+``keeping()`` are kept (``kept``) for ``keep_s``: the longest an allocation's writer may write (``pending_ttl_s``,
+after which the allocation expires anyway, and ``write_cap_ttl_s`` in a closed pool) plus clock skew. The extents
+a departing leader handed on (``metaserver/handoff.py``) wait in the same queue, and a handover hands the kept ones
+on again.
 
 Costs: a free O(1); ``release`` O(extents released), budgeted per call; memory one tuple per held extent.
 """
