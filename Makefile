@@ -18,6 +18,12 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := test
 
+# Python writes bytecode caches (__pycache__) for what it imports. The tests start hundreds of Python processes
+# (metaservers, nodes, clients, the engines venv's suites); where PYTHONDONTWRITEBYTECODE is set (some CI machines
+# set it) none is ever written and every process compiles every module it imports again: tests/test_failover.py
+# took 62 s that way and 48 s with caches. The venvs are installed --no-compile, so the first import writes them.
+unexport PYTHONDONTWRITEBYTECODE
+
 PYTHON        ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV          := .venv

@@ -18,7 +18,8 @@
 # --no-warn-conflicts: the pins that matter are the extras in pyproject.toml, and the tests check what imports.
 #
 # --no-compile: pip would byte-compile every installed module (torch's thousands: about half of a fresh install's
-# time here); Python compiles what it imports on first use instead.
+# time here); Python compiles what it imports on first use instead (the Makefile lets it write those caches even
+# where PYTHONDONTWRITEBYTECODE is set).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
