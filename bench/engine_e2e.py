@@ -18,8 +18,8 @@ time, GB/s and TTFT (load + decode) against recompute (prefill + decode):
   whole runs (load, cache, decode);
 - ``overlap``: TTFT with layer-wise overlap: the same cache-layout load in ``--groups`` groups, the decode's layers
   enqueued behind their group's arrival (``decode_overlapped``: the compute stream waits for each group's event);
-  its logits are checked for the same next token (and printed as exact or not: the layer-by-layer decode may pick
-  another attention kernel than the model's own forward);
+  its logits are checked for the same next token and printed as exact or not (exact on an H100 with cuDNN's
+  attention off, see ``build_model``);
 - ``offload_plain``: ``LayerwiseLoader.store`` of the loaded KV under new keys, and ``offload``: the SGLang linker's
   offload (``umbp.engine.offload.PipelinedStore``: chunks whose device-to-host copy overlaps the previous put), GB/s
   beside the layer-wise load;
@@ -60,6 +60,11 @@ def build_model(preset: str, device: str):
                       num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
                       max_position_embeddings=1 << 16)
     torch.manual_seed(1234)  # same weights in writer and reader
+    if device.startswith("cuda"):
+        # cuDNN's attention (which SDPA prefers on H100) is not reproducible: the same cache decoded six times on an
+        # H100 (torch 2.11) gave logits up to 0.035 apart; flash and math gave identical ones. Bit-exact logit
+        # checks need a reproducible kernel, so both processes use flash (or math) attention.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     model = LlamaForCausalLM(cfg).to(dtype=getattr(torch, dtype), device=device).eval()
     return model, cfg
 
@@ -197,7 +202,8 @@ def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> Non
     npages = (len(ids) - 1) // page_tokens
     nl = cfg.num_hidden_layers
     keys = chain_keys(ids[:-1], page_tokens)
-    res: dict = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", "preset": preset}
+    res: dict = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", "preset": preset,
+                 "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled()}
 
     def best(fn):
         times, last = [], None
