@@ -8,6 +8,7 @@ and ALLOC when generations run out or right after a takeover (at most ``ALLOC_HO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -103,10 +104,8 @@ class DataPlaneHandlers:
         late write may still land: their extents stay out of placement for the quarantine's ``keep_s``
         (``Quarantine.keeping``); the keys are free at once either way."""
         ns, keys, gens = self._settle_request(meta, conn, _ABORT)
-        if v.boolean(meta, "written"):
-            with self.dir.quarantine.keeping():
-                return {"aborted": self.dir.abort(ns, keys, gens)}
-        return {"aborted": self.dir.abort(ns, keys, gens)}
+        with self.dir.quarantine.keeping() if v.boolean(meta, "written") else contextlib.nullcontext():
+            return {"aborted": self.dir.abort(ns, keys, gens)}
 
     def lookup(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _LOOKUP, ("ns", "keys"))
