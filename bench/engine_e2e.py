@@ -23,8 +23,13 @@ time, GB/s and TTFT (load + decode) against recompute (prefill + decode):
 - ``offload_plain``: ``LayerwiseLoader.store`` of the loaded KV under new keys, and ``offload``: the SGLang linker's
   offload (``umbp.engine.offload.PipelinedStore``: chunks whose device-to-host copy overlaps the previous put), GB/s
   beside the layer-wise load;
-- the writer's ``batch_put`` of the pages (store GB/s).
-The SGLang HiCache backend path is not part of this bench yet (it needs SGLang's host pool objects).
+- ``hicache``: SGLang's HiCache storage backend (``UmbpHiCacheStorage``, loaded by SGLang's own factory): the
+  writer copies its KV into SGLang's host pool (``MHATokenToKVPoolHost``, ``page_first``, pinned on CUDA) and
+  stores it with ``batch_set_v1``; the reader gets it into its own host pool with ``batch_get_v1``, uploads the
+  filled part to the model's device in one copy, and decodes (TTFT = get + upload + decode). Needs SGLang's host
+  pool classes (the linker venv here, ``scripts/gpu-kit.sh``'s kit on the GPU machine); without them the path says
+  SKIPPED and why;
+- the writer's ``batch_put`` of the pages (store GB/s), and its ``batch_set_v1``.
 
 CPU mode (``--device cpu``, the default, tiny config) is what ``tests/test_engine_e2e.py`` runs in CI; on the GPU
 machine: ``python bench/engine_e2e.py --device cuda --preset h200`` (16 layers, 8 KV heads x 128, bf16, 16,384
@@ -141,6 +146,20 @@ def cache_direct(ks, vs):
     return cache
 
 
+def hicache_side(ms: str, preset: str, cfg, pages: int, page_tokens: int, dtype, device: str):
+    """SGLang's host KV pool (``page_first``, pinned on CUDA) and ``UmbpHiCacheStorage`` over it, built as SGLang's
+    cache controller builds them (``bench/hicache.py``'s helpers): ``(pool, backend, None)``, or ``(None, None,
+    why)`` where SGLang's host pool does not import."""
+    from bench.hicache import host_pool, load_backend
+
+    try:
+        pool = host_pool("page_first", pages, page_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                         cfg.head_dim, device.startswith("cuda"), dtype=dtype)
+    except ImportError as e:
+        return None, None, f"SGLang's host pool does not import: {e}"
+    return pool, load_backend(ms, pool, model_name=f"e2e/{preset}"), None
+
+
 def decode_overlapped(model, load, ks, vs, token: int, pos: int, device: str):
     """Decode ``token`` at position ``pos`` with each layer enqueued behind its group's arrival: ``load`` (a running
     ``LayerLoad`` into ``ks``/``vs``, per layer ``[1, H, S, D]``) yields the groups; the compute stream waits for
@@ -171,6 +190,8 @@ def decode_overlapped(model, load, ks, vs, token: int, pos: int, device: str):
 
 
 def writer(ms: str, preset: str, device: str, q) -> None:
+    import torch
+
     import umbp
     from umbp.keys import chain_keys
 
@@ -180,13 +201,29 @@ def writer(ms: str, preset: str, device: str, q) -> None:
     cache = prefill(model, ids[:-1], device)
     pages = pages_of(cache, cfg.num_hidden_layers, npages, page_tokens)
     keys = chain_keys(ids[:-1], page_tokens)
+    nbytes = pages.numel() * pages.element_size()
     with umbp.Client(metaserver=ms, namespace=f"e2e-{preset}") as c:
         sync(device)
         t = time.perf_counter()
         stored = c.batch_put(keys, [pages[p] for p in range(npages)])
         put_s = time.perf_counter() - t
-    q.put({"writer": {"stored": sum(stored), "pages": npages, "put_s": put_s,
-                      "put_gbps": pages.numel() * pages.element_size() / put_s / 1e9}})
+    res = {"stored": sum(stored), "pages": npages, "put_s": put_s, "put_gbps": nbytes / put_s / 1e9}
+    # the same KV through the HiCache backend: into SGLang's host pool (page_first: [tokens, layers, H, D] per K
+    # and V), then batch_set_v1 as the cache controller's backup does
+    hpool, backend, why = hicache_side(ms, preset, cfg, npages, page_tokens, pages.dtype, device)
+    if backend is None:
+        res["hicache_skipped"] = why
+    else:
+        for li in range(cfg.num_hidden_layers):
+            k, v = kv_of(cache, li)
+            hpool.k_buffer[:npages * page_tokens, li].copy_(k[0, :, :npages * page_tokens].permute(1, 0, 2))
+            hpool.v_buffer[:npages * page_tokens, li].copy_(v[0, :, :npages * page_tokens].permute(1, 0, 2))
+        t = time.perf_counter()
+        hstored = backend.batch_set_v1(keys, torch.arange(npages * page_tokens, dtype=torch.int64))
+        set_s = time.perf_counter() - t
+        backend.close()
+        res.update(hicache_stored=sum(hstored), hicache_set_s=set_s, hicache_set_gbps=nbytes / set_s / 1e9)
+    q.put({"writer": res})
 
 
 def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> None:
@@ -240,6 +277,8 @@ def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> Non
                         "vs_recompute": rec_s / (load_s + dec_s), "kv_exact": same_kv, "logits_exact": same_logits,
                         "transports": c.transport_names(), "kernel_launches": c._device.launches}
         del buf
+        ok &= hicache_path(ms, preset, cfg, keys, npages, page_tokens, ref_pages.dtype, device, model, ids, ref_cache,
+                           ref_logits, rec_s, best, res)
 
         # layer-wise loader into a paged KV buffer: per layer (K slots, V slots) [pages, H, T, D]
         shape = ref_pages[:, 0, 0].shape
@@ -342,6 +381,44 @@ def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> Non
     q.put({"reader": res})
 
 
+def hicache_path(ms, preset, cfg, keys, npages, page_tokens, dtype, device, model, ids, ref_cache, ref_logits, rec_s,
+                 best, res) -> bool:
+    """The HiCache backend's load: ``batch_get_v1`` of every page into SGLang's host pool, one upload of the pool's
+    filled part to the model's device, per layer K and V in the cache's layout, then the decode. SGLang itself
+    moves host pages to its device pool with its own kernels, layer by layer; this upload is the plain torch copy.
+    Sets ``res["hicache"]``; returns whether every check held (True where SGLang is missing: said in the result)."""
+    import torch
+
+    pool, backend, why = hicache_side(ms, preset, cfg, npages, page_tokens, dtype, device)
+    if backend is None:
+        res["hicache"] = {"skipped": why}
+        return True
+    s, nl = npages * page_tokens, cfg.num_hidden_layers
+    idx = torch.arange(s, dtype=torch.int64)
+    try:
+        load_s, got = best(lambda: backend.batch_get_v1(keys, idx))
+
+        def upload():
+            kd, vd = (x[:s].to(device, non_blocking=True) for x in (pool.k_buffer, pool.v_buffer))  # [S, L, H, D]
+            return ([x[:, li].permute(1, 0, 2).unsqueeze(0).contiguous() for li in range(nl)] for x in (kd, vd))
+
+        up_s, (hk, hv) = best(lambda: tuple(upload()))
+    finally:
+        backend.close()
+    same_kv = all(torch.equal(x[li].view(torch.uint8), kv_of(ref_cache, li)[j][:, :, :s].contiguous()
+                              .view(torch.uint8)) for li in range(nl) for j, x in ((0, hk), (1, hv)))
+    t = time.perf_counter()
+    logits = decode(model, cache_direct(hk, hv), ids[-1], device)
+    dec_s = time.perf_counter() - t
+    same_logits = bool(torch.equal(logits, ref_logits))
+    nbytes = 2 * sum(x.numel() * x.element_size() for x in hk)
+    ttft = load_s + up_s + dec_s
+    res["hicache"] = {"load_ms": load_s * 1e3, "gbps": nbytes / load_s / 1e9, "upload_ms": up_s * 1e3,
+                      "ttft_ms": ttft * 1e3, "vs_recompute": rec_s / ttft, "kv_exact": same_kv,
+                      "logits_exact": same_logits, "pages": sum(got)}
+    return same_kv and same_logits and sum(got) == npages
+
+
 def run(ms: str, preset: str, device: str, groups: int, iters: int) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -376,17 +453,24 @@ def main() -> int:
     else:
         from umbp.launcher import LocalPool
 
-        cap = args.capacity or ("64MiB" if preset == "tiny" else "3GiB")
+        cap = args.capacity or ("64MiB" if preset == "tiny" else "4GiB")
         with LocalPool(nodes=1, capacity=cap, port=0, metrics=False) as pool:
             res = run(pool.metaserver, preset, args.device, args.groups, args.iters)
     print("E2E " + json.dumps(res), flush=True)
     r = res["reader"]
+    w = res["writer"]
     print(f"recompute TTFT {r['recompute_ttft_ms']:.1f} ms, KV {r['kv_bytes'] / 2**20:.1f} MiB, "
-          f"store {res['writer']['put_gbps']:.2f} GB/s")
-    for name in ("plain", "layerwise", "layerwise_groups", "layerwise_cache_layout", "overlap"):
+          f"store {w['put_gbps']:.2f} GB/s (batch_put), "
+          + (f"{w['hicache_set_gbps']:.2f} GB/s (batch_set_v1)" if "hicache_set_gbps" in w else "no batch_set_v1"))
+    if "skipped" in r["hicache"]:
+        print(f"hicache            SKIPPED: {r['hicache']['skipped']}")
+    for name in ("plain", "hicache", "layerwise", "layerwise_groups", "layerwise_cache_layout", "overlap"):
         x = r[name]
+        if "skipped" in x:
+            continue
         print(f"{name:<18} load {x['load_ms']:8.1f} ms {x['gbps']:7.2f} GB/s  TTFT {x['ttft_ms']:8.1f} ms "
-              f"({x['vs_recompute']:.1f}x recompute)  kv exact {x['kv_exact']}  logits exact {x['logits_exact']}")
+              f"({x['vs_recompute']:.1f}x recompute)  kv exact {x['kv_exact']}  logits exact {x['logits_exact']}"
+              + (f"  (upload {x['upload_ms']:.1f} ms)" if "upload_ms" in x else ""))
     for name in ("offload_plain", "offload"):
         o = r[name]
         print(f"{name:<18} {o['store_ms']:8.1f} ms {o['gbps']:7.2f} GB/s  bytes exact {o['bytes_exact']}  "

@@ -50,7 +50,8 @@ from umbp.launcher import LocalPool  # noqa: E402
 MiB = 1 << 20
 
 
-def host_pool(layout: str, pages: int, page_tokens: int, layers: int, heads: int, head_dim: int, cuda: bool):
+def host_pool(layout: str, pages: int, page_tokens: int, layers: int, heads: int, head_dim: int, cuda: bool,
+              dtype: torch.dtype = torch.bfloat16):
     """SGLang's ``MHATokenToKVPoolHost`` of ``pages`` pages over a small device pool (the one it mirrors)."""
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -58,13 +59,13 @@ def host_pool(layout: str, pages: int, page_tokens: int, layers: int, heads: int
     # an indexed device: SGLang's MHABufferInfo.validate compares it with each tensor's device (cuda:0 != cuda)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     n_dev = 4 * page_tokens
-    k = tuple(torch.zeros(n_dev, heads, head_dim, dtype=torch.bfloat16, device=dev) for _ in range(layers))
-    v = tuple(torch.zeros(n_dev, heads, head_dim, dtype=torch.bfloat16, device=dev) for _ in range(layers))
+    k = tuple(torch.zeros(n_dev, heads, head_dim, dtype=dtype, device=dev) for _ in range(layers))
+    v = tuple(torch.zeros(n_dev, heads, head_dim, dtype=dtype, device=dev) for _ in range(layers))
     info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k], device=dev),
                                            v_data_ptrs=torch.tensor([t.data_ptr() for t in v], device=dev),
                                            layout=KVBufferLayout.NHD),
                          page_size=page_tokens, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
-                         dtype=torch.bfloat16, device=dev)
+                         dtype=dtype, device=dev)
     # device="cpu" as SGLang's pool assembler leaves it: the host pool is host memory (pinned with CUDA)
     pool = MHATokenToKVPoolHost(info, 2.0, 0, page_tokens, layout, pin_memory=cuda, device="cpu",
                                 device_capacity_tokens=n_dev, start_layer=0, end_layer=layers,
@@ -73,7 +74,7 @@ def host_pool(layout: str, pages: int, page_tokens: int, layers: int, heads: int
     return pool
 
 
-def load_backend(metaserver: str, pool):
+def load_backend(metaserver: str, pool, model_name: str = "bench/llama-8b"):
     """As SGLang's cache controller does: its factory builds the backend, then the host pool is registered."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -82,7 +83,7 @@ def load_backend(metaserver: str, pool):
              "class_name": "UmbpHiCacheStorage", "metaserver": metaserver, "interface_v1": 1}
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-                               model_name="bench/llama-8b", extra_config=extra)
+                               model_name=model_name, extra_config=extra)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     backend.register_mem_pool_host(pool)
     return backend

@@ -1,6 +1,7 @@
 """The end-to-end engine bench's CPU mode (``bench/engine_e2e.py --device cpu``): a tiny Llama with random weights,
 writer and reader in separate processes against a real pool; the loaded KV must equal the reader's recompute bit for
-bit and the next-token logits exactly, on every path (plain API, layer-wise loader whole and grouped).
+bit and the next-token logits exactly, on every path (plain API, SGLang's HiCache backend through its host pool,
+layer-wise loader whole and grouped).
 
 transformers lives in the SGLang linker venv (``.venv/sglang-linker``), not in the main one, so the bench runs under
 that interpreter when the main one lacks it; with neither, the test skips and says why."""
@@ -55,3 +56,7 @@ def test_engine_e2e_cpu_mode_kv_and_logits_exact():
         assert rd[path]["bytes_exact"] is True and rd[path]["counters"]["pages_stored"] % 6 == 0, (path, rd[path])
     assert rd["plain"]["transports"] == {"node-0": "shm"} or set(rd["plain"]["transports"].values()) == {"shm"}
     assert rd["ok"] is True and r.returncode == 0, r.stdout[-2000:]
+    if "skipped" in rd["hicache"]:  # every other path was checked above
+        pytest.skip(f"THE HICACHE BACKEND PATH DID NOT RUN under {py}: {rd['hicache']['skipped']}")
+    assert w["hicache_stored"] == 6 and rd["hicache"]["pages"] == 6, (w, rd["hicache"])
+    assert rd["hicache"]["kv_exact"] is True and rd["hicache"]["logits_exact"] is True, rd["hicache"]
