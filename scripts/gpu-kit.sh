@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build .gpu/ (ignored): what bench/hicache.py, bench/tp_nccl.py --linker and the local pool need on the GPU machine
-# beyond its own Python
+# Build .gpu/ (ignored): what bench/hicache.py, bench/engine_e2e.py (its HiCache path loads the same SGLang modules),
+# bench/tp_nccl.py --linker and the local pool need on the GPU machine beyond its own Python
 # (3.12, torch 2.11 + CUDA 13, triton, numpy, msgpack, uvloop, grpcio, protobuf, transformers, ... but no package
 # registry, no SGLang, no etcd). The `run` tool carries ignored paths of at most 64 MiB in all, so the kit holds
 # only what is missing there:
