@@ -42,10 +42,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -277,8 +277,7 @@ def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> Non
                         "vs_recompute": rec_s / (load_s + dec_s), "kv_exact": same_kv, "logits_exact": same_logits,
                         "transports": c.transport_names(), "kernel_launches": c._device.launches}
         del buf
-        ok &= hicache_path(ms, preset, cfg, keys, npages, page_tokens, ref_pages.dtype, device, model, ids, ref_cache,
-                           ref_logits, rec_s, best, res)
+        ok &= hicache_path(ms, preset, device, Reference(model, cfg, ref_cache, ref_logits, rec_s), best, res)
 
         # layer-wise loader into a paged KV buffer: per layer (K slots, V slots) [pages, H, T, D]
         shape = ref_pages[:, 0, 0].shape
@@ -381,19 +380,34 @@ def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> Non
     q.put({"reader": res})
 
 
-def hicache_path(ms, preset, cfg, keys, npages, page_tokens, dtype, device, model, ids, ref_cache, ref_logits, rec_s,
-                 best, res) -> bool:
+class Reference(NamedTuple):
+    """The reader's model and its own recompute: what every loaded path is checked against."""
+
+    model: Any
+    cfg: Any
+    cache: Any  # the recompute's DynamicCache (the prefix, then the decoded token)
+    logits: Any
+    recompute_s: float
+
+
+def hicache_path(ms: str, preset: str, device: str, ref: Reference, best, res: dict) -> bool:
     """The HiCache backend's load: ``batch_get_v1`` of every page into SGLang's host pool, one upload of the pool's
     filled part to the model's device, per layer K and V in the cache's layout, then the decode. SGLang itself
     moves host pages to its device pool with its own kernels, layer by layer; this upload is the plain torch copy.
     Sets ``res["hicache"]``; returns whether every check held (True where SGLang is missing: said in the result)."""
     import torch
 
-    pool, backend, why = hicache_side(ms, preset, cfg, npages, page_tokens, dtype, device)
+    from umbp.keys import chain_keys
+
+    ids, page_tokens = prompt(preset)
+    npages = (len(ids) - 1) // page_tokens
+    keys = chain_keys(ids[:-1], page_tokens)
+    dtype = kv_of(ref.cache, 0)[0].dtype
+    pool, backend, why = hicache_side(ms, preset, ref.cfg, npages, page_tokens, dtype, device)
     if backend is None:
         res["hicache"] = {"skipped": why}
         return True
-    s, nl = npages * page_tokens, cfg.num_hidden_layers
+    s, nl = npages * page_tokens, ref.cfg.num_hidden_layers
     idx = torch.arange(s, dtype=torch.int64)
     try:
         load_s, got = best(lambda: backend.batch_get_v1(keys, idx))
@@ -405,16 +419,16 @@ def hicache_path(ms, preset, cfg, keys, npages, page_tokens, dtype, device, mode
         up_s, (hk, hv) = best(lambda: tuple(upload()))
     finally:
         backend.close()
-    same_kv = all(torch.equal(x[li].view(torch.uint8), kv_of(ref_cache, li)[j][:, :, :s].contiguous()
+    same_kv = all(torch.equal(x[li].view(torch.uint8), kv_of(ref.cache, li)[j][:, :, :s].contiguous()
                               .view(torch.uint8)) for li in range(nl) for j, x in ((0, hk), (1, hv)))
     t = time.perf_counter()
-    logits = decode(model, cache_direct(hk, hv), ids[-1], device)
+    logits = decode(ref.model, cache_direct(hk, hv), ids[-1], device)
     dec_s = time.perf_counter() - t
-    same_logits = bool(torch.equal(logits, ref_logits))
+    same_logits = bool(torch.equal(logits, ref.logits))
     nbytes = 2 * sum(x.numel() * x.element_size() for x in hk)
     ttft = load_s + up_s + dec_s
     res["hicache"] = {"load_ms": load_s * 1e3, "gbps": nbytes / load_s / 1e9, "upload_ms": up_s * 1e3,
-                      "ttft_ms": ttft * 1e3, "vs_recompute": rec_s / ttft, "kv_exact": same_kv,
+                      "ttft_ms": ttft * 1e3, "vs_recompute": ref.recompute_s / ttft, "kv_exact": same_kv,
                       "logits_exact": same_logits, "pages": sum(got)}
     return same_kv and same_logits and sum(got) == npages
 
