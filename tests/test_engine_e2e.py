@@ -45,7 +45,7 @@ def test_engine_e2e_cpu_mode_kv_and_logits_exact():
     assert lines, f"no E2E line (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     res = json.loads(lines[-1][4:])
     w, rd = res["writer"], res["reader"]
-    assert w["stored"] == w["pages"] == 6
+    assert w["stored"] == w["pages"] == 6 and w["first_put_stored"] == 1
     assert rd["prefix_hits"] == 6
     assert rd["kv_bytes"] == 6 * 2 * 2 * 2 * 16 * 16 * 4  # pages x layers x K|V x kv_heads x tokens x dim x fp32
     for path in ("plain", "layerwise", "layerwise_groups", "layerwise_cache_layout"):
