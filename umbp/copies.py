@@ -249,20 +249,19 @@ class Stream:
     """The copies of one batch, started while the caller is still planning the rest of it: raw ``(dst, src, n)``
     pieces come in batch order (``add``), and each time about ``total / threads`` bytes have come they go to a
     pool thread as one job (coalesced into strided runs, ``_runs``), so the Python that turns a batch's ops into
-    pieces (the shm transport's per-range checks) runs beside the copies instead of before them. The batch's last
-    job's worth stays with the calling thread: ``finish`` copies it (and any remainder) there and waits for every job (``deadline``: DeadlineExceeded; jobs still running
+    pieces (the shm transport's per-range checks) runs beside the copies instead of before them. ``finish`` copies
+    what is left on the calling thread and waits for every job (``deadline``: DeadlineExceeded; jobs still running
     hold ``keep``, the memory their pieces point into); ``abort`` (the caller failed midway) waits for the jobs
     already started and raises nothing: they write into the caller's buffers. Below SERIAL_BYTES nothing is handed
     off (``finish`` copies it all). The caller has checked every bound: nothing is checked here."""
 
-    __slots__ = ("workers", "chunk", "pending", "nbytes", "left", "futures", "pool", "deadline", "keep")
+    __slots__ = ("workers", "chunk", "pending", "nbytes", "futures", "pool", "deadline", "keep")
 
     def __init__(self, total: int, deadline: float | None = None, keep: Any = None):
         self.workers = threads_for(total)
         self.chunk = max(64 << 10, min(PIECE_BYTES, -(-total // (JOBS_PER_THREAD * self.workers))))
         self.pending: list[tuple[int, int, int]] = []
         self.nbytes = 0
-        self.left = total  # bytes of the batch not queued yet
         self.futures: list[cf.Future] = []
         self.pool = _executor(self.workers - 1) if self.workers > 1 else None
         self.deadline = time.monotonic() + WAIT_S if deadline is None else deadline
@@ -307,11 +306,9 @@ class Stream:
             self.add(dst + full * dst_stride, src + full * src_stride, rest)
 
     def _took(self, n: int) -> None:
-        """Count ``n`` bytes just queued; a job's worth goes to a pool thread, but for the batch's last bytes: those
-        the calling thread copies itself in ``finish`` (one thread hand-over fewer, and its core is not idle)."""
+        """Count ``n`` bytes just queued; a job's worth goes to a pool thread."""
         self.nbytes += n
-        self.left -= n
-        if self.pool is not None and self.nbytes >= self.chunk and self.left > 0:
+        if self.pool is not None and self.nbytes >= self.chunk:
             self.futures.append(self.pool.submit(_job, _runs(self.pending), self.keep))
             self.pending, self.nbytes = [], 0
 
