@@ -58,5 +58,5 @@ def test_engine_e2e_cpu_mode_kv_and_logits_exact():
     assert rd["ok"] is True and r.returncode == 0, r.stdout[-2000:]
     if "skipped" in rd["hicache"]:  # every other path was checked above
         pytest.skip(f"THE HICACHE BACKEND PATH DID NOT RUN under {py}: {rd['hicache']['skipped']}")
-    assert w["hicache_stored"] == 6 and rd["hicache"]["pages"] == 6, (w, rd["hicache"])
+    assert w["hicache_stored"] == 6 and w["first_set_stored"] == 1 and rd["hicache"]["pages"] == 6, (w, rd["hicache"])
     assert rd["hicache"]["kv_exact"] is True and rd["hicache"]["logits_exact"] is True, rd["hicache"]
