@@ -2,9 +2,9 @@
 
 One core's memcpy moves a fraction of what a host's memory gives (on the 16-core H200 host about a fifth); the
 shm transport, the client's staging and the HiCache backend's host-pool paths copy whole batches, so a batch's
-copies are cut into pieces and the pieces handed to ``threads_for(nbytes)`` threads (the calling thread copies the
-last share). Each piece is one ``ctypes.memmove`` (a strided run of equal pieces, one numpy copy), which releases
-the GIL, so the threads copy in parallel.
+copies are cut into jobs of about ``nbytes / threads_for(nbytes)`` for the pool's threads (the calling thread copies
+what is left short of a job, and waits). Each piece is one ``ctypes.memmove`` (a strided run of equal pieces, one
+numpy copy), which releases the GIL, so the threads copy in parallel.
 
 Sizing: at most ``max_threads()`` threads (the cores this process may run on, capped at MAX_THREADS), and at least
 MIN_BYTES_PER_THREAD bytes per thread; a batch below SERIAL_BYTES stays on the calling thread with plain memoryview
@@ -31,7 +31,8 @@ Contracts:
 
 Cost: below SERIAL_BYTES one memoryview assignment per pair (``copy_pieces``: one ``memmove``); above, one address
 lookup per pair (ctypes for writable views, about 0.2 us; numpy for read-only ones, about 1 us), one ``memmove`` per
-piece (PIECE_BYTES at most) or one numpy copy per strided run, and one future per ``total / threads`` bytes (``JOBS_PER_THREAD``).
+piece (PIECE_BYTES at most) or one numpy copy per strided run, and one future per ``total / threads`` bytes
+(``JOBS_PER_THREAD``).
 """
 
 from __future__ import annotations
