@@ -44,7 +44,7 @@ IN_FLIGHT_WAIT_S = (0.005, 0.01, 0.02, 0.05, 0.1)  # backoff while another write
 # to 1,024 operations, so the COMMITs of several chunks and clients share one) and about CHUNK_BYTES (at least
 # CHUNK_MIN_PAGES pages): big pages are bandwidth-bound, one metaserver round trip per few MiB would only cost.
 # CHUNK_BYTES was 64 MiB; a 4 MiB x64 put (256 MiB) then ran as four chunks, each its own copy job set, and measured
-# (put over get of the same pages, scratch phase timing, medians of 10-20 rounds) 0.58-0.67 on the 16-core H100 host
+# (put over get of the same pages, scratch phase timing, means over 10-20 rounds) 0.58-0.67 on the 16-core H100 host
 # and 0.74-0.76 on the 2-core VM, against 0.77-0.78 and 0.85-0.91 as one chunk of 256 MiB; tcp the same either way
 # (0.89-0.94). Pages of 512 KiB and less are bounded by CHUNK_MAX_PAGES before this.
 CHUNK_BYTES = 256 << 20
