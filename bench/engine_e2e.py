@@ -30,7 +30,8 @@ time, GB/s and TTFT (load + decode) against recompute (prefill + decode):
   pool classes (the linker venv here, ``scripts/gpu-kit.sh``'s kit on the GPU machine); without them the path says
   SKIPPED and why;
 - the writer's ``batch_put`` of the pages (store GB/s; after a first put of one page, timed apart: on CUDA that
-  one registers the node's arena with CUDA), and its ``batch_set_v1``.
+  one registers the node's arena with CUDA), and its ``batch_set_v1`` (after a first one-page set, timed apart: the
+  backend's own client maps the node's arena at its first transfer).
 
 CPU mode (``--device cpu``, the default, tiny config) is what ``tests/test_engine_e2e.py`` runs in CI; on the GPU
 machine: ``python bench/engine_e2e.py --device cuda --preset h200`` (16 layers, 8 KV heads x 128, bf16, 16,384
@@ -81,6 +82,13 @@ def prompt(preset: str):
     _l, _h, _hd, _kv, _d, _i, vocab, pages, page_tokens, _dt = PRESETS[preset]
     g = torch.Generator().manual_seed(99)
     return torch.randint(0, vocab, (pages * page_tokens + 1,), generator=g).tolist(), page_tokens
+
+
+def timed(fn):
+    """``(fn(), seconds it took)`` by the wall clock (a decode or a put: both return only once their work is done)."""
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
 
 
 def sync(device: str) -> None:
@@ -207,13 +215,9 @@ def writer(ms: str, preset: str, device: str, q) -> None:
         # a client's first put of CUDA tensors registers the node's mapped arena with CUDA (the whole arena, once):
         # one page put and removed first, timed apart, so put_gbps is the rate of puts after it
         sync(device)
-        t = time.perf_counter()
-        first = c.batch_put(["e2e-first-put"], [pages[0]])
-        first_s = time.perf_counter() - t
+        first, first_s = timed(lambda: c.batch_put(["e2e-first-put"], [pages[0]]))
         c.batch_remove(["e2e-first-put"])
-        t = time.perf_counter()
-        stored = c.batch_put(keys, [pages[p] for p in range(npages)])
-        put_s = time.perf_counter() - t
+        stored, put_s = timed(lambda: c.batch_put(keys, [pages[p] for p in range(npages)]))
     res = {"stored": sum(stored), "pages": npages, "put_s": put_s, "put_gbps": nbytes / put_s / 1e9,
            "first_put_ms": first_s * 1e3, "first_put_stored": sum(first)}
     # the same KV through the HiCache backend: into SGLang's host pool (page_first: [tokens, layers, H, D] per K
@@ -228,12 +232,9 @@ def writer(ms: str, preset: str, device: str, q) -> None:
             hpool.v_buffer[:npages * page_tokens, li].copy_(v[0, :, :npages * page_tokens].permute(1, 0, 2))
         # the backend's client maps the node's arena at its first transfer: a one-page set under another key first,
         # timed apart as for batch_put, so hicache_set_gbps is the rate of a set after it
-        t = time.perf_counter()
-        first = backend.batch_set_v1(["e2e-first-set"], torch.arange(page_tokens, dtype=torch.int64))
-        first_set_s = time.perf_counter() - t
-        t = time.perf_counter()
-        hstored = backend.batch_set_v1(keys, torch.arange(npages * page_tokens, dtype=torch.int64))
-        set_s = time.perf_counter() - t
+        every = torch.arange(npages * page_tokens, dtype=torch.int64)  # host pool slots: the pool's first pages
+        first, first_set_s = timed(lambda: backend.batch_set_v1(["e2e-first-set"], every[:page_tokens]))
+        hstored, set_s = timed(lambda: backend.batch_set_v1(keys, every))
         backend.close()
         res.update(hicache_stored=sum(hstored), hicache_set_s=set_s, hicache_set_gbps=nbytes / set_s / 1e9,
                    first_set_ms=first_set_s * 1e3, first_set_stored=sum(first))
@@ -281,10 +282,9 @@ def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> Non
         buf = torch.empty_like(ref_pages)
         load_s, got = best(lambda: c.batch_get_into(keys, [buf[p] for p in range(npages)]))
         same_kv = bool(torch.equal(buf.view(torch.uint8), ref_pages.view(torch.uint8)))
-        t = time.perf_counter()
-        logits = decode(model, cache_from_layers([buf[:, li, 0] for li in range(nl)],
-                                                 [buf[:, li, 1] for li in range(nl)]), ids[-1], device)
-        dec_s = time.perf_counter() - t
+        logits, dec_s = timed(lambda: decode(model, cache_from_layers([buf[:, li, 0] for li in range(nl)],
+                                                                      [buf[:, li, 1] for li in range(nl)]),
+                                             ids[-1], device))
         same_logits = bool(torch.equal(logits, ref_logits))
         ok &= same_kv and same_logits and got == [nbytes // npages] * npages
         res["plain"] = {"load_ms": load_s * 1e3, "gbps": nbytes / load_s / 1e9, "ttft_ms": (load_s + dec_s) * 1e3,
@@ -315,9 +315,7 @@ def reader(ms: str, preset: str, device: str, groups: int, iters: int, q) -> Non
             same_kv = all(torch.equal(ks[li].view(torch.uint8), ref_pages[:, li, 0].contiguous().view(torch.uint8))
                           and torch.equal(vs[li].view(torch.uint8), ref_pages[:, li, 1].contiguous().view(torch.uint8))
                           for li in range(nl))
-            t = time.perf_counter()
-            logits = decode(model, cache_from_layers(ks, vs), ids[-1], device)
-            dec_s = time.perf_counter() - t
+            logits, dec_s = timed(lambda: decode(model, cache_from_layers(ks, vs), ids[-1], device))
             same_logits = bool(torch.equal(logits, ref_logits))
             ok &= same_kv and same_logits and loaded == npages
             res[name] = {"group_size": gs, "load_ms": load_s * 1e3, "gbps": nbytes / load_s / 1e9,
@@ -435,9 +433,7 @@ def hicache_path(ms: str, preset: str, device: str, ref: Reference, best, res: d
         backend.close()
     same_kv = all(torch.equal(x[li].view(torch.uint8), kv_of(ref.cache, li)[j][:, :, :s].contiguous()
                               .view(torch.uint8)) for li in range(nl) for j, x in ((0, hk), (1, hv)))
-    t = time.perf_counter()
-    logits = decode(ref.model, cache_direct(hk, hv), ids[-1], device)
-    dec_s = time.perf_counter() - t
+    logits, dec_s = timed(lambda: decode(ref.model, cache_direct(hk, hv), ids[-1], device))
     same_logits = bool(torch.equal(logits, ref.logits))
     nbytes = 2 * sum(x.numel() * x.element_size() for x in hk)
     ttft = load_s + up_s + dec_s
@@ -491,11 +487,10 @@ def main() -> int:
           f"store {w['put_gbps']:.2f} GB/s (batch_put; a first one-page put {w['first_put_ms']:.1f} ms), "
           + (f"{w['hicache_set_gbps']:.2f} GB/s (batch_set_v1; a first one-page set {w['first_set_ms']:.1f} ms)"
              if "hicache_set_gbps" in w else "no batch_set_v1"))
-    if "skipped" in r["hicache"]:
-        print(f"hicache            SKIPPED: {r['hicache']['skipped']}")
     for name in ("plain", "hicache", "layerwise", "layerwise_groups", "layerwise_cache_layout", "overlap"):
         x = r[name]
         if "skipped" in x:
+            print(f"{name:<18} SKIPPED: {x['skipped']}")
             continue
         print(f"{name:<18} load {x['load_ms']:8.1f} ms {x['gbps']:7.2f} GB/s  TTFT {x['ttft_ms']:8.1f} ms "
               f"({x['vs_recompute']:.1f}x recompute)  kv exact {x['kv_exact']}  logits exact {x['logits_exact']}"
