@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.directory import OVER_QUOTA
+from metaserver.directory import NEW, OVER_QUOTA
 from metaserver.grants import grant_reads, grant_writes
 from transport.wire import Status
 from umbp.errors import Unavailable
@@ -53,11 +53,27 @@ class DataPlaneHandlers:
         if self.dir.quotas and any(it[0] == OVER_QUOTA for it in items):
             self._refuse_over_quota(ns, keys, items)
         deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
+        if self.tokens.closed:  # a retried ALLOC's allocations (generations below this request's) keep their deadline
+            oldest = min((it[4] for it in items if it[0] == NEW), default=base)
+            if oldest < base:
+                deadline_ms = min(deadline_ms, self._retry_deadline_ms(oldest))
         out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms,
                                       shard[0] if shard is not None else None)
         if new:  # aborted if this connection goes away before COMMIT
             conn.pending.update(self.dir.pending_handles(ns, keys, items, new))
         return {"items": out, "caps": caps}
+
+    def _retry_deadline_ms(self, gen: int) -> int:
+        """The capability deadline for an allocation a retried ALLOC gets back (same token, still PENDING): the
+        deadline its first answer carried at the latest, never a fresh one. The quarantine judges whether a freed
+        extent may still be written by its generation's age (``Quarantine.free``); a capability renewed past
+        ``issued + write_cap_ttl_s`` would outlive that judgement, and an ABORT would hand its extent to another
+        writer while it can still write there. An allocation older than every sample is answered with a
+        capability already expired (the node refuses it: the writer allocates again under a new token)."""
+        issued = self.dir.quarantine.issued_after(gen)
+        if issued is None:
+            return 0
+        return int((time.time() - (time.monotonic() - issued) + self.cfg.write_cap_ttl_s) * 1000)
 
     async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn, shard=None) -> dict:
         if not self.settled.is_set():

@@ -71,6 +71,19 @@ class Quarantine:
         if s[0][0] <= now - self.hold_s:
             self.young_gen = max(self.young_gen, s[0][1])
 
+    def issued_after(self, gen: int) -> float | None:
+        """A monotonic time before which generation ``gen`` had not been handed out (the latest sample whose counter
+        was still at or below it), or None when ``gen`` is older than every sample kept (handed out more than
+        ``hold_s`` ago, or in an earlier term). A retried ALLOC's capability for an allocation it gets back is
+        bounded by this plus the capability TTL (``DataPlaneHandlers._alloc_now``): a retry never extends a
+        capability past what ``free`` assumes when it judges the generation's age. O(samples kept)."""
+        at = None
+        for t, below in self._samples:
+            if below > gen:
+                break
+            at = t
+        return at
+
     def free(self, sp, offset: int, size: int, gen: int) -> None:
         """Free an extent of node space ``sp`` that generation ``gen`` was allocated: now, or after ``hold_s``
         (inside ``keeping()``: after ``keep_s``)."""

@@ -139,3 +139,85 @@ def test_a_capability_writes_its_slot_once(tiny):
     meta.close()
     with client(tiny, ATTACKER, "attacker", checksum=True) as a:
         assert a.get("once") == page
+
+
+def cap_deadline_ms(cap: bytes) -> int:
+    return int.from_bytes(cap[8:16], "little")  # auth._CAP_HEAD: epoch, expires_ms (in the clear, under the MAC)
+
+
+def test_a_retried_alloc_never_renews_its_capability(tiny):
+    """Issue 42, finding 1: ALLOC with a token, wait past the quarantine's hold, ALLOC again with the same token (as a
+    client whose answer was lost): the same place and generation come back, but with the first answer's deadline at
+    most. Then ABORT frees the extent at once, another tenant's 8 KiB pages land in it, and the kept capability must
+    write none of their bytes."""
+    first = FramedSocket(tiny.metaserver_addr, "attacker", deadline(), ATTACKER)
+    req = {"ns": "attacker", "keys": [b"r"], "sizes": [PAGE], "token": 77}
+    a = first.request(wire.Op.ALLOC, req, deadline()).meta
+    (state, node_id, off, plen, gen, tag, _), cap = a["items"][0], a["caps"][0]
+    assert state == wire.AllocState.NEW
+    time.sleep(CAP_TTL_S + 2.5)  # the attack's own wait: past the hold (write_cap_ttl_s + the 2 s clock skew)
+    retry = FramedSocket(tiny.metaserver_addr, "attacker again", deadline(), ATTACKER)
+    b = retry.request(wire.Op.ALLOC, req, deadline()).meta
+    assert b["items"][0][:5] == [state, node_id, off, plen, gen]  # the same place: ALLOC stays idempotent
+    renewed = b["caps"][0]
+    assert cap_deadline_ms(renewed) <= cap_deadline_ms(cap), "a retry extended the capability"
+    node = FramedSocket(node_addr(tiny), "attacker node", deadline(), ATTACKER)
+    with pytest.raises(AuthError, match="expired capability"):
+        write(node, off, gen, renewed, tag, os.urandom(PAGE))
+    assert retry.request(wire.Op.ABORT, {"ns": "attacker", "keys": [b"r"], "gens": [gen]}, deadline()).meta
+    first.close()
+    retry.close()
+
+    small = 8192
+    pages = [os.urandom(small) for _ in range(48)]
+    keys = [f"v{i}" for i in range(len(pages))]
+    with client(tiny, VICTIM, "victim", transport="tcp") as v:
+        stored = v.batch_put(keys, pages)
+    kept = [k for k, ok in zip(keys, stored) if ok]
+    assert len(kept) >= 40
+    with client(tiny, ATTACKER, "attacker") as a:  # read rights on victim: where its pages lie
+        locs = a.admin(wire.Op.LOOKUP, {"ns": "victim", "keys": [k.encode() for k in kept]})["locs"]
+    inside = [loc for loc in locs if loc is not None and off <= loc[1] < off + wire.object_size(PAGE)]
+    assert inside, "no victim page landed in the aborted extent"
+    for _ in range(3):
+        with pytest.raises(AuthError):
+            write(node, off, gen, renewed, tag, os.urandom(PAGE))
+    node.close()
+    with client(tiny, VICTIM, "victim", transport="tcp") as v:
+        outs = [bytearray(small) for _ in kept]
+        assert v.batch_get_into(kept, outs) == [small] * len(kept)
+        assert outs == [pages[keys.index(k)] for k in kept]  # every byte the victim's
+
+
+def test_a_poisoned_header_generation_does_not_block_other_tenants(tiny):
+    """Issue 42, finding 2: a tenant writes its slots with header generation 2**64 - 1 (bytes it chooses) and removes
+    its keys. Once the quarantine gives the slots back, another tenant's TCP puts that land there must be stored,
+    byte for byte: the node judges a write by the metaserver's capability, never by a header a client wrote."""
+    meta = FramedSocket(tiny.metaserver_addr, "attacker", deadline(), ATTACKER)
+    keys = [f"p{i}".encode() for i in range(SLOTS)]
+    grants = alloc(meta, "attacker", keys)
+    node = FramedSocket(node_addr(tiny), "attacker node", deadline(), ATTACKER)
+    for _, off, _, gen, tag, cap in grants:
+        node.request(wire.Op.WRITE, [off, gen, cap], deadline(),
+                     data=[wire.pack_object_header(tag, (1 << 64) - 1, PAGE), os.urandom(PAGE)])
+    node.close()
+    assert meta.request(wire.Op.COMMIT, {"ns": "attacker", "keys": keys, "gens": [g[3] for g in grants]},
+                        deadline()).meta["ok"] == [True] * SLOTS
+    assert meta.request(wire.Op.REMOVE, {"ns": "attacker", "keys": keys}, deadline()).meta["removed"] == [True] * SLOTS
+    meta.close()
+    pages = [os.urandom(PAGE) for _ in range(SLOTS)]
+    vkeys = [f"v{i}" for i in range(SLOTS)]
+    with client(tiny, VICTIM, "victim", transport="tcp") as v:
+        for _ in range(200):  # the slots come back CAP_TTL_S + the 2 s skew after the remove
+            try:
+                v.batch_put(vkeys, pages)
+                if all(v.batch_exists(vkeys)):
+                    break
+            except PoolFull:
+                pass
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the victim's pages were not stored: {v.batch_exists(vkeys).count(True)} of {SLOTS}")
+        outs = [bytearray(PAGE) for _ in vkeys]
+        assert v.batch_get_into(vkeys, outs) == [PAGE] * SLOTS
+        assert outs == pages

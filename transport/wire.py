@@ -540,15 +540,6 @@ def check_object_header(buf: bytes | memoryview, component: str, khash: int, gen
     return csum if flags & OBJ_FLAG_CHECKSUM else None
 
 
-def header_generation(view: memoryview, offset: int) -> int | None:
-    """The generation in a well-formed object header at ``view[offset:]`` (magic, version and header crc good), or
-    None when the slot holds no header: what a node checks before letting a write capability write the slot."""
-    magic, version, _, _, gen, _, _, hcrc = OBJ_HEADER.unpack_from(view, offset)
-    if magic != OBJ_MAGIC or version != OBJ_VERSION:
-        return None
-    return gen if zlib.crc32(view[offset:offset + _OBJ_CRC_SPAN]) == hcrc else None
-
-
 def payload_checksum(data: bytes | memoryview | list) -> int:
     """crc32 of a payload, given whole or as the list of parts it is written from."""
     if isinstance(data, list):

@@ -45,6 +45,7 @@ from umbp.admission import Admission
 from umbp.arena import Arena
 from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
+from umbp.ledger import WriteLedger
 from umbp.errors import (AuthError, BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
 from umbp.metalink import MetaLink
@@ -72,6 +73,11 @@ class NodeServer:
         self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
         self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
         self.cap_epoch = 0  # write capabilities of older epochs are refused (raised by REGISTER and by newer caps)
+        # Closed pools: the newest generation written per 4 KiB block (umbp/ledger.py): what a write capability may
+        # still write is judged from it, never from headers (bytes a client wrote). Kept next to a reopenable arena.
+        self.ledger = None if self.cap_key is None else WriteLedger(
+            self.arena.arena_id, wire.ARENA_DATA_START, config.capacity,
+            "" if self.arena.remove_on_close else self.arena.path + ".ledger", self.component)
         # A partitioned pool: one epoch floor per slot (= per region of this arena), raised by a slot leader's FENCE
         # and by newer capabilities of that slot; ``slots`` (from a FENCE) maps a capability's offsets to regions.
         self.slot_floors: dict[int, int] = {}
@@ -122,10 +128,11 @@ class NodeServer:
     def check_write(self, offset: int, nbytes: int, gen: int, cap: Any, caps: CapCache | None = None) -> None:
         """Closed pools: may this write land? Its capability must be the metaserver's for a batch covering exactly
         this allocation, of the current epoch and before its deadline (``auth.CapCache.write``, through the
-        connection's ``caps``: the batch's MAC is computed once), and the slot must not hold
-        this generation or a newer one already: a capability writes its slot once, so one kept after the put, the
-        remove or the eviction of its page cannot write there again (the metaserver holds young freed extents
-        until the deadline, so no other allocation is in its range meanwhile). AuthError otherwise."""
+        connection's ``caps``: the batch's MAC is computed once), and no byte of its extent may have been written at
+        this generation or a newer one (``WriteLedger``: the node's own record, never a header a client wrote): a
+        capability writes its slot once, so one kept after the put, the remove or the eviction of its page cannot
+        write there again, nor over any allocation placed in its extent since (the metaserver also holds young
+        freed extents until the deadline). AuthError otherwise."""
         if self.cap_key is None:
             return
         epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen,
@@ -135,10 +142,7 @@ class NodeServer:
             self.check_slot_epoch(slot, epoch, offset, nbytes)
         elif epoch > self.cap_epoch:
             self.cap_epoch = epoch  # a metaserver term or registration newer than ours: older capabilities die
-        held = wire.header_generation(self.arena.view, offset)
-        if held is not None and held >= gen:
-            raise AuthError(self.component, f"the slot at {offset} already holds generation {held}: a write "
-                                            f"capability of generation {gen} writes once (allocate again)")
+        self.ledger.admit(offset, nbytes, gen)
 
     def check_slot_epoch(self, slot: int, epoch: int, offset: int, nbytes: int) -> None:
         """A partitioned pool's capability, of slot ``slot``'s leader at ``epoch``: refused when the slot has been
@@ -283,6 +287,8 @@ class NodeServer:
             except UmbpError:
                 pass
             self.rdma = None
+        if self.ledger is not None:
+            self.ledger.close(remove=self.arena.remove_on_close)
         self.arena.close()
 
 

@@ -134,15 +134,68 @@ def test_the_node_refuses_old_epochs_and_writes_a_slot_once(node):
     assert node.cap_epoch == 9  # a newer metaserver term or registration: epoch 5 capabilities die from here on
     with pytest.raises(AuthError, match="stale capability"):
         node.check_write(off, n, 12, wcap(node.cap_key, off, plen, 12, 5, later))
-    # the slot now holds generation 11 (its first write landed): 11 and anything older are refused, newer allowed
-    node.arena.view[off:off + wire.OBJ_HEADER_SIZE] = wire.pack_object_header(1, 11, plen)
+    # the slot was last written at generation 11: 11 and anything older are refused, newer allowed
     for gen in (10, 11):
         with pytest.raises(AuthError, match="already holds generation 11"):
             node.check_write(off, n, gen, wcap(node.cap_key, off, plen, gen, 9, later))
     node.check_write(off, n, 12, wcap(node.cap_key, off, plen, 12, 9, later))
-    # a torn header (crc) is no header: the slot may be written
+    # the header bytes say nothing to the node (a client wrote them): neither a torn one nor a forged old one
+    # reopens the slot to generation 10
+    node.arena.view[off:off + wire.OBJ_HEADER_SIZE] = wire.pack_object_header(1, 3, plen)
+    with pytest.raises(AuthError, match="already holds generation 12"):
+        node.check_write(off, n, 10, wcap(node.cap_key, off, plen, 10, 9, later))
     node.arena.view[off + 20] ^= 0xFF
-    node.check_write(off, n, 10, wcap(node.cap_key, off, plen, 10, 9, later))
+    with pytest.raises(AuthError, match="already holds generation 12"):
+        node.check_write(off, n, 10, wcap(node.cap_key, off, plen, 10, 9, later))
+
+
+def test_a_kept_capability_cannot_write_across_a_newer_allocation_wherever_its_header_lies(node):
+    """Issue 42, finding 1 at the node: a capability for a 60 KB extent, kept past its abort, while two 8 KiB pages
+    of newer allocations were written inside that extent (their headers 12 KiB and 24 KiB in, none at the
+    capability's offset). Its write must be refused: it would land across their payloads."""
+    later = int(time.time() * 1000) + 60_000
+    big, small = 60_000, 8192
+    off = ARENA_DATA_START
+    hs = wire.OBJ_HEADER_SIZE
+    victims = [(off + 3 * ALIGN, 20), (off + 6 * ALIGN, 21)]
+    for voff, vgen in victims:
+        vcap = wcap(node.cap_key, voff, small, vgen, 0, later)
+        node.check_write(voff, hs + small, vgen, vcap)
+        node.arena.view[voff:voff + hs] = wire.pack_object_header(7, vgen, small)
+    with pytest.raises(AuthError, match="already holds generation 21"):
+        node.check_write(off, hs + big, 5, wcap(node.cap_key, off, big, 5, 0, later))
+    # an extent no newer allocation touched stays writable by its own (fresh) capability
+    node.check_write(off + 16 * ALIGN, hs + big, 6, wcap(node.cap_key, off + 16 * ALIGN, big, 6, 0, later))
+
+
+def test_a_poisoned_header_generation_does_not_block_the_next_owner(node):
+    """Issue 42, finding 2: a tenant writes its slot with header generation 2**64 - 1 (the bytes are its own to
+    choose). The next allocation of that slot, a newer generation from the metaserver, must be written."""
+    later = int(time.time() * 1000) + 60_000
+    off, plen, hs = ARENA_DATA_START, 1000, wire.OBJ_HEADER_SIZE
+    node.check_write(off, hs + plen, 30, wcap(node.cap_key, off, plen, 30, 0, later))
+    node.arena.view[off:off + hs] = wire.pack_object_header(1, (1 << 64) - 1, plen)
+    node.check_write(off, hs + plen, 31, wcap(node.cap_key, off, plen, 31, 0, later))
+    assert int(node.ledger.gens[0]) == 31
+
+
+def test_the_write_ledger_survives_a_restart_with_its_arena(tmp_path):
+    """A node restarted with the same ``--node-id`` reopens its arena and its ledger: a capability that wrote before
+    the restart still writes once; a ledger of another arena is started afresh."""
+    cfg = NodeConfig(capacity=1 << 20, arena_dir=str(tmp_path), token="cluster-secret-0123456789", node_id="n1")
+    later = int(time.time() * 1000) + 60_000
+    off, plen, hs = ARENA_DATA_START, 1000, wire.OBJ_HEADER_SIZE
+    first = NodeServer(cfg)
+    cap = wcap(first.cap_key, off, plen, 40, 0, later)
+    first.check_write(off, hs + plen, 40, cap)
+    first.ledger.close()
+    first.arena.close()
+    again = NodeServer(cfg)
+    assert again.arena.reopened
+    with pytest.raises(AuthError, match="already holds generation 40"):
+        again.check_write(off, hs + plen, 40, cap)
+    again.ledger.close()
+    again.arena.close()
 
 
 def test_a_writev_checks_each_slot_of_one_batch_capability_sent_once(node):
