@@ -137,6 +137,8 @@ class DataPlaneHandlers:
             caps = grant_reads(self.tokens, self.members.get, ns, keys, locs, shard[0] if shard is not None else None)
         if lease:
             self._own_lease(conn, lease)
+            # how long the lease pins the hits: a client counts a tcp/rdma read that finished later as a miss
+            return {"lease": lease, "locs": locs, "caps": caps, "lease_ms": self.lease_ms}
         return {"lease": lease, "locs": locs, "caps": caps}
 
     def exists(self, meta: Any, conn) -> dict:

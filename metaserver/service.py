@@ -93,6 +93,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self.warm: WarmDirectory | None = None  # the directory kept current while standing by
         self.takeover: dict = {}  # how this term started (STATS): warm or a full load, pages read, events
         self.max_keys = config.max_batch_keys
+        self.lease_ms = int(config.read_lease_s * 1000)  # told with every leased LOOKUP answer
         self.term = 0  # bumped at every win and every step-down; coroutines of an older term stop
         self.loaded = False  # this term's directory is loaded (serving = loaded and the lease is valid)
         self.ticks = 0  # background ticks run (stats: lets tests wait for ticks instead of sleeping)

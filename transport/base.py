@@ -12,7 +12,9 @@ Contracts:
 - What keeps a slot from being reused *during* a read: shm checks the header again after its copy (a torn read is
   detected); tcp and rdma copy header and payload in one request but do not look again, so for them the read lease
   the metaserver granted with LOOKUP is what guarantees it (a leased object is never evicted or freed). A read that
-  outlives its lease (a client stalled past ``lease_s``) is covered on shm only.
+  outlives its lease (a client or node stalled past the answer's ``lease_ms``) is a miss: the client counts every
+  tcp/rdma page of a batch finished later than ``lease_ms`` after it sent the LOOKUP as one
+  (``Client._late_reads_missed``), whatever bytes arrived.
 - ``ReadOp.out`` is a flat writable view, or a ``umbp.buffers.Rows`` for a transport whose ``reads_rows`` is True
   (shm: one strided copy); the client cuts a Rows out into one op per row for the others. Likewise a part of
   ``WriteOp.parts`` may be a Rows (its rows written back to back) only for such a transport.

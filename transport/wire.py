@@ -557,6 +557,10 @@ ARENA_MAGIC = b"UMBPAREN"
 ARENA_SUPER = struct.Struct("<8sI16sQQ")  # magic, version, arena_id (uuid bytes), capacity, created_ns
 ARENA_VERSION = 1
 ARENA_DATA_START = ALIGN
+# A LOOKUP answer's read lease, in ms, when the answer does not say (``lease_ms``: servers of wire version 11 did not
+# send it; their default ``read_lease_s`` is 10 s). A client counts a tcp/rdma read finished later than this after it
+# sent the LOOKUP as a miss: past its lease the object may have been freed and its bytes rewritten.
+DEFAULT_LEASE_MS = 10_000
 
 
 class NotAnArena(CorruptionError, ValueError):

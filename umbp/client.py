@@ -87,7 +87,8 @@ class Client(PutPath, MappedPath):
         # remembered page locations, read ahead of the LOOKUP (umbp/speculate.py)
         self._spec = Speculation(enabled=self.config.read_ahead)
         self.counters = {"puts": 0, "dedup": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0,
-                         "bytes_mapped": 0, "node_failures": 0, "kernel_put_bytes": 0, "staged_put_bytes": 0}
+                         "bytes_mapped": 0, "node_failures": 0, "kernel_put_bytes": 0, "staged_put_bytes": 0,
+                         "late_reads": 0}
         self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -280,6 +281,7 @@ class Client(PutPath, MappedPath):
         try:
             with self._lock:
                 deadline = self._deadline()
+                sent = time.monotonic()  # the read lease starts after this: a read done by sent + lease_s is under it
                 lookup = {"ns": ns, "keys": kb}
                 guess = self._spec.plan(kb) if segs is not None and not cuda else None
                 if guess is None:
@@ -301,6 +303,7 @@ class Client(PutPath, MappedPath):
                     results = self._run(batches, "read", deadline) if batches else {}
                     if kern:
                         self._device.read([item for _i, item in kern])
+                    late = time.monotonic() > sent + reply.get("lease_ms", wire.DEFAULT_LEASE_MS) / 1000
                 finally:
                     if lease:
                         self._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, deadline)
@@ -329,6 +332,8 @@ class Client(PutPath, MappedPath):
                             isinstance(r, RemoteError) and not isinstance(r, NotFound)):
                         corrupt = corrupt or r  # raised: a timeout is not a miss, a refusal is not a miss
                     # TransportError, NotFound: the page's node is gone or no longer has it: a miss
+            if late:
+                self._late_reads_missed(locs, got)
             if corrupt is not None:
                 raise corrupt
             if cuda:
@@ -348,6 +353,20 @@ class Client(PutPath, MappedPath):
         counters["misses"] += len(kb) - hits
         counters["bytes_got"] += sum(got) + (len(kb) - hits)
         return got, fresh
+
+    def _late_reads_missed(self, locs: list, got: list[int]) -> None:
+        """The batch's reads finished after its read lease ran out: pages read over tcp or rdma become misses. Past
+        the lease an object may have been evicted, its extent given to another page and rewritten while the node was
+        still sending it (tcp queues views of the arena; rdma reads them one-sided), and the header those transports
+        checked before the payload proves nothing about the payload after it. shm checks the header again after its
+        copy, so its pages stand. The outs of those pages hold whatever arrived: a miss, not data."""
+        shm = {n for n, t in self._transports.items() if t.name == "shm"}
+        n = 0
+        for i, loc in enumerate(locs):
+            if loc is not None and got[i] >= 0 and loc[0] not in shm:
+                got[i] = -1
+                n += 1
+        self.counters["late_reads"] += n
 
     def _read_ahead(self, lookup: dict, guess: list, segs: list, deadline: float) -> tuple[Any, list]:
         """Submit the LOOKUP, read the remembered locations ``guess`` into the outs while it is in flight, then

@@ -383,6 +383,7 @@ class MetaRouter:
         caps: list = []
         cap_at = 6 if op == Op.ALLOC else 5
         leases: list[tuple[str, int]] = []
+        lease_ms = wire.DEFAULT_LEASE_MS
         for p, a in zip(t.parts, answers):
             shift = len(caps)
             caps.extend(a.get("caps") or ())
@@ -392,6 +393,7 @@ class MetaRouter:
                 out[i] = x
             if op == Op.LOOKUP and a.get("lease"):
                 leases.append((p.addr, a["lease"]))
+                lease_ms = min(lease_ms, a.get("lease_ms", wire.DEFAULT_LEASE_MS))
         res: dict[str, Any] = {field: out}
         if op in (Op.ALLOC, Op.LOOKUP):
             res["caps"] = caps
@@ -403,6 +405,7 @@ class MetaRouter:
                 while len(self._leases) > _LEASES_KEPT:
                     self._leases.popitem(last=False)
                 res["lease"] = handle
+                res["lease_ms"] = lease_ms  # the shortest of the slots' leases
         return res
 
     # -- admin -------------------------------------------------------------------------------------------------
