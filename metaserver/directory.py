@@ -39,7 +39,7 @@ and do at most that much work per call.
 
 Where the rest of ``Directory`` lives (mixins, one responsibility each): node spaces, their loss, drains and loads in
 ``metaserver/spaces.py``; prefix links and orphans in ``metaserver/links.py``; eviction passes and budgeted expiry in
-``metaserver/passes.py``; namespace quotas in ``metaserver/quotas.py``; the invariant check in ``metaserver/invariants.py``.
+``metaserver/passes.py``; quota groups and reservations in ``metaserver/quotas.py``; the invariant check in ``metaserver/invariants.py``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from metaserver.quotas import NamespaceQuotas
 from metaserver.shared import ShardState, SharedEntries
 from metaserver.spaces import NodeSpaces
 from transport.wire import object_size
+from umbp.quotarules import QuotaRules
 
 __all__ = ["Directory", "Effects", "Entry", "NodeSpace", "Entries", "NsEntries", "SpaceEntries", "PENDING", "READY",
            "GONE", "STATE_NAMES", "NEW", "EXISTS", "NO_SPACE", "IN_FLIGHT", "OVER_QUOTA", "PLACE_EVICT_BUDGET"]
@@ -70,7 +71,7 @@ _intern = sys.intern
 
 class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, SharedEntries, DirectoryInvariants):
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
-                 quotas: dict[str, int] | None = None):
+                 quotas: QuotaRules | dict[str, int] | None = None):
         self.pending_ttl_s = pending_ttl_s
         self.read_lease_s = read_lease_s
         self.policy: Policy = make_policy(policy)
@@ -85,10 +86,13 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         self._lease_owner: dict[int, object] = {}  # lease -> the connection that took it (absent: none given)
         # Nodes being dropped in slices (detach_space, drop_slice): node id -> (its space, parked records or None)
         self.dying: dict[str, tuple[NodeSpace, list | None]] = {}
-        # Per-namespace quotas (bytes) and use: object sizes of the live (READY and PENDING) entries
-        self.quotas: dict[str, int] = dict(quotas or {})
+        # Quota groups (umbp/quotarules.py; a dict: a group per key) and use: object sizes of the live (READY and
+        # PENDING) entries, per namespace and per group (metaserver/quotas.py)
+        self.quotas = QuotaRules.of(quotas)
         self.ns_used: dict[str, int] = {}
-        self._ns_victims: dict[str, list[tuple[Entry, float]]] = {}  # quota eviction candidates, newest first
+        self.group_used: dict[str, int] = {}
+        self._group_ns: dict[str, set[str]] = {}  # a group's namespaces with use
+        self._ns_victims: dict[str, list[tuple[Entry, float]]] = {}  # a group's eviction candidates, newest first
         # READY entries naming a parent that is not READY, by namespace and parent key: a parent that arrives (or
         # comes back) adopts them (prefix-lru files them as orphans meanwhile).
         self.orphans: dict[str, dict[bytes, Entry | set[Entry]]] = {}
@@ -124,10 +128,12 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         return {ns: len(r) for ns, r in self.ready.items() if r}
 
     def namespace_usage(self) -> dict[str, dict]:
-        """Per namespace with objects, use or a quota: objects, used_bytes, quota_bytes (None: no quota)."""
-        names = set(self.ready) | set(self.ns_used) | set(self.quotas)
+        """Per namespace with objects, use or a quota of its own name: objects, used_bytes, quota_bytes (its group's,
+        pool-wide, shared by the group's namespaces; None: no quota)."""
+        q = self.quotas
+        names = set(self.ready) | set(self.ns_used) | q.exact_names()
         return {ns: {"objects": len(self.ready.get(ns, ())), "used_bytes": self.ns_used.get(ns, 0),
-                     "quota_bytes": self.quotas.get(ns)} for ns in sorted(names)}
+                     "quota_bytes": g.quota if (g := q.group_of(ns)) is not None else None} for ns in sorted(names)}
 
     def writer_of(self, e: Entry) -> object:
         """The connection that owns PENDING entry ``e`` now (None: unknown or not PENDING)."""
@@ -172,6 +178,8 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
             self.ns_used[ns] = u
         else:
             self.ns_used.pop(ns, None)
+        if self.quotas:
+            self._count_group(ns, nbytes, u)
 
     def _plen(self, n: int) -> int:
         """The shared int object for payload length ``n`` (pages of a namespace are one size)."""
@@ -225,7 +233,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         pending = self._pending
         items: list = []
         interned, osizes = self._sizes, self._osizes
-        quota = self.quotas.get(ns) if self.quotas else None
+        quota = self.quotas.group_of(ns) if self.quotas else None  # its quota group
         if quota is not None and not self._fit_quota(ns, keys, sizes, quota, fx):
             return [OVER_QUOTA_ITEM] * len(keys), fx
         seen: set[bytes] = set()  # a key twice in one request: the first occurrence is the one stored

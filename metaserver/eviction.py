@@ -34,6 +34,11 @@ Contract with the directory: entries carry ``prev``, ``next`` and ``tier`` slots
 ``last_access``, and ``space.node_id``; prefix-lru reads the directory's link slots (``kids``: None while no cached
 page names this one as parent; ``up``: the parent's key, bytes, while it names a parent that is not cached).
 
+Reservations (umbp/quotarules.py): a victim global eviction must pass over (its group is at its reservation) is
+moved to the recent end of its order by ``spare``, its ``last_access`` kept, so the next victim is found in O(1) and
+the group's own quota eviction (which ranks by ``last_access``) still sees its true recency: a second chance, as a
+CLOCK hand gives, for as long as the reservation holds.
+
 Watermarks: ``over_high(used, cap)`` starts a background pass, ``bytes_to_low(used, cap)`` is how much it frees.
 """
 
@@ -53,6 +58,7 @@ class Policy(Protocol):
     def add_many(self, entries: list) -> None: ...
     def discard_many(self, entries: list) -> None: ...
     def children_changed(self, entry) -> None: ...
+    def spare(self, entry) -> None: ...
     def victims(self, node_id: str) -> Iterator: ...
     def first(self, node_id: str): ...
     def members(self, node_id: str) -> list: ...
@@ -206,6 +212,10 @@ class LruPolicy:
     def children_changed(self, entry) -> None:
         pass
 
+    def spare(self, entry) -> None:
+        """Move evictable ``entry`` to the recent end (a reservation's pass-over: the module docstring). O(1)."""
+        self.add(entry)
+
     def victims(self, node_id: str) -> Iterator:
         """Evictable entries of ``node_id`` in victim order. The caller discards each one it takes before the next
         step (otherwise the same entry comes back)."""
@@ -329,6 +339,15 @@ class PrefixLruPolicy:
             tiers[t].unlink(entry)
             tiers[nt].insert_by_access(entry)
             entry.tier = nt
+
+    def spare(self, entry) -> None:
+        """Move evictable ``entry`` to the recent end of its tier, ``last_access`` kept (a reservation's pass-over:
+        the module docstring). O(1)."""
+        tiers = self._tiers.get(entry.space.node_id)
+        if tiers is not None and entry.tier is not None:
+            r = tiers[entry.tier]
+            r.unlink(entry)
+            r.push(entry)
 
     def victims(self, node_id: str) -> Iterator:
         tiers = self._tiers.get(node_id)

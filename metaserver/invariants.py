@@ -58,6 +58,15 @@ class DirectoryInvariants:
         for e in live:
             used[e.ns] = used.get(e.ns, 0) + extent_size(e.payload_len)
         assert used == self.ns_used, ("per-namespace use", used, self.ns_used)
+        groups: dict[str, int] = {}
+        members: dict[str, set] = {}
+        for ns, u in used.items():
+            g = self.quotas.group_of(ns) if self.quotas else None
+            if g is not None:
+                groups[g.name] = groups.get(g.name, 0) + u
+                members.setdefault(g.name, set()).add(ns)
+        assert groups == self.group_used, ("per-group use", groups, self.group_used)
+        assert members == self._group_ns, ("a group's namespaces with use", members, self._group_ns)
         assert set(self._lease_owner) <= set(self.leases), "an owner kept for a lease that is gone"
         assert all(w is not None and type(w) is tuple and len(w) == 2 for w in self._pending.values())
         for e in live:

@@ -11,15 +11,16 @@ PENDING allocations. An allocation belongs to the connection that made it, or to
 the same token last (the answer of the first was lost, typically with its connection): only the owner's closing
 aborts it, so a retry on a new connection is not aborted when the old one finally goes.
 
-Quotas (``Tokens.quotas``: exact namespace name -> bytes, from the tokens file's ``[quotas]`` table). A namespace's
-use is the object sizes (header included, 4 KiB aligned: what it takes of the arenas) of its READY and PENDING
-entries, kept exact by the directory through every transition (``check()`` verifies it). An ALLOC that would take
-its namespace over evicts the namespace's own least recently used READY pages first (never pinned or PENDING ones),
-at most PLACE_EVICT_BUDGET per key; keys that still do not fit fail the whole request: it allocates nothing and
-answers QUOTA (``QuotaExceeded`` naming the namespace). STATS shows ``used_bytes`` and ``quota_bytes`` per namespace.
+Quotas (``Tokens.quota_rules``: the tokens file's ``[quotas]`` names and patterns and its tokens' ``quota``, each a
+group of namespaces sharing one quota: umbp/quotarules.py). A group's use is the object sizes (header included, 4 KiB
+aligned: what it takes of the arenas) of its namespaces' READY and PENDING entries, kept exact by the directory
+through every transition (``check()`` verifies it). An ALLOC that would take its group over evicts the group's own
+least recently used READY pages first (never pinned or PENDING ones), at most PLACE_EVICT_BUDGET per key; keys that
+still do not fit fail the whole request: it allocates nothing and answers QUOTA (``QuotaExceeded`` naming the
+namespace and its group). STATS shows ``used_bytes`` per namespace and ``quota_bytes``, its group's quota.
 
 Costs: RELEASE O(pages under the lease); a connection's close O(its leases + its PENDING); quota checks O(1) per key,
-quota eviction as ``Directory._evict_ns`` says.
+quota eviction as ``Directory._evict_group`` says.
 """
 
 from __future__ import annotations
@@ -135,7 +136,10 @@ class OwnershipHandlers:
         if new:
             d.abort(ns, [k for k, _ in new], [g for _, g in new])
         over = sum(1 for it in items if it[0] == OVER_QUOTA)
-        raise QuotaExceeded("metaserver", f"namespace {ns!r} is over its quota of {d.quotas[ns]} bytes: {over} of "
-                                          f"{len(keys)} pages do not fit even after evicting its own unpinned pages "
-                                          f"({d.ns_used.get(ns, 0)} bytes in use); nothing of this request was "
-                                          f"allocated", Status.QUOTA)
+        g = d.quotas.group_of(ns)
+        group = "" if g.name == ns else f" (quota group {g.name!r}, shared by its namespaces)"
+        share = f", this slot's share {g.limit}" if g.limit != g.quota else ""
+        raise QuotaExceeded("metaserver", f"namespace {ns!r} is over its quota of {g.quota} bytes{group}{share}: "
+                                          f"{over} of {len(keys)} pages do not fit even after evicting its group's "
+                                          f"unpinned pages ({d.group_used.get(g.name, 0)} bytes in use); nothing of "
+                                          f"this request was allocated", Status.QUOTA)

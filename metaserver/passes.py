@@ -4,7 +4,8 @@ watermark pass, evict-all in slices, and the budgeted expiry of PENDING entries 
 
 Every pass takes a budget of evictions (or expiries) and returns what it did, so the callers (the background tick,
 an operator's EVICT in slices) bound the work done between two turns of the event loop. Effects (the etcd deletes)
-are collected in the ``Effects`` passed in.
+are collected in the ``Effects`` passed in. Every pass but evict-all passes over the pages of a quota group at its
+reservation (``Directory._spared``, ``Policy.spare``); each page passed over counts in the budget.
 """
 
 from __future__ import annotations
@@ -17,13 +18,21 @@ from metaserver.eviction import bytes_to_low, over_high
 
 class EvictionPasses:
     # -- eviction ----------------------------------------------------------------------------------------------
-    def evict_node(self, node_id: str, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
-        """Evict on one node in policy order until ``nbytes`` are freed or ``budget`` objects went.
-        Returns (evicted, freed_bytes)."""
-        n = freed = 0
+    def evict_node(self, node_id: str, nbytes: int, budget: int, fx: Effects, spare: bool = True
+                   ) -> tuple[int, int]:
+        """Evict on one node in policy order until ``nbytes`` are freed or ``budget`` objects went (or were passed
+        over: ``spare`` and a victim's group at its reservation). Returns (evicted, freed_bytes)."""
+        n = freed = passed = 0
+        spared = self._spared if spare and self.reserving else None
         for victim in self.policy.victims(node_id):
-            if freed >= nbytes or n >= budget:
+            if freed >= nbytes or n + passed >= budget:
                 break
+            if spared is not None and spared(victim):
+                passed += 1
+                if passed >= self.policy.count(node_id):
+                    break  # every victim left here was passed over
+                self.policy.spare(victim)
+                continue
             freed += extent_size(victim.payload_len)
             self._evict(victim, fx)
             n += 1
@@ -74,7 +83,7 @@ class EvictionPasses:
         """Evict every unpinned READY object, at most ``budget`` per call. Returns (evicted, freed, done)."""
         n = freed = 0
         for sp in list(self.spaces.values()):
-            k, f = self.evict_node(sp.node_id, 1 << 62, budget - n, fx)
+            k, f = self.evict_node(sp.node_id, 1 << 62, budget - n, fx, spare=False)
             n += k
             freed += f
             if n >= budget:

@@ -184,10 +184,14 @@ class Placer:
         order one object at a time evicts in), it has nothing more to evict, or the budget is spent. So a run evicts
         exactly the pages, in the order, that its objects placed one at a time would have, and since pages put
         together lie together (and share their last use), their space comes back as one run. ``free``, ``failed``
-        and ``usable`` stay current (a node that evicted has lost no fit); evictions are counted once per call."""
+        and ``usable`` stay current (a node that evicted has lost no fit); evictions are counted once per call.
+        A victim whose quota group is at its reservation (``Directory._spared``) is passed over (``Policy.spare``,
+        counted in the budget), and a node whose every victim was passed over in this call has nothing to evict."""
         d, spaces, free, usable, failed, fx = self.d, self.spaces, self.free, self.usable, self.failed, self.fx
         first = d.policy.first
         evict = d._evict
+        spared = d._spared if d.reserving else None
+        passed: dict[int, int] = {}  # node index -> victims passed over there in this call
         va = self.va
         if va is None:
             va = self.va = [next_victim_access(d, s) for s in spaces]
@@ -213,11 +217,24 @@ class Placer:
                     other = (o, va.index(o))
                     va[i] = m
                 victim = first(nid)
+                turned = False
                 while victim is not None:
                     if budget <= 0:
                         va[i] = victim.last_access
                         return None
                     budget -= 1
+                    if spared is not None and spared(victim):
+                        d.policy.spare(victim)
+                        k = passed[i] = passed.get(i, 0) + 1
+                        victim = first(nid) if k < d.policy.count(nid) else None
+                        if victim is not None:  # on here only while this node's next victim is still the oldest
+                            va[i] = victim.last_access
+                            if cand is not va:
+                                cand[i] = va[i]
+                            turned = min(cand) < va[i]
+                            if turned:
+                                break
+                        continue
                     evict(victim, fx)
                     n += 1
                     f = free[i] = usable[i] = al.units - al.used_units
@@ -237,6 +254,8 @@ class Placer:
                             free[i] = usable[i] = f - need * got
                             va[i] = victim.last_access if victim is not None else _INF
                             return sp, off
+                if turned:
+                    continue
                 va[i] = _INF  # nothing left to evict there
                 if cand is not va:
                     cand[i] = _INF

@@ -67,7 +67,7 @@ class SharedEntries:
         fx = Effects()
         ns = _intern(ns)
         codes = [s | n << SHARD_SHIFT for s in sizes]  # layout(s, n)
-        quota = self.quotas.get(ns) if self.quotas else None
+        quota = self.quotas.group_of(ns) if self.quotas else None  # its quota group
         if quota is not None and not self._fit_quota(ns, keys, codes, quota, fx):
             return [OVER_QUOTA_ITEM] * len(keys), fx
         r = self.ready.get(ns) or {}

@@ -13,19 +13,29 @@ Tokens. A pool runs *open* (no token: everything allowed, said loudly at start-u
       secret = "..."
       namespaces = { "tenant-a" = "rw", "shared/*" = "r" }   # fnmatch patterns -> r | rw
       [[tokens]]
+      name = "tenant-q"
+      secret = "..."
+      namespaces = { "tenant-q/*" = "rw" }
+      quota = "1GiB"                         # optional: every namespace it may write shares this (group token:tenant-q)
+      [[tokens]]
       name = "ops"
       secret = "..."
       admin = true                           # EVICT, DRAIN, LIST of every namespace (and every namespace rw)
 
-      [quotas]                               # optional: bytes a namespace may hold (exact names)
+      [quotas]                               # optional: bytes a namespace, or all a pattern matches, may hold
       "tenant-a" = "512MiB"                  # a size string (umbp.sizes) or an int of bytes
+      "batch/*" = "2GiB"                     # one quota for every namespace the pattern matches, together
+      [reservations]                         # optional: a floor other groups' puts do not evict a group below
+      "tenant-a" = "128MiB"                  # a [quotas] key, or an rw pattern of a token with a quota
 
   The cluster secret itself is a token with every right (nodes use it to register). The file is read strictly: it
-  must be UTF-8; top-level keys are ``cluster_secret``, ``tokens`` and ``quotas`` only, a token's are ``name``,
-  ``secret``, ``namespaces`` and ``admin`` only; ``admin`` is a TOML boolean (``"false"`` is an error, not true);
-  no two tokens share a secret or a name, and no token's secret is the cluster secret. Any violation is a
-  ConfigError naming the entry, and the server refuses to start. ``Tokens.quotas`` maps namespace -> bytes (empty
-  when the file has no ``[quotas]``, and for ``--token`` alone or an open pool); the metaserver enforces them.
+  must be UTF-8; top-level keys are ``cluster_secret``, ``tokens``, ``quotas`` and ``reservations`` only, a token's
+  are ``name``, ``secret``, ``namespaces``, ``admin`` and ``quota`` only; ``admin`` is a TOML boolean (``"false"`` is
+  an error, not true); no two tokens share a secret or a name, and no token's secret is the cluster secret. Any
+  violation is a ConfigError naming the entry, and the server refuses to start. ``Tokens.quotas`` maps the
+  ``[quotas]`` keys to bytes; ``Tokens.quota_rules`` is every quota group with its reservation (umbp/quotarules.py
+  says which namespace belongs to which group); both are empty for a file without quotas, ``--token`` alone or an
+  open pool. The metaserver enforces them (metaserver/quotas.py).
 
 Handshake (every control and data connection; the secret never crosses the wire)::
 
@@ -84,7 +94,7 @@ from itertools import chain
 import numpy as np
 
 from umbp.errors import AuthError, ConfigError, ProtocolError
-from umbp.sizes import parse_size
+from umbp.quotarules import QuotaRules, build_rules, parse_quotas, quota_size
 
 NONCE_BYTES = 32
 _SLOT = struct.Struct("<QQQ")  # one object of a capability: offset, payload_len, gen
@@ -144,9 +154,10 @@ class Tokens:
     is False then."""
 
     def __init__(self, cluster_secret: bytes | None, scoped: dict[str, tuple[bytes, Scope]],
-                 quotas: dict[str, int] | None = None):
+                 quotas: dict[str, int] | None = None, rules: QuotaRules | None = None):
         self.cluster_secret = cluster_secret
-        self.quotas: dict[str, int] = dict(quotas or {})  # namespace -> bytes it may hold (enforced elsewhere)
+        self.quotas: dict[str, int] = dict(quotas or {})  # [quotas] key -> bytes (enforced elsewhere)
+        self.quota_rules = rules if rules is not None else QuotaRules.of(self.quotas)  # every group, reservations
         self._tag_key = (hmac.digest(cluster_secret, b"umbp-tag-v2", "sha256") if cluster_secret is not None
                          else None)
         self._by_id = dict(scoped)
@@ -164,6 +175,7 @@ class Tokens:
         scoped: dict[str, tuple[bytes, Scope]] = {}
         cluster = token.encode() if token else None
         quotas: dict[str, int] = {}
+        rules = None
         if tokens_file:
             try:
                 with open(tokens_file, "rb") as fh:
@@ -173,10 +185,10 @@ class Tokens:
                                              f"(byte {e.start})") from e
             except (OSError, tomllib.TOMLDecodeError) as e:
                 raise ConfigError(component, f"cannot read tokens file {tokens_file}: {e}") from e
-            unknown = set(doc) - {"cluster_secret", "tokens", "quotas"}
+            unknown = set(doc) - {"cluster_secret", "tokens", "quotas", "reservations"}
             if unknown:
                 raise ConfigError(component, f"{tokens_file}: unknown top-level keys {sorted(unknown)} (expected "
-                                             f"cluster_secret, [[tokens]], [quotas])")
+                                             f"cluster_secret, [[tokens]], [quotas], [reservations])")
             cs = doc.get("cluster_secret")
             if not isinstance(cs, str) or len(cs) < 16:
                 raise ConfigError(component, f"{tokens_file}: cluster_secret must be a string of 16+ characters")
@@ -188,6 +200,7 @@ class Tokens:
                 raise ConfigError(component, f"{tokens_file}: tokens must be an array of tables ([[tokens]])")
             seen_secret: dict[bytes, str] = {cluster: "cluster_secret"}
             seen_name: dict[str, str] = {}
+            token_quotas: list[tuple[str, int, tuple[str, ...]]] = []  # (name, bytes, rw patterns), file order
             for i, t in enumerate(entries):
                 where = f"{tokens_file}: tokens[{i}]"
                 if not isinstance(t, dict):
@@ -198,10 +211,10 @@ class Tokens:
                     where += f" (name {t['name']!r})"
                 if not isinstance(t.get("secret"), str) or len(t["secret"]) < 16:
                     raise ConfigError(component, f"{where}: secret must be a string of 16+ characters")
-                unknown = set(t) - {"name", "secret", "namespaces", "admin"}
+                unknown = set(t) - {"name", "secret", "namespaces", "admin", "quota"}
                 if unknown:
                     raise ConfigError(component, f"{where}: unknown fields {sorted(unknown)} (expected name, "
-                                                 f"secret, namespaces, admin)")
+                                                 f"secret, namespaces, admin, quota)")
                 nss = t.get("namespaces", {})
                 if not isinstance(nss, dict) or not all(r in ("r", "rw") for r in nss.values()):
                     raise ConfigError(component, f"{where}: namespaces must map patterns to 'r' or 'rw'")
@@ -219,26 +232,18 @@ class Tokens:
                     raise ConfigError(component, f"{where}: name {name!r} is already used by {seen_name[name]}")
                 seen_name[name] = f"tokens[{i}]"
                 scoped[token_id(secret)] = (secret, Scope(name, tuple(nss.items()), admin))
-            quotas = cls._quotas(doc.get("quotas", {}), tokens_file, component)
-        return cls(cluster, scoped, quotas)
-
-    @staticmethod
-    def _quotas(table: object, tokens_file: str, component: str) -> dict[str, int]:
-        """``[quotas]``: exact namespace name -> size (``"512MiB"`` or an int of bytes)."""
-        if not isinstance(table, dict):
-            raise ConfigError(component, f"{tokens_file}: quotas must be a table ([quotas]) of namespace = size")
-        out = {}
-        for ns, size in table.items():
-            if not ns or len(ns.encode()) > 128:
-                raise ConfigError(component, f"{tokens_file}: quotas: namespace {ns!r} must be 1..128 bytes")
-            if not isinstance(size, (str, int)) or isinstance(size, bool):
-                raise ConfigError(component, f"{tokens_file}: quotas.{ns!r}: expected a size like \"512MiB\" or "
-                                             f"an integer of bytes, got {size!r}")
-            try:
-                out[ns] = parse_size(size, f"quotas.{ns!r}")
-            except ConfigError as e:
-                raise ConfigError(component, f"{tokens_file}: {e.detail}") from None
-        return out
+                if "quota" in t:
+                    if admin:
+                        raise ConfigError(component, f"{where}: an admin token may write every namespace and takes "
+                                                     f"no quota")
+                    rw = tuple(p for p, r in nss.items() if r == "rw")
+                    if not rw:
+                        raise ConfigError(component, f"{where}: quota covers no namespace (the token has no rw "
+                                                     f"pattern)")
+                    token_quotas.append((name, quota_size(t["quota"], f"{where}: quota", component), rw))
+            quotas = parse_quotas(doc.get("quotas", {}), tokens_file, component)
+            rules = build_rules(quotas, token_quotas, doc.get("reservations", {}), tokens_file, component)
+        return cls(cluster, scoped, quotas, rules)
 
     def verify(self, tid: object, client_proof: object, server_nonce: bytes, client_nonce: bytes,
                component: str) -> tuple[Scope, bytes]:
