@@ -132,10 +132,10 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         cfg = self.cfg
         if cfg.directory == "table":
             return TableDirectory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s,
-                                  policy=cfg.eviction_policy, quotas=getattr(self.tokens, "quotas", None),
+                                  policy=cfg.eviction_policy, quotas=getattr(self.tokens, "quota_rules", None),
                                   namer=self.store.batch_name)
         return Directory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
-                         quotas=getattr(self.tokens, "quotas", None))
+                         quotas=getattr(self.tokens, "quota_rules", None))
 
     @property
     def serving(self) -> bool:

@@ -52,6 +52,7 @@ from transport import slotrules
 from transport.wire import Status
 from umbp.config import MetaserverConfig
 from umbp.errors import StartupError, Unavailable
+from umbp.quotarules import QuotaRules
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -307,7 +308,8 @@ class SlotServer(Metaserver):
         cfg = self.cfg
         return SlotDirectory(self.slot, self.partition.slots, pending_ttl_s=cfg.pending_ttl_s,
                              read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
-                             quotas=getattr(self.tokens, "quotas", None))
+                             quotas=QuotaRules.of(getattr(self.tokens, "quota_rules", None)).shared(
+                                 self.partition.slots))  # each slot leader enforces its share of every quota
 
     def _provisional_nodes(self, descs: dict, now: float) -> None:
         super()._provisional_nodes(descs, now)
