@@ -53,7 +53,7 @@ from transport.framed import FramedSocket  # noqa: E402
 from transport.wire import ARENA_DATA_START, Op, object_size  # noqa: E402
 from umbp.config import ETCD_TXN_OPS  # noqa: E402
 from umbp.errors import UmbpError  # noqa: E402
-from umbp.launcher import find_etcd, free_port  # noqa: E402
+from umbp.launcher import find_etcd, free_port, pdeathsig_setter  # noqa: E402
 
 PREFIX = "/umbp"
 NS = "default"
@@ -127,10 +127,7 @@ async def fill(addr: str, pages: int, nodes: int, chain: int) -> float:
     return time.monotonic() - t0
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL when this benchmark dies, however it dies (Linux prctl)."""
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+_die_with_parent = pdeathsig_setter()  # preexec_fn: the child gets SIGKILL when this benchmark dies (Linux prctl)
 
 
 class Child:

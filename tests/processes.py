@@ -21,7 +21,6 @@ Cost: a fresh etcd is ready in about 0.5-1 s here; a Python child pays interpret
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from umbp.config import ETCD_TXN_OPS
+from umbp.launcher import pdeathsig_setter
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 5.0
@@ -147,13 +147,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL the child if pytest dies without running teardown (e.g. killed by CI)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+# preexec_fn: SIGKILL the child if pytest dies without running teardown (e.g. killed by CI). Looked up once, before
+# any fork (``umbp.launcher.pdeathsig_setter``): dlopen between fork and exec could hang on a lock another thread of
+# pytest (the copy pool, grpc) held at the fork.
+_die_with_parent = pdeathsig_setter()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -90,3 +90,27 @@ def test_startup_failure_reports_log_tail(harness: Harness, etcd: Etcd):
     msg = str(info.value)
     assert "etcd-clash" in msg and "stderr" in msg and "address already in use" in msg
     assert etcd.alive and put_get(etcd.url, {b"/x": b"y"}, [b"/x"]) == {b"/x": b"y"}
+
+
+def test_the_harness_preexec_loads_nothing_between_fork_and_exec():
+    """Review 4.5: the children's preexec_fn once called ``ctypes.CDLL`` (dlopen: locks, malloc) after the fork,
+    which hangs a child forked while another pytest thread held the loader lock. In a forked child with dlopen made
+    to fail loudly, the harness's preexec_fn (and the launcher's) must still run: libc was looked up before."""
+    import ctypes
+    import os
+
+    import processes
+    from umbp.launcher import pdeathsig_setter
+
+    for preexec in (processes._die_with_parent, pdeathsig_setter()):
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest machinery, only os._exit
+            code = 3
+            try:
+                ctypes.CDLL = lambda *a, **k: os._exit(4)  # any dlopen now ends the child with status 4
+                preexec()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, f"{preexec} loaded a library after the fork"

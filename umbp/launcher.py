@@ -58,7 +58,7 @@ ARENA_DIR_RX = re.compile(r"^umbp-up-(\d+)-")
 _PR_SET_PDEATHSIG = 1
 
 
-def _pdeathsig_setter():
+def pdeathsig_setter():
     """A callable for ``Popen(preexec_fn=...)`` that asks the kernel to SIGKILL the child when the thread that
     started it dies (Linux ``prctl``), or None where there is no such call. The libc function is looked up here,
     before any fork: the child only calls it (no lock, no import between fork and exec)."""
@@ -209,7 +209,7 @@ class LocalPool:
         logf = open(child.log_path, "a")
         env = dict(os.environ, PYTHONUNBUFFERED="1", UMBP_ARENA_DIR=self.arena_dir)
         # die with us (see the module docstring); only from the main thread, whose end is the pool's end
-        preexec = _pdeathsig_setter() if threading.current_thread() is threading.main_thread() else None
+        preexec = pdeathsig_setter() if threading.current_thread() is threading.main_thread() else None
         proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, bufsize=1, start_new_session=True, env=env, preexec_fn=preexec)
         ready = threading.Event()
