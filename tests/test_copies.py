@@ -68,10 +68,10 @@ def test_threaded_copy_splits_across_threads(threaded):
     seen: set = set()
     real = copies._memmove_all
 
-    def spy(pieces):
+    def spy(pieces, stop=None):
         seen.add(threading.get_ident())
         time.sleep(0.001)  # work that takes time, as a real piece's copy does: a finished thread is not reused at once
-        return real(pieces)
+        return real(pieces, stop)
 
     copies._memmove_all = spy
     try:
@@ -114,12 +114,12 @@ def test_error_in_one_job_surfaces_after_the_others_finish(threaded, monkeypatch
     real = copies._memmove_all
     bad_addr = []
 
-    def job(items):
+    def job(items, stop=None):
         if items[0][0] == bad_addr[0]:  # the second 64 KiB piece's job fails
             raise InvalidArgument("copies", "job failed")
         if items[0][2] != 4096:  # not the caller's remainder
             time.sleep(0.02)  # work, not synchronisation: the failing job must not cut the others short
-        finished.append(real(items))
+        finished.append(real(items, stop))
         return finished[-1]
 
     monkeypatch.setattr(copies, "_memmove_all", job)
@@ -134,24 +134,39 @@ def test_error_in_one_job_surfaces_after_the_others_finish(threaded, monkeypatch
     assert not dst[65536:2 * 65536].any()
 
 
-def test_stream_is_bounded_by_its_deadline(threaded, monkeypatch):
-    release = threading.Event()
+def test_stream_is_bounded_by_its_deadline_and_writes_nothing_after_it(threaded, monkeypatch):
+    """Review 4.9: past its deadline a Stream raises DeadlineExceeded, and from then on no copy of it writes into
+    the caller's buffers (a caller that reuses a host-pool slot after the error must not have it overwritten
+    later). A slow job (5 ms a piece, 64 pieces) against a 0.1 s deadline: finish raises within about a piece of the
+    deadline, part of the bytes never arrive, and the buffer does not change after the raise."""
     real = copies._memmove_all
 
-    def job(items):
-        if items[0][2] != 4096:
-            release.wait(10)
-        return real(items)
+    def slow(items, stop=None):
+        n = 0
+        for it in items:
+            if stop is not None and stop[0]:
+                break
+            time.sleep(0.005)  # work, not synchronisation: a copy slow enough to outlive the deadline
+            n += real([it])
+        return n
 
-    monkeypatch.setattr(copies, "_memmove_all", job)
-    src, dst = _rand(65536 + 4096, 10), np.zeros(65536 + 4096, np.uint8)
-    stream = _stream_of_jobs(1, src, dst)
-    stream.deadline = time.monotonic() + 0.2
-    with pytest.raises(DeadlineExceeded, match="copies: 1 of 1 copy jobs still running"):
-        stream.finish()  # a finish that ignored the deadline would wait for the job and raise nothing
-    assert not stream.futures[0].done(), "finish came back while the job was still blocked"
-    release.set()
-    stream.futures[0].result(10)  # the late job ends, into memory kept alive by its stream
+    monkeypatch.setattr(copies, "_memmove_all", slow)
+    piece, pieces = 4096, 64
+    src, dst = _rand(piece * 3 * pieces, 10), np.zeros(piece * 3 * pieces, np.uint8)
+    stream = copies.Stream(pieces * piece, deadline=time.monotonic() + 0.1, keep=(src, dst))
+    stream.chunk = pieces * piece  # one job of every piece
+    for p in range(pieces):  # unevenly spaced: neither merged nor one strided run (``copies._runs``)
+        at = (3 * p + p % 2) * piece
+        stream.add(copies.address(dst) + at, copies.address(src) + at, piece)
+    assert len(stream.futures) == 1
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="copies: 1 of 1 copy jobs not done at the deadline"):
+        stream.finish()
+    assert time.monotonic() - t0 < 0.1 + 0.2
+    after = dst.copy()
+    time.sleep(0.4)  # longer than the rest of the job would take: any late write would show
+    assert np.array_equal(dst, after), "a copy wrote into the caller's buffer after finish raised"
+    assert not np.array_equal(dst, src) and stream.futures[0].done()
 
 
 def test_thread_sizing():
@@ -228,10 +243,10 @@ def test_shm_batch_split_across_threads_exact_bytes(make_cluster):
     seen: set = set()
     real = copies._memmove_all
 
-    def spy(pieces):
+    def spy(pieces, stop=None):
         seen.add(threading.get_ident())
         time.sleep(0.001)  # work that takes time, as a real piece's copy does: a finished thread is not reused at once
-        return real(pieces)
+        return real(pieces, stop)
 
     cluster = make_cluster(nodes=1, capacity="128MiB")
     copies.set_max_threads(4)
@@ -296,9 +311,9 @@ def test_evenly_spaced_pieces_copy_as_strided_runs_exact_bytes(threaded, directi
     seen = []
     real = copies._memmove_all
 
-    def spy(items):
+    def spy(items, stop=None):
         seen.extend(items)
-        return real(items)
+        return real(items, stop)
 
     if direction == "scatter":  # arena -> host pool (a get): packed source, spaced destination
         packed[:rows * n] = src_rows

@@ -21,7 +21,8 @@ Contracts:
   ``umbp.buffers`` views: numpy arrays, CPU tensors, bytearrays; dst writable and at least as long) and returns
   the bytes copied once every piece is done. Pairs must not overlap each other (pieces run in any order).
 - ``Stream.finish`` re-raises the first exception a job raised once every job has finished, or raises
-  ``DeadlineExceeded`` when the deadline passes first (jobs still running hold ``keep``: ``copy_pairs``' views).
+  ``DeadlineExceeded`` when the deadline passes first, after stopping every job: once it has raised, no copy of the
+  batch writes into the caller's buffers any more (a job stops before its next piece; ``Stream._give_up``).
 - After ``fork`` the child gets a fresh pool (threads do not survive a fork).
 
 - ``Stream(total, deadline)`` copies raw (dst address, src address, length) pieces the caller has checked while the
@@ -179,11 +180,14 @@ def address(buf: Any) -> int:
     return _address(_flat(buf, False, 0))
 
 
-def _memmove_all(pieces: list[tuple]) -> int:
+def _memmove_all(pieces: list[tuple], stop: list | None = None) -> int:
     """Copy a worker's share: ``(dst, src, n)`` pieces with one memmove each, ``(dst, src, n, rows, dst stride,
-    src stride)`` runs with one strided numpy copy each (one GIL release for all its rows)."""
+    src stride)`` runs with one strided numpy copy each (one GIL release for all its rows). ``stop``: a one-item
+    list looked at before each piece; once true the rest is left uncopied (the stream was given up)."""
     n = 0
     for p in pieces:
+        if stop is not None and stop[0]:
+            break
         if len(p) == 3:
             _memmove(p[0], p[1], p[2])
             n += p[2]
@@ -194,9 +198,10 @@ def _memmove_all(pieces: list[tuple]) -> int:
     return n
 
 
-def _job(runs: list[tuple], keep: Any) -> int:
-    """A pool thread's share of a ``Stream``; ``keep`` (unused) holds the memory its raw addresses point into."""
-    return _memmove_all(runs)
+def _job(runs: list[tuple], keep: Any, stop: list) -> int:
+    """A pool thread's share of a ``Stream``; ``keep`` (unused) holds the memory its raw addresses point into;
+    ``stop`` set: the stream was given up, copy no further piece."""
+    return _memmove_all(runs, stop)
 
 
 def _strided(addr: int, rows: int, n: int, stride: int) -> np.ndarray:
@@ -251,12 +256,14 @@ class Stream:
     pieces come in batch order (``add``), and each time about ``total / threads`` bytes have come they go to a
     pool thread as one job (coalesced into strided runs, ``_runs``), so the Python that turns a batch's ops into
     pieces (the shm transport's per-range checks) runs beside the copies instead of before them. ``finish`` copies
-    what is left on the calling thread and waits for every job (``deadline``: DeadlineExceeded; jobs still running
-    hold ``keep``, the memory their pieces point into); ``abort`` (the caller failed midway) waits for the jobs
-    already started and raises nothing: they write into the caller's buffers. Below SERIAL_BYTES nothing is handed
-    off (``finish`` copies it all). The caller has checked every bound: nothing is checked here."""
+    what is left on the calling thread and waits for every job. Past ``deadline`` it gives the stream up
+    (``_give_up``: jobs not started are cancelled, running ones stop before their next piece, at most one piece of
+    PIECE_BYTES each, and are waited for) and raises DeadlineExceeded: once ``finish`` or ``abort`` has returned or
+    raised, no copy of this stream writes into the caller's buffers any more, so a caller may reuse them at once.
+    ``abort`` (the caller failed midway) gives the stream up and raises nothing. Below SERIAL_BYTES nothing is
+    handed off (``finish`` copies it all). The caller has checked every bound: nothing is checked here."""
 
-    __slots__ = ("workers", "chunk", "pending", "nbytes", "futures", "pool", "deadline", "keep")
+    __slots__ = ("workers", "chunk", "pending", "nbytes", "futures", "pool", "deadline", "keep", "stop")
 
     def __init__(self, total: int, deadline: float | None = None, keep: Any = None):
         self.workers = threads_for(total)
@@ -266,7 +273,8 @@ class Stream:
         self.futures: list[cf.Future] = []
         self.pool = _executor(self.workers - 1) if self.workers > 1 else None
         self.deadline = time.monotonic() + WAIT_S if deadline is None else deadline
-        self.keep = keep  # held by every job (``copy_pairs``' views): memory a late job writes stays allocated
+        self.keep = keep  # held by every job (``copy_pairs``' views): memory a job points into stays allocated
+        self.stop = [False]  # set when the stream is given up: jobs copy no further piece
 
     def add(self, dst: int, src: int, n: int) -> None:
         """One more piece, in batch order. A piece continuing the previous one on both sides (rows of one array into
@@ -310,7 +318,7 @@ class Stream:
         """Count ``n`` bytes just queued; a job's worth goes to a pool thread."""
         self.nbytes += n
         if self.pool is not None and self.nbytes >= self.chunk:
-            self.futures.append(self.pool.submit(_job, _runs(self.pending), self.keep))
+            self.futures.append(self.pool.submit(_job, _runs(self.pending), self.keep, self.stop))
             self.pending, self.nbytes = [], 0
 
     def finish(self) -> None:
@@ -323,8 +331,9 @@ class Stream:
         self.pending = []
         _done, not_done = cf.wait(self.futures, timeout=max(0.0, self.deadline - time.monotonic()))
         if not_done:
-            raise DeadlineExceeded(COMPONENT, f"{len(not_done)} of {len(self.futures)} copy jobs still running at "
-                                              f"the deadline")
+            self._give_up(not_done)
+            raise DeadlineExceeded(COMPONENT, f"{len(not_done)} of {len(self.futures)} copy jobs not done at the "
+                                              f"deadline (stopped: none writes any more)")
         for f in self.futures:
             e = f.exception()
             if e is not None and first is None:
@@ -334,7 +343,15 @@ class Stream:
 
     def abort(self) -> None:
         self.pending = []
-        cf.wait(self.futures, timeout=max(0.0, self.deadline - time.monotonic()))
+        self._give_up(self.futures)
+
+    def _give_up(self, futures) -> None:
+        """Stop every job: those not started never run, running ones stop before their next piece. Blocks until
+        none runs (at most one piece of PIECE_BYTES per running job: milliseconds)."""
+        self.stop[0] = True
+        running = [f for f in futures if not f.cancel()]
+        if running:
+            cf.wait(running)
 
 
 def copy_pairs(pairs: Sequence[tuple[memoryview, memoryview]], deadline: float | None = None) -> int:
