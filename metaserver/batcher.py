@@ -6,7 +6,10 @@ also keeps a transaction free of duplicate keys, which etcd rejects). Up to ``in
 so throughput grows with load and an idle writer adds no latency. A key already in an in-flight transaction waits
 for it, so two ops on one key are applied in submission order. A caller that must not reply before its puts are
 durable (COMMIT) gets a future; deletes are fire-and-forget. A failing transaction is retried with backoff for
-``retry_s``, then its waiters get the error.
+``retry_s``, then its ops are dropped: its waiters get the error, ``dropped`` counts them and ``on_drop(n, err)``
+is called. etcd then no longer holds what the directory does (a COMMIT's pages are READY but not durable, an
+evicted page's record is still there), so the owner must not go on serving that directory: the metaserver gives
+its term up (``Metaserver._writes_dropped``), and the next term loads what etcd holds.
 
 Costs: one etcd round trip per ``batch`` ops under load; on the event loop about 0.3 us an op for queueing, taking
 and acknowledging (a tuple and a dict insert each; a submission's consecutive ops are acknowledged as one run).
@@ -120,6 +123,8 @@ class BatchWriter:
         self.txns = 0
         self.ops = 0
         self.failures = 0
+        self.dropped = 0  # ops given up after retry_s (or refused: fenced, too large alone); see the module docstring
+        self.on_drop = None  # called as on_drop(ops, error) after each drop; must not block
 
     def start(self) -> None:
         for i in range(self.inflight):
@@ -198,6 +203,12 @@ class BatchWriter:
             except Exception as e:  # noqa: BLE001 - every failure goes to the waiters, none is lost
                 err = e if isinstance(e, RemoteError) else unavailable("transaction", e)
                 log.error("metaserver: dropping %d etcd ops: %s", len(keys), err)
+                self.dropped += len(keys)
+                if self.on_drop is not None:
+                    try:
+                        self.on_drop(len(keys), err)
+                    except Exception:  # noqa: BLE001 - the worker must outlive a failing callback
+                        log.exception("metaserver: etcd writer: on_drop failed")
             finally:
                 self._running -= 1
                 self._busy.difference_update(keys)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aetcd.rpc
-
 from metaserver.batcher import TXN_BYTES, TXN_OPS, smaller_cap, txn_bytes
 from metaserver.persist import EtcdStore, add_ops
 from umbp.errors import TxnTooLarge
@@ -129,7 +127,7 @@ class TxnCombiner:
     async def _combined(self, group: list) -> list:
         """One transaction for every part (each slot's fence compared once); when a fence refused it, each part
         again on its own. The outcome per part: None (written) or its exception."""
-        req = aetcd.rpc.TxnRequest()
+        req = EtcdStore.new_txn()
         fenced = set()
         for store, items, *_ in group:
             if store.leader_key not in fenced:

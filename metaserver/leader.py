@@ -19,6 +19,12 @@ alive, nobody else can have led meanwhile (the key is still ours), so serving re
 
 Invariant: at most one metaserver per prefix has ``is_leader`` true at any instant, and at most one can write.
 
+Stepping down on purpose (``step_down``): when the metaserver's etcd writer had to drop writes (etcd was away
+longer than its retry window), etcd no longer holds what the directory does. The leader then gives the term up
+at once (stops serving, drops its state, revokes its lease, which deletes the leader key), so the next term, here
+or on a standby, starts from what etcd holds (a full load, or a warm copy fed by etcd's own watch) under a new
+fence revision, which also refuses any write of the old term still in flight.
+
 Cancellation: ``run`` cancelled while leading resigns nothing by itself; ``resign`` (on a clean stop) revokes the
 lease so a standby takes over at once instead of after the TTL.
 """
@@ -62,6 +68,7 @@ class Election:
         self._won = False
         self._valid_until = 0.0
         self._lost = asyncio.Event()
+        self._why = ""  # why ``_lost`` was set
 
     @property
     def is_leader(self) -> bool:
@@ -75,7 +82,14 @@ class Election:
 
     def deposed(self) -> None:
         """A write of ours was fenced: leadership is gone; ``run`` steps down at once."""
-        self._lost.set()
+        self.step_down("a write was fenced (another metaserver leads)")
+
+    def step_down(self, reason: str) -> None:
+        """Give this term up now (see the module docstring): ``run`` steps down (``on_deposed``), revokes the lease
+        and campaigns again, so whoever leads next loads from etcd. Also while the term's directory is loading."""
+        if not self._lost.is_set():
+            self._why = reason
+            self._lost.set()
 
     async def run(self) -> None:
         """Forever: campaign; lead until the lease is lost; stand by while someone else leads. Cancellable at any
@@ -132,10 +146,17 @@ class Election:
             try:
                 await self.on_elected(rev)
             finally:
+                lost = None
                 if keep.done():
-                    raise Unavailable("metaserver", f"election: {keep.result()} while loading")
+                    err = keep.exception()
+                    lost = keep.result() if err is None else f"its keep-alive failed ({err})"
                 keep.cancel()
                 await asyncio.gather(keep, return_exceptions=True)
+            if lost is not None:
+                # The term was lost (or given up: ``step_down``) while loading, after its state was built: drop it
+                # before giving the lease back, as a step-down from leading does.
+                await self.on_deposed(lost)
+                raise Unavailable("metaserver", f"election: {lost} while loading")
         except BaseException:
             await self._revoke(lease)
             self.lease_id = 0
@@ -155,7 +176,7 @@ class Election:
         while True:
             try:
                 await asyncio.wait_for(self._lost.wait(), interval)
-                return "a write was fenced (another metaserver leads)"
+                return self._why
             except asyncio.TimeoutError:
                 pass
             sent = time.monotonic()

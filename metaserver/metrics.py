@@ -18,11 +18,16 @@ What is exported (names are a contract: deploy/grafana/umbp-dashboard.json and t
 - etcd: ``umbp_etcd_commit_seconds`` (histogram: a COMMIT's wait until its pages are durable, queueing in the batch
   writer included), ``umbp_etcd_txns_total``, ``umbp_etcd_ops_total``, ``umbp_etcd_retries_total``,
   ``umbp_etcd_pending_ops``, ``umbp_etcd_txn_max_ops`` (the writer's transaction size: below ``persist_batch`` once
-  etcd refused one for its size);
+  etcd refused one for its size), ``umbp_etcd_dropped_ops_total`` (writes given up after ``persist_retry_s``, over
+  every term of the process: each drop makes the leader give its term up, ``service.Metaserver._writes_dropped``);
 - the collector (``metaserver/gcpolicy.py``, when installed): ``umbp_metaserver_gc_steps_total``,
   ``umbp_metaserver_gc_freezes_total``, ``umbp_metaserver_gc_thaws_total``, ``umbp_metaserver_gc_pause_max_seconds``,
   ``umbp_metaserver_gc_frozen_objects``;
 - ``process_*`` (CPU, memory, fds).
+
+Probes: ``/healthz`` fails once a loop the process cannot work without has ended (the election loop; a partitioned
+pool's process lease keep-alive): those loops are supervised (every failure logged and retried), so one that ended
+is a bug or a fatal error, and only a restart helps.
 
 Everything except the histograms is read from the live state at scrape time, on the event loop, so nothing is
 counted twice and the hot path pays nothing. Cost of a scrape: O(nodes).
@@ -70,9 +75,11 @@ class MetaserverMetrics:
         self.registry.register(_Collector(ms))
 
     def healthy(self) -> tuple[bool, str]:
-        task = getattr(self.ms, "_election", None)
-        if task is not None and task.done():
-            return False, "metaserver: the election loop has stopped"
+        for attr, what in (("_election", "the election loop"), ("_keep", "the process lease keep-alive")):
+            task = getattr(self.ms, attr, None)
+            if task is not None and task.done():
+                err = None if task.cancelled() else task.exception()
+                return False, f"metaserver: {what} has stopped" + (f" ({err!r})" if err is not None else "")
         return True, "metaserver: ok"
 
     def ready(self) -> tuple[bool, str]:
@@ -111,6 +118,10 @@ class _Collector(Collector):
         yield _counter("umbp_etcd_ops", "etcd operations (puts and deletes) written", w.ops)
         yield _counter("umbp_etcd_retries", "Failed etcd transactions retried", w.failures)
         yield _gauge("umbp_etcd_pending_ops", "Operations queued for etcd, not yet written", w.pending())
+        servers = getattr(ms, "servers", None)  # a partitioned pool's process: every slot's, membership's too
+        yield _counter("umbp_etcd_dropped_ops", "etcd operations given up after persist_retry_s (each drop makes "
+                       "the leader give its term up)", sum(x.dropped_ops for x in servers.values())
+                       if servers is not None else ms.dropped_ops)
         yield _gauge("umbp_etcd_txn_max_ops", "Operations a transaction at most: persist_batch, or less once etcd "
                      "refused one for its size (its --max-txn-ops or --max-request-bytes)", w.batch)
         gcp = gcpolicy.installed()

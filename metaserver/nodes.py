@@ -93,10 +93,13 @@ class Membership:
         node.dead_since = 0.0
         return node, keep
 
-    def heartbeat(self, node_id: str, arena_id: bytes, now: float) -> Node | None:
-        """Refresh liveness; None when the node is unknown, dead, or on another arena (it must register again)."""
+    def heartbeat(self, node_id: str, arena_id: bytes, now: float, conn) -> Node | None:
+        """Refresh liveness; None when the node is unknown, dead, provisional (loaded at a takeover, not registered
+        again), on another arena, or registered on another connection than ``conn`` (it must register again).
+        Validates first, then mutates: a refused heartbeat never extends the node's life (a twin holding the
+        cluster secret cannot keep a dead node listed alive)."""
         node = self.nodes.get(node_id)
-        if node is None or not node.alive or node.arena_id != arena_id:
+        if node is None or not node.alive or node.arena_id != arena_id or node.provisional or node.conn is not conn:
             return None
         node.last_heartbeat = now
         return node

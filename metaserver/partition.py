@@ -56,11 +56,25 @@ from umbp.errors import NotLeader, UmbpError
 log = logging.getLogger("umbp.metaserver")
 
 POLL_S = 0.25  # a round of the slot election
+MAX_BACKOFF_S = 5.0  # a supervised loop that keeps failing retries at least this often
 RANK_DELAY_S = 0.5  # a vacant slot waits this long per rank before that rank campaigns
 BUSY_WARN_S = 10.0  # a slot's election or handover running this long is logged (again every such period)
 HANDOVER_FLUSH_S = 5.0  # a handed-over slot's queued etcd writes get this long to land
 START_WAIT_S = 30.0  # start() waits at most this long for every slot to have a leader
 _KEYED = (Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.EXISTS, Op.PREFIX, Op.REMOVE)
+
+
+def backoff(fails: int) -> float:
+    """The pause after ``fails`` failures in a row of a supervised loop: POLL_S doubling to MAX_BACKOFF_S."""
+    return min(POLL_S * (1 << min(fails, 8)) if fails else POLL_S, MAX_BACKOFF_S)
+
+
+def _log_failure(what: str, e: Exception) -> None:
+    """A supervised loop's failure: a warning for an error of ours (etcd away), the traceback for anything else."""
+    if isinstance(e, UmbpError):
+        log.warning("metaserver: %s: %s; retrying", what, e)
+    else:
+        log.error("metaserver: %s failed; retrying", what, exc_info=e)
 
 
 class SlotConn:
@@ -118,7 +132,7 @@ class Partition(PartitionAnswers):
         self.cfg = config
         self.addr = advertise
         self.slots = slots
-        self.store = EtcdStore(config.etcd, config.etcd_prefix)
+        self.store = EtcdStore(config.etcd, config.etcd_prefix, config.etcd_timeout_s)
         self.combiner = TxnCombiner(self.store, config.persist_batch)  # the slots' etcd writes, combined
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
         self.leader = _Leadership(self)
@@ -137,7 +151,8 @@ class Partition(PartitionAnswers):
         self._warm_sent: tuple = ()
         self._bg: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
-        self._election = None  # MetaserverMetrics.healthy reads it
+        self._election = None  # MetaserverMetrics.healthy reads it (the rounds) ...
+        self._keep = None  # ... and this (the process lease keep-alive): /healthz fails once either has ended
         self.rounds = 0
         self.handovers = 0
         self.load_s = 0.0
@@ -213,7 +228,7 @@ class Partition(PartitionAnswers):
         warm = sorted(self._warm_loaded())
         self._warm_sent = tuple(warm)
         rec = msgpack.packb({"addr": self.addr, "warm": warm}, use_bin_type=True)
-        await self.store.client.put(self._member_key(self.addr), rec, lease=self.lease)
+        await self.store.put_member(self._member_key(self.addr), rec, self.lease)
 
     def _member_key(self, addr: str) -> bytes:
         return f"{self.store.prefix}/members/{addr}".encode()
@@ -250,34 +265,51 @@ class Partition(PartitionAnswers):
 
     # -- the election ------------------------------------------------------------------------------------------
     async def _run(self) -> None:
-        keep = asyncio.create_task(self._keepalive(), name="metaserver-process-lease")
+        """The election rounds, supervised: a round that fails, with whatever error, is logged and the next one
+        runs after a backoff (POLL_S doubling to MAX_BACKOFF_S), so the process never stops campaigning."""
+        keep = self._keep = asyncio.create_task(self._keepalive(), name="metaserver-process-lease")
+        fails = 0
         try:
             for _ in range(1 << 62):  # bounded by cancellation; each round is bounded by etcd timeouts
                 try:
                     await self._round()
-                except UmbpError as e:
-                    log.warning("metaserver: slot election round: %s", e)
+                    fails = 0
+                except Exception as e:  # noqa: BLE001 - supervised: see the docstring
+                    fails += 1
+                    _log_failure("slot election round", e)
                 self.rounds += 1
-                await asyncio.sleep(POLL_S)
+                await asyncio.sleep(backoff(fails))
         finally:
             keep.cancel()
             await asyncio.gather(keep, return_exceptions=True)
 
     async def _keepalive(self) -> None:
+        """Keep the process lease alive (``_renew`` every ttl/3), supervised as ``_run``'s rounds are: a keep-alive
+        that died (a raw error out of ``_lost_lease``'s rejoin) left a zombie that no probe saw."""
         ttl = self.cfg.election_ttl_s
-        while True:
-            await asyncio.sleep(ttl / 3)
-            sent = time.monotonic()
+        fails = 0
+        for _ in range(1 << 62):  # bounded by cancellation
             try:
-                left = await asyncio.wait_for(self.store.refresh(self.lease), ttl / 3)
-            except (asyncio.TimeoutError, UmbpError) as e:
-                if time.monotonic() >= self._valid_until:
-                    await self._lost_lease(f"no keep-alive acknowledged within the lease ({e or 'timeout'})")
-                continue
-            if left <= 0:
-                await self._lost_lease("the process lease expired")
-                continue
-            self._valid_until = sent + left
+                await self._renew(ttl)
+                fails = 0
+            except Exception as e:  # noqa: BLE001 - supervised: see the docstring
+                fails += 1
+                _log_failure("process lease keep-alive", e)
+                await asyncio.sleep(min(backoff(fails), ttl / 3))
+
+    async def _renew(self, ttl: int) -> None:
+        await asyncio.sleep(ttl / 3)
+        sent = time.monotonic()
+        try:
+            left = await asyncio.wait_for(self.store.refresh(self.lease), ttl / 3)
+        except (asyncio.TimeoutError, UmbpError) as e:
+            if time.monotonic() >= self._valid_until:
+                await self._lost_lease(f"no keep-alive acknowledged within the lease ({e or 'timeout'})")
+            return
+        if left <= 0:
+            await self._lost_lease("the process lease expired")
+            return
+        self._valid_until = sent + left
 
     async def _lost_lease(self, reason: str) -> None:
         """Every slot of ours is gone with the lease: stop serving them, then join again with a new lease."""
@@ -418,28 +450,23 @@ class Partition(PartitionAnswers):
         srv = self.servers[name]
         store = srv.store
         try:
-            t = store.client.transactions
-            key = store.leader_key
-            await store._call("campaign", store.client.transaction(
-                compare=[t.create(key) == 0], success=[t.put(key, self.addr.encode(), lease=self.lease)],
-                failure=[]))
-            cur = await store._call("get", store.client.get(key))
-            if cur is None or cur.lease != self.lease:
+            won, rev, _, _ = await store.campaign(self.addr.encode(), self.lease)  # adopts a key under our lease
+            if not won:
                 return
-            srv.leader.revision = cur.create_revision
-            store.fence(cur.create_revision)
+            srv.leader.revision = rev
+            store.fence(rev)
             store.on_fenced = lambda n=name: self._spawn(self._depose(n, "a write was fenced"))
-            self.holders[name] = (self.addr, cur.create_revision, self.lease)
+            self.holders[name] = (self.addr, rev, self.lease)
             t0 = time.monotonic()
             try:
-                await srv._elected(cur.create_revision)
+                await srv._elected(rev)
             except BaseException:
                 await self.resign(name)
                 raise
             srv.leader.won = True
             await self._sync_nodes(time.monotonic(), [name])  # its nodes now, not at the next round
             self.load_s = max(self.load_s, time.monotonic() - t0)
-            log.info("metaserver: slot %s: leader at revision %d (%s, %.3fs)", name, cur.create_revision,
+            log.info("metaserver: slot %s: leader at revision %d (%s, %.3fs)", name, rev,
                      "warm" if srv.takeover.get("warm") else "full load", time.monotonic() - t0)
         except UmbpError as e:
             log.warning("metaserver: slot %s: campaign: %s", name, e)

@@ -32,8 +32,14 @@ Fencing: once this metaserver wins the election, ``fence(revision)`` makes every
 store (pages, node records, generations) carry ``create_revision(leader key) == revision``. A deposed leader's
 writes therefore fail in etcd itself; the store raises ``NotLeader`` and calls ``on_fenced`` once.
 
-This is the only module that talks to aetcd/grpc. Their errors are translated here into ``Unavailable``
-(``raise ... from``), so the rest of the metaserver sees one error type for "etcd could not do it".
+This is the only module that talks to aetcd/grpc (the partition's member records and slot campaigns included:
+``put_member``, ``campaign``; a combined transaction is built with ``new_txn`` and sent with ``send``). Their
+errors are translated here into ``Unavailable`` (``raise ... from``), so the rest of the metaserver sees one error
+type for "etcd could not do it". An outcome that is an answer rather than a failure (a lease etcd no longer knows)
+is told by its grpc status code; a transaction too large only by etcd's text (INVALID_ARGUMENT either way; etcd's
+own client matches the text too). Of aetcd's client this uses the public calls and three undocumented attributes
+(``kvstub``, ``metadata``, ``channel``: the paged range, the in-place transaction and the watch stream have no
+public call), hence aetcd's upper bound in pyproject.toml.
 
 The batching writer lives in ``metaserver/batcher.py``, the generation counter in ``metaserver/generations.py``.
 
@@ -118,7 +124,18 @@ def _split(first: bytes, last: bytes, hi: bytes, root: int) -> list[tuple[bytes,
 
 
 _TOO_MANY_OPS = "too many operations in txn request"  # etcd's error texts: ErrGRPCTooManyOps,
-_TOO_LARGE = "request is too large"  # ErrGRPCRequestTooLarge
+_TOO_LARGE = "request is too large"  # ErrGRPCRequestTooLarge (etcd's own client tells its errors apart by these)
+# What an etcd/grpc call may raise: aetcd's own errors, grpc's (raw or wrapped), timeouts, socket errors.
+FOREIGN = (aetcd.exceptions.ClientError, aetcd.rpc.BaseError, aetcd.rpc.RpcError, asyncio.TimeoutError, OSError)
+
+
+def grpc_code(e: BaseException):
+    """The grpc status code behind an etcd failure (aetcd wraps codes it has no class for, NOT_FOUND among them,
+    in a plain ``ClientError`` raised from the grpc error); None when there is none."""
+    for err in (e, e.__cause__):
+        if isinstance(err, aetcd.rpc.AioRpcError):
+            return err.code()
+    return None
 
 
 def unavailable(what: str, e: BaseException) -> Unavailable:
@@ -126,7 +143,7 @@ def unavailable(what: str, e: BaseException) -> Unavailable:
     number of operations (INVALID_ARGUMENT "too many operations in txn request") or its bytes ("request is too
     large"), else ``Unavailable``."""
     detail = str(e) or type(e).__name__
-    if _TOO_MANY_OPS in detail or _TOO_LARGE in detail:
+    if _TOO_MANY_OPS in detail or _TOO_LARGE in detail:  # INVALID_ARGUMENT, told apart only by these texts
         return TxnTooLarge("metaserver", f"etcd {what} refused: too large a transaction ({detail})",
                            Status.UNAVAILABLE)
     return Unavailable("metaserver", f"etcd {what} failed: {detail}", Status.UNAVAILABLE)
@@ -155,6 +172,7 @@ class EtcdStore:
         host, port = split_host_port(addr, "metaserver", 2379)
         self.addr = f"{host}:{port}"
         self.prefix = prefix.rstrip("/")
+        self.timeout_s = timeout_s  # one etcd request at most (MetaserverConfig.etcd_timeout_s)
         self.client = aetcd.Client(host, port, timeout=timeout_s, options=GRPC_OPTIONS)
         self._pages = f"{self.prefix}/pages/".encode()
         self._nodes = f"{self.prefix}/nodes/".encode()
@@ -233,8 +251,7 @@ class EtcdStore:
     async def _call(self, what: str, coro):
         try:
             return await coro
-        except (aetcd.exceptions.ClientError, aetcd.rpc.BaseError, aetcd.rpc.RpcError, asyncio.TimeoutError,
-                OSError) as e:
+        except FOREIGN as e:
             raise unavailable(what, e) from e
 
     async def wait_ready(self, deadline_s: float) -> None:
@@ -294,6 +311,11 @@ class EtcdStore:
         raise Unavailable("metaserver", "etcd transaction refused although the leader key is ours",
                           Status.UNAVAILABLE)
 
+    @staticmethod
+    def new_txn():
+        """An empty TxnRequest to fill with ``add_fence`` and ``add_ops`` and send with ``send`` (combine.py)."""
+        return aetcd.rpc.TxnRequest()
+
     def add_fence(self, req) -> None:
         """Add this store's fence compare (its leader key's create revision) to ``req`` when fenced."""
         if self.fence_rev:
@@ -303,9 +325,11 @@ class EtcdStore:
     async def send(self, req) -> bool:
         """Send a built TxnRequest through this store's client; its ``succeeded``. Unavailable on failure."""
         c = self.client
-        if not c._connected.is_set():
-            await self._call("connect", c.connect())
-        res = await self._call("transaction", c.kvstub.Txn(req, timeout=c._timeout, metadata=c.metadata))
+        try:
+            await c.connect()  # returns at once when connected
+            res = await c.kvstub.Txn(req, timeout=self.timeout_s, metadata=c.metadata)
+        except FOREIGN as e:
+            raise unavailable("transaction", e) from e
         return res.succeeded
 
     async def check_fence(self) -> None:
@@ -343,11 +367,17 @@ class EtcdStore:
         return int(reply.TTL) if reply is not None else 0
 
     async def revoke(self, lease_id: int) -> None:
+        """Revoke a lease; one etcd no longer knows (expired, revoked already: grpc NOT_FOUND) is what we wanted."""
         try:
-            await self._call("lease revoke", self.client.revoke_lease(lease_id))
-        except Unavailable as e:
-            if "not found" not in str(e):
-                raise
+            await self.client.revoke_lease(lease_id)
+        except FOREIGN as e:
+            if grpc_code(e) != aetcd.rpc.StatusCode.NOT_FOUND:
+                raise unavailable("lease revoke", e) from e
+
+    async def put_member(self, key: bytes, value: bytes, lease_id: int) -> None:
+        """Put a record attached to ``lease_id``, unfenced: a partitioned pool's ``members/{addr}`` record, which
+        belongs to the process, not to a slot's term (metaserver/partition.py)."""
+        await self._call("put", self.client.put(key, value, lease=lease_id))
 
     # -- election (metaserver/leader.py drives these) ---------------------------------------------------------
     async def campaign(self, value: bytes, lease_id: int) -> tuple[bool, int, bytes | None, int]:
@@ -388,7 +418,7 @@ class EtcdStore:
         """etcd's current revision (the header of a count-only read)."""
         await self._call("connect", self.client.connect())
         req = aetcd.rpc.RangeRequest(key=self.leader_key, count_only=True)
-        resp = await self._call("range", self.client.kvstub.Range(req, timeout=self.client._timeout,
+        resp = await self._call("range", self.client.kvstub.Range(req, timeout=self.timeout_s,
                                                                      metadata=self.client.metadata))
         return int(resp.header.revision)
 
@@ -415,7 +445,7 @@ class EtcdStore:
                 return
             lo, hi, root = todo.pop()
             req = aetcd.rpc.RangeRequest(key=lo, range_end=hi, limit=limit, revision=revision)
-            resp = await self._call("range", self.client.kvstub.Range(req, timeout=self.client._timeout,
+            resp = await self._call("range", self.client.kvstub.Range(req, timeout=self.timeout_s,
                                                                          metadata=self.client.metadata))
             kvs = list(resp.kvs)
             if kvs:
@@ -562,7 +592,7 @@ class EtcdStore:
                     if parts and not resp.fragment:
                         batch, parts = parts, []
                         yield batch
-            except (aetcd.exceptions.ClientError, aetcd.rpc.BaseError, aetcd.rpc.RpcError, OSError) as e:
+            except FOREIGN as e:
                 raise unavailable("watch", e) from e
             raise Unavailable("metaserver", "etcd watch: the stream ended", Status.UNAVAILABLE)
         finally:

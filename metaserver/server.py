@@ -48,7 +48,7 @@ from transport.wire import Flag, Op, Status
 from umbp.admission import Admission
 from umbp.auth import ServerAuth, Tokens
 from umbp.config import MetaserverConfig, split_host_port
-from umbp.errors import NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
+from umbp.errors import FrameTooLarge, NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
 from umbp.serving import FramedProtocol
 from umbp.tls import server_context
 
@@ -107,7 +107,7 @@ class Connection(FramedProtocol):
         return True
 
     def unframeable(self, e: ProtocolError) -> None:
-        status = Status.TOO_LARGE if "exceeds the limit" in e.detail else Status.BAD_FRAME
+        status = Status.TOO_LARGE if isinstance(e, FrameTooLarge) else Status.BAD_FRAME
         self.send(wire.encode_error(0, 0, status, str(e)))
         log.info("metaserver: closing %s: %s", self.peer, e)
         self.transport.close()

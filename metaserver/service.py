@@ -87,7 +87,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
     def __init__(self, config: MetaserverConfig, advertise: str):
         self.cfg = config
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
-        self.store = EtcdStore(config.etcd, config.etcd_prefix)
+        self.store = EtcdStore(config.etcd, config.etcd_prefix, config.etcd_timeout_s)
         self.leader = Election(self.store, advertise, config.election_ttl_s, self._elected, self._deposed,
                                self._standing_by)
         self.warm: WarmDirectory | None = None  # the directory kept current while standing by
@@ -98,6 +98,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self.loaded = False  # this term's directory is loaded (serving = loaded and the lease is valid)
         self.ticks = 0  # background ticks run (stats: lets tests wait for ticks instead of sleeping)
         self.load_s = 0.0  # how long the last takeover's directory load took
+        self.dropped_ops = 0  # etcd ops the writers of every term so far gave up on (``_writes_dropped``)
         self.metrics = MetaserverMetrics(self)  # read at scrape time; request latencies observed in server.py
         self._new_state()
         self._bg: set[asyncio.Task] = set()
@@ -122,10 +123,12 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
             gcpolicy.thaw("metaserver: a term's directory dropped")  # it may be frozen cyclic garbage now
         self.dir = self._make_dir()
         self.members = Membership()
-        self.writer = BatchWriter(self.store, batch=cfg.persist_batch)
+        self.writer = w = BatchWriter(self.store, batch=cfg.persist_batch, retry_s=cfg.persist_retry_s)
+        w.on_drop = lambda n, err: self._writes_dropped(w, n, err)
         self.gens = GenCounter(self.store)
         self.settled = asyncio.Event()  # every node loaded at takeover re-registered (or ALLOC_HOLD_S passed)
         self.took_over = 0.0
+        self.given_up = False  # this term's writer dropped writes: the term is being given up (``_writes_dropped``)
         self.parked: dict[str, tuple] = {}  # lost node id -> (arena_id, capacity, deadline, page records); _park
 
     def _make_dir(self) -> Directory | TableDirectory:
@@ -189,6 +192,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
                     log.warning("metaserver: the warm directory did not catch up to revision %d: full load",
                                 revision)
                 await self._load()
+            if self.given_up:  # writes dropped while taking over: this directory is not what etcd holds
+                raise Unavailable("metaserver", "etcd writes dropped while taking over", Status.UNAVAILABLE)
         except BaseException:
             if warm is not None:
                 await warm.stop()
@@ -208,6 +213,24 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
             self.settled.set()
         self._ticker = asyncio.create_task(self._tick_loop(), name="metaserver-tick")
         self.loaded = True
+
+    def _writes_dropped(self, writer: BatchWriter, n: int, err: Exception) -> None:
+        """This term's writer gave ``n`` ops up (``batcher.py``): etcd no longer holds what the directory does (a
+        COMMIT answered with an error left its pages READY; an evicted page's record is still there). Stop serving
+        now and give the term up (``_give_up``), so the next one, here or elsewhere, starts from what etcd holds
+        instead of serving pages etcd lost. A fenced write needs nothing more: ``on_fenced`` deposes already."""
+        self.dropped_ops += n
+        if writer is not self.writer or isinstance(err, NotLeader) or self.given_up:
+            return  # an older term's writer, already torn down; deposed by the fence; or given up already
+        self.given_up = True
+        log.error("metaserver: %d etcd writes dropped (%s): giving the term up so the next one loads from etcd",
+                  n, err)
+        self.loaded = False  # nothing more is served from this directory
+        self._give_up(f"{n} etcd writes dropped ({err})")
+
+    def _give_up(self, reason: str) -> None:
+        """Step down on purpose (``leader.Election.step_down``: teardown, lease revoked, campaign again)."""
+        self.leader.step_down(reason)
 
     async def _deposed(self, reason: str) -> None:
         """Lost leadership: stop serving and drop this term's state; queued etcd writes are not written."""
@@ -470,8 +493,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         m = v.fields(meta, frozenset({"node_id", "arena_id"}), ("node_id", "arena_id"))
         if not conn.auth.scope.node:
             raise AuthError("metaserver", f"token {conn.auth.scope.name!r} may not heartbeat as a storage node")
-        node = self.members.heartbeat(v.node_id(m), v.arena_id(m), time.monotonic())
-        if node is None or node.provisional or node.conn is not conn:
+        node = self.members.heartbeat(v.node_id(m), v.arena_id(m), time.monotonic(), conn)
+        if node is None:
             raise v.Reject(f"node {m['node_id']} is not registered with this arena: register again",
                            Status.NOT_FOUND)
         if not node.refreshing:
@@ -480,11 +503,19 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         return {}
 
     async def _refresh(self, node: Node) -> None:
-        """Keep the node's etcd lease alive; if etcd forgot it (it expired while we were away), grant a new one."""
+        """Keep the node's etcd lease alive; if etcd forgot it (it expired while we were away), grant a new one.
+        Checked against this term after every await: the store (and its fence) is shared by every term, so a
+        coroutine of an earlier term must not write under a later one's fence, nor over a registration's lease."""
+        term, old = self.term, node.lease_id
         try:
-            ttl = await self.store.refresh(node.lease_id) if node.lease_id else 0
-            if ttl <= 0 and node.alive:
+            ttl = await self.store.refresh(old) if old else 0
+            self.check_term(term)
+            if ttl <= 0 and node.alive and node.lease_id == old:
                 lease = await self.store.grant(node.lease_ttl_int)
+                self.check_term(term)
+                if node.lease_id != old or not node.alive:  # registered again (its own lease) or lost meanwhile
+                    self._spawn(self._revoke(lease))
+                    return
                 node.lease_id = lease
                 await self.store.put_node(node.node_id, node.record(), lease)
         except (Unavailable, NotLeader) as e:

@@ -36,6 +36,7 @@ takeover, not at their deadline; a node the fence did not reach is not placed on
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import logging
@@ -51,12 +52,13 @@ from metaserver.service import ETCD_START_DEADLINE_S, Metaserver
 from transport import slotrules
 from transport.wire import Status
 from umbp.config import MetaserverConfig
-from umbp.errors import StartupError, Unavailable
+from umbp.errors import NotLeader, StartupError, Unavailable
 from umbp.quotarules import QuotaRules
 
 log = logging.getLogger("umbp.metaserver")
 
 FENCE_RETRY_S = 1.0  # a node a fence did not reach is tried again this often (not placed on meanwhile)
+GIVE_UP_TRIES = 200  # deleting a given-up slot's key: tries at most (backoff 0.1 s doubling to 2 s: over 6 minutes)
 MEMBERSHIP = "m"  # the slot-like role that keeps node leases and arena records
 GEN_SHIFT = slotrules.SLOT_GEN_SHIFT
 
@@ -168,7 +170,7 @@ class SlotStore(EtcdStore):
     deletes (a lost node's, in ``rejoin.py``) go to a key of its own that nothing reads."""
 
     def __init__(self, root: EtcdStore, name: str, owns_nodes: bool, combiner: TxnCombiner | None = None):
-        self.addr, self.prefix, self.client = root.addr, root.prefix, root.client
+        self.addr, self.prefix, self.client, self.timeout_s = root.addr, root.prefix, root.client, root.timeout_s
         self.combiner = combiner  # the process's (metaserver/combine.py): one transaction for several slots' writes
         base = f"{root.prefix}/slots/{name}/"
         self._pages = (base + "pages/").encode()
@@ -293,6 +295,40 @@ class SlotServer(Metaserver):
                 self.fenced[n.node_id] = (n.arena_id, n.pid)
                 if self.unfenced.pop(n.node_id, None) is not None and not n.draining:
                     self.dir.set_placeable(n.node_id, True)
+
+    def _give_up(self, reason: str) -> None:
+        """This slot's writer dropped writes (``Metaserver._writes_dropped``): step down and delete the slot's key
+        (``_release_key``), so the next term has a new fence revision and loads what etcd holds."""
+        self.partition._spawn(self._release_key(reason))
+
+    async def _release_key(self, reason: str) -> None:
+        """Stop serving the slot, then delete its key, fenced on this term, retrying while etcd is away. Ends when
+        the key is deleted, no longer this term's (NotLeader), or the process lease lapsed (its keys go with it).
+        Meanwhile the slot counts as being deposed, so the election round does not take the key up again under
+        this term (``Partition._adopt_unserved``)."""
+        p, store = self.partition, self.store
+        p._deposing.add(self.name)
+        try:
+            if self.leader.won or self.loaded:
+                self.leader.won = False
+                log.warning("metaserver: slot %s: stepping down: %s", self.name, reason)
+                await self._deposed(reason)
+            delay = 0.1
+            for _ in range(GIVE_UP_TRIES):
+                try:
+                    if await store.txn([store.op_delete(store.leader_key)]):
+                        log.info("metaserver: slot %s: key deleted: the next term loads from etcd", self.name)
+                        return
+                except NotLeader:
+                    return
+                except Unavailable as e:
+                    log.warning("metaserver: slot %s: giving the slot up: %s", self.name, e)
+                if not p.lease_valid():
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        finally:
+            p._deposing.discard(self.name)
 
     def tick(self, now: float) -> int:
         if self.unfenced and self.serving and now - self._fenced_at >= FENCE_RETRY_S:

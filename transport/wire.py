@@ -62,6 +62,7 @@ from umbp.errors import (
     AuthError,
     BadRequest,
     CorruptionError,
+    FrameTooLarge,
     NotFound,
     NotLeader,
     PoolFull,
@@ -237,9 +238,9 @@ def decode_header(buf: bytes | memoryview, component: str,
     if version != VERSION:
         raise ProtocolError(component, f"unsupported wire version {version} (this side speaks {VERSION})")
     if meta_len > max_meta:
-        raise ProtocolError(component, f"frame meta of {meta_len} bytes exceeds the limit of {max_meta}")
+        raise FrameTooLarge(component, f"frame meta of {meta_len} bytes exceeds the limit of {max_meta}")
     if data_len > max_data:
-        raise ProtocolError(component, f"frame data of {data_len} bytes exceeds the limit of {max_data}")
+        raise FrameTooLarge(component, f"frame data of {data_len} bytes exceeds the limit of {max_data}")
     return op, flags, status, rid, meta_len, data_len
 
 

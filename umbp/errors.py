@@ -31,6 +31,10 @@ class ProtocolError(UmbpError):
     """Bytes on a connection do not form a valid frame; the connection that carried them is no longer usable."""
 
 
+class FrameTooLarge(ProtocolError):
+    """A frame announces a meta or data part over the receiver's limit (a server answers TOO_LARGE, not BAD_FRAME)."""
+
+
 class TransportError(UmbpError):
     """A peer could not be reached, closed the connection, or a transfer failed mid-way."""
 
