@@ -101,14 +101,14 @@ class Connection(FramedProtocol):
         """AUTH succeeded: move to the authenticated cap; False (answered and closing) when that cap is full."""
         refused = self.authenticated_now()
         if refused:
-            self.send(wire.encode_error(op, rid, Status.UNAVAILABLE, refused))
+            self.send(wire.encode_error(op, rid, Status.UNAVAILABLE, refused, version=self.reader.version))
             self.transport.close()
             return False
         return True
 
     def unframeable(self, e: ProtocolError) -> None:
         status = Status.TOO_LARGE if isinstance(e, FrameTooLarge) else Status.BAD_FRAME
-        self.send(wire.encode_error(0, 0, status, str(e)))
+        self.send(wire.encode_error(0, 0, status, str(e), version=self.reader.version))
         log.info("metaserver: closing %s: %s", self.peer, e)
         self.transport.close()
 
@@ -141,7 +141,8 @@ class Connection(FramedProtocol):
         handler = ms.handlers.get(op)
         if handler is None:
             if reply:
-                self.send(wire.encode_error(op, rid, Status.UNKNOWN_OPCODE, f"metaserver: unknown opcode 0x{op:02x}"))
+                self.send(wire.encode_error(op, rid, Status.UNKNOWN_OPCODE, f"metaserver: unknown opcode 0x{op:02x}",
+                                            version=self.reader.version))
             return
         t0 = time.perf_counter()
         try:
@@ -160,7 +161,7 @@ class Connection(FramedProtocol):
         if type(res) is dict:
             ms.metrics.requests.since(op, t0)
             if reply:
-                self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE))
+                self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE, version=self.reader.version))
         else:
             ms._spawn(self._finish(op, rid, reply, res, t0))
 
@@ -176,7 +177,7 @@ class Connection(FramedProtocol):
             return
         self.ms.metrics.requests.since(op, t0)
         if reply:
-            self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE))
+            self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE, version=self.reader.version))
 
     def _not_serving(self, op: int, rid: int, reply: bool) -> None:
         el = self.ms.leader
@@ -204,7 +205,8 @@ class Connection(FramedProtocol):
     def _error(self, op: int, rid: int, reply: bool, status: int, message: str, **extra) -> None:
         self.ms.metrics.requests.error(op, status)
         if reply:
-            self.send(wire.encode_error(op, rid, status, f"metaserver: {_op_name(op)}: {message}", **extra))
+            self.send(wire.encode_error(op, rid, status, f"metaserver: {_op_name(op)}: {message}", **extra,
+                                        version=self.reader.version))
 
 
 async def close_idle(conns: set, limit: float) -> None:

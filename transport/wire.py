@@ -87,6 +87,14 @@ VERSION = 11  # 11: ABORT may say "written": true (its places were written, the 
 #              capability per node per ALLOC/LOOKUP batch ("caps", items name theirs by index; b"" in a READV/WRITEV
 #              op: the previous op's), keyed blake2b capabilities and tags
 #              2: HELLO/AUTH handshake, capabilities and tags in ALLOC/LOOKUP/READ/WRITE, allocation tokens
+# Compatibility rule (docs/operations/upgrades.md). A reader accepts frames of this version and of the one before it
+# (MIN_VERSION), and a server answers each frame in the version it was sent in (``FrameReader.version``), so clients
+# and nodes of the previous release keep working against upgraded servers: upgrade metaservers first, then nodes,
+# then engines. What a version adds must be optional for the peer of the version before (a new meta field that may be
+# absent, a new answer field an old reader ignores, a new opcode an old peer never sends); a change that cannot be is
+# two releases: accept it in one, require it in the next. Frames of the previous version are kept as test fixtures
+# (tests/fixtures/wire/) and replayed against real servers (tests/test_wire_compat.py).
+MIN_VERSION = VERSION - 1
 HEADER = struct.Struct("<HBBHHIIQ")
 HEADER_SIZE = HEADER.size  # 24
 
@@ -215,16 +223,18 @@ def unpack_meta(raw: bytes | memoryview, component: str) -> Any:
 
 
 def encode(op: int, request_id: int, meta: Any = None, *, data_len: int = 0, flags: int = 0,
-           status: int = 0) -> bytes:
-    """Header plus msgpack meta of one frame; the sender writes ``data_len`` raw bytes after it."""
+           status: int = 0, version: int = VERSION) -> bytes:
+    """Header plus msgpack meta of one frame; the sender writes ``data_len`` raw bytes after it. ``version``: a
+    server's answer carries the version of the request it answers (``FrameReader.version``)."""
     body = b"" if meta is None else msgpack.packb(meta, **_packer_opts)
-    return HEADER.pack(MAGIC, VERSION, op, flags, status, request_id & 0xFFFFFFFF, len(body), data_len) + body
+    return HEADER.pack(MAGIC, version, op, flags, status, request_id & 0xFFFFFFFF, len(body), data_len) + body
 
 
-def encode_error(op: int, request_id: int, status: int, message: str, **extra: Any) -> bytes:
+def encode_error(op: int, request_id: int, status: int, message: str, *, version: int = VERSION,
+                 **extra: Any) -> bytes:
     meta = {"error": message}
     meta.update(extra)
-    return encode(op, request_id, meta, flags=Flag.RESPONSE, status=status)
+    return encode(op, request_id, meta, flags=Flag.RESPONSE, status=status, version=version)
 
 
 def decode_header(buf: bytes | memoryview, component: str,
@@ -235,8 +245,9 @@ def decode_header(buf: bytes | memoryview, component: str,
     magic, version, op, flags, status, rid, meta_len, data_len = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise ProtocolError(component, f"bad frame magic 0x{magic:04x} (expected 0x{MAGIC:04x}): not a UMBP peer?")
-    if version != VERSION:
-        raise ProtocolError(component, f"unsupported wire version {version} (this side speaks {VERSION})")
+    if not MIN_VERSION <= version <= VERSION:
+        raise ProtocolError(component, f"unsupported wire version {version} (this side speaks {MIN_VERSION} to "
+                                       f"{VERSION}: upgrade metaservers first, then nodes, then clients)")
     if meta_len > max_meta:
         raise FrameTooLarge(component, f"frame meta of {meta_len} bytes exceeds the limit of {max_meta}")
     if data_len > max_data:
@@ -329,6 +340,7 @@ class FrameReader:
         # A malformed header after good frames in the same read: the good frames are returned, this is set, and
         # the caller answers it and closes the connection (the stream can no longer be framed).
         self.poisoned: ProtocolError | None = None
+        self.version = VERSION  # the wire version of the last frame parsed: a server answers in it
 
     @property
     def buffered(self) -> int:
@@ -415,6 +427,7 @@ class FrameReader:
                 return
             op, flags, status, rid, meta_len, data_len = decode_header(
                 self._mv[self._start:self._start + HEADER_SIZE], self.component, self.max_meta, self.max_data)
+            self.version = self._buf[self._start + 2]
             if avail < HEADER_SIZE + meta_len:
                 self._need = HEADER_SIZE + meta_len
                 return

@@ -352,7 +352,7 @@ class DataProtocol(FramedProtocol):
     def unframeable(self, e: ProtocolError) -> None:
         self.node.stats["errors"] += 1
         out, self._out = self._out, []
-        out.append(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e)))
+        out.append(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e), version=self.reader.version))
         self.transport.writelines(out)
         self.transport.close()
 
@@ -369,7 +369,8 @@ class DataProtocol(FramedProtocol):
         if err is not None:
             node.stats["errors"] += 1
             out.append(wire.encode_error(frame.op, frame.request_id,
-                                         getattr(err, "code", 0) or wire.Status.BAD_REQUEST, str(err)))
+                                         getattr(err, "code", 0) or wire.Status.BAD_REQUEST, str(err),
+                                         version=self.reader.version))
             return
         try:
             op = frame.op
@@ -412,17 +413,20 @@ class DataProtocol(FramedProtocol):
                 reply = node.rdma.accept(frame.meta, self.rdma_eps)
             else:
                 out.append(wire.encode_error(op, frame.request_id, wire.Status.UNKNOWN_OPCODE,
-                                             f"{node.component}: unknown opcode {op}"))
+                                             f"{node.component}: unknown opcode {op}", version=self.reader.version))
                 node.stats["errors"] += 1
                 return
             if not frame.flags & wire.Flag.NO_REPLY:
-                out.append(wire.encode(op, frame.request_id, reply, flags=wire.Flag.RESPONSE))
+                out.append(wire.encode(op, frame.request_id, reply, flags=wire.Flag.RESPONSE,
+                                       version=self.reader.version))
         except RemoteError as e:
             node.stats["errors"] += 1
-            out.append(wire.encode_error(frame.op, frame.request_id, e.code or wire.Status.BAD_REQUEST, str(e)))
+            out.append(wire.encode_error(frame.op, frame.request_id, e.code or wire.Status.BAD_REQUEST, str(e),
+                                         version=self.reader.version))
         except UmbpError as e:
             node.stats["errors"] += 1
-            out.append(wire.encode_error(frame.op, frame.request_id, wire.Status.INTERNAL, str(e)))
+            out.append(wire.encode_error(frame.op, frame.request_id, wire.Status.INTERNAL, str(e),
+                                         version=self.reader.version))
 
     def read(self, frame: wire.Frame) -> None:
         node = self.node
@@ -440,13 +444,14 @@ class DataProtocol(FramedProtocol):
         try:
             wire.check_object_header(head, node.component, khash, gen, plen)
         except CorruptionError as e:
-            self._out.append(wire.encode_error(frame.op, frame.request_id, wire.Status.CORRUPT, str(e)))
+            self._out.append(wire.encode_error(frame.op, frame.request_id, wire.Status.CORRUPT, str(e),
+                                               version=self.reader.version))
             return
         node.stats["reads"] += 1
         node.stats["bytes_read"] += length
         src = off + wire.OBJ_HEADER_SIZE + start
         self._out.append(wire.encode(frame.op, frame.request_id, None, flags=wire.Flag.RESPONSE,
-                                     data_len=wire.OBJ_HEADER_SIZE + length) + bytes(head))
+                                     data_len=wire.OBJ_HEADER_SIZE + length, version=self.reader.version) + bytes(head))
         if length:
             self._out.append(view[src:src + length])
 
@@ -517,7 +522,7 @@ class DataProtocol(FramedProtocol):
         stats["errors"] += len(failures)
         out = self._out
         out.append(wire.encode(frame.op, frame.request_id, failures or None, flags=wire.Flag.RESPONSE,
-                               data_len=total))
+                               data_len=total, version=self.reader.version))
         out.extend(bufs)
 
 
