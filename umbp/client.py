@@ -89,6 +89,7 @@ class Client(PutPath, MappedPath):
         self.counters = {"puts": 0, "dedup": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0,
                          "bytes_mapped": 0, "node_failures": 0, "kernel_put_bytes": 0, "staged_put_bytes": 0,
                          "late_reads": 0}
+        self._counts = threading.Lock()  # counters change only under it (``count``): threads share a client
         self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -224,7 +225,7 @@ class Client(PutPath, MappedPath):
             else:
                 res = self._transports[node_id].finish(p, deadline)
             if any(res) and any(isinstance(r, TransportError) for r in res):  # any(res): all None, the usual case
-                self.counters["node_failures"] += 1
+                self.count(node_failures=1)
                 self._drop_transport(node_id)
             results[node_id] = res
         return results
@@ -348,11 +349,16 @@ class Client(PutPath, MappedPath):
             for d in cuda:
                 d.release()
         hits = len(kb) - got.count(-1)
-        counters = self.counters
-        counters["gets"] += hits
-        counters["misses"] += len(kb) - hits
-        counters["bytes_got"] += sum(got) + (len(kb) - hits)
+        self.count(gets=hits, misses=len(kb) - hits, bytes_got=sum(got) + (len(kb) - hits))
         return got, fresh
+
+    def count(self, **deltas: int) -> None:
+        """Add to the counters ``stats()["client"]`` reports: under their own lock, since calls of several threads
+        finish outside the client's I/O lock (a ``+=`` on a dict item from two threads can lose one)."""
+        with self._counts:
+            c = self.counters
+            for k, v in deltas.items():
+                c[k] += v
 
     def _late_reads_missed(self, locs: list, got: list[int]) -> None:
         """The batch's reads finished after its read lease ran out: pages read over tcp or rdma become misses. Past
@@ -366,7 +372,7 @@ class Client(PutPath, MappedPath):
             if loc is not None and got[i] >= 0 and loc[0] not in shm:
                 got[i] = -1
                 n += 1
-        self.counters["late_reads"] += n
+        self.count(late_reads=n)
 
     def _read_ahead(self, lookup: dict, guess: list, segs: list, deadline: float) -> tuple[Any, list]:
         """Submit the LOOKUP, read the remembered locations ``guess`` into the outs while it is in flight, then

@@ -27,6 +27,7 @@ range, one launch and one synchronize per device.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -133,8 +134,12 @@ class DeviceCopier:
                 from umbp.engine import gather
 
                 self._usable = bool(torch.cuda.is_available()) and gather.cupy_available()
-            except Exception:  # no torch, a broken CUDA install: the staged path still works
+            except ModuleNotFoundError:  # no torch: nothing to say, the staged path serves CPU outs
                 self._usable = False
+            except Exception as e:  # a broken torch or CUDA install: the staged path still works, said once
+                self._usable = False
+                print(f"{self.component}: WARNING: the device copy kernel is off ({type(e).__name__}: {e}): CUDA "
+                      f"pages take the staged path", file=sys.stderr, flush=True)
         return self._usable
 
     def arena_address(self, node_id: str, arena: memoryview) -> int | None:

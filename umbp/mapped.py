@@ -74,8 +74,7 @@ class MappedPath:
             for arena, off, head, _size in checks:
                 if arena[off:off + hs] != head:
                     raise CorruptionError(self.component, f"slot at {off} was rewritten while it was mapped")
-            self.counters["gets"] += len(checks)
-            self.counters["bytes_mapped"] += sum(c[3] for c in checks)
+            self.count(gets=len(checks), bytes_mapped=sum(c[3] for c in checks))
         finally:
             if lease:
                 with self._lock:

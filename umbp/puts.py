@@ -270,13 +270,11 @@ class PutPath:
             except BaseException:
                 self._unwind(kb, allocs, commits, len(acc.chunks_done), deadline)
                 raise
-        self.counters["puts"] += len(acc.stored)
-        self.counters["dedup"] += acc.dedup
-        self.counters["bytes_put"] += sum(sizes[i] for i in acc.stored)
+        self.count(puts=len(acc.stored), dedup=acc.dedup, bytes_put=sum(sizes[i] for i in acc.stored))
         if dev is not None:
             via = dev.via[acc.stored]
-            self.counters["kernel_put_bytes"] += int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_KERNEL].sum())
-            self.counters["staged_put_bytes"] += int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_STAGED].sum())
+            self.count(kernel_put_bytes=int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_KERNEL].sum()),
+                       staged_put_bytes=int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_STAGED].sum()))
         err = None
         if acc.first_err is not None:
             err = TransportError(self.component, f"batch_put: {len(acc.bad)} of {len(kb)} pages were not stored "

@@ -198,3 +198,28 @@ def test_registration_counts_and_failed_statuses(fake_cuda):
     with pytest.raises(gather.GatherUnavailable, match="engine gather: cudaHostRegister .* cudaError 712"):
         gather.register_host(buf)
     assert gather._host_registry.refs(a.addr, a.nbytes) == 0
+
+
+def test_a_broken_cupy_is_said_once_not_swallowed(monkeypatch, caplog):
+    """Review 4.7: a CuPy that is installed but does not import (a CUDA mismatch) silently took every CUDA transfer
+    to the staged path. Now it is a warning with the reason, once; a CuPy that is not installed stays quiet."""
+    import importlib.abc
+    import logging
+    import sys
+
+    from umbp.engine import gather
+
+    class Broken(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "cupy":
+                raise OSError("libcudart.so.13: cannot open shared object file")
+            return None
+
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    monkeypatch.setattr(gather, "_cupy_ok", None)
+    with caplog.at_level(logging.WARNING, logger="umbp.engine.gather"):
+        assert gather.cupy_available() is False
+        assert gather.cupy_available() is False
+    said = [r.getMessage() for r in caplog.records if "CuPy" in r.getMessage()]
+    assert len(said) == 1 and "libcudart.so.13" in said[0]

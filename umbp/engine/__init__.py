@@ -10,7 +10,7 @@
 Layering: they never import ``umbp.client``: the loader and the TP group take a client by duck typing and call only
 its public methods (``batch_get_ranges_into``, ``batch_put_ranges``, ``batch_exists``, ``mapped``,
 ``local_arenas``), so a test double serves as well; they import ``umbp.keys`` and ``umbp.errors``. Nothing below
-imports them.
+imports them, apart from ``umbp.devcopy`` (the client's CUDA path), which calls ``gather`` lazily for its kernel.
 """
 
 from umbp.engine.layout import PagedKV, PageLayout

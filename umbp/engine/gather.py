@@ -374,12 +374,25 @@ def _require_cuda():
 _kernels: dict[int, Any] = {}
 
 
+_cupy_ok: bool | None = None
+
+
 def cupy_available() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except Exception:
-        return False
-    return True
+    """Whether CuPy imports (the gather kernel needs it). Not installed: False, quietly (CPU machines). Installed
+    but broken (a CUDA mismatch, a missing library): False, said once as a warning with the reason, since every
+    CUDA transfer then takes the staged path at a fraction of the kernel's speed."""
+    global _cupy_ok
+    if _cupy_ok is None:
+        try:
+            import cupy  # noqa: F401
+            _cupy_ok = True
+        except ModuleNotFoundError:
+            _cupy_ok = False
+        except Exception as e:
+            _cupy_ok = False
+            logger.warning("engine.gather: CuPy is installed but does not import (%s: %s): CUDA outs and values "
+                           "take the staged path, far slower than the gather kernel", type(e).__name__, e)
+    return _cupy_ok
 
 
 def _kernel(device: int):
