@@ -4,11 +4,14 @@ vLLM 0.33 hands connectors one tensor per attention layer, a view shaped ``[B, H
 of a block, content: K and V, or the MLA latent) whose memory order is the cache's layout (``LBNHC``: ``[B, N, H,
 C]``, ``LBHNC``, ...). ``block_parts`` turns one such tensor into the parts ``umbp.engine.PagedKV`` accepts:
 
-- if a block's elements form one contiguous run (every layout with B outermost in the layer: the usual case), one
+- if a block's elements form one contiguous run (``LBNHC``, ``LBHNC``, ``BLHNC``, ``BLNHC``: the usual case), one
   part ``[num_blocks, run]`` that aliases the tensor: a block's row is its physical bytes, in memory order;
-- if some dims lie outside B in memory (e.g. ``LHBNC``: head groups outermost), one part per index of those dims.
-A page object is then the rows of every layer in layer order, so two vLLM instances with the same model, layout,
-block size, dtype (and, for MHA, TP size) exchange pages byte for byte, with no repacking on either side.
+- else the longest dense run from the innermost dim up is a part's row, and every other dim gets one part per index,
+  in dim order: ``LHBNC`` (head groups outside B) and ``BHLNC`` (``[B, H, L, N, C]``: within a block each head's
+  ``[N, C]`` run is followed by the other layers' runs of that head) give one part per head, rows of ``N x C``.
+A page object is then the rows of every layer in layer order (within a layer, part by part), so two vLLM instances
+with the same model, layout, block size, dtype (and, for MHA, TP size) exchange pages byte for byte, with no
+repacking on either side. A layout whose block lies in more than ``MAX_PARTS`` runs per layer is refused.
 
 Names: ``namespace`` is ``umbp.keys.namespace`` of the model, ``vllm-{layout}`` (plus ``-tp{N}`` for TP-sharded KV),
 block size and dtype; MLA KV is keyed without a rank (stored once across TP ranks), MHA KV per rank
@@ -24,11 +27,25 @@ from umbp.errors import InvalidArgument
 from umbp.integrations.sglang.naming import dtype_name, namespace_for
 
 COMPONENT = "vllm connector"
+MAX_PARTS = 1024  # runs per block and layer: one part each, and one copy per part and page
+
+
+def _check_disjoint(t: Any, name: str) -> None:
+    """InvalidArgument when two elements of ``t`` (blocks included) may share memory: sorted by stride, each dim
+    must step past everything the smaller ones span."""
+    dims = sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            raise InvalidArgument(COMPONENT, f"{name}: elements overlap (shape {tuple(t.shape)}, strides "
+                                             f"{tuple(t.stride())})")
+        span = stride * size
 
 
 def block_parts(t: Any, num_blocks: int, name: str = "layer") -> tuple[Any, ...]:
     """The parts of one layer's KV tensor (blocks at dim 0), each ``[num_blocks, elems]`` with contiguous rows
-    aliasing ``t``. Raises InvalidArgument when dim 0 is not the block dim or a block is not addressable in runs."""
+    aliasing ``t``. Raises InvalidArgument when dim 0 is not the block dim, elements overlap, or a block lies in
+    more than ``MAX_PARTS`` runs."""
     import torch
 
     if not isinstance(t, torch.Tensor) or t.dim() < 2:
@@ -37,26 +54,31 @@ def block_parts(t: Any, num_blocks: int, name: str = "layer") -> tuple[Any, ...]
     if int(t.shape[0]) != num_blocks:
         raise InvalidArgument(COMPONENT, f"{name}: dim 0 has {t.shape[0]} entries, the KV cache has {num_blocks} "
                                          f"blocks (kernel block sizes other than the manager's are not supported)")
-    stride_b = t.stride(0)
-    outer = [d for d in range(1, t.dim()) if t.shape[d] > 1 and t.stride(d) > stride_b]
-    inner = [d for d in range(1, t.dim()) if d not in outer]
+    sized = [d for d in range(1, t.dim()) if t.shape[d] > 1]
+    # the run: the dims that tile one dense run from stride 1 up, smallest stride first; every other dim (outside
+    # B in memory, or inside B but not adjacent to the run: BHLNC's heads, the block's other layers between them)
+    # is split, one part per index
+    run, dense = 1, []
+    for d in sorted(sized, key=t.stride):
+        if t.stride(d) != run:
+            break
+        dense.append(d)
+        run *= t.shape[d]
+    split = [d for d in sized if d not in dense]
+    _check_disjoint(t, name)
+    count = 1
+    for d in split:
+        count *= t.shape[d]
+    if count > MAX_PARTS:
+        raise InvalidArgument(COMPONENT, f"{name}: a block of shape {tuple(t.shape)} with strides "
+                                         f"{tuple(t.stride())} lies in {count} runs of {run} elements (at most "
+                                         f"{MAX_PARTS} per layer): use a layout with [N, C] innermost, e.g. LBNHC")
     parts = []
-    for idx in itertools.product(*(range(t.shape[d]) for d in outer)):
+    for idx in itertools.product(*(range(t.shape[d]) for d in split)):
         sub = t
-        for d, i in sorted(zip(outer, idx), reverse=True):
+        for d, i in sorted(zip(split, idx), reverse=True):
             sub = sub.select(d, i)
-        # the remaining dims (inner, in their order) must tile one dense run per block, in some memory order
-        dims = [(sub.stride(k), sub.shape[k]) for k in range(1, sub.dim()) if sub.shape[k] > 1]
-        run, expect = 1, 1
-        for stride, size in sorted(dims):
-            if stride != expect:
-                raise InvalidArgument(COMPONENT, f"{name}: a block of shape {tuple(t.shape)} with strides "
-                                                 f"{tuple(t.stride())} is not dense within its dims {inner}")
-            expect *= size
-        run = expect
-        if num_blocks > 1 and sub.stride(0) < run:
-            raise InvalidArgument(COMPONENT, f"{name}: blocks overlap (stride {sub.stride(0)} < {run} elements)")
-        parts.append(torch.as_strided(sub, (num_blocks, run), (sub.stride(0), 1), sub.storage_offset()))
+        parts.append(torch.as_strided(sub, (num_blocks, run), (t.stride(0), 1), sub.storage_offset()))
     return tuple(parts)
 
 

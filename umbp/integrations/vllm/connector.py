@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from umbp.errors import ConfigError
+from umbp.errors import ConfigError, InvalidArgument
 from umbp.integrations.vllm.blocks import COMPONENT, namespace
-from umbp.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
+from umbp.integrations.vllm.plan import Extras, LoadSpec, SaveSpec, StepPlan, extra_digest
 from umbp.integrations.vllm.scheduler import SchedulerSide
 from umbp.integrations.vllm.worker import PoolSettings, WorkerSide
 
@@ -73,6 +73,24 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tu
                                      f"{extra.get('layer_group_size')!r}")
     return (PoolSettings(str(metaserver), ns, extra.get("token"), extra.get("transport"), group), replicated,
             block_size)
+
+
+def block_extras(request: Any, block_size: int) -> Extras:
+    """Block ``i`` of ``request`` -> the digest of vLLM's own extra block-hash keys for it (LoRA name and path,
+    multimodal hashes and offsets, ``cache_salt`` on block 0, prompt-embedding hashes; None when it has none), so
+    pool keys differ wherever vLLM's block hashes do. vLLM's function is called rather than copied, so extra keys a
+    later vLLM adds are keyed too."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    def extras(i: int) -> bytes | None:
+        try:
+            keys, _ = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, 0)
+        except Exception as e:  # noqa: BLE001 - any failure: this request is not pooled (plan.Planner.keys_for)
+            raise InvalidArgument(COMPONENT, f"vLLM's extra block-hash keys of block {i}: "
+                                             f"{type(e).__name__}: {e}") from e
+        return extra_digest(keys)
+
+    return extras
 
 
 class UmbpConnector(KVConnectorBase_V1):
@@ -142,7 +160,8 @@ class UmbpConnector(KVConnectorBase_V1):
     # ---- scheduler side
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens), False
+        return self.scheduler.matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens,
+                                             block_extras(request, self.scheduler.planner.block_size)), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)

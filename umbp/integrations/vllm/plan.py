@@ -2,7 +2,12 @@
 
 A pool page is one vLLM block (``block_size`` tokens): its key is ``umbp.keys.chain_keys`` over the request's token
 ids, so a key names the whole prefix up to and including its block, and a router or another engine computing keys
-the same way finds it. Per request the tracker keeps the block ids vLLM gave it (new requests: all of them; running
+the same way finds it. Everything else that makes vLLM keep two requests' KV apart enters the chain too: vLLM's
+extra block-hash keys (``generate_block_hash_extra_keys``: LoRA name and path, multimodal hashes and offsets,
+``cache_salt`` on block 0, prompt-embedding hashes), handed in per block by the connector as ``extra_digest``s. A
+block with extra keys chains on ``fold(parent, digest)`` instead of ``parent``, so its key and every later key differ
+from any plain chain's and from any other extras'; a request without extra keys keeps the plain chain. A request
+whose extra keys cannot be encoded is not pooled at all (no lookup hit, no save). Per request the tracker keeps the block ids vLLM gave it (new requests: all of them; running
 ones: the appended ones; resumed ones: all again) and how many leading blocks are known to be in the pool.
 
 - Loads: ``get_num_new_matched_tokens`` finds the leading run of pages in the pool (``pool_blocks``); the scheduler
@@ -12,16 +17,63 @@ ones: the appended ones; resumed ones: all again) and how many leading blocks ar
   and are not yet in the pool are saved once; a request with any save scheduled is freed late (vLLM's delayed free:
   ``request_finished`` answers True, and the worker reports it in ``finished_sending`` once its saves are done).
 
-No vLLM, torch or I/O here: plain records and integer arithmetic. Cost: one sha256 per 4 bytes of token ids when a
-request's keys grow (``umbp.keys``), O(blocks) per step otherwise.
+No vLLM, torch or I/O here: plain records, hashes and integer arithmetic. Cost: one sha256 over a block's token ids
+when a request's keys grow (``umbp.keys``; with extra keys two more over their encoding), O(blocks) per step
+otherwise.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from umbp import keys as umbp_keys
+from umbp.errors import InvalidArgument
+
+log = logging.getLogger("umbp.vllm")
+EXTRA_DOMAIN = b"umbp-vllm-extra-keys-v1"
+
+Extras = Callable[[int], "bytes | None"]
+"""Block index -> ``extra_digest`` of that block's extra keys (None: none); raises InvalidArgument when they cannot
+be encoded."""
+
+
+def _encode(x: Any, h: Any) -> None:
+    """Feed ``x`` to ``h`` in a tagged, length-prefixed form: equal encodings only for equal values."""
+    if x is None:
+        h.update(b"N")
+    elif isinstance(x, bool):
+        h.update(b"T" if x else b"F")
+    elif isinstance(x, (int, str, bytes, bytearray, memoryview)):
+        tag, raw = ((b"I", str(x).encode()) if isinstance(x, int) else
+                    (b"S", x.encode("utf-8", "surrogatepass")) if isinstance(x, str) else (b"Y", bytes(x)))
+        h.update(tag + len(raw).to_bytes(8, "little") + raw)
+    elif isinstance(x, (tuple, list)):
+        h.update(b"L" + len(x).to_bytes(8, "little"))
+        for e in x:
+            _encode(e, h)
+    else:
+        raise InvalidArgument("vllm connector", f"an extra block-hash key of type {type(x).__name__} has no stable "
+                                                f"encoding")
+
+
+def extra_digest(extra: Any) -> bytes | None:
+    """The digest of one block's extra keys as vLLM's ``generate_block_hash_extra_keys`` returns them (a tuple of
+    tuples of str, int, bytes), or None when there are none."""
+    if not extra:
+        return None
+    h = hashlib.sha256(EXTRA_DOMAIN)
+    _encode(extra, h)
+    return h.digest()
+
+
+def fold(parent: str, digest: bytes) -> str:
+    """The chain parent of a block with extra keys: a digest of the domain, the real parent's digest (nothing for the
+    first block) and the extras' digest. A key is sha256(parent digest || token ids), so a folded chain can meet a
+    plain one only through a sha256 collision."""
+    return hashlib.sha256(EXTRA_DOMAIN + (bytes.fromhex(parent) if parent else b"") + digest).hexdigest()
 
 
 @dataclass
@@ -63,6 +115,8 @@ class RequestState:
     pool_blocks: int = 0       # leading blocks known to be in the pool (hit at admission, or saved by us)
     load: LoadSpec | None = None
     saved_any: bool = False
+    extras: Extras | None = None  # vLLM's extra keys per block (None: the plain token chain)
+    poolable: bool = True         # False once its extra keys could not be encoded: never looked up, never saved
 
 
 class Planner:
@@ -76,25 +130,41 @@ class Planner:
         self._pending_loads: list[LoadSpec] = []
 
     def keys_for(self, st: RequestState, num_blocks: int) -> list[str]:
-        """The keys of the first ``num_blocks`` blocks of the request (extends the cached chain as needed)."""
+        """The keys of the first ``num_blocks`` blocks of the request (extends the cached chain as needed); none for
+        a request that is not poolable."""
         bs = self.block_size
         num_blocks = min(num_blocks, len(st.token_ids) // bs)
+        if not st.poolable:
+            return []
         if len(st.keys) < num_blocks:
             start = len(st.keys)
             parent = st.keys[-1] if st.keys else ""
-            st.keys.extend(umbp_keys.chain_keys(list(st.token_ids[start * bs:num_blocks * bs]), bs, parent))
+            if st.extras is None:
+                st.keys.extend(umbp_keys.chain_keys(list(st.token_ids[start * bs:num_blocks * bs]), bs, parent))
+            else:
+                try:
+                    for i in range(start, num_blocks):
+                        digest = st.extras(i)
+                        parent = umbp_keys.page_key(fold(parent, digest) if digest else parent,
+                                                    list(st.token_ids[i * bs:(i + 1) * bs]))
+                        st.keys.append(parent)
+                except InvalidArgument as e:
+                    log.warning("umbp vllm: request %s is not pooled: %s", st.req_id, e)
+                    st.poolable, st.keys = False, []
+                    return []
         return st.keys[:num_blocks]
 
-    def track(self, req_id: str, token_ids: Sequence[int]) -> RequestState:
+    def track(self, req_id: str, token_ids: Sequence[int], extras: Extras | None = None) -> RequestState:
         st = self.requests.get(req_id)
         if st is None:
-            st = self.requests[req_id] = RequestState(req_id, token_ids)
+            st = self.requests[req_id] = RequestState(req_id, token_ids, extras=extras)
         return st
 
-    def lookup_keys(self, req_id: str, token_ids: Sequence[int]) -> list[str]:
+    def lookup_keys(self, req_id: str, token_ids: Sequence[int], extras: Extras | None = None) -> list[str]:
         """Keys a prefix lookup asks the pool about: every full block but the one holding the last prompt token
-        (vLLM computes at least one token of every prompt itself)."""
-        st = self.track(req_id, token_ids)
+        (vLLM computes at least one token of every prompt itself). ``extras``: the request's extra keys per block
+        (kept with the request for its later blocks)."""
+        st = self.track(req_id, token_ids, extras)
         return self.keys_for(st, max(0, (len(token_ids) - 1) // self.block_size))
 
     def matched(self, req_id: str, pool_blocks: int, num_computed_tokens: int) -> int:
@@ -150,6 +220,9 @@ class Planner:
         if full <= st.pool_blocks:
             return
         keys = self.keys_for(st, full)
+        full = len(keys)
+        if full <= st.pool_blocks:
+            return
         start = st.pool_blocks
         plan.saves.append(SaveSpec(st.req_id, keys[start:full], st.block_ids[start:full],
                                    keys[start - 1] if start else None))

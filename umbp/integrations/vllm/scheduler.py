@@ -1,6 +1,7 @@
 """Scheduler side of the vLLM connector: prefix lookups in the pool, and the per-step plans (``plan.Planner``).
 
-``matched_tokens`` asks the metaserver for the leading run of a request's pages (``prefix_hits``: no lease, no
+``matched_tokens`` asks the metaserver for the leading run of a request's pages (keyed by its token ids and vLLM's
+extra block-hash keys: ``plan``) (``prefix_hits``: no lease, no
 bytes; for TP-sharded KV every rank's keys, the shortest run counts) and answers vLLM with the tokens beyond its
 own prefix cache. Loads are synchronous from vLLM's point of view (the worker fills the blocks layer by layer in the
 same step), so the answer's second element is always False. A pool that cannot be reached answers 0 (the request is
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 
 from umbp import keys as umbp_keys
 from umbp.errors import UmbpError
-from umbp.integrations.vllm.plan import Planner, StepPlan
+from umbp.integrations.vllm.plan import Extras, Planner, StepPlan
 from umbp.integrations.vllm.worker import PoolSettings
 
 log = logging.getLogger("umbp.vllm")
@@ -40,8 +41,11 @@ class SchedulerSide:
             self._client = self.pool.client()
         return self._client
 
-    def matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
-        keys = self.planner.lookup_keys(req_id, token_ids)
+    def matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                       extras: Extras | None = None) -> int:
+        """Tokens beyond ``num_computed_tokens`` the pool holds for this request; ``extras``: its extra keys per
+        block (``plan.Extras``; None: keyed by its token ids alone)."""
+        keys = self.planner.lookup_keys(req_id, token_ids, extras)
         if not self.load or len(keys) * self.planner.block_size <= num_computed_tokens:
             return self.planner.matched(req_id, 0, num_computed_tokens)
         self.counters["lookups"] += 1
