@@ -76,7 +76,7 @@ from metaserver.entry import Batch, Effects, extent_size
 from metaserver.fullload import describe, fill, gc_paused, node_descs
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
 from metaserver.records import UNREADABLE, PageRecords, batch_entries
-from metaserver.warmpace import Backlog, Pace
+from metaserver.warmpace import Backlog, Pace, wait_event
 from umbp.errors import Unavailable
 
 log = logging.getLogger("umbp.metaserver")
@@ -547,9 +547,7 @@ class WarmDirectory:
             if wait is not None and wait <= 0:
                 return False
             self._moved.clear()
-            try:
-                await asyncio.wait_for(self._moved.wait(), wait)
-            except asyncio.TimeoutError:
+            if not await wait_event(self._moved, wait):  # cancel-safe, unlike wait_for (warmpace.wait_event)
                 return False
         return True
 

@@ -22,7 +22,6 @@ nothing never finds its loop busy and applies everything as it arrives.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from typing import Callable
@@ -97,6 +96,22 @@ class Backlog:
         return bool(self.batches) and self.batches[0][0][0].kv.mod_revision == revision
 
 
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait until ``event`` is set (True) or ``timeout`` passes (False; None: no bound). A cancel is never lost:
+    Python 3.11's ``asyncio.wait_for`` returns the inner result when a cancel arrives as the event is set, and the
+    cancelled task runs on. A takeover sets ``Pace.hurried`` and stops the copy in the same step, so the copy's
+    ``drain`` ran on and ``WarmDirectory.stop`` (the takeover, the slot's election) waited for it forever (issue 42:
+    a slot's key held, never served)."""
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)  # raises CancelledError when cancelled, always
+    finally:
+        waiter.cancel()
+    return bool(done)
+
+
 class Pace:
     """``drain``'s state: the time the copy rested for a serving loop, and ``hurried`` (set: no more rests)."""
 
@@ -119,8 +134,7 @@ class Pace:
             rest = resume_at - time.perf_counter()
             if rest > 0 and not self.hurried.is_set() and backlog.lag_bytes <= LAG_MAX_BYTES:
                 self.paused_s += rest
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.hurried.wait(), rest)  # a takeover's catch_up ends the rest
+                await wait_event(self.hurried, rest)  # a takeover's catch_up ends the rest
                 continue
             t0 = time.perf_counter()
             apply_until(t0 + SLICE_S)

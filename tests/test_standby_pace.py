@@ -98,3 +98,61 @@ async def _broken(url: str) -> None:
         assert not await warm.catch_up(await store.revision(), 2.0)
     finally:
         await store.close()
+
+
+def test_a_takeover_stops_a_copy_it_finds_caught_up_while_it_rests(etcd):
+    asyncio.run(_stop_resting(etcd.url))
+
+
+async def _stop_resting(url: str) -> None:
+    """Issue 42's slot that stayed unserved for good: a takeover (``Metaserver._elected``) whose copy is caught up to
+    the winning revision while it rests for the serving loop, with later events queued, sets ``hurried`` (``catch_up``
+    returns at once) and stops the copy in the same step. Python 3.11's ``asyncio.wait_for`` returns the rest's result
+    when the cancel and the event come together, losing the cancel: the copy ran on, ``stop`` waited for it forever,
+    and the slot's election with it (its key held, never served). Here ``stop`` ends and the taken directory equals a
+    full load."""
+    store = EtcdStore(url, PREFIX)
+    await store.wait_ready(10)
+    w = Writer(store)
+    try:
+        await w.txn([w.arena("n1", capacity=8192 * UNIT)])
+        warm = WarmDirectory(store, Directory)
+        warm.start()
+        await wait_until(lambda: warm.loaded)
+        await store.txn([store.op_put(store.leader_key, b"me")])  # the win, applied before the events after it
+        won = await store.revision()
+        await wait_until(lambda: warm.rev >= won)
+
+        stop = asyncio.Event()
+
+        async def serve() -> None:  # the loop busy answering requests: 3 ms of work, then a yield
+            while not stop.is_set():
+                t = time.perf_counter()
+                while time.perf_counter() - t < 0.003:
+                    pass
+                await asyncio.sleep(0)
+
+        busy = asyncio.create_task(serve())
+        # After its first slice the copy rests for as long as the test runs (a slice's time / DEFER_SHARE), so it is
+        # in that rest, with the later events queued, when the takeover comes.
+        share, warmpace.DEFER_SHARE = warmpace.DEFER_SHARE, 1e-6
+        try:
+            for lo in range(0, 2000, 500):
+                await w.txn([w.page(i, "n1", i) for i in range(lo, lo + 500)])
+            last = await store.revision()
+            await wait_until(lambda: warm.seen >= last)
+            assert warm.backlog and warm.pace.paused_s > 0, "the copy is not resting with events queued"
+            assert await warm.catch_up(won, 10.0)  # caught up to the win already: returns without a yield ...
+            stopping = asyncio.ensure_future(warm.stop())  # ... and the takeover stops the copy, as _elected does
+            done, _ = await asyncio.wait({stopping}, timeout=5.0)
+            assert done, "the takeover's stop of its resting warm copy never ended"
+        finally:
+            warmpace.DEFER_SHARE = share
+            stop.set()
+            await busy
+        h = warm.take()
+        assert h.pages == 2000 and not warm.backlog
+        h.dir.check()
+        assert await equals_full_load(store, h)
+    finally:
+        await store.close()
