@@ -19,12 +19,14 @@ peer stops reading is paused (reads stop) until its transport drains, which boun
 
 Security (umbp/auth.py): a closed metaserver answers everything but HELLO, AUTH and PING with AUTH until the
 connection authenticated; handlers check the connection's scope (namespace rights, admin, node). Requests carry no
-data, so a connection holds only its staging buffer (grown with the bytes that arrived); at most
-``max_connections`` authenticated connections and, in a closed pool, at most ``preauth_connections`` still to
-authenticate, each of those closed ``auth_timeout_s`` after connecting unless it authenticated (umbp/admission.py);
-every connection is closed after ``idle_timeout_s`` without a byte. A connection turned away by a cap gets its first
-request answered with UNAVAILABLE naming the cap, then closes. A writer's connection that closes takes its
-still-PENDING allocations with it.
+data, so a connection holds only its staging buffer (grown with the bytes that arrived; before AUTH frames of at
+most 16 KiB of meta and no data); at most ``max_connections`` authenticated connections and, in a closed pool, at
+most ``preauth_connections`` still to authenticate (``preauth_per_source`` from one address; a newcomer evicts the
+one that got least far of the busiest address, so a client with a token always gets in), each of those closed
+``auth_timeout_s`` after the TCP accept, TLS handshake included, unless it authenticated (umbp/admission.py,
+umbp/serving.py); every connection is closed after ``idle_timeout_s`` without a byte. A connection turned away by a
+cap gets its first request answered with UNAVAILABLE naming the cap, then closes. A writer's connection that closes
+takes its still-PENDING allocations with it. The process raises its open-file soft limit to the hard limit at start.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from umbp.admission import Admission
 from umbp.auth import ServerAuth, Tokens
 from umbp.config import MetaserverConfig, split_host_port
 from umbp.errors import FrameTooLarge, NotLeader, ProtocolError, RemoteError, StartupError, UmbpError
-from umbp.serving import FramedProtocol
+from umbp.serving import FramedProtocol, raise_file_limit
 from umbp.tls import server_context
 
 log = logging.getLogger("umbp.metaserver")
@@ -67,10 +69,11 @@ def _op_name(op: int) -> str:
 class Connection(FramedProtocol):
     component = "metaserver"
 
-    def __init__(self, ms: Metaserver, conns: set, admission: Admission):
+    def __init__(self, ms: Metaserver, conns: set, admission: Admission, tls=None):
         self.ms = ms
         self.conns = conns
         self.admission = admission
+        self.tls = tls  # serve TLS: the handshake runs after admission, inside the auth deadline (umbp/serving.py)
         self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA, buffer_data=0)
         self.auth = ServerAuth(ms.tokens, "metaserver")
         self.pending: set = set()  # directory entries this connection allocated (ALLOC) and has not committed
@@ -90,7 +93,8 @@ class Connection(FramedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self.release()
+        if not self.release():
+            return
         if self.pending or self.leases or getattr(self, "slot_conns", None):  # slot_conns: metaserver/partition.py
             n = self.ms.drop_pending(self)
             if n:
@@ -226,6 +230,9 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
     ``metaserver: HOST:PORT`` (the bound address) once, leader or standby. Cancellation closes the
     listener and every connection and flushes queued etcd writes (bounded), then re-raises."""
     loop = asyncio.get_running_loop()
+    before, after = raise_file_limit()
+    if after != before:
+        log.info("metaserver: open file limit raised from %d to %d (its hard limit)", before, after)
     host, port = split_host_port(config.listen, "metaserver")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -249,7 +256,7 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
                     "nodes", addr)
     conns: set[Connection] = set()
     admission = Admission("metaserver", ms.tokens.closed, config.max_connections, config.preauth_connections,
-                          config.auth_timeout_s)
+                          config.auth_timeout_s, config.preauth_per_source)
     server = None
     sweeper = asyncio.create_task(close_idle(conns, config.idle_timeout_s))
     # The collector is the process's: a second serve() in one process (tests) shares the first one's policy.
@@ -266,8 +273,8 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
             print(f"metaserver: metrics on {endpoint.url}", flush=True)
         await ms.start()
         tls = server_context(config.tls_cert, config.tls_key, "metaserver")
-        server = await loop.create_server(lambda: Connection(ms, conns, admission), sock=sock, backlog=1024,
-                                          ssl=tls, ssl_handshake_timeout=config.auth_timeout_s if tls else None)
+        # TLS is started by each connection once admitted (umbp/serving.py), so handshakes count as pre-auth work
+        server = await loop.create_server(lambda: Connection(ms, conns, admission, tls), sock=sock, backlog=1024)
         if tls is not None:
             log.info("metaserver: TLS on (certificate %s)", config.tls_cert)
         print(f"metaserver: {addr}", flush=True)

@@ -59,8 +59,8 @@ def _addr_list(value: str | list[str] | tuple[str, ...], component: str) -> tupl
 def _check_limits(cfg, c: str) -> None:
     if cfg.max_connections < 1 or cfg.idle_timeout_s <= 0:
         raise ConfigError(c, "max_connections must be >= 1 and idle_timeout_s positive")
-    if cfg.preauth_connections < 1 or cfg.auth_timeout_s <= 0:
-        raise ConfigError(c, "preauth_connections must be >= 1 and auth_timeout_s positive")
+    if cfg.preauth_connections < 1 or cfg.preauth_per_source < 1 or cfg.auth_timeout_s <= 0:
+        raise ConfigError(c, "preauth_connections and preauth_per_source must be >= 1 and auth_timeout_s positive")
     _check_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, c, server=True)
     if cfg.token is not None and len(cfg.token) < 16:
         raise ConfigError(c, "token must be at least 16 characters")
@@ -105,7 +105,8 @@ class MetaserverConfig:
     tokens_file: str = ""  # TOML of scoped tokens plus the cluster secret
     max_connections: int = 4096  # authenticated connections (open pool: all); more get an UNAVAILABLE answer
     idle_timeout_s: float = 600.0  # a connection that sends nothing for this long is closed
-    preauth_connections: int = 16  # closed pool: connections not yet authenticated; more get UNAVAILABLE
+    preauth_connections: int = 16  # closed pool: connections not yet authenticated (a newcomer evicts one)
+    preauth_per_source: int = 8  # ... of them from one IP address (umbp/admission.py)
     auth_timeout_s: float = 5.0  # closed pool: a connection not authenticated by then is closed (PING or not)
     tls_cert: str = ""  # PEM certificate chain: serve TLS on the TCP port (with tls_key)
     tls_key: str = ""
@@ -162,6 +163,7 @@ class NodeConfig:
     max_connections: int = 4096
     idle_timeout_s: float = 600.0
     preauth_connections: int = 16
+    preauth_per_source: int = 8
     auth_timeout_s: float = 5.0
     tls_cert: str = ""  # PEM: serve TLS on the data port (with tls_key); clients then need tls_ca
     tls_key: str = ""

@@ -20,10 +20,13 @@ registers with the metaserver using the cluster secret, and serves a WRITE or RE
 metaserver granted for that object (offset, length, generation: one capability per node per batch, verified once
 per connection and cached by its MAC, ``auth.CapCache``), so a client writes only the slots it was allocated and
 reads only what it looked up. Per connection: memory follows the bytes that arrived (a WRITE lands in
-the arena once its capability checks out; refused data is discarded by counting), at most ``max_connections``
-authenticated connections plus, in a closed pool, ``preauth_connections`` still to authenticate (each closed
-``auth_timeout_s`` after connecting unless it did: umbp/admission.py; one turned away gets its first request
-answered with UNAVAILABLE naming the cap), and a connection idle for ``idle_timeout_s`` is closed.
+the arena once its capability checks out; refused data is discarded by counting; before AUTH frames of at most 16
+KiB of meta and no data), at most ``max_connections`` authenticated connections plus, in a closed pool,
+``preauth_connections`` still to authenticate (``preauth_per_source`` from one address; a newcomer evicts the one
+that got least far of the busiest address; each closed ``auth_timeout_s`` after the TCP accept, TLS handshake
+included, unless it did: umbp/admission.py, umbp/serving.py; one turned away by the authenticated cap gets its
+first request answered with UNAVAILABLE naming the cap), and a connection idle for ``idle_timeout_s`` is closed.
+The process raises its open-file soft limit to the hard limit at start.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from umbp.ledger import WriteLedger
 from umbp.errors import (AuthError, BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
 from umbp.metalink import MetaLink
-from umbp.serving import FramedProtocol
+from umbp.serving import FramedProtocol, raise_file_limit
 from umbp.tls import server_context, tune_malloc_for_tls
 
 _WRITE_HIGH_WATER = 64 << 20
@@ -88,7 +91,8 @@ class NodeServer:
         self._load_floors()
         self.conns: set[DataProtocol] = set()
         self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
-                                   config.preauth_connections, config.auth_timeout_s)
+                                   config.preauth_connections, config.auth_timeout_s, config.preauth_per_source)
+        self.tls = None  # the server's TLS context (start): each connection runs its handshake once admitted
         self.data_start = wire.ARENA_DATA_START
         self.data_end = self.arena.size
         self.boot_id = boot_id()
@@ -261,12 +265,12 @@ class NodeServer:
         host, port = split_host_port(self.config.listen, self.component)
         loop = asyncio.get_running_loop()
         try:
-            tls = server_context(self.config.tls_cert, self.config.tls_key, self.component)
-            if tls is not None:
+            self.tls = server_context(self.config.tls_cert, self.config.tls_key, self.component)
+            if self.tls is not None:
                 tune_malloc_for_tls()
+            # no ssl= here: TLS starts per connection after admission, so handshakes count as pre-auth work
             self._server = await loop.create_server(lambda: DataProtocol(self), host, port, reuse_address=True,
-                                                    backlog=1024, ssl=tls,
-                                                    ssl_handshake_timeout=self.config.auth_timeout_s if tls else None)
+                                                    backlog=1024)
         except OSError as e:
             raise StartupError(self.component, f"cannot listen on {self.config.listen}: {e.strerror or e}") from e
         sockname = self._server.sockets[0].getsockname()
@@ -312,6 +316,7 @@ class DataProtocol(FramedProtocol):
         self.component = node.component
         self.admission = node.admission
         self.conns = node.conns
+        self.tls = node.tls
 
     def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
         self.auth.require()  # no byte of an unauthenticated peer reaches the arena
@@ -321,16 +326,19 @@ class DataProtocol(FramedProtocol):
         return self.node.write_sink(op, rid, meta, data_len, self.caps)
 
     def connection_lost(self, exc):
-        self.release()
+        if not self.release():
+            return
         for ep in self.rdma_eps:
             ep.close()
         self.rdma_eps.clear()
 
     def connection_made(self, transport):
-        if not self.admit(transport):
-            return
-        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        sock = transport.get_extra_info("socket")
+        self.admit(transport)
+
+    def ready(self) -> None:
+        """The transport requests arrive on (TLS: once the handshake is done) is set up for answers."""
+        self.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        sock = self.transport.get_extra_info("socket")
         if sock is not None:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
@@ -537,7 +545,11 @@ async def close_idle(node: NodeServer) -> None:
 
 
 async def serve(config: NodeConfig) -> None:
+    before, after = raise_file_limit()
     node = NodeServer(config)
+    if after != before:
+        print(f"{node.component}: open file limit raised from {before} to {after} (its hard limit)", file=sys.stderr,
+              flush=True)
     try:  # optional: pyverbs and a device may be missing; then the node offers shm and tcp only
         from transport.rdma import rdma_available
 
