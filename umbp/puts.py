@@ -348,9 +348,8 @@ class PutPath:
             else:
                 results = self._run(batches, "write", deadline)
         except Exception:
-            self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in gens],
-                                            "gens": list(gens.values()), "written": True}, deadline)
             acc.chunks_done[-1] = {}
+            self._abort_written(kb, list(gens), gens, deadline)  # best effort: the write's error is the one raised
             raise
         finally:
             if release is not None:
@@ -370,10 +369,19 @@ class PutPath:
                     bad_idx.append(i)
                     acc.first_err = acc.first_err or r
         if bad_idx:
-            self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in bad_idx],
-                                            "gens": [gens[i] for i in bad_idx], "written": True}, deadline)
+            self._abort_written(kb, bad_idx, gens, deadline)
             acc.bad.extend(bad_idx)
         return ok_idx, gens
+
+    def _abort_written(self, kb: list[bytes], idxs: list[int], gens: dict[int, int], deadline: float) -> None:
+        """ABORT the places of ``idxs`` whose write failed (``written``: bytes may have landed there), best effort:
+        it runs on the failed put's deadline, often past already, and a failed ABORT must not replace the write's
+        error (review 4.6). An allocation not aborted expires at its pending TTL instead."""
+        try:
+            self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in idxs],
+                                            "gens": [gens[i] for i in idxs], "written": True}, deadline)
+        except UmbpError:
+            pass
 
     def _unwind(self, kb: list[bytes], allocs: list, commits: list, written: int, deadline: float) -> None:
         """A pipelined put is failing: give back the places of ALLOCs whose chunk was not written (so they do not

@@ -262,10 +262,15 @@ class MetaRouter:
         return out
 
     def _forget(self, t: SlotTicket) -> None:
+        """Give up the ticket's requests in flight. Its parts not answered yet become unrouted, so a later
+        ``result`` on it (a failed put's unwind asks for the ALLOC that failed) makes their call again, as
+        ``MetaClient.result`` does for a request not sent, instead of collecting tickets already given up."""
         for g in t.groups:
             if g.ticket is not None and g.addr in self._conns:
                 self._conns[g.addr].forget([g.ticket])
             g.ticket = None
+        t.unrouted = [p for p in t.parts if p.answer is None]
+        t.groups = []
 
     def _moved_to(self, slot: int, leader: str | None) -> bool:
         """A NOT_LEADER for ``slot`` (MOVED): remember its leader; False when it names none (re-read the map)."""
@@ -282,6 +287,7 @@ class MetaRouter:
         keys), parts whose process cannot be reached re-read the map and are resent after a backoff, until
         ``deadline``. Then merge in key order."""
         op = Op.EXISTS if t.op == Op.PREFIX else t.op
+        last: dict[int, Exception] = {}  # slot -> the last failure of its part (the deadline's error says it)
         try:
             for attempt in range(_PART_TRIES):
                 retry = list(t.unrouted)
@@ -293,16 +299,18 @@ class MetaRouter:
                         res = conn.result(ticket, self._attempt_end(deadline))
                         self._suspects.discard(g.addr)
                     except NotLeader as e:
+                        last.update((p.slot, e) for p in g.parts)
                         if not (len(g.parts) == 1 and self._moved_to(g.parts[0].slot, e.leader)):
                             refresh = True
                         retry.extend(g.parts)
                         continue
                     except (TransportError, DeadlineExceeded, Unavailable) as e:
+                        last.update((p.slot, e) for p in g.parts)
                         if not isinstance(e, Unavailable):
                             conn.close()
                             self._suspects.add(g.addr)
                         if time.monotonic() >= deadline:
-                            raise
+                            raise self._no_leader(g.parts[0].slot, last) from e
                         refresh = pause = True
                         retry.extend(g.parts)
                         continue
@@ -315,6 +323,7 @@ class MetaRouter:
                         if e is None:
                             p.answer = answers[i]
                             continue
+                        last[p.slot] = e
                         if isinstance(e, NotLeader):
                             refresh = not self._moved_to(p.slot, e.leader) or refresh
                         elif isinstance(e, Unavailable):
@@ -329,14 +338,19 @@ class MetaRouter:
                 if pause:
                     wait = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
                     if time.monotonic() + wait >= deadline:
-                        raise DeadlineExceeded(self.component, f"slot {retry[0].slot}: no leader answered before the "
-                                                               f"deadline (map says {self.map[retry[0].slot]})")
+                        raise self._no_leader(retry[0].slot, last)
                     time.sleep(wait)
                 self._send(op, t, retry, deadline)
             raise DeadlineExceeded(self.component, f"{len(retry)} slot parts: gave up after {_PART_TRIES} tries")
         except BaseException:
             self._forget(t)
             raise
+
+    def _no_leader(self, slot: int, last: dict[int, Exception]) -> DeadlineExceeded:
+        """The deadline's error for a part of ``slot``: the leader the map names and the part's last failure."""
+        why = f"; last: {last[slot]}" if slot in last else ""
+        return DeadlineExceeded(self.component, f"slot {slot}: no leader answered before the deadline (map says "
+                                                f"{self.map[slot] if slot < len(self.map) else None}{why})")
 
     @staticmethod
     def _attempt_end(deadline: float) -> float:

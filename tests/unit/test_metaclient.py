@@ -16,12 +16,15 @@ from umbp.metaclient import MetaClient
 
 
 class ScriptedServer:
-    """Answers each request with the next reply of ``script`` (a callable given the request count): a meta dict
-    for OK, ``("status", code, extra)`` for an error, or None to stay silent."""
+    """Answers each request with the next reply of ``script`` (a callable given the request count; ``op`` is the
+    request's opcode meanwhile): a meta dict for OK, ``("status", code, extra)`` for an error, or None to stay
+    silent."""
 
     def __init__(self, script):
         self.script = script
         self.requests = 0
+        self.op, self.meta = None, None  # the request being answered
+        self.lock = threading.Lock()
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
@@ -55,8 +58,10 @@ class ScriptedServer:
                 if frame.op == wire.Op.HELLO:
                     conn.sendall(wire.encode(frame.op, frame.request_id, {"auth": False}, flags=wire.Flag.RESPONSE))
                     continue
-                self.requests += 1
-                reply = self.script(self.requests)
+                with self.lock:  # one request at a time: ``op`` is this one's while the script runs
+                    self.requests += 1
+                    self.op, self.meta = frame.op, frame.meta
+                    reply = self.script(self.requests)
                 if reply is None:
                     continue
                 if isinstance(reply, tuple):
