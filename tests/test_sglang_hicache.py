@@ -592,3 +592,58 @@ def test_pool_errors_become_false_results_not_exceptions(cluster):
     assert json.dumps(a.namespace) != json.dumps(b.namespace)
     a.close()
     b.close()
+
+
+# ---- request namespaces (issue 42, finding 6: checked, SGLang keys them before the backend sees a key) -------------
+
+def _sglang_storage_keys(tokens: list[int], extra_key: str | None, cache_salt: str | None) -> tuple[list, list]:
+    """The page keys SGLang 0.5.23 hands a storage backend for ``tokens`` under a request namespace, computed by its
+    own code: the Rust tree core's node hashes (its default tree core; HiCache's backups name pages by them) and
+    ``get_storage_hash_str`` (prefetch lookups, and the unified linker's tail hashes)."""
+    from array import array
+
+    import sglang.srt.mem_cache.rust_tree_core.mem_cache as rust
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    tree = rust.RustUnifiedTreeCoreBinding(rust.TreeCoreInitParamsBinding(page_size=PS, device="cpu",
+                                                                          enable_hicache=True), [0])
+    tree.set_enable_storage(True)
+    key = array("q", tokens)
+    step = tree.begin_insert(rust.InsertParamsBinding(key=key, value=torch.arange(len(tokens)), extra_key=extra_key,
+                                                      cache_salt=cache_salt))
+    for _ in range(100):
+        if step.result is not None:
+            break
+        step = tree.resume_insert()
+    tree.end_insert()
+    node = tree.match_prefix(rust.MatchParamsBinding(key=key, extra_key=extra_key,
+                                                     cache_salt=cache_salt)).last_device_node_id
+    python = get_storage_hash_str(RadixKey(key, extra_key=extra_key, cache_salt=cache_salt), None, page_size=PS)
+    return list(tree.get_hash_values(node)), list(python)
+
+
+def test_full_sglang_keys_carry_lora_and_cache_salt_so_the_backend_keeps_namespaces_apart(cluster):
+    """SGLang seeds every storage chain with the request's namespace (``storage_namespace_seed(extra_key,
+    cache_salt)``; ``Req.extra_key`` ends with the LoRA id) before a key reaches HiCache or the linker, so a backend
+    that names objects by those keys keeps namespaces apart with nothing of its own. Pinned here against SGLang's
+    code: a tenant's pages are no hit for another salt, another LoRA, or none."""
+    reason = _real_pools_importable()
+    if reason:
+        pytest.skip(reason)
+    tokens = list(range(700, 700 + 3 * PS))
+    spaces = {"plain": (None, None), "salt-a": (None, "tenant-a"), "salt-b": (None, "tenant-b"),
+              "lora-1": ("lora-1", None), "lora-2": ("lora-2", None)}
+    keys = {}
+    for name, (extra, salt) in spaces.items():
+        tree, python = _sglang_storage_keys(tokens, extra, salt)
+        assert tree == python == umbp_keys.chain_keys(tokens, PS, extra_key=extra, cache_salt=salt), name
+        keys[name] = tree
+    assert len({k for ks in keys.values() for k in ks}) == 3 * len(spaces)
+    pool = MhaHostPool("page_first")
+    backend = load_backend(cluster.metaserver_addr, pool, model="m-namespaces")
+    fill_random(pool, [1, 2, 3], seed=11)
+    assert backend.batch_set_v1(keys["salt-a"], host_indices([1, 2, 3])) == [True] * 3
+    assert backend.batch_exists(keys["salt-a"]) == 3
+    assert [backend.batch_exists(keys[n]) for n in ("plain", "salt-b", "lora-1", "lora-2")] == [0, 0, 0, 0]
+    backend.close()
