@@ -201,8 +201,9 @@ class Partition(PartitionAnswers):
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Connect, take the process lease, join ``members/``, and run rounds until every slot has a leader (at
-        most START_WAIT_S): then the pool serves, whether this process leads anything yet or not."""
+        """Connect, take the process lease, join ``members/``, and run rounds until every slot has a live leader and
+        the ones held here are served (``_all_led``; at most START_WAIT_S): then the pool serves, whether this
+        process leads anything yet or not."""
         await self.store.wait_ready(ETCD_START_DEADLINE_S)
         await self._join()
         self._loop = asyncio.create_task(self._run(), name="metaserver-slot-election")
@@ -212,11 +213,24 @@ class Partition(PartitionAnswers):
             await asyncio.sleep(POLL_S)
             if self._loop.done():
                 self._loop.result()
-            if all(n in self.holders for n in self.names) and not self._busy:
+            if self._all_led() and not self._busy:
                 break
         self.leader.first_round.set()
         print(f"metaserver: {len(self.led())} of {self.slots} slots led here"
               f"{', membership leader' if self.servers[MEMBERSHIP].serving else ''}", flush=True)
+
+    def _all_led(self) -> bool:
+        """Every slot and the membership role held by a live process's key, none by a previous incarnation of this
+        process (same address, another lease: revoked at the next round, so the address alone says nothing), and
+        each one held here served. A restarted process's start waited for nothing: its predecessor's keys held
+        every slot it had led."""
+        for name in self.names:
+            h = self.holders.get(name)
+            if h is None or h[0] not in self.members:
+                return False
+            if h[0] == self.addr and (h[2] != self.lease or not self.servers[name].serving):
+                return False
+        return True
 
     async def _join(self) -> None:
         t0 = time.monotonic()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 from metaserver.partition import Partition
-from metaserver.slots import SlotStore
+from metaserver.slots import MEMBERSHIP, SlotStore
 from transport.wire import Status
 from umbp.config import MetaserverConfig
 from umbp.errors import Unavailable
@@ -67,3 +68,27 @@ def test_a_long_election_is_logged_once_a_period(caplog):
             p._still_busy("3", t0 + dt)
     said = [r.getMessage() for r in caplog.records]
     assert said == [f"metaserver: slot 3: its election or handover has run for {s}s" for s in ("10", "20", "31")]
+
+
+def test_a_process_restarted_on_its_address_starts_once_its_slots_are_served(make_cluster):
+    """Issue 42: a metaserver SIGKILLed and started again at once on the same address (``umbp up``) finds its
+    predecessor's keys holding every slot it led (that lease lives on until its TTL). Its ``start`` took any held
+    key for a led slot and returned (the ``metaserver: HOST:PORT`` line ``umbp up`` waits for) before the next round
+    revoked those keys and took the slots up: a process announced ready that served nothing. Now ``start`` returns
+    once every slot is held by a live process's current key and the ones held here are served."""
+    cl = make_cluster(metaservers=1, nodes=0, metaserver_flags={"slots": 4, "election_ttl": 30})
+    addr = cl.metaserver_addr
+    cl.metaserver.kill(signal.SIGKILL, wait=True)  # its lease, and with it its 4 slot keys, outlive it (30 s)
+    cfg = MetaserverConfig(etcd=cl.etcd.url, slots=4, election_ttl_s=30)
+
+    async def main():
+        p = Partition(cfg, addr, 4)  # the restart: same address, a new lease
+        try:
+            await p.start()
+            return sorted(p.led()), p.servers[MEMBERSHIP].serving, dict(p.holders), p.lease
+        finally:
+            await p.close()
+
+    led, membership, holders, lease = asyncio.run(asyncio.wait_for(main(), 60))
+    assert led == ["0", "1", "2", "3"] and membership, f"started serving {led} (membership: {membership}): {holders}"
+    assert all(h[0] == addr and h[2] == lease for h in holders.values())  # its own keys now, the old lease's gone
