@@ -142,7 +142,8 @@ def unavailable(what: str, e: BaseException) -> Unavailable:
     """The metaserver's error for an etcd/grpc failure: ``TxnTooLarge`` when etcd refused a transaction for its
     number of operations (INVALID_ARGUMENT "too many operations in txn request") or its bytes ("request is too
     large"), else ``Unavailable``."""
-    detail = str(e) or type(e).__name__
+    detail = (f"{e.code().name}: {e.details()}" if isinstance(e, aetcd.rpc.AioRpcError)  # not its 5-line repr
+              else str(e) or type(e).__name__)
     if _TOO_MANY_OPS in detail or _TOO_LARGE in detail:  # INVALID_ARGUMENT, told apart only by these texts
         return TxnTooLarge("metaserver", f"etcd {what} refused: too large a transaction ({detail})",
                            Status.UNAVAILABLE)
