@@ -1,8 +1,12 @@
 """Helpers for tests against a closed pool (umbp/auth.py): a tokens file from a table of tokens, a cluster whose
-metaserver and nodes share it, and clients that use exactly the token they are given (never the environment)."""
+metaserver and nodes share it, clients that use exactly the token they are given (never the environment), and TLS
+test certificates."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 from umbp.client import Client
@@ -47,3 +51,24 @@ def scoped_client(addrs: str, token: str | None, ns: str, **kw: Any) -> Client:
     cfg = resolve(ClientConfig, {"metaserver": addrs, "namespace": ns, "token": token, "timeout_s": 10.0, **kw},
                   env={})
     return Client(config=cfg)
+
+
+def make_certs(d: Path) -> dict[str, str] | None:
+    """In ``d``: a CA, a server certificate for 127.0.0.1 (subjectAltName IP:127.0.0.1) it signed, and an unrelated
+    CA; their paths ({"ca", "other", "cert", "key"}), or None when there is no ``openssl`` command."""
+    if shutil.which("openssl") is None:
+        return None
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    for ca in ("ca", "other"):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days",
+                "2", "-subj", f"/CN=umbp test {ca}")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj",
+            "/CN=127.0.0.1")
+    (d / "ext.cnf").write_text("subjectAltName = IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            "server.pem", "-days", "2", "-extfile", "ext.cnf")
+    return {"ca": str(d / "ca.pem"), "other": str(d / "other.pem"), "cert": str(d / "server.pem"),
+            "key": str(d / "server.key")}

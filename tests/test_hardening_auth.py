@@ -21,7 +21,7 @@ from transport.tcp import TcpTransport
 from umbp.client import Client
 from umbp.errors import AuthError, ProtocolError, TransportError
 
-from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
+from closedpool import OPS, SECRET, closed_cluster, make_certs, scoped_client, tokens_toml
 
 TENANT_A = "tenant-a-secret-0123456789"
 TOKENS = tokens_toml({"tenant-a": (TENANT_A, {"tenant-a": "rw"})})
@@ -316,27 +316,13 @@ def test_preauth_connections_cannot_fill_the_cap(closed, target):
 # TLS
 
 
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     """A CA, a server certificate for 127.0.0.1 (subjectAltName IP:127.0.0.1) it signed, and an unrelated CA."""
-    import shutil
-    if shutil.which("openssl") is None:
+    made = make_certs(tmp_path_factory.mktemp("tls"))
+    if made is None:
         pytest.skip("no `openssl` command to make the test certificates with")
-    d = tmp_path_factory.mktemp("tls")
-    for ca in ("ca", "other"):
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.pem",
-                 "-days", "2", "-subj", f"/CN=umbp test {ca}", cwd=d)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj",
-             "/CN=127.0.0.1", cwd=d)
-    (d / "ext.cnf").write_text("subjectAltName = IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-             "server.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)
-    return {"ca": str(d / "ca.pem"), "other": str(d / "other.pem"), "cert": str(d / "server.pem"),
-            "key": str(d / "server.key")}
+    return made
 
 
 @pytest.fixture

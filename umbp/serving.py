@@ -150,7 +150,15 @@ class FramedProtocol(asyncio.BufferedProtocol):
 
     # -- connection lifecycle ----------------------------------------------------------------------------------
     def admit(self, transport: asyncio.Transport) -> bool:
-        """``connection_made``'s common part. False when a cap refused the connection (it lingers, see above)."""
+        """``connection_made``'s common part. False when a cap refused the connection (it lingers, see above).
+        With TLS it is called twice: by the event loop with the TCP transport (admission), then by the TLS protocol
+        with the encrypted one once the handshake is done (before it hands over the first bytes)."""
+        if self.handshaking:
+            self.handshaking = False
+            self.transport = transport
+            if not self.refused:
+                self.ready()
+            return not self.refused
         self.transport = transport
         self.last_active = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -190,27 +198,24 @@ class FramedProtocol(asyncio.BufferedProtocol):
     def _start_tls(self, raw: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         """The server side of a TLS handshake on ``raw``, set up now (``loop.start_tls`` does the same from a
         coroutine, one loop pass later: uvloop reads the socket right after ``connection_made``, and the
-        ClientHello would reach this protocol as a frame). Requests then arrive on the encrypted transport."""
+        ClientHello would reach this protocol as a frame). The TLS protocol calls ``connection_made`` with the
+        encrypted transport when the handshake is done (and ``connection_lost`` from then on)."""
         self.handshaking = True
         waiter = loop.create_future()
         tls = _ssl_protocol(loop)(loop, self, self.tls, waiter, server_side=True, server_hostname=None,
-                                  call_connection_made=False, ssl_handshake_timeout=self.admission.auth_timeout_s)
+                                  call_connection_made=True, ssl_handshake_timeout=self.admission.auth_timeout_s)
         raw.set_protocol(tls)
         tls.connection_made(raw)
-        app = tls._get_app_transport()
-        waiter.add_done_callback(lambda w: self._handshake_done(w, raw, app))
+        waiter.add_done_callback(lambda w: self._handshake_ended(w, raw))
 
-    def _handshake_done(self, waiter: asyncio.Future, raw: asyncio.Transport, app: asyncio.Transport) -> None:
-        """Runs before the first decrypted bytes are handed over (the TLS protocol schedules them after waking its
-        waiter). One that failed, timed out or was cut (eviction, the auth deadline) ends the connection."""
-        self.handshaking = False
-        err = waiter.exception() if not waiter.cancelled() else asyncio.CancelledError()
-        if err is None and not self._released and not app.is_closing() and not raw.is_closing():
-            self.transport = app
-            if not self.refused:
-                self.ready()
+    def _handshake_ended(self, waiter: asyncio.Future, raw: asyncio.Transport) -> None:
+        """The handshake's waiter is done: nothing to do when it succeeded (``connection_made`` came); one that
+        failed, timed out or was cut (eviction, the auth deadline) ends the connection, which the TLS protocol
+        does not report (it reports only the loss of a connection it handed over)."""
+        if not self.handshaking:
             return
-        app.abort()
+        self.handshaking = False
+        err = None if waiter.cancelled() else waiter.exception()
         if not raw.is_closing():
             raw.abort()
         if not self._released:
