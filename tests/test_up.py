@@ -205,6 +205,27 @@ def test_a_killed_up_leaves_no_process_and_the_next_start_removes_its_arenas(up)
     assert len(_workdirs(second.proc.pid)) == 1, "and its own work directory"
 
 
+def test_up_with_several_metaservers_prints_its_line_once_every_slot_is_served(up):
+    """Issue 42: `umbp up --metaservers 3` printed its `metaserver:` line as soon as its last metaserver printed its
+    own, while that process's share of the slots was still being handed over to it (it had just said "0 of 16
+    slots led here"), and a first batch_put right after met slots in a handover. Now the line comes once every slot
+    is served by the process the ranking gives it, and the membership role too: asked at once, each process leads
+    exactly its share."""
+    from test_failover import raw
+
+    from metaserver.slots import leaders, rank
+    from transport.wire import Op
+
+    u = up("--metaservers", "3", "--slots", "16", "--nodes", "0", "--port", "0")
+    (ms,) = u.stdout_until(r"^metaserver: (\S+)$")
+    addrs = ms.group(1).split(",")
+    led = {a: sorted(raw(a, Op.STATS)["slots_led"]) for a in addrs}  # at once: no wait between the line and these
+    membership = [a for a in addrs if raw(a, Op.LEADER)["is_leader"]]
+    want = leaders(16, addrs)
+    assert led == {a: [s for s in range(16) if want[s] == a] for a in addrs}, u.stderr()
+    assert membership == [rank("m", sorted(addrs))[0]]
+
+
 def _workdirs(pid: int) -> list[str]:
     """The work directories (etcd data, logs) `umbp up` process ``pid`` made in the temporary directory."""
     return glob.glob(os.path.join(tempfile.gettempdir(), f"umbp-up-{pid}-*"))

@@ -25,8 +25,9 @@ kill the pool early), and ``start()`` removes the arena directories of pools who
 pool's arenas can only be garbage: only its own nodes, started with its directory, ever open them), and the work
 directories (``umbp-up-{pid}-*`` in the temporary directory: etcd data and logs) such pools made themselves.
 
-Blocking: ``start()`` blocks until every process serves or raises ``StartupError`` with the tail of the failing
-process's log; a restart blocks the supervisor (not the pool) up to ``READY_S``; ``stop()`` blocks at most a few
+Blocking: ``start()`` blocks until every process serves (a partitioned pool: until every slot is served by the
+process the ranking gives it, ``_wait_served``) or raises ``StartupError`` with the tail of the failing process's
+log; a restart blocks the supervisor (not the pool) up to ``READY_S``; ``stop()`` blocks at most a few
 seconds per process.
 """
 
@@ -308,6 +309,60 @@ class LocalPool:
         for child in launched:
             self._run(child)
             self._pin_ports(child, "--listen", child.match.group(2))
+        if self.slots:
+            self._wait_served(addrs)
+
+    def _wait_served(self, addrs: list[str], timeout: float = READY_S) -> None:
+        """A partitioned pool: block until every slot is served by the process the ranking gives it, and the
+        membership role by its first-ranked process (``_slot_state``). Each process's line only says it joined: the
+        last one to start is given its share of the slots over its first rounds (each warm copy loaded, then the
+        slot handed over), and a batch_put right after ``start`` met those slots in a handover. At ``timeout`` a
+        pool that serves every slot, not all of them where the ranking puts them yet (big warm copies still
+        loading), goes on with a line that says so; one that leaves a slot unserved raises StartupError."""
+        end = time.monotonic() + timeout
+        while True:
+            served, settled, why = self._slot_state(addrs)
+            if settled:
+                return
+            if time.monotonic() >= end or self._stop.is_set():
+                if served:
+                    self.say(f"every slot is served, not yet all by the process the ranking gives it ({why}); "
+                             f"they move there as their warm copies load")
+                    return
+                raise StartupError("up", f"the pool did not serve every slot within {timeout:.0f}s: {why}")
+            time.sleep(POLL_S)  # poll interval of the processes' answers
+
+    def _slot_state(self, addrs: list[str]) -> tuple[bool, bool, str]:
+        """(every slot and the membership role served, each by the process the ranking gives it, what is not),
+        from each process's STATS ``slots_led`` and LEADER ``is_leader``, asked of it directly."""
+        from metaserver.slots import leaders, rank  # the pool's own ranking (only a partitioned pool asks)
+        from transport.wire import Op
+        from umbp.errors import UmbpError
+        from umbp.metaclient import MetaClient
+
+        led: dict[str, set[int]] = {}
+        membership = []
+        for addr in addrs:
+            mc = MetaClient([addr], "up", os.environ.get("UMBP_TOKEN") or None,
+                            tls_ca=os.environ.get("UMBP_TLS_CA", ""), follow=False)
+            try:
+                deadline = time.monotonic() + 2.0
+                led[addr] = set(mc.call(Op.STATS, {}, deadline).get("slots_led") or ())
+                if mc.call(Op.LEADER, {}, deadline).get("is_leader"):
+                    membership.append(addr)
+            except UmbpError as e:
+                return False, False, f"metaserver {addr}: {e}"
+            finally:
+                mc.close()
+        unserved = sorted(set(range(self.slots)).difference(*led.values()))
+        served = not unserved and len(membership) == 1
+        want = leaders(self.slots, addrs)
+        moving = [s for s in range(self.slots) if s not in led[want[s]]]
+        settled = served and not moving and membership == [rank("m", sorted(addrs))[0]]
+        why = (f"slots {unserved} not served" if unserved else
+               f"the membership role served by {membership or 'none'}" if not served else
+               f"slots {moving} still to move" if moving else "the membership role still to move")
+        return served, settled, why
 
     def _pin_ports(self, child: Child, flag: str, port: str) -> None:
         """Rewrite the child's argv so a restart binds the ports this run got (port 0 picked them)."""
