@@ -37,7 +37,7 @@ def test_vllm_suite_in_engines_venv(etcd_binary):
     if _ERR is None:
         pytest.skip("already running inside a venv where vLLM imports: the tests below run directly")
     print(run_pytest(["tests/test_vllm_connector.py", "-k", "not engines_venv"], etcd_binary,
-                     "the vLLM connector's tests", min_passed=16, no_skips=True, HF_HUB_OFFLINE="1")[-800:])
+                     "the vLLM connector's tests", min_passed=17, no_skips=True, HF_HUB_OFFLINE="1")[-800:])
 
 
 # ---- the planner (no vLLM) ----------------------------------------------------------------------------------------
@@ -67,6 +67,24 @@ def test_planner_without_pool_hits_saves_from_block_zero_and_frees_at_once_when_
     assert [(s.block_ids, s.parent) for s in plan.saves] == [([3, 4], None)]
     p.lookup_keys("b", [1, 2, 3])  # shorter than a block: nothing to save
     assert p.step([("b", [7], 0, 3)], []).saves == [] and p.finished("b") is False
+
+
+def test_planner_loads_the_external_run_right_after_the_local_blocks_of_the_last_lookup():
+    bs = 4
+    tokens = list(range(1, 23))
+    p = Planner(bs)
+    keys = p.lookup_keys("r", tokens)
+    assert p.matched("r", 5, 0) == 20  # first try: 5 pages in the pool; vLLM could not schedule the request
+    assert p.matched("r", 3, 4) == 8   # retried: 2 pages evicted meanwhile, 1 block in vLLM's own cache
+    p.allocated("r", [10, 11, 12, 13, 14, 15], 8)
+    (load,) = p.step([("r", [10, 11, 12, 13, 14, 15], 12, 10)], []).loads
+    assert (load.keys, load.block_ids) == (keys[1:3], [11, 12])  # block 11 gets page 1, not page 3
+    # vLLM took fewer tokens than answered (an output connector's cap): the run still starts after the local blocks
+    keys = p.lookup_keys("s", tokens)
+    assert p.matched("s", 4, 0) == 16
+    p.allocated("s", [20, 21, 22, 23, 24, 25], 8)
+    (load,) = p.step([("s", [20, 21, 22, 23, 24, 25], 8, 14)], []).loads
+    assert (load.keys, load.block_ids) == (keys[0:2], [20, 21])
 
 
 def test_planner_extra_keys_fork_the_chain_and_unencodable_extras_are_not_pooled():

@@ -10,6 +10,10 @@ from model, layout, block size, dtype and, for MHA, TP size: ``blocks.namespace`
 ``layer_group_size`` (layers per load step, default 1). ``kv_role``: ``kv_both`` loads and saves, ``kv_producer``
 only saves, ``kv_consumer`` only loads.
 
+Pool keys: the token-id chain of ``umbp.keys``, forked by vLLM's own extra block-hash keys (``block_extras``: LoRA,
+multimodal inputs, ``cache_salt``, prompt embeddings), so two requests share pool pages exactly where vLLM's block
+hashes would let them share blocks (``plan``).
+
 vLLM makes one instance per role: the scheduler's (``SchedulerSide``: lookups, plans) and one per worker
 (``WorkerSide``: bytes). The step plan travels as ``UmbpConnectorMetadata``. One KV cache group only (no hybrid
 allocator), one vLLM block per pool page, synchronous loads (filled layer by layer inside the step that needs

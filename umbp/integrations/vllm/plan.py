@@ -7,8 +7,10 @@ extra block-hash keys (``generate_block_hash_extra_keys``: LoRA name and path, m
 ``cache_salt`` on block 0, prompt-embedding hashes), handed in per block by the connector as ``extra_digest``s. A
 block with extra keys chains on ``fold(parent, digest)`` instead of ``parent``, so its key and every later key differ
 from any plain chain's and from any other extras'; a request without extra keys keeps the plain chain. A request
-whose extra keys cannot be encoded is not pooled at all (no lookup hit, no save). Per request the tracker keeps the block ids vLLM gave it (new requests: all of them; running
-ones: the appended ones; resumed ones: all again) and how many leading blocks are known to be in the pool.
+whose extra keys cannot be encoded is not pooled at all (no lookup hit, no save).
+
+Per request the tracker keeps the block ids vLLM gave it (new requests: all of them; running ones: the appended
+ones; resumed ones: all again) and how many leading blocks are known to be in the pool.
 
 - Loads: ``get_num_new_matched_tokens`` finds the leading run of pages in the pool (``pool_blocks``); the scheduler
   then allocates blocks and ``update_state_after_alloc`` names the ones to fill: blocks
@@ -113,6 +115,7 @@ class RequestState:
     keys: list[str] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     pool_blocks: int = 0       # leading blocks known to be in the pool (hit at admission, or saved by us)
+    local_blocks: int = 0      # blocks vLLM's own cache held at the last lookup: the external run starts there
     load: LoadSpec | None = None
     saved_any: bool = False
     extras: Extras | None = None  # vLLM's extra keys per block (None: the plain token chain)
@@ -172,19 +175,22 @@ class Planner:
         ``num_computed_tokens`` (a multiple of the block size, or 0)."""
         st = self.requests[req_id]
         st.pool_blocks = max(st.pool_blocks, pool_blocks)
+        st.local_blocks = num_computed_tokens // self.block_size
         return max(0, pool_blocks * self.block_size - num_computed_tokens)
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """After vLLM allocated ``block_ids`` (all the request's blocks): schedule the load of the external ones."""
+        """After vLLM allocated ``block_ids`` (all the request's blocks, its local hit first): schedule the load of
+        the external ones. They start right after the local blocks of the last lookup, whatever an earlier lookup
+        answered (a retried admission after evictions) and however many of the answered tokens vLLM took."""
         st = self.requests.get(req_id)
         if st is None or num_external_tokens <= 0:
             return
         bs = self.block_size
         n_ext = num_external_tokens // bs
-        first = st.pool_blocks - n_ext  # the external run ends at the pool's leading run
-        keys = self.keys_for(st, st.pool_blocks)[first:]
+        first = st.local_blocks
+        keys = self.keys_for(st, first + n_ext)[first:]
         blocks = list(block_ids[first:first + n_ext])
-        if first < 0 or len(keys) != n_ext or len(blocks) != n_ext:
+        if len(keys) != n_ext or len(blocks) != n_ext:
             return  # inconsistent with what we answered: load nothing (vLLM then computes these tokens)
         st.load = LoadSpec(req_id, keys, blocks)
         self._pending_loads.append(st.load)
