@@ -39,7 +39,8 @@ and do at most that much work per call.
 
 Where the rest of ``Directory`` lives (mixins, one responsibility each): node spaces, their loss, drains and loads in
 ``metaserver/spaces.py``; prefix links and orphans in ``metaserver/links.py``; eviction passes and budgeted expiry in
-``metaserver/passes.py``; quota groups and reservations in ``metaserver/quotas.py``; the invariant check in ``metaserver/invariants.py``.
+``metaserver/passes.py``; quota groups and reservations in ``metaserver/quotas.py``; the invariant check in
+``metaserver/invariants.py``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         self.ns_used: dict[str, int] = {}
         self.group_used: dict[str, int] = {}
         self._group_ns: dict[str, set[str]] = {}  # a group's namespaces with use
+        self._group_held: dict[str, list[tuple[float, int]]] = {}  # a group's quarantined extents: (until, size) heap
+        self._gathered: dict[str, tuple] = {}  # a group's last gather that found all its old pages (quotas.py)
         self._ns_victims: dict[str, list[tuple[Entry, float]]] = {}  # a group's eviction candidates, newest first
         # READY entries naming a parent that is not READY, by namespace and parent key: a parent that arrives (or
         # comes back) adopts them (prefix-lru files them as orphans meanwhile).
@@ -563,7 +566,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         sp = e.space
         sp.n -= 1
         if e.pins == 0 and not sp.dead:  # a dead space's bytes are gone with its node
-            self.quarantine.free(sp, e.offset, extent_size(e.payload_len), e.gen)
+            self._held(e, self.quarantine.free(sp, e.offset, extent_size(e.payload_len), e.gen))
 
     def _evict(self, e: Entry, fx: Effects) -> None:
         """``_drop`` of an eviction victim: what the policy holds is READY, unpinned and on a live node, so the
@@ -581,7 +584,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         if e.gen < q.young_gen:  # Quarantine.free, inlined: an old page's extent is free at once
             sp.alloc.free(e.offset, self._osizes.get(pl) or extent_size(pl))
         else:
-            q.free(sp, e.offset, extent_size(pl), e.gen)
+            self._held(e, q.free(sp, e.offset, extent_size(pl), e.gen))
 
     def _unpin_all(self, found) -> None:
         """Drop one pin of each entry; those left unpinned become evictable again in ``found``'s order (READY:
@@ -596,7 +599,7 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
             if e.state == READY:
                 again.append(e)
             elif e.state == GONE and not e.space.dead:
-                self.quarantine.free(e.space, e.offset, extent_size(e.payload_len), e.gen)
+                self._held(e, self.quarantine.free(e.space, e.offset, extent_size(e.payload_len), e.gen))
         self.pinned -= unpinned
         if again:
             self.policy.add_many(again)

@@ -139,7 +139,9 @@ class OwnershipHandlers:
         g = d.quotas.group_of(ns)
         group = "" if g.name == ns else f" (quota group {g.name!r}, shared by its namespaces)"
         share = f", this slot's share {g.limit}" if g.limit != g.quota else ""
+        held = d.group_held(g.name)
+        held = f", {held} freed but held until their write capabilities die" if held else ""
         raise QuotaExceeded("metaserver", f"namespace {ns!r} is over its quota of {g.quota} bytes{group}{share}: "
                                           f"{over} of {len(keys)} pages do not fit even after evicting its group's "
-                                          f"unpinned pages ({d.group_used.get(g.name, 0)} bytes in use); nothing of "
-                                          f"this request was allocated", Status.QUOTA)
+                                          f"unpinned old pages ({d.group_used.get(g.name, 0)} bytes in use{held}); "
+                                          f"nothing of this request was allocated", Status.QUOTA)

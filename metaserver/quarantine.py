@@ -84,16 +84,21 @@ class Quarantine:
             at = t
         return at
 
-    def free(self, sp, offset: int, size: int, gen: int) -> None:
+    def free(self, sp, offset: int, size: int, gen: int) -> float:
         """Free an extent of node space ``sp`` that generation ``gen`` was allocated: now, or after ``hold_s``
-        (inside ``keeping()``: after ``keep_s``)."""
+        (inside ``keeping()``: after ``keep_s``). Returns the monotonic time it is given back at (0.0: now; a quota
+        group counts a held extent until then: metaserver/quotas.py)."""
         if self._keeping and self.keep_s > 0:
-            self.keep(sp, offset, size, time.monotonic() + self.keep_s)
-        elif gen < self.young_gen:
+            until = time.monotonic() + self.keep_s
+            self.keep(sp, offset, size, until)
+            return until
+        if gen < self.young_gen:
             sp.alloc.free(offset, size)
-        else:
-            self.held.append((time.monotonic() + self.hold_s, sp, offset, size))
-            self.held_bytes += size
+            return 0.0
+        until = time.monotonic() + self.hold_s
+        self.held.append((until, sp, offset, size))
+        self.held_bytes += size
+        return until
 
     def keep(self, sp, offset: int, size: int, until: float) -> None:
         """Keep an allocated extent of ``sp`` out of placement until monotonic time ``until`` (no later than

@@ -5,7 +5,13 @@ that global eviction respects (``_spared``).
 
 A group's use is the object sizes of the READY and PENDING entries of its namespaces, kept exact through every
 transition by ``Directory._count`` (``check()`` verifies it); ``_group_ns`` holds the group's namespaces that have
-use, so its pages are found without a scan of the whole directory.
+use, so its pages are found without a scan of the whole directory. Its quota also counts the extents of its pages
+freed young, which the quarantine holds until their write capabilities are dead (metaserver/quarantine.py): they
+take arena space as surely as live pages, and a flood that evicted its own young pages would otherwise hold up to
+``hold_s`` of its put rate outside its quota, and push every other tenant's pages out. So a group's quota eviction
+takes only its *old* pages (generation below the quarantine's young mark: freed at once); a group whose pages are
+all young is refused (QUOTA) until they age: a group puts at most about quota / ``hold_s`` bytes a second past its
+quota (1 GiB over 12 s: 85 MiB/s), the price of a quota that holds in a closed pool. Open pools hold nothing.
 
 What it approximates: the group's LRU order, from a batch of its GROUP_VICTIMS oldest evictable entries gathered when
 the previous batch is used up; an entry pinned when the batch was gathered and released since is seen from the next
@@ -18,6 +24,7 @@ otherwise.
 from __future__ import annotations
 
 import heapq
+import time
 from operator import attrgetter
 
 from metaserver.entry import READY, Effects, extent_size
@@ -25,6 +32,7 @@ from metaserver.placement import PLACE_EVICT_BUDGET
 from umbp.quotarules import QuotaGroup
 
 GROUP_VICTIMS = 1024  # quota eviction: the oldest evictable entries of a group gathered per rebuild
+GATHER_AGAIN_S = 1.0  # a gather that found all of a group's old pages is not repeated sooner, nothing changed
 _access = attrgetter("last_access")
 
 
@@ -41,6 +49,8 @@ class NamespaceQuotas:
         if g is None:
             return
         name = g.name
+        if nbytes > 0:
+            self._gathered.pop(name, None)  # new pages: the next quota eviction gathers again
         u = self.group_used.get(name, 0) + nbytes
         if u:
             self.group_used[name] = u
@@ -58,6 +68,27 @@ class NamespaceQuotas:
                 if not nss:
                     del self._group_ns[name]
 
+    def _held(self, e, until: float) -> None:
+        """Entry ``e``'s extent went to the quarantine until monotonic ``until`` (0.0: freed at once): its group
+        counts it until then. O(log held)."""
+        if until and self.quotas:
+            g = self.quotas.group_of(e.ns)
+            if g is not None:
+                heapq.heappush(self._group_held.setdefault(g.name, []), (until, extent_size(e.payload_len)))
+
+    def group_held(self, name: str, now: float | None = None) -> int:
+        """Bytes of group ``name`` the quarantine holds now (those given back since are forgotten here)."""
+        h = self._group_held.get(name)
+        if not h:
+            return 0
+        now = time.monotonic() if now is None else now
+        while h and h[0][0] <= now:
+            heapq.heappop(h)
+        if not h:
+            del self._group_held[name]
+            return 0
+        return sum(size for _, size in h)
+
     def _spared(self, e) -> bool:
         """Whether global eviction passes over READY entry ``e``: evicting it would take its group below the group's
         reservation (clamped by ``QuotaRules.floor``)."""
@@ -68,9 +99,9 @@ class NamespaceQuotas:
 
     def _fit_quota(self, ns: str, keys: list[bytes], sizes: list[int], g: QuotaGroup, fx: Effects) -> bool:
         """Make room in the quota of ``ns``'s group ``g`` for the new keys of an ALLOC, evicting the group's own least
-        recently used pages (of any of its namespaces); False (nothing evicted) when they cannot fit even then: more
-        than the quota, or more than what is not pinned or PENDING. O(keys), plus O(read leases + the group's
-        PENDING) and the eviction when the group is over."""
+        recently used old pages (of any of its namespaces); False when they cannot fit even then: more than the
+        quota, or more than what is not pinned, PENDING or held (nothing evicted), or more than its old pages free.
+        O(keys), plus O(read leases + the group's PENDING and held extents) and the eviction when it is over."""
         r = self.ready.get(ns) or {}
         pd = self.pending_keys.get(ns) or {}
         seen: set[bytes] = set()
@@ -84,7 +115,7 @@ class NamespaceQuotas:
                 need += extent_size(size)
         quota = g.limit
         used = self.group_used.get(g.name, 0)
-        over = used + need - quota
+        over = used + self.group_held(g.name) + need - quota
         if over <= 0:
             return True
         if need > quota:
@@ -101,12 +132,20 @@ class NamespaceQuotas:
         """Evict READY, unpinned entries of group ``g``'s namespaces, least recently used first, until ``nbytes`` are
         freed or ``budget`` entries went. Returns the bytes freed.
 
-        The candidates are the group's GROUP_VICTIMS oldest evictable entries, gathered when the previous batch is
-        used up (O(group's pages log GROUP_VICTIMS), at most once per call) and consumed oldest first; an entry
-        used, pinned or gone since it was gathered is skipped (a newer commit is newer than every candidate). What it
-        approximates: an entry pinned when the batch was gathered and released since is seen from the next batch
-        on. O(budget) per call otherwise."""
+        The candidates are the group's GROUP_VICTIMS oldest evictable old entries (a young one's extent would stay
+        held, and counted: the module docstring), gathered when the previous batch is used up (O(group's pages log
+        GROUP_VICTIMS), at most once per call; after a gather that found all of them, not again for GATHER_AGAIN_S
+        while the quarantine's young mark stays and the group allocates nothing, so a group refused over and over
+        does not scan its pages each time)
+        and consumed oldest first; an entry used, pinned or gone since it was gathered is skipped (a newer commit is
+        newer than every candidate). What it approximates: an entry pinned when the batch was gathered and released
+        since is seen from the next batch on (or GATHER_AGAIN_S later). O(budget) per call otherwise."""
         name = g.name
+        young = self.quarantine.young_gen
+        mark = young
+        now = time.monotonic()
+        last = self._gathered.get(name)
+        fresh = last is not None and last[0] == mark and now - last[1] < GATHER_AGAIN_S
         freed = n = 0
         for _ in range(2):  # the batch gathered before, then (if that was not enough) one fresh batch
             q = self._ns_victims.get(name)
@@ -120,16 +159,20 @@ class NamespaceQuotas:
                 else:
                     self._drop(e, fx)
                 n += 1
-            if freed >= nbytes or n >= budget:
+            if freed >= nbytes or n >= budget or fresh:
                 break
             nss = tuple(self._group_ns.get(name) or ())
             ready = self.ready
             oldest = heapq.nsmallest(GROUP_VICTIMS, (e for ns in nss for e in (ready.get(ns) or {}).values()
-                                                     if not e.pins), key=_access)
+                                                     if not e.pins and e.gen < young), key=_access)
+            if len(oldest) < GROUP_VICTIMS:  # every old page of the group (bar later unpins and uses): not again soon
+                self._gathered[name] = (mark, now)
+                fresh = True
             if not oldest:
                 break
             self._ns_victims[name] = [(e, e.last_access) for e in reversed(oldest)]
         if name not in self._group_ns:
             self._ns_victims.pop(name, None)
+            self._gathered.pop(name, None)
         self.evictions += n
         return freed

@@ -36,9 +36,23 @@ def closed(make_cluster, tmp_path, monkeypatch):
 
 @pytest.fixture
 def quotas(make_cluster, tmp_path, monkeypatch):
-    """As ``closed``, with quotas for tenant-a (16 pages) and tenant-b (40 pages)."""
+    """As ``closed``, with quotas for tenant-a (16 pages) and tenant-b (40 pages); write capabilities of 0.5 s, so a
+    page freed young counts against its quota (metaserver/quotas.py) for 2.5 s only."""
     return closed_cluster(make_cluster, tmp_path, monkeypatch,
-                          tokens_toml(SCOPES, quotas={"tenant-a": QUOTA_A, "tenant-b": QUOTA_B}))
+                          tokens_toml(SCOPES, quotas={"tenant-a": QUOTA_A, "tenant-b": QUOTA_B}),
+                          env={"UMBP_WRITE_CAP_TTL_S": "0.5"})
+
+
+def put_aged(c: Client, key: bytes, page: bytes, timeout: float = 20.0) -> bool:
+    """``c.put`` once the namespace's oldest page is old enough to evict: a page evicted younger than its write
+    capability would stay held, and counted, so the put is refused (QUOTA) until then. Bounded by ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return c.put(key, page)
+        except QuotaExceeded:
+            assert time.monotonic() < end, f"{key!r} refused for {timeout}s"
+            time.sleep(0.1)  # back-off before the next try
 
 
 def client(cluster, token, ns, **kw) -> Client:
@@ -186,8 +200,9 @@ def test_scoped_tokens_see_their_own_namespaces_only(closed):
 
 
 def test_quota_flood_evicts_its_own_pages_and_spares_the_other_tenant(quotas):
-    """Two tenants with quotas: tenant-a floods far past its quota. Its puts evict its own oldest pages, a batch
-    that cannot fit raises QuotaExceeded naming the namespace, tenant-b keeps every page, bytes exact."""
+    """Two tenants with quotas: tenant-a floods far past its quota. Its puts evict its own oldest pages (once old
+    enough: ``put_aged``), a batch that cannot fit raises QuotaExceeded naming the namespace, tenant-b keeps every
+    page, bytes exact."""
     b_keys = [f"b/{i}".encode() for i in range(30)]
     b_vals = [os.urandom(PAGE) for _ in b_keys]
     with client(quotas, TENANT_B, "tenant-b") as b:
@@ -197,7 +212,7 @@ def test_quota_flood_evicts_its_own_pages_and_spares_the_other_tenant(quotas):
         for i in range(100):  # 100 pages into a 16-page quota, one put at a time
             k = f"a/{i}".encode()
             a_vals[k] = os.urandom(PAGE)
-            assert a.put(k, a_vals[k]) is True
+            assert put_aged(a, k, a_vals[k]) is True
         s = stats(quotas)["namespace_usage"]
         assert s["tenant-a"] == {"objects": 16, "used_bytes": 16 * OBJ, "quota_bytes": QUOTA_A}
         assert s["tenant-b"] == {"objects": 30, "used_bytes": 30 * OBJ, "quota_bytes": QUOTA_B}
@@ -212,11 +227,16 @@ def test_quota_flood_evicts_its_own_pages_and_spares_the_other_tenant(quotas):
         leased = raw(quotas, TENANT_A, "pinning reader")
         lease = req(leased, wire.Op.LOOKUP, {"ns": "tenant-a", "keys": [f"a/{i}".encode() for i in range(84, 100)]})
         assert lease["lease"] and None not in lease["locs"]
-        with pytest.raises(QuotaExceeded, match="'tenant-a'"):
-            a.put(b"one-more", os.urandom(PAGE))
+        end = time.monotonic() + 3.0  # past the 2.5 s hold: refused for the pins, not only for the pages' youth
+        for _ in range(100):
+            with pytest.raises(QuotaExceeded, match="'tenant-a'"):
+                a.put(b"one-more", os.urandom(PAGE))
+            if time.monotonic() > end:
+                break
+            time.sleep(0.25)  # the next try, until the pages are old
         leased.close()
         assert wait_stat(quotas, "pinned", 0)["pinned"] == 0
-        assert a.put(b"one-more", os.urandom(PAGE)) is True
+        assert put_aged(a, b"one-more", os.urandom(PAGE)) is True
     with client(quotas, TENANT_B, "tenant-b") as b:
         outs = [bytearray(PAGE) for _ in b_keys]
         assert b.batch_get_into(b_keys, outs) == [PAGE] * 30 and outs == b_vals

@@ -137,3 +137,27 @@ def test_reservations_are_clamped_to_half_the_capacity():
         assert put(d, "flood", [f"f{i}".encode()], now=1.0 + i)[0][0][0] == NEW
     assert d.group_used["r"] == 16 * SZ
     d.check()
+
+
+def test_a_groups_quota_counts_its_extents_held_young():
+    """Closed pools: a page freed young waits out its write capability in the quarantine, taking arena space; its
+    group counts it until then, and quota eviction takes old pages only (a young one would stay held)."""
+    from metaserver.quarantine import Quarantine
+
+    rules = QuotaRules([QuotaGroup("token:q", 6 * SZ, patterns=("q/*",))])
+    d = make(units=64, quotas=rules)
+    d.quarantine = Quarantine(hold_s=60.0, keep_s=60.0)
+    d.quarantine.start(0.0, 0)  # every generation from 0 on is young
+    put(d, "q/a", [f"a{i}".encode() for i in range(6)], now=1.0)
+    items, _ = d.alloc("q/a", [b"new"], [PAGE], None, 9000, 2.0)
+    assert items[0][0] == OVER_QUOTA and d.objects == 6  # all six young: evicting one frees nothing of the quota
+    d.remove("q/a", [b"a5"])
+    assert d.group_used["token:q"] == 5 * SZ and d.group_held("token:q") == SZ  # held, and counted
+    items, _ = d.alloc("q/a", [b"new"], [PAGE], None, 9001, 3.0)
+    assert items[0][0] == OVER_QUOTA
+    d.quarantine.young_gen = 1 << 62  # the write capabilities of every page so far are dead: they are old now
+    items, _, _ = put(d, "q/a", [b"new"], now=4.0)
+    assert items[0][0] == NEW and d.exists("q/a", [b"a0"]) == [False]  # its oldest page went, freed at once
+    assert d.group_used["token:q"] == 5 * SZ and d.group_held("token:q") == SZ
+    assert d.group_held("token:q", now=1e12) == 0  # given back at its time: forgotten
+    d.check()
