@@ -4,8 +4,9 @@
 Authorization (umbp/auth.py): EVICT, DRAIN and a LIST of every namespace need an admin token; a LIST of one
 namespace needs read rights on it; STATS and NODES any authenticated connection, but a scoped (non-admin) token sees
 a scoped view: the per-namespace sections only for namespaces its scope grants (r or rw), no etcd address, and node
-maps without node-internal fields (``NODE_INTERNAL``: arena path and id, boot id, pid, hostname: blanked, so a
-scoped client falls back from shm, which would map the whole arena, to TCP or RDMA). Admin tokens, the cluster
+maps without node-internal fields (``NODE_INTERNAL``: arena path and id, boot id, pid, hostname: blanked, and shm
+left out of the transports, so a scoped client uses TCP or RDMA: shm would map the whole arena, every tenant's
+pages; a node's ARENA_INFO answers scoped tokens the same, umbp/node.py). Admin tokens, the cluster
 secret and open pools see everything. Operator evictions run in slices
 of EVICT_BUDGET evictions with the event loop served in between, so ``umbp evict --all`` on a pool of millions of
 pages never stalls data requests. Costs: STATS and NODES O(nodes); LIST O(limit).
@@ -40,7 +41,7 @@ class AdminHandlers:
             used, objects = use if use is not None else (0, 0)
             info = node.info(used, objects)
             if not full:
-                info.update(NODE_INTERNAL)
+                info.update(NODE_INTERNAL, transports=[t for t in info["transports"] if t != "shm"])
             out.append(info)
         return out
 

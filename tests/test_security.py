@@ -198,6 +198,40 @@ def test_forged_writes_and_reads_are_refused_at_the_node(closed):
         assert a.get("victim") == page
 
 
+def test_arena_info_and_node_maps_tell_scoped_tokens_nothing_that_maps_the_arena(closed):
+    """Issue 42 finding 5: a node's ARENA_INFO told a read-only token the arena path and id, boot id, pid and
+    hostname; with the path and id a same-host process maps the arena, every tenant's pages. A scoped token, read-only
+    or rw, gets what TCP needs (node id, address, capacity) and no shm; the cluster secret and admin tokens get the
+    rest, and shm works for them. The metaserver's NODES and STATS node maps answer the same."""
+    node = closed.nodes[0]
+    addr = node_addr(closed, node.name)
+    answers = {}
+    for name, token in (("reader", READER), ("tenant-a", TENANT_A), ("ops", OPS), ("cluster", SECRET)):
+        s = FramedSocket(addr, name, time.monotonic() + 5, token)
+        answers[name] = s.request(wire.Op.ARENA_INFO, {}, time.monotonic() + 5).meta
+        s.close()
+    full = answers["cluster"]
+    assert full["arena_path"] and os.path.exists(full["arena_path"]) and len(full["arena_id"]) > 0
+    assert full["pid"] == node.pid and full["boot_id"] and full["hostname"] and "shm" in full["transports"]
+    assert answers["ops"] == full
+    for name in ("reader", "tenant-a"):
+        got = answers[name]
+        assert (got["arena_path"], got["arena_id"], got["boot_id"], got["pid"], got["hostname"]) == ("", b"", "", 0, "")
+        assert "shm" not in got["transports"] and "tcp" in got["transports"]
+        assert (got["node_id"], got["host"], got["port"], got["capacity"]) == (
+            full["node_id"], full["host"], full["port"], full["capacity"])
+        assert full["arena_path"].encode() not in repr(got).encode() and full["arena_id"] not in repr(got).encode()
+    with client(closed, READER) as r:
+        maps = r.admin(wire.Op.NODES)["nodes"] + r.admin(wire.Op.STATS)["nodes"]
+    assert len(maps) == 2 * len(closed.nodes)
+    for n in maps:
+        assert (n["arena_path"], n["arena_id"], n["boot_id"], n["pid"], n["hostname"]) == ("", b"", "", 0, "")
+        assert "shm" not in n["transports"]
+    page = os.urandom(10_000)
+    with client(closed, TENANT_A) as a:  # a scoped client still puts and reads back over TCP
+        assert a.put("arena-info", page) is True and a.get("arena-info") == page
+
+
 def test_memory_stays_bounded_under_announced_lengths_and_trickles(closed):
     node = closed.nodes[0]
     addr = node_addr(closed, node.name)

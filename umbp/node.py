@@ -406,6 +406,12 @@ class DataProtocol(FramedProtocol):
                 reply = None
             elif op == wire.Op.ARENA_INFO:
                 reply = node.arena_info()
+                if not self.auth.scope.admin:  # a scoped token gets what TCP needs: the arena path and id would let a
+                    # same-host process map the arena (every tenant's pages); boot id, pid, hostname point at it. As
+                    # the metaserver's node maps (metaserver/admin.py NODE_INTERNAL); admin tokens, the cluster
+                    # secret and open pools see everything.
+                    reply.update(arena_path="", arena_id=b"", boot_id="", pid=0, hostname="",
+                                 transports=[t for t in reply["transports"] if t != "shm"])
             elif op == wire.Op.HELLO:
                 reply = self.auth.hello(frame.meta, "node", wire.VERSION)
             elif op == wire.Op.AUTH:
