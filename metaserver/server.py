@@ -218,9 +218,12 @@ async def close_idle(conns: set, limit: float) -> None:
     while True:
         await asyncio.sleep(min(5.0, limit / 4))
         cutoff = time.monotonic() - limit
-        for c in [c for c in conns if c.last_active < cutoff]:
-            log.info("metaserver: closing %s: idle for %.0fs", c.peer, limit)
-            c.transport.close()
+        try:
+            for c in [c for c in conns if c.last_active < cutoff]:
+                log.info("metaserver: closing %s: idle for %.0fs", c.peer, limit)
+                c.transport.close()
+        except Exception:  # noqa: BLE001 - supervised: one bad connection must not end idle closing for good
+            log.exception("metaserver: idle sweep failed; trying again")
 
 
 async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) -> None:

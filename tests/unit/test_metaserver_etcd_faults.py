@@ -5,6 +5,7 @@
   deleting its slot key (``SlotServer._release_key``), so the next term loads what etcd holds;
 - a partitioned process's loops (election rounds, process lease keep-alive) are supervised: a raw error, of aetcd
   or of a bug, is logged and the loop goes on campaigning and renewing; a loop that ended makes /healthz fail;
+  the idle-connection sweep outlives a connection that fails to close;
 - the store translates grpc failures by status code (a lease etcd no longer knows is not an error), and the
   partition's member record goes through the store.
 
@@ -262,5 +263,35 @@ def test_a_dead_loop_makes_healthz_fail():
         ms._election = p._election
         assert not ms.metrics.healthy()[0]
         await p.store.close()
+
+    run(main())
+
+
+def test_the_idle_sweep_survives_a_connection_that_fails_to_close():
+    from metaserver.server import close_idle
+
+    class Conn:
+        def __init__(self, peer: str, fail: bool):
+            self.peer, self.fail, self.closes = peer, fail, 0
+            self.last_active = 0.0  # idle since long ago
+            self.transport = self
+
+        def close(self):
+            self.closes += 1
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("transport already gone")
+
+    async def main():
+        bad = Conn("bad", fail=True)
+        conns = {bad}
+        sweep = asyncio.create_task(close_idle(conns, 0.04))  # a sweep every 10 ms
+        await until(lambda: bad.closes == 1, "the first sweep")
+        good = Conn("good", fail=False)
+        conns.add(good)
+        await until(lambda: good.closes >= 1, "a later sweep closing the next idle connection")
+        assert not sweep.done()
+        sweep.cancel()
+        await asyncio.gather(sweep, return_exceptions=True)
 
     run(main())
