@@ -160,3 +160,34 @@ def test_preauth_frames_are_small_and_carry_no_data(loop_kind):
         server.close()
 
     run(loop_kind, main())
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_memory_of_closed_preauth_connections_is_given_back(monkeypatch, loop_kind):
+    """Connections that closed before authenticating (a flood's) add up their buffers; past TRIM_AFTER bytes the
+    C heap is trimmed once, TRIM_DELAY_S later, however many more close meanwhile."""
+    import umbp.serving as serving
+
+    trims: list[float] = []
+    monkeypatch.setattr(serving, "TRIM_AFTER", 1 << 20)  # 16 closed connections' 64 KiB staging buffers
+    monkeypatch.setattr(serving, "TRIM_DELAY_S", 0.2)
+    monkeypatch.setattr(serving, "trim_malloc", lambda: trims.append(asyncio.get_running_loop().time()) or True)
+    monkeypatch.setattr(serving._Trim, "freed", 0)
+    monkeypatch.setattr(serving._Trim, "handle", None)
+
+    async def main():
+        server, port, admission = await serve(None, preauth=64)
+        loop = asyncio.get_running_loop()
+        for batch in range(2):
+            conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(24)]
+            await until(lambda: len(admission.preauth) == 24)
+            t0 = loop.time()
+            for _, w in conns:
+                w.close()
+            await until(lambda: len(trims) == batch + 1)
+            assert trims[-1] - t0 >= 0.15  # once, after the delay, for the 24 that closed
+            await asyncio.sleep(0.3)
+            assert len(trims) == batch + 1
+        server.close()
+
+    run(loop_kind, main())
