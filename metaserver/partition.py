@@ -46,6 +46,7 @@ from metaserver.partanswers import PartitionAnswers
 from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S
 from metaserver.slots import MEMBERSHIP, MembershipServer, SlotServer, rank, ranking
+from metaserver.supervise import backoff, log_failure
 from metaserver.fullload import node_descs
 from transport import slotrules
 from transport.wire import Op, Status
@@ -56,25 +57,11 @@ from umbp.errors import NotLeader, UmbpError
 log = logging.getLogger("umbp.metaserver")
 
 POLL_S = 0.25  # a round of the slot election
-MAX_BACKOFF_S = 5.0  # a supervised loop that keeps failing retries at least this often
 RANK_DELAY_S = 0.5  # a vacant slot waits this long per rank before that rank campaigns
 BUSY_WARN_S = 10.0  # a slot's election or handover running this long is logged (again every such period)
 HANDOVER_FLUSH_S = 5.0  # a handed-over slot's queued etcd writes get this long to land
 START_WAIT_S = 30.0  # start() waits at most this long for every slot to have a leader
 _KEYED = (Op.ALLOC, Op.COMMIT, Op.ABORT, Op.LOOKUP, Op.EXISTS, Op.PREFIX, Op.REMOVE)
-
-
-def backoff(fails: int) -> float:
-    """The pause after ``fails`` failures in a row of a supervised loop: POLL_S doubling to MAX_BACKOFF_S."""
-    return min(POLL_S * (1 << min(fails, 8)) if fails else POLL_S, MAX_BACKOFF_S)
-
-
-def _log_failure(what: str, e: Exception) -> None:
-    """A supervised loop's failure: a warning for an error of ours (etcd away), the traceback for anything else."""
-    if isinstance(e, UmbpError):
-        log.warning("metaserver: %s: %s; retrying", what, e)
-    else:
-        log.error("metaserver: %s failed; retrying", what, exc_info=e)
 
 
 class SlotConn:
@@ -279,8 +266,7 @@ class Partition(PartitionAnswers):
 
     # -- the election ------------------------------------------------------------------------------------------
     async def _run(self) -> None:
-        """The election rounds, supervised: a round that fails, with whatever error, is logged and the next one
-        runs after a backoff (POLL_S doubling to MAX_BACKOFF_S), so the process never stops campaigning."""
+        """The election rounds, supervised (``metaserver/supervise.py``): the process never stops campaigning."""
         keep = self._keep = asyncio.create_task(self._keepalive(), name="metaserver-process-lease")
         fails = 0
         try:
@@ -290,16 +276,16 @@ class Partition(PartitionAnswers):
                     fails = 0
                 except Exception as e:  # noqa: BLE001 - supervised: see the docstring
                     fails += 1
-                    _log_failure("slot election round", e)
+                    log_failure("slot election round", e)
                 self.rounds += 1
-                await asyncio.sleep(backoff(fails))
+                await asyncio.sleep(backoff(fails, POLL_S))
         finally:
             keep.cancel()
             await asyncio.gather(keep, return_exceptions=True)
 
     async def _keepalive(self) -> None:
-        """Keep the process lease alive (``_renew`` every ttl/3), supervised as ``_run``'s rounds are: a keep-alive
-        that died (a raw error out of ``_lost_lease``'s rejoin) left a zombie that no probe saw."""
+        """Keep the process lease alive (``_renew`` every ttl/3), supervised: one that died (a raw error out of
+        ``_lost_lease``'s rejoin) left a zombie that no probe saw."""
         ttl = self.cfg.election_ttl_s
         fails = 0
         for _ in range(1 << 62):  # bounded by cancellation
@@ -308,8 +294,8 @@ class Partition(PartitionAnswers):
                 fails = 0
             except Exception as e:  # noqa: BLE001 - supervised: see the docstring
                 fails += 1
-                _log_failure("process lease keep-alive", e)
-                await asyncio.sleep(min(backoff(fails), ttl / 3))
+                log_failure("process lease keep-alive", e)
+                await asyncio.sleep(min(backoff(fails, POLL_S), ttl / 3))
 
     async def _renew(self, ttl: int) -> None:
         await asyncio.sleep(ttl / 3)
