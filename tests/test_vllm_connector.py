@@ -37,7 +37,7 @@ def test_vllm_suite_in_engines_venv(etcd_binary):
     if _ERR is None:
         pytest.skip("already running inside a venv where vLLM imports: the tests below run directly")
     print(run_pytest(["tests/test_vllm_connector.py", "-k", "not engines_venv"], etcd_binary,
-                     "the vLLM connector's tests", min_passed=17, no_skips=True, HF_HUB_OFFLINE="1")[-800:])
+                     "the vLLM connector's tests", min_passed=18, no_skips=True, HF_HUB_OFFLINE="1")[-800:])
 
 
 # ---- the planner (no vLLM) ----------------------------------------------------------------------------------------
@@ -85,6 +85,20 @@ def test_planner_loads_the_external_run_right_after_the_local_blocks_of_the_last
     p.allocated("s", [20, 21, 22, 23, 24, 25], 8)
     (load,) = p.step([("s", [20, 21, 22, 23, 24, 25], 8, 14)], []).loads
     assert (load.keys, load.block_ids) == (keys[0:2], [20, 21])
+
+
+def test_a_load_the_planner_cannot_key_reports_its_blocks_instead_of_leaving_them_unfilled():
+    from umbp.integrations.vllm.worker import PoolSettings, WorkerSide
+
+    p = Planner(4)
+    p.lookup_keys("r", list(range(1, 23)))
+    assert p.matched("r", 5, 0) == 20
+    p.allocated("r", [10, 11, 12, 13, 14, 15], 24)  # 6 blocks taken: the request has only 5 full ones
+    plan = p.step([("r", [10, 11, 12, 13, 14, 15], 24, 0)], [])
+    assert [(ld.keys, ld.block_ids) for ld in plan.loads] == [([], [10, 11, 12, 13, 14, 15])]
+    w = WorkerSide(PoolSettings("127.0.0.1:1", "ns"), 64, 0, False)  # not registered: no pool is reached
+    w.start_load(plan)
+    assert w.load_errors() == {10, 11, 12, 13, 14, 15} and w.load_errors() == set()
 
 
 def test_planner_extra_keys_fork_the_chain_and_unencodable_extras_are_not_pooled():

@@ -80,7 +80,8 @@ def fold(parent: str, digest: bytes) -> str:
 
 @dataclass
 class LoadSpec:
-    """Fill vLLM blocks ``block_ids[i]`` from pool page ``keys[i]`` (base keys; the worker adds its rank)."""
+    """Fill vLLM blocks ``block_ids[i]`` from pool page ``keys[i]`` (base keys; the worker adds its rank). Fewer
+    keys than blocks: the blocks without a key are reported as load errors (vLLM recomputes them)."""
 
     req_id: str
     keys: list[str]
@@ -191,7 +192,7 @@ class Planner:
         keys = self.keys_for(st, first + n_ext)[first:]
         blocks = list(block_ids[first:first + n_ext])
         if len(keys) != n_ext or len(blocks) != n_ext:
-            return  # inconsistent with what we answered: load nothing (vLLM then computes these tokens)
+            keys = []  # more than we answered: load nothing, and the worker reports the blocks (vLLM recomputes)
         st.load = LoadSpec(req_id, keys, blocks)
         self._pending_loads.append(st.load)
 

@@ -104,8 +104,10 @@ class WorkerSide:
 
     def start_load(self, plan: StepPlan) -> None:
         self._settle_load()
+        for ld in plan.loads:  # blocks vLLM counts as computed that no page fills: recomputed, never read unfilled
+            self._errors.update(ld.block_ids[len(ld.keys):])
         keys = [k for ld in plan.loads for k in self._rank_keys(ld.keys)]
-        slots = [b for ld in plan.loads for b in ld.block_ids]
+        slots = [b for ld in plan.loads for b in ld.block_ids[:len(ld.keys)]]
         if not keys or self._loader is None:
             return
         self._load_slots = slots
