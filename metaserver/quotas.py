@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import heapq
 import time
+from itertools import chain
 from operator import attrgetter
 
 from metaserver.entry import READY, Effects, extent_size
 from metaserver.placement import PLACE_EVICT_BUDGET
+from metaserver.quarantine import NEVER
 from umbp.quotarules import QuotaGroup
 
 GROUP_VICTIMS = 1024  # quota eviction: the oldest evictable entries of a group gathered per rebuild
@@ -163,8 +165,13 @@ class NamespaceQuotas:
                 break
             nss = tuple(self._group_ns.get(name) or ())
             ready = self.ready
-            oldest = heapq.nsmallest(GROUP_VICTIMS, (e for ns in nss for e in (ready.get(ns) or {}).values()
-                                                     if not e.pins and e.gen < young), key=_access)
+            pages = (chain.from_iterable((ready.get(ns) or {}).values() for ns in nss) if len(nss) != 1 else
+                     (ready.get(nss[0]) or {}).values())
+            if young == NEVER:  # an open pool: every page is old
+                pages = (e for e in pages if not e.pins)
+            else:
+                pages = (e for e in pages if not e.pins and e.gen < young)
+            oldest = heapq.nsmallest(GROUP_VICTIMS, pages, key=_access)
             if len(oldest) < GROUP_VICTIMS:  # every old page of the group (bar later unpins and uses): not again soon
                 self._gathered[name] = (mark, now)
                 fresh = True
