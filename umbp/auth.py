@@ -75,8 +75,8 @@ rkey can read and write that arena directly, any slot, any time: capabilities bi
 RDMA never involves the node's CPU (memory windows per allocation would be the fix; not built). The arena path and
 id are only told to admin tokens and the cluster secret (a node's ARENA_INFO, the metaserver's node maps: a scoped
 token, rw or not, gets what TCP needs), the rkey to authenticated clients; run RDMA on a network only trusted hosts
-reach. The quarantine
-and deadlines assume the metaserver's and nodes' clocks agree within ``CLOCK_SKEW_S`` (NTP does much better).
+reach. The quarantine and deadlines assume the metaserver's and nodes' clocks agree within ``CLOCK_SKEW_S`` (NTP
+does much better).
 Confidentiality on the wire needs TLS (``--tls-cert``/``--tls-key`` on servers, ``tls_ca`` on clients:
 transport/framed.py). Costs: one HMAC-SHA256 per handshake step; per key a keyed blake2b tag (about 3x cheaper than
 HMAC-SHA256) and 24 bytes of slot list; per node per batch one MAC.
