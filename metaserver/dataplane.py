@@ -79,7 +79,8 @@ class DataPlaneHandlers:
         if not self.settled.is_set():
             # Just took over: let the nodes re-register first (bounded by ALLOC_HOLD_S via tick).
             try:
-                await asyncio.wait_for(self.settled.wait(), ALLOC_HOLD_S + 1.0)
+                async with asyncio.timeout(ALLOC_HOLD_S + 1.0):  # not wait_for: it can lose a cancel on 3.11
+                    await self.settled.wait()
             except asyncio.TimeoutError:
                 pass
             self.check_term(term)

@@ -174,14 +174,18 @@ class Election:
     async def _keepalive_loop(self) -> str:
         interval = self.ttl / 3
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can lose a cancel that arrives as the inner await
+            # completes, and this loop would then run on after close() (metaserver/warmpace.py ``wait_event``).
             try:
-                await asyncio.wait_for(self._lost.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self._lost.wait()
                 return self._why
             except asyncio.TimeoutError:
                 pass
             sent = time.monotonic()
             try:
-                left = await asyncio.wait_for(self.store.refresh(self.lease_id), interval)
+                async with asyncio.timeout(interval):
+                    left = await self.store.refresh(self.lease_id)
             except (asyncio.TimeoutError, RemoteError) as e:
                 if time.monotonic() >= self._valid_until:
                     return f"no keep-alive acknowledged within the lease ({e or 'timeout'})"
