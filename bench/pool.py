@@ -427,7 +427,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="", help="comma list of page sizes in KiB for the data part (default: all)")
     ap.add_argument("--transports", default="tcp,shm", help="comma list of transports for the data part")
     ap.add_argument("--directory", default="objects", choices=("objects", "table"),
-                    help="the metaserver's directory core (README, scale section)")
+                    help="the metaserver's directory core (docs/design/directory-and-eviction.md)")
     args = ap.parse_args()
     parts = set(args.only.split(",")) if args.only else {"data", "cold", "exists", "commit"}
     min_time = 0.4 if args.quick else 1.5

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--directory", default=None, choices=("objects", "table"),
                    help="the page directory's core: objects (default: every feature) or table (columnar: a third of "
                         "the memory a page, faster per key at millions of pages; lru, unpartitioned, no quotas, no "
-                        "warm standby copy; README, scale section)")
+                        "warm standby copy; docs/design/directory-and-eviction.md)")
     p.add_argument("--election-ttl", dest="election_ttl_s", type=int, default=None,
                    help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
     p.add_argument("--slots", type=int, default=None,

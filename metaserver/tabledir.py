@@ -14,7 +14,7 @@ request in ``tests/unit/test_tableshared.py``), commit records in etcd (``metase
 What it does not do yet, each refused at start (``umbp/config.py``, ``__init__``), never answered differently:
 ``prefix-lru`` (no prefix links), partitioned pools (slots), quotas; and the warm standby's copy (a standby keeps
 none: its takeover is a full load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s
-rule) where ``Directory`` places on the most free node: README, "The columnar directory".
+rule) where ``Directory`` places on the most free node: docs/design/directory-and-eviction.md.
 
 A connection's PENDING allocations are ``(ns, key, gen)`` handles here (``Directory``'s are its entries): COMMIT and
 ABORT settle them, and a closing connection aborts those still PENDING with that generation and still its own

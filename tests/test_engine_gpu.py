@@ -6,7 +6,7 @@ mapped like a node arena) and scattered slots of device KV buffers. The pool tes
 CUDA, CUDA values and KV slots written by the kernel straight into a same-host arena, with the offload rate printed
 next to the load's: run with -s to see it) need etcd like every integration test.
 
-On the GPU machine: ``python3 -m pytest -q tests/test_engine_gpu.py`` (see README.md, Engine path for the
+On the GPU machine: ``python3 -m pytest -q tests/test_engine_gpu.py`` (see docs/development/testing.md for the
 device call that carries the etcd/aetcd wheels)."""
 
 from __future__ import annotations

@@ -383,7 +383,7 @@ def test_full_linker_tp_split_mla_cpu(cluster, tmp_path):
 
 @needs_linker
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NO CUDA DEVICE: the CUDA linker tests run on the GPU "
-                                                          "machine only (README.md, SGLang)")
+                                                          "machine only (docs/integrations/sglang-linker.md)")
 def test_full_linker_contract_cuda(cluster):
     _contract(cluster, "mha", "cuda")
     _contract(cluster, "mla", "cuda")

@@ -234,7 +234,7 @@ def _add_replay_flags(s, demo: bool) -> None:
     g.add_argument("--write-batch-pages", type=int, default=rc.write_batch_pages)
     g.add_argument("--out", default="umbp-demo" if demo else "umbp-replay", help="directory for JSON and plots")
     g.add_argument("--no-plots", action="store_true")
-    g = s.add_argument_group("cost model (simulated prefill time; see README)")
+    g = s.add_argument_group("cost model (simulated prefill time; docs/guide/workload.md)")
     g.add_argument("--params", type=float, default=cm.params, help="model parameters (matmul FLOPs = 2 x params)")
     g.add_argument("--layers", type=int, default=cm.layers)
     g.add_argument("--attn-dim", type=int, default=cm.attn_dim, help="query heads x head dim")
@@ -311,7 +311,7 @@ def add_subcommands(sub) -> None:
     _add_replay_flags(s, demo=True)
     s.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("replay", help="replay a JSONL trace through the pool with DP routers (see README)")
+    s = sub.add_parser("replay", help="replay a JSONL trace through the pool with DP routers (docs/guide/workload.md)")
     s.add_argument("trace", help="JSONL trace file")
     s.add_argument("--sessions", type=int, default=0, help="replay only the first N sessions (0: all)")
     _add_replay_flags(s, demo=False)

@@ -17,7 +17,7 @@ hashes would let them share blocks (``plan``).
 vLLM makes one instance per role: the scheduler's (``SchedulerSide``: lookups, plans) and one per worker
 (``WorkerSide``: bytes). The step plan travels as ``UmbpConnectorMetadata``. One KV cache group only (no hybrid
 allocator), one vLLM block per pool page, synchronous loads (filled layer by layer inside the step that needs
-them), asynchronous saves with delayed frees. See README.md, vLLM.
+them), asynchronous saves with delayed frees. See docs/integrations/vllm.md.
 """
 
 from __future__ import annotations
