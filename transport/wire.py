@@ -134,7 +134,7 @@ class Op(enum.IntEnum):
     PREFIX = 0x18  # {"ns", "keys"} -> {"hits": int}
     REMOVE = 0x19  # {"ns", "keys"} -> {"removed": [bool]}
     # metaserver: admin
-    STATS = 0x1A  # {} -> stats map (see README)
+    STATS = 0x1A  # {} -> stats map (docs/operations/monitoring.md)
     NODES = 0x1B  # {} -> {"nodes": [node map]}
     LIST = 0x1C  # {"ns"?, "limit"?} -> {"objects": [[ns, key, size, node, state]], "truncated": bool}
     EVICT = 0x1D  # {"bytes"?: int} -> {"evicted": int, "freed_bytes": int}
