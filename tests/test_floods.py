@@ -1,12 +1,13 @@
 """Connection floods against a closed pool (issue 42, finding 3), each at a small scale of what was reported:
 
 - 20 tokenless sockets that reconnect as soon as they are closed kept every new client out of the metaserver (0 of
-  4 got in within 30 s, each DeadlineExceeded): now 4 clients with a token get in within seconds while they run;
+  4 got in within 30 s, each DeadlineExceeded): now 20 clients with a token (4 at a time) get in within seconds
+  while 20 such sockets churn against the metaserver and 20 against the node, silent, pinging or saying HELLO;
 - TLS handshakes that never finish had no cap of their own (with 1,024 descriptors, 1,100 silent sockets shut out
   2 of 3 clients; 3,000 raised a node's RSS from 138 to 855 MB): now servers started with a low open-file limit
   raise it, and silent sockets are pre-auth connections like any other (evicted, closed at the auth deadline
-  counted from the TCP accept): a TLS client gets in while 300 are held against each server, whose descriptors
-  and memory stay flat;
+  counted from the TCP accept): a TLS client gets in while 1,000 are held against each server, whose descriptors
+  stay flat and whose memory stays bounded by the pre-auth cap;
 - tokenless peers announcing 16 MiB metas raised a node's RSS to about 1.34 GB: now a header announcing more than
   16 KiB of meta before AUTH is answered AUTH and the connection closed before a byte of it is buffered.
 
@@ -26,6 +27,7 @@ import time
 import pytest
 
 from transport import wire
+from umbp.auth import ClientAuth
 from umbp.client import Client
 
 from closedpool import OPS, closed_cluster, make_certs, scoped_client, tokens_toml
@@ -33,6 +35,7 @@ from closedpool import OPS, closed_cluster, make_certs, scoped_client, tokens_to
 TENANT_A = "tenant-a-secret-0123456789"
 TOKENS = tokens_toml({"tenant-a": (TENANT_A, {"tenant-a": "rw"})})
 LOW_NOFILE = 256  # the servers of the TLS test start with this soft open-file limit (the common default: 1,024)
+SILENT = 1000  # silent sockets held against each of them
 
 
 def client(addrs: str, token: str, **kw) -> Client:
@@ -77,11 +80,15 @@ def host_port(addr: str) -> tuple[str, int]:
 
 
 class Reconnecting:
-    """``n`` tokenless sockets per address that reconnect as soon as the server closes them (every other one sends
-    a PING first, the rest nothing), in one thread, until ``stop`` (bounded: 60 s). ``connects`` counts them."""
+    """``n`` tokenless sockets per address that reconnect as soon as the server closes them, in one thread, until
+    stopped (bounded: 60 s); ``connects`` counts them. ``speak``: "ping" (every other one sends a PING first, the
+    rest nothing) or "hello" (each sends a HELLO, as a client does before its AUTH)."""
 
-    def __init__(self, addrs: list[str], n: int):
+    def __init__(self, addrs: list[str], n: int, speak: str = "ping"):
         self.targets = [host_port(a) for a in addrs for _ in range(n)]
+        hello = ClientAuth(None, "attacker").hello_meta("attacker")
+        self.first = {"ping": wire.encode(wire.Op.PING, 1, {}), "hello": wire.encode(wire.Op.HELLO, 1, hello)}[speak]
+        self.speak = speak
         self.connects = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -97,8 +104,8 @@ class Reconnecting:
     def _connect(self, sel: selectors.BaseSelector, i: int) -> None:
         try:
             s = socket.create_connection(self.targets[i], timeout=2)
-            if i % 2:
-                s.sendall(wire.encode(wire.Op.PING, 1, {}))
+            if i % 2 or self.speak == "hello":
+                s.sendall(self.first)
         except OSError:
             return  # tried again on the next pass
         s.setblocking(False)
@@ -136,35 +143,40 @@ def closed(make_cluster, tmp_path, monkeypatch):
     return closed_cluster(make_cluster, tmp_path, monkeypatch, TOKENS, nodes=1, lease_ttl=3)
 
 
-def test_reconnecting_tokenless_sockets_do_not_keep_clients_out(closed):
+@pytest.mark.parametrize("speak", ["ping", "hello"])
+def test_reconnecting_tokenless_sockets_do_not_keep_clients_out(closed, speak):
+    """With "hello" the flood's sockets rank as far as a client's until its AUTH: the client's connection may be
+    evicted in that round trip, and FramedSocket connects again (transport/framed.py)."""
     page = os.urandom(100_000)
     targets = [closed.metaserver_addr, node_addr(closed)]
-    with Reconnecting(targets, 20) as flood:
-        for _ in range(200):  # bounded: the flood is under way (its sockets connected and churning)
-            if flood.connects > 40:
+    with Reconnecting(targets, 20, speak) as flood:
+        for _ in range(500):  # bounded: the flood is under way (its sockets connected, evicted, back)
+            if flood.connects > 200:
                 break
             time.sleep(0.02)
-        results: list = [None] * 4
+        results: list = [None] * 20  # 4 clients at a time, each connecting afresh 5 times
 
         def one(i: int) -> None:
-            t0 = time.monotonic()
-            try:
-                with client(closed.metaserver_addr, TENANT_A, transport="tcp", timeout_s=10.0) as c:
-                    ok = c.put(f"k{i}", page) is True and c.get(f"k{i}") == page
-                results[i] = (ok, time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001 - reported by the assertion below
-                results[i] = (repr(e), time.monotonic() - t0)
+            for k in range(i, 20, 4):
+                t0 = time.monotonic()
+                try:
+                    with client(closed.metaserver_addr, TENANT_A, transport="tcp", timeout_s=10.0) as c:
+                        ok = c.put(f"k{k}", page) is True and c.get(f"k{k}") == page
+                    results[k] = (ok, time.monotonic() - t0)
+                except Exception as e:  # noqa: BLE001 - reported by the assertion below
+                    results[k] = (repr(e), time.monotonic() - t0)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(30)
+            t.join(60)
         connects = flood.connects
-    print(f"\n4 clients under 2 x 20 reconnecting tokenless sockets ({connects} connections): {results}")
-    assert [r[0] if r else None for r in results] == [True] * 4, results  # each put and read back its page
+    print(f"\n20 clients under 2 x 20 reconnecting tokenless sockets ({speak}, {connects} connections): "
+          f"slowest {max(r[1] for r in results if r):.3f}s; {[r for r in results if not r or r[0] is not True]}")
+    assert [r[0] if r else None for r in results] == [True] * 20, results  # each put and read back its page
     assert max(r[1] for r in results) < 5.0, results  # within seconds, not the 30 s deadline
-    assert connects > 60  # the flood ran all along: its sockets were closed and came back
+    assert connects > 300  # the flood ran all along: its sockets were closed and came back
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +217,8 @@ def test_silent_tls_handshakes_cannot_shut_clients_out(tls_low_limit, certs):
     before = {name: (open_fds(p.pid), rss_kib(p.pid)) for name, p in servers.items()}
     silent: list[socket.socket] = []
     try:
-        for name in servers:  # more silent sockets than LOW_NOFILE against each server, held
-            silent += [socket.create_connection(host_port(addrs[name]), timeout=5) for _ in range(LOW_NOFILE + 44)]
+        for name in servers:  # 1,000 silent sockets against each server (4 x LOW_NOFILE), held
+            silent += [socket.create_connection(host_port(addrs[name]), timeout=5) for _ in range(SILENT)]
         for _ in range(100):  # bounded: until both servers took every connection off their listen queue
             if not any(accept_queue(host_port(a)[1]) for a in addrs.values()):
                 break
@@ -222,15 +234,25 @@ def test_silent_tls_handshakes_cannot_shut_clients_out(tls_low_limit, certs):
     finally:
         for s in silent:
             s.close()
+    for _ in range(80):  # bounded (4 s): the servers gave the flood's memory back (a trim a second at most)
+        after = {name: rss_kib(p.pid) for name, p in servers.items()}
+        if all(after[name] - before[name][1] < 4 * 1024 for name in servers):
+            break
+        time.sleep(0.05)
     print(f"\nTLS client in {took:.2f}s ({got}) while {len(silent)} silent sockets were held; (fds, RSS KiB) "
-          f"before {before}, during {during}; open-file limits {limits}")
+          f"before {before}, during {during}; RSS KiB after {after}; open-file limits {limits}")
     assert got is True and took < 4.0
     for name in servers:
         soft, hard = limits[name]
         assert soft == hard and soft > LOW_NOFILE, (name, soft, hard)  # raised at start, from LOW_NOFILE
-        # 16 pre-auth connections at most, plus the client's: not one descriptor per silent socket
+        # 16 pre-auth connections at most (32 for a moment in a burst), plus the client's: not one descriptor per
+        # silent socket, nor a handshake's memory each (about 250 KB: 1,000 would hold 250 MB; measured +10 MB for
+        # the metaserver, +28 MB for the node, whose heap keeps large blocks for TLS: umbp/tls.py)
         assert during[name][0] - before[name][0] < 40, (name, before[name], during[name])
-        assert during[name][1] - before[name][1] < 16 * 1024, (name, before[name], during[name])
+        assert during[name][1] - before[name][1] < 48 * 1024, (name, before[name], during[name])
+        # given back once they left: all of it (metaserver), all but what the node's heap keeps of a burst (+16 MB,
+        # the same after floods of 300 or 3,000)
+        assert after[name] - before[name][1] < 24 * 1024, (name, before[name], after[name])
 
 
 def send_big_meta(addr: str, meta_len: int) -> tuple[int, bool]:

@@ -21,6 +21,10 @@ loopback took 31 client syscalls (strace -c: 11 ``poll``, 8 ``ioctl`` for timeou
 ``recvfrom``, 3 ``sendmsg``); cProfile: ``recv_scatter``'s own Python 290 us a get, now 50. With ``tls_ca`` the
 socket is wrapped in TLS (umbp/tls.py), keeps Python's timeout mode, and sends with ``sendall`` of coalesced
 pieces and receives with ``recv_into`` per view (SSLSocket has no ``sendmsg``/``recvmsg_into``).
+
+A connection a closed server evicts before it authenticated (request id 0, UNAVAILABLE: newer pre-auth
+connections from the same address, umbp/admission.py) is opened again at once, up to ``_HANDSHAKE_TRIES`` times
+within the deadline.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 from transport import wire
 from umbp.auth import ClientAuth
 from umbp.config import split_host_port
-from umbp.errors import AuthError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
+from umbp.errors import AuthError, DeadlineExceeded, ProtocolError, RemoteError, TransportError, Unavailable
 from umbp.tls import client_context
 
 _IOV_MAX = 512
@@ -48,6 +52,7 @@ _WAITALL, _DONTWAIT, _PEEK = socket.MSG_WAITALL, socket.MSG_DONTWAIT, socket.MSG
 _TIMEVAL = struct.Struct("@ll")  # struct timeval (SO_RCVTIMEO / SO_SNDTIMEO)
 _EXACT_TIMEO_S = 0.002  # below this much time left a socket timeout is set to all of it (above: half of it)
 _REARM = 64  # bound on re-arming a socket timeout that ran out early (each try waits half the time left)
+_HANDSHAKE_TRIES = 4  # connections tried when a server cap cuts one before it authenticated (an eviction)
 
 
 def _advance(views: list, i: int, n: int) -> int:
@@ -65,10 +70,15 @@ def _advance(views: list, i: int, n: int) -> int:
 
 
 def connection_error(frame: wire.Frame, component: str) -> None:
-    """An error frame with request id 0 is the server's word on the whole connection (a cap turned it away, its
-    authentication deadline passed, the stream was unframeable): raise it as its RemoteError. Otherwise return."""
+    """An error frame with request id 0 is the server's word on the whole connection (a cap evicted it before it
+    authenticated, its authentication deadline passed, the stream was unframeable): raise it as its RemoteError,
+    marked ``whole_connection``. Otherwise return."""
     if frame.request_id == 0 and frame.status != wire.Status.OK and frame.flags & wire.Flag.RESPONSE:
-        wire.raise_for_status(frame, component)
+        try:
+            wire.raise_for_status(frame, component)
+        except RemoteError as e:
+            e.whole_connection = True
+            raise
 
 
 def _remaining(deadline: float, component: str) -> float:
@@ -100,11 +110,36 @@ class FramedSocket:
         self.addr = addr
         self.component = component
         self.tls = bool(tls_ca)
+        self._hdr = bytearray(wire.HEADER_SIZE)
+        self._hdr_mv = memoryview(self._hdr)
+        self._meta = memoryview(bytearray(4096))  # meta of received frames (recv_meta), grown on demand
         host, port = split_host_port(addr, component)
+        for attempt in range(_HANDSHAKE_TRIES):
+            self._open(host, port, tls_ca, deadline)
+            if token is None and not hello:
+                return
+            try:
+                self.handshake(token, deadline)
+                return
+            except Unavailable as e:
+                # The server cut this connection before it authenticated (request id 0): in a closed pool a newer
+                # connection from this address evicted it (umbp/admission.py: a flood from here churns its own). A
+                # new connection at once, a few times: the client gets in between the flood's connections. (A cap
+                # that refuses answers the HELLO itself: raised as it is.)
+                self.close()
+                if (not getattr(e, "whole_connection", False) or attempt == _HANDSHAKE_TRIES - 1
+                        or time.monotonic() >= deadline):
+                    raise
+            except BaseException:
+                self.close()
+                raise
+
+    def _open(self, host: str, port: int, tls_ca: str, deadline: float) -> None:
+        """Connect (and with ``tls_ca`` run the TLS handshake); the connection's state starts afresh."""
         try:
-            self.sock = socket.create_connection((host, port), timeout=_remaining(deadline, component))
+            self.sock = socket.create_connection((host, port), timeout=_remaining(deadline, self.component))
         except OSError as e:
-            raise TransportError(component, f"cannot connect to {addr}: {e.strerror or e}") from e
+            raise TransportError(self.component, f"cannot connect to {self.addr}: {e.strerror or e}") from e
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             try:
@@ -116,17 +151,8 @@ class FramedSocket:
         else:
             self.sock.settimeout(None)  # blocking: one syscall per call, deadlines kept by SO_RCVTIMEO/SO_SNDTIMEO
         self._rto = self._sto = 0.0  # the socket's receive / send timeout now (0.0: none set, which blocks forever)
-        self._hdr = bytearray(wire.HEADER_SIZE)
-        self._hdr_mv = memoryview(self._hdr)
-        self._meta = memoryview(bytearray(4096))  # meta of received frames (recv_meta), grown on demand
         self._next_id = 1
         self.closed = False
-        if token is not None or hello:
-            try:
-                self.handshake(token, deadline)
-            except BaseException:
-                self.close()
-                raise
 
     def _wrap_tls(self, host: str, ca: str) -> None:
         """TLS client handshake (under the connect timeout), verifying the server's certificate against ``ca``

@@ -4,26 +4,27 @@ framing, and the refusals that come before a request reaches its handler.
 A connection is admitted (``umbp.admission``: caps before and after authentication, per source address) when the
 TCP connection is accepted, before any TLS handshake: a handshake is pre-auth work like any other, counted against
 the pre-auth cap and inside the authentication deadline (``auth_timeout_s`` from the accept, handshake included).
-With ``tls`` the protocol then runs the server side of the handshake itself (``loop.start_tls``) and serves the
-encrypted transport once it completes (``ready``). A pre-auth connection evicted to admit a newer one is told why
-(UNAVAILABLE, request id 0) and closed; one still in its handshake is just closed. One a cap refuses keeps its
+With ``tls`` the protocol then runs the server side of the handshake itself (the event loop's own TLS protocol,
+set up at once) and serves the encrypted transport once it completes (``ready``). Pre-auth connections past a cap
+are evicted ``SETTLE_S`` after the admissions (the least far first: umbp/admission.py), each told why (UNAVAILABLE,
+request id 0) and closed; one still in its handshake is just closed. One the authenticated cap refuses keeps its
 socket for ``REFUSED_LINGER_S`` so its first request can be answered UNAVAILABLE with the reason, then closes.
 
 Until it authenticates a connection may announce frames of at most ``PREAUTH_MAX_META`` bytes of meta and no data
-(HELLO, AUTH, PING and FENCE need a few hundred): a bigger header is unframeable (TOO_LARGE, then closed) before a
-byte of it is buffered; after AUTH the server's own limits apply. Bytes land in the ``wire.FrameReader``'s buffer
+(HELLO, AUTH, PING and FENCE need a few hundred): a bigger header is answered AUTH (authenticate first) and the
+connection closed before a byte of its meta is buffered; after AUTH the server's own limits apply. Bytes land in the ``wire.FrameReader``'s buffer
 (``get_buffer``); every frame one receive completed goes to ``handle`` in order, then ``flush`` writes what the
 handlers queued (the node: one ``writelines``), and a bad frame header, answered after the good frames before it,
-closes the connection (``unframeable``). Subclasses set ``reader``, ``admission``, ``conns``, ``component``,
-``auth`` and ``tls`` and implement ``handle``, ``unframeable``, ``connection_lost`` (starting with ``release``)
-and, if they need them, ``flush`` and ``ready``.
+closes the connection (``unframeable``). Subclasses set ``reader``, ``admission``, ``conns``, ``component`` and
+``tls``, call ``admit`` from ``connection_made``, and implement ``handle``, ``unframeable``, ``connection_lost``
+(starting with ``release``) and, if they need them, ``flush`` and ``ready``.
 
 Memory given back: connection buffers freed by closed connections (a flood's) add up; past ``TRIM_AFTER`` bytes
 glibc is asked to return its free pages (``umbp.tls.trim_malloc``), at most once per ``TRIM_DELAY_S``. The servers
 raise their own open-file soft limit to the hard limit at start (``raise_file_limit``).
 
-A leaf module: it imports the wire module, the error hierarchy, umbp.admission and umbp.tls, nothing else of UMBP. Costs: O(1) per
-connection event (an eviction: O(preauth)), O(frames) per receive.
+A leaf module: it imports the wire module, the error hierarchy, umbp.admission and umbp.tls, nothing else of
+UMBP. Costs: O(1) per connection event (an eviction: O(preauth)), O(frames) per receive.
 """
 
 from __future__ import annotations
@@ -41,10 +42,15 @@ from umbp.errors import FrameTooLarge, ProtocolError
 from umbp.tls import trim_malloc
 
 REFUSED_LINGER_S = 1.0  # a connection turned away by a cap waits this long for a request to answer, then closes
+# Evictions past a pre-auth cap wait this long after the admission (a timer: on uvloop and on asyncio's loop the
+# connections' first reads, a client's HELLO already in its socket, are processed before it fires)
+SETTLE_S = 0.005
+UNSETTLED_MAX = 2  # ... unless the pre-auth pool holds this many times its cap meanwhile: then at once
 PREAUTH_MAX_META = 16 << 10  # meta a peer may announce before it authenticates (the staging buffer never grows)
 TRIM_AFTER = 32 << 20  # connection buffers freed since the last trim that call for a malloc_trim ...
 TRIM_DELAY_S = 1.0  # ... this long after the first of them (a flood: one trim a second at most)
 TLS_CONN_BYTES = 256 << 10  # what a TLS connection holds besides its reader (the event loop's TLS read buffer)
+_INTRODUCTIONS = (wire.Op.HELLO, wire.Op.FENCE)  # what a peer that means to authenticate (or fence) sends first
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 _BYTES_RECEIVED = struct.Struct("=Q")  # struct tcp_info's tcpi_bytes_received (Linux 4.1+) ...
 _BYTES_RECEIVED_AT = 128  # ... at this offset
@@ -95,6 +101,13 @@ def _ssl_protocol(loop: asyncio.AbstractEventLoop) -> type:
     return SSLProtocol
 
 
+def _settle(admission) -> None:
+    """Evict what the admissions of the last moment put past a pre-auth cap (``Admission.settle``)."""
+    admission.settling = False  # a timer still pending finds nothing to do, or the next burst's work
+    for victim in admission.settle():
+        victim.evict(admission.evicted_message(victim.source))
+
+
 class _Trim:
     """Process-wide (malloc_trim acts on the whole process): bytes of connection buffers freed since the last
     trim, and the trim scheduled for them."""
@@ -134,6 +147,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
     _sock = None  # the TCP socket (the kernel's byte count of a pre-auth connection)
     _lingers = False  # counted in ``admission.lingering``
     _released = False
+    _spoke = False  # sent a HELLO or a FENCE before authenticating (``preauth_rank``)
 
     # -- subclass hooks ----------------------------------------------------------------------------------------
     def handle(self, frame: wire.Frame, err: Exception | None) -> None:
@@ -166,10 +180,13 @@ class FramedProtocol(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         self.source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         admission = self.admission
-        self.refused, victim = admission.admit(self, self.source)
-        self.refused = self.refused or ""
-        if victim is not None:
-            victim.evict(admission.evicted_message(victim.source))
+        self.refused = admission.admit(self, self.source) or ""
+        if admission.unsettled:
+            if len(admission.preauth) > UNSETTLED_MAX * admission.preauth_cap:
+                _settle(admission)  # a burst of thousands: no waiting for reads (each a handshake's memory)
+            elif not admission.settling:
+                admission.settling = True  # one settle for the accepts of the next moment, after their first reads
+                loop.call_later(SETTLE_S, _settle, admission)
         if self.refused:
             if admission.lingering >= MAX_LINGERING:
                 transport.abort()  # enough are waiting to be told already: this one is not
@@ -253,9 +270,10 @@ class FramedProtocol(asyncio.BufferedProtocol):
         return self.admission.authenticated(self)
 
     def preauth_rank(self) -> int:
-        """How far this pre-auth connection got (admission evicts the least far first): 2 sent a HELLO with a
-        nonce, 1 sent bytes (the kernel's count: a TLS ClientHello, a request not read yet), 0 nothing yet."""
-        if getattr(getattr(self, "auth", None), "client_nonce", b""):
+        """How far this pre-auth connection got (admission evicts the least far first): 2 sent a HELLO (a client
+        about to AUTH) or a FENCE (a slot leader's, MAC'd), 1 sent bytes (the kernel's count: a TLS ClientHello, a
+        request not read yet), 0 nothing yet."""
+        if self._spoke:
             return 2
         return 1 if self._sock is not None and bytes_received(self._sock) > 0 else 0
 
@@ -298,6 +316,8 @@ class FramedProtocol(asyncio.BufferedProtocol):
         if self.refused:
             self._answer_refused(frames)
             return
+        if self._limits is not None and not self._spoke:  # pre-auth: did it introduce itself?
+            self._spoke = any(f.op in _INTRODUCTIONS for f, _err in frames)
         handle = self.handle
         for frame, err in frames:
             handle(frame, err)

@@ -1,7 +1,7 @@
-"""Pre-auth admission (umbp/admission.py, issue 42 finding 3): a newcomer is never refused; the connection it evicts
-is of its own address past ``per_source``, else of the busiest address when the pool is full, and of that address
-the one that got least far (sent nothing, then bytes, then a HELLO), oldest first. Fake connections carry their
-rank; no sockets."""
+"""Pre-auth admission (umbp/admission.py, issue 42 finding 3): a newcomer is never refused; ``settle`` (a moment
+after admissions that went past a cap) evicts of each address past ``per_source`` its own, then of the busiest
+address while the pool is past its cap, each time the connection that got least far (sent nothing, then bytes, then
+a HELLO), oldest first. Fake connections carry their rank; no sockets."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ class Conn:
     def __init__(self, name: str, rank: int = 0):
         self.name = name
         self.rank = rank
-        self.asked = 0
 
     def preauth_rank(self) -> int:
-        self.asked += 1
         return self.rank
 
     def __repr__(self) -> str:
@@ -28,59 +26,71 @@ def closed(preauth: int = 16, per_source: int = 8) -> Admission:
     return Admission("node n", True, max_connections=4, preauth=preauth, auth_timeout_s=5.0, per_source=per_source)
 
 
+def admit_all(adm: Admission, conns: list, source: str) -> list:
+    """Admit each (never refused), settling after each as the server's timer would between accepts."""
+    victims = []
+    for c in conns:
+        assert adm.admit(c, source) is None
+        if adm.unsettled:
+            victims += adm.settle()
+    return victims
+
+
 def test_one_address_holds_per_source_and_churns_only_its_own():
     adm = closed()
     attackers = [Conn(f"a{i}") for i in range(40)]
-    evicted = []
-    for c in attackers:
-        refusal, victim = adm.admit(c, "10.0.0.9")
-        assert refusal is None  # never refused
-        evicted.append(victim)
-    assert evicted[:8] == [None] * 8 and evicted[8:] == attackers[:32]  # oldest first
+    assert admit_all(adm, attackers[:8], "10.0.0.9") == [] and not adm.unsettled
+    assert admit_all(adm, attackers[8:], "10.0.0.9") == attackers[:32]  # oldest first
     assert list(adm.sources["10.0.0.9"]) == attackers[32:] and adm.evictions == 32
     # another address is admitted without touching anyone: the pool (16) has room
-    assert adm.admit(Conn("client"), "10.0.0.1") == (None, None)
+    assert adm.admit(Conn("client"), "10.0.0.1") is None and not adm.unsettled
 
 
-def test_a_full_pool_evicts_from_the_busiest_address():
+def test_a_burst_is_settled_at_once_and_the_busiest_address_gives():
     adm = closed(preauth=16, per_source=8)
     a = [Conn(f"a{i}") for i in range(8)]
     b = [Conn(f"b{i}") for i in range(6)]
     c = [Conn(f"c{i}") for i in range(2)]
     for conn, src in [*((x, "A") for x in a), *((x, "B") for x in b), *((x, "C") for x in c)]:
-        assert adm.admit(conn, src) == (None, None)
-    assert len(adm.preauth) == 16
-    assert adm.admit(Conn("d0"), "D") == (None, a[0])  # A holds 8: the busiest
-    assert adm.admit(Conn("c2"), "C") == (None, a[1])  # C (2 + 1) is not the busiest: A (7) gives
-    # A and B now hold 6 each: a newcomer of B ties with the busiest, so B's own oldest gives (no address grows
-    # past the busiest's share by evicting another)
-    assert adm.admit(Conn("b6"), "B")[1] is b[0]
-    assert len(adm.sources["A"]) == 6 and len(adm.sources["B"]) == 6 and len(adm.preauth) == 16
+        assert adm.admit(conn, src) is None
+    assert not adm.unsettled and len(adm.preauth) == 16
+    # a burst of accepts before the settle: A past its own cap, the pool past 16
+    burst = [(Conn("a8"), "A"), (Conn("a9"), "A"), (Conn("d0"), "D"), (Conn("c2"), "C")]
+    for conn, src in burst:
+        adm.admit(conn, src)
+    assert adm.unsettled and len(adm.preauth) == 20
+    victims = adm.settle()
+    # A (10) back to 8: a0, a1; then the pool (18) back to 16 from the busiest, A again (8 against B's 6): a2, a3
+    assert victims == a[:4] and len(adm.preauth) == 16 and not adm.unsettled
+    assert {src: len(g) for src, g in adm.sources.items()} == {"A": 6, "B": 6, "C": 3, "D": 1}
 
 
 def test_the_least_far_goes_first_a_client_that_spoke_stays():
     adm = closed(preauth=16, per_source=4)
     client = Conn("client", rank=2)  # sent its HELLO
     tls_client = Conn("tls", rank=1)  # sent its ClientHello, handshake under way
-    assert adm.admit(client, "S") == (None, None)
-    assert adm.admit(tls_client, "S") == (None, None)
+    assert admit_all(adm, [client, tls_client], "S") == []
     silent = [Conn(f"s{i}") for i in range(50)]
-    victims = [adm.admit(s, "S")[1] for s in silent]
+    victims = admit_all(adm, silent, "S")
     assert client not in victims and tls_client not in victims  # 50 silent newcomers churned among themselves
     assert set(adm.sources["S"]) == {client, tls_client, silent[-2], silent[-1]}
-    # once only speakers are left, the oldest of the lowest rank goes
+    # a client accepted in the same burst as silent ones, its HELLO read before the settle: the silent ones go
     adm2 = closed(preauth=16, per_source=2)
+    late = Conn("late-client")
+    for conn in (Conn("x0"), Conn("x1"), late, Conn("x2"), Conn("x3")):
+        adm2.admit(conn, "S")
+    late.rank = 2
+    assert [v.name for v in adm2.settle()] == ["x0", "x1", "x2"]
+    # once only speakers are left, the oldest of the lowest rank goes
+    adm3 = closed(preauth=16, per_source=2)
     pinger, hello = Conn("pinger", rank=1), Conn("hello", rank=2)
-    adm2.admit(hello, "S")
-    adm2.admit(pinger, "S")
-    assert adm2.admit(Conn("new", rank=0), "S")[1] is pinger
+    assert admit_all(adm3, [hello, pinger, Conn("new", rank=2)], "S") == [pinger]
 
 
 def test_authenticated_connections_leave_the_pool_and_count_against_max_connections():
     adm = closed(preauth=2, per_source=2)
     a, b = Conn("a"), Conn("b")
-    adm.admit(a, "S")
-    adm.admit(b, "S")
+    admit_all(adm, [a, b], "S")
     assert adm.pending(a) and adm.authenticated(a) is None and not adm.pending(a)
     assert adm.sources["S"] == {b: None} and a in adm.authed
     adm.drop(b)
@@ -100,10 +110,9 @@ def test_messages_and_open_pools():
         "node n: too many unauthenticated connections (preauth_connections 16, preauth_per_source 8 from "
         "10.1.2.3): this one was closed to admit a newer one")
     open_pool = Admission("metaserver", False, max_connections=2, preauth=16, auth_timeout_s=5.0, per_source=8)
-    assert open_pool.admit(Conn("x"), "S") == (None, None) and open_pool.admit(Conn("y"), "S") == (None, None)
-    refusal, victim = open_pool.admit(Conn("z"), "S")
-    assert victim is None and refusal.startswith("metaserver: too many connections (max_connections 2 reached)")
-    assert not open_pool.preauth
+    assert open_pool.admit(Conn("x"), "S") is None and open_pool.admit(Conn("y"), "S") is None
+    assert open_pool.admit(Conn("z"), "S").startswith("metaserver: too many connections (max_connections 2 reached)")
+    assert not open_pool.preauth and not open_pool.unsettled
 
 
 @pytest.mark.parametrize("per_source", [0, 99])
