@@ -5,7 +5,10 @@
   without the pool, prints the table and the target checks, writes ``trace.jsonl``, ``results.json``,
   ``shares.png`` and ``ttft.png`` into DIR (default ``./umbp-demo/``). About two minutes on two cores.
 - ``umbp replay TRACE``: the same for a JSONL trace (``umbp.workload.trace``), every setting a flag;
-  ``--metaserver`` uses a running pool instead of starting one.
+  ``--metaserver`` uses a running pool instead of starting one. A trace in Mooncake's FAST'25 format
+  (``umbp.workload.mooncake``; ``--format``, detected by default) runs open loop at its timestamps, once per router
+  with and without the pool, and reports block hit rates against the trace's infinite-cache ceiling; flags left
+  unset take that format's defaults (512-token pages, 3 M HBM tokens a rank, a pool of 4 x the ranks' HBM).
 - ``umbp bench`` (the old demo): two processes push synthetic KV pages through a local pool, read back each
   other's pages and check every byte, and report the rates reached. Exit code 0 only if every byte matched.
 
@@ -196,6 +199,10 @@ DEMO_SESSIONS = 64
 DEMO_CONCURRENCY = "8,16,32"
 DEMO_HBM_PAGES = 400  # per rank: about 4 sessions' contexts, so HBM alone cannot hold 8+ concurrent sessions
 DEMO_POOL_PAGES = 5120  # holds the working set of 32 concurrent sessions (~3.6K pages), not the whole trace (~7K)
+MOONCAKE_PAGE_TOKENS = 512  # the trace's own block: one page per block
+MOONCAKE_HBM_TOKENS = 3_000_000  # per rank: what a 70B model (320 KiB of KV a token) leaves on 8 x 141 GB H200s
+MOONCAKE_PAGE_BYTES = 4096 - 64  # stand-in payload, one 4 KiB object a page: the whole conversation trace is 0.75 GB
+MOONCAKE_POOL_PER_HBM = 4  # default pool: 4 x the ranks' HBM together (DRAM of the prefill hosts)
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -218,17 +225,29 @@ def _add_replay_flags(s, demo: bool) -> None:
     g = s.add_argument_group("pool")
     g.add_argument("--metaserver", default=None, help="use this running pool (HOST:PORT) instead of starting one")
     g.add_argument("--nodes", type=int, default=2, help="nodes of the local pool (the pool pages split over them)")
-    g.add_argument("--pool-pages", type=int, default=DEMO_POOL_PAGES, help="local pool capacity in pages")
+    g.add_argument("--pool-pages", type=int, default=DEMO_POOL_PAGES if demo else None,
+                   help="local pool capacity in pages" + ("" if demo else f" (default {DEMO_POOL_PAGES}; Mooncake "
+                                                           f"traces: 4 x ranks x --hbm-tokens)"))
+    g.add_argument("--pool-tokens", type=int, default=None, help="local pool capacity in tokens (sets --pool-pages)")
     g.add_argument("--eviction-policy", default="prefix-lru", choices=["lru", "prefix-lru"])
     g.add_argument("--transport", default="auto", choices=["auto", "tcp", "shm", "rdma"])
     g = s.add_argument_group("replay")
     g.add_argument("--ranks", type=int, default=rc.ranks, help="DP ranks")
-    g.add_argument("--hbm-pages", type=int, default=DEMO_HBM_PAGES, help="HBM prefix cache per rank, in pages")
-    g.add_argument("--page-size", type=int, default=rc.page_size, help="tokens per page")
-    g.add_argument("--page-bytes", type=int, default=rc.page_bytes, help="payload bytes of a pool page")
+    g.add_argument("--hbm-pages", type=int, default=DEMO_HBM_PAGES if demo else None,
+                   help="HBM prefix cache per rank, in pages" + ("" if demo else f" (default {DEMO_HBM_PAGES})"))
+    g.add_argument("--hbm-tokens", type=int, default=None,
+                   help="HBM prefix cache per rank, in tokens (sets --hbm-pages" +
+                        (")" if demo else f"; Mooncake traces: default {MOONCAKE_HBM_TOKENS:,})"))
+    g.add_argument("--page-size", "--page-tokens", dest="page_size", type=int, default=rc.page_size if demo else None,
+                   help="tokens per page" + ("" if demo else f" (default {rc.page_size}; Mooncake traces: "
+                                                             f"{MOONCAKE_PAGE_TOKENS}, one block a page)"))
+    g.add_argument("--page-bytes", type=int, default=rc.page_bytes if demo else None,
+                   help="payload bytes of a pool page" + ("" if demo else f" (default {rc.page_bytes}; Mooncake "
+                                                                          f"traces: {MOONCAKE_PAGE_BYTES})"))
     g.add_argument("--concurrency", default=DEMO_CONCURRENCY, help="sessions in flight, comma separated")
-    g.add_argument("--routers", default="round-robin,affinity",
-                   help="comma separated: round-robin, affinity, least-loaded, cache-aware")
+    g.add_argument("--routers", default="round-robin,affinity" if demo else None,
+                   help="comma separated: round-robin, affinity, least-loaded, cache-aware" +
+                        ("" if demo else " (default round-robin,affinity; Mooncake traces: all four)"))
     g.add_argument("--pool", default="both", choices=["both", "on", "off"], help="run with the pool, without, or both")
     g.add_argument("--load-factor", type=float, default=rc.affinity_load_factor, help="affinity's bounded load")
     g.add_argument("--write-batch-pages", type=int, default=rc.write_batch_pages)
@@ -247,12 +266,32 @@ def _add_replay_flags(s, demo: bool) -> None:
     g.add_argument("--tpot-s", type=float, default=cm.tpot_s, help="decode seconds per output token")
 
 
-def _job(args, title: str):
+def _job(args, title: str, mooncake: bool = False):
+    """The job's configuration from the flags; flags left at None take the trace format's defaults."""
     from umbp.workload.costmodel import CostModel
     from umbp.workload.job import JobConfig
     from umbp.workload.replay import ReplayConfig
 
-    routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
+    rc0 = ReplayConfig()
+    ps = args.page_size or (MOONCAKE_PAGE_TOKENS if mooncake else rc0.page_size)
+    if ps < 1:
+        from umbp.errors import ConfigError
+
+        raise ConfigError("replay", f"--page-size must be >= 1, got {ps}")
+    hbm_pages = args.hbm_pages
+    if args.hbm_tokens is not None:
+        hbm_pages = args.hbm_tokens // ps
+    elif hbm_pages is None:
+        hbm_pages = MOONCAKE_HBM_TOKENS // ps if mooncake else DEMO_HBM_PAGES
+    pool_pages = args.pool_pages
+    if args.pool_tokens is not None:
+        pool_pages = args.pool_tokens // ps
+    elif pool_pages is None:
+        pool_pages = MOONCAKE_POOL_PER_HBM * args.ranks * hbm_pages if mooncake else DEMO_POOL_PAGES
+    page_bytes = args.page_bytes or (MOONCAKE_PAGE_BYTES if mooncake else rc0.page_bytes)
+    routers_text = args.routers or ("round-robin,affinity,least-loaded,cache-aware" if mooncake
+                                    else "round-robin,affinity")
+    routers = tuple(r.strip() for r in routers_text.split(",") if r.strip())
     from umbp.routing import ROUTERS
 
     for r in routers:
@@ -262,17 +301,17 @@ def _job(args, title: str):
             raise ConfigError("replay", f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.pool]
     runs = tuple((r, m) for r in routers for m in modes)
-    rc = ReplayConfig(ranks=args.ranks, hbm_pages=args.hbm_pages, page_size=args.page_size,
-                      page_bytes=args.page_bytes, write_batch_pages=args.write_batch_pages,
+    rc = ReplayConfig(ranks=args.ranks, hbm_pages=hbm_pages, page_size=ps,
+                      page_bytes=page_bytes, write_batch_pages=args.write_batch_pages,
                       affinity_load_factor=args.load_factor)
     cost = CostModel(params=args.params, layers=args.layers, attn_dim=args.attn_dim,
                      kv_bytes_per_token=args.kv_bytes_per_token, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
                      gpus_per_rank=args.gpus_per_rank, load_gbps=args.load_gbps, overlap=args.overlap,
                      tpot_s=args.tpot_s)
     return JobConfig(concurrencies=_int_list(args.concurrency, "--concurrency"), runs=runs, replay=rc, cost=cost,
-                     metaserver=args.metaserver, nodes=args.nodes, pool_pages=args.pool_pages,
+                     metaserver=args.metaserver, nodes=args.nodes, pool_pages=pool_pages,
                      eviction_policy=args.eviction_policy, transport=args.transport, out=args.out,
-                     plots=not args.no_plots, title=title)
+                     plots=not args.no_plots, title=title, speed=getattr(args, "speed", 1.0))
 
 
 def cmd_demo(args) -> int:
@@ -292,8 +331,15 @@ def cmd_demo(args) -> int:
 
 def cmd_replay(args) -> int:
     from umbp.workload.job import run_job
+    from umbp.workload.mooncake import detect_format, load_mooncake
     from umbp.workload.trace import Trace, load_trace
 
+    fmt = detect_format(args.trace) if args.format == "auto" else args.format
+    if fmt == "mooncake":
+        mc = load_mooncake(args.trace, args.block_tokens, args.session_blocks)
+        if args.requests:
+            mc = mc.head(args.requests)
+        return run_job(mc, _job(args, f"umbp replay {args.trace}", mooncake=True), trace_path=args.trace)
     trace = load_trace(args.trace)
     if args.sessions:
         keep = set(trace.roots()[:args.sessions])
@@ -312,8 +358,16 @@ def add_subcommands(sub) -> None:
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("replay", help="replay a JSONL trace through the pool with DP routers (docs/guide/workload.md)")
-    s.add_argument("trace", help="JSONL trace file")
-    s.add_argument("--sessions", type=int, default=0, help="replay only the first N sessions (0: all)")
+    s.add_argument("trace", help="JSONL trace file: umbp's format or Mooncake's (FAST'25 traces)")
+    s.add_argument("--format", default="auto", choices=["auto", "umbp", "mooncake"],
+                   help="trace format (auto: Mooncake when the first line has hash_ids and input_length)")
+    s.add_argument("--sessions", type=int, default=0, help="umbp traces: replay only the first N sessions (0: all)")
+    g = s.add_argument_group("Mooncake traces (open loop at the trace's timestamps)")
+    g.add_argument("--speed", type=float, default=1.0, help="arrival times divided by this (2: twice the load)")
+    g.add_argument("--requests", type=int, default=0, help="replay only the first N requests (0: all)")
+    g.add_argument("--block-tokens", type=int, default=512, help="tokens per hash_ids block of the trace")
+    g.add_argument("--session-blocks", type=int, default=2,
+                   help="a request's session (for affinity routing) is its first N block ids")
     _add_replay_flags(s, demo=False)
     s.set_defaults(func=cmd_replay)
 

@@ -3,6 +3,7 @@
 Modules, bottom up: ``trace`` (the JSONL format, loader, token expansion, statistics), ``generator`` (seeded
 AgentX-shaped sessions), ``costmodel`` (tokens and bytes to simulated prefill seconds), ``hbm`` (each rank's
 prefix cache), ``memorypool`` (an in-process stand-in for ``umbp.Client``, for unit tests), ``replay`` (ranks,
-the event loop, token accounting), ``report`` (table, JSON, plots), ``job`` (``umbp demo`` / ``umbp replay``).
-Routers live in ``umbp.routing``. Nothing here is imported by the pool itself.
+the event loop, token accounting), ``mooncake`` (Mooncake's FAST'25 trace format and its open-loop replay),
+``report`` (table, JSON, plots), ``job`` (``umbp demo`` / ``umbp replay``). Routers live in ``umbp.routing``.
+Nothing here is imported by the pool itself.
 """

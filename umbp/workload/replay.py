@@ -218,6 +218,13 @@ class RunResult:
     sim_s: float = 0.0
     wall_s: float = 0.0
     mean_sessions_in_flight: float = 0.0
+    prefill_s: float = 0.0  # simulated prefill seconds, summed over requests
+    prefill_full_s: float = 0.0  # the same prefills with nothing cached: prefill_s / this = 1 - time saved
+    blocks: int = 0  # block counts: traces with blocks (Mooncake format) only, see umbp.workload.mooncake
+    hbm_blocks: int = 0
+    pool_blocks: int = 0
+    recomputed_blocks: int = 0
+    ceiling_blocks: int = 0
     pool_nodes: list = field(default_factory=list)  # after the run: node_id, used_bytes, capacity_bytes, objects
     config: dict = field(default_factory=dict)
 
@@ -228,6 +235,14 @@ class RunResult:
     def cached_share(self) -> float:
         return self.share("hbm") + self.share("pool")
 
+    def block_share(self, what: str) -> float:
+        return getattr(self, f"{what}_blocks") / self.blocks if self.blocks else 0.0
+
+    @property
+    def prefill_saved(self) -> float:
+        """Share of simulated prefill time the caches saved against recomputing every prompt."""
+        return 1.0 - self.prefill_s / self.prefill_full_s if self.prefill_full_s > 0 else 0.0
+
     @property
     def pool_gbps(self) -> float:
         return self.pool_bytes_read / self.pool_read_s / 1e9 if self.pool_read_s > 0 else 0.0
@@ -236,7 +251,9 @@ class RunResult:
         d = asdict(self)
         d.update(hbm_share=self.share("hbm"), pool_share=self.share("pool"),
                  recomputed_share=self.share("recomputed"), ideal_share=self.share("ideal"),
-                 cached_share=self.cached_share, pool_read_gbps=self.pool_gbps)
+                 cached_share=self.cached_share, pool_read_gbps=self.pool_gbps, prefill_saved=self.prefill_saved)
+        if self.blocks:
+            d.update({f"{w}_block_share": self.block_share(w) for w in ("hbm", "pool", "recomputed", "ceiling")})
         return d
 
 
@@ -426,7 +443,10 @@ class Replay:
         res.ideal_tokens += max(ideal, h + p) * ps
         lv.hbm, lv.pool, lv.computed_from = h, p, h + p
         rank.hbm.insert(lv.ctx_keys[:req.prompt_len // ps])
-        return self.cost.prefill_s(hbm_t, pool_t, req.prompt_len, self.scale)
+        t = self.cost.prefill_s(hbm_t, pool_t, req.prompt_len, self.scale)
+        res.prefill_s += t
+        res.prefill_full_s += self.cost.prefill_s(0, 0, req.prompt_len, self.scale)
+        return t
 
     def _write(self, rank: Rank, keys: list[str], lo: int, hi: int, seen: set[str]) -> None:
         """Pages ``keys[lo:hi]`` are now written (queued for the pool when there is one)."""

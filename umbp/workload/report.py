@@ -34,6 +34,8 @@ def _secs(x: float) -> str:
 def table(rows: Sequence[RunResult], title: str = "umbp replay"):
     from rich.table import Table
 
+    if rows and all(r.blocks for r in rows):
+        return block_table(rows, title)
     t = Table(title=title)
     for col, just in (("conc", "right"), ("router", "left"), ("pool", "left"), ("HBM", "right"),
                       ("pool", "right"), ("recomp", "right"), ("cached", "right"), ("pool GB/s", "right"),
@@ -51,8 +53,51 @@ def table(rows: Sequence[RunResult], title: str = "umbp replay"):
     return t
 
 
+def block_table(rows: Sequence[RunResult], title: str):
+    """Rows of a trace with blocks (Mooncake format): block hit rates against the trace's infinite-cache ceiling,
+    and the simulated prefill time the caches saved."""
+    from rich.table import Table
+
+    t = Table(title=title, show_edge=False)  # 12 columns: fits 118 characters (the JSON has pool GB/s)
+    for i, col in enumerate(("router", "pool", "HBM", "pool", "recomp", "cached", "ceiling", "of ceil",
+                             "saved", "evicted", "TTFT p50", "TTFT p90")):
+        t.add_column(col, justify="left" if i < 2 else "right", no_wrap=True)
+    for r in rows:
+        cached = r.hbm_blocks + r.pool_blocks
+        t.add_row(r.router, "yes" if r.use_pool else "no", _pct(r.block_share("hbm")), _pct(r.block_share("pool")),
+                  _pct(r.block_share("recomputed")), _pct(cached / r.blocks), _pct(r.block_share("ceiling")),
+                  _pct(cached / r.ceiling_blocks) if r.ceiling_blocks else "-", _pct(r.prefill_saved),
+                  str(r.pages_evicted) if r.use_pool else "-",
+                  _secs(r.ttft_p50_s), _secs(r.ttft_p90_s))
+    return t
+
+
+def block_targets(rows: Sequence[RunResult]) -> list[dict]:
+    """Checks for block rows: accounting exact, and per router what the pool adds over the local caches."""
+    out = [{"target": "block accounting exact in every row (HBM + pool + recomputed = blocks)",
+            "met": all(r.hbm_blocks + r.pool_blocks + r.recomputed_blocks == r.blocks for r in rows),
+            "detail": f"{sum(r.blocks for r in rows)} blocks in {len(rows)} runs"},
+           {"target": "token accounting exact in every row (HBM + pool + recomputed = prompt)",
+            "met": all(r.hbm_tokens + r.pool_tokens + r.recomputed_tokens == r.prompt_tokens for r in rows),
+            "detail": f"{sum(r.requests for r in rows)} requests checked one by one"}]
+    for router in dict.fromkeys(r.router for r in rows):
+        on = [r for r in rows if r.router == router and r.use_pool]
+        off = [r for r in rows if r.router == router and not r.use_pool]
+        if not (on and off):
+            continue
+        a, b = off[0], on[0]
+        ca, cb = (a.hbm_blocks + a.pool_blocks) / a.blocks, (b.hbm_blocks + b.pool_blocks) / b.blocks
+        out.append({"target": f"{router}: the pool caches at least what local HBM caches alone do",
+                    "met": cb >= ca, "detail": f"HBM only {_pct(ca)}, with the pool {_pct(cb)}, ceiling "
+                                               f"{_pct(b.block_share('ceiling'))}; prefill saved "
+                                               f"{_pct(a.prefill_saved)} -> {_pct(b.prefill_saved)}"})
+    return out
+
+
 def targets(rows: Sequence[RunResult], recompute_max: float = 0.03, match_rel: float = 0.02) -> list[dict]:
     """The issue's targets, each with ``met`` (True/False/None when the rows cannot tell) and the numbers."""
+    if rows and all(r.blocks for r in rows):
+        return block_targets(rows)
     out = []
     rr = sorted((r for r in rows if r.router == "round-robin" and r.use_pool), key=lambda r: r.concurrency)
     if len(rr) >= 2:
@@ -113,6 +158,7 @@ def plot_shares(rows: Sequence[RunResult], path: str, title: str = "Where prompt
 
     concs = sorted({r.concurrency for r in rows})
     configs = _configs(rows)
+    blocks = bool(rows) and all(r.blocks for r in rows)  # a trace with blocks: block shares, ceiling marked
     width = 0.8 / max(1, len(configs))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * len(concs) * max(1, len(configs)) / 2), 4.8))
     for j, cfg in enumerate(configs):
@@ -123,17 +169,23 @@ def plot_shares(rows: Sequence[RunResult], path: str, title: str = "Where prompt
             r = rs[0]
             x = i + (j - (len(configs) - 1) / 2) * width
             bottom = 0.0
+            if blocks:
+                ax.hlines(100 * r.block_share("ceiling"), x - width / 2, x + width / 2, colors="black",
+                          linestyles="dashed", label="ceiling" if (i == 0 and j == 0) else None)
             for part in ("hbm", "pool", "recomputed"):
-                v = 100 * r.share(part)
+                v = 100 * (r.block_share(part) if blocks else r.share(part))
                 ax.bar(x, v, width * 0.92, bottom=bottom, color=COLORS[part],
                        label=part if (i == 0 and j == 0) else None)
                 bottom += v
             ax.text(x, 101, cfg.replace(" ", "\n"), ha="center", va="bottom", fontsize=6, rotation=0)
-    ax.set_xticks(range(len(concs)), [f"{c} sessions" for c in concs])
-    ax.set_ylabel("% of prompt tokens")
+    ax.set_xticks(range(len(concs)), [f"{c} sessions" if c else "open loop (trace timestamps)" for c in concs])
+    ax.set_ylabel("% of prompt blocks" if blocks else "% of prompt tokens")
     ax.set_ylim(0, 118)
-    ax.set_title(title)
-    ax.legend(loc="lower left", fontsize=8, ncols=3)
+    ax.set_title(title.replace("tokens", "blocks") if blocks else title)
+    if blocks:  # the bars' low parts differ by router: keep the legend off them
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), fontsize=8, ncols=4)
+    else:
+        ax.legend(loc="lower left", fontsize=8, ncols=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -146,6 +198,21 @@ def plot_ttft(rows: Sequence[RunResult], path: str, title: str = "Simulated TTFT
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.6, 4.4))
+    if len({r.concurrency for r in rows}) == 1:  # one load level (an open-loop trace): p50 and p90 bars per run
+        names = _configs(rows)
+        for j, cfg in enumerate(names):
+            r = next(r for r in rows if label(r) == cfg)
+            ax.bar(j - 0.2, r.ttft_p50_s, 0.4, color="C0", label="p50" if j == 0 else None)
+            ax.bar(j + 0.2, r.ttft_p90_s, 0.4, color="C1", label="p90" if j == 0 else None)
+        ax.set_xticks(range(len(names)), [n.replace(" ", "\n") for n in names], fontsize=7)
+        ax.set_ylabel("TTFT, simulated seconds")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return
     for j, cfg in enumerate(_configs(rows)):
         rs = sorted((r for r in rows if label(r) == cfg), key=lambda r: r.concurrency)
         xs = [r.concurrency for r in rs]
