@@ -59,9 +59,10 @@ def run(loop_kind: str, coro) -> None:
         asyncio.run(coro)
 
 
-async def serve(tls: ssl.SSLContext | None, preauth: int = 4, auth_timeout_s: float = 30.0):
-    admission = Admission("echo", True, max_connections=16, preauth=preauth, auth_timeout_s=auth_timeout_s,
-                          per_source=preauth)
+async def serve(tls: ssl.SSLContext | None, preauth: int = 4, auth_timeout_s: float = 30.0, closed: bool = True,
+                max_connections: int = 16):
+    admission = Admission("echo", closed, max_connections=max_connections, preauth=preauth,
+                          auth_timeout_s=auth_timeout_s, per_source=preauth)
     conns: set = set()
     server = await asyncio.get_running_loop().create_server(lambda: Echo(admission, conns, tls), "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1], admission
@@ -188,6 +189,32 @@ def test_memory_of_closed_preauth_connections_is_given_back(monkeypatch, loop_ki
             assert trims[-1] - t0 >= 0.15  # once, after the delay, for the 24 that closed
             await asyncio.sleep(0.3)
             assert len(trims) == batch + 1
+        server.close()
+
+    run(loop_kind, main())
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_refused_connections_linger_at_most_max_lingering(loop_kind):
+    """An open pool at max_connections: refused connections wait REFUSED_LINGER_S to answer their first request,
+    at most MAX_LINGERING of them; the rest are closed at once (a flood of refusals holds no descriptors)."""
+    from umbp.admission import MAX_LINGERING
+
+    async def main():
+        server, port, admission = await serve(None, closed=False, max_connections=1)
+        first = await asyncio.open_connection("127.0.0.1", port)
+        refused = [await asyncio.open_connection("127.0.0.1", port) for _ in range(MAX_LINGERING + 16)]
+        await until(lambda: admission.lingering == MAX_LINGERING)
+        cut = await asyncio.gather(*(closed_by_server(r, 0.3) for r, _ in refused[1:]))  # well inside the linger
+        assert cut.count(True) == 16 and not any(cut[:MAX_LINGERING - 1])  # the 16 past the cap, at once
+        r, w = refused[0]
+        w.write(wire.encode(wire.Op.PING, 5, {}))
+        f = await answer(r)
+        assert (f.request_id, f.status) == (5, wire.Status.UNAVAILABLE)
+        assert f.meta["error"].startswith("echo: too many connections (max_connections 1 reached)")
+        await until(lambda: admission.lingering == 0, within=3.0)  # the others close after the linger
+        for _, w in [first, *refused]:
+            w.close()
         server.close()
 
     run(loop_kind, main())
