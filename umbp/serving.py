@@ -181,12 +181,6 @@ class FramedProtocol(asyncio.BufferedProtocol):
         self.source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         admission = self.admission
         self.refused = admission.admit(self, self.source) or ""
-        if admission.unsettled:
-            if len(admission.preauth) > UNSETTLED_MAX * admission.preauth_cap:
-                _settle(admission)  # a burst of thousands: no waiting for reads (each a handshake's memory)
-            elif not admission.settling:
-                admission.settling = True  # one settle for the accepts of the next moment, after their first reads
-                loop.call_later(SETTLE_S, _settle, admission)
         if self.refused:
             if admission.lingering >= MAX_LINGERING:
                 transport.abort()  # enough are waiting to be told already: this one is not
@@ -210,6 +204,12 @@ class FramedProtocol(asyncio.BufferedProtocol):
             self._start_tls(transport, loop)
         elif not self.refused:
             self.ready()
+        if admission.unsettled:  # last: this connection, set up, may be the one evicted
+            if len(admission.preauth) > UNSETTLED_MAX * admission.preauth_cap:
+                _settle(admission)  # a burst of thousands: no waiting for reads (each a handshake's memory)
+            elif not admission.settling:
+                admission.settling = True  # one settle for the accepts of the next moment, after their first reads
+                loop.call_later(SETTLE_S, _settle, admission)
         return not self.refused
 
     def _start_tls(self, raw: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
