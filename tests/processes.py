@@ -10,7 +10,8 @@ Contracts the harness relies on (DESIGN.md, "Public interface"):
 - ``python -m umbp metaserver --etcd URL --listen HOST:PORT`` prints ``metaserver: HOST:PORT`` on stdout once it
   serves;
 - ``python -m umbp node ... --node-id ID`` prints ``node ID: serving on HOST:PORT`` on stdout once it serves;
-- ``umbp nodes --json --metaserver ADDR`` prints a list of ``{"node_id", "alive", ...}`` (``Cluster.wait_nodes``).
+- ``umbp nodes --json --metaserver ADDR`` prints a list of ``{"node_id", "alive", ...}`` (``Cluster.wait_nodes``
+  asks the same NODES in-process, ``Cluster.ask``).
 
 Bounds: every wait has a deadline and fails with ``HarnessError`` carrying the tail of the process's logs.
 Stopping is SIGTERM, then SIGKILL after ``STOP_GRACE_S``; teardown never waits unboundedly.

@@ -114,3 +114,34 @@ def test_the_harness_preexec_loads_nothing_between_fork_and_exec():
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, f"{preexec} loaded a library after the fork"
+
+
+def test_cluster_polls_in_process_with_the_clis_answers(make_cluster, monkeypatch):
+    """``Cluster.wait_nodes`` and ``Cluster.ask`` start no ``python -m umbp`` child (a Python start-up with its imports,
+    about half a CPU-second, once per poll before): the answers are the ones ``umbp nodes|stats --json`` prints;
+    a state not reached fails with the wait's own message."""
+    import subprocess
+    import time
+
+    cluster = make_cluster(nodes=2)
+    by_cli = {"nodes": cluster.cli_json("nodes"), "stats": cluster.cli_json("stats")}
+
+    def no_child(*a, **kw):
+        raise AssertionError(f"a CLI child while polling: {a}")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    monkeypatch.setattr(subprocess, "Popen", no_child)
+    listing = cluster.wait_nodes()
+    assert sorted((d["node_id"], d["alive"]) for d in listing) == [("node0", True), ("node1", True)]
+    asked = cluster.ask("nodes")
+    static = ("node_id", "addr", "alive", "capacity_bytes")
+    assert [{k: d[k] for k in static} for d in asked] == [{k: d[k] for k in static} for d in by_cli["nodes"]]
+    assert [sorted(d) for d in asked] == [sorted(d) for d in by_cli["nodes"]]
+    st = cluster.ask("stats")
+    assert sorted(st) == sorted(by_cli["stats"])
+    assert (st["leader"], st["capacity_bytes"]) == (by_cli["stats"]["leader"], by_cli["stats"]["capacity_bytes"])
+    t0 = time.monotonic()
+    with pytest.raises(HarnessError, match=r"cluster: nodes alive=\['node1'\] dead=\['node0'\] not reached within 1s; "
+                                           r"last NODES answer: \[.*'node0'"):
+        cluster.wait_nodes(alive=["node1"], dead=["node0"], timeout=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 3.0

@@ -38,6 +38,7 @@ import pytest
 import netns
 from cluster import Cluster, Etcd, Harness, HarnessError
 from netns import Agent, Host, Rack, digest, page_bytes
+from umbp.errors import UmbpError
 
 _ok, _why = netns.support()
 if not _ok:
@@ -221,16 +222,17 @@ class MultiHost:
 
     def nodes_state(self) -> dict[str, bool]:
         """node id -> alive, as the leading metaserver sees it ({} while none leads). Asks the leader directly: a
-        fresh CLI given both addresses spends its first attempt on a black-holed one (see the leader-cut test)."""
+        fresh client given both addresses spends its first attempt on a black-holed one (see the leader-cut test).
+        In-process (``Cluster.ask``: what `umbp nodes --json` prints), as the waits poll it."""
         try:
             leader = self.leader()
         except HarnessError:
             return {}
-        r = self.cluster.cli("nodes", "--json", "--metaserver", f"{self.rack[leader].ip}:7700", check=False,
-                             timeout=15)
-        if r.returncode != 0:
+        try:
+            listing = self.cluster.ask("nodes", metaserver=f"{self.rack[leader].ip}:7700", timeout=10.0)
+        except (UmbpError, OSError):
             return {}
-        return {d["node_id"]: bool(d.get("alive")) for d in json.loads(r.stdout)}
+        return {d["node_id"]: bool(d.get("alive")) for d in listing}
 
 
 @contextlib.contextmanager

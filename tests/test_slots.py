@@ -63,7 +63,7 @@ def wait_copies_loaded(cl, timeout: float) -> None:
     """Until every slot's warm copy is loaded on its successor (STATS ``warm_copies``)."""
     deadline = time.monotonic() + timeout
     while True:
-        per = cl.cli_json("stats")["metaservers"]
+        per = cl.ask("stats")["metaservers"]  # in-process: what `umbp stats --json` prints
         copies = [w for m in per for w in (m.get("warm_copies") or {}).values()]
         if len(copies) == SLOTS and all(w["loaded"] for w in copies):
             return

@@ -55,7 +55,8 @@ def harness_class() -> type:
 
 
 def stats(cluster: Cluster) -> dict:
-    return cluster.cli_json("stats", "--metaserver", cluster.metaserver_addr)
+    """What ``umbp stats --json --metaserver ADDR`` prints, asked in-process (the loops below poll it)."""
+    return cluster.ask("stats", metaserver=cluster.metaserver_addr)
 
 
 def restart_metaserver(cluster: Cluster, **flags) -> None:
