@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gc-freeze-ms", dest="gc_freeze_ms", type=float, default=None, metavar="MS",
                    help="garbage collection: a step whose walk takes this long freezes what survived it, so no "
                         "collection walks the whole directory (default 20; -1: CPython's own collector)")
+    p.add_argument("--kv-events", dest="kv_events", default=None, metavar="tcp://HOST:PORT",
+                   help="publish the pages stored and dropped as vLLM KV event batches on this ZeroMQ PUB address, "
+                        "replays on PORT+1 (port 0: any two, printed); docs/operations/kv-events.md")
     tls_arguments(p)
 
 
@@ -53,7 +56,7 @@ def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
                                       ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy", "directory",
                                        "election_ttl_s", "slots", "token", "tokens_file", "metrics_listen", "gc_freeze_ms",
-                                       "tls_cert", "tls_key", "tls_ca")})
+                                       "kv_events", "tls_cert", "tls_key", "tls_ca")})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,11 @@ _intern = sys.intern
 
 
 class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, SharedEntries, DirectoryInvariants):
+    # KV events (metaserver/kvevents.py): None, or a sink told of every page that becomes READY (``stored``: commit,
+    # _make_ready, spaces._file_entries) and every READY page unlinked (``removed``: _unlink_ready). Set by the
+    # service while a term serves this directory; those four calls are the whole hook.
+    kv_sink = None
+
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
                  quotas: QuotaRules | dict[str, int] | None = None):
         self.pending_ttl_s = pending_ttl_s
@@ -404,6 +409,8 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
             ok.append(True)
         if later:
             policy.add_many(later)
+        if puts and self.kv_sink is not None:
+            self.kv_sink.stored(puts)
         self.puts += len(puts)
         if not pd and self.pending_keys.get(ns) is pd:
             del self.pending_keys[ns]
@@ -421,6 +428,8 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
         self._link_ready(e)
         self.policy.add(e)
         fx.puts.append(e)
+        if self.kv_sink is not None:
+            self.kv_sink.stored((e,))
         return r
 
     def abort(self, ns: str, keys: list[bytes], gens: list[int]) -> int:
@@ -541,6 +550,8 @@ class Directory(NodeSpaces, PrefixLinks, EvictionPasses, NamespaceQuotas, Shared
                 del self.ready[ns]
             self._count(ns, -(self._osizes.get(e.payload_len) or extent_size(e.payload_len)))
         self.policy.discard(e)
+        if self.kv_sink is not None:
+            self.kv_sink.removed(e)
         b = e.batch
         if b is None:
             fx.deletes.append((ns, key))

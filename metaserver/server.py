@@ -38,7 +38,7 @@ import socket
 import sys
 import time
 
-from metaserver import gcpolicy
+from metaserver import gcpolicy, kvevents
 from metaserver.gcpolicy import GcPolicy
 from metaserver.ownership import HeldLeases
 from metaserver.partition import Partition
@@ -253,7 +253,16 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         raise
     slots = await pool_slots(config)  # 1: today's single directory; more: this process joins a partitioned pool
     advertise = config.advertise or addr
-    ms = Partition(config, advertise, slots) if slots > 1 else Metaserver(config, advertise)
+    try:
+        ms = Partition(config, advertise, slots) if slots > 1 else Metaserver(config, advertise)
+    except BaseException:
+        sock.close()
+        if config.kv_events:
+            kvevents.close(config.kv_events)
+        raise
+    if config.kv_events:
+        pub = kvevents.publisher(config.kv_events)  # bound already: Metaserver made it
+        print(f"metaserver: kv events on {pub.endpoint}, replay on {pub.replay_endpoint}", flush=True)
     if not ms.tokens.closed:
         log.warning("metaserver: no --token: OPEN pool, anyone who reaches %s may read, write, evict and register "
                     "nodes", addr)
@@ -296,6 +305,8 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
         else:
             sock.close()
         await ms.close()
+        if config.kv_events:
+            kvevents.close(config.kv_events)
         if endpoint is not None:
             await endpoint.close()
         for c in list(conns):

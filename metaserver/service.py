@@ -57,7 +57,7 @@ from metaserver.batcher import BatchWriter
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.rejoin import RejoinHandlers
-from metaserver import gcpolicy, handoff
+from metaserver import gcpolicy, handoff, kvevents
 from metaserver.fullload import fill, gc_paused, node_descs
 from metaserver.standby import CATCHUP_S, Handover, WarmDirectory
 from metaserver.tabledir import TableDirectory
@@ -100,6 +100,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self.load_s = 0.0  # how long the last takeover's directory load took
         self.dropped_ops = 0  # etcd ops the writers of every term so far gave up on (``_writes_dropped``)
         self.metrics = MetaserverMetrics(self)  # read at scrape time; request latencies observed in server.py
+        # KV events (metaserver/kvevents.py): the process's publisher, shared by a partitioned process's slots
+        self.kv_events = kvevents.publisher(config.kv_events) if config.kv_events else None
         self._new_state()
         self._bg: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
@@ -212,6 +214,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         if not any(n.provisional for n in self.members.nodes.values()):
             self.settled.set()
         self._ticker = asyncio.create_task(self._tick_loop(), name="metaserver-tick")
+        if self.kv_events is not None:
+            kvevents.attach(self.kv_events, self.dir)  # this term's pages announced, its changes reported
         self.loaded = True
 
     def _writes_dropped(self, writer: BatchWriter, n: int, err: Exception) -> None:
@@ -235,6 +239,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
     async def _deposed(self, reason: str) -> None:
         """Lost leadership: stop serving and drop this term's state; queued etcd writes are not written."""
         self.loaded = False
+        if self.kv_events is not None:
+            kvevents.detach(self.kv_events, self.dir)
         self.term += 1
         await self._teardown(NotLeader("metaserver", f"deposed ({reason})", Status.NOT_LEADER))
         self._new_state()
@@ -265,6 +271,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
         if self.loaded:
+            if self.kv_events is not None:
+                kvevents.detach(self.kv_events, self.dir)
             await self.writer.close(5.0)  # commits waiting on it get their answers first
             self.loaded = False
             try:  # the next leader keeps our open allocations' extents free while their writers may still write

@@ -277,6 +277,8 @@ class NodeSpaces:
             self._count(last_ns, used)
         sp.n += len(loaded)
         self.policy.add_many(loaded)
+        if loaded and self.kv_sink is not None:  # a returning node's pages (metaserver/kvevents.py)
+            self.kv_sink.stored(loaded)
 
     def put_ready(self, node_id: str, ns: str, key: bytes, offset: int, payload_len: int, gen: int,
                   parent: bytes | None) -> Entry | None:

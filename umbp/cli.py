@@ -257,12 +257,14 @@ def cmd_up(args) -> int:
             os.environ[name] = os.path.abspath(getattr(args, flag))  # the children and our own checks inherit it
     pool = LocalPool(nodes=args.nodes, capacity=args.capacity, etcd=args.etcd, port=args.port,
                      lease_ttl=args.lease_ttl, echo=args.verbose, max_restarts=args.max_restarts,
-                     metaservers=args.metaservers, slots=args.slots)
+                     metaservers=args.metaservers, slots=args.slots, kv_events=args.kv_events or "")
     try:
         pool.start()
         print(f"metaserver: {pool.metaserver}", flush=True)
         for name, url in pool.metrics.items():
             print(f"metrics: {url} ({name})", flush=True)
+        for name, (pub, replay) in pool.kv_event_endpoints.items():
+            print(f"kv events: {pub}, replay {replay} ({name})", flush=True)
         print(f"up: {args.nodes} nodes of {args.capacity}, etcd {pool.etcd_url}; a process that dies is restarted "
               f"(at most {args.max_restarts} times in 10 minutes); Ctrl-C stops the pool", file=sys.stderr, flush=True)
         return pool.wait()
@@ -291,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restart a process that dies (same node id and arena, same ports) at most N times within 10 "
                         "minutes; then leave it down (default 3)")
     s.add_argument("-v", "--verbose", action="store_true", help="echo the children's logs")
+    s.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                   help="the metaservers publish vLLM KV events: metaserver i on PORT+2i, replays on PORT+2i+1 "
+                        "(port 0: any, printed); docs/operations/kv-events.md")
     _token_arg(s)
     tls_arguments(s)
     s.set_defaults(func=cmd_up)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -113,6 +114,7 @@ class MetaserverConfig:
     tls_ca: str = ""  # PEM CA bundle: verify the metaserver's certificate (node registration link)
     metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
     gc_freeze_ms: float = 20.0  # metaserver/gcpolicy.py: a collection step this long freezes its survivors; -1: off
+    kv_events: str = ""  # tcp://HOST:PORT: publish pages stored and dropped as vLLM KV events (replay on PORT+1)
 
     def __post_init__(self) -> None:
         c = "metaserver"
@@ -131,6 +133,10 @@ class MetaserverConfig:
         if self.directory == "table" and self.eviction_policy != "lru":
             raise ConfigError(c, f"directory 'table' evicts by lru only, not {self.eviction_policy!r} (its prefix "
                                  "links are not built yet): run --eviction-policy lru, or --directory objects")
+        if self.kv_events and not re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d{1,5})", self.kv_events):
+            raise ConfigError(c, f"kv_events must be tcp://HOST:PORT (port 0: any), got {self.kv_events!r}")
+        if self.kv_events and self.directory == "table":
+            raise ConfigError(c, "directory 'table' publishes no KV events yet: run --directory objects")
         if self.directory == "table" and self.slots > 1:
             raise ConfigError(c, "directory 'table' serves an unpartitioned pool only (slots 0 or 1): its slots, "
                                  "warm copies and node regions are not built yet")

@@ -52,6 +52,7 @@ READY_S = 30.0
 POLL_S = 0.25
 RESTART_WINDOW_S = 600.0
 METRICS_RX = re.compile(r"metrics on (http://\S+)")
+KV_EVENTS_RX = re.compile(r"kv events on (tcp://\S+), replay on (tcp://\S+)")  # metaserver/server.py's line
 
 
 DEFAULT_SLOTS = 64  # slots of a pool `umbp up --metaservers N` (N > 1) creates
@@ -134,6 +135,7 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
     match: re.Match | None = None
     metrics: str | None = None
+    kv_events: tuple[str, str] | None = None  # a metaserver's KV event PUB and replay endpoints, as announced
     exits: list[float] = field(default_factory=list)  # when it died (monotonic), for the restart limit
     given_up: bool = False
 
@@ -164,7 +166,7 @@ class LocalPool:
     def __init__(self, nodes: int = 2, capacity: str | int = "1GiB", etcd: str | None = None, port: int = 0,
                  lease_ttl: float = 10.0, echo: bool = False, workdir: str | None = None,
                  metaserver_args: list[str] | None = None, max_restarts: int = 3, metrics: bool = True,
-                 out=None, metaservers: int = 1, slots: int = 0):
+                 out=None, metaservers: int = 1, slots: int = 0, kv_events: str = ""):
         if not 1 <= metaservers <= 32:
             raise ConfigError("up", f"--metaservers must be within 1..32, got {metaservers}")
         if slots < 0 or slots == 1 and metaservers > 1 or slots > 1024:
@@ -181,6 +183,7 @@ class LocalPool:
         self.lease_ttl = lease_ttl
         self.echo = echo
         self.metaserver_args = metaserver_args or []
+        self.kv_events = kv_events  # tcp://HOST:PORT: metaserver i publishes on PORT + 2i (replay PORT + 2i + 1)
         self.metaservers = metaservers
         self.slots = slots or (DEFAULT_SLOTS if metaservers > 1 else 0)  # 0: one unpartitioned directory
         self.max_restarts = max_restarts
@@ -194,6 +197,17 @@ class LocalPool:
         self.metaserver: str | None = None
         self.restarts = 0
         self._stop = threading.Event()
+
+    @property
+    def kv_event_endpoints(self) -> dict[str, tuple[str, str]]:
+        """Metaserver name -> (PUB, replay) endpoints of its KV events (``kv_events``), as last announced."""
+        return {c.name: c.kv_events for c in self.children if c.kv_events}
+
+    def _kv_events_flag(self, i: int) -> list[str]:
+        if not self.kv_events:
+            return []
+        base, port = self.kv_events.rsplit(":", 1)
+        return ["--kv-events", f"{base}:{int(port) + 2 * i if int(port) else 0}"]
 
     @property
     def metrics(self) -> dict[str, str]:
@@ -227,6 +241,9 @@ class LocalPool:
                 m = METRICS_RX.search(line)
                 if m:
                     child.metrics = m.group(1)
+                m = KV_EVENTS_RX.search(line)
+                if m:
+                    child.kv_events = (m.group(1), m.group(2))
                 if not ready.is_set():
                     m = rx.search(line)
                     if m:
@@ -293,7 +310,8 @@ class LocalPool:
             port = self.port + i if self.port else 0
             ms = self._spawn("metaserver" if i == 0 else f"metaserver-{i}",
                              py + ["metaserver", "--etcd", self.etcd_url, "--listen", f"127.0.0.1:{port}"]
-                             + slots + self._metrics_flag() + self.metaserver_args, r"^metaserver: (\S+):(\d+)$")
+                             + slots + self._metrics_flag() + self._kv_events_flag(i) + self.metaserver_args,
+                             r"^metaserver: (\S+):(\d+)$")
             addrs.append(f"{ms.match.group(1)}:{ms.match.group(2)}")
             self._pin_ports(ms, "--listen", ms.match.group(2))
         self.metaserver = ",".join(addrs)

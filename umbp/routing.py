@@ -1,4 +1,5 @@
-"""DP routers: which data-parallel rank serves a request. Round-robin, session affinity, least-loaded, cache-aware.
+"""DP routers: which data-parallel rank serves a request. Round-robin, session affinity, least-loaded, cache-aware,
+and pool-prefix (the rank whose pool holds most of the prompt, from KV events).
 
 One small interface, usable from an engine's router process::
 
@@ -19,6 +20,8 @@ it, or the router's own approximation of it).
   loads (Mirrokni, Thorup, Zadimoghaddam 2018): a rank holding ``ceil(load_factor * (in_flight + 1) / n)``
   requests or more is skipped and the walk goes on clockwise. A session stays on one rank while loads are even.
 - ``least-loaded``: fewest requests in flight, then fewest prompt tokens in flight, then lowest index.
+- ``pool-prefix`` (``PoolPrefix``, built with an index of KV events: ``umbp.kvindex``): the rank whose own pool
+  holds the longest prefix of the prompt's pages, ties to the least loaded.
 - ``cache-aware``: for each rank, the pages its HBM can serve, then the pages the pool can serve after those
   (``pool.prefix_hits`` over the remaining keys, asked once per distinct HBM match), priced with the cost model
   (``umbp.workload.costmodel``) plus the rank's backlog (the estimated prefill seconds of what it has in flight);
@@ -202,6 +205,31 @@ class CacheAware(Router):
 
     def _finished(self, req_id: str, rank: int) -> None:
         self.backlog_s[rank] = max(0.0, self.backlog_s[rank] - self._estimate.pop(req_id, 0.0))
+
+
+class PoolPrefix(Router):
+    """The rank whose pool holds the longest prefix of the prompt's pages, as KV events told it
+    (``index``: a ``umbp.kvindex.BlockIndex`` fed by a subscription per metaserver, ``sources[r]`` the label of
+    rank r's pool in it, or a tuple of labels for a pool of several metaservers); ties (no pool holds anything:
+    a new prompt) go to the fewest requests in flight, then the lowest index. Not in ``ROUTERS``: it needs the
+    index, so an engine's router process builds it."""
+
+    name = "pool-prefix"
+
+    def __init__(self, ranks: int, index: Any, sources: Sequence[Any]):
+        super().__init__(ranks)
+        if len(sources) != ranks:
+            raise ConfigError("routing", f"pool-prefix needs a source per rank: {ranks} ranks, {len(sources)} sources")
+        self.index = index
+        self.sources = list(sources)
+
+    def prefixes(self, req: RouteRequest) -> list[int]:
+        keys = req.keys[:req.cacheable_pages]
+        return [self.index.prefix(s, keys) for s in self.sources]
+
+    def _choose(self, req, ranks) -> int:
+        p = self.prefixes(req)
+        return min(range(self.n), key=lambda r: (-p[r], self.inflight[r], r))
 
 
 ROUTERS = {c.name: c for c in (RoundRobin, SessionAffinity, LeastLoaded, CacheAware)}
