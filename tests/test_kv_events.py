@@ -260,3 +260,25 @@ def test_umbp_up_passes_kv_events_to_its_metaserver(tmp_path, etcd_binary):
             sub.close()
     finally:
         u.close()
+
+
+@pytest.mark.cluster(nodes=1, metaserver_flags={"kv_events": "tcp://127.0.0.1:0"})
+def test_a_new_term_announces_every_page_it_holds(cluster):
+    from umbp.kvindex import BlockIndex, Subscriber
+
+    keys = [k for ch in chains(3, 10, seed=5) for k in ch]
+    with cluster.client(namespace=NS) as c:
+        put_chains(c, [keys[i:i + 10] for i in range(0, 30, 10)])
+        c.batch_remove(keys[25:])
+    cluster.metaserver.restart()  # the next term loads the 25 pages from etcd; its publisher starts at seq 0
+    index = BlockIndex()
+    sub = Subscriber(index, "pool", *kv_endpoints(cluster.metaserver))
+    try:
+        for _ in range(100):  # each poll waits at most 100 ms for a batch
+            sub.poll(100)
+            if len(index.blocks.get("pool", ())) == 25:
+                break
+        assert index.blocks["pool"] == {normalize_key(k) for k in keys[:25]}
+        assert [index.prefix("pool", keys[i:i + 10]) for i in (0, 10, 20)] == [10, 10, 5]
+    finally:
+        sub.close()
