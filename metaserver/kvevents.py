@@ -166,7 +166,10 @@ class Publisher:
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop = True
-        self._q.put(None)
+        try:
+            self._q.put(None, timeout=timeout)  # after what is queued: sent first
+        except queue.Full:
+            pass  # the thread is a daemon: it goes with the process
         self._thread.join(timeout)
 
     # -- the thread ---------------------------------------------------------------------------------------------
