@@ -1,6 +1,6 @@
 """Mooncake FAST'25 traces: parsing and detection, 512-token blocks mapped to pages (split and merged), the
 infinite-cache ceiling, and the open-loop replay against the in-process pool double, on a six-request trace whose
-hits are computed by hand below. The same trace through real pool processes: tests/test_workload_mooncake.py.
+hits are computed by hand below. The same trace through real pool processes: tests/test_mooncake_replay.py.
 """
 
 from __future__ import annotations
