@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from processes import (  # noqa: F401  (re-exported for the tests)
-    LOG_TAIL_LINES, SHM_PREFIX, SHM_ROOT, Etcd, HarnessError, Metaserver, Node, Process, child_env, find_etcd,
-    free_port, free_ports, tcp_connects,
+    LOG_TAIL_LINES, SHM_PREFIX, SHM_ROOT, Etcd, HarnessError, Metaserver, Node, NotYet, Process, child_env,
+    eventually, eventually_async, find_etcd, free_port, free_ports, tcp_connects,
 )
 
 
@@ -222,27 +222,22 @@ class Cluster:
                                      "token": token}, env=child_env())
         return Client(config=cfg)
 
-    def ask(self, what: str, metaserver: str | None = None, token: str | None = None, timeout: float = 10.0,
-            client: Any = None) -> Any:
+    def ask(self, what: str, metaserver: str | None = None, token: str | None = None, timeout: float = 10.0) -> Any:
         """What ``cli_json(what)`` returns (``what``: "nodes" or "stats"), asked in-process: the same request through
         the same client code, and the same JSON shapes (bytes as text, keys as strings), without a Python start-up
         and its imports (about half a CPU-second) per call. For polling; a test of the CLI's own output keeps
-        ``cli``. ``client``: one from ``admin_client()`` to reuse (a poll loop's), else a fresh one is closed after."""
+        ``cli``. A fresh client each call, closed after (as each CLI run was)."""
         from transport.wire import Op
         from umbp.cli import _jsonable
 
         if what not in ("nodes", "stats"):
             raise ValueError(f"ask: {what!r} is not asked in-process (nodes, stats)")
-        c = client if client is not None else self.admin_client(metaserver, token, timeout)
-        try:
+        with self.admin_client(metaserver, token, timeout) as c:
             if what == "nodes":
                 answer = c.admin(Op.NODES)["nodes"]
             else:  # umbp.cli._stats_fetcher: the answering metaserver filled in as the leader
                 answer = c.admin(Op.STATS)
                 answer.setdefault("leader", c.leader)
-        finally:
-            if client is None:
-                c.close()
         return json.loads(json.dumps(_jsonable(answer), sort_keys=True))
 
     def wait_nodes(self, alive: Iterable[str] | None = None, dead: Iterable[str] = (),
@@ -255,33 +250,17 @@ class Cluster:
         want_alive = set(alive if alive is not None else (n.node_id for n in self.nodes if n.alive))
         want_dead = set(dead)
         deadline = time.monotonic() + timeout
-        listing: Any = None
-        error = ""
-        client = None
-        try:
-            while True:
-                try:
-                    if client is None:
-                        client = self.admin_client(timeout=min(10.0, max(1.0, deadline - time.monotonic())))
-                    listing, error = self.ask("nodes", client=client), ""
-                except UmbpError as e:  # not serving yet, restarting, failing over: ask again on a new client
-                    error = f"{type(e).__name__}: {e}"
-                    if client is not None:
-                        client.close()
-                    client = None
-                if isinstance(listing, list) and not error:
-                    state = {d.get("node_id"): bool(d.get("alive")) for d in listing if isinstance(d, dict)}
-                    if all(state.get(i) for i in want_alive) and not any(state.get(i) for i in want_dead):
-                        return listing
-                if time.monotonic() > deadline:
-                    raise HarnessError(
-                        f"cluster: nodes alive={sorted(want_alive)} dead={sorted(want_dead)} not reached within "
-                        f"{timeout:.0f}s; last NODES answer: {listing}\n{error}\n{self.harness.tails()}"
-                    )
-                time.sleep(0.05)
-        finally:
-            if client is not None:
-                client.close()
+
+        def reached() -> list:
+            # a fresh client a poll, as each `umbp nodes` was: a partitioned pool's slot map is read anew each time
+            listing = self.ask("nodes", timeout=min(10.0, max(1.0, deadline - time.monotonic())))
+            state = {d.get("node_id"): bool(d.get("alive")) for d in listing if isinstance(d, dict)}
+            if all(state.get(i) for i in want_alive) and not any(state.get(i) for i in want_dead):
+                return listing
+            raise NotYet(f"NODES answered {listing}")
+
+        return eventually(reached, timeout, f"cluster: nodes alive={sorted(want_alive)} dead={sorted(want_dead)} "
+                                            f"not reached", errors=(UmbpError,), details=self.harness.tails)
 
     def close(self) -> None:
         self.harness.close()

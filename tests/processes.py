@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from umbp.config import ETCD_TXN_OPS
 from umbp.launcher import pdeathsig_setter
@@ -96,6 +96,106 @@ def free_ports(n: int = 1) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+T = TypeVar("T")
+_LAST_CHARS = 2000  # of the last value's repr in a timeout message
+
+
+class NotYet(Exception):
+    """Raised by an ``eventually`` predicate: the state is not reached yet, and here is what was seen instead (its
+    message is the "last seen" of a timeout)."""
+
+
+class _Poll:
+    """The bounds and the record of one ``eventually``: a deadline, a count of calls (``timeout / interval + 2``: a
+    clock that stalls cannot make it spin), the last value or exception seen, and the message at the end."""
+
+    def __init__(self, timeout: float, what: str | Callable[[], str], interval: float,
+                 details: Callable[[], str] | None):
+        if interval <= 0 or timeout < 0:
+            raise ValueError(f"eventually: interval {interval} must be > 0 and timeout {timeout} >= 0")
+        self.timeout, self.what, self.interval, self.details = timeout, what, interval, details
+        self.deadline = time.monotonic() + timeout
+        self.calls_left = int(timeout / interval) + 2
+        self.last = "no answer yet"
+
+    def saw(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.calls_left -= 1
+        if isinstance(error, NotYet):
+            self.last = str(error)[:_LAST_CHARS]
+        elif error is not None:
+            self.last = f"{type(error).__name__}: {error}"[:_LAST_CHARS]
+        else:
+            self.last = repr(value)[:_LAST_CHARS]
+
+    def pause(self) -> float | None:
+        """Seconds to sleep before the next call; None when the time or the count is spent."""
+        left = self.deadline - time.monotonic()
+        if left <= 0 or self.calls_left <= 0:
+            return None
+        return min(self.interval, left)
+
+    def failure(self) -> HarnessError:
+        what = self.what() if callable(self.what) else self.what
+        details = f"\n{self.details()}" if self.details is not None else ""
+        return HarnessError(f"{what}: not within {self.timeout:g}s; last seen: {self.last}{details}")
+
+
+def eventually(pred: Callable[[], T], timeout: float, what: str | Callable[[], str], interval: float = 0.05,
+               errors: tuple[type[BaseException], ...] = (), details: Callable[[], str] | None = None) -> T:
+    """The tests' one wait for an observable state: call ``pred()`` every ``interval`` seconds until it returns a true
+    value, and return that value.
+
+    Bounded in time (``timeout`` seconds: the last call is made at the deadline) and in count (``timeout / interval
+    + 2`` calls). ``NotYet`` (the predicate saying what it saw instead) or an exception of a type in ``errors`` (e.g.
+    ``UmbpError`` while a process restarts) counts as "not yet". An AssertionError always propagates at once (an
+    invariant checked inside ``pred``, a harness process that exited), as does any exception not in ``errors``.
+    After the timeout: ``HarnessError`` (an AssertionError) naming ``what`` (text, or a callable giving it) and the
+    last value or exception seen, then ``details()`` (e.g. the processes' log tails: read only on failure). Not a
+    sleep: it returns as soon as the state holds.
+    """
+    poll = _Poll(timeout, what, interval, details)
+    while True:
+        try:
+            value = pred()
+        except AssertionError:  # an invariant checked inside pred, a harness process gone: fails now
+            raise
+        except (NotYet, *errors) as e:
+            poll.saw(error=e)
+        else:
+            if value:
+                return value
+            poll.saw(value)
+        pause = poll.pause()
+        if pause is None:
+            raise poll.failure()
+        time.sleep(pause)
+
+
+async def eventually_async(pred: Callable[[], T], timeout: float, what: str | Callable[[], str],
+                           interval: float = 0.05, errors: tuple[type[BaseException], ...] = (),
+                           details: Callable[[], str] | None = None) -> T:
+    """``eventually`` inside an event loop: the same bounds and failure, ``asyncio.sleep`` between the calls (the
+    loop's own tasks make the state change meanwhile)."""
+    import asyncio
+
+    poll = _Poll(timeout, what, interval, details)
+    while True:
+        try:
+            value = pred()
+        except AssertionError:  # an invariant checked inside pred, a harness process gone: fails now
+            raise
+        except (NotYet, *errors) as e:
+            poll.saw(error=e)
+        else:
+            if value:
+                return value
+            poll.saw(value)
+        pause = poll.pause()
+        if pause is None:
+            raise poll.failure()
+        await asyncio.sleep(pause)
 
 
 def tcp_connects(host: str, port: int, timeout: float = 0.5) -> bool:
@@ -292,25 +392,20 @@ class Process:
 
     def wait_for_line(self, pattern: re.Pattern[str], timeout: float, what: str) -> re.Match[str]:
         """Block until this start's stdout holds a line matching ``pattern``; fail if the process exits first or
-        ``timeout`` passes. Polls the log file every 20-100 ms."""
-        deadline = time.monotonic() + timeout
-        delay = 0.02
-        while True:
+        ``timeout`` passes. Reads the log file every 50 ms (``eventually``)."""
+        def line() -> re.Match[str] | None:
             m = pattern.search(self.stdout_text())
-            if m:
-                return m
-            if not self.alive:
+            if m is None and not self.alive:
                 raise HarnessError(f"{self.name}: exited with {self.returncode} before {what}\n{self.tail()}")
-            if time.monotonic() > deadline:
-                hint = ""
-                if pattern.search(self.stderr_text()):
-                    hint = " (the line is on stderr; the contract puts it on stdout)"
-                raise HarnessError(
-                    f"{self.name}: no {what} within {timeout:.0f}s{hint}; expected a stdout line matching "
-                    f"{pattern.pattern!r}\n{self.tail()}"
-                )
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.1)
+            return m
+
+        def missing() -> str:
+            hint = ""
+            if pattern.search(self.stderr_text()):
+                hint = " (the line is on stderr; the contract puts it on stdout)"
+            return f"{self.name}: no {what}{hint}; expected a stdout line matching {pattern.pattern!r}"
+
+        return eventually(line, timeout, missing, details=self.tail)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} pid={self.pid} alive={self.alive}>"
@@ -380,25 +475,21 @@ class Etcd(Process):
         raise AssertionError("unreachable")
 
     def wait_ready(self, timeout: float = ETCD_READY_S) -> None:
-        """Block until GET /health says {"health":"true"} (a leader exists), bounded by ``timeout``."""
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        while True:
+        """Block until GET /health says {"health":"true"} (a leader exists), bounded by ``timeout``; polled every
+        100 ms (``eventually``: the last answer or error is in the failure)."""
+        def healthy() -> str:
             if not self.alive:
                 raise HarnessError(f"{self.name}: exited with {self.returncode} during startup\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.client_url + "/health", timeout=1.0) as r:
-                    body = r.read().decode("utf-8", "replace")
-                last = f"/health answered {body!r}"
-                if json.loads(body).get("health") in ("true", True):
-                    if self.owns_port(self.client_port):
-                        return
-                    last = f"/health answered on :{self.client_port}, but from another process"
-            except (urllib.error.URLError, OSError, ValueError) as e:
-                last = f"/health: {e}"
-            if time.monotonic() > deadline:
-                raise HarnessError(f"{self.name}: not healthy within {timeout:.0f}s ({last})\n{self.tail()}")
-            time.sleep(0.1)
+            with urllib.request.urlopen(self.client_url + "/health", timeout=1.0) as r:
+                body = r.read().decode("utf-8", "replace")
+            if json.loads(body).get("health") not in ("true", True):
+                raise ValueError(f"/health answered {body!r}")
+            if not self.owns_port(self.client_port):
+                raise OSError(f"/health answered on :{self.client_port}, but from another process")
+            return body
+
+        eventually(healthy, timeout, f"{self.name}: not healthy (GET /health)", interval=0.1,
+                   errors=(urllib.error.URLError, OSError, ValueError), details=self.tail)
 
     def restart(self, timeout: float = ETCD_READY_S) -> "Etcd":
         """Stop (SIGTERM) if running, then start on the same ports with the same data."""

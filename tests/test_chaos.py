@@ -38,6 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 import umbp
+from cluster import eventually
 from transport import wire
 from transport.framed import FramedSocket
 from umbp.errors import UmbpError
@@ -264,10 +265,8 @@ def test_chaos_no_wrong_bytes_and_no_lost_committed_pages(make_cluster, harness)
         # the first fault only once every worker has stored its first batch (its interpreter started, its client
         # reached the pool): a bounded poll of the workers' marker files
         markers = [Path(str(o) + ".started") for o in outs]
-        for _ in range(1200):  # at most 60 s
-            if all(m.exists() for m in markers) or any(p.poll() is not None for p in procs):
-                break
-            time.sleep(0.05)  # poll interval of an observable state
+        eventually(lambda: all(m.exists() for m in markers) or any(p.poll() is not None for p in procs), 60,
+                   "every worker's first batch stored (or a worker gone)")
         assert all(m.exists() for m in markers), f"workers not started: {[str(m) for m in markers if not m.exists()]}"
         chaos.t0 = time.monotonic()
         chaos.start()

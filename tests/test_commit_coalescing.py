@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cluster import NotYet, eventually  # noqa: E402
 from test_metrics import scrape, value  # noqa: E402
 
 COMMITS = "umbp_metaserver_request_seconds_count"
@@ -63,13 +63,13 @@ def test_a_pool_on_an_etcd_at_its_default_cap_writes_everything_in_transactions_
     refuses that transaction for its size, the writer writes them 128 at a time from then on (STATS and /metrics
     say so), no failure is retried, and the pool keeps committing and serving exact bytes."""
     def settled(c) -> dict:
-        deadline = time.monotonic() + 20
-        while True:
+        def drained() -> dict:
             st = c.stats()
-            if st["etcd_pending_ops"] == 0:
-                return st
-            assert time.monotonic() < deadline, st
-            time.sleep(0.05)  # poll interval of an observable count
+            if st["etcd_pending_ops"] != 0:
+                raise NotYet(f"STATS {st}")
+            return st
+
+        return eventually(drained, 20, "no etcd operation pending")
 
     with cluster.client() as c:
         assert c.stats()["etcd_txn_max_ops"] == 1024

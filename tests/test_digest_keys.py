@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 
 import msgpack
 
 import umbp
+from cluster import NotYet, eventually
 from test_failover import PREFIX, raw
 from test_pool import payload
 from transport.wire import Op
@@ -79,12 +79,13 @@ def test_record_named_by_hex_text_is_deleted_at_load(cluster):
     put_record(cluster.etcd.url, old_name, msgpack.packb([node_id, off, plen, gen + 1, parent], use_bin_type=True))
     cluster.metaserver.restart()
     cluster.wait_nodes()
-    deadline = time.monotonic() + 10.0
-    for _ in range(200):  # the stale record's delete goes through the writer: bounded wait for it
+    def deleted() -> dict:  # the stale record's delete goes through the writer
         recs = page_records(cluster.etcd.url)
-        if old_name not in recs or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+        if old_name in recs:
+            raise NotYet(f"etcd holds {sorted(recs)}")
+        return recs
+
+    recs = eventually(deleted, 10.0, "the stale page record deleted from etcd")
     assert old_name not in recs and list(recs) == [new_name] and recs[new_name] == value
     with umbp.Client(cluster.metaserver_addr) as c:
         assert c.batch_exists(hexes) == [True] * 5

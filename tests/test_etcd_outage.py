@@ -23,6 +23,7 @@ import msgpack
 import pytest
 
 from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
+from cluster import eventually
 from test_failover import PREFIX
 from test_metrics import scrape, value
 from test_pool import payload
@@ -63,17 +64,6 @@ def etcd_view(etcd_url: str, ns: str) -> tuple[set[bytes], dict[str, int]]:
     return pages, terms
 
 
-def bounded(pred, timeout: float, what: str, every: float = 0.1):
-    """Poll ``pred`` until it returns a true value (returned); AssertionError after ``timeout``."""
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < end, f"not within {timeout}s: {what}"
-        time.sleep(every)  # poll interval of an observable state, not a synchronisation
-
-
 @pytest.mark.parametrize("slots", [1, 4])
 def test_writes_dropped_while_etcd_is_frozen_end_the_term_and_no_lost_page_is_served(make_cluster, slots):
     cl = make_cluster(nodes=2, capacity="32MiB", metaserver_flags={
@@ -101,7 +91,8 @@ def test_writes_dropped_while_etcd_is_frozen_end_the_term_and_no_lost_page_is_se
         writer = threading.Thread(target=put_during, daemon=True)
         writer.start()
         # The COMMIT's pages are READY in memory; their etcd write fails for the whole retry window and is dropped.
-        m = bounded(lambda: DROP_LINE.search(ms.stderr_text()), 40.0, "the metaserver dropping etcd writes")
+        m = eventually(lambda: DROP_LINE.search(ms.stderr_text()), 40.0, "the metaserver dropping etcd writes",
+                       interval=0.1)
         assert int(m.group(1)) >= 1
     finally:
         cl.etcd.kill(signal.SIGCONT)
@@ -114,7 +105,7 @@ def test_writes_dropped_while_etcd_is_frozen_end_the_term_and_no_lost_page_is_se
                                                              value(s, "umbp_metaserver_slots_led") == slots)
         return served and len(etcd_view(cl.etcd.url, "outage")[1]) == len(terms_before) and s
 
-    samples = bounded(settled, 60.0, "every slot led again after etcd came back", every=0.25)
+    samples = eventually(settled, 60.0, "every slot led again after etcd came back", interval=0.25)
     dropped = sum(int(x) for x in DROP_LINE.findall(ms.stderr_text()))
     assert value(samples, "umbp_etcd_dropped_ops_total") == dropped >= 1
     stored, terms = etcd_view(cl.etcd.url, "outage")

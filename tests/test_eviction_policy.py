@@ -26,6 +26,7 @@ import pytest
 
 import umbp
 from transport import wire
+from cluster import NotYet, eventually
 from transport.framed import FramedSocket
 from umbp.errors import PoolFull
 from umbp.keys import parents_of
@@ -41,13 +42,14 @@ assert OBJ == 64 * 1024 and SLOTS == 16
 def wait_ticks(c, n: int, timeout: float = 30.0) -> dict:
     """Wait until the metaserver ran ``n`` more background ticks (its stats count them); return the stats then."""
     start = c.stats()["ticks"]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def ran() -> dict:
         s = c.stats()
-        if s["ticks"] >= start + n:
-            return s
-        time.sleep(0.02)
-    raise AssertionError(f"metaserver ran fewer than {n} background ticks in {timeout}s")
+        if s["ticks"] < start + n:
+            raise NotYet(f"{s['ticks'] - start} ticks")
+        return s
+
+    return eventually(ran, timeout, f"metaserver: {n} background ticks", interval=0.02)
 
 
 def payload(key: str, size: int = PAGE) -> bytes:
@@ -215,9 +217,7 @@ def test_background_eviction_brings_usage_between_watermarks(make_cluster):
         s = wait_ticks(c, 10)  # ten background ticks ran (counted, not slept for): none evicted
         assert (s["used_bytes"], s["objects"], s["evictions"]) == (32 * OBJ, 32, 0)
         assert c.batch_put(keys[32:], [payload(k) for k in keys[32:]]) == [True] * 8
-        deadline = time.monotonic() + 10
-        while c.stats()["evictions"] < 24 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        eventually(lambda: c.stats()["evictions"] >= 24, 10, "24 evictions by the background pass")
         s = wait_ticks(c, 10)  # and no further pass once below the low watermark
         assert (s["evictions"], s["objects"], s["used_bytes"]) == (24, 16, 16 * OBJ)
         assert 0.25 * cap - OBJ < s["used_bytes"] <= 0.25 * cap <= 0.5 * cap

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 import umbp
-from cluster import HarnessError
+from cluster import NotYet, eventually
 from test_pool import payload
 from transport import wire
 from transport.framed import FramedSocket
@@ -50,34 +50,29 @@ def role(addr: str) -> dict | None:
 
 def wait_leader(cluster, exclude=(), timeout: float = 30.0):
     """The metaserver (harness process) that answers is_leader, polled every 50 ms; HarnessError after timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def leader():
         for ms in cluster.metaservers:
             if ms in exclude or not ms.alive:
                 continue
             r = role(ms.addr)
             if r and r.get("is_leader"):
                 return ms
-        if time.monotonic() > deadline:
-            raise HarnessError(f"no metaserver leads within {timeout}s:\n{cluster.harness.tails()}")
-        time.sleep(0.05)
+        return None
+
+    return eventually(leader, timeout, "a metaserver that leads", details=cluster.harness.tails)
 
 
 def wait_confirmed(addr: str, ids, timeout: float = 20.0) -> list[dict]:
     """Poll NODES on the leader at ``addr`` until every id in ``ids`` re-registered (alive, not provisional)."""
-    deadline = time.monotonic() + timeout
-    listing: list = []
-    while True:
-        try:
-            listing = raw(addr, Op.NODES)["nodes"]
-        except UmbpError:
-            pass
+    def confirmed() -> list[dict]:
+        listing = raw(addr, Op.NODES)["nodes"]
         state = {n["node_id"]: n["alive"] and not n["provisional"] for n in listing}
-        if all(state.get(i) for i in ids):
-            return listing
-        if time.monotonic() > deadline:
-            raise HarnessError(f"nodes {sorted(ids)} not re-registered with {addr} within {timeout}s: {listing}")
-        time.sleep(0.1)
+        if not all(state.get(i) for i in ids):
+            raise NotYet(f"NODES answered {listing}")
+        return listing
+
+    return eventually(confirmed, timeout, f"nodes {sorted(ids)} re-registered with {addr}", interval=0.1,
+                      errors=(UmbpError,))
 
 
 def put_pages(c, keys_sizes):
@@ -168,10 +163,8 @@ def test_leader_sigkill_failover_keeps_every_page_and_clients_carry_on(make_clus
 
     th = threading.Thread(target=loop, daemon=True)
     th.start()
-    deadline = time.monotonic() + 20
-    while log["ok"] < 10 and not log["fatal"]:  # the loop has done some work on the old leader
-        assert time.monotonic() < deadline, log
-        time.sleep(0.05)  # poll interval of an observable count
+    # the loop has done some work on the old leader
+    eventually(lambda: log["ok"] >= 10 or log["fatal"], 20, lambda: f"10 rounds on the old leader: {log}")
     assert log["ok"] >= 10 and log["after"] == 0, log
     killed_at[0] = time.monotonic()
     old.kill(signal.SIGKILL)
@@ -182,10 +175,11 @@ def test_leader_sigkill_failover_keeps_every_page_and_clients_carry_on(make_clus
     assert "leader at revision" in new.stdout_text()
 
     # The loop keeps going on the new leader; stop it once it has done some work there.
-    deadline = time.monotonic() + 20
-    while log["after"] < 20 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    stop.set()
+    try:
+        eventually(lambda: log["after"] >= 20 or log["fatal"], 20, lambda: f"20 rounds on the new leader: {log}",
+                   interval=0.1)
+    finally:
+        stop.set()
     th.join(40)
     assert not th.is_alive()
     assert not log["fatal"], log["fatal"]
@@ -275,20 +269,18 @@ def test_deposed_leader_is_fenced_and_steps_down(make_cluster):
         old.kill(signal.SIGCONT)
 
     # Resumed, the old leader must not serve: its local lease validity is long gone, and etcd refuses its writes.
-    deadline = time.monotonic() + 10
-    while True:
+    def follows() -> bool:
         r = role(old.addr)
-        if r == {"leader": standby.addr, "is_leader": False}:
-            break
-        assert time.monotonic() < deadline, r
-        time.sleep(0.1)
+        if r != {"leader": standby.addr, "is_leader": False}:
+            raise NotYet(f"LEADER answered {r}")
+        return True
+
+    eventually(follows, 10, f"{old.name} naming {standby.addr} as the leader", interval=0.1)
     with pytest.raises(NotLeader) as ei:
         raw(old.addr, Op.EXISTS, {"ns": "default", "keys": [b"fence/0"]})
     assert ei.value.leader == standby.addr
-    deadline = time.monotonic() + 10
-    while "stepped down" not in old.stdout_text():
-        assert time.monotonic() < deadline, old.tail()
-        time.sleep(0.1)
+    eventually(lambda: "stepped down" in old.stdout_text(), 10, f"{old.name}: 'stepped down'", interval=0.1,
+               details=old.tail)
 
     # The fence itself: a write carrying the old leader's revision is refused by etcd.
     from metaserver.batcher import BatchWriter
@@ -349,10 +341,8 @@ def test_metaserver_down_longer_than_node_lease_keeps_live_nodes_pages(make_clus
     ms = cluster.metaserver
     ms.kill(signal.SIGKILL)
     cluster.node("node1").kill(signal.SIGKILL)  # this one does not come back
-    deadline = time.monotonic() + 15
-    while etcd_state(cluster.etcd.url)[2]:  # node leases (ttl 2 s) expire with nobody to keep them
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    # node leases (ttl 2 s) expire with nobody to keep them
+    eventually(lambda: not etcd_state(cluster.etcd.url)[2], 15, "no leased node record in etcd", interval=0.5)
     _, pages, leased, arenas = etcd_state(cluster.etcd.url)  # nobody writes now: the state the loop saw
     assert leased == [] and arenas == ["node0", "node1"] and pages == len(ks)
 
@@ -360,10 +350,9 @@ def test_metaserver_down_longer_than_node_lease_keeps_live_nodes_pages(make_clus
     ms.start()  # same port
     wait_confirmed(ms.addr, ["node0"], timeout=20)
     print(f"\nnode0 re-registered {time.monotonic() - t0:.2f}s after the metaserver restart")
-    deadline = time.monotonic() + 10  # NODES shows it confirmed before its REGISTER answer (etcd lease) reaches it
-    while "kept" not in cluster.node("node0").stderr_text():
-        assert time.monotonic() < deadline, cluster.node("node0").tail()
-        time.sleep(0.1)
+    # NODES shows it confirmed before its REGISTER answer (etcd lease) reaches it
+    eventually(lambda: "kept" in cluster.node("node0").stderr_text(), 10, "node0: 'kept' on stderr", interval=0.1,
+               details=cluster.node("node0").tail)
     on0 = [(k, s) for (k, s), w in zip(ks, where) if w == "node0"]
     on1 = [(k, s) for (k, s), w in zip(ks, where) if w == "node1"]
     with umbp.Client(cluster.metaserver_addrs) as c:
@@ -377,13 +366,13 @@ def test_metaserver_down_longer_than_node_lease_keeps_live_nodes_pages(make_clus
         check_pages(c, on0)
         s = c.stats()
         assert s["objects"] == len(on0)
-    deadline = time.monotonic() + 10
-    while True:
+    def forgotten():
         _, pages, leased, arenas = etcd_state(cluster.etcd.url)
         if pages == len(on0) and arenas == ["node0"]:
-            break
-        assert time.monotonic() < deadline, (pages, arenas)
-        time.sleep(0.2)
+            return leased, arenas
+        raise NotYet(f"etcd holds {pages} pages, arenas {arenas}")
+
+    leased, _ = eventually(forgotten, 10, f"etcd holding node0's {len(on0)} pages only", interval=0.2)
     assert leased == ["node0"]
 
 

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from cluster import NotYet, eventually
 from test_failover import ELECTION_TTL_S, ms_env, wait_leader
 from test_slots import SLOTS, TTL_S, partitioned, payload, wait_map
 from metaserver.slots import leaders
@@ -136,9 +137,13 @@ def test_a_closed_connections_open_allocations_stay_unplaced(make_cluster, direc
     finally:
         held.close()
     with cluster.client() as c:
-        deadline = time.monotonic() + 10
-        while (s := c.admin(Op.STATS))["pending"] and time.monotonic() < deadline:  # the close is handled
-            time.sleep(0.02)
+        def closed() -> dict:  # the close is handled
+            s = c.admin(Op.STATS)
+            if s["pending"]:
+                raise NotYet(f"STATS {s}")
+            return s
+
+        s = eventually(closed, 10, "no allocation pending", interval=0.02)
         assert s["pending"] == 0 and s["held_bytes"] == 3 * wire.object_size(SIZE) > 0, s
     # an aborted key itself is free for another writer at once
     put_and_check(cluster, [b"open-at-close0"] + [f"fresh{i}".encode() for i in range(6)], opened)

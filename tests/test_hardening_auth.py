@@ -22,6 +22,7 @@ from umbp.client import Client
 from umbp.errors import AuthError, ProtocolError, TransportError
 
 from closedpool import OPS, SECRET, closed_cluster, make_certs, scoped_client, tokens_toml
+from cluster import eventually
 
 TENANT_A = "tenant-a-secret-0123456789"
 TOKENS = tokens_toml({"tenant-a": (TENANT_A, {"tenant-a": "rw"})})
@@ -138,9 +139,8 @@ def test_node_with_a_token_does_not_register_with_an_open_metaserver(harness, im
     rkey, host) is ever sent to it."""
     node = harness.node(impostor.addr, start=False, token=SECRET)
     node.launch()
-    deadline = time.monotonic() + 30
-    while "downgrade" not in node.stderr_text() and time.monotonic() < deadline and node.alive:
-        time.sleep(0.1)
+    eventually(lambda: "downgrade" in node.stderr_text() or not node.alive, 30, "the node refusing the downgrade",
+               interval=0.1, details=node.tail)
     assert "did not ask for authentication" in node.stderr_text(), node.tail()
     assert wire.Op.HELLO in impostor.ops and wire.Op.REGISTER_NODE not in impostor.ops
     assert b"arena" not in impostor.raw

@@ -19,6 +19,7 @@ from umbp.client import Client
 from umbp.errors import AuthError, PoolFull
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
+from cluster import eventually
 
 ATTACKER = "attacker-secret-0123456789"
 VICTIM = "victim-secret-0123456789"
@@ -82,17 +83,13 @@ def test_kept_capabilities_cannot_forge_or_destroy_the_next_owners_pages(tiny):
         with pytest.raises(PoolFull):
             v.batch_put(vkeys, victim_pages)
         t0 = time.monotonic()
-        for _ in range(200):  # the quarantine ends CAP_TTL_S + the 2 s skew margin after the remove
-            try:
-                assert v.batch_put(vkeys, victim_pages) == [True] * SLOTS
-                # a put while only some slots were back may have stored pages that a later one evicted for the
-                # rest (the pool holds exactly SLOTS): done once all of them are stored at once
-                if all(v.batch_exists(vkeys)):
-                    break
-            except PoolFull:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the freed slots never came back from quarantine")
+        def stored() -> bool:  # the quarantine ends CAP_TTL_S + the 2 s skew margin after the remove
+            assert v.batch_put(vkeys, victim_pages) == [True] * SLOTS
+            # a put while only some slots were back may have stored pages that a later one evicted for the
+            # rest (the pool holds exactly SLOTS): done once all of them are stored at once
+            return all(v.batch_exists(vkeys))
+
+        eventually(stored, 20, "the freed slots back from quarantine", interval=0.1, errors=(PoolFull,))
         print(f"\nfreed slots placeable again after {time.monotonic() - t0:.1f} s (write_cap_ttl_s {CAP_TTL_S})")
 
     with client(tiny, ATTACKER, "attacker") as a:  # read rights on victim: tags and generations of its pages
@@ -208,16 +205,12 @@ def test_a_poisoned_header_generation_does_not_block_other_tenants(tiny):
     pages = [os.urandom(PAGE) for _ in range(SLOTS)]
     vkeys = [f"v{i}" for i in range(SLOTS)]
     with client(tiny, VICTIM, "victim", transport="tcp") as v:
-        for _ in range(200):  # the slots come back CAP_TTL_S + the 2 s skew after the remove
-            try:
-                v.batch_put(vkeys, pages)
-                if all(v.batch_exists(vkeys)):
-                    break
-            except PoolFull:
-                pass
-            time.sleep(0.1)
-        else:
-            pytest.fail(f"the victim's pages were not stored: {v.batch_exists(vkeys).count(True)} of {SLOTS}")
+        def stored() -> bool:  # the slots come back CAP_TTL_S + the 2 s skew after the remove
+            v.batch_put(vkeys, pages)
+            return all(v.batch_exists(vkeys))
+
+        eventually(stored, 20, lambda: f"the victim's pages stored: {v.batch_exists(vkeys).count(True)} of {SLOTS}",
+                   interval=0.1, errors=(PoolFull,))
         outs = [bytearray(PAGE) for _ in vkeys]
         assert v.batch_get_into(vkeys, outs) == [PAGE] * SLOTS
         assert outs == pages

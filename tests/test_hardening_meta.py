@@ -16,6 +16,7 @@ from umbp.client import Client
 from umbp.errors import BadRequest, NotFound, QuotaExceeded
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
+from cluster import NotYet, eventually
 
 TENANT_A = "tenant-a-secret-0123456789"
 TENANT_B = "tenant-b-secret-0123456789"
@@ -46,13 +47,9 @@ def quotas(make_cluster, tmp_path, monkeypatch):
 def put_aged(c: Client, key: bytes, page: bytes, timeout: float = 20.0) -> bool:
     """``c.put`` once the namespace's oldest page is old enough to evict: a page evicted younger than its write
     capability would stay held, and counted, so the put is refused (QUOTA) until then. Bounded by ``timeout``."""
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            return c.put(key, page)
-        except QuotaExceeded:
-            assert time.monotonic() < end, f"{key!r} refused for {timeout}s"
-            time.sleep(0.1)  # back-off before the next try
+    # (answer,): whatever put answers ends the wait, a refusal (QuotaExceeded) is "not yet"
+    return eventually(lambda: (c.put(key, page),), timeout, f"{key!r} accepted", interval=0.1,
+                      errors=(QuotaExceeded,))[0]
 
 
 def client(cluster, token, ns, **kw) -> Client:
@@ -73,13 +70,14 @@ def stats(cluster, token=OPS) -> dict:
 
 
 def wait_stat(cluster, field: str, want, timeout: float = 10.0) -> dict:
-    """STATS once ``field`` equals ``want`` (bounded: ``timeout``); the last STATS otherwise."""
-    end = time.monotonic() + timeout
-    s = stats(cluster)
-    while s[field] != want and time.monotonic() < end:
-        time.sleep(0.05)
+    """STATS once ``field`` equals ``want`` (bounded: ``timeout``, then an AssertionError with the last STATS)."""
+    def reached() -> dict:
         s = stats(cluster)
-    return s
+        if s[field] != want:
+            raise NotYet(f"STATS {field}={s[field]!r}: {s}")
+        return s
+
+    return eventually(reached, timeout, f"STATS {field}={want!r}")
 
 
 def test_release_of_another_connections_lease_is_refused(closed):

@@ -141,7 +141,67 @@ def test_cluster_polls_in_process_with_the_clis_answers(make_cluster, monkeypatc
     assert sorted(st) == sorted(by_cli["stats"])
     assert (st["leader"], st["capacity_bytes"]) == (by_cli["stats"]["leader"], by_cli["stats"]["capacity_bytes"])
     t0 = time.monotonic()
-    with pytest.raises(HarnessError, match=r"cluster: nodes alive=\['node1'\] dead=\['node0'\] not reached within 1s; "
-                                           r"last NODES answer: \[.*'node0'"):
+    with pytest.raises(HarnessError, match=r"cluster: nodes alive=\['node1'\] dead=\['node0'\] not reached: not within "
+                                           r"1s; last seen: NODES answered \[.*'node0'"):
         cluster.wait_nodes(alive=["node1"], dead=["node0"], timeout=1.0)
     assert 1.0 <= time.monotonic() - t0 < 3.0
+
+
+def test_eventually_returns_the_first_true_value_and_is_bounded(monkeypatch):
+    """``eventually``: returns pred's first true value; on timeout an AssertionError naming what was awaited and the
+    last value or exception seen; exceptions not listed in ``errors`` (an invariant's AssertionError) end it at once;
+    bounded in count as well as time (a sleep that returns at once cannot make it spin)."""
+    import asyncio
+    import time
+
+    import processes
+    from cluster import NotYet, eventually, eventually_async
+
+    answers = iter([0, None, "", "ready", "later"])
+    assert eventually(lambda: next(answers), 5, "a ready answer", interval=0.01) == "ready"
+    assert next(answers) == "later"  # no call after the first true value
+
+    calls = []
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"^a page: not within 0.2s; last seen: 0\n-- logs --$"):
+        eventually(lambda: calls.append(1) or 0, 0.2, "a page", details=lambda: "-- logs --")
+    assert 0.2 <= time.monotonic() - t0 < 1.0 and 3 <= len(calls) <= 0.2 / 0.05 + 2
+
+    def flaky():
+        raise KeyError("not there")
+
+    with pytest.raises(AssertionError, match=r"key: not within 0.1s; last seen: KeyError: 'not there'"):
+        eventually(flaky, 0.1, "key", errors=(KeyError,))
+    with pytest.raises(KeyError):  # not listed: at once
+        eventually(flaky, 10, "key")
+
+    def invariant():
+        raise AssertionError("broken invariant")
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="^broken invariant$"):
+        eventually(invariant, 10, "never", errors=(Exception,))
+    assert time.monotonic() - t0 < 1.0
+
+    def not_yet():
+        raise NotYet("saw 7 of 8")
+
+    with pytest.raises(AssertionError, match=r"^eight: not within 0.1s; last seen: saw 7 of 8$"):
+        eventually(not_yet, 0.1, "eight")
+
+    n = []
+    monkeypatch.setattr(processes.time, "sleep", lambda s: None)  # a sleep that returns at once: the count bounds it
+    with pytest.raises(AssertionError, match="spin: not within 1s"):
+        eventually(lambda: n.append(1), 1.0, "spin", interval=0.1)
+    assert len(n) == 12
+    monkeypatch.undo()
+
+    async def later():
+        box = []
+        asyncio.get_running_loop().call_later(0.05, box.append, "set")
+        got = await eventually_async(lambda: box and box[0], 5, "box set", interval=0.01)
+        with pytest.raises(AssertionError, match=r"never: not within 0.05s; last seen: \[\]"):
+            await eventually_async(lambda: [], 0.05, "never")
+        return got
+
+    assert asyncio.run(later()) == "set"

@@ -13,7 +13,6 @@ import asyncio
 import json
 import re
 import socket
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster import NotYet, eventually
 from transport import wire
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,10 +202,8 @@ def test_health_readiness_and_standby(make_cluster):
     # no metaserver left: the node stays alive (healthz) but is not ready
     for m in cl.metaservers:
         m.stop()
-    deadline = time.monotonic() + 30
-    while http(nb + "/readyz")[0] != 503:
-        assert time.monotonic() < deadline, "node still ready 30 s after every metaserver stopped"
-        time.sleep(0.1)
+    eventually(lambda: http(nb + "/readyz")[0] == 503, 30, "the node not ready (503) once every metaserver stopped",
+               interval=0.1)
     assert http(nb + "/readyz")[1].strip() == f"node {cl.nodes[0].node_id}: not registered with a metaserver"
     assert http(nb + "/healthz")[0] == 200
     assert value(scrape(cl.nodes[0].metrics_url), "umbp_node_registered") == 0
@@ -274,13 +272,13 @@ def test_gc_policy_steps_and_connection_churn_leaves_nothing_frozen(make_cluster
     url = c.metaserver.metrics_url
 
     def steps_after(n: float) -> dict:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        def stepped() -> dict:
             s = scrape(url)
-            if value(s, "umbp_metaserver_gc_steps_total") >= n:
-                return s
-            time.sleep(0.2)
-        pytest.fail(f"metaserver: fewer than {n} collection steps in 20 s")
+            if value(s, "umbp_metaserver_gc_steps_total") < n:
+                raise NotYet(f"{value(s, 'umbp_metaserver_gc_steps_total')} steps")
+            return s
+
+        return eventually(stepped, 20, f"metaserver: {n} collection steps", interval=0.2)
 
     def churn(rounds: int, tag: str) -> None:
         for r in range(rounds):

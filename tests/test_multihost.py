@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from cluster import Cluster, Etcd, Harness, HarnessError
+from cluster import Cluster, Etcd, Harness, HarnessError, NotYet, eventually
 from netns import Agent, Host, Rack, digest, page_bytes
 from umbp.errors import UmbpError
 
@@ -206,19 +206,21 @@ class MultiHost:
     def wait(self, what: str, cond, timeout: float = WAIT_S, step: float = 0.1) -> float:
         """Poll ``cond()`` until truthy; returns the seconds it took. Fails with ``what`` after ``timeout``."""
         t0 = time.monotonic()
-        while True:
+
+        def attempt() -> bool:
             t1 = time.monotonic()
             try:
                 if cond():
-                    return time.monotonic() - t0
+                    return True
                 why = "not yet"
-            except (netns.NetnsError, HarnessError) as e:
+            except (netns.NetnsError, HarnessError) as e:  # a host or process that does not answer yet
                 why = str(e).splitlines()[0][:200]
             if DEBUG:
                 print(f"  wait {what}: +{t1 - t0:.2f}s try took {time.monotonic() - t1:.2f}s: {why}", flush=True)
-            if time.monotonic() - t0 > timeout:
-                raise HarnessError(f"multihost: {what} not reached within {timeout:.0f}s\n{self.harness.tails()}")
-            time.sleep(step)
+            raise NotYet(why)
+
+        eventually(attempt, timeout, f"multihost: {what} not reached", interval=step, details=self.harness.tails)
+        return time.monotonic() - t0
 
     def nodes_state(self) -> dict[str, bool]:
         """node id -> alive, as the leading metaserver sees it ({} while none leads). Asks the leader directly: a

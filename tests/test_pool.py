@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 
 import umbp
+from cluster import eventually
 from umbp.errors import InvalidArgument
 
 SIZES = [1, 63, 64, 4095, 4096, 4097, 65536, 1 << 20, (4 << 20) + 13]
@@ -147,11 +147,8 @@ def test_sigkill_node_drops_exactly_its_pages_after_lease_expiry(cluster):
         lost = {k for k in keys if where[k] == victim.node_id}
         assert 0 < len(lost) < len(keys)
         victim.kill(signal.SIGKILL, wait=True)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if not any(c.batch_exists(sorted(lost))):
-                break
-            time.sleep(0.2)
+        eventually(lambda: not any(c.batch_exists(sorted(lost))), 15, "the victim's pages gone from the directory",
+                   interval=0.2)
         assert c.batch_exists(keys) == [k not in lost for k in keys]
         for k in keys:
             assert c.get(k) == (None if k in lost else payload(k, 50_000))

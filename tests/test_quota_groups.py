@@ -16,6 +16,7 @@ from transport.wire import Op
 from umbp.errors import PoolFull, QuotaExceeded, UmbpError
 
 from closedpool import OPS, SECRET, closed_cluster, scoped_client
+from cluster import eventually
 
 PAGE = 8 << 10
 OBJ = wire.object_size(PAGE)  # what one page takes of its group's quota (header included, 4 KiB aligned)
@@ -154,15 +155,10 @@ def test_a_partitioned_pool_keeps_a_quota_pool_wide(make_cluster, tmp_path, monk
     extra = f'[quotas]\n"tenant-q/flood" = {QUOTA_PAGES * OBJ}\n'
     cl = closed_cluster(make_cluster, tmp_path, monkeypatch, tokens(extra, token_quota=False), nodes=2,
                         capacity="16MiB", env=ENV, metaserver_flags={"slots": 8})
-    deadline = time.monotonic() + 30
     with client(cl, TENANT_B, "tenant-b") as b:
-        while True:  # each slot learns the nodes from the membership records within a round
-            try:
-                b_vals = put_pages(b, "b/", 200)
-                break
-            except UmbpError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+        # each slot learns the nodes from the membership records within a round
+        b_vals = eventually(lambda: put_pages(b, "b/", 200), 30, "tenant-b's 200 pages stored", interval=0.2,
+                            errors=(UmbpError,))
     with client(cl, FLOOD, "tenant-q/flood") as q:
         flood(q, "f/", 2 * QUOTA_PAGES, 1, (QuotaExceeded,))  # a page a put: one slot, stored or refused whole
     st = cl.cli_json("stats", "--token", OPS)

@@ -19,6 +19,7 @@ from umbp.config import ClientConfig, resolve
 from umbp.errors import AuthError, TransportError
 
 from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
+from cluster import NotYet, eventually
 
 TENANT_A = "tenant-a-secret-0123456789"
 READER = "tenant-a-reader-0123456789"
@@ -156,13 +157,16 @@ def test_impostor_cannot_take_over_a_live_node_id(closed):
         # metaserver's ticks (every 0.05 s it checks leases): 70 ticks ran, so a lease missed would have been seen.
         with client(closed, OPS) as ops:
             start = ops.stats()["ticks"]
-            for _ in range(600):  # bounded: 600 polls of 0.05 s at most
+
+            def past_lease() -> dict:
                 st = ops.stats()
                 node0 = next(n for n in st["nodes"] if n["node_id"] == "node0")
-                assert node0["alive"] and node0["port"] == real["node0"]["port"], node0
-                if st["ticks"] - start >= 70:
-                    break
-                time.sleep(0.05)  # poll interval of an observable count, not a synchronisation
+                assert node0["alive"] and node0["port"] == real["node0"]["port"], node0  # at every poll
+                if st["ticks"] - start < 70:
+                    raise NotYet(f"{st['ticks'] - start} ticks")
+                return st
+
+            st = eventually(past_lease, 30, "the metaserver's ticks advancing past node0's lease")
             assert st["ticks"] - start >= 70, "the metaserver's ticks did not advance past node0's lease"
         outs = [bytearray(5000) for _ in keys]
         assert a.batch_get_into(keys, outs) == [5000] * 20 and outs == vals
@@ -249,12 +253,9 @@ def test_memory_stays_bounded_under_announced_lengths_and_trickles(closed):
             s.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Op.PING, 0, 0, 1, 16 << 20, 0) + b"\x80" * 1000)
             socks.append(s)
     ports = {(x.sock if isinstance(x, FramedSocket) else x).getsockname()[1] for x in socks}
-    for _ in range(200):  # until both servers have read every byte sent (or closed the connection): then measure
-        if unread_by_servers(ports) == 0:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the servers left {unread_by_servers(ports)} bytes unread for 10 s")
+    # until both servers have read every byte sent (or closed the connection): then measure
+    eventually(lambda: unread_by_servers(ports) == 0, 10,
+               lambda: f"the servers reading every byte sent: {unread_by_servers(ports)} left unread")
     after = {"node": rss_kib(node.pid), "metaserver": rss_kib(ms.pid)}
     print(f"\nRSS KiB before {before}, after 16 announced-GiB writes and 32 trickled 16 MiB metas: {after}")
     assert after["node"] - before["node"] < 32 * 1024  # the announced GiBs and MiBs were never allocated
@@ -276,12 +277,13 @@ def test_idle_connections_are_closed_and_clients_reconnect(closed):
         # the client's own metaserver and node connections went idle too: wait until both servers closed them
         ports = {int(closed.metaserver_addr.rsplit(":", 1)[1])} | {int(node_addr(closed, n.name).rsplit(":", 1)[1])
                                                                    for n in closed.nodes}
-        states: dict = {}
-        for _ in range(200):  # bounded: 200 polls of 0.05 s
+        def closed_by_servers() -> dict:
             states = own_tcp_states(ports)
-            if states and all(st == CLOSE_WAIT for st in states.values()):
-                break
-            time.sleep(0.05)  # poll interval of an observable state
+            if not (states and all(st == CLOSE_WAIT for st in states.values())):
+                raise NotYet(f"TCP states {states}")
+            return states
+
+        states = eventually(closed_by_servers, 10, "both servers closing the idle connections")
         assert states and all(st == CLOSE_WAIT for st in states.values()), states
         assert a.get("idle") == page
         assert a.counters["node_failures"] == 0  # a closed idle connection is reopened, not a failed read

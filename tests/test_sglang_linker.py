@@ -27,6 +27,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cluster import eventually  # noqa: E402
 from enginesvenv import engine_modules, run_pytest  # noqa: E402
 
 
@@ -112,8 +113,10 @@ def indices(pages: list[int], page: int):
     return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])
 
 
-def wait_offloads(linker, n: int) -> list[bool]:
-    linker.offload_queue.join()  # the offload thread has finished every queued task
+def wait_offloads(linker, n: int, timeout: float = 60.0) -> list[bool]:
+    # the offload thread has finished every queued task (Queue.join's own count, awaited with a bound)
+    eventually(lambda: linker.offload_queue.unfinished_tasks == 0, timeout,
+               lambda: f"the offload queue drained: {linker.stats}")
     assert linker.num_completed_offloads() == n
     return [linker.pop_completed_offload() for _ in range(n)]
 
@@ -233,9 +236,7 @@ def test_full_linker_worker_survives_unexpected_errors(cluster):
     linker.storer.store = store_failing_once
     for p, k in zip([1, 2], keys):
         assert linker.offload([PoolTransfer(PoolName.KV, device_indices=indices([p], page), keys=[k])])
-    deadline = time.monotonic() + 60
-    while linker.num_completed_offloads() < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)  # bounded poll of an observable count
+    eventually(lambda: linker.num_completed_offloads() >= 2, 60, lambda: f"2 completed offloads: {linker.stats}")
     assert linker.num_completed_offloads() == 2, linker.stats
     assert [linker.pop_completed_offload() for _ in range(2)] == [False, True]
     assert len(calls) == 2 and linker._offload_thread.is_alive()

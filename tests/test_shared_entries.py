@@ -27,6 +27,7 @@ from umbp.auth import with_caps
 from umbp.errors import AuthError
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
+from cluster import NotYet, eventually
 
 PART = 5000
 STRIDE = wire.object_size(PART)
@@ -49,13 +50,13 @@ def stats(cluster) -> dict:
 
 def wait_stats(cluster, pred, timeout: float = 15.0) -> dict:
     """Poll STATS every 50 ms until ``pred(stats)``; AssertionError with the last answer after ``timeout``."""
-    end = time.monotonic() + timeout
-    s = stats(cluster)
-    while not pred(s):
-        assert time.monotonic() < end, s
-        time.sleep(0.05)
+    def reached() -> dict:
         s = stats(cluster)
-    return s
+        if not pred(s):
+            raise NotYet(f"STATS {s}")
+        return s
+
+    return eventually(reached, timeout, "STATS as awaited")
 
 
 def ranks(cluster, n: int, **kw) -> list:

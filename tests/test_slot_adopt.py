@@ -13,6 +13,7 @@ import logging
 import signal
 import time
 
+from cluster import eventually_async
 from metaserver.partition import Partition
 from metaserver.slots import MEMBERSHIP, SlotStore
 from transport.wire import Status
@@ -40,9 +41,8 @@ def test_a_held_slot_whose_campaign_answer_was_lost_is_served(etcd, monkeypatch,
             await p.start()
             srv = p.servers["0"]
             assert lost, "the injected failure did not happen: the test proves nothing"
-            end = time.monotonic() + 10
-            while not srv.serving and time.monotonic() < end:
-                await asyncio.sleep(0.05)
+            await eventually_async(lambda: srv.serving, 10,
+                                   lambda: f"slot 0 served after its campaign's answer was lost: {p.holders}")
             assert srv.serving, f"slot 0 not served 10 s after its campaign's answer was lost: {p.holders}"
             took = time.monotonic() - lost[0]
             addr, rev, lease = p.holders["0"]

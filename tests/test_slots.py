@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
+from cluster import NotYet, eventually
 from test_failover import raw
 from metaserver.partition import RANK_DELAY_S, Partition
 from metaserver.slots import leaders, ranking, region
@@ -41,19 +42,20 @@ def wait_map(addrs: list[str], want: set[str], timeout: float) -> dict:
     """Poll LEADER until the slot map is the balanced ranking's over exactly the processes ``want`` (each slot
     led by its first-ranked one, the membership role too); returns the LEADER answer."""
     expect = leaders(SLOTS, want)
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
+    last = []
+
+    def settled() -> dict | None:
         for a in addrs:
             try:
-                last = slot_map(a)
+                last[:] = [slot_map(a)]
                 break
             except (UmbpError, OSError):
                 continue
-        if last is not None and last["map"] == expect and sorted(last["members"]) == sorted(want):
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"slot map did not settle on {sorted(want)} within {timeout}s: {last}")
+        if last and last[0]["map"] == expect and sorted(last[0]["members"]) == sorted(want):
+            return last[0]
+        raise NotYet(f"LEADER answered {last[0] if last else None}")
+
+    return eventually(settled, timeout, f"slot map settled on {sorted(want)}", interval=0.1)
 
 
 TAKEOVER = re.compile(r"slot (\d+): leader at revision \d+ \((warm|full load)")  # partition.py's log line
@@ -61,14 +63,14 @@ TAKEOVER = re.compile(r"slot (\d+): leader at revision \d+ \((warm|full load)") 
 
 def wait_copies_loaded(cl, timeout: float) -> None:
     """Until every slot's warm copy is loaded on its successor (STATS ``warm_copies``)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def loaded() -> bool:
         per = cl.ask("stats")["metaservers"]  # in-process: what `umbp stats --json` prints
         copies = [w for m in per for w in (m.get("warm_copies") or {}).values()]
         if len(copies) == SLOTS and all(w["loaded"] for w in copies):
-            return
-        assert time.monotonic() < deadline, f"warm copies not loaded within {timeout}s: {per}"
-        time.sleep(0.2)
+            return True
+        raise NotYet(f"STATS metaservers {per}")
+
+    eventually(loaded, timeout, "every slot's warm copy loaded", interval=0.2)
 
 
 def partitioned(make_cluster, metaservers: int = 3, **kw):
@@ -338,20 +340,19 @@ def test_sigkill_one_of_three_under_load(make_cluster):
             probe.setdefault(slotrules.slot_of("default", k, SLOTS), k)
             if len(probe) == SLOTS:
                 break
-        while True:
-            try:
-                assert c.batch_exists([probe[s] for s in led]) == [False] * len(led)
-                break
-            except UmbpError:
-                if time.monotonic() - t_kill > TTL_S + 10:
-                    raise
-                time.sleep(0.05)
+        def served() -> bool:
+            assert c.batch_exists([probe[s] for s in led]) == [False] * len(led)
+            return True
+
+        eventually(served, max(0.0, t_kill + TTL_S + 10 - time.monotonic()), f"the victim's slots {led} served",
+                   errors=(UmbpError,))
         served_s = time.monotonic() - t_kill
     before = len(committed)
-    deadline = time.monotonic() + 20
-    while len(committed) < before + 300 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stop.set()
+    try:
+        eventually(lambda: len(committed) >= before + 300, 20,
+                   lambda: f"300 more pages committed after the failover: {errors[-3:]}")
+    finally:
+        stop.set()
     for t in threads:
         t.join(60)
     assert len(committed) >= before + 300, f"writers did not carry on after the failover: {errors[-3:]}"
@@ -405,18 +406,20 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
 
     def leader_map(among: list[str], timeout: float) -> list:
         expect = leaders(SLOTS, among)
-        deadline, last = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
+
+        def settled() -> list:
+            last = None
             for a in among:
                 try:
                     last = authed(a, Op.LEADER, {}, OPS)["map"]
                     break
                 except (UmbpError, OSError):
                     continue
-            if last == expect:
-                return last
-            time.sleep(0.1)
-        raise AssertionError(f"slot map did not settle on {sorted(among)}: {last}")
+            if last != expect:
+                raise NotYet(f"map {last}")
+            return last
+
+        return eventually(settled, timeout, f"slot map settled on {sorted(among)}", interval=0.1)
 
     smap = leader_map(addrs, 30.0)
     keys = [f"k{i}".encode() for i in range(2000)]
@@ -424,14 +427,9 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
     mine = [k for k in keys if slotrules.slot_of("t", k, SLOTS) == s]
     old = smap[s]
     size = 8000
-    deadline = time.monotonic() + 10
-    while True:  # the slot's leader learns the node from the membership records within a round
-        try:
-            ans = authed(old, Op.ALLOC, {"ns": "t", "keys": mine[:2], "sizes": [size, size]}, WRITER)
-            break
-        except UmbpError:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    # the slot's leader learns the node from the membership records within a round
+    ans = eventually(lambda: authed(old, Op.ALLOC, {"ns": "t", "keys": mine[:2], "sizes": [size, size]}, WRITER), 10,
+                     f"an ALLOC answered by {old}", interval=0.1, errors=(UmbpError,))
     (state, node_id, off, plen, gen, tag, ix), second = ans["items"]
     cap = ans["caps"][ix]
     assert state == second[0] == wire.AllocState.NEW and plen == size and second[6] == ix
@@ -452,27 +450,18 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
     smap = leader_map(survivors, TTL_S + 15.0)
     # The map names a slot's new leader once it is elected; it serves the slot once its FENCE reached every node
     # (SlotServer._elected). Wait for that (an EXISTS of the slot's key answered there), not for a sleep.
-    deadline = time.monotonic() + 15.0
-    while True:
-        try:
-            authed(smap[s], Op.EXISTS, {"ns": "t", "keys": mine[:1]}, WRITER)
-            break
-        except UmbpError:
-            assert time.monotonic() < deadline, f"slot {s}'s new leader {smap[s]} did not serve it"
-            time.sleep(0.1)
+    eventually(lambda: authed(smap[s], Op.EXISTS, {"ns": "t", "keys": mine[:1]}, WRITER) or True, 15.0,
+               f"slot {s} served by its new leader {smap[s]}", interval=0.1, errors=(UmbpError,))
     # Refused before the new term wrote anything on the node: the FENCE, not a newer capability, raised the floor.
     stale_write(second[2], second[4], second[5])
     # The new leader does not know the dead one's PENDING allocation: it places new pages over the same bytes.
     pages = {k: os.urandom(size) for k in mine[2:18]}
     with scoped_client(",".join(survivors), WRITER, "t") as c:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert c.batch_put(list(pages), list(pages.values())) == [True] * len(pages)
-                break
-            except UmbpError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        def stored() -> bool:
+            assert c.batch_put(list(pages), list(pages.values())) == [True] * len(pages)
+            return True
+
+        eventually(stored, 10, "the new pages stored", interval=0.1, errors=(UmbpError,))
         locs = authed(smap[s], Op.LOOKUP, {"ns": "t", "keys": list(pages)}, WRITER)["locs"]
         overlapped = [k for k, loc in zip(pages, locs) if loc[1] < off + wire.object_size(size) and
                       off < loc[1] + wire.object_size(loc[2])]

@@ -5,8 +5,8 @@ metrics per process, a client reading back what it wrote)."""
 from __future__ import annotations
 
 import re
-import time
 
+from cluster import NotYet, eventually
 from test_metrics import scrape, value
 from test_slots import SLOTS, filled, payload, wait_map
 from test_up import up  # noqa: F401  (the fixture)
@@ -30,13 +30,17 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
         assert sorted(per[a]["slots_led"]) == [s for s, x in enumerate(info["map"]) if x == a]
     # Every slot has a warm copy on a process other than its leader; once the watch delivered the commits, each
     # copy is loaded with nothing left to apply (lag 0: an idle process applies as events come).
-    end = time.monotonic() + 20.0
-    while True:
-        warm = {a: {int(s): w for s, w in m["warm_copies"].items()} for a, m in per.items()}
-        if all(w["loaded"] and w["lag"] == 0 for ws in warm.values() for w in ws.values()) or time.monotonic() > end:
-            break
-        time.sleep(0.2)
-        per = {m["addr"]: m for m in cl.ask("stats")["metaservers"]}  # polled in-process; the CLI was checked above
+    seen = [per]
+
+    def caught_up() -> dict:
+        warm = {a: {int(s): w for s, w in m["warm_copies"].items()} for a, m in seen[0].items()}
+        if all(w["loaded"] and w["lag"] == 0 for ws in warm.values() for w in ws.values()):
+            return warm
+        seen[0] = {m["addr"]: m for m in cl.ask("stats")["metaservers"]}  # polled in-process; the CLI was checked above
+        raise NotYet(f"warm copies {warm}")
+
+    warm = eventually(caught_up, 20.0, "every warm copy loaded with nothing left to apply", interval=0.2)
+    per = seen[0]
     assert set().union(*(set(ws) for ws in warm.values())) == set(range(SLOTS)), warm
     held = sorted(len(ws) for ws in warm.values())
     assert len(held) == len(per) and held[-1] - held[0] <= 1, warm  # the copies spread as the leaders do
@@ -83,14 +87,11 @@ def test_up_with_three_metaservers(up):
 
     with umbp.Client(metaserver=line) as c:
         keys = [f"up{i}".encode() for i in range(64)]
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                assert all(c.batch_put(keys, [payload(i) for i in range(64)]))
-                break
-            except UmbpError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+        def stored() -> bool:
+            assert all(c.batch_put(keys, [payload(i) for i in range(64)]))
+            return True
+
+        eventually(stored, 30, "64 pages stored", interval=0.2, errors=(UmbpError,))
         outs = [bytearray(6000) for _ in keys]
         assert c.batch_get_into(keys, outs) == [6000] * 64
         assert all(bytes(o) == payload(i) for i, o in enumerate(outs))
@@ -108,13 +109,15 @@ def test_up_with_three_metaservers(up):
     # Every slot's region of both nodes, once. A slot that moved to a joining process holds the nodes it loaded as
     # provisional (not counted) until each re-registers there, at its next heartbeat: so poll, bounded.
     full = range(2 * (64 << 20) - SLOTS * 2 * 4096 + 1, 2 * (64 << 20) + 1)
-    deadline = time.monotonic() + 20
-    while True:
+    def counted() -> float:
         cap = sum(value(scrape(m.group(1)), "umbp_pool_capacity_bytes") for m in metrics
                   if m.group(2).startswith("metaserver"))
-        if int(cap) in full or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        if int(cap) not in full:
+            raise NotYet(f"capacity {cap}")
+        return cap
+
+    cap = eventually(counted, 20, lambda: f"the pool's capacity in {full}: {u.cli_json(line, 'nodes')}",
+                     interval=0.2)
     assert int(cap) in full, (cap, u.cli_json(line, "nodes"))
     for n in st["nodes"]:
         assert sum(value(x, "umbp_pool_node_objects", node_id=n["node_id"]) for x in scraped) == n["objects"]

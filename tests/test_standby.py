@@ -23,7 +23,7 @@ import time
 import msgpack
 
 import umbp
-from cluster import HarnessError
+from cluster import NotYet, eventually, eventually_async
 from metaserver.allocator import Allocator
 from metaserver.directory import Directory
 from metaserver.persist import EtcdStore
@@ -168,10 +168,7 @@ class Writer:
 
 
 async def wait_until(cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
+    await eventually_async(cond, timeout, "the warm copy's condition", interval=0.02)
 
 
 async def full_load(store: EtcdStore):
@@ -327,15 +324,14 @@ def wait_warm(ms, timeout: float = 30.0) -> int:
 
 def settle(cluster, addr: str, timeout: float = 15.0) -> int:
     """Wait until etcd holds exactly the leader's objects (its batch writer drained); return that count."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def drained() -> tuple[int]:
         objects = raw(addr, Op.STATS)["objects"]
         pages = etcd_state(cluster.etcd.url)[1]
-        if pages == objects:
-            return objects
-        if time.monotonic() > deadline:
-            raise HarnessError(f"etcd holds {pages} pages, the leader {objects}")
-        time.sleep(0.1)
+        if pages != objects:
+            raise NotYet(f"etcd holds {pages} pages, the leader {objects}")
+        return (objects,)  # a tuple: 0 objects is settled too
+
+    return eventually(drained, timeout, "etcd holding exactly the leader's objects", interval=0.1)[0]
 
 
 def listing_equals_full_load(cluster, addr: str) -> None:
@@ -426,10 +422,9 @@ def test_standby_started_later_follows_node_registration_and_loss(make_cluster):
 
     cluster.node("node0").kill(signal.SIGKILL)  # lost: the leader drops its lease, parks its pages
     cluster.wait_nodes(alive=["node1"], dead=["node0"], timeout=20)
-    deadline = time.monotonic() + 15
-    while etcd_state(cluster.etcd.url)[2] != ["node1"]:  # node0's leased record is gone from etcd
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    # node0's leased record is gone from etcd
+    eventually(lambda: etcd_state(cluster.etcd.url)[2] == ["node1"], 15, "etcd's leased node records: node1 only",
+               interval=0.2)
 
     old.kill(signal.SIGKILL)
     new = wait_leader(cluster, exclude=(old,), timeout=30)

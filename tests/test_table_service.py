@@ -19,12 +19,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import umbp
-from cluster import Cluster, Harness
+from cluster import Cluster, Harness, NotYet, eventually
 from processes import child_env
 
 from test_pool import payload
@@ -57,6 +56,17 @@ def harness_class() -> type:
 def stats(cluster: Cluster) -> dict:
     """What ``umbp stats --json --metaserver ADDR`` prints, asked in-process (the loops below poll it)."""
     return cluster.ask("stats", metaserver=cluster.metaserver_addr)
+
+
+def objects_become(cluster: Cluster, n: int, timeout: float = 20.0) -> None:
+    """Until STATS counts ``n`` objects (a lost node's pages leave, a returning one's come back, in the background)."""
+    def counted() -> bool:
+        got = stats(cluster)["objects"]
+        if got != n:
+            raise NotYet(f"STATS objects={got}")
+        return True
+
+    eventually(counted, timeout, f"STATS objects={n}", interval=0.1)
 
 
 def restart_metaserver(cluster: Cluster, **flags) -> None:
@@ -158,9 +168,7 @@ def test_table_takes_a_lost_nodes_pages_out_and_serves_the_rest(harness, etcd_bi
     assert per_node["node0"] > 0 and per_node["node1"] > 0 and sum(per_node.values()) == 24
     cluster.node("node1").kill(signal.SIGKILL)
     cluster.wait_nodes(alive=["node0"], dead=["node1"])
-    deadline = time.monotonic() + 20
-    while stats(cluster)["objects"] != per_node["node0"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    objects_become(cluster, per_node["node0"])
     with umbp.Client(cluster.metaserver_addr) as c:
         left = readable(c, keys, 20_000)
         assert len(left) == per_node["node0"] == stats(cluster)["objects"]
@@ -195,17 +203,13 @@ def test_a_node_back_after_its_lease_lapsed_gets_its_parked_pages_back(harness, 
     node.kill(signal.SIGSTOP)
     try:
         cluster.wait_nodes(alive=["node0"], dead=["node1"])
-        deadline = time.monotonic() + 20
-        while stats(cluster)["objects"] != 24 - on1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        objects_become(cluster, 24 - on1)
         with umbp.Client(cluster.metaserver_addr) as c:
             assert len(readable(c, keys, 20_000)) == 24 - on1  # parked: out of the directory
     finally:
         node.kill(signal.SIGCONT)
     cluster.wait_nodes(alive=["node0", "node1"])
-    deadline = time.monotonic() + 20
-    while stats(cluster)["objects"] != 24 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    objects_become(cluster, 24)
     with umbp.Client(cluster.metaserver_addr) as c:
         assert readable(c, keys, 20_000) == keys
     restart_metaserver(cluster)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster import NotYet, eventually
+
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0
 
@@ -62,14 +64,13 @@ class Up:
 
     def wait_stderr(self, pattern: str) -> re.Match:
         rx = re.compile(pattern, re.M)
-        deadline = time.monotonic() + WAIT_S
-        while True:
+
+        def line() -> re.Match | None:
             m = rx.search(self.stderr())
-            if m:
-                return m
-            assert self.proc.poll() is None, f"`umbp up` exited with {self.proc.returncode}:\n{self.stderr()}"
-            assert time.monotonic() < deadline, f"no stderr line like {pattern!r}:\n{self.stderr()}"
-            time.sleep(0.1)
+            assert m or self.proc.poll() is None, f"`umbp up` exited with {self.proc.returncode}:\n{self.stderr()}"
+            return m
+
+        return eventually(line, WAIT_S, f"a stderr line like {pattern!r}", interval=0.1, details=self.stderr)
 
     def cli_json(self, metaserver: str, *args: str):
         r = subprocess.run([sys.executable, "-m", "umbp", *args, "--json", "--metaserver", metaserver],
@@ -187,12 +188,13 @@ def test_a_killed_up_leaves_no_process_and_the_next_start_removes_its_arenas(up)
 
     os.kill(first.proc.pid, signal.SIGKILL)
     assert first.proc.wait(10) == -signal.SIGKILL
-    deadline = time.monotonic() + WAIT_S
-    alive = kids
-    while alive:
-        assert time.monotonic() < deadline, f"children of the killed `up` still alive: {alive}"
-        time.sleep(0.1)  # poll interval of an observable state (the processes' exits)
-        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
+    def gone() -> bool:  # the processes' exits
+        alive = [p for p in kids if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
+        if alive:
+            raise NotYet(f"still alive: {alive}")
+        return True
+
+    eventually(gone, WAIT_S, "the children of the killed `up` gone", interval=0.1)
     assert os.path.isdir(arena_dir) and os.path.isdir(workdir), "nothing removed them yet: the killed pool ran no cleanup"
 
     second = up("--nodes", "1", "--capacity", "16MiB", "--port", "0")
