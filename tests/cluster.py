@@ -130,6 +130,7 @@ class Cluster:
         self.metaserver_flags = dict(metaserver_flags or {})
         self.node_flags = dict(node_flags or {})
         self.wait_registered = wait_registered
+        self.namespace: str | None = None  # a shared cluster's current test's own namespace (conftest.SharedClusters)
         self.etcd: Etcd | None = None
         self.metaservers: list[Metaserver] = []
         self.nodes: list[Node] = []

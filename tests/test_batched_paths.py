@@ -1,6 +1,7 @@
 """The batched data paths on real processes: a batch_put of several chunks (ALLOC and COMMIT pipelined on the
 metaserver connection, every page acknowledged after its COMMIT), READV/WRITEV frames that fail one object and
-serve the others, and ``get`` returning a ``bytes`` read in place."""
+serve the others, and ``get`` returning a ``bytes`` read in place. The tests share the module's cluster
+(``shared_cluster``), each in a namespace of its own."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from transport import wire
 from transport.framed import FramedSocket
 from umbp import puts as client_mod
+
+pytestmark = pytest.mark.shared_cluster
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

@@ -1,6 +1,7 @@
 """Threaded host copies (``umbp.copies``): exact bytes for many shapes of source and destination, errors of one job
 surfacing in the caller, the deadline bound, the thread sizing; and the shm transport moving a batch big enough to be
-split across threads, checked byte for byte on real node processes."""
+split across threads, checked byte for byte on real node processes. The one-node pool tests of 64 MiB share the
+module's cluster (``shared_cluster``), each in a namespace of its own."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def threaded():
 
 def _rand(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def one_node(test):
+    """The module's shared one-node pool of 64 MiB for ``test`` (its ``cluster`` argument)."""
+    return pytest.mark.shared_cluster(pytest.mark.cluster(nodes=1, capacity="64MiB")(test))
 
 
 @pytest.mark.parametrize("sizes", [[1], [3, 0, 5], [65536] * 7, [1 << 20, 17, (1 << 20) + 3], [300_001] * 5])
@@ -200,7 +206,8 @@ def test_sharing_cores_leaves_cores_to_other_work_on_this_thread_only():
         copies.set_max_threads(None)
 
 
-def test_a_pipelined_put_leaves_a_core_to_the_allocs_and_commits(make_cluster, monkeypatch):
+@one_node
+def test_a_pipelined_put_leaves_a_core_to_the_allocs_and_commits(cluster, monkeypatch):
     """A batch_put of several chunks writes each chunk while other chunks' ALLOCs and COMMITs are served: its shm
     copies of small pages use one thread fewer than the cores (``copies.sharing_cores``); chunks of pages of
     ``puts.SHARE_BELOW_PAGE_BYTES`` and more, a one-chunk put and a get use all of them; every page exact."""
@@ -213,7 +220,6 @@ def test_a_pipelined_put_leaves_a_core_to_the_allocs_and_commits(make_cluster, m
     monkeypatch.setattr(copies, "SERIAL_BYTES", 0)
     monkeypatch.setattr(copies, "MIN_BYTES_PER_THREAD", 1)
     monkeypatch.setattr(puts, "CHUNK_MAX_PAGES", 8)
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     copies.set_max_threads(4)
     try:
         n, size = 32, 64 << 10
@@ -370,12 +376,12 @@ def test_stream_copies_while_pieces_come_and_finish_waits_for_all(threaded):
     assert all(f.done() for f in again.futures) and not again.pending
 
 
-def test_shm_header_memo_still_catches_a_changed_header(make_cluster):
+@one_node
+def test_shm_header_memo_still_catches_a_changed_header(cluster):
     """The shm read remembers headers it checked; a header changed in place after that (another generation, a
     flipped crc byte, a shorter length) is still a CorruptionError, and the intact page reads exactly again."""
     from umbp.errors import CorruptionError
 
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     with cluster.client(transport="shm") as c:
         page = _rand(70_000, 7)
         assert c.put("memo/0", page)
@@ -395,14 +401,14 @@ def test_shm_header_memo_still_catches_a_changed_header(make_cluster):
             assert c.get_into("memo/0", out) == 70_000 and np.array_equal(out, page)
 
 
-def test_shm_ranges_of_one_object_share_one_header_check_and_a_torn_one_fails(make_cluster, threaded, monkeypatch):
+@one_node
+def test_shm_ranges_of_one_object_share_one_header_check_and_a_torn_one_fails(cluster, threaded, monkeypatch):
     """The shm read checks an object's header once for all its consecutive ranges (a layer_first page: one range per
     layer), before and after the copy: a slot rewritten while its ranges are copied fails the read, the other
     page's ranges land exactly, and an undisturbed read of both is exact."""
     from transport import shm
     from umbp.errors import CorruptionError
 
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     layers, run = 8, 16_384
     pages = {k: _rand(layers * run, i) for i, k in enumerate(("torn/a", "torn/b"))}
     real = shm.copies.Stream.finish
@@ -477,7 +483,8 @@ class _KernelDouble:
         self.launches += 1
 
 
-def test_cuda_outs_dispatch_kernel_for_shm_pages_staged_for_others(make_cluster, monkeypatch):
+@one_node
+def test_cuda_outs_dispatch_kernel_for_shm_pages_staged_for_others(cluster, monkeypatch):
     """Outs wrapped as ``CudaOut`` (host tensors standing for device ones): pages read over shm go to the kernel
     (one launch per call, ranges included, no pinned buffer taken), pages over tcp go through the staged path
     (pinned buffer, then the upload), and the bytes of both are exact."""
@@ -496,7 +503,6 @@ def test_cuda_outs_dispatch_kernel_for_shm_pages_staged_for_others(make_cluster,
             out.release()
 
     monkeypatch.setattr(client_mod, "flush_cuda", fake_flush)
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     n, size = 6, 40_000
     keys = [f"cuda-dispatch/{i}" for i in range(n)]
     pages = [_rand(size, 300 + i) for i in range(n)]
@@ -540,7 +546,8 @@ def test_cuda_outs_dispatch_kernel_for_shm_pages_staged_for_others(make_cluster,
             assert outs[1].numpy().tobytes() == pages[1].tobytes()
 
 
-def test_device_read_detects_a_rewritten_slot(make_cluster):
+@one_node
+def test_device_read_detects_a_rewritten_slot(cluster):
     """The kernel path checks the headers again after the launch: a slot rewritten meanwhile is a CorruptionError,
     never a hit."""
     torch = pytest.importorskip("torch", reason="torch is not installed in this venv: CudaOut needs torch tensors")
@@ -549,7 +556,6 @@ def test_device_read_detects_a_rewritten_slot(make_cluster):
     from umbp.devcopy import DeviceCopier
     from umbp.errors import CorruptionError
 
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     with cluster.client(transport="shm") as c:
         assert c.put("torn/0", _rand(10_000, 9))
         kernel = _KernelDouble()

@@ -6,7 +6,10 @@ runs each launch's segment table with memmove, as tests/test_copies.py does for 
 nodes go to the kernel (one launch per chunk, no staging), every old header is invalid while the payload lands and
 the header is written after it; a failing launch aborts its keys (nothing committed, the places free again at once);
 pages over tcp and clients with checksums keep the staged path; ``LayerwiseLoader.store`` and ``PipelinedStore`` run
-the same path (counters say which). The GPU half is tests/test_engine_gpu.py."""
+the same path (counters say which). The GPU half is tests/test_engine_gpu.py.
+
+The tests share the module's one-node cluster (``shared_cluster``), each in a namespace of its own, but the first:
+it fills the arena around its page with 0xff."""
 
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ torch = pytest.importorskip("torch", reason="torch is not installed in this venv
 
 def _rand(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def one_node(test):
+    """The module's shared one-node pool of 64 MiB for ``test`` (its ``cluster`` argument)."""
+    return pytest.mark.shared_cluster(pytest.mark.cluster(nodes=1, capacity="64MiB")(test))
 
 
 class _Kernel:
@@ -121,10 +129,10 @@ def test_shm_pages_go_to_the_kernel_headers_after_the_payload(make_cluster, monk
             assert t.get(keys[5]) == np.concatenate(pages[5]).tobytes()
 
 
-def test_failing_launch_aborts_and_commits_nothing(make_cluster):
+@one_node
+def test_failing_launch_aborts_and_commits_nothing(cluster):
     """A launch that raises: the put raises TransportError naming the aborted pages, none of them exists, and the
     places were given back (the same keys are stored at once by a second put, not held PENDING)."""
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     n, size = 6, 30_000
     keys = [f"devfail/{i}" for i in range(n)]
     pages = [[_rand(size, 200 + i)] for i in range(n)]
@@ -142,10 +150,10 @@ def test_failing_launch_aborts_and_commits_nothing(make_cluster):
             assert o.tobytes() == p[0].tobytes()
 
 
-def test_tcp_pages_and_checksum_clients_keep_the_staged_path(make_cluster):
+@one_node
+def test_tcp_pages_and_checksum_clients_keep_the_staged_path(cluster):
     """Over tcp the kernel cannot reach the arena: each chunk's pages are staged by the batch's stager and written
     by the transport. A checksum client stages every page once, up front (the checksum needs host bytes)."""
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     n, size = 5, 40_000
     pages = [[_rand(size // 2, 300 + i), _rand(size // 2, 400 + i)] for i in range(n)]
     kernel = _Kernel()
@@ -168,10 +176,10 @@ def test_tcp_pages_and_checksum_clients_keep_the_staged_path(make_cluster):
             assert o.tobytes() == np.concatenate(p).tobytes()
 
 
-def test_batch_put_routes_device_tensors(make_cluster):
+@one_node
+def test_batch_put_routes_device_tensors(cluster):
     """batch_put / batch_put_ranges with values on a CUDA device take the device path (``_put_cuda``): here
     tensors whose ``device`` says cuda but whose memory is host memory, so the kernel double can copy them."""
-    cluster = make_cluster(nodes=1, capacity="64MiB")
 
     class FakeCuda:  # just what _put_cuda and DeviceBatch.from_tensors use of a tensor
         device = torch.device("cuda", 0)
@@ -234,10 +242,10 @@ def cuda_kv(monkeypatch):
     return staged_calls
 
 
-def test_loader_store_writes_slots_through_the_kernel_or_stages(make_cluster, cuda_kv):
+@one_node
+def test_loader_store_writes_slots_through_the_kernel_or_stages(cluster, cuda_kv):
     from umbp.engine.loader import LayerwiseLoader
 
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     kv = _kv(12)
     n = 9
     slots = [11 - i for i in range(n)]
@@ -262,10 +270,10 @@ def test_loader_store_writes_slots_through_the_kernel_or_stages(make_cluster, cu
                 assert o.tobytes() == _page(kv, s)
 
 
-def test_pipelined_store_is_one_put_on_the_direct_path(make_cluster, cuda_kv):
+@one_node
+def test_pipelined_store_is_one_put_on_the_direct_path(cluster, cuda_kv):
     from umbp.engine.offload import PipelinedStore
 
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     kv = _kv(12)
     keys = [f"devpipe/{i}" for i in range(10)]
     slots = list(range(10))

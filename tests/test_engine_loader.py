@@ -1,7 +1,8 @@
 """Layer-wise loader and offload against a real pool (etcd, metaserver, nodes on loopback), CPU KV buffers.
 
 Checks bytes (every layer of every page in its slot, nothing else touched), the order of ready groups, the prefix
-rule on a missing page, dedup on a second offload, and the loader's byte counters."""
+rule on a missing page, dedup on a second offload, and the loader's byte counters. The tests share the module's
+cluster (``shared_cluster``), each in a namespace of its own."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from umbp.errors import InvalidArgument
 from umbp.keys import chain_keys, parents_of
 
 LAYERS, SLOTS, ROW = 8, 32, 512  # MHA: K and V rows of 512 bytes per layer -> 8 KiB pages
+
+pytestmark = pytest.mark.shared_cluster
 
 
 def mha_buffer(fill: bool, seed: int = 0):

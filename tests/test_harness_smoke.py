@@ -205,3 +205,34 @@ def test_eventually_returns_the_first_true_value_and_is_bounded(monkeypatch):
         return got
 
     assert asyncio.run(later()) == "set"
+
+
+def test_shared_clusters_one_pool_per_configuration_replaced_when_a_process_is_gone(shared_clusters):
+    """conftest.SharedClusters: the same configuration gets the same running cluster; namespaces are never handed out
+    twice, and pages of one are not seen from another; a cluster left with a process gone fails the test that left
+    it and the next test gets a fresh one."""
+    a = shared_clusters.get({"nodes": 1})
+    assert shared_clusters.get({"nodes": 1}) is a and shared_clusters.get({"nodes": 2}) is not a
+    first, second = shared_clusters.namespace("same name"), shared_clusters.namespace("same name")
+    assert first != second and len(first.encode()) <= 128
+    with a.client(namespace=first) as c1, a.client(namespace=second) as c2:
+        assert c1.put("page", b"first's") is True
+        assert c2.batch_exists(["page"]) == [False] and c2.put("page", b"second's") is True
+        assert c1.get("page") == b"first's" and c2.get("page") == b"second's"
+    shared_clusters.check(a, "a polite test")  # nothing stopped: kept
+    a.nodes[0].kill()
+    with pytest.raises(HarnessError, match=r"a rude test: ran on a shared cluster and left \['node0'\] stopped"):
+        shared_clusters.check(a, "a rude test")
+    b = shared_clusters.get({"nodes": 1})
+    assert b is not a and all(p.alive for p in b.harness.processes) and not any(p.alive for p in a.harness.processes)
+
+
+@pytest.mark.shared_cluster
+@pytest.mark.cluster(nodes=1)
+def test_a_shared_cluster_test_runs_in_a_namespace_of_its_own(cluster, shared_clusters):
+    import os
+
+    assert shared_clusters.get({"nodes": 1}) is cluster
+    assert cluster.namespace and os.environ["UMBP_NAMESPACE"] == cluster.namespace
+    with cluster.client() as c:
+        assert c.namespace == cluster.namespace

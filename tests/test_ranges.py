@@ -1,6 +1,6 @@
 """Ranged reads and multi-part writes (the engine path: a layer group of a page-first page, a page written from one
 buffer per layer) on real node processes, over tcp and shm; and ``Client.mapped`` (zero-copy access to same-host
-arenas)."""
+arenas). The tests share the module's cluster (``shared_cluster``), each in a namespace of its own."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def count_meta_calls(client) -> dict:
     return counts
 
 
+@pytest.mark.shared_cluster
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_put_from_layer_parts_and_read_layer_groups(cluster, transport):
     keys = [f"rg-{transport}/{p}" for p in range(12)]
@@ -69,6 +70,7 @@ def test_put_from_layer_parts_and_read_layer_groups(cluster, transport):
         assert set(c.transport_names().values()) == {transport}
 
 
+@pytest.mark.shared_cluster
 def test_ranged_read_misses_bad_ranges_and_zero_length(cluster):
     with cluster.client() as c:
         assert c.batch_put_ranges(["r/a"], [[b"abc", b"", b"defgh"]]) == [True]
@@ -90,6 +92,7 @@ def test_ranged_read_misses_bad_ranges_and_zero_length(cluster):
         assert c.get("r/a") == b"abcdefgh"
 
 
+@pytest.mark.shared_cluster
 def test_mapped_gives_the_arena_bytes_and_detects_a_rewritten_slot(cluster):
     pages = [layers_of(100 + p) for p in range(4)]
     keys = [f"map/{p}" for p in range(4)]

@@ -1,6 +1,7 @@
 """``umbp.buffers.Rows`` outs (a page laid row by row at a fixed stride: a layer_first host page's K or V): the
 descriptor's checks, ``copies.Stream.add_rows`` exact bytes, and reads into Rows on real node processes, one op per
-page over shm and one per row over tcp, exact bytes, gaps untouched, payload checksums and torn slots still caught."""
+page over shm and one per row over tcp, exact bytes, gaps untouched, payload checksums and torn slots still caught.
+The pool tests share the module's one-node cluster (``shared_cluster``), each in a namespace of its own."""
 
 from __future__ import annotations
 
@@ -93,14 +94,18 @@ def _count_ops(monkeypatch, cls) -> list:
     return seen
 
 
+ONE_NODE = pytest.mark.cluster(nodes=1, capacity="64MiB")
+
+
+@pytest.mark.shared_cluster
+@ONE_NODE
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("threaded", [False, True])
-def test_get_into_rows_one_op_per_page_over_shm_per_row_over_tcp(make_cluster, monkeypatch, transport, threaded):
+def test_get_into_rows_one_op_per_page_over_shm_per_row_over_tcp(cluster, monkeypatch, transport, threaded):
     if threaded:
         monkeypatch.setattr(copies, "SERIAL_BYTES", 0)
         monkeypatch.setattr(copies, "MIN_BYTES_PER_THREAD", 1)
         copies.set_max_threads(4)
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     try:
         pages = [_rand(COUNT * ROW, 10 + i) for i in range(6)]
         pages[5] = pages[5][:3 * ROW + 11]  # a shorter payload fills the first rows only
@@ -127,10 +132,11 @@ def test_get_into_rows_one_op_per_page_over_shm_per_row_over_tcp(make_cluster, m
         copies.set_max_threads(None)
 
 
-def test_rows_over_shm_checksums_and_torn_slots_still_fail(make_cluster, monkeypatch):
+@pytest.mark.shared_cluster
+@ONE_NODE
+def test_rows_over_shm_checksums_and_torn_slots_still_fail(cluster, monkeypatch):
     """A Rows read of a whole payload is checked against the writer's payload checksum (a flipped payload byte is a
     CorruptionError, not bytes), and a slot rewritten while the rows are copied is a torn read."""
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     page = _rand(COUNT * ROW, 5)
     with cluster.client(transport="shm", checksum=True) as c:
         assert c.put("rows/csum", page)
@@ -165,9 +171,11 @@ def test_rows_over_shm_checksums_and_torn_slots_still_fail(make_cluster, monkeyp
         assert _rows_of(buf) == page.tobytes()
 
 
+@pytest.mark.shared_cluster
+@ONE_NODE
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("checksum", [False, True])
-def test_put_from_rows_exact_bytes(make_cluster, monkeypatch, transport, checksum):
+def test_put_from_rows_exact_bytes(cluster, monkeypatch, transport, checksum):
     """A page stored from Rows (its rows back to back), alone or among other parts, reads back exactly with a plain
     get; over shm without checksums the rows go to the copy threads as strided runs (one ``add_rows`` per Rows)."""
     monkeypatch.setattr(copies, "SERIAL_BYTES", 0)
@@ -180,7 +188,6 @@ def test_put_from_rows_exact_bytes(make_cluster, monkeypatch, transport, checksu
         return real(self, *a)
 
     monkeypatch.setattr(copies.Stream, "add_rows", spy)
-    cluster = make_cluster(nodes=1, capacity="64MiB")
     bufs = [np.full(STRIDE * COUNT, 0x33, np.uint8) for _ in range(4)]
     for i, b in enumerate(bufs):
         for r in range(COUNT):

@@ -8,6 +8,9 @@ Host KV pools: SGLang's real ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``
 that equality against the real classes, and ``test_full_v1_real_host_pools`` repeats the round trip with them. Both
 run in the SGLang linker venv (``.venv/sglang-linker``, built by ``scripts/install-venv.sh``), driven from the main
 run by ``test_sglang_linker.py::test_full_suite_in_linker_venv``; in the main venv they skip, saying so.
+
+The tests share the module's cluster (``shared_cluster``): each test's model names carry its own namespace as a
+prefix (``storage_config``), so no two tests meet in a backend namespace; pool-wide counts are read as differences.
 """
 
 from __future__ import annotations
@@ -36,6 +39,23 @@ from umbp.integrations.sglang.naming import ObjectNaming, namespace_for
 DT = torch.bfloat16
 L, H, D, PS, PAGES = 3, 2, 8, 4, 8  # layers, heads, head dim, page tokens, host pool pages
 MLA_DIM = 12
+
+pytestmark = pytest.mark.shared_cluster  # one pool for the module; a namespace per test (model names, below)
+_MODEL_PREFIX = [""]  # the running test's namespace + "/" on a shared cluster: backend namespaces per test
+
+
+@pytest.fixture(autouse=True)
+def _models_per_test(request):
+    if "cluster" in request.fixturenames:
+        ns = request.getfixturevalue("cluster").namespace
+        _MODEL_PREFIX[0] = f"{ns}/" if ns else ""
+    yield
+    _MODEL_PREFIX[0] = ""
+
+
+def model_name(model: str) -> str:
+    """The model name a backend of this test is configured with (its namespace derives from it)."""
+    return _MODEL_PREFIX[0] + model
 
 
 # ---- host pools laid out as SGLang 0.5.23 lays them out (memory_pool_host / pool_host/{mha,mla}.py) -------------
@@ -209,7 +229,7 @@ def storage_config(metaserver: str, *, mla: bool = False, tp_rank: int = 0, tp_s
            "metaserver": metaserver, "interface_v1": 1, **extra}
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
-                                is_page_first_layout=False, model_name=model, extra_config=cfg)
+                                is_page_first_layout=False, model_name=model_name(model), extra_config=cfg)
 
 
 def load_backend(metaserver: str, pool=None, **kw) -> UmbpHiCacheStorage:
@@ -249,7 +269,7 @@ def pool_objects(cluster, namespace: str) -> list:
 def test_factory_builds_the_class_and_rejects_bad_configs(cluster):
     backend = load_backend(cluster.metaserver_addr, MhaHostPool("page_first"))
     assert backend.naming.kv_suffixes() == ("_0_k", "_0_v")
-    assert backend.namespace == namespace_for("test/model", "page_first", PS, "bf16", 1)
+    assert backend.namespace == namespace_for(model_name("test/model"), "page_first", PS, "bf16", 1)
     backend.close()
     bad = storage_config(cluster.metaserver_addr)
     bad.extra_config["class_name"] = "ObjectNaming"  # exists, but is no HiCacheStorage
@@ -405,12 +425,13 @@ def test_mla_pages_are_stored_once_across_tp_ranks(cluster):
     fill_random(pools[0], range(5), seed=11)
     for r in range(1, 4):
         pools[r].kv_buffer.copy_(pools[0].kv_buffer)
+    objects0 = cluster.ask("stats")["objects"]  # the pool's count so far (a shared cluster: other tests' pages)
     for r in range(4):
         assert ranks[r].batch_set_v1(keys, host_indices(list(range(5)))) == [True] * 5
     objs = pool_objects(cluster, ranks[0].namespace)
     assert len(objs) == 5 and all(o[1].endswith("__k") for o in objs)
     stats = cluster.cli_json("stats", "--json")
-    assert stats["objects"] >= 5
+    assert stats["objects"] - objects0 >= 5
     assert [ranks[r].client.counters["dedup"] for r in range(4)] == [0, 5, 5, 5]
     assert [ranks[r].client.counters["puts"] for r in range(4)] == [5, 0, 0, 0]
     pools[3].kv_buffer.zero_()

@@ -48,7 +48,7 @@ class TableHarness(Harness):
         return super().metaserver(etcd_url, start=start, name=name, **flags)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def harness_class() -> type:
     return TableHarness  # conftest's harness fixture starts this module's processes through it
 
