@@ -63,20 +63,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     sweep_stale_shm()
 
 
-# Run in parallel (`make test`: pytest-xdist, --dist loadgroup): a module's tests stay on one worker, so a module's
-# shared cluster (SharedClusters) or guest VM is started once; modules that must not overlap share a group of their
-# own (the network-namespace tests: one rack of test hosts, one image build at a time).
-SERIAL_GROUPS = {"test_multihost": "netns", "test_multihost_slots": "netns"}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            name = item.module.__name__ if item.module is not None else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS.get(name, name)))
-
-
 def pytest_report_header(config: pytest.Config) -> list[str]:
     path = getattr(config, "_umbp_etcd", None)
     if path:

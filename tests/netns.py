@@ -32,6 +32,7 @@ Every command has a timeout; nothing here waits unboundedly. Needs root, ``ip`` 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import ipaddress
 import json
@@ -289,6 +290,9 @@ class Host:
         return f"<Host {self.name} {self.ip} ns={self.ns}>"
 
 
+RACK_LOCK = "/tmp/umbp-netns-rack.lock"  # flock: one Rack at a time on this machine
+
+
 class Rack:
     """A bridge and ``names`` hosts on it. ``close()`` (idempotent) stops ``harness``'s processes, then removes the
     namespaces and the bridge."""
@@ -297,6 +301,10 @@ class Rack:
         ok, why = support()
         if not ok:
             raise NetnsError(f"netns: cannot make network namespaces here: {why}")
+        # One rack at a time on this machine (parallel test workers: make test): racks would race for a free subnet
+        # and share the image build. Held until close(); a worker that dies drops it with its file descriptor.
+        self._lock = open(RACK_LOCK, "a")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         sweep_stale()
         self.harness = harness
         self.bridge = f"ubr{os.getpid()}"
@@ -332,6 +340,7 @@ class Rack:
                 sh("ip", "link", "del", h.veth, check=False)  # both ends, now (a namespace goes asynchronously)
                 sh("ip", "netns", "del", h.ns, check=False)
             sh("ip", "link", "del", self.bridge, check=False)
+            self._lock.close()  # releases the flock: the next rack may start
 
 
 # ----------------------------------------------------------------------------------------------------- clients
