@@ -26,7 +26,7 @@ from metaserver.slots import leaders
 from transport import slotrules, wire
 from transport.framed import FramedSocket
 from transport.wire import Op
-from umbp.errors import BadRequest, NotLeader, TransportError
+from umbp.errors import BadRequest, NotLeader, TransportError, Unavailable
 
 NS = "default"
 SIZE = 6000
@@ -78,6 +78,10 @@ def test_slot_handover_hands_its_open_allocations_on(make_cluster):
     wait_map([first], {first}, 30.0)
     held = FramedSocket(first, "test writer", time.monotonic() + 5)
     try:
+        # the slots' directories learn the registered nodes from etcd a moment after the map settles (a loaded
+        # machine: "no storage node known yet"): the first allocation waits for that
+        eventually(lambda: open_allocation(held, key_of_slot(0, "first")), 20.0,
+                   "slot 0's leader knows the storage nodes", errors=(Unavailable,))
         opened = {s: (key_of_slot(s, "open"),) + open_allocation(held, key_of_slot(s, "open"), s)
                   for s in range(SLOTS)}
         joined = cl.harness.metaserver(cl.etcd.url, slots=SLOTS, election_ttl=TTL_S)

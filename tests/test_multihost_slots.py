@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 import netns
-from test_multihost import PAGE, MultiHost, rack_pool  # where it skips, this module does too
-from cluster import HarnessError
+from test_multihost import PAGE, WAIT_S, MultiHost, rack_pool  # where it skips, this module does too
+from cluster import HarnessError, eventually
 from metaserver.slots import leaders
 from test_failover import raw
 from transport import slotrules
@@ -236,7 +236,7 @@ def test_metaserver_host_cut_moves_its_slots_and_loses_no_page(sr):
     TIMINGS[f"{victim} link restored: c2 reads every page (before and during the cut) after s"] = round(
         time.monotonic() - t1, 2)
     # the process that came back serves its slots itself: what it answers for them is what was committed
-    back = sr.settled(MS_HOSTS)
+    back = eventually(lambda: sr.settled(MS_HOSTS), WAIT_S, "the slot map settled after the handback")
     for k in every:
         s = slotrules.slot_of(NS, k, SLOTS)
         if back["map"][s] == victim_addr:
