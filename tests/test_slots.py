@@ -40,7 +40,9 @@ def slot_map(addr: str) -> dict:
 
 def wait_map(addrs: list[str], want: set[str], timeout: float) -> dict:
     """Poll LEADER until the slot map is the balanced ranking's over exactly the processes ``want`` (each slot
-    led by its first-ranked one, the membership role too); returns the LEADER answer."""
+    led by its first-ranked one, the membership role too) and every one of them serves the slots the map gives it
+    (its STATS ``slots_led``: a handover finished, so a client routed by the map meets no MOVED); returns the LEADER
+    answer. Where STATS needs a token (a closed pool), the map alone."""
     expect = leaders(SLOTS, want)
     last = []
 
@@ -51,9 +53,19 @@ def wait_map(addrs: list[str], want: set[str], timeout: float) -> dict:
                 break
             except (UmbpError, OSError):
                 continue
-        if last and last[0]["map"] == expect and sorted(last[0]["members"]) == sorted(want):
-            return last[0]
-        raise NotYet(f"LEADER answered {last[0] if last else None}")
+        if not (last and last[0]["map"] == expect and sorted(last[0]["members"]) == sorted(want)):
+            raise NotYet(f"LEADER answered {last[0] if last else None}")
+        for a in want:
+            try:
+                led = set(raw(a, Op.STATS).get("slots_led") or ())
+            except AuthError:
+                continue
+            except (UmbpError, OSError) as e:
+                raise NotYet(f"{a}: STATS: {e}") from e
+            mine = {s for s, leader in enumerate(expect) if leader == a}
+            if led != mine:
+                raise NotYet(f"{a} serves slots {sorted(led)}, the map gives it {sorted(mine)}")
+        return last[0]
 
     return eventually(settled, timeout, f"slot map settled on {sorted(want)}", interval=0.1)
 
