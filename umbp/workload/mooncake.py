@@ -46,7 +46,8 @@ from umbp.errors import ConfigError
 from umbp.keys import page_key
 from umbp.routing import RouteRequest, Router
 from umbp.workload.costmodel import CostModel
-from umbp.workload.replay import Rank, Replay, ReplayConfig, ReplayError, RunResult, _Live
+from umbp.workload.replay import Rank, Replay, ReplayConfig, ReplayError, RunResult, _Live, finish_result
+from umbp.workload.trace import json_lines
 
 BLOCK_TOKENS = 512
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -126,16 +127,7 @@ def parse_lines(lines: Iterable[str], name: str = "trace", block_tokens: int = B
     if block_tokens < 1 or session_blocks < 1:
         raise ConfigError("trace", "block_tokens and session_blocks must be >= 1")
     reqs = []
-    for n, line in enumerate(lines, 1):
-        if len(line) > MAX_LINE:
-            raise ConfigError("trace", f"{name}:{n}: line longer than {MAX_LINE} bytes")
-        s = line.strip()
-        if not s or s.startswith("#"):
-            continue
-        try:
-            d = json.loads(s)
-        except ValueError as e:
-            raise ConfigError("trace", f"{name}:{n}: not JSON ({e})") from None
+    for n, d in json_lines(lines, name, MAX_LINE):
         reqs.append(request_from_json(d, len(reqs), f"{name}:{n}", block_tokens, session_blocks))
     if not reqs:
         raise ConfigError("trace", f"{name}: no requests")
@@ -374,11 +366,4 @@ class _OpenSim:
             self._start_next(rank, now)
 
     def result(self, wall_s: float) -> RunResult:
-        res = self.res
-        t = np.array(self.ttft) if self.ttft else np.zeros(1)
-        res.ttft_p50_s, res.ttft_p90_s = float(np.percentile(t, 50)), float(np.percentile(t, 90))
-        res.ttft_mean_s = float(t.mean())
-        res.sim_s = self.last_t
-        res.mean_sessions_in_flight = self.area / self.last_t if self.last_t > 0 else 0.0
-        res.wall_s = wall_s
-        return res
+        return finish_result(self.res, self.ttft, self.last_t, self.area, wall_s)

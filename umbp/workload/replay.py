@@ -552,14 +552,7 @@ class _Sim:
             self.admit(now)
 
     def result(self, wall_s: float) -> RunResult:
-        res = self.res
-        t = np.array(self.ttft) if self.ttft else np.zeros(1)
-        res.ttft_p50_s, res.ttft_p90_s = float(np.percentile(t, 50)), float(np.percentile(t, 90))
-        res.ttft_mean_s = float(t.mean())
-        res.sim_s = self.last_t
-        res.mean_sessions_in_flight = self.area / self.last_t if self.last_t > 0 else 0.0
-        res.wall_s = wall_s
-        return res
+        return finish_result(self.res, self.ttft, self.last_t, self.area, wall_s)
 
 
 class _WaitingPool:
@@ -573,3 +566,15 @@ class _WaitingPool:
         for wb in self.writebacks:
             wb.wait_for(keys)
         return self.client.prefix_hits(keys)
+
+
+def finish_result(res: RunResult, ttft: list[float], last_t: float, area: float, wall_s: float) -> RunResult:
+    """Fill a run's summary (TTFT percentiles and mean, simulated span, sessions in flight on average, wall time)
+    from what the event loop accumulated: shared by this replay and the Mooncake one."""
+    t = np.array(ttft) if ttft else np.zeros(1)
+    res.ttft_p50_s, res.ttft_p90_s = float(np.percentile(t, 50)), float(np.percentile(t, 90))
+    res.ttft_mean_s = float(t.mean())
+    res.sim_s = last_t
+    res.mean_sessions_in_flight = area / last_t if last_t > 0 else 0.0
+    res.wall_s = wall_s
+    return res

@@ -275,19 +275,25 @@ def dump_trace(trace: Trace, path: str | os.PathLike) -> None:
             fh.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")
 
 
-def parse_lines(lines: Iterable[str], name: str = "trace") -> Trace:
-    header: dict[str, Any] = {}
-    raw: list[tuple[int, Any]] = []
+def json_lines(lines: Iterable[str], name: str = "trace", max_line: int = MAX_LINE) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded JSON) of each line that is neither blank nor a ``#`` comment; ConfigError naming the
+    line for one longer than ``max_line`` bytes or not JSON. Shared by this format and Mooncake's."""
     for n, line in enumerate(lines, 1):
-        if len(line) > MAX_LINE:
-            raise ConfigError("trace", f"{name}:{n}: line longer than {MAX_LINE} bytes")
+        if len(line) > max_line:
+            raise ConfigError("trace", f"{name}:{n}: line longer than {max_line} bytes")
         s = line.strip()
         if not s or s.startswith("#"):
             continue
         try:
-            d = json.loads(s)
+            yield n, json.loads(s)
         except ValueError as e:
             raise ConfigError("trace", f"{name}:{n}: not JSON ({e})") from None
+
+
+def parse_lines(lines: Iterable[str], name: str = "trace") -> Trace:
+    header: dict[str, Any] = {}
+    raw: list[tuple[int, Any]] = []
+    for n, d in json_lines(lines, name):
         if isinstance(d, dict) and "format" in d and "id" not in d:
             if raw or header:
                 raise ConfigError("trace", f"{name}:{n}: a header may only be the first line")
