@@ -41,8 +41,8 @@ CHECK_STAMP   := $(VENV)/.umbp-check-installed
 PYTEST_ARGS   ?=
 # make test runs test files on this many pytest-xdist workers (--dist loadfile: a file's tests stay on one worker,
 # so a module's shared cluster or guest VM starts once). Most of the suite waits on real timers (leases, elections,
-# a QEMU guest booting), so 4 workers on 2 cores cut its wall time about 3x; TEST_WORKERS=0 runs it serially.
-TEST_WORKERS  ?= 4
+# a QEMU guest booting), so 3 workers on 2 cores cut its wall time about 2.5-3x; TEST_WORKERS=0 runs it serially.
+TEST_WORKERS  ?= 3
 
 .PHONY: venv test-venv check-venv etcd check test docs docs-gen demo bench clean
 

@@ -31,7 +31,7 @@ CAP_TTL_S = 2.0  # the metaserver's write_cap_ttl_s here: held extents come back
 
 @pytest.fixture
 def tiny(make_cluster, tmp_path, monkeypatch):
-    return closed_cluster(make_cluster, tmp_path, monkeypatch, TOKENS, nodes=1, capacity="1MiB", lease_ttl=3,
+    return closed_cluster(make_cluster, tmp_path, monkeypatch, TOKENS, nodes=1, capacity="1MiB", lease_ttl=10,
                           metaserver_flags={"env": {"UMBP_WRITE_CAP_TTL_S": str(CAP_TTL_S)}})
 
 
