@@ -25,13 +25,20 @@ test that needs one fails (not skips) with the fix in the message.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
-import pytest
+# Before anything imports grpc (aetcd, for the in-process etcd tests): no gRPC fork handlers in this process. The
+# harness forks children (Popen with a preexec_fn); with fork support on, gRPC restarts its poller threads in the
+# child, Popen closes the child's descriptors before exec, and the poller aborts on its closed epoll fd ("epoll_wait
+# error: Bad file descriptor", the child dead with SIGABRT before it ever ran: seen under parallel workers).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
