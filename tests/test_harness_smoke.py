@@ -154,7 +154,7 @@ def test_eventually_returns_the_first_true_value_and_is_bounded(monkeypatch):
     import asyncio
     import time
 
-    import processes
+    import waiting
     from cluster import NotYet, eventually, eventually_async
 
     answers = iter([0, None, "", "ready", "later"])
@@ -190,7 +190,7 @@ def test_eventually_returns_the_first_true_value_and_is_bounded(monkeypatch):
         eventually(not_yet, 0.1, "eight")
 
     n = []
-    monkeypatch.setattr(processes.time, "sleep", lambda s: None)  # a sleep that returns at once: the count bounds it
+    monkeypatch.setattr(waiting.time, "sleep", lambda s: None)  # a sleep that returns at once: the count bounds it
     with pytest.raises(AssertionError, match="spin: not within 1s"):
         eventually(lambda: n.append(1), 1.0, "spin", interval=0.1)
     assert len(n) == 12

@@ -130,7 +130,7 @@ def test_planner_extra_keys_fork_the_chain_and_unencodable_extras_are_not_pooled
 
 
 def test_block_parts_split_bhlnc_per_head_and_refuse_overlap_or_too_many_runs():
-    torch = pytest.importorskip("torch")
+    import torch
     from umbp.errors import InvalidArgument
     from umbp.integrations.vllm.blocks import MAX_PARTS, block_parts
 
