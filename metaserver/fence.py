@@ -2,7 +2,7 @@
 before it serves the slot (``fence_nodes``), in a closed pool.
 
 Why: a node cannot order S slot leaders' terms with one epoch, so it keeps one floor per slot (per region of its
-arena: ``NodeServer.check_slot_epoch``). A slot leader's capabilities carry ``slotrules.SLOT_EPOCH | g``, g the slot's
+arena: ``umbp.floors.SlotFloors``). A slot leader's capabilities carry ``slotrules.SLOT_EPOCH | g``, g the slot's
 generation floor at its takeover (``(s << 52) + counter``, increasing across the slot's terms). The new leader sends
 each node a ``auth.fence_token`` (epoch, slot count, MAC under the node's ``cap_key``; the node needs no AUTH for it:
 only a holder of the cluster secret can make one) on a short connection of its own; the node raises the slot's floor

@@ -32,7 +32,6 @@ The process raises its open-file soft limit to the hard limit at start.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -48,8 +47,9 @@ from umbp.admission import Admission
 from umbp.arena import Arena
 from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
+from umbp.floors import SlotFloors
 from umbp.ledger import WriteLedger
-from umbp.errors import (AuthError, BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
+from umbp.errors import (BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
 from umbp.metalink import MetaLink
 from umbp.serving import FramedProtocol, raise_file_limit
@@ -81,14 +81,8 @@ class NodeServer:
         self.ledger = None if self.cap_key is None else WriteLedger(
             self.arena.arena_id, wire.ARENA_DATA_START, config.capacity,
             "" if self.arena.remove_on_close else self.arena.path + ".ledger", self.component)
-        # A partitioned pool: one epoch floor per slot (= per region of this arena), raised by a slot leader's FENCE
-        # and by newer capabilities of that slot; ``slots`` (from a FENCE) maps a capability's offsets to regions.
-        self.slot_floors: dict[int, int] = {}
-        self.slots = 0
-        # ... kept next to the arena (``{arena}.floors``) so a node restarted with the same arena keeps them: a
-        # deposed slot leader's capabilities stay dead across the restart, not only once slot leaders re-fence it.
-        self.floors_path = "" if self.arena.remove_on_close else self.arena.path + ".floors"
-        self._load_floors()
+        # A partitioned pool: one epoch floor per slot, kept next to a reopenable arena (umbp/floors.py)
+        self.floors = SlotFloors(self.arena, config.capacity, self.component)
         self.conns: set[DataProtocol] = set()
         self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
                                    config.preauth_connections, config.auth_timeout_s, config.preauth_per_source)
@@ -143,28 +137,10 @@ class NodeServer:
                                                           self.cap_epoch, int(time.time() * 1000), self.component)
         slot = slotrules.epoch_slot(epoch)
         if slot is not None:
-            self.check_slot_epoch(slot, epoch, offset, nbytes)
+            self.floors.check(slot, epoch, offset, nbytes)
         elif epoch > self.cap_epoch:
             self.cap_epoch = epoch  # a metaserver term or registration newer than ours: older capabilities die
         self.ledger.admit(offset, nbytes, gen)
-
-    def check_slot_epoch(self, slot: int, epoch: int, offset: int, nbytes: int) -> None:
-        """A partitioned pool's capability, of slot ``slot``'s leader at ``epoch``: refused when the slot has been
-        fenced (or written) at a newer epoch since (a takeover: the deposed leader's grants die), or when the
-        object is outside the slot's region of this arena (slot leaders never grant another slot's bytes); else it
-        raises the slot's floor. AuthError naming the stale epoch."""
-        floor = self.slot_floors.get(slot, 0)
-        if epoch < floor:
-            raise AuthError(self.component, f"write capability of slot {slot} at stale epoch {epoch:#x}: the slot "
-                                            f"was taken over at epoch {floor:#x} (fenced), its earlier grants are dead")
-        if self.slots:
-            base, size = slotrules.slot_region(slot, self.slots, self.config.capacity)
-            if offset < base or offset + nbytes > base + size:
-                raise AuthError(self.component, f"write capability of slot {slot} for {offset}+{nbytes}: outside "
-                                                f"the slot's region [{base}, {base + size})")
-        if epoch > floor:
-            self.slot_floors[slot] = epoch
-            self._save_floors()
 
     def fence(self, token: Any) -> dict:
         """FENCE from a partitioned pool's new slot leader (``auth.fence_token``): the slot's floor rises to its
@@ -172,52 +148,7 @@ class NodeServer:
         if self.cap_key is None:
             raise BadRequest(self.component, "FENCE: this node runs an open pool (no capabilities to fence)")
         epoch, slots = open_fence(self.cap_key, token, self.component)
-        slot = slotrules.epoch_slot(epoch)
-        if slot is None or not 1 < slots <= 1024 or slot >= slots:
-            raise BadRequest(self.component, f"FENCE: epoch {epoch:#x} names no slot of a {slots}-slot pool")
-        changed = slots != self.slots or epoch > self.slot_floors.get(slot, 0)
-        self.slots = slots
-        floor = max(self.slot_floors.get(slot, 0), epoch)
-        self.slot_floors[slot] = floor
-        if changed:
-            self._save_floors()
-        return {"floor": floor}
-
-    def _load_floors(self) -> None:
-        """The per-slot floors an earlier run of this node kept for this same arena (none for a new arena or an
-        unreadable file: a fresh arena holds nothing a stale capability could harm, and the slot leaders re-fence
-        a node whose pid changed)."""
-        if not self.floors_path or not self.arena.reopened:
-            return
-        try:
-            with open(self.floors_path, encoding="utf-8") as f:
-                rec = json.load(f)
-            if rec.get("arena_id") != self.arena.arena_id.hex():
-                return
-            slots, floors = int(rec["slots"]), {int(k): int(v) for k, v in rec["floors"].items()}
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            print(f"{self.component}: WARNING: ignoring unreadable slot floors {self.floors_path} ({e})",
-                  file=sys.stderr, flush=True)
-            return
-        self.slots, self.slot_floors = slots, floors
-
-    def _save_floors(self) -> None:
-        """Write the floors next to the arena (a new file renamed over the old one; raised once per slot term per
-        node, so rarely). A failure is logged: the floors in memory still hold for this run."""
-        if not self.floors_path:
-            return
-        rec = {"arena_id": self.arena.arena_id.hex(), "slots": self.slots,
-               "floors": {str(k): v for k, v in self.slot_floors.items()}}
-        tmp = self.floors_path + ".tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(rec, f)
-            os.replace(tmp, self.floors_path)
-        except OSError as e:
-            print(f"{self.component}: WARNING: cannot keep slot floors in {self.floors_path}: {e}", file=sys.stderr,
-                  flush=True)
+        return {"floor": self.floors.fence(epoch, slots)}
 
     def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None) -> tuple[list, list]:
         """Where a WRITEV's data goes, every object checked (range, capability) before a byte lands: a scatter list
