@@ -144,7 +144,9 @@ def test_cluster_polls_in_process_with_the_clis_answers(make_cluster, monkeypatc
     with pytest.raises(HarnessError, match=r"cluster: nodes alive=\['node1'\] dead=\['node0'\] not reached: not within "
                                            r"1s; last seen: NODES answered \[.*'node0'"):
         cluster.wait_nodes(alive=["node1"], dead=["node0"], timeout=1.0)
-    assert 1.0 <= time.monotonic() - t0 < 3.0
+    took = time.monotonic() - t0
+    print(f"\nwait_nodes gave up after {took:.2f} s (timeout 1 s)")
+    assert took >= 1.0  # it waited its timeout out (bounded by count too: tests/waiting.py)
 
 
 def test_eventually_returns_the_first_true_value_and_is_bounded(monkeypatch):
@@ -165,7 +167,7 @@ def test_eventually_returns_the_first_true_value_and_is_bounded(monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match=r"^a page: not within 0.2s; last seen: 0\n-- logs --$"):
         eventually(lambda: calls.append(1) or 0, 0.2, "a page", details=lambda: "-- logs --")
-    assert 0.2 <= time.monotonic() - t0 < 1.0 and 3 <= len(calls) <= 0.2 / 0.05 + 2
+    assert time.monotonic() - t0 >= 0.2 and 3 <= len(calls) <= 0.2 / 0.05 + 2  # the count bounds it, not a clock
 
     def flaky():
         raise KeyError("not there")
@@ -178,10 +180,10 @@ def test_eventually_returns_the_first_true_value_and_is_bounded(monkeypatch):
     def invariant():
         raise AssertionError("broken invariant")
 
-    t0 = time.monotonic()
+    seen = []
     with pytest.raises(AssertionError, match="^broken invariant$"):
-        eventually(invariant, 10, "never", errors=(Exception,))
-    assert time.monotonic() - t0 < 1.0
+        eventually(lambda: seen.append(1) or invariant(), 10, "never", errors=(Exception,))
+    assert seen == [1]  # at once: one call, no retry
 
     def not_yet():
         raise NotYet("saw 7 of 8")
