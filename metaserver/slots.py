@@ -1,4 +1,4 @@
-"""One slot of a partitioned pool: its etcd keys (``SlotStore``), its node regions (``SlotDirectory``) and its
+"""One slot of a partitioned pool: its etcd keys (``SlotStore``), its node regions (``SlotTable``) and its
 server (``SlotServer``, today's ``Metaserver`` handlers and duties over that slot alone); the membership role
 (``MembershipServer``); the ranking that spreads slots over processes (``rank``).
 
@@ -23,7 +23,9 @@ leader won at. Generations are unique across slots without coordination: slot s 
 Node space: slot s of S allocates and evicts only in region s of every node, ``[ARENA_DATA_START + s * R,
 + R)`` with ``R = capacity // S`` rounded down to 4 KiB, so two slots never hand out the same bytes. Keys hash
 uniformly, so every slot sees a uniform sample of the workload and per-slot LRU approximates the pool's LRU; an
-object larger than R cannot be stored (slabs handed to slots on demand are the refinement).
+object larger than R cannot be stored (slabs handed to slots on demand are the refinement). On the columnar
+table (``SlotTable``) each node's allocator *is* the region (``TableNodes.node_region``): placement, eviction,
+drain and the full load never see bytes outside it (``tests/unit/test_slottable.py``).
 
 What a slot leader does not own: node leases and arena records (the membership leader, ``MembershipServer``: nodes
 register and heartbeat there; every slot leader follows the leased ``nodes/`` records instead, ``sync_nodes``),
@@ -49,6 +51,7 @@ from metaserver.fence import fence_nodes
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.service import ETCD_START_DEADLINE_S, Metaserver
+from metaserver.tabledir import TableDirectory
 from transport import slotrules
 from transport.wire import Status
 from umbp.config import MetaserverConfig
@@ -194,6 +197,42 @@ class SlotStore(EtcdStore):
         return None  # the process's client is closed by the partition
 
 
+def own_parents(slot: int, slots: int, ns: str, parents: list | None) -> list | None:
+    """An ALLOC's ``parents`` with those of other slots left out (None): they are never linked in this slot, so a
+    page naming one would count as an orphan under ``prefix-lru`` and go first (it cost that policy 54 points of
+    hit rate on bench/eviction.py); without it the page is ordinary, evicted by recency. O(parents), the
+    namespace hashed once (``slots_of``)."""
+    if not parents:
+        return parents
+    named = [i for i, p in enumerate(parents) if p is not None]
+    if not named:
+        return parents
+    got = slotrules.slots_of(ns, [parents[i] for i in named], slots)
+    out = list(parents)
+    for i, s in zip(named, got):
+        if s != slot:
+            out[i] = None
+    return out
+
+
+class SlotTable(TableDirectory):
+    """A slot's directory on the columnar table: every node's allocator is the slot's region of that node's arena
+    (``node_region``: ``region``), so its ALLOC, eviction, drain and load place, free and accept extents there only,
+    and a page of the other slots' regions is rejected by its load; parents of other slots are left out at ALLOC
+    (``own_parents``)."""
+
+    def __init__(self, slot: int, slots: int, **kw):
+        super().__init__(**kw)
+        self.slot, self.slots = slot, slots
+
+    def node_region(self, capacity: int) -> tuple[int, int]:
+        return region(self.slot, self.slots, capacity)
+
+    def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
+        return super().alloc(ns, keys, sizes, own_parents(self.slot, self.slots, ns, parents), gen_base, now,
+                             token, owner, shard)
+
+
 class SlotDirectory(Directory):
     """A slot's directory: every node space is the slot's region of that node's arena (``region``)."""
 
@@ -208,13 +247,9 @@ class SlotDirectory(Directory):
         return sp
 
     def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
-        """``Directory.alloc`` with the parents of other slots left out: they are never linked here, so a page
-        naming one would count as an orphan under ``prefix-lru`` and go first (it cost that policy 54 points of
-        hit rate on bench/eviction.py); without it the page is ordinary, evicted by recency."""
-        if parents:
-            me, n = self.slot, self.slots
-            parents = [p if p is None or slotrules.slot_of(ns, p, n) == me else None for p in parents]
-        return super().alloc(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
+        """``Directory.alloc`` with the parents of other slots left out (``own_parents``)."""
+        return super().alloc(ns, keys, sizes, own_parents(self.slot, self.slots, ns, parents), gen_base, now, token,
+                             owner, shard)
 
 
 class SlotLeadership:
@@ -338,14 +373,16 @@ class SlotServer(Metaserver):
                 self._spawn(self.fence(nodes))
         return super().tick(now)
 
-    def _make_dir(self) -> Directory:
+    def _make_dir(self) -> Directory | TableDirectory:
         if self.slot < 0:
             return super()._make_dir()
         cfg = self.cfg
-        return SlotDirectory(self.slot, self.partition.slots, pending_ttl_s=cfg.pending_ttl_s,
-                             read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
-                             quotas=QuotaRules.of(getattr(self.tokens, "quota_rules", None)).shared(
-                                 self.partition.slots))  # each slot leader enforces its share of every quota
+        kw = dict(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
+                  quotas=QuotaRules.of(getattr(self.tokens, "quota_rules", None)).shared(
+                      self.partition.slots))  # each slot leader enforces its share of every quota
+        if cfg.directory == "table":
+            return SlotTable(self.slot, self.partition.slots, namer=self.store.batch_name, **kw)
+        return SlotDirectory(self.slot, self.partition.slots, **kw)
 
     def _provisional_nodes(self, descs: dict, now: float) -> None:
         super()._provisional_nodes(descs, now)

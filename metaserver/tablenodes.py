@@ -38,7 +38,7 @@ class NodeRows:
     __slots__ = ("ix", "node_id", "alloc", "blocks", "free", "queue", "qstamp", "qoff", "qcode", "qns", "qpos",
                  "placeable", "dead", "parked", "dpos", "drained")
 
-    def __init__(self, ix: int, node_id: str, capacity: int):
+    def __init__(self, ix: int, node_id: str, base: int, size: int):
         self.ix: int | None = ix  # None once retired
         self.node_id = node_id
         self.placeable = True
@@ -46,7 +46,7 @@ class NodeRows:
         self.parked: list | None = None  # the records its drop keeps, when it parks them
         self.dpos = 0  # rows of its blocks its drop has visited
         self.drained = False
-        self.alloc = Allocator(wire.ARENA_DATA_START, capacity, track=False)
+        self.alloc = Allocator(base, size, track=False)  # the part of the arena this table places in
         self.blocks: list[int] = []
         self.free: list[int] = []  # free rows, taken from the end
         self.queue: list[int] = []  # eviction candidates, oldest first
@@ -76,7 +76,7 @@ class TableNodes:
             self.nodes.append(None)
         else:
             raise ConfigError("columns", "too many nodes for a u16 node column")
-        node = NodeRows(ix, node_id, capacity)
+        node = NodeRows(ix, node_id, *self.node_region(capacity))
         self.nodes[ix] = node
         self.node_by_id[node_id] = node
         self.node_names = np.array([n.node_id if n is not None else None for n in self.nodes] + [None],
@@ -86,6 +86,11 @@ class TableNodes:
             if d is not None and d.dead:
                 self.dead[d.ix] = True
         self._placeable()
+
+    def node_region(self, capacity: int) -> tuple[int, int]:
+        """(base, size) of the part of a node's arena of ``capacity`` bytes that this table places in and loads
+        from: the whole data region; a slot's table in a partitioned pool its slot's region (``slots.SlotTable``)."""
+        return wire.ARENA_DATA_START, capacity
 
     def set_placeable(self, node_id: str, placeable: bool) -> None:
         node = self.node_by_id.get(node_id)

@@ -1,0 +1,177 @@
+"""``metaserver.slots.SlotTable``: a partitioned pool's slot directory on the columnar table places, evicts, drains,
+loads and takes a returning node's pages back only inside its slot's region of each node's arena
+(``slots.region``), so two slots never hand out the same bytes; and it leaves out the parents of other slots."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from metaserver.entry import GONE, NEW, PENDING, READY, Effects, extent_size
+from metaserver.slots import SlotTable, own_parents, region
+from metaserver.tableload import load_pages
+from metaserver.tablenodes import UNIT_SHIFT
+from transport.slotrules import slot_of
+from transport.wire import ARENA_DATA_START, object_size
+
+SLOTS = 4
+SMALL, BIG = 60_000, 200_000  # a 64 KiB and a larger layout
+CAP = SLOTS * 9 * object_size(SMALL) + 5 * 4096  # not a multiple of SLOTS x 4 KiB: the region is rounded down
+
+
+def keys_of(lo: int, hi: int) -> list[bytes]:
+    return [i.to_bytes(32, "little") for i in range(lo, hi)]
+
+
+def live_extents(d: SlotTable) -> list[tuple[str, int, int]]:
+    """(node id, offset, extent size) of every row holding arena bytes (PENDING, READY, GONE)."""
+    top = d.blocks_used * d.block
+    c = d.cols
+    rows = np.flatnonzero(np.isin(c["state"][:top], (PENDING, READY, GONE)))
+    offs = (c["unit"].take(rows).astype(np.int64) << UNIT_SHIFT).tolist()
+    sizes = d.code_extents().take(c["size"].take(rows)).tolist()
+    nodes = [d.nodes[n].node_id for n in c["node"].take(rows).tolist()]
+    return list(zip(nodes, offs, sizes))
+
+
+def assert_in_region(d: SlotTable, items=()) -> None:
+    base, size = region(d.slot, SLOTS, CAP)
+    for node in d.node_by_id.values():
+        assert (node.alloc.base, node.alloc.capacity) == (base, size), node.node_id
+    for it in items:
+        if it[0] == NEW:
+            assert base <= it[2] and it[2] + extent_size(it[3]) <= base + size, (d.slot, it)
+    for node_id, off, ext in live_extents(d):
+        assert base <= off and off + ext <= base + size, (d.slot, node_id, off, ext)
+    d.check()
+
+
+def put(d: SlotTable, keys: list[bytes], plen: int, gen: int, now: float = 0.0) -> list:
+    items, _ = d.alloc("a", keys, [plen] * len(keys), None, gen, now)
+    new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+    ok, _ = d.commit("a", [k for k, _ in new], [g for _, g in new], now)
+    assert ok == [True] * len(new)
+    return items
+
+
+def test_regions_of_the_slots_tile_the_arena_without_overlap():
+    spans = [region(s, SLOTS, CAP) for s in range(SLOTS)]
+    assert spans[0][0] == ARENA_DATA_START and all(size % 4096 == 0 for _, size in spans)
+    assert all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][0] + spans[-1][1] <= ARENA_DATA_START + CAP
+
+
+@pytest.mark.parametrize("slot", range(SLOTS))
+def test_a_slot_table_fills_its_region_and_no_more(slot):
+    """A node's allocator is the region: ALLOC places the region's worth of pages, then evicts within it."""
+    d = SlotTable(slot, SLOTS)
+    d.add_space("n0", CAP)
+    fit = region(slot, SLOTS, CAP)[1] // object_size(SMALL)
+    items = put(d, keys_of(0, fit), SMALL, 1)
+    assert [it[0] for it in items] == [NEW] * fit and d.evictions == 0
+    assert d.used == fit * object_size(SMALL) and d.capacity == region(slot, SLOTS, CAP)[1]
+    more = put(d, keys_of(fit, fit + 3), SMALL, 100)
+    assert [it[0] for it in more] == [NEW] * 3 and d.evictions == 3, "full: the region's oldest pages went"
+    assert_in_region(d, items + more)
+
+
+@pytest.mark.parametrize("slot", range(SLOTS))
+def test_a_slot_table_never_places_outside_its_region(slot):
+    """A random mix of ALLOC (two layouts), COMMIT, ABORT, LOOKUP held across evictions, REMOVE, the eviction
+    passes, a DRAIN and a node lost, parked and back: every extent placed, held or loaded back stays in the slot's
+    region of its node, and the table's invariants hold."""
+    rng = random.Random(slot)
+    d = SlotTable(slot, SLOTS)
+    for n in ("n0", "n1"):
+        d.add_space(n, CAP)
+    gen = 1
+    leases = []
+    for step in range(300):
+        op = rng.random()
+        keys = keys_of(k := rng.randrange(0, 200), k + rng.randrange(1, 8))
+        plen = SMALL if rng.random() < 0.7 else BIG
+        if op < 0.5:
+            items, _ = d.alloc("a", keys, [plen] * len(keys), None, gen, float(step))
+            new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+            if rng.random() < 0.8:
+                d.commit("a", [k for k, _ in new], [g for _, g in new], float(step))
+            else:
+                d.abort("a", [k for k, _ in new], [g for _, g in new])
+            gen += len(keys)
+            assert_in_region(d, items)
+        elif op < 0.65:
+            lease, _ = d.lookup("a", keys, float(step))
+            if lease:
+                leases.append(lease)
+        elif op < 0.75 and leases:
+            d.release(leases.pop(rng.randrange(len(leases))))
+        elif op < 0.85:
+            d.remove("a", keys)
+        elif op < 0.9:
+            d.evict_bytes(rng.randrange(1, 4) * object_size(BIG), 64, Effects())
+        elif op < 0.93:
+            d.watermark_pass(0.5, 0.3, 64, Effects())
+        elif op < 0.96:
+            d.drain("n1")
+            d.set_placeable("n1", True)
+        elif "n0" in d.node_by_id and not d.dying:
+            d.detach_space("n0", park=True)
+            n, recs = d.drop_slice("n0", 1 << 20)
+            assert recs is not None
+            d.add_space("n0", CAP)  # back with its arena: its parked pages filed again, in its region
+            d.unpark("n0", [(ns, k, off, plen_, g, None, name) for ns, k, off, plen_, g, _p, _st, name in recs])
+        assert_in_region(d)
+    for lease in leases:
+        d.release(lease)
+    assert_in_region(d)
+    assert d.evictions > 0, "the regions filled: placement went through eviction too"
+
+
+def test_a_slot_tables_load_rejects_the_pages_of_other_regions():
+    """A node's pages of every slot's region offered to slot 2's table: only those of region 2 are filed."""
+    d = SlotTable(2, SLOTS)
+    d.add_space("n0", CAP)
+    ext = object_size(SMALL)
+    offs, owner = [], []
+    for s in range(SLOTS):
+        base, size = region(s, SLOTS, CAP)
+        for j in range(3):
+            offs.append(base + j * ext)
+            owner.append(s)
+    offs.append(region(2, SLOTS, CAP)[0] + region(2, SLOTS, CAP)[1] - ext // 2)  # straddles region 2's end
+    owner.append(-1)
+    keys = keys_of(0, len(offs))
+    bad = load_pages(d, "n0", ["a"] * len(keys), keys, offs, [SMALL] * len(keys), list(range(1, len(keys) + 1)))
+    assert bad == [i for i, s in enumerate(owner) if s != 2]
+    assert d.exists("a", keys) == [s == 2 for s in owner]
+    assert_in_region(d)
+
+
+def test_own_parents_leaves_out_the_parents_of_other_slots():
+    cands = [b"p%d" % i for i in range(100)]
+    mine = next(k for k in cands if slot_of("m", k, SLOTS) == 1)
+    other = next(k for k in cands if slot_of("m", k, SLOTS) != 1)
+    assert own_parents(1, SLOTS, "m", [mine, other, None]) == [mine, None, None]
+    assert own_parents(1, SLOTS, "m", None) is None and own_parents(1, SLOTS, "m", [None]) == [None]
+
+
+def test_a_slot_tables_alloc_passes_only_its_own_parents(monkeypatch):
+    from metaserver.tabledir import TableDirectory
+
+    seen = []
+    real = TableDirectory.alloc
+
+    def spy(self, ns, keys, sizes, parents, *rest):
+        seen.append(parents)
+        return real(self, ns, keys, sizes, parents, *rest)
+
+    monkeypatch.setattr(TableDirectory, "alloc", spy)
+    d = SlotTable(1, SLOTS)
+    d.add_space("n0", CAP)
+    cands = [b"p%d" % i for i in range(100)]
+    mine = next(k for k in cands if slot_of("m", k, SLOTS) == 1)
+    other = next(k for k in cands if slot_of("m", k, SLOTS) != 1)
+    items, _ = d.alloc("m", [b"k1", b"k2"], [SMALL, SMALL], [mine, other], 1, 0.0)
+    assert seen == [[mine, None]] and [it[0] for it in items] == [NEW, NEW]
