@@ -226,7 +226,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         parent page (None: none), READY, PENDING or placed earlier in this request: key i goes to its parent's node
         when that node has room for it and at least half the free bytes of the emptiest placeable node (as
         ``Directory``'s placement, so a chain stays on one node without piling every chain of a shared prefix onto
-        it); otherwise to the next placeable node in turn, evicting there when it is full. (``Directory`` places on
+        it), to the emptiest placeable node when that one is much fuller, and otherwise to the next placeable node
+        in turn whose arena can hold it at all, evicting there when it is full. (``Directory`` places on
         the node with the most free bytes and evicts where the next victim is oldest across nodes; that rule, built
         here with per-request next-victim stamps, cost this ALLOC 0.67x at 10 M pages and was taken out again.)
         ``tags``: each key's object tag (``umbp.auth.Tokens.tags``, a closed pool), kept in the ``tag`` column so a
@@ -310,12 +311,21 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             node = near_of.get(parents[i]) if near_of else None
             if node is not None:  # near the parent: when it has room and half the free bytes of the emptiest
                 f = node.alloc.free_bytes
-                if f < size or not node.placeable or (2 * f < top and 2 * f < (
-                        top := max(n.alloc.free_bytes for n in nodes))):
+                if f < size or not node.placeable:
                     node = None
+                elif 2 * f < top and 2 * f < (top := max(n.alloc.free_bytes for n in nodes)):
+                    # much fuller than the emptiest: there instead (Directory's rule), not in turn, where half the
+                    # children of a shared prefix would come back to the parent's node
+                    node = next(n for n in nodes if n.alloc.free_bytes == top)
             if node is None:
                 node = nodes[self._rr % len(nodes)]
                 self._rr += 1
+                if node.alloc.capacity < size:  # never fits there, whatever it evicts: in turn over those it fits
+                    fit = [n for n in nodes if n.alloc.capacity >= size]
+                    if not fit:
+                        items.append(NO_SPACE_ITEM)
+                        continue
+                    node = fit[self._rr % len(fit)]
             r = -1
             off = node.alloc.alloc(size) if node.alloc.free_bytes >= size else None
             if off is None:
