@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 
+from transport import wire  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself
@@ -121,9 +122,8 @@ class Subject:
         if self.kind == "directory":
             return self.svc.lookup(frame)
         ns, keys = self.svc.keys_of(frame)
-        lease, locs, caps = self.d.lookup_granted(ns, keys, time.monotonic(), None, self.tokens,
-                                                  self.svc.members.get)
-        return self.svc.answer_lookup(self.d, lease, locs, caps)
+        return self.svc.answer_lookup(self.d, self.d.lookup_granted(ns, keys, time.monotonic(), None, self.tokens,
+                                                                    self.svc.members.get, None, True))
 
 
 def run(kind: str, pages: int, ops: int, seed: int) -> dict:
@@ -163,7 +163,7 @@ def run(kind: str, pages: int, ops: int, seed: int) -> dict:
     t0 = time.process_time()
     answers = [s.wire_lookup(f) for f in frames]
     out["wire_lookup_keys_per_s"] = len(frames) * BATCH / (time.process_time() - t0)
-    out["wire_lookup_found"] = sum(len(msgpack.unpackb(a)["locs"]) - msgpack.unpackb(a)["locs"].count(None)
+    out["wire_lookup_found"] = sum(sum(loc is not None for loc in wire.unpack_locs(msgpack.unpackb(a), "bench")["locs"])
                                    for a in answers)
     t0 = time.process_time()
     for f in frames:  # the same prefixes again: the table's tags are in its column now

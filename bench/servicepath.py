@@ -70,7 +70,7 @@ class ServicePath:
         ns, keys = self.keys_of(frame)
         lease, locs = self.d.lookup(ns, keys, time.monotonic())
         caps = grant_reads(self.tokens, self.members.get, ns, keys, locs)
-        return self.answer_lookup(self.d, lease, locs, caps)
+        return self.answer_lookup(self.d, {"lease": lease, "locs": locs, "caps": caps})
 
     @staticmethod
     def keys_of(frame: bytes) -> tuple[str, list]:
@@ -79,11 +79,11 @@ class ServicePath:
         return v.ns(m), v.keys(m, 4096)
 
     @staticmethod
-    def answer_lookup(d, lease: int, locs: list, caps: list) -> bytes:
+    def answer_lookup(d, ans: dict) -> bytes:
         """The LOOKUP answer encoded, then the client's RELEASE of its lease decoded, validated and applied to
         ``d`` (a directory or a page table)."""
-        reply = msgpack.packb({"lease": lease, "locs": locs, "caps": caps}, use_bin_type=True)
-        rel = msgpack.unpackb(msgpack.packb({"lease": lease}), raw=False)
+        reply = msgpack.packb(ans, use_bin_type=True)
+        rel = msgpack.unpackb(msgpack.packb({"lease": ans["lease"]}), raw=False)
         d.release(v.integer(rel, "lease", 0, (1 << 63) - 1))
         return reply
 

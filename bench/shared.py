@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metaserver.directory import NEW, Directory  # noqa: E402
 from metaserver.grants import grant_reads, grant_writes  # noqa: E402
+from transport import wire  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
 
@@ -108,7 +109,8 @@ def run(layout: str, pages: int, ranks: int, directory: str = "objects", traced:
             shard = (rk, ranks) if layout == "shared" else None
             keys = fresh(hexes[s:s + BATCH], rk if layout == "per-rank" else None)
             if table:
-                lease, locs, _caps = d.lookup_granted("kv", keys, 1.0, None, tokens, node, shard)
+                ans = wire.unpack_locs(d.lookup_granted("kv", keys, 1.0, None, tokens, node, shard, True), "bench")
+                lease, locs = ans["lease"], ans["locs"]
             else:
                 lease, locs = d.lookup("kv", keys, 1.0, None, shard)
                 grant_reads(tokens, node, "kv", keys, locs, rk if shard else None)

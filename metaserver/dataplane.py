@@ -130,17 +130,18 @@ class DataPlaneHandlers:
         conn.auth.scope.check(ns, False, "metaserver")
         keys = v.keys(m, self.max_keys)
         shard = v.shard(m)
-        if self.cfg.directory == "table":  # tags and capabilities from the columns
-            lease, locs, caps = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens,
-                                                        self.members.get, shard)
+        if self.cfg.directory == "table":  # tags and capabilities from the columns; packed rows from VERSION 12
+            ans = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens, self.members.get, shard,
+                                          conn.version >= 12)
         else:
             lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn, shard)
             caps = grant_reads(self.tokens, self.members.get, ns, keys, locs, shard[0] if shard is not None else None)
-        if lease:
-            self._own_lease(conn, lease)
+            ans = {"lease": lease, "locs": locs, "caps": caps}
+        if ans["lease"]:
+            self._own_lease(conn, ans["lease"])
             # how long the lease pins the hits: a client counts a tcp/rdma read that finished later as a miss
-            return {"lease": lease, "locs": locs, "caps": caps, "lease_ms": self.lease_ms}
-        return {"lease": lease, "locs": locs, "caps": caps}
+            ans["lease_ms"] = self.lease_ms
+        return ans
 
     def exists(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))

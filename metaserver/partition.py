@@ -84,6 +84,10 @@ class SlotConn:
         return self.conn.closed
 
     @property
+    def version(self) -> int:
+        return self.conn.version
+
+    @property
     def peer(self) -> str:
         return self.conn.peer
 

@@ -85,6 +85,11 @@ class Connection(FramedProtocol):
         self._paused = False
         self._reading_paused = False
 
+    @property
+    def version(self) -> int:
+        """The wire version of the request being handled: its answer is shaped for that version."""
+        return self.reader.version
+
     # -- asyncio callbacks -------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         peer = transport.get_extra_info("peername")

@@ -36,6 +36,7 @@ from metaserver.shared import ShardState
 from metaserver.tableload import load_pages, reserve
 from metaserver.tablenodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tableshared import TableShared
+from transport import wire
 from umbp.auth import rank_tags, read_capability_packed
 from umbp.errors import ConfigError
 
@@ -123,17 +124,20 @@ class TableDirectory(TableShared, PageTable):
         PageTable.check(self)
         self._check_shared()
 
-    def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member, shard=None
-                       ) -> tuple[int, list, list]:
+    def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member, shard=None, packed=False
+                       ) -> dict:
         """LOOKUP with its closed-pool grants, from the columns (``metaserver.grants.grant_reads``' answer, without
-        a Python step per key): (lease, locs ``(node_id, offset, payload_len, gen, tag, cap_index)`` or None per
-        key, one read capability per node). Tags come from the ``tag`` column; a row that has none yet (0: never
-        looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and kept; a shared
-        row keeps its shard base there, and a rank's tags are one ``rank_tags`` step over them. ``member``:
-        node id -> its member (``cap_key``) or None."""
+        a Python step per key): the answer's ``lease``, ``caps`` (one read capability per node) and, ``packed``,
+        ``nodes`` and ``rows`` (``wire.pack_locs``: one row a key), else ``locs`` (wire VERSION 11: ``(node_id,
+        offset, payload_len, gen, tag, cap_index)`` or None a key). Tags come from the ``tag`` column; a row that has
+        none yet (0: never looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and
+        kept; a shared row keeps its shard base there, and a rank's tags are one ``rank_tags`` step over them.
+        ``member``: node id -> its member (``cap_key``) or None."""
         lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
         if not lease:
-            return 0, [None] * len(keys), []
+            if packed:
+                return {"lease": 0, "nodes": [], "caps": [], "rows": wire.pack_locs(hit, (), (), (), (), ())}
+            return {"lease": 0, "locs": [None] * len(keys), "caps": []}
         c = self.cols
         if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
             tags = rank_tags(self._kept_tags(ns, keys, hit, hr, tokens.shard_bases), shard[0])
@@ -142,16 +146,20 @@ class TableDirectory(TableShared, PageTable):
             tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
             offs = c["unit"].take(hr).astype(np.uint64) << UNIT_SHIFT
             codes = self.code_arr.take(c["size"].take(hr))
-        nodes = c["node"].take(hr)
-        uniq, inv = np.unique(nodes, return_inverse=True)
+        uniq, inv = np.unique(c["node"].take(hr), return_inverse=True)
         gens = c["gen"].take(hr)
         slots = np.stack([offs, codes, gens], axis=1).astype("<u8")
+        names = self.node_names.take(uniq).tolist()
         caps = []
         for j, n in enumerate(uniq.tolist()):
             m = member(self.nodes[n].node_id)
             caps.append(read_capability_packed(m.cap_key if m is not None else None, slots[inv == j].tobytes()))
-        return lease, by_key(hit, list(zip(self.node_names.take(nodes).tolist(), offs.tolist(), codes.tolist(),
-                                           gens.tolist(), tags.tolist(), inv.tolist()))), caps
+        if packed:
+            return {"lease": lease, "nodes": names, "caps": caps,
+                    "rows": wire.pack_locs(hit, tags, gens, codes, offs, inv)}
+        locs = list(zip(self.node_names.take(uniq.take(inv)).tolist(), offs.tolist(), codes.tolist(), gens.tolist(),
+                        tags.tolist(), inv.tolist()))
+        return {"lease": lease, "locs": by_key(hit, locs), "caps": caps}
 
     def _kept_tags(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, compute) -> np.ndarray:
         """The ``tag`` column of rows ``hr`` (the keys at ``hit``), each computed by ``compute(ns, keys)`` once, at

@@ -1,7 +1,7 @@
 """Wire compatibility (review of issue 42; the rule is in transport/wire.py and docs/operations/upgrades.md):
 today's servers accept frames of the previous wire version and answer them in that version, so clients and nodes
 of the previous release keep working while a pool is upgraded (metaservers first, then nodes, then engines). The
-previous version's request frames are fixtures (tests/fixtures/wire/v10.json: bytes as such a client sent them);
+previous version's request frames are fixtures (tests/fixtures/wire/v11.json: bytes as such a client sent them);
 they are replayed against a real metaserver and node. Frames older than that are refused with an error naming the
 versions, and the server keeps serving."""
 
@@ -19,7 +19,7 @@ from transport import wire
 from transport.wire import HEADER, HEADER_SIZE, Op, Status
 from umbp.config import split_host_port
 
-FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "wire" / "v10.json").read_text())
+FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "wire" / "v11.json").read_text())
 OLD = FIXTURES["version"]
 FRAMES = {k: bytes.fromhex(v) for k, v in FIXTURES["frames"].items()}
 
@@ -28,7 +28,7 @@ def test_the_fixtures_are_the_previous_version_and_readers_take_it():
     assert OLD == wire.MIN_VERSION == wire.VERSION - 1
     reader = wire.FrameReader("t")
     for name, raw in FRAMES.items():
-        if name.startswith("v9"):
+        if name.startswith("v10"):
             continue
         buf = reader.get_buffer(len(raw))
         buf[:len(raw)] = raw
@@ -98,7 +98,7 @@ def test_a_client_of_the_previous_version_puts_and_gets_against_todays_servers(m
         assert c.get(b"compat-key") == payload
 
     # a frame older than the previous version: refused by name, the connection closed, the server still serving
-    version, status, answer, _ = Raw(cl.metaserver_addr).exchange(FRAMES["v9_ping"])
+    version, status, answer, _ = Raw(cl.metaserver_addr).exchange(FRAMES["v10_ping"])
     assert status == Status.BAD_FRAME and f"unsupported wire version {OLD - 1}" in answer["error"]
     version, status, _, _ = meta.exchange(FRAMES["ping"])
     assert (version, status) == (OLD, Status.OK)

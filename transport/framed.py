@@ -410,6 +410,8 @@ class FramedSocket:
             connection_error(frame, self.component)
             raise ProtocolError(self.component, f"answer for request {frame.request_id}, expected {rid}")
         wire.raise_for_status(frame, self.component)
+        if op == wire.Op.LOOKUP:
+            wire.unpack_locs(frame.meta, self.component)  # packed rows (VERSION 12) as the ``locs`` list
         return frame
 
     def send_noreply(self, op: int, meta: Any, deadline: float) -> None:

@@ -17,14 +17,11 @@ want an answer: lease releases). A response carries the request's ``request_id``
 an error code, in which case ``meta`` is ``{"error": "<component>: <message>", ...}``. Authentication: HELLO then
 AUTH, a challenge-response described in ``umbp/auth.py``; a closed server answers anything else before it with AUTH.
 
-Invariants a reader enforces: magic and version match; ``meta_len <= max_meta`` and ``data_len <= max_data`` (the
-reader's limits); the staging buffer follows the bytes that arrived (it grows at most to twice what it holds), and
-data goes to the sink's memory (the node's arena), or to a fresh buffer of the announced length when that is at most
-``buffer_data`` (allocated when the header arrives, before the data: 1 MiB by default, 0 in the metaserver and the
-node, so there a peer's announcement allocates nothing), or is discarded by counting into a fixed scratch buffer (a
-24-byte header announcing 1 GiB allocates nothing). A
-malformed header poisons the connection (the stream can no longer be framed), while a well-framed request with an
-unknown opcode or bad meta gets an error answer and the connection goes on.
+Invariants a reader enforces: magic and version match; ``meta_len <= max_meta`` and ``data_len <= max_data``; the
+staging buffer grows at most to twice what it holds; data goes to the sink's memory (the node's arena), or to a fresh
+buffer of the announced length when that is at most ``buffer_data`` (0 in the metaserver and the node: a peer's
+announcement allocates nothing there), or is discarded by counting into a fixed scratch buffer. A malformed header
+poisons the connection, while a well-framed request with an unknown opcode or bad meta gets an error answer.
 
 Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the payload, allocations aligned to
 ``ALIGN`` (4 KiB)::
@@ -57,43 +54,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 
-from umbp.errors import (
-    AuthError,
-    BadRequest,
-    CorruptionError,
-    FrameTooLarge,
-    NotFound,
-    NotLeader,
-    PoolFull,
-    QuotaExceeded,
-    ProtocolError,
-    RemoteError,
-    Unavailable,
-)
+from umbp.errors import (AuthError, BadRequest, CorruptionError, FrameTooLarge, NotFound, NotLeader, PoolFull,
+                         ProtocolError, QuotaExceeded, RemoteError, Unavailable)
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 11  # 11: ABORT may say "written": true (its places were written, the write failed: the metaserver keeps
-#              their extents out of placement while a late write may land, metaserver/quarantine.py);
-#              10: a single-slot keyed request to a partitioned pool names its slot ("slot": s), so the process
-#              hashes only an ALLOC's keys (metaserver/partition.py ``named_slot``, metaserver/multislot.py);
-#              9: RELEASE takes "leases": [id, ...] (a multi-slot LOOKUP's leases, one frame per process);
-#              8: "shard": [rank, n] on ALLOC/COMMIT/LOOKUP: one shared entry per TP-sharded page, a rank's
-#              sub-slot (metaserver/shared.py);
-#              7: a keyed request carries several slots' keys ("parts", answered per part: metaserver/multislot.py)
-#              6: a partitioned pool: LEADER answers the slot map ("slots", "map", "members"), NOT_LEADER for a
-#              slot names the slot's leader and the slot (MOVED), ``slotrules.slot_of``; 3: READV/WRITEV (a batch of node reads or writes in one frame), scatter sinks; 4: write capabilities
-#              carry an epoch and a deadline (32 bytes, umbp/auth.py), REGISTER_NODE answers the epoch; 5: one
-#              capability per node per ALLOC/LOOKUP batch ("caps", items name theirs by index; b"" in a READV/WRITEV
-#              op: the previous op's), keyed blake2b capabilities and tags
-#              2: HELLO/AUTH handshake, capabilities and tags in ALLOC/LOOKUP/READ/WRITE, allocation tokens
-# Compatibility rule (docs/operations/upgrades.md). A reader accepts frames of this version and of the one before it
-# (MIN_VERSION), and a server answers each frame in the version it was sent in (``FrameReader.version``), so clients
-# and nodes of the previous release keep working against upgraded servers: upgrade metaservers first, then nodes,
-# then engines. What a version adds must be optional for the peer of the version before (a new meta field that may be
-# absent, a new answer field an old reader ignores, a new opcode an old peer never sends); a change that cannot be is
-# two releases: accept it in one, require it in the next. Frames of the previous version are kept as test fixtures
-# (tests/fixtures/wire/) and replayed against real servers (tests/test_wire_compat.py).
+VERSION = 12  # what each version added: docs/operations/upgrades.md ("Wire versions"); 12: a LOOKUP answer's
+#              locations as packed rows (``LOC_ROW``, ``pack_locs``) instead of a list a key
+# Compatibility (docs/operations/upgrades.md): a reader accepts this version and MIN_VERSION, a server answers each
+# frame in its version (``FrameReader.version``); old frames are replayed by tests/test_wire_compat.py.
 MIN_VERSION = VERSION - 1
 HEADER = struct.Struct("<HBBHHIIQ")
 HEADER_SIZE = HEADER.size  # 24
@@ -127,8 +97,8 @@ class Op(enum.IntEnum):
     #               caps[cap_index]: the write capability of the batch's slots on that node, b"" when open)
     COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
     ABORT = 0x14  # {"ns", "keys", "gens", "written"?} -> {"aborted": int}
-    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease": int, "locs": [[node, off, size, gen, tag, cap_index] | None],
-    #                "caps": [read_cap]} (one read capability per node of the batch)
+    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease", "lease_ms", "nodes", "caps": [read_cap per node], "rows"} (the
+    #                packed rows below; VERSION 11: "locs": [[node, off, size, gen, tag, cap_index] | None])
     RELEASE = 0x16  # {"lease": int} -> {} (usually NO_REPLY)
     EXISTS = 0x17  # {"ns", "keys"} -> {"exists": [bool]}
     PREFIX = 0x18  # {"ns", "keys"} -> {"hits": int}
@@ -186,17 +156,9 @@ class Status(enum.IntEnum):
 
 
 _STATUS_ERRORS: dict[int, type[RemoteError]] = {
-    Status.BAD_REQUEST: BadRequest,
-    Status.UNKNOWN_OPCODE: BadRequest,
-    Status.TOO_LARGE: BadRequest,
-    Status.BAD_FRAME: BadRequest,
-    Status.NOT_FOUND: NotFound,
-    Status.POOL_FULL: PoolFull,
-    Status.NOT_LEADER: NotLeader,
-    Status.UNAVAILABLE: Unavailable,
-    Status.AUTH: AuthError,
-    Status.QUOTA: QuotaExceeded,
-}
+    Status.BAD_REQUEST: BadRequest, Status.UNKNOWN_OPCODE: BadRequest, Status.TOO_LARGE: BadRequest,
+    Status.BAD_FRAME: BadRequest, Status.NOT_FOUND: NotFound, Status.POOL_FULL: PoolFull, Status.NOT_LEADER: NotLeader,
+    Status.UNAVAILABLE: Unavailable, Status.AUTH: AuthError, Status.QUOTA: QuotaExceeded}
 
 
 @dataclass(slots=True)
@@ -593,3 +555,46 @@ def unpack_superblock(buf) -> tuple[bytes, int]:
     if magic != ARENA_MAGIC or version != ARENA_VERSION:
         raise NotAnArena("arena", "not a UMBP arena (bad superblock)")
     return arena_id, capacity
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A LOOKUP answer's rows (VERSION 12): one ``LOC_ROW`` a key, in key order: the object header's words after its
+# magic/version/flags (a reader compares them with the header it reads), the object's arena offset, and the index of
+# its node in the answer's ``nodes`` (and of its capability in ``caps``), ``NO_NODE`` for a miss.
+LOC_ROW = np.dtype([("tag", "<u8"), ("gen", "<u8"), ("len", "<u8"), ("off", "<u8"), ("node", "<u4"), ("pad", "<u4")])
+NO_NODE = 0xFFFFFFFF
+
+
+def pack_locs(hit, tags, gens, lens, offs, nodes) -> bytes:
+    """A LOOKUP answer's ``rows``: one a key of the bool mask ``hit``, the columns given for the hits in order."""
+    rows = np.zeros(len(hit), LOC_ROW)
+    rows["node"] = NO_NODE
+    for name, col in (("tag", tags), ("gen", gens), ("len", lens), ("off", offs), ("node", nodes)):
+        rows[name][hit] = col
+    return rows.tobytes()
+
+
+def unpack_locs(answer: Any, component: str) -> Any:
+    """A LOOKUP answer (and its ``parts``) with packed ``rows`` given the ``locs`` list callers read: ``[node_id, off,
+    payload_len, gen, tag, node index] | None`` a key, one ``frombuffer`` and a ``tolist`` a column. Malformed rows
+    are a ProtocolError; an answer without rows (VERSION 11) is returned as is."""
+    if type(answer) is not dict:
+        return answer
+    for part in answer.get("parts") or ():
+        unpack_locs(part, component)
+    raw = answer.pop("rows", None)
+    if raw is None:
+        return answer
+    nodes = answer.get("nodes")
+    if not isinstance(raw, bytes) or len(raw) % LOC_ROW.itemsize or not isinstance(nodes, list):
+        raise ProtocolError(component, "malformed LOOKUP answer: rows must be bytes of whole rows with a node list")
+    rows = np.frombuffer(raw, LOC_ROW)
+    node = rows["node"]
+    hit = node != NO_NODE
+    if (hit & (node >= len(nodes))).any():
+        raise ProtocolError(component, f"malformed LOOKUP answer: a row names a node beyond the {len(nodes)} given")
+    names = np.array(nodes + [None], dtype=object)[np.where(hit, node, len(nodes))].tolist()
+    answer["locs"] = [None if n is None else [n, o, ln, g, t, i] for n, o, ln, g, t, i in zip(
+        names, rows["off"].tolist(), rows["len"].tolist(), rows["gen"].tolist(), rows["tag"].tolist(),
+        node.tolist())]
+    return answer

@@ -138,7 +138,7 @@ class MetaClient:
         conn.send([wire.encode(op, rid, meta)], deadline)
         frame = self._await(conn, rid, deadline)
         wire.raise_for_status(frame, conn.component)
-        return frame.meta
+        return wire.unpack_locs(frame.meta, conn.component) if op == wire.Op.LOOKUP else frame.meta
 
     def _await(self, conn: FramedSocket, rid: int, deadline: float) -> wire.Frame:
         """The answer to ``rid``; answers to other outstanding requests that come first are kept for them."""
@@ -182,7 +182,7 @@ class MetaClient:
                     frame = self._await(t.conn, t.rid, min(deadline, time.monotonic() + ATTEMPT_S))
                     self._waiting.pop(t.rid, None)
                     wire.raise_for_status(frame, t.conn.component)
-                    return frame.meta
+                    return wire.unpack_locs(frame.meta, t.conn.component) if t.op == wire.Op.LOOKUP else frame.meta
                 except (NotLeader, Unavailable, TransportError, ProtocolError) as e:
                     self._waiting.pop(t.rid, None)
                     if time.monotonic() >= deadline or (isinstance(e, NotLeader) and not self.follow):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from transport import wire
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "columns.py"
 
 
@@ -44,7 +46,8 @@ def test_the_tables_wire_sketch_answers_what_a_node_accepts():
     for i in range(0, 2000, 500):
         assert s.put(keys[i:i + 500], 1 + i)[0] == 500
     asked = keys[100:140] + [b"\x00" * 31 + b"\x01"]  # the last is not stored
-    answer = bench.msgpack.unpackb(s.wire_lookup(bench.msgpack.packb({"ns": "kv", "keys": asked})))
+    answer = wire.unpack_locs(bench.msgpack.unpackb(s.wire_lookup(bench.msgpack.packb({"ns": "kv", "keys": asked}))),
+                              "test")
     locs, caps = answer["locs"], answer["caps"]
     assert locs[-1] is None and all(loc is not None for loc in locs[:-1])
     assert [loc[4] for loc in locs[:-1]] == s.tokens.tags("kv", asked[:-1])

@@ -11,6 +11,7 @@ import pytest
 from metaserver.entry import NEW, Effects
 from metaserver.grants import grant_reads
 from metaserver.tabledir import TableDirectory
+from transport import wire
 from transport.wire import object_size
 from umbp.auth import Tokens
 from umbp.errors import ConfigError
@@ -44,8 +45,10 @@ def test_lookup_granted_answers_as_grant_reads(closed):
     tokens = Tokens(b"s" * 32, {}) if closed else Tokens(None, {})
     members = {f"n{i}": SimpleNamespace(cap_key=(b"%d" % i) * 32 if closed else None) for i in range(2)}
     ask = keys_of(0, 4) + [b"\xff" * 32] + keys_of(4, 10)  # one miss among them
-    for _ in range(2):  # the second time the tags come from the column
-        lease, locs, caps = d.lookup_granted("a", ask, 0.0, None, tokens, members.get)
+    for packed in (False, True, False):  # the second time on the tags come from the column
+        ans = d.lookup_granted("a", ask, 0.0, None, tokens, members.get, None, packed)
+        assert ("rows" in ans) == packed and ("locs" in ans) != packed
+        lease, locs, caps = ans["lease"], wire.unpack_locs(ans, "test")["locs"], ans["caps"]
         want_lease, want = d.lookup("a", ask, 0.0)
         want_caps = grant_reads(tokens, members.get, "a", ask, want)
         assert lease and want_lease and lease != want_lease
@@ -53,7 +56,10 @@ def test_lookup_granted_answers_as_grant_reads(closed):
         assert caps == want_caps and len(caps) == 2
         assert all(c == b"" for c in caps) != closed
         assert d.release(lease) and d.release(want_lease)
-    assert d.lookup_granted("a", [b"\xee" * 32], 0.0, None, tokens, members.get) == (0, [None], [])
+    assert d.lookup_granted("a", [b"\xee" * 32], 0.0, None, tokens, members.get) == {
+        "lease": 0, "locs": [None], "caps": []}
+    missed = d.lookup_granted("a", [b"\xee" * 32] * 2, 0.0, None, tokens, members.get, None, True)
+    assert wire.unpack_locs(missed, "test") == {"lease": 0, "nodes": [], "caps": [], "locs": [None, None]}
 
 
 def test_pending_handles_settle_and_abort_only_the_owners():
@@ -107,7 +113,8 @@ def test_shared_lookup_grants_a_ranks_sub_slot_with_its_rank_tag():
         assert d.commit("a", keys, [it[4] for it in items], 0.0, (rk, 2))[0] == [True] * 3
     members = {"n0": SimpleNamespace(cap_key=b"k" * 32)}
     for rk in range(2):
-        lease, locs, caps = d.lookup_granted("a", keys, 0.0, None, tokens, members.get, (rk, 2))
+        ans = wire.unpack_locs(d.lookup_granted("a", keys, 0.0, None, tokens, members.get, (rk, 2), True), "t")
+        lease, locs, caps = ans["lease"], ans["locs"], ans["caps"]
         want_lease, want = d.lookup("a", keys, 0.0, None, (rk, 2))
         assert [tuple(x) for x in locs] == [w + (t, 0) for w, t in zip(want, tokens.tags("a", keys, rk))]
         assert caps == grant_reads(tokens, members.get, "a", keys, want, rk) and len(caps) == 1

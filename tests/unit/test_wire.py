@@ -181,3 +181,31 @@ def test_slots_of_equals_slot_of_per_key():
     assert slotrules.slots_of("ns", [b"k", 7, None, "k"], 16) == [slotrules.slot_of("ns", b"k", 16), -1, -1,
                                                               slotrules.slot_of("ns", b"k", 16)]
     assert slotrules.slots_of("ns", [b"k", 7], 1) == [0, -1]
+
+
+def test_packed_lookup_rows_read_back_as_the_list_form_in_key_order():
+    nodes = ["n0", "n1"]
+    rows = wire.pack_locs([True, False, True], [11, 33], [7, 9], [5000, 1], [4096, 1 << 40], [1, 0])
+    assert len(rows) == 3 * wire.LOC_ROW.itemsize == 120
+    # the row starts with the object header's key hash, generation and length, as a node's header holds them
+    assert rows[:24] == wire.pack_object_header(11, 7, 5000)[8:32]
+    ans = wire.unpack_locs({"lease": 5, "nodes": nodes, "caps": [b"a", b"b"], "rows": rows}, "client")
+    assert ans["locs"] == [["n1", 4096, 5000, 7, 11, 1], None, ["n0", 1 << 40, 1, 9, 33, 0]]
+    assert "rows" not in ans
+    # each part of a multi-slot answer; an answer of VERSION 11 (a "locs" list already) is left as it is
+    part = {"lease": 1, "nodes": ["x"], "caps": [b""], "rows": wire.pack_locs([True], [1], [2], [3], [4], [0])}
+    multi = wire.unpack_locs({"parts": [part, None], "failed": []}, "client")
+    assert multi["parts"][0]["locs"] == [["x", 4, 3, 2, 1, 0]]
+    old = {"lease": 0, "locs": [None], "caps": []}
+    assert wire.unpack_locs(old, "client") == {"lease": 0, "locs": [None], "caps": []}
+
+
+@pytest.mark.parametrize("bad", [
+    {"nodes": ["n0"], "rows": b"\0" * 39},  # not whole rows
+    {"nodes": ["n0"], "rows": wire.pack_locs([True], [1], [1], [1], [1], [1])},  # names a node beyond the list
+    {"nodes": "n0", "rows": wire.pack_locs([True], [1], [1], [1], [1], [0])},  # no node list
+    {"nodes": ["n0"], "rows": [1, 2]},  # not bytes
+])
+def test_malformed_packed_lookup_rows_are_a_protocol_error_naming_the_component(bad):
+    with pytest.raises(ProtocolError, match="^client: malformed LOOKUP answer"):
+        wire.unpack_locs(dict(bad, lease=1, caps=[]), "client")
