@@ -23,6 +23,7 @@ ABORT settle them, and a closing connection aborts those still PENDING with that
 
 from __future__ import annotations
 
+import heapq
 from itertools import repeat
 
 import numpy as np
@@ -275,14 +276,14 @@ class TableDirectory(TableShared, PageTable):
         return dropped, pinned, self.effects()
 
     # -- eviction passes (as metaserver/passes.py) ------------------------------------------------------------
-    def evict_node(self, node: NodeRows, nbytes: int, budget: int) -> tuple[int, int]:
+    def evict_node(self, node: NodeRows, nbytes: int, budget: int, stop=None) -> tuple[int, int]:
         """Evict the node's least recently used unpinned READY pages until ``nbytes`` are freed or ``budget``
-        pages went. Returns (evicted, freed bytes)."""
+        pages went, or ``stop()`` (asked after each victim) is true. Returns (evicted, freed bytes)."""
         gen = self.cols["gen"]
         rows: list[int] = []
         nss: list[int] = []
         freed = 0
-        while freed < nbytes and len(rows) < budget:
+        while freed < nbytes and len(rows) < budget and not (rows and stop is not None and stop()):
             i = self._victim(node)
             if i < 0:
                 break
@@ -316,14 +317,22 @@ class TableDirectory(TableShared, PageTable):
         return any(over_high(n.alloc.used, n.alloc.capacity, high) for n in self.node_by_id.values())
 
     def evict_bytes(self, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
-        """Free at least ``nbytes`` from the fullest nodes first (by fill ratio), at most ``budget`` evictions."""
+        """Free at least ``nbytes``, each victim from the fullest node by fill ratio (ties: the first added), at most
+        ``budget`` evictions, so the nodes' fills come down together (a node is not emptied while others stay
+        full). O((nodes + victims) log nodes): a heap of fills, a node's victims in one run while it stays fullest."""
+        heap = [(-x.alloc.used / max(1, x.alloc.capacity), i, x) for i, x in enumerate(self.node_by_id.values())
+                if x.alloc.used]
+        heapq.heapify(heap)
         n = freed = 0
-        for node in sorted(self.node_by_id.values(), key=lambda x: -x.alloc.used / max(1, x.alloc.capacity)):
-            if freed >= nbytes or n >= budget:
-                break
-            k, f = self.evict_node(node, nbytes - freed, budget - n)
+        while heap and freed < nbytes and n < budget:
+            _, i, node = heapq.heappop(heap)
+            cap = max(1, node.alloc.capacity)
+            k, f = self.evict_node(node, nbytes - freed, budget - n,
+                                   lambda: bool(heap) and (-node.alloc.used / cap, i) > heap[0][:2])
             n += k
             freed += f
+            if k and node.alloc.used:
+                heapq.heappush(heap, (-node.alloc.used / cap, i, node))
         self.effects(fx)
         return n, freed
 
