@@ -384,7 +384,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
 
     def commit(self, ns: str, keys: list[bytes], gens: list[int]) -> list[bool]:
         """PENDING -> READY for each (key, gen) still pending with that generation; a key already READY with that
-        generation reports True again (idempotent), anything else False."""
+        generation reports True again (idempotent), anything else False (a shared entry's row too: its ranks
+        commit it)."""
         rows = self._find(ns, keys)
         c = self.cols
         found = rows >= 0
@@ -393,6 +394,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             fr = rows[found]
             st = c["state"][fr]
             same = c["gen"][fr] == np.array(gens, np.uint64)[found]
+            if self.any_shared:  # never a shared entry's row: its ranks' COMMITs complete it (tableshared.py)
+                same &= self.code_parts.take(c["size"].take(fr)) == 0
             ok[found] = same
             new = fr[same & (st == PENDING)]
             if len(new):
