@@ -1,6 +1,6 @@
-"""The metaserver's commit path without etcd: the encoding of commit records (``EtcdStore.batches_of``,
-``batch_value``) and the
-batch writer's acknowledgements when submissions share keys, over the in-memory store double of
+"""The metaserver's commit path without etcd: the directory's commit records (``TableDirectory`` named by
+``EtcdStore.batch_name``: test_tablerecords.py checks the table's records in depth) and the batch writer's
+acknowledgements when submissions share keys, over the in-memory store double of
 test_metaserver_persistence."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import asyncio
 import msgpack
 
 from metaserver.batcher import TXN_BYTES, BatchWriter, cut
-from metaserver.directory import Directory
 from metaserver.persist import EtcdStore
+from metaserver.tabledir import TableDirectory
 
 from transport.wire import Status
 from umbp.errors import TxnTooLarge, Unavailable
@@ -19,37 +19,37 @@ from umbp.errors import TxnTooLarge, Unavailable
 from test_metaserver_persistence import MemoryStore, run
 
 
-def test_commit_records_hold_each_run_of_one_namespace_128_pages_at_most():
-    store = EtcdStore("127.0.0.1:1", "/umbp")  # no connection is made: encoding only
+def test_commit_records_hold_one_commits_pages_of_one_namespace_128_at_most():
+    store = EtcdStore("127.0.0.1:1", "/umbp")  # no connection is made: names only
     store.fence(41)
-    d = Directory()
+    d = TableDirectory(namer=store.batch_name)
     d.add_space("node-a", 1 << 30)
     d.add_space("node-b", 1 << 30)
-    fx_puts = []
+    recs, want = [], []
     for r, (ns, parents) in enumerate((("ns1", None), ("other", [b"\x01" * 32] * 3), ("ns1", [None, b"p" * 70, b"q"]))):
         keys = [ns.encode() + b"/%d/%d" % (r, i) + b"\xff" * i for i in range(3)]
         items, _ = d.alloc(ns, keys, [4000, 1, 70000], parents, 100 + 10 * r, 1.0)
         _, fx = d.commit(ns, keys, [it[4] for it in items], 2.0)
-        fx_puts += fx.puts
+        recs += fx.recs
+        want += [[k, *it[1:], None] for k, it in zip(keys, items)]  # no parent kept: the table keeps no links
     keys = [b"big/%d" % i for i in range(300)]
     items, _ = d.alloc("ns1", keys, [100] * 300, None, 1000, 1.0)
     _, fx = d.commit("ns1", keys, [it[4] for it in items], 2.0)
-    fx_puts += fx.puts
-    batches = store.batches_of(fx_puts)
-    assert [len(b.ents) for b in batches] == [3, 3, 128, 128, 47]  # a run of one namespace, 128 at most
-    assert [b.name for b in batches] == [b"/umbp/pages/%s/+29.%x" % (ns, i + 1) for i, ns in
-                                         enumerate([b"ns1", b"other", b"ns1", b"ns1", b"ns1"])]
-    assert all(e.batch is b for b in batches for e in b.ents)
-    pages = [p for b in batches for p in msgpack.unpackb(store.batch_value(b), raw=False)]
-    assert pages == [[e.key, e.node_id, e.offset, e.payload_len, e.gen, e.parent] for e in fx_puts]
-    assert store.batches_of([]) == []
+    recs += fx.recs
+    want += [[k, *it[1:], None] for k, it in zip(keys, items)]
+    assert [len(r.rows) for r in recs] == [3, 3, 3, 128, 128, 44]  # one COMMIT's pages, 128 at most a record
+    assert [r.name for r in recs] == [b"/umbp/pages/%s/+29.%x" % (ns, i + 1) for i, ns in
+                                      enumerate([b"ns1", b"other", b"ns1", b"ns1", b"ns1", b"ns1"])]
+    assert [p for r in recs for p in msgpack.unpackb(r.value(), raw=False)] == want
     # a page leaving the directory: its record is rewritten without it, the last one deletes it
-    b = batches[0]
-    _, fx = d.remove("ns1", [b.ents[1].key])
-    assert fx.batches == [b] and fx.deletes == []
-    assert [p[0] for p in msgpack.unpackb(store.batch_value(b))] == [b.ents[0].key, b.ents[1].key]
-    d.remove("ns1", [e.key for e in b.ents])
-    assert store.batch_value(b) is None
+    first = recs[0]
+    names = [p[0] for p in msgpack.unpackb(first.value())]
+    _, fx = d.remove("ns1", [names[1]])
+    assert fx.batches == [first] and fx.deletes == []
+    assert [p[0] for p in msgpack.unpackb(first.value())] == [names[0], names[2]]
+    d.remove("ns1", names)
+    assert first.value() is None
+    d.check()
 
 
 def test_batch_writer_acknowledges_each_submission_once_its_last_op_is_written():

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from metaserver import service
 from metaserver.batcher import encoded
-from metaserver.directory import NEW
+from metaserver.entry import NEW
 from metaserver.service import Metaserver
+from metaserver.tabledir import TableDirectory
 from transport.wire import ALIGN
 from umbp.config import MetaserverConfig
 
@@ -28,18 +27,15 @@ def fill(d, ns: str, n: int, gen: int, commit: bool) -> list[bytes]:
     return keys
 
 
-CORES = pytest.mark.parametrize("core", ["objects", "table"])  # Directory, and the columnar TableDirectory
-
-
-@CORES
-def test_a_backlog_is_worked_off_in_slices_of_the_step_budget(monkeypatch, core):
+def test_a_backlog_is_worked_off_in_slices_of_the_step_budget(monkeypatch):
     async def main():
-        ms = Metaserver(MetaserverConfig(pending_ttl_s=1.0, read_lease_s=1.0, high_watermark=1.0, directory=core),
+        ms = Metaserver(MetaserverConfig(pending_ttl_s=1.0, read_lease_s=1.0, high_watermark=1.0),
                         "127.0.0.1:1")
         monkeypatch.setattr(Metaserver, "serving", property(lambda self: True))
         monkeypatch.setattr(service, "STEP_BUDGET", 500)
         ms.settled.set()
         d = ms.dir
+        assert isinstance(d, TableDirectory)
         d.add_space("n1", 4000 * ALIGN)
         d.add_space("n2", 4000 * ALIGN)
         ready = fill(d, "r", 2400, 10_000, commit=True)
@@ -68,8 +64,7 @@ def test_a_backlog_is_worked_off_in_slices_of_the_step_budget(monkeypatch, core)
     asyncio.run(main())
 
 
-@CORES
-def test_parked_pages_leave_their_commit_record_and_come_back_into_it(core):
+def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
     """A lost node's pages are parked: a rewrite of their commit record meanwhile leaves them out (they are not in
     the directory); when the node returns with its arena they are filed again and the record is rewritten with
     them; when it does not return, the record is rewritten without them. Read from the writer's queue (etcd is
@@ -79,8 +74,9 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it(core):
     import msgpack
 
     async def main():
-        ms = Metaserver(MetaserverConfig(directory=core), "127.0.0.1:1")
+        ms = Metaserver(MetaserverConfig(), "127.0.0.1:1")
         d = ms.dir
+        assert isinstance(d, TableDirectory)
         d.add_space("n1", 64 * ALIGN)
         d.add_space("n2", 64 * ALIGN)
         keys = [b"k%02d" % i for i in range(20)]

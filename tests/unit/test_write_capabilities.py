@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from metaserver.directory import NEW, Directory
+from metaserver.entry import NEW
 from metaserver.quarantine import NEVER, Quarantine
+from metaserver.tabledir import TableDirectory
 from transport import wire
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 from umbp.auth import (WRITE_CAP_SIZE, CapCache, check_read_capability, check_write_capability, read_capability,
@@ -235,7 +236,7 @@ def test_quarantine_holds_young_frees_only():
 
 
 def test_directory_holds_a_young_extent_until_its_time_and_stays_consistent(monkeypatch):
-    d = Directory()
+    d = TableDirectory()
     d.add_space("n1", 4 * ALIGN)
     d.quarantine = Quarantine(hold_s=10.0)
     d.quarantine.start(0.0, issued_below=100)
@@ -249,7 +250,7 @@ def test_directory_holds_a_young_extent_until_its_time_and_stays_consistent(monk
     monkeypatch.setattr("metaserver.quarantine.time.monotonic", lambda: clock[0])
     used = d.spaces["n1"].alloc.used
     d.remove("m", [b"old", b"new"])
-    d.check()  # the held extent is allocated, owned by no entry: the invariant knows it
+    d.check()  # the held extent is allocated, held by no row: the invariant knows it
     assert d.quarantine.held_bytes == object_size(size)
     assert d.spaces["n1"].alloc.used == used - object_size(size)  # the old one was freed at once
     assert d.quarantine.release(1009.0, d.spaces, 100) == 0
