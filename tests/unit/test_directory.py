@@ -379,3 +379,59 @@ def test_a_put_of_a_page_already_here_counts_as_a_use():
     assert int(d.cols["stamp"][d._find("m", [b"c"])[0]]) > before and pins(d, "m", b"c") == 1
     d.release(lease)
     d.check()
+
+
+def test_random_requests_keep_totals_prefix_runs_and_listings_true_to_the_rows():
+    """(From the comparison with ``Directory``.) Random ALLOC with and without a writer token, COMMIT with right and
+    wrong generations, ABORT, LOOKUP and RELEASE, REMOVE and the budgeted expiries on a full node: every total, prefix
+    run and listing agrees with the pages EXISTS and a LOOKUP see, and the paths were taken."""
+    rng = random.Random(5)
+    d = make(units=20, pending_ttl_s=5.0, read_lease_s=3.0)
+    universe = [bytes([i]) * 32 for i in range(24)] + [b"key-%d" % i for i in range(16)]
+    leases, pending = [], []
+    gen, now, expired, retried = 1, 1000.0, 0, 0
+    for step in range(300):
+        now += rng.choice((0.01, 0.01, 0.5))
+        op = rng.random()
+        if op < 0.3:
+            keys = [rng.choice(universe) for _ in range(rng.randint(1, 6))]
+            items, _ = d.alloc("a", keys, [PAGE] * len(keys), None, gen, now, rng.choice((None, 7, 8)), "w")
+            retried += sum(1 for k, it in zip(keys, items) if it[0] == NEW and (k, it[4]) in pending)
+            pending += [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+            gen += len(keys)
+        elif op < 0.5 and pending:
+            batch = rng.sample(pending, min(len(pending), rng.randint(1, 4)))
+            d.commit("a", [k for k, _ in batch], [g if rng.random() < 0.85 else g + 1 for _, g in batch], now)
+            pending = [p for p in pending if p not in batch]
+        elif op < 0.55 and pending:
+            batch = rng.sample(pending, min(len(pending), 2))
+            d.abort("a", [k for k, _ in batch], [g for _, g in batch])
+            pending = [p for p in pending if p not in batch]
+        elif op < 0.75:
+            keys = [rng.choice(universe) for _ in range(rng.randint(1, 8))]
+            ok = d.exists("a", keys)
+            lease, locs = d.lookup("a", keys, now, "r")
+            assert [x is not None for x in locs] == ok and (lease == 0) == (not any(ok)), step
+            if lease:
+                leases.append(lease)
+        elif op < 0.88 and leases:
+            d.release(leases.pop(rng.randrange(len(leases))), "r")  # False when it expired already
+        elif op < 0.95:
+            d.remove("a", rng.sample(universe, rng.randint(1, 3)))
+        else:
+            expired += d.expire_leases(now, 3) + d.expire_pending(now, 3)
+        here = d.exists("a", universe)
+        probe = [rng.choice(universe) for _ in range(6)]
+        run = d.exists("a", probe)
+        assert d.prefix("a", probe) == (run.index(False) if False in run else len(run)), step
+        listed, more = d.list_objects("a", 1000)
+        assert not more and sorted(k for _, k, _, _, s in listed if s == "READY") == sorted(
+            k for k, ok in zip(universe, here) if ok), step
+        assert d.objects == sum(here) and d.pending == sum(1 for x in listed if x[4] == "PENDING"), step
+        assert d.namespaces() == ({"a": d.objects} if d.objects else {}), step
+        use = d.namespace_usage().get("a", {"objects": 0, "used_bytes": 0})
+        assert (use["objects"], use["used_bytes"]) == (d.objects, len(listed) * ALIGN), step
+        assert len(d.list_objects(None, 3)[0]) == min(3, d.objects + d.pending)
+        assert d.used <= d.capacity
+    d.check()
+    assert d.evictions > 20 and expired and retried, (d.evictions, expired, retried)  # the paths were taken
