@@ -31,7 +31,7 @@ full load and a fingerprint: ``tableload.py``.
 Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etcd records of ``Directory``'s layout,
 rewritten as rows leave.
 
-What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, quotas, placement on the most
+What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, placement on the most
 free node with eviction where the next victim is oldest across nodes (here: in turn over the placeable nodes, near
 a parent by ``Directory``'s rule, evicting on the chosen one), and the warm standby's copy. Shared entries, parking
 and the service's calls are ``tabledir.py``'s and ``tableshared.py``'s. As ``Directory``'s: read leases have
@@ -47,8 +47,8 @@ from collections import deque
 
 import numpy as np
 
-from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, PENDING, READY, SHARD_SHIFT,
-                              expire_queue, extent_size, random_id)
+from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, OVER_QUOTA_ITEM, PENDING, READY,
+                              SHARD_SHIFT, expire_queue, extent_size, random_id)
 from metaserver.keyindex import KeyIndex, digests, zeros
 from metaserver.quarantine import Quarantine
 from metaserver.tableevict import TableEviction
@@ -125,6 +125,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
         self._init_records()
         self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities
+        self.quota = None  # quota groups (metaserver/tablequotas.py), set by a TableDirectory that has any
 
     # -- rows and columns -------------------------------------------------------------------------------------
     def _grow(self, rows: int) -> None:
@@ -162,8 +163,10 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         """Give a row's extent back to its node: now, or after the quarantine's hold when its generation is young
         (a write capability for it may still be alive: ``metaserver/quarantine.py``)."""
         c = self.cols
-        self.quarantine.free(node, int(c["unit"][row]) << UNIT_SHIFT, extent_size(self.codes[c["size"][row]]),
-                             int(c["gen"][row]))
+        size = extent_size(self.codes[c["size"][row]])
+        until = self.quarantine.free(node, int(c["unit"][row]) << UNIT_SHIFT, size, int(c["gen"][row]))
+        if until and self.quota is not None:  # its group counts the held extent until then
+            self.quota.held(int(c["ns"][row]), size, until)
 
     def _code(self, code: int) -> int | None:
         """The index of layout code ``code`` in ``codes`` (interned on first use); None when the table is full."""
@@ -249,6 +252,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             _, first = np.unique(found, return_index=True)
             self._stamp(found.take(np.sort(first)))
             return [EXISTS_ITEM] * len(keys)
+        if self.quota is not None and not self.quota.fit(nsix, keys, sizes, found):
+            return [OVER_QUOTA_ITEM] * len(keys)  # past its group's quota even after its own evictions: nothing done
         found_state = found_st.tolist()
         found = found.tolist()
         evicted = self._evicted_now

@@ -124,6 +124,9 @@ class KeyIndex:
         self.pace = 0  # old slots drained per row inserted, for the drain under way
         self.resizes = 0
         self.drained = 0  # old slots drained, over all resizes (figures, tests)
+        # told of every row filed (rows, 1) and unfiled (rows, -1), before its columns change: the table's quota
+        # use counts the filed rows (metaserver/tablequotas.py); None: nobody asks
+        self.watch = None
 
     # what tests and figures read: the current table's size and bound, the counts of both
     @property
@@ -221,6 +224,8 @@ class KeyIndex:
         by this insert's share (module docstring). ``longs``: (position in ``rows``, key) of keys that are not their
         own digest."""
         rows = np.asarray(rows, np.int64)
+        if self.watch is not None:
+            self.watch(rows, 1)
         self.kc[rows] = dig
         for i, k in longs or ():
             self.long_keys[int(rows[i])] = k
@@ -302,6 +307,8 @@ class KeyIndex:
         rows = np.asarray(rows, np.int64)
         if not len(rows):
             return
+        if self.watch is not None:
+            self.watch(rows, -1)
         dig = self.kc[rows]
         want = (_tags(dig) << 32) | rows
         ns = np.asarray(ns, np.uint64)

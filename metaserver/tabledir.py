@@ -12,9 +12,10 @@ request in ``tests/unit/test_tableshared.py``), commit records in etcd (``metase
 ``Directory`` writes, so either core loads the other's pool) and the full load at a takeover (``load``).
 
 What it does not do yet, each refused at start (``umbp/config.py``, ``__init__``), never answered differently:
-``prefix-lru`` (no prefix links), partitioned pools (slots), quotas; and the warm standby's copy (a standby keeps
+``prefix-lru`` (no prefix links), partitioned pools (slots); and the warm standby's copy (a standby keeps
 none: its takeover is a full load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s
-rule) where ``Directory`` places on the most free node: docs/design/directory-and-eviction.md.
+rule) where ``Directory`` places on the most free node: docs/design/directory-and-eviction.md. Quota groups and
+reservations: ``metaserver/tablequotas.py`` (``quota``; the properties below answer what the service reads of them).
 
 A connection's PENDING allocations are ``(ns, key, gen)`` handles here (``Directory``'s are its entries): COMMIT and
 ABORT settle them, and a closing connection aborts those still PENDING with that generation and still its own
@@ -36,10 +37,12 @@ from metaserver.records import PageRecords
 from metaserver.shared import ShardState
 from metaserver.tableload import load_pages, reserve
 from metaserver.tablenodes import UNIT_SHIFT, NodeRows, TableNodes
+from metaserver.tablequotas import TableQuotas
 from metaserver.tableshared import TableShared
 from transport import wire
 from umbp.auth import rank_tags, read_capability_packed
 from umbp.errors import ConfigError
+from umbp.quotarules import QuotaRules
 
 
 SCAN_PER_DROP = 16  # rows a drop slice may visit per page of its budget (numpy work over the state column)
@@ -56,17 +59,16 @@ class TableDirectory(TableShared, PageTable):
     parks = True  # a lost node's pages are parked for its return (metaserver/rejoin.py)
 
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
-                 quotas: dict | None = None, namer=None):
+                 quotas: QuotaRules | dict[str, int] | None = None, namer=None):
         if policy != "lru":
             raise ConfigError("metaserver", f"directory 'table' evicts by lru only, not {policy!r}")
-        if quotas:
-            raise ConfigError("metaserver", "directory 'table' keeps no namespace quotas: the tokens file names "
-                                            f"quotas for {sorted(quotas)}; run --directory objects")
         super().__init__(read_lease_s=read_lease_s, pending_ttl_s=pending_ttl_s)
         if namer is not None:
             self.namer = namer  # a commit record's etcd key (EtcdStore.batch_name)
-        self.quotas: dict = {}
-        self.ns_used: dict = {}
+        self.quotas = QuotaRules.of(quotas)  # a slot's share already applied (QuotaRules.shared)
+        if self.quotas:
+            self.quota = TableQuotas(self, self.quotas)
+            self.ix.watch = self.quota.filed  # use: the extents of the rows the key index files
         self.puts = 0
         self._shards: dict[int, ShardState] = {}  # PENDING shared rows' sub-slots (metaserver/tableshared.py)
 
@@ -124,6 +126,33 @@ class TableDirectory(TableShared, PageTable):
     def check(self) -> None:
         PageTable.check(self)
         self._check_shared()
+        if self.quota is not None:
+            self.quota.check()
+
+    # -- quota groups (metaserver/tablequotas.py), as the service and ownership.py read them -------------------
+    @property
+    def reserving(self) -> bool:
+        return self.quota is not None and self.quota.reserving
+
+    @property
+    def group_used(self) -> dict[str, int]:
+        """Bytes in use by group name (those with any)."""
+        return self.quota.used_by_name() if self.quota is not None else {}
+
+    @property
+    def ns_used(self) -> dict[str, int]:
+        """Bytes in use by namespace (those with any), counted while the table has quota groups."""
+        return self.quota.ns_used_by_name() if self.quota is not None else {}
+
+    def group_held(self, name: str, now: float | None = None) -> int:
+        """Bytes of group ``name`` freed young and still held by the quarantine."""
+        q = self.quota
+        g = next((i for i, x in enumerate(q.groups) if x.name == name), -1) if q is not None else -1
+        return q.group_held(g, now) if g >= 0 else 0
+
+    def namespace_usage(self) -> dict[str, dict]:
+        usage = PageTable.namespace_usage(self)
+        return self.quota.usage(usage) if self.quota is not None else usage
 
     def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member, shard=None, packed=False
                        ) -> dict:
@@ -276,20 +305,24 @@ class TableDirectory(TableShared, PageTable):
         return dropped, pinned, self.effects()
 
     # -- eviction passes (as metaserver/passes.py) ------------------------------------------------------------
-    def evict_node(self, node: NodeRows, nbytes: int, budget: int, stop=None) -> tuple[int, int]:
+    def evict_node(self, node: NodeRows, nbytes: int, budget: int, stop=None, spare: bool = True
+                   ) -> tuple[int, int]:
         """Evict the node's least recently used unpinned READY pages until ``nbytes`` are freed or ``budget``
-        pages went, or ``stop()`` (asked after each victim) is true. Returns (evicted, freed bytes)."""
+        pages went, or ``stop()`` (asked after each victim) is true; ``spare``: pass over the pages of quota groups
+        at their reservation (all but evict-all). Returns (evicted, freed bytes)."""
         gen = self.cols["gen"]
         rows: list[int] = []
         nss: list[int] = []
         freed = 0
         while freed < nbytes and len(rows) < budget and not (rows and stop is not None and stop()):
-            i = self._victim(node)
+            i = self._victim(node, spare)
             if i < 0:
                 break
             r = node.queue[i]
             size = extent_size(node.qcode[i])
-            self.quarantine.free(node, node.qoff[i], size, int(gen[r]))
+            until = self.quarantine.free(node, node.qoff[i], size, int(gen[r]))
+            if until and self.quota is not None:
+                self.quota.held(node.qns[i], size, until)
             self._free_row(r, node)
             rows.append(r)
             nss.append(node.qns[i])
@@ -339,7 +372,7 @@ class TableDirectory(TableShared, PageTable):
     def evict_all(self, budget: int, fx: Effects) -> tuple[int, int, bool]:
         n = freed = 0
         for node in list(self.node_by_id.values()):
-            k, f = self.evict_node(node, 1 << 62, budget - n)
+            k, f = self.evict_node(node, 1 << 62, budget - n, spare=False)  # an operator's --all: reservations too
             n += k
             freed += f
             if n >= budget:

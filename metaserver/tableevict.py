@@ -8,7 +8,8 @@ refilled with the oldest READY unpinned rows of the node (``np.argpartition`` ov
 READY, unpinned and carries that stamp; a row touched since then is newer than every row left in the queue, and a
 row not in the queue was newer than all of them when it was filled, so victims leave in exact stamp order. A victim
 of exactly the size wanted hands over its extent and its row (no allocator round trip) unless its generation is
-young (the write quarantine holds that extent).
+young (the write quarantine holds that extent). Every eviction but evict-all passes over a row whose quota group is
+at its reservation, and a refill leaves such rows out (``metaserver/tablequotas.py``).
 
 Costs: a refill O(node's rows) at C speed, amortised over the candidates it yields; a victim O(1) Python.
 """
@@ -27,7 +28,9 @@ class TableEviction:
     """Victims of a ``PageTable``'s nodes: see the module docstring. Uses the table's ``cols``, ``code_arr``,
     ``quarantine``, ``_evicted_now`` and row helpers."""
 
-    def _refill(self, node: NodeRows) -> None:
+    def _refill(self, node: NodeRows, floors: np.ndarray | None = None) -> None:
+        """``floors``: the quota groups' reservations (``TableQuotas.floors``): rows of groups at theirs are left out
+        (a reserved group's old rows would otherwise fill the queue and hide the node's other victims)."""
         state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
         parts = []
         for b in node.blocks:
@@ -35,6 +38,8 @@ class TableEviction:
             hi = lo + self.block
             parts.append(np.flatnonzero((state[lo:hi] == READY) & (pins[lo:hi] == 0)) + lo)
         rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if floors is not None:
+            rows = rows[~self.quota.spared_rows(rows, floors)]
         k = min(len(rows), max(CANDIDATES, len(rows) // 64))
         if k < len(rows):
             rows = rows[np.argpartition(stamp[rows], k - 1)[:k]]
@@ -47,10 +52,14 @@ class TableEviction:
         node.qns = c["ns"][rows].tolist()
         node.qpos = 0
 
-    def _victim(self, node: NodeRows) -> int:
+    def _victim(self, node: NodeRows, spare: bool = True) -> int:
         """The queue position of the node's least recently used READY unpinned row, or -1 when it has none. A row
-        that is READY with its queued stamp is the page that was queued: ``qoff``, ``qcode``, ``qns`` describe it."""
+        that is READY with its queued stamp is the page that was queued: ``qoff``, ``qcode``, ``qns`` describe it.
+        ``spare`` (all but evict-all): pass over a row whose quota group is at its reservation
+        (``TableQuotas.spares``); the caller evicts the row returned."""
         state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
+        quota = self.quota if spare and self.quota is not None and self.quota.reserving else None
+        floors = quota.floors() if quota is not None else None
         for _ in range(2):  # at most one refill: a fresh queue holds only valid candidates
             q, qs = node.queue, node.qstamp
             while node.qpos < len(q):
@@ -58,8 +67,10 @@ class TableEviction:
                 node.qpos += 1
                 r = q[i]
                 if state[r] == READY and not pins[r] and stamp[r] == qs[i]:
+                    if quota is not None and quota.spares(node.qns[i], node.qcode[i], floors):
+                        continue
                     return i
-            self._refill(node)
+            self._refill(node, floors)
         return -1
 
     def _make_room(self, node: NodeRows, size: int) -> tuple[int | None, int]:
@@ -79,7 +90,9 @@ class TableEviction:
             g = int(gen[r])
             if vsize == size and g < young:
                 return node.qoff[i], r
-            self.quarantine.free(node, node.qoff[i], vsize, g)
+            until = self.quarantine.free(node, node.qoff[i], vsize, g)
+            if until and self.quota is not None:
+                self.quota.held(node.qns[i], vsize, until)
             self._free_row(r, node)
             off = node.alloc.alloc(size)
             if off is not None:

@@ -31,7 +31,7 @@ Where it differs from ``Directory.load_entries``, and why:
 - parents are not kept (the table keeps no prefix links); loaded rows are filed under the commit records they
   came from only when their names are given (``records``; else ``rec`` 0, and evicting one rewrites nothing);
   tags are 0 as for an ALLOC given none (records do not carry them: a closed pool's service would compute a loaded
-  row's tag) and namespace use is not counted (no quotas).
+  row's tag); quota use counts them as they are filed (``metaserver/tablequotas.py``).
 - the rejected pages come back as their positions (sorted), where ``Directory`` returns deletes and leaves the
   entries it did not file unfiled.
 

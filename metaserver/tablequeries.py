@@ -53,7 +53,7 @@ class TableQueries:
 
     def namespace_usage(self) -> dict[str, dict]:
         """Per namespace with objects or use: objects, used_bytes (extents of its READY and PENDING pages),
-        quota_bytes (None: the table keeps no quotas)."""
+        quota_bytes (None here: ``TableDirectory`` fills in its quota groups', ``metaserver/tablequotas.py``)."""
         state, ns = self._live()
         rows = np.flatnonzero((state == READY) | (state == PENDING))
         sizes = self.code_extents().take(self.cols["size"].take(rows))

@@ -1,11 +1,10 @@
 """Directory-only cases waiting for their port to the columnar directory (``metaserver.tabledir.TableDirectory``):
-prefix-lru eviction, prefix links and orphans, a warm standby's ``put_ready`` (H2's port: tests/unit/test_tablelinks.py)
-and namespace quotas (H1's: test_quota_rules.py, which imports ``make`` and ``put`` from here). Everything else these
-files held runs on the table in test_directory.py, test_directory_work.py and test_directory_shared.py. Goes with
-``Directory``."""
+prefix-lru eviction, prefix links and orphans, a warm standby's ``put_ready`` (H2's port: tests/unit/test_tablelinks.py).
+Namespace quotas run on the table in test_quota_rules.py. Everything else these files held runs on the table in
+test_directory.py, test_directory_work.py and test_directory_shared.py. Goes with ``Directory``."""
 
 from metaserver.directory import EXISTS, NEW, READY, Directory, Effects
-from transport.wire import ALIGN, ARENA_DATA_START, object_size
+from transport.wire import ALIGN, ARENA_DATA_START
 
 PAGE = ALIGN - 64  # payload that fills exactly one 4 KiB unit with its header
 
@@ -149,32 +148,4 @@ def test_a_put_of_a_page_already_here_counts_as_a_use_under_prefix_lru():
     assert [it[0] for it in d.alloc("m", [b"c"], [PAGE], None, 70, 4.0)[0]] == [EXISTS]
     assert d.entries["m"][b"c"].last_access == 4.0
     d.release(lease)
-    d.check()
-
-
-def test_quota_evicts_within_the_namespace_then_refuses():
-    from metaserver.directory import OVER_QUOTA
-
-    sz = object_size(PAGE)
-    d = make(units=64, quotas={"small": 4 * sz})
-    put(d, "big", [f"b{i}".encode() for i in range(10)], now=0.0)
-    for i in range(4):
-        put(d, "small", [f"s{i}".encode()], now=1.0 + i)
-    assert d.ns_used["small"] == 4 * sz
-    d.lookup("small", [b"s0"], 9.0)  # s0 pinned (and the most recent): never evicted
-    items, _, _ = put(d, "small", [b"s4", b"s5"], now=10.0)
-    assert [it[0] for it in items] == [NEW, NEW]
-    assert d.exists("small", [b"s0", b"s1", b"s2", b"s3", b"s4", b"s5"]) == [True, False, False, True, True, True]
-    assert d.ns_used["small"] == 4 * sz and d.objects == 14
-    assert d.exists("big", [f"b{i}".encode() for i in range(10)]) == [True] * 10  # the other namespace untouched
-    # s0 pinned, s3..s5 evictable: 4 new keys cannot fit, and the refusal evicts nothing
-    items, _ = d.alloc("small", [f"t{i}".encode() for i in range(4)], [PAGE] * 4, None, 5000, 11.0)
-    assert [it[0] for it in items] == [OVER_QUOTA] * 4
-    assert d.exists("small", [b"s0", b"s3", b"s4", b"s5"]) == [True] * 4 and d.pending == 0
-    items, _ = d.alloc("small", [b"huge"], [5 * sz], None, 6000, 12.0)
-    assert items[0][0] == OVER_QUOTA  # larger than the quota itself
-    items, _ = d.alloc("small", [f"t{i}".encode() for i in range(3)], [PAGE] * 3, None, 7000, 13.0)
-    assert [it[0] for it in items] == [NEW] * 3  # 3 fit after evicting s3..s5, oldest first
-    assert d.exists("small", [b"s0", b"s3", b"s4", b"s5"]) == [True, False, False, False]
-    assert d.ns_used["small"] == 4 * sz
     d.check()

@@ -100,8 +100,6 @@ def test_eviction_passes_free_the_oldest_and_rewrite_their_records():
 def test_refusals():
     with pytest.raises(ConfigError, match="lru only"):
         TableDirectory(policy="prefix-lru")
-    with pytest.raises(ConfigError, match="quotas"):
-        TableDirectory(quotas={"t": 1 << 20})
 
 
 def test_shared_lookup_grants_a_ranks_sub_slot_with_its_rank_tag():
