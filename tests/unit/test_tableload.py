@@ -1,7 +1,7 @@
 """metaserver/tableload.py: a page table rebuilt by ``load_pages`` from another's READY rows (per node, in stamp
 order) has the same fingerprint (rows, places, use, LRU order) and answers the same further requests as the
 original; each rejection rule (overlap, outside the arena, unaligned offset, key given twice, key already filed)
-rejects exactly its page, checked against ``Directory.load_entries`` on the same pages, also on random ones; a load
+rejects exactly its page, checked against a model of the rules on the same pages, also on random ones; a load
 spanning several row blocks (room reserved first) and one into a node's scattered free rows; a load's LRU order is
 its commit order."""
 
@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from metaserver.columns import BLOCK, PageTable
-from metaserver.directory import Directory
-from metaserver.entry import NEW, READY, Entry, extent_size
+from metaserver.entry import NEW, READY, extent_size
 from metaserver.tableload import fingerprint, load_pages, reserve
 from metaserver.tablenodes import FREE, UNIT_SHIFT
 from transport.wire import ARENA_DATA_START, object_size
@@ -148,18 +147,32 @@ def test_a_reloaded_table_has_the_same_fingerprint_and_answers_alike(seed):
     assert fingerprint(a) == fingerprint(b)
 
 
-def directory_load(pages: list[tuple], nodes: dict[str, int], order: list[str]) -> tuple[Directory, dict]:
-    """The same pages through ``Directory.load_entries``: (the directory, node -> positions it did not file)."""
-    d = Directory(policy="lru")
-    for node_id, cap in nodes.items():
-        d.add_space(node_id, cap)
-    rejected = {}
+def model_load(pages: list[tuple], nodes: dict[str, int], order: list[str]) -> tuple[dict, dict]:
+    """The load rules (``tableload``'s docstring) one page at a time: (node -> positions rejected, node -> the pages
+    filed, in commit order). Pages are (node, ns, key, offset, payload_len, gen)."""
+    filed: set = set()
+    rejected, kept = {}, {}
     for node_id in order:
-        ents = [Entry(ns, k, None, off, plen, gen, READY, None, 0.0) for (n, ns, k, off, plen, gen) in pages
-                if n == node_id]
-        d.load_entries(node_id, ents)
-        rejected[node_id] = [i for i, e in enumerate(ents) if e.space is None]
-    return d, rejected
+        mine = [p for p in pages if p[0] == node_id]
+        bad = {i for i, p in enumerate(mine) if (p[1], p[2]) in filed}  # 1: a key the table holds already
+        end = BASE
+        for i in sorted(set(range(len(mine))) - bad, key=lambda i: mine[i][3]):  # 2: offset order (ties: commit)
+            off, size = mine[i][3], extent_size(mine[i][4])
+            if off % 4096 or off < end or off + size > BASE + nodes[node_id]:
+                bad.add(i)
+            else:
+                end = off + size
+        seen: set = set()
+        for i, p in enumerate(mine):  # 3: of a key given twice among those left, the first in commit order
+            if i in bad:
+                continue
+            if (p[1], p[2]) in seen:
+                bad.add(i)
+            seen.add((p[1], p[2]))
+        rejected[node_id] = sorted(bad)
+        kept[node_id] = [p for i, p in enumerate(mine) if i not in bad]
+        filed.update((p[1], p[2]) for p in kept[node_id])
+    return rejected, kept
 
 
 def table_load(pages: list[tuple], nodes: dict[str, int], order: list[str]) -> tuple[PageTable, dict]:
@@ -174,16 +187,14 @@ def table_load(pages: list[tuple], nodes: dict[str, int], order: list[str]) -> t
     return t, rejected
 
 
-def assert_same_as_directory(t: PageTable, d: Directory) -> None:
-    """Every page the directory filed is in the table at the same place, nothing else is, and each node's use and
-    LRU order agree."""
-    want = sorted((ns, k, e.space.node_id, e.offset, e.payload_len, e.gen, READY)
-                  for ns, m in d.ready.items() for k, e in m.items())
+def assert_as_modelled(t: PageTable, nodes: dict[str, int], kept: dict) -> None:
+    """Every page the model filed is in the table at its place, nothing else is, and each node's use and LRU order
+    (its commit order) agree."""
     fp = fingerprint(t)
-    assert fp["entries"] == want
-    for node_id, sp in d.spaces.items():
-        assert fp["nodes"][node_id] == (sp.alloc.capacity, sp.alloc.used, len(sp.entries))
-        assert fp["order"][node_id] == [(e.ns, e.key) for e in d.policy.members(node_id)]
+    assert fp["entries"] == sorted((p[1], p[2], p[0], p[3], p[4], p[5], READY) for ps in kept.values() for p in ps)
+    for node_id, ps in kept.items():
+        assert fp["nodes"][node_id] == (nodes[node_id], sum(extent_size(p[4]) for p in ps), len(ps))
+        assert fp["order"][node_id] == [(p[1], p[2]) for p in ps]
 
 
 CLEAN = [("n0", "a", b"k%d" % i, BASE + slot * S, PLEN, 100 + i) for i, slot in enumerate([0, 1, 2, 3, 5])]
@@ -205,8 +216,8 @@ def test_each_rule_rejects_exactly_its_page(case):
     pages = CLEAN[:pos] + [bad] + CLEAN[pos:]
     nodes = {"n0": 8 * S}
     t, rej = table_load(pages, nodes, ["n0"])
-    d, drej = directory_load(pages, nodes, ["n0"])
-    assert rej == {"n0": [want]} == drej
+    mrej, filed = model_load(pages, nodes, ["n0"])
+    assert rej == {"n0": [want]} == mrej
     t.check()
     kept = [p for i, p in enumerate(pages) if i != want]
     assert t.objects == 5 and t.nodes[0].alloc.used == 5 * S, "a rejected page holds no extent"
@@ -217,7 +228,7 @@ def test_each_rule_rejects_exactly_its_page(case):
     assert sum(loc is not None for loc in locs) == 5
     assert t.release(lease)
     t.check()
-    assert_same_as_directory(t, d)
+    assert_as_modelled(t, nodes, filed)
 
 
 def test_a_key_filed_already_is_rejected_and_columns_must_agree():
@@ -225,10 +236,10 @@ def test_a_key_filed_already_is_rejected_and_columns_must_agree():
     pages = CLEAN + [("n1", "a", b"k2", BASE, PLEN, 50), ("n1", "b", b"k2", BASE + S, PLEN, 51),
                      ("n1", "a", b"new", BASE + 2 * S, PLEN, 52)]
     t, rej = table_load(pages, nodes, ["n0", "n1"])
-    d, drej = directory_load(pages, nodes, ["n0", "n1"])
-    assert rej == drej == {"n0": [], "n1": [0]}, "k2 of a is n0's; k2 of b is another page"
+    mrej, filed = model_load(pages, nodes, ["n0", "n1"])
+    assert rej == mrej == {"n0": [], "n1": [0]}, "k2 of a is n0's; k2 of b is another page"
     t.check()
-    assert_same_as_directory(t, d)
+    assert_as_modelled(t, nodes, filed)
     assert t.lookup("b", [b"k2"])[1] == [("n1", BASE + S, PLEN, 51)]
     with pytest.raises(ConfigError, match="columns: load of node 'n0': it holds"):
         load_pages(t, "n0", "a", [b"x"], [BASE + 7 * S], [PLEN], [1])
@@ -242,7 +253,7 @@ def test_a_key_filed_already_is_rejected_and_columns_must_agree():
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_random_loads_reject_what_the_directory_rejects(seed):
+def test_random_loads_reject_what_the_rules_reject(seed):
     """Pages on a grid of one-slot steps with random jitter (aligned overlaps, unaligned offsets, some past either
     end), keys from a small set in two namespaces (some given twice, some on both nodes), two sizes."""
     rng = random.Random(seed)
@@ -257,11 +268,11 @@ def test_random_loads_reject_what_the_directory_rejects(seed):
     nodes = {"n0": 20 * S, "n1": 20 * S}
     order = ["n1", "n0"] if seed % 2 else ["n0", "n1"]
     t, rej = table_load(pages, nodes, order)
-    d, drej = directory_load(pages, nodes, order)
-    assert rej == drej
+    mrej, filed = model_load(pages, nodes, order)
+    assert rej == mrej
     assert sum(map(len, rej.values())) > 20 and t.objects > 10, "both kinds of outcome happened"
     t.check()
-    assert_same_as_directory(t, d)
+    assert_as_modelled(t, nodes, filed)
 
 
 def test_a_load_spanning_several_blocks_keeps_commit_order_for_lru():
