@@ -204,15 +204,7 @@ def own_parents(slot: int, slots: int, ns: str, parents: list | None) -> list | 
     namespace hashed once (``slots_of``)."""
     if not parents:
         return parents
-    named = [i for i, p in enumerate(parents) if p is not None]
-    if not named:
-        return parents
-    got = slotrules.slots_of(ns, [parents[i] for i in named], slots)
-    out = list(parents)
-    for i, s in zip(named, got):
-        if s != slot:
-            out[i] = None
-    return out
+    return [p if s == slot else None for p, s in zip(parents, slotrules.slots_of(ns, parents, slots))]  # None: -1
 
 
 class SlotTable(TableDirectory):
