@@ -2,13 +2,13 @@
 gives ``metaserver.columns.PageTable`` the calls the service makes of a ``Directory`` (``metaserver/service.py``,
 ``ownership.py``, ``rejoin.py``, ``admin.py``, ``metrics.py``), so one metaserver serves from either core.
 
-What it answers as ``Directory`` does (the table's own tests, ``tests/unit/test_columns_vs_directory.py``, compare
-the two request by request; ``tests/test_table_service.py`` runs the pool's end-to-end tests on it): ALLOC, COMMIT,
+What it answers as ``Directory`` does (unit tests: ``tests/unit/test_directory*.py``, the table's ``test_columns.py``
+and ``test_table*.py``; ``tests/test_table_service.py`` runs the pool's end-to-end tests on it): ALLOC, COMMIT,
 ABORT, LOOKUP, RELEASE, EXISTS, PREFIX, REMOVE, LIST, STATS, read leases and their owners, PENDING expiry and
 writers' tokens, the write quarantine, node loss in budgeted slices with the lost node's pages parked for its return
 (``unpark``, ``forget_parked``), DRAIN, the watermark pass and an operator's EVICT (least recently used first on each
-node), shared entries of TP-sharded pages (``metaserver/tableshared.py``; compared with ``Directory``'s request by
-request in ``tests/unit/test_tableshared.py``), commit records in etcd (``metaserver/tablerecords.py``: the layout
+node), shared entries of TP-sharded pages (``metaserver/tableshared.py``; ``tests/unit/test_directory_shared.py``,
+``test_tableshared.py``), commit records in etcd (``metaserver/tablerecords.py``: the layout
 ``Directory`` writes, so either core loads the other's pool) and the full load at a takeover (``load``).
 
 What it does not do yet, each refused at start (``umbp/config.py``, ``__init__``), never answered differently:

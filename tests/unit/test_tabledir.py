@@ -1,5 +1,5 @@
 """``metaserver/tabledir.py``: what the service asks of the columnar directory beyond the table's own calls (those
-are compared with ``Directory`` in test_columns_vs_directory.py): the columnar LOOKUP grants against
+are tested in test_directory*.py and test_columns.py): the columnar LOOKUP grants against
 ``grants.grant_reads``, a connection's PENDING handles, the eviction passes and their commit records."""
 
 from __future__ import annotations
