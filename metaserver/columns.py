@@ -22,7 +22,9 @@ by (namespace, key).
 Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
 
 Eviction (``metaserver/tableevict.py``) is exact LRU by ``stamp`` per node: every access stamps its rows with the
-next values of one clock, and victims leave each node in exact stamp order.
+next values of one clock, and victims leave each node in exact stamp order. Under ``prefix-lru`` the order is
+(tier, stamp) over prefix links kept in two more columns, ``up`` and ``kids`` (8 bytes a row), and a map of the
+orphans (``metaserver/tablelinks.py``, which also tells ``kv_sink`` of rows that become READY and that leave it).
 
 Nodes (``metaserver/tablenodes.py``): added and drained, and a lost one detached at once and dropped in budgeted
 slices (its blocks and index reused once nothing of it is in use). Totals and listings: ``tablequeries.py``; the
@@ -31,7 +33,7 @@ full load and a fingerprint: ``tableload.py``.
 Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etcd records of ``Directory``'s layout,
 rewritten as rows leave.
 
-What ``Directory`` has that this does not (yet): prefix links and ``prefix-lru``, placement on the most
+What ``Directory`` has that this does not (yet): placement on the most
 free node with eviction where the next victim is oldest across nodes (here: in turn over the placeable nodes, near
 a parent by ``Directory``'s rule, evicting on the chosen one), and the warm standby's copy. Shared entries, parking
 and the service's calls are ``tabledir.py``'s and ``tableshared.py``'s. As ``Directory``'s: read leases have
@@ -53,6 +55,7 @@ from metaserver.keyindex import KeyIndex, digests, zeros
 from metaserver.quarantine import Quarantine
 from metaserver.tableevict import TableEviction
 from metaserver.tableinvariants import TableInvariants
+from metaserver.tablelinks import TableLinks
 from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tablequeries import TableQueries
 from metaserver.tablerecords import TableRecords
@@ -125,6 +128,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
         self._init_records()
         self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities
+        self.links = TableLinks(self)  # parents, prefix-lru's links and KV events (metaserver/tablelinks.py)
+        self.kv_sink = None  # KV events (metaserver/kvevents.py): told of rows that become READY and that leave it
         self.quota = None  # quota groups (metaserver/tablequotas.py), set by a TableDirectory that has any
 
     # -- rows and columns -------------------------------------------------------------------------------------
@@ -251,6 +256,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             # as the loop below would: its second is EXISTS without a use
             _, first = np.unique(found, return_index=True)
             self._stamp(found.take(np.sort(first)))
+            if self.links.linking:
+                self.links.requeue(np.unique(found))
             return [EXISTS_ITEM] * len(keys)
         if self.quota is not None and not self.quota.fit(nsix, keys, sizes, found):
             return [OVER_QUOTA_ITEM] * len(keys)  # past its group's quota even after its own evictions: nothing done
@@ -280,6 +287,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         codes: list[int] = []
         node_ix: list[int] = []
         seen: set = set()
+        used: list[int] = []  # READY rows of keys answered EXISTS (a use)
         pending = self._pending
         writer = (token, owner)
         near_of = self._parents_near(nsix, parents) if parents is not None else None
@@ -295,6 +303,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
                     items.append(EXISTS_ITEM)
                     c["stamp"][r] = self.clock  # a use: newer than every queued victim's stamp
                     self.clock += 1
+                    used.append(r)
                 elif token is not None and pending[r][0] == token and self.codes[c["size"][r]] == plen:
                     pending[r] = writer
                     items.append((NEW, self.nodes[c["node"][r]].node_id, int(c["unit"][r]) << UNIT_SHIFT, plen,
@@ -368,8 +377,12 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             c["rec"][ra] = 0  # a commit files it under a record (``tablerecords.py``)
             c["stamp"][ra] = int((now + self.pending_ttl_s) * 1000)
             pending.update(dict.fromkeys(rows, writer))
+            if parents is not None or self.links.pending:
+                self.links.placed(rows, new, parents)
             where = {i: j for j, i in enumerate(new)} if longs else {}
             self.ix.insert(ra, dig[new], c["ns"], [(where[i], k) for i, k in longs if i in where])
+        if used and self.links.linking:
+            self.links.requeue(np.unique(np.array(used, np.int64)))
         return items
 
     def _parents_near(self, nsix: int, parents: list) -> dict:
@@ -504,8 +517,12 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         st = c["state"][hr]
         if np.all(st == READY):
             self._stamp(hr)
+            if self.links.linking:
+                self.links.requeue(hr)
             return True
         self._stamp(hr[st == READY])
+        if self.links.linking:
+            self.links.requeue(hr[st == READY])
         gone = hr[(st == GONE) & (c["pins"][hr] == 0)]
         dead = set()
         for r in np.unique(gone).tolist():
@@ -560,12 +577,15 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         c = self.cols
         out = []
         gone = []
+        ready = []
         for r in rows:
             if r < 0 or c["state"][r] not in (PENDING, READY):  # absent, or given twice and removed already
                 out.append(False)
                 continue
             out.append(True)
             gone.append(r)
+            if c["state"][r] == READY:
+                ready.append(r)
             self._pending.pop(r, None)
             node = self.nodes[c["node"][r]]
             if c["pins"][r]:
@@ -574,6 +594,6 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
                 self._free_extent(r, node)
                 self._free_row(r, node)
         if gone:
-            self._leaving(np.array(gone, np.int64))
+            self._leaving(np.array(ready, np.int64))
             self.ix.delete(np.array(gone, np.int64), np.full(len(gone), self.ns_ix[ns], np.uint64))
         return out

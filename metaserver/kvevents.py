@@ -14,7 +14,7 @@ an index of the pages the pool holds. The wire is vLLM's ``ZmqEventPublisher``'s
   then ``["", "", -1 as 8 signed bytes, ""]``. The last ``REPLAY_BATCHES``
   batches are kept, so a subscriber that reconnects or sees a gap in ``seq`` catches up without a snapshot.
 
-What the events say (the metaserver's directory decides; ``metaserver/directory.py`` calls the sink):
+What the events say (the metaserver's directory decides; ``metaserver/tablelinks.py`` calls the sink):
 
 - ``BlockStored``: pages that became READY (a COMMIT, a lost node's pages filed again when it returns); consecutive
   pages of one chain are one event, ``parent_block_hash`` naming the first one's parent. At the start of every
@@ -32,12 +32,13 @@ batch holds one namespace's events and its topic is that namespace (UTF-8): subs
 (``seq`` counts every batch of every topic, so a gap is only a gap on an all-topics subscription).
 
 Hook surface (kept small so ``metaserver/`` can be restructured around it): a directory has ``kv_sink`` (None: no
-events); ``Directory`` calls ``kv_sink.stored(entries)`` where pages become READY and ``kv_sink.removed(entry)``
-where a READY page is unlinked; ``Metaserver`` calls ``attach(directory)`` when a term starts serving, ``detach``
-when it ends, and ``server.serve`` owns the process's ``Publisher`` (``publisher``/``close``). The columnar
-directory (``--directory table``) has no sink yet: the config refuses ``--kv-events`` with it.
+events); the table calls ``kv_sink.stored_keys(ns, keys, parents)`` once per batch of pages that became READY and
+``kv_sink.removed_keys(ns, keys)`` once per batch of READY pages that left (``metaserver/tablelinks.py``;
+``Directory`` calls ``stored(entries)`` and ``removed(entry)``), and lists what it holds with
+``links.snapshot()``; ``Metaserver`` calls ``attach(directory)`` when a term starts serving, ``detach`` when it
+ends, and ``server.serve`` owns the process's ``Publisher`` (``publisher``/``close``).
 
-Threads and costs: the sink runs on the event loop (one tuple per page, a flush per burst of mutations scheduled
+Threads and costs: the sink runs on the event loop (a list step per page, a flush per burst of mutations scheduled
 with ``call_soon``); encoding and sending run on the publisher's thread, which owns both sockets. A full queue
 (``QUEUE_BATCHES``) drops batches rather than blocking the loop, then says ``AllBlocksCleared``. The socket is
 unauthenticated: bind it where only routers reach it (keys name what tenants stored).
@@ -99,15 +100,14 @@ def encode_batch(events: list[dict], ts: float | None = None, dp_rank: int = 0) 
     return msgpack.packb([time.time() if ts is None else ts, events, dp_rank], use_bin_type=True)
 
 
-def chain_events(ns: str, entries: Iterable[Any], limit: int = EVENT_PAGES) -> list[dict]:
-    """``BlockStored`` events of entries (READY, in order): a run of pages each the child of the one before is one
-    event, at most ``limit`` pages."""
+def chain_events(ns: str, keys: list, parents: list, limit: int = EVENT_PAGES) -> list[dict]:
+    """``BlockStored`` events of pages (READY, in order; ``parents[i]``: page i's parent key or None): a run of pages
+    each the child of the one before is one event, at most ``limit`` pages."""
     out: list[dict] = []
     bs = block_size_of(ns)
     last = None
     cur: list | None = None
-    for e in entries:
-        key, parent = e.key, e.parent
+    for key, parent in zip(keys, parents):
         if cur is not None and parent is not None and parent == last and len(cur) < limit:
             cur.append(key)
         else:
@@ -152,8 +152,8 @@ class Publisher:
     def publish(self, topic: str, events: list[dict]) -> None:
         self._put(("batch", topic, events))
 
-    def snapshot(self, jobs: list[tuple[str, list, bool]]) -> None:
-        """Queue ``(namespace, entries, removed)`` jobs: the thread turns each into batches of events (stored
+    def snapshot(self, jobs: list[tuple[str, list, list, bool]]) -> None:
+        """Queue ``(namespace, keys, parents, removed)`` jobs: the thread turns each into batches of events (stored
         chains, or removals), in order with everything queued before and after."""
         self._put(("snapshot", jobs))
 
@@ -227,12 +227,12 @@ class Publisher:
         if item[0] == "batch":
             self._emit(pub, item[1], item[2])
             return
-        for ns, entries, removed in item[1]:
+        for ns, keys, parents, removed in item[1]:
             if removed:
-                for i in range(0, len(entries), EVENT_PAGES):
-                    self._emit(pub, ns, [removed_event([e.key for e in entries[i:i + EVENT_PAGES]])])
+                for i in range(0, len(keys), EVENT_PAGES):
+                    self._emit(pub, ns, [removed_event(keys[i:i + EVENT_PAGES])])
             else:
-                events = chain_events(ns, entries)
+                events = chain_events(ns, keys, parents)
                 for i in range(0, len(events), 64):
                     self._emit(pub, ns, events[i:i + 64])
 
@@ -258,8 +258,8 @@ class Publisher:
 
 
 class Sink:
-    """What one directory reports (``Directory.kv_sink``), gathered per namespace and handed to the publisher as one
-    batch per namespace at the end of the burst of mutations (``call_soon``). Order within a namespace is kept."""
+    """What one directory reports (its ``kv_sink``), gathered per namespace and handed to the publisher as one batch
+    per namespace at the end of the burst of mutations (``call_soon``). Order within a namespace is kept."""
 
     __slots__ = ("pub", "loop", "pending", "scheduled")
 
@@ -269,30 +269,42 @@ class Sink:
         self.pending: dict[str, list] = {}  # ns -> [["S", keys, parent] | ["R", keys], ...]
         self.scheduled = False
 
-    def stored(self, entries: Iterable[Any]) -> None:
-        pending = self.pending
-        for e in entries:
-            ops = pending.get(e.ns)
-            if ops is None:
-                ops = pending[e.ns] = []
-            parent = e.parent
-            last = ops[-1] if ops else None
+    def stored_keys(self, ns: str, keys: list, parents: list) -> None:
+        """Pages of ``ns`` became READY (``parents[i]``: the parent key page i names, or None), in order."""
+        ops = self.pending.get(ns)
+        if ops is None:
+            ops = self.pending[ns] = []
+        last = ops[-1] if ops else None
+        for key, parent in zip(keys, parents):
             if (last is not None and last[0] == "S" and parent is not None and last[1][-1] == parent
                     and len(last[1]) < EVENT_PAGES):
-                last[1].append(e.key)
+                last[1].append(key)
             else:
-                ops.append(["S", [e.key], parent])
+                last = ["S", [key], parent]
+                ops.append(last)
         self._schedule()
 
-    def removed(self, e: Any) -> None:
-        ops = self.pending.get(e.ns)
+    def removed_keys(self, ns: str, keys: list) -> None:
+        """READY pages of ``ns`` left (evicted, removed, drained, dropped with a lost node)."""
+        ops = self.pending.get(ns)
         if ops is None:
-            ops = self.pending[e.ns] = []
-        if ops and ops[-1][0] == "R" and len(ops[-1][1]) < EVENT_PAGES:
-            ops[-1][1].append(e.key)
-        else:
-            ops.append(["R", [e.key]])
+            ops = self.pending[ns] = []
+        last = ops[-1] if ops and ops[-1][0] == "R" else None
+        for key in keys:
+            if last is None or len(last[1]) >= EVENT_PAGES:
+                last = ["R", []]
+                ops.append(last)
+            last[1].append(key)
         self._schedule()
+
+    def stored(self, entries: Iterable[Any]) -> None:
+        """``Directory``'s: entries (``ns``, ``key``, ``parent``) became READY."""
+        for e in entries:
+            self.stored_keys(e.ns, [e.key], [e.parent])
+
+    def removed(self, e: Any) -> None:
+        """``Directory``'s: a READY entry left."""
+        self.removed_keys(e.ns, [e.key])
 
     def _schedule(self) -> None:
         if self.scheduled:
@@ -341,8 +353,17 @@ def attach(pub: Publisher, directory: Any) -> None:
         loop = None
     sink = Sink(pub, loop)
     pub.sinks.add(sink)
-    pub.snapshot([(ns, list(r.values()), False) for ns, r in directory.ready.items() if r])
+    pub.snapshot([(ns, keys, parents, False) for ns, keys, parents in _held(directory)])
     directory.kv_sink = sink
+
+
+def _held(directory: Any) -> list[tuple[str, list, list]]:
+    """(namespace, keys, parent keys) of the directory's READY pages, per namespace."""
+    links = getattr(directory, "links", None)
+    if links is not None:
+        return links.snapshot()
+    return [(ns, [e.key for e in r.values()], [e.parent for e in r.values()]) for ns, r in directory.ready.items()
+            if r]
 
 
 def detach(pub: Publisher, directory: Any) -> None:
@@ -356,6 +377,6 @@ def detach(pub: Publisher, directory: Any) -> None:
     sink.flush()
     pub.sinks.discard(sink)
     if pub.sinks:
-        pub.snapshot([(ns, list(r.values()), True) for ns, r in directory.ready.items() if r])
+        pub.snapshot([(ns, keys, parents, True) for ns, keys, parents in _held(directory)])
     else:
         pub.publish("", [CLEARED])

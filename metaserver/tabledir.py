@@ -2,20 +2,21 @@
 gives ``metaserver.columns.PageTable`` the calls the service makes of a ``Directory`` (``metaserver/service.py``,
 ``ownership.py``, ``rejoin.py``, ``admin.py``, ``metrics.py``), so one metaserver serves from either core.
 
-What it answers as ``Directory`` does (unit tests: ``tests/unit/test_directory*.py``, the table's ``test_columns.py``
-and ``test_table*.py``; ``tests/test_table_service.py`` runs the pool's end-to-end tests on it): ALLOC, COMMIT,
+What it answers as ``Directory`` does (the table's own tests, ``tests/unit/test_columns_vs_directory.py``, compare
+the two request by request; ``tests/test_table_service.py`` runs the pool's end-to-end tests on it): ALLOC, COMMIT,
 ABORT, LOOKUP, RELEASE, EXISTS, PREFIX, REMOVE, LIST, STATS, read leases and their owners, PENDING expiry and
 writers' tokens, the write quarantine, node loss in budgeted slices with the lost node's pages parked for its return
 (``unpark``, ``forget_parked``), DRAIN, the watermark pass and an operator's EVICT (least recently used first on each
-node), shared entries of TP-sharded pages (``metaserver/tableshared.py``; ``tests/unit/test_directory_shared.py``,
-``test_tableshared.py``), commit records in etcd (``metaserver/tablerecords.py``: the layout
+node), shared entries of TP-sharded pages (``metaserver/tableshared.py``; compared with ``Directory``'s request by
+request in ``tests/unit/test_tableshared.py``), commit records in etcd (``metaserver/tablerecords.py``: the layout
 ``Directory`` writes, so either core loads the other's pool) and the full load at a takeover (``load``).
 
 What it does not do yet, each refused at start (``umbp/config.py``, ``__init__``), never answered differently:
-``prefix-lru`` (no prefix links), partitioned pools (slots); and the warm standby's copy (a standby keeps
+partitioned pools (slots); and the warm standby's copy (a standby keeps
 none: its takeover is a full load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s
 rule) where ``Directory`` places on the most free node: docs/design/directory-and-eviction.md. Quota groups and
 reservations: ``metaserver/tablequotas.py`` (``quota``; the properties below answer what the service reads of them).
+Prefix links, ``prefix-lru`` and KV events: ``metaserver/tablelinks.py``.
 
 A connection's PENDING allocations are ``(ns, key, gen)`` handles here (``Directory``'s are its entries): COMMIT and
 ABORT settle them, and a closing connection aborts those still PENDING with that generation and still its own
@@ -60,9 +61,11 @@ class TableDirectory(TableShared, PageTable):
 
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
                  quotas: QuotaRules | dict[str, int] | None = None, namer=None):
-        if policy != "lru":
-            raise ConfigError("metaserver", f"directory 'table' evicts by lru only, not {policy!r}")
+        if policy not in ("lru", "prefix-lru"):
+            raise ConfigError("metaserver", f"directory 'table' evicts by lru or prefix-lru, not {policy!r}")
         super().__init__(read_lease_s=read_lease_s, pending_ttl_s=pending_ttl_s)
+        if policy == "prefix-lru":
+            self.links.enable()  # prefix links and the (tier, stamp) victim order (metaserver/tablelinks.py)
         if namer is not None:
             self.namer = namer  # a commit record's etcd key (EtcdStore.batch_name)
         self.quotas = QuotaRules.of(quotas)  # a slot's share already applied (QuotaRules.shared)
@@ -278,7 +281,7 @@ class TableDirectory(TableShared, PageTable):
             return 0, fx
         names = [r[6] for r in keep]
         bad = load_pages(self, node_id, [r[0] for r in keep], [r[1] for r in keep], [r[2] for r in keep],
-                         [r[3] for r in keep], [r[4] for r in keep], records=names)
+                         [r[3] for r in keep], [r[4] for r in keep], records=names, parents=[r[5] for r in keep])
         for name in dict.fromkeys(n for n in names if n is not None):
             rec = self._rec_by_name.get(name)
             if rec is not None:
@@ -326,6 +329,8 @@ class TableDirectory(TableShared, PageTable):
             self._free_row(r, node)
             rows.append(r)
             nss.append(node.qns[i])
+            if self.links.linking:
+                self.links.evicted(r)  # its parent's tier now, for the next victim (metaserver/tablelinks.py)
             freed += size
         if rows:
             ra = np.array(rows, np.int64)
@@ -411,7 +416,8 @@ class TableDirectory(TableShared, PageTable):
             revs = [revs[i] for i in order]
             names = [e.batch.name if e.batch is not None else None for e in ents]
             bad = load_pages(self, node_id, [e.ns for e in ents], [e.key for e in ents], [e.offset for e in ents],
-                             [e.payload_len for e in ents], [e.gen for e in ents], records=names, stamps=revs)
+                             [e.payload_len for e in ents], [e.gen for e in ents], records=names, stamps=revs,
+                             parents=[e.parent for e in ents] if self.links.linking else None)
             rejected.extend(record_tuple(pages, node_id, ents[i], revs[i]) for i in bad if names[i] is None)
         if orphans:
             self.adopt_records([], np.zeros(0, np.int64), orphans)

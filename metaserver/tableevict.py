@@ -1,5 +1,7 @@
 """Eviction for the columnar page table (``TableEviction``, a mixin of ``metaserver.columns.PageTable``): exact LRU
-by access stamp per node. No I/O.
+by access stamp per node, or under ``prefix-lru`` exact (tier, stamp) order (``metaserver/tablelinks.py``: the
+queue holds each row's tier << 62 | stamp where it holds the stamp, and rows whose key drops below the queue's
+largest are inserted at their place). No I/O.
 
 Every access (COMMIT, LOOKUP, the RELEASE that ends a read, an ALLOC of a READY key) stamps its rows with the next
 values of one clock, in key order. A node that needs room takes victims from its candidate queue; an empty queue is
@@ -40,13 +42,18 @@ class TableEviction:
         rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         if floors is not None:
             rows = rows[~self.quota.spared_rows(rows, floors)]
+        key = self.links.order(rows) if self.links.linking else stamp[rows]  # prefix-lru: tier << 62 | stamp
         k = min(len(rows), max(CANDIDATES, len(rows) // 64))
         if k < len(rows):
-            rows = rows[np.argpartition(stamp[rows], k - 1)[:k]]
-        rows = rows[np.argsort(stamp[rows], kind="stable")]
+            part = np.argpartition(key, k - 1)[:k]
+            rows, key = rows[part], key[part]
+        by = np.argsort(key, kind="stable")
+        rows, key = rows[by], key[by]
         c = self.cols
         node.queue = rows.tolist()
-        node.qstamp = stamp[rows].tolist()
+        node.qstamp = key.tolist()
+        if self.links.linking:  # a row whose key falls below this is queued at its place (tablelinks.requeue)
+            self.links.refilled(node, int(key[-1]) if len(key) else 0)
         node.qoff = self.offsets_of(rows)
         node.qcode = self.code_arr[c["size"][rows]].tolist()
         node.qns = c["ns"][rows].tolist()
@@ -58,6 +65,7 @@ class TableEviction:
         ``spare`` (all but evict-all): pass over a row whose quota group is at its reservation
         (``TableQuotas.spares``); the caller evicts the row returned."""
         state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
+        key = self.links.key if self.links.linking else None  # prefix-lru: the queue holds tier << 62 | stamp
         quota = self.quota if spare and self.quota is not None and self.quota.reserving else None
         floors = quota.floors() if quota is not None else None
         for _ in range(2):  # at most one refill: a fresh queue holds only valid candidates
@@ -66,7 +74,7 @@ class TableEviction:
                 i = node.qpos
                 node.qpos += 1
                 r = q[i]
-                if state[r] == READY and not pins[r] and stamp[r] == qs[i]:
+                if state[r] == READY and not pins[r] and (stamp[r] if key is None else key(r)) == qs[i]:
                     if quota is not None and quota.spares(node.qns[i], node.qcode[i], floors):
                         continue
                     return i
@@ -85,6 +93,8 @@ class TableEviction:
                 return None, -1
             r = node.queue[i]
             self._evicted_now[r] = node.qns[i]  # unfiled at the end of the request, before its new rows are filed
+            if self.links.linking:
+                self.links.evicted(r)  # its parent's tier now, for the next victim (metaserver/tablelinks.py)
             self.evictions += 1
             vsize = extent_size(node.qcode[i])
             g = int(gen[r])

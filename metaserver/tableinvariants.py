@@ -19,6 +19,7 @@ class TableInvariants:
         state = c["state"][:top]
         live = np.flatnonzero((state == PENDING) | (state == READY))
         self.ix.check(live, c["ns"])
+        self.links.check()  # prefix links (metaserver/tablelinks.py)
         assert sorted(self._pending) == np.flatnonzero(state == PENDING).tolist(), "columns: pending rows differ"
         want = np.zeros(top, np.int64)
         for hr, _ in self.leases.values():

@@ -28,8 +28,9 @@ Where it differs from ``Directory.load_entries``, and why:
   interned.
 - the node must be empty (no page, nothing held in the quarantine): the load rebuilds its allocator.
   ``Directory`` assumes the same without checking.
-- parents are not kept (the table keeps no prefix links); loaded rows are filed under the commit records they
-  came from only when their names are given (``records``; else ``rec`` 0, and evicting one rewrites nothing);
+- parents (``parents``) are linked only under ``prefix-lru`` (``metaserver/tablelinks.py``); loaded rows are
+  filed under the commit records they came from only when their names are given (``records``; else ``rec`` 0, and
+  evicting one rewrites nothing);
   tags are 0 as for an ALLOC given none (records do not carry them: a closed pool's service would compute a loaded
   row's tag); quota use counts them as they are filed (``metaserver/tablequotas.py``).
 - the rejected pages come back as their positions (sorted), where ``Directory`` returns deletes and leaves the
@@ -122,7 +123,7 @@ def reserve(t: PageTable, pages: int, nodes: int) -> None:
 
 
 def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes], offsets, payload_lens,
-               gens, records: list | None = None, stamps=None) -> list[int]:
+               gens, records: list | None = None, stamps=None, parents: list | None = None) -> list[int]:
     """File one node's READY pages (``keys[i]`` of namespace ``ns[i]``, or all of ``ns`` when it is a string, at
     ``offsets[i]`` with layout code ``payload_lens[i]`` and generation ``gens[i]``), given in commit order, oldest
     first; the node's LRU order becomes that order. Returns the positions rejected, ascending (module docstring:
@@ -243,6 +244,9 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
         longs = list(zip((np.cumsum(ok)[pos[kept]] - 1).tolist(),
                          (k for (_, k), y in zip(longs, kept.tolist()) if y)))
     t.ix.insert(rows, dig if every else dig[keep], c["ns"], longs)
+    if t.links.linking or t.kv_sink is not None:  # ``parents[i]``: page i's parent key (metaserver/tablelinks.py)
+        t.links.loaded(nsix if every else nsix[keep], rows,
+                       None if parents is None else parents if every else [parents[i] for i in keep.tolist()])
     rejected = np.flatnonzero(~ok).tolist()
     if records is not None:
         t.adopt_records(records if every else [records[i] for i in keep.tolist()], rows,

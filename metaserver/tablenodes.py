@@ -186,6 +186,7 @@ class TableNodes:
             if node.parked is not None:  # parked: their records stay in etcd as they are, for the node's return
                 node.parked.extend(self._records(rows))
                 c["rec"][rows] = 0
+                self.links.leaving(rows)  # links undone, KV events told (metaserver/tablelinks.py)
             else:
                 self._leaving(rows)
             self.ix.delete(rows, c["ns"].take(rows).astype(np.uint64))

@@ -9,8 +9,8 @@ parked row leaves it without one: its page stays in etcd for the node's return, 
 value, encoded when the etcd writer takes it (``TableRecord.value``), lists the rows left; with none left it is
 None (delete the key) and the record's id is freed. A burst of evictions of one record is one rewrite, as
 ``Directory``'s. The value has the layout ``Directory`` writes, ``[[key, node, offset, payload_len, gen, parent],
-...]`` with parent None (the table keeps no parent links yet), a shared entry's with its part count last, so a
-full load reads either's records.
+...]`` with the parent's key (None under ``lru``, which keeps no links: ``metaserver/tablelinks.py``), a shared
+entry's with its part count last, so a full load reads either's records.
 
 The table collects the records to put and to rewrite as its mutations run; the caller takes them after each request
 (``take_records``) and hands them to the writer, as it applies a Directory's ``Effects``. A full load files its
@@ -86,7 +86,9 @@ class TableRecords:
         return b"%s/%s%x" % (ns.encode(), BATCH_MARK, self._rec_seq)
 
     def _committed(self, ns: str, rows: np.ndarray) -> None:
-        """``rows`` (of ``ns``, in key order) became READY: file them under new records."""
+        """``rows`` (of ``ns``, in key order) became READY: file them under new records (and link them:
+        ``metaserver/tablelinks.py``)."""
+        self.links.stored(ns, rows)
         for lo in range(0, len(rows), BATCH_PAGES):
             part = rows[lo:lo + BATCH_PAGES]
             self._rec_puts.append(self._new_record(self.namer(ns), ns, part))
@@ -134,9 +136,11 @@ class TableRecords:
             self._rec_rewrites[rec] = None
 
     def _leaving(self, rows: np.ndarray) -> None:
-        """``rows`` leave READY (evicted, removed, dropped): their records are rewritten without them."""
+        """``rows`` leave READY (evicted, removed, dropped): their records are rewritten without them (and their
+        links undone: ``metaserver/tablelinks.py``)."""
         if not len(rows):
             return
+        self.links.leaving(rows)
         rec = self.cols["rec"]
         ids = np.unique(rec.take(rows))
         rec[rows] = 0
@@ -160,15 +164,16 @@ class TableRecords:
         return puts, rewrites
 
     def record_pages(self, rows: np.ndarray) -> list:
-        """``[key, node_id, offset, payload_len, gen, None]`` of each row, the layout of a commit record's pages; a
-        shared entry's (``metaserver/shared.py``) ``[key, node_id, offset, part_len, gen, None, n]``, as
+        """``[key, node_id, offset, payload_len, gen, parent]`` of each row, the layout of a commit record's pages
+        (parent: its parent's key; None when it names none or links are not kept); a shared entry's
+        (``metaserver/shared.py``) ``[key, node_id, offset, part_len, gen, parent, n]``, as
         ``EtcdStore.batch_value`` writes it."""
         c = self.cols
         keys = [self.ix.key_of(r) for r in rows.tolist()]
         pages = [list(p) for p in zip(keys, self.node_names.take(c["node"].take(rows)).tolist(),
                                       self.offsets_of(rows),
                                       self.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
-                                      [None] * len(keys))]
+                                      self.links.parent_keys(rows))]
         if self.any_shared:
             for p in pages:
                 if p[3] > PART_MASK:

@@ -12,7 +12,8 @@ import zmq
 
 from metaserver import kvevents
 from processes import eventually
-from metaserver.directory import NEW, Directory
+from metaserver.entry import NEW
+from metaserver.tabledir import TableDirectory
 from transport.wire import ALIGN
 from umbp.config import MetaserverConfig
 from umbp.errors import ConfigError
@@ -32,9 +33,9 @@ class Recorder:
         self.batches.append((topic, events))
 
     def snapshot(self, jobs):
-        for ns, entries, removed in jobs:
-            self.batches.append((ns, [kvevents.removed_event([e.key for e in entries])] if removed
-                                 else kvevents.chain_events(ns, entries)))
+        for ns, keys, parents, removed in jobs:
+            self.batches.append((ns, [kvevents.removed_event(keys)] if removed
+                                 else kvevents.chain_events(ns, keys, parents)))
 
 
 def put(d, ns, keys, parents=None, gen=100):
@@ -49,8 +50,13 @@ def events(rec):
     return [(topic, ev) for topic, evs in rec.batches for ev in evs]
 
 
-def test_directory_hooks_report_stored_chains_and_every_page_that_leaves():
-    d = Directory(policy="lru")
+def ready(d) -> dict[str, list[bytes]]:
+    return {ns: keys for ns, keys, _ in d.links.snapshot()}
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix-lru"])
+def test_directory_hooks_report_stored_chains_and_every_page_that_leaves(policy):
+    d = TableDirectory(policy=policy)
     d.add_space("n1", 6 * ALIGN)  # six pages
     d.add_space("n2", 2 * ALIGN)
     rec = Recorder()
@@ -62,30 +68,41 @@ def test_directory_hooks_report_stored_chains_and_every_page_that_leaves():
     # one chain: one BlockStored of four hashes, parent None, block size from the namespace's p16
     assert events(rec) == [(NS, kvevents.stored_event(a, None, 16))]
     rec.batches.clear()
-    b = [b"b%d" % i for i in range(6)]  # 4 + 6 > 8 pages: the oldest are evicted to make room
+    b = [b"b%d" % i for i in range(4)]  # onto n1 only: 4 + 4 > 6 pages, two of a evicted to make room
+    d.set_placeable("n2", False)
     put(d, "other", b, parents=[b"x"] + b[:-1], gen=200)
     d.kv_sink.flush()
     got = events(rec)
     removed = [h for t, ev in got if ev["type"] == "BlockRemoved" for h in ev["block_hashes"]]
     stored = [(t, ev["block_hashes"], ev["parent_block_hash"]) for t, ev in got if ev["type"] == "BlockStored"]
-    assert sorted(removed) == sorted(k for k in a if k not in d.ready.get(NS, {}))
+    assert sorted(removed) == sorted(k for k in a if k not in ready(d).get(NS, []))
     assert len(removed) == 2 and stored == [("other", b, b"x")]
     assert all(t == NS for t, ev in got if ev["type"] == "BlockRemoved")
+    # under prefix-lru the chain's leaves go first (a3, then a2, a leaf by then), under lru its head
+    assert removed == ([a[3], a[2]] if policy == "prefix-lru" else a[:2])
+    d.set_placeable("n2", True)
+    d.set_placeable("n1", False)
+    c = [b"c0", b"c1"]
+    put(d, "third", c, gen=300)  # onto n2
     rec.batches.clear()
     d.remove("other", [b[0], b"absent"])
-    n2 = [k for k, e in d.ready["other"].items() if e.space.node_id == "n2"]
     d.drop_space("n2")  # a lost node: its pages go
     d.kv_sink.flush()
     got = events(rec)
-    assert {ev["type"] for _, ev in got} == {"BlockRemoved"} and len(n2) == 2
-    assert [h for _, ev in got for h in ev["block_hashes"]] == [b[0]] + n2
+    assert {ev["type"] for _, ev in got} == {"BlockRemoved"}
+    assert [(t, h) for t, ev in got for h in ev["block_hashes"]] == [("other", b[0]), ("third", c[0]),
+                                                                     ("third", c[1])]
     # Detaching the only directory clears; attaching again announces what it holds.
     kvevents.detach(rec, d)
     assert d.kv_sink is None and rec.batches[-1] == ("", [kvevents.CLEARED])
     rec.batches.clear()
     kvevents.attach(rec, d)
     held = {k for t, ev in events(rec) for k in ev["block_hashes"]}
-    assert held == {k for r in d.ready.values() for k in r} and len(held) == 5
+    assert held == {k for r in ready(d).values() for k in r} and len(held) == 5
+    # the announcement names each page's parent under prefix-lru (the chain b1..b3 is one event; b0 was removed);
+    # under lru the table keeps no links, so each page is its own event
+    want = [(b[1:], b[0])] if policy == "prefix-lru" else [([k], None) for k in b[1:]]
+    assert [(ev["block_hashes"], ev["parent_block_hash"]) for t, ev in events(rec) if t == "other"] == want
 
 
 def test_sink_keeps_order_within_a_namespace_and_splits_chains():
@@ -93,13 +110,9 @@ def test_sink_keeps_order_within_a_namespace_and_splits_chains():
     sink = kvevents.Sink(rec, None)
     sink.scheduled = True  # flush by hand
 
-    class E:
-        def __init__(self, key, parent, ns=NS):
-            self.key, self.parent, self.ns = key, parent, ns
-
-    sink.stored([E(b"1", None), E(b"2", b"1"), E(b"9", b"7"), E(b"3", b"2")])
-    sink.removed(E(b"2", b"1"))
-    sink.stored([E(b"4", b"3")])
+    sink.stored_keys(NS, [b"1", b"2", b"9", b"3"], [None, b"1", b"7", b"2"])
+    sink.removed_keys(NS, [b"2"])
+    sink.stored_keys(NS, [b"4"], [b"3"])
     sink.flush()
     assert rec.batches == [(NS, [kvevents.stored_event([b"1", b"2"], None, 16),
                                  kvevents.stored_event([b"9"], b"7", 16), kvevents.stored_event([b"3"], b"2", 16),
@@ -149,12 +162,11 @@ def test_publisher_wire_and_replay():
         ctx.destroy(linger=0)
 
 
-def test_config_refuses_bad_endpoints_and_the_table_directory():
+def test_config_refuses_bad_endpoints():
     assert MetaserverConfig(kv_events="tcp://127.0.0.1:5557").kv_events
     for bad in ("127.0.0.1:5557", "tcp://host", "ipc:///tmp/x"):
         with pytest.raises(ConfigError, match="kv_events must be tcp://HOST:PORT"):
             MetaserverConfig(kv_events=bad)
-    with pytest.raises(ConfigError, match="publishes no KV events"):
-        MetaserverConfig(kv_events="tcp://127.0.0.1:0", directory="table")
+    assert MetaserverConfig(kv_events="tcp://127.0.0.1:0", directory="table").kv_events  # the table publishes
     with pytest.raises(Exception, match="cannot bind"):
         kvevents.Publisher("tcp://203.0.113.1:0")  # not an address of this host

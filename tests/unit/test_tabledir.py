@@ -1,5 +1,5 @@
 """``metaserver/tabledir.py``: what the service asks of the columnar directory beyond the table's own calls (those
-are tested in test_directory*.py and test_columns.py): the columnar LOOKUP grants against
+are compared with ``Directory`` in test_columns_vs_directory.py): the columnar LOOKUP grants against
 ``grants.grant_reads``, a connection's PENDING handles, the eviction passes and their commit records."""
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def test_eviction_passes_free_the_oldest_and_rewrite_their_records():
 
 
 def test_refusals():
-    with pytest.raises(ConfigError, match="lru only"):
-        TableDirectory(policy="prefix-lru")
+    with pytest.raises(ConfigError, match="lru or prefix-lru"):
+        TableDirectory(policy="fifo")
 
 
 def test_shared_lookup_grants_a_ranks_sub_slot_with_its_rank_tag():
