@@ -310,3 +310,14 @@ def test_one_request_past_its_quota_by_more_than_a_gathered_batch():
     assert d.exists("q", keys("k", 2000)) == [False] * 1500 + [True] * 500  # oldest first
     assert d.ns_used == {"q": 2000 * SZ}
     d.check()
+
+
+def test_a_shared_pages_extent_counts_whole():
+    """A TP-sharded page (``"shard": [rank, n]``) takes one extent of n object slots: its group counts all of it
+    from the first rank's ALLOC."""
+    d = make(units=64, quotas={"s": 4 * SZ})
+    items, _ = d.alloc("s", keys("k", 3), [PAGE] * 3, None, next(_gens), 0.0, shard=(0, 2))
+    assert [it[0] for it in items] == [OVER_QUOTA] * 3  # 3 pages of 2 slots: past 4
+    items, _ = d.alloc("s", keys("k", 2), [PAGE] * 2, None, next(_gens), 0.0, shard=(0, 2))
+    assert [it[0] for it in items] == [NEW] * 2 and d.ns_used == {"s": 4 * SZ}
+    d.check()
