@@ -15,12 +15,12 @@ Quotas (``Tokens.quota_rules``: the tokens file's ``[quotas]`` names and pattern
 group of namespaces sharing one quota: umbp/quotarules.py). A group's use is the object sizes (header included, 4 KiB
 aligned: what it takes of the arenas) of its namespaces' READY and PENDING entries, kept exact by the directory
 through every transition (``check()`` verifies it). An ALLOC that would take its group over evicts the group's own
-least recently used READY pages first (never pinned or PENDING ones), at most PLACE_EVICT_BUDGET per key; keys that
+least recently used old READY pages first (never pinned or PENDING ones: metaserver/tablequotas.py); keys that
 still do not fit fail the whole request: it allocates nothing and answers QUOTA (``QuotaExceeded`` naming the
 namespace and its group). STATS shows ``used_bytes`` per namespace and ``quota_bytes``, its group's quota.
 
 Costs: RELEASE O(pages under the lease); a connection's close O(its leases + its PENDING); quota checks O(1) per key,
-quota eviction as ``Directory._evict_group`` says.
+quota eviction as metaserver/tablequotas.py says.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class Quarantine:
     def free(self, sp, offset: int, size: int, gen: int) -> float:
         """Free an extent of node space ``sp`` that generation ``gen`` was allocated: now, or after ``hold_s``
         (inside ``keeping()``: after ``keep_s``). Returns the monotonic time it is given back at (0.0: now; a quota
-        group counts a held extent until then: metaserver/quotas.py)."""
+        group counts a held extent until then: metaserver/tablequotas.py)."""
         if self._keeping and self.keep_s > 0:
             until = time.monotonic() + self.keep_s
             self.keep(sp, offset, size, until)

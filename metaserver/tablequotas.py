@@ -9,8 +9,11 @@ exactly the rows the key index files, so it is counted where rows are filed and 
 ``filed``): an int64 array by namespace index (the table's ``ns`` column) and one by group index. ``check()``
 recounts both from the columns. Its group's quota also counts the extents of its rows freed young, which the write
 quarantine holds until their write capabilities are dead (``held``: a heap of (until, bytes) per group, and their
-sum); so quota eviction takes only old rows (generation below the quarantine's young mark: freed at once), and a
-group whose rows are all young is refused (QUOTA) until they age (metaserver/quotas.py says why).
+sum): they take arena space as surely as live rows, and a flood that evicted its own young rows would otherwise hold
+up to ``hold_s`` of its put rate outside its quota and push every other tenant's pages out. So quota eviction takes
+only old rows (generation below the quarantine's young mark: freed at once), and a group whose rows are all young is
+refused (QUOTA) until they age: a group puts at most about quota / ``hold_s`` bytes a second past its quota (1 GiB
+over 12 s: 85 MiB/s), the price of a quota that holds in a closed pool. Open pools hold nothing.
 
 Quota eviction (``fit``, before an ALLOC places anything). The new keys' bytes (absent, or on a node being dropped;
 a key given twice once) over the group's room are evicted from the group's *victims*: the oldest (``stamp``) READY,

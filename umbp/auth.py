@@ -35,7 +35,7 @@ Tokens. A pool runs *open* (no token: everything allowed, said loudly at start-u
   violation is a ConfigError naming the entry, and the server refuses to start. ``Tokens.quotas`` maps the
   ``[quotas]`` keys to bytes; ``Tokens.quota_rules`` is every quota group with its reservation (umbp/quotarules.py
   says which namespace belongs to which group); both are empty for a file without quotas, ``--token`` alone or an
-  open pool. The metaserver enforces them (metaserver/quotas.py).
+  open pool. The metaserver enforces them (metaserver/tablequotas.py).
 
 Handshake (every control and data connection; the secret never crosses the wire)::
 
