@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.directory import NEW, OVER_QUOTA
+from metaserver.entry import NEW, OVER_QUOTA
 from metaserver.grants import grant_reads, grant_writes
 from transport.wire import Status
 from umbp.errors import Unavailable

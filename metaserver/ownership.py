@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.directory import NEW, OVER_QUOTA
+from metaserver.entry import NEW, OVER_QUOTA
 from transport.wire import Status
 from umbp.errors import QuotaExceeded
 
