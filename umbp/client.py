@@ -60,6 +60,7 @@ from umbp.slotrouter import MetaRouter
 from umbp.speculate import Speculation, read_deadline
 from umbp.mapped import MappedPages, MappedPath  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp.puts import PutPath
+from umbp.readbatch import get_into, out_addresses
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
@@ -507,6 +508,9 @@ class Client(PutPath, MappedPath):
             raise InvalidArgument(self.component, f"batch_get_into: {len(keys)} keys but {len(outs)} outs")
         if not keys:
             return []
+        where = out_addresses(outs, len(keys))  # umbp/readbatch.py: the batch as arrays (2-D outs, tensor lists)
+        if where is not None:
+            return get_into(self, [normalize_key(k) for k in keys], *where)
         segs = [[(0, -1, as_writable_view(o, "outs", i))] for i, o in enumerate(outs)]
         return self._get(keys, segs)[0]
 

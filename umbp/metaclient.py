@@ -21,6 +21,9 @@ pipelined attempt fails for a retryable reason (connection lost, NOT_LEADER, UNA
 falls back to ``call`` for that request, which is safe for the idempotent requests pipelined (ALLOC with a token,
 COMMIT, LOOKUP).
 
+A LOOKUP answer comes back as ``umbp.lookup.LookupAnswer``: its packed rows as one array, the per-key ``locs``
+list made only when asked for.
+
 Thread-safe: one lock serialises use of the single connection (a client issues one metaserver call per batch).
 """
 
@@ -33,6 +36,7 @@ from typing import Any
 from transport import wire
 from transport.framed import FramedSocket, connection_error
 from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, TransportError, Unavailable
+from umbp.lookup import answer_rows
 
 _RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
 ATTEMPT_S = 5.0  # one request's answer, unless the call's deadline is nearer
@@ -138,7 +142,7 @@ class MetaClient:
         conn.send([wire.encode(op, rid, meta)], deadline)
         frame = self._await(conn, rid, deadline)
         wire.raise_for_status(frame, conn.component)
-        return wire.unpack_locs(frame.meta, conn.component) if op == wire.Op.LOOKUP else frame.meta
+        return answer_rows(frame.meta, conn.component) if op == wire.Op.LOOKUP else frame.meta
 
     def _await(self, conn: FramedSocket, rid: int, deadline: float) -> wire.Frame:
         """The answer to ``rid``; answers to other outstanding requests that come first are kept for them."""
@@ -182,7 +186,7 @@ class MetaClient:
                     frame = self._await(t.conn, t.rid, min(deadline, time.monotonic() + ATTEMPT_S))
                     self._waiting.pop(t.rid, None)
                     wire.raise_for_status(frame, t.conn.component)
-                    return wire.unpack_locs(frame.meta, t.conn.component) if t.op == wire.Op.LOOKUP else frame.meta
+                    return answer_rows(frame.meta, t.conn.component) if t.op == wire.Op.LOOKUP else frame.meta
                 except (NotLeader, Unavailable, TransportError, ProtocolError) as e:
                     self._waiting.pop(t.rid, None)
                     if time.monotonic() >= deadline or (isinstance(e, NotLeader) and not self.follow):

@@ -35,6 +35,7 @@ from typing import Any
 
 from transport import slotrules, wire
 from transport.wire import Op, Status
+from umbp import lookup
 from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, RemoteError, TransportError, Unavailable
 from umbp.metaclient import ATTEMPT_S, MetaClient, Ticket
 from umbp.slotmap import merge_nodes, merge_stats, split_by_use
@@ -392,12 +393,12 @@ class MetaRouter:
             while run < n and hit[run]:
                 run += 1
             return {"hits": run}
+        if op == Op.LOOKUP and all("rows" in a for a in answers):  # packed rows: one index scatter a part
+            return self._lookup_leases(t, answers, lookup.merge([(p.idx, a) for p, a in zip(t.parts, answers)], n))
         field = {Op.ALLOC: "items", Op.COMMIT: "ok", Op.LOOKUP: "locs", Op.EXISTS: "exists", Op.REMOVE: "removed"}[op]
         out: list = [None] * n
         caps: list = []
         cap_at = 6 if op == Op.ALLOC else 5
-        leases: list[tuple[str, int]] = []
-        lease_ms = wire.DEFAULT_LEASE_MS
         for p, a in zip(t.parts, answers):
             shift = len(caps)
             caps.extend(a.get("caps") or ())
@@ -405,21 +406,27 @@ class MetaRouter:
                 if shift and type(x) is list and len(x) > cap_at and type(x[cap_at]) is int:
                     x[cap_at] += shift
                 out[i] = x
-            if op == Op.LOOKUP and a.get("lease"):
-                leases.append((p.addr, a["lease"]))
-                lease_ms = min(lease_ms, a.get("lease_ms", wire.DEFAULT_LEASE_MS))
         res: dict[str, Any] = {field: out}
         if op in (Op.ALLOC, Op.LOOKUP):
             res["caps"] = caps
         if op == Op.LOOKUP:
-            res["lease"] = 0
-            if leases:
-                handle = next(self._ids)
-                self._leases[handle] = leases
-                while len(self._leases) > _LEASES_KEPT:
-                    self._leases.popitem(last=False)
-                res["lease"] = handle
-                res["lease_ms"] = lease_ms  # the shortest of the slots' leases
+            return self._lookup_leases(t, answers, res)
+        return res
+
+    def _lookup_leases(self, t: SlotTicket, answers: list, res: dict) -> dict:
+        """The merged LOOKUP answer ``res`` with one lease handle for the slots' read leases (RELEASE expands it)
+        and the shortest of their ``lease_ms``."""
+        leases = [(p.addr, a["lease"]) for p, a in zip(t.parts, answers) if a.get("lease")]
+        res["lease"] = 0
+        if leases:
+            handle = next(self._ids)
+            self._leases[handle] = leases
+            while len(self._leases) > _LEASES_KEPT:
+                self._leases.popitem(last=False)
+            res["lease"] = handle
+            # the shortest of the slots' leases
+            res["lease_ms"] = min([wire.DEFAULT_LEASE_MS] + [a.get("lease_ms", wire.DEFAULT_LEASE_MS) for a in answers
+                                                            if a.get("lease")])
         return res
 
     # -- admin -------------------------------------------------------------------------------------------------

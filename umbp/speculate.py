@@ -39,13 +39,22 @@ next ``BACKOFF_BATCHES`` batches read after the answer only), so an eviction sto
 
 from __future__ import annotations
 
-from itertools import islice
+import struct
+from itertools import compress, islice
 from typing import Any
+
+import numpy as np
+
+from transport.wire import LOC_ROW, NO_NODE
 
 CACHE_MAX = 1 << 16  # remembered locations per client (about 15 MiB at most); the oldest quarter dropped when full
 BACKOFF_BATCHES = 8  # batches read the plain way after one whose speculation was mostly wasted
 SPEC_READ_S = 0.5  # a speculative read waits at most this long plus its bytes at SPEC_MIN_RATE
 SPEC_MIN_RATE = 1e9  # bytes per second
+PLACES_MAX = 1 << 14  # (node, capability) places the remembered rows name (LocationCache.learn_rows)
+_ROW = struct.Struct("<QQQQII")  # LOC_ROW: tag, gen, len, off, node (here: a place), pad
+_ROW_BYTES = np.dtype((np.void, LOC_ROW.itemsize))
+_MISS = np.array([(0, 0, 0, 0, NO_NODE, 0)], LOC_ROW).tobytes()
 
 
 def read_deadline(deadline: float, now: float, nbytes: int) -> float:
@@ -56,19 +65,90 @@ def read_deadline(deadline: float, now: float, nbytes: int) -> float:
 class LocationCache:
     """Key (normalised bytes, one namespace: the client's) -> the location tuple of a LOOKUP answer,
     ``(node_id, offset, size, generation, tag, capability)``, at most ``limit`` of them (insertion order; the
-    oldest quarter goes when full)."""
+    oldest quarter goes when full).
 
-    __slots__ = ("limit", "_locs")
+    The array read path (``umbp/readbatch.py``) keeps an answer's rows instead (``learn_rows``): the key's 40-byte
+    ``wire.LOC_ROW`` as bytes, its node field naming a *place* (node id and read capability, ``_places``), so a batch's
+    remembered locations are one ``map(dict.get)`` and one ``b"".join`` away from an array (``rows``). Places are
+    deduplicated; at PLACES_MAX (closed pools: a capability per answer) every remembered location is dropped."""
+
+    __slots__ = ("limit", "_locs", "_place_ix", "_places", "_place_node", "_node_ix", "_node_names")
 
     def __init__(self, limit: int = CACHE_MAX):
         self.limit = limit
-        self._locs: dict[bytes, tuple] = {}
+        self._locs: dict[bytes, tuple | bytes] = {}
+        self._place_ix: dict[tuple, int] = {}
+        self._places: list[tuple[str, Any]] = []  # (node id, capability) by place number
+        self._place_node = np.zeros(PLACES_MAX, np.int32)  # place number -> node number
+        self._node_ix: dict[str, int] = {}
+        self._node_names: list[str] = []  # node number -> node id
 
     def __len__(self) -> int:
         return len(self._locs)
 
     def get(self, key: bytes) -> tuple | None:
-        return self._locs.get(key)
+        loc = self._locs.get(key)
+        if type(loc) is bytes:
+            tag, gen, size, off, place, _pad = _ROW.unpack(loc)
+            node_id, cap = self._places[place]
+            return (node_id, off, size, gen, tag, cap)
+        return loc
+
+    def node_number(self, node_id: str) -> int:
+        """A small integer for ``node_id``, the same for the client's life (batches group pages by it)."""
+        n = self._node_ix.get(node_id)
+        if n is None:
+            n = self._node_ix[node_id] = len(self._node_names)
+            self._node_names.append(node_id)
+        return n
+
+    def node_name(self, n: int) -> str:
+        return self._node_names[n]
+
+    def place_cap(self, place: int) -> Any:
+        return self._places[place][1]
+
+    def _place(self, node_id: str, cap: Any) -> int:
+        p = self._place_ix.get((node_id, cap))
+        if p is None:
+            if len(self._places) >= PLACES_MAX:  # every remembered row names a place: all of them go
+                self._locs.clear()
+                self._place_ix.clear()
+                self._places.clear()
+            p = self._place_ix[(node_id, cap)] = len(self._places)
+            self._places.append((node_id, cap))
+            self._place_node[p] = self.node_number(node_id)
+        return p
+
+    def learn_rows(self, keys: list[bytes], rows: np.ndarray, nodes: list, caps: list) -> None:
+        """Remember an answer's rows (``umbp.lookup``: caps empty or one a node); a miss forgets the key."""
+        if not self.limit:
+            return
+        node = rows["node"]
+        hit = node != NO_NODE
+        places = np.array([self._place(n, caps[j] if caps else None) for j, n in enumerate(nodes)] or [0], np.uint32)
+        kept = rows.copy()
+        kept["node"][hit] = places[node[hit]]
+        d = self._locs
+        d.update(zip(keys, kept.view(_ROW_BYTES).tolist()))
+        if not hit.all():
+            for k in compress(keys, (~hit).tolist()):
+                del d[k]
+        self._trim()
+
+    def rows(self, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, node number a row or -1) of the keys remembered by ``learn_rows`` (others: ``NO_NODE`` rows),
+        or None when none is."""
+        vals = list(map(self._locs.get, keys))
+        raw = [v if type(v) is bytes else _MISS for v in vals]
+        if raw.count(_MISS) == len(raw):
+            return None
+        rows = np.frombuffer(b"".join(raw), LOC_ROW)
+        place = rows["node"]
+        have = place != NO_NODE
+        node = np.full(len(rows), -1, np.int64)
+        node[have] = self._place_node[place[have]]
+        return rows, node
 
     def learn(self, keys: list[bytes], locs: list) -> None:
         """Remember the answer's locations; a miss forgets the key."""
@@ -89,7 +169,9 @@ class LocationCache:
     def forget_node(self, node_id: str) -> int:
         """Forget every location on ``node_id`` (its speculative read failed); returns how many. O(remembered)."""
         d = self._locs
-        gone = [k for k, loc in d.items() if loc[0] == node_id]
+        places = {p for p, (n, _cap) in enumerate(self._places) if n == node_id}
+        gone = [k for k, loc in d.items()
+                if (_ROW.unpack_from(loc)[4] in places if type(loc) is bytes else loc[0] == node_id)]
         for k in gone:
             del d[k]
         return len(gone)
@@ -140,6 +222,31 @@ class Speculation:
         self.hits += hits
         self.wasted += tried - hits
         if tried and (tried - hits) * 2 > tried:
+            self.skip = BACKOFF_BATCHES
+        return done
+
+    def plan_rows(self, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
+        """``plan`` for the array read path: (remembered rows, their node numbers; -1 not remembered) or None."""
+        if not self.enabled:
+            return None
+        if self.skip:
+            self.skip -= 1
+            return None
+        return self.cache.rows(keys)
+
+    def settle_rows(self, guess: tuple[np.ndarray, np.ndarray], ok: np.ndarray, rows: np.ndarray,
+                    node: np.ndarray) -> np.ndarray:
+        """``settle`` over arrays: which pages the read ahead served (read without error, and the answer's row
+        names the same node, offset, size and generation as the one read: one compare). ``node``: the answer's
+        node number a row (-1 a miss)."""
+        g, gnode = guess
+        tried = gnode >= 0
+        done = ok & tried & (gnode == node) & (g["off"] == rows["off"]) & (g["len"] == rows["len"]) & (
+            g["gen"] == rows["gen"])
+        hits, n = int(done.sum()), int(tried.sum())
+        self.hits += hits
+        self.wasted += n - hits
+        if n and (n - hits) * 2 > n:
             self.skip = BACKOFF_BATCHES
         return done
 

@@ -1,0 +1,245 @@
+"""The array read path of ``Client.batch_get_into`` (issue 45): a batch carried as arrays from the packed LOOKUP
+answer (``umbp/lookup.py``), not as a Python object a page.
+
+Taken when the outs are one 2-D C-contiguous numpy array or CPU torch tensor (a row a page), or a list of contiguous
+CPU torch tensors or numpy arrays (``out_addresses``: addresses by ``map``, no view a page), and the LOOKUP answer
+has rows. Other outs (bytearrays, ``Rows``, CUDA tensors) and ranged reads keep the per-page path of
+``Client._get``.
+
+Per batch: the read ahead of remembered rows (``Speculation.plan_rows``: one join, one compare to settle, as
+``umbp/speculate.py`` argues), then the answer's rows: pages grouped by node (argsort, skipped for the usual single
+node), bounds by min/max, and for shm nodes ``ShmTransport.read_rows``: the headers compared as one array before and
+one after the copy, the copy one ``memmove`` a page by ``map`` (or copy threads for big batches). Results are one
+``tolist()``.
+
+Semantics stay those of the per-page path, page by page: a page the arrays do not settle (outside the arena, a header
+that does not match or has a payload checksum) goes to the transport's ``start_read`` as today's ``ReadOp``, so its
+CorruptionError or miss is exactly today's; a page whose header changed during the copy is a CorruptionError ("torn
+read"); tcp and rdma nodes get ReadOps (the tcp transport receives them with one scatter receive a frame). Misses,
+late reads past the lease, node failures, counters and the RELEASE are as in ``Client._get``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from transport import wire
+from transport.base import Pending, ReadOp
+from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
+                         TransportUnavailable)
+from umbp.lookup import rows_of
+from umbp.speculate import read_deadline
+
+_nbytes = attrgetter("nbytes")
+_iface = attrgetter("__array_interface__")
+
+
+def out_addresses(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(address, bytes it holds) of each of the ``n`` outs as int64 arrays, when the array path takes them; None
+    otherwise (the per-page path checks and reports them). A single page (``get_into``) keeps the per-page path:
+    the arrays' fixed cost buys nothing there."""
+    if n < 2:
+        return None
+    t = type(outs)
+    if t is np.ndarray:
+        if outs.ndim < 2 or not outs.flags.c_contiguous or not outs.flags.writeable or outs.shape[0] != n:
+            return None
+        row = outs.strides[0]
+        return np.arange(n, dtype=np.int64) * row + outs.ctypes.data, np.full(n, row, np.int64)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(outs, torch.Tensor):
+        if (outs.dim() < 2 or outs.device.type != "cpu" or not outs.is_contiguous() or outs.requires_grad
+                or outs.shape[0] != n):
+            return None
+        row = outs.stride(0) * outs.element_size()
+        return np.arange(n, dtype=np.int64) * row + outs.data_ptr(), np.full(n, row, np.int64)
+    if (t is not list and t is not tuple) or len(outs) != n or not n:
+        return None
+    kinds = set(map(type, outs))
+    if torch is not None and kinds == {torch.Tensor}:
+        T = torch.Tensor
+        if (not all(map(T.is_contiguous, outs)) or not all(map(attrgetter("is_cpu"), outs))
+                or any(map(attrgetter("requires_grad"), outs))):
+            return None
+        return (np.fromiter(map(T.data_ptr, outs), np.int64, n), np.fromiter(map(_nbytes, outs), np.int64, n))
+    if kinds == {np.ndarray}:
+        faces = list(map(_iface, outs))
+        if any(f["strides"] is not None or f["data"][1] for f in faces):  # strided, or read-only
+            return None
+        return (np.fromiter((f["data"][0] for f in faces), np.int64, n), np.fromiter(map(_nbytes, outs), np.int64, n))
+    return None
+
+
+def _view(address: int, n: int) -> memoryview:
+    """A writable byte view of ``n`` bytes at ``address`` (an out the caller holds), for a per-page ReadOp."""
+    return memoryview((ctypes.c_char * n).from_address(address)).cast("B")
+
+
+def _groups(node: np.ndarray, idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """The page indices ``idx`` grouped by ``node[idx]``: one group without a sort when they share one node."""
+    nd = node[idx]
+    if not len(idx) or (nd == nd[0]).all():
+        return [(int(nd[0]), idx)] if len(idx) else []
+    order = np.argsort(nd, kind="stable")
+    nd, idx = nd[order], idx[order]
+    cuts = np.flatnonzero(nd[1:] != nd[:-1]) + 1
+    return [(int(g[0]), i) for g, i in zip(np.split(nd, cuts), np.split(idx, cuts))]
+
+
+def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, cap_of, idx: np.ndarray, addr: np.ndarray,
+         deadline: float) -> tuple[list[tuple[int, Exception]], set[str]]:
+    """Read pages ``idx`` of ``rows`` (whole payloads) into ``addr``: ``node[i]`` a node key, ``name_of(key)`` its
+    node id, ``cap_of(i)`` page i's read capability. Transports other than shm are started first (tcp sends its
+    requests), then the shm copies run, then the others are finished. Returns (failed pages with their error, in
+    node order). A node whose transport failed (a TransportError for any of its pages) is counted and dropped, as
+    ``Client._run`` does; returns its node id among the second item."""
+    errs: list[tuple[int, Exception]] = []
+    started: list[tuple[str, Any, Any, np.ndarray]] = []
+    shm: list[tuple[str, Any, np.ndarray]] = []
+    for key, ids in _groups(node, idx):
+        node_id = name_of(key)
+        try:
+            t = client._transport_for(node_id, deadline)
+        except TransportUnavailable:
+            raise
+        except TransportError as e:
+            started.append((node_id, None, e, ids))
+            continue
+        if t.name == "shm" and hasattr(t, "read_rows"):
+            shm.append((node_id, t, ids))
+        else:
+            started.append((node_id, t, _start(t, rows, ids, addr, cap_of, deadline), ids))
+    for node_id, t, ids in shm:
+        r = rows[ids]
+        try:
+            status = t.read_rows(r["off"], r["len"], r["tag"], r["gen"], addr[ids], deadline)
+        except DeadlineExceeded as e:
+            errs.extend((i, e) for i in ids.tolist())
+            continue
+        if status.any():
+            for i in ids[status == 2].tolist():
+                errs.append((i, CorruptionError(t.component, "slot rewritten during the read (torn read)")))
+            rest = ids[status == 1]
+            if len(rest):
+                started.append((node_id, t, _start(t, rows, rest, addr, cap_of, deadline), rest))
+    failed: set[str] = set()
+    for node_id, t, p, ids in started:
+        res = [p] * len(ids) if t is None else t.finish(p, deadline)
+        if any(res):  # all None: the usual case
+            errs.extend((i, r) for i, r in zip(ids.tolist(), res) if r is not None)
+            if any(isinstance(r, TransportError) for r in res) and node_id not in failed:
+                failed.add(node_id)
+                client.count(node_failures=1)
+                client._drop_transport(node_id)
+    return errs, failed
+
+
+def _start(t: Any, rows: np.ndarray, ids: np.ndarray, addr: np.ndarray, cap_of, deadline: float) -> Any:
+    """Today's per-page ReadOps of pages ``ids`` started on transport ``t`` (a TransportError fails them all)."""
+    r = rows[ids]
+    ops = [ReadOp(off, 0, n, tag, gen, n, _view(a, n), cap_of(i)) for i, off, n, tag, gen, a in zip(
+        ids.tolist(), r["off"].tolist(), r["len"].tolist(), r["tag"].tolist(), r["gen"].tolist(),
+        addr[ids].tolist())]
+    try:
+        return t.start_read(ops, deadline)
+    except TransportUnavailable:
+        raise
+    except TransportError as e:
+        p = Pending(ops, "read")
+        p.results = [e] * len(ops)
+        return p
+
+
+def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) -> list[int] | None:
+    """``batch_get_into`` of the normalised keys ``kb`` into the outs at ``addr`` (``cap`` bytes each); the bytes
+    written per key or -1 for a miss."""
+    c = client
+    spec = c._spec
+    cache = spec.cache
+    with c._lock:
+        deadline = c._deadline()
+        sent = time.monotonic()
+        lookup = {"ns": c.namespace, "keys": kb}
+        guess = spec.plan_rows(kb)
+        early = None
+        if guess is None:
+            reply = c._meta.call(wire.Op.LOOKUP, lookup, deadline)
+        else:
+            ticket = c._meta.submit(wire.Op.LOOKUP, lookup, deadline)
+            try:
+                early = _read_ahead(c, guess, addr, cap, deadline)
+                reply = c._meta.result(ticket, deadline)
+            except BaseException:
+                c._meta.forget([ticket])
+                raise
+        lease = reply.get("lease", 0)
+        try:
+            rows, nodes, caps = rows_of(reply)
+            cache.learn_rows(kb, rows, nodes, caps)
+            hit = rows["node"] != wire.NO_NODE
+            numbers = np.array([cache.node_number(n) for n in nodes] or [0], np.int64)
+            node = np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)
+            todo = hit
+            if early is not None:
+                todo = hit & ~spec.settle_rows(guess, early, rows, node)
+            plen = rows["len"].astype(np.int64)
+            over = todo & (plen > cap)
+            if over.any():
+                i = int(np.flatnonzero(over)[0])
+                raise InvalidArgument(c.component, f"out 0 of key {i} holds {int(cap[i])} bytes but {int(plen[i])} "
+                                                   f"are to be read")
+            idx = np.flatnonzero(todo)
+            errs, _failed = read(c, rows, node, cache.node_name,
+                                (lambda i: caps[rows["node"][i]]) if caps else (lambda i: b""), idx, addr,
+                                deadline) if len(idx) else ([], set())
+            late = time.monotonic() > sent + reply.get("lease_ms", wire.DEFAULT_LEASE_MS) / 1000
+        finally:
+            if lease:
+                c._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, deadline)
+    got = np.where(hit, plen, -1)
+    corrupt: Exception | None = None
+    for i, r in errs:
+        got[i] = -1
+        if isinstance(r, (CorruptionError, DeadlineExceeded)) or (
+                isinstance(r, RemoteError) and not isinstance(r, NotFound)):
+            corrupt = corrupt or r  # raised: a timeout is not a miss, a refusal is not a miss
+    if late:  # Client._late_reads_missed: tcp/rdma pages read past the lease are misses
+        shm = [cache.node_number(n) for n, t in c._transports.items() if t.name == "shm"]
+        gone = hit & (got >= 0) & ~np.isin(node, shm)
+        got[gone] = -1
+        c.count(late_reads=int(gone.sum()))
+    if corrupt is not None:
+        raise corrupt
+    out = got.tolist()
+    hits = len(out) - out.count(-1)
+    c.count(gets=hits, misses=len(out) - hits, bytes_got=sum(out) + (len(out) - hits))
+    return out
+
+
+def _read_ahead(c: Any, guess: tuple[np.ndarray, np.ndarray], addr: np.ndarray, cap: np.ndarray,
+                deadline: float) -> np.ndarray:
+    """Read the remembered rows into the outs while the LOOKUP is in flight; True per page read without error.
+    A node whose read failed at the transport is forgotten (``LocationCache.forget_node``)."""
+    rows, node = guess
+    ok = (node >= 0) & (rows["len"].astype(np.int64) <= cap)
+    idx = np.flatnonzero(ok)
+    if not len(idx):
+        return ok
+    cache = c._spec.cache
+    nbytes = int(rows["len"][idx].sum())
+    try:
+        errs, failed = read(c, rows, node, cache.node_name, lambda i: cache.place_cap(int(rows["node"][i])), idx,
+                            addr, read_deadline(deadline, time.monotonic(), nbytes))
+    except TransportError:
+        return np.zeros(len(rows), bool)
+    for i, _e in errs:
+        ok[i] = False
+    for node_id in failed:
+        cache.forget_node(node_id)
+    return ok
