@@ -8,7 +8,7 @@ processes, the same number for every shape ("the same client load"):
 
 - puts: ALLOC then COMMIT of fresh keys of ``--page-bytes`` pages, metadata only. The node writes are skipped: COMMIT
   never reads the node (it turns the PENDING row READY and persists it), so a commit of a page not written is the
-  metaserver's and etcd's full work; the node's write is the data path's cost, measured by bench/servicepath.py.
+  metaserver's and etcd's full work; the node's write is the data path's cost, not measured here.
 - lookups: LOOKUP of random batches of the keys the puts committed, then RELEASE of each read lease (no reply).
 
 Each client keeps ``--window`` batches in flight. A batch becomes one request per metaserver process it touches,
@@ -542,6 +542,8 @@ def main(argv=None) -> int:
         clients.stop()
     fits = {}
     for op, what in (("lookup", "LOOKUP+RELEASE"), ("put", "ALLOC+COMMIT")):
+        if not any(r["op"] == op for r in runs):
+            continue
         f = fits[op] = fit([r for r in runs if r["op"] == op])
         print(f"{what}: metaserver CPU = {f['a_us_per_request']:,.1f} us x requests + {f['b_us_per_part']:,.1f} us "
               f"x parts + {f['c_us_per_key']:,.2f} us x keys; residual {f['residual_rel']:.1%} RMS of the mean "
