@@ -35,7 +35,7 @@ rewritten as rows leave.
 
 What ``Directory`` has that this does not (yet): placement on the most
 free node with eviction where the next victim is oldest across nodes (here: in turn over the placeable nodes, near
-a parent by ``Directory``'s rule, evicting on the chosen one), and the warm standby's copy. Shared entries, parking
+a parent by ``Directory``'s rule, evicting on the chosen one). Shared entries, parking
 and the service's calls are ``tabledir.py``'s and ``tableshared.py``'s. As ``Directory``'s: read leases have
 owners and a budgeted expiry (``expire_leases``), PENDING rows a budgeted expiry (``expire_pending``) and their
 writer's token (a retried ALLOC gets its place back), extents freed young wait in the write quarantine

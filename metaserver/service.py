@@ -165,9 +165,10 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
             self._election.result()  # raises what ended it
 
     def _standing_by(self) -> None:
-        """Lost a round: keep a warm copy of the directory (started once per stretch as a standby). The columnar
-        directory keeps none (not built yet): its takeover is a full load."""
-        if self.warm is None and self.cfg.directory != "table":
+        """Lost a round: keep a warm copy of the page table (started once per stretch as a standby,
+        ``metaserver/standby.py``). The object directory (``--directory objects``, being retired) keeps none: its
+        takeover is a full load."""
+        if self.warm is None and self.cfg.directory == "table":
             self.warm = WarmDirectory(self.store, self._make_dir)
             self.warm.start()
 

@@ -1,61 +1,58 @@
-"""Warm standby: a standby metaserver's copy of the page directory, kept current from an etcd watch.
+"""Warm standby: a standby metaserver's copy of the page table (``TableDirectory``), kept current from an etcd watch.
 
-A standby loads the directory once (``EtcdStore.load_at``: one snapshot at revision R, built by ``fullload.fill``, the very
-code a leader's full load runs), then applies every change from R + 1 on as the watch delivers it: commit records
-put (a COMMIT's pages), rewritten without pages and deleted (removals, evictions, dropped nodes: the pages that left
-the record leave the copy), page records of the layout before them put and deleted, leased node records and durable
-arena records put and deleted. On winning the election the new leader calls ``catch_up(W)`` for its winning revision W (the creation of
-the leader key, itself an event under the watched prefix, so "applied up to W" is exact), stops the watch and
-``take``s the directory: no page is read from etcd again, so a takeover costs O(events not applied yet + nodes +
-held pages) instead of O(pages).
+A standby loads the table once (``EtcdStore.load_at``: one snapshot at revision R, built by ``TableDirectory.load``,
+the very code a leader's full load runs), then applies every change from R + 1 on as the watch delivers it, as
+batches of rows (``metaserver/warmrows.py``): a commit record put files its pages at once (each node's run of
+extents reserved where the leader placed them); a record rewritten without pages, or deleted, takes the rows it no
+longer lists out (removals, evictions, dropped nodes); page records of the layout before commit records are put and
+deleted; leased node records and durable arena records that appear, disappear or change capacity add, drop or
+remake the node (its pages held meanwhile). On winning the election the new leader calls ``catch_up(W)`` for its
+winning revision W (the creation of the leader key, itself an event under the watched prefix, so "applied up to W"
+is exact), stops the watch and ``take``s the table: no page is read from etcd again, so a takeover costs O(events
+not applied yet + nodes + held pages) instead of O(pages). A partitioned pool's slot keeps the same copy of its
+slot's table (``make_dir`` makes a ``slots.SlotTable``: its nodes' allocators are the slot's regions).
 
 What it holds is only what etcd holds. What a leader keeps in memory alone (read leases, PENDING allocations,
 recency from reads) is not in etcd, so a takeover starts without it, exactly as after a full load; recency is commit
-order (``fill`` sorts by revision, a commit record's by its create revision, which its rewrites keep; events
-arrive in revision order).
+order: every row is stamped with its record's revision (a commit record's create revision, which its rewrites keep),
+as the full load stamps it.
 
-Invariant (tests compare ``fullload.fingerprint`` of a taken directory with that of a full load of the same etcd state):
-after ``catch_up(W)`` and ``take``, the directory is what ``fill`` builds from a snapshot at W:
+Invariant (tests compare ``tableload.fingerprint`` of a taken table with that of a full load of the same etcd
+state, and the stale keys and records to rewrite of both): after ``catch_up(W)`` and ``take``, the table is what
+``TableDirectory.load`` builds from a snapshot at W:
 
-- a space for every node with a valid record (the leased one preferred over the arena record), of the capacity that
+- a node for every node with a valid record (the leased one preferred over the arena record), of the capacity that
   record states, not placeable (the leader marks the node provisional until it re-registers);
-- every page of a record whose node has a space and whose extent fits there, READY, parents linked;
+- every page of a record whose node is known and whose extent fits there, READY, under its commit record;
 - pages that cannot stand (unreadable, node unknown, extent taken or out of range) come back as stale: an etcd key
-  for the leader to delete, or their commit record (a ``Batch``) for the leader to rewrite without them, as after a
-  full load.
+  for the leader to delete, or their commit record (a ``TableRecord``) for the leader to rewrite without them, as
+  after a full load.
 
 What it approximates: the leader's batch writer runs several transactions at once, so the put of a page can reach
-etcd before the delete of the page whose freed extent it reuses (or the rewrite of its commit record without it). Such a put waits in ``held`` until that delete
-arrives (it is retried then) or the takeover (retried once more, else stale); a page placed late goes to the recent
-end of its node's recency order instead of its commit position. A node record that changes capacity rebuilds that
-node's space from its current pages (in their current recency order). Pages committed in one etcd transaction share
-a revision, so their order among themselves is not defined (operation order through the watch, scan order in a full
-load): ``fingerprint`` compares equal only where commits differ in revision. prefix-lru's tiers follow the history
-of removals (a parent whose last child went moves), which a load does not replay: its eviction order is equal only
-as a set.
+etcd before the delete of the page whose freed extent it reuses (or the rewrite of its commit record without it).
+Such a put waits in ``held`` until that delete arrives (it is retried then) or the takeover (retried once more,
+else stale); filed late, it keeps its revision's stamp, so its place in recency is its commit place. A node
+record that changes capacity remakes that node from its current pages (in their recency order): a page that no
+longer fits waits as held. Pages committed in one etcd transaction share a revision, so their order among
+themselves is not defined (``fingerprint`` lists them by name).
 
 Failures: every etcd error is retried (the watch resumes after the last received revision, RETRY_S doubling up to
 RETRY_MAX_S); a compacted resume revision means events are lost, so the standby loads again. None of this writes to
-etcd: a standby never writes, and a takeover's stale deletes go through the leader's fenced writer.
+etcd: a standby never writes (the rewrites its table queues as rows leave are the leader's, written already, and
+dropped), and a takeover's stale deletes and rewrites go through the leader's fenced writer.
 
 Under load (a partitioned pool's process serves slots of its own while it keeps copies of others'), what the watch
 delivers is queued and applied paced (``metaserver/warmpace.py``): a copy lags by at most about
 ``warmpace.LAG_MAX_BYTES`` of records (STATS ``warm_copies``: ``lag`` events, ``lag_bytes``), which a takeover's
-``catch_up`` and ``take`` apply first (O(events not applied yet), as the invariant below states).
+``catch_up`` and ``take`` apply first (O(events not applied yet), as the invariant states).
 
-Costs: the initial load is a full load (1 M pages from a local etcd: about 10 s, 3.5 CPU-s of it this process's,
-plus 1.2-1.5 CPU-s for ``fill``; 10 M pages: 35-45 CPU-s on this project's 2-core VM, ``bench/scale.py``'s load;
-one directory's memory plus the snapshot's records while it runs, each node's released once it is in; the
-directory is built in a thread, so the event loop keeps answering meanwhile);
-an event is O(1) (a dict probe, one allocator reservation, a policy append) except a page whose extent lies inside a
-larger free one (O(free extents) in ``Allocator.reserve``); a watch batch's runs of page puts (lru) and of
-page deletes are applied together (``_put_pages``, ``_delete_pages``: about a third less CPU an event, which is
-what a partitioned pool's processes spend on their successor slots), a commit record being a run on its own, and
-the extents of a run that follow one another (a COMMIT's pages, placed one after another) are reserved as one
-(``_file_run``). CPU a page of 128-page commit records arriving one a watch batch (``bench/warmcopy.py``, this
-2-core VM): 8.6 us one page at a time (a lone commit record missed the run path until 2026-12-04), 4.9 us as a run,
-2.5 us with the extents reserved together (half the leader's ALLOC + COMMIT of them); ``take`` O(nodes + held
-pages).
+Costs: the initial load is a full load (``TableDirectory.load``: about 0.65 CPU-us a page past etcd's read and the
+records' parse, ``tableload.py``; built in a thread, so the event loop keeps answering meanwhile). A watch batch's
+runs of page puts are parsed at once (``PageRecords``) and each node's pages filed as one ``warmrows.file_rows``
+(numpy work, one ``reserve`` a run of adjacent extents); a run that names a key present already or twice goes one
+page at a time (``_put_page``), which ends the same (``tests/unit/test_standby_batch.py`` compares the two on random
+streams). A run of deletes is one lookup and one ``drop_rows``; a rewrite O(its record's pages) numpy; a node
+change O(its rows). CPU a page: ``bench/warmcopy.py``. ``take`` O(nodes + held pages).
 """
 
 from __future__ import annotations
@@ -65,18 +62,19 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Callable
 
 import msgpack
+import numpy as np
 
 from metaserver import gcpolicy
-from metaserver.directory import Directory
-from metaserver.entry import Batch, Effects, extent_size
-from metaserver.fullload import describe, fill, gc_paused, node_descs
+from metaserver.entry import Batch
+from metaserver.fullload import describe, gc_paused, node_descs
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
-from metaserver.records import UNREADABLE, PageRecords, batch_entries
+from metaserver.records import UNREADABLE, batch_entries
+from metaserver.tabledir import TableDirectory
 from metaserver.warmpace import Backlog, Pace, wait_event
+from metaserver.warmrows import drop_rows, file_rows, leaving_record, node_pages
 from umbp.errors import Unavailable
 
 log = logging.getLogger("umbp.metaserver")
@@ -86,18 +84,17 @@ RETRY_S = 0.1  # first pause after an etcd failure of the standby's load or watc
 RETRY_MAX_S = 2.0  # ... doubling up to this
 HELD_RETRY = 64  # held pages of a node retried when one of its pages goes (more wait for the takeover)
 _PUT = 0  # etcd Event.EventType PUT (DELETE is 1)
-_NS, _KEY = attrgetter("ns"), attrgetter("key")
 
 
 @dataclass
 class Handover:
     """What a takeover gets from a warm standby (``WarmDirectory.take``)."""
 
-    dir: Directory
+    dir: TableDirectory
     descs: dict[str, tuple[dict, int]]  # as ``node_descs``: the nodes to load as provisional members
-    stale: list[bytes]  # etcd keys of page records that cannot stand: the new leader deletes them
+    stale: list  # etcd keys to delete (bytes) and commit records to rewrite without their held pages (TableRecord)
     revision: int  # last revision applied
-    pages: int  # pages in the directory handed over
+    pages: int  # pages in the table handed over
     load_pages: int  # pages the standby's last load read (before the takeover, not during it)
     load_s: float  # how long that load took
     events: int  # watch events applied since that load
@@ -105,21 +102,25 @@ class Handover:
 
 
 class WarmDirectory:
-    """A standby's directory, loaded once and then fed by an etcd watch. ``start`` runs it in the background;
-    ``catch_up`` + ``stop`` + ``take`` hand it to a takeover. Only one takeover may take it."""
+    """A standby's page table, loaded once and then fed by an etcd watch. ``start`` runs it in the background;
+    ``catch_up`` + ``stop`` + ``take`` hand it to a takeover. Only one takeover may take it. ``make_dir`` makes an
+    empty table (the service's ``_make_dir``: a ``TableDirectory``, or a slot's ``SlotTable``).
 
-    def __init__(self, store: EtcdStore, make_dir: Callable[[], Directory]):
+    A held page is ``(stamp, node_id, ns, key, offset, payload_len, gen, parent, record)``: ``record`` the etcd key
+    of its commit record or of its own page record (``EtcdStore.is_batch`` tells which)."""
+
+    def __init__(self, store: EtcdStore, make_dir: Callable[[], TableDirectory]):
         self.store = store
         self.make_dir = make_dir
-        self.dir: Directory | None = None
+        self.dir: TableDirectory | None = None
         self.rev = 0  # last revision applied (the snapshot's, then each event's)
         self.live: dict[str, dict] = {}  # node id -> leased node record
         self.arenas: dict[str, dict] = {}  # node id -> durable arena record
-        self.caps: dict[str, int] = {}  # node id -> capacity its space was made with
-        self.held: dict[tuple[str, bytes], tuple] = {}  # (ns, key) -> page record that has no place yet
+        self.caps: dict[str, int] = {}  # node id -> capacity its node was made with
+        self.held: dict[tuple[str, bytes], tuple] = {}  # (ns, key) -> page that has no place yet
         self.held_on: dict[str, dict[tuple[str, bytes], None]] = {}  # node id -> its held (ns, key)s
-        self.junk: set[bytes] = set()  # etcd keys of unreadable page records
-        self.batches: dict[bytes, Batch] = {}  # commit records: name -> its Batch (its pages' ``batch``)
+        self.junk: set[bytes] = set()  # etcd keys of unreadable page and commit records
+        self.batches: set[bytes] = set()  # readable commit records read (etcd keys)
         self.loaded = False
         self.loading = False
         self.load_pages = 0
@@ -211,7 +212,10 @@ class WarmDirectory:
             rev, live, arenas, pages = await self.store.load_at()
             d = self.make_dir()
             descs = node_descs(live, arenas)
-            stale, rejected = await asyncio.to_thread(fill, d, descs, pages)  # the loop keeps answering meanwhile
+            held: list[tuple] = []  # pages of commit records the load could not file: a copy holds them
+            # in a thread: the loop keeps answering meanwhile
+            stale, rejected = await asyncio.to_thread(d.load, descs, pages, held)
+            d.take_records()  # rewrites for the pages it could not file: the leader's to write, at a takeover
         if self.dir is not None:
             gcpolicy.thaw("warm standby: reloaded")  # the copy it replaces may be frozen cyclic garbage now
         self.dir, self.rev, self.seen = d, rev, rev
@@ -219,8 +223,8 @@ class WarmDirectory:
         self.arenas = {r.get("node_id"): r for r in arenas}
         self.caps = {node_id: desc["capacity"] for node_id, (desc, _) in descs.items()}
         self.held, self.held_on, self.junk = {}, {}, set()
-        self.batches = pages.batches
-        for p in stale + rejected:
+        self.batches = set(pages.batches)
+        for p in stale + rejected + held:
             if p[1] is None:
                 self.junk.add(p[8])
             else:
@@ -297,25 +301,32 @@ class WarmDirectory:
                 self._sync_node(node_id)
         flush()
         if events:
+            self.dir.take_records()  # rewrites of rows that left: the leader wrote them (what this copy follows)
             self.rev = max(self.rev, events[-1].kv.mod_revision)
             self.events += len(events)
             self._moved.set()
 
     def _put_pages(self, kvs: list) -> None:
-        """``_put_page`` of each of a run of page puts, in order. An lru copy with nothing held or unreadable (the
-        steady state: a leader committing new pages) parses the run at once (``PageRecords``) and files each node's
-        new pages together (``_file_run``), which makes exactly what one put at a time makes: lru keeps one ring per
-        node, and the prefix links never move its entries (``links_blind``), so only each node's own order counts
-        (tests/unit/test_standby_batch.py compares the two on random streams). A run with an unreadable record, a
-        key present already or twice, or a node without a space, and every run of a prefix-lru copy, goes one put
-        at a time. CPU a put event (a 2-core VM, watch batches of 1,000 new pages of one node, best of 3): 7.4-10.6
-        us one at a time, 4.5-5.1 us in runs; a delete 5.5-7.7 us, 4.0-4.7 us (``_delete_pages``)."""
-        if ((len(kvs) > 1 or self.store.is_batch(kvs[0].key)) and not self.held and not self.junk
-                and self.dir.policy.links_blind):  # more than one page: a commit record is a run on its own
-            recs = self.store.page_records()
-            recs.add(kvs)
-            if not recs.junk and self._file_run(recs):
+        """``_put_page`` of each of a run of page puts, in order. The run is parsed at once (``PageRecords``) and each
+        node's pages filed together (``warmrows.file_rows``), which ends as one put at a time does: a node's pages
+        reserve their extents in order, a page whose node is unknown or whose extent is taken is held. A run with an
+        unreadable record, or a key present already or given twice, goes one put at a time."""
+        d = self.dir
+        recs = self.store.page_records()
+        recs.add(kvs)
+        if not recs.junk:
+            groups = recs.done()
+            by_ns: dict[str, list[bytes]] = {}
+            for ents, _ in groups.values():
+                for e in ents:
+                    by_ns.setdefault(e.ns, []).append(e.key)
+            clean = all(len(set(keys)) == len(keys) and not (d._find(ns, keys) >= 0).any()
+                        for ns, keys in by_ns.items())
+            if clean:
+                self._file_groups(groups, recs)
                 self.batches.update(recs.batches)
+                if self.junk:
+                    self.junk.difference_update(kv.key for kv in kvs)
                 self.fast_runs += 1
                 return
         records_of = self.store.records_of
@@ -323,148 +334,112 @@ class WarmDirectory:
             for p in records_of(kv):
                 self._put_page(p)
 
-    def _file_run(self, recs: PageRecords) -> bool:
-        """File the parsed run ``recs`` as ``put_ready`` files each page (held when its extent is not free): the
-        extents reserved, then filed as a load files its records (``NodeSpaces._file_entries``). False, changing
-        nothing, when some key is present or given twice, or a node has no space."""
+    def _file_groups(self, groups: dict, recs) -> None:
+        """File parsed pages (``PageRecords.done()``: node id -> (entries, revisions)), keys absent and distinct."""
         d = self.dir
-        spaces, ready, pend = d.spaces, d.ready, d.pending_keys
-        groups = recs.done()
-        keys_of: dict[str, list[bytes]] = {}  # namespace -> the run's keys
-        for node_id, (ents, _revs) in groups.items():
-            if node_id not in spaces:
-                return False
-            nss = set(map(_NS, ents))
-            if len(nss) == 1:
-                keys_of.setdefault(nss.pop(), []).extend(map(_KEY, ents))
-            else:
-                for e in ents:
-                    keys_of.setdefault(e.ns, []).append(e.key)
-        for ns, keys in keys_of.items():
-            ks = set(keys)
-            if len(ks) != len(keys):
-                return False
-            r, pd = ready.get(ns), pend.get(ns)
-            if (r is not None and not r.keys().isdisjoint(ks)) or (pd is not None and not pd.keys().isdisjoint(ks)):
-                return False
-        osize: dict[int, int] = {}  # layout code -> extent size (-1: none, a negative code)
+        held = self.held
         for node_id, (ents, revs) in groups.items():
-            sp = spaces[node_id]
-            reserve = sp.alloc.reserve
-            whole = sp.alloc.tracks_nothing  # adjacent extents may be reserved as one (nothing records each)
-            sizes = []
-            for e in ents:
-                size = osize.get(e.payload_len)
-                if size is None:
-                    size = osize[e.payload_len] = extent_size(e.payload_len) if e.payload_len >= 0 else -1
-                sizes.append(size)
-            filed: list = []
-            i, n = 0, len(ents)
-            while i < n:
-                # A run of extents, each starting where the one before ends (the leader places a COMMIT's pages
-                # one after another): one reservation of all of them leaves the free extents that reserving each in
-                # turn leaves. If it fails, each is tried on its own, as before.
-                j, end = i + 1, ents[i].offset + sizes[i]
-                if whole and sizes[i] > 0:
-                    while j < n and sizes[j] > 0 and ents[j].offset == end:
-                        end += sizes[j]
-                        j += 1
-                if j - i > 1 and reserve(ents[i].offset, end - ents[i].offset):
-                    filed.extend(ents[i:j])
-                    i = j
-                    continue
-                for k in range(i, j):
-                    e = ents[k]
-                    if sizes[k] < 0 or not reserve(e.offset, sizes[k]):
-                        self._hold((revs[k], node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up,
-                                    recs.record_of(e)))
-                    else:
-                        filed.append(e)
-                i = j
-            d._file_entries(sp, filed, None, osize, Effects())  # as a load files them: no key is present (above)
-        return True
+            names = [e.batch.name if e.batch is not None else None for e in ents]
+            if held:
+                for e in ents:
+                    self._unhold((e.ns, e.key))
+            node = d.node_by_id.get(node_id)
+            bad = range(len(ents)) if node is None else file_rows(
+                d, node, [e.ns for e in ents], [e.key for e in ents], [e.offset for e in ents],
+                [e.payload_len for e in ents], [e.gen for e in ents], names, revs, [e.parent for e in ents])
+            for i in bad:
+                e = ents[i]
+                self._hold((revs[i], node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent,
+                            names[i] if names[i] is not None else recs.etcd_key(e.ns, e.key)))
 
     def _put_page(self, p: tuple) -> None:
-        _rev, node_id, ns, key, off, plen, gen, parent, ekey = p
+        """One page put (``EtcdStore.page_record``, or one of ``records_of``: its record a ``Batch``)."""
+        rev, node_id, ns, key, off, plen, gen, parent, rec = p
         if node_id is None or type(node_id) is not str:
-            self.junk.add(ekey)
+            self.junk.add(rec)
             return
-        if type(ekey) is Batch:
-            self.batches[ekey.name] = ekey
-        else:
-            self.junk.discard(ekey)
-        name = (ns, key)
-        self._unhold(name)
+        if type(rec) is Batch:
+            rec = rec.name
+            self.batches.add(rec)
+            p = (rev, node_id, ns, key, off, plen, gen, parent, rec)
+        self.junk.discard(rec)
+        self._unhold((ns, key))
         d = self.dir
-        e = d.ready.get(ns, {}).get(key)
-        if e is not None:
-            if (e.node_id, e.offset, e.payload_len, e.gen, e.parent) == (node_id, off, plen, gen, parent):
+        row = int(d._find(ns, [key])[0])
+        if row >= 0:
+            c = d.cols
+            if (d.node_names[c["node"][row]], d.offsets_of(np.array([row]))[0], d.codes[c["size"][row]],
+                    int(c["gen"][row])) == (node_id, off, plen, gen):
                 return
-            d.remove(ns, [key])
-        if not self._place(p):
+            drop_rows(d, np.array([row], np.int64))
+        if not self._place([p])[0]:
             self._hold(p)
 
-    def _place(self, p: tuple) -> bool:
-        e = self.dir.put_ready(p[1], p[2], p[3], p[4], p[5], p[6], p[7])
-        if e is None:
-            return False
-        b = p[8]
-        if type(b) is Batch:  # a page of a commit record: the record holds it (a rewrite without it removes it)
-            e.batch = b
-            b.ents.append(e)
-        return True
+    def _place(self, ps: list[tuple]) -> list[bool]:
+        """File held-form pages of one node (keys absent and distinct), in order: whether each was filed."""
+        d = self.dir
+        node = d.node_by_id.get(ps[0][1])
+        if node is None:
+            return [False] * len(ps)
+        bad = file_rows(d, node, [p[2] for p in ps], [p[3] for p in ps], [p[4] for p in ps], [p[5] for p in ps],
+                        [p[6] for p in ps], [p[8] if self.store.is_batch(p[8]) else None for p in ps],
+                        [p[0] for p in ps], [p[7] for p in ps])
+        out = [True] * len(ps)
+        for i in bad:
+            out[i] = False
+        return out
 
     def _shrink_batch(self, name: bytes, kv) -> None:
         """A commit record rewritten (``kv``: it holds fewer pages now; ``apply`` sends only records this copy has
-        read here) or deleted (None): the pages that left it leave the directory, or stop waiting when held. A
+        read here) or deleted (None): the pages that left it leave the table, or stop waiting when held. A
         rewrite that cannot be read removes every page of it and leaves the record as junk (deleted at takeover)."""
-        b = self.batches.get(name)
-        keep: set = set()
+        keep: set | None = None
         if kv is not None:
             try:
                 keep = {(e.key, e.gen) for e in batch_entries("", name, msgpack.unpackb(kv.value))[1]}
             except UNREADABLE:  # unreadable now: its pages go, the record is the leader's to delete
-                self.batches.pop(name, None)
+                self.batches.discard(name)
                 self.junk.add(name)
         else:
-            self.batches.pop(name, None)
+            self.batches.discard(name)
             self.junk.discard(name)
-        if b is None:
-            return
         d = self.dir
-        nodes = set()
-        for e in b.live():
-            if (e.key, e.gen) not in keep and d.ready.get(e.ns, {}).get(e.key) is e:
-                nodes.add(e.node_id)
-                d.remove(e.ns, [e.key])
+        nodes: set = set()
         if self.held:
-            for p in [p for p in self.held.values() if p[8] is b and (p[3], p[6]) not in keep]:
+            for p in [p for p in self.held.values() if p[8] == name and (keep is None or (p[3], p[6]) not in keep)]:
                 self._unhold((p[2], p[3]))
+        rec = d._rec_by_name.get(name)
+        if rec is not None:
+            leave = leaving_record(d, rec, keep)
+            if len(leave):
+                nodes.update(d.node_names.take(d.cols["node"].take(leave)).tolist())
+                drop_rows(d, leave)
+            if not len(rec.live()) and not any(p[8] == name for p in self.held.values()):
+                d._end_record(rec)  # nothing of it is left here: a page filed under its name later starts it anew
         for node_id in nodes:
             waiting = self.held_on.get(node_id)
             if waiting and len(waiting) <= HELD_RETRY:
                 self._retry(node_id)
 
     def _delete_pages(self, ekeys: list) -> None:
-        """``_delete_page`` of each of a run of page deletes, in order: with nothing held or unreadable, the pages
-        named are removed with one ``Directory.remove`` per run of one namespace (the same removals, in order)."""
-        if self.held or self.junk:
+        """``_delete_page`` of each of a run of page deletes, in order: with nothing held, the pages named go with one
+        lookup and one ``drop_rows`` per namespace (the same removals: nothing waits to be retried)."""
+        if self.held:
             for ekey in ekeys:
                 self._delete_page(ekey)
             return
-        page_name, remove = self.store.page_name, self.dir.remove
-        ns, keys = None, []
+        page_name = self.store.page_name
+        by_ns: dict[str, list[bytes]] = {}
         for ekey in ekeys:
             name = page_name(ekey)
-            if name is None:
-                continue
-            if name[0] != ns:
-                if keys:
-                    remove(ns, keys)
-                ns, keys = name[0], []
-            keys.append(name[1])
-        if keys:
-            remove(ns, keys)
+            if name is not None:
+                by_ns.setdefault(name[0], []).append(name[1])
+        if self.junk:
+            self.junk.difference_update(ekeys)
+        d = self.dir
+        for ns, keys in by_ns.items():
+            rows = d._find(ns, keys)
+            drop_rows(d, np.unique(rows[rows >= 0]))
         self.fast_deletes += 1
 
     def _delete_page(self, ekey: bytes) -> None:
@@ -472,28 +447,30 @@ class WarmDirectory:
         name = self.store.page_name(ekey)
         if name is None or self._unhold(name):
             return
-        ns, key = name
-        e = self.dir.ready.get(ns, {}).get(key)
-        if e is None:
+        d = self.dir
+        row = int(d._find(name[0], [name[1]])[0])
+        if row < 0:
             return
-        self.dir.remove(ns, [key])
-        waiting = self.held_on.get(e.node_id)
+        node_id = d.node_names[d.cols["node"][row]]
+        drop_rows(d, np.array([row], np.int64))
+        waiting = self.held_on.get(node_id)
         if waiting and len(waiting) <= HELD_RETRY:
-            self._retry(e.node_id)
+            self._retry(node_id)
 
     def _sync_node(self, node_id: str) -> None:
-        """Make the node's space match its current record: none without one, of the stated capacity with one."""
+        """Make the node match its current record: none without one, of the stated capacity with one."""
         desc = describe(node_id, self.live.get(node_id) or self.arenas.get(node_id))
         cap = desc["capacity"] if desc is not None else None
         d = self.dir
-        sp = d.spaces.get(node_id)
-        if sp is not None:
+        node = d.node_by_id.get(node_id)
+        if node is not None:
             if self.caps.get(node_id) == cap:
                 return
-            # Gone, or another capacity: its pages wait for a space that fits them (a full load would put them in
-            # the new space if they fit, and call them stale if there is none).
-            for e in list(sp.entries):
-                self._hold((0, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, e.batch))
+            # Gone, or another capacity: its pages wait for a node that fits them (a full load would put them in
+            # the new one if they fit, and call them stale if there is none).
+            page_key = self.store.page_key
+            for stamp, ns, key, off, plen, gen, parent, rec in node_pages(d, node):
+                self._hold((stamp, node_id, ns, key, off, plen, gen, parent, rec or page_key(ns, key)))
             d.drop_space(node_id)
             self.caps.pop(node_id, None)
         if desc is not None:
@@ -503,6 +480,8 @@ class WarmDirectory:
             self._retry(node_id)
 
     def _hold(self, p: tuple) -> None:
+        if type(p[8]) is Batch:
+            p = p[:8] + (p[8].name,)
         name = (p[2], p[3])
         self.held[name] = p
         self.held_on.setdefault(p[1], {})[name] = None
@@ -519,13 +498,17 @@ class WarmDirectory:
         return True
 
     def _retry(self, node_id: str) -> None:
-        """Place the node's held pages that fit now, in commit order."""
+        """File the node's held pages that fit now, in commit order (keys present meanwhile stay held)."""
         names = self.held_on.get(node_id)
-        if not names or node_id not in self.dir.spaces:
+        d = self.dir
+        if not names or node_id not in d.node_by_id:
             return
-        for p in sorted((self.held[n] for n in names), key=lambda p: p[0]):
-            if self._place(p):
-                self._unhold((p[2], p[3]))
+        ps = sorted((self.held[n] for n in names), key=lambda p: p[0])
+        absent = [p for p in ps if int(d._find(p[2], [p[3]])[0]) < 0] if d.objects else ps
+        if absent:
+            for p, ok in zip(absent, self._place(absent)):
+                if ok:
+                    self._unhold((p[2], p[3]))
 
     # -- takeover ----------------------------------------------------------------------------------------------
     async def catch_up(self, revision: int, timeout_s: float = CATCHUP_S) -> bool:
@@ -552,19 +535,25 @@ class WarmDirectory:
         return True
 
     def take(self) -> Handover:
-        """Hand the directory over (after ``catch_up`` and ``stop``): held pages that fit now are placed, the rest
-        and the unreadable records become stale keys. The copy is empty afterwards."""
+        """Hand the table over (after ``catch_up`` and ``stop``): held pages that fit now are filed, the rest and the
+        unreadable records become stale: etcd keys to delete, commit records to rewrite without them (as a full
+        load's). The copy is empty afterwards."""
         d = self.dir
         assert d is not None and self._task is None, "warm standby: take() before a load, or while following etcd"
         self.apply_backlog()  # received before the watch stopped: what a copy applying at once would hold
         for node_id in list(self.held_on):
             self._retry(node_id)
-        page_key = self.store.page_key
-        stale = [p[8] if type(p[8]) is Batch else page_key(p[2], p[3]) for p in self.held.values()] + sorted(self.junk)
+        is_batch = self.store.is_batch
+        d.take_records()
+        names = [p[8] for p in self.held.values() if is_batch(p[8])]
+        d.adopt_records([], np.zeros(0, np.int64), names)  # each rewritten without its held pages
+        _, rewrites = d.take_records()
+        stale = ([p[8] for p in self.held.values() if not is_batch(p[8])] + sorted(self.junk)
+                 + rewrites)
         h = Handover(dir=d, descs=node_descs(list(self.live.values()), list(self.arenas.values())), stale=stale,
                      revision=self.rev, pages=d.objects, load_pages=self.load_pages, load_s=self.load_s,
                      events=self.events, reloads=max(0, self.loads - 1))
         self.dir = None
         self.loaded = False
-        self.held, self.held_on, self.junk, self.batches = {}, {}, set(), {}
+        self.held, self.held_on, self.junk, self.batches = {}, {}, set(), set()
         return h

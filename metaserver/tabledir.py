@@ -12,8 +12,8 @@ request in ``tests/unit/test_tableshared.py``), commit records in etcd (``metase
 ``Directory`` writes, so either core loads the other's pool) and the full load at a takeover (``load``).
 
 What it does not do yet, each refused at start (``umbp/config.py``, ``__init__``), never answered differently:
-partitioned pools (slots); and the warm standby's copy (a standby keeps
-none: its takeover is a full load). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s
+partitioned pools (slots). A standby keeps a warm copy of the table (``metaserver/standby.py``: ``load``'s ``held``,
+then ``metaserver/warmrows.py``). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s
 rule) where ``Directory`` places on the most free node: docs/design/directory-and-eviction.md. Quota groups and
 reservations: ``metaserver/tablequotas.py`` (``quota``; the properties below answer what the service reads of them).
 Prefix links, ``prefix-lru`` and KV events: ``metaserver/tablelinks.py``.
@@ -387,13 +387,15 @@ class TableDirectory(TableShared, PageTable):
         return n, freed, True
 
     # -- the full load ----------------------------------------------------------------------------------------
-    def load(self, descs: dict, pages: PageRecords) -> tuple[list[tuple], list[tuple]]:
+    def load(self, descs: dict, pages: PageRecords, held: list | None = None) -> tuple[list[tuple], list[tuple]]:
         """``metaserver.fullload.fill`` for the table: a node per description (not placeable), then each node's
         pages in commit order (recency: their records' revisions), filed under the commit records they came from.
         Returns (stale, rejected) ``page_record`` tuples of the pages with an etcd key of their own, for the leader
         to delete, as ``fill`` does. A page of a commit record that cannot stand (its node has no record, or the
         load rejected it) is not returned: its record is rewritten without it (``TableRecords.adopt_records``;
-        the rewrite comes with the next ``effects``), never deleted with the pages of it that did load."""
+        the rewrite comes with the next ``effects``), never deleted with the pages of it that did load. ``held``
+        (a warm standby's load, ``metaserver/standby.py``): those pages are appended to it as ``page_record``
+        tuples (their ``Batch`` where the etcd key would be), for the copy to file once they can stand."""
         for node_id, (desc, _) in descs.items():
             self.add_node(node_id, desc["capacity"])
             self.set_placeable(node_id, False)
@@ -408,6 +410,8 @@ class TableDirectory(TableShared, PageTable):
                 for e, rev in zip(ents, revs):
                     if e.batch is not None:
                         orphans.append(e.batch.name)
+                        if held is not None:
+                            held.append(record_tuple(pages, node_id, e, rev))
                     else:
                         stale.append(record_tuple(pages, node_id, e, rev))
                 continue
@@ -419,6 +423,8 @@ class TableDirectory(TableShared, PageTable):
                              [e.payload_len for e in ents], [e.gen for e in ents], records=names, stamps=revs,
                              parents=[e.parent for e in ents] if self.links.linking else None)
             rejected.extend(record_tuple(pages, node_id, ents[i], revs[i]) for i in bad if names[i] is None)
+            if held is not None:
+                held.extend(record_tuple(pages, node_id, ents[i], revs[i]) for i in bad if names[i] is not None)
         if orphans:
             self.adopt_records([], np.zeros(0, np.int64), orphans)
         return stale, rejected

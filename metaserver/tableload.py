@@ -258,7 +258,8 @@ def fingerprint(t: PageTable) -> dict:
     """A canonical summary of a table, equal for two tables that hold the same things (tests; O(rows) Python):
     every live (PENDING or READY) row as (namespace, key, node, offset, layout code, generation, state), sorted;
     each live node's (capacity, bytes used, live rows); each live node's eviction order, the (namespace, key) of its
-    READY unpinned rows oldest first; and the counts of PENDING rows, pinned rows (live or GONE) and READY rows.
+    READY unpinned rows oldest first (rows of one stamp by (namespace, key)); and the counts of PENDING rows, pinned
+    rows (live or GONE) and READY rows.
     What it leaves out: row numbers, stamps' values (only their order), leases' ids, the allocators' free-list
     order (a load cannot restore it: it decides which hole the next ALLOC takes)."""
     c = t.cols
@@ -279,7 +280,10 @@ def fingerprint(t: PageTable) -> dict:
         live_rows = int(np.count_nonzero((st == PENDING) | (st == READY)))
         nodes[node_id] = (node.alloc.capacity, node.alloc.used, live_rows)
         lru = rows[(st == READY) & (c["pins"].take(rows) == 0)]
-        lru = lru[np.argsort(c["stamp"].take(lru), kind="stable")]
-        order[node_id] = [(names[c["ns"][r]], t.key_of(r)) for r in lru.tolist()]
+        # rows of one stamp (a load stamps one etcd transaction's pages with its revision) by name: their order
+        # among themselves is not defined
+        order[node_id] = [(ns, k) for _, ns, k in sorted(zip(c["stamp"].take(lru).tolist(),
+                                                            [names[i] for i in c["ns"].take(lru).tolist()],
+                                                            [t.key_of(r) for r in lru.tolist()]))]
     return {"entries": entries, "nodes": nodes, "order": order, "pending": len(t._pending),
             "pinned": int(np.count_nonzero(c["pins"][:top])), "objects": t.objects}

@@ -1,11 +1,12 @@
-"""The warm standby (metaserver/standby.py): a standby's directory fed by an etcd watch, taken over without a load.
+"""The warm standby (metaserver/standby.py): a standby's page table fed by an etcd watch, taken over without a load.
 
 Two layers, both against a real etcd:
 
 - in-process: ``WarmDirectory`` follows records written straight into etcd in the metaserver's format (every kind of
   change a leader makes, plus the odd ones: unreadable records, a page before its node, a page put before the delete
-  of the page whose extent it reuses), then is caught up and taken; its directory must equal, entry for entry,
-  extent for extent and in eviction order, what a full load of the same etcd state builds (``fingerprint``);
+  of the page whose extent it reuses), then is caught up and taken; its table must equal, row for row, extent for
+  extent and in eviction order, what a full load of the same etcd state builds (``tableload.fingerprint``), with the
+  same stale keys and commit records to rewrite;
 - real processes: a leader and a standby metaserver, pages written after the standby loaded, removals and evictions,
   node registration and loss; SIGKILL of the leader; the standby serves every page byte-exactly, its STATS say it
   read no page at the takeover, and its listing equals a full load of etcd.
@@ -25,10 +26,11 @@ import msgpack
 import umbp
 from cluster import NotYet, eventually, eventually_async
 from metaserver.allocator import Allocator
-from metaserver.directory import Directory
+from metaserver.fullload import node_descs
 from metaserver.persist import EtcdStore
-from metaserver.fullload import fill, fingerprint, node_descs
 from metaserver.standby import WarmDirectory
+from metaserver.tabledir import TableDirectory
+from metaserver.tableload import fingerprint
 from test_failover import etcd_state, locations, ms_env, put_pages, raw, wait_confirmed, wait_leader
 from test_pool import payload
 from transport.wire import ARENA_DATA_START, Op
@@ -171,23 +173,29 @@ async def wait_until(cond, timeout: float = 20.0) -> None:
     await eventually_async(cond, timeout, "the warm copy's condition", interval=0.02)
 
 
-async def full_load(store: EtcdStore):
-    """What a takeover without a warm copy builds: (directory, node descriptions, stale etcd keys)."""
+async def full_load(store: EtcdStore, policy: str = "lru"):
+    """What a takeover without a warm copy builds (``Metaserver._load``): (table, node descriptions, stale: the
+    etcd keys to delete and the names of the commit records to rewrite, sorted)."""
     nodes, arenas, pages = await store.load()
-    d = Directory()
+    d = TableDirectory(namer=store.batch_name, policy=policy)
     descs = node_descs(nodes, arenas)
-    stale, rejected = fill(d, descs, pages)
-    return d, descs, sorted(p[8] for p in stale + rejected)
+    stale, rejected = d.load(descs, pages)
+    return d, descs, stale_names([p[8] for p in stale + rejected] + d.take_records()[1])
+
+
+def stale_names(stale: list) -> list[bytes]:
+    """A takeover's stale records as etcd keys, sorted: a key to delete as it is, a commit record by its name."""
+    return sorted(r if type(r) is bytes else r.name for r in stale)
 
 
 async def equals_full_load(store: EtcdStore, h) -> bool:
-    """Whether a handover's directory and nodes are what a full load of etcd now builds, with nothing stale."""
+    """Whether a handover's table and nodes are what a full load of etcd now builds, with nothing stale."""
     d, descs, stale = await full_load(store)
-    return fingerprint(h.dir) == fingerprint(d) and h.descs == descs and stale == []
+    return fingerprint(h.dir) == fingerprint(d) and h.descs == descs and stale == [] and h.stale == []
 
 
 async def take_over(store: EtcdStore, warm: WarmDirectory, w: Writer):
-    """Create the leader key (a win at revision W), catch up to W, take the directory."""
+    """Create the leader key (a win at revision W), catch up to W, take the table."""
     await store.txn([store.op_put(store.leader_key, b"me")])
     w.events += 1
     won = await store.revision()
@@ -212,7 +220,7 @@ async def _equal_to_full_load(url: str) -> None:
         await w.txn([w.arena("n2")])
         await w.txn([w.page(i, "n1" if i < 100 else "n2", i % 100, parent=i - 1 if i % 10 else None)
                      for i in range(200)])
-        warm = WarmDirectory(store, Directory)
+        warm = WarmDirectory(store, TableDirectory)
         warm.start()
         await wait_until(lambda: warm.loaded)
         assert warm.load_pages == 200 and warm.dir.objects == 200 and warm.events == 0
@@ -232,7 +240,7 @@ async def _equal_to_full_load(url: str) -> None:
         await w.txn([w.page(401, "n2", 55)])
         await wait_until(lambda: (NS, key(401)) in warm.held)
         await w.txn([w.delete(155)])
-        # n2 comes back with a larger arena: its space is remade with its pages.
+        # n2 comes back with a larger arena: its node is remade with its pages.
         await w.txn([w.arena("n2", capacity=512 * UNIT, arena=b"B" * 16)])
         # n1 loses its lease (the leased record goes, the arena record stays).
         await store.revoke(lease)
@@ -251,12 +259,14 @@ async def _equal_to_full_load(url: str) -> None:
         d.check()
         assert fingerprint(h.dir) == fingerprint(d)
         assert h.descs == descs
-        assert sorted(h.stale) == stale
+        assert stale_names(h.stale) == stale
         assert len(stale) == 1 + 5 + 2  # junk, n4's pages, the out-of-range and the overlapping page
         assert h.pages == d.objects == 200 - 20 + 50 + 50 + 1 + 1 - 1
-        assert (NS, key(401)) in {(e.ns, e.key) for e in h.dir.spaces["n2"].entries}
-        assert h.dir.spaces["n2"].alloc.capacity == 512 * UNIT
-        assert not any(sp.placeable for sp in h.dir.spaces.values())
+        t = h.dir
+        row = int(t._find(NS, [key(401)])[0])
+        assert row >= 0 and t.node_names[t.cols["node"][row]] == "n2"
+        assert t.node_by_id["n2"].alloc.capacity == 512 * UNIT
+        assert not any(n.placeable for n in t.node_by_id.values())
         assert descs["n1"][1] == 0  # its lease is gone: loaded from the arena record
     finally:
         await store.close()
@@ -272,7 +282,7 @@ async def _compacted(url: str) -> None:
     w = Writer(store)
     try:
         await w.txn([w.arena("n1")] + [w.page(i, "n1", i) for i in range(30)])
-        warm = WarmDirectory(store, Directory)
+        warm = WarmDirectory(store, TableDirectory)
         warm.start()
         await wait_until(lambda: warm.loaded)
         await warm.stop()  # away while etcd moves on and compacts what it missed
@@ -298,7 +308,7 @@ async def _resume(url: str) -> None:
     w = Writer(store)
     try:
         await w.txn([w.arena("n1")] + [w.page(i, "n1", i) for i in range(10)])
-        warm = WarmDirectory(store, Directory)
+        warm = WarmDirectory(store, TableDirectory)
         warm.start()
         await wait_until(lambda: warm.loaded)
         await warm.stop()
@@ -309,6 +319,52 @@ async def _resume(url: str) -> None:
         assert h.reloads == 0 and h.load_pages == 10 and h.events == w.events == 11
         d, _, _ = await full_load(store)
         assert fingerprint(h.dir) == fingerprint(d)
+    finally:
+        await store.close()
+
+
+def test_commit_record_pages_that_cannot_stand_are_rewritten_out_at_takeover(etcd):
+    asyncio.run(_records_that_cannot_stand(etcd.url))
+
+
+async def _records_that_cannot_stand(url: str) -> None:
+    """Pages of commit records that cannot stand (an extent another page holds, a node without a record), some in
+    the copy's load and some through its watch, are held by the copy and come back at the takeover as their
+    records to rewrite without them, the same records a full load rewrites, with the same values."""
+    store = EtcdStore(url, f"{PREFIX}-unstood")
+    await store.wait_ready(10)
+    w = Writer(store)
+
+    def record(n: int, pages: list) -> tuple:
+        value = [[key(i), node, ARENA_DATA_START + slot * UNIT, 1000, i + 1, None] for i, node, slot in pages]
+        return store.op_put(b"%s%s/+1.%x" % (store._pages, NS.encode(), n), msgpack.packb(value, use_bin_type=True))
+
+    try:
+        await w.txn([w.arena("n1")])
+        await w.txn([record(1, [(0, "n1", 0), (1, "n1", 1)])])
+        await w.txn([record(2, [(2, "n1", 1), (3, "n1", 2)])])  # key 2 overlaps key 1: rejected by the load
+        warm = WarmDirectory(store, TableDirectory)
+        warm.start()
+        await wait_until(lambda: warm.loaded)
+        assert warm.dir.objects == 3 and set(warm.held) == {(NS, key(2))}
+        await w.txn([record(3, [(4, "n1", 3), (5, "n1", 2)])])  # key 5 overlaps key 3, through the watch
+        await w.txn([record(4, [(6, "n9", 0), (7, "n9", 1)])])  # no record of n9
+        await w.txn([record(5, [(8, "n1", 5)])])
+        await w.txn([store.op_delete(b"%s%s/+1.%x" % (store._pages, NS.encode(), 5))])  # its page goes again
+        h = await take_over(store, warm, w)
+        d, descs, stale = await full_load(store)
+        h.dir.check()
+        assert fingerprint(h.dir) == fingerprint(d) and h.descs == descs
+        assert stale_names(h.stale) == stale == [b"%s%s/+1.%x" % (store._pages, NS.encode(), n) for n in (2, 3, 4)]
+        values = {r.name: r.value() for r in h.stale}
+        nodes, arenas, pages = await store.load()  # the full load again, for its rewrites' values
+        again = TableDirectory()
+        again.load(node_descs(nodes, arenas), pages)
+        assert values == {r.name: r.value() for r in again.take_records()[1]}
+        assert [p[0] for p in msgpack.unpackb(values[stale[0]])] == [key(3)]
+        assert [p[0] for p in msgpack.unpackb(values[stale[1]])] == [key(4)]
+        assert values[stale[2]] is None  # none of its pages stands: deleted
+        assert h.pages == d.objects == 4
     finally:
         await store.close()
 
@@ -346,9 +402,9 @@ def listing_equals_full_load(cluster, addr: str) -> None:
     d, _, _ = asyncio.run(load())
     listed = raw(addr, Op.LIST, {"ns": NS, "limit": 1_000_000}, timeout=10)["objects"]
     assert sorted((o[0], o[1], o[2], o[3], o[4]) for o in listed) == sorted(
-        (ns, k, e.payload_len, e.node_id, "READY") for ns, m in d.entries.items() for k, e in m.items())
+        (ns, k, plen, node_id, "READY") for ns, k, node_id, _, plen, _, _ in fingerprint(d)["entries"])
     used = {n["node_id"]: n["used_bytes"] for n in raw(addr, Op.STATS)["nodes"]}
-    assert used == {node_id: sp.alloc.used for node_id, sp in d.spaces.items()}
+    assert used == {node_id: n.alloc.used for node_id, n in d.node_by_id.items()}
 
 
 def test_sigkill_leader_warm_standby_serves_every_page_without_a_load(make_cluster):
@@ -417,7 +473,9 @@ def test_standby_started_later_follows_node_registration_and_loss(make_cluster):
     with cluster.client() as c:
         put_pages(c, second)
         where = dict(zip([k for k, _ in first + second], locations(c, [k for k, _ in first + second])))
-    assert {where[k] for k, _ in second} == {"node1"}  # the empty node takes them (most free space)
+    on1 = [(k, size) for k, size in second if where[k] == "node1"]  # placed in turn: node1 takes its share
+    lost = [k for k, _ in first + second if where[k] == "node0"]
+    assert on1 and {where[k] for k, _ in first} == {"node0"}
     settle(cluster, old.addr)
 
     cluster.node("node0").kill(signal.SIGKILL)  # lost: the leader drops its lease, parks its pages
@@ -439,17 +497,17 @@ def test_standby_started_later_follows_node_registration_and_loss(make_cluster):
     caps = {n["node_id"]: n["capacity_bytes"] for n in listing}
     assert caps == {"node0": 32 << 20, "node1": 32 << 20}
     with umbp.Client(cluster.metaserver_addrs) as c:
-        for k, size in second:
+        for k, size in on1:  # node1's pages, known to the standby through the watch only
             assert c.get(k) == payload(k, size), k
         cluster.wait_nodes(alive=["node1"], dead=["node0"], timeout=30)  # its grace ran out: dropped
-        assert c.batch_exists([k for k, _ in first]) == [False] * len(first)
-        assert c.stats()["objects"] == len(second)
+        assert c.batch_exists(lost) == [False] * len(lost)
+        assert c.stats()["objects"] == len(on1)
 
 
 def test_catch_up_without_a_following_copy_says_so():
     """catch_up on a copy that is not following etcd reports False at once (the takeover then loads in full)."""
     async def go():
-        warm = WarmDirectory(None, Directory)  # type: ignore[arg-type]
+        warm = WarmDirectory(None, TableDirectory)  # type: ignore[arg-type]
         assert await warm.catch_up(10, 0.5) is False
     asyncio.run(go())
 
@@ -459,14 +517,20 @@ def test_catch_up_without_a_following_copy_says_so():
 
 
 def test_commit_records_warm_copy_equals_a_full_load_and_the_leader(etcd):
-    """The same pages, places, generations and prefix links as the leader and as a full load. The recency order
-    too with lru and one transaction in flight: the copy then applies every rewrite before the commit that reuses
-    its extents. With four (the writer's default) a commit can reach etcd before the rewrite that frees its extent:
-    the copy holds those pages until it arrives and places them at the recent end, and prefix-lru's tiers follow
-    the history of removals, which a load does not replay (both approximations ``metaserver/standby.py`` states)."""
+    """The same pages, places and generations as the leader and as a full load, the same recency order, and each
+    page under the commit record it came from. With one transaction in flight the copy applies every rewrite before
+    the commit that reuses its extents; with four (the writer's default) a commit can reach etcd before the rewrite
+    that frees its extent: the copy holds those pages until it arrives (the approximation ``metaserver/standby.py``
+    states), and still ends as a full load (a late page keeps its record's revision as its stamp). Under prefix-lru
+    the same links too."""
     for policy in ("lru", "prefix-lru"):
         for inflight in (1, 4):
             asyncio.run(_commit_records(etcd.url, policy, inflight))
+
+
+def links(t: TableDirectory) -> list:
+    """Every READY page with the parent key it names, sorted (``TableLinks.snapshot``)."""
+    return sorted((ns, k, p) for ns, ks, ps in t.links.snapshot() for k, p in zip(ks, ps))
 
 
 async def _commit_records(url: str, policy: str, inflight: int) -> None:
@@ -483,14 +547,14 @@ async def _commit_records(url: str, policy: str, inflight: int) -> None:
     writer = BatchWriter(store, inflight=inflight)
     writer.start()
     server = SimpleNamespace(store=store, writer=writer)  # what Metaserver._apply uses
-    leader = Directory(policy=policy)
+    leader = TableDirectory(namer=store.batch_name, policy=policy)
     rng = random.Random(11)
     try:
         await store.txn([store.op_put(store.arena_key(n), msgpack.packb(node_rec(n, capacity=96 * UNIT),
                                                                        use_bin_type=True)) for n in ("n1", "n2")])
         for n in ("n1", "n2"):
             leader.add_space(n, 96 * UNIT)
-        warm = WarmDirectory(store, lambda: Directory(policy=policy))
+        warm = WarmDirectory(store, lambda: TableDirectory(namer=store.batch_name, policy=policy))
         warm.start()
         await wait_until(lambda: warm.loaded)
         gen = 1
@@ -507,7 +571,7 @@ async def _commit_records(url: str, policy: str, inflight: int) -> None:
             assert all(ok)
             await Metaserver._apply(server, fx, wait=True)
             if rnd % 4 == 3:  # a client's removals: a page of a few earlier commits each
-                ready = sorted(leader.ready.get(NS, {}))
+                ready = sorted(k for _, k, *_ in fingerprint(leader)["entries"])
                 _, fx = leader.remove(NS, rng.sample(ready, min(5, len(ready))))
                 Metaserver._apply(server, fx)
         assert leader.evictions > 0
@@ -518,23 +582,24 @@ async def _commit_records(url: str, policy: str, inflight: int) -> None:
         assert len(kvs) < leader.objects / 2
 
         h = await take_over(store, warm, Writer(store))
-        d, descs, stale = await full_load(store)
+        d, descs, stale = await full_load(store, policy)
         h.dir.check()
         assert stale == [] and h.stale == []
-        assert fingerprint(h.dir)["entries"] == fingerprint(d)["entries"]
-        if inflight == 1 and policy == "lru":
-            assert fingerprint(h.dir) == fingerprint(d)
-        assert sorted((e.ns, e.key, e.gen, e.node_id, e.offset) for m in d.ready.values() for e in m.values()) == \
-            sorted((e.ns, e.key, e.gen, e.node_id, e.offset) for m in leader.ready.values() for e in m.values())
-        # the taken directory's pages still belong to their records: evicting one rewrites its record without it
-        e = next(iter(h.dir.ready[NS].values()))
-        before = e.batch.live()
-        _, fx = h.dir.remove(NS, [e.key])
-        assert fx.batches == [e.batch] and not fx.deletes
-        value = store.batch_value(e.batch)
+        assert fingerprint(h.dir) == fingerprint(d)
+        assert fingerprint(h.dir)["entries"] == fingerprint(leader)["entries"]
+        assert links(h.dir) == links(d) == links(leader)
+        assert policy == "lru" or any(p is not None for _, _, p in links(d))
+        # the taken table's pages still belong to their records: removing one rewrites its record without it
+        t = h.dir
+        rec = next(iter(t.records.values()))
+        before = rec.live()
+        victim = t.key_of(int(before[0]))
+        _, fx = t.remove(NS, [victim])
+        assert fx.batches == [rec] and not fx.deletes
+        value = rec.value()
         assert (value is None) == (len(before) == 1)
         if value is not None:
-            assert [p[0] for p in msgpack.unpackb(value)] == [x.key for x in before if x is not e]
+            assert [p[0] for p in msgpack.unpackb(value)] == [t.key_of(r) for r in before.tolist()[1:]]
     finally:
         await writer.close()
         await store.close()
@@ -567,6 +632,7 @@ async def _large_records(url: str) -> None:
         d, descs, stale = await full_load(store)
         assert stale == [] and d.objects == 40 * 128
         d.check()
-        assert d.ready[NS][big(5000)].parent_ref is d.ready[NS][big(4999)]  # prefix links within a record
+        row = int(d._find(NS, [big(5000)])[0])
+        assert d.records[int(d.cols["rec"][row])].name == b"%s%s/+1.%x" % (store._pages, NS.encode(), 5000 // 128 + 1)
     finally:
         await store.close()

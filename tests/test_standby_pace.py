@@ -1,6 +1,6 @@
 """A warm copy paced while its process serves (``metaserver/warmpace.py``), against a real etcd: it rests and falls
 behind while the loop is busy, applies as events come while idle, and a takeover applies what is behind (the taken
-directory equals a full load); a copy that fails to apply stops and the takeover loads in full."""
+table equals a full load); a copy that fails to apply stops and the takeover loads in full."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import asyncio
 import time
 
 from metaserver import warmpace
-from metaserver.directory import Directory
 from metaserver.persist import EtcdStore
 from metaserver.standby import WarmDirectory
+from metaserver.tabledir import TableDirectory
 from test_standby import PREFIX, UNIT, Writer, equals_full_load, take_over, wait_until
 
 
@@ -27,7 +27,7 @@ async def _paced(url: str) -> None:
     w = Writer(store)
     try:
         await w.txn([w.arena("n1", capacity=8192 * UNIT)])
-        warm = WarmDirectory(store, Directory)
+        warm = WarmDirectory(store, TableDirectory)
         warm.start()
         await wait_until(lambda: warm.loaded)
         w.events = 0
@@ -95,7 +95,7 @@ async def _broken(url: str) -> None:
     w = Writer(store)
     try:
         await w.txn([w.arena("n1")])
-        warm = WarmDirectory(store, Directory)
+        warm = WarmDirectory(store, TableDirectory)
         warm.start()
         await wait_until(lambda: warm.loaded)
 
@@ -128,7 +128,7 @@ async def _stop_resting(url: str) -> None:
     w = Writer(store)
     try:
         await w.txn([w.arena("n1", capacity=8192 * UNIT)])
-        warm = WarmDirectory(store, Directory)
+        warm = WarmDirectory(store, TableDirectory)
         warm.start()
         await wait_until(lambda: warm.loaded)
         await store.txn([store.op_put(store.leader_key, b"me")])  # the win, applied before the events after it
