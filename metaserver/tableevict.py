@@ -91,18 +91,18 @@ class TableEviction:
             i = self._victim(node)
             if i < 0:
                 return None, -1
-            r = node.queue[i]
-            self._evicted_now[r] = node.qns[i]  # unfiled at the end of the request, before its new rows are filed
-            if self.links.linking:
-                self.links.evicted(r)  # its parent's tier now, for the next victim (metaserver/tablelinks.py)
+            r, vns, voff = node.queue[i], node.qns[i], node.qoff[i]
+            self._evicted_now[r] = vns  # unfiled at the end of the request, before its new rows are filed
             self.evictions += 1
             vsize = extent_size(node.qcode[i])
+            if self.links.linking:  # its parent's tier now, for the next victim (metaserver/tablelinks.py); after
+                self.links.evicted(r)  # the reads: it may queue the parent in slot i
             g = int(gen[r])
             if vsize == size and g < young:
-                return node.qoff[i], r
-            until = self.quarantine.free(node, node.qoff[i], vsize, g)
+                return voff, r
+            until = self.quarantine.free(node, voff, vsize, g)
             if until and self.quota is not None:
-                self.quota.held(node.qns[i], vsize, until)
+                self.quota.held(vns, vsize, until)
             self._free_row(r, node)
             off = node.alloc.alloc(size)
             if off is not None:

@@ -113,17 +113,37 @@ class TableLinks:
         if not sel.any():
             return
         for r, k, n in zip(rows[sel].tolist(), keys[sel].tolist(), nix[sel].tolist()):
-            node = t.nodes[n]
-            if node is None or node.dead or node.qpos >= len(node.queue):
-                continue
-            at = bisect_left(node.qstamp, k, node.qpos)
-            if at < len(node.queue) and node.qstamp[at] == k and node.queue[at] == r:
-                continue  # queued with this key already
-            node.queue.insert(at, r)
-            node.qstamp.insert(at, k)
-            node.qoff.insert(at, int(c["unit"][r]) << UNIT_SHIFT)
-            node.qcode.insert(at, int(t.code_arr[c["size"][r]]))
-            node.qns.insert(at, int(c["ns"][r]))
+            self._queue(t.nodes[n], r, k)
+
+    def _requeue_one(self, r: int) -> None:
+        """``requeue`` of one row, in Python scalars (a victim's parent, a leaf now: once per such victim)."""
+        c = self.t.cols
+        n = int(c["node"][r])
+        if n < len(self.qmax) and c["state"][r] == READY and not c["pins"][r]:
+            k = self.key(r)
+            if k < self.qmax[n]:
+                self._queue(self.t.nodes[n], r, k)
+
+    def _queue(self, node, r: int, k: int) -> None:
+        """Insert row ``r`` of key ``k`` into ``node``'s queue at its place; the smallest key takes the consumed
+        slot before ``qpos`` (O(1): a victim's parent, a leaf now, is the common case), others a list insert."""
+        if node is None or node.dead or node.qpos >= len(node.queue):
+            return
+        t = self.t
+        c = t.cols
+        at = bisect_left(node.qstamp, k, node.qpos)
+        if at < len(node.queue) and node.qstamp[at] == k and node.queue[at] == r:
+            return  # queued with this key already
+        off, code, ns = int(c["unit"][r]) << UNIT_SHIFT, int(t.code_arr[c["size"][r]]), int(c["ns"][r])
+        if at == node.qpos and at > 0:
+            at = node.qpos = at - 1
+            node.queue[at], node.qstamp[at], node.qoff[at], node.qcode[at], node.qns[at] = r, k, off, code, ns
+            return
+        node.queue.insert(at, r)
+        node.qstamp.insert(at, k)
+        node.qoff.insert(at, off)
+        node.qcode.insert(at, code)
+        node.qns.insert(at, ns)
 
     # -- ALLOC, COMMIT, load -----------------------------------------------------------------------------------------
     def placed(self, rows: list[int], new: list[int], parents: list | None) -> None:
@@ -254,7 +274,7 @@ class TableLinks:
             p = u - UP0
             kids[p] -= 1
             if not kids[p]:
-                self.requeue(np.array([p], np.int64))
+                self._requeue_one(p)
 
     def _unlink(self, rows: np.ndarray) -> None:
         t = self.t
