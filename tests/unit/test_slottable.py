@@ -175,3 +175,22 @@ def test_a_slot_tables_alloc_passes_only_its_own_parents(monkeypatch):
     other = next(k for k in cands if slot_of("m", k, SLOTS) != 1)
     items, _ = d.alloc("m", [b"k1", b"k2"], [SMALL, SMALL], [mine, other], 1, 0.0)
     assert seen == [[mine, None]] and [it[0] for it in items] == [NEW, NEW]
+
+
+def test_under_prefix_lru_a_child_of_another_slots_parent_is_a_leaf_not_an_orphan():
+    """(Directory's SlotDirectory case on the table.) A parent of another slot is never linked here: its child is
+    an ordinary leaf, evicted by recency, not an orphan that goes first. The region holds four pages; the fifth
+    evicts the oldest leaf, not the newest page whose parent lives in another slot."""
+    cands = [b"p%d" % i for i in range(100)]
+    mine = next(k for k in cands if slot_of("m", k, SLOTS) == 1)
+    other = next(k for k in cands if slot_of("m", k, SLOTS) != 1)
+    d = SlotTable(1, SLOTS, policy="prefix-lru")
+    d.add_space("n1", SLOTS * 4 * object_size(SMALL))
+    order = [(b"oldest", None), (mine, None), (b"kid-of-mine", mine), (b"kid-of-other", other)]
+    for i, (k, parent) in enumerate(order):
+        items, _ = d.alloc("m", [k], [SMALL], [parent], 10 * (i + 1), float(i))
+        assert d.commit("m", [k], [items[0][4]], float(i))[0] == [True]
+    items, _ = d.alloc("m", [b"new"], [SMALL], None, 100, 9.0)
+    assert items[0][0] == NEW and d.evictions == 1
+    assert d.exists("m", [k for k, _ in order]) == [False, True, True, True]
+    d.check()
