@@ -29,15 +29,21 @@ from bench.pool import BATCH, KiB, best_rate, label, raw_tcp_gbps  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 
 
-def rate(fn, batches: int, min_time: float) -> float:
-    """GB/s of ``fn(b)`` (one batch, returns its bytes) over rotating batch numbers, best window."""
-    rounds, b = [], 0
+def rate(fn, batches: int, min_time: float, cpu: list | None = None) -> float:
+    """GB/s of ``fn(b)`` (one batch, returns its bytes) over rotating batch numbers, best window. With ``cpu`` (a
+    list) the GB/s per CPU second of this process (its threads included; the metaserver and node are other
+    processes) is appended to it: on a loaded machine the wall figure waits on the others, this one does not."""
+    rounds, used, b = [], [], 0
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < min_time or b < min(batches, 3):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         n = fn(b % batches)
         rounds.append((t, time.perf_counter(), n))
+        used.append((time.process_time() - c, n))
         b += 1
+    if cpu is not None:  # the median batch's CPU seconds: process_time ticks coarsely
+        per = sorted(s / n for s, n in used)[len(used) // 2]
+        cpu.append(1 / per / 1e9 if per else float("inf"))
     return best_rate(rounds) / 1e9
 
 
@@ -57,6 +63,14 @@ def memcpy_rates(size: int, pages: int, min_time: float) -> tuple[float, float]:
             np.copyto(d, src[base + i])
         return BATCH * size
     return rate(big, pages // BATCH, min_time), rate(per_page, pages // BATCH, min_time)
+
+
+def stream_cpu_gbps(total: int) -> float:
+    """The raw stream's receive side in GB/s per CPU second of this process (``raw_tcp_gbps`` timed by
+    ``process_time``)."""
+    c = time.process_time()
+    raw_tcp_gbps(total=total)
+    return total / max(time.process_time() - c, 1e-9) / 1e9
 
 
 def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], min_time: float) -> dict:
@@ -82,7 +96,9 @@ def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], 
             def one(b: int, outs=outs, c=c) -> int:
                 c.batch_get_into(batches[b], outs)
                 return BATCH * size
-            out[kind] = rate(one, len(batches), min_time)
+            cpu: list = []
+            out[kind] = rate(one, len(batches), min_time, cpu)
+            out[kind + " cpu"] = cpu[0]
     return out
 
 
@@ -106,11 +122,15 @@ def main() -> int:
                     big, per = memcpy_rates(size, pages, min_time)
                     bases = [("big memcpy", big), ("per-page memcpy", per)]
                 else:
-                    bases = [("raw tcp stream", raw_tcp_gbps(total=(512 << 20) if args.quick else (2 << 30)))]
+                    total = (512 << 20) if args.quick else (2 << 30)
+                    bases = [("raw tcp stream", raw_tcp_gbps(total=total)), ("its cpu", stream_cpu_gbps(total))]
                 got = get_rates(pool.metaserver, transport, size, pages, kinds, min_time)
                 for kind, gbps in got.items():
-                    cols = "  ".join(f"{gbps / b:5.2f}x {n} {b:6.2f}" for n, b in bases)
-                    line = f"{transport} get {label(size):>7} x{BATCH} into {kind:<7} {gbps:6.2f} GB/s | {cols}"
+                    # wall figures against the wall baselines; CPU figures against the stream's CPU rate (tcp)
+                    use = bases[-1:] if kind.endswith("cpu") and transport == "tcp" else bases[:1] if \
+                        transport == "tcp" else bases
+                    cols = "  ".join(f"{gbps / b:5.2f}x {n} {b:6.2f}" for n, b in use)
+                    line = f"{transport} get {label(size):>7} x{BATCH} into {kind:<11} {gbps:6.2f} GB/s | {cols}"
                     lines.append(line)
                     print(line, flush=True)
     print("\n=== summary (GB/s | ratio to each same-run baseline, baseline GB/s) ===")

@@ -43,7 +43,12 @@ from umbp.errors import AuthError, DeadlineExceeded, ProtocolError, RemoteError,
 from umbp.tls import client_context
 
 _IOV_MAX = 512
-_BIG_VIEW = 256 << 10  # recv_scatter: views this large are received on their own
+# recv_scatter: views this large are received on their own. Off (no view is): one recvmsg_into over a whole run of
+# views took less CPU at every size measured on the 2-core VM (a 64-page tcp get, same run, three rounds: 256 KiB
+# pages 3.7-3.9 -> 4.2-5.0 GB/s per client CPU second, 1 MiB 3.6-4.1 -> 5.0-5.2; wall no worse); the earlier
+# measurement that set 256 KiB (many-iovec recvmsg a quarter slower into MiB-sized buffers) is to be redone on the
+# 16-core machine (issue 45).
+_BIG_VIEW = 1 << 62
 _DISCARD = memoryview(bytearray(64 << 10))  # scratch for data that is received only to be dropped (never read)
 _TLS_COALESCE = 256 << 10  # TLS sends: runs of smaller buffers are joined (one record) up to about this much
 # what a receive raises when its deadline passed: waiting (timeout) or, past it, finding nothing more (non-blocking)
@@ -310,10 +315,9 @@ class FramedSocket:
 
     def recv_scatter(self, views: list[memoryview], deadline: float) -> None:
         """Fill every view completely, in order: runs of small views with one ``recvmsg_into`` (MSG_WAITALL: one
-        syscall for the run unless the deadline or a signal cuts it), a large view (``_BIG_VIEW``) with
-        ``recv_into`` on its own (measured: on Linux, many-iovec ``recvmsg`` into MiB-sized buffers moves a quarter
-        less than plain ``recv`` into each). On failure the TransportError carries ``received``: how many bytes
-        landed first (the views they filled are good)."""
+        syscall for the run unless the deadline or a signal cuts it), a view of ``_BIG_VIEW`` or more with
+        ``recv_into`` on its own (none at present: see ``_BIG_VIEW``). On failure the TransportError carries
+        ``received``: how many bytes landed first (the views they filled are good)."""
         got = 0
         try:
             i, n = 0, len(views)

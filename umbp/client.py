@@ -12,7 +12,9 @@ and keeps what the answer confirms (``umbp/speculate.py``): the round trip overl
 
 Per page on the hot path: no copies beyond the transport's own (tcp: one READV/WRITEV frame per batch and node,
 received with ``recvmsg_into`` straight into the outs; shm: one memcpy), ``get()`` reads into the ``bytes`` it
-returns, CUDA outs are staged through pooled pinned buffers and copied up asynchronously with one wait.
+returns, CUDA outs are staged through pooled pinned buffers and copied up asynchronously with one wait. A
+``batch_get_into`` into one 2-D array or tensor, or a list of host tensors or arrays, is carried as arrays from the
+LOOKUP answer's rows, without a Python object a page (``umbp/readbatch.py``).
 
 Contracts:
 - ``put``/``batch_put``: True = stored by this call, False = the key already existed (dedup; nothing written).
@@ -42,7 +44,6 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
-
 from transport import wire
 from transport.base import Pending, ReadOp, Transport
 from transport.shm import ShmTransport, boot_id
@@ -52,15 +53,14 @@ from umbp.buffers import CudaOut, Rows, as_bytes_view, as_writable_view, flush_c
 from umbp.config import ClientConfig, resolve
 from umbp.devcopy import DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
-                         UmbpError,
-                         TransportUnavailable)
+                         TransportUnavailable, UmbpError)
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
 from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
 from umbp.speculate import Speculation, read_deadline
 from umbp.mapped import MappedPages, MappedPath  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp.puts import PutPath
-from umbp.readbatch import get_into, out_addresses
+from umbp.readbatch import get_into, late_reads_missed, out_addresses
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
@@ -361,19 +361,7 @@ class Client(PutPath, MappedPath):
             for k, v in deltas.items():
                 c[k] += v
 
-    def _late_reads_missed(self, locs: list, got: list[int]) -> None:
-        """The batch's reads finished after its read lease ran out: pages read over tcp or rdma become misses. Past
-        the lease an object may have been evicted, its extent given to another page and rewritten while the node was
-        still sending it (tcp queues views of the arena; rdma reads them one-sided), and the header those transports
-        checked before the payload proves nothing about the payload after it. shm checks the header again after its
-        copy, so its pages stand. The outs of those pages hold whatever arrived: a miss, not data."""
-        shm = {n for n, t in self._transports.items() if t.name == "shm"}
-        n = 0
-        for i, loc in enumerate(locs):
-            if loc is not None and got[i] >= 0 and loc[0] not in shm:
-                got[i] = -1
-                n += 1
-        self.count(late_reads=n)
+    _late_reads_missed = late_reads_missed  # umbp/readbatch.py
 
     def _read_ahead(self, lookup: dict, guess: list, segs: list, deadline: float) -> tuple[Any, list]:
         """Submit the LOOKUP, read the remembered locations ``guess`` into the outs while it is in flight, then

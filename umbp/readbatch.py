@@ -222,6 +222,22 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
     return out
 
 
+def late_reads_missed(client: Any, locs: list, got: list[int]) -> None:
+    """``Client._late_reads_missed``: the batch's reads finished after its read lease ran out: pages read over tcp or
+    rdma become misses. Past the lease an object may have been evicted, its extent given to another page and
+    rewritten while the node was still sending it (tcp queues views of the arena; rdma reads them one-sided), and
+    the header those transports checked before the payload proves nothing about the payload after it. shm checks
+    the header again after its copy, so its pages stand. The outs of those pages hold whatever arrived: a miss,
+    not data. (``get_into`` does the same over its arrays.)"""
+    shm = {n for n, t in client._transports.items() if t.name == "shm"}
+    n = 0
+    for i, loc in enumerate(locs):
+        if loc is not None and got[i] >= 0 and loc[0] not in shm:
+            got[i] = -1
+            n += 1
+    client.count(late_reads=n)
+
+
 def _read_ahead(c: Any, guess: tuple[np.ndarray, np.ndarray], addr: np.ndarray, cap: np.ndarray,
                 deadline: float) -> np.ndarray:
     """Read the remembered rows into the outs while the LOOKUP is in flight; True per page read without error.
