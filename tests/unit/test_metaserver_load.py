@@ -1,10 +1,12 @@
-"""The full load (``PageRecords`` -> ``fill`` -> ``Directory.load_entries``) against the per-record path it replaced.
+"""The full load (``PageRecords`` -> ``TableDirectory.load`` -> ``tableload.load_pages``) against the load rules
+applied one record at a time.
 
-``reference_fill`` below is the load as it was before it was batched (a 9-tuple per record, grouped per node, sorted
-by revision, then per record: an ``Entry``, ``_link_ready`` after all of a node's, ``policy.add``; the allocator
-rebuilt over the records whose key is not present yet). A randomized record set with overlaps, out-of-range
-extents, keys given twice, keys on two nodes, parents on other nodes and missing parents must give the same
-directory (``fingerprint``: entries, places, links, use, eviction order) and the same stale and rejected records.
+``model_fill`` below is the load written out per record (grouped per node in scan order, sorted by revision, then
+``test_tableload.model_load``'s three rules: a key filed already, extents in offset order within the arena, a key
+given twice). A randomized record set with overlaps, out-of-range extents, keys given twice, keys on two nodes,
+parents on other nodes and missing parents must give the table the model says (``fingerprint``: rows, places, use,
+eviction order; each node's free extents; under prefix-lru the parents linked and the orphans waiting) and the same
+stale and rejected records.
 """
 
 from __future__ import annotations
@@ -14,83 +16,66 @@ import random
 from types import SimpleNamespace
 
 import msgpack
+import numpy as np
 import pytest
 
-from metaserver.directory import Directory
-from metaserver.entry import READY, Effects, Entry, extent_size
+from metaserver.allocator import Allocator
+from metaserver.entry import READY, extent_size
+from metaserver.fullload import gc_paused
 from metaserver.persist import EtcdStore
 from metaserver.records import PageRecords
-from metaserver.fullload import fill, fingerprint, gc_paused
+from metaserver.tabledir import TableDirectory
+from metaserver.tableload import fingerprint
+from test_tableload import model_load
 from transport.wire import ALIGN, ARENA_DATA_START
 
 PREFIX = b"/umbp/pages/"
 UNITS = 64
 
 
-def reference_load_pages(d: Directory, node_id: str, pages: list[tuple]) -> Effects:
-    """``NodeSpaces.load_pages`` before it was batched (commit a9b22e6), step for step."""
-    sp = d.spaces[node_id]
-    fx = Effects()
-    osize: dict[int, int] = {}
-    keep, extents = [], []
-    for rec in pages:
-        ns, key, plen = rec[0], rec[1], rec[3]
-        r = d.ready.get(ns)
-        if (r is not None and key in r) or (d.pending_keys and key in d.pending_keys.get(ns, ())):
-            fx.deletes.append((ns, key))
-            continue
-        sz = osize.get(plen)
-        if sz is None:
-            sz = osize[plen] = extent_size(plen)
-        keep.append(rec)
-        extents.append((rec[2], sz))
-    skip = set(sp.alloc.rebuild(extents))
-    loaded = []
-    for i, (ns, key, off, plen, gen, parent) in enumerate(keep):
-        if i in skip:
-            fx.deletes.append((ns, key))
-            continue
-        r = d.ready.setdefault(ns, {})
-        if key in r:
-            fx.deletes.append((ns, key))
-            sp.alloc.free(off, osize[plen])
-            continue
-        e = Entry(ns, key, sp, off, d._plen(plen), gen, READY, parent, 0.0)
-        r[key] = e
-        d._count(ns, osize[plen])
-        loaded.append(e)
-    sp.n += len(loaded)
-    for e in loaded:
-        d._link_ready(e)
-    for e in loaded:
-        d.policy.add(e)
-    return fx
-
-
-def _filed(d: Directory, node_id: str, p: tuple) -> bool:
-    e = d.ready.get(p[2], {}).get(p[3])
-    return e is not None and e.node_id == node_id and e.offset == p[4] and e.gen == p[6]
-
-
-def reference_fill(d: Directory, descs: dict, pages: list[tuple]) -> tuple[list, list]:
-    for node_id, (desc, _) in descs.items():
-        d.add_space(node_id, desc["capacity"])
-        d.set_placeable(node_id, False)
-    by_node: dict = {}
-    stale = []
+def model_fill(descs: dict, pages: list[tuple]) -> tuple[list, list, dict]:
+    """(stale, rejected, node -> the pages filed in commit order) of a full load of ``page_record`` tuples: a page of
+    a node without a description is stale; each described node's pages, in the order the scan first met the node,
+    sorted by revision (stable), go through the load rules."""
+    stale, by_node = [], {}
     for p in pages:
-        if p[1] is None or type(p[1]) is not str or p[1] not in d.spaces:
+        if p[1] is None or type(p[1]) is not str or p[1] not in descs:
             stale.append(p)
         else:
             by_node.setdefault(p[1], []).append(p)
-    rejected = []
-    for node_id, recs in by_node.items():
+    for recs in by_node.values():
         recs.sort(key=lambda p: p[0])
-        reference_load_pages(d, node_id, [p[2:8] for p in recs])
-        # rejected: every record not filed (of a key given twice, the one kept is not rejected: its etcd record
-        # must stay)
-        rejected.extend(p for p in recs if not _filed(d, node_id, p))
-    return stale, rejected
+    flat = [(p[1], p[2], p[3], p[4], p[5], p[6], p) for recs in by_node.values() for p in recs]
+    bad, kept = model_load(flat, {n: d["capacity"] for n, (d, _) in descs.items()}, list(by_node))
+    rejected = [by_node[n][i] for n, ix in bad.items() for i in ix]
+    return stale, rejected, {n: [x[6] for x in ps] for n, ps in kept.items()}
+
+
+def links_of(t: TableDirectory) -> tuple[list, set]:
+    """(every READY page with the parent key it names, the (namespace, parent key) its orphans wait for)."""
+    named = sorted((ns, k, p) for ns, ks, ps in t.links.snapshot() for k, p in zip(ks, ps))
+    return named, {(t.ns_names[nsix], v[0]) for (nsix, _), v in t.links.orphans.items()}
+
+
+def assert_as_modelled(t: TableDirectory, descs: dict, kept: dict, policy: str) -> None:
+    fp = fingerprint(t)
+    assert fp["entries"] == sorted((p[2], p[3], p[1], p[4], p[5], p[6], READY) for ps in kept.values() for p in ps)
+    for node_id, (desc, _) in descs.items():
+        ps = kept.get(node_id, [])
+        extents = sorted((p[4], extent_size(p[5])) for p in ps)
+        assert fp["nodes"][node_id] == (desc["capacity"], sum(x for _, x in extents), len(ps))
+        assert fp["order"][node_id] == [(p[2], p[3]) for p in sorted(ps, key=lambda p: (p[0], p[2], p[3]))]
+        ref = Allocator(ARENA_DATA_START, desc["capacity"], track=False)
+        assert ref.rebuild_columns([o for o, _ in extents], [x for _, x in extents]) == []
+        alloc = t.node_by_id[node_id].alloc
+        assert sorted(alloc._free.items()) == sorted(ref._free.items()) and alloc.used_units == ref.used_units
+    filed = {(p[2], p[3]) for ps in kept.values() for p in ps}
+    named, orphans = links_of(t)
+    linking = policy == "prefix-lru"
+    assert named == sorted((p[2], p[3], p[7] if linking else None) for ps in kept.values() for p in ps)
+    assert orphans == ({(p[2], p[7]) for ps in kept.values() for p in ps if p[7] is not None
+                        and (p[2], p[7]) not in filed} if linking else set())
+    assert fp["pending"] == fp["pinned"] == 0 and fp["objects"] == len(filed)
 
 
 def records(rng: random.Random, n: int, unique_parents: bool, dense: bool = False) -> list[tuple]:
@@ -126,21 +111,18 @@ def records(rng: random.Random, n: int, unique_parents: bool, dense: bool = Fals
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("policy", ["lru", "prefix-lru"])
 @pytest.mark.parametrize("seed", range(12))
-def test_fill_equals_the_per_record_load(policy, seed, dense):
+def test_load_equals_the_per_record_rules(policy, seed, dense):
     rng = random.Random(seed)
     pages = records(rng, 150, unique_parents=policy == "prefix-lru", dense=dense)
     descs = {nid: ({"capacity": (4 if dense else 1) * UNITS * ALIGN}, 0) for nid in ("n1", "n2")}
-    d_ref, d_new = Directory(policy=policy), Directory(policy=policy)
-    stale_ref, rej_ref = reference_fill(d_ref, descs, list(pages))
-    stale_new, rej_new = fill(d_new, descs, list(pages))
-    d_new.check()
-    assert fingerprint(d_new) == fingerprint(d_ref)
-    assert sorted(stale_new) == sorted(stale_ref)
-    assert sorted(map(repr, rej_new)) == sorted(map(repr, rej_ref))
-    for nid in descs:
-        a, b = d_new.spaces[nid].alloc, d_ref.spaces[nid].alloc
-        assert sorted(a._free.items()) == sorted(b._free.items()) and a.used_units == b.used_units
-    assert d_new.ns_used == d_ref.ns_used and d_new.orphans.keys() == d_ref.orphans.keys()
+    t = TableDirectory(policy=policy)
+    stale, rejected = t.load(descs, PageRecords.of(list(pages)))
+    t.check()
+    stale_ref, rej_ref, kept = model_fill(descs, list(pages))
+    assert sorted(stale) == sorted(stale_ref) and len(stale) == sum(p[1] == "n3" for p in pages) > 0
+    assert sorted(map(repr, rejected)) == sorted(map(repr, rej_ref)) and (dense or rejected)
+    assert_as_modelled(t, descs, kept, policy)
+    assert t.take_records() == ([], [])  # pages of records of their own: nothing to rewrite
 
 
 def kv(key: bytes, value, rev: int = 1):
@@ -183,7 +165,7 @@ def test_page_records_parse_and_skip_the_unreadable():
     assert store.page_name(name) == ("m", good_key) and store.page_name(kvs[2].key) is None
 
 
-def test_fill_of_page_records_and_of_tuples_agree():
+def test_load_of_page_records_and_of_tuples_agree():
     rng = random.Random(7)
     pages = [p for p in records(rng, 120, unique_parents=False)]
     seen, uniq = set(), []
@@ -194,11 +176,12 @@ def test_fill_of_page_records_and_of_tuples_agree():
     recs = PageRecords(PREFIX)
     recs.add([kv(p[8], [p[1], p[4], p[5], p[6], p[7]], p[0]) for p in uniq])
     descs = {nid: ({"capacity": UNITS * ALIGN}, 0) for nid in ("n1", "n2")}
-    d1, d2 = Directory(), Directory()
-    s1, r1 = fill(d1, descs, recs)
-    s2, r2 = fill(d2, descs, uniq)
+    d1, d2 = TableDirectory(), TableDirectory()
+    s1, r1 = d1.load(descs, recs)
+    s2, r2 = d2.load(descs, PageRecords.of(uniq))
     assert fingerprint(d1) == fingerprint(d2) and sorted(s1) == sorted(s2) and sorted(map(repr, r1)) == sorted(
         map(repr, r2))
+    assert s1 and r1 and d1.objects > 0
     assert recs.groups == {} and len(recs) == len(uniq)  # each node's records released once loaded
 
 
@@ -268,40 +251,40 @@ def bkv(name: bytes, value, create: int, mod: int | None = None):
 
 
 def test_commit_records_round_trip_and_a_rejected_page_leaves_its_record():
-    """A leader's commits as commit records (``batches_of``, ``batch_value``) load back as the same pages; a page
-    of a record that another record's page overlaps is rejected alone: the record is rewritten without it, never
-    deleted with its other pages."""
+    """A leader's commits as commit records (``TableRecord.value``) load back as the same pages, under the same
+    record; a page of a record that another record's page overlaps is rejected alone: the record is rewritten without
+    it, never deleted with its other pages."""
     store = EtcdStore.__new__(EtcdStore)
-    store._pages, store.fence_rev = PREFIX, 7
-    leader = Directory()
+    store._pages, store.fence_rev, store._batch_seq = PREFIX, 7, 0
+    leader = TableDirectory(namer=store.batch_name)
     leader.add_space("n1", UNITS * ALIGN)
     keys = [b"k%03d" % i for i in range(20)]
     items, _ = leader.alloc("ns", keys, [1000] * 20, [None] + keys[:-1], 1, 1.0)
     ok, fx = leader.commit("ns", keys, [it[4] for it in items], 1.0)
     assert all(ok)
-    batches = store.batches_of(fx.puts)
-    assert len(batches) == 1 and all(e.batch is batches[0] for e in fx.puts)
-    b = batches[0]
+    assert len(fx.recs) == 1
+    b = fx.recs[0]
     assert b.name == PREFIX + b"ns/+7.1" and store.is_batch(b.name) and not store.is_batch(PREFIX + b"ns/abcd")
     # another record (written later) claims the extent of k005: that page alone is rejected
-    e5 = leader.ready["ns"][b"k005"]
-    other = msgpack.packb([[b"x", "n1", e5.offset, 1000, 99, None]], use_bin_type=True)
+    row5 = int(leader._find("ns", [b"k005"])[0])
+    other = msgpack.packb([[b"x", "n1", leader.offsets_of(np.array([row5]))[0], 1000, 99, None]], use_bin_type=True)
     recs = PageRecords(PREFIX)
-    recs.add([bkv(b.name, store.batch_value(b), 10, 12), bkv(PREFIX + b"ns/+8.1", other, 11)])
+    recs.add([bkv(b.name, b.value(), 10, 12), bkv(PREFIX + b"ns/+8.1", other, 11)])
     assert len(recs) == 21 and not recs.junk and set(recs.batches) == {b.name, PREFIX + b"ns/+8.1"}
-    d = Directory()
-    stale, rejected = fill(d, {"n1": ({"capacity": UNITS * ALIGN}, 0)}, recs)
-    assert stale == [] and [(p[3], type(p[8]).__name__) for p in rejected] == [(b"x", "Batch")]
-    assert sorted(d.ready["ns"]) == keys
-    assert [(e.key, e.offset, e.gen, e.parent) for e in d.policy.members("n1")] == \
-        [(e.key, e.offset, e.gen, e.parent) for e in leader.policy.members("n1")]
-    loaded = d.ready["ns"][b"k000"].batch
-    assert loaded.name == b.name and len(loaded.live()) == 20
-    assert store.batch_value(rejected[0][8]) is None  # its one page was rejected: the record is deleted
+    d = TableDirectory()
+    stale, rejected = d.load({"n1": ({"capacity": UNITS * ALIGN}, 0)}, recs)
+    assert stale == [] and rejected == []  # a commit record's page is not a key to delete: its record is rewritten
+    fp, lead = fingerprint(d), fingerprint(leader)
+    assert sorted(k for _, k, *_ in fp["entries"]) == keys
+    assert fp["entries"] == lead["entries"] and fp["order"] == lead["order"] and fp["nodes"] == lead["nodes"]
+    _, rewrites = d.take_records()
+    assert [r.name for r in rewrites] == [PREFIX + b"ns/+8.1"] and rewrites[0].value() is None  # its one page: gone
+    loaded = d._rec_by_name[b.name]
+    assert len(loaded.live()) == 20 and d.take_records() == ([], [])
     # evicting two pages of the loaded record rewrites it without them
     _, fx = d.remove("ns", [b"k003", b"k017"])
-    assert fx.batches == [loaded, loaded] and not fx.deletes
-    left = [p[0] for p in msgpack.unpackb(store.batch_value(loaded))]
+    assert fx.batches == [loaded] and not fx.deletes
+    left = [p[0] for p in msgpack.unpackb(loaded.value())]
     assert left == [k for k in keys if k not in (b"k003", b"k017")]
 
 
