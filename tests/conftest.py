@@ -102,16 +102,9 @@ def etcd_binary(pytestconfig: pytest.Config) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def harness_class() -> type:
-    """The harness a test's processes start through (a module may override it, module-scoped as this one is:
-    tests/test_table_service.py)."""
-    return Harness
-
-
 @pytest.fixture
-def harness(request: pytest.FixtureRequest, harness_class: type):
-    h = harness_class(request.node.name, keep=os.environ.get("UMBP_KEEP_TEST_DIRS") == "1")
+def harness(request: pytest.FixtureRequest):
+    h = Harness(request.node.name, keep=os.environ.get("UMBP_KEEP_TEST_DIRS") == "1")
     request.node._umbp_harness = h
     try:
         yield h
@@ -137,9 +130,8 @@ class SharedClusters:
     harness of its own, started on first use and stopped with the module. Saves a start (etcd, metaserver, nodes:
     1-2 s on 2 cores) per test that only puts and reads in its own namespace."""
 
-    def __init__(self, module: str, harness_class: type, keep: bool):
+    def __init__(self, module: str, keep: bool):
         self.module = module.rsplit(".", 1)[-1]
-        self.harness_class = harness_class
         self.keep = keep
         self.clusters: dict[str, Cluster] = {}
         self.tests = 0
@@ -148,7 +140,7 @@ class SharedClusters:
         key = repr(sorted(kw.items()))
         c = self.clusters.get(key)
         if c is None:
-            h = self.harness_class(f"{self.module}-shared{len(self.clusters)}", keep=self.keep)
+            h = Harness(f"{self.module}-shared{len(self.clusters)}", keep=self.keep)
             try:
                 c = Cluster(h, **kw).start()
             except BaseException:
@@ -180,8 +172,8 @@ class SharedClusters:
 
 
 @pytest.fixture(scope="module")
-def shared_clusters(request: pytest.FixtureRequest, etcd_binary: str, harness_class: type):
-    shared = SharedClusters(request.module.__name__, harness_class, os.environ.get("UMBP_KEEP_TEST_DIRS") == "1")
+def shared_clusters(request: pytest.FixtureRequest, etcd_binary: str):
+    shared = SharedClusters(request.module.__name__, os.environ.get("UMBP_KEEP_TEST_DIRS") == "1")
     try:
         yield shared
     finally:

@@ -112,9 +112,8 @@ def test_slot_handover_hands_its_open_allocations_on(make_cluster):
         assert c.batch_exists([opened[s][0] for s in range(SLOTS)]) == [s not in moving for s in range(SLOTS)]
 
 
-@pytest.mark.parametrize("directory", ["objects", "table"])
-def test_clean_stop_hands_its_open_allocations_on(make_cluster, directory):
-    cluster = make_cluster(metaservers=2, nodes=1, lease_ttl=5, metaserver_flags={**ms_env(), "directory": directory})
+def test_clean_stop_hands_its_open_allocations_on(make_cluster):
+    cluster = make_cluster(metaservers=2, nodes=1, lease_ttl=5, metaserver_flags=ms_env())
     old, standby = cluster.metaservers
     assert wait_leader(cluster, timeout=10) is old
     held = FramedSocket(old.addr, "test writer", time.monotonic() + 5)
@@ -129,12 +128,11 @@ def test_clean_stop_hands_its_open_allocations_on(make_cluster, directory):
     assert HELD_LOG in standby.stderr_text(), standby.tail()  # logged before serving: the puts were served
 
 
-@pytest.mark.parametrize("directory", ["objects", "table"])
-def test_a_closed_connections_open_allocations_stay_unplaced(make_cluster, directory):
+def test_a_closed_connections_open_allocations_stay_unplaced(make_cluster):
     """A writer's connection closes while its allocations are open (``drop_pending``): the keys are free for other
     writers at once, but the extents stay out of placement while the writer may still write the places it got (it
     writes without the metaserver, then finds its COMMIT failed). New pages put meanwhile survive its late writes."""
-    cluster = make_cluster(metaservers=1, nodes=1, metaserver_flags={"directory": directory})
+    cluster = make_cluster(metaservers=1, nodes=1)
     held = FramedSocket(cluster.metaserver.addr, "test writer", time.monotonic() + 5)
     try:
         opened = [open_allocation(held, f"open-at-close{i}".encode()) for i in range(3)]
@@ -154,12 +152,11 @@ def test_a_closed_connections_open_allocations_stay_unplaced(make_cluster, direc
     assert "allocations pending: aborted" in cluster.metaserver.stderr_text(), cluster.metaserver.tail()
 
 
-@pytest.mark.parametrize("directory", ["objects", "table"])
-def test_an_abort_of_written_places_keeps_them_unplaced(make_cluster, directory, monkeypatch):
+def test_an_abort_of_written_places_keeps_them_unplaced(make_cluster, monkeypatch):
     """An ABORT that says its places were written (``"written": true``: the write failed, a node or copy thread
     may still apply it) keeps their extents out of placement like a closed connection's; one without it frees them
     at once. New pages put meanwhile survive the late writes. The client says it on a failed write."""
-    cluster = make_cluster(metaservers=1, nodes=1, metaserver_flags={"directory": directory})
+    cluster = make_cluster(metaservers=1, nodes=1)
     sock = FramedSocket(cluster.metaserver.addr, "test writer", time.monotonic() + 5)
     try:
         opened = [open_allocation(sock, f"failed-write{i}".encode()) for i in range(3)]

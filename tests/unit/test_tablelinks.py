@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import random
+import weakref
 
 import msgpack
 import numpy as np
@@ -275,8 +276,9 @@ def test_victims_leave_in_exact_tier_then_recency_order_under_churn():
 
 @pytest.mark.parametrize("policy", ["lru", "prefix-lru"])
 def test_the_table_drops_linked_pages_without_cyclic_garbage(policy):
-    """gcpolicy's drop test on the table: chains, churn, leases, removes, node loss and evict-all leave no cyclic
-    garbage (links are columns and a dict of orphans, no object per page)."""
+    """Every way the table drops pages (churn evictions, lease and PENDING expiry, aborts, removes, drains, node
+    loss in slices, a dropped node, watermark passes, evict-all) leaves no cyclic garbage (links are columns and a
+    dict of orphans, no object per page): what makes freezing it under ``metaserver/gcpolicy.py`` safe."""
     gc.collect()
     gc.disable()
     try:
@@ -291,8 +293,11 @@ def test_the_table_drops_linked_pages_without_cyclic_garbage(policy):
         lease, locs = d.lookup("m", [b"c%05d-p%d" % (119, i) for i in range(6)], 2.0)
         assert lease and all(loc is not None for loc in locs)
         d.release(lease)
-        d.lookup("m", [b"c%05d-p%d" % (118, i) for i in range(6)], 2.0)
+        d.lookup("m", [b"c%05d-p%d" % (118, i) for i in range(6)], 2.0)  # never released: expires
         d.expire_leases(100.0, 1 << 20)
+        items, _ = d.alloc("m", [b"pending-%d" % i for i in range(4)], [PAGE] * 4, None, 5000, 3.0)
+        d.abort("m", [b"pending-0", b"pending-1"], [items[0][4], items[1][4]])
+        d.expire_pending(100.0, 1 << 20)  # the other two were never committed
         removed, _ = d.remove("m", [b"c%05d-p%d" % (119, i) for i in range(6)])
         assert all(removed)
         d.drain("n1")
@@ -302,10 +307,16 @@ def test_the_table_drops_linked_pages_without_cyclic_garbage(policy):
             if rest is not None:
                 break
         d.drop_space("n3")
+        d.watermark_pass(0.5, 0.2, 1 << 20, Effects())
         n, _freed, done = d.evict_all(1 << 20, Effects())
         d.check()
         assert done and d.objects == 0 and not d.links.orphans
         assert gc.collect() == 0
+        # The control: a dropped table is cyclic garbage (what gcpolicy.thaw is for), so the check above can fail.
+        gone = weakref.ref(d)
+        del d
+        assert gone() is not None
+        assert gc.collect() > 0 and gone() is None
     finally:
         gc.enable()
 
