@@ -343,8 +343,7 @@ def test_young_extents_wait_out_their_write_capabilities_in_the_quarantine():
 
 
 def test_a_chain_goes_near_its_parent_unless_that_node_is_much_fuller():
-    """Near the parent while that node has at least half the free bytes of the emptiest (Directory's rule), else
-    in turn."""
+    """Near the parent while that node has at least half the free bytes of the emptiest, else in turn."""
     t = table(3, 100)
     chain = [b"c%d" % i for i in range(10)]
     items = t.alloc("a", chain, [PLEN] * 10, 1, parents=[None] + chain[:-1])

@@ -203,8 +203,7 @@ def test_spread_across_nodes_and_set_placeable():
 
 
 def test_a_batch_spreads_over_the_nodes_and_keys_present_take_no_extent():
-    """(From the Directory's placement in runs.) A batch's share of each node; a request whose later keys exist
-    holds exactly the new pages' extents."""
+    """A batch's share of each node; a request whose later keys exist holds exactly the new pages' extents."""
     d = make(units=200, nodes=("n1", "n2"))
     keys = [b"k%d" % i for i in range(96)]
     items, _ = d.alloc("m", keys, [PAGE] * 96, None, 1, 0.0)
@@ -382,9 +381,9 @@ def test_a_put_of_a_page_already_here_counts_as_a_use():
 
 
 def test_random_requests_keep_totals_prefix_runs_and_listings_true_to_the_rows():
-    """(From the comparison with ``Directory``.) Random ALLOC with and without a writer token, COMMIT with right and
-    wrong generations, ABORT, LOOKUP and RELEASE, REMOVE and the budgeted expiries on a full node: every total, prefix
-    run and listing agrees with the pages EXISTS and a LOOKUP see, and the paths were taken."""
+    """Random ALLOC with and without a writer token, COMMIT with right and wrong generations, ABORT, LOOKUP and
+    RELEASE, REMOVE and the budgeted expiries on a full node: every total, prefix run and listing agrees with the
+    pages EXISTS and a LOOKUP see, and the paths were taken."""
     rng = random.Random(5)
     d = make(units=20, pending_ttl_s=5.0, read_lease_s=3.0)
     universe = [bytes([i]) * 32 for i in range(24)] + [b"key-%d" % i for i in range(16)]

@@ -178,9 +178,9 @@ def test_a_slot_tables_alloc_passes_only_its_own_parents(monkeypatch):
 
 
 def test_under_prefix_lru_a_child_of_another_slots_parent_is_a_leaf_not_an_orphan():
-    """(Directory's SlotDirectory case on the table.) A parent of another slot is never linked here: its child is
-    an ordinary leaf, evicted by recency, not an orphan that goes first. The region holds four pages; the fifth
-    evicts the oldest leaf, not the newest page whose parent lives in another slot."""
+    """A parent of another slot is never linked here: its child is an ordinary leaf, evicted by recency, not an
+    orphan that goes first. The region holds four pages; the fifth evicts the oldest leaf, not the newest page whose
+    parent lives in another slot."""
     cands = [b"p%d" % i for i in range(100)]
     mine = next(k for k in cands if slot_of("m", k, SLOTS) == 1)
     other = next(k for k in cands if slot_of("m", k, SLOTS) != 1)

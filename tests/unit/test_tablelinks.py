@@ -1,6 +1,6 @@
-"""``metaserver/tablelinks.py``: prefix links and ``prefix-lru`` on the columnar directory (ported from the
-Directory's tests of links, orphans and prefix-lru, and gcpolicy's drop test), checked against a brute-force model
-of (tier, stamp) order, plus commit records that name parents and a full load that links them again."""
+"""``metaserver/tablelinks.py``: prefix links and ``prefix-lru`` on the columnar directory (links, orphans,
+pages dropped without cyclic garbage), checked against a brute-force model of (tier, stamp) order, plus commit
+records that name parents and a full load that links them again."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def test_a_lost_node_misses_at_once_drops_in_slices_and_its_block_is_reused():
     t.check()
     _, locs = t.lookup("a", keys)
     assert [loc is not None for loc in locs] == [where[k] == "n0" for k in keys], "n1's pages miss at once"
-    assert sum(t.exists("a", on1)) == 1000, "EXISTS may count them until their slice (as Directory's)"
+    assert sum(t.exists("a", on1)) == 1000, "EXISTS may count them until their slice"
     n1_pend = [i for i, it in enumerate(pend) if it[1] == "n1"]
     assert t.commit("a", [keys_of(5000, 5010)[i] for i in n1_pend], [pend[i][4] for i in n1_pend]) == [False] * 5
     assert {it[1] for it in t.alloc("a", keys_of(9000, 9100), [PLEN] * 100, 2 * 10**6)} == {"n0"}

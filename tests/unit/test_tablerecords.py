@@ -1,5 +1,5 @@
-"""metaserver/tablerecords.py: a COMMIT's rows become commit records of at most BATCH_PAGES pages in Directory's
-layout (read back by the loader's own ``records.batch_entries``); rows that leave (evicted, removed, dropped with
+"""metaserver/tablerecords.py: a COMMIT's rows become commit records of at most BATCH_PAGES pages in the
+records' layout (read back by the loader's own ``records.batch_entries``); rows that leave (evicted, removed, dropped with
 their node) rewrite their records, a record with nothing left is deleted and its id reused, and a stale record
 object never lists another record's rows."""
 

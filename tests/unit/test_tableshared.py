@@ -4,8 +4,7 @@ same keys, plain requests mixed in, LOOKUP per rank and plain, RELEASE, ABORT, R
 each key's last placement: every LOOKUP answers, for each key EXISTS reports, exactly its rank's sub-slot of the page
 of its layout (``offset + rank * stride``, the part length, the page's one generation) and a miss for any other
 layout; a rank's NEW item is its sub-slot of the page the first rank placed; the invariant check holds throughout.
-(It compared with ``Directory``'s shared entries request by request before; test_directory_shared.py has the
-cases.)"""
+The hand-written cases are in test_directory_shared.py."""
 
 from __future__ import annotations
 
