@@ -19,10 +19,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise", default=None, help="address clients should use, if not --listen")
     p.add_argument("--etcd-prefix", dest="etcd_prefix", default=None, help="key prefix in etcd (default /umbp)")
     p.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=("lru", "prefix-lru"))
-    p.add_argument("--directory", default=None, choices=("objects", "table"),
-                   help="the page directory's core: objects (default: every feature) or table (columnar: a third of "
-                        "the memory a page, faster per key at millions of pages; lru, unpartitioned, no quotas, no "
-                        "warm standby copy; docs/design/directory-and-eviction.md)")
     p.add_argument("--election-ttl", dest="election_ttl_s", type=int, default=None,
                    help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
     p.add_argument("--slots", type=int, default=None,
@@ -54,7 +50,7 @@ def tls_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
-                                      ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy", "directory",
+                                      ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
                                        "election_ttl_s", "slots", "token", "tokens_file", "metrics_listen", "gc_freeze_ms",
                                        "kv_events", "tls_cert", "tls_key", "tls_ca")})
 

@@ -18,7 +18,7 @@ import asyncio
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.directory import Effects
+from metaserver.entry import Effects
 from transport.wire import Status
 from umbp.errors import AuthError
 
@@ -61,7 +61,7 @@ class AdminHandlers:
                "load_s": round(self.load_s, 3), "takeover": self.takeover, "etcd_pending_ops": self.writer.pending(),
                "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
                "etcd_txn_max_ops": self.writer.batch,
-               "ticks": self.ticks, "directory": self.cfg.directory, "nodes": self._node_maps(scope.admin)}
+               "ticks": self.ticks, "nodes": self._node_maps(scope.admin)}
         if not scope.admin:
             del out["etcd"]
         return out

@@ -1,15 +1,13 @@
-"""A columnar page table: the page directory's state in arrays, one row per page (issue 17, item 3). The metaserver
-serves from it with ``--directory table`` (``metaserver/tabledir.py`` gives it the service's calls);
-``bench/columns.py`` measures it against ``Directory`` in the same run and ``tests/unit/test_columns.py`` checks it.
+"""The page table: the page directory's state in arrays, one row per page. The metaserver serves from it
+(``metaserver/tabledir.py`` gives it the service's calls); ``bench/columns.py`` measures it and
+``tests/unit/test_columns.py`` checks it.
 
-Why: a ``Directory`` page is a Python ``Entry`` of 15 slots (152 bytes with its object header) plus its key, offset
-and generation objects and a dict slot, and every per-key step is attribute work on it (a LOOKUP pins each entry,
-unlinks it from its eviction ring and links it back at the release). Here a page is a row: ``ROW_BYTES`` of
-fixed-width columns, its 32-byte key digest and two to five 8-byte slots of the key index
-(``metaserver/keyindex.py``: an open-addressing table probed a batch at a time), with no Python object per page;
-every batch operation (find the keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's
-rows instead of a Python step per key. What stays per key in Python: placement and eviction in ``alloc`` (the
-allocator is per extent), the pending set at COMMIT, and REMOVE.
+Why columns: a page as a Python object (15 slots, 152 bytes with its header, plus its key, offset and generation
+objects and a dict slot: the directory this table replaced) costs 355 bytes at 10 M pages and attribute work per
+key on every request. Here a page is a row: ``ROW_BYTES`` of fixed-width columns plus its slot in the key index
+(``metaserver/keyindex.py``, probed a batch at a time), with no Python object per page; every batch operation (find
+the keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's rows. What stays per key in
+Python: placement and eviction in ``alloc`` (the allocator is per extent), the pending set at COMMIT, and REMOVE.
 
 Columns (``ROW_BYTES`` = 43 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
 16 TiB per arena), ``size`` (u16: the index of its layout code, the payload length or a shared entry's
@@ -30,17 +28,16 @@ Nodes (``metaserver/tablenodes.py``): added and drained, and a lost one detached
 slices (its blocks and index reused once nothing of it is in use). Totals and listings: ``tablequeries.py``; the
 full load and a fingerprint: ``tableload.py``.
 
-Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under etcd records of ``Directory``'s layout,
-rewritten as rows leave.
+Commit records (``metaserver/tablerecords.py``): a COMMIT's rows filed under one etcd record, rewritten as rows
+leave.
 
-What ``Directory`` has that this does not (yet): placement on the most
-free node with eviction where the next victim is oldest across nodes (here: in turn over the placeable nodes, near
-a parent by ``Directory``'s rule, evicting on the chosen one). Shared entries, parking
-and the service's calls are ``tabledir.py``'s and ``tableshared.py``'s. As ``Directory``'s: read leases have
-owners and a budgeted expiry (``expire_leases``), PENDING rows a budgeted expiry (``expire_pending``) and their
-writer's token (a retried ALLOC gets its place back), extents freed young wait in the write quarantine
-(``metaserver/quarantine.py``, the same class), and the key index resizes a slice at a time (``step``, and each
-insert's share), so no request waits for a whole rebuild.
+Placement is in turn over the placeable nodes that can hold the page (a child near its parent unless the parent's
+node is much fuller), eviction makes room on the chosen node: per node exact, not one order across nodes. Shared
+entries, parking and the service's calls are ``tabledir.py``'s and ``tableshared.py``'s. Read leases have owners and
+a budgeted expiry (``expire_leases``), PENDING rows a budgeted expiry (``expire_pending``) and their writer's token
+(a retried ALLOC gets its place back), extents freed young wait in the write quarantine
+(``metaserver/quarantine.py``), and the key index resizes a slice at a time (``step``, and each insert's share), so
+no request waits for a whole rebuild.
 """
 
 from __future__ import annotations

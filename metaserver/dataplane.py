@@ -1,6 +1,6 @@
 """The metaserver's data-plane handlers (``DataPlaneHandlers``, a mixin of ``metaserver.service.Metaserver``):
-ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX and REMOVE, on either directory core (``Directory`` or the columnar
-``TableDirectory``). Each validates its request, checks the connection's rights, calls the directory (bookkeeping
+ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX and REMOVE on the page table (``metaserver.tabledir.TableDirectory``).
+Each validates its request, checks the connection's rights, calls the directory (bookkeeping
 before any await, so a request's effect is atomic), hands the etcd work to the batch writer (``Metaserver._apply``)
 and answers with the closed pool's tags and capabilities (``metaserver/grants.py``); only COMMIT waits for etcd,
 and ALLOC when generations run out or right after a takeover (at most ``ALLOC_HOLD_S``)."""
@@ -14,7 +14,7 @@ from typing import Any
 
 from metaserver import validate as v
 from metaserver.entry import NEW, OVER_QUOTA
-from metaserver.grants import grant_reads, grant_writes
+from metaserver.grants import grant_writes
 from transport.wire import Status
 from umbp.errors import Unavailable
 
@@ -130,13 +130,9 @@ class DataPlaneHandlers:
         conn.auth.scope.check(ns, False, "metaserver")
         keys = v.keys(m, self.max_keys)
         shard = v.shard(m)
-        if self.cfg.directory == "table":  # tags and capabilities from the columns; packed rows from VERSION 12
-            ans = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens, self.members.get, shard,
-                                          conn.version >= 12)
-        else:
-            lease, locs = self.dir.lookup(ns, keys, time.monotonic(), conn, shard)
-            caps = grant_reads(self.tokens, self.members.get, ns, keys, locs, shard[0] if shard is not None else None)
-            ans = {"lease": lease, "locs": locs, "caps": caps}
+        # tags and capabilities from the columns; packed rows from wire VERSION 12
+        ans = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens, self.members.get, shard,
+                                      conn.version >= 12)
         if ans["lease"]:
             self._own_lease(conn, ans["lease"])
             # how long the lease pins the hits: a client counts a tcp/rdma read that finished later as a miss

@@ -1,14 +1,10 @@
-"""The full load: a page directory built from one etcd snapshot.
-
-Shared by a leader that has no warm copy (``Metaserver._load``), by a warm standby's initial load and reloads
-(``metaserver/standby.py``), by a partitioned pool's node sync (``partition.py``: ``node_descs``) and by
-``bench/scale.py``'s load figures:
+"""What a full load from one etcd snapshot needs besides the table's own load (``TableDirectory.load``,
+``metaserver/tableload.py``). Shared by a leader that has no warm copy (``Metaserver._load``), a warm standby's
+loads (``metaserver/standby.py``), a partitioned pool's node sync (``partition.py``) and ``bench/scale.py``:
 
 - ``node_descs``: every node with a valid record (leased record preferred over the durable arena record);
-- ``fill``: an empty directory filled from the snapshot's page records, in commit order; what cannot stand comes
-  back as stale or rejected records for the leader to delete;
-- ``gc_paused``: the cyclic collector kept off while a load runs (half of ``fill``'s CPU otherwise);
-- ``fingerprint``: a canonical summary of a directory, which tests compare between a full load and a warm copy.
+- ``gc_paused``: the cyclic collector kept off while a load runs (millions of objects that all survive);
+- ``record_tuple``: the ``page_record`` tuple of a record the load could not file (stale or rejected).
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import logging
 
 from metaserver import gcpolicy
 from metaserver import validate as v
-from metaserver.directory import Directory
 from metaserver.records import PageRecords
 
 log = logging.getLogger("umbp.metaserver")
@@ -85,51 +80,6 @@ def gc_paused():
             gc.enable()
 
 
-def fill(d: Directory, descs: dict[str, tuple[dict, int]],
-         pages: PageRecords | list[tuple]) -> tuple[list[tuple], list[tuple]]:
-    """Build an empty directory from a snapshot (the full load): a space per described node, not placeable, then its
-    pages in commit order (``EtcdStore.load``'s ``PageRecords``, or ``EtcdStore.page_record`` tuples). Returns
-    (stale, rejected) as ``page_record`` tuples: stale ones are unreadable or name a node without a record, rejected
-    ones overlap another page or fall outside the arena; a leader deletes both. The records of each node are
-    released once its pages are in (``PageRecords`` is empty afterwards), so what a load holds shrinks as the
-    directory grows. O(pages log pages): one sort per node by revision (a C-level key over the revisions)."""
-    for node_id, (desc, _) in descs.items():
-        d.add_space(node_id, desc["capacity"])
-        d.set_placeable(node_id, False)
-    recs = pages if type(pages) is PageRecords else PageRecords.of(pages)
-    stale: list[tuple] = [(0, None, "", b"", 0, 0, 0, None, k) for k in recs.junk]
-    rejected: list[tuple] = []
-    groups = recs.done()
-    spaces = d.spaces
-    for node_id in list(groups):
-        ents, revs = groups.pop(node_id)
-        if node_id not in spaces:
-            stale.extend(record_tuple(recs, node_id, e, rev) for e, rev in zip(ents, revs))
-            continue
-        order = sorted(range(len(revs)), key=revs.__getitem__)  # recency restarts from commit order
-        ents = list(map(ents.__getitem__, order))
-        fx = d.load_entries(node_id, ents)
-        if fx.deletes:  # the entries it did not file (``space`` None), by identity: one key may be in two records
-            rejected.extend(record_tuple(recs, node_id, e, revs[i]) for e, i in zip(ents, order) if e.space is None)
-        del ents, revs, order
-    return stale, rejected
-
-
 def record_tuple(recs: PageRecords, node_id: str, e, rev: int) -> tuple:
     """The ``page_record`` tuple of a record of ``node_id`` (stale or rejected: a few) from its entry."""
     return (rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, recs.record_of(e))
-
-
-def fingerprint(d: Directory) -> dict:
-    """A canonical summary of a directory, equal for two directories that hold the same things (tests; O(n log n)):
-    every entry with its place, state and parent link, every space's capacity, use and placeability, and each node's
-    eviction order."""
-    entries = sorted(
-        (ns, k, e.node_id, e.offset, e.size, e.payload_len, e.gen, e.state, e.parent,
-         e.parent_ref.key if e.parent_ref is not None else None, e.children)
-        for ns, m in d.ready.items() for k, e in m.items())
-    spaces = {node_id: (sp.alloc.capacity, sp.alloc.used, sp.placeable, len(sp.entries))
-              for node_id, sp in d.spaces.items()}
-    order = {node_id: [(e.ns, e.key) for e in d.policy.members(node_id)] for node_id in d.spaces}
-    return {"entries": entries, "spaces": spaces, "order": order, "pending": d.pending, "pinned": d.pinned,
-            "objects": d.objects}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from metaserver.directory import NEW
+from metaserver.entry import NEW
 from umbp.auth import Tokens, read_capability, write_capability
 
 

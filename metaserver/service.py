@@ -48,7 +48,7 @@ from typing import Any
 from metaserver import validate as v
 from metaserver.admin import EVICT_BUDGET, AdminHandlers
 from metaserver.dataplane import ALLOC_HOLD_S, DataPlaneHandlers
-from metaserver.directory import Directory, Effects
+from metaserver.entry import Effects
 from metaserver.leader import Election
 from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
@@ -58,7 +58,7 @@ from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
 from metaserver.rejoin import RejoinHandlers
 from metaserver import gcpolicy, handoff, kvevents
-from metaserver.fullload import fill, gc_paused, node_descs
+from metaserver.fullload import gc_paused, node_descs
 from metaserver.standby import CATCHUP_S, Handover, WarmDirectory
 from metaserver.tabledir import TableDirectory
 from transport.wire import VERSION, Op, Status
@@ -107,7 +107,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self._ticker: asyncio.Task | None = None
         self._election: asyncio.Task | None = None
         self._duties = (self._expire_pending, self._expire_leases, self._release_quarantine, self._drop_dying,
-                        self._evict_over_high) + ((self._step_table,) if config.directory == "table" else ())
+                        self._evict_over_high, self._step_table)
         self.handlers = {
             Op.HELLO: self.hello, Op.AUTH: self.authenticate, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
             Op.HEARTBEAT: self.heartbeat, Op.ALLOC: self.alloc, Op.COMMIT: self.commit, Op.ABORT: self.abort,
@@ -133,14 +133,11 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self.given_up = False  # this term's writer dropped writes: the term is being given up (``_writes_dropped``)
         self.parked: dict[str, tuple] = {}  # lost node id -> (arena_id, capacity, deadline, page records); _park
 
-    def _make_dir(self) -> Directory | TableDirectory:
+    def _make_dir(self) -> TableDirectory:
         cfg = self.cfg
-        if cfg.directory == "table":
-            return TableDirectory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s,
-                                  policy=cfg.eviction_policy, quotas=getattr(self.tokens, "quota_rules", None),
-                                  namer=self.store.batch_name)
-        return Directory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
-                         quotas=getattr(self.tokens, "quota_rules", None))
+        return TableDirectory(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s,
+                              policy=cfg.eviction_policy, quotas=getattr(self.tokens, "quota_rules", None),
+                              namer=self.store.batch_name)
 
     @property
     def serving(self) -> bool:
@@ -166,9 +163,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
 
     def _standing_by(self) -> None:
         """Lost a round: keep a warm copy of the page table (started once per stretch as a standby,
-        ``metaserver/standby.py``). The object directory (``--directory objects``, being retired) keeps none: its
-        takeover is a full load."""
-        if self.warm is None and self.cfg.directory == "table":
+        ``metaserver/standby.py``)."""
+        if self.warm is None:
             self.warm = WarmDirectory(self.store, self._make_dir)
             self.warm.start()
 
@@ -297,10 +293,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
             # else touches this term's directory until serving starts; a cancelled takeover leaves the thread to
             # finish on a directory nobody uses.
             d = self.dir
-            stale, rejected = await (asyncio.to_thread(d.load, descs, pages) if isinstance(d, TableDirectory)
-                                     else asyncio.to_thread(fill, d, descs, pages))
-        if isinstance(d, TableDirectory):
-            self._apply(d.effects())  # commit records rewritten without the pages the load could not place
+            stale, rejected = await asyncio.to_thread(d.load, descs, pages)
+        self._apply(d.effects())  # commit records rewritten without the pages the load could not place
         self._provisional_nodes(descs, time.monotonic())
         self._drop_records([p[8] for p in stale] + [p[8] for p in rejected])
         self.load_s = time.monotonic() - t0

@@ -44,9 +44,7 @@ import hashlib
 import logging
 import time
 
-from metaserver.allocator import Allocator
 from metaserver.combine import TxnCombiner
-from metaserver.directory import Directory
 from metaserver.fence import fence_nodes
 from metaserver.generations import GenCounter
 from metaserver.persist import EtcdStore
@@ -225,25 +223,6 @@ class SlotTable(TableDirectory):
                              token, owner, shard)
 
 
-class SlotDirectory(Directory):
-    """A slot's directory: every node space is the slot's region of that node's arena (``region``)."""
-
-    def __init__(self, slot: int, slots: int, **kw):
-        super().__init__(**kw)
-        self.slot, self.slots = slot, slots
-
-    def add_space(self, node_id: str, capacity: int):
-        sp = super().add_space(node_id, capacity)
-        base, size = region(self.slot, self.slots, capacity)
-        sp.alloc = Allocator(base, size, track=False)
-        return sp
-
-    def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
-        """``Directory.alloc`` with the parents of other slots left out (``own_parents``)."""
-        return super().alloc(ns, keys, sizes, own_parents(self.slot, self.slots, ns, parents), gen_base, now, token,
-                             owner, shard)
-
-
 class SlotLeadership:
     """What ``Metaserver`` reads of its election, for one slot led by a partition's process (``is_leader``,
     ``leader_addr``, ``addr``, ``revision``); the partition's campaign loop sets it."""
@@ -365,16 +344,14 @@ class SlotServer(Metaserver):
                 self._spawn(self.fence(nodes))
         return super().tick(now)
 
-    def _make_dir(self) -> Directory | TableDirectory:
+    def _make_dir(self) -> TableDirectory:
         if self.slot < 0:
             return super()._make_dir()
         cfg = self.cfg
         kw = dict(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
                   quotas=QuotaRules.of(getattr(self.tokens, "quota_rules", None)).shared(
                       self.partition.slots))  # each slot leader enforces its share of every quota
-        if cfg.directory == "table":
-            return SlotTable(self.slot, self.partition.slots, namer=self.store.batch_name, **kw)
-        return SlotDirectory(self.slot, self.partition.slots, **kw)
+        return SlotTable(self.slot, self.partition.slots, namer=self.store.batch_name, **kw)
 
     def _provisional_nodes(self, descs: dict, now: float) -> None:
         super()._provisional_nodes(descs, now)

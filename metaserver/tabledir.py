@@ -1,26 +1,25 @@
-"""The metaserver's directory on the columnar page table (``umbp metaserver --directory table``): ``TableDirectory``
-gives ``metaserver.columns.PageTable`` the calls the service makes of a ``Directory`` (``metaserver/service.py``,
-``ownership.py``, ``rejoin.py``, ``admin.py``, ``metrics.py``), so one metaserver serves from either core.
+"""The metaserver's page directory: ``TableDirectory`` is the columnar page table (``metaserver.columns.PageTable``)
+with the calls the service makes (``metaserver/service.py``, ``dataplane.py``, ``ownership.py``, ``rejoin.py``,
+``admin.py``, ``metrics.py``). It is the directory's one core (docs/design/directory-and-eviction.md).
 
-What it answers as ``Directory`` does (the table's own tests, ``tests/unit/test_columns_vs_directory.py``, compare
-the two request by request; ``tests/test_table_service.py`` runs the pool's end-to-end tests on it): ALLOC, COMMIT,
-ABORT, LOOKUP, RELEASE, EXISTS, PREFIX, REMOVE, LIST, STATS, read leases and their owners, PENDING expiry and
-writers' tokens, the write quarantine, node loss in budgeted slices with the lost node's pages parked for its return
-(``unpark``, ``forget_parked``), DRAIN, the watermark pass and an operator's EVICT (least recently used first on each
-node), shared entries of TP-sharded pages (``metaserver/tableshared.py``; compared with ``Directory``'s request by
-request in ``tests/unit/test_tableshared.py``), commit records in etcd (``metaserver/tablerecords.py``: the layout
-``Directory`` writes, so either core loads the other's pool) and the full load at a takeover (``load``).
+What it answers (unit tests: ``tests/unit/test_directory*.py``, ``test_columns.py``, ``test_table*.py``): ALLOC,
+COMMIT, ABORT, LOOKUP (with its closed-pool grants, ``lookup_granted``), RELEASE, EXISTS, PREFIX, REMOVE, LIST,
+STATS, read leases and their owners, PENDING expiry and writers' tokens, the write quarantine, node loss in budgeted
+slices with the lost node's pages parked for its return (``unpark``, ``forget_parked``), DRAIN, the watermark pass
+and an operator's EVICT (each victim from the fullest node), shared entries of TP-sharded pages
+(``metaserver/tableshared.py``), commit records in etcd (``metaserver/tablerecords.py``) and the full load at a
+takeover (``load``).
 
-What it does not do yet, each refused at start (``umbp/config.py``, ``__init__``), never answered differently:
-partitioned pools (slots). A standby keeps a warm copy of the table (``metaserver/standby.py``: ``load``'s ``held``,
-then ``metaserver/warmrows.py``). Placement is in turn over the placeable nodes (near a parent by ``Directory``'s
-rule) where ``Directory`` places on the most free node: docs/design/directory-and-eviction.md. Quota groups and
-reservations: ``metaserver/tablequotas.py`` (``quota``; the properties below answer what the service reads of them).
-Prefix links, ``prefix-lru`` and KV events: ``metaserver/tablelinks.py``.
+A partitioned pool's slot is a ``metaserver.slots.SlotTable``: this table with each node's allocator the slot's
+region of its arena (``TableNodes.node_region``). ``prefix-lru``'s links and KV events: ``metaserver/tablelinks.py``.
+Quota groups and reservations: ``metaserver/tablequotas.py`` (``quota``; the properties below answer what the
+service reads of them). A standby keeps a warm copy of the table (``metaserver/standby.py``: ``load``'s ``held``,
+then ``metaserver/warmrows.py``). Placement is in turn over the placeable nodes that can hold the page, a child near
+its parent unless the parent's node is much fuller (then the emptiest), and eviction makes room on the chosen node.
 
-A connection's PENDING allocations are ``(ns, key, gen)`` handles here (``Directory``'s are its entries): COMMIT and
-ABORT settle them, and a closing connection aborts those still PENDING with that generation and still its own
-(``abort_owned``: another connection's retry with the writer's token took the allocation over).
+A connection's PENDING allocations are ``(ns, key, gen)`` handles: COMMIT and ABORT settle them, and a closing
+connection aborts those still PENDING with that generation and still its own (``abort_owned``: another connection's
+retry with the writer's token took the allocation over).
 """
 
 from __future__ import annotations
@@ -32,14 +31,13 @@ import numpy as np
 
 from metaserver.columns import PageTable, by_key
 from metaserver.entry import PENDING, READY, Effects, extent_size
-from metaserver.eviction import bytes_to_low, over_high
 from metaserver.fullload import record_tuple
 from metaserver.records import PageRecords
-from metaserver.shared import ShardState
+from metaserver.tableevict import bytes_to_low, over_high
 from metaserver.tableload import load_pages, reserve
 from metaserver.tablenodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tablequotas import TableQuotas
-from metaserver.tableshared import TableShared
+from metaserver.tableshared import ShardState, TableShared
 from transport import wire
 from umbp.auth import rank_tags, read_capability_packed
 from umbp.errors import ConfigError
@@ -102,7 +100,7 @@ class TableDirectory(TableShared, PageTable):
         fx.batches.extend(rewrites)
         return fx
 
-    # -- requests, with Directory's signatures -----------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------------------------------
     def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
         if shard is not None:
             return self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard), self.effects()

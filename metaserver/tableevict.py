@@ -107,3 +107,13 @@ class TableEviction:
             off = node.alloc.alloc(size)
             if off is not None:
                 return off, -1
+
+
+def over_high(used: int, capacity: int, high: float) -> bool:
+    """Watermarks: a node (or the pool) above ``high`` of its capacity starts a background eviction pass ..."""
+    return capacity > 0 and used > high * capacity
+
+
+def bytes_to_low(used: int, capacity: int, low: float) -> int:
+    """... which frees the bytes from ``used`` down to the low watermark (0 when already below)."""
+    return max(0, used - int(low * capacity))

@@ -1,10 +1,38 @@
-"""Shared entries on the columnar directory (``TableShared``, a mixin of ``metaserver.tabledir.TableDirectory``):
-one row per logical page of TP-sharded KV, as ``metaserver/shared.py`` is for ``Directory`` (its docstring is the
-contract: ``"shard": [r, n]`` requests, one extent of ``n`` sub-slots, one generation, one record, one eviction
-member; a rank's put is True once its part is written, the page visible once every part is).
+"""Shared entries on the page table (``TableShared``, a mixin of ``metaserver.tabledir.TableDirectory``): one row
+per logical page of TP-sharded KV.
+
+An engine that splits a page's KV heads over ``n`` tensor-parallel ranks stores ``n`` parts of one logical page. A
+shared entry holds them as ONE entry with ONE extent of ``n`` sub-slots (sub-slot ``r`` at ``offset + r * stride``,
+``stride = object_size(part_len)``, each a normal object slot with its own 64-byte header), ONE generation, ONE
+eviction-policy member and ONE etcd record, so a TP8 page costs what a replicated (MLA) page costs. The entry's
+``payload_len`` is its layout code (``metaserver.entry.layout``: ``part_len | n << SHARD_SHIFT``).
+
+Requests carry ``"shard": [r, n]`` (rank ``r`` of ``n``; the client's ``shard=(r, n)``):
+
+- ALLOC: a READY key answers EXISTS (a use: recency refreshed), whatever its layout. A PENDING shared entry of the
+  same layout hands rank ``r`` its sub-slot once: NEW ``(node, off + r*stride, part_len, gen)``; a retry with the
+  same token gets the same place; a rank whose part is already written gets EXISTS; otherwise (another token, or a
+  PENDING entry of another layout) IN_FLIGHT. An absent key gets one extent of ``n * stride`` bytes, a PENDING shared
+  entry, and rank ``r``'s sub-slot.
+- COMMIT: marks rank ``r``'s part written and answers True for it (idempotent); when all ``n`` parts are in, the
+  entry becomes READY, enters the eviction policy and is persisted (one record with ``n`` and ``part_len``). A
+  shared entry not complete within ``pending_ttl_s`` is dropped whole (its extent freed), as any PENDING entry; so
+  is one whose generation an ABORT names (any rank's), or whose rank that was handed a sub-slot and has not written
+  it loses its connection.
+- LOOKUP: a READY shared entry of the same ``n`` answers rank ``r``'s sub-slot ``(node, off + r*stride, part_len,
+  gen)``; any other entry (plain, or shared with another ``n``) is a miss for that key, never another layout's
+  bytes. A LOOKUP without ``shard`` misses shared entries for the same reason.
+
+The contract a rank sees: its put returns True once ITS part is written; the page becomes visible (EXISTS, PREFIX,
+LOOKUP) when every rank's part is. EXISTS, PREFIX and REMOVE are unchanged (logical keys); eviction, node loss,
+quotas, the warm copy and a takeover load handle the entry's one extent.
+
+Tags and capabilities (``metaserver/grants.py``): each sub-slot carries the tag of (key, r) (``Tokens.tags`` with a
+rank) and is granted like any slot, so a rank writes and reads only its own sub-slot, and a node's single-use check
+(one write per slot offset and generation) holds for each sub-slot unchanged.
 
 Here a shared page is a row whose layout code (``size`` column) is ``entry.layout(part_len, n)``; a PENDING one has
-its sub-slot state (``shared.ShardState``: each rank's token and connection, a bit per written part) in
+its sub-slot state (``ShardState``: each rank's token and connection, a bit per written part) in
 ``_shards`` by row, dropped with the row whatever ends it (commit of the last part, ABORT, expiry, REMOVE, node
 loss: ``_free_row``). A new page is placed by the table's own ALLOC (``PageTable.alloc`` with the layout codes as
 sizes: one extent of ``extent_size(code)``); LOOKUP of rank ``r`` pins the row and answers ``offset + r * stride``;
@@ -23,7 +51,6 @@ import numpy as np
 
 from metaserver.columns import PageTable, by_key
 from metaserver.entry import EXISTS_ITEM, IN_FLIGHT_ITEM, NEW, PART_MASK, PENDING, READY, layout, shards_of
-from metaserver.shared import ShardState
 from metaserver.tablenodes import UNIT_SHIFT
 from transport import wire
 
@@ -32,6 +59,18 @@ def strides(codes: np.ndarray) -> np.ndarray:
     """``entry.stride`` of each layout code (uint64): one object slot of its part length."""
     a = np.uint64(wire.ALIGN)
     return (np.uint64(wire.OBJ_HEADER_SIZE) + (codes & np.uint64(PART_MASK)) + a - np.uint64(1)) // a * a
+
+
+class ShardState:
+    """The sub-slots of one PENDING shared entry: the token each was handed out under (None: not yet; 0: no
+    token), the connection holding it, and a bit per written part."""
+
+    __slots__ = ("tokens", "owners", "written")
+
+    def __init__(self, n: int):
+        self.tokens: list[int | None] = [None] * n
+        self.owners: list[object] = [None] * n
+        self.written = 0
 
 
 class TableShared:

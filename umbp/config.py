@@ -95,7 +95,6 @@ class MetaserverConfig:
     high_watermark: float = 0.95  # background eviction starts above this fill ratio ...
     low_watermark: float = 0.85  # ... and stops below this one
     eviction_policy: str = "lru"  # "lru" or "prefix-lru"
-    directory: str = "objects"  # the page directory's core: "objects" (Directory) or "table" (metaserver/tabledir.py)
     persist_batch: int = ETCD_TXN_OPS  # operations per etcd transaction at most (lowered to what etcd accepts)
     election_ttl_s: int = 5  # leader key lease: a dead leader is replaced within about this long
     etcd_timeout_s: float = 10.0  # one etcd request at most (a frozen or cut-off etcd fails a call after this long)
@@ -128,18 +127,8 @@ class MetaserverConfig:
             raise ConfigError(c, "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
         if self.eviction_policy not in ("lru", "prefix-lru"):
             raise ConfigError(c, f"eviction_policy must be 'lru' or 'prefix-lru', got {self.eviction_policy!r}")
-        if self.directory not in ("objects", "table"):
-            raise ConfigError(c, f"directory must be 'objects' or 'table', got {self.directory!r}")
-        if self.directory == "table" and self.eviction_policy != "lru":
-            raise ConfigError(c, f"directory 'table' evicts by lru only, not {self.eviction_policy!r} (its prefix "
-                                 "links are not built yet): run --eviction-policy lru, or --directory objects")
         if self.kv_events and not re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d{1,5})", self.kv_events):
             raise ConfigError(c, f"kv_events must be tcp://HOST:PORT (port 0: any), got {self.kv_events!r}")
-        if self.kv_events and self.directory == "table":
-            raise ConfigError(c, "directory 'table' publishes no KV events yet: run --directory objects")
-        if self.directory == "table" and self.slots > 1:
-            raise ConfigError(c, "directory 'table' serves an unpartitioned pool only (slots 0 or 1): its slots, "
-                                 "warm copies and node regions are not built yet")
         if not 1 <= self.persist_batch <= 4096:
             raise ConfigError(c, "persist_batch must be within 1..4096 (operations per etcd transaction)")
         if (self.read_lease_s <= 0 or self.pending_ttl_s <= 0 or self.write_cap_ttl_s <= 0
