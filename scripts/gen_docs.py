@@ -127,8 +127,6 @@ def render_configuration() -> str:
         "",
         "- `arena_dir` may be a hugetlbfs mount instead of `/dev/shm`; the arena file outlives the node process, and a",
         "  node restarted with the same `node_id` reopens it.",
-        "- `directory = \"table\"` (the columnar core) serves `lru`, unpartitioned pools only, refuses quotas and keeps",
-        "  no warm standby copy ([directory and eviction](../design/directory-and-eviction.md)).",
         "- Admin commands, the demo and other tools read the `[client]` settings too (`UMBP_METASERVER`, `UMBP_TOKEN`,",
         "  `UMBP_TLS_CA`).",
         "",
