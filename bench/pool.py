@@ -426,8 +426,6 @@ def main() -> int:
     ap.add_argument("--clients", default="1,4,16", help="client process counts for committed puts")
     ap.add_argument("--sizes", default="", help="comma list of page sizes in KiB for the data part (default: all)")
     ap.add_argument("--transports", default="tcp,shm", help="comma list of transports for the data part")
-    ap.add_argument("--directory", default="objects", choices=("objects", "table"),
-                    help="the metaserver's directory core (docs/design/directory-and-eviction.md)")
     args = ap.parse_args()
     parts = set(args.only.split(",")) if args.only else {"data", "cold", "exists", "commit"}
     min_time = 0.4 if args.quick else 1.5
@@ -438,8 +436,7 @@ def main() -> int:
         print(line, flush=True)
 
     print("umbp bench/pool.py: starting etcd, a metaserver and one node (separate processes) ...", flush=True)
-    with LocalPool(nodes=1, capacity=args.capacity, port=0, metrics=False,
-                   metaserver_args=["--directory", args.directory]) as pool:
+    with LocalPool(nodes=1, capacity=args.capacity, port=0, metrics=False) as pool:
         ws = (192 << 20) if args.quick else (512 << 20)
         b = PoolBench(pool.metaserver, min_time, ws)
         raw_total = (512 << 20) if args.quick else (2 << 30)

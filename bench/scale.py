@@ -1,7 +1,7 @@
 """Scale benchmark: what one metaserver's page directory costs at rack size (10 M pages by default).
 
-A ``metaserver.directory.Directory`` is driven directly, through its real methods, the way the request handlers
-drive it, minus the network: every request is a msgpack map packed and unpacked as on the wire, so keys, parents,
+The metaserver's page table (``metaserver.tabledir.TableDirectory``, its one directory core) is driven directly,
+through its real methods, the way the request handlers drive it, minus the network: every request is a msgpack map packed and unpacked as on the wire, so keys, parents,
 sizes and the namespace are fresh objects per request exactly as the metaserver receives them (nothing is shared
 that a real request would not share). The workload (``bench/scaleworkload.py``) is a rack serving three models
 from one pool:
@@ -22,20 +22,24 @@ Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own f
 
 - memory per page: VmRSS (``/proc/self/status``) after the build minus before it, both after ``gc.collect()``,
   divided by the pages; and, in a separate smaller run (``--trace-pages``), tracemalloc's traced bytes per page
-  (what Python asked the allocator for: RSS minus allocator slack and fragmentation);
-- alloc+commit/s while building (growing directory) and at size N (full pool: every new page evicts one);
-- lookup+release keys/s (a get's metaserver work: locations, a read lease, its release) and exists keys/s at N,
-  in 1,000-key batches taken as prompt prefixes of random chains (hits);
+  (what Python and numpy asked the allocator for; the key index's anonymous mmaps, ``metaserver/keyindex.py``, are
+  not seen, so it is below RSS by them);
+- alloc+commit/s while building (growing table) and at size N (full pool: every new page evicts one);
+- lookup+release keys/s (a get's metaserver work: the service's call, ``TableDirectory.lookup_granted(...,
+  packed=True)``: locations, a read lease, tags and capabilities, packed rows; then its release) and exists keys/s
+  at N, in 1,000-key batches taken as prompt prefixes of random chains (hits); the lookups twice, as a row's first
+  look computes its tag and keeps it in the table (the wire path below reads them kept);
 - load: the records of N pages as etcd returns them (commit records, one per 128 pages of a COMMIT, the
   metaserver's layout; ``--records page``: a record per page, the layout before) parsed by the metaserver's
-  own ``persist.PageRecords.add`` (what ``EtcdStore.load`` runs on each response), then ``fullload.fill`` (what
-  ``Metaserver._load`` runs: per node a sort by revision and ``Directory.load_entries``), the collector paused as
-  there (``fullload.gc_paused``), with the parse and the directory load timed apart;
-- the same at N through the metaserver's per-request work minus I/O ("wire path"): msgpack in and out, the
-  request's validation (``metaserver.validate``), the directory call, and what ``service.py`` adds per key in a
-  closed pool (a keyed blake2b object tag per key and one capability per node per batch, ``metaserver.grants``; for a commit, the
-  etcd record ``EtcdStore.page_value`` of each page): one metaserver process's CPU-bound ceiling, with the etcd
-  round trips and sockets left out;
+  own ``persist.PageRecords.add`` (what ``EtcdStore.load`` runs on each response), then ``TableDirectory.load`` (what
+  ``Metaserver._load`` runs: per node a sort by revision and ``tableload.load_pages``, parents linked under
+  ``prefix-lru``), the collector paused as there (``fullload.gc_paused``), with the parse and the load timed apart;
+- the same at N through the metaserver's per-request work minus I/O ("wire path", ``bench/servicepath.py``):
+  msgpack in and out, the request's validation (``metaserver.validate``), the table's call, and what the service adds
+  in a closed pool (a LOOKUP's tags from the table's column and one capability per node, its locations as packed
+  rows: ``TableDirectory.lookup_granted(..., packed=True)``; an ALLOC's tag and capability per key,
+  ``metaserver.grants``; a COMMIT's commit records encoded, ``TableRecord.value``): one metaserver process's
+  CPU-bound ceiling, with the etcd round trips and sockets left out;
 - optionally (``--etcd-pages``), the time for ``EtcdStore.load`` to read that many page records from a real etcd
   (started here from the ``etcd`` on PATH) and what N would take at that rate (an extrapolation, labelled so).
 
@@ -63,7 +67,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import msgpack  # noqa: E402
 
-from metaserver.directory import NEW, Directory  # noqa: E402
+from metaserver.entry import NEW  # noqa: E402
+from metaserver.tabledir import TableDirectory  # noqa: E402
 from transport.keyform import digest_key  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 
@@ -80,9 +85,9 @@ SCAN_COMMIT_RECORDS = 320  # commit records of 128 pages in one range answer: ab
 
 
 class Driver:
-    """Builds the directory through alloc+commit and times the directory calls only."""
+    """Builds the table through alloc+commit and times the table's calls only."""
 
-    def __init__(self, d: Directory, ms: list[Model], seed: int):
+    def __init__(self, d: TableDirectory, ms: list[Model], seed: int):
         self.d = d
         self.ms = ms
         self.rng = random.Random(seed)
@@ -225,8 +230,9 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mo
     t0 = time.perf_counter()
     drv.build(n_pages)
     build_wall = time.perf_counter() - t0
-    # What the metaserver's tick would have done meanwhile: drop committed pages' pending-expiry records.
-    d.expire_pending(float("inf"), 1 << 62)
+    # What the metaserver's tick would have done meanwhile: a key index resize under way drained.
+    while d.step(1 << 16):
+        pass
     gc.collect()
     pages = d.objects
     out = {"policy": policy, "pages": pages, "build_wall_s": round(build_wall, 1),
@@ -249,11 +255,14 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mo
     for r in reqs:
         hits += sum(d.exists(r["ns"], r["keys"]))
     out["exists_keys_s"] = n_keys / (cpu() - t)
-    t = cpu()
-    for r in reqs:
-        lease, _locs = d.lookup(r["ns"], r["keys"], time.monotonic())
-        d.release(lease)
-    out["lookup_keys_s"] = n_keys / (cpu() - t)
+    svc = ServicePath(d)
+    for figure in ("first_lookup_keys_s", "lookup_keys_s"):
+        t = cpu()
+        for r in reqs:
+            ans = d.lookup_granted(r["ns"], r["keys"], time.monotonic(), None, svc.tokens, svc.members.get, None,
+                                   True)
+            d.release(ans["lease"])
+        out[figure] = n_keys / (cpu() - t)
     out["lookup_hit_ratio"] = hits / n_keys
 
     # The pause CPython's own collector makes at N: one full collection walks every tracked object.
@@ -275,7 +284,6 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mo
     out["pages_after"] = d.objects
 
     # the same through the service's per-request work (minus sockets and etcd)
-    svc = ServicePath(d)
     frames = [msgpack.packb(r, use_bin_type=True) for r in reqs]
     t = cpu()
     for f in frames:
@@ -368,15 +376,14 @@ def load_capacity(n_pages: int) -> int:
     return node_capacity(models(), n_pages, slack=1.0 + 0.05 + 2e4 * CHAIN_MAX / max(n_pages, 1))
 
 
-def load_directory(policy: str, pages, n_pages: int) -> tuple[Directory, float]:
-    """The directory half of ``Metaserver._load`` (metaserver/service.py): ``metaserver.fullload.fill`` itself
-    (group by node, sort by revision, ``load_pages`` per node) into a directory of NODES spaces. Returns the
-    directory and the CPU seconds it took."""
-    from metaserver.fullload import fill
+def load_directory(policy: str, pages, n_pages: int) -> tuple[TableDirectory, float]:
+    """The table half of ``Metaserver._load`` (metaserver/service.py): ``TableDirectory.load`` itself (group by node,
+    sort by revision, ``tableload.load_pages`` per node) into a table of NODES nodes. Returns the table and the CPU
+    seconds it took."""
     t = cpu()
-    d = Directory(policy=policy)
+    d = TableDirectory(policy=policy)
     cap = load_capacity(n_pages)
-    stale, rejected = fill(d, {f"host{i:02d}": ({"capacity": cap}, 0) for i in range(NODES)}, pages)
+    stale, rejected = d.load({f"host{i:02d}": ({"capacity": cap}, 0) for i in range(NODES)}, pages)
     assert not stale and not rejected, (len(stale), len(rejected))
     return d, cpu() - t
 
@@ -385,8 +392,8 @@ def run_load(policy: str, n_pages: int, seed: int) -> dict:
     """Records are made as etcd returns them (protobuf KeyValues, a range response of LOAD_PAGE page records or
     SCAN_COMMIT_RECORDS commit records: what ``EtcdStore.scan`` asks for, about 4 MB) and parsed as
     ``EtcdStore.load`` parses them while it scans (``PageRecords.add``, timed), so what is held at the end is what
-    a takeover holds: the parsed records, then the directory built from them (``fill``). The collector is paused as
-    ``Metaserver._load`` pauses it (``gc_paused``)."""
+    a takeover holds: the parsed records, then the table built from them (``TableDirectory.load``). The collector
+    is paused as ``Metaserver._load`` pauses it (``gc_paused``)."""
     import aetcd.rpc
     from metaserver.persist import LOAD_PAGE
     from metaserver.records import PageRecords
@@ -486,7 +493,8 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=10_000_000, help="directory size N (default 10 M)")
     ap.add_argument("--policy", choices=POLICIES + ("both",), default="both")
     ap.add_argument("--ops", type=int, default=200_000, help="keys looked up and keys put at size N")
-    ap.add_argument("--trace-pages", type=int, default=1_000_000, help="pages of the tracemalloc run (0: skip)")
+    ap.add_argument("--trace-pages", type=int, default=1_000_000,
+                    help="pages of the tracemalloc run (0: skip; it does not see the key index's mmaps)")
     ap.add_argument("--etcd-pages", type=int, default=0, help="also time EtcdStore.load of this many records")
     ap.add_argument("--no-load", action="store_true", help="skip the load (takeover) figures")
     ap.add_argument("--seed", type=int, default=1)
@@ -519,7 +527,7 @@ def main() -> None:
     pols = POLICIES if a.policy == "both" else (a.policy,)
     n = a.pages
     print(f"scale: {n:,} pages, {NODES} nodes, batches of {BATCH} keys; python {sys.version.split()[0]}")
-    print("target: <= 200 bytes of metaserver memory per page at 10 M pages")
+    print("target (issue 44): <= 100 bytes of metaserver memory per page at 10 M pages")
     common = ["--ops", str(a.ops), "--seed", str(a.seed), "--key-form", a.key_form, "--gc", a.gc,
               "--records", a.records]
     print(f"keys: {'64-hex text' if workload.HEX_KEYS else 'raw 32-byte digests (plus a rank byte)'}")
@@ -533,8 +541,9 @@ def main() -> None:
               f"{b['pages']:,} pages)"
               + (f", tracemalloc {tr['traced_per_page']:.0f} B/page at {tr['pages']:,}" if "traced_per_page" in tr
                  else "")
-              + f"  [target 200 B/page: {'met' if b['rss_per_page'] <= 200 else 'not met'}]")
-        print(f"{'':>10}  lookup+release {fmt_rate(b['lookup_keys_s'])} keys ({1e6 / b['lookup_keys_s']:.2f} us/key), "
+              + f"  [target 100 B/page: {'met' if b['rss_per_page'] <= 100 else 'not met'}]")
+        print(f"{'':>10}  lookup+release {fmt_rate(b['lookup_keys_s'])} keys ({1e6 / b['lookup_keys_s']:.2f} us/key; "
+              f"first look, tags made: {fmt_rate(b['first_lookup_keys_s'])}), "
               f"exists {fmt_rate(b['exists_keys_s'])} keys, hit ratio {b['lookup_hit_ratio']:.2f}")
         print(f"{'':>10}  alloc+commit {fmt_rate(b['put_keys_s'])} keys at N ({1e6 / b['put_keys_s']:.2f} us/key, "
               f"{b['put_evictions']:,} evictions for {a.ops:,} new keys); "
@@ -544,20 +553,20 @@ def main() -> None:
               f"every ~N/4 new objects); during the churn at N ({b['gc_mode']}): {b['gc_pauses']} "
               f"{'full collections' if b['gc_mode'] == 'default' else 'steps'}, longest "
               f"{b['gc_pause_max_s'] * 1e3:.0f} ms")
-        print(f"{'':>10}  wire path at N (decode, validate, directory, tags and capabilities, etcd records, encode; "
+        print(f"{'':>10}  wire path at N (decode, validate, table, tags and capabilities, etcd records, encode; "
               f"no sockets, no etcd): lookup+release {fmt_rate(b['wire_lookup_keys_s'])} keys "
               f"({1e6 / b['wire_lookup_keys_s']:.2f} us/key), exists {fmt_rate(b['wire_exists_keys_s'])} keys, "
               f"alloc+commit {fmt_rate(b['wire_put_keys_s'])} keys "
               f"({1e6 / b['wire_put_keys_s']:.2f} us/key)"
               + ("  [NOT COMPARABLE with --key-form hex: the metaserver converts hex keys to the raw form, so they "
-                 "miss a directory built with hex keys]" if workload.HEX_KEYS else ""))
+                 "miss a table built with hex keys]" if workload.HEX_KEYS else ""))
         if not a.no_load:
             ld = child(["load", pol, str(n)] + common)
             if "error" in ld:
                 print(f"{'':>10}  load failed ({ld['error']})")
             else:
                 print(f"{'':>10}  load {ld['pages']:,} pages ({a.records} records): parse {ld['parse_s']:.1f} s + "
-                      f"fill {ld['load_s']:.1f} s = {ld['parse_s'] + ld['load_s']:.1f} s "
+                      f"load {ld['load_s']:.1f} s = {ld['parse_s'] + ld['load_s']:.1f} s "
                       f"({(ld['parse_s'] + ld['load_s']) / ld['pages'] * 1e6:.2f} us/page; "
                       f"peak RSS {ld['peak_rss_gib']:.1f} GiB)")
     if a.etcd_pages:

@@ -5,7 +5,8 @@
   ``qwen3-8b/mha-tp1``: 20 %. Each session's chain descends from its model's shared system-prompt chain.
 - Keys are the raw 32-byte digests clients send (``umbp.keys.normalize_key``), or with ``HEX_KEYS`` (``--key-form
   hex``) the 64 hex characters clients sent before.
-- ``new_directory`` makes the 32-node directory that holds exactly N pages of the mix.
+- ``new_directory`` makes the 32-node page table (``metaserver.tabledir.TableDirectory``, the metaserver's directory)
+  that holds exactly N pages of the mix.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from array import array
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from metaserver.directory import Directory  # noqa: E402
+from metaserver.tabledir import TableDirectory  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.keys import namespace  # noqa: E402
 
@@ -93,9 +94,10 @@ def node_capacity(ms: list[Model], n_pages: int, slack: float) -> int:
     return int(per_key * (n_pages + 2000) / NODES * slack) + 4 * object_size(max(m.payload for m in ms))
 
 
-def new_directory(policy: str, ms: list[Model], n_pages: int, slack: float = 1.001) -> Directory:
-    """A directory over NODES spaces holding exactly n_pages of the workload's mix (a little slack per node)."""
-    d = Directory(policy=policy)
+def new_directory(policy: str, ms: list[Model], n_pages: int, slack: float = 1.001) -> TableDirectory:
+    """A page table over NODES nodes holding exactly n_pages of the workload's mix (a little slack per node); its
+    columns grow as it fills."""
+    d = TableDirectory(policy=policy)
     cap = node_capacity(ms, n_pages, slack)
     for i in range(NODES):
         d.add_space(f"host{i:02d}", cap)

@@ -1,12 +1,15 @@
-"""What ``metaserver/dataplane.py`` does per request around the directory, minus sockets and etcd, for
-``bench/scale.py``'s "wire path" figures: ``Wire`` packs and unpacks requests as msgpack, as the metaserver receives
-them; ``ServicePath`` runs LOOKUP+RELEASE, EXISTS and ALLOC+COMMIT the way the handlers do (decode, validate, the
-directory call, tags and capabilities of a closed pool, the etcd keys of the deletes and the records of the commits
-as ``Metaserver._apply`` encodes them, the connection's pending set, encode). It mirrors
+"""What ``metaserver/dataplane.py`` does per request around the page table (``metaserver.tabledir.TableDirectory``,
+the metaserver's one directory core), minus sockets and etcd, for the "wire path" figures of ``bench/scale.py`` and
+``bench/columns.py``: ``Wire`` packs and unpacks requests as msgpack, as the metaserver receives them;
+``ServicePath`` runs LOOKUP+RELEASE, EXISTS and ALLOC+COMMIT the way the handlers do (decode, validate, the table's
+call, tags and capabilities of a closed pool, the encoding of the commit records and of their rewrites as the etcd
+writer encodes them, the connection's pending set, encode). A LOOKUP is the service's own columnar call
+(``TableDirectory.lookup_granted(..., packed=True)``: tags kept in a column from a row's first LOOKUP on, one
+capability per node packed from the columns, the answer's locations as packed rows, wire VERSION 12). It mirrors
 dataplane.lookup/alloc/commit so the figure needs no running metaserver; keep the two in step.
 
 Run alone (``python bench/servicepath.py``) it times ALLOC+COMMIT requests of ``--keys`` new 4 KiB pages into a
-directory of ``--nodes`` nodes of ``--capacity`` each (a small capacity: every put evicts) and prints keys per
+table of ``--nodes`` nodes of ``--capacity`` each (a small capacity: every put evicts) and prints keys per
 CPU-second.
 """
 
@@ -21,10 +24,11 @@ import msgpack
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metaserver import validate as v  # noqa: E402
-from metaserver.directory import NEW, Directory  # noqa: E402
-from metaserver.grants import grant_reads, grant_writes  # noqa: E402
+from metaserver.dataplane import _ALLOC, _COMMIT, _LOOKUP  # noqa: E402
+from metaserver.entry import NEW  # noqa: E402
+from metaserver.grants import grant_writes  # noqa: E402
 from metaserver.persist import EtcdStore  # noqa: E402
-from metaserver.dataplane import _ALLOC, _COMMIT  # noqa: E402
+from metaserver.tabledir import TableDirectory  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
 
 
@@ -52,36 +56,35 @@ class _Member:
 
 
 class ServicePath:
-    """What ``metaserver/dataplane.py`` does around the directory for LOOKUP+RELEASE and ALLOC+COMMIT, minus sockets and
-    etcd: decode, validate, directory call, per-key tag and capability (closed pool), etcd record of each commit,
-    encode. Mirrors dataplane.lookup/alloc/commit; kept here so the figure does not need a running metaserver."""
+    """What ``metaserver/dataplane.py`` does around the table for LOOKUP+RELEASE, EXISTS and ALLOC+COMMIT, minus
+    sockets and etcd: decode, validate, the table's call, per-key tags and per-node capabilities (closed pool), the
+    commit records' encoding, encode. Mirrors dataplane.lookup/alloc/commit; kept here so the figure does not need a
+    running metaserver."""
 
-    def __init__(self, d: Directory | None, node_ids: list[str] | None = None):
-        """``node_ids``: the members' ids, where ``d`` is not a directory to take them from (``bench/columns.py``)."""
+    LEASE_MS = 10_000  # what a leased LOOKUP answer tells (Metaserver.lease_ms at the default read lease)
+
+    def __init__(self, d: TableDirectory, node_ids: list[str] | None = None):
+        """``node_ids``: the members' ids (default: the table's nodes)."""
         self.d = d
         self.tokens = Tokens.load("scale-bench-cluster-secret", None, "bench")
         self.members = {nid: _Member(self.tokens.cap_key(nid, b"arena-" + nid.encode()))
-                        for nid in (node_ids if node_ids is not None else d.spaces)}
-        self.store = EtcdStore("127.0.0.1:2379", "/umbp")  # its key and record encoding only: never connected
-        self.conn_pending: set = set()  # the connection's PENDING entries (server.Connection.pending)
+                        for nid in (node_ids if node_ids is not None else list(d.spaces))}
+        self.store = EtcdStore("127.0.0.1:2379", "/umbp")  # its key encoding only: never connected
+        self.conn_pending: set = set()  # the connection's PENDING allocations (server.Connection.pending)
         self.gen = 1 << 40
 
     def lookup(self, frame: bytes) -> bytes:
-        ns, keys = self.keys_of(frame)
-        lease, locs = self.d.lookup(ns, keys, time.monotonic())
-        caps = grant_reads(self.tokens, self.members.get, ns, keys, locs)
-        return self.answer_lookup(self.d, {"lease": lease, "locs": locs, "caps": caps})
+        """A LOOKUP answered as ``dataplane.lookup`` answers a VERSION 12 client (packed rows), then its RELEASE."""
+        m = v.fields(msgpack.unpackb(frame, raw=False), _LOOKUP, ("ns", "keys"))
+        ns, keys, shard = v.ns(m), v.keys(m, 4096), v.shard(m)
+        ans = self.d.lookup_granted(ns, keys, time.monotonic(), None, self.tokens, self.members.get, shard, True)
+        if ans["lease"]:
+            ans["lease_ms"] = self.LEASE_MS
+        return self.answer_lookup(self.d, ans)
 
     @staticmethod
-    def keys_of(frame: bytes) -> tuple[str, list]:
-        """A LOOKUP request decoded and validated: (namespace, keys)."""
-        m = msgpack.unpackb(frame, raw=False)
-        return v.ns(m), v.keys(m, 4096)
-
-    @staticmethod
-    def answer_lookup(d, ans: dict) -> bytes:
-        """The LOOKUP answer encoded, then the client's RELEASE of its lease decoded, validated and applied to
-        ``d`` (a directory or a page table)."""
+    def answer_lookup(d: TableDirectory, ans: dict) -> bytes:
+        """The LOOKUP answer encoded, then the client's RELEASE of its lease decoded, validated and applied."""
         reply = msgpack.packb(ans, use_bin_type=True)
         rel = msgpack.unpackb(msgpack.packb({"lease": ans["lease"]}), raw=False)
         d.release(v.integer(rel, "lease", 0, (1 << 63) - 1))
@@ -91,27 +94,26 @@ class ServicePath:
         m = msgpack.unpackb(frame, raw=False)
         return msgpack.packb({"exists": self.d.exists(v.ns(m), v.keys(m, 4096))}, use_bin_type=True)
 
-    def put(self, frame: bytes) -> int:
+    def put(self, frame: bytes) -> tuple[int, int]:
         """ALLOC then COMMIT of one request's keys, as dataplane.alloc/_alloc_now, service._apply and dataplane.commit/
-        _settle_request/_apply do them: field checks, the connection's pending set (filled by ALLOC, emptied by
-        COMMIT), the rewrites of the records the evictions left and the commit's records (``_apply``). Returns the
-        number of records the commit wrote."""
-        store = self.store
+        _settle_request do them: field checks, the connection's pending set (filled by ALLOC, emptied by COMMIT),
+        the rewrites of the records the evictions left and the commit's records, encoded as the etcd writer encodes
+        them (``TableRecord.value``; the writer coalesces a record's rewrites while it waits, this encodes them once
+        a request). Returns (keys the COMMIT made READY, commit records it wrote)."""
         m = v.fields(msgpack.unpackb(frame, raw=False), _ALLOC, ("ns", "keys", "sizes"))
         ns = v.ns(m)
         keys = v.keys(m, 4096)
         sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
         parents = v.parents(m, len(keys))
-        now = time.monotonic()
-        items, fx = self.d.alloc(ns, keys, sizes, parents, self.gen, now)
+        d = self.d
+        items, fx = d.alloc(ns, keys, sizes, parents, self.gen, time.monotonic())
         self.gen += len(keys)
-        _apply(store, fx)
+        _apply(self.store, fx)
         deadline_ms = int((time.time() + 10.0) * 1000)
         out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms)
         pending = self.conn_pending
         if new:
-            pd = self.d.pending_keys[ns]
-            pending.update([pd[keys[i]] for i in new])
+            pending.update(d.pending_handles(ns, keys, items, new))
         answer = msgpack.unpackb(msgpack.packb({"items": out, "caps": caps}, use_bin_type=True), raw=False)
         news = [(k, it[4]) for k, it in zip(keys, answer["items"]) if it[0] == NEW]
         c = v.fields(msgpack.unpackb(msgpack.packb({"ns": ns, "keys": [k for k, _ in news],
@@ -121,24 +123,20 @@ class ServicePath:
         ckeys = v.keys(c, 4096)
         gens = v.ints(c, "gens", len(ckeys), 0, (1 << 63) - 1)
         if pending:
-            pd = self.d.pending_keys.get(cns)
-            if pd:
-                get, discard = pd.get, pending.discard
-                for key in ckeys:
-                    discard(get(key))
-        ok, fx = self.d.commit(cns, ckeys, gens, time.monotonic())
-        puts, _deletes = _apply(store, fx)
+            d.settle_handles(pending, cns, ckeys, gens)
+        ok, fx = d.commit(cns, ckeys, gens, time.monotonic())
+        puts, _deletes = _apply(self.store, fx)
         msgpack.packb({"ok": ok}, use_bin_type=True)
-        return len(puts)
+        return sum(ok), len(puts)
 
 
 def _apply(store: EtcdStore, fx) -> tuple[list, list]:
-    """What ``Metaserver._apply`` and the etcd writer encode: the commit records (``batches_of``, then the writer's
-    ``batch_value`` when it takes them), the rewrites of records that pages left (encoded here once a request; the
-    writer coalesces a record's rewrites while it waits) and the keys of deleted page records of their own."""
-    puts = [(b.name, store.batch_value(b)) for b in store.batches_of(fx.puts)] if fx.puts else []
+    """What ``Metaserver._apply`` and the etcd writer encode: the table's new commit records and the rewrites of
+    records that pages left (``TableRecord.value``, None: the record is deleted), and the keys of deleted page
+    records of their own."""
+    puts = [(r.name, r.value()) for r in fx.recs] if fx.recs else []
     if fx.batches:
-        puts += [(b.name, store.batch_value(b)) for b in dict.fromkeys(fx.batches)]
+        puts += [(b.name, b.value()) for b in dict.fromkeys(fx.batches)]
     deletes = [store.page_key(ns, k) for ns, k in fx.deletes] if fx.deletes else []
     return puts, deletes
 
@@ -154,7 +152,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--capacity", default="4GiB", help="per node (64MiB: a full pool, every put evicts)")
     a = ap.parse_args()
-    d = Directory(policy="lru")
+    d = TableDirectory(policy="lru")
     for i in range(a.nodes):
         d.add_space(f"node-{i}", parse_size(a.capacity))
     sp = ServicePath(d)

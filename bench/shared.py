@@ -1,23 +1,20 @@
 """What a TP8 MHA page costs the metaserver with per-rank keys (before) and as one shared entry (after,
-``metaserver/shared.py``): directory entries, etcd records, keys sent (ALLOC, COMMIT, LOOKUP), EXISTS keys that tell
+``metaserver/tableshared.py``): table rows, etcd records, keys sent (ALLOC, COMMIT, LOOKUP), EXISTS keys that tell
 whether a page is complete, memory and CPU per logical page; MLA (one replicated key, every rank deduplicated) as the
 reference.
 
-A ``metaserver.directory.Directory`` is driven through its real methods the way ``service.py`` drives them, minus
-the network and etcd: each of the 8 ranks sends its own batches (ALLOC, COMMIT, then LOOKUP+release), and for a
-closed pool the per-key tags and per-node capabilities (``metaserver.grants``) are computed as the service does.
-Records per page are the ``Effects.puts`` the commits return (what the etcd writer would put). Memory is VmRSS
-after the build minus before, per logical page; with ``--traced`` also tracemalloc's traced bytes (what Python asked
-for; RSS adds allocator slack), from a second build in its own process: tracing every allocation slows the build
-3-5x, so the timed build never runs under it (before 2026-12-04 it did, and its put rates were that much low). Rates
-are logical pages per CPU-second of this process (``time.process_time``). Each layout runs in a fresh process.
+The metaserver's page table (``metaserver.tabledir.TableDirectory``, its one directory core) is driven through its
+real methods the way the service drives it, minus the network and etcd: each of the 8 ranks sends its own batches
+(ALLOC, COMMIT, then LOOKUP+release), and for a closed pool the per-key tags and per-node capabilities are computed
+as the service does (``metaserver.grants`` for ALLOC; a LOOKUP is the service's columnar call,
+``TableDirectory.lookup_granted(..., packed=True)``, its packed rows decoded as a client decodes them). Records per
+page are the pages of the commit records the commits return (what the etcd writer would put). Memory is VmRSS after
+the build minus before, per logical page; with ``--traced`` also tracemalloc's traced bytes, from a second build in
+its own process (tracing every allocation slows the build 3-5x, so the timed build never runs under it): the key
+index lives in anonymous mmaps, which tracemalloc does not see, so read the ``rss`` column. Rates are logical pages
+per CPU-second of this process (``time.process_time``). Each layout runs in a fresh process.
 
-``--directory table`` runs the same on the columnar directory as ``umbp metaserver --directory table`` serves it
-(``metaserver/tabledir.py``; its LOOKUP is the service's columnar call, ``lookup_granted``); its columns live in
-anonymous mmaps, which tracemalloc does not see, so compare the ``rss`` column (VmRSS after the build minus before,
-per logical page) across directories.
-
-    python bench/shared.py [--pages 200000] [--ranks 8] [--directory objects|table] [--traced]
+    python bench/shared.py [--pages 200000] [--ranks 8] [--traced]
 """
 
 from __future__ import annotations
@@ -34,8 +31,9 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from metaserver.directory import NEW, Directory  # noqa: E402
-from metaserver.grants import grant_reads, grant_writes  # noqa: E402
+from metaserver.entry import NEW  # noqa: E402
+from metaserver.grants import grant_writes  # noqa: E402
+from metaserver.tabledir import TableDirectory  # noqa: E402
 from transport import wire  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
@@ -61,17 +59,14 @@ def fresh(hexes: list[bytes], rank: int | None) -> list[bytes]:
     return [h + rb for h in hexes]
 
 
-def run(layout: str, pages: int, ranks: int, directory: str = "objects", traced: bool = False) -> dict:
+def run(layout: str, pages: int, ranks: int, traced: bool = False) -> dict:
     """Build ``pages`` logical pages in ``layout`` (per-rank | shared | mla), then LOOKUP each page from every rank.
     ``traced``: the build runs under tracemalloc (its bytes are the figure; its rates are not)."""
     tokens = Tokens(b"cluster-secret-0123456789", {})
     member = _Member()
     node = {f"n{i}": member for i in range(NODES)}.get
     per_node = -(-pages * ranks * object_size(PART) // NODES) + (64 << 20)
-    table = directory == "table"
-    if table:
-        from metaserver.tabledir import TableDirectory
-    d = TableDirectory() if table else Directory()
+    d = TableDirectory()
     for i in range(NODES):
         d.add_space(f"n{i}", per_node)
     hexes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(pages)]
@@ -96,7 +91,7 @@ def run(layout: str, pages: int, ranks: int, directory: str = "objects", traced:
             ok, fx = d.commit("kv", [keys[i] for i in new], [out[i][4] for i in new], 0.0, shard)
             assert all(ok) and all(out[i][0] == NEW for i in new)
             counts["commit_keys"] += len(new)
-            counts["records"] += len(fx.puts) + sum(len(r.rows) for r in fx.recs)  # pages persisted
+            counts["records"] += sum(len(r.rows) for r in fx.recs)  # pages persisted
     build_s = time.process_time() - t0
     gc.collect()
     mem = tracemalloc.get_traced_memory()[0] - base if traced else None
@@ -108,12 +103,8 @@ def run(layout: str, pages: int, ranks: int, directory: str = "objects", traced:
         for rk in range(ranks):
             shard = (rk, ranks) if layout == "shared" else None
             keys = fresh(hexes[s:s + BATCH], rk if layout == "per-rank" else None)
-            if table:
-                ans = wire.unpack_locs(d.lookup_granted("kv", keys, 1.0, None, tokens, node, shard, True), "bench")
-                lease, locs = ans["lease"], ans["locs"]
-            else:
-                lease, locs = d.lookup("kv", keys, 1.0, None, shard)
-                grant_reads(tokens, node, "kv", keys, locs, rk if shard else None)
+            ans = wire.unpack_locs(d.lookup_granted("kv", keys, 1.0, None, tokens, node, shard, True), "bench")
+            lease, locs = ans["lease"], ans["locs"]
             assert all(loc is not None for loc in locs)
             d.release(lease)
             counts["lookup_keys"] += len(keys)
@@ -124,8 +115,7 @@ def run(layout: str, pages: int, ranks: int, directory: str = "objects", traced:
             "alloc_keys_per_page": counts["alloc_keys"] / pages, "commit_keys_per_page": counts["commit_keys"] / pages,
             "lookup_keys_per_page": counts["lookup_keys"] / pages,
             "exists_keys_per_complete_page": ranks if layout == "per-rank" else 1,
-            "policy_members_per_page": (d.objects if table else sum(d.policy.count(f"n{i}") for i in range(NODES)))
-            / pages,  # the table: every unpinned READY row is an LRU candidate
+            "policy_members_per_page": d.objects / pages,  # every unpinned READY row is an LRU candidate
             "bytes_per_page": None if mem is None else mem / pages, "rss_per_page": rss_mem / pages, "put_pages_per_cpu_s": pages / build_s,
             "lookup_pages_per_cpu_s": pages / lookup_s}
 
@@ -134,18 +124,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=200_000, help="logical pages (default 200k)")
     ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--directory", choices=("objects", "table"), default="objects")
     ap.add_argument("--traced", action="store_true",
                     help="also tracemalloc's bytes a page (a second, untimed build per layout)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(run(a.child, a.pages, a.ranks, a.directory, a.traced)))
+        print(json.dumps(run(a.child, a.pages, a.ranks, a.traced)))
         return
 
     def child(layout: str, traced: bool) -> dict:
         r = subprocess.run([sys.executable, __file__, "--child", layout, "--pages", str(a.pages), "--ranks",
-                            str(a.ranks), "--directory", a.directory] + ["--traced"] * traced,
+                            str(a.ranks)] + ["--traced"] * traced,
                            capture_output=True, text=True, check=True)
         return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -155,15 +144,15 @@ def main() -> None:
         if a.traced:
             row["bytes_per_page"] = child(layout, True)["bytes_per_page"]
         rows.append(row)
-    cols = [("entries_per_page", "dir entries", "{:.0f}"), ("records_per_page", "etcd records", "{:.0f}"),
+    cols = [("entries_per_page", "table rows", "{:.0f}"), ("records_per_page", "etcd records", "{:.0f}"),
             ("policy_members_per_page", "evictable", "{:.0f}"), ("alloc_keys_per_page", "ALLOC keys", "{:.0f}"),
             ("commit_keys_per_page", "COMMIT keys", "{:.0f}"), ("lookup_keys_per_page", "LOOKUP keys", "{:.0f}"),
             ("exists_keys_per_complete_page", "EXISTS keys", "{:.0f}"), ("bytes_per_page", "bytes", "{:.0f}"),
             ("rss_per_page", "rss", "{:.0f}"),
             ("put_pages_per_cpu_s", "puts pg/cpu-s", "{:,.0f}"), ("lookup_pages_per_cpu_s", "gets pg/cpu-s",
                                                                   "{:,.0f}")]
-    print(f"TP{a.ranks} page, {a.pages:,} logical pages, directory {a.directory}, per logical page (closed pool: tags "
-          "and capabilities in):")
+    print(f"TP{a.ranks} page, {a.pages:,} logical pages, TableDirectory, per logical page (closed pool: tags and "
+          "capabilities in):")
     print(f"{'layout':10}" + "".join(f"{h:>15}" for _, h, _ in cols))
     for r in rows:
         print(f"{r['layout']:10}" + "".join(f"{'-' if r[k] is None else f.format(r[k]):>15}" for k, _, f in cols))
