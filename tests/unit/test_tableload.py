@@ -15,6 +15,7 @@ import pytest
 
 from metaserver.columns import BLOCK, PageTable
 from metaserver.entry import NEW, READY, extent_size
+from metaserver.keyindex import REBUILD_LOAD
 from metaserver.tableload import fingerprint, load_pages, reserve
 from metaserver.tablenodes import FREE, UNIT_SHIFT
 from transport.wire import ARENA_DATA_START, object_size
@@ -285,10 +286,10 @@ def test_a_load_spanning_several_blocks_keeps_commit_order_for_lru():
     offs = [BASE + ((i * 7919) % n) * 4096 for i in range(n)]  # commit order is not offset order
     reserve(t, n, 2)
     rows, resizes = t.rows, t.ix.resizes
-    assert len(t.ix.slots) * 0.4 >= n
+    assert t.ix.capacity * REBUILD_LOAD >= n
     big = PageTable()  # (a new table has 64 blocks of rows already)
     reserve(big, 100 * BLOCK, 3)
-    assert big.rows >= 103 * BLOCK and len(big.ix.slots) * 0.4 >= 100 * BLOCK
+    assert big.rows >= 103 * BLOCK and big.ix.capacity * REBUILD_LOAD >= 100 * BLOCK
     assert load_pages(t, "n0", "a", keys, np.array(offs), [small] * n, np.arange(n) + 10) == []
     assert (t.rows, t.ix.resizes) == (rows, resizes), "reserved: neither the columns nor the index grew"
     t.check()
