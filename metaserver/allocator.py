@@ -31,11 +31,12 @@ Invariants (checked by ``check()`` in tests): free and allocated extents are dis
 no two free extents touch, ``used + free == capacity``.
 
 Tracking: by default the allocator remembers every allocated extent (``start -> length``), so ``free`` refuses a
-double free or a wrong size and ``check()`` verifies the tiling by itself. The page directory passes
-``track=False``: its entries already record each object's extent, and at 10 M pages the allocator's copy (one dict
-slot and one int per object, about 70 bytes) was a fifth of the metaserver's memory. Untracked, ``free`` still refuses
-an extent outside the region or one that starts or ends a free extent (the double free of an extent that did not
-merge with a neighbour), and ``check(extents)`` takes the allocated extents from the caller.
+double free or a wrong size and ``check()`` verifies the tiling by itself. The page table passes ``track=False``: its
+rows already record each object's extent (``unit`` and ``size`` columns), and at 10 M pages the allocator's copy
+would be one dict slot and one int per object, about 70 bytes, more than half of what a page costs in the table.
+Untracked, ``free`` still refuses an extent outside the region or one that starts or ends a free extent (the double
+free of an extent that did not merge with a neighbour), and ``check(extents)`` takes the allocated extents from the
+caller.
 
 Costs: ``alloc`` O(1) for exact bins, O(SCAN_LIMIT + log) otherwise; ``free`` O(1); ``rebuild`` O(n log n);
 ``reserve`` (an exact extent) O(1) at the start of a free extent, else O(free extents).

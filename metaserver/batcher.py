@@ -37,19 +37,13 @@ import logging
 from collections import OrderedDict
 from itertools import filterfalse, islice
 
-from metaserver.entry import Batch
 from metaserver.persist import EtcdStore, unavailable
+from metaserver.tablerecords import TableRecord
 from transport.wire import Status
 from umbp.config import ETCD_TXN_OPS
 from umbp.errors import RemoteError, TxnTooLarge, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
-batch_value = EtcdStore.batch_value
-
-
-def encoded(record: "Batch | TableRecord") -> bytes | None:
-    """A commit record's value now (None: delete it), ``Directory``'s (``Batch``) or the table's."""
-    return batch_value(record) if type(record) is Batch else record.value()
 
 TXN_OPS = ETCD_TXN_OPS  # operations a transaction by default (MetaserverConfig.persist_batch, umbp/config.py)
 ETCD_DEFAULT_TXN_OPS = 128  # etcd's own default cap: where a writer refused for its size goes first
@@ -130,11 +124,11 @@ class BatchWriter:
         for i in range(self.inflight):
             self._workers.append(asyncio.create_task(self._work(), name=f"metaserver-etcd-writer-{i}"))
 
-    def submit(self, puts: list[tuple[bytes, "bytes | Batch"]], deletes: list[bytes], wait: bool
+    def submit(self, puts: list[tuple[bytes, "bytes | TableRecord"]], deletes: list[bytes], wait: bool
                ) -> asyncio.Future | None:
         """Queue puts and deletes; with ``wait``, return a future done when all of them are in etcd (or failed).
-        A put's value may be a commit record (``entry.Batch``): encoded when taken, a delete when it has no live
-        page left. O(ops): one dict insert each."""
+        A put's value may be a commit record (``tablerecords.TableRecord``): encoded when taken, a delete when it
+        has no live row left. O(ops): one dict insert each."""
         ticket = None
         if wait and (puts or deletes):
             ticket = _Ticket(asyncio.get_running_loop().create_future(), len(puts) + len(deletes))
@@ -179,9 +173,8 @@ class BatchWriter:
             self._running += 1
             err: BaseException | None = None
             try:
-                # a commit record's value is encoded now, from its pages still in the directory (persist.py,
-                # tablerecords.py)
-                ops = [(k, v if type(v) is bytes or v is None else encoded(v)) for k, (v, _) in zip(keys, slots)]
+                # a commit record's value is encoded now, from its rows still in the table (tablerecords.py)
+                ops = [(k, v if type(v) is bytes or v is None else v.value()) for k, (v, _) in zip(keys, slots)]
                 deadline = loop.time() + self.retry_s
                 delay = 0.05
                 while True:

@@ -76,8 +76,8 @@ def by_key(hit: np.ndarray, found: list) -> list:
 
 
 class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInvariants):
-    """Pages as rows of columns. Methods mirror ``Directory``'s for the paths it covers: ``alloc``, ``commit``,
-    ``abort``, ``lookup``, ``release``, ``exists``, ``remove``, ``expire_leases``, ``expire_pending``, the node side
+    """Pages as rows of columns: the requests (``alloc``, ``commit``, ``abort``, ``lookup``, ``release``, ``exists``,
+    ``remove``), the budgeted expiries (``expire_leases``, ``expire_pending``), the node side
     (``metaserver/tablenodes.py``), commit records (``tablerecords.py``) and the totals and listings
     (``tablequeries.py``); ``check()`` verifies the invariants below (``tableinvariants.py``).
 
@@ -221,27 +221,27 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
               tags: list[int] | None = None, now: float = 0.0, token: int | None = None, owner: object = None,
               parents: list | None = None, at: list[int] | None = None) -> list:
         """Place each new key (PENDING, generation ``gen_base + i``), evicting the placed node's least recently
-        used pages when it is full. Items as ``Directory.alloc``: ``(NEW, node_id, offset, payload_len, gen)`` or
+        used pages when it is full. Items: ``(NEW, node_id, offset, payload_len, gen)`` or
         ``(EXISTS | IN_FLIGHT | NO_SPACE, None, None, None, None)``; keys are taken in order, so a key that an earlier
         key of the same request evicted is placed again, and a key given twice is EXISTS the second time (the first
-        is the one stored). A READY key answers EXISTS and counts as a use (its stamp moves to now), as in
-        ``Directory``: an engine re-offers pages it holds in a live context. A key PENDING under the same writer
-        ``token`` with the same length gets its place again (an ALLOC retried after a lost answer), and from then on
-        belongs to ``owner`` (``writer_of``); under another token it is IN_FLIGHT. ``parents[i]``: the key of key i's
-        parent page (None: none), READY, PENDING or placed earlier in this request: key i goes to its parent's node
-        when that node has room for it and at least half the free bytes of the emptiest placeable node (as
-        ``Directory``'s placement, so a chain stays on one node without piling every chain of a shared prefix onto
-        it), to the emptiest placeable node when that one is much fuller, and otherwise to the next placeable node
-        in turn whose arena can hold it at all, evicting there when it is full. (``Directory`` places on
-        the node with the most free bytes and evicts where the next victim is oldest across nodes; that rule, built
-        here with per-request next-victim stamps, cost this ALLOC 0.67x at 10 M pages and was taken out again.)
+        is the one stored). A READY key answers EXISTS and counts as a use (its stamp moves to now): an engine
+        re-offers pages it holds in a live context. A key PENDING under the same writer ``token`` with the same
+        length gets its place again (an ALLOC retried after a lost answer), and from then on belongs to ``owner``
+        (``writer_of``); under another token it is IN_FLIGHT. ``parents[i]``: the key of key i's parent page (None:
+        none), READY, PENDING or placed earlier in this request: key i goes to its parent's node
+        when that node has room for it and at least half the free bytes of the emptiest placeable node (so a chain
+        stays on one node without piling every chain of a shared prefix onto it), to the emptiest placeable node
+        when that one is much fuller, and otherwise to the next placeable node in turn whose arena can hold it at
+        all, evicting there when it is full. (Why in turn and per node: placing on the node with the most free
+        bytes and evicting where the next victim is oldest across nodes needs per-request next-victim stamps, which
+        cost this ALLOC 0.67x at 10 M pages.)
         ``tags``: each key's object tag (``umbp.auth.Tokens.tags``, a closed pool), kept in the ``tag`` column so a
         LOOKUP answers it without computing it again (0 when not given). A PENDING row not committed within
         ``pending_ttl_s`` of ``now`` is dropped by ``expire_pending``; until its commit its ``stamp`` holds that
-        deadline in milliseconds. Sizes come validated (``metaserver/validate.py``), as for ``Directory``: nothing
-        in the loop raises, so a request's evictions and placements always reach the key index together. ``at``:
-        the keys' positions in a larger request (their generations are ``gen_base + at[i]``; shared entries place
-        the keys they do not answer otherwise through here: ``metaserver/tableshared.py``)."""
+        deadline in milliseconds. Sizes come validated (``metaserver/validate.py``): nothing in the loop raises, so
+        a request's evictions and placements always reach the key index together. ``at``: the keys' positions in a
+        larger request (their generations are ``gen_base + at[i]``; shared entries place the keys they do not answer
+        otherwise through here: ``metaserver/tableshared.py``)."""
         nsix = self._ns(ns)
         c = self.cols
         dig, longs = digests(keys)
@@ -325,8 +325,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
                 if f < size or not node.placeable:
                     node = None
                 elif 2 * f < top and 2 * f < (top := max(n.alloc.free_bytes for n in nodes)):
-                    # much fuller than the emptiest: there instead (Directory's rule), not in turn, where half the
-                    # children of a shared prefix would come back to the parent's node
+                    # much fuller than the emptiest: there instead, not in turn, where half the children of a
+                    # shared prefix would come back to the parent's node
                     node = next(n for n in nodes if n.alloc.free_bytes == top)
             if node is None:
                 node = nodes[self._rr % len(nodes)]
@@ -448,7 +448,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
     def lookup(self, ns: str, keys: list[bytes], now: float = 0.0, owner: object = None) -> tuple[int, list]:
         """Locations ``(node_id, offset, payload_len, gen)`` of READY keys (None for the others), pinned under one
         read lease (0 when nothing was found) that belongs to ``owner`` and expires ``read_lease_s`` after ``now``
-        (``expire_leases``), as ``Directory.lookup``."""
+        (``expire_leases``)."""
         lease, hit, hr = self.lookup_rows(ns, keys, now, owner)
         if not lease:
             return 0, [None] * len(keys)

@@ -1,11 +1,13 @@
-"""The metaserver's garbage-collector policy: no collection walks the whole directory while it serves.
+"""The metaserver's garbage-collector policy: no collection walks everything the process holds while it serves.
 
-Why: a directory holds about 1.2 objects the cyclic collector tracks per page (the ``Entry``; keys and offsets are
-untracked), and CPython runs a full collection whenever the objects that reached its oldest generation since the
-last one exceed a quarter of those it holds. At 10 M pages that collection walks about 12 M objects, about 4 s on a
-2-core VM (200k pages: 75 ms), and the event loop stands still meanwhile: answers, heartbeats and the election's
-lease renewals wait. Under churn (every commit into a full pool adds an entry and drops one) it comes back every
-N/4 new entries or so: every minute at 60k commits/s.
+Why: CPython runs a full collection whenever the objects that reached its oldest generation since the last one
+exceed a quarter of those it holds, and the event loop stands still while it walks them: answers, heartbeats and the
+election's lease renewals wait. The page table keeps its pages in numpy columns, so what it holds of tracked objects
+grows with its commit records (a ``TableRecord`` per up to ``BATCH_PAGES`` pages), orphans, PENDING writers and
+connections, not a Python object per page: 1 M pages committed under prefix-lru are about 10k tracked objects, a full
+collection 5 ms on the 2-core VM. What makes millions of them is a load: a full load's or a warm copy's parse makes
+an ``entry.Entry`` a page until the table files it (``fullload.gc_paused`` keeps the collector off meanwhile). The
+policy bounds a collection's pause by what one step adds, whatever the process holds.
 
 What this does instead (``GcPolicy``, installed once per process by ``metaserver/server.py``):
 
@@ -14,21 +16,20 @@ What this does instead (``GcPolicy``, installed once per process by ``metaserver
 - ``step`` (every ``every_s``, from ``run``) collects everything not frozen, which is what was made since the last
   freeze, and when that walk took ``freeze_s`` or more it freezes the survivors (``gc.freeze``: the permanent
   generation, which no collection walks). So a step walks at most what one ``every_s`` adds on top of what fits
-  in ``freeze_s``: its pause does not grow with the directory;
+  in ``freeze_s``: its pause does not grow with what the process holds;
 - a full load (``fullload.gc_paused``) freezes what it built when it ends.
 
 What it relies on, and what it tolerates:
 
-- a frozen object is still freed by reference counting when its last reference goes. The directory drops pages
-  without leaving cycles behind (entries leave their rings and parent links when they go:
-  ``tests/unit/test_gcpolicy.py`` churns, evicts, removes and drops nodes of a frozen directory and finds no
-  cyclic garbage), so freezing it leaks nothing;
-- cyclic garbage made of frozen objects is not collected while they stay frozen. A whole directory that is
-  dropped (a deposed leader's, a warm copy stopped or reloaded) is such garbage: those places call ``thaw``, which
-  unfreezes everything, so the next step walks and collects it (that one step is as long as a full collection
-  was: it is paid when the process changes role, not periodically while it serves). Anything else that is frozen
-  and later becomes cyclic garbage (an object that lived across a freeze inside a cycle) stays until the next
-  thaw; ``frozen`` (the metric ``umbp_metaserver_gc_frozen_objects``) shows whether that grows.
+- a frozen object is still freed by reference counting when its last reference goes. The table drops pages without
+  leaving cycles behind (``tests/unit/test_tablelinks.py`` churns, evicts, removes and drops nodes of a table and
+  finds no cyclic garbage), so freezing it leaks nothing;
+- cyclic garbage made of frozen objects is not collected while they stay frozen. A whole table that is dropped (a
+  deposed leader's, a warm copy stopped or reloaded: the table and its parts refer to each other) is such garbage:
+  those places call ``thaw``, which unfreezes everything, so the next step walks and collects it (that one step is as
+  long as a full collection was: it is paid when the process changes role, not periodically while it serves).
+  Anything else that is frozen and later becomes cyclic garbage (an object that lived across a freeze inside a cycle)
+  stays until the next thaw; ``frozen`` (the metric ``umbp_metaserver_gc_frozen_objects``) shows whether that grows.
 
 Costs: a step is one ``gc.collect()`` over the unfrozen objects (a few ms on a quiet process; bounded as above
 under churn) plus ``gc.freeze()`` (O(1): it splices lists).

@@ -1,12 +1,12 @@
-"""What the metaserver hands out with an ALLOC or LOOKUP answer in a closed pool: the object tags and the
-capabilities (umbp/auth.py), one capability per node per batch.
+"""What the metaserver hands out with an ALLOC answer in a closed pool: the object tags and the write capabilities
+(umbp/auth.py), one capability per node per batch.
 
-An ALLOC answer is ``{"items": [[NEW, node, off, size, gen, tag, cap_index] | [state], ...], "caps": [cap, ...]}``
-and a LOOKUP answer ``{"lease", "locs": [[node, off, size, gen, tag, cap_index] | None, ...], "caps": [...]}``:
+An ALLOC answer is ``{"items": [[NEW, node, off, size, gen, tag, cap_index] | [state], ...], "caps": [cap, ...]}``:
 ``caps[cap_index]`` is the capability of the item's node, covering every slot (offset, payload length, generation)
 of this batch on that node, so a batch costs one MAC per node instead of one per key and the capability crosses the
-wire once per node. In an open pool the capabilities are b"". ``service.py`` calls these; ``bench/scale.py`` calls
-the same functions to measure the service's per-key work.
+wire once per node. In an open pool the capabilities are b"". A LOOKUP answer's tags and read capabilities come
+the same way, per node, from the table's columns (``TableDirectory.lookup_granted``). ``dataplane.py`` calls
+``grant_writes``; the benches call it to measure the service's per-key work.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from metaserver.entry import NEW
-from umbp.auth import Tokens, read_capability, write_capability
+from umbp.auth import Tokens, write_capability
 
 
 def grant_writes(tokens: Tokens, node: Callable, ns: str, keys: list, items: list, deadline_ms: int,
@@ -44,33 +44,3 @@ def grant_writes(tokens: Tokens, node: Callable, ns: str, keys: list, items: lis
         caps.append(write_capability(member.cap_key, slots[ix], member.cap_epoch, deadline_ms)
                     if member is not None else b"")
     return out, caps, new
-
-
-def grant_reads(tokens: Tokens, node: Callable, ns: str, keys: list, locs: list, rank: int | None = None
-                ) -> list[bytes]:
-    """Turn the directory's LOOKUP locations ``(node_id, off, plen, gen)`` into the answer's, in place:
-    ``(node_id, off, plen, gen, tag, cap_index)`` (``rank``: sub-slots of shared entries, as ``grant_writes``).
-    Returns the capabilities."""
-    if None in locs:
-        hits = [i for i, loc in enumerate(locs) if loc is not None]
-        if not hits:
-            return []
-        tags = tokens.tags(ns, [keys[i] for i in hits], rank)
-    else:  # every key found (the common case of a prefix get): no index list
-        hits = range(len(locs))
-        tags = tokens.tags(ns, keys, rank)
-    index: dict[str, int] = {}
-    slots: list[list] = []
-    for i, tag in zip(hits, tags):
-        node_id, off, plen, gen = locs[i]
-        ix = index.get(node_id)
-        if ix is None:
-            ix = index[node_id] = len(slots)
-            slots.append([])
-        slots[ix].append((off, plen, gen))
-        locs[i] = (node_id, off, plen, gen, tag, ix)
-    caps = []
-    for node_id, ix in index.items():
-        member = node(node_id)
-        caps.append(read_capability(member.cap_key if member is not None else None, slots[ix]))
-    return caps

@@ -14,7 +14,7 @@ an index of the pages the pool holds. The wire is vLLM's ``ZmqEventPublisher``'s
   then ``["", "", -1 as 8 signed bytes, ""]``. The last ``REPLAY_BATCHES``
   batches are kept, so a subscriber that reconnects or sees a gap in ``seq`` catches up without a snapshot.
 
-What the events say (the metaserver's directory decides; ``metaserver/tablelinks.py`` calls the sink):
+What the events say (the page table decides; ``metaserver/tablelinks.py`` calls the sink):
 
 - ``BlockStored``: pages that became READY (a COMMIT, a lost node's pages filed again when it returns); consecutive
   pages of one chain are one event, ``parent_block_hash`` naming the first one's parent. At the start of every
@@ -31,12 +31,11 @@ key is its bytes. ``block_size`` is the ``p<N>`` part of a namespace made by ``u
 batch holds one namespace's events and its topic is that namespace (UTF-8): subscribe to ``""`` for all of them
 (``seq`` counts every batch of every topic, so a gap is only a gap on an all-topics subscription).
 
-Hook surface (kept small so ``metaserver/`` can be restructured around it): a directory has ``kv_sink`` (None: no
-events); the table calls ``kv_sink.stored_keys(ns, keys, parents)`` once per batch of pages that became READY and
-``kv_sink.removed_keys(ns, keys)`` once per batch of READY pages that left (``metaserver/tablelinks.py``;
-``Directory`` calls ``stored(entries)`` and ``removed(entry)``), and lists what it holds with
-``links.snapshot()``; ``Metaserver`` calls ``attach(directory)`` when a term starts serving, ``detach`` when it
-ends, and ``server.serve`` owns the process's ``Publisher`` (``publisher``/``close``).
+Hook surface (kept small so ``metaserver/`` can be restructured around it): the table has ``kv_sink`` (None: no
+events) and calls ``kv_sink.stored_keys(ns, keys, parents)`` once per batch of pages that became READY and
+``kv_sink.removed_keys(ns, keys)`` once per batch of READY pages that left (``metaserver/tablelinks.py``), and lists
+what it holds with ``links.snapshot()``; ``Metaserver`` calls ``attach(directory)`` when a term starts serving,
+``detach`` when it ends, and ``server.serve`` owns the process's ``Publisher`` (``publisher``/``close``).
 
 Threads and costs: the sink runs on the event loop (a list step per page, a flush per burst of mutations scheduled
 with ``call_soon``); encoding and sending run on the publisher's thread, which owns both sockets. A full queue
@@ -53,7 +52,7 @@ import re
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 
@@ -297,15 +296,6 @@ class Sink:
             last[1].append(key)
         self._schedule()
 
-    def stored(self, entries: Iterable[Any]) -> None:
-        """``Directory``'s: entries (``ns``, ``key``, ``parent``) became READY."""
-        for e in entries:
-            self.stored_keys(e.ns, [e.key], [e.parent])
-
-    def removed(self, e: Any) -> None:
-        """``Directory``'s: a READY entry left."""
-        self.removed_keys(e.ns, [e.key])
-
     def _schedule(self) -> None:
         if self.scheduled:
             return
@@ -358,12 +348,8 @@ def attach(pub: Publisher, directory: Any) -> None:
 
 
 def _held(directory: Any) -> list[tuple[str, list, list]]:
-    """(namespace, keys, parent keys) of the directory's READY pages, per namespace."""
-    links = getattr(directory, "links", None)
-    if links is not None:
-        return links.snapshot()
-    return [(ns, [e.key for e in r.values()], [e.parent for e in r.values()]) for ns, r in directory.ready.items()
-            if r]
+    """(namespace, keys, parent keys) of the table's READY pages, per namespace (``TableLinks.snapshot``)."""
+    return directory.links.snapshot()
 
 
 def detach(pub: Publisher, directory: Any) -> None:

@@ -1,11 +1,12 @@
 """Who owns what the metaserver hands out, and per-namespace quotas (``OwnershipHandlers``, a mixin of
 ``metaserver.service.Metaserver``).
 
-Read leases. A LOOKUP pins what it found under one lease with a random 63-bit id (``Directory.lookup``: not
-guessable, unlike the sequential ids it replaced), owned by the connection that took it. A RELEASE from any other
-connection is refused with NOT_FOUND and changes nothing, the same answer as for an unknown or expired lease, so it
-tells nothing about other connections' leases; a connection's leases are released when it closes (``drop_pending``,
-called by ``metaserver.server`` on close). A lease that nobody releases expires after ``read_lease_s``.
+Read leases. A LOOKUP pins what it found under one lease with a random 63-bit id (``PageTable.lookup_rows``,
+``entry.random_id``: not guessable, so one connection cannot name another's lease), owned by the connection that took
+it. A RELEASE from any other connection is refused with NOT_FOUND and changes nothing, the same answer as for an
+unknown or expired lease, so it tells nothing about other connections' leases; a connection's leases are released
+when it closes (``drop_pending``, called by ``metaserver.server`` on close). A lease that nobody releases expires
+after ``read_lease_s``.
 
 PENDING allocations. An allocation belongs to the connection that made it, or to the one that retried the ALLOC with
 the same token last (the answer of the first was lost, typically with its connection): only the owner's closing
@@ -13,11 +14,11 @@ aborts it, so a retry on a new connection is not aborted when the old one finall
 
 Quotas (``Tokens.quota_rules``: the tokens file's ``[quotas]`` names and patterns and its tokens' ``quota``, each a
 group of namespaces sharing one quota: umbp/quotarules.py). A group's use is the object sizes (header included, 4 KiB
-aligned: what it takes of the arenas) of its namespaces' READY and PENDING entries, kept exact by the directory
-through every transition (``check()`` verifies it). An ALLOC that would take its group over evicts the group's own
-least recently used old READY pages first (never pinned or PENDING ones: metaserver/tablequotas.py); keys that
-still do not fit fail the whole request: it allocates nothing and answers QUOTA (``QuotaExceeded`` naming the
-namespace and its group). STATS shows ``used_bytes`` per namespace and ``quota_bytes``, its group's quota.
+aligned: what it takes of the arenas) of its namespaces' READY and PENDING rows, kept exact by the table through
+every transition (``check()`` verifies it). An ALLOC that would take its group over evicts the group's own least
+recently used old READY pages first (never pinned or PENDING ones: metaserver/tablequotas.py); keys that still do not
+fit fail the whole request: it allocates nothing and answers QUOTA (``QuotaExceeded`` naming the namespace and its
+group). STATS shows ``used_bytes`` per namespace and ``quota_bytes``, its group's quota.
 
 Costs: RELEASE O(pages under the lease); a connection's close O(its leases + its PENDING); quota checks O(1) per key,
 quota eviction as metaserver/tablequotas.py says.

@@ -14,7 +14,7 @@ key it wins, so a process that dies loses all of them at once when its lease exp
 - we hold it and a process ranked above us reports its warm copy of s loaded (``members`` value ``warm``): hand it
   over (stop serving, flush queued writes, delete the key fenced, with the record of the slot's open allocations:
   ``metaserver/handoff.py``): that is how a joining process takes its share;
-- someone else holds it: keep a warm copy (today's ``WarmDirectory``, on this slot's pages) when this process is
+- someone else holds it: keep a warm copy (``standby.WarmDirectory``, on this slot's pages) when this process is
   rank 0 (the slot comes here once the copy is loaded) or the next-ranked after the holder (the successor);
 - we hold it under our lease but neither serve, elect, hand over nor depose it two rounds running (a campaign's
   answer lost after etcd applied it, a failed resign): campaign again, adopting the key (``_adopt_unserved``).

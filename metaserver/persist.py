@@ -24,9 +24,10 @@ so it can keep them for a node that comes back with that arena and drop them for
 
 Commit records: a COMMIT's pages are one etcd record, not one each (``bench/records.py``, GPU machine: 2.5x the put
 rate, 3.5x cheaper to replay from a watch, 4.1x faster to scan). The record always holds exactly the pages of it
-still in the directory (``entry.Batch.live``): evicting or removing one rewrites the record without it, the last one
-deletes it; the value is encoded when the writer takes the op (``batch_value``), so a burst of evictions of one
-record is one rewrite. A load orders a commit record's pages by the record's create revision (a rewrite keeps it).
+still in the table (``tablerecords.TableRecord``): evicting or removing one rewrites the record without it, the last
+one deletes it; the value is encoded when the writer takes the op (``TableRecord.value``), so a burst of evictions of
+one record is one rewrite. A load orders a commit record's pages by the record's create revision (a rewrite keeps
+it).
 
 Fencing: once this metaserver wins the election, ``fence(revision)`` makes every transaction written through this
 store (pages, node records, generations) carry ``create_revision(leader key) == revision``. A deposed leader's
@@ -50,9 +51,9 @@ events. A compacted ``start`` is not an error but a value (the caller must load 
 ``Unavailable``.
 
 Costs: one etcd round trip per ``batch`` ops under load; the loader reads ``LOAD_PAGE`` records per round trip and
-parses them as they arrive into the entries they become (``metaserver/records.py``, about 1.5 us a record); a watch costs one
-stream, its responses fragmented by etcd (``fragment``) so a burst of revisions never exceeds
-gRPC's message limit.
+parses them as they arrive into the pages they become (``metaserver/records.py``, about 1.5 us a record); a watch
+costs one stream, its responses fragmented by etcd (``fragment``) so a burst of revisions never exceeds gRPC's
+message limit.
 """
 
 from __future__ import annotations
@@ -67,14 +68,16 @@ import aetcd.exceptions
 import aetcd.rpc
 import msgpack
 
-from metaserver.entry import PART_MASK, SHARD_SHIFT, Batch
-from metaserver.records import BATCH_MARK, BATCH_PAGES, PageRecords, _name
+from metaserver.entry import PART_MASK, SHARD_SHIFT
+from metaserver.records import BATCH_MARK, PageRecords, _name
+from metaserver.records import BATCH_PAGES as _BATCH_PAGES
 from transport.wire import Status
 from umbp.config import split_host_port
 from umbp.errors import NotLeader, TxnTooLarge, Unavailable
 
 log = logging.getLogger("umbp.metaserver")
 
+BATCH_PAGES = _BATCH_PAGES  # pages of a commit record at most (the layout above; the benches read it here)
 LOAD_PAGE = 5000  # records a range request of a scan asks for at most ...
 SCAN_FIRST = 256  # ... and at first, until the answers show how large the records are:
 SCAN_BYTES = 4 << 20  # each later request asks for about this many bytes (a commit record of 128 digest pages is
@@ -207,46 +210,6 @@ class EtcdStore:
         """A new commit record's etcd key: unique (this leader's term, the fence's revision, and a count)."""
         self._batch_seq += 1
         return b"%s%s/%s%x.%x" % (self._pages, ns.encode(), BATCH_MARK, self.fence_rev or self._term, self._batch_seq)
-
-    def batches_of(self, entries: list) -> list[Batch]:
-        """The commit records of newly READY entries: runs of one namespace, BATCH_PAGES at most each; each entry's
-        ``batch`` set. An entry that had a record already (none does today) leaves it: that record is returned too,
-        to be rewritten without it."""
-        out: list[Batch] = []
-        ns = None
-        cur: list = []
-        for e in entries:
-            if e.ns is not ns or len(cur) >= BATCH_PAGES:
-                if cur:
-                    out.append(self._batch(ns, cur, out))
-                ns, cur = e.ns, []
-            cur.append(e)
-        if cur:
-            out.append(self._batch(ns, cur, out))
-        return out
-
-    def _batch(self, ns: str, ents: list, out: list) -> Batch:
-        b = Batch(self.batch_name(ns), ents)
-        for e in ents:
-            old = e.batch
-            if old is not None and old not in out:
-                out.append(old)
-            e.batch = b
-        return b
-
-    @staticmethod
-    def batch_value(b: Batch) -> bytes | None:
-        """A commit record's value now: its live pages (``Batch.live``); None (delete it) when none is left."""
-        live = b.live()
-        if not live:
-            return None
-        pages = []
-        add = pages.append
-        for e in live:
-            pl = e.payload_len
-            add((e.key, e.space.node_id, e.offset, pl, e.gen, e.parent) if pl <= PART_MASK else
-                (e.key, e.space.node_id, e.offset, pl & PART_MASK, e.gen, e.parent, pl >> SHARD_SHIFT))
-        return msgpack.packb(pages, use_bin_type=True)
 
     # -- calls -------------------------------------------------------------------------------------------------
     async def _call(self, what: str, coro):
@@ -491,20 +454,19 @@ class EtcdStore:
         recs.groups.clear()
         recs._apps.clear()
         e = ents[0]
-        return (revs[0], node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up, kv.key)
+        return (revs[0], node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, kv.key)
 
     def records_of(self, kv) -> list[tuple]:
         """``page_record`` of a page kv, as a list; of a commit record, one such tuple per page, each at the
-        record's create revision and naming its ``Batch`` where the etcd key would be (unreadable: one tuple with
-        node_id None and the record's etcd key, as ``page_record``'s)."""
+        record's create revision and with the record's etcd key (unreadable: one tuple with node_id None and the
+        record's etcd key, as ``page_record``'s)."""
         if not self.is_batch(kv.key):
             return [self.page_record(kv)]
         recs = PageRecords(self._pages)
         recs.add((kv,))
         if recs.junk:
             return [(0, None, "", b"", 0, 0, 0, None, kv.key)]
-        (b,) = recs.batches.values()
-        return [(rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.up, b)
+        return [(rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, kv.key)
                 for node_id, (ents, revs) in recs.done().items() for e, rev in zip(ents, revs)]
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Page records as the metaserver reads them back from etcd (a load's range responses, a standby's watch events):
-``PageRecords`` parses them straight into the directory entries they become, grouped by node; ``_name`` reads a
-page's etcd key. The key layout and the values are ``metaserver/persist.py``'s (``EtcdStore.page_key``,
-``page_value``); this module only reads them.
+``PageRecords`` parses them straight into ``entry.Entry`` pages, grouped by node, which the table files as rows;
+``_name`` reads a page's etcd key. The key layout and the values are ``metaserver/persist.py``'s
+(``EtcdStore.page_key``, ``page_value``); this module only reads them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from operator import attrgetter
 
 import msgpack
 
-from metaserver.entry import MAX_SHARDS, PART_MASK, READY, SHARD_SHIFT, Batch, Entry
+from metaserver.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, Entry
 from transport.keyform import digest_key
 
 _intern = sys.intern
@@ -40,13 +40,12 @@ _key, _value, _mod_revision = attrgetter("key"), attrgetter("value"), attrgetter
 
 def batch_entries(ns: str, name: bytes, value) -> tuple[list[str], list[Entry]]:
     """(node ids, entries) of a commit record (its unpacked value: a list of [key, node_id, offset, payload_len, gen,
-    parent] or, for a shared entry, [..., n]), each READY, not filed, its ``batch`` one ``Batch`` named ``name``.
+    parent] or, for a shared entry, [..., n]), each with ``batch`` the record's etcd key ``name``.
     Raises as ``UNREADABLE`` when any page of it is not a record this pool writes (the whole record is then
     unreadable: the leader deletes it), the same rules as a page record's."""
     if type(value) is not list or not 0 < len(value) <= MAX_BATCH:
         raise ValueError("a commit record that is not a list of pages")
-    b = Batch(name, [])
-    ents = b.ents
+    ents: list[Entry] = []
     nodes: list[str] = []
     for rec in value:
         if type(rec) is not list:
@@ -72,9 +71,7 @@ def batch_entries(ns: str, name: bytes, value) -> tuple[list[str], list[Entry]]:
                 raise TypeError("a parent that is not bytes")
             if len(parent) >= 64:
                 parent = digest_key(parent)
-        e = Entry(ns, key, None, off, plen, gen, READY, parent, 0.0)
-        e.batch = b
-        ents.append(e)
+        ents.append(Entry(ns, key, off, plen, gen, parent, name))
         nodes.append(node_id)
     return nodes, ents
 
@@ -89,11 +86,10 @@ def _unpack_or_none(value: bytes):
 
 class PageRecords:
     """The page records of one load, parsed as the scan delivers them (``add``) and grouped by node: ``groups``
-    maps node_id -> ([Entry], [mod_revision]), both in scan order, each record parsed straight into the directory
-    entry it becomes (READY, not filed: ``space`` None, parent named by key), which ``Directory.load_entries``
-    files; ``junk`` holds the etcd keys of the unreadable records (the leader deletes them). ``len`` is every record
-    added. ``metaserver.fullload.fill`` builds a directory from it; ``etcd_key(ns, key)`` is the etcd key of every
-    record that was read (``EtcdStore.page_key``).
+    maps node_id -> ([Entry], [mod_revision]), both in scan order, each record parsed straight into the page it
+    becomes (its parent named by key), which ``TableDirectory.load`` files as rows; ``batches`` lists the etcd keys
+    of the commit records read, ``junk`` those of the unreadable records (the leader deletes them). ``len`` is every
+    page added. ``etcd_key(ns, key)`` is the etcd key of every page record that was read (``EtcdStore.page_key``).
 
     Unreadable: a value that is not a 5- or 6-field record (a shared entry's: its part count ``n`` in 1..MAX_SHARDS
     and its part length in range), a node id that is not a string, a parent that is neither bytes nor nil, fields
@@ -102,12 +98,12 @@ class PageRecords:
     text instead of its raw form (written before keys had one form, ``keyform.digest_key``: a cache page lost once at
     that upgrade, never two records for one page).
 
-    Why this shape: a takeover holds every record until the directory is built (10 M pages). An entry made here,
-    while the key, offset and parent objects msgpack just made are in the cache, is half the cost of one made from
-    a tuple of them later (1 M pages: the load's per-record loop went from 1.1 to 0.6 us); no tuple per record, the
-    namespace one interned string, the etcd key not kept (the 9-tuple with its etcd key that every record was: 9.7
-    GiB at 10 M pages, 2.7x the directory). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack
-    unpack, an unhexlify, an entry)."""
+    Why this shape: a takeover holds every record until the table is built (10 M pages). An entry made here, while
+    the key, offset and parent objects msgpack just made are in the cache, is half the cost of one made from a
+    tuple of them later (1 M pages: the load's per-record loop went from 1.1 to 0.6 us); no tuple per record, the
+    namespace one interned string, the etcd key not kept (a 9-tuple with its etcd key a record: 9.7 GiB at 10 M
+    pages). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack unpack, an unhexlify, an
+    entry)."""
 
     __slots__ = ("groups", "junk", "n", "batches", "_prefix", "_cut", "_names", "_apps", "_ekeys")
 
@@ -115,7 +111,7 @@ class PageRecords:
         self.groups: dict[str, tuple[list[Entry], list[int]]] = {}
         self.junk: list[bytes] = []
         self.n = 0
-        self.batches: dict[bytes, Batch] = {}  # commit records read: name -> its Batch
+        self.batches: list[bytes] = []  # the etcd keys of the commit records read
         self._prefix = prefix
         self._cut = len(prefix)
         self._names: dict[bytes, str] = {}  # namespace as in the etcd key -> its (interned) str
@@ -138,7 +134,7 @@ class PageRecords:
             g = recs.groups.get(p[1])
             if g is None:
                 g = recs.groups[p[1]] = ([], [])
-            g[0].append(Entry(p[2], p[3], None, p[4], p[5], p[6], READY, p[7], 0.0))
+            g[0].append(Entry(p[2], p[3], p[4], p[5], p[6], p[7]))
             g[1].append(p[0])
             recs._ekeys[(p[2], p[3])] = p[8]
         return recs
@@ -149,9 +145,8 @@ class PageRecords:
         self._apps = {}
         return self.groups
 
-    def record_of(self, e: Entry) -> "bytes | Batch":
-        """What holds ``e``'s record in etcd: its commit record (a ``Batch``: the writer rewrites it without the
-        pages that are not in the directory) or its own etcd key (``etcd_key``)."""
+    def record_of(self, e: Entry) -> bytes:
+        """The etcd key of what holds ``e``'s record: its commit record's or its own (``etcd_key``)."""
         return e.batch if e.batch is not None else self.etcd_key(e.ns, e.key)
 
     def etcd_key(self, ns: str, key: bytes) -> bytes:
@@ -218,20 +213,15 @@ class PageRecords:
                         raise TypeError("a node id that is not a string")
                     ents, revs = groups[node_id] = ([], [])
                     g = apps[node_id] = (ents.append, revs.append)
-                # Entry(ns, key, None, off, plen, gen, READY, parent, 0.0), inlined: keep in step
+                # Entry(ns, key, off, plen, gen, parent), inlined: keep in step
                 e = new(Entry)
                 e.key = key
                 e.ns = ns
-                e.space = None
                 e.offset = off
                 e.payload_len = plen
                 e.gen = gen
-                e.state = READY
-                e.pins = 0
-                e.last_access = 0.0
-                e.up = parent
-                e.kids = None
-                e.prev = e.next = e.tier = e.batch = None
+                e.parent = parent
+                e.batch = None
                 add_e, add_rev = g
                 add_e(e)
                 add_rev(rev)
@@ -249,7 +239,7 @@ class PageRecords:
         if ns is None:
             ns = self._names[head] = _intern(head[self._cut:].decode())
         nodes, ents = batch_entries(ns, ekey, value)
-        self.batches[ekey] = ents[0].batch
+        self.batches.append(ekey)
         self.n += len(ents) - 1  # ``n`` counts pages: ``add`` counted the record as one
         groups, apps = self.groups, self._apps
         for node_id, e in zip(nodes, ents):

@@ -1,24 +1,24 @@
-"""Pages of a node lost by its lease: dropped from the directory in budgeted slices and parked for its return
+"""Pages of a node lost by its lease: dropped from the table in budgeted slices and parked for its return
 (``RejoinHandlers``, a mixin of ``metaserver.service.Metaserver``).
 
 A node that stops heartbeating may only be cut off or paused, its arena intact. When its lease lapses the node is
 *detached* at once (nothing is placed there, LOOKUP misses its pages, its PENDING allocations go), then its READY
-pages leave the directory in slices of at most the tick's budget (``Directory.drop_slice``), so a node of millions
+pages leave the table in slices of at most the tick's budget (``TableDirectory.drop_slice``), so a node of millions
 of pages never holds the event loop for long (the election's keep-alive runs between ticks). Their etcd records and
 the arena record stay for REJOIN_GRACE_S (they are *parked*); a re-registration of the same arena (id and capacity)
 in that time loads them back, except keys written elsewhere meanwhile. After the grace, or when the node returns
 with another arena, the records are deleted. A node that was only provisional (loaded at a takeover, never
 re-registered) is not parked: its records are deleted slice by slice.
 
-Costs: detaching O(PENDING entries); a tick O(its budget); the last slice of a node O(read leases) and a sort of its
-parked records (O(pages log pages) in C: tens of ms per million); restoring O(the node's pages); expiry of parked
-nodes is checked every tick, O(parked nodes).
+Costs: detaching O(PENDING rows); a tick O(its budget) numpy work plus a Python step per parked page (its record);
+the last slice of a node a sort of its parked records by recency (``TableNodes.drop_slice``: O(pages log pages) in
+C, tens of ms per million); restoring O(the node's pages) (``TableDirectory.unpark``); expiry of parked nodes is
+checked every tick, O(parked nodes).
 """
 
 from __future__ import annotations
 
 import logging
-from operator import itemgetter
 
 from metaserver.entry import Effects
 from metaserver.nodes import Node
@@ -26,7 +26,6 @@ from metaserver.nodes import Node
 log = logging.getLogger("umbp.metaserver")
 
 REJOIN_GRACE_S = 120.0  # a node lost by its lease: its pages are parked this long for it to re-register its arena
-_ACCESS = itemgetter(6)
 
 
 class RejoinHandlers:
@@ -35,7 +34,7 @@ class RejoinHandlers:
         nid = node.node_id
         use = self.dir.space_use(nid)
         pages = use[1] if use is not None else 0
-        park = self.dir.parks and not node.provisional and use is not None  # the columnar directory parks none
+        park = not node.provisional and use is not None
         _, fx = self.dir.detach_space(nid, park=park)
         self._apply(fx)
         if park:
@@ -81,11 +80,10 @@ class RejoinHandlers:
             self._dropped(node_id, recs)
 
     def _dropped(self, node_id: str, recs: list) -> None:
-        """A detached node's last slice: its parked records, in recency order (oldest first) for a reload."""
+        """A detached node's last slice: its parked records, oldest first (``drop_slice`` sorts them) for a reload."""
         p = self.parked.get(node_id)
         if p is not None and recs:
-            recs.sort(key=_ACCESS)
-            p[3].extend(r[:6] + r[7:] for r in recs)  # (ns, key, offset, payload_len, gen, parent, its Batch)
+            p[3].extend(r[:6] + r[7:] for r in recs)  # (ns, key, offset, payload_len, gen, parent, record name)
         log.info("metaserver: node %s: its pages are out of the directory", node_id)
 
     def _unpark(self, node: Node) -> int:

@@ -1,6 +1,7 @@
 """The metaserver's request handlers and background duties, between the protocol (server.py) and the state
-(directory, membership) and persistence (persist.py). The data-plane handlers (ALLOC, COMMIT, ABORT, LOOKUP,
-EXISTS, PREFIX, REMOVE) are ``metaserver/dataplane.py``'s; admin, rejoin and ownership have mixins of their own.
+(the page table ``metaserver.tabledir.TableDirectory``, membership) and persistence (persist.py). The data-plane
+handlers (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) are ``metaserver/dataplane.py``'s; admin, rejoin and
+ownership have mixins of their own.
 
 Each handler takes a validated request meta and returns the response meta, or a coroutine for the few that wait on
 etcd (REGISTER_NODE, COMMIT with puts, ALLOC when generations run out, EVICT all). Bookkeeping happens
@@ -9,11 +10,11 @@ the directory returns is handed to the batch writer afterwards (awaited only by 
 
 Background (``tick`` every TICK_S): expire PENDING entries and read leases, detect dead nodes and drop their pages,
 evict nodes above the high watermark down to the low one. Each of these sweeps has a budget per tick (SWEEP_BUDGET,
-EVICT_BUDGET) and together they examine at most STEP_BUDGET entries a tick (the first duty rotating), so a
-backlog (a million expired leases, a lost node of millions of pages, a huge eviction) is worked off over several
-ticks while requests keep being served in between. What is not budgeted: detaching a lost node
-(O(PENDING entries)), the last slice of its drop (O(read leases) and a sort of its parked records), and a node that
-re-registers mid-drop (the rest of its drop at once, as its parked pages are reloaded in one step).
+EVICT_BUDGET) and together they examine at most STEP_BUDGET entries a tick (the first duty rotating), so a backlog (a
+million expired leases, a lost node of millions of pages, a huge eviction) is worked off over several ticks while
+requests keep being served in between. What is not budgeted: detaching a lost node (O(PENDING rows)), the last slice
+of its drop (a sort of its parked records, and O(its rows) numpy to retire it), and a node that re-registers mid-drop
+(the rest of its drop at once, as its parked pages are reloaded in one step).
 
 Read leases and PENDING allocations belong to a connection, and namespaces may have quotas:
 ``metaserver.ownership``.
@@ -285,10 +286,10 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
     async def _load(self) -> None:
         """The full load: every record from etcd into this term's (empty) directory. O(pages)."""
         t0 = time.monotonic()
-        with gc_paused():  # millions of objects that all survive: no collection walks them while they are made
+        with gc_paused():  # the parse makes an object a page: no collection walks them while they are made
             node_recs, arena_recs, pages = await self.store.load()
             descs = node_descs(node_recs, arena_recs)
-            # In a thread: building millions of entries holds the interpreter for seconds, and the election's
+            # In a thread: filing millions of pages holds the interpreter for seconds, and the election's
             # keep-alive must still run meanwhile (the event loop gets the GIL back every switch interval). Nothing
             # else touches this term's directory until serving starts; a cancelled takeover leaves the thread to
             # finish on a directory nobody uses.
@@ -340,11 +341,8 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         """Hand a mutation's etcd I/O to the writer; returns a future for the puts when ``wait``."""
         if not fx:
             return None
-        store = self.store
-        puts = [(b.name, b) for b in store.batches_of(fx.puts)] if fx.puts else []
-        if fx.recs:
-            puts += [(r.name, r) for r in fx.recs]  # the columnar directory's own commit records
-        deletes = [store.page_key(ns, k) for ns, k in fx.deletes] if fx.deletes else []
+        puts = [(r.name, r) for r in fx.recs]  # new commit records, encoded when the writer takes them
+        deletes = [self.store.page_key(ns, k) for ns, k in fx.deletes] if fx.deletes else []
         rewrites = [(b.name, b) for b in dict.fromkeys(fx.batches)] if fx.batches else []  # pages left them
         if wait:
             # Deletes and rewrites ride along but the caller only waits for what it must: its puts.
@@ -355,10 +353,10 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         return None
 
     def _drop_records(self, records: list) -> None:
-        """Records a load or a takeover could not place (``fullload.fill``, ``Handover.stale``), or parked pages
-        forgotten: an etcd key is deleted, a commit record (``Batch``, ``TableRecord``) rewritten without them
-        (they are not in the directory)."""
-        puts = [(r.name, r) for r in dict.fromkeys(r for r in records if type(r) is not bytes)]  # Batch, TableRecord
+        """Records a load or a takeover could not place (``TableDirectory.load``, ``Handover.stale``), or parked
+        pages forgotten: an etcd key is deleted, a commit record (``TableRecord``) rewritten without them (they are
+        not in the table)."""
+        puts = [(r.name, r) for r in dict.fromkeys(r for r in records if type(r) is not bytes)]  # TableRecords
         self.writer.submit(puts, [r for r in records if type(r) is bytes], wait=False)
 
     # -- background --------------------------------------------------------------------------------------------

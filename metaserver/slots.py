@@ -23,8 +23,8 @@ leader won at. Generations are unique across slots without coordination: slot s 
 Node space: slot s of S allocates and evicts only in region s of every node, ``[ARENA_DATA_START + s * R,
 + R)`` with ``R = capacity // S`` rounded down to 4 KiB, so two slots never hand out the same bytes. Keys hash
 uniformly, so every slot sees a uniform sample of the workload and per-slot LRU approximates the pool's LRU; an
-object larger than R cannot be stored (slabs handed to slots on demand are the refinement). On the columnar
-table (``SlotTable``) each node's allocator *is* the region (``TableNodes.node_region``): placement, eviction,
+object larger than R cannot be stored (slabs handed to slots on demand are the refinement). In a slot's table
+(``SlotTable``) each node's allocator *is* the region (``TableNodes.node_region``): placement, eviction,
 drain and the full load never see bytes outside it (``tests/unit/test_slottable.py``).
 
 What a slot leader does not own: node leases and arena records (the membership leader, ``MembershipServer``: nodes
@@ -206,7 +206,7 @@ def own_parents(slot: int, slots: int, ns: str, parents: list | None) -> list | 
 
 
 class SlotTable(TableDirectory):
-    """A slot's directory on the columnar table: every node's allocator is the slot's region of that node's arena
+    """A slot's page table: every node's allocator is the slot's region of that node's arena
     (``node_region``: ``region``), so its ALLOC, eviction, drain and load place, free and accept extents there only,
     and a page of the other slots' regions is rejected by its load; parents of other slots are left out at ALLOC
     (``own_parents``)."""

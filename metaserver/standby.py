@@ -72,7 +72,6 @@ import msgpack
 import numpy as np
 
 from metaserver import gcpolicy
-from metaserver.entry import Batch
 from metaserver.fullload import describe, gc_paused, node_descs
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
 from metaserver.records import UNREADABLE, batch_entries
@@ -343,7 +342,7 @@ class WarmDirectory:
         d = self.dir
         held = self.held
         for node_id, (ents, revs) in groups.items():
-            names = [e.batch.name if e.batch is not None else None for e in ents]
+            names = [e.batch for e in ents]
             if held:
                 for e in ents:
                     self._unhold((e.ns, e.key))
@@ -357,15 +356,13 @@ class WarmDirectory:
                             names[i] if names[i] is not None else recs.etcd_key(e.ns, e.key)))
 
     def _put_page(self, p: tuple) -> None:
-        """One page put (``EtcdStore.page_record``, or one of ``records_of``: its record a ``Batch``)."""
+        """One page put (``EtcdStore.page_record``, or one of ``records_of``: its record a commit record's key)."""
         rev, node_id, ns, key, off, plen, gen, parent, rec = p
         if node_id is None or type(node_id) is not str:
             self.junk.add(rec)
             return
-        if type(rec) is Batch:
-            rec = rec.name
+        if self.store.is_batch(rec):
             self.batches.add(rec)
-            p = (rev, node_id, ns, key, off, plen, gen, parent, rec)
         self.junk.discard(rec)
         self._unhold((ns, key))
         d = self.dir
@@ -484,8 +481,6 @@ class WarmDirectory:
             self._retry(node_id)
 
     def _hold(self, p: tuple) -> None:
-        if type(p[8]) is Batch:
-            p = p[:8] + (p[8].name,)
         name = (p[2], p[3])
         self.held[name] = p
         self.held_on.setdefault(p[1], {})[name] = None

@@ -55,7 +55,7 @@ def _by_ns(recs: list) -> dict[str, list]:
 
 
 class TableDirectory(TableShared, PageTable):
-    parks = True  # a lost node's pages are parked for its return (metaserver/rejoin.py)
+    """The page table with the service's calls: see the module docstring."""
 
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
                  quotas: QuotaRules | dict[str, int] | None = None, namer=None):
@@ -157,8 +157,8 @@ class TableDirectory(TableShared, PageTable):
 
     def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member, shard=None, packed=False
                        ) -> dict:
-        """LOOKUP with its closed-pool grants, from the columns (``metaserver.grants.grant_reads``' answer, without
-        a Python step per key): the answer's ``lease``, ``caps`` (one read capability per node) and, ``packed``,
+        """LOOKUP with its closed-pool grants, from the columns (no Python step per key): the answer's ``lease``,
+        ``caps`` (one read capability per node, covering that node's slots of the batch in key order) and, ``packed``,
         ``nodes`` and ``rows`` (``wire.pack_locs``: one row a key), else ``locs`` (wire VERSION 11: ``(node_id,
         offset, payload_len, gen, tag, cap_index)`` or None a key). Tags come from the ``tag`` column; a row that has
         none yet (0: never looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and
@@ -248,8 +248,9 @@ class TableDirectory(TableShared, PageTable):
         return self.detach_node(node_id, park), self.effects()
 
     def drop_slice(self, node_id: str, budget: int, fx: Effects | None = None) -> tuple[int, list | None]:
-        """``Directory.drop_slice``: the parked records, once done, as the service keeps them (``rejoin.py``):
-        ``(ns, key, offset, payload_len, gen, None, stamp, record name | None)``."""
+        """Drop at most ``budget`` READY pages of a detached node (``TableNodes.drop_slice``, its effects into
+        ``fx``). Returns (pages dropped, None while pages are left, else the node's parked records as the service
+        keeps them, ``rejoin.py``: ``(ns, key, offset, payload_len, gen, None, stamp, record name | None)``)."""
         n, recs = TableNodes.drop_slice(self, node_id, budget)
         visited = budget
         while recs is None and n < budget and visited < SCAN_PER_DROP * budget:
@@ -264,11 +265,10 @@ class TableDirectory(TableShared, PageTable):
                                              for ns, k, off, plen, gen, st, name in recs]
 
     def unpark(self, node_id: str, recs: list) -> tuple[int, Effects]:
-        """``Directory.unpark``: a lost node came back with its arena; its parked records ``(ns, key, offset,
-        payload_len, gen, parent, record name | None)`` (oldest first) are filed again into its (new, empty) rows,
-        except keys present now, each under the commit record it came from (rewritten with it), by ``load_pages``'
-        rules. Returns (restored, effects): the commit records rewritten, the own records of pages that could not
-        come back deleted."""
+        """A lost node came back with its arena; its parked records ``(ns, key, offset, payload_len, gen, parent,
+        record name | None)`` (oldest first) are filed again into its (new, empty) rows, except keys present now,
+        each under the commit record it came from (rewritten with it), by ``load_pages``' rules. Returns (restored,
+        effects): the commit records rewritten, the own records of pages that could not come back deleted."""
         present = set()
         for ns, group in _by_ns(recs).items():
             rows = self._find(ns, [r[1] for r in group]).tolist()
@@ -288,9 +288,9 @@ class TableDirectory(TableShared, PageTable):
         return len(keep) - len(bad), self.effects(fx)
 
     def forget_parked(self, recs: list, page_key) -> list:
-        """``Directory.forget_parked``: the etcd keys of parked pages with a record of their own (keys not written
-        again since), and the commit records holding parked pages (``TableRecord``: rewritten without them; the
-        parked rows left them when they were dropped)."""
+        """Parked pages given up: the etcd keys of those with a record of their own (keys not written again since),
+        and the commit records holding any (``TableRecord``: rewritten without them; the parked rows left them when
+        they were dropped)."""
         out: list = []
         for ns, group in _by_ns(recs).items():
             rows = self._find(ns, [r[1] for r in group]).tolist()
@@ -305,7 +305,7 @@ class TableDirectory(TableShared, PageTable):
         dropped, pinned = TableNodes.drain(self, node_id)
         return dropped, pinned, self.effects()
 
-    # -- eviction passes (as metaserver/passes.py) ------------------------------------------------------------
+    # -- eviction passes: the watermark, an operator's EVICT --------------------------------------------------
     def evict_node(self, node: NodeRows, nbytes: int, budget: int, stop=None, spare: bool = True
                    ) -> tuple[int, int]:
         """Evict the node's least recently used unpinned READY pages until ``nbytes`` are freed or ``budget``
@@ -386,14 +386,14 @@ class TableDirectory(TableShared, PageTable):
 
     # -- the full load ----------------------------------------------------------------------------------------
     def load(self, descs: dict, pages: PageRecords, held: list | None = None) -> tuple[list[tuple], list[tuple]]:
-        """``metaserver.fullload.fill`` for the table: a node per description (not placeable), then each node's
+        """The full load of one etcd snapshot: a node per description (not placeable), then each node's
         pages in commit order (recency: their records' revisions), filed under the commit records they came from.
         Returns (stale, rejected) ``page_record`` tuples of the pages with an etcd key of their own, for the leader
-        to delete, as ``fill`` does. A page of a commit record that cannot stand (its node has no record, or the
+        to delete. A page of a commit record that cannot stand (its node has no record, or the
         load rejected it) is not returned: its record is rewritten without it (``TableRecords.adopt_records``;
         the rewrite comes with the next ``effects``), never deleted with the pages of it that did load. ``held``
         (a warm standby's load, ``metaserver/standby.py``): those pages are appended to it as ``page_record``
-        tuples (their ``Batch`` where the etcd key would be), for the copy to file once they can stand."""
+        tuples (their commit record's etcd key last), for the copy to file once they can stand."""
         for node_id, (desc, _) in descs.items():
             self.add_node(node_id, desc["capacity"])
             self.set_placeable(node_id, False)
@@ -407,7 +407,7 @@ class TableDirectory(TableShared, PageTable):
             if node_id not in self.node_by_id:
                 for e, rev in zip(ents, revs):
                     if e.batch is not None:
-                        orphans.append(e.batch.name)
+                        orphans.append(e.batch)
                         if held is not None:
                             held.append(record_tuple(pages, node_id, e, rev))
                     else:
@@ -416,7 +416,7 @@ class TableDirectory(TableShared, PageTable):
             order = sorted(range(len(revs)), key=revs.__getitem__)
             ents = [ents[i] for i in order]
             revs = [revs[i] for i in order]
-            names = [e.batch.name if e.batch is not None else None for e in ents]
+            names = [e.batch for e in ents]
             bad = load_pages(self, node_id, [e.ns for e in ents], [e.key for e in ents], [e.offset for e in ents],
                              [e.payload_len for e in ents], [e.gen for e in ents], records=names, stamps=revs,
                              parents=[e.parent for e in ents] if self.links.linking else None)

@@ -1,14 +1,13 @@
-"""Prefix links of the columnar page table, the ``prefix-lru`` victim order over them, and the KV events the table
+"""Prefix links of the page table, the ``prefix-lru`` victim order over them, and the KV events the table
 reports (``TableLinks``, which ``metaserver.columns.PageTable`` holds as ``links``). No I/O.
 
 Links (kept only under ``prefix-lru``: ``enable``): a READY row that names a parent is linked to the parent's row
-exactly while that parent is READY, else it waits among the orphans to be adopted when the parent arrives, as
-``Directory``'s entries are (``metaserver/links.py``). Two columns, 8 bytes a row: ``up`` (u32: ``NO_UP``, no parent
-named; ``ORPHAN``, a parent named that is not READY; else the parent's row + ``UP0``) and ``kids`` (u32: READY rows
-linked to this one). ``orphans`` maps (namespace index, the parent's key digest) to [the parent's key, its orphans'
-rows]; a Python entry per orphan only (a chain whose head was evicted or removed, a page committed before its
-parent), never per page. ``pending`` holds the parent key each PENDING row's ALLOC named (KV events and commit
-records name it; links are made from it at the commit).
+exactly while that parent is READY, else it waits among the orphans to be adopted when the parent arrives. Two
+columns, 8 bytes a row: ``up`` (u32: ``NO_UP``, no parent named; ``ORPHAN``, a parent named that is not READY; else
+the parent's row + ``UP0``) and ``kids`` (u32: READY rows linked to this one). ``orphans`` maps (namespace index, the
+parent's key digest) to [the parent's key, its orphans' rows]; a Python entry per orphan only (a chain whose head was
+evicted or removed, a page committed before its parent), never per page. ``pending`` holds the parent key each
+PENDING row's ALLOC named (KV events and commit records name it; links are made from it at the commit).
 
 Invariants (``check``): ``kids[p]`` counts the READY rows whose ``up`` is p + ``UP0``, and such a p is READY; an
 ``ORPHAN`` row is READY and in ``orphans`` under exactly one parent that is not READY; a row that is not READY has
@@ -21,8 +20,7 @@ cached page depends on them; an orphan with cached children is one too). The evi
 stamp under ``lru``, and checks a queued candidate's key (``key``) as it checks its stamp. A row whose key falls
 below the largest key of its node's queue after the queue was filled (a tier change: its last child left, its
 parent left, it was adopted; or a use of a row of a lower tier than the queue reaches) is inserted into the queue
-at its place (``requeue``), so victims leave in exact (tier, stamp) order, where ``Directory``'s rings place a
-re-tiered entry within a bounded walk.
+at its place (``requeue``), so victims leave in exact (tier, stamp) order.
 
 Costs: a commit of n rows, O(n) numpy plus a dict step per row when ALLOC named parents, a Python step per orphan
 and per adopted row; a row leaving, O(1) numpy amortised; a parent leaving with cached children, one O(rows)

@@ -1,9 +1,13 @@
-"""The full load of the columnar page table (``metaserver/columns.py``): a node's READY pages filed from its etcd
-records in commit order, by ``Directory.load_entries``' rules, and ``fingerprint``, the table's canonical summary
-(what ``metaserver.fullload.fingerprint`` is for a ``Directory``). The metaserver's full load on the table
-(``TableDirectory.load``) and a returning node's parked pages (``TableDirectory.unpark``) file through it. No I/O.
+"""The full load of the page table (``metaserver/columns.py``): a node's READY pages filed from its etcd records in
+commit order, and ``fingerprint``, the table's canonical summary (tests compare a warm copy's table with a full
+load's by it). The metaserver's full load (``TableDirectory.load``) and a returning node's parked pages
+(``TableDirectory.unpark``) file through it. No I/O.
 
-``load_pages`` rules, in ``Directory.load_entries``' order (``metaserver/spaces.py``):
+``load_pages`` takes an empty node (no page, nothing held in the quarantine: the load rebuilds its allocator). A
+page is rejected up front when its offset is not a multiple of 4 KiB (the ``unit`` column holds offset >> 12; an
+arena's data start is 4 KiB aligned), its layout code is negative (``PageRecords`` never passes one) or its code
+finds no room in the table's ``MAX_CODES`` (the ``size`` column indexes ``codes``; a rejected page's code may stay
+interned). Then, in this order:
 
 1. a page whose key is already in the table (PENDING, or READY on any node, a detached node's included until its
    drop reaches it) takes no extent and is rejected;
@@ -15,26 +19,13 @@ records in commit order, by ``Directory.load_entries``' rules, and ``fingerprint
    extent freed again.
 
 The pages filed get fresh clock stamps in commit order (oldest first), or the stamps given (a takeover passes the
-records' revisions, so recency across nodes is commit order too), so the node's LRU order is its commit order, as
-``Directory``'s load adds its entries to the policy in the order given.
-
-Where it differs from ``Directory.load_entries``, and why:
-
-- an offset that is not a multiple of 4 KiB is rejected up front: the ``unit`` column holds offset >> 12. (The
-  allocator rejects it too, so this only names the rule; an arena's data start is 4 KiB aligned.)
-- a negative layout code is rejected (``PageRecords`` never passes one; ``Directory`` would file it, its
-  extent computed from it), and so is a page whose layout code finds no room in the table's ``MAX_CODES`` (the
-  ``size`` column indexes ``codes``): there ``Directory`` only interns lengths. A rejected page's code may stay
-  interned.
-- the node must be empty (no page, nothing held in the quarantine): the load rebuilds its allocator.
-  ``Directory`` assumes the same without checking.
-- parents (``parents``) are linked only under ``prefix-lru`` (``metaserver/tablelinks.py``); loaded rows are
-  filed under the commit records they came from only when their names are given (``records``; else ``rec`` 0, and
-  evicting one rewrites nothing);
-  tags are 0 as for an ALLOC given none (records do not carry them: a closed pool's service would compute a loaded
-  row's tag); quota use counts them as they are filed (``metaserver/tablequotas.py``).
-- the rejected pages come back as their positions (sorted), where ``Directory`` returns deletes and leaves the
-  entries it did not file unfiled.
+records' revisions, so recency across nodes is commit order too), so the node's LRU order is its commit order.
+Parents (``parents``) are linked only under ``prefix-lru`` (``metaserver/tablelinks.py``); loaded rows are filed
+under the commit records they came from only when their names are given (``records``; else ``rec`` 0, and evicting
+one rewrites nothing); tags are 0 as for an ALLOC given none (records do not carry them: a closed pool's service
+computes a loaded row's tag at its first LOOKUP); quota use counts them as they are filed
+(``metaserver/tablequotas.py``). The rejected pages come back as their positions (sorted): the caller deletes their
+own records, and a commit record is rewritten without its rejected pages.
 
 Costs (n pages): O(n log n) numpy work at C speed: key digests, one lookup of the keys already filed (per
 namespace), one sort by offset, one sort of a 64-bit hash of the keys to find those given twice, the key index
@@ -130,10 +121,10 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     the rules). ``offsets``, ``payload_lens`` and ``gens`` are sequences of ints or numpy arrays. Raises
     ConfigError when the node was not added (``add_node``) or holds anything, or when the columns' lengths
     differ; nothing has changed then. ``records[i]``: the etcd key of page i's commit record (None: none); the rows
-    filed go under records of those names (``TableRecords.adopt_records``), and a record with a page rejected here
-    is rewritten without it, as ``Directory``'s load does. ``stamps``: each page's recency (non-decreasing in the
-    given order; a full load passes the records' revisions, so that recency across nodes is commit order too); by
-    default fresh clock values in the given order (recency across nodes then follows the order of the loads)."""
+    filed go under records of those names (``TableRecords.adopt_records``), and a record with a page rejected here is
+    rewritten without it. ``stamps``: each page's recency (non-decreasing in the given order; a full load passes the
+    records' revisions, so that recency across nodes is commit order too); by default fresh clock values in the given
+    order (recency across nodes then follows the order of the loads)."""
     node = t.node_by_id.get(node_id)
     if node is None:
         raise ConfigError("columns", f"load of node {node_id!r}: no such node (add_node first)")

@@ -1,14 +1,13 @@
-"""The node side of the columnar page table (``TableNodes``, a mixin of ``metaserver.columns.PageTable``, as
-``metaserver/spaces.py`` is of ``Directory``): nodes added and drained, and a lost node detached at once and dropped
-in budgeted slices. No I/O.
+"""The node side of the page table (``TableNodes``, a mixin of ``metaserver.columns.PageTable``): nodes added and
+drained, and a lost node detached at once and dropped in budgeted slices. No I/O.
 
-Loss, as ``Directory``'s (``detach_space`` then ``drop_slice``): ``detach_node`` takes the node out of placement, drops
-its PENDING rows (O(all PENDING)) and from then on LOOKUP misses its pages (a mask over the node column, applied only
-while some node is dying); ``drop_slice`` then unfiles its READY rows ``budget`` rows at a time, in row order, as
-numpy work over a slice of its blocks: an unpinned row goes back to the free list, a pinned one stays GONE (a zombie)
-until its last lease lets go, and with ``park`` every dropped page's record comes back (the metaserver keeps those
-in etcd for the node's return). EXISTS may count the node's pages until their slice drops them (as ``Directory``'s);
-an ALLOC that meets one drops it on the spot and places the key anew.
+Loss (the service's ``detach_space`` then ``drop_slice``, ``metaserver/rejoin.py``): ``detach_node`` takes the node
+out of placement, drops its PENDING rows (O(all PENDING)) and from then on LOOKUP misses its pages (a mask over the
+node column, applied only while some node is dying); ``drop_slice`` then unfiles its READY rows ``budget`` rows at a
+time, in row order, as numpy work over a slice of its blocks: an unpinned row goes back to the free list, a pinned
+one stays GONE (a zombie) until its last lease lets go, and with ``park`` every dropped page's record comes back (the
+metaserver keeps those in etcd for the node's return). EXISTS may count the node's pages until their slice drops
+them; an ALLOC that meets one drops it on the spot and places the key anew.
 
 Reuse: a drop that is done, and whose zombies are all released, hands the node's row blocks to a free list that
 any node takes before the columns grow, and its node index to the next node added, so node churn grows neither the
@@ -102,10 +101,10 @@ class TableNodes:
         self.placing = [n for n in self.nodes if n is not None and n.placeable and not n.dead]
 
     def drain(self, node_id: str) -> tuple[int, int]:
-        """Stop placing on ``node_id`` and drop its unpinned READY pages (an operator's drain before maintenance), as
-        ``Directory.drain``. Returns (dropped, pinned: READY pages kept because a reader holds them); PENDING rows
-        stay until committed (a later drain drops them) or expired. O(its rows) numpy work, plus its allocator
-        rebuilt from the rows left (``Allocator.rebuild_columns``)."""
+        """Stop placing on ``node_id`` and drop its unpinned READY pages (an operator's drain before maintenance).
+        Returns (dropped, pinned: READY pages kept because a reader holds them); PENDING rows stay until committed
+        (a later drain drops them) or expired. O(its rows) numpy work, plus its allocator rebuilt from the rows left
+        (``Allocator.rebuild_columns``)."""
         node = self.node_by_id.get(node_id)
         if node is None:
             return 0, 0
@@ -165,7 +164,7 @@ class TableNodes:
         """Drop the READY rows among the next ``budget`` rows of a detached node. Returns (pages dropped, None while
         rows remain | once done, the parked records ``(ns, key, offset, payload_len, gen, stamp, record name)``,
         oldest first, or [] without ``park``). Parked rows leave their commit records as they are (not rewritten
-        without them: the node may come back), as ``Directory``'s parked pages do."""
+        without them: the node may come back)."""
         node = self.dying.get(node_id)
         if node is None:
             return 0, []

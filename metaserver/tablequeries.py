@@ -1,9 +1,9 @@
-"""Read-only queries of the columnar page table (``TableQueries``, a mixin of ``metaserver.columns.PageTable``): the
-totals and listings ``Directory`` answers for STATS, LIST and PREFIX, with the same results. No I/O.
+"""Read-only queries of the page table (``TableQueries``, a mixin of ``metaserver.columns.PageTable``): the totals
+and listings STATS, LIST and PREFIX answer. No I/O.
 
 Costs: ``prefix`` O(keys) numpy (one key index probe); ``capacity``, ``used``, ``pending`` O(nodes) or O(1);
 ``objects``, ``namespaces`` and ``namespace_usage`` O(rows) numpy (one pass over the state and namespace columns:
-about 10 ms a million rows; ``Directory`` keeps these as counters); ``list_objects`` O(rows) numpy plus O(limit)
+about 10 ms a million rows; no request keeps a counter of them); ``list_objects`` O(rows) numpy plus O(limit)
 Python.
 """
 

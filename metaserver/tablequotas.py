@@ -1,4 +1,4 @@
-"""Quota groups and reservations on the columnar directory (``TableQuotas``, held by a ``TableDirectory`` as
+"""Quota groups and reservations on the page table (``TableQuotas``, held by a ``TableDirectory`` as
 ``quota`` when the tokens file names any group): each namespace's use counted into its group (umbp/quotarules.py
 says which namespaces share one), an ALLOC that would take its group past its quota first evicting the group's own
 least recently used old pages (or refused whole, nothing evicted, when they cannot make room), and the reservations

@@ -1,20 +1,19 @@
-"""Commit records of the columnar page table (``TableRecords``, a mixin of ``metaserver.columns.PageTable``): what
-``entry.Batch`` and ``persist.EtcdStore.batches_of`` / ``batch_value`` are for ``Directory``. No I/O.
+"""Commit records of the page table (``TableRecords``, a mixin of ``metaserver.columns.PageTable``): a COMMIT's
+pages as etcd records (the layout is ``metaserver/persist.py``'s), kept in step with the rows. No I/O.
 
 A COMMIT's newly READY rows of one namespace become records of at most ``BATCH_PAGES`` rows each, one etcd key each,
 named by ``namer(ns)`` (the metaserver sets ``EtcdStore.batch_name``; the default names them with a count);
 each row's ``rec`` column names its record (0: none). A record holds exactly its rows still READY under it on a
 live node: a row that leaves (evicted, removed, dropped with its node unparked) queues a rewrite of its record (a
-parked row leaves it without one: its page stays in etcd for the node's return, as ``Directory``'s), and the
-value, encoded when the etcd writer takes it (``TableRecord.value``), lists the rows left; with none left it is
-None (delete the key) and the record's id is freed. A burst of evictions of one record is one rewrite, as
-``Directory``'s. The value has the layout ``Directory`` writes, ``[[key, node, offset, payload_len, gen, parent],
-...]`` with the parent's key (None under ``lru``, which keeps no links: ``metaserver/tablelinks.py``), a shared
-entry's with its part count last, so a full load reads either's records.
+parked row leaves it without one: its page stays in etcd for the node's return), and the value, encoded when the
+etcd writer takes it (``TableRecord.value``), lists the rows left; with none left it is None (delete the key) and
+the record's id is freed. A burst of evictions of one record is one rewrite. The value is ``[[key, node, offset,
+payload_len, gen, parent], ...]`` with the parent's key (None under ``lru``, which keeps no links:
+``metaserver/tablelinks.py``), a shared entry's with its part count last.
 
 The table collects the records to put and to rewrite as its mutations run; the caller takes them after each request
-(``take_records``) and hands them to the writer, as it applies a Directory's ``Effects``. A full load files its
-rows under the records they came from, by name (``adopt_records``).
+(``take_records``; ``TableDirectory.effects``) and hands them to the writer. A full load files its rows under the
+records they came from, by name (``adopt_records``).
 
 Costs: a COMMIT's assignment O(rows) numpy plus a record object per ``BATCH_PAGES`` rows; rows leaving O(rows)
 numpy (the unique record ids among them); a value O(its rows).
@@ -166,8 +165,7 @@ class TableRecords:
     def record_pages(self, rows: np.ndarray) -> list:
         """``[key, node_id, offset, payload_len, gen, parent]`` of each row, the layout of a commit record's pages
         (parent: its parent's key; None when it names none or links are not kept); a shared entry's
-        (``metaserver/shared.py``) ``[key, node_id, offset, part_len, gen, parent, n]``, as
-        ``EtcdStore.batch_value`` writes it."""
+        (``metaserver/tableshared.py``) ``[key, node_id, offset, part_len, gen, parent, n]``."""
         c = self.cols
         keys = [self.ix.key_of(r) for r in rows.tolist()]
         pages = [list(p) for p in zip(keys, self.node_names.take(c["node"].take(rows)).tolist(),

@@ -56,7 +56,7 @@ from transport import wire
 
 
 def strides(codes: np.ndarray) -> np.ndarray:
-    """``entry.stride`` of each layout code (uint64): one object slot of its part length."""
+    """The bytes between two sub-slots of each layout code (uint64): one object slot of its part length."""
     a = np.uint64(wire.ALIGN)
     return (np.uint64(wire.OBJ_HEADER_SIZE) + (codes & np.uint64(PART_MASK)) + a - np.uint64(1)) // a * a
 
@@ -77,7 +77,7 @@ class TableShared:
     """Shared entries of a ``TableDirectory``: see the module docstring."""
 
     def alloc_shared(self, ns, keys, sizes, parents, gen_base, now, token, owner, shard) -> list:
-        """``Directory.alloc_shared``: ALLOC of rank ``shard[0]`` of ``shard[1]``; ``sizes`` are the rank's parts."""
+        """ALLOC of rank ``shard[0]`` of ``shard[1]`` (module docstring); ``sizes`` are the rank's parts."""
         rk, n = shard
         codes = [layout(s, n) for s in sizes]
         c = self.cols
@@ -94,7 +94,7 @@ class TableShared:
             seen.add(k)
             r = rows[i]
             if r >= 0 and place:
-                # keys are taken in order (as Directory's): the absent keys before this one are placed first, and
+                # keys are taken in order (as PageTable.alloc's): the absent keys before this one are placed first, and
                 # a page their placement evicted is absent for the keys after them (its row may even be a new
                 # page's now: every row found before is stale, so the rest are found again)
                 evicted = self.evictions
@@ -162,8 +162,8 @@ class TableShared:
             items[i] = it
 
     def commit_shared(self, ns, keys, gens, shard) -> list[bool]:
-        """``Directory.commit_shared``: rank ``shard[0]``'s part of each (key, gen) written; the last part makes the
-        row READY (stamped, filed under a commit record)."""
+        """COMMIT of rank ``shard[0]``: its part of each (key, gen) written; the last part makes the row READY
+        (stamped, filed under a commit record)."""
         rk, n = shard
         c = self.cols
         full = (1 << n) - 1
@@ -206,8 +206,8 @@ class TableShared:
         return offs, codes & np.uint64(PART_MASK)
 
     def lookup_shared(self, ns, keys, now, owner, shard) -> tuple[int, list]:
-        """``Directory.lookup_shared``: rank ``shard[0]``'s sub-slot of each READY shared row of ``shard[1]`` parts,
-        the whole row pinned; anything else a miss."""
+        """LOOKUP of rank ``shard[0]``: its sub-slot of each READY shared row of ``shard[1]`` parts, the whole row
+        pinned; anything else a miss."""
         rk, n = shard
         lease, hit, hr = self.lookup_rows(ns, keys, now, owner, n)
         if not lease:

@@ -109,7 +109,7 @@ def parents(meta: dict, n: int) -> list | None:
 
 
 def shard(meta: dict) -> tuple[int, int] | None:
-    """``shard``: [rank, n] of a TP-sharded page's writer or reader (``metaserver/shared.py``), 0 <= rank < n <=
+    """``shard``: [rank, n] of a TP-sharded page's writer or reader (``metaserver/tableshared.py``), 0 <= rank < n <=
     MAX_SHARDS; None when absent."""
     v = meta.get("shard")
     if v is None:

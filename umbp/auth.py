@@ -271,7 +271,7 @@ class Tokens:
 
     def tags(self, ns: str, keys: list, rank: int | None = None) -> list[int]:
         """``tag`` of every key of one namespace (the keyed state is set up once per batch). ``rank``: the tags of
-        rank ``rank``'s sub-slots of shared entries (metaserver/shared.py): ``rank_tags`` of the keys' shard bases
+        rank ``rank``'s sub-slots of shared entries (metaserver/tableshared.py): ``rank_tags`` of the keys' shard bases
         (``shard_bases``), so no plain key's tag and no other rank's sub-slot tag equals them."""
         if rank is not None:
             return rank_tags(np.array(self.shard_bases(ns, keys), np.uint64), rank).tolist()
@@ -281,8 +281,8 @@ class Tokens:
 
     def shard_bases(self, ns: str, keys: list) -> list[int]:
         """The rank-independent part of shared entries' sub-slot tags: keyed blake2b over ns | key under its own
-        personalisation (so never a plain key's tag). A columnar directory keeps it per row and derives each rank's
-        tag from it with ``rank_tags``, one numpy step a batch instead of a blake2b a key and rank."""
+        personalisation (so never a plain key's tag). The metaserver's page table keeps it per row and derives each
+        rank's tag from it with ``rank_tags``, one numpy step a batch instead of a blake2b a key and rank."""
         h0 = hashlib.blake2b(digest_size=8, key=self._tag_key or b"", person=b"umbp-shard")
         h0.update(ns.encode() + b"\0")
         return _digests(h0, keys)

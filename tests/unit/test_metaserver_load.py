@@ -155,7 +155,7 @@ def test_page_records_parse_and_skip_the_unreadable():
     assert len(recs) == len(kvs) and recs.junk == [x.key for x in kvs[2:]]
     ents, revs = recs.groups["n1"]
     assert revs == [5, 6]
-    assert [(e.ns, e.key, e.offset, e.payload_len, e.gen, e.up, e.space) for e in ents] == [
+    assert [(e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, e.batch) for e in ents] == [
         ("m", good_key, off, 100, 7, None, None), ("m", b"\xab" * 4, off + ALIGN, 100 | 4 << 41, 8, good_key, None)]
     assert recs.etcd_key("m", good_key) == name == store.page_key("m", good_key)
     # page_record (a watch event) applies the same rules
@@ -309,6 +309,6 @@ def test_unreadable_commit_records_are_junk_whole():
     recs.add(kvs)
     assert recs.junk == [x.key for x in kvs[1:]]
     ents, revs = recs.groups["n1"]
-    assert [(e.key, e.payload_len, e.batch.name) for e in ents] == [(b"k1", 100, PREFIX + b"m/+1.1"),
-                                                                   (b"k2", 100 | 2 << 41, PREFIX + b"m/+1.1")]
-    assert revs == [5, 5] and list(recs.batches) == [PREFIX + b"m/+1.1"]
+    assert [(e.key, e.payload_len, e.batch) for e in ents] == [(b"k1", 100, PREFIX + b"m/+1.1"),
+                                                              (b"k2", 100 | 2 << 41, PREFIX + b"m/+1.1")]
+    assert revs == [5, 5] and recs.batches == [PREFIX + b"m/+1.1"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 from metaserver import service
-from metaserver.batcher import encoded
 from metaserver.entry import NEW
 from metaserver.service import Metaserver
 from metaserver.tabledir import TableDirectory
@@ -88,7 +87,7 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
 
         def record() -> list[bytes] | None:
             value = ms.writer._queue[name][0]
-            value = encoded(value) if not isinstance(value, (bytes, type(None))) else value
+            value = value.value() if not isinstance(value, (bytes, type(None))) else value  # a TableRecord
             return None if value is None else [p[0] for p in msgpack.unpackb(value)]
 
         on = {node: [k for k, it in zip(keys, items) if it[1] == node] for node in ("n1", "n2")}

@@ -1,6 +1,6 @@
-"""``metaserver/tabledir.py``: what the service asks of the columnar directory beyond the table's own calls (those
-are compared with ``Directory`` in test_columns_vs_directory.py): the columnar LOOKUP grants against
-``grants.grant_reads``, a connection's PENDING handles, the eviction passes and their commit records."""
+"""``metaserver/tabledir.py``: what the service asks of the directory beyond the table's own calls (those are
+tested in test_directory*.py and test_columns.py): the LOOKUP grants against a per-key oracle (``granted``), a
+connection's PENDING handles, the eviction passes and their commit records."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from metaserver.entry import NEW, Effects
-from metaserver.grants import grant_reads
 from metaserver.tabledir import TableDirectory
 from transport import wire
 from transport.wire import object_size
-from umbp.auth import Tokens
+from umbp.auth import Tokens, read_capability
 from umbp.errors import ConfigError
 
 PLEN = 60_000
@@ -38,8 +37,26 @@ def put(d: TableDirectory, keys: list[bytes], gen: int, owner=None) -> Effects:
     return fx
 
 
+def granted(tokens: Tokens, members: dict, ns: str, keys: list, locs: list, rank: int | None = None
+            ) -> tuple[list, dict]:
+    """The oracle of a LOOKUP's grants, a key at a time: each hit's tag (of (key, rank) for a rank's sub-slot) and,
+    per node, one read capability over the (offset, payload length, generation) of its hits in key order."""
+    hits = [i for i, loc in enumerate(locs) if loc is not None]
+    tags = dict(zip(hits, tokens.tags(ns, [keys[i] for i in hits], rank))) if hits else {}
+    slots: dict[str, list] = {}
+    for i in hits:
+        slots.setdefault(locs[i][0], []).append(tuple(locs[i][1:4]))
+    caps = {n: read_capability(members[n].cap_key if n in members else None, s) for n, s in slots.items()}
+    return [tuple(loc) + (tags[i],) if loc is not None else None for i, loc in enumerate(locs)], caps
+
+
+def caps_by_node(locs: list, caps: list) -> dict:
+    """An answer's capabilities by node (each hit names its node's by index)."""
+    return {loc[0]: caps[loc[5]] for loc in locs if loc is not None}
+
+
 @pytest.mark.parametrize("closed", [False, True])
-def test_lookup_granted_answers_as_grant_reads(closed):
+def test_lookup_granted_answers_as_a_per_key_oracle(closed):
     d = directory()
     put(d, keys_of(0, 10), 1)
     tokens = Tokens(b"s" * 32, {}) if closed else Tokens(None, {})
@@ -50,10 +67,10 @@ def test_lookup_granted_answers_as_grant_reads(closed):
         assert ("rows" in ans) == packed and ("locs" in ans) != packed
         lease, locs, caps = ans["lease"], wire.unpack_locs(ans, "test")["locs"], ans["caps"]
         want_lease, want = d.lookup("a", ask, 0.0)
-        want_caps = grant_reads(tokens, members.get, "a", ask, want)
+        want, want_caps = granted(tokens, members, "a", ask, want)
         assert lease and want_lease and lease != want_lease
-        assert [tuple(x) if x is not None else None for x in locs] == want
-        assert caps == want_caps and len(caps) == 2
+        assert [tuple(x[:5]) if x is not None else None for x in locs] == want
+        assert caps_by_node(locs, caps) == want_caps and len(caps) == 2
         assert all(c == b"" for c in caps) != closed
         assert d.release(lease) and d.release(want_lease)
     assert d.lookup_granted("a", [b"\xee" * 32], 0.0, None, tokens, members.get) == {
@@ -112,10 +129,10 @@ def test_shared_lookup_grants_a_ranks_sub_slot_with_its_rank_tag():
     members = {"n0": SimpleNamespace(cap_key=b"k" * 32)}
     for rk in range(2):
         ans = wire.unpack_locs(d.lookup_granted("a", keys, 0.0, None, tokens, members.get, (rk, 2), True), "t")
-        lease, locs, caps = ans["lease"], ans["locs"], ans["caps"]
+        locs, caps = ans["locs"], ans["caps"]
         want_lease, want = d.lookup("a", keys, 0.0, None, (rk, 2))
         assert [tuple(x) for x in locs] == [w + (t, 0) for w, t in zip(want, tokens.tags("a", keys, rk))]
-        assert caps == grant_reads(tokens, members.get, "a", keys, want, rk) and len(caps) == 1
+        assert caps == list(granted(tokens, members, "a", keys, want, rk)[1].values()) and len(caps) == 1
         assert all(loc[1] == off + rk * object_size(PLEN) for loc, off in zip(want, d.offsets_of(d._find("a", keys))))
     # the rows keep the keys' shard bases, computed at the first rank's LOOKUP: the others' tags derive from them
     assert d.cols["tag"][d._find("a", keys)].tolist() == tokens.shard_bases("a", keys)
