@@ -79,7 +79,7 @@ from scaleworkload import (BATCH, CHAIN_MAX, CHAIN_MIN, NODES, ROOT_PAGES, Model
 from servicepath import ServicePath, Wire  # noqa: E402
 
 POLICIES = ("lru", "prefix-lru")
-RECORDS = "commit"  # the etcd layout of the load's records (--records)
+RECORDS = "segment"  # the etcd layout of the load's records (--records)
 SCAN_COMMIT_RECORDS = 320  # commit records of 128 pages in one range answer: about what EtcdStore.scan asks for
 
 
@@ -315,10 +315,41 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mo
 
 # ---- child: load (takeover) -----------------------------------------------------------------------------------
 
-def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/"):
-    """Yield (etcd key, msgpack value, revision) of the records of n_pages pages as a metaserver writes them
-    (``RECORDS``): commit records (``persist.BATCH_PAGES`` consecutive pages of one namespace each) or, with
-    ``--records page``, a record per page (the layout before them)."""
+def _segment(ns: bytes, cur: list, parents: bool) -> bytes:
+    """The segment (``records.pack_segment``) of pages (key, node, offset, payload_len, gen, parent) of ``ns``."""
+    from metaserver.records import pack_segment
+    nodes = sorted({c[1] for c in cur})
+    nix = {x: i for i, x in enumerate(nodes)}
+    codes = sorted({c[3] for c in cur})
+    cix = {x: i for i, x in enumerate(codes)}
+    keys = [c[0] for c in cur]
+    lens = None if all(len(k) == 32 for k in keys) else [len(k) for k in keys]
+    par = [c[5] for c in cur] if parents else None
+    from metaserver.keyindex import digests
+    return pack_segment([ns.decode()], None, nodes, [nix[c[1]] for c in cur], [c[2] >> 12 for c in cur], codes,
+                        [cix[c[3]] for c in cur], [c[4] for c in cur], b"".join(keys), 32, lens,
+                        None if par is None or all(p is None for p in par) else par,
+                        digs=None if lens is None else digests(keys)[0])
+
+
+def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/", parents: bool = True):
+    """Yield (etcd key, value, revision) of the records of n_pages pages as a metaserver writes them (``RECORDS``):
+    segments (``records.SEGMENT_PAGES`` consecutive pages of one namespace each, what the metaserver writes now;
+    parents only with ``parents``: under lru it names none), msgpack commit records (``persist.BATCH_PAGES`` each,
+    the layout before) or, with ``--records page``, a record per page (the layout before them)."""
+    if RECORDS == "segment":
+        from metaserver.records import SEGMENT_PAGES
+        cur, cur_ns, n = [], None, 0
+        for ns, k, node, off, payload, rev, p in page_rows(n_pages, seed):
+            if (ns != cur_ns or len(cur) >= SEGMENT_PAGES) and cur:
+                n += 1
+                yield b"%s%s/+1.%x" % (prefix, cur_ns, n), _segment(cur_ns, cur, parents), rev
+                cur = []
+            cur_ns = ns
+            cur.append((k, node, off, payload, rev, p))
+        if cur:
+            yield b"%s%s/+1.%x" % (prefix, cur_ns, n + 1), _segment(cur_ns, cur, parents), rev + 1
+        return
     if RECORDS == "page":
         for ns, k, node, off, payload, rev, p in page_rows(n_pages, seed):
             yield (prefix + ns + b"/" + k.hex().encode(),
@@ -402,9 +433,10 @@ def run_load(policy: str, n_pages: int, seed: int) -> dict:
     with gc_paused():
         pages = PageRecords(b"/umbp/pages/")
         resp = aetcd.rpc.RangeResponse()
-        for key, value, rev in etcd_records(n_pages, seed):
+        for key, value, rev in etcd_records(n_pages, seed, parents=policy != "lru"):
             resp.kvs.add(key=key, value=value, mod_revision=rev, create_revision=rev)
-            if len(resp.kvs) == (LOAD_PAGE if RECORDS == "page" else SCAN_COMMIT_RECORDS):
+            if len(resp.kvs) == (LOAD_PAGE if RECORDS == "page" else SCAN_COMMIT_RECORDS // 8 if RECORDS == "segment"
+                                 else SCAN_COMMIT_RECORDS):
                 kvs = list(resp.kvs)
                 t = cpu()
                 pages.add(kvs)
@@ -503,8 +535,9 @@ def main() -> None:
                     help="digest keys as clients send them now (raw 32 bytes) or as before (64 hex characters)")
     ap.add_argument("--gc", choices=("policy", "default"), default="policy",
                     help="the collector during the churn at N: the metaserver's (metaserver/gcpolicy.py) or CPython's")
-    ap.add_argument("--records", choices=("commit", "page"), default="commit",
-                    help="the etcd layout the load reads: a record per COMMIT (the metaserver's) or per page (before)")
+    ap.add_argument("--records", choices=("segment", "commit", "page"), default="segment",
+                    help="the etcd layout the load reads: segments (the metaserver's), msgpack commit records or a "
+                         "record per page (both before)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     workload.HEX_KEYS = a.key_form == "hex"

@@ -68,13 +68,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import msgpack
 import numpy as np
 
 from metaserver import gcpolicy
 from metaserver.fullload import describe, gc_paused, node_descs
 from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
-from metaserver.records import UNREADABLE, batch_entries
+from metaserver.records import UNREADABLE, listed_pairs
 from metaserver.tabledir import TableDirectory
 from metaserver.warmpace import Backlog, Pace, wait_event
 from metaserver.warmrows import drop_rows, file_rows, leaving_record, node_pages
@@ -397,7 +396,7 @@ class WarmDirectory:
         keep: set | None = None
         if kv is not None:
             try:
-                keep = {(e.key, e.gen) for e in batch_entries("", name, msgpack.unpackb(kv.value))[1]}
+                keep = listed_pairs(kv.value)  # either layout (metaserver/records.py)
             except UNREADABLE:  # unreadable now: its pages go, the record is the leader's to delete
                 self.batches.discard(name)
                 self.junk.add(name)

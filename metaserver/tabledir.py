@@ -31,7 +31,6 @@ import numpy as np
 
 from metaserver.columns import PageTable, by_key
 from metaserver.entry import PENDING, READY, Effects, extent_size
-from metaserver.fullload import record_tuple
 from metaserver.records import PageRecords
 from metaserver.tableevict import bytes_to_low, over_high
 from metaserver.tableload import load_pages, reserve
@@ -108,10 +107,11 @@ class TableDirectory(TableShared, PageTable):
         return items, self.effects()
 
     def commit(self, ns, keys, gens, now, shard=None):
+        before = self.committed_pages
         ok = (PageTable.commit(self, ns, keys, gens) if shard is None
               else self.commit_shared(ns, keys, gens, shard))
         fx = self.effects()
-        self.puts += sum(len(r.rows) for r in fx.recs)
+        self.puts += self.committed_pages - before
         return ok, fx
 
     def lookup(self, ns, keys, now, owner=None, shard=None):
@@ -400,29 +400,30 @@ class TableDirectory(TableShared, PageTable):
         stale: list[tuple] = [(0, None, "", b"", 0, 0, 0, None, k) for k in pages.junk]
         rejected: list[tuple] = []
         orphans: list[bytes] = []  # commit records with a page of a node that has no record
-        groups = pages.done()
         reserve(self, len(pages), len(descs))
+        linking = self.links.linking
+        groups = pages.columns(parents=linking)  # each node's pages as columns (records.NodePages)
         for node_id in list(groups):
-            ents, revs = groups.pop(node_id)
+            cols = groups.pop(node_id)
             if node_id not in self.node_by_id:
-                for e, rev in zip(ents, revs):
-                    if e.batch is not None:
-                        orphans.append(e.batch)
+                for i in range(len(cols)):
+                    p = cols.page(i, node_id, pages)
+                    if cols.rec_names[cols.rec[i]] is not None:
+                        orphans.append(p[8])
                         if held is not None:
-                            held.append(record_tuple(pages, node_id, e, rev))
+                            held.append(p)
                     else:
-                        stale.append(record_tuple(pages, node_id, e, rev))
+                        stale.append(p)
                 continue
-            order = sorted(range(len(revs)), key=revs.__getitem__)
-            ents = [ents[i] for i in order]
-            revs = [revs[i] for i in order]
-            names = [e.batch for e in ents]
-            bad = load_pages(self, node_id, [e.ns for e in ents], [e.key for e in ents], [e.offset for e in ents],
-                             [e.payload_len for e in ents], [e.gen for e in ents], records=names, stamps=revs,
-                             parents=[e.parent for e in ents] if self.links.linking else None)
-            rejected.extend(record_tuple(pages, node_id, ents[i], revs[i]) for i in bad if names[i] is None)
+            rev = cols.rev
+            if len(rev) > 1 and (rev[1:] < rev[:-1]).any():
+                cols = cols.take(np.argsort(rev, kind="stable"))
+            names = cols.records()
+            bad = load_pages(self, node_id, (cols.ns_names, cols.nsix), (cols.dig, cols.longs), cols.off, cols.code,
+                             cols.gen, records=names, stamps=cols.rev, parents=cols.parents if linking else None)
+            rejected.extend(cols.page(i, node_id, pages) for i in bad if names[i] is None)
             if held is not None:
-                held.extend(record_tuple(pages, node_id, ents[i], revs[i]) for i in bad if names[i] is not None)
+                held.extend(cols.page(i, node_id, pages) for i in bad if names[i] is not None)
         if orphans:
             self.adopt_records([], np.zeros(0, np.int64), orphans)
         return stale, rejected

@@ -92,7 +92,14 @@ def _take_rows(t: PageTable, node: NodeRows, m: int) -> np.ndarray:
 
 
 def _namespaces(t: PageTable, ns: list[str] | str, n: int) -> tuple[np.ndarray, list[int]]:
-    """(each page's namespace index (uint16), the distinct indexes): the names interned as ``alloc`` interns them."""
+    """(each page's namespace index (uint16), the distinct indexes): the names interned as ``alloc`` interns them.
+    ``ns``: one name, a name a page, or (names, an index in them a page: ``records.NodePages``)."""
+    if isinstance(ns, tuple):
+        names, ix = ns
+        tab = np.array([t._ns(name) for name in names], np.uint16)
+        if len(ix) != n:
+            raise ConfigError("columns", f"load: {len(ix)} namespaces for {n} keys")
+        return tab[ix], sorted(set(tab[np.unique(ix)].tolist()))
     if isinstance(ns, str):
         ix = t._ns(ns)
         return np.full(n, ix, np.uint16), [ix]
@@ -124,14 +131,16 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     filed go under records of those names (``TableRecords.adopt_records``), and a record with a page rejected here is
     rewritten without it. ``stamps``: each page's recency (non-decreasing in the given order; a full load passes the
     records' revisions, so that recency across nodes is commit order too); by default fresh clock values in the given
-    order (recency across nodes then follows the order of the loads)."""
+    order (recency across nodes then follows the order of the loads). Column forms (a full load's
+    ``records.NodePages``): ``keys`` as (digests, longs) (``keyindex.digests``), ``ns`` as (names, index a page),
+    ``records`` an object array."""
     node = t.node_by_id.get(node_id)
     if node is None:
         raise ConfigError("columns", f"load of node {node_id!r}: no such node (add_node first)")
     if node.alloc.used:
         raise ConfigError("columns", f"load of node {node_id!r}: it holds {node.alloc.used} bytes already; a load "
                                      "rebuilds its allocator")
-    n = len(keys)
+    n = len(keys[0]) if isinstance(keys, tuple) else len(keys)
     off = np.asarray(offsets, np.int64)
     code = np.asarray(payload_lens, np.int64)
     gen = np.asarray(gens, np.uint64)
@@ -160,7 +169,7 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     size = ext[inv]
     ccode = cix[inv]
     ok = (ccode >= 0) & (size > 0) & ((off & (UNIT - 1)) == 0)
-    dig, longs = digests(keys)
+    dig, longs = keys if isinstance(keys, tuple) else digests(keys)
     c = t.cols
     # rule 1: keys the table holds already
     if t.ix.live:
@@ -240,8 +249,9 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
                        None if parents is None else parents if every else [parents[i] for i in keep.tolist()])
     rejected = np.flatnonzero(~ok).tolist()
     if records is not None:
-        t.adopt_records(records if every else [records[i] for i in keep.tolist()], rows,
-                        [records[i] for i in rejected])
+        kept = records if every else records[keep] if isinstance(records, np.ndarray) else [
+            records[i] for i in keep.tolist()]
+        t.adopt_records(kept, rows, [records[i] for i in rejected])
     return rejected
 
 

@@ -21,19 +21,17 @@ numpy (the unique record ids among them); a value O(its rows).
 
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 
 from metaserver.entry import PART_MASK, READY, SHARD_SHIFT
-from metaserver.records import BATCH_MARK, BATCH_PAGES
-
+from metaserver.records import BATCH_MARK, BATCH_PAGES, SEGMENT_PAGES, pack_segment
 
 
 class TableRecord:
     """One commit record: its etcd key (``name``), namespace, id (the ``rec`` column's value) and the rows it was
     written with (trimmed to the live ones at each ``value``)."""
 
-    __slots__ = ("table", "id", "name", "ns", "rows", "dead")
+    __slots__ = ("table", "id", "name", "ns", "rows", "dead", "open")
 
     def __init__(self, table, rid: int, name: bytes, ns: str, rows: np.ndarray):
         self.table = table
@@ -42,6 +40,7 @@ class TableRecord:
         self.ns = ns
         self.rows = rows
         self.dead = False
+        self.open = False  # later COMMITs of its namespace may still join it (group commit: until ``value``)
 
     def live(self) -> np.ndarray:
         """The rows the record holds now (and keeps only those): READY under this record, on a node not detached."""
@@ -55,12 +54,17 @@ class TableRecord:
         return rows
 
     def value(self) -> bytes | None:
-        """The record's value now; None (delete it) when no row is left, and then the record is done for good."""
+        """The record's value now (a segment, ``records.pack_segment``); None (delete it) when no row is left, and
+        then the record is done for good. The writer calls it as it takes the record: no COMMIT joins it after."""
+        if self.open:
+            self.open = False
+            if self.table._rec_open.get(self.ns) is self:
+                del self.table._rec_open[self.ns]
         rows = self.live()
         if not len(rows):
             self.table._end_record(self)
             return None
-        return msgpack.packb(self.table.record_pages(rows), use_bin_type=True)
+        return self.table.record_value(rows)
 
     def __repr__(self) -> str:
         return f"TableRecord({self.name!r}, {len(self.rows)} rows)"
@@ -79,18 +83,36 @@ class TableRecords:
         self._rec_puts: list[TableRecord] = []
         self._rec_rewrites: dict[TableRecord, None] = {}
         self._rec_by_name: dict[bytes, TableRecord] = {}  # live records by etcd key (a load, a node's return)
+        self._rec_open: dict[str, TableRecord] = {}  # ns -> its open segment: queued, not yet taken by the writer
+        self.committed_pages = 0  # rows filed under records by COMMITs
+        self.segment_pages = SEGMENT_PAGES  # pages a segment holds at most (``BATCH_PAGES`` once a key is long)
 
     def _count_name(self, ns: str) -> bytes:
         self._rec_seq += 1
         return b"%s/%s%x" % (ns.encode(), BATCH_MARK, self._rec_seq)
 
     def _committed(self, ns: str, rows: np.ndarray) -> None:
-        """``rows`` (of ``ns``, in key order) became READY: file them under new records (and link them:
-        ``metaserver/tablelinks.py``)."""
+        """``rows`` (of ``ns``, in key order) became READY: file them under the namespace's open segment while it
+        has room (group commit: the COMMITs that reach the writer while it is busy share one record; the caller
+        puts the record again and the writer's queue merges the puts, their waiters together), then under new
+        ones (and link them: ``metaserver/tablelinks.py``)."""
         self.links.stored(ns, rows)
-        for lo in range(0, len(rows), BATCH_PAGES):
-            part = rows[lo:lo + BATCH_PAGES]
-            self._rec_puts.append(self._new_record(self.namer(ns), ns, part))
+        self.committed_pages += len(rows)
+        cap = self.segment_pages if not self.ix.long_keys else BATCH_PAGES  # long keys: keep a record small
+        lo = 0
+        r = self._rec_open.get(ns)
+        if r is not None and r.open and not r.dead and len(r.rows) < cap:
+            lo = min(len(rows), cap - len(r.rows))
+            r.rows = np.concatenate((r.rows, rows[:lo]))
+            self.cols["rec"][rows[:lo]] = r.id
+            self._rec_puts.append(r)
+        while lo < len(rows):
+            part = rows[lo:lo + cap]
+            lo += len(part)
+            r = self._new_record(self.namer(ns), ns, part)
+            r.open = True
+            self._rec_open[ns] = r
+            self._rec_puts.append(r)
 
     def _new_record(self, name: bytes, ns: str, rows: np.ndarray) -> TableRecord:
         if self._rec_free:
@@ -154,18 +176,48 @@ class TableRecords:
             self._rec_free.append(r.id)
             if self._rec_by_name.get(r.name) is r:
                 del self._rec_by_name[r.name]
+            if r.open and self._rec_open.get(r.ns) is r:
+                del self._rec_open[r.ns]
+            r.open = False
 
     def take_records(self) -> tuple[list[TableRecord], list[TableRecord]]:
         """(records to put, records to rewrite) since the last call: the etcd work of the requests in between."""
-        puts, self._rec_puts = self._rec_puts, []
+        puts, self._rec_puts = list(dict.fromkeys(self._rec_puts)), []  # (an open segment joined by several)
         rewrites = [r for r in self._rec_rewrites if not r.dead]
         self._rec_rewrites = {}
         return puts, rewrites
 
+    def record_value(self, rows: np.ndarray) -> bytes:
+        """The segment of ``rows`` (``records.pack_segment``): O(rows) numpy, the keys one gather of the key
+        index's digests when every key is its own digest (else a key a row), parents only under prefix-lru."""
+        c = self.cols
+        ns_u, nsix = np.unique(c["ns"].take(rows), return_inverse=True)
+        node_u, nodeix = np.unique(c["node"].take(rows), return_inverse=True)
+        code_u, codeix = np.unique(c["size"].take(rows), return_inverse=True)
+        long_keys = self.ix.long_keys
+        lens = digs = None
+        dig = self.ix.kc.take(rows, axis=0)
+        if long_keys and any(r in long_keys for r in rows.tolist()):
+            keys = [self.ix.key_of(r) for r in rows.tolist()]
+            lens = np.fromiter(map(len, keys), np.uint32, len(keys))
+            blob = b"".join(keys)
+            digs = dig  # so a load hashes none of them again
+        else:
+            blob = dig.tobytes()
+        parents = None
+        if self.links.linking:
+            parents = self.links.parent_keys(rows)
+            if all(p is None for p in parents):
+                parents = None
+        return pack_segment([self.ns_names[i] for i in ns_u.tolist()], nsix, self.node_names.take(node_u).tolist(),
+                            nodeix, c["unit"].take(rows), self.code_arr.take(code_u), codeix, c["gen"].take(rows),
+                            blob, 32, lens, parents, digs=digs)
+
     def record_pages(self, rows: np.ndarray) -> list:
-        """``[key, node_id, offset, payload_len, gen, parent]`` of each row, the layout of a commit record's pages
-        (parent: its parent's key; None when it names none or links are not kept); a shared entry's
-        (``metaserver/tableshared.py``) ``[key, node_id, offset, part_len, gen, parent, n]``."""
+        """``[key, node_id, offset, payload_len, gen, parent]`` of each row, the msgpack layout of a commit record's
+        pages, no longer written (tests make old records with it; ``metaserver/records.py``): parent its parent's
+        key (None when it names none or links are not kept); a shared entry's (``metaserver/tableshared.py``)
+        ``[key, node_id, offset, part_len, gen, parent, n]``."""
         c = self.cols
         keys = [self.ix.key_of(r) for r in rows.tolist()]
         pages = [list(p) for p in zip(keys, self.node_names.take(c["node"].take(rows)).tolist(),

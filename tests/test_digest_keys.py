@@ -12,6 +12,7 @@ import msgpack
 
 import umbp
 from cluster import NotYet, eventually
+from metaserver.records import pages_of
 from test_failover import PREFIX, raw
 from test_pool import payload
 from transport.wire import Op
@@ -60,7 +61,7 @@ def test_hex_text_bytes_and_raw_digest_name_one_page(cluster):
     ans = raw(cluster.metaserver_addr, Op.EXISTS, {"ns": "default", "keys": [h.encode() for h in hexes] + [b"x"]})
     assert ans["exists"] == [True] * 40 + [False]
     # etcd's commit records hold each key in its raw form: 32 bytes (33 with the rank byte), not the text's 64
-    keys = [p[0] for v in page_records(cluster.etcd.url).values() for p in msgpack.unpackb(v)]
+    keys = [p[0] for v in page_records(cluster.etcd.url).values() for p in pages_of(v)]
     assert sorted(keys) == sorted([bytes.fromhex(h) for h in hexes] + [bytes.fromhex(h) + b"\x03" for h in hexes[:10]])
 
 
@@ -70,11 +71,11 @@ def test_record_named_by_hex_text_is_deleted_at_load(cluster):
         assert all(c.batch_put(hexes, [payload(h, 1000) for h in hexes]))
     recs = page_records(cluster.etcd.url)
     (new_name, value), = recs.items()  # one commit record
-    assert len(msgpack.unpackb(value)) == 5
+    assert len(pages_of(value)) == 5
     # A page record of its own (the layout before commit records) for hexes[0] under the old name (hex of the
     # 64-character text), pointing at the same slot
     old_name = f"{PREFIX}/pages/default/{hexes[0].encode().hex()}".encode()
-    _key, node_id, off, plen, gen, parent = next(p for p in msgpack.unpackb(value, raw=False)
+    _key, node_id, off, plen, gen, parent = next(p for p in pages_of(value)
                                                  if p[0] == bytes.fromhex(hexes[0]))
     put_record(cluster.etcd.url, old_name, msgpack.packb([node_id, off, plen, gen + 1, parent], use_bin_type=True))
     cluster.metaserver.restart()

@@ -19,11 +19,11 @@ import signal
 import threading
 import time
 
-import msgpack
 import pytest
 
 from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
 from cluster import eventually
+from metaserver.records import pages_of
 from test_failover import PREFIX
 from test_metrics import scrape, value
 from test_pool import payload
@@ -58,7 +58,7 @@ def etcd_view(etcd_url: str, ns: str) -> tuple[set[bytes], dict[str, int]]:
         elif f"pages/{ns}/" in key and (key.startswith("pages/") or key.startswith("slots/")):
             name = kv.key.rpartition(b"/")[2]
             if name[:1] == b"+":
-                pages.update(page[0] for page in msgpack.unpackb(kv.value))
+                pages.update(page[0] for page in pages_of(kv.value))
             else:
                 pages.add(bytes.fromhex(name.decode()))
     return pages, terms

@@ -11,11 +11,11 @@ import signal
 import threading
 import time
 
-import msgpack
 import pytest
 
 import umbp
 from cluster import NotYet, eventually
+from metaserver.records import pages_of
 from test_pool import payload
 from transport import wire
 from transport.framed import FramedSocket
@@ -93,7 +93,7 @@ def locations(c, keys):
 def page_count(kvs) -> int:
     """Pages held by page-space kvs: a commit record (``{ns}/+{term}.{n}``, metaserver/persist.py) holds a list of
     pages, a page record one."""
-    return sum(len(msgpack.unpackb(kv.value)) if kv.key.rpartition(b"/")[2][:1] == b"+" else 1 for kv in kvs)
+    return sum(len(pages_of(kv.value)) if kv.key.rpartition(b"/")[2][:1] == b"+" else 1 for kv in kvs)
 
 
 def etcd_state(etcd_url: str):

@@ -13,7 +13,6 @@ import os
 import signal
 import time
 
-import msgpack
 import pytest
 
 import umbp
@@ -28,6 +27,7 @@ from umbp.errors import AuthError
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
 from cluster import NotYet, eventually
+from metaserver.records import pages_of
 
 PART = 5000
 STRIDE = wire.object_size(PART)
@@ -92,7 +92,7 @@ def test_tp_ranks_fill_one_entry_per_page(cluster):
         assert s["objects"] == len(keys) and s["pending"] == 0, s
         assert s["used_bytes"] == len(keys) * n * STRIDE, s
         recs = page_records(cluster.etcd.client_url)
-        pages = [p for v in recs.values() for p in msgpack.unpackb(v)]  # in commit records (metaserver/persist.py)
+        pages = [p for v in recs.values() for p in pages_of(v)]  # in commit records (metaserver/persist.py)
         assert sorted(p[0] for p in pages) == sorted(k.encode() for k in keys), sorted(recs)
         assert all(len(p) == 7 and p[6] == n for p in pages)  # a shared entry's record: its part count last
         # a plain client and a client of another TP size see a miss, never another layout's bytes

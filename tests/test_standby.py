@@ -28,6 +28,7 @@ from cluster import NotYet, eventually, eventually_async
 from metaserver.allocator import Allocator
 from metaserver.fullload import node_descs
 from metaserver.persist import EtcdStore
+from metaserver.records import pages_of
 from metaserver.standby import WarmDirectory
 from metaserver.tabledir import TableDirectory
 from metaserver.tableload import fingerprint
@@ -361,8 +362,8 @@ async def _records_that_cannot_stand(url: str) -> None:
         again = TableDirectory()
         again.load(node_descs(nodes, arenas), pages)
         assert values == {r.name: r.value() for r in again.take_records()[1]}
-        assert [p[0] for p in msgpack.unpackb(values[stale[0]])] == [key(3)]
-        assert [p[0] for p in msgpack.unpackb(values[stale[1]])] == [key(4)]
+        assert [p[0] for p in pages_of(values[stale[0]])] == [key(3)]
+        assert [p[0] for p in pages_of(values[stale[1]])] == [key(4)]
         assert values[stale[2]] is None  # none of its pages stands: deleted
         assert h.pages == d.objects == 4
     finally:
@@ -599,7 +600,7 @@ async def _commit_records(url: str, policy: str, inflight: int) -> None:
         value = rec.value()
         assert (value is None) == (len(before) == 1)
         if value is not None:
-            assert [p[0] for p in msgpack.unpackb(value)] == [t.key_of(r) for r in before.tolist()[1:]]
+            assert [p[0] for p in pages_of(value)] == [t.key_of(r) for r in before.tolist()[1:]]
     finally:
         await writer.close()
         await store.close()

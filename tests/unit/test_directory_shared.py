@@ -12,7 +12,7 @@ import pytest
 from metaserver import validate as v
 from metaserver.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, Effects, extent_size, layout
 from metaserver.persist import EtcdStore
-from metaserver.records import PageRecords
+from metaserver.records import PageRecords, pages_of
 from metaserver.tabledir import TableDirectory
 from metaserver.tableload import fingerprint
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
@@ -76,7 +76,7 @@ def test_ranks_fill_one_entry_and_read_their_sub_slots():
         d.check()
     ok, fx = d.commit("kv", keys, [it[4] for it in items[n - 1]], 2.0, shard=(n - 1, n))
     (rec,) = fx.recs
-    assert ok == [True] * 3 and [p[0] for p in msgpack.unpackb(rec.value())] == keys  # ONE record entry per page
+    assert ok == [True] * 3 and [p[0] for p in pages_of(rec.value())] == keys  # ONE record entry per page
     assert d.exists("kv", keys) == [True] * 3 and d.objects == 3 and d.pending == 0 and not d._shards
     for rk in range(n):
         lease, locs = d.lookup("kv", keys, 3.0, shard=(rk, n))
@@ -142,7 +142,7 @@ def test_eviction_and_remove_take_the_whole_extent():
     n, freed = d.evict_node(d.spaces["n1"], 1, 1)
     assert (n, freed) == (1, 4 * STRIDE)  # one victim (the oldest), its whole extent
     assert d.exists("kv", keys) == [False, True, True] and d.spaces["n1"].alloc.used == 8 * STRIDE
-    assert d.effects().batches == [rec] and [p[0] for p in msgpack.unpackb(rec.value())] == keys[1:]
+    assert d.effects().batches == [rec] and [p[0] for p in pages_of(rec.value())] == keys[1:]
     d.check()
     removed, _ = d.remove("kv", [b"e1"])
     assert removed == [True] and d.spaces["n1"].alloc.used == 4 * STRIDE
@@ -169,7 +169,7 @@ def test_persisted_record_round_trip_and_full_load_fingerprint():
     keys = [b"r%d" % i for i in range(6)]
     _, (rec,) = put_all(d, keys, 4)  # one record, one entry a logical page
     value = rec.value()
-    pages = msgpack.unpackb(value, raw=False)
+    pages = pages_of(value)
     lease, locs = d.lookup("kv", keys[:1], 0.0, shard=(0, 4))
     d.release(lease)
     assert len(pages) == 6 and pages[0] == [keys[0], *locs[0][:2], PART, locs[0][3], None, 4]  # part length, n
@@ -192,7 +192,7 @@ def test_persisted_record_round_trip_and_full_load_fingerprint():
     fx = Effects()
     assert d2.evict_all(1, fx)[0] == 1
     (again,) = fx.batches
-    assert again.name == rec.name and len(msgpack.unpackb(again.value())) == 5
+    assert again.name == rec.name and len(pages_of(again.value())) == 5
     # an unreadable shared record (n out of range) is junk, never a page
     bad = msgpack.packb([[keys[0], "n1", ARENA_DATA_START, PART, 1, None, 999]])
     assert store.records_of(SimpleNamespace(key=rec.name, value=bad, mod_revision=1, create_revision=1))[0][1] is None

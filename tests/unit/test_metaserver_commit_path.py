@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-import msgpack
 
 from metaserver.batcher import TXN_BYTES, BatchWriter, cut
 from metaserver.persist import EtcdStore
+from metaserver.records import pages_of
 from metaserver.tabledir import TableDirectory
 
 from transport.wire import Status
@@ -19,7 +19,10 @@ from umbp.errors import TxnTooLarge, Unavailable
 from test_metaserver_persistence import MemoryStore, run
 
 
-def test_commit_records_hold_one_commits_pages_of_one_namespace_128_at_most():
+def test_commits_join_their_namespaces_open_segment_until_the_writer_takes_it():
+    """Group commit: the COMMITs of a namespace that come before the writer takes its open record join it (128
+    pages at most while any key is long: BATCH_PAGES, else SEGMENT_PAGES), each COMMIT puts it again (the writer's
+    queue merges the puts and their waiters); once taken (``value``) no COMMIT joins it."""
     store = EtcdStore("127.0.0.1:1", "/umbp")  # no connection is made: names only
     store.fence(41)
     d = TableDirectory(namer=store.batch_name)
@@ -30,23 +33,29 @@ def test_commit_records_hold_one_commits_pages_of_one_namespace_128_at_most():
         keys = [ns.encode() + b"/%d/%d" % (r, i) + b"\xff" * i for i in range(3)]
         items, _ = d.alloc(ns, keys, [4000, 1, 70000], parents, 100 + 10 * r, 1.0)
         _, fx = d.commit(ns, keys, [it[4] for it in items], 2.0)
+        assert len(fx.recs) == 1
         recs += fx.recs
         want += [[k, *it[1:], None] for k, it in zip(keys, items)]  # no parent kept: the table keeps no links
+    assert recs[2] is recs[0], "the second COMMIT of ns1 joined its open record"
     keys = [b"big/%d" % i for i in range(300)]
     items, _ = d.alloc("ns1", keys, [100] * 300, None, 1000, 1.0)
     _, fx = d.commit("ns1", keys, [it[4] for it in items], 2.0)
-    recs += fx.recs
+    assert fx.recs[0] is recs[0] and len(fx.recs) == 3
+    recs = list(dict.fromkeys(recs + fx.recs))
     want += [[k, *it[1:], None] for k, it in zip(keys, items)]
-    assert [len(r.rows) for r in recs] == [3, 3, 3, 128, 128, 44]  # one COMMIT's pages, 128 at most a record
+    assert [len(r.rows) for r in recs] == [128, 3, 128, 50]  # 128 at most a record: long keys
     assert [r.name for r in recs] == [b"/umbp/pages/%s/+29.%x" % (ns, i + 1) for i, ns in
-                                      enumerate([b"ns1", b"other", b"ns1", b"ns1", b"ns1", b"ns1"])]
-    assert [p for r in recs for p in msgpack.unpackb(r.value(), raw=False)] == want
+                                      enumerate([b"ns1", b"other", b"ns1", b"ns1"])]
+    assert sorted(p for r in recs for p in pages_of(r.value())) == sorted(want)
+    items, _ = d.alloc("ns1", [b"late"], [100], None, 5000, 1.0)
+    _, fx = d.commit("ns1", [b"late"], [items[0][4]], 2.0)
+    assert [r.name for r in fx.recs] == [b"/umbp/pages/ns1/+29.5"], "taken records are closed: a new one"
     # a page leaving the directory: its record is rewritten without it, the last one deletes it
     first = recs[0]
-    names = [p[0] for p in msgpack.unpackb(first.value())]
+    names = [p[0] for p in pages_of(first.value())]
     _, fx = d.remove("ns1", [names[1]])
     assert fx.batches == [first] and fx.deletes == []
-    assert [p[0] for p in msgpack.unpackb(first.value())] == [names[0], names[2]]
+    assert [p[0] for p in pages_of(first.value())] == [names[0]] + names[2:]
     d.remove("ns1", names)
     assert first.value() is None
     d.check()

@@ -70,7 +70,7 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
     never reached here): the value each record would be written with."""
     from types import SimpleNamespace
 
-    import msgpack
+    from metaserver.records import pages_of
 
     async def main():
         ms = Metaserver(MetaserverConfig(), "127.0.0.1:1")
@@ -88,7 +88,7 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
         def record() -> list[bytes] | None:
             value = ms.writer._queue[name][0]
             value = value.value() if not isinstance(value, (bytes, type(None))) else value  # a TableRecord
-            return None if value is None else [p[0] for p in msgpack.unpackb(value)]
+            return None if value is None else [p[0] for p in pages_of(value)]
 
         on = {node: [k for k, it in zip(keys, items) if it[1] == node] for node in ("n1", "n2")}
         assert record() == keys

@@ -8,12 +8,11 @@ import gc
 import random
 import weakref
 
-import msgpack
 import numpy as np
 import pytest
 
 from metaserver.entry import EXISTS, NEW, READY, Effects
-from metaserver.records import PageRecords
+from metaserver.records import PageRecords, pages_of
 from metaserver.tabledir import TableDirectory
 from metaserver.tableload import load_pages
 from metaserver.tablelinks import ORPHAN, UP0
@@ -186,9 +185,9 @@ def test_records_name_parents_and_a_full_load_links_them_again():
     d = make(units=8)
     _, fx = put(d, "m", [b"a", b"b", b"c"], parents=[None, b"a", b"zz"])  # c's parent is not cached: an orphan
     puts = fx.recs
-    assert [p[0::5] for p in msgpack.unpackb(puts[0].value())] == [[b"a", None], [b"b", b"a"], [b"c", b"zz"]]
+    assert [p[0::5] for p in pages_of(puts[0].value())] == [[b"a", None], [b"b", b"a"], [b"c", b"zz"]]
     assert d.kv_sink.stored == [("m", b"a", None), ("m", b"b", b"a"), ("m", b"c", b"zz")]
-    recs = msgpack.unpackb(puts[0].value())
+    recs = pages_of(puts[0].value())
     pages = PageRecords.of([(5 + i, "n1", "m", k, off, plen, gen, parent, b"etcd/%d" % i)
                             for i, (k, _node, off, plen, gen, parent) in enumerate(reversed(recs))])
     t = TableDirectory(policy="prefix-lru")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import random
 
-import msgpack
 import numpy as np
 import pytest
 
 from metaserver.columns import BLOCK, PageTable
 from metaserver.entry import NEW, READY, extent_size
 from metaserver.keyindex import REBUILD_LOAD
+from metaserver.records import pages_of
 from metaserver.tableload import fingerprint, load_pages, reserve
 from metaserver.tablenodes import FREE, UNIT_SHIFT
 from transport.wire import ARENA_DATA_START, object_size
@@ -355,9 +355,9 @@ def test_loaded_rows_are_filed_under_the_records_they_came_from():
     assert puts == [] and sorted(r.name for r in rewrites) == [b"r2", b"r3"]
     r1 = t._rec_by_name[b"r1"]
     assert sorted(r1.rows.tolist()) == sorted(t._find("a", keys[:3] + keys[5:7]).tolist())
-    assert [len(msgpack.unpackb(r.value())) if r.value() else 0 for r in sorted(rewrites, key=lambda r: r.name)] \
+    assert [len(pages_of(r.value())) if r.value() else 0 for r in sorted(rewrites, key=lambda r: r.name)] \
         == [1, 0], "r2 keeps page 3; r3 had no page filed: deleted"
     assert t.remove("a", [keys[5]]) == [True]
     _, rewrites = t.take_records()
-    assert rewrites == [r1] and len(msgpack.unpackb(r1.value())) == 4
+    assert rewrites == [r1] and len(pages_of(r1.value())) == 4
     t.check()

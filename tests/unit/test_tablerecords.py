@@ -1,14 +1,12 @@
 """metaserver/tablerecords.py: a COMMIT's rows become commit records of at most BATCH_PAGES pages in the
-records' layout (read back by the loader's own ``records.batch_entries``); rows that leave (evicted, removed, dropped with
+records' layout (read back by the loader's own ``records.record_entries``); rows that leave (evicted, removed, dropped with
 their node) rewrite their records, a record with nothing left is deleted and its id reused, and a stale record
 object never lists another record's rows."""
 
 from __future__ import annotations
 
-import msgpack
-
 from metaserver.columns import PageTable
-from metaserver.records import BATCH_PAGES, batch_entries
+from metaserver.records import BATCH_PAGES, record_entries
 
 from tablekit import keys_of, put, table
 
@@ -18,7 +16,7 @@ def pages(rec) -> dict[bytes, tuple]:
     value = rec.value()
     if value is None:
         return {}
-    nodes, ents = batch_entries(rec.ns, rec.name, msgpack.unpackb(value))
+    nodes, ents = record_entries(rec.name, value)
     return {e.key: (n, e.offset, e.payload_len, e.gen) for n, e in zip(nodes, ents)}
 
 
@@ -49,6 +47,7 @@ def test_pages_that_leave_rewrite_their_records_and_an_empty_record_goes():
     t = table(2, 64)
     put(t, keys_of(0, 128), gen=1)  # one record, the pool full (64 slots a node)
     (first,), _ = t.take_records()
+    first.value()  # the writer takes it: no later COMMIT joins it
     assert t.remove("a", keys_of(0, 3)) == [True] * 3
     put(t, keys_of(500, 510), gen=1000)  # room for 3, evictions for the rest
     puts, rewrites = t.take_records()
