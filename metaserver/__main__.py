@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=("lru", "prefix-lru"))
     p.add_argument("--election-ttl", dest="election_ttl_s", type=int, default=None,
                    help="leader lease seconds: a dead leader is replaced within about this long (default 5)")
+    p.add_argument("--commit", default=None, choices=("durable", "async"),
+                   help="durable (default): answer a COMMIT once its pages are in etcd; async: at once, before etcd "
+                        "(a crash loses the last window's committed pages as misses, never as wrong bytes)")
     p.add_argument("--slots", type=int, default=None,
                    help="slots of a new pool (>1: partitioned among every metaserver of the prefix; fixed at pool "
                         "creation; default: what the pool has, else 1)")
@@ -51,7 +54,7 @@ def tls_arguments(p: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> MetaserverConfig:
     return resolve(MetaserverConfig, {k: getattr(args, k) for k in
                                       ("etcd", "listen", "advertise", "etcd_prefix", "eviction_policy",
-                                       "election_ttl_s", "slots", "token", "tokens_file", "metrics_listen", "gc_freeze_ms",
+                                       "election_ttl_s", "commit", "slots", "token", "tokens_file", "metrics_listen", "gc_freeze_ms",
                                        "kv_events", "tls_cert", "tls_key", "tls_ca")})
 
 

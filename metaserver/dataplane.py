@@ -104,7 +104,7 @@ class DataPlaneHandlers:
         ns, keys, gens = self._settle_request(meta, conn, _COMMIT)
         shard = v.shard(meta)
         ok, fx = self.dir.commit(ns, keys, gens, time.monotonic(), shard)
-        fut = self._apply(fx, wait=True)
+        fut = self._apply(fx, wait=self.cfg.commit == "durable")  # async: acknowledged before etcd (config.py)
         if fut is None:
             return {"ok": ok}
         return self._commit_wait(fut, ok, self.metrics.etcd_commit)

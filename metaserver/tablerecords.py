@@ -1,22 +1,43 @@
-"""Commit records of the page table (``TableRecords``, a mixin of ``metaserver.columns.PageTable``): a COMMIT's
-pages as etcd records (the layout is ``metaserver/persist.py``'s), kept in step with the rows. No I/O.
+"""Commit records of the page table (``TableRecords``, a mixin of ``metaserver.columns.PageTable``): COMMITs' pages
+as etcd records, segments (``metaserver/records.py`` packs them), kept in step with the rows. No I/O.
 
-A COMMIT's newly READY rows of one namespace become records of at most ``BATCH_PAGES`` rows each, one etcd key each,
-named by ``namer(ns)`` (the metaserver sets ``EtcdStore.batch_name``; the default names them with a count);
-each row's ``rec`` column names its record (0: none). A record holds exactly its rows still READY under it on a
-live node: a row that leaves (evicted, removed, dropped with its node unparked) queues a rewrite of its record (a
-parked row leaves it without one: its page stays in etcd for the node's return), and the value, encoded when the
-etcd writer takes it (``TableRecord.value``), lists the rows left; with none left it is None (delete the key) and
-the record's id is freed. A burst of evictions of one record is one rewrite. The value is ``[[key, node, offset,
-payload_len, gen, parent], ...]`` with the parent's key (None under ``lru``, which keeps no links:
-``metaserver/tablelinks.py``), a shared entry's with its part count last.
+Group commit: a COMMIT's newly READY rows of one namespace join that namespace's open segment, a record the writer
+has not taken yet, while it holds fewer than ``segment_pages`` (``records.SEGMENT_PAGES`` = 1,024; ``BATCH_PAGES``
+= 128 once the table holds a key that is not its own digest, so a record of long keys stays far below a
+transaction's ``TXN_BYTES``), then new records; each is one etcd key named by ``namer(ns)`` (the metaserver sets
+``EtcdStore.batch_name``; the default names them with a count), and each row's ``rec`` column names its record (0:
+none). Every COMMIT that joins a record puts it again; the batch writer's queue keeps one op a key and merges the
+puts' waiters (``metaserver/batcher.py``), so a COMMIT is answered once the segment holding its pages is durable,
+and the COMMITs that arrive while the writer is busy (its transactions in flight) share one record: the window is
+the writer's own round trip, nothing waits for a timer when etcd is idle. The writer closes a record as it takes it
+(``TableRecord.value``): no COMMIT joins it after.
+
+A record holds exactly its rows still READY under it on a live node: a row that leaves (evicted, removed, dropped
+with its node unparked) queues a rewrite of its record (a parked row leaves it without one: its page stays in etcd
+for the node's return), and the value, encoded when the etcd writer takes it, lists the rows left; with none left
+it is None (delete the key) and the record's id is freed. A burst of evictions of one record is one rewrite.
+Parents (the parent's key) are written under ``prefix-lru`` only (``lru`` keeps no links:
+``metaserver/tablelinks.py``).
+
+``MetaserverConfig.commit = "async"`` (``umbp metaserver --commit async``) answers a COMMIT before its record is in
+etcd. A crash (or a deposed leader) then loses the pages of the records not yet written: the next term's full load
+does not have them, so they are misses, never wrong bytes: their extents are free in the next term and may hold
+other objects, but every read checks the object header's key hash and generation against the directory's
+(``wire.check_object_header``, the client's array check), the next term's generations are above every one handed
+out before (``metaserver/generations.py`` reserves ranges in etcd first), the nodes' write ledgers admit the new
+objects' writes by those newer generations (``umbp/ledger.py``), and the writer of a lost page finished writing it
+before its COMMIT (so no late write of it can land on a new object: a writer still writing has no COMMIT, which is
+the quarantine's case, ``metaserver/quarantine.py``). A client that remembered a lost page's location reads another
+object's header there and counts a miss. If the writer gives a write up (etcd down past ``persist_retry_s``) the
+leader steps down, as with durable commits.
 
 The table collects the records to put and to rewrite as its mutations run; the caller takes them after each request
 (``take_records``; ``TableDirectory.effects``) and hands them to the writer. A full load files its rows under the
 records they came from, by name (``adopt_records``).
 
-Costs: a COMMIT's assignment O(rows) numpy plus a record object per ``BATCH_PAGES`` rows; rows leaving O(rows)
-numpy (the unique record ids among them); a value O(its rows).
+Costs: a COMMIT's assignment O(rows) numpy (an open segment joined: one concatenation of its rows); rows leaving
+O(rows) numpy (the unique record ids among them); a value O(its rows) numpy (the keys one gather of the key index's
+digests unless a key is long; parents a key a row).
 """
 
 from __future__ import annotations

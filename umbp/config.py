@@ -99,6 +99,9 @@ class MetaserverConfig:
     election_ttl_s: int = 5  # leader key lease: a dead leader is replaced within about this long
     etcd_timeout_s: float = 10.0  # one etcd request at most (a frozen or cut-off etcd fails a call after this long)
     persist_retry_s: float = 10.0  # a failing etcd write is retried this long, then dropped: the leader steps down
+    # "durable": a COMMIT is answered once its pages' segment is in etcd; "async": at once, before etcd (a crash
+    # loses the last window's pages as misses, never as wrong bytes: metaserver/tablerecords.py says why)
+    commit: str = "durable"
     slots: int = 0  # slots of a new pool (>1: partitioned, metaserver/partition.py); 0: what the pool has, else 1
     max_batch_keys: int = 100_000
     token: str | None = None  # the cluster secret (umbp/auth.py); None and no tokens_file: the pool runs open
@@ -136,6 +139,8 @@ class MetaserverConfig:
             raise ConfigError(c, "lease durations must be positive")
         if not (self.etcd_timeout_s > 0 and self.persist_retry_s >= 0):
             raise ConfigError(c, "etcd_timeout_s must be positive and persist_retry_s not negative")
+        if self.commit not in ("durable", "async"):
+            raise ConfigError(c, f"commit must be 'durable' or 'async', got {self.commit!r}")
         if not 0 <= self.slots <= 1024:
             raise ConfigError(c, f"slots must be within 0..1024, got {self.slots}")
         if not (self.gc_freeze_ms >= 0 or self.gc_freeze_ms == -1):
