@@ -25,9 +25,9 @@ What is exported (names are a contract: deploy/grafana/umbp-dashboard.json and t
   ``umbp_metaserver_gc_frozen_objects``;
 - ``process_*`` (CPU, memory, fds).
 
-Probes: ``/healthz`` fails once a loop the process cannot work without has ended (the election loop; a partitioned
-pool's process lease keep-alive): those loops are supervised (every failure logged and retried), so one that ended
-is a bug or a fatal error, and only a restart helps.
+Probes: ``/healthz`` fails once a loop the process cannot work without has ended (the election rounds, the process
+lease keep-alive: ``metaserver/election.py``): those loops are supervised (every failure logged and retried), so
+one that ended is a bug or a fatal error, and only a restart helps.
 
 Everything except the histograms is read from the live state at scrape time, on the event loop, so nothing is
 counted twice and the hot path pays nothing. Cost of a scrape: O(nodes).
@@ -62,7 +62,8 @@ def _status_label(status: int) -> str | None:
 
 
 class MetaserverMetrics:
-    """The registry of one ``metaserver.service.Metaserver``, its request metrics and its probes."""
+    """The registry of one metaserver process (``metaserver.partition.Partition``), its request metrics and its
+    probes."""
 
     def __init__(self, ms: Any):
         self.ms = ms
@@ -134,8 +135,11 @@ class _Collector(Collector):
         if not serving:
             return
         # A partitioned pool's process (metaserver/partition.py): the pool gauges are the sums over the slots it
-        # leads (its membership role's directory is empty), so sum() over every process is still the pool.
-        led = [ms.servers[x] for x in ms.led()] if hasattr(ms, "led") else None
+        # leads (its membership role's directory is empty), so sum() over every process is still the pool. A
+        # one-slot pool's process exports its slot's, as the unpartitioned metaserver did.
+        led = [ms.servers[x] for x in ms.led()] if getattr(ms, "slots", 1) > 1 else None
+        if led is None and hasattr(ms, "membership"):
+            ms = ms.membership
         if led is not None:
             yield _gauge("umbp_metaserver_slots_led", "Slots of a partitioned pool this process leads", len(led))
         dirs = [x.dir for x in led] if led is not None else [ms.dir]

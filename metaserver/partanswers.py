@@ -23,11 +23,11 @@ class PartitionAnswers:
     ``members``, ``addr``, ``handovers``, ``combiner``, ``led``, ``holder`` and ``_slot_conn``)."""
 
     def slot_map(self) -> list[str | None]:
-        return [self.holder(s) for s in self.names[:-1]]
+        return [self.holder(s) for s in self.page_slots]
 
     def leader_info(self, meta: Any, conn) -> dict:
         v.fields(meta, frozenset())
-        return {"leader": self.holder(MEMBERSHIP), "is_leader": self.servers[MEMBERSHIP].serving,
+        return {"leader": self.holder(MEMBERSHIP), "is_leader": self.membership.serving,
                 "slots": self.slots, "map": self.slot_map(), "members": sorted(self.members)}
 
     def stats(self, meta: Any, conn) -> dict:
@@ -48,7 +48,7 @@ class PartitionAnswers:
 
     def nodes(self, meta: Any, conn) -> dict:
         v.fields(meta, frozenset())
-        m = self.servers[MEMBERSHIP]
+        m = self.membership
         parts = [{"nodes": self.servers[s].nodes(meta, conn)["nodes"]} for s in self.led()]
         if m.serving:
             parts.append({"nodes": [dict(n, used_bytes=0, objects=0) for n in m.nodes(meta, conn)["nodes"]]})

@@ -42,7 +42,7 @@ from metaserver import gcpolicy, kvevents
 from metaserver.gcpolicy import GcPolicy
 from metaserver.ownership import HeldLeases
 from metaserver.partition import Partition
-from metaserver.service import LEADER_ONLY, Metaserver
+from metaserver.service import LEADER_ONLY
 from metaserver.slots import pool_slots
 from metaserver.validate import Reject
 from transport import wire
@@ -69,7 +69,7 @@ def _op_name(op: int) -> str:
 class Connection(FramedProtocol):
     component = "metaserver"
 
-    def __init__(self, ms: Metaserver, conns: set, admission: Admission, tls=None):
+    def __init__(self, ms: Partition, conns: set, admission: Admission, tls=None):
         self.ms = ms
         self.conns = conns
         self.admission = admission
@@ -256,17 +256,17 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
     except BaseException:
         sock.close()
         raise
-    slots = await pool_slots(config)  # 1: today's single directory; more: this process joins a partitioned pool
+    slots = await pool_slots(config)  # 1 (the default): the unpartitioned layout; more: a partitioned pool
     advertise = config.advertise or addr
     try:
-        ms = Partition(config, advertise, slots) if slots > 1 else Metaserver(config, advertise)
+        ms = Partition(config, advertise, slots)  # a pool is always slots: a standby leads none of them yet
     except BaseException:
         sock.close()
         if config.kv_events:
             kvevents.close(config.kv_events)
         raise
     if config.kv_events:
-        pub = kvevents.publisher(config.kv_events)  # bound already: Metaserver made it
+        pub = kvevents.publisher(config.kv_events)  # bound already: the slot servers made it
         print(f"metaserver: kv events on {pub.endpoint}, replay on {pub.replay_endpoint}", flush=True)
     if not ms.tokens.closed:
         log.warning("metaserver: no --token: OPEN pool, anyone who reaches %s may read, write, evict and register "

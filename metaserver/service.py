@@ -19,12 +19,14 @@ of its drop (a sort of its parked records, and O(its rows) numpy to retire it), 
 Read leases and PENDING allocations belong to a connection, and namespaces may have quotas:
 ``metaserver.ownership``.
 
-Leadership (``metaserver.leader.Election``): every term starts from what etcd holds. A metaserver that loses a
-round keeps a warm copy of the directory (``metaserver.standby.WarmDirectory``: loaded once, then fed by an etcd
-watch). On a win it builds a fresh membership, etcd writer and generation range (all etcd writes fenced on the
-leader key), takes the warm directory over once the watch has applied everything up to the winning revision (no
-page is read again: O(events not applied yet + nodes)), or, with no warm copy or one that cannot catch up, loads
-the directory from etcd in full; then serves. On losing the lease or a fenced write it drops that state (queued
+Leadership (``metaserver/election.py``): a pool is slots, one by default, and this class serves one slot's
+directory for the process that won the slot's key (``metaserver.slots.SlotServer``); every term starts from what
+etcd holds. A process that stands by for a slot keeps a warm copy of its directory when ranked for it
+(``metaserver.standby.WarmDirectory``: loaded once, then fed by an etcd watch). On a win it builds a fresh
+membership, etcd writer and generation range (all etcd writes fenced on the slot's key), takes the warm
+directory over once the watch has applied everything up to the winning revision (no page is read again: O(events
+not applied yet + nodes)), or, with no warm copy or one that cannot catch up, loads the directory from etcd in
+full; then serves. On losing the lease or a fenced write it drops that state (queued
 writes are not written) and stands by again (a fresh warm copy: loaded, then watched). Only READY pages are in
 etcd, so PENDING allocations, read leases and recency from reads of the previous term vanish (their space is free
 again, except the extents of the PENDING allocations a leader that stepped down on purpose handed on: held while
@@ -50,7 +52,6 @@ from metaserver import validate as v
 from metaserver.admin import EVICT_BUDGET, AdminHandlers
 from metaserver.dataplane import ALLOC_HOLD_S, DataPlaneHandlers
 from metaserver.entry import Effects
-from metaserver.leader import Election
 from metaserver.metrics import MetaserverMetrics
 from metaserver.nodes import Membership, Node
 from metaserver.ownership import OwnershipHandlers
@@ -85,12 +86,16 @@ LEADER_ONLY = frozenset({Op.REGISTER_NODE, Op.HEARTBEAT, Op.ALLOC, Op.COMMIT, Op
 
 
 class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHandlers):
-    def __init__(self, config: MetaserverConfig, advertise: str):
+    """One directory's server: its handlers, its terms and its background duties. Elected by the process that
+    builds it (``metaserver.slots.SlotServer``, a slot of ``metaserver.partition.Partition``), which passes the
+    slot's ``store`` (its keys and fence) and ``leader`` (what it reads of the election: ``is_leader``,
+    ``leader_addr``, ``addr``, ``revision``, ``resign``)."""
+
+    def __init__(self, config: MetaserverConfig, store: EtcdStore, leader, metrics: MetaserverMetrics | None = None):
         self.cfg = config
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
-        self.store = EtcdStore(config.etcd, config.etcd_prefix, config.etcd_timeout_s)
-        self.leader = Election(self.store, advertise, config.election_ttl_s, self._elected, self._deposed,
-                               self._standing_by)
+        self.store = store
+        self.leader = leader
         self.warm: WarmDirectory | None = None  # the directory kept current while standing by
         self.takeover: dict = {}  # how this term started (STATS): warm or a full load, pages read, events
         self.max_keys = config.max_batch_keys
@@ -100,13 +105,12 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self.ticks = 0  # background ticks run (stats: lets tests wait for ticks instead of sleeping)
         self.load_s = 0.0  # how long the last takeover's directory load took
         self.dropped_ops = 0  # etcd ops the writers of every term so far gave up on (``_writes_dropped``)
-        self.metrics = MetaserverMetrics(self)  # read at scrape time; request latencies observed in server.py
+        self.metrics = metrics or MetaserverMetrics(self)  # read at scrape time; latencies observed in server.py
         # KV events (metaserver/kvevents.py): the process's publisher, shared by a partitioned process's slots
         self.kv_events = kvevents.publisher(config.kv_events) if config.kv_events else None
         self._new_state()
         self._bg: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
-        self._election: asyncio.Task | None = None
         self._duties = (self._expire_pending, self._expire_leases, self._release_quarantine, self._drop_dying,
                         self._evict_over_high, self._step_table)
         self.handlers = {
@@ -149,18 +153,6 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         if term != self.term or not self.serving:
             raise NotLeader("metaserver", "leadership changed during the request", Status.NOT_LEADER,
                             leader=None if self.leader.leader_addr == self.leader.addr else self.leader.leader_addr)
-
-    async def start(self) -> None:
-        """Connect to etcd (bounded retry) and join the election; return once the first round is decided: as the
-        leader with its directory loaded, or as a standby. Raises Unavailable('metaserver: etcd at X unreachable')
-        when etcd does not answer in time."""
-        await self.store.wait_ready(ETCD_START_DEADLINE_S)
-        self._election = asyncio.create_task(self.leader.run(), name="metaserver-election")
-        first = asyncio.create_task(self.leader.first_round.wait())
-        await asyncio.wait({self._election, first}, return_when=asyncio.FIRST_COMPLETED)
-        first.cancel()
-        if self._election.done():
-            self._election.result()  # raises what ended it
 
     def _standing_by(self) -> None:
         """Lost a round: keep a warm copy of the page table (started once per stretch as a standby,
@@ -231,8 +223,9 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self._give_up(f"{n} etcd writes dropped ({err})")
 
     def _give_up(self, reason: str) -> None:
-        """Step down on purpose (``leader.Election.step_down``: teardown, lease revoked, campaign again)."""
-        self.leader.step_down(reason)
+        """Step down on purpose and end the term's key, so the next term starts from etcd: the elected server's
+        (``SlotServer._give_up``)."""
+        raise NotImplementedError
 
     async def _deposed(self, reason: str) -> None:
         """Lost leadership: stop serving and drop this term's state; queued etcd writes are not written."""
@@ -257,12 +250,9 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         await asyncio.gather(*self._bg, return_exceptions=True)
 
     async def close(self) -> None:
-        """Stop the election and background work, flush queued etcd writes (bounded), then resign so a standby
-        takes over at once. Node leases are left to expire on their own, and nodes' arena records stay, so nodes
-        outlive a metaserver restart."""
-        if self._election is not None:
-            self._election.cancel()
-            await asyncio.gather(self._election, return_exceptions=True)
+        """Stop background work, flush queued etcd writes (bounded), then resign (the slot's key deleted, fenced) so a
+        standby takes over at once. Node leases are left to expire on their own, and nodes' arena records stay, so
+        nodes outlive a metaserver restart. The store's client is the process's: closed by it."""
         if self.warm is not None:
             await self.warm.stop()
         if self._ticker is not None:

@@ -1,13 +1,20 @@
-"""One slot of a partitioned pool: its etcd keys (``SlotStore``), its node regions (``SlotTable``) and its
-server (``SlotServer``, today's ``Metaserver`` handlers and duties over that slot alone); the membership role
+"""One slot of a pool: its etcd keys (``SlotStore``), its node regions (``SlotTable``) and its server
+(``SlotServer``, the ``Metaserver`` handlers and duties over that slot alone); the membership role
 (``MembershipServer``); the ranking that spreads slots over processes (``rank``).
 
-A partitioned pool (``metaserver/partition.py`` runs one process of it) cuts the key space into S slots,
-slot = ``slotrules.slot_of(ns, key, S)``. Each slot is a whole directory of its own, built *around* the unpartitioned
-code: a ``SlotServer`` is a ``Metaserver`` whose store, election and directory are the slot's, so allocation,
-commit, lookup, expiry, eviction, node loss, warm standby and takeover are exactly today's code, per slot.
+A pool is always slots (``metaserver/partition.py`` runs one process of it, ``metaserver/election.py`` elects its
+slots): it cuts the key space into S slots, slot = ``slotrules.slot_of(ns, key, S)``. Each slot is a whole directory
+of its own: a ``SlotServer`` is a ``Metaserver`` whose store, leadership and directory are the slot's, so
+allocation, commit, lookup, expiry, eviction, node loss, warm standby and takeover are one code, per slot.
 
-etcd layout under ``prefix`` (next to today's ``nodes/`` and ``arenas/``, which the membership leader writes)::
+A one-slot pool (the default) is the unpartitioned pool: its slot's store keeps the unpartitioned keys
+(``SlotStore(at_root=True)``: pages under ``{prefix}/pages/``, ``{prefix}/gen``, ``{prefix}/open``, and the slot key
+``{prefix}/leader``, which earlier releases campaigned on), its server owns the nodes (``owns_nodes``: REGISTER_NODE,
+HEARTBEAT, node leases and records, and the node's single capability epoch, ``gens.issued_below``), its table is a
+plain ``TableDirectory`` over whole arenas, and nothing below about regions, SLOT_EPOCH or FENCE applies to it.
+
+etcd layout of a pool of S > 1 slots under ``prefix`` (next to ``nodes/`` and ``arenas/``, which the membership
+leader writes)::
 
     {prefix}/slots/count              decimal S, written once when the pool is created
     {prefix}/slotmap/{s}              slot s's leader address, under that process's lease (``m``: membership)
@@ -170,15 +177,17 @@ class SlotStore(EtcdStore):
     arena records are read from the pool's ``nodes/`` and ``arenas/``; a slot leader never writes them: its arena
     deletes (a lost node's, in ``rejoin.py``) go to a key of its own that nothing reads."""
 
-    def __init__(self, root: EtcdStore, name: str, owns_nodes: bool, combiner: TxnCombiner | None = None):
+    def __init__(self, root: EtcdStore, name: str, owns_nodes: bool, combiner: TxnCombiner | None = None,
+                 at_root: bool = False):
         self.addr, self.prefix, self.client, self.timeout_s = root.addr, root.prefix, root.client, root.timeout_s
         self.combiner = combiner  # the process's (metaserver/combine.py): one transaction for several slots' writes
-        base = f"{root.prefix}/slots/{name}/"
+        # ``at_root``: slot 0 of a one-slot pool keeps the unpartitioned layout (see the module docstring)
+        base = f"{root.prefix}/" if at_root else f"{root.prefix}/slots/{name}/"
         self._pages = (base + "pages/").encode()
         self._nodes, self._arenas = root._nodes, root._arenas
         self.gen_key = (base + "gen").encode()
         self.open_key = (base + "open").encode()
-        self.leader_key = f"{root.prefix}/slotmap/{name}".encode()
+        self.leader_key = root.leader_key if at_root else f"{root.prefix}/slotmap/{name}".encode()
         self.fence_rev = 0
         self.on_fenced = None
         self._sink = None if owns_nodes else (base + "arena-not-owned/").encode()
@@ -218,9 +227,8 @@ class SlotTable(TableDirectory):
     def node_region(self, capacity: int) -> tuple[int, int]:
         return region(self.slot, self.slots, capacity)
 
-    def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
-        return super().alloc(ns, keys, sizes, own_parents(self.slot, self.slots, ns, parents), gen_base, now,
-                             token, owner, shard)
+    def own_parents(self, ns: str, parents: list | None) -> list | None:
+        return own_parents(self.slot, self.slots, ns, parents)
 
 
 class SlotLeadership:
@@ -247,20 +255,20 @@ class SlotLeadership:
 
 
 class SlotServer(Metaserver):
-    """Today's metaserver handlers and duties over one slot (see the module docstring). Built by the partition,
-    which elects it (``_elected``/``_deposed``/``_standing_by`` as ``Election`` would call them), routes requests to
-    it and feeds it the pool's node records (``sync_nodes``)."""
+    """The metaserver's handlers and duties over one slot (see the module docstring). Built by the partition, whose
+    election rounds (``metaserver/election.py``) call ``_elected``/``_deposed``/``_standing_by``, which routes
+    requests to it and feeds it the pool's node records (``sync_nodes``). ``owns_nodes``: the membership role, or
+    slot 0 of a one-slot pool, which registers nodes itself and hands out the node's single capability epoch."""
 
     def __init__(self, config: MetaserverConfig, partition, name: str):
         self.partition = partition
         self.name = name
         self.slot = int(name) if name != MEMBERSHIP else -1
-        super().__init__(config, partition.addr)
-        self.store = SlotStore(partition.store, name, owns_nodes=self.slot < 0,
-                               combiner=getattr(partition, "combiner", None))
-        self.leader = SlotLeadership(partition, name)
-        self.metrics = partition.metrics
-        self._new_state()
+        one = partition.slots == 1
+        self.owns_nodes = self.slot < 0 or one
+        store = SlotStore(partition.store, name, owns_nodes=self.owns_nodes,
+                          combiner=None if one else getattr(partition, "combiner", None), at_root=one)
+        super().__init__(config, store, SlotLeadership(partition, name), partition.metrics)
 
     def _new_state(self) -> None:
         super()._new_state()
@@ -275,7 +283,7 @@ class SlotServer(Metaserver):
         """Today's takeover, then (a page slot) this term's epoch on every node and, in a closed pool, the FENCE
         that kills the slot's earlier capabilities on every node, before the partition starts serving the slot."""
         await super()._elected(revision)
-        if self.slot < 0:
+        if self.owns_nodes:
             return
         self.epoch = slotrules.SLOT_EPOCH | self.gens.issued_below
         for node in self.members.nodes.values():
@@ -285,7 +293,7 @@ class SlotServer(Metaserver):
     async def fence(self, nodes: list) -> None:
         """FENCE ``nodes`` at this term's epoch (closed pools; bounded by ``fence.FENCE_TIMEOUT_S``): a node not
         reached is taken out of this slot's placement until a later fence reaches it (``tick`` retries)."""
-        if not self.tokens.closed or self.slot < 0 or not nodes:
+        if not self.tokens.closed or self.owns_nodes or not nodes:
             return
         self._fenced_at = time.monotonic()
         failed = await fence_nodes(nodes, self.epoch, self.partition.slots, getattr(self.cfg, "tls_ca", ""))
@@ -336,6 +344,12 @@ class SlotServer(Metaserver):
         finally:
             p._deposing.discard(self.name)
 
+    async def _deposed(self, reason: str) -> None:
+        """Every caller stops a term that was won or loaded (``election.py``, ``_release_key``)."""
+        await super()._deposed(reason)
+        if self.partition.slots == 1:
+            print(f"metaserver: standby, stepped down ({reason})", flush=True)  # the one-slot pool's line
+
     def tick(self, now: float) -> int:
         if self.unfenced and self.serving and now - self._fenced_at >= FENCE_RETRY_S:
             self._fenced_at = now
@@ -345,7 +359,7 @@ class SlotServer(Metaserver):
         return super().tick(now)
 
     def _make_dir(self) -> TableDirectory:
-        if self.slot < 0:
+        if self.owns_nodes:
             return super()._make_dir()
         cfg = self.cfg
         kw = dict(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
@@ -355,11 +369,13 @@ class SlotServer(Metaserver):
 
     def _provisional_nodes(self, descs: dict, now: float) -> None:
         super()._provisional_nodes(descs, now)
+        if self.partition.slots == 1:
+            return  # slot 0 of a one-slot pool keeps the nodes' leases itself, as the unpartitioned leader did
         for node in self.members.nodes.values():
             node.lease_id = 0  # the membership leader's lease: a slot leader never revokes it
 
     def alloc(self, meta, conn):
-        if not self.dir.spaces:
+        if not self.owns_nodes and not self.dir.spaces:
             # No node record has reached this slot yet (it took over before the nodes registered, and the next
             # round brings them): a retry, not a full pool.
             raise Unavailable("metaserver", f"slot {self.name}: no storage node known yet", Status.UNAVAILABLE)
@@ -375,7 +391,7 @@ class SlotServer(Metaserver):
         with one is alive here (its 'heartbeat'), a new or re-registered one gets its region (kept pages when it is
         the same arena, as ``register_node`` decides); a node whose record went stops being refreshed and is lost
         after its ``lease_ttl`` (parked, then dropped, as today). O(nodes)."""
-        if not self.serving:
+        if not self.serving or self.owns_nodes:
             return
         for node_id, desc in live.items():
             node = self.members.get(node_id)

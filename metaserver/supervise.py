@@ -1,5 +1,5 @@
 """Supervised background loops: what a metaserver loop that must never end (a partition's election rounds and
-process lease keep-alive, ``metaserver/partition.py``) does with a failure. Every failure, whatever its type, is
+process lease keep-alive, ``metaserver/election.py``) does with a failure. Every failure, whatever its type, is
 logged (a warning for an error of ours, such as etcd being away; the traceback for anything else, a bug) and the
 loop goes on after a bounded backoff. A loop that ends anyway (a BaseException) makes ``/healthz`` fail
 (``metaserver/metrics.py``), so a supervisor restarts the process instead of keeping a zombie.

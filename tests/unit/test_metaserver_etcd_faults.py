@@ -1,9 +1,9 @@
 """etcd failures the metaserver must survive, in-process and without etcd (review 4.1 and 4.4):
 
 - writes the batch writer gives up on (``persist_retry_s``) are counted (``umbp_etcd_dropped_ops_total``) and make
-  the leader give its term up: the plain ``Metaserver`` through ``Election.step_down``, a partition's slot by
-  deleting its slot key (``SlotServer._release_key``), so the next term loads what etcd holds;
-- a partitioned process's loops (election rounds, process lease keep-alive) are supervised: a raw error, of aetcd
+  the leader give its term up by deleting its slot key (``SlotServer._release_key``): a one-slot pool's
+  ``{prefix}/leader``, a partitioned pool's ``slotmap/{s}``, so the next term loads what etcd holds;
+- a metaserver process's loops (election rounds, process lease keep-alive) are supervised: a raw error, of aetcd
   or of a bug, is logged and the loop goes on campaigning and renewing; a loop that ended makes /healthz fail;
   the idle-connection sweep outlives a connection that fails to close;
 - the store translates grpc failures by status code (a lease etcd no longer knows is not an error), and the
@@ -22,10 +22,9 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from metaserver import partition as partition_mod
+from metaserver import election as election_mod
 from metaserver.partition import Partition
 from metaserver.persist import EtcdStore
-from metaserver.service import Metaserver
 from transport.wire import Status
 from umbp.config import MetaserverConfig
 from umbp.errors import Unavailable
@@ -80,29 +79,31 @@ def metric(registry, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def test_dropped_writes_are_counted_and_the_leader_gives_its_term_up():
+def test_dropped_writes_are_counted_and_the_leader_gives_its_term_up(capsys):
+    """A one-slot pool (the unpartitioned layout): the slot's key is ``{prefix}/leader`` itself."""
     async def main():
         cfg = MetaserverConfig(persist_retry_s=0.1)
-        ms = Metaserver(cfg, ADDR)
-        ms.store = DownStore(b"/umbp/leader")
+        p = Partition(cfg, ADDR, 1)
+        p._valid_until = time.monotonic() + 60
+        ms = p.servers["0"]
+        assert ms.store.leader_key == b"/umbp/leader" and ms.store._pages == b"/umbp/pages/"
+        store = ms.store = DownStore(b"/umbp/leader")
         ms._new_state()  # this term's writer on the store double
         ms.writer.start()
-        ms.loaded = True
-        ms.leader._won, ms.leader._valid_until = True, time.monotonic() + 60
-        assert ms.serving
+        ms.loaded, ms.leader.won = True, True
+        assert ms.serving and p.serving
         fut = ms.writer.submit([(b"/umbp/pages/ns/+1.1", b"rec"), (b"/umbp/pages/ns/+1.2", b"rec")], [b"/x"],
                                wait=True)
         with pytest.raises(Unavailable, match="injected outage"):
             await asyncio.wait_for(fut, 5)  # the COMMIT's waiter gets the error ...
-        assert ms.store.writes >= 2  # ... after retrying for persist_retry_s
-        assert ms.dropped_ops == 3 and not ms.serving and ms.given_up  # stops serving at once
-        assert metric(ms.metrics.registry, "umbp_etcd_dropped_ops_total") == 3
-        # The election's lead loop returns at once with the reason: it steps down (on_deposed) and revokes the lease.
-        why = await asyncio.wait_for(ms.leader._keepalive_loop(), 2)
-        assert "3 etcd writes dropped" in why and "injected outage" in why
-        await ms._deposed(why)  # what Election._step_down calls: the term's state goes, the count stays
-        assert ms.dropped_ops == 3 and metric(ms.metrics.registry, "umbp_etcd_dropped_ops_total") == 3
+        assert store.writes >= 2  # ... after retrying for persist_retry_s
+        assert ms.dropped_ops == 3 and not ms.serving and not p.serving  # stops serving at once
+        await until(lambda: store.txns and not p._deposing, "the leader key deleted")
+        assert store.txns == [[("del", b"/umbp/leader")]]  # fenced on this term (the store's txn adds it)
+        assert "metaserver: standby, stepped down (3 etcd writes dropped" in capsys.readouterr().out
+        assert ms.dropped_ops == 3 and metric(p.metrics.registry, "umbp_etcd_dropped_ops_total") == 3
         assert not ms.given_up and ms.writer.dropped == 0  # a fresh term's writer
+        await p.close()
 
     run(main())
 
@@ -172,7 +173,7 @@ def test_store_tells_a_gone_lease_by_its_grpc_code_and_translates_every_failure(
 
 
 def test_election_rounds_survive_raw_errors_and_campaign_again(monkeypatch):
-    monkeypatch.setattr(partition_mod, "POLL_S", 0.01)
+    monkeypatch.setattr(election_mod, "POLL_S", 0.01)
 
     async def main():
         p = Partition(MetaserverConfig(election_ttl_s=60), ADDR, 2)
@@ -259,10 +260,11 @@ def test_a_dead_loop_makes_healthz_fail():
         await asyncio.gather(p._election, return_exceptions=True)
         ok, why = p.metrics.healthy()
         assert not ok and "election loop has stopped" in why
-        ms = Metaserver(MetaserverConfig(), ADDR)  # the unpartitioned metaserver: its election loop
-        ms._election = p._election
-        assert not ms.metrics.healthy()[0]
+        one = Partition(MetaserverConfig(), ADDR, 1)  # a one-slot pool's process: the same loops
+        one._election = p._election
+        assert not one.metrics.healthy()[0]
         await p.store.close()
+        await one.store.close()
 
     run(main())
 

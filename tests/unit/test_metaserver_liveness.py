@@ -20,6 +20,7 @@ import pytest
 
 from metaserver.nodes import Membership
 from metaserver.server import Connection
+from metaserver.partition import Partition
 from metaserver.service import Metaserver
 from transport import wire
 from transport.wire import Status
@@ -57,7 +58,7 @@ def test_membership_refuses_a_heartbeat_from_another_connection_without_touching
 
 def test_a_twin_heartbeat_is_answered_not_found_and_the_node_still_expires(monkeypatch):
     async def main():
-        ms = Metaserver(MetaserverConfig(), "127.0.0.1:1")
+        ms = Partition(MetaserverConfig(), "127.0.0.1:1", 1).servers["0"]
         monkeypatch.setattr(Metaserver, "serving", property(lambda self: True))
         ms.settled.set()
         now = time.monotonic()
@@ -108,7 +109,7 @@ class LeaseStore:
 def refresh_across(monkeypatch, change) -> LeaseStore:
     """Run ``_refresh`` of a node, apply ``change(ms, node)`` while it waits in etcd, let it finish; the store."""
     async def main():
-        ms = Metaserver(MetaserverConfig(), "127.0.0.1:1")
+        ms = Partition(MetaserverConfig(), "127.0.0.1:1", 1).servers["0"]
         monkeypatch.setattr(Metaserver, "serving", property(lambda self: True))
         store = ms.store = LeaseStore()
         node, _ = ms.members.register(desc(), time.monotonic())

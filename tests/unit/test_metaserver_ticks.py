@@ -9,6 +9,7 @@ import asyncio
 
 from metaserver import service
 from metaserver.entry import NEW
+from metaserver.partition import Partition
 from metaserver.service import Metaserver
 from metaserver.tabledir import TableDirectory
 from transport.wire import ALIGN
@@ -28,8 +29,8 @@ def fill(d, ns: str, n: int, gen: int, commit: bool) -> list[bytes]:
 
 def test_a_backlog_is_worked_off_in_slices_of_the_step_budget(monkeypatch):
     async def main():
-        ms = Metaserver(MetaserverConfig(pending_ttl_s=1.0, read_lease_s=1.0, high_watermark=1.0),
-                        "127.0.0.1:1")
+        cfg = MetaserverConfig(pending_ttl_s=1.0, read_lease_s=1.0, high_watermark=1.0)
+        ms = Partition(cfg, "127.0.0.1:1", 1).servers["0"]  # a one-slot pool's slot server
         monkeypatch.setattr(Metaserver, "serving", property(lambda self: True))
         monkeypatch.setattr(service, "STEP_BUDGET", 500)
         ms.settled.set()
@@ -73,7 +74,7 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
     from metaserver.records import pages_of
 
     async def main():
-        ms = Metaserver(MetaserverConfig(), "127.0.0.1:1")
+        ms = Partition(MetaserverConfig(), "127.0.0.1:1", 1).servers["0"]
         d = ms.dir
         assert isinstance(d, TableDirectory)
         d.add_space("n1", 64 * ALIGN)
