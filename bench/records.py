@@ -15,6 +15,9 @@ metaserver's writer keeps them:
 - scan: every record read back and unpacked, in ranges of ``LOAD_PAGE`` records (page layout) or of 300 (batch
   layout: 38,400 pages, 2.7 MB, under gRPC's 4 MiB answer limit) (a cold load's share before it files anything);
 - delete: every record deleted (128 keys a transaction, or one batch record a transaction): pages/s.
+- ``segment`` (what the metaserver writes now, ``metaserver/records.py``): ``SEGMENT_PAGES`` = 1,024 pages a
+  record as little-endian columns (group commit fills them), a transaction carries one; watch and scan parse each
+  with ``records.unpack_segment`` (no object a page).
 The batch layout's deletes are the easy case (whole batches); evicting one page of a batch would rewrite or mark its
 record, which is what the layout's design has to answer. Nothing asserts.
 """
@@ -33,7 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import msgpack  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from metaserver.persist import LOAD_PAGE, EtcdStore  # noqa: E402
+from metaserver.records import SEGMENT_PAGES, pack_segment, unpack_segment  # noqa: E402
 from umbp.launcher import find_etcd, free_port  # noqa: E402
 
 PER_COMMIT = 128
@@ -71,6 +77,36 @@ def batch_items(store: EtcdStore, recs: list[list]) -> list[list[tuple[bytes, by
             for i in range(0, len(recs), PER_COMMIT)]
 
 
+def segment_items(store: EtcdStore, recs: list[list]) -> list[list[tuple[bytes, bytes]]]:
+    """Transactions of the segment layout: one (etcd key, segment of SEGMENT_PAGES records) each."""
+    base = store._pages + b"ns/+1."
+    out = []
+    for i in range(0, len(recs), SEGMENT_PAGES):
+        part = recs[i:i + SEGMENT_PAGES]
+        nodes = sorted({r[1] for r in part})
+        nix = {x: j for j, x in enumerate(nodes)}
+        parents = [r[5] for r in part]
+        out.append([(base + b"%x" % i, pack_segment(
+            ["ns"], None, nodes, np.array([nix[r[1]] for r in part]), np.array([r[2] >> 12 for r in part]),
+            [part[0][3]], None, np.array([r[4] for r in part], np.uint64), b"".join(r[0] for r in part), 32,
+            parents=parents if any(p is not None for p in parents) else None))])
+    return out
+
+
+def count_page(value: bytes) -> int:
+    return 1
+
+
+def count_batch(value: bytes) -> int:
+    return len(msgpack.unpackb(value, raw=False))
+
+
+def count_segment(value: bytes) -> int:
+    seg = unpack_segment(value)
+    seg.digests()
+    return seg.n
+
+
 async def in_flight(txns: list, op) -> None:
     it = iter(txns)
 
@@ -80,7 +116,7 @@ async def in_flight(txns: list, op) -> None:
     await asyncio.gather(*(worker() for _ in range(INFLIGHT)))
 
 
-async def measure(store: EtcdStore, etcd_pid: int, txns: list, n: int, batch: bool) -> dict:
+async def measure(store: EtcdStore, etcd_pid: int, txns: list, n: int, count) -> dict:
     out = {}
     start_rev = await store.revision() + 1
     c0, e0, t0 = time.process_time(), proc_cpu(etcd_pid), time.perf_counter()
@@ -91,21 +127,18 @@ async def measure(store: EtcdStore, etcd_pid: int, txns: list, n: int, batch: bo
     out["put_etcd_cpu_us"] = (proc_cpu(etcd_pid) - e0) / n * 1e6
 
     seen, c0 = 0, time.process_time()
-    unpack = msgpack.unpackb
     async for evs in store.watch(start_rev):
         for ev in evs:
-            v = unpack(ev.kv.value, raw=False)
-            seen += len(v) if batch else 1
+            seen += count(ev.kv.value)
         if seen >= n:
             break
     out["watch_cpu_us"] = (time.process_time() - c0) / n * 1e6
 
     seen, c0, t0 = 0, time.process_time(), time.perf_counter()
     prefix = txns[0][0][0].rsplit(b"/", 1)[0] + b"/"
-    async for kvs in store.scan(prefix, page=300 if batch else LOAD_PAGE):  # 300 batches: 2.7 MB, under gRPC's 4 MiB
+    async for kvs in store.scan(prefix, page=300 if count is not count_page else LOAD_PAGE):  # (under 4 MiB)
         for kv in kvs:
-            v = unpack(kv.value, raw=False)
-            seen += len(v) if batch else 1
+            seen += count(kv.value)
     assert seen == n, (seen, n)
     out["scan_cpu_us"] = (time.process_time() - c0) / n * 1e6
     out["scan_wall_us"] = (time.perf_counter() - t0) / n * 1e6
@@ -121,8 +154,9 @@ async def run(addr: str, etcd_pid: int, n: int) -> dict:
     await store.wait_ready(20.0)
     recs = records(n)
     res = {}
-    for name, build in (("page", page_items), ("batch", batch_items)):
-        res[name] = await measure(store, etcd_pid, build(store, recs), n, name == "batch")
+    for name, build, count in (("page", page_items, count_page), ("batch", batch_items, count_batch),
+                               ("segment", segment_items, count_segment)):
+        res[name] = await measure(store, etcd_pid, build(store, recs), n, count)
     await store.close()
     return res
 
@@ -146,7 +180,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-    p, b = res["page"], res["batch"]
+    p, b, g = res["page"], res["batch"], res["segment"]
     print(f"{a.pages:,} pages, {PER_COMMIT} per commit, {INFLIGHT} transactions in flight; cores {os.cpu_count()}")
     rows = (("put pages/s", "put_pages_s", True), ("put: our CPU us/page", "put_cpu_us", False),
             ("put: etcd CPU us/page", "put_etcd_cpu_us", False), ("watch replay: our CPU us/page", "watch_cpu_us",
@@ -154,8 +188,9 @@ def main() -> None:
             ("scan: our CPU us/page", "scan_cpu_us", False), ("scan: wall us/page", "scan_wall_us", False),
             ("delete pages/s", "delete_pages_s", True))
     for label, k, higher in rows:
-        ratio = b[k] / p[k] if higher else p[k] / b[k]
-        print(f"{label:<32} page layout {p[k]:>12,.2f} | batch layout {b[k]:>12,.2f} | batch better by {ratio:6.1f}x")
+        ratio = g[k] / b[k] if higher else b[k] / g[k]
+        print(f"{label:<32} page {p[k]:>11,.2f} | batch of {PER_COMMIT} {b[k]:>11,.2f} | segment of {SEGMENT_PAGES} "
+              f"{g[k]:>11,.2f} | segment better than batch by {ratio:5.1f}x")
 
 
 if __name__ == "__main__":
