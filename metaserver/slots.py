@@ -23,9 +23,9 @@ leader writes)::
     {prefix}/slots/{s}/gen            slot s's generation counter
     {prefix}/slots/{s}/open           the open allocations a leader that gave slot s up handed on (``handoff.py``)
 
-Fencing is today's, per slot: every write of slot s compares ``create_revision(slotmap/{s})`` with the revision its
-leader won at. Generations are unique across slots without coordination: slot s counts from ``(s << 52) + 1``
-(at most 1024 slots, 2^52 generations each).
+Fencing is per slot, as in a one-slot pool: every write of slot s compares ``create_revision(slotmap/{s})`` with the
+revision its leader won at. Generations are unique across slots without coordination: slot s counts from
+``(s << 52) + 1`` (at most 1024 slots, 2^52 generations each).
 
 Node space: slot s of S allocates and evicts only in region s of every node, ``[ARENA_DATA_START + s * R,
 + R)`` with ``R = capacity // S`` rounded down to 4 KiB, so two slots never hand out the same bytes. Keys hash
@@ -390,7 +390,7 @@ class SlotServer(Metaserver):
         """The pool's leased node records (node id -> description) as the membership leader keeps them: a node
         with one is alive here (its 'heartbeat'), a new or re-registered one gets its region (kept pages when it is
         the same arena, as ``register_node`` decides); a node whose record went stops being refreshed and is lost
-        after its ``lease_ttl`` (parked, then dropped, as today). O(nodes)."""
+        after its ``lease_ttl`` (parked, then dropped, as a node lost by its owner is). O(nodes)."""
         if not self.serving or self.owns_nodes:
             return
         for node_id, desc in live.items():
@@ -421,8 +421,8 @@ class SlotServer(Metaserver):
 
 
 class MembershipServer(SlotServer):
-    """The membership leader: REGISTER_NODE and HEARTBEAT as today (node leases, ``nodes/`` and ``arenas/``
-    records), no pages. Its registrations answer epoch 0 (see the module docstring)."""
+    """The membership leader: REGISTER_NODE and HEARTBEAT as a one-slot pool's server takes them (node leases,
+    ``nodes/`` and ``arenas/`` records), no pages. Its registrations answer epoch 0 (see the module docstring)."""
 
     def __init__(self, config: MetaserverConfig, partition):
         super().__init__(config, partition, MEMBERSHIP)
