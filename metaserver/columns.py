@@ -464,7 +464,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         parts (``metaserver/tableshared.py``); 0, plain pages only."""
         rows = self._find(ns, keys)
         c = self.cols
-        hit = (rows >= 0) & (c["state"].take(rows) == READY)  # rows of -1 read the last row: masked by the first test
+        hit = c["state"].take(rows) == READY
+        hit &= rows >= 0  # rows of -1 read the last row: masked here
         if self.dying:  # a detached node's pages miss at once, before their slice drops them
             hit &= ~self.dead.take(c["node"].take(rows))
         if self.any_shared:  # only pages of the layout asked for: never another layout's bytes
@@ -479,9 +480,10 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             return 0, hit, hr
         first = self.clock
         self._stamp(hr)
-        # A row given twice keeps only its later stamp: the stamps read back tell whether any row repeats, cheaper
-        # than a sort. A repeated row is pinned once per time it is named, as the lease names it.
-        repeats = not np.array_equal(c["stamp"].take(hr), np.arange(first, first + n, dtype=np.uint64))
+        # A row given twice keeps only its later stamp, so an earlier naming reads back more than it was given: the
+        # stamps' sum tells whether any row repeats, cheaper than a sort. A repeated row is pinned once per time it
+        # is named, as the lease names it.
+        repeats = int(c["stamp"].take(hr).sum()) != n * first + n * (n - 1) // 2
         if repeats:
             np.add.at(c["pins"], hr, 1)
         else:
@@ -511,8 +513,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             np.subtract.at(c["pins"], hr, 1)
         else:
             c["pins"][hr] -= 1
-        st = c["state"][hr]
-        if np.all(st == READY):
+        st = c["state"].take(hr)
+        if (st == READY).all():
             self._stamp(hr)
             if self.links.linking:
                 self.links.requeue(hr)
@@ -564,8 +566,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
 
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
         rows = self._find(ns, keys)
-        ok = rows >= 0
-        ok[ok] = self.cols["state"][rows[ok]] == READY
+        ok = self.cols["state"].take(rows) == READY  # rows of -1 read the last row: masked next
+        ok &= rows >= 0
         return ok.tolist()
 
     def remove(self, ns: str, keys: list[bytes]) -> list[bool]:

@@ -38,7 +38,7 @@ from metaserver.tablenodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.tablequotas import TableQuotas
 from metaserver.tableshared import ShardState, TableShared
 from transport import wire
-from umbp.auth import rank_tags, read_capability_packed
+from umbp.auth import rank_tags, read_capabilities_packed
 from umbp.errors import ConfigError
 from umbp.quotarules import QuotaRules
 
@@ -51,6 +51,21 @@ def _by_ns(recs: list) -> dict[str, list]:
     for r in recs:
         out.setdefault(r[0], []).append(r)
     return out
+
+
+def by_node(nix: np.ndarray) -> tuple[np.ndarray, np.ndarray | int, np.ndarray | None, list[int]]:
+    """A LOOKUP's hits grouped by their ``node`` column values ``nix``, in ``np.unique(nix, return_inverse=True)``'s
+    order: (the node indexes, ascending; each hit's index among them, 0 when all are on one node; the hits' order
+    grouped by node, key order within one, None for one node; the byte ends of each node's run of 24-byte
+    capability slots, 0 first). One node (a prompt placed near its parent) costs two numpy calls; more, a bincount
+    over the node indexes and one stable argsort (np.unique sorts and scans several times over)."""
+    if (nix == nix[0]).all():
+        return nix[:1], 0, None, [0, 24 * len(nix)]
+    cnt = np.bincount(nix)
+    uniq = cnt.nonzero()[0]
+    ends = [0]
+    ends += (cnt.take(uniq).cumsum() * 24).tolist()
+    return uniq, uniq.searchsorted(nix), nix.argsort(kind="stable"), ends
 
 
 class TableDirectory(TableShared, PageTable):
@@ -170,26 +185,29 @@ class TableDirectory(TableShared, PageTable):
                 return {"lease": 0, "nodes": [], "caps": [], "rows": wire.pack_locs(hit, (), (), (), (), ())}
             return {"lease": 0, "locs": [None] * len(keys), "caps": []}
         c = self.cols
+        n = len(hr)
+        slots = np.empty((n, 3), "<u8")  # a capability's (offset, payload_len, gen) triples
         if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
             tags = rank_tags(self._kept_tags(ns, keys, hit, hr, tokens.shard_bases), shard[0])
-            offs, codes = self.shared_slots(hr, shard[0])
+            slots[:, 0], slots[:, 1] = self.shared_slots(hr, shard[0])
         else:
             tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
-            offs = c["unit"].take(hr).astype(np.uint64) << UNIT_SHIFT
-            codes = self.code_arr.take(c["size"].take(hr))
-        uniq, inv = np.unique(c["node"].take(hr), return_inverse=True)
-        gens = c["gen"].take(hr)
-        slots = np.stack([offs, codes, gens], axis=1).astype("<u8")
+            slots[:, 0] = c["unit"].take(hr)
+            slots[:, 0] <<= UNIT_SHIFT
+            slots[:, 1] = self.code_arr.take(c["size"].take(hr))
+        slots[:, 2] = c["gen"].take(hr)
+        nix = c["node"].take(hr)
+        uniq, inv, order, ends = by_node(nix)
         names = self.node_names.take(uniq).tolist()
-        caps = []
-        for j, n in enumerate(uniq.tolist()):
-            m = member(self.nodes[n].node_id)
-            caps.append(read_capability_packed(m.cap_key if m is not None else None, slots[inv == j].tobytes()))
+        cap_keys = [None if m is None else m.cap_key for m in map(member, names)]
+        caps = read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(),
+                                        ends)
         if packed:
             return {"lease": lease, "nodes": names, "caps": caps,
-                    "rows": wire.pack_locs(hit, tags, gens, codes, offs, inv)}
-        locs = list(zip(self.node_names.take(uniq.take(inv)).tolist(), offs.tolist(), codes.tolist(), gens.tolist(),
-                        tags.tolist(), inv.tolist()))
+                    "rows": wire.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv)}
+        inv = np.broadcast_to(inv, n)
+        locs = list(zip(self.node_names.take(uniq.take(inv)).tolist(), slots[:, 0].tolist(), slots[:, 1].tolist(),
+                        slots[:, 2].tolist(), tags.tolist(), inv.tolist()))
         return {"lease": lease, "locs": by_key(hit, locs), "caps": caps}
 
     def _kept_tags(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, compute) -> np.ndarray:
@@ -198,11 +216,12 @@ class TableDirectory(TableShared, PageTable):
         row is never both). 0 means not computed yet (a keyed blake2b is 0 once in 2^64 lookups: then recomputed)."""
         c = self.cols
         tags = c["tag"].take(hr)
+        if tags.all():  # every tag kept already (one call; the usual case after a row's first LOOKUP)
+            return tags
         none = np.flatnonzero(tags == 0)
-        if len(none):
-            at = np.flatnonzero(hit).take(none).tolist()
-            tags[none] = compute(ns, [keys[i] for i in at])
-            c["tag"][hr.take(none)] = tags.take(none)
+        at = np.flatnonzero(hit).take(none).tolist()
+        tags[none] = compute(ns, [keys[i] for i in at])
+        c["tag"][hr.take(none)] = tags.take(none)
         return tags
 
     def remove(self, ns, keys):

@@ -566,11 +566,23 @@ NO_NODE = 0xFFFFFFFF
 
 
 def pack_locs(hit, tags, gens, lens, offs, nodes) -> bytes:
-    """A LOOKUP answer's ``rows``: one a key of the bool mask ``hit``, the columns given for the hits in order."""
-    rows = np.zeros(len(hit), LOC_ROW)
-    rows["node"] = NO_NODE
-    for name, col in (("tag", tags), ("gen", gens), ("len", lens), ("off", offs), ("node", nodes)):
-        rows[name][hit] = col
+    """A LOOKUP answer's ``rows``: one a key of the bool mask ``hit``, the columns given for the hits in order
+    (``nodes`` may be one int: every hit on one node). The hits' rows are filled compact, then put in place with one
+    masked assignment (none when every key hit) rather than one a column."""
+    n, m = len(hit), len(gens)
+    rows = np.zeros(n, LOC_ROW)
+    if not m:
+        rows["node"] = NO_NODE
+        return rows.tobytes()
+    got = rows if m == n else np.zeros(m, LOC_ROW)  # m == n: every key hit
+    got["tag"] = tags
+    got["gen"] = gens
+    got["len"] = lens
+    got["off"] = offs
+    got["node"] = nodes
+    if m != n:
+        rows["node"] = NO_NODE
+        rows[hit] = got
     return rows.tobytes()
 
 
