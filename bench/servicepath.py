@@ -26,9 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from metaserver import validate as v  # noqa: E402
 from metaserver.dataplane import _ALLOC, _COMMIT, _LOOKUP  # noqa: E402
 from metaserver.entry import NEW  # noqa: E402
-from metaserver.grants import grant_writes  # noqa: E402
+from metaserver.grants import grant_alloc  # noqa: E402
 from metaserver.persist import EtcdStore  # noqa: E402
 from metaserver.tabledir import TableDirectory  # noqa: E402
+from transport import wire  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
 
 
@@ -106,15 +107,16 @@ class ServicePath:
         sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
         parents = v.parents(m, len(keys))
         d = self.d
-        items, fx = d.alloc(ns, keys, sizes, parents, self.gen, time.monotonic())
+        p = d.alloc_placed(ns, keys, sizes, parents, self.gen, time.monotonic())
         self.gen += len(keys)
-        _apply(self.store, fx)
+        _apply(self.store, p.fx)
         deadline_ms = int((time.time() + 10.0) * 1000)
-        out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms)
+        ans = grant_alloc(self.tokens, self.members.get, ns, keys, p, deadline_ms)  # VERSION 12: packed rows
         pending = self.conn_pending
-        if new:
-            pending.update(d.pending_handles(ns, keys, items, new))
-        answer = msgpack.unpackb(msgpack.packb({"items": out, "caps": caps}, use_bin_type=True), raw=False)
+        if len(p.new):
+            pending.update(d.pending_of(ns, keys, p))
+        # the client's side: the answer decoded as umbp/metaclient.py decodes it (its items list)
+        answer = wire.unpack_allocs(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False), "bench")
         news = [(k, it[4]) for k, it in zip(keys, answer["items"]) if it[0] == NEW]
         c = v.fields(msgpack.unpackb(msgpack.packb({"ns": ns, "keys": [k for k, _ in news],
                                                     "gens": [g for _, g in news]}, use_bin_type=True), raw=False),

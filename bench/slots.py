@@ -175,6 +175,13 @@ class BenchClient:
             raise RuntimeError(f"bench: parts failed (the slot map moved during the bench?): {meta['failed']}")
         return meta["parts"]
 
+    @staticmethod
+    def _allocs(answers: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        """(state, gen) of each key of an ALLOC's answers, in key order: their packed rows (wire VERSION 12)."""
+        rows = [np.frombuffer(a["rows"], wire.ALLOC_ROW) for a in answers]
+        rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        return rows["state"], rows["gen"]
+
     def _hits(self, ans: dict) -> int:
         if self.decode == "locs" or "rows" not in ans:
             wire.unpack_locs(ans, "bench")
@@ -251,15 +258,15 @@ class BenchClient:
                     Op.RELEASE, {"lease": leases[0]} if len(leases) == 1 else {"leases": leases}, deadline)
             return True
         if sub.op == Op.ALLOC:
-            items = [it for a in answers for it in a["items"]]
-            ok = [i for i, it in enumerate(items) if it[0] == AllocState.NEW]
-            st["not_new"] += len(items) - len(ok)
+            state, gen = self._allocs(answers)  # the packed rows: one frombuffer an answer
+            ok = np.flatnonzero(state == AllocState.NEW).tolist()
+            st["not_new"] += len(state) - len(ok)
             if not ok:
                 return True
-            if len(ok) < len(items):  # only the allocated keys are committed; their parts counted again
+            if len(ok) < len(state):  # only the allocated keys are committed; their parts counted again
                 sub.keys, sub.kslots = [sub.keys[i] for i in ok], [sub.kslots[i] for i in ok]
                 sub.route = _route_meta(sub.kslots)[0] if self.slots > 1 else {}
-            self._send(sub, Op.COMMIT, {"ns": NS, "keys": sub.keys, "gens": [items[i][4] for i in ok]}, inflight,
+            self._send(sub, Op.COMMIT, {"ns": NS, "keys": sub.keys, "gens": gen.take(ok).tolist()}, inflight,
                        deadline)
             return False
         oks = [x for a in answers for x in a["ok"]]

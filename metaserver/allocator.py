@@ -245,6 +245,21 @@ class Allocator:
                     self.reserve(off + j * step, step)
         return off, 1 + max(more, 0)
 
+    def alloc_runs(self, size: int, count: int) -> list[tuple[int, int]]:
+        """Up to ``count`` extents of ``size`` bytes as runs of adjacent ones, ``alloc_run`` after ``alloc_run``
+        until ``count`` or no free extent holds one: [(offset of a run's first, how many)]. As many extents as
+        ``count`` calls of ``alloc`` would give (each succeeds while some free extent holds ``size``), in fewer
+        steps: a full pool's freed holes and a fresh arena's tail each come back as one run. O(runs) calls."""
+        runs: list[tuple[int, int]] = []
+        need = -(-size // UNIT)
+        while count > 0 and need * UNIT <= self.free_bytes:
+            got = self.alloc_run(size, count)
+            if got is None:
+                break
+            runs.append(got)
+            count -= got[1]
+        return runs
+
     def reserve(self, offset: int, size: int) -> bool:
         """Allocate exactly ``[offset, offset + size)`` if all of it is free and inside the region; False otherwise
         (nothing changes). For a warm standby replaying the leader's placements (``metaserver/standby.py``).

@@ -46,14 +46,14 @@ from collections import deque
 
 import numpy as np
 
-from metaserver.entry import (EXISTS_ITEM, GONE, IN_FLIGHT_ITEM, NEW, NO_SPACE_ITEM, OVER_QUOTA_ITEM, PENDING, READY,
-                              SHARD_SHIFT, expire_queue, extent_size, random_id)
+from metaserver.entry import GONE, PENDING, READY, SHARD_SHIFT, expire_queue, extent_size, random_id
 from metaserver.keyindex import KeyIndex, digests, zeros
 from metaserver.quarantine import Quarantine
-from metaserver.tableevict import TableEviction
+from metaserver.tableevict import QueueCopy, TableEviction
 from metaserver.tableinvariants import TableInvariants
 from metaserver.tablelinks import TableLinks
 from metaserver.tablenodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
+from metaserver.tableplace import alloc_rows, items_of
 from metaserver.tablequeries import TableQueries
 from metaserver.tablerecords import TableRecords
 
@@ -62,7 +62,6 @@ COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen"
            ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16), ("tag", np.uint64), ("rec", np.uint32))
 MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
 ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
-_INF = float("inf")
 
 
 def by_key(hit: np.ndarray, found: list) -> list:
@@ -123,6 +122,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         self.any_shared = False
         self.hits = self.misses = self.evictions = 0
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
+        self.qcopy = QueueCopy()  # the eviction queues as numpy, for ALLOC's victims in bulk (``tableevict.py``)
         self._init_records()
         self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities
         self.links = TableLinks(self)  # parents, prefix-lru's links and KV events (metaserver/tablelinks.py)
@@ -147,15 +147,20 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
 
     def _take_row(self, node: NodeRows) -> int:
         if not node.free:
-            if self.free_blocks:  # a retired node's block: every row FREE
-                b = self.free_blocks.pop()
-            else:
-                b = self.blocks_used
-                self.blocks_used += 1
-                self._grow((b + 1) * BLOCK)
-            node.blocks.append(b)
-            node.free.extend(range((b + 1) * BLOCK - 1, b * BLOCK - 1, -1))
+            self._add_block(node)
         return node.free.pop()
+
+    def _add_block(self, node: NodeRows) -> None:
+        """A block of FREE rows for ``node`` (a retired node's, else a new one: the columns may grow), lowest row
+        popped first."""
+        if self.free_blocks:  # a retired node's block: every row FREE
+            b = self.free_blocks.pop()
+        else:
+            b = self.blocks_used
+            self.blocks_used += 1
+            self._grow((b + 1) * BLOCK)
+        node.blocks.append(b)
+        node.free.extend(range((b + 1) * BLOCK - 1, b * BLOCK - 1, -1))
 
     def _free_row(self, row: int, node: NodeRows) -> None:
         self.cols["state"][row] = FREE
@@ -242,145 +247,14 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         a request's evictions and placements always reach the key index together. ``at``: the keys' positions in a
         larger request (their generations are ``gen_base + at[i]``; shared entries place the keys they do not answer
         otherwise through here: ``metaserver/tableshared.py``)."""
-        nsix = self._ns(ns)
-        c = self.cols
-        dig, longs = digests(keys)
-        found = self.ix.find(nsix, dig, c["ns"]) if keys else np.zeros(0, np.int64)
-        found_st = np.where(found >= 0, c["state"][np.maximum(found, 0)], FREE)
-        if keys and not self.dying and (found_st == READY).all():
-            # every key READY (an engine re-offering pages it holds, a TP rank after the first of a replicated
-            # page): all EXISTS, each a use, stamped in key order; a repeated key stamps at its first occurrence
-            # as the loop below would: its second is EXISTS without a use
-            _, first = np.unique(found, return_index=True)
-            self._stamp(found.take(np.sort(first)))
-            if self.links.linking:
-                self.links.requeue(np.unique(found))
-            return [EXISTS_ITEM] * len(keys)
-        if self.quota is not None and not self.quota.fit(nsix, keys, sizes, found):
-            return [OVER_QUOTA_ITEM] * len(keys)  # past its group's quota even after its own evictions: nothing done
-        found_state = found_st.tolist()
-        found = found.tolist()
-        evicted = self._evicted_now
-        evicted.clear()
-        if self.dying and keys:  # a page of a node being dropped is gone for writers too: drop it now, place anew
-            fa = np.array(found, np.int64)
-            gone = fa[fa >= 0]
-            gone = np.unique(gone[self.dead.take(c["node"].take(gone))])  # a key given twice: its row once
-            for r in gone.tolist():
-                evicted[r] = nsix  # unfiled with the request's victims
-                node = self.nodes[c["node"][r]]
-                if c["pins"][r]:
-                    c["state"][r] = GONE
-                else:
-                    self._free_row(r, node)
-            if len(gone):
-                found = np.where(np.isin(fa, gone), -1, fa).tolist()
-        nodes = self.placing
-        osize = self._osize
-        items: list = []
-        new: list[int] = []  # positions in ``keys`` of the NEW items
-        rows: list[int] = []
-        offs: list[int] = []
-        codes: list[int] = []
-        node_ix: list[int] = []
-        seen: set = set()
-        used: list[int] = []  # READY rows of keys answered EXISTS (a use)
-        pending = self._pending
-        writer = (token, owner)
-        near_of = self._parents_near(nsix, parents) if parents is not None else None
-        top = _INF  # at least the most free bytes of a placeable node (rescanned when it does not decide)
-        for i, (k, plen) in enumerate(zip(keys, sizes)):
-            if k in seen:
-                items.append(EXISTS_ITEM)
-                continue
-            seen.add(k)
-            r = found[i]
-            if r >= 0 and r not in evicted:
-                if found_state[i] == READY:
-                    items.append(EXISTS_ITEM)
-                    c["stamp"][r] = self.clock  # a use: newer than every queued victim's stamp
-                    self.clock += 1
-                    used.append(r)
-                elif token is not None and pending[r][0] == token and self.codes[c["size"][r]] == plen:
-                    pending[r] = writer
-                    items.append((NEW, self.nodes[c["node"][r]].node_id, int(c["unit"][r]) << UNIT_SHIFT, plen,
-                                  int(c["gen"][r])))
-                else:
-                    items.append(IN_FLIGHT_ITEM)
-                continue
-            if not nodes:
-                items.append(NO_SPACE_ITEM)
-                continue
-            got = osize.get(plen)
-            if got is None:
-                cix = self._code(plen)
-                if cix is None:  # MAX_CODES distinct lengths already: this one has no column value
-                    items.append(NO_SPACE_ITEM)
-                    continue
-                got = osize[plen] = (extent_size(plen), cix)  # a shared entry's layout: its n sub-slots
-            size, cix = got
-            node = near_of.get(parents[i]) if near_of else None
-            if node is not None:  # near the parent: when it has room and half the free bytes of the emptiest
-                f = node.alloc.free_bytes
-                if f < size or not node.placeable:
-                    node = None
-                elif 2 * f < top and 2 * f < (top := max(n.alloc.free_bytes for n in nodes)):
-                    # much fuller than the emptiest: there instead, not in turn, where half the children of a
-                    # shared prefix would come back to the parent's node
-                    node = next(n for n in nodes if n.alloc.free_bytes == top)
-            if node is None:
-                node = nodes[self._rr % len(nodes)]
-                self._rr += 1
-                if node.alloc.capacity < size:  # never fits there, whatever it evicts: in turn over those it fits
-                    fit = [n for n in nodes if n.alloc.capacity >= size]
-                    if not fit:
-                        items.append(NO_SPACE_ITEM)
-                        continue
-                    node = fit[self._rr % len(fit)]
-            r = -1
-            off = node.alloc.alloc(size) if node.alloc.free_bytes >= size else None
-            if off is None:
-                off, r = self._make_room(node, size)
-                top = _INF  # evictions raised a node's free bytes: no longer a bound
-                if off is None:
-                    items.append(NO_SPACE_ITEM)
-                    continue
-            if r < 0:
-                r = self._take_row(node)
-            c = self.cols  # a new block may have grown (replaced) the columns
-            c["state"][r] = PENDING  # taken now: a later victim scan of this request must not see it FREE
-            new.append(i)
-            rows.append(r)
-            offs.append(off)
-            codes.append(cix)
-            node_ix.append(node.ix)
-            items.append((NEW, node.node_id, off, plen, gen_base + (i if at is None else at[i])))
-            if near_of is not None:
-                near_of[k] = node  # a child later in this request goes near it
-        if evicted:
-            self._leaving(np.fromiter(evicted.keys(), np.int64, len(evicted)))
-            self.ix.delete(np.fromiter(evicted.keys(), np.int64, len(evicted)),
-                           np.fromiter(evicted.values(), np.uint64, len(evicted)))
-            evicted.clear()
-        if rows:
-            ra = np.array(rows, np.int64)
-            c["node"][ra] = node_ix
-            c["unit"][ra] = np.array(offs, np.uint64) >> UNIT_SHIFT
-            c["size"][ra] = codes
-            c["gen"][ra] = np.array(new if at is None else [at[i] for i in new], np.uint64) + np.uint64(gen_base)
-            c["pins"][ra] = 0
-            c["ns"][ra] = nsix
-            c["tag"][ra] = np.array(tags, np.uint64).take(new) if tags is not None else 0
-            c["rec"][ra] = 0  # a commit files it under a record (``tablerecords.py``)
-            c["stamp"][ra] = int((now + self.pending_ttl_s) * 1000)
-            pending.update(dict.fromkeys(rows, writer))
-            if parents is not None or self.links.pending:
-                self.links.placed(rows, new, parents)
-            where = {i: j for j, i in enumerate(new)} if longs else {}
-            self.ix.insert(ra, dig[new], c["ns"], [(where[i], k) for i, k in longs if i in where])
-        if used and self.links.linking:
-            self.links.requeue(np.unique(np.array(used, np.int64)))
-        return items
+        return items_of(self, *self.alloc_rows(ns, keys, sizes, gen_base, tags, now, token, owner, parents, at))
+
+    def alloc_rows(self, ns: str, keys: list[bytes], sizes: list[int], gen_base: int, tags: list[int] | None = None,
+                   now: float = 0.0, token: int | None = None, owner: object = None, parents: list | None = None,
+                   at: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``alloc`` as columns (``metaserver/tableplace.py``): each key's state (int8: ``AllocState`` or
+        ``OVER_QUOTA``) and its row (int64; -1 unless NEW), whose columns hold the place."""
+        return alloc_rows(self, ns, keys, sizes, gen_base, tags, now, token, owner, parents, at)
 
     def _parents_near(self, nsix: int, parents: list) -> dict:
         """Parent key -> the live node of its PENDING or READY row, for the parents of an ALLOC found in the table."""

@@ -2,7 +2,8 @@
 ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX and REMOVE on the page table (``metaserver.tabledir.TableDirectory``).
 Each validates its request, checks the connection's rights, calls the directory (bookkeeping
 before any await, so a request's effect is atomic), hands the etcd work to the batch writer (``Metaserver._apply``)
-and answers with the closed pool's tags and capabilities (``metaserver/grants.py``); only COMMIT waits for etcd,
+and answers with the closed pool's tags and capabilities (``metaserver/grants.py``: an ALLOC's and a LOOKUP's places
+as packed rows from wire VERSION 12, built from the table's columns); only COMMIT waits for etcd,
 and ALLOC when generations run out or right after a takeover (at most ``ALLOC_HOLD_S``)."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import time
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.entry import NEW, OVER_QUOTA
-from metaserver.grants import grant_writes
+from metaserver.entry import OVER_QUOTA
+from metaserver.grants import grant_alloc
 from transport.wire import Status
 from umbp.errors import Unavailable
 
@@ -48,20 +49,20 @@ class DataPlaneHandlers:
                 n.provisional for n in self.members.nodes.values()):
             # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
             raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
-        items, fx = self.dir.alloc(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
-        self._apply(fx)
-        if self.dir.quotas and any(it[0] == OVER_QUOTA for it in items):
-            self._refuse_over_quota(ns, keys, items)
+        p = self.dir.alloc_placed(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
+        self._apply(p.fx)
+        if self.dir.quotas and (p.state == OVER_QUOTA).any():
+            self._refuse_over_quota(ns, keys, p.items())
         deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
-        if self.tokens.closed:  # a retried ALLOC's allocations (generations below this request's) keep their deadline
-            oldest = min((it[4] for it in items if it[0] == NEW), default=base)
+        if self.tokens.closed and len(p.new):  # a retried ALLOC's allocations (generations below this request's)
+            oldest = int(p.gens.min())  # keep their deadline
             if oldest < base:
                 deadline_ms = min(deadline_ms, self._retry_deadline_ms(oldest))
-        out, caps, new = grant_writes(self.tokens, self.members.get, ns, keys, items, deadline_ms,
-                                      shard[0] if shard is not None else None)
-        if new:  # aborted if this connection goes away before COMMIT
-            conn.pending.update(self.dir.pending_handles(ns, keys, items, new))
-        return {"items": out, "caps": caps}
+        # the answer as packed rows from wire VERSION 12, as the items list for VERSION 11
+        ans = grant_alloc(self.tokens, self.members.get, ns, keys, p, deadline_ms, conn.version >= 12)
+        if len(p.new):  # aborted if this connection goes away before COMMIT
+            conn.pending.update(self.dir.pending_of(ns, keys, p))
+        return ans
 
     def _retry_deadline_ms(self, gen: int) -> int:
         """The capability deadline for an allocation a retried ALLOC gets back (same token, still PENDING): the

@@ -30,7 +30,8 @@ from itertools import repeat
 import numpy as np
 
 from metaserver.columns import PageTable, by_key
-from metaserver.entry import PENDING, READY, Effects, extent_size
+from metaserver.entry import NEW, PENDING, READY, Effects, extent_size
+from metaserver.grants import Placed
 from metaserver.records import PageRecords
 from metaserver.tableevict import bytes_to_low, over_high
 from metaserver.tableload import load_pages, reserve
@@ -43,6 +44,7 @@ from umbp.errors import ConfigError
 from umbp.quotarules import QuotaRules
 
 
+UNIT_U64 = np.uint64(UNIT_SHIFT)
 SCAN_PER_DROP = 16  # rows a drop slice may visit per page of its budget (numpy work over the state column)
 
 
@@ -115,11 +117,31 @@ class TableDirectory(TableShared, PageTable):
         return fx
 
     # -- requests -----------------------------------------------------------------------------------------------
+    def own_parents(self, ns: str, parents: list | None) -> list | None:
+        """The parents an ALLOC links (a slot's table: those of its own slot, ``slots.SlotTable``)."""
+        return parents
+
     def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
+        parents = self.own_parents(ns, parents)
         if shard is not None:
             return self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard), self.effects()
         items = PageTable.alloc(self, ns, keys, sizes, gen_base, None, now, token, owner, parents)
         return items, self.effects()
+
+    def alloc_placed(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None) -> Placed:
+        """``alloc`` as columns (``grants.Placed``, its effects in ``fx``): what the service's ALLOC answers from
+        (``grants.grant_alloc``). A plain page's tag is kept in its row's ``tag`` column once granted."""
+        parents = self.own_parents(ns, parents)
+        if shard is not None:
+            items = self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
+            return Placed.of_items(items, shard[0], self.effects())
+        state, rows = self.alloc_rows(ns, keys, sizes, gen_base, None, now, token, owner, parents)
+        new = np.flatnonzero(state == NEW)
+        r = rows.take(new)
+        c = self.cols
+        return Placed(state, new, c["node"].take(r), self.node_names, c["unit"].take(r).astype(np.uint64) << UNIT_U64,
+                      self.code_arr.take(c["size"].take(r)), c["gen"].take(r), None,
+                      lambda tags: c["tag"].put(r, tags), self.effects())
 
     def commit(self, ns, keys, gens, now, shard=None):
         before = self.committed_pages
@@ -231,6 +253,11 @@ class TableDirectory(TableShared, PageTable):
     @staticmethod
     def pending_handles(ns: str, keys: list, items: list, new: list[int]) -> list:
         return [(ns, keys[i], items[i][4]) for i in new]
+
+    @staticmethod
+    def pending_of(ns: str, keys: list, p: Placed):
+        """The ``(ns, key, gen)`` handles of placement ``p``'s NEW keys."""
+        return zip(repeat(ns), [keys[i] for i in p.new.tolist()], p.gens.tolist())
 
     @staticmethod
     def settle_handles(held: set, ns: str, keys: list, gens: list) -> None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from metaserver.entry import READY, extent_size
+from metaserver.entry import PART_MASK, PENDING, READY, SHARD_SHIFT, extent_size
+from transport.wire import ALIGN, OBJ_HEADER_SIZE
 from metaserver.tablenodes import NodeRows
 
 CANDIDATES = 1024  # the fewest victims a queue refill collects
@@ -58,6 +59,8 @@ class TableEviction:
         node.qcode = self.code_arr[c["size"][rows]].tolist()
         node.qns = c["ns"][rows].tolist()
         node.qpos = 0
+        if not self.links.linking:  # prefix-lru inserts into the lists: its queues have no copy (no _handover)
+            self.qcopy.put(node, rows, key)
 
     def _victim(self, node: NodeRows, spare: bool = True) -> int:
         """The queue position of the node's least recently used READY unpinned row, or -1 when it has none. A row
@@ -80,6 +83,85 @@ class TableEviction:
                     return i
             self._refill(node, floors)
         return -1
+
+    def _handover(self, nodes: list, sizes: list[int], ks: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Victims that hand over their extent and row, for several nodes at once: up to ``ks[j]`` of node
+        ``nodes[j]`` (each node once), in ``_victim``'s order, whose extent is ``sizes[j]`` bytes. Returns (rows,
+        their offsets as uint64, j of each), the rows PENDING from now on; ``ks`` is left holding what each node
+        still lacks. The queues' windows are read from their copy (``QueueCopy``) as one 2-D array, nodes by
+        position, and checked at once (READY, unpinned, its queued stamp); a node stops at its first victim that
+        cannot hand over (another size, a young generation: the caller's ``_make_room`` takes it next) or when it
+        has none left. Plain LRU without reservations only (the caller's test): prefix-lru's order moves as victims
+        leave, a reservation passes over rows. O(nodes) Python steps and O(nodes x window) numpy a round; another
+        round only where a window held stale entries or a queue ran out (refilled in between)."""
+        c = self.cols
+        state, pins, stamp, gen = c["state"], c["pins"], c["stamp"], c["gen"]
+        young = self.quarantine.young_gen
+        young = np.uint64(young) if young < 1 << 63 else None  # None: no generation is young
+        ext = self.qcopy.extents(self.code_arr)
+        one = len(set(sizes)) == 1 and bool((ext == sizes[0]).all())  # every row's extent is the size wanted
+        live = [j for j, k in enumerate(ks) if k > 0]
+        fresh: set[int] = set()  # nodes just refilled: a fresh queue used up without a victim has none left
+        out_r, out_j = [], []
+        qc = self.qcopy
+        for _ in range(8):  # a round takes what each window holds; more only for stale windows and refills
+            for j in [j for j in live if nodes[j].qpos >= len(nodes[j].queue)]:
+                if j in fresh:
+                    live.remove(j)
+                    continue
+                self._refill(nodes[j])
+                fresh.add(j)
+                if not nodes[j].queue:
+                    live.remove(j)
+            if not live:
+                break
+            ln = [nodes[j] for j in live]
+            pos0 = np.array([n.qpos for n in ln], np.int64)
+            avail = np.array([len(n.queue) for n in ln], np.int64) - pos0
+            need = np.array([ks[j] for j in live], np.int64)
+            w = int(min(int(need.max()) * 5 // 4 + 8, int(avail.max())))
+            col = np.arange(w)
+            inside = col < avail[:, None]
+            idx = np.where(inside, (np.array([n.qbase for n in ln], np.int64) + pos0)[:, None] + col, 0)
+            rows = qc.rows.take(idx)
+            ok = inside & (state.take(rows) == READY) & (pins.take(rows) == 0) & (stamp.take(rows) == qc.keys.take(idx))
+            if one and young is None:  # every valid victim hands over
+                misfit = np.zeros(len(live), bool)
+                stop, good = 0, ok
+            else:
+                fits = np.ones(rows.shape, bool) if one else \
+                    ext.take(c["size"].take(rows)) == np.array([sizes[j] for j in live], np.int64)[:, None]
+                if young is not None:
+                    fits &= gen.take(rows) < young
+                bad = ok & ~fits
+                misfit = bad.any(1)
+                stop = np.where(misfit, bad.argmax(1), w)
+                good = ok & (col < stop[:, None])
+            take = good & (np.cumsum(good, 1) <= need[:, None])
+            got = take.sum(1)
+            left = need - got
+            last = w - take[:, ::-1].argmax(1)  # one past the last taken (read only where the node is done)
+            qpos = np.where(left == 0, pos0 + last, pos0 + np.where(misfit, stop, np.minimum(w, avail)))
+            if got.any():
+                out_r.append(rows[take])
+                out_j.append(np.array(live, np.int64).take(np.nonzero(take)[0]))
+                state[out_r[-1]] = PENDING  # taken now: a refill must not see them
+            keep = []
+            for j, n, p, k, mf, g in zip(live, ln, qpos.tolist(), left.tolist(), misfit.tolist(), got.tolist()):
+                n.qpos = p
+                ks[j] = k
+                if k and not mf:
+                    keep.append(j)
+                    if g:
+                        fresh.discard(j)
+            live = keep
+        if not out_r:
+            z = np.zeros(0, np.int64)
+            return z, z.astype(np.uint64), z
+        rows = np.concatenate(out_r)
+        self._evicted_now.update(zip(rows.tolist(), c["ns"].take(rows).tolist()))
+        self.evictions += len(rows)
+        return rows, c["unit"].take(rows).astype(np.uint64) << np.uint64(12), np.concatenate(out_j)
 
     def _make_room(self, node: NodeRows, size: int) -> tuple[int | None, int]:
         """Evict the node's least recently used pages until ``size`` bytes fit: (offset, row to reuse or -1), or
@@ -107,6 +189,67 @@ class TableEviction:
             off = node.alloc.alloc(size)
             if off is not None:
                 return off, -1
+
+
+class QueueCopy:
+    """Every node's eviction queue (rows and their queued keys) also as numpy, each node's at ``qbase`` of two flat
+    arrays, so ``_handover`` reads many nodes' windows with one gather. Written at each refill: in place when it fits
+    the node's region, else at the end; when the end is reached the live regions are moved together into arrays of
+    twice their size. Plain LRU only (prefix-lru inserts into the lists). 16 B an entry: the queues' total (about
+    1/64 of the rows, at least ``CANDIDATES`` a node) times at most 4."""
+
+    __slots__ = ("rows", "keys", "end", "owners", "_codes", "_ext")
+
+    def __init__(self):
+        self.rows = np.zeros(0, np.int64)
+        self.keys = np.zeros(0, np.uint64)
+        self.end = 0  # the flat arrays' used length
+        self.owners: list[NodeRows] = []  # nodes with a region
+        self._codes = self._ext = None
+
+    def extents(self, code_arr: np.ndarray) -> np.ndarray:
+        """``extents_of(code_arr)``, kept while the table's code array is the same object (it is replaced when a
+        code is interned)."""
+        if self._codes is not code_arr:
+            self._codes, self._ext = code_arr, extents_of(code_arr).astype(np.int64)
+        return self._ext
+
+    def put(self, node: NodeRows, rows: np.ndarray, keys: np.ndarray) -> None:
+        n = len(rows)
+        if n > node.qcap:
+            if not node.qcap:
+                self.owners.append(node)
+            node.qcap = 0  # its old region is left behind
+            if self.end + n > len(self.rows):
+                self._compact(n)
+            node.qbase, node.qcap = self.end, n
+            self.end += n
+        self.rows[node.qbase:node.qbase + n] = rows
+        self.keys[node.qbase:node.qbase + n] = keys
+
+    def _compact(self, n: int) -> None:
+        """Room for ``n`` more at the end: the live regions moved together into arrays of twice what they and ``n``
+        need (retired nodes' regions dropped)."""
+        self.owners = [x for x in self.owners if x.ix is not None]
+        live = sum(x.qcap for x in self.owners)
+        rows = np.zeros(max(2 * (live + n), 4096), np.int64)
+        keys = np.zeros(len(rows), np.uint64)
+        at = 0
+        for x in self.owners:
+            if x.qcap:
+                rows[at:at + x.qcap] = self.rows[x.qbase:x.qbase + x.qcap]
+                keys[at:at + x.qcap] = self.keys[x.qbase:x.qbase + x.qcap]
+                x.qbase = at
+                at += x.qcap
+        self.rows, self.keys, self.end = rows, keys, at
+
+
+def extents_of(codes: np.ndarray) -> np.ndarray:
+    """``entry.extent_size`` of each layout code (uint64 in, uint64 out)."""
+    n = codes >> np.uint64(SHARD_SHIFT)
+    a = np.uint64(ALIGN)
+    one = (np.uint64(OBJ_HEADER_SIZE) + (codes & np.uint64(PART_MASK)) + a - np.uint64(1)) // a * a
+    return np.where(n == 0, one, n * one)
 
 
 def over_high(used: int, capacity: int, high: float) -> bool:

@@ -35,7 +35,7 @@ class NodeRows:
     """One node: its arena allocator, its row blocks, its free rows and its eviction candidates."""
 
     __slots__ = ("ix", "node_id", "alloc", "blocks", "free", "queue", "qstamp", "qoff", "qcode", "qns", "qpos",
-                 "placeable", "dead", "parked", "dpos", "drained")
+                 "qbase", "qcap", "placeable", "dead", "parked", "dpos", "drained")
 
     def __init__(self, ix: int, node_id: str, base: int, size: int):
         self.ix: int | None = ix  # None once retired
@@ -54,6 +54,7 @@ class NodeRows:
         self.qcode: list[int] = []
         self.qns: list[int] = []
         self.qpos = 0
+        self.qbase = self.qcap = 0  # its queue's region in the table's copy (tableevict.QueueCopy)
 
 
 class TableNodes:

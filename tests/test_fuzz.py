@@ -213,7 +213,7 @@ def check_ok_answer(pool: "FuzzPool", target, req: Req, f: wire.Frame) -> None:
     if in_check and req.op in (Op.LOOKUP, Op.EXISTS, Op.PREFIX):
         event("answer checked against the check namespace")
     if req.op == Op.ALLOC:
-        items = m["items"]
+        items = wire.unpack_allocs(m, "test")["items"]  # the packed rows as the list a client reads
         assert len(items) == n and all(it[0] in {int(a) for a in wire.AllocState} for it in items), m
     elif req.op == Op.COMMIT:
         assert len(m["ok"]) == n and all(type(b) is bool for b in m["ok"]), m
@@ -325,7 +325,7 @@ def test_metaserver_handlers_survive_fuzzed_requests(pool, req, follow, data):
     # an error, not data) or ABORT them, as a writer that dies or lies would.
     if follow is None or req.op != Op.ALLOC or not answers or answers[0].status != Status.OK:
         return
-    items = answers[0].meta.get("items") or []
+    items = wire.unpack_allocs(dict(answers[0].meta), "test").get("items") or []
     keys = req.meta["keys"]
     granted = [(keys[i], it[4]) for i, it in enumerate(items)
                if isinstance(it, list) and len(it) >= 5 and it[0] == wire.AllocState.NEW]

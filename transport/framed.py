@@ -416,6 +416,8 @@ class FramedSocket:
         wire.raise_for_status(frame, self.component)
         if op == wire.Op.LOOKUP:
             wire.unpack_locs(frame.meta, self.component)  # packed rows (VERSION 12) as the ``locs`` list
+        elif op == wire.Op.ALLOC:
+            wire.unpack_allocs(frame.meta, self.component)  # packed rows (VERSION 12) as the ``items`` list
         return frame
 
     def send_noreply(self, op: int, meta: Any, deadline: float) -> None:

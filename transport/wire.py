@@ -17,11 +17,9 @@ want an answer: lease releases). A response carries the request's ``request_id``
 an error code, in which case ``meta`` is ``{"error": "<component>: <message>", ...}``. Authentication: HELLO then
 AUTH, a challenge-response described in ``umbp/auth.py``; a closed server answers anything else before it with AUTH.
 
-Invariants a reader enforces: magic and version match; ``meta_len <= max_meta`` and ``data_len <= max_data``; the
-staging buffer grows at most to twice what it holds; data goes to the sink's memory (the node's arena), or to a fresh
-buffer of the announced length when that is at most ``buffer_data`` (0 in the metaserver and the node: a peer's
-announcement allocates nothing there), or is discarded by counting into a fixed scratch buffer. A malformed header
-poisons the connection, while a well-framed request with an unknown opcode or bad meta gets an error answer.
+Invariants a reader enforces (``FrameReader``): magic, version and the size limits; a peer's announcement allocates
+at most ``buffer_data`` (0 in the metaserver and the node). A malformed header poisons the connection, while a
+well-framed request with an unknown opcode or bad meta gets an error answer.
 
 Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the payload, allocations aligned to
 ``ALIGN`` (4 KiB)::
@@ -29,19 +27,12 @@ Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the
      magic u32 | version u16 | flags u16 | key_hash u64 | generation u64 | payload_len u64 | checksum u32 |
      header_crc u32 | 24 bytes reserved
 
-``header_crc`` (crc32 of the 36 bytes before it) catches a torn header; ``checksum`` (crc32 of the payload) is
-optional (flag CHECKSUM). A reader compares key hash, generation and length with what the metaserver told it, so a
-slot that was evicted and reused is detected instead of returned.
+``header_crc`` catches a torn header, ``checksum`` (optional) the payload; a reader compares key hash, generation
+and length with what the metaserver told it, so a slot evicted and reused is detected instead of returned. Batched
+node ops (READV, WRITEV): see ``Op``; only failed objects are listed, so a reader knows the data's layout up front.
 
-Batched node ops (READV, WRITEV): one frame carries up to ``MAX_VEC_OPS`` objects, one answer frame comes back whose
-meta lists only the objects that failed (``[[index, status, message], ...]``, None when none did), so the reader
-knows the layout of the answer's data before it arrives (READV: each served object's header + payload range, back
-to back) and receives it straight into the callers' buffers. A WRITEV's data is every object back to back; the
-node's sink returns a scatter list (each object's slot, or a discard count for a refused one).
-
-Costs: ``encode`` is one struct pack plus one msgpack pack; ``FrameReader`` copies header and meta bytes once into
-its staging buffer and hands data straight to the caller's sink (zero copies for page payloads, apart from the data
-bytes that arrive in the same receive as their frame's header).
+Costs: ``encode`` is one struct pack plus one msgpack pack; ``FrameReader`` copies header and meta once and hands data
+straight to the caller's sink (zero copies for payloads, apart from bytes that arrive with their frame's header).
 """
 
 from __future__ import annotations
@@ -60,10 +51,9 @@ from umbp.errors import (AuthError, BadRequest, CorruptionError, FrameTooLarge, 
                          ProtocolError, QuotaExceeded, RemoteError, Unavailable)
 
 MAGIC = 0x4D55  # b"UM" little-endian
-VERSION = 12  # what each version added: docs/operations/upgrades.md ("Wire versions"); 12: a LOOKUP answer's
-#              locations as packed rows (``LOC_ROW``, ``pack_locs``) instead of a list a key
-# Compatibility (docs/operations/upgrades.md): a reader accepts this version and MIN_VERSION, a server answers each
-# frame in its version (``FrameReader.version``); old frames are replayed by tests/test_wire_compat.py.
+# Versions: docs/operations/upgrades.md (12: LOOKUP and ALLOC answers as packed rows, ``LOC_ROW``/``ALLOC_ROW``). A
+# reader takes VERSION and MIN_VERSION, a server answers a frame in its version (tests/test_wire_compat.py).
+VERSION = 12
 MIN_VERSION = VERSION - 1
 HEADER = struct.Struct("<HBBHHIIQ")
 HEADER_SIZE = HEADER.size  # 24
@@ -91,10 +81,9 @@ class Op(enum.IntEnum):
     REGISTER_NODE = 0x10  # node description -> {"heartbeat_s": float, "kept": int, "dropped": int}
     HEARTBEAT = 0x11  # {"node_id"} -> {} (NOT_FOUND: register again)
     # metaserver: data plane
-    # ALLOC: "token" names the allocation: a retry with the same token gets the same places back (idempotent)
-    ALLOC = 0x12  # {"ns", "keys", "sizes", "parents"?, "token"?} -> {"items": [[state, node, off, size, gen,
-    #               tag, cap_index]], "caps": [write_cap]} (AllocState; tag: the object header's key hash;
-    #               caps[cap_index]: the write capability of the batch's slots on that node, b"" when open)
+    ALLOC = 0x12  # {"ns", "keys", "sizes", "parents"?, "token"? (a retry: the same places)} -> {"nodes", "caps":
+    #               [write_cap per node], "rows": ``ALLOC_ROW``s} (VERSION 11: "items": [[state, node, off, size, gen,
+    #               tag, cap_index]])
     COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
     ABORT = 0x14  # {"ns", "keys", "gens", "written"?} -> {"aborted": int}
     LOOKUP = 0x15  # {"ns", "keys"} -> {"lease", "lease_ms", "nodes", "caps": [read_cap per node], "rows"} (the
@@ -118,20 +107,16 @@ class Op(enum.IntEnum):
     RDMA_CONNECT = 0x43  # queue-pair details -> queue-pair details (transport/rdma.py)
     # Batched forms: one frame and one answer for up to MAX_VEC_OPS objects. The answer's meta is None when every
     # object succeeded, else the failed ones as [[index, status, message], ...]; the others are served.
-    READV = 0x44  # [[off, start, length, tag, gen, payload_len, read_cap], ...] -> failures; data: for each op
-    #               that did not fail, in order, its object header + payload[start:+length] (read_cap b"": the
-    #               previous op's)
-    WRITEV = 0x45  # [[off, gen, write_cap, nbytes], ...] + data: each op's nbytes (object header + payload), back
-    #                to back -> failures (a failed op's bytes are discarded, the others land; write_cap b"": the
-    #                previous op's)
-    FENCE = 0x46  # fence token (umbp/auth.py: epoch, slots, MAC) -> {"floor": int}: a partitioned pool's new slot
-    #               leader raises its slot's write-capability epoch floor on the node before it serves the slot
-    #               (needs no AUTH: only a holder of the node's cap_key can make one)
+    READV = 0x44  # [[off, start, length, tag, gen, payload_len, read_cap], ...] -> failures; data: each op that
+    #               did not fail, in order: its object header + payload[start:+length] (read_cap b"": the previous's)
+    WRITEV = 0x45  # [[off, gen, write_cap, nbytes], ...] + data: the ops' bytes back to back -> failures (a failed
+    #                op's bytes are discarded, the others land; write_cap b"": the previous op's)
+    FENCE = 0x46  # fence token (umbp/auth.py) -> {"floor": int}: a new slot leader raises its slot's write-capability
+    #               epoch floor on the node before serving it (no AUTH: only a holder of the cap_key makes one)
 
 
 class AllocState(enum.IntEnum):
-    """First field of each ALLOC item: NEW carries a place ``[NEW, node, off, size, gen]``; the others are
-    ``[state, None, None, None, None]``."""
+    """An ALLOC item's state: NEW carries a place ``[NEW, node, off, size, gen]``, the others none."""
 
     NEW = 0  # allocated for this writer: write the bytes there, then COMMIT
     EXISTS = 1  # someone already stored (or is storing) this key: dedup, nothing to write
@@ -253,29 +238,22 @@ def vec_failures(meta: Any, nops: int, component: str) -> dict[int, RemoteError 
     raise ProtocolError(component, "malformed failure list in a batched answer")
 
 
-# A sink decides where a frame's data goes: given (op, request_id, meta, data_len) it returns a writable
-# memoryview of exactly data_len bytes, None for a fresh buffer, or a scatter list: memoryviews (bytes land there,
-# in order) and ints (that many bytes are discarded) adding up to data_len (a WRITEV: each object into its slot,
-# a refused object's bytes dropped). It may raise RemoteError to refuse all of the data (the reader then discards
-# it and reports the error with the frame).
+# A sink decides where a frame's data goes: given (op, request_id, meta, data_len) it returns a writable memoryview
+# of exactly data_len bytes, None for a fresh buffer, or a scatter list of memoryviews (filled in order) and ints
+# (bytes discarded) adding up to data_len; or it raises RemoteError to refuse all of it (reported with the frame).
 Sink = Callable[[int, int, Any, int], "memoryview | list | None"]
 
 
 class FrameReader:
     """Incremental, zero-copy-for-data frame parser for ``asyncio.BufferedProtocol`` or blocking ``recv_into``.
 
-    Use: ``buf = reader.get_buffer()``; receive into it; ``frames = reader.buffer_updated(n)``. Header and meta
-    bytes land in a staging buffer; data bytes land directly in what ``sink`` returns (for the storage node: the
-    arena, one slot or a scatter list of slots), else in a fresh buffer when ``data_len <= buffer_data``, else they
-    are discarded by counting and the frame comes back with ``data=None`` and a BadRequest. Frames come back as
-    ``(frame, error)`` pairs in stream order, so a server can answer an error and go on. A frame whose data went to
-    a scatter list comes back with ``data=None``.
+    Use: ``buf = reader.get_buffer()``; receive into it; ``frames = reader.buffer_updated(n)``, ``(frame, error)``
+    pairs in stream order. Header and meta land in a staging buffer; data in what ``sink`` returns (the node's arena
+    slots), else a fresh buffer when ``data_len <= buffer_data``, else it is discarded by counting (``data=None`` and
+    a BadRequest); data that went to a scatter list comes back as ``data=None``.
 
-    Copies: data bytes that arrive in the same receive as their frame's header (at most the staging buffer's free
-    room) are copied once from staging to their place; everything after goes straight there.
-
-    Memory per reader: the staging buffer (``bufsize``, grown only by doubling once it is full of bytes that really
-    arrived, so a trickle of a huge announced meta cannot inflate it) plus at most ``buffer_data`` for one frame.
+    Memory per reader: the staging buffer (``bufsize``, doubled only once full of bytes that really arrived, so a
+    trickle of a huge announced meta cannot inflate it) plus at most ``buffer_data`` for one frame.
     """
 
     def __init__(self, component: str, *, max_meta: int = MAX_META, max_data: int = MAX_DATA,
@@ -299,8 +277,7 @@ class FrameReader:
         self._fdata: memoryview | None = None  # the frame's data as handed back (one view; None when scattered)
         self._data_error: Exception | None = None
         self._own = 0  # bytes of the data buffer this reader allocated for the frame in progress
-        # A malformed header after good frames in the same read: the good frames are returned, this is set, and
-        # the caller answers it and closes the connection (the stream can no longer be framed).
+        # a malformed header after good frames of the same read: they are returned, the caller answers this and closes
         self.poisoned: ProtocolError | None = None
         self.version = VERSION  # the wire version of the last frame parsed: a server answers in it
 
@@ -490,8 +467,7 @@ def key_hash(namespace: str, key: bytes) -> int:
 
 
 def pack_object_header(khash: int, generation: int, payload_len: int, checksum: int | None = None) -> bytes:
-    """``OBJ_HEADER``'s bytes: the fields before header_crc, then their crc and the padding (two packs: once a
-    page put)."""
+    """``OBJ_HEADER``'s bytes: the fields before header_crc, then their crc and the padding (two packs)."""
     head = _OBJ_HEAD.pack(OBJ_MAGIC, OBJ_VERSION, 0 if checksum is None else OBJ_FLAG_CHECKSUM, khash, generation,
                           payload_len, checksum or 0)
     return head + _OBJ_TAIL.pack(zlib.crc32(head))
@@ -500,8 +476,7 @@ def pack_object_header(khash: int, generation: int, payload_len: int, checksum: 
 def check_object_header(buf: bytes | memoryview, component: str, khash: int, generation: int,
                         payload_len: int) -> int | None:
     """Validate an object header against what the directory says; return the payload checksum if present.
-
-    Raises CorruptionError (never returns) when the slot holds another object, a torn header, or nothing."""
+    CorruptionError when the slot holds another object, a torn header, or nothing."""
     if len(buf) < OBJ_HEADER_SIZE:
         raise CorruptionError(component, f"object header of {len(buf)} bytes, expected {OBJ_HEADER_SIZE}")
     magic, version, flags, kh, gen, plen, csum, hcrc = OBJ_HEADER.unpack_from(buf)
@@ -533,9 +508,8 @@ ARENA_MAGIC = b"UMBPAREN"
 ARENA_SUPER = struct.Struct("<8sI16sQQ")  # magic, version, arena_id (uuid bytes), capacity, created_ns
 ARENA_VERSION = 1
 ARENA_DATA_START = ALIGN
-# A LOOKUP answer's read lease, in ms, when the answer does not say (``lease_ms``: servers of wire version 11 did not
-# send it; their default ``read_lease_s`` is 10 s). A client counts a tcp/rdma read finished later than this after it
-# sent the LOOKUP as a miss: past its lease the object may have been freed and its bytes rewritten.
+# A LOOKUP answer's read lease in ms when it does not say (``lease_ms``: version 11 servers, 10 s by default): a
+# tcp/rdma read finished later than this after the LOOKUP counts as a miss (its object may have been rewritten).
 DEFAULT_LEASE_MS = 10_000
 
 
@@ -565,6 +539,53 @@ LOC_ROW = np.dtype([("tag", "<u8"), ("gen", "<u8"), ("len", "<u8"), ("off", "<u8
 NO_NODE = 0xFFFFFFFF
 
 
+# An ALLOC answer's rows: ``LOC_ROW``'s with the key's ``AllocState`` in the padding; a row not NEW: NO_NODE, zeros
+ALLOC_ROW = np.dtype(LOC_ROW.descr[:5] + [("state", "<u4")])
+
+
+def pack_allocs(state, new, tags, gens, lens, offs, nodes) -> bytes:
+    """An ALLOC answer's ``rows``: one a key of ``state``, the columns given for the NEW keys at ``new``, in order."""
+    rows = np.zeros(len(state), ALLOC_ROW)
+    rows["state"] = state
+    rows["node"] = NO_NODE
+    for name, col in (("tag", tags), ("gen", gens), ("len", lens), ("off", offs), ("node", nodes)):
+        rows[name][new] = col
+    return rows.tobytes()
+
+
+def _rows(answer: Any, dtype: np.dtype, unpack: Callable, what: str, component: str) -> tuple | None:
+    """(rows as ``dtype``, node list) of a packed answer, its ``parts`` unpacked first; None without rows."""
+    if type(answer) is not dict:
+        return None
+    for part in answer.get("parts") or ():
+        unpack(part, component)
+    raw = answer.pop("rows", None)
+    nodes = answer.get("nodes")
+    if raw is not None and (not isinstance(raw, bytes) or len(raw) % dtype.itemsize or not isinstance(nodes, list)):
+        raise ProtocolError(component, f"malformed {what} answer: rows must be bytes of whole rows with a node list")
+    return None if raw is None else (np.frombuffer(raw, dtype), nodes)
+
+
+def unpack_allocs(answer: Any, component: str) -> Any:
+    """An ALLOC answer (and its ``parts``) with packed ``rows`` given the ``items`` list callers read: ``[NEW, node_id,
+    off, payload_len, gen, tag, node index]`` or ``[state, None, None, None, None]`` a key, one ``frombuffer`` and a
+    ``tolist`` a column. Malformed rows are a ProtocolError; an answer without rows (VERSION 11) is returned as is."""
+    got = _rows(answer, ALLOC_ROW, unpack_allocs, "ALLOC", component)
+    if got is None:
+        return answer
+    rows, nodes = got
+    node, state = rows["node"], rows["state"]
+    new = state == AllocState.NEW
+    if (state > AllocState.IN_FLIGHT).any() or (new & (node >= len(nodes))).any() or (~new & (node != NO_NODE)).any():
+        raise ProtocolError(component, f"malformed ALLOC answer: a row's state or node (of {len(nodes)}) is invalid")
+    names = np.array(nodes + [None], dtype=object)[np.where(new, node, len(nodes))].tolist()
+    answer["items"] = [[0, n, o, ln, g, t, i] if n is not None else [s, None, None, None, None]
+                       for s, n, o, ln, g, t, i in zip(state.tolist(), names, rows["off"].tolist(),
+                                                       rows["len"].tolist(), rows["gen"].tolist(),
+                                                       rows["tag"].tolist(), node.tolist())]
+    return answer
+
+
 def pack_locs(hit, tags, gens, lens, offs, nodes) -> bytes:
     """A LOOKUP answer's ``rows``: one a key of the bool mask ``hit``, the columns given for the hits in order
     (``nodes`` may be one int: every hit on one node). The hits' rows are filled compact, then put in place with one
@@ -590,17 +611,10 @@ def unpack_locs(answer: Any, component: str) -> Any:
     """A LOOKUP answer (and its ``parts``) with packed ``rows`` given the ``locs`` list callers read: ``[node_id, off,
     payload_len, gen, tag, node index] | None`` a key, one ``frombuffer`` and a ``tolist`` a column. Malformed rows
     are a ProtocolError; an answer without rows (VERSION 11) is returned as is."""
-    if type(answer) is not dict:
+    got = _rows(answer, LOC_ROW, unpack_locs, "LOOKUP", component)
+    if got is None:
         return answer
-    for part in answer.get("parts") or ():
-        unpack_locs(part, component)
-    raw = answer.pop("rows", None)
-    if raw is None:
-        return answer
-    nodes = answer.get("nodes")
-    if not isinstance(raw, bytes) or len(raw) % LOC_ROW.itemsize or not isinstance(nodes, list):
-        raise ProtocolError(component, "malformed LOOKUP answer: rows must be bytes of whole rows with a node list")
-    rows = np.frombuffer(raw, LOC_ROW)
+    rows, nodes = got
     node = rows["node"]
     hit = node != NO_NODE
     if (hit & (node >= len(nodes))).any():

@@ -22,7 +22,8 @@ falls back to ``call`` for that request, which is safe for the idempotent reques
 COMMIT, LOOKUP).
 
 A LOOKUP answer comes back as ``umbp.lookup.LookupAnswer``: its packed rows as one array, the per-key ``locs``
-list made only when asked for.
+list made only when asked for. An ALLOC answer's packed rows (wire VERSION 12) come back as the ``items`` list the
+put path reads (``[NEW, node, off, size, gen, tag, cap index]`` or ``[state, None, ...]`` a key).
 
 Thread-safe: one lock serialises use of the single connection (a client issues one metaserver call per batch).
 """
@@ -42,6 +43,17 @@ _RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
 ATTEMPT_S = 5.0  # one request's answer, unless the call's deadline is nearer
 CONNECT_S = 2.0  # connecting and the handshake: a black-holed host (no RST) costs this, not ATTEMPT_S
 REFUSED_PASSES = 4  # connection refused at every address this many times in a row: fail now (about 0.5 s)
+
+
+def _answer(op: int, meta: Any, component: str) -> Any:
+    """An answer's meta as callers read it: a LOOKUP's packed rows as one array (``umbp.lookup``), an ALLOC's as
+    its ``items`` list (``wire.unpack_allocs``: one ``np.frombuffer``, a ``tolist`` a column); others as they
+    came."""
+    if op == wire.Op.LOOKUP:
+        return answer_rows(meta, component)
+    if op == wire.Op.ALLOC:
+        return wire.unpack_allocs(meta, component)
+    return meta
 
 
 class Ticket:
@@ -142,7 +154,7 @@ class MetaClient:
         conn.send([wire.encode(op, rid, meta)], deadline)
         frame = self._await(conn, rid, deadline)
         wire.raise_for_status(frame, conn.component)
-        return answer_rows(frame.meta, conn.component) if op == wire.Op.LOOKUP else frame.meta
+        return _answer(op, frame.meta, conn.component)
 
     def _await(self, conn: FramedSocket, rid: int, deadline: float) -> wire.Frame:
         """The answer to ``rid``; answers to other outstanding requests that come first are kept for them."""
@@ -186,7 +198,7 @@ class MetaClient:
                     frame = self._await(t.conn, t.rid, min(deadline, time.monotonic() + ATTEMPT_S))
                     self._waiting.pop(t.rid, None)
                     wire.raise_for_status(frame, t.conn.component)
-                    return answer_rows(frame.meta, t.conn.component) if t.op == wire.Op.LOOKUP else frame.meta
+                    return _answer(t.op, frame.meta, t.conn.component)
                 except (NotLeader, Unavailable, TransportError, ProtocolError) as e:
                     self._waiting.pop(t.rid, None)
                     if time.monotonic() >= deadline or (isinstance(e, NotLeader) and not self.follow):

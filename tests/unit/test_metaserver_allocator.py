@@ -188,3 +188,42 @@ def test_alloc_run_takes_adjacent_extents_each_freed_on_its_own(track):
     assert a.alloc_run(2 * ALIGN, 4) == (ARENA_DATA_START + 2 * ALIGN, 1)
     full = Allocator(ARENA_DATA_START, 4 * ALIGN, track=track)
     assert full.alloc_run(ALIGN, 9) == (ARENA_DATA_START, 4) and full.alloc_run(ALIGN, 2) is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_alloc_runs_give_as_many_extents_as_one_alloc_each_on_random_layouts(seed):
+    """``alloc_runs`` (ALLOC's array path) against ``alloc`` a call an extent: on the same fragmented layout, for
+    random sizes and counts, the same number of extents (each call succeeds while some free extent holds one),
+    inside the region, never overlapping, and the allocator's invariants hold after either (extents freed again
+    one by one)."""
+    rng = random.Random(seed)
+    for _round in range(20):
+        a = Allocator(ARENA_DATA_START, rng.randint(16, 400) * ALIGN, track=False)
+        b = Allocator(ARENA_DATA_START, a.capacity, track=False)
+        used: dict[int, int] = {}
+        for _ in range(rng.randint(0, 60)):  # the same layout in both: random allocations, some freed again
+            size = rng.randint(1, 6) * ALIGN
+            off = a.alloc(size)
+            if off is None:
+                break
+            assert b.alloc(size) == off
+            used[off] = size
+        for off in rng.sample(sorted(used), len(used) // 2):
+            a.free(off, used[off])
+            b.free(off, used.pop(off))
+        size, count = rng.randint(1, 5) * ALIGN, rng.randint(1, 80)
+        runs = a.alloc_runs(size, count)
+        got_a = [off + j * size for off, n in runs for j in range(n)]
+        got_b = []
+        for _ in range(count):
+            off = b.alloc(size)
+            if off is None:
+                break
+            got_b.append(off)
+        assert len(got_a) == len(got_b) <= count and len(set(got_a)) == len(got_a)
+        assert a.used == b.used and a.free_bytes == b.free_bytes
+        for x, got in ((a, got_a), (b, got_b)):
+            x.check(list(used.items()) + [(off, size) for off in got])
+            for off in got:  # each extent of a run is one of its own
+                x.free(off, size)
+            x.check(list(used.items()))

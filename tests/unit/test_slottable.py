@@ -158,23 +158,25 @@ def test_own_parents_leaves_out_the_parents_of_other_slots():
 
 
 def test_a_slot_tables_alloc_passes_only_its_own_parents(monkeypatch):
-    from metaserver.tabledir import TableDirectory
+    from metaserver.columns import PageTable
 
     seen = []
-    real = TableDirectory.alloc
+    real = PageTable.alloc_rows
 
-    def spy(self, ns, keys, sizes, parents, *rest):
+    def spy(self, ns, keys, sizes, gen_base, tags, now, token, owner, parents, at=None):
         seen.append(parents)
-        return real(self, ns, keys, sizes, parents, *rest)
+        return real(self, ns, keys, sizes, gen_base, tags, now, token, owner, parents, at)
 
-    monkeypatch.setattr(TableDirectory, "alloc", spy)
+    monkeypatch.setattr(PageTable, "alloc_rows", spy)
     d = SlotTable(1, SLOTS)
     d.add_space("n0", CAP)
     cands = [b"p%d" % i for i in range(100)]
     mine = next(k for k in cands if slot_of("m", k, SLOTS) == 1)
     other = next(k for k in cands if slot_of("m", k, SLOTS) != 1)
     items, _ = d.alloc("m", [b"k1", b"k2"], [SMALL, SMALL], [mine, other], 1, 0.0)
-    assert seen == [[mine, None]] and [it[0] for it in items] == [NEW, NEW]
+    placed = d.alloc_placed("m", [b"k3", b"k4"], [SMALL, SMALL], [mine, other], 3, 0.0)  # the service's call
+    assert seen == [[mine, None]] * 2 and [it[0] for it in items] == [NEW, NEW]
+    assert placed.state.tolist() == [NEW, NEW]
 
 
 def test_under_prefix_lru_a_child_of_another_slots_parent_is_a_leaf_not_an_orphan():

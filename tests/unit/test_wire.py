@@ -6,6 +6,7 @@ import random
 import struct
 import zlib
 
+import numpy as np
 import pytest
 
 from transport import slotrules, wire
@@ -209,3 +210,47 @@ def test_packed_lookup_rows_read_back_as_the_list_form_in_key_order():
 def test_malformed_packed_lookup_rows_are_a_protocol_error_naming_the_component(bad):
     with pytest.raises(ProtocolError, match="^client: malformed LOOKUP answer"):
         wire.unpack_locs(dict(bad, lease=1, caps=[]), "client")
+
+
+def test_packed_alloc_rows_read_back_as_the_items_list_in_key_order():
+    state = [wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NEW, wire.AllocState.IN_FLIGHT,
+             wire.AllocState.NO_SPACE]
+    rows = wire.pack_allocs(state, [0, 2], [11, 33], [7, 9], [5000, 1], [4096, 1 << 40], [1, 0])
+    assert len(rows) == 5 * wire.ALLOC_ROW.itemsize == 200
+    assert rows[:24] == wire.pack_object_header(11, 7, 5000)[8:32]  # the header's key hash, generation, length
+    ans = wire.unpack_allocs({"nodes": ["n0", "n1"], "caps": [b"a", b"b"], "rows": rows}, "client")
+    assert ans["items"] == [[0, "n1", 4096, 5000, 7, 11, 1], [1, None, None, None, None],
+                            [0, "n0", 1 << 40, 1, 9, 33, 0], [3, None, None, None, None], [2, None, None, None, None]]
+    assert "rows" not in ans and ans["caps"] == [b"a", b"b"]
+    # each part of a multi-slot answer; an answer of VERSION 11 (an "items" list already) is left as it is
+    part = {"nodes": ["x"], "caps": [b""], "rows": wire.pack_allocs([0], [0], [1], [2], [3], [4], [0])}
+    multi = wire.unpack_allocs({"parts": [part, None], "failed": []}, "client")
+    assert multi["parts"][0]["items"] == [[0, "x", 4, 3, 2, 1, 0]]
+    old = {"items": [[1, None, None, None, None]], "caps": []}
+    assert wire.unpack_allocs(dict(old), "client") == old
+    empty = wire.unpack_allocs({"nodes": [], "caps": [], "rows": wire.pack_allocs([], [], (), (), (), (), ())}, "c")
+    assert empty["items"] == []
+
+
+def _alloc_rows(**fields) -> bytes:
+    rows = np.zeros(1, wire.ALLOC_ROW)
+    rows["node"] = wire.NO_NODE
+    for k, x in fields.items():
+        rows[k] = x
+    return rows.tobytes()
+
+
+@pytest.mark.parametrize("bad", [
+    {"nodes": ["n0"], "rows": b"\0" * 39},  # not whole rows
+    {"nodes": ["n0"], "rows": _alloc_rows(state=0, node=1)},  # a NEW row naming a node beyond the list
+    {"nodes": ["n0"], "rows": _alloc_rows(state=0)},  # a NEW row with no node
+    {"nodes": ["n0"], "rows": _alloc_rows(state=1, node=0)},  # a row that is not NEW with a place
+    {"nodes": ["n0"], "rows": _alloc_rows(state=4)},  # no such state
+    {"nodes": "n0", "rows": _alloc_rows(state=1)},  # no node list
+    {"nodes": ["n0"], "rows": [1, 2]},  # not bytes
+])
+def test_malformed_packed_alloc_rows_are_a_protocol_error_naming_the_component(bad):
+    with pytest.raises(ProtocolError, match="^client: malformed ALLOC answer"):
+        wire.unpack_allocs(dict(bad, caps=[]), "client")
+    with pytest.raises(ProtocolError, match="^client: malformed ALLOC answer"):  # in a part of a multi-slot answer
+        wire.unpack_allocs({"parts": [dict(bad, caps=[])], "failed": []}, "client")

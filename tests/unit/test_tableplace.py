@@ -1,0 +1,155 @@
+"""metaserver/tableplace.py (ALLOC on the page table) and metaserver/grants.py (its answer): the array path against the
+per-key path on random requests of one page size (same states, same nodes, same victims, same pages left on each
+node, the table's invariants after every step; with several sizes the two may fragment an arena differently, so
+there the invariants and each answer's own consistency are checked), and the packed ALLOC answer against the VERSION 11 items list (same places, tags and write
+capabilities, one per node, equal to ``write_capability`` over that node's slots in key order)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from metaserver import tableplace
+from metaserver.entry import NEW
+from metaserver.grants import grant_alloc, grant_writes
+from metaserver.tabledir import TableDirectory
+from metaserver.tableevict import CANDIDATES
+from transport import wire
+from transport.wire import object_size
+from umbp.auth import Tokens, write_capability
+
+MIXED = (3000, 3000, 3000, 9000)  # mostly one extent size; some pages of three units (victims one at a time)
+
+
+def _tables(nodes: int, units: int) -> list[TableDirectory]:
+    out = []
+    for _ in range(2):
+        d = TableDirectory()
+        for i in range(nodes):
+            d.add_space(f"n{i}", units * object_size(3000))
+        out.append(d)
+    return out
+
+
+@pytest.mark.parametrize("seed,sizes", [(s, (3000,)) for s in range(4)] + [(s, MIXED) for s in range(2)])
+def test_the_array_path_places_and_evicts_as_the_per_key_path(seed, sizes, monkeypatch):
+    rng = random.Random(seed)
+    same = len(sizes) == 1
+    arrays, each = _tables(rng.randint(1, 5), rng.randint(20, 60))
+    universe = [rng.randbytes(32) for _ in range(400)] + [b"short-%d" % i for i in range(40)]
+    gen = 1
+    leases: list[tuple[int, int]] = []
+    for step in range(200):
+        op = rng.random()
+        if op < 0.6:
+            n = rng.choice((1, 3, 8, 40, 130))
+            keys = rng.sample(universe, n)
+            if rng.random() < 0.3:  # READY keys first, then new ones: still the array path
+                have = [k for k in universe if arrays.exists("a", [k])[0]][:5]
+                keys = have + [k for k in keys if k not in have]
+            if rng.random() < 0.1:
+                keys.append(keys[0])  # a key given twice: the per-key path
+            plens = [rng.choice(sizes) for _ in keys]
+            got = []
+            commit = rng.random() < 0.9  # most are committed at once; some wait (PENDING rows)
+            for d, flag in ((arrays, True), (each, False)):
+                monkeypatch.setattr(tableplace, "ARRAYS", flag)
+                items, _ = d.alloc("a", keys, plens, None, gen, 0.0)
+                new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+                assert len({k for k, _ in new}) == len(new) and all(it[3] == p for it, p in zip(items, plens)
+                                                                    if it[0] == NEW)
+                if commit:
+                    assert d.commit("a", [k for k, _ in new], [g for _, g in new], 0.0)[0] == [True] * len(new)
+                got.append(([it[0] for it in items], [it[1] for it in items], [it[3] for it in items]))
+            assert got[0] == got[1] or not same, step
+            gen += len(keys)
+        elif op < 0.75:
+            keys = rng.sample(universe, 10)
+            la = arrays.lookup("a", keys, 0.0)[0]
+            le = each.lookup("a", keys, 0.0)[0]
+            leases.append((la, le))
+        elif op < 0.85 and leases:
+            la, le = leases.pop(rng.randrange(len(leases)))
+            arrays.release(la)
+            each.release(le)
+        else:
+            keys = rng.sample(universe, 5)
+            assert arrays.remove("a", keys)[0] == each.remove("a", keys)[0] or not same
+        if same:
+            assert arrays.exists("a", universe) == each.exists("a", universe), step
+            assert [n.alloc.used for n in arrays.placing] == [n.alloc.used for n in each.placing]
+            assert arrays.evictions == each.evictions
+        arrays.check()
+        each.check()
+
+
+def test_victims_in_bulk_follow_exact_lru_across_queue_refills():
+    """Many requests into a full pool (each new key evicts): the oldest pages leave first, across the eviction
+    queues' refills (``CANDIDATES`` a refill) and the queues' numpy copy."""
+    d = TableDirectory()
+    for i in range(3):
+        d.add_space(f"n{i}", 900 * object_size(3000))
+    keys = [i.to_bytes(32, "little") for i in range(2700 + 3 * CANDIDATES)]
+    gen = 1
+    for lo in range(0, len(keys), 300):
+        batch = keys[lo:lo + 300]
+        items, _ = d.alloc("a", batch, [3000] * len(batch), None, gen, 0.0)
+        assert all(it[0] == NEW for it in items)
+        d.commit("a", batch, [it[4] for it in items], 0.0)
+        gen += len(batch)
+        d.check()
+    assert d.exists("a", keys) == [False] * (len(keys) - 2700) + [True] * 2700  # the newest 2,700 stay
+    assert d.evictions == 3 * CANDIDATES
+
+
+def test_the_packed_answer_carries_what_the_items_list_carries():
+    d = TableDirectory()
+    for i in range(3):
+        d.add_space(f"n{i}", 40 * object_size(5000))
+    tokens = Tokens.load("cluster-secret", None, "test")
+
+    class Member:
+        def __init__(self, nid):
+            self.cap_key = tokens.cap_key(nid, b"arena-" + nid.encode())
+            self.cap_epoch = 3
+
+    members = {f"n{i}": Member(f"n{i}") for i in range(3)}
+    keys = [b"k%d" % i for i in range(10)]
+    items, _ = d.alloc("a", keys[:4], [5000] * 4, None, 1, 0.0)
+    d.commit("a", keys[:2], [it[4] for it in items[:2]], 0.0)
+    p = d.alloc_placed("a", keys, [5000] * 10, None, 100, 0.0)  # 2 READY, 2 PENDING (another writer), 6 new
+    assert p.state.tolist() == [1, 1, 3, 3] + [0] * 6
+    packed = grant_alloc(tokens, members.get, "a", keys, p, 12345, True)
+    old = grant_alloc(tokens, members.get, "a", keys, p, 12345, False)
+    got = wire.unpack_allocs(dict(packed), "client")
+    assert got["items"] == [list(it) for it in old["items"]] and got["caps"] == old["caps"]
+    # one capability a node: that node's slots in key order, as write_capability makes it
+    for j, nid in enumerate(packed["nodes"]):
+        slots = [(it[2], it[3], it[4]) for it in got["items"] if it[0] == NEW and it[1] == nid]
+        assert packed["caps"][j] == write_capability(members[nid].cap_key, slots, 3, 12345)
+    # the tags are the keys' and the table keeps them: a LOOKUP after the commit answers them without computing
+    new = [(k, it) for k, it in zip(keys, got["items"]) if it[0] == NEW]
+    assert [it[5] for _, it in new] == tokens.tags("a", [k for k, _ in new])
+    d.commit("a", [k for k, _ in new], [it[4] for _, it in new], 0.0)
+    rows = d._find("a", [k for k, _ in new])
+    assert d.cols["tag"][rows].tolist() == [it[5] for _, it in new]
+    # the list form of a list of items (bench/shared.py's call) agrees too (its capabilities in node order of
+    # first appearance: compared through the items)
+    out, caps, idx = grant_writes(tokens, members.get, "a", keys, p.items(), 12345)
+
+    def resolved(its, cs):
+        return [list(x[:6]) + [cs[x[6]]] if x[0] == NEW else list(x) for x in its]
+
+    assert resolved(out, caps) == resolved(old["items"], old["caps"]) and idx == list(range(4, 10))
+
+
+def test_an_alloc_that_places_nothing_answers_packed_rows_of_states_only():
+    d = TableDirectory()
+    tokens = Tokens.load("s", None, "t")
+    p = d.alloc_placed("a", [b"x", b"y"], [100, 100], None, 1, 0.0)  # no node: NO_SPACE
+    ans = grant_alloc(tokens, lambda n: None, "a", [b"x", b"y"], p, 0, True)
+    assert ans["nodes"] == [] and ans["caps"] == []
+    rows = np.frombuffer(ans["rows"], wire.ALLOC_ROW)
+    assert rows["state"].tolist() == [wire.AllocState.NO_SPACE] * 2 and (rows["node"] == wire.NO_NODE).all()
