@@ -51,7 +51,7 @@ from metaserver.tablenodes import UNIT_SHIFT
 NO_UP = 0
 ORPHAN = 1
 UP0 = 2  # up = parent row + UP0
-_TIER = np.uint64(62)
+_TIERS = tuple(np.uint64(t << 62) for t in range(3))  # tier << 62, as u64 scalars (a where of them is u64)
 _U0 = np.uint32(UP0)
 
 
@@ -82,8 +82,10 @@ class TableLinks:
     def order(self, rows: np.ndarray) -> np.ndarray:
         """The prefix-lru victim key of each row (uint64): tier << 62 | stamp (the module docstring)."""
         c = self.t.cols
-        tier = np.where(c["kids"].take(rows) > 0, 2, np.where(c["up"].take(rows) == ORPHAN, 0, 1)).astype(np.uint64)
-        return (tier << _TIER) | c["stamp"].take(rows)
+        t0, t1, t2 = _TIERS
+        key = np.where(c["kids"].take(rows) > 0, t2, np.where(c["up"].take(rows) == ORPHAN, t0, t1))
+        key |= c["stamp"].take(rows)
+        return key
 
     def key(self, r: int) -> int:
         """``order`` of one row, for the victim check of a queued candidate."""
@@ -103,14 +105,16 @@ class TableLinks:
             return
         t = self.t
         c = t.cols
+        if len(self.qmax) < len(t.nodes):  # 0 for nodes never filled: every node index takes directly
+            self.qmax = np.concatenate((self.qmax, np.zeros(len(t.nodes) - len(self.qmax) + 16, np.uint64)))
         nix = c["node"].take(rows)
-        qm = self.qmax.take(np.minimum(nix, len(self.qmax) - 1))
-        qm[nix >= len(self.qmax)] = 0
         keys = self.order(rows)
-        sel = (keys < qm) & (c["state"].take(rows) == READY) & (c["pins"].take(rows) == 0)
-        if not sel.any():
+        sel = keys < self.qmax.take(nix)
+        if not sel.any():  # the usual case (a RELEASE's rows, stamped newest): no state or pins read
             return
-        for r, k, n in zip(rows[sel].tolist(), keys[sel].tolist(), nix[sel].tolist()):
+        rows, keys, nix = rows[sel], keys[sel], nix[sel]
+        ok = (c["state"].take(rows) == READY) & (c["pins"].take(rows) == 0)
+        for r, k, n in zip(rows[ok].tolist(), keys[ok].tolist(), nix[ok].tolist()):
             self._queue(t.nodes[n], r, k)
 
     def _requeue_one(self, r: int) -> None:
