@@ -84,9 +84,10 @@ def test_kept_capabilities_cannot_forge_or_destroy_the_next_owners_pages(tiny):
             v.batch_put(vkeys, victim_pages)
         t0 = time.monotonic()
         def stored() -> bool:  # the quarantine ends CAP_TTL_S + the 2 s skew margin after the remove
-            assert v.batch_put(vkeys, victim_pages) == [True] * SLOTS
-            # a put while only some slots were back may have stored pages that a later one evicted for the
-            # rest (the pool holds exactly SLOTS): done once all of them are stored at once
+            # True: stored now; False: stored already, by an earlier attempt that fit only some of them (and
+            # raised PoolFull for the rest). That attempt's pages may have been evicted for the rest since (the
+            # pool holds exactly SLOTS): done once all of them are stored at once
+            assert len(v.batch_put(vkeys, victim_pages)) == SLOTS
             return all(v.batch_exists(vkeys))
 
         eventually(stored, 20, "the freed slots back from quarantine", interval=0.1, errors=(PoolFull,))
