@@ -5,7 +5,8 @@ the metaserver's one directory core), minus sockets and etcd, for the "wire path
 call, tags and capabilities of a closed pool, the encoding of the commit records and of their rewrites as the etcd
 writer encodes them, the connection's pending set, encode). A LOOKUP is the service's own columnar call
 (``TableDirectory.lookup_granted(..., packed=True)``: tags kept in a column from a row's first LOOKUP on, one
-capability per node packed from the columns, the answer's locations as packed rows, wire VERSION 12). It mirrors
+capability per node packed from the columns, the answer's locations as packed rows, wire VERSION 12); an ALLOC is
+``TableDirectory.alloc_placed`` and ``grants.grant_alloc`` (its answer as packed rows too). It mirrors
 dataplane.lookup/alloc/commit so the figure needs no running metaserver; keep the two in step.
 
 Run alone (``python bench/servicepath.py``) it times ALLOC+COMMIT requests of ``--keys`` new 4 KiB pages into a
@@ -20,6 +21,7 @@ import sys
 import time
 
 import msgpack
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,9 +117,11 @@ class ServicePath:
         pending = self.conn_pending
         if len(p.new):
             pending.update(d.pending_of(ns, keys, p))
-        # the client's side: the answer decoded as umbp/metaclient.py decodes it (its items list)
-        answer = wire.unpack_allocs(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False), "bench")
-        news = [(k, it[4]) for k, it in zip(keys, answer["items"]) if it[0] == NEW]
+        # the client's side, what its COMMIT needs of the answer: the NEW keys and their generations, read from the
+        # packed rows with one frombuffer (bench/slots.py's clients read them so)
+        rows = np.frombuffer(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False)["rows"], wire.ALLOC_ROW)
+        ok = np.flatnonzero(rows["state"] == NEW).tolist()
+        news = list(zip([keys[i] for i in ok], rows["gen"].take(ok).tolist()))
         c = v.fields(msgpack.unpackb(msgpack.packb({"ns": ns, "keys": [k for k, _ in news],
                                                     "gens": [g for _, g in news]}, use_bin_type=True), raw=False),
                      _COMMIT, ("ns", "keys", "gens"))

@@ -6,8 +6,10 @@ Why columns: a page as a Python object (15 slots, 152 bytes with its header, plu
 objects and a dict slot: the directory this table replaced) costs 355 bytes at 10 M pages and attribute work per
 key on every request. Here a page is a row: ``ROW_BYTES`` of fixed-width columns plus its slot in the key index
 (``metaserver/keyindex.py``, probed a batch at a time), with no Python object per page; every batch operation (find
-the keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's rows. What stays per key in
-Python: placement and eviction in ``alloc`` (the allocator is per extent), the pending set at COMMIT, and REMOVE.
+the keys, pin, unpin, touch, commit, gather the answer) is numpy work over the batch's rows, ALLOC's placement and
+eviction included for plain requests (``metaserver/tableplace.py``: runs of extents per node, victims for all nodes
+in one pass). What stays per key in Python: ALLOC's per-key path (parents, a key twice, a PENDING key), the
+pending set at COMMIT, and REMOVE.
 
 Columns (``ROW_BYTES`` = 43 a row): ``node`` (u16, the node's index), ``unit`` (u32: the offset in 4 KiB units, so
 16 TiB per arena), ``size`` (u16: the index of its layout code, the payload length or a shared entry's

@@ -12,17 +12,13 @@ Every connection in UMBP (client -> metaserver, node -> metaserver, client -> no
      | data: data_len raw bytes (page payloads; never msgpack-encoded, never copied twice)   |
      +--------------------------------------------------------------------------------------+
 
-All integers are little-endian. ``flags`` has RESPONSE (set on every answer) and NO_REPLY (the sender does not
-want an answer: lease releases). A response carries the request's ``request_id`` and opcode; ``status`` is OK or
-an error code, in which case ``meta`` is ``{"error": "<component>: <message>", ...}``. Authentication: HELLO then
-AUTH, a challenge-response described in ``umbp/auth.py``; a closed server answers anything else before it with AUTH.
+Little-endian. ``flags``: RESPONSE (every answer), NO_REPLY (lease releases). An answer carries its request's id
+and opcode; a ``status`` other than OK comes with ``{"error": "<component>: <message>", ...}``. HELLO then AUTH
+(``umbp/auth.py``) open a connection; a closed server answers anything else before them with AUTH. A reader
+(``FrameReader``) enforces magic, version and size limits (a peer's announcement allocates at most ``buffer_data``,
+0 in the metaserver and node); a malformed header poisons the connection, bad meta gets an error answer.
 
-Invariants a reader enforces (``FrameReader``): magic, version and the size limits; a peer's announcement allocates
-at most ``buffer_data`` (0 in the metaserver and the node). A malformed header poisons the connection, while a
-well-framed request with an unknown opcode or bad meta gets an error answer.
-
-Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the payload, allocations aligned to
-``ALIGN`` (4 KiB)::
+Objects in an arena: a 64-byte header (``OBJ_HEADER``), then the payload, aligned to ``ALIGN`` (4 KiB)::
 
      magic u32 | version u16 | flags u16 | key_hash u64 | generation u64 | payload_len u64 | checksum u32 |
      header_crc u32 | 24 bytes reserved
@@ -31,8 +27,8 @@ Objects in an arena start with a 64-byte header (``OBJ_HEADER``) followed by the
 and length with what the metaserver told it, so a slot evicted and reused is detected instead of returned. Batched
 node ops (READV, WRITEV): see ``Op``; only failed objects are listed, so a reader knows the data's layout up front.
 
-Costs: ``encode`` is one struct pack plus one msgpack pack; ``FrameReader`` copies header and meta once and hands data
-straight to the caller's sink (zero copies for payloads, apart from bytes that arrive with their frame's header).
+Costs: ``encode`` one struct and one msgpack pack; ``FrameReader`` copies header and meta once, payloads not at all
+(but bytes that arrive with their frame's header).
 """
 
 from __future__ import annotations
@@ -82,12 +78,11 @@ class Op(enum.IntEnum):
     HEARTBEAT = 0x11  # {"node_id"} -> {} (NOT_FOUND: register again)
     # metaserver: data plane
     ALLOC = 0x12  # {"ns", "keys", "sizes", "parents"?, "token"? (a retry: the same places)} -> {"nodes", "caps":
-    #               [write_cap per node], "rows": ``ALLOC_ROW``s} (VERSION 11: "items": [[state, node, off, size, gen,
-    #               tag, cap_index]])
+    #               [write_cap a node], "rows": ALLOC_ROWs} (v11: "items": [[state, node, off, size, gen, tag, cap]])
     COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
     ABORT = 0x14  # {"ns", "keys", "gens", "written"?} -> {"aborted": int}
-    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease", "lease_ms", "nodes", "caps": [read_cap per node], "rows"} (the
-    #                packed rows below; VERSION 11: "locs": [[node, off, size, gen, tag, cap_index] | None])
+    LOOKUP = 0x15  # {"ns", "keys"} -> {"lease", "lease_ms", "nodes", "caps": [read_cap a node], "rows": LOC_ROWs}
+    #                (VERSION 11: "locs": [[node, off, size, gen, tag, cap_index] | None])
     RELEASE = 0x16  # {"lease": int} -> {} (usually NO_REPLY)
     EXISTS = 0x17  # {"ns", "keys"} -> {"exists": [bool]}
     PREFIX = 0x18  # {"ns", "keys"} -> {"hits": int}
@@ -105,8 +100,7 @@ class Op(enum.IntEnum):
     READ = 0x41  # [off, start, length, tag, gen, payload_len, read_cap] -> data: header + payload[start:+length]
     WRITE = 0x42  # [off, gen, write_cap] + data: object header + payload -> {}
     RDMA_CONNECT = 0x43  # queue-pair details -> queue-pair details (transport/rdma.py)
-    # Batched forms: one frame and one answer for up to MAX_VEC_OPS objects. The answer's meta is None when every
-    # object succeeded, else the failed ones as [[index, status, message], ...]; the others are served.
+    # Batched: up to MAX_VEC_OPS objects a frame; the answer's meta lists the failed ones ([[index, status, message]])
     READV = 0x44  # [[off, start, length, tag, gen, payload_len, read_cap], ...] -> failures; data: each op that
     #               did not fail, in order: its object header + payload[start:+length] (read_cap b"": the previous's)
     WRITEV = 0x45  # [[off, gen, write_cap, nbytes], ...] + data: the ops' bytes back to back -> failures (a failed
@@ -251,9 +245,8 @@ class FrameReader:
     pairs in stream order. Header and meta land in a staging buffer; data in what ``sink`` returns (the node's arena
     slots), else a fresh buffer when ``data_len <= buffer_data``, else it is discarded by counting (``data=None`` and
     a BadRequest); data that went to a scatter list comes back as ``data=None``.
-
-    Memory per reader: the staging buffer (``bufsize``, doubled only once full of bytes that really arrived, so a
-    trickle of a huge announced meta cannot inflate it) plus at most ``buffer_data`` for one frame.
+    Memory: the staging buffer (``bufsize``, doubled only once full of bytes that arrived: a trickle of a huge
+    announced meta cannot inflate it) plus at most ``buffer_data`` for one frame.
     """
 
     def __init__(self, component: str, *, max_meta: int = MAX_META, max_data: int = MAX_DATA,
@@ -567,9 +560,8 @@ def _rows(answer: Any, dtype: np.dtype, unpack: Callable, what: str, component: 
 
 
 def unpack_allocs(answer: Any, component: str) -> Any:
-    """An ALLOC answer (and its ``parts``) with packed ``rows`` given the ``items`` list callers read: ``[NEW, node_id,
-    off, payload_len, gen, tag, node index]`` or ``[state, None, None, None, None]`` a key, one ``frombuffer`` and a
-    ``tolist`` a column. Malformed rows are a ProtocolError; an answer without rows (VERSION 11) is returned as is."""
+    """``unpack_locs`` for an ALLOC answer: its ``items`` list, ``[NEW, node_id, off, payload_len, gen, tag, node
+    index]`` or ``[state, None, None, None, None]`` a key."""
     got = _rows(answer, ALLOC_ROW, unpack_allocs, "ALLOC", component)
     if got is None:
         return answer
@@ -579,10 +571,8 @@ def unpack_allocs(answer: Any, component: str) -> Any:
     if (state > AllocState.IN_FLIGHT).any() or (new & (node >= len(nodes))).any() or (~new & (node != NO_NODE)).any():
         raise ProtocolError(component, f"malformed ALLOC answer: a row's state or node (of {len(nodes)}) is invalid")
     names = np.array(nodes + [None], dtype=object)[np.where(new, node, len(nodes))].tolist()
-    answer["items"] = [[0, n, o, ln, g, t, i] if n is not None else [s, None, None, None, None]
-                       for s, n, o, ln, g, t, i in zip(state.tolist(), names, rows["off"].tolist(),
-                                                       rows["len"].tolist(), rows["gen"].tolist(),
-                                                       rows["tag"].tolist(), node.tolist())]
+    answer["items"] = [[0, n, o, ln, g, t, i] if n is not None else [s, None, None, None, None] for s, n, o, ln, g, t, i
+                       in zip(state.tolist(), names, *(rows[f].tolist() for f in ("off", "len", "gen", "tag", "node")))]
     return answer
 
 
