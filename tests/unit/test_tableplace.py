@@ -153,3 +153,31 @@ def test_an_alloc_that_places_nothing_answers_packed_rows_of_states_only():
     assert ans["nodes"] == [] and ans["caps"] == []
     rows = np.frombuffer(ans["rows"], wire.ALLOC_ROW)
     assert rows["state"].tolist() == [wire.AllocState.NO_SPACE] * 2 and (rows["node"] == wire.NO_NODE).all()
+
+
+def test_the_queues_numpy_copy_keeps_each_nodes_last_queue_across_moves():
+    """``QueueCopy``: regions written in place when they fit, at the end when they grow, every live region moved
+    together when the end is reached (a retired node's dropped); each node's region always reads back its last
+    queue."""
+    from metaserver.tableevict import QueueCopy
+    from metaserver.tablenodes import NodeRows
+
+    rng = random.Random(3)
+    qc = QueueCopy()
+    nodes = [NodeRows(i, f"n{i}", 4096, 1 << 30) for i in range(6)]
+    last: dict[int, np.ndarray] = {}
+    for _ in range(300):
+        node = rng.choice(nodes)
+        n = rng.choice((0, 5, 100, 1024, rng.randint(1, 5000)))
+        rows = np.array([rng.randrange(1 << 40) for _ in range(n)], np.int64)
+        qc.put(node, rows, rows.astype(np.uint64) + np.uint64(7))
+        last[node.ix] = rows if n or node.ix not in last else last[node.ix][:0]
+        if rng.random() < 0.02:  # a node retired: its region is dropped at the next move
+            node.ix = None
+            nodes.remove(node)
+            nodes.append(NodeRows(100 + len(last), "new", 4096, 1 << 30))
+        for x in nodes:
+            if x.ix in last and len(last[x.ix]):
+                got = qc.rows[x.qbase:x.qbase + len(last[x.ix])]
+                assert (got == last[x.ix]).all() and (qc.keys[x.qbase:x.qbase + len(got)] == got + 7).all()
+    assert qc.end <= len(qc.rows)
