@@ -200,7 +200,12 @@ class TableDirectory(TableShared, PageTable):
         offset, payload_len, gen, tag, cap_index)`` or None a key). Tags come from the ``tag`` column; a row that has
         none yet (0: never looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and
         kept; a shared row keeps its shard base there, and a rank's tags are one ``rank_tags`` step over them.
-        ``member``: node id -> its member (``cap_key``) or None."""
+        ``member``: node id -> its member (``cap_key``) or None.
+
+        Costs: about 100 numpy calls and one keyed blake2b a node, whatever the batch. Measured on the 2-core VM, 1 M
+        pages on 32 nodes, a run of 128 keys of the build order (so on all 32 nodes), LOOKUP plus its RELEASE: 118 us,
+        of which the digests 6, the key index 30, the lease, pins and stamps of both 19, the 32 capabilities 20-28,
+        the answer's columns, ``by_node`` and packing 30; 1,024 keys 380 us (the key index 128, capabilities 51)."""
         lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
         if not lease:
             if packed:
