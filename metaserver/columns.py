@@ -124,6 +124,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         self.any_shared = False
         self.hits = self.misses = self.evictions = 0
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
+        self._evicted_rows: list[np.ndarray] = []  # and rows of its victims taken in bulk (``_handover``)
         self.qcopy = QueueCopy()  # the eviction queues as numpy, for ALLOC's victims in bulk (``tableevict.py``)
         self._init_records()
         self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities

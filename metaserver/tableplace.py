@@ -119,12 +119,14 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
 
 def _file(t, nsix, dig, longs, tags, now, token, owner, parents, at, gen_base, rows, new, state, none) -> None:
     """The request's victims unfiled, then its placements' columns written (one assignment each) and filed."""
-    evicted = t._evicted_now
-    if evicted:
-        er = np.fromiter(evicted.keys(), np.int64, len(evicted))
+    evicted, bulk = t._evicted_now, t._evicted_rows
+    if evicted or bulk:
+        er = [np.fromiter(evicted.keys(), np.int64, len(evicted))] + bulk
+        er = er[0] if len(er) == 1 else np.concatenate(er)
         t._leaving(er)
-        t.ix.delete(er, np.fromiter(evicted.values(), np.uint64, len(evicted)))
+        t.ix.delete(er, t.cols["ns"].take(er).astype(np.uint64))  # (a victim's row keeps its namespace until now)
         evicted.clear()
+        bulk.clear()
     if not len(rows):
         return
     c = t.cols
@@ -189,7 +191,10 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         q_of = {s: q for q, s in enumerate(us)}
         group = group * u + np.array([q_of[s] for s in new_sizes], np.int64)
     order = np.argsort(group, kind="stable")
-    gs, starts, counts = np.unique(group.take(order), return_index=True, return_counts=True)
+    per = np.bincount(group)
+    gs = np.flatnonzero(per)
+    counts = per.take(gs)
+    starts = np.cumsum(counts) - counts
     groups = [divmod(g, u) for g in gs.tolist()]
     # what each group gets, in order: free extents (runs), victims handing over, victims one at a time
     sup_rows: list[np.ndarray] = []
@@ -233,26 +238,33 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 sup_grp.append(np.full(len(r1), x, np.int64))
     if not sup_rows:
         return z, z, used
-    rows = np.concatenate(sup_rows)
-    offs = np.concatenate(sup_offs)
-    grp = np.concatenate(sup_grp)
-    by = np.argsort(grp, kind="stable")
-    rows, offs, grp = rows.take(by), offs.take(by), grp.take(by)
+    grp = sup_grp[0] if len(sup_rows) == 1 else None
+    if grp is not None and (len(grp) < 2 or bool((grp[1:] >= grp[:-1]).all())):  # in group order already (a full
+        rows, offs = sup_rows[0], sup_offs[0]  # pool's one round of victims that hand over)
+    else:
+        grp = np.concatenate(sup_grp)
+        by = np.argsort(grp, kind="stable")
+        rows, offs, grp = np.concatenate(sup_rows).take(by), np.concatenate(sup_offs).take(by), grp.take(by)
     have = np.bincount(grp, minlength=len(groups))
-    sstart = np.cumsum(have) - have
-    # the k-th key of a group (key order) takes the group's k-th supply, when it has one
     gk = np.repeat(np.arange(len(groups)), counts)
-    rank = np.arange(m) - starts.take(gk)
-    ok = rank < have.take(gk)
-    pick = sstart.take(gk[ok]) + rank[ok]
-    pos = newpos.take(order[ok])
-    rows, offs = rows.take(pick), offs.take(pick)
+    every = len(rows) == m  # every key placed: the supplies line up with the keys sorted by group
+    if not every:  # the k-th key of a group (key order) takes the group's k-th supply, when it has one
+        rank = np.arange(m) - starts.take(gk)
+        ok = rank < have.take(gk)
+        pick = (np.cumsum(have) - have).take(gk[ok]) + rank[ok]
+        rows, offs, gk = rows.take(pick), offs.take(pick), gk[ok]
     c = t.cols
     c["state"][rows] = PENDING
-    c["node"][rows] = np.array([nodes[p].ix for p, _ in groups], np.uint16).take(gk[ok])
+    c["node"][rows] = np.array([nodes[p].ix for p, _ in groups], np.uint16).take(gk)
     c["unit"][rows] = offs >> np.uint64(UNIT_SHIFT)
-    c["size"][rows] = np.array([cix[q] or 0 for _, q in groups], np.uint16).take(gk[ok])
-    by = np.argsort(pos, kind="stable")  # key order: records and links read the rows as the keys came
+    c["size"][rows] = np.array([cix[q] or 0 for _, q in groups], np.uint16).take(gk) if u > 1 else cix[0]
+    # key order: records and links read the rows as the keys came
+    if every:
+        out = np.empty(m, np.int64)
+        out[order] = rows
+        return out, newpos, used
+    pos = newpos.take(order[ok])
+    by = np.argsort(pos, kind="stable")
     return rows.take(by), pos.take(by), used
 
 
