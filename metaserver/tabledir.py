@@ -227,8 +227,8 @@ class TableDirectory(TableShared, PageTable):
         uniq, inv, order, ends = by_node(nix)
         names = self.node_names.take(uniq).tolist()
         cap_keys = [None if m is None else m.cap_key for m in map(member, names)]
-        caps = read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(),
-                                        ends)
+        caps = (read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(),
+                                         ends) if any(cap_keys) else [b""] * len(cap_keys))  # an open pool: none
         if packed:
             return {"lease": lease, "nodes": names, "caps": caps,
                     "rows": wire.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv)}

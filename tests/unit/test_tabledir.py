@@ -80,6 +80,31 @@ def test_lookup_granted_answers_as_a_per_key_oracle(closed):
     assert wire.unpack_locs(missed, "test") == {"lease": 0, "nodes": [], "caps": [], "locs": [None, None]}
 
 
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_lookup_granted_of_one_node_and_a_repeated_key_answers_as_the_oracle(packed):
+    """Every hit on one node (``by_node``'s one-node path: one capability) and a key named twice (pinned once a
+    naming under the one lease, as ``lookup`` pins it)."""
+    d = directory()
+    put(d, keys_of(0, 10), 1)
+    tokens = Tokens(b"s" * 32, {})
+    members = {f"n{i}": SimpleNamespace(cap_key=(b"%d" % i) * 32) for i in range(2)}
+    lease, locs = d.lookup("a", keys_of(0, 10), 0.0)
+    assert d.release(lease)
+    on_n1 = [k for k, loc in zip(keys_of(0, 10), locs) if loc[0] == "n1"]
+    ask = on_n1 + [b"\xff" * 32, on_n1[0]]
+    ans = d.lookup_granted("a", ask, 0.0, None, tokens, members.get, None, packed)
+    got = wire.unpack_locs(ans, "test")["locs"]
+    want_lease, want = d.lookup("a", ask, 0.0)
+    want, want_caps = granted(tokens, members, "a", ask, want)
+    assert [tuple(x[:5]) if x is not None else None for x in got] == want and got[len(on_n1)] is None
+    assert len(ans["caps"]) == 1 and caps_by_node(got, ans["caps"]) == want_caps
+    row = int(d._find("a", on_n1[:1])[0])
+    assert d.cols["pins"][row] == 4  # named twice by each of the two leases
+    assert d.release(ans["lease"]) and d.release(want_lease)
+    assert d.pinned == 0
+    d.check()
+
 def test_pending_handles_settle_and_abort_only_the_owners():
     d = directory()
     me, other = object(), object()
