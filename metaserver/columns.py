@@ -291,7 +291,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             ok[found] = same
             new = fr[same & (st == PENDING)]
             if len(new):
-                new = new[np.sort(np.unique(new, return_index=True)[1])]  # a key given twice: once, in key order
+                if len(set(keys)) < len(keys):  # a key given twice: once, in key order
+                    new = new[np.sort(np.unique(new, return_index=True)[1])]
                 c["state"][new] = READY
                 self._stamp(new)
                 self._committed(ns, new)

@@ -75,13 +75,16 @@ def grant_alloc(tokens: Tokens, member: Callable, ns: str, keys: list, p: Placed
     tags = np.array(tokens.tags(ns, [keys[i] for i in new.tolist()], p.rank), np.uint64)
     if p.keep is not None:
         p.keep(tags)
-    uniq, inv = np.unique(p.node, return_inverse=True)
+    # by node, as np.unique(p.node, return_inverse=True) orders them: a bincount and one stable argsort
+    cnt = np.bincount(p.node)
+    uniq = cnt.nonzero()[0]
+    inv = uniq.searchsorted(p.node)
     names = [p.names[j] for j in uniq.tolist()]
     slots = np.empty((len(new), 3), "<u8")
     slots[:, 0], slots[:, 1], slots[:, 2] = p.offs, p.lens, p.gens
     if len(uniq) > 1:  # each node's slots together, in key order
-        slots = slots.take(np.argsort(inv, kind="stable"), axis=0)
-    bounds = [0] + (np.cumsum(np.bincount(inv)) * 24).tolist()
+        slots = slots.take(p.node.argsort(kind="stable"), axis=0)
+    bounds = [0] + (cnt.take(uniq).cumsum() * 24).tolist()
     ms = [member(n) for n in names]
     caps = write_capabilities_packed([m.cap_key if m is not None else None for m in ms],
                                      [m.cap_epoch if m is not None else 0 for m in ms], slots.tobytes(), bounds,

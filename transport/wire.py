@@ -538,11 +538,15 @@ ALLOC_ROW = np.dtype(LOC_ROW.descr[:5] + [("state", "<u4")])
 
 def pack_allocs(state, new, tags, gens, lens, offs, nodes) -> bytes:
     """An ALLOC answer's ``rows``: one a key of ``state``, the columns given for the NEW keys at ``new``, in order."""
-    rows = np.zeros(len(state), ALLOC_ROW)
-    rows["state"] = state
-    rows["node"] = NO_NODE
+    n, m = len(state), len(new)
+    rows = np.zeros(n, ALLOC_ROW)
+    got = rows if m == n else np.zeros(m, ALLOC_ROW)  # m == n: every key NEW, in order
     for name, col in (("tag", tags), ("gen", gens), ("len", lens), ("off", offs), ("node", nodes)):
-        rows[name][new] = col
+        got[name] = col
+    if m != n:
+        rows["node"] = NO_NODE
+        rows[new] = got
+        rows["state"] = state
     return rows.tobytes()
 
 
