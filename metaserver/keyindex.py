@@ -89,6 +89,7 @@ MAX_LOAD = 0.88  # rows over slots that triggers a resize
 REBUILD_LOAD = 0.7  # the most rows over slots a resize leaves
 KICK_ROUNDS = 64  # insert rounds before a row no bucket took goes to the stash
 _LONG_PERSON = b"umbp-keyindex"
+_TILE = 4096  # digests a batch hashes with the multipliers repeated (a request's keys; 128 KiB of them)
 
 
 def zeros(shape, dtype) -> np.ndarray:
@@ -149,6 +150,7 @@ class KeyIndex:
         self.kc = zeros((0, 4), np.uint64)
         self.long_keys: dict[int, bytes] = {}
         self._m = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd multipliers, one per digest word
+        self._mt = np.tile(self._m, _TILE)  # and repeated for a batch of up to _TILE digests: one flat multiply
         self._mns = int.from_bytes(os.urandom(8), "little") | 1  # and one for the namespace
         self._rng = np.random.default_rng()
         self.t = _Buckets(-(-MIN_SLOTS // SLOTS))
@@ -182,7 +184,10 @@ class KeyIndex:
 
     def _hash(self, nsix, dig: np.ndarray) -> np.ndarray:
         """h (uint64) of digests ``dig`` in namespaces ``nsix`` (an int or one per digest)."""
-        x = dig * self._m  # each word by its multiplier, in one call (wraps, as meant)
+        n = len(dig)
+        # each word by its multiplier, in one call (wraps, as meant); flat for a request's batch (a broadcast of the
+        # four multipliers loops four words at a time: twice as slow at 1,024 keys)
+        x = (dig.reshape(-1) * self._mt[:4 * n]).reshape(n, 4) if n <= _TILE else dig * self._m
         h = x[:, 0] ^ x[:, 1]
         h ^= x[:, 2]
         h ^= x[:, 3]
