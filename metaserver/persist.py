@@ -343,7 +343,7 @@ class EtcdStore:
         belongs to the process, not to a slot's term (metaserver/partition.py)."""
         await self._call("put", self.client.put(key, value, lease=lease_id))
 
-    # -- election (metaserver/leader.py drives these) ---------------------------------------------------------
+    # -- election (metaserver/election.py drives these) -------------------------------------------------------
     async def campaign(self, value: bytes, lease_id: int) -> tuple[bool, int, bytes | None, int]:
         """Create the leader key under ``lease_id`` unless it exists (compare create_revision == 0).
         Returns (won, create_revision, holder value, holder lease) of the key as it is after the attempt."""
