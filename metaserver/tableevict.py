@@ -105,20 +105,20 @@ class TableEviction:
         out_r, out_j = [], []
         qc = self.qcopy
         for _ in range(8):  # a round takes what each window holds; more only for stale windows and refills
-            for j in [j for j in live if nodes[j].qpos >= len(nodes[j].queue)]:
-                if j in fresh:
-                    live.remove(j)
-                    continue
-                self._refill(nodes[j])
-                fresh.add(j)
-                if not nodes[j].queue:
-                    live.remove(j)
             if not live:
                 break
             ln = [nodes[j] for j in live]
             pos0, avail, base, need, want = np.array([(n.qpos, len(n.queue), n.qbase, ks[j], sizes[j])
-                                                      for j, n in zip(live, ln)], np.int64).T
+                                                      for j, n in zip(live, ln)], np.int64).reshape(-1, 5).T
             avail = avail - pos0
+            if not avail.all():  # queues used up: refilled (a fresh one used up without a victim: none left)
+                for x in np.flatnonzero(avail == 0).tolist():
+                    j = live[x]
+                    if j not in fresh:
+                        self._refill(nodes[j])
+                        fresh.add(j)
+                live = [j for j in live if nodes[j].qpos < len(nodes[j].queue)]
+                continue
             w = int(min(int(need.max()) * 5 // 4 + 8, int(avail.max())))
             col = np.arange(w)
             inside = col < avail[:, None]

@@ -350,6 +350,7 @@ def write_capabilities_packed(cap_keys: list, epochs: list, packed: bytes, bound
     compression block of its own). The same bytes as ``write_capability``."""
     out = []
     macs = _WRITE_MACS
+    heads: dict[int, bytes] = {}  # by epoch (a pool's nodes share one, as a rule)
     for key, epoch, a, b in zip(cap_keys, epochs, bounds, bounds[1:]):
         if key is None:
             out.append(b"")
@@ -359,7 +360,10 @@ def write_capabilities_packed(cap_keys: list, epochs: list, packed: bytes, bound
             if len(macs) >= 4096:  # keys of nodes long gone pile up: start again
                 macs.clear()
             mac = macs[key] = hashlib.blake2b(digest_size=CAP_MAC, key=key, person=_WRITE)
-        body = _CAP_HEAD.pack(epoch, expires_ms) + packed[a:b]
+        head = heads.get(epoch)
+        if head is None:
+            head = heads[epoch] = _CAP_HEAD.pack(epoch, expires_ms)
+        body = head + packed[a:b]
         h = mac.copy()
         h.update(body)
         out.append(body + h.digest())
