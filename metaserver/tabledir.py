@@ -301,7 +301,7 @@ class TableDirectory(TableShared, PageTable):
     def drop_slice(self, node_id: str, budget: int, fx: Effects | None = None) -> tuple[int, list | None]:
         """Drop at most ``budget`` READY pages of a detached node (``TableNodes.drop_slice``, its effects into
         ``fx``). Returns (pages dropped, None while pages are left, else the node's parked records as the service
-        keeps them, ``rejoin.py``: ``(ns, key, offset, payload_len, gen, None, stamp, record name | None)``)."""
+        keeps them, ``rejoin.py``: ``(ns, key, offset, payload_len, gen, parent | None, stamp, record name | None)``)."""
         n, recs = TableNodes.drop_slice(self, node_id, budget)
         visited = budget
         while recs is None and n < budget and visited < SCAN_PER_DROP * budget:
@@ -312,8 +312,8 @@ class TableDirectory(TableShared, PageTable):
             n += k
         if fx is not None:
             self.effects(fx)
-        return n, None if recs is None else [(ns, k, off, plen, gen, None, st, name)
-                                             for ns, k, off, plen, gen, st, name in recs]
+        return n, None if recs is None else [(ns, k, off, plen, gen, parent, st, name)
+                                             for ns, k, off, plen, gen, st, name, parent in recs]
 
     def unpark(self, node_id: str, recs: list) -> tuple[int, Effects]:
         """A lost node came back with its arena; its parked records ``(ns, key, offset, payload_len, gen, parent,

@@ -163,7 +163,8 @@ class TableNodes:
 
     def drop_slice(self, node_id: str, budget: int) -> tuple[int, list | None]:
         """Drop the READY rows among the next ``budget`` rows of a detached node. Returns (pages dropped, None while
-        rows remain | once done, the parked records ``(ns, key, offset, payload_len, gen, stamp, record name)``,
+        rows remain | once done, the parked records ``(ns, key, offset, payload_len, gen, stamp, record name,
+        parent key)``,
         oldest first, or [] without ``park``). Parked rows leave their commit records as they are (not rewritten
         without them: the node may come back)."""
         node = self.dying.get(node_id)
@@ -207,7 +208,8 @@ class TableNodes:
 
     def _records(self, rows: np.ndarray) -> list[tuple]:
         """The parked records of ``rows``: (ns, key, offset, payload_len, gen, stamp, the etcd key of its commit
-        record or None)."""
+        record or None, the parent key it names or None), read before its links are undone, so a node that comes
+        back links its pages again (prefix-lru; lru keeps no parents)."""
         c = self.cols
         recs = self.records
         return list(zip([self.ns_names[i] for i in c["ns"].take(rows).tolist()],
@@ -215,7 +217,8 @@ class TableNodes:
                         self.offsets_of(rows),
                         self.code_arr.take(c["size"].take(rows)).tolist(),
                         c["gen"].take(rows).tolist(), c["stamp"].take(rows).tolist(),
-                        [recs[i].name if i else None for i in c["rec"].take(rows).tolist()]))
+                        [recs[i].name if i else None for i in c["rec"].take(rows).tolist()],
+                        self.links.parent_keys(rows)))
 
     def retire_if_done(self, node) -> None:
         """Retire a dead node whose drop is done once no row of it is in use (a zombie's last lease may still hold

@@ -169,6 +169,33 @@ def test_orphans_across_nodes_are_adopted_when_the_parent_returns():
     d.check()
 
 
+def test_a_parked_node_that_returns_links_its_pages_again():
+    d = make(units=8, nodes=("n1", "n2"))
+    put(d, "m", [b"p"])  # the parent on one node, a chain on the other (p <- a <- b) and one child named uncached
+    p_node = d.node_names[d.cols["node"][row(d, "m", b"p")]]
+    lost = "n2" if p_node == "n1" else "n1"
+    d.set_placeable(p_node, False)
+    put(d, "m", [b"a", b"b", b"o"], parents=[b"p", b"a", b"gone"])
+    d.set_placeable(p_node, True)
+    assert {d.node_names[d.cols["node"][row(d, "m", k)]] for k in (b"a", b"b", b"o")} == {lost}
+    assert kids(d, "m", b"p") == 1 and tier(d, "m", b"a") == 2 and tier(d, "m", b"o") == 0
+    d.detach_space(lost, park=True)
+    recs = None
+    for _ in range(1000):  # in slices, as the tick drops a lost node
+        _n, recs = d.drop_slice(lost, 2, Effects())
+        if recs is not None:
+            break
+    assert {r[1]: r[5] for r in recs} == {b"a": b"p", b"b": b"a", b"o": b"gone"}  # the parents they named
+    assert kids(d, "m", b"p") == 0 and d.exists("m", [b"a", b"b", b"o"]) == [False] * 3
+    d.add_space(lost, 8 * ALIGN)  # it comes back with its arena: its pages are filed again, linked as before
+    restored, _ = d.unpark(lost, [r[:6] + r[7:] for r in recs])  # as metaserver/rejoin.py keeps them
+    assert restored == 3 and d.exists("m", [b"a", b"b", b"o"]) == [True] * 3
+    assert kids(d, "m", b"p") == 1 and kids(d, "m", b"a") == 1 and tier(d, "m", b"a") == 2
+    assert tier(d, "m", b"b") == 1 and tier(d, "m", b"o") == 0  # a leaf; an orphan whose parent is not cached
+    assert d.links.parent_keys(d._find("m", [b"a", b"b", b"o"])) == [b"p", b"a", b"gone"]
+    d.check()
+
+
 def test_a_load_links_parents_loaded_before_or_after_their_children():
     d = make(units=8, nodes=("n1", "n2"))
     base = ARENA_DATA_START

@@ -76,7 +76,8 @@ def test_a_parked_drop_gives_back_every_page_record_oldest_first():
         _n, records = t.drop_slice("n1", 1000)
         if records is not None:
             break
-    assert sorted((k, (off, plen, gen)) for _ns, k, off, plen, gen, _stamp, _rec in records) == sorted(want.items())
+    assert sorted((k, (off, plen, gen)) for _ns, k, off, plen, gen, _stamp, _rec, _parent in records) == sorted(
+        want.items())
     assert {ns for ns, *_ in records} == {"a"}
     assert [r[1] for r in records[-3:]] == on1[:3], "records come oldest first: the last used are last"
     assert [r[5] for r in records] == sorted(r[5] for r in records)
