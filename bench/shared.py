@@ -32,7 +32,7 @@ import tracemalloc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metaserver.entry import NEW  # noqa: E402
-from metaserver.grants import grant_writes  # noqa: E402
+from metaserver.grants import grant_alloc  # noqa: E402
 from metaserver.tabledir import TableDirectory  # noqa: E402
 from transport import wire  # noqa: E402
 from transport.wire import object_size  # noqa: E402
@@ -82,9 +82,10 @@ def run(layout: str, pages: int, ranks: int, traced: bool = False) -> dict:
         for rk in range(ranks):
             shard = (rk, ranks) if layout == "shared" else None
             keys = fresh(hexes[s:s + BATCH], rk if layout == "per-rank" else None)
-            items, _ = d.alloc("kv", keys, [PART] * len(keys), None, gen, 0.0, 1 + rk, None, shard)
+            placed = d.alloc_placed("kv", keys, [PART] * len(keys), None, gen, 0.0, 1 + rk, None, shard)
             gen += len(keys)
-            out, _caps, new = grant_writes(tokens, node, "kv", keys, items, 1 << 50, rk if shard else None)
+            out = grant_alloc(tokens, node, "kv", keys, placed, 1 << 50, packed=False)["items"]  # the service's call
+            new = placed.new.tolist()
             counts["alloc_keys"] += len(keys)
             if not new:
                 continue  # MLA: every rank after the first is deduplicated (EXISTS), nothing to commit

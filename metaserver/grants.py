@@ -11,7 +11,7 @@ capabilities come the same way from the table's columns (``TableDirectory.lookup
 
 Costs: a keyed blake2b a NEW key (its tag; the page table keeps it in its ``tag`` column, so the key's first
 LOOKUP does not compute it again), one a node (its capability), numpy work over the batch otherwise.
-``dataplane.py`` calls ``grant_alloc``; ``grant_writes`` is the list form the benches call.
+``dataplane.py`` calls ``grant_alloc``.
 """
 
 from __future__ import annotations
@@ -96,12 +96,3 @@ def grant_alloc(tokens: Tokens, member: Callable, ns: str, keys: list, p: Placed
                                  tags.tolist()):
         out[i] = (NEW, names[j], o, ln, g, t, j)
     return {"items": out, "caps": caps}
-
-
-def grant_writes(tokens: Tokens, node: Callable, ns: str, keys: list, items: list, deadline_ms: int,
-                 rank: int | None = None) -> tuple[list, list[bytes], list[int]]:
-    """``grant_alloc``'s list form for a list of items: a NEW ``(NEW, node_id, off, plen, gen)`` becomes ``(NEW,
-    node_id, off, plen, gen, tag, cap_index)``. Returns (items, caps, indices of the NEW items)."""
-    p = Placed.of_items(items, rank)
-    ans = grant_alloc(tokens, node, ns, keys, p, deadline_ms, False)
-    return ans["items"], ans["caps"], p.new.tolist()

@@ -23,13 +23,7 @@ _gens = count(1000, 1000)  # a request's generations: above every earlier reques
 
 
 def make(units=8, nodes=("n1",), policy="lru", quotas=None):
-    if policy != "lru":
-        try:
-            d = TableDirectory(policy=policy, quotas=quotas)
-        except ConfigError:
-            pytest.skip(f"the table evicts by lru only so far ({policy} is being ported)")
-    else:
-        d = TableDirectory(quotas=quotas)
+    d = TableDirectory(policy=policy, quotas=quotas)
     for n in nodes:
         d.add_space(n, units * ALIGN)
     return d
