@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from umbp.arena import arena_dir_with_room  # noqa: E402
+from umbp.node.arena import arena_dir_with_room  # noqa: E402
 
 
 def rows_at(arr: np.ndarray, offs: np.ndarray, n: int) -> np.ndarray:

@@ -6,7 +6,7 @@ namespace needs read rights on it; STATS and NODES any authenticated connection,
 a scoped view: the per-namespace sections only for namespaces its scope grants (r or rw), no etcd address, and node
 maps without node-internal fields (``NODE_INTERNAL``: arena path and id, boot id, pid, hostname: blanked, and shm
 left out of the transports, so a scoped client uses TCP or RDMA: shm would map the whole arena, every tenant's
-pages; a node's ARENA_INFO answers scoped tokens the same, umbp/node.py). Admin tokens, the cluster
+pages; a node's ARENA_INFO answers scoped tokens the same, umbp/node/server.py). Admin tokens, the cluster
 secret and open pools see everything. Operator evictions run in slices
 of EVICT_BUDGET evictions with the event loop served in between, so ``umbp evict --all`` on a pool of millions of
 pages never stalls data requests. Costs: STATS and NODES O(nodes); LIST O(limit).

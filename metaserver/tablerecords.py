@@ -25,7 +25,7 @@ does not have them, so they are misses, never wrong bytes: their extents are fre
 other objects, but every read checks the object header's key hash and generation against the directory's
 (``wire.check_object_header``, the client's array check), the next term's generations are above every one handed
 out before (``metaserver/generations.py`` reserves ranges in etcd first), the nodes' write ledgers admit the new
-objects' writes by those newer generations (``umbp/ledger.py``), and the writer of a lost page finished writing it
+objects' writes by those newer generations (``umbp/node/ledger.py``), and the writer of a lost page finished writing it
 before its COMMIT (so no late write of it can land on a new object: a writer still writing has no COMMIT, which is
 the quarantine's case, ``metaserver/quarantine.py``). A client that remembered a lost page's location reads another
 object's header there and counts a miss. If the writer gives a write up (etcd down past ``persist_retry_s``) the

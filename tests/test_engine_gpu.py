@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
                 "(python3 -m pytest -q tests/test_engine_gpu.py); the CPU path is tested in "
                 "tests/unit/test_engine_gather.py", allow_module_level=True)
 
-from umbp.arena import arena_dir_with_room  # noqa: E402
+from umbp.node.arena import arena_dir_with_room  # noqa: E402
 from umbp.engine import gather  # noqa: E402
 from umbp.engine.gather import HostPages  # noqa: E402
 from umbp.engine.layout import PagedKV  # noqa: E402

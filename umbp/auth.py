@@ -60,7 +60,7 @@ object of it by a dict look-up, while the batch's writes may arrive in several W
 them before touching its arena, so a connection can only write the slots it was granted and read the objects it
 looked up (namespace rights are checked at the metaserver). A write capability dies with its allocation: (1) each
 extent is written once: the node refuses a write when any 4 KiB of its extent was written at its generation or a
-newer one (the node's own write ledger, umbp/ledger.py, never a header a client wrote); (2) it dies at its deadline and at a takeover (the node refuses epochs older than the term
+newer one (the node's own write ledger, umbp/node/ledger.py, never a header a client wrote); (2) it dies at its deadline and at a takeover (the node refuses epochs older than the term
 it registered with or saw in a newer capability); (3) until its deadline nobody else can be given its bytes: the
 metaserver holds an extent freed within ``write_cap_ttl_s`` + skew of its allocation (abort, remove, eviction of a
 young page) in quarantine until the deadline has passed. So a capability kept after its keys were removed writes

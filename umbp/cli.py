@@ -230,7 +230,7 @@ def cmd_metaserver(args) -> int:
 
 def cmd_node(args) -> int:
     from umbp.config import NodeConfig, resolve
-    from umbp.node import run
+    from umbp.node.server import run
 
     cfg = resolve(NodeConfig, {"metaserver": args.metaserver, "capacity": args.capacity, "listen": args.listen,
                                "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id,

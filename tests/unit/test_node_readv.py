@@ -1,4 +1,4 @@
-"""The node's READV (umbp/node.py ``DataProtocol.readv``) over a real shared-memory arena, called in process: the
+"""The node's READV (umbp/node/server.py ``DataProtocol.readv``) over a real shared-memory arena, called in process: the
 answer's layout, and the header memo (``NodeServer.checked``): a slot whose 64 header bytes equal ones that passed
 the full check for the same (offset, tag, generation, length) is served without checking again, while a slot
 rewritten since (another generation, a torn header) is checked in full and fails."""
@@ -10,7 +10,7 @@ import pytest
 from transport import wire
 from transport.wire import ALIGN, ARENA_DATA_START
 from umbp.config import NodeConfig
-from umbp.node import DataProtocol, NodeServer
+from umbp.node.server import DataProtocol, NodeServer
 
 PLEN = 1000
 HS = wire.OBJ_HEADER_SIZE

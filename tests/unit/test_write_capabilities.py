@@ -19,7 +19,7 @@ from umbp.auth import (WRITE_CAP_SIZE, CapCache, check_read_capability, check_wr
                        read_capability_packed, write_capability)
 from umbp.config import NodeConfig
 from umbp.errors import AuthError
-from umbp.node import NodeServer
+from umbp.node.server import NodeServer
 
 KEY = b"k" * 32
 NOW_MS = 1_000_000

@@ -1,7 +1,7 @@
 """The storage node: one per host. Owns a DRAM arena in shared memory and serves ranges of it.
 
 What it does:
-- maps its arena (``umbp.arena``), reopening the same file when restarted with the same ``--node-id``;
+- maps its arena (``umbp.node.arena``), reopening the same file when restarted with the same ``--node-id``;
 - registers with the metaserver (which holds its etcd lease) and heartbeats every ``lease_ttl / 3``; when the
   metaserver connection drops it re-registers with whichever metaserver leads, bounded backoff between tries;
 - serves READ and WRITE of arena ranges over TCP (uvloop), one object per frame or a batch per frame (READV,
@@ -44,14 +44,14 @@ from typing import Any
 from transport import slotrules, wire
 from transport.shm import boot_id
 from umbp.admission import Admission
-from umbp.arena import Arena
+from umbp.node.arena import Arena
 from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
 from umbp.floors import SlotFloors
-from umbp.ledger import WriteLedger
+from umbp.node.ledger import WriteLedger
 from umbp.errors import (BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
-from umbp.metalink import MetaLink
+from umbp.node.metalink import MetaLink
 from umbp.serving import FramedProtocol, raise_file_limit
 from umbp.tls import server_context, tune_malloc_for_tls
 
@@ -76,7 +76,7 @@ class NodeServer:
         self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
         self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
         self.cap_epoch = 0  # write capabilities of older epochs are refused (raised by REGISTER and by newer caps)
-        # Closed pools: the newest generation written per 4 KiB block (umbp/ledger.py): what a write capability may
+        # Closed pools: the newest generation written per 4 KiB block (umbp/node/ledger.py): what a write capability may
         # still write is judged from it, never from headers (bytes a client wrote). Kept next to a reopenable arena.
         self.ledger = None if self.cap_key is None else WriteLedger(
             self.arena.arena_id, wire.ARENA_DATA_START, config.capacity,

@@ -21,7 +21,7 @@ from umbp.errors import NotFound, NotLeader, ProtocolError, UmbpError
 from umbp.tls import client_context
 
 if TYPE_CHECKING:
-    from umbp.node import NodeServer
+    from umbp.node.server import NodeServer
 
 
 class MetaLink:
