@@ -1,4 +1,4 @@
-"""The per-node arena allocator (``metaserver/allocator.py``) on its own: CPU per operation in the three shapes a
+"""The per-node arena allocator (``metaserver/table/allocator.py``) on its own: CPU per operation in the three shapes a
 pool takes, against the same allocator with its bins as plain dicts (what they were before), measured in this run.
 
 - fresh: objects carved one after another from one large free extent (a new or emptied pool);
@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import metaserver.allocator as allocator  # noqa: E402
+import metaserver.table.allocator as allocator  # noqa: E402
 from transport.wire import ARENA_DATA_START, object_size  # noqa: E402
 
 

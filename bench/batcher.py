@@ -1,4 +1,4 @@
-"""The metaserver's etcd batch writer (``metaserver/batcher.py``) on its own: loop CPU to drain a flood of deletes
+"""The metaserver's etcd batch writer (``metaserver/store/batcher.py``) on its own: loop CPU to drain a flood of deletes
 (a node's pages dropped at once, ``umbp evict``, a client's removals) and to pass a steady stream of commits, over an
 etcd double that answers after a set latency (``--latency-ms``: other workers take past the keys in flight
 meanwhile), counting CPU only, so the figure is the writer's bookkeeping alone.
@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from metaserver.batcher import TXN_OPS, BatchWriter  # noqa: E402
+from metaserver.store.batcher import TXN_OPS, BatchWriter  # noqa: E402
 
 
 class TimedStore:

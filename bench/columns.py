@@ -1,4 +1,4 @@
-"""The metaserver's page table (``metaserver.tabledir.TableDirectory``, its one directory core) measured alone, each
+"""The metaserver's page table (``metaserver.table.directory.TableDirectory``, its one directory core) measured alone, each
 figure printed beside issue 44's target for it, with the machine named.
 
 Workload: one namespace, keys of 32 random bytes (SGLang's digests as ``umbp.keys.normalize_key`` sends them), one
@@ -31,7 +31,7 @@ objects). Figures (targets at 10 M pages on the GPU machine's 16 cores):
   the parse of its answers is.
 
 The collector is frozen after the build and disabled while timing (the metaserver's GC policy handles its cost
-apart: ``metaserver/gcpolicy.py``). Rates are CPU seconds of the child (``time.process_time``), one process, so on a
+apart: ``metaserver/store/gcpolicy.py``). Rates are CPU seconds of the child (``time.process_time``), one process, so on a
 machine shared with other work they hold where wall-clock figures would not. A target's verdict is "ok" or "NO"; on
 another machine or at another N it is a reading, not a result. Nothing asserts. ``--json``: the figures as one JSON
 line after the table.
@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 
-from metaserver.entry import NEW  # noqa: E402
-from metaserver.tabledir import TableDirectory  # noqa: E402
+from metaserver.table.entry import NEW  # noqa: E402
+from metaserver.table.directory import TableDirectory  # noqa: E402
 from transport import wire  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 

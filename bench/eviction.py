@@ -19,7 +19,7 @@ lru. ``lost`` counts matched pages gone by the time of the load (the background 
 Nothing asserts; ``--quick`` runs a smaller trace, ``--nodes 1`` shows the policy without chains split across nodes.
 
 ``--metaservers N`` (> 1) replays each policy on a partitioned pool too (N metaserver processes, ``--slots`` slots:
-every slot evicts in its own region of each node, ``metaserver/slots.py``) and prints its hit rate next to one
+every slot evicts in its own region of each node, ``metaserver/ha/slots.py``) and prints its hit rate next to one
 process's and the difference in points (issue 18: within 2 points of pool-wide LRU). It also prints what ideal
 static partitions would lose on the same trace (``static_split``: an offline LRU per slot of capacity / slots, no
 pool): the part of the loss that only moving space between slots could win back. Both replays are then paced at

@@ -5,7 +5,7 @@ Steps (every process real, on this machine):
 1. etcd (the ``etcd`` on PATH or next to this Python) with a temporary data directory, and metaserver A, which
    leads from then on (it loads an empty directory).
 2. Fill: ``--pages`` pages (default 1,000,000) written straight into etcd in the metaserver's record format
-   (commit records of up to 128 pages, ``metaserver.persist.EtcdStore``), 8 records (about 1,024 pages) a
+   (commit records of up to 128 pages, ``metaserver.store.persist.EtcdStore``), 8 records (about 1,024 pages) a
    transaction with several in flight, not through
    the data path (A does not learn of them: it only holds the leadership, which is all this measures of it). Keys
    are 32-byte digests in chains of ``--chain`` pages (each names its parent), spread over ``--nodes`` node arenas
@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 import msgpack  # noqa: E402
 
-from metaserver.persist import BATCH_PAGES, EtcdStore  # noqa: E402
+from metaserver.store.persist import BATCH_PAGES, EtcdStore  # noqa: E402
 from transport.framed import FramedSocket  # noqa: E402
 from transport.wire import ARENA_DATA_START, Op, object_size  # noqa: E402
 from umbp.config import ETCD_TXN_OPS  # noqa: E402

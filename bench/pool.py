@@ -50,7 +50,7 @@ SIZES = [16 * KiB, 64 * KiB, 1 * MiB, 4 * MiB]
 BATCH = 64
 PUT_CALL_BYTES = 64 * MiB
 MAX_SET_PAGES = 16384  # pages in one size's working set (etcd holds a record per page)
-ETCD_WRITER_INFLIGHT = 4  # transactions the metaserver's BatchWriter keeps in flight (metaserver/batcher.py)
+ETCD_WRITER_INFLIGHT = 4  # transactions the metaserver's BatchWriter keeps in flight (metaserver/store/batcher.py)
 WINDOW_S = 0.25
 COMMIT_WINDOW_S = 1.0
 

@@ -2,7 +2,7 @@
 against one real etcd in one run (a design input for issue 17 item 5 and issue 18's warm copies; the batch layout is
 not built: nothing in the metaserver writes it).
 
-- ``page`` (today, ``metaserver/persist.py``): one record per page, ``{prefix}/pages/{ns}/{hex key}`` ->
+- ``page`` (today, ``metaserver/store/persist.py``): one record per page, ``{prefix}/pages/{ns}/{hex key}`` ->
   msgpack([node, offset, size, gen, parent]); the writer's transactions carry 128 of them (``BatchWriter``).
 - ``batch``: one record per commit of 128 pages, ``{prefix}/batches/{id}`` -> msgpack of the 128 records
   [key, node, offset, size, gen, parent]; a transaction carries one.
@@ -15,7 +15,7 @@ metaserver's writer keeps them:
 - scan: every record read back and unpacked, in ranges of ``LOAD_PAGE`` records (page layout) or of 300 (batch
   layout: 38,400 pages, 2.7 MB, under gRPC's 4 MiB answer limit) (a cold load's share before it files anything);
 - delete: every record deleted (128 keys a transaction, or one batch record a transaction): pages/s.
-- ``segment`` (what the metaserver writes now, ``metaserver/records.py``): ``SEGMENT_PAGES`` = 1,024 pages a
+- ``segment`` (what the metaserver writes now, ``metaserver/table/records.py``): ``SEGMENT_PAGES`` = 1,024 pages a
   record as little-endian columns (group commit fills them), a transaction carries one; watch and scan parse each
   with ``records.unpack_segment`` (no object a page).
 The batch layout's deletes are the easy case (whole batches); evicting one page of a batch would rewrite or mark its
@@ -38,8 +38,8 @@ import msgpack  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from metaserver.persist import LOAD_PAGE, EtcdStore  # noqa: E402
-from metaserver.records import SEGMENT_PAGES, pack_segment, unpack_segment  # noqa: E402
+from metaserver.store.persist import LOAD_PAGE, EtcdStore  # noqa: E402
+from metaserver.table.records import SEGMENT_PAGES, pack_segment, unpack_segment  # noqa: E402
 from umbp.launcher import find_etcd, free_port  # noqa: E402
 
 PER_COMMIT = 128

@@ -1,6 +1,6 @@
 """Scale benchmark: what one metaserver's page directory costs at rack size (10 M pages by default).
 
-The metaserver's page table (``metaserver.tabledir.TableDirectory``, its one directory core) is driven directly,
+The metaserver's page table (``metaserver.table.directory.TableDirectory``, its one directory core) is driven directly,
 through its real methods, the way the request handlers drive it, minus the network: every request is a msgpack map packed and unpacked as on the wire, so keys, parents,
 sizes and the namespace are fresh objects per request exactly as the metaserver receives them (nothing is shared
 that a real request would not share). The workload (``bench/scaleworkload.py``) is a rack serving three models
@@ -22,7 +22,7 @@ Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own f
 
 - memory per page: VmRSS (``/proc/self/status``) after the build minus before it, both after ``gc.collect()``,
   divided by the pages; and, in a separate smaller run (``--trace-pages``), tracemalloc's traced bytes per page
-  (what Python and numpy asked the allocator for; the key index's anonymous mmaps, ``metaserver/keyindex.py``, are
+  (what Python and numpy asked the allocator for; the key index's anonymous mmaps, ``metaserver/table/index.py``, are
   not seen, so it is below RSS by them);
 - alloc+commit/s while building (growing table) and at size N (full pool: every new page evicts one);
 - lookup+release keys/s (a get's metaserver work: the service's call, ``TableDirectory.lookup_granted(...,
@@ -38,7 +38,7 @@ Figures, per eviction policy (``lru``, ``prefix-lru``), each policy in its own f
   msgpack in and out, the request's validation (``metaserver.validate``), the table's call, and what the service adds
   in a closed pool (a LOOKUP's tags from the table's column and one capability per node, its locations as packed
   rows: ``TableDirectory.lookup_granted(..., packed=True)``; an ALLOC's tag and capability per key,
-  ``metaserver.grants``; a COMMIT's commit records encoded, ``TableRecord.value``): one metaserver process's
+  ``metaserver.table.grants``; a COMMIT's commit records encoded, ``TableRecord.value``): one metaserver process's
   CPU-bound ceiling, with the etcd round trips and sockets left out;
 - optionally (``--etcd-pages``), the time for ``EtcdStore.load`` to read that many page records from a real etcd
   (started here from the ``etcd`` on PATH) and what N would take at that rate (an extrapolation, labelled so).
@@ -67,8 +67,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import msgpack  # noqa: E402
 
-from metaserver.entry import NEW  # noqa: E402
-from metaserver.tabledir import TableDirectory  # noqa: E402
+from metaserver.table.entry import NEW  # noqa: E402
+from metaserver.table.directory import TableDirectory  # noqa: E402
 from transport.keyform import digest_key  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 
@@ -179,7 +179,7 @@ def hwm() -> int:
 def collector(mode: str, drv: Driver):
     """The collector during the churn at N; yields the list its pauses are appended to (seconds). ``default``:
     CPython's own, its full (generation 2) collections timed through ``gc.callbacks``; ``policy``: the
-    metaserver's (``metaserver/gcpolicy.py``, as ``metaserver/server.py`` installs it), its step run once a second
+    metaserver's (``metaserver/store/gcpolicy.py``, as ``metaserver/server.py`` installs it), its step run once a second
     of wall time as the server runs it, each step timed."""
     pauses: list[float] = []
     if mode == "default":
@@ -198,7 +198,7 @@ def collector(mode: str, drv: Driver):
         finally:
             gc.callbacks.remove(cb)
         return
-    from metaserver.gcpolicy import GcPolicy
+    from metaserver.store.gcpolicy import GcPolicy
 
     pol = GcPolicy().install()
     gc.freeze()  # as a load leaves it (fullload.gc_paused under the policy)
@@ -317,7 +317,7 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mo
 
 def _segment(ns: bytes, cur: list, parents: bool) -> bytes:
     """The segment (``records.pack_segment``) of pages (key, node, offset, payload_len, gen, parent) of ``ns``."""
-    from metaserver.records import pack_segment
+    from metaserver.table.records import pack_segment
     nodes = sorted({c[1] for c in cur})
     nix = {x: i for i, x in enumerate(nodes)}
     codes = sorted({c[3] for c in cur})
@@ -325,7 +325,7 @@ def _segment(ns: bytes, cur: list, parents: bool) -> bytes:
     keys = [c[0] for c in cur]
     lens = None if all(len(k) == 32 for k in keys) else [len(k) for k in keys]
     par = [c[5] for c in cur] if parents else None
-    from metaserver.keyindex import digests
+    from metaserver.table.index import digests
     return pack_segment([ns.decode()], None, nodes, [nix[c[1]] for c in cur], [c[2] >> 12 for c in cur], codes,
                         [cix[c[3]] for c in cur], [c[4] for c in cur], b"".join(keys), 32, lens,
                         None if par is None or all(p is None for p in par) else par,
@@ -338,7 +338,7 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/", paren
     parents only with ``parents``: under lru it names none), msgpack commit records (``persist.BATCH_PAGES`` each,
     the layout before) or, with ``--records page``, a record per page (the layout before them)."""
     if RECORDS == "segment":
-        from metaserver.records import SEGMENT_PAGES
+        from metaserver.table.records import SEGMENT_PAGES
         cur, cur_ns, n = [], None, 0
         for ns, k, node, off, payload, rev, p in page_rows(n_pages, seed):
             if (ns != cur_ns or len(cur) >= SEGMENT_PAGES) and cur:
@@ -355,7 +355,7 @@ def etcd_records(n_pages: int, seed: int, prefix: bytes = b"/umbp/pages/", paren
             yield (prefix + ns + b"/" + k.hex().encode(),
                    msgpack.packb([node, off, payload, rev, p], use_bin_type=True), rev)
         return
-    from metaserver.persist import BATCH_PAGES
+    from metaserver.store.persist import BATCH_PAGES
     cur: list = []
     cur_ns = None
     n = 0
@@ -408,7 +408,7 @@ def load_capacity(n_pages: int) -> int:
 
 
 def load_directory(policy: str, pages, n_pages: int) -> tuple[TableDirectory, float]:
-    """The table half of ``Metaserver._load`` (metaserver/service.py): ``TableDirectory.load`` itself (group by node,
+    """The table half of ``Metaserver._load`` (metaserver/ha/service.py): ``TableDirectory.load`` itself (group by node,
     sort by revision, ``tableload.load_pages`` per node) into a table of NODES nodes. Returns the table and the CPU
     seconds it took."""
     t = cpu()
@@ -426,9 +426,9 @@ def run_load(policy: str, n_pages: int, seed: int) -> dict:
     a takeover holds: the parsed records, then the table built from them (``TableDirectory.load``). The collector
     is paused as ``Metaserver._load`` pauses it (``gc_paused``)."""
     import aetcd.rpc
-    from metaserver.persist import LOAD_PAGE
-    from metaserver.records import PageRecords
-    from metaserver.fullload import gc_paused
+    from metaserver.store.persist import LOAD_PAGE
+    from metaserver.table.records import PageRecords
+    from metaserver.store.fullload import gc_paused
     parse_s = 0.0
     with gc_paused():
         pages = PageRecords(b"/umbp/pages/")
@@ -455,7 +455,7 @@ def run_load(policy: str, n_pages: int, seed: int) -> dict:
 # ---- child: a real etcd -----------------------------------------------------------------------------------------
 
 async def _fill_and_read(addr: str, n_pages: int, seed: int) -> dict:
-    from metaserver.persist import EtcdStore
+    from metaserver.store.persist import EtcdStore
     store = EtcdStore(addr, "/umbp")
     await store.wait_ready(20.0)
     t = time.perf_counter()
@@ -478,7 +478,7 @@ async def _fill_and_read(addr: str, n_pages: int, seed: int) -> dict:
         inflight.append(asyncio.create_task(txn(batch)))
     await asyncio.gather(*inflight)
     write_s = time.perf_counter() - t
-    from metaserver.fullload import gc_paused
+    from metaserver.store.fullload import gc_paused
     t, c = time.perf_counter(), cpu()
     with gc_paused():  # as Metaserver._load reads
         _nodes, _arenas, pages = await store.load()
@@ -534,7 +534,7 @@ def main() -> None:
     ap.add_argument("--key-form", choices=("raw", "hex"), default="raw",
                     help="digest keys as clients send them now (raw 32 bytes) or as before (64 hex characters)")
     ap.add_argument("--gc", choices=("policy", "default"), default="policy",
-                    help="the collector during the churn at N: the metaserver's (metaserver/gcpolicy.py) or CPython's")
+                    help="the collector during the churn at N: the metaserver's (metaserver/store/gcpolicy.py) or CPython's")
     ap.add_argument("--records", choices=("segment", "commit", "page"), default="segment",
                     help="the etcd layout the load reads: segments (the metaserver's), msgpack commit records or a "
                          "record per page (both before)")

@@ -5,7 +5,7 @@
   ``qwen3-8b/mha-tp1``: 20 %. Each session's chain descends from its model's shared system-prompt chain.
 - Keys are the raw 32-byte digests clients send (``umbp.keys.normalize_key``), or with ``HEX_KEYS`` (``--key-form
   hex``) the 64 hex characters clients sent before.
-- ``new_directory`` makes the 32-node page table (``metaserver.tabledir.TableDirectory``, the metaserver's directory)
+- ``new_directory`` makes the 32-node page table (``metaserver.table.directory.TableDirectory``, the metaserver's directory)
   that holds exactly N pages of the mix.
 """
 
@@ -18,7 +18,7 @@ from array import array
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from metaserver.tabledir import TableDirectory  # noqa: E402
+from metaserver.table.directory import TableDirectory  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.keys import namespace  # noqa: E402
 

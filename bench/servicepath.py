@@ -1,4 +1,4 @@
-"""What ``metaserver/dataplane.py`` does per request around the page table (``metaserver.tabledir.TableDirectory``,
+"""What ``metaserver/handlers/dataplane.py`` does per request around the page table (``metaserver.table.directory.TableDirectory``,
 the metaserver's one directory core), minus sockets and etcd, for the "wire path" figures of ``bench/scale.py`` and
 ``bench/columns.py``: ``Wire`` packs and unpacks requests as msgpack, as the metaserver receives them;
 ``ServicePath`` runs LOOKUP+RELEASE, EXISTS and ALLOC+COMMIT the way the handlers do (decode, validate, the table's
@@ -26,11 +26,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metaserver import validate as v  # noqa: E402
-from metaserver.dataplane import _ALLOC, _COMMIT, _LOOKUP  # noqa: E402
-from metaserver.entry import NEW  # noqa: E402
-from metaserver.grants import grant_alloc  # noqa: E402
-from metaserver.persist import EtcdStore  # noqa: E402
-from metaserver.tabledir import TableDirectory  # noqa: E402
+from metaserver.handlers.dataplane import _ALLOC, _COMMIT, _LOOKUP  # noqa: E402
+from metaserver.table.entry import NEW  # noqa: E402
+from metaserver.table.grants import grant_alloc  # noqa: E402
+from metaserver.store.persist import EtcdStore  # noqa: E402
+from metaserver.table.directory import TableDirectory  # noqa: E402
 from transport import wire  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
 
@@ -59,7 +59,7 @@ class _Member:
 
 
 class ServicePath:
-    """What ``metaserver/dataplane.py`` does around the table for LOOKUP+RELEASE, EXISTS and ALLOC+COMMIT, minus
+    """What ``metaserver/handlers/dataplane.py`` does around the table for LOOKUP+RELEASE, EXISTS and ALLOC+COMMIT, minus
     sockets and etcd: decode, validate, the table's call, per-key tags and per-node capabilities (closed pool), the
     commit records' encoding, encode. Mirrors dataplane.lookup/alloc/commit; kept here so the figure does not need a
     running metaserver."""

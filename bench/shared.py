@@ -1,12 +1,12 @@
 """What a TP8 MHA page costs the metaserver with per-rank keys (before) and as one shared entry (after,
-``metaserver/tableshared.py``): table rows, etcd records, keys sent (ALLOC, COMMIT, LOOKUP), EXISTS keys that tell
+``metaserver/table/shared.py``): table rows, etcd records, keys sent (ALLOC, COMMIT, LOOKUP), EXISTS keys that tell
 whether a page is complete, memory and CPU per logical page; MLA (one replicated key, every rank deduplicated) as the
 reference.
 
-The metaserver's page table (``metaserver.tabledir.TableDirectory``, its one directory core) is driven through its
+The metaserver's page table (``metaserver.table.directory.TableDirectory``, its one directory core) is driven through its
 real methods the way the service drives it, minus the network and etcd: each of the 8 ranks sends its own batches
 (ALLOC, COMMIT, then LOOKUP+release), and for a closed pool the per-key tags and per-node capabilities are computed
-as the service does (``metaserver.grants`` for ALLOC; a LOOKUP is the service's columnar call,
+as the service does (``metaserver.table.grants`` for ALLOC; a LOOKUP is the service's columnar call,
 ``TableDirectory.lookup_granted(..., packed=True)``, its packed rows decoded as a client decodes them). Records per
 page are the pages of the commit records the commits return (what the etcd writer would put). Memory is VmRSS after
 the build minus before, per logical page; with ``--traced`` also tracemalloc's traced bytes, from a second build in
@@ -31,9 +31,9 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from metaserver.entry import NEW  # noqa: E402
-from metaserver.grants import grant_alloc  # noqa: E402
-from metaserver.tabledir import TableDirectory  # noqa: E402
+from metaserver.table.entry import NEW  # noqa: E402
+from metaserver.table.grants import grant_alloc  # noqa: E402
+from metaserver.table.directory import TableDirectory  # noqa: E402
 from transport import wire  # noqa: E402
 from transport.wire import object_size  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402

@@ -1,4 +1,4 @@
-"""What a warm copy (``metaserver/standby.py``) spends applying a leader's commits, against the baseline of the same
+"""What a warm copy (``metaserver/ha/standby.py``) spends applying a leader's commits, against the baseline of the same
 events applied one page at a time in the same run, and against what the leader spent making them; and what a
 takeover costs with the warm copy (``take``) against a full load of the same records (parse + ``TableDirectory.load``).
 
@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import aetcd.rpc as rpc  # noqa: E402
 import msgpack  # noqa: E402
 
-from metaserver.persist import EtcdStore  # noqa: E402
-from metaserver.standby import WarmDirectory  # noqa: E402
-from metaserver.tabledir import TableDirectory  # noqa: E402
+from metaserver.store.persist import EtcdStore  # noqa: E402
+from metaserver.ha.standby import WarmDirectory  # noqa: E402
+from metaserver.table.directory import TableDirectory  # noqa: E402
 
 NODE = "n0"
 

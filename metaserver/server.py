@@ -38,12 +38,14 @@ import socket
 import sys
 import time
 
-from metaserver import gcpolicy, kvevents
-from metaserver.gcpolicy import GcPolicy
-from metaserver.ownership import HeldLeases
-from metaserver.partition import Partition
-from metaserver.service import LEADER_ONLY
-from metaserver.slots import pool_slots
+from metaserver.store import gcpolicy
+
+from metaserver.handlers import kvevents
+from metaserver.store.gcpolicy import GcPolicy
+from metaserver.handlers.ownership import HeldLeases
+from metaserver.ha.partition import Partition
+from metaserver.ha.service import LEADER_ONLY
+from metaserver.ha.slots import pool_slots
 from metaserver.validate import Reject
 from transport import wire
 from transport.wire import Flag, Op, Status
@@ -77,7 +79,7 @@ class Connection(FramedProtocol):
         self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA, buffer_data=0)
         self.auth = ServerAuth(ms.tokens, "metaserver")
         self.pending: set = set()  # directory entries this connection allocated (ALLOC) and has not committed
-        self.leases = HeldLeases()  # read lease ids its LOOKUPs took (released on close: metaserver/ownership.py)
+        self.leases = HeldLeases()  # read lease ids its LOOKUPs took (released on close: metaserver/handlers/ownership.py)
         self.last_active = time.monotonic()
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -100,7 +102,7 @@ class Connection(FramedProtocol):
         self.closed = True
         if not self.release():
             return
-        if self.pending or self.leases or getattr(self, "slot_conns", None):  # slot_conns: metaserver/partition.py
+        if self.pending or self.leases or getattr(self, "slot_conns", None):  # slot_conns: metaserver/ha/partition.py
             n = self.ms.drop_pending(self)
             if n:
                 log.info("metaserver: %s closed with %d allocations pending: aborted (their bytes kept out of "

@@ -22,7 +22,7 @@ from umbp.errors import BadRequest
 MAX_KEY = wire.MAX_KEY_BYTES
 MAX_NS = 128
 MAX_PAYLOAD = 1 << 40
-MAX_SHARDS = 256  # parts of one shared entry (metaserver/entry.py MAX_SHARDS)
+MAX_SHARDS = 256  # parts of one shared entry (metaserver/table/entry.py MAX_SHARDS)
 
 
 class Reject(BadRequest):
@@ -109,7 +109,7 @@ def parents(meta: dict, n: int) -> list | None:
 
 
 def shard(meta: dict) -> tuple[int, int] | None:
-    """``shard``: [rank, n] of a TP-sharded page's writer or reader (``metaserver/tableshared.py``), 0 <= rank < n <=
+    """``shard``: [rank, n] of a TP-sharded page's writer or reader (``metaserver/table/shared.py``), 0 <= rank < n <=
     MAX_SHARDS; None when absent."""
     v = meta.get("shard")
     if v is None:

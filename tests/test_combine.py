@@ -1,4 +1,4 @@
-"""One etcd transaction for several slots' writes (``metaserver/combine.py``), against a real etcd.
+"""One etcd transaction for several slots' writes (``metaserver/store/combine.py``), against a real etcd.
 
 Two slot stores of one process, each fenced on its own slotmap key: their writes of one turn of the event loop go
 out as one transaction that carries both fences; when one slot was deposed (its slotmap key recreated by another
@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
-from metaserver.batcher import ETCD_DEFAULT_TXN_OPS, BatchWriter
-from metaserver.combine import TxnCombiner
-from metaserver.persist import EtcdStore
-from metaserver.slots import SlotStore
+from metaserver.store.batcher import ETCD_DEFAULT_TXN_OPS, BatchWriter
+from metaserver.store.combine import TxnCombiner
+from metaserver.store.persist import EtcdStore
+from metaserver.ha.slots import SlotStore
 from umbp.config import ETCD_TXN_OPS
 from umbp.errors import NotLeader
 

@@ -197,7 +197,7 @@ def test_etcd_three_members_with_compaction_and_quota(docs):
     flags = _flags(_cmdline(c))
     assert flags["--auto-compaction-mode"] == "periodic"
     assert flags["--auto-compaction-retention"] == "5m"
-    assert int(flags["--max-txn-ops"]) == ETCD_TXN_OPS  # the metaserver's transactions (metaserver/batcher.py)
+    assert int(flags["--max-txn-ops"]) == ETCD_TXN_OPS  # the metaserver's transactions (metaserver/store/batcher.py)
     quota = int(flags["--quota-backend-bytes"])
     members = flags["--initial-cluster"].split(",")
     assert [m.split("=")[0] for m in members] == [f"etcd-{i}" for i in range(sts["spec"]["replicas"])]

@@ -12,7 +12,7 @@ import msgpack
 
 import umbp
 from cluster import NotYet, eventually
-from metaserver.records import pages_of
+from metaserver.table.records import pages_of
 from test_failover import PREFIX, raw
 from test_pool import payload
 from transport.wire import Op

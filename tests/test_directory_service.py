@@ -1,4 +1,4 @@
-"""The metaserver's directory (the columnar table, metaserver/tabledir.py) through the service, end to end: real
+"""The metaserver's directory (the columnar table, metaserver/table/directory.py) through the service, end to end: real
 etcd, metaserver and node processes. What a restart, an eviction and a node's loss or return must leave behind:
 
 - round trips and removes survive a full load from etcd (SIGTERM flushes the queued record rewrites first);

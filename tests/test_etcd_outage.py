@@ -23,7 +23,7 @@ import pytest
 
 from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
 from cluster import eventually
-from metaserver.records import pages_of
+from metaserver.table.records import pages_of
 from test_failover import PREFIX
 from test_metrics import scrape, value
 from test_pool import payload

@@ -15,7 +15,7 @@ import pytest
 
 import umbp
 from cluster import NotYet, eventually
-from metaserver.records import pages_of
+from metaserver.table.records import pages_of
 from test_pool import payload
 from transport import wire
 from transport.framed import FramedSocket
@@ -91,7 +91,7 @@ def locations(c, keys):
 
 
 def page_count(kvs) -> int:
-    """Pages held by page-space kvs: a commit record (``{ns}/+{term}.{n}``, metaserver/persist.py) holds a list of
+    """Pages held by page-space kvs: a commit record (``{ns}/+{term}.{n}``, metaserver/store/persist.py) holds a list of
     pages, a page record one."""
     return sum(len(pages_of(kv.value)) if kv.key.rpartition(b"/")[2][:1] == b"+" else 1 for kv in kvs)
 
@@ -283,8 +283,8 @@ def test_deposed_leader_is_fenced_and_steps_down(make_cluster):
                details=old.tail)
 
     # The fence itself: a write carrying the old leader's revision is refused by etcd.
-    from metaserver.batcher import BatchWriter
-    from metaserver.persist import EtcdStore
+    from metaserver.store.batcher import BatchWriter
+    from metaserver.store.persist import EtcdStore
 
     async def fenced_write():
         store = EtcdStore(cluster.etcd.url.split("//")[-1], PREFIX)

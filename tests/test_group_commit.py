@@ -1,5 +1,5 @@
 """Group commit and ``--commit async`` against a real etcd (SIGSTOPped), metaserver and nodes
-(metaserver/tablerecords.py).
+(metaserver/table/commits.py).
 
 - durable (the default): COMMITs that arrive while etcd is frozen are READY in memory but none is answered; they
   share segments (fewer etcd ops than COMMITs) and each is answered once etcd is back and its segment is written,

@@ -1,6 +1,6 @@
 """A leader that gives its directory up on purpose (a partitioned pool's slot handover, a clean stop) hands its open
 allocations on, and the next leader keeps their extents out of placement while their writers may still write
-(``metaserver/handoff.py``).
+(``metaserver/ha/handoff.py``).
 
 Why: CI once read "stale slot: holds generation ... of another key" after a failover with a rebalance: a put
 allocated by the old term was written after the new leader had placed another key on the same extent (a client
@@ -22,7 +22,7 @@ import pytest
 from cluster import NotYet, eventually
 from test_failover import ELECTION_TTL_S, ms_env, wait_leader
 from test_slots import SLOTS, TTL_S, partitioned, payload, wait_map
-from metaserver.slots import leaders
+from metaserver.ha.slots import leaders
 from transport import slotrules, wire
 from transport.framed import FramedSocket
 from transport.wire import Op

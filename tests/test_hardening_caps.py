@@ -1,4 +1,4 @@
-"""Write capabilities die with their allocation (issue 15, finding 1; umbp/auth.py, metaserver/quarantine.py,
+"""Write capabilities die with their allocation (issue 15, finding 1; umbp/auth.py, metaserver/table/quarantine.py,
 ``NodeServer.check_write``). A tenant allocates slots, keeps the WRITE capabilities and removes its keys; another
 tenant's pages later land in the same slots. The old capabilities must not write there, whatever header the attacker
 builds (it may read the victim's namespace, so it knows the victim's tags and generations). Also: a capability writes

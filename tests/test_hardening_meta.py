@@ -38,7 +38,7 @@ def closed(make_cluster, tmp_path, monkeypatch):
 @pytest.fixture
 def quotas(make_cluster, tmp_path, monkeypatch):
     """As ``closed``, with quotas for tenant-a (16 pages) and tenant-b (40 pages); write capabilities of 0.5 s, so a
-    page freed young counts against its quota (metaserver/tablequotas.py) for 2.5 s only."""
+    page freed young counts against its quota (metaserver/table/quotas.py) for 2.5 s only."""
     return closed_cluster(make_cluster, tmp_path, monkeypatch,
                           tokens_toml(SCOPES, quotas={"tenant-a": QUOTA_A, "tenant-b": QUOTA_B}),
                           env={"UMBP_WRITE_CAP_TTL_S": "0.5"})

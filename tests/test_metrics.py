@@ -264,7 +264,7 @@ def test_busy_metrics_port_is_a_startup_error(harness, etcd):
 
 
 def test_gc_policy_steps_and_connection_churn_leaves_nothing_frozen(make_cluster):
-    """metaserver/gcpolicy.py in a real metaserver, freezing after every step (``--gc-freeze-ms 0``): steps run,
+    """metaserver/store/gcpolicy.py in a real metaserver, freezing after every step (``--gc-freeze-ms 0``): steps run,
     and clients that connect, put, get and close leave the permanent generation no larger than they found it
     (a connection's objects left in a cycle would be frozen by a step and never freed: it would grow with every
     client)."""

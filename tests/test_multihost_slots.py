@@ -30,7 +30,7 @@ import pytest
 import netns
 from test_multihost import PAGE, WAIT_S, MultiHost, rack_pool  # where it skips, this module does too
 from cluster import HarnessError, eventually
-from metaserver.slots import leaders
+from metaserver.ha.slots import leaders
 from test_failover import raw
 from transport import slotrules
 from transport.wire import Op

@@ -1,7 +1,7 @@
 """A one-slot pool keeps the unpartitioned etcd layout (docs/operations/upgrades.md "etcd records across versions"),
 so a pool written by an earlier release is served after the switch to the one HA path, and a rolling upgrade's old
 and new metaservers exclude each other on one leader key. Against a real etcd, one metaserver process
-(``metaserver.partition.Partition``) run in this test's event loop:
+(``metaserver.ha.partition.Partition``) run in this test's event loop:
 
 - an old-layout pool (page records of their own and a commit record under ``{prefix}/pages/``, ``{prefix}/gen``,
   ``arenas/``, written here as the earlier release's leader wrote them) is led at ``{prefix}/leader`` and served
@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import msgpack
 
 from cluster import eventually_async
-from metaserver.ownership import HeldLeases
-from metaserver.partition import Partition
-from metaserver.persist import EtcdStore
+from metaserver.handlers.ownership import HeldLeases
+from metaserver.ha.partition import Partition
+from metaserver.store.persist import EtcdStore
 from transport.wire import ARENA_DATA_START, VERSION, Op
 from umbp.config import MetaserverConfig
 

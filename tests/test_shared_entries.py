@@ -1,4 +1,4 @@
-"""One directory entry per logical page for TP-sharded KV (metaserver/tableshared.py, ``Client(..., shard=(r, n))``):
+"""One directory entry per logical page for TP-sharded KV (metaserver/table/shared.py, ``Client(..., shard=(r, n))``):
 real etcd, metaserver and node processes. n client "ranks" put their parts of the same logical pages (different
 bytes per rank); nothing is visible until every rank committed; then each rank reads exactly its own bytes, and the
 directory holds ONE entry and etcd ONE record per page. Also: retries and IN_FLIGHT over the raw protocol, a rank
@@ -27,7 +27,7 @@ from umbp.errors import AuthError
 
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
 from cluster import NotYet, eventually
-from metaserver.records import pages_of
+from metaserver.table.records import pages_of
 
 PART = 5000
 STRIDE = wire.object_size(PART)
@@ -92,7 +92,7 @@ def test_tp_ranks_fill_one_entry_per_page(cluster):
         assert s["objects"] == len(keys) and s["pending"] == 0, s
         assert s["used_bytes"] == len(keys) * n * STRIDE, s
         recs = page_records(cluster.etcd.client_url)
-        pages = [p for v in recs.values() for p in pages_of(v)]  # in commit records (metaserver/persist.py)
+        pages = [p for v in recs.values() for p in pages_of(v)]  # in commit records (metaserver/store/persist.py)
         assert sorted(p[0] for p in pages) == sorted(k.encode() for k in keys), sorted(recs)
         assert all(len(p) == 7 and p[6] == n for p in pages)  # a shared entry's record: its part count last
         # a plain client and a client of another TP size see a miss, never another layout's bytes

@@ -14,8 +14,8 @@ import signal
 import time
 
 from cluster import eventually_async
-from metaserver.partition import Partition
-from metaserver.slots import MEMBERSHIP, SlotStore
+from metaserver.ha.partition import Partition
+from metaserver.ha.slots import MEMBERSHIP, SlotStore
 from transport.wire import Status
 from umbp.config import MetaserverConfig
 from umbp.errors import Unavailable

@@ -1,4 +1,4 @@
-"""A partitioned pool (``metaserver/partition.py``, ``metaserver/slots.py``, ``umbp/slotrouter.py``): slot routing,
+"""A partitioned pool (``metaserver/ha/partition.py``, ``metaserver/ha/slots.py``, ``umbp/slotrouter.py``): slot routing,
 MOVED answers, per-slot failover with three processes (SIGKILL under load), joins and leaves (STATS aggregation
 and ``umbp up``: tests/test_slots_admin.py).
 
@@ -19,8 +19,8 @@ import pytest
 from closedpool import OPS, closed_cluster, scoped_client, tokens_toml
 from cluster import NotYet, eventually
 from test_failover import raw
-from metaserver.partition import RANK_DELAY_S, Partition
-from metaserver.slots import leaders, ranking, region
+from metaserver.ha.partition import RANK_DELAY_S, Partition
+from metaserver.ha.slots import leaders, ranking, region
 from transport import slotrules, wire
 from transport.framed import FramedSocket
 from transport.wire import Op

@@ -1,4 +1,4 @@
-"""The warm standby (metaserver/standby.py): a standby's page table fed by an etcd watch, taken over without a load.
+"""The warm standby (metaserver/ha/standby.py): a standby's page table fed by an etcd watch, taken over without a load.
 
 Two layers, both against a real etcd:
 
@@ -25,13 +25,13 @@ import msgpack
 
 import umbp
 from cluster import NotYet, eventually, eventually_async
-from metaserver.allocator import Allocator
-from metaserver.fullload import node_descs
-from metaserver.persist import EtcdStore
-from metaserver.records import pages_of
-from metaserver.standby import WarmDirectory
-from metaserver.tabledir import TableDirectory
-from metaserver.tableload import fingerprint
+from metaserver.table.allocator import Allocator
+from metaserver.store.fullload import node_descs
+from metaserver.store.persist import EtcdStore
+from metaserver.table.records import pages_of
+from metaserver.ha.standby import WarmDirectory
+from metaserver.table.directory import TableDirectory
+from metaserver.table.load import fingerprint
 from test_failover import etcd_state, locations, ms_env, put_pages, raw, wait_confirmed, wait_leader
 from test_pool import payload
 from transport.wire import ARENA_DATA_START, Op
@@ -521,7 +521,7 @@ def test_commit_records_warm_copy_equals_a_full_load_and_the_leader(etcd):
     """The same pages, places and generations as the leader and as a full load, the same recency order, and each
     page under the commit record it came from. With one transaction in flight the copy applies every rewrite before
     the commit that reuses its extents; with four (the writer's default) a commit can reach etcd before the rewrite
-    that frees its extent: the copy holds those pages until it arrives (the approximation ``metaserver/standby.py``
+    that frees its extent: the copy holds those pages until it arrives (the approximation ``metaserver/ha/standby.py``
     states), and still ends as a full load (a late page keeps its record's revision as its stamp). Under prefix-lru
     the same links too."""
     for policy in ("lru", "prefix-lru"):
@@ -538,8 +538,8 @@ async def _commit_records(url: str, policy: str, inflight: int) -> None:
     import random
     from types import SimpleNamespace
 
-    from metaserver.batcher import BatchWriter
-    from metaserver.service import Metaserver
+    from metaserver.store.batcher import BatchWriter
+    from metaserver.ha.service import Metaserver
     from test_failover import page_count
 
     prefix = f"{PREFIX}-records-{policy}-{inflight}"

@@ -1,4 +1,4 @@
-"""A warm copy paced while its process serves (``metaserver/warmpace.py``), against a real etcd: it rests and falls
+"""A warm copy paced while its process serves (``metaserver/ha/ha/warmpace.py``), against a real etcd: it rests and falls
 behind while the loop is busy, applies as events come while idle, and a takeover applies what is behind (the taken
 table equals a full load); a copy that fails to apply stops and the takeover loads in full."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from metaserver import warmpace
-from metaserver.persist import EtcdStore
-from metaserver.standby import WarmDirectory
-from metaserver.tabledir import TableDirectory
+from metaserver.ha import warmpace
+from metaserver.store.persist import EtcdStore
+from metaserver.ha.standby import WarmDirectory
+from metaserver.table.directory import TableDirectory
 from test_standby import PREFIX, UNIT, Writer, equals_full_load, take_over, wait_until
 
 

@@ -215,7 +215,7 @@ def test_up_with_several_metaservers_prints_its_line_once_every_slot_is_served(u
     exactly its share."""
     from test_failover import raw
 
-    from metaserver.slots import leaders, rank
+    from metaserver.ha.slots import leaders, rank
     from transport.wire import Op
 
     u = up("--metaservers", "3", "--slots", "16", "--nodes", "0", "--port", "0")

@@ -1,6 +1,6 @@
 """The pool's one form of a page key (``digest_key``), applied by the client before it sends a key
 (``umbp.keys.normalize_key``) and by the metaserver to whatever it receives (``metaserver/validate.py``), and read
-back from etcd's page names (``metaserver/records.py``).
+back from etcd's page names (``metaserver/table/records.py``).
 """
 
 from __future__ import annotations

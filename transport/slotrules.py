@@ -13,7 +13,7 @@ from transport.wire import ALIGN, ARENA_DATA_START, key_hash
 
 def slot_of(namespace: str, key: bytes | str, slots: int) -> int:
     """The slot of (namespace, key) in a pool partitioned into ``slots`` slots: ``key_hash`` mod ``slots``, the same
-    on every client and metaserver (``metaserver/partition.py``, ``umbp/slotrouter.py``)."""
+    on every client and metaserver (``metaserver/ha/partition.py``, ``umbp/slotrouter.py``)."""
     if type(key) is str:
         key = key.encode()
     return key_hash(namespace, key) % slots if slots > 1 else 0

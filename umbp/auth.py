@@ -35,7 +35,7 @@ Tokens. A pool runs *open* (no token: everything allowed, said loudly at start-u
   violation is a ConfigError naming the entry, and the server refuses to start. ``Tokens.quotas`` maps the
   ``[quotas]`` keys to bytes; ``Tokens.quota_rules`` is every quota group with its reservation (umbp/quotarules.py
   says which namespace belongs to which group); both are empty for a file without quotas, ``--token`` alone or an
-  open pool. The metaserver enforces them (metaserver/tablequotas.py).
+  open pool. The metaserver enforces them (metaserver/table/quotas.py).
 
 Handshake (every control and data connection; the secret never crosses the wire)::
 
@@ -271,7 +271,7 @@ class Tokens:
 
     def tags(self, ns: str, keys: list, rank: int | None = None) -> list[int]:
         """``tag`` of every key of one namespace (the keyed state is set up once per batch). ``rank``: the tags of
-        rank ``rank``'s sub-slots of shared entries (metaserver/tableshared.py): ``rank_tags`` of the keys' shard bases
+        rank ``rank``'s sub-slots of shared entries (metaserver/table/shared.py): ``rank_tags`` of the keys' shard bases
         (``shard_bases``), so no plain key's tag and no other rank's sub-slot tag equals them."""
         if rank is not None:
             return rank_tags(np.array(self.shard_bases(ns, keys), np.uint64), rank).tolist()

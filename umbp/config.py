@@ -79,7 +79,7 @@ def _check_tls(cert: str, key: str, ca: str, c: str, server: bool) -> None:
 # Operations per etcd transaction the metaserver writes: etcd's default cap is 128 (--max-txn-ops), and much of a
 # transaction's cost is per transaction in etcd and in the metaserver, so the etcd that `umbp up`, the tests and the
 # Kubernetes base start runs with --max-txn-ops=1024 and the metaserver writes that many; against an etcd with a
-# lower cap its writer falls back to 128 at the first refusal (metaserver/batcher.py).
+# lower cap its writer falls back to 128 at the first refusal (metaserver/store/batcher.py).
 ETCD_TXN_OPS = 1024
 
 
@@ -100,9 +100,9 @@ class MetaserverConfig:
     etcd_timeout_s: float = 10.0  # one etcd request at most (a frozen or cut-off etcd fails a call after this long)
     persist_retry_s: float = 10.0  # a failing etcd write is retried this long, then dropped: the leader steps down
     # "durable": a COMMIT is answered once its pages' segment is in etcd; "async": at once, before etcd (a crash
-    # loses the last window's pages as misses, never as wrong bytes: metaserver/tablerecords.py says why)
+    # loses the last window's pages as misses, never as wrong bytes: metaserver/table/commits.py says why)
     commit: str = "durable"
-    slots: int = 0  # slots of a new pool (>1: partitioned, metaserver/partition.py); 0: what the pool has, else 1
+    slots: int = 0  # slots of a new pool (>1: partitioned, metaserver/ha/partition.py); 0: what the pool has, else 1
     max_batch_keys: int = 100_000
     token: str | None = None  # the cluster secret (umbp/auth.py); None and no tokens_file: the pool runs open
     tokens_file: str = ""  # TOML of scoped tokens plus the cluster secret
@@ -115,7 +115,7 @@ class MetaserverConfig:
     tls_key: str = ""
     tls_ca: str = ""  # PEM CA bundle: verify the metaserver's certificate (node registration link)
     metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
-    gc_freeze_ms: float = 20.0  # metaserver/gcpolicy.py: a collection step this long freezes its survivors; -1: off
+    gc_freeze_ms: float = 20.0  # metaserver/store/gcpolicy.py: a collection step this long freezes its survivors; -1: off
     kv_events: str = ""  # tcp://HOST:PORT: publish pages stored and dropped as vLLM KV events (replay on PORT+1)
 
     def __post_init__(self) -> None:

@@ -101,7 +101,7 @@ class Unavailable(RemoteError):
 
 class TxnTooLarge(Unavailable):
     """etcd refused a transaction for its number of operations (its ``--max-txn-ops``): retryable in smaller ones
-    (the metaserver's etcd writer splits and lowers its transaction size, ``metaserver/batcher.py``)."""
+    (the metaserver's etcd writer splits and lowers its transaction size, ``metaserver/store/batcher.py``)."""
 
 
 class AuthError(RemoteError, PermissionError):

@@ -353,7 +353,7 @@ class LocalPool:
     def _slot_state(self, addrs: list[str]) -> tuple[bool, bool, str]:
         """(every slot and the membership role served, each by the process the ranking gives it, what is not),
         from each process's STATS ``slots_led`` and LEADER ``is_leader``, asked of it directly."""
-        from metaserver.slots import leaders, rank  # the pool's own ranking (only a partitioned pool asks)
+        from metaserver.ha.slots import leaders, rank  # the pool's own ranking (only a partitioned pool asks)
         from transport.wire import Op
         from umbp.errors import UmbpError
         from umbp.metaclient import MetaClient

@@ -21,7 +21,7 @@ Costs: a metaserver scrape is O(nodes) plus the histograms (a few hundred series
 here walks the directory.
 
 A shared leaf like ``umbp.config``: it imports ``prometheus_client``, ``umbp.errors`` and (inside ``MetricsServer``,
-to parse its listen address) ``umbp.config``, both leaves themselves, so the metaserver may use it. The metaserver's collector lives in ``metaserver/metrics.py``; the node's is below (``NodeCollector``).
+to parse its listen address) ``umbp.config``, both leaves themselves, so the metaserver may use it. The metaserver's collector lives in ``metaserver/handlers/metrics.py``; the node's is below (``NodeCollector``).
 """
 
 from __future__ import annotations

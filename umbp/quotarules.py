@@ -1,5 +1,5 @@
 """Quota groups: which namespaces share one byte quota and one optional reservation, read from the tokens file
-(umbp/auth.py parses it; the metaserver enforces it: metaserver/tablequotas.py). Sans-I/O; a leaf module.
+(umbp/auth.py parses it; the metaserver enforces it: metaserver/table/quotas.py). Sans-I/O; a leaf module.
 
 A *group* is a set of namespaces whose use (object sizes of their READY and PENDING pages) is counted together
 against one quota. Groups come from two places of the tokens file:

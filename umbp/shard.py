@@ -3,7 +3,7 @@
 ``ShardedMeta`` wraps the client's metaserver layer (``umbp.slotrouter.MetaRouter``: ``call``, ``submit``/``result``/
 ``forget``, ``send_noreply``, ``close``, ``address``, ``sent``) and adds ``"shard": [rank, nranks]`` to every ALLOC,
 COMMIT and LOOKUP, so the metaserver keeps ONE row per logical page whose ``nranks`` sub-slots the ranks fill
-(``metaserver/tableshared.py``). Everything else of the client (puts, gets, read-ahead, transports, CUDA paths) is
+(``metaserver/table/shared.py``). Everything else of the client (puts, gets, read-ahead, transports, CUDA paths) is
 unchanged: a sub-slot is a normal object slot with its own header, tag and capability.
 
 The contract: ``put``/``batch_put`` of a rank returns True once that rank's part is written; the page becomes

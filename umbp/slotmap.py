@@ -1,5 +1,5 @@
 """Sums over the slots of a partitioned pool: STATS and node maps of several slot leaders merged into one answer
-(``merge_stats``). A leaf module: the metaserver (``metaserver/partition.py``, over the slots one process leads)
+(``merge_stats``). A leaf module: the metaserver (``metaserver/ha/partition.py``, over the slots one process leads)
 and the client (``umbp/slotrouter.py``, over every process) both use it, neither imports the other.
 
 Pool-wide counts (capacity, used bytes, objects, hits, ...) are sums: every slot owns its own region of every node

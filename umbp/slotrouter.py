@@ -10,7 +10,7 @@ process address that does not follow NOT_LEADER by itself (``follow=False``).
 A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``slotrules.slot_of`` and the slots'
 parts are grouped by the process the map names as each slot's leader: one request per process, all in flight at
 once (submitted on each process's pipelined connection, then collected): a single-slot request naming its slot
-(``"slot"``, wire VERSION 10) when the process gets one slot's keys, a multi-slot one (``parts``: ``metaserver/multislot.py``, answered per part) otherwise. The
+(``"slot"``, wire VERSION 10) when the process gets one slot's keys, a multi-slot one (``parts``: ``metaserver/ha/multislot.py``, answered per part) otherwise. The
 parts' answers are merged back into key order. Capabilities are concatenated and each item's ``cap_index``
 shifted; the read leases of the slots of one LOOKUP become one handle that RELEASE expands; PREFIX becomes EXISTS
 per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent
@@ -252,7 +252,7 @@ class MetaRouter:
 
     @staticmethod
     def _combine(ps: list[_Part]) -> dict:
-        """One multi-slot request of several parts (``metaserver/multislot.py``): the per-key lists concatenated
+        """One multi-slot request of several parts (``metaserver/ha/multislot.py``): the per-key lists concatenated
         part after part, ``parts`` saying each one's slot and key count."""
         first = ps[0].meta
         out = {k: x for k, x in first.items() if k != "slot" and (k not in _LISTS or type(x) is not list)}
@@ -361,7 +361,7 @@ class MetaRouter:
         return min(deadline, now + min(ATTEMPT_S, max(PART_ATTEMPT_MIN_S, (deadline - now) / 2)))
 
     def _parts_of(self, res: Any, n: int, addr: str) -> tuple[list, dict[int, RemoteError]]:
-        """The per-part answers and failures of a multi-slot answer (``metaserver/multislot.py``)."""
+        """The per-part answers and failures of a multi-slot answer (``metaserver/ha/multislot.py``)."""
         answers = res.get("parts") if type(res) is dict else None
         failed = res.get("failed") if type(res) is dict else None
         if type(answers) is not list or len(answers) != n or type(failed) is not list:

@@ -18,7 +18,7 @@ Why an equal answer proves the bytes:
   when the metaserver served the LOOKUP; so it was alive in between, and from the LOOKUP on the read lease pins it
   until the RELEASE, sent after the read. Its slot therefore held it for the whole read.
 - A committed object's bytes never change while it lives: the node refuses a write capability for a slot that holds
-  its generation or a newer one (``metaserver/grants.py``), and the shm/tcp reads check its header before and
+  its generation or a newer one (``metaserver/table/grants.py``), and the shm/tcp reads check its header before and
   after the copy as every read does.
 
 What it does not change: the LOOKUP still runs for every get (recency, hit/miss counters, the read lease, access

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from metaserver.columns import PageTable
-from metaserver.entry import NEW
+from metaserver.table.columns import PageTable
+from metaserver.table.entry import NEW
 from transport.wire import object_size
 
 PLEN = 60_000  # one 64 KiB object slot each

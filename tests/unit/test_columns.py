@@ -1,4 +1,4 @@
-"""metaserver/columns.py and metaserver/keyindex.py: the columnar page table against a reference model (an ordered
+"""metaserver/table/columns.py and metaserver/table/index.py: the columnar page table against a reference model (an ordered
 dict per node), its invariant check after every step, leases and zombies, commit rules, block growth across many
 rows, and the key index's rebuilds, tombstones, namespaces and keys that are not 32-byte digests."""
 
@@ -10,10 +10,10 @@ from collections import OrderedDict
 
 import pytest
 
-from metaserver.columns import BLOCK, PageTable
-from metaserver.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE
-from metaserver.keyindex import MAX_LOAD, MIN_SLOTS
-from metaserver.quarantine import Quarantine
+from metaserver.table.columns import BLOCK, PageTable
+from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE
+from metaserver.table.index import MAX_LOAD, MIN_SLOTS
+from metaserver.table.quarantine import Quarantine
 from transport.wire import object_size
 from umbp.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""The page directory (``metaserver.tabledir.TableDirectory``, pure bookkeeping, no I/O): ALLOC / COMMIT / ABORT /
+"""The page directory (``metaserver.table.directory.TableDirectory``, pure bookkeeping, no I/O): ALLOC / COMMIT / ABORT /
 LOOKUP / RELEASE states, writers' tokens, PENDING and lease expiry, LRU eviction under pressure and by the
 watermark and operator passes, pins, REMOVE of a pinned page, placement over nodes, DRAIN and a dropped node, and
 the invariant check after each. The table's own tests: test_columns.py (against an exact LRU model),
@@ -10,9 +10,9 @@ import itertools
 import random
 
 
-from metaserver.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, PENDING, READY, Effects
-from metaserver.records import pages_of
-from metaserver.tabledir import TableDirectory
+from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, PENDING, READY, Effects
+from metaserver.table.records import pages_of
+from metaserver.table.directory import TableDirectory
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 
 PAGE = ALIGN - 64  # payload that fills exactly one 4 KiB unit with its header

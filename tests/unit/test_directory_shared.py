@@ -1,4 +1,4 @@
-"""Shared entries on the directory (``metaserver/tableshared.py`` of ``TableDirectory``): one row per TP-sharded
+"""Shared entries on the directory (``metaserver/table/shared.py`` of ``TableDirectory``): one row per TP-sharded
 logical page, n sub-slots in one extent, one generation, one commit record, one eviction member; the invariant check
 (``check()``) after every step; the ``shard`` field's validation."""
 
@@ -10,11 +10,11 @@ import msgpack
 import pytest
 
 from metaserver import validate as v
-from metaserver.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, Effects, extent_size, layout
-from metaserver.persist import EtcdStore
-from metaserver.records import PageRecords, pages_of
-from metaserver.tabledir import TableDirectory
-from metaserver.tableload import fingerprint
+from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, Effects, extent_size, layout
+from metaserver.store.persist import EtcdStore
+from metaserver.table.records import PageRecords, pages_of
+from metaserver.table.directory import TableDirectory
+from metaserver.table.load import fingerprint
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 
 PART = 3000  # one sub-slot: 3000 payload bytes + header = one 4 KiB unit

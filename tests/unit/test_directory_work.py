@@ -1,4 +1,4 @@
-"""The directory's ownership and bounded-work bookkeeping on ``metaserver.tabledir.TableDirectory`` (pure, no I/O):
+"""The directory's ownership and bounded-work bookkeeping on ``metaserver.table.directory.TableDirectory`` (pure, no I/O):
 read leases owned by their taker, a retried ALLOC moving its PENDING allocation, a lost node dropped in budgeted
 slices (parked or not), exact per-namespace use through every transition, and evict_bytes taking the fullest node
 first. The core (alloc, commit, lookup, eviction) is tested in test_directory.py."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import random
 
-from metaserver.entry import IN_FLIGHT, NEW, Effects
-from metaserver.tableload import load_pages
+from metaserver.table.entry import IN_FLIGHT, NEW, Effects
+from metaserver.table.load import load_pages
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 
 from test_directory import PAGE, make, pins, put

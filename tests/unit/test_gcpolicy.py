@@ -1,4 +1,4 @@
-"""The metaserver's collector policy (``metaserver/gcpolicy.py``): automatic full collections off, steps that
+"""The metaserver's collector policy (``metaserver/store/gcpolicy.py``): automatic full collections off, steps that
 collect what is not frozen and freeze what survives a long one, ``thaw`` for dropped directories (a dropped table
 is cyclic garbage that would stay frozen without it), a load frozen under the policy. The property that makes
 freezing the directory safe (every way the table drops pages leaves no cyclic garbage) is checked in
@@ -11,9 +11,9 @@ import weakref
 
 import pytest
 
-from metaserver import gcpolicy
-from metaserver.gcpolicy import NEVER, GcPolicy
-from metaserver.fullload import gc_paused
+from metaserver.store import gcpolicy
+from metaserver.store.gcpolicy import NEVER, GcPolicy
+from metaserver.store.fullload import gc_paused
 
 
 class Cycle:

@@ -1,4 +1,4 @@
-"""Unit tests of the open-allocation hand-off record (``metaserver/handoff.py``): runs, the hold, bad records."""
+"""Unit tests of the open-allocation hand-off record (``metaserver/ha/handoff.py``): runs, the hold, bad records."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import time
 import msgpack
 import pytest
 
-from metaserver import handoff
-from metaserver.entry import NEW
-from metaserver.quarantine import Quarantine
-from metaserver.tabledir import TableDirectory
+from metaserver.ha import handoff
+from metaserver.table.entry import NEW
+from metaserver.table.quarantine import Quarantine
+from metaserver.table.directory import TableDirectory
 from transport.wire import ALIGN, ARENA_DATA_START
 
 PAGE = ALIGN - 64  # one 4 KiB unit with its header

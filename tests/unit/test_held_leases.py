@@ -1,4 +1,4 @@
-"""A connection's read lease ids (``metaserver/ownership.py`` ``HeldLeases``): pruned of expired ones when the set
+"""A connection's read lease ids (``metaserver/handlers/ownership.py`` ``HeldLeases``): pruned of expired ones when the set
 has doubled since the last prune, so a connection that never releases costs O(1) amortized per LOOKUP (each prune
 is counted here) while it still holds only the live ids."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from metaserver.ownership import LEASES_PRUNE_AT, HeldLeases, OwnershipHandlers
+from metaserver.handlers.ownership import LEASES_PRUNE_AT, HeldLeases, OwnershipHandlers
 
 
 class CountingLive(dict):

@@ -1,4 +1,4 @@
-"""metaserver/keyindex.py: the bucketed cuckoo index against a dict (random batches of inserts, deletes and finds in
+"""metaserver/table/index.py: the bucketed cuckoo index against a dict (random batches of inserts, deletes and finds in
 several namespaces, resizes mid-way, tags that collide on purpose, rows no bucket takes), and its incremental resize:
 the old table is drained into the new one a slice at a time (by each insert's share and by ``step``), every key
 stays findable and deletable in whichever table holds it, and no single call visits more old slots than its budget.
@@ -10,7 +10,7 @@ import random
 
 import numpy as np
 
-from metaserver.keyindex import MAX_LOAD, MIN_SLOTS, SLOTS, KeyIndex, digests
+from metaserver.table.index import MAX_LOAD, MIN_SLOTS, SLOTS, KeyIndex, digests
 
 ROWS = 300_000
 

@@ -1,4 +1,4 @@
-"""KV events (metaserver/kvevents.py) without a pool: the directory's hooks report exactly the pages that become
+"""KV events (metaserver/handlers/kvevents.py) without a pool: the directory's hooks report exactly the pages that become
 READY and those that leave (commit, eviction at a full node, remove, a lost node), grouped into chained
 ``BlockStored`` events; the publisher's wire (topic, 8-byte seq, msgpack batch in vLLM's array-like layout) and its
 replay socket. vLLM's own classes decode the same bytes in tests/test_kv_events.py (engines venv).
@@ -10,10 +10,10 @@ import msgpack
 import pytest
 import zmq
 
-from metaserver import kvevents
+from metaserver.handlers import kvevents
 from processes import eventually
-from metaserver.entry import NEW
-from metaserver.tabledir import TableDirectory
+from metaserver.table.entry import NEW
+from metaserver.table.directory import TableDirectory
 from transport.wire import ALIGN
 from umbp.config import MetaserverConfig
 from umbp.errors import ConfigError

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from metaserver.allocator import Allocator
+from metaserver.table.allocator import Allocator
 from transport.wire import ALIGN, ARENA_DATA_START
 
 MiB = 1 << 20

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 
 
-from metaserver.batcher import TXN_BYTES, BatchWriter, cut
-from metaserver.persist import EtcdStore
-from metaserver.records import pages_of
-from metaserver.tabledir import TableDirectory
+from metaserver.store.batcher import TXN_BYTES, BatchWriter, cut
+from metaserver.store.persist import EtcdStore
+from metaserver.table.records import pages_of
+from metaserver.table.directory import TableDirectory
 
 from transport.wire import Status
 from umbp.errors import TxnTooLarge, Unavailable
@@ -174,7 +174,7 @@ def test_batch_writer_keeps_to_what_etcd_accepts_once_refused_for_size():
 
 
 def test_txn_too_large_is_told_apart_from_other_etcd_failures():
-    from metaserver.persist import unavailable
+    from metaserver.store.persist import unavailable
     e = unavailable("transaction", RuntimeError("<AioRpcError status = StatusCode.INVALID_ARGUMENT details = "
                                                '"etcdserver: too many operations in txn request">'))
     assert type(e) is TxnTooLarge and "too many operations" in str(e) and isinstance(e, Unavailable)

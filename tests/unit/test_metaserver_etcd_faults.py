@@ -22,9 +22,9 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from metaserver import election as election_mod
-from metaserver.partition import Partition
-from metaserver.persist import EtcdStore
+from metaserver.ha import election as election_mod
+from metaserver.ha.partition import Partition
+from metaserver.store.persist import EtcdStore
 from transport.wire import Status
 from umbp.config import MetaserverConfig
 from umbp.errors import Unavailable

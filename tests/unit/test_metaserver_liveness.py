@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from metaserver.nodes import Membership
+from metaserver.handlers.membership import Membership
 from metaserver.server import Connection
-from metaserver.partition import Partition
-from metaserver.service import Metaserver
+from metaserver.ha.partition import Partition
+from metaserver.ha.service import Metaserver
 from transport import wire
 from transport.wire import Status
 from umbp.config import MetaserverConfig

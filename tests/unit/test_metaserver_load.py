@@ -19,13 +19,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from metaserver.allocator import Allocator
-from metaserver.entry import READY, extent_size
-from metaserver.fullload import gc_paused
-from metaserver.persist import EtcdStore
-from metaserver.records import PageRecords, pages_of
-from metaserver.tabledir import TableDirectory
-from metaserver.tableload import fingerprint
+from metaserver.table.allocator import Allocator
+from metaserver.table.entry import READY, extent_size
+from metaserver.store.fullload import gc_paused
+from metaserver.store.persist import EtcdStore
+from metaserver.table.records import PageRecords, pages_of
+from metaserver.table.directory import TableDirectory
+from metaserver.table.load import fingerprint
 from test_tableload import model_load
 from transport.wire import ALIGN, ARENA_DATA_START
 
@@ -203,7 +203,7 @@ def test_gc_paused_nests_and_restores():
 
 
 def test_rebuild_columns_is_rebuild():
-    from metaserver.allocator import Allocator
+    from metaserver.table.allocator import Allocator
     rng = random.Random(3)
     for _ in range(50):
         ext = [(ARENA_DATA_START + rng.randrange(40) * ALIGN + (1 if rng.random() < 0.05 else 0),
@@ -222,7 +222,7 @@ def test_rebuild_columns_is_rebuild():
 
 
 def test_rebuild_columns_fast_path_on_dense_extents():
-    from metaserver.allocator import Allocator
+    from metaserver.table.allocator import Allocator
     rng = random.Random(5)
     for _ in range(50):
         ext, at = [], ARENA_DATA_START

@@ -1,5 +1,5 @@
 """The metaserver's etcd writers without etcd: the batch writer and the generation counter over an in-memory store
-double (same calls as ``metaserver.persist.EtcdStore``: op_put, op_delete, txn, write, get_value, compare_and_put)."""
+double (same calls as ``metaserver.store.persist.EtcdStore``: op_put, op_delete, txn, write, get_value, compare_and_put)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from metaserver.batcher import BatchWriter
-from metaserver.generations import GenCounter
+from metaserver.store.batcher import BatchWriter
+from metaserver.store.generations import GenCounter
 from transport.wire import Status
 from umbp.errors import Unavailable
 

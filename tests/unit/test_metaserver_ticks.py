@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from metaserver import service
-from metaserver.entry import NEW
-from metaserver.partition import Partition
-from metaserver.service import Metaserver
-from metaserver.tabledir import TableDirectory
+from metaserver.ha import service
+from metaserver.table.entry import NEW
+from metaserver.ha.partition import Partition
+from metaserver.ha.service import Metaserver
+from metaserver.table.directory import TableDirectory
 from transport.wire import ALIGN
 from umbp.config import MetaserverConfig
 
@@ -71,7 +71,7 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
     never reached here): the value each record would be written with."""
     from types import SimpleNamespace
 
-    from metaserver.records import pages_of
+    from metaserver.table.records import pages_of
 
     async def main():
         ms = Partition(MetaserverConfig(), "127.0.0.1:1", 1).servers["0"]

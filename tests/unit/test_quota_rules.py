@@ -1,4 +1,4 @@
-"""Unit tests of quota groups and reservations (umbp/quotarules.py, metaserver/tablequotas.py), pure, no I/O: the
+"""Unit tests of quota groups and reservations (umbp/quotarules.py, metaserver/table/quotas.py), pure, no I/O: the
 tokens file's pattern quotas, token quotas and reservations; on the columnar directory (``TableDirectory``) a group's
 use counted over its namespaces and kept exact through every transition; a flood evicting its own group's pages only,
 never pinned or PENDING ones, refused whole (nothing evicted) when they cannot make room; a slot's share of a quota;
@@ -9,10 +9,10 @@ from itertools import count
 
 import pytest
 
-from metaserver.entry import EXISTS, NEW, OVER_QUOTA, Effects
-from metaserver.quarantine import Quarantine
-from metaserver.tabledir import TableDirectory
-from metaserver.tableload import load_pages
+from metaserver.table.entry import EXISTS, NEW, OVER_QUOTA, Effects
+from metaserver.table.quarantine import Quarantine
+from metaserver.table.directory import TableDirectory
+from metaserver.table.load import load_pages
 from transport.wire import ALIGN, ARENA_DATA_START, OBJ_HEADER_SIZE, object_size
 from umbp.auth import Tokens
 from umbp.errors import ConfigError

@@ -1,4 +1,4 @@
-"""metaserver/records.py's segments (the commit record layout written now) against the msgpack commit records
+"""metaserver/table/records.py's segments (the commit record layout written now) against the msgpack commit records
 (written before, read forever): a segment lists exactly what the msgpack layout lists for the same rows (digest,
 long and rank keys, several nodes and layout codes, shared entries, parents under prefix-lru); a pool written in
 either layout, or in both, loads into the same table; an unreadable segment is junk, never a partial load."""
@@ -12,11 +12,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from metaserver.entry import NEW, layout
-from metaserver.records import (SEG_VERSION, PageRecords, listed_pairs, pack_segment, pages_of, record_entries,
+from metaserver.table.entry import NEW, layout
+from metaserver.table.records import (SEG_VERSION, PageRecords, listed_pairs, pack_segment, pages_of, record_entries,
                                 unpack_segment)
-from metaserver.tabledir import TableDirectory
-from metaserver.tableload import fingerprint
+from metaserver.table.directory import TableDirectory
+from metaserver.table.load import fingerprint
 from transport.wire import object_size
 
 PREFIX = b"/umbp/pages/"

@@ -1,4 +1,4 @@
-"""``metaserver.slots.SlotTable``: a partitioned pool's slot directory on the columnar table places, evicts, drains,
+"""``metaserver.ha.slots.SlotTable``: a partitioned pool's slot directory on the columnar table places, evicts, drains,
 loads and takes a returning node's pages back only inside its slot's region of each node's arena
 (``slots.region``), so two slots never hand out the same bytes; and it leaves out the parents of other slots."""
 
@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from metaserver.entry import GONE, NEW, PENDING, READY, Effects, extent_size
-from metaserver.slots import SlotTable, own_parents, region
-from metaserver.tableload import load_pages
-from metaserver.tablenodes import UNIT_SHIFT
+from metaserver.table.entry import GONE, NEW, PENDING, READY, Effects, extent_size
+from metaserver.ha.slots import SlotTable, own_parents, region
+from metaserver.table.load import load_pages
+from metaserver.table.nodes import UNIT_SHIFT
 from transport.slotrules import slot_of
 from transport.wire import ARENA_DATA_START, object_size
 
@@ -158,7 +158,7 @@ def test_own_parents_leaves_out_the_parents_of_other_slots():
 
 
 def test_a_slot_tables_alloc_passes_only_its_own_parents(monkeypatch):
-    from metaserver.columns import PageTable
+    from metaserver.table.columns import PageTable
 
     seen = []
     real = PageTable.alloc_rows

@@ -15,12 +15,12 @@ import aetcd.rpc as rpc
 import msgpack
 import pytest
 
-from metaserver.entry import READY
-from metaserver.persist import ARENA, NODE, PAGE, EtcdStore
-from metaserver.tabledir import TableDirectory
-from metaserver.tableload import fingerprint
-from metaserver import warmpace
-from metaserver.standby import WarmDirectory
+from metaserver.table.entry import READY
+from metaserver.store.persist import ARENA, NODE, PAGE, EtcdStore
+from metaserver.table.directory import TableDirectory
+from metaserver.table.load import fingerprint
+from metaserver.ha import warmpace
+from metaserver.ha.standby import WarmDirectory
 from transport.wire import ARENA_DATA_START
 
 UNIT = 8192

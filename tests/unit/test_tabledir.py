@@ -1,4 +1,4 @@
-"""``metaserver/tabledir.py``: what the service asks of the directory beyond the table's own calls (those are
+"""``metaserver/table/directory.py``: what the service asks of the directory beyond the table's own calls (those are
 tested in test_directory*.py and test_columns.py): the LOOKUP grants against a per-key oracle (``granted``), a
 connection's PENDING handles, the eviction passes and their commit records."""
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from metaserver.entry import NEW, Effects
-from metaserver.records import pages_of
-from metaserver.tabledir import TableDirectory
+from metaserver.table.entry import NEW, Effects
+from metaserver.table.records import pages_of
+from metaserver.table.directory import TableDirectory
 from transport import wire
 from transport.wire import object_size
 from umbp.auth import Tokens, read_capability

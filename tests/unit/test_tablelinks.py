@@ -1,4 +1,4 @@
-"""``metaserver/tablelinks.py``: prefix links and ``prefix-lru`` on the columnar directory (links, orphans,
+"""``metaserver/table/links.py``: prefix links and ``prefix-lru`` on the columnar directory (links, orphans,
 pages dropped without cyclic garbage), checked against a brute-force model of (tier, stamp) order, plus commit
 records that name parents and a full load that links them again."""
 
@@ -11,11 +11,11 @@ import weakref
 import numpy as np
 import pytest
 
-from metaserver.entry import EXISTS, NEW, READY, Effects
-from metaserver.records import PageRecords, pages_of
-from metaserver.tabledir import TableDirectory
-from metaserver.tableload import load_pages
-from metaserver.tablelinks import ORPHAN, UP0
+from metaserver.table.entry import EXISTS, NEW, READY, Effects
+from metaserver.table.records import PageRecords, pages_of
+from metaserver.table.directory import TableDirectory
+from metaserver.table.load import load_pages
+from metaserver.table.links import ORPHAN, UP0
 from transport.wire import ALIGN, ARENA_DATA_START
 
 PAGE = ALIGN - 64  # payload that fills exactly one 4 KiB unit with its header
@@ -188,7 +188,7 @@ def test_a_parked_node_that_returns_links_its_pages_again():
     assert {r[1]: r[5] for r in recs} == {b"a": b"p", b"b": b"a", b"o": b"gone"}  # the parents they named
     assert kids(d, "m", b"p") == 0 and d.exists("m", [b"a", b"b", b"o"]) == [False] * 3
     d.add_space(lost, 8 * ALIGN)  # it comes back with its arena: its pages are filed again, linked as before
-    restored, _ = d.unpark(lost, [r[:6] + r[7:] for r in recs])  # as metaserver/rejoin.py keeps them
+    restored, _ = d.unpark(lost, [r[:6] + r[7:] for r in recs])  # as metaserver/handlers/rejoin.py keeps them
     assert restored == 3 and d.exists("m", [b"a", b"b", b"o"]) == [True] * 3
     assert kids(d, "m", b"p") == 1 and kids(d, "m", b"a") == 1 and tier(d, "m", b"a") == 2
     assert tier(d, "m", b"b") == 1 and tier(d, "m", b"o") == 0  # a leaf; an orphan whose parent is not cached
@@ -304,7 +304,7 @@ def test_victims_leave_in_exact_tier_then_recency_order_under_churn():
 def test_the_table_drops_linked_pages_without_cyclic_garbage(policy):
     """Every way the table drops pages (churn evictions, lease and PENDING expiry, aborts, removes, drains, node
     loss in slices, a dropped node, watermark passes, evict-all) leaves no cyclic garbage (links are columns and a
-    dict of orphans, no object per page): what makes freezing it under ``metaserver/gcpolicy.py`` safe."""
+    dict of orphans, no object per page): what makes freezing it under ``metaserver/store/gcpolicy.py`` safe."""
     gc.collect()
     gc.disable()
     try:

@@ -1,4 +1,4 @@
-"""metaserver/tableload.py: a page table rebuilt by ``load_pages`` from another's READY rows (per node, in stamp
+"""metaserver/table/load.py: a page table rebuilt by ``load_pages`` from another's READY rows (per node, in stamp
 order) has the same fingerprint (rows, places, use, LRU order) and answers the same further requests as the
 original; each rejection rule (overlap, outside the arena, unaligned offset, key given twice, key already filed)
 rejects exactly its page, checked against a model of the rules on the same pages, also on random ones; a load
@@ -12,12 +12,12 @@ import random
 import numpy as np
 import pytest
 
-from metaserver.columns import BLOCK, PageTable
-from metaserver.entry import NEW, READY, extent_size
-from metaserver.keyindex import REBUILD_LOAD
-from metaserver.records import pages_of
-from metaserver.tableload import fingerprint, load_pages, reserve
-from metaserver.tablenodes import FREE, UNIT_SHIFT
+from metaserver.table.columns import BLOCK, PageTable
+from metaserver.table.entry import NEW, READY, extent_size
+from metaserver.table.index import REBUILD_LOAD
+from metaserver.table.records import pages_of
+from metaserver.table.load import fingerprint, load_pages, reserve
+from metaserver.table.nodes import FREE, UNIT_SHIFT
 from transport.wire import ARENA_DATA_START, object_size
 from umbp.errors import ConfigError
 

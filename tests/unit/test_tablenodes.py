@@ -1,12 +1,12 @@
-"""metaserver/tablenodes.py: a lost node of the columnar page table is detached at once (LOOKUP misses its pages,
+"""metaserver/table/nodes.py: a lost node of the columnar page table is detached at once (LOOKUP misses its pages,
 its PENDING rows go, nothing is placed there) and dropped in budgeted slices; pinned pages stay as zombies until
 their lease lets go; a dropped node's blocks and index are reused; parked records come back; an ALLOC that meets a
 dying page places it anew. The table's invariant check runs between the steps."""
 
 from __future__ import annotations
 
-from metaserver.columns import BLOCK, PageTable
-from metaserver.entry import NEW
+from metaserver.table.columns import BLOCK, PageTable
+from metaserver.table.entry import NEW
 from transport.wire import object_size
 
 from tablekit import PLEN, keys_of, table

@@ -1,4 +1,4 @@
-"""metaserver/tableplace.py (ALLOC on the page table) and metaserver/grants.py (its answer): the array path against the
+"""metaserver/table/place.py (ALLOC on the page table) and metaserver/table/grants.py (its answer): the array path against the
 per-key path on random requests of one page size (same states, same nodes, same victims, same pages left on each
 node, the table's invariants after every step; with several sizes the two may fragment an arena differently, so
 there the invariants and each answer's own consistency are checked), and the packed ALLOC answer against the VERSION 11 items list (same places, tags and write
@@ -11,12 +11,12 @@ import random
 import numpy as np
 import pytest
 
-from metaserver import tableplace
-from metaserver.entry import NEW
-from metaserver.grants import grant_alloc
-from metaserver.quarantine import Quarantine
-from metaserver.tabledir import TableDirectory
-from metaserver.tableevict import CANDIDATES
+from metaserver.table import place as tableplace
+from metaserver.table.entry import NEW
+from metaserver.table.grants import grant_alloc
+from metaserver.table.quarantine import Quarantine
+from metaserver.table.directory import TableDirectory
+from metaserver.table.evict import CANDIDATES
 from transport import wire
 from transport.wire import object_size
 from umbp.auth import Tokens, write_capability
@@ -165,8 +165,8 @@ def test_the_queues_numpy_copy_keeps_each_nodes_last_queue_across_moves():
     """``QueueCopy``: regions written in place when they fit, at the end when they grow, every live region moved
     together when the end is reached (a retired node's dropped); each node's region always reads back its last
     queue."""
-    from metaserver.tableevict import QueueCopy
-    from metaserver.tablenodes import NodeRows
+    from metaserver.table.evict import QueueCopy
+    from metaserver.table.nodes import NodeRows
 
     rng = random.Random(3)
     qc = QueueCopy()

@@ -1,12 +1,12 @@
-"""metaserver/tablerecords.py: a COMMIT's rows become commit records of at most BATCH_PAGES pages in the
+"""metaserver/table/commits.py: a COMMIT's rows become commit records of at most BATCH_PAGES pages in the
 records' layout (read back by the loader's own ``records.record_entries``); rows that leave (evicted, removed, dropped with
 their node) rewrite their records, a record with nothing left is deleted and its id reused, and a stale record
 object never lists another record's rows."""
 
 from __future__ import annotations
 
-from metaserver.columns import PageTable
-from metaserver.records import BATCH_PAGES, record_entries
+from metaserver.table.columns import PageTable
+from metaserver.table.records import BATCH_PAGES, record_entries
 
 from tablekit import keys_of, put, table
 

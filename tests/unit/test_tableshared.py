@@ -1,4 +1,4 @@
-"""Shared entries on the columnar directory (``metaserver/tableshared.py``), lru, one full node: random requests of
+"""Shared entries on the columnar directory (``metaserver/table/shared.py``), lru, one full node: random requests of
 TP ranks (ALLOC and COMMIT per rank with and without writer tokens and with wrong generations, two TP sizes for the
 same keys, plain requests mixed in, LOOKUP per rank and plain, RELEASE, ABORT, REMOVE, expiry) against a model of
 each key's last placement: every LOOKUP answers, for each key EXISTS reports, exactly its rank's sub-slot of the page
@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from metaserver.entry import EXISTS, IN_FLIGHT, NEW
-from metaserver.tabledir import TableDirectory
+from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW
+from metaserver.table.directory import TableDirectory
 from transport.wire import object_size
 
 PART = 30_000

@@ -1,7 +1,7 @@
 """Unit tests of capabilities granted per node per batch, and write capabilities that die with their allocation: the
 capabilities themselves and the node's cache of verified ones (umbp/auth.py), the node's check
 (``NodeServer.check_write``, ``writev_pieces`` over a real shared-memory arena) and the metaserver's quarantine of extents freed
-while their capabilities may live (metaserver/quarantine.py, with the directory's invariant check)."""
+while their capabilities may live (metaserver/table/quarantine.py, with the directory's invariant check)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from metaserver.entry import NEW
-from metaserver.quarantine import NEVER, Quarantine
-from metaserver.tabledir import TableDirectory
+from metaserver.table.entry import NEW
+from metaserver.table.quarantine import NEVER, Quarantine
+from metaserver.table.directory import TableDirectory
 from transport import wire
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 from umbp.auth import (WRITE_CAP_SIZE, CapCache, check_read_capability, check_write_capability, read_capability,
@@ -247,7 +247,7 @@ def test_directory_holds_a_young_extent_until_its_time_and_stays_consistent(monk
     items, _ = d.alloc("m", [b"new"], [size], None, 100, 0.0)  # gen 100: young
     d.commit("m", [b"new"], [100], 0.0)
     clock = [1000.0]
-    monkeypatch.setattr("metaserver.quarantine.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("metaserver.table.quarantine.time.monotonic", lambda: clock[0])
     used = d.spaces["n1"].alloc.used
     d.remove("m", [b"old", b"new"])
     d.check()  # the held extent is allocated, held by no row: the invariant knows it

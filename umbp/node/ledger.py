@@ -7,7 +7,7 @@ extent since (their headers are not at the capability's offset), and a client mu
 writing a huge generation into a header (headers are bytes a client wrote; they prove nothing). So the authority
 is this ledger, which only the node writes, from the generations of capabilities it verified.
 
-Invariant. Generations are handed out in increasing order (metaserver/generations.py: across restarts and
+Invariant. Generations are handed out in increasing order (metaserver/store/generations.py: across restarts and
 takeovers; a partitioned pool's slots own disjoint regions of the arena, each with its own increasing counter), and a
 block is given to a new allocation only after the previous one that held it was freed. So every legitimate write of
 a block carries a newer generation than every earlier write of it. A write of generation ``g`` over blocks

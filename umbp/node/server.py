@@ -339,7 +339,7 @@ class DataProtocol(FramedProtocol):
                 reply = node.arena_info()
                 if not self.auth.scope.admin:  # a scoped token gets what TCP needs: the arena path and id would let a
                     # same-host process map the arena (every tenant's pages); boot id, pid, hostname point at it. As
-                    # the metaserver's node maps (metaserver/admin.py NODE_INTERNAL); admin tokens, the cluster
+                    # the metaserver's node maps (metaserver/handlers/admin.py NODE_INTERNAL); admin tokens, the cluster
                     # secret and open pools see everything.
                     reply.update(arena_path="", arena_id=b"", boot_id="", pid=0, hostname="",
                                  transports=[t for t in reply["transports"] if t != "shm"])

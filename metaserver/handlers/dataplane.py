@@ -1,0 +1,162 @@
+"""The metaserver's data-plane handlers (``DataPlaneHandlers``, a mixin of ``metaserver.ha.service.Metaserver``):
+ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX and REMOVE on the page table (``metaserver.table.directory.TableDirectory``).
+Each validates its request, checks the connection's rights, calls the directory (bookkeeping
+before any await, so a request's effect is atomic), hands the etcd work to the batch writer (``Metaserver._apply``)
+and answers with the closed pool's tags and capabilities (``metaserver/table/grants.py``: an ALLOC's and a LOOKUP's places
+as packed rows from wire VERSION 12, built from the table's columns); only COMMIT waits for etcd,
+and ALLOC when generations run out or right after a takeover (at most ``ALLOC_HOLD_S``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from metaserver import validate as v
+from metaserver.table.entry import OVER_QUOTA
+from metaserver.table.grants import grant_alloc
+from transport.wire import Status
+from umbp.errors import Unavailable
+
+ALLOC_HOLD_S = 3.0  # after a takeover ALLOC waits at most this long for the loaded nodes to re-register
+
+_NS_KEYS = frozenset({"ns", "keys"})
+_LOOKUP = frozenset({"ns", "keys", "shard"})
+_NS_KEYS_GENS = frozenset({"ns", "keys", "gens"})
+_ABORT = frozenset({"ns", "keys", "gens", "written"})
+_COMMIT = frozenset({"ns", "keys", "gens", "shard"})
+_ALLOC = frozenset({"ns", "keys", "sizes", "parents", "token", "shard"})
+
+
+class DataPlaneHandlers:
+    def alloc(self, meta: Any, conn):
+        m = v.fields(meta, _ALLOC, ("ns", "keys", "sizes"))
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, True, "metaserver")
+        keys = v.keys(m, self.max_keys)
+        sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
+        parents = v.parents(m, len(keys))
+        token = v.integer(m, "token", 1, (1 << 63) - 1) if m.get("token") is not None else None
+        shard = v.shard(m)
+        base = self.gens.take_nowait(len(keys)) if self.settled.is_set() else None
+        if base is None:
+            return self._alloc_later(ns, keys, sizes, parents, self.term, token, conn, shard)
+        return self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard)
+
+    def _alloc_now(self, ns, keys, sizes, parents, base, token, conn, shard=None) -> dict:
+        if not any(sp.placeable for sp in self.dir.spaces.values()) and any(
+                n.provisional for n in self.members.nodes.values()):
+            # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
+            raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
+        p = self.dir.alloc_placed(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
+        self._apply(p.fx)
+        if self.dir.quotas and (p.state == OVER_QUOTA).any():
+            self._refuse_over_quota(ns, keys, p.items())
+        deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
+        if self.tokens.closed and len(p.new):  # a retried ALLOC's allocations (generations below this request's)
+            oldest = int(p.gens.min())  # keep their deadline
+            if oldest < base:
+                deadline_ms = min(deadline_ms, self._retry_deadline_ms(oldest))
+        # the answer as packed rows from wire VERSION 12, as the items list for VERSION 11
+        ans = grant_alloc(self.tokens, self.members.get, ns, keys, p, deadline_ms, conn.version >= 12)
+        if len(p.new):  # aborted if this connection goes away before COMMIT
+            conn.pending.update(self.dir.pending_of(ns, keys, p))
+        return ans
+
+    def _retry_deadline_ms(self, gen: int) -> int:
+        """The capability deadline for an allocation a retried ALLOC gets back (same token, still PENDING): the
+        deadline its first answer carried at the latest, never a fresh one. The quarantine judges whether a freed
+        extent may still be written by its generation's age (``Quarantine.free``); a capability renewed past
+        ``issued + write_cap_ttl_s`` would outlive that judgement, and an ABORT would hand its extent to another
+        writer while it can still write there. An allocation older than every sample is answered with a
+        capability already expired (the node refuses it: the writer allocates again under a new token)."""
+        issued = self.dir.quarantine.issued_after(gen)
+        if issued is None:
+            return 0
+        return int((time.time() - (time.monotonic() - issued) + self.cfg.write_cap_ttl_s) * 1000)
+
+    async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn, shard=None) -> dict:
+        if not self.settled.is_set():
+            # Just took over: let the nodes re-register first (bounded by ALLOC_HOLD_S via tick).
+            try:
+                async with asyncio.timeout(ALLOC_HOLD_S + 1.0):  # not wait_for: it can lose a cancel on 3.11
+                    await self.settled.wait()
+            except asyncio.TimeoutError:
+                pass
+            self.check_term(term)
+        base = await self.gens.take(len(keys))
+        self.check_term(term)
+        return self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard)
+
+    def _settle_request(self, meta: Any, conn, allowed: frozenset = _NS_KEYS_GENS) -> tuple[str, list, list]:
+        """The shared opening of COMMIT and ABORT: validate (ns, keys, gens), check write rights, and take the keys
+        out of this connection's pending set (they are settled by this request, whatever its outcome)."""
+        m = v.fields(meta, allowed, ("ns", "keys", "gens"))
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, True, "metaserver")
+        keys = v.keys(m, self.max_keys)
+        gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
+        if conn.pending:
+            self.dir.settle_handles(conn.pending, ns, keys, gens)
+        return ns, keys, gens
+
+    def commit(self, meta: Any, conn):
+        ns, keys, gens = self._settle_request(meta, conn, _COMMIT)
+        shard = v.shard(meta)
+        ok, fx = self.dir.commit(ns, keys, gens, time.monotonic(), shard)
+        fut = self._apply(fx, wait=self.cfg.commit == "durable")  # async: acknowledged before etcd (config.py)
+        if fut is None:
+            return {"ok": ok}
+        return self._commit_wait(fut, ok, self.metrics.etcd_commit)
+
+    @staticmethod
+    async def _commit_wait(fut: asyncio.Future, ok: list, latency) -> dict:
+        t0 = time.perf_counter()
+        await fut  # durable in etcd before the reply; Unavailable propagates as an error answer
+        latency.observe(time.perf_counter() - t0)
+        return {"ok": ok}
+
+    def abort(self, meta: Any, conn) -> dict:
+        """Give up open allocations. ``"written": true``: the writer tried to write them (its write failed), so a
+        late write may still land: their extents stay out of placement for the quarantine's ``keep_s``
+        (``Quarantine.keeping``); the keys are free at once either way."""
+        ns, keys, gens = self._settle_request(meta, conn, _ABORT)
+        with self.dir.quarantine.keeping() if v.boolean(meta, "written") else contextlib.nullcontext():
+            return {"aborted": self.dir.abort(ns, keys, gens)}
+
+    def lookup(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _LOOKUP, ("ns", "keys"))
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, False, "metaserver")
+        keys = v.keys(m, self.max_keys)
+        shard = v.shard(m)
+        # tags and capabilities from the columns; packed rows from wire VERSION 12
+        ans = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens, self.members.get, shard,
+                                      conn.version >= 12)
+        if ans["lease"]:
+            self._own_lease(conn, ans["lease"])
+            # how long the lease pins the hits: a client counts a tcp/rdma read that finished later as a miss
+            ans["lease_ms"] = self.lease_ms
+        return ans
+
+    def exists(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, False, "metaserver")
+        return {"exists": self.dir.exists(ns, v.keys(m, self.max_keys))}
+
+    def prefix(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, False, "metaserver")
+        return {"hits": self.dir.prefix(ns, v.keys(m, self.max_keys))}
+
+    def remove(self, meta: Any, conn) -> dict:
+        m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
+        ns = v.ns(m)
+        conn.auth.scope.check(ns, True, "metaserver")
+        removed, fx = self.dir.remove(ns, v.keys(m, self.max_keys))
+        self._apply(fx)
+        return {"removed": removed}
+

@@ -1,0 +1,116 @@
+"""Pages of a node lost by its lease: dropped from the table in budgeted slices and parked for its return
+(``RejoinHandlers``, a mixin of ``metaserver.ha.service.Metaserver``).
+
+A node that stops heartbeating may only be cut off or paused, its arena intact. When its lease lapses the node is
+*detached* at once (nothing is placed there, LOOKUP misses its pages, its PENDING allocations go), then its READY
+pages leave the table in slices of at most the tick's budget (``TableDirectory.drop_slice``), so a node of millions
+of pages never holds the event loop for long (the election's keep-alive runs between ticks). Their etcd records and
+the arena record stay for REJOIN_GRACE_S (they are *parked*); a re-registration of the same arena (id and capacity)
+in that time loads them back, except keys written elsewhere meanwhile. After the grace, or when the node returns
+with another arena, the records are deleted. A node that was only provisional (loaded at a takeover, never
+re-registered) is not parked: its records are deleted slice by slice.
+
+Costs: detaching O(PENDING rows); a tick O(its budget) numpy work plus a Python step per parked page (its record);
+the last slice of a node a sort of its parked records by recency (``TableNodes.drop_slice``: O(pages log pages) in
+C, tens of ms per million); restoring O(the node's pages) (``TableDirectory.unpark``); expiry of parked nodes is
+checked every tick, O(parked nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from metaserver.table.entry import Effects
+from metaserver.handlers.membership import Node
+
+log = logging.getLogger("umbp.metaserver")
+
+REJOIN_GRACE_S = 120.0  # a node lost by its lease: its pages are parked this long for it to re-register its arena
+
+
+class RejoinHandlers:
+    def _node_lost(self, node: Node, now: float) -> None:
+        """A node's lease lapsed: detach it now, drop its pages in later ticks (``_drop_lost``)."""
+        nid = node.node_id
+        use = self.dir.space_use(nid)
+        pages = use[1] if use is not None else 0
+        park = not node.provisional and use is not None
+        _, fx = self.dir.detach_space(nid, park=park)
+        self._apply(fx)
+        if park:
+            # Out of the directory (no lookup finds them, nothing is placed there) but still in etcd, with the arena
+            # record: a return within the grace brings them back (_unpark); _expire_parked deletes them after it.
+            self.parked[nid] = (node.arena_id, node.capacity, now + max(REJOIN_GRACE_S, node.lease_ttl), [])
+            log.warning("metaserver: node %s lost (no heartbeat for %.1fs): %d pages parked for %.0fs", nid,
+                        node.lease_ttl, pages, REJOIN_GRACE_S)
+        else:
+            self.writer.submit([], [self.store.arena_key(nid)], wait=False)
+            if node.provisional:
+                log.warning("metaserver: node %s did not re-register after the takeover: dropping %d pages", nid,
+                            pages)
+            else:
+                log.warning("metaserver: node %s lost (no heartbeat for %.1fs): dropping %d pages", nid,
+                            node.lease_ttl, pages)
+        node.provisional = False
+        self._check_settled()
+        lease, node.lease_id = node.lease_id, 0
+        if lease:
+            self._spawn(self._revoke(lease))
+
+    def _drop_lost(self, budget: int) -> int:
+        """One tick's share of dropping detached nodes' pages: at most ``budget`` pages in all. Returns how many."""
+        done = 0
+        for nid in list(self.dir.dying):
+            if done >= budget:
+                break
+            fx = Effects()
+            n, recs = self.dir.drop_slice(nid, budget - done, fx)
+            self._apply(fx)
+            done += n
+            if recs is not None:
+                self._dropped(nid, recs)
+        return done
+
+    def _finish_drop(self, node_id: str) -> None:
+        """Finish a detached node's drop in one step (it re-registers: its parked pages must be complete first)."""
+        if node_id in self.dir.dying:
+            fx = Effects()
+            _, recs = self.dir.drop_slice(node_id, 1 << 62, fx)
+            self._apply(fx)
+            self._dropped(node_id, recs)
+
+    def _dropped(self, node_id: str, recs: list) -> None:
+        """A detached node's last slice: its parked records, oldest first (``drop_slice`` sorts them) for a reload."""
+        p = self.parked.get(node_id)
+        if p is not None and recs:
+            p[3].extend(r[:6] + r[7:] for r in recs)  # (ns, key, offset, payload_len, gen, parent, record name)
+        log.info("metaserver: node %s: its pages are out of the directory", node_id)
+
+    def _unpark(self, node: Node) -> int:
+        """On re-registration: bring the node's parked pages back if it kept the same arena. Keys written elsewhere
+        meanwhile stay where they are now. Returns the pages restored."""
+        p = self.parked.pop(node.node_id, None)
+        if p is None:
+            return 0
+        arena_id, capacity, _deadline, recs = p
+        if arena_id != node.arena_id or capacity != node.capacity:
+            self._forget_parked(node.node_id, recs, arena=False)
+            return 0
+        restored, fx = self.dir.unpark(node.node_id, recs)
+        self._apply(fx)
+        return restored
+
+    def _expire_parked(self, now: float) -> None:
+        for node_id, (_a, _c, deadline, recs) in list(self.parked.items()):
+            if deadline < now and node_id not in self.dir.dying:  # a drop still under way: its records are not all in
+                del self.parked[node_id]
+                self._forget_parked(node_id, recs, arena=True)
+                log.warning("metaserver: node %s did not return within %.0fs: dropped its %d parked pages", node_id,
+                            REJOIN_GRACE_S, len(recs))
+
+    def _forget_parked(self, node_id: str, recs: list, arena: bool) -> None:
+        """Delete parked page records from etcd, except keys written again since (their record is the new one)."""
+        keys = self.dir.forget_parked(recs, self.store.page_key)
+        if arena:
+            keys.append(self.store.arena_key(node_id))
+        self._drop_records(keys)

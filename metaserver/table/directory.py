@@ -1,0 +1,482 @@
+"""The metaserver's page directory: ``TableDirectory`` is the columnar page table (``metaserver.table.columns.PageTable``)
+with the calls the service makes (``metaserver/ha/service.py``, ``dataplane.py``, ``ownership.py``, ``rejoin.py``,
+``admin.py``, ``metrics.py``). It is the directory's one core (docs/design/directory-and-eviction.md).
+
+What it answers (unit tests: ``tests/unit/test_directory*.py``, ``test_columns.py``, ``test_table*.py``): ALLOC,
+COMMIT, ABORT, LOOKUP (with its closed-pool grants, ``lookup_granted``), RELEASE, EXISTS, PREFIX, REMOVE, LIST,
+STATS, read leases and their owners, PENDING expiry and writers' tokens, the write quarantine, node loss in budgeted
+slices with the lost node's pages parked for its return (``unpark``, ``forget_parked``), DRAIN, the watermark pass
+and an operator's EVICT (each victim from the fullest node), shared entries of TP-sharded pages
+(``metaserver/table/shared.py``), commit records in etcd (``metaserver/table/commits.py``) and the full load at a
+takeover (``load``).
+
+A partitioned pool's slot is a ``metaserver.ha.slots.SlotTable``: this table with each node's allocator the slot's
+region of its arena (``TableNodes.node_region``). ``prefix-lru``'s links and KV events: ``metaserver/table/links.py``.
+Quota groups and reservations: ``metaserver/table/quotas.py`` (``quota``; the properties below answer what the
+service reads of them). A standby keeps a warm copy of the table (``metaserver/ha/standby.py``: ``load``'s ``held``,
+then ``metaserver/ha/ha/warmrows.py``). Placement is in turn over the placeable nodes that can hold the page, a child near
+its parent unless the parent's node is much fuller (then the emptiest), and eviction makes room on the chosen node.
+
+A connection's PENDING allocations are ``(ns, key, gen)`` handles: COMMIT and ABORT settle them, and a closing
+connection aborts those still PENDING with that generation and still its own (``abort_owned``: another connection's
+retry with the writer's token took the allocation over).
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import repeat
+
+import numpy as np
+
+from metaserver.table.columns import PageTable, by_key
+from metaserver.table.entry import NEW, PENDING, READY, Effects, extent_size
+from metaserver.table.grants import Placed
+from metaserver.table.records import PageRecords
+from metaserver.table.evict import bytes_to_low, over_high
+from metaserver.table.load import load_pages, reserve
+from metaserver.table.nodes import UNIT_SHIFT, NodeRows, TableNodes
+from metaserver.table.quotas import TableQuotas
+from metaserver.table.shared import ShardState, TableShared
+from transport import wire
+from umbp.auth import rank_tags, read_capabilities_packed
+from umbp.errors import ConfigError
+from umbp.quotarules import QuotaRules
+
+
+UNIT_U64 = np.uint64(UNIT_SHIFT)
+SCAN_PER_DROP = 16  # rows a drop slice may visit per page of its budget (numpy work over the state column)
+
+
+def _by_ns(recs: list) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for r in recs:
+        out.setdefault(r[0], []).append(r)
+    return out
+
+
+def by_node(nix: np.ndarray) -> tuple[np.ndarray, np.ndarray | int, np.ndarray | None, list[int]]:
+    """A LOOKUP's hits grouped by their ``node`` column values ``nix``, in ``np.unique(nix, return_inverse=True)``'s
+    order: (the node indexes, ascending; each hit's index among them, 0 when all are on one node; the hits' order
+    grouped by node, key order within one, None for one node; the byte ends of each node's run of 24-byte
+    capability slots, 0 first). One node (a prompt placed near its parent) costs two numpy calls; more, a bincount
+    over the node indexes and one stable argsort (np.unique sorts and scans several times over)."""
+    if (nix == nix[0]).all():
+        return nix[:1], 0, None, [0, 24 * len(nix)]
+    cnt = np.bincount(nix)
+    uniq = cnt.nonzero()[0]
+    ends = [0]
+    ends += (cnt.take(uniq).cumsum() * 24).tolist()
+    return uniq, uniq.searchsorted(nix), nix.argsort(kind="stable"), ends
+
+
+class TableDirectory(TableShared, PageTable):
+    """The page table with the service's calls: see the module docstring."""
+
+    def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
+                 quotas: QuotaRules | dict[str, int] | None = None, namer=None):
+        if policy not in ("lru", "prefix-lru"):
+            raise ConfigError("metaserver", f"directory 'table' evicts by lru or prefix-lru, not {policy!r}")
+        super().__init__(read_lease_s=read_lease_s, pending_ttl_s=pending_ttl_s)
+        if policy == "prefix-lru":
+            self.links.enable()  # prefix links and the (tier, stamp) victim order (metaserver/table/links.py)
+        if namer is not None:
+            self.namer = namer  # a commit record's etcd key (EtcdStore.batch_name)
+        self.quotas = QuotaRules.of(quotas)  # a slot's share already applied (QuotaRules.shared)
+        if self.quotas:
+            self.quota = TableQuotas(self, self.quotas)
+            self.ix.watch = self.quota.filed  # use: the extents of the rows the key index files
+        self.puts = 0
+        self._shards: dict[int, ShardState] = {}  # PENDING shared rows' sub-slots (metaserver/table/shared.py)
+
+    # -- what the service reads -------------------------------------------------------------------------------
+    @property
+    def spaces(self) -> dict[str, NodeRows]:
+        """Live nodes by id (the quarantine's ``release`` checks a held extent's node against it)."""
+        return self.node_by_id
+
+    @property
+    def pinned(self) -> int:
+        return int(np.count_nonzero(self.cols["pins"]))
+
+    def space_use(self, node_id: str) -> tuple[int, int] | None:
+        """(arena bytes held, pages PENDING or READY) of a live node, None when it has none. O(its rows) numpy."""
+        node = self.node_by_id.get(node_id)
+        if node is None:
+            return None
+        st = self.cols["state"].take(self._rows_of(node))
+        return node.alloc.used, int(np.count_nonzero((st == READY) | (st == PENDING)))
+
+    def effects(self, fx: Effects | None = None) -> Effects:
+        """The etcd work of the requests since the last call (``take_records``) as ``Effects``: new commit records
+        to put (``recs``), records to rewrite without pages that left (``batches``)."""
+        fx = Effects() if fx is None else fx
+        puts, rewrites = self.take_records()
+        fx.recs.extend(puts)
+        fx.batches.extend(rewrites)
+        return fx
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def own_parents(self, ns: str, parents: list | None) -> list | None:
+        """The parents an ALLOC links (a slot's table: those of its own slot, ``slots.SlotTable``)."""
+        return parents
+
+    def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
+        parents = self.own_parents(ns, parents)
+        if shard is not None:
+            return self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard), self.effects()
+        items = PageTable.alloc(self, ns, keys, sizes, gen_base, None, now, token, owner, parents)
+        return items, self.effects()
+
+    def alloc_placed(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None) -> Placed:
+        """``alloc`` as columns (``grants.Placed``, its effects in ``fx``): what the service's ALLOC answers from
+        (``grants.grant_alloc``). A plain page's tag is kept in its row's ``tag`` column once granted."""
+        parents = self.own_parents(ns, parents)
+        if shard is not None:
+            items = self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
+            return Placed.of_items(items, shard[0], self.effects())
+        state, rows = self.alloc_rows(ns, keys, sizes, gen_base, None, now, token, owner, parents)
+        new = np.flatnonzero(state == NEW)
+        r = rows.take(new)
+        c = self.cols
+        return Placed(state, new, c["node"].take(r), self.node_names, c["unit"].take(r).astype(np.uint64) << UNIT_U64,
+                      self.code_arr.take(c["size"].take(r)), c["gen"].take(r), None,
+                      lambda tags: c["tag"].put(r, tags), self.effects())
+
+    def commit(self, ns, keys, gens, now, shard=None):
+        before = self.committed_pages
+        ok = (PageTable.commit(self, ns, keys, gens) if shard is None
+              else self.commit_shared(ns, keys, gens, shard))
+        fx = self.effects()
+        self.puts += self.committed_pages - before
+        return ok, fx
+
+    def lookup(self, ns, keys, now, owner=None, shard=None):
+        if shard is not None:
+            return self.lookup_shared(ns, keys, now, owner, shard)
+        return PageTable.lookup(self, ns, keys, now, owner)
+
+    def _free_row(self, row: int, node: NodeRows) -> None:
+        if self._shards:
+            self._shards.pop(row, None)  # a PENDING shared row ends whatever ends it
+        PageTable._free_row(self, row, node)
+
+    def check(self) -> None:
+        PageTable.check(self)
+        self._check_shared()
+        if self.quota is not None:
+            self.quota.check()
+
+    # -- quota groups (metaserver/table/quotas.py), as the service and ownership.py read them -------------------
+    @property
+    def reserving(self) -> bool:
+        return self.quota is not None and self.quota.reserving
+
+    @property
+    def group_used(self) -> dict[str, int]:
+        """Bytes in use by group name (those with any)."""
+        return self.quota.used_by_name() if self.quota is not None else {}
+
+    @property
+    def ns_used(self) -> dict[str, int]:
+        """Bytes in use by namespace (those with any), counted while the table has quota groups."""
+        return self.quota.ns_used_by_name() if self.quota is not None else {}
+
+    def group_held(self, name: str, now: float | None = None) -> int:
+        """Bytes of group ``name`` freed young and still held by the quarantine."""
+        q = self.quota
+        g = next((i for i, x in enumerate(q.groups) if x.name == name), -1) if q is not None else -1
+        return q.group_held(g, now) if g >= 0 else 0
+
+    def namespace_usage(self) -> dict[str, dict]:
+        usage = PageTable.namespace_usage(self)
+        return self.quota.usage(usage) if self.quota is not None else usage
+
+    def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member, shard=None, packed=False
+                       ) -> dict:
+        """LOOKUP with its closed-pool grants, from the columns (no Python step per key): the answer's ``lease``,
+        ``caps`` (one read capability per node, covering that node's slots of the batch in key order) and, ``packed``,
+        ``nodes`` and ``rows`` (``wire.pack_locs``: one row a key), else ``locs`` (wire VERSION 11: ``(node_id,
+        offset, payload_len, gen, tag, cap_index)`` or None a key). Tags come from the ``tag`` column; a row that has
+        none yet (0: never looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and
+        kept; a shared row keeps its shard base there, and a rank's tags are one ``rank_tags`` step over them.
+        ``member``: node id -> its member (``cap_key``) or None.
+
+        Costs: about 100 numpy calls and one keyed blake2b a node, whatever the batch. Measured on the 2-core VM, 1 M
+        pages on 32 nodes, a run of 128 keys of the build order (so on all 32 nodes), LOOKUP plus its RELEASE: 118 us,
+        of which the digests 6, the key index 30, the lease, pins and stamps of both 19, the 32 capabilities 20-28,
+        the answer's columns, ``by_node`` and packing 30; 1,024 keys 380 us (the key index 128, capabilities 51)."""
+        lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
+        if not lease:
+            if packed:
+                return {"lease": 0, "nodes": [], "caps": [], "rows": wire.pack_locs(hit, (), (), (), (), ())}
+            return {"lease": 0, "locs": [None] * len(keys), "caps": []}
+        c = self.cols
+        n = len(hr)
+        slots = np.empty((n, 3), "<u8")  # a capability's (offset, payload_len, gen) triples
+        if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
+            tags = rank_tags(self._kept_tags(ns, keys, hit, hr, tokens.shard_bases), shard[0])
+            slots[:, 0], slots[:, 1] = self.shared_slots(hr, shard[0])
+        else:
+            tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
+            slots[:, 0] = c["unit"].take(hr)
+            slots[:, 0] <<= UNIT_SHIFT
+            slots[:, 1] = self.code_arr.take(c["size"].take(hr))
+        slots[:, 2] = c["gen"].take(hr)
+        nix = c["node"].take(hr)
+        uniq, inv, order, ends = by_node(nix)
+        names = self.node_names.take(uniq).tolist()
+        cap_keys = [None if m is None else m.cap_key for m in map(member, names)]
+        caps = (read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(),
+                                         ends) if any(cap_keys) else [b""] * len(cap_keys))  # an open pool: none
+        if packed:
+            return {"lease": lease, "nodes": names, "caps": caps,
+                    "rows": wire.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv)}
+        inv = np.broadcast_to(inv, n)
+        locs = list(zip(self.node_names.take(uniq.take(inv)).tolist(), slots[:, 0].tolist(), slots[:, 1].tolist(),
+                        slots[:, 2].tolist(), tags.tolist(), inv.tolist()))
+        return {"lease": lease, "locs": by_key(hit, locs), "caps": caps}
+
+    def _kept_tags(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, compute) -> np.ndarray:
+        """The ``tag`` column of rows ``hr`` (the keys at ``hit``), each computed by ``compute(ns, keys)`` once, at
+        its row's first LOOKUP, and kept: a plain row's tag, a shared row's shard base (``Tokens.shard_bases``; a
+        row is never both). 0 means not computed yet (a keyed blake2b is 0 once in 2^64 lookups: then recomputed)."""
+        c = self.cols
+        tags = c["tag"].take(hr)
+        if tags.all():  # every tag kept already (one call; the usual case after a row's first LOOKUP)
+            return tags
+        none = np.flatnonzero(tags == 0)
+        at = np.flatnonzero(hit).take(none).tolist()
+        tags[none] = compute(ns, [keys[i] for i in at])
+        c["tag"][hr.take(none)] = tags.take(none)
+        return tags
+
+    def remove(self, ns, keys):
+        return PageTable.remove(self, ns, keys), self.effects()
+
+    # -- a connection's PENDING allocations -------------------------------------------------------------------
+    @staticmethod
+    def pending_handles(ns: str, keys: list, items: list, new: list[int]) -> list:
+        return [(ns, keys[i], items[i][4]) for i in new]
+
+    @staticmethod
+    def pending_of(ns: str, keys: list, p: Placed):
+        """The ``(ns, key, gen)`` handles of placement ``p``'s NEW keys."""
+        return zip(repeat(ns), [keys[i] for i in p.new.tolist()], p.gens.tolist())
+
+    @staticmethod
+    def settle_handles(held: set, ns: str, keys: list, gens: list) -> None:
+        held.difference_update(zip(repeat(ns), keys, gens))
+
+    def abort_owned(self, handles, owner) -> int:
+        """Abort the allocations of ``handles`` still PENDING with their generation and still ``owner``'s."""
+        by_ns: dict[str, tuple[list, list]] = {}
+        for ns, key, gen in handles:
+            ks, gs = by_ns.setdefault(ns, ([], []))
+            ks.append(key)
+            gs.append(gen)
+        n = 0
+        for ns, (ks, gs) in by_ns.items():
+            rows = self._find(ns, ks).tolist()
+            mine = [i for i, r in enumerate(rows) if r >= 0 and self.owned_by_row(r, owner)]
+            if mine:
+                n += PageTable.abort(self, ns, [ks[i] for i in mine], [gs[i] for i in mine])
+        return n
+
+    # -- nodes ------------------------------------------------------------------------------------------------
+    def add_space(self, node_id: str, capacity: int) -> NodeRows:
+        self.add_node(node_id, capacity)
+        return self.node_by_id[node_id]
+
+    def drop_space(self, node_id: str) -> tuple[int, Effects]:
+        """Drop a node and every page of it at once (it re-registered with another arena)."""
+        n = 0
+        if node_id in self.node_by_id or node_id in self.dying:
+            n = self.detach_node(node_id) + TableNodes.drop_slice(self, node_id, 1 << 62)[0]
+        return n, self.effects()
+
+    def detach_space(self, node_id: str, park: bool = False) -> tuple[int, Effects]:
+        return self.detach_node(node_id, park), self.effects()
+
+    def drop_slice(self, node_id: str, budget: int, fx: Effects | None = None) -> tuple[int, list | None]:
+        """Drop at most ``budget`` READY pages of a detached node (``TableNodes.drop_slice``, its effects into
+        ``fx``). Returns (pages dropped, None while pages are left, else the node's parked records as the service
+        keeps them, ``rejoin.py``: ``(ns, key, offset, payload_len, gen, parent | None, stamp, record name | None)``)."""
+        n, recs = TableNodes.drop_slice(self, node_id, budget)
+        visited = budget
+        while recs is None and n < budget and visited < SCAN_PER_DROP * budget:
+            # the table's slice counts rows visited, the service's budget pages dropped: go on over rows that held
+            # no READY page (freed, PENDING dropped at the detach), at most SCAN_PER_DROP x budget rows a call
+            k, recs = TableNodes.drop_slice(self, node_id, budget - n)
+            visited += budget - n
+            n += k
+        if fx is not None:
+            self.effects(fx)
+        return n, None if recs is None else [(ns, k, off, plen, gen, parent, st, name)
+                                             for ns, k, off, plen, gen, st, name, parent in recs]
+
+    def unpark(self, node_id: str, recs: list) -> tuple[int, Effects]:
+        """A lost node came back with its arena; its parked records ``(ns, key, offset, payload_len, gen, parent,
+        record name | None)`` (oldest first) are filed again into its (new, empty) rows, except keys present now,
+        each under the commit record it came from (rewritten with it), by ``load_pages``' rules. Returns (restored,
+        effects): the commit records rewritten, the own records of pages that could not come back deleted."""
+        present = set()
+        for ns, group in _by_ns(recs).items():
+            rows = self._find(ns, [r[1] for r in group]).tolist()
+            present.update(id(r) for r, row in zip(group, rows) if row >= 0)
+        keep = [r for r in recs if id(r) not in present]  # oldest first, as parked
+        fx = Effects()
+        if not keep:
+            return 0, fx
+        names = [r[6] for r in keep]
+        bad = load_pages(self, node_id, [r[0] for r in keep], [r[1] for r in keep], [r[2] for r in keep],
+                         [r[3] for r in keep], [r[4] for r in keep], records=names, parents=[r[5] for r in keep])
+        for name in dict.fromkeys(n for n in names if n is not None):
+            rec = self._rec_by_name.get(name)
+            if rec is not None:
+                self._rec_rewrites[rec] = None  # with its pages back
+        fx.deletes.extend((keep[i][0], keep[i][1]) for i in bad if names[i] is None)
+        return len(keep) - len(bad), self.effects(fx)
+
+    def forget_parked(self, recs: list, page_key) -> list:
+        """Parked pages given up: the etcd keys of those with a record of their own (keys not written again since),
+        and the commit records holding any (``TableRecord``: rewritten without them; the parked rows left them when
+        they were dropped)."""
+        out: list = []
+        for ns, group in _by_ns(recs).items():
+            rows = self._find(ns, [r[1] for r in group]).tolist()
+            out.extend(page_key(r[0], r[1]) for r, row in zip(group, rows) if r[6] is None and row < 0)
+        for name in dict.fromkeys(r[6] for r in recs if r[6] is not None):
+            rec = self._rec_by_name.get(name)
+            if rec is not None:
+                out.append(rec)
+        return out
+
+    def drain(self, node_id: str) -> tuple[int, int, Effects]:
+        dropped, pinned = TableNodes.drain(self, node_id)
+        return dropped, pinned, self.effects()
+
+    # -- eviction passes: the watermark, an operator's EVICT --------------------------------------------------
+    def evict_node(self, node: NodeRows, nbytes: int, budget: int, stop=None, spare: bool = True
+                   ) -> tuple[int, int]:
+        """Evict the node's least recently used unpinned READY pages until ``nbytes`` are freed or ``budget``
+        pages went, or ``stop()`` (asked after each victim) is true; ``spare``: pass over the pages of quota groups
+        at their reservation (all but evict-all). Returns (evicted, freed bytes)."""
+        gen = self.cols["gen"]
+        rows: list[int] = []
+        nss: list[int] = []
+        freed = 0
+        while freed < nbytes and len(rows) < budget and not (rows and stop is not None and stop()):
+            i = self._victim(node, spare)
+            if i < 0:
+                break
+            r = node.queue[i]
+            size = extent_size(node.qcode[i])
+            until = self.quarantine.free(node, node.qoff[i], size, int(gen[r]))
+            if until and self.quota is not None:
+                self.quota.held(node.qns[i], size, until)
+            self._free_row(r, node)
+            rows.append(r)
+            nss.append(node.qns[i])
+            if self.links.linking:
+                self.links.evicted(r)  # its parent's tier now, for the next victim (metaserver/table/links.py)
+            freed += size
+        if rows:
+            ra = np.array(rows, np.int64)
+            self._leaving(ra)
+            self.ix.delete(ra, np.array(nss, np.uint64))
+        self.evictions += len(rows)
+        return len(rows), freed
+
+    def watermark_pass(self, high: float, low: float, budget: int, fx: Effects) -> tuple[int, int]:
+        n = freed = 0
+        for node in list(self.node_by_id.values()):
+            cap, used = node.alloc.capacity, node.alloc.used
+            if n >= budget or not over_high(used, cap, high):
+                continue
+            k, f = self.evict_node(node, bytes_to_low(used, cap, low), budget - n)
+            n += k
+            freed += f
+        self.effects(fx)
+        return n, freed
+
+    def needs_eviction(self, high: float) -> bool:
+        return any(over_high(n.alloc.used, n.alloc.capacity, high) for n in self.node_by_id.values())
+
+    def evict_bytes(self, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
+        """Free at least ``nbytes``, each victim from the fullest node by fill ratio (ties: the first added), at most
+        ``budget`` evictions, so the nodes' fills come down together (a node is not emptied while others stay
+        full). O((nodes + victims) log nodes): a heap of fills, a node's victims in one run while it stays fullest."""
+        heap = [(-x.alloc.used / max(1, x.alloc.capacity), i, x) for i, x in enumerate(self.node_by_id.values())
+                if x.alloc.used]
+        heapq.heapify(heap)
+        n = freed = 0
+        while heap and freed < nbytes and n < budget:
+            _, i, node = heapq.heappop(heap)
+            cap = max(1, node.alloc.capacity)
+            k, f = self.evict_node(node, nbytes - freed, budget - n,
+                                   lambda: bool(heap) and (-node.alloc.used / cap, i) > heap[0][:2])
+            n += k
+            freed += f
+            if k and node.alloc.used:
+                heapq.heappush(heap, (-node.alloc.used / cap, i, node))
+        self.effects(fx)
+        return n, freed
+
+    def evict_all(self, budget: int, fx: Effects) -> tuple[int, int, bool]:
+        n = freed = 0
+        for node in list(self.node_by_id.values()):
+            k, f = self.evict_node(node, 1 << 62, budget - n, spare=False)  # an operator's --all: reservations too
+            n += k
+            freed += f
+            if n >= budget:
+                self.effects(fx)
+                return n, freed, False
+        self.effects(fx)
+        return n, freed, True
+
+    # -- the full load ----------------------------------------------------------------------------------------
+    def load(self, descs: dict, pages: PageRecords, held: list | None = None) -> tuple[list[tuple], list[tuple]]:
+        """The full load of one etcd snapshot: a node per description (not placeable), then each node's
+        pages in commit order (recency: their records' revisions), filed under the commit records they came from.
+        Returns (stale, rejected) ``page_record`` tuples of the pages with an etcd key of their own, for the leader
+        to delete. A page of a commit record that cannot stand (its node has no record, or the
+        load rejected it) is not returned: its record is rewritten without it (``TableRecords.adopt_records``;
+        the rewrite comes with the next ``effects``), never deleted with the pages of it that did load. ``held``
+        (a warm standby's load, ``metaserver/ha/standby.py``): those pages are appended to it as ``page_record``
+        tuples (their commit record's etcd key last), for the copy to file once they can stand."""
+        for node_id, (desc, _) in descs.items():
+            self.add_node(node_id, desc["capacity"])
+            self.set_placeable(node_id, False)
+        stale: list[tuple] = [(0, None, "", b"", 0, 0, 0, None, k) for k in pages.junk]
+        rejected: list[tuple] = []
+        orphans: list[bytes] = []  # commit records with a page of a node that has no record
+        reserve(self, len(pages), len(descs))
+        linking = self.links.linking
+        groups = pages.columns(parents=linking)  # each node's pages as columns (records.NodePages)
+        for node_id in list(groups):
+            cols = groups.pop(node_id)
+            if node_id not in self.node_by_id:
+                for i in range(len(cols)):
+                    p = cols.page(i, node_id, pages)
+                    if cols.rec_names[cols.rec[i]] is not None:
+                        orphans.append(p[8])
+                        if held is not None:
+                            held.append(p)
+                    else:
+                        stale.append(p)
+                continue
+            rev = cols.rev
+            if len(rev) > 1 and (rev[1:] < rev[:-1]).any():
+                cols = cols.take(np.argsort(rev, kind="stable"))
+            names = cols.records()
+            bad = load_pages(self, node_id, (cols.ns_names, cols.nsix), (cols.dig, cols.longs), cols.off, cols.code,
+                             cols.gen, records=names, stamps=cols.rev, parents=cols.parents if linking else None)
+            rejected.extend(cols.page(i, node_id, pages) for i in bad if names[i] is None)
+            if held is not None:
+                held.extend(cols.page(i, node_id, pages) for i in bad if names[i] is not None)
+        if orphans:
+            self.adopt_records([], np.zeros(0, np.int64), orphans)
+        return stale, rejected
+
+

@@ -1,0 +1,386 @@
+"""ALLOC on the page table (``metaserver.table.columns.PageTable.alloc``, whose docstring states the rules): which keys
+are new, where each new page goes, what is evicted for it, and the rows filed. No I/O.
+
+The answer is columns: each key's ``AllocState`` (int8; ``entry.OVER_QUOTA`` too) and its row (int64, -1 unless
+NEW), so the service packs it without a Python object per key (``TableDirectory.alloc_granted``); ``items_of``
+gives the list of tuples that list callers read.
+
+Two paths, one outcome. The array path (``_bulk``) takes a request whose keys are each new or READY, none given
+twice, no parents, every size fitting every placeable node's arena: the READY keys are stamped (a use) and pinned
+while the request places (so no placement evicts a key this request answers EXISTS); the new keys go in turn over
+the placeable nodes as the per-key path would send them (the ``j``-th new key to ``placing[(rr + j) % nodes]``);
+each (node, layout) group then asks its node's allocator for runs of same-size extents (``Allocator.alloc_runs``),
+takes victims that hand over their extent and row in one pass over the eviction queue (``TableEviction._handover``:
+exact size, old generation; plain LRU without reservations) and, for what is left, victims one at a time
+(``_make_room``: another size, a young generation, prefix-lru's order, a quota group's reservation); rows come in
+bulk (``take_rows``) and each column is written with one assignment. Anything else (a key given twice, a PENDING
+key, parents, a size some node cannot hold) takes the per-key path (``_each``), in key order as before.
+
+Costs (2-core VM, 300k pages on 32 nodes, a full pool: every new key evicts): the array path is numpy work per
+request and per (node, layout) group plus O(1) Python per allocator run; the per-key path O(keys) Python.
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+import numpy as np
+
+from metaserver.table.entry import (EXISTS, EXISTS_ITEM, GONE, IN_FLIGHT, IN_FLIGHT_ITEM, NEW, NO_SPACE, NO_SPACE_ITEM,
+                              OVER_QUOTA, OVER_QUOTA_ITEM, PENDING, READY, extent_size)
+from metaserver.table.index import digests
+from metaserver.table.nodes import FREE, UNIT_SHIFT
+_INF = float("inf")
+ARRAYS = True  # False: every request takes the per-key path (tests compare the two paths' outcomes)
+_ITEM = {EXISTS: EXISTS_ITEM, IN_FLIGHT: IN_FLIGHT_ITEM, NO_SPACE: NO_SPACE_ITEM, OVER_QUOTA: OVER_QUOTA_ITEM}
+
+
+def take_rows(t, node, m: int) -> np.ndarray:
+    """``m`` free rows of ``node`` (int64) in the order ``m`` calls of ``PageTable._take_row`` pop them (blocks added
+    as it adds them; the columns may grow: read ``t.cols`` again after)."""
+    free = node.free
+    while len(free) < m:
+        t._add_block(node)
+    out = free[len(free) - m:]
+    del free[len(free) - m:]
+    out.reverse()
+    return np.array(out, np.int64)
+
+
+def items_of(t, state: np.ndarray, rows: np.ndarray) -> list:
+    """The list form of ``alloc_rows``' answer: ``(NEW, node_id, offset, payload_len, gen)`` for a NEW key (from its
+    row's columns), the state's fixed item otherwise."""
+    new = np.flatnonzero(state == NEW)
+    if not len(new):
+        return [_ITEM[s] for s in state.tolist()]
+    items = [_ITEM.get(s) for s in state.tolist()]
+    r = rows.take(new)
+    c = t.cols
+    for i, it in zip(new.tolist(), zip(repeat(NEW), t.node_names.take(c["node"].take(r)).tolist(), t.offsets_of(r),
+                                       t.code_arr.take(c["size"].take(r)).tolist(), c["gen"].take(r).tolist())):
+        items[i] = it
+    return items
+
+
+def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: float, token, owner, parents, at
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``PageTable.alloc`` as columns: (each key's state, int8; each key's row, int64, -1 unless NEW)."""
+    n = len(keys)
+    nsix = t._ns(ns)
+    c = t.cols
+    dig, longs = digests(keys)
+    found = t.ix.find(nsix, dig, c["ns"]) if n else np.zeros(0, np.int64)
+    found_st = np.where(found >= 0, c["state"][np.maximum(found, 0)], FREE)
+    state = np.full(n, EXISTS, np.int8)
+    none = np.full(n, -1, np.int64)
+    if n and not t.dying and (found_st == READY).all():
+        # every key READY (an engine re-offering pages it holds, a TP rank after the first of a replicated page):
+        # all EXISTS, each a use, stamped in key order; a repeated key stamps at its first occurrence as the per-key
+        # path would: its second is EXISTS without a use
+        _, first = np.unique(found, return_index=True)
+        t._stamp(found.take(np.sort(first)))
+        if t.links.linking:
+            t.links.requeue(np.unique(found))
+        return state, none
+    if t.quota is not None and not t.quota.fit(nsix, keys, sizes, found):
+        state[:] = OVER_QUOTA  # past its group's quota even after its own evictions: nothing done
+        return state, none
+    evicted = t._evicted_now
+    evicted.clear()
+    if t.dying and n:  # a page of a node being dropped is gone for writers too: drop it now, place anew
+        gone = found[found >= 0]
+        gone = np.unique(gone[t.dead.take(c["node"].take(gone))])  # a key given twice: its row once
+        for r in gone.tolist():
+            evicted[r] = nsix  # unfiled with the request's victims
+            node = t.nodes[c["node"][r]]
+            if c["pins"][r]:
+                c["state"][r] = GONE
+            else:
+                t._free_row(r, node)
+        if len(gone):
+            hit = np.isin(found, gone)
+            found = np.where(hit, -1, found)
+            found_st = np.where(hit, FREE, found_st)
+    hit = found >= 0
+    simple = ARRAYS and (parents is None or parents.count(None) == n) and not (found_st == PENDING).any() \
+        and len(set(keys)) == n and (not hit.any() or hit.all() or int(np.argmin(hit)) > int(np.flatnonzero(hit)[-1]))
+    if simple and t.placing and n:
+        top = extent_size(max(sizes))
+        simple = all(node.alloc.capacity >= top for node in t.placing)
+    if simple:
+        rows, new, used = _bulk(t, sizes, found, state)
+    else:
+        rows, new, used = _each(t, nsix, keys, sizes, found, found_st.tolist(), state, none, token, owner, parents)
+    _file(t, nsix, dig, longs, tags, now, token, owner, parents, at, gen_base, rows, new, state, none)
+    if len(used) and t.links.linking:
+        t.links.requeue(np.unique(used))
+    return state, none
+
+
+def _file(t, nsix, dig, longs, tags, now, token, owner, parents, at, gen_base, rows, new, state, none) -> None:
+    """The request's victims unfiled, then its placements' columns written (one assignment each) and filed."""
+    evicted, bulk = t._evicted_now, t._evicted_rows
+    if evicted or bulk:
+        er = [np.fromiter(evicted.keys(), np.int64, len(evicted))] + bulk
+        er = er[0] if len(er) == 1 else np.concatenate(er)
+        t._leaving(er)
+        t.ix.delete(er, t.cols["ns"].take(er).astype(np.uint64))  # (a victim's row keeps its namespace until now)
+        evicted.clear()
+        bulk.clear()
+    if not len(rows):
+        return
+    c = t.cols
+    ra = rows
+    newa = np.asarray(new, np.int64)
+    none[newa] = ra
+    state[newa] = NEW
+    c["gen"][ra] = (newa if at is None else np.asarray(at, np.int64).take(newa)).astype(np.uint64) + np.uint64(gen_base)
+    c["pins"][ra] = 0
+    c["ns"][ra] = nsix
+    c["tag"][ra] = np.asarray(tags, np.uint64).take(newa) if tags is not None else 0
+    c["rec"][ra] = 0  # a commit files it under a record (``table/commits.py``)
+    c["stamp"][ra] = int((now + t.pending_ttl_s) * 1000)
+    rl = ra.tolist()
+    t._pending.update(dict.fromkeys(rl, (token, owner)))
+    if parents is not None or t.links.pending:
+        t.links.placed(rl, newa.tolist(), parents)
+    if longs:
+        where = {i: j for j, i in enumerate(newa.tolist())}
+        longs = [(where[i], k) for i, k in longs if i in where]
+    t.ix.insert(ra, dig[newa], c["ns"], longs)
+
+
+def _codes(t, sizes: list) -> tuple[list[int], list[int], list[int | None]]:
+    """(the distinct sizes, their extent sizes, their code indexes: None when the table has no room for another
+    code) of ``sizes``, interned as the per-key path interns them."""
+    osize = t._osize
+    out_s, out_e, out_c = [], [], []
+    for plen in dict.fromkeys(sizes):
+        got = osize.get(plen)
+        if got is None:
+            cix = t._code(plen)
+            if cix is not None:
+                got = osize[plen] = (extent_size(plen), cix)
+        out_s.append(plen)
+        out_e.append(got[0] if got is not None else 0)
+        out_c.append(got[1] if got is not None else None)
+    return out_s, out_e, out_c
+
+
+def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The array path (module docstring): the new keys placed per (node, layout) group. Returns (rows, positions)
+    of the NEW keys in key order and the READY rows used; ``state`` says NO_SPACE for the keys that found none
+    (EXISTS stays for the READY ones)."""
+    hit = found >= 0
+    used = found[hit]
+    newpos = np.flatnonzero(~hit)
+    if len(used):
+        t._stamp(used)  # a use, in key order (all before the new keys): newer than every queued victim
+    nodes = t.placing
+    z = np.zeros(0, np.int64)
+    m = len(newpos)
+    state[newpos] = NO_SPACE  # until placed
+    if not m or not nodes:
+        return z, z, used
+    new_sizes = sizes if m == len(sizes) else [sizes[i] for i in newpos.tolist()]
+    us, ext, cix = _codes(t, new_sizes)
+    u = len(us)
+    group = (t._rr + np.arange(m)) % len(nodes)  # in turn: the j-th new key to placing[(rr + j) % nodes]
+    t._rr += m
+    if u > 1:
+        q_of = {s: q for q, s in enumerate(us)}
+        group = group * u + np.array([q_of[s] for s in new_sizes], np.int64)
+    order = np.argsort(group, kind="stable")
+    per = np.bincount(group)
+    gs = np.flatnonzero(per)
+    counts = per.take(gs)
+    starts = np.cumsum(counts) - counts
+    groups = [divmod(g, u) for g in gs.tolist()]
+    # what each group gets, in order: free extents (runs), victims handing over, victims one at a time
+    sup_rows: list[np.ndarray] = []
+    sup_offs: list[np.ndarray] = []
+    sup_grp: list[np.ndarray] = []
+    need = counts.tolist()
+    for x, (p, q) in enumerate(groups):
+        node, size = nodes[p], ext[q]
+        if cix[q] is None:  # no layout code left for this length: NO_SPACE
+            need[x] = 0
+        elif node.alloc.free_bytes >= size:
+            runs = node.alloc.alloc_runs(size, need[x])
+            k = sum(r[1] for r in runs)
+            if k:
+                step = np.uint64(size)
+                sup_offs.append(np.concatenate([np.uint64(o) + np.arange(n, dtype=np.uint64) * step for o, n in runs]))
+                sup_rows.append(take_rows(t, node, k))
+                sup_grp.append(np.full(k, x, np.int64))
+                need[x] -= k
+    if not t.links.linking and not (t.quota is not None and t.quota.reserving):
+        todo = [x for x in range(len(groups)) if need[x]]
+        first: dict[int, int] = {}  # a node's first group needing victims (another layout on it: one at a time)
+        for x in todo:
+            first.setdefault(groups[x][0], x)
+        hand = list(first.values())
+        if hand:
+            ks = [need[x] for x in hand]
+            vr, vo, vj = t._handover([nodes[groups[x][0]] for x in hand], [ext[groups[x][1]] for x in hand], ks)
+            if len(vr):
+                sup_rows.append(vr)
+                sup_offs.append(vo)
+                sup_grp.append(np.array(hand, np.int64).take(vj))
+            for x, k in zip(hand, ks):
+                need[x] = k
+    for x, (p, q) in enumerate(groups):
+        if need[x]:  # another size, a young generation, prefix-lru's order, a reservation: one victim at a time
+            r1, o1 = _one_by_one(t, nodes[p], ext[q], need[x])
+            if len(r1):
+                sup_rows.append(r1)
+                sup_offs.append(o1)
+                sup_grp.append(np.full(len(r1), x, np.int64))
+    if not sup_rows:
+        return z, z, used
+    grp = sup_grp[0] if len(sup_rows) == 1 else None
+    if grp is not None and (len(grp) < 2 or bool((grp[1:] >= grp[:-1]).all())):  # in group order already (a full
+        rows, offs = sup_rows[0], sup_offs[0]  # pool's one round of victims that hand over)
+    else:
+        grp = np.concatenate(sup_grp)
+        by = np.argsort(grp, kind="stable")
+        rows, offs, grp = np.concatenate(sup_rows).take(by), np.concatenate(sup_offs).take(by), grp.take(by)
+    have = np.bincount(grp, minlength=len(groups))
+    gk = np.repeat(np.arange(len(groups)), counts)
+    every = len(rows) == m  # every key placed: the supplies line up with the keys sorted by group
+    if not every:  # the k-th key of a group (key order) takes the group's k-th supply, when it has one
+        rank = np.arange(m) - starts.take(gk)
+        ok = rank < have.take(gk)
+        pick = (np.cumsum(have) - have).take(gk[ok]) + rank[ok]
+        rows, offs, gk = rows.take(pick), offs.take(pick), gk[ok]
+    c = t.cols
+    c["state"][rows] = PENDING
+    c["node"][rows] = np.array([nodes[p].ix for p, _ in groups], np.uint16).take(gk)
+    c["unit"][rows] = offs >> np.uint64(UNIT_SHIFT)
+    c["size"][rows] = np.array([cix[q] or 0 for _, q in groups], np.uint16).take(gk) if u > 1 else cix[0]
+    # key order: records and links read the rows as the keys came
+    if every:
+        out = np.empty(m, np.int64)
+        out[order] = rows
+        return out, newpos, used
+    pos = newpos.take(order[ok])
+    by = np.argsort(pos, kind="stable")
+    return rows.take(by), pos.take(by), used
+
+
+def _one_by_one(t, node, size: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``k`` places of ``size`` bytes on ``node`` a victim at a time (``_make_room``; free space it leaves
+    taken first), each row PENDING at once as the per-key path takes it: (rows, offsets as uint64)."""
+    rows: list[int] = []
+    offs: list[int] = []
+    alloc = node.alloc
+    for _ in range(k):
+        off = alloc.alloc(size) if alloc.free_bytes >= size else None
+        r = -1
+        if off is None:
+            off, r = t._make_room(node, size)
+            if off is None:
+                break
+        if r < 0:
+            r = t._take_row(node)
+        t.cols["state"][r] = PENDING
+        rows.append(r)
+        offs.append(off)
+    return np.array(rows, np.int64), np.array(offs, np.uint64)
+
+
+def _each(t, nsix, keys, sizes, found, found_state, state, none, token, owner, parents
+          ) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """The per-key path (module docstring): keys in order, placement and eviction a key at a time. Returns (rows,
+    positions) of the NEW keys placed here and the READY rows used; a retried allocation's own row is answered in
+    ``none`` directly."""
+    c = t.cols
+    found = found.tolist()
+    evicted = t._evicted_now
+    nodes = t.placing
+    osize = t._osize
+    new: list[int] = []  # positions in ``keys`` of the new places
+    rows: list[int] = []
+    offs: list[int] = []
+    codes: list[int] = []
+    node_ix: list[int] = []
+    seen: set = set()
+    used: list[int] = []  # READY rows of keys answered EXISTS (a use)
+    pending = t._pending
+    writer = (token, owner)
+    st: list[int] = [EXISTS] * len(keys)
+    near_of = t._parents_near(nsix, parents) if parents is not None else None
+    top = _INF  # at least the most free bytes of a placeable node (rescanned when it does not decide)
+    for i, (k, plen) in enumerate(zip(keys, sizes)):
+        if k in seen:
+            continue  # EXISTS
+        seen.add(k)
+        r = found[i]
+        if r >= 0 and r not in evicted:
+            if found_state[i] == READY:
+                c["stamp"][r] = t.clock  # a use: newer than every queued victim's stamp
+                t.clock += 1
+                used.append(r)
+            elif token is not None and pending[r][0] == token and t.codes[c["size"][r]] == plen:
+                pending[r] = writer
+                st[i] = NEW
+                none[i] = r
+            else:
+                st[i] = IN_FLIGHT
+            continue
+        if not nodes:
+            st[i] = NO_SPACE
+            continue
+        got = osize.get(plen)
+        if got is None:
+            cix = t._code(plen)
+            if cix is None:  # MAX_CODES distinct lengths already: this one has no column value
+                st[i] = NO_SPACE
+                continue
+            got = osize[plen] = (extent_size(plen), cix)  # a shared entry's layout: its n sub-slots
+        size, cix = got
+        node = near_of.get(parents[i]) if near_of else None
+        if node is not None:  # near the parent: when it has room and half the free bytes of the emptiest
+            f = node.alloc.free_bytes
+            if f < size or not node.placeable:
+                node = None
+            elif 2 * f < top and 2 * f < (top := max(n.alloc.free_bytes for n in nodes)):
+                # much fuller than the emptiest: there instead, not in turn, where half the children of a shared
+                # prefix would come back to the parent's node
+                node = next(n for n in nodes if n.alloc.free_bytes == top)
+        if node is None:
+            node = nodes[t._rr % len(nodes)]
+            t._rr += 1
+            if node.alloc.capacity < size:  # never fits there, whatever it evicts: in turn over those it fits
+                fit = [n for n in nodes if n.alloc.capacity >= size]
+                if not fit:
+                    st[i] = NO_SPACE
+                    continue
+                node = fit[t._rr % len(fit)]
+        r = -1
+        off = node.alloc.alloc(size) if node.alloc.free_bytes >= size else None
+        if off is None:
+            off, r = t._make_room(node, size)
+            top = _INF  # evictions raised a node's free bytes: no longer a bound
+            if off is None:
+                st[i] = NO_SPACE
+                continue
+        if r < 0:
+            r = t._take_row(node)
+        c = t.cols  # a new block may have grown (replaced) the columns
+        c["state"][r] = PENDING  # taken now: a later victim scan of this request must not see it FREE
+        new.append(i)
+        rows.append(r)
+        offs.append(off)
+        codes.append(cix)
+        node_ix.append(node.ix)
+        if near_of is not None:
+            near_of[k] = node  # a child later in this request goes near it
+    state[:] = st
+    ra = np.array(rows, np.int64)
+    if rows:
+        c = t.cols
+        c["node"][ra] = node_ix
+        c["unit"][ra] = np.array(offs, np.uint64) >> np.uint64(UNIT_SHIFT)
+        c["size"][ra] = codes
+    return ra, new, np.array(used, np.int64)

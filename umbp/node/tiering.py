@@ -1,0 +1,356 @@
+"""The storage node's disk tier as it is served: READV_DISK for clients, DEMOTE and PROMOTE for the metaserver.
+
+Requests are checked on the event loop (ranges, capabilities, the source headers of a move), their transfers run on
+the disk arena's workers (umbp/node/disk.py), and the answer is built back on the loop. A connection answers in
+request order: an ``Answer`` holds its place in the connection's output until its I/O is done, and the answers
+behind it wait (``flush``). Read buffers go back to the pool once the transport has sent them.
+
+READV_DISK: READV's layout over disk addresses (``wire.DISK_BIT | offset``; a read capability names that address, so
+a DRAM grant never reads the disk and back). Each extent's header is checked like a DRAM read's (key hash, generation,
+length, header crc: ``wire.check_object_header``) on the bytes just read: a stale or torn extent is a CORRUPT failure
+of its op, never bytes. A ranged read fetches the header block and the aligned blocks holding the range.
+
+DEMOTE (DRAM -> disk) and PROMOTE (disk -> DRAM): the metaserver's identity only (the cluster secret, whose scope
+may act as a node; anyone in an open pool). Rows (``wire.TIER_ROW``) are independent; the answer lists the failed
+ones. A source whose header does not match its row is never copied. The copy's header lands LAST:
+- DEMOTE writes each extent whole with its header zeroed (one pwritev: the block holding the header from a scratch
+  copy, the rest straight from the arena), ``fdatasync``, then the header block with the header, ``fdatasync``, and
+  only then answers. A node killed (or a power cut) before the second write leaves an extent with no valid header: a
+  READV_DISK of it is CORRUPT, never the half-written bytes. The source header is compared again before the
+  header write: a source rewritten meanwhile fails its row.
+- PROMOTE zeroes the DRAM extent's header first, reads the disk extent's first block into scratch and the rest
+  straight into the arena, checks the header read, then copies the first block in with the header bytes last. In a
+  closed pool the write counts in the write ledger at the copy's generation (``regen``, else the object's): a
+  generation the ledger refuses fails the row (the metaserver gives a promoted copy a fresh generation).
+
+Costs: per READV_DISK op one buffer (two for a range past the first block) and one syscall on a worker; per moved
+row two writes (a 4 KiB one for the header) and a 4 KiB memcpy; two ``fdatasync`` per DEMOTE batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from transport import wire
+from umbp.errors import AuthError, BadRequest, CorruptionError, RemoteError
+from umbp.node.disk import ALIGN, DiskArena, Job
+
+HS = wire.OBJ_HEADER_SIZE
+INFLIGHT_BYTES = 256 << 20  # a connection's disk reads in flight past this: it is not read from until they drain
+_ZERO_HEAD = bytes(HS)
+
+
+class Answer:
+    """A disk op's place in its connection's output: ``bufs`` is None until its I/O is done."""
+
+    __slots__ = ("bufs", "held", "nbytes")
+
+    def __init__(self, nbytes: int = 0):
+        self.bufs: list | None = None
+        self.held: list = []  # buffers to give back once sent
+        self.nbytes = nbytes
+
+
+class ConnState:
+    """One connection's disk answers: how many are in its output, bytes in flight, buffers not yet known sent."""
+
+    __slots__ = ("waiting", "inflight", "held", "paused")
+
+    def __init__(self):
+        self.waiting = 0
+        self.inflight = 0
+        self.held: list = []
+        self.paused = False
+
+
+def flush(conn) -> None:
+    """``DataProtocol.flush`` while disk answers are around: send what precedes the first unfinished one."""
+    st, out, ready = conn.disk, conn._out, []
+    for i, b in enumerate(out):
+        if type(b) is Answer:
+            if b.bufs is None:
+                conn._out = out[i:]
+                break
+            ready.extend(b.bufs)
+            st.held.extend(b.held)
+            st.waiting -= 1
+        else:
+            ready.append(b)
+    else:
+        conn._out = []
+    if ready:
+        conn.transport.writelines(ready)
+    if st.held and not conn.transport.get_write_buffer_size():
+        release(conn)
+
+
+def release(conn) -> None:
+    """Give a connection's sent (or never to be sent) read buffers back to the pool."""
+    put = conn.node.disk.buffers.put
+    for b in conn.disk.held:
+        put(b)
+    conn.disk.held = []
+
+
+class DiskTier:
+    def __init__(self, node: Any, disk: DiskArena):
+        self.node = node
+        self.disk = disk
+        self.component = node.component
+        self.stats = {"demotions": 0, "promotions": 0, "demote_failures": 0, "promote_failures": 0,
+                      "disk_reads": 0, "disk_bytes_read": 0}
+
+    def handle(self, conn, frame: wire.Frame) -> None:
+        """A READV_DISK, DEMOTE or PROMOTE frame: its answer's place goes into ``conn._out`` now, its bytes later."""
+        op = frame.op
+        if op != wire.Op.READV_DISK and not conn.auth.require().node:
+            raise AuthError(self.component, f"{wire.Op(op).name}: only the metaserver (the cluster secret) moves "
+                                            f"pages between tiers")
+        if conn.disk is None:
+            conn.disk = ConnState()
+        if op == wire.Op.READV_DISK:
+            self.readv(conn, frame)
+        elif op == wire.Op.DEMOTE:
+            self.demote(conn, frame)
+        else:
+            self.promote(conn, frame)
+
+    def _later(self, conn, answer: Answer, finish) -> Any:
+        """A ``done`` for ``DiskArena.run``: ``finish`` on the event loop, then the answer goes out in order."""
+        loop = asyncio.get_running_loop()
+        conn._out.append(answer)
+        conn.disk.waiting += 1
+
+        def on_loop(*args) -> None:
+            st = conn.disk
+            try:
+                finish(*args)
+            finally:
+                st.inflight -= answer.nbytes
+                if st.paused and st.inflight <= INFLIGHT_BYTES and conn.transport is not None:
+                    st.paused = False
+                    conn.transport.resume_reading()
+            if conn.transport is None or conn.transport.is_closing():
+                st.held.extend(answer.held)
+                release(conn)
+                return
+            conn.flush()
+
+        return lambda *args: loop.call_soon_threadsafe(on_loop, *args)
+
+    def _encode(self, frame: wire.Frame, version: int, failures: list, data_len: int = 0) -> bytes:
+        failures.sort()
+        return wire.encode(frame.op, frame.request_id, failures or None, flags=wire.Flag.RESPONSE,
+                           data_len=data_len, version=version)
+
+    # ---- clients: READV_DISK -----------------------------------------------------------------------------------
+
+    def readv(self, conn, frame: wire.Frame) -> None:
+        meta, comp, disk, node = frame.meta, self.component, self.disk, self.node
+        if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
+            raise BadRequest(comp, f"READV_DISK: meta must be a list of 1..{wire.MAX_VEC_OPS} [disk_addr, start, "
+                                   f"length, tag, gen, payload_len, capability]")
+        check_cap, prev, get = conn.caps.read, b"", disk.buffers.get
+        failures, reads, jobs, nbytes = [], [], [], 0
+        for i, m in enumerate(meta):
+            if type(m) is not list or len(m) != 7 or not all(type(v) is int for v in m[:6]):
+                raise BadRequest(comp, f"READV_DISK: op {i} must be [disk_addr, start, length, tag, gen, payload_len, "
+                                       f"capability] (integers but the capability)")
+            addr, start, length, khash, gen, plen, cap = m
+            if cap == b"":
+                cap = prev
+            prev = cap
+            try:
+                off = addr ^ wire.DISK_BIT
+                why = None if addr & wire.DISK_BIT and plen >= 0 else "not a disk address"
+                why = why or disk.check(off, wire.object_size(plen))
+                if why:
+                    raise BadRequest(comp, f"READV_DISK: {why}")
+                if node.cap_key is not None:
+                    check_cap(cap, addr, plen, gen, comp)
+                if start < 0 or length < 0 or start + length > plen:
+                    raise BadRequest(comp, f"READV_DISK: range {start}+{length} outside the payload of {plen}")
+            except RemoteError as e:
+                failures.append([i, e.code or wire.Status.BAD_REQUEST, str(e)])
+                continue
+            a = (HS + start) // ALIGN * ALIGN  # the range's first block
+            end = wire.align_up(HS + start + length)
+            bufs = [get(end)] if a <= ALIGN else [get(ALIGN), get(end - a)]
+            jobs.append(Job(False, off, bufs[:1] if a <= ALIGN else [bufs[0]]))
+            if a > ALIGN:
+                jobs.append(Job(False, off + a, [bufs[1]]))
+            nbytes += end if a <= ALIGN else ALIGN + end - a
+            reads.append((i, khash, gen, plen, start, length, a, bufs, len(jobs)))
+        answer = Answer(nbytes)
+        version = conn.reader.version
+        st = conn.disk
+        st.inflight += nbytes
+        if st.inflight > INFLIGHT_BYTES and not st.paused:
+            st.paused = True
+            conn.transport.pause_reading()
+
+        def finish(jobs: list[Job]) -> None:
+            out, total, served = [], 0, 0
+            for i, khash, gen, plen, start, length, a, bufs, j in reads:
+                answer.held.extend(bufs)
+                err = jobs[j - 1].error or jobs[j - len(bufs)].error
+                if err is not None:
+                    failures.append([i, wire.Status.INTERNAL, f"{comp}: disk read failed: {err.strerror or err}"])
+                    continue
+                head = memoryview(bufs[0])[:HS]
+                try:
+                    wire.check_object_header(head, comp, khash, gen, plen)
+                except CorruptionError as e:
+                    failures.append([i, wire.Status.CORRUPT, str(e)])
+                    continue
+                body = memoryview(bufs[-1])
+                lo = HS + start - (a if a > ALIGN else 0)
+                if a <= ALIGN and start == 0:
+                    out.append(body[:HS + length])
+                else:
+                    out.append(head)
+                    if length:
+                        out.append(body[lo:lo + length])
+                total += HS + length
+                served += 1
+            self.stats["disk_reads"] += served
+            self.stats["disk_bytes_read"] += total - HS * served
+            node.stats["reads"] += served
+            node.stats["bytes_read"] += total - HS * served
+            node.stats["errors"] += len(meta) - served
+            answer.bufs = [self._encode(frame, version, failures, total)] + out
+
+        disk.run(jobs, self._later(conn, answer, finish))
+
+    # ---- the metaserver: DEMOTE and PROMOTE --------------------------------------------------------------------
+
+    def _rows(self, conn, frame: wire.Frame, what: str) -> tuple[list, list]:
+        """(rows that pass their checks as (index, tag, gen, plen, dram, disk, regen, size), failures)."""
+        rows = wire.unpack_tier_rows(frame.meta, self.component)
+        ok, failures = [], []
+        for i, (tag, gen, plen, dram, dsk, regen) in enumerate(rows.tolist()):
+            size = wire.object_size(plen)
+            try:
+                self.node.check_range(dram, size, what)
+                why = self.disk.check(dsk, size)
+                if why:
+                    raise BadRequest(self.component, f"{what}: {why}")
+            except RemoteError as e:
+                failures.append([i, e.code or wire.Status.BAD_REQUEST, str(e)])
+                continue
+            ok.append((i, tag, gen, plen, dram, dsk, regen, size))
+        return ok, failures
+
+    def _header(self, head, comp: str, tag: int, gen: int, plen: int, regen: int) -> bytes:
+        """The copy's header: the source's, or with generation ``regen`` (its payload checksum kept)."""
+        csum = wire.check_object_header(head, comp, tag, gen, plen)
+        return bytes(head) if not regen else wire.pack_object_header(tag, regen, plen, csum)
+
+    def demote(self, conn, frame: wire.Frame) -> None:
+        rows, failures = self._rows(conn, frame, "DEMOTE")
+        comp, view, disk = self.component, self.node.arena.view, self.disk
+        moves, jobs = [], []
+        for i, tag, gen, plen, dram, dsk, regen, size in rows:
+            src = view[dram:dram + HS]
+            try:
+                final = self._header(src, comp, tag, gen, plen, regen)
+            except CorruptionError as e:
+                failures.append([i, wire.Status.CORRUPT, f"{comp}: DEMOTE: source {e.detail}"])
+                continue
+            first = disk.buffers.get(ALIGN)
+            first[:] = view[dram:dram + ALIGN]
+            first[:HS] = _ZERO_HEAD  # no valid header until every other byte of the extent is on the disk
+            jobs.append(Job(True, dsk, [first] + ([view[dram + ALIGN:dram + size]] if size > ALIGN else [])))
+            moves.append((i, dram, dsk, bytes(src), final, first))
+        answer = Answer()
+        version = conn.reader.version
+        done = self._later(conn, answer, lambda err: finish(err))
+
+        def headers(jobs1: list[Job]) -> None:  # a worker: the extents are written; now their headers
+            try:
+                disk.sync()
+            except OSError as e:
+                done(e)
+                return
+            heads = []
+            for (i, dram, dsk, src, final, first), j in zip(moves, jobs1):
+                if j.error is not None:
+                    failures.append([i, wire.Status.INTERNAL, f"{comp}: DEMOTE: disk write failed: "
+                                                              f"{j.error.strerror or j.error}"])
+                elif view[dram:dram + HS] != src:
+                    failures.append([i, wire.Status.CORRUPT, f"{comp}: DEMOTE: the source changed during the copy"])
+                else:
+                    first[:HS] = final
+                    heads.append(Job(True, dsk, [first]))
+            disk.run(heads, synced)
+
+        def synced(heads: list[Job]) -> None:  # a worker
+            for (i, *_rest), j in zip([m for m in moves if not any(f[0] == m[0] for f in failures)], heads):
+                if j.error is not None:
+                    failures.append([i, wire.Status.INTERNAL, f"{comp}: DEMOTE: disk write failed: "
+                                                              f"{j.error.strerror or j.error}"])
+            try:
+                disk.sync()
+            except OSError as e:
+                done(e)
+                return
+            done(None)
+
+        def finish(err: OSError | None) -> None:  # the loop
+            for m in moves:
+                disk.buffers.put(m[5])
+            if err is not None:
+                failed = {f[0] for f in failures}
+                failures.extend([m[0], wire.Status.INTERNAL, f"{comp}: DEMOTE: disk sync failed: {err}"]
+                                for m in moves if m[0] not in failed)
+            self.stats["demotions"] += len(rows) - len(failures) + (len(failures) - len(moves) * 0) * 0
+            self._count("demot", len(frame.meta["rows"]) // wire.TIER_ROW.itemsize, failures)
+            answer.bufs = [self._encode(frame, version, failures)]
+
+        disk.run(jobs, headers)
+
+    def _count(self, what: str, nrows: int, failures: list) -> None:
+        self.stats[what + "ions"] = self.stats.get(what + "ions", 0)
+        self.stats[what + "ions"] += 0
+        self.stats[("demote" if what == "demot" else "promote") + "_failures"] += len(failures)
+
+    def promote(self, conn, frame: wire.Frame) -> None:
+        rows, failures = self._rows(conn, frame, "PROMOTE")
+        comp, view, disk, ledger = self.component, self.node.arena.view, self.disk, self.node.ledger
+        moves, jobs = [], []
+        for i, tag, gen, plen, dram, dsk, regen, size in rows:
+            if ledger is not None:
+                try:
+                    ledger.admit(dram, size, regen or gen)
+                except AuthError as e:
+                    failures.append([i, wire.Status.AUTH, str(e)])
+                    continue
+            view[dram:dram + HS] = _ZERO_HEAD  # the extent's previous object is gone before a byte of this lands
+            first = disk.buffers.get(ALIGN)
+            jobs.append(Job(False, dsk, [first] + ([view[dram + ALIGN:dram + size]] if size > ALIGN else [])))
+            moves.append((i, tag, gen, plen, dram, regen, first))
+        answer = Answer()
+        version = conn.reader.version
+
+        def finish(jobs: list[Job]) -> None:  # the loop
+            for (i, tag, gen, plen, dram, regen, first), j in zip(moves, jobs):
+                try:
+                    if j.error is not None:
+                        failures.append([i, wire.Status.INTERNAL, f"{comp}: PROMOTE: disk read failed: "
+                                                                  f"{j.error.strerror or j.error}"])
+                        continue
+                    try:
+                        final = self._header(memoryview(first)[:HS], comp, tag, gen, plen, regen)
+                    except CorruptionError as e:
+                        failures.append([i, wire.Status.CORRUPT, f"{comp}: PROMOTE: disk extent {e.detail}"])
+                        continue
+                    view[dram + HS:dram + ALIGN] = memoryview(first)[HS:]
+                    view[dram:dram + HS] = final  # last: the copy is whole before it reads as valid
+                finally:
+                    disk.buffers.put(first)
+            self.stats["promotions"] += len(moves) - sum(1 for f in failures if f[0] in {m[0] for m in moves})
+            self.stats["promote_failures"] += len(failures)
+            answer.bufs = [self._encode(frame, version, failures)]
+
+        disk.run(jobs, self._later(conn, answer, finish))
