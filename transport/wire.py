@@ -48,7 +48,9 @@ from umbp.errors import (AuthError, BadRequest, CorruptionError, FrameTooLarge, 
 
 MAGIC = 0x4D55  # b"UM" little-endian
 # Versions: docs/operations/upgrades.md (12: LOOKUP and ALLOC answers as packed rows, ``LOC_ROW``/``ALLOC_ROW``). A
-# reader takes VERSION and MIN_VERSION, a server answers a frame in its version (tests/test_wire_compat.py).
+# reader takes VERSION and MIN_VERSION, a server answers a frame in its version (tests/test_wire_compat.py). The disk
+# tier's opcodes (READV_DISK, DEMOTE, PROMOTE) are additive within 12: older peers never send them, a node without
+# them answers UNKNOWN_OPCODE.
 VERSION = 12
 MIN_VERSION = VERSION - 1
 HEADER = struct.Struct("<HBBHHIIQ")
@@ -107,6 +109,16 @@ class Op(enum.IntEnum):
     #                op's bytes are discarded, the others land; write_cap b"": the previous op's)
     FENCE = 0x46  # fence token (umbp/auth.py) -> {"floor": int}: a new slot leader raises its slot's write-capability
     #               epoch floor on the node before serving it (no AUTH: only a holder of the cap_key makes one)
+    # The disk tier (umbp/node/disk.py, umbp/node/tiering.py). Additive: a node without them answers UNKNOWN_OPCODE
+    # (a miss for a reader, a failed batch for the metaserver), so VERSION stays; peers that never send them see no
+    # change. READV_DISK is READV's layout, ``off`` a disk address (``DISK_BIT`` | offset in the node's disk file, as
+    # capabilities name it too): an old node refuses the opcode instead of reading DRAM at a disk offset.
+    READV_DISK = 0x47  # [[disk_addr, start, length, tag, gen, payload_len, read_cap], ...] -> as READV
+    # Metaserver only (the cluster secret; anyone in an open pool): copy objects between a node's tiers, TIER_ROWs
+    # packed in "rows" (at most MAX_VEC_OPS); each source header is checked before its bytes are copied; the copy's
+    # header lands last, so a torn copy never reads as valid. Answer meta: failures as READV's ([[row, status, msg]]).
+    DEMOTE = 0x48  # {"rows": TIER_ROWs} DRAM -> disk -> failures | None
+    PROMOTE = 0x49  # {"rows": TIER_ROWs} disk -> DRAM -> failures | None
 
 
 class AllocState(enum.IntEnum):
@@ -466,6 +478,39 @@ def pack_object_header(khash: int, generation: int, payload_len: int, checksum: 
     return head + _OBJ_TAIL.pack(zlib.crc32(head))
 
 
+# The object header as a numpy record (``OBJ_HEADER``'s fields): a batch's headers packed and checked as arrays.
+OBJ_HEADER_DTYPE = np.dtype([("magic", "<u4"), ("version", "<u2"), ("flags", "<u2"), ("tag", "<u8"), ("gen", "<u8"),
+                             ("len", "<u8"), ("csum", "<u4"), ("crc", "<u4"), ("rest", "V24")])
+_CRC: list = []  # [(36, 256) uint32 table, crc32 of 36 zero bytes]: built on first use
+
+
+def crc32_rows(rows: np.ndarray) -> np.ndarray:
+    """zlib.crc32 of each row of an (n, 36) uint8 array, without a crc call a row: over a fixed length crc32 is
+    affine in the bytes, so it is the crc of zeros xored with one table term per byte (36 look-ups, one reduce)."""
+    if not _CRC:
+        zero = zlib.crc32(bytes(36))
+        bits = np.array([[zlib.crc32(bytes(j) + bytes([1 << b]) + bytes(35 - j)) for b in range(8)] for j in range(36)],
+                        np.uint32) ^ np.uint32(zero)
+        on = (np.arange(256)[:, None] >> np.arange(8)) & 1 == 1
+        _CRC[:] = [np.bitwise_xor.reduce(np.where(on, bits[:, None, :], np.uint32(0)), axis=2), np.uint32(zero)]
+    table, zero = _CRC
+    return np.bitwise_xor.reduce(table[np.arange(36), rows], axis=1) ^ zero
+
+
+def pack_object_headers(tags: np.ndarray, gens: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``pack_object_header`` (no payload checksum) of n objects as one (n, 64) uint8 array, row i object i's
+    header bytes: a fixed number of numpy calls, the crc by ``crc32_rows``."""
+    h = np.zeros(len(gens), OBJ_HEADER_DTYPE)
+    h["magic"] = OBJ_MAGIC
+    h["version"] = OBJ_VERSION
+    h["tag"] = tags
+    h["gen"] = gens
+    h["len"] = lens
+    raw = h.view(np.uint8).reshape(len(h), OBJ_HEADER_SIZE)
+    h["crc"] = crc32_rows(raw[:, :_OBJ_CRC_SPAN])
+    return raw
+
+
 def check_object_header(buf: bytes | memoryview, component: str, khash: int, generation: int,
                         payload_len: int) -> int | None:
     """Validate an object header against what the directory says; return the payload checksum if present.
@@ -525,6 +570,53 @@ def unpack_superblock(buf) -> tuple[bytes, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The disk tier: a node's disk file is a superblock (``ARENA_SUPER`` with ``DISK_MAGIC``) then ``disk_capacity`` bytes
+# of objects laid out as in the arena (the same header, 4 KiB aligned), offsets from ``DISK_DATA_START``. A disk
+# address outside the node (READV_DISK ops, read capabilities, directory rows) is ``DISK_BIT | offset``: never a
+# DRAM offset, so no grant or row of one tier reads the other.
+DISK_MAGIC = b"UMBPDISK"
+DISK_DATA_START = ALIGN
+DISK_BIT = 1 << 63
+# DEMOTE / PROMOTE rows: the object's tag, generation and payload length (checked against the source header), its
+# DRAM offset and disk offset (plain, within each arena), and ``regen``: when not 0 the copy's header carries this
+# generation instead (a promoted copy in a closed pool needs a fresh one: umbp/node/ledger.py refuses older ones).
+TIER_ROW = np.dtype([("tag", "<u8"), ("gen", "<u8"), ("len", "<u8"), ("dram", "<u8"), ("disk", "<u8"),
+                     ("regen", "<u8")])
+
+
+def pack_disk_superblock(disk_id: bytes, capacity: int, created_ns: int) -> bytes:
+    return ARENA_SUPER.pack(DISK_MAGIC, ARENA_VERSION, disk_id, capacity, created_ns)
+
+
+def unpack_disk_superblock(buf) -> tuple[bytes, int]:
+    """(disk_id, capacity) from a disk file's first bytes; NotAnArena if it is not a disk arena."""
+    if len(buf) < ARENA_SUPER.size:
+        raise NotAnArena("disk", "not a UMBP disk arena (shorter than a superblock)")
+    magic, version, disk_id, capacity, _created = ARENA_SUPER.unpack_from(buf)
+    if magic != DISK_MAGIC or version != ARENA_VERSION:
+        raise NotAnArena("disk", "not a UMBP disk arena (bad superblock)")
+    return disk_id, capacity
+
+
+def pack_tier_rows(tags, gens, lens, drams, disks, regens=0) -> bytes:
+    """A DEMOTE/PROMOTE request's ``rows``, one a column (sequences or numpy arrays of one length)."""
+    rows = np.zeros(len(tags), TIER_ROW)
+    for name, col in (("tag", tags), ("gen", gens), ("len", lens), ("dram", drams), ("disk", disks),
+                      ("regen", regens)):
+        rows[name] = col
+    return rows.tobytes()
+
+
+def unpack_tier_rows(meta: Any, component: str) -> np.ndarray:
+    """A DEMOTE/PROMOTE request's rows (1..MAX_VEC_OPS of them); BadRequest when malformed."""
+    raw = meta.get("rows") if type(meta) is dict else None
+    if not isinstance(raw, bytes) or not raw or len(raw) % TIER_ROW.itemsize or \
+            len(raw) // TIER_ROW.itemsize > MAX_VEC_OPS:
+        raise BadRequest(component, f"tier move: meta must be {{'rows': 1..{MAX_VEC_OPS} packed TIER_ROWs}}")
+    return np.frombuffer(raw, TIER_ROW)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # A LOOKUP answer's rows (VERSION 12): one ``LOC_ROW`` a key, in key order: the object header's words after its
 # magic/version/flags (a reader compares them with the header it reads), the object's arena offset, and the index of
 # its node in the answer's ``nodes`` (and of its capability in ``caps``), ``NO_NODE`` for a miss.
@@ -570,6 +662,7 @@ def unpack_allocs(answer: Any, component: str) -> Any:
     if got is None:
         return answer
     rows, nodes = got
+    answer["alloc_rows"] = rows  # the put path's array form (umbp/putbatch.py); "items" for everyone else
     node, state = rows["node"], rows["state"]
     new = state == AllocState.NEW
     if (state > AllocState.IN_FLIGHT).any() or (new & (node >= len(nodes))).any() or (~new & (node != NO_NODE)).any():
