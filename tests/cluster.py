@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from umbp.launcher import sweep_dead_pool_dirs
 from processes import (  # noqa: F401  (re-exported for the tests)
     LOG_TAIL_LINES, SHM_PREFIX, SHM_ROOT, Etcd, HarnessError, Metaserver, Node, NotYet, Process, child_env,
     eventually, eventually_async, find_etcd, free_port, free_ports, tcp_connects,
@@ -83,26 +84,9 @@ class Harness:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def sweep_stale_shm() -> list[Path]:
+def sweep_stale_shm() -> list[str]:
     """Remove /dev/shm/umbp-test-<pid>-* directories whose pytest process is gone (left by a killed run)."""
-    removed = []
-    if not SHM_ROOT.is_dir():
-        return removed
-    for d in SHM_ROOT.glob(f"{SHM_PREFIX}*"):
-        m = re.match(rf"{SHM_PREFIX}(\d+)-", d.name)
-        if not m or not d.is_dir():
-            continue
-        pid = int(m.group(1))
-        try:
-            os.kill(pid, 0)
-            continue  # still running (or a recycled pid: leave it)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
+    return sweep_dead_pool_dirs(str(SHM_ROOT), re.compile(rf"^{SHM_PREFIX}(\d+)-"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

