@@ -236,7 +236,8 @@ def cmd_node(args) -> int:
                                "advertise": args.advertise, "lease_ttl": args.lease_ttl, "node_id": args.node_id,
                                "token": args.token, "tokens_file": args.tokens,
                                "metrics_listen": args.metrics_listen, "tls_cert": args.tls_cert,
-                               "tls_key": args.tls_key, "tls_ca": args.tls_ca})
+                               "tls_key": args.tls_key, "tls_ca": args.tls_ca, "disk": args.disk,
+                               "disk_capacity": args.disk_capacity, "disk_threads": args.disk_threads})
     run(cfg)
     return 0
 
@@ -317,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scoped client tokens (TOML, see umbp/auth.py); the same file as the metaservers'")
     s.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz on this address (port 0: any)")
+    s.add_argument("--disk", default=None, metavar="PATH", help="a disk tier under the arena: this file (local NVMe)")
+    s.add_argument("--disk-capacity", default=None, metavar="SIZE", help="the disk tier's size (with --disk)")
+    s.add_argument("--disk-threads", type=int, default=None, help="workers doing the disk tier's I/O (default 4)")
     tls_arguments(s)
     s.set_defaults(func=cmd_node)
 

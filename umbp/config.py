@@ -169,9 +169,18 @@ class NodeConfig:
     tls_key: str = ""
     tls_ca: str = ""  # PEM CA bundle: the metaserver's certificate is checked against it (registration link)
     metrics_listen: str = ""  # HOST:PORT for /metrics, /healthz, /readyz (umbp.metrics); empty: off
+    disk: str = ""  # the disk tier's file (local NVMe; umbp/node/disk.py); empty: DRAM only
+    disk_capacity: int = 0  # its data bytes (a size string); required with disk
+    disk_threads: int = 4  # workers doing its preadv/pwritev (bench/disk.py measures 1, 4, 8)
 
     def __post_init__(self) -> None:
         c = "node"
+        object.__setattr__(self, "disk_capacity", parse_size(self.disk_capacity, "disk_capacity"))
+        if self.disk and (self.disk_capacity < 1 << 20 or self.disk_capacity % 4096):
+            raise ConfigError(c, f"disk_capacity {self.disk_capacity} must be at least 1 MiB and a multiple of 4 KiB "
+                                 f"(--disk-capacity with --disk)")
+        if not 1 <= self.disk_threads <= 64:
+            raise ConfigError(c, f"disk_threads must be within 1..64, got {self.disk_threads}")
         if self.metrics_listen:
             split_host_port(self.metrics_listen, c)
         object.__setattr__(self, "metaserver", _addr_list(self.metaserver, c))
@@ -225,7 +234,7 @@ def _coerce(f: dataclasses.Field, raw: Any) -> Any:
     t = str(f.type)
     if t == "bool":
         return raw.strip().lower() in ("1", "true", "yes", "on")
-    if t == "int" and f.name != "capacity":
+    if t == "int" and f.name not in ("capacity", "disk_capacity"):
         return int(raw)
     if t == "float":
         return float(raw)

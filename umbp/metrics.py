@@ -227,6 +227,26 @@ class NodeCollector(Collector):
         tb.add_metric(nid + ["tcp", "in"], s.get("bytes_written", 0))
         tb.add_metric(nid + ["tcp", "out"], s.get("bytes_read", 0))
         yield tb
+        disk = getattr(n, "disk", None)
+        if disk is not None:  # the disk tier (umbp/node/disk.py, umbp/node/tiering.py)
+            yield gauge("umbp_node_disk_capacity_bytes", "Disk tier capacity", disk.capacity)
+            db = CounterMetricFamily("umbp_node_disk_bytes", "Bytes the disk tier read and wrote (client reads, "
+                                     "demotions, promotions)", labels=["node_id", "direction"])
+            db.add_metric(nid + ["read"], disk.stats["bytes_read"])
+            db.add_metric(nid + ["write"], disk.stats["bytes_written"])
+            yield db
+            ts = n.tier.stats
+            mv = CounterMetricFamily("umbp_node_tier_moves", "Pages moved between the node's tiers, by direction "
+                                     "and result", labels=["node_id", "move", "result"])
+            mv.add_metric(nid + ["demote", "ok"], ts["demotions"])
+            mv.add_metric(nid + ["demote", "failed"], ts["demote_failures"])
+            mv.add_metric(nid + ["promote", "ok"], ts["promotions"])
+            mv.add_metric(nid + ["promote", "failed"], ts["promote_failures"])
+            yield mv
+            dr = CounterMetricFamily("umbp_node_disk_reads", "Objects served from the disk tier (READV_DISK)",
+                                     labels=["node_id"])
+            dr.add_metric(nid, ts["disk_reads"])
+            yield dr
 
 
 def node_endpoint_parts(node: Any, link: Any) -> tuple[CollectorRegistry, Probe, Probe]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from transport import wire
 from umbp.auth import ClientAuth
 from umbp.config import split_host_port
-from umbp.errors import NotFound, NotLeader, ProtocolError, UmbpError
+from umbp.errors import BadRequest, NotFound, NotLeader, ProtocolError, UmbpError
 from umbp.tls import client_context
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ class MetaLink:
         self._rid = 0
         self.announced = False
         self.leader: str | None = None  # the metaserver the node is registered with, while it is
+        # a metaserver that refuses the disk tier's fields (one from before it) gets a registration without them
+        self.disk_fields = node.disk is not None
 
     async def _request(self, reader, writer, op: int, meta: Any, timeout: float) -> Any:
         self._rid += 1
@@ -79,7 +81,8 @@ class MetaLink:
         return {"node_id": n.node_id, "host": n.host, "port": n.port, "pid": os.getpid(),
                 "capacity": n.config.capacity, "arena_id": n.arena.arena_id, "arena_path": n.arena.path,
                 "boot_id": n.boot_id, "hostname": socket.gethostname(), "transports": n.transports(),
-                "lease_ttl": n.config.lease_ttl, "rdma": n.rdma.info() if n.rdma is not None else None}
+                "lease_ttl": n.config.lease_ttl, "rdma": n.rdma.info() if n.rdma is not None else None,
+                **(n.disk_info() if self.disk_fields else {})}
 
     async def run(self) -> None:
         """Forever: connect to a metaserver, register, heartbeat until the connection fails; then retry."""
@@ -130,6 +133,15 @@ class MetaLink:
                 idx += 1
             except NotFound:
                 self.leader = None  # this metaserver lost our registration (it took over): register again here
+            except BadRequest as e:
+                self.leader = None
+                if self.disk_fields and "'disk_" in str(e):
+                    self.disk_fields = False
+                    print(f"{self.component}: {addr} does not know the disk tier ({e}): registered without it; "
+                          f"its disk pages go unused", file=sys.stderr, flush=True)
+                    continue
+                print(f"{self.component}: {addr}: {e}; retrying", file=sys.stderr, flush=True)
+                idx += 1
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, UmbpError) as e:
                 self.leader = None
                 quiet += 1

@@ -9,7 +9,9 @@ What it does:
   scatter list for WRITEV), read answers point into the mapped arena; the answers to everything one receive
   completed go out in one ``writelines`` (one ``writev``). Per object in a batch: a range check, a capability
   check (closed pools), a header check on reads, no copies;
-- answers ARENA_INFO so same-host clients can map the arena (shm transport).
+- answers ARENA_INFO so same-host clients can map the arena (shm transport);
+- with ``--disk``, keeps a disk tier under the arena (umbp/node/disk.py) and serves READV_DISK to clients and DEMOTE
+  / PROMOTE to the metaserver (umbp/node/tiering.py: answers still go out in request order).
 
 The node keeps no directory: the metaserver decides which ranges hold which objects. The node checks that every
 range lies inside the data region and, on READ, that the object header matches the key hash and generation asked
@@ -45,6 +47,8 @@ from transport import slotrules, wire
 from transport.shm import boot_id
 from umbp.admission import Admission
 from umbp.node.arena import Arena
+from umbp.node.disk import DiskArena
+from umbp.node import tiering
 from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
 from umbp.floors import SlotFloors
@@ -56,6 +60,7 @@ from umbp.serving import FramedProtocol, raise_file_limit
 from umbp.tls import server_context, tune_malloc_for_tls
 
 _WRITE_HIGH_WATER = 64 << 20
+_DISK_OPS = (wire.Op.READV_DISK, wire.Op.DEMOTE, wire.Op.PROMOTE)
 HEADER_MEMO = 65536  # READV headers remembered as checked (NodeServer.checked: about 10 MiB at most)
 
 
@@ -73,6 +78,10 @@ class NodeServer:
                                                f"{e.strerror or e}") from e
         path = os.path.join(config.arena_dir, f"umbp-{self.node_id}.arena")
         self.arena = Arena(path, config.capacity, remove_on_close=not config.node_id)
+        # the disk tier (umbp/node/disk.py: the file; umbp/node/tiering.py: READV_DISK, DEMOTE, PROMOTE)
+        self.disk = DiskArena(config.disk, config.disk_capacity, config.disk_threads,
+                              self.component) if config.disk else None
+        self.tier = tiering.DiskTier(self, self.disk) if self.disk is not None else None
         self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
         self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
         self.cap_epoch = 0  # write capabilities of older epochs are refused (raised by REGISTER and by newer caps)
@@ -185,7 +194,14 @@ class NodeServer:
     def arena_info(self) -> dict:
         return {"node_id": self.node_id, "arena_id": self.arena.arena_id, "arena_path": self.arena.path,
                 "capacity": self.config.capacity, "boot_id": self.boot_id, "host": self.host, "port": self.port,
-                "hostname": socket.gethostname(), "transports": self.transports(), "pid": os.getpid()}
+                "hostname": socket.gethostname(), "transports": self.transports(), "pid": os.getpid(),
+                **self.disk_info()}
+
+    def disk_info(self) -> dict:
+        """The disk tier's identity (ARENA_INFO, REGISTER_NODE): a restart with the same file keeps ``disk_id``."""
+        d = self.disk
+        return {} if d is None else {"disk_id": d.disk_id, "disk_capacity": d.capacity, "disk_path": d.path,
+                                     "disk_direct": d.direct}
 
     def transports(self) -> list[str]:
         return ["shm", "tcp"] + (["rdma"] if self.rdma is not None else [])
@@ -224,6 +240,8 @@ class NodeServer:
             self.rdma = None
         if self.ledger is not None:
             self.ledger.close(remove=self.arena.remove_on_close)
+        if self.disk is not None:
+            self.disk.close()
         self.arena.close()
 
 
@@ -244,6 +262,7 @@ class DataProtocol(FramedProtocol):
         self.last_active = 0.0
         self.vec_failures: list = []  # the WRITEV whose data is arriving: its refused objects
         self._out: list = []  # answers not yet handed to the transport
+        self.disk: tiering.ConnState | None = None  # disk answers in flight (umbp/node/tiering.py), once any came
         self.component = node.component
         self.admission = node.admission
         self.conns = node.conns
@@ -262,6 +281,8 @@ class DataProtocol(FramedProtocol):
         for ep in self.rdma_eps:
             ep.close()
         self.rdma_eps.clear()
+        if self.disk is not None:
+            tiering.release(self)
 
     def connection_made(self, transport):
         self.admit(transport)
@@ -277,6 +298,9 @@ class DataProtocol(FramedProtocol):
                 pass
 
     def flush(self) -> None:
+        if self.disk is not None and (self.disk.waiting or self.disk.held):
+            tiering.flush(self)  # answers behind a disk op in flight wait for it
+            return
         if self._out:
             out, self._out = self._out, []
             self.transport.writelines(out)
@@ -318,6 +342,11 @@ class DataProtocol(FramedProtocol):
             if op == wire.Op.READV:
                 self.readv(frame)
                 return
+            if op in _DISK_OPS:
+                if node.tier is None:
+                    raise BadRequest(node.component, f"{wire.Op(op).name}: this node has no disk tier (--disk)")
+                node.tier.handle(self, frame)
+                return
             if op == wire.Op.READ:
                 self.read(frame)
                 return
@@ -341,7 +370,7 @@ class DataProtocol(FramedProtocol):
                     # same-host process map the arena (every tenant's pages); boot id, pid, hostname point at it. As
                     # the metaserver's node maps (metaserver/handlers/admin.py NODE_INTERNAL); admin tokens, the cluster
                     # secret and open pools see everything.
-                    reply.update(arena_path="", arena_id=b"", boot_id="", pid=0, hostname="",
+                    reply.update(arena_path="", arena_id=b"", boot_id="", pid=0, hostname="", disk_path="",
                                  transports=[t for t in reply["transports"] if t != "shm"])
             elif op == wire.Op.HELLO:
                 reply = self.auth.hello(frame.meta, "node", wire.VERSION)

@@ -177,7 +177,7 @@ class DiskTier:
             a = (HS + start) // ALIGN * ALIGN  # the range's first block
             end = wire.align_up(HS + start + length)
             bufs = [get(end)] if a <= ALIGN else [get(ALIGN), get(end - a)]
-            jobs.append(Job(False, off, bufs[:1] if a <= ALIGN else [bufs[0]]))
+            jobs.append(Job(False, off, bufs[:1]))
             if a > ALIGN:
                 jobs.append(Job(False, off + a, [bufs[1]]))
             nbytes += end if a <= ALIGN else ALIGN + end - a
@@ -267,14 +267,20 @@ class DiskTier:
         version = conn.reader.version
         done = self._later(conn, answer, lambda err: finish(err))
 
+        headed: list = []  # the moves whose header write was started (in ``heads``' order)
+
         def headers(jobs1: list[Job]) -> None:  # a worker: the extents are written; now their headers
+            if not moves:
+                done(None)
+                return
             try:
                 disk.sync()
             except OSError as e:
                 done(e)
                 return
             heads = []
-            for (i, dram, dsk, src, final, first), j in zip(moves, jobs1):
+            for m, j in zip(moves, jobs1):
+                i, dram, _dsk, src, final, first = m
                 if j.error is not None:
                     failures.append([i, wire.Status.INTERNAL, f"{comp}: DEMOTE: disk write failed: "
                                                               f"{j.error.strerror or j.error}"])
@@ -282,14 +288,15 @@ class DiskTier:
                     failures.append([i, wire.Status.CORRUPT, f"{comp}: DEMOTE: the source changed during the copy"])
                 else:
                     first[:HS] = final
-                    heads.append(Job(True, dsk, [first]))
+                    heads.append(Job(True, m[2], [first]))
+                    headed.append(m)
             disk.run(heads, synced)
 
         def synced(heads: list[Job]) -> None:  # a worker
-            for (i, *_rest), j in zip([m for m in moves if not any(f[0] == m[0] for f in failures)], heads):
+            for m, j in zip(headed, heads):
                 if j.error is not None:
-                    failures.append([i, wire.Status.INTERNAL, f"{comp}: DEMOTE: disk write failed: "
-                                                              f"{j.error.strerror or j.error}"])
+                    failures.append([m[0], wire.Status.INTERNAL, f"{comp}: DEMOTE: disk write failed: "
+                                                                 f"{j.error.strerror or j.error}"])
             try:
                 disk.sync()
             except OSError as e:
@@ -300,20 +307,16 @@ class DiskTier:
         def finish(err: OSError | None) -> None:  # the loop
             for m in moves:
                 disk.buffers.put(m[5])
+            failed = {f[0] for f in failures}
             if err is not None:
-                failed = {f[0] for f in failures}
                 failures.extend([m[0], wire.Status.INTERNAL, f"{comp}: DEMOTE: disk sync failed: {err}"]
                                 for m in moves if m[0] not in failed)
-            self.stats["demotions"] += len(rows) - len(failures) + (len(failures) - len(moves) * 0) * 0
-            self._count("demot", len(frame.meta["rows"]) // wire.TIER_ROW.itemsize, failures)
+                failed = {f[0] for f in failures}
+            self.stats["demotions"] += sum(1 for m in moves if m[0] not in failed)
+            self.stats["demote_failures"] += len(failures)
             answer.bufs = [self._encode(frame, version, failures)]
 
         disk.run(jobs, headers)
-
-    def _count(self, what: str, nrows: int, failures: list) -> None:
-        self.stats[what + "ions"] = self.stats.get(what + "ions", 0)
-        self.stats[what + "ions"] += 0
-        self.stats[("demote" if what == "demot" else "promote") + "_failures"] += len(failures)
 
     def promote(self, conn, frame: wire.Frame) -> None:
         rows, failures = self._rows(conn, frame, "PROMOTE")
@@ -349,8 +352,39 @@ class DiskTier:
                     view[dram:dram + HS] = final  # last: the copy is whole before it reads as valid
                 finally:
                     disk.buffers.put(first)
-            self.stats["promotions"] += len(moves) - sum(1 for f in failures if f[0] in {m[0] for m in moves})
+            failed = {f[0] for f in failures}
+            self.stats["promotions"] += sum(1 for m in moves if m[0] not in failed)
             self.stats["promote_failures"] += len(failures)
             answer.bufs = [self._encode(frame, version, failures)]
 
         disk.run(jobs, self._later(conn, answer, finish))
+
+
+# ---- the reader's side, for tests and benches (the client's own path: READV_DISK frames in transport/tcp.py) -------
+
+def readv_disk(sock, ops: list, deadline: float, op: int = wire.Op.READV_DISK) -> list:
+    """One READV_DISK over a ``transport.framed.FramedSocket``: ``ops`` are READV_DISK's rows; per op the object
+    header plus its payload range (bytes), checked again as a client checks them, or the error (CorruptionError for
+    a stale or torn extent). A whole-frame error is raised. ``op`` READV: the same over DRAM offsets."""
+    rid = sock.next_id()
+    sock.send([wire.encode(op, rid, ops)], deadline)
+    frame = sock.recv_frame(deadline)
+    if frame.request_id != rid:
+        raise BadRequest("reader", f"answer for request {frame.request_id}, expected {rid}")
+    wire.raise_for_status(frame, "reader")
+    failed = wire.vec_failures(frame.meta, len(ops), "reader")
+    data, pos, out = frame.data, 0, []
+    for i, (_addr, _start, length, tag, gen, plen, _cap) in enumerate(ops):
+        if i in failed:
+            out.append(failed[i])
+            continue
+        got = bytes(data[pos:pos + HS + length])
+        pos += HS + length
+        try:
+            wire.check_object_header(got[:HS], "reader", tag, gen, plen)
+            out.append(got)
+        except CorruptionError as e:
+            out.append(e)
+    if pos != (frame.data_len or 0):
+        raise BadRequest("reader", f"answer of {frame.data_len} bytes, the served ops add up to {pos}")
+    return out
