@@ -180,13 +180,16 @@ def test_restart_keeps_disk_pages_and_disk_id(disk_cluster):
     assert "does not know the disk tier" in node.stderr_text()
 
 
-def test_sigkill_mid_demote_never_reads_a_half_written_extent(disk_cluster):
+def test_sigkill_mid_demote_never_reads_a_half_written_extent(make_cluster, tmp_path):
     """Each extent first holds an older object (demoted before), then a batch of newer ones is demoted over them and
     the node is SIGKILLed once the batch's writes reached the file. After the restart every extent reads as the old
     object, the new one, or CORRUPT; never bytes of one under the other's header. The copy's header is written last
     (after the rest of the extent and an fdatasync; the old header zeroed with the rest): which guarantees it."""
     rng = random.Random(3)
-    n = 24
+    n = 48
+    disk_cluster = make_cluster(nodes=1, capacity="160MiB", node_flags={  # one worker: a slower, ordered batch
+        "disk": str(tmp_path / "k.disk"), "disk_capacity": "128MiB", "disk_threads": 1})
+    disk_cluster.disk_path = tmp_path / "k.disk"
     old = put(disk_cluster, rng, [1 << 20] * n)
     disks = disk_places(old)
     with node_sock(disk_cluster) as s:
@@ -201,7 +204,7 @@ def test_sigkill_mid_demote_never_reads_a_half_written_extent(disk_cluster):
         def started() -> bool:  # the first new extent's payload reached the file: the batch is being written
             return os.pread(fd, 64, disks[0] + HS) == new[0]["payload"][:64]
 
-        eventually(started, timeout=20, what="the DEMOTE batch's first extent on disk")
+        eventually(started, timeout=20, interval=0.0005, what="the DEMOTE batch's first extent on disk")
         header_written = os.pread(fd, HS, disks[-1]) == header(new[-1])
     finally:
         os.close(fd)

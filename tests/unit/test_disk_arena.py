@@ -14,6 +14,7 @@ from umbp.errors import ConfigError
 from umbp.node.disk import ALIGN, Buffers, DiskArena, Job
 
 CAP = 64 << 20
+HS = wire.OBJ_HEADER_SIZE
 
 
 @pytest.fixture
@@ -151,3 +152,95 @@ def test_buffers_are_aligned_and_reused_up_to_the_limit():
     assert b.free_bytes == 2 * ALIGN  # the second one was over the limit: dropped
     with pytest.raises(ConfigError):
         DiskArena("/proc/no-such-dir/x.disk", 1 << 20, 1)
+
+
+# ---- the order of a DEMOTE's writes (umbp/node/tiering.py), in process: the node's handler over a fake transport ----
+
+class _Transport:
+    def __init__(self):
+        self.out: list = []
+        self.sent = None  # an asyncio.Event, set on each write
+
+    def writelines(self, bufs):
+        self.out.append(b"".join(bytes(b) for b in bufs))
+        self.sent.set()
+
+    def get_write_buffer_size(self):
+        return 0
+
+    def is_closing(self):
+        return False
+
+
+def _answer(tr: _Transport):
+    head = tr.out.pop(0)
+    _op, _flags, status, _rid, meta_len, data_len = wire.decode_header(head, "t")
+    meta = wire.unpack_meta(head[wire.HEADER_SIZE:wire.HEADER_SIZE + meta_len], "t") if meta_len else None
+    return status, meta, head[wire.HEADER_SIZE + meta_len:]
+
+
+def _node(tmp_path):
+    from umbp.config import NodeConfig
+    from umbp.node.server import DataProtocol, NodeServer
+
+    node = NodeServer(NodeConfig(capacity=8 << 20, arena_dir=str(tmp_path), disk=str(tmp_path / "d.disk"),
+                                 disk_capacity=8 << 20, disk_threads=2))
+    conn = DataProtocol(node)
+    conn.transport = _Transport()
+    return node, conn
+
+
+async def _request(conn, op, meta):
+    import asyncio
+
+    conn.transport.sent = asyncio.Event()
+    conn.handle(wire.Frame(op, 0, 0, 7, meta, None, 0), None)
+    conn.flush()
+    await asyncio.wait_for(conn.transport.sent.wait(), 10)
+    return _answer(conn.transport)
+
+
+def test_demote_writes_the_header_last_and_a_failed_sync_leaves_no_valid_extent(tmp_path, monkeypatch):
+    import asyncio
+
+    node, conn = _node(tmp_path)
+    plens = [100, 9000, 70_000]
+    drams, disks, payloads, at = [], [], [], wire.ARENA_DATA_START
+    for i, n in enumerate(plens):
+        payloads.append(bytes([i + 1]) * n)
+        node.arena.view[at:at + HS + n] = wire.pack_object_header(50 + i, 9, n) + payloads[-1]
+        drams.append(at)
+        disks.append(wire.DISK_DATA_START + at)
+        at += wire.object_size(n)
+    rows = {"rows": wire.pack_tier_rows([50, 51, 52], [9] * 3, plens, drams, disks)}
+    events = []
+    real_run, real_sync = node.disk.run, node.disk.sync
+    monkeypatch.setattr(node.disk, "run", lambda jobs, done: (events.extend(
+        ("write", j.offset, bytes(memoryview(j.views[0])[:HS])) for j in jobs if j.write), real_run(jobs, done)))
+    monkeypatch.setattr(node.disk, "sync", lambda: (events.append(("sync",)), real_sync()))
+    reads = [[wire.DISK_BIT | d, 0, n, 50 + i, 9, n, b""] for i, (d, n) in enumerate(zip(disks, plens))]
+    try:
+        status, meta, _ = asyncio.run(_request(conn, wire.Op.DEMOTE, rows))
+        assert status == 0 and meta is None
+        zero, heads = bytes(HS), [wire.pack_object_header(50 + i, 9, n) for i, n in enumerate(plens)]
+        assert [e[0] for e in events] == ["write"] * 3 + ["sync"] + ["write"] * 3 + ["sync"]
+        assert sorted(e[1:] for e in events[:3]) == sorted((d, zero) for d in disks)  # extents: no header yet
+        assert sorted(e[1:] for e in events[4:7]) == sorted(zip(disks, heads))  # then the headers alone
+        status, meta, data = asyncio.run(_request(conn, wire.Op.READV_DISK, reads))
+        assert meta is None and data == b"".join(h + p for h, p in zip(heads, payloads))
+        # the same batch over new objects, the first fdatasync failing (as a crash there would stop it): every row
+        # failed, and no extent reads as valid, neither the new object nor the old one
+        for i, (d, n) in enumerate(zip(drams, plens)):
+            node.arena.view[d:d + HS + n] = wire.pack_object_header(60 + i, 10, n) + bytes([9]) * n
+        monkeypatch.setattr(node.disk, "sync", lambda: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+        rows = {"rows": wire.pack_tier_rows([60, 61, 62], [10] * 3, plens, drams, disks)}
+        status, meta, _ = asyncio.run(_request(conn, wire.Op.DEMOTE, rows))
+        assert [f[0] for f in meta] == [0, 1, 2] and all("sync failed" in f[2] for f in meta)
+        new_reads = [[wire.DISK_BIT | d, 0, n, 60 + i, 10, n, b""] for i, (d, n) in enumerate(zip(disks, plens))]
+        status, meta, data = asyncio.run(_request(conn, wire.Op.READV_DISK, reads + new_reads))
+        assert data == b"" and sorted(f[0] for f in meta) == list(range(6))
+        assert {f[1] for f in meta} == {wire.Status.CORRUPT}
+        assert node.tier.stats["demotions"] == 3 and node.tier.stats["demote_failures"] == 3
+    finally:
+        node.disk.close()
+        node.arena.close()
