@@ -218,8 +218,8 @@ class TableRecords:
         long_keys = self.ix.long_keys
         lens = digs = None
         dig = self.ix.kc.take(rows, axis=0)
-        if long_keys and any(r in long_keys for r in rows.tolist()):
-            keys = [self.ix.key_of(r) for r in rows.tolist()]
+        if long_keys and long_keys.any_of(rows):
+            keys = self.ix.keys_of(rows)
             lens = np.fromiter(map(len, keys), np.uint32, len(keys))
             blob = b"".join(keys)
             digs = dig  # so a load hashes none of them again

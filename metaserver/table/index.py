@@ -81,6 +81,8 @@ import os
 
 import numpy as np
 
+from metaserver.table.longkeys import LongCol, LongKeys
+
 SLOTS = 10  # slots a bucket: rows in u32 words 0-9, tags in u16 20-29 of its 16-word line
 _WORDS = 16
 _TAG0 = 2 * SLOTS  # the first tag's u16 index in a line
@@ -148,7 +150,7 @@ class KeyIndex:
 
     def __init__(self) -> None:
         self.kc = zeros((0, 4), np.uint64)
-        self.long_keys: dict[int, bytes] = {}
+        self.long_keys = LongKeys()  # row -> key of the keys that are not their own digest (``longkeys.py``)
         self._m = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd multipliers, one per digest word
         self._mt = np.tile(self._m, _TILE)  # and repeated for a batch of up to _TILE digests: one flat multiply
         self._mns = int.from_bytes(os.urandom(8), "little") | 1  # and one for the namespace
@@ -271,6 +273,17 @@ class KeyIndex:
         k = self.long_keys.get(row)
         return k if k is not None else self.kc[row].tobytes()
 
+    def keys_of(self, rows: np.ndarray) -> list[bytes]:
+        """``key_of`` of each of ``rows`` (numpy per chunk of long keys, the digests one slice each)."""
+        rows = np.asarray(rows, np.int64)
+        raw = self.kc.take(rows, axis=0).tobytes()
+        out = [raw[i:i + 32] for i in range(0, 32 * len(rows), 32)]
+        if self.long_keys:
+            for i, k in enumerate(self.long_keys.keys_of(rows)):
+                if k is not None:
+                    out[i] = k
+        return out
+
     # -- changes ----------------------------------------------------------------------------------------------
     def insert(self, rows: np.ndarray, dig: np.ndarray, ns_col: np.ndarray,
                longs: list[tuple[int, bytes]] | None = None) -> None:
@@ -280,8 +293,12 @@ class KeyIndex:
         of keys that are not their own digest."""
         rows = np.asarray(rows, np.int64)
         self.kc[rows] = dig
-        for i, k in longs or ():
-            self.long_keys[int(rows[i])] = k
+        if isinstance(longs, LongCol):  # a load's: columns, no object a key
+            if longs:
+                self.long_keys.add_bulk(rows.take(longs.pos), longs)
+        else:
+            for i, k in longs or ():
+                self.long_keys[int(rows[i])] = k
         n = len(rows)
         if not n:
             return
@@ -456,8 +473,7 @@ class KeyIndex:
             left = left[~gone]
         assert not len(left), f"keyindex: rows {rows[left][:8].tolist()} are not filed"
         if self.long_keys:
-            for r in rows.tolist():
-                self.long_keys.pop(r, None)
+            self.long_keys.discard(rows)
 
     def _delete_in(self, tab: _Buckets, h: np.ndarray, val: np.ndarray) -> np.ndarray:
         """Empty the slots of ``tab`` holding ``val`` (rows + 1, hashes ``h``), each bucket kept compact (its last
@@ -516,4 +532,5 @@ class KeyIndex:
         for nsix in np.unique(ns_col[live_rows]).tolist():
             rows = live_rows[ns_col[live_rows] == nsix]
             assert np.array_equal(self.find(nsix, self.kc[rows], ns_col), rows), "keyindex: a live row not found"
-        assert set(self.long_keys) <= set(live_rows.tolist()), "keyindex: a long key of a row that is not live"
+        assert set(self.long_keys.rows().tolist()) <= set(live_rows.tolist()), \
+            "keyindex: a long key of a row that is not live"

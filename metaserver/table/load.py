@@ -48,6 +48,7 @@ import numpy as np
 from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import PENDING, READY, extent_size
 from metaserver.table.index import digests
+from metaserver.table.longkeys import LongCol
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 from umbp.errors import ConfigError
 
@@ -238,7 +239,9 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
         st = st if every else st[keep]
         c["stamp"][at] = st
         t.clock = max(t.clock, int(st.max()) + 1)
-    if longs and not every:  # their positions in ``keep``
+    if longs and not every and isinstance(longs, LongCol):
+        longs = longs.keep(ok)
+    elif longs and not every:  # their positions in ``keep``
         pos = np.fromiter((i for i, _ in longs), np.int64, len(longs))
         kept = ok[pos]
         longs = list(zip((np.cumsum(ok)[pos[kept]] - 1).tolist(),

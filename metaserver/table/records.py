@@ -27,6 +27,7 @@ import numpy as np
 
 from metaserver.table.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, Entry
 from metaserver.table.index import digests
+from metaserver.table.longkeys import LongCol, gather
 from transport.keyform import digest_key
 
 _intern = sys.intern
@@ -110,23 +111,24 @@ class Segment:
         ends = np.cumsum(self.key_lens).tolist()
         return [blob[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
-    def digests(self) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
-        """(n, 4) uint64 key digests and the (position, key) of keys that are not their own digest
-        (``keyindex.digests``): the blob itself when every key is 32 bytes."""
+    def digests(self) -> tuple[np.ndarray, LongCol]:
+        """(n, 4) uint64 key digests and the keys that are not their own digest (``keyindex.digests``) as a
+        ``longkeys.LongCol``: the blob itself when every key is 32 bytes, no object a key when the segment carries
+        its digests."""
         if self.key_lens is None and self.key_len == 32:
-            return np.frombuffer(self.keys, np.uint64).reshape(self.n, 4), []
+            return np.frombuffer(self.keys, np.uint64).reshape(self.n, 4), LongCol.of(())
         if self._dig is None:  # (once: a segment over several nodes is asked once a node)
-            self._dig = digests(self.key_list())
-        elif type(self._dig) is not tuple:  # the digest column: only the keys that are not 32 bytes are read
-            lens = self.key_lens if self.key_lens is not None else np.full(self.n, self.key_len, np.uint32)
-            at = np.flatnonzero(lens != 32)
-            if not len(at):
-                self._dig = (self._dig, [])
+            dig, longs = digests(self.key_list())
+            self._dig = (dig, LongCol.of(longs))
+        elif type(self._dig) is not tuple:  # the digest column: the keys that are not 32 bytes, as columns
+            if self.key_lens is None:
+                self._dig = (self._dig, LongCol.uniform(self.n, self.keys, self.key_len))
             else:
-                ends = np.cumsum(lens, dtype=np.int64)
-                blob = self.keys
-                self._dig = (self._dig, list(zip(at.tolist(), [blob[a:b] for a, b in zip(
-                    (ends[at] - lens[at]).tolist(), ends[at].tolist())])))
+                lens = self.key_lens.astype(np.int64)
+                at = np.flatnonzero(lens != 32)
+                ends = np.cumsum(lens)
+                blob, kends = gather(self.keys, ends.take(at) - lens.take(at), lens.take(at))
+                self._dig = (self._dig, LongCol(at, kends, blob))
         return self._dig
 
     def parent_list(self) -> list | None:
@@ -551,7 +553,7 @@ def listed_pairs(value: bytes) -> set[tuple[bytes, int]]:
 
 class NodePages:
     """One node's pages of a load as columns (``PageRecords.columns``), in scan order: ``nsix`` (u16, an index in
-    ``ns_names``), ``dig`` ((n, 4) u64 key digests) and ``longs`` ((position, key) of keys not their own digest),
+    ``ns_names``), ``dig`` ((n, 4) u64 key digests) and ``longs`` (the keys not their own digest: a ``longkeys.LongCol``),
     ``off``, ``code`` (layout codes), ``gen``, ``rev`` (the record's revision: commit order), ``rec`` (i32, an
     index in ``rec_names``: the commit record's etcd key, None for a page record of its own) and ``parents`` (a
     list of parent keys or None, only when asked for)."""
@@ -580,6 +582,7 @@ class NodePages:
     def of_entries(cls, ents: list, revs: list, ns_of, ns_list, rec_of, rec_list, parents: bool) -> "NodePages":
         n = len(ents)
         dig, longs = digests([e.key for e in ents])
+        longs = LongCol.of(longs)
         nsm = {x: cls._ix(ns_of, ns_list, x) for x in {e.ns for e in ents}}
         rm = {x: cls._ix(rec_of, rec_list, x) for x in {e.batch for e in ents}}
         return cls._make(np.fromiter((nsm[e.ns] for e in ents), np.uint16, n), dig, longs,
@@ -600,11 +603,7 @@ class NodePages:
             nsix, off, code, gen = nsm[seg.nsix], seg.offsets(), seg.code, seg.gen
         else:
             m = len(idx)
-            if longs:  # their positions among ``idx`` (ascending)
-                lp = np.fromiter((p for p, _ in longs), np.int64, len(longs))
-                at = np.minimum(np.searchsorted(idx, lp), m - 1)
-                mine = idx[at] == lp
-                longs = list(zip(at[mine].tolist(), (longs[i][1] for i in np.flatnonzero(mine).tolist())))
+            longs = longs.select(idx)  # their positions among ``idx`` (ascending)
             dig = dig[idx]
             nsix, off, code, gen = nsm[seg.nsix[idx]], seg.offsets()[idx], seg.code[idx], seg.gen[idx]
             if par is not None:
@@ -617,12 +616,7 @@ class NodePages:
         if len(parts) == 1:
             p = parts[0]
         else:
-            longs, at = [], 0
-            for q in parts:
-                if q.longs:  # (zips at C speed: a TP pool's keys are all 33 bytes)
-                    ps, ks = zip(*q.longs)
-                    longs.extend(zip((np.array(ps, np.int64) + at).tolist(), ks))
-                at += len(q)
+            longs = LongCol.cat([q.longs for q in parts], [len(q) for q in parts])
             def cat(f):
                 return np.concatenate([getattr(q, f) for q in parts])
             p = cls._make(cat("nsix"), cat("dig"), longs, cat("off"), cat("code"), cat("gen"), cat("rev"), cat("rec"),
@@ -633,11 +627,7 @@ class NodePages:
 
     def take(self, order: np.ndarray) -> "NodePages":
         """These pages in ``order`` (a permutation)."""
-        longs = self.longs
-        if longs:
-            inv = np.empty(len(order), np.int64)
-            inv[order] = np.arange(len(order))
-            longs = sorted((int(inv[i]), k) for i, k in longs)
+        longs = self.longs.permute(order)
         p = self._make(self.nsix[order], self.dig[order], longs, self.off[order], self.code[order], self.gen[order],
                        self.rev[order], self.rec[order],
                        None if self.parents is None else [self.parents[i] for i in order.tolist()])
@@ -645,10 +635,8 @@ class NodePages:
         return p
 
     def key(self, i: int) -> bytes:
-        for j, k in self.longs:  # (a few: only pages that cannot stand ask)
-            if j == i:
-                return k
-        return self.dig[i].tobytes()
+        k = self.longs.at(i)  # (a few: only pages that cannot stand ask)
+        return k if k is not None else self.dig[i].tobytes()
 
     def records(self) -> np.ndarray:
         """Each page's commit record's etcd key (None: a page record of its own), an object array."""
