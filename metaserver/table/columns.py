@@ -58,6 +58,7 @@ from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.table.place import alloc_rows, items_of
 from metaserver.table.queries import TableQueries
 from metaserver.table.commits import TableRecords
+from metaserver.table.tiers import Tiers
 
 BLOCK = 1 << 12  # rows a node takes at a time
 COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
@@ -131,6 +132,7 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         self.links = TableLinks(self)  # parents, prefix-lru's links and KV events (metaserver/table/links.py)
         self.kv_sink = None  # KV events (metaserver/handlers/kvevents.py): told of rows that become READY and that leave it
         self.quota = None  # quota groups (metaserver/table/quotas.py), set by a TableDirectory that has any
+        self.tiers = Tiers(self)  # nodes' disk tiers and moves between tiers (metaserver/table/tiers.py)
 
     # -- rows and columns -------------------------------------------------------------------------------------
     def _grow(self, rows: int) -> None:

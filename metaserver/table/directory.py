@@ -38,6 +38,7 @@ from metaserver.table.load import load_pages, reserve
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.table.quotas import TableQuotas
 from metaserver.table.shared import ShardState, TableShared
+from metaserver.table.tiers import SUFFIX, twin_id
 from transport import wire
 from umbp.auth import rank_tags, read_capabilities_packed
 from umbp.errors import ConfigError
@@ -224,6 +225,8 @@ class TableDirectory(TableShared, PageTable):
             slots[:, 1] = self.code_arr.take(c["size"].take(hr))
         slots[:, 2] = c["gen"].take(hr)
         nix = c["node"].take(hr)
+        if self.tiers.any:  # a disk page answers as its host's page at a disk address (metaserver/table/tiers.py)
+            nix = self.tiers.answer(nix, slots, hr)
         uniq, inv, order, ends = by_node(nix)
         names = self.node_names.take(uniq).tolist()
         cap_keys = [None if m is None else m.cap_key for m in map(member, names)]
@@ -285,23 +288,31 @@ class TableDirectory(TableShared, PageTable):
 
     # -- nodes ------------------------------------------------------------------------------------------------
     def add_space(self, node_id: str, capacity: int) -> NodeRows:
+        """A registered node's space; with a disk (``tiers.disks``) its disk tier's twin too."""
         self.add_node(node_id, capacity)
+        self.tiers.add(node_id)
         return self.node_by_id[node_id]
 
     def drop_space(self, node_id: str) -> tuple[int, Effects]:
         """Drop a node and every page of it at once (it re-registered with another arena)."""
         n = 0
-        if node_id in self.node_by_id or node_id in self.dying:
-            n = self.detach_node(node_id) + TableNodes.drop_slice(self, node_id, 1 << 62)[0]
+        for nid in (node_id, twin_id(node_id)):  # and its disk tier's pages
+            if nid in self.node_by_id or nid in self.dying:
+                n += self.detach_node(nid) + TableNodes.drop_slice(self, nid, 1 << 62)[0]
         return n, self.effects()
 
     def detach_space(self, node_id: str, park: bool = False) -> tuple[int, Effects]:
-        return self.detach_node(node_id, park), self.effects()
+        n = self.detach_node(node_id, park)
+        if twin_id(node_id) in self.node_by_id:  # its disk tier goes with it (parked alike: ``drop_slice``)
+            n += self.detach_node(twin_id(node_id), park)
+        return n, self.effects()
 
     def drop_slice(self, node_id: str, budget: int, fx: Effects | None = None) -> tuple[int, list | None]:
         """Drop at most ``budget`` READY pages of a detached node (``TableNodes.drop_slice``, its effects into
         ``fx``). Returns (pages dropped, None while pages are left, else the node's parked records as the service
         keeps them, ``rejoin.py``: ``(ns, key, offset, payload_len, gen, parent | None, stamp, record name | None)``)."""
+        if node_id not in self.dying and twin_id(node_id) in self.dying:  # the node's DRAM pages done: its disk's
+            node_id = twin_id(node_id)
         n, recs = TableNodes.drop_slice(self, node_id, budget)
         visited = budget
         while recs is None and n < budget and visited < SCAN_PER_DROP * budget:
@@ -312,8 +323,13 @@ class TableDirectory(TableShared, PageTable):
             n += k
         if fx is not None:
             self.effects(fx)
-        return n, None if recs is None else [(ns, k, off, plen, gen, parent, st, name)
-                                             for ns, k, off, plen, gen, st, name, parent in recs]
+        if recs is None:
+            return n, None
+        disk = wire.DISK_BIT if node_id.endswith(SUFFIX) else 0  # a disk page parks at its disk address
+        out = [(ns, k, off | disk, plen, gen, parent, st, name) for ns, k, off, plen, gen, st, name, parent in recs]
+        if disk or twin_id(node_id) in self.dying:
+            out = self.tiers.parked(node_id, out)  # the DRAM pages kept until its disk's are dropped too
+        return n, out
 
     def unpark(self, node_id: str, recs: list) -> tuple[int, Effects]:
         """A lost node came back with its arena; its parked records ``(ns, key, offset, payload_len, gen, parent,
@@ -328,6 +344,18 @@ class TableDirectory(TableShared, PageTable):
         fx = Effects()
         if not keep:
             return 0, fx
+        disk = [r for r in keep if r[2] & wire.DISK_BIT]  # its disk tier's pages: back under its twin
+        if disk:
+            keep = [r for r in keep if not r[2] & wire.DISK_BIT]
+            if twin_id(node_id) in self.node_by_id:
+                on, fx = self.unpark(twin_id(node_id), [(r[0], r[1], r[2] & ~wire.DISK_BIT) + tuple(r[3:])
+                                                       for r in disk])
+                back, fx2 = self.unpark(node_id, keep) if keep else (0, Effects())
+                fx.deletes.extend(fx2.deletes)
+                return on + back, self.effects(fx)
+            keep += disk  # no disk now: each is lost (its own record deleted, a commit record rewritten)
+            if not keep:
+                return 0, fx
         names = [r[6] for r in keep]
         bad = load_pages(self, node_id, [r[0] for r in keep], [r[1] for r in keep], [r[2] for r in keep],
                          [r[3] for r in keep], [r[4] for r in keep], records=names, parents=[r[5] for r in keep])
@@ -390,9 +418,10 @@ class TableDirectory(TableShared, PageTable):
 
     def watermark_pass(self, high: float, low: float, budget: int, fx: Effects) -> tuple[int, int]:
         n = freed = 0
+        movers = self.tiers.disks  # a node with a disk demotes instead (metaserver/ha/tiering.py)
         for node in list(self.node_by_id.values()):
             cap, used = node.alloc.capacity, node.alloc.used
-            if n >= budget or not over_high(used, cap, high):
+            if n >= budget or not over_high(used, cap, high) or node.node_id in movers:
                 continue
             k, f = self.evict_node(node, bytes_to_low(used, cap, low), budget - n)
             n += k
@@ -448,6 +477,9 @@ class TableDirectory(TableShared, PageTable):
         for node_id, (desc, _) in descs.items():
             self.add_node(node_id, desc["capacity"])
             self.set_placeable(node_id, False)
+            if desc.get("disk_capacity"):  # its disk tier (metaserver/table/tiers.py)
+                self.tiers.disks[node_id] = desc["disk_capacity"]
+                self.tiers.add(node_id)
         stale: list[tuple] = [(0, None, "", b"", 0, 0, 0, None, k) for k in pages.junk]
         rejected: list[tuple] = []
         orphans: list[bytes] = []  # commit records with a page of a node that has no record

@@ -51,4 +51,5 @@ class TableInvariants:
             held = rows[st != FREE]
             used = sum(extent_size(code) for code in self.code_arr[c["size"][held]].tolist())
             used += sum(size for _off, size in self.quarantine.extents(node))
+            used += sum(size for _off, size in self.tiers.inflight_extents(node))  # moves' destinations
             assert used == node.alloc.used, f"columns: {node.node_id} allocator holds {node.alloc.used}, rows {used}"

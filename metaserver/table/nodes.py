@@ -86,6 +86,7 @@ class TableNodes:
             if d is not None and d.dead:
                 self.dead[d.ix] = True
         self._placeable()
+        self.tiers.renamed()
 
     def node_region(self, capacity: int) -> tuple[int, int]:
         """(base, size) of the part of a node's arena of ``capacity`` bytes that this table places in and loads
@@ -125,6 +126,7 @@ class TableNodes:
             keep = rows[state.take(rows) != FREE]
             extents = self.code_extents()
             waiting = self.quarantine.extents(node)  # freed young: still allocated until their hold ends
+            waiting += self.tiers.inflight_extents(node)  # and the destinations of moves in flight
             node.alloc.rebuild_columns(self.offsets_of(keep) + [off for off, _ in waiting],
                                        extents.take(c["size"].take(keep)).tolist() + [size for _, size in waiting])
         return len(drop), int(np.count_nonzero(held))

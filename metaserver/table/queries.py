@@ -20,10 +20,15 @@ class TableQueries:
 
     @property
     def capacity(self) -> int:
+        """DRAM bytes the live nodes place in (their disk tiers apart: ``tiers.totals``)."""
+        if self.tiers.any:
+            return self.tiers.totals()[0]
         return sum(n.alloc.capacity for n in self.node_by_id.values())
 
     @property
     def used(self) -> int:
+        if self.tiers.any:
+            return self.tiers.totals()[1]
         return sum(n.alloc.used for n in self.node_by_id.values())
 
     @property
