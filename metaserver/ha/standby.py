@@ -73,7 +73,7 @@ import numpy as np
 from metaserver.store import gcpolicy
 from metaserver.store.fullload import describe, gc_paused, node_descs
 from metaserver.store.persist import ARENA, NODE, PAGE, EtcdStore
-from metaserver.table.records import UNREADABLE, listed_pairs
+from metaserver.table.records import SEG_DEAD_VERSION, UNREADABLE, is_segment, listed_pairs, unpack_segment
 from metaserver.table.directory import TableDirectory
 from metaserver.ha.warmpace import Backlog, Pace, wait_event
 from metaserver.ha.warmrows import drop_rows, file_rows, leaving_record, node_pages
@@ -279,6 +279,9 @@ class WarmDirectory:
                 if store.is_batch(kv.key):
                     if kv.key in named:
                         flush()  # put in this run already: this is its rewrite
+                    if ev.type == _PUT and is_segment(kv.value) and kv.value[1] == SEG_DEAD_VERSION:
+                        flush()  # a dead list: the records it names were put before it (revision order)
+                        self._apply_dead(kv.value)
                     if ev.type != _PUT or kv.key in self.batches:
                         flush()  # a commit record rewritten (pages left it) or deleted: in order with the runs
                         self._shrink_batch(kv.key, kv if ev.type == _PUT else None)
@@ -389,12 +392,27 @@ class WarmDirectory:
             out[i] = False
         return out
 
-    def _shrink_batch(self, name: bytes, kv) -> None:
+    def _apply_dead(self, value: bytes) -> None:
+        """A segment's dead list (version 3, ``metaserver/table/records.py``): the pages it names leave the table,
+        or stop waiting when held, as a rewrite of their records without them would make them (``_shrink_batch``).
+        An unreadable value names nothing (its own put makes it junk)."""
+        try:
+            seg = unpack_segment(value)
+        except UNREADABLE:
+            return
+        for j, name in enumerate(seg.dead_recs):
+            gens = seg.dead[seg.dead_ix == j] if len(seg.dead_recs) > 1 else seg.dead
+            if name in self.batches or any(p[8] == name for p in self.held.values()):
+                self._shrink_batch(name, None, gens)
+
+    def _shrink_batch(self, name: bytes, kv, dead: np.ndarray | None = None) -> None:
         """A commit record rewritten (``kv``: it holds fewer pages now; ``apply`` sends only records this copy has
         read here) or deleted (None): the pages that left it leave the table, or stop waiting when held. A
         rewrite that cannot be read removes every page of it and leaves the record as junk (deleted at takeover)."""
         keep: set | None = None
-        if kv is not None:
+        if dead is not None:  # a dead list's pages of it (``_apply_dead``): the record stays
+            gone = set(dead.tolist())
+        elif kv is not None:
             try:
                 keep = listed_pairs(kv.value)  # either layout (metaserver/table/records.py)
             except UNREADABLE:  # unreadable now: its pages go, the record is the leader's to delete
@@ -406,11 +424,16 @@ class WarmDirectory:
         d = self.dir
         nodes: set = set()
         if self.held:
-            for p in [p for p in self.held.values() if p[8] == name and (keep is None or (p[3], p[6]) not in keep)]:
+            for p in [p for p in self.held.values() if p[8] == name and (
+                    p[6] in gone if dead is not None else keep is None or (p[3], p[6]) not in keep)]:
                 self._unhold((p[2], p[3]))
         rec = d._rec_by_name.get(name)
         if rec is not None:
-            leave = leaving_record(d, rec, keep)
+            if dead is not None:
+                rows = rec.live()
+                leave = rows[np.isin(d.cols["gen"].take(rows), dead)]
+            else:
+                leave = leaving_record(d, rec, keep)
             if len(leave):
                 nodes.update(d.node_names.take(d.cols["node"].take(leave)).tolist())
                 drop_rows(d, leave)

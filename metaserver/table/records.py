@@ -39,8 +39,12 @@ MAX_BATCH = 4096  # pages a commit record may hold when read (the metaserver wri
 SEGMENT_PAGES = 1024  # pages of one segment at most as written (group commit: a window's COMMITs of one namespace)
 MAX_SEGMENT = 1 << 16  # pages a segment may hold when read
 SEG_MAGIC = 0xC1  # a segment's first byte: one msgpack never uses, so no msgpack value starts with it
-SEG_VERSION = 2
-_SEG_HEAD = struct.Struct("<BBHIHHHHII")  # magic, version, flags, pages, namespaces, nodes, codes, 0, dead, key_len
+SEG_VERSION = 2  # written when a segment carries no dead list (earlier releases read it)
+SEG_DEAD_VERSION = 3  # written when it does (and then it may hold no page): the one layout, whose dead list names its
+# pages' records (``pack_segment``); an earlier release finds it unreadable and deletes it (its pages: misses)
+SEG_VERSIONS = (SEG_VERSION, SEG_DEAD_VERSION)  # read
+_SEG_HEAD = struct.Struct("<BBHIHHHHII")  # magic, version, flags, pages, namespaces, nodes, codes, dead records,
+# dead, key_len (version 2: dead records 0 and no dead)
 F_PARENTS, F_VARKEYS, F_DIGESTS = 1, 2, 4  # flags: a parent column; keys of several lengths (a length column, else
 # key_len each); the keys' digests (``keyindex.digests``) as a column, so a load hashes no key
 NO_PARENT = 0xFFFFFFFF  # a parent length that says: none
@@ -50,23 +54,30 @@ _SEG_BYTE = bytes([SEG_MAGIC])
 
 
 def pack_segment(ns_names: list[str], nsix, node_ids: list[str], nodeix, unit, codes, codeix, gen, keys: bytes,
-                 key_len: int, key_lens=None, parents: list | None = None, dead=None, digs=None) -> bytes:
+                 key_len: int, key_lens=None, parents: list | None = None, dead=None, digs=None,
+                 dead_recs: list[bytes] | None = None, dead_ix=None) -> bytes:
     """A segment's value. Layout (little-endian), after the 24-byte head (``_SEG_HEAD``):
     ``gen`` u64[n], key digests u64[4n] (``F_DIGESTS`` only: ``digs``, written with keys that are not all 32
-    bytes; a load trusts them as it trusts every field etcd holds), the layout-code table u64[codes], ``dead`` u64[dead] (generations of pages of earlier records
-    that left: none written yet), ``unit`` u32[n] (offset >> 12), key lengths u32[n] (``F_VARKEYS`` only), parent
-    lengths u32[n] (``F_PARENTS`` only; ``NO_PARENT``: none), the table names' lengths u16[namespaces + nodes],
+    bytes; a load trusts them as it trusts every field etcd holds), the layout-code table u64[codes], ``dead`` u64[dead] (the dead list: generations of pages of
+    records that left since, ``metaserver/table/commits.py``), ``unit`` u32[n] (offset >> 12), key lengths u32[n] (``F_VARKEYS`` only), parent
+    lengths u32[n] (``F_PARENTS`` only; ``NO_PARENT``: none), the table names' lengths u16[namespaces + nodes + dead
+    records],
     namespace index u16[n] (only with more than one namespace), node index u16[n] (only with more than one node),
-    code index u16[n] (only with more than one code), then the namespace and node names (utf-8), the keys (n x
+    code index u16[n] (only with more than one code), dead record index u16[dead] (only with more than one dead
+    record: which record's page each dead generation names), then the namespace and node names (utf-8) and the dead
+    records' etcd keys, the keys (n x
     ``key_len`` bytes, or as the lengths say) and the parents. The 8-byte columns come first, so they are aligned.
     Arrays are numpy (any integer dtype) or sequences; ``nsix``/``nodeix``/``codeix`` may be None when their table
-    has one entry."""
+    has one entry (``dead_ix`` likewise). Version 3 (a dead list, or no page: a dead list alone) else 2."""
     n = len(gen)
+    dead_recs = dead_recs or []
     flags = ((F_VARKEYS if key_lens is not None else 0) | (F_PARENTS if parents is not None else 0)
              | (F_DIGESTS if digs is not None else 0))
     dead = np.zeros(0, _U64) if dead is None else np.asarray(dead, _U64)
-    names = [x.encode() for x in ns_names] + [x.encode() for x in node_ids]
-    parts = [_SEG_HEAD.pack(SEG_MAGIC, SEG_VERSION, flags, n, len(ns_names), len(node_ids), len(codes), 0, len(dead),
+    names = [x.encode() for x in ns_names] + [x.encode() for x in node_ids] + list(dead_recs)
+    version = SEG_DEAD_VERSION if len(dead) else SEG_VERSION
+    parts = [_SEG_HEAD.pack(SEG_MAGIC, version, flags, n, len(ns_names), len(node_ids), len(codes), len(dead_recs),
+                            len(dead),
                             0 if key_lens is not None else key_len),
              np.asarray(gen, _U64).tobytes(), b"" if digs is None else np.asarray(digs, _U64).tobytes(),
              np.asarray(codes, _U64).tobytes(), dead.tobytes(),
@@ -78,7 +89,7 @@ def pack_segment(ns_names: list[str], nsix, node_ids: list[str], nodeix, unit, c
         parts.append(np.fromiter((NO_PARENT if p is None else len(p) for p in parents), _U32, n).tobytes())
         pblob = b"".join(p for p in parents if p is not None)
     parts.append(np.fromiter(map(len, names), _U16, len(names)).tobytes())
-    for table, ix in ((ns_names, nsix), (node_ids, nodeix), (codes, codeix)):
+    for table, ix in ((ns_names, nsix), (node_ids, nodeix), (codes, codeix), (dead_recs, dead_ix)):
         if len(table) > 1:
             parts.append(np.asarray(ix, _U16).tobytes())
     parts += names
@@ -93,10 +104,12 @@ def is_segment(value: bytes) -> bool:
 
 class Segment:
     """A parsed segment (``unpack_segment``): its tables and columns as numpy arrays (``nsix``, ``nodeix``, ``unit``,
-    ``code`` (int64 layout codes a page), ``gen``, ``dead``), its keys as one blob (``key_len`` bytes each, or
+    ``code`` (int64 layout codes a page), ``gen``, ``dead`` with ``dead_ix``, an index in ``dead_recs``: the etcd
+    key of the record of each dead generation's page), its keys as one blob (``key_len`` bytes each, or
     ``key_lens``) and its parents' blob (``parent_lens``; None without parents)."""
 
-    __slots__ = ("n", "ns_names", "node_ids", "nsix", "nodeix", "unit", "code", "gen", "dead", "keys", "key_len",
+    __slots__ = ("n", "ns_names", "node_ids", "nsix", "nodeix", "unit", "code", "gen", "dead", "dead_ix", "dead_recs",
+                 "keys", "key_len",
                  "key_lens", "parent_lens", "parent_blob", "_dig")
 
     def offsets(self) -> np.ndarray:
@@ -154,11 +167,15 @@ def unpack_segment(value: bytes) -> Segment:
     past MAX_SHARDS), a generation past int64, a key of 64..68 bytes not in its digest form, names not utf-8."""
     if len(value) < _SEG_HEAD.size:
         raise ValueError("a segment shorter than its head")
-    magic, version, flags, n, nns, nnodes, ncodes, _, ndead, key_len = _SEG_HEAD.unpack_from(value)
-    if magic != SEG_MAGIC or version != SEG_VERSION:
-        raise ValueError(f"a record of layout version {version}, not {SEG_VERSION}")
-    if not 0 < n <= MAX_SEGMENT or not nns or not nnodes or not ncodes or flags & ~(F_PARENTS | F_VARKEYS | F_DIGESTS):
+    magic, version, flags, n, nns, nnodes, ncodes, ndrec, ndead, key_len = _SEG_HEAD.unpack_from(value)
+    if magic != SEG_MAGIC or version not in SEG_VERSIONS:
+        raise ValueError(f"a record of layout version {version}, not one of {SEG_VERSIONS}")
+    if (version == SEG_DEAD_VERSION) != bool(ndead) or bool(ndead) != bool(ndrec):
+        raise ValueError("a dead list in a segment of another version, or one naming no record")
+    if n and (not nns or not nnodes or not ncodes) or n > MAX_SEGMENT or flags & ~(F_PARENTS | F_VARKEYS | F_DIGESTS):
         raise ValueError("a segment's head out of range")
+    if not n and not ndead:
+        raise ValueError("a segment of no page and no dead list")
     at = _SEG_HEAD.size
 
     def col(dtype, count):
@@ -178,11 +195,12 @@ def unpack_segment(value: bytes) -> Segment:
     s.unit = col(_U32, n)
     s.key_lens = col(_U32, n) if flags & F_VARKEYS else None
     s.parent_lens = col(_U32, n) if flags & F_PARENTS else None
-    name_lens = col(_U16, nns + nnodes).tolist()
+    name_lens = col(_U16, nns + nnodes + ndrec).tolist()
     s.nsix = col(_U16, n) if nns > 1 else np.zeros(n, _U16)
     s.nodeix = col(_U16, n) if nnodes > 1 else np.zeros(n, _U16)
     codeix = col(_U16, n) if ncodes > 1 else None
-    if (nns > 1 and s.nsix.max() >= nns) or (nnodes > 1 and s.nodeix.max() >= nnodes) or (
+    s.dead_ix = col(_U16, ndead) if ndrec > 1 else np.zeros(ndead, _U16)
+    if (ndrec > 1 and s.dead_ix.max() >= ndrec) or (nns > 1 and s.nsix.max() >= nns) or (nnodes > 1 and s.nodeix.max() >= nnodes) or (
             codeix is not None and codeix.max() >= ncodes):
         raise ValueError("a segment's index past its table")
     if (codes > _MAX_I64).any() or ((codes >> np.uint64(SHARD_SHIFT)) > MAX_SHARDS).any():
@@ -190,14 +208,18 @@ def unpack_segment(value: bytes) -> Segment:
     if (s.gen > _MAX_I64).any() or (s.dead > _MAX_I64).any():
         raise ValueError("a generation past int64")
     codes = codes.astype(np.int64)
-    s.code = codes[codeix] if codeix is not None else np.full(n, codes[0], np.int64)
+    s.code = codes[codeix] if codeix is not None else np.full(n, codes[0] if ncodes else 0, np.int64)
     names = []
-    for ln in name_lens:
+    for ln in name_lens[:nns + nnodes]:
         names.append(value[at:at + ln].decode())
         at += ln
     s.ns_names, s.node_ids = [_intern(x) for x in names[:nns]], names[nns:]
+    s.dead_recs = []
+    for ln in name_lens[nns + nnodes:]:
+        s.dead_recs.append(value[at:at + ln])
+        at += ln
     if s.key_lens is None:
-        if key_len == 0:
+        if key_len == 0 and n:
             raise ValueError("a segment's key length out of range")
         kbytes = n * key_len
         if 64 <= key_len <= 68 and any(digest_key(k) is not k for k in s_keys(value, at, np.full(n, key_len))):
@@ -314,13 +336,19 @@ class PageRecords:
     pages). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack unpack, an unhexlify, an
     entry)."""
 
-    __slots__ = ("groups", "chunks", "junk", "n", "batches", "_prefix", "_cut", "_names", "_apps", "_ekeys")
+    __slots__ = ("groups", "chunks", "junk", "n", "batches", "dead", "carriers", "dropped", "_prefix", "_cut", "_names",
+                 "_apps", "_ekeys")
 
     def __init__(self, prefix: bytes):
         self.groups: dict[str, tuple[list[Entry], list[int]]] = {}
         self.junk: list[bytes] = []
         self.n = 0
         self.batches: list[bytes] = []  # the etcd keys of the commit records read
+        # dead lists (version-3 segments): record etcd key -> generations of its pages that are dead; applied by
+        # ``columns``/``done`` after the whole scan, so their order against the records they name does not matter
+        self.dead: dict[bytes, list] = {}
+        self.carriers: list[bytes] = []  # the etcd keys of the segments read that carry a dead list
+        self.dropped = 0  # pages a dead list named (not filed)
         self._prefix = prefix
         self._cut = len(prefix)
         self._names: dict[bytes, str] = {}  # namespace as in the etcd key -> its (interned) str
@@ -350,17 +378,56 @@ class PageRecords:
             recs._ekeys[(p[2], p[3])] = p[8]
         return recs
 
+    def _dead_of(self, name) -> np.ndarray | None:
+        """The dead generations named for record ``name`` (sorted uint64), None when none."""
+        g = self.dead.get(name) if name is not None else None
+        if g is None:
+            return None
+        if type(g) is list:
+            g = self.dead[name] = np.unique(np.concatenate(g).astype(np.uint64))
+        return g
+
+    def _live_entries(self, ents: list, revs: list) -> tuple[list, list]:
+        """``ents`` (and their ``revs``) less the pages a dead list names (a msgpack record's or a page record's)."""
+        if not self.dead:
+            return ents, revs
+        keep = [i for i, e in enumerate(ents)
+                if (g := self._dead_of(self.record_of(e))) is None or not len(g)
+                or g[min(int(np.searchsorted(g, e.gen)), len(g) - 1)] != e.gen]
+        if len(keep) == len(ents):
+            return ents, revs
+        self.dropped += len(ents) - len(keep)
+        return [ents[i] for i in keep], [revs[i] for i in keep]
+
+    def _live_idx(self, seg: Segment, idx, name: bytes):
+        """``idx`` (None: all of ``seg``) less the positions of pages a dead list names."""
+        g = self._dead_of(name)
+        if g is None:
+            return idx
+        gen = seg.gen if idx is None else seg.gen.take(idx)
+        live = ~np.isin(gen, g)
+        if live.all():
+            return idx
+        self.dropped += int(np.count_nonzero(~live))
+        return np.flatnonzero(live) if idx is None else idx[live]
+
     def done(self) -> dict[str, tuple[list[Entry], list[int]]]:
         """No more ``add``: ``groups``, its lists no longer referenced from here (so a caller that pops a node's
         lists frees them), segments' pages made entries too (an object a page: the slow paths; a load reads
         ``columns``)."""
         self._apps = {}
         groups = self.groups
+        if self.dead:
+            for node_id, (ents, revs) in list(groups.items()):
+                groups[node_id] = self._live_entries(ents, revs)
         for node_id, chunks in self.chunks.items():
             g = groups.get(node_id)
             if g is None:
                 g = groups[node_id] = ([], [])
             for seg, idx, rev, name in chunks:
+                idx = self._live_idx(seg, idx, name)
+                if idx is not None and not len(idx):
+                    continue
                 ents = _seg_entries(seg, idx, name)
                 g[0].extend(ents)
                 g[1].extend([rev] * len(ents))
@@ -381,11 +448,18 @@ class PageRecords:
         for node_id in list(self.groups) + [x for x in self.chunks if x not in self.groups]:
             parts = []
             ents, revs = self.groups.pop(node_id, ((), ()))
+            if ents and self.dead:
+                ents, revs = self._live_entries(ents, revs)
             if ents:
                 parts.append(NodePages.of_entries(ents, revs, ns_of, ns_list, rec_of, rec_list, parents))
             for seg, idx, rev, name in self.chunks.pop(node_id, ()):
+                if self.dead:
+                    idx = self._live_idx(seg, idx, name)
+                    if idx is not None and not len(idx):
+                        continue
                 parts.append(NodePages.of_segment(seg, idx, rev, name, ns_of, ns_list, rec_of, rec_list, parents))
-            out[node_id] = NodePages.join(parts, ns_list, rec_list)
+            if parts:  # (none: a dead list named every page of it)
+                out[node_id] = NodePages.join(parts, ns_list, rec_list)
         return out
 
     def record_of(self, e: Entry) -> bytes:
@@ -487,6 +561,14 @@ class PageRecords:
             seg = unpack_segment(raw)
             self.batches.append(ekey)
             self.n += seg.n - 1
+            if len(seg.dead):
+                self.carriers.append(ekey)
+                dead = self.dead
+                for j, rname in enumerate(seg.dead_recs):
+                    dead.setdefault(rname, []).append(seg.dead[seg.dead_ix == j] if len(seg.dead_recs) > 1
+                                                      else seg.dead)
+            if not seg.n:
+                return
             chunks = self.chunks
             for node_id, idx in _by_node(seg):
                 c = chunks.get(node_id)
