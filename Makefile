@@ -92,6 +92,7 @@ demo: venv etcd
 bench: venv etcd
 	$(VPY) bench/pool.py
 	$(VPY) bench/getpath.py
+	$(VPY) bench/putpath.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache site

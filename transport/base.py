@@ -34,12 +34,12 @@ Contracts:
 from __future__ import annotations
 
 import abc
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from transport import wire
+from umbp import copies
 from umbp.buffers import Rows
 from umbp.errors import CorruptionError
 
@@ -75,23 +75,9 @@ def check_payload(op: ReadOp, csum: int | None, component: str) -> CorruptionErr
     return None
 
 
-# The object header as a numpy record (``wire.OBJ_HEADER``'s fields): a batch's headers are checked as arrays.
-OBJ_HEADER_DTYPE = np.dtype([("magic", "<u4"), ("version", "<u2"), ("flags", "<u2"), ("tag", "<u8"), ("gen", "<u8"),
-                             ("len", "<u8"), ("csum", "<u4"), ("crc", "<u4"), ("rest", "V24")])
-_CRC: list = []  # [(36, 256) uint32 table, crc32 of 36 zero bytes]: built on first use
-
-
-def crc32_rows(rows: np.ndarray) -> np.ndarray:
-    """zlib.crc32 of each row of an (n, 36) uint8 array, without a crc call a row: over a fixed length crc32 is
-    affine in the bytes, so it is the crc of zeros xored with one table term per byte (36 look-ups, one reduce)."""
-    if not _CRC:
-        zero = zlib.crc32(bytes(36))
-        bits = np.array([[zlib.crc32(bytes(j) + bytes([1 << b]) + bytes(35 - j)) for b in range(8)] for j in range(36)],
-                        np.uint32) ^ np.uint32(zero)
-        on = (np.arange(256)[:, None] >> np.arange(8)) & 1 == 1
-        _CRC[:] = [np.bitwise_xor.reduce(np.where(on, bits[:, None, :], np.uint32(0)), axis=2), np.uint32(zero)]
-    table, zero = _CRC
-    return np.bitwise_xor.reduce(table[np.arange(36), rows], axis=1) ^ zero
+# the object header as a numpy record and the crc of its rows live with the header's layout in wire.py
+OBJ_HEADER_DTYPE = wire.OBJ_HEADER_DTYPE
+crc32_rows = wire.crc32_rows
 
 
 def headers_match(heads: np.ndarray, tag: np.ndarray, gen: np.ndarray, plen: np.ndarray) -> np.ndarray:
@@ -163,6 +149,54 @@ def write_to_arena(arena: memoryview, op: WriteOp) -> None:
         arena[pos:pos + len(part)] = part
         pos += len(part)
     arena[op.offset:op.offset + wire.OBJ_HEADER_SIZE] = op.header
+
+
+def write_rows_to_arena(heads_at: np.ndarray, arena: memoryview, off: np.ndarray, plen: np.ndarray,
+                        heads: np.ndarray, src: list, deadline: float) -> np.ndarray:
+    """``write_to_arena`` for a batch of whole pages as arrays (``umbp/putbatch.py``): page i's payload ``src[i]`` (a
+    flat byte view of ``plen[i]`` bytes) to the object at ``off[i]`` of the mapped ``arena``, whose header rows every
+    4 KiB ``heads_at`` views writably; ``heads[i]`` its header. Same order as ``write_to_arena`` page by page:
+    every old header invalidated first, then the payloads, then the headers, so a reader racing the writes sees no
+    valid header until its payload is in. Per page: 0 written, 1 not touched (outside the arena or not 4 KiB
+    aligned: the transport's ``start_write`` decides it, with its own error). Cost: a fixed number of numpy calls
+    and one slice assignment a page (a ctypes ``memmove`` costs more a call, measured), or copy threads
+    (``copies.Stream``) for batches of ``copies.SERIAL_BYTES``; DeadlineExceeded when those are not done by
+    ``deadline``."""
+    hs, size = wire.OBJ_HEADER_SIZE, len(arena)
+    off = off.astype(np.int64)
+    plen = plen.astype(np.int64)
+    status = np.ones(len(off), np.int8)
+    inside = ((off >= wire.ARENA_DATA_START) & (plen >= 0) & (plen <= size) & (off + hs + plen <= size)
+              & (off % wire.ALIGN == 0))
+    if inside.all():
+        pick = None
+    else:
+        pick = inside.nonzero()[0]
+        if not len(pick):
+            return status
+        off, plen, heads = off[pick], plen[pick], heads[pick]
+        src = [src[i] for i in pick.tolist()]
+    slot = off // wire.ALIGN
+    heads_at[slot, :4] = 0  # a reader racing this write sees no valid header until the end
+    dst = (off + hs).tolist()
+    n = plen.tolist()
+    total = sum(n)
+    if copies.threads_for(total) > 1:
+        stream = copies.Stream(total, deadline, keep=src)
+        add, base, address = stream.add, copies.address(arena), copies.address_of_view
+        for a, v, k in zip(dst, src, n):
+            if k:
+                add(base + a, address(v), k)
+        stream.finish()
+    else:
+        for a, v, k in zip(dst, src, n):
+            arena[a:a + k] = v
+    heads_at[slot] = heads
+    if pick is None:
+        status[:] = 0
+    else:
+        status[pick] = 0
+    return status
 
 
 class MemoryTransport(Transport):

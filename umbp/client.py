@@ -59,6 +59,7 @@ from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
 from umbp.speculate import Speculation, read_deadline
 from umbp.mapped import MappedPages, MappedPath  # noqa: F401  (umbp.client.MappedPages is public)
+from umbp import putbatch
 from umbp.puts import PutPath
 from umbp.readbatch import get_into, late_reads_missed, out_addresses
 
@@ -237,6 +238,9 @@ class Client(PutPath, MappedPath):
                   ) -> list[bool]:
         if len(keys) != len(values):
             raise InvalidArgument(self.component, f"batch_put: {len(keys)} keys but {len(values)} values")
+        views = putbatch.host_views(values)  # numpy byte arrays, bytes: views by map (umbp/putbatch.py)
+        if views is not None:
+            return self._put(keys, views, parents)
         if self._any_cuda(values):  # umbp/puts.py: the kernel writes them straight into same-host arenas
             return self._put_cuda(keys, [[v] for v in values], parents, "values")
         return self._put(keys, [[as_bytes_view(v, "values", i)] for i, v in enumerate(values)], parents)

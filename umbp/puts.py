@@ -28,7 +28,7 @@ import numpy as np
 
 from transport import wire
 from transport.base import WriteOp
-from umbp import copies
+from umbp import copies, putbatch
 from umbp.auth import with_caps
 from umbp.buffers import PINNED, Rows, as_bytes_view, stage_cuda
 from umbp.devcopy import DeviceBatch
@@ -80,6 +80,9 @@ class _PutResult:
         self.chunks_done: list[dict] = []  # per chunk whose ALLOC answer was used: key index -> generation
 
     def committed(self, idxs: list[int], oks: list[bool]) -> None:
+        if len(oks) == len(idxs) and all(oks):
+            self.stored += idxs
+            return
         for i, ok in zip(idxs, oks):
             (self.stored if ok else self.lost).append(i)
 
@@ -162,12 +165,12 @@ class PutPath:
 
     def _put_views(self, keys: Sequence[Any], views: list, parents: Sequence[Any] | None, dev: DeviceBatch | None
                    ) -> list[bool]:
-        kb = [normalize_key(k) for k in keys]
+        kb = putbatch.keys_bytes(keys) or [normalize_key(k) for k in keys]
         if parents is not None and len(parents) != len(kb):
             raise InvalidArgument(self.component, f"batch_put: {len(kb)} keys but {len(parents)} parents")
         pb = None if parents is None else [None if p is None else normalize_key(p) for p in parents]
-        sizes = [int(dev.nbytes[i]) if v is None else len(v[0]) if len(v) == 1 else sum(len(x) for x in v)
-                 for i, v in enumerate(views)]
+        sizes = putbatch.sizes_of(views) or [int(dev.nbytes[i]) if v is None else len(v[0]) if len(v) == 1 else
+                                             sum(len(x) for x in v) for i, v in enumerate(views)]
         out = [False] * len(kb)
         with self._lock:
             deadline = self._deadline()
@@ -207,6 +210,8 @@ class PutPath:
     @staticmethod
     def _chunks(idxs: list[int], sizes: list[int]) -> list[list[int]]:
         """Split a batch into chunks of about CHUNK_BYTES (CHUNK_MIN_PAGES..CHUNK_MAX_PAGES pages each)."""
+        if len(idxs) <= CHUNK_MAX_PAGES and (len(idxs) <= CHUNK_MIN_PAGES or sum(sizes) < CHUNK_BYTES):
+            return [idxs]  # what the loop below makes of it
         chunks, cur, nbytes = [], [], 0
         for i in idxs:
             cur.append(i)
@@ -243,8 +248,7 @@ class PutPath:
         acc = _PutResult()
         if len(chunks) == 1:
             reply = meta.call(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents, idxs), deadline)
-            items = with_caps(reply["items"], reply.get("caps"), 6)
-            ok_idx, gens = self._write_chunk(kb, views, idxs, items, deadline, acc, dev)
+            ok_idx, gens = self._write_answer(kb, views, sizes, idxs, reply, deadline, acc, dev)
             if ok_idx:
                 committed = meta.call(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
                                                        "gens": [gens[i] for i in ok_idx]}, deadline)["ok"]
@@ -258,8 +262,7 @@ class PutPath:
                         allocs.append(meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents,
                                                                                   chunks[len(allocs)]), deadline))
                     reply = meta.result(allocs[c], deadline)
-                    items = with_caps(reply["items"], reply.get("caps"), 6)
-                    ok_idx, gens = self._write_chunk(kb, views, chunk, items, deadline, acc, dev, pipelined=True)
+                    ok_idx, gens = self._write_answer(kb, views, sizes, chunk, reply, deadline, acc, dev, True)
                     if ok_idx:
                         commits.append((meta.submit(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
                                                                      "gens": [gens[i] for i in ok_idx]}, deadline),
@@ -270,7 +273,8 @@ class PutPath:
             except BaseException:
                 self._unwind(kb, allocs, commits, len(acc.chunks_done), deadline)
                 raise
-        self.count(puts=len(acc.stored), dedup=acc.dedup, bytes_put=sum(sizes[i] for i in acc.stored))
+        self.count(puts=len(acc.stored), dedup=acc.dedup, bytes_put=sum(sizes) if len(acc.stored) == len(sizes) else
+                   sum(sizes[i] for i in acc.stored))
         if dev is not None:
             via = dev.via[acc.stored]
             self.count(kernel_put_bytes=int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_KERNEL].sum()),
@@ -281,6 +285,31 @@ class PutPath:
                                                  f"(aborted): {acc.first_err}")
             err.__cause__ = acc.first_err
         return acc.stored, acc.lost, acc.full, err, acc.waiting
+
+    def _write_answer(self, kb: list[bytes], views: list, sizes: list[int], idxs: list[int], reply: Any,
+                      deadline: float, acc: "_PutResult", dev: DeviceBatch | None, pipelined: bool = False
+                      ) -> tuple[list[int], dict[int, int]]:
+        """Write one chunk given its ALLOC answer: as arrays (``umbp/putbatch.py``) where that path takes it, else
+        page by page (``_write_chunk``). Same results, aborts and errors either way."""
+        rows = putbatch.answer_rows(reply, len(idxs)) if dev is None and not self.config.checksum else None
+        if rows is None or not putbatch.takes(views, idxs, sizes, rows):
+            items = with_caps(reply["items"], reply.get("caps"), 6)
+            return self._write_chunk(kb, views, idxs, items, deadline, acc, dev, pipelined)
+        pos, gens = putbatch.plan(rows, idxs, acc)
+        if not len(pos):
+            return [], gens
+        nodes, caps = reply.get("nodes") or [], reply.get("caps") or []
+        try:
+            if pipelined and int(rows["len"][pos].sum()) < SHARE_BELOW_PAGE_BYTES * len(pos):
+                with copies.sharing_cores(1):  # as _write_chunk: leave a core to the other chunks' requests
+                    results, index = putbatch.write(self, views, idxs, rows, pos, nodes, caps, deadline)
+            else:
+                results, index = putbatch.write(self, views, idxs, rows, pos, nodes, caps, deadline)
+        except Exception:
+            acc.chunks_done[-1] = {}
+            self._abort_written(kb, list(gens), gens, deadline)  # best effort: the write's error is the one raised
+            raise
+        return self._settle(kb, results, index, gens, acc, deadline)
 
     def _write_chunk(self, kb: list[bytes], views: list, idxs: list[int], items: list, deadline: float,
                      acc: "_PutResult", dev: DeviceBatch | None = None, pipelined: bool = False
@@ -357,6 +386,11 @@ class PutPath:
         if direct:
             index[""] = [d[0] for d in direct]  # node ids are never empty: the kernel's results as one more node
             results[""] = direct_res
+        return self._settle(kb, results, index, gens, acc, deadline)
+
+    def _settle(self, kb: list[bytes], results: dict[str, list], index: dict[str, list[int]], gens: dict[int, int],
+                acc: "_PutResult", deadline: float) -> tuple[list[int], dict[int, int]]:
+        """The keys written (in node order) and the first error; the keys whose write failed aborted."""
         ok_idx, bad_idx = [], []
         for node_id, res in results.items():
             if not any(res):
