@@ -30,6 +30,7 @@ row two writes (a 4 KiB one for the header) and a 4 KiB memcpy; two ``fdatasync`
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 from transport import wire
@@ -53,27 +54,31 @@ class Answer:
 
 
 class ConnState:
-    """One connection's disk answers: how many are in its output, bytes in flight, buffers not yet known sent."""
+    """One connection's disk answers: how many are in its output, bytes in flight, and the read buffers handed to
+    the transport, each group with the count of bytes written up to its end (``sent``): once that many bytes left
+    the transport's buffer (``sent`` minus its buffer size) the group is given back to the pool."""
 
-    __slots__ = ("waiting", "inflight", "held", "paused")
+    __slots__ = ("waiting", "inflight", "held", "paused", "sent")
 
     def __init__(self):
         self.waiting = 0
         self.inflight = 0
-        self.held: list = []
+        self.held: deque = deque()  # (bytes written up to its end, [buffers])
         self.paused = False
+        self.sent = 0
 
 
 def flush(conn) -> None:
-    """``DataProtocol.flush`` while disk answers are around: send what precedes the first unfinished one."""
-    st, out, ready = conn.disk, conn._out, []
+    """``DataProtocol.flush`` while disk answers are around: send what precedes the first unfinished one, then give
+    back the buffers the transport has finished with."""
+    st, out, ready, held = conn.disk, conn._out, [], []
     for i, b in enumerate(out):
         if type(b) is Answer:
             if b.bufs is None:
                 conn._out = out[i:]
                 break
             ready.extend(b.bufs)
-            st.held.extend(b.held)
+            held.extend(b.held)
             st.waiting -= 1
         else:
             ready.append(b)
@@ -81,16 +86,23 @@ def flush(conn) -> None:
         conn._out = []
     if ready:
         conn.transport.writelines(ready)
-    if st.held and not conn.transport.get_write_buffer_size():
-        release(conn)
+        st.sent += sum(map(len, ready))
+        if held:
+            st.held.append((st.sent, held))
+    drained = st.sent - conn.transport.get_write_buffer_size()
+    put = conn.node.disk.buffers.put
+    while st.held and st.held[0][0] <= drained:
+        for b in st.held.popleft()[1]:
+            put(b)
 
 
 def release(conn) -> None:
-    """Give a connection's sent (or never to be sent) read buffers back to the pool."""
+    """Give all of a connection's read buffers back to the pool (it closed: nothing more will be sent)."""
     put = conn.node.disk.buffers.put
-    for b in conn.disk.held:
-        put(b)
-    conn.disk.held = []
+    for _end, bufs in conn.disk.held:
+        for b in bufs:
+            put(b)
+    conn.disk.held.clear()
 
 
 class DiskTier:
@@ -132,9 +144,7 @@ class DiskTier:
                     st.paused = False
                     conn.transport.resume_reading()
             if conn.transport is None or conn.transport.is_closing():
-                st.held.extend(answer.held)
-                release(conn)
-                return
+                return  # its buffers are left to the collector (a closing transport may still send others')
             conn.flush()
 
         return lambda *args: loop.call_soon_threadsafe(on_loop, *args)
