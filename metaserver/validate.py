@@ -172,7 +172,8 @@ def arena_id(meta: dict) -> bytes:
 
 
 REGISTER_FIELDS = frozenset({"node_id", "host", "port", "pid", "capacity", "arena_id", "arena_path", "boot_id",
-                             "hostname", "transports", "lease_ttl", "rdma"})
+                             "hostname", "transports", "lease_ttl", "rdma", "disk_id", "disk_capacity", "disk_path",
+                             "disk_direct"})
 
 
 def node_description(meta: dict) -> dict:
@@ -197,4 +198,11 @@ def node_description(meta: dict) -> dict:
     if rdma is not None and type(rdma) is not dict:
         raise Reject("rdma must be a map or nil")
     desc["rdma"] = rdma
+    if meta.get("disk_id") is not None:  # its disk tier (umbp node --disk: metaserver/table/tiers.py)
+        did = meta["disk_id"]
+        if type(did) is not bytes or not 1 <= len(did) <= 64:
+            raise Reject("disk_id must be 1..64 bytes")
+        desc["disk_id"] = did
+        desc["disk_capacity"] = integer(meta, "disk_capacity", 1 << 20, (1 << 44) - (1 << 13))  # u32 4 KiB units
+        desc["disk_path"] = string(meta, "disk_path", required=False, max_len=4096) or ""
     return desc

@@ -73,6 +73,10 @@ def _print_stats(s: dict) -> None:
     t.add_row("objects", f"{s.get('objects', 0)} ready, {s.get('pending', 0)} pending, {s.get('pinned', 0)} leased")
     t.add_row("hit rate", f"{100 * hits / lookups:.1f}% ({hits} hits, {misses} misses)" if lookups else "no lookups yet")
     t.add_row("evictions", str(s.get("evictions", 0)))
+    dcap, dused = s.get("disk_capacity_bytes", 0), s.get("disk_used_bytes", 0)
+    if dcap:  # the nodes' disk tiers (umbp node --disk)
+        t.add_row("disk tier", f"{format_size(dused)} / {format_size(dcap)} ({100 * dused / dcap:.1f}%), "
+                               f"{s.get('demotions', 0)} demoted, {s.get('promotions', 0)} promoted")
     if s.get("slot_map"):  # a partitioned pool: which metaserver leads which slots (umbp/slotrouter.py)
         t.add_row("slots", f"{s.get('slots')} slots over {len(s.get('metaservers') or [])} metaservers, "
                            f"membership leader {s.get('leader') or '-'}")
@@ -118,14 +122,17 @@ def _print_nodes(nodes: list[dict]) -> None:
     from rich.table import Table
 
     t = Table(title="nodes")
-    for col in ("node", "address", "pid", "alive", "used / capacity", "objects", "transports"):
+    disk = any(n.get("disk_capacity_bytes") for n in nodes)
+    for col in ("node", "address", "pid", "alive", "used / capacity", "objects") + (("disk",) * disk) + ("transports",):
         t.add_column(col)
     for n in nodes:
         cap = n.get("capacity_bytes", 0)
+        dcol = (f"{format_size(n.get('disk_used_bytes', 0))} / {format_size(n.get('disk_capacity_bytes', 0))}, "
+                f"{n.get('disk_objects', 0)} objects",) if disk else ()
         t.add_row(str(n.get("node_id")), f"{n.get('host')}:{n.get('port')}", str(n.get("pid")),
                   ("draining" if n.get("draining") else "yes") if n.get("alive") else "DEAD",
                   f"{format_size(n.get('used_bytes', 0))} / {format_size(cap)}", str(n.get("objects", "")),
-                  ",".join(n.get("transports", [])))
+                  *dcol, ",".join(n.get("transports", [])))
     Console(width=None if sys.stdout.isatty() else 110).print(t)
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 SUMMED = ("capacity_bytes", "used_bytes", "objects", "pending", "pinned", "held_bytes", "hits", "misses", "evictions",
-          "puts", "etcd_pending_ops", "etcd_txns", "etcd_ops", "etcd_retries", "ticks")
+          "puts", "etcd_pending_ops", "etcd_txns", "etcd_ops", "etcd_retries", "ticks", "disk_capacity_bytes",
+          "disk_used_bytes", "demotions", "promotions")
 
 
 def split_by_use(total: int, uses: list[int]) -> list[int]:
@@ -43,6 +44,8 @@ def merge_nodes(lists: list[list[dict]]) -> list[dict]:
                 continue
             cur["used_bytes"] = cur.get("used_bytes", 0) + n.get("used_bytes", 0)
             cur["objects"] = cur.get("objects", 0) + n.get("objects", 0)
+            for k in ("disk_used_bytes", "disk_objects"):  # a slot's share of the node's disk tier
+                cur[k] = cur.get(k, 0) + n.get(k, 0)
             cur["alive"] = bool(cur.get("alive")) or bool(n.get("alive"))
             cur["provisional"] = bool(cur.get("provisional")) and bool(n.get("provisional"))
             cur["draining"] = bool(cur.get("draining")) or bool(n.get("draining"))

@@ -63,6 +63,7 @@ from metaserver.store import gcpolicy
 from metaserver.ha import handoff
 from metaserver.handlers import kvevents
 from metaserver.store.fullload import gc_paused, node_descs
+from metaserver.ha.tiering import Mover
 from metaserver.ha.standby import CATCHUP_S, Handover, WarmDirectory
 from metaserver.table.directory import TableDirectory
 from transport.wire import VERSION, Op, Status
@@ -113,8 +114,9 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self._new_state()
         self._bg: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
+        self.mover = Mover(self)  # the disk tier's demotions and promotions (metaserver/ha/tiering.py)
         self._duties = (self._expire_pending, self._expire_leases, self._release_quarantine, self._drop_dying,
-                        self._evict_over_high, self._step_table)
+                        self._evict_over_high, self._step_table, self.mover.tick)
         self.handlers = {
             Op.HELLO: self.hello, Op.AUTH: self.authenticate, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
             Op.HEARTBEAT: self.heartbeat, Op.ALLOC: self.alloc, Op.COMMIT: self.commit, Op.ABORT: self.abort,
@@ -138,7 +140,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self.settled = asyncio.Event()  # every node loaded at takeover re-registered (or ALLOC_HOLD_S passed)
         self.took_over = 0.0
         self.given_up = False  # this term's writer dropped writes: the term is being given up (``_writes_dropped``)
-        self.parked: dict[str, tuple] = {}  # lost node id -> (arena_id, capacity, deadline, page records); _park
+        self.parked: dict[str, tuple] = {}  # lost node id -> (arena_id, capacity, deadline, page records, disk_id)
 
     def _make_dir(self) -> TableDirectory:
         cfg = self.cfg
@@ -443,6 +445,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
                 and not old.conn.closed and now - old.last_heartbeat <= old.lease_ttl):
             raise AuthError("metaserver", f"node id {old.node_id!r} is held by a live node at {old.host}:{old.port} "
                                           f"(registered on another connection, heartbeating): refused")
+        old_disk = (old.disk_id, old.disk_capacity) if old is not None else None
         node, keep = self.members.register(desc, now)
         node.conn = conn
         node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
@@ -453,6 +456,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         node.provisional = False
         self._check_settled()
         kept = dropped = 0
+        self._disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py, table/tiers.py)
         if keep and node.node_id in self.dir.spaces:
             kept = self.dir.space_use(node.node_id)[1]
             self.dir.set_placeable(node.node_id, True)

@@ -396,12 +396,15 @@ class SlotServer(Metaserver):
         for node_id, desc in live.items():
             node = self.members.get(node_id)
             if (node is not None and node.alive and not node.provisional and node.arena_id == desc["arena_id"]
-                    and node.capacity == desc["capacity"] and node.pid == desc.get("pid", node.pid)):
+                    and node.capacity == desc["capacity"] and node.pid == desc.get("pid", node.pid)
+                    and node.disk_id == desc.get("disk_id")):
                 node.last_heartbeat = now
                 continue
+            old_disk = (node.disk_id, node.disk_capacity) if node is not None else None
             node, keep = self.members.register(desc, now)
             node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
             node.cap_epoch = self.epoch
+            self._disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py, table/tiers.py)
             node.lease_id = 0
             node.provisional = False
             self._check_settled()

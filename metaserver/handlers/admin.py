@@ -40,6 +40,7 @@ class AdminHandlers:
             use = self.dir.space_use(node.node_id) if node.alive else None
             used, objects = use if use is not None else (0, 0)
             info = node.info(used, objects)
+            info.update(self.dir.tiers.usage(node.node_id))  # its disk tier, zeros without one
             if not full:
                 info.update(NODE_INTERNAL, transports=[t for t in info["transports"] if t != "shm"])
             out.append(info)
@@ -62,6 +63,8 @@ class AdminHandlers:
                "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
                "etcd_txn_max_ops": self.writer.batch,
                "ticks": self.ticks, "nodes": self._node_maps(scope.admin)}
+        _dc, _du, out["disk_capacity_bytes"], out["disk_used_bytes"] = d.tiers.totals()  # the disk tier (issue 47)
+        out["demotions"], out["promotions"] = d.tiers.demotions, d.tiers.promotions
         if not scope.admin:
             del out["etcd"]
         return out

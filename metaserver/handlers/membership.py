@@ -21,7 +21,7 @@ DEAD_KEEP_S = 600.0
 class Node:
     __slots__ = ("node_id", "host", "port", "pid", "capacity", "arena_id", "arena_path", "boot_id", "hostname",
                  "transports", "lease_ttl", "rdma", "alive", "draining", "last_heartbeat", "lease_id", "dead_since",
-                 "conn", "refreshing", "provisional", "cap_key", "cap_epoch")
+                 "conn", "refreshing", "provisional", "cap_key", "cap_epoch", "disk_id", "disk_capacity", "disk_path")
 
     def __init__(self, desc: dict[str, Any], now: float):
         self.node_id: str = desc["node_id"]
@@ -49,6 +49,9 @@ class Node:
         self.transports = list(desc.get("transports") or [])
         self.lease_ttl = float(desc["lease_ttl"])
         self.rdma = desc.get("rdma")
+        self.disk_id: bytes | None = desc.get("disk_id")  # its disk tier (umbp node --disk), None without one
+        self.disk_capacity: int = desc.get("disk_capacity", 0)
+        self.disk_path: str = desc.get("disk_path", "")
 
     @property
     def lease_ttl_int(self) -> int:
@@ -59,7 +62,9 @@ class Node:
         return {"node_id": self.node_id, "host": self.host, "port": self.port, "pid": self.pid,
                 "capacity": self.capacity, "arena_id": self.arena_id, "arena_path": self.arena_path,
                 "boot_id": self.boot_id, "hostname": self.hostname, "transports": self.transports,
-                "lease_ttl": self.lease_ttl, "rdma": self.rdma, "lease_id": self.lease_id}
+                "lease_ttl": self.lease_ttl, "rdma": self.rdma, "lease_id": self.lease_id,
+                **({"disk_id": self.disk_id, "disk_capacity": self.disk_capacity, "disk_path": self.disk_path}
+                   if self.disk_id is not None else {})}
 
     def info(self, used: int, objects: int) -> dict[str, Any]:
         """The node map of STATS and NODES."""

@@ -158,10 +158,19 @@ class _Collector(Collector):
         yield _counter("umbp_pool_misses", "Keys not found by LOOKUP", total("misses"))
         yield _counter("umbp_pool_evictions", "Objects evicted (pressure, watermark, admin)", total("evictions"))
         yield _counter("umbp_pool_puts", "Objects committed", total("puts"))
+        tiers = [d.tiers.totals() for d in dirs]  # the nodes' disk tiers (metaserver/table/tiers.py)
+        yield _gauge("umbp_pool_disk_capacity_bytes", "Disk-tier bytes of the live nodes", sum(t[2] for t in tiers))
+        yield _gauge("umbp_pool_disk_used_bytes", "Disk-tier bytes held by objects", sum(t[3] for t in tiers))
+        yield _counter("umbp_pool_demotions", "Objects moved from DRAM to a node's disk tier",
+                       sum(d.tiers.demotions for d in dirs))
+        yield _counter("umbp_pool_promotions", "Objects moved from a node's disk tier back to DRAM",
+                       sum(d.tiers.promotions for d in dirs))
         fams = {name: GaugeMetricFamily(f"umbp_pool_node_{name}", doc, labels=["node_id"]) for name, doc in (
             ("capacity_bytes", "A node's arena capacity"), ("used_bytes", "A node's arena bytes held by objects"),
             ("objects", "Objects on a node"), ("alive", "1 while the node heartbeats within its lease"),
-            ("provisional", "1 while a node loaded at a takeover has not re-registered"))}
+            ("provisional", "1 while a node loaded at a takeover has not re-registered"),
+            ("disk_capacity_bytes", "A node's disk-tier capacity (0: none)"),
+            ("disk_used_bytes", "A node's disk-tier bytes held by objects"))}
         for info in (merge_nodes([x._node_maps() for x in led]) if led is not None else ms._node_maps()):
             nid = [info["node_id"]]
             fams["capacity_bytes"].add_metric(nid, info["capacity_bytes"])
@@ -169,6 +178,8 @@ class _Collector(Collector):
             fams["objects"].add_metric(nid, info["objects"])
             fams["alive"].add_metric(nid, int(bool(info["alive"])))
             fams["provisional"].add_metric(nid, int(bool(info.get("provisional"))))
+            fams["disk_capacity_bytes"].add_metric(nid, info.get("disk_capacity_bytes", 0))
+            fams["disk_used_bytes"].add_metric(nid, info.get("disk_used_bytes", 0))
         yield from fams.values()
 
 

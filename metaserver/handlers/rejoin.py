@@ -22,6 +22,8 @@ import logging
 
 from metaserver.table.entry import Effects
 from metaserver.handlers.membership import Node
+from metaserver.table.tiers import twin_id
+from transport import wire
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -40,7 +42,8 @@ class RejoinHandlers:
         if park:
             # Out of the directory (no lookup finds them, nothing is placed there) but still in etcd, with the arena
             # record: a return within the grace brings them back (_unpark); _expire_parked deletes them after it.
-            self.parked[nid] = (node.arena_id, node.capacity, now + max(REJOIN_GRACE_S, node.lease_ttl), [])
+            self.parked[nid] = (node.arena_id, node.capacity, now + max(REJOIN_GRACE_S, node.lease_ttl), [],
+                                node.disk_id)
             log.warning("metaserver: node %s lost (no heartbeat for %.1fs): %d pages parked for %.0fs", nid,
                         node.lease_ttl, pages, REJOIN_GRACE_S)
         else:
@@ -60,7 +63,7 @@ class RejoinHandlers:
     def _drop_lost(self, budget: int) -> int:
         """One tick's share of dropping detached nodes' pages: at most ``budget`` pages in all. Returns how many."""
         done = 0
-        for nid in list(self.dir.dying):
+        for nid in self.dir.tiers.hosts_of(self.dir.dying):  # a disk's drop goes on under its node's id
             if done >= budget:
                 break
             fx = Effects()
@@ -73,11 +76,34 @@ class RejoinHandlers:
 
     def _finish_drop(self, node_id: str) -> None:
         """Finish a detached node's drop in one step (it re-registers: its parked pages must be complete first)."""
-        if node_id in self.dir.dying:
+        if node_id in self.dir.tiers.hosts_of(self.dir.dying):
             fx = Effects()
-            _, recs = self.dir.drop_slice(node_id, 1 << 62, fx)
+            recs = None
+            for _ in range(2):  # its DRAM pages, then its disk's (metaserver/table/tiers.py)
+                _, recs = self.dir.drop_slice(node_id, 1 << 62, fx)
+                if recs is not None:
+                    break
             self._apply(fx)
             self._dropped(node_id, recs)
+
+    def _disk_registered(self, node: Node, old: tuple | None, keep: bool) -> None:
+        """A (re-)registration's disk tier (``umbp node --disk``; ``old``: the (disk id, capacity) the node had).
+        Its capacity goes where ``add_space`` finds it (``tiers.disks``); when the node keeps its DRAM pages but its
+        disk changed (another file, another size, none now), the old disk's pages go at once."""
+        d = self.dir
+        nid = node.node_id
+        if node.disk_capacity:
+            d.tiers.disks[nid] = node.disk_capacity
+        else:
+            d.tiers.disks.pop(nid, None)
+        if not (keep and nid in d.spaces):
+            return  # add_space makes its disk's twin anew (drop_space dropped the old one with its node)
+        same = old is not None and old == (node.disk_id, node.disk_capacity)
+        if d.tiers.twin(nid) is not None and not same:
+            _, fx = d.drop_space(twin_id(nid))
+            self._apply(fx)
+            log.warning("metaserver: node %s came back with another disk: its disk pages are dropped", nid)
+        d.tiers.add(nid)
 
     def _dropped(self, node_id: str, recs: list) -> None:
         """A detached node's last slice: its parked records, oldest first (``drop_slice`` sorts them) for a reload."""
@@ -92,17 +118,22 @@ class RejoinHandlers:
         p = self.parked.pop(node.node_id, None)
         if p is None:
             return 0
-        arena_id, capacity, _deadline, recs = p
-        if arena_id != node.arena_id or capacity != node.capacity:
-            self._forget_parked(node.node_id, recs, arena=False)
+        arena_id, capacity, _deadline, recs, disk_id = p
+        same_arena = arena_id == node.arena_id and capacity == node.capacity
+        same_disk = disk_id is not None and disk_id == node.disk_id  # a disk file outlives its host's arena
+        lost = [r for r in recs if not (same_disk if r[2] & wire.DISK_BIT else same_arena)]
+        if lost:
+            self._forget_parked(node.node_id, lost, arena=False)
+            recs = [r for r in recs if (same_disk if r[2] & wire.DISK_BIT else same_arena)]
+        if not recs:
             return 0
         restored, fx = self.dir.unpark(node.node_id, recs)
         self._apply(fx)
         return restored
 
     def _expire_parked(self, now: float) -> None:
-        for node_id, (_a, _c, deadline, recs) in list(self.parked.items()):
-            if deadline < now and node_id not in self.dir.dying:  # a drop still under way: its records are not all in
+        for node_id, (_a, _c, deadline, recs, _d) in list(self.parked.items()):
+            if deadline < now and node_id not in self.dir.tiers.hosts_of(self.dir.dying):  # a drop still under way: its records are not all in
                 del self.parked[node_id]
                 self._forget_parked(node_id, recs, arena=True)
                 log.warning("metaserver: node %s did not return within %.0fs: dropped its %d parked pages", node_id,

@@ -147,6 +147,11 @@ class Tiers:
         while len(seen) > PROMOTE_SEEN:
             del seen[next(iter(seen))]
 
+    @staticmethod
+    def hosts_of(node_ids) -> list[str]:
+        """``node_ids`` with each twin's as its host's, once each (a node's drop continues into its disk's)."""
+        return list(dict.fromkeys(n[:-len(SUFFIX)] if n.endswith(SUFFIX) else n for n in node_ids))
+
     def parked(self, node_id: str, recs: list) -> list | None:
         """A lost node's parked records as its drop finishes them: the DRAM pages' (``node_id`` its host's) are kept
         here and None returned while its twin's drop goes on; the twin's (their offsets marked ``DISK_BIT``) come
@@ -209,9 +214,11 @@ class Tiers:
             freed += size
         return self._pin(host_id, True, host, twin, rows, offs, sizes, now, owner)
 
-    def plan_promote(self, host_id: str, budget: int, now: float, owner: object = None) -> Move | None:
+    def plan_promote(self, host_id: str, budget: int, now: float, owner: object = None, room: int = 1 << 62
+                     ) -> Move | None:
         """Up to ``budget`` of the disk rows read lately (``read``) of ``host_id``'s twin that are still READY and
-        unpinned, with DRAM extents where the host has room now (a promotion never evicts): a ``Move`` or None."""
+        unpinned, the most recent first, about ``room`` bytes of them, with DRAM extents where the host has room now
+        (a promotion never evicts): a ``Move`` or None."""
         t = self.t
         host, twin = t.node_by_id.get(host_id), self.twin(host_id)
         if host is None or twin is None or not self.seen or not host.placeable:
@@ -223,11 +230,14 @@ class Tiers:
         offs: list[int] = []
         sizes: list[int] = []
         for r in mine[::-1].tolist()[:budget]:  # the most recent reads first
-            self.seen.pop(r, None)
             size = extent_size(t.codes[c["size"][r]])
+            if size > room:
+                break
             off = host.alloc.alloc(size)
             if off is None:
                 break
+            self.seen.pop(r, None)
+            room -= size
             rows.append(r)
             offs.append(off)
             sizes.append(size)

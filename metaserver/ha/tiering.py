@@ -1,0 +1,164 @@
+"""The disk tier's mover (issue 47): one slot's demotions and promotions between each node's DRAM and its disk.
+
+Every tick (``Metaserver.tick``) the mover starts, per node with a disk and no move of its own in flight, one round
+(``_round``): a demotion when the node's DRAM is above the high watermark (its least recently used pages, down to
+the low watermark, ``MOVE_ROWS`` at most: the table's plan, ``metaserver/table/tiers.py``), else a promotion of the
+disk pages read lately while its DRAM is below the low watermark (never past it, so promotions and demotions do not
+chase each other). The round sends the node one DEMOTE or PROMOTE (``wire.TIER_ROW`` rows) over the mover's own
+connection to the node's data port (HELLO/AUTH with the cluster secret, as a node's link to the metaserver does),
+waits for its answer (``MOVE_S`` at most) and hands it to the table's ``finish``; the commit records of the moved
+pages go to etcd like a COMMIT's. A promotion into a closed pool's DRAM carries fresh generations (the node's write
+ledger admits only newer ones there). Nothing a client waits for is in a round: puts evict as before when DRAM fills
+faster than the mover empties it.
+
+Faults: a node that does not answer, refuses, or closes: the round's rows stay where they were (their destination
+extents go back); the connection is opened anew next round. A round that outlives its term (a step-down) touches
+nothing: the lease that pins its rows runs out with the table it belongs to.
+
+Costs: per round one frame each way and the table's plan and finish (O(rows)); no work per tick for nodes without
+a disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from metaserver.table.evict import bytes_to_low, over_high
+from transport import wire
+from umbp.auth import ClientAuth
+from umbp.config import split_host_port
+from umbp.errors import UmbpError
+from umbp.tls import client_context
+
+log = logging.getLogger("umbp.metaserver")
+
+MOVE_ROWS = 256  # pages a round moves at most (one frame; wire.MAX_VEC_OPS bounds it too)
+MOVE_S = 30.0  # a round's answer at most (its writes are synced on the node)
+CONNECT_S = 5.0
+
+
+class NodeLink:
+    """The mover's connection to one node's data port: one request at a time."""
+
+    def __init__(self, addr: str, token: str | None, tls_ca: str, component: str):
+        self.addr = addr
+        self.token = token
+        self.tls_ca = tls_ca
+        self.component = component
+        self.reader = self.writer = None
+        self.rid = 0
+
+    async def _open(self) -> None:
+        host, port = split_host_port(self.addr, self.component)
+        ssl = client_context(self.tls_ca) if self.tls_ca else None
+        self.reader, self.writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None), CONNECT_S)
+        auth = ClientAuth(self.token, self.component)
+        hello = await self._ask(wire.Op.HELLO, auth.hello_meta("metaserver-mover"), CONNECT_S)
+        meta = auth.auth_meta(hello)
+        if meta is not None:
+            auth.check(await self._ask(wire.Op.AUTH, meta, CONNECT_S))
+
+    async def _ask(self, op: int, meta, timeout: float):
+        self.rid += 1
+        self.writer.write(wire.encode(op, self.rid, meta))
+        await self.writer.drain()
+        head = await asyncio.wait_for(self.reader.readexactly(wire.HEADER_SIZE), timeout)
+        rop, flags, status, rid, meta_len, data_len = wire.decode_header(head, self.component)
+        body = await asyncio.wait_for(self.reader.readexactly(meta_len + data_len), timeout)
+        frame = wire.Frame(rop, flags, status, rid, wire.unpack_meta(body[:meta_len], self.component)
+                           if meta_len else None, None, 0)
+        wire.raise_for_status(frame, self.component)
+        return frame.meta
+
+    async def request(self, op: int, meta, timeout: float):
+        if self.writer is None:
+            await self._open()
+        return await self._ask(op, meta, timeout)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+class Mover:
+    """Demotions and promotions of one slot's service ``svc``: see the module docstring."""
+
+    def __init__(self, svc):
+        self.svc = svc
+        self.links: dict[str, NodeLink] = {}
+        self.rounds: dict[str, asyncio.Task] = {}
+        self.component = "metaserver mover"
+        self.errors = 0
+
+    def tick(self, now: float, budget: int) -> int:
+        """Start a round for each node with a disk and none in flight (a duty of the service's tick: the rounds
+        run on their own, so it examines nothing itself)."""
+        tiers = self.svc.dir.tiers
+        if not tiers.disks:
+            return 0
+        for host in list(tiers.disks):
+            task = self.rounds.get(host)
+            if task is None or task.done():
+                self.rounds[host] = self.svc._spawn(self._round(host, self.svc.term))  # cancelled at a step-down
+        return 0
+
+    async def _round(self, host: str, term: int) -> None:
+        svc = self.svc
+        d = svc.dir
+        node, space = svc.members.get(host), d.node_by_id.get(host)
+        if node is None or not node.alive or space is None or svc.term != term or not svc.serving:
+            return
+        cap, used = space.alloc.capacity, space.alloc.used
+        cfg = svc.cfg
+        now = time.monotonic()
+        if over_high(used, cap, cfg.high_watermark):
+            move = d.tiers.plan_demote(host, bytes_to_low(used, cap, cfg.low_watermark), MOVE_ROWS, now, self)
+            op = wire.Op.DEMOTE
+        elif used < cfg.low_watermark * cap:
+            move = d.tiers.plan_promote(host, MOVE_ROWS, now, self, room=int(cfg.low_watermark * cap) - used)
+            op = wire.Op.PROMOTE
+            if move is not None and svc.tokens.closed:
+                base = await svc.gens.take(len(move))
+                if svc.term != term:
+                    return
+                move.regen[:] = np.arange(base, base + len(move), dtype=np.uint64)
+        else:
+            return
+        if move is None:
+            return
+        failed: set[int] = set()
+        try:
+            link = self.links.get(host)
+            if link is None or link.addr != f"{node.host}:{node.port}":
+                if link is not None:
+                    link.close()
+                secret = svc.tokens.cluster_secret.decode() if svc.tokens.closed else None
+                link = self.links[host] = NodeLink(f"{node.host}:{node.port}", secret, cfg.tls_ca, self.component)
+            meta = await link.request(op, {"rows": move.tier_rows()}, MOVE_S)
+            failed = set(wire.vec_failures(meta, len(move), self.component))
+        except (UmbpError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+            failed = set(range(len(move)))
+            self.errors += 1
+            link = self.links.pop(host, None)
+            if link is not None:
+                link.close()
+            log.warning("metaserver: %s %s of %d pages on node %s failed: %s", "demotion" if op == wire.Op.DEMOTE
+                        else "promotion", "round", len(move), host, e)
+        if svc.term != term or not svc.serving:
+            return  # another term's table: this move's lease and rows are not ours to settle
+        d.tiers.finish(move, failed, self)
+        svc._apply(d.effects())
+
+    def close(self) -> None:
+        for task in self.rounds.values():
+            task.cancel()
+        self.rounds.clear()
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
