@@ -88,8 +88,9 @@ def _route_meta(kslots: list[int]) -> tuple[dict, int]:
 class BenchClient:
     """One client process's state: a connection per metaserver process, the slot map, the keys it committed."""
 
-    def __init__(self, cid: int, window: int, page_bytes: int, decode: str):
+    def __init__(self, cid: int, window: int, page_bytes: int, decode: str, merge: bool = True):
         self.cid, self.window, self.page_bytes, self.decode = cid, window, page_bytes, decode
+        self.merge = merge
         self.socks: list[FramedSocket] = []
         self.slots = 1
         self.owner: list[int] = []  # slot -> index of its process in socks
@@ -162,18 +163,20 @@ class BenchClient:
         fs = self.socks[sub.proc]
         rid = fs.next_id()
         meta.update(sub.route)
+        if op == Op.LOOKUP and self.merge and "parts" in sub.route:
+            meta["merge"] = True  # one answer for the parts, as umbp/slotrouter.py asks (metaserver/ha/multislot.py)
         fs.send([wire.encode(op, rid, meta)], deadline)
         sub.op = op
         inflight[(sub.proc, rid)] = sub
 
     @staticmethod
     def _answers(sub: _Sub, meta: dict) -> list[dict]:
-        """The per-part answers of a request (one for a single-slot or unpartitioned one)."""
+        """The per-part answers of a request (one for a single-slot or unpartitioned one, or a merged LOOKUP)."""
         if "parts" not in sub.route:
             return [meta]
         if meta.get("failed"):
             raise RuntimeError(f"bench: parts failed (the slot map moved during the bench?): {meta['failed']}")
-        return meta["parts"]
+        return meta["parts"] if "parts" in meta else [meta]
 
     @staticmethod
     def _allocs(answers: list[dict]) -> tuple[np.ndarray, np.ndarray]:
@@ -276,9 +279,9 @@ class BenchClient:
         return True
 
 
-def client_main(cid: int, conn, window: int, page_bytes: int, decode: str) -> None:
+def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge: bool = True) -> None:
     """A client process: obeys the bench's commands on ``conn`` (connect, prep, go, close, exit)."""
-    c = BenchClient(cid, window, page_bytes, decode)
+    c = BenchClient(cid, window, page_bytes, decode, merge)
     while True:
         cmd, *args = conn.recv()
         try:
@@ -313,12 +316,12 @@ def busy_s() -> float:
 class Clients:
     """The client processes (spawned once, reconnected to each pool) and their command pipes."""
 
-    def __init__(self, n: int, window: int, page_bytes: int, decode: str):
+    def __init__(self, n: int, window: int, page_bytes: int, decode: str, merge: bool = True):
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         for cid in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode), daemon=True)
+            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge), daemon=True)
             p.start()
             self.pipes.append(a)
             self.procs.append(p)
@@ -494,6 +497,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capacity", default="8GiB", help="per node, fallocated in /dev/shm (default 8GiB)")
     p.add_argument("--page-bytes", type=int, default=4000, help="page payload (default 4000: a 4 KiB object)")
     p.add_argument("--headline-batch", type=int, default=128, help="request size of the headline ratio")
+    p.add_argument("--lookup-parts", action="store_true",
+                   help="multi-slot LOOKUPs answered per part (no 'merge': the path before one answer a process)")
     p.add_argument("--decode", choices=("rows", "locs"), default="rows",
                    help="LOOKUP answers: count the packed rows (one frombuffer) or unpack them as umbp.Client does")
     p.add_argument("--ceiling", action="store_true",
@@ -523,7 +528,7 @@ def main(argv=None) -> int:
           flush=True)
     print(f"{'proc':>4} {'slots':>5} {'op':<6} {'batch':>5} {'keys/s':>10} {'k keys/CPU-s':>13} "
           f"{'us/req':>7} {'busy (each)':<24} {'etcd us/pg':>10} {'clients':>7} {'machine':>7}", flush=True)
-    clients = Clients(args.clients, args.window, args.page_bytes, args.decode)
+    clients = Clients(args.clients, args.window, args.page_bytes, args.decode, not args.lookup_parts)
     runs, warnings = [], []
     try:
         for p, s in shapes:

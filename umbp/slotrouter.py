@@ -11,7 +11,10 @@ A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split 
 parts are grouped by the process the map names as each slot's leader: one request per process, all in flight at
 once (submitted on each process's pipelined connection, then collected): a single-slot request naming its slot
 (``"slot"``, wire VERSION 10) when the process gets one slot's keys, a multi-slot one (``parts``: ``metaserver/ha/multislot.py``, answered per part) otherwise. The
-parts' answers are merged back into key order. Capabilities are concatenated and each item's ``cap_index``
+parts' answers are merged back into key order. A multi-slot LOOKUP asks for one answer (``"merge": true``): the
+process's rows for all its parts in one packed column, one capability a node and one read lease (its failed parts'
+keys misses, resent as any failed part); a process that does not know ``merge`` (it refuses the field) is asked per
+part from then on. Capabilities are concatenated and each item's ``cap_index``
 shifted; the read leases of the slots of one LOOKUP become one handle that RELEASE expands; PREFIX becomes EXISTS
 per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent
 there, only that part's keys; a part whose process cannot be reached re-reads the map from any process (LEADER) and
@@ -69,12 +72,16 @@ class _Group:
 class SlotTicket:
     """A routed request in flight (``MetaRouter.submit``)."""
 
-    __slots__ = ("op", "meta", "parts", "n", "plain", "groups", "unrouted")
+    __slots__ = ("op", "meta", "parts", "n", "plain", "groups", "unrouted", "merged")
 
     def __init__(self, op: int, meta: Any, parts: list[_Part], n: int, plain: Ticket | None = None):
         self.op, self.meta, self.parts, self.n, self.plain = op, meta, parts, n, plain
         self.groups: list[_Group] = []
         self.unrouted: list[_Part] = []  # parts whose slot has no known leader yet
+        self.merged: list[tuple[list[int], dict, str]] = []  # merged LOOKUP answers: (key indices, answer, process)
+
+
+_MERGED = object()  # a part's answer that is in one of its ticket's merged answers
 
 
 class MetaRouter:
@@ -93,6 +100,7 @@ class MetaRouter:
         self.moved = 0  # NOT_LEADER answers followed (tests, observability)
         self.refreshes = 0  # slot map re-reads
         self._suspects: set[str] = set()  # processes that did not answer in time: the map is re-read before a call
+        self._no_merge: set[str] = set()  # processes that refused a merged LOOKUP (an older release): asked per part
 
     # -- MetaClient's interface --------------------------------------------------------------------------------
     @property
@@ -247,19 +255,21 @@ class MetaRouter:
             p.addr = addr
             by.setdefault(addr, []).append(p)
         for addr, ps in by.items():
-            meta = ps[0].meta if len(ps) == 1 else self._combine(ps)
+            meta = ps[0].meta if len(ps) == 1 else self._combine(ps, op == Op.LOOKUP and addr not in self._no_merge)
             t.groups.append(_Group(addr, ps, self._conn(addr).submit(op, meta, deadline)))
 
     @staticmethod
-    def _combine(ps: list[_Part]) -> dict:
+    def _combine(ps: list[_Part], merge: bool = False) -> dict:
         """One multi-slot request of several parts (``metaserver/ha/multislot.py``): the per-key lists concatenated
-        part after part, ``parts`` saying each one's slot and key count."""
+        part after part, ``parts`` saying each one's slot and key count; ``merge``: one LOOKUP answer for them."""
         first = ps[0].meta
         out = {k: x for k, x in first.items() if k != "slot" and (k not in _LISTS or type(x) is not list)}
         for k in _LISTS:
             if type(first.get(k)) is list:
                 out[k] = [x for p in ps for x in p.meta[k]]
         out["parts"] = [[p.slot, len(p.idx)] for p in ps]
+        if merge:
+            out["merge"] = True
         return out
 
     def _forget(self, t: SlotTicket) -> None:
@@ -319,16 +329,20 @@ class MetaRouter:
                         g.parts[0].answer = res
                         continue
                     answers, failed = self._parts_of(res, len(g.parts), g.addr)
+                    if answers is None:  # one merged LOOKUP answer for every part (failed parts' keys: misses)
+                        t.merged.append(([i for p in g.parts for i in p.idx], res, g.addr))
                     for i, p in enumerate(g.parts):
                         e = failed.get(i)
                         if e is None:
-                            p.answer = answers[i]
+                            p.answer = _MERGED if answers is None else answers[i]
                             continue
                         last[p.slot] = e
                         if isinstance(e, NotLeader):
                             refresh = not self._moved_to(p.slot, e.leader) or refresh
                         elif isinstance(e, Unavailable):
                             refresh = pause = True
+                        elif op == Op.LOOKUP and e.code == Status.BAD_REQUEST and "'merge'" in str(e):
+                            self._no_merge.add(g.addr)  # a process of an older release: per part from now on
                         else:
                             raise e
                         retry.append(p)
@@ -360,11 +374,14 @@ class MetaRouter:
         now = time.monotonic()
         return min(deadline, now + min(ATTEMPT_S, max(PART_ATTEMPT_MIN_S, (deadline - now) / 2)))
 
-    def _parts_of(self, res: Any, n: int, addr: str) -> tuple[list, dict[int, RemoteError]]:
-        """The per-part answers and failures of a multi-slot answer (``metaserver/ha/multislot.py``)."""
-        answers = res.get("parts") if type(res) is dict else None
-        failed = res.get("failed") if type(res) is dict else None
-        if type(answers) is not list or len(answers) != n or type(failed) is not list:
+    def _parts_of(self, res: Any, n: int, addr: str) -> tuple[list | None, dict[int, RemoteError]]:
+        """The per-part answers (None: one merged LOOKUP answer, ``rows`` for every part) and failures of a
+        multi-slot answer (``metaserver/ha/multislot.py``)."""
+        answers = res.get("parts") if isinstance(res, dict) else None
+        failed = res.get("failed") if isinstance(res, dict) else None
+        if answers is None and isinstance(res, dict) and "rows" in res and type(failed) is list:
+            pass
+        elif type(answers) is not list or len(answers) != n or type(failed) is not list:
             raise ProtocolError(self.component, f"metaserver {addr}: malformed multi-slot answer")
         out: dict[int, RemoteError] = {}
         for f in failed:
@@ -393,6 +410,12 @@ class MetaRouter:
             while run < n and hit[run]:
                 run += 1
             return {"hits": run}
+        if op == Op.LOOKUP and t.merged:  # merged answers first: a part failed in one was answered later
+            own = [(p.idx, a) for p, a in zip(t.parts, answers) if a is not _MERGED]
+            if all("rows" in a for _, a in own):
+                return self._lookup_leases(t, answers, lookup.merge(
+                    [(idx, a) for idx, a, _ in t.merged] + own, n))
+            raise ProtocolError(self.component, "a LOOKUP answered both merged and as a version 11 list")
         if op == Op.LOOKUP and all("rows" in a for a in answers):  # packed rows: one index scatter a part
             return self._lookup_leases(t, answers, lookup.merge([(p.idx, a) for p, a in zip(t.parts, answers)], n))
         field = {Op.ALLOC: "items", Op.COMMIT: "ok", Op.LOOKUP: "locs", Op.EXISTS: "exists", Op.REMOVE: "removed"}[op]
@@ -416,7 +439,9 @@ class MetaRouter:
     def _lookup_leases(self, t: SlotTicket, answers: list, res: dict) -> dict:
         """The merged LOOKUP answer ``res`` with one lease handle for the slots' read leases (RELEASE expands it)
         and the shortest of their ``lease_ms``."""
-        leases = [(p.addr, a["lease"]) for p, a in zip(t.parts, answers) if a.get("lease")]
+        leases = [(p.addr, a["lease"]) for p, a in zip(t.parts, answers) if a is not _MERGED and a.get("lease")]
+        leases += [(addr, a["lease"]) for _, a, addr in t.merged if a.get("lease")]
+        answers = [a for a in answers if a is not _MERGED] + [a for _, a, _ in t.merged]
         res["lease"] = 0
         if leases:
             handle = next(self._ids)

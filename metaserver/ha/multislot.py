@@ -17,20 +17,38 @@ capabilities, its own read lease); a part whose slot is led elsewhere fails NOT_
 took effect). A malformed ``parts`` fails the whole request BAD_REQUEST. PREFIX is not split (the client sends
 EXISTS parts and counts the run itself).
 
-Cost: O(keys) to slice and check, plus each part's handler; COMMIT parts waiting on etcd are awaited together.
+A LOOKUP with ``"merge": true`` (a client of wire VERSION 12 that knows it: ``umbp/slotrouter.py``) is answered as
+one LOOKUP answer for the whole request (``lookup_merged``): ``{"lease", "lease_ms", "nodes", "caps", "rows",
+"failed"}``, one packed row a key in the request's order (a failed part's keys are misses), one read capability a
+node covering every part's slots on it (read capabilities carry no slot epoch: a node checks each (offset, length,
+generation) it is asked for against the capability alone), and one read lease for the process (``ProcessLeases``:
+its id names every part's lease; RELEASE of it releases them all). The parts still run on their own slot's table
+(one key-index pass a part), but the validation, the grants, the answer and the lease are the request's, once.
+
+Cost: O(keys) to slice and check, plus each part's handler; COMMIT parts waiting on etcd are awaited together. A
+merged LOOKUP: each part's table pass (``TableDirectory.lookup_columns``), then O(keys) numpy over the request and
+one keyed blake2b a node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+import numpy as np
+
 from metaserver import validate as v
-from transport import slotrules
+from metaserver.handlers.ownership import LEASES_PRUNE_AT
+from metaserver.table.directory import by_node
+from metaserver.table.entry import random_id
+from transport import slotrules, wire
 from transport.wire import Op, Status
+from umbp.auth import read_capabilities_packed
 from umbp.errors import NotLeader, RemoteError, UmbpError
 
 LISTS = ("keys", "sizes", "parents", "gens")  # per-key lists of a keyed request, sliced per part
+_MERGED = frozenset({"ns", "keys", "parts", "shard", "merge"})
 
 
 def split(meta: dict, slots: int, check: bool = True) -> list[tuple[int, dict]]:
@@ -87,6 +105,8 @@ def dispatch(p, op: int, meta: dict, conn) -> Any:
     (a dict), or a coroutine for it when a part waits (COMMIT on etcd)."""
     if op == Op.PREFIX:
         raise v.Reject("PREFIX is not split over slots: send EXISTS parts and count the leading run")
+    if op == Op.LOOKUP and meta.get("merge") is True and conn.version >= 12:
+        return lookup_merged(p, meta, conn)
     answers: list[Any] = []
     failed: list[list] = []
     waiting: list[int] = []
@@ -121,3 +141,137 @@ async def _gather(answers: list, failed: list, waiting: list[int]) -> dict:
             answers[i] = res
     failed.sort()
     return {"parts": answers, "failed": failed}
+
+
+def cuts(parts: Any, slots: int, n: int) -> list[tuple[int, int, int]]:
+    """(slot, first key, end) of each part of ``parts`` over ``n`` keys; Reject as ``split`` does."""
+    if type(parts) is not list or not 1 <= len(parts) <= slots:
+        raise v.Reject(f"'parts' must be a list of 1..{slots} [slot, count] pairs")
+    out, seen, at = [], set(), 0
+    for part in parts:
+        if (type(part) is not list or len(part) != 2 or type(part[0]) is not int or type(part[1]) is not int
+                or not 0 <= part[0] < slots or part[0] in seen or part[1] < 1 or at + part[1] > n):
+            raise v.Reject(f"'parts': bad entry {part!r} (want [slot 0..{slots - 1}, count >= 1], each slot once, "
+                           f"counts adding up to the {n} keys)")
+        seen.add(part[0])
+        out.append((part[0], at, at + part[1]))
+        at += part[1]
+    if at != n:
+        raise v.Reject(f"'parts' count {at} keys, the request has {n}")
+    return out
+
+
+def lookup_merged(p, meta: dict, conn) -> dict:
+    """A multi-slot LOOKUP answered as one LOOKUP (module docstring): each part's rows found and pinned in its slot's
+    table, then one capability a node, one packed answer and one process lease over all of them. A part whose slot
+    is not served here, or whose table call fails, is in ``failed`` and its keys are misses."""
+    m = v.fields(meta, _MERGED, ("ns", "keys", "parts"))
+    ns = v.ns(m)
+    conn.auth.scope.check(ns, False, "metaserver")
+    keys = v.keys(m, p.membership.max_keys * (len(m["parts"]) if type(m["parts"]) is list else 1))
+    parts = cuts(m["parts"], p.slots, len(keys))
+    shard = v.shard(m)
+    now = time.monotonic()
+    hits, tags, slots, codes, failed, held = [], [], [], [], [], []
+    coded: list = []  # node code -> (node id, its member in the part's slot): the parts' tables' nodes in turn
+    base = 0
+    for i, (slot, a, b) in enumerate(parts):
+        name = str(slot)
+        srv = p.servers[name]
+        try:
+            if not srv.serving:
+                raise p._moved(name)
+            sc = p._slot_conn(conn, name)
+            lease, hit, tg, sl, nix = srv.dir.lookup_columns(ns, keys[a:b], now, sc, srv.tokens, shard)
+        except Exception as e:  # noqa: BLE001 - a part's failure is that part's answer
+            failed.append(_failure(i, e))
+            hits.append(np.zeros(b - a, bool))
+            continue
+        hits.append(hit)
+        if not lease:
+            continue
+        srv._own_lease(sc, lease)
+        held.append((name, lease))
+        tags.append(tg)
+        slots.append(sl)
+        codes.append(nix + base if base else nix)  # node codes unique over the parts' tables
+        names = srv.dir.node_names.tolist()
+        coded.extend(zip(names, map(srv.members.get, names)))
+        base += len(names)
+    hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
+    if not held:
+        return {"lease": 0, "nodes": [], "caps": [], "rows": wire.pack_locs(hit, (), (), (), (), ()),
+                "failed": failed}
+    if len(held) > 1:
+        tags, slots, codes = np.concatenate(tags), np.concatenate(slots), np.concatenate(codes)
+    else:
+        tags, slots, codes = tags[0], slots[0], codes[0]
+    # each node code used to the answer's node index, numbered in order of first use (a few parts x nodes). A node
+    # is one entry by its id and capability key: a slot that has not seen a node's new arena yet keeps its own.
+    used = np.bincount(codes).nonzero()[0].tolist()
+    ids: dict[tuple, int] = {}
+    to_id = np.zeros(used[-1] + 1, np.int64)
+    for c in used:
+        nid, mem = coded[c]
+        to_id[c] = ids.setdefault((nid, None if mem is None else mem.cap_key), len(ids))
+    uniq, inv, order, ends = by_node(to_id.take(codes))
+    cap_keys = [key for _, key in ids]
+    caps = (read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(), ends)
+            if any(cap_keys) else [b""] * len(cap_keys))
+    lease = ProcessLeases.of(conn).add(p, held)
+    return {"lease": lease, "lease_ms": min(p.servers[name].lease_ms for name, _ in held), "nodes": [n for n, _ in ids],
+            "caps": caps, "rows": wire.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv),
+            "failed": failed}
+
+
+class ProcessLeases(dict):
+    """A connection's process leases (merged LOOKUPs): id -> [(slot name, that slot's table lease), ...]. Each table
+    lease is also its slot connection's (``SlotConn.leases``), so it expires, and is released at the connection's
+    close, as any other; this map only names them together. Pruned of ids none of whose leases is live when it has
+    doubled (as ``HeldLeases``): O(1) amortized a LOOKUP."""
+
+    __slots__ = ("prune_at",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prune_at = LEASES_PRUNE_AT
+
+    @staticmethod
+    def of(conn) -> "ProcessLeases":
+        got = getattr(conn, "process_leases", None)
+        if got is None:
+            got = conn.process_leases = ProcessLeases()
+        return got
+
+    def add(self, p, held: list[tuple[str, int]]) -> int:
+        if len(self) >= self.prune_at:
+            for x in [x for x, ls in self.items() if not any(lease in p.servers[name].dir.leases
+                                                               for name, lease in ls)]:
+                del self[x]
+            self.prune_at = max(LEASES_PRUNE_AT, 2 * len(self))
+        lease = random_id() or 1
+        while lease in self:
+            lease = random_id() or 1
+        self[lease] = held
+        return lease
+
+
+def release(p, conn, ids: list[int]) -> tuple[int, list[int]]:
+    """Release the process leases among ``ids`` (each: every part's table lease); (how many of them were held,
+    the ids that are not process leases)."""
+    mine = getattr(conn, "process_leases", None)
+    if not mine:
+        return 0, ids
+    n, rest = 0, []
+    for x in ids:
+        held = mine.pop(x, None)
+        if held is None:
+            rest.append(x)
+            continue
+        got = 0
+        for name, lease in held:
+            srv = p.servers[name]
+            if srv.serving:
+                got += srv.release_held([lease], p._slot_conn(conn, name))
+        n += got > 0
+    return n, rest

@@ -243,11 +243,12 @@ class Partition(ElectedProcess, PartitionAnswers):
         return handle
 
     def release(self, meta: Any, conn) -> dict:
-        """RELEASE on the slots that gave the leases (each slot's leases are its connection's: ``_slot_conn``)."""
+        """RELEASE on the slots that gave the leases (each slot's leases are its connection's: ``_slot_conn``); a
+        merged LOOKUP's process lease releases every part's (``multislot.release``)."""
         ids = release_ids(meta)
-        n = 0
-        for name, sc in (getattr(conn, "slot_conns", None) or {}).items():
-            mine = [x for x in ids if x in sc.leases]
+        n, rest = multislot.release(self, conn, ids)
+        for name, sc in (getattr(conn, "slot_conns", None) or {}).items() if rest else ():
+            mine = [x for x in rest if x in sc.leases]
             if mine and self.servers[name].serving:
                 n += self.servers[name].release_held(mine, sc)
         return release_answer(meta, ids, n)

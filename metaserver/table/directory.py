@@ -207,26 +207,12 @@ class TableDirectory(TableShared, PageTable):
         pages on 32 nodes, a run of 128 keys of the build order (so on all 32 nodes), LOOKUP plus its RELEASE: 118 us,
         of which the digests 6, the key index 30, the lease, pins and stamps of both 19, the 32 capabilities 20-28,
         the answer's columns, ``by_node`` and packing 30; 1,024 keys 380 us (the key index 128, capabilities 51)."""
-        lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
+        lease, hit, tags, slots, nix = self.lookup_columns(ns, keys, now, owner, tokens, shard)
         if not lease:
             if packed:
                 return {"lease": 0, "nodes": [], "caps": [], "rows": wire.pack_locs(hit, (), (), (), (), ())}
             return {"lease": 0, "locs": [None] * len(keys), "caps": []}
-        c = self.cols
-        n = len(hr)
-        slots = np.empty((n, 3), "<u8")  # a capability's (offset, payload_len, gen) triples
-        if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
-            tags = rank_tags(self._kept_tags(ns, keys, hit, hr, tokens.shard_bases), shard[0])
-            slots[:, 0], slots[:, 1] = self.shared_slots(hr, shard[0])
-        else:
-            tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
-            slots[:, 0] = c["unit"].take(hr)
-            slots[:, 0] <<= UNIT_SHIFT
-            slots[:, 1] = self.code_arr.take(c["size"].take(hr))
-        slots[:, 2] = c["gen"].take(hr)
-        nix = c["node"].take(hr)
-        if self.tiers.any:  # a disk page answers as its host's page at a disk address (metaserver/table/tiers.py)
-            nix = self.tiers.answer(nix, slots, hr)
+        n = len(nix)
         uniq, inv, order, ends = by_node(nix)
         names = self.node_names.take(uniq).tolist()
         cap_keys = [None if m is None else m.cap_key for m in map(member, names)]
@@ -239,6 +225,31 @@ class TableDirectory(TableShared, PageTable):
         locs = list(zip(self.node_names.take(uniq.take(inv)).tolist(), slots[:, 0].tolist(), slots[:, 1].tolist(),
                         slots[:, 2].tolist(), tags.tolist(), inv.tolist()))
         return {"lease": lease, "locs": by_key(hit, locs), "caps": caps}
+
+    def lookup_columns(self, ns: str, keys: list, now: float, owner, tokens, shard=None) -> tuple:
+        """``lookup_granted``'s table work, without the grants and the answer: ``(lease, hit, tags, slots, nix)``,
+        the hits' tags (u64), capability slots ((n, 3) ``<u8``: offset, payload length, generation) and ``node``
+        column values (indexes into ``node_names``), in key order; ``(0, hit, None, None, None)`` when nothing was
+        found. A process answering several slots' parts of one LOOKUP grants them together
+        (``metaserver/ha/multislot.py``: one capability a node, one answer)."""
+        lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
+        if not lease:
+            return 0, hit, None, None, None
+        c = self.cols
+        slots = np.empty((len(hr), 3), "<u8")  # a capability's (offset, payload_len, gen) triples
+        if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
+            tags = rank_tags(self._kept_tags(ns, keys, hit, hr, tokens.shard_bases), shard[0])
+            slots[:, 0], slots[:, 1] = self.shared_slots(hr, shard[0])
+        else:
+            tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
+            slots[:, 0] = c["unit"].take(hr)
+            slots[:, 0] <<= UNIT_SHIFT
+            slots[:, 1] = self.code_arr.take(c["size"].take(hr))
+        slots[:, 2] = c["gen"].take(hr)
+        nix = c["node"].take(hr)
+        if self.tiers.any:  # a disk page answers as its host's page at a disk address (metaserver/table/tiers.py)
+            nix = self.tiers.answer(nix, slots, hr)
+        return lease, hit, tags, slots, nix
 
     def _kept_tags(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, compute) -> np.ndarray:
         """The ``tag`` column of rows ``hr`` (the keys at ``hit``), each computed by ``compute(ns, keys)`` once, at

@@ -1,0 +1,128 @@
+"""The router's merged multi-slot LOOKUP (``umbp/slotrouter.py``, ``metaserver/ha/multislot.py``): one answer a
+process for all its parts; a part of it that failed NOT_LEADER is resent to the leader named and its rows replace
+the merged answer's misses; RELEASE goes once a process with every lease it gave; a process that refuses ``merge``
+(an older release) is asked per part from then on. Against scripted metaservers on loopback
+(``test_metaclient.ScriptedServer``)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from test_metaclient import servers  # noqa: F401  (fixture)
+from transport import slotrules, wire
+from transport.wire import Op, Status
+from umbp.slotrouter import MetaRouter
+from waiting import eventually
+
+S = 4
+NS = "default"
+
+
+def rows_for(keys: list[bytes], miss=()) -> bytes:
+    """A LOOKUP answer's rows naming each key by its number (gen = the number, node 0), misses at ``miss``."""
+    hit = np.ones(len(keys), bool)
+    hit[list(miss)] = False
+    ids = np.array([int(k[3:]) for k in keys], np.uint64)[hit]
+    return wire.pack_locs(hit, ids + 7, ids, np.full(len(ids), 64, np.uint64), ids * 4096, 0)
+
+
+def leader(a, b):
+    return {"leader": a.addr, "is_leader": True, "slots": S, "map": [a.addr, a.addr, a.addr, b.addr],
+            "members": sorted([a.addr, b.addr])}
+
+
+def keyset() -> tuple[list[bytes], list[int]]:
+    keys = [b"key%d" % i for i in range(64)]
+    slots = slotrules.slots_of(NS, keys, S)
+    assert set(slots) == set(range(S))
+    return keys, slots
+
+
+def test_a_merged_answer_with_a_moved_part_and_one_release_a_process(servers):
+    got: dict[str, list] = {"a": [], "b": []}
+
+    def a_script(_n):
+        got["a"].append((a.op, a.meta))
+        if a.op == Op.LEADER:
+            return leader(a, b)
+        if a.op == Op.LOOKUP:
+            m = a.meta
+            assert m["merge"] is True and [s for s, _ in m["parts"]] == [0, 1, 2]
+            at, miss, failed = 0, [], []
+            for i, (s, n) in enumerate(m["parts"]):
+                if s == 2:  # slot 2 moved to b meanwhile: MOVED, its keys misses here
+                    miss += range(at, at + n)
+                    failed.append([i, Status.NOT_LEADER, "slot 2 is led by b", b.addr])
+                at += n
+            return {"lease": 111, "lease_ms": 5000, "nodes": ["nA"], "caps": [b"capA"],
+                    "rows": rows_for(m["keys"], miss), "failed": failed}
+        return {}
+
+    def b_script(_n):
+        got["b"].append((b.op, b.meta))
+        if b.op == Op.LOOKUP:
+            m = b.meta
+            assert "parts" not in m and "merge" not in m  # one slot a request here: a single-slot request
+            return {"lease": 200 + m["slot"], "lease_ms": 10_000, "nodes": ["nB"], "caps": [b"capB"],
+                    "rows": rows_for(m["keys"])}
+        return {}
+
+    a = servers(a_script)
+    b = servers(b_script)
+    keys, slots = keyset()
+    r = MetaRouter([a.addr])
+    try:
+        res = r.call(Op.LOOKUP, {"ns": NS, "keys": keys}, time.monotonic() + 10)
+        rows = res["rows"]
+        assert rows["gen"].tolist() == list(range(64)) and rows["tag"].tolist() == [i + 7 for i in range(64)]
+        names = [res["nodes"][j] for j in rows["node"].tolist()]
+        assert names == ["nA" if s < 2 else "nB" for s in slots]
+        assert [res["caps"][j] for j in rows["node"].tolist()] == [b"capA" if s < 2 else b"capB" for s in slots]
+        assert res["lease"] and res["lease_ms"] == 5000 and r.moved == 1 and r.map[2] == b.addr
+        r.send_noreply(Op.RELEASE, {"lease": res["lease"]}, time.monotonic() + 5)
+        eventually(lambda: any(op == Op.RELEASE for op, _ in got["a"]) and any(op == Op.RELEASE for op, _ in got["b"]),
+                   5.0, "a RELEASE at each process")
+        assert [m for op, m in got["a"] if op == Op.RELEASE] == [{"leases": [111]}]
+        assert [sorted(m["leases"]) for op, m in got["b"] if op == Op.RELEASE] == [[202, 203]]
+    finally:
+        r.close()
+
+
+def test_a_process_that_refuses_merge_is_asked_per_part(servers):
+    seen: list[dict] = []
+
+    def a_script(_n):
+        if a.op == Op.LEADER:
+            return leader(a, b)
+        if a.op == Op.LOOKUP:
+            m = a.meta
+            seen.append(m)
+            if "merge" in m:  # an older release: each part refuses the field it does not know
+                return {"parts": [None] * len(m["parts"]),
+                        "failed": [[i, Status.BAD_REQUEST, "unknown field 'merge'", None]
+                                   for i in range(len(m["parts"]))]}
+            out, at = [], 0
+            for s, n in m["parts"]:
+                out.append({"lease": 10 + s, "nodes": ["nA"], "caps": [b""], "rows": rows_for(m["keys"][at:at + n])})
+                at += n
+            return {"parts": out, "failed": []}
+        return {}
+
+    def b_script(_n):
+        if b.op == Op.LOOKUP:
+            return {"lease": 9, "nodes": ["nB"], "caps": [b""], "rows": rows_for(b.meta["keys"])}
+        return {}
+
+    a = servers(a_script)
+    b = servers(b_script)
+    keys, _ = keyset()
+    r = MetaRouter([a.addr])
+    try:
+        for _ in range(2):
+            res = r.call(Op.LOOKUP, {"ns": NS, "keys": keys}, time.monotonic() + 10)
+            assert res["rows"]["gen"].tolist() == list(range(64)) and res["lease"]
+        assert ["merge" in m for m in seen] == [True, False, False]  # refused once, then per part
+    finally:
+        r.close()
