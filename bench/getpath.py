@@ -10,7 +10,14 @@ drifts): shm against one big memcpy of the batch (``np.copyto`` of 64 rows at on
 baselines and the ratios (targets of issue 45 on the 16-core machine: shm 64 KiB >= 0.8x per-page, >= 0.75x big
 memcpy, tensors >= 0.75x, 16 KiB >= 0.7x; tcp 64 KiB and 1 MiB >= 0.8x the raw stream).
 
-``python bench/getpath.py [--quick] [--sizes 16,64,1024] [--transports shm,tcp] [--outs array,tensors]``
+TLS (``--tls``, on by default; needs the ``openssl`` command for throwaway certificates): tcp gets of 1 MiB x64 from a
+second one-node pool serving TLS, against plaintext gets of the same size from the first pool, alternating in the same
+run (median GB/s of batches): with one connection per node (``transport.tcp.TLS_STREAMS`` = 1), with the batch split
+over ``TLS_STREAMS`` connections received in parallel threads (the default), and with kernel TLS on the client's
+receive side where the kernel and OpenSSL have it; where they do not, the output says so, with the reason. Target
+(issue 45): TLS >= 0.5x plaintext.
+
+``python bench/getpath.py [--quick] [--sizes 16,64,1024] [--transports shm,tcp] [--outs array,tensors] [--tls on|off|only]``
 """
 
 from __future__ import annotations
@@ -102,6 +109,101 @@ def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], 
     return out
 
 
+def _certs(d: str) -> bool:
+    """A CA and a server certificate for 127.0.0.1 in ``d`` (``openssl``); False when there is no openssl."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        return False
+    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True, timeout=60)  # noqa
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=umbp bench ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=127.0.0.1")
+    with open(os.path.join(d, "ext.cnf"), "w") as fh:
+        fh.write("subjectAltName = IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
+        "-days", "1", "-extfile", "ext.cnf")
+    return True
+
+
+def tls_rows(plain_ms: str, min_time: float, rounds: int = 3) -> list[str]:
+    """TLS gets of 1 MiB x64 against plaintext ones, same run (see the module docstring)."""
+    import shutil
+    import tempfile
+
+    import transport.tcp as tcp
+    from umbp import tls
+
+    size, streams = 1 << 20, tcp.TLS_STREAMS
+    d = tempfile.mkdtemp(prefix="umbp-bench-tls-")
+    if not _certs(d):
+        return ["tls: SKIPPED (no `openssl` command to make certificates with)"]
+    can_ktls, why = tls.ktls_status()
+    ca = os.path.join(d, "ca.pem")
+    vals = np.random.default_rng(7).integers(0, 256, (BATCH, size), dtype=np.uint8)
+    out = np.zeros_like(vals)
+    keys = [f"tls/{i}" for i in range(BATCH)]
+    saved = {k: os.environ.get(k) for k in ("UMBP_TLS_CERT", "UMBP_TLS_KEY", "UMBP_TLS_CA")}
+    got: dict[str, list[float]] = {}
+    engaged = False
+    try:
+        plain = umbp.Client(plain_ms, namespace="getpath-tls", transport="tcp")
+        os.environ.update(UMBP_TLS_CERT=os.path.join(d, "s.pem"), UMBP_TLS_KEY=os.path.join(d, "s.key"),
+                          UMBP_TLS_CA=ca)  # the TLS pool's processes inherit them
+        with LocalPool(nodes=1, capacity="256MiB", port=0, metrics=False) as tp, plain:
+            secure = umbp.Client(tp.metaserver, namespace="getpath-tls", transport="tcp", tls_ca=ca)
+            ktls_client = None
+            if can_ktls:
+                ktls_client = umbp.Client(tp.metaserver, namespace="getpath-tls", transport="tcp", tls_ca=ca)
+            clients = [("plain", plain, 1), ("tls 1 stream", secure, 1), (f"tls {streams} streams", secure, streams)]
+            if ktls_client is not None:
+                clients.append((f"tls+ktls {streams} streams", ktls_client, streams))
+            for name, c, _k in clients:
+                tls.KTLS = c is ktls_client  # its connections (made now) take a context of their own
+                try:
+                    c.batch_put(keys, vals)
+                    assert c.batch_get_into(keys, out) == [size] * BATCH and np.array_equal(out, vals), name
+                finally:
+                    tls.KTLS = False
+            if ktls_client is not None:
+                t = next(iter(ktls_client._transports.values()))
+                engaged = t._conn is not None and tls.ktls_engaged(t._conn.sock)
+            for _ in range(rounds):  # alternating: the machine's load drifts alike for each
+                for name, c, k in clients:
+                    tcp.TLS_STREAMS = k
+                    ts, t0 = [], time.perf_counter()
+                    while time.perf_counter() - t0 < min_time / rounds or len(ts) < 3:
+                        t = time.perf_counter()
+                        c.batch_get_into(keys, out)
+                        ts.append(time.perf_counter() - t)
+                    got.setdefault(name, []).append(BATCH * size / float(np.median(ts)) / 1e9)
+            tcp.TLS_STREAMS = streams
+            secure.close()
+            if ktls_client is not None:
+                ktls_client.close()
+    finally:
+        tcp.TLS_STREAMS = streams
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(d, ignore_errors=True)
+    base = float(np.median(got.pop("plain")))
+    lines = [f"tcp get   1 MiB x{BATCH} plaintext                  {base:6.2f} GB/s (median of {rounds} rounds)"]
+    for name, xs in got.items():
+        gbps = float(np.median(xs))
+        lines.append(f"tcp get   1 MiB x{BATCH} {name:<26} {gbps:6.2f} GB/s | {gbps / base:5.2f}x plaintext "
+                     f"{base:6.2f} (target >= 0.5x)")
+    if not can_ktls:
+        lines.append(f"!!! kTLS NOT AVAILABLE on this machine, not measured: {why}")
+    elif not engaged:
+        lines.append(f"!!! kTLS was asked for but did NOT engage (the socket's ULP is not tls): {why}; the "
+                     f"'tls+ktls' row ran as plain user-space TLS 1.2")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs, smaller working sets (noisier)")
@@ -109,13 +211,14 @@ def main() -> int:
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--outs", default="array,tensors")
     ap.add_argument("--capacity", default="2GiB", help="node arena size")
+    ap.add_argument("--tls", default="on", choices=("on", "off", "only"), help="TLS gets of 1 MiB vs plaintext")
     args = ap.parse_args()
     min_time = 0.5 if args.quick else 1.5
     ws = (128 << 20) if args.quick else (384 << 20)
     kinds = args.outs.split(",")
     lines = []
     with LocalPool(nodes=1, capacity=args.capacity, port=0, metrics=False) as pool:
-        for transport in args.transports.split(","):
+        for transport in args.transports.split(",") if args.tls != "only" else ():
             for size in (int(x) * KiB for x in args.sizes.split(",")):
                 pages = max(4 * BATCH, ws // size) // BATCH * BATCH
                 if transport == "shm":
@@ -133,6 +236,10 @@ def main() -> int:
                     line = f"{transport} get {label(size):>7} x{BATCH} into {kind:<11} {gbps:6.2f} GB/s | {cols}"
                     lines.append(line)
                     print(line, flush=True)
+        if args.tls != "off":
+            for line in tls_rows(pool.metaserver, min_time):
+                lines.append(line)
+                print(line, flush=True)
     print("\n=== summary (GB/s | ratio to each same-run baseline, baseline GB/s) ===")
     print("\n".join(lines))
     return 0

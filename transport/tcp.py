@@ -17,6 +17,12 @@ from transport.framed import FramedSocket, connection_error
 from umbp.errors import CorruptionError, ProtocolError, RemoteError, TransportError
 
 HEADER_MEMO = 65536  # READV headers remembered as checked (TcpTransport._checked); cleared when full
+# TLS reads: a batch of at least TLS_SPLIT_BYTES is split over TLS_STREAMS connections to the node, received in
+# parallel threads (``ssl`` drops the GIL while it decrypts). 1: one connection, as plain TCP always uses. Measured
+# on the 2-core VM (bench/getpath.py --tls): see docs/benchmarks/getpath.md.
+TLS_STREAMS = 4
+TLS_SPLIT_BYTES = 4 << 20
+_POOL: list = []  # the receive threads of split TLS batches (one pool for every transport): made on first use
 
 
 class TcpTransport(Transport):
@@ -39,8 +45,10 @@ class TcpTransport(Transport):
         self.tls_ca = tls_ca
         self.component = f"transport tcp {node_id}"
         self._conn: FramedSocket | None = None
+        self._more: list[FramedSocket | None] = []  # TLS: the other connections of a split batch (TLS_STREAMS)
         self._ohdr = memoryview(bytearray(wire.OBJ_HEADER_SIZE * 64))  # object headers of one READV answer
         self._slots = [self._ohdr[n * wire.OBJ_HEADER_SIZE:(n + 1) * wire.OBJ_HEADER_SIZE] for n in range(64)]
+        self._heads: list[list] = []  # [header buffer, its slots] of each other connection's answers
         # (offset, key hash, generation, payload length) -> (header bytes, checksum) that passed the header check:
         # the same bytes received again for the same directory entry pass without the unpack and crc
         self._checked: dict[tuple[int, int, int, int], tuple[bytes, int | None]] = {}
@@ -52,10 +60,60 @@ class TcpTransport(Transport):
             self._conn = FramedSocket(self.addr, self.component, deadline, self.token, hello=True, tls_ca=self.tls_ca)
         return self._conn
 
+    def _connection_k(self, k: int, deadline: float) -> FramedSocket:
+        """Connection k of a split batch (0: the usual one)."""
+        if not k:
+            return self._connection(deadline)
+        while len(self._more) < k:
+            self._more.append(None)
+            self._heads.append([memoryview(b""), []])
+        c = self._more[k - 1]
+        if c is not None and not c.closed and c.peer_closed():
+            c.close()
+        if c is None or c.closed:
+            c = self._more[k - 1] = FramedSocket(self.addr, self.component, deadline, self.token, hello=True,
+                                                 tls_ca=self.tls_ca)
+        return c
+
+    def _split(self, ops: list) -> list[tuple[int, int]]:
+        """[lo, hi) parts of a read batch, one a connection: several (about equal bytes) for a TLS batch of
+        TLS_SPLIT_BYTES or more, else one."""
+        if not self.tls_ca or TLS_STREAMS < 2 or len(ops) < 2:
+            return [(0, len(ops))]
+        sizes = [op.length for op in ops]
+        total = sum(sizes)
+        if total < TLS_SPLIT_BYTES:
+            return [(0, len(ops))]
+        k = min(TLS_STREAMS, len(ops))
+        parts, lo, acc = [], 0, 0
+        for i, n in enumerate(sizes):
+            acc += n
+            if acc * k >= total * (len(parts) + 1) and len(parts) < k - 1 and i + 1 < len(ops):
+                parts.append((lo, i + 1))
+                lo = i + 1
+        parts.append((lo, len(ops)))
+        return parts
+
     def start_read(self, ops, deadline):
+        parts = self._split(ops)
+        if len(parts) == 1:
+            return self._start_read(ops, deadline)
+        p = Pending(ops, "read")
+        state = []
+        for k, (lo, hi) in enumerate(parts):
+            try:
+                sub = self._start_read(ops[lo:hi], deadline, k)
+            except TransportError as e:  # _start_read reports its own; only a raise past it lands here
+                sub = Pending(ops[lo:hi], "read")
+                sub.results = [e] * (hi - lo)
+            state.append((k, lo, hi, sub))
+        p.state = ("split", state)
+        return p
+
+    def _start_read(self, ops, deadline, k: int = 0):
         p = Pending(ops, "read")
         try:
-            conn = self._connection(deadline)
+            conn = self._connection_k(k, deadline)
             frames, bufs = [], []
             encode, READV = wire.encode, wire.Op.READV
             for lo, hi in self._runs(ops, lambda op: op.length):
@@ -111,6 +169,26 @@ class TcpTransport(Transport):
         return runs
 
     def finish(self, pending, deadline):
+        if type(pending.state) is tuple and pending.state[0] == "split":
+            return self._finish_split(pending, deadline)
+        return self._finish(pending, deadline)
+
+    def _finish_split(self, pending, deadline):
+        """A split TLS batch: every connection's part received at once, the others' in the pool's threads."""
+        _, state = pending.state
+        pending.state = None
+        if not _POOL:
+            import concurrent.futures as cf
+
+            _POOL.append(cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="umbp-tls-recv"))
+        futures = [(lo, hi, _POOL[0].submit(self._finish, sub, deadline, k)) for k, lo, hi, sub in state[1:]]
+        k, lo, hi, sub = state[0]
+        pending.results[lo:hi] = self._finish(sub, deadline, k)
+        for lo, hi, f in futures:
+            pending.results[lo:hi] = f.result()  # each bounded by the deadline (its socket's timeouts)
+        return pending.results
+
+    def _finish(self, pending, deadline, stream: int = 0):
         if pending.state is None:
             return pending.results
         conn, frames = pending.state
@@ -121,7 +199,7 @@ class TcpTransport(Transport):
         try:
             for k, (rid, lo, hi) in enumerate(frames):
                 if pending.kind == "read":
-                    self._finish_reads(conn, rid, ops, lo, hi, results, deadline)
+                    self._finish_reads(conn, rid, ops, lo, hi, results, deadline, stream)
                 else:
                     self._finish_writes(conn, rid, lo, hi, results, deadline)
         except TransportError as e:
@@ -164,7 +242,7 @@ class TcpTransport(Transport):
         for i, e in failures.items():
             results[lo + i] = e
 
-    def _finish_reads(self, conn, rid, ops, lo, hi, results, deadline) -> None:
+    def _finish_reads(self, conn, rid, ops, lo, hi, results, deadline, stream: int = 0) -> None:
         data_len, failures = self._answer(conn, rid, hi - lo, deadline)
         hs = wire.OBJ_HEADER_SIZE
         served = [j for j in range(lo, hi) if j - lo not in failures] if failures else range(lo, hi)
@@ -176,10 +254,16 @@ class TcpTransport(Transport):
         if data_len != expect:
             conn.close()
             raise TransportError(self.component, f"READV answer of {data_len} bytes, expected {expect}")
-        slots = self._slots  # one 64-byte view of ``_ohdr`` per object: the header slots of the iovec
+        # one 64-byte view of the connection's header buffer per object: the header slots of the iovec
+        held = self._heads[stream - 1] if stream else None
+        ohdr, slots = held if stream else (self._ohdr, self._slots)
         if len(slots) < len(served):
-            self._ohdr = memoryview(bytearray(hs * len(served)))
-            slots = self._slots = [self._ohdr[n * hs:(n + 1) * hs] for n in range(len(served))]
+            ohdr = memoryview(bytearray(hs * len(served)))
+            slots = [ohdr[n * hs:(n + 1) * hs] for n in range(len(served))]
+            if stream:
+                held[:] = [ohdr, slots]
+            else:
+                self._ohdr, self._slots = ohdr, slots
         iov = []
         for n, j in enumerate(served):
             iov.append(slots[n])
@@ -199,7 +283,7 @@ class TcpTransport(Transport):
         check = wire.check_object_header
         comp = self.component
         memo = self._checked
-        heads = self._ohdr[:hs * len(served)].tobytes()
+        heads = ohdr[:hs * len(served)].tobytes()
         pos = 0
         for n, j in enumerate(served):
             op = ops[j]
@@ -230,3 +314,7 @@ class TcpTransport(Transport):
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        for i, c in enumerate(self._more):
+            if c is not None:
+                c.close()
+                self._more[i] = None

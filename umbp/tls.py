@@ -75,16 +75,52 @@ def trim_malloc() -> bool:
         return False
 
 
+# Kernel TLS (kTLS) for the client's receive side, opt-in: OpenSSL moves the record decryption into the kernel after
+# the handshake (the socket's ULP becomes "tls"), so a receive is one syscall and no Python per 16 KiB record. Needs
+# the kernel's tls module (``/proc/sys/net/ipv4/tcp_available_ulp`` lists "tls"), an OpenSSL built with it (3.0+;
+# Python 3.12 names the option ``ssl.OP_ENABLE_KTLS``, 3.11 takes its bit), and for receiving OpenSSL 3.0 only TLS
+# 1.2 (so KTLS also caps the client at 1.2, AES-GCM). The node encrypts in its event loop's memory BIO, where kTLS
+# cannot apply. Not available on the 2-core VM (no tls ULP): unmeasured; bench/getpath.py --tls says which.
+KTLS = False
+OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)  # SSL_OP_ENABLE_KTLS, OpenSSL 3.0's SSL_OP_BIT(3)
+TCP_ULP = 31  # linux/tcp.h: the socket's upper-layer protocol ("tls" once kTLS is on)
+
+
+def ktls_status() -> tuple[bool, str]:
+    """(whether kTLS can be tried here, why or why not): the kernel's tls ULP and the OpenSSL version."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_ulp") as fh:
+            ulps = fh.read().split()
+    except OSError:
+        return False, "no /proc/sys/net/ipv4/tcp_available_ulp (not Linux?)"
+    if "tls" not in ulps:
+        return False, f"the kernel offers no tls ULP (tcp_available_ulp: {' '.join(ulps) or 'none'}; modprobe tls)"
+    if ssl.OPENSSL_VERSION_INFO < (3, 0):
+        return False, f"{ssl.OPENSSL_VERSION} has no kTLS option (3.0+)"
+    return True, f"kernel tls ULP and {ssl.OPENSSL_VERSION}"
+
+
+def ktls_engaged(sock) -> bool:
+    """Whether a connected socket's receive path runs in the kernel's TLS (its ULP is "tls")."""
+    try:
+        return sock.getsockopt(6, TCP_ULP, 16).rstrip(b"\0") == b"tls"  # 6: IPPROTO_TCP
+    except OSError:
+        return False
+
+
 @functools.lru_cache(maxsize=8)
-def _client_context(ca: str) -> ssl.SSLContext:
+def _client_context(ca: str, ktls: bool = False) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)  # verifies the chain and the host name
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if ktls:
+        ctx.options |= OP_ENABLE_KTLS
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2  # OpenSSL 3.0 receives over kTLS with 1.2 only
     return ctx
 
 
 def client_context(ca: str, component: str) -> ssl.SSLContext:
     """The context a client connects with (one per CA file, shared); ConfigError when the file is no CA bundle."""
     try:
-        return _client_context(ca)
+        return _client_context(ca, KTLS)
     except (OSError, ssl.SSLError) as e:
         raise ConfigError(component, f"cannot load the TLS CA bundle {ca}: {e}") from e
