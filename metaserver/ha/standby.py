@@ -75,6 +75,7 @@ from metaserver.store.fullload import describe, gc_paused, node_descs
 from metaserver.store.persist import ARENA, NODE, PAGE, EtcdStore
 from metaserver.table.records import SEG_DEAD_VERSION, UNREADABLE, is_segment, listed_pairs, unpack_segment
 from metaserver.table.directory import TableDirectory
+from metaserver.table.tiers import twin_id
 from metaserver.ha.warmpace import Backlog, Pace, wait_event
 from metaserver.ha.warmrows import drop_rows, file_rows, leaving_record, node_pages
 from umbp.errors import Unavailable
@@ -119,6 +120,7 @@ class WarmDirectory:
         self.live: dict[str, dict] = {}  # node id -> leased node record
         self.arenas: dict[str, dict] = {}  # node id -> durable arena record
         self.caps: dict[str, int] = {}  # node id -> capacity its node was made with
+        self.disk_caps: dict[str, int] = {}  # and its disk tier's (metaserver/table/tiers.py), when it has one
         self.held: dict[tuple[str, bytes], tuple] = {}  # (ns, key) -> page that has no place yet
         self.held_on: dict[str, dict[tuple[str, bytes], None]] = {}  # node id -> its held (ns, key)s
         self.junk: set[bytes] = set()  # etcd keys of unreadable page and commit records
@@ -224,6 +226,8 @@ class WarmDirectory:
         self.live = {r.get("node_id"): r for r in live}
         self.arenas = {r.get("node_id"): r for r in arenas}
         self.caps = {node_id: desc["capacity"] for node_id, (desc, _) in descs.items()}
+        self.disk_caps = {node_id: desc["disk_capacity"] for node_id, (desc, _) in descs.items()
+                          if desc.get("disk_capacity")}
         self.held, self.held_on, self.junk = {}, {}, set()
         self.batches = set(pages.batches)
         for p in stale + rejected + held:
@@ -484,23 +488,32 @@ class WarmDirectory:
         """Make the node match its current record: none without one, of the stated capacity with one."""
         desc = describe(node_id, self.live.get(node_id) or self.arenas.get(node_id))
         cap = desc["capacity"] if desc is not None else None
+        disk = desc.get("disk_capacity", 0) if desc is not None else 0
         d = self.dir
         node = d.node_by_id.get(node_id)
         if node is not None:
-            if self.caps.get(node_id) == cap:
+            if self.caps.get(node_id) == cap and self.disk_caps.get(node_id, 0) == disk:
                 return
             # Gone, or another capacity: its pages wait for a node that fits them (a full load would put them in
             # the new one if they fit, and call them stale if there is none).
             page_key = self.store.page_key
-            for stamp, ns, key, off, plen, gen, parent, rec in node_pages(d, node):
-                self._hold((stamp, node_id, ns, key, off, plen, gen, parent, rec or page_key(ns, key)))
+            for space in (node, d.tiers.twin(node_id)):  # and its disk tier's pages (metaserver/table/tiers.py)
+                for stamp, ns, key, off, plen, gen, parent, rec in node_pages(d, space) if space is not None else ():
+                    self._hold((stamp, space.node_id, ns, key, off, plen, gen, parent, rec or page_key(ns, key)))
             d.drop_space(node_id)
             self.caps.pop(node_id, None)
+            self.disk_caps.pop(node_id, None)
         if desc is not None:
-            d.add_space(node_id, cap)
+            if disk:
+                d.tiers.disks[node_id] = self.disk_caps[node_id] = disk
+            else:
+                d.tiers.disks.pop(node_id, None)
+            d.add_space(node_id, cap)  # and its disk's twin
             d.set_placeable(node_id, False)
             self.caps[node_id] = cap
             self._retry(node_id)
+            if disk:
+                self._retry(twin_id(node_id))
 
     def _hold(self, p: tuple) -> None:
         name = (p[2], p[3])
@@ -578,3 +591,4 @@ class WarmDirectory:
         self.loaded = False
         self.held, self.held_on, self.junk, self.batches = {}, {}, set(), set()
         return h
+
