@@ -23,7 +23,8 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is missing: pip install -e '.[
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-TARGETS = ["base", "overlays/dev", "overlays/tcp", "overlays/rdma", "overlays/monitoring", "overlays/partitioned"]
+TARGETS = ["base", "overlays/dev", "overlays/tcp", "overlays/rdma", "overlays/monitoring", "overlays/partitioned",
+           "overlays/nvme"]
 # Kinds from CRDs (the Prometheus operator's): no schema in kubernetes-validate; checked by hand below.
 CRD_KINDS = {"ServiceMonitor"}
 K8S_VERSION = "1.30.0"  # validated against this schema version (bundled in kubernetes-validate, offline)
@@ -411,6 +412,23 @@ def test_tcp_overlay_asks_for_no_rdma_and_more_node_cpu():
     for d in tcp:
         if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet"):
             assert d["metadata"]["labels"]["umbp.io/transport"] == "tcp"
+
+
+def test_nvme_overlay_gives_each_node_a_disk_tier_on_a_host_path():
+    docs = _docs("overlays/nvme")
+    c = _node_container(docs)
+    args = c["args"]
+    disk = args[args.index("--disk") + 1]
+    assert disk.startswith("/var/lib/umbp-disk/") and "$(NODE_NAME)" in disk  # one file a host, named by the node
+    assert args[args.index("--disk-capacity") + 1] == "$(UMBP_DISK_CAPACITY)"
+    env = {e["name"]: e for e in c["env"]}
+    from umbp.sizes import parse_size
+    assert parse_size(env["UMBP_DISK_CAPACITY"]["value"], "UMBP_DISK_CAPACITY") >= 1 << 30  # as the node parses it
+    assert "NODE_NAME" in env
+    mount = {m["name"]: m for m in c["volumeMounts"]}["nvme"]
+    assert mount["mountPath"] == "/var/lib/umbp-disk"
+    vols = {v["name"]: v for v in _one(docs, "DaemonSet", "umbp-node")["spec"]["template"]["spec"]["volumes"]}
+    assert vols["nvme"]["hostPath"]["path"].startswith("/mnt/") and "host-shm" in vols  # the DRAM arena as before
 
 
 def test_monitoring_servicemonitors_reach_the_metrics_ports():

@@ -253,6 +253,8 @@ def cmd_up(args) -> int:
     from umbp.launcher import LocalPool
 
     parse_size(args.capacity, "--capacity")
+    if args.disk_capacity:
+        parse_size(args.disk_capacity, "--disk-capacity")
     if args.token:
         if len(args.token) < 16:
             raise ConfigError("up", "--token must be at least 16 characters")
@@ -265,7 +267,8 @@ def cmd_up(args) -> int:
             os.environ[name] = os.path.abspath(getattr(args, flag))  # the children and our own checks inherit it
     pool = LocalPool(nodes=args.nodes, capacity=args.capacity, etcd=args.etcd, port=args.port,
                      lease_ttl=args.lease_ttl, echo=args.verbose, max_restarts=args.max_restarts,
-                     metaservers=args.metaservers, slots=args.slots, kv_events=args.kv_events or "")
+                     metaservers=args.metaservers, slots=args.slots, kv_events=args.kv_events or "",
+                     disk=args.disk or "", disk_capacity=args.disk_capacity or 0)
     try:
         pool.start()
         print(f"metaserver: {pool.metaserver}", flush=True)
@@ -273,7 +276,8 @@ def cmd_up(args) -> int:
             print(f"metrics: {url} ({name})", flush=True)
         for name, (pub, replay) in pool.kv_event_endpoints.items():
             print(f"kv events: {pub}, replay {replay} ({name})", flush=True)
-        print(f"up: {args.nodes} nodes of {args.capacity}, etcd {pool.etcd_url}; a process that dies is restarted "
+        disk = f" + a {args.disk_capacity} disk tier each in {pool.disk}" if pool.disk else ""
+        print(f"up: {args.nodes} nodes of {args.capacity}{disk}, etcd {pool.etcd_url}; a process that dies is restarted "
               f"(at most {args.max_restarts} times in 10 minutes); Ctrl-C stops the pool", file=sys.stderr, flush=True)
         return pool.wait()
     finally:
@@ -289,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("up", help="run a local pool (etcd, metaserver, nodes) in the foreground")
     s.add_argument("--nodes", type=int, default=2)
     s.add_argument("--capacity", default="1GiB", help="arena size of each node (512MiB, 4GiB, bytes)")
+    s.add_argument("--disk", default=None, metavar="DIR",
+                   help="give each node a disk tier: a file in DIR (local NVMe) that pages are demoted to instead of "
+                        "dropped; it outlives the pool")
+    s.add_argument("--disk-capacity", default=None, metavar="SIZE", help="each node's disk tier (with --disk)")
     s.add_argument("--etcd", default=None, help="use this etcd (HOST:PORT) instead of starting one")
     s.add_argument("--port", type=int, default=7700, help="metaserver port (0 = any free port)")
     s.add_argument("--lease-ttl", type=float, default=10.0)

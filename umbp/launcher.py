@@ -169,7 +169,8 @@ class LocalPool:
     def __init__(self, nodes: int = 2, capacity: str | int = "1GiB", etcd: str | None = None, port: int = 0,
                  lease_ttl: float = 10.0, echo: bool = False, workdir: str | None = None,
                  metaserver_args: list[str] | None = None, max_restarts: int = 3, metrics: bool = True,
-                 out=None, metaservers: int = 1, slots: int = 0, kv_events: str = ""):
+                 out=None, metaservers: int = 1, slots: int = 0, kv_events: str = "", disk: str = "",
+                 disk_capacity: str | int = 0):
         if not 1 <= metaservers <= 32:
             raise ConfigError("up", f"--metaservers must be within 1..32, got {metaservers}")
         if slots < 0 or slots == 1 and metaservers > 1 or slots > 1024:
@@ -181,6 +182,10 @@ class LocalPool:
             raise ConfigError("up", f"--max-restarts must be >= 0, got {max_restarts}")
         self.nodes = nodes
         self.capacity = str(capacity)
+        if disk and not disk_capacity:
+            raise ConfigError("up", "--disk needs --disk-capacity (each node's disk tier, e.g. 64GiB)")
+        self.disk = os.path.abspath(disk) if disk else ""  # a directory: node i's disk tier is its umbp-node-i.disk
+        self.disk_capacity = str(disk_capacity)
         self.etcd_url = etcd
         self.port = port
         self.lease_ttl = lease_ttl
@@ -279,6 +284,13 @@ class LocalPool:
             raise
         return self
 
+    def _disk_flags(self, i: int) -> list[str]:
+        """Node i's disk tier: a file in ``--disk`` that outlives the pool (a restarted pool gets its pages back)."""
+        if not self.disk:
+            return []
+        os.makedirs(self.disk, exist_ok=True)
+        return ["--disk", os.path.join(self.disk, f"umbp-node-{i}.disk"), "--disk-capacity", self.disk_capacity]
+
     def _metrics_flag(self) -> list[str]:
         return ["--metrics-listen", "127.0.0.1:0"] if self.with_metrics else []
 
@@ -323,7 +335,7 @@ class LocalPool:
             name = f"node-{i}"
             child = Child(name, py + ["node", "--metaserver", self.metaserver, "--capacity", self.capacity,
                                       "--listen", "127.0.0.1:0", "--lease-ttl", str(self.lease_ttl),
-                                      "--node-id", name] + self._metrics_flag(),
+                                      "--node-id", name] + self._metrics_flag() + self._disk_flags(i),
                           rf"^node {re.escape(name)}: serving on (\S+):(\d+)", os.path.join(self.workdir, f"{name}.log"))
             self.children.append(child)
             launched.append(child)
