@@ -4,7 +4,8 @@
 ``sendmsg`` sequence in ``start_*``; ``finish`` reads the answers in order. A READV answer says up front which
 objects failed, so the client knows where every byte of its data goes and receives it with ``recvmsg_into``
 straight into per-object header slots and the callers' outs (MSG_WAITALL: one syscall per run of 512 views, and
-one per large view, not three per object).
+one per large view, not three per object). Over TLS (no ``recvmsg_into``: one ``recv_into`` a 16 KiB record) a big
+read batch is split over ``TLS_STREAMS`` connections received in parallel threads.
 Node CPU per object is a range check, a capability check (closed pools) and a header check; its answer points into
 the mapped arena and goes out in one ``writev``.
 """
@@ -26,7 +27,8 @@ _POOL: list = []  # the receive threads of split TLS batches (one pool for every
 
 
 class TcpTransport(Transport):
-    """Data transport to one node over one TCP connection (reconnected on demand).
+    """Data transport to one node over one TCP connection (reconnected on demand; TLS: up to TLS_STREAMS for a big
+    read batch, each reconnected on demand, a lost one failing only its part's ops).
 
     A batch travels as READV/WRITEV frames (at most ``VEC_OPS`` objects and ``VEC_BYTES`` of data each), all
     of them sent before the first answer is read. A READV answer lists the failed objects in its meta, so the
@@ -37,6 +39,8 @@ class TcpTransport(Transport):
     name = "tcp"
     VEC_OPS = 1024
     VEC_BYTES = 64 << 20
+
+    read_op = wire.Op.READV  # READV_DISK: a node's disk tier (its offsets DISK_BIT addresses; umbp/client.py)
 
     def __init__(self, node_id: str, addr: str, token: str | None = None, tls_ca: str = ""):
         self.node_id = node_id
@@ -115,7 +119,7 @@ class TcpTransport(Transport):
         try:
             conn = self._connection_k(k, deadline)
             frames, bufs = [], []
-            encode, READV = wire.encode, wire.Op.READV
+            encode, READV = wire.encode, self.read_op
             for lo, hi in self._runs(ops, lambda op: op.length):
                 rid = conn.next_id()
                 frames.append((rid, lo, hi))
