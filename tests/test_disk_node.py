@@ -280,3 +280,25 @@ def test_metrics_count_disk_work(make_cluster, tmp_path):
     assert f'umbp_node_disk_reads_total{{node_id="{nid}"}} 2.0' in text
     written = [ln for ln in text.splitlines() if ln.startswith("umbp_node_disk_bytes_total") and "write" in ln]
     assert written and float(written[0].split()[-1]) == sum(wire.object_size(o["plen"]) + A for o in objs)
+
+
+def test_pipelined_answers_come_back_in_request_order(disk_cluster):
+    """Disk reads in flight do not let later answers (a PING, a DRAM READV, a small disk read) overtake them: the
+    client matches answers by order. Big answers go out from a sender thread, small ones through the transport."""
+    objs = put(disk_cluster, random.Random(6), [3 << 20, 2000, 1 << 20])
+    disks = disk_places(objs)
+    with node_sock(disk_cluster) as s:
+        assert move(s, wire.Op.DEMOTE, objs, disks) == {}
+        frames = [(wire.Op.READV_DISK, [whole(objs[0], wire.DISK_BIT | disks[0])] * 3),
+                  (wire.Op.PING, {}),
+                  (wire.Op.READV_DISK, [whole(objs[1], wire.DISK_BIT | disks[1])]),
+                  (wire.Op.READV, [whole(objs[2], objs[2]["dram"])]),
+                  (wire.Op.READV_DISK, [whole(objs[2], wire.DISK_BIT | disks[2])] * 2)] * 4
+        rids = [s.next_id() for _ in frames]
+        s.send([wire.encode(op, rid, meta) for (op, meta), rid in zip(frames, rids)], deadline())
+        for (op, meta), rid in zip(frames, rids):
+            f = s.recv_frame(deadline())
+            assert (f.request_id, f.op, f.status, f.meta if op != wire.Op.PING else None) == (rid, op, 0, None)
+            if op != wire.Op.PING:
+                want = b"".join(header(x) + x["payload"] for m in meta for x in objs if x["tag"] == m[3])
+                assert bytes(f.data) == want

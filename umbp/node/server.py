@@ -315,6 +315,9 @@ class DataProtocol(FramedProtocol):
     def unframeable(self, e: ProtocolError) -> None:
         self.node.stats["errors"] += 1
         out, self._out = self._out, []
+        if self.disk is not None and self.disk.waiting:  # a disk answer is still coming or being sent: just close
+            self.transport.close()
+            return
         out.append(wire.encode_error(0, 0, wire.Status.BAD_FRAME, str(e), version=self.reader.version))
         self.transport.writelines(out)
         self.transport.close()

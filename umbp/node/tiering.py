@@ -30,7 +30,10 @@ row two writes (a 4 KiB one for the header) and a 4 KiB memcpy; two ``fdatasync`
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transport import wire
@@ -38,19 +41,25 @@ from umbp.errors import AuthError, BadRequest, CorruptionError, RemoteError
 from umbp.node.disk import ALIGN, DiskArena, Job
 
 HS = wire.OBJ_HEADER_SIZE
+# A READV_DISK answer of this many bytes or more is written to the socket by a sender thread (``DiskTier.direct_send``)
+# rather than by the event loop: uvloop writes under the GIL, so a loop copying MiBs into the socket kept the disk
+# workers from taking the GIL back after each preadv. Plain TCP only (TLS goes through its transport).
+DIRECT_SEND = 1 << 20
 INFLIGHT_BYTES = 256 << 20  # a connection's disk reads in flight past this: it is not read from until they drain
 _ZERO_HEAD = bytes(HS)
 
 
 class Answer:
-    """A disk op's place in its connection's output: ``bufs`` is None until its I/O is done."""
+    """A disk op's place in its connection's output: ``bufs`` is None until its I/O is done; ``sending`` while a
+    sender thread writes it (``flush``)."""
 
-    __slots__ = ("bufs", "held", "nbytes")
+    __slots__ = ("bufs", "held", "nbytes", "sending")
 
     def __init__(self, nbytes: int = 0):
         self.bufs: list | None = None
         self.held: list = []  # buffers to give back once sent
         self.nbytes = nbytes
+        self.sending = False
 
 
 class ConnState:
@@ -58,7 +67,7 @@ class ConnState:
     the transport, each group with the count of bytes written up to its end (``sent``): once that many bytes left
     the transport's buffer (``sent`` minus its buffer size) the group is given back to the pool."""
 
-    __slots__ = ("waiting", "inflight", "held", "paused", "sent")
+    __slots__ = ("waiting", "inflight", "held", "paused", "sent", "closed")
 
     def __init__(self):
         self.waiting = 0
@@ -66,17 +75,24 @@ class ConnState:
         self.held: deque = deque()  # (bytes written up to its end, [buffers])
         self.paused = False
         self.sent = 0
+        self.closed = False  # the connection is gone: a sender thread stops
 
 
 def flush(conn) -> None:
-    """``DataProtocol.flush`` while disk answers are around: send what precedes the first unfinished one, then give
-    back the buffers the transport has finished with."""
+    """``DataProtocol.flush`` while disk answers are around: send what precedes the first unfinished one (a big one
+    from a sender thread: ``DiskTier.direct_send``), then give back the buffers the transport has finished with."""
     st, out, ready, held = conn.disk, conn._out, [], []
     for i, b in enumerate(out):
         if type(b) is Answer:
-            if b.bufs is None:
+            if b.bufs is None or b.sending:
                 conn._out = out[i:]
                 break
+            if b.nbytes >= DIRECT_SEND and conn.tls is None:
+                _write(conn, ready, held)
+                ready, held = [], []
+                if conn.node.tier.direct_send(conn, b):
+                    conn._out = out[i:]
+                    break
             ready.extend(b.bufs)
             held.extend(b.held)
             st.waiting -= 1
@@ -84,11 +100,7 @@ def flush(conn) -> None:
             ready.append(b)
     else:
         conn._out = []
-    if ready:
-        conn.transport.writelines(ready)
-        st.sent += sum(map(len, ready))
-        if held:
-            st.held.append((st.sent, held))
+    _write(conn, ready, held)
     drained = st.sent - conn.transport.get_write_buffer_size()
     put = conn.node.disk.buffers.put
     while st.held and st.held[0][0] <= drained:
@@ -96,8 +108,18 @@ def flush(conn) -> None:
             put(b)
 
 
+def _write(conn, ready: list, held: list) -> None:
+    if ready:
+        st = conn.disk
+        conn.transport.writelines(ready)
+        st.sent += sum(map(len, ready))
+        if held:
+            st.held.append((st.sent, held))
+
+
 def release(conn) -> None:
     """Give all of a connection's read buffers back to the pool (it closed: nothing more will be sent)."""
+    conn.disk.closed = True
     put = conn.node.disk.buffers.put
     for _end, bufs in conn.disk.held:
         for b in bufs:
@@ -110,8 +132,50 @@ class DiskTier:
         self.node = node
         self.disk = disk
         self.component = node.component
+        self.senders = ThreadPoolExecutor(max_workers=max(2, disk.threads), thread_name_prefix="umbp-disk-send")
         self.stats = {"demotions": 0, "promotions": 0, "demote_failures": 0, "promote_failures": 0,
                       "disk_reads": 0, "disk_bytes_read": 0}
+
+    def direct_send(self, conn, answer: Answer) -> bool:
+        """Write ``answer`` from a sender thread; False (nothing done) while the transport still holds earlier bytes
+        (they go first: the answer then goes through the transport behind them). The thread writes to a duplicate of
+        the socket's descriptor (a close meanwhile cannot hand the number to another socket) and gives up when the
+        connection is gone; the answers behind it wait in order (``sending``). Plain TCP only (``flush``)."""
+        tr = conn.transport
+        sock = tr.get_extra_info("socket")
+        if sock is None or tr.get_write_buffer_size():
+            return False
+        try:
+            fd = os.dup(sock.fileno())
+        except OSError:
+            return False
+        answer.sending = True
+        loop = asyncio.get_running_loop()
+        st = conn.disk
+
+        def sent(err: OSError | None) -> None:  # the loop
+            st.waiting -= 1
+            if conn._out and conn._out[0] is answer:
+                conn._out.pop(0)
+            for b in answer.held:
+                self.disk.buffers.put(b)  # on the wire (or never to be: the connection failed)
+            if err is not None:
+                tr.close()
+            elif not tr.is_closing():
+                conn.flush()
+
+        def run() -> None:  # a sender thread
+            err = None
+            try:
+                _send_all(fd, answer.bufs, st)
+            except OSError as e:
+                err = e
+            finally:
+                os.close(fd)
+            loop.call_soon_threadsafe(sent, err)
+
+        self.senders.submit(run)
+        return True
 
     def handle(self, conn, frame: wire.Frame) -> None:
         """A READV_DISK, DEMOTE or PROMOTE frame: its answer's place goes into ``conn._out`` now, its bytes later."""
@@ -368,6 +432,28 @@ class DiskTier:
             answer.bufs = [self._encode(frame, version, failures)]
 
         disk.run(jobs, self._later(conn, answer, finish))
+
+
+def _send_all(fd: int, bufs: list, st: ConnState) -> None:
+    """Write ``bufs`` to the non-blocking socket ``fd`` (the GIL released in each syscall and wait); OSError when the
+    connection fails or is closed (checked every second while the peer does not read)."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    i = 0
+    while i < len(views):
+        try:
+            n = os.writev(fd, views[i:i + 512])
+        except BlockingIOError:
+            if st.closed:
+                raise OSError(32, "connection closed") from None
+            select.select([], [fd], [], 1.0)
+            continue
+        while n and i < len(views):
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
 
 
 # ---- the reader's side, for tests and benches (the client's own path: READV_DISK frames in transport/tcp.py) -------
