@@ -12,6 +12,8 @@ the mapped arena and goes out in one ``writev``.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from transport import wire
 from transport.base import Pending, Transport, check_payload
 from transport.framed import FramedSocket, connection_error
@@ -24,6 +26,9 @@ HEADER_MEMO = 65536  # READV headers remembered as checked (TcpTransport._checke
 TLS_STREAMS = 4
 TLS_SPLIT_BYTES = 4 << 20
 _POOL: list = []  # the receive threads of split TLS batches (one pool for every transport): made on first use
+
+
+_length = attrgetter("length")
 
 
 class TcpTransport(Transport):
@@ -120,7 +125,7 @@ class TcpTransport(Transport):
             conn = self._connection_k(k, deadline)
             frames, bufs = [], []
             encode, READV = wire.encode, self.read_op
-            for lo, hi in self._runs(ops, lambda op: op.length):
+            for lo, hi in self._runs(ops, _length):
                 rid = conn.next_id()
                 frames.append((rid, lo, hi))
                 meta, prev = [], None
@@ -161,8 +166,10 @@ class TcpTransport(Transport):
 
     def _runs(self, ops: list, size) -> list[tuple[int, int]]:
         """Split ops into [lo, hi) runs of at most VEC_OPS objects and about VEC_BYTES of data."""
-        runs, lo, nbytes = [], 0, 0
         limit_ops, limit_bytes = self.VEC_OPS, self.VEC_BYTES
+        if len(ops) <= limit_ops and sum(map(size, ops)) + wire.OBJ_HEADER_SIZE * len(ops) <= limit_bytes:
+            return [(0, len(ops))]  # what the loop below makes of a batch that fits one frame
+        runs, lo, nbytes = [], 0, 0
         for i, op in enumerate(ops):
             n = size(op) + wire.OBJ_HEADER_SIZE
             if i > lo and (i - lo >= limit_ops or nbytes + n > limit_bytes):
