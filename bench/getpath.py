@@ -17,7 +17,12 @@ over ``TLS_STREAMS`` connections received in parallel threads (the default), and
 receive side where the kernel and OpenSSL have it; where they do not, the output says so, with the reason. Target
 (issue 45): TLS >= 0.5x plaintext.
 
-``python bench/getpath.py [--quick] [--sizes 16,64,1024] [--transports shm,tcp] [--outs array,tensors] [--tls on|off|only]``
+``--big-view`` (on by default): tcp gets of 256 KiB and 1 MiB x64 with ``transport.framed._BIG_VIEW`` off (one
+``recvmsg_into`` over a run of views, today's setting) against 256 KiB (each such view received on its own), wall and
+per client CPU-second, alternating in one run.
+
+``python bench/getpath.py [--quick] [--sizes 16,64,1024] [--transports shm,tcp] [--outs array,tensors]
+[--tls on|off|only] [--big-view on|off]``
 """
 
 from __future__ import annotations
@@ -204,6 +209,43 @@ def tls_rows(plain_ms: str, min_time: float, rounds: int = 3) -> list[str]:
     return lines
 
 
+def big_view_rows(ms: str, min_time: float, rounds: int = 3) -> list[str]:
+    """tcp gets of 256 KiB and 1 MiB x64 with ``transport.framed._BIG_VIEW`` off (one ``recvmsg_into`` over a run of
+    views, the default) and at 256 KiB (each such view its own ``recv_into``), alternating: wall GB/s and GB/s per
+    client CPU-second, medians of rounds."""
+    import transport.framed as framed
+
+    saved, lines = framed._BIG_VIEW, []
+    with umbp.Client(ms, namespace="getpath-bigview", transport="tcp") as c:
+        for size in (256 * KiB, 1024 * KiB):
+            vals = np.random.default_rng(size).integers(0, 256, (BATCH, size), dtype=np.uint8)
+            out = np.zeros_like(vals)
+            keys = [f"bv/{size}/{i}" for i in range(BATCH)]
+            c.batch_put(keys, vals)
+            got: dict[str, list] = {}
+            try:
+                for _ in range(rounds):
+                    for name, big in (("off (one recvmsg_into)", 1 << 62), ("256 KiB (recv_into each)", 256 * KiB)):
+                        framed._BIG_VIEW = big
+                        wall, cpu, t0 = [], [], time.perf_counter()
+                        while time.perf_counter() - t0 < min_time / rounds or len(wall) < 3:
+                            t, p = time.perf_counter(), time.process_time()
+                            c.batch_get_into(keys, out)
+                            wall.append(time.perf_counter() - t)
+                            cpu.append(time.process_time() - p)
+                        got.setdefault(name, []).append((BATCH * size / float(np.median(wall)) / 1e9,
+                                                         BATCH * size / max(float(np.mean(cpu)), 1e-9) / 1e9))
+            finally:
+                framed._BIG_VIEW = saved
+            assert np.array_equal(out, vals)
+            c.batch_remove(keys)
+            for name, xs in got.items():
+                a = np.array(xs)
+                lines.append(f"tcp get {label(size):>7} x{BATCH} _BIG_VIEW {name:<25} {np.median(a[:, 0]):6.2f} GB/s "
+                             f"{np.median(a[:, 1]):6.2f} GB/s per client CPU-s")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs, smaller working sets (noisier)")
@@ -212,6 +254,7 @@ def main() -> int:
     ap.add_argument("--outs", default="array,tensors")
     ap.add_argument("--capacity", default="2GiB", help="node arena size")
     ap.add_argument("--tls", default="on", choices=("on", "off", "only"), help="TLS gets of 1 MiB vs plaintext")
+    ap.add_argument("--big-view", default="on", choices=("on", "off"), help="tcp receive: _BIG_VIEW off vs 256 KiB")
     args = ap.parse_args()
     min_time = 0.5 if args.quick else 1.5
     ws = (128 << 20) if args.quick else (384 << 20)
@@ -236,6 +279,10 @@ def main() -> int:
                     line = f"{transport} get {label(size):>7} x{BATCH} into {kind:<11} {gbps:6.2f} GB/s | {cols}"
                     lines.append(line)
                     print(line, flush=True)
+        if args.big_view == "on" and args.tls != "only":
+            for line in big_view_rows(pool.metaserver, min_time):
+                lines.append(line)
+                print(line, flush=True)
         if args.tls != "off":
             for line in tls_rows(pool.metaserver, min_time):
                 lines.append(line)

@@ -213,7 +213,8 @@ def test_rows_that_do_not_fit_the_chunk_keep_the_per_page_path():
     raises ProtocolError: test_wire)."""
     rows = np.frombuffer(wire.pack_allocs([0, 1], [0], [5], [6], [100], [4096], [0]), wire.ALLOC_ROW)
     views = [[memoryview(bytes(100))], [memoryview(bytes(7))]]
-    assert putbatch.answer_rows({"alloc_rows": rows}, 2) is rows and putbatch.answer_rows({"alloc_rows": rows}, 3) is None
+    assert putbatch.answer_rows({"alloc_rows": rows}, 2) is rows
+    assert putbatch.answer_rows({"alloc_rows": rows}, 3) is None
     assert putbatch.answer_rows({"items": []}, 2) is None
     assert putbatch.takes(views, [0, 1], [100, 7], rows)  # the EXISTS row's length does not matter
     assert not putbatch.takes(views, [0, 1], [99, 7], rows)
