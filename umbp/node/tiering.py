@@ -3,7 +3,9 @@
 Requests are checked on the event loop (ranges, capabilities, the source headers of a move), their transfers run on
 the disk arena's workers (umbp/node/disk.py), and the answer is built back on the loop. A connection answers in
 request order: an ``Answer`` holds its place in the connection's output until its I/O is done, and the answers
-behind it wait (``flush``). Read buffers go back to the pool once the transport has sent them.
+behind it wait (``flush``). An answer of ``DIRECT_SEND`` bytes or more goes out from a sender thread (``os.writev`` on
+a duplicate of the socket, the GIL released), smaller ones and TLS through the transport; read buffers go back to the
+pool once sent.
 
 READV_DISK: READV's layout over disk addresses (``wire.DISK_BIT | offset``; a read capability names that address, so
 a DRAM grant never reads the disk and back). Each extent's header is checked like a DRAM read's (key hash, generation,
@@ -45,7 +47,8 @@ HS = wire.OBJ_HEADER_SIZE
 # rather than by the event loop: uvloop writes under the GIL, so a loop copying MiBs into the socket kept the disk
 # workers from taking the GIL back after each preadv. Plain TCP only (TLS goes through its transport).
 DIRECT_SEND = 1 << 20
-INFLIGHT_BYTES = 256 << 20  # a connection's disk reads in flight past this: it is not read from until they drain
+INFLIGHT_BYTES = 256 << 20  # a connection's disk answers read or being read and not yet handed over past this: its
+# requests are not read until they drain (a client that sends and never reads holds at most about this much)
 _ZERO_HEAD = bytes(HS)
 
 
@@ -96,6 +99,7 @@ def flush(conn) -> None:
             ready.extend(b.bufs)
             held.extend(b.held)
             st.waiting -= 1
+            _handed_over(conn, b)
         else:
             ready.append(b)
     else:
@@ -106,6 +110,16 @@ def flush(conn) -> None:
     while st.held and st.held[0][0] <= drained:
         for b in st.held.popleft()[1]:
             put(b)
+
+
+def _handed_over(conn, answer: Answer) -> None:
+    """``answer`` left the connection's queue (to the transport, whose own high water mark takes over, or sent by a
+    sender thread): reading requests resumes once the queued answers are under ``INFLIGHT_BYTES`` again."""
+    st = conn.disk
+    st.inflight -= answer.nbytes
+    if st.paused and st.inflight <= INFLIGHT_BYTES and not conn.transport.is_closing():
+        st.paused = False
+        conn.transport.resume_reading()
 
 
 def _write(conn, ready: list, held: list) -> None:
@@ -155,6 +169,7 @@ class DiskTier:
 
         def sent(err: OSError | None) -> None:  # the loop
             st.waiting -= 1
+            _handed_over(conn, answer)
             if conn._out and conn._out[0] is answer:
                 conn._out.pop(0)
             for b in answer.held:
@@ -199,14 +214,7 @@ class DiskTier:
         conn.disk.waiting += 1
 
         def on_loop(*args) -> None:
-            st = conn.disk
-            try:
-                finish(*args)
-            finally:
-                st.inflight -= answer.nbytes
-                if st.paused and st.inflight <= INFLIGHT_BYTES and conn.transport is not None:
-                    st.paused = False
-                    conn.transport.resume_reading()
+            finish(*args)
             if conn.transport is None or conn.transport.is_closing():
                 return  # its buffers are left to the collector (a closing transport may still send others')
             conn.flush()
