@@ -194,9 +194,18 @@ class TcpTransport(Transport):
             _POOL.append(cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="umbp-tls-recv"))
         futures = [(lo, hi, _POOL[0].submit(self._finish, sub, deadline, k)) for k, lo, hi, sub in state[1:]]
         k, lo, hi, sub = state[0]
-        pending.results[lo:hi] = self._finish(sub, deadline, k)
+        first: BaseException | None = None
+        try:
+            pending.results[lo:hi] = self._finish(sub, deadline, k)
+        except BaseException as e:  # raised only once every stream is done: none writes into the outs after
+            first = e
         for lo, hi, f in futures:
-            pending.results[lo:hi] = f.result()  # each bounded by the deadline (its socket's timeouts)
+            try:
+                pending.results[lo:hi] = f.result()  # each bounded by the deadline (its socket's timeouts)
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
         return pending.results
 
     def _finish(self, pending, deadline, stream: int = 0):
