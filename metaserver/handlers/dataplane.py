@@ -4,7 +4,8 @@ Each validates its request, checks the connection's rights, calls the directory 
 before any await, so a request's effect is atomic), hands the etcd work to the batch writer (``Metaserver._apply``)
 and answers with the closed pool's tags and capabilities (``metaserver/table/grants.py``: an ALLOC's and a LOOKUP's places
 as packed rows from wire VERSION 12, built from the table's columns); only COMMIT waits for etcd,
-and ALLOC when generations run out or right after a takeover (at most ``ALLOC_HOLD_S``)."""
+and ALLOC when generations run out, right after a takeover (at most ``ALLOC_HOLD_S``), or while a removal queued
+before it is not durable (``_when_durable``: its places may lie in the extents freed)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ _ALLOC = frozenset({"ns", "keys", "sizes", "parents", "token", "shard"})
 
 
 class DataPlaneHandlers:
+    alloc_waited_s = 0.0  # ALLOC answers' time spent waiting for removals to be durable (``_when_durable``)
+
     def alloc(self, meta: Any, conn):
         m = v.fields(meta, _ALLOC, ("ns", "keys", "sizes"))
         ns = v.ns(m)
@@ -42,7 +45,28 @@ class DataPlaneHandlers:
         base = self.gens.take_nowait(len(keys)) if self.settled.is_set() else None
         if base is None:
             return self._alloc_later(ns, keys, sizes, parents, self.term, token, conn, shard)
-        return self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard)
+        return self._when_durable(self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard), self.term)
+
+    def _when_durable(self, ans: dict, term: int):
+        """``ans``, or a coroutine answering it once every removal queued before it (a commit record rewritten
+        without evicted or removed pages) is durable: its places may lie in their extents, and a crash before that
+        would load the old pages over the new bytes (docs/design/persistence-and-fencing.md, "Reusing an extent").
+        Nothing waits when every removal is durable already. Bounded by half ``pending_ttl_s`` (then UNAVAILABLE:
+        the client retries under its token and gets the same places back)."""
+        fut = self.writer.removals_durable()
+        return ans if fut is None else self._answer_durable(fut, ans, term)
+
+    async def _answer_durable(self, fut: asyncio.Future, ans: dict, term: int) -> dict:
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.cfg.pending_ttl_s / 2):
+                await asyncio.shield(fut)  # shared by every ALLOC waiting for the same removals
+        except asyncio.TimeoutError:
+            raise Unavailable("metaserver", "the removal of the pages that held this space is not durable yet",
+                              Status.UNAVAILABLE) from None
+        self.check_term(term)
+        self.alloc_waited_s += time.perf_counter() - t0
+        return ans
 
     def _alloc_now(self, ns, keys, sizes, parents, base, token, conn, shard=None) -> dict:
         if not any(sp.placeable for sp in self.dir.spaces.values()) and any(
@@ -87,7 +111,8 @@ class DataPlaneHandlers:
             self.check_term(term)
         base = await self.gens.take(len(keys))
         self.check_term(term)
-        return self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard)
+        ans = self._when_durable(self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard), term)
+        return ans if type(ans) is dict else await ans
 
     def _settle_request(self, meta: Any, conn, allowed: frozenset = _NS_KEYS_GENS) -> tuple[str, list, list]:
         """The shared opening of COMMIT and ABORT: validate (ns, keys, gens), check write rights, and take the keys

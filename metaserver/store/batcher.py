@@ -11,6 +11,15 @@ is called. etcd then no longer holds what the directory does (a COMMIT's pages a
 evicted page's record is still there), so the owner must not go on serving that directory: the metaserver gives
 its term up (``Metaserver._writes_dropped``), and the next term loads what etcd holds.
 
+The removal barrier (``removals_durable``): a submission that removes pages from etcd (a delete, or a commit record
+rewritten without pages that left: ``TableRecord.shrunk``) frees extents that the next ALLOC may place; its answer
+must wait until that is durable, else a crash loads the old pages over the new bytes
+(docs/design/persistence-and-fencing.md, "Reusing an extent"). Submissions are numbered; a queued op keeps the number
+of the submission that first queued its key (so the queue is in number order), and a transaction in flight is
+known by its first op's, so everything up to one below the smallest of those is in etcd: O(inflight) to ask, one
+int a queued op. A dropped or cancelled transaction's number bounds what can ever be durable: a barrier at or past
+it fails.
+
 Costs: one etcd round trip per ``batch`` ops under load; on the event loop about 0.3 us an op for queueing, taking
 and acknowledging (a tuple and a dict insert each; a submission's consecutive ops are acknowledged as one run).
 Taking from the queue's head is O(batch) however many ops went before: the queue is an ``OrderedDict``, whose
@@ -96,9 +105,11 @@ def _merge(old, ticket):
 class BatchWriter:
     """Coalescing etcd writer. ``submit`` never blocks; see the module docstring for ordering and batching.
 
-    The queue is one ordered map, etcd key -> (value | None: delete, waiters), in submission order (a superseding op
-    keeps its key's place); waiters is None, one ``_Ticket`` or a list of them, so the common op costs one tuple and
-    one insert, and taking a transaction's worth is a slice of the map's head when no key is in flight."""
+    The queue is one ordered map, etcd key -> (value | None: delete, waiters, seq), in submission order (a
+    superseding op keeps its key's place and its seq); waiters is None, one ``_Ticket`` or a list of them, so the
+    common op costs one tuple and one insert, and taking a transaction's worth is a slice of the map's head when no
+    key is in flight. seq is the count of submissions when the key's op was first queued, so the queue is in seq
+    order and everything submitted up to ``durable_seq()`` is in etcd (the removal barrier, ``removals_durable``)."""
 
     def __init__(self, store: EtcdStore, batch: int = TXN_OPS, inflight: int = 4, retry_s: float = 10.0):
         self.store = store
@@ -119,6 +130,13 @@ class BatchWriter:
         self.failures = 0
         self.dropped = 0  # ops given up after retry_s (or refused: fenced, too large alone); see the module docstring
         self.on_drop = None  # called as on_drop(ops, error) after each drop; must not block
+        # the removal barrier (``removals_durable``): submissions count, in-flight transactions' first seqs
+        self._seq = 0
+        self._flying: dict[int, int] = {}  # id of a transaction's ops list -> the seq of its first (smallest) op
+        self._removed = 0  # the last submission that carried a removal (a record rewritten without pages, a delete)
+        self._lost: tuple[int, BaseException] | None = None  # (smallest seq dropped, its error): never durable
+        self._barriers: list[tuple[int, asyncio.Future]] = []  # (seq, future), seqs increasing
+        self.barrier_waits = 0  # barriers handed out (an ALLOC that waited for removals to be durable)
 
     def start(self) -> None:
         for i in range(self.inflight):
@@ -132,14 +150,22 @@ class BatchWriter:
         ticket = None
         if wait and (puts or deletes):
             ticket = _Ticket(asyncio.get_running_loop().create_future(), len(puts) + len(deletes))
+        self._seq += 1
+        seq = self._seq
+        removal = bool(deletes)
         q = self._queue
         get = q.get
         for key, value in puts:
+            if type(value) is TableRecord and value.shrunk:  # rewritten without pages that left
+                value.shrunk = False
+                removal = True
             old = get(key)
-            q[key] = (value, ticket) if old is None else (value, _merge(old[1], ticket))
+            q[key] = (value, ticket, seq) if old is None else (value, _merge(old[1], ticket), old[2])
         for key in deletes:
             old = get(key)
-            q[key] = (None, ticket) if old is None else (None, _merge(old[1], ticket))
+            q[key] = (None, ticket, seq) if old is None else (None, _merge(old[1], ticket), old[2])
+        if removal:
+            self._removed = seq
         if q:
             self._idle.clear()
             self._wake.set()
@@ -147,6 +173,60 @@ class BatchWriter:
 
     def pending(self) -> int:
         return len(self._queue) + len(self._busy)
+
+    def durable_seq(self) -> int:
+        """Every submission up to this one is in etcd: one before the smallest seq queued or in flight. O(inflight)."""
+        low = self._seq + 1
+        if self._queue:
+            low = next(iter(self._queue.values()))[2]
+        for s in self._flying.values():
+            if s < low:
+                low = s
+        return low - 1
+
+    def removals_durable(self) -> asyncio.Future | None:
+        """None when every removal submitted so far (a commit record rewritten without pages that left, a delete) is
+        in etcd, else a future done once it is, failed with the error of a drop that lost one (or with 'shutting
+        down' on ``abort``). An extent freed by a removal must not reach a new writer before that: a crash would
+        leave the old page's record naming it, over the new object's bytes (docs/design/persistence-and-fencing.md).
+        Never cancel the future (``asyncio.shield`` it): waiters share it. O(inflight)."""
+        need = self._removed
+        if self._lost is not None and need >= self._lost[0]:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(self._lost[1])
+            return fut
+        if need <= self.durable_seq():
+            return None
+        self.barrier_waits += 1
+        b = self._barriers
+        if b and b[-1][0] == need:
+            return b[-1][1]
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_retrieved)  # its waiters may all be gone when it fails
+        b.append((need, fut))
+        return fut
+
+    def _release_barriers(self, err: BaseException | None = None) -> None:
+        """Barriers now durable get their result; with ``err`` (a drop, an abort) every one still waiting fails."""
+        b = self._barriers
+        if not b:
+            return
+        upto = self.durable_seq()
+        lost = self._lost
+        n = 0
+        for need, fut in b:
+            e = err
+            if e is None and lost is not None and need >= lost[0]:
+                e = lost[1]
+            elif e is None and need > upto:
+                break
+            if not fut.done():
+                if e is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(e)
+            n += 1
+        del b[:n]
 
     def _take(self) -> tuple[list[bytes], list[tuple]]:
         """Up to ``batch`` queued keys not in flight (looking at most 4 * batch keys past the head), popped and
@@ -171,10 +251,11 @@ class BatchWriter:
                 await self._wake.wait()
                 continue
             self._running += 1
+            self._flying[id(slots)] = slots[0][2]  # taken in queue order: the first has the smallest seq
             err: BaseException | None = None
             try:
                 # a commit record's value is encoded now, from its rows still in the table (table/commits.py)
-                ops = [(k, v if type(v) is bytes or v is None else v.value()) for k, (v, _) in zip(keys, slots)]
+                ops = [(k, v if type(v) is bytes or v is None else v.value()) for k, (v, _, _) in zip(keys, slots)]
                 deadline = loop.time() + self.retry_s
                 delay = 0.05
                 while True:
@@ -205,7 +286,11 @@ class BatchWriter:
             finally:
                 self._running -= 1
                 self._busy.difference_update(keys)
+                del self._flying[id(slots)]
+                if err is not None and (self._lost is None or slots[0][2] < self._lost[0]):
+                    self._lost = (slots[0][2], err)  # dropped or cancelled: never durable (removals_durable)
                 self._settle(slots, err)
+                self._release_barriers()
                 self._wake.set()
 
     async def _write(self, ops: list) -> None:
@@ -239,7 +324,7 @@ class BatchWriter:
         every ticket among ``slots`` with ``err``. Consecutive ops of one submission share a ticket, so runs of it
         are counted at once."""
         run, n = None, 0
-        for _, w in slots:
+        for _, w, _ in slots:
             if w is None:
                 continue
             if type(w) is _Ticket:
@@ -278,7 +363,14 @@ class BatchWriter:
         self._workers.clear()
         q, self._queue = self._queue, OrderedDict()
         self._settle(list(q.values()), err)
+        self._flying.clear()
+        self._release_barriers(err)
         self._idle.set()
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _count(t: _Ticket, n: int, err: BaseException | None) -> None:

@@ -15,7 +15,9 @@ the writer's own round trip, nothing waits for a timer when etcd is idle. The wr
 A record holds exactly its rows still READY under it on a live node: a row that leaves (evicted, removed, dropped
 with its node unparked) queues a rewrite of its record (a parked row leaves it without one: its page stays in etcd
 for the node's return), and the value, encoded when the etcd writer takes it, lists the rows left; with none left
-it is None (delete the key) and the record's id is freed. A burst of evictions of one record is one rewrite.
+it is None (delete the key) and the record's id is freed. A burst of evictions of one record is one rewrite. Such a
+rewrite is a removal (``TableRecord.shrunk``): the batch writer holds ALLOC answers until it is durable, since their
+places may lie in the freed extents (``BatchWriter.removals_durable``).
 Parents (the parent's key) are written under ``prefix-lru`` only (``lru`` keeps no links:
 ``metaserver/table/links.py``).
 
@@ -52,7 +54,7 @@ class TableRecord:
     """One commit record: its etcd key (``name``), namespace, id (the ``rec`` column's value) and the rows it was
     written with (trimmed to the live ones at each ``value``)."""
 
-    __slots__ = ("table", "id", "name", "ns", "rows", "dead", "open")
+    __slots__ = ("table", "id", "name", "ns", "rows", "dead", "open", "shrunk")
 
     def __init__(self, table, rid: int, name: bytes, ns: str, rows: np.ndarray):
         self.table = table
@@ -62,6 +64,7 @@ class TableRecord:
         self.rows = rows
         self.dead = False
         self.open = False  # later COMMITs of its namespace may still join it (group commit: until ``value``)
+        self.shrunk = False  # pages left it since the writer last queued it: its rewrite is a removal (batcher.py)
 
     def live(self) -> np.ndarray:
         """The rows the record holds now (and keeps only those): READY under this record, on a node not detached."""
@@ -175,6 +178,7 @@ class TableRecords:
             rec = by.get(name)
             if rec is None:  # none of its pages was filed (so far): an empty record, deleted by its rewrite
                 rec = by[name] = self._new_record(name, "", np.zeros(0, np.int64))
+            rec.shrunk = True  # a rejected page's extent may be free: placed only once this rewrite is durable
             self._rec_rewrites[rec] = None
 
     def _leaving(self, rows: np.ndarray) -> None:
@@ -188,7 +192,9 @@ class TableRecords:
         rec[rows] = 0
         for rid in ids.tolist():
             if rid:
-                self._rec_rewrites[self.records[rid]] = None
+                r = self.records[rid]
+                r.shrunk = True  # their extents may be placed again: not before this rewrite is durable
+                self._rec_rewrites[r] = None
 
     def _end_record(self, r: TableRecord) -> None:
         if not r.dead:
