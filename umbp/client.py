@@ -61,7 +61,7 @@ from umbp.speculate import Speculation, read_deadline
 from umbp.mapped import MappedPages, MappedPath  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp import putbatch
 from umbp.puts import PutPath
-from umbp.readbatch import get_into, late_reads_missed, out_addresses
+from umbp.readbatch import DISK, get_into, late_reads_missed, out_addresses
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
@@ -133,6 +133,19 @@ class Client(PutPath, MappedPath):
     def _transport_for(self, node_id: str, deadline: float) -> Transport:
         t = self._transports.get(node_id)
         if t is not None:
+            return t
+        if node_id.endswith(DISK):  # a node's disk tier: always its TCP port, READV_DISK (umbp/node/tiering.py)
+            base = node_id[:-len(DISK)]
+            info = self._nodes.get(base)
+            if info is None or not info.get("alive", True):
+                self._refresh_nodes(deadline)
+                info = self._nodes.get(base)
+                if info is None:
+                    raise TransportError(self.component, f"node {base} is not known to the metaserver")
+            t = TcpTransport(base, info.get("addr") or f"{info['host']}:{info['port']}", self.config.token,
+                             tls_ca=self.config.tls_ca)
+            t.read_op = wire.Op.READV_DISK
+            self._transports[node_id] = t
             return t
         info = self._nodes.get(node_id)
         if info is None or not info.get("alive", True):
@@ -443,6 +456,8 @@ class Client(PutPath, MappedPath):
             if loc is None:
                 continue
             node_id, off, size, gen, khash, cap = loc
+            if off & wire.DISK_BIT:  # on the node's disk tier: its own transport (READV_DISK over TCP)
+                node_id += DISK
             ops = batches.get(node_id)
             if ops is None:
                 ops = batches[node_id] = []

@@ -61,7 +61,7 @@ class MappedPath:
                             t = None
                     arenas[node_id] = t.arena if t is not None and t.name == "shm" else None
                 arena = arenas[node_id]
-                if arena is None:
+                if arena is None or off & wire.DISK_BIT:  # on its disk tier: not in the arena (fetch it)
                     continue
                 head = bytes(arena[off:off + hs])
                 wire.check_object_header(head, self.component, khash, gen, size)

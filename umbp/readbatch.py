@@ -36,6 +36,9 @@ from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, Not
 from umbp.lookup import rows_of
 from umbp.speculate import read_deadline
 
+DISK = "\0disk"  # a node id + this: the transport of its disk tier (READV_DISK over TCP; node ids hold no NUL)
+DISK_KEYS = 1 << 40  # a node key + this: the node's disk tier, in ``read``'s grouping
+
 _nbytes = attrgetter("nbytes")
 _iface = attrgetter("__array_interface__")
 
@@ -102,8 +105,11 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, cap_of, idx: 
     errs: list[tuple[int, Exception]] = []
     started: list[tuple[str, Any, Any, np.ndarray]] = []
     shm: list[tuple[str, Any, np.ndarray]] = []
+    disk = (rows["off"] & np.uint64(wire.DISK_BIT)) != 0  # pages on a node's disk tier: read over its own transport
+    if disk.any():
+        node = np.where(disk, node + DISK_KEYS, node)
     for key, ids in _groups(node, idx):
-        node_id = name_of(key)
+        node_id = name_of(key) if key < DISK_KEYS else name_of(key - DISK_KEYS) + DISK
         try:
             t = client._transport_for(node_id, deadline)
         except TransportUnavailable:

@@ -456,13 +456,13 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         node.provisional = False
         self._check_settled()
         kept = dropped = 0
-        self._disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py, table/tiers.py)
+        same_disk = self._disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py)
         if keep and node.node_id in self.dir.spaces:
             kept = self.dir.space_use(node.node_id)[1]
             self.dir.set_placeable(node.node_id, True)
         else:
             self._finish_drop(node.node_id)  # a drop under way completes its parked records first
-            dropped, fx = self.dir.drop_space(node.node_id)
+            dropped, fx = self.dir.drop_space(node.node_id, disk=not same_disk)  # a disk outlives its arena
             self._apply(fx)
             self.dir.add_space(node.node_id, node.capacity)
             kept = self._unpark(node)

@@ -404,7 +404,7 @@ class SlotServer(Metaserver):
             node, keep = self.members.register(desc, now)
             node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
             node.cap_epoch = self.epoch
-            self._disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py, table/tiers.py)
+            same_disk = self._disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py)
             node.lease_id = 0
             node.provisional = False
             self._check_settled()
@@ -412,7 +412,7 @@ class SlotServer(Metaserver):
                 self.dir.set_placeable(node.node_id, True)
             else:
                 self._finish_drop(node.node_id)
-                _, fx = self.dir.drop_space(node.node_id)
+                _, fx = self.dir.drop_space(node.node_id, disk=not same_disk)  # a disk outlives its arena
                 self._apply(fx)
                 self.dir.add_space(node.node_id, node.capacity)
                 self._unpark(node)

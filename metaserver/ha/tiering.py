@@ -39,6 +39,8 @@ log = logging.getLogger("umbp.metaserver")
 MOVE_ROWS = 256  # pages a round moves at most (one frame; wire.MAX_VEC_OPS bounds it too)
 MOVE_S = 30.0  # a round's answer at most (its writes are synced on the node)
 CONNECT_S = 5.0
+BACKOFF_S = 0.5  # a failed round's node is left alone this long, doubling to BACKOFF_MAX_S while it keeps failing
+BACKOFF_MAX_S = 10.0
 
 
 class NodeLink:
@@ -95,6 +97,7 @@ class Mover:
         self.rounds: dict[str, asyncio.Task] = {}
         self.component = "metaserver mover"
         self.errors = 0
+        self.backoff: dict[str, tuple[float, float]] = {}  # node -> (no round before, the next pause) after a failure
 
     def tick(self, now: float, budget: int) -> int:
         """Start a round for each node with a disk and none in flight (a duty of the service's tick: the rounds
@@ -104,7 +107,7 @@ class Mover:
             return 0
         for host in list(tiers.disks):
             task = self.rounds.get(host)
-            if task is None or task.done():
+            if (task is None or task.done()) and self.backoff.get(host, (0.0, 0.0))[0] <= now:
                 self.rounds[host] = self.svc._spawn(self._round(host, self.svc.term))  # cancelled at a step-down
         return 0
 
@@ -142,14 +145,17 @@ class Mover:
                 link = self.links[host] = NodeLink(f"{node.host}:{node.port}", secret, cfg.tls_ca, self.component)
             meta = await link.request(op, {"rows": move.tier_rows()}, MOVE_S)
             failed = set(wire.vec_failures(meta, len(move), self.component))
+            self.backoff.pop(host, None)
         except (UmbpError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             failed = set(range(len(move)))
             self.errors += 1
             link = self.links.pop(host, None)
             if link is not None:
                 link.close()
-            log.warning("metaserver: %s %s of %d pages on node %s failed: %s", "demotion" if op == wire.Op.DEMOTE
-                        else "promotion", "round", len(move), host, e)
+            pause = min(BACKOFF_MAX_S, 2 * self.backoff.get(host, (0.0, BACKOFF_S / 2))[1])
+            self.backoff[host] = (time.monotonic() + pause, pause)  # a node down or restarting: ask again later
+            log.warning("metaserver: %s of %d pages on node %s failed (next try in %.1fs): %s",
+                        "demotion" if op == wire.Op.DEMOTE else "promotion", len(move), host, pause, e)
         if svc.term != term or not svc.serving:
             return  # another term's table: this move's lease and rows are not ours to settle
         d.tiers.finish(move, failed, self)

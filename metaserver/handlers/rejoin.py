@@ -86,24 +86,26 @@ class RejoinHandlers:
             self._apply(fx)
             self._dropped(node_id, recs)
 
-    def _disk_registered(self, node: Node, old: tuple | None, keep: bool) -> None:
+    def _disk_registered(self, node: Node, old: tuple | None, keep: bool) -> bool:
         """A (re-)registration's disk tier (``umbp node --disk``; ``old``: the (disk id, capacity) the node had).
-        Its capacity goes where ``add_space`` finds it (``tiers.disks``); when the node keeps its DRAM pages but its
-        disk changed (another file, another size, none now), the old disk's pages go at once."""
+        Its capacity goes where ``add_space`` finds it (``tiers.disks``). Returns whether the node kept its disk
+        (the same id and size): then its disk pages stay, also when its DRAM arena is new (a host reboot wipes
+        /dev/shm, not the drive: the caller drops the DRAM pages only). Another disk (or none now): the old disk's
+        pages go at once."""
         d = self.dir
         nid = node.node_id
         if node.disk_capacity:
             d.tiers.disks[nid] = node.disk_capacity
         else:
             d.tiers.disks.pop(nid, None)
-        if not (keep and nid in d.spaces):
-            return  # add_space makes its disk's twin anew (drop_space dropped the old one with its node)
-        same = old is not None and old == (node.disk_id, node.disk_capacity)
+        same = node.disk_id is not None and old is not None and old == (node.disk_id, node.disk_capacity)
         if d.tiers.twin(nid) is not None and not same:
             _, fx = d.drop_space(twin_id(nid))
             self._apply(fx)
             log.warning("metaserver: node %s came back with another disk: its disk pages are dropped", nid)
-        d.tiers.add(nid)
+        if keep and nid in d.spaces:
+            d.tiers.add(nid)
+        return same
 
     def _dropped(self, node_id: str, recs: list) -> None:
         """A detached node's last slice: its parked records, oldest first (``drop_slice`` sorts them) for a reload."""

@@ -304,10 +304,11 @@ class TableDirectory(TableShared, PageTable):
         self.tiers.add(node_id)
         return self.node_by_id[node_id]
 
-    def drop_space(self, node_id: str) -> tuple[int, Effects]:
-        """Drop a node and every page of it at once (it re-registered with another arena)."""
+    def drop_space(self, node_id: str, disk: bool = True) -> tuple[int, Effects]:
+        """Drop a node and every page of it at once (it re-registered with another arena); ``disk`` False: its
+        disk tier's pages stay (the same disk came back with a new DRAM arena)."""
         n = 0
-        for nid in (node_id, twin_id(node_id)):  # and its disk tier's pages
+        for nid in (node_id, twin_id(node_id)) if disk else (node_id,):  # and its disk tier's pages
             if nid in self.node_by_id or nid in self.dying:
                 n += self.detach_node(nid) + TableNodes.drop_slice(self, nid, 1 << 62)[0]
         return n, self.effects()
@@ -429,10 +430,9 @@ class TableDirectory(TableShared, PageTable):
 
     def watermark_pass(self, high: float, low: float, budget: int, fx: Effects) -> tuple[int, int]:
         n = freed = 0
-        movers = self.tiers.disks  # a node with a disk demotes instead (metaserver/ha/tiering.py)
         for node in list(self.node_by_id.values()):
             cap, used = node.alloc.capacity, node.alloc.used
-            if n >= budget or not over_high(used, cap, high) or node.node_id in movers:
+            if n >= budget or not over_high(used, cap, high) or self.tiers.moves_for(node):
                 continue
             k, f = self.evict_node(node, bytes_to_low(used, cap, low), budget - n)
             n += k
@@ -441,7 +441,8 @@ class TableDirectory(TableShared, PageTable):
         return n, freed
 
     def needs_eviction(self, high: float) -> bool:
-        return any(over_high(n.alloc.used, n.alloc.capacity, high) for n in self.node_by_id.values())
+        return any(over_high(n.alloc.used, n.alloc.capacity, high) and not self.tiers.moves_for(n)
+                   for n in self.node_by_id.values())
 
     def evict_bytes(self, nbytes: int, budget: int, fx: Effects) -> tuple[int, int]:
         """Free at least ``nbytes``, each victim from the fullest node by fill ratio (ties: the first added), at most

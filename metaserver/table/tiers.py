@@ -103,8 +103,10 @@ class Tiers:
     def twin(self, node_id: str) -> NodeRows | None:
         return self.t.node_by_id.get(twin_id(node_id))
 
-    def is_twin(self, node: NodeRows) -> bool:
-        return node.node_id.endswith(SUFFIX)
+    def moves_for(self, node: NodeRows) -> bool:
+        """Whether the mover, not the watermark pass, makes room on ``node``: a node with a disk demotes, and a disk
+        evicts its own oldest pages as demotions need the room (all of it is used: the tier is for keeping)."""
+        return bool(self.disks) and (node.node_id in self.disks or node.node_id.endswith(SUFFIX))
 
     def add(self, node_id: str) -> None:
         """Add ``node_id``'s twin when it has a disk (``disks``) and no twin yet: never placeable."""
@@ -208,6 +210,7 @@ class Tiers:
                 off = twin.alloc.alloc(size)
                 if off is None:
                     break  # the disk's pages are pinned (being read): try again later
+            t.cols["pins"][r] += 1  # pinned as it is picked: a queue refilled in this loop never offers it again
             rows.append(r)
             offs.append(off)
             sizes.append(size)
@@ -238,6 +241,7 @@ class Tiers:
                 break
             self.seen.pop(r, None)
             room -= size
+            c["pins"][r] += 1
             rows.append(r)
             offs.append(off)
             sizes.append(size)
@@ -248,8 +252,7 @@ class Tiers:
         if not rows:
             return None
         t = self.t
-        hr = np.array(rows, np.int64)
-        t.cols["pins"][hr] += 1
+        hr = np.array(rows, np.int64)  # pinned already, one pin each: the lease holds them
         lease = random_id() or 1
         while lease in t.leases:
             lease = random_id() or 1

@@ -204,3 +204,20 @@ def test_the_watermark_pass_leaves_a_node_with_a_disk_to_its_mover(disk):
     put(d, keys_of(0, 4), 1)
     n, _ = d.watermark_pass(0.5, 0.25, 100, Effects())
     assert n == (0 if disk else 3)
+    if disk:  # and its disk, full, is not thinned either: it makes room as demotions need it
+        assert d.tiers.finish(d.tiers.plan_demote("n1", 4 * EXT, 64, now=2.0), set()) == 4
+        assert d.watermark_pass(0.5, 0.25, 100, Effects())[0] == 0 and not d.needs_eviction(0.5)
+        assert d.tiers.usage("n1")["disk_objects"] == 4
+
+
+def test_a_demotion_asking_for_more_than_the_node_holds_moves_each_page_once():
+    d = make(dram=8, disk=16)
+    keys = keys_of(0, 6)
+    put(d, keys, 1)
+    move = d.tiers.plan_demote("n1", 100 * EXT, 64, now=2.0)  # the victim queue is refilled in the loop
+    assert len(move) == 6 and len(set(move.rows.tolist())) == 6
+    d.check()
+    assert d.tiers.finish(move, set()) == 6
+    d.check()
+    assert d.objects == 6 and len(look(d, keys)) == 6
+    assert d.tiers.usage("n1")["disk_objects"] == 6
