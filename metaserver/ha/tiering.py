@@ -8,8 +8,10 @@ chase each other). The round sends the node one DEMOTE or PROMOTE (``wire.TIER_R
 connection to the node's data port (HELLO/AUTH with the cluster secret, as a node's link to the metaserver does),
 waits for its answer (``MOVE_S`` at most) and hands it to the table's ``finish``; the commit records of the moved
 pages go to etcd like a COMMIT's. A promotion into a closed pool's DRAM carries fresh generations (the node's write
-ledger admits only newer ones there). Nothing a client waits for is in a round: puts evict as before when DRAM fills
-faster than the mover empties it.
+ledger admits only newer ones there). Before the copy a round waits until every removal queued before it is durable
+in etcd (``BatchWriter.removals_durable``, as an ALLOC answer does): its destinations may lie in extents those
+removals freed, and a crash must not reload an old page over a copy's bytes (docs/design/persistence-and-fencing.md).
+Nothing a client waits for is in a round: puts evict as before when DRAM fills faster than the mover empties it.
 
 Faults: a node that does not answer, refuses, or closes: the round's rows stay where they were (their destination
 extents go back); the connection is opened anew next round. A round that outlives its term (a step-down) touches
@@ -137,6 +139,15 @@ class Mover:
             return
         failed: set[int] = set()
         try:
+            # The destinations may lie in extents whose old pages' removals (the disk's own evictions for this
+            # move, or any before) are not in etcd yet: a crash would reload those pages over the copies' bytes.
+            # As an ALLOC answer does (handlers/dataplane.py), the copy waits until they are durable.
+            svc._apply(d.effects())
+            durable = svc.writer.removals_durable()
+            if durable is not None:
+                await asyncio.wait_for(asyncio.shield(durable), MOVE_S)
+                if svc.term != term or not svc.serving:
+                    return
             link = self.links.get(host)
             if link is None or link.addr != f"{node.host}:{node.port}":
                 if link is not None:
