@@ -130,29 +130,29 @@ class Client(PutPath, MappedPath):
         nodes = self._meta.call(wire.Op.NODES, {}, deadline)["nodes"]
         self._nodes = {n["node_id"]: n for n in nodes}
 
-    def _transport_for(self, node_id: str, deadline: float) -> Transport:
-        t = self._transports.get(node_id)
-        if t is not None:
-            return t
-        if node_id.endswith(DISK):  # a node's disk tier: always its TCP port, READV_DISK (umbp/node/tiering.py)
-            base = node_id[:-len(DISK)]
-            info = self._nodes.get(base)
-            if info is None or not info.get("alive", True):
-                self._refresh_nodes(deadline)
-                info = self._nodes.get(base)
-                if info is None:
-                    raise TransportError(self.component, f"node {base} is not known to the metaserver")
-            t = TcpTransport(base, info.get("addr") or f"{info['host']}:{info['port']}", self.config.token,
-                             tls_ca=self.config.tls_ca)
-            t.read_op = wire.Op.READV_DISK
-            self._transports[node_id] = t
-            return t
+    def _node_info(self, node_id: str, deadline: float) -> dict:
+        """The node map of ``node_id`` (NODES asked again when it is unknown or was seen dead)."""
         info = self._nodes.get(node_id)
         if info is None or not info.get("alive", True):
             self._refresh_nodes(deadline)
             info = self._nodes.get(node_id)
             if info is None:
                 raise TransportError(self.component, f"node {node_id} is not known to the metaserver")
+        return info
+
+    def _transport_for(self, node_id: str, deadline: float) -> Transport:
+        t = self._transports.get(node_id)
+        if t is not None:
+            return t
+        if node_id.endswith(DISK):  # a node's disk tier: always its TCP port, READV_DISK (umbp/node/tiering.py)
+            base = node_id[:-len(DISK)]
+            info = self._node_info(base, deadline)
+            t = TcpTransport(base, info.get("addr") or f"{info['host']}:{info['port']}", self.config.token,
+                             tls_ca=self.config.tls_ca)
+            t.read_op = wire.Op.READV_DISK
+            self._transports[node_id] = t
+            return t
+        info = self._node_info(node_id, deadline)
         mode = self.config.transport
         errors = []
         if mode in ("auto", "shm"):

@@ -368,14 +368,19 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
             np.add.at(c["pins"], hr, 1)
         else:
             c["pins"][hr] += 1
+        return self.new_lease(hr, repeats, now, owner), hit, hr
+
+    def new_lease(self, rows: np.ndarray, repeats: bool, now: float, owner: object) -> int:
+        """A read lease over ``rows``, pinned already (``repeats``: a row is named more than once), that belongs to
+        ``owner`` and runs out ``read_lease_s`` after ``now``."""
         lease = random_id() or 1
         while lease in self.leases:
             lease = random_id() or 1
-        self.leases[lease] = (hr, repeats)
+        self.leases[lease] = (rows, repeats)
         if owner is not None:
             self._lease_owner[lease] = owner
         self._lease_q.append((now + self.read_lease_s, lease))
-        return lease, hit, hr
+        return lease
 
     def release(self, lease: int, owner: object = None) -> bool:
         """Unpin everything under ``lease`` and stamp it (a read's end is its last access); a row removed while

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metaserver.table.entry import GONE, READY, extent_size, random_id
+from metaserver.table.entry import GONE, READY, extent_size
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 from transport import wire
 
@@ -253,13 +253,7 @@ class Tiers:
             return None
         t = self.t
         hr = np.array(rows, np.int64)  # pinned already, one pin each: the lease holds them
-        lease = random_id() or 1
-        while lease in t.leases:
-            lease = random_id() or 1
-        t.leases[lease] = (hr, False)
-        if owner is not None:
-            t._lease_owner[lease] = owner
-        t._lease_q.append((now + t.read_lease_s, lease))
+        lease = t.new_lease(hr, False, now, owner)
         move = Move(lease, host_id, to_disk, src, dst, hr, offs, sizes, t)
         self.moves[lease] = move
         return move
