@@ -655,22 +655,31 @@ def _rows(answer: Any, dtype: np.dtype, unpack: Callable, what: str, component: 
     return None if raw is None else (np.frombuffer(raw, dtype), nodes)
 
 
-def unpack_allocs(answer: Any, component: str) -> Any:
-    """``unpack_locs`` for an ALLOC answer: its ``items`` list, ``[NEW, node_id, off, payload_len, gen, tag, node
-    index]`` or ``[state, None, None, None, None]`` a key."""
+def unpack_allocs(answer: Any, component: str, items: bool = True) -> Any:
+    """``unpack_locs`` for an ALLOC answer: its rows checked and kept as ``alloc_rows`` (the put path's array form,
+    umbp/putbatch.py), and (``items``) its ``items`` list, ``[NEW, node_id, off, payload_len, gen, tag, node index]``
+    or ``[state, None, None, None, None]`` a key (``alloc_items``; the client makes it only when it is read)."""
     got = _rows(answer, ALLOC_ROW, unpack_allocs, "ALLOC", component)
     if got is None:
         return answer
     rows, nodes = got
-    answer["alloc_rows"] = rows  # the put path's array form (umbp/putbatch.py); "items" for everyone else
+    answer["alloc_rows"] = rows
     node, state = rows["node"], rows["state"]
     new = state == AllocState.NEW
     if (state > AllocState.IN_FLIGHT).any() or (new & (node >= len(nodes))).any() or (~new & (node != NO_NODE)).any():
         raise ProtocolError(component, f"malformed ALLOC answer: a row's state or node (of {len(nodes)}) is invalid")
-    names = np.array(nodes + [None], dtype=object)[np.where(new, node, len(nodes))].tolist()
-    answer["items"] = [[0, n, o, ln, g, t, i] if n is not None else [s, None, None, None, None] for s, n, o, ln, g, t, i
-                       in zip(state.tolist(), names, *(rows[f].tolist() for f in ("off", "len", "gen", "tag", "node")))]
+    if items:
+        answer["items"] = alloc_items(rows, nodes)
     return answer
+
+
+def alloc_items(rows: np.ndarray, nodes: list) -> list:
+    """An ALLOC answer's checked ``alloc_rows`` as its per-key ``items`` list (``unpack_allocs``)."""
+    node, state = rows["node"], rows["state"]
+    new = state == AllocState.NEW
+    names = np.array(nodes + [None], dtype=object)[np.where(new, node, len(nodes))].tolist()
+    return [[0, n, o, ln, g, t, i] if n is not None else [s, None, None, None, None] for s, n, o, ln, g, t, i
+            in zip(state.tolist(), names, *(rows[f].tolist() for f in ("off", "len", "gen", "tag", "node")))]
 
 
 def pack_locs(hit, tags, gens, lens, offs, nodes) -> bytes:

@@ -34,6 +34,25 @@ class LookupAnswer(dict):
         return locs
 
 
+class AllocAnswer(dict):
+    """An ALLOC answer dict whose ``"items"`` list is made from its checked ``"alloc_rows"`` on first access: the
+    array put path (umbp/putbatch.py) never reads it."""
+
+    def __missing__(self, key: str) -> Any:
+        if key != "items" or "alloc_rows" not in self:
+            raise KeyError(key)
+        items = self["items"] = wire.alloc_items(self["alloc_rows"], self.get("nodes") or [])
+        return items
+
+
+def alloc_rows(answer: Any, component: str) -> Any:
+    """A decoded ALLOC answer with its rows checked (``wire.unpack_allocs``) and its ``items`` made when read; an
+    answer without rows (VERSION 11) is left as it is."""
+    if type(answer) is not dict or answer.get("rows") is None:
+        return wire.unpack_allocs(answer, component)
+    return AllocAnswer(wire.unpack_allocs(answer, component, items=False))
+
+
 def answer_rows(answer: Any, component: str) -> Any:
     """A decoded LOOKUP answer (and its multi-slot ``parts``) with ``rows`` as a ``LOC_ROW`` array; malformed rows
     are a ProtocolError (``wire.unpack_locs``'s checks); an answer without rows is returned as it is."""

@@ -37,7 +37,7 @@ from typing import Any
 from transport import wire
 from transport.framed import FramedSocket, connection_error
 from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, TransportError, Unavailable
-from umbp.lookup import answer_rows
+from umbp.lookup import alloc_rows, answer_rows
 
 _RETRY_SLEEP = (0.05, 0.1, 0.2, 0.3, 0.5)
 ATTEMPT_S = 5.0  # one request's answer, unless the call's deadline is nearer
@@ -46,13 +46,13 @@ REFUSED_PASSES = 4  # connection refused at every address this many times in a r
 
 
 def _answer(op: int, meta: Any, component: str) -> Any:
-    """An answer's meta as callers read it: a LOOKUP's packed rows as one array (``umbp.lookup``), an ALLOC's as
-    its ``items`` list (``wire.unpack_allocs``: one ``np.frombuffer``, a ``tolist`` a column); others as they
+    """An answer's meta as callers read it: a LOOKUP's packed rows as one array (``umbp.lookup``), an ALLOC's
+    checked rows as one array with its ``items`` list made when read (``umbp.lookup.AllocAnswer``); others as they
     came."""
     if op == wire.Op.LOOKUP:
         return answer_rows(meta, component)
     if op == wire.Op.ALLOC:
-        return wire.unpack_allocs(meta, component)
+        return alloc_rows(meta, component)  # items made when read (umbp.lookup.AllocAnswer)
     return meta
 
 
