@@ -125,6 +125,7 @@ class WarmDirectory:
         self.held_on: dict[str, dict[tuple[str, bytes], None]] = {}  # node id -> its held (ns, key)s
         self.junk: set[bytes] = set()  # etcd keys of unreadable page and commit records
         self.batches: set[bytes] = set()  # readable commit records read (etcd keys)
+        self.carried: dict = {}  # those with a dead list -> it (``records.PageRecords.carried``): a takeover's to drop
         self.loaded = False
         self.loading = False
         self.load_pages = 0
@@ -230,6 +231,7 @@ class WarmDirectory:
                           if desc.get("disk_capacity")}
         self.held, self.held_on, self.junk = {}, {}, set()
         self.batches = set(pages.batches)
+        self.carried = dict(pages.carried)
         for p in stale + rejected + held:
             if p[1] is None:
                 self.junk.add(p[8])
@@ -285,7 +287,9 @@ class WarmDirectory:
                         flush()  # put in this run already: this is its rewrite
                     if ev.type == _PUT and is_segment(kv.value) and kv.value[1] == SEG_DEAD_VERSION:
                         flush()  # a dead list: the records it names were put before it (revision order)
-                        self._apply_dead(kv.value)
+                        self._apply_dead(kv.value, kv.key)
+                    elif kv.key in self.carried:
+                        del self.carried[kv.key]  # deleted, or rewritten without its dead list
                     if ev.type != _PUT or kv.key in self.batches:
                         flush()  # a commit record rewritten (pages left it) or deleted: in order with the runs
                         self._shrink_batch(kv.key, kv if ev.type == _PUT else None)
@@ -396,7 +400,7 @@ class WarmDirectory:
             out[i] = False
         return out
 
-    def _apply_dead(self, value: bytes) -> None:
+    def _apply_dead(self, value: bytes, key: bytes) -> None:
         """A segment's dead list (version 3, ``metaserver/table/records.py``): the pages it names leave the table,
         or stop waiting when held, as a rewrite of their records without them would make them (``_shrink_batch``).
         An unreadable value names nothing (its own put makes it junk)."""
@@ -404,6 +408,7 @@ class WarmDirectory:
             seg = unpack_segment(value)
         except UNREADABLE:
             return
+        self.carried[key] = (seg.dead_recs, seg.dead, seg.dead_ix)
         for j, name in enumerate(seg.dead_recs):
             gens = seg.dead[seg.dead_ix == j] if len(seg.dead_recs) > 1 else seg.dead
             if name in self.batches or any(p[8] == name for p in self.held.values()):
@@ -579,6 +584,7 @@ class WarmDirectory:
             self._retry(node_id)
         is_batch = self.store.is_batch
         d.take_records()
+        d.adopt_dead(self.carried, self.batches)  # the records dead lists name compacted, then the lists dropped
         names = [p[8] for p in self.held.values() if is_batch(p[8])]
         d.adopt_records([], np.zeros(0, np.int64), names)  # each rewritten without its held pages
         _, rewrites = d.take_records()
@@ -589,6 +595,6 @@ class WarmDirectory:
                      events=self.events, reloads=max(0, self.loads - 1))
         self.dir = None
         self.loaded = False
-        self.held, self.held_on, self.junk, self.batches = {}, {}, set(), set()
+        self.held, self.held_on, self.junk, self.batches, self.carried = {}, {}, set(), set(), {}
         return h
 

@@ -11,14 +11,15 @@ is called. etcd then no longer holds what the directory does (a COMMIT's pages a
 evicted page's record is still there), so the owner must not go on serving that directory: the metaserver gives
 its term up (``Metaserver._writes_dropped``), and the next term loads what etcd holds.
 
-The removal barrier (``removals_durable``): a submission that removes pages from etcd (a delete, or a commit record
-rewritten without pages that left: ``TableRecord.shrunk``) frees extents that the next ALLOC may place; its answer
+The removal barrier (``removals_durable``): a submission that removes pages from etcd (a delete, a commit record
+rewritten without pages that left, or a dead-list record that names them: ``TableRecord.shrunk``) frees extents that the next ALLOC may place; its answer
 must wait until that is durable, else a crash loads the old pages over the new bytes
 (docs/design/persistence-and-fencing.md, "Reusing an extent"). Submissions are numbered; a queued op keeps the number
 of the submission that first queued its key (so the queue is in number order), and a transaction in flight is
 known by its first op's, so everything up to one below the smallest of those is in etcd: O(inflight) to ask, one
 int a queued op. A dropped or cancelled transaction's number bounds what can ever be durable: a barrier at or past
-it fails.
+it fails. Once a transaction is in etcd, each commit record in it hears so (``TableRecord.written``: the dead lists
+its value covers need it no more), and the records that frees are queued again (a dead-list record deleted).
 
 Costs: one etcd round trip per ``batch`` ops under load; on the event loop about 0.3 us an op for queueing, taking
 and acknowledging (a tuple and a dict insert each; a submission's consecutive ops are acknowledged as one run).
@@ -271,6 +272,7 @@ class BatchWriter:
                         delay = min(delay * 2, 1.0)
                 self.txns += 1
                 self.ops += len(keys)
+                self._written(slots)
             except asyncio.CancelledError:
                 err = Unavailable("metaserver", "shutting down before the write reached etcd", Status.UNAVAILABLE)
                 raise
@@ -317,6 +319,18 @@ class BatchWriter:
                     self.lowered += 1
                 continue
             i += len(part)
+
+    def _written(self, slots: list[tuple]) -> None:
+        """The commit records among ``slots`` are durable as taken (``TableRecord.written``): the records that
+        makes ready to go again (dead-list records needed no more: deleted) are queued. O(ops)."""
+        again = None
+        for v, _, _ in slots:
+            if type(v) is TableRecord and (v.covering or v.carry is not None or v.again):
+                more = v.written()
+                if more:
+                    again = more if again is None else again + more
+        if again:
+            self.submit([(r.name, r) for r in again], [], wait=False)
 
     @staticmethod
     def _settle(slots: list[tuple], err: BaseException | None) -> None:

@@ -49,12 +49,18 @@ import numpy as np
 from metaserver.table.entry import PART_MASK, READY, SHARD_SHIFT
 from metaserver.table.records import BATCH_MARK, BATCH_PAGES, SEGMENT_PAGES, pack_segment
 
+DEAD_LIST_MAX = 16384  # deaths a dead-list record holds at most (128 KiB of generations: far below TXN_BYTES)
+DEAD_LIST_RECORDS = 4096  # records one names at most (their etcd keys: about 100 KiB; the index is a u16)
+
 
 class TableRecord:
     """One commit record: its etcd key (``name``), namespace, id (the ``rec`` column's value) and the rows it was
-    written with (trimmed to the live ones at each ``value``)."""
+    written with (trimmed to the live ones at each ``value``). A dead-list record (``TableRecords._dead_list``) is
+    one too, with id 0, no rows and ``carry``: the deaths it names (a record read with a dead list of its own
+    carries it likewise until ``need`` is empty)."""
 
-    __slots__ = ("table", "id", "name", "ns", "rows", "dead", "open", "shrunk")
+    __slots__ = ("table", "id", "name", "ns", "rows", "dead", "open", "shrunk", "queued", "listed", "gone", "deads",
+                 "covering", "carry", "need", "taken", "again")
 
     def __init__(self, table, rid: int, name: bytes, ns: str, rows: np.ndarray):
         self.table = table
@@ -65,6 +71,15 @@ class TableRecord:
         self.dead = False
         self.open = False  # later COMMITs of its namespace may still join it (group commit: until ``value``)
         self.shrunk = False  # pages left it since the writer last queued it: its rewrite is a removal (batcher.py)
+        self.queued = False  # a put of it waits in the writer's queue, its value not taken yet (``value``)
+        self.listed = len(rows)  # pages its value in etcd lists (as of the last one taken)
+        self.gone = 0  # of those, pages that left since, named by dead lists instead of a rewrite
+        self.deads: list = []  # dead-list records naming pages of it since its last value was taken
+        self.covering: list = []  # those its value in flight covers (``written``)
+        self.carry: _Carry | None = None  # a dead list its value carries (a dead-list record's own list)
+        self.need: set = set()  # the records ``carry`` names whose value without those pages is not durable yet
+        self.taken = False  # a value of it was taken (written or in flight)
+        self.again = False  # requeued by ``written`` once ``need`` emptied (a delete, or a rewrite without carry)
 
     def live(self) -> np.ndarray:
         """The rows the record holds now (and keeps only those): READY under this record, on a node not detached."""
@@ -73,25 +88,87 @@ class TableRecord:
         t = self.table
         c = t.cols
         rows = self.rows
+        if not len(rows):
+            return rows
         rows = self.rows = rows[(c["rec"].take(rows) == self.id) & (c["state"].take(rows) == READY)
                                 & ~t.dead.take(c["node"].take(rows))]
         return rows
 
     def value(self) -> bytes | None:
-        """The record's value now (a segment, ``records.pack_segment``); None (delete it) when no row is left, and
-        then the record is done for good. The writer calls it as it takes the record: no COMMIT joins it after."""
+        """The record's value now (a segment, ``records.pack_segment``, with its dead list while it carries one
+        still needed); None (delete it) when no row and no needed dead list is left, and then the record is done for
+        good. The writer calls it as it takes the record: no COMMIT joins it after, and the dead lists naming it so
+        far are covered once this value is durable (``written``)."""
+        t = self.table
         if self.open:
             self.open = False
-            if self.table._rec_open.get(self.ns) is self:
-                del self.table._rec_open[self.ns]
+            if t._rec_open.get(self.ns) is self:
+                del t._rec_open[self.ns]
+        if t._dead_open is self:
+            t._dead_open = None
+        self.queued = False
+        self.taken = True
         rows = self.live()
-        if not len(rows):
-            self.table._end_record(self)
-            return None
-        return self.table.record_value(rows)
+        self.covering, self.deads = self.deads, []
+        self.gone = 0
+        self.listed = len(rows)
+        carry = self.carry if self.need else None
+        if carry is None:
+            self.carry = None
+            if not len(rows):
+                t._end_record(self)
+                return None
+        return t.record_value(rows, carry)
+
+    def written(self) -> list:
+        """The value taken last is durable (the batch writer's hook): the dead lists it covers no longer need this
+        record. Returns the records to queue again: dead-list records needed no more (deleted now), and a record
+        carrying a dead list no longer needed (rewritten without it). No I/O."""
+        out = []
+        for d in self.covering:
+            d.need.discard(self)
+            if not d.need and d.carry is not None and d.taken and not d.again:
+                d.again = True  # (not taken yet: its value, when taken, leaves the list out)
+                out.append(d)
+        self.covering = []
+        if self.carry is not None and not self.need and not self.again:
+            self.again = True
+            out.append(self)
+        elif self.again and self.carry is None:
+            self.again = False
+        return out
 
     def __repr__(self) -> str:
         return f"TableRecord({self.name!r}, {len(self.rows)} rows)"
+
+
+class _Carry:
+    """A dead list as a record carries it: its records' etcd keys (``names``), and per death (u64 generations
+    ``gens``, u16 ``ix``: an index in ``names``), built in pieces (``add``) and joined once (``arrays``)."""
+
+    __slots__ = ("names", "of", "gens", "ix", "n")
+
+    def __init__(self):
+        self.names: list[bytes] = []
+        self.of: dict[bytes, int] = {}
+        self.gens: list[np.ndarray] = []
+        self.ix: list[np.ndarray] = []
+        self.n = 0
+
+    def add(self, name: bytes, gens: np.ndarray) -> None:
+        i = self.of.get(name)
+        if i is None:
+            i = self.of[name] = len(self.names)
+            self.names.append(name)
+        self.gens.append(np.asarray(gens, np.uint64))
+        self.ix.append(np.full(len(gens), i, np.uint16))
+        self.n += len(gens)
+
+    def arrays(self) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        if len(self.gens) != 1:
+            self.gens = [np.concatenate(self.gens)] if self.gens else [np.zeros(0, np.uint64)]
+            self.ix = [np.concatenate(self.ix)] if self.ix else [np.zeros(0, np.uint16)]
+        return self.names, self.gens[0], self.ix[0]
 
 
 class TableRecords:
@@ -110,6 +187,9 @@ class TableRecords:
         self._rec_open: dict[str, TableRecord] = {}  # ns -> its open segment: queued, not yet taken by the writer
         self.committed_pages = 0  # rows filed under records by COMMITs
         self.segment_pages = SEGMENT_PAGES  # pages a segment holds at most (``BATCH_PAGES`` once a key is long)
+        self.dead_lists = True  # False: a row leaving rewrites its record at once (the layout before dead lists)
+        self._dead_open: TableRecord | None = None  # the dead-list record deaths join until the writer takes it
+        self.dead_pages = 0  # rows that left named by a dead list instead of a rewrite (STATS, bench/records.py)
 
     def _count_name(self, ns: str) -> bytes:
         self._rec_seq += 1
@@ -129,12 +209,13 @@ class TableRecords:
             lo = min(len(rows), cap - len(r.rows))
             r.rows = np.concatenate((r.rows, rows[:lo]))
             self.cols["rec"][rows[:lo]] = r.id
+            r.queued = True
             self._rec_puts.append(r)
         while lo < len(rows):
             part = rows[lo:lo + cap]
             lo += len(part)
             r = self._new_record(self.namer(ns), ns, part)
-            r.open = True
+            r.open = r.queued = True
             self._rec_open[ns] = r
             self._rec_puts.append(r)
 
@@ -172,35 +253,104 @@ class TableRecords:
                 else:
                     rec.rows = np.concatenate((rec.rows, rows[lo:hi]))
                     self.cols["rec"][rows[lo:hi]] = rec.id
+                    rec.listed = len(rec.rows)
         for name in dict.fromkeys(rejected):
             if name is None:
                 continue
             rec = by.get(name)
             if rec is None:  # none of its pages was filed (so far): an empty record, deleted by its rewrite
                 rec = by[name] = self._new_record(name, "", np.zeros(0, np.int64))
-            rec.shrunk = True  # a rejected page's extent may be free: placed only once this rewrite is durable
+            rec.shrunk = rec.queued = True  # a rejected page's extent may be free: placed once this is durable
             self._rec_rewrites[rec] = None
 
     def _leaving(self, rows: np.ndarray) -> None:
-        """``rows`` leave READY (evicted, removed, dropped): their records are rewritten without them (and their
-        links undone: ``metaserver/table/links.py``)."""
+        """``rows`` leave READY (evicted, removed, dropped): their links are undone (``metaserver/table/links.py``)
+        and etcd must stop listing them, a removal either way (``TableRecord.shrunk``: the batch writer holds ALLOC
+        answers until it is durable, ``BatchWriter.removals_durable``). A record is rewritten without them when its
+        put waits unsent anyway (merged: no op), when half the pages its value lists are gone (compaction; none
+        left: deleted), or with ``dead_lists`` off; else their generations join the open dead-list record
+        (``_dead_list``), one small etcd value for every death until the writer takes it. O(rows log rows) numpy
+        (grouped by record), O(1) Python a record touched."""
         if not len(rows):
             return
         self.links.leaving(rows)
         rec = self.cols["rec"]
-        ids = np.unique(rec.take(rows))
+        ids = rec.take(rows)
         rec[rows] = 0
-        for rid in ids.tolist():
-            if rid:
-                r = self.records[rid]
-                r.shrunk = True  # their extents may be placed again: not before this rewrite is durable
-                self._rec_rewrites[r] = None
+        order = np.argsort(ids, kind="stable")
+        ids = ids.take(order)
+        cut = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        los = np.concatenate(([0], cut)).tolist()
+        his = np.concatenate((cut, [len(ids)])).tolist()
+        gens = None
+        records, rewrites, dead_lists = self.records, self._rec_rewrites, self.dead_lists
+        for lo, hi in zip(los, his):
+            rid = int(ids[lo])
+            if not rid:
+                continue
+            r = records[rid]
+            k = hi - lo
+            if not dead_lists or r.queued or r.carry is not None or (r.gone + k) * 2 >= r.listed:
+                r.shrunk = r.queued = True  # their extents may be placed again: not before this is durable
+                rewrites[r] = None
+                continue
+            if gens is None:
+                gens = self.cols["gen"].take(rows.take(order))
+            r.gone += k
+            self.dead_pages += k
+            self._dead_list(r).carry.add(r.name, gens[lo:hi])
+
+    def _dead_list(self, r: TableRecord) -> TableRecord:
+        """The open dead-list record, now naming ``r`` (made, and queued, when none is open or it is full): a
+        segment of no page (``records.pack_segment``), its own etcd key, needed until every record it names has a
+        value without those pages durable (``TableRecord.written``), then deleted."""
+        d = self._dead_open
+        if d is None or d.carry.n >= DEAD_LIST_MAX or len(d.carry.names) >= DEAD_LIST_RECORDS:
+            d = self._dead_open = TableRecord(self, 0, self.namer(r.ns), r.ns, np.zeros(0, np.int64))
+            d.carry = _Carry()
+        if r not in d.need:
+            d.need.add(r)
+            r.deads.append(d)
+        d.queued = d.shrunk = True
+        self._rec_rewrites[d] = None  # (again: the writer's queue merges it; the submission marks the removal)
+        return d
+
+    def adopt_dead(self, carried: dict, present) -> None:
+        """A load (or a warm copy's takeover) read the dead lists ``carried`` (a record's etcd key -> (names,
+        gens, ix): its dead list, ``records.PageRecords.carried``) of the records ``present`` in etcd: every record a
+        list names that is still there is rewritten (compaction: without the pages the list names, none of which
+        was filed), and each list is dropped once those rewrites are durable (its record deleted, or rewritten
+        without the list when it holds pages). The table's own dead-list state is reset first (a warm copy's
+        table made some, never written). O(records + dead entries)."""
+        self._dead_open = None
+        for r in self.records.values():
+            r.deads, r.covering, r.gone, r.queued, r.carry, r.need, r.again = [], [], 0, False, None, set(), False
+            r.listed = len(r.rows)
+        by = self._rec_by_name
+        for cname, (names, gens, ix) in carried.items():
+            named = [n for n in names if n in present and n != cname]
+            self.adopt_records([], np.zeros(0, np.int64), named)  # rewritten (made empty where nothing was filed)
+            c = by.get(cname)
+            if c is None:  # a dead list alone (or all its pages gone): deleted once the records it names are
+                c = TableRecord(self, 0, cname, "", np.zeros(0, np.int64))
+            carry = _Carry()
+            for j, n in enumerate(names):
+                carry.add(n, gens[ix == j] if len(names) > 1 else gens)
+            c.carry, c.taken = carry, True
+            for n in named:
+                r = by[n]
+                c.need.add(r)
+                r.deads.append(c)
+            if not c.need:
+                c.again = c.queued = True
+                self._rec_rewrites[c] = None
 
     def _end_record(self, r: TableRecord) -> None:
         if not r.dead:
             r.dead = True
-            del self.records[r.id]
-            self._rec_free.append(r.id)
+            if r.id:  # (a dead-list record has none)
+                del self.records[r.id]
+                self._rec_free.append(r.id)
             if self._rec_by_name.get(r.name) is r:
                 del self._rec_by_name[r.name]
             if r.open and self._rec_open.get(r.ns) is r:
@@ -214,9 +364,10 @@ class TableRecords:
         self._rec_rewrites = {}
         return puts, rewrites
 
-    def record_value(self, rows: np.ndarray) -> bytes:
-        """The segment of ``rows`` (``records.pack_segment``): O(rows) numpy, the keys one gather of the key
-        index's digests when every key is its own digest (else a key a row), parents only under prefix-lru."""
+    def record_value(self, rows: np.ndarray, carry: "_Carry | None" = None) -> bytes:
+        """The segment of ``rows`` (``records.pack_segment``) with ``carry``'s dead list: O(rows) numpy, the keys
+        one gather of the key index's digests when every key is its own digest (else a key a row), parents only
+        under prefix-lru."""
         c = self.cols
         ns_u, nsix = np.unique(c["ns"].take(rows), return_inverse=True)
         node_u, nodeix = np.unique(c["node"].take(rows), return_inverse=True)
@@ -238,7 +389,8 @@ class TableRecords:
                 parents = None
         return pack_segment([self.ns_names[i] for i in ns_u.tolist()], nsix, self.node_names.take(node_u).tolist(),
                             nodeix, c["unit"].take(rows), self.code_arr.take(code_u), codeix, c["gen"].take(rows),
-                            blob, 32, lens, parents, digs=digs)
+                            blob, 32, lens, parents, digs=digs,
+                            **({} if carry is None else dict(zip(("dead_recs", "dead", "dead_ix"), carry.arrays()))))
 
     def record_pages(self, rows: np.ndarray) -> list:
         """``[key, node_id, offset, payload_len, gen, parent]`` of each row, the msgpack layout of a commit record's

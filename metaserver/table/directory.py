@@ -521,6 +521,8 @@ class TableDirectory(TableShared, PageTable):
                 held.extend(cols.page(i, node_id, pages) for i in bad if names[i] is not None)
         if orphans:
             self.adopt_records([], np.zeros(0, np.int64), orphans)
+        if pages.carried:  # dead lists read: their records compacted, the lists dropped after (table/commits.py)
+            self.adopt_dead(pages.carried, set(pages.batches))
         return stale, rejected
 
 

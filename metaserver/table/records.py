@@ -336,8 +336,8 @@ class PageRecords:
     pages). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack unpack, an unhexlify, an
     entry)."""
 
-    __slots__ = ("groups", "chunks", "junk", "n", "batches", "dead", "carriers", "dropped", "_prefix", "_cut", "_names",
-                 "_apps", "_ekeys")
+    __slots__ = ("groups", "chunks", "junk", "n", "batches", "dead", "carriers", "carried", "dropped", "_prefix", "_cut",
+                 "_names", "_apps", "_ekeys")
 
     def __init__(self, prefix: bytes):
         self.groups: dict[str, tuple[list[Entry], list[int]]] = {}
@@ -348,6 +348,7 @@ class PageRecords:
         # ``columns``/``done`` after the whole scan, so their order against the records they name does not matter
         self.dead: dict[bytes, list] = {}
         self.carriers: list[bytes] = []  # the etcd keys of the segments read that carry a dead list
+        self.carried: dict = {}  # each one's dead list: (its records' etcd keys, generations, index in those keys)
         self.dropped = 0  # pages a dead list named (not filed)
         self._prefix = prefix
         self._cut = len(prefix)
@@ -563,6 +564,7 @@ class PageRecords:
             self.n += seg.n - 1
             if len(seg.dead):
                 self.carriers.append(ekey)
+                self.carried[ekey] = (seg.dead_recs, seg.dead, seg.dead_ix)
                 dead = self.dead
                 for j, rname in enumerate(seg.dead_recs):
                     dead.setdefault(rname, []).append(seg.dead[seg.dead_ix == j] if len(seg.dead_recs) > 1

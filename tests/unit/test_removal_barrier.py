@@ -84,6 +84,7 @@ def test_a_record_rewritten_without_pages_is_a_removal_once():
         store.gates[b"r"] = gate = asyncio.Event()
         d = TableDirectory()
         d.add_space("node-a", 1 << 20)
+        d.dead_lists = False  # a rewrite at once (a dead list's removal: tests/unit/test_deadlist_writer.py)
         rec = committed_record(d, [b"k0", b"k1", b"k2"])
         assert not rec.shrunk
         w.submit([(b"r", rec)], [], wait=False)  # a COMMIT's new record: no removal

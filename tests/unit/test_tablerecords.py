@@ -45,6 +45,7 @@ def test_a_commit_writes_records_of_at_most_batch_pages_in_directorys_layout():
 
 def test_pages_that_leave_rewrite_their_records_and_an_empty_record_goes():
     t = table(2, 64)
+    t.dead_lists = False  # rewrites at once (dead lists: tests/unit/test_deadlist_writer.py)
     put(t, keys_of(0, 128), gen=1)  # one record, the pool full (64 slots a node)
     (first,), _ = t.take_records()
     first.value()  # the writer takes it: no later COMMIT joins it
