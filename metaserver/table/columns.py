@@ -65,6 +65,9 @@ COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen"
            ("stamp", np.uint64), ("state", np.uint8), ("ns", np.uint16), ("tag", np.uint64), ("rec", np.uint32))
 MAX_CODES = 1 << 16  # distinct layout codes a table holds (pages of a namespace share one)
 ROW_BYTES = sum(np.dtype(t).itemsize for _, t in COLUMNS)
+# LOOKUP and RELEASE operands as 0-d arrays: a Python int operand costs a small batch's ufunc twice its work
+_READY0, _NO_ROW0, _PIN0 = np.array(READY, np.uint8), np.array(0, np.int64), np.array(1, np.uint32)
+SET_REPEATS = 32  # up to this many rows a LOOKUP tells repeats with a set, past it by its stamps' sum
 
 
 def by_key(hit: np.ndarray, found: list) -> list:
@@ -344,8 +347,8 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         parts (``metaserver/table/shared.py``); 0, plain pages only."""
         rows = self._find(ns, keys)
         c = self.cols
-        hit = c["state"].take(rows) == READY
-        hit &= rows >= 0  # rows of -1 read the last row: masked here
+        hit = c["state"].take(rows) == _READY0
+        hit &= rows >= _NO_ROW0  # rows of -1 read the last row: masked here
         if self.dying:  # a detached node's pages miss at once, before their slice drops them
             hit &= ~self.dead.take(c["node"].take(rows))
         if self.any_shared:  # only pages of the layout asked for: never another layout's bytes
@@ -361,13 +364,16 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         first = self.clock
         self._stamp(hr)
         # A row given twice keeps only its later stamp, so an earlier naming reads back more than it was given: the
-        # stamps' sum tells whether any row repeats, cheaper than a sort. A repeated row is pinned once per time it
-        # is named, as the lease names it.
-        repeats = int(c["stamp"].take(hr).sum()) != n * first + n * (n - 1) // 2
+        # stamps' sum tells whether any row repeats, cheaper than a sort (a few rows: a set, cheaper than the sum).
+        # A repeated row is pinned once per time it is named, as the lease names it.
+        if n <= SET_REPEATS:
+            repeats = len(set(hr.tolist())) != n
+        else:
+            repeats = int(c["stamp"].take(hr).sum()) != n * first + n * (n - 1) // 2
         if repeats:
             np.add.at(c["pins"], hr, 1)
         else:
-            c["pins"][hr] += 1
+            c["pins"][hr] += _PIN0
         return self.new_lease(hr, repeats, now, owner), hit, hr
 
     def new_lease(self, rows: np.ndarray, repeats: bool, now: float, owner: object) -> int:
@@ -397,9 +403,9 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         if repeats:
             np.subtract.at(c["pins"], hr, 1)
         else:
-            c["pins"][hr] -= 1
+            c["pins"][hr] -= _PIN0
         st = c["state"].take(hr)
-        if (st == READY).all():
+        if np.count_nonzero(st == _READY0) == len(hr):  # (count_nonzero: a fifth of .all()'s cost on a few rows)
             self._stamp(hr)
             if self.links.linking:
                 self.links.requeue(hr)

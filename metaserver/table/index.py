@@ -92,6 +92,12 @@ REBUILD_LOAD = 0.7  # the most rows over slots a resize leaves
 KICK_ROUNDS = 64  # insert rounds before a row no bucket took goes to the stash
 _LONG_PERSON = b"umbp-keyindex"
 _TILE = 4096  # digests a batch hashes with the multipliers repeated (a request's keys; 128 KiB of them)
+# Operands as 0-d arrays: a ufunc with a Python int or numpy scalar operand pays ~300 ns converting it (NumPy 2's
+# scalar promotion), twice a small batch's whole op; a request's find and lookup are a few dozen such ops.
+_S29, _S32 = np.array(29, np.uint64), np.array(32, np.uint64)
+_ONE16, _ONE32 = np.array(1, np.uint16), np.array(1, np.uint32)
+_ALL4 = np.array(0x01010101, np.uint32)  # four true bools read as one u32
+_SLOTS0, _GAP0 = np.array(SLOTS, np.int64), np.array(_WORDS - SLOTS, np.int64)
 
 
 def zeros(shape, dtype) -> np.ndarray:
@@ -119,23 +125,24 @@ def digests(keys: list[bytes]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
 def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise equality of two (n, 4) digest arrays: one compare, each row's four bools read as one u32 (three numpy
     calls; four word compares and their ands were eight, ``all(axis=1)`` a slow reduction)."""
-    return (a == b).view(np.uint32).ravel() == 0x01010101
+    return (a == b).view(np.uint32).ravel() == _ALL4
 
 
 class _Buckets:
     """One table: ``n`` buckets of ``SLOTS`` slots (module docstring) and its count of filed rows."""
 
-    __slots__ = ("words", "rows", "tags", "fill", "n", "live", "salt", "mix")
+    __slots__ = ("words", "rows", "tags", "fill", "n", "n0", "live", "salt", "mix")
 
     def __init__(self, n: int):
         # odd multipliers of its own: where a row goes here is independent of where it was in the table it is
         # drained from (a drained slice of buckets would otherwise land on one stretch of this one and fill it)
-        self.salt, self.mix = np.frombuffer(os.urandom(16), np.uint64) | np.uint64(1)
+        self.salt, self.mix = (np.array(x) for x in np.frombuffer(os.urandom(16), np.uint64) | np.uint64(1))
         self.words = zeros((n, _WORDS), np.uint32)  # zero pages: every slot empty without a pass over them
         self.rows = self.words[:, :SLOTS]  # row + 1; 0: empty
         self.tags = self.words.view(np.uint16)[:, _TAG0:_TAG0 + SLOTS]
         self.fill = self.words[:, _WORDS - 1]  # filled slots of each bucket: its slots 0 .. fill - 1
         self.n = n
+        self.n0 = np.array(n, np.uint64)
         self.live = 0
 
     @property
@@ -154,6 +161,7 @@ class KeyIndex:
         self._m = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd multipliers, one per digest word
         self._mt = np.tile(self._m, _TILE)  # and repeated for a batch of up to _TILE digests: one flat multiply
         self._mns = int.from_bytes(os.urandom(8), "little") | 1  # and one for the namespace
+        self._nsw: dict[int, tuple] = {}  # namespace index -> (its hash word, itself as a u16), 0-d arrays
         self._rng = np.random.default_rng()
         self.t = _Buckets(-(-MIN_SLOTS // SLOTS))
         self.old: _Buckets | None = None  # the table being drained into ``t`` (None: no resize under way)
@@ -190,14 +198,21 @@ class KeyIndex:
         # each word by its multiplier, in one call (wraps, as meant); flat for a request's batch (a broadcast of the
         # four multipliers loops four words at a time: twice as slow at 1,024 keys)
         x = (dig.reshape(-1) * self._mt[:4 * n]).reshape(n, 4) if n <= _TILE else dig * self._m
-        h = x[:, 0] ^ x[:, 1]
+        h = x[:, 0] ^ x[:, 1]  # (columns one at a time: an (n, 2) op loops two words at a time, 3x slower at 1,024)
         h ^= x[:, 2]
         h ^= x[:, 3]
         if type(nsix) is not int and np.ndim(nsix):  # (a request's one namespace: no dispatch to np.ndim)
             h ^= np.asarray(nsix, np.uint64) * np.uint64(self._mns)
         elif nsix:
-            h ^= np.uint64(int(nsix) * self._mns % 2**64)
+            h ^= self._ns_words(int(nsix))[0]
         return h
+
+    def _ns_words(self, nsix: int) -> tuple[np.ndarray, np.ndarray]:
+        """Namespace ``nsix``'s hash word and its index as a u16, as 0-d arrays (made once a namespace)."""
+        got = self._nsw.get(nsix)
+        if got is None:
+            got = self._nsw[nsix] = (np.array(nsix * self._mns % 2**64, np.uint64), np.array(nsix, np.uint16))
+        return got
 
     @staticmethod
     def _where(h: np.ndarray, tab: _Buckets) -> tuple[np.ndarray, np.ndarray]:
@@ -206,15 +221,15 @@ class KeyIndex:
         n = len(h)
         f = h * tab.salt
         bb = np.empty(2 * n, np.uint64)
-        np.right_shift(f, 32, out=bb[:n])
-        g = f >> 29
+        np.right_shift(f, _S32, out=bb[:n])
+        g = f >> _S29
         g ^= f
         g *= tab.mix
-        np.right_shift(g, 32, out=bb[n:])
-        bb *= np.uint64(tab.n)  # < 2**32 times < 2**32: no wrap
-        bb >>= 32
+        np.right_shift(g, _S32, out=bb[n:])
+        bb *= tab.n0  # < 2**32 times < 2**32: no wrap
+        bb >>= _S32
         tag = g.view(np.uint16)[1::4]  # bits 16-31 of g (little-endian words, as every column here): a view
-        np.maximum(tag, 1, out=tag)
+        np.maximum(tag, _ONE16, out=tag)
         return bb.view(np.int64), tag
 
     def _buckets(self, h: np.ndarray, tab: _Buckets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -259,12 +274,12 @@ class KeyIndex:
                 == tag[None, :, None]).ravel().nonzero()[0]
         if not len(hits):
             return
-        k = hits // SLOTS  # each hit's line: every key's first bucket, then every second one (np.nonzero of a 2-d
-        cand = lines.ravel().take(hits + k * (_WORDS - SLOTS))  # mask costs several times these)
-        cand -= 1  # u32 rows (a tag matches filled slots only: row + 1 >= 1)
+        k = hits // _SLOTS0  # each hit's line: every key's first bucket, then every second one (np.nonzero of a
+        cand = lines.ravel().take(k * _GAP0 + hits)  # 3-d mask, or the mask's gather, cost several times these)
+        cand -= _ONE32  # u32 rows (a tag matches filled slots only: row + 1 >= 1)
         k %= n  # each hit's key
         ok = _same(self.kc.take(cand, axis=0), dig.take(k, axis=0))
-        ok &= ns_col.take(cand) == nsix
+        ok &= ns_col.take(cand) == self._ns_words(nsix)[1]
         k = k[ok]
         rows[k if at is None else at.take(k)] = cand[ok]
 
