@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from metaserver import validate as v
-from metaserver.handlers.ownership import LEASES_PRUNE_AT
+from metaserver.handlers.ownership import LEASES_PRUNE_AT, own_lease, release_held
 from metaserver.table.directory import by_node
 from metaserver.table.entry import random_id
 from transport import slotrules, wire
@@ -190,7 +190,7 @@ def lookup_merged(p, meta: dict, conn) -> dict:
         hits.append(hit)
         if not lease:
             continue
-        srv._own_lease(sc, lease)
+        own_lease(srv.dir, sc, lease)
         held.append((name, lease))
         tags.append(tg)
         slots.append(sl)
@@ -272,6 +272,6 @@ def release(p, conn, ids: list[int]) -> tuple[int, list[int]]:
         for name, lease in held:
             srv = p.servers[name]
             if srv.serving:
-                got += srv.release_held([lease], p._slot_conn(conn, name))
+                got += release_held(srv.dir, [lease], p._slot_conn(conn, name))
         n += got > 0
     return n, rest

@@ -32,7 +32,7 @@ class PartitionAnswers:
 
     def stats(self, meta: Any, conn) -> dict:
         v.fields(meta, frozenset())
-        parts = [self.servers[s].stats(meta, self._slot_conn(conn, s)) for s in self.led()]
+        parts = [self.servers[s].admin.stats(meta, self._slot_conn(conn, s)) for s in self.led()]
         out = merge_stats(parts, self.addr)
         out.update({"metaserver": self.addr, "slots": self.slots, "slots_led": [int(s) for s in self.led()],
                     "slot_map": self.slot_map(), "members": sorted(self.members),
@@ -49,15 +49,15 @@ class PartitionAnswers:
     def nodes(self, meta: Any, conn) -> dict:
         v.fields(meta, frozenset())
         m = self.membership
-        parts = [{"nodes": self.servers[s].nodes(meta, conn)["nodes"]} for s in self.led()]
+        parts = [{"nodes": self.servers[s].admin.nodes(meta, conn)["nodes"]} for s in self.led()]
         if m.serving:
-            parts.append({"nodes": [dict(n, used_bytes=0, objects=0) for n in m.nodes(meta, conn)["nodes"]]})
+            parts.append({"nodes": [dict(n, used_bytes=0, objects=0) for n in m.admin.nodes(meta, conn)["nodes"]]})
         return {"nodes": merge_stats(parts, self.addr).get("nodes", [])}
 
     def list_objects(self, meta: Any, conn) -> dict:
         objects, truncated = [], False
         for s in self.led():
-            res = self.servers[s].list_objects(meta, self._slot_conn(conn, s))
+            res = self.servers[s].admin.list_objects(meta, self._slot_conn(conn, s))
             objects.extend(res["objects"])
             truncated = truncated or res["truncated"]
         limit = meta.get("limit", 1000) if type(meta) is dict and type(meta.get("limit")) is int else 1000

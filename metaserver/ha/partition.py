@@ -31,7 +31,7 @@ from metaserver.store.combine import TxnCombiner
 from metaserver.ha.election import RANK_DELAY_S, ElectedProcess  # noqa: F401 - RANK_DELAY_S: the pool's constant
 from metaserver.store.fullload import node_descs
 from metaserver.handlers.metrics import MetaserverMetrics
-from metaserver.handlers.ownership import HeldLeases, release_answer, release_ids
+from metaserver.handlers.ownership import HeldLeases, release_answer, release_held, release_ids
 from metaserver.ha.partanswers import PartitionAnswers
 from metaserver.store.persist import EtcdStore
 from metaserver.ha.slots import MEMBERSHIP, MembershipServer, SlotServer
@@ -250,7 +250,7 @@ class Partition(ElectedProcess, PartitionAnswers):
         for name, sc in (getattr(conn, "slot_conns", None) or {}).items() if rest else ():
             mine = [x for x in rest if x in sc.leases]
             if mine and self.servers[name].serving:
-                n += self.servers[name].release_held(mine, sc)
+                n += release_held(self.servers[name].dir, mine, sc)
         return release_answer(meta, ids, n)
 
     def drop_pending(self, conn) -> int:

@@ -1,12 +1,15 @@
 """The metaserver's request handlers and background duties, between the protocol (server.py) and the state
 (the page table ``metaserver.table.directory.TableDirectory``, membership) and persistence (persist.py). The data-plane
-handlers (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) are ``metaserver/handlers/dataplane.py``'s; admin, rejoin and
-ownership have mixins of their own.
+handlers (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) are ``metaserver/handlers/dataplane.py``'s; admin
+(``admin.py``), lost nodes' pages (``rejoin.py``) and leases and quotas (``ownership.py``) have modules of their own.
 
 Each handler takes a validated request meta and returns the response meta, or a coroutine for the few that wait on
 etcd (REGISTER_NODE, COMMIT with puts, ALLOC when generations run out, EVICT all). Bookkeeping happens
 synchronously inside the handler, before any await, so a request's effect on the directory is atomic; the etcd I/O
-the directory returns is handed to the batch writer afterwards (awaited only by COMMIT).
+the directory returns is handed to the batch writer afterwards (awaited only by COMMIT). The handler families are
+objects the service holds (``dataplane``, ``admin``; ``rejoin``, a fresh one per term, for lost nodes) or functions
+over the directory (``metaserver.handlers.ownership``); they read the term's state through the service, which
+replaces it at every term.
 
 Background (``tick`` every TICK_S): expire PENDING entries and read leases, detect dead nodes and drop their pages,
 evict nodes above the high watermark down to the low one. Each of these sweeps has a budget per tick (SWEEP_BUDGET,
@@ -49,16 +52,16 @@ import time
 from typing import Any
 
 from metaserver import validate as v
-from metaserver.handlers.admin import EVICT_BUDGET, AdminHandlers
-from metaserver.handlers.dataplane import ALLOC_HOLD_S, DataPlaneHandlers
+from metaserver.handlers import ownership
+from metaserver.handlers.admin import EVICT_BUDGET, Admin
+from metaserver.handlers.dataplane import ALLOC_HOLD_S, DataPlane
 from metaserver.table.entry import Effects
 from metaserver.handlers.metrics import MetaserverMetrics
 from metaserver.handlers.membership import Membership, Node
-from metaserver.handlers.ownership import OwnershipHandlers
 from metaserver.store.batcher import BatchWriter
 from metaserver.store.generations import GenCounter
 from metaserver.store.persist import EtcdStore
-from metaserver.handlers.rejoin import RejoinHandlers
+from metaserver.handlers.rejoin import Rejoin
 from metaserver.store import gcpolicy
 from metaserver.ha import handoff
 from metaserver.handlers import kvevents
@@ -88,7 +91,7 @@ LEADER_ONLY = frozenset({Op.REGISTER_NODE, Op.HEARTBEAT, Op.ALLOC, Op.COMMIT, Op
                          Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.NODES, Op.LIST, Op.EVICT, Op.DRAIN, Op.STATS})
 
 
-class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHandlers):
+class Metaserver:
     """One directory's server: its handlers, its terms and its background duties. Elected by the process that
     builds it (``metaserver.ha.slots.SlotServer``, a slot of ``metaserver.ha.partition.Partition``), which passes the
     slot's ``store`` (its keys and fence) and ``leader`` (what it reads of the election: ``is_leader``,
@@ -115,14 +118,16 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self._bg: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
         self.mover = Mover(self)  # the disk tier's demotions and promotions (metaserver/ha/tiering.py)
+        self.dataplane = dp = DataPlane(self)  # ALLOC, COMMIT, LOOKUP, ... (metaserver/handlers/dataplane.py)
+        self.admin = adm = Admin(self)  # STATS, NODES, LIST, EVICT, DRAIN, LEADER (metaserver/handlers/admin.py)
         self._duties = (self._expire_pending, self._expire_leases, self._release_quarantine, self._drop_dying,
                         self._evict_over_high, self._step_table, self.mover.tick)
         self.handlers = {
             Op.HELLO: self.hello, Op.AUTH: self.authenticate, Op.PING: self.ping, Op.REGISTER_NODE: self.register_node,
-            Op.HEARTBEAT: self.heartbeat, Op.ALLOC: self.alloc, Op.COMMIT: self.commit, Op.ABORT: self.abort,
-            Op.LOOKUP: self.lookup, Op.RELEASE: self.release, Op.EXISTS: self.exists, Op.PREFIX: self.prefix,
-            Op.REMOVE: self.remove, Op.STATS: self.stats, Op.NODES: self.nodes, Op.LIST: self.list_objects,
-            Op.EVICT: self.evict, Op.DRAIN: self.drain, Op.LEADER: self.leader_info,
+            Op.HEARTBEAT: self.heartbeat, Op.ALLOC: dp.alloc, Op.COMMIT: dp.commit, Op.ABORT: dp.abort,
+            Op.LOOKUP: dp.lookup, Op.RELEASE: self.release, Op.EXISTS: dp.exists, Op.PREFIX: dp.prefix,
+            Op.REMOVE: dp.remove, Op.STATS: adm.stats, Op.NODES: adm.nodes, Op.LIST: adm.list_objects,
+            Op.EVICT: adm.evict, Op.DRAIN: adm.drain, Op.LEADER: adm.leader_info,
         }
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -140,7 +145,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         self.settled = asyncio.Event()  # every node loaded at takeover re-registered (or ALLOC_HOLD_S passed)
         self.took_over = 0.0
         self.given_up = False  # this term's writer dropped writes: the term is being given up (``_writes_dropped``)
-        self.parked: dict[str, tuple] = {}  # lost node id -> (arena_id, capacity, deadline, page records, disk_id)
+        self.rejoin = Rejoin(self)  # lost nodes: their drops and parked pages (metaserver/handlers/rejoin.py)
 
     def _make_dir(self) -> TableDirectory:
         cfg = self.cfg
@@ -374,9 +379,9 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         if d.quarantine.waiting or d.quarantine.hold_s:
             d.quarantine.observe(now, self.gens.issued_below)
         for node in self.members.expired(now):
-            self._node_lost(node, now)
-        if self.parked:
-            self._expire_parked(now)
+            self.rejoin.node_lost(node, now)
+        if self.rejoin.parked:
+            self.rejoin.expire_parked(now)
         # The budgeted duties share one budget, each taking at most its own share; the first duty rotates, so a
         # backlog in one (a million expired leases) delays the others by a tick at most, never starves them.
         duties = self._duties
@@ -401,7 +406,7 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         return q.release(now, self.dir.spaces, min(budget, SWEEP_BUDGET)) if q.waiting else 0
 
     def _drop_dying(self, now: float, budget: int) -> int:
-        return self._drop_lost(min(budget, SWEEP_BUDGET)) if self.dir.dying else 0
+        return self.rejoin.drop_lost(min(budget, SWEEP_BUDGET)) if self.dir.dying else 0
 
     def _step_table(self, now: float, budget: int) -> int:
         return self.dir.step(min(budget, SWEEP_BUDGET))  # a key index resize, a slice at a time (table/index.py)
@@ -420,6 +425,14 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
             await self.store.revoke(lease)
         except Unavailable as e:
             log.warning("metaserver: %s", e)
+
+    # -- a connection's leases and allocations (metaserver/handlers/ownership.py) ------------------------------
+    def release(self, meta: Any, conn) -> dict:
+        return ownership.release(self.dir, meta, conn)
+
+    def drop_pending(self, conn) -> int:
+        """``conn`` closed (``metaserver.server``): its PENDING allocations aborted, its read leases released."""
+        return ownership.drop_pending(self.dir, conn, self.serving)
 
     # -- handshake and membership -----------------------------------------------------------------------------
     def hello(self, meta: Any, conn) -> dict:
@@ -456,16 +469,16 @@ class Metaserver(DataPlaneHandlers, AdminHandlers, RejoinHandlers, OwnershipHand
         node.provisional = False
         self._check_settled()
         kept = dropped = 0
-        same_disk = self._disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py)
+        same_disk = self.rejoin.disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py)
         if keep and node.node_id in self.dir.spaces:
             kept = self.dir.space_use(node.node_id)[1]
             self.dir.set_placeable(node.node_id, True)
         else:
-            self._finish_drop(node.node_id)  # a drop under way completes its parked records first
+            self.rejoin.finish_drop(node.node_id)  # a drop under way completes its parked records first
             dropped, fx = self.dir.drop_space(node.node_id, disk=not same_disk)  # a disk outlives its arena
             self._apply(fx)
             self.dir.add_space(node.node_id, node.capacity)
-            kept = self._unpark(node)
+            kept = self.rejoin.unpark(node)
         log.info("metaserver: node %s registered at %s:%d (%d bytes, kept %d, dropped %d)", node.node_id,
                  node.host, node.port, node.capacity, kept, dropped)
         return self._register_io(node, kept, dropped, self.term)

@@ -58,7 +58,7 @@ from metaserver.store.persist import EtcdStore
 from metaserver.ha.service import ETCD_START_DEADLINE_S, Metaserver
 from metaserver.table.directory import TableDirectory
 from transport import slotrules
-from transport.wire import Status
+from transport.wire import Op, Status
 from umbp.config import MetaserverConfig
 from umbp.errors import NotLeader, StartupError, Unavailable
 from umbp.quotarules import QuotaRules
@@ -269,6 +269,7 @@ class SlotServer(Metaserver):
         store = SlotStore(partition.store, name, owns_nodes=self.owns_nodes,
                           combiner=None if one else getattr(partition, "combiner", None), at_root=one)
         super().__init__(config, store, SlotLeadership(partition, name), partition.metrics)
+        self.handlers[Op.ALLOC] = self.alloc  # the slot's own refusals first, then the data plane's ALLOC
 
     def _new_state(self) -> None:
         super()._new_state()
@@ -375,6 +376,7 @@ class SlotServer(Metaserver):
             node.lease_id = 0  # the membership leader's lease: a slot leader never revokes it
 
     def alloc(self, meta, conn):
+        """ALLOC (its entry in ``handlers``): refused as a retry while this slot has no node to place on yet."""
         if not self.owns_nodes and not self.dir.spaces:
             # No node record has reached this slot yet (it took over before the nodes registered, and the next
             # round brings them): a retry, not a full pool.
@@ -384,7 +386,7 @@ class SlotServer(Metaserver):
             # pool.
             raise Unavailable("metaserver", f"slot {self.name}: storage nodes not fenced yet ({len(self.unfenced)})",
                               Status.UNAVAILABLE)
-        return super().alloc(meta, conn)
+        return self.dataplane.alloc(meta, conn)
 
     def sync_nodes(self, live: dict[str, dict], now: float) -> None:
         """The pool's leased node records (node id -> description) as the membership leader keeps them: a node
@@ -404,18 +406,18 @@ class SlotServer(Metaserver):
             node, keep = self.members.register(desc, now)
             node.cap_key = self.tokens.cap_key(node.node_id, node.arena_id)
             node.cap_epoch = self.epoch
-            same_disk = self._disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py)
+            same_disk = self.rejoin.disk_registered(node, old_disk, keep)  # its disk tier (handlers/rejoin.py)
             node.lease_id = 0
             node.provisional = False
             self._check_settled()
             if keep and node.node_id in self.dir.spaces:
                 self.dir.set_placeable(node.node_id, True)
             else:
-                self._finish_drop(node.node_id)
+                self.rejoin.finish_drop(node.node_id)
                 _, fx = self.dir.drop_space(node.node_id, disk=not same_disk)  # a disk outlives its arena
                 self._apply(fx)
                 self.dir.add_space(node.node_id, node.capacity)
-                self._unpark(node)
+                self.rejoin.unpark(node)
             if self.tokens.closed and self.fenced.get(node.node_id) != (node.arena_id, node.pid):
                 # a node new to this term, or restarted (its floors are gone): fenced before it is placed on
                 self.unfenced[node.node_id] = "not fenced yet"

@@ -1,5 +1,8 @@
-"""The metaserver's admin requests: STATS, NODES, LIST, EVICT, DRAIN, LEADER (``AdminHandlers``, a mixin of
-``metaserver.ha.service.Metaserver``: it reads the directory, membership and writer that class owns).
+"""The metaserver's admin requests: STATS, NODES, LIST, EVICT, DRAIN, LEADER (``Admin``, held by
+``metaserver.ha.service.Metaserver`` as ``admin``, its bound methods in the service's dispatch table). A class holding
+the service: it reads most of what the service owns (the term's directory, membership and etcd writer, the store's
+address, the election, the takeover's record), and the term's parts are replaced at every term, so it reads them
+through ``svc`` when it answers.
 
 Authorization (umbp/auth.py): EVICT, DRAIN and a LIST of every namespace need an admin token; a LIST of one
 namespace needs read rights on it; STATS and NODES any authenticated connection, but a scoped (non-admin) token sees
@@ -32,15 +35,21 @@ def require_admin(conn, what: str) -> None:
         raise AuthError("metaserver", f"{what} needs an admin token; {conn.auth.scope.name!r} is not one")
 
 
-class AdminHandlers:
-    def _node_maps(self, full: bool = True) -> list[dict]:
+class Admin:
+    """The admin requests of one slot's service ``svc`` (see the module docstring)."""
+
+    def __init__(self, svc):
+        self.svc = svc
+
+    def node_maps(self, full: bool = True) -> list[dict]:
         """Every node's map; ``full`` False: node-internal fields blanked (a scoped token's view)."""
         out = []
-        for node in self.members.nodes.values():
-            use = self.dir.space_use(node.node_id) if node.alive else None
+        d = self.svc.dir
+        for node in self.svc.members.nodes.values():
+            use = d.space_use(node.node_id) if node.alive else None
             used, objects = use if use is not None else (0, 0)
             info = node.info(used, objects)
-            info.update(self.dir.tiers.usage(node.node_id))  # its disk tier, zeros without one
+            info.update(d.tiers.usage(node.node_id))  # its disk tier, zeros without one
             if not full:
                 info.update(NODE_INTERNAL, transports=[t for t in info["transports"] if t != "shm"])
             out.append(info)
@@ -48,7 +57,8 @@ class AdminHandlers:
 
     def stats(self, meta: Any, conn) -> dict:
         v.fields(meta, _NONE)
-        d = self.dir
+        svc = self.svc
+        d, w = svc.dir, svc.writer
         scope = conn.auth.scope
         usage = d.namespace_usage()  # ns -> {objects, used_bytes, quota_bytes}
         if not scope.admin:
@@ -57,12 +67,11 @@ class AdminHandlers:
                "pinned": d.pinned, "held_bytes": d.quarantine.held_bytes, "hits": d.hits, "misses": d.misses,
                "evictions": d.evictions, "puts": d.puts,
                "namespaces": {ns: u["objects"] for ns, u in usage.items() if u["objects"]},
-               "namespace_usage": usage, "is_leader": self.serving, "etcd": self.store.addr,
-               "leader": self.leader.leader_addr, "leader_revision": self.leader.revision,
-               "load_s": round(self.load_s, 3), "takeover": self.takeover, "etcd_pending_ops": self.writer.pending(),
-               "etcd_txns": self.writer.txns, "etcd_ops": self.writer.ops, "etcd_retries": self.writer.failures,
-               "etcd_txn_max_ops": self.writer.batch,
-               "ticks": self.ticks, "nodes": self._node_maps(scope.admin)}
+               "namespace_usage": usage, "is_leader": svc.serving, "etcd": svc.store.addr,
+               "leader": svc.leader.leader_addr, "leader_revision": svc.leader.revision,
+               "load_s": round(svc.load_s, 3), "takeover": svc.takeover, "etcd_pending_ops": w.pending(),
+               "etcd_txns": w.txns, "etcd_ops": w.ops, "etcd_retries": w.failures, "etcd_txn_max_ops": w.batch,
+               "ticks": svc.ticks, "nodes": self.node_maps(scope.admin)}
         _dc, _du, out["disk_capacity_bytes"], out["disk_used_bytes"] = d.tiers.totals()  # the disk tier (issue 47)
         out["demotions"], out["promotions"] = d.tiers.demotions, d.tiers.promotions
         if not scope.admin:
@@ -71,7 +80,7 @@ class AdminHandlers:
 
     def nodes(self, meta: Any, conn) -> dict:
         v.fields(meta, _NONE)
-        return {"nodes": self._node_maps(conn.auth.scope.admin)}
+        return {"nodes": self.node_maps(conn.auth.scope.admin)}
 
     def list_objects(self, meta: Any, conn) -> dict:
         m = v.fields(meta, frozenset({"ns", "limit"}))
@@ -81,7 +90,7 @@ class AdminHandlers:
         else:
             conn.auth.scope.check(ns, False, "metaserver")
         limit = v.integer(m, "limit", 0, 1_000_000, default=1000)
-        objects, truncated = self.dir.list_objects(ns, limit)
+        objects, truncated = self.svc.dir.list_objects(ns, limit)
         return {"objects": objects, "truncated": truncated}
 
     def evict(self, meta: Any, conn):
@@ -89,7 +98,7 @@ class AdminHandlers:
         m = v.fields(meta, frozenset({"bytes", "all"}))
         if m.get("all") is not None and type(m["all"]) is not bool:
             raise v.Reject("all must be a boolean")
-        d = self.dir
+        d = self.svc.dir
         if m.get("all"):
             return self._evict_in_slices(lambda fx: d.evict_all(EVICT_BUDGET, fx))
         if m.get("bytes") is not None:
@@ -100,7 +109,7 @@ class AdminHandlers:
                 want[0] -= freed
                 return n, freed, want[0] <= 0 or n < EVICT_BUDGET
             return self._evict_in_slices(step)
-        low = self.cfg.low_watermark  # an operator's pass: every node above the low watermark goes down to it
+        low = self.svc.cfg.low_watermark  # an operator's pass: every node above the low watermark goes down to it
 
         def step(fx):
             n, freed = d.watermark_pass(low, low, EVICT_BUDGET, fx)
@@ -111,12 +120,13 @@ class AdminHandlers:
         """Run ``step(fx) -> (evicted, freed, done)`` slice after slice (each at most EVICT_BUDGET evictions),
         yielding to the event loop in between, so an operator's big eviction never stalls other requests."""
         total = freed = 0
-        term = self.term
+        svc = self.svc
+        term = svc.term
         for _ in range(1 << 40):  # bounded by the directory's size: every slice but the last evicts a full budget
-            self.check_term(term)
+            svc.check_term(term)
             fx = Effects()
             n, f, done = step(fx)
-            self._apply(fx)
+            svc._apply(fx)
             total += n
             freed += f
             if done:
@@ -127,14 +137,15 @@ class AdminHandlers:
     def drain(self, meta: Any, conn) -> dict:
         require_admin(conn, "DRAIN")
         m = v.fields(meta, frozenset({"node_id"}), ("node_id",))
-        node = self.members.get(v.node_id(m))
+        svc = self.svc
+        node = svc.members.get(v.node_id(m))
         if node is None:
             raise v.Reject(f"no node {m['node_id']!r}", Status.NOT_FOUND)
         node.draining = True
-        dropped, pinned, fx = self.dir.drain(node.node_id)
-        self._apply(fx)
+        dropped, pinned, fx = svc.dir.drain(node.node_id)
+        svc._apply(fx)
         return {"dropped": dropped, "pinned": pinned}
 
     def leader_info(self, meta: Any, conn) -> dict:
         v.fields(meta, _NONE)
-        return {"leader": self.leader.leader_addr, "is_leader": self.serving}
+        return {"leader": self.svc.leader.leader_addr, "is_leader": self.svc.serving}

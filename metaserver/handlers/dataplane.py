@@ -1,7 +1,10 @@
-"""The metaserver's data-plane handlers (``DataPlaneHandlers``, a mixin of ``metaserver.ha.service.Metaserver``):
-ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX and REMOVE on the page table (``metaserver.table.directory.TableDirectory``).
-Each validates its request, checks the connection's rights, calls the directory (bookkeeping
-before any await, so a request's effect is atomic), hands the etcd work to the batch writer (``Metaserver._apply``)
+"""The metaserver's data-plane handlers (``DataPlane``, held by ``metaserver.ha.service.Metaserver`` as ``dataplane``,
+its bound methods in the service's dispatch table): ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX and REMOVE on the
+page table (``metaserver.table.directory.TableDirectory``). A class holding the service, not the directory: the
+service builds a new directory, writer, membership and generation counter every term, so each handler reads the
+term's through ``svc`` when it runs. Each validates its request, checks the connection's rights, calls the directory
+(bookkeeping before any await, so a request's effect is atomic), hands the etcd work to the batch writer
+(``Metaserver._apply``)
 and answers with the closed pool's tags and capabilities (``metaserver/table/grants.py``: an ALLOC's and a LOOKUP's places
 as packed rows from wire VERSION 12, built from the table's columns); only COMMIT waits for etcd,
 and ALLOC when generations run out, right after a takeover (at most ``ALLOC_HOLD_S``), or while a removal queued
@@ -15,6 +18,7 @@ import time
 from typing import Any
 
 from metaserver import validate as v
+from metaserver.handlers.ownership import own_lease, refuse_over_quota
 from metaserver.table.entry import OVER_QUOTA
 from metaserver.table.grants import grant_alloc
 from transport.wire import Status
@@ -30,22 +34,27 @@ _COMMIT = frozenset({"ns", "keys", "gens", "shard"})
 _ALLOC = frozenset({"ns", "keys", "sizes", "parents", "token", "shard"})
 
 
-class DataPlaneHandlers:
-    alloc_waited_s = 0.0  # ALLOC answers' time spent waiting for removals to be durable (``_when_durable``)
+class DataPlane:
+    """The data-plane requests of one slot's service ``svc`` (see the module docstring)."""
+
+    def __init__(self, svc):
+        self.svc = svc
+        self.alloc_waited_s = 0.0  # ALLOC answers' time spent waiting for removals to be durable (``_when_durable``)
 
     def alloc(self, meta: Any, conn):
+        svc = self.svc
         m = v.fields(meta, _ALLOC, ("ns", "keys", "sizes"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, True, "metaserver")
-        keys = v.keys(m, self.max_keys)
+        keys = v.keys(m, svc.max_keys)
         sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
         parents = v.parents(m, len(keys))
         token = v.integer(m, "token", 1, (1 << 63) - 1) if m.get("token") is not None else None
         shard = v.shard(m)
-        base = self.gens.take_nowait(len(keys)) if self.settled.is_set() else None
+        base = svc.gens.take_nowait(len(keys)) if svc.settled.is_set() else None
         if base is None:
-            return self._alloc_later(ns, keys, sizes, parents, self.term, token, conn, shard)
-        return self._when_durable(self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard), self.term)
+            return self._alloc_later(ns, keys, sizes, parents, svc.term, token, conn, shard)
+        return self._when_durable(self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard), svc.term)
 
     def _when_durable(self, ans: dict, term: int):
         """``ans``, or a coroutine answering it once every removal queued before it (a commit record rewritten
@@ -53,39 +62,41 @@ class DataPlaneHandlers:
         would load the old pages over the new bytes (docs/design/persistence-and-fencing.md, "Reusing an extent").
         Nothing waits when every removal is durable already. Bounded by half ``pending_ttl_s`` (then UNAVAILABLE:
         the client retries under its token and gets the same places back)."""
-        fut = self.writer.removals_durable()
+        fut = self.svc.writer.removals_durable()
         return ans if fut is None else self._answer_durable(fut, ans, term)
 
     async def _answer_durable(self, fut: asyncio.Future, ans: dict, term: int) -> dict:
         t0 = time.perf_counter()
         try:
-            async with asyncio.timeout(self.cfg.pending_ttl_s / 2):
+            async with asyncio.timeout(self.svc.cfg.pending_ttl_s / 2):
                 await asyncio.shield(fut)  # shared by every ALLOC waiting for the same removals
         except asyncio.TimeoutError:
             raise Unavailable("metaserver", "the removal of the pages that held this space is not durable yet",
                               Status.UNAVAILABLE) from None
-        self.check_term(term)
+        self.svc.check_term(term)
         self.alloc_waited_s += time.perf_counter() - t0
         return ans
 
     def _alloc_now(self, ns, keys, sizes, parents, base, token, conn, shard=None) -> dict:
-        if not any(sp.placeable for sp in self.dir.spaces.values()) and any(
-                n.provisional for n in self.members.nodes.values()):
+        svc = self.svc
+        d = svc.dir
+        if not any(sp.placeable for sp in d.spaces.values()) and any(
+                n.provisional for n in svc.members.nodes.values()):
             # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
             raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
-        p = self.dir.alloc_placed(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
-        self._apply(p.fx)
-        if self.dir.quotas and (p.state == OVER_QUOTA).any():
-            self._refuse_over_quota(ns, keys, p.items())
-        deadline_ms = int((time.time() + self.cfg.write_cap_ttl_s) * 1000)
-        if self.tokens.closed and len(p.new):  # a retried ALLOC's allocations (generations below this request's)
+        p = d.alloc_placed(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
+        svc._apply(p.fx)
+        if d.quotas and (p.state == OVER_QUOTA).any():
+            refuse_over_quota(d, ns, keys, p.items())
+        deadline_ms = int((time.time() + svc.cfg.write_cap_ttl_s) * 1000)
+        if svc.tokens.closed and len(p.new):  # a retried ALLOC's allocations (generations below this request's)
             oldest = int(p.gens.min())  # keep their deadline
             if oldest < base:
                 deadline_ms = min(deadline_ms, self._retry_deadline_ms(oldest))
         # the answer as packed rows from wire VERSION 12, as the items list for VERSION 11
-        ans = grant_alloc(self.tokens, self.members.get, ns, keys, p, deadline_ms, conn.version >= 12)
+        ans = grant_alloc(svc.tokens, svc.members.get, ns, keys, p, deadline_ms, conn.version >= 12)
         if len(p.new):  # aborted if this connection goes away before COMMIT
-            conn.pending.update(self.dir.pending_of(ns, keys, p))
+            conn.pending.update(d.pending_of(ns, keys, p))
         return ans
 
     def _retry_deadline_ms(self, gen: int) -> int:
@@ -95,22 +106,23 @@ class DataPlaneHandlers:
         ``issued + write_cap_ttl_s`` would outlive that judgement, and an ABORT would hand its extent to another
         writer while it can still write there. An allocation older than every sample is answered with a
         capability already expired (the node refuses it: the writer allocates again under a new token)."""
-        issued = self.dir.quarantine.issued_after(gen)
+        issued = self.svc.dir.quarantine.issued_after(gen)
         if issued is None:
             return 0
-        return int((time.time() - (time.monotonic() - issued) + self.cfg.write_cap_ttl_s) * 1000)
+        return int((time.time() - (time.monotonic() - issued) + self.svc.cfg.write_cap_ttl_s) * 1000)
 
     async def _alloc_later(self, ns, keys, sizes, parents, term: int, token, conn, shard=None) -> dict:
-        if not self.settled.is_set():
+        svc = self.svc
+        if not svc.settled.is_set():
             # Just took over: let the nodes re-register first (bounded by ALLOC_HOLD_S via tick).
             try:
                 async with asyncio.timeout(ALLOC_HOLD_S + 1.0):  # not wait_for: it can lose a cancel on 3.11
-                    await self.settled.wait()
+                    await svc.settled.wait()
             except asyncio.TimeoutError:
                 pass
-            self.check_term(term)
-        base = await self.gens.take(len(keys))
-        self.check_term(term)
+            svc.check_term(term)
+        base = await svc.gens.take(len(keys))
+        svc.check_term(term)
         ans = self._when_durable(self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard), term)
         return ans if type(ans) is dict else await ans
 
@@ -120,20 +132,21 @@ class DataPlaneHandlers:
         m = v.fields(meta, allowed, ("ns", "keys", "gens"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, True, "metaserver")
-        keys = v.keys(m, self.max_keys)
+        keys = v.keys(m, self.svc.max_keys)
         gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
         if conn.pending:
-            self.dir.settle_handles(conn.pending, ns, keys, gens)
+            self.svc.dir.settle_handles(conn.pending, ns, keys, gens)
         return ns, keys, gens
 
     def commit(self, meta: Any, conn):
         ns, keys, gens = self._settle_request(meta, conn, _COMMIT)
         shard = v.shard(meta)
-        ok, fx = self.dir.commit(ns, keys, gens, time.monotonic(), shard)
-        fut = self._apply(fx, wait=self.cfg.commit == "durable")  # async: acknowledged before etcd (config.py)
+        svc = self.svc
+        ok, fx = svc.dir.commit(ns, keys, gens, time.monotonic(), shard)
+        fut = svc._apply(fx, wait=svc.cfg.commit == "durable")  # async: acknowledged before etcd (config.py)
         if fut is None:
             return {"ok": ok}
-        return self._commit_wait(fut, ok, self.metrics.etcd_commit)
+        return self._commit_wait(fut, ok, svc.metrics.etcd_commit)
 
     @staticmethod
     async def _commit_wait(fut: asyncio.Future, ok: list, latency) -> dict:
@@ -147,41 +160,43 @@ class DataPlaneHandlers:
         late write may still land: their extents stay out of placement for the quarantine's ``keep_s``
         (``Quarantine.keeping``); the keys are free at once either way."""
         ns, keys, gens = self._settle_request(meta, conn, _ABORT)
-        with self.dir.quarantine.keeping() if v.boolean(meta, "written") else contextlib.nullcontext():
-            return {"aborted": self.dir.abort(ns, keys, gens)}
+        d = self.svc.dir
+        with d.quarantine.keeping() if v.boolean(meta, "written") else contextlib.nullcontext():
+            return {"aborted": d.abort(ns, keys, gens)}
 
     def lookup(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _LOOKUP, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")
-        keys = v.keys(m, self.max_keys)
+        svc = self.svc
+        keys = v.keys(m, svc.max_keys)
         shard = v.shard(m)
         # tags and capabilities from the columns; packed rows from wire VERSION 12
-        ans = self.dir.lookup_granted(ns, keys, time.monotonic(), conn, self.tokens, self.members.get, shard,
-                                      conn.version >= 12)
+        ans = svc.dir.lookup_granted(ns, keys, time.monotonic(), conn, svc.tokens, svc.members.get, shard,
+                                     conn.version >= 12)
         if ans["lease"]:
-            self._own_lease(conn, ans["lease"])
+            own_lease(svc.dir, conn, ans["lease"])
             # how long the lease pins the hits: a client counts a tcp/rdma read that finished later as a miss
-            ans["lease_ms"] = self.lease_ms
+            ans["lease_ms"] = svc.lease_ms
         return ans
 
     def exists(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")
-        return {"exists": self.dir.exists(ns, v.keys(m, self.max_keys))}
+        return {"exists": self.svc.dir.exists(ns, v.keys(m, self.svc.max_keys))}
 
     def prefix(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")
-        return {"hits": self.dir.prefix(ns, v.keys(m, self.max_keys))}
+        return {"hits": self.svc.dir.prefix(ns, v.keys(m, self.svc.max_keys))}
 
     def remove(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, True, "metaserver")
-        removed, fx = self.dir.remove(ns, v.keys(m, self.max_keys))
-        self._apply(fx)
+        removed, fx = self.svc.dir.remove(ns, v.keys(m, self.svc.max_keys))
+        self.svc._apply(fx)
         return {"removed": removed}
 

@@ -171,7 +171,7 @@ class _Collector(Collector):
             ("provisional", "1 while a node loaded at a takeover has not re-registered"),
             ("disk_capacity_bytes", "A node's disk-tier capacity (0: none)"),
             ("disk_used_bytes", "A node's disk-tier bytes held by objects"))}
-        for info in (merge_nodes([x._node_maps() for x in led]) if led is not None else ms._node_maps()):
+        for info in (merge_nodes([x.admin.node_maps() for x in led]) if led is not None else ms.admin.node_maps()):
             nid = [info["node_id"]]
             fams["capacity_bytes"].add_metric(nid, info["capacity_bytes"])
             fams["used_bytes"].add_metric(nid, info["used_bytes"])

@@ -1,5 +1,8 @@
-"""Who owns what the metaserver hands out, and per-namespace quotas (``OwnershipHandlers``, a mixin of
-``metaserver.ha.service.Metaserver``).
+"""Who owns what the metaserver hands out, and per-namespace quotas: functions over one slot's page table
+(``metaserver.table.directory.TableDirectory``), called by the service (``metaserver.ha.service.Metaserver``: RELEASE,
+a connection's close), the data plane (a LOOKUP's lease, an ALLOC over quota) and a partition's merged answers.
+Functions, not a class: each reads the directory alone (and a connection), and the service replaces its directory
+every term, so it passes the current one at each call.
 
 Read leases. A LOOKUP pins what it found under one lease with a random 63-bit id (``PageTable.lookup_rows``,
 ``entry.random_id``: not guessable, so one connection cannot name another's lease), owned by the connection that took
@@ -38,7 +41,7 @@ MAX_RELEASE = 4096  # lease ids in one RELEASE
 
 
 class HeldLeases(set):
-    """A connection's read lease ids, and the size at which ``_own_lease`` next prunes them of expired ones: twice
+    """A connection's read lease ids, and the size at which ``own_lease`` next prunes them of expired ones: twice
     what a prune left (at least LEASES_PRUNE_AT), so a connection that holds many live leases costs O(1) amortized
     per LOOKUP, not a scan of every id it holds (that scan was 75% of the metaserver's CPU for a client never
     releasing 64-key LOOKUPs)."""
@@ -76,73 +79,78 @@ def release_answer(meta: dict, ids: list[int], released: int) -> dict:
     return {"released": released}
 
 
-class OwnershipHandlers:
-    def release(self, meta: Any, conn) -> dict:
-        """RELEASE ``lease`` or ``leases``, a list of ids (the slots of one multi-slot LOOKUP: one frame for all of
-        them); an id this connection does not hold changes nothing (``release_answer``)."""
-        ids = release_ids(meta)
-        return release_answer(meta, ids, self.release_held(ids, conn))
+def release(d, meta: Any, conn) -> dict:
+    """RELEASE ``lease`` or ``leases``, a list of ids (the slots of one multi-slot LOOKUP: one frame for all of
+    them), on directory ``d``; an id this connection does not hold changes nothing (``release_answer``)."""
+    ids = release_ids(meta)
+    return release_answer(meta, ids, release_held(d, ids, conn))
 
-    def release_held(self, ids: list[int], conn) -> int:
-        """Release those of ``ids`` that ``conn`` holds; how many it held."""
-        held = getattr(conn, "leases", None)
-        n = 0
-        for lease in ids:
-            if held is not None:
-                held.discard(lease)
-            n += self.dir.release(lease, conn)
-        return n
 
-    def _own_lease(self, conn, lease: int) -> None:
-        """Remember a lease on its connection (released when it closes). Leases that expired meanwhile are pruned
-        when the set has doubled (``HeldLeases``), so a connection that never releases holds O(live leases) ids."""
-        held = getattr(conn, "leases", None)
-        if held is None:
-            return
-        if len(held) >= held.prune_at:
-            live = self.dir.leases
-            held.intersection_update([x for x in held if x in live])
-            held.prune_at = max(LEASES_PRUNE_AT, 2 * len(held))
-        held.add(lease)
+def release_held(d, ids: list[int], conn) -> int:
+    """Release those of ``ids`` that ``conn`` holds in directory ``d``; how many it held."""
+    held = getattr(conn, "leases", None)
+    n = 0
+    for lease in ids:
+        if held is not None:
+            held.discard(lease)
+        n += d.release(lease, conn)
+    return n
 
-    def drop_leases(self, conn) -> int:
-        """Release every lease ``conn`` still holds (it closed). Returns how many were live."""
-        held = getattr(conn, "leases", None)
-        if not held:
-            return 0
-        release = self.dir.release
-        n = sum(1 for lease in held if release(lease, conn))
-        held.clear()
-        return n
 
-    def drop_pending(self, conn) -> int:
-        """The writer's connection closed: abort its allocations still PENDING (they can never be committed by
-        it now), so other writers of those keys need not wait out ``pending_ttl_s``; and release the read leases it
-        still holds. Their extents are kept out of placement for the quarantine's ``keep_s`` (the writer may have
-        its places and still write them: ``metaserver/table/quarantine.py``). An allocation another connection took over
-        (an ALLOC retried with its token) is not this connection's any more and stays."""
-        self.drop_leases(conn)
-        handles = list(conn.pending)
-        conn.pending.clear()
-        if not self.serving:
-            return 0
-        with self.dir.quarantine.keeping():
-            return self.dir.abort_owned(handles, conn)
+def own_lease(d, conn, lease: int) -> None:
+    """Remember a lease of directory ``d`` on its connection (released when it closes). Leases that expired meanwhile
+    are pruned when the set has doubled (``HeldLeases``), so a connection that never releases holds O(live leases)
+    ids."""
+    held = getattr(conn, "leases", None)
+    if held is None:
+        return
+    if len(held) >= held.prune_at:
+        live = d.leases
+        held.intersection_update([x for x in held if x in live])
+        held.prune_at = max(LEASES_PRUNE_AT, 2 * len(held))
+    held.add(lease)
 
-    def _refuse_over_quota(self, ns: str, keys: list, items: list) -> None:
-        """Some keys of an ALLOC do not fit in ``ns``'s quota: give back what this request allocated (nothing was
-        written: no capability left the metaserver) and raise QuotaExceeded naming the namespace."""
-        d = self.dir
-        new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
-        if new:
-            d.abort(ns, [k for k, _ in new], [g for _, g in new])
-        over = sum(1 for it in items if it[0] == OVER_QUOTA)
-        g = d.quotas.group_of(ns)
-        group = "" if g.name == ns else f" (quota group {g.name!r}, shared by its namespaces)"
-        share = f", this slot's share {g.limit}" if g.limit != g.quota else ""
-        held = d.group_held(g.name)
-        held = f", {held} freed but held until their write capabilities die" if held else ""
-        raise QuotaExceeded("metaserver", f"namespace {ns!r} is over its quota of {g.quota} bytes{group}{share}: "
-                                          f"{over} of {len(keys)} pages do not fit even after evicting its group's "
-                                          f"unpinned old pages ({d.group_used.get(g.name, 0)} bytes in use{held}); "
-                                          f"nothing of this request was allocated", Status.QUOTA)
+
+def drop_leases(d, conn) -> int:
+    """Release every lease ``conn`` still holds in ``d`` (it closed). Returns how many were live."""
+    held = getattr(conn, "leases", None)
+    if not held:
+        return 0
+    release = d.release
+    n = sum(1 for lease in held if release(lease, conn))
+    held.clear()
+    return n
+
+
+def drop_pending(d, conn, serving: bool) -> int:
+    """The writer's connection closed: abort its allocations still PENDING in ``d`` (they can never be committed by
+    it now), so other writers of those keys need not wait out ``pending_ttl_s``; and release the read leases it
+    still holds. Their extents are kept out of placement for the quarantine's ``keep_s`` (the writer may have
+    its places and still write them: ``metaserver/table/quarantine.py``). An allocation another connection took over
+    (an ALLOC retried with its token) is not this connection's any more and stays. Not ``serving``: only the
+    connection's own sets are emptied."""
+    drop_leases(d, conn)
+    handles = list(conn.pending)
+    conn.pending.clear()
+    if not serving:
+        return 0
+    with d.quarantine.keeping():
+        return d.abort_owned(handles, conn)
+
+
+def refuse_over_quota(d, ns: str, keys: list, items: list) -> None:
+    """Some keys of an ALLOC do not fit in ``ns``'s quota: give back what this request allocated in ``d`` (nothing
+    was written: no capability left the metaserver) and raise QuotaExceeded naming the namespace."""
+    new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
+    if new:
+        d.abort(ns, [k for k, _ in new], [g for _, g in new])
+    over = sum(1 for it in items if it[0] == OVER_QUOTA)
+    g = d.quotas.group_of(ns)
+    group = "" if g.name == ns else f" (quota group {g.name!r}, shared by its namespaces)"
+    share = f", this slot's share {g.limit}" if g.limit != g.quota else ""
+    held = d.group_held(g.name)
+    held = f", {held} freed but held until their write capabilities die" if held else ""
+    raise QuotaExceeded("metaserver", f"namespace {ns!r} is over its quota of {g.quota} bytes{group}{share}: "
+                                      f"{over} of {len(keys)} pages do not fit even after evicting its group's "
+                                      f"unpinned old pages ({d.group_used.get(g.name, 0)} bytes in use{held}); "
+                                      f"nothing of this request was allocated", Status.QUOTA)

@@ -75,7 +75,7 @@ class Quarantine:
         """A monotonic time before which generation ``gen`` had not been handed out (the latest sample whose counter
         was still at or below it), or None when ``gen`` is older than every sample kept (handed out more than
         ``hold_s`` ago, or in an earlier term). A retried ALLOC's capability for an allocation it gets back is
-        bounded by this plus the capability TTL (``DataPlaneHandlers._alloc_now``): a retry never extends a
+        bounded by this plus the capability TTL (``DataPlane._alloc_now``): a retry never extends a
         capability past what ``free`` assumes when it judges the generation's age. O(samples kept)."""
         at = None
         for t, below in self._samples:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from metaserver.handlers.ownership import LEASES_PRUNE_AT, HeldLeases, OwnershipHandlers
+from metaserver.handlers.ownership import LEASES_PRUNE_AT, HeldLeases, own_lease
 
 
 class CountingLive(dict):
@@ -24,19 +24,18 @@ class CountingLive(dict):
         return super().__contains__(lease)
 
 
-def handlers(live: dict) -> OwnershipHandlers:
-    h = OwnershipHandlers.__new__(OwnershipHandlers)
-    h.dir = SimpleNamespace(leases=live)
-    return h
+def table(live: dict) -> SimpleNamespace:
+    """What ``own_lease`` reads of the directory: its live leases."""
+    return SimpleNamespace(leases=live)
 
 
 def test_live_leases_are_scanned_o1_amortized_and_expired_ones_pruned():
     n = 20 * LEASES_PRUNE_AT  # a client that never releases: every lease stays live
     live = CountingLive(budget=2 * n)
-    h, conn = handlers(live), SimpleNamespace(leases=HeldLeases())
+    d, conn = table(live), SimpleNamespace(leases=HeldLeases())
     for lease in range(n):
         live[lease] = True
-        h._own_lease(conn, lease)
+        own_lease(d, conn, lease)
     assert len(conn.leases) == n  # nothing dropped that is live
     # prunes at 4096, 8192, 16384, 32768, 65536: about 2n checks, not one scan per LOOKUP past 4096 (~n^2 / 2)
     assert live.checks <= 2 * n, live.checks
@@ -46,18 +45,18 @@ def test_live_leases_are_scanned_o1_amortized_and_expired_ones_pruned():
     live.budget += conn.leases.prune_at
     at = conn.leases.prune_at
     for lease in range(n, at + 1):
-        h._own_lease(conn, lease)
+        own_lease(d, conn, lease)
     assert conn.leases == {at}  # only the one added after the prune
     assert conn.leases.prune_at == LEASES_PRUNE_AT
 
 
 def test_a_prune_keeps_the_live_ids_only():
     live = CountingLive()
-    h, conn = handlers(live), SimpleNamespace(leases=HeldLeases())
+    d, conn = table(live), SimpleNamespace(leases=HeldLeases())
     for lease in range(LEASES_PRUNE_AT):
         if lease % 3 == 0:
             live[lease] = True  # a third are still live, the rest expired or released elsewhere
-        h._own_lease(conn, lease)
-    h._own_lease(conn, -1)  # at LEASES_PRUNE_AT: prune, then add
+        own_lease(d, conn, lease)
+    own_lease(d, conn, -1)  # at LEASES_PRUNE_AT: prune, then add
     assert conn.leases == {x for x in range(LEASES_PRUNE_AT) if x % 3 == 0} | {-1}
     assert conn.leases.prune_at == LEASES_PRUNE_AT  # 2 x 1366 is below the floor

@@ -94,11 +94,11 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
         on = {node: [k for k, it in zip(keys, items) if it[1] == node] for node in ("n1", "n2")}
         assert record() == keys
         for round_, returns in (("back", True), ("gone", False)):
-            ms.parked["n2"] = (b"A" * 16, 64 * ALIGN, 1e18, [], None)  # no disk tier
+            ms.rejoin.parked["n2"] = (b"A" * 16, 64 * ALIGN, 1e18, [], None)  # no disk tier
             _, fx = d.detach_space("n2", park=True)
             ms._apply(fx)
-            ms._finish_drop("n2")
-            assert len(ms.parked["n2"][3]) == len(on["n2"])
+            ms.rejoin.finish_drop("n2")
+            assert len(ms.rejoin.parked["n2"][3]) == len(on["n2"])
             gone = on["n1"][0]
             _, fx = d.remove("ns", [gone])  # a page of n1 leaves: the record is rewritten without it ...
             ms._apply(fx)
@@ -106,12 +106,13 @@ def test_parked_pages_leave_their_commit_record_and_come_back_into_it():
             assert record() == on["n1"]  # ... and without the parked pages
             if returns:
                 d.add_space("n2", 64 * ALIGN)
-                kept = ms._unpark(SimpleNamespace(node_id="n2", arena_id=b"A" * 16, capacity=64 * ALIGN, disk_id=None))
+                back = SimpleNamespace(node_id="n2", arena_id=b"A" * 16, capacity=64 * ALIGN, disk_id=None)
+                kept = ms.rejoin.unpark(back)
                 assert kept == len(on["n2"]) and sorted(record()) == sorted(on["n1"] + on["n2"])
                 d.check()
             else:
-                _a, _c, _d, recs, _disk = ms.parked.pop("n2")
-                ms._forget_parked("n2", recs, arena=True)
+                _a, _c, _d, recs, _disk = ms.rejoin.parked.pop("n2")
+                ms.rejoin.forget_parked("n2", recs, arena=True)
                 assert record() == on["n1"]  # rewritten without them for good
                 assert ms.store.arena_key("n2") in ms.writer._queue
 
