@@ -23,7 +23,7 @@ import pytest
 
 from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
 from cluster import eventually
-from metaserver.table.records import pages_of
+from metaserver.table.records import is_segment, pages_of, unpack_segment
 from test_failover import PREFIX
 from test_metrics import scrape, value
 from test_pool import payload
@@ -51,14 +51,20 @@ def etcd_view(etcd_url: str, ns: str) -> tuple[set[bytes], dict[str, int]]:
 
     pages: set[bytes] = set()
     terms: dict[str, int] = {}
-    for kv in asyncio.run(go()):
+    kvs = asyncio.run(go())
+    dead: set[tuple[bytes, int]] = set()  # (record's etcd key, generation) a dead list names: not held
+    for kv in kvs:
+        if is_segment(kv.value):
+            seg = unpack_segment(kv.value)
+            dead.update(zip([seg.dead_recs[i] for i in seg.dead_ix.tolist()], seg.dead.tolist()))
+    for kv in kvs:
         key = kv.key.decode()[len(PREFIX) + 1:]
         if key == "leader" or key.startswith("slotmap/"):
             terms[key] = kv.create_revision
         elif f"pages/{ns}/" in key and (key.startswith("pages/") or key.startswith("slots/")):
             name = kv.key.rpartition(b"/")[2]
             if name[:1] == b"+":
-                pages.update(page[0] for page in pages_of(kv.value))
+                pages.update(page[0] for page in pages_of(kv.value) if (kv.key, page[4]) not in dead)
             else:
                 pages.add(bytes.fromhex(name.decode()))
     return pages, terms
