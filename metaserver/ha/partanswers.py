@@ -1,5 +1,6 @@
-"""The process-level answers of one metaserver process of a partitioned pool (a ``metaserver.ha.partition.Partition``
-mixin): LEADER with the slot map, and STATS, NODES, LIST, EVICT and DRAIN over the slots the process leads, each slot
+"""The process-level answers of one metaserver process of a partitioned pool (``ProcessAnswers``, held by
+``metaserver.ha.partition.Partition`` as ``answers``, its bound methods in the process's dispatch table; a class
+holding the partition, whose slot servers, slot map and members change as its election goes): LEADER with the slot map, and STATS, NODES, LIST, EVICT and DRAIN over the slots the process leads, each slot
 asked through its own ``SlotServer`` and the answers summed (``umbp.slotmap.merge_stats``); an EVICT of a byte count
 is split over the slots by their use (``split_by_use``), not asked of every slot. The admin CLI asks every process
 and sums again (``umbp/slotmap.py``).
@@ -18,29 +19,36 @@ from transport.wire import Op
 from umbp.slotmap import merge_stats, split_by_use
 
 
-class PartitionAnswers:
-    """What ``Partition`` answers for the process as a whole (it provides ``servers``, ``names``, ``slots``,
-    ``members``, ``addr``, ``handovers``, ``combiner``, ``led``, ``holder`` and ``_slot_conn``)."""
+class ProcessAnswers:
+    """What the partition ``p`` answers for the process as a whole (it reads ``p.servers``, ``page_slots``,
+    ``membership``, ``slots``, ``members``, ``addr``, ``handovers``, ``combiner``, ``led``, ``holder`` and
+    ``_slot_conn``)."""
+
+    def __init__(self, p):
+        self.p = p
 
     def slot_map(self) -> list[str | None]:
-        return [self.holder(s) for s in self.page_slots]
+        p = self.p
+        return [p.holder(s) for s in p.page_slots]
 
     def leader_info(self, meta: Any, conn) -> dict:
         v.fields(meta, frozenset())
-        return {"leader": self.holder(MEMBERSHIP), "is_leader": self.membership.serving,
-                "slots": self.slots, "map": self.slot_map(), "members": sorted(self.members)}
+        p = self.p
+        return {"leader": p.holder(MEMBERSHIP), "is_leader": p.membership.serving,
+                "slots": p.slots, "map": self.slot_map(), "members": sorted(p.members)}
 
     def stats(self, meta: Any, conn) -> dict:
         v.fields(meta, frozenset())
-        parts = [self.servers[s].admin.stats(meta, self._slot_conn(conn, s)) for s in self.led()]
-        out = merge_stats(parts, self.addr)
-        out.update({"metaserver": self.addr, "slots": self.slots, "slots_led": [int(s) for s in self.led()],
-                    "slot_map": self.slot_map(), "members": sorted(self.members),
-                    "membership_leader": self.holder(MEMBERSHIP), "handovers": self.handovers,
-                    "is_leader": bool(parts), "leader": self.holder(MEMBERSHIP),
-                    "etcd_combined": {"txns": self.combiner.txns, "parts": self.combiner.parts,
-                                      "split": self.combiner.split, "max_ops": self.combiner.max_ops},
-                    "warm_copies": {str(s): srv.warm.state() for s, srv in self.servers.items()
+        p = self.p
+        parts = [p.servers[s].admin.stats(meta, p._slot_conn(conn, s)) for s in p.led()]
+        out = merge_stats(parts, p.addr)
+        c = p.combiner
+        out.update({"metaserver": p.addr, "slots": p.slots, "slots_led": [int(s) for s in p.led()],
+                    "slot_map": self.slot_map(), "members": sorted(p.members),
+                    "membership_leader": p.holder(MEMBERSHIP), "handovers": p.handovers,
+                    "is_leader": bool(parts), "leader": p.holder(MEMBERSHIP),
+                    "etcd_combined": {"txns": c.txns, "parts": c.parts, "split": c.split, "max_ops": c.max_ops},
+                    "warm_copies": {str(s): srv.warm.state() for s, srv in p.servers.items()
                                     if srv.warm is not None and s != MEMBERSHIP}})
         if not parts:
             out["nodes"] = self.nodes(meta, conn)["nodes"]
@@ -48,29 +56,32 @@ class PartitionAnswers:
 
     def nodes(self, meta: Any, conn) -> dict:
         v.fields(meta, frozenset())
-        m = self.membership
-        parts = [{"nodes": self.servers[s].admin.nodes(meta, conn)["nodes"]} for s in self.led()]
+        p = self.p
+        m = p.membership
+        parts = [{"nodes": p.servers[s].admin.nodes(meta, conn)["nodes"]} for s in p.led()]
         if m.serving:
             parts.append({"nodes": [dict(n, used_bytes=0, objects=0) for n in m.admin.nodes(meta, conn)["nodes"]]})
-        return {"nodes": merge_stats(parts, self.addr).get("nodes", [])}
+        return {"nodes": merge_stats(parts, p.addr).get("nodes", [])}
 
     def list_objects(self, meta: Any, conn) -> dict:
         objects, truncated = [], False
-        for s in self.led():
-            res = self.servers[s].admin.list_objects(meta, self._slot_conn(conn, s))
+        p = self.p
+        for s in p.led():
+            res = p.servers[s].admin.list_objects(meta, p._slot_conn(conn, s))
             objects.extend(res["objects"])
             truncated = truncated or res["truncated"]
         limit = meta.get("limit", 1000) if type(meta) is dict and type(meta.get("limit")) is int else 1000
         return {"objects": objects[:limit], "truncated": truncated or len(objects) > limit}
 
     def _all_slots(self, op: int, meta: Any, conn, keys: tuple[str, ...]):
-        return self._sum_over(op, [(s, meta) for s in self.led()], conn, keys)
+        return self._sum_over(op, [(s, meta) for s in self.p.led()], conn, keys)
 
     async def _sum_over(self, op: int, asks: list, conn, keys: tuple[str, ...]) -> dict:
         """Ask each (slot, meta) of ``asks`` with ``op`` in turn; the answers' ``keys`` summed."""
         out = {k: 0 for k in keys}
+        p = self.p
         for s, meta in asks:
-            res = self.servers[s].handlers[op](meta, self._slot_conn(conn, s))
+            res = p.servers[s].handlers[op](meta, p._slot_conn(conn, s))
             if type(res) is not dict:
                 res = await res
             for k in keys:
@@ -86,8 +97,8 @@ class PartitionAnswers:
     def _evict_bytes(self, want: int, conn):
         """EVICT {"bytes"}: the bytes split over the slots led here by their use (``split_by_use``), not asked of
         every slot (S times too much)."""
-        led = self.led()
-        shares = split_by_use(want, [self.servers[s].dir.used for s in led])
+        led = self.p.led()
+        shares = split_by_use(want, [self.p.servers[s].dir.used for s in led])
         return self._sum_over(Op.EVICT, [(s, {"bytes": share}) for s, share in zip(led, shares) if share > 0], conn,
                               ("evicted", "freed_bytes"))
 

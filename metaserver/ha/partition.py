@@ -2,7 +2,7 @@
 default; the process's election (its lease, the rounds that win, keep, hand over and give up slots, the warm copies
 it keeps) is ``metaserver/ha/election.py``'s, one mechanism for every pool. The process-level answers of a pool of
 several slots (LEADER with the slot map, STATS/NODES/LIST/EVICT/DRAIN over the slots it leads) are
-``metaserver/ha/ha/partanswers.py``'s.
+``metaserver/ha/partanswers.py``'s (``ProcessAnswers``, held as ``answers``).
 
 A one-slot pool (the default) answers as the unpartitioned metaserver always did: its slot-0 server
 (``membership``) owns the nodes (REGISTER_NODE, HEARTBEAT, node leases, ``nodes/``/``arenas/`` records), hands out
@@ -32,7 +32,7 @@ from metaserver.ha.election import RANK_DELAY_S, ElectedProcess  # noqa: F401 - 
 from metaserver.store.fullload import node_descs
 from metaserver.handlers.metrics import MetaserverMetrics
 from metaserver.handlers.ownership import HeldLeases, release_answer, release_held, release_ids
-from metaserver.ha.partanswers import PartitionAnswers
+from metaserver.ha.partanswers import ProcessAnswers
 from metaserver.store.persist import EtcdStore
 from metaserver.ha.slots import MEMBERSHIP, MembershipServer, SlotServer
 from transport import slotrules
@@ -98,7 +98,7 @@ class _Leadership:
         return self.p.membership.serving
 
 
-class Partition(ElectedProcess, PartitionAnswers):
+class Partition(ElectedProcess):
     """The process: its slot servers and the request routing; its lease and election rounds are
     ``ElectedProcess``'s."""
 
@@ -120,15 +120,16 @@ class Partition(ElectedProcess, PartitionAnswers):
         self.membership: SlotServer = self.servers[MEMBERSHIP if slots > 1 else "0"]  # owns the nodes
         self._load_s = 0.0
         m = self.membership
+        self.answers = a = ProcessAnswers(self)  # LEADER, STATS, NODES, LIST, EVICT, DRAIN of the process
         if slots == 1:
             self.handlers = dict(m.handlers)  # the unpartitioned answers; a standby's NOT_LEADER is server.py's
             return
         self.handlers = {op: self._keyed(op) for op in _KEYED}
         self.handlers.update({
-            Op.HELLO: m.hello, Op.AUTH: m.authenticate, Op.PING: m.ping, Op.LEADER: self.leader_info,
+            Op.HELLO: m.hello, Op.AUTH: m.authenticate, Op.PING: m.ping, Op.LEADER: a.leader_info,
             Op.REGISTER_NODE: self._membership(Op.REGISTER_NODE), Op.HEARTBEAT: self._membership(Op.HEARTBEAT),
-            Op.RELEASE: self.release, Op.STATS: self.stats, Op.NODES: self.nodes, Op.LIST: self.list_objects,
-            Op.EVICT: self.evict, Op.DRAIN: self.drain,
+            Op.RELEASE: self.release, Op.STATS: a.stats, Op.NODES: a.nodes, Op.LIST: a.list_objects,
+            Op.EVICT: a.evict, Op.DRAIN: a.drain,
         })
 
     # -- what server.py and the metrics read -------------------------------------------------------------------
