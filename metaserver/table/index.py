@@ -98,6 +98,7 @@ _S29, _S32 = np.array(29, np.uint64), np.array(32, np.uint64)
 _ONE16, _ONE32 = np.array(1, np.uint16), np.array(1, np.uint32)
 _ALL4 = np.array(0x01010101, np.uint32)  # four true bools read as one u32
 _SLOTS0, _GAP0 = np.array(SLOTS, np.int64), np.array(_WORDS - SLOTS, np.int64)
+SET_FIRST = 64  # up to this many deletes a round tell whether two share a bucket with a set, past it np.unique
 
 
 def zeros(shape, dtype) -> np.ndarray:
@@ -161,6 +162,7 @@ class KeyIndex:
         self._m = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd multipliers, one per digest word
         self._mt = np.tile(self._m, _TILE)  # and repeated for a batch of up to _TILE digests: one flat multiply
         self._mns = int.from_bytes(os.urandom(8), "little") | 1  # and one for the namespace
+        self._mns0 = np.array(self._mns, np.uint64)
         self._nsw: dict[int, tuple] = {}  # namespace index -> (its hash word, itself as a u16), 0-d arrays
         self._rng = np.random.default_rng()
         self.t = _Buckets(-(-MIN_SLOTS // SLOTS))
@@ -202,7 +204,7 @@ class KeyIndex:
         h ^= x[:, 2]
         h ^= x[:, 3]
         if type(nsix) is not int and np.ndim(nsix):  # (a request's one namespace: no dispatch to np.ndim)
-            h ^= np.asarray(nsix, np.uint64) * np.uint64(self._mns)
+            h ^= np.asarray(nsix, np.uint64) * self._mns0
         elif nsix:
             h ^= self._ns_words(int(nsix))[0]
         return h
@@ -478,7 +480,8 @@ class KeyIndex:
         if self.watch is not None:
             self.watch(rows, -1)
         h = self._hash(np.asarray(ns, np.uint64), self.kc[rows])
-        val = (rows + 1).astype(np.uint32)
+        val = rows.astype(np.uint32)
+        val += _ONE32
         left = self._delete_in(self.t, h, val)
         if len(left) and self.old is not None:
             left = left[self._delete_in(self.old, h[left], val[left])]
@@ -494,34 +497,43 @@ class KeyIndex:
         """Empty the slots of ``tab`` holding ``val`` (rows + 1, hashes ``h``), each bucket kept compact (its last
         row moved into the hole: one delete a bucket a round, so a second one in a bucket is found again after the
         move); returns the positions not found."""
-        b1, b2, _ = self._buckets(h, tab)
-        found = np.zeros(len(h), bool)
-        todo = np.arange(len(h))
-        while len(todo):
-            m = len(todo)
-            bb = np.concatenate((b1.take(todo), b2.take(todo)))
-            vv = val.take(todo)
-            hits = np.flatnonzero(tab.words.take(bb, axis=0)[:, :SLOTS] == np.concatenate((vv, vv))[:, None])
-            k = hits // SLOTS
-            s = hits - k * SLOTS
+        n = len(h)
+        both, _ = self._where(h, tab)  # every first bucket, then every second one
+        bb, vv = both, val
+        found = np.zeros(n, bool)
+        todo = None  # every key (the first round; later rounds: the keys a bucket's first delete held back)
+        while True:
+            m = len(vv)
+            hits = (tab.words.take(bb, axis=0).reshape(2, m, _WORDS)[:, :, :SLOTS] == vv[:, None]).ravel().nonzero()[0]
+            k = hits // _SLOTS0
+            s = hits - k * _SLOTS0
             keep = (k < m) | (bb.take(k) != bb.take(k - m))  # a key whose two buckets are one: its slot once
             k, s = k[keep], s[keep]
             b = bb.take(k)
             k[k >= m] -= m
-            found[todo.take(k)] = True
-            first = np.zeros(len(b), bool)
-            first[np.unique(b, return_index=True)[1]] = True
-            go = np.flatnonzero(first)
-            b, s = b[go], s[go]
-            top = tab.fill[b] - 1
+            found[k if todo is None else todo.take(k)] = True
+            if len(b) <= SET_FIRST and len(set(b.tolist())) == len(b):  # each in a bucket of its own (the usual)
+                first = None
+            else:
+                first = np.zeros(len(b), bool)
+                first[np.unique(b, return_index=True)[1]] = True
+                go = first.nonzero()[0]
+                b, s = b[go], s[go]
+            top = tab.fill[b] - _ONE32
             tab.rows[b, s] = tab.rows[b, top]
             tab.tags[b, s] = tab.tags[b, top]
             tab.rows[b, top] = 0
             tab.tags[b, top] = 0
             tab.fill[b] = top
             tab.live -= len(b)
-            todo = todo.take(k[~first])
-        return np.flatnonzero(~found)
+            if first is None:
+                break
+            todo = k[~first] if todo is None else todo.take(k[~first])
+            if not len(todo):
+                break
+            bb = both.reshape(2, n)[:, todo].ravel()
+            vv = val.take(todo)
+        return (~found).nonzero()[0]
 
     def check(self, live_rows: np.ndarray, ns_col: np.ndarray) -> None:
         """Every live row is filed once (in the new table, the one being drained or the stash), in one of its two

@@ -31,6 +31,8 @@ from metaserver.table.entry import (EXISTS, EXISTS_ITEM, GONE, IN_FLIGHT, IN_FLI
 from metaserver.table.index import digests
 from metaserver.table.nodes import FREE, UNIT_SHIFT
 _INF = float("inf")
+# operands as 0-d arrays: a Python int operand costs a small request's ufunc twice its work (NumPy 2's promotion)
+_NO_ROW0, _READY0, _PENDING0 = np.array(0, np.int64), np.array(READY, np.uint8), np.array(PENDING, np.uint8)
 ARRAYS = True  # False: every request takes the per-key path (tests compare the two paths' outcomes)
 _ITEM = {EXISTS: EXISTS_ITEM, IN_FLIGHT: IN_FLIGHT_ITEM, NO_SPACE: NO_SPACE_ITEM, OVER_QUOTA: OVER_QUOTA_ITEM}
 
@@ -70,10 +72,14 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
     c = t.cols
     dig, longs = digests(keys)
     found = t.ix.find(nsix, dig, c["ns"]) if n else np.zeros(0, np.int64)
-    found_st = np.where(found >= 0, c["state"][np.maximum(found, 0)], FREE)
-    state = np.full(n, EXISTS, np.int8)
-    none = np.full(n, -1, np.int64)
-    if n and not t.dying and (found_st == READY).all():
+    absent = found < _NO_ROW0
+    found_st = c["state"].take(found)  # (-1 reads the last row: set FREE next)
+    found_st[absent] = FREE
+    state = np.empty(n, np.int8)
+    state.fill(EXISTS)
+    none = np.empty(n, np.int64)
+    none.fill(-1)
+    if n and not t.dying and np.count_nonzero(found_st == _READY0) == n:
         # every key READY (an engine re-offering pages it holds, a TP rank after the first of a replicated page):
         # all EXISTS, each a use, stamped in key order; a repeated key stamps at its first occurrence as the per-key
         # path would: its second is EXISTS without a use
@@ -101,9 +107,10 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
             hit = np.isin(found, gone)
             found = np.where(hit, -1, found)
             found_st = np.where(hit, FREE, found_st)
-    hit = found >= 0
-    simple = ARRAYS and (parents is None or parents.count(None) == n) and not (found_st == PENDING).any() \
-        and len(set(keys)) == n and (not hit.any() or hit.all() or int(np.argmin(hit)) > int(np.flatnonzero(hit)[-1]))
+    hit = found >= _NO_ROW0
+    nh = np.count_nonzero(hit)
+    simple = ARRAYS and (parents is None or parents.count(None) == n) and not np.count_nonzero(found_st == _PENDING0) \
+        and len(set(keys)) == n and (not nh or nh == n or int(np.argmin(hit)) > int(np.flatnonzero(hit)[-1]))
     if simple and t.placing and n:
         top = extent_size(max(sizes))
         simple = all(node.alloc.capacity >= top for node in t.placing)
@@ -171,9 +178,9 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The array path (module docstring): the new keys placed per (node, layout) group. Returns (rows, positions)
     of the NEW keys in key order and the READY rows used; ``state`` says NO_SPACE for the keys that found none
     (EXISTS stays for the READY ones)."""
-    hit = found >= 0
+    hit = found >= _NO_ROW0
     used = found[hit]
-    newpos = np.flatnonzero(~hit)
+    newpos = (~hit).nonzero()[0]
     if len(used):
         t._stamp(used)  # a use, in key order (all before the new keys): newer than every queued victim
     nodes = t.placing
