@@ -93,6 +93,7 @@ bench: venv etcd
 	$(VPY) bench/pool.py
 	$(VPY) bench/getpath.py
 	$(VPY) bench/putpath.py
+	$(VPY) bench/tierreplay.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache site
