@@ -19,7 +19,17 @@ metaserver's writer keeps them:
   record as little-endian columns (group commit fills them), a transaction carries one; watch and scan parse each
   with ``records.unpack_segment`` (no object a page).
 The batch layout's deletes are the easy case (whole batches); evicting one page of a batch would rewrite or mark its
-record, which is what the layout's design has to answer. Nothing asserts.
+record, which is what the layout's design has to answer.
+
+``--evict`` (issue 44's eviction target): the metaserver's own table and batch writer (``TableDirectory``,
+``BatchWriter``) against the same etcd: a pool of ``--pages`` pages committed 128 a COMMIT (segments of 1,024),
+then emptied by eviction, once with dead lists (``dead_lists``, what the metaserver does now) and once with the
+rewrites of before (a record rewritten each time a page leaves it), in the same run. Two orders: ``lru``
+(``evict_bytes`` passes, least recently used first: commit order, so records die whole) and ``scattered``
+(removals of pages at random, as reads that refresh recency leave them: most deaths leave records with pages).
+Each pass evicts ``--round`` pages and waits, as the ALLOC that made it would, for the removal barrier
+(``removals_durable``). Prints etcd operations (puts and deletes in transactions, the dead lists' deletes
+included) and etcd CPU per evicted page, and etcd CPU per committed page of the fill. Nothing asserts.
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ import numpy as np  # noqa: E402
 from metaserver.store.persist import LOAD_PAGE, EtcdStore  # noqa: E402
 from metaserver.table.records import SEGMENT_PAGES, pack_segment, unpack_segment  # noqa: E402
 from umbp.launcher import find_etcd, free_port  # noqa: E402
+from metaserver.store.batcher import BatchWriter  # noqa: E402
+from metaserver.table.directory import TableDirectory  # noqa: E402
+from metaserver.table.entry import Effects  # noqa: E402
 
 PER_COMMIT = 128
 INFLIGHT = 4
@@ -161,9 +174,106 @@ async def run(addr: str, etcd_pid: int, n: int) -> dict:
     return res
 
 
+NODES = 4
+PAGE_BYTES = 5000  # payload: an 8 KiB extent
+
+
+def _submit(w: BatchWriter, fx: Effects, wait: bool = False):
+    recs = [(r.name, r) for r in fx.recs] + [(r.name, r) for r in dict.fromkeys(fx.batches)]
+    return w.submit(recs, [], wait=wait) if recs else None
+
+
+async def evict_run(store: EtcdStore, etcd_pid: int, n: int, order: str, dead_lists: bool, rnd: int,
+                    tag: int) -> dict:
+    """Fill a table of ``n`` pages through the writer, then empty it by eviction (``order``), ``rnd`` pages a pass."""
+    w = BatchWriter(store)
+    w.start()
+    d = TableDirectory()
+    d.dead_lists = dead_lists
+    seq = iter(range(1, 1 << 40))
+    d.namer = lambda ns: b"%sev%d/+%x.%x" % (store._pages, tag, 7, next(seq))
+    per_node = -(-n // NODES) * 8192
+    for i in range(NODES):
+        d.add_space(f"host{i}", per_node)
+    keys = [(i + (tag << 40)).to_bytes(8, "little") * 4 for i in range(n)]
+    e0 = proc_cpu(etcd_pid)
+    waits = []
+    for i in range(0, n, PER_COMMIT):
+        ks = keys[i:i + PER_COMMIT]
+        items, fx = d.alloc("ns", ks, [PAGE_BYTES] * len(ks), None, 1000 + i, 1.0)
+        _submit(w, fx)
+        _, fx = d.commit("ns", ks, [it[4] for it in items], 2.0)
+        f = _submit(w, fx, wait=True)
+        if f is not None:
+            waits.append(f)
+        if len(waits) >= 64:
+            await asyncio.gather(*waits)
+            waits = []
+    await asyncio.gather(*waits)
+    await w.flush(120)
+    out = {"commit_etcd_cpu_us": (proc_cpu(etcd_pid) - e0) / n * 1e6}
+    ops0, e0, t0 = w.ops, proc_cpu(etcd_pid), time.perf_counter()
+    evicted = 0
+    rng = np.random.default_rng(tag)
+    shuffled = [keys[i] for i in rng.permutation(n).tolist()] if order == "scattered" else None
+    while evicted < n:
+        if order == "lru":
+            fx = Effects()
+            k, _ = d.evict_bytes(1 << 62, rnd, fx)
+        else:
+            part = shuffled[evicted:evicted + rnd]
+            ok, fx = d.remove("ns", part)
+            k = sum(ok)
+        if not k:
+            break
+        evicted += k
+        _submit(w, fx)
+        b = w.removals_durable()  # the ALLOC that evicted waits for it
+        if b is not None:
+            await asyncio.shield(b)
+    for _ in range(8):  # dead lists' deletes follow the compactions they wait for
+        await w.flush(120)
+        await asyncio.sleep(0.01)
+    out["evict_ops"] = (w.ops - ops0) / max(1, evicted)
+    out["evict_etcd_cpu_us"] = (proc_cpu(etcd_pid) - e0) / max(1, evicted) * 1e6
+    out["evict_wall_us"] = (time.perf_counter() - t0) / max(1, evicted) * 1e6
+    out["dead_pages"] = d.dead_pages / max(1, evicted)
+    left = [kv async for kvs in store.scan(store._pages + b"ev%d/" % tag) for kv in kvs]
+    out["left"] = len(left)
+    await w.close()
+    return out
+
+
+async def evict_main(addr: str, etcd_pid: int, n: int, rounds: list[int]) -> list[tuple]:
+    store = EtcdStore(addr, "/umbp-bench")
+    await store.wait_ready(20.0)
+    res = []
+    tag = 0
+    for order in ("lru", "scattered"):
+        for rnd in rounds:
+            for dead in (False, True):
+                tag += 1
+                res.append((order, rnd, dead, await evict_run(store, etcd_pid, n, order, dead, rnd, tag)))
+    await store.close()
+    return res
+
+
+def print_evict(pages: int, res: list[tuple]) -> None:
+    print(f"eviction of a full pool of {pages:,} pages ({NODES} nodes, {PER_COMMIT} a COMMIT, segments of "
+          f"{SEGMENT_PAGES}), a pass of R pages waits for the removal barrier; cores {os.cpu_count()}")
+    print(f"{'order':<10} {'R':>5} {'writer':<12} {'etcd ops/page':>14} {'etcd CPU us/page':>17} "
+          f"{'wall us/page':>13} {'dead-listed':>11} {'fill: etcd CPU us/committed page':>34} keys left")
+    for order, rnd, dead, o in res:
+        print(f"{order:<10} {rnd:>5} {'dead lists' if dead else 'rewrites':<12} {o['evict_ops']:>14.4f} "
+              f"{o['evict_etcd_cpu_us']:>17.2f} {o['evict_wall_us']:>13.1f} {o['dead_pages']:>11.0%} "
+              f"{o['commit_etcd_cpu_us']:>34.2f} {o['left']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=200_000)
+    ap.add_argument("--evict", action="store_true", help="eviction: dead lists against rewrites (module docstring)")
+    ap.add_argument("--round", default="16,256", help="--evict: pages a pass evicts, comma-separated")
     a = ap.parse_args()
     exe = find_etcd()
     if exe is None:
@@ -173,13 +283,21 @@ def main() -> None:
         proc = subprocess.Popen([exe, "--data-dir", tmp, "--listen-client-urls", f"http://127.0.0.1:{port}",
                                  "--advertise-client-urls", f"http://127.0.0.1:{port}",
                                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                                 "--quota-backend-bytes", str(8 << 30)],  # requests: etcd's default limit, as deployed
+                                 "--quota-backend-bytes", str(8 << 30),  # requests: etcd's default limit, as deployed
+                                 "--max-txn-ops", "1024"],  # as ``umbp up`` and the deploy base run it (batcher.py)
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            res = asyncio.run(run(f"127.0.0.1:{port}", proc.pid, a.pages))
+            if a.evict:
+                ev = asyncio.run(evict_main(f"127.0.0.1:{port}", proc.pid, a.pages,
+                                            [int(x) for x in a.round.split(",")]))
+            else:
+                res = asyncio.run(run(f"127.0.0.1:{port}", proc.pid, a.pages))
         finally:
             proc.terminate()
             proc.wait(30)
+    if a.evict:
+        print_evict(a.pages, ev)
+        return
     p, b, g = res["page"], res["batch"], res["segment"]
     print(f"{a.pages:,} pages, {PER_COMMIT} per commit, {INFLIGHT} transactions in flight; cores {os.cpu_count()}")
     rows = (("put pages/s", "put_pages_s", True), ("put: our CPU us/page", "put_cpu_us", False),

@@ -51,6 +51,7 @@ from metaserver.table.records import BATCH_MARK, BATCH_PAGES, SEGMENT_PAGES, pac
 
 DEAD_LIST_MAX = 16384  # deaths a dead-list record holds at most (128 KiB of generations: far below TXN_BYTES)
 DEAD_LIST_RECORDS = 4096  # records one names at most (their etcd keys: about 100 KiB; the index is a u16)
+DEAD_KEYS_FREE = 64  # dead-list keys needed no more that are kept to overwrite, at most (the rest are deleted)
 
 
 class TableRecord:
@@ -128,12 +129,10 @@ class TableRecord:
         for d in self.covering:
             d.need.discard(self)
             if not d.need and d.carry is not None and d.taken and not d.again:
-                d.again = True  # (not taken yet: its value, when taken, leaves the list out)
-                out.append(d)
+                self.table._dead_done(d, out)  # (not taken yet: its value, when taken, leaves the list out)
         self.covering = []
         if self.carry is not None and not self.need and not self.again:
-            self.again = True
-            out.append(self)
+            self.table._dead_done(self, out)
         elif self.again and self.carry is None:
             self.again = False
         return out
@@ -189,6 +188,7 @@ class TableRecords:
         self.segment_pages = SEGMENT_PAGES  # pages a segment holds at most (``BATCH_PAGES`` once a key is long)
         self.dead_lists = True  # False: a row leaving rewrites its record at once (the layout before dead lists)
         self._dead_open: TableRecord | None = None  # the dead-list record deaths join until the writer takes it
+        self._dead_free: list[bytes] = []  # etcd keys of dead-list records needed no more, to overwrite (``_dead_done``)
         self.dead_pages = 0  # rows that left named by a dead list instead of a rewrite (STATS, bench/records.py)
 
     def _count_name(self, ns: str) -> bytes:
@@ -306,7 +306,8 @@ class TableRecords:
         value without those pages durable (``TableRecord.written``), then deleted."""
         d = self._dead_open
         if d is None or d.carry.n >= DEAD_LIST_MAX or len(d.carry.names) >= DEAD_LIST_RECORDS:
-            d = self._dead_open = TableRecord(self, 0, self.namer(r.ns), r.ns, np.zeros(0, np.int64))
+            name = self._dead_free.pop() if self._dead_free else self.namer(r.ns)  # a key retired: overwritten
+            d = self._dead_open = TableRecord(self, 0, name, r.ns, np.zeros(0, np.int64))
             d.carry = _Carry()
         if r not in d.need:
             d.need.add(r)
@@ -314,6 +315,19 @@ class TableRecords:
         d.queued = d.shrunk = True
         self._rec_rewrites[d] = None  # (again: the writer's queue merges it; the submission marks the removal)
         return d
+
+    def _dead_done(self, d: TableRecord, out: list) -> None:
+        """Dead-list record ``d`` is needed no more (every record it names is durable without its pages): its key
+        is kept for the next dead list to overwrite (one put a pass instead of a put and a delete) while fewer than
+        ``DEAD_KEYS_FREE`` wait so, else ``d`` goes to ``out``, queued again: deleted (a record carrying pages:
+        rewritten without the list). What a kept key still holds names only pages gone from their records' values
+        in etcd (generations are never reused), which a load applies to nothing."""
+        if d.id == 0 and not len(d.rows) and len(self._dead_free) < DEAD_KEYS_FREE and not d.dead:
+            d.carry, d.dead = None, True
+            self._dead_free.append(d.name)
+            return
+        d.again = True
+        out.append(d)
 
     def adopt_dead(self, carried: dict, present) -> None:
         """A load (or a warm copy's takeover) read the dead lists ``carried`` (a record's etcd key -> (names,
@@ -323,6 +337,7 @@ class TableRecords:
         without the list when it holds pages). The table's own dead-list state is reset first (a warm copy's
         table made some, never written). O(records + dead entries)."""
         self._dead_open = None
+        self._dead_free = []
         for r in self.records.values():
             r.deads, r.covering, r.gone, r.queued, r.carry, r.need, r.again = [], [], 0, False, None, set(), False
             r.listed = len(r.rows)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from metaserver.store.batcher import BatchWriter
+from metaserver.table.commits import DEAD_KEYS_FREE
 from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import READY
 from metaserver.table.records import SEG_DEAD_VERSION, PageRecords, is_segment, unpack_segment
@@ -133,7 +134,9 @@ def test_scattered_removals_ride_in_dead_lists_and_etcd_always_loads_as_the_tabl
             d.check()
         await w.flush(10)
         assert saw_dead and d.dead_pages > 1000
-        assert store.kv == {}, "everything gone: every record and every dead list deleted"
+        assert set(store.kv) == set(store.dead_lists()) and len(store.kv) <= DEAD_KEYS_FREE, (
+            "everything gone: every record deleted, dead-list keys kept only to overwrite")
+        assert loaded(store)[0] == set()
         ops = store.ops - ops0
         print(f"\n{ops} etcd ops for {removed} pages removed, {d.dead_pages} named by dead lists")
         assert ops < 0.5 * removed, (ops, removed)  # the records' rewrites would be about one a removed page
@@ -168,10 +171,16 @@ def test_dead_lists_stay_until_their_records_are_compacted_and_a_load_compacts_t
         await w2.flush(10)
         await asyncio.sleep(0)
         await w2.flush(10)
-        assert not store.dead_lists(), "compacted, so the dead list went"
-        assert len(store.kv) == 4 and loaded(store)[0] == got
-        for v in store.kv.values():
-            assert unpack_segment(v).n == 90 and store.kv and v[1] != SEG_DEAD_VERSION
+        assert d2._dead_free == [dl], "compacted: the dead list is needed no more, its key kept to overwrite"
+        assert len(store.kv) == 5 and loaded(store)[0] == got
+        for k, v in store.kv.items():
+            assert k == dl or unpack_segment(v).n == 90 and v[1] != SEG_DEAD_VERSION
+        # the next death overwrites the kept key: one put, no delete
+        _, fx = d2.remove("a", keys_of(50, 51))
+        submit(w2, fx)
+        await w2.flush(10)
+        assert store.dead_lists() == [dl] and unpack_segment(store.kv[dl]).dead.tolist() == [1000 + 50]
+        assert loaded(store)[0] == ready(d2)
         await w.close()
         await w2.close()
 
@@ -196,13 +205,13 @@ def test_a_dead_list_is_deleted_only_once_the_compaction_it_waits_for_is_durable
         assert rec in fx.batches
         submit(w, fx)
         await asyncio.sleep(0.05)
-        assert dl in store.kv, "the dead list stays while the rewrite it waits for is not in etcd"
+        assert dl in store.kv and not d._dead_free, "the dead list is needed while its compaction is not in etcd"
         store.gate.set()
         store.gate = None
         await w.flush(10)
         await asyncio.sleep(0)
         await w.flush(10)
-        assert dl not in store.kv and len(unpack_segment(store.kv[rec.name]).gen) == 40
+        assert d._dead_free == [dl] and len(unpack_segment(store.kv[rec.name]).gen) == 40
         assert loaded(store)[0] == ready(d)
         await w.close()
 
