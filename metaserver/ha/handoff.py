@@ -29,6 +29,8 @@ import time
 
 import msgpack
 
+from metaserver.table import queries
+
 log = logging.getLogger("umbp.metaserver")
 
 MAX_RUNS = 30_000
@@ -50,7 +52,7 @@ def open_ops(store, d) -> list:
     """The etcd op that hands directory ``d``'s open allocations on (its PENDING entries, and the extents of
     aborted ones it still keeps: ``Quarantine.keeping``): a put of the record, or a delete of an older record when
     there are none."""
-    rs = runs(d.open_extents() + d.quarantine.kept_extents())
+    rs = runs(queries.open_extents(d) + d.quarantine.kept_extents())
     if not rs:
         return [store.op_delete(store.open_key)]
     if len(rs) > MAX_RUNS:

@@ -1,8 +1,9 @@
 """The process-level answers of one metaserver process of a partitioned pool (``ProcessAnswers``, held by
 ``metaserver.ha.partition.Partition`` as ``answers``, its bound methods in the process's dispatch table; a class
-holding the partition, whose slot servers, slot map and members change as its election goes): LEADER with the slot map, and STATS, NODES, LIST, EVICT and DRAIN over the slots the process leads, each slot
-asked through its own ``SlotServer`` and the answers summed (``umbp.slotmap.merge_stats``); an EVICT of a byte count
-is split over the slots by their use (``split_by_use``), not asked of every slot. The admin CLI asks every process
+holding the partition, whose slot servers, slot map and members change as its election goes): LEADER with the slot
+map, and STATS, NODES, LIST, EVICT and DRAIN over the slots the process leads, each slot asked through its own
+``SlotServer`` and the answers summed (``umbp.slotmap.merge_stats``); an EVICT of a byte count is split over the
+slots by their use (``split_by_use``), not asked of every slot. The admin CLI asks every process
 and sums again (``umbp/slotmap.py``).
 
 Costs: O(slots led) slot answers per request; LIST O(limit) per slot.

@@ -21,6 +21,7 @@ import asyncio
 from typing import Any
 
 from metaserver import validate as v
+from metaserver.table import queries
 from metaserver.table.entry import Effects
 from transport.wire import Status
 from umbp.errors import AuthError
@@ -90,7 +91,7 @@ class Admin:
         else:
             conn.auth.scope.check(ns, False, "metaserver")
         limit = v.integer(m, "limit", 0, 1_000_000, default=1000)
-        objects, truncated = self.svc.dir.list_objects(ns, limit)
+        objects, truncated = queries.list_objects(self.svc.dir, ns, limit)
         return {"objects": objects, "truncated": truncated}
 
     def evict(self, meta: Any, conn):

@@ -20,6 +20,7 @@ from typing import Any
 from metaserver import validate as v
 from metaserver.handlers.ownership import own_lease, refuse_over_quota
 from metaserver.table.entry import OVER_QUOTA
+from metaserver.table import queries
 from metaserver.table.grants import grant_alloc
 from transport.wire import Status
 from umbp.errors import Unavailable
@@ -190,7 +191,7 @@ class DataPlane:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")
-        return {"hits": self.svc.dir.prefix(ns, v.keys(m, self.svc.max_keys))}
+        return {"hits": queries.prefix(self.svc.dir, ns, v.keys(m, self.svc.max_keys))}
 
     def remove(self, meta: Any, conn) -> dict:
         m = v.fields(meta, _NS_KEYS, ("ns", "keys"))

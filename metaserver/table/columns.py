@@ -52,11 +52,10 @@ from metaserver.table.entry import GONE, PENDING, READY, SHARD_SHIFT, expire_que
 from metaserver.table.index import KeyIndex, digests, zeros
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.evict import QueueCopy, TableEviction
-from metaserver.table.invariants import TableInvariants
+from metaserver.table import invariants, queries
 from metaserver.table.links import TableLinks
 from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.table.place import alloc_rows, items_of
-from metaserver.table.queries import TableQueries
 from metaserver.table.commits import TableRecords
 from metaserver.table.tiers import Tiers
 
@@ -80,11 +79,11 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInvariants):
+class PageTable(TableNodes, TableRecords, TableEviction):
     """Pages as rows of columns: the requests (``alloc``, ``commit``, ``abort``, ``lookup``, ``release``, ``exists``,
     ``remove``), the budgeted expiries (``expire_leases``, ``expire_pending``), the node side
-    (``metaserver/table/nodes.py``), commit records (``table/commits.py``) and the totals and listings
-    (``table/queries.py``); ``check()`` verifies the invariants below (``table/invariants.py``).
+    (``metaserver/table/nodes.py``), commit records (``table/commits.py``) and the totals (functions over the table
+    in ``table/queries.py``, the listings too); ``check()`` verifies the invariants below (``table/invariants.py``).
 
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
@@ -138,6 +137,26 @@ class PageTable(TableNodes, TableRecords, TableQueries, TableEviction, TableInva
         self.tiers = Tiers(self)  # nodes' disk tiers and moves between tiers (metaserver/table/tiers.py)
 
     # -- rows and columns -------------------------------------------------------------------------------------
+    # -- totals (table/queries.py) and the invariant check (table/invariants.py): read by many callers ----------
+    @property
+    def capacity(self) -> int:
+        return queries.capacity(self)
+
+    @property
+    def used(self) -> int:
+        return queries.used(self)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def objects(self) -> int:
+        return queries.objects(self)
+
+    def check(self) -> None:
+        invariants.check(self)
+
     def _grow(self, rows: int) -> None:
         """Make room for ``rows`` rows: an eighth more than there are (or 64 blocks), so copies are amortised and the
         slack stays under an eighth of the table."""

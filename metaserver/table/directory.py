@@ -36,6 +36,7 @@ from metaserver.table.records import PageRecords
 from metaserver.table.evict import bytes_to_low, over_high
 from metaserver.table.load import load_pages, reserve
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows, TableNodes
+from metaserver.table import queries
 from metaserver.table.quotas import TableQuotas
 from metaserver.table.shared import ShardState, TableShared
 from metaserver.table.tiers import SUFFIX, twin_id
@@ -191,7 +192,7 @@ class TableDirectory(TableShared, PageTable):
         return q.group_held(g, now) if g >= 0 else 0
 
     def namespace_usage(self) -> dict[str, dict]:
-        usage = PageTable.namespace_usage(self)
+        usage = queries.namespace_usage(self)
         return self.quota.usage(usage) if self.quota is not None else usage
 
     def lookup_granted(self, ns: str, keys: list, now: float, owner, tokens, member, shard=None, packed=False

@@ -10,6 +10,7 @@ import itertools
 import random
 
 
+from metaserver.table import queries
 from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, PENDING, READY, Effects
 from metaserver.table.records import pages_of
 from metaserver.table.directory import TableDirectory
@@ -183,8 +184,8 @@ def test_read_lease_expiry_unpins():
 def test_prefix_and_exists_do_not_pin_or_touch():
     d = make(units=3)
     put(d, "m", [b"a", b"b"], now=0.0)
-    assert d.prefix("m", [b"a", b"b", b"c", b"a"]) == 2
-    assert d.prefix("m", [b"x", b"a"]) == 0
+    assert queries.prefix(d, "m", [b"a", b"b", b"c", b"a"]) == 2
+    assert queries.prefix(d, "m", [b"x", b"a"]) == 0
     assert d.exists("m", [b"b"]) == [True] and d.pinned == 0
     put(d, "m", [b"c"], now=1.0)
     d.alloc("m", [b"d"], [PAGE], None, 77, 2.0)
@@ -306,7 +307,7 @@ def test_used_never_exceeds_capacity_under_churn():
         d.release(lease)
     d.check()
     assert d.pinned == 0
-    listed, more = d.list_objects(None, 10_000)
+    listed, more = queries.list_objects(d, None, 10_000)
     assert not more and d.used == sum(object_size(plen) for _ns, _k, plen, _n, _s in listed)
 
 
@@ -356,11 +357,11 @@ def test_list_objects_covers_pending_and_ready():
     d = make(units=8)
     d.alloc("m", [b"a", b"b"], [PAGE, PAGE], None, 10, 0.0)
     d.commit("m", [b"a"], [10], 0.0)
-    listed, more = d.list_objects("m", 10)
+    listed, more = queries.list_objects(d, "m", 10)
     assert sorted(listed) == [("m", b"a", PAGE, "n1", "READY"), ("m", b"b", PAGE, "n1", "PENDING")] and not more
-    assert d.list_objects("m", 1) == (listed[:1], True) and d.list_objects("x", 10) == ([], False)
+    assert queries.list_objects(d, "m", 1) == (listed[:1], True) and queries.list_objects(d, "x", 10) == ([], False)
     assert d.remove("m", [b"a", b"b"])[0] == [True, True]
-    assert d.list_objects(None, 10) == ([], False) and d.namespace_usage() == {} and d.used == 0
+    assert queries.list_objects(d, None, 10) == ([], False) and d.namespace_usage() == {} and d.used == 0
     d.check()
 
 
@@ -423,15 +424,15 @@ def test_random_requests_keep_totals_prefix_runs_and_listings_true_to_the_rows()
         here = d.exists("a", universe)
         probe = [rng.choice(universe) for _ in range(6)]
         run = d.exists("a", probe)
-        assert d.prefix("a", probe) == (run.index(False) if False in run else len(run)), step
-        listed, more = d.list_objects("a", 1000)
+        assert queries.prefix(d, "a", probe) == (run.index(False) if False in run else len(run)), step
+        listed, more = queries.list_objects(d, "a", 1000)
         assert not more and sorted(k for _, k, _, _, s in listed if s == "READY") == sorted(
             k for k, ok in zip(universe, here) if ok), step
         assert d.objects == sum(here) and d.pending == sum(1 for x in listed if x[4] == "PENDING"), step
-        assert d.namespaces() == ({"a": d.objects} if d.objects else {}), step
+        assert queries.namespaces(d) == ({"a": d.objects} if d.objects else {}), step
         use = d.namespace_usage().get("a", {"objects": 0, "used_bytes": 0})
         assert (use["objects"], use["used_bytes"]) == (d.objects, len(listed) * ALIGN), step
-        assert len(d.list_objects(None, 3)[0]) == min(3, d.objects + d.pending)
+        assert len(queries.list_objects(d, None, 3)[0]) == min(3, d.objects + d.pending)
         assert d.used <= d.capacity
     d.check()
     assert d.evictions > 20 and expired and retried, (d.evictions, expired, retried)  # the paths were taken

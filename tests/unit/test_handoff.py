@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from metaserver.ha import handoff
+from metaserver.table import queries
 from metaserver.table.entry import NEW
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.directory import TableDirectory
@@ -34,8 +35,9 @@ def test_open_allocations_are_held_by_the_next_directory_then_released():
     items, _ = old.alloc("ns", [b"a", b"b", b"c"], [PAGE] * 3, None, 100, 0.0)
     assert [it[0] for it in items] == [NEW] * 3
     old.commit("ns", [b"b"], [101], 0.0)  # committed: not open any more
-    assert sorted(old.open_extents()) == [("n1", ARENA_DATA_START, ALIGN), ("n1", ARENA_DATA_START + 2 * ALIGN, ALIGN)]
-    blob = msgpack.packb([time.time(), handoff.runs(old.open_extents())])
+    assert sorted(queries.open_extents(old)) == [("n1", ARENA_DATA_START, ALIGN),
+                                                 ("n1", ARENA_DATA_START + 2 * ALIGN, ALIGN)]
+    blob = msgpack.packb([time.time(), handoff.runs(queries.open_extents(old))])
     new = make()
     assert handoff.hold(new, blob) == (2, 2 * ALIGN)
     items, _ = new.alloc("ns", [b"x", b"y"], [PAGE] * 2, None, 200, 0.0)
@@ -76,7 +78,7 @@ def test_aborts_inside_keeping_keep_their_extents_and_a_handover_hands_them_on()
     assert d.abort("ns", [b"c"], [102]) == 1  # not inside keeping(): free now
     assert d.pending == 0 and d.quarantine.held_bytes == 2 * ALIGN and d.quarantine.waiting
     d.check()  # the kept extents are allocated and held by no row
-    assert handoff.runs(d.open_extents() + d.quarantine.kept_extents()) == [["n1", ARENA_DATA_START, 2 * ALIGN]]
+    assert handoff.runs(queries.open_extents(d) + d.quarantine.kept_extents()) == [["n1", ARENA_DATA_START, 2 * ALIGN]]
     items, _ = d.alloc("ns", [b"x", b"y"], [PAGE] * 2, None, 200, 0.0)
     assert [it[2] for it in items] == [ARENA_DATA_START + 2 * ALIGN, ARENA_DATA_START + 3 * ALIGN]
     assert d.quarantine.release(time.monotonic() + 1.0, d.spaces, 10) == 0  # not yet
