@@ -15,7 +15,7 @@ import pytest
 
 import umbp
 from cluster import NotYet, eventually
-from metaserver.table.records import pages_of
+from metaserver.table.records import is_segment, pages_of, unpack_segment
 from test_pool import payload
 from transport import wire
 from transport.framed import FramedSocket
@@ -92,8 +92,14 @@ def locations(c, keys):
 
 def page_count(kvs) -> int:
     """Pages held by page-space kvs: a commit record (``{ns}/+{term}.{n}``, metaserver/store/persist.py) holds a list of
-    pages, a page record one."""
-    return sum(len(pages_of(kv.value)) if kv.key.rpartition(b"/")[2][:1] == b"+" else 1 for kv in kvs)
+    pages, a page record one; less the pages dead lists name (metaserver/table/records.py)."""
+    dead: set = set()
+    for kv in kvs:
+        if is_segment(kv.value):
+            seg = unpack_segment(kv.value)
+            dead.update(zip([seg.dead_recs[i] for i in seg.dead_ix.tolist()], seg.dead.tolist()))
+    return sum(sum((kv.key, p[4]) not in dead for p in pages_of(kv.value))
+               if kv.key.rpartition(b"/")[2][:1] == b"+" else 1 for kv in kvs)
 
 
 def etcd_state(etcd_url: str):

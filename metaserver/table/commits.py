@@ -12,12 +12,18 @@ and the COMMITs that arrive while the writer is busy (its transactions in flight
 the writer's own round trip, nothing waits for a timer when etcd is idle. The writer closes a record as it takes it
 (``TableRecord.value``): no COMMIT joins it after.
 
-A record holds exactly its rows still READY under it on a live node: a row that leaves (evicted, removed, dropped
-with its node unparked) queues a rewrite of its record (a parked row leaves it without one: its page stays in etcd
-for the node's return), and the value, encoded when the etcd writer takes it, lists the rows left; with none left
-it is None (delete the key) and the record's id is freed. A burst of evictions of one record is one rewrite. Such a
-rewrite is a removal (``TableRecord.shrunk``): the batch writer holds ALLOC answers until it is durable, since their
-places may lie in the freed extents (``BatchWriter.removals_durable``).
+What etcd holds of a record is its value less the pages dead lists name. A row that leaves (evicted, removed,
+dropped with its node unparked; a parked row leaves without either: its page stays in etcd for the node's return)
+is named by the open dead-list record (``_dead_list``: a segment of no page, its own etcd key, which every death
+joins until the writer takes it: one small put a pass of evictions, whatever records it touches) unless its record
+is rewritten anyway: its put waits unsent (merged, no op), half the pages its value lists are gone (compaction), or
+``dead_lists`` is off (the layout before). A value is encoded when the writer takes it, from the rows left; with
+none left it is None (delete the key) and the record's id is freed. Either way it is a removal
+(``TableRecord.shrunk``): the batch writer holds ALLOC answers until it is durable, since their places may lie in
+the freed extents (``BatchWriter.removals_durable``). A dead-list record is needed until each record it names has a
+value taken after those deaths durable (``TableRecord.written``, the writer's hook); then its key is kept for the
+next one to overwrite (``DEAD_KEYS_FREE``) or deleted. A load compacts the records dead lists name and drops the
+lists after (``adopt_dead``).
 Parents (the parent's key) are written under ``prefix-lru`` only (``lru`` keeps no links:
 ``metaserver/table/links.py``).
 
@@ -38,8 +44,10 @@ The table collects the records to put and to rewrite as its mutations run; the c
 records they came from, by name (``adopt_records``).
 
 Costs: a COMMIT's assignment O(rows) numpy (an open segment joined: one concatenation of its rows); rows leaving
-O(rows) numpy (the unique record ids among them); a value O(its rows) numpy (the keys one gather of the key index's
-digests unless a key is long; parents a key a row).
+O(rows log rows) numpy (grouped by record) and O(1) Python a record touched; etcd: a pass of evictions one dead-list
+put (8 bytes a death, a record's etcd key a record named) and, amortized, a compaction rewrite of a record each
+time half its listed pages are gone (``bench/records.py --evict``); a value O(its rows) numpy (the keys one gather
+of the key index's digests unless a key is long; parents a key a row).
 """
 
 from __future__ import annotations
@@ -188,7 +196,7 @@ class TableRecords:
         self.segment_pages = SEGMENT_PAGES  # pages a segment holds at most (``BATCH_PAGES`` once a key is long)
         self.dead_lists = True  # False: a row leaving rewrites its record at once (the layout before dead lists)
         self._dead_open: TableRecord | None = None  # the dead-list record deaths join until the writer takes it
-        self._dead_free: list[bytes] = []  # etcd keys of dead-list records needed no more, to overwrite (``_dead_done``)
+        self._dead_free: list[bytes] = []  # keys of dead-list records needed no more, to overwrite (``_dead_done``)
         self.dead_pages = 0  # rows that left named by a dead list instead of a rewrite (STATS, bench/records.py)
 
     def _count_name(self, ns: str) -> bytes:
@@ -331,34 +339,50 @@ class TableRecords:
 
     def adopt_dead(self, carried: dict, present) -> None:
         """A load (or a warm copy's takeover) read the dead lists ``carried`` (a record's etcd key -> (names,
-        gens, ix): its dead list, ``records.PageRecords.carried``) of the records ``present`` in etcd: every record a
-        list names that is still there is rewritten (compaction: without the pages the list names, none of which
-        was filed), and each list is dropped once those rewrites are durable (its record deleted, or rewritten
-        without the list when it holds pages). The table's own dead-list state is reset first (a warm copy's
-        table made some, never written). O(records + dead entries)."""
+        gens, ix): its dead list, ``records.PageRecords.carried``) among the records ``present`` in etcd: each
+        record a list names counts those deaths as gone from its value, so its next death compacts it sooner (an
+        entry of a key kept to overwrite may name a page its record no longer lists: counted all the same, which
+        only hastens a compaction); one with none of its pages filed is deleted now; and the list is needed until
+        each has a new value (its key then kept to overwrite, or a record carrying pages rewritten without it).
+        Nothing is rewritten for the lists, so a takeover costs no etcd work a page. The table's own dead-list state is reset first (a warm
+        copy's table made some, never written). O(records + dead entries)."""
         self._dead_open = None
         self._dead_free = []
         for r in self.records.values():
             r.deads, r.covering, r.gone, r.queued, r.carry, r.need, r.again = [], [], 0, False, None, set(), False
             r.listed = len(r.rows)
         by = self._rec_by_name
+        lost: list[bytes] = []
+        for cname, (names, _, ix) in carried.items():
+            counts = np.bincount(ix, minlength=len(names)).tolist() if len(names) > 1 else [len(ix)]
+            for n, k in zip(names, counts):
+                r = by.get(n) if n != cname else None
+                if r is None or not len(r.live()):
+                    if n in present and n != cname:
+                        lost.append(n)
+                    continue
+                r.gone += k
+                r.listed += k
+        self.adopt_records([], np.zeros(0, np.int64), lost)  # nothing of them filed: deleted
         for cname, (names, gens, ix) in carried.items():
-            named = [n for n in names if n in present and n != cname]
-            self.adopt_records([], np.zeros(0, np.int64), named)  # rewritten (made empty where nothing was filed)
             c = by.get(cname)
-            if c is None:  # a dead list alone (or all its pages gone): deleted once the records it names are
+            if c is None:  # a dead list alone (or all its pages gone)
                 c = TableRecord(self, 0, cname, "", np.zeros(0, np.int64))
             carry = _Carry()
             for j, n in enumerate(names):
                 carry.add(n, gens[ix == j] if len(names) > 1 else gens)
             c.carry, c.taken = carry, True
-            for n in named:
-                r = by[n]
-                c.need.add(r)
-                r.deads.append(c)
+            for n in names:
+                r = by.get(n) if n != cname else None
+                if r is not None and n in present:
+                    c.need.add(r)
+                    r.deads.append(c)
             if not c.need:
-                c.again = c.queued = True
-                self._rec_rewrites[c] = None
+                out: list = []
+                self._dead_done(c, out)
+                for x in out:
+                    x.queued = True
+                    self._rec_rewrites[x] = None
 
     def _end_record(self, r: TableRecord) -> None:
         if not r.dead:

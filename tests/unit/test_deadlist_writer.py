@@ -145,7 +145,7 @@ def test_scattered_removals_ride_in_dead_lists_and_etcd_always_loads_as_the_tabl
     run(main())
 
 
-def test_dead_lists_stay_until_their_records_are_compacted_and_a_load_compacts_them():
+def test_dead_lists_stay_until_their_records_are_compacted_and_a_load_keeps_counting_them():
     async def main():
         store = DictStore()
         w = BatchWriter(store, batch=1024, inflight=1)
@@ -164,22 +164,31 @@ def test_dead_lists_stay_until_their_records_are_compacted_and_a_load_compacts_t
         assert seg.n == 0 and len(seg.dead) == 40 and len(seg.dead_recs) == 4
         got, d2 = loaded(store)
         assert got == ready(d) and len(got) == 360
-        # a load of it: the four records compacted, then the dead list deleted
+        # a load of it: no etcd work (the deaths count toward each record's compaction); half gone: compacted, and
+        # the dead list needed no more
         w2 = BatchWriter(store, batch=1024, inflight=1)
         w2.start()
-        submit(w2, d2.effects())
+        ops = store.ops
+        assert not d2.effects()
+        assert store.ops == ops and store.dead_lists() == [dl]
+        _, fx = d2.remove("a", [k for i in range(4) for k in keys_of(i * 100 + 10, i * 100 + 50)])
+        assert {r.name for r in fx.batches} == {r.name for r in d2.records.values()}, "each compacted"
+        submit(w2, fx)
         await w2.flush(10)
         await asyncio.sleep(0)
         await w2.flush(10)
         assert d2._dead_free == [dl], "compacted: the dead list is needed no more, its key kept to overwrite"
-        assert len(store.kv) == 5 and loaded(store)[0] == got
+        got = ready(d2)
+        assert len(store.kv) == 5 and loaded(store)[0] == got and len(got) == 200
         for k, v in store.kv.items():
-            assert k == dl or unpack_segment(v).n == 90 and v[1] != SEG_DEAD_VERSION
+            assert k == dl or unpack_segment(v).n == 50 and v[1] != SEG_DEAD_VERSION
         # the next death overwrites the kept key: one put, no delete
         _, fx = d2.remove("a", keys_of(50, 51))
+        assert [r.name for r in fx.batches] == [dl]
         submit(w2, fx)
         await w2.flush(10)
         assert store.dead_lists() == [dl] and unpack_segment(store.kv[dl]).dead.tolist() == [1000 + 50]
+        assert d2._dead_free == []
         assert loaded(store)[0] == ready(d2)
         await w.close()
         await w2.close()
