@@ -219,6 +219,7 @@ def test_a_batch_spreads_over_the_nodes_and_keys_present_take_no_extent():
 
 def test_drop_space_and_drain():
     d = make(units=4, nodes=("n1", "n2"))
+    d.dead_lists = False  # a rewrite at once (dead lists: tests/unit/test_deadlist_writer.py)
     keys = [b"%d" % i for i in range(6)]
     items, _, cfx = put(d, "m", keys)
     on_n2 = [k for k, it in zip(keys, items) if it[1] == "n2"]
