@@ -427,7 +427,7 @@ def run_load(policy: str, n_pages: int, seed: int) -> dict:
     is paused as ``Metaserver._load`` pauses it (``gc_paused``)."""
     import aetcd.rpc
     from metaserver.store.persist import LOAD_PAGE
-    from metaserver.table.records import PageRecords
+    from metaserver.table.snapshot import PageRecords
     from metaserver.store.fullload import gc_paused
     parse_s = 0.0
     with gc_paused():

@@ -125,7 +125,7 @@ class WarmDirectory:
         self.held_on: dict[str, dict[tuple[str, bytes], None]] = {}  # node id -> its held (ns, key)s
         self.junk: set[bytes] = set()  # etcd keys of unreadable page and commit records
         self.batches: set[bytes] = set()  # readable commit records read (etcd keys)
-        self.carried: dict = {}  # those with a dead list -> it (``records.PageRecords.carried``): a takeover's to drop
+        self.carried: dict = {}  # those with a dead list -> it (``snapshot.PageRecords.carried``): a takeover's to drop
         self.loaded = False
         self.loading = False
         self.load_pages = 0

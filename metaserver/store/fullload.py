@@ -15,7 +15,7 @@ import logging
 
 from metaserver.store import gcpolicy
 from metaserver import validate as v
-from metaserver.table.records import PageRecords
+from metaserver.table.snapshot import PageRecords
 
 log = logging.getLogger("umbp.metaserver")
 

@@ -69,7 +69,8 @@ import aetcd.rpc
 import msgpack
 
 from metaserver.table.entry import PART_MASK, SHARD_SHIFT
-from metaserver.table.records import BATCH_MARK, PageRecords, _name
+from metaserver.table.records import BATCH_MARK, _name
+from metaserver.table.snapshot import PageRecords
 from metaserver.table.records import BATCH_PAGES as _BATCH_PAGES
 from transport.wire import Status
 from umbp.config import split_host_port

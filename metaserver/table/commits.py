@@ -339,7 +339,7 @@ class TableRecords:
 
     def adopt_dead(self, carried: dict, present) -> None:
         """A load (or a warm copy's takeover) read the dead lists ``carried`` (a record's etcd key -> (names,
-        gens, ix): its dead list, ``records.PageRecords.carried``) among the records ``present`` in etcd: each
+        gens, ix): its dead list, ``snapshot.PageRecords.carried``) among the records ``present`` in etcd: each
         record a list names counts those deaths as gone from its value, so its next death compacts it sooner (an
         entry of a key kept to overwrite may name a page its record no longer lists: counted all the same, which
         only hastens a compaction); one with none of its pages filed is deleted now; and the list is needed until

@@ -32,7 +32,7 @@ import numpy as np
 from metaserver.table.columns import PageTable, by_key
 from metaserver.table.entry import NEW, PENDING, READY, Effects, extent_size
 from metaserver.table.grants import Placed
-from metaserver.table.records import PageRecords
+from metaserver.table.snapshot import PageRecords
 from metaserver.table.evict import bytes_to_low, over_high
 from metaserver.table.load import load_pages, reserve
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows, TableNodes
@@ -498,7 +498,7 @@ class TableDirectory(TableShared, PageTable):
         orphans: list[bytes] = []  # commit records with a page of a node that has no record
         reserve(self, len(pages), len(descs))
         linking = self.links.linking
-        groups = pages.columns(parents=linking)  # each node's pages as columns (records.NodePages)
+        groups = pages.columns(parents=linking)  # each node's pages as columns (snapshot.NodePages)
         for node_id in list(groups):
             cols = groups.pop(node_id)
             if node_id not in self.node_by_id:

@@ -94,7 +94,7 @@ def _take_rows(t: PageTable, node: NodeRows, m: int) -> np.ndarray:
 
 def _namespaces(t: PageTable, ns: list[str] | str, n: int) -> tuple[np.ndarray, list[int]]:
     """(each page's namespace index (uint16), the distinct indexes): the names interned as ``alloc`` interns them.
-    ``ns``: one name, a name a page, or (names, an index in them a page: ``records.NodePages``)."""
+    ``ns``: one name, a name a page, or (names, an index in them a page: ``snapshot.NodePages``)."""
     if isinstance(ns, tuple):
         names, ix = ns
         tab = np.array([t._ns(name) for name in names], np.uint16)
@@ -133,7 +133,7 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     rewritten without it. ``stamps``: each page's recency (non-decreasing in the given order; a full load passes the
     records' revisions, so that recency across nodes is commit order too); by default fresh clock values in the given
     order (recency across nodes then follows the order of the loads). Column forms (a full load's
-    ``records.NodePages``): ``keys`` as (digests, longs) (``keyindex.digests``), ``ns`` as (names, index a page),
+    ``snapshot.NodePages``): ``keys`` as (digests, longs) (``keyindex.digests``), ``ns`` as (names, index a page),
     ``records`` an object array."""
     node = t.node_by_id.get(node_id)
     if node is None:

@@ -1,6 +1,6 @@
 """The etcd values of page records, written and read: the one module that packs and unpacks them (the key layout is
-``metaserver/store/persist.py``'s). ``PageRecords`` parses a load's range responses (and a standby's watch events) and
-groups their pages by node; ``_name`` reads a page's etcd key.
+``metaserver/store/persist.py``'s).
+``_name`` reads a page's etcd key. A load's parse of them, grouped by node, is ``metaserver/table/snapshot.py``.
 
 Three layouts, told apart by the value's first byte; the old two stay readable forever, only segments are written:
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import struct
 import sys
 from binascii import unhexlify
-from operator import attrgetter
 
 import msgpack
 import numpy as np
@@ -50,7 +49,7 @@ F_PARENTS, F_VARKEYS, F_DIGESTS = 1, 2, 4  # flags: a parent column; keys of sev
 NO_PARENT = 0xFFFFFFFF  # a parent length that says: none
 _U64, _U32, _U16 = np.dtype("<u8"), np.dtype("<u4"), np.dtype("<u2")
 _MAX_I64 = np.uint64((1 << 63) - 1)
-_SEG_BYTE = bytes([SEG_MAGIC])
+SEG_BYTE = bytes([SEG_MAGIC])
 
 
 def pack_segment(ns_names: list[str], nsix, node_ids: list[str], nodeix, unit, codes, codeix, gen, keys: bytes,
@@ -99,7 +98,7 @@ def pack_segment(ns_names: list[str], nsix, node_ids: list[str], nodeix, unit, c
 
 
 def is_segment(value: bytes) -> bool:
-    return value[:1] == _SEG_BYTE
+    return value[:1] == SEG_BYTE
 
 
 class Segment:
@@ -266,7 +265,6 @@ def _name(etcd_key: bytes, cut: int) -> tuple[str, bytes]:
 
 
 UNREADABLE = (ValueError, TypeError, OverflowError, UnicodeDecodeError, msgpack.exceptions.UnpackException)
-_key, _value, _mod_revision = attrgetter("key"), attrgetter("value"), attrgetter("mod_revision")
 
 
 def batch_entries(ns: str, name: bytes, value) -> tuple[list[str], list[Entry]]:
@@ -307,305 +305,7 @@ def batch_entries(ns: str, name: bytes, value) -> tuple[list[str], list[Entry]]:
     return nodes, ents
 
 
-def _unpack_or_none(value: bytes):
-    """The unpacked value, None when it is not msgpack (None is no record either: the record is unreadable)."""
-    try:
-        return msgpack.unpackb(value)
-    except UNREADABLE:
-        return None
-
-
-class PageRecords:
-    """The page records of one load, parsed as the scan delivers them (``add``) and grouped by node: ``groups``
-    maps node_id -> ([Entry], [mod_revision]), both in scan order, each record parsed straight into the page it
-    becomes (its parent named by key), which ``TableDirectory.load`` files as rows; ``batches`` lists the etcd keys
-    of the commit records read, ``junk`` those of the unreadable records (the leader deletes them). ``len`` is every
-    page added. ``etcd_key(ns, key)`` is the etcd key of every page record that was read (``EtcdStore.page_key``).
-
-    Unreadable: a value that is not a 5- or 6-field record (a shared entry's: its part count ``n`` in 1..MAX_SHARDS
-    and its part length in range), a node id that is not a string, a parent that is neither bytes nor nil, fields
-    ``int`` refuses; a name that is not ``{ns}/{lower-case hex}`` (the leader writes no other, so it could never
-    delete another form: upper-case hex would come back after every restart) or that names a digest key by its hex
-    text instead of its raw form (written before keys had one form, ``keyform.digest_key``: a cache page lost once at
-    that upgrade, never two records for one page).
-
-    Why this shape: a takeover holds every record until the table is built (10 M pages). An entry made here, while
-    the key, offset and parent objects msgpack just made are in the cache, is half the cost of one made from a
-    tuple of them later (1 M pages: the load's per-record loop went from 1.1 to 0.6 us); no tuple per record, the
-    namespace one interned string, the etcd key not kept (a 9-tuple with its etcd key a record: 9.7 GiB at 10 M
-    pages). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack unpack, an unhexlify, an
-    entry)."""
-
-    __slots__ = ("groups", "chunks", "junk", "n", "batches", "dead", "carriers", "carried", "dropped", "_prefix", "_cut",
-                 "_names", "_apps", "_ekeys")
-
-    def __init__(self, prefix: bytes):
-        self.groups: dict[str, tuple[list[Entry], list[int]]] = {}
-        self.junk: list[bytes] = []
-        self.n = 0
-        self.batches: list[bytes] = []  # the etcd keys of the commit records read
-        # dead lists (version-3 segments): record etcd key -> generations of its pages that are dead; applied by
-        # ``columns``/``done`` after the whole scan, so their order against the records they name does not matter
-        self.dead: dict[bytes, list] = {}
-        self.carriers: list[bytes] = []  # the etcd keys of the segments read that carry a dead list
-        self.carried: dict = {}  # each one's dead list: (its records' etcd keys, generations, index in those keys)
-        self.dropped = 0  # pages a dead list named (not filed)
-        self._prefix = prefix
-        self._cut = len(prefix)
-        self._names: dict[bytes, str] = {}  # namespace as in the etcd key -> its (interned) str
-        self._apps: dict[str, tuple] = {}  # node id -> the append methods of its two lists in ``groups``
-        self._ekeys: dict[tuple[str, bytes], bytes] | None = None  # ``of``: the tuples' own etcd keys
-        # node id -> its pages of segments: (segment, their positions in it (None: all), revision, record's etcd key)
-        self.chunks: dict[str, list[tuple[Segment, np.ndarray | None, int, bytes]]] = {}
-
-    def __len__(self) -> int:
-        return self.n
-
-    @classmethod
-    def of(cls, pages: list[tuple]) -> "PageRecords":
-        """From ``EtcdStore.page_record`` tuples (tests, tools), their etcd keys kept as they were given."""
-        recs = cls(b"")
-        recs._ekeys = {}
-        for p in pages:
-            recs.n += 1
-            if p[1] is None or type(p[1]) is not str:
-                recs.junk.append(p[8])
-                continue
-            g = recs.groups.get(p[1])
-            if g is None:
-                g = recs.groups[p[1]] = ([], [])
-            g[0].append(Entry(p[2], p[3], p[4], p[5], p[6], p[7]))
-            g[1].append(p[0])
-            recs._ekeys[(p[2], p[3])] = p[8]
-        return recs
-
-    def _dead_of(self, name) -> np.ndarray | None:
-        """The dead generations named for record ``name`` (sorted uint64), None when none."""
-        g = self.dead.get(name) if name is not None else None
-        if g is None:
-            return None
-        if type(g) is list:
-            g = self.dead[name] = np.unique(np.concatenate(g).astype(np.uint64))
-        return g
-
-    def _live_entries(self, ents: list, revs: list) -> tuple[list, list]:
-        """``ents`` (and their ``revs``) less the pages a dead list names (a msgpack record's or a page record's)."""
-        if not self.dead:
-            return ents, revs
-        keep = [i for i, e in enumerate(ents)
-                if (g := self._dead_of(self.record_of(e))) is None or not len(g)
-                or g[min(int(np.searchsorted(g, e.gen)), len(g) - 1)] != e.gen]
-        if len(keep) == len(ents):
-            return ents, revs
-        self.dropped += len(ents) - len(keep)
-        return [ents[i] for i in keep], [revs[i] for i in keep]
-
-    def _live_idx(self, seg: Segment, idx, name: bytes):
-        """``idx`` (None: all of ``seg``) less the positions of pages a dead list names."""
-        g = self._dead_of(name)
-        if g is None:
-            return idx
-        gen = seg.gen if idx is None else seg.gen.take(idx)
-        live = ~np.isin(gen, g)
-        if live.all():
-            return idx
-        self.dropped += int(np.count_nonzero(~live))
-        return np.flatnonzero(live) if idx is None else idx[live]
-
-    def done(self) -> dict[str, tuple[list[Entry], list[int]]]:
-        """No more ``add``: ``groups``, its lists no longer referenced from here (so a caller that pops a node's
-        lists frees them), segments' pages made entries too (an object a page: the slow paths; a load reads
-        ``columns``)."""
-        self._apps = {}
-        groups = self.groups
-        if self.dead:
-            for node_id, (ents, revs) in list(groups.items()):
-                groups[node_id] = self._live_entries(ents, revs)
-        for node_id, chunks in self.chunks.items():
-            g = groups.get(node_id)
-            if g is None:
-                g = groups[node_id] = ([], [])
-            for seg, idx, rev, name in chunks:
-                idx = self._live_idx(seg, idx, name)
-                if idx is not None and not len(idx):
-                    continue
-                ents = _seg_entries(seg, idx, name)
-                g[0].extend(ents)
-                g[1].extend([rev] * len(ents))
-        self.chunks = {}
-        return groups
-
-    def columns(self, parents: bool = True) -> "dict[str, NodePages]":
-        """No more ``add``: each node's pages as columns (``NodePages``), in scan order, the msgpack layouts' entries
-        and the segments' columns joined; parents when any page names one (None: none does), a segment's only when
-        asked (a Python object a page: a load that links them; a msgpack record's come with its parse anyway).
-        Empties what it read."""
-        self._apps = {}
-        ns_list: list[str] = []
-        ns_of: dict[str, int] = {}
-        rec_list: list = [None]
-        rec_of: dict = {None: 0}
-        out: dict[str, NodePages] = {}
-        for node_id in list(self.groups) + [x for x in self.chunks if x not in self.groups]:
-            parts = []
-            ents, revs = self.groups.pop(node_id, ((), ()))
-            if ents and self.dead:
-                ents, revs = self._live_entries(ents, revs)
-            if ents:
-                parts.append(NodePages.of_entries(ents, revs, ns_of, ns_list, rec_of, rec_list, parents))
-            for seg, idx, rev, name in self.chunks.pop(node_id, ()):
-                if self.dead:
-                    idx = self._live_idx(seg, idx, name)
-                    if idx is not None and not len(idx):
-                        continue
-                parts.append(NodePages.of_segment(seg, idx, rev, name, ns_of, ns_list, rec_of, rec_list, parents))
-            if parts:  # (none: a dead list named every page of it)
-                out[node_id] = NodePages.join(parts, ns_list, rec_list)
-        return out
-
-    def record_of(self, e: Entry) -> bytes:
-        """The etcd key of what holds ``e``'s record: its commit record's or its own (``etcd_key``)."""
-        return e.batch if e.batch is not None else self.etcd_key(e.ns, e.key)
-
-    def etcd_key(self, ns: str, key: bytes) -> bytes:
-        """The etcd key of the record read for (ns, key): ``EtcdStore.page_key`` of it (``of``: the tuple's)."""
-        if self._ekeys is not None:
-            return self._ekeys[(ns, key)]
-        return self._prefix + ns.encode() + b"/" + key.hex().encode()
-
-    def add(self, kvs) -> None:
-        """Parse page kvs (key, value, mod_revision) into ``groups``, or ``junk`` when unreadable. The loop is
-        ``_name`` and the record checks inlined (``page_record`` is this on one kv): keep them in step."""
-        cut = self._cut
-        names = self._names  # the etcd key before its last "/" -> its namespace
-        groups = self.groups
-        apps = self._apps
-        unpack = msgpack.unpackb
-        new = Entry.__new__
-        self.n += len(kvs)
-        values = list(map(_value, kvs))
-        if any(v[:1] == _SEG_BYTE for v in values):  # segments: parsed by ``_add_batch``
-            recs = [None if v[:1] == _SEG_BYTE else _unpack_or_none(v) for v in values]
-        else:
-            try:  # the values unpacked at C level (one unreadable one: each on its own, None for the unreadable)
-                recs = list(map(unpack, values))
-            except UNREADABLE:
-                recs = list(map(_unpack_or_none, values))
-        last_head = ns = None
-        for ekey, rec, rev, kv in zip(map(_key, kvs), recs, map(_mod_revision, kvs), kvs):
-            try:
-                head, _, hexkey = ekey.rpartition(b"/")  # the prefix ends in "/": what ``_name`` reads
-                if hexkey[:1] == BATCH_MARK:
-                    self._add_batch(ekey, head, rec, kv.create_revision, kv.value)
-                    continue
-                key = unhexlify(hexkey)
-                if not hexkey.islower() and hexkey != key.hex().encode():
-                    raise ValueError("a page key not in lower-case hex")
-                if len(key) >= 64 and digest_key(key) is not key:
-                    raise ValueError("a digest key not in its raw form")
-                if head != last_head:  # (a scan returns a namespace's keys together)
-                    ns = names.get(head)
-                    if ns is None:
-                        ns = names[head] = _intern(head[cut:].decode())
-                    last_head = head
-                if type(rec) is list and len(rec) == 6:
-                    node_id, off, plen, gen, parent, n = rec
-                    if (type(n) is not int or not 1 <= n <= MAX_SHARDS or type(plen) is not int
-                            or not 0 <= plen <= PART_MASK):
-                        raise ValueError("a shared page's part count or length out of range")
-                    plen |= n << SHARD_SHIFT  # metaserver.table.entry.layout
-                else:
-                    node_id, off, plen, gen, parent = rec
-                    if type(plen) is not int:
-                        plen = int(plen)
-                    elif plen > PART_MASK:
-                        raise ValueError("a payload length out of range")
-                if type(off) is not int:
-                    off = int(off)
-                if type(gen) is not int:
-                    gen = int(gen)
-                if parent is not None:
-                    if type(parent) is not bytes:
-                        raise TypeError("a parent that is not bytes")
-                    if len(parent) >= 64:
-                        parent = digest_key(parent)
-                g = apps.get(node_id)
-                if g is None:
-                    if type(node_id) is not str:
-                        raise TypeError("a node id that is not a string")
-                    ents, revs = groups[node_id] = ([], [])
-                    g = apps[node_id] = (ents.append, revs.append)
-                # Entry(ns, key, off, plen, gen, parent), inlined: keep in step
-                e = new(Entry)
-                e.key = key
-                e.ns = ns
-                e.offset = off
-                e.payload_len = plen
-                e.gen = gen
-                e.parent = parent
-                e.batch = None
-                add_e, add_rev = g
-                add_e(e)
-                add_rev(rev)
-            except UNREADABLE:
-                self.junk.append(ekey)
-
-    def _add_batch(self, ekey: bytes, head: bytes, value, rev: int, raw: bytes = b"") -> None:
-        """A commit record's pages into ``groups`` (a segment's into ``chunks``), each at the record's create
-        revision (a rewrite keeps its pages' place in commit order). Raises as ``UNREADABLE`` (nothing added) when
-        it is not one."""
-        term, dot, seq = ekey[len(head) + 2:].partition(b".")
-        if not (dot and term and seq and term.isalnum() and seq.isalnum()):
-            raise ValueError("a commit record's name that is not {term}.{count}")
-        int(term, 16), int(seq, 16)
-        if value is None and raw[:1] == _SEG_BYTE:
-            seg = unpack_segment(raw)
-            self.batches.append(ekey)
-            self.n += seg.n - 1
-            if len(seg.dead):
-                self.carriers.append(ekey)
-                self.carried[ekey] = (seg.dead_recs, seg.dead, seg.dead_ix)
-                dead = self.dead
-                for j, rname in enumerate(seg.dead_recs):
-                    dead.setdefault(rname, []).append(seg.dead[seg.dead_ix == j] if len(seg.dead_recs) > 1
-                                                      else seg.dead)
-            if not seg.n:
-                return
-            chunks = self.chunks
-            for node_id, idx in _by_node(seg):
-                c = chunks.get(node_id)
-                if c is None:
-                    c = chunks[node_id] = []
-                c.append((seg, idx, rev, ekey))
-            return
-        ns = self._names.get(head)
-        if ns is None:
-            ns = self._names[head] = _intern(head[self._cut:].decode())
-        nodes, ents = batch_entries(ns, ekey, value)
-        self.batches.append(ekey)
-        self.n += len(ents) - 1  # ``n`` counts pages: ``add`` counted the record as one
-        groups, apps = self.groups, self._apps
-        for node_id, e in zip(nodes, ents):
-            g = apps.get(node_id)
-            if g is None:
-                elist, revs = groups[node_id] = ([], [])
-                g = apps[node_id] = (elist.append, revs.append)
-            g[0](e)
-            g[1](rev)
-
-
-def _by_node(seg: Segment) -> list[tuple[str, np.ndarray | None]]:
-    """(node id, positions of its pages in ``seg``, ascending; None: all of them) for each node of a segment."""
-    if len(seg.node_ids) == 1:
-        return [(seg.node_ids[0], None)]
-    order = np.argsort(seg.nodeix, kind="stable")
-    ix = seg.nodeix[order]
-    cut = np.flatnonzero(ix[1:] != ix[:-1]) + 1
-    return [(seg.node_ids[int(ix[lo])], order[lo:hi]) for lo, hi in
-            zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [seg.n])).tolist())]
-
-
-def _seg_entries(seg: Segment, idx: np.ndarray | None, name: bytes) -> list[Entry]:
+def segment_entries(seg: Segment, idx: np.ndarray | None, name: bytes) -> list[Entry]:
     """The pages of ``seg`` at ``idx`` (None: all) as entries of record ``name`` (the slow paths)."""
     keys = seg.key_list()
     parents = seg.parent_list()
@@ -619,9 +319,9 @@ def _seg_entries(seg: Segment, idx: np.ndarray | None, name: bytes) -> list[Entr
 def record_entries(name: bytes, value: bytes) -> tuple[list[str], list[Entry]]:
     """(node ids, entries) of a commit record's raw value in either layout (a msgpack record's namespace is the
     record name's). Raises as ``UNREADABLE``."""
-    if value[:1] == _SEG_BYTE:
+    if value[:1] == SEG_BYTE:
         seg = unpack_segment(value)
-        return [seg.node_ids[i] for i in seg.nodeix.tolist()], _seg_entries(seg, None, name)
+        return [seg.node_ids[i] for i in seg.nodeix.tolist()], segment_entries(seg, None, name)
     ns = name.rpartition(b"/")[0].rpartition(b"/")[2].decode()
     return batch_entries(ns, name, msgpack.unpackb(value))
 
@@ -629,122 +329,20 @@ def record_entries(name: bytes, value: bytes) -> tuple[list[str], list[Entry]]:
 def listed_pairs(value: bytes) -> set[tuple[bytes, int]]:
     """The (key, generation) of each page a commit record's raw value lists, either layout (a standby's rewrite).
     Raises as ``UNREADABLE``."""
-    if value[:1] == _SEG_BYTE:
+    if value[:1] == SEG_BYTE:
         seg = unpack_segment(value)
         return set(zip(seg.key_list(), seg.gen.tolist()))
     return {(e.key, e.gen) for e in batch_entries("", b"", msgpack.unpackb(value))[1]}
 
 
-class NodePages:
-    """One node's pages of a load as columns (``PageRecords.columns``), in scan order: ``nsix`` (u16, an index in
-    ``ns_names``), ``dig`` ((n, 4) u64 key digests) and ``longs`` (the keys not their own digest: a ``longkeys.LongCol``),
-    ``off``, ``code`` (layout codes), ``gen``, ``rev`` (the record's revision: commit order), ``rec`` (i32, an
-    index in ``rec_names``: the commit record's etcd key, None for a page record of its own) and ``parents`` (a
-    list of parent keys or None, only when asked for)."""
-
-    __slots__ = ("nsix", "dig", "longs", "off", "code", "gen", "rev", "rec", "parents", "ns_names", "rec_names")
-
-    def __len__(self) -> int:
-        return len(self.gen)
-
-    @staticmethod
-    def _make(nsix, dig, longs, off, code, gen, rev, rec, parents) -> "NodePages":
-        p = NodePages()
-        p.nsix, p.dig, p.longs, p.off, p.code, p.gen, p.rev, p.rec, p.parents = (
-            nsix, dig, longs, off, code, gen, rev, rec, parents)
-        return p
-
-    @staticmethod
-    def _ix(of: dict, names: list, name) -> int:
-        i = of.get(name)
-        if i is None:
-            i = of[name] = len(names)
-            names.append(name)
-        return i
-
-    @classmethod
-    def of_entries(cls, ents: list, revs: list, ns_of, ns_list, rec_of, rec_list, parents: bool) -> "NodePages":
-        n = len(ents)
-        dig, longs = digests([e.key for e in ents])
-        longs = LongCol.of(longs)
-        nsm = {x: cls._ix(ns_of, ns_list, x) for x in {e.ns for e in ents}}
-        rm = {x: cls._ix(rec_of, rec_list, x) for x in {e.batch for e in ents}}
-        return cls._make(np.fromiter((nsm[e.ns] for e in ents), np.uint16, n), dig, longs,
-                         np.fromiter((e.offset for e in ents), np.int64, n),
-                         np.fromiter((e.payload_len for e in ents), np.int64, n),
-                         np.fromiter((e.gen for e in ents), np.uint64, n), np.array(revs, np.int64),
-                         np.fromiter((rm[e.batch] for e in ents), np.int32, n),
-                         [e.parent for e in ents] if any(e.parent is not None for e in ents) else None)
-
-    @classmethod
-    def of_segment(cls, seg: Segment, idx, rev: int, name: bytes, ns_of, ns_list, rec_of, rec_list,
-                   parents: bool) -> "NodePages":
-        dig, longs = seg.digests()
-        nsm = np.array([cls._ix(ns_of, ns_list, x) for x in seg.ns_names], np.uint16)
-        par = seg.parent_list() if parents else None
-        m = seg.n
-        if idx is None:
-            nsix, off, code, gen = nsm[seg.nsix], seg.offsets(), seg.code, seg.gen
-        else:
-            m = len(idx)
-            longs = longs.select(idx)  # their positions among ``idx`` (ascending)
-            dig = dig[idx]
-            nsix, off, code, gen = nsm[seg.nsix[idx]], seg.offsets()[idx], seg.code[idx], seg.gen[idx]
-            if par is not None:
-                par = [par[i] for i in idx.tolist()]
-        return cls._make(nsix, dig, longs, off, code, gen, np.full(m, rev, np.int64),
-                         np.full(m, cls._ix(rec_of, rec_list, name), np.int32), par)
-
-    @classmethod
-    def join(cls, parts: list, ns_names: list, rec_names: list) -> "NodePages":
-        if len(parts) == 1:
-            p = parts[0]
-        else:
-            longs = LongCol.cat([q.longs for q in parts], [len(q) for q in parts])
-            def cat(f):
-                return np.concatenate([getattr(q, f) for q in parts])
-            p = cls._make(cat("nsix"), cat("dig"), longs, cat("off"), cat("code"), cat("gen"), cat("rev"), cat("rec"),
-                          None if all(q.parents is None for q in parts) else
-                          [x for q in parts for x in (q.parents if q.parents is not None else [None] * len(q))])
-        p.ns_names, p.rec_names = ns_names, rec_names
-        return p
-
-    def take(self, order: np.ndarray) -> "NodePages":
-        """These pages in ``order`` (a permutation)."""
-        longs = self.longs.permute(order)
-        p = self._make(self.nsix[order], self.dig[order], longs, self.off[order], self.code[order], self.gen[order],
-                       self.rev[order], self.rec[order],
-                       None if self.parents is None else [self.parents[i] for i in order.tolist()])
-        p.ns_names, p.rec_names = self.ns_names, self.rec_names
-        return p
-
-    def key(self, i: int) -> bytes:
-        k = self.longs.at(i)  # (a few: only pages that cannot stand ask)
-        return k if k is not None else self.dig[i].tobytes()
-
-    def records(self) -> np.ndarray:
-        """Each page's commit record's etcd key (None: a page record of its own), an object array."""
-        names = np.empty(len(self.rec_names), object)
-        names[:] = self.rec_names
-        return names[self.rec]
-
-    def page(self, i: int, node_id: str, recs: "PageRecords") -> tuple:
-        """The ``page_record`` tuple of page ``i`` (a page that cannot stand: a few), its record's etcd key last."""
-        ns, key = self.ns_names[int(self.nsix[i])], self.key(i)
-        name = self.rec_names[int(self.rec[i])]
-        return (int(self.rev[i]), node_id, ns, key, int(self.off[i]), int(self.code[i]), int(self.gen[i]),
-                None if self.parents is None else self.parents[i],
-                name if name is not None else recs.etcd_key(ns, key))
-
-
 def pages_of(value: bytes) -> list[list]:
     """A commit record's pages in the msgpack layout (``[key, node_id, offset, payload_len, gen, parent]``, a
     shared entry's with its part count appended), whichever layout ``value`` is in (tests, tools)."""
-    if value[:1] != _SEG_BYTE:
+    if value[:1] != SEG_BYTE:
         return msgpack.unpackb(value)
     seg = unpack_segment(value)
     out = []
-    for e, node in zip(_seg_entries(seg, None, b""), [seg.node_ids[i] for i in seg.nodeix.tolist()]):
+    for e, node in zip(segment_entries(seg, None, b""), [seg.node_ids[i] for i in seg.nodeix.tolist()]):
         p = [e.key, node, e.offset, e.payload_len, e.gen, e.parent]
         if e.payload_len > PART_MASK:
             p[3], n = e.payload_len & PART_MASK, e.payload_len >> SHARD_SHIFT

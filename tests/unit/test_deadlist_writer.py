@@ -18,7 +18,8 @@ from metaserver.store.batcher import BatchWriter
 from metaserver.table.commits import DEAD_KEYS_FREE
 from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import READY
-from metaserver.table.records import SEG_DEAD_VERSION, PageRecords, is_segment, unpack_segment
+from metaserver.table.records import SEG_DEAD_VERSION, is_segment, unpack_segment
+from metaserver.table.snapshot import PageRecords
 
 PREFIX = b"/umbp/pages/"
 NODES = {"n0": 1 << 24, "n1": 1 << 24}

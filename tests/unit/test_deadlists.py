@@ -12,7 +12,8 @@ import pytest
 
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
-from metaserver.table.records import (SEG_DEAD_VERSION, SEG_VERSION, PageRecords, pack_segment, unpack_segment)
+from metaserver.table.records import SEG_DEAD_VERSION, SEG_VERSION, pack_segment, unpack_segment
+from metaserver.table.snapshot import PageRecords
 
 PREFIX = b"/umbp/pages/"
 PLEN = 5000

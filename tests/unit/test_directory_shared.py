@@ -12,7 +12,8 @@ import pytest
 from metaserver import validate as v
 from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, Effects, extent_size, layout
 from metaserver.store.persist import EtcdStore
-from metaserver.table.records import PageRecords, pages_of
+from metaserver.table.records import pages_of
+from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
 from transport.wire import ALIGN, ARENA_DATA_START, object_size

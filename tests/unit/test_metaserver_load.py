@@ -23,7 +23,8 @@ from metaserver.table.allocator import Allocator
 from metaserver.table.entry import READY, extent_size
 from metaserver.store.fullload import gc_paused
 from metaserver.store.persist import EtcdStore
-from metaserver.table.records import PageRecords, pages_of
+from metaserver.table.records import pages_of
+from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
 from test_tableload import model_load

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from metaserver.table.entry import NEW, layout
-from metaserver.table.records import (SEG_VERSION, PageRecords, listed_pairs, pack_segment, pages_of, record_entries,
-                                unpack_segment)
+from metaserver.table.records import SEG_VERSION, listed_pairs, pack_segment, pages_of, record_entries, unpack_segment
+from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
 from transport.wire import object_size

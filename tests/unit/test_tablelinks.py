@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from metaserver.table.entry import EXISTS, NEW, READY, Effects
-from metaserver.table.records import PageRecords, pages_of
+from metaserver.table.records import pages_of
+from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import load_pages
 from metaserver.table.links import ORPHAN, UP0

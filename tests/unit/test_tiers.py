@@ -12,7 +12,7 @@ import pytest
 from metaserver.store.persist import EtcdStore
 from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import NEW, Effects
-from metaserver.table.records import PageRecords
+from metaserver.table.snapshot import PageRecords
 from metaserver.table.tiers import twin_id
 from transport import wire
 from transport.wire import object_size
