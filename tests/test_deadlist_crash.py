@@ -132,6 +132,7 @@ def test_a_durable_dead_list_is_a_miss_after_a_crash_and_the_next_term_compacts_
         assert still_listed(cl.etcd.url) == 1
         gone = [k for k in keys[:FIRST] if not c.exists(k)]
         assert len(gone) == 1, gone
+        assert c.stats()["dead_pages"] == 1  # STATS counts it (umbp_pool_dead_listed_pages_total)
         cl.metaserver.kill(signal.SIGKILL)
         cl.metaserver.start()
         wait_leader(cl, timeout=60.0)

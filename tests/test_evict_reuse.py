@@ -261,6 +261,9 @@ def test_an_alloc_held_for_a_removal_is_answered_once_the_removal_is_in_etcd(har
         assert answer["items"][0][0] == wire.AllocState.NEW
         assert keys[0].encode() not in answer["stored"], "P's removal was durable before R's answer"
         assert len(answer["stored"]) == n - 1
+        s = c.stats()  # the wait is counted (STATS, and umbp_etcd_removal_waits_total)
+        assert s["removal_waits"] >= 1 and s["removal_waited_s"] > 0, {k: s.get(k) for k in ("removal_waits",
+                                                                                       "removal_waited_s")}
     finally:
         if writer is not None:
             writer.close()

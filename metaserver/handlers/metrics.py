@@ -119,6 +119,8 @@ class _Collector(Collector):
         yield _counter("umbp_etcd_ops", "etcd operations (puts and deletes) written", w.ops)
         yield _counter("umbp_etcd_retries", "Failed etcd transactions retried", w.failures)
         yield _gauge("umbp_etcd_pending_ops", "Operations queued for etcd, not yet written", w.pending())
+        yield _counter("umbp_etcd_removal_waits", "Waits for removals to be durable before an extent is reused (an "
+                       "ALLOC answer or a disk-tier move; docs/design/persistence-and-fencing.md)", w.barrier_waits)
         servers = getattr(ms, "servers", None)  # a partitioned pool's process: every slot's, membership's too
         yield _counter("umbp_etcd_dropped_ops", "etcd operations given up after persist_retry_s (each drop makes "
                        "the leader give its term up)", sum(x.dropped_ops for x in servers.values())
@@ -158,6 +160,8 @@ class _Collector(Collector):
         yield _counter("umbp_pool_misses", "Keys not found by LOOKUP", total("misses"))
         yield _counter("umbp_pool_evictions", "Objects evicted (pressure, watermark, admin)", total("evictions"))
         yield _counter("umbp_pool_puts", "Objects committed", total("puts"))
+        yield _counter("umbp_pool_dead_listed_pages", "Pages that left a durable commit record named by a dead list "
+                       "instead of a rewrite of the record", total("dead_pages"))
         tiers = [d.tiers.totals() for d in dirs]  # the nodes' disk tiers (metaserver/table/tiers.py)
         yield _gauge("umbp_pool_disk_capacity_bytes", "Disk-tier bytes of the live nodes", sum(t[2] for t in tiers))
         yield _gauge("umbp_pool_disk_used_bytes", "Disk-tier bytes held by objects", sum(t[3] for t in tiers))
