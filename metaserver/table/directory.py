@@ -34,7 +34,7 @@ from metaserver.table.entry import NEW, PENDING, READY, Effects, extent_size
 from metaserver.table.grants import Placed
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.evict import bytes_to_low, over_high
-from metaserver.table.load import load_pages, reserve
+from metaserver.table.load import load_nodes, load_pages, reserve
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.table import queries
 from metaserver.table.quotas import TableQuotas
@@ -499,27 +499,39 @@ class TableDirectory(TableShared, PageTable):
         reserve(self, len(pages), len(descs))
         linking = self.links.linking
         groups = pages.columns(parents=linking)  # each node's pages as columns (snapshot.NodePages)
+        loads = []
+        held_at: dict[str, list] = {}  # node id -> its pages for ``held``, joined in the order of ``groups``
         for node_id in list(groups):
             cols = groups.pop(node_id)
-            if node_id not in self.node_by_id:
+            held_at[node_id] = []
+            if node_id in self.node_by_id:
+                loads.append((node_id, cols))
+            else:
                 for i in range(len(cols)):
                     p = cols.page(i, node_id, pages)
                     if cols.rec_names[cols.rec[i]] is not None:
                         orphans.append(p[8])
-                        if held is not None:
-                            held.append(p)
+                        held_at[node_id].append(p)
                     else:
                         stale.append(p)
-                continue
+        cols = None
+
+        def file(node_id, cols, staged, distinct) -> None:
             rev = cols.rev
             if len(rev) > 1 and (rev[1:] < rev[:-1]).any():
                 cols = cols.take(np.argsort(rev, kind="stable"))
             names = cols.records()
             bad = load_pages(self, node_id, (cols.ns_names, cols.nsix), (cols.dig, cols.longs), cols.off, cols.code,
-                             cols.gen, records=names, stamps=cols.rev, parents=cols.parents if linking else None)
+                             cols.gen, records=names, stamps=cols.rev, parents=cols.parents if linking else None,
+                             staged=staged, distinct=distinct)
             rejected.extend(cols.page(i, node_id, pages) for i in bad if names[i] is None)
             if held is not None:
-                held.extend(cols.page(i, node_id, pages) for i in bad if names[i] is not None)
+                held_at[node_id].extend(cols.page(i, node_id, pages) for i in bad if names[i] is not None)
+
+        load_nodes(self, loads, file)  # (one key index insert for all the nodes, where that is exact)
+        if held is not None:
+            for part in held_at.values():
+                held.extend(part)
         if orphans:
             self.adopt_records([], np.zeros(0, np.int64), orphans)
         if pages.carried:  # dead lists read: their records compacted, the lists dropped after (table/commits.py)

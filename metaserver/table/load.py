@@ -36,6 +36,9 @@ makes the allocator rebuild walk every page; a hash collision (a key given twice
 collision) walks the colliding pages. Measured on the 2-core VM: 10 M pages of 32-byte keys over 32 nodes, offsets
 shuffled, room reserved first (``reserve``: without it each node's load copied every column and the key index
 resized as it filled, 24 s): 6.5 CPU-seconds, 0.65 us a page; a key that is not 32 bytes costs about 1.5 us more.
+``load_nodes`` (the full load's many nodes) files every node's keys with one key index insert: at 1 M pages of
+``bench/columns.py``'s load on the 2-core VM, 1.10 -> 0.51 CPU-s (a node's insert each added a chunk of long keys,
+and each ``MAX_CHUNKS`` nodes the chunks were merged, a copy of every long key a byte at a time).
 ``fingerprint`` is for tests: O(rows) Python.
 """
 
@@ -112,6 +115,20 @@ def _namespaces(t: PageTable, ns: list[str] | str, n: int) -> tuple[np.ndarray, 
     return np.fromiter(map(ixs.__getitem__, ns), np.uint16, n), sorted(set(ixs.values()))
 
 
+def _few(code: np.ndarray, most: int = 8) -> dict | None:
+    """Each distinct value of ``code`` -> the mask of where it is, when there are at most ``most`` (None: more)."""
+    masks = {}
+    left = None
+    while len(masks) < most:
+        v = int(code[0] if left is None else code[left[0]])
+        m = code == v
+        masks[v] = m
+        left = np.flatnonzero(~m) if left is None else left[code.take(left) != v]
+        if not len(left):
+            return masks
+    return None
+
+
 def reserve(t: PageTable, pages: int, nodes: int) -> None:
     """Make room for a load of ``pages`` rows over ``nodes`` nodes at once (the full load knows its record count):
     the columns grown once, where a load node by node would grow them (a copy of every column) at each node that
@@ -122,7 +139,8 @@ def reserve(t: PageTable, pages: int, nodes: int) -> None:
 
 
 def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes], offsets, payload_lens,
-               gens, records: list | None = None, stamps=None, parents: list | None = None) -> list[int]:
+               gens, records: list | None = None, stamps=None, parents: list | None = None,
+               staged: list | None = None, distinct: bool = False) -> list[int]:
     """File one node's READY pages (``keys[i]`` of namespace ``ns[i]``, or all of ``ns`` when it is a string, at
     ``offsets[i]`` with layout code ``payload_lens[i]`` and generation ``gens[i]``), given in commit order, oldest
     first; the node's LRU order becomes that order. Returns the positions rejected, ascending (module docstring:
@@ -134,7 +152,9 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     records' revisions, so that recency across nodes is commit order too); by default fresh clock values in the given
     order (recency across nodes then follows the order of the loads). Column forms (a full load's
     ``snapshot.NodePages``): ``keys`` as (digests, longs) (``keyindex.digests``), ``ns`` as (names, index a page),
-    ``records`` an object array."""
+    ``records`` an object array. ``staged`` (``load_nodes``): the key index's part of the filing is appended to it
+    (``KeyIndex.stage``) for one insert of every node's rows; ``distinct``: the caller found no two of these pages
+    with one ``_hash`` (rule 3 has nothing to do)."""
     node = t.node_by_id.get(node_id)
     if node is None:
         raise ConfigError("columns", f"load of node {node_id!r}: no such node (add_node first)")
@@ -156,10 +176,11 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     if not n:
         return []
     # layout codes: the table's index and the extent size of each distinct one (pages of a namespace share one)
-    if (code == code[0]).all():
-        uniq, inv = code[:1], np.zeros(n, np.intp)
-    else:
+    masks = _few(code)
+    if masks is None:
         uniq, inv = np.unique(code, return_inverse=True)
+    else:
+        uniq = np.array(sorted(masks), np.int64)
     cix = np.full(len(uniq), -1, np.int64)
     ext = np.zeros(len(uniq), np.int64)
     for j, lc in enumerate(uniq.tolist()):
@@ -167,8 +188,15 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
             ix = t._code(lc)
             cix[j] = -1 if ix is None else ix
             ext[j] = extent_size(lc)
-    size = ext[inv]
-    ccode = cix[inv]
+    if masks is None:
+        size = ext[inv]
+        ccode = cix[inv]
+    else:  # (a few codes, the usual: a mask each, where np.unique's argsort cost 2 us a page at 31k pages)
+        size = np.empty(n, np.int64)
+        ccode = np.empty(n, np.int64)
+        for j, lc in enumerate(uniq.tolist()):
+            size[masks[lc]] = ext[j]
+            ccode[masks[lc]] = cix[j]
     ok = (ccode >= 0) & (size > 0) & ((off & (UNIT - 1)) == 0)
     dig, longs = keys if isinstance(keys, tuple) else digests(keys)
     c = t.cols
@@ -201,10 +229,11 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
         ok[by_off[rej]] = False
     # rule 3: a key given twice among those left: the first in commit order stays
     at = np.flatnonzero(ok)
-    h = _hash(nsix if len(at) == n else nsix[at], dig if len(at) == n else dig[at])
-    hs = np.sort(h)
-    same = hs[1:] == hs[:-1]
-    if same.any():
+    if not distinct:
+        h = _hash(nsix if len(at) == n else nsix[at], dig if len(at) == n else dig[at])
+        hs = np.sort(h)
+        same = hs[1:] == hs[:-1]
+    if not distinct and same.any():
         seen: set = set()
         for i in at[np.isin(h, hs[1:][same])].tolist():
             k = (int(nsix[i]), dig[i].tobytes())
@@ -246,7 +275,10 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
         kept = ok[pos]
         longs = list(zip((np.cumsum(ok)[pos[kept]] - 1).tolist(),
                          (k for (_, k), y in zip(longs, kept.tolist()) if y)))
-    t.ix.insert(rows, dig if every else dig[keep], c["ns"], longs)
+    if staged is not None:
+        staged.append(t.ix.stage(rows, dig if every else dig[keep], c["ns"], longs))
+    else:
+        t.ix.insert(rows, dig if every else dig[keep], c["ns"], longs)
     if t.links.linking or t.kv_sink is not None:  # ``parents[i]``: page i's parent key (metaserver/table/links.py)
         t.links.loaded(nsix if every else nsix[keep], rows,
                        None if parents is None else parents if every else [parents[i] for i in keep.tolist()])
@@ -256,6 +288,38 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
             records[i] for i in keep.tolist()]
         t.adopt_records(kept, rows, [records[i] for i in rejected])
     return rejected
+
+
+def load_nodes(t: PageTable, loads: list[tuple[str, object]], file) -> list:
+    """``load_pages`` of many nodes, one node after another (``loads``: (node id, its pages, a ``snapshot.NodePages``);
+    ``file(node_id, pages, staged, distinct)`` calls ``load_pages`` and returns what it wants kept), the same
+    result as one call a node in that order, with the key index filled by one insert (``KeyIndex.insert_staged``)
+    instead of one a node. That is exact only when no node's page can meet another node's key (rule 1 between
+    nodes), so the keys are checked first: one 64-bit hash a page and one sort of them all (the sort rule 3
+    would make a node anyway, skipped for the nodes without an equal pair). When two nodes share a hash (a key
+    on two nodes: never in a pool that placed its pages itself), or when loaded rows are linked or reported as
+    filed (``links.loaded`` finds parents in the index), every node is filed on its own, as before. Returns the
+    ``file`` results, in order."""
+    if t.links.linking or t.kv_sink is not None or len(loads) < 2:
+        return [file(node_id, p, None, False) for node_id, p in loads]
+    hs = [_hash(p.nsix, p.dig) for _, p in loads]
+    srt = np.sort(np.concatenate(hs))
+    dup = srt[1:][srt[1:] == srt[:-1]]
+    twins = set()  # the loads with two pages of one hash: rule 3's walk for them
+    if len(dup):
+        owners = [np.isin(dup, h) for h in hs]
+        if (np.sum(owners, axis=0) > 1).any():  # a hash on two nodes: each node's rule 1 must see those before
+            return [file(node_id, p, None, False) for node_id, p in loads]
+        twins = {i for i, o in enumerate(owners) if o.any()}
+    del hs, srt
+    staged: list = []
+    out = []
+    for i in range(len(loads)):
+        (node_id, p), loads[i] = loads[i], None  # (each node's columns freed once filed, as a load a node frees them)
+        out.append(file(node_id, p, staged, i not in twins))
+        del p
+    t.ix.insert_staged(staged, t.cols["ns"])
+    return out
 
 
 def fingerprint(t: PageTable) -> dict:
