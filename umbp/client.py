@@ -61,7 +61,7 @@ from umbp.speculate import Speculation, read_deadline
 from umbp.mapped import MappedPages, MappedPath  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp import putbatch
 from umbp.puts import PutPath
-from umbp.readbatch import DISK, get_into, late_reads_missed, out_addresses
+from umbp.readbatch import DISK, get_into, late_reads_missed, normalize_keys, out_addresses
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
@@ -517,7 +517,7 @@ class Client(PutPath, MappedPath):
             return []
         where = out_addresses(outs, len(keys))  # umbp/readbatch.py: the batch as arrays (2-D outs, tensor lists)
         if where is not None:
-            return get_into(self, [normalize_key(k) for k in keys], *where)
+            return get_into(self, normalize_keys(keys), *where)
         segs = [[(0, -1, as_writable_view(o, "outs", i))] for i, o in enumerate(outs)]
         return self._get(keys, segs)[0]
 

@@ -33,6 +33,7 @@ from transport import wire
 from transport.base import Pending, ReadOp
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
+from umbp.keys import normalize_key
 from umbp.lookup import rows_of
 from umbp.speculate import read_deadline
 
@@ -77,6 +78,18 @@ def out_addresses(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
             return None
         return (np.fromiter((f["data"][0] for f in faces), np.int64, n), np.fromiter(map(_nbytes, outs), np.int64, n))
     return None
+
+
+def normalize_keys(keys: Any) -> list[bytes]:
+    """``[normalize_key(k) for k in keys]``, without its call a key for the usual batch: plain str keys whose UTF-8
+    is 1..63 bytes (shorter than any digest key's form, ``umbp.keys.digest_key``) are their encoding as they are;
+    any other batch takes ``normalize_key`` key by key (same bytes, same errors)."""
+    if set(map(type, keys)) == {str}:
+        kb = [k.encode() for k in keys]
+        lens = list(map(len, kb))
+        if min(lens) > 0 and max(lens) < 64:
+            return kb
+    return [normalize_key(k) for k in keys]
 
 
 def _view(address: int, n: int) -> memoryview:
@@ -171,23 +184,22 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
     with c._lock:
         deadline = c._deadline()
         sent = time.monotonic()
-        lookup = {"ns": c.namespace, "keys": kb}
-        guess = spec.plan_rows(kb)
-        early = None
-        if guess is None:
-            reply = c._meta.call(wire.Op.LOOKUP, lookup, deadline)
-        else:
-            ticket = c._meta.submit(wire.Op.LOOKUP, lookup, deadline)
-            try:
+        # the LOOKUP goes out first: the remembered rows are looked up (and read) while it is in flight; a batch
+        # with nothing remembered waits for it as ``call`` would (``result`` keeps ``call``'s contract)
+        ticket = c._meta.submit(wire.Op.LOOKUP, {"ns": c.namespace, "keys": kb}, deadline)
+        early = guess = None
+        try:
+            guess = spec.plan_rows(kb)
+            if guess is not None:
                 early = _read_ahead(c, guess, addr, cap, deadline)
-                reply = c._meta.result(ticket, deadline)
-            except BaseException:
-                c._meta.forget([ticket])
-                raise
+            reply = c._meta.result(ticket, deadline)
+        except BaseException:
+            c._meta.forget([ticket])
+            raise
         lease = reply.get("lease", 0)
         try:
             rows, nodes, caps = rows_of(reply)
-            cache.learn_rows(kb, rows, nodes, caps)
+            cache.learn_rows(kb, rows, nodes, caps, None if guess is None else guess[0])
             hit = rows["node"] != wire.NO_NODE
             numbers = np.array([cache.node_number(n) for n in nodes] or [0], np.int64)
             node = np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)

@@ -40,7 +40,7 @@ next ``BACKOFF_BATCHES`` batches read after the answer only), so an eviction sto
 from __future__ import annotations
 
 import struct
-from itertools import compress, islice
+from itertools import compress, islice, repeat
 from typing import Any
 
 import numpy as np
@@ -120,15 +120,27 @@ class LocationCache:
             self._place_node[p] = self.node_number(node_id)
         return p
 
-    def learn_rows(self, keys: list[bytes], rows: np.ndarray, nodes: list, caps: list) -> None:
-        """Remember an answer's rows (``umbp.lookup``: caps empty or one a node); a miss forgets the key."""
+    def learn_rows(self, keys: list[bytes], rows: np.ndarray, nodes: list, caps: list,
+                   known: np.ndarray | None = None) -> None:
+        """Remember an answer's rows (``umbp.lookup``: caps empty or one a node); a miss forgets the key.
+        ``known``: the rows ``rows(keys)`` gave for these keys before the answer (the read ahead's); when every key
+        hit and the answer's rows are those very bytes, nothing is stored (an update of the same values would keep
+        each key's place in the insertion order anyway): one compare instead of a bytes object and a dict store a
+        key, the steady state of repeated gets."""
         if not self.limit:
             return
         node = rows["node"]
         hit = node != NO_NODE
+        full = len(self._places) >= PLACES_MAX  # _place may drop every remembered row below: store them all
         places = np.array([self._place(n, caps[j] if caps else None) for j, n in enumerate(nodes)] or [0], np.uint32)
-        kept = rows.copy()
-        kept["node"][hit] = places[node[hit]]
+        kept = np.frombuffer(bytearray(rows.tobytes()), LOC_ROW)  # a byte copy: a record copy costs more
+        every = hit.all()
+        if every:
+            kept["node"] = places[node]
+        else:
+            kept["node"][hit] = places[node[hit]]
+        if known is not None and every and not full and kept.tobytes() == known.tobytes():
+            return
         d = self._locs
         d.update(zip(keys, kept.view(_ROW_BYTES).tolist()))
         if not hit.all():
@@ -139,13 +151,21 @@ class LocationCache:
     def rows(self, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, node number a row or -1) of the keys remembered by ``learn_rows`` (others: ``NO_NODE`` rows),
         or None when none is."""
-        vals = list(map(self._locs.get, keys))
-        raw = [v if type(v) is bytes else _MISS for v in vals]
+        raw = list(map(self._locs.get, keys, repeat(_MISS)))  # one C loop; a miss is a NO_NODE row
         if raw.count(_MISS) == len(raw):
             return None
-        rows = np.frombuffer(b"".join(raw), LOC_ROW)
+        try:
+            joined = b"".join(raw)
+        except TypeError:  # a location kept by ``learn`` (a tuple): not read ahead by the array path
+            raw = [v if type(v) is bytes else _MISS for v in raw]
+            if raw.count(_MISS) == len(raw):
+                return None
+            joined = b"".join(raw)
+        rows = np.frombuffer(joined, LOC_ROW)
         place = rows["node"]
         have = place != NO_NODE
+        if have.all():
+            return rows, self._place_node[place].astype(np.int64)
         node = np.full(len(rows), -1, np.int64)
         node[have] = self._place_node[place[have]]
         return rows, node

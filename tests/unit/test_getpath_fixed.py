@@ -1,0 +1,208 @@
+"""The get path's per-batch shortcuts (issue 45, fixed cost a batch) against the general forms they stand in for, on
+random batches: ``readbatch.normalize_keys`` against ``normalize_key`` key by key (bytes and errors), the flat crc
+table of ``headers_match`` against ``zlib.crc32``, and ``LocationCache.learn_rows``'s skip of unchanged rows against
+a cache that always stores (same remembered rows after each answer: hits, moves, misses)."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import numpy as np
+import pytest
+
+from transport import wire
+from transport.base import _WORD0, _crc_after_word0, headers_match
+from umbp.errors import CorruptionError, InvalidArgument
+from umbp.keys import normalize_key
+from umbp.readbatch import normalize_keys
+from umbp.speculate import LocationCache
+
+
+def _key(rng: random.Random):
+    kind = rng.random()
+    n = rng.choice([0, 1, 5, 40, 63, 64, 66, 68, 69, 200, 512, 513])
+    if kind < 0.6:
+        return "".join(rng.choice("abcé/_0") for _ in range(n))
+    if kind < 0.8:
+        return bytes(rng.getrandbits(8) for _ in range(n))
+    if kind < 0.9:
+        return bytearray(rng.getrandbits(8) for _ in range(n))
+    return rng.choice([3, None, 1.5])
+
+
+def _general(keys):
+    try:
+        return [normalize_key(k) for k in keys]
+    except InvalidArgument as e:
+        return ("error", str(e))
+
+
+def _fast(keys):
+    try:
+        return normalize_keys(keys)
+    except InvalidArgument as e:
+        return ("error", str(e))
+
+
+def test_normalize_keys_matches_normalize_key_on_random_batches():
+    rng = random.Random(45)
+    for _ in range(400):
+        n = rng.choice([1, 2, 64])
+        if rng.random() < 0.5:  # the usual batch: short str keys (the fast path), sometimes with one odd key
+            keys = [f"k/{rng.getrandbits(40)}" for _ in range(n)]
+            if rng.random() < 0.4:
+                keys[rng.randrange(n)] = _key(rng)
+        else:
+            keys = [_key(rng) for _ in range(n)]
+        assert _fast(keys) == _general(keys)
+    assert normalize_keys(["a" * 63, "b"]) == [b"a" * 63, b"b"]
+    assert normalize_keys(["a" * 64, "b"])[0] == normalize_key("a" * 64)  # a digest key's form
+
+
+def test_flat_crc_table_matches_zlib_and_headers_match_the_per_page_check():
+    rng = np.random.default_rng(45)
+    rows = rng.integers(0, 256, (300, 64), dtype=np.uint8)
+    rows[:, :8] = np.frombuffer(_WORD0.tobytes(), np.uint8)  # the rows it is meant for: valid magic, version, flags
+    assert _crc_after_word0(rows).tolist() == [zlib.crc32(r[:36].tobytes()) for r in rows]
+    prng = random.Random(46)
+    heads, want, expect = [], [], []
+    for _ in range(300):
+        tag, gen, plen = prng.getrandbits(64), prng.getrandbits(63), prng.randrange(1, 1 << 40)
+        h = bytearray(wire.pack_object_header(tag, gen, plen))
+        if prng.random() < 0.5:  # corruption: one flipped bit anywhere in the header
+            h[prng.randrange(64)] ^= 1 << prng.randrange(8)
+        heads.append(bytes(h))
+        want.append((tag, gen, plen))
+        try:
+            expect.append(wire.check_object_header(bytes(h), "t", tag, gen, plen) is None)
+        except CorruptionError:
+            expect.append(False)
+    arr = np.frombuffer(b"".join(heads), np.uint8).reshape(-1, 64)
+    tag, gen, plen = (np.array(c, np.uint64) for c in zip(*want))
+    assert headers_match(arr, tag, gen, plen).tolist() == expect
+
+
+def _rows(rng: random.Random, n: int, pages: dict, keys: list[bytes], nnodes: int) -> np.ndarray:
+    """An answer's rows for ``keys``: each key's page in ``pages`` (moved now and then), or a miss."""
+    rows = np.zeros(n, wire.LOC_ROW)
+    for i, k in enumerate(keys):
+        r = rng.random()
+        if r < 0.1:
+            pages.pop(k, None)
+        elif r < 0.2 or k not in pages:
+            pages[k] = (rng.getrandbits(64), rng.getrandbits(40), rng.randrange(1, 1 << 20),
+                        rng.randrange(1, 1 << 20) * 4096, rng.randrange(nnodes))
+        if k in pages:
+            rows[i] = (*pages[k], 0)
+        else:
+            rows[i]["node"] = wire.NO_NODE
+    return rows
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_learn_rows_skip_leaves_the_same_cache_as_storing_every_answer(seed):
+    rng = random.Random(seed)
+    universe = [f"key-{i}".encode() for i in range(48)]
+    pages: dict = {}
+    fast, plain = LocationCache(limit=40), LocationCache(limit=40)
+    nodes = ["n0", "n1", "n2"]
+    for step in range(300):
+        keys = rng.sample(universe, rng.choice([2, 8, 16]))
+        if rng.random() < 0.5:  # steady state: the same pages answered again, unchanged
+            stable = {k: pages[k] for k in keys if k in pages}
+            if len(stable) == len(keys):
+                rows = np.array([(*stable[k], 0) for k in keys], wire.LOC_ROW)
+            else:
+                rows = _rows(rng, len(keys), pages, keys, len(nodes))
+        else:
+            rows = _rows(rng, len(keys), pages, keys, len(nodes))
+        caps = [b"c%d" % (step % 3)] * len(nodes) if rng.random() < 0.3 else []
+        guess = fast.rows(keys)
+        fast.learn_rows(keys, rows, nodes, caps, None if guess is None else guess[0])
+        plain.learn_rows(keys, rows, nodes, caps)
+        assert list(fast._locs.items()) == list(plain._locs.items()), step
+        assert [fast.get(k) for k in universe] == [plain.get(k) for k in universe]
+
+
+def _arena(pages: int, size: int):
+    """A ShmTransport over an anonymous mapping (no node): ``pages`` objects of ``size`` bytes, their offsets,
+    tags, generations and payloads."""
+    import mmap
+
+    from transport.shm import ShmTransport
+    from umbp import copies
+    osz = wire.object_size(size)
+    m = mmap.mmap(-1, wire.ARENA_DATA_START + osz * pages)
+    t = ShmTransport.__new__(ShmTransport)
+    t.component, t._map, t.arena, t.size = "transport shm t", m, memoryview(m), len(m)
+    t._base, t._head_rows, t._checked = copies.address(t.arena), None, {}
+    rng = np.random.default_rng(size)
+    off = (wire.ARENA_DATA_START + np.arange(pages) * osz).astype(np.uint64)
+    tag = rng.integers(0, 1 << 63, pages, dtype=np.uint64)
+    gen = rng.integers(1, 1 << 40, pages, dtype=np.uint64)
+    data = rng.integers(0, 256, (pages, size), dtype=np.uint8)
+    a8 = np.frombuffer(t.arena, np.uint8)
+    for i, o in enumerate(off.tolist()):
+        a8[o:o + 64] = np.frombuffer(wire.pack_object_header(int(tag[i]), int(gen[i]), size), np.uint8)
+        a8[o + 64:o + 64 + size] = data[i]
+    return t, a8, off, tag, gen, data
+
+
+def test_read_rows_agrees_with_start_read_on_random_batches():
+    from transport.base import ReadOp
+    size, pages = 4096, 96
+    t, a8, off, tag, gen, data = _arena(pages, size)
+    prng = random.Random(47)
+    for _ in range(60):
+        n = prng.choice([2, 7, 64])
+        pick = np.array(prng.sample(range(pages), n))
+        o, tg, g = off[pick].copy(), tag[pick].copy(), gen[pick].copy()
+        plen = np.full(n, size, np.uint64)
+        saved = []
+        for i in range(n):
+            r = prng.random()
+            if r < 0.08:
+                o[i] = np.uint64(t.size + 4096 * prng.randrange(1, 4))  # outside the arena
+            elif r < 0.16:
+                g[i] += np.uint64(1)  # the directory names a newer generation: stale slot
+            elif r < 0.24:
+                at = int(o[i]) + prng.randrange(64)  # a corrupt header byte in the arena
+                saved.append((at, a8[at]))
+                a8[at] ^= np.uint8(1 << prng.randrange(8))
+            elif r < 0.28:
+                plen[i] = np.uint64(size - 1)  # the directory's length differs
+        out = np.zeros((n, size), np.uint8)
+        dst = (np.arange(n) * size + out.ctypes.data).astype(np.int64)
+        status = t.read_rows(o, plen, tg, g, dst, 1e18)
+        ref = np.zeros((n, size), np.uint8)
+        ops = [ReadOp(int(o[i]), 0, int(plen[i]), int(tg[i]), int(g[i]), int(plen[i]), memoryview(ref[i]))
+               for i in range(n)]
+        res = t.start_read(ops, 1e18).results
+        for i in range(n):
+            if status[i] == 0:  # the array path settled it: the per-page path passes it with the same bytes
+                assert res[i] is None and bytes(out[i]) == bytes(ref[i]) == data[pick[i]][:int(plen[i])].tobytes()
+            else:  # left to the per-page path (which decides it: here always an error) and nothing torn
+                assert status[i] == 1 and isinstance(res[i], CorruptionError)
+        for at, v in reversed(saved):
+            a8[at] = v
+
+
+def test_read_rows_reports_only_the_header_rewritten_during_the_copy(monkeypatch):
+    import transport.shm as shm
+    size, pages = 4096, 16
+    t, a8, off, tag, gen, data = _arena(pages, size)
+    plen = np.full(pages, size, np.uint64)
+    out = np.zeros((pages, size), np.uint8)
+    dst = (np.arange(pages) * size + out.ctypes.data).astype(np.int64)
+    drain = shm._drain
+    for victim in (0, 5, 15):
+        def rewrite(it, victim=victim):  # the copy, then a writer reuses one slot (its header changes)
+            drain(it)
+            a8[int(off[victim]) + 8] ^= np.uint8(0xFF)
+        monkeypatch.setattr(shm, "_drain", rewrite)
+        status = t.read_rows(off, plen, tag, gen, dst, 1e18)
+        a8[int(off[victim]) + 8] ^= np.uint8(0xFF)
+        assert status.tolist() == [2 if i == victim else 0 for i in range(pages)]
+    monkeypatch.setattr(shm, "_drain", drain)
+    assert not t.read_rows(off, plen, tag, gen, dst, 1e18).any() and np.array_equal(out, data)
