@@ -55,14 +55,16 @@ def out_addresses(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
         if outs.ndim < 2 or not outs.flags.c_contiguous or not outs.flags.writeable or outs.shape[0] != n:
             return None
         row = outs.strides[0]
-        return np.arange(n, dtype=np.int64) * row + outs.ctypes.data, np.full(n, row, np.int64)
+        at, caps = _rows_at(n, row)
+        return at + outs.ctypes.data, caps
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(outs, torch.Tensor):
         if (outs.dim() < 2 or outs.device.type != "cpu" or not outs.is_contiguous() or outs.requires_grad
                 or outs.shape[0] != n):
             return None
         row = outs.stride(0) * outs.element_size()
-        return np.arange(n, dtype=np.int64) * row + outs.data_ptr(), np.full(n, row, np.int64)
+        at, caps = _rows_at(n, row)
+        return at + outs.data_ptr(), caps
     if (t is not list and t is not tuple) or len(outs) != n or not n:
         return None
     kinds = set(map(type, outs))
@@ -78,6 +80,22 @@ def out_addresses(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
             return None
         return (np.fromiter((f["data"][0] for f in faces), np.int64, n), np.fromiter(map(_nbytes, outs), np.int64, n))
     return None
+
+
+_ROWS_AT: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (n, row bytes) -> ``_rows_at``; a few shapes
+
+
+def _rows_at(n: int, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's byte offset, each row's bytes) of ``n`` rows ``row`` bytes apart, read-only and kept: a 2-D out of
+    a shape seen before costs one add, not two arrays made."""
+    got = _ROWS_AT.get((n, row))
+    if got is None:
+        if len(_ROWS_AT) >= 64:
+            _ROWS_AT.clear()
+        at, caps = np.arange(n, dtype=np.int64) * row, np.full(n, row, np.int64)
+        at.flags.writeable = caps.flags.writeable = False
+        got = _ROWS_AT[(n, row)] = (at, caps)
+    return got
 
 
 def normalize_keys(keys: Any) -> list[bytes]:
@@ -201,18 +219,20 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
             rows, nodes, caps = rows_of(reply)
             cache.learn_rows(kb, rows, nodes, caps, None if guess is None else guess[0])
             hit = rows["node"] != wire.NO_NODE
+            every = bool(hit.all())
             numbers = np.array([cache.node_number(n) for n in nodes] or [0], np.int64)
-            node = np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)
+            node = numbers[rows["node"]] if every else np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)
             todo = hit
             if early is not None:
                 todo = hit & ~spec.settle_rows(guess, early, rows, node)
             plen = rows["len"].astype(np.int64)
-            over = todo & (plen > cap)
-            if over.any():
-                i = int(np.flatnonzero(over)[0])
-                raise InvalidArgument(c.component, f"out 0 of key {i} holds {int(cap[i])} bytes but {int(plen[i])} "
-                                                   f"are to be read")
-            idx = np.flatnonzero(todo)
+            idx = np.flatnonzero(todo)  # empty when the read ahead served every page: no bound to check
+            if len(idx):
+                over = plen[idx] > cap[idx]
+                if over.any():
+                    i = int(idx[over.argmax()])  # the first such key, as a scan in key order finds it
+                    raise InvalidArgument(c.component, f"out 0 of key {i} holds {int(cap[i])} bytes but "
+                                                       f"{int(plen[i])} are to be read")
             errs, _failed = read(c, rows, node, cache.node_name,
                                 (lambda i: caps[rows["node"][i]]) if caps else (lambda i: b""), idx, addr,
                                 deadline) if len(idx) else ([], set())
@@ -220,7 +240,7 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
         finally:
             if lease:
                 c._meta.send_noreply(wire.Op.RELEASE, {"lease": lease}, deadline)
-    got = np.where(hit, plen, -1)
+    got = plen if every else np.where(hit, plen, -1)  # plen: this call's own copy
     corrupt: Exception | None = None
     for i, r in errs:
         got[i] = -1

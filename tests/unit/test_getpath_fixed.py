@@ -206,3 +206,18 @@ def test_read_rows_reports_only_the_header_rewritten_during_the_copy(monkeypatch
         assert status.tolist() == [2 if i == victim else 0 for i in range(pages)]
     monkeypatch.setattr(shm, "_drain", drain)
     assert not t.read_rows(off, plen, tag, gen, dst, 1e18).any() and np.array_equal(out, data)
+
+
+def test_out_addresses_of_2d_outs_reuse_offsets_but_not_addresses():
+    from umbp.readbatch import out_addresses
+    rng = random.Random(48)
+    for _ in range(50):
+        n, cols = rng.choice([2, 3, 64]), rng.choice([1, 7, 4096])
+        dtype = rng.choice([np.uint8, np.float32, np.int64])
+        for out in (np.zeros((n, cols), dtype), np.zeros((n, 2, cols), dtype)):
+            addr, cap = out_addresses(out, n)
+            row = out.strides[0]
+            assert addr.tolist() == [out.ctypes.data + i * row for i in range(n)]
+            assert cap.tolist() == [row] * n and not cap.flags.writeable
+    a, b = np.zeros((4, 16), np.uint8), np.zeros((4, 16), np.uint8)
+    assert out_addresses(a, 4)[0].tolist() != out_addresses(b, 4)[0].tolist()
