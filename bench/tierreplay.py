@@ -46,23 +46,16 @@ from umbp.workload.generator import AgentXShape, generate  # noqa: E402
 from umbp.workload.replay import Replay, ReplayConfig, page_payload  # noqa: E402
 from umbp.workload.trace import Trace, trace_stats  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import disk as disk_bench  # noqa: E402  (bench/disk.py, beside this file)
+
 SAMPLE_S = 0.5  # STATS sampling period of the mover's profile
 DIRECT_RX = re.compile(r"O_DIRECT refused")  # umbp/node/disk.py's warning line when it falls back to buffered I/O
 
 
 def filesystem(path: str) -> str:
-    """The file system type holding ``path`` (/proc/mounts, the longest mount point that prefixes it)."""
-    best, kind = "", "?"
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) > 2 and real.startswith(parts[1]) and len(parts[1]) >= len(best):
-                    best, kind = parts[1], parts[2]
-    except OSError:
-        pass
-    return kind
+    """The file system type holding ``path`` (``bench/disk.py``'s reading of /proc/mounts, the type alone)."""
+    return disk_bench.filesystem(path).split(" ")[0]
 
 
 class Unbounded:
