@@ -1,4 +1,4 @@
-"""A warm copy paced while its process serves (``metaserver/ha/ha/warmpace.py``), against a real etcd: it rests and falls
+"""A warm copy paced while its process serves (``metaserver/ha/warmpace.py``), against a real etcd: it rests and falls
 behind while the loop is busy, applies as events come while idle, and a takeover applies what is behind (the taken
 table equals a full load); a copy that fails to apply stops and the takeover loads in full."""
 

@@ -2,7 +2,7 @@
 
 A standby loads the table once (``EtcdStore.load_at``: one snapshot at revision R, built by ``TableDirectory.load``,
 the very code a leader's full load runs), then applies every change from R + 1 on as the watch delivers it, as
-batches of rows (``metaserver/ha/ha/warmrows.py``): a commit record put files its pages at once (each node's run of
+batches of rows (``metaserver/ha/warmrows.py``): a commit record put files its pages at once (each node's run of
 extents reserved where the leader placed them); a record rewritten without pages, or deleted, takes the rows it no
 longer lists out (removals, evictions, dropped nodes); page records of the layout before commit records are put and
 deleted; leased node records and durable arena records that appear, disappear or change capacity add, drop or
@@ -42,7 +42,7 @@ etcd: a standby never writes (the rewrites its table queues as rows leave are th
 dropped), and a takeover's stale deletes and rewrites go through the leader's fenced writer.
 
 Under load (a partitioned pool's process serves slots of its own while it keeps copies of others'), what the watch
-delivers is queued and applied paced (``metaserver/ha/ha/warmpace.py``): a copy lags by at most about
+delivers is queued and applied paced (``metaserver/ha/warmpace.py``): a copy lags by at most about
 ``warmpace.LAG_MAX_BYTES`` of records (STATS ``warm_copies``: ``lag`` events, ``lag_bytes``), which a takeover's
 ``catch_up`` and ``take`` apply first (O(events not applied yet), as the invariant states).
 
@@ -135,7 +135,7 @@ class WarmDirectory:
         self.fast_runs = 0  # runs of page puts filed at once (``_put_pages``)
         self.fast_deletes = 0  # runs of page deletes removed at once (``_delete_pages``)
         self.seen = 0  # last revision received from etcd (the watch resumes after it); ``rev`` <= ``seen``
-        self.backlog = Backlog()  # received, not applied yet (metaserver/ha/ha/warmpace.py)
+        self.backlog = Backlog()  # received, not applied yet (metaserver/ha/warmpace.py)
         self.pace = Pace()
         self._moved = asyncio.Event()  # set whenever the copy changes: catch_up waits on it
         self._task: asyncio.Task | None = None

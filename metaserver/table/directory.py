@@ -14,7 +14,7 @@ A partitioned pool's slot is a ``metaserver.ha.slots.SlotTable``: this table wit
 region of its arena (``TableNodes.node_region``). ``prefix-lru``'s links and KV events: ``metaserver/table/links.py``.
 Quota groups and reservations: ``metaserver/table/quotas.py`` (``quota``; the properties below answer what the
 service reads of them). A standby keeps a warm copy of the table (``metaserver/ha/standby.py``: ``load``'s ``held``,
-then ``metaserver/ha/ha/warmrows.py``). Placement is in turn over the placeable nodes that can hold the page, a child near
+then ``metaserver/ha/warmrows.py``). Placement is in turn over the placeable nodes that can hold the page, a child near
 its parent unless the parent's node is much fuller (then the emptiest), and eviction makes room on the chosen node.
 
 A connection's PENDING allocations are ``(ns, key, gen)`` handles: COMMIT and ABORT settle them, and a closing
