@@ -29,6 +29,7 @@ within the deadline.
 
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import ssl
@@ -422,3 +423,28 @@ class FramedSocket:
 
     def send_noreply(self, op: int, meta: Any, deadline: float) -> None:
         self.send([wire.encode(op, self.next_id(), meta, flags=wire.Flag.NO_REPLY)], deadline)
+
+
+async def ask_async(reader, writer, rid: int, op: int, meta: Any, timeout: float, component: str) -> Any:
+    """One request on an asyncio stream that carries one request at a time (the node's link to the metaserver, the
+    metaserver's disk-tier mover to a node): the frame out, its answer's meta back, an error answer raised as the
+    wire says (``wire.raise_for_status``). Blocks up to ``timeout`` for each part of the answer."""
+    writer.write(wire.encode(op, rid, meta))
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readexactly(wire.HEADER_SIZE), timeout)
+    rop, flags, status, arid, meta_len, data_len = wire.decode_header(head, component)
+    body = await asyncio.wait_for(reader.readexactly(meta_len + data_len), timeout)
+    frame = wire.Frame(rop, flags, status, arid, wire.unpack_meta(body[:meta_len], component) if meta_len else None,
+                       None, 0)
+    wire.raise_for_status(frame, component)
+    return frame.meta
+
+
+async def handshake_async(ask, token: str | None, name: str, component: str) -> str:
+    """``FramedSocket.handshake`` over ``ask(op, meta)`` (an ``ask_async`` bound to a stream): HELLO, then AUTH when
+    the peer asks for it; returns the scope granted ("open" without AUTH); AuthError when refused."""
+    auth = ClientAuth(token, component)
+    meta = auth.auth_meta(await ask(wire.Op.HELLO, auth.hello_meta(name)))
+    if meta is None:
+        return "open"
+    return auth.check(await ask(wire.Op.AUTH, meta))

@@ -31,7 +31,7 @@ import numpy as np
 
 from metaserver.table.evict import bytes_to_low, over_high
 from transport import wire
-from umbp.auth import ClientAuth
+from transport.framed import ask_async, handshake_async
 from umbp.config import split_host_port
 from umbp.errors import UmbpError
 from umbp.tls import client_context
@@ -61,23 +61,12 @@ class NodeLink:
         ssl = client_context(self.tls_ca) if self.tls_ca else None
         self.reader, self.writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None), CONNECT_S)
-        auth = ClientAuth(self.token, self.component)
-        hello = await self._ask(wire.Op.HELLO, auth.hello_meta("metaserver-mover"), CONNECT_S)
-        meta = auth.auth_meta(hello)
-        if meta is not None:
-            auth.check(await self._ask(wire.Op.AUTH, meta, CONNECT_S))
+        await handshake_async(lambda op, meta: self._ask(op, meta, CONNECT_S), self.token, "metaserver-mover",
+                              self.component)
 
     async def _ask(self, op: int, meta, timeout: float):
         self.rid += 1
-        self.writer.write(wire.encode(op, self.rid, meta))
-        await self.writer.drain()
-        head = await asyncio.wait_for(self.reader.readexactly(wire.HEADER_SIZE), timeout)
-        rop, flags, status, rid, meta_len, data_len = wire.decode_header(head, self.component)
-        body = await asyncio.wait_for(self.reader.readexactly(meta_len + data_len), timeout)
-        frame = wire.Frame(rop, flags, status, rid, wire.unpack_meta(body[:meta_len], self.component)
-                           if meta_len else None, None, 0)
-        wire.raise_for_status(frame, self.component)
-        return frame.meta
+        return await ask_async(self.reader, self.writer, self.rid, op, meta, timeout, self.component)
 
     async def request(self, op: int, meta, timeout: float):
         if self.writer is None:

@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from transport import wire
-from umbp.auth import ClientAuth
+from transport.framed import ask_async, handshake_async
 from umbp.config import split_host_port
 from umbp.errors import BadRequest, NotFound, NotLeader, ProtocolError, UmbpError
 from umbp.tls import client_context
@@ -48,23 +48,12 @@ class MetaLink:
 
     async def _request(self, reader, writer, op: int, meta: Any, timeout: float) -> Any:
         self._rid += 1
-        writer.write(wire.encode(op, self._rid, meta))
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readexactly(wire.HEADER_SIZE), timeout)
-        _op, _flags, status, rid, meta_len, data_len = wire.decode_header(head, self.component)
-        body = await asyncio.wait_for(reader.readexactly(meta_len + data_len), timeout)
-        frame = wire.Frame(_op, _flags, status, rid, wire.unpack_meta(body[:meta_len], self.component)
-                           if meta_len else None, None, 0)
-        wire.raise_for_status(frame, self.component)
-        return frame.meta
+        return await ask_async(reader, writer, self._rid, op, meta, timeout, self.component)
 
     async def _authenticate(self, reader, writer, timeout: float) -> None:
         """HELLO (+ AUTH with the cluster secret when the metaserver is closed); AuthError when refused."""
-        auth = ClientAuth(self.node.config.token, self.component)
-        hello = await self._request(reader, writer, wire.Op.HELLO, auth.hello_meta(self.node.node_id), timeout)
-        meta = auth.auth_meta(hello)
-        if meta is not None:
-            auth.check(await self._request(reader, writer, wire.Op.AUTH, meta, timeout))
+        await handshake_async(lambda op, meta: self._request(reader, writer, op, meta, timeout),
+                              self.node.config.token, self.node.node_id, self.component)
 
     async def _idle(self, reader, interval: float) -> None:
         """Wait ``interval`` between heartbeats, but notice at once when the metaserver closes the connection (it
