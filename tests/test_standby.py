@@ -28,7 +28,7 @@ from cluster import NotYet, eventually, eventually_async
 from metaserver.table.allocator import Allocator
 from metaserver.store.fullload import node_descs
 from metaserver.store.persist import EtcdStore
-from metaserver.table.records import pages_of
+from metaserver.table.records import SEG_DEAD_VERSION, pages_of, unpack_segment
 from metaserver.ha.standby import WarmDirectory
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
@@ -590,18 +590,27 @@ async def _commit_records(url: str, policy: str, inflight: int) -> None:
         assert fingerprint(h.dir)["entries"] == fingerprint(leader)["entries"]
         assert links(h.dir) == links(d) == links(leader)
         assert policy == "lru" or any(p is not None for _, _, p in links(d))
-        # the taken table's pages still belong to their records: removing one rewrites its record without it
+        # the taken table's pages still belong to their records: removing one names it under its record (a dead
+        # list beside the record as it was, or the record compacted), and etcd then loads without it
         t = h.dir
-        t.dead_lists = False  # a rewrite at once (dead lists: tests/unit/test_deadlist_writer.py)
         rec = next(iter(t.records.values()))
         before = rec.live()
-        victim = t.key_of(int(before[0]))
+        victim, gen = t.key_of(int(before[0])), int(t.cols["gen"][before[0]])
         _, fx = t.remove(NS, [victim])
-        assert fx.batches == [rec] and not fx.deletes
-        value = rec.value()
-        assert (value is None) == (len(before) == 1)
-        if value is not None:
-            assert [p[0] for p in pages_of(value)] == [t.key_of(r) for r in before.tolist()[1:]]
+        assert fx.batches and not fx.deletes
+        compacted = rec in fx.batches
+        Metaserver._apply(server, fx)  # (a removal: nothing to wait for but the flush)
+        assert await writer.flush(10)
+        d2, _, stale = await full_load(store, policy)
+        assert stale == [] and fingerprint(d2)["entries"] == fingerprint(t)["entries"]
+        assert victim not in {k for _, k, *_ in fingerprint(d2)["entries"]}
+        now = {kv.key: kv.value async for page in store.scan(store._pages) for kv in page}
+        if compacted:  # half its pages were gone already, or it carries a dead list of its own
+            assert victim not in {p[0] for p in pages_of(now[rec.name])} if rec.name in now else len(before) == 1
+        else:
+            assert now[rec.name] == {kv.key: kv.value for kv in kvs}[rec.name], "the record as it was"
+            assert any(rec.name in (s := unpack_segment(v)).dead_recs and gen in s.dead.tolist()
+                       for v in now.values() if v[1:2] == bytes([SEG_DEAD_VERSION])), "a dead list names the page"
     finally:
         await writer.close()
         await store.close()

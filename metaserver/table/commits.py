@@ -16,9 +16,10 @@ What etcd holds of a record is its value less the pages dead lists name. A row t
 dropped with its node unparked; a parked row leaves without either: its page stays in etcd for the node's return)
 is named by the open dead-list record (``_dead_list``: a segment of no page, its own etcd key, which every death
 joins until the writer takes it: one small put a pass of evictions, whatever records it touches) unless its record
-is rewritten anyway: its put waits unsent (merged, no op), half the pages its value lists are gone (compaction), or
-``dead_lists`` is off (the layout before). A value is encoded when the writer takes it, from the rows left; with
-none left it is None (delete the key) and the record's id is freed. Either way it is a removal
+is rewritten anyway: its put waits unsent (merged, no op), or half the pages its value lists are gone
+(compaction). This is the one way a removal reaches etcd (a load still reads the records of releases before dead
+lists, each rewritten at every death: version-2 segments). A value is encoded when the writer takes it, from the
+rows left; with none left it is None (delete the key) and the record's id is freed. Either way it is a removal
 (``TableRecord.shrunk``): the batch writer holds ALLOC answers until it is durable, since their places may lie in
 the freed extents (``BatchWriter.removals_durable``). A dead-list record is needed until each record it names has a
 value taken after those deaths durable (``TableRecord.written``, the writer's hook); then its key is kept for the
@@ -194,7 +195,6 @@ class TableRecords:
         self._rec_open: dict[str, TableRecord] = {}  # ns -> its open segment: queued, not yet taken by the writer
         self.committed_pages = 0  # rows filed under records by COMMITs
         self.segment_pages = SEGMENT_PAGES  # pages a segment holds at most (``BATCH_PAGES`` once a key is long)
-        self.dead_lists = True  # False: a row leaving rewrites its record at once (the layout before dead lists)
         self._dead_open: TableRecord | None = None  # the dead-list record deaths join until the writer takes it
         self._dead_free: list[bytes] = []  # keys of dead-list records needed no more, to overwrite (``_dead_done``)
         self.dead_pages = 0  # rows that left named by a dead list instead of a rewrite (STATS, bench/records.py)
@@ -275,8 +275,8 @@ class TableRecords:
         """``rows`` leave READY (evicted, removed, dropped): their links are undone (``metaserver/table/links.py``)
         and etcd must stop listing them, a removal either way (``TableRecord.shrunk``: the batch writer holds ALLOC
         answers until it is durable, ``BatchWriter.removals_durable``). A record is rewritten without them when its
-        put waits unsent anyway (merged: no op), when half the pages its value lists are gone (compaction; none
-        left: deleted), or with ``dead_lists`` off; else their generations join the open dead-list record
+        put waits unsent anyway (merged: no op) or when half the pages its value lists are gone (compaction; none
+        left: deleted); else their generations join the open dead-list record
         (``_dead_list``), one small etcd value for every death until the writer takes it. O(rows log rows) numpy
         (grouped by record), O(1) Python a record touched."""
         if not len(rows):
@@ -291,14 +291,14 @@ class TableRecords:
         los = np.concatenate(([0], cut)).tolist()
         his = np.concatenate((cut, [len(ids)])).tolist()
         gens = None
-        records, rewrites, dead_lists = self.records, self._rec_rewrites, self.dead_lists
+        records, rewrites = self.records, self._rec_rewrites
         for lo, hi in zip(los, his):
             rid = int(ids[lo])
             if not rid:
                 continue
             r = records[rid]
             k = hi - lo
-            if not dead_lists or r.queued or r.carry is not None or (r.gone + k) * 2 >= r.listed:
+            if r.queued or r.carry is not None or (r.gone + k) * 2 >= r.listed:
                 r.shrunk = r.queued = True  # their extents may be placed again: not before this is durable
                 rewrites[r] = None
                 continue

@@ -226,21 +226,3 @@ def test_a_dead_list_is_deleted_only_once_the_compaction_it_waits_for_is_durable
         await w.close()
 
     run(main())
-
-
-def test_dead_lists_off_rewrites_at_once_as_before():
-    async def main():
-        store = DictStore()
-        w = BatchWriter(store, batch=1024, inflight=1)
-        w.start()
-        d = directory()
-        d.dead_lists = False
-        commit(d, w, keys_of(0, 100), 1000)
-        await w.flush(10)
-        _, fx = d.remove("a", keys_of(0, 3))
-        submit(w, fx)
-        await w.flush(10)
-        assert not store.dead_lists() and [unpack_segment(v).n for v in store.kv.values()] == [97]
-        await w.close()
-
-    run(main())

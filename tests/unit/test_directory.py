@@ -16,6 +16,8 @@ from metaserver.table.records import pages_of
 from metaserver.table.directory import TableDirectory
 from transport.wire import ALIGN, ARENA_DATA_START, object_size
 
+from tablekit import etcd_pages, named, write
+
 PAGE = ALIGN - 64  # payload that fills exactly one 4 KiB unit with its header
 _GENS = itertools.count(1)
 
@@ -218,18 +220,23 @@ def test_a_batch_spreads_over_the_nodes_and_keys_present_take_no_extent():
 
 
 def test_drop_space_and_drain():
-    d = make(units=4, nodes=("n1", "n2"))
-    d.dead_lists = False  # a rewrite at once (dead lists: tests/unit/test_deadlist_writer.py)
+    d = named(make(units=4, nodes=("n1", "n2")))
     keys = [b"%d" % i for i in range(6)]
     items, _, cfx = put(d, "m", keys)
     on_n2 = [k for k, it in zip(keys, items) if it[1] == "n2"]
     lease, _ = d.lookup("m", [on_n2[0]], 1.0)
     dropped, pinned, fx = d.drain("n2")
     assert (dropped, pinned) == (len(on_n2) - 1, 1)
-    assert fx.batches == cfx.recs and sorted(rec_keys(cfx.recs[0])) == sorted(set(keys) - set(on_n2[1:]))
+    assert fx.batches == cfx.recs, "its put waits unsent: the record is written without the drained pages"
+    etcd: dict = {}
+    write(etcd, fx.batches)
+    assert sorted(etcd_pages(etcd)) == sorted(set(keys) - set(on_n2[1:]))
     d.check()
     n, fx = d.drop_space("n2")
-    assert n == 1 and rec_keys(fx.batches[0]) == [k for k in keys if k not in on_n2]
+    (dl,) = fx.batches
+    assert n == 1 and dl.id == 0 and dl is not cfx.recs[0], "a page of a record in etcd: a dead list names it"
+    write(etcd, fx.batches)
+    assert len(etcd) == 2 and sorted(etcd_pages(etcd)) == [k for k in keys if k not in on_n2]
     assert d.capacity == 4 * ALIGN and d.used == 3 * ALIGN
     d.release(lease)  # space of a dead node: nothing to free, no error
     assert d.pinned == 0

@@ -12,7 +12,7 @@ import pytest
 from metaserver import validate as v
 from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, Effects, extent_size, layout
 from metaserver.store.persist import EtcdStore
-from metaserver.table.records import pages_of
+from metaserver.table.records import pages_of, unpack_segment
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
@@ -189,12 +189,19 @@ def test_persisted_record_round_trip_and_full_load_fingerprint():
     for rk in range(4):
         (l1, locs1), (l2, locs2) = d.lookup("kv", keys, 1.0, shard=(rk, 4)), d2.lookup("kv", keys, 1.0, shard=(rk, 4))
         assert locs1 == locs2 and d.release(l1) and d2.release(l2)
-    # evicting a loaded page rewrites the record it came from
-    d2.dead_lists = False  # a rewrite at once (dead lists: tests/unit/test_deadlist_writer.py)
+    # evicting a loaded page: a dead list names it under the record it came from; etcd then loads as the table
+    d2.namer = store.batch_name  # (as the leader names its records)
     fx = Effects()
     assert d2.evict_all(1, fx)[0] == 1
-    (again,) = fx.batches
-    assert again.name == rec.name and len(pages_of(again.value())) == 5
+    (dl,) = fx.batches
+    dead = dl.value()
+    assert dl.name != rec.name and unpack_segment(dead).dead_recs == [rec.name]
+    recs = PageRecords(store._pages)
+    recs.add([kv, SimpleNamespace(key=dl.name, value=dead, mod_revision=2, create_revision=2)])
+    d3 = TableDirectory()
+    assert d3.load(descs, recs) == ([], []) and recs.dropped == 1
+    d3.check()
+    assert fingerprint(d3)["entries"] == fingerprint(d2)["entries"] and len(fingerprint(d3)["entries"]) == 5
     # an unreadable shared record (n out of range) is junk, never a page
     bad = msgpack.packb([[keys[0], "n1", ARENA_DATA_START, PART, 1, None, 999]])
     assert store.records_of(SimpleNamespace(key=rec.name, value=bad, mod_revision=1, create_revision=1))[0][1] is None

@@ -16,6 +16,7 @@ from metaserver.table.directory import TableDirectory
 from transport.wire import Status
 from umbp.errors import TxnTooLarge, Unavailable
 
+from tablekit import etcd_pages
 from test_metaserver_persistence import MemoryStore, run
 
 
@@ -50,15 +51,18 @@ def test_commits_join_their_namespaces_open_segment_until_the_writer_takes_it():
     items, _ = d.alloc("ns1", [b"late"], [100], None, 5000, 1.0)
     _, fx = d.commit("ns1", [b"late"], [items[0][4]], 2.0)
     assert [r.name for r in fx.recs] == [b"/umbp/pages/ns1/+29.5"], "taken records are closed: a new one"
-    # a page leaving the directory: its record is rewritten without it, the last one deletes it
+    # a page leaving the directory: a dead list names it beside its record as written; the last ones delete it
     first = recs[0]
-    names = [p[0] for p in pages_of(first.value())]
-    d.dead_lists = False  # (a dead list instead: tests/unit/test_deadlist_writer.py)
+    written = first.value()
+    names = [p[0] for p in pages_of(written)]
     _, fx = d.remove("ns1", [names[1]])
-    assert fx.batches == [first] and fx.deletes == []
-    assert [p[0] for p in pages_of(first.value())] == [names[0]] + names[2:]
-    d.remove("ns1", names)
-    assert first.value() is None
+    (dl,) = fx.batches
+    assert dl is not first and dl.id == 0 and fx.deletes == []
+    assert dl.name == b"/umbp/pages/ns1/+29.6", "a dead list is a record of its own, named as one"
+    etcd = {first.name: written, dl.name: dl.value()}
+    assert sorted(etcd_pages(etcd, b"/umbp/pages/")) == sorted([names[0]] + names[2:])
+    _, fx = d.remove("ns1", names)
+    assert first in fx.batches and first.value() is None
     d.check()
 
 

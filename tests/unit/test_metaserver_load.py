@@ -23,7 +23,7 @@ from metaserver.table.allocator import Allocator
 from metaserver.table.entry import READY, extent_size
 from metaserver.store.fullload import gc_paused
 from metaserver.store.persist import EtcdStore
-from metaserver.table.records import pages_of
+from metaserver.table.records import unpack_segment
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
@@ -270,7 +270,8 @@ def test_commit_records_round_trip_and_a_rejected_page_leaves_its_record():
     row5 = int(leader._find("ns", [b"k005"])[0])
     other = msgpack.packb([[b"x", "n1", leader.offsets_of(np.array([row5]))[0], 1000, 99, None]], use_bin_type=True)
     recs = PageRecords(PREFIX)
-    recs.add([bkv(b.name, b.value(), 10, 12), bkv(PREFIX + b"ns/+8.1", other, 11)])
+    value = b.value()
+    recs.add([bkv(b.name, value, 10, 12), bkv(PREFIX + b"ns/+8.1", other, 11)])
     assert len(recs) == 21 and not recs.junk and set(recs.batches) == {b.name, PREFIX + b"ns/+8.1"}
     d = TableDirectory()
     stale, rejected = d.load({"n1": ({"capacity": UNITS * ALIGN}, 0)}, recs)
@@ -282,11 +283,19 @@ def test_commit_records_round_trip_and_a_rejected_page_leaves_its_record():
     assert [r.name for r in rewrites] == [PREFIX + b"ns/+8.1"] and rewrites[0].value() is None  # its one page: gone
     loaded = d._rec_by_name[b.name]
     assert len(loaded.live()) == 20 and d.take_records() == ([], [])
-    # evicting two pages of the loaded record rewrites it without them
-    d.dead_lists = False  # a rewrite at once (dead lists: tests/unit/test_deadlist_writer.py)
+    # evicting two pages of the loaded record: a dead list names them, the record stays in etcd as it was
+    d.namer = store.batch_name  # (as the leader names its records)
     _, fx = d.remove("ns", [b"k003", b"k017"])
-    assert fx.batches == [loaded] and not fx.deletes
-    left = [p[0] for p in pages_of(loaded.value())]
+    (dl,) = fx.batches
+    assert dl is not loaded and dl.id == 0 and not fx.deletes
+    dead = dl.value()
+    seg = unpack_segment(dead)
+    assert seg.n == 0 and seg.dead_recs == [b.name] and len(seg.dead) == 2
+    again = PageRecords(PREFIX)
+    again.add([bkv(b.name, value, 10, 12), bkv(dl.name, dead, 13)])  # what etcd holds now
+    d2 = TableDirectory()
+    assert d2.load({"n1": ({"capacity": UNITS * ALIGN}, 0)}, again) == ([], [])
+    left = sorted(k for _, k, *_ in fingerprint(d2)["entries"])
     assert left == [k for k in keys if k not in (b"k003", b"k017")]
 
 

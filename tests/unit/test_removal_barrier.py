@@ -10,7 +10,7 @@ import asyncio
 from metaserver.store.batcher import BatchWriter
 from metaserver.table.commits import TableRecord
 from metaserver.table.directory import TableDirectory
-from metaserver.table.records import pages_of
+from metaserver.table.records import pages_of, unpack_segment
 from transport.wire import Status
 from umbp.errors import Unavailable
 
@@ -76,30 +76,40 @@ def test_nothing_waits_without_a_removal_and_a_removal_waits_for_everything_queu
     run(main())
 
 
-def test_a_record_rewritten_without_pages_is_a_removal_once():
+def test_a_dead_list_and_a_record_rewritten_without_pages_are_removals_once():
     async def main():
         store = GatedStore()
         w = BatchWriter(store, batch=4, inflight=1)
         w.start()
-        store.gates[b"r"] = gate = asyncio.Event()
         d = TableDirectory()
         d.add_space("node-a", 1 << 20)
-        d.dead_lists = False  # a rewrite at once (a dead list's removal: tests/unit/test_deadlist_writer.py)
-        rec = committed_record(d, [b"k0", b"k1", b"k2"])
+        rec = committed_record(d, [b"k0", b"k1", b"k2", b"k3"])
+        r = rec.name
+        store.gates[r] = gate = asyncio.Event()
         assert not rec.shrunk
-        w.submit([(b"r", rec)], [], wait=False)  # a COMMIT's new record: no removal
+        w.submit([(r, rec)], [], wait=False)  # a COMMIT's new record: no removal
         assert w.removals_durable() is None
-        await settle()  # "r" in flight
+        await settle()  # its put in flight
         _, fx = d.remove("ns", [b"k1"])
-        assert fx.batches == [rec] and rec.shrunk, "a page left it: its rewrite is a removal"
-        w.submit([(b"r", rec)], [], wait=False)  # queued behind its in-flight op
+        (dl,) = fx.batches
+        assert dl is not rec and dl.shrunk and not rec.shrunk, "a page left it: the dead list naming it is a removal"
+        w.submit([(dl.name, dl)], [], wait=False)
+        assert dl.shrunk is False, "the submission took the removal"
+        first = w.removals_durable()
+        assert first is not None
+        _, fx = d.remove("ns", [b"k2"])
+        assert fx.batches == [rec] and rec.shrunk, "half its pages gone: compacted, a rewrite that is a removal"
+        w.submit([(r, rec)], [], wait=False)  # queued behind its in-flight op
         assert rec.shrunk is False, "the submission took the removal"
         fut = w.removals_durable()
         assert fut is not None
+        await settle()
+        assert not first.done() and not fut.done(), "both wait for the in-flight op queued before them"
         gate.set()
-        await asyncio.wait_for(fut, 5)
-        assert [p[0] for p in pages_of(store.kv[b"r"])] == [b"k0", b"k2"]
-        assert store.started == [b"r", b"r"], "the rewrite went after the in-flight op"
+        await asyncio.wait_for(asyncio.gather(first, fut), 5)
+        assert [p[0] for p in pages_of(store.kv[r])] == [b"k0", b"k3"], "the rewrite went after the in-flight op"
+        assert unpack_segment(store.kv[dl.name]).dead_recs == [r]
+        assert store.started == [r, dl.name], "the in-flight op, then the dead list and the rewrite in one transaction"
         await w.close()
 
     run(main())

@@ -15,7 +15,7 @@ import pytest
 from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import NEW, READY, extent_size
 from metaserver.table.index import REBUILD_LOAD
-from metaserver.table.records import pages_of
+from metaserver.table.records import pages_of, unpack_segment
 from metaserver.table.load import fingerprint, load_pages, reserve
 from metaserver.table.nodes import FREE, UNIT_SHIFT
 from transport.wire import ARENA_DATA_START, object_size
@@ -336,8 +336,8 @@ PLEN_REC = 60_000
 
 def test_loaded_rows_are_filed_under_the_records_they_came_from():
     """A load given each page's commit record: a record spread over two nodes is one record; evicting or removing a
-    loaded page rewrites the record it came from; a record with a page the load rejected is rewritten without it,
-    and one with no page filed is deleted."""
+    loaded page names it in a dead list under the record it came from; a record with a page the load rejected is
+    rewritten without it, and one with no page filed is deleted."""
     t = PageTable()
     for n in ("n0", "n1"):
         t.add_node(n, 8 * object_size(PLEN_REC))
@@ -357,8 +357,10 @@ def test_loaded_rows_are_filed_under_the_records_they_came_from():
     assert sorted(r1.rows.tolist()) == sorted(t._find("a", keys[:3] + keys[5:7]).tolist())
     assert [len(pages_of(r.value())) if r.value() else 0 for r in sorted(rewrites, key=lambda r: r.name)] \
         == [1, 0], "r2 keeps page 3; r3 had no page filed: deleted"
-    t.dead_lists = False  # a rewrite at once (dead lists: tests/unit/test_deadlist_writer.py)
     assert t.remove("a", [keys[5]]) == [True]
     _, rewrites = t.take_records()
-    assert rewrites == [r1] and len(pages_of(r1.value())) == 4
+    (dl,) = rewrites
+    seg = unpack_segment(dl.value())
+    assert dl is not r1 and seg.dead_recs == [b"r1"] and seg.dead.tolist() == [6], "named under the record it came from"
+    assert len(pages_of(r1.value())) == 4
     t.check()

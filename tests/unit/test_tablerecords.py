@@ -1,14 +1,14 @@
 """metaserver/table/commits.py: a COMMIT's rows become commit records of at most BATCH_PAGES pages in the
 records' layout (read back by the loader's own ``records.record_entries``); rows that leave (evicted, removed, dropped with
-their node) rewrite their records, a record with nothing left is deleted and its id reused, and a stale record
-object never lists another record's rows."""
+their node) reach etcd as a dead list beside the record as it was (a load of both: the pages left), a record with
+nothing left is deleted and its id reused, and a stale record object never lists another record's rows."""
 
 from __future__ import annotations
 
 from metaserver.table.columns import PageTable
-from metaserver.table.records import BATCH_PAGES, record_entries
+from metaserver.table.records import BATCH_PAGES, record_entries, unpack_segment
 
-from tablekit import keys_of, put, table
+from tablekit import etcd_pages, keys_of, named, put, table, write
 
 
 def pages(rec) -> dict[bytes, tuple]:
@@ -43,33 +43,40 @@ def test_a_commit_writes_records_of_at_most_batch_pages_in_directorys_layout():
     t.check()
 
 
-def test_pages_that_leave_rewrite_their_records_and_an_empty_record_goes():
-    t = table(2, 64)
-    t.dead_lists = False  # rewrites at once (dead lists: tests/unit/test_deadlist_writer.py)
+def test_pages_that_leave_reach_etcd_as_a_dead_list_and_an_empty_record_goes():
+    t = named(table(2, 64))
     put(t, keys_of(0, 128), gen=1)  # one record, the pool full (64 slots a node)
     (first,), _ = t.take_records()
-    first.value()  # the writer takes it: no later COMMIT joins it
+    etcd: dict = {}
+    write(etcd, [first])  # the writer takes it: no later COMMIT joins it
+    old = etcd[first.name]
     assert t.remove("a", keys_of(0, 3)) == [True] * 3
     put(t, keys_of(500, 510), gen=1000)  # room for 3, evictions for the rest
     puts, rewrites = t.take_records()
-    assert rewrites == [first] and len(puts) == 1
+    (dl,) = rewrites
+    assert dl.id == 0 and dl is not first and len(puts) == 1, "10 of 128 pages left: a dead list, no rewrite"
+    write(etcd, puts + rewrites)
+    assert etcd[first.name] == old and unpack_segment(etcd[dl.name]).dead_recs == [first.name]
     left = [k for k in keys_of(3, 128) if t.exists("a", [k])[0]]
-    assert len(left) == 118 and sorted(pages(first)) == sorted(left), "the record lists exactly the pages left"
-    assert pages(first) == locations(t, "a", left)
+    assert len(left) == 118
+    assert etcd_pages(etcd) == locations(t, "a", left + keys_of(500, 510)), "etcd lists exactly the pages left"
     t.detach_node("n1")
     on0 = locations(t, "a", left)
-    assert 0 < len(on0) < len(left) and pages(first) == on0, "a detached node's pages leave the record at once"
+    assert 0 < len(on0) < len(left) and pages(first) == on0, "a detached node's pages leave the record's value"
     while t.drop_slice("n1", 1000)[1] is None:
         pass
     _, rewrites = t.take_records()
-    assert first in rewrites and puts[0] in rewrites
+    write(etcd, rewrites)
     t.check()
     here = [k for k in keys_of(0, 600) if t.exists("a", [k])[0]]
-    assert here and t.remove("a", here) == [True] * len(here)
+    assert here and etcd_pages(etcd) == locations(t, "a", here), "the dropped node's pages are gone from etcd"
+    assert t.remove("a", here) == [True] * len(here)
     _, rewrites = t.take_records()
-    assert {r.name for r in rewrites} == {first.name, puts[0].name}
+    assert {first.name, puts[0].name} <= {r.name for r in rewrites}, "all gone: compacted, never dead-listed"
     old_id = first.id
-    assert first.value() is None and puts[0].value() is None, "nothing left: delete the records"
+    write(etcd, rewrites)
+    assert first.name not in etcd and puts[0].name not in etcd, "nothing left: the records deleted"
+    assert etcd_pages(etcd) == {} and all(unpack_segment(v).n == 0 for v in etcd.values()), "dead lists at most"
     assert not t.records
     put(t, keys_of(900, 905), gen=9000)
     (fresh,), _ = t.take_records()
