@@ -5,7 +5,7 @@ largest are inserted at their place). No I/O.
 
 Every access (COMMIT, LOOKUP, the RELEASE that ends a read, an ALLOC of a READY key) stamps its rows with the next
 values of one clock, in key order. A node that needs room takes victims from its candidate queue; an empty queue is
-refilled with the oldest READY unpinned rows of the node (``np.argpartition`` over its blocks; at least
+refilled with the oldest READY unpinned rows of the node (``least``: a sampled threshold over its blocks; at least
 ``CANDIDATES``, or 1/64 of the node's rows), each with the stamp it had. A candidate is evicted only if it is still
 READY, unpinned and carries that stamp; a row touched since then is newer than every row left in the queue, and a
 row not in the queue was newer than all of them when it was filled, so victims leave in exact stamp order. A victim
@@ -44,11 +44,7 @@ class TableEviction:
         if floors is not None:
             rows = rows[~self.quota.spared_rows(rows, floors)]
         key = self.links.order(rows) if self.links.linking else stamp[rows]  # prefix-lru: tier << 62 | stamp
-        k = min(len(rows), max(CANDIDATES, len(rows) // 64))
-        if k < len(rows):
-            part = np.argpartition(key, k - 1)[:k]
-            rows, key = rows[part], key[part]
-        by = np.argsort(key, kind="stable")
+        by = least(key, min(len(rows), max(CANDIDATES, len(rows) // 64)))
         rows, key = rows[by], key[by]
         c = self.cols
         node.queue = rows.tolist()
@@ -252,6 +248,27 @@ class QueueCopy:
                 x.qbase = at
                 at += x.qcap
         self.rows, self.keys, self.end = rows, keys, at
+
+
+def least(key: np.ndarray, k: int) -> np.ndarray:
+    """The positions of the ``k`` least of ``key`` in order (ties: by position), as a stable argsort's first ``k``.
+    A refill keeps 1/32 to 1/64 of a node's rows: a threshold from a strided sample of about 4k keys (its quantile a
+    little above k/n, so at least ``k`` keys pass it unless the sample misleads: then the exact k-th value) and a sort
+    of the keys that pass, instead of an argpartition of all n (at 31k keys 0.28 ms, most of a refill)."""
+    n = len(key)
+    step = n // (4 * k) if k else 0
+    cand = None
+    if step > 1:
+        sample = key[::step]
+        j0 = len(sample) * k / n
+        j = int(j0 * 1.25 + 3 * j0 ** 0.5) + 8
+        if j < len(sample):
+            cand = np.flatnonzero(key <= np.partition(sample, j)[j])
+    if cand is None or len(cand) < k:
+        if k >= n:
+            return np.argsort(key, kind="stable")[:k]
+        cand = np.flatnonzero(key <= np.partition(key, k - 1)[k - 1])
+    return cand.take(np.argsort(key.take(cand), kind="stable")[:k])
 
 
 def extents_of(codes: np.ndarray) -> np.ndarray:
