@@ -5,87 +5,16 @@ lost ALLOC answer is retried and the put still stores its page exactly once."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
 
+from proxies import Proxy
 from transport import wire
-
-
-class CuttingProxy:
-    """TCP proxy to ``upstream``. ``arm(direction, after)``: the next byte count past ``after`` in that direction
-    ("down": server to client, "up": client to server) closes both sides of that connection (once)."""
-
-    def __init__(self, upstream: str):
-        host, port = upstream.rsplit(":", 1)
-        self.upstream = (host, int(port))
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
-        self.armed: tuple[str, int] | None = None
-        self.cuts = 0
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def arm(self, direction: str, after: int) -> None:
-        with self.lock:
-            self.armed = (direction, after)
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                down, _ = self.sock.accept()
-            except OSError:
-                continue
-            up = socket.create_connection(self.upstream)
-            state = {"closed": False}
-            for src, dst, direction in ((down, up, "up"), (up, down, "down")):
-                threading.Thread(target=self._pump, args=(src, dst, direction, (down, up), state),
-                                 daemon=True).start()
-
-    def _pump(self, src, dst, direction, pair, state) -> None:
-        moved = 0
-        try:
-            for _ in range(1 << 30):  # bounded: ends when either side closes
-                data = src.recv(65536)
-                if not data:
-                    break
-                with self.lock:
-                    armed = self.armed
-                if armed is not None and armed[0] == direction and moved + len(data) > armed[1]:
-                    keep = armed[1] - moved
-                    if keep > 0:
-                        dst.sendall(data[:keep])
-                    with self.lock:
-                        self.armed = None
-                        self.cuts += 1
-                    break
-                dst.sendall(data)
-                moved += len(data)
-        except OSError:
-            pass
-        if not state["closed"]:
-            state["closed"] = True
-            for s in pair:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
 
 
 def via_proxy(client, proxies: dict) -> None:
     """Point a tcp client at a proxy in front of each node (the metaserver's node map, as the client caches it)."""
     client._refresh_nodes(client._deadline())
     for node_id, info in client._nodes.items():
-        p = proxies.setdefault(node_id, CuttingProxy(info["addr"]))
+        p = proxies.setdefault(node_id, Proxy(info["addr"]))
         info["addr"] = p.addr
 
 
@@ -145,7 +74,7 @@ def test_a_write_cut_halfway_is_aborted_and_can_be_retried(cluster):
 
 
 def test_a_lost_alloc_answer_is_retried_and_stores_the_page_once(cluster):
-    proxy = CuttingProxy(cluster.metaserver_addr)
+    proxy = Proxy(cluster.metaserver_addr)
     value = os.urandom(50_000)
     with cluster.client(metaserver=proxy.addr) as c:
         assert c.put("cut/warm", b"x")  # connected and introduced

@@ -1,5 +1,5 @@
 """Evictions as dead lists across a metaserver crash (real etcd, metaserver and node processes; etcd behind
-``test_evict_reuse.HoldingProxy``): an evicted page of a record that keeps other pages is named by a dead-list
+``proxies.Proxy``): an evicted page of a record that keeps other pages is named by a dead-list
 record, not a rewrite of its record (metaserver/table/commits.py). Lost (the metaserver SIGKILLed while etcd is
 held): the page reloads, and reads back as its own bytes or a miss, never another object's, since no ALLOC placed
 anything in its extent before the dead list was durable (the removal barrier). Durable: the next term does not load

@@ -3,12 +3,11 @@ etcd, metaserver and node processes; ``metaserver/store/batcher.py``'s removal b
 
 Page P (4 units) is evicted by the ALLOC of a 1-unit object R, which takes P's first unit (R's writer never writes:
 P's header stays); a 3-unit object Q then takes P's other three units and its writer writes them: P's header is
-intact and Q's bytes fill P's payload. etcd is out of reach all along (``HoldingProxy``: nothing the metaserver
-sends reaches it), so P's record rewrite (without P) is queued, not durable; the metaserver dies (SIGKILL) and the
-next term loads P from its old record. A reader of P
-then checks a good header over Q's bytes: wrong bytes, unless no ALLOC answer that placed an object in P's extent
-left the metaserver before that rewrite was durable (the fix: such an ALLOC waits for it). Both commit modes:
-``--commit async`` promises misses, never wrong bytes, as well.
+intact and Q's bytes fill P's payload. etcd is out of reach all along (``proxies.Proxy``, holding: nothing the
+metaserver sends reaches it), so P's record rewrite (without P) is queued, not durable; the metaserver dies (SIGKILL)
+and the next term loads P from its old record. A reader of P then checks a good header over Q's bytes: wrong bytes,
+unless no ALLOC answer that placed an object in P's extent left the metaserver before that rewrite was durable (the
+fix: such an ALLOC waits for it). Both commit modes: ``--commit async`` promises misses, never wrong bytes, as well.
 
 Not SIGSTOP: a frozen etcd reads the dead metaserver's last transaction from its socket once it runs again and
 applies it (the rewrite lands after all, sometimes), so the window closes or not by chance. The proxy holds what the
@@ -23,7 +22,6 @@ freeze is ended in ``finally``.
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from cluster import Cluster, eventually
+from proxies import Proxy
 from test_etcd_outage import etcd_view
 from test_failover import wait_leader
 from test_pool import payload
@@ -48,96 +47,6 @@ ENV = {"UMBP_ETCD_TIMEOUT_S": "20", "UMBP_PERSIST_RETRY_S": "60",  # a freeze of
 NS = "reuse"
 
 
-class HoldingProxy:
-    """TCP proxy to ``upstream`` (etcd). ``hold()``: what clients send is kept here, not forwarded; ``drop()``
-    closes every connection, throwing what was held away; ``release()``: what was held is sent, and forwarding
-    goes on."""
-
-    def __init__(self, upstream: str):
-        host, port = upstream.rsplit(":", 1)
-        self.upstream = (host, int(port))
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
-        self.lock = threading.Lock()
-        self.held = False
-        self.kept = 0  # bytes held back
-        self.conns: list[tuple[socket.socket, socket.socket]] = []
-        self.pending: dict[socket.socket, list[bytes]] = {}  # upstream socket -> chunks held for it
-        self.stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def hold(self) -> None:
-        with self.lock:
-            self.held = True
-
-    def drop(self) -> None:
-        with self.lock:
-            conns, self.conns = self.conns, []
-            self.pending.clear()
-        for pair in conns:
-            for s in pair:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-
-    def release(self) -> None:
-        with self.lock:
-            self.held = False
-            for dst, chunks in self.pending.items():
-                for data in chunks:
-                    try:
-                        dst.sendall(data)
-                    except OSError:
-                        break
-            self.pending.clear()
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                down, _ = self.sock.accept()
-            except OSError:
-                continue
-            up = socket.create_connection(self.upstream)
-            with self.lock:
-                self.conns.append((down, up))
-            threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
-
-    def _pump(self, src, dst, upward: bool) -> None:
-        try:
-            for _ in range(1 << 30):  # bounded: ends when either side closes
-                data = src.recv(65536)
-                if not data:
-                    break
-                if not upward:
-                    dst.sendall(data)
-                    continue
-                with self.lock:  # sent under the lock: after what release() flushes
-                    if self.held:
-                        self.kept += len(data)
-                        self.pending.setdefault(dst, []).append(data)
-                        continue
-                    dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
-        self.drop()
-
-
 def header_at(arena: Path, off: int) -> tuple[int, int] | None:
     """(key hash, generation) of the object header at arena offset ``off``, None when none is there."""
     with open(arena, "rb") as f:
@@ -147,11 +56,11 @@ def header_at(arena: Path, off: int) -> tuple[int, int] | None:
     return (kh, gen) if magic == wire.OBJ_MAGIC and version == wire.OBJ_VERSION else None
 
 
-def proxied_cluster(harness, commit: str) -> tuple[Cluster, HoldingProxy]:
-    """One node of 1 MiB, one metaserver that reaches etcd through a ``HoldingProxy``."""
+def proxied_cluster(harness, commit: str) -> tuple[Cluster, Proxy]:
+    """One node of 1 MiB, one metaserver that reaches etcd through a ``Proxy``."""
     cl = Cluster(harness, nodes=1, capacity="1MiB", metaservers=0)
     cl.etcd = harness.etcd()
-    proxy = HoldingProxy(cl.etcd.url)
+    proxy = Proxy(cl.etcd.url)
     cl.metaservers.append(harness.metaserver(proxy.addr, commit=commit, election_ttl=30, env=ENV))
     cl.add_node()
     cl.wait_nodes()
