@@ -11,8 +11,8 @@ file lies in; ``--clients`` threads each ``batch_put`` ``--batch`` new pages of 
 - ``no-watermark``: 1 / 1: every ALLOC evicts, so every one waits a transaction (its own rewrite).
 
 Printed per setting and commit mode: puts/s and the median and 90th percentile of a call. To compare with a tree
-before the barrier, copy this file into that tree's bench/ and run it there (the pool's processes come from the tree
-the file lies in). Nothing asserts.
+before the barrier, copy this file and bench/common.py into that tree's bench/ and run it there (the pool's processes
+come from the tree the file lies in). Nothing asserts.
 
 ``python bench/evictput.py [--seconds 6] [--clients 1,4] [--modes durable,async]``
 """
@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import umbp  # noqa: E402
+from bench.common import environ  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 
 
@@ -38,44 +39,35 @@ def run(mode: str, watermarks: bool, clients: int, seconds: float, capacity: str
     env = {"PYTHONPATH": ROOT}
     if not watermarks:
         env.update(UMBP_HIGH_WATERMARK="1", UMBP_LOW_WATERMARK="1")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with LocalPool(nodes=1, capacity=capacity, port=0, metrics=False,
-                       metaserver_args=["--commit", mode]) as pool:
-            value = np.random.default_rng(1).integers(0, 256, page, dtype=np.uint8).tobytes()
-            fill = umbp.Client(pool.metaserver)
-            cap = fill.stats()["capacity_bytes"]
-            for i in range(cap // page // batch + batch):  # past full: evictions from here on
-                fill.batch_put([b"fill/%d/%d" % (i, j) for j in range(batch)], [value] * batch)
-            before = fill.stats()
-            lat: list[list[float]] = [[] for _ in range(clients)]
-            stop = time.monotonic() + seconds
+    with environ(env), LocalPool(nodes=1, capacity=capacity, port=0, metrics=False,
+                                 metaserver_args=["--commit", mode]) as pool:
+        value = np.random.default_rng(1).integers(0, 256, page, dtype=np.uint8).tobytes()
+        fill = umbp.Client(pool.metaserver)
+        cap = fill.stats()["capacity_bytes"]
+        for i in range(cap // page // batch + batch):  # past full: evictions from here on
+            fill.batch_put([b"fill/%d/%d" % (i, j) for j in range(batch)], [value] * batch)
+        before = fill.stats()
+        lat: list[list[float]] = [[] for _ in range(clients)]
+        stop = time.monotonic() + seconds
 
-            def put(w: int) -> None:
-                with umbp.Client(pool.metaserver) as c:
-                    i = 0
-                    while time.monotonic() < stop:
-                        t0 = time.perf_counter()
-                        c.batch_put([b"w%d/%d/%d" % (w, i, j) for j in range(batch)], [value] * batch)
-                        lat[w].append(time.perf_counter() - t0)
-                        i += 1
+        def put(w: int) -> None:
+            with umbp.Client(pool.metaserver) as c:
+                i = 0
+                while time.monotonic() < stop:
+                    t0 = time.perf_counter()
+                    c.batch_put([b"w%d/%d/%d" % (w, i, j) for j in range(batch)], [value] * batch)
+                    lat[w].append(time.perf_counter() - t0)
+                    i += 1
 
-            t0 = time.monotonic()
-            threads = [threading.Thread(target=put, args=(w,)) for w in range(clients)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.monotonic() - t0
-            after = fill.stats()
-            fill.close()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=put, args=(w,)) for w in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.monotonic() - t0
+        after = fill.stats()
+        fill.close()
     calls = np.array([x for xs in lat for x in xs])
     return {"puts_s": len(calls) * batch / wall, "p50_ms": float(np.median(calls)) * 1e3,
             "p90_ms": float(np.percentile(calls, 90)) * 1e3,

@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import umbp  # noqa: E402
+from bench.common import make_certs as _certs  # noqa: E402
 from bench.pool import BATCH, KiB, best_rate, label, raw_tcp_gbps  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 
@@ -112,24 +113,6 @@ def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], 
             out[kind] = rate(one, len(batches), min_time, cpu)
             out[kind + " cpu"] = cpu[0]
     return out
-
-
-def _certs(d: str) -> bool:
-    """A CA and a server certificate for 127.0.0.1 in ``d`` (``openssl``); False when there is no openssl."""
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        return False
-    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True, timeout=60)  # noqa
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-        "-subj", "/CN=umbp bench ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=127.0.0.1")
-    with open(os.path.join(d, "ext.cnf"), "w") as fh:
-        fh.write("subjectAltName = IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
-        "-days", "1", "-extfile", "ext.cnf")
-    return True
 
 
 def tls_rows(plain_ms: str, min_time: float, rounds: int = 3) -> list[str]:

@@ -370,20 +370,14 @@ def tls_cost_row(plain_ms: str, min_time: float) -> str:
     """tcp get 1 MiB x64 with TLS on (a second one-node pool serving TLS, certificates made here with ``openssl``)
     against TLS off (the bench's own pool), same run: the ratio is what TLS costs on this machine."""
     import shutil
-    import subprocess
     import tempfile
 
-    if shutil.which("openssl") is None:
-        return "tcp get 1 MiB, TLS on vs off: skipped (no `openssl` command to make certificates with)"
+    from bench.common import environ, make_certs, tls_env
+
     d = tempfile.mkdtemp(prefix="umbp-bench-tls-")
-    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True, timeout=60)  # noqa
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-        "-subj", "/CN=umbp bench ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=127.0.0.1")
-    with open(os.path.join(d, "ext.cnf"), "w") as fh:
-        fh.write("subjectAltName = IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
-        "-days", "1", "-extfile", "ext.cnf")
+    if not make_certs(d):
+        shutil.rmtree(d, ignore_errors=True)
+        return "tcp get 1 MiB, TLS on vs off: skipped (no `openssl` command to make certificates with)"
     pages = [np.random.randint(0, 255, MiB, dtype=np.uint8) for _ in range(BATCH)]
     outs = [np.empty(MiB, np.uint8) for _ in range(BATCH)]
 
@@ -396,18 +390,10 @@ def tls_cost_row(plain_ms: str, min_time: float) -> str:
             return BATCH * MiB / timed(lambda: c.batch_get_into(keys, outs), min_time) / 1e9
 
     off = gbps(plain_ms, "")
-    saved = {k: os.environ.get(k) for k in ("UMBP_TLS_CERT", "UMBP_TLS_KEY", "UMBP_TLS_CA")}
-    os.environ.update(UMBP_TLS_CERT=os.path.join(d, "s.pem"), UMBP_TLS_KEY=os.path.join(d, "s.key"),
-                      UMBP_TLS_CA=os.path.join(d, "ca.pem"))  # the TLS pool's processes inherit them
     try:
-        with LocalPool(nodes=1, capacity="256MiB", port=0, metrics=False) as tp:
-            on = gbps(tp.metaserver, os.path.join(d, "ca.pem"))
+        with environ(tls_env(d)), LocalPool(nodes=1, capacity="256MiB", port=0, metrics=False) as tp:
+            on = gbps(tp.metaserver, os.path.join(d, "ca.pem"))  # (the TLS pool's processes inherit the env)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(d, ignore_errors=True)
     return row(f"tcp get 1 MiB x{BATCH}, TLS on", on, "GB/s", f"tcp get 1 MiB x{BATCH}, TLS off GB/s", off, None)
 
