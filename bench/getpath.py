@@ -115,7 +115,25 @@ def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], 
     return out
 
 
-def tls_rows(plain_ms: str, min_time: float, rounds: int = 3) -> list[str]:
+def _thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process ``pid`` (Linux /proc; {} elsewhere)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def tls_rows(plain_pool: LocalPool, min_time: float, rounds: int = 3) -> list[str]:
     """TLS gets of 1 MiB x64 against plaintext ones, same run (see the module docstring)."""
     import shutil
     import tempfile
@@ -134,9 +152,11 @@ def tls_rows(plain_ms: str, min_time: float, rounds: int = 3) -> list[str]:
     keys = [f"tls/{i}" for i in range(BATCH)]
     saved = {k: os.environ.get(k) for k in ("UMBP_TLS_CERT", "UMBP_TLS_KEY", "UMBP_TLS_CA")}
     got: dict[str, list[float]] = {}
+    cpu: dict[str, list] = {}
+    pids: dict[str, int] = {}
     engaged = False
     try:
-        plain = umbp.Client(plain_ms, namespace="getpath-tls", transport="tcp")
+        plain = umbp.Client(plain_pool.metaserver, namespace="getpath-tls", transport="tcp")
         os.environ.update(UMBP_TLS_CERT=os.path.join(d, "s.pem"), UMBP_TLS_KEY=os.path.join(d, "s.key"),
                           UMBP_TLS_CA=ca)  # the TLS pool's processes inherit them
         with LocalPool(nodes=1, capacity="256MiB", port=0, metrics=False) as tp, plain:
@@ -157,15 +177,25 @@ def tls_rows(plain_ms: str, min_time: float, rounds: int = 3) -> list[str]:
             if ktls_client is not None:
                 t = next(iter(ktls_client._transports.values()))
                 engaged = t._conn is not None and tls.ktls_engaged(t._conn.sock)
+            pids.update({name: next(ch.proc.pid for ch in pool.children if ch.name.startswith("node"))
+                         for name, pool in (("plain", plain_pool), ("tls", tp))})
             for _ in range(rounds):  # alternating: the machine's load drifts alike for each
                 for name, c, k in clients:
                     tcp.TLS_STREAMS = k
-                    ts, t0 = [], time.perf_counter()
+                    pid = pids["plain" if name == "plain" else "tls"]
+                    ts, t0, n0, p0 = [], time.perf_counter(), _thread_cpu(pid), time.process_time()
                     while time.perf_counter() - t0 < min_time / rounds or len(ts) < 3:
                         t = time.perf_counter()
                         c.batch_get_into(keys, out)
                         ts.append(time.perf_counter() - t)
+                    n1, gb = _thread_cpu(pid), len(ts) * BATCH * size / 1e9
                     got.setdefault(name, []).append(BATCH * size / float(np.median(ts)) / 1e9)
+                    used = cpu.setdefault(name, [0.0, 0.0, {}, 0.0])  # client s, node s, node s by thread, GB
+                    used[0] += time.process_time() - p0
+                    used[3] += gb
+                    for tid, sec in n1.items():
+                        used[2][tid] = used[2].get(tid, 0.0) + sec - n0.get(tid, 0.0)
+                    used[1] = sum(used[2].values())
             tcp.TLS_STREAMS = streams
             secure.close()
             if ktls_client is not None:
@@ -178,12 +208,21 @@ def tls_rows(plain_ms: str, min_time: float, rounds: int = 3) -> list[str]:
             else:
                 os.environ[k] = v
         shutil.rmtree(d, ignore_errors=True)
+    def per_gb(name: str) -> str:  # CPU seconds a GB: the client (all its threads), the node, its event loop
+        cl, nd, by_thread, gb = cpu[name]
+        pid = pids["plain" if name == "plain" else "tls"]  # the node's main thread runs its event loop
+        other = max([v for t, v in by_thread.items() if t != pid] or [0.0])
+        return (f"cpu s/GB: client {cl / gb:4.2f}, node {nd / gb:4.2f} (its loop {by_thread.get(pid, 0.0) / gb:4.2f}, "
+                f"busiest other thread {other / gb:4.2f})"
+                if gb and by_thread else "")
+
     base = float(np.median(got.pop("plain")))
-    lines = [f"tcp get   1 MiB x{BATCH} plaintext                  {base:6.2f} GB/s (median of {rounds} rounds)"]
+    lines = [f"tcp get   1 MiB x{BATCH} plaintext                  {base:6.2f} GB/s (median of {rounds} rounds) | "
+             f"{per_gb('plain')}"]
     for name, xs in got.items():
         gbps = float(np.median(xs))
         lines.append(f"tcp get   1 MiB x{BATCH} {name:<26} {gbps:6.2f} GB/s | {gbps / base:5.2f}x plaintext "
-                     f"{base:6.2f} (target >= 0.5x)")
+                     f"{base:6.2f} (target >= 0.5x) | {per_gb(name)}")
     if not can_ktls:
         lines.append(f"!!! kTLS NOT AVAILABLE on this machine, not measured: {why}")
     elif not engaged:
@@ -267,7 +306,7 @@ def main() -> int:
                 lines.append(line)
                 print(line, flush=True)
         if args.tls != "off":
-            for line in tls_rows(pool.metaserver, min_time):
+            for line in tls_rows(pool, min_time):
                 lines.append(line)
                 print(line, flush=True)
     print("\n=== summary (GB/s | ratio to each same-run baseline, baseline GB/s) ===")

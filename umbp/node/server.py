@@ -43,7 +43,7 @@ import time
 import uuid
 from typing import Any
 
-from transport import slotrules, wire
+from transport import slotrules, tlsserve, wire
 from transport.shm import boot_id
 from umbp.admission import Admission
 from umbp.node.arena import Arena
@@ -286,6 +286,13 @@ class DataProtocol(FramedProtocol):
 
     def connection_made(self, transport):
         self.admit(transport)
+
+    def _start_tls(self, raw: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        """TLS through ``transport.tlsserve``: big read answers are encrypted on worker threads, not the loop."""
+        self.handshaking = True
+        waiter = loop.create_future()
+        tlsserve.start(self, raw, self.tls, self.admission.auth_timeout_s, waiter)
+        waiter.add_done_callback(lambda w: self._handshake_ended(w, raw))
 
     def ready(self) -> None:
         """The transport requests arrive on (TLS: once the handshake is done) is set up for answers."""
