@@ -104,6 +104,7 @@ class PageTable(TableNodes, TableRecords, TableEviction):
         self.nodes: list[NodeRows | None] = []  # by node index; None: a retired index, free for the next node
         self.node_by_id: dict[str, NodeRows] = {}  # the live node of each id
         self.placing: list[NodeRows] = []  # placeable live nodes, in index order
+        self.placing_min = 0  # the smallest arena of ``placing`` (nodes.py ``_placeable``)
         self._rr = 0  # round-robin placement cursor
         self.dead = np.zeros(0, bool)  # by node index: detached (LOOKUP masks its rows while it is dying)
         self.dying: dict[str, NodeRows] = {}  # detached nodes whose READY rows are being dropped
@@ -304,15 +305,20 @@ class PageTable(TableNodes, TableRecords, TableEviction):
         commit it)."""
         rows = self._find(ns, keys)
         c = self.cols
-        found = rows >= 0
+        found = rows >= _NO_ROW0
+        nf = np.count_nonzero(found)
         ok = np.zeros(len(keys), bool)
-        if found.any():
-            fr = rows[found]
-            st = c["state"][fr]
-            same = c["gen"][fr] == np.array(gens, np.uint64)[found]
+        if nf:
+            every = nf == len(keys)  # (every key found, the usual: no masks)
+            fr = rows if every else rows[found]
+            st = c["state"].take(fr)
+            same = c["gen"].take(fr) == (np.array(gens, np.uint64) if every else np.array(gens, np.uint64)[found])
             if self.any_shared:  # never a shared entry's row: its ranks' COMMITs complete it (table/shared.py)
                 same &= self.code_parts.take(c["size"].take(fr)) == 0
-            ok[found] = same
+            if every:
+                ok = same
+            else:
+                ok[found] = same
             new = fr[same & (st == PENDING)]
             if len(new):
                 if len(set(keys)) < len(keys):  # a key given twice: once, in key order

@@ -43,7 +43,7 @@ class TableEviction:
         rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         if floors is not None:
             rows = rows[~self.quota.spared_rows(rows, floors)]
-        key = self.links.order(rows) if self.links.linking else stamp[rows]  # prefix-lru: tier << 62 | stamp
+        key = self.links.order(rows) if self.links.linking else stamp.take(rows)  # prefix-lru: tier << 62 | stamp
         by = least(key, min(len(rows), max(CANDIDATES, len(rows) // 64)))
         rows, key = rows[by], key[by]
         c = self.cols
@@ -52,8 +52,8 @@ class TableEviction:
         if self.links.linking:  # a row whose key falls below this is queued at its place (tablelinks.requeue)
             self.links.refilled(node, int(key[-1]) if len(key) else 0)
         node.qoff = self.offsets_of(rows)
-        node.qcode = self.code_arr[c["size"][rows]].tolist()
-        node.qns = c["ns"][rows].tolist()
+        node.qcode = self.code_arr.take(c["size"].take(rows)).tolist()
+        node.qns = c["ns"].take(rows).tolist()
         node.qpos = 0
         if not self.links.linking:  # prefix-lru inserts into the lists: its queues have no copy (no _handover)
             self.qcopy.put(node, rows, key)

@@ -98,7 +98,7 @@ _S29, _S32 = np.array(29, np.uint64), np.array(32, np.uint64)
 _ONE16, _ONE32 = np.array(1, np.uint16), np.array(1, np.uint32)
 _ALL4 = np.array(0x01010101, np.uint32)  # four true bools read as one u32
 _SLOTS0, _GAP0 = np.array(SLOTS, np.int64), np.array(_WORDS - SLOTS, np.int64)
-SET_FIRST = 64  # up to this many deletes a round tell whether two share a bucket with a set, past it np.unique
+SET_FIRST = 128  # up to this many deletes a round tell whether two share a bucket with a set, past it np.unique
 PLACE_ROWS = 1 << 20  # rows an insert files a ``_place`` at most (``_file``)
 
 
@@ -428,7 +428,7 @@ class KeyIndex:
             won = (fills[to] >> 4) == idx
             fills[to] = fill
             ok = won & (fill < SLOTS)
-            i = np.flatnonzero(ok)
+            i = ok.nonzero()[0]  # (not np.flatnonzero: three Python calls about one C one)
             if len(i):
                 b, sl = to[i], fill[i]
                 tab.rows[b, sl] = val[i]
@@ -436,13 +436,13 @@ class KeyIndex:
                 fills[b] = sl + 1
                 tab.live += len(i)
             left = ~ok
-            full = np.flatnonzero(won & (fill >= SLOTS))  # both buckets full (one key a bucket, as above)
+            full = (won & (fill >= SLOTS)).nonzero()[0]  # both buckets full (one key a bucket, as above)
             if len(full):
                 moved, stuck = self._shift(tab, full, b1, b2, val, tag, ns_col)
                 left[moved] = False
                 if len(stuck):  # no row of either bucket can move to its other one: kick one out (a random walk)
                     self._kick(tab, stuck, rows, val, tag, b1, b2, came, ns_col)
-            keep = np.flatnonzero(left)
+            keep = left.nonzero()[0]
             rows, val, tag, b1, b2, came = (a[keep] for a in (rows, val, tag, b1, b2, came))
         self.stash = np.concatenate((self.stash, rows))
 

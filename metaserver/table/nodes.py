@@ -101,6 +101,7 @@ class TableNodes:
 
     def _placeable(self) -> None:
         self.placing = [n for n in self.nodes if n is not None and n.placeable and not n.dead]
+        self.placing_min = min((n.alloc.capacity for n in self.placing), default=0)  # what any of them can hold
 
     def drain(self, node_id: str) -> tuple[int, int]:
         """Stop placing on ``node_id`` and drop its unpinned READY pages (an operator's drain before maintenance).

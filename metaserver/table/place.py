@@ -52,14 +52,17 @@ def take_rows(t, node, m: int) -> np.ndarray:
 def items_of(t, state: np.ndarray, rows: np.ndarray) -> list:
     """The list form of ``alloc_rows``' answer: ``(NEW, node_id, offset, payload_len, gen)`` for a NEW key (from its
     row's columns), the state's fixed item otherwise."""
-    new = np.flatnonzero(state == NEW)
+    new = (state == NEW).nonzero()[0]
     if not len(new):
         return [_ITEM[s] for s in state.tolist()]
-    items = [_ITEM.get(s) for s in state.tolist()]
     r = rows.take(new)
     c = t.cols
-    for i, it in zip(new.tolist(), zip(repeat(NEW), t.node_names.take(c["node"].take(r)).tolist(), t.offsets_of(r),
-                                       t.code_arr.take(c["size"].take(r)).tolist(), c["gen"].take(r).tolist())):
+    got = list(zip(repeat(NEW), t.node_names.take(c["node"].take(r)).tolist(), t.offsets_of(r),
+                   t.code_arr.take(c["size"].take(r)).tolist(), c["gen"].take(r).tolist()))
+    if len(got) == len(state):  # every key NEW (a full pool's puts): the items as they are
+        return got
+    items = list(map(_ITEM.get, state.tolist()))
+    for i, it in zip(new.tolist(), got):
         items[i] = it
     return items
 
@@ -110,10 +113,10 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
     hit = found >= _NO_ROW0
     nh = np.count_nonzero(hit)
     simple = ARRAYS and (parents is None or parents.count(None) == n) and not np.count_nonzero(found_st == _PENDING0) \
-        and len(set(keys)) == n and (not nh or nh == n or int(np.argmin(hit)) > int(np.flatnonzero(hit)[-1]))
+        and len(set(keys)) == n and (not nh or nh == n or int(np.argmin(hit)) > int(hit.nonzero()[0][-1]))
     if simple and t.placing and n:
         top = extent_size(max(sizes))
-        simple = all(node.alloc.capacity >= top for node in t.placing)
+        simple = t.placing_min >= top
     if simple:
         rows, new, used = _bulk(t, sizes, found, state)
     else:
@@ -199,7 +202,7 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         group = group * u + np.array([q_of[s] for s in new_sizes], np.int64)
     order = np.argsort(group, kind="stable")
     per = np.bincount(group)
-    gs = np.flatnonzero(per)
+    gs = per.nonzero()[0]
     counts = per.take(gs)
     starts = np.cumsum(counts) - counts
     groups = [divmod(g, u) for g in gs.tolist()]
