@@ -2,7 +2,7 @@
 arena and which are staged, checked on a real pool with test doubles (this machine has no GPU).
 
 Host arrays stand for device memory (their addresses go in the ``DeviceBatch`` segment table) and a kernel double
-runs each launch's segment table with memmove, as tests/test_copies.py does for reads. Checked: NEW places on shm
+runs each launch's segment table with memmove, as tests/test_copies_cuda.py does for reads. Checked: NEW places on shm
 nodes go to the kernel (one launch per chunk, no staging), every old header is invalid while the payload lands and
 the header is written after it; a failing launch aborts its keys (nothing committed, the places free again at once);
 pages over tcp and clients with checksums keep the staged path; ``LayerwiseLoader.store`` and ``PipelinedStore`` run
