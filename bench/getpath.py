@@ -12,8 +12,9 @@ memcpy, tensors >= 0.75x, 16 KiB >= 0.7x; tcp 64 KiB and 1 MiB >= 0.8x the raw s
 
 TLS (``--tls``, on by default; needs the ``openssl`` command for throwaway certificates): tcp gets of 1 MiB x64 from a
 second one-node pool serving TLS, against plaintext gets of the same size from the first pool, alternating in the same
-run (median GB/s of batches): with one connection per node (``transport.tcp.TLS_STREAMS`` = 1), with the batch split
-over ``TLS_STREAMS`` connections received in parallel threads (the default), and with kernel TLS on the client's
+run (median GB/s of batches; CPU seconds a GB of the client, the node, its event loop and its busiest other thread):
+with one connection per node (``ClientConfig.tls_streams`` = 1), with the batch split over the default
+``tls_streams`` connections received in parallel threads, and with kernel TLS (``ClientConfig.ktls``) on the client's
 receive side where the kernel and OpenSSL have it; where they do not, the output says so, with the reason. Target
 (issue 45): TLS >= 0.5x plaintext.
 
@@ -37,7 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import umbp  # noqa: E402
-from bench.common import make_certs as _certs  # noqa: E402
+from bench.common import environ, make_certs as _certs, tls_env  # noqa: E402
 from bench.pool import BATCH, KiB, best_rate, label, raw_tcp_gbps  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 
@@ -134,14 +135,15 @@ def _thread_cpu(pid: int) -> dict[int, float]:
 
 
 def tls_rows(plain_pool: LocalPool, min_time: float, rounds: int = 3) -> list[str]:
-    """TLS gets of 1 MiB x64 against plaintext ones, same run (see the module docstring)."""
+    """TLS gets of 1 MiB x64 against plaintext ones, same run (see the module docstring), with the CPU seconds a GB
+    of the client, the node, the node's event loop thread and its busiest other thread (``_thread_cpu``)."""
     import shutil
     import tempfile
 
-    import transport.tcp as tcp
     from umbp import tls
+    from umbp.config import ClientConfig, resolve
 
-    size, streams = 1 << 20, tcp.TLS_STREAMS
+    size, streams = 1 << 20, ClientConfig.tls_streams
     d = tempfile.mkdtemp(prefix="umbp-bench-tls-")
     if not _certs(d):
         return ["tls: SKIPPED (no `openssl` command to make certificates with)"]
@@ -150,71 +152,57 @@ def tls_rows(plain_pool: LocalPool, min_time: float, rounds: int = 3) -> list[st
     vals = np.random.default_rng(7).integers(0, 256, (BATCH, size), dtype=np.uint8)
     out = np.zeros_like(vals)
     keys = [f"tls/{i}" for i in range(BATCH)]
-    saved = {k: os.environ.get(k) for k in ("UMBP_TLS_CERT", "UMBP_TLS_KEY", "UMBP_TLS_CA")}
     got: dict[str, list[float]] = {}
-    cpu: dict[str, list] = {}
+    cpu: dict[str, list] = {}  # name -> [client s, node s, {node thread: s}, GB]
     pids: dict[str, int] = {}
     engaged = False
     try:
-        plain = umbp.Client(plain_pool.metaserver, namespace="getpath-tls", transport="tcp")
-        os.environ.update(UMBP_TLS_CERT=os.path.join(d, "s.pem"), UMBP_TLS_KEY=os.path.join(d, "s.key"),
-                          UMBP_TLS_CA=ca)  # the TLS pool's processes inherit them
-        with LocalPool(nodes=1, capacity="256MiB", port=0, metrics=False) as tp, plain:
-            secure = umbp.Client(tp.metaserver, namespace="getpath-tls", transport="tcp", tls_ca=ca)
-            ktls_client = None
+        # the plaintext client first: made inside tls_env it would take UMBP_TLS_CA and speak TLS
+        with umbp.Client(plain_pool.metaserver, namespace="getpath-tls", transport="tcp") as plain, \
+                environ(tls_env(d)), LocalPool(nodes=1, capacity="256MiB", port=0, metrics=False) as tp:
+            def secure(k: int, ktls: bool = False) -> umbp.Client:
+                return umbp.Client(config=resolve(ClientConfig, {
+                    "metaserver": tp.metaserver, "namespace": "getpath-tls", "transport": "tcp", "tls_ca": ca,
+                    "tls_streams": k, "ktls": ktls}))
+
+            clients = [("plain", plain), ("tls 1 stream", secure(1)), (f"tls {streams} streams", secure(streams))]
             if can_ktls:
-                ktls_client = umbp.Client(tp.metaserver, namespace="getpath-tls", transport="tcp", tls_ca=ca)
-            clients = [("plain", plain, 1), ("tls 1 stream", secure, 1), (f"tls {streams} streams", secure, streams)]
-            if ktls_client is not None:
-                clients.append((f"tls+ktls {streams} streams", ktls_client, streams))
-            for name, c, _k in clients:
-                tls.KTLS = c is ktls_client  # its connections (made now) take a context of their own
-                try:
-                    c.batch_put(keys, vals)
-                    assert c.batch_get_into(keys, out) == [size] * BATCH and np.array_equal(out, vals), name
-                finally:
-                    tls.KTLS = False
-            if ktls_client is not None:
-                t = next(iter(ktls_client._transports.values()))
+                clients.append((f"tls+ktls {streams} streams", secure(streams, ktls=True)))
+            for name, c in clients:
+                c.batch_put(keys, vals)
+                assert c.batch_get_into(keys, out) == [size] * BATCH and np.array_equal(out, vals), name
+            if can_ktls:
+                t = next(iter(clients[-1][1]._transports.values()))
                 engaged = t._conn is not None and tls.ktls_engaged(t._conn.sock)
             pids.update({name: next(ch.proc.pid for ch in pool.children if ch.name.startswith("node"))
                          for name, pool in (("plain", plain_pool), ("tls", tp))})
             for _ in range(rounds):  # alternating: the machine's load drifts alike for each
-                for name, c, k in clients:
-                    tcp.TLS_STREAMS = k
+                for name, c in clients:
                     pid = pids["plain" if name == "plain" else "tls"]
                     ts, t0, n0, p0 = [], time.perf_counter(), _thread_cpu(pid), time.process_time()
                     while time.perf_counter() - t0 < min_time / rounds or len(ts) < 3:
                         t = time.perf_counter()
                         c.batch_get_into(keys, out)
                         ts.append(time.perf_counter() - t)
-                    n1, gb = _thread_cpu(pid), len(ts) * BATCH * size / 1e9
+                    n1 = _thread_cpu(pid)
                     got.setdefault(name, []).append(BATCH * size / float(np.median(ts)) / 1e9)
-                    used = cpu.setdefault(name, [0.0, 0.0, {}, 0.0])  # client s, node s, node s by thread, GB
+                    used = cpu.setdefault(name, [0.0, 0.0, {}, 0.0])
                     used[0] += time.process_time() - p0
-                    used[3] += gb
+                    used[3] += len(ts) * BATCH * size / 1e9
                     for tid, sec in n1.items():
                         used[2][tid] = used[2].get(tid, 0.0) + sec - n0.get(tid, 0.0)
                     used[1] = sum(used[2].values())
-            tcp.TLS_STREAMS = streams
-            secure.close()
-            if ktls_client is not None:
-                ktls_client.close()
+            for _name, c in clients[1:]:
+                c.close()
     finally:
-        tcp.TLS_STREAMS = streams
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(d, ignore_errors=True)
-    def per_gb(name: str) -> str:  # CPU seconds a GB: the client (all its threads), the node, its event loop
+
+    def per_gb(name: str) -> str:
         cl, nd, by_thread, gb = cpu[name]
         pid = pids["plain" if name == "plain" else "tls"]  # the node's main thread runs its event loop
         other = max([v for t, v in by_thread.items() if t != pid] or [0.0])
         return (f"cpu s/GB: client {cl / gb:4.2f}, node {nd / gb:4.2f} (its loop {by_thread.get(pid, 0.0) / gb:4.2f}, "
-                f"busiest other thread {other / gb:4.2f})"
-                if gb and by_thread else "")
+                f"busiest other thread {other / gb:4.2f})" if gb and by_thread else "")
 
     base = float(np.median(got.pop("plain")))
     lines = [f"tcp get   1 MiB x{BATCH} plaintext                  {base:6.2f} GB/s (median of {rounds} rounds) | "

@@ -16,6 +16,8 @@ import time
 import pytest
 
 import transport.tcp as tcp
+from umbp.config import ClientConfig, resolve
+from umbp.errors import ConfigError
 from test_hardening_auth import TENANT_A, certs, client, tls_pool  # noqa: F401  (fixtures)
 from waiting import eventually
 
@@ -37,12 +39,22 @@ def _queued(sock) -> int:
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
 
 
+def test_tls_streams_and_ktls_are_client_settings():
+    assert resolve(ClientConfig, {}, env={"UMBP_TLS_STREAMS": "2", "UMBP_KTLS": "1"}) == ClientConfig(tls_streams=2,
+                                                                                                     ktls=True)
+    assert ClientConfig().tls_streams == 4 and ClientConfig().ktls is False
+    for bad in ({"tls_streams": 0}, {"tls_streams": 17}, {"tls_streams": 2.0}, {"ktls": "yes"}):
+        with pytest.raises(ConfigError, match="client: (tls_streams|ktls)"):
+            ClientConfig(**bad)
+    t = tcp.TcpTransport("n", "127.0.0.1:1", tls_ca="x", tls_streams=3)
+    assert [hi - lo for lo, hi in t._split([dataclasses.make_dataclass("Op", ["length"])(MiB)] * 6)] == [2, 2, 2]
+
+
 def test_big_pages_over_tls_streams_byte_exact(tls_pool, certs, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(tcp, "TLS_STREAMS", 4)
     monkeypatch.setattr(tcp, "TLS_SPLIT_BYTES", 1 << 20)
     pages = _pages(40)  # about 33 MB
     keys = [f"b-{i}" for i in range(len(pages))]
-    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"]) as c:
+    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"], tls_streams=4) as c:
         assert c.batch_put(keys, pages) == [True] * len(pages)
         for rnd in range(3):  # whole batches, then parts of one (other splits, one small answer alone)
             pick = range(len(pages)) if rnd < 2 else range(3, 12)
@@ -55,12 +67,11 @@ def test_big_pages_over_tls_streams_byte_exact(tls_pool, certs, monkeypatch):  #
 
 
 def test_a_stalled_tls_peer_does_not_stop_the_node(tls_pool, certs, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(tcp, "TLS_STREAMS", 4)
     monkeypatch.setattr(tcp, "TLS_SPLIT_BYTES", 1 << 20)
     pages = _pages(16)  # about 14 MB a batch: each stream's part about 3.5 MB
     keys = [f"s-{i}" for i in range(len(pages))]
-    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"]) as stalled, \
-            client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"]) as other:
+    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"], tls_streams=4) as stalled, \
+            client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"], tls_streams=4) as other:
         assert stalled.batch_put(keys, pages) == [True] * len(pages)
         t = _transport(stalled)
         seen = []

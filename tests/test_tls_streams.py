@@ -1,6 +1,6 @@
-"""TLS reads split over several connections a node (``transport.tcp.TLS_STREAMS``, issue 45), against a closed pool
+"""TLS reads split over several connections a node (``ClientConfig.tls_streams``, issue 45), against a closed pool
 serving TLS: a big batch lands whole over every stream, a dropped stream is opened again, a small batch (or
-TLS_STREAMS 1) keeps one connection, and a stream lost mid-batch fails only its own pages (misses) while the other
+tls_streams 1) keeps one connection, and a stream lost mid-batch fails only its own pages (misses) while the other
 streams' pages land."""
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ def _transport(c) -> tcp.TcpTransport:
 
 
 def test_big_tls_batches_split_over_streams(tls_pool, certs, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(tcp, "TLS_STREAMS", 4)
     monkeypatch.setattr(tcp, "TLS_SPLIT_BYTES", 1 << 20)
     pages = _pages(24, 100_000)  # 2.4 MB: split
     keys = [f"s-{i}" for i in range(len(pages))]
-    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"]) as c:
+    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"], tls_streams=4) as c:
         assert c.batch_put(keys, pages) == [True] * len(pages)
         outs = [bytearray(len(p)) for p in pages]
         assert c.batch_get_into(keys, outs) == [len(p) for p in pages]
@@ -42,9 +41,9 @@ def test_big_tls_batches_split_over_streams(tls_pool, certs, monkeypatch):  # no
         outs = [bytearray(len(p)) for p in pages]
         assert c.batch_get_into(keys, outs) == [len(p) for p in pages] and [bytes(o) for o in outs] == pages
         assert t._more[0] is first[0] and t._more[2] is first[2] and t._more[1] is not first[1]
-        # below TLS_SPLIT_BYTES, and with TLS_STREAMS 1: one connection carries the batch
+        # below TLS_SPLIT_BYTES, and with tls_streams 1: one connection carries the batch
         for small, streams in ((True, 4), (False, 1)):
-            monkeypatch.setattr(tcp, "TLS_STREAMS", streams)
+            t.tls_streams = streams
             sent = []
             monkeypatch.setattr(tcp.TcpTransport, "_start_read",
                                 lambda self, ops, dl, k=0, real=tcp.TcpTransport._start_read: (sent.append(k), real(
@@ -58,7 +57,6 @@ def test_big_tls_batches_split_over_streams(tls_pool, certs, monkeypatch):  # no
 
 
 def test_a_stream_lost_mid_batch_fails_only_its_pages(tls_pool, certs, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(tcp, "TLS_STREAMS", 4)
     monkeypatch.setattr(tcp, "TLS_SPLIT_BYTES", 1 << 20)
     pages = _pages(24, 100_000)
     keys = [f"l-{i}" for i in range(len(pages))]
@@ -69,7 +67,7 @@ def test_a_stream_lost_mid_batch_fails_only_its_pages(tls_pool, certs, monkeypat
             pending.state[0].close()  # the connection is gone after the requests went out
         return real(self, pending, deadline, stream)
 
-    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"]) as c:
+    with client(tls_pool.metaserver_addr, TENANT_A, transport="tcp", tls_ca=certs["ca"], tls_streams=4) as c:
         assert c.batch_put(keys, pages) == [True] * len(pages)
         parts = _transport(c)._split([types.SimpleNamespace(length=len(p)) for p in pages])
         assert len(parts) == 4

@@ -112,7 +112,8 @@ class FramedSocket:
     it, a closed one answers its first request with AUTH "authentication required"."""
 
     def __init__(self, addr: str, component: str, deadline: float, token: str | None = None,
-                 hello: bool = False, tls_ca: str = ""):
+                 hello: bool = False, tls_ca: str = "", ktls: bool = False):
+        self.ktls = ktls  # TLS: ask OpenSSL for kernel TLS (umbp/tls.py)
         self.addr = addr
         self.component = component
         self.tls = bool(tls_ca)
@@ -165,7 +166,7 @@ class FramedSocket:
         and the dialled address. AuthError when it does not verify, TransportError when there is no TLS there."""
         raw = self.sock
         try:
-            self.sock = client_context(ca, self.component).wrap_socket(raw, server_hostname=host)
+            self.sock = client_context(ca, self.component, self.ktls).wrap_socket(raw, server_hostname=host)
         except ssl.SSLCertVerificationError as e:
             raw.close()
             raise AuthError(self.component, f"TLS: the certificate of {self.addr} does not verify against "

@@ -5,7 +5,8 @@
 objects failed, so the client knows where every byte of its data goes and receives it with ``recvmsg_into``
 straight into per-object header slots and the callers' outs (MSG_WAITALL: one syscall per run of 512 views, and
 one per large view, not three per object). Over TLS (no ``recvmsg_into``: one ``recv_into`` a 16 KiB record) a big
-read batch is split over ``TLS_STREAMS`` connections received in parallel threads.
+read batch is split over ``tls_streams`` connections (``ClientConfig.tls_streams``) received in parallel threads; the
+node encrypts each connection's big answers on a worker thread of its own (transport/tlsserve.py).
 Node CPU per object is a range check, a capability check (closed pools) and a header check; its answer points into
 the mapped arena and goes out in one ``writev``.
 """
@@ -20,10 +21,9 @@ from transport.framed import FramedSocket, connection_error
 from umbp.errors import CorruptionError, ProtocolError, RemoteError, TransportError
 
 HEADER_MEMO = 65536  # READV headers remembered as checked (TcpTransport._checked); cleared when full
-# TLS reads: a batch of at least TLS_SPLIT_BYTES is split over TLS_STREAMS connections to the node, received in
-# parallel threads (``ssl`` drops the GIL while it decrypts). 1: one connection, as plain TCP always uses. Measured
-# on the 2-core VM (bench/getpath.py --tls): see docs/benchmarks/getpath.md.
-TLS_STREAMS = 4
+# TLS reads: a batch of at least TLS_SPLIT_BYTES is split over ``tls_streams`` connections to the node
+# (``ClientConfig.tls_streams``), received in parallel threads (``ssl`` drops the GIL while it decrypts). 1: one
+# connection, as plain TCP always uses. Measured: bench/getpath.py --tls, docs/benchmarks/getpath.md.
 TLS_SPLIT_BYTES = 4 << 20
 _POOL: list = []  # the receive threads of split TLS batches (one pool for every transport): made on first use
 
@@ -32,8 +32,9 @@ _length = attrgetter("length")
 
 
 class TcpTransport(Transport):
-    """Data transport to one node over one TCP connection (reconnected on demand; TLS: up to TLS_STREAMS for a big
-    read batch, each reconnected on demand, a lost one failing only its part's ops).
+    """Data transport to one node over one TCP connection (reconnected on demand; TLS: up to ``tls_streams`` for a
+    big read batch, each reconnected on demand, a lost one failing only its part's ops; ``ktls``: kernel TLS asked
+    for on each).
 
     A batch travels as READV/WRITEV frames (at most ``VEC_OPS`` objects and ``VEC_BYTES`` of data each), all
     of them sent before the first answer is read. A READV answer lists the failed objects in its meta, so the
@@ -47,14 +48,17 @@ class TcpTransport(Transport):
 
     read_op = wire.Op.READV  # READV_DISK: a node's disk tier (its offsets DISK_BIT addresses; umbp/client.py)
 
-    def __init__(self, node_id: str, addr: str, token: str | None = None, tls_ca: str = ""):
+    def __init__(self, node_id: str, addr: str, token: str | None = None, tls_ca: str = "", tls_streams: int = 1,
+                 ktls: bool = False):
         self.node_id = node_id
         self.addr = addr
         self.token = token
         self.tls_ca = tls_ca
+        self.tls_streams = tls_streams
+        self.ktls = ktls
         self.component = f"transport tcp {node_id}"
         self._conn: FramedSocket | None = None
-        self._more: list[FramedSocket | None] = []  # TLS: the other connections of a split batch (TLS_STREAMS)
+        self._more: list[FramedSocket | None] = []  # TLS: the other connections of a split batch (tls_streams)
         self._ohdr = memoryview(bytearray(wire.OBJ_HEADER_SIZE * 64))  # object headers of one READV answer
         self._slots = [self._ohdr[n * wire.OBJ_HEADER_SIZE:(n + 1) * wire.OBJ_HEADER_SIZE] for n in range(64)]
         self._heads: list[list] = []  # [header buffer, its slots] of each other connection's answers
@@ -66,7 +70,8 @@ class TcpTransport(Transport):
         if self._conn is not None and not self._conn.closed and self._conn.peer_closed():
             self._conn.close()  # the node dropped it (idle timeout, restart): reconnect rather than fail the batch
         if self._conn is None or self._conn.closed:
-            self._conn = FramedSocket(self.addr, self.component, deadline, self.token, hello=True, tls_ca=self.tls_ca)
+            self._conn = FramedSocket(self.addr, self.component, deadline, self.token, hello=True, tls_ca=self.tls_ca,
+                                      ktls=self.ktls)
         return self._conn
 
     def _connection_k(self, k: int, deadline: float) -> FramedSocket:
@@ -81,19 +86,19 @@ class TcpTransport(Transport):
             c.close()
         if c is None or c.closed:
             c = self._more[k - 1] = FramedSocket(self.addr, self.component, deadline, self.token, hello=True,
-                                                 tls_ca=self.tls_ca)
+                                                 tls_ca=self.tls_ca, ktls=self.ktls)
         return c
 
     def _split(self, ops: list) -> list[tuple[int, int]]:
         """[lo, hi) parts of a read batch, one a connection: several (about equal bytes) for a TLS batch of
         TLS_SPLIT_BYTES or more, else one."""
-        if not self.tls_ca or TLS_STREAMS < 2 or len(ops) < 2:
+        if not self.tls_ca or self.tls_streams < 2 or len(ops) < 2:
             return [(0, len(ops))]
         sizes = [op.length for op in ops]
         total = sum(sizes)
         if total < TLS_SPLIT_BYTES:
             return [(0, len(ops))]
-        k = min(TLS_STREAMS, len(ops))
+        k = min(self.tls_streams, len(ops))
         parts, lo, acc = [], 0, 0
         for i, n in enumerate(sizes):
             acc += n

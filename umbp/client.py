@@ -148,7 +148,7 @@ class Client(PutPath, MappedPath):
             base = node_id[:-len(DISK)]
             info = self._node_info(base, deadline)
             t = TcpTransport(base, info.get("addr") or f"{info['host']}:{info['port']}", self.config.token,
-                             tls_ca=self.config.tls_ca)
+                             tls_ca=self.config.tls_ca, tls_streams=self.config.tls_streams, ktls=self.config.ktls)
             t.read_op = wire.Op.READV_DISK
             self._transports[node_id] = t
             return t
@@ -172,7 +172,7 @@ class Client(PutPath, MappedPath):
                 errors.append(f"transport rdma {node_id}: node offers no RDMA")
         if t is None and mode in ("auto", "tcp"):
             t = TcpTransport(node_id, info.get("addr") or f"{info['host']}:{info['port']}", self.config.token,
-                             tls_ca=self.config.tls_ca)
+                             tls_ca=self.config.tls_ca, tls_streams=self.config.tls_streams, ktls=self.config.ktls)
         if t is None:
             raise TransportUnavailable(self.component, f"transport {mode} forced but unusable for node {node_id}: "
                                                        + "; ".join(errors))

@@ -199,6 +199,15 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class ClientConfig:
+    """A client's settings (``umbp.Client(config=...)``, ``UMBP_<FIELD>``, ``[client]``).
+
+    TLS (with ``tls_ca``): ``tls_streams`` (1..16, default 4) is how many connections a node's big read batch (4 MiB
+    or more) is split over, received in parallel threads (``ssl`` drops the GIL while it decrypts; the node encrypts
+    each connection's answers on its own worker thread: transport/tlsserve.py); 1 keeps one connection a node, as
+    plain TCP always does. ``ktls`` asks OpenSSL for kernel TLS on the client's data connections to nodes (TLS 1.2,
+    AES-GCM; needs the kernel's tls module and OpenSSL 3.0+, else the connection runs user-space TLS as without it:
+    ``umbp.tls.ktls_status``). docs/operations/security.md."""
+
     metaserver: tuple[str, ...] = ("127.0.0.1:7700",)
     namespace: str = "default"
     token: str | None = None
@@ -209,6 +218,8 @@ class ClientConfig:
     tls_ca: str = ""  # PEM CA bundle: speak TLS to the metaserver and to nodes over TCP, verifying them against it
     read_ahead: bool = True  # read remembered page locations while the get's LOOKUP is in flight (umbp/speculate.py)
     shard: tuple | None = None  # (rank, nranks): one rank's part of TP-sharded pages (umbp/shard.py)
+    tls_streams: int = 4  # TLS: connections a node's big read batch is split over (1..16)
+    ktls: bool = False  # TLS: kernel TLS on the data connections to nodes, where the kernel and OpenSSL have it
 
     def __post_init__(self) -> None:
         c = "client"
@@ -222,6 +233,10 @@ class ClientConfig:
         if self.timeout_s <= 0:
             raise ConfigError(c, "timeout_s must be positive")
         _check_tls("", "", self.tls_ca, c, server=False)
+        if type(self.tls_streams) is not int or not 1 <= self.tls_streams <= 16:
+            raise ConfigError(c, f"tls_streams must be an integer within 1..16, got {self.tls_streams!r}")
+        if type(self.ktls) is not bool:
+            raise ConfigError(c, f"ktls must be true or false, got {self.ktls!r}")
         object.__setattr__(self, "shard", check_shard(self.shard, c))
 
 

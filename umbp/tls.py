@@ -79,9 +79,9 @@ def trim_malloc() -> bool:
 # the handshake (the socket's ULP becomes "tls"), so a receive is one syscall and no Python per 16 KiB record. Needs
 # the kernel's tls module (``/proc/sys/net/ipv4/tcp_available_ulp`` lists "tls"), an OpenSSL built with it (3.0+;
 # Python 3.12 names the option ``ssl.OP_ENABLE_KTLS``, 3.11 takes its bit), and for receiving OpenSSL 3.0 only TLS
-# 1.2 (so KTLS also caps the client at 1.2, AES-GCM). The node encrypts in its event loop's memory BIO, where kTLS
-# cannot apply. Not available on the 2-core VM (no tls ULP): unmeasured; bench/getpath.py --tls says which.
-KTLS = False
+# 1.2 (so kTLS also caps the client at 1.2, AES-GCM). The node encrypts into a memory BIO (transport/tlsserve.py),
+# where kTLS cannot apply. Opted into by ``ClientConfig.ktls`` (its data connections to nodes only). Not available on
+# the 2-core VM (no tls ULP): unmeasured; bench/getpath.py --tls says which.
 OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)  # SSL_OP_ENABLE_KTLS, OpenSSL 3.0's SSL_OP_BIT(3)
 TCP_ULP = 31  # linux/tcp.h: the socket's upper-layer protocol ("tls" once kTLS is on)
 
@@ -118,9 +118,10 @@ def _client_context(ca: str, ktls: bool = False) -> ssl.SSLContext:
     return ctx
 
 
-def client_context(ca: str, component: str) -> ssl.SSLContext:
-    """The context a client connects with (one per CA file, shared); ConfigError when the file is no CA bundle."""
+def client_context(ca: str, component: str = "tls", ktls: bool = False) -> ssl.SSLContext:
+    """The context a client connects with (one per CA file and ``ktls``, shared); ConfigError when the file is no CA
+    bundle."""
     try:
-        return _client_context(ca, KTLS)
+        return _client_context(ca, ktls)
     except (OSError, ssl.SSLError) as e:
         raise ConfigError(component, f"cannot load the TLS CA bundle {ca}: {e}") from e
