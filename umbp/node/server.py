@@ -53,6 +53,7 @@ from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
 from umbp.floors import SlotFloors
 from umbp.node.ledger import WriteLedger
+from umbp.node.readv import check_ops
 from umbp.errors import (BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
 from umbp.node.metalink import MetaLink
@@ -448,51 +449,28 @@ class DataProtocol(FramedProtocol):
         1 us, on the path before the answer's first byte goes out)."""
         node = self.node
         meta = frame.meta
-        if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
-            raise BadRequest(node.component, f"READV: meta must be a list of 1..{wire.MAX_VEC_OPS} [offset, start, "
-                                             f"length, tag, gen, payload_len, capability]")
-        view, cap_key, comp, hs = node.arena.view, node.cap_key, node.component, wire.OBJ_HEADER_SIZE
-        check_cap, prev = self.caps.read, b""
-        lo, hi = node.data_start, node.data_end
+        comp = node.component
+        rows, failures = check_ops(meta, "READV", comp, None if node.cap_key is None else self.caps.read,
+                                   node.data_start, node.data_end)
+        refused = len(failures)
+        view, hs = node.arena.view, wire.OBJ_HEADER_SIZE
         check_header = wire.check_object_header
         memo = node.checked
         bufs: list = []
-        failures: list = []
         total = 0
-        for i, m in enumerate(meta):
-            if type(m) is not list or len(m) != 7:
-                raise BadRequest(comp, f"READV: op {i} must be [offset, start, length, tag, gen, payload_len, "
-                                       f"capability]")
-            off, start, length, khash, gen, plen, cap = m
-            if cap == b"":
-                cap = prev
-            prev = cap
-            if not (type(off) is int and type(start) is int and type(length) is int and type(khash) is int
-                    and type(gen) is int and type(plen) is int):
-                raise BadRequest(comp, f"READV: op {i}: offset, start, length, tag, gen and payload_len must be "
-                                       f"integers")
-            try:
-                if off < lo or off % wire.ALIGN or plen < 0 or off + hs + plen > hi:
-                    raise BadRequest(comp, f"READV: range {off}+{hs + plen} outside the data region [{lo}, {hi}) "
-                                           f"or unaligned")
-                if cap_key is not None:
-                    check_cap(cap, off, plen, gen, comp)
-                if start < 0 or length < 0 or start + length > plen:
-                    raise BadRequest(comp, f"READV: range {start}+{length} outside the payload of {plen}")
-                head = view[off:off + hs]
-                ident = (off, khash, gen, plen)
-                known = memo.get(ident)
-                if known is None or head != known:  # not these very bytes, checked before for this entry
+        for i, off, start, length, khash, gen, plen in rows:
+            head = view[off:off + hs]
+            ident = (off, khash, gen, plen)
+            known = memo.get(ident)
+            if known is None or head != known:  # not these very bytes, checked before for this entry
+                try:
                     check_header(head, comp, khash, gen, plen)
-                    if len(memo) >= HEADER_MEMO:
-                        memo.clear()
-                    memo[ident] = head.tobytes()
-            except RemoteError as e:
-                failures.append([i, e.code or wire.Status.BAD_REQUEST, str(e)])
-                continue
-            except CorruptionError as e:
-                failures.append([i, wire.Status.CORRUPT, str(e)])
-                continue
+                except CorruptionError as e:
+                    failures.append([i, wire.Status.CORRUPT, str(e)])
+                    continue
+                if len(memo) >= HEADER_MEMO:
+                    memo.clear()
+                memo[ident] = head.tobytes()
             if start == 0:
                 bufs.append(view[off:off + hs + length])
             else:
@@ -500,6 +478,8 @@ class DataProtocol(FramedProtocol):
                 if length:
                     bufs.append(view[off + hs + start:off + hs + start + length])
             total += hs + length
+        if refused and len(failures) > refused:
+            failures.sort()  # header failures came after the range failures of later ops
         stats = node.stats
         stats["reads"] += len(meta) - len(failures)
         stats["bytes_read"] += total - hs * (len(meta) - len(failures))

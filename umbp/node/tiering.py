@@ -41,6 +41,7 @@ from typing import Any
 from transport import wire
 from umbp.errors import AuthError, BadRequest, CorruptionError, RemoteError
 from umbp.node.disk import ALIGN, DiskArena, Job
+from umbp.node.readv import check_ops
 
 HS = wire.OBJ_HEADER_SIZE
 # A READV_DISK answer of this many bytes or more is written to the socket by a sender thread (``DiskTier.direct_send``)
@@ -230,32 +231,11 @@ class DiskTier:
 
     def readv(self, conn, frame: wire.Frame) -> None:
         meta, comp, disk, node = frame.meta, self.component, self.disk, self.node
-        if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
-            raise BadRequest(comp, f"READV_DISK: meta must be a list of 1..{wire.MAX_VEC_OPS} [disk_addr, start, "
-                                   f"length, tag, gen, payload_len, capability]")
-        check_cap, prev, get = conn.caps.read, b"", disk.buffers.get
-        failures, reads, jobs, nbytes = [], [], [], 0
-        for i, m in enumerate(meta):
-            if type(m) is not list or len(m) != 7 or not all(type(v) is int for v in m[:6]):
-                raise BadRequest(comp, f"READV_DISK: op {i} must be [disk_addr, start, length, tag, gen, payload_len, "
-                                       f"capability] (integers but the capability)")
-            addr, start, length, khash, gen, plen, cap = m
-            if cap == b"":
-                cap = prev
-            prev = cap
-            try:
-                off = addr ^ wire.DISK_BIT
-                why = None if addr & wire.DISK_BIT and plen >= 0 else "not a disk address"
-                why = why or disk.check(off, wire.object_size(plen))
-                if why:
-                    raise BadRequest(comp, f"READV_DISK: {why}")
-                if node.cap_key is not None:
-                    check_cap(cap, addr, plen, gen, comp)
-                if start < 0 or length < 0 or start + length > plen:
-                    raise BadRequest(comp, f"READV_DISK: range {start}+{length} outside the payload of {plen}")
-            except RemoteError as e:
-                failures.append([i, e.code or wire.Status.BAD_REQUEST, str(e)])
-                continue
+        rows, failures = check_ops(meta, "READV_DISK", comp, None if node.cap_key is None else conn.caps.read, 0, 0,
+                                   disk.check)
+        get = disk.buffers.get
+        reads, jobs, nbytes = [], [], 0
+        for i, off, start, length, khash, gen, plen in rows:
             a = (HS + start) // ALIGN * ALIGN  # the range's first block
             end = wire.align_up(HS + start + length)
             bufs = [get(end)] if a <= ALIGN else [get(ALIGN), get(end - a)]
