@@ -2,10 +2,10 @@
 
 Every batch call is one metaserver round trip for placement or lookup, then the data moves straight between the
 caller's memory and the nodes' arenas, with the transfers to all nodes of the batch in flight together (each
-node's transport is started before any is finished), then one more metaserver message (COMMIT for puts; a
-fire-and-forget RELEASE of the read lease for gets). A batch_put of more than one chunk (CHUNK_MAX_PAGES pages or
-CHUNK_BYTES) is pipelined on the metaserver connection: the next chunks' ALLOCs and the previous chunks' COMMITs
-are in flight while a chunk is written; the call still returns only once every COMMIT is durable.
+node's transport is started before any is finished), then one more metaserver message for puts (COMMIT; a get's
+read lease goes back in the next LOOKUP: ``umbp/releases.py``). A batch_put of more than one chunk (CHUNK_MAX_PAGES
+pages or CHUNK_BYTES) is pipelined on the metaserver connection: the next chunks' ALLOCs and the previous chunks'
+COMMITs are in flight while a chunk is written; the call still returns only once every COMMIT is durable.
 
 A get whose pages the client has seen before (an earlier LOOKUP's answer) reads them while its LOOKUP is in flight
 and keeps what the answer confirms (``umbp/speculate.py``): the round trip overlaps the copy instead of preceding it.
@@ -45,22 +45,24 @@ import time
 from typing import Any, Iterable, Sequence
 
 from transport import wire
-from transport.base import Pending, ReadOp, Transport
+from transport.base import Pending, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
 from umbp.auth import with_caps
-from umbp.buffers import CudaOut, Rows, as_bytes_view, as_writable_view, flush_cuda, new_bytes
+from umbp.buffers import CudaOut, as_bytes_view, as_writable_view, flush_cuda
 from umbp.config import ClientConfig, resolve
 from umbp.devcopy import DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
-                         TransportUnavailable, UmbpError)
+                         TransportUnavailable)
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
+from umbp.releases import ReleasingMeta
 from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
-from umbp.speculate import Speculation, read_deadline
+from umbp.speculate import Speculation
 from umbp.mapped import MappedPages, MappedPath  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp import putbatch
 from umbp.puts import PutPath
+from umbp.pagereads import read_ahead, read_ops
 from umbp.readbatch import DISK, get_into, late_reads_missed, normalize_keys, out_addresses
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
@@ -80,6 +82,7 @@ class Client(PutPath, MappedPath):
         self._meta = MetaRouter(self.config.metaserver, "client", self.config.token, tls_ca=self.config.tls_ca)
         if self.config.shard is not None:  # one rank's part of TP-sharded pages (umbp/shard.py)
             self._meta = ShardedMeta(self._meta, self.config.shard)
+        self._meta = ReleasingMeta(self._meta)  # read leases go back in the next LOOKUP (umbp/releases.py)
         self._nodes: dict[str, dict] = {}
         self._transports: dict[str, Transport] = {}
         self._lock = threading.RLock()
@@ -379,39 +382,8 @@ class Client(PutPath, MappedPath):
                 c[k] += v
 
     _late_reads_missed = late_reads_missed  # umbp/readbatch.py
-
-    def _read_ahead(self, lookup: dict, guess: list, segs: list, deadline: float) -> tuple[Any, list]:
-        """Submit the LOOKUP, read the remembered locations ``guess`` into the outs while it is in flight, then
-        take its answer. Returns (the answer, per key the bytes read ahead or None: not remembered or failed); the
-        caller keeps only pages whose answer names the location read (``Speculation.settle``)."""
-        ticket = self._meta.submit(wire.Op.LOOKUP, lookup, deadline)
-        early: list[int | None] = [None] * len(guess)
-        try:
-            try:
-                batches, index, _fresh, _kern = self._read_ops(guess, segs, deadline)
-                nbytes = sum(op.length for ops in batches.values() for op in ops)
-                results = self._run(batches, "read", read_deadline(deadline, time.monotonic(), nbytes))
-            except UmbpError:  # e.g. a remembered size the out no longer fits: the plain read decides
-                results = {}
-            failed = set()
-            for node_id, res in results.items():
-                if not any(res):  # every read ahead succeeded (the usual case)
-                    for op, i in zip(batches[node_id], index[node_id]):
-                        early[i] = (early[i] or 0) + op.length
-                    continue
-                if any(isinstance(r, TransportError) for r in res):  # silent or gone: read it only when named again
-                    self._spec.cache.forget_node(node_id)
-                for op, i, r in zip(batches[node_id], index[node_id], res):
-                    if r is None:
-                        early[i] = (early[i] or 0) + op.length
-                    else:
-                        failed.add(i)
-            for i in failed:
-                early[i] = None
-            return self._meta.result(ticket, deadline), early
-        except BaseException:
-            self._meta.forget([ticket])
-            raise
+    _read_ahead = read_ahead  # umbp/pagereads.py: the per-page path's read ahead and read ops
+    _read_ops = read_ops
 
     def _kernel_nodes(self, locs: list, deadline: float) -> dict[str, tuple[memoryview, int]]:
         """The nodes of ``locs`` whose pages CUDA outs may take through the gather kernel: reachable over shm, arena
@@ -441,71 +413,6 @@ class Client(PutPath, MappedPath):
             except TransportError:
                 return False
         return t.reads_rows
-
-    def _read_ops(self, locs: list, segs: list | None, deadline: float, kernel: dict | None = None
-                  ) -> tuple[dict[str, list[ReadOp]], dict[str, list[int]], list, list]:
-        """The read ops of a LOOKUP answer, by node (and the page index of each op), checked against the outs; CUDA
-        outs of pages on ``kernel`` nodes become ``(page index, DeviceCopier.read item)`` instead; a ``Rows`` out
-        is one op where the node's transport reads rows, else one op per row."""
-        kern: list = []
-        kernel = kernel or {}
-        batches: dict[str, list[ReadOp]] = {}
-        index: dict[str, list[int]] = {}
-        fresh: list[Any] = [None] * len(locs)
-        for i, loc in enumerate(locs):
-            if loc is None:
-                continue
-            node_id, off, size, gen, khash, cap = loc
-            if off & wire.DISK_BIT:  # on the node's disk tier: its own transport (READV_DISK over TCP)
-                node_id += DISK
-            ops = batches.get(node_id)
-            if ops is None:
-                ops = batches[node_id] = []
-                index[node_id] = []
-            idx = index[node_id]
-            if segs is None:
-                fresh[i], view = new_bytes(size)
-                ops.append(ReadOp(off, 0, size, khash, gen, size, view, cap))
-                idx.append(i)
-                continue
-            page = segs[i]
-            if len(page) == 1:  # the common shape (batch_get_into): the whole payload into one flat host view
-                start, length, dest = page[0]
-                if length < 0 and type(dest) is memoryview:
-                    if len(dest) < size:
-                        raise InvalidArgument(self.component, f"out 0 of key {i} holds {len(dest)} bytes but "
-                                                              f"{size} are to be read")
-                    ops.append(ReadOp(off, 0, size, khash, gen, size, dest, cap))
-                    idx.append(i)
-                    continue
-            for j, (start, length, dest) in enumerate(page):
-                if length < 0:
-                    start, length = 0, size
-                if type(dest) is CudaOut and node_id in kernel:
-                    if start + length > size or dest.nbytes < length:
-                        raise InvalidArgument(self.component, f"range {j} of key {i} ({start}+{length}) does not "
-                                                              f"fit the page's {size} bytes or the out's {dest.nbytes}")
-                    arena, base = kernel[node_id]
-                    kern.append((i, (arena, base, off, khash, gen, size, start, dest.tensor, length)))
-                    continue
-                view = dest.view if type(dest) is CudaOut else dest
-                if start + length > size:
-                    raise InvalidArgument(self.component, f"range {j} of key {i} ({start}+{length}) lies "
-                                                          f"outside the page's {size} bytes")
-                if len(view) < length:
-                    raise InvalidArgument(self.component, f"out {j} of key {i} holds {len(view)} bytes "
-                                                          f"but {length} are to be read")
-                if type(view) is Rows and not self._reads_rows(node_id, deadline):
-                    row = view.row
-                    for r, v in enumerate(view.views(length)):
-                        ops.append(ReadOp(off, start + r * row, len(v), khash, gen, size, v, cap))
-                        idx.append(i)
-                    continue
-                ops.append(ReadOp(off, start, length, khash, gen, size, view, cap))
-                idx.append(i)
-        if kern:  # nodes whose every range went to the kernel have no transport work
-            batches = {n: ops for n, ops in batches.items() if ops}
-        return batches, index, fresh, kern
 
     def batch_get_into(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[int]:
         """Read each page's payload into ``outs[i]`` (a writable buffer at least the payload's size, a CUDA tensor,
@@ -592,7 +499,8 @@ class Client(PutPath, MappedPath):
     def stats(self) -> dict:
         s = self._meta.call(wire.Op.STATS, {}, self._deadline())
         s["client"] = dict(self.counters, **self._spec.stats(), transports=self.transport_names(), pid=os.getpid(),
-                           requests=self.requests_sent())
+                           requests=self.requests_sent(), leases_in_lookups=self._meta.piggybacked,
+                           leases_in_releases=self._meta.framed)
         return s
 
     def requests_sent(self) -> dict[str, int]:
