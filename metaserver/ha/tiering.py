@@ -14,7 +14,12 @@ removals freed, and a crash must not reload an old page over a copy's bytes (doc
 Nothing a client waits for is in a round: puts evict as before when DRAM fills faster than the mover empties it.
 
 Faults: a node that does not answer, refuses, or closes: the round's rows stay where they were (their destination
-extents go back); the connection is opened anew next round. A round that outlives its term (a step-down) touches
+extents go back); the connection is opened anew next round. A round whose request was sent and whose answer never
+came (the connection closed or reset, ``MOVE_S`` passed) does not know whether the node still copies: the request
+may sit in the network or behind the node's I/O, and a PROMOTE (DEMOTE) zeroes its DRAM (disk) extent's header and
+writes the page there whenever it runs. Its destination extents are kept out of placement for the quarantine's
+``keep_s`` (as an aborted writer's are: ``metaserver/table/quarantine.py``) instead of going back at once, where a
+page committed meanwhile would be overwritten (tests/test_attack_tiering.py). A round that outlives its term (a step-down) touches
 nothing: the lease that pins its rows runs out with the table it belongs to.
 
 Costs: per round one frame each way and the table's plan and finish (O(rows)); no work per tick for nodes without
@@ -68,9 +73,13 @@ class NodeLink:
         self.rid += 1
         return await ask_async(self.reader, self.writer, self.rid, op, meta, timeout, self.component)
 
-    async def request(self, op: int, meta, timeout: float):
+    async def ready(self) -> None:
+        """Open the connection (HELLO/AUTH) unless it is open: nothing of a request has left yet."""
         if self.writer is None:
             await self._open()
+
+    async def request(self, op: int, meta, timeout: float):
+        await self.ready()
         return await self._ask(op, meta, timeout)
 
     def close(self) -> None:
@@ -127,6 +136,7 @@ class Mover:
         if move is None:
             return
         failed: set[int] = set()
+        unsure = False  # the request may be in the node's hands and its answer is lost: the node may still copy
         try:
             # The destinations may lie in extents whose old pages' removals (the disk's own evictions for this
             # move, or any before) are not in etcd yet: a crash would reload those pages over the copies' bytes.
@@ -143,7 +153,10 @@ class Mover:
                     link.close()
                 secret = svc.tokens.cluster_secret.decode() if svc.tokens.closed else None
                 link = self.links[host] = NodeLink(f"{node.host}:{node.port}", secret, cfg.tls_ca, self.component)
+            await link.ready()
+            unsure = True
             meta = await link.request(op, {"rows": move.tier_rows()}, MOVE_S)
+            unsure = False  # answered: the node's copies are done (it answers after its last write)
             failed = set(wire.vec_failures(meta, len(move), self.component))
             self.backoff.pop(host, None)
         except (UmbpError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
@@ -158,7 +171,7 @@ class Mover:
                         "demotion" if op == wire.Op.DEMOTE else "promotion", len(move), host, pause, e)
         if svc.term != term or not svc.serving:
             return  # another term's table: this move's lease and rows are not ours to settle
-        d.tiers.finish(move, failed, self)
+        d.tiers.finish(move, failed, self, unsure)
         svc._apply(d.effects())
 
     def close(self) -> None:

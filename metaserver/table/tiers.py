@@ -32,6 +32,8 @@ a page; the answer mapping two gathers over the batch's node indexes when some n
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from metaserver.table.entry import GONE, READY, extent_size
@@ -258,10 +260,12 @@ class Tiers:
         self.moves[lease] = move
         return move
 
-    def finish(self, move: Move, failed: set[int], owner: object = None) -> int:
+    def finish(self, move: Move, failed: set[int], owner: object = None, unsure: bool = False) -> int:
         """The node's answer to ``move``: row i copied unless i is in ``failed``. Each copied row whose source is
         still the same READY page under the move's lease moves to the other tier; every other destination extent
-        goes back. Returns how many pages moved."""
+        goes back, at once when the node answered, else (``unsure``: the request was sent and its answer lost, so
+        the node may still write the copies) kept out of placement for the quarantine's ``keep_s``. Returns how
+        many pages moved."""
         t = self.t
         self.moves.pop(move.lease, None)
         c = t.cols
@@ -273,8 +277,13 @@ class Tiers:
             ok &= (c["state"].take(rows) == READY) & (c["gen"].take(rows) == move.gens)
         else:
             ok[:] = False  # the lease ran out or a tier went with its node: the rows may be anything now
+        q = t.quarantine
         for i in np.flatnonzero(~ok).tolist():
-            if not move.dst.dead:
+            if move.dst.dead:
+                continue
+            if unsure and q.keep_s > 0:
+                q.keep(move.dst, move.offs[i], move.sizes[i], time.monotonic() + q.keep_s)
+            else:
                 move.dst.alloc.free(move.offs[i], move.sizes[i])
         src = rows[ok]
         n = len(src)
