@@ -211,3 +211,66 @@ def test_a_promote_the_mover_gave_up_on_never_lands_on_a_page_committed_after(ma
             assert not bad, f"pages committed after the mover's give-up, destroyed by its late PROMOTE: {bad}"
     finally:
         trap.close()
+
+
+def _promote_held(c, trap: MoverTrap, cl, rng: random.Random) -> None:
+    """Pages demoted, then read from disk with DRAM under the low watermark: the mover's PROMOTE of them is held."""
+    pages = put_pages(c, cl, rng, 6, "a")  # over the high watermark: the oldest are demoted
+    eventually(lambda: stats(c)["demotions"] >= 2, 30, "demotions")
+    keys = list(pages)
+    demoted = [k for k, o in zip(keys, offsets(c, keys)) if o & wire.DISK_BIT]
+    assert demoted
+    assert all(cl.batch_remove([k for k in keys if k not in demoted]))  # under the low watermark
+    eventually(lambda: stats(c)["used_bytes"] < 0.3 * (8 << 20), 30, "DRAM below the low watermark")
+    trap.arm()
+    assert gets(cl, demoted) == [pages[k] for k in demoted]  # read from disk: promotion candidates
+    eventually(trap.held_frame, 30, "the mover's PROMOTE held in the network")
+
+
+def _fill_release_check(c, trap: MoverTrap, cl, rng: random.Random) -> None:
+    """DRAM filled to its last free extent with fresh pages (no eviction), the held PROMOTE released to the node,
+    then every fresh page read back: byte-exact or the failure names it."""
+    fresh: dict[bytes, bytes] = {}
+    for i in range(16):
+        s = stats(c)
+        if s["used_bytes"] + PAGE > s["capacity_bytes"]:
+            break
+        k, v = f"fresh-{i}".encode(), rng.randbytes(PAGE - 512)
+        assert cl.batch_put([k], [v]) == [True]
+        fresh[k] = v
+    assert fresh and stats(c)["evictions"] == 0
+    trap.release()  # the PROMOTE reaches the node now
+    eventually(lambda: trap.answered > 0, 30, "the node's answer to the late PROMOTE")
+    bad = []
+    for k, v in fresh.items():
+        try:
+            got = cl.get(k)
+        except UmbpError as e:
+            bad.append((k, repr(e)))
+            continue
+        if got != v:
+            bad.append((k, None if got is None else len(got)))
+    assert not bad, f"pages committed after the PROMOTE was sent, destroyed by it: {bad}"
+
+
+def test_a_promote_in_flight_at_a_clean_metaserver_stop_never_lands_on_the_next_leaders_pages(make_cluster,
+                                                                                               tmp_path):
+    """A PROMOTE held in the network while its metaserver stops cleanly (SIGTERM: it hands its open allocations on
+    to the next leader, persistence-and-fencing.md 'Handing on open allocations'). The next leader must keep the
+    PROMOTE's destination out of placement as it keeps a writer's open allocation: every page it commits reads
+    back byte-exact after the PROMOTE reaches the node."""
+    c = make_cluster(nodes=1, capacity=DRAM, metaserver_flags=dict(WATERMARKS),
+                     node_flags={"disk": str(tmp_path / "node0.disk"), "disk_capacity": DISK,
+                                 "advertise": "127.0.0.2"})
+    node = c.nodes[0]
+    trap = MoverTrap(("127.0.0.2", node.port), ("127.0.0.1", node.port))
+    try:
+        rng = random.Random(4702)
+        with c.client() as cl:
+            _promote_held(c, trap, cl, rng)
+        c.metaserver.restart()  # SIGTERM: a clean stop, then a new leader's full load
+        c.wait_nodes()
+        with c.client() as cl:
+            _fill_release_check(c, trap, cl, rng)
+    finally:
+        trap.close()

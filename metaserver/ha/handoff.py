@@ -49,10 +49,11 @@ def runs(extents: list[tuple[str, int, int]]) -> list[list]:
 
 
 def open_ops(store, d) -> list:
-    """The etcd op that hands directory ``d``'s open allocations on (its PENDING entries, and the extents of
-    aborted ones it still keeps: ``Quarantine.keeping``): a put of the record, or a delete of an older record when
+    """The etcd op that hands directory ``d``'s open allocations on (its PENDING entries, the extents of aborted
+    ones it still keeps: ``Quarantine.keeping``, and the destinations of the disk tier's moves in flight, which
+    the node may still write: ``Tiers.open_extents``): a put of the record, or a delete of an older record when
     there are none."""
-    rs = runs(queries.open_extents(d) + d.quarantine.kept_extents())
+    rs = runs(queries.open_extents(d) + d.quarantine.kept_extents() + d.tiers.open_extents())
     if not rs:
         return [store.op_delete(store.open_key)]
     if len(rs) > MAX_RUNS:

@@ -19,8 +19,9 @@ came (the connection closed or reset, ``MOVE_S`` passed) does not know whether t
 may sit in the network or behind the node's I/O, and a PROMOTE (DEMOTE) zeroes its DRAM (disk) extent's header and
 writes the page there whenever it runs. Its destination extents are kept out of placement for the quarantine's
 ``keep_s`` (as an aborted writer's are: ``metaserver/table/quarantine.py``) instead of going back at once, where a
-page committed meanwhile would be overwritten (tests/test_attack_tiering.py). A round that outlives its term (a step-down) touches
-nothing: the lease that pins its rows runs out with the table it belongs to.
+page committed meanwhile would be overwritten (tests/test_attack_tiering.py). A round that outlives its term (a
+step-down) touches nothing: the lease that pins its rows runs out with the table it belongs to, and a leader that
+gives up hands its moves' destinations on with its open allocations (``Tiers.open_extents``).
 
 Costs: per round one frame each way and the table's plan and finish (O(rows)); no work per tick for nodes without
 a disk.

@@ -335,6 +335,13 @@ class Tiers:
         if move is not None:
             self.finish(move, set(range(len(move))))
 
+    def open_extents(self) -> list[tuple[str, int, int]]:
+        """(node_id, offset, size) of every destination extent of a move in flight on a live node: a leader that
+        gives up hands them on with its open allocations (``metaserver/ha/handoff.py``), since the node may still
+        write its copy there after the next leader took over."""
+        return [(m.dst.node_id, o, s) for m in self.moves.values() if not m.dst.dead
+                for o, s in zip(m.offs, m.sizes)]
+
     def inflight_extents(self, node: NodeRows) -> list[tuple[int, int]]:
         """(offset, size) of the destination extents of moves in flight on ``node`` (held by no row yet)."""
         return [(o, s) for m in self.moves.values() if m.dst is node for o, s in zip(m.offs, m.sizes)]
