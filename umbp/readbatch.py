@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -115,6 +116,18 @@ def _view(address: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(address)).cast("B")
 
 
+def _views(at: list[int], n: list[int]) -> list[memoryview]:
+    """``_view`` of each (address, bytes): slices of one view over their span when the outs lie close together (the
+    rows of one 2-D out: a slice is a third of a ``_view``'s cost), else one ``_view`` each. Only the slices are
+    written: the span's bytes between them are never touched."""
+    lo = min(at)
+    span = max(map(int.__add__, at, n)) - lo
+    if span > 2 * sum(n) + (1 << 20):
+        return list(map(_view, at, n))
+    whole = _view(lo, span)
+    return [whole[a - lo:a - lo + k] for a, k in zip(at, n)]
+
+
 def _groups(node: np.ndarray, idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """The page indices ``idx`` grouped by ``node[idx]``: one group without a sort when they share one node."""
     nd = node[idx]
@@ -126,10 +139,10 @@ def _groups(node: np.ndarray, idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(int(g[0]), i) for g, i in zip(np.split(nd, cuts), np.split(idx, cuts))]
 
 
-def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, cap_of, idx: np.ndarray, addr: np.ndarray,
+def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, caps_of, idx: np.ndarray, addr: np.ndarray,
          deadline: float) -> tuple[list[tuple[int, Exception]], set[str]]:
     """Read pages ``idx`` of ``rows`` (whole payloads) into ``addr``: ``node[i]`` a node key, ``name_of(key)`` its
-    node id, ``cap_of(i)`` page i's read capability. Transports other than shm are started first (tcp sends its
+    node id, ``caps_of(ids)`` the read capability of each page of ``ids``. Transports other than shm are started first (tcp sends its
     requests), then the shm copies run, then the others are finished. Returns (failed pages with their error, in
     node order). A node whose transport failed (a TransportError for any of its pages) is counted and dropped, as
     ``Client._run`` does; returns its node id among the second item."""
@@ -151,7 +164,7 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, cap_of, idx: 
         if t.name == "shm" and hasattr(t, "read_rows"):
             shm.append((node_id, t, ids))
         else:
-            started.append((node_id, t, _start(t, rows, ids, addr, cap_of, deadline), ids))
+            started.append((node_id, t, _start(t, rows, ids, addr, caps_of, deadline), ids))
     for node_id, t, ids in shm:
         r = rows[ids]
         try:
@@ -164,7 +177,7 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, cap_of, idx: 
                 errs.append((i, CorruptionError(t.component, "slot rewritten during the read (torn read)")))
             rest = ids[status == 1]
             if len(rest):
-                started.append((node_id, t, _start(t, rows, rest, addr, cap_of, deadline), rest))
+                started.append((node_id, t, _start(t, rows, rest, addr, caps_of, deadline), rest))
     failed: set[str] = set()
     for node_id, t, p, ids in started:
         res = [p] * len(ids) if t is None else t.finish(p, deadline)
@@ -177,12 +190,12 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, cap_of, idx: 
     return errs, failed
 
 
-def _start(t: Any, rows: np.ndarray, ids: np.ndarray, addr: np.ndarray, cap_of, deadline: float) -> Any:
+def _start(t: Any, rows: np.ndarray, ids: np.ndarray, addr: np.ndarray, caps_of, deadline: float) -> Any:
     """Today's per-page ReadOps of pages ``ids`` started on transport ``t`` (a TransportError fails them all)."""
     r = rows[ids]
-    ops = [ReadOp(off, 0, n, tag, gen, n, _view(a, n), cap_of(i)) for i, off, n, tag, gen, a in zip(
-        ids.tolist(), r["off"].tolist(), r["len"].tolist(), r["tag"].tolist(), r["gen"].tolist(),
-        addr[ids].tolist())]
+    n = r["len"].tolist()
+    ops = list(map(ReadOp, r["off"].tolist(), repeat(0), n, r["tag"].tolist(), r["gen"].tolist(), n,
+                   _views(addr[ids].tolist(), n), caps_of(ids)))
     try:
         return t.start_read(ops, deadline)
     except TransportUnavailable:
@@ -234,8 +247,8 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
                     raise InvalidArgument(c.component, f"out 0 of key {i} holds {int(cap[i])} bytes but "
                                                        f"{int(plen[i])} are to be read")
             errs, _failed = read(c, rows, node, cache.node_name,
-                                (lambda i: caps[rows["node"][i]]) if caps else (lambda i: b""), idx, addr,
-                                deadline) if len(idx) else ([], set())
+                                (lambda ids: list(map(caps.__getitem__, rows["node"][ids].tolist()))) if caps else
+                                (lambda ids: [b""] * len(ids)), idx, addr, deadline) if len(idx) else ([], set())
             late = time.monotonic() > sent + reply.get("lease_ms", wire.DEFAULT_LEASE_MS) / 1000
         finally:
             if lease:
@@ -288,8 +301,9 @@ def _read_ahead(c: Any, guess: tuple[np.ndarray, np.ndarray], addr: np.ndarray, 
     cache = c._spec.cache
     nbytes = int(rows["len"][idx].sum())
     try:
-        errs, failed = read(c, rows, node, cache.node_name, lambda i: cache.place_cap(int(rows["node"][i])), idx,
-                            addr, read_deadline(deadline, time.monotonic(), nbytes))
+        errs, failed = read(c, rows, node, cache.node_name,
+                            lambda ids: list(map(cache.place_cap, rows["node"][ids].tolist())), idx, addr,
+                            read_deadline(deadline, time.monotonic(), nbytes))
     except TransportError:
         return np.zeros(len(rows), bool)
     for i, _e in errs:
