@@ -180,20 +180,26 @@ class ShmTransport(Transport):
         status = np.ones(len(off), np.int8)
         inside = ((off >= wire.ARENA_DATA_START) & (off <= size) & (plen <= size) & (off + hs + plen <= size)
                   & (off % wire.ALIGN == 0))
-        pick = np.flatnonzero(inside)
-        if not len(pick):
-            return status
-        heads = self._heads()
-        slot = (off[pick] // wire.ALIGN).astype(np.intp)
-        before = heads[slot]  # (n, 64) copies of the headers
-        good = headers_match(before, tag[pick], gen[pick], plen[pick])
-        if not good.all():
-            pick, slot, before = pick[good], slot[good], before[good]
+        if inside.all():  # the usual case: every page, without a gather of each column
+            pick: slice | np.ndarray = slice(None)
+        else:
+            pick = np.flatnonzero(inside)
             if not len(pick):
                 return status
-        src = (off[pick] + (self._base + hs)).tolist()
-        n = plen[pick].tolist()
-        d = dst[pick].tolist()
+            off, plen, tag, gen, dst = off[pick], plen[pick], tag[pick], gen[pick], dst[pick]
+        heads = self._heads()
+        slot = (off // wire.ALIGN).astype(np.intp)
+        before = heads[slot]  # (n, 64) copies of the headers
+        good = headers_match(before, tag, gen, plen)
+        if not good.all():
+            if type(pick) is slice:
+                pick = np.arange(len(status))
+            pick, slot, before, off, plen, dst = pick[good], slot[good], before[good], off[good], plen[good], dst[good]
+            if not len(pick):
+                return status
+        src = (off + (self._base + hs)).tolist()
+        n = plen.tolist()
+        d = dst.tolist()
         total = sum(n)
         if copies.threads_for(total) > 1:
             stream = copies.Stream(total, deadline)

@@ -166,9 +166,10 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, caps_of, idx:
         else:
             started.append((node_id, t, _start(t, rows, ids, addr, caps_of, deadline), ids))
     for node_id, t, ids in shm:
-        r = rows[ids]
+        # ids: sorted page indices (flatnonzero, kept in order by _groups): all of them are the rows as they are
+        r, at = (rows, addr) if len(ids) == len(rows) else (rows[ids], addr[ids])
         try:
-            status = t.read_rows(r["off"], r["len"], r["tag"], r["gen"], addr[ids], deadline)
+            status = t.read_rows(r["off"], r["len"], r["tag"], r["gen"], at, deadline)
         except DeadlineExceeded as e:
             errs.extend((i, e) for i in ids.tolist())
             continue
