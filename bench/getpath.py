@@ -13,7 +13,7 @@ memcpy, tensors >= 0.75x, 16 KiB >= 0.7x; tcp 64 KiB and 1 MiB >= 0.8x the raw s
 TLS (``--tls``, on by default; needs the ``openssl`` command for throwaway certificates): tcp gets of 1 MiB x64 from a
 second one-node pool serving TLS, against plaintext gets of the same size from the first pool, alternating in the same
 run (median GB/s of batches; CPU seconds a GB of the client, the node, its event loop and its busiest other thread):
-with one connection per node (``ClientConfig.tls_streams`` = 1), with the batch split over the default
+with one connection per node (``ClientConfig.tls_streams`` = 1), with the batch split over 2 and over the default
 ``tls_streams`` connections received in parallel threads, and with kernel TLS (``ClientConfig.ktls``) on the client's
 receive side where the kernel and OpenSSL have it; where they do not, the output says so, with the reason. Target
 (issue 45): TLS >= 0.5x plaintext.
@@ -165,7 +165,8 @@ def tls_rows(plain_pool: LocalPool, min_time: float, rounds: int = 3) -> list[st
                     "metaserver": tp.metaserver, "namespace": "getpath-tls", "transport": "tcp", "tls_ca": ca,
                     "tls_streams": k, "ktls": ktls}))
 
-            clients = [("plain", plain), ("tls 1 stream", secure(1)), (f"tls {streams} streams", secure(streams))]
+            clients = [("plain", plain), ("tls 1 stream", secure(1))] + [
+                (f"tls {k} streams", secure(k)) for k in sorted({2, streams}) if k > 1]
             if can_ktls:
                 clients.append((f"tls+ktls {streams} streams", secure(streams, ktls=True)))
             for name, c in clients:

@@ -42,7 +42,7 @@ def _queued(sock) -> int:
 def test_tls_streams_and_ktls_are_client_settings():
     assert resolve(ClientConfig, {}, env={"UMBP_TLS_STREAMS": "2", "UMBP_KTLS": "1"}) == ClientConfig(tls_streams=2,
                                                                                                      ktls=True)
-    assert ClientConfig().tls_streams == 4 and ClientConfig().ktls is False
+    assert ClientConfig().tls_streams == 2 and ClientConfig().ktls is False
     for bad in ({"tls_streams": 0}, {"tls_streams": 17}, {"tls_streams": 2.0}, {"ktls": "yes"}):
         with pytest.raises(ConfigError, match="client: (tls_streams|ktls)"):
             ClientConfig(**bad)

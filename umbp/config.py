@@ -201,12 +201,13 @@ class NodeConfig:
 class ClientConfig:
     """A client's settings (``umbp.Client(config=...)``, ``UMBP_<FIELD>``, ``[client]``).
 
-    TLS (with ``tls_ca``): ``tls_streams`` (1..16, default 4) is how many connections a node's big read batch (4 MiB
+    TLS (with ``tls_ca``): ``tls_streams`` (1..16, default 2) is how many connections a node's big read batch (4 MiB
     or more) is split over, received in parallel threads (``ssl`` drops the GIL while it decrypts; the node encrypts
-    each connection's answers on its own worker thread: transport/tlsserve.py); 1 keeps one connection a node, as
-    plain TCP always does. ``ktls`` asks OpenSSL for kernel TLS on the client's data connections to nodes (TLS 1.2,
-    AES-GCM; needs the kernel's tls module and OpenSSL 3.0+, else the connection runs user-space TLS as without it:
-    ``umbp.tls.ktls_status``). docs/operations/security.md."""
+    each connection's answers on a worker thread: transport/tlsserve.py); 1 keeps one connection a node, as plain TCP
+    always does; 4 ran slower than 2 on the 16-core host (the client's threads wait for the GIL between records:
+    docs/benchmarks/getpath.md). ``ktls`` asks OpenSSL for kernel TLS on the client's data connections to nodes (TLS
+    1.2, AES-GCM; needs the kernel's tls module and OpenSSL 3.0+, else those connections run user-space TLS as without
+    it: ``umbp.tls.ktls_status``). docs/operations/security.md."""
 
     metaserver: tuple[str, ...] = ("127.0.0.1:7700",)
     namespace: str = "default"
@@ -218,7 +219,7 @@ class ClientConfig:
     tls_ca: str = ""  # PEM CA bundle: speak TLS to the metaserver and to nodes over TCP, verifying them against it
     read_ahead: bool = True  # read remembered page locations while the get's LOOKUP is in flight (umbp/speculate.py)
     shard: tuple | None = None  # (rank, nranks): one rank's part of TP-sharded pages (umbp/shard.py)
-    tls_streams: int = 4  # TLS: connections a node's big read batch is split over (1..16)
+    tls_streams: int = 2  # TLS: connections a node's big read batch is split over (1..16)
     ktls: bool = False  # TLS: kernel TLS on the data connections to nodes, where the kernel and OpenSSL have it
 
     def __post_init__(self) -> None:
