@@ -233,6 +233,8 @@ class TlsConn(asyncio.Protocol):
         while not (self.busy or self.app_paused or self.closed):
             buf = app.get_buffer(-1)
             size, n, more = len(buf), 0, True
+            if not size:
+                break  # nothing to read into (a reader never asks for it; bounded all the same)
             try:
                 while n < size:
                     k = sslobj.read(size - n, buf[n:])
@@ -324,9 +326,12 @@ class TlsConn(asyncio.Protocol):
                     if job.left is not None:
                         break
             job.i = i
-        except (OSError, ssl.SSLError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001  (any failure ends the connection, never the worker's hand-back)
             job.error = e
-        self.loop.call_soon_threadsafe(self._worked, job)
+        try:
+            self.loop.call_soon_threadsafe(self._worked, job)
+        except RuntimeError:  # the loop closed (the node is stopping): nothing waits for this job
+            pass
 
     def _worked(self, job: _Job) -> None:
         self.busy = False
