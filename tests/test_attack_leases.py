@@ -1,0 +1,185 @@
+"""Correctness attack on read leases lost while a read is in flight: real etcd, metaserver and node processes.
+
+A LOOKUP's read lease pins the pages it found until the client's RELEASE, so their extents are not reused while the
+client reads them; a read done past ``lease_ms`` is dropped by the client (``late``). But a lease also ends when the
+client's metaserver connection closes (``drop_pending``: metaserver/handlers/ownership.py), and the client does
+not know: its reads go on over the nodes' connections and are accepted as long as they end within ``lease_ms``.
+The node's TCP READV answer is the arena itself (memoryviews handed to the transport, umbp/node/server.py ``readv``),
+checked once when the request is read: what the socket does not take at once is sent later from the arena as it is
+then. So a removal and a new put into the same extent while the answer drains give the client the old header
+(already sent) over the new page's bytes: a hit with another page's payload.
+
+``Valve`` sits between the client and the node's data port (the node advertises 127.0.0.2, the valve listens there
+and forwards to 127.0.0.1): once a connection has carried ``after`` bytes down it stops reading from the node (the
+kernel buffers fill, the node's transport keeps the rest of the answer as arena views) until ``open()``.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+
+import pytest
+
+from cluster import eventually
+from proxies import Proxy
+
+PAGE = (40 << 20) - 512  # an object of 40 MiB: far more than the loopback socket buffers hold
+CAPACITY = "80MiB"  # two such objects, nothing else: a page put after a removal lands in the removed one's extent
+FLAGS = {"env": {"UMBP_HIGH_WATERMARK": "1.0", "UMBP_LOW_WATERMARK": "1.0", "UMBP_READ_LEASE_S": "60"}}
+
+
+class Valve:
+    """A TCP proxy at ``listen`` to ``upstream`` that stops reading a connection's answers past ``after`` bytes."""
+
+    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int], after: int = 1 << 20):
+        self.upstream = upstream
+        self.after = after
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(listen)
+        self.sock.listen(16)
+        self.shut = threading.Event()  # set: the valve is open (nothing held back)
+        self.held = threading.Event()  # set: a connection's answer is held back
+        self.socks: list[socket.socket] = []
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def open(self) -> None:
+        self.shut.set()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.shut.set()
+        self.sock.close()
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                down, _ = self.sock.accept()
+            except OSError:
+                continue
+            up = socket.create_connection(self.upstream)
+            self.socks += [down, up]
+            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        moved = 0
+        for _ in range(1 << 30):  # bounded: ends when either side closes
+            if answers and moved >= self.after and not self.shut.is_set():
+                self.held.set()
+                self.shut.wait(60)
+            try:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+            except OSError:
+                break
+            moved += len(data)
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+LOST_AT_CLOSE = ("hole: a read lease is released when its client's metaserver connection closes "
+                 "(ownership.drop_pending) while the client's read goes on, and the node's TCP READV answer drains "
+                 "from the arena after its header check: a removal and a put into the same extent meanwhile give the "
+                 "client the old header over the new page's bytes")
+LOST_AT_TAKEOVER = ("hole: a new leader holds none of the last one's read leases and reuses a removed page's extent "
+                    "at once, while a read under such a lease drains from the node's arena (TCP READV answers are "
+                    "arena views): the reader gets the old header over the new page's bytes")
+
+
+def _lease_lost_mid_read(c, a, b, lose) -> dict:
+    """A reads b"old" over TCP (its answer held back by the valve); ``lose()`` ends A's lease; B removes b"old" and
+    puts b"new" in its extent; the valve opens. Returns {"value": what A's get returned} or {"error": ...}."""
+    got: dict = {}
+
+    def read() -> None:
+        try:
+            got["value"] = a.get(b"old")
+        except Exception as e:  # noqa: BLE001 - an error is an allowed outcome: reported by the caller
+            got["error"] = e
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    eventually(c.valve.held.is_set, 30, "A's answer held back by the valve")
+    lose()
+    eventually(lambda: b.batch_remove([b"old"]) == [True], 30, "b\"old\" removed")
+    assert b.batch_put([b"new"], [c.pages["new"]]) == [True]  # the only room: the extent of b"old"
+    c.valve.open()
+    t.join(60)
+    assert not t.is_alive()
+    return got
+
+
+def _check(got: dict, pages: dict) -> None:
+    value = got.get("value")
+    if value is not None:
+        same = sum(x == y for x, y in zip(value[::4096], pages["new"][::4096]))
+        assert value == pages["old"], (f"A's get returned {len(value)} bytes that are not the page's: {same} of "
+                                       f"{len(value[::4096])} sampled bytes are the new page's")
+
+
+def _cluster(make_cluster):
+    c = make_cluster(nodes=1, capacity=CAPACITY, metaserver_flags=dict(FLAGS), node_flags={"advertise": "127.0.0.2"})
+    node = c.nodes[0]
+    c.valve = Valve(("127.0.0.2", node.port), ("127.0.0.1", node.port))
+    rng = random.Random(4703)
+    c.pages = {k: rng.randbytes(PAGE) for k in ("old", "new", "filler")}
+    return c
+
+
+@pytest.mark.xfail(strict=True, reason=LOST_AT_CLOSE)
+def test_a_read_whose_lease_went_with_its_metaserver_connection_never_returns_another_pages_bytes(make_cluster):
+    """Client A looks a page up (its lease pins it) and reads it over TCP; its answer drains slowly (the valve).
+    Meanwhile A's metaserver connection closes (the metaserver releases A's lease), client B removes the page and
+    puts another of the same size, which lands in the same extent. A's read must end as that page's bytes, a miss
+    or an error: never the new page's bytes under the old page's header."""
+    c = _cluster(make_cluster)
+    meta = Proxy(c.metaserver_addr)
+    try:
+        with c.client() as b, c.client(metaserver=meta.addr, transport="tcp") as a:
+            assert b.batch_put([b"old", b"filler"], [c.pages["old"], c.pages["filler"]]) == [True, True]  # full
+
+            def lose() -> None:
+                meta.drop()  # A's metaserver connection closes: its lease is released
+                eventually(lambda: c.ask("stats")["pinned"] == 0, 30, "A's lease released")
+
+            got = _lease_lost_mid_read(c, a, b, lose)
+        _check(got, c.pages)
+    finally:
+        c.valve.close()
+        meta.close()
+
+
+@pytest.mark.xfail(strict=True, reason=LOST_AT_TAKEOVER)
+def test_a_read_under_the_last_leaders_lease_never_returns_another_pages_bytes(make_cluster):
+    """As above, but the lease ends with its leader: the metaserver restarts (a clean stop, then a new leader's full
+    load) while A's answer drains. The new leader must not hand the page's extent to another page while a lease the
+    last leader granted may still be read under."""
+    c = _cluster(make_cluster)
+    try:
+        with c.client() as b, c.client(transport="tcp") as a:
+            assert b.batch_put([b"old", b"filler"], [c.pages["old"], c.pages["filler"]]) == [True, True]  # full
+
+            def lose() -> None:
+                c.metaserver.restart()
+                c.wait_nodes()
+
+            got = _lease_lost_mid_read(c, a, b, lose)
+        _check(got, c.pages)
+    finally:
+        c.valve.close()
