@@ -84,7 +84,9 @@ class Op(enum.IntEnum):
     COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
     ABORT = 0x14  # {"ns", "keys", "gens", "written"?} -> {"aborted": int}
     LOOKUP = 0x15  # {"ns", "keys"} -> {"lease", "lease_ms", "nodes", "caps": [read_cap a node], "rows": LOC_ROWs}
-    #                (VERSION 11: "locs": [[node, off, size, gen, tag, cap_index] | None])
+    #                (VERSION 11: "locs": [[node, off, size, gen, tag, cap_index] | None]); within 12, additive:
+    #                "release"?: [lease ids] released before the lookup, answered "released": n (a client sends
+    #                the field only to a metaserver whose last answer carried "released": umbp/releases.py)
     RELEASE = 0x16  # {"lease": int} -> {} (usually NO_REPLY)
     EXISTS = 0x17  # {"ns", "keys"} -> {"exists": [bool]}
     PREFIX = 0x18  # {"ns", "keys"} -> {"hits": int}
