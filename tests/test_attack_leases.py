@@ -11,7 +11,10 @@ then. So a removal and a new put into the same extent while the answer drains gi
 
 ``Valve`` sits between the client and the node's data port (the node advertises 127.0.0.2, the valve listens there
 and forwards to 127.0.0.1): once a connection has carried ``after`` bytes down it stops reading from the node (the
-kernel buffers fill, the node's transport keeps the rest of the answer as arena views) until ``open()``.
+kernel buffers fill, the node's transport keeps the rest of the answer as arena views) until ``open()``; and the
+connections accepted after ``hold_new(after)`` have what their clients send past ``after`` bytes kept until
+``release_new()`` (their node side stays open meanwhile: a write delayed in the network,
+tests/test_attack_late_write.py).
 """
 
 from __future__ import annotations
@@ -43,11 +46,31 @@ class Valve:
         self.shut = threading.Event()  # set: the valve is open (nothing held back)
         self.held = threading.Event()  # set: a connection's answer is held back
         self.socks: list[socket.socket] = []
+        self.holding = False  # connections accepted now have their requests kept (``hold_new``)
+        self.keep_after = 0
+        self.kept: list[tuple[socket.socket, bytes]] = []
+        self.lock = threading.Lock()
         self.stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def open(self) -> None:
         self.shut.set()
+
+    def hold_new(self, after: int = 0) -> None:
+        with self.lock:
+            self.holding = True
+            self.keep_after = after
+
+    def kept_bytes(self) -> int:
+        with self.lock:
+            return sum(len(d) for _, d in self.kept)
+
+    def release_new(self) -> None:
+        with self.lock:
+            self.holding = False
+            kept, self.kept = self.kept, []
+        for up, data in kept:
+            up.sendall(data)
 
     def close(self) -> None:
         self.stop.set()
@@ -69,10 +92,12 @@ class Valve:
                 continue
             up = socket.create_connection(self.upstream)
             self.socks += [down, up]
-            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+            with self.lock:
+                keep = self.holding
+            threading.Thread(target=self._pump, args=(down, up, False, keep), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, True, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool, keep: bool) -> None:
         moved = 0
         for _ in range(1 << 30):  # bounded: ends when either side closes
             if answers and moved >= self.after and not self.shut.is_set():
@@ -81,8 +106,16 @@ class Valve:
             try:
                 data = src.recv(65536)
                 if not data:
+                    if keep:
+                        return  # the node side stays open for what is kept
                     break
-                dst.sendall(data)
+                with self.lock:
+                    if keep and self.holding and moved + len(data) > self.keep_after:
+                        cut = max(0, self.keep_after - moved)
+                        self.kept.append((dst, data[cut:]))
+                        data = data[:cut]
+                if data:
+                    dst.sendall(data)
             except OSError:
                 break
             moved += len(data)
