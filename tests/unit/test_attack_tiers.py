@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import msgpack
+import numpy as np
 
 from metaserver.ha import handoff
 from metaserver.table.directory import TableDirectory
@@ -86,3 +87,59 @@ class _Store:
     @staticmethod
     def op_delete(key):
         return (key, None)
+
+
+class _Tokens:  # an open pool's lookups: no tags to compute
+    @staticmethod
+    def tags(ns, keys):
+        return np.zeros(len(keys), np.uint64)
+
+
+def _lease(d: TableDirectory, keys: list[bytes], now: float) -> tuple[int, dict]:
+    """A reader's LOOKUP, its lease kept: (lease, key -> answered offset)."""
+    ans = d.lookup_granted("a", keys, now, None, _Tokens, lambda name: None)
+    return ans["lease"], {k: loc[1] for k, loc in zip(keys, ans["locs"]) if loc is not None}
+
+
+def test_a_disk_page_a_reader_holds_is_neither_evicted_for_room_nor_its_extent_given_to_a_demotion():
+    """Checked sound: the twin's own eviction (``plan_demote`` making room) skips a page under a read lease, and
+    no move's destination is its extent until the reader lets go."""
+    d = TableDirectory()
+    d.tiers.disks["n1"] = 2 * EXT
+    d.add_space("n1", 4 * EXT)
+    keys = [b"k%d" % i for i in range(4)]
+    put(d, keys, 1)
+    assert d.tiers.finish(d.tiers.plan_demote("n1", 2 * EXT, 64, now=1.0), set()) == 2  # the disk is full
+    on_disk = [k for k, off in _lease(d, keys, 2.0)[1].items() if off & wire.DISK_BIT]
+    d.expire_leases(1e9, 100)
+    lease, held = _lease(d, on_disk[:1], 3.0)  # a reader holds one disk page
+    extent = held[on_disk[0]] ^ wire.DISK_BIT
+    move = d.tiers.plan_demote("n1", 2 * EXT, 64, now=4.0)
+    assert move is not None and extent not in move.offs
+    d.tiers.finish(move, set())
+    d.check()
+    assert _lease(d, on_disk[:1], 5.0)[1] == {on_disk[0]: held[on_disk[0]]}  # still there, same place
+    assert d.release(lease)
+
+
+def test_a_promoted_pages_disk_extent_stays_allocated_while_a_reader_of_the_disk_copy_holds_it():
+    """Checked sound: a reader's lease taken on a disk page while its promotion is in flight keeps the old extent
+    (GONE, pinned) out of the twin's allocator until the RELEASE, so no demotion rewrites what it reads."""
+    d = TableDirectory()
+    d.tiers.disks["n1"] = 4 * EXT
+    d.add_space("n1", 4 * EXT)
+    keys = [b"k%d" % i for i in range(4)]
+    put(d, keys, 1)
+    assert d.tiers.finish(d.tiers.plan_demote("n1", 4 * EXT, 64, now=1.0), set()) == 4
+    lease0, _ = _lease(d, keys[:1], 2.0)  # read from disk: a promotion candidate
+    assert d.release(lease0)
+    move = d.tiers.plan_promote("n1", 64, now=3.0)
+    assert move is not None and len(move) == 1
+    lease, held = _lease(d, keys[:1], 3.5)  # a reader of the disk copy, during the move
+    extent = held[keys[0]] ^ wire.DISK_BIT
+    assert d.tiers.finish(move, set()) == 1
+    d.check()
+    twin = d.tiers.twin("n1")
+    assert twin.alloc.alloc(EXT) is None  # three pages still on disk and the read one's extent: nothing free
+    assert d.release(lease)
+    assert twin.alloc.alloc(EXT) == extent
