@@ -147,11 +147,12 @@ class DataPlane:
         fut = svc._apply(fx, wait=svc.cfg.commit == "durable")  # async: acknowledged before etcd (config.py)
         if fut is None:
             return {"ok": ok}
-        return self._commit_wait(fut, ok, svc.metrics.etcd_commit)
+        return self._commit_wait(fut, ok, svc.metrics.etcd_commit, time.perf_counter())
 
     @staticmethod
-    async def _commit_wait(fut: asyncio.Future, ok: list, latency) -> dict:
-        t0 = time.perf_counter()
+    async def _commit_wait(fut: asyncio.Future, ok: list, latency, t0: float) -> dict:
+        """``t0``: when the pages were handed to the writer (a multi-slot COMMIT awaits its parts' waits in turn,
+        each may start after its pages are durable: multislot.py)."""
         await fut  # durable in etcd before the reply; Unavailable propagates as an error answer
         latency.observe(time.perf_counter() - t0)
         return {"ok": ok}
