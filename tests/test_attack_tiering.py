@@ -21,11 +21,14 @@ import random
 import re
 import socket
 import threading
+import time
 
 from transport import wire
 from umbp.errors import UmbpError
+from umbp.node.tiering import readv_disk
 
 from cluster import eventually
+from test_disk_node import deadline, disk_places, header, node_sock, put, whole
 from test_tiering import DISK, DRAM, PAGE, WATERMARKS, gets, offsets, put_pages, stats
 
 MOVER = b"metaserver-mover"
@@ -274,3 +277,32 @@ def test_a_promote_in_flight_at_a_clean_metaserver_stop_never_lands_on_the_next_
             _fill_release_check(c, trap, cl, rng)
     finally:
         trap.close()
+
+
+def test_a_move_that_reaches_the_node_past_its_deadline_copies_nothing(make_cluster, tmp_path):
+    """The node side of the same guard: a DEMOTE or PROMOTE whose ``until_ms`` has passed when it arrives (its
+    mover gave it up and may have placed other pages in its extents) fails every row and writes nothing: the disk
+    extent keeps what it held, the DRAM extent's page still reads back."""
+    c = make_cluster(nodes=1, capacity="64MiB", node_flags={"disk": str(tmp_path / "node0.disk"),
+                                                            "disk_capacity": "128MiB"})
+    rng = random.Random(4705)
+    objs = put(c, rng, [5000, 1 << 20])
+    disks = disk_places(objs)
+    rows = wire.pack_tier_rows([o["tag"] for o in objs], [o["gen"] for o in objs], [o["plen"] for o in objs],
+                               [o["dram"] for o in objs], disks, 0)
+    past = int(time.time() * 1000) - 1
+    with node_sock(c) as s:
+        frame = s.request(wire.Op.DEMOTE, {"rows": rows, "until_ms": past}, deadline())
+        failed = wire.vec_failures(frame.meta, len(objs), "test")
+        assert sorted(failed) == [0, 1] and all("deadline" in str(e) for e in failed.values())
+        got = readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
+        assert all(isinstance(g, UmbpError) for g in got)  # nothing was copied
+        frame = s.request(wire.Op.DEMOTE, {"rows": rows, "until_ms": past + 60_000}, deadline())
+        assert wire.vec_failures(frame.meta, len(objs), "test") == {}  # in time: copied
+        assert readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(objs, disks)], deadline()) == \
+            [header(o) + o["payload"] for o in objs]
+        # a late PROMOTE onto the pages' own DRAM extents: it would zero their headers and write there
+        frame = s.request(wire.Op.PROMOTE, {"rows": rows, "until_ms": past}, deadline())
+        assert sorted(wire.vec_failures(frame.meta, len(objs), "test")) == [0, 1]
+    with c.client() as cl:
+        assert [cl.get(o["key"]) for o in objs] == [o["payload"] for o in objs]

@@ -17,9 +17,11 @@ Faults: a node that does not answer, refuses, or closes: the round's rows stay w
 extents go back); the connection is opened anew next round. A round whose request was sent and whose answer never
 came (the connection closed or reset, ``MOVE_S`` passed) does not know whether the node still copies: the request
 may sit in the network or behind the node's I/O, and a PROMOTE (DEMOTE) zeroes its DRAM (disk) extent's header and
-writes the page there whenever it runs. Its destination extents are kept out of placement for the quarantine's
-``keep_s`` (as an aborted writer's are: ``metaserver/table/quarantine.py``) instead of going back at once, where a
-page committed meanwhile would be overwritten (tests/test_attack_tiering.py). A round that outlives its term (a
+writes the page there whenever it runs. The request carries ``until_ms`` (``MOVE_S`` after it is sent, wall
+clock), past which the node starts no copy; its destination extents are kept out of placement (as an aborted
+writer's are: ``metaserver/table/quarantine.py``) for ``MOVE_S`` plus the clocks' skew, the quarantine's ``keep_s``
+if longer, instead of going back at once, where a page committed meanwhile would be overwritten
+(tests/test_attack_tiering.py). A round that outlives its term (a
 step-down) touches nothing: the lease that pins its rows runs out with the table it belongs to, and a leader that
 gives up hands its moves' destinations on with its open allocations (``Tiers.open_extents``).
 
@@ -38,6 +40,7 @@ import numpy as np
 from metaserver.table.evict import bytes_to_low, over_high
 from transport import wire
 from transport.framed import ask_async, handshake_async
+from umbp.caps import CLOCK_SKEW_S
 from umbp.config import split_host_port
 from umbp.errors import UmbpError
 from umbp.tls import client_context
@@ -156,7 +159,8 @@ class Mover:
                 link = self.links[host] = NodeLink(f"{node.host}:{node.port}", secret, cfg.tls_ca, self.component)
             await link.ready()
             unsure = True
-            meta = await link.request(op, {"rows": move.tier_rows()}, MOVE_S)
+            until = int((time.time() + MOVE_S) * 1000)  # the node copies nothing past it (umbp/node/tiering.py)
+            meta = await link.request(op, {"rows": move.tier_rows(), "until_ms": until}, MOVE_S)
             unsure = False  # answered: the node's copies are done (it answers after its last write)
             failed = set(wire.vec_failures(meta, len(move), self.component))
             self.backoff.pop(host, None)
@@ -172,7 +176,8 @@ class Mover:
                         "demotion" if op == wire.Op.DEMOTE else "promotion", len(move), host, pause, e)
         if svc.term != term or not svc.serving:
             return  # another term's table: this move's lease and rows are not ours to settle
-        d.tiers.finish(move, failed, self, unsure)
+        # a request that may still be in the node's hands: its extents wait out its deadline (and the clocks' skew)
+        d.tiers.finish(move, failed, self, max(d.quarantine.keep_s, MOVE_S + CLOCK_SKEW_S) if unsure else 0.0)
         svc._apply(d.effects())
 
     def close(self) -> None:

@@ -260,12 +260,12 @@ class Tiers:
         self.moves[lease] = move
         return move
 
-    def finish(self, move: Move, failed: set[int], owner: object = None, unsure: bool = False) -> int:
+    def finish(self, move: Move, failed: set[int], owner: object = None, keep_s: float = 0.0) -> int:
         """The node's answer to ``move``: row i copied unless i is in ``failed``. Each copied row whose source is
         still the same READY page under the move's lease moves to the other tier; every other destination extent
-        goes back, at once when the node answered, else (``unsure``: the request was sent and its answer lost, so
-        the node may still write the copies) kept out of placement for the quarantine's ``keep_s``. Returns how
-        many pages moved."""
+        goes back, at once when the node answered, else (``keep_s`` > 0: the request was sent and its answer lost,
+        so the node may still write the copies until the request's deadline) kept out of placement that long.
+        Returns how many pages moved."""
         t = self.t
         self.moves.pop(move.lease, None)
         c = t.cols
@@ -281,8 +281,8 @@ class Tiers:
         for i in np.flatnonzero(~ok).tolist():
             if move.dst.dead:
                 continue
-            if unsure and q.keep_s > 0:
-                q.keep(move.dst, move.offs[i], move.sizes[i], time.monotonic() + q.keep_s)
+            if keep_s > 0:
+                q.keep(move.dst, move.offs[i], move.sizes[i], time.monotonic() + keep_s)
             else:
                 move.dst.alloc.free(move.offs[i], move.sizes[i])
         src = rows[ok]

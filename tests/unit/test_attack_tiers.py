@@ -1,5 +1,5 @@
 """The disk tier's moves whose outcome the metaserver does not know (metaserver/table/tiers.py ``finish`` with
-``unsure``; ``Tiers.open_extents`` in metaserver/ha/handoff.py): their destination extents stay out of placement
+``keep_s``; ``Tiers.open_extents`` in metaserver/ha/handoff.py): their destination extents stay out of placement
 while the node may still write them. In process, no I/O (tests/test_attack_tiering.py: the same over real
 processes, the request held in the network)."""
 
@@ -42,7 +42,7 @@ def test_a_move_whose_answer_was_lost_keeps_its_destinations_out_of_placement_fo
     move = d.tiers.plan_demote("n1", 2 * EXT, 64, now=1.0)
     assert move is not None and len(move) == 2
     dst = sorted(move.offs)
-    assert d.tiers.finish(move, set(range(len(move))), unsure=True) == 0
+    assert d.tiers.finish(move, set(range(len(move))), keep_s=30.0) == 0
     d.check()
     twin = d.tiers.twin("n1")
     assert sorted(off for off, _ in d.quarantine.extents(twin)) == dst

@@ -24,6 +24,9 @@ ones. A source whose header does not match its row is never copied. The copy's h
   straight into the arena, checks the header read, then copies the first block in with the header bytes last. In a
   closed pool the write counts in the write ledger at the copy's generation (``regen``, else the object's): a
   generation the ledger refuses fails the row (the metaserver gives a promoted copy a fresh generation).
+A request carries the mover's deadline (``until_ms``, wall clock): one that arrives after it (delayed in the network
+past the mover's give-up) copies nothing, and a DEMOTE that passes it before its header write leaves its copy without
+one (``late``).
 
 Costs: per READV_DISK op one buffer (two for a range past the first block) and one syscall on a worker; per moved
 row two writes (a 4 KiB one for the header) and a 4 KiB memcpy; two ``fdatasync`` per DEMOTE batch.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -288,9 +292,14 @@ class DiskTier:
     # ---- the metaserver: DEMOTE and PROMOTE --------------------------------------------------------------------
 
     def _rows(self, conn, frame: wire.Frame, what: str) -> tuple[list, list]:
-        """(rows that pass their checks as (index, tag, gen, plen, dram, disk, regen, size), failures)."""
+        """(rows that pass their checks as (index, tag, gen, plen, dram, disk, regen, size), failures). A request
+        past its ``until_ms`` (wall clock, the mover's: ``late``) fails every row: its sender has given it up and may
+        have placed other pages in its extents."""
         rows = wire.unpack_tier_rows(frame.meta, self.component)
         ok, failures = [], []
+        why = late(frame.meta, what, self.component)
+        if why:
+            return [], [[i, wire.Status.UNAVAILABLE, why] for i in range(len(rows))]
         for i, (tag, gen, plen, dram, dsk, regen) in enumerate(rows.tolist()):
             size = wire.object_size(plen)
             try:
@@ -341,9 +350,12 @@ class DiskTier:
                 done(e)
                 return
             heads = []
+            gone = late(frame.meta, "DEMOTE", comp)  # given up meanwhile: no header makes a copy valid
             for m, j in zip(moves, jobs1):
                 i, dram, _dsk, src, final, first = m
-                if j.error is not None:
+                if gone:
+                    failures.append([i, wire.Status.UNAVAILABLE, gone])
+                elif j.error is not None:
                     failures.append([i, wire.Status.INTERNAL, f"{comp}: DEMOTE: disk write failed: "
                                                               f"{j.error.strerror or j.error}"])
                 elif view[dram:dram + HS] != src:
@@ -420,6 +432,17 @@ class DiskTier:
             answer.bufs = [self._encode(frame, version, failures)]
 
         disk.run(jobs, self._later(conn, answer, finish))
+
+
+def late(meta: Any, what: str, component: str) -> str | None:
+    """Why a DEMOTE/PROMOTE is past its sender's deadline (``until_ms``, wall-clock ms; none from a metaserver
+    that sends none), or None. The mover keeps a move's destinations out of placement for longer than that after
+    it gave the move up (metaserver/ha/tiering.py), so a request that starts before it never lands on another
+    page."""
+    until = meta.get("until_ms") if type(meta) is dict else None
+    if type(until) is int and time.time() * 1000 > until:
+        return f"{component}: {what}: past its deadline (the metaserver has given it up)"
+    return None
 
 
 def _send_all(fd: int, bufs: list, st: ConnState) -> None:
