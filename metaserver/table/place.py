@@ -226,13 +226,17 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 need[x] -= k
     if not t.links.linking and not (t.quota is not None and t.quota.reserving):
         todo = [x for x in range(len(groups)) if need[x]]
-        first: dict[int, int] = {}  # a node's first group needing victims (another layout on it: one at a time)
-        for x in todo:
-            first.setdefault(groups[x][0], x)
-        hand = list(first.values())
+        if u == 1:  # one layout: a group a node
+            hand = todo
+        else:
+            first: dict[int, int] = {}  # a node's first group needing victims (another layout on it: one at a time)
+            for x in todo:
+                first.setdefault(groups[x][0], x)
+            hand = list(first.values())
         if hand:
             ks = [need[x] for x in hand]
-            vr, vo, vj = t._handover([nodes[groups[x][0]] for x in hand], [ext[groups[x][1]] for x in hand], ks)
+            vr, vo, vj = t._handover([nodes[groups[x][0]] for x in hand],
+                                     [ext[groups[x][1]] for x in hand] if u > 1 else [ext[0]] * len(hand), ks)
             if len(vr):
                 sup_rows.append(vr)
                 sup_offs.append(vo)
