@@ -443,6 +443,8 @@ class KeyIndex:
                 if len(stuck):  # no row of either bucket can move to its other one: kick one out (a random walk)
                     self._kick(tab, stuck, rows, val, tag, b1, b2, came, ns_col)
             keep = left.nonzero()[0]
+            if not len(keep):  # every key filed (a request's usual first round): no gathers of nothing
+                return
             rows, val, tag, b1, b2, came = (a[keep] for a in (rows, val, tag, b1, b2, came))
         self.stash = np.concatenate((self.stash, rows))
 
@@ -509,7 +511,7 @@ class KeyIndex:
             return
         if self.watch is not None:
             self.watch(rows, -1)
-        h = self._hash(np.asarray(ns, np.uint64), self.kc[rows])
+        h = self._hash(np.asarray(ns, np.uint64), self.kc.take(rows, axis=0))
         val = rows.astype(np.uint32)
         val += _ONE32
         left = self._delete_in(self.t, h, val)
