@@ -39,6 +39,9 @@ resized as it filled, 24 s): 6.5 CPU-seconds, 0.65 us a page; a key that is not 
 ``load_nodes`` (the full load's many nodes) files every node's keys with one key index insert: at 1 M pages of
 ``bench/columns.py``'s load on the 2-core VM, 1.10 -> 0.51 CPU-s (a node's insert each added a chunk of long keys,
 and each ``MAX_CHUNKS`` nodes the chunks were merged, a copy of every long key a byte at a time).
+Its one sort (``KeyIndex.bulk_order``: the keys by first bucket, for the duplicates check) also files them: each
+bucket takes its run of keys with one scatter (``KeyIndex.insert_staged``), where a sort for the check and the
+insert's rounds for every key cost about 25% more.
 ``fingerprint`` is for tests: O(rows) Python.
 """
 
@@ -50,7 +53,7 @@ import numpy as np
 
 from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import PENDING, READY, extent_size
-from metaserver.table.index import digests
+from metaserver.table.index import NO_ROW, digests
 from metaserver.table.longkeys import LongCol
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 from umbp.errors import ConfigError
@@ -153,7 +156,7 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     order (recency across nodes then follows the order of the loads). Column forms (a full load's
     ``snapshot.NodePages``): ``keys`` as (digests, longs) (``keyindex.digests``), ``ns`` as (names, index a page),
     ``records`` an object array. ``staged`` (``load_nodes``): the key index's part of the filing is appended to it
-    (``KeyIndex.stage``) for one insert of every node's rows; ``distinct``: the caller found no two of these pages
+    (the positions filed, None: all, and ``KeyIndex.stage``'s rows and long keys) for one insert of every node's; ``distinct``: the caller found no two of these pages
     with one ``_hash`` (rule 3 has nothing to do)."""
     node = t.node_by_id.get(node_id)
     if node is None:
@@ -276,7 +279,7 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
         longs = list(zip((np.cumsum(ok)[pos[kept]] - 1).tolist(),
                          (k for (_, k), y in zip(longs, kept.tolist()) if y)))
     if staged is not None:
-        staged.append(t.ix.stage(rows, dig if every else dig[keep], c["ns"], longs))
+        staged.append((None if every else keep, t.ix.stage(rows, dig if every else dig.take(keep, axis=0), longs)))
     else:
         t.ix.insert(rows, dig if every else dig[keep], c["ns"], longs)
     if t.links.linking or t.kv_sink is not None:  # ``parents[i]``: page i's parent key (metaserver/table/links.py)
@@ -295,30 +298,60 @@ def load_nodes(t: PageTable, loads: list[tuple[str, object]], file) -> list:
     ``file(node_id, pages, staged, distinct)`` calls ``load_pages`` and returns what it wants kept), the same
     result as one call a node in that order, with the key index filled by one insert (``KeyIndex.insert_staged``)
     instead of one a node. That is exact only when no node's page can meet another node's key (rule 1 between
-    nodes), so the keys are checked first: one 64-bit hash a page and one sort of them all (the sort rule 3
-    would make a node anyway, skipped for the nodes without an equal pair). When two nodes share a hash (a key
-    on two nodes: never in a pool that placed its pages itself), or when loaded rows are linked or reported as
-    filed (``links.loaded`` finds parents in the index), every node is filed on its own, as before. Returns the
-    ``file`` results, in order."""
+    nodes), so the keys are checked first: the key index's hash of every page and one sort of them all
+    (``KeyIndex.bulk_order``: the same sort files them by bucket; it also lets rule 3 skip the nodes without an
+    equal pair). When two nodes share a hash (a key on two nodes: never in a pool that placed its pages itself),
+    or when loaded rows are linked or reported as filed (``links.loaded`` finds parents in the index), every node
+    is filed on its own, as before. Returns the ``file`` results, in order."""
     if t.links.linking or t.kv_sink is not None or len(loads) < 2:
         return [file(node_id, p, None, False) for node_id, p in loads]
-    hs = [_hash(p.nsix, p.dig) for _, p in loads]
-    srt = np.sort(np.concatenate(hs))
-    dup = srt[1:][srt[1:] == srt[:-1]]
+    ix = t.ix
+    hs = []
+    for i, (node_id, p) in enumerate(loads):  # (names interned in the order ``_namespaces`` interns them)
+        rev = p.rev
+        if len(rev) > 1 and (rev[1:] < rev[:-1]).any():  # in commit order first, as ``file`` would put them (the
+            p = p.take(np.argsort(rev, kind="stable"))  # positions below are those it files)
+            loads[i] = (node_id, p)
+        tab = np.array([t._ns(name) for name in p.ns_names], np.uint16)
+        hs.append(ix._hash(tab.take(p.nsix), p.dig))
+    sizes = [len(x) for x in hs]
+    h = np.concatenate(hs)
+    del hs
+    bases = np.cumsum([0] + sizes)
+    order = ix.bulk_order(h, t.cols["ns"])
+    hi = order >> np.uint64(32)
+    at = np.flatnonzero(hi[1:] == hi[:-1])
+    del hi
     twins = set()  # the loads with two pages of one hash: rule 3's walk for them
-    if len(dup):
-        owners = [np.isin(dup, h) for h in hs]
-        if (np.sum(owners, axis=0) > 1).any():  # a hash on two nodes: each node's rule 1 must see those before
-            return [file(node_id, p, None, False) for node_id, p in loads]
-        twins = {i for i, o in enumerate(owners) if o.any()}
-    del hs, srt
+    if len(at):  # (a few: keys sharing the sort's 32 bits; equal keys among them)
+        pos = (order.take(np.union1d(at, at + 1)) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        hp = h.take(pos)
+        srt = np.sort(hp)
+        dup = srt[1:][srt[1:] == srt[:-1]]
+        if len(dup):
+            mine = np.isin(hp, dup)
+            node = np.searchsorted(bases, pos[mine], side="right") - 1
+            pairs = set(zip(hp[mine].tolist(), node.tolist()))
+            if len({v for v, _ in pairs}) < len(pairs):  # a hash on two nodes: each node's rule 1 must see those
+                return [file(node_id, p, None, False) for node_id, p in loads]
+            twins = {i for _, i in pairs}
     staged: list = []
     out = []
+    rows_at = np.full(len(h), NO_ROW, np.uint32)  # each page's row (NO_ROW: not filed; u32, as the index's slots)
     for i in range(len(loads)):
         (node_id, p), loads[i] = loads[i], None  # (each node's columns freed once filed, as a load a node frees them)
-        out.append(file(node_id, p, staged, i not in twins))
+        part: list = []
+        out.append(file(node_id, p, part, i not in twins))
         del p
-    t.ix.insert_staged(staged, t.cols["ns"])
+        if part:
+            keep, got = part[0]
+            lo = int(bases[i])
+            if keep is None:
+                rows_at[lo:lo + len(got[0])] = got[0]
+            else:
+                rows_at[lo + keep] = got[0]
+            staged.append(got)
+    ix.insert_staged(staged, t.cols["ns"], order, h, rows_at)
     return out
 
 

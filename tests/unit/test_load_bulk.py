@@ -56,7 +56,7 @@ def load(pages: list[tuple], per_node: bool, monkeypatch) -> tuple:
     with monkeypatch.context() as m:
         staged = []
         real = KeyIndex.insert_staged
-        m.setattr(KeyIndex, "insert_staged", lambda ix, parts, ns: (staged.append(len(parts)), real(ix, parts, ns)))
+        m.setattr(KeyIndex, "insert_staged", lambda ix, parts, ns, *a: (staged.append(len(parts)), real(ix, parts, ns, *a)))
         if per_node:
             m.setattr(directory, "load_nodes", lambda t, loads, file: [file(x, p, None, False) for x, p in loads])
         t = TableDirectory(policy="lru")
