@@ -22,9 +22,11 @@ search a chunk; ``keys_of``/``any_of``/``discard`` O(rows) numpy a chunk; a merg
 from __future__ import annotations
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 MAX_CHUNKS = 8  # bulk chunks kept before they are merged into one (each lookup searches every chunk)
 _EMPTY = np.zeros(0, np.int64)
+_GATHER = 1 << 22  # bytes ``gather`` indexes at once (an int64 a byte: 32 MiB of index)
 
 
 def gather(blob: bytes, starts: np.ndarray, lens: np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -34,10 +36,20 @@ def gather(blob: bytes, starts: np.ndarray, lens: np.ndarray) -> tuple[bytes, np
     ends = np.cumsum(lens)
     if not len(lens):
         return b"", ends
-    total = int(ends[-1])
-    idx = np.repeat(np.asarray(starts, np.int64) - (ends - lens), lens)
-    idx += np.arange(total, dtype=np.int64)
-    return np.frombuffer(blob, np.uint8).take(idx).tobytes(), ends
+    starts = np.asarray(starts, np.int64)
+    src = np.frombuffer(blob, np.uint8)
+    k = int(lens[0])
+    if 0 < k <= len(src) and (lens == k).all():  # keys of one length (33 bytes: a TP rank's): rows of a window view
+        return sliding_window_view(src, k)[starts].tobytes(), ends  # (no index a byte; take would copy the view)
+    out = []
+    step = max(1, _GATHER // max(1, int(ends[-1]) // len(lens)))  # keys a part: a byte index of _GATHER at most
+    for lo in range(0, len(lens), step):
+        ln, st = lens[lo:lo + step], starts[lo:lo + step]
+        e = np.cumsum(ln)
+        idx = np.repeat(st - (e - ln), ln)
+        idx += np.arange(int(e[-1]), dtype=np.int64)
+        out.append(src.take(idx).tobytes())
+    return b"".join(out), ends
 
 
 class LongCol:

@@ -2,28 +2,31 @@
 as the scan delivers them, their pages grouped by node, dead lists applied after the scan; ``NodePages``, one node's
 pages as columns, what ``TableDirectory.load`` files. The values' layouts are ``metaserver/table/records.py``'s.
 
-Costs: a segment's pages reach their node's columns with a few numpy calls a segment (``NodePages.of_segment``);
-a msgpack record's with an ``entry.Entry`` a page; ``columns`` one concatenation a node.
+Costs: ``add`` keeps a segment as parsed; ``columns`` groups every segment's pages by node in batches of
+``_BATCH`` pages (a few numpy calls a segment, a stable radix sort and a gather a column and node a batch, then one
+concatenation a node); a msgpack record's pages cost an ``entry.Entry`` a page.
 """
 
 from __future__ import annotations
 
 import sys
 from binascii import unhexlify
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 import msgpack
 import numpy as np
 
 from metaserver.table.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, Entry
 from metaserver.table.index import digests
-from metaserver.table.longkeys import LongCol
+from metaserver.table.longkeys import LongCol, gather
 from metaserver.table.records import (BATCH_MARK, SEG_BYTE, UNREADABLE, Segment, batch_entries, segment_entries,
                                       unpack_segment)
 from transport.keyform import digest_key
 
 _intern = sys.intern
 _key, _value, _mod_revision = attrgetter("key"), attrgetter("value"), attrgetter("mod_revision")
+_second = itemgetter(1)
+_BATCH = 1 << 17  # pages ``_segment_columns`` groups by node at a time
 
 
 class PageRecords:
@@ -47,7 +50,7 @@ class PageRecords:
     pages). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack unpack, an unhexlify, an
     entry)."""
 
-    __slots__ = ("groups", "chunks", "junk", "n", "batches", "dead", "carriers", "carried", "dropped", "_prefix", "_cut",
+    __slots__ = ("groups", "segs", "junk", "n", "batches", "dead", "carriers", "carried", "dropped", "_prefix", "_cut",
                  "_names", "_apps", "_ekeys")
 
     def __init__(self, prefix: bytes):
@@ -66,8 +69,9 @@ class PageRecords:
         self._names: dict[bytes, str] = {}  # namespace as in the etcd key -> its (interned) str
         self._apps: dict[str, tuple] = {}  # node id -> the append methods of its two lists in ``groups``
         self._ekeys: dict[tuple[str, bytes], bytes] | None = None  # ``of``: the tuples' own etcd keys
-        # node id -> its pages of segments: (segment, their positions in it (None: all), revision, record's etcd key)
-        self.chunks: dict[str, list[tuple[Segment, np.ndarray | None, int, bytes]]] = {}
+        # the segments read, in scan order: (segment, revision, record's etcd key); ``columns`` groups their pages by
+        # node with one sort of them all (a step a segment and node cost more than the columns' numpy work)
+        self.segs: list[tuple[Segment, int, bytes]] = []
 
     def __len__(self) -> int:
         return self.n
@@ -132,44 +136,53 @@ class PageRecords:
         if self.dead:
             for node_id, (ents, revs) in list(groups.items()):
                 groups[node_id] = self._live_entries(ents, revs)
-        for node_id, chunks in self.chunks.items():
-            g = groups.get(node_id)
-            if g is None:
-                g = groups[node_id] = ([], [])
-            for seg, idx, rev, name in chunks:
+        for seg, rev, name in self.segs:
+            for node_id, idx in _by_node(seg):
+                g = groups.get(node_id)
+                if g is None:
+                    g = groups[node_id] = ([], [])
                 idx = self._live_idx(seg, idx, name)
                 if idx is not None and not len(idx):
                     continue
                 ents = segment_entries(seg, idx, name)
                 g[0].extend(ents)
                 g[1].extend([rev] * len(ents))
-        self.chunks = {}
+        self.segs = []
         return groups
 
     def columns(self, parents: bool = True) -> "dict[str, NodePages]":
-        """No more ``add``: each node's pages as columns (``NodePages``), in scan order, the msgpack layouts' entries
-        and the segments' columns joined; parents when any page names one (None: none does), a segment's only when
-        asked (a Python object a page: a load that links them; a msgpack record's come with its parse anyway).
-        Empties what it read."""
+        """No more ``add``: each node's pages as columns (``NodePages``): the msgpack layouts' entries in scan order,
+        then the segments' pages in commit order (their records' revisions, scan order among equal ones; etcd scans
+        by name, and a name's counter is not zero-padded); parents when any page names one (None: none does), a
+        segment's only when asked (a Python object a page: a load that links them; a msgpack record's come with its
+        parse anyway). Nodes in the order their first page was read. Empties what it read."""
         self._apps = {}
         ns_list: list[str] = []
         ns_of: dict[str, int] = {}
         rec_list: list = [None]
         rec_of: dict = {None: 0}
+        segs, self.segs = self.segs, []
+        order = list(self.groups)
+        at = {x: i for i, x in enumerate(order)}
+        for seg, _, _ in segs:
+            for x in (seg.node_ids if len(seg.node_ids) == 1 else
+                      [seg.node_ids[i] for i in np.flatnonzero(np.bincount(seg.nodeix)).tolist()]):
+                if x not in at:
+                    at[x] = len(order)
+                    order.append(x)
+        by_seg = _segment_columns(segs, at, self, ns_of, ns_list, rec_of, rec_list, parents)
+        del segs
         out: dict[str, NodePages] = {}
-        for node_id in list(self.groups) + [x for x in self.chunks if x not in self.groups]:
+        for node_id in order:
             parts = []
             ents, revs = self.groups.pop(node_id, ((), ()))
             if ents and self.dead:
                 ents, revs = self._live_entries(ents, revs)
             if ents:
                 parts.append(NodePages.of_entries(ents, revs, ns_of, ns_list, rec_of, rec_list, parents))
-            for seg, idx, rev, name in self.chunks.pop(node_id, ()):
-                if self.dead:
-                    idx = self._live_idx(seg, idx, name)
-                    if idx is not None and not len(idx):
-                        continue
-                parts.append(NodePages.of_segment(seg, idx, rev, name, ns_of, ns_list, rec_of, rec_list, parents))
+            p = by_seg.pop(node_id, None)
+            if p is not None:
+                parts.append(p)
             if parts:  # (none: a dead list named every page of it)
                 out[node_id] = NodePages.join(parts, ns_list, rec_list)
         return out
@@ -262,7 +275,7 @@ class PageRecords:
                 self.junk.append(ekey)
 
     def _add_batch(self, ekey: bytes, head: bytes, value, rev: int, raw: bytes = b"") -> None:
-        """A commit record's pages into ``groups`` (a segment's into ``chunks``), each at the record's create
+        """A commit record's pages into ``groups`` (a segment into ``segs``), each at the record's create
         revision (a rewrite keeps its pages' place in commit order). Raises as ``UNREADABLE`` (nothing added) when
         it is not one."""
         term, dot, seq = ekey[len(head) + 2:].partition(b".")
@@ -280,14 +293,8 @@ class PageRecords:
                 for j, rname in enumerate(seg.dead_recs):
                     dead.setdefault(rname, []).append(seg.dead[seg.dead_ix == j] if len(seg.dead_recs) > 1
                                                       else seg.dead)
-            if not seg.n:
-                return
-            chunks = self.chunks
-            for node_id, idx in _by_node(seg):
-                c = chunks.get(node_id)
-                if c is None:
-                    c = chunks[node_id] = []
-                c.append((seg, idx, rev, ekey))
+            if seg.n:
+                self.segs.append((seg, rev, ekey))
             return
         ns = self._names.get(head)
         if ns is None:
@@ -345,25 +352,6 @@ class NodePages:
                          np.fromiter((e.gen for e in ents), np.uint64, n), np.array(revs, np.int64),
                          np.fromiter((rm[e.batch] for e in ents), np.int32, n),
                          [e.parent for e in ents] if any(e.parent is not None for e in ents) else None)
-
-    @classmethod
-    def of_segment(cls, seg: Segment, idx, rev: int, name: bytes, ns_of, ns_list, rec_of, rec_list,
-                   parents: bool) -> "NodePages":
-        dig, longs = seg.digests()
-        nsm = np.array([cls._ix(ns_of, ns_list, x) for x in seg.ns_names], np.uint16)
-        par = seg.parent_list() if parents else None
-        m = seg.n
-        if idx is None:
-            nsix, off, code, gen = nsm[seg.nsix], seg.offsets(), seg.code, seg.gen
-        else:
-            m = len(idx)
-            longs = longs.select(idx)  # their positions among ``idx`` (ascending)
-            dig = dig[idx]
-            nsix, off, code, gen = nsm[seg.nsix[idx]], seg.offsets()[idx], seg.code[idx], seg.gen[idx]
-            if par is not None:
-                par = [par[i] for i in idx.tolist()]
-        return cls._make(nsix, dig, longs, off, code, gen, np.full(m, rev, np.int64),
-                         np.full(m, cls._ix(rec_of, rec_list, name), np.int32), par)
 
     @classmethod
     def join(cls, parts: list, ns_names: list, rec_names: list) -> "NodePages":
@@ -424,3 +412,109 @@ def _by_node(seg: Segment) -> list[tuple[str, np.ndarray | None]]:
     cut = np.flatnonzero(ix[1:] != ix[:-1]) + 1
     return [(seg.node_ids[int(ix[lo])], order[lo:hi]) for lo, hi in
             zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [seg.n])).tolist())]
+
+
+def _segment_columns(segs: list, at: dict, recs: PageRecords, ns_of, ns_list, rec_of, rec_list,
+                     parents: bool) -> "dict[str, NodePages]":
+    """The pages of segments ``segs`` ((segment, revision, etcd key), scan order) as a ``NodePages`` a node (``at``:
+    node id -> its place in the load's order), each node's in commit order: the segments in order of revision
+    (stable), taken ``_BATCH`` pages at a time: a batch's columns joined, its pages sorted by node (a stable radix
+    sort of u16) and each node's part gathered; then each node's parts joined. Why batches, not every page's
+    columns joined at once: arrays that large are new memory (glibc maps an array past its mmap threshold anew, and
+    its pages are faulted in: about 0.3 ns a byte on the 2-core VM, more under load), where a batch's temporaries
+    reuse the heap. Dead-listed pages left out (``recs``)."""
+    segs.sort(key=_second)  # (stable: scan order among equal revisions)
+    parts: dict[int, list] = {}
+    batch: list = []
+    size = 0
+    for i in range(len(segs)):
+        (seg, rev, name), segs[i] = segs[i], None  # (a batch's values freed once it is grouped: the heap reused)
+        idx = recs._live_idx(seg, None, name) if recs.dead else None
+        if idx is not None and not len(idx):
+            continue
+        batch.append((seg, rev, name, idx))
+        size += seg.n if idx is None else len(idx)
+        if size >= _BATCH:
+            _batch_parts(batch, at, parts, ns_of, ns_list, rec_of, rec_list, parents)
+            batch, size = [], 0
+    if batch:
+        _batch_parts(batch, at, parts, ns_of, ns_list, rec_of, rec_list, parents)
+    del batch
+    segs.clear()
+    names = list(at)
+    out = {}
+    for k in sorted(parts):  # (nsix, dig, off, code, gen, rev, rec, long keys, parents) a batch
+        ps = parts.pop(k)
+        cols = [ps[0][j] if len(ps) == 1 else np.concatenate([q[j] for q in ps]) for j in range(7)]
+        longs = ps[0][7] if len(ps) == 1 else LongCol.cat([q[7] for q in ps], [len(q[0]) for q in ps])
+        par = None
+        if parents and any(q[8] is not None for q in ps):
+            par = [x for q in ps for x in (q[8] if q[8] is not None else [None] * len(q[0]))]
+        out[names[k]] = NodePages._make(cols[0], cols[1], longs, *cols[2:], par)
+    return out
+
+
+def _batch_parts(batch: list, at: dict, parts: dict, ns_of, ns_list, rec_of, rec_list, parents: bool) -> None:
+    """``_segment_columns``' step for a batch of segments ((segment, revision, etcd key, live positions or None)):
+    each node's part of them appended to ``parts[its place]`` as (nsix, dig, off, code, gen, rev, rec, LongCol of
+    its long keys, parents or None)."""
+    cols: list[list] = [[] for _ in range(6)]
+    longs, counts, nsbase, ndbase, revs, rec_ix, par = [], [], [], [], [], [], []
+    nstab: list[int] = []
+    ndtab: list[int] = []
+    for seg, rev, name, idx in batch:
+        dig, lc = seg.digests()
+        got = (dig, seg.nsix, seg.nodeix, seg.unit, seg.code, seg.gen)
+        if idx is not None:
+            got = tuple(x[idx] for x in got)
+            lc = lc.select(idx)
+        for c, x in zip(cols, got):
+            c.append(x)
+        longs.append(lc)
+        counts.append(len(got[-1]))
+        nsbase.append(len(nstab))
+        nstab.extend(NodePages._ix(ns_of, ns_list, x) for x in seg.ns_names)
+        ndbase.append(len(ndtab))
+        ndtab.extend(at[x] for x in seg.node_ids)
+        revs.append(rev)
+        rec_ix.append(NodePages._ix(rec_of, rec_list, name))
+        if parents:
+            pl = seg.parent_list()
+            pl = [None] * seg.n if pl is None else pl
+            par.extend(pl if idx is None else [pl[i] for i in idx.tolist()])
+    cnt = np.array(counts, np.int64)
+    dig, nsix, node, unit, code, gen = (c[0] if len(c) == 1 else np.concatenate(c) for c in cols)
+    del cols
+    node = np.array(ndtab, np.int32 if len(at) >= 1 << 16 else np.uint16).take(
+        node.astype(np.int64) + np.repeat(np.array(ndbase, np.int64), cnt))
+    nsix = np.array(nstab, np.uint16).take(nsix.astype(np.int64) + np.repeat(np.array(nsbase, np.int64), cnt))
+    seg_of = np.repeat(np.arange(len(cnt), dtype=np.int32), cnt)
+    order = np.argsort(node, kind="stable")  # (u16: a radix sort; by node, each node's pages as joined)
+    ends = np.concatenate(([0], np.cumsum(np.bincount(node, minlength=len(at))))).tolist()
+    lc = LongCol.cat(longs, counts)
+    srt = np.argsort(node.take(lc.pos), kind="stable")  # the long keys by node, each node's a run
+    lcut = np.searchsorted(node.take(lc.pos.take(srt)), np.arange(len(at) + 1)).tolist()
+    lens = lc.lens()
+    revs = np.array(revs, np.int64)
+    rec_ix = np.array(rec_ix, np.int32)
+    for k in np.flatnonzero(np.diff(ends)).tolist():
+        idx = order[ends[k]:ends[k + 1]]
+        sg = seg_of.take(idx)
+        off = unit.take(idx).astype(np.int64)
+        off <<= 12
+        mine = srt[lcut[k]:lcut[k + 1]]
+        parts.setdefault(k, []).append((
+            nsix.take(idx), dig.take(idx, axis=0), off, code.take(idx), gen.take(idx), revs.take(sg),
+            rec_ix.take(sg), _pick(lc, lens, mine, np.searchsorted(idx, lc.pos.take(mine))),
+            _some([par[i] for i in idx.tolist()]) if parents else None))
+
+
+def _some(parents: list) -> list | None:
+    """``parents``, None when it names none."""
+    return parents if any(x is not None for x in parents) else None
+
+
+def _pick(lc: LongCol, lens: np.ndarray, entries: np.ndarray, pos: np.ndarray) -> LongCol:
+    """``lc.pick(entries, pos)`` with its key lengths ``lens`` given (a load picks each node's from one column)."""
+    blob, ends = gather(lc.blob, lc.ends.take(entries) - lens.take(entries), lens.take(entries))
+    return LongCol(pos, ends, blob)
