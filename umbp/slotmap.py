@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-SUMMED = ("capacity_bytes", "used_bytes", "objects", "pending", "pinned", "held_bytes", "hits", "misses", "evictions",
-          "puts", "etcd_pending_ops", "etcd_txns", "etcd_ops", "etcd_retries", "ticks", "disk_capacity_bytes",
+SUMMED = ("capacity_bytes", "used_bytes", "objects", "pending", "pinned", "leases_orphaned", "held_bytes", "hits",
+          "misses", "evictions", "puts", "etcd_pending_ops", "etcd_txns", "etcd_ops", "etcd_retries", "ticks", "disk_capacity_bytes",
           "disk_used_bytes", "demotions", "promotions", "dead_pages", "removal_waits")
 
 

@@ -13,9 +13,9 @@ the slot key, a clean stop in one just before it resigns: msgpack ``[wall time, 
 ...]]``, its open extents merged into runs. The next leader reads it at its takeover and keeps those runs
 out of placement (``hold``: reserved, then released by its ``Quarantine``) until ``keep_s`` after the record was
 written: the longest an open allocation's writer may write (``pending_ttl_s``, and a write capability's
-``write_cap_ttl_s`` in a closed pool) plus clock skew. A leader that dies leaves no record: its open allocations
-are forgotten as before (tests/test_failover.py): the takeover comes an election TTL after the death, and a writer
-still holding such a grant by then could write late (the reader's header check refuses that page: a CorruptionError).
+``write_cap_ttl_s`` in a closed pool) plus clock skew. A leader that dies leaves no record: its open allocations are
+unknown, and a writer still holding such a grant may write late into what the next leader places (a TCP write
+streams its bytes into the arena as they come): an open hole, tests/test_attack_late_write.py (strict xfail).
 
 Costs: one etcd op at the handover, one read at a takeover; the record is O(runs), and a batch's pages are placed
 adjacent (runs of up to PLACE_RUN). At most MAX_RUNS runs are recorded (about 1 MB; etcd takes 1.5 MB a request):

@@ -206,7 +206,12 @@ class Metaserver:
         hold = self.cfg.write_cap_ttl_s + CLOCK_SKEW_S if self.tokens.closed else 0.0
         keep = max(self.cfg.pending_ttl_s, self.cfg.write_cap_ttl_s) + CLOCK_SKEW_S  # open allocations' writers
         self.dir.quarantine = Quarantine(hold, keep)
-        self.dir.quarantine.start(self.took_over, self.gens.issued_below)
+        # pages loaded: a reader may still read one under the last leader's lease (none loaded: none can)
+        lease_s = self.cfg.read_lease_s + CLOCK_SKEW_S if self.dir.objects else 0.0
+        self.dir.quarantine.start(self.took_over, self.gens.issued_below, lease_s)
+        if lease_s:
+            log.info("metaserver: no eviction for %.1f s: readers may still read under the last leader's leases",
+                     lease_s)
         n, nbytes = handoff.hold(self.dir, handed)
         if n:
             log.info("metaserver: holding %d runs (%d bytes) the last leader left allocated and uncommitted", n, nbytes)
@@ -393,7 +398,10 @@ class Metaserver:
         return STEP_BUDGET - left
 
     def _expire_pending(self, now: float, budget: int) -> int:
-        return self.dir.expire_pending(now, min(budget, SWEEP_BUDGET))
+        # an expired allocation's writer may still be writing it (a slow or stalled write): its extent waits keep_s
+        # as a closed connection's does (tests/test_attack_late_write.py)
+        with self.dir.quarantine.keeping():
+            return self.dir.expire_pending(now, min(budget, SWEEP_BUDGET))
 
     def _expire_leases(self, now: float, budget: int) -> int:
         q = self.dir._lease_q

@@ -65,7 +65,7 @@ class Admin:
         if not scope.admin:
             usage = {ns: u for ns, u in usage.items() if scope.right(ns)}
         out = {"capacity_bytes": d.capacity, "used_bytes": d.used, "objects": d.objects, "pending": d.pending,
-               "pinned": d.pinned, "held_bytes": d.quarantine.held_bytes, "hits": d.hits, "misses": d.misses,
+               "pinned": d.pinned, "leases_orphaned": d.leases_orphaned, "held_bytes": d.quarantine.held_bytes, "hits": d.hits, "misses": d.misses,
                "evictions": d.evictions, "puts": d.puts,
                "namespaces": {ns: u["objects"] for ns, u in usage.items() if u["objects"]},
                "namespace_usage": usage, "is_leader": svc.serving, "etcd": svc.store.addr,

@@ -112,20 +112,25 @@ def own_lease(d, conn, lease: int) -> None:
 
 
 def drop_leases(d, conn) -> int:
-    """Release every lease ``conn`` still holds in ``d`` (it closed). Returns how many were live."""
+    """``conn`` closed: its leases in ``d`` stay until they expire (``read_lease_s``), not released now. Its client
+    may still be reading under them over the nodes' connections (a read that ends within ``lease_ms`` of its LOOKUP
+    is accepted), and a lease is what keeps a read's extent from a new writer: released at the close, a removal and
+    a put into the extent meanwhile gave the reader another page's bytes (tests/test_attack_leases.py). Counted in
+    ``d.leases_orphaned`` (STATS ``leases_orphaned``). Returns how many were live."""
     held = getattr(conn, "leases", None)
     if not held:
         return 0
-    release = d.release
-    n = sum(1 for lease in held if release(lease, conn))
+    live = d.leases
+    n = sum(1 for lease in held if lease in live)
     held.clear()
+    d.leases_orphaned += n
     return n
 
 
 def drop_pending(d, conn, serving: bool) -> int:
     """The writer's connection closed: abort its allocations still PENDING in ``d`` (they can never be committed by
-    it now), so other writers of those keys need not wait out ``pending_ttl_s``; and release the read leases it
-    still holds. Their extents are kept out of placement for the quarantine's ``keep_s`` (the writer may have
+    it now), so other writers of those keys need not wait out ``pending_ttl_s``; its read leases run out on their
+    own (``drop_leases``). Their extents are kept out of placement for the quarantine's ``keep_s`` (the writer may have
     its places and still write them: ``metaserver/table/quarantine.py``). An allocation another connection took over
     (an ALLOC retried with its token) is not this connection's any more and stays. Not ``serving``: only the
     connection's own sets are emptied."""

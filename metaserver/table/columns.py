@@ -132,6 +132,7 @@ class PageTable(TableNodes, TableRecords, TableEviction):
         self.qcopy = QueueCopy()  # the eviction queues as numpy, for ALLOC's victims in bulk (``table/evict.py``)
         self._init_records()
         self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities
+        self.leases_orphaned = 0  # leases left to expire by connections that closed (ownership.drop_leases)
         self.links = TableLinks(self)  # parents, prefix-lru's links and KV events (metaserver/table/links.py)
         self.kv_sink = None  # KV events (metaserver/handlers/kvevents.py): told of rows that become READY and that leave it
         self.quota = None  # quota groups (metaserver/table/quotas.py), set by a TableDirectory that has any

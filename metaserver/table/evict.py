@@ -62,7 +62,10 @@ class TableEviction:
         """The queue position of the node's least recently used READY unpinned row, or -1 when it has none. A row
         that is READY with its queued stamp is the page that was queued: ``qoff``, ``qcode``, ``qns`` describe it.
         ``spare`` (all but evict-all): pass over a row whose quota group is at its reservation
-        (``TableQuotas.spares``); the caller evicts the row returned."""
+        (``TableQuotas.spares``); the caller evicts the row returned. -1 while the last term's read leases may
+        be read under (``Quarantine.leasing``)."""
+        if self.quarantine.leasing():
+            return -1
         state, pins, stamp = self.cols["state"], self.cols["pins"], self.cols["stamp"]
         key = self.links.key if self.links.linking else None  # prefix-lru: the queue holds tier << 62 | stamp
         quota = self.quota if spare and self.quota is not None and self.quota.reserving else None

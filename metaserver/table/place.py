@@ -224,7 +224,7 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 sup_rows.append(take_rows(t, node, k))
                 sup_grp.append(np.full(k, x, np.int64))
                 need[x] -= k
-    if not t.links.linking and not (t.quota is not None and t.quota.reserving):
+    if not t.links.linking and not (t.quota is not None and t.quota.reserving) and not t.quarantine.leasing():
         todo = [x for x in range(len(groups)) if need[x]]
         if u == 1:  # one layout: a group a node
             hand = todo

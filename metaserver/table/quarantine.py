@@ -14,6 +14,14 @@ generations of earlier terms are not: their capabilities died with the term (nod
 
 Open pools hold nothing of that kind (``hold_s`` = 0: any writer may write anything there anyway).
 
+Read leases of the last term, in every pool. A new leader (a takeover, a slot handed over) holds none of the read
+leases its predecessor granted, and those readers may still be reading: a node's TCP READV answer drains from the
+arena as it is when the socket takes it, and a client accepts a read that ends within ``lease_ms`` of its LOOKUP
+(tests/test_attack_leases.py). So for ``lease_s`` (``read_lease_s`` plus clock skew) after ``start``, an extent of an
+earlier term's page (a generation below the counter at ``start``) that is freed is kept until the window ends, and
+``leasing`` tells eviction to take no victim meanwhile (every page would be such a page; evicting them would free
+nothing placeable): puts that need eviction answer NO_SPACE for that long after a takeover.
+
 Open allocations, in every pool. An allocation aborted because its writer's connection closed (``drop_pending``)
 may still be written: the writer got its places before the connection broke and writes them without the
 metaserver (shm writes, and every write of an open pool, are fenced by nothing); its COMMIT then fails and it writes
@@ -39,7 +47,8 @@ NEVER = 1 << 64  # no generation is young: frees go straight to the allocator
 
 
 class Quarantine:
-    __slots__ = ("hold_s", "keep_s", "young_gen", "held", "kept", "held_bytes", "_samples", "_keeping")
+    __slots__ = ("hold_s", "keep_s", "young_gen", "held", "kept", "held_bytes", "_samples", "_keeping", "lease_gen",
+                 "lease_until")
 
     def __init__(self, hold_s: float = 0.0, keep_s: float = 0.0):
         self.hold_s = hold_s
@@ -51,9 +60,13 @@ class Quarantine:
         self.held_bytes = 0  # of both queues
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, every gen handed out was below this)
         self._keeping = 0
+        self.lease_gen = 0  # pages of generations below this may be read under the last term's leases ...
+        self.lease_until = 0.0  # ... until this monotonic time
 
-    def start(self, now: float, issued_below: int) -> None:
-        """A term starts: generations from ``issued_below`` on are this leader's, young until sampled as old."""
+    def start(self, now: float, issued_below: int, lease_s: float = 0.0) -> None:
+        """A term starts: generations from ``issued_below`` on are this leader's, young until sampled as old; the
+        earlier terms' pages may be read under their leases for ``lease_s`` (module docstring)."""
+        self.lease_gen, self.lease_until = issued_below, now + lease_s
         if self.hold_s > 0:
             self.young_gen = issued_below
             self._samples.clear()
@@ -84,12 +97,19 @@ class Quarantine:
             at = t
         return at
 
+    def leasing(self) -> bool:
+        """Whether the last term's read leases may still be read under (no eviction meanwhile: module docstring)."""
+        return self.lease_until > 0 and time.monotonic() < self.lease_until
+
     def free(self, sp, offset: int, size: int, gen: int) -> float:
         """Free an extent of node space ``sp`` that generation ``gen`` was allocated: now, or after ``hold_s``
-        (inside ``keeping()``: after ``keep_s``). Returns the monotonic time it is given back at (0.0: now; a quota
-        group counts a held extent until then: metaserver/table/quotas.py)."""
-        if self._keeping and self.keep_s > 0:
-            until = time.monotonic() + self.keep_s
+        (inside ``keeping()``: after ``keep_s``; an earlier term's page within the lease window: at its end). Returns
+        the monotonic time it is given back at (0.0: now; a quota group counts a held extent until then:
+        metaserver/table/quotas.py)."""
+        leased = gen < self.lease_gen and self.leasing()
+        if (self._keeping and self.keep_s > 0) or leased:
+            # the kept queue's times stay in order: now + keep_s and the window's end both only grow
+            until = max(time.monotonic() + self.keep_s if self._keeping else 0.0, self.lease_until if leased else 0.0)
             self.keep(sp, offset, size, until)
             return until
         if gen < self.young_gen:
