@@ -22,6 +22,10 @@ Contracts:
   per layer is never concatenated first.
 - Results are per op, in order: ``None`` for success or the exception for that op. A connection-level failure
   fails every op still outstanding on it with ``TransportError`` and leaves the transport reusable (it reconnects).
+- A write lands no byte past its ``WriteOp.until_ms`` (the ALLOC answer's ``write_until_ms``, wall clock): after it
+  the metaserver may place another page in its extent (its allocation expired, its leader died). TCP sends it with
+  the WRITEV and the node looks at it before each receive into its arena; shm looks before each page's copy
+  (``late_write``); either fails the op (``Unavailable``), and the put aborts it as a failed write.
 - ``finish`` blocks until every op of the batch is done or ``deadline`` (``time.monotonic()`` seconds) passes.
   Past the deadline it still collects what has already arrived, without waiting, so a node finished after another
   used up the deadline keeps its answer: tcp receives what sits in the socket buffer (non-blocking), rdma reaps the
@@ -34,6 +38,7 @@ Contracts:
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +46,7 @@ import numpy as np
 from transport import wire
 from umbp import copies
 from umbp.buffers import Rows
-from umbp.errors import CorruptionError
+from umbp.errors import CorruptionError, DeadlineExceeded, Unavailable
 
 
 @dataclass(slots=True)
@@ -64,6 +69,7 @@ class WriteOp:
     nbytes: int  # sum of the parts' lengths
     gen: int = 0  # the allocation's generation (part of what the write capability covers)
     cap: bytes = b""  # the metaserver's write capability (closed pools; the node checks it)
+    until_ms: int = 0  # wall-clock ms by which its bytes must have landed (the ALLOC answer's write_until_ms; 0: none)
 
 
 def check_payload(op: ReadOp, csum: int | None, component: str) -> CorruptionError | None:
@@ -160,6 +166,18 @@ def read_from_arena(arena: memoryview, op: ReadOp, component: str) -> None:
         raise err
 
 
+def write_until(ops: list) -> float:
+    """The earliest ``until_ms`` of a batch's writes as wall-clock seconds (0.0: none carries one)."""
+    first = min((op.until_ms for op in ops if op.until_ms), default=0)
+    return first / 1000
+
+
+def late_write(component: str, until_ms: int) -> Unavailable:
+    """The error of a write whose deadline passed before its bytes were copied: none of them landed after it."""
+    return Unavailable(component, f"write past its deadline (until_ms {until_ms}, clock {int(time.time() * 1000)}): "
+                                  f"its allocation may have ended; not written", wire.Status.UNAVAILABLE)
+
+
 def write_to_arena(arena: memoryview, op: WriteOp) -> None:
     """Payload first, header last: a reader that races the writer sees no valid header until the bytes are in."""
     pos = op.offset + wire.OBJ_HEADER_SIZE
@@ -171,16 +189,17 @@ def write_to_arena(arena: memoryview, op: WriteOp) -> None:
 
 
 def write_rows_to_arena(heads_at: np.ndarray, arena: memoryview, off: np.ndarray, plen: np.ndarray,
-                        heads: np.ndarray, src: list, deadline: float) -> np.ndarray:
+                        heads: np.ndarray, src: list, deadline: float, until: float = 0.0) -> np.ndarray:
     """``write_to_arena`` for a batch of whole pages as arrays (``umbp/putbatch.py``): page i's payload ``src[i]`` (a
     flat byte view of ``plen[i]`` bytes) to the object at ``off[i]`` of the mapped ``arena``, whose header rows every
     4 KiB ``heads_at`` views writably; ``heads[i]`` its header. Same order as ``write_to_arena`` page by page:
     every old header invalidated first, then the payloads, then the headers, so a reader racing the writes sees no
-    valid header until its payload is in. Per page: 0 written, 1 not touched (outside the arena or not 4 KiB
-    aligned: the transport's ``start_write`` decides it, with its own error). Cost: a fixed number of numpy calls
-    and one slice assignment a page (a ctypes ``memmove`` costs more a call, measured), or copy threads
-    (``copies.Stream``) for batches of ``copies.SERIAL_BYTES``; DeadlineExceeded when those are not done by
-    ``deadline``."""
+    valid header until its payload is in. Per page: 0 written, 1 not written (outside the arena or not 4 KiB
+    aligned, or ``until`` (wall-clock seconds, 0.0: none) passed before its copy: the transport's ``start_write``
+    decides it, with its own error). Cost: a fixed number of numpy calls and one slice assignment a page (a ctypes
+    ``memmove`` costs more a call, measured) with one clock read when ``until`` is set, or copy threads
+    (``copies.Stream``, given up at ``until``: every page then 1) for batches of ``copies.SERIAL_BYTES``;
+    DeadlineExceeded when those are not done by ``deadline``."""
     hs, size = wire.OBJ_HEADER_SIZE, len(arena)
     off = off.astype(np.int64)
     plen = plen.astype(np.int64)
@@ -195,21 +214,44 @@ def write_rows_to_arena(heads_at: np.ndarray, arena: memoryview, off: np.ndarray
             return status
         off, plen, heads = off[pick], plen[pick], heads[pick]
         src = [src[i] for i in pick.tolist()]
+    if until and time.time() > until:
+        return status  # not one byte after the deadline: the transport fails each page
     slot = off // wire.ALIGN
     heads_at[slot, :4] = 0  # a reader racing this write sees no valid header until the end
     dst = (off + hs).tolist()
     n = plen.tolist()
     total = sum(n)
+    done = len(dst)
     if copies.threads_for(total) > 1:
-        stream = copies.Stream(total, deadline, keep=src)
+        # past ``until`` the stream is given up: its jobs copy no further piece (copies.PIECE_BYTES at most)
+        late = deadline if not until else min(deadline, time.monotonic() + until - time.time())
+        stream = copies.Stream(total, late, keep=src)
         add, base, address = stream.add, copies.address(arena), copies.address_of_view
         for a, v, k in zip(dst, src, n):
             if k:
                 add(base + a, address(v), k)
-        stream.finish()
+        try:
+            stream.finish()
+        except DeadlineExceeded:
+            if not until or time.time() <= until:
+                raise
+            return status  # no header written: the transport fails each page
+    elif until:
+        clock = time.time
+        for j, (a, v, k) in enumerate(zip(dst, src, n)):
+            if clock() > until:
+                done = j
+                break
+            arena[a:a + k] = v
     else:
         for a, v, k in zip(dst, src, n):
             arena[a:a + k] = v
+    if done < len(dst):  # the pages copied before the deadline are written; the others left to the transport
+        slot, heads = slot[:done], heads[:done]
+        if pick is None:
+            pick = np.arange(done)
+        else:
+            pick = pick[:done]
     heads_at[slot] = heads
     if pick is None:
         status[:] = 0

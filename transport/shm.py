@@ -18,15 +18,16 @@ import collections
 import ctypes
 import mmap
 import os
+import time
 import uuid
 
 import numpy as np
 
 from transport import wire
-from transport.base import Pending, Transport, check_payload, headers_match
+from transport.base import Pending, Transport, check_payload, headers_match, late_write, write_until
 from umbp import copies
 from umbp.buffers import Rows
-from umbp.errors import CorruptionError, InvalidArgument, TransportError
+from umbp.errors import CorruptionError, DeadlineExceeded, InvalidArgument, TransportError
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 HEADER_MEMO = 65536  # headers remembered as checked (about 16 MiB at most); cleared when full
@@ -227,7 +228,10 @@ class ShmTransport(Transport):
         return self._head_rows
 
     def start_write(self, ops, deadline):
-        """``write_to_arena`` (old header invalidated, payload, then the header last) inlined into one loop."""
+        """``write_to_arena`` (old header invalidated, payload, then the header last) inlined into one loop. A batch
+        whose ops carry ``until_ms`` (``base.write_until``: the earliest) copies nothing past it: each op is looked at
+        before its header is invalidated and, copied on this thread, before each part; copy threads are given up at
+        it. An op not copied whole in time fails (``base.late_write``) and gets no header."""
         p = Pending(ops, "write")
         results = p.results
         arena, comp, size, base = self.arena, self.component, self.size, self._base
@@ -235,12 +239,18 @@ class ShmTransport(Transport):
         address = copies.address_of_view
         pieces, written = [], []
         total = sum(op.nbytes for op in ops)
+        until = write_until(ops)
+        clock = time.time
         # keep=ops: a copy job still running past the deadline holds the views it writes into (or reads from)
-        stream = copies.Stream(total, deadline, keep=ops) if copies.threads_for(total) > 1 else None
+        stream = copies.Stream(total, deadline if not until else min(deadline, time.monotonic() + until - clock()),
+                               keep=ops) if copies.threads_for(total) > 1 else None
         for i, op in enumerate(ops):
             o = op.offset
             if o < lo or o + hs + op.nbytes > size:
                 results[i] = CorruptionError(comp, f"range {o}+{hs + op.nbytes} outside the arena of {size}")
+                continue
+            if until and clock() > until:
+                results[i] = late_write(comp, op.until_ms)
                 continue
             pos = o + hs
             run = []
@@ -261,20 +271,36 @@ class ShmTransport(Transport):
                     else:
                         stream.add(base + dst, address(part), n)
             else:
-                pieces += run
-            written.append(op)
+                pieces.append(run)
+            written.append((i, op))
         # every payload (threads for big batches: running since the first ops), then the headers last
         if stream is None:
-            for dst, part, n in pieces:
-                if type(part) is Rows:
-                    for v in part.views():
-                        arena[dst:dst + len(v)] = v
-                        dst += len(v)
+            for k, run in enumerate(pieces):
+                for dst, part, n in run:
+                    if until and clock() > until:
+                        break
+                    if type(part) is Rows:
+                        for v in part.views():
+                            arena[dst:dst + len(v)] = v
+                            dst += len(v)
+                    else:
+                        arena[dst:dst + n] = part
                 else:
-                    arena[dst:dst + n] = part
+                    continue
+                for i, op in written[k:]:  # this op and the later ones were not copied whole in time
+                    results[i] = late_write(comp, op.until_ms)
+                written = written[:k]
+                break
         else:
-            stream.finish()
-        for op in written:
+            try:
+                stream.finish()
+            except DeadlineExceeded:
+                if not until or clock() <= until:
+                    raise
+                for i, op in written:
+                    results[i] = late_write(comp, op.until_ms)
+                written = []
+        for _, op in written:
             arena[op.offset:op.offset + hs] = op.header
         return p
 

@@ -157,7 +157,10 @@ class TcpTransport(Transport):
                 run = ops[lo:hi]
                 meta, prev = [], None
                 for op in run:  # a batch's capability once per frame (b"": the previous op's)
-                    meta.append([op.offset, op.gen, b"" if op.cap is prev else op.cap, hs + op.nbytes])
+                    m = [op.offset, op.gen, b"" if op.cap is prev else op.cap, hs + op.nbytes]
+                    if op.until_ms:  # the node receives none of the frame's bytes into its arena past it
+                        m.append(op.until_ms)
+                    meta.append(m)
                     prev = op.cap
                 bufs.append(encode(WRITEV, rid, meta, data_len=sum(m[3] for m in meta)))
                 for op in run:

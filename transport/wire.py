@@ -80,7 +80,9 @@ class Op(enum.IntEnum):
     HEARTBEAT = 0x11  # {"node_id"} -> {} (NOT_FOUND: register again)
     # metaserver: data plane
     ALLOC = 0x12  # {"ns", "keys", "sizes", "parents"?, "token"? (a retry: the same places)} -> {"nodes", "caps":
-    #               [write_cap a node], "rows": ALLOC_ROWs} (v11: "items": [[state, node, off, size, gen, tag, cap]])
+    #               [write_cap a node], "rows": ALLOC_ROWs} (v11: "items": [[state, node, off, size, gen, tag, cap]]);
+    #               within 12, additive: "write_until_ms" (wall-clock ms by which every write of its places must
+    #               have landed: sent on as WRITE/WRITEV's until_ms; a shm writer checks it before each copy)
     COMMIT = 0x13  # {"ns", "keys", "gens"} -> {"ok": [bool]}
     ABORT = 0x14  # {"ns", "keys", "gens", "written"?} -> {"aborted": int}
     LOOKUP = 0x15  # {"ns", "keys"} -> {"lease", "lease_ms", "nodes", "caps": [read_cap a node], "rows": LOC_ROWs}
@@ -102,13 +104,15 @@ class Op(enum.IntEnum):
     # storage node
     ARENA_INFO = 0x40  # {} -> arena map (node_id, arena_id, arena_path, capacity, boot_id, host, transports)
     READ = 0x41  # [off, start, length, tag, gen, payload_len, read_cap] -> data: header + payload[start:+length]
-    WRITE = 0x42  # [off, gen, write_cap] + data: object header + payload -> {}
+    WRITE = 0x42  # [off, gen, write_cap, until_ms?] + data: object header + payload -> {}
     RDMA_CONNECT = 0x43  # queue-pair details -> queue-pair details (transport/rdma.py)
     # Batched: up to MAX_VEC_OPS objects a frame; the answer's meta lists the failed ones ([[index, status, message]])
     READV = 0x44  # [[off, start, length, tag, gen, payload_len, read_cap], ...] -> failures; data: each op that
     #               did not fail, in order: its object header + payload[start:+length] (read_cap b"": the previous's)
     WRITEV = 0x45  # [[off, gen, write_cap, nbytes], ...] + data: the ops' bytes back to back -> failures (a failed
-    #                op's bytes are discarded, the others land; write_cap b"": the previous op's)
+    #                op's bytes are discarded, the others land; write_cap b"": the previous op's); within 12,
+    #                additive: a 5th field until_ms (the ALLOC answer's write_until_ms): a node receives no byte
+    #                of the frame into its arena past the earliest one (the rest discarded, those ops UNAVAILABLE)
     FENCE = 0x46  # fence token (umbp/auth.py) -> {"floor": int}: a new slot leader raises its slot's write-capability
     #               epoch floor on the node before serving it (no AUTH: only a holder of the cap_key makes one)
     # The disk tier (umbp/node/disk.py, umbp/node/tiering.py). Additive: a node without them answers UNKNOWN_OPCODE
@@ -338,6 +342,19 @@ class FrameReader:
                 raise
             self.poisoned = e
         return out
+
+    def divert(self) -> int:
+        """Send the rest of the data of the frame in progress to scratch, counted as refused data is (a server's
+        answer to a write past its deadline: the connection stays in sync, no further byte lands where the sink
+        said). Returns the index of the first piece not received whole, or -1 when no frame's data is arriving."""
+        if self._pending is None:
+            return -1
+        i = self._pi
+        pieces = [p if type(p) is int else len(p) for p in self._pieces]
+        pieces[i] = self._skip if self._data is None else len(self._data) - self._data_pos
+        self._pieces, self._fdata = pieces, None
+        self._load_piece()
+        return i
 
     def _load_piece(self) -> bool:
         """Make the next non-empty piece current; False when the frame's data is complete."""

@@ -166,9 +166,10 @@ def plan(rows: np.ndarray, idxs: list[int], acc: Any) -> tuple[np.ndarray, dict[
 
 
 def write(client: Any, views: list, idxs: list[int], rows: np.ndarray, pos: np.ndarray, nodes: list, caps: list,
-          deadline: float) -> tuple[dict[str, list], dict[str, list[int]]]:
+          deadline: float, until_ms: int = 0) -> tuple[dict[str, list], dict[str, list[int]]]:
     """Write the NEW pages at ``pos`` of the chunk (``idxs[p]`` the page, ``rows[p]`` its place). Returns (results
     by node id, each node's pages), node ids in the per-page path's order; a result None or that page's error.
+    ``until_ms``: the ALLOC answer's ``write_until_ms`` (0: none), on every WriteOp; shm copies nothing past it.
     The shm nodes' copies run first, then the other nodes' WriteOps go through ``Client._run`` as the per-page
     path's do. TransportUnavailable is raised (as ``Client._run`` does); other errors come back as results."""
     r = rows[pos]
@@ -189,9 +190,9 @@ def write(client: Any, views: list, idxs: list[int], rows: np.ndarray, pos: np.n
             out[node_id] = [e] * len(page)
         else:
             if t.name == "shm" and getattr(t, "arena", None) is not None:
-                out[node_id] = _shm(t, views, page, r, g, heads, hb, deadline)
+                out[node_id] = _shm(t, views, page, r, g, heads, hb, deadline, until_ms)
             else:
-                batches[node_id] = _ops(views, page, r, g, hb, caps[k] if caps else b"")
+                batches[node_id] = _ops(views, page, r, g, hb, caps[k] if caps else b"", until_ms)
                 continue
         res = out[node_id]
         if any(res) and any(isinstance(x, TransportError) for x in res):  # as Client._run
@@ -202,25 +203,29 @@ def write(client: Any, views: list, idxs: list[int], rows: np.ndarray, pos: np.n
     return {n: out[n] for n in index}, index
 
 
-def _ops(views: list, page: list[int], r: np.ndarray, g: np.ndarray, hb: bytes, cap: bytes) -> list[WriteOp]:
+def _ops(views: list, page: list[int], r: np.ndarray, g: np.ndarray, hb: bytes, cap: bytes, until_ms: int = 0
+         ) -> list[WriteOp]:
     """Today's WriteOps of a node's pages (``g`` their positions among the NEW pages), built by one ``map``."""
     hs = wire.OBJ_HEADER_SIZE
     return list(map(WriteOp, r["off"][g].tolist(), [hb[k * hs:(k + 1) * hs] for k in g.tolist()],
-                    [views[i] for i in page], r["len"][g].tolist(), r["gen"][g].tolist(), repeat(cap)))
+                    [views[i] for i in page], r["len"][g].tolist(), r["gen"][g].tolist(), repeat(cap),
+                    repeat(until_ms)))
 
 
 def _shm(t: Any, views: list, page: list[int], r: np.ndarray, g: np.ndarray, heads: np.ndarray, hb: bytes,
-         deadline: float) -> list:
-    """A shm node's pages by ``write_rows_to_arena``; the pages it leaves (outside the arena, unaligned) by the
-    transport's ``start_write``, with its own errors. A TransportError (the copy threads' deadline) fails them all."""
+         deadline: float, until_ms: int = 0) -> list:
+    """A shm node's pages by ``write_rows_to_arena``; the pages it leaves (outside the arena, unaligned, past
+    ``until_ms``) by the transport's ``start_write``, with its own errors. A TransportError (the copy threads'
+    deadline) fails them all."""
     src = [views[i][0] for i in page]
     try:
-        status = write_rows_to_arena(arena_rows(t), t.arena, r["off"][g], r["len"][g], heads[g], src, deadline)
+        status = write_rows_to_arena(arena_rows(t), t.arena, r["off"][g], r["len"][g], heads[g], src, deadline,
+                                     until_ms / 1000)
         if not status.any():
             return [None] * len(page)
         res: list = [None] * len(page)
         left = np.flatnonzero(status).tolist()
-        ops = _ops(views, [page[j] for j in left], r, g[left], hb, b"")
+        ops = _ops(views, [page[j] for j in left], r, g[left], hb, b"", until_ms)
         for j, x in zip(left, t.finish(t.start_write(ops, deadline), deadline)):
             res[j] = x
         return res

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from transport import wire
-from transport.base import WriteOp
+from transport.base import WriteOp, late_write
 from umbp import copies, putbatch
 from umbp.auth import with_caps
 from umbp.buffers import PINNED, Rows, as_bytes_view, stage_cuda
@@ -294,17 +294,19 @@ class PutPath:
         rows = putbatch.answer_rows(reply, len(idxs)) if dev is None and not self.config.checksum else None
         if rows is None or not putbatch.takes(views, idxs, sizes, rows):
             items = with_caps(reply["items"], reply.get("caps"), 6)
-            return self._write_chunk(kb, views, idxs, items, deadline, acc, dev, pipelined)
+            return self._write_chunk(kb, views, idxs, items, deadline, acc, dev, pipelined,
+                                     reply.get("write_until_ms") or 0)
         pos, gens = putbatch.plan(rows, idxs, acc)
         if not len(pos):
             return [], gens
         nodes, caps = reply.get("nodes") or [], reply.get("caps") or []
+        until = reply.get("write_until_ms") or 0  # no byte of these places may land after it
         try:
             if pipelined and int(rows["len"][pos].sum()) < SHARE_BELOW_PAGE_BYTES * len(pos):
                 with copies.sharing_cores(1):  # as _write_chunk: leave a core to the other chunks' requests
-                    results, index = putbatch.write(self, views, idxs, rows, pos, nodes, caps, deadline)
+                    results, index = putbatch.write(self, views, idxs, rows, pos, nodes, caps, deadline, until)
             else:
-                results, index = putbatch.write(self, views, idxs, rows, pos, nodes, caps, deadline)
+                results, index = putbatch.write(self, views, idxs, rows, pos, nodes, caps, deadline, until)
         except Exception:
             acc.chunks_done[-1] = {}
             self._abort_written(kb, list(gens), gens, deadline)  # best effort: the write's error is the one raised
@@ -312,13 +314,14 @@ class PutPath:
         return self._settle(kb, results, index, gens, acc, deadline)
 
     def _write_chunk(self, kb: list[bytes], views: list, idxs: list[int], items: list, deadline: float,
-                     acc: "_PutResult", dev: DeviceBatch | None = None, pipelined: bool = False
+                     acc: "_PutResult", dev: DeviceBatch | None = None, pipelined: bool = False, until_ms: int = 0
                      ) -> tuple[list[int], dict[int, int]]:
         """Write one chunk's NEW places (every node's transfer in flight together; device pages on kernel nodes by
         the kernel, the other device pages staged first); abort the keys whose write failed. Returns (keys
         written, their generations). A transport (or stager) that raises aborts the whole chunk. ``pipelined``:
         other chunks' ALLOCs and COMMITs are in flight, so host copies leave a core to whoever serves them
-        (``copies.sharing_cores``)."""
+        (``copies.sharing_cores``). ``until_ms``: the ALLOC answer's ``write_until_ms`` (0: none), on every WriteOp;
+        the kernel is not started past it (its pages fail as late writes)."""
         batches: dict[str, list[WriteOp]] = {}
         index: dict[str, list[int]] = {}
         gens: dict[int, int] = {}
@@ -339,7 +342,7 @@ class PutPath:
             if ops is None:
                 ops = batches[node_id] = []
                 index[node_id] = []
-            ops.append(WriteOp(off, header, parts, size, gen, cap))
+            ops.append(WriteOp(off, header, parts, size, gen, cap, until_ms))
             index[node_id].append(i)
 
         for i, item in zip(idxs, items):
@@ -368,7 +371,10 @@ class PutPath:
                 for (i, item), parts in zip(to_stage, staged):
                     add(i, item, parts)
                     dev.via[i] = DeviceBatch.VIA_STAGED
-            direct_res = self._device.write(dev, direct) if direct else []
+            if direct and until_ms and time.time() * 1000 > until_ms:  # the kernel copies a batch at once
+                direct_res = [late_write(self.component, until_ms)] * len(direct)
+            else:
+                direct_res = self._device.write(dev, direct) if direct else []
             if not batches:
                 results = {}
             elif pipelined and _metaserver_bound(batches):  # leave a core to the other chunks' ALLOCs and COMMITs

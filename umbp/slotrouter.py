@@ -432,6 +432,10 @@ class MetaRouter:
         res: dict[str, Any] = {field: out}
         if op in (Op.ALLOC, Op.LOOKUP):
             res["caps"] = caps
+        if op == Op.ALLOC:  # the writes of every part's places land by the earliest part's deadline (umbp/puts.py)
+            until = [a["write_until_ms"] for a in answers if a.get("write_until_ms")]
+            if until:
+                res["write_until_ms"] = min(until)
         if op == Op.LOOKUP:
             return self._lookup_leases(t, answers, res)
         return res

@@ -98,6 +98,7 @@ class DataPlane:
         ans = grant_alloc(svc.tokens, svc.members.get, ns, keys, p, deadline_ms, conn.version >= 12)
         if len(p.new):  # aborted if this connection goes away before COMMIT
             conn.pending.update(d.pending_of(ns, keys, p))
+            ans["write_until_ms"] = deadline_ms or 1  # every write of its places lands by then (node, shm check it)
         return ans
 
     def _retry_deadline_ms(self, gen: int) -> int:

@@ -8,7 +8,10 @@ What it does:
   WRITEV: what clients send): written objects are received straight into their slots (``FrameReader`` sink, a
   scatter list for WRITEV), read answers point into the mapped arena; the answers to everything one receive
   completed go out in one ``writelines`` (one ``writev``). Per object in a batch: a range check, a capability
-  check (closed pools), a header check on reads, no copies;
+  check (closed pools), a header check on reads, no copies. A write's data is received at most WRITE_CHUNK at a
+  time, each receive after one look at the wall clock against its ``until_ms`` (the ALLOC answer's
+  ``write_until_ms``): past it the rest of the frame is discarded and its ops answer UNAVAILABLE, so a write slower
+  than its allocation never lands on a page the metaserver has placed in its extent since;
 - answers ARENA_INFO so same-host clients can map the arena (shm transport);
 - with ``--disk``, keeps a disk tier under the arena (umbp/node/disk.py) and serves READV_DISK to clients and DEMOTE
   / PROMOTE to the metaserver (umbp/node/tiering.py: answers still go out in request order).
@@ -61,6 +64,9 @@ from umbp.serving import FramedProtocol, raise_file_limit
 from umbp.tls import server_context, tune_malloc_for_tls
 
 _WRITE_HIGH_WATER = 64 << 20
+# At most this much of a frame's data is received into the arena at a time (``DataProtocol.get_buffer``), each receive
+# after one look at the wall clock against the write's deadline (``until_ms``): a write past it lands no further byte.
+WRITE_CHUNK = 4 << 20
 _DISK_OPS = (wire.Op.READV_DISK, wire.Op.DEMOTE, wire.Op.PROMOTE)
 HEADER_MEMO = 65536  # READV headers remembered as checked (NodeServer.checked: about 10 MiB at most)
 
@@ -125,8 +131,9 @@ class NodeServer:
         ``writev_pieces``). Other opcodes carry no data (the reader refuses it without allocating)."""
         if op != wire.Op.WRITE:
             raise BadRequest(self.component, f"opcode {op} carries no data")
-        if not isinstance(meta, list) or len(meta) != 3 or type(meta[1]) is not int:
-            raise BadRequest(self.component, "WRITE: meta must be [offset, generation, capability]")
+        if not isinstance(meta, list) or len(meta) not in (3, 4) or type(meta[1]) is not int or (
+                len(meta) == 4 and type(meta[3]) is not int):
+            raise BadRequest(self.component, "WRITE: meta must be [offset, generation, capability, until_ms?]")
         if data_len < wire.OBJ_HEADER_SIZE:
             raise BadRequest(self.component, "WRITE: data shorter than an object header")
         self.check_range(meta[0], data_len, "WRITE")
@@ -160,22 +167,32 @@ class NodeServer:
         epoch, slots = open_fence(self.cap_key, token, self.component)
         return {"floor": self.floors.fence(epoch, slots)}
 
-    def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None) -> tuple[list, list]:
+    def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None, until: list | None = None
+                      ) -> tuple[list, list]:
         """Where a WRITEV's data goes, every object checked (range, capability) before a byte lands: a scatter list
         (``wire.Sink``), each object's slot or, when refused, a count of bytes to discard; and the refused ones as
         ``[index, status, message]``. An op's capability b"" is the previous op's (a batch's capability crosses the
-        wire once per frame). A malformed list refuses the whole frame (BadRequest)."""
+        wire once per frame). A malformed list refuses the whole frame (BadRequest). ``until``: a list whose first
+        item is set to the frame's write deadline, the earliest op's ``until_ms`` (0: no op carries one)."""
         caps = caps or CapCache(self.cap_key)
         if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
             raise BadRequest(self.component, f"WRITEV: meta must be a list of 1..{wire.MAX_VEC_OPS} "
                                              f"[offset, generation, capability, nbytes]")
         view, hs = self.arena.view, wire.OBJ_HEADER_SIZE
-        pieces, failures, total, prev = [], [], 0, b""
+        pieces, failures, total, prev, first = [], [], 0, b"", 0
         for i, m in enumerate(meta):
-            if type(m) is not list or len(m) != 4 or type(m[1]) is not int or type(m[3]) is not int or m[3] < hs:
+            if type(m) is not list or not 4 <= len(m) <= 5 or type(m[1]) is not int or type(m[3]) is not int or (
+                    m[3] < hs):
                 raise BadRequest(self.component, f"WRITEV: op {i} must be [offset, generation, capability, nbytes "
-                                                  f">= {hs}]")
-            off, gen, cap, n = m
+                                                  f">= {hs}, until_ms?]")
+            if len(m) == 5:
+                off, gen, cap, n, u = m
+                if type(u) is not int:
+                    raise BadRequest(self.component, f"WRITEV: op {i}'s until_ms must be an integer")
+                if not first or u < first:
+                    first = u
+            else:
+                off, gen, cap, n = m
             if cap == b"":
                 cap = prev
             prev = cap
@@ -190,7 +207,16 @@ class NodeServer:
             pieces.append(view[off:off + n])
         if total != data_len:
             raise BadRequest(self.component, f"WRITEV: objects add up to {total} bytes, the frame carries {data_len}")
+        if until is not None:
+            until[0] = first
         return pieces, failures
+
+    @staticmethod
+    def late_write(what: str, until_ms: int) -> str:
+        """Why a write past its deadline lands no (further) byte: the metaserver may have placed another page in its
+        extent since (its allocation ended: an expiry, a leader's death)."""
+        return (f"{what} past its write deadline (until_ms {until_ms}, node clock {int(time.time() * 1000)}): its "
+                f"allocation may have ended; the rest of its data was discarded")
 
     def arena_info(self) -> dict:
         return {"node_id": self.node_id, "arena_id": self.arena.arena_id, "arena_path": self.arena.path,
@@ -262,6 +288,12 @@ class DataProtocol(FramedProtocol):
         self.rdma_eps: list = []  # RDMA endpoints this client set up over this connection
         self.last_active = 0.0
         self.vec_failures: list = []  # the WRITEV whose data is arriving: its refused objects
+        # the WRITE/WRITEV whose data is arriving: its request id and deadline (wall-clock ms, 0: none), looked at
+        # before each receive (get_buffer); ``late``: (request id, first op not received whole, why) once diverted
+        self.until_rid = 0
+        self.until_ms = 0
+        self.until_what = ""
+        self.late: tuple[int, int, str] | None = None
         self._out: list = []  # answers not yet handed to the transport
         self.disk: tiering.ConnState | None = None  # disk answers in flight (umbp/node/tiering.py), once any came
         self.component = node.component
@@ -271,10 +303,44 @@ class DataProtocol(FramedProtocol):
 
     def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
         self.auth.require()  # no byte of an unauthenticated peer reaches the arena
+        self.until_ms = 0
         if op == wire.Op.WRITEV:
-            pieces, self.vec_failures = self.node.writev_pieces(meta, data_len, self.caps)
+            until = [0]
+            pieces, self.vec_failures = self.node.writev_pieces(meta, data_len, self.caps, until)
+            self._deadline(rid, until[0], "WRITEV")
             return pieces
-        return self.node.write_sink(op, rid, meta, data_len, self.caps)
+        target = self.node.write_sink(op, rid, meta, data_len, self.caps)
+        self._deadline(rid, meta[3] if len(meta) == 4 else 0, "WRITE")
+        return target
+
+    def _deadline(self, rid: int, until_ms: int, what: str) -> None:
+        """A write's deadline (``until_ms``: the metaserver's ALLOC answer's ``write_until_ms``; 0, an older client:
+        none): already past, the whole frame is refused (its data discarded); else ``get_buffer`` watches it."""
+        if until_ms:
+            if time.time() * 1000 > until_ms:
+                raise Unavailable(self.component, self.node.late_write(what, until_ms), wire.Status.UNAVAILABLE)
+            self.until_rid, self.until_ms, self.until_what = rid, until_ms, what
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """The reader's next buffer, at most WRITE_CHUNK. A write's data past its deadline goes to scratch from
+        here on (``FrameReader.divert``: the connection stays in sync); its answer says so (``_late_answer``)."""
+        if self.until_ms and time.time() * 1000 > self.until_ms:
+            first = self.reader.divert()
+            if first >= 0:
+                self.late = (self.until_rid, first, self.node.late_write(self.until_what, self.until_ms))
+            self.until_ms = 0
+        buf = self.reader.get_buffer(sizehint)
+        return buf if len(buf) <= WRITE_CHUNK else buf[:WRITE_CHUNK]
+
+    def _late_answer(self, frame: wire.Frame) -> tuple[int, str] | None:
+        """(first op not received whole, why) when this write's data was diverted past its deadline; None if not."""
+        if frame.request_id == self.until_rid:
+            self.until_ms = 0  # its data is complete: nothing left to watch
+        late = self.late
+        if late is None or late[0] != frame.request_id:
+            return None
+        self.late = None
+        return late[1], late[2]
 
     def connection_lost(self, exc):
         if not self.release():
@@ -365,6 +431,12 @@ class DataProtocol(FramedProtocol):
                 if not frame.data_len:  # with data, the sink validated the list before any of it landed
                     raise BadRequest(node.component, "WRITEV: no data")
                 failures, self.vec_failures = self.vec_failures, []
+                late = self._late_answer(frame)
+                if late is not None:  # every op not received whole before the deadline failed
+                    refused = {f[0] for f in failures}
+                    why = f"{node.component}: {late[1]}"
+                    failures = sorted(failures + [[i, wire.Status.UNAVAILABLE, why]
+                                                  for i in range(late[0], len(frame.meta)) if i not in refused])
                 node.stats["writes"] += len(frame.meta) - len(failures)
                 node.stats["bytes_written"] += frame.data_len  # refused objects' bytes included: they arrived
                 node.stats["errors"] += len(failures)
@@ -372,6 +444,9 @@ class DataProtocol(FramedProtocol):
             elif op == wire.Op.WRITE:
                 if frame.data_len < wire.OBJ_HEADER_SIZE:  # with data, the sink validated it before it landed
                     raise BadRequest(node.component, "WRITE: data shorter than an object header")
+                late = self._late_answer(frame)
+                if late is not None:
+                    raise Unavailable(node.component, late[1], wire.Status.UNAVAILABLE)
                 node.stats["writes"] += 1
                 node.stats["bytes_written"] += frame.data_len
                 reply = None
