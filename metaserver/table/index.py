@@ -100,8 +100,6 @@ _ALL4 = np.array(0x01010101, np.uint32)  # four true bools read as one u32
 _SLOTS0, _GAP0 = np.array(SLOTS, np.int64), np.array(_WORDS - SLOTS, np.int64)
 SET_FIRST = 128  # up to this many deletes a round tell whether two share a bucket with a set, past it np.unique
 PLACE_ROWS = 1 << 20  # rows an insert files a ``_place`` at most (``_file``)
-NO_ROW = 0xFFFFFFFF  # ``insert_staged``'s rows: a page not filed (a slot holds row + 1 in 32 bits: no row is this)
-_BULK_PART = 1 << 18  # keys ``insert_staged`` scatters at once (a part's temporaries, about 20 MiB, are reused)
 
 
 def zeros(shape, dtype) -> np.ndarray:
@@ -321,99 +319,6 @@ class KeyIndex:
                 self.long_keys[int(rows[i])] = k
         if len(rows):
             self._file(rows, self._hash(ns_col.take(rows), dig), ns_col)
-
-    def stage(self, rows: np.ndarray, dig: np.ndarray, longs=None) -> tuple:
-        """``insert``'s first half for a load of many nodes: the digests written into ``kc``, nothing filed (a
-        staged row is not found). Returns (rows, the long keys as a ``LongCol``) for ``insert_staged``. O(rows)."""
-        rows = np.asarray(rows, np.int64)
-        m = len(rows)
-        if m and rows[-1] - rows[0] == m - 1 and (rows[1:] > rows[:-1]).all():  # a fresh node's rows: one range
-            self.kc[int(rows[0]):int(rows[0]) + m] = dig  # (a slice copies at memcpy speed, a 2-d index 5x slower)
-        else:
-            self.kc[rows] = dig
-        return rows, LongCol.of(longs or ())
-
-    def bulk_order(self, h: np.ndarray, ns_col: np.ndarray) -> np.ndarray:
-        """For one insert of len(h) rows of hashes ``h`` (``insert_staged``): room made first, as ``_file`` makes it
-        (so the buckets are this table's), then each key's ``(h * salt) >> 32`` (the first bucket is monotone in
-        it) over its position in ``h``, sorted (u64): the keys by first bucket, and equal keys next to each other
-        or among the rare keys of one such value (a load finds its duplicates here). One sort."""
-        n = len(h)
-        if self.live + n > MAX_LOAD * self.t.capacity or (len(self.stash) and self.old is None):
-            if self.old is not None:  # more than the pace allowed for: finish that drain first
-                self._drain(self.old.capacity, ns_col)
-            self._resize(n, ns_col)
-        key = h * self.t.salt
-        key >>= _S32
-        key <<= _S32
-        key |= np.arange(n, dtype=np.uint64)
-        key.sort()
-        return key
-
-    def insert_staged(self, parts: list[tuple], ns_col: np.ndarray, order: np.ndarray, h: np.ndarray,
-                      rows_at: np.ndarray) -> None:
-        """File the rows of ``stage``'s ``parts`` (absent keys, none of them given twice) as one ``insert``: one
-        bulk chunk of long keys, then the rows by ``bulk_order``'s ``order`` of hashes ``h`` (``rows_at``: the row
-        of each of its positions, u32, ``NO_ROW``: not filed). Each bucket takes the keys of its run in ``order``
-        up to one more than the table's mean fill, with one scatter; the rest (about 7% at ``REBUILD_LOAD``) are
-        filed as ``insert`` files them (the emptier of their buckets, in rounds). Against those rounds for every key
-        after a sort of the hashes (what the load did before): 0.27-0.32 -> 0.23-0.25 CPU-s at 2 M keys (index
-        alone, 2-core VM). The buckets' fills spread wider (after a full load at ``REBUILD_LOAD``: about 4% full,
-        where the rounds leave none), which only an insert whose two buckets are both full pays for."""
-        if not parts:
-            return
-        rows = np.concatenate([p[0] for p in parts])
-        longs = LongCol.cat([p[1] for p in parts], [len(p[0]) for p in parts])
-        if longs:
-            self.long_keys.add_bulk(rows.take(longs.pos), longs)
-        tab = self.t
-        cap = min(SLOTS, -(-(tab.live + len(rows)) // tab.n) + 1)
-        rest = []
-        # in parts of the order (a bucket's run cut between two goes on from the fill the first wrote): a part's
-        # temporaries are reused from the heap, where arrays of every key would each be new memory faulted in
-        for lo in range(0, len(order), _BULK_PART):
-            pos = (order[lo:lo + _BULK_PART] & np.uint64(0xFFFFFFFF)).view(np.int64)
-            r = rows_at.take(pos)
-            if (r == NO_ROW).any():  # (a page the load rejected)
-                pos = pos[r != NO_ROW]
-                r = rows_at.take(pos)
-            if len(r):
-                hs = h.take(pos)
-                left = self._fill_runs(tab, r, hs, cap)
-                rest.append((r.take(left), hs.take(left)))
-        part = min(PLACE_ROWS, max(4096, tab.n // 8))  # (as ``_file``)
-        r = np.concatenate([x[0] for x in rest]).astype(np.int64) if rest else np.zeros(0, np.int64)
-        hs = np.concatenate([x[1] for x in rest]) if rest else np.zeros(0, np.uint64)
-        for lo in range(0, len(r), part):
-            self._place(tab, r[lo:lo + part], hs[lo:lo + part], ns_col)
-        m = len(rows)
-        if self.old is not None:
-            self._drain(self.pace * m, ns_col)
-        if self.watch is not None:
-            self.watch(rows, 1)
-
-    def _fill_runs(self, tab: _Buckets, r: np.ndarray, h: np.ndarray, cap: int) -> np.ndarray:
-        """``insert_staged``'s scatter: rows ``r`` (hashes ``h``, ascending first buckets) go to their first bucket
-        while it holds fewer than ``cap``; returns the positions of those left."""
-        m = len(r)
-        b1, _, tag = self._buckets(h, tab)
-        first = np.empty(m, bool)
-        first[0] = True
-        np.not_equal(b1[1:], b1[:-1], out=first[1:])
-        idx = np.arange(m, dtype=np.int64)
-        slot = idx - np.maximum.accumulate(np.where(first, idx, 0))  # each key's rank in its bucket's run
-        slot += tab.fill.take(b1)
-        direct = slot < cap
-        i = np.flatnonzero(direct)
-        bi, si = b1.take(i), slot.take(i)
-        tab.words.reshape(-1)[bi * _WORDS + si] = (r.take(i) + 1).astype(np.uint32)
-        tab.words.view(np.uint16).reshape(-1)[bi * (2 * _WORDS) + _TAG0 + si] = tag.take(i)
-        last = direct.copy()  # each bucket's last key taken (its run's taken keys are a prefix of it)
-        last[:-1] &= first[1:] | ~direct[1:]
-        j = np.flatnonzero(last)
-        tab.fill[b1.take(j)] = (slot.take(j) + 1).astype(np.uint32)
-        tab.live += len(i)
-        return np.flatnonzero(~direct)
 
     def _file(self, rows: np.ndarray, h: np.ndarray, ns_col: np.ndarray) -> None:
         """``insert``'s second half: rows (hashes ``h``) filed, after a resize starts if they would pass

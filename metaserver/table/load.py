@@ -39,8 +39,8 @@ resized as it filled, 24 s): 6.5 CPU-seconds, 0.65 us a page; a key that is not 
 ``load_nodes`` (the full load's many nodes) files every node's keys with one key index insert: at 1 M pages of
 ``bench/columns.py``'s load on the 2-core VM, 1.10 -> 0.51 CPU-s (a node's insert each added a chunk of long keys,
 and each ``MAX_CHUNKS`` nodes the chunks were merged, a copy of every long key a byte at a time).
-Its one sort (``KeyIndex.bulk_order``: the keys by first bucket, for the duplicates check) also files them: each
-bucket takes its run of keys with one scatter (``KeyIndex.insert_staged``), where a sort for the check and the
+Its one sort (``indexbulk.bulk_order``: the keys by first bucket, for the duplicates check) also files them: each
+bucket takes its run of keys with one scatter (``indexbulk.insert_staged``), where a sort for the check and the
 insert's rounds for every key cost about 25% more.
 ``fingerprint`` is for tests: O(rows) Python.
 """
@@ -53,7 +53,9 @@ import numpy as np
 
 from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import PENDING, READY, extent_size
-from metaserver.table.index import NO_ROW, digests
+from metaserver.table import indexbulk
+from metaserver.table.index import digests
+from metaserver.table.indexbulk import NO_ROW
 from metaserver.table.longkeys import LongCol
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 from umbp.errors import ConfigError
@@ -279,7 +281,7 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
         longs = list(zip((np.cumsum(ok)[pos[kept]] - 1).tolist(),
                          (k for (_, k), y in zip(longs, kept.tolist()) if y)))
     if staged is not None:
-        staged.append((None if every else keep, t.ix.stage(rows, dig if every else dig.take(keep, axis=0), longs)))
+        staged.append((None if every else keep, indexbulk.stage(t.ix, rows, dig if every else dig.take(keep, axis=0), longs)))
     else:
         t.ix.insert(rows, dig if every else dig[keep], c["ns"], longs)
     if t.links.linking or t.kv_sink is not None:  # ``parents[i]``: page i's parent key (metaserver/table/links.py)
@@ -296,10 +298,10 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
 def load_nodes(t: PageTable, loads: list[tuple[str, object]], file) -> list:
     """``load_pages`` of many nodes, one node after another (``loads``: (node id, its pages, a ``snapshot.NodePages``);
     ``file(node_id, pages, staged, distinct)`` calls ``load_pages`` and returns what it wants kept), the same
-    result as one call a node in that order, with the key index filled by one insert (``KeyIndex.insert_staged``)
+    result as one call a node in that order, with the key index filled by one insert (``indexbulk.insert_staged``)
     instead of one a node. That is exact only when no node's page can meet another node's key (rule 1 between
     nodes), so the keys are checked first: the key index's hash of every page and one sort of them all
-    (``KeyIndex.bulk_order``: the same sort files them by bucket; it also lets rule 3 skip the nodes without an
+    (``indexbulk.bulk_order``: the same sort files them by bucket; it also lets rule 3 skip the nodes without an
     equal pair). When two nodes share a hash (a key on two nodes: never in a pool that placed its pages itself),
     or when loaded rows are linked or reported as filed (``links.loaded`` finds parents in the index), every node
     is filed on its own, as before. Returns the ``file`` results, in order."""
@@ -318,7 +320,7 @@ def load_nodes(t: PageTable, loads: list[tuple[str, object]], file) -> list:
     h = np.concatenate(hs)
     del hs
     bases = np.cumsum([0] + sizes)
-    order = ix.bulk_order(h, t.cols["ns"])
+    order = indexbulk.bulk_order(ix, h, t.cols["ns"])
     hi = order >> np.uint64(32)
     at = np.flatnonzero(hi[1:] == hi[:-1])
     del hi
@@ -351,7 +353,7 @@ def load_nodes(t: PageTable, loads: list[tuple[str, object]], file) -> list:
             else:
                 rows_at[lo + keep] = got[0]
             staged.append(got)
-    ix.insert_staged(staged, t.cols["ns"], order, h, rows_at)
+    indexbulk.insert_staged(ix, staged, t.cols["ns"], order, h, rows_at)
     return out
 
 

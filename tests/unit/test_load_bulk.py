@@ -1,4 +1,4 @@
-"""The full load's one key index insert for all nodes (``load.load_nodes``, ``KeyIndex.stage``/``insert_staged``)
+"""The full load's one key index insert for all nodes (``load.load_nodes``, ``indexbulk.stage``/``insert_staged``)
 against the load a node at a time: the same table (``fingerprint``, ``check``), the same stale, rejected and held
 pages, the same commit records, with keys given twice within a node (rule 3), overlapping extents (rule 2), long
 keys, several namespaces, a node with no description; and a key on two nodes falls back to a load a node."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import metaserver.table.directory as directory
+from metaserver.table import indexbulk
 from metaserver.table.columns import BLOCK
 from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import READY
-from metaserver.table.index import KeyIndex
 from metaserver.table.load import fingerprint
 from metaserver.table.snapshot import PageRecords
 from transport.wire import ALIGN, ARENA_DATA_START
@@ -55,8 +55,8 @@ def records(rng: random.Random, n: int, shared: int) -> list[tuple]:
 def load(pages: list[tuple], per_node: bool, monkeypatch) -> tuple:
     with monkeypatch.context() as m:
         staged = []
-        real = KeyIndex.insert_staged
-        m.setattr(KeyIndex, "insert_staged", lambda ix, parts, ns, *a: (staged.append(len(parts)), real(ix, parts, ns, *a)))
+        real = indexbulk.insert_staged
+        m.setattr(indexbulk, "insert_staged", lambda ix, parts, ns, *a: (staged.append(len(parts)), real(ix, parts, ns, *a)))
         if per_node:
             m.setattr(directory, "load_nodes", lambda t, loads, file: [file(x, p, None, False) for x, p in loads])
         t = TableDirectory(policy="lru")
