@@ -24,7 +24,6 @@ import random
 import socket
 import threading
 
-import pytest
 
 from cluster import eventually
 from umbp.errors import PoolFull

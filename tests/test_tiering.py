@@ -44,7 +44,10 @@ def put_pages(c, client, rng: random.Random, n: int, prefix: str) -> dict[bytes,
 
 def offsets(c, keys: list[bytes]) -> list[int]:
     with c.client() as cl:
-        locs = cl.admin(wire.Op.LOOKUP, {"ns": cl.namespace, "keys": [normalize_key(k) for k in keys]})["locs"]
+        ans = cl.admin(wire.Op.LOOKUP, {"ns": cl.namespace, "keys": [normalize_key(k) for k in keys]})
+        if ans.get("lease"):  # (a closed connection's leases run out on their own, pinning the pages till then)
+            cl.admin(wire.Op.RELEASE, {"lease": ans["lease"]})
+        locs = ans["locs"]
     return [loc[1] if loc is not None else -1 for loc in locs]
 
 
