@@ -78,11 +78,11 @@ def _late_write(make_cluster, flags: dict, lose) -> None:
             valve.release_new()  # the rest of W's WRITE reaches the node now
             tw.join(120)
             assert not tw.is_alive()
-            assert "error" in put and "deadline" in str(put["error"]), put  # the node discarded the rest
             value = b.get(b"new")
         same = sum(x == y for x, y in zip(value[::4096], late[::4096]))
         assert value == new, (f"'new' reads back {len(value)} bytes that are not its page's: {same} of "
                               f"{len(value[::4096])} sampled bytes are W's late payload")
+        assert "error" in put and "deadline" in str(put["error"]), put  # the node discarded the rest
     finally:
         w.close()
         valve.close()
@@ -101,7 +101,8 @@ def test_a_late_write_of_a_dead_leaders_allocation_never_overwrites_the_next_pag
         c.metaserver.restart(sig=signal.SIGKILL)
         c.wait_nodes()
 
-    _late_write(make_cluster, dict(FLAGS), lose)
+    # W's deadline far off: the hole shows however long the restart takes on a loaded machine
+    _late_write(make_cluster, {"env": dict(FLAGS["env"], UMBP_WRITE_CAP_TTL_S="120")}, lose)
 
 
 def test_a_write_slower_than_its_allocation_never_overwrites_the_next_page_in_its_extent(make_cluster):
