@@ -101,7 +101,8 @@ def test_tp_ranks_fill_one_entry_per_page(cluster):
             assert plain.exists(keys[0])  # EXISTS names logical keys
         # REMOVE frees the whole extent; the record goes
         assert cs[0].remove(keys[0]) is True
-        s = wait_stats(cluster, lambda s: s["objects"] == len(keys) - 1)
+        # (the ranks' last read leases go back within umbp.releases.MAX_AGE_S: wait for them, not only the remove)
+        s = wait_stats(cluster, lambda s: s["objects"] == len(keys) - 1 and s["pinned"] == 0)
         assert s["used_bytes"] == (len(keys) - 1) * n * STRIDE
         # eviction takes whole pages: evict everything, every extent comes back
         with cluster.client() as admin:
@@ -138,9 +139,10 @@ def test_retries_in_flight_and_an_incomplete_page_dropped_whole(cluster):
         assert raw(addr, Op.EXISTS, {"ns": "default", "keys": [b"p"]})["exists"] == [False]
         s = stats(cluster)
         assert s["pending"] == 1 and s["used_bytes"] == 2 * STRIDE
-        # rank 1 never commits: after the pending TTL the page goes whole, its extent freed
+        # rank 1 never commits: after the pending TTL the page goes whole, its extent kept out of placement for the
+        # quarantine's keep_s (rank 1 may still be writing its part: tests/test_attack_late_write.py)
         s = wait_stats(cluster, lambda s: s["pending"] == 0)
-        assert s["used_bytes"] == 0 and s["objects"] == 0
+        assert s["used_bytes"] == s["held_bytes"] == 2 * STRIDE and s["objects"] == 0, s
         ok = s1.request(Op.COMMIT, {"ns": "default", "keys": [b"p"], "gens": [a[4]], "shard": [1, 2]},
                         deadline()).meta["ok"]
         assert ok == [False]  # too late
@@ -151,7 +153,7 @@ def test_retries_in_flight_and_an_incomplete_page_dropped_whole(cluster):
         c.close()
         # well within the TTL; its extent is kept out of placement meanwhile (a rank may still write its part)
         s = wait_stats(cluster, lambda s: s["pending"] == 0, timeout=5.0)
-        assert s["used_bytes"] == s["held_bytes"] == 2 * STRIDE, s
+        assert s["used_bytes"] == s["held_bytes"] == 4 * STRIDE, s  # "p"'s expired extent, still kept, and "q"'s
         # bad "shard" values: a clear error naming the component; the server keeps serving
         for bad in ([2, 2], [0, 300], "0,2"):
             with pytest.raises(umbp.errors.BadRequest, match="metaserver.*shard must be"):
