@@ -9,8 +9,8 @@ allocation ended (its leader died, or it expired after ``pending_ttl_s``) and a 
 extent overwrites that page's payload and leaves the new page's header in place: every reader then gets the late
 writer's bytes under the new page's header, with no error.
 
-The network is the valve of tests/test_attack_leases.py: it lets the first MiB of the late writer's connection
-through and holds the rest while the allocation ends and a new page is placed in the same extent.
+The network is a proxy (tests/test_attack_leases.py ``node_proxy``, ``hold_new``): it lets the first MiB of the late
+writer's connection through and holds the rest while the allocation ends and a new page is placed in the same extent.
 
 The fix: an ALLOC answer says by when its writes must have landed (``write_until_ms``, ``write_cap_ttl_s`` after
 it); the client sends it with each WRITEV op (``until_ms``) and the node looks at its wall clock before each
@@ -34,7 +34,7 @@ from umbp.errors import UmbpError
 from umbp.node.server import WRITE_CHUNK
 
 from cluster import eventually
-from test_attack_leases import PAGE, Valve
+from test_attack_leases import PAGE, node_proxy
 from test_disk_node import deadline, node_sock, put as put_objects
 
 CAPACITY = "80MiB"  # two 40 MiB objects: a 40 MiB page fits in one place only at a time
@@ -49,8 +49,7 @@ def _late_write(make_cluster, flags: dict, lose) -> None:
     refused the rest: past its deadline); "new" reads back as its bytes: never W's payload under "new"'s header."""
     c = make_cluster(nodes=1, capacity=CAPACITY, metaserver_flags=flags, node_flags={"advertise": "127.0.0.2"})
     node = c.nodes[0]
-    valve = Valve(("127.0.0.2", node.port), ("127.0.0.1", node.port))
-    valve.open()  # answers pass: only W's request is held
+    valve = node_proxy(node.port)  # answers pass: only W's request is held
     rng = random.Random(4704)
     late, new, filler = (rng.randbytes(PAGE) for _ in range(3))
     w = c.client(transport="tcp", timeout=120)
@@ -69,13 +68,13 @@ def _late_write(make_cluster, flags: dict, lose) -> None:
 
             tw = threading.Thread(target=late_put, daemon=True)
             tw.start()
-            eventually(lambda: valve.kept_bytes() >= PAGE - (2 << 20), 30, "W's WRITE held in the network")
+            eventually(lambda: valve.kept >= PAGE - (2 << 20), 30, "W's WRITE held in the network")
             lose(c)
             # no room until W's extent may be placed again: PoolFull (or UNAVAILABLE) meanwhile
             eventually(lambda: b.batch_put([b"new"], [new]) == [True], 60, "B's page put", errors=(UmbpError,))
             assert b.get(b"new") == new
             assert b.admin(wire.Op.LOOKUP, {"ns": "default", "keys": [b"new"]})["locs"][0][1] != at  # in W's extent
-            valve.release_new()  # the rest of W's WRITE reaches the node now
+            valve.release()  # the rest of W's WRITE reaches the node now
             tw.join(120)
             assert not tw.is_alive()
             value = b.get(b"new")

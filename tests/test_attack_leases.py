@@ -10,20 +10,16 @@ page's bytes): when the client's metaserver connection closed, its leases were r
 ``ownership.drop_leases``), and a new leader held none of the last one's leases (now it evicts nothing and keeps
 freed extents of the last term's pages for ``read_lease_s``: ``metaserver/table/quarantine.py``).
 
-``Valve`` sits between the client and the node's data port (the node advertises 127.0.0.2, the valve listens there
-and forwards to 127.0.0.1): once a connection has carried ``after`` bytes down it stops reading from the node (the
-kernel buffers fill, the node's transport keeps the rest of the answer as arena views) until ``open()``; and the
-connections accepted after ``hold_new(after)`` have what their clients send past ``after`` bytes kept until
-``release_new()`` (their node side stays open meanwhile: a write delayed in the network,
-tests/test_attack_late_write.py).
+The valve (``node_proxy``, a ``proxies.Proxy``) sits between the client and the node's data port (the node advertises
+127.0.0.2, the proxy listens there and forwards to 127.0.0.1): once a connection has carried a MiB down it stops
+reading from the node (``pause``: the kernel buffers fill, the node's transport keeps the rest of the answer as arena
+views) until ``resume()``.
 """
 
 from __future__ import annotations
 
 import random
-import socket
 import threading
-
 
 from cluster import eventually
 from umbp.errors import PoolFull
@@ -34,97 +30,10 @@ CAPACITY = "80MiB"  # two such objects, nothing else: a page put after a removal
 FLAGS = {"env": {"UMBP_HIGH_WATERMARK": "1.0", "UMBP_LOW_WATERMARK": "1.0", "UMBP_READ_LEASE_S": "60"}}
 
 
-class Valve:
-    """A TCP proxy at ``listen`` to ``upstream`` that stops reading a connection's answers past ``after`` bytes."""
-
-    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int], after: int = 1 << 20):
-        self.upstream = upstream
-        self.after = after
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(listen)
-        self.sock.listen(16)
-        self.shut = threading.Event()  # set: the valve is open (nothing held back)
-        self.held = threading.Event()  # set: a connection's answer is held back
-        self.socks: list[socket.socket] = []
-        self.holding = False  # connections accepted now have their requests kept (``hold_new``)
-        self.keep_after = 0
-        self.kept: list[tuple[socket.socket, bytes]] = []
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def open(self) -> None:
-        self.shut.set()
-
-    def hold_new(self, after: int = 0) -> None:
-        with self.lock:
-            self.holding = True
-            self.keep_after = after
-
-    def kept_bytes(self) -> int:
-        with self.lock:
-            return sum(len(d) for _, d in self.kept)
-
-    def release_new(self) -> None:
-        with self.lock:
-            self.holding = False
-            kept, self.kept = self.kept, []
-        for up, data in kept:
-            up.sendall(data)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.shut.set()
-        self.sock.close()
-        for s in self.socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                down, _ = self.sock.accept()
-            except OSError:
-                continue
-            up = socket.create_connection(self.upstream)
-            self.socks += [down, up]
-            with self.lock:
-                keep = self.holding
-            threading.Thread(target=self._pump, args=(down, up, False, keep), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, True, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool, keep: bool) -> None:
-        moved = 0
-        for _ in range(1 << 30):  # bounded: ends when either side closes
-            if answers and moved >= self.after and not self.shut.is_set():
-                self.held.set()
-                self.shut.wait(60)
-            try:
-                data = src.recv(65536)
-                if not data:
-                    if keep:
-                        return  # the node side stays open for what is kept
-                    break
-                with self.lock:
-                    if keep and self.holding and moved + len(data) > self.keep_after:
-                        cut = max(0, self.keep_after - moved)
-                        self.kept.append((dst, data[cut:]))
-                        data = data[:cut]
-                if data:
-                    dst.sendall(data)
-            except OSError:
-                break
-            moved += len(data)
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+def node_proxy(port: int, **kwargs) -> Proxy:
+    """A proxy at 127.0.0.2:``port`` (what a node started with ``advertise=127.0.0.2`` tells its clients) to the
+    node's port on 127.0.0.1."""
+    return Proxy("127.0.0.1:%d" % port, listen=("127.0.0.2", port), **kwargs)
 
 
 def _lease_lost_mid_read(c, a, b, lose) -> dict:
@@ -140,7 +49,7 @@ def _lease_lost_mid_read(c, a, b, lose) -> dict:
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
-    eventually(c.valve.held.is_set, 30, "A's answer held back by the valve")
+    eventually(c.valve.paused.is_set, 30, "A's answer held back by the valve")
     lose()
     eventually(lambda: b.batch_remove([b"old"]) == [True], 30, "b\"old\" removed")
     # the only room is the extent of b"old": the put must not get it while A's lease may still be read under (it
@@ -149,7 +58,7 @@ def _lease_lost_mid_read(c, a, b, lose) -> dict:
         got["put"] = b.batch_put([b"new"], [c.pages["new"]])
     except PoolFull:
         got["put"] = None
-    c.valve.open()
+    c.valve.resume()
     t.join(60)
     assert not t.is_alive()
     if got["put"] == [True]:
@@ -168,7 +77,8 @@ def _check(got: dict, pages: dict) -> None:
 def _cluster(make_cluster):
     c = make_cluster(nodes=1, capacity=CAPACITY, metaserver_flags=dict(FLAGS), node_flags={"advertise": "127.0.0.2"})
     node = c.nodes[0]
-    c.valve = Valve(("127.0.0.2", node.port), ("127.0.0.1", node.port))
+    c.valve = node_proxy(node.port)
+    c.valve.pause(1 << 20)
     rng = random.Random(4703)
     c.pages = {k: rng.randbytes(PAGE) for k in ("old", "new", "filler")}
     return c
