@@ -56,7 +56,7 @@ from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
 from umbp.floors import SlotFloors
 from umbp.node.ledger import WriteLedger
-from umbp.node.readv import check_ops
+from umbp.node.readv import serve as serve_readv
 from umbp.errors import (BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
 from umbp.node.metalink import MetaLink
@@ -68,7 +68,6 @@ _WRITE_HIGH_WATER = 64 << 20
 # after one look at the wall clock against the write's deadline (``until_ms``): a write past it lands no further byte.
 WRITE_CHUNK = 4 << 20
 _DISK_OPS = (wire.Op.READV_DISK, wire.Op.DEMOTE, wire.Op.PROMOTE)
-HEADER_MEMO = 65536  # READV headers remembered as checked (NodeServer.checked: about 10 MiB at most)
 
 
 class NodeServer:
@@ -111,7 +110,7 @@ class NodeServer:
         self.stats = {"reads": 0, "writes": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0}
         # (offset, key hash, generation, payload length) -> the header bytes that passed ``check_object_header``
         # there: READV compares the slot's 64 bytes with them instead of unpacking and crc-ing again (a reused
-        # slot has another header, so it is checked in full). At most HEADER_MEMO entries; cleared when full.
+        # slot has another header, so it is checked in full). At most HEADER_MEMO (node/readv.py); cleared when full.
         self.checked: dict[tuple[int, int, int, int], bytes] = {}
         self._server: asyncio.AbstractServer | None = None
         self.rdma = None  # transport.rdma endpoint factory when a device is present
@@ -516,53 +515,8 @@ class DataProtocol(FramedProtocol):
             self._out.append(view[src:src + length])
 
     def readv(self, frame: wire.Frame) -> None:
-        """A batch of reads, one answer: every object checked first (range, capability, header), then one frame
-        whose data is each served object's header and payload range, straight from the arena (no copies), and whose
-        meta lists the failed ones. An op's capability b"" is the previous op's. A malformed list fails the whole
-        frame (BadRequest). A header byte-equal to one that passed the check for the same (offset, tag,
-        generation, length) passes without the unpack and crc (``NodeServer.checked``: 0.35 us a page instead of
-        1 us, on the path before the answer's first byte goes out)."""
-        node = self.node
-        meta = frame.meta
-        comp = node.component
-        rows, failures = check_ops(meta, "READV", comp, None if node.cap_key is None else self.caps.read,
-                                   node.data_start, node.data_end)
-        refused = len(failures)
-        view, hs = node.arena.view, wire.OBJ_HEADER_SIZE
-        check_header = wire.check_object_header
-        memo = node.checked
-        bufs: list = []
-        total = 0
-        for i, off, start, length, khash, gen, plen in rows:
-            head = view[off:off + hs]
-            ident = (off, khash, gen, plen)
-            known = memo.get(ident)
-            if known is None or head != known:  # not these very bytes, checked before for this entry
-                try:
-                    check_header(head, comp, khash, gen, plen)
-                except CorruptionError as e:
-                    failures.append([i, wire.Status.CORRUPT, str(e)])
-                    continue
-                if len(memo) >= HEADER_MEMO:
-                    memo.clear()
-                memo[ident] = head.tobytes()
-            if start == 0:
-                bufs.append(view[off:off + hs + length])
-            else:
-                bufs.append(view[off:off + hs])
-                if length:
-                    bufs.append(view[off + hs + start:off + hs + start + length])
-            total += hs + length
-        if refused and len(failures) > refused:
-            failures.sort()  # header failures came after the range failures of later ops
-        stats = node.stats
-        stats["reads"] += len(meta) - len(failures)
-        stats["bytes_read"] += total - hs * (len(meta) - len(failures))
-        stats["errors"] += len(failures)
-        out = self._out
-        out.append(wire.encode(frame.op, frame.request_id, failures or None, flags=wire.Flag.RESPONSE,
-                               data_len=total, version=self.reader.version))
-        out.extend(bufs)
+        """A batch of reads, one answer straight from the arena: umbp/node/readv.py ``serve``."""
+        serve_readv(self, frame)
 
 
 async def close_idle(node: NodeServer) -> None:
