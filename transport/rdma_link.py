@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from transport import wire
-from transport.base import Pending, Transport, check_payload
+from transport.base import Pending, Transport, check_payload, late_write
 from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext, _address_of
 from transport.framed import FramedSocket
 from umbp.errors import BadRequest, CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
@@ -182,6 +182,12 @@ class RdmaTransport(Transport):
         while i < len(ops):
             op = ops[i]
             if p.results[i] is not None:
+                i += 1
+                continue
+            if p.kind == "write" and op.until_ms and time.time() * 1000 > op.until_ms:
+                # its allocation may have ended: posting it could land on the next page (a one-sided write the
+                # node cannot refuse), so nothing is posted past the ALLOC answer's write_until_ms
+                p.results[i] = late_write(self.component, op.until_ms)
                 i += 1
                 continue
             hslot = used

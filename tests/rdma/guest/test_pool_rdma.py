@@ -26,7 +26,7 @@ import umbp.client
 from transport import wire
 from transport.base import ReadOp
 from transport.rdma import rdma_available
-from umbp.errors import CorruptionError, TransportError
+from umbp.errors import CorruptionError, TransportError, UmbpError
 from umbp.launcher import LocalPool, find_etcd
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -181,6 +181,22 @@ def test_batch_larger_than_staging(pool, monkeypatch):
         assert ts and all(t.name == "rdma" and t.staging.length == MiB for t in ts)
         assert all(not t.registered for t in ts), "temporary registrations must be dropped after the batch"
         assert c.get(keys[-2]) == vals[-2]
+
+
+def test_a_write_past_its_deadline_is_not_posted(pool, monkeypatch):
+    """A one-sided RDMA write cannot be refused by the node, so the client posts none past the ALLOC answer's
+    ``write_until_ms`` (transport/rdma_link.py ``_post_wave``): with the client's wall clock an hour ahead, the put
+    fails naming the deadline, nothing is stored; with it back, the same put lands byte-exact."""
+    val = rand(64 * KiB, 4711)
+    with rdma_client(pool, namespace="late") as c:
+        real = time.time
+        with monkeypatch.context() as m:
+            m.setattr(time, "time", lambda: real() + 3600.0)
+            with pytest.raises(UmbpError, match="deadline"):
+                c.batch_put(["late"], [val])
+        assert c.get("late") is None
+        assert c.batch_put(["late"], [val]) == [True]
+        assert c.get("late") == val
 
 
 def test_layer_parts_and_ranged_reads(pool, monkeypatch):
