@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from transport import wire
 from umbp import releases
 from waiting import eventually
@@ -79,13 +77,3 @@ def test_leases_go_back_by_age_and_at_close(make_cluster, monkeypatch):
             c.close()
         assert c._meta.framed == 3, "close sent the queued lease"
         eventually(lambda: o.stats()["pinned"] == 0, 10.0, "the lease released at close")
-
-
-@pytest.mark.parametrize("enabled", [False])
-def test_disabled_sends_release_frames(make_cluster, monkeypatch, enabled):
-    monkeypatch.setattr(releases, "ENABLED", enabled)
-    cl, keys, _values = _setup(make_cluster, 2)
-    with cl.client() as c, cl.client() as o:
-        assert c.batch_get_into(keys, [bytearray(PAGE) for _ in keys]) == [PAGE] * 2
-        eventually(lambda: o.stats()["pinned"] == 0, 10.0, "released by its own RELEASE frame")
-        assert c._meta.piggybacked == 0

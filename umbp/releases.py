@@ -33,7 +33,6 @@ from typing import Any
 from transport.wire import Op
 from umbp.errors import BadRequest
 
-ENABLED = True  # False: every RELEASE goes out in its own frame, as before (A/B: bench/getpath.py --release-ab)
 MAX_AGE_S = 0.05  # a queued lease id goes out by then at the latest (in its own RELEASE frame)
 MAX_IDS = 4096  # ids a RELEASE frame or a LOOKUP carries (``ownership.MAX_RELEASE``)
 SEND_S = 2.0  # the deadline of a RELEASE frame the timer or ``close`` sends
@@ -125,7 +124,7 @@ class ReleasingMeta:
     # -- leases ------------------------------------------------------------------------------------------------
     def send_noreply(self, op: int, meta: Any, deadline: float) -> None:
         lease = meta.get("lease") if op == Op.RELEASE and type(meta) is dict and len(meta) == 1 else None
-        if not lease or not self.capable or self._closed or not ENABLED:
+        if not lease or not self.capable or self._closed:
             self.inner.send_noreply(op, meta, deadline)
             return
         now = time.monotonic()

@@ -25,8 +25,9 @@ nothing placeable): puts that need eviction answer NO_SPACE for that long after 
 Open allocations, in every pool. An allocation aborted because its writer's connection closed (``drop_pending``)
 may still be written: the writer got its places before the connection broke and writes them without the
 metaserver (shm writes, and every write of an open pool, are fenced by nothing); its COMMIT then fails and it writes
-again elsewhere. Placing a new object there at once would let that late write overwrite it (the reader's header
-check refuses it: a CorruptionError and a lost page). The same holds for an ABORT that says its places were
+again elsewhere. Placing a new object there at once would let that late write overwrite it (a TCP write streams its
+payload under the new object's header: wrong bytes; writes carry a deadline, ``write_until_ms``, that nodes and
+shm/RDMA writers keep, so keeping the extent past it is enough). The same holds for an ABORT that says its places were
 written (``"written": true``): the writer's write failed (a timeout, a broken node connection, a copy that outlived
 its deadline), but a node may still apply a write in flight, or the copy threads finish it. So frees made inside
 ``keeping()`` are kept (``kept``) for ``keep_s``: the longest an allocation's writer may write (``pending_ttl_s``,
