@@ -2,14 +2,14 @@
 
 For each transport (shm, tcp) and page size (16 KiB, 64 KiB, 1 MiB by default), one client of a one-node pool:
 - get: ``batch_get_into`` of rotating 64-page batches of a working set into one 2-D array (the get path's best out);
-- put x64: ``batch_put`` of 64 new pages a call (one ALLOC, the write, one durable COMMIT), with the array write path
-  (``umbp/putbatch.py``) and, in alternating rounds, with the per-page path it replaced (``putbatch.ENABLED``);
+- put x64: ``batch_put`` of 64 new pages a call (one ALLOC, the write, one durable COMMIT), the array write path
+  (``umbp/putbatch.py``; its comparison with the per-page path it replaced is in docs/benchmarks/getpath.md);
 - put big: ``batch_put`` of about 64 MiB a call (chunks pipelined: the next ALLOCs and the previous COMMITs in flight
   while a chunk is written).
 Each call's pages are removed after it, outside the timing. Figures are medians over the calls (per-call GB/s), and
 client CPU microseconds a page (this process: the metaserver, etcd and the node are other processes). Printed
 ratios: each put over the get of the same size and transport (issue 45's target: >= 0.7x at every size, on the 16-core
-machine, with the directory issue's group commit), and the array path over the per-page path.
+machine, with the directory issue's group commit).
 
 ``python bench/putpath.py [--quick] [--sizes 16,64,1024] [--transports shm,tcp]``
 """
@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import umbp  # noqa: E402
 from bench.pool import BATCH, KiB, MiB, label  # noqa: E402
-from umbp import putbatch  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 
 BIG_CALL = 64 * MiB
@@ -69,17 +68,12 @@ def measure(ms: str, transport: str, size: int, min_time: float, ws: int) -> dic
             cpu.append((time.process_time() - p) / n * 1e6)
             c.batch_remove(ks)
 
-        res: dict[str, tuple[list, list]] = {k: ([], []) for k in ("put x64", "put x64 per-page", "put big")}
+        res: dict[str, tuple[list, list]] = {k: ([], []) for k in ("put x64", "put big")}
         big = max(BATCH, BIG_CALL // size)
         t0, r = time.perf_counter(), 0
-        try:
-            while time.perf_counter() - t0 < 2 * min_time or r < 4:  # alternating rounds: the load drifts alike
-                for on in (True, False):
-                    putbatch.ENABLED = on
-                    put(BATCH, f"p{r}{on}", *res["put x64" if on else "put x64 per-page"])
-                r += 1
-        finally:
-            putbatch.ENABLED = True
+        while time.perf_counter() - t0 < min_time or r < 4:
+            put(BATCH, f"p{r}", *res["put x64"])
+            r += 1
         t0, r = time.perf_counter(), 0
         while time.perf_counter() - t0 < min_time or r < 3:
             put(big, f"b{r}", *res["put big"])
@@ -108,13 +102,10 @@ def main() -> int:
                 get = m["get"]
                 lb = label(size)
                 rows = [(f"put x{BATCH}", m["put x64"], m["put x64 cpu"]),
-                        (f"put x{BATCH} per-page path", m["put x64 per-page"], m["put x64 per-page cpu"]),
                         (f"put x{int(m['big pages'])} (pipelined)", m["put big"], m["put big cpu"])]
                 for name, gbps, cpu in rows:
                     line = (f"{transport} {name:<26} {lb:>7} {gbps:6.2f} GB/s {cpu:6.1f} us cpu/page | "
                             f"{gbps / get:5.2f}x get x{BATCH} {get:6.2f}")
-                    if name.endswith("per-page path"):
-                        line += f" | array path {m['put x64'] / gbps:4.2f}x this"
                     lines.append(line)
                     print(line, flush=True)
     print("\n=== summary: puts (median GB/s of calls, client CPU a page) | ratio to the same-run get of the same "

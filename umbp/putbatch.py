@@ -39,7 +39,6 @@ from umbp.errors import TransportError, TransportUnavailable
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
-ENABLED = True  # False: every put takes the per-page path (bench/putpath.py's A/B)
 _first = itemgetter(0)
 _format, _ndim, _contiguous = attrgetter("format"), attrgetter("ndim"), attrgetter("c_contiguous")
 # shm transport -> (the mapping's address, its size, a writable (slots, 64) view every 4 KiB made from that address:
@@ -51,8 +50,6 @@ def host_views(values: Any) -> list | None:
     """``batch_put``'s values as the put path's views (``[flat byte view]`` a page) when they are all numpy arrays of
     bytes (1-D, C-contiguous; or one 2-D array, a row a page) or all bytes/bytearrays: views made by ``map``, no
     per-value checks. None for anything else (``as_bytes_view`` a value checks and casts it)."""
-    if not ENABLED:
-        return None
     if type(values) is np.ndarray:
         if values.ndim != 2 or values.dtype != np.uint8 or not values.flags.c_contiguous:
             return None
@@ -72,8 +69,6 @@ def host_views(values: Any) -> list | None:
 def keys_bytes(keys: Any) -> list[bytes] | None:
     """``normalize_key`` of every key when they are all str (or all bytes) of 1..63 bytes: encoded by ``map``; None
     otherwise (the caller normalises each key, with its checks and digest forms)."""
-    if not ENABLED:
-        return None
     kinds = set(map(type, keys))
     if kinds == {str}:
         kb = list(map(str.encode, keys))
@@ -87,8 +82,6 @@ def keys_bytes(keys: Any) -> list[bytes] | None:
 
 def sizes_of(views: list) -> list[int] | None:
     """Each page's bytes when every page is one view (None otherwise)."""
-    if not ENABLED:
-        return None
     if None in views or set(map(len, views)) != {1}:
         return None
     return list(map(len, map(_first, views)))
@@ -97,7 +90,7 @@ def sizes_of(views: list) -> list[int] | None:
 def answer_rows(reply: Any, n: int) -> np.ndarray | None:
     """The ALLOC answer's packed rows when they describe this chunk's ``n`` keys; None otherwise (an answer of
     VERSION 11, a multi-slot one merged as items)."""
-    rows = reply.get("alloc_rows") if ENABLED and type(reply) is dict else None
+    rows = reply.get("alloc_rows") if type(reply) is dict else None
     return rows if rows is not None and len(rows) == n else None
 
 
