@@ -51,7 +51,7 @@ import numpy as np
 from metaserver.table.entry import GONE, PENDING, READY, SHARD_SHIFT, expire_queue, extent_size, random_id
 from metaserver.table.index import KeyIndex, digests, zeros
 from metaserver.table.quarantine import Quarantine
-from metaserver.table.evict import QueueCopy, TableEviction
+from metaserver.table.evict import QueueCopy
 from metaserver.table import invariants, queries
 from metaserver.table.links import TableLinks
 from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
@@ -79,7 +79,7 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class PageTable(TableNodes, TableRecords, TableEviction):
+class PageTable(TableNodes, TableRecords):
     """Pages as rows of columns: the requests (``alloc``, ``commit``, ``abort``, ``lookup``, ``release``, ``exists``,
     ``remove``), the budgeted expiries (``expire_leases``, ``expire_pending``), the node side
     (``metaserver/table/nodes.py``), commit records (``table/commits.py``) and the totals (functions over the table
@@ -128,7 +128,7 @@ class PageTable(TableNodes, TableRecords, TableEviction):
         self.any_shared = False
         self.hits = self.misses = self.evictions = 0
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
-        self._evicted_rows: list[np.ndarray] = []  # and rows of its victims taken in bulk (``_handover``)
+        self._evicted_rows: list[np.ndarray] = []  # and rows of its victims taken in bulk (``evict.handover``)
         self.qcopy = QueueCopy()  # the eviction queues as numpy, for ALLOC's victims in bulk (``table/evict.py``)
         self._init_records()
         self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities

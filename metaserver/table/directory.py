@@ -33,7 +33,7 @@ from metaserver.table.columns import PageTable, by_key
 from metaserver.table.entry import NEW, PENDING, READY, Effects, extent_size
 from metaserver.table.grants import Placed
 from metaserver.table.snapshot import PageRecords
-from metaserver.table.evict import bytes_to_low, over_high
+from metaserver.table.evict import bytes_to_low, over_high, victim
 from metaserver.table.load import load_nodes, load_pages, reserve
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.table import queries
@@ -415,7 +415,7 @@ class TableDirectory(TableShared, PageTable):
         nss: list[int] = []
         freed = 0
         while freed < nbytes and len(rows) < budget and not (rows and stop is not None and stop()):
-            i = self._victim(node, spare)
+            i = victim(self, node, spare)
             if i < 0:
                 break
             r = node.queue[i]

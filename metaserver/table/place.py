@@ -10,9 +10,9 @@ twice, no parents, every size fitting every placeable node's arena: the READY ke
 while the request places (so no placement evicts a key this request answers EXISTS); the new keys go in turn over
 the placeable nodes as the per-key path would send them (the ``j``-th new key to ``placing[(rr + j) % nodes]``);
 each (node, layout) group then asks its node's allocator for runs of same-size extents (``Allocator.alloc_runs``),
-takes victims that hand over their extent and row in one pass over the eviction queue (``TableEviction._handover``:
+takes victims that hand over their extent and row in one pass over the eviction queue (``evict.handover``:
 exact size, old generation; plain LRU without reservations) and, for what is left, victims one at a time
-(``_make_room``: another size, a young generation, prefix-lru's order, a quota group's reservation); rows come in
+(``evict.make_room``: another size, a young generation, prefix-lru's order, a quota group's reservation); rows come in
 bulk (``take_rows``) and each column is written with one assignment. Anything else (a key given twice, a PENDING
 key, parents, a size some node cannot hold) takes the per-key path (``_each``), in key order as before.
 
@@ -28,6 +28,7 @@ import numpy as np
 
 from metaserver.table.entry import (EXISTS, EXISTS_ITEM, GONE, IN_FLIGHT, IN_FLIGHT_ITEM, NEW, NO_SPACE, NO_SPACE_ITEM,
                               OVER_QUOTA, OVER_QUOTA_ITEM, PENDING, READY, extent_size)
+from metaserver.table.evict import handover, make_room
 from metaserver.table.index import digests
 from metaserver.table.nodes import FREE, UNIT_SHIFT
 _INF = float("inf")
@@ -235,7 +236,7 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             hand = list(first.values())
         if hand:
             ks = [need[x] for x in hand]
-            vr, vo, vj = t._handover([nodes[groups[x][0]] for x in hand],
+            vr, vo, vj = handover(t, [nodes[groups[x][0]] for x in hand],
                                      [ext[groups[x][1]] for x in hand] if u > 1 else [ext[0]] * len(hand), ks)
             if len(vr):
                 sup_rows.append(vr)
@@ -283,7 +284,7 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _one_by_one(t, node, size: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Up to ``k`` places of ``size`` bytes on ``node`` a victim at a time (``_make_room``; free space it leaves
+    """Up to ``k`` places of ``size`` bytes on ``node`` a victim at a time (``make_room``; free space it leaves
     taken first), each row PENDING at once as the per-key path takes it: (rows, offsets as uint64)."""
     rows: list[int] = []
     offs: list[int] = []
@@ -292,7 +293,7 @@ def _one_by_one(t, node, size: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         off = alloc.alloc(size) if alloc.free_bytes >= size else None
         r = -1
         if off is None:
-            off, r = t._make_room(node, size)
+            off, r = make_room(t, node, size)
             if off is None:
                 break
         if r < 0:
@@ -374,7 +375,7 @@ def _each(t, nsix, keys, sizes, found, found_state, state, none, token, owner, p
         r = -1
         off = node.alloc.alloc(size) if node.alloc.free_bytes >= size else None
         if off is None:
-            off, r = t._make_room(node, size)
+            off, r = make_room(t, node, size)
             top = _INF  # evictions raised a node's free bytes: no longer a bound
             if off is None:
                 st[i] = NO_SPACE

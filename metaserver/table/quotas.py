@@ -27,7 +27,7 @@ What it approximates: a row pinned when its batch was gathered and released sinc
 gather that found every such row is not repeated for GATHER_AGAIN_S while the young mark stays and the group files
 no new row (a group refused over and over does not scan the table each time).
 
-Reservations (``spares``, asked by ``TableEviction._victim`` for every victim of global eviction: ALLOC into a full
+Reservations (``spares``, asked by ``evict.victim`` for every victim of global eviction: ALLOC into a full
 node, the watermark pass, EVICT of bytes; not evict-all, not quota eviction): a READY row is passed over when taking
 it would leave its group below its reservation (``QuotaRules.floor``: clamped to half the capacity). A victim that
 is taken counts as leaving its group at once (``leaving``) until the request unfiles its victims together, so one

@@ -21,7 +21,7 @@ them). Never wrong bytes: the copy's header lands last on the node and is checke
 moves; a page read at its old place after a move finds the old extent's header (the same object until that extent
 is reused, then another generation or tag: a miss), as after an eviction.
 
-Demotion picks victims in the host's eviction order (``_victim``: exact LRU or prefix-lru's order) and makes room
+Demotion picks victims in the host's eviction order (``evict.victim``: exact LRU or prefix-lru's order) and makes room
 on the twin by evicting the twin's own least recently used pages: what leaves the pool is the oldest page on disk,
 not the oldest in DRAM. A put never waits for a move: ALLOC still evicts (drops) when DRAM is full before the mover
 caught up.
@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from metaserver.table.entry import GONE, READY, extent_size
+from metaserver.table.evict import victim
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 from transport import wire
 
@@ -200,7 +201,7 @@ class Tiers:
         sizes: list[int] = []
         freed = 0
         while freed < nbytes and len(rows) < budget:
-            i = t._victim(host)
+            i = victim(t, host)
             if i < 0:
                 break
             r, size = host.queue[i], extent_size(host.qcode[i])
