@@ -38,7 +38,7 @@ from metaserver.table.load import load_nodes, load_pages, reserve
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.table import queries
 from metaserver.table.quotas import TableQuotas
-from metaserver.table.shared import ShardState, TableShared
+from metaserver.table.shared import SharedEntries
 from metaserver.table.tiers import SUFFIX, twin_id
 from transport import wire
 from umbp.auth import rank_tags, read_capabilities_packed
@@ -80,7 +80,7 @@ def by_node(nix: np.ndarray) -> tuple[np.ndarray, np.ndarray | int, np.ndarray |
     return uniq, rank.take(nix), nix.argsort(kind="stable"), ends
 
 
-class TableDirectory(TableShared, PageTable):
+class TableDirectory(PageTable):
     """The page table with the service's calls: see the module docstring."""
 
     def __init__(self, *, pending_ttl_s: float = 30.0, read_lease_s: float = 10.0, policy: str = "lru",
@@ -97,7 +97,7 @@ class TableDirectory(TableShared, PageTable):
             self.quota = TableQuotas(self, self.quotas)
             self.ix.watch = self.quota.filed  # use: the extents of the rows the key index files
         self.puts = 0
-        self._shards: dict[int, ShardState] = {}  # PENDING shared rows' sub-slots (metaserver/table/shared.py)
+        self.shared = SharedEntries(self)  # shared entries of TP-sharded pages (metaserver/table/shared.py)
 
     # -- what the service reads -------------------------------------------------------------------------------
     @property
@@ -134,7 +134,7 @@ class TableDirectory(TableShared, PageTable):
     def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
         parents = self.own_parents(ns, parents)
         if shard is not None:
-            return self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard), self.effects()
+            return self.shared.alloc(ns, keys, sizes, parents, gen_base, now, token, owner, shard), self.effects()
         items = PageTable.alloc(self, ns, keys, sizes, gen_base, None, now, token, owner, parents)
         return items, self.effects()
 
@@ -143,7 +143,7 @@ class TableDirectory(TableShared, PageTable):
         (``grants.grant_alloc``). A plain page's tag is kept in its row's ``tag`` column once granted."""
         parents = self.own_parents(ns, parents)
         if shard is not None:
-            items = self.alloc_shared(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
+            items = self.shared.alloc(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
             return Placed.of_items(items, shard[0], self.effects())
         state, rows = self.alloc_rows(ns, keys, sizes, gen_base, None, now, token, owner, parents)
         new = np.flatnonzero(state == NEW)
@@ -156,24 +156,25 @@ class TableDirectory(TableShared, PageTable):
     def commit(self, ns, keys, gens, now, shard=None):
         before = self.committed_pages
         ok = (PageTable.commit(self, ns, keys, gens) if shard is None
-              else self.commit_shared(ns, keys, gens, shard))
+              else self.shared.commit(ns, keys, gens, shard))
         fx = self.effects()
         self.puts += self.committed_pages - before
         return ok, fx
 
     def lookup(self, ns, keys, now, owner=None, shard=None):
         if shard is not None:
-            return self.lookup_shared(ns, keys, now, owner, shard)
+            return self.shared.lookup(ns, keys, now, owner, shard)
         return PageTable.lookup(self, ns, keys, now, owner)
 
     def _free_row(self, row: int, node: NodeRows) -> None:
-        if self._shards:
-            self._shards.pop(row, None)  # a PENDING shared row ends whatever ends it
+        states = self.shared.states
+        if states:
+            states.pop(row, None)  # a PENDING shared row ends whatever ends it
         PageTable._free_row(self, row, node)
 
     def check(self) -> None:
         PageTable.check(self)
-        self._check_shared()
+        self.shared.check()
         if self.quota is not None:
             self.quota.check()
 
@@ -248,7 +249,7 @@ class TableDirectory(TableShared, PageTable):
         slots = np.empty((len(hr), 3), "<u8")  # a capability's (offset, payload_len, gen) triples
         if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
             tags = rank_tags(self._kept_tags(ns, keys, hit, hr, tokens.shard_bases), shard[0])
-            slots[:, 0], slots[:, 1] = self.shared_slots(hr, shard[0])
+            slots[:, 0], slots[:, 1] = self.shared.slots(hr, shard[0])
         else:
             tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
             np.left_shift(c["unit"].take(hr), _UNIT0, out=slots[:, 0])
@@ -300,7 +301,7 @@ class TableDirectory(TableShared, PageTable):
         n = 0
         for ns, (ks, gs) in by_ns.items():
             rows = self._find(ns, ks).tolist()
-            mine = [i for i, r in enumerate(rows) if r >= 0 and self.owned_by_row(r, owner)]
+            mine = [i for i, r in enumerate(rows) if r >= 0 and self.shared.owned_by_row(r, owner)]
             if mine:
                 n += PageTable.abort(self, ns, [ks[i] for i in mine], [gs[i] for i in mine])
         return n

@@ -1,5 +1,5 @@
-"""Shared entries on the page table (``TableShared``, a mixin of ``metaserver.table.directory.TableDirectory``): one row
-per logical page of TP-sharded KV.
+"""Shared entries on the page table (``SharedEntries``, the part of ``metaserver.table.directory.TableDirectory``
+it holds as ``shared``): one row per logical page of TP-sharded KV.
 
 An engine that splits a page's KV heads over ``n`` tensor-parallel ranks stores ``n`` parts of one logical page. A
 shared entry holds them as ONE entry with ONE extent of ``n`` sub-slots (sub-slot ``r`` at ``offset + r * stride``,
@@ -33,7 +33,7 @@ rank) and is granted like any slot, so a rank writes and reads only its own sub-
 
 Here a shared page is a row whose layout code (``size`` column) is ``entry.layout(part_len, n)``; a PENDING one has
 its sub-slot state (``ShardState``: each rank's token and connection, a bit per written part) in
-``_shards`` by row, dropped with the row whatever ends it (commit of the last part, ABORT, expiry, REMOVE, node
+``SharedEntries.states`` by row, dropped with the row whatever ends it (commit of the last part, ABORT, expiry, REMOVE, node
 loss: ``_free_row``). A new page is placed by the table's own ALLOC (``PageTable.alloc`` with the layout codes as
 sizes: one extent of ``extent_size(code)``); LOOKUP of rank ``r`` pins the row and answers ``offset + r * stride``;
 a plain LOOKUP misses shared rows and a LOOKUP of another ``n`` misses them too (``lookup_rows``' ``parts``).
@@ -73,19 +73,25 @@ class ShardState:
         self.written = 0
 
 
-class TableShared:
-    """Shared entries of a ``TableDirectory``: see the module docstring."""
+class SharedEntries:
+    """Shared entries of a ``TableDirectory`` (its ``shared``): see the module docstring. ``states``: the sub-slot
+    state of each PENDING shared row, by row."""
 
-    def alloc_shared(self, ns, keys, sizes, parents, gen_base, now, token, owner, shard) -> list:
+    def __init__(self, table):
+        self.table = table
+        self.states: dict[int, ShardState] = {}
+
+    def alloc(self, ns, keys, sizes, parents, gen_base, now, token, owner, shard) -> list:
         """ALLOC of rank ``shard[0]`` of ``shard[1]`` (module docstring); ``sizes`` are the rank's parts."""
+        t = self.table
         rk, n = shard
         codes = [layout(s, n) for s in sizes]
-        c = self.cols
+        c = t.cols
         items: list = [None] * len(keys)
         place: list[int] = []  # absent keys not placed yet, in order
         seen: set = set()
         tok = token if token is not None else 0
-        rows, state, size, unit, gen, node = self._shared_rows(ns, keys)
+        rows, state, size, unit, gen, node = self.rows_of(ns, keys)
         stride: dict[int, int] = {}
         for i, k in enumerate(keys):
             if k in seen:
@@ -97,23 +103,23 @@ class TableShared:
                 # keys are taken in order (as PageTable.alloc's): the absent keys before this one are placed first, and
                 # a page their placement evicted is absent for the keys after them (its row may even be a new
                 # page's now: every row found before is stale, so the rest are found again)
-                evicted = self.evictions
-                self._place_shared(ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard)
+                evicted = t.evictions
+                self._place(ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard)
                 place = []
-                if self.evictions != evicted:
-                    rows, state, size, unit, gen, node = self._shared_rows(ns, keys)
+                if t.evictions != evicted:
+                    rows, state, size, unit, gen, node = self.rows_of(ns, keys)
                     r = rows[i]
-            if r < 0 or (self.dying and self.dead[node[i]]):
+            if r < 0 or (t.dying and t.dead[node[i]]):
                 place.append(i)  # absent, or on a node being dropped: the table's ALLOC places it anew
                 continue
             if state[i] == READY:
                 items[i] = EXISTS_ITEM
-                c["stamp"][r] = self.clock  # a use
-                self.clock += 1
+                c["stamp"][r] = t.clock  # a use
+                t.clock += 1
                 continue
-            st = self._shards.get(r)
+            st = self.states.get(r)
             code = codes[i]
-            if st is None or self.codes[size[i]] != code:
+            if st is None or t.codes[size[i]] != code:
                 items[i] = IN_FLIGHT_ITEM  # a plain writer, or another layout, holds the key
             elif st.written >> rk & 1:
                 items[i] = EXISTS_ITEM  # this rank's part is in already
@@ -124,35 +130,37 @@ class TableShared:
                 sz = stride.get(part)
                 if sz is None:
                     sz = stride[part] = wire.object_size(part)
-                items[i] = (NEW, self.nodes[node[i]].node_id, (unit[i] << UNIT_SHIFT) + rk * sz, part, gen[i])
+                items[i] = (NEW, t.nodes[node[i]].node_id, (unit[i] << UNIT_SHIFT) + rk * sz, part, gen[i])
             else:
                 items[i] = IN_FLIGHT_ITEM
         if place:
-            self._place_shared(ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard)
+            self._place(ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard)
         return items
 
-    def _shared_rows(self, ns, keys) -> tuple[list, ...]:
+    def rows_of(self, ns, keys) -> tuple[list, ...]:
         """Each key's row (-1: absent) and that row's state, layout code index, unit, generation and node, as lists
         (one gather per column instead of a numpy scalar per key and column)."""
-        c = self.cols
-        found = self._find(ns, keys)
+        t = self.table
+        c = t.cols
+        found = t._find(ns, keys)
         at = np.maximum(found, 0)
         return (found.tolist(), c["state"].take(at).tolist(), c["size"].take(at).tolist(),
                 c["unit"].take(at).tolist(), c["gen"].take(at).tolist(), c["node"].take(at).tolist())
 
-    def _place_shared(self, ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard) -> None:
+    def _place(self, ns, keys, codes, parents, place, items, gen_base, now, token, owner, shard) -> None:
         """New shared pages for the keys at positions ``place``: the table's ALLOC with their layout codes (one
         extent each, generation ``gen_base + position``), then each NEW row's sub-slot state and rank
         ``shard[0]``'s sub-slot as its item."""
+        t = self.table
         rk, n = shard
         pk = [keys[i] for i in place]
-        got = PageTable.alloc(self, ns, pk, [codes[i] for i in place], gen_base, None, now, token, owner,
+        got = PageTable.alloc(t, ns, pk, [codes[i] for i in place], gen_base, None, now, token, owner,
                               [parents[i] for i in place] if parents else None, place)
         new = [j for j, it in enumerate(got) if it[0] == NEW]
-        new_rows = self._find(ns, [pk[j] for j in new]).tolist() if new else []
+        new_rows = t._find(ns, [pk[j] for j in new]).tolist() if new else []
         tok = token if token is not None else 0
         for j, r in zip(new, new_rows):
-            st = self._shards[r] = ShardState(n)
+            st = self.states[r] = ShardState(n)
             st.tokens[rk] = tok
             st.owners[rk] = owner
             _, node_id, off, code, gen = got[j]
@@ -161,17 +169,18 @@ class TableShared:
         for i, it in zip(place, got):
             items[i] = it
 
-    def commit_shared(self, ns, keys, gens, shard) -> list[bool]:
+    def commit(self, ns, keys, gens, shard) -> list[bool]:
         """COMMIT of rank ``shard[0]``: its part of each (key, gen) written; the last part makes the row READY
         (stamped, filed under a commit record)."""
+        t = self.table
         rk, n = shard
-        c = self.cols
+        c = t.cols
         full = (1 << n) - 1
         ok: list[bool] = []
         done: list[int] = []
-        rows, state, size, _unit, gen_of, _node = self._shared_rows(ns, keys)
-        parts = self.code_parts.tolist()
-        shards, pending = self._shards, self._pending
+        rows, state, size, _unit, gen_of, _node = self.rows_of(ns, keys)
+        parts = t.code_parts.tolist()
+        shards, pending = self.states, t._pending
         completed: set[int] = set()
         for i, (r, gen) in enumerate(zip(rows, gens)):
             if r < 0:
@@ -194,45 +203,49 @@ class TableShared:
                 completed.add(r)  # a key given twice: the second answers as READY
         if done:
             ra = np.array(done, np.int64)
-            self._stamp(ra)
-            self._committed(ns, ra)
+            t._stamp(ra)
+            t._committed(ns, ra)
         return ok
 
-    def shared_slots(self, hr: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    def slots(self, hr: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(offset, part length) of rank ``rank``'s sub-slot of each of the shared rows ``hr`` (uint64)."""
-        c = self.cols
-        codes = self.code_arr.take(c["size"].take(hr))
+        t = self.table
+        c = t.cols
+        codes = t.code_arr.take(c["size"].take(hr))
         offs = (c["unit"].take(hr).astype(np.uint64) << np.uint64(UNIT_SHIFT)) + np.uint64(rank) * strides(codes)
         return offs, codes & np.uint64(PART_MASK)
 
-    def lookup_shared(self, ns, keys, now, owner, shard) -> tuple[int, list]:
+    def lookup(self, ns, keys, now, owner, shard) -> tuple[int, list]:
         """LOOKUP of rank ``shard[0]``: its sub-slot of each READY shared row of ``shard[1]`` parts, the whole row
         pinned; anything else a miss."""
+        t = self.table
         rk, n = shard
-        lease, hit, hr = self.lookup_rows(ns, keys, now, owner, n)
+        lease, hit, hr = t.lookup_rows(ns, keys, now, owner, n)
         if not lease:
             return 0, [None] * len(keys)
-        offs, parts = self.shared_slots(hr, rk)
-        c = self.cols
-        return lease, by_key(hit, list(zip(self.node_names.take(c["node"].take(hr)).tolist(), offs.tolist(),
+        offs, parts = self.slots(hr, rk)
+        c = t.cols
+        return lease, by_key(hit, list(zip(t.node_names.take(c["node"].take(hr)).tolist(), offs.tolist(),
                                            parts.tolist(), c["gen"].take(hr).tolist())))
 
     def owned_by_row(self, r: int, owner) -> bool:
-        """Whether ``owner`` closing must abort PENDING row ``r`` (``SharedEntries.owned_by``)."""
-        st = self._shards.get(r)
+        """Whether ``owner`` closing must abort PENDING row ``r`` (``TableDirectory.abort_owned``)."""
+        t = self.table
+        st = self.states.get(r)
         if st is None:
-            return self.writer_of(r) is owner
+            return t.writer_of(r) is owner
         return any(o is owner and not st.written >> i & 1 for i, o in enumerate(st.owners))
 
-    def _check_shared(self) -> None:
+    def check(self) -> None:
         """Invariants (tests): every PENDING row of a shared layout has its sub-slot state, with a part unwritten
         and only handed-out parts written; no other row has one."""
-        c = self.cols
-        for r in self._pending:
-            if shards_of(self.codes[c["size"][r]]):
-                st = self._shards.get(r)
-                n = shards_of(self.codes[c["size"][r]])
+        t = self.table
+        c = t.cols
+        for r in t._pending:
+            if shards_of(t.codes[c["size"][r]]):
+                st = self.states.get(r)
+                n = shards_of(t.codes[c["size"][r]])
                 assert st is not None and len(st.tokens) == n and st.written < (1 << n) - 1, r
                 assert all(st.tokens[i] is not None for i in range(n) if st.written >> i & 1), r
-        assert all(r in self._pending and c["state"][r] == PENDING for r in self._shards)
+        assert all(r in t._pending and c["state"][r] == PENDING for r in self.states)
 

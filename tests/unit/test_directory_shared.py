@@ -78,7 +78,7 @@ def test_ranks_fill_one_entry_and_read_their_sub_slots():
     ok, fx = d.commit("kv", keys, [it[4] for it in items[n - 1]], 2.0, shard=(n - 1, n))
     (rec,) = fx.recs
     assert ok == [True] * 3 and [p[0] for p in pages_of(rec.value())] == keys  # ONE record entry per page
-    assert d.exists("kv", keys) == [True] * 3 and d.objects == 3 and d.pending == 0 and not d._shards
+    assert d.exists("kv", keys) == [True] * 3 and d.objects == 3 and d.pending == 0 and not d.shared.states
     for rk in range(n):
         lease, locs = d.lookup("kv", keys, 3.0, shard=(rk, n))
         assert lease and locs == [("n1", items[0][i][2] + rk * STRIDE, PART, items[0][i][4]) for i in range(3)]
@@ -106,9 +106,9 @@ def test_retry_in_flight_exists_and_conflicts():
     assert d.commit("kv", [b"k"], [50], 0.0)[0] == [False]  # a plain commit cannot complete a shared entry
     assert d.commit("kv", [b"k"], [50], 0.0, shard=(0, 2))[0] == [True]
     assert d.alloc("kv", [b"k"], [PART], None, 80, 0.0, token=9, shard=(0, 2))[0][0][0] == EXISTS  # part is in
-    assert d.owned_by_row(row(d, b"k"), "c0b") is False  # its part is written: closing aborts nothing
+    assert d.shared.owned_by_row(row(d, b"k"), "c0b") is False  # its part is written: closing aborts nothing
     b, _ = d.alloc("kv", [b"k"], [PART], None, 90, 0.0, token=5, owner="c1", shard=(1, 2))
-    assert b[0][1:] == (a[0][1], a[0][2] + STRIDE, PART, 50) and d.owned_by_row(row(d, b"k"), "c1")
+    assert b[0][1:] == (a[0][1], a[0][2] + STRIDE, PART, 50) and d.shared.owned_by_row(row(d, b"k"), "c1")
     d.check()
     ok, fx = d.commit("kv", [b"k"], [50], 1.0, shard=(1, 2))
     assert ok == [True] and len(fx.recs) == 1
@@ -126,12 +126,12 @@ def test_incomplete_page_dropped_whole_after_pending_ttl_and_abort():
     assert used == 2 * 3 * STRIDE and d.pending == 2
     assert d.expire_pending(4.9, 100) == 0  # a later rank's ALLOC does not extend the TTL
     assert d.expire_pending(5.1, 100) == 2
-    assert d.pending == 0 and d.spaces["n1"].alloc.used == 0 and not d._shards and d.namespace_usage() == {}
+    assert d.pending == 0 and d.spaces["n1"].alloc.used == 0 and not d.shared.states and d.namespace_usage() == {}
     assert d.commit("kv", [b"a"], [10], 6.0, shard=(2, 3))[0] == [False]  # too late: the page is gone
     d.check()
     # an ABORT of any rank drops the whole page
     d.alloc("kv", [b"c"], [PART], None, 30, 7.0, token=3, shard=(2, 3))
-    assert d.abort("kv", [b"c"], [30]) == 1 and d.spaces["n1"].alloc.used == 0 and not d._shards
+    assert d.abort("kv", [b"c"], [30]) == 1 and d.spaces["n1"].alloc.used == 0 and not d.shared.states
     d.check()
 
 
