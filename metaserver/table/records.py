@@ -48,7 +48,8 @@ F_PARENTS, F_VARKEYS, F_DIGESTS = 1, 2, 4  # flags: a parent column; keys of sev
 # key_len each); the keys' digests (``keyindex.digests``) as a column, so a load hashes no key
 NO_PARENT = 0xFFFFFFFF  # a parent length that says: none
 _U64, _U32, _U16 = np.dtype("<u8"), np.dtype("<u4"), np.dtype("<u2")
-_MAX_I64 = np.uint64((1 << 63) - 1)
+_MAX_I64_INT = (1 << 63) - 1
+_MAX_I64 = np.uint64(_MAX_I64_INT)
 SEG_BYTE = bytes([SEG_MAGIC])
 
 
@@ -105,11 +106,12 @@ class Segment:
     """A parsed segment (``unpack_segment``): its tables and columns as numpy arrays (``nsix``, ``nodeix``, ``unit``,
     ``code`` (int64 layout codes a page), ``gen``, ``dead`` with ``dead_ix``, an index in ``dead_recs``: the etcd
     key of the record of each dead generation's page), its keys as one blob (``key_len`` bytes each, or
-    ``key_lens``) and its parents' blob (``parent_lens``; None without parents)."""
+    ``key_lens``; ``same_len``: their one length when every key has it, else 0) and its parents' blob
+    (``parent_lens``; None without parents)."""
 
     __slots__ = ("n", "ns_names", "node_ids", "nsix", "nodeix", "unit", "code", "gen", "dead", "dead_ix", "dead_recs",
                  "keys", "key_len",
-                 "key_lens", "parent_lens", "parent_blob", "_dig")
+                 "key_lens", "same_len", "parent_lens", "parent_blob", "_dig")
 
     def offsets(self) -> np.ndarray:
         return self.unit.astype(np.int64) << 12
@@ -133,8 +135,9 @@ class Segment:
             dig, longs = digests(self.key_list())
             self._dig = (dig, LongCol.of(longs))
         elif type(self._dig) is not tuple:  # the digest column: the keys that are not 32 bytes, as columns
-            if self.key_lens is None:
-                self._dig = (self._dig, LongCol.uniform(self.n, self.keys, self.key_len))
+            if self.key_lens is None or self.same_len:  # (keys of one length: a TP rank's are all 33 bytes)
+                k = self.same_len or self.key_len
+                self._dig = (self._dig, LongCol.uniform(self.n, self.keys, k) if k != 32 else LongCol.of(()))
             else:
                 lens = self.key_lens.astype(np.int64)
                 at = np.flatnonzero(lens != 32)
@@ -202,9 +205,11 @@ def unpack_segment(value: bytes) -> Segment:
     if (ndrec > 1 and s.dead_ix.max() >= ndrec) or (nns > 1 and s.nsix.max() >= nns) or (nnodes > 1 and s.nodeix.max() >= nnodes) or (
             codeix is not None and codeix.max() >= ncodes):
         raise ValueError("a segment's index past its table")
-    if (codes > _MAX_I64).any() or ((codes >> np.uint64(SHARD_SHIFT)) > MAX_SHARDS).any():
+    # (the checks are a segment's fixed cost, about 19k segments at 10 M pages: a reduction each, no temporary;
+    # the code table, a few entries, in Python)
+    if any(c > _MAX_I64_INT or c >> SHARD_SHIFT > MAX_SHARDS for c in codes.tolist()):
         raise ValueError("a layout code out of range")
-    if (s.gen > _MAX_I64).any() or (s.dead > _MAX_I64).any():
+    if (n and s.gen.max() > _MAX_I64) or (ndead and s.dead.max() > _MAX_I64):
         raise ValueError("a generation past int64")
     codes = codes.astype(np.int64)
     s.code = codes[codeix] if codeix is not None else np.full(n, codes[0] if ncodes else 0, np.int64)
@@ -217,6 +222,7 @@ def unpack_segment(value: bytes) -> Segment:
     for ln in name_lens[nns + nnodes:]:
         s.dead_recs.append(value[at:at + ln])
         at += ln
+    s.same_len = 0
     if s.key_lens is None:
         if key_len == 0 and n:
             raise ValueError("a segment's key length out of range")
@@ -225,11 +231,16 @@ def unpack_segment(value: bytes) -> Segment:
             raise ValueError("a page key that is not in its one form")
     else:
         kl = s.key_lens
-        if ((kl >= 64) & (kl <= 68)).any() or not kl.all():
+        lo, hi = (int(kl.min()), int(kl.max())) if n else (1, 1)
+        if not (lo and (hi < 64 or lo > 68)) and (((kl >= 64) & (kl <= 68)).any() or not kl.all()):
             bad = [k for k in s_keys(value, at, kl) if not k or 64 <= len(k) <= 68 and digest_key(k) is not k]
             if bad:
                 raise ValueError("a page key that is not in its one form")
-        kbytes = int(kl.sum(dtype=np.int64))
+        if lo == hi:  # keys of one length (what a segment of a TP rank's 33-byte keys holds)
+            s.same_len = lo if n else 0
+            kbytes = n * lo
+        else:
+            kbytes = int(kl.sum(dtype=np.int64))
     s.key_len = key_len
     s.keys = value[at:at + kbytes]
     at += kbytes
