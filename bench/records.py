@@ -190,7 +190,7 @@ async def evict_run(store: EtcdStore, etcd_pid: int, n: int, order: str, rnd: in
     w.start()
     d = TableDirectory()
     seq = iter(range(1, 1 << 40))
-    d.namer = lambda ns: b"%sev%d/+%x.%x" % (store._pages, tag, 7, next(seq))
+    d.commits.namer = lambda ns: b"%sev%d/+%x.%x" % (store._pages, tag, 7, next(seq))
     per_node = -(-n // NODES) * 8192
     for i in range(NODES):
         d.add_space(f"host{i}", per_node)
@@ -236,7 +236,7 @@ async def evict_run(store: EtcdStore, etcd_pid: int, n: int, order: str, rnd: in
     out["evict_ops"] = (w.ops - ops0) / max(1, evicted)
     out["evict_etcd_cpu_us"] = (proc_cpu(etcd_pid) - e0) / max(1, evicted) * 1e6
     out["evict_wall_us"] = (time.perf_counter() - t0) / max(1, evicted) * 1e6
-    out["dead_pages"] = d.dead_pages / max(1, evicted)
+    out["dead_pages"] = d.commits.dead_pages / max(1, evicted)
     left = [kv async for kvs in store.scan(store._pages + b"ev%d/" % tag) for kv in kvs]
     out["left"] = len(left)
     await w.close()

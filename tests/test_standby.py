@@ -172,7 +172,7 @@ async def full_load(store: EtcdStore, policy: str = "lru"):
     d = TableDirectory(namer=store.batch_name, policy=policy)
     descs = node_descs(nodes, arenas)
     stale, rejected = d.load(descs, pages)
-    return d, descs, stale_names([p[8] for p in stale + rejected] + d.take_records()[1])
+    return d, descs, stale_names([p[8] for p in stale + rejected] + d.commits.take()[1])
 
 
 def stale_names(stale: list) -> list[bytes]:
@@ -352,7 +352,7 @@ async def _records_that_cannot_stand(url: str) -> None:
         nodes, arenas, pages = await store.load()  # the full load again, for its rewrites' values
         again = TableDirectory()
         again.load(node_descs(nodes, arenas), pages)
-        assert values == {r.name: r.value() for r in again.take_records()[1]}
+        assert values == {r.name: r.value() for r in again.commits.take()[1]}
         assert [p[0] for p in pages_of(values[stale[0]])] == [key(3)]
         assert [p[0] for p in pages_of(values[stale[1]])] == [key(4)]
         assert values[stale[2]] is None  # none of its pages stands: deleted
@@ -449,7 +449,7 @@ async def _commit_records(url: str, policy: str, inflight: int) -> None:
         # the taken table's pages still belong to their records: removing one names it under its record (a dead
         # list beside the record as it was, or the record compacted), and etcd then loads without it
         t = h.dir
-        rec = next(iter(t.records.values()))
+        rec = next(iter(t.commits.records.values()))
         before = rec.live()
         victim, gen = t.key_of(int(before[0])), int(t.cols["gen"][before[0]])
         _, fx = t.remove(NS, [victim])
@@ -500,6 +500,6 @@ async def _large_records(url: str) -> None:
         assert stale == [] and d.objects == 40 * 128
         d.check()
         row = int(d._find(NS, [big(5000)])[0])
-        assert d.records[int(d.cols["rec"][row])].name == b"%s%s/+1.%x" % (store._pages, NS.encode(), 5000 // 128 + 1)
+        assert d.commits.records[int(d.cols["rec"][row])].name == b"%s%s/+1.%x" % (store._pages, NS.encode(), 5000 // 128 + 1)
     finally:
         await store.close()

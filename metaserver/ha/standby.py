@@ -220,7 +220,7 @@ class WarmDirectory:
             held: list[tuple] = []  # pages of commit records the load could not file: a copy holds them
             # in a thread: the loop keeps answering meanwhile
             stale, rejected = await asyncio.to_thread(d.load, descs, pages, held)
-            d.take_records()  # rewrites for the pages it could not file: the leader's to write, at a takeover
+            d.commits.take()  # rewrites for the pages it could not file: the leader's to write, at a takeover
         if self.dir is not None:
             gcpolicy.thaw("warm standby: reloaded")  # the copy it replaces may be frozen cyclic garbage now
         self.dir, self.rev, self.seen = d, rev, rev
@@ -314,7 +314,7 @@ class WarmDirectory:
                 self._sync_node(node_id)
         flush()
         if events:
-            self.dir.take_records()  # rewrites of rows that left: the leader wrote them (what this copy follows)
+            self.dir.commits.take()  # rewrites of rows that left: the leader wrote them (what this copy follows)
             self.rev = max(self.rev, events[-1].kv.mod_revision)
             self.events += len(events)
             self._moved.set()
@@ -436,7 +436,7 @@ class WarmDirectory:
             for p in [p for p in self.held.values() if p[8] == name and (
                     p[6] in gone if dead is not None else keep is None or (p[3], p[6]) not in keep)]:
                 self._unhold((p[2], p[3]))
-        rec = d._rec_by_name.get(name)
+        rec = d.commits.by_name.get(name)
         if rec is not None:
             if dead is not None:
                 rows = rec.live()
@@ -447,7 +447,7 @@ class WarmDirectory:
                 nodes.update(d.node_names.take(d.cols["node"].take(leave)).tolist())
                 drop_rows(d, leave)
             if not len(rec.live()) and not any(p[8] == name for p in self.held.values()):
-                d._end_record(rec)  # nothing of it is left here: a page filed under its name later starts it anew
+                d.commits.end(rec)  # nothing of it is left here: a page filed under its name later starts it anew
         for node_id in nodes:
             waiting = self.held_on.get(node_id)
             if waiting and len(waiting) <= HELD_RETRY:
@@ -583,11 +583,11 @@ class WarmDirectory:
         for node_id in list(self.held_on):
             self._retry(node_id)
         is_batch = self.store.is_batch
-        d.take_records()
-        d.adopt_dead(self.carried, self.batches)  # the records dead lists name compacted, then the lists dropped
+        d.commits.take()
+        d.commits.adopt_dead(self.carried, self.batches)  # the records dead lists name compacted, then the lists dropped
         names = [p[8] for p in self.held.values() if is_batch(p[8])]
-        d.adopt_records([], np.zeros(0, np.int64), names)  # each rewritten without its held pages
-        _, rewrites = d.take_records()
+        d.commits.adopt([], np.zeros(0, np.int64), names)  # each rewritten without its held pages
+        _, rewrites = d.commits.take()
         stale = ([p[8] for p in self.held.values() if not is_batch(p[8])] + sorted(self.junk)
                  + rewrites)
         h = Handover(dir=d, descs=node_descs(list(self.live.values()), list(self.arenas.values())), stale=stale,

@@ -10,7 +10,7 @@ page comes back to the caller, which holds it. The rows' stamps are their record
 are, so recency is commit order whenever a page arrives (late ones included).
 
 Invariants kept: a row filed here is READY, unpinned, in the key index once, its extent allocated on its node and,
-when it came from a commit record, filed under that record's ``TableRecord`` by name (``adopt_records``), exactly
+when it came from a commit record, filed under that record's ``TableRecord`` by name (``CommitRecords.adopt``), exactly
 as the full load files it. The copy never holds a PENDING row, a pin, a read lease or a quarantined extent.
 
 Costs (n pages): ``file_rows`` O(n) numpy work (digests, one pass for runs of adjacent extents) plus one
@@ -89,12 +89,12 @@ def file_rows(t, node: NodeRows, ns: list[str], keys: list[bytes], offsets: list
         if t.links.linking:
             t.links.loaded(c["ns"].take(rows), rows, parents if every else [parents[i] for i in keep.tolist()])
         names = names if every else [names[i] for i in keep.tolist()]
-        by = t._rec_by_name
+        by = t.commits.by_name
         for name in set(names):
             rec = by.get(name)
             if rec is not None:  # its rows that left are forgotten first: one may be reused here, listed once
                 rec.live()
-        t.adopt_records(names, rows, [])
+        t.commits.adopt(names, rows, [])
     return np.flatnonzero(~ok).tolist()
 
 
@@ -105,7 +105,7 @@ def drop_rows(t, rows: np.ndarray) -> None:
     if not len(rows):
         return
     c = t.cols
-    t._leaving(rows)
+    t.commits.leaving(rows)
     t.ix.delete(rows, c["ns"].take(rows).astype(np.uint64))
     nodes = t.nodes
     node_col = c["node"]
@@ -122,7 +122,7 @@ def node_pages(t, node: NodeRows) -> list[tuple]:
     rows = t._rows_of(node)
     rows = rows[c["state"].take(rows) == READY]
     rows = rows[np.argsort(c["stamp"].take(rows), kind="stable")]
-    recs = t.records
+    recs = t.commits.records
     names = t.ns_names
     return list(zip(c["stamp"].take(rows).tolist(), [names[i] for i in c["ns"].take(rows).tolist()],
                     [t.key_of(r) for r in rows.tolist()], t.offsets_of(rows),

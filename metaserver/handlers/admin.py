@@ -75,7 +75,7 @@ class Admin:
                "ticks": svc.ticks, "nodes": self.node_maps(scope.admin)}
         _dc, _du, out["disk_capacity_bytes"], out["disk_used_bytes"] = d.tiers.totals()  # the disk tier (issue 47)
         out["demotions"], out["promotions"] = d.tiers.demotions, d.tiers.promotions
-        out["dead_pages"] = d.dead_pages  # pages that left named by a dead list, not a record rewrite
+        out["dead_pages"] = d.commits.dead_pages  # pages that left named by a dead list, not a record rewrite
         # ALLOCs (and mover rounds) that waited for removals to be durable, and how long in all (handlers/dataplane.py)
         out["removal_waits"], out["removal_waited_s"] = w.barrier_waits, round(svc.dataplane.alloc_waited_s, 3)
         if not scope.admin:

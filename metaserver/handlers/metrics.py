@@ -161,7 +161,7 @@ class _Collector(Collector):
         yield _counter("umbp_pool_evictions", "Objects evicted (pressure, watermark, admin)", total("evictions"))
         yield _counter("umbp_pool_puts", "Objects committed", total("puts"))
         yield _counter("umbp_pool_dead_listed_pages", "Pages that left a durable commit record named by a dead list "
-                       "instead of a rewrite of the record", total("dead_pages"))
+                       "instead of a rewrite of the record", sum(d.commits.dead_pages for d in dirs))
         tiers = [d.tiers.totals() for d in dirs]  # the nodes' disk tiers (metaserver/table/tiers.py)
         yield _gauge("umbp_pool_disk_capacity_bytes", "Disk-tier bytes of the live nodes", sum(t[2] for t in tiers))
         yield _gauge("umbp_pool_disk_used_bytes", "Disk-tier bytes held by objects", sum(t[3] for t in tiers))

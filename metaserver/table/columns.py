@@ -56,7 +56,7 @@ from metaserver.table import invariants, queries
 from metaserver.table.links import TableLinks
 from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
 from metaserver.table.place import alloc_rows, items_of
-from metaserver.table.commits import TableRecords
+from metaserver.table.commits import CommitRecords
 from metaserver.table.tiers import Tiers
 
 BLOCK = 1 << 12  # rows a node takes at a time
@@ -79,7 +79,7 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class PageTable(TableNodes, TableRecords):
+class PageTable(TableNodes):
     """Pages as rows of columns: the requests (``alloc``, ``commit``, ``abort``, ``lookup``, ``release``, ``exists``,
     ``remove``), the budgeted expiries (``expire_leases``, ``expire_pending``), the node side
     (``metaserver/table/nodes.py``), commit records (``table/commits.py``) and the totals (functions over the table
@@ -130,7 +130,7 @@ class PageTable(TableNodes, TableRecords):
         self._evicted_now: dict[int, int] = {}  # row -> namespace of the pages an ``alloc`` call evicted so far
         self._evicted_rows: list[np.ndarray] = []  # and rows of its victims taken in bulk (``evict.handover``)
         self.qcopy = QueueCopy()  # the eviction queues as numpy, for ALLOC's victims in bulk (``table/evict.py``)
-        self._init_records()
+        self.commits = CommitRecords(self)  # COMMITs' pages as etcd records (metaserver/table/commits.py)
         self.quarantine = Quarantine()  # closed pools: extents freed young wait out their write capabilities
         self.leases_orphaned = 0  # leases left to expire by connections that closed (ownership.drop_leases)
         self.links = TableLinks(self)  # parents, prefix-lru's links and KV events (metaserver/table/links.py)
@@ -326,7 +326,7 @@ class PageTable(TableNodes, TableRecords):
                     new = new[np.sort(np.unique(new, return_index=True)[1])]
                 c["state"][new] = READY
                 self._stamp(new)
-                self._committed(ns, new)
+                self.commits.committed(ns, new)
                 pending = self._pending
                 for r in new.tolist():
                     del pending[r]
@@ -510,6 +510,6 @@ class PageTable(TableNodes, TableRecords):
                 self._free_extent(r, node)
                 self._free_row(r, node)
         if gone:
-            self._leaving(np.array(ready, np.int64))
+            self.commits.leaving(np.array(ready, np.int64))
             self.ix.delete(np.array(gone, np.int64), np.full(len(gone), self.ns_ix[ns], np.uint64))
         return out

@@ -1,5 +1,6 @@
-"""Commit records of the page table (``TableRecords``, a mixin of ``metaserver.table.columns.PageTable``): COMMITs' pages
-as etcd records, segments (``metaserver/table/records.py`` packs them), kept in step with the rows. No I/O.
+"""Commit records of the page table (``CommitRecords``, the part ``metaserver.table.columns.PageTable`` holds as
+``commits``): COMMITs' pages as etcd records, segments (``metaserver/table/records.py`` packs them), kept in step
+with the rows. No I/O.
 
 Group commit: a COMMIT's newly READY rows of one namespace join that namespace's open segment, a record the writer
 has not taken yet, while it holds fewer than ``segment_pages`` (``records.SEGMENT_PAGES`` = 1,024; ``BATCH_PAGES``
@@ -41,8 +42,8 @@ object's header there and counts a miss. If the writer gives a write up (etcd do
 leader steps down, as with durable commits.
 
 The table collects the records to put and to rewrite as its mutations run; the caller takes them after each request
-(``take_records``; ``TableDirectory.effects``) and hands them to the writer. A full load files its rows under the
-records they came from, by name (``adopt_records``).
+(``CommitRecords.take``; ``TableDirectory.effects``) and hands them to the writer. A full load files its rows under the
+records they came from, by name (``CommitRecords.adopt``).
 
 Costs: a COMMIT's assignment O(rows) numpy (an open segment joined: one concatenation of its rows); rows leaving
 O(rows log rows) numpy (grouped by record) and O(1) Python a record touched; etcd: a pass of evictions one dead-list
@@ -65,15 +66,15 @@ DEAD_KEYS_FREE = 64  # dead-list keys needed no more that are kept to overwrite,
 
 class TableRecord:
     """One commit record: its etcd key (``name``), namespace, id (the ``rec`` column's value) and the rows it was
-    written with (trimmed to the live ones at each ``value``). A dead-list record (``TableRecords._dead_list``) is
+    written with (trimmed to the live ones at each ``value``). A dead-list record (``CommitRecords._dead_list``) is
     one too, with id 0, no rows and ``carry``: the deaths it names (a record read with a dead list of its own
     carries it likewise until ``need`` is empty)."""
 
-    __slots__ = ("table", "id", "name", "ns", "rows", "dead", "open", "shrunk", "queued", "listed", "gone", "deads",
+    __slots__ = ("commits", "id", "name", "ns", "rows", "dead", "open", "shrunk", "queued", "listed", "gone", "deads",
                  "covering", "carry", "need", "taken", "again")
 
-    def __init__(self, table, rid: int, name: bytes, ns: str, rows: np.ndarray):
-        self.table = table
+    def __init__(self, commits, rid: int, name: bytes, ns: str, rows: np.ndarray):
+        self.commits = commits  # the ``CommitRecords`` it belongs to
         self.id = rid
         self.name = name
         self.ns = ns
@@ -95,7 +96,7 @@ class TableRecord:
         """The rows the record holds now (and keeps only those): READY under this record, on a node not detached."""
         if self.dead:
             return self.rows[:0]
-        t = self.table
+        t = self.commits.table
         c = t.cols
         rows = self.rows
         if not len(rows):
@@ -109,13 +110,13 @@ class TableRecord:
         still needed); None (delete it) when no row and no needed dead list is left, and then the record is done for
         good. The writer calls it as it takes the record: no COMMIT joins it after, and the dead lists naming it so
         far are covered once this value is durable (``written``)."""
-        t = self.table
+        c = self.commits
         if self.open:
             self.open = False
-            if t._rec_open.get(self.ns) is self:
-                del t._rec_open[self.ns]
-        if t._dead_open is self:
-            t._dead_open = None
+            if c._open.get(self.ns) is self:
+                del c._open[self.ns]
+        if c._dead_open is self:
+            c._dead_open = None
         self.queued = False
         self.taken = True
         rows = self.live()
@@ -126,9 +127,9 @@ class TableRecord:
         if carry is None:
             self.carry = None
             if not len(rows):
-                t._end_record(self)
+                c.end(self)
                 return None
-        return t.record_value(rows, carry)
+        return c.value(rows, carry)
 
     def written(self) -> list:
         """The value taken last is durable (the batch writer's hook): the dead lists it covers no longer need this
@@ -138,10 +139,10 @@ class TableRecord:
         for d in self.covering:
             d.need.discard(self)
             if not d.need and d.carry is not None and d.taken and not d.again:
-                self.table._dead_done(d, out)  # (not taken yet: its value, when taken, leaves the list out)
+                self.commits._dead_done(d, out)  # (not taken yet: its value, when taken, leaves the list out)
         self.covering = []
         if self.carry is not None and not self.need and not self.again:
-            self.table._dead_done(self, out)
+            self.commits._dead_done(self, out)
         elif self.again and self.carry is None:
             self.again = False
         return out
@@ -179,20 +180,21 @@ class _Carry:
         return self.names, self.gens[0], self.ix[0]
 
 
-class TableRecords:
-    """Commit records of a ``PageTable``: see the module docstring. Uses the table's ``cols``, ``ix``, ``node_names``
-    and ``code_arr``."""
+class CommitRecords:
+    """Commit records of a ``PageTable`` (its ``commits``): see the module docstring. Reads the table's ``cols``,
+    ``ix``, ``links``, ``node_names`` and ``code_arr``."""
 
-    def _init_records(self) -> None:
+    def __init__(self, table):
+        self.table = table
         self.namer = self._count_name  # ns -> a new record's etcd key
         self.records: dict[int, TableRecord] = {}  # id -> record
-        self._rec_free: list[int] = []
-        self._rec_next = 1
-        self._rec_seq = 0
-        self._rec_puts: list[TableRecord] = []
-        self._rec_rewrites: dict[TableRecord, None] = {}
-        self._rec_by_name: dict[bytes, TableRecord] = {}  # live records by etcd key (a load, a node's return)
-        self._rec_open: dict[str, TableRecord] = {}  # ns -> its open segment: queued, not yet taken by the writer
+        self._free: list[int] = []
+        self._next = 1
+        self._seq = 0
+        self._puts: list[TableRecord] = []
+        self.rewrites: dict[TableRecord, None] = {}
+        self.by_name: dict[bytes, TableRecord] = {}  # live records by etcd key (a load, a node's return)
+        self._open: dict[str, TableRecord] = {}  # ns -> its open segment: queued, not yet taken by the writer
         self.committed_pages = 0  # rows filed under records by COMMITs
         self.segment_pages = SEGMENT_PAGES  # pages a segment holds at most (``BATCH_PAGES`` once a key is long)
         self._dead_open: TableRecord | None = None  # the dead-list record deaths join until the writer takes it
@@ -200,53 +202,56 @@ class TableRecords:
         self.dead_pages = 0  # rows that left named by a dead list instead of a rewrite (STATS, bench/records.py)
 
     def _count_name(self, ns: str) -> bytes:
-        self._rec_seq += 1
-        return b"%s/%s%x" % (ns.encode(), BATCH_MARK, self._rec_seq)
+        self._seq += 1
+        return b"%s/%s%x" % (ns.encode(), BATCH_MARK, self._seq)
 
-    def _committed(self, ns: str, rows: np.ndarray) -> None:
+    def committed(self, ns: str, rows: np.ndarray) -> None:
         """``rows`` (of ``ns``, in key order) became READY: file them under the namespace's open segment while it
         has room (group commit: the COMMITs that reach the writer while it is busy share one record; the caller
         puts the record again and the writer's queue merges the puts, their waiters together), then under new
         ones (and link them: ``metaserver/table/links.py``)."""
-        self.links.stored(ns, rows)
+        t = self.table
+        t.links.stored(ns, rows)
         self.committed_pages += len(rows)
-        cap = self.segment_pages if not self.ix.long_keys else BATCH_PAGES  # long keys: keep a record small
+        cap = self.segment_pages if not t.ix.long_keys else BATCH_PAGES  # long keys: keep a record small
         lo = 0
-        r = self._rec_open.get(ns)
+        r = self._open.get(ns)
         if r is not None and r.open and not r.dead and len(r.rows) < cap:
             lo = min(len(rows), cap - len(r.rows))
             r.rows = np.concatenate((r.rows, rows[:lo]))
-            self.cols["rec"][rows[:lo]] = r.id
+            t.cols["rec"][rows[:lo]] = r.id
             r.queued = True
-            self._rec_puts.append(r)
+            self._puts.append(r)
         while lo < len(rows):
             part = rows[lo:lo + cap]
             lo += len(part)
-            r = self._new_record(self.namer(ns), ns, part)
+            r = self._new(self.namer(ns), ns, part)
             r.open = r.queued = True
-            self._rec_open[ns] = r
-            self._rec_puts.append(r)
+            self._open[ns] = r
+            self._puts.append(r)
 
-    def _new_record(self, name: bytes, ns: str, rows: np.ndarray) -> TableRecord:
-        if self._rec_free:
-            rid = self._rec_free.pop()
+    def _new(self, name: bytes, ns: str, rows: np.ndarray) -> TableRecord:
+        t = self.table
+        if self._free:
+            rid = self._free.pop()
         else:
-            rid = self._rec_next
-            self._rec_next += 1
+            rid = self._next
+            self._next += 1
             if rid > np.iinfo(np.uint32).max:  # 4 G records live at once: far past any arena's pages
                 raise OverflowError("columns: record ids past the u32 rec column")
         r = self.records[rid] = TableRecord(self, rid, name, ns, rows)
-        self.cols["rec"][rows] = rid
-        self._rec_by_name[name] = r
+        t.cols["rec"][rows] = rid
+        self.by_name[name] = r
         return r
 
-    def adopt_records(self, names: list, rows: np.ndarray, rejected: list) -> None:
+    def adopt(self, names: list, rows: np.ndarray, rejected: list) -> None:
         """A full load filed ``rows`` (READY, of one node, in commit order) from the records named ``names`` (the
         etcd key of each row's commit record; None: a page record of its own): file each row under a record of that
         name, the same one for every node's rows of it, so evicting one rewrites the record it came from; the names
         in ``rejected`` (pages the load refused) are rewritten without them now (a record left with no page:
         deleted). A record's rows share its revision, so in commit order they are runs: one step a run."""
-        by = self._rec_by_name
+        t = self.table
+        by = self.by_name
         if len(rows):
             arr = np.array(names, dtype=object)
             cut = np.flatnonzero(arr[1:] != arr[:-1]) + 1
@@ -256,22 +261,22 @@ class TableRecords:
                     continue
                 rec = by.get(name)
                 if rec is None:
-                    ns = self.ns_names[int(self.cols["ns"][rows[lo]])]
-                    rec = by[name] = self._new_record(name, ns, rows[lo:hi])
+                    ns = t.ns_names[int(t.cols["ns"][rows[lo]])]
+                    rec = by[name] = self._new(name, ns, rows[lo:hi])
                 else:
                     rec.rows = np.concatenate((rec.rows, rows[lo:hi]))
-                    self.cols["rec"][rows[lo:hi]] = rec.id
+                    t.cols["rec"][rows[lo:hi]] = rec.id
                     rec.listed = len(rec.rows)
         for name in dict.fromkeys(rejected):
             if name is None:
                 continue
             rec = by.get(name)
             if rec is None:  # none of its pages was filed (so far): an empty record, deleted by its rewrite
-                rec = by[name] = self._new_record(name, "", np.zeros(0, np.int64))
+                rec = by[name] = self._new(name, "", np.zeros(0, np.int64))
             rec.shrunk = rec.queued = True  # a rejected page's extent may be free: placed once this is durable
-            self._rec_rewrites[rec] = None
+            self.rewrites[rec] = None
 
-    def _leaving(self, rows: np.ndarray) -> None:
+    def leaving(self, rows: np.ndarray) -> None:
         """``rows`` leave READY (evicted, removed, dropped): their links are undone (``metaserver/table/links.py``)
         and etcd must stop listing them, a removal either way (``TableRecord.shrunk``: the batch writer holds ALLOC
         answers until it is durable, ``BatchWriter.removals_durable``). A record is rewritten without them when its
@@ -281,8 +286,9 @@ class TableRecords:
         (grouped by record), O(1) Python a record touched."""
         if not len(rows):
             return
-        self.links.leaving(rows)
-        rec = self.cols["rec"]
+        t = self.table
+        t.links.leaving(rows)
+        rec = t.cols["rec"]
         ids = rec.take(rows)
         rec[rows] = 0
         order = np.argsort(ids, kind="stable")
@@ -291,7 +297,7 @@ class TableRecords:
         los = np.concatenate(([0], cut)).tolist()
         his = np.concatenate((cut, [len(ids)])).tolist()
         gens = None
-        records, rewrites = self.records, self._rec_rewrites
+        records, rewrites = self.records, self.rewrites
         for lo, hi in zip(los, his):
             rid = int(ids[lo])
             if not rid:
@@ -303,7 +309,7 @@ class TableRecords:
                 rewrites[r] = None
                 continue
             if gens is None:
-                gens = self.cols["gen"].take(rows.take(order))
+                gens = t.cols["gen"].take(rows.take(order))
             r.gone += k
             self.dead_pages += k
             self._dead_list(r).carry.add(r.name, gens[lo:hi])
@@ -321,7 +327,7 @@ class TableRecords:
             d.need.add(r)
             r.deads.append(d)
         d.queued = d.shrunk = True
-        self._rec_rewrites[d] = None  # (again: the writer's queue merges it; the submission marks the removal)
+        self.rewrites[d] = None  # (again: the writer's queue merges it; the submission marks the removal)
         return d
 
     def _dead_done(self, d: TableRecord, out: list) -> None:
@@ -351,7 +357,7 @@ class TableRecords:
         for r in self.records.values():
             r.deads, r.covering, r.gone, r.queued, r.carry, r.need, r.again = [], [], 0, False, None, set(), False
             r.listed = len(r.rows)
-        by = self._rec_by_name
+        by = self.by_name
         lost: list[bytes] = []
         for cname, (names, _, ix) in carried.items():
             counts = np.bincount(ix, minlength=len(names)).tolist() if len(names) > 1 else [len(ix)]
@@ -363,7 +369,7 @@ class TableRecords:
                     continue
                 r.gone += k
                 r.listed += k
-        self.adopt_records([], np.zeros(0, np.int64), lost)  # nothing of them filed: deleted
+        self.adopt([], np.zeros(0, np.int64), lost)  # nothing of them filed: deleted
         for cname, (names, gens, ix) in carried.items():
             c = by.get(cname)
             if c is None:  # a dead list alone (or all its pages gone)
@@ -382,67 +388,69 @@ class TableRecords:
                 self._dead_done(c, out)
                 for x in out:
                     x.queued = True
-                    self._rec_rewrites[x] = None
+                    self.rewrites[x] = None
 
-    def _end_record(self, r: TableRecord) -> None:
+    def end(self, r: TableRecord) -> None:
         if not r.dead:
             r.dead = True
             if r.id:  # (a dead-list record has none)
                 del self.records[r.id]
-                self._rec_free.append(r.id)
-            if self._rec_by_name.get(r.name) is r:
-                del self._rec_by_name[r.name]
-            if r.open and self._rec_open.get(r.ns) is r:
-                del self._rec_open[r.ns]
+                self._free.append(r.id)
+            if self.by_name.get(r.name) is r:
+                del self.by_name[r.name]
+            if r.open and self._open.get(r.ns) is r:
+                del self._open[r.ns]
             r.open = False
 
-    def take_records(self) -> tuple[list[TableRecord], list[TableRecord]]:
+    def take(self) -> tuple[list[TableRecord], list[TableRecord]]:
         """(records to put, records to rewrite) since the last call: the etcd work of the requests in between."""
-        puts, self._rec_puts = list(dict.fromkeys(self._rec_puts)), []  # (an open segment joined by several)
-        rewrites = [r for r in self._rec_rewrites if not r.dead]
-        self._rec_rewrites = {}
+        puts, self._puts = list(dict.fromkeys(self._puts)), []  # (an open segment joined by several)
+        rewrites = [r for r in self.rewrites if not r.dead]
+        self.rewrites = {}
         return puts, rewrites
 
-    def record_value(self, rows: np.ndarray, carry: "_Carry | None" = None) -> bytes:
+    def value(self, rows: np.ndarray, carry: "_Carry | None" = None) -> bytes:
         """The segment of ``rows`` (``records.pack_segment``) with ``carry``'s dead list: O(rows) numpy, the keys
         one gather of the key index's digests when every key is its own digest (else a key a row), parents only
         under prefix-lru."""
-        c = self.cols
+        t = self.table
+        c = t.cols
         ns_u, nsix = np.unique(c["ns"].take(rows), return_inverse=True)
         node_u, nodeix = np.unique(c["node"].take(rows), return_inverse=True)
         code_u, codeix = np.unique(c["size"].take(rows), return_inverse=True)
-        long_keys = self.ix.long_keys
+        long_keys = t.ix.long_keys
         lens = digs = None
-        dig = self.ix.kc.take(rows, axis=0)
+        dig = t.ix.kc.take(rows, axis=0)
         if long_keys and long_keys.any_of(rows):
-            keys = self.ix.keys_of(rows)
+            keys = t.ix.keys_of(rows)
             lens = np.fromiter(map(len, keys), np.uint32, len(keys))
             blob = b"".join(keys)
             digs = dig  # so a load hashes none of them again
         else:
             blob = dig.tobytes()
         parents = None
-        if self.links.linking:
-            parents = self.links.parent_keys(rows)
+        if t.links.linking:
+            parents = t.links.parent_keys(rows)
             if all(p is None for p in parents):
                 parents = None
-        return pack_segment([self.ns_names[i] for i in ns_u.tolist()], nsix, self.node_names.take(node_u).tolist(),
-                            nodeix, c["unit"].take(rows), self.code_arr.take(code_u), codeix, c["gen"].take(rows),
+        return pack_segment([t.ns_names[i] for i in ns_u.tolist()], nsix, t.node_names.take(node_u).tolist(),
+                            nodeix, c["unit"].take(rows), t.code_arr.take(code_u), codeix, c["gen"].take(rows),
                             blob, 32, lens, parents, digs=digs,
                             **({} if carry is None else dict(zip(("dead_recs", "dead", "dead_ix"), carry.arrays()))))
 
-    def record_pages(self, rows: np.ndarray) -> list:
+    def pages(self, rows: np.ndarray) -> list:
         """``[key, node_id, offset, payload_len, gen, parent]`` of each row, the msgpack layout of a commit record's
         pages, no longer written (tests make old records with it; ``metaserver/table/records.py``): parent its parent's
         key (None when it names none or links are not kept); a shared entry's (``metaserver/table/shared.py``)
         ``[key, node_id, offset, part_len, gen, parent, n]``."""
-        c = self.cols
-        keys = [self.ix.key_of(r) for r in rows.tolist()]
-        pages = [list(p) for p in zip(keys, self.node_names.take(c["node"].take(rows)).tolist(),
-                                      self.offsets_of(rows),
-                                      self.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
-                                      self.links.parent_keys(rows))]
-        if self.any_shared:
+        t = self.table
+        c = t.cols
+        keys = [t.ix.key_of(r) for r in rows.tolist()]
+        pages = [list(p) for p in zip(keys, t.node_names.take(c["node"].take(rows)).tolist(),
+                                      t.offsets_of(rows),
+                                      t.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
+                                      t.links.parent_keys(rows))]
+        if t.any_shared:
             for p in pages:
                 if p[3] > PART_MASK:
                     p[3], n = p[3] & PART_MASK, p[3] >> SHARD_SHIFT

@@ -91,7 +91,7 @@ class TableDirectory(PageTable):
         if policy == "prefix-lru":
             self.links.enable()  # prefix links and the (tier, stamp) victim order (metaserver/table/links.py)
         if namer is not None:
-            self.namer = namer  # a commit record's etcd key (EtcdStore.batch_name)
+            self.commits.namer = namer  # a commit record's etcd key (EtcdStore.batch_name)
         self.quotas = QuotaRules.of(quotas)  # a slot's share already applied (QuotaRules.shared)
         if self.quotas:
             self.quota = TableQuotas(self, self.quotas)
@@ -118,10 +118,10 @@ class TableDirectory(PageTable):
         return node.alloc.used, int(np.count_nonzero((st == READY) | (st == PENDING)))
 
     def effects(self, fx: Effects | None = None) -> Effects:
-        """The etcd work of the requests since the last call (``take_records``) as ``Effects``: new commit records
+        """The etcd work of the requests since the last call (``CommitRecords.take``) as ``Effects``: new commit records
         to put (``recs``), records to rewrite without pages that left (``batches``)."""
         fx = Effects() if fx is None else fx
-        puts, rewrites = self.take_records()
+        puts, rewrites = self.commits.take()
         fx.recs.extend(puts)
         fx.batches.extend(rewrites)
         return fx
@@ -154,11 +154,11 @@ class TableDirectory(PageTable):
                       lambda tags: c["tag"].put(r, tags), self.effects())
 
     def commit(self, ns, keys, gens, now, shard=None):
-        before = self.committed_pages
+        before = self.commits.committed_pages
         ok = (PageTable.commit(self, ns, keys, gens) if shard is None
               else self.shared.commit(ns, keys, gens, shard))
         fx = self.effects()
-        self.puts += self.committed_pages - before
+        self.puts += self.commits.committed_pages - before
         return ok, fx
 
     def lookup(self, ns, keys, now, owner=None, shard=None):
@@ -381,9 +381,9 @@ class TableDirectory(PageTable):
         bad = load_pages(self, node_id, [r[0] for r in keep], [r[1] for r in keep], [r[2] for r in keep],
                          [r[3] for r in keep], [r[4] for r in keep], records=names, parents=[r[5] for r in keep])
         for name in dict.fromkeys(n for n in names if n is not None):
-            rec = self._rec_by_name.get(name)
+            rec = self.commits.by_name.get(name)
             if rec is not None:
-                self._rec_rewrites[rec] = None  # with its pages back
+                self.commits.rewrites[rec] = None  # with its pages back
         fx.deletes.extend((keep[i][0], keep[i][1]) for i in bad if names[i] is None)
         return len(keep) - len(bad), self.effects(fx)
 
@@ -396,7 +396,7 @@ class TableDirectory(PageTable):
             rows = self._find(ns, [r[1] for r in group]).tolist()
             out.extend(page_key(r[0], r[1]) for r, row in zip(group, rows) if r[6] is None and row < 0)
         for name in dict.fromkeys(r[6] for r in recs if r[6] is not None):
-            rec = self._rec_by_name.get(name)
+            rec = self.commits.by_name.get(name)
             if rec is not None:
                 out.append(rec)
         return out
@@ -432,7 +432,7 @@ class TableDirectory(PageTable):
             freed += size
         if rows:
             ra = np.array(rows, np.int64)
-            self._leaving(ra)
+            self.commits.leaving(ra)
             self.ix.delete(ra, np.array(nss, np.uint64))
         self.evictions += len(rows)
         return len(rows), freed
@@ -491,7 +491,7 @@ class TableDirectory(PageTable):
         pages in commit order (recency: their records' revisions), filed under the commit records they came from.
         Returns (stale, rejected) ``page_record`` tuples of the pages with an etcd key of their own, for the leader
         to delete. A page of a commit record that cannot stand (its node has no record, or the
-        load rejected it) is not returned: its record is rewritten without it (``TableRecords.adopt_records``;
+        load rejected it) is not returned: its record is rewritten without it (``CommitRecords.adopt``;
         the rewrite comes with the next ``effects``), never deleted with the pages of it that did load. ``held``
         (a warm standby's load, ``metaserver/ha/standby.py``): those pages are appended to it as ``page_record``
         tuples (their commit record's etcd key last), for the copy to file once they can stand."""
@@ -541,9 +541,9 @@ class TableDirectory(PageTable):
             for part in held_at.values():
                 held.extend(part)
         if orphans:
-            self.adopt_records([], np.zeros(0, np.int64), orphans)
+            self.commits.adopt([], np.zeros(0, np.int64), orphans)
         if pages.carried:  # dead lists read: their records compacted, the lists dropped after (table/commits.py)
-            self.adopt_dead(pages.carried, set(pages.batches))
+            self.commits.adopt_dead(pages.carried, set(pages.batches))
         return stale, rejected
 
 

@@ -28,7 +28,7 @@ def check(t) -> None:
     ready = np.flatnonzero(state == READY)
     rec = c["rec"][ready]
     for rid in np.unique(rec[rec != 0]).tolist():
-        r = t.records.get(rid)
+        r = t.commits.records.get(rid)
         assert r is not None and not r.dead, f"columns: rows name record {rid}, which is gone"
         assert np.isin(ready[rec == rid], r.rows).all(), f"columns: a row of record {rid} is not in its rows"
     owned = [b for node in t.nodes if node is not None for b in node.blocks]

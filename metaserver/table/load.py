@@ -291,7 +291,7 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     if records is not None:
         kept = records if every else records[keep] if isinstance(records, np.ndarray) else [
             records[i] for i in keep.tolist()]
-        t.adopt_records(kept, rows, [records[i] for i in rejected])
+        t.commits.adopt(kept, rows, [records[i] for i in rejected])
     return rejected
 
 

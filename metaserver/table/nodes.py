@@ -120,7 +120,7 @@ class TableNodes:
         held = c["pins"].take(ready) > 0
         drop = ready[~held]
         if len(drop):
-            self._leaving(drop)
+            self.commits.leaving(drop)
             self.ix.delete(drop, c["ns"].take(drop).astype(np.uint64))
             state[drop] = FREE
             node.free.extend(drop.tolist())
@@ -192,7 +192,7 @@ class TableNodes:
                 c["rec"][rows] = 0
                 self.links.leaving(rows)  # links undone, KV events told (metaserver/table/links.py)
             else:
-                self._leaving(rows)
+                self.commits.leaving(rows)
             self.ix.delete(rows, c["ns"].take(rows).astype(np.uint64))
             held = pins.take(rows) > 0
             state[rows[held]] = GONE
@@ -214,7 +214,7 @@ class TableNodes:
         record or None, the parent key it names or None), read before its links are undone, so a node that comes
         back links its pages again (prefix-lru; lru keeps no parents)."""
         c = self.cols
-        recs = self.records
+        recs = self.commits.records
         return list(zip([self.ns_names[i] for i in c["ns"].take(rows).tolist()],
                         [self.ix.key_of(r) for r in rows.tolist()],
                         self.offsets_of(rows),

@@ -134,7 +134,7 @@ def _file(t, nsix, dig, longs, tags, now, token, owner, parents, at, gen_base, r
     if evicted or bulk:
         er = [np.fromiter(evicted.keys(), np.int64, len(evicted))] + bulk
         er = er[0] if len(er) == 1 else np.concatenate(er)
-        t._leaving(er)
+        t.commits.leaving(er)
         t.ix.delete(er, t.cols["ns"].take(er).astype(np.uint64))  # (a victim's row keeps its namespace until now)
         evicted.clear()
         bulk.clear()

@@ -282,7 +282,7 @@ class TableQuotas:
             size = extent_size(code)
             self.held(nsix, size, t.quarantine.free(node, off, size, gen))
             t._free_row(r, node)
-        t._leaving(rows)
+        t.commits.leaving(rows)
         t.ix.delete(rows, c["ns"].take(rows).astype(np.uint64))
         t.evictions += len(rows)
 

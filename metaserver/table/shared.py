@@ -204,7 +204,7 @@ class SharedEntries:
         if done:
             ra = np.array(done, np.int64)
             t._stamp(ra)
-            t._committed(ns, ra)
+            t.commits.committed(ns, ra)
         return ok
 
     def slots(self, hr: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:

@@ -318,7 +318,7 @@ class Tiers:
             if ix.long_keys else []
         nsc = c["ns"].take(src)
         parents = t.links.parent_keys(src)  # read before the links are undone: the copy links under them again
-        t._leaving(src)
+        t.commits.leaving(src)
         ix.delete(src, nsc.astype(np.uint64))
         c["state"][src] = GONE
         ix.insert(dst, dig, c["ns"], longs)
@@ -327,7 +327,7 @@ class Tiers:
             if p is not None:
                 pend[r] = p
         for nsix in np.unique(nsc).tolist():
-            t._committed(t.ns_names[nsix], dst[nsc == nsix])
+            t.commits.committed(t.ns_names[nsix], dst[nsc == nsix])
 
     def abandon(self, lease: int) -> None:
         """A move whose node never answered (connection lost): its destination extents go back, its pins with its

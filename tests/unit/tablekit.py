@@ -39,7 +39,7 @@ def named(t, term: int = 1):
     """``t`` (a table or directory) names its new records as the metaserver does, ``{ns}/+{term}.{n}``, so a load
     reads them (``etcd_pages``); returns ``t``."""
     seq = itertools.count(1)
-    t.namer = lambda ns: b"%s/+%x.%x" % (ns.encode(), term, next(seq))
+    t.commits.namer = lambda ns: b"%s/+%x.%x" % (ns.encode(), term, next(seq))
     return t
 
 

@@ -1,4 +1,4 @@
-"""Dead lists, the writer side (metaserver/table/commits.py ``_leaving``/``_dead_list``, ``TableRecord.written``,
+"""Dead lists, the writer side (metaserver/table/commits.py ``CommitRecords.leaving``/``_dead_list``, ``TableRecord.written``,
 metaserver/store/batcher.py ``_written``): a page that leaves a record whose value is in etcd is named by the open
 dead-list record (a segment of no page) instead of rewriting its record; a record half gone is compacted, one with
 nothing left deleted; a dead-list record is deleted once every record it names has a value without those pages in
@@ -63,7 +63,7 @@ def directory(term: int = 1) -> TableDirectory:
     for node, cap in NODES.items():
         d.add_space(node, cap)
     seq = iter(range(1, 1 << 30))
-    d.namer = lambda ns: b"%s%s/+%x.%x" % (PREFIX, ns.encode(), term, next(seq))
+    d.commits.namer = lambda ns: b"%s%s/+%x.%x" % (PREFIX, ns.encode(), term, next(seq))
     return d
 
 
@@ -134,12 +134,12 @@ def test_scattered_removals_ride_in_dead_lists_and_etcd_always_loads_as_the_tabl
             saw_dead |= bool(store.dead_lists())
             d.check()
         await w.flush(10)
-        assert saw_dead and d.dead_pages > 1000
+        assert saw_dead and d.commits.dead_pages > 1000
         assert set(store.kv) == set(store.dead_lists()) and len(store.kv) <= DEAD_KEYS_FREE, (
             "everything gone: every record deleted, dead-list keys kept only to overwrite")
         assert loaded(store)[0] == set()
         ops = store.ops - ops0
-        print(f"\n{ops} etcd ops for {removed} pages removed, {d.dead_pages} named by dead lists")
+        print(f"\n{ops} etcd ops for {removed} pages removed, {d.commits.dead_pages} named by dead lists")
         assert ops < 0.5 * removed, (ops, removed)  # the records' rewrites would be about one a removed page
         await w.close()
 
@@ -173,12 +173,12 @@ def test_dead_lists_stay_until_their_records_are_compacted_and_a_load_keeps_coun
         assert not d2.effects()
         assert store.ops == ops and store.dead_lists() == [dl]
         _, fx = d2.remove("a", [k for i in range(4) for k in keys_of(i * 100 + 10, i * 100 + 50)])
-        assert {r.name for r in fx.batches} == {r.name for r in d2.records.values()}, "each compacted"
+        assert {r.name for r in fx.batches} == {r.name for r in d2.commits.records.values()}, "each compacted"
         submit(w2, fx)
         await w2.flush(10)
         await asyncio.sleep(0)
         await w2.flush(10)
-        assert d2._dead_free == [dl], "compacted: the dead list is needed no more, its key kept to overwrite"
+        assert d2.commits._dead_free == [dl], "compacted: the dead list is needed no more, its key kept to overwrite"
         got = ready(d2)
         assert len(store.kv) == 5 and loaded(store)[0] == got and len(got) == 200
         for k, v in store.kv.items():
@@ -189,7 +189,7 @@ def test_dead_lists_stay_until_their_records_are_compacted_and_a_load_keeps_coun
         submit(w2, fx)
         await w2.flush(10)
         assert store.dead_lists() == [dl] and unpack_segment(store.kv[dl]).dead.tolist() == [1000 + 50]
-        assert d2._dead_free == []
+        assert d2.commits._dead_free == []
         assert loaded(store)[0] == ready(d2)
         await w.close()
         await w2.close()
@@ -205,7 +205,7 @@ def test_a_dead_list_is_deleted_only_once_the_compaction_it_waits_for_is_durable
         d = directory()
         commit(d, w, keys_of(0, 100), 1000)
         await w.flush(10)
-        (rec,) = list(d.records.values())
+        (rec,) = list(d.commits.records.values())
         _, fx = d.remove("a", keys_of(0, 10))
         submit(w, fx)
         await w.flush(10)
@@ -215,13 +215,13 @@ def test_a_dead_list_is_deleted_only_once_the_compaction_it_waits_for_is_durable
         assert rec in fx.batches
         submit(w, fx)
         await asyncio.sleep(0.05)
-        assert dl in store.kv and not d._dead_free, "the dead list is needed while its compaction is not in etcd"
+        assert dl in store.kv and not d.commits._dead_free, "the dead list is needed while its compaction is not in etcd"
         store.gate.set()
         store.gate = None
         await w.flush(10)
         await asyncio.sleep(0)
         await w.flush(10)
-        assert d._dead_free == [dl] and len(unpack_segment(store.kv[rec.name]).gen) == 40
+        assert d.commits._dead_free == [dl] and len(unpack_segment(store.kv[rec.name]).gen) == 40
         assert loaded(store)[0] == ready(d)
         await w.close()
 

@@ -190,7 +190,7 @@ def test_persisted_record_round_trip_and_full_load_fingerprint():
         (l1, locs1), (l2, locs2) = d.lookup("kv", keys, 1.0, shard=(rk, 4)), d2.lookup("kv", keys, 1.0, shard=(rk, 4))
         assert locs1 == locs2 and d.release(l1) and d2.release(l2)
     # evicting a loaded page: a dead list names it under the record it came from; etcd then loads as the table
-    d2.namer = store.batch_name  # (as the leader names its records)
+    d2.commits.namer = store.batch_name  # (as the leader names its records)
     fx = Effects()
     assert d2.evict_all(1, fx)[0] == 1
     (dl,) = fx.batches

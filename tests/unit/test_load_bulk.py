@@ -79,7 +79,7 @@ def test_one_insert_for_all_nodes_equals_a_load_a_node(seed, shared, monkeypatch
     assert stale == stale_ref and len(stale) == sum(p[1] == "n9" for p in pages) > 0
     assert rejected == rej_ref and held == held_ref and rejected  # (overlaps and keys twice: some)
     assert sorted(t.ix.long_keys.rows().tolist()) and len(t.ix.long_keys) == len(ref.ix.long_keys)
-    assert t.take_records() == ref.take_records()
+    assert t.commits.take() == ref.commits.take()
     rows = np.flatnonzero(t.cols["state"][:t.blocks_used * BLOCK] == READY)
     assert sorted(zip(t.cols["ns"].take(rows).tolist(), t.ix.keys_of(rows))) == sorted(
         zip(ref.cols["ns"].take(ref_rows := np.flatnonzero(ref.cols["state"][:ref.blocks_used * BLOCK] == READY))

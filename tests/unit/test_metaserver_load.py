@@ -123,7 +123,7 @@ def test_load_equals_the_per_record_rules(policy, seed, dense):
     assert sorted(stale) == sorted(stale_ref) and len(stale) == sum(p[1] == "n3" for p in pages) > 0
     assert sorted(map(repr, rejected)) == sorted(map(repr, rej_ref)) and (dense or rejected)
     assert_as_modelled(t, descs, kept, policy)
-    assert t.take_records() == ([], [])  # pages of records of their own: nothing to rewrite
+    assert t.commits.take() == ([], [])  # pages of records of their own: nothing to rewrite
 
 
 def kv(key: bytes, value, rev: int = 1):
@@ -279,12 +279,12 @@ def test_commit_records_round_trip_and_a_rejected_page_leaves_its_record():
     fp, lead = fingerprint(d), fingerprint(leader)
     assert sorted(k for _, k, *_ in fp["entries"]) == keys
     assert fp["entries"] == lead["entries"] and fp["order"] == lead["order"] and fp["nodes"] == lead["nodes"]
-    _, rewrites = d.take_records()
+    _, rewrites = d.commits.take()
     assert [r.name for r in rewrites] == [PREFIX + b"ns/+8.1"] and rewrites[0].value() is None  # its one page: gone
-    loaded = d._rec_by_name[b.name]
-    assert len(loaded.live()) == 20 and d.take_records() == ([], [])
+    loaded = d.commits.by_name[b.name]
+    assert len(loaded.live()) == 20 and d.commits.take() == ([], [])
     # evicting two pages of the loaded record: a dead list names them, the record stays in etcd as it was
-    d.namer = store.batch_name  # (as the leader names its records)
+    d.commits.namer = store.batch_name  # (as the leader names its records)
     _, fx = d.remove("ns", [b"k003", b"k017"])
     (dl,) = fx.batches
     assert dl is not loaded and dl.id == 0 and not fx.deletes

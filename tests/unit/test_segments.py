@@ -63,7 +63,7 @@ def records(d: TableDirectory, old: bool, every: int = 1) -> list:
     out = []
     for i, r in enumerate(puts):
         rows = r.live()
-        value = (msgpack.packb(d.record_pages(rows), use_bin_type=True) if old or i % every == 0 and every > 1
+        value = (msgpack.packb(d.commits.pages(rows), use_bin_type=True) if old or i % every == 0 and every > 1
                  else r.value())
         out.append(kv(r.name, value, 100 + i))
     return out
@@ -89,11 +89,11 @@ def test_a_segment_lists_what_the_msgpack_layout_lists(policy):
         rows = r.live()
         value = r.value()
         assert unpack_segment(value).n == len(rows) and value[1] == SEG_VERSION
-        assert pages_of(value) == d.record_pages(rows)
+        assert pages_of(value) == d.commits.pages(rows)
         nodes, ents = record_entries(r.name, value)
         assert [[e.key, n, e.offset, e.payload_len, e.gen, e.parent] for n, e in zip(nodes, ents)] == [
-            p[:6] for p in d.record_pages(rows)]
-        assert listed_pairs(value) == {(p[0], p[4]) for p in d.record_pages(rows)}
+            p[:6] for p in d.commits.pages(rows)]
+        assert listed_pairs(value) == {(p[0], p[4]) for p in d.commits.pages(rows)}
 
 
 def test_shared_entries_codes_round_trip():

@@ -126,7 +126,7 @@ def comparable(d: TableDirectory) -> dict:
     prefix-lru, each READY page's parent key and its (tier, stamp) victim order on its node (ties by name)."""
     fp = fingerprint(d)
     fp["records"] = {r.name: sorted((d.key_of(x), int(d.cols["gen"][x])) for x in r.live().tolist())
-                     for r in d.records.values()}
+                     for r in d.commits.records.values()}
     fp["records"] = {n: v for n, v in fp["records"].items() if v}
     if d.links.linking:
         fp["links"] = sorted((ns, k, p) for ns, ks, ps in d.links.snapshot() for k, p in zip(ks, ps))
@@ -269,7 +269,7 @@ def test_commit_records_batched_equal_one_event_at_a_time(policy, seed):
         most = max(most, a.dir.objects)
         # every page in the copy is in its record as etcd holds it now, with its place and generation
         d = a.dir
-        for rec in d.records.values():
+        for rec in d.commits.records.values():
             rows = rec.live()
             for key, node_id, off, plen, gen in zip([d.key_of(r) for r in rows.tolist()],
                                                     d.node_names.take(d.cols["node"].take(rows)).tolist(),

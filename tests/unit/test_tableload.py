@@ -351,14 +351,14 @@ def test_loaded_rows_are_filed_under_the_records_they_came_from():
                       records=[b"r1", b"r1", b"r3"])
     assert rej0 == [4] and rej1 == [2]
     t.check()
-    puts, rewrites = t.take_records()
+    puts, rewrites = t.commits.take()
     assert puts == [] and sorted(r.name for r in rewrites) == [b"r2", b"r3"]
-    r1 = t._rec_by_name[b"r1"]
+    r1 = t.commits.by_name[b"r1"]
     assert sorted(r1.rows.tolist()) == sorted(t._find("a", keys[:3] + keys[5:7]).tolist())
     assert [len(pages_of(r.value())) if r.value() else 0 for r in sorted(rewrites, key=lambda r: r.name)] \
         == [1, 0], "r2 keeps page 3; r3 had no page filed: deleted"
     assert t.remove("a", [keys[5]]) == [True]
-    _, rewrites = t.take_records()
+    _, rewrites = t.commits.take()
     (dl,) = rewrites
     seg = unpack_segment(dl.value())
     assert dl is not r1 and seg.dead_recs == [b"r1"] and seg.dead.tolist() == [6], "named under the record it came from"

@@ -129,13 +129,13 @@ def test_a_drain_drops_the_unpinned_pages_and_keeps_the_pinned_and_pending():
     on0 = [k for k in keys if where[k] == "n0"]
     lease, _ = t.lookup("a", on0[:4])
     pend = t.alloc("a", keys_of(200, 204), [PLEN] * 4, 10**6)
-    t.take_records()
+    t.commits.take()
     assert t.drain("n0") == (46, 4), "50 READY on n0: 4 held by a reader"
     t.check()
     lease2, locs = t.lookup("a", keys)
     assert sum(loc is not None for loc in locs) == 54, "n1's 50 and the 4 pinned on n0"
     assert t.release(lease2)
-    _, rewrites = t.take_records()
+    _, rewrites = t.commits.take()
     assert len(rewrites) == 1, "their one commit record is rewritten"
     assert {it[1] for it in t.alloc("a", keys_of(300, 320), [PLEN] * 20, 2 * 10**6)} == {"n1"}, "nothing placed on n0"
     on0_pend = [(k, it[4]) for k, it in zip(keys_of(200, 204), pend) if it[1] == "n0"]

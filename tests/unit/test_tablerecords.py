@@ -31,7 +31,7 @@ def test_a_commit_writes_records_of_at_most_batch_pages_in_directorys_layout():
     keys = keys_of(0, 300) + [b"sglang-%d" % i for i in range(20)]  # digests and other keys
     put(t, keys, gen=1)
     put(t, keys_of(1000, 1010), gen=5000, ns="b")
-    puts, rewrites = t.take_records()
+    puts, rewrites = t.commits.take()
     assert [len(r.rows) for r in puts] == [BATCH_PAGES, BATCH_PAGES, 320 - 2 * BATCH_PAGES, 10] and not rewrites
     assert len({r.name for r in puts}) == 4 and [r.ns for r in puts] == ["a", "a", "a", "b"]
     got = {}
@@ -39,20 +39,20 @@ def test_a_commit_writes_records_of_at_most_batch_pages_in_directorys_layout():
         got.update(pages(r))
     assert got == locations(t, "a", keys), "each page once, where a lookup finds it"
     assert pages(puts[3]) == locations(t, "b", keys_of(1000, 1010))
-    assert t.take_records() == ([], []), "taken once"
+    assert t.commits.take() == ([], []), "taken once"
     t.check()
 
 
 def test_pages_that_leave_reach_etcd_as_a_dead_list_and_an_empty_record_goes():
     t = named(table(2, 64))
     put(t, keys_of(0, 128), gen=1)  # one record, the pool full (64 slots a node)
-    (first,), _ = t.take_records()
+    (first,), _ = t.commits.take()
     etcd: dict = {}
     write(etcd, [first])  # the writer takes it: no later COMMIT joins it
     old = etcd[first.name]
     assert t.remove("a", keys_of(0, 3)) == [True] * 3
     put(t, keys_of(500, 510), gen=1000)  # room for 3, evictions for the rest
-    puts, rewrites = t.take_records()
+    puts, rewrites = t.commits.take()
     (dl,) = rewrites
     assert dl.id == 0 and dl is not first and len(puts) == 1, "10 of 128 pages left: a dead list, no rewrite"
     write(etcd, puts + rewrites)
@@ -65,21 +65,21 @@ def test_pages_that_leave_reach_etcd_as_a_dead_list_and_an_empty_record_goes():
     assert 0 < len(on0) < len(left) and pages(first) == on0, "a detached node's pages leave the record's value"
     while t.drop_slice("n1", 1000)[1] is None:
         pass
-    _, rewrites = t.take_records()
+    _, rewrites = t.commits.take()
     write(etcd, rewrites)
     t.check()
     here = [k for k in keys_of(0, 600) if t.exists("a", [k])[0]]
     assert here and etcd_pages(etcd) == locations(t, "a", here), "the dropped node's pages are gone from etcd"
     assert t.remove("a", here) == [True] * len(here)
-    _, rewrites = t.take_records()
+    _, rewrites = t.commits.take()
     assert {first.name, puts[0].name} <= {r.name for r in rewrites}, "all gone: compacted, never dead-listed"
     old_id = first.id
     write(etcd, rewrites)
     assert first.name not in etcd and puts[0].name not in etcd, "nothing left: the records deleted"
     assert etcd_pages(etcd) == {} and all(unpack_segment(v).n == 0 for v in etcd.values()), "dead lists at most"
-    assert not t.records
+    assert not t.commits.records
     put(t, keys_of(900, 905), gen=9000)
-    (fresh,), _ = t.take_records()
+    (fresh,), _ = t.commits.take()
     assert fresh.id in (old_id, puts[0].id), "a freed id is reused"
     assert first.value() is None and puts[0].value() is None, "a stale record never lists another's rows"
     assert sorted(pages(fresh)) == keys_of(900, 905)
