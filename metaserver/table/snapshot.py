@@ -164,13 +164,22 @@ class PageRecords:
         segs, self.segs = self.segs, []
         order = list(self.groups)
         at = {x: i for i, x in enumerate(order)}
+        count: list[int] = [0] * len(order)  # each node's pages of the segments (dead ones included)
         for seg, _, _ in segs:
-            for x in (seg.node_ids if len(seg.node_ids) == 1 else
-                      [seg.node_ids[i] for i in np.flatnonzero(np.bincount(seg.nodeix)).tolist()]):
-                if x not in at:
-                    at[x] = len(order)
+            if len(seg.node_ids) == 1:
+                got = ((seg.node_ids[0], seg.n),)
+            else:
+                bc = np.bincount(seg.nodeix)
+                nz = np.flatnonzero(bc)
+                got = zip([seg.node_ids[i] for i in nz.tolist()], bc.take(nz).tolist())
+            for x, m in got:
+                k = at.get(x)
+                if k is None:
+                    k = at[x] = len(order)
                     order.append(x)
-        by_seg = _segment_columns(segs, at, self, ns_of, ns_list, rec_of, rec_list, parents)
+                    count.append(0)
+                count[k] += m
+        by_seg = _segment_columns(segs, at, count, self, ns_of, ns_list, rec_of, rec_list, parents)
         del segs
         out: dict[str, NodePages] = {}
         for node_id in order:
@@ -414,17 +423,19 @@ def _by_node(seg: Segment) -> list[tuple[str, np.ndarray | None]]:
             zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [seg.n])).tolist())]
 
 
-def _segment_columns(segs: list, at: dict, recs: PageRecords, ns_of, ns_list, rec_of, rec_list,
+def _segment_columns(segs: list, at: dict, count: list, recs: PageRecords, ns_of, ns_list, rec_of, rec_list,
                      parents: bool) -> "dict[str, NodePages]":
     """The pages of segments ``segs`` ((segment, revision, etcd key), scan order) as a ``NodePages`` a node (``at``:
-    node id -> its place in the load's order), each node's in commit order: the segments in order of revision
-    (stable), taken ``_BATCH`` pages at a time: a batch's columns joined, its pages sorted by node (a stable radix
-    sort of u16) and each node's part gathered; then each node's parts joined. Why batches, not every page's
-    columns joined at once: arrays that large are new memory (glibc maps an array past its mmap threshold anew, and
-    its pages are faulted in: about 0.3 ns a byte on the 2-core VM, more under load), where a batch's temporaries
-    reuse the heap. Dead-listed pages left out (``recs``)."""
+    node id -> its place in the load's order; ``count``: each place's pages, dead ones included), each node's in
+    commit order: the segments in order of revision (stable), taken ``_BATCH`` pages at a time: a batch's columns
+    joined, its pages sorted by node (a stable radix sort of u16) and each node's part gathered straight into that
+    node's columns, made once at their size (``count``; a dead list's pages leave a tail unused, cut off at the end).
+    Why batches, not every page's columns joined at once: arrays that large are new memory (glibc maps an array past
+    its mmap threshold anew, and its pages are faulted in: about 0.3 ns a byte on the 2-core VM, more under load),
+    where a batch's temporaries reuse the heap; and why no part a batch and node joined at the end: that was a second
+    copy of every column, in new memory (1 of the 6 CPU-s at 10 M pages). Dead-listed pages left out (``recs``)."""
     segs.sort(key=_second)  # (stable: scan order among equal revisions)
-    parts: dict[int, list] = {}
+    dst = {k: _NodeCols(m) for k, m in enumerate(count) if m}
     batch: list = []
     size = 0
     for i in range(len(segs)):
@@ -435,29 +446,48 @@ def _segment_columns(segs: list, at: dict, recs: PageRecords, ns_of, ns_list, re
         batch.append((seg, rev, name, idx))
         size += seg.n if idx is None else len(idx)
         if size >= _BATCH:
-            _batch_parts(batch, at, parts, ns_of, ns_list, rec_of, rec_list, parents)
+            _batch_parts(batch, at, dst, ns_of, ns_list, rec_of, rec_list, parents)
             batch, size = [], 0
     if batch:
-        _batch_parts(batch, at, parts, ns_of, ns_list, rec_of, rec_list, parents)
+        _batch_parts(batch, at, dst, ns_of, ns_list, rec_of, rec_list, parents)
     del batch
     segs.clear()
     names = list(at)
     out = {}
-    for k in sorted(parts):  # (nsix, dig, off, code, gen, rev, rec, long keys, parents) a batch
-        ps = parts.pop(k)
-        cols = [ps[0][j] if len(ps) == 1 else np.concatenate([q[j] for q in ps]) for j in range(7)]
-        longs = ps[0][7] if len(ps) == 1 else LongCol.cat([q[7] for q in ps], [len(q[0]) for q in ps])
-        par = None
-        if parents and any(q[8] is not None for q in ps):
-            par = [x for q in ps for x in (q[8] if q[8] is not None else [None] * len(q[0]))]
-        out[names[k]] = NodePages._make(cols[0], cols[1], longs, *cols[2:], par)
+    for k in sorted(dst):
+        d = dst.pop(k)
+        if d.fill:  # (none: a dead list named every page of it)
+            out[names[k]] = d.pages(parents)
     return out
 
 
-def _batch_parts(batch: list, at: dict, parts: dict, ns_of, ns_list, rec_of, rec_list, parents: bool) -> None:
+class _NodeCols:
+    """One node's columns as ``_segment_columns`` fills them: ``NodePages``' arrays at their final size, ``fill``
+    pages written; its long keys and parents as parts (a ``LongCol`` and its batch's page count; parents or None)."""
+
+    __slots__ = ("cols", "fill", "longs", "sizes", "par")
+
+    def __init__(self, m: int):
+        self.cols = (np.empty(m, np.uint16), np.empty((m, 4), np.uint64), np.empty(m, np.int64),
+                     np.empty(m, np.int64), np.empty(m, np.uint64), np.empty(m, np.int64), np.empty(m, np.int32))
+        self.fill = 0
+        self.longs: list = []
+        self.sizes: list[int] = []
+        self.par: list = []
+
+    def pages(self, parents: bool) -> "NodePages":
+        f = self.fill
+        cols = [c if len(c) == f else c[:f] for c in self.cols]
+        longs = LongCol.cat(self.longs, self.sizes)
+        par = None
+        if parents and any(q is not None for q in self.par):
+            par = [x for q, m in zip(self.par, self.sizes) for x in (q if q is not None else [None] * m)]
+        return NodePages._make(cols[0], cols[1], longs, *cols[2:], par)
+
+
+def _batch_parts(batch: list, at: dict, dst: dict, ns_of, ns_list, rec_of, rec_list, parents: bool) -> None:
     """``_segment_columns``' step for a batch of segments ((segment, revision, etcd key, live positions or None)):
-    each node's part of them appended to ``parts[its place]`` as (nsix, dig, off, code, gen, rev, rec, LongCol of
-    its long keys, parents or None)."""
+    each node's part of them written into ``dst[its place]`` (a ``_NodeCols``) after what it holds."""
     cols: list[list] = [[] for _ in range(6)]
     longs, counts, nsbase, ndbase, revs, rec_ix, par = [], [], [], [], [], [], []
     nstab: list[int] = []
@@ -499,14 +529,24 @@ def _batch_parts(batch: list, at: dict, parts: dict, ns_of, ns_list, rec_of, rec
     rec_ix = np.array(rec_ix, np.int32)
     for k in np.flatnonzero(np.diff(ends)).tolist():
         idx = order[ends[k]:ends[k + 1]]
+        d = dst[k]
+        f, m = d.fill, len(idx)
+        o_ns, o_dig, o_off, o_code, o_gen, o_rev, o_rec = (c[f:f + m] for c in d.cols)
+        # (mode "clip": the indexes are in range, and take buffers its ``out`` under the default "raise")
+        nsix.take(idx, out=o_ns, mode="clip")
+        dig.take(idx, axis=0, out=o_dig, mode="clip")
+        np.left_shift(unit.take(idx), 12, out=o_off, dtype=np.int64)
+        code.take(idx, out=o_code, mode="clip")
+        gen.take(idx, out=o_gen, mode="clip")
         sg = seg_of.take(idx)
-        off = unit.take(idx).astype(np.int64)
-        off <<= 12
+        revs.take(sg, out=o_rev, mode="clip")
+        rec_ix.take(sg, out=o_rec, mode="clip")
         mine = srt[lcut[k]:lcut[k + 1]]
-        parts.setdefault(k, []).append((
-            nsix.take(idx), dig.take(idx, axis=0), off, code.take(idx), gen.take(idx), revs.take(sg),
-            rec_ix.take(sg), _pick(lc, lens, mine, np.searchsorted(idx, lc.pos.take(mine))),
-            _some([par[i] for i in idx.tolist()]) if parents else None))
+        d.longs.append(_pick(lc, lens, mine, np.searchsorted(idx, lc.pos.take(mine))))
+        d.sizes.append(m)
+        if parents:
+            d.par.append(_some([par[i] for i in idx.tolist()]))
+        d.fill = f + m
 
 
 def _some(parents: list) -> list | None:

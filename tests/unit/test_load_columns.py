@@ -60,3 +60,45 @@ def test_the_checks_refuse_what_they_refused():
         with pytest.raises(ValueError, match="one form"):
             unpack_segment(seg33(bad, digs=False))
     assert unpack_segment(seg33([b"x" * 70, b"y" * 33], digs=False)).same_len == 0
+
+
+def kv(key: bytes, value: bytes, rev: int):
+    return SimpleNamespace(key=key, value=value, mod_revision=rev, create_revision=rev)
+
+
+def seg_nodes(keys: list[bytes], nodes: list[str], nodeix: list[int], gen0: int, dead=None, dead_recs=None) -> bytes:
+    n = len(keys)
+    lens = None if all(len(k) == 32 for k in keys) else [len(k) for k in keys]
+    return pack_segment(["m"], None, nodes, nodeix, [16 * (gen0 + i) for i in range(n)], [4096, 8192],
+                        [i % 2 for i in range(n)], [gen0 + i for i in range(n)], b"".join(keys), 32, lens,
+                        digs=None if lens is None else digests(keys)[0], dead=dead, dead_recs=dead_recs,
+                        dead_ix=None if dead is None else [0] * len(dead))
+
+
+def test_each_nodes_columns_list_what_the_entries_list_in_commit_order():
+    """Segments over three nodes, scanned out of commit order, one of 33-byte keys, a dead list naming pages of
+    two of them (every page node "c" has): the columns hold, a node, what ``done``'s entries hold sorted by
+    revision; "c" has none."""
+    k = [bytes([i]) * (33 if 20 <= i < 40 else 32) for i in range(1, 61)]
+    r1, r2, r3, r4 = (PREFIX + b"m/+1.%x" % i for i in range(1, 5))
+    kvs = [kv(r2, seg_nodes(k[20:40], ["a", "b"], [i % 2 for i in range(20)], 200), 30),  # (scan order: by name)
+           kv(r1, seg_nodes(k[:20], ["a", "c", "b"], [0] * 8 + [1] * 4 + [2] * 8, 100), 20),
+           kv(r3, seg_nodes(k[40:50], ["b"], [0] * 10, 300, dead=[108, 109, 110, 111, 102, 205], dead_recs=[r1]), 40),
+           kv(r4, seg_nodes(k[50:], ["a", "b"], [1] * 5 + [0] * 5, 400, dead=[205], dead_recs=[r2]), 10)]
+    got_recs, want_recs = PageRecords(PREFIX), PageRecords(PREFIX)
+    got_recs.add(kvs)
+    want_recs.add(kvs)
+    got = got_recs.columns()
+    want = {}
+    for node, (ents, revs) in want_recs.done().items():
+        order = sorted(range(len(ents)), key=lambda i: revs[i])
+        want[node] = [(ents[i].ns, ents[i].key, ents[i].offset, ents[i].payload_len, ents[i].gen, revs[i],
+                       ents[i].batch) for i in order]
+    assert "c" not in got and want.get("c", []) == [] and sorted(got) == ["a", "b"]
+    assert got_recs.dropped == want_recs.dropped == 6
+    for node, p in got.items():
+        rows = [(p.ns_names[p.nsix[i]], p.key(i), int(p.off[i]), int(p.code[i]), int(p.gen[i]), int(p.rev[i]),
+                 p.rec_names[p.rec[i]]) for i in range(len(p))]
+        assert rows == want[node] and len(rows) == {"a": 22, "b": 32}[node]
+        assert (p.dig == digests([r[1] for r in rows])[0]).all()
+        assert list(p.longs) == [(i, r[1]) for i, r in enumerate(rows) if len(r[1]) == 33]
