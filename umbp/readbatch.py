@@ -169,7 +169,7 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, caps_of, idx:
         # ids: sorted page indices (flatnonzero, kept in order by _groups): all of them are the rows as they are
         r, at = (rows, addr) if len(ids) == len(rows) else (rows[ids], addr[ids])
         try:
-            status = t.read_rows(r["off"], r["len"], r["tag"], r["gen"], at, deadline)
+            status = t.read_rows(r["off"], r["len"], r["tag"], r["gen"], at, deadline, r.tobytes())
         except DeadlineExceeded as e:
             errs.extend((i, e) for i in ids.tolist())
             continue

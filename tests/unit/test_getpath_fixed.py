@@ -221,3 +221,58 @@ def test_out_addresses_of_2d_outs_reuse_offsets_but_not_addresses():
             assert cap.tolist() == [row] * n and not cap.flags.writeable
     a, b = np.zeros((4, 16), np.uint8), np.zeros((4, 16), np.uint8)
     assert out_addresses(a, 4)[0].tolist() != out_addresses(b, 4)[0].tolist()
+
+
+def test_read_rows_batch_memo_gives_the_full_paths_verdict_after_any_header_change(monkeypatch):
+    """A batch read again by its key (``ShmTransport._batches``) skips the bounds and header match only while its
+    headers are byte for byte the ones it passed with: after a header changes (a flipped bit in any field, the crc,
+    the padding; restored later or not) it answers exactly what the full path answers, bytes included; a slot
+    rewritten during a remembered batch's copy is still a torn read."""
+    import transport.shm as shm
+    size, pages = 4096, 48
+    t, a8, off, tag, gen, data = _arena(pages, size)
+    t._batches = {}
+    prng = random.Random(49)
+    batches = [np.array(prng.sample(range(pages), prng.choice([2, 7, 16]))) for _ in range(6)]
+    changed: list[tuple[int, int]] = []  # (arena byte, its value before the flip), oldest first
+    memo_hits = 0
+    for step in range(150):
+        pick = batches[prng.randrange(len(batches))]
+        n = len(pick)
+        o, tg, g, plen = off[pick], tag[pick], gen[pick], np.full(n, size, np.uint64)
+        key = b"".join(x.tobytes() for x in (o, plen, tg, g))
+        if step % 3 == 1:  # a header changes between reads of remembered batches
+            at = int(o[prng.randrange(n)]) + prng.choice([0, 5, 8, 16, 24, 33, 36, 40, 63])
+            changed.append((at, int(a8[at])))
+            a8[at] ^= np.uint8(1 << prng.randrange(8))
+        memo_hits += key in t._batches
+        out, ref = np.zeros((n, size), np.uint8), np.zeros((n, size), np.uint8)
+        got = t.read_rows(o, plen, tg, g, (np.arange(n) * size + out.ctypes.data).astype(np.int64), 1e18, key)
+        want = t.read_rows(o, plen, tg, g, (np.arange(n) * size + ref.ctypes.data).astype(np.int64), 1e18)
+        assert got.tolist() == want.tolist(), step
+        assert np.array_equal(out, ref), step
+        assert all(np.array_equal(out[i], data[pick[i]]) for i in range(n) if got[i] == 0), step
+        if prng.random() < 0.3:
+            for at, v in reversed(changed):
+                a8[at] = v
+            changed.clear()
+    for at, v in reversed(changed):
+        a8[at] = v
+    assert memo_hits > 50
+    pick = np.arange(8)
+    o, tg, g, plen = off[pick], tag[pick], gen[pick], np.full(8, size, np.uint64)
+    key = b"".join(x.tobytes() for x in (o, plen, tg, g))
+    out = np.zeros((8, size), np.uint8)
+    dst = (np.arange(8) * size + out.ctypes.data).astype(np.int64)
+    assert not t.read_rows(o, plen, tg, g, dst, 1e18, key).any() and key in t._batches
+    drain = shm._drain
+
+    def rewrite(it):  # the copy, then a writer reuses slot 3 (its header changes)
+        drain(it)
+        a8[int(off[3]) + 16] ^= np.uint8(0xFF)
+    monkeypatch.setattr(shm, "_drain", rewrite)
+    assert t.read_rows(o, plen, tg, g, dst, 1e18, key).tolist() == [2 if i == 3 else 0 for i in range(8)]
+    monkeypatch.setattr(shm, "_drain", drain)
+    assert t.read_rows(o, plen, tg, g, dst, 1e18, key).tolist() == [1 if i == 3 else 0 for i in range(8)]
+    a8[int(off[3]) + 16] ^= np.uint8(0xFF)
+    assert not t.read_rows(o, plen, tg, g, dst, 1e18, key).any() and np.array_equal(out, data[:8])
