@@ -31,7 +31,7 @@ from umbp.errors import CorruptionError, DeadlineExceeded, InvalidArgument, Tran
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 HEADER_MEMO = 65536  # headers remembered as checked (about 16 MiB at most); cleared when full
-BATCH_MEMO = 64  # ``read_rows`` batches remembered as passed (about 10 KiB each for 64 pages); cleared when full
+BATCH_MEMO_PAGES = 32768  # pages of the ``read_rows`` batches remembered as passed (about 190 B each: 6 MiB)
 _memmove = ctypes.memmove
 _drain = collections.deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
 
@@ -82,6 +82,7 @@ class ShmTransport(Transport):
         self._checked: dict[tuple[int, int, int], tuple[bytes, int, int | None]] = {}
         # read_rows' key -> (slots, header bytes, source addresses, lengths) of a batch whose every page passed
         self._batches: dict[bytes, tuple[np.ndarray, bytes, list[int], list[int]]] = {}
+        self._batch_pages = 0  # pages in ``_batches``
 
     def start_read(self, ops, deadline):
         """Copy every op's range out of the mapped arena: ``read_from_arena`` (header checked before, compared
@@ -182,7 +183,7 @@ class ShmTransport(Transport):
         done by ``deadline`` (stopped; no page counts).
 
         ``key``: the bytes of the batch's (off, plen, tag, gen) columns, or None. A batch whose every page passed
-        is remembered by it (``BATCH_MEMO`` batches, cleared when full) with its slots, header bytes and source
+        is remembered by it (``BATCH_MEMO_PAGES`` pages of such batches, the oldest dropped first) with its slots, header bytes and source
         addresses; the same batch again whose headers are byte for byte those bytes skips the bounds and the header
         match (pure functions of the columns and those bytes: the verdict cannot differ) and goes to the copy and
         the compare after it. Other header bytes take the full path (and, passing, replace the entry)."""
@@ -216,10 +217,12 @@ class ShmTransport(Transport):
                 return status
         src = (off + (self._base + hs)).tolist()
         n = plen.tolist()
-        if key is not None and type(pick) is slice:  # every page in and matching: the batch's verdict is kept
-            if len(self._batches) >= BATCH_MEMO:
-                self._batches.clear()
-            self._batches[key] = (slot, before.tobytes(), src, n)
+        if key is not None and type(pick) is slice and len(n) <= BATCH_MEMO_PAGES:  # every page passed: kept
+            batches = self._batches
+            self._batch_pages += len(n) - len(batches.pop(key, ((),))[0])
+            while self._batch_pages > BATCH_MEMO_PAGES:  # the oldest go first
+                self._batch_pages -= len(batches.pop(next(iter(batches)))[0])
+            batches[key] = (slot, before.tobytes(), src, n)
         return self._copy_rows(slot, before, pick, src, n, dst, deadline, status)
 
     def _copy_rows(self, slot: np.ndarray, before: np.ndarray, pick, src: list[int], n: list[int], dst: np.ndarray,

@@ -231,7 +231,7 @@ def test_read_rows_batch_memo_gives_the_full_paths_verdict_after_any_header_chan
     import transport.shm as shm
     size, pages = 4096, 48
     t, a8, off, tag, gen, data = _arena(pages, size)
-    t._batches = {}
+    t._batches, t._batch_pages = {}, 0
     prng = random.Random(49)
     batches = [np.array(prng.sample(range(pages), prng.choice([2, 7, 16]))) for _ in range(6)]
     changed: list[tuple[int, int]] = []  # (arena byte, its value before the flip), oldest first
@@ -276,3 +276,22 @@ def test_read_rows_batch_memo_gives_the_full_paths_verdict_after_any_header_chan
     assert t.read_rows(o, plen, tg, g, dst, 1e18, key).tolist() == [1 if i == 3 else 0 for i in range(8)]
     a8[int(off[3]) + 16] ^= np.uint8(0xFF)
     assert not t.read_rows(o, plen, tg, g, dst, 1e18, key).any() and np.array_equal(out, data[:8])
+
+
+def test_read_rows_batch_memo_is_bounded_by_pages(monkeypatch):
+    import transport.shm as shm
+    size, pages = 4096, 32
+    t, a8, off, tag, gen, data = _arena(pages, size)
+    t._batches, t._batch_pages = {}, 0
+    monkeypatch.setattr(shm, "BATCH_MEMO_PAGES", 20)
+    out = np.zeros((7, size), np.uint8)
+    dst = (np.arange(7) * size + out.ctypes.data).astype(np.int64)
+    keys = []
+    for b in range(4):
+        pick = np.arange(b * 7, b * 7 + 7)
+        o, tg, g, plen = off[pick], tag[pick], gen[pick], np.full(7, size, np.uint64)
+        keys.append(b"".join(x.tobytes() for x in (o, plen, tg, g)))
+        for _ in range(2):  # read twice: the second is remembered, the count does not grow
+            assert not t.read_rows(o, plen, tg, g, dst, 1e18, keys[-1]).any()
+            assert np.array_equal(out, data[pick])
+        assert list(t._batches) == keys[-2:] and t._batch_pages == 7 * len(t._batches)
