@@ -15,7 +15,7 @@ with another arena, the records are deleted. A node that was only provisional (l
 re-registered) is not parked: its records are deleted slice by slice.
 
 Costs: detaching O(PENDING rows); a tick O(its budget) numpy work plus a Python step per parked page (its record);
-the last slice of a node a sort of its parked records by recency (``TableNodes.drop_slice``: O(pages log pages) in
+the last slice of a node a sort of its parked records by recency (``nodes.drop_rows``: O(pages log pages) in
 C, tens of ms per million); restoring O(the node's pages) (``TableDirectory.unpark``); expiry of parked nodes is
 checked every tick, O(parked nodes).
 """

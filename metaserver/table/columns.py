@@ -21,17 +21,27 @@ by (namespace, key).
 
 Rows come in blocks of ``BLOCK`` per node, so one node's rows are its blocks and an eviction scan reads only them.
 
+The table keeps the shared state (the columns, the key index, the node rows and lists, leases, the clock) and the
+requests; the rest are parts it holds, each keeping a reference to it, or functions that take it:
+
+- ``links`` (``TableLinks``, ``metaserver/table/links.py``): parents, prefix-lru's links and KV events;
+- ``commits`` (``CommitRecords``, ``metaserver/table/commits.py``): commit records and dead lists, their own state;
+- ``tiers`` (``Tiers``, ``metaserver/table/tiers.py``): nodes' disk tiers; ``quarantine`` (``Quarantine``); ``quota``
+  (``TableQuotas``, set by a ``TableDirectory`` that has quota groups); ``qcopy`` (``evict.QueueCopy``);
+- functions of the table: ``metaserver/table/evict.py`` (victims), ``nodes.py`` (the node side), ``place.py``
+  (ALLOC's placement), ``queries.py`` (totals, listings), ``invariants.py`` (``check``), ``load.py`` (the full load).
+
+``TableDirectory`` (``metaserver/table/directory.py``) adds the service's calls and holds ``shared``
+(``SharedEntries``, ``metaserver/table/shared.py``: TP-sharded pages).
+
 Eviction (``metaserver/table/evict.py``) is exact LRU by ``stamp`` per node: every access stamps its rows with the
 next values of one clock, and victims leave each node in exact stamp order. Under ``prefix-lru`` the order is
 (tier, stamp) over prefix links kept in two more columns, ``up`` and ``kids`` (8 bytes a row), and a map of the
 orphans (``metaserver/table/links.py``, which also tells ``kv_sink`` of rows that become READY and that leave it).
 
 Nodes (``metaserver/table/nodes.py``): added and drained, and a lost one detached at once and dropped in budgeted
-slices (its blocks and index reused once nothing of it is in use). Totals and listings: ``table/queries.py``; the
-full load and a fingerprint: ``table/load.py``.
-
-Commit records (``metaserver/table/commits.py``): a COMMIT's rows filed under one etcd record, rewritten as rows
-leave.
+slices (its blocks and index reused once nothing of it is in use). Commit records (``commits``): a COMMIT's rows
+filed under one etcd record, rewritten (or named by a dead list) as rows leave.
 
 Placement is in turn over the placeable nodes that can hold the page (a child near its parent unless the parent's
 node is much fuller), eviction makes room on the chosen node: per node exact, not one order across nodes. Shared
@@ -54,10 +64,11 @@ from metaserver.table.quarantine import Quarantine
 from metaserver.table.evict import QueueCopy
 from metaserver.table import invariants, queries
 from metaserver.table.links import TableLinks
-from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows, TableNodes
+from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows, retire_if_done
 from metaserver.table.place import alloc_rows, items_of
 from metaserver.table.commits import CommitRecords
 from metaserver.table.tiers import Tiers
+from transport import wire
 
 BLOCK = 1 << 12  # rows a node takes at a time
 COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
@@ -79,11 +90,11 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class PageTable(TableNodes):
+class PageTable:
     """Pages as rows of columns: the requests (``alloc``, ``commit``, ``abort``, ``lookup``, ``release``, ``exists``,
-    ``remove``), the budgeted expiries (``expire_leases``, ``expire_pending``), the node side
-    (``metaserver/table/nodes.py``), commit records (``table/commits.py``) and the totals (functions over the table
-    in ``table/queries.py``, the listings too); ``check()`` verifies the invariants below (``table/invariants.py``).
+    ``remove``), the budgeted expiries (``expire_leases``, ``expire_pending``) and the totals (functions over the
+    table in ``table/queries.py``, the listings too); the parts it holds and the functions that take it are in the
+    module docstring. ``check()`` verifies the invariants below (``table/invariants.py``).
 
     Invariants: the key index files exactly the PENDING and READY rows, each once, under its namespace and key
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
@@ -173,6 +184,17 @@ class PageTable(TableNodes):
         self.ix.grow(rows)
         self.cols["state"][have:] = FREE
         self.rows = rows
+
+    def node_region(self, capacity: int) -> tuple[int, int]:
+        """(base, size) of the part of a node's arena of ``capacity`` bytes that this table places in and loads
+        from: the whole data region; a slot's table in a partitioned pool its slot's region (``slots.SlotTable``)."""
+        return wire.ARENA_DATA_START, capacity
+
+    def _rows_of(self, node) -> np.ndarray:
+        """Every row of ``node``'s blocks (int64), in block order."""
+        b = self.block
+        return (np.asarray(node.blocks, np.int64)[:, None] * b + np.arange(b)).ravel() if node.blocks \
+            else np.zeros(0, np.int64)
 
     def _take_row(self, node: NodeRows) -> int:
         if not node.free:
@@ -449,7 +471,7 @@ class PageTable(TableNodes):
                 self._free_extent(r, node)
             self._free_row(r, node)
         for node in dead:
-            self.retire_if_done(node)
+            retire_if_done(self, node)
         return True
 
     def expire_leases(self, now: float, budget: int) -> int:

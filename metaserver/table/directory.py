@@ -11,7 +11,7 @@ and an operator's EVICT (each victim from the fullest node), shared entries of T
 takeover (``load``).
 
 A partitioned pool's slot is a ``metaserver.ha.slots.SlotTable``: this table with each node's allocator the slot's
-region of its arena (``TableNodes.node_region``). ``prefix-lru``'s links and KV events: ``metaserver/table/links.py``.
+region of its arena (``PageTable.node_region``). ``prefix-lru``'s links and KV events: ``metaserver/table/links.py``.
 Quota groups and reservations: ``metaserver/table/quotas.py`` (``quota``; the properties below answer what the
 service reads of them). A standby keeps a warm copy of the table (``metaserver/ha/standby.py``: ``load``'s ``held``,
 then ``metaserver/ha/warmrows.py``). Placement is in turn over the placeable nodes that can hold the page, a child near
@@ -35,7 +35,7 @@ from metaserver.table.grants import Placed
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.evict import bytes_to_low, over_high, victim
 from metaserver.table.load import load_nodes, load_pages, reserve
-from metaserver.table.nodes import UNIT_SHIFT, NodeRows, TableNodes
+from metaserver.table.nodes import UNIT_SHIFT, NodeRows, add_node, detach_node, drain_rows, drop_rows, set_placeable
 from metaserver.table import queries
 from metaserver.table.quotas import TableQuotas
 from metaserver.table.shared import SharedEntries
@@ -309,7 +309,7 @@ class TableDirectory(PageTable):
     # -- nodes ------------------------------------------------------------------------------------------------
     def add_space(self, node_id: str, capacity: int) -> NodeRows:
         """A registered node's space; with a disk (``tiers.disks``) its disk tier's twin too."""
-        self.add_node(node_id, capacity)
+        add_node(self, node_id, capacity)
         self.tiers.add(node_id)
         return self.node_by_id[node_id]
 
@@ -319,27 +319,33 @@ class TableDirectory(PageTable):
         n = 0
         for nid in (node_id, twin_id(node_id)) if disk else (node_id,):  # and its disk tier's pages
             if nid in self.node_by_id or nid in self.dying:
-                n += self.detach_node(nid) + TableNodes.drop_slice(self, nid, 1 << 62)[0]
+                n += self._detach(nid) + drop_rows(self, nid, 1 << 62)[0]
         return n, self.effects()
 
     def detach_space(self, node_id: str, park: bool = False) -> tuple[int, Effects]:
-        n = self.detach_node(node_id, park)
+        n = self._detach(node_id, park)
         if twin_id(node_id) in self.node_by_id:  # its disk tier goes with it (parked alike: ``drop_slice``)
-            n += self.detach_node(twin_id(node_id), park)
+            n += self._detach(twin_id(node_id), park)
         return n, self.effects()
 
+    def _detach(self, node_id: str, park: bool = False) -> int:
+        """``nodes.detach_node``, a drop of the same node id still under way finished first through ``drop_slice``
+        (so the disk tier's parked DRAM records are taken as any finished drop's are)."""
+        n = self.drop_slice(node_id, 1 << 62)[0] if node_id in self.dying else 0
+        return n + detach_node(self, node_id, park)
+
     def drop_slice(self, node_id: str, budget: int, fx: Effects | None = None) -> tuple[int, list | None]:
-        """Drop at most ``budget`` READY pages of a detached node (``TableNodes.drop_slice``, its effects into
+        """Drop at most ``budget`` READY pages of a detached node (``nodes.drop_rows``, its effects into
         ``fx``). Returns (pages dropped, None while pages are left, else the node's parked records as the service
         keeps them, ``rejoin.py``: ``(ns, key, offset, payload_len, gen, parent | None, stamp, record name | None)``)."""
         if node_id not in self.dying and twin_id(node_id) in self.dying:  # the node's DRAM pages done: its disk's
             node_id = twin_id(node_id)
-        n, recs = TableNodes.drop_slice(self, node_id, budget)
+        n, recs = drop_rows(self, node_id, budget)
         visited = budget
         while recs is None and n < budget and visited < SCAN_PER_DROP * budget:
             # the table's slice counts rows visited, the service's budget pages dropped: go on over rows that held
             # no READY page (freed, PENDING dropped at the detach), at most SCAN_PER_DROP x budget rows a call
-            k, recs = TableNodes.drop_slice(self, node_id, budget - n)
+            k, recs = drop_rows(self, node_id, budget - n)
             visited += budget - n
             n += k
         if fx is not None:
@@ -401,8 +407,12 @@ class TableDirectory(PageTable):
                 out.append(rec)
         return out
 
+    def set_placeable(self, node_id: str, placeable: bool) -> None:
+        """Place on ``node_id`` or not (the service's, a slot's fence, the standby's: ``nodes.set_placeable``)."""
+        set_placeable(self, node_id, placeable)
+
     def drain(self, node_id: str) -> tuple[int, int, Effects]:
-        dropped, pinned = TableNodes.drain(self, node_id)
+        dropped, pinned = drain_rows(self, node_id)
         return dropped, pinned, self.effects()
 
     # -- eviction passes: the watermark, an operator's EVICT --------------------------------------------------
@@ -496,8 +506,8 @@ class TableDirectory(PageTable):
         (a warm standby's load, ``metaserver/ha/standby.py``): those pages are appended to it as ``page_record``
         tuples (their commit record's etcd key last), for the copy to file once they can stand."""
         for node_id, (desc, _) in descs.items():
-            self.add_node(node_id, desc["capacity"])
-            self.set_placeable(node_id, False)
+            add_node(self, node_id, desc["capacity"])
+            set_placeable(self, node_id, False)
             if desc.get("disk_capacity"):  # its disk tier (metaserver/table/tiers.py)
                 self.tiers.disks[node_id] = desc["disk_capacity"]
                 self.tiers.add(node_id)

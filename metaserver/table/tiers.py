@@ -38,7 +38,7 @@ import numpy as np
 
 from metaserver.table.entry import GONE, READY, extent_size
 from metaserver.table.evict import victim
-from metaserver.table.nodes import UNIT_SHIFT, NodeRows
+from metaserver.table.nodes import UNIT_SHIFT, NodeRows, add_node, set_placeable
 from transport import wire
 
 SUFFIX = "/disk"
@@ -116,8 +116,8 @@ class Tiers:
         cap = self.disks.get(node_id, 0)
         tid = twin_id(node_id)
         if cap and tid not in self.t.node_by_id:
-            self.t.add_node(tid, cap)
-            self.t.set_placeable(tid, False)
+            add_node(self.t, tid, cap)
+            set_placeable(self.t, tid, False)
 
     def renamed(self) -> None:
         """The node list changed (``add_node``): rebuild the answer maps."""

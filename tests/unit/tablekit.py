@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from metaserver.table.columns import PageTable
 from metaserver.table.entry import NEW
+from metaserver.table.nodes import add_node
 from metaserver.table.snapshot import PageRecords
 from transport.wire import object_size
 
@@ -19,7 +20,7 @@ PLEN = 60_000  # one 64 KiB object slot each
 def table(nodes: int = 1, slots: int = 8) -> PageTable:
     t = PageTable()
     for i in range(nodes):
-        t.add_node(f"n{i}", slots * object_size(PLEN))
+        add_node(t, f"n{i}", slots * object_size(PLEN))
     return t
 
 

@@ -13,6 +13,7 @@ import pytest
 from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE
 from metaserver.table.index import MAX_LOAD, MIN_SLOTS
+from metaserver.table.nodes import add_node
 from metaserver.table.quarantine import Quarantine
 from transport.wire import object_size
 from umbp.errors import ConfigError
@@ -190,7 +191,7 @@ def test_namespaces_are_apart_and_rows_grow_past_a_block():
     assert t.evictions == 0 and t.objects == len(keys) + 10
     assert sum(t.exists("a", keys)) == len(keys) and t.exists("b", keys[9:11]) == [True, False]
     with pytest.raises(ConfigError, match="columns: node 'n0' already has rows"):
-        t.add_node("n0", 1 << 20)
+        add_node(t, "n0", 1 << 20)
 
 
 def test_key_index_rebuilds_keeps_namespaces_apart_and_gives_keys_back():
@@ -250,7 +251,7 @@ def test_a_key_named_twice_in_a_lookup_is_pinned_twice_and_freed_once():
 
 def test_leases_belong_to_their_owner_and_expire_in_budgeted_steps():
     t = PageTable(read_lease_s=10.0)
-    t.add_node("n0", 8 * object_size(PLEN))
+    add_node(t, "n0", 8 * object_size(PLEN))
     put(t, [b"p", b"q"])
     mine, other = object(), object()
     l1, _ = t.lookup("a", [b"p"], now=100.0, owner=mine)
@@ -268,7 +269,7 @@ def test_leases_belong_to_their_owner_and_expire_in_budgeted_steps():
 
 def test_uncommitted_rows_expire_oldest_first_within_a_budget():
     t = PageTable(pending_ttl_s=30.0)
-    t.add_node("n0", 8 * object_size(PLEN))
+    add_node(t, "n0", 8 * object_size(PLEN))
     old = t.alloc("a", [b"o1", b"o2"], [PLEN, PLEN], 1, now=100.0)
     new = t.alloc("a", [b"n1"], [PLEN], 3, now=120.0)
     assert [it[0] for it in old + new] == [NEW] * 3

@@ -17,7 +17,7 @@ from metaserver.table.entry import NEW, READY, extent_size
 from metaserver.table.index import REBUILD_LOAD
 from metaserver.table.records import pages_of, unpack_segment
 from metaserver.table.load import fingerprint, load_pages, reserve
-from metaserver.table.nodes import FREE, UNIT_SHIFT
+from metaserver.table.nodes import FREE, UNIT_SHIFT, add_node, set_placeable
 from transport.wire import ARENA_DATA_START, object_size
 from umbp.errors import ConfigError
 
@@ -31,7 +31,7 @@ SIZES = {"a": PLEN, "b": PLEN_B}
 def table(nodes: int = 2, slots: int = 12) -> PageTable:
     t = PageTable()
     for i in range(nodes):
-        t.add_node(f"n{i}", slots * S)
+        add_node(t, f"n{i}", slots * S)
     return t
 
 
@@ -92,7 +92,7 @@ def reload(a: PageTable) -> PageTable:
     """A table built from ``a``'s READY rows, node by node in stamp order (the commit order a full load reads)."""
     b = PageTable()
     for node in a.nodes:  # the same order: the same node indexes, the same round-robin order
-        b.add_node(node.node_id, node.alloc.capacity)
+        add_node(b, node.node_id, node.alloc.capacity)
     c = a.cols
     for node in a.nodes:
         rows = a._rows_of(node)
@@ -179,7 +179,7 @@ def model_load(pages: list[tuple], nodes: dict[str, int], order: list[str]) -> t
 def table_load(pages: list[tuple], nodes: dict[str, int], order: list[str]) -> tuple[PageTable, dict]:
     t = PageTable()
     for node_id, cap in nodes.items():
-        t.add_node(node_id, cap)
+        add_node(t, node_id, cap)
     rejected = {}
     for node_id in order:
         mine = [p for p in pages if p[0] == node_id]
@@ -246,7 +246,7 @@ def test_a_key_filed_already_is_rejected_and_columns_must_agree():
         load_pages(t, "n0", "a", [b"x"], [BASE + 7 * S], [PLEN], [1])
     with pytest.raises(ConfigError, match="columns: load of node 'n9': no such node"):
         load_pages(t, "n9", "a", [b"x"], [BASE], [PLEN], [1])
-    t.add_node("n2", 4 * S)
+    add_node(t, "n2", 4 * S)
     with pytest.raises(ConfigError, match="columns: load of node 'n2': 1 keys, 2 offsets"):
         load_pages(t, "n2", "a", [b"x"], [BASE, BASE], [PLEN], [1])
     assert fingerprint(t)["nodes"]["n2"] == (4 * S, 0, 0), "a refused load changes nothing"
@@ -280,8 +280,8 @@ def test_a_load_spanning_several_blocks_keeps_commit_order_for_lru():
     n = 3 * BLOCK + 5
     small = 100  # one 4 KiB unit each
     t = PageTable()
-    t.add_node("n0", n * 4096)
-    t.add_node("n1", 4 * 4096)
+    add_node(t, "n0", n * 4096)
+    add_node(t, "n1", 4 * 4096)
     keys = [i.to_bytes(32, "little") for i in range(n)]
     offs = [BASE + ((i * 7919) % n) * 4096 for i in range(n)]  # commit order is not offset order
     reserve(t, n, 2)
@@ -304,7 +304,7 @@ def test_a_load_spanning_several_blocks_keeps_commit_order_for_lru():
     order = [k for _, k in fp["order"]["n0"]]
     touched = keys[::997]
     assert order == [k for k in keys if k not in set(touched)] + touched, "commit order, then the read ones"
-    t.set_placeable("n1", False)
+    set_placeable(t, "n1", False)
     items = t.alloc("a", [b"x" * 32, b"y" * 32], [small, small], 1 << 40)
     assert [(it[0], it[2]) for it in items] == [(NEW, offs[1]), (NEW, offs[2])], "the oldest (k0 was read) go"
     t.check()
@@ -340,7 +340,7 @@ def test_loaded_rows_are_filed_under_the_records_they_came_from():
     rewritten without it, and one with no page filed is deleted."""
     t = PageTable()
     for n in ("n0", "n1"):
-        t.add_node(n, 8 * object_size(PLEN_REC))
+        add_node(t, n, 8 * object_size(PLEN_REC))
     size = object_size(PLEN_REC)
     keys = [i.to_bytes(32, "little") for i in range(12)]
     base = ARENA_DATA_START

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import NEW
+from metaserver.table.nodes import add_node, detach_node, drain_rows, drop_rows
 from transport.wire import object_size
 
 from tablekit import PLEN, keys_of, table
@@ -28,7 +29,7 @@ def test_a_lost_node_misses_at_once_drops_in_slices_and_its_block_is_reused():
     assert len(on1) == 1000
     pend = t.alloc("a", keys_of(5000, 5010), [PLEN] * 10, 10**6)  # PENDING, five on each node
     lease, _ = t.lookup("a", on1[:5])  # a reader holds five of n1's pages across the loss
-    assert t.detach_node("n1") == 5, "n1's PENDING rows go at once"
+    assert detach_node(t, "n1") == 5, "n1's PENDING rows go at once"
     t.check()
     _, locs = t.lookup("a", keys)
     assert [loc is not None for loc in locs] == [where[k] == "n0" for k in keys], "n1's pages miss at once"
@@ -39,7 +40,7 @@ def test_a_lost_node_misses_at_once_drops_in_slices_and_its_block_is_reused():
     ix1 = t.dying["n1"].ix
     slices = []
     for _ in range(100):  # bounded: 14 slices of 300 rows cover its one block
-        dropped, done = t.drop_slice("n1", 300)
+        dropped, done = drop_rows(t, "n1", 300)
         slices.append(dropped)
         if done is not None:
             break
@@ -53,7 +54,7 @@ def test_a_lost_node_misses_at_once_drops_in_slices_and_its_block_is_reused():
     assert t.nodes[ix1] is None and len(t.free_blocks) == 1, "the last pin retired it"
     t.check()
     used = t.blocks_used
-    t.add_node("n2", 3000 * object_size(PLEN))
+    add_node(t, "n2", 3000 * object_size(PLEN))
     assert t.node_by_id["n2"].ix == ix1, "the retired index is reused"
     put(t, keys_of(20_000, 20_400), gen=3 * 10**6)
     assert t.blocks_used == used and not t.free_blocks, "n2 took the retired block before growing the columns"
@@ -70,10 +71,10 @@ def test_a_parked_drop_gives_back_every_page_record_oldest_first():
     _, locs = t.lookup("a", on1)
     t.release(t.lookup("a", on1[:3])[0])
     want = {k: (loc[1], loc[2], loc[3]) for k, loc in zip(on1, locs)}
-    t.detach_node("n1", park=True)
+    detach_node(t, "n1", park=True)
     records = None
     for _ in range(10):
-        _n, records = t.drop_slice("n1", 1000)
+        _n, records = drop_rows(t, "n1", 1000)
         if records is not None:
             break
     assert sorted((k, (off, plen, gen)) for _ns, k, off, plen, gen, _stamp, _rec, _parent in records) == sorted(
@@ -89,12 +90,12 @@ def test_an_alloc_that_meets_a_dying_page_places_it_anew_once():
     keys = keys_of(0, 20)
     where = put(t, keys, gen=1)
     k = next(k for k in keys if where[k] == "n1")
-    t.detach_node("n1")
+    detach_node(t, "n1")
     items = t.alloc("a", [k], [PLEN], 500)
     assert items[0][0] == NEW and items[0][1] == "n0"
     assert t.commit("a", [k], [500]) == [True]
     t.check()
-    while t.drop_slice("n1", 7)[1] is None:
+    while drop_rows(t, "n1", 7)[1] is None:
         pass
     t.check()
     _, locs = t.lookup("a", [k])
@@ -106,17 +107,17 @@ def test_a_node_id_back_while_its_old_self_drains():
     still hidden; detaching it again finishes the old drop first."""
     t = table(1, 40)
     put(t, keys_of(0, 30), gen=1)
-    t.detach_node("n0")
-    t.drop_slice("n0", 10)
-    t.add_node("n0", 40 * object_size(PLEN))
+    detach_node(t, "n0")
+    drop_rows(t, "n0", 10)
+    add_node(t, "n0", 40 * object_size(PLEN))
     assert t.node_by_id["n0"] is not t.dying["n0"]
     assert [loc is None for loc in t.lookup("a", keys_of(0, 30))[1]] == [True] * 30
     where = put(t, keys_of(100, 110), gen=1000)
     assert set(where.values()) == {"n0"}
     t.check()
-    assert t.detach_node("n0") == 20, "the old drop's 20 pages left, finished first"
+    assert detach_node(t, "n0") == 20, "the old drop's 20 pages left, finished first"
     assert t.dying["n0"] is not None and sum(t.exists("a", keys_of(0, 30))) == 0, "the first drop was finished"
-    while t.drop_slice("n0", 5000)[1] is None:
+    while drop_rows(t, "n0", 5000)[1] is None:
         pass
     assert not t.dying and not t.placing
     t.check()
@@ -130,7 +131,7 @@ def test_a_drain_drops_the_unpinned_pages_and_keeps_the_pinned_and_pending():
     lease, _ = t.lookup("a", on0[:4])
     pend = t.alloc("a", keys_of(200, 204), [PLEN] * 4, 10**6)
     t.commits.take()
-    assert t.drain("n0") == (46, 4), "50 READY on n0: 4 held by a reader"
+    assert drain_rows(t, "n0") == (46, 4), "50 READY on n0: 4 held by a reader"
     t.check()
     lease2, locs = t.lookup("a", keys)
     assert sum(loc is not None for loc in locs) == 54, "n1's 50 and the 4 pinned on n0"
@@ -141,6 +142,6 @@ def test_a_drain_drops_the_unpinned_pages_and_keeps_the_pinned_and_pending():
     on0_pend = [(k, it[4]) for k, it in zip(keys_of(200, 204), pend) if it[1] == "n0"]
     assert t.commit("a", [k for k, _ in on0_pend], [g for _, g in on0_pend]) == [True] * len(on0_pend)
     assert t.release(lease)
-    assert t.drain("n0") == (4 + len(on0_pend), 0), "a later drain takes what was pinned or pending"
+    assert drain_rows(t, "n0") == (4 + len(on0_pend), 0), "a later drain takes what was pinned or pending"
     assert t.nodes[0].alloc.used == 0
     t.check()

@@ -6,6 +6,7 @@ nothing left is deleted and its id reused, and a stale record object never lists
 from __future__ import annotations
 
 from metaserver.table.columns import PageTable
+from metaserver.table.nodes import detach_node, drop_rows
 from metaserver.table.records import BATCH_PAGES, record_entries, unpack_segment
 
 from tablekit import etcd_pages, keys_of, named, put, table, write
@@ -60,10 +61,10 @@ def test_pages_that_leave_reach_etcd_as_a_dead_list_and_an_empty_record_goes():
     left = [k for k in keys_of(3, 128) if t.exists("a", [k])[0]]
     assert len(left) == 118
     assert etcd_pages(etcd) == locations(t, "a", left + keys_of(500, 510)), "etcd lists exactly the pages left"
-    t.detach_node("n1")
+    detach_node(t, "n1")
     on0 = locations(t, "a", left)
     assert 0 < len(on0) < len(left) and pages(first) == on0, "a detached node's pages leave the record's value"
-    while t.drop_slice("n1", 1000)[1] is None:
+    while drop_rows(t, "n1", 1000)[1] is None:
         pass
     _, rewrites = t.commits.take()
     write(etcd, rewrites)
