@@ -8,7 +8,7 @@ of the load). Here a load's long keys stay one blob and two arrays from the segm
 (``records.Segment.digests``) to the index (``LongKeys.add_bulk``): no Python object a key.
 
 ``LongCol``: entry j is the key ``blob[ends[j] - len_j : ends[j]]`` at position ``pos[j]`` of its batch (``pos``
-ascending, int64). It iterates as (position, key) pairs, the list form the small paths use.
+ascending, int64; ``blob`` bytes, or a memoryview of a segment's value, which ``pick`` makes bytes). It iterates as (position, key) pairs, the list form the small paths use.
 
 ``LongKeys``: rows filed one at a time (an ALLOC's long keys: a dict) and in bulk (a load's: chunks, each rows
 sorted ascending, their keys' ends and blob, and an alive mask; a deleted row is marked dead in its chunk, a chunk
@@ -92,11 +92,11 @@ class LongCol:
         return np.diff(self.ends, prepend=0)
 
     def key(self, j: int) -> bytes:
-        return self.blob[int(self.ends[j - 1]) if j else 0:int(self.ends[j])]
+        return bytes(self.blob[int(self.ends[j - 1]) if j else 0:int(self.ends[j])])
 
     def __iter__(self):
         ends = self.ends.tolist()
-        blob = self.blob
+        blob = bytes(self.blob)  # (a segment's may be a memoryview: ``records.Segment.keys``; bytes as they are)
         return iter(zip(self.pos.tolist(), [blob[a:b] for a, b in zip([0] + ends[:-1], ends)]))
 
     def at(self, position: int) -> bytes | None:

@@ -106,7 +106,8 @@ class Segment:
     """A parsed segment (``unpack_segment``): its tables and columns as numpy arrays (``nsix``, ``nodeix``, ``unit``,
     ``code`` (int64 layout codes a page), ``gen``, ``dead`` with ``dead_ix``, an index in ``dead_recs``: the etcd
     key of the record of each dead generation's page), its keys as one blob (``key_len`` bytes each, or
-    ``key_lens``; ``same_len``: their one length when every key has it, else 0) and its parents' blob
+    ``key_lens``; ``same_len``: their one length when every key has it, else 0; a memoryview of the value, which
+    ``digests`` passes on: ``LongCol``'s ``pick`` and ``select`` make bytes of it) and its parents' blob
     (``parent_lens``; None without parents)."""
 
     __slots__ = ("n", "ns_names", "node_ids", "nsix", "nodeix", "unit", "code", "gen", "dead", "dead_ix", "dead_recs",
@@ -118,7 +119,7 @@ class Segment:
 
     def key_list(self) -> list[bytes]:
         """Every key as bytes (a Python object a key: the slow paths only)."""
-        blob = self.keys
+        blob = bytes(self.keys)
         if self.key_lens is None:
             k = self.key_len
             return [blob[i:i + k] for i in range(0, k * self.n, k)]
@@ -242,7 +243,8 @@ def unpack_segment(value: bytes) -> Segment:
         else:
             kbytes = int(kl.sum(dtype=np.int64))
     s.key_len = key_len
-    s.keys = value[at:at + kbytes]
+    s.keys = memoryview(value)[at:at + kbytes]  # (no copy: the columns above hold ``value`` anyway, and a load's
+    # copy of every key was new memory to fault in, 35 bytes a page)
     at += kbytes
     if len(s.keys) != kbytes:
         raise ValueError("a segment's keys cut short")

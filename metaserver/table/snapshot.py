@@ -225,11 +225,11 @@ class PageRecords:
             except UNREADABLE:
                 recs = list(map(_unpack_or_none, values))
         last_head = ns = None
-        for ekey, rec, rev, kv in zip(map(_key, kvs), recs, map(_mod_revision, kvs), kvs):
+        for ekey, rec, rev, kv, raw in zip(map(_key, kvs), recs, map(_mod_revision, kvs), kvs, values):
             try:
                 head, _, hexkey = ekey.rpartition(b"/")  # the prefix ends in "/": what ``_name`` reads
                 if hexkey[:1] == BATCH_MARK:
-                    self._add_batch(ekey, head, rec, kv.create_revision, kv.value)
+                    self._add_batch(ekey, head, rec, kv.create_revision, raw)  # (``kv.value`` would copy it again)
                     continue
                 key = unhexlify(hexkey)
                 if not hexkey.islower() and hexkey != key.hex().encode():
