@@ -173,7 +173,7 @@ def arena_id(meta: dict) -> bytes:
 
 REGISTER_FIELDS = frozenset({"node_id", "host", "port", "pid", "capacity", "arena_id", "arena_path", "boot_id",
                              "hostname", "transports", "lease_ttl", "rdma", "disk_id", "disk_capacity", "disk_path",
-                             "disk_direct"})
+                             "disk_direct", "acks_floor"})
 
 
 def node_description(meta: dict) -> dict:
@@ -198,6 +198,10 @@ def node_description(meta: dict) -> dict:
     if rdma is not None and type(rdma) is not dict:
         raise Reject("rdma must be a map or nil")
     desc["rdma"] = rdma
+    if meta.get("acks_floor") is not None:  # its heartbeats say the generation floor it holds (umbp/node/metalink.py)
+        if type(meta["acks_floor"]) is not bool:
+            raise Reject("acks_floor must be a boolean")
+        desc["acks_floor"] = meta["acks_floor"]
     if meta.get("disk_id") is not None:  # its disk tier (umbp node --disk: metaserver/table/tiers.py)
         did = meta["disk_id"]
         if type(did) is not bytes or not 1 <= len(did) <= 64:

@@ -3,7 +3,12 @@ leader's FENCE and by newer capabilities of that slot. A write capability of an 
 (a takeover: the deposed leader's grants die), and so is one for bytes outside its slot's region of the arena (slot
 leaders never grant another slot's bytes). Kept next to the arena (``{arena}.floors``, JSON, replaced whole) so a node
 restarted with the same arena keeps them: a deposed leader's capabilities stay dead across the restart, not only once
-the slot leaders re-fence the node. Raised once per slot term per node, so written rarely; O(1) per check."""
+the slot leaders re-fence the node. Raised once per slot term per node, so written rarely; O(1) per check.
+
+A floor is also a generation floor (``gen_floor``): a slot leader's epoch carries the first generation of its term,
+so a write of a lower generation in the slot, open pools included (they FENCE too, without a MAC), was granted by a
+deposed leader; the node refuses it, and one whose data is still arriving when the floor rises lands no further byte
+(``umbp/node/server.py``)."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ class SlotFloors:
         self.component = component
         self.floors: dict[int, int] = {}
         self.slots = 0  # from a FENCE: maps a capability's offsets to slot regions
+        self.version = 0  # bumped whenever a floor rises: a write in flight looks at its generations again
         self.path = "" if arena.remove_on_close else arena.path + ".floors"
         if arena.reopened:
             self._load()
@@ -41,6 +47,7 @@ class SlotFloors:
                                                 f"the slot's region [{base}, {base + size})")
         if epoch > floor:
             self.floors[slot] = epoch
+            self.version += 1
             self._save()
 
     def fence(self, epoch: int, slots: int) -> int:
@@ -54,8 +61,15 @@ class SlotFloors:
         floor = max(self.floors.get(slot, 0), epoch)
         self.floors[slot] = floor
         if changed:
+            self.version += 1
             self._save()
         return floor
+
+    def gen_floor(self, gen: int) -> int:
+        """The first generation the current term of ``gen``'s slot hands out (0: no term known): a write of a lower
+        generation was granted by a deposed leader of the slot. A slot leader's epoch is ``SLOT_EPOCH | g``."""
+        f = self.floors.get(gen >> slotrules.SLOT_GEN_SHIFT)
+        return f & ~slotrules.SLOT_EPOCH if f else 0
 
     def _load(self) -> None:
         """The floors an earlier run of this node kept for this same arena (none for an unreadable file: the slot

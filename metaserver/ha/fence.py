@@ -1,5 +1,7 @@
-"""FENCE: a partitioned pool's new slot leader kills the write capabilities of the slot's earlier terms on every node
-before it serves the slot (``fence_nodes``), in a closed pool.
+"""FENCE: a partitioned pool's new slot leader kills the writes of the slot's earlier terms on every node before it
+places on it (``fence_nodes``): their capabilities in a closed pool, and in any pool every write of a generation
+below the term's first, also one whose data is still arriving (an open pool's FENCE is ``{epoch, slots}``, no MAC, for
+nodes that say ``acks_floor``; older nodes are left unfenced and placed on as before).
 
 Why: a node cannot order S slot leaders' terms with one epoch, so it keeps one floor per slot (per region of its
 arena: ``umbp.floors.SlotFloors``). A slot leader's capabilities carry ``slotrules.SLOT_EPOCH | g``, g the slot's
@@ -60,12 +62,13 @@ async def fence_nodes(nodes: list, epoch: int, slots: int, tls_ca: str) -> dict[
     tls = client_context(tls_ca, "metaserver") if tls_ca else None
 
     async def one(n) -> str:
+        token = fence_token(n.cap_key, epoch, slots) if n.cap_key is not None else {"epoch": epoch, "slots": slots}
         try:
-            floor = await fence_node(n.host, n.port, fence_token(n.cap_key, epoch, slots), tls)
+            floor = await fence_node(n.host, n.port, token, tls)
         except (UmbpError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             return f"{type(e).__name__}: {e}"
         return "" if floor >= epoch else f"the node answered floor {floor:#x} below {epoch:#x}"
 
-    targets = [n for n in nodes if n.cap_key is not None and n.host and n.port]
+    targets = [n for n in nodes if (n.cap_key is not None or n.acks_floor) and n.host and n.port]
     res = await asyncio.gather(*(one(n) for n in targets))
     return {n.node_id: why for n, why in zip(targets, res) if why}

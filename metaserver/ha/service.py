@@ -487,12 +487,16 @@ class Metaserver:
             self._apply(fx)
             self.dir.add_space(node.node_id, node.capacity)
             kept = self.rejoin.unpark(node)
+        node.floor_acked = not node.acks_floor
+        if not node.floor_acked:  # placed on once a heartbeat says it holds this registration's floor (heartbeat)
+            self.dir.set_placeable(node.node_id, False)
         log.info("metaserver: node %s registered at %s:%d (%d bytes, kept %d, dropped %d)", node.node_id,
                  node.host, node.port, node.capacity, kept, dropped)
         return self._register_io(node, kept, dropped, self.term)
 
     def _check_settled(self) -> None:
-        if not self.settled.is_set() and not any(n.provisional for n in self.members.nodes.values()):
+        if not self.settled.is_set() and not any(n.provisional or not n.floor_acked
+                                                 for n in self.members.nodes.values()):
             self.settled.set()
 
     async def _register_io(self, node: Node, kept: int, dropped: int, term: int) -> dict:
@@ -508,13 +512,21 @@ class Metaserver:
                 "epoch": node.cap_epoch}
 
     def heartbeat(self, meta: Any, conn) -> dict:
-        m = v.fields(meta, frozenset({"node_id", "arena_id"}), ("node_id", "arena_id"))
+        m = v.fields(meta, frozenset({"node_id", "arena_id", "floor"}), ("node_id", "arena_id"))
         if not conn.auth.scope.node:
             raise AuthError("metaserver", f"token {conn.auth.scope.name!r} may not heartbeat as a storage node")
         node = self.members.heartbeat(v.node_id(m), v.arena_id(m), time.monotonic(), conn)
         if node is None:
             raise v.Reject(f"node {m['node_id']} is not registered with this arena: register again",
                            Status.NOT_FOUND)
+        floor = m.get("floor")
+        if not node.floor_acked and type(floor) is int and floor >= node.cap_epoch:
+            # The node refuses (and stops mid-stream) every write of a generation below this registration's
+            # epoch: a writer of a deposed term can no longer land over what is placed on it from now on.
+            node.floor_acked = True
+            if not node.draining:
+                self.dir.set_placeable(node.node_id, True)
+            self._check_settled()
         if not node.refreshing:
             node.refreshing = True
             self._spawn(self._refresh(node))

@@ -38,9 +38,10 @@ What a slot leader does not own: node leases and arena records (the membership l
 register and heartbeat there; every slot leader follows the leased ``nodes/`` records instead, ``sync_nodes``),
 and the unpartitioned write-capability epoch: a node's one epoch cannot order S slots' terms, so a slot leader's
 capabilities carry ``slotrules.SLOT_EPOCH | g`` (g: the slot's generation floor at its takeover, increasing across the
-slot's terms) and the node keeps one floor per slot, i.e. per region of its arena. In a closed pool a new slot
-leader FENCEs every node before it serves (``metaserver/ha/fence.py``): the deposed leader's capabilities die at the
-takeover, not at their deadline; a node the fence did not reach is not placed on by this slot until one does.
+slot's terms) and the node keeps one floor per slot, i.e. per region of its arena. A new slot leader FENCEs every
+node (in an open pool those that say ``acks_floor``) before it places on it (``metaserver/ha/fence.py``): the deposed
+leader's capabilities and writes, in flight ones included, die at the takeover, not at their deadline; a node the
+fence did not reach is not placed on by this slot until one does.
 """
 
 from __future__ import annotations
@@ -292,9 +293,12 @@ class SlotServer(Metaserver):
         await self.fence(list(self.members.nodes.values()))
 
     async def fence(self, nodes: list) -> None:
-        """FENCE ``nodes`` at this term's epoch (closed pools; bounded by ``fence.FENCE_TIMEOUT_S``): a node not
-        reached is taken out of this slot's placement until a later fence reaches it (``tick`` retries)."""
-        if not self.tokens.closed or self.owns_nodes or not nodes:
+        """FENCE ``nodes`` at this term's epoch (closed pools, and in open pools the nodes that say ``acks_floor``;
+        bounded by ``fence.FENCE_TIMEOUT_S``): a node not reached is taken out of this slot's placement until a later
+        fence reaches it (``tick`` retries)."""
+        if not self.tokens.closed:
+            nodes = [n for n in nodes if n.acks_floor]
+        if self.owns_nodes or not nodes:
             return
         self._fenced_at = time.monotonic()
         failed = await fence_nodes(nodes, self.epoch, self.partition.slots, getattr(self.cfg, "tls_ca", ""))
@@ -418,7 +422,7 @@ class SlotServer(Metaserver):
                 self._apply(fx)
                 self.dir.add_space(node.node_id, node.capacity)
                 self.rejoin.unpark(node)
-            if self.tokens.closed and self.fenced.get(node.node_id) != (node.arena_id, node.pid):
+            if (self.tokens.closed or node.acks_floor) and self.fenced.get(node.node_id) != (node.arena_id, node.pid):
                 # a node new to this term, or restarted (its floors are gone): fenced before it is placed on
                 self.unfenced[node.node_id] = "not fenced yet"
                 self.dir.set_placeable(node.node_id, False)

@@ -82,8 +82,9 @@ class DataPlane:
         svc = self.svc
         d = svc.dir
         if not any(sp.placeable for sp in d.spaces.values()) and any(
-                n.provisional for n in svc.members.nodes.values()):
-            # Right after a takeover no node has re-registered yet: not a full pool, ask again shortly.
+                n.provisional or not n.floor_acked for n in svc.members.nodes.values()):
+            # Right after a takeover no node has re-registered (and acked its floor) yet: not a full pool, ask again
+            # shortly.
             raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
         p = d.alloc_placed(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
         svc._apply(p.fx)

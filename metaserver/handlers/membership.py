@@ -21,7 +21,8 @@ DEAD_KEEP_S = 600.0
 class Node:
     __slots__ = ("node_id", "host", "port", "pid", "capacity", "arena_id", "arena_path", "boot_id", "hostname",
                  "transports", "lease_ttl", "rdma", "alive", "draining", "last_heartbeat", "lease_id", "dead_since",
-                 "conn", "refreshing", "provisional", "cap_key", "cap_epoch", "disk_id", "disk_capacity", "disk_path")
+                 "conn", "refreshing", "provisional", "cap_key", "cap_epoch", "disk_id", "disk_capacity", "disk_path",
+                 "acks_floor", "floor_acked")
 
     def __init__(self, desc: dict[str, Any], now: float):
         self.node_id: str = desc["node_id"]
@@ -35,6 +36,9 @@ class Node:
         self.conn = None  # the connection it registered on: heartbeats come from it, a twin is refused while open
         self.cap_key: bytes | None = None  # capabilities for this node's arena (closed pools; umbp/auth.py)
         self.cap_epoch = 0  # the write capabilities' epoch since this registration (the node refuses older ones)
+        # False from a registration of a node that acks its generation floor until a heartbeat says it holds
+        # ``cap_epoch``: not placed on meanwhile (a deposed term's writer may still stream into its arena)
+        self.floor_acked = True
         self.update(desc)
 
     def update(self, desc: dict[str, Any]) -> None:
@@ -52,6 +56,7 @@ class Node:
         self.disk_id: bytes | None = desc.get("disk_id")  # its disk tier (umbp node --disk), None without one
         self.disk_capacity: int = desc.get("disk_capacity", 0)
         self.disk_path: str = desc.get("disk_path", "")
+        self.acks_floor: bool = bool(desc.get("acks_floor"))  # it fences in-flight writes of deposed terms
 
     @property
     def lease_ttl_int(self) -> int:
@@ -64,7 +69,8 @@ class Node:
                 "boot_id": self.boot_id, "hostname": self.hostname, "transports": self.transports,
                 "lease_ttl": self.lease_ttl, "rdma": self.rdma, "lease_id": self.lease_id,
                 **({"disk_id": self.disk_id, "disk_capacity": self.disk_capacity, "disk_path": self.disk_path}
-                   if self.disk_id is not None else {})}
+                   if self.disk_id is not None else {}),
+                **({"acks_floor": True} if self.acks_floor else {})}
 
     def info(self, used: int, objects: int) -> dict[str, Any]:
         """The node map of STATS and NODES."""

@@ -1,9 +1,13 @@
 """The storage node's link to the metaserver (``MetaLink``): register, heartbeat, follow the leader.
 
 One asyncio connection at a time from the node to whichever metaserver leads: HELLO/AUTH with the cluster secret
-(a token-holding node refuses an open metaserver), REGISTER_NODE (its answer carries the node's capability epoch:
-write capabilities of older epochs die at the node from then on, ``NodeServer.check_write``), then a HEARTBEAT every
-``heartbeat_s``. Any failure closes the connection and retries with bounded backoff; every step is bounded in time.
+(a token-holding node refuses an open metaserver), REGISTER_NODE (its answer carries the node's capability epoch,
+the first generation of the leader's term: write capabilities of older epochs and, open pools too, writes of older
+generations die at the node from then on, ``NodeServer.check_write``, also while their data is arriving), then a
+HEARTBEAT at once and every ``heartbeat_s`` after. The registration says ``acks_floor``: the heartbeats carry the
+floor the node holds, and a one-slot leader places nothing on the node before one says it holds this term's (a
+deposed leader's writer, still streaming, cannot land over a page of the new term). Any failure closes the connection
+and retries with bounded backoff; every step is bounded in time.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class MetaLink:
         self.leader: str | None = None  # the metaserver the node is registered with, while it is
         # a metaserver that refuses the disk tier's fields (one from before it) gets a registration without them
         self.disk_fields = node.disk is not None
+        self.acks_floor = True  # False for a metaserver from before ``acks_floor`` (it refuses the field)
 
     async def _request(self, reader, writer, op: int, meta: Any, timeout: float) -> Any:
         self._rid += 1
@@ -71,7 +76,7 @@ class MetaLink:
                 "capacity": n.config.capacity, "arena_id": n.arena.arena_id, "arena_path": n.arena.path,
                 "boot_id": n.boot_id, "hostname": socket.gethostname(), "transports": n.transports(),
                 "lease_ttl": n.config.lease_ttl, "rdma": n.rdma.info() if n.rdma is not None else None,
-                **(n.disk_info() if self.disk_fields else {})}
+                **(n.disk_info() if self.disk_fields else {}), **({"acks_floor": True} if self.acks_floor else {})}
 
     async def run(self) -> None:
         """Forever: connect to a metaserver, register, heartbeat until the connection fails; then retry."""
@@ -104,14 +109,17 @@ class MetaLink:
                     print(f"{self.component}: registered with {addr} (kept {reply.get('kept', 0)}, dropped "
                           f"{reply.get('dropped', 0)} pages)", file=sys.stderr, flush=True)
                 epoch = reply.get("epoch", 0)
-                if type(epoch) is int and epoch > self.node.cap_epoch:
-                    self.node.cap_epoch = epoch  # capabilities of an earlier registration or term die here
+                if type(epoch) is int:
+                    if epoch > self.node.cap_epoch:
+                        self.node.cap_epoch = epoch  # capabilities of an earlier registration or term die here
+                    self.node.reg_floor = epoch  # so do writes of its generations (0: the slots fence their own)
                 interval = float(reply.get("heartbeat_s", ttl / 3))
+                beat = {"node_id": self.node.node_id, "arena_id": self.node.arena.arena_id}
+                if self.acks_floor:
+                    beat["floor"] = self.node.reg_floor
                 while True:
+                    await self._request(reader, writer, wire.Op.HEARTBEAT, beat, max(interval, 1.0))
                     await self._idle(reader, interval)
-                    await self._request(reader, writer, wire.Op.HEARTBEAT,
-                                        {"node_id": self.node.node_id, "arena_id": self.node.arena.arena_id},
-                                        max(interval, 1.0))
             except NotLeader as e:
                 self.leader = None
                 if e.leader and e.leader != addr:
@@ -124,6 +132,11 @@ class MetaLink:
                 self.leader = None  # this metaserver lost our registration (it took over): register again here
             except BadRequest as e:
                 self.leader = None
+                if self.acks_floor and "'acks_floor'" in str(e):
+                    self.acks_floor = False
+                    print(f"{self.component}: {addr} does not take acks_floor ({e}): registered without it",
+                          file=sys.stderr, flush=True)
+                    continue
                 if self.disk_fields and "'disk_" in str(e):
                     self.disk_fields = False
                     print(f"{self.component}: {addr} does not know the disk tier ({e}): registered without it; "

@@ -91,6 +91,10 @@ class NodeServer:
         self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
         self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
         self.cap_epoch = 0  # write capabilities of older epochs are refused (raised by REGISTER and by newer caps)
+        # A one-slot pool's generation floor: the first generation of the term this node registered in (REGISTER's
+        # answer; 0 from a partitioned pool's membership leader, whose slots FENCE their own floors). A write of a
+        # lower generation was granted by a deposed leader: refused, and stopped if its data is still arriving.
+        self.reg_floor = 0
         # Closed pools: the newest generation written per 4 KiB block (umbp/node/ledger.py): what a write capability may
         # still write is judged from it, never from headers (bytes a client wrote). Kept next to a reopenable arena.
         self.ledger = None if self.cap_key is None else WriteLedger(
@@ -148,6 +152,9 @@ class NodeServer:
         write there again, nor over any allocation placed in its extent since (the metaserver also holds young
         freed extents until the deadline). AuthError otherwise."""
         if self.cap_key is None:
+            floor = self.gen_floor(gen)  # a closed pool's capability names its term: checked there, AuthError
+            if gen < floor:
+                raise Unavailable(self.component, self.stale_write(gen, floor), wire.Status.UNAVAILABLE)
             return
         epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen,
                                                           self.cap_epoch, int(time.time() * 1000), self.component)
@@ -158,12 +165,29 @@ class NodeServer:
             self.cap_epoch = epoch  # a metaserver term or registration newer than ours: older capabilities die
         self.ledger.admit(offset, nbytes, gen)
 
+    def gen_floor(self, gen: int) -> int:
+        """The first generation of the current term of ``gen``'s slot, as far as this node knows (0: none)."""
+        return self.reg_floor or self.floors.gen_floor(gen)
+
+    def floor_mark(self) -> tuple[int, int]:
+        """Changes whenever a generation floor rises (a write in flight then looks at its generations again)."""
+        return self.reg_floor, self.floors.version
+
+    @staticmethod
+    def stale_write(gen: int, floor: int) -> str:
+        return (f"write of generation {gen:#x} granted by a deposed metaserver term (this node's floor for it is "
+                f"{floor:#x}): its allocation may hold another page now; refused")
+
     def fence(self, token: Any) -> dict:
-        """FENCE from a partitioned pool's new slot leader (``auth.fence_token``): the slot's floor rises to its
-        epoch, so every capability of the slot's earlier terms is refused from now on. Answers the floor."""
+        """FENCE from a partitioned pool's new slot leader (``auth.fence_token``; in an open pool ``{"epoch",
+        "slots"}``, no MAC: an open pool trusts its peers): the slot's floor rises to its epoch, so every capability
+        and every write of a generation of the slot's earlier terms is refused from now on. Answers the floor."""
         if self.cap_key is None:
-            raise BadRequest(self.component, "FENCE: this node runs an open pool (no capabilities to fence)")
-        epoch, slots = open_fence(self.cap_key, token, self.component)
+            if type(token) is not dict or type(token.get("epoch")) is not int or type(token.get("slots")) is not int:
+                raise BadRequest(self.component, "FENCE: an open pool's fence is {epoch: int, slots: int}")
+            epoch, slots = token["epoch"], token["slots"]
+        else:
+            epoch, slots = open_fence(self.cap_key, token, self.component)
         return {"floor": self.floors.fence(epoch, slots)}
 
     def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None, until: list | None = None
@@ -292,6 +316,10 @@ class DataProtocol(FramedProtocol):
         self.until_rid = 0
         self.until_ms = 0
         self.until_what = ""
+        # its generations (None: no write's data arriving) and the node's floor mark when it started: a floor that
+        # rises meanwhile (a takeover's REGISTER or FENCE) stops a write of a deposed term (``get_buffer``)
+        self.write_gens: list | None = None
+        self.write_mark: tuple = ()
         self.late: tuple[int, int, str] | None = None
         self._out: list = []  # answers not yet handed to the transport
         self.disk: tiering.ConnState | None = None  # disk answers in flight (umbp/node/tiering.py), once any came
@@ -303,14 +331,21 @@ class DataProtocol(FramedProtocol):
     def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
         self.auth.require()  # no byte of an unauthenticated peer reaches the arena
         self.until_ms = 0
+        self.write_gens = None
         if op == wire.Op.WRITEV:
             until = [0]
             pieces, self.vec_failures = self.node.writev_pieces(meta, data_len, self.caps, until)
             self._deadline(rid, until[0], "WRITEV")
+            self._watch_floor(rid, [m[1] for m in meta])
             return pieces
         target = self.node.write_sink(op, rid, meta, data_len, self.caps)
         self._deadline(rid, meta[3] if len(meta) == 4 else 0, "WRITE")
+        self._watch_floor(rid, [meta[1]])
         return target
+
+    def _watch_floor(self, rid: int, gens: list) -> None:
+        """The write's generations, looked at again before each receive if a generation floor rises meanwhile."""
+        self.until_rid, self.write_gens, self.write_mark = rid, gens, self.node.floor_mark()
 
     def _deadline(self, rid: int, until_ms: int, what: str) -> None:
         """A write's deadline (``until_ms``: the metaserver's ALLOC answer's ``write_until_ms``; 0, an older client:
@@ -324,17 +359,29 @@ class DataProtocol(FramedProtocol):
         """The reader's next buffer, at most WRITE_CHUNK. A write's data past its deadline goes to scratch from
         here on (``FrameReader.divert``: the connection stays in sync); its answer says so (``_late_answer``)."""
         if self.until_ms and time.time() * 1000 > self.until_ms:
-            first = self.reader.divert()
-            if first >= 0:
-                self.late = (self.until_rid, first, self.node.late_write(self.until_what, self.until_ms))
-            self.until_ms = 0
+            self._divert(self.node.late_write(self.until_what, self.until_ms))
+        if self.write_gens is not None and self.node.floor_mark() != self.write_mark:
+            self.write_mark = self.node.floor_mark()
+            stale = [(g, f) for g in self.write_gens if g < (f := self.node.gen_floor(g))]
+            if stale:
+                self._divert(self.node.stale_write(*stale[0]) + " (the rest of its data was discarded)")
         buf = self.reader.get_buffer(sizehint)
         return buf if len(buf) <= WRITE_CHUNK else buf[:WRITE_CHUNK]
 
+    def _divert(self, why: str) -> None:
+        """The rest of the arriving write's data goes to scratch; its answer fails the ops not received whole."""
+        first = self.reader.divert()
+        if first >= 0:
+            self.late = (self.until_rid, first, why)
+        self.until_ms = 0
+        self.write_gens = None
+
     def _late_answer(self, frame: wire.Frame) -> tuple[int, str] | None:
-        """(first op not received whole, why) when this write's data was diverted past its deadline; None if not."""
+        """(first op not received whole, why) when this write's data was diverted (past its deadline, or granted by
+        a deposed term); None if not."""
         if frame.request_id == self.until_rid:
             self.until_ms = 0  # its data is complete: nothing left to watch
+            self.write_gens = None
         late = self.late
         if late is None or late[0] != frame.request_id:
             return None
