@@ -1,9 +1,9 @@
 """Correctness attack on a TCP WRITE that outlives its allocation: real etcd, metaserver and node processes.
 
-persistence-and-fencing.md ('Handing on open allocations'): "A leader that dies leaves no record: its open
+persistence-and-fencing.md ('Handing on open allocations') once said: "A leader that dies leaves no record: its open
 allocations are forgotten, and a late write is caught by the reader's header check (a CorruptionError, never wrong
-bytes)". A node checks a WRITE (range, capability, ledger) when its frame starts, then receives the data straight
-into the arena slot as it arrives (umbp/node/server.py ``write_sink``/``writev_pieces``): the object header first,
+bytes)". It is not: a node checks a WRITE (range, capability, ledger) when its frame starts, then receives the data
+straight into the arena slot as it arrives (umbp/node/server.py ``write_sink``/``writev_pieces``): the object header first,
 the payload after. A write whose first bytes arrived while its allocation was live and whose rest arrives after the
 allocation ended (its leader died, or it expired after ``pending_ttl_s``) and a new page was placed in the same
 extent overwrites that page's payload and leaves the new page's header in place: every reader then gets the late
@@ -16,8 +16,10 @@ The fix: an ALLOC answer says by when its writes must have landed (``write_until
 it); the client sends it with each WRITEV op (``until_ms``) and the node looks at its wall clock before each
 receive into its arena (at most ``WRITE_CHUNK`` at a time): past it, the rest of the frame goes to scratch and the
 ops answer UNAVAILABLE, so the writer's put aborts. The metaserver places nothing in such an extent before then: an
-expired allocation's extent is kept out of placement for the quarantine's ``keep_s``, and a new leader that found no
-hand-off record places nothing on free space for ``write_cap_ttl_s`` + 2 s after its takeover.
+expired allocation's extent is kept out of placement for the quarantine's ``keep_s``. A leader that dies hands
+nothing on: the node stops its writers instead (a generation floor per term, raised by the new leader's REGISTER
+answer or FENCE before it places on the node; a write below it lands no further byte, docs/design/
+persistence-and-fencing.md).
 """
 
 from __future__ import annotations
