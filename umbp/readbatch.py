@@ -231,16 +231,22 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
         lease = reply.get("lease", 0)
         try:
             rows, nodes, caps = rows_of(reply)
-            cache.learn_rows(kb, rows, nodes, caps, None if guess is None else guess[0])
-            hit = rows["node"] != wire.NO_NODE
-            every = bool(hit.all())
-            numbers = np.array([cache.node_number(n) for n in nodes] or [0], np.int64)
-            node = numbers[rows["node"]] if every else np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)
-            todo = hit
-            if early is not None:
-                todo = hit & ~spec.settle_rows(guess, early, rows, node)
+            same = cache.learn_rows(kb, rows, nodes, caps, None if guess is None else guess[0])
             plen = rows["len"].astype(np.int64)
-            idx = np.flatnonzero(todo)  # empty when the read ahead served every page: no bound to check
+            if same and early.all():
+                # the answer's rows are the rows read ahead, byte for byte (every key hit; same node, offset, size,
+                # generation), and every page of them was read: settle_rows' verdict (all served) without its compares
+                spec.settle_all(len(early))
+                hit, every, node, idx = early, True, guess[1], ()
+            else:
+                hit = rows["node"] != wire.NO_NODE
+                every = bool(hit.all())
+                numbers = np.array([cache.node_number(n) for n in nodes] or [0], np.int64)
+                node = numbers[rows["node"]] if every else np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)
+                todo = hit
+                if early is not None:
+                    todo = hit & ~spec.settle_rows(guess, early, rows, node)
+                idx = np.flatnonzero(todo)  # empty when the read ahead served every page: no bound to check
             if len(idx):
                 over = plen[idx] > cap[idx]
                 if over.any():

@@ -121,14 +121,15 @@ class LocationCache:
         return p
 
     def learn_rows(self, keys: list[bytes], rows: np.ndarray, nodes: list, caps: list,
-                   known: np.ndarray | None = None) -> None:
+                   known: np.ndarray | None = None) -> bool:
         """Remember an answer's rows (``umbp.lookup``: caps empty or one a node); a miss forgets the key.
         ``known``: the rows ``rows(keys)`` gave for these keys before the answer (the read ahead's); when every key
         hit and the answer's rows are those very bytes, nothing is stored (an update of the same values would keep
         each key's place in the insertion order anyway): one compare instead of a bytes object and a dict store a
-        key, the steady state of repeated gets."""
+        key, the steady state of repeated gets. Returns True exactly then: every key hit and the answer names, row for
+        row, the node (and capability), offset, size, generation and tag of ``known``."""
         if not self.limit:
-            return
+            return False
         node = rows["node"]
         hit = node != NO_NODE
         full = len(self._places) >= PLACES_MAX  # _place may drop every remembered row below: store them all
@@ -140,13 +141,14 @@ class LocationCache:
         else:
             kept["node"][hit] = places[node[hit]]
         if known is not None and every and not full and kept.tobytes() == known.tobytes():
-            return
+            return True
         d = self._locs
         d.update(zip(keys, kept.view(_ROW_BYTES).tolist()))
         if not hit.all():
             for k in compress(keys, (~hit).tolist()):
                 del d[k]
         self._trim()
+        return False
 
     def rows(self, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, node number a row or -1) of the keys remembered by ``learn_rows`` (others: ``NO_NODE`` rows),
@@ -269,6 +271,11 @@ class Speculation:
         if n and (n - hits) * 2 > n:
             self.skip = BACKOFF_BATCHES
         return done
+
+    def settle_all(self, n: int) -> None:
+        """``settle_rows`` when its verdict is known to be every page: ``LocationCache.learn_rows`` found the answer's
+        rows equal to the ``n`` rows read ahead, and every one of them was read without error."""
+        self.hits += n
 
     def stats(self) -> dict[str, Any]:
         return {"spec_hits": self.hits, "spec_wasted": self.wasted, "spec_cached": len(self.cache)}

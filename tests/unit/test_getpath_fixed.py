@@ -295,3 +295,46 @@ def test_read_rows_batch_memo_is_bounded_by_pages(monkeypatch):
             assert not t.read_rows(o, plen, tg, g, dst, 1e18, keys[-1]).any()
             assert np.array_equal(out, data[pick])
         assert list(t._batches) == keys[-2:] and t._batch_pages == 7 * len(t._batches)
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_learn_rows_says_same_only_when_settle_rows_serves_every_page(seed):
+    """``learn_rows`` returning True lets ``get_into`` skip ``settle_rows`` (``Speculation.settle_all``): on random
+    answers (hits, moves, misses, capabilities that change) it does so only when ``settle_rows`` would have found
+    every page read ahead served, and the counters come out the same."""
+    from umbp.speculate import Speculation
+    rng = random.Random(seed)
+    universe = [f"key-{i}".encode() for i in range(48)]
+    pages: dict = {}
+    fast, slow = Speculation(limit=40), Speculation(limit=40)
+    nodes = ["n0", "n1", "n2"]
+    sames = 0
+    for step in range(400):
+        keys = rng.sample(universe, rng.choice([2, 8, 16]))
+        stable = {k: pages[k] for k in keys if k in pages}
+        if rng.random() < 0.6 and len(stable) == len(keys):
+            rows = np.array([(*stable[k], 0) for k in keys], wire.LOC_ROW)
+        else:
+            rows = _rows(rng, len(keys), pages, keys, len(nodes))
+        caps = [b"c%d" % (step % 2)] * len(nodes) if rng.random() < 0.2 else []
+        guess, other = fast.cache.rows(keys), slow.cache.rows(keys)
+        assert (guess is None) == (other is None)
+        same = fast.cache.learn_rows(keys, rows, nodes, caps, None if guess is None else guess[0])
+        slow.cache.learn_rows(keys, rows, nodes, caps)
+        if guess is None:
+            assert not same
+            continue
+        numbers = np.array([slow.cache.node_number(n) for n in nodes], np.int64)
+        hit = rows["node"] != wire.NO_NODE
+        node = np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)
+        ok = np.ones(len(keys), bool)
+        done = slow.settle_rows(other, ok, rows, node)
+        if same:
+            sames += 1
+            assert done.all() and hit.all(), step
+            fast.settle_all(len(keys))
+        else:
+            fast.settle_rows(guess, ok, rows, node)
+        assert (fast.hits, fast.wasted, fast.skip) == (slow.hits, slow.wasted, slow.skip), step
+        fast.skip = slow.skip = 0
+    assert sames > 20
