@@ -360,7 +360,7 @@ class Metaserver:
         """Records a load or a takeover could not place (``TableDirectory.load``, ``Handover.stale``), or parked
         pages forgotten: an etcd key is deleted, a commit record (``TableRecord``) rewritten without them (they are
         not in the table)."""
-        puts = [(r.name, r) for r in dict.fromkeys(r for r in records if type(r) is not bytes)]  # TableRecords
+        puts = [(r.name, r) for r in dict.fromkeys(r for r in records if type(r) is not bytes)]  # TableRecord
         self.writer.submit(puts, [r for r in records if type(r) is bytes], wait=False)
 
     # -- background --------------------------------------------------------------------------------------------

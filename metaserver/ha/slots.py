@@ -31,7 +31,7 @@ Node space: slot s of S allocates and evicts only in region s of every node, ``[
 + R)`` with ``R = capacity // S`` rounded down to 4 KiB, so two slots never hand out the same bytes. Keys hash
 uniformly, so every slot sees a uniform sample of the workload and per-slot LRU approximates the pool's LRU; an
 object larger than R cannot be stored (slabs handed to slots on demand are the refinement). In a slot's table
-(``SlotTable``) each node's allocator *is* the region (``TableNodes.node_region``): placement, eviction,
+(``SlotTable``) each node's allocator *is* the region (``PageTable.node_region``): placement, eviction,
 drain and the full load never see bytes outside it (``tests/unit/test_slottable.py``).
 
 What a slot leader does not own: node leases and arena records (the membership leader, ``MembershipServer``: nodes
