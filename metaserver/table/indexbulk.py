@@ -18,12 +18,15 @@ NO_ROW = 0xFFFFFFFF  # ``insert_staged``'s rows: a page not filed (a slot holds 
 _BULK_PART = 1 << 18  # keys ``insert_staged`` scatters at once (a part's temporaries, about 20 MiB, are reused)
 
 
-def stage(ix: KeyIndex, rows: np.ndarray, dig: np.ndarray, longs=None) -> tuple:
+def stage(ix: KeyIndex, rows: np.ndarray, dig: np.ndarray, longs=None, span: slice | None = None) -> tuple:
     """``insert``'s first half for a load of many nodes: the digests written into ``kc``, nothing filed (a
-    staged row is not found). Returns (rows, the long keys as a ``LongCol``) for ``insert_staged``. O(rows)."""
+    staged row is not found). Returns (rows, the long keys as a ``LongCol``) for ``insert_staged``. ``span``: the
+    slice ``rows`` are, when the caller found them one range. O(rows)."""
     rows = np.asarray(rows, np.int64)
     m = len(rows)
-    if m and rows[-1] - rows[0] == m - 1 and (rows[1:] > rows[:-1]).all():  # a fresh node's rows: one range
+    if span is not None:
+        ix.kc[span] = dig
+    elif m and rows[-1] - rows[0] == m - 1 and (rows[1:] > rows[:-1]).all():  # a fresh node's rows: one range
         ix.kc[int(rows[0]):int(rows[0]) + m] = dig  # (a slice copies at memcpy speed, a 2-d index 5x slower)
     else:
         ix.kc[rows] = dig

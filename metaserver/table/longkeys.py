@@ -39,8 +39,11 @@ def gather(blob: bytes, starts: np.ndarray, lens: np.ndarray) -> tuple[bytes, np
     starts = np.asarray(starts, np.int64)
     src = np.frombuffer(blob, np.uint8)
     k = int(lens[0])
-    if 0 < k <= len(src) and (lens == k).all():  # keys of one length (33 bytes: a TP rank's): rows of a window view
-        return sliding_window_view(src, k)[starts].tobytes(), ends  # (no index a byte; take would copy the view)
+    if 0 < k <= len(src) and (lens == k).all():  # keys of one length (33 bytes: a TP rank's): no index a byte
+        row, off = np.divmod(starts, k)
+        if not off.any():  # (each at a multiple of k, as in a blob of such keys: rows of a (-1, k) view, 4x faster)
+            return src[:len(src) // k * k].reshape(-1, k).take(row, axis=0).tobytes(), ends
+        return sliding_window_view(src, k)[starts].tobytes(), ends  # (rows of a window view; take would copy it)
     out = []
     step = max(1, _GATHER // max(1, int(ends[-1]) // len(lens)))  # keys a part: a byte index of _GATHER at most
     for lo in range(0, len(lens), step):

@@ -102,3 +102,37 @@ def test_each_nodes_columns_list_what_the_entries_list_in_commit_order():
         assert rows == want[node] and len(rows) == {"a": 22, "b": 32}[node]
         assert (p.dig == digests([r[1] for r in rows])[0]).all()
         assert list(p.longs) == [(i, r[1]) for i, r in enumerate(rows) if len(r[1]) == 33]
+
+
+def test_gather_of_one_length_keys_at_any_start():
+    from metaserver.table.longkeys import gather
+    blob = bytes(range(256)) * 3
+    for starts, k in (([0, 66, 33, 330], 33), ([1, 40, 7], 33), ([5, 0], 1)):
+        got, ends = gather(blob, np.array(starts), np.full(len(starts), k))
+        assert got == b"".join(blob[a:a + k] for a in starts) and ends.tolist() == [k * (i + 1) for i in range(len(starts))]
+
+
+@pytest.mark.parametrize("bad", [None, 3])
+def test_a_load_of_shuffled_offsets_files_each_page_at_its_own(bad):
+    """Every page valid (no index copies: ``load_pages``' usual path) or one unaligned, offsets not in commit
+    order: each page filed at its offset, the bad one rejected alone."""
+    from metaserver.table.columns import PageTable
+    from metaserver.table.load import load_pages
+    from metaserver.table.nodes import add_node
+    from transport.wire import ARENA_DATA_START, object_size
+    size = object_size(60_000)
+    t = PageTable()
+    add_node(t, "n0", 40 * size)
+    rng = np.random.default_rng(7)
+    slots = rng.permutation(30)
+    offs = [ARENA_DATA_START + int(i) * size for i in slots]
+    if bad is not None:
+        offs[bad] += 512
+    keys = [bytes([i + 1]) * 32 for i in range(30)]
+    rej = load_pages(t, "n0", "a", keys, offs, [60_000] * 30, list(range(1, 31)))
+    assert rej == ([] if bad is None else [bad])
+    ok = [i for i in range(30) if i != bad]
+    assert t.objects == len(ok) and t.node_by_id["n0"].alloc.used == len(ok) * size
+    rows = t.ix.find(t._ns("a"), np.frombuffer(b"".join(keys), np.uint64).reshape(30, 4), t.cols["ns"])
+    assert (rows[ok] >= 0).all() and (bad is None or rows[bad] < 0)
+    assert t.offsets_of(rows[ok]) == [offs[i] for i in ok]
