@@ -23,7 +23,10 @@ receive side where the kernel and OpenSSL have it; where they do not, the output
 per client CPU-second, alternating in one run.
 
 ``python bench/getpath.py [--quick] [--sizes 16,64,1024] [--transports shm,tcp] [--outs array,tensors]
-[--tls on|off|only] [--big-view on|off]``
+[--tls on|off|only] [--big-view on|off] [--phases]``
+
+``--phases``: after each figure, 30-300 more batches (about 256 MiB) with the client's LOOKUP submit, read ahead and
+LOOKUP result timed (``phase_split``): where a batch's wall and CPU go on the machine that runs it.
 """
 
 from __future__ import annotations
@@ -87,8 +90,47 @@ def stream_cpu_gbps(total: int) -> float:
     return total / max(time.process_time() - c, 1e-9) / 1e9
 
 
-def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], min_time: float) -> dict:
-    """GB/s of ``batch_get_into`` per out kind, after putting ``pages`` pages (bytes checked once)."""
+def phase_split(c, one, batches: int, n: int) -> str:
+    """Where a batch's time goes (``--phases``): ``n`` batches of ``one(b)`` with the client's LOOKUP submit, the read
+    ahead (``umbp.readbatch._read_ahead``: the copy, or the tcp/rdma reads) and the LOOKUP's result (the wait for
+    the metaserver, then decoding) timed, wall and the calling thread's CPU (copy threads not counted), in us a
+    batch; the rest is the Python around them (keys, outs, the cache, settling, counters, the lease's release)."""
+    import umbp.readbatch as rb
+
+    acc: dict[str, list[float]] = {}
+    tt, pc = time.thread_time, time.perf_counter
+
+    def timed(name, fn):
+        def w(*a, **k):
+            c0, w0 = tt(), pc()
+            try:
+                return fn(*a, **k)
+            finally:
+                x = acc.setdefault(name, [0.0, 0.0])
+                x[0] += pc() - w0
+                x[1] += tt() - c0
+        return w
+    meta, read_ahead = c._meta, rb._read_ahead
+    meta.submit, meta.result = timed("submit", meta.submit), timed("result", meta.result)
+    rb._read_ahead = timed("read ahead", read_ahead)
+    try:
+        c0, w0 = tt(), pc()
+        for b in range(n):
+            one(b % batches)
+        wall, cpu = (pc() - w0) / n * 1e6, (tt() - c0) / n * 1e6
+    finally:
+        rb._read_ahead = read_ahead
+        del meta.submit, meta.result  # the instance attributes: the class's methods again
+    parts = {k: (v[0] / n * 1e6, v[1] / n * 1e6) for k, v in acc.items()}
+    rest = cpu - sum(v[1] for v in parts.values())
+    return (f"us a batch: wall {wall:.0f}, main thread cpu {cpu:.0f} | "
+            + " | ".join(f"{k} wall {w:.0f} cpu {u:.0f}" for k, (w, u) in parts.items()) + f" | rest cpu {rest:.0f}")
+
+
+def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], min_time: float,
+              phases: bool = False) -> dict:
+    """GB/s of ``batch_get_into`` per out kind, after putting ``pages`` pages (bytes checked once); with ``phases``
+    each kind's ``phase_split`` too (key ``kind + " phases"``)."""
     import torch
 
     out = {}
@@ -113,6 +155,9 @@ def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], 
             cpu: list = []
             out[kind] = rate(one, len(batches), min_time, cpu)
             out[kind + " cpu"] = cpu[0]
+            if phases:
+                n = max(30, min(300, (256 << 20) // (BATCH * size)))
+                out[kind + " phases"] = phase_split(c, one, len(batches), n)
     return out
 
 
@@ -266,6 +311,7 @@ def main() -> int:
     ap.add_argument("--capacity", default="2GiB", help="node arena size")
     ap.add_argument("--tls", default="on", choices=("on", "off", "only"), help="TLS gets of 1 MiB vs plaintext")
     ap.add_argument("--big-view", default="on", choices=("on", "off"), help="tcp receive: _BIG_VIEW off vs 256 KiB")
+    ap.add_argument("--phases", action="store_true", help="where a batch's time goes (client wall and CPU, us)")
     args = ap.parse_args()
     min_time = 0.5 if args.quick else 1.5
     ws = (128 << 20) if args.quick else (384 << 20)
@@ -281,8 +327,12 @@ def main() -> int:
                 else:
                     total = (512 << 20) if args.quick else (2 << 30)
                     bases = [("raw tcp stream", raw_tcp_gbps(total=total)), ("its cpu", stream_cpu_gbps(total))]
-                got = get_rates(pool.metaserver, transport, size, pages, kinds, min_time)
+                got = get_rates(pool.metaserver, transport, size, pages, kinds, min_time, args.phases)
                 for kind, gbps in got.items():
+                    if kind.endswith("phases"):
+                        lines.append(f"{transport} get {label(size):>7} x{BATCH} into {kind:<18} {gbps}")
+                        print(lines[-1], flush=True)
+                        continue
                     # wall figures against the wall baselines; CPU figures against the stream's CPU rate (tcp)
                     use = bases[-1:] if kind.endswith("cpu") and transport == "tcp" else bases[:1] if \
                         transport == "tcp" else bases
