@@ -22,7 +22,12 @@ Why an equal answer proves the bytes:
   after the copy as every read does.
 
 What it does not change: the LOOKUP still runs for every get (recency, hit/miss counters, the read lease, access
-rights: a key this client may no longer read answers as a miss and the speculative bytes are dropped).
+rights: a key this client may no longer read answers as a miss and the speculative bytes are dropped). A header
+check before and after the copy (seqlock-style) cannot stand in for the answer: it proves the bytes are those of the
+generation read, not that this generation is still the key's value. A removed key, or one put again (a new
+generation in another slot), leaves the old slot's header intact until the slot is reused, so a get served from this
+cache alone would return the old value where the pool answers a miss or the new bytes (tests/test_read_ahead.py's
+remove and rewrite cases).
 
 A remembered node that went silent (black-holed, frozen) must not hold the get: the speculative read runs under its
 own deadline, ``read_deadline`` (at most ``SPEC_READ_S`` plus the batch at ``SPEC_MIN_RATE``, never past the call's;
