@@ -213,3 +213,37 @@ def test_a_write_whose_slot_is_fenced_mid_frame_lands_no_further_byte(make_clust
             s.request(wire.Op.WRITE, [obj["dram"], gen, b""], deadline(), data=[header, rng.randbytes(plen)])
         assert e.value.code == wire.Status.UNAVAILABLE
         assert payload() == got
+
+
+def test_a_same_host_writer_copies_nothing_for_a_deposed_term(make_cluster):
+    """A shm writer, which the node cannot stop, compares its generations with the floors the node publishes in its
+    arena's superblock page before it copies: once a FENCE raised a slot's floor above every generation its leader
+    hands out (as a new leader's would above a deposed one's), puts of the slot's keys over shm copy nothing and fail
+    naming the deposed term, by the array path and the per-page path alike; other slots' puts land byte-exact."""
+    slots = 4
+    c = make_cluster(nodes=1, capacity="64MiB", metaserver_flags={"slots": slots})
+    rng = random.Random(4708)
+    keys = [f"shm-{i}".encode() for i in range(64)]
+    slot_of = {k: slotrules.slot_of("default", k, slots) for k in keys}
+    s = slot_of[keys[0]]
+    mine = [k for k in keys if slot_of[k] == s]
+    other = [k for k in keys if slot_of[k] != s]
+    assert len(mine) >= 3 and other
+    size = 64 << 10
+    with c.client(transport="shm") as w:
+        first = rng.randbytes(size)
+        assert w.batch_put([mine[0]], [first]) == [True]
+        gen = w.admin(wire.Op.LOOKUP, {"ns": "default", "keys": [mine[0]]})["locs"][0][3]
+        epoch = slotrules.SLOT_EPOCH | (gen + (1 << 40))  # the slot's leader grants below this from now on
+        with node_sock(c) as leader:
+            assert leader.request(wire.Op.FENCE, {"epoch": epoch, "slots": slots}, deadline()).meta == {"floor": epoch}
+        stale = [rng.randbytes(size) for _ in mine[1:3]]
+        with pytest.raises(UmbpError, match="deposed metaserver term"):
+            w.batch_put(mine[1:3], stale)  # the array path (64 KiB pages of bytes)
+        with pytest.raises(UmbpError, match="deposed metaserver term"):
+            w.put(mine[1], memoryview(bytearray(stale[0])))  # one page: the transport's start_write
+        assert w.batch_exists(mine[1:3]) == [False, False]
+        assert w.get(mine[0]) == first  # written before the FENCE: kept
+        fresh = [rng.randbytes(size) for _ in other]
+        assert w.batch_put(other, fresh) == [True] * len(other)
+        assert [w.get(k) for k in other] == fresh

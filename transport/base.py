@@ -172,6 +172,13 @@ def write_until(ops: list) -> float:
     return first / 1000
 
 
+def stale_write(component: str, gen: int) -> Unavailable:
+    """A write the node's published floor says a deposed metaserver term granted (``wire.stale_gens``)."""
+    return Unavailable(component, f"write of generation {gen:#x} granted by a deposed metaserver term (the node's "
+                                  f"published floor is above it): its allocation may hold another page now; not "
+                                  f"copied")
+
+
 def late_write(component: str, until_ms: int) -> Unavailable:
     """The error of a write whose deadline passed before its bytes were copied: none of them landed after it."""
     return Unavailable(component, f"write past its deadline (until_ms {until_ms}, clock {int(time.time() * 1000)}): "
@@ -189,14 +196,16 @@ def write_to_arena(arena: memoryview, op: WriteOp) -> None:
 
 
 def write_rows_to_arena(heads_at: np.ndarray, arena: memoryview, off: np.ndarray, plen: np.ndarray,
-                        heads: np.ndarray, src: list, deadline: float, until: float = 0.0) -> np.ndarray:
+                        heads: np.ndarray, src: list, deadline: float, until: float = 0.0,
+                        gens: np.ndarray | None = None) -> np.ndarray:
     """``write_to_arena`` for a batch of whole pages as arrays (``umbp/putbatch.py``): page i's payload ``src[i]`` (a
     flat byte view of ``plen[i]`` bytes) to the object at ``off[i]`` of the mapped ``arena``, whose header rows every
     4 KiB ``heads_at`` views writably; ``heads[i]`` its header. Same order as ``write_to_arena`` page by page:
     every old header invalidated first, then the payloads, then the headers, so a reader racing the writes sees no
     valid header until its payload is in. Per page: 0 written, 1 not written (outside the arena or not 4 KiB
-    aligned, or ``until`` (wall-clock seconds, 0.0: none) passed before its copy: the transport's ``start_write``
-    decides it, with its own error). Cost: a fixed number of numpy calls and one slice assignment a page (a ctypes
+    aligned, or ``until`` (wall-clock seconds, 0.0: none) passed before its copy, or its generation ``gens[i]`` below
+    the floor the node publishes for it, ``wire.stale_gens``: the transport's ``start_write`` decides it, with its
+    own error). Cost: a fixed number of numpy calls and one slice assignment a page (a ctypes
     ``memmove`` costs more a call, measured) with one clock read when ``until`` is set, or copy threads
     (``copies.Stream``, given up at ``until``: every page then 1) for batches of ``copies.SERIAL_BYTES``;
     DeadlineExceeded when those are not done by ``deadline``."""
@@ -206,6 +215,8 @@ def write_rows_to_arena(heads_at: np.ndarray, arena: memoryview, off: np.ndarray
     status = np.ones(len(off), np.int8)
     inside = ((off >= wire.ARENA_DATA_START) & (plen >= 0) & (plen <= size) & (off + hs + plen <= size)
               & (off % wire.ALIGN == 0))
+    if gens is not None:
+        inside &= ~wire.stale_gens(wire.floor_words(arena), gens)  # a deposed leader's grants: copied by no one
     if inside.all():
         pick = None
     else:

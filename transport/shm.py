@@ -24,7 +24,7 @@ import uuid
 import numpy as np
 
 from transport import wire
-from transport.base import Pending, Transport, check_payload, headers_match, late_write, write_until
+from transport.base import Pending, Transport, check_payload, headers_match, late_write, stale_write, write_until
 from umbp import copies
 from umbp.buffers import Rows
 from umbp.errors import CorruptionError, DeadlineExceeded, InvalidArgument, TransportError
@@ -260,7 +260,8 @@ class ShmTransport(Transport):
         """``write_to_arena`` (old header invalidated, payload, then the header last) inlined into one loop. A batch
         whose ops carry ``until_ms`` (``base.write_until``: the earliest) copies nothing past it: each op is looked at
         before its header is invalidated and, copied on this thread, before each part; copy threads are given up at
-        it. An op not copied whole in time fails (``base.late_write``) and gets no header."""
+        it. An op not copied whole in time fails (``base.late_write``) and gets no header; nor is one whose generation
+        is below the floor the node publishes for it (``base.stale_write``: a deposed leader granted it)."""
         p = Pending(ops, "write")
         results = p.results
         arena, comp, size, base = self.arena, self.component, self.size, self._base
@@ -270,6 +271,8 @@ class ShmTransport(Transport):
         total = sum(op.nbytes for op in ops)
         until = write_until(ops)
         clock = time.time
+        # the node's published generation floors: a deposed leader's grants are copied by no one
+        stale = wire.stale_gens(wire.floor_words(arena), np.fromiter((op.gen for op in ops), np.uint64, len(ops)))
         # keep=ops: a copy job still running past the deadline holds the views it writes into (or reads from)
         stream = copies.Stream(total, deadline if not until else min(deadline, time.monotonic() + until - clock()),
                                keep=ops) if copies.threads_for(total) > 1 else None
@@ -280,6 +283,9 @@ class ShmTransport(Transport):
                 continue
             if until and clock() > until:
                 results[i] = late_write(comp, op.until_ms)
+                continue
+            if stale[i]:
+                results[i] = stale_write(comp, op.gen)
                 continue
             pos = o + hs
             run = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-from transport.wire import ALIGN, ARENA_DATA_START, key_hash
+from transport.wire import ALIGN, ARENA_DATA_START, SLOT_GEN_SHIFT, key_hash
 
 
 def slot_of(namespace: str, key: bytes | str, slots: int) -> int:
@@ -41,7 +41,6 @@ def slots_of(namespace: str, keys: list, slots: int) -> list[int]:
 
 
 SLOT_EPOCH = 1 << 63  # set in the write-capability epoch of a partitioned pool's slot leader (see ``epoch_slot``)
-SLOT_GEN_SHIFT = 52  # slot s of a partitioned pool counts generations from (s << 52) + 1 (at most 1024 slots)
 
 
 def epoch_slot(epoch: int) -> int | None:

@@ -565,6 +565,28 @@ ARENA_MAGIC = b"UMBPAREN"
 ARENA_SUPER = struct.Struct("<8sI16sQQ")  # magic, version, arena_id (uuid bytes), capacity, created_ns
 ARENA_VERSION = 1
 ARENA_DATA_START = ALIGN
+# Generation floors (umbp/node/server.py ``publish_floors``), published in the superblock's page for same-host shm
+# writers to compare before they copy (``stale_gens``): u64 little-endian words from ARENA_FLOORS_AT, a one-slot
+# pool's floor first, then slot s's at word 1 + s for s < ARENA_FLOOR_SLOTS (a slot past them is not published).
+ARENA_FLOORS_AT = 512
+ARENA_FLOOR_SLOTS = (ALIGN - ARENA_FLOORS_AT) // 8 - 1
+SLOT_GEN_SHIFT = 52  # slot s of a partitioned pool counts generations from (s << 52) + 1 (at most 1024 slots)
+
+
+def floor_words(arena) -> np.ndarray:
+    """The mapped arena's generation floor words (a writable view where the mapping is)."""
+    return np.frombuffer(arena, "<u8", 1 + ARENA_FLOOR_SLOTS, ARENA_FLOORS_AT)
+
+
+def stale_gens(words: np.ndarray, gens: np.ndarray) -> np.ndarray:
+    """Which of ``gens`` are below their term's floor as ``words`` publish it: writes a deposed leader granted."""
+    if words[0]:
+        return gens < words[0]
+    slot = gens >> np.uint64(SLOT_GEN_SHIFT)
+    fl = words[1 + np.minimum(slot, ARENA_FLOOR_SLOTS - 1).astype(np.int64)]
+    return (gens < fl) & (slot < ARENA_FLOOR_SLOTS)
+
+
 # A LOOKUP answer's read lease in ms when it does not say (``lease_ms``: version 11 servers, 10 s by default): a
 # tcp/rdma read finished later than this after the LOOKUP counts as a miss (its object may have been rewritten).
 DEFAULT_LEASE_MS = 10_000

@@ -213,7 +213,7 @@ def _shm(t: Any, views: list, page: list[int], r: np.ndarray, g: np.ndarray, hea
     src = [views[i][0] for i in page]
     try:
         status = write_rows_to_arena(arena_rows(t), t.arena, r["off"][g], r["len"][g], heads[g], src, deadline,
-                                     until_ms / 1000)
+                                     until_ms / 1000, r["gen"][g])
         if not status.any():
             return [None] * len(page)
         res: list = [None] * len(page)

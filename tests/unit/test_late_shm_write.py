@@ -43,7 +43,8 @@ def transport(tmp_path):
     aid = uuid.uuid4().bytes
     path = os.path.join(tmp_path, "arena")
     with open(path, "wb") as fh:
-        fh.write(wire.pack_superblock(aid, size, 0).ljust(size, b"\xee"))
+        # the superblock's page as a node leaves it (no generation floor published), the data region filled
+        fh.write(wire.pack_superblock(aid, size, 0).ljust(wire.ARENA_DATA_START, b"\0").ljust(size, b"\xee"))
     t = ShmTransport("n0", path, aid, boot_id())
     yield t
     t.close()

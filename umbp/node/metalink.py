@@ -112,7 +112,7 @@ class MetaLink:
                 if type(epoch) is int:
                     if epoch > self.node.cap_epoch:
                         self.node.cap_epoch = epoch  # capabilities of an earlier registration or term die here
-                    self.node.reg_floor = epoch  # so do writes of its generations (0: the slots fence their own)
+                    self.node.set_reg_floor(epoch)  # so do writes of its generations (0: slots fence their own)
                 interval = float(reply.get("heartbeat_s", ttl / 3))
                 beat = {"node_id": self.node.node_id, "arena_id": self.node.arena.arena_id}
                 if self.acks_floor:

@@ -102,6 +102,10 @@ class NodeServer:
             "" if self.arena.remove_on_close else self.arena.path + ".ledger", self.component)
         # A partitioned pool: one epoch floor per slot, kept next to a reopenable arena (umbp/floors.py)
         self.floors = SlotFloors(self.arena, config.capacity, self.component)
+        # the floors are published in the superblock's page for same-host shm writers (``publish_floors``); a
+        # reopened arena keeps the one-slot floor of its last run until this run registers
+        self.reg_floor = int(wire.floor_words(self.arena.view)[0]) if self.arena.reopened else 0
+        self.publish_floors()
         self.conns: set[DataProtocol] = set()
         self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
                                    config.preauth_connections, config.auth_timeout_s, config.preauth_per_source)
@@ -160,7 +164,10 @@ class NodeServer:
                                                           self.cap_epoch, int(time.time() * 1000), self.component)
         slot = slotrules.epoch_slot(epoch)
         if slot is not None:
+            v = self.floors.version
             self.floors.check(slot, epoch, offset, nbytes)
+            if self.floors.version != v:
+                self.publish_floors()
         elif epoch > self.cap_epoch:
             self.cap_epoch = epoch  # a metaserver term or registration newer than ours: older capabilities die
         self.ledger.admit(offset, nbytes, gen)
@@ -168,6 +175,21 @@ class NodeServer:
     def gen_floor(self, gen: int) -> int:
         """The first generation of the current term of ``gen``'s slot, as far as this node knows (0: none)."""
         return self.reg_floor or self.floors.gen_floor(gen)
+
+    def set_reg_floor(self, floor: int) -> None:
+        """REGISTER's answer: the first generation of the term this node registered in (0: a partitioned pool)."""
+        self.reg_floor = floor
+        self.publish_floors()
+
+    def publish_floors(self) -> None:
+        """The generation floors into the superblock's page (``wire.floor_words``), where a same-host shm writer
+        compares its generations before it copies (``wire.stale_gens``): raised before the node acks them, so no
+        new term's page is placed here before a deposed term's shm writer would be refused."""
+        w = wire.floor_words(self.arena.view)
+        w[0] = self.reg_floor
+        for slot, epoch in self.floors.floors.items():
+            if slot < wire.ARENA_FLOOR_SLOTS:
+                w[1 + slot] = epoch & ~slotrules.SLOT_EPOCH
 
     def floor_mark(self) -> tuple[int, int]:
         """Changes whenever a generation floor rises (a write in flight then looks at its generations again)."""
@@ -188,7 +210,9 @@ class NodeServer:
             epoch, slots = token["epoch"], token["slots"]
         else:
             epoch, slots = open_fence(self.cap_key, token, self.component)
-        return {"floor": self.floors.fence(epoch, slots)}
+        floor = self.floors.fence(epoch, slots)
+        self.publish_floors()
+        return {"floor": floor}
 
     def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None, until: list | None = None
                       ) -> tuple[list, list]:
