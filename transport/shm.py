@@ -183,10 +183,11 @@ class ShmTransport(Transport):
         done by ``deadline`` (stopped; no page counts).
 
         ``key``: the bytes of the batch's (off, plen, tag, gen) columns, or None. A batch whose every page passed
-        is remembered by it (``BATCH_MEMO_PAGES`` pages of such batches, the oldest dropped first) with its slots, header bytes and source
-        addresses; the same batch again whose headers are byte for byte those bytes skips the bounds and the header
-        match (pure functions of the columns and those bytes: the verdict cannot differ) and goes to the copy and
-        the compare after it. Other header bytes take the full path (and, passing, replace the entry)."""
+        is remembered by it (``BATCH_MEMO_PAGES`` pages of such batches, the oldest dropped first) with its slots,
+        header bytes and source addresses; the same batch again whose headers are byte for byte those bytes skips
+        the bounds and the header match (pure functions of the columns and those bytes: the verdict cannot differ)
+        and goes to the copy and the compare after it. Other header bytes take the full path (and, passing, replace
+        the entry)."""
         hs, size = wire.OBJ_HEADER_SIZE, self.size
         if key is not None:
             known = self._batches.get(key)
