@@ -111,6 +111,28 @@ def test_a_write_slower_than_its_allocation_never_overwrites_the_next_page_in_it
     _late_write(make_cluster, flags, lose)
 
 
+def _cut_mid_frame(s, op: list, header: bytes, late: bytes, first: int, old: bytes, between, why: str,
+                   payload) -> bytes:
+    """A WRITEV of ``op`` whose header and first ``first`` bytes of ``late`` are sent, then ``between()`` (its
+    deadline passes, its term is fenced), then the rest: its answer fails the op naming ``why``, and the page keeps
+    ``old`` past ``first``, and before it ``late``'s bytes up to where the node stopped receiving, ``old``'s after
+    (the node receives what has arrived when it looks: part of the first bytes may be cut too). Returns the page."""
+    rid = s.next_id()
+    s.send([wire.encode(wire.Op.WRITEV, rid, [op], data_len=len(header) + len(late)), header, late[:first]],
+           deadline())
+    between()
+    s.send([late[first:]], deadline())
+    f = s.recv_frame(deadline())
+    assert f.request_id == rid
+    failed = wire.vec_failures(f.meta, 1, "test")
+    assert list(failed) == [0] and why in str(failed[0]), failed
+    got = payload()
+    assert got[first:] == old[first:]  # not one byte that arrived after it
+    cut = next((i for i in range(first) if got[i] != late[i]), first)  # where the late bytes stop
+    assert got[cut:first] == old[cut:first]  # one cut: late bytes, then the page's own
+    return got
+
+
 def test_a_write_whose_deadline_passes_mid_frame_lands_no_further_byte(make_cluster):
     """The node alone, over a raw connection: a WRITEV whose ``until_ms`` passes while its data is on its way lands
     nothing that arrives after it (the page keeps its old bytes there), answers its op UNAVAILABLE naming the
@@ -134,18 +156,12 @@ def test_a_write_whose_deadline_passes_mid_frame_lands_no_further_byte(make_clus
         # the deadline passes after the first MiB arrived: nothing after it lands
         late = rng.randbytes(plen)
         until = int(time.time() * 1000) + 300
-        rid = s.next_id()
-        s.send([wire.encode(wire.Op.WRITEV, rid, [[obj["dram"], obj["gen"], b"", hs + plen, until]],
-                            data_len=hs + plen), header, late[:first]], deadline())
-        eventually(lambda: time.time() * 1000 > until + 20, 5, "the write's deadline passed")
-        s.send([late[first:]], deadline())
-        f = s.recv_frame(deadline())
-        assert f.request_id == rid
-        failed = wire.vec_failures(f.meta, 1, "test")
-        assert list(failed) == [0] and "deadline" in str(failed[0]), failed
-        got = payload()
-        assert got[first:] == old[first:]  # not one byte that arrived past the deadline
-        assert got[:first] in (late[:first], old[:first])  # in time (or, on a slow machine, also refused)
+
+        def deadline_passes() -> None:
+            eventually(lambda: time.time() * 1000 > until + 20, 5, "the write's deadline passed")
+
+        got = _cut_mid_frame(s, [obj["dram"], obj["gen"], b"", hs + plen, until], header, late, first, old,
+                             deadline_passes, "deadline", payload)
         # a WRITEV or a WRITE already past its deadline when its frame starts: the frame is refused (UNAVAILABLE),
         # nothing lands, the connection still serves
         past = int(time.time() * 1000) - 1
@@ -189,20 +205,11 @@ def test_a_write_whose_slot_is_fenced_mid_frame_lands_no_further_byte(make_clust
 
         with pytest.raises(UmbpError, match="an open pool's fence is"):
             leader.request(wire.Op.FENCE, b"\x00" * 40, deadline())
-        late = rng.randbytes(plen)
-        rid = s.next_id()
-        s.send([wire.encode(wire.Op.WRITEV, rid, [[obj["dram"], gen, b"", hs + plen]], data_len=hs + plen), header,
-                late[:first]], deadline())
-        # the FENCE is answered once the node raised the floor; the first MiB may or may not have been received
-        assert leader.request(wire.Op.FENCE, {"epoch": epoch, "slots": slots}, deadline()).meta == {"floor": epoch}
-        s.send([late[first:]], deadline())
-        f = s.recv_frame(deadline())
-        assert f.request_id == rid
-        failed = wire.vec_failures(f.meta, 1, "test")
-        assert list(failed) == [0] and "deposed metaserver term" in str(failed[0]), failed
-        got = payload()
-        assert got[first:] == old[first:]  # not one byte that arrived after the FENCE
-        assert got[:first] in (late[:first], old[:first])
+        def fence() -> None:  # answered once the node raised the floor
+            assert leader.request(wire.Op.FENCE, {"epoch": epoch, "slots": slots}, deadline()).meta == {"floor": epoch}
+
+        got = _cut_mid_frame(s, [obj["dram"], gen, b"", hs + plen], header, rng.randbytes(plen), first, old, fence,
+                             "deposed metaserver term", payload)
         # a write of that generation starting now: a WRITEV's op is refused (its data discarded), a WRITE whole
         f = s.request(wire.Op.WRITEV, [[obj["dram"], gen, b"", hs + plen]], deadline(),
                       data=[header, rng.randbytes(plen)])
