@@ -46,9 +46,22 @@ def bulk_order(ix: KeyIndex, h: np.ndarray, ns_col: np.ndarray) -> np.ndarray:
     key = h * ix.t.salt
     key >>= _S32
     key <<= _S32
-    key |= np.arange(n, dtype=np.uint64)
+    for lo in range(0, n, _BULK_PART):  # (the positions a part at a time: an arange of every key is new memory)
+        key[lo:lo + _BULK_PART] |= np.arange(lo, min(n, lo + _BULK_PART), dtype=np.uint64)
     key.sort()
     return key
+
+
+def same_high(order: np.ndarray) -> np.ndarray:
+    """The positions i of ``bulk_order``'s ``order`` whose high 32 bits equal those at i + 1 (int64, ascending), a
+    part at a time (a shift of every key, and its compare, would be new memory)."""
+    parts = [np.zeros(0, np.int64)]
+    for lo in range(0, len(order) - 1, _BULK_PART):
+        a = order[lo:lo + _BULK_PART + 1]
+        x = a[1:] ^ a[:-1]
+        x >>= _S32
+        parts.append(np.flatnonzero(x == 0) + lo)
+    return np.concatenate(parts)
 
 
 def insert_staged(ix: KeyIndex, parts: list[tuple], ns_col: np.ndarray, order: np.ndarray, h: np.ndarray,

@@ -315,22 +315,18 @@ def load_nodes(t: PageTable, loads: list[tuple[str, object]], file) -> list:
     if t.links.linking or t.kv_sink is not None or len(loads) < 2:
         return [file(node_id, p, None, False) for node_id, p in loads]
     ix = t.ix
-    hs = []
+    sizes = [len(p) for _, p in loads]
+    bases = np.cumsum([0] + sizes)
+    h = np.empty(int(bases[-1]), np.uint64)  # (each node's hashes written in: no part of them all kept to join)
     for i, (node_id, p) in enumerate(loads):  # (names interned in the order ``_namespaces`` interns them)
         rev = p.rev
         if len(rev) > 1 and (rev[1:] < rev[:-1]).any():  # in commit order first, as ``file`` would put them (the
             p = p.take(np.argsort(rev, kind="stable"))  # positions below are those it files)
             loads[i] = (node_id, p)
         tab = np.array([t._ns(name) for name in p.ns_names], np.uint16)
-        hs.append(ix._hash(tab.take(p.nsix), p.dig))
-    sizes = [len(x) for x in hs]
-    h = np.concatenate(hs)
-    del hs
-    bases = np.cumsum([0] + sizes)
+        h[bases[i]:bases[i + 1]] = ix._hash(tab.take(p.nsix), p.dig)
     order = indexbulk.bulk_order(ix, h, t.cols["ns"])
-    hi = order >> np.uint64(32)
-    at = np.flatnonzero(hi[1:] == hi[:-1])
-    del hi
+    at = indexbulk.same_high(order)
     twins = set()  # the loads with two pages of one hash: rule 3's walk for them
     if len(at):  # (a few: keys sharing the sort's 32 bits; equal keys among them)
         pos = (order.take(np.union1d(at, at + 1)) & np.uint64(0xFFFFFFFF)).astype(np.int64)

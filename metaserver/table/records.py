@@ -104,18 +104,26 @@ def is_segment(value: bytes) -> bool:
 
 class Segment:
     """A parsed segment (``unpack_segment``): its tables and columns as numpy arrays (``nsix``, ``nodeix``, ``unit``,
-    ``code`` (int64 layout codes a page), ``gen``, ``dead`` with ``dead_ix``, an index in ``dead_recs``: the etcd
+    ``code`` (int64 layout codes a page, made from ``codes`` and ``codeix``), ``gen``, ``dead`` with ``dead_ix``, an index in ``dead_recs``: the etcd
     key of the record of each dead generation's page), its keys as one blob (``key_len`` bytes each, or
     ``key_lens``; ``same_len``: their one length when every key has it, else 0; a memoryview of the value, which
     ``digests`` passes on: ``LongCol``'s ``pick`` and ``select`` make bytes of it) and its parents' blob
     (``parent_lens``; None without parents)."""
 
-    __slots__ = ("n", "ns_names", "node_ids", "nsix", "nodeix", "unit", "code", "gen", "dead", "dead_ix", "dead_recs",
+    __slots__ = ("n", "ns_names", "node_ids", "nsix", "nodeix", "unit", "codes", "codeix", "gen", "dead", "dead_ix", "dead_recs",
                  "keys", "key_len",
                  "key_lens", "same_len", "parent_lens", "parent_blob", "_dig")
 
     def offsets(self) -> np.ndarray:
         return self.unit.astype(np.int64) << 12
+
+    @property
+    def code(self) -> np.ndarray:
+        """Each page's layout code (int64): ``codes`` (the table, int64) at ``codeix`` (u16; None: one code), made
+        when asked (a load maps ``codeix`` itself: no column a segment while the scan holds them all)."""
+        if self.codeix is None:
+            return np.full(self.n, self.codes[0] if len(self.codes) else 0, np.int64)
+        return self.codes.take(self.codeix)
 
     def key_list(self) -> list[bytes]:
         """Every key as bytes (a Python object a key: the slow paths only)."""
@@ -212,8 +220,8 @@ def unpack_segment(value: bytes) -> Segment:
         raise ValueError("a layout code out of range")
     if (n and s.gen.max() > _MAX_I64) or (ndead and s.dead.max() > _MAX_I64):
         raise ValueError("a generation past int64")
-    codes = codes.astype(np.int64)
-    s.code = codes[codeix] if codeix is not None else np.full(n, codes[0] if ncodes else 0, np.int64)
+    s.codes = codes.astype(np.int64)
+    s.codeix = codeix
     names = []
     for ln in name_lens[:nns + nnodes]:
         names.append(value[at:at + ln].decode())

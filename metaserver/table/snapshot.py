@@ -488,18 +488,26 @@ class _NodeCols:
 def _batch_parts(batch: list, at: dict, dst: dict, ns_of, ns_list, rec_of, rec_list, parents: bool) -> None:
     """``_segment_columns``' step for a batch of segments ((segment, revision, etcd key, live positions or None)):
     each node's part of them written into ``dst[its place]`` (a ``_NodeCols``) after what it holds."""
-    cols: list[list] = [[] for _ in range(6)]
+    cols: list[list] = [[] for _ in range(5)]
     longs, counts, nsbase, ndbase, revs, rec_ix, par = [], [], [], [], [], [], []
     nstab: list[int] = []
     ndtab: list[int] = []
+    cbase: list[int] = []  # each segment's first code in ``ctab``, and (where it has several) its code index
+    ctab: list[int] = []
+    cix: list = []
     for seg, rev, name, idx in batch:
         dig, lc = seg.digests()
-        got = (dig, seg.nsix, seg.nodeix, seg.unit, seg.code, seg.gen)
+        got = (dig, seg.nsix, seg.nodeix, seg.unit, seg.gen)
+        cx = seg.codeix
         if idx is not None:
             got = tuple(x[idx] for x in got)
+            cx = None if cx is None else cx[idx]
             lc = lc.select(idx)
         for c, x in zip(cols, got):
             c.append(x)
+        cbase.append(len(ctab))
+        ctab.extend(seg.codes.tolist())
+        cix.append(cx)
         longs.append(lc)
         counts.append(len(got[-1]))
         nsbase.append(len(nstab))
@@ -513,8 +521,14 @@ def _batch_parts(batch: list, at: dict, dst: dict, ns_of, ns_list, rec_of, rec_l
             pl = [None] * seg.n if pl is None else pl
             par.extend(pl if idx is None else [pl[i] for i in idx.tolist()])
     cnt = np.array(counts, np.int64)
-    dig, nsix, node, unit, code, gen = (c[0] if len(c) == 1 else np.concatenate(c) for c in cols)
+    dig, nsix, node, unit, gen = (c[0] if len(c) == 1 else np.concatenate(c) for c in cols)
     del cols
+    code = np.repeat(np.array(cbase, np.int64), cnt)  # each page's code: its segment's table at its index
+    if any(x is not None for x in cix):
+        for lo, m, x in zip(np.cumsum([0] + counts[:-1]).tolist(), counts, cix):
+            if x is not None:
+                code[lo:lo + m] += x
+    code = np.array(ctab, np.int64).take(code)
     node = np.array(ndtab, np.int32 if len(at) >= 1 << 16 else np.uint16).take(
         node.astype(np.int64) + np.repeat(np.array(ndbase, np.int64), cnt))
     nsix = np.array(nstab, np.uint16).take(nsix.astype(np.int64) + np.repeat(np.array(nsbase, np.int64), cnt))
