@@ -16,6 +16,14 @@ checked exactly as on the other transports; a failed completion fails that op (a
 the next batch), never delivering bytes.
 
 Staging: a registered area of ``ClientConfig.staging_bytes`` (default 64 MiB); a batch larger than it moves in waves.
+
+Fencing: a one-sided write cannot be refused by the node, so the client refuses it. Before each wave of writes it
+reads the generation floors the node publishes in its arena's superblock page (``wire.floor_words``; the node's MR
+covers the arena from offset 0) with one RDMA READ of the words up to the highest slot among the ops left (16 bytes
+in a one-slot pool) into staging, and posts no op that ``wire.stale_gens`` says a deposed metaserver term granted
+(``base.stale_write``), nor one past its ``until_ms`` (``base.late_write``). Cost: one round trip a wave before its
+writes are posted. What it cannot stop: a floor that rises between that READ and the write's landing (a client
+stalled there, or a write retransmitted that long); the write deadline bounds that window.
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from transport import wire
-from transport.base import Pending, Transport, check_payload, late_write
+from transport.base import Pending, Transport, check_payload, late_write, stale_write
 from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext, _address_of
 from transport.framed import FramedSocket
 from umbp.errors import BadRequest, CorruptionError, DeadlineExceeded, ProtocolError, RemoteError, TransportError
@@ -164,21 +174,44 @@ class RdmaTransport(Transport):
         p = Pending(ops, kind, state={"next": 0, "posted": {}})
         try:
             self._ready(deadline)
-            self._post_wave(p)
+            self._post_wave(p, deadline)
         except TransportError as e:
             self._drop_tmp(p.state)
             p.results = [e] * len(ops)
             p.state = None
         return p
 
-    def _post_wave(self, p: Pending) -> None:
-        """Post ops from p.state['next'] on while staging space lasts (always at least one op)."""
+    def _stale_from(self, ops: list, first: int, deadline: float) -> np.ndarray:
+        """Which of ``ops[first:]`` (writes) a deposed metaserver term granted, by the node's published generation
+        floors, read now with one RDMA READ into staging's first page (free between waves). Blocks until that READ
+        completes; a failed READ or the deadline raises TransportError (the QP is then broken: nothing of the wave
+        was posted)."""
+        gens = np.fromiter((op.gen for op in ops[first:]), np.uint64, len(ops) - first)
+        top = int(gens.max() >> np.uint64(wire.SLOT_GEN_SHIFT)) if len(gens) else 0
+        # word 0 and the slot words up to the highest slot's: stale_gens looks at no other word for these gens
+        n = 2 + min(top, wire.ARENA_FLOOR_SLOTS - 1)
+        at = wire.ARENA_FLOORS_AT  # staging mirrors the superblock page's layout, so floor_words reads it as-is
+        (rid,) = self.ep.post_reads([(self.staging, at, 8 * n, self.remote_base + at, self.rkey)])
+        done: dict = {}
+        while rid not in done:
+            done.update(self.ep.poll(deadline))
+            if rid not in done and time.monotonic() >= deadline:
+                self.ep.abort("deadline passed")
+                raise DeadlineExceeded(self.component, "the node's generation floors unread at the deadline")
+        if done[rid] is not None:
+            raise TransportError(self.component, f"RDMA read of the node's generation floors failed: {done[rid]}")
+        return wire.stale_gens(wire.floor_words(self.staging.view), gens)
+
+    def _post_wave(self, p: Pending, deadline: float) -> None:
+        """Post ops from p.state['next'] on while staging space lasts (always at least one op). A wave of writes
+        first reads the node's generation floors (``_stale_from``)."""
         st = p.state
         ops = p.ops
         used = 0
         reqs, idx = [], []
         cap = self.staging.length
-        i = st["next"]
+        i = first = st["next"]
+        stale = self._stale_from(ops, first, deadline) if p.kind == "write" else None
         while i < len(ops):
             op = ops[i]
             if p.results[i] is not None:
@@ -188,6 +221,12 @@ class RdmaTransport(Transport):
                 # its allocation may have ended: posting it could land on the next page (a one-sided write the
                 # node cannot refuse), so nothing is posted past the ALLOC answer's write_until_ms
                 p.results[i] = late_write(self.component, op.until_ms)
+                i += 1
+                continue
+            if stale is not None and stale[i - first]:
+                # a deposed term's grant: the new term may have placed a page in its extent (one-sided: the node
+                # could not refuse it), so it is not posted
+                p.results[i] = stale_write(self.component, op.gen)
                 i += 1
                 continue
             hslot = used
@@ -299,7 +338,7 @@ class RdmaTransport(Transport):
                     for j in range(st["next"], len(ops)):
                         pending.results[j] = TransportError(self.component, "queue pair failed earlier in batch")
                     break
-                self._post_wave(pending)
+                self._post_wave(pending, deadline)
         except TransportError as e:
             for j, r in enumerate(pending.results):
                 if r is None:

@@ -9,6 +9,7 @@ Run by tests/rdma/test_rdma_guest.py (``python tests/rdma/testbed.py run -- pyth
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -197,6 +198,50 @@ def test_a_write_past_its_deadline_is_not_posted(pool, monkeypatch):
         assert c.get("late") is None
         assert c.batch_put(["late"], [val]) == [True]
         assert c.get("late") == val
+
+
+def test_a_write_a_deposed_term_granted_is_not_posted(pool):
+    """A one-sided RDMA write cannot be refused by the node either, so before a wave of writes the client reads the
+    generation floors the node publishes in its arena's superblock page (one RDMA READ) and posts no op below its
+    slot's floor (transport/rdma_link.py ``_stale_from``). A partitioned pool of its own (4 slots, one node): once a
+    FENCE raised one slot's floor above every generation its leader hands out (as a new leader's would above a
+    deposed one's), an RDMA put of that slot's keys fails naming the deposed term and nothing is stored, while the
+    other slots' puts in the same batch land byte-exact."""
+    from transport import slotrules
+    from transport.framed import FramedSocket
+
+    del pool  # this test needs a partitioned pool; the module's pool stays up for the others
+    slots, size = 4, 64 * KiB
+    sp = LocalPool(nodes=1, capacity="64MiB", lease_ttl=4, slots=slots)
+    sp.start()
+    try:
+        keys = [f"fence-{i}".encode() for i in range(24)]
+        slot_of = {k: slotrules.slot_of("default", k, slots) for k in keys}
+        s = slot_of[keys[0]]
+        mine = [k for k in keys if slot_of[k] == s]
+        other = [k for k in keys if slot_of[k] != s]
+        assert len(mine) >= 3 and other
+        with rdma_client(sp) as c:
+            first = rand(size, 5100)
+            assert c.batch_put([mine[0]], [first]) == [True]
+            assert set(c.transport_names().values()) == {"rdma"}
+            gen = c.admin(wire.Op.LOOKUP, {"ns": "default", "keys": [mine[0]]})["locs"][0][3]
+            epoch = slotrules.SLOT_EPOCH | (gen + (1 << 40))  # the slot's leader grants below this from now on
+            (node,) = nodes_json(sp)
+            with contextlib.closing(FramedSocket(node["addr"], "test", time.monotonic() + 30)) as ctl:
+                assert ctl.request(wire.Op.FENCE, {"epoch": epoch, "slots": slots},
+                                   time.monotonic() + 30).meta == {"floor": epoch}
+            stale = [rand(size, 5101 + i) for i in range(2)]
+            with pytest.raises(UmbpError, match="deposed metaserver term"):
+                c.batch_put(mine[1:3], stale)
+            assert c.batch_exists(mine[1:3]) == [False, False]
+            assert c.get(mine[0]) == first  # written before the FENCE: kept
+            fresh = [rand(size, 5200 + i) for i in range(len(other))]
+            assert c.batch_put(other, fresh) == [True] * len(other)
+            assert [c.get(k) for k in other] == fresh
+            assert c.batch_exists(mine[1:3]) == [False, False]
+    finally:
+        sp.stop()
 
 
 def test_layer_parts_and_ranged_reads(pool, monkeypatch):
