@@ -25,7 +25,7 @@ retry with the writer's token took the allocation over).
 from __future__ import annotations
 
 import heapq
-from itertools import repeat
+from itertools import accumulate, repeat
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from umbp.quotarules import QuotaRules
 
 UNIT_U64 = np.uint64(UNIT_SHIFT)
 _UNIT0 = np.array(UNIT_SHIFT, np.uint64)  # (a 0-d operand: a numpy scalar or int costs a small batch's ufunc twice)
+_SLOT0 = np.array(24, np.int64)  # bytes of a capability slot (offset, payload length, generation)
 RANK_TAKE = 256  # hits of a LOOKUP past which ``by_node`` ranks them by a table, not a search
 SCAN_PER_DROP = 16  # rows a drop slice may visit per page of its budget (numpy work over the state column)
 
@@ -71,8 +72,8 @@ def by_node(nix: np.ndarray) -> tuple[np.ndarray, np.ndarray | int, np.ndarray |
     uniq = cnt.nonzero()[0]
     if len(uniq) <= 1:
         return uniq, 0, None, [0, 24 * len(nix)]
-    ends = [0]
-    ends += (cnt.take(uniq).cumsum() * 24).tolist()
+    # (a running sum of a few dozen counts in Python: numpy's cumsum and a scalar multiply cost 2 us more)
+    ends = list(accumulate((cnt.take(uniq) * _SLOT0).tolist(), initial=0))
     if len(nix) <= RANK_TAKE:
         return uniq, uniq.searchsorted(nix), nix.argsort(kind="stable"), ends
     rank = np.empty(len(cnt), np.intp)

@@ -98,6 +98,7 @@ _S29, _S32 = np.array(29, np.uint64), np.array(32, np.uint64)
 _ONE16, _ONE32 = np.array(1, np.uint16), np.array(1, np.uint32)
 _ALL4 = np.array(0x01010101, np.uint32)  # four true bools read as one u32
 _SLOTS0, _GAP0 = np.array(SLOTS, np.int64), np.array(_WORDS - SLOTS, np.int64)
+COPY_TAGS = 512  # keys of a find from which the bucket tags are compared as a contiguous copy (1,024: 22 vs 32 us)
 SET_FIRST = 128  # up to this many deletes a round tell whether two share a bucket with a set, past it np.unique
 PLACE_ROWS = 1 << 20  # rows an insert files a ``_place`` at most (``_file``)
 
@@ -241,9 +242,10 @@ class KeyIndex:
         return bb[:len(h)], bb[len(h):], tag
 
     # -- queries ----------------------------------------------------------------------------------------------
-    def find(self, nsix: int, dig: np.ndarray, ns_col: np.ndarray) -> np.ndarray:
+    def find(self, nsix: int, dig: np.ndarray, ns_col: np.ndarray | None) -> np.ndarray:
         """Rows (int64, -1: absent) of digests ``dig`` in namespace ``nsix``; ``ns_col`` is the table's namespace
-        column (a row matches when its digest and namespace do). While a resize drains, the keys the new table
+        column (a row matches when its digest and namespace do), None when every filed row is of ``nsix`` (the
+        table has one namespace: the rows' namespaces are not read). While a resize drains, the keys the new table
         does not hold are looked for in the old one."""
         n = len(dig)
         rows = np.empty(n, np.int64)
@@ -260,21 +262,24 @@ class KeyIndex:
                 self._find_in(old, nsix, h[miss], dig[miss], ns_col, rows, miss)
                 miss = miss[rows[miss] < 0]
             for r in self.stash.tolist():
-                if len(miss) and ns_col[r] == nsix:
+                if len(miss) and (ns_col is None or ns_col[r] == nsix):
                     got = miss[_same(dig[miss], self.kc[r:r + 1])]
                     rows[got] = r
                     miss = miss[rows[miss] < 0]
         return rows
 
-    def _find_in(self, tab: _Buckets, nsix, h: np.ndarray, dig: np.ndarray, ns_col: np.ndarray, rows: np.ndarray,
-                 at: np.ndarray | None) -> None:
+    def _find_in(self, tab: _Buckets, nsix, h: np.ndarray, dig: np.ndarray, ns_col: np.ndarray | None,
+                 rows: np.ndarray, at: np.ndarray | None) -> None:
         """``find`` in one table: ``rows[at[i]]`` (``rows[i]`` when ``at`` is None) set for each digest ``dig[i]``
         (hash ``h[i]``) it holds."""
         n = len(h)
         bb, tag = self._where(h, tab)
         lines = tab.words.take(bb, axis=0)  # (2n, 16): both buckets of every key
-        hits = (lines.view(np.uint16).reshape(2, n, 2 * _WORDS)[:, :, _TAG0:_TAG0 + SLOTS]
-                == tag[None, :, None]).ravel().nonzero()[0]
+        tl = lines.view(np.uint16)[:, _TAG0:_TAG0 + SLOTS]
+        if n < COPY_TAGS:
+            hits = (tl.reshape(2, n, SLOTS) == tag[None, :, None]).ravel().nonzero()[0]
+        else:  # the tags copied out and compared with each key's tag repeated: one long compare, not 2n of 10 lanes
+            hits = (np.ascontiguousarray(tl).reshape(2, n * SLOTS) == tag.repeat(SLOTS)).ravel().nonzero()[0]
         if not len(hits):
             return
         k = hits // _SLOTS0  # each hit's line: every key's first bucket, then every second one (np.nonzero of a
@@ -282,9 +287,12 @@ class KeyIndex:
         cand -= _ONE32  # u32 rows (a tag matches filled slots only: row + 1 >= 1)
         k %= n  # each hit's key
         ok = _same(self.kc.take(cand, axis=0), dig.take(k, axis=0))
-        ok &= ns_col.take(cand) == self._ns_words(nsix)[1]
-        k = k[ok]
-        rows[k if at is None else at.take(k)] = cand[ok]
+        if ns_col is not None:
+            ok &= ns_col.take(cand) == self._ns_words(nsix)[1]
+        if np.count_nonzero(ok) != len(ok):  # (every tag match a key's row, the usual: no masks)
+            k = k[ok]
+            cand = cand[ok]
+        rows[k if at is None else at.take(k)] = cand
 
     def key_of(self, row: int) -> bytes:
         """The key of a live row (its bytes: the digest itself for a 32-byte key)."""

@@ -272,3 +272,29 @@ def test_reserve_sizes_an_empty_index_once():
     ix.reserve(10)
     assert ix.resizes == 1, "no effect on an index that holds rows"
     r.check()
+
+
+def test_either_tag_compare_and_a_one_namespace_find_answer_as_a_dict(monkeypatch):
+    """``find``'s two tag compares (lanes of each key's buckets below ``COPY_TAGS`` keys, a contiguous copy against
+    each tag repeated from it) and its one-namespace form (``ns_col`` None: the rows' namespaces not read) give the
+    dict's answers, with tags that collide all the time, keys found in either bucket, absent keys and a key twice,
+    mid-drain too (keys looked for in the old table)."""
+    from metaserver.table import index
+
+    r = Rows(CollidingTags(), 80_000)
+    keys = keys_of(0, 60_000)
+    drained_mid = 0
+    for lo in range(0, 60_000, 1500):
+        r.insert(keys[lo:lo + 1500])
+        r.delete(keys[lo:lo + 1500:7])
+        probe = keys[max(0, lo - 2000):lo + 1000:3] + keys_of(90_000, 90_100)
+        probe += probe[:5]
+        drained_mid += r.ix.old is not None
+        for size in (37, 700):
+            part = probe[:size]
+            want = r.expect(part)
+            for copy in (1, 1 << 30):
+                monkeypatch.setattr(index, "COPY_TAGS", copy)
+                assert r.find(part) == want, (lo, size, copy)
+                assert r.ix.find(0, digests(part)[0], None).tolist() == want, (lo, size, copy)
+    assert drained_mid >= 1
