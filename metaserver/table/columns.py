@@ -395,8 +395,10 @@ class PageTable:
         parts (``metaserver/table/shared.py``); 0, plain pages only."""
         rows = self._find(ns, keys)
         c = self.cols
-        hit = c["state"].take(rows) == _READY0
-        hit &= rows >= _NO_ROW0  # rows of -1 read the last row: masked here
+        st = c["state"]
+        hit = st.take(rows) == _READY0
+        if st[-1] == READY:  # rows of -1 (absent keys) read the last row: masked when that one is READY
+            hit &= rows >= _NO_ROW0
         if self.dying:  # a detached node's pages miss at once, before their slice drops them
             hit &= ~self.dead.take(c["node"].take(rows))
         if self.any_shared:  # only pages of the layout asked for: never another layout's bytes

@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 
-from metaserver.table import index
+from metaserver.table import columns, index
 from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import NEW
 from transport.wire import object_size
@@ -89,3 +89,28 @@ def test_shortcuts_match_the_general_path(monkeypatch):
         assert any(x[0] == "lookup" and x[1] for x in fast[0])  # the workload did look pages up
         assert any(x[0] == "alloc" and NEW in x[1] for x in fast[0])
         assert fast[1]["evictions"] > 0  # victims left the key index (deletes of several rows a round)
+
+
+def test_absent_keys_miss_when_the_last_row_is_ready():
+    """A LOOKUP masks absent keys (row -1, which reads the columns' last row) only while that row is READY: with the
+    last row's state READY (set by hand on a row no key names), absent keys still miss, present ones hit, one named
+    twice is pinned twice; with it FREE, the same."""
+    d = TableDirectory()
+    d.add_space("n0", 64 * object_size(PLEN))
+    keys = [i.to_bytes(32, "little") for i in range(40)]
+    p = d.alloc_placed("ns", keys, [PLEN] * 40, None, 1, 0.0)
+    assert d.commit("ns", keys, p.gens.tolist(), 0.0)[0] == [True] * 40
+    st = d.cols["state"]
+    last = len(st) - 1
+    assert st[last] != columns.READY and last not in d._find("ns", keys).tolist()
+    absent = (1 << 200).to_bytes(32, "little")
+    for state in (columns.READY, st[last]):
+        before = st[last]
+        st[last] = state
+        lease, hit, hr = d.lookup_rows("ns", [absent, keys[5], absent, keys[5]], 0.0)
+        assert hit.tolist() == [False, True, False, True] and len(hr) == 2
+        assert d.cols["pins"][hr[0]] == 2
+        assert d.release(lease) and d.cols["pins"][hr[0]] == 0
+        st[last] = before
+    assert d.hits == 4 and d.misses == 4
+    d.check()
