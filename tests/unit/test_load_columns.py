@@ -100,6 +100,8 @@ def test_each_nodes_columns_list_what_the_entries_list_in_commit_order():
         rows = [(p.ns_names[p.nsix[i]], p.key(i), int(p.off[i]), int(p.code[i]), int(p.gen[i]), int(p.rev[i]),
                  p.rec_names[p.rec[i]]) for i in range(len(p))]
         assert rows == want[node] and len(rows) == {"a": 22, "b": 32}[node]
+        assert [p.page(i, node, got_recs)[:7] for i in range(len(p))] == [  # (one page read without a column made)
+            (r[5], node, r[0], r[1], r[2], r[3], r[4]) for r in rows]
         assert (p.dig == digests([r[1] for r in rows])[0]).all()
         assert list(p.longs) == [(i, r[1]) for i, r in enumerate(rows) if len(r[1]) == 33]
 
