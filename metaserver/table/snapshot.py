@@ -2,9 +2,10 @@
 as the scan delivers them, their pages grouped by node, dead lists applied after the scan; ``NodePages``, one node's
 pages as columns, what ``TableDirectory.load`` files. The values' layouts are ``metaserver/table/records.py``'s.
 
-Costs: ``add`` keeps a segment as parsed; ``columns`` groups every segment's pages by node in batches of
-``_BATCH`` pages (a few numpy calls a segment, a stable radix sort and a gather a column and node a batch, then one
-concatenation a node); a msgpack record's pages cost an ``entry.Entry`` a page.
+Costs: ``add`` keeps a segment as parsed (its columns and keys views of its value: no copy); ``columns`` groups
+every segment's pages by node in batches of ``_BATCH`` pages (a few numpy calls a segment, a stable radix sort a
+batch and a gather a column and node, into each node's columns made once at their size; its long keys joined once a
+node); a msgpack record's pages cost an ``entry.Entry`` a page.
 """
 
 from __future__ import annotations
