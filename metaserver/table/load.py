@@ -153,7 +153,7 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     the rules). ``offsets``, ``payload_lens`` and ``gens`` are sequences of ints or numpy arrays. Raises
     ConfigError when the node was not added (``add_node``) or holds anything, or when the columns' lengths
     differ; nothing has changed then. ``records[i]``: the etcd key of page i's commit record (None: none); the rows
-    filed go under records of those names (``TableRecords.adopt_records``), and a record with a page rejected here is
+    filed go under records of those names (``CommitRecords.adopt``), and a record with a page rejected here is
     rewritten without it. ``stamps``: each page's recency (non-decreasing in the given order; a full load passes the
     records' revisions, so that recency across nodes is commit order too); by default fresh clock values in the given
     order (recency across nodes then follows the order of the loads). Column forms (a full load's
