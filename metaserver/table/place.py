@@ -135,7 +135,8 @@ def _file(t, nsix, dig, longs, tags, now, token, owner, parents, at, gen_base, r
         er = [np.fromiter(evicted.keys(), np.int64, len(evicted))] + bulk
         er = er[0] if len(er) == 1 else np.concatenate(er)
         t.commits.leaving(er)
-        t.ix.delete(er, t.cols["ns"].take(er).astype(np.uint64))  # (a victim's row keeps its namespace until now)
+        # (a victim's row keeps its namespace until now; a table of one namespace: every row's is 0)
+        t.ix.delete(er, t.cols["ns"].take(er).astype(np.uint64) if len(t.ns_names) > 1 else 0)
         evicted.clear()
         bulk.clear()
     if not len(rows):

@@ -298,3 +298,32 @@ def test_either_tag_compare_and_a_one_namespace_find_answer_as_a_dict(monkeypatc
                 assert r.find(part) == want, (lo, size, copy)
                 assert r.ix.find(0, digests(part)[0], None).tolist() == want, (lo, size, copy)
     assert drained_mid >= 1
+
+
+class SameBuckets(KeyIndex):
+    """Half the keys have one bucket for both candidates (as a multiply-shift reduction sometimes gives)."""
+
+    @staticmethod
+    def _where(h, tab):
+        bb, tag = KeyIndex._where(h, tab)
+        n = len(h)
+        same = (h & np.uint64(1)).astype(bool)
+        bb[n:][same] = bb[:n][same]
+        return bb, tag
+
+
+def test_keys_whose_two_buckets_are_one_are_deleted_once():
+    """A delete finds such a key's slot twice (its bucket read as first and second): it is emptied once, the
+    bucket kept compact, and the index answers as a dict through deletes of several rows a bucket, resizes
+    included."""
+    r = Rows(SameBuckets(), 60_000)
+    keys = keys_of(0, 50_000)
+    for lo in range(0, 50_000, 2500):
+        r.insert(keys[lo:lo + 2500])
+        r.delete(keys[lo:lo + 2500:3])
+        probe = keys[max(0, lo - 5000):lo + 2500:2] + keys_of(70_000, 70_050)
+        assert r.find(probe) == r.expect(probe), lo
+    r.check()
+    r.delete([k for k in keys if (0, k) in r.live][::2])
+    r.check()
+    assert r.ix.resizes >= 1
