@@ -20,10 +20,11 @@ Staging: a registered area of ``ClientConfig.staging_bytes`` (default 64 MiB); a
 Fencing: a one-sided write cannot be refused by the node, so the client refuses it. Before each wave of writes it
 reads the generation floors the node publishes in its arena's superblock page (``wire.floor_words``; the node's MR
 covers the arena from offset 0) with one RDMA READ of the words up to the highest slot among the ops left (16 bytes
-in a one-slot pool) into staging, and posts no op that ``wire.stale_gens`` says a deposed metaserver term granted
-(``base.stale_write``), nor one past its ``until_ms`` (``base.late_write``). Cost: one round trip a wave before its
-writes are posted. What it cannot stop: a floor that rises between that READ and the write's landing (a client
-stalled there, or a write retransmitted that long); the write deadline bounds that window.
+in a one-slot pool) into a page of its own, stages the wave meanwhile, and posts no op that ``wire.stale_gens`` says
+a deposed metaserver term granted (``base.stale_write``), nor one past its ``until_ms`` (``base.late_write``). Cost:
+one small READ's round trip a wave before its writes are posted (hidden behind the staging copies where they take
+longer) and a few us of numpy. What it cannot stop: a floor that rises between that READ and the write's landing (a
+client stalled there, or a write retransmitted that long); the write deadline bounds that window.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class RdmaTransport(Transport):
         self.component = f"transport rdma {node_id}"
         self.ctx = RdmaContext.default()
         self.staging = self.ctx.alloc(max(staging_bytes, 1 << 20), CLIENT_ACCESS)
+        self.floor_mr = self.ctx.alloc(wire.ALIGN, CLIENT_ACCESS)  # the node's floors land here (``_read_floors``)
         self.registered: list[Any] = []  # MemoryRegions of caller buffers (zero copy)
         self.ep: RcEndpoint | None = None
         self.ctl: FramedSocket | None = None
@@ -181,17 +183,20 @@ class RdmaTransport(Transport):
             p.state = None
         return p
 
-    def _stale_from(self, ops: list, first: int, deadline: float) -> np.ndarray:
-        """Which of ``ops[first:]`` (writes) a deposed metaserver term granted, by the node's published generation
-        floors, read now with one RDMA READ into staging's first page (free between waves). Blocks until that READ
-        completes; a failed READ or the deadline raises TransportError (the QP is then broken: nothing of the wave
-        was posted)."""
+    def _read_floors(self, ops: list, first: int) -> tuple[int, np.ndarray]:
+        """Post the RDMA READ of the generation floors the node publishes in its arena's superblock page, the words
+        that ``wire.stale_gens`` looks at for the generations of ``ops[first:]`` (writes): word 0 and the slot words
+        up to the highest slot's, into ``self.floor_mr`` at the page's own layout. Returns (request id, gens)."""
         gens = np.fromiter((op.gen for op in ops[first:]), np.uint64, len(ops) - first)
         top = int(gens.max() >> np.uint64(wire.SLOT_GEN_SHIFT)) if len(gens) else 0
-        # word 0 and the slot words up to the highest slot's: stale_gens looks at no other word for these gens
         n = 2 + min(top, wire.ARENA_FLOOR_SLOTS - 1)
-        at = wire.ARENA_FLOORS_AT  # staging mirrors the superblock page's layout, so floor_words reads it as-is
-        (rid,) = self.ep.post_reads([(self.staging, at, 8 * n, self.remote_base + at, self.rkey)])
+        at = wire.ARENA_FLOORS_AT
+        (rid,) = self.ep.post_reads([(self.floor_mr, at, 8 * n, self.remote_base + at, self.rkey)])
+        return rid, gens
+
+    def _stale(self, rid: int, gens: np.ndarray, deadline: float) -> np.ndarray:
+        """Which of ``gens`` a deposed metaserver term granted, once the floors READ ``rid`` is done. Blocks until
+        then; a failed READ or the deadline raises TransportError (the QP is then broken)."""
         done: dict = {}
         while rid not in done:
             done.update(self.ep.poll(deadline))
@@ -200,18 +205,19 @@ class RdmaTransport(Transport):
                 raise DeadlineExceeded(self.component, "the node's generation floors unread at the deadline")
         if done[rid] is not None:
             raise TransportError(self.component, f"RDMA read of the node's generation floors failed: {done[rid]}")
-        return wire.stale_gens(wire.floor_words(self.staging.view), gens)
+        return wire.stale_gens(wire.floor_words(self.floor_mr.view), gens)
 
     def _post_wave(self, p: Pending, deadline: float) -> None:
         """Post ops from p.state['next'] on while staging space lasts (always at least one op). A wave of writes
-        first reads the node's generation floors (``_stale_from``)."""
+        first posts the READ of the node's generation floors, stages its ops while that READ is under way, and posts
+        none that a deposed term granted (``_stale``)."""
         st = p.state
         ops = p.ops
         used = 0
         reqs, idx = [], []
         cap = self.staging.length
         i = first = st["next"]
-        stale = self._stale_from(ops, first, deadline) if p.kind == "write" else None
+        floors = self._read_floors(ops, first) if p.kind == "write" else None
         while i < len(ops):
             op = ops[i]
             if p.results[i] is not None:
@@ -221,12 +227,6 @@ class RdmaTransport(Transport):
                 # its allocation may have ended: posting it could land on the next page (a one-sided write the
                 # node cannot refuse), so nothing is posted past the ALLOC answer's write_until_ms
                 p.results[i] = late_write(self.component, op.until_ms)
-                i += 1
-                continue
-            if stale is not None and stale[i - first]:
-                # a deposed term's grant: the new term may have placed a page in its extent (one-sided: the node
-                # could not refuse it), so it is not posted
-                p.results[i] = stale_write(self.component, op.gen)
                 i += 1
                 continue
             hslot = used
@@ -293,6 +293,19 @@ class RdmaTransport(Transport):
             idx.append((i, hslot, in_place))
             i += 1
         st["next"] = i
+        if floors is not None:
+            stale = self._stale(*floors, deadline)
+            if stale.any():
+                # a deposed term's grant: the new term may have placed a page in its extent (one-sided: the node
+                # could not refuse it), so it is not posted (its staging space stays unused this wave)
+                kept = [], []
+                for req, ix in zip(reqs, idx):
+                    if stale[ix[0] - first]:
+                        p.results[ix[0]] = stale_write(self.component, ops[ix[0]].gen)
+                    else:
+                        kept[0].append(req)
+                        kept[1].append(ix)
+                reqs, idx = kept
         post = self.ep.post_reads if p.kind == "read" else self.ep.post_writes
         ids = post(reqs)
         st["posted"] = {rid: ix for rid, ix in zip(ids, idx)}
@@ -382,6 +395,7 @@ class RdmaTransport(Transport):
             self.ctx.deregister(r)
         self.registered.clear()
         self.ctx.deregister(self.staging)
+        self.ctx.deregister(self.floor_mr)
 
 
 def client_transport(node_id: str, info: dict, registered: list, config) -> RdmaTransport:
