@@ -42,7 +42,7 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, ContextManager, Iterable, Sequence
 
 from transport import wire
 from transport.base import Pending, Transport
@@ -59,7 +59,7 @@ from umbp.releases import ReleasingMeta
 from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
 from umbp.speculate import Speculation
-from umbp.mapped import MappedPages, MappedPath  # noqa: F401  (umbp.client.MappedPages is public)
+from umbp.mapped import Mapped, MappedPages  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp import putbatch
 from umbp.puts import PutPath
 from umbp.pagereads import read_ahead, read_ops
@@ -69,7 +69,7 @@ NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS,
                                     wire.AllocState.IN_FLIGHT)
 
 
-class Client(PutPath, MappedPath):
+class Client(PutPath):
     def __init__(self, metaserver: str | None = None, namespace: str | None = None, token: str | None = None,
                  transport: str | None = None, *, timeout: float | None = None, checksum: bool | None = None,
                  tls_ca: str | None = None, config: ClientConfig | None = None, shard: tuple | None = None):
@@ -96,6 +96,7 @@ class Client(PutPath, MappedPath):
                          "late_reads": 0}
         self._counts = threading.Lock()  # counters change only under it (``count``): threads share a client
         self._closed = False
+        self.maps = Mapped(self)  # ``mapped`` (umbp/mapped.py)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
@@ -288,6 +289,12 @@ class Client(PutPath, MappedPath):
 
     def put(self, key: Any, value: Any) -> bool:
         return self.batch_put([key], [value])[0]
+
+    # ---- mapped pages ---------------------------------------------------------------------------------------
+
+    def mapped(self, keys: Sequence[Any]) -> ContextManager[MappedPages]:
+        """Zero-copy access to pages held by same-host nodes under one read lease: ``umbp.mapped.Mapped.mapped``."""
+        return self.maps.mapped(keys)
 
     # ---- gets -----------------------------------------------------------------------------------------------
 
