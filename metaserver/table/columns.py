@@ -335,7 +335,8 @@ class PageTable:
             every = nf == len(keys)  # (every key found, the usual: no masks)
             fr = rows if every else rows[found]
             st = c["state"].take(fr)
-            same = c["gen"].take(fr) == (np.array(gens, np.uint64) if every else np.array(gens, np.uint64)[found])
+            g = np.fromiter(gens, np.uint64, len(gens))  # (a list of ints: a third cheaper than np.array)
+            same = c["gen"].take(fr) == (g if every else g[found])
             if self.any_shared:  # never a shared entry's row: its ranks' COMMITs complete it (table/shared.py)
                 same &= self.code_parts.take(c["size"].take(fr)) == 0
             if every:
@@ -344,14 +345,15 @@ class PageTable:
                 ok[found] = same
             new = fr[same & (st == PENDING)]
             if len(new):
-                if len(set(keys)) < len(keys):  # a key given twice: once, in key order
+                pending = self._pending
+                held = len(pending)
+                for r in new.tolist():
+                    pending.pop(r, None)
+                if held - len(pending) < len(new):  # a key given twice (fewer rows left the set): once, in key order
                     new = new[np.sort(np.unique(new, return_index=True)[1])]
                 c["state"][new] = READY
                 self._stamp(new)
                 self.commits.committed(ns, new)
-                pending = self._pending
-                for r in new.tolist():
-                    del pending[r]
         return ok.tolist()
 
     def abort(self, ns: str, keys: list[bytes], gens: list[int]) -> int:

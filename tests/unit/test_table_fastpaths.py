@@ -114,3 +114,22 @@ def test_absent_keys_miss_when_the_last_row_is_ready():
         st[last] = before
     assert d.hits == 4 and d.misses == 4
     d.check()
+
+
+def test_a_commit_naming_a_key_twice_files_it_once():
+    """COMMIT of a key given twice (both with its generation, or the second with another): True for each naming
+    with the right generation, the row READY, stamped and filed under the commit record once, nothing left
+    pending; the table's invariants hold."""
+    d = TableDirectory()
+    d.add_space("n0", 16 * object_size(PLEN))
+    keys = [i.to_bytes(32, "little") for i in range(4)]
+    p = d.alloc_placed("ns", keys, [PLEN] * 4, None, 1, 0.0)
+    g = p.gens.tolist()
+    clock = d.clock
+    ok = d.commit("ns", [keys[0], keys[1], keys[0], keys[2], keys[2]], [g[0], g[1], g[0], g[2], g[2] + 7], 0.0)[0]
+    assert ok == [True, True, True, True, False]
+    assert d.clock == clock + 3  # each committed row stamped once
+    rows = d._find("ns", keys).tolist()
+    assert [int(d.cols["state"][r]) for r in rows] == [columns.READY] * 3 + [columns.PENDING]
+    assert set(d._pending) == {rows[3]}
+    d.check()
