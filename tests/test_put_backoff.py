@@ -39,7 +39,7 @@ def test_get_completes_while_a_put_backs_off(cluster):
         # the shared client's put finds "k" IN_FLIGHT and backs off; count those rounds
         rounds_waiting = []
         backing_off = threading.Event()
-        real_once = shared._put_once
+        real_once = shared.puts._put_once
 
         def counted_once(*a, **k):
             res = real_once(*a, **k)
@@ -48,7 +48,7 @@ def test_get_completes_while_a_put_backs_off(cluster):
                 backing_off.set()
             return res
 
-        shared._put_once = counted_once
+        shared.puts._put_once = counted_once
         put_result: list = []
         pt = threading.Thread(target=lambda: put_result.append(shared.put("k", b"s" * 4096)), daemon=True)
         pt.start()

@@ -305,7 +305,7 @@ def test_dead_writer_frees_its_pending_keys_and_others_wait_for_a_live_one(close
 
     def second_writer():
         with client(closed, TENANT_A) as c:
-            real_once = c._put_once
+            real_once = c.puts._put_once
 
             def put_once(*a, **k):  # notes each round whose ALLOC answered IN_FLIGHT (the put then backs off)
                 res = real_once(*a, **k)
@@ -313,7 +313,7 @@ def test_dead_writer_frees_its_pending_keys_and_others_wait_for_a_live_one(close
                     waiting.set()
                 return res
 
-            c._put_once = put_once
+            c.puts._put_once = put_once
             try:
                 result["put"] = c.put("contended", b"w" * 1000)
                 result["get"] = c.get("contended")

@@ -49,9 +49,9 @@ from transport.base import Pending, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
 from umbp.auth import with_caps
-from umbp.buffers import CudaOut, as_bytes_view, as_writable_view, flush_cuda
+from umbp.buffers import CudaOut, as_writable_view, flush_cuda
 from umbp.config import ClientConfig, resolve
-from umbp.devcopy import DeviceCopier
+from umbp.devcopy import DeviceBatch, DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
 from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
@@ -60,8 +60,7 @@ from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
 from umbp.speculate import Speculation
 from umbp.mapped import Mapped, MappedPages  # noqa: F401  (umbp.client.MappedPages is public)
-from umbp import putbatch
-from umbp.puts import PutPath
+from umbp.puts import Puts
 from umbp.pagereads import read_ahead, read_ops
 from umbp.readbatch import DISK, get_into, late_reads_missed, normalize_keys, out_addresses
 
@@ -69,7 +68,7 @@ NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS,
                                     wire.AllocState.IN_FLIGHT)
 
 
-class Client(PutPath):
+class Client:
     def __init__(self, metaserver: str | None = None, namespace: str | None = None, token: str | None = None,
                  transport: str | None = None, *, timeout: float | None = None, checksum: bool | None = None,
                  tls_ca: str | None = None, config: ClientConfig | None = None, shard: tuple | None = None):
@@ -96,6 +95,7 @@ class Client(PutPath):
                          "late_reads": 0}
         self._counts = threading.Lock()  # counters change only under it (``count``): threads share a client
         self._closed = False
+        self.puts = Puts(self)  # ALLOC, write, COMMIT (umbp/puts.py)
         self.maps = Mapped(self)  # ``mapped`` (umbp/mapped.py)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -253,39 +253,22 @@ class Client(PutPath):
 
     def batch_put(self, keys: Sequence[Any], values: Sequence[Any], parents: Sequence[Any] | None = None
                   ) -> list[bool]:
-        if len(keys) != len(values):
-            raise InvalidArgument(self.component, f"batch_put: {len(keys)} keys but {len(values)} values")
-        views = putbatch.host_views(values)  # numpy byte arrays, bytes: views by map (umbp/putbatch.py)
-        if views is not None:
-            return self._put(keys, views, parents)
-        if self._any_cuda(values):  # umbp/puts.py: the kernel writes them straight into same-host arenas
-            return self._put_cuda(keys, [[v] for v in values], parents, "values")
-        return self._put(keys, [[as_bytes_view(v, "values", i)] for i, v in enumerate(values)], parents)
-
-    @staticmethod
-    def _any_cuda(values: Sequence[Any]) -> bool:
-        for v in values:
-            dev = getattr(v, "device", None)
-            if dev is not None and getattr(dev, "type", "cpu") != "cpu":
-                return True
-        return False
+        """True = stored by this call, False = already there (see the module docstring): ``umbp.puts.Puts``."""
+        return self.puts.batch_put(keys, values, parents)
 
     def batch_put_ranges(self, keys: Sequence[Any], parts: Sequence[Sequence[Any]],
                          parents: Sequence[Any] | None = None) -> list[bool]:
-        """Store page i as the concatenation of the buffers ``parts[i]`` (one per layer, say), without joining
-        them first: each transport writes the parts back to back into the page's slot. Same contract as
-        ``batch_put``: True stored by this call, False already there."""
-        if len(keys) != len(parts):
-            raise InvalidArgument(self.component, f"batch_put_ranges: {len(keys)} keys but {len(parts)} part lists")
-        cuda = False
-        for i, ps in enumerate(parts):
-            if isinstance(ps, (bytes, bytearray, memoryview)) or not isinstance(ps, Sequence):
-                raise InvalidArgument(self.component, f"batch_put_ranges: parts[{i}] must be a list of buffers")
-            cuda = cuda or self._any_cuda(ps)
-        if cuda:
-            return self._put_cuda(keys, parts, parents, "parts")
-        return self._put(keys, [[as_bytes_view(v, f"parts[{i}][{j}]") for j, v in enumerate(ps)]
-                                for i, ps in enumerate(parts)], parents)
+        """Store page i as the concatenation of the buffers ``parts[i]``: ``umbp.puts.Puts.batch_put_ranges``."""
+        return self.puts.batch_put_ranges(keys, parts, parents)
+
+    def put_device(self, keys: Sequence[Any], batch: DeviceBatch, parents: Sequence[Any] | None = None
+                   ) -> list[bool]:
+        """``batch_put`` of pages that lie in device memory: ``umbp.puts.Puts.put_device``."""
+        return self.puts.put_device(keys, batch, parents)
+
+    def direct_device_puts(self) -> bool:
+        """Whether device payloads can go straight to an arena here: ``umbp.puts.Puts.direct_device_puts``."""
+        return self.puts.direct_device_puts()
 
     def put(self, key: Any, value: Any) -> bool:
         return self.batch_put([key], [value])[0]

@@ -5,7 +5,7 @@ Taken for a chunk (``umbp/puts.py``'s ``_write_answer``) when its ALLOC answer h
 (``wire.unpack_allocs`` keeps them as ``alloc_rows``, ``wire.ALLOC_ROW``), the batch has no device pages, payload
 checksums are off, and every page of the chunk is one flat host view of the length the answer allocated. Anything
 else (``umbp.buffers.Rows`` parts, several parts a page, a multi-slot answer merged as items) keeps the per-page path
-of ``PutPath._write_chunk``.
+of ``Puts._write_chunk``.
 
 Per chunk: the states sorted into the put's lists with a few masks, the NEW pages grouped by node (one group without a
 sort for the usual single node; several by one stable argsort, in the order their first page comes, as the per-page

@@ -1,5 +1,6 @@
-"""The put path of ``umbp.Client`` (``PutPath``, a mixin: it uses the client's metaserver connection, transports
-and counters): ALLOC, write, COMMIT, in chunks pipelined on the metaserver connection.
+"""The put path of ``umbp.Client``: ``Puts``, the part behind ``batch_put``, ``batch_put_ranges``, ``put_device`` and
+``direct_device_puts`` (held as ``client.puts``; it reads the client's metaserver connection, transports, lock and
+counters through its client): ALLOC, write, COMMIT, in chunks pipelined on the metaserver connection.
 
 A batch_put of more than one chunk (CHUNK_MAX_PAGES pages or about CHUNK_BYTES) has the next chunks' ALLOCs
 (ALLOC_AHEAD of them) and the previous chunks' COMMITs in flight while a chunk is written; the call returns only once
@@ -16,12 +17,17 @@ device (``DeviceCopier.write``: old header invalidated, payload, header last), t
 memory (the batch's stager) and written by their transport. Where the kernel cannot run at all (no CUDA or CuPy,
 payload checksums on: the checksum needs host bytes) every device page is staged once, up front. Counters:
 ``kernel_put_bytes`` / ``staged_put_bytes`` (device payloads stored by this client through either path).
+
+The part refers to its client weakly (as ``umbp.mapped.Mapped`` does): the client holds the part, and a strong
+reference back would make a cycle, so a client dropped without ``close()`` would wait for the cyclic collector
+instead of closing at once. A call holds its client strongly for as long as it runs.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -87,16 +93,57 @@ class _PutResult:
             (self.stored if ok else self.lost).append(i)
 
 
-class PutPath:
+def _any_cuda(values: Sequence[Any]) -> bool:
+    for v in values:
+        dev = getattr(v, "device", None)
+        if dev is not None and getattr(dev, "type", "cpu") != "cpu":
+            return True
+    return False
+
+
+class Puts:
     """ALLOC, write and COMMIT for ``umbp.Client`` (see the module docstring)."""
+
+    def __init__(self, client: Any):
+        self._client = weakref.ref(client)
+
+    def batch_put(self, keys: Sequence[Any], values: Sequence[Any], parents: Sequence[Any] | None = None
+                  ) -> list[bool]:
+        if len(keys) != len(values):
+            raise InvalidArgument(self._client().component, f"batch_put: {len(keys)} keys but {len(values)} values")
+        views = putbatch.host_views(values)  # numpy byte arrays, bytes: views by map (umbp/putbatch.py)
+        if views is not None:
+            return self._put(keys, views, parents)
+        if _any_cuda(values):  # the kernel writes them straight into same-host arenas
+            return self._put_cuda(keys, [[v] for v in values], parents, "values")
+        return self._put(keys, [[as_bytes_view(v, "values", i)] for i, v in enumerate(values)], parents)
+
+    def batch_put_ranges(self, keys: Sequence[Any], parts: Sequence[Sequence[Any]],
+                         parents: Sequence[Any] | None = None) -> list[bool]:
+        """Store page i as the concatenation of the buffers ``parts[i]`` (one per layer, say), without joining
+        them first: each transport writes the parts back to back into the page's slot. Same contract as
+        ``batch_put``: True stored by this call, False already there."""
+        c = self._client()
+        if len(keys) != len(parts):
+            raise InvalidArgument(c.component, f"batch_put_ranges: {len(keys)} keys but {len(parts)} part lists")
+        cuda = False
+        for i, ps in enumerate(parts):
+            if isinstance(ps, (bytes, bytearray, memoryview)) or not isinstance(ps, Sequence):
+                raise InvalidArgument(c.component, f"batch_put_ranges: parts[{i}] must be a list of buffers")
+            cuda = cuda or _any_cuda(ps)
+        if cuda:
+            return self._put_cuda(keys, parts, parents, "parts")
+        return self._put(keys, [[as_bytes_view(v, f"parts[{i}][{j}]") for j, v in enumerate(ps)]
+                                for i, ps in enumerate(parts)], parents)
 
     def put_device(self, keys: Sequence[Any], batch: DeviceBatch, parents: Sequence[Any] | None = None
                    ) -> list[bool]:
         """``batch_put`` of pages that lie in device memory (every page of ``batch``; see the module docstring).
         Same contract: True stored by this call, False already there."""
+        c = self._client()
         if batch.n != len(keys) or not batch.on_device.all():
-            raise InvalidArgument(self.component, f"put_device: {len(keys)} keys but a device batch of {batch.n} "
-                                                  f"pages, {int(batch.on_device.sum())} on the device")
+            raise InvalidArgument(c.component, f"put_device: {len(keys)} keys but a device batch of {batch.n} "
+                                               f"pages, {int(batch.on_device.sum())} on the device")
         return self._put(keys, [None] * len(keys), parents, batch)
 
     def _put_cuda(self, keys: Sequence[Any], parts: Sequence[Sequence[Any]], parents: Sequence[Any] | None,
@@ -137,19 +184,21 @@ class PutPath:
     def direct_device_puts(self) -> bool:
         """Whether device payloads can go straight to an arena here: the kernel runs, no payload checksums, and
         at least one same-host node's arena is registered with CUDA. Blocks for one NODES request."""
-        if self.config.checksum or not self._device.usable():
+        c = self._client()
+        if c.config.checksum or not c._device.usable():
             return False
-        arenas = self.local_arenas()
-        with self._lock:
-            return bool(self._kernel_nodes([(n,) for n in arenas], self._deadline()))
+        arenas = c.local_arenas()
+        with c._lock:
+            return bool(c._kernel_nodes([(n,) for n in arenas], c._deadline()))
 
     def _put(self, keys: Sequence[Any], views: list, parents: Sequence[Any] | None, dev: DeviceBatch | None = None
              ) -> list[bool]:
         """``views[i]``: page i's flat byte views, or None for a page of ``dev`` (device memory)."""
+        c = self._client()
         if not keys:
             return []
         release = None
-        if dev is not None and (self.config.checksum or not self._device.usable()):
+        if dev is not None and (c.config.checksum or not c._device.usable()):
             # the kernel cannot run here (or the checksum needs host bytes): every device page staged once
             idxs = np.flatnonzero(dev.on_device).tolist()
             staged, release = dev.stager(idxs)
@@ -165,15 +214,16 @@ class PutPath:
 
     def _put_views(self, keys: Sequence[Any], views: list, parents: Sequence[Any] | None, dev: DeviceBatch | None
                    ) -> list[bool]:
+        c = self._client()
         kb = putbatch.keys_bytes(keys) or [normalize_key(k) for k in keys]
         if parents is not None and len(parents) != len(kb):
-            raise InvalidArgument(self.component, f"batch_put: {len(kb)} keys but {len(parents)} parents")
+            raise InvalidArgument(c.component, f"batch_put: {len(kb)} keys but {len(parents)} parents")
         pb = None if parents is None else [None if p is None else normalize_key(p) for p in parents]
         sizes = putbatch.sizes_of(views) or [int(dev.nbytes[i]) if v is None else len(v[0]) if len(v) == 1 else
                                              sum(len(x) for x in v) for i, v in enumerate(views)]
         out = [False] * len(kb)
-        with self._lock:
-            deadline = self._deadline()
+        with c._lock:
+            deadline = c._deadline()
         todo = list(range(len(kb)))
         # A commit can come back not-ok when its allocation was lost (the metaserver leader died between ALLOC and
         # COMMIT, or the allocation expired): the bytes were never visible, so allocate and write again, once,
@@ -183,7 +233,7 @@ class PutPath:
         # threads' gets and puts on this client go on while this one waits.
         relost = 0
         for attempt in range(1 << 20):  # bounded by the deadline (IN_FLIGHT waits) and by relost < 2
-            with self._lock:
+            with c._lock:
                 stored, lost, full, err, waiting = self._put_once(kb, views, sizes, pb, todo, deadline, dev)
             for i in stored:
                 out[i] = True
@@ -193,18 +243,18 @@ class PutPath:
             if waiting:
                 pause = IN_FLIGHT_WAIT_S[min(attempt, len(IN_FLIGHT_WAIT_S) - 1)]
                 if time.monotonic() + pause >= deadline:
-                    raise DeadlineExceeded(self.component, f"batch_put: {len(waiting)} keys still being "
-                                                           f"written by another writer at the deadline")
+                    raise DeadlineExceeded(c.component, f"batch_put: {len(waiting)} keys still being "
+                                                        f"written by another writer at the deadline")
                 time.sleep(pause)  # not holding the client lock
             todo = lost + waiting
         if err is not None:
             raise err
         if full:
-            raise PoolFull(self.component, f"pool full: {len(full)} of {len(kb)} pages found no space "
-                                           f"(every evictable page is leased or pending); {sum(out)} stored")
+            raise PoolFull(c.component, f"pool full: {len(full)} of {len(kb)} pages found no space "
+                                        f"(every evictable page is leased or pending); {sum(out)} stored")
         if lost:
-            raise TransportError(self.component, f"batch_put: {len(lost)} pages lost their allocation before "
-                                                 f"commit twice and were not stored")
+            raise TransportError(c.component, f"batch_put: {len(lost)} pages lost their allocation before "
+                                              f"commit twice and were not stored")
         return out
 
     @staticmethod
@@ -224,7 +274,8 @@ class PutPath:
         return chunks
 
     def _alloc_meta(self, kb: list[bytes], sizes: list[int], parents: list | None, idxs: list[int]) -> dict:
-        meta: dict[str, Any] = {"ns": self.namespace, "keys": [kb[i] for i in idxs], "sizes": [sizes[i] for i in idxs],
+        c = self._client()
+        meta: dict[str, Any] = {"ns": c.namespace, "keys": [kb[i] for i in idxs], "sizes": [sizes[i] for i in idxs],
                                 "token": int.from_bytes(os.urandom(8), "little") >> 1 or 1}
         if parents is not None:
             meta["parents"] = [parents[i] for i in idxs]
@@ -239,11 +290,12 @@ class PutPath:
         places.
 
         A batch of more than one chunk (``_chunks``) is pipelined on the metaserver connection: the ALLOCs of the
-        next ALLOC_AHEAD chunks are in flight while chunk c is written, and the COMMITs of every chunk written so
+        next ALLOC_AHEAD chunks are in flight while chunk k is written, and the COMMITs of every chunk written so
         far; the call returns once every COMMIT is answered (durable in etcd). A single chunk is one ALLOC and one
         COMMIT call. An error unwinds: places allocated but not written are aborted, COMMITs in flight collected."""
-        ns = self.namespace
-        meta = self._meta
+        c = self._client()
+        ns = c.namespace
+        meta = c._meta
         chunks = self._chunks(idxs, sizes)
         acc = _PutResult()
         if len(chunks) == 1:
@@ -257,11 +309,11 @@ class PutPath:
             allocs: list = []
             commits: list[tuple[Any, list[int]]] = []
             try:
-                for c, chunk in enumerate(chunks):
-                    while len(allocs) < min(len(chunks), c + 1 + ALLOC_AHEAD):
+                for k, chunk in enumerate(chunks):
+                    while len(allocs) < min(len(chunks), k + 1 + ALLOC_AHEAD):
                         allocs.append(meta.submit(wire.Op.ALLOC, self._alloc_meta(kb, sizes, parents,
                                                                                   chunks[len(allocs)]), deadline))
-                    reply = meta.result(allocs[c], deadline)
+                    reply = meta.result(allocs[k], deadline)
                     ok_idx, gens = self._write_answer(kb, views, sizes, chunk, reply, deadline, acc, dev, True)
                     if ok_idx:
                         commits.append((meta.submit(wire.Op.COMMIT, {"ns": ns, "keys": [kb[i] for i in ok_idx],
@@ -273,16 +325,16 @@ class PutPath:
             except BaseException:
                 self._unwind(kb, allocs, commits, len(acc.chunks_done), deadline)
                 raise
-        self.count(puts=len(acc.stored), dedup=acc.dedup, bytes_put=sum(sizes) if len(acc.stored) == len(sizes) else
-                   sum(sizes[i] for i in acc.stored))
+        c.count(puts=len(acc.stored), dedup=acc.dedup, bytes_put=sum(sizes) if len(acc.stored) == len(sizes) else
+                sum(sizes[i] for i in acc.stored))
         if dev is not None:
             via = dev.via[acc.stored]
-            self.count(kernel_put_bytes=int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_KERNEL].sum()),
-                       staged_put_bytes=int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_STAGED].sum()))
+            c.count(kernel_put_bytes=int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_KERNEL].sum()),
+                    staged_put_bytes=int(dev.nbytes[acc.stored][via == DeviceBatch.VIA_STAGED].sum()))
         err = None
         if acc.first_err is not None:
-            err = TransportError(self.component, f"batch_put: {len(acc.bad)} of {len(kb)} pages were not stored "
-                                                 f"(aborted): {acc.first_err}")
+            err = TransportError(c.component, f"batch_put: {len(acc.bad)} of {len(kb)} pages were not stored "
+                                              f"(aborted): {acc.first_err}")
             err.__cause__ = acc.first_err
         return acc.stored, acc.lost, acc.full, err, acc.waiting
 
@@ -291,7 +343,8 @@ class PutPath:
                       ) -> tuple[list[int], dict[int, int]]:
         """Write one chunk given its ALLOC answer: as arrays (``umbp/putbatch.py``) where that path takes it, else
         page by page (``_write_chunk``). Same results, aborts and errors either way."""
-        rows = putbatch.answer_rows(reply, len(idxs)) if dev is None and not self.config.checksum else None
+        c = self._client()
+        rows = putbatch.answer_rows(reply, len(idxs)) if dev is None and not c.config.checksum else None
         if rows is None or not putbatch.takes(views, idxs, sizes, rows):
             items = with_caps(reply["items"], reply.get("caps"), 6)
             return self._write_chunk(kb, views, idxs, items, deadline, acc, dev, pipelined,
@@ -304,9 +357,9 @@ class PutPath:
         try:
             if pipelined and int(rows["len"][pos].sum()) < SHARE_BELOW_PAGE_BYTES * len(pos):
                 with copies.sharing_cores(1):  # as _write_chunk: leave a core to the other chunks' requests
-                    results, index = putbatch.write(self, views, idxs, rows, pos, nodes, caps, deadline, until)
+                    results, index = putbatch.write(c, views, idxs, rows, pos, nodes, caps, deadline, until)
             else:
-                results, index = putbatch.write(self, views, idxs, rows, pos, nodes, caps, deadline, until)
+                results, index = putbatch.write(c, views, idxs, rows, pos, nodes, caps, deadline, until)
         except Exception:
             acc.chunks_done[-1] = {}
             self._abort_written(kb, list(gens), gens, deadline)  # best effort: the write's error is the one raised
@@ -322,12 +375,13 @@ class PutPath:
         other chunks' ALLOCs and COMMITs are in flight, so host copies leave a core to whoever serves them
         (``copies.sharing_cores``). ``until_ms``: the ALLOC answer's ``write_until_ms`` (0: none), on every WriteOp;
         the kernel is not started past it (its pages fail as late writes)."""
+        c = self._client()
         batches: dict[str, list[WriteOp]] = {}
         index: dict[str, list[int]] = {}
         gens: dict[int, int] = {}
-        checksum = self.config.checksum
+        checksum = c.config.checksum
         pack = wire.pack_object_header
-        kernel = self._kernel_nodes([(item[1],) for item in items if item[0] == NEW], deadline) if (
+        kernel = c._kernel_nodes([(item[1],) for item in items if item[0] == NEW], deadline) if (
             dev is not None and any(views[i] is None for i in idxs)) else {}
         direct: list[tuple[int, memoryview, int, int, bytes]] = []  # device pages the kernel writes
         to_stage: list[tuple[int, Any]] = []  # device pages placed where the kernel cannot write
@@ -335,7 +389,7 @@ class PutPath:
         def add(i: int, item: Any, parts: list[memoryview]) -> None:
             _, node_id, off, size, gen, tag, cap = item
             if (type(parts[0]) is Rows if len(parts) == 1 else any(type(p) is Rows for p in parts)) and (
-                    checksum or not self._reads_rows(node_id, deadline)):
+                    checksum or not c._reads_rows(node_id, deadline)):
                 parts = [v for p in parts for v in (p.views() if type(p) is Rows else (p,))]  # one view per row
             header = pack(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
             ops = batches.get(node_id)
@@ -372,16 +426,16 @@ class PutPath:
                     add(i, item, parts)
                     dev.via[i] = DeviceBatch.VIA_STAGED
             if direct and until_ms and time.time() * 1000 > until_ms:  # the kernel copies a batch at once
-                direct_res = [late_write(self.component, until_ms)] * len(direct)
+                direct_res = [late_write(c.component, until_ms)] * len(direct)
             else:
-                direct_res = self._device.write(dev, direct) if direct else []
+                direct_res = c._device.write(dev, direct) if direct else []
             if not batches:
                 results = {}
             elif pipelined and _metaserver_bound(batches):  # leave a core to the other chunks' ALLOCs and COMMITs
                 with copies.sharing_cores(1):
-                    results = self._run(batches, "write", deadline)
+                    results = c._run(batches, "write", deadline)
             else:
-                results = self._run(batches, "write", deadline)
+                results = c._run(batches, "write", deadline)
         except Exception:
             acc.chunks_done[-1] = {}
             self._abort_written(kb, list(gens), gens, deadline)  # best effort: the write's error is the one raised
@@ -417,27 +471,29 @@ class PutPath:
         """ABORT the places of ``idxs`` whose write failed (``written``: bytes may have landed there), best effort:
         it runs on the failed put's deadline, often past already, and a failed ABORT must not replace the write's
         error (review 4.6). An allocation not aborted expires at its pending TTL instead."""
+        c = self._client()
         try:
-            self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": [kb[i] for i in idxs],
-                                            "gens": [gens[i] for i in idxs], "written": True}, deadline)
+            c._meta.call(wire.Op.ABORT, {"ns": c.namespace, "keys": [kb[i] for i in idxs],
+                                         "gens": [gens[i] for i in idxs], "written": True}, deadline)
         except UmbpError:
             pass
 
     def _unwind(self, kb: list[bytes], allocs: list, commits: list, written: int, deadline: float) -> None:
         """A pipelined put is failing: give back the places of ALLOCs whose chunk was not written (so they do not
         wait out the pending TTL) and collect the COMMITs in flight; best effort, the original error is raised."""
+        c = self._client()
         for t in allocs[written:]:
             try:
-                items = self._meta.result(t, deadline)["items"]
+                items = c._meta.result(t, deadline)["items"]
                 keys = [k for k, item in zip(t.meta["keys"], items) if item[0] == NEW]
                 if keys:
-                    self._meta.call(wire.Op.ABORT, {"ns": self.namespace, "keys": keys,
-                                                    "gens": [item[4] for item in items if item[0] == NEW]}, deadline)
+                    c._meta.call(wire.Op.ABORT, {"ns": c.namespace, "keys": keys,
+                                                 "gens": [item[4] for item in items if item[0] == NEW]}, deadline)
             except UmbpError:
                 break
         try:
             for t, _ in commits:
-                self._meta.result(t, deadline)
+                c._meta.result(t, deadline)
         except UmbpError:
             pass
-        self._meta.forget([t for t in allocs] + [t for t, _ in commits])
+        c._meta.forget([t for t in allocs] + [t for t, _ in commits])

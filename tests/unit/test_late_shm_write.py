@@ -118,7 +118,7 @@ def test_write_rows_leaves_the_pages_past_the_deadline_to_the_transport(transpor
 
 def test_the_array_path_fails_late_shm_pages_as_failed_writes(transport, monkeypatch):
     """``putbatch._shm``: what ``write_rows_to_arena`` leaves past the deadline goes to ``start_write``, which fails
-    each page with the deadline's error (the put aborts them: ``PutPath._settle``)."""
+    each page with the deadline's error (the put aborts them: ``Puts._settle``)."""
     ops, payloads = _pages(3)
     r = np.zeros(3, [("off", "<u8"), ("len", "<u8"), ("gen", "<u8")])
     r["off"], r["len"], r["gen"] = [op.offset for op in ops], PAGE, 1

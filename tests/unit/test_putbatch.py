@@ -23,7 +23,7 @@ from umbp import putbatch
 from umbp.auth import with_caps
 from umbp.client import Client
 from umbp.errors import CorruptionError, TransportError
-from umbp.puts import PutPath, _PutResult
+from umbp.puts import Puts, _PutResult
 
 ARENA = 1 << 20
 
@@ -94,8 +94,8 @@ class Recorder(Transport):
         pass
 
 
-class Stub(PutPath):
-    """What the put path needs of ``Client``: transports by node, counters, a recorded ABORT."""
+class Stub:
+    """What the put path needs of ``Client``: transports by node, counters."""
 
     component = "client"
     namespace = "ns"
@@ -106,7 +106,6 @@ class Stub(PutPath):
         self._transports = dict(transports)
         self.counts: collections.Counter = collections.Counter()
         self.dropped: list = []
-        self.aborts: list = []
 
     def _transport_for(self, node_id, deadline):
         if node_id not in self._transports:
@@ -118,6 +117,14 @@ class Stub(PutPath):
 
     def _drop_transport(self, node_id):
         self.dropped.append(node_id)
+
+
+class StubPuts(Puts):
+    """The put part of a ``Stub``, its ABORTs recorded instead of sent."""
+
+    def __init__(self, client: Stub):
+        super().__init__(client)
+        self.aborts: list = []
 
     def _abort_written(self, kb, idxs, gens, deadline):
         self.aborts.append(([kb[i] for i in idxs], [gens[i] for i in idxs]))
@@ -165,19 +172,20 @@ def test_array_chunk_writes_and_reports_as_the_per_page_chunk(tmp_path, seed):
             shm[nid] = ShmTransport(nid, path, aid, boot_id())
         rec = Recorder()
         stub = Stub({**shm, "n2": rec})  # n3: unreachable
+        puts = StubPuts(stub)
         reply = wire.unpack_allocs(dict(raw), "client")
         acc = _PutResult()
         deadline = time.monotonic() + 10
         if array:
             assert putbatch.answer_rows(reply, n) is not None
             assert putbatch.takes(views, idxs, sizes, reply["alloc_rows"])
-            ok, gens = stub._write_answer(kb, views, sizes, idxs, reply, deadline, acc, None)
+            ok, gens = puts._write_answer(kb, views, sizes, idxs, reply, deadline, acc, None)
         else:
             items = with_caps(reply["items"], reply["caps"], 6)
-            ok, gens = stub._write_chunk(kb, views, idxs, items, deadline, acc, None)
+            ok, gens = puts._write_chunk(kb, views, idxs, items, deadline, acc, None)
         outcome.append({
             "ok": ok, "gens": gens, "full": acc.full, "waiting": acc.waiting, "bad": acc.bad, "dedup": acc.dedup,
-            "err": repr(acc.first_err), "done": acc.chunks_done, "aborts": stub.aborts, "counts": stub.counts,
+            "err": repr(acc.first_err), "done": acc.chunks_done, "aborts": puts.aborts, "counts": stub.counts,
             "dropped": stub.dropped, "sent": rec.seen, "arenas": {k: bytes(t.arena[4096:]) for k, t in shm.items()}})
         for t in shm.values():
             t.close()
@@ -219,3 +227,23 @@ def test_rows_that_do_not_fit_the_chunk_keep_the_per_page_path():
     assert putbatch.takes(views, [0, 1], [100, 7], rows)  # the EXISTS row's length does not matter
     assert not putbatch.takes(views, [0, 1], [99, 7], rows)
     assert not putbatch.takes([[memoryview(bytes(50)), memoryview(bytes(50))], views[1]], [0, 1], [100, 7], rows)
+
+
+def test_the_client_is_a_plain_class_its_parts_do_not_keep_alive():
+    """``Client`` holds its put and mapped parts (no mixins); they refer to it weakly, so a client dropped without
+    ``close()`` is freed, and closed, by reference counting, as before the parts, with the cyclic collector off."""
+    import gc
+    import weakref
+
+    from umbp.mapped import Mapped
+
+    assert Client.__bases__ == (object,)
+    gc.disable()
+    try:
+        c = Client(metaserver="127.0.0.1:1", namespace="parts")  # connects on the first call only
+        assert type(c.puts) is Puts and type(c.maps) is Mapped
+        gone = weakref.ref(c)
+        del c
+        assert gone() is None
+    finally:
+        gc.enable()
