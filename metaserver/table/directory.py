@@ -214,10 +214,12 @@ class TableDirectory(PageTable):
         kept; a shared row keeps its shard base there, and a rank's tags are one ``rank_tags`` step over them.
         ``member``: node id -> its member (``cap_key``) or None.
 
-        Costs: about 100 numpy calls and one keyed blake2b a node, whatever the batch. Measured on the 2-core VM, 1 M
-        pages on 32 nodes, a run of 128 keys of the build order (so on all 32 nodes), LOOKUP plus its RELEASE: 118 us,
-        of which the digests 6, the key index 30, the lease, pins and stamps of both 19, the 32 capabilities 20-28,
-        the answer's columns, ``by_node`` and packing 30; 1,024 keys 380 us (the key index 128, capabilities 51)."""
+        Costs: about 80 numpy calls and one keyed blake2b a node, whatever the batch. Measured on the 2-core VM, 1 M
+        pages on 32 nodes, a run of 128 keys of the build order (so on all 32 nodes), LOOKUP plus its RELEASE: about
+        100 us, of which the digests 6, the key index 32, the lease, pins and stamps of both 16, the tags and answer
+        columns 12, ``by_node`` 6, the 32 capabilities 19, names, capability keys, grouped slots and packing 9; 1,024
+        keys about 315 us (the digests 38, the key index 115, capabilities 49). docs/benchmarks/columns.md: where it
+        goes and what is left."""
         lease, hit, tags, slots, nix = self.lookup_columns(ns, keys, now, owner, tokens, shard)
         if not lease:
             if packed:
