@@ -87,7 +87,6 @@ class Connection(FramedProtocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.closed = False
-        self._paused = False
         self._reading_paused = False
 
     @property
@@ -129,13 +128,11 @@ class Connection(FramedProtocol):
         self.transport.close()
 
     def pause_writing(self) -> None:
-        self._paused = True
         if not self._reading_paused and self.transport is not None:
             self._reading_paused = True
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self._paused = False
         if self._reading_paused and self.transport is not None and not self.closed:
             self._reading_paused = False
             self.transport.resume_reading()

@@ -3,8 +3,7 @@
 loads (``metaserver/ha/standby.py``), a partitioned pool's node sync (``partition.py``) and ``bench/scale.py``:
 
 - ``node_descs``: every node with a valid record (leased record preferred over the durable arena record);
-- ``gc_paused``: the cyclic collector kept off while a load runs (its parse makes an object a page);
-- ``record_tuple``: the ``page_record`` tuple of a record the load could not file (stale or rejected).
+- ``gc_paused``: the cyclic collector kept off while a load runs (its parse makes an object a page).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import logging
 
 from metaserver.store import gcpolicy
 from metaserver import validate as v
-from metaserver.table.snapshot import PageRecords
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -79,8 +77,3 @@ def gc_paused():
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()
-
-
-def record_tuple(recs: PageRecords, node_id: str, e, rev: int) -> tuple:
-    """The ``page_record`` tuple of a record of ``node_id`` (stale or rejected: a few) from its entry."""
-    return (rev, node_id, e.ns, e.key, e.offset, e.payload_len, e.gen, e.parent, recs.record_of(e))

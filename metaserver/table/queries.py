@@ -4,9 +4,8 @@ no state of their own. The table keeps thin properties for the totals most calle
 ``pending``, ``objects``) and ``TableDirectory.namespace_usage`` adds its quota groups'. No I/O.
 
 Costs: ``prefix`` O(keys) numpy (one key index probe); ``capacity``, ``used``, ``pending`` O(nodes) or O(1);
-``objects``, ``namespaces`` and ``namespace_usage`` O(rows) numpy (one pass over the state and namespace columns:
-about 10 ms a million rows; no request keeps a counter of them); ``list_objects`` O(rows) numpy plus O(limit)
-Python.
+``objects`` and ``namespace_usage`` O(rows) numpy (one pass over the state and namespace columns: about 10 ms a
+million rows; no request keeps a counter of them); ``list_objects`` O(rows) numpy plus O(limit) Python.
 """
 
 from __future__ import annotations
@@ -45,13 +44,6 @@ def _live(t) -> tuple[np.ndarray, np.ndarray]:
 
 def objects(t) -> int:
     return int(np.count_nonzero(_live(t)[0] == READY))
-
-
-def namespaces(t) -> dict[str, int]:
-    """READY pages per namespace (those with any)."""
-    state, ns = _live(t)
-    counts = np.bincount(ns[state == READY], minlength=len(t.ns_names))
-    return {t.ns_names[i]: int(n) for i, n in enumerate(counts.tolist()) if n}
 
 
 def namespace_usage(t) -> dict[str, dict]:

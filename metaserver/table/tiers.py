@@ -329,13 +329,6 @@ class Tiers:
         for nsix in np.unique(nsc).tolist():
             t.commits.committed(t.ns_names[nsix], dst[nsc == nsix])
 
-    def abandon(self, lease: int) -> None:
-        """A move whose node never answered (connection lost): its destination extents go back, its pins with its
-        lease (now, or when the lease runs out)."""
-        move = self.moves.get(lease)
-        if move is not None:
-            self.finish(move, set(range(len(move))))
-
     def open_extents(self) -> list[tuple[str, int, int]]:
         """(node_id, offset, size) of every destination extent of a move in flight on a live node: a leader that
         gives up hands them on with its open allocations (``metaserver/ha/handoff.py``), since the node may still
