@@ -53,13 +53,13 @@ _installed: "GcPolicy | None" = None
 
 class GcPolicy:
     """Process-wide (the collector is): at most one installed at a time. Counters for the metrics: ``steps``,
-    ``freezes``, ``thaws``, ``last_pause_s`` and ``max_pause_s`` (the longest step's collection)."""
+    ``freezes``, ``thaws`` and ``max_pause_s`` (the longest step's collection)."""
 
     def __init__(self, every_s: float = STEP_EVERY_S, freeze_s: float = FREEZE_AFTER_S):
         self.every_s = every_s
         self.freeze_s = freeze_s
-        self.steps = self.freezes = self.thaws = self.collected = 0
-        self.last_pause_s = self.max_pause_s = 0.0
+        self.steps = self.freezes = self.thaws = 0
+        self.max_pause_s = 0.0
         self._saved: tuple[int, int, int] | None = None
 
     @property
@@ -90,10 +90,9 @@ class GcPolicy:
         """Collect what is not frozen; freeze the survivors when that took ``freeze_s`` or more. Blocks the
         calling thread for the collection; returns its duration in seconds."""
         t0 = time.perf_counter()
-        self.collected += gc.collect()
+        gc.collect()
         dt = time.perf_counter() - t0
         self.steps += 1
-        self.last_pause_s = dt
         if dt > self.max_pause_s:
             self.max_pause_s = dt
         if dt >= self.freeze_s:
