@@ -77,7 +77,7 @@ class MetaserverMetrics:
 
     def healthy(self) -> tuple[bool, str]:
         for attr, what in (("_election", "the election loop"), ("_keep", "the process lease keep-alive")):
-            task = getattr(self.ms, attr, None)
+            task = getattr(self.ms, attr)
             if task is not None and task.done():
                 err = None if task.cancelled() else task.exception()
                 return False, f"metaserver: {what} has stopped" + (f" ({err!r})" if err is not None else "")
@@ -121,10 +121,8 @@ class _Collector(Collector):
         yield _gauge("umbp_etcd_pending_ops", "Operations queued for etcd, not yet written", w.pending())
         yield _counter("umbp_etcd_removal_waits", "Waits for removals to be durable before an extent is reused (an "
                        "ALLOC answer or a disk-tier move; docs/design/persistence-and-fencing.md)", w.barrier_waits)
-        servers = getattr(ms, "servers", None)  # a partitioned pool's process: every slot's, membership's too
         yield _counter("umbp_etcd_dropped_ops", "etcd operations given up after persist_retry_s (each drop makes "
-                       "the leader give its term up)", sum(x.dropped_ops for x in servers.values())
-                       if servers is not None else ms.dropped_ops)
+                       "the leader give its term up)", sum(x.dropped_ops for x in ms.servers.values()))
         yield _gauge("umbp_etcd_txn_max_ops", "Operations a transaction at most: persist_batch, or less once etcd "
                      "refused one for its size (its --max-txn-ops or --max-request-bytes)", w.batch)
         gcp = gcpolicy.installed()
@@ -139,8 +137,8 @@ class _Collector(Collector):
         # A partitioned pool's process (metaserver/ha/partition.py): the pool gauges are the sums over the slots it
         # leads (its membership role's directory is empty), so sum() over every process is still the pool. A
         # one-slot pool's process exports its slot's, as the unpartitioned metaserver did.
-        led = [ms.servers[x] for x in ms.led()] if getattr(ms, "slots", 1) > 1 else None
-        if led is None and hasattr(ms, "membership"):
+        led = [ms.servers[x] for x in ms.led()] if ms.slots > 1 else None
+        if led is None:
             ms = ms.membership
         if led is not None:
             yield _gauge("umbp_metaserver_slots_led", "Slots of a partitioned pool this process leads", len(led))
