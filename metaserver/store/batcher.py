@@ -1,7 +1,7 @@
 """The etcd batch writer of the metaserver (``BatchWriter``), on ``metaserver.store.persist.EtcdStore``.
 
-puts and deletes are queued by etcd key (a later op on a key replaces an unsent earlier one, which
-also keeps a transaction free of duplicate keys, which etcd rejects). Up to ``inflight`` workers each take at most
+puts and deletes are queued by etcd key (a later op on a key replaces an unsent earlier one, which also keeps a
+transaction free of duplicate keys, which etcd rejects). Up to ``inflight`` workers each take at most
 ``batch`` queued ops into one transaction; ops queued while transactions are in flight coalesce into the next ones,
 so throughput grows with load and an idle writer adds no latency. A key already in an in-flight transaction waits
 for it, so two ops on one key are applied in submission order. A caller that must not reply before its puts are
@@ -12,23 +12,20 @@ evicted page's record is still there), so the owner must not go on serving that 
 its term up (``Metaserver._writes_dropped``), and the next term loads what etcd holds.
 
 The removal barrier (``removals_durable``): a submission that removes pages from etcd (a delete, a commit record
-rewritten without pages that left, or a dead-list record that names them: ``TableRecord.shrunk``) frees extents that the next ALLOC may place; its answer
-must wait until that is durable, else a crash loads the old pages over the new bytes
-(docs/design/persistence-and-fencing.md, "Reusing an extent"). Submissions are numbered; a queued op keeps the number
-of the submission that first queued its key (so the queue is in number order), and a transaction in flight is
-known by its first op's, so everything up to one below the smallest of those is in etcd: O(inflight) to ask, one
-int a queued op. A dropped or cancelled transaction's number bounds what can ever be durable: a barrier at or past
-it fails. Once a transaction is in etcd, each commit record in it hears so (``TableRecord.written``: the dead lists
-its value covers need it no more), and the records that frees are queued again (a dead-list record deleted).
+rewritten without pages that left, or a dead-list record that names them: ``TableRecord.shrunk``) frees extents
+that the next ALLOC may place; its answer must wait until that is durable, else a crash loads the old pages over the
+new bytes (docs/design/persistence-and-fencing.md, "Reusing an extent"). Submissions are numbered; a queued op keeps the
+number of the submission that first queued its key (so the queue is in number order), and a transaction in flight is
+known by its first op's, so everything up to one below the smallest of those is in etcd: O(inflight) to ask, one int a
+queued op. A dropped or cancelled transaction's number bounds what can ever be durable: a barrier at or past it fails.
+Once a transaction is in etcd, each commit record in it hears so (``TableRecord.written``: the dead lists its value
+covers need it no more), and the records that frees are queued again (a dead-list record deleted).
 
 Costs: one etcd round trip per ``batch`` ops under load; on the event loop about 0.3 us an op for queueing, taking
 and acknowledging (a tuple and a dict insert each; a submission's consecutive ops are acknowledged as one run).
-Taking from the queue's head is O(batch) however many ops went before: the queue is an ``OrderedDict``, whose
-iteration follows its links. A plain dict used as a FIFO keeps a hole at the head of its entry table for every op
-taken until an insert resizes it, and iterating it skips them all: a flood of deletes with no insert among its takes
-(a node dropped, ``umbp evict``, a client's removals) drained in quadratic time, 3.85 s of loop CPU for 1 M ops
-against 1.16 s now (``bench/batcher.py --batch 128 --latency-ms 0``: 0.46 vs 0.30 s at 300k); the ordered queue costs
-0.08 us more an op in steady commits (0.99 vs 0.91 us of bookkeeping).
+Taking from the queue's head is O(batch) however many ops went before: the queue is an ``OrderedDict`` (a plain dict
+used as a FIFO skips a hole for every op taken until an insert resizes it, so a flood of deletes drains in quadratic
+time: 3.85 vs 1.16 s of loop CPU for 1 M ops, ``bench/batcher.py``; 0.08 us more an op in steady commits).
 The transaction itself (``EtcdStore.write``: protobuf build, grpc) costs about 2 us an op of the loop's CPU whether
 issued from the loop (grpc aio) or from threads (sync stubs: measured equal, 0.27 ms a 128-op transaction), so it
 stays on the loop: a thread would only add GIL hand-offs. Much of that is per transaction, in this process and in

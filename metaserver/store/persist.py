@@ -4,15 +4,11 @@ Layout under ``prefix`` (``MetaserverConfig.etcd_prefix``)::
 
     {prefix}/nodes/{node_id}        msgpack(node record incl. lease_id), attached to the node's lease
     {prefix}/arenas/{node_id}       msgpack(the same record), durable: which arena the node's pages live in
-    {prefix}/pages/{ns}/+{term}.{n}  a commit record: msgpack([[key, node_id, offset, payload_len, gen, parent],
-                                    ...]), the READY pages of one COMMIT in one namespace (at most BATCH_PAGES; a
-                                    shared entry appends its part count n: [key, node_id, offset, part_len, gen,
-                                    parent, n]); the name is unique: the term (the leader key's create revision)
-                                    and a count within it, both hex
-    {prefix}/pages/{ns}/{hex key}   msgpack([node_id, offset, payload_len, gen, parent]), a page record of its own
-                                    (the layout before commit records, still read): the key in its digest form
-                                    (``keyform.digest_key``: 64 hex characters for a digest); a shared entry appends
-                                    its part count: [node_id, offset, part_len, gen, parent, n]
+    {prefix}/pages/{ns}/+{term}.{n}  a commit record (READY pages of COMMITs of one namespace, or a dead list); the
+                                    name is unique: the term (the leader key's create revision) and a count within
+                                    it, both hex
+    {prefix}/pages/{ns}/{hex key}   a page record of its own (the layout before commit records, still read): the key
+                                    in its digest form (``keyform.digest_key``: 64 hex characters for a digest)
     {prefix}/gen                    decimal: every generation below it may have been handed out
     {prefix}/leader                 the leader's advertise address, attached to its election lease
     {prefix}/open                   msgpack([wall time, [[node_id, offset, length], ...]]): the open allocations a
@@ -22,12 +18,10 @@ The arena record outlives the node's lease on purpose: when every metaserver is 
 the leased record expires, but the next leader still knows which arena (id, capacity) the pages were written to,
 so it can keep them for a node that comes back with that arena and drop them for one that does not.
 
-Commit records: a COMMIT's pages are one etcd record, not one each (``bench/records.py``, GPU machine: 2.5x the put
-rate, 3.5x cheaper to replay from a watch, 4.1x faster to scan). The record always holds exactly the pages of it
-still in the table (``tablerecords.TableRecord``): evicting or removing one rewrites the record without it, the last
-one deletes it; the value is encoded when the writer takes the op (``TableRecord.value``), so a burst of evictions of
-one record is one rewrite. A load orders a commit record's pages by the record's create revision (a rewrite keeps
-it).
+The values of page and commit records (their layouts) are ``metaserver/table/records.py``'s; how commit records and
+dead lists follow the table, ``metaserver/table/commits.py``'s (one record for many pages: ``bench/records.py``, GPU
+machine, 2.5x the put rate, 3.5x cheaper to replay from a watch, 4.1x faster to scan). A load orders a commit
+record's pages by the record's create revision (a rewrite keeps it).
 
 Fencing: once this metaserver wins the election, ``fence(revision)`` makes every transaction written through this
 store (pages, node records, generations) carry ``create_revision(leader key) == revision``. A deposed leader's
