@@ -34,14 +34,10 @@ extent left between the extents (the allocator files each: none in a pool filled
 32 bytes (its blake2b digest and its bytes kept), and, only where something is wrong, per page: a rejected extent
 makes the allocator rebuild walk every page; a hash collision (a key given twice, or the rare or crafted
 collision) walks the colliding pages. Measured on the 2-core VM: 10 M pages of 32-byte keys over 32 nodes, offsets
-shuffled, room reserved first (``reserve``: without it each node's load copied every column and the key index
-resized as it filled, 24 s): 6.5 CPU-seconds, 0.65 us a page; a key that is not 32 bytes costs about 1.5 us more.
-``load_nodes`` (the full load's many nodes) files every node's keys with one key index insert: at 1 M pages of
-``bench/columns.py``'s load on the 2-core VM, 1.10 -> 0.51 CPU-s (a node's insert each added a chunk of long keys,
-and each ``MAX_CHUNKS`` nodes the chunks were merged, a copy of every long key a byte at a time).
-Its one sort (``indexbulk.bulk_order``: the keys by first bucket, for the duplicates check) also files them: each
-bucket takes its run of keys with one scatter (``indexbulk.insert_staged``), where a sort for the check and the
-insert's rounds for every key cost about 25% more.
+shuffled, room reserved first (``reserve``; without it every node's load copies every column): 6.5 CPU-seconds,
+0.65 us a page; a key that is not 32 bytes costs about 1.5 us more. ``load_nodes`` (the full load's many nodes)
+files every node's keys with one key index insert, whose one sort (``indexbulk.bulk_order``: the keys by first
+bucket, for the duplicates check) also files them (``indexbulk.insert_staged``: a bucket's run with one scatter).
 ``fingerprint`` is for tests: O(rows) Python.
 """
 

@@ -27,19 +27,17 @@ The contract a rank sees: its put returns True once ITS part is written; the pag
 LOOKUP) when every rank's part is. EXISTS, PREFIX and REMOVE are unchanged (logical keys); eviction, node loss,
 quotas, the warm copy and a takeover load handle the entry's one extent.
 
-Tags and capabilities (``metaserver/table/grants.py``): each sub-slot carries the tag of (key, r) (``Tokens.tags`` with a
-rank) and is granted like any slot, so a rank writes and reads only its own sub-slot, and a node's single-use check
-(one write per slot offset and generation) holds for each sub-slot unchanged.
+Tags and capabilities (``metaserver/table/grants.py``): each sub-slot carries the tag of (key, r) (``Tokens.tags`` with
+a rank) and is granted like any slot, so a rank writes and reads only its own sub-slot, and a node's single-use
+check (one write per slot offset and generation) holds for each sub-slot unchanged. A shared row's ``tag`` column
+keeps its shard base (``Tokens.shard_bases``, computed at its first LOOKUP by any rank), and each rank's tags are
+one numpy step over those (``auth.rank_tags``), so the 8 ranks of a TP8 page cost one keyed blake2b, not 8 a LOOKUP.
 
 Here a shared page is a row whose layout code (``size`` column) is ``entry.layout(part_len, n)``; a PENDING one has
 its sub-slot state (``ShardState``: each rank's token and connection, a bit per written part) in
-``SharedEntries.states`` by row, dropped with the row whatever ends it (commit of the last part, ABORT, expiry, REMOVE, node
-loss: ``_free_row``). A new page is placed by the table's own ALLOC (``PageTable.alloc`` with the layout codes as
-sizes: one extent of ``extent_size(code)``); LOOKUP of rank ``r`` pins the row and answers ``offset + r * stride``;
-a plain LOOKUP misses shared rows and a LOOKUP of another ``n`` misses them too (``lookup_rows``' ``parts``).
-Tags of a sub-slot are (key, rank)'s (``Tokens.tags`` with a rank): a shared row's ``tag`` column keeps its
-shard base (``Tokens.shard_bases``, computed at its first LOOKUP by any rank), and each rank's tags are one numpy
-step over those (``auth.rank_tags``), so the 8 ranks of a TP8 page cost one keyed blake2b, not 8 a LOOKUP.
+``SharedEntries.states`` by row, dropped with the row whatever ends it (commit of the last part, ABORT, expiry,
+REMOVE, node loss: ``_free_row``). A new page is placed by the table's own ALLOC (``PageTable.alloc`` with the
+layout codes as sizes: one extent of ``extent_size(code)``); the LOOKUP rules above are ``lookup_rows``' ``parts``.
 
 Costs: ALLOC and COMMIT a Python step per key (the sub-slot state), plus the table's ALLOC for the new pages;
 LOOKUP numpy over the request as a plain one.
