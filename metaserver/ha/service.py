@@ -22,19 +22,15 @@ of its drop (a sort of its parked records, and O(its rows) numpy to retire it), 
 Read leases and PENDING allocations belong to a connection, and namespaces may have quotas:
 ``metaserver.handlers.ownership``.
 
-Leadership (``metaserver/ha/election.py``): a pool is slots, one by default, and this class serves one slot's
-directory for the process that won the slot's key (``metaserver.ha.slots.SlotServer``); every term starts from what
-etcd holds. A process that stands by for a slot keeps a warm copy of its directory when ranked for it
-(``metaserver.ha.standby.WarmDirectory``: loaded once, then fed by an etcd watch). On a win it builds a fresh
-membership, etcd writer and generation range (all etcd writes fenced on the slot's key), takes the warm
-directory over once the watch has applied everything up to the winning revision (no page is read again: O(events
-not applied yet + nodes)), or, with no warm copy or one that cannot catch up, loads the directory from etcd in
-full; then serves. On losing the lease or a fenced write it drops that state (queued
-writes are not written) and stands by again (a fresh warm copy: loaded, then watched). Only READY pages are in
-etcd, so PENDING allocations, read leases and recency from reads of the previous term vanish (their space is free
-again, except the extents of the PENDING allocations a leader that stepped down on purpose handed on: held while
-their writers may still write, ``metaserver/ha/handoff.py``); recency restarts from commit order. STATS ``takeover``
-says which way this term started.
+Leadership (``metaserver/ha/election.py``): this class serves one slot's directory for the process that won the
+slot's key (``metaserver.ha.slots.SlotServer``); every term starts from what etcd holds. On a win it builds a fresh
+membership, etcd writer and generation range (all etcd writes fenced on the slot's key), takes its warm copy over
+(``metaserver/ha/standby.py``) or, with none or one that cannot catch up, loads the directory from etcd in full; then
+serves. On losing the lease or a fenced write it drops that state (queued writes are not written) and stands by
+again. Only READY pages are in etcd, so PENDING allocations, read leases and recency from reads of the previous term
+vanish (their space is free again, except the extents of the PENDING allocations a leader that stepped down on
+purpose handed on: held while their writers may still write, ``metaserver/ha/handoff.py``); recency restarts from
+commit order. STATS ``takeover`` says which way this term started.
 
 Nodes after a takeover: every node with an arena record is loaded *provisionally* with its pages, alive but not
 yet confirmed, for ``max(lease_ttl, NODE_GRACE_S)``. A node that re-registers the same arena (id and capacity)
