@@ -256,7 +256,10 @@ class TableDirectory(PageTable):
         else:
             tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
             np.left_shift(c["unit"].take(hr), _UNIT0, out=slots[:, 0])
-            slots[:, 1] = self.code_arr.take(c["size"].take(hr))
+            if len(self.codes) == 1:  # one layout interned (a namespace's pages share one): every row's
+                slots[:, 1] = self.code_arr
+            else:
+                slots[:, 1] = self.code_arr.take(c["size"].take(hr))
         slots[:, 2] = c["gen"].take(hr)
         nix = c["node"].take(hr)
         if self.tiers.any:  # a disk page answers as its host's page at a disk address (metaserver/table/tiers.py)

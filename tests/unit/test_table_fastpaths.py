@@ -1,10 +1,11 @@
 """The small-batch shortcuts of the table's LOOKUP, RELEASE and key-index delete give what the general path gives.
 
 ``index.SET_FIRST`` (a delete round tells two deletes in one bucket with a set up to that many, by np.unique past
-it) and a table of one namespace (its key index does not read the rows' namespaces): one random workload
-(ALLOC+COMMIT into full nodes, so victims leave the key index; LOOKUPs with repeated and missing keys; RELEASEs;
-REMOVEs of pinned keys) runs once with the shortcuts and once with SET_FIRST 0 and a second namespace interned, and
-every answer (hits, rows, tags, capability slots, nodes, ALLOC states) and the final columns must be equal."""
+it) and a table of one namespace and one layout (its key index does not read the rows' namespaces, a LOOKUP not
+their layouts): one random workload (ALLOC+COMMIT into full nodes, so victims leave the key index; LOOKUPs with
+repeated and missing keys; RELEASEs; REMOVEs of pinned keys) runs once with the shortcuts and once with SET_FIRST 0
+and a second namespace and layout interned, and every answer (hits, rows, tags, capability slots, nodes, ALLOC
+states) and the final columns must be equal."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def _run(seed: int, namespaces: int = 1) -> tuple[list, dict]:
     d = TableDirectory()
     for i in range(namespaces):
         d._ns("ns" if i == 0 else f"other-{i}")  # ("ns" first: its index, so its keys' buckets, stay the same)
+    if namespaces > 1:  # and a second layout code: LOOKUP reads each row's (PLEN's index stays 0)
+        d._code(PLEN)
+        d._code(PLEN + 1)
     for i in range(4):
         d.add_space(f"n{i}", 300 * object_size(PLEN))  # 1,200 pages: the workload's 3,000 keys evict
     keys = [rng.randbytes(32) for _ in range(3000)]
