@@ -4,9 +4,7 @@ A leader that stops serving on purpose (a partitioned pool's slot handover, ``pa
 ``Metaserver.close``) may hold allocations granted and not yet committed, and their writers may still write: a
 client holds one slot's allocation while another slot of the same ALLOC fails over (seconds), and nothing fences a
 shm write (nor any write in an open pool). The next leader places from what etcd says is free, so it could place a
-new object on such an extent and the late write would overwrite it. CI saw exactly that after a failover with a
-rebalance: a read failed with "stale slot: holds generation ... of another key" (the reader's checks caught it:
-no wrong bytes, but a lost page).
+new object on such an extent and the late write would overwrite it.
 
 So the leaving leader writes ``{prefix}/open`` (``open_ops``), fenced: a handover in the transaction that deletes
 the slot key, a clean stop in one just before it resigns: msgpack ``[wall time, [[node_id, offset, length],
@@ -14,8 +12,9 @@ the slot key, a clean stop in one just before it resigns: msgpack ``[wall time, 
 out of placement (``hold``: reserved, then released by its ``Quarantine``) until ``keep_s`` after the record was
 written: the longest an open allocation's writer may write (``pending_ttl_s``, and a write capability's
 ``write_cap_ttl_s`` in a closed pool) plus clock skew. A leader that dies leaves no record: its open allocations are
-unknown, and a writer still holding such a grant may write late into what the next leader places (a TCP write
-streams its bytes into the arena as they come): an open hole, tests/test_attack_late_write.py (strict xfail).
+unknown, and a writer still holding such a grant is stopped at the node by the generation floor the next term
+raises there (a one-slot pool's REGISTER answer, a slot's FENCE: ``metaserver/ha/fence.py``), for nodes that keep
+one (tests/test_attack_late_write.py).
 
 Costs: one etcd op at the handover, one read at a takeover; the record is O(runs), and a batch's pages are placed
 adjacent (runs of up to PLACE_RUN). At most MAX_RUNS runs are recorded (about 1 MB; etcd takes 1.5 MB a request):

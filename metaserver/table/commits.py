@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metaserver.table.entry import PART_MASK, READY, SHARD_SHIFT
+from metaserver.table.entry import READY
 from metaserver.table.records import BATCH_MARK, BATCH_PAGES, SEGMENT_PAGES, pack_segment
 
 DEAD_LIST_MAX = 16384  # deaths a dead-list record holds at most (128 KiB of generations: far below TXN_BYTES)
@@ -437,22 +437,3 @@ class CommitRecords:
                             nodeix, c["unit"].take(rows), t.code_arr.take(code_u), codeix, c["gen"].take(rows),
                             blob, 32, lens, parents, digs=digs,
                             **({} if carry is None else dict(zip(("dead_recs", "dead", "dead_ix"), carry.arrays()))))
-
-    def pages(self, rows: np.ndarray) -> list:
-        """``[key, node_id, offset, payload_len, gen, parent]`` of each row, the msgpack layout of a commit record's
-        pages, no longer written (tests make old records with it; ``metaserver/table/records.py``): parent its parent's
-        key (None when it names none or links are not kept); a shared entry's (``metaserver/table/shared.py``)
-        ``[key, node_id, offset, part_len, gen, parent, n]``."""
-        t = self.table
-        c = t.cols
-        keys = [t.ix.key_of(r) for r in rows.tolist()]
-        pages = [list(p) for p in zip(keys, t.node_names.take(c["node"].take(rows)).tolist(),
-                                      t.offsets_of(rows),
-                                      t.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
-                                      t.links.parent_keys(rows))]
-        if t.any_shared:
-            for p in pages:
-                if p[3] > PART_MASK:
-                    p[3], n = p[3] & PART_MASK, p[3] >> SHARD_SHIFT
-                    p.append(n)
-        return pages

@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from metaserver.table.entry import NEW, layout
+from metaserver.table.entry import NEW, PART_MASK, SHARD_SHIFT, layout
 from metaserver.table.records import SEG_VERSION, listed_pairs, pack_segment, pages_of, record_entries, unpack_segment
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
@@ -56,6 +56,23 @@ def kv(key: bytes, value: bytes, rev: int):
     return SimpleNamespace(key=key, value=value, mod_revision=rev, create_revision=rev)
 
 
+def msgpack_pages(d: TableDirectory, rows: np.ndarray) -> list:
+    """``[key, node_id, offset, payload_len, gen, parent]`` of each row: the msgpack layout of a commit record's
+    pages, no longer written but read forever (``metaserver/table/records.py``); parent its parent's key (None when
+    it names none or links are not kept); a shared entry's ``[key, node_id, offset, part_len, gen, parent, n]``."""
+    c = d.cols
+    keys = [d.ix.key_of(r) for r in rows.tolist()]
+    pages = [list(p) for p in zip(keys, d.node_names.take(c["node"].take(rows)).tolist(), d.offsets_of(rows),
+                                  d.code_arr.take(c["size"].take(rows)).tolist(), c["gen"].take(rows).tolist(),
+                                  d.links.parent_keys(rows))]
+    if d.any_shared:
+        for p in pages:
+            if p[3] > PART_MASK:
+                p[3], n = p[3] & PART_MASK, p[3] >> SHARD_SHIFT
+                p.append(n)
+    return pages
+
+
 def records(d: TableDirectory, old: bool, every: int = 1) -> list:
     """The table's commit records as etcd would hold them: msgpack (``old``), segments, or every ``every``-th one
     old (a pool written before and after the upgrade)."""
@@ -63,7 +80,7 @@ def records(d: TableDirectory, old: bool, every: int = 1) -> list:
     out = []
     for i, r in enumerate(puts):
         rows = r.live()
-        value = (msgpack.packb(d.commits.pages(rows), use_bin_type=True) if old or i % every == 0 and every > 1
+        value = (msgpack.packb(msgpack_pages(d, rows), use_bin_type=True) if old or i % every == 0 and every > 1
                  else r.value())
         out.append(kv(r.name, value, 100 + i))
     return out
@@ -89,11 +106,11 @@ def test_a_segment_lists_what_the_msgpack_layout_lists(policy):
         rows = r.live()
         value = r.value()
         assert unpack_segment(value).n == len(rows) and value[1] == SEG_VERSION
-        assert pages_of(value) == d.commits.pages(rows)
+        assert pages_of(value) == msgpack_pages(d, rows)
         nodes, ents = record_entries(r.name, value)
         assert [[e.key, n, e.offset, e.payload_len, e.gen, e.parent] for n, e in zip(nodes, ents)] == [
-            p[:6] for p in d.commits.pages(rows)]
-        assert listed_pairs(value) == {(p[0], p[4]) for p in d.commits.pages(rows)}
+            p[:6] for p in msgpack_pages(d, rows)]
+        assert listed_pairs(value) == {(p[0], p[4]) for p in msgpack_pages(d, rows)}
 
 
 def test_shared_entries_codes_round_trip():
