@@ -25,7 +25,7 @@ import numpy as np
 
 from metaserver.table.entry import READY, extent_size
 from metaserver.table.index import digests
-from metaserver.table.load import UNIT, _namespaces, _take_rows
+from metaserver.table.load import UNIT, _namespaces, _take_rows, fill_ready
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 
 
@@ -72,15 +72,9 @@ def file_rows(t, node: NodeRows, ns: list[str], keys: list[bytes], offsets: list
         c = t.cols  # a new block may have grown (replaced) the columns
         nsix, _ = _namespaces(t, ns, n)
         st = np.asarray(stamps, np.uint64)
-        c["node"][rows] = node.ix
-        c["unit"][rows] = (off if every else off[keep]) >> UNIT_SHIFT
-        c["size"][rows] = cix if every else cix[keep]
-        c["gen"][rows] = np.asarray(gens, np.uint64) if every else np.asarray(gens, np.uint64)[keep]
-        c["pins"][rows] = 0
-        c["state"][rows] = READY
-        c["ns"][rows] = nsix if every else nsix[keep]
-        c["tag"][rows] = 0
-        c["rec"][rows] = 0
+        g = np.asarray(gens, np.uint64)
+        fill_ready(c, rows, node.ix, (off if every else off[keep]) >> UNIT_SHIFT, cix if every else cix[keep],
+                   g if every else g[keep], nsix if every else nsix[keep])
         c["stamp"][rows] = st if every else st[keep]
         t.clock = max(t.clock, int(st.max()) + 1)
         kept = keys if every else [keys[i] for i in keep.tolist()]

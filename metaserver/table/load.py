@@ -68,6 +68,19 @@ def _hash(nsix: np.ndarray, dig: np.ndarray) -> np.ndarray:
             ^ (nsix.astype(np.uint64) * m[4]))
 
 
+def fill_ready(c: dict, at, node_ix: int, unit, code, gen, nsix) -> None:
+    """Columns ``c`` of new READY rows ``at`` (an index or a slice): unpinned, no tag, no record yet."""
+    c["node"][at] = node_ix
+    c["unit"][at] = unit
+    c["size"][at] = code
+    c["gen"][at] = gen
+    c["pins"][at] = 0
+    c["state"][at] = READY
+    c["ns"][at] = nsix
+    c["tag"][at] = 0
+    c["rec"][at] = 0
+
+
 def _take_rows(t: PageTable, node: NodeRows, m: int) -> np.ndarray:
     """``m`` rows of ``node`` (int64), as ``m`` calls of ``PageTable._take_row`` take them: its free rows first (from
     the end of its free list), then whole blocks (a retired node's first, then new ones: the columns grown once),
@@ -258,15 +271,8 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     at = rows
     if m and rows[-1] - rows[0] == m - 1 and (rows[1:] > rows[:-1]).all():  # a fresh node's: one range
         at = slice(int(rows[0]), int(rows[0]) + m)  # (a slice writes a column at memcpy speed, an index does not)
-    c["node"][at] = node.ix
-    c["unit"][at] = (off if every else off[keep]) >> UNIT_SHIFT
-    c["size"][at] = ccode if every else ccode[keep]
-    c["gen"][at] = gen if every else gen[keep]
-    c["pins"][at] = 0
-    c["state"][at] = READY
-    c["ns"][at] = nsix if every else nsix[keep]
-    c["tag"][at] = 0
-    c["rec"][at] = 0
+    fill_ready(c, at, node.ix, (off if every else off[keep]) >> UNIT_SHIFT, ccode if every else ccode[keep],
+               gen if every else gen[keep], nsix if every else nsix[keep])
     if stamps is None:
         c["stamp"][at] = np.arange(t.clock, t.clock + m, dtype=np.uint64)  # ``_stamp``: commit order is LRU order
         t.clock += m
