@@ -5,10 +5,9 @@ several slots (LEADER with the slot map, STATS/NODES/LIST/EVICT/DRAIN over the s
 ``metaserver/ha/partanswers.py``'s (``ProcessAnswers``, held as ``answers``).
 
 A one-slot pool (the default) answers as the unpartitioned metaserver always did: its slot-0 server
-(``membership``) owns the nodes (REGISTER_NODE, HEARTBEAT, node leases, ``nodes/``/``arenas/`` records), hands out
-the node's single capability epoch (no SLOT_EPOCH, no FENCE), keeps the unpartitioned etcd layout (``{prefix}/leader``,
-``pages/``, ``gen``, ``open``) and answers every request itself, so nodes, clients and the wire see what they saw;
-a standby (a process that leads no slot yet) answers NOT_LEADER with the leader's address (``server.py``).
+(``membership``) owns the nodes and keeps the unpartitioned etcd layout (``metaserver/ha/slots.py``) and answers
+every request itself, so nodes, clients and the wire see what they saw; a standby (a process that leads no slot yet)
+answers NOT_LEADER with the leader's address (``server.py``).
 
 A pool of several slots routes each keyed request to its slot's server (by the keys' slot, a named ``slot``, or
 ``parts``: ``metaserver/ha/multislot.py``); the membership role ``m`` owns the nodes. Requests for a slot served

@@ -2,9 +2,8 @@
 and the pace it is applied at while the process serves (``drain``).
 
 Why: in a partitioned pool a process serves slots of its own while it keeps copies of others'. A watch batch (one etcd
-transaction: up to 1,024 commit records, hundreds of thousands of pages) used to be applied in one step that held the
-serving loop (1,024 records of 128 pages: 0.3-0.7 s of the 2-core VM's CPU), and the copies took their CPU whenever
-events came.
+transaction: up to 1,024 commit records, hundreds of thousands of pages) applied in one step would hold the serving
+loop (1,024 records of 128 pages: 0.3-0.7 s of the 2-core VM's CPU).
 
 How: the watch only queues what it receives (``Backlog.add``). ``Pace.drain`` applies it in pieces of about
 PIECE_BYTES of records (``Backlog.take``: consecutive batches merged, a large one split) for slices of about SLICE_S;

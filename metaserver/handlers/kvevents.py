@@ -343,13 +343,8 @@ def attach(pub: Publisher, directory: Any) -> None:
         loop = None
     sink = Sink(pub, loop)
     pub.sinks.add(sink)
-    pub.snapshot([(ns, keys, parents, False) for ns, keys, parents in _held(directory)])
+    pub.snapshot([(ns, keys, parents, False) for ns, keys, parents in directory.links.snapshot()])
     directory.kv_sink = sink
-
-
-def _held(directory: Any) -> list[tuple[str, list, list]]:
-    """(namespace, keys, parent keys) of the table's READY pages, per namespace (``TableLinks.snapshot``)."""
-    return directory.links.snapshot()
 
 
 def detach(pub: Publisher, directory: Any) -> None:
@@ -363,6 +358,6 @@ def detach(pub: Publisher, directory: Any) -> None:
     sink.flush()
     pub.sinks.discard(sink)
     if pub.sinks:
-        pub.snapshot([(ns, keys, parents, True) for ns, keys, parents in _held(directory)])
+        pub.snapshot([(ns, keys, parents, True) for ns, keys, parents in directory.links.snapshot()])
     else:
         pub.publish("", [CLEARED])
