@@ -1,14 +1,13 @@
 """The metaserver's data-plane handlers (``DataPlane``, held by ``metaserver.ha.service.Metaserver`` as ``dataplane``,
-its bound methods in the service's dispatch table): ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX and REMOVE on the
-page table (``metaserver.table.directory.TableDirectory``). A class holding the service, not the directory: the
-service builds a new directory, writer, membership and generation counter every term, so each handler reads the
-term's through ``svc`` when it runs. Each validates its request, checks the connection's rights, calls the directory
-(bookkeeping before any await, so a request's effect is atomic), hands the etcd work to the batch writer
-(``Metaserver._apply``)
-and answers with the closed pool's tags and capabilities (``metaserver/table/grants.py``: an ALLOC's and a LOOKUP's places
-as packed rows from wire VERSION 12, built from the table's columns); only COMMIT waits for etcd,
-and ALLOC when generations run out, right after a takeover (at most ``ALLOC_HOLD_S``), or while a removal queued
-before it is not durable (``_when_durable``: its places may lie in the extents freed)."""
+its bound methods in the service's dispatch table): ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX and REMOVE on the page
+table (``metaserver.table.directory.TableDirectory``). A class holding the service, not the directory: the service
+builds a new directory, writer, membership and generation counter every term, so each handler reads the term's through
+``svc`` when it runs. Each validates its request, checks the connection's rights, calls the directory (bookkeeping
+before any await, so a request's effect is atomic), hands the etcd work to the batch writer (``Metaserver._apply``) and
+answers with the closed pool's tags and capabilities (``metaserver/table/grants.py``: an ALLOC's and a LOOKUP's places
+as packed rows from wire VERSION 12, built from the table's columns); only COMMIT waits for etcd, and ALLOC when
+generations run out, right after a takeover (at most ``ALLOC_HOLD_S``), or while a removal queued before it is not
+durable (``_when_durable``: its places may lie in the extents freed)."""
 
 from __future__ import annotations
 
