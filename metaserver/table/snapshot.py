@@ -45,11 +45,10 @@ class PageRecords:
     that upgrade, never two records for one page).
 
     Why this shape: a takeover holds every record until the table is built (10 M pages). An entry made here, while
-    the key, offset and parent objects msgpack just made are in the cache, is half the cost of one made from a
-    tuple of them later (1 M pages: the load's per-record loop went from 1.1 to 0.6 us); no tuple per record, the
-    namespace one interned string, the etcd key not kept (a 9-tuple with its etcd key a record: 9.7 GiB at 10 M
-    pages). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack unpack, an unhexlify, an
-    entry)."""
+    msgpack's key, offset and parent objects are in the cache, costs half one made from a tuple of them later; no
+    tuple per record, the namespace one interned string, the etcd key not kept (a 9-tuple a record with its etcd
+    key: 9.7 GiB at 10 M pages). Cost of ``add``: about 1.5 us a record (two protobuf reads, a msgpack unpack, an
+    unhexlify, an entry)."""
 
     __slots__ = ("groups", "segs", "junk", "n", "batches", "dead", "carriers", "carried", "dropped", "_prefix", "_cut",
                  "_names", "_apps", "_ekeys")
