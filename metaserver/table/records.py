@@ -337,16 +337,6 @@ def segment_entries(seg: Segment, idx: np.ndarray | None, name: bytes) -> list[E
             for i in at]
 
 
-def record_entries(name: bytes, value: bytes) -> tuple[list[str], list[Entry]]:
-    """(node ids, entries) of a commit record's raw value in either layout (a msgpack record's namespace is the
-    record name's). Raises as ``UNREADABLE``."""
-    if value[:1] == SEG_BYTE:
-        seg = unpack_segment(value)
-        return [seg.node_ids[i] for i in seg.nodeix.tolist()], segment_entries(seg, None, name)
-    ns = name.rpartition(b"/")[0].rpartition(b"/")[2].decode()
-    return batch_entries(ns, name, msgpack.unpackb(value))
-
-
 def listed_pairs(value: bytes) -> set[tuple[bytes, int]]:
     """The (key, generation) of each page a commit record's raw value lists, either layout (a standby's rewrite).
     Raises as ``UNREADABLE``."""

@@ -9,8 +9,11 @@ import itertools
 from types import SimpleNamespace
 
 from metaserver.table.columns import PageTable
-from metaserver.table.entry import NEW
+import msgpack
+
+from metaserver.table.entry import NEW, Entry
 from metaserver.table.nodes import add_node
+from metaserver.table.records import SEG_BYTE, batch_entries, segment_entries, unpack_segment
 from metaserver.table.snapshot import PageRecords
 from transport.wire import object_size
 
@@ -22,6 +25,16 @@ def table(nodes: int = 1, slots: int = 8) -> PageTable:
     for i in range(nodes):
         add_node(t, f"n{i}", slots * object_size(PLEN))
     return t
+
+
+def record_entries(name: bytes, value: bytes) -> tuple[list[str], list[Entry]]:
+    """(node ids, entries) of a commit record's raw value in either layout, read by the loader's own parsers
+    (``records.segment_entries``, ``records.batch_entries``: a msgpack record's namespace is the record name's)."""
+    if value[:1] == SEG_BYTE:
+        seg = unpack_segment(value)
+        return [seg.node_ids[i] for i in seg.nodeix.tolist()], segment_entries(seg, None, name)
+    ns = name.rpartition(b"/")[0].rpartition(b"/")[2].decode()
+    return batch_entries(ns, name, msgpack.unpackb(value))
 
 
 def keys_of(lo: int, hi: int) -> list[bytes]:

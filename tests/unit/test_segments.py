@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from metaserver.table.entry import NEW, PART_MASK, SHARD_SHIFT, layout
-from metaserver.table.records import SEG_VERSION, listed_pairs, pack_segment, pages_of, record_entries, unpack_segment
+from metaserver.table.records import SEG_VERSION, listed_pairs, pack_segment, pages_of, unpack_segment
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
 from transport.wire import object_size
+
+from tablekit import record_entries
 
 PREFIX = b"/umbp/pages/"
 PLEN = 60_000

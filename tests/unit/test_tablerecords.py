@@ -1,15 +1,16 @@
 """metaserver/table/commits.py: a COMMIT's rows become commit records of at most BATCH_PAGES pages in the
-records' layout (read back by the loader's own ``records.record_entries``); rows that leave (evicted, removed, dropped with
-their node) reach etcd as a dead list beside the record as it was (a load of both: the pages left), a record with
-nothing left is deleted and its id reused, and a stale record object never lists another record's rows."""
+records' layout (read back by the loader's own parsers: ``tablekit.record_entries``); rows that leave (evicted,
+removed, dropped with their node) reach etcd as a dead list beside the record as it was (a load of both: the pages
+left), a record with nothing left is deleted and its id reused, and a stale record object never lists another
+record's rows."""
 
 from __future__ import annotations
 
 from metaserver.table.columns import PageTable
 from metaserver.table.nodes import detach_node, drop_rows
-from metaserver.table.records import BATCH_PAGES, record_entries, unpack_segment
+from metaserver.table.records import BATCH_PAGES, unpack_segment
 
-from tablekit import etcd_pages, keys_of, named, put, table, write
+from tablekit import etcd_pages, keys_of, named, put, record_entries, table, write
 
 
 def pages(rec) -> dict[bytes, tuple]:
