@@ -7,8 +7,10 @@ the slot leaders re-fence the node. Raised once per slot term per node, so writt
 
 A floor is also a generation floor (``gen_floor``): a slot leader's epoch carries the first generation of its term,
 so a write of a lower generation in the slot, open pools included (they FENCE too, without a MAC), was granted by a
-deposed leader; the node refuses it, and one whose data is still arriving when the floor rises lands no further byte
-(``umbp/node/server.py``)."""
+deposed leader. A one-slot pool has one such floor, ``reg``, the REGISTER answer's epoch. The node refuses those
+writes (``umbp/node/server.py``), one whose data is still arriving when a floor rises lands no further byte
+(``umbp/node/writewatch.py``), and every floor is published in the arena's superblock page (``publish``) for the
+writers the node does not see, same-host shm and RDMA, to compare before they write (``wire.stale_gens``)."""
 
 from __future__ import annotations
 
@@ -16,18 +18,29 @@ import json
 import os
 import sys
 
-from transport import slotrules
+from transport import slotrules, wire
 from umbp.errors import AuthError, BadRequest
+
+
+def stale_write(gen: int, floor: int) -> str:
+    """Why a node refuses a write of generation ``gen`` below its term's first, ``floor``."""
+    return (f"write of generation {gen:#x} granted by a deposed metaserver term (this node's floor for it is "
+            f"{floor:#x}): its allocation may hold another page now; refused")
 
 
 class SlotFloors:
     def __init__(self, arena, capacity: int, component: str):
         self.arena_id = arena.arena_id
+        self.view = arena.view  # the superblock's page holds the published floors (``publish``)
         self.capacity = capacity
         self.component = component
         self.floors: dict[int, int] = {}
         self.slots = 0  # from a FENCE: maps a capability's offsets to slot regions
         self.version = 0  # bumped whenever a floor rises: a write in flight looks at its generations again
+        # A one-slot pool's generation floor: the first generation of the term this node registered in (REGISTER's
+        # answer; 0 from a partitioned pool's membership leader, whose slots FENCE their own). A reopened arena keeps
+        # its last run's until this run registers.
+        self.reg = int(wire.floor_words(self.view)[0]) if arena.reopened else 0
         self.path = "" if arena.remove_on_close else arena.path + ".floors"
         if arena.reopened:
             self._load()
@@ -49,6 +62,7 @@ class SlotFloors:
             self.floors[slot] = epoch
             self.version += 1
             self._save()
+            self.publish()
 
     def fence(self, epoch: int, slots: int) -> int:
         """A verified FENCE at ``epoch`` of a ``slots``-slot pool: the slot's floor rises to it. Returns the floor;
@@ -63,13 +77,32 @@ class SlotFloors:
         if changed:
             self.version += 1
             self._save()
+            self.publish()
         return floor
 
     def gen_floor(self, gen: int) -> int:
         """The first generation the current term of ``gen``'s slot hands out (0: no term known): a write of a lower
         generation was granted by a deposed leader of the slot. A slot leader's epoch is ``SLOT_EPOCH | g``."""
+        if self.reg:
+            return self.reg
         f = self.floors.get(gen >> slotrules.SLOT_GEN_SHIFT)
         return f & ~slotrules.SLOT_EPOCH if f else 0
+
+    def register(self, floor: int) -> None:
+        """REGISTER's answer: the one-slot floor of the term this node registered in (0: a partitioned pool)."""
+        self.reg = floor
+        self.version += 1
+        self.publish()
+
+    def publish(self) -> None:
+        """The generation floors into the superblock's page (``wire.floor_words``), where a same-host shm writer or
+        an RDMA writer compares its generations before it writes (``wire.stale_gens``): raised before the node acks
+        them, so no new term's page is placed here before a deposed term's writer would be refused."""
+        w = wire.floor_words(self.view)
+        w[0] = self.reg
+        for slot, epoch in self.floors.items():
+            if slot < wire.ARENA_FLOOR_SLOTS:
+                w[1 + slot] = epoch & ~slotrules.SLOT_EPOCH
 
     def _load(self) -> None:
         """The floors an earlier run of this node kept for this same arena (none for an unreadable file: the slot

@@ -112,11 +112,11 @@ class MetaLink:
                 if type(epoch) is int:
                     if epoch > self.node.cap_epoch:
                         self.node.cap_epoch = epoch  # capabilities of an earlier registration or term die here
-                    self.node.set_reg_floor(epoch)  # so do writes of its generations (0: slots fence their own)
+                    self.node.floors.register(epoch)  # so do writes of its generations (0: slots fence their own)
                 interval = float(reply.get("heartbeat_s", ttl / 3))
                 beat = {"node_id": self.node.node_id, "arena_id": self.node.arena.arena_id}
                 if self.acks_floor:
-                    beat["floor"] = self.node.reg_floor
+                    beat["floor"] = self.node.floors.reg
                 while True:
                     await self._request(reader, writer, wire.Op.HEARTBEAT, beat, max(interval, 1.0))
                     await self._idle(reader, interval)

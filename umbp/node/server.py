@@ -8,10 +8,10 @@ What it does:
   WRITEV: what clients send): written objects are received straight into their slots (``FrameReader`` sink, a
   scatter list for WRITEV), read answers point into the mapped arena; the answers to everything one receive
   completed go out in one ``writelines`` (one ``writev``). Per object in a batch: a range check, a capability
-  check (closed pools), a header check on reads, no copies. A write's data is received at most WRITE_CHUNK at a
-  time, each receive after one look at the wall clock against its ``until_ms`` (the ALLOC answer's
-  ``write_until_ms``): past it the rest of the frame is discarded and its ops answer UNAVAILABLE, so a write slower
-  than its allocation never lands on a page the metaserver has placed in its extent since;
+  check (closed pools), a generation floor check (a deposed leader's grants refused, umbp/floors.py), a header
+  check on reads, no copies. A write's data is received at most WRITE_CHUNK at a time, each receive after a look at
+  its deadline and term (umbp/node/writewatch.py): past either the rest of the frame is discarded and its ops answer
+  UNAVAILABLE, so a write that outlives its allocation never lands on a page placed in its extent since;
 - answers ARENA_INFO so same-host clients can map the arena (shm transport);
 - with ``--disk``, keeps a disk tier under the arena (umbp/node/disk.py) and serves READV_DISK to clients and DEMOTE
   / PROMOTE to the metaserver (umbp/node/tiering.py: answers still go out in request order).
@@ -54,9 +54,10 @@ from umbp.node.disk import DiskArena
 from umbp.node import tiering
 from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
-from umbp.floors import SlotFloors
+from umbp.floors import SlotFloors, stale_write
 from umbp.node.ledger import WriteLedger
 from umbp.node.readv import serve as serve_readv
+from umbp.node.writewatch import WriteWatch
 from umbp.errors import (BadRequest, CorruptionError, ProtocolError, RemoteError, StartupError, UmbpError,
                          Unavailable)
 from umbp.node.metalink import MetaLink
@@ -65,7 +66,7 @@ from umbp.tls import server_context, tune_malloc_for_tls
 
 _WRITE_HIGH_WATER = 64 << 20
 # At most this much of a frame's data is received into the arena at a time (``DataProtocol.get_buffer``), each receive
-# after one look at the wall clock against the write's deadline (``until_ms``): a write past it lands no further byte.
+# after a look at the write's deadline and term (``WriteWatch.look``): a write past either lands no further byte.
 WRITE_CHUNK = 4 << 20
 _DISK_OPS = (wire.Op.READV_DISK, wire.Op.DEMOTE, wire.Op.PROMOTE)
 
@@ -91,21 +92,16 @@ class NodeServer:
         self.tokens = Tokens.load(config.token, config.tokens_file, self.component)
         self.cap_key = self.tokens.cap_key(self.node_id, self.arena.arena_id)
         self.cap_epoch = 0  # write capabilities of older epochs are refused (raised by REGISTER and by newer caps)
-        # A one-slot pool's generation floor: the first generation of the term this node registered in (REGISTER's
-        # answer; 0 from a partitioned pool's membership leader, whose slots FENCE their own floors). A write of a
-        # lower generation was granted by a deposed leader: refused, and stopped if its data is still arriving.
-        self.reg_floor = 0
         # Closed pools: the newest generation written per 4 KiB block (umbp/node/ledger.py): what a write capability may
         # still write is judged from it, never from headers (bytes a client wrote). Kept next to a reopenable arena.
         self.ledger = None if self.cap_key is None else WriteLedger(
             self.arena.arena_id, wire.ARENA_DATA_START, config.capacity,
             "" if self.arena.remove_on_close else self.arena.path + ".ledger", self.component)
-        # A partitioned pool: one epoch floor per slot, kept next to a reopenable arena (umbp/floors.py)
+        # Generation floors (umbp/floors.py): a one-slot pool's from REGISTER, a partitioned pool's per slot (kept
+        # next to a reopenable arena), published in the superblock's page. A write of a lower generation was granted
+        # by a deposed leader: refused, and stopped if its data is still arriving.
         self.floors = SlotFloors(self.arena, config.capacity, self.component)
-        # the floors are published in the superblock's page for same-host shm writers (``publish_floors``); a
-        # reopened arena keeps the one-slot floor of its last run until this run registers
-        self.reg_floor = int(wire.floor_words(self.arena.view)[0]) if self.arena.reopened else 0
-        self.publish_floors()
+        self.floors.publish()
         self.conns: set[DataProtocol] = set()
         self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
                                    config.preauth_connections, config.auth_timeout_s, config.preauth_per_source)
@@ -156,49 +152,18 @@ class NodeServer:
         write there again, nor over any allocation placed in its extent since (the metaserver also holds young
         freed extents until the deadline). AuthError otherwise."""
         if self.cap_key is None:
-            floor = self.gen_floor(gen)  # a closed pool's capability names its term: checked there, AuthError
+            floor = self.floors.gen_floor(gen)  # a closed pool's capability names its term: checked there
             if gen < floor:
-                raise Unavailable(self.component, self.stale_write(gen, floor), wire.Status.UNAVAILABLE)
+                raise Unavailable(self.component, stale_write(gen, floor), wire.Status.UNAVAILABLE)
             return
         epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen,
                                                           self.cap_epoch, int(time.time() * 1000), self.component)
         slot = slotrules.epoch_slot(epoch)
         if slot is not None:
-            v = self.floors.version
             self.floors.check(slot, epoch, offset, nbytes)
-            if self.floors.version != v:
-                self.publish_floors()
         elif epoch > self.cap_epoch:
             self.cap_epoch = epoch  # a metaserver term or registration newer than ours: older capabilities die
         self.ledger.admit(offset, nbytes, gen)
-
-    def gen_floor(self, gen: int) -> int:
-        """The first generation of the current term of ``gen``'s slot, as far as this node knows (0: none)."""
-        return self.reg_floor or self.floors.gen_floor(gen)
-
-    def set_reg_floor(self, floor: int) -> None:
-        """REGISTER's answer: the first generation of the term this node registered in (0: a partitioned pool)."""
-        self.reg_floor = floor
-        self.publish_floors()
-
-    def publish_floors(self) -> None:
-        """The generation floors into the superblock's page (``wire.floor_words``), where a same-host shm writer
-        compares its generations before it copies (``wire.stale_gens``): raised before the node acks them, so no
-        new term's page is placed here before a deposed term's shm writer would be refused."""
-        w = wire.floor_words(self.arena.view)
-        w[0] = self.reg_floor
-        for slot, epoch in self.floors.floors.items():
-            if slot < wire.ARENA_FLOOR_SLOTS:
-                w[1 + slot] = epoch & ~slotrules.SLOT_EPOCH
-
-    def floor_mark(self) -> tuple[int, int]:
-        """Changes whenever a generation floor rises (a write in flight then looks at its generations again)."""
-        return self.reg_floor, self.floors.version
-
-    @staticmethod
-    def stale_write(gen: int, floor: int) -> str:
-        return (f"write of generation {gen:#x} granted by a deposed metaserver term (this node's floor for it is "
-                f"{floor:#x}): its allocation may hold another page now; refused")
 
     def fence(self, token: Any) -> dict:
         """FENCE from a partitioned pool's new slot leader (``auth.fence_token``; in an open pool ``{"epoch",
@@ -210,9 +175,7 @@ class NodeServer:
             epoch, slots = token["epoch"], token["slots"]
         else:
             epoch, slots = open_fence(self.cap_key, token, self.component)
-        floor = self.floors.fence(epoch, slots)
-        self.publish_floors()
-        return {"floor": floor}
+        return {"floor": self.floors.fence(epoch, slots)}
 
     def writev_pieces(self, meta: Any, data_len: int, caps: CapCache | None = None, until: list | None = None
                       ) -> tuple[list, list]:
@@ -257,13 +220,6 @@ class NodeServer:
         if until is not None:
             until[0] = first
         return pieces, failures
-
-    @staticmethod
-    def late_write(what: str, until_ms: int) -> str:
-        """Why a write past its deadline lands no (further) byte: the metaserver may have placed another page in its
-        extent since (its allocation ended: an expiry, a leader's death)."""
-        return (f"{what} past its write deadline (until_ms {until_ms}, node clock {int(time.time() * 1000)}): its "
-                f"allocation may have ended; the rest of its data was discarded")
 
     def arena_info(self) -> dict:
         return {"node_id": self.node_id, "arena_id": self.arena.arena_id, "arena_path": self.arena.path,
@@ -335,16 +291,7 @@ class DataProtocol(FramedProtocol):
         self.rdma_eps: list = []  # RDMA endpoints this client set up over this connection
         self.last_active = 0.0
         self.vec_failures: list = []  # the WRITEV whose data is arriving: its refused objects
-        # the WRITE/WRITEV whose data is arriving: its request id and deadline (wall-clock ms, 0: none), looked at
-        # before each receive (get_buffer); ``late``: (request id, first op not received whole, why) once diverted
-        self.until_rid = 0
-        self.until_ms = 0
-        self.until_what = ""
-        # its generations (None: no write's data arriving) and the node's floor mark when it started: a floor that
-        # rises meanwhile (a takeover's REGISTER or FENCE) stops a write of a deposed term (``get_buffer``)
-        self.write_gens: list | None = None
-        self.write_mark: tuple = ()
-        self.late: tuple[int, int, str] | None = None
+        self.watch = WriteWatch(self.reader, node.floors, node.component)  # the write whose data is arriving
         self._out: list = []  # answers not yet handed to the transport
         self.disk: tiering.ConnState | None = None  # disk answers in flight (umbp/node/tiering.py), once any came
         self.component = node.component
@@ -354,63 +301,22 @@ class DataProtocol(FramedProtocol):
 
     def sink(self, op: int, rid: int, meta: Any, data_len: int) -> memoryview | list:
         self.auth.require()  # no byte of an unauthenticated peer reaches the arena
-        self.until_ms = 0
-        self.write_gens = None
+        self.watch.clear()
         if op == wire.Op.WRITEV:
             until = [0]
             pieces, self.vec_failures = self.node.writev_pieces(meta, data_len, self.caps, until)
-            self._deadline(rid, until[0], "WRITEV")
-            self._watch_floor(rid, [m[1] for m in meta])
+            self.watch.start(rid, "WRITEV", until[0], [m[1] for m in meta])
             return pieces
         target = self.node.write_sink(op, rid, meta, data_len, self.caps)
-        self._deadline(rid, meta[3] if len(meta) == 4 else 0, "WRITE")
-        self._watch_floor(rid, [meta[1]])
+        self.watch.start(rid, "WRITE", meta[3] if len(meta) == 4 else 0, [meta[1]])
         return target
 
-    def _watch_floor(self, rid: int, gens: list) -> None:
-        """The write's generations, looked at again before each receive if a generation floor rises meanwhile."""
-        self.until_rid, self.write_gens, self.write_mark = rid, gens, self.node.floor_mark()
-
-    def _deadline(self, rid: int, until_ms: int, what: str) -> None:
-        """A write's deadline (``until_ms``: the metaserver's ALLOC answer's ``write_until_ms``; 0, an older client:
-        none): already past, the whole frame is refused (its data discarded); else ``get_buffer`` watches it."""
-        if until_ms:
-            if time.time() * 1000 > until_ms:
-                raise Unavailable(self.component, self.node.late_write(what, until_ms), wire.Status.UNAVAILABLE)
-            self.until_rid, self.until_ms, self.until_what = rid, until_ms, what
-
     def get_buffer(self, sizehint: int) -> memoryview:
-        """The reader's next buffer, at most WRITE_CHUNK. A write's data past its deadline goes to scratch from
-        here on (``FrameReader.divert``: the connection stays in sync); its answer says so (``_late_answer``)."""
-        if self.until_ms and time.time() * 1000 > self.until_ms:
-            self._divert(self.node.late_write(self.until_what, self.until_ms))
-        if self.write_gens is not None and self.node.floor_mark() != self.write_mark:
-            self.write_mark = self.node.floor_mark()
-            stale = [(g, f) for g in self.write_gens if g < (f := self.node.gen_floor(g))]
-            if stale:
-                self._divert(self.node.stale_write(*stale[0]) + " (the rest of its data was discarded)")
+        """The reader's next buffer, at most WRITE_CHUNK, once the arriving write's deadline and term are looked at
+        (``umbp/node/writewatch.py``: past either, its data goes to scratch and its answer says so)."""
+        self.watch.look()
         buf = self.reader.get_buffer(sizehint)
         return buf if len(buf) <= WRITE_CHUNK else buf[:WRITE_CHUNK]
-
-    def _divert(self, why: str) -> None:
-        """The rest of the arriving write's data goes to scratch; its answer fails the ops not received whole."""
-        first = self.reader.divert()
-        if first >= 0:
-            self.late = (self.until_rid, first, why)
-        self.until_ms = 0
-        self.write_gens = None
-
-    def _late_answer(self, frame: wire.Frame) -> tuple[int, str] | None:
-        """(first op not received whole, why) when this write's data was diverted (past its deadline, or granted by
-        a deposed term); None if not."""
-        if frame.request_id == self.until_rid:
-            self.until_ms = 0  # its data is complete: nothing left to watch
-            self.write_gens = None
-        late = self.late
-        if late is None or late[0] != frame.request_id:
-            return None
-        self.late = None
-        return late[1], late[2]
 
     def connection_lost(self, exc):
         if not self.release():
@@ -501,7 +407,7 @@ class DataProtocol(FramedProtocol):
                 if not frame.data_len:  # with data, the sink validated the list before any of it landed
                     raise BadRequest(node.component, "WRITEV: no data")
                 failures, self.vec_failures = self.vec_failures, []
-                late = self._late_answer(frame)
+                late = self.watch.answer(frame.request_id)
                 if late is not None:  # every op not received whole before the deadline failed
                     refused = {f[0] for f in failures}
                     why = f"{node.component}: {late[1]}"
@@ -514,7 +420,7 @@ class DataProtocol(FramedProtocol):
             elif op == wire.Op.WRITE:
                 if frame.data_len < wire.OBJ_HEADER_SIZE:  # with data, the sink validated it before it landed
                     raise BadRequest(node.component, "WRITE: data shorter than an object header")
-                late = self._late_answer(frame)
+                late = self.watch.answer(frame.request_id)
                 if late is not None:
                     raise Unavailable(node.component, late[1], wire.Status.UNAVAILABLE)
                 node.stats["writes"] += 1
