@@ -366,8 +366,9 @@ class LocalPool:
             time.sleep(POLL_S)  # poll interval of the processes' answers
 
     def _slot_state(self, addrs: list[str]) -> tuple[bool, bool, str]:
-        """(every slot and the membership role served, each by the process the ranking gives it, what is not),
-        from each process's STATS ``slots_led`` and LEADER ``is_leader``, asked of it directly."""
+        """(every slot and the membership role served, each by the process the ranking gives it and so in every
+        process's LEADER map, what is not), from each process's STATS ``slots_led`` and LEADER answer, asked of it
+        directly."""
         from metaserver.ha.slots import leaders, rank  # the pool's own ranking (only a partitioned pool asks)
         from transport.wire import Op
         from umbp.errors import UmbpError
@@ -375,14 +376,17 @@ class LocalPool:
 
         led: dict[str, set[int]] = {}
         membership = []
+        maps = []  # each process's LEADER map: what clients route by (it follows the handovers by a round)
         for addr in addrs:
             mc = MetaClient([addr], "up", os.environ.get("UMBP_TOKEN") or None,
                             tls_ca=os.environ.get("UMBP_TLS_CA", ""), follow=False)
             try:
                 deadline = time.monotonic() + 2.0
                 led[addr] = set(mc.call(Op.STATS, {}, deadline).get("slots_led") or ())
-                if mc.call(Op.LEADER, {}, deadline).get("is_leader"):
+                ans = mc.call(Op.LEADER, {}, deadline)
+                if ans.get("is_leader"):
                     membership.append(addr)
+                maps.append(ans.get("map"))
             except UmbpError as e:
                 return False, False, f"metaserver {addr}: {e}"
             finally:
@@ -391,10 +395,12 @@ class LocalPool:
         served = not unserved and len(membership) == 1
         want = leaders(self.slots, addrs)
         moving = [s for s in range(self.slots) if s not in led[want[s]]]
-        settled = served and not moving and membership == [rank("m", sorted(addrs))[0]]
+        stale = [m for m in maps if m != want]
+        settled = served and not moving and not stale and membership == [rank("m", sorted(addrs))[0]]
         why = (f"slots {unserved} not served" if unserved else
                f"the membership role served by {membership or 'none'}" if not served else
-               f"slots {moving} still to move" if moving else "the membership role still to move")
+               f"slots {moving} still to move" if moving else
+               f"{len(stale)} processes' slot maps not updated yet" if stale else "the membership role still to move")
         return served, settled, why
 
     def _pin_ports(self, child: Child, flag: str, port: str) -> None:
