@@ -54,7 +54,7 @@ from umbp.config import ClientConfig, resolve
 from umbp.devcopy import DeviceBatch, DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
-from umbp.keys import normalize_key  # noqa: F401  (umbp.client.normalize_key is public)
+from umbp.keys import normalize_key, normalize_keys  # noqa: F401  (umbp.client.normalize_key is public)
 from umbp.releases import ReleasingMeta
 from umbp.shard import ShardedMeta
 from umbp.slotrouter import MetaRouter
@@ -62,7 +62,7 @@ from umbp.speculate import Speculation
 from umbp.mapped import Mapped, MappedPages  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp.puts import Puts
 from umbp.pagereads import read_ahead, read_ops
-from umbp.readbatch import DISK, get_into, late_reads_missed, normalize_keys, out_addresses
+from umbp.readbatch import DISK, get_into, late_reads_missed, out_addresses
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
@@ -285,7 +285,7 @@ class Client:
         """Read pages. ``segs[i]`` lists (start, length, dest) of page i, dest a writable view or ``CudaOut``
         (length -1: the whole payload, which must fit dest); ``segs=None`` reads every page into a new ``bytes``.
         Returns (bytes written per key or -1 for a miss, the new objects when ``segs`` is None)."""
-        kb = [normalize_key(k) for k in keys]
+        kb = normalize_keys(keys)
         ns = self.namespace
         cuda: list[CudaOut] = []
         if segs is not None:
@@ -464,7 +464,7 @@ class Client:
     # ---- directory only -------------------------------------------------------------------------------------
 
     def batch_exists(self, keys: Iterable[Any]) -> list[bool]:
-        kb = [normalize_key(k) for k in keys]
+        kb = normalize_keys(keys)
         if not kb:
             return []
         return self._meta.call(wire.Op.EXISTS, {"ns": self.namespace, "keys": kb}, self._deadline())["exists"]
@@ -473,7 +473,7 @@ class Client:
         return self.batch_exists([key])[0]
 
     def prefix_hits(self, keys: Iterable[Any]) -> int:
-        kb = [normalize_key(k) for k in keys]
+        kb = normalize_keys(keys)
         if not kb:
             return 0
         return self._meta.call(wire.Op.PREFIX, {"ns": self.namespace, "keys": kb}, self._deadline())["hits"]
@@ -482,7 +482,7 @@ class Client:
         return self.batch_remove([key])[0]
 
     def batch_remove(self, keys: Iterable[Any]) -> list[bool]:
-        kb = [normalize_key(k) for k in keys]
+        kb = normalize_keys(keys)
         self._spec.cache.forget(kb)
         return self._meta.call(wire.Op.REMOVE, {"ns": self.namespace, "keys": kb}, self._deadline())["removed"]
 

@@ -19,7 +19,7 @@ from typing import Any, ContextManager, Iterator, Sequence
 
 from transport import wire
 from umbp.errors import CorruptionError, TransportError
-from umbp.keys import normalize_key
+from umbp.keys import normalize_keys
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Mapped:
 @contextlib.contextmanager
 def _mapped(c: Any, keys: Sequence[Any]) -> Iterator[MappedPages]:
     """``Mapped.mapped`` for client ``c`` (held strongly by the generator while the caller is inside)."""
-    kb = [normalize_key(k) for k in keys]
+    kb = normalize_keys(keys)
     ns = c.namespace
     with c._lock:
         deadline = c._deadline()

@@ -66,20 +66,6 @@ def host_views(values: Any) -> list | None:
     return [[v] for v in mvs]
 
 
-def keys_bytes(keys: Any) -> list[bytes] | None:
-    """``normalize_key`` of every key when they are all str (or all bytes) of 1..63 bytes: encoded by ``map``; None
-    otherwise (the caller normalises each key, with its checks and digest forms)."""
-    kinds = set(map(type, keys))
-    if kinds == {str}:
-        kb = list(map(str.encode, keys))
-    elif kinds == {bytes}:
-        kb = list(keys)
-    else:
-        return None
-    lens = list(map(len, kb))
-    return kb if lens and min(lens) > 0 and max(lens) < 64 else None  # 64..68 bytes may be a digest key
-
-
 def sizes_of(views: list) -> list[int] | None:
     """Each page's bytes when every page is one view (None otherwise)."""
     if None in views or set(map(len, views)) != {1}:

@@ -39,7 +39,7 @@ from umbp.auth import with_caps
 from umbp.buffers import PINNED, Rows, as_bytes_view, stage_cuda
 from umbp.devcopy import DeviceBatch
 from umbp.errors import DeadlineExceeded, InvalidArgument, PoolFull, TransportError, UmbpError
-from umbp.keys import normalize_key
+from umbp.keys import normalize_key, normalize_keys
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
@@ -215,7 +215,7 @@ class Puts:
     def _put_views(self, keys: Sequence[Any], views: list, parents: Sequence[Any] | None, dev: DeviceBatch | None
                    ) -> list[bool]:
         c = self._client()
-        kb = putbatch.keys_bytes(keys) or [normalize_key(k) for k in keys]
+        kb = normalize_keys(keys)
         if parents is not None and len(parents) != len(kb):
             raise InvalidArgument(c.component, f"batch_put: {len(kb)} keys but {len(parents)} parents")
         pb = None if parents is None else [None if p is None else normalize_key(p) for p in parents]

@@ -34,7 +34,6 @@ from transport import wire
 from transport.base import Pending, ReadOp
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
-from umbp.keys import normalize_key
 from umbp.lookup import rows_of
 from umbp.speculate import read_deadline
 
@@ -97,18 +96,6 @@ def _rows_at(n: int, row: int) -> tuple[np.ndarray, np.ndarray]:
         at.flags.writeable = caps.flags.writeable = False
         got = _ROWS_AT[(n, row)] = (at, caps)
     return got
-
-
-def normalize_keys(keys: Any) -> list[bytes]:
-    """``[normalize_key(k) for k in keys]``, without its call a key for the usual batch: plain str keys whose UTF-8
-    is 1..63 bytes (shorter than any digest key's form, ``umbp.keys.digest_key``) are their encoding as they are;
-    any other batch takes ``normalize_key`` key by key (same bytes, same errors)."""
-    if set(map(type, keys)) == {str}:
-        kb = [k.encode() for k in keys]
-        lens = list(map(len, kb))
-        if min(lens) > 0 and max(lens) < 64:
-            return kb
-    return [normalize_key(k) for k in keys]
 
 
 def _view(address: int, n: int) -> memoryview:

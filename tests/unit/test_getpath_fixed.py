@@ -1,5 +1,5 @@
 """The get path's per-batch shortcuts (issue 45, fixed cost a batch) against the general forms they stand in for, on
-random batches: ``readbatch.normalize_keys`` against ``normalize_key`` key by key (bytes and errors), the flat crc
+random batches: ``keys.normalize_keys`` against ``normalize_key`` key by key (bytes and errors), the flat crc
 table of ``headers_match`` against ``zlib.crc32``, and ``LocationCache.learn_rows``'s skip of unchanged rows against
 a cache that always stores (same remembered rows after each answer: hits, moves, misses)."""
 
@@ -14,8 +14,7 @@ import pytest
 from transport import wire
 from transport.base import _WORD0, _crc_after_word0, headers_match
 from umbp.errors import CorruptionError, InvalidArgument
-from umbp.keys import normalize_key
-from umbp.readbatch import normalize_keys
+from umbp.keys import normalize_key, normalize_keys
 from umbp.speculate import LocationCache
 
 
@@ -58,6 +57,24 @@ def test_normalize_keys_matches_normalize_key_on_random_batches():
         assert _fast(keys) == _general(keys)
     assert normalize_keys(["a" * 63, "b"]) == [b"a" * 63, b"b"]
     assert normalize_keys(["a" * 64, "b"])[0] == normalize_key("a" * 64)  # a digest key's form
+
+
+def test_normalize_keys_digest_forms_and_page_names():
+    """Keys of 64..68 bytes: the digest text and rank keys become their raw form, SGLang's page names (ending in a
+    letter) and near misses stay as they are, str and bytes alike, as ``normalize_key`` does key by key; a generator
+    is read once."""
+    rng = random.Random(7)
+    hexes = [bytes(rng.getrandbits(8) for _ in range(32)).hex() for _ in range(6)]
+    names = ([h for h in hexes] + [f"{h}_{r}" for h, r in zip(hexes, (0, 7, 99, 255, 256, 5))]
+             + [f"{hexes[0]}_07", f"{hexes[1]}__k", f"{hexes[2]}_0_k", f"{hexes[3]}_1_v", hexes[4].upper(),
+                f"{hexes[5][:-1]}g", f"{hexes[0]}x1", f"{hexes[1]}_1a", "k/short", "x" * 66])
+    for keys in (names, [n.encode() for n in names]):
+        want = [normalize_key(k) for k in keys]
+        assert normalize_keys(keys) == want and normalize_keys(tuple(keys)) == want
+        assert normalize_keys(k for k in keys) == want
+    assert sum(len(k) == 32 for k in normalize_keys(names)) == 6  # the six hex texts
+    assert sum(len(k) == 33 for k in normalize_keys(names)) == 5  # ranks 0, 7, 99, 255, 5 (256 is no rank)
+    assert normalize_keys([]) == [] and normalize_keys(iter([])) == []
 
 
 def test_flat_crc_table_matches_zlib_and_headers_match_the_per_page_check():

@@ -194,9 +194,8 @@ def test_array_chunk_writes_and_reports_as_the_per_page_chunk(tmp_path, seed):
         assert arrays[k] == per_page[k], k
 
 
-def test_host_views_and_keys_are_what_the_per_value_path_makes():
+def test_host_views_are_what_the_per_value_path_makes():
     from umbp.buffers import as_bytes_view
-    from umbp.keys import normalize_key
 
     arrs = [np.arange(n, dtype=np.uint8) for n in (0, 1, 4096)]
     for values in (arrs, [b"ab", bytearray(b"cd")], np.zeros((3, 16), np.uint8)):
@@ -207,10 +206,6 @@ def test_host_views_and_keys_are_what_the_per_value_path_makes():
     for values in ([np.zeros(4, np.float32)], [np.zeros((2, 2), np.uint8)], [np.zeros(8, np.uint8)[::2]],
                    [b"a", np.zeros(1, np.uint8)], [memoryview(b"x")], np.zeros((2, 2), np.float16), []):
         assert putbatch.host_views(values) is None
-    for keys in (["a", "é/1", "x" * 63], [b"a", b"b" * 63]):
-        assert putbatch.keys_bytes(keys) == [normalize_key(k) for k in keys]
-    for keys in (["x" * 64], [b"b" * 66], ["a", b"b"], [""], [b""], ["a", 3]):  # digest-sized, mixed, empty, bad
-        assert putbatch.keys_bytes(keys) is None
     assert putbatch.sizes_of([[memoryview(b"abc")], [memoryview(b"")]]) == [3, 0]
     assert putbatch.sizes_of([[memoryview(b"a"), memoryview(b"b")]]) is None and putbatch.sizes_of([None]) is None
 
