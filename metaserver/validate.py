@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from transport import wire
-from transport.keyform import digest_key
+from transport.keyform import digest_forms, digest_key
 from transport.wire import Status
 from umbp.errors import BadRequest
 
@@ -69,12 +69,13 @@ def keys(meta: dict, max_n: int, name: str = "keys") -> list[bytes]:
         if types != {bytes}:
             i = next(i for i, k in enumerate(v) if type(k) is not bytes)
             raise Reject(f"{name}[{i}] must be bytes")
-        longest = max(map(len, v))
-        if longest > MAX_KEY or min(map(len, v)) == 0:
-            i = next(i for i, k in enumerate(v) if not 0 < len(k) <= MAX_KEY)
+        lens = list(map(len, v))
+        longest = max(lens)
+        if longest > MAX_KEY or min(lens) == 0:
+            i = next(i for i, n in enumerate(lens) if not 0 < n <= MAX_KEY)
             raise Reject(f"{name}[{i}] must be 1..{MAX_KEY} bytes")
         if longest >= 64:  # digest keys sent as hex text: the directory keeps their raw form (umbp.keys)
-            v = [digest_key(k) for k in v]
+            v = digest_forms(v, lens)
     return v
 
 

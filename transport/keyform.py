@@ -30,3 +30,10 @@ def digest_key(key: bytes) -> bytes:
     except ValueError:
         return key
     return raw + rank if raw.hex().encode() == key[:64] else key
+
+
+def digest_forms(keys: list[bytes], lens: list[int]) -> list[bytes]:
+    """``[digest_key(k) for k in keys]`` given the keys' lengths, with ``digest_key`` called only for a key that may
+    be a digest key's text: 64 bytes, or 65..68 ending in a digit (a rank key, ``{64 hex}_{rank}``). SGLang's page
+    names, ``{hash}_{tag}_k``, end in a letter and are their own form: 0.08 against 0.2 us a key."""
+    return [digest_key(k) if n == 64 or (64 < n <= 68 and 48 <= k[-1] <= 57) else k for k, n in zip(keys, lens)]

@@ -24,7 +24,7 @@ import hashlib
 import struct
 from typing import Any, Iterable, Sequence
 
-from transport.keyform import digest_key
+from transport.keyform import digest_forms, digest_key
 from transport.wire import MAX_KEY_BYTES
 from umbp.errors import InvalidArgument
 
@@ -120,10 +120,9 @@ def normalize_key(key: Any) -> bytes:
 
 def normalize_keys(keys: Iterable[Any]) -> list[bytes]:
     """``[normalize_key(k) for k in keys]`` in a few passes over the batch when every key is str, or every key bytes,
-    of 1..MAX_KEY_BYTES bytes (the usual batch): encoded by ``map``, and ``digest_key`` called only for a key that may
-    be a digest key's text: 64 bytes, or 65..68 ending in a digit (a rank key, ``{64 hex}_{rank}``; SGLang's page
-    names, ``{hash}_{tag}_k``, end in a letter and are their own form). Any other batch goes key by key, with the
-    same bytes and the same errors. 128 str names of 68 bytes: 37 -> 27 us against key by key (2-core VM)."""
+    of 1..MAX_KEY_BYTES bytes (the usual batch): encoded by ``map``, the digest forms by ``digest_forms`` (a call
+    only for a key that may be a digest key's text). Any other batch goes key by key, with the same bytes and the
+    same errors. 128 str names of 68 bytes: 37 -> 27 us against key by key (2-core VM)."""
     if not isinstance(keys, (list, tuple)):
         keys = list(keys)
     kinds = set(map(type, keys))
@@ -140,4 +139,4 @@ def normalize_keys(keys: Iterable[Any]) -> list[bytes]:
         return [normalize_key(k) for k in kb]  # the first bad key's error
     if max(lens) < 64:
         return kb
-    return [digest_key(k) if n == 64 or (64 < n <= 68 and 48 <= k[-1] <= 57) else k for k, n in zip(kb, lens)]
+    return digest_forms(kb, lens)

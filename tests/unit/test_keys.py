@@ -1,5 +1,7 @@
 """Chained page keys: prefix sharing, partial pages, rank naming and split."""
 
+import random
+
 import pytest
 
 from umbp import keys
@@ -79,3 +81,20 @@ def test_digest_keys_have_one_raw_form():
     # a non-digest key keeps its identity (no copy)
     other = b"x" * 64
     assert keys.digest_key(other) is other
+
+
+def test_digest_forms_is_digest_key_key_by_key():
+    """``keyform.digest_forms`` skips ``digest_key`` only for keys it would return as they are: every length 60..70,
+    hex and near-hex texts, rank suffixes with digits, letters, leading zeros and ranks past 255."""
+    from transport.keyform import digest_forms, digest_key
+
+    rng = random.Random(11)
+    keys = []
+    for _ in range(3000):
+        h = bytes(rng.getrandbits(8) for _ in range(32)).hex()
+        tail = rng.choice(["", "_", "_0", "_7", "_07", "_255", "_256", "_1k", "__k", "_0_k", "_12", "x", "_999"])
+        k = (h + tail).encode()[:rng.choice([60, 63, 64, 65, 66, 67, 68, 69, 70, 200])]
+        if rng.random() < 0.1:
+            k = k[:-1] + bytes([rng.getrandbits(8)])
+        keys.append(k)
+    assert digest_forms(keys, list(map(len, keys))) == [digest_key(k) for k in keys]
