@@ -554,3 +554,27 @@ def test_join_takes_its_share_and_leave_gives_it_back(make_cluster):
 
 # ----------------------------------------------------------------------------------------------------------------
 # operations
+
+
+def test_a_closed_partitioned_pool_puts_as_arrays(make_cluster, tmp_path, monkeypatch):
+    """A batch over every slot of a closed, partitioned pool (two nodes, one process) takes the array put path
+    (``umbp/putbatch.py``) over tcp: the router merges the parts' packed ALLOC rows (``lookup.merge_allocs``), so
+    each node appears once a slot in the answer with that slot's own write capability, and a node's pages go out as
+    one batch with each page's capability, every one checked by the node. Every page reads back byte-exact; a second
+    put of the same keys stores nothing (dedup). (Over shm across slots: test_attack_late_write's same-host test.)"""
+    transport = "tcp"
+    from umbp import putbatch
+
+    cl = closed_cluster(make_cluster, tmp_path, monkeypatch, tokens_toml({"w": (WRITER, {"t": "rw"})}), nodes=2,
+                        capacity="64MiB", metaserver_flags={"slots": SLOTS})
+    calls = []
+    real = putbatch.write
+    monkeypatch.setattr(putbatch, "write", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    keys = [f"arr-{transport}-{i}".encode() for i in range(96)]
+    assert set(slotrules.slots_of("t", keys, SLOTS)) == set(range(SLOTS))
+    vals = [payload(i, 16384) for i in range(len(keys))]
+    with scoped_client(cl.metaservers[0].addr, WRITER, "t", transport=transport) as c:
+        assert c.batch_put(keys, vals) == [True] * len(keys)
+        assert calls, "the array put path did not run"
+        assert c.batch_put(keys, vals) == [False] * len(keys)
+        assert [c.get(k) for k in keys] == vals

@@ -700,7 +700,7 @@ def unpack_allocs(answer: Any, component: str, items: bool = True) -> Any:
     """``unpack_locs`` for an ALLOC answer: its rows checked and kept as ``alloc_rows`` (the put path's array form,
     umbp/putbatch.py), and (``items``) its ``items`` list, ``[NEW, node_id, off, payload_len, gen, tag, node index]``
     or ``[state, None, None, None, None]`` a key (``alloc_items``; the client makes it only when it is read)."""
-    got = _rows(answer, ALLOC_ROW, unpack_allocs, "ALLOC", component)
+    got = _rows(answer, ALLOC_ROW, lambda part, c: unpack_allocs(part, c, items), "ALLOC", component)
     if got is None:
         return answer
     rows, nodes = got

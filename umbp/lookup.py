@@ -48,9 +48,15 @@ class AllocAnswer(dict):
 def alloc_rows(answer: Any, component: str) -> Any:
     """A decoded ALLOC answer with its rows checked (``wire.unpack_allocs``) and its ``items`` made when read; an
     answer without rows (VERSION 11) is left as it is."""
-    if type(answer) is not dict or answer.get("rows") is None:
+    if type(answer) is not dict:
         return wire.unpack_allocs(answer, component)
-    return AllocAnswer(wire.unpack_allocs(answer, component, items=False))
+    parts = answer.get("parts")
+    if answer.get("rows") is None and type(parts) is not list:  # VERSION 11: items already
+        return wire.unpack_allocs(answer, component)
+    out = wire.unpack_allocs(answer, component, items=False)
+    if type(parts) is list:  # a multi-slot answer's parts: rows kept, items made only when read
+        out["parts"] = [AllocAnswer(p) if type(p) is dict and "alloc_rows" in p else p for p in parts]
+    return out if out.get("alloc_rows") is None else AllocAnswer(out)
 
 
 def answer_rows(answer: Any, component: str) -> Any:
@@ -103,14 +109,33 @@ def rows_of(answer: dict) -> tuple[np.ndarray, list, list]:
 def merge(parts: list[tuple[list[int], dict]], n: int) -> dict:
     """One answer of ``n`` keys from the parts' answers ``(key indices, answer)``: rows scattered into key order, node
     lists (and caps) concatenated, each part's node indices shifted past the nodes before it."""
-    out = np.zeros(n, wire.LOC_ROW)
+    rows, nodes, caps = _scatter([(idx, rows_of(a)) for idx, a in parts], n, wire.LOC_ROW)
+    return LookupAnswer({"rows": rows, "nodes": nodes, "caps": caps})
+
+
+def merge_allocs(parts: list[tuple[list[int], dict]], n: int) -> dict:
+    """``merge`` for ALLOC answers with packed rows (``alloc_rows``, ``wire.ALLOC_ROW``): one answer of ``n`` keys the
+    put path writes as arrays (``umbp/putbatch.py``), its ``items`` made only when read; a row not NEW keeps its
+    state and ``NO_NODE``. ``write_until_ms``: the earliest part's (every part's places are written by then)."""
+    rows, nodes, caps = _scatter([(idx, (a["alloc_rows"], a.get("nodes") or [], a.get("caps") or []))
+                                  for idx, a in parts], n, wire.ALLOC_ROW)
+    out = AllocAnswer({"alloc_rows": rows, "nodes": nodes, "caps": caps})
+    until = [a["write_until_ms"] for _idx, a in parts if a.get("write_until_ms")]
+    if until:
+        out["write_until_ms"] = min(until)
+    return out
+
+
+def _scatter(parts: list[tuple[list[int], tuple]], n: int, dtype: np.dtype) -> tuple[np.ndarray, list, list]:
+    """(rows, nodes, caps) of ``n`` keys from parts ``(key indices, (rows, nodes, caps per node or []))``: one index
+    scatter a part, each part's node indices shifted past the nodes before it (its ``NO_NODE`` rows kept)."""
+    out = np.zeros(n, dtype)
     out["node"] = wire.NO_NODE
     nodes: list = []
     caps: list = []
-    any_caps = any(a.get("caps") for _idx, a in parts)
-    for idx, a in parts:
-        rows, pnodes, pcaps = rows_of(a)
-        if len(pnodes):
+    any_caps = any(pcaps for _idx, (_r, _n, pcaps) in parts)
+    for idx, (rows, pnodes, pcaps) in parts:
+        if len(pnodes) and nodes:
             rows = rows.copy()
             hit = rows["node"] != wire.NO_NODE
             rows["node"][hit] += len(nodes)
@@ -118,4 +143,4 @@ def merge(parts: list[tuple[list[int], dict]], n: int) -> dict:
         nodes.extend(pnodes)
         if any_caps:
             caps.extend(pcaps if pcaps else [b""] * len(pnodes))
-    return LookupAnswer({"rows": out, "nodes": nodes, "caps": caps})
+    return out, nodes, caps

@@ -76,7 +76,7 @@ def sizes_of(views: list) -> list[int] | None:
 def answer_rows(reply: Any, n: int) -> np.ndarray | None:
     """The ALLOC answer's packed rows when they describe this chunk's ``n`` keys; None otherwise (an answer of
     VERSION 11, a multi-slot one merged as items)."""
-    rows = reply.get("alloc_rows") if type(reply) is dict else None
+    rows = reply.get("alloc_rows") if isinstance(reply, dict) else None  # (an AllocAnswer: a dict subclass)
     return rows if rows is not None and len(rows) == n else None
 
 
@@ -158,9 +158,21 @@ def write(client: Any, views: list, idxs: list[int], rows: np.ndarray, pos: np.n
     index: dict[str, list[int]] = {}
     out: dict[str, list] = {}
     batches: dict[str, list[WriteOp]] = {}
-    for k, g in _groups(r["node"]):
-        node_id = nodes[k]
+    node = r["node"]
+    names, key = nodes, node
+    if len(set(nodes)) != len(nodes):  # a node under several indices (a partitioned pool's merged answer,
+        names = list(dict.fromkeys(nodes))  # ``lookup.merge_allocs``: each slot's own capability): one group a node
+        at = {n: i for i, n in enumerate(names)}
+        key = np.array([at[n] for n in nodes], np.int64).take(node)
+    for k, g in _groups(key):
+        node_id = names[k]
         page = index[node_id] = ids[g].tolist()
+        if not caps:
+            cap: bytes | list = b""
+        elif names is nodes:
+            cap = caps[k]
+        else:
+            cap = [caps[j] for j in node[g].tolist()]  # each page its own slot's capability
         try:
             t = client._transport_for(node_id, deadline)
         except TransportUnavailable:
@@ -171,7 +183,7 @@ def write(client: Any, views: list, idxs: list[int], rows: np.ndarray, pos: np.n
             if t.name == "shm" and getattr(t, "arena", None) is not None:
                 out[node_id] = _shm(t, views, page, r, g, heads, hb, deadline, until_ms)
             else:
-                batches[node_id] = _ops(views, page, r, g, hb, caps[k] if caps else b"", until_ms)
+                batches[node_id] = _ops(views, page, r, g, hb, cap, until_ms)
                 continue
         res = out[node_id]
         if any(res) and any(isinstance(x, TransportError) for x in res):  # as Client._run
@@ -182,13 +194,14 @@ def write(client: Any, views: list, idxs: list[int], rows: np.ndarray, pos: np.n
     return {n: out[n] for n in index}, index
 
 
-def _ops(views: list, page: list[int], r: np.ndarray, g: np.ndarray, hb: bytes, cap: bytes, until_ms: int = 0
-         ) -> list[WriteOp]:
-    """Today's WriteOps of a node's pages (``g`` their positions among the NEW pages), built by one ``map``."""
+def _ops(views: list, page: list[int], r: np.ndarray, g: np.ndarray, hb: bytes, cap: bytes | list,
+         until_ms: int = 0) -> list[WriteOp]:
+    """Today's WriteOps of a node's pages (``g`` their positions among the NEW pages), built by one ``map``;
+    ``cap``: the node's capability, or one a page."""
     hs = wire.OBJ_HEADER_SIZE
     return list(map(WriteOp, r["off"][g].tolist(), [hb[k * hs:(k + 1) * hs] for k in g.tolist()],
-                    [views[i] for i in page], r["len"][g].tolist(), r["gen"][g].tolist(), repeat(cap),
-                    repeat(until_ms)))
+                    [views[i] for i in page], r["len"][g].tolist(), r["gen"][g].tolist(),
+                    cap if type(cap) is list else repeat(cap), repeat(until_ms)))
 
 
 def _shm(t: Any, views: list, page: list[int], r: np.ndarray, g: np.ndarray, heads: np.ndarray, hb: bytes,

@@ -418,6 +418,8 @@ class MetaRouter:
             raise ProtocolError(self.component, "a LOOKUP answered both merged and as a version 11 list")
         if op == Op.LOOKUP and all("rows" in a for a in answers):  # packed rows: one index scatter a part
             return self._lookup_leases(t, answers, lookup.merge([(p.idx, a) for p, a in zip(t.parts, answers)], n))
+        if op == Op.ALLOC and all("alloc_rows" in a for a in answers):  # packed rows: one index scatter a part
+            return lookup.merge_allocs([(p.idx, a) for p, a in zip(t.parts, answers)], n)
         field = {Op.ALLOC: "items", Op.COMMIT: "ok", Op.LOOKUP: "locs", Op.EXISTS: "exists", Op.REMOVE: "removed"}[op]
         out: list = [None] * n
         caps: list = []

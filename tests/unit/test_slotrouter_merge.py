@@ -126,3 +126,39 @@ def test_a_process_that_refuses_merge_is_asked_per_part(servers):
         assert ["merge" in m for m in seen] == [True, False, False]  # refused once, then per part
     finally:
         r.close()
+
+
+def test_merged_alloc_rows_are_the_parts_items_in_key_order():
+    """``lookup.merge_allocs``: two parts' packed ALLOC answers (NEW rows on their own nodes, rows of other states
+    between them) become one answer of ``n`` keys whose rows, node list, caps and ``items`` are what the per-key merge
+    of the parts' items gives (node indices shifted past the first part's nodes), with the earliest write deadline;
+    the array put path takes it (``putbatch.answer_rows``)."""
+    from umbp import lookup, putbatch
+
+    NEW, EXISTS, FULL = wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE
+
+    def part(states, node_ids, base, caps, until):
+        states = np.array(states, np.uint32)
+        new = np.flatnonzero(states == NEW)
+        m = len(new)
+        ans = {"rows": wire.pack_allocs(states, new, base + np.arange(m, dtype=np.uint64), base + 100 + np.arange(m),
+                                        np.full(m, 4096, np.uint64), 8192 * np.arange(m, dtype=np.uint64),
+                                        np.arange(m, dtype=np.uint32) % len(node_ids)),
+               "nodes": node_ids, "caps": caps, "write_until_ms": until}
+        return wire.unpack_allocs(ans, "test", items=False)
+
+    a = part([NEW, EXISTS, NEW, NEW], ["n1", "n2"], 1000, [b"c1", b"c2"], 9_000)
+    b = part([FULL, NEW, NEW], ["n3"], 2000, [b"c3"], 7_000)
+    idx_a, idx_b = [0, 2, 5, 6], [1, 3, 4]
+    got = lookup.merge_allocs([(idx_a, a), (idx_b, b)], 7)
+    assert got["nodes"] == ["n1", "n2", "n3"] and got["caps"] == [b"c1", b"c2", b"c3"]
+    assert got["write_until_ms"] == 7_000
+    want = [None] * 7
+    for idx, ans, shift in ((idx_a, a, 0), (idx_b, b, 2)):
+        for i, item in zip(idx, wire.alloc_items(ans["alloc_rows"], ans["nodes"])):
+            if item[0] == NEW:
+                item[6] += shift
+            want[i] = item
+    assert got["items"] == want
+    assert [x[0] for x in want] == [NEW, FULL, EXISTS, NEW, NEW, NEW, NEW]
+    assert putbatch.answer_rows(got, 7) is got["alloc_rows"]
