@@ -82,8 +82,11 @@ def test_slot_handover_hands_its_open_allocations_on(make_cluster):
         # machine: "no storage node known yet"): the first allocation waits for that
         eventually(lambda: open_allocation(held, key_of_slot(0, "first")), 20.0,
                    "slot 0's leader knows the storage nodes", errors=(Unavailable,))
-        opened = {s: (key_of_slot(s, "open"),) + open_allocation(held, key_of_slot(s, "open"), s)
-                  for s in range(SLOTS)}
+        opened = {}
+        for s in range(SLOTS):  # each slot FENCEs the nodes itself before it places ("not fenced yet": a moment)
+            k = key_of_slot(s, "open")
+            opened[s] = (k,) + eventually(lambda: open_allocation(held, k, s), 20.0,
+                                          f"slot {s}'s leader has fenced the storage nodes", errors=(Unavailable,))
         joined = cl.harness.metaserver(cl.etcd.url, slots=SLOTS, election_ttl=TTL_S)
         cl.metaservers.append(joined)
         moving = [s for s, a in enumerate(leaders(SLOTS, [first, joined.addr])) if a == joined.addr]
