@@ -10,8 +10,8 @@ gathers, whose independent loads the CPU overlaps.
 
 Keys. A key of 32 bytes (SGLang's page hash, sent raw: ``umbp.keys.normalize_key``) is its own digest; any other key
 is represented by its blake2b-256 digest (personalised, so it cannot equal a raw 32-byte key without a second
-preimage) and its bytes are kept in ``long_keys`` (row -> key) for whoever needs the original (listings, etcd
-record names). Two keys are the same page exactly when namespace and digest match.
+preimage: ``longkeys.digests``) and its bytes are kept in ``long_keys`` (row -> key) for whoever needs the original
+(listings, etcd record names). Two keys are the same page exactly when namespace and digest match.
 
 Why the whole 32 bytes stay. (1) ``key_of`` gives a 32-byte key back from its digest: commit records list their
 rows' keys each time one is rewritten (``table/commits.py``), and listings, a returning node's pages, the warm
@@ -75,7 +75,6 @@ before: 0.12), a delete and an insert at load 0.85 0.8 us (before: 1.3).
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 
@@ -90,8 +89,6 @@ MIN_SLOTS = 1 << 15  # the smallest table (slots)
 MAX_LOAD = 0.88  # rows over slots that triggers a resize
 REBUILD_LOAD = 0.7  # the most rows over slots a resize leaves
 KICK_ROUNDS = 64  # insert rounds before a row no bucket took goes to the stash
-_LONG_PERSON = b"umbp-keyindex"
-_LONG0 = hashlib.blake2b(digest_size=32, person=_LONG_PERSON)  # no input yet: ``digests`` copies it a long key
 _TILE = 4096  # digests a batch hashes with the multipliers repeated (a request's keys; 128 KiB of them)
 # Operands as 0-d arrays: a ufunc with a Python int or numpy scalar operand pays ~300 ns converting it (NumPy 2's
 # scalar promotion), twice a small batch's whole op; a request's find and lookup are a few dozen such ops.
@@ -112,25 +109,6 @@ def zeros(shape, dtype) -> np.ndarray:
     n = int(np.prod(shape))
     itemsize = np.dtype(dtype).itemsize
     return np.frombuffer(mmap.mmap(-1, max(n * itemsize, 1)), dtype, count=n).reshape(shape)
-
-
-def digests(keys: list[bytes]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
-    """(n, 4) uint64 digests of ``keys`` and the (position, key) of those that are not 32 bytes long: a 32-byte key is
-    its own digest, any other its blake2b from a copy of ``_LONG0`` (0.26 us a key of 68 bytes, where a new blake2b
-    with its personalisation took 0.43)."""
-    n = len(keys)
-    joined = b"".join(keys)
-    if n and len(joined) == 32 * n and min(map(len, keys)) == 32:  # all 32 bytes (SGLang's digests), at C speed
-        return np.frombuffer(joined, np.uint64).reshape(n, 4), []
-    copy, raw, longs = _LONG0.copy, [], []
-    for i, k in enumerate(keys):
-        if len(k) != 32:
-            longs.append((i, k))
-            h = copy()
-            h.update(k)
-            k = h.digest()
-        raw.append(k)
-    return np.frombuffer(b"".join(raw), np.uint64).reshape(n, 4), longs
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -45,7 +45,8 @@ from bisect import bisect_left
 import numpy as np
 
 from metaserver.table.entry import READY
-from metaserver.table.index import digests, zeros
+from metaserver.table.index import zeros
+from metaserver.table.longkeys import digests
 from metaserver.table.nodes import UNIT_SHIFT
 
 NO_UP = 0

@@ -50,9 +50,8 @@ import numpy as np
 from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import PENDING, READY, extent_size
 from metaserver.table import indexbulk
-from metaserver.table.index import digests
 from metaserver.table.indexbulk import NO_ROW
-from metaserver.table.longkeys import LongCol
+from metaserver.table.longkeys import LongCol, digests
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 from umbp.errors import ConfigError
 
@@ -166,7 +165,7 @@ def load_pages(t: PageTable, node_id: str, ns: list[str] | str, keys: list[bytes
     rewritten without it. ``stamps``: each page's recency (non-decreasing in the given order; a full load passes the
     records' revisions, so that recency across nodes is commit order too); by default fresh clock values in the given
     order (recency across nodes then follows the order of the loads). Column forms (a full load's
-    ``snapshot.NodePages``): ``keys`` as (digests, longs) (``keyindex.digests``), ``ns`` as (names, index a page),
+    ``snapshot.NodePages``): ``keys`` as (digests, longs) (``longkeys.digests``), ``ns`` as (names, index a page),
     ``records`` an object array. ``staged`` (``load_nodes``): the key index's part of the filing is appended to it
     (the positions filed, None: all, and ``KeyIndex.stage``'s rows and long keys) for one insert of every node's; ``distinct``: the caller found no two of these pages
     with one ``_hash`` (rule 3 has nothing to do)."""

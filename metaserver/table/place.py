@@ -29,7 +29,7 @@ import numpy as np
 from metaserver.table.entry import (EXISTS, EXISTS_ITEM, GONE, IN_FLIGHT, IN_FLIGHT_ITEM, NEW, NO_SPACE, NO_SPACE_ITEM,
                               OVER_QUOTA, OVER_QUOTA_ITEM, PENDING, READY, extent_size)
 from metaserver.table.evict import handover, make_room
-from metaserver.table.index import digests
+from metaserver.table.longkeys import digests
 from metaserver.table.nodes import FREE, UNIT_SHIFT
 _INF = float("inf")
 # operands as 0-d arrays: a Python int operand costs a small request's ufunc twice its work (NumPy 2's promotion)

@@ -25,8 +25,7 @@ import msgpack
 import numpy as np
 
 from metaserver.table.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, Entry
-from metaserver.table.index import digests
-from metaserver.table.longkeys import LongCol, gather
+from metaserver.table.longkeys import LongCol, digests, gather
 from transport.keyform import digest_key
 
 _intern = sys.intern
@@ -45,7 +44,7 @@ SEG_VERSIONS = (SEG_VERSION, SEG_DEAD_VERSION)  # read
 _SEG_HEAD = struct.Struct("<BBHIHHHHII")  # magic, version, flags, pages, namespaces, nodes, codes, dead records,
 # dead, key_len (version 2: dead records 0 and no dead)
 F_PARENTS, F_VARKEYS, F_DIGESTS = 1, 2, 4  # flags: a parent column; keys of several lengths (a length column, else
-# key_len each); the keys' digests (``keyindex.digests``) as a column, so a load hashes no key
+# key_len each); the keys' digests (``longkeys.digests``) as a column, so a load hashes no key
 NO_PARENT = 0xFFFFFFFF  # a parent length that says: none
 _U64, _U32, _U16 = np.dtype("<u8"), np.dtype("<u4"), np.dtype("<u2")
 _MAX_I64_INT = (1 << 63) - 1
@@ -135,7 +134,7 @@ class Segment:
         return [blob[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
     def digests(self) -> tuple[np.ndarray, LongCol]:
-        """(n, 4) uint64 key digests and the keys that are not their own digest (``keyindex.digests``) as a
+        """(n, 4) uint64 key digests and the keys that are not their own digest (``longkeys.digests``) as a
         ``longkeys.LongCol``: the blob itself when every key is 32 bytes, no object a key when the segment carries
         its digests."""
         if self.key_lens is None and self.key_len == 32:

@@ -10,7 +10,8 @@ import random
 
 import numpy as np
 
-from metaserver.table.index import MAX_LOAD, MIN_SLOTS, SLOTS, KeyIndex, digests
+from metaserver.table.index import MAX_LOAD, MIN_SLOTS, SLOTS, KeyIndex
+from metaserver.table.longkeys import digests
 
 ROWS = 300_000
 
