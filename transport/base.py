@@ -172,11 +172,17 @@ def write_until(ops: list) -> float:
     return first / 1000
 
 
+def stale_message(gen: int, floor: int | None = None) -> str:
+    """Why a write of generation ``gen`` is not made: a deposed metaserver term granted it, as the node's floor for it
+    (``floor``, where known: the node's own check) or the floor it publishes (``wire.stale_gens``: a writer's) says."""
+    where = f"this node's floor for it is {floor:#x}" if floor is not None else "the node's published floor is above it"
+    return (f"write of generation {gen:#x} granted by a deposed metaserver term ({where}): its allocation may hold "
+            f"another page now; not written")
+
+
 def stale_write(component: str, gen: int) -> Unavailable:
     """A write the node's published floor says a deposed metaserver term granted (``wire.stale_gens``)."""
-    return Unavailable(component, f"write of generation {gen:#x} granted by a deposed metaserver term (the node's "
-                                  f"published floor is above it): its allocation may hold another page now; not "
-                                  f"copied")
+    return Unavailable(component, stale_message(gen))
 
 
 def late_write(component: str, until_ms: int) -> Unavailable:

@@ -22,12 +22,6 @@ from transport import slotrules, wire
 from umbp.errors import AuthError, BadRequest
 
 
-def stale_write(gen: int, floor: int) -> str:
-    """Why a node refuses a write of generation ``gen`` below its term's first, ``floor``."""
-    return (f"write of generation {gen:#x} granted by a deposed metaserver term (this node's floor for it is "
-            f"{floor:#x}): its allocation may hold another page now; refused")
-
-
 class SlotFloors:
     def __init__(self, arena, capacity: int, component: str):
         self.arena_id = arena.arena_id

@@ -47,6 +47,7 @@ import uuid
 from typing import Any
 
 from transport import slotrules, tlsserve, wire
+from transport.base import stale_message
 from transport.shm import boot_id
 from umbp.admission import Admission
 from umbp.node.arena import Arena
@@ -54,7 +55,7 @@ from umbp.node.disk import DiskArena
 from umbp.node import tiering
 from umbp.auth import CapCache, ServerAuth, Tokens, open_fence
 from umbp.config import NodeConfig, split_host_port
-from umbp.floors import SlotFloors, stale_write
+from umbp.floors import SlotFloors
 from umbp.node.ledger import WriteLedger
 from umbp.node.readv import serve as serve_readv
 from umbp.node.writewatch import WriteWatch
@@ -154,7 +155,7 @@ class NodeServer:
         if self.cap_key is None:
             floor = self.floors.gen_floor(gen)  # a closed pool's capability names its term: checked there
             if gen < floor:
-                raise Unavailable(self.component, stale_write(gen, floor), wire.Status.UNAVAILABLE)
+                raise Unavailable(self.component, stale_message(gen, floor), wire.Status.UNAVAILABLE)
             return
         epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen,
                                                           self.cap_epoch, int(time.time() * 1000), self.component)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 
 from transport import wire
+from transport.base import stale_message
 from umbp.errors import Unavailable
-from umbp.floors import stale_write
 
 
 def late_write(what: str, until_ms: int) -> str:
@@ -62,7 +62,7 @@ class WriteWatch:
             self.mark = floors.version
             stale = [(g, f) for g in self.gens if g < (f := floors.gen_floor(g))]
             if stale:
-                self._divert(stale_write(*stale[0]) + " (the rest of its data was discarded)")
+                self._divert(stale_message(*stale[0]) + " (the rest of its data was discarded)")
 
     def _divert(self, why: str) -> None:
         first = self.reader.divert()
