@@ -185,10 +185,17 @@ def stale_write(component: str, gen: int) -> Unavailable:
     return Unavailable(component, stale_message(gen))
 
 
+def late_message(until_ms: int, what: str = "write") -> str:
+    """Why ``what`` lands no (further) byte past its deadline: the metaserver may have placed another page in its
+    extent since (its allocation ended: an expiry, a leader's death). The writers add "not written", the node what it
+    did with the rest of the data."""
+    return (f"{what} past its write deadline (until_ms {until_ms}, clock {int(time.time() * 1000)}): its allocation "
+            f"may have ended")
+
+
 def late_write(component: str, until_ms: int) -> Unavailable:
     """The error of a write whose deadline passed before its bytes were copied: none of them landed after it."""
-    return Unavailable(component, f"write past its deadline (until_ms {until_ms}, clock {int(time.time() * 1000)}): "
-                                  f"its allocation may have ended; not written", wire.Status.UNAVAILABLE)
+    return Unavailable(component, late_message(until_ms) + "; not written", wire.Status.UNAVAILABLE)
 
 
 def write_to_arena(arena: memoryview, op: WriteOp) -> None:

@@ -16,15 +16,10 @@ from __future__ import annotations
 import time
 
 from transport import wire
-from transport.base import stale_message
+from transport.base import late_message, stale_message
 from umbp.errors import Unavailable
 
-
-def late_write(what: str, until_ms: int) -> str:
-    """Why a write past its deadline lands no (further) byte: the metaserver may have placed another page in its
-    extent since (its allocation ended: an expiry, a leader's death)."""
-    return (f"{what} past its write deadline (until_ms {until_ms}, node clock {int(time.time() * 1000)}): its "
-            f"allocation may have ended; the rest of its data was discarded")
+_DISCARDED = "; the rest of its data was discarded"
 
 
 class WriteWatch:
@@ -50,19 +45,19 @@ class WriteWatch:
         """A write's frame passed its checks: watch its deadline (``until_ms``, 0 from an older client: none) and
         generations. Already past its deadline, the whole frame is refused (Unavailable: its data discarded)."""
         if until_ms and time.time() * 1000 > until_ms:
-            raise Unavailable(self.component, late_write(what, until_ms), wire.Status.UNAVAILABLE)
+            raise Unavailable(self.component, late_message(until_ms, what) + _DISCARDED, wire.Status.UNAVAILABLE)
         self.rid, self.until_ms, self.what, self.gens, self.mark = rid, until_ms, what, gens, self.floors.version
 
     def look(self) -> None:
         """Before a receive into the arena: divert the rest of the write past its deadline or its term."""
         if self.until_ms and time.time() * 1000 > self.until_ms:
-            self._divert(late_write(self.what, self.until_ms))
+            self._divert(late_message(self.until_ms, self.what) + _DISCARDED)
         floors = self.floors
         if self.gens is not None and floors.version != self.mark:
             self.mark = floors.version
             stale = [(g, f) for g in self.gens if g < (f := floors.gen_floor(g))]
             if stale:
-                self._divert(stale_message(*stale[0]) + " (the rest of its data was discarded)")
+                self._divert(stale_message(*stale[0]) + _DISCARDED)
 
     def _divert(self, why: str) -> None:
         first = self.reader.divert()
