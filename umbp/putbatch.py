@@ -4,8 +4,10 @@ a page.
 Taken for a chunk (``umbp/puts.py``'s ``_write_answer``) when its ALLOC answer has packed rows
 (``wire.unpack_allocs`` keeps them as ``alloc_rows``, ``wire.ALLOC_ROW``), the batch has no device pages, payload
 checksums are off, and every page of the chunk is one flat host view of the length the answer allocated. Anything
-else (``umbp.buffers.Rows`` parts, several parts a page, a multi-slot answer merged as items) keeps the per-page path
-of ``Puts._write_chunk``.
+else (``umbp.buffers.Rows`` parts, several parts a page, an answer without rows: VERSION 11, or a multi-slot one with
+such a part) keeps the per-page path of ``Puts._write_chunk``. A partitioned pool's answer, merged as rows
+(``umbp.lookup.merge_allocs``), names a node once a slot, each with its slot's capability: its pages are one group,
+each ``WriteOp`` with its own page's capability.
 
 Per chunk: the states sorted into the put's lists with a few masks, the NEW pages grouped by node (one group without a
 sort for the usual single node; several by one stable argsort, in the order their first page comes, as the per-page
@@ -75,7 +77,7 @@ def sizes_of(views: list) -> list[int] | None:
 
 def answer_rows(reply: Any, n: int) -> np.ndarray | None:
     """The ALLOC answer's packed rows when they describe this chunk's ``n`` keys; None otherwise (an answer of
-    VERSION 11, a multi-slot one merged as items)."""
+    VERSION 11, a multi-slot one merged as items because a part had no rows)."""
     rows = reply.get("alloc_rows") if isinstance(reply, dict) else None  # (an AllocAnswer: a dict subclass)
     return rows if rows is not None and len(rows) == n else None
 
