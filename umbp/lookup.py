@@ -6,8 +6,9 @@ callers read (``[node_id, off, size, gen, tag, node index] | None``, ``wire.unpa
 for (``answer["locs"]``: ``LookupAnswer.__missing__``), so the array read path (``umbp/readbatch.py``) never pays a
 Python object per key for it. A multi-slot answer's parts become LookupAnswers too; ``merge`` joins parts in key
 order with one index scatter a part (``umbp/slotrouter.py``), and ``merge_allocs`` a partitioned pool's ALLOC answers
-the same way (``AllocAnswer``: packed ``alloc_rows``, ``items`` made only when read). An answer without rows (VERSION 11: a ``locs`` list
-already) is left as it is; ``rows_of`` gives its rows the slow way (a Python loop over its keys).
+the same way (``AllocAnswer``: packed ``alloc_rows``, ``items`` made only when read). An answer without rows
+(VERSION 11: a ``locs`` list already) is left as it is; ``rows_of`` gives its rows the slow way (a Python loop over
+its keys).
 
 Invariants: ``rows["node"]`` is ``wire.NO_NODE`` (a miss) or an index into ``nodes``; ``caps`` is empty (open pool)
 or parallel to ``nodes`` (the read capability of each node's objects of this answer).
