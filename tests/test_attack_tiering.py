@@ -75,10 +75,13 @@ def _promote_held(c, trap: Proxy, cl, rng: random.Random) -> None:
     keys = list(pages)
     demoted = [k for k, o in zip(keys, offsets(c, keys)) if o & wire.DISK_BIT]
     assert demoted
+    # Caught before the removals make room: ``offsets``' LOOKUP already made the demoted pages recent disk reads, so
+    # the mover may PROMOTE them the moment DRAM falls under the low watermark (caught after that, the PROMOTE went
+    # through uncaught on a loaded machine, the gets below read DRAM, and no frame was ever held).
+    trap.catch()
     assert all(cl.batch_remove([k for k in keys if k not in demoted]))  # under the low watermark
     eventually(lambda: stats(c)["used_bytes"] < 0.3 * (8 << 20), 30, "DRAM below the low watermark")
-    trap.catch()
-    assert gets(cl, demoted) == [pages[k] for k in demoted]  # read from disk: promotion candidates
+    assert gets(cl, demoted) == [pages[k] for k in demoted]  # read from disk (or held by the PROMOTE's lease)
     eventually(lambda: _held_frame(trap), 30, "the mover's PROMOTE held in the network")
 
 
