@@ -3,8 +3,8 @@ figure printed beside issue 44's target for it, with the machine named.
 
 Workload: one namespace, keys of 32 random bytes (SGLang's digests as ``umbp.keys.normalize_key`` sends them), one
 payload size (an MLA page), 32 nodes sized to hold exactly ``--pages`` pages, built in 1,024-key ALLOC+COMMITs;
-requests of each size of ``--batches`` (default 128 and 1,024 keys) as msgpack hands them over (fresh bytes
-objects). Figures (targets at 10 M pages on the GPU machine's 16 cores):
+requests of each size of ``--batches`` (default 128 and 1,024 keys) as the metaserver receives them from a client of
+this tree: the keys packed into one bytes value (``wire.pack_keys``), read as ``PackedKeys`` (fresh each request). Figures (targets at 10 M pages on the GPU machine's 16 cores):
 
 - memory per page: VmRSS after building N pages minus before, after ``gc.collect()``, divided by N; then the same
   after glibc's ``malloc_trim(0)`` (the build's freed temporaries handed back; the metaserver does not trim).
@@ -111,9 +111,10 @@ def malloc_trim() -> bool:
     return True
 
 
-def fresh(keys: list[bytes]) -> list[bytes]:
-    """The keys as new objects, the way a request's msgpack decode hands them to the handler."""
-    return Wire.keys("kv", keys)["keys"]
+def fresh(keys) -> list[bytes]:
+    """The keys (a list, or packed keys) as a new request's decode hands them to the handler: 32-byte keys as one new
+    bytes value (``PackedKeys``: ``wire.pack_keys``, then ``validate.unpack_keys``), others as new objects."""
+    return Wire.keys("kv", list(keys))["keys"]
 
 
 class Subject:
@@ -193,7 +194,7 @@ def run(pages: int, ops: int, batches: list[int], seed: int) -> dict:
         n = max(1, ops // b)
         starts = [rng.randrange(0, pages - b + 1) for _ in range(n)]
         reqs = [fresh(keys[a:a + b]) for a in starts]
-        frames = [msgpack.packb({"ns": "kv", "keys": keys[a:a + b]}, use_bin_type=True) for a in starts]
+        frames = [Wire.frame({"ns": "kv", "keys": keys[a:a + b]}) for a in starts]
         r = out["by_batch"][b] = {"keys": n * b}
         dt, found = timed(s.lookup_release, reqs)
         r["first_lookup_keys_per_s"], r["first_lookup_found"] = n * b / dt, sum(map(rows_found, found))
@@ -216,8 +217,8 @@ def run(pages: int, ops: int, batches: list[int], seed: int) -> dict:
             gen += b
         r["put_keys_per_s"], r["put_placed"], r["put_evictions"] = n * b / put_s, placed, s.d.evictions - ev0
         ev0 = s.d.evictions
-        frames = [msgpack.packb({"ns": "kv", "keys": [rng.randbytes(32) for _ in range(b)], "sizes": [PLEN] * b,
-                                 "parents": None}, use_bin_type=True) for _ in range(n)]
+        frames = [Wire.frame({"ns": "kv", "keys": [rng.randbytes(32) for _ in range(b)], "sizes": [PLEN] * b,
+                              "parents": None}) for _ in range(n)]
         dt, done = timed(s.svc.put, frames)
         r["wire_put_keys_per_s"], r["wire_put_placed"] = n * b / dt, sum(k for k, _ in done)
         r["wire_put_evictions"] = s.d.evictions - ev0

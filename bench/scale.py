@@ -64,7 +64,6 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import msgpack  # noqa: E402
 
 from metaserver.table.entry import NEW  # noqa: E402
 from metaserver.table.directory import TableDirectory  # noqa: E402
@@ -261,7 +260,7 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mo
     out["pages_after"] = d.objects
 
     # the same through the service's per-request work (minus sockets and etcd)
-    frames = [msgpack.packb(r, use_bin_type=True) for r in reqs]
+    frames = [Wire.frame({"ns": r["ns"], "keys": list(r["keys"])}) for r in reqs]
     t = cpu()
     for f in frames:
         svc.lookup(f)
@@ -280,8 +279,8 @@ def run_build(policy: str, n_pages: int, ops: int, seed: int, trace: bool, gc_mo
         for rk, rp in zip(rank_keys(m, hexes), rank_keys_opt(m, parents)):
             for i in range(0, len(rk), BATCH):
                 ks = rk[i:i + BATCH]
-                put_frames.append((msgpack.packb({"ns": m.ns, "keys": ks, "sizes": [m.payload] * len(ks),
-                                                  "parents": rp[i:i + BATCH]}, use_bin_type=True), ks))
+                put_frames.append((Wire.frame({"ns": m.ns, "keys": ks, "sizes": [m.payload] * len(ks),
+                                               "parents": rp[i:i + BATCH]}), ks))
                 m.pages += len(ks)
     t = cpu()
     for f, _ks in put_frames:

@@ -36,16 +36,27 @@ from umbp.auth import Tokens  # noqa: E402
 
 
 class Wire:
-    """Requests packed and unpacked as msgpack, as the metaserver receives them."""
+    """Requests as a client of this tree sends them to a metaserver of this tree (msgpack; 32-byte keys packed into
+    one bytes value, ``wire.pack_keys``) and as that metaserver reads them (``server.py``: packed keys made
+    ``PackedKeys`` by ``validate.unpack_keys`` before a handler runs)."""
+
+    @staticmethod
+    def frame(meta: dict) -> bytes:
+        return msgpack.packb(wire.pack_keys(meta), use_bin_type=True)
+
+    @staticmethod
+    def meta(frame: bytes) -> dict:
+        m = msgpack.unpackb(frame, raw=False)
+        v.unpack_keys(m)
+        return m
 
     @staticmethod
     def put(ns: str, keys: list[bytes], sizes: list[int], parents: list) -> dict:
-        return msgpack.unpackb(msgpack.packb({"ns": ns, "keys": keys, "sizes": sizes, "parents": parents},
-                                             use_bin_type=True), raw=False)
+        return Wire.meta(Wire.frame({"ns": ns, "keys": keys, "sizes": sizes, "parents": parents}))
 
     @staticmethod
     def keys(ns: str, keys: list[bytes]) -> dict:
-        return msgpack.unpackb(msgpack.packb({"ns": ns, "keys": keys}, use_bin_type=True), raw=False)
+        return Wire.meta(Wire.frame({"ns": ns, "keys": keys}))
 
 
 class _Member:
@@ -78,7 +89,7 @@ class ServicePath:
 
     def lookup(self, frame: bytes) -> bytes:
         """A LOOKUP answered as ``dataplane.lookup`` answers a VERSION 12 client (packed rows), then its RELEASE."""
-        m = v.fields(msgpack.unpackb(frame, raw=False), _LOOKUP, ("ns", "keys"))
+        m = v.fields(Wire.meta(frame), _LOOKUP, ("ns", "keys"))
         ns, keys, shard = v.ns(m), v.keys(m, 4096), v.shard(m)
         ans = self.d.lookup_granted(ns, keys, time.monotonic(), None, self.tokens, self.members.get, shard, True)
         if ans["lease"]:
@@ -94,7 +105,7 @@ class ServicePath:
         return reply
 
     def exists(self, frame: bytes) -> bytes:
-        m = msgpack.unpackb(frame, raw=False)
+        m = Wire.meta(frame)
         return msgpack.packb({"exists": self.d.exists(v.ns(m), v.keys(m, 4096))}, use_bin_type=True)
 
     def put(self, frame: bytes) -> tuple[int, int]:
@@ -103,7 +114,7 @@ class ServicePath:
         the rewrites of the records the evictions left and the commit's records, encoded as the etcd writer encodes
         them (``TableRecord.value``; the writer coalesces a record's rewrites while it waits, this encodes them once
         a request). Returns (keys the COMMIT made READY, commit records it wrote)."""
-        m = v.fields(msgpack.unpackb(frame, raw=False), _ALLOC, ("ns", "keys", "sizes"))
+        m = v.fields(Wire.meta(frame), _ALLOC, ("ns", "keys", "sizes"))
         ns = v.ns(m)
         keys = v.keys(m, 4096)
         sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
@@ -122,8 +133,7 @@ class ServicePath:
         rows = np.frombuffer(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False)["rows"], wire.ALLOC_ROW)
         ok = np.flatnonzero(rows["state"] == NEW).tolist()
         news = list(zip([keys[i] for i in ok], rows["gen"].take(ok).tolist()))
-        c = v.fields(msgpack.unpackb(msgpack.packb({"ns": ns, "keys": [k for k, _ in news],
-                                                    "gens": [g for _, g in news]}, use_bin_type=True), raw=False),
+        c = v.fields(Wire.meta(Wire.frame({"ns": ns, "keys": [k for k, _ in news], "gens": [g for _, g in news]})),
                      _COMMIT, ("ns", "keys", "gens"))
         cns = v.ns(c)
         ckeys = v.keys(c, 4096)
@@ -162,8 +172,8 @@ def main() -> None:
     for i in range(a.nodes):
         d.add_space(f"node-{i}", parse_size(a.capacity))
     sp = ServicePath(d)
-    frames = [msgpack.packb({"ns": "bench", "keys": [b"c/%d/%d" % (i, j) for j in range(a.keys)],
-                             "sizes": [4000] * a.keys, "parents": None}, use_bin_type=True) for i in range(a.requests)]
+    frames = [Wire.frame({"ns": "bench", "keys": [b"c/%d/%d" % (i, j) for j in range(a.keys)],
+                          "sizes": [4000] * a.keys, "parents": None}) for i in range(a.requests)]
     t = time.process_time()
     for f in frames:
         sp.put(f)

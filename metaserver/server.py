@@ -48,7 +48,7 @@ from metaserver.handlers.ownership import HeldLeases
 from metaserver.ha.partition import Partition
 from metaserver.ha.service import LEADER_ONLY
 from metaserver.ha.slots import pool_slots
-from metaserver.validate import Reject
+from metaserver.validate import Reject, unpack_keys
 from transport import wire
 from transport.wire import Flag, Op, Status
 from umbp.admission import Admission
@@ -182,6 +182,7 @@ class Connection(FramedProtocol):
             if op in LEADER_ONLY and not ms.serving:
                 self._not_serving(op, rid, reply)
                 return
+            unpack_keys(frame.meta)  # packed keys (wire.pack_keys) as PackedKeys, before any slot routing reads them
             res = handler(frame.meta, self)
         except Exception as e:  # noqa: BLE001 - every failure becomes an answer
             self._fail(op, rid, reply, e)

@@ -50,7 +50,9 @@ MAGIC = 0x4D55  # b"UM" little-endian
 # Versions: docs/operations/upgrades.md (12: LOOKUP and ALLOC answers as packed rows, ``LOC_ROW``/``ALLOC_ROW``). A
 # reader takes VERSION and MIN_VERSION, a server answers a frame in its version (tests/test_wire_compat.py). The disk
 # tier's opcodes (READV_DISK, DEMOTE, PROMOTE) are additive within 12: older peers never send them, a node without
-# them answers UNKNOWN_OPCODE.
+# them answers UNKNOWN_OPCODE. A keyed request's keys packed into one bytes value (``pack_keys``) are additive within
+# 12 too: a client packs them only for a metaserver whose HELLO answer says ``"packed_keys": true``, and such a
+# metaserver takes either form.
 VERSION = 12
 MIN_VERSION = VERSION - 1
 HEADER = struct.Struct("<HBBHHIIQ")
@@ -187,6 +189,29 @@ def encode(op: int, request_id: int, meta: Any = None, *, data_len: int = 0, fla
     server's answer carries the version of the request it answers (``FrameReader.version``)."""
     body = b"" if meta is None else msgpack.packb(meta, **_packer_opts)
     return HEADER.pack(MAGIC, version, op, flags, status, request_id & 0xFFFFFFFF, len(body), data_len) + body
+
+
+PACKED_KEYS = "packed_keys"  # a metaserver's HELLO answer field: true when it takes packed keys (``pack_keys``)
+
+
+def pack_keys(meta: Any) -> Any:
+    """A keyed request's meta with its ``keys`` packed: when every key is 32 bytes (SGLang's page hashes), the list
+    becomes one bytes value of them back to back, which the metaserver reads as ``transport.keyform.PackedKeys`` (no
+    msgpack object, validation step or digest step a key); any other ``meta`` is returned as it is. Only for a
+    metaserver whose HELLO answer carried ``PACKED_KEYS`` (one that does not would refuse it: BAD_REQUEST). A new dict:
+    the caller's meta is left as it was (it may be sent again, to another metaserver)."""
+    keys = meta.get("keys") if type(meta) is dict else None
+    if type(keys) is not list or not keys:
+        return meta
+    try:
+        blob = b"".join(keys)
+    except TypeError:
+        return meta  # not bytes: sent as a list, refused by the metaserver's validation as before
+    if len(blob) != 32 * len(keys) or min(map(len, keys)) != 32:
+        return meta
+    out = dict(meta)
+    out["keys"] = blob
+    return out
 
 
 def encode_error(op: int, request_id: int, status: int, message: str, *, version: int = VERSION,

@@ -151,7 +151,7 @@ class MetaClient:
 
     def _roundtrip(self, conn: FramedSocket, op: int, meta: Any, deadline: float) -> Any:
         rid = conn.next_id()
-        conn.send([wire.encode(op, rid, meta)], deadline)
+        conn.send([wire.encode(op, rid, wire.pack_keys(meta) if conn.packed_keys else meta)], deadline)
         frame = self._await(conn, rid, deadline)
         wire.raise_for_status(frame, conn.component)
         return _answer(op, frame.meta, conn.component)
@@ -182,7 +182,7 @@ class MetaClient:
                 conn = self._connect(min(deadline, time.monotonic() + CONNECT_S))
                 t.rid = conn.next_id()
                 self.sent[op] = self.sent.get(op, 0) + 1
-                conn.send([wire.encode(op, t.rid, meta)], deadline)
+                conn.send([wire.encode(op, t.rid, wire.pack_keys(meta) if conn.packed_keys else meta)], deadline)
             except TransportError:
                 self._drop()
                 return t

@@ -55,8 +55,8 @@ def split(meta: dict, slots: int, check: bool = True) -> list[tuple[int, dict]]:
     """(slot, that part's meta) for each part of a multi-slot request; Reject when ``parts`` is malformed or
     (``check``: an ALLOC) a key is not of its part's slot."""
     parts, keys, ns = meta.get("parts"), meta.get("keys"), meta.get("ns")
-    if type(keys) is not list or type(ns) is not str:
-        raise v.Reject("a multi-slot request needs 'ns' (string) and 'keys' (list)")
+    if type(keys) not in v.KEY_LISTS or type(ns) is not str:
+        raise v.Reject("a multi-slot request needs 'ns' (string) and 'keys' (list, or packed)")
     if type(parts) is not list or not 1 <= len(parts) <= slots:
         raise v.Reject(f"'parts' must be a list of 1..{slots} [slot, count] pairs")
     out: list[tuple[int, dict]] = []
@@ -73,7 +73,7 @@ def split(meta: dict, slots: int, check: bool = True) -> list[tuple[int, dict]]:
         m = dict(base)
         for k in LISTS:
             x = meta.get(k)
-            if type(x) is list:
+            if type(x) in v.KEY_LISTS:  # (packed keys slice as packed keys)
                 m[k] = x[at:at + n]
             elif k in meta:
                 m[k] = x

@@ -195,7 +195,7 @@ class Partition(ElectedProcess):
     def slot_of_request(self, meta: Any) -> str:
         """The slot every key of a request belongs to; BAD_REQUEST when they span several (a request for several
         slots says so with ``parts``: ``metaserver/ha/multislot.py``)."""
-        if type(meta) is not dict or type(meta.get("ns")) is not str or type(meta.get("keys")) is not list:
+        if type(meta) is not dict or type(meta.get("ns")) is not str or type(meta.get("keys")) not in v.KEY_LISTS:
             return "0"  # malformed: slot 0's handler answers with the precise error
         ns, keys = meta["ns"], meta["keys"]
         S = self.slots
@@ -214,7 +214,7 @@ class Partition(ElectedProcess):
         s = meta.pop("slot")
         if type(s) is not int or not 0 <= s < self.slots:
             raise v.Reject(f"'slot' must be an int 0..{self.slots - 1}, got {s!r}")
-        if check and type(meta.get("ns")) is str and type(meta.get("keys")) is list:
+        if check and type(meta.get("ns")) is str and type(meta.get("keys")) in v.KEY_LISTS:
             for i, got in enumerate(slotrules.slots_of(meta["ns"], meta["keys"], self.slots)):
                 if got != s and got != -1:  # -1: not a key at all, refused by the slot's own validation
                     raise v.Reject(f"key {i} is not of slot {s}")

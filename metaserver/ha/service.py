@@ -65,7 +65,7 @@ from metaserver.store.fullload import gc_paused, node_descs
 from metaserver.ha.tiering import Mover
 from metaserver.ha.standby import CATCHUP_S, Handover, WarmDirectory
 from metaserver.table.directory import TableDirectory
-from transport.wire import VERSION, Op, Status
+from transport.wire import PACKED_KEYS, VERSION, Op, Status
 from metaserver.table.quarantine import Quarantine
 from umbp.auth import CLOCK_SKEW_S, Tokens
 from umbp.config import MetaserverConfig
@@ -443,7 +443,9 @@ class Metaserver:
         m = v.fields(meta, frozenset({"client", "nonce"}))
         if m.get("client") is not None:
             v.string(m, "client", max_len=256)
-        return conn.auth.hello(m, "metaserver", VERSION)
+        ans = conn.auth.hello(m, "metaserver", VERSION)
+        ans[PACKED_KEYS] = True  # keyed requests may carry their keys packed (wire.pack_keys; server.py unpacks them)
+        return ans
 
     def authenticate(self, meta: Any, conn) -> dict:
         return conn.auth.auth(meta)

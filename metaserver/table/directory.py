@@ -41,6 +41,7 @@ from metaserver.table.quotas import TableQuotas
 from metaserver.table.shared import SharedEntries
 from metaserver.table.tiers import SUFFIX, twin_id
 from transport import wire
+from transport.keyform import pick
 from umbp.auth import rank_tags, read_capabilities_packed
 from umbp.errors import ConfigError
 from umbp.quotarules import QuotaRules
@@ -276,7 +277,7 @@ class TableDirectory(PageTable):
             return tags
         none = np.flatnonzero(tags == 0)
         at = np.flatnonzero(hit).take(none).tolist()
-        tags[none] = compute(ns, [keys[i] for i in at])
+        tags[none] = compute(ns, pick(keys, at))
         c["tag"][hr.take(none)] = tags.take(none)
         return tags
 
@@ -291,7 +292,7 @@ class TableDirectory(PageTable):
     @staticmethod
     def pending_of(ns: str, keys: list, p: Placed):
         """The ``(ns, key, gen)`` handles of placement ``p``'s NEW keys."""
-        return zip(repeat(ns), [keys[i] for i in p.new.tolist()], p.gens.tolist())
+        return zip(repeat(ns), pick(keys, p.new.tolist()), p.gens.tolist())
 
     @staticmethod
     def settle_handles(held: set, ns: str, keys: list, gens: list) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from metaserver.table.entry import NEW
 from transport import wire
+from transport.keyform import pick
 from umbp.auth import Tokens, write_capabilities_packed
 
 
@@ -72,7 +73,7 @@ def grant_alloc(tokens: Tokens, member: Callable, ns: str, keys: list, p: Placed
         if packed:
             return {"nodes": [], "caps": [], "rows": wire.pack_allocs(p.state, new, (), (), (), (), ())}
         return {"items": [(s, None, None, None, None) for s in p.state.tolist()], "caps": []}
-    tags = np.array(tokens.tags(ns, [keys[i] for i in new.tolist()], p.rank), np.uint64)
+    tags = np.array(tokens.tags(ns, pick(keys, new.tolist()), p.rank), np.uint64)
     if p.keep is not None:
         p.keep(tags)
     # by node, as np.unique(p.node, return_inverse=True) orders them: a bincount and one stable argsort

@@ -27,6 +27,8 @@ import hashlib
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from transport.keyform import PackedKeys
+
 MAX_CHUNKS = 8  # bulk chunks kept before they are merged into one (each lookup searches every chunk)
 _EMPTY = np.zeros(0, np.int64)
 _GATHER = 1 << 22  # bytes ``gather`` indexes at once (an int64 a byte: 32 MiB of index)
@@ -38,6 +40,8 @@ def digests(keys: list[bytes]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
     """(n, 4) uint64 digests of ``keys`` and the (position, key) of those that are not 32 bytes long: a 32-byte key is
     its own digest, any other its blake2b from a copy of ``_LONG0`` (0.26 us a key of 68 bytes, where a new blake2b
     with its personalisation took 0.43)."""
+    if type(keys) is PackedKeys:  # (a request's packed keys: each 32 bytes, its own digest)
+        return keys.digests(), []
     n = len(keys)
     joined = b"".join(keys)
     if n and len(joined) == 32 * n and min(map(len, keys)) == 32:  # all 32 bytes (SGLang's digests), at C speed

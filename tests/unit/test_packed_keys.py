@@ -1,0 +1,144 @@
+"""Packed keys (``transport.keyform.PackedKeys``, ``transport.wire.pack_keys``): a keyed request's 32-byte keys carried
+as one bytes value. They must name exactly the pages the list form names, and a client must pack them only for a
+metaserver that said it takes them (its HELLO answer), since an older one refuses them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from metaserver import validate as v
+from metaserver.ha import multislot
+from metaserver.table.longkeys import digests
+from transport import slotrules, wire
+from transport.keyform import PackedKeys, pick
+from transport.wire import HEADER, HEADER_SIZE, Flag, Op
+from umbp.metaclient import MetaClient
+
+KEYS = [bytes(32), b"\x00" * 31 + b"\x01", b"\x01" + bytes(31)] + [os.urandom(32) for _ in range(13)]
+
+
+def test_packed_keys_read_as_the_list_they_pack():
+    p = PackedKeys(b"".join(KEYS))
+    assert len(p) == len(KEYS) and list(p) == KEYS and p.tolist() == KEYS  # NUL bytes kept, at either end
+    assert [p[i] for i in range(-len(KEYS), len(KEYS))] == KEYS + KEYS
+    with pytest.raises(IndexError):
+        p[len(KEYS)]
+    for a, b in ((0, 5), (3, 16), (7, 2), (-4, None), (None, None)):
+        part = p[a:b]
+        assert type(part) is PackedKeys and list(part) == KEYS[a:b]
+    assert p[1:12:3] == KEYS[1:12:3]
+    assert pick(p, [5, 0, 5]) == [KEYS[5], KEYS[0], KEYS[5]] == pick(KEYS, [5, 0, 5])
+    dig, longs = digests(p)
+    assert longs == [] and np.array_equal(dig, digests(KEYS)[0])  # the key index reads the same digests
+    with pytest.raises(ValueError):
+        PackedKeys(b"x" * 33)
+
+
+def test_pack_keys_packs_only_batches_of_32_byte_keys_and_leaves_the_callers_meta():
+    meta = {"ns": "a", "keys": list(KEYS), "sizes": [1] * len(KEYS)}
+    packed = wire.pack_keys(meta)
+    assert packed is not meta and meta["keys"] == KEYS  # the caller's meta as it was (it may be sent again)
+    assert packed == {"ns": "a", "keys": b"".join(KEYS), "sizes": [1] * len(KEYS)}
+    for keys in ([], [b"k" * 33], KEYS[:3] + [b"k" * 31, b"k" * 33], [b"k" * 64], KEYS[:2] + ["x" * 32]):
+        m = {"ns": "a", "keys": keys}
+        assert wire.pack_keys(m) is m, keys
+    assert wire.pack_keys({"lease": 3}) == {"lease": 3} and wire.pack_keys(None) is None
+
+
+def test_the_metaserver_unpacks_whole_keys_only_and_keeps_the_key_limit():
+    m = {"ns": "a", "keys": b"".join(KEYS)}
+    v.unpack_keys(m)
+    assert type(m["keys"]) is PackedKeys and list(v.keys(m, 100)) == KEYS
+    with pytest.raises(v.Reject, match="more than the limit of 10"):
+        v.keys(m, 10)
+    with pytest.raises(v.Reject, match="packed keys must be 32 bytes each: got 33 bytes"):
+        v.unpack_keys({"ns": "a", "keys": b"k" * 33})
+    listed = {"ns": "a", "keys": list(KEYS)}
+    v.unpack_keys(listed)
+    assert listed["keys"] == KEYS  # a list stays a list
+
+
+def test_a_multi_slot_request_with_packed_keys_splits_as_its_list_and_checks_each_keys_slot():
+    slots = 4
+    by_slot: dict[int, list[bytes]] = {}
+    for k, s in zip(KEYS, slotrules.slots_of("ns", KEYS, slots)):
+        by_slot.setdefault(s, []).append(k)
+    order = sorted(by_slot)
+    keys = [k for s in order for k in by_slot[s]]
+    meta = {"ns": "ns", "keys": keys, "sizes": list(range(len(keys))), "parts": [[s, len(by_slot[s])] for s in order]}
+    want = multislot.split(meta, slots)
+    packed = dict(meta)
+    packed["keys"] = b"".join(keys)
+    v.unpack_keys(packed)
+    got = multislot.split(packed, slots)
+    assert [(s, list(m["keys"]), m["sizes"]) for s, m in got] == [(s, m["keys"], m["sizes"]) for s, m in want]
+    assert all(type(m["keys"]) is PackedKeys for _, m in got)
+    # an ALLOC part holding a key of another slot is refused, packed as listed (an entry lives in its key's slot)
+    wrong = dict(packed, parts=[[order[0], len(keys)]])
+    with pytest.raises(v.Reject, match=f"is not of slot {order[0]}"):
+        multislot.split(wrong, slots)
+
+
+class _ScriptedMetaserver:
+    """A peer on a real loopback socket that answers HELLO (saying it takes packed keys, or not) and EXISTS (every
+    key present), and keeps each EXISTS meta as it arrived."""
+
+    def __init__(self, packed: bool):
+        self.packed = packed
+        self.seen: list = []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(10)
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(10)
+            for _ in range(10):  # HELLO and a few requests at most
+                head = self._exactly(conn, HEADER_SIZE)
+                if head is None:
+                    return
+                _m, _ver, op, _fl, _st, rid, meta_len, _dl = HEADER.unpack(head)
+                meta = msgpack.unpackb(self._exactly(conn, meta_len), raw=False)
+                if op == Op.HELLO:
+                    ans = {"server": "metaserver", "version": wire.VERSION, "auth": False, "nonce": bytes(32)}
+                    if self.packed:
+                        ans[wire.PACKED_KEYS] = True
+                else:
+                    self.seen.append(meta)
+                    n = len(meta["keys"]) // 32 if type(meta["keys"]) is bytes else len(meta["keys"])
+                    ans = {"exists": [True] * n}
+                conn.sendall(wire.encode(op, rid, ans, flags=Flag.RESPONSE))
+
+    @staticmethod
+    def _exactly(conn: socket.socket, n: int) -> bytes | None:
+        out = bytearray()
+        while len(out) < n:
+            chunk = conn.recv(n - len(out))
+            if not chunk:
+                return None
+            out += chunk
+        return bytes(out)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_client_packs_keys_only_for_a_metaserver_that_said_it_takes_them(packed):
+    peer = _ScriptedMetaserver(packed)
+    mc = MetaClient([peer.addr], "test")
+    deadline = time.monotonic() + 10
+    meta = {"ns": "a", "keys": list(KEYS)}
+    assert mc.call(Op.EXISTS, meta, deadline) == {"exists": [True] * len(KEYS)}
+    assert mc.call(Op.EXISTS, {"ns": "a", "keys": [b"short"]}, deadline) == {"exists": [True]}
+    mc.close()
+    assert meta["keys"] == KEYS  # the caller's request untouched
+    assert peer.seen[0]["keys"] == (b"".join(KEYS) if packed else KEYS)
+    assert peer.seen[1]["keys"] == [b"short"]  # not all 32 bytes: a list either way
