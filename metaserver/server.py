@@ -83,6 +83,7 @@ class Connection(FramedProtocol):
         self.auth = ServerAuth(ms.tokens, "metaserver")
         self.pending: set = set()  # directory entries this connection allocated (ALLOC) and has not committed
         self.leases = HeldLeases()  # read lease ids its LOOKUPs took (released on close: metaserver/handlers/ownership.py)
+        self.slot_conns: dict = {}  # a partitioned pool: slot name -> this connection's view there (partition.py)
         self.last_active = time.monotonic()
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -104,7 +105,7 @@ class Connection(FramedProtocol):
         self.closed = True
         if not self.release():
             return
-        if self.pending or self.leases or getattr(self, "slot_conns", None):  # slot_conns: metaserver/ha/partition.py
+        if self.pending or self.leases or self.slot_conns:
             n = self.ms.drop_pending(self)
             if n:
                 log.info("metaserver: %s closed with %d allocations pending: aborted (their bytes kept out of "

@@ -6,15 +6,17 @@ rejected too, so a client typo is an error rather than a silently ignored option
 
 Costs: key lists are checked with C-level passes (``map(type, ...)``, ``max(map(len, ...))``), about 50 ns per key
 on the 2-core VM; the slow per-index scan only runs to name the offending element once a pass has failed. Packed keys
-(``wire.pack_keys``: one bytes value of 32-byte keys, made ``PackedKeys`` by ``unpack_keys`` as a request arrives)
-cost a length check whatever their count. Keys and parents come back in the pool's digest form
-(``keyform.digest_key``: a 64-hex key as its 32 raw bytes), converted only when a list holds a key of 64 bytes or
-more (clients send the raw form already; a packed key is 32 bytes, its own digest form).
+(``wire.pack_keys``: one bytes value of keys of one length, made ``PackedKeys`` by ``unpack_keys`` as a request
+arrives) cost a length check whatever their count (and one numpy call for widths of 64..68 bytes). Keys and parents
+come back in the pool's digest form (``keyform.digest_key``: a 64-hex key as its 32 raw bytes), converted only when
+a batch holds a key that may be one (64 bytes, or 65..68 ending in a digit; clients send the raw form already).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from transport import wire
 from transport.keyform import KEY32, PackedKeys, digest_forms, digest_key
@@ -64,19 +66,28 @@ KEY_LISTS = (list, PackedKeys)  # what a request's validated-or-not ``keys`` may
 
 
 def unpack_keys(meta: Any) -> None:
-    """A keyed request's packed ``keys`` (bytes: ``wire.pack_keys``) made ``PackedKeys`` in place, before any handler
-    or slot routing reads them, so every reader sees a sequence of keys; Reject when the bytes are not whole keys.
+    """A keyed request's packed ``keys`` (bytes, and ``key_width`` unless 32: ``wire.pack_keys``) made ``PackedKeys``
+    in place, ``key_width`` taken out, before any handler or slot routing reads them, so every reader sees a sequence
+    of keys; Reject when the width is not 1..MAX_KEY or the bytes are not whole keys. Keys that may be a digest key's
+    text (64 bytes, or 65..68 ending in a digit) become the list of their digest forms, as listed keys do (``keys``).
     Anything else is left for the handlers' validation."""
-    if type(meta) is dict and type(meta.get("keys")) is bytes:
-        blob = meta["keys"]
-        if len(blob) % KEY32:
-            raise Reject(f"packed keys must be {KEY32} bytes each: got {len(blob)} bytes")
-        meta["keys"] = PackedKeys(blob)
+    if type(meta) is not dict or type(meta.get("keys")) is not bytes:
+        return
+    blob, w = meta["keys"], meta.pop("key_width", KEY32)
+    if type(w) is not int or not 0 < w <= MAX_KEY:
+        raise Reject(f"key_width must be an integer 1..{MAX_KEY}")
+    if len(blob) % w:
+        raise Reject(f"packed keys of {w} bytes each: {len(blob)} bytes is not a whole number of them")
+    p = PackedKeys(blob, w)
+    if w == 64 or (64 < w <= 68 and int(np.count_nonzero((p.last_bytes() - 48) < 10))):  # (u8: wraps below '0')
+        meta["keys"] = digest_forms(p.tolist(), [w] * len(p))
+    else:
+        meta["keys"] = p
 
 
 def keys(meta: dict, max_n: int, name: str = "keys") -> list[bytes] | PackedKeys:
     v = meta.get(name)
-    if type(v) is PackedKeys:  # (``unpack_keys``: 32-byte keys, each its own digest form)
+    if type(v) is PackedKeys:  # (``unpack_keys``: keys of one length, in their digest form)
         if len(v) > max_n:
             raise Reject(f"{name} holds {len(v)} keys, more than the limit of {max_n}")
         return v

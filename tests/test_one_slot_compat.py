@@ -40,7 +40,7 @@ def node_rec(node_id: str, capacity: int = 256 * UNIT) -> dict:
 def admin_conn():
     scope = SimpleNamespace(admin=True, node=True, name="admin", right=lambda ns: "rw", check=lambda *a: None)
     return SimpleNamespace(auth=SimpleNamespace(scope=scope), pending=set(), leases=HeldLeases(), closed=False,
-                           version=VERSION, peer="test")
+                           version=VERSION, peer="test", slot_conns={})
 
 
 async def write_old_layout(store: EtcdStore) -> list[bytes]:

@@ -2,7 +2,7 @@
 metaserver says in its HELLO answer that it takes a keyed request's 32-byte keys as one bytes value, answers them
 exactly as it answers the same keys listed, refuses a value that is not whole keys with an error naming it (and goes
 on serving), and keeps a partitioned pool's rule that an ALLOC's keys belong to the slot it names. Today's clients
-pack (tests/unit/test_packed_keys.py shows they do only for such a metaserver); their puts and gets of digest keys go
+pack (tests/unit/test_keyform_packed.py shows they do only for such a metaserver); their puts and gets of digest keys go
 through it here, on one slot and on several."""
 
 from __future__ import annotations
@@ -69,12 +69,41 @@ def test_packed_keys_name_the_pages_their_list_names(make_cluster):
         assert read_all(c, keys, 6000) == [values[k] for k in keys[:40]] + [None] * 24
 
 
+def test_packed_page_names_of_one_length_name_the_pages_their_list_names(make_cluster):
+    cl = make_cluster(nodes=1)
+    names = [(os.urandom(32).hex() + "__k").encode() for _ in range(20)]  # SGLang's MLA page names: 67 bytes
+    ranked = [os.urandom(32).hex().encode() + b"_3" for _ in range(4)]  # rank keys: their digest form, 33 bytes
+    values = {k: os.urandom(4000) for k in names + ranked}
+    with cl.client(namespace="names") as c:
+        c.batch_put(names[:12] + ranked[:2], [values[k] for k in names[:12] + ranked[:2]])
+        assert read_all(c, names + ranked, 4000) == [values[k] for k in names[:12]] + [None] * 8 + [
+            values[k] for k in ranked[:2]] + [None] * 2
+    raw = Raw(cl.metaserver_addr)
+    hello(raw)
+    for keys, width, want in ((names, 67, [True] * 12 + [False] * 8), (ranked, 66, [True, True, False, False])):
+        status, listed = ask(raw, Op.EXISTS, {"ns": "names", "keys": keys})
+        assert (status, listed) == (Status.OK, {"exists": want})
+        assert ask(raw, Op.EXISTS, {"ns": "names", "keys": b"".join(keys), "key_width": width}) == (Status.OK, listed)
+        rows = []
+        for form in ({"keys": keys}, {"keys": b"".join(keys), "key_width": width}):
+            status, ans = ask(raw, Op.LOOKUP, dict(form, ns="names"))
+            assert status == Status.OK
+            rows.append(ans["rows"])
+            assert ask(raw, Op.RELEASE, {"lease": ans["lease"]}) == (Status.OK, {})
+        assert rows[0] == rows[1] and len(rows[0]) == len(keys) * wire.LOC_ROW.itemsize
+
+
 def test_packed_keys_that_are_not_whole_keys_are_refused_by_name_and_the_metaserver_serves_on(make_cluster):
     cl = make_cluster(nodes=1)
     raw = Raw(cl.metaserver_addr)
     hello(raw)
     status, ans = ask(raw, Op.LOOKUP, {"ns": "bad", "keys": b"k" * 33})
-    assert status == Status.BAD_REQUEST and "packed keys must be 32 bytes each: got 33 bytes" in ans["error"]
+    assert status == Status.BAD_REQUEST
+    assert "packed keys of 32 bytes each: 33 bytes is not a whole number of them" in ans["error"]
+    status, ans = ask(raw, Op.EXISTS, {"ns": "bad", "keys": b"k" * 10, "key_width": 0})
+    assert status == Status.BAD_REQUEST and "key_width must be an integer 1..512" in ans["error"]
+    status, ans = ask(raw, Op.EXISTS, {"ns": "bad", "keys": [b"k"], "key_width": 1})  # a width without packed keys
+    assert status == Status.BAD_REQUEST and "unknown field 'key_width'" in ans["error"]
     assert ans["error"].startswith("metaserver")
     n = 100_001  # one past the metaserver's default max_batch_keys
     status, ans = ask(raw, Op.ALLOC, {"ns": "bad", "keys": bytes(32 * n), "sizes": [1] * n})

@@ -1,7 +1,7 @@
 """The pool's one form of a page key (``digest_key``), applied by the client before it sends a key
 (``umbp.keys.normalize_key``) and by the metaserver to whatever it receives (``metaserver/validate.py``), and read
-back from etcd's page names (``metaserver/table/records.py``); and ``PackedKeys``, a batch of 32-byte keys carried as one
-bytes value (a keyed request's packed ``keys``: ``transport/wire.py`` ``pack_keys``).
+back from etcd's page names (``metaserver/table/records.py``); and ``PackedKeys``, a batch of keys of one length carried
+as one bytes value (a keyed request's packed ``keys``: ``transport/wire.py`` ``pack_keys``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from binascii import unhexlify
 import numpy as np
 
 KEY32 = 32  # a digest key's length (SGLang's page hash): the keys a packed batch carries
-_V32 = np.dtype((np.void, KEY32))
 
 
 def digest_key(key: bytes) -> bytes:
@@ -46,23 +45,25 @@ def digest_forms(keys: list[bytes], lens: list[int]) -> list[bytes]:
 
 
 class PackedKeys:
-    """``n`` page keys of 32 bytes each, back to back in one bytes value ``blob``: how a keyed request carries a batch
-    of digest keys when its sender and the metaserver both speak the packed form (``transport/wire.py`` ``pack_keys``).
-    The same keys as the list ``[blob[32 * i:32 * i + 32] for i in range(n)]``, in that order, and a read-only
-    sequence of them (``len``, indexing, slices, iteration), so code that reads a list of keys reads this unchanged;
-    ``digests`` is the batch as the directory's key index takes it, an (n, 4) u64 view of ``blob``, with no Python
-    object a key. Invariant: ``len(blob) == 32 * n``.
+    """``n`` page keys of ``width`` bytes each, back to back in one bytes value ``blob``: how a keyed request carries a
+    batch of keys of one length (32: SGLang's page hashes; 67-68: SGLang's page names ``{hash}_{tag}_k``) when its
+    sender and the metaserver both speak the packed form (``transport/wire.py`` ``pack_keys``). The same keys as the
+    list ``[blob[w * i:w * i + w] for i in range(n)]``, in that order, and a read-only sequence of them (``len``,
+    indexing, slices, iteration), so code that reads a list of keys reads this unchanged; ``digests`` is a batch of
+    32-byte keys as the directory's key index takes it, an (n, 4) u64 view of ``blob``, with no Python object a key.
+    Invariant: ``len(blob) == width * n``, ``width >= 1``.
 
     Costs: ``digests`` O(1) (a view); a slice O(its bytes) (one bytes slice, still packed); an item or iteration makes
     the key objects once (``tolist``: one numpy call, about 20 ns a key), kept for the next read."""
 
-    __slots__ = ("blob", "n", "_list")
+    __slots__ = ("blob", "n", "width", "_list")
 
-    def __init__(self, blob: bytes):
-        if type(blob) is not bytes or len(blob) % KEY32:
-            raise ValueError(f"packed keys must be bytes of a multiple of {KEY32} bytes")
+    def __init__(self, blob: bytes, width: int = KEY32):
+        if type(blob) is not bytes or type(width) is not int or width < 1 or len(blob) % width:
+            raise ValueError(f"packed keys must be bytes of a multiple of their width ({width!r})")
         self.blob = blob
-        self.n = len(blob) // KEY32
+        self.width = width
+        self.n = len(blob) // width
         self._list: list[bytes] | None = None
 
     def __len__(self) -> int:
@@ -70,8 +71,8 @@ class PackedKeys:
 
     def tolist(self) -> list[bytes]:
         """The keys as a list of bytes (made once)."""
-        if self._list is None:  # (32-byte void items read back as bytes, every byte kept: 2.4 us for 128 keys,
-            self._list = np.frombuffer(self.blob, _V32).tolist()  # where slicing them out took 10-17)
+        if self._list is None:  # (void items of the width read back as bytes, every byte kept: 2.4 us for 128 keys
+            self._list = np.frombuffer(self.blob, (np.void, self.width)).tolist()  # of 32, where slicing took 10-17)
         return self._list
 
     def __iter__(self):
@@ -82,7 +83,8 @@ class PackedKeys:
             a, b, step = i.indices(self.n)
             if step != 1:
                 return self.tolist()[i]
-            return PackedKeys(self.blob[KEY32 * a:KEY32 * max(a, b)])
+            w = self.width
+            return PackedKeys(self.blob[w * a:w * max(a, b)], w)
         return self.tolist()[i]
 
     def pick(self, at: list[int]) -> list[bytes]:
@@ -90,12 +92,18 @@ class PackedKeys:
         kl = self.tolist()
         return [kl[i] for i in at]
 
+    def last_bytes(self) -> np.ndarray:
+        """Each key's last byte (u8, a strided view of ``blob``)."""
+        return np.frombuffer(self.blob, np.uint8)[self.width - 1::self.width]
+
     def digests(self) -> np.ndarray:
-        """The keys as an (n, 4) uint64 array (read-only, a view of ``blob``): each key its own digest."""
+        """Keys of 32 bytes as an (n, 4) uint64 array (read-only, a view of ``blob``): each key its own digest."""
+        if self.width != KEY32:
+            raise ValueError(f"keys of {self.width} bytes are not their own digests")
         return np.frombuffer(self.blob, np.uint64).reshape(self.n, 4)
 
     def __repr__(self) -> str:
-        return f"PackedKeys({self.n} keys)"
+        return f"PackedKeys({self.n} keys of {self.width} bytes)"
 
 
 def pick(keys, at: list[int]) -> list[bytes]:

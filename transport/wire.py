@@ -50,9 +50,9 @@ MAGIC = 0x4D55  # b"UM" little-endian
 # Versions: docs/operations/upgrades.md (12: LOOKUP and ALLOC answers as packed rows, ``LOC_ROW``/``ALLOC_ROW``). A
 # reader takes VERSION and MIN_VERSION, a server answers a frame in its version (tests/test_wire_compat.py). The disk
 # tier's opcodes (READV_DISK, DEMOTE, PROMOTE) are additive within 12: older peers never send them, a node without
-# them answers UNKNOWN_OPCODE. A keyed request's keys packed into one bytes value (``pack_keys``) are additive within
-# 12 too: a client packs them only for a metaserver whose HELLO answer says ``"packed_keys": true``, and such a
-# metaserver takes either form.
+# them answers UNKNOWN_OPCODE. A keyed request's keys of one length packed into one bytes value (``pack_keys``) are
+# additive within 12 too: a client packs them only for a metaserver whose HELLO answer says ``"packed_keys": true``,
+# and such a metaserver takes either form.
 VERSION = 12
 MIN_VERSION = VERSION - 1
 HEADER = struct.Struct("<HBBHHIIQ")
@@ -195,11 +195,12 @@ PACKED_KEYS = "packed_keys"  # a metaserver's HELLO answer field: true when it t
 
 
 def pack_keys(meta: Any) -> Any:
-    """A keyed request's meta with its ``keys`` packed: when every key is 32 bytes (SGLang's page hashes), the list
-    becomes one bytes value of them back to back, which the metaserver reads as ``transport.keyform.PackedKeys`` (no
-    msgpack object, validation step or digest step a key); any other ``meta`` is returned as it is. Only for a
-    metaserver whose HELLO answer carried ``PACKED_KEYS`` (one that does not would refuse it: BAD_REQUEST). A new dict:
-    the caller's meta is left as it was (it may be sent again, to another metaserver)."""
+    """A keyed request's meta with its ``keys`` packed: when every key has one length w (32: SGLang's page hashes;
+    67-68: its page names ``{hash}_{tag}_k``), the list becomes one bytes value of them back to back, plus
+    ``"key_width": w`` when w is not 32; the metaserver reads it as ``transport.keyform.PackedKeys`` (no msgpack object
+    or validation step a key, and for w = 32 no digest step either). Any other ``meta`` is returned as it is. Only for
+    a metaserver whose HELLO answer carried ``PACKED_KEYS`` (one that does not would refuse it: BAD_REQUEST). A new
+    dict: the caller's meta is left as it was (it may be sent again, to another metaserver)."""
     keys = meta.get("keys") if type(meta) is dict else None
     if type(keys) is not list or not keys:
         return meta
@@ -207,10 +208,13 @@ def pack_keys(meta: Any) -> Any:
         blob = b"".join(keys)
     except TypeError:
         return meta  # not bytes: sent as a list, refused by the metaserver's validation as before
-    if len(blob) != 32 * len(keys) or min(map(len, keys)) != 32:
+    w = len(keys[0])
+    if not 0 < w <= MAX_KEY_BYTES or len(blob) != w * len(keys) or min(map(len, keys)) != w:
         return meta
     out = dict(meta)
     out["keys"] = blob
+    if w != 32:
+        out["key_width"] = w
     return out
 
 

@@ -184,9 +184,7 @@ class Partition(ElectedProcess):
                         slot=int(name) if name != MEMBERSHIP else -1)
 
     def _slot_conn(self, conn, name: str) -> SlotConn:
-        sc = getattr(conn, "slot_conns", None)
-        if sc is None:
-            sc = conn.slot_conns = {}
+        sc = conn.slot_conns  # (server.Connection's: its views in this process's slots)
         c = sc.get(name)
         if c is None:
             c = sc[name] = SlotConn(conn)
@@ -247,7 +245,7 @@ class Partition(ElectedProcess):
         merged LOOKUP's process lease releases every part's (``multislot.release``)."""
         ids = release_ids(meta)
         n, rest = multislot.release(self, conn, ids)
-        for name, sc in (getattr(conn, "slot_conns", None) or {}).items() if rest else ():
+        for name, sc in conn.slot_conns.items() if rest else ():
             mine = [x for x in rest if x in sc.leases]
             if mine and self.servers[name].serving:
                 n += release_held(self.servers[name].dir, mine, sc)
@@ -257,6 +255,6 @@ class Partition(ElectedProcess):
         if self.slots == 1:
             return self.membership.drop_pending(conn)  # the connection's own PENDING set, as unpartitioned
         n = 0
-        for name, sc in (getattr(conn, "slot_conns", None) or {}).items():
+        for name, sc in conn.slot_conns.items():
             n += self.servers[name].drop_pending(sc)
         return n

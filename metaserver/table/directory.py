@@ -216,11 +216,12 @@ class TableDirectory(PageTable):
         ``member``: node id -> its member (``cap_key``) or None.
 
         Costs: about 80 numpy calls and one keyed blake2b a node, whatever the batch. Measured on the 2-core VM, 1 M
-        pages on 32 nodes, a run of 128 keys of the build order (so on all 32 nodes), LOOKUP plus its RELEASE: about
-        100 us, of which the digests 6, the key index 32, the lease, pins and stamps of both 16, the tags and answer
-        columns 12, ``by_node`` 6, the 32 capabilities 19, names, capability keys, grouped slots and packing 9; 1,024
-        keys about 315 us (the digests 38, the key index 115, capabilities 49). docs/benchmarks/columns.md: where it
-        goes and what is left."""
+        pages on 32 nodes, a run of 128 listed keys of the build order (so on all 32 nodes), LOOKUP plus its RELEASE:
+        about 100 us, of which the digests 6, the key index 32, the lease, pins and stamps of both 16, the tags and
+        answer columns 12, ``by_node`` 6, the 32 capabilities 19, names, capability keys, grouped slots and packing 9;
+        1,024 keys about 315 us (the digests 38, the key index 115, capabilities 49). Packed keys
+        (``transport.keyform.PackedKeys``) cost no digest step: a view. docs/benchmarks/columns.md: where it goes and
+        what is left."""
         lease, hit, tags, slots, nix = self.lookup_columns(ns, keys, now, owner, tokens, shard)
         if not lease:
             if packed:

@@ -40,8 +40,15 @@ def digests(keys: list[bytes]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
     """(n, 4) uint64 digests of ``keys`` and the (position, key) of those that are not 32 bytes long: a 32-byte key is
     its own digest, any other its blake2b from a copy of ``_LONG0`` (0.26 us a key of 68 bytes, where a new blake2b
     with its personalisation took 0.43)."""
-    if type(keys) is PackedKeys:  # (a request's packed keys: each 32 bytes, its own digest)
-        return keys.digests(), []
+    if type(keys) is PackedKeys:  # (a request's packed keys: of 32 bytes each its own digest, else all long)
+        if keys.width == 32:
+            return keys.digests(), []
+        kl, copy, raw = keys.tolist(), _LONG0.copy, []
+        for k in kl:
+            h = copy()
+            h.update(k)
+            raw.append(h.digest())
+        return np.frombuffer(b"".join(raw), np.uint64).reshape(len(kl), 4), list(enumerate(kl))
     n = len(keys)
     joined = b"".join(keys)
     if n and len(joined) == 32 * n and min(map(len, keys)) == 32:  # all 32 bytes (SGLang's digests), at C speed

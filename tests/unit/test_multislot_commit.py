@@ -36,6 +36,7 @@ class Conn:
         self.version = 12
         self.closed = False
         self.peer = "test"
+        self.slot_conns: dict = {}  # its views in a partitioned pool's slots (server.Connection's)
 
 
 async def _sent(self, req) -> bool:

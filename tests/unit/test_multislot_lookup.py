@@ -44,6 +44,7 @@ class Conn:
         self.version = version
         self.closed = False
         self.peer = "test"
+        self.slot_conns: dict = {}  # its views in a partitioned pool's slots (server.Connection's)
 
 
 def pool(monkeypatch, token: str | None = "cluster-secret-of-the-test", down: tuple[int, ...] = ()):

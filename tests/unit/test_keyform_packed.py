@@ -41,12 +41,29 @@ def test_packed_keys_read_as_the_list_they_pack():
         PackedKeys(b"x" * 33)
 
 
+def test_packed_keys_of_another_width_read_as_their_list_and_hash_as_it():
+    names = [(os.urandom(32).hex() + "__k").encode() for _ in range(9)] + [b"\x00" * 67]  # SGLang's MLA page names
+    p = PackedKeys(b"".join(names), 67)
+    assert len(p) == 10 and list(p) == names and list(p[2:7]) == names[2:7] and p[2:7].width == 67
+    assert p.last_bytes().tolist() == [ord("k")] * 9 + [0]
+    dig, longs = digests(p)
+    want, want_longs = digests(names)
+    assert np.array_equal(dig, want) and longs == want_longs == list(enumerate(names))
+    with pytest.raises(ValueError, match="not their own digests"):
+        p.digests()
+    with pytest.raises(ValueError):
+        PackedKeys(b"x" * 68, 67)
+
+
 def test_pack_keys_packs_only_batches_of_32_byte_keys_and_leaves_the_callers_meta():
     meta = {"ns": "a", "keys": list(KEYS), "sizes": [1] * len(KEYS)}
     packed = wire.pack_keys(meta)
     assert packed is not meta and meta["keys"] == KEYS  # the caller's meta as it was (it may be sent again)
-    assert packed == {"ns": "a", "keys": b"".join(KEYS), "sizes": [1] * len(KEYS)}
-    for keys in ([], [b"k" * 33], KEYS[:3] + [b"k" * 31, b"k" * 33], [b"k" * 64], KEYS[:2] + ["x" * 32]):
+    assert packed == {"ns": "a", "keys": b"".join(KEYS), "sizes": [1] * len(KEYS)}  # 32 bytes: no width said
+    names = [b"n" * 67, b"m" * 67]
+    assert wire.pack_keys({"ns": "a", "keys": names}) == {"ns": "a", "keys": b"".join(names), "key_width": 67}
+    for keys in ([], KEYS[:3] + [b"k" * 31, b"k" * 33], [b"k" * 33, b"k" * 32], KEYS[:2] + ["x" * 32], [b""],
+                 [b"k" * (wire.MAX_KEY_BYTES + 1)]):
         m = {"ns": "a", "keys": keys}
         assert wire.pack_keys(m) is m, keys
     assert wire.pack_keys({"lease": 3}) == {"lease": 3} and wire.pack_keys(None) is None
@@ -58,11 +75,29 @@ def test_the_metaserver_unpacks_whole_keys_only_and_keeps_the_key_limit():
     assert type(m["keys"]) is PackedKeys and list(v.keys(m, 100)) == KEYS
     with pytest.raises(v.Reject, match="more than the limit of 10"):
         v.keys(m, 10)
-    with pytest.raises(v.Reject, match="packed keys must be 32 bytes each: got 33 bytes"):
+    with pytest.raises(v.Reject, match="packed keys of 32 bytes each: 33 bytes is not a whole number of them"):
         v.unpack_keys({"ns": "a", "keys": b"k" * 33})
-    listed = {"ns": "a", "keys": list(KEYS)}
+    for bad in (0, 513, "5", None):
+        with pytest.raises(v.Reject, match="key_width must be an integer 1..512"):
+            v.unpack_keys({"ns": "a", "keys": b"k" * 10, "key_width": bad})
+    listed = {"ns": "a", "keys": list(KEYS), "key_width": 5}
     v.unpack_keys(listed)
-    assert listed["keys"] == KEYS  # a list stays a list
+    assert listed["keys"] == KEYS and listed["key_width"] == 5  # a list stays a list (the width left for refusal)
+
+
+@pytest.mark.parametrize("width", [64, 66, 67, 68])
+def test_packed_keys_that_may_be_digest_text_take_the_digest_form_a_listed_key_takes(width):
+    hexes = [os.urandom(32).hex() for _ in range(6)]
+    tail = {64: "", 66: "_7", 67: "__k", 68: "_200"}[width]
+    keys = [(h + tail).encode() for h in hexes]
+    keys[1] = keys[1].upper()  # not a digest's text (upper case): kept as it is, packed or listed
+    m = {"ns": "a", "keys": b"".join(keys), "key_width": width}
+    v.unpack_keys(m)
+    want = v.keys({"ns": "a", "keys": list(keys)}, 100)
+    assert list(v.keys(m, 100)) == want
+    assert (type(m["keys"]) is PackedKeys) == (width == 67)  # ends in a letter: the name is its own form
+    if width != 67:
+        assert want[0] == bytes.fromhex(hexes[0]) + (bytes((int(tail[1:]),)) if tail else b"") and want[1] == keys[1]
 
 
 def test_a_multi_slot_request_with_packed_keys_splits_as_its_list_and_checks_each_keys_slot():
@@ -115,7 +150,8 @@ class _ScriptedMetaserver:
                         ans[wire.PACKED_KEYS] = True
                 else:
                     self.seen.append(meta)
-                    n = len(meta["keys"]) // 32 if type(meta["keys"]) is bytes else len(meta["keys"])
+                    keys = meta["keys"]
+                    n = len(keys) // meta.get("key_width", 32) if type(keys) is bytes else len(keys)
                     ans = {"exists": [True] * n}
                 conn.sendall(wire.encode(op, rid, ans, flags=Flag.RESPONSE))
 
@@ -137,8 +173,12 @@ def test_a_client_packs_keys_only_for_a_metaserver_that_said_it_takes_them(packe
     deadline = time.monotonic() + 10
     meta = {"ns": "a", "keys": list(KEYS)}
     assert mc.call(Op.EXISTS, meta, deadline) == {"exists": [True] * len(KEYS)}
-    assert mc.call(Op.EXISTS, {"ns": "a", "keys": [b"short"]}, deadline) == {"exists": [True]}
+    assert mc.call(Op.EXISTS, {"ns": "a", "keys": [b"short", b"longer"]}, deadline) == {"exists": [True, True]}
+    names = [(os.urandom(32).hex() + "__k").encode() for _ in range(5)]
+    assert mc.call(Op.EXISTS, {"ns": "a", "keys": names}, deadline) == {"exists": [True] * 5}
     mc.close()
     assert meta["keys"] == KEYS  # the caller's request untouched
+    assert peer.seen[2] == ({"ns": "a", "keys": b"".join(names), "key_width": 67} if packed
+                            else {"ns": "a", "keys": names})
     assert peer.seen[0]["keys"] == (b"".join(KEYS) if packed else KEYS)
-    assert peer.seen[1]["keys"] == [b"short"]  # not all 32 bytes: a list either way
+    assert peer.seen[1]["keys"] == [b"short", b"longer"]  # not of one length: a list either way
