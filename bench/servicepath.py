@@ -32,6 +32,7 @@ from metaserver.table.grants import grant_alloc  # noqa: E402
 from metaserver.store.persist import EtcdStore  # noqa: E402
 from metaserver.table.directory import TableDirectory  # noqa: E402
 from transport import wire  # noqa: E402
+from transport.keyform import pick  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
 
 
@@ -132,7 +133,7 @@ class ServicePath:
         # packed rows with one frombuffer (bench/slots.py's clients read them so)
         rows = np.frombuffer(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False)["rows"], wire.ALLOC_ROW)
         ok = np.flatnonzero(rows["state"] == NEW).tolist()
-        news = list(zip([keys[i] for i in ok], rows["gen"].take(ok).tolist()))
+        news = list(zip(pick(keys, ok), rows["gen"].take(ok).tolist()))  # (the client holds its keys as a list)
         c = v.fields(Wire.meta(Wire.frame({"ns": ns, "keys": [k for k, _ in news], "gens": [g for _, g in news]})),
                      _COMMIT, ("ns", "keys", "gens"))
         cns = v.ns(c)
