@@ -114,7 +114,8 @@ def one_in(draw, n: int) -> bool:
 def schema_meta(draw, op: int):
     """A map shaped like ``op``'s request, mostly valid so handlers get past validation: each field usually
     present and plausible, sometimes missing, of a wrong type or out of range; list fields of one length (keys,
-    sizes, gens, parents), sometimes with one bad element or a length off by one; sometimes an unknown field."""
+    sizes, gens, parents), sometimes with one bad element or a length off by one; the keys sometimes packed (one
+    bytes value, a ``key_width``: good, bad, or not whole keys); sometimes an unknown field."""
     n = draw(st.integers(0, 6))
     meta = {}
     for f in OP_FIELDS.get(op, ()):
@@ -132,6 +133,16 @@ def schema_meta(draw, op: int):
             meta[f] = items
         else:
             meta[f] = draw(bad) if one_in(draw, 6) else draw(GOOD[f])
+    if type(meta.get("keys")) is list and one_in(draw, 5):
+        # packed keys (wire.pack_keys): n keys of one width as one bytes value, sometimes not whole keys, a width
+        # that is not 1..512, or a width beside listed keys
+        w = draw(st.sampled_from([32, 32, 67, 64, 66, 1, 5]))
+        blob = draw(st.binary(min_size=w * n, max_size=w * n))
+        meta["keys"] = blob + (b"x" if one_in(draw, 5) else b"")
+        if w != 32 or one_in(draw, 6):
+            meta["key_width"] = draw(st.one_of(st.sampled_from([0, -1, 513, 1 << 63]), junk)) if one_in(draw, 5) else w
+        if one_in(draw, 10):
+            meta["keys"] = [blob]
     if one_in(draw, 10):
         meta[draw(st.one_of(st.text(max_size=8), st.binary(max_size=8), ints))] = draw(junk)
     return meta

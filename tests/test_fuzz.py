@@ -196,6 +196,16 @@ def _leading_run(keys: list, present: dict) -> int:
     return n
 
 
+def request_keys(meta: object) -> list | None:
+    """A request's keys as the list it names: packed keys (one bytes value, ``key_width`` or 32 bytes each) sliced
+    out; a list as it is; None for anything else."""
+    keys = meta.get("keys") if isinstance(meta, dict) else None
+    if type(keys) is bytes:
+        w = meta.get("key_width", 32)
+        return [keys[i:i + w] for i in range(0, len(keys), w)]
+    return keys if isinstance(keys, list) else None
+
+
 def check_ok_answer(pool: "FuzzPool", target, req: Req, f: wire.Frame) -> None:
     """An OK answer has its operation's shape (one result per key, known states) and, in the check namespace
     (which the fuzz never mutates), exactly the directory's truth: the check pages exist at the locations they
@@ -207,8 +217,10 @@ def check_ok_answer(pool: "FuzzPool", target, req: Req, f: wire.Frame) -> None:
         elif req.op in (Op.PING, Op.HELLO):
             assert m.get("server") == "node", m
         return  # READ: checked by the caller against the page's bytes; WRITE: nothing to check
-    keys = meta.get("keys") if isinstance(meta, dict) else None
-    n = len(keys) if isinstance(keys, list) else 0
+    keys = request_keys(meta)
+    n = len(keys) if keys is not None else 0
+    if isinstance(meta, dict) and type(meta.get("keys")) is bytes:
+        event("packed keys answered OK")
     in_check = isinstance(meta, dict) and meta.get("ns") == CHECK_NS
     if in_check and req.op in (Op.LOOKUP, Op.EXISTS, Op.PREFIX):
         event("answer checked against the check namespace")
@@ -326,7 +338,7 @@ def test_metaserver_handlers_survive_fuzzed_requests(pool, req, follow, data):
     if follow is None or req.op != Op.ALLOC or not answers or answers[0].status != Status.OK:
         return
     items = wire.unpack_allocs(dict(answers[0].meta), "test").get("items") or []
-    keys = req.meta["keys"]
+    keys = request_keys(req.meta)
     granted = [(keys[i], it[4]) for i, it in enumerate(items)
                if isinstance(it, list) and len(it) >= 5 and it[0] == wire.AllocState.NEW]
     if not granted:
