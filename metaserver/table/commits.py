@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metaserver.table.entry import READY
+from metaserver.table.entry import READY, factor
 from metaserver.table.records import BATCH_MARK, BATCH_PAGES, SEGMENT_PAGES, pack_segment
 
 DEAD_LIST_MAX = 16384  # deaths a dead-list record holds at most (128 KiB of generations: far below TXN_BYTES)
@@ -415,9 +415,9 @@ class CommitRecords:
         under prefix-lru."""
         t = self.table
         c = t.cols
-        ns_u, nsix = np.unique(c["ns"].take(rows), return_inverse=True)
-        node_u, nodeix = np.unique(c["node"].take(rows), return_inverse=True)
-        code_u, codeix = np.unique(c["size"].take(rows), return_inverse=True)
+        ns_u, nsix, _ = factor(c["ns"].take(rows))  # (a bincount each: np.unique's sorts were 70 % of a value)
+        node_u, nodeix, _ = factor(c["node"].take(rows))
+        code_u, codeix, _ = factor(c["size"].take(rows))
         long_keys = t.ix.long_keys
         lens = digs = None
         dig = t.ix.kc.take(rows, axis=0)

@@ -1,7 +1,9 @@
 """The page table's shared vocabulary: row states, ALLOC item states, layout codes of shared (TP-sharded) pages
 and their extent sizes, read lease ids, ``Effects`` (the etcd work a table mutation leaves to its caller) and
 ``Entry``, one page as the parse of its etcd record yields it (``metaserver/table/records.py``: the full load and the warm
-copy file those into the table's rows). No I/O, no policy.
+copy file those into the table's rows); ``factor``, the distinct values of a column of small indexes (namespaces,
+nodes, layout codes) and each row's among them, as commit records and LOOKUP answers group their rows. No I/O, no
+policy.
 
 Shared entries (TP-sharded KV, ``metaserver/table/shared.py``): one row holds one extent of ``n`` sub-slots, each a
 normal object slot of ``part_len`` payload bytes; its layout code is ``part_len | n << SHARD_SHIFT`` (``layout``),
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import os
 import struct
+
+import numpy as np
 
 from transport.wire import AllocState, object_size
 
@@ -107,3 +111,23 @@ class Effects:
 
     def __bool__(self) -> bool:
         return bool(self.deletes or self.batches or self.recs)
+
+
+RANK_TAKE = 256  # values past which ``factor`` ranks them by a table, not a search
+
+
+def factor(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(v, return_inverse=True)`` of a column of small non-negative indexes (into the table's short lists
+    of namespaces, nodes, layout codes), and the counts: (the distinct values ascending, intp; each value's index among
+    them, intp; ``np.bincount(v)``, by value). One bincount, no sort: 128 values, 2-core VM, about 2 us for one
+    distinct value and 3-4 for a few dozen, where np.unique sorts (8-9 us). Each value's index by ``searchsorted`` up
+    to RANK_TAKE values, past it by a take from a table of ranks (1,024 values: 8 vs 11 us; 128: 1.5 vs 2.5)."""
+    cnt = np.bincount(v)
+    uniq = cnt.nonzero()[0]
+    if len(uniq) <= 1:
+        return uniq, np.zeros(len(v), np.intp), cnt
+    if len(v) <= RANK_TAKE:
+        return uniq, uniq.searchsorted(v), cnt
+    rank = np.empty(len(cnt), np.intp)
+    rank[uniq] = np.arange(len(uniq))
+    return uniq, rank.take(v), cnt

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from metaserver.table.entry import NEW
+from metaserver.table.entry import NEW, factor
 from transport import wire
 from transport.keyform import pick
 from umbp.auth import Tokens, write_capabilities_packed
@@ -76,10 +76,7 @@ def grant_alloc(tokens: Tokens, member: Callable, ns: str, keys: list, p: Placed
     tags = np.array(tokens.tags(ns, pick(keys, new.tolist()), p.rank), np.uint64)
     if p.keep is not None:
         p.keep(tags)
-    # by node, as np.unique(p.node, return_inverse=True) orders them: a bincount and one stable argsort
-    cnt = np.bincount(p.node)
-    uniq = cnt.nonzero()[0]
-    inv = uniq.searchsorted(p.node)
+    uniq, inv, cnt = factor(p.node)  # by node, as np.unique(p.node, return_inverse=True) orders them
     names = [p.names[j] for j in uniq.tolist()]
     slots = np.empty((len(new), 3), "<u8")
     slots[:, 0], slots[:, 1], slots[:, 2] = p.offs, p.lens, p.gens
