@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import metaserver.table.allocator as allocator  # noqa: E402
-from transport.wire import ARENA_DATA_START, object_size  # noqa: E402
+from transport.objformat import ARENA_DATA_START, object_size  # noqa: E402
 
 
 def fresh(size: int, n: int) -> float:

@@ -56,8 +56,8 @@ import numpy as np  # noqa: E402
 
 from metaserver.table.entry import NEW  # noqa: E402
 from metaserver.table.directory import TableDirectory  # noqa: E402
-from transport import wire  # noqa: E402
-from transport.wire import object_size  # noqa: E402
+from transport import answerrows
+from transport.objformat import object_size  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself
 from scale import rss, run_load  # noqa: E402
@@ -154,12 +154,12 @@ class Subject:
 
 def rows_found(rows: bytes) -> int:
     """Keys a LOOKUP answer's packed rows locate (not timed)."""
-    return int(np.count_nonzero(np.frombuffer(rows, wire.LOC_ROW)["node"] != wire.NO_NODE))
+    return int(np.count_nonzero(np.frombuffer(rows, answerrows.LOC_ROW)["node"] != answerrows.NO_NODE))
 
 
 def found_in(answer: bytes) -> int:
     """Keys a packed LOOKUP answer locates (the client's decode, not timed)."""
-    return sum(loc is not None for loc in wire.unpack_locs(msgpack.unpackb(answer, raw=False), "bench")["locs"])
+    return sum(loc is not None for loc in answerrows.unpack_locs(msgpack.unpackb(answer, raw=False), "bench")["locs"])
 
 
 def timed(fn, items: list) -> tuple[float, list]:

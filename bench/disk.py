@@ -39,13 +39,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.pool import best_rate  # noqa: E402
 from transport import wire  # noqa: E402
+from transport import answerrows, objformat
 from transport.framed import FramedSocket  # noqa: E402
 from umbp.node.arena import arena_dir_with_room  # noqa: E402
 from umbp.sizes import format_size, parse_size  # noqa: E402
 
 PAGE = 1 << 20
-HS = wire.OBJ_HEADER_SIZE
-EXT = wire.object_size(PAGE)  # 1 MiB + 4 KiB: a page's extent on disk
+HS = objformat.OBJ_HEADER_SIZE
+EXT = objformat.object_size(PAGE)  # 1 MiB + 4 KiB: a page's extent on disk
 SEQ_CHUNK = 8 << 20
 
 
@@ -144,16 +145,16 @@ def fill(addr: str, pages: int, arena: int, pool: memoryview) -> float:
     try:
         while i < pages:
             n = min(per_round, pages - i)
-            drams = [wire.ARENA_DATA_START + k * EXT for k in range(n)]
+            drams = [objformat.ARENA_DATA_START + k * EXT for k in range(n)]
             for k0 in range(0, n, 32):  # WRITEV frames of up to 32 pages
                 ks = range(k0, min(n, k0 + 32))
                 meta = [[drams[k], 1, b"", HS + PAGE] for k in ks]
                 data = []
                 for k in ks:
-                    data += [wire.pack_object_header(i + k + 1, 1, PAGE), payload(i + k, pool)]
+                    data += [objformat.pack_object_header(i + k + 1, 1, PAGE), payload(i + k, pool)]
                 s.request(wire.Op.WRITEV, meta, time.monotonic() + 60, data=data)
-            rows = wire.pack_tier_rows([i + k + 1 for k in range(n)], [1] * n, [PAGE] * n, drams,
-                                       [wire.DISK_DATA_START + (i + k) * EXT for k in range(n)])
+            rows = answerrows.pack_tier_rows([i + k + 1 for k in range(n)], [1] * n, [PAGE] * n, drams,
+                                       [objformat.DISK_DATA_START + (i + k) * EXT for k in range(n)])
             t = time.perf_counter()
             f = s.request(wire.Op.DEMOTE, {"rows": rows}, time.monotonic() + 300)
             demote_s += time.perf_counter() - t
@@ -175,7 +176,7 @@ def node_rate(addr: str, batches: list[list[int]], depth: int, min_time: float, 
     t0 = time.perf_counter()
 
     def send(b: int) -> None:
-        ops = [[wire.DISK_BIT | (wire.DISK_DATA_START + p * EXT), 0, PAGE, p + 1, 1, PAGE, b""]
+        ops = [[objformat.DISK_BIT | (objformat.DISK_DATA_START + p * EXT), 0, PAGE, p + 1, 1, PAGE, b""]
                for p in batches[b % len(batches)]]
         rid = s.next_id()
         s.send([wire.encode(wire.Op.READV_DISK, rid, ops)], deadline)
@@ -194,7 +195,7 @@ def node_rate(addr: str, batches: list[list[int]], depth: int, min_time: float, 
                 raise RuntimeError(f"READV_DISK answer: status {status}, rid {got_rid}/{rid}, failures {meta}")
             s.recv_into(buf, deadline)
             for k, p in enumerate(batches[bno % len(batches)]):
-                wire.check_object_header(buf[k * (HS + PAGE):k * (HS + PAGE) + HS], "bench", p + 1, 1, PAGE)
+                objformat.check_object_header(buf[k * (HS + PAGE):k * (HS + PAGE) + HS], "bench", p + 1, 1, PAGE)
             if got == 0 and buf[HS:HS + PAGE] != payload(batches[bno % len(batches)][0], check):
                 raise RuntimeError("READV_DISK: wrong bytes")
             got += 1
@@ -267,7 +268,7 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="umbp-bench-disk-", dir=arena_dir_with_room(arena) or None)
     made = "" if args.path else tempfile.mkdtemp(prefix="umbp-bench-disk-", dir=".")
     path = args.path or os.path.join(made, "bench.disk")
-    capacity = wire.align_up(pages * EXT, 1 << 20)
+    capacity = objformat.align_up(pages * EXT, 1 << 20)
     pool = memoryview(os.urandom(64 << 20))
     node = Node(path, capacity, arena, workdir)
     rng = random.Random(47)
@@ -284,7 +285,7 @@ def main() -> int:
         nb = args.batch
         randoms = [rng.sample(range(pages), nb) for _ in range(256)]
         seqs = [list(range(k, k + nb)) for k in range(0, pages - nb + 1, nb)]
-        raw_seq = [[(wire.DISK_DATA_START + o, SEQ_CHUNK) for o in range(k, k + 16 * SEQ_CHUNK, SEQ_CHUNK)]
+        raw_seq = [[(objformat.DISK_DATA_START + o, SEQ_CHUNK) for o in range(k, k + 16 * SEQ_CHUNK, SEQ_CHUNK)]
                    for k in range(0, pages * EXT - 16 * SEQ_CHUNK, 16 * SEQ_CHUNK)]
         print(f"{'threads':>7} {'random node':>12} {'random raw':>11} {'ratio':>6} {'seq node':>9} {'seq raw':>8} "
               f"{'ratio':>6}  (GB/s of payload)", flush=True)
@@ -292,7 +293,7 @@ def main() -> int:
             node.stop()
             node.start(t)
             addr = f"127.0.0.1:{node.port}"
-            raw_random = [[(wire.DISK_DATA_START + p * EXT, EXT) for p in b] for b in randoms]
+            raw_random = [[(objformat.DISK_DATA_START + p * EXT, EXT) for p in b] for b in randoms]
             got: dict[str, list[float]] = {"rn": [], "rr": [], "sn": [], "sr": []}
             for _ in range(args.rounds):  # node and raw alternate: a drift of the device's speed hits both
                 c0, t0 = thread_cpu(node.proc.pid), time.perf_counter()

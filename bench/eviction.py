@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import umbp  # noqa: E402
-from transport.wire import object_size  # noqa: E402
+from transport.objformat import object_size  # noqa: E402
 from umbp.keys import chain_keys, parents_of  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 

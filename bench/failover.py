@@ -50,7 +50,8 @@ import msgpack  # noqa: E402
 
 from metaserver.store.persist import BATCH_PAGES, EtcdStore  # noqa: E402
 from transport.framed import FramedSocket  # noqa: E402
-from transport.wire import ARENA_DATA_START, Op, object_size  # noqa: E402
+from transport.wire import Op  # noqa: E402
+from transport.objformat import ARENA_DATA_START, object_size
 from umbp.config import ETCD_TXN_OPS  # noqa: E402
 from umbp.errors import UmbpError  # noqa: E402
 from umbp.launcher import find_etcd, free_port, pdeathsig_setter  # noqa: E402

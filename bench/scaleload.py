@@ -29,7 +29,7 @@ from metaserver.table.directory import TableDirectory  # noqa: E402
 from scaleworkload import (CHAIN_MAX, CHAIN_MIN, NODES, ROOT_PAGES, chain_pages, models, node_capacity,  # noqa: E402
                            rank_keys, rank_keys_opt)
 from transport.keyform import digest_key  # noqa: E402
-from transport.wire import object_size  # noqa: E402
+from transport.objformat import object_size  # noqa: E402
 
 RECORDS = "segment"  # the etcd layout of the load's records (--records)
 SCAN_COMMIT_RECORDS = 320  # commit records of 128 pages in one range answer: about what EtcdStore.scan asks for

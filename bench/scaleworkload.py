@@ -19,7 +19,7 @@ from array import array
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metaserver.table.directory import TableDirectory  # noqa: E402
-from transport.wire import object_size  # noqa: E402
+from transport.objformat import object_size  # noqa: E402
 from umbp.keys import namespace  # noqa: E402
 
 NODES = 32

@@ -32,6 +32,7 @@ from metaserver.table.grants import grant_alloc  # noqa: E402
 from metaserver.store.persist import EtcdStore  # noqa: E402
 from metaserver.table.directory import TableDirectory  # noqa: E402
 from transport import wire  # noqa: E402
+from transport import answerrows
 from transport.keyform import pick  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
 
@@ -131,7 +132,7 @@ class ServicePath:
             pending.update(d.pending_of(ns, keys, p))
         # the client's side, what its COMMIT needs of the answer: the NEW keys and their generations, read from the
         # packed rows with one frombuffer (bench/slots.py's clients read them so)
-        rows = np.frombuffer(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False)["rows"], wire.ALLOC_ROW)
+        rows = np.frombuffer(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False)["rows"], answerrows.ALLOC_ROW)
         ok = np.flatnonzero(rows["state"] == NEW).tolist()
         news = list(zip(pick(keys, ok), rows["gen"].take(ok).tolist()))  # (the client holds its keys as a list)
         c = v.fields(Wire.meta(Wire.frame({"ns": ns, "keys": [k for k, _ in news], "gens": [g for _, g in news]})),

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from metaserver.table.entry import NEW  # noqa: E402
 from metaserver.table.grants import grant_alloc  # noqa: E402
 from metaserver.table.directory import TableDirectory  # noqa: E402
-from transport import wire  # noqa: E402
-from transport.wire import object_size  # noqa: E402
+from transport import answerrows
+from transport.objformat import object_size  # noqa: E402
 from umbp.auth import Tokens  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself
@@ -104,7 +104,7 @@ def run(layout: str, pages: int, ranks: int, traced: bool = False) -> dict:
         for rk in range(ranks):
             shard = (rk, ranks) if layout == "shared" else None
             keys = fresh(hexes[s:s + BATCH], rk if layout == "per-rank" else None)
-            ans = wire.unpack_locs(d.lookup_granted("kv", keys, 1.0, None, tokens, node, shard, True), "bench")
+            ans = answerrows.unpack_locs(d.lookup_granted("kv", keys, 1.0, None, tokens, node, shard, True), "bench")
             lease, locs = ans["lease"], ans["locs"]
             assert all(loc is not None for loc in locs)
             d.release(lease)

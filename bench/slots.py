@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from transport import slotrules, wire  # noqa: E402
+from transport import answerrows, objformat, slotrules, wire  # noqa: E402
 from transport.framed import FramedSocket  # noqa: E402
 from transport.wire import AllocState, Op  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
@@ -181,15 +181,15 @@ class BenchClient:
     @staticmethod
     def _allocs(answers: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         """(state, gen) of each key of an ALLOC's answers, in key order: their packed rows (wire VERSION 12)."""
-        rows = [np.frombuffer(a["rows"], wire.ALLOC_ROW) for a in answers]
+        rows = [np.frombuffer(a["rows"], answerrows.ALLOC_ROW) for a in answers]
         rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
         return rows["state"], rows["gen"]
 
     def _hits(self, ans: dict) -> int:
         if self.decode == "locs" or "rows" not in ans:
-            wire.unpack_locs(ans, "bench")
+            answerrows.unpack_locs(ans, "bench")
             return sum(1 for x in ans["locs"] if x is not None)
-        return int(np.count_nonzero(np.frombuffer(ans["rows"], wire.LOC_ROW)["node"] != wire.NO_NODE))
+        return int(np.count_nonzero(np.frombuffer(ans["rows"], answerrows.LOC_ROW)["node"] != answerrows.NO_NODE))
 
     def run(self, start_at: float, seconds: float) -> dict:
         """One timed phase from ``start_at`` (wall clock, common to the clients) for ``seconds``: the window kept
@@ -389,7 +389,7 @@ def measure(clients: Clients, processes: int, slots: int, batch: int, args) -> l
         served = clients.ask("connect", pool.metaserver.split(","))
         if any(n != processes for n in served):
             raise SystemExit(f"bench/slots.py: clients see {served} serving processes, not {processes}")
-        pages = args.nodes * (parse_size(args.capacity) // wire.object_size(args.page_bytes))
+        pages = args.nodes * (parse_size(args.capacity) // objformat.object_size(args.page_bytes))
         budget = max(batch, int(pages * BUDGET_FILL) // len(clients.pipes))
         runs = [phase(clients, op, batch, budget, args, ms_pids, etcd_pid) for op in ("put", "lookup")]
         clients.ask("close")

@@ -40,7 +40,7 @@ from dataclasses import asdict, replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transport.wire import object_size  # noqa: E402
+from transport.objformat import object_size  # noqa: E402
 from umbp.sizes import format_size, parse_size  # noqa: E402
 from umbp.workload.generator import AgentXShape, generate  # noqa: E402
 from umbp.workload.replay import Replay, ReplayConfig, page_payload  # noqa: E402

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from transport import shm as shm_mod
-from transport import wire
+from transport import objformat, shm as shm_mod
 from transport.tcp import TcpTransport
 from umbp.errors import CorruptionError
 from umbp.keys import normalize_key
@@ -121,8 +120,8 @@ def test_a_stale_header_takes_the_per_page_path_and_its_error(cluster):
         node_id, off = locate(c, keys[2])
         arena = c._transports[node_id].arena
         good = bytes(arena[off:off + 64])
-        _m, _v, _f, tag, gen, plen, _c, _crc = wire.OBJ_HEADER.unpack(good)
-        arena[off:off + 64] = wire.pack_object_header(tag, gen + 7, plen)  # a well-formed header of another object
+        _m, _v, _f, tag, gen, plen, _c, _crc = objformat.OBJ_HEADER.unpack(good)
+        arena[off:off + 64] = objformat.pack_object_header(tag, gen + 7, plen)  # a well-formed header of another object
         try:
             with pytest.raises(CorruptionError, match="stale slot"):
                 c.batch_get_into(keys, outs_of("array", 6))

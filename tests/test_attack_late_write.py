@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from transport import slotrules, wire
+from transport import objformat, slotrules, wire
 from umbp.errors import UmbpError
 from umbp.node.server import WRITE_CHUNK
 
@@ -143,8 +143,8 @@ def test_a_write_whose_deadline_passes_mid_frame_lands_no_further_byte(make_clus
     plen = 3 * WRITE_CHUNK  # several receives into the arena
     (obj,) = put_objects(c, rng, [plen])
     old = obj["payload"]
-    hs = wire.OBJ_HEADER_SIZE
-    header = wire.pack_object_header(obj["tag"], obj["gen"], plen)
+    hs = objformat.OBJ_HEADER_SIZE
+    header = objformat.pack_object_header(obj["tag"], obj["gen"], plen)
     read = [[obj["dram"], 0, plen, obj["tag"], obj["gen"], plen, b""]]
     first = 1 << 20
     with node_sock(c) as s:
@@ -192,8 +192,8 @@ def test_a_write_whose_slot_is_fenced_mid_frame_lands_no_further_byte(make_clust
     plen = 3 * WRITE_CHUNK
     (obj,) = put_objects(c, rng, [plen])
     old, gen = obj["payload"], obj["gen"]
-    hs = wire.OBJ_HEADER_SIZE
-    header = wire.pack_object_header(obj["tag"], gen, plen)
+    hs = objformat.OBJ_HEADER_SIZE
+    header = objformat.pack_object_header(obj["tag"], gen, plen)
     read = [[obj["dram"], 0, plen, obj["tag"], gen, plen, b""]]
     first = 1 << 20
     epoch = slotrules.SLOT_EPOCH | (gen + 1)  # the next term of gen's slot starts above gen

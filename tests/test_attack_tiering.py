@@ -22,7 +22,9 @@ import random
 import re
 import time
 
-from transport import wire
+from transport import answerrows, objformat, wire
+
+
 from umbp.errors import UmbpError
 from umbp.node.tiering import readv_disk
 
@@ -73,7 +75,7 @@ def _promote_held(c, trap: Proxy, cl, rng: random.Random) -> None:
     pages = put_pages(c, cl, rng, 6, "a")  # over the high watermark: the oldest are demoted
     eventually(lambda: stats(c)["demotions"] >= 2, 30, "demotions")
     keys = list(pages)
-    demoted = [k for k, o in zip(keys, offsets(c, keys)) if o & wire.DISK_BIT]
+    demoted = [k for k, o in zip(keys, offsets(c, keys)) if o & objformat.DISK_BIT]
     assert demoted
     # Caught before the removals make room: ``offsets``' LOOKUP already made the demoted pages recent disk reads, so
     # the mover may PROMOTE them the moment DRAM falls under the low watermark (caught after that, the PROMOTE went
@@ -144,18 +146,18 @@ def test_a_move_that_reaches_the_node_past_its_deadline_copies_nothing(make_clus
     rng = random.Random(4705)
     objs = put(c, rng, [5000, 1 << 20])
     disks = disk_places(objs)
-    rows = wire.pack_tier_rows([o["tag"] for o in objs], [o["gen"] for o in objs], [o["plen"] for o in objs],
+    rows = answerrows.pack_tier_rows([o["tag"] for o in objs], [o["gen"] for o in objs], [o["plen"] for o in objs],
                                [o["dram"] for o in objs], disks, 0)
     past = int(time.time() * 1000) - 1
     with node_sock(c) as s:
         frame = s.request(wire.Op.DEMOTE, {"rows": rows, "until_ms": past}, deadline())
         failed = wire.vec_failures(frame.meta, len(objs), "test")
         assert sorted(failed) == [0, 1] and all("deadline" in str(e) for e in failed.values())
-        got = readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
+        got = readv_disk(s, [whole(o, objformat.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
         assert all(isinstance(g, UmbpError) for g in got)  # nothing was copied
         frame = s.request(wire.Op.DEMOTE, {"rows": rows, "until_ms": past + 60_000}, deadline())
         assert wire.vec_failures(frame.meta, len(objs), "test") == {}  # in time: copied
-        assert readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(objs, disks)], deadline()) == \
+        assert readv_disk(s, [whole(o, objformat.DISK_BIT | d) for o, d in zip(objs, disks)], deadline()) == \
             [header(o) + o["payload"] for o in objs]
         # a late PROMOTE onto the pages' own DRAM extents: it would zero their headers and write there
         frame = s.request(wire.Op.PROMOTE, {"rows": rows, "until_ms": past}, deadline())

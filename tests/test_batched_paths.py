@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.framed import FramedSocket
 from umbp import puts as client_mod
 
@@ -61,12 +62,12 @@ def test_readv_and_writev_fail_one_object_and_serve_the_others(cluster):
         failed = wire.vec_failures(f.meta, len(ops), "test")
         assert sorted(failed) == [1, 3] and type(failed[3]).__name__ == "CorruptionError"
         data = bytes(f.data)
-        hs = wire.OBJ_HEADER_SIZE
+        hs = objformat.OBJ_HEADER_SIZE
         assert len(data) == hs + size_a + hs + 50
         assert data[hs:hs + size_a] == byte_a * size_a and data[2 * hs + size_a:] == byte_b * 50
         # WRITEV: a rewritten in place (same generation, a new header) and an out-of-range object refused; the
         # refused one's bytes are dropped, a's land
-        header = wire.pack_object_header(tag_a, gen_a, size_a)
+        header = objformat.pack_object_header(tag_a, gen_a, size_a)
         meta = [[off_a, gen_a, cap_a, hs + size_a], [far, gen_a, cap_a, hs + 10]]
         f = conn.request(wire.Op.WRITEV, meta, time.monotonic() + 5,
                          data=[header, b"Z" * size_a, header, b"y" * 10])

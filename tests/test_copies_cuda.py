@@ -102,7 +102,7 @@ def test_device_read_detects_a_rewritten_slot(cluster):
     """The kernel path checks the headers again after the launch: a slot rewritten meanwhile is a CorruptionError,
     never a hit."""
     torch = pytest.importorskip("torch", reason="torch is not installed in this venv: CudaOut needs torch tensors")
-    from transport import wire
+    from transport import objformat
     from umbp import buffers
     from umbp.devcopy import DeviceCopier
     from umbp.errors import CorruptionError
@@ -116,7 +116,7 @@ def test_device_read_detects_a_rewritten_slot(cluster):
         def launch_and_rewrite(src, dst, lens, device):
             kernel.launch(src, dst, lens, device)
             arena = next(iter(c.local_arenas().values()))
-            off = int(src[0]) - kernel.arena_address(None, arena) - wire.OBJ_HEADER_SIZE
+            off = int(src[0]) - kernel.arena_address(None, arena) - objformat.OBJ_HEADER_SIZE
             arena[off + 8] ^= 0xFF  # a writer reusing the slot changes its header
 
         dev.launch = launch_and_rewrite

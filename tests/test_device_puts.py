@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from transport import wire
+from transport import objformat
 from umbp import puts
 from umbp.devcopy import DeviceBatch, DeviceCopier
 from umbp.errors import TransportError
@@ -60,8 +60,8 @@ class _Kernel:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (double)")
         for d in dst.tolist():  # before any byte moves: a page's first segment starts right after its header
             for base, arena in self.arenas.items():
-                obj = d - base - wire.OBJ_HEADER_SIZE
-                if 0 <= obj < len(arena) and obj % wire.ALIGN == 0:
+                obj = d - base - objformat.OBJ_HEADER_SIZE
+                if 0 <= obj < len(arena) and obj % objformat.ALIGN == 0:
                     self.headers_seen.append(bytes(arena[obj:obj + 4]))
         for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
             ctypes.memmove(d, s, n)
@@ -113,9 +113,9 @@ def test_shm_pages_go_to_the_kernel_headers_after_the_payload(make_cluster, monk
         with c.mapped(keys[:1]) as m:
             node_id, payload, _ = m.locs[0]
             arena = m.arenas[node_id]
-            obj = payload - wire.OBJ_HEADER_SIZE
-            end = payload + wire.align_up(size) + wire.ALIGN
-            arena[wire.ARENA_DATA_START:obj] = b"\xff" * (obj - wire.ARENA_DATA_START)
+            obj = payload - objformat.OBJ_HEADER_SIZE
+            end = payload + objformat.align_up(size) + objformat.ALIGN
+            arena[objformat.ARENA_DATA_START:obj] = b"\xff" * (obj - objformat.ARENA_DATA_START)
             arena[end:] = b"\xff" * (len(arena) - end)
         staged: list = []
         assert c.put_device(keys, _host_batch(pages, staged)) == [False] + [True] * (n - 1)

@@ -19,7 +19,9 @@ import time
 
 import pytest
 
-from transport import wire
+from transport import answerrows, objformat, wire
+
+
 from transport.framed import FramedSocket
 from umbp.auth import Tokens, read_capability
 from umbp.errors import AuthError, BadRequest, CorruptionError
@@ -28,11 +30,11 @@ from umbp.node.tiering import readv_disk
 from closedpool import OPS, SECRET, closed_cluster, scoped_client, tokens_toml
 from cluster import eventually
 
-HS = wire.OBJ_HEADER_SIZE
-A = wire.ALIGN
-D0 = wire.DISK_DATA_START
+HS = objformat.OBJ_HEADER_SIZE
+A = objformat.ALIGN
+D0 = objformat.DISK_DATA_START
 ARENA = "64MiB"
-FREE_DRAM = wire.ARENA_DATA_START + (40 << 20)  # promotions land here: past the few MiB the tests' puts take
+FREE_DRAM = objformat.ARENA_DATA_START + (40 << 20)  # promotions land here: past the few MiB the tests' puts take
 
 
 def deadline() -> float:
@@ -70,14 +72,14 @@ def disk_places(objs: list[dict], start: int = D0) -> list[int]:
     out, at = [], start
     for o in objs:
         out.append(at)
-        at += wire.object_size(o["plen"]) + A  # a gap block between extents
+        at += objformat.object_size(o["plen"]) + A  # a gap block between extents
     return out
 
 
 def move(sock: FramedSocket, op: int, objs: list[dict], disks: list[int], drams: list[int] | None = None,
          regens: list[int] | None = None, gens: list[int] | None = None) -> dict:
     """One DEMOTE or PROMOTE: the failures by row."""
-    rows = wire.pack_tier_rows([o["tag"] for o in objs], gens or [o["gen"] for o in objs],
+    rows = answerrows.pack_tier_rows([o["tag"] for o in objs], gens or [o["gen"] for o in objs],
                                [o["plen"] for o in objs], drams or [o["dram"] for o in objs], disks, regens or 0)
     frame = sock.request(op, {"rows": rows}, deadline())
     return wire.vec_failures(frame.meta, len(objs), "test")
@@ -88,7 +90,7 @@ def whole(o: dict, addr: int, gen: int | None = None, cap: bytes = b"") -> list:
 
 
 def header(o: dict, gen: int | None = None) -> bytes:
-    return wire.pack_object_header(o["tag"], o["gen"] if gen is None else gen, o["plen"])
+    return objformat.pack_object_header(o["tag"], o["gen"] if gen is None else gen, o["plen"])
 
 
 def test_demote_read_from_disk_then_promote_back_byte_exact(disk_cluster):
@@ -99,11 +101,11 @@ def test_demote_read_from_disk_then_promote_back_byte_exact(disk_cluster):
     with node_sock(disk_cluster) as s:
         assert s.request(wire.Op.ARENA_INFO, {}, deadline()).meta["disk_capacity"] == 128 << 20
         assert move(s, wire.Op.DEMOTE, objs, disks) == {}
-        got = readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
+        got = readv_disk(s, [whole(o, objformat.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
         assert got == [header(o) + o["payload"] for o in objs]
         # ranges: inside the first block, across the first block's end, far into the object, empty
         big = objs[sizes.index(3 << 20)]
-        addr = wire.DISK_BIT | disks[sizes.index(3 << 20)]
+        addr = objformat.DISK_BIT | disks[sizes.index(3 << 20)]
         ranges = [(0, 10), (A - HS - 5, 20), (A - HS, A), (123_457, 1 << 20), ((3 << 20) - 1, 1), (2 << 20, 0)]
         got = readv_disk(s, [[addr, st, n, big["tag"], big["gen"], big["plen"], b""] for st, n in ranges],
                          deadline())
@@ -112,7 +114,7 @@ def test_demote_read_from_disk_then_promote_back_byte_exact(disk_cluster):
         drams, at = [], FREE_DRAM
         for o in objs:
             drams.append(at)
-            at += wire.object_size(o["plen"])
+            at += objformat.object_size(o["plen"])
         regens = [o["gen"] + 1000 for o in objs]
         assert move(s, wire.Op.PROMOTE, objs, disks, drams, regens) == {}
         dram_ops = [[d, 0, o["plen"], o["tag"], g, o["plen"], b""] for o, d, g in zip(objs, drams, regens)]
@@ -135,12 +137,12 @@ def test_a_header_mismatch_is_corrupt_never_bytes(disk_cluster):
         gens = [objs[0]["gen"], objs[1]["gen"] + 1, objs[2]["gen"]]
         failed = move(s, wire.Op.DEMOTE, objs, disks, gens=gens)
         assert list(failed) == [1] and isinstance(failed[1], CorruptionError) and "source" in str(failed[1])
-        ops = [whole(o, wire.DISK_BIT | d) for o, d in zip(objs, disks)]
+        ops = [whole(o, objformat.DISK_BIT | d) for o, d in zip(objs, disks)]
         got = readv_disk(s, ops, deadline())
         assert got[0] == header(objs[0]) + objs[0]["payload"] and got[2] == header(objs[2]) + objs[2]["payload"]
         assert isinstance(got[1], CorruptionError) and "no object header" in str(got[1])  # zeros: never copied
         # a stale directory view: another generation, another key's tag, another length
-        o, addr = objs[0], wire.DISK_BIT | disks[0]
+        o, addr = objs[0], objformat.DISK_BIT | disks[0]
         bad = [[addr, 0, o["plen"], o["tag"], o["gen"] + 1, o["plen"], b""],
                [addr, 0, o["plen"], o["tag"] ^ 1, o["gen"], o["plen"], b""],
                [addr, 0, 10, o["tag"], o["gen"], o["plen"] - 1, b""],
@@ -151,7 +153,7 @@ def test_a_header_mismatch_is_corrupt_never_bytes(disk_cluster):
         with open(disk_cluster.disk_path, "r+b") as fh:
             fh.seek(disks[2] + 20)
             fh.write(b"\xff")
-        got = readv_disk(s, [whole(objs[2], wire.DISK_BIT | disks[2]), whole(objs[0], disks[0])], deadline())
+        got = readv_disk(s, [whole(objs[2], objformat.DISK_BIT | disks[2]), whole(objs[0], disks[0])], deadline())
         assert isinstance(got[0], CorruptionError) and "torn" in str(got[0])
         assert isinstance(got[1], BadRequest) and "not a disk address" in str(got[1])
         # rows outside the disk's data region are refused, the batch's others done
@@ -173,7 +175,7 @@ def test_restart_keeps_disk_pages_and_disk_id(disk_cluster):
         with node_sock(disk_cluster) as s:
             info = s.request(wire.Op.ARENA_INFO, {}, deadline()).meta
             assert info["disk_id"] == before["disk_id"] and info["disk_capacity"] == before["disk_capacity"]
-            got = readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
+            got = readv_disk(s, [whole(o, objformat.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
             assert got == [header(o) + o["payload"] for o in objs]
     # REGISTER_NODE carried the disk's id (a metaserver from before the disk tier refuses the fields: the node then
     # registers without them, says so, and serves on)
@@ -197,7 +199,7 @@ def test_sigkill_mid_demote_never_reads_a_half_written_extent(make_cluster, tmp_
         assert move(s, wire.Op.DEMOTE, old, disks) == {}
     new = put(disk_cluster, rng, [1 << 20] * n)
     s = FramedSocket(disk_cluster.nodes[0].addr, "test", deadline())
-    rows = wire.pack_tier_rows([o["tag"] for o in new], [o["gen"] for o in new], [o["plen"] for o in new],
+    rows = answerrows.pack_tier_rows([o["tag"] for o in new], [o["gen"] for o in new], [o["plen"] for o in new],
                                [o["dram"] for o in new], disks)
     s.send([wire.encode(wire.Op.DEMOTE, s.next_id(), {"rows": rows})], deadline())
     fd = os.open(disk_cluster.disk_path, os.O_RDONLY)
@@ -215,8 +217,8 @@ def test_sigkill_mid_demote_never_reads_a_half_written_extent(make_cluster, tmp_
     node.start()
     counts = {"old": 0, "new": 0, "corrupt": 0}
     with node_sock(disk_cluster) as s:
-        got_new = readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(new, disks)], deadline())
-        got_old = readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(old, disks)], deadline())
+        got_new = readv_disk(s, [whole(o, objformat.DISK_BIT | d) for o, d in zip(new, disks)], deadline())
+        got_old = readv_disk(s, [whole(o, objformat.DISK_BIT | d) for o, d in zip(old, disks)], deadline())
     for o_new, o_old, gn, go in zip(new, old, got_new, got_old):
         assert isinstance(gn, CorruptionError) or gn == header(o_new) + o_new["payload"]
         assert isinstance(go, CorruptionError) or go == header(o_old) + o_old["payload"]
@@ -246,7 +248,7 @@ def test_closed_pool_capabilities_and_identity(make_cluster, tmp_path, monkeypat
         info = s.request(wire.Op.ARENA_INFO, {}, deadline()).meta
         assert move(s, wire.Op.DEMOTE, objs, disks) == {}
     key = Tokens(SECRET.encode(), {}).cap_key(info["node_id"], info["arena_id"])
-    addrs = [wire.DISK_BIT | d for d in disks]
+    addrs = [objformat.DISK_BIT | d for d in disks]
     good = read_capability(key, [(a, o["plen"], o["gen"]) for a, o in zip(addrs, objs)])
     dram_grant = read_capability(key, [(d, o["plen"], o["gen"]) for d, o in zip(disks, objs)])  # no disk bit
     with node_sock(cluster, "tenant-secret-0123456789") as s:
@@ -271,7 +273,7 @@ def test_metrics_count_disk_work(make_cluster, tmp_path):
     with node_sock(cluster) as s:
         assert move(s, wire.Op.DEMOTE, objs, disks) == {}
         assert move(s, wire.Op.PROMOTE, objs[:1], disks[:1], [FREE_DRAM]) == {}
-        readv_disk(s, [whole(o, wire.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
+        readv_disk(s, [whole(o, objformat.DISK_BIT | d) for o, d in zip(objs, disks)], deadline())
     text = urllib.request.urlopen(cluster.nodes[0].metrics_url, timeout=10).read().decode()
     nid = cluster.nodes[0].node_id
     assert f'umbp_node_disk_capacity_bytes{{node_id="{nid}"}} 8.388608e+06' in text
@@ -279,7 +281,7 @@ def test_metrics_count_disk_work(make_cluster, tmp_path):
     assert f'umbp_node_tier_moves_total{{move="promote",node_id="{nid}",result="ok"}} 1.0' in text
     assert f'umbp_node_disk_reads_total{{node_id="{nid}"}} 2.0' in text
     written = [ln for ln in text.splitlines() if ln.startswith("umbp_node_disk_bytes_total") and "write" in ln]
-    assert written and float(written[0].split()[-1]) == sum(wire.object_size(o["plen"]) + A for o in objs)
+    assert written and float(written[0].split()[-1]) == sum(objformat.object_size(o["plen"]) + A for o in objs)
 
 
 def test_pipelined_answers_come_back_in_request_order(disk_cluster):
@@ -289,11 +291,11 @@ def test_pipelined_answers_come_back_in_request_order(disk_cluster):
     disks = disk_places(objs)
     with node_sock(disk_cluster) as s:
         assert move(s, wire.Op.DEMOTE, objs, disks) == {}
-        frames = [(wire.Op.READV_DISK, [whole(objs[0], wire.DISK_BIT | disks[0])] * 3),
+        frames = [(wire.Op.READV_DISK, [whole(objs[0], objformat.DISK_BIT | disks[0])] * 3),
                   (wire.Op.PING, {}),
-                  (wire.Op.READV_DISK, [whole(objs[1], wire.DISK_BIT | disks[1])]),
+                  (wire.Op.READV_DISK, [whole(objs[1], objformat.DISK_BIT | disks[1])]),
                   (wire.Op.READV, [whole(objs[2], objs[2]["dram"])]),
-                  (wire.Op.READV_DISK, [whole(objs[2], wire.DISK_BIT | disks[2])] * 2)] * 4
+                  (wire.Op.READV_DISK, [whole(objs[2], objformat.DISK_BIT | disks[2])] * 2)] * 4
         rids = [s.next_id() for _ in frames]
         s.send([wire.encode(op, rid, meta) for (op, meta), rid in zip(frames, rids)], deadline())
         for (op, meta), rid in zip(frames, rids):

@@ -33,12 +33,12 @@ from proxies import Proxy
 from test_etcd_outage import etcd_view
 from test_failover import wait_leader
 from test_pool import payload
-from transport import wire
+from transport import objformat, wire
 from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.errors import UmbpError
 
-UNIT = wire.ALIGN
+UNIT = objformat.ALIGN
 P_LEN = 4 * UNIT - 384  # object_size: 4 units
 R_LEN = 1000  # 1 unit
 Q_LEN = 3 * UNIT - 300  # 3 units
@@ -51,9 +51,9 @@ def header_at(arena: Path, off: int) -> tuple[int, int] | None:
     """(key hash, generation) of the object header at arena offset ``off``, None when none is there."""
     with open(arena, "rb") as f:
         f.seek(off)
-        buf = f.read(wire.OBJ_HEADER_SIZE)
-    magic, version, _flags, kh, gen, *_ = wire.OBJ_HEADER.unpack_from(buf)
-    return (kh, gen) if magic == wire.OBJ_MAGIC and version == wire.OBJ_VERSION else None
+        buf = f.read(objformat.OBJ_HEADER_SIZE)
+    magic, version, _flags, kh, gen, *_ = objformat.OBJ_HEADER.unpack_from(buf)
+    return (kh, gen) if magic == objformat.OBJ_MAGIC and version == objformat.OBJ_VERSION else None
 
 
 def proxied_cluster(harness, commit: str) -> tuple[Cluster, Proxy]:
@@ -69,8 +69,8 @@ def proxied_cluster(harness, commit: str) -> tuple[Cluster, Proxy]:
 
 @pytest.mark.parametrize("commit", ["durable", "async"])
 def test_extent_of_an_evicted_page_is_not_reused_before_its_rewrite_is_durable(harness, etcd_binary, commit):
-    assert wire.object_size(P_LEN) == 4 * UNIT and wire.object_size(R_LEN) == UNIT
-    assert wire.object_size(Q_LEN) == 3 * UNIT
+    assert objformat.object_size(P_LEN) == 4 * UNIT and objformat.object_size(R_LEN) == UNIT
+    assert objformat.object_size(Q_LEN) == 3 * UNIT
     cl, proxy = proxied_cluster(harness, commit)
     node = cl.nodes[0]
     arena = node.arena_dir / f"umbp-{node.node_id}.arena"
@@ -102,8 +102,8 @@ def test_extent_of_an_evicted_page_is_not_reused_before_its_rewrite_is_durable(h
             except UmbpError as e:
                 print(f"{commit}: Q's put failed while etcd is out of reach ({e})")
             if r_off is not None:
-                assert header_at(arena, r_off)[0] == wire.key_hash(NS, victim.encode())  # P's header, unwritten R
-                q_hash = wire.key_hash(NS, b"q")
+                assert header_at(arena, r_off)[0] == objformat.key_hash(NS, victim.encode())  # P's header, unwritten R
+                q_hash = objformat.key_hash(NS, b"q")
                 q_off = next((o for o in range(r_off + UNIT, r_off + 4 * UNIT, UNIT)
                               if (h := header_at(arena, o)) is not None and h[0] == q_hash), None)
                 print(f"{commit}: R at {r_off} (P's header kept), Q written at {q_off}")

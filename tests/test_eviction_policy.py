@@ -25,14 +25,14 @@ import time
 import pytest
 
 import umbp
-from transport import wire
+from transport import objformat, wire
 from cluster import NotYet, eventually
 from transport.framed import FramedSocket
 from umbp.errors import PoolFull
 from umbp.keys import parents_of
 
-PAGE = 64 * 1024 - wire.OBJ_HEADER_SIZE  # one object = 64 KiB exactly
-OBJ = wire.object_size(PAGE)
+PAGE = 64 * 1024 - objformat.OBJ_HEADER_SIZE  # one object = 64 KiB exactly
+OBJ = objformat.object_size(PAGE)
 SLOTS = (1 << 20) // OBJ  # objects in a 1 MiB node
 NO_BACKGROUND = {"UMBP_HIGH_WATERMARK": "1.0", "UMBP_LOW_WATERMARK": "1.0"}
 

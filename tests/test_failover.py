@@ -17,7 +17,7 @@ import umbp
 from cluster import NotYet, eventually
 from metaserver.table.records import is_segment, pages_of, unpack_segment
 from test_pool import payload
-from transport import wire
+from transport import objformat
 from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.errors import NotLeader, UmbpError
@@ -235,7 +235,7 @@ def test_pending_allocation_at_crash_vanishes_and_its_space_is_reused(make_clust
                            time.monotonic() + 5).meta["items"]
     assert items[0][0] == 0 and items[0][1] == "node0"  # NEW, placed, never written nor committed
     s = raw(old.addr, Op.STATS)
-    assert s["pending"] == 1 and s["used_bytes"] == used0 + wire.object_size(big)
+    assert s["pending"] == 1 and s["used_bytes"] == used0 + objformat.object_size(big)
 
     old.kill(signal.SIGKILL)
     writer.close()

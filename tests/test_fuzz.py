@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 from cluster import Cluster, Harness
 from test_bad_input import request as raw_request
-from transport import slotrules, wire
+from transport import answerrows, objformat, slotrules, wire
 from transport.framed import FramedSocket
 from transport.wire import Flag, Op, Status
 from umbp.config import split_host_port
@@ -121,7 +121,7 @@ def fuzz_pool(etcd_binary):
             assert c.batch_put(list(check), list(check.values())) == [True] * len(check)
         with cluster.client(namespace=LIVE_NS) as c:
             assert c.batch_put(list(live), list(live.values())) == [True] * len(live)
-        pool = FuzzPool(cluster, check, live, {}, wire.ARENA_DATA_START + CAPACITY)
+        pool = FuzzPool(cluster, check, live, {}, objformat.ARENA_DATA_START + CAPACITY)
         pool.locs = dict(zip(check, pool.lookup(CHECK_NS, list(check))))
         assert all(pool.locs.values())
         pool.assert_intact()
@@ -146,7 +146,7 @@ def excluded(target: str, req: Req, pool: FuzzPool) -> str | None:
     op, meta = req.op, req.meta
     if target == "node":
         if (not FORGED_WRITES and op == Op.WRITE and isinstance(meta, list) and meta and type(meta[0]) is int
-                and meta[0] < pool.data_end and meta[0] + req.data_len > wire.ARENA_DATA_START):
+                and meta[0] < pool.data_end and meta[0] + req.data_len > objformat.ARENA_DATA_START):
             return "WRITE into the arena without a capability"
         return None
     m = meta if isinstance(meta, dict) else {}
@@ -159,7 +159,7 @@ def excluded(target: str, req: Req, pool: FuzzPool) -> str | None:
     if op == Op.REGISTER_NODE and REGISTER_REQUIRED <= set(m):
         return "may register a node"
     if op == Op.ALLOC and isinstance(m.get("sizes"), list):
-        total = sum(wire.object_size(s) for s in m["sizes"] if type(s) is int and 0 <= s <= 1 << 41)
+        total = sum(objformat.object_size(s) for s in m["sizes"] if type(s) is int and 0 <= s <= 1 << 41)
         if total > ALLOC_BUDGET:
             return "reserves too much space"
     return None
@@ -225,14 +225,14 @@ def check_ok_answer(pool: "FuzzPool", target, req: Req, f: wire.Frame) -> None:
     if in_check and req.op in (Op.LOOKUP, Op.EXISTS, Op.PREFIX):
         event("answer checked against the check namespace")
     if req.op == Op.ALLOC:
-        items = wire.unpack_allocs(m, "test")["items"]  # the packed rows as the list a client reads
+        items = answerrows.unpack_allocs(m, "test")["items"]  # the packed rows as the list a client reads
         assert len(items) == n and all(it[0] in {int(a) for a in wire.AllocState} for it in items), m
     elif req.op == Op.COMMIT:
         assert len(m["ok"]) == n and all(type(b) is bool for b in m["ok"]), m
     elif req.op == Op.ABORT:
         assert type(m["aborted"]) is int and 0 <= m["aborted"] <= n, m
     elif req.op == Op.LOOKUP:
-        m = wire.unpack_locs(m, "test")  # the packed rows as the list a client reads
+        m = answerrows.unpack_locs(m, "test")  # the packed rows as the list a client reads
         assert type(m["lease"]) is int and len(m["locs"]) == n, m
         if in_check:
             want = [pool.locs[k][:4] if k in pool.locs else None for k in keys]
@@ -337,7 +337,7 @@ def test_metaserver_handlers_survive_fuzzed_requests(pool, req, follow, data):
     # an error, not data) or ABORT them, as a writer that dies or lies would.
     if follow is None or req.op != Op.ALLOC or not answers or answers[0].status != Status.OK:
         return
-    items = wire.unpack_allocs(dict(answers[0].meta), "test").get("items") or []
+    items = answerrows.unpack_allocs(dict(answers[0].meta), "test").get("items") or []
     keys = request_keys(req.meta)
     granted = [(keys[i], it[4]) for i, it in enumerate(items)
                if isinstance(it, list) and len(it) >= 5 and it[0] == wire.AllocState.NEW]
@@ -365,7 +365,7 @@ def node_meta(draw, pool: FuzzPool, op: int):
         if len(loc) >= 6:  # v2: [off, start, length, tag, gen, payload_len, read_cap]
             real = [off, start, length, loc[4], gen, size, loc[5]]
         else:
-            real = [off, start, length, wire.key_hash(CHECK_NS, k), gen, size]
+            real = [off, start, length, objformat.key_hash(CHECK_NS, k), gen, size]
         meta = [draw(st.one_of(ints, junk)) if one_in(draw, 8) else v for v in real]
         if draw(st.integers(0, 9)) == 0:
             meta = meta[:draw(st.integers(0, len(meta)))] + draw(st.lists(junk, max_size=2))
@@ -393,8 +393,8 @@ def test_node_handlers_survive_fuzzed_requests(pool, data):
                         None)
             assert page is not None and f.data is not None, (req, f)
             start, length = req.meta[1], req.meta[2]
-            assert f.data_len == wire.OBJ_HEADER_SIZE + length
-            assert bytes(f.data[wire.OBJ_HEADER_SIZE:]) == pool.check[page][start:start + length]
+            assert f.data_len == objformat.OBJ_HEADER_SIZE + length
+            assert bytes(f.data[objformat.OBJ_HEADER_SIZE:]) == pool.check[page][start:start + length]
 
 
 # A WRITE that carries no data is refused whatever its meta says (with data, the node's sink validates it).

@@ -23,7 +23,7 @@ from cluster import NotYet, eventually
 from test_failover import ELECTION_TTL_S, ms_env, wait_leader
 from test_slots import SLOTS, TTL_S, partitioned, payload, wait_map
 from metaserver.ha.slots import leaders
-from transport import slotrules, wire
+from transport import objformat, slotrules
 from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.errors import BadRequest, NotLeader, TransportError, Unavailable
@@ -58,7 +58,7 @@ def write_late(cl, opened: list[tuple]) -> None:
         [path] = [p for p in arenas[node_id] if p.name.endswith(".arena")]
         fd = os.open(path, os.O_WRONLY)
         try:
-            assert os.pwrite(fd, b"\xee" * wire.object_size(SIZE), off) == wire.object_size(SIZE)
+            assert os.pwrite(fd, b"\xee" * objformat.object_size(SIZE), off) == objformat.object_size(SIZE)
         finally:
             os.close(fd)
 
@@ -149,7 +149,7 @@ def test_a_closed_connections_open_allocations_stay_unplaced(make_cluster):
             return s
 
         s = eventually(closed, 10, "no allocation pending", interval=0.02)
-        assert s["pending"] == 0 and s["held_bytes"] == 3 * wire.object_size(SIZE) > 0, s
+        assert s["pending"] == 0 and s["held_bytes"] == 3 * objformat.object_size(SIZE) > 0, s
     # an aborted key itself is free for another writer at once
     put_and_check(cluster, [b"open-at-close0"] + [f"fresh{i}".encode() for i in range(6)], opened)
     assert "allocations pending: aborted" in cluster.metaserver.stderr_text(), cluster.metaserver.tail()
@@ -174,7 +174,7 @@ def test_an_abort_of_written_places_keeps_them_unplaced(make_cluster, monkeypatc
         sock.close()
     with cluster.client() as c:
         s = c.admin(Op.STATS)
-        assert s["pending"] == 0 and s["held_bytes"] == 2 * wire.object_size(SIZE), s
+        assert s["pending"] == 0 and s["held_bytes"] == 2 * objformat.object_size(SIZE), s
     put_and_check(cluster, [b"failed-write0"] + [f"fresh{i}".encode() for i in range(6)], opened[:2])
     # the client's own failed write: its ABORT says written, so the chunk's extents are kept too (over tcp: its
     # writes go through Client._run, which the test breaks; shm puts are written as arrays, umbp/putbatch.py)
@@ -187,4 +187,4 @@ def test_an_abort_of_written_places_keeps_them_unplaced(make_cluster, monkeypatc
         monkeypatch.setattr(c, "_run", broken)
         with pytest.raises(TransportError, match="mid-way"):
             c.batch_put([b"doomed0", b"doomed1"], [payload(0), payload(1)])
-        assert c.admin(Op.STATS)["held_bytes"] == before + 2 * wire.object_size(SIZE)
+        assert c.admin(Op.STATS)["held_bytes"] == before + 2 * objformat.object_size(SIZE)

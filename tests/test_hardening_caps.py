@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.framed import FramedSocket
 from umbp.auth import with_caps
 from umbp.client import Client
@@ -57,12 +58,12 @@ def alloc(sock: FramedSocket, ns: str, keys: list[bytes]) -> list[tuple]:
 
 
 def write(sock: FramedSocket, off: int, gen: int, cap: bytes, tag: int, payload: bytes):
-    header = wire.pack_object_header(tag, gen, len(payload))
+    header = objformat.pack_object_header(tag, gen, len(payload))
     return sock.request(wire.Op.WRITE, [off, gen, cap], deadline(), data=[header, payload])
 
 
 def overlaps(a_off: int, b_off: int) -> bool:
-    size = wire.object_size(PAGE)
+    size = objformat.object_size(PAGE)
     return a_off < b_off + size and b_off < a_off + size
 
 
@@ -107,7 +108,7 @@ def test_kept_capabilities_cannot_forge_or_destroy_the_next_owners_pages(tiny):
             with pytest.raises(AuthError, match="expired capability|already holds generation"):
                 write(node, off, gen, cap, hdr_tag, forged) if hdr_gen == gen else \
                     node.request(wire.Op.WRITE, [off, gen, cap], deadline(),
-                                 data=[wire.pack_object_header(hdr_tag, hdr_gen, PAGE), forged])
+                                 data=[objformat.pack_object_header(hdr_tag, hdr_gen, PAGE), forged])
             refused += 1
     assert refused == 2 * len(reused)
     node.close()
@@ -130,8 +131,8 @@ def test_a_capability_writes_its_slot_once(tiny):
         with pytest.raises(AuthError, match=f"already holds generation {gen}"):
             write(node, off, gen, cap, tag, os.urandom(PAGE))
     # a WRITEV carrying it fails that object only, and the node keeps serving the connection
-    f = node.request(wire.Op.WRITEV, [[off, gen, cap, wire.OBJ_HEADER_SIZE + PAGE]], deadline(),
-                     data=[wire.pack_object_header(tag, gen, PAGE), os.urandom(PAGE)])
+    f = node.request(wire.Op.WRITEV, [[off, gen, cap, objformat.OBJ_HEADER_SIZE + PAGE]], deadline(),
+                     data=[objformat.pack_object_header(tag, gen, PAGE), os.urandom(PAGE)])
     assert [e[0] for e in f.meta] == [0] and "already holds" in f.meta[0][2]
     node.close()
     meta.close()
@@ -175,7 +176,7 @@ def test_a_retried_alloc_never_renews_its_capability(tiny):
     assert len(kept) >= 40
     with client(tiny, ATTACKER, "attacker") as a:  # read rights on victim: where its pages lie
         locs = a.admin(wire.Op.LOOKUP, {"ns": "victim", "keys": [k.encode() for k in kept]})["locs"]
-    inside = [loc for loc in locs if loc is not None and off <= loc[1] < off + wire.object_size(PAGE)]
+    inside = [loc for loc in locs if loc is not None and off <= loc[1] < off + objformat.object_size(PAGE)]
     assert inside, "no victim page landed in the aborted extent"
     for _ in range(3):
         with pytest.raises(AuthError):
@@ -197,7 +198,7 @@ def test_a_poisoned_header_generation_does_not_block_other_tenants(tiny):
     node = FramedSocket(node_addr(tiny), "attacker node", deadline(), ATTACKER)
     for _, off, _, gen, tag, cap in grants:
         node.request(wire.Op.WRITE, [off, gen, cap], deadline(),
-                     data=[wire.pack_object_header(tag, (1 << 64) - 1, PAGE), os.urandom(PAGE)])
+                     data=[objformat.pack_object_header(tag, (1 << 64) - 1, PAGE), os.urandom(PAGE)])
     node.close()
     assert meta.request(wire.Op.COMMIT, {"ns": "attacker", "keys": keys, "gens": [g[3] for g in grants]},
                         deadline()).meta["ok"] == [True] * SLOTS

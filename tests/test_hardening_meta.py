@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.framed import FramedSocket
 from umbp.client import Client
 from umbp.errors import BadRequest, NotFound, QuotaExceeded
@@ -22,7 +23,7 @@ TENANT_A = "tenant-a-secret-0123456789"
 TENANT_B = "tenant-b-secret-0123456789"
 READER_B = "tenant-b-reader-0123456789"
 PAGE = 64 << 10
-OBJ = wire.object_size(PAGE)  # what one page takes of its namespace's quota (header included, 4 KiB aligned)
+OBJ = objformat.object_size(PAGE)  # what one page takes of its namespace's quota (header included, 4 KiB aligned)
 QUOTA_A = 16 * OBJ
 QUOTA_B = 40 * OBJ
 SCOPES = {"tenant-a": (TENANT_A, {"tenant-a": "rw"}), "tenant-b": (TENANT_B, {"tenant-b": "rw"}),

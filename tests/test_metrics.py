@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import NotYet, eventually
-from transport import wire
+from transport import objformat
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "umbp-dashboard.json"
@@ -97,7 +97,7 @@ def test_scraped_counts_match_what_the_test_did(metered):
     def delta(name, **labels):
         return value(ms1, name, **labels) - value(ms0, name, **labels)
 
-    obj = wire.object_size(PAGE)
+    obj = objformat.object_size(PAGE)
     assert delta("umbp_pool_objects") == n
     assert delta("umbp_pool_puts_total") == n
     assert delta("umbp_pool_used_bytes") == n * obj
@@ -119,7 +119,7 @@ def test_scraped_counts_match_what_the_test_did(metered):
         return sum(value(b, name, **labels) - value(a, name, **labels) for a, b in zip(nodes0, nodes1))
 
     assert ndelta("umbp_node_transport_bytes_total", transport="tcp", direction="in") == n * (
-        wire.OBJ_HEADER_SIZE + PAGE)
+        objformat.OBJ_HEADER_SIZE + PAGE)
     assert ndelta("umbp_node_transport_bytes_total", transport="tcp", direction="out") == n * PAGE
     assert ndelta("umbp_node_requests_total", op="write") == n
     assert ndelta("umbp_node_requests_total", op="read") == n

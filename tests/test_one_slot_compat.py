@@ -23,7 +23,8 @@ from cluster import eventually_async
 from metaserver.handlers.ownership import HeldLeases
 from metaserver.ha.partition import Partition
 from metaserver.store.persist import EtcdStore
-from transport.wire import ARENA_DATA_START, VERSION, Op
+from transport.wire import VERSION, Op
+from transport.objformat import ARENA_DATA_START
 from umbp.config import MetaserverConfig
 
 UNIT = 4096

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from transport import slotrules, wire
+from transport import answerrows, slotrules, wire
 from transport.wire import Op, Status
 from tests.test_wire_compat import Raw
 
@@ -57,10 +57,10 @@ def test_packed_keys_name_the_pages_their_list_names(make_cluster):
         assert status == Status.OK and ans["lease"]
         answers.append(ans)
         assert ask(raw, Op.RELEASE, {"lease": ans["lease"]}) == (Status.OK, {})
-    a, b = (np.frombuffer(x["rows"], wire.LOC_ROW) for x in answers)
+    a, b = (np.frombuffer(x["rows"], answerrows.LOC_ROW) for x in answers)
     assert len(a) == 64 and a.tobytes() == b.tobytes()  # the same rows, key by key (node, offset, length, gen, tag)
     assert answers[0]["nodes"] == answers[1]["nodes"]
-    assert int(np.count_nonzero(a["node"] != wire.NO_NODE)) == 48
+    assert int(np.count_nonzero(a["node"] != answerrows.NO_NODE)) == 48
 
     # REMOVE packed: the named pages go, the others stay readable, byte for byte
     assert ask(raw, Op.REMOVE, {"ns": "packed", "keys": b"".join(keys[40:50])}) == (
@@ -90,7 +90,7 @@ def test_packed_page_names_of_one_length_name_the_pages_their_list_names(make_cl
             assert status == Status.OK
             rows.append(ans["rows"])
             assert ask(raw, Op.RELEASE, {"lease": ans["lease"]}) == (Status.OK, {})
-        assert rows[0] == rows[1] and len(rows[0]) == len(keys) * wire.LOC_ROW.itemsize
+        assert rows[0] == rows[1] and len(rows[0]) == len(keys) * answerrows.LOC_ROW.itemsize
 
 
 def test_packed_keys_that_are_not_whole_keys_are_refused_by_name_and_the_metaserver_serves_on(make_cluster):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from transport import wire
+from transport import objformat
 from transport.wire import Op
 from umbp.errors import PoolFull, QuotaExceeded, UmbpError
 
@@ -19,7 +19,7 @@ from closedpool import OPS, SECRET, closed_cluster, scoped_client
 from cluster import eventually
 
 PAGE = 8 << 10
-OBJ = wire.object_size(PAGE)  # what one page takes of its group's quota (header included, 4 KiB aligned)
+OBJ = objformat.object_size(PAGE)  # what one page takes of its group's quota (header included, 4 KiB aligned)
 FLOOD = "flood-secret-0123456789"
 TENANT_B = "tenant-b-secret-0123456789"
 KEEPER = "keeper-secret-0123456789"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transport import wire
+from transport import objformat, wire
+
 from umbp.errors import CorruptionError, InvalidArgument
 
 LAYERS = 8
@@ -111,7 +112,7 @@ def test_mapped_gives_the_arena_bytes_and_detects_a_rewritten_slot(cluster):
         with pytest.raises(CorruptionError, match="rewritten while it was mapped"):
             with c.mapped(keys[:1]) as m:
                 node_id, off, _ = m.locs[0]
-                hdr = off - wire.OBJ_HEADER_SIZE
+                hdr = off - objformat.OBJ_HEADER_SIZE
                 m.arenas[node_id][hdr + 8] ^= 0xFF  # a key-hash byte: the header crc no longer matches
         for client in (c, remote):
             with pytest.raises(CorruptionError):

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.framed import FramedSocket
 from umbp.auth import ClientAuth, with_caps
 from umbp.client import Client
@@ -180,17 +181,17 @@ def test_forged_writes_and_reads_are_refused_at_the_node(closed):
         reply = r.admin(wire.Op.LOOKUP, {"ns": "tenant-a", "keys": [b"victim"]})
     assert len(reply["caps"]) == 1  # one read capability per node of the batch
     node_id, off, size, gen, tag, rcap = with_caps(reply["locs"], reply["caps"], 5)[0]
-    assert tag != wire.key_hash("tenant-a", b"victim")  # the header's key hash is keyed: not from public fields
+    assert tag != objformat.key_hash("tenant-a", b"victim")  # the header's key hash is keyed: not from public fields
     attacker = FramedSocket(node_addr(closed, node_id), "attacker", time.monotonic() + 5, READER)
     forged = os.urandom(size)
-    header = wire.pack_object_header(tag, gen, size)  # even with the real tag and generation
+    header = objformat.pack_object_header(tag, gen, size)  # even with the real tag and generation
     for cap in (b"", rcap, os.urandom(16)):
         with pytest.raises(AuthError, match="no valid capability to write"):
             attacker.request(wire.Op.WRITE, [off, gen, cap], time.monotonic() + 5, data=[header, forged])
     with pytest.raises(AuthError, match="no valid capability to read"):
         attacker.request(wire.Op.READ, [off, 0, size, tag, gen, size, os.urandom(16)], time.monotonic() + 5)
     f = attacker.request(wire.Op.READ, [off, 0, size, tag, gen, size, rcap], time.monotonic() + 5)
-    assert bytes(f.data[wire.OBJ_HEADER_SIZE:]) == page  # the granted read works
+    assert bytes(f.data[objformat.OBJ_HEADER_SIZE:]) == page  # the granted read works
     attacker.close()
     anon = FramedSocket(node_addr(closed, node_id), "anonymous", time.monotonic() + 5)
     with pytest.raises(AuthError, match="authentication required"):

@@ -19,7 +19,7 @@ import umbp
 from test_digest_keys import page_records
 from test_failover import raw, wait_confirmed, wait_leader
 from test_slots import partitioned, wait_map
-from transport import wire
+from transport import objformat, wire
 from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.auth import with_caps
@@ -30,7 +30,7 @@ from cluster import NotYet, eventually
 from metaserver.table.records import pages_of
 
 PART = 5000
-STRIDE = wire.object_size(PART)
+STRIDE = objformat.object_size(PART)
 
 
 def part(key: str, rank: int, n: int = PART) -> bytes:
@@ -260,7 +260,7 @@ def test_closed_pool_a_rank_cannot_write_another_ranks_sub_slot(make_cluster, tm
 
         def write(off, cap, tag, data):
             return node.request(Op.WRITE, [off, gen, cap], deadline(),
-                                data=[wire.pack_object_header(tag, gen, len(data)), data])
+                                data=[objformat.pack_object_header(tag, gen, len(data)), data])
         forged = os.urandom(PART)
         for tag in (tag0, tag1):  # rank 0's capability does not cover rank 1's sub-slot, whatever the header
             with pytest.raises(AuthError):

@@ -21,7 +21,7 @@ from cluster import NotYet, eventually
 from test_failover import raw
 from metaserver.ha.partition import RANK_DELAY_S, Partition
 from metaserver.ha.slots import leaders, ranking, region
-from transport import slotrules, wire
+from transport import objformat, slotrules, wire
 from transport.framed import FramedSocket
 from transport.wire import Op
 from umbp.errors import AuthError, NotLeader, RemoteError, UmbpError
@@ -139,7 +139,7 @@ def test_slot_ranking_and_regions():
     regions = sorted(region(s, SLOTS, cap) for s in range(SLOTS))
     for (b0, n0), (b1, _) in zip(regions, regions[1:]):
         assert b0 + n0 <= b1  # never overlapping
-    assert regions[0][0] == wire.ARENA_DATA_START and regions[-1][0] + regions[-1][1] <= wire.ARENA_DATA_START + cap
+    assert regions[0][0] == objformat.ARENA_DATA_START and regions[-1][0] + regions[-1][1] <= objformat.ARENA_DATA_START + cap
 
 
 def test_a_loaded_warm_copy_campaigns_first():
@@ -451,7 +451,7 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
         try:
             with pytest.raises(AuthError, match=r"slot %d at stale epoch 0x[0-9a-f]+: the slot was taken over" % s):
                 w.request(Op.WRITE, [at, g, cap], time.monotonic() + 5,
-                          data=[wire.pack_object_header(t, g, size), b"\xee" * size])
+                          data=[objformat.pack_object_header(t, g, size), b"\xee" * size])
         finally:
             w.close()
     assert slotrules.epoch_slot(int.from_bytes(cap[:8], "little")) == s  # a slot leader's epoch names its slot
@@ -475,8 +475,8 @@ def test_closed_pool_takeover_fences_the_deposed_leaders_capabilities(make_clust
 
         eventually(stored, 10, "the new pages stored", interval=0.1, errors=(UmbpError,))
         locs = authed(smap[s], Op.LOOKUP, {"ns": "t", "keys": list(pages)}, WRITER)["locs"]
-        overlapped = [k for k, loc in zip(pages, locs) if loc[1] < off + wire.object_size(size) and
-                      off < loc[1] + wire.object_size(loc[2])]
+        overlapped = [k for k, loc in zip(pages, locs) if loc[1] < off + objformat.object_size(size) and
+                      off < loc[1] + objformat.object_size(loc[2])]
         stale_write(off, gen, tag)
         outs = [bytearray(size) for _ in pages]
         assert c.batch_get_into(list(pages), outs) == [size] * len(pages)

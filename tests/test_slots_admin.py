@@ -10,7 +10,7 @@ from cluster import NotYet, eventually
 from test_metrics import scrape, value
 from test_slots import SLOTS, filled, payload, wait_map
 from test_up import up  # noqa: F401  (the fixture)
-from transport import slotrules, wire
+from transport import objformat, slotrules
 from transport.wire import Op
 from umbp.errors import UmbpError
 from umbp.slotmap import split_by_use
@@ -51,7 +51,7 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
     nodes = cl.cli_json("nodes")
     assert sorted(n["node_id"] for n in nodes) == sorted(n.node_id for n in cl.nodes)
     assert sum(n["objects"] for n in nodes) == 240
-    assert sum(n["used_bytes"] for n in nodes) == st["used_bytes"] == 240 * wire.object_size(6000)
+    assert sum(n["used_bytes"] for n in nodes) == st["used_bytes"] == 240 * objformat.object_size(6000)
     assert all(n["capacity_bytes"] == 64 << 20 and n["alive"] for n in nodes)
     assert st["capacity_bytes"] <= 2 * (64 << 20) and st["capacity_bytes"] > 2 * (64 << 20) - SLOTS * 2 * 4096
     text = cl.cli("stats").stdout
@@ -60,7 +60,7 @@ def test_stats_and_nodes_aggregate_over_slot_leaders(make_cluster):
     for a in addrs:
         assert a in text
     # EVICT --bytes: split over the processes and their slots by use, not asked of each (S times too much).
-    osize = wire.object_size(6000)
+    osize = objformat.object_size(6000)
     with cl.client() as c:
         res = c.admin(Op.EVICT, {"bytes": 10 * osize})
     assert res["freed_bytes"] >= 10 * osize and 10 <= res["evicted"] <= 10 + SLOTS, res
@@ -104,7 +104,7 @@ def test_up_with_three_metaservers(up):
     got = sorted((int(value(x, "umbp_metaserver_slots_led")), int(value(x, "umbp_pool_objects"))) for x in scraped)
     want = sorted((len(m["slots_led"]), m["objects"]) for m in st["metaservers"])
     assert got == want and sum(o for _, o in got) == 64, (got, want)
-    assert sum(value(x, "umbp_pool_used_bytes") for x in scraped) == 64 * wire.object_size(6000)
+    assert sum(value(x, "umbp_pool_used_bytes") for x in scraped) == 64 * objformat.object_size(6000)
     assert sum(value(x, "umbp_pool_puts_total") for x in scraped) == 64
     # Every slot's region of both nodes, once. A slot that moved to a joining process holds the nodes it loaded as
     # provisional (not counted) until each re-registers there, at its next heartbeat: so poll, bounded.

@@ -26,7 +26,7 @@ from metaserver.table.records import SEG_DEAD_VERSION, pages_of, unpack_segment
 from metaserver.ha.standby import WarmDirectory
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
-from transport.wire import ARENA_DATA_START
+from transport.objformat import ARENA_DATA_START
 
 UNIT = 4096
 

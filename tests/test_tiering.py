@@ -11,7 +11,8 @@ import signal
 
 import numpy as np
 
-from transport import wire
+from transport import objformat, wire
+
 from umbp.keys import normalize_key
 
 from cluster import eventually
@@ -76,7 +77,7 @@ def test_a_working_set_five_times_dram_stays_whole_on_disk_and_reads_back_byte_e
         s = stats(c)
         assert s["evictions"] == 0 and s["objects"] == 35, {k: v for k, v in s.items() if k != "nodes"}
         assert s["disk_capacity_bytes"] == 64 << 20 and s["disk_used_bytes"] >= 28 * PAGE
-        on_disk = [o for o in offsets(c, list(pages)) if o >= 0 and o & wire.DISK_BIT]
+        on_disk = [o for o in offsets(c, list(pages)) if o >= 0 and o & objformat.DISK_BIT]
         assert len(on_disk) >= 28
         read_all(cl, pages)
 
@@ -88,14 +89,14 @@ def test_pages_read_from_disk_are_promoted_back_into_dram(make_cluster, tmp_path
         pages = put_pages(c, cl, rng, 6, "p")  # 6 MiB: above the high watermark, so the oldest are demoted
         eventually(lambda: stats(c)["demotions"] >= 2, 30, "demotions")
         keys = list(pages)
-        demoted = [k for k, o in zip(keys, offsets(c, keys)) if o & wire.DISK_BIT]
+        demoted = [k for k, o in zip(keys, offsets(c, keys)) if o & objformat.DISK_BIT]
         assert demoted
         assert all(cl.batch_remove([k for k in keys if k not in demoted]))  # room under the low watermark
         eventually(lambda: stats(c)["used_bytes"] < 0.3 * (8 << 20), 30, "DRAM below the low watermark")
         got = gets(cl, demoted)  # read from disk: candidates for promotion
         assert got == [pages[k] for k in demoted]
         eventually(lambda: stats(c)["promotions"] >= 1, 30, "a promotion")
-        back = [k for k, o in zip(demoted, offsets(c, demoted)) if o >= 0 and not o & wire.DISK_BIT]
+        back = [k for k, o in zip(demoted, offsets(c, demoted)) if o >= 0 and not o & objformat.DISK_BIT]
         assert back
         assert gets(cl, back) == [pages[k] for k in back]
 
@@ -107,7 +108,7 @@ def test_disk_pages_come_back_after_the_node_restarts_with_a_new_dram_arena(make
         pages = put_pages(c, cl, rng, 20, "r")
         eventually(lambda: stats(c)["demotions"] >= 14, 30, "demotions")
     keys = list(pages)
-    disk_keys = [k for k, o in zip(keys, offsets(c, keys)) if o & wire.DISK_BIT]
+    disk_keys = [k for k, o in zip(keys, offsets(c, keys)) if o & objformat.DISK_BIT]
     node = c.nodes[0]
     node.kill(signal.SIGKILL, wait=True)
     for f in node.arena_files():  # the host's /dev/shm is gone (a reboot): only the disk file survives

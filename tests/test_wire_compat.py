@@ -15,7 +15,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.wire import HEADER, HEADER_SIZE, Op, Status
 from umbp.config import split_host_port
 
@@ -76,7 +77,7 @@ def test_a_client_of_the_previous_version_puts_and_gets_against_todays_servers(m
         node_addr = {n["node_id"]: n["addr"] for n in c.admin(Op.NODES)["nodes"]}[node_id]
     node = Raw(node_addr)
     payload = os.urandom(plen)
-    obj = wire.pack_object_header(tag, gen, plen) + payload
+    obj = objformat.pack_object_header(tag, gen, plen) + payload
     version, status, answer, _ = node.exchange(wire.encode(Op.WRITE, 1, [off, gen, b""], data_len=len(obj),
                                                            version=OLD), obj)
     assert (version, status) == (OLD, Status.OK), answer
@@ -89,7 +90,7 @@ def test_a_client_of_the_previous_version_puts_and_gets_against_todays_servers(m
     assert absent is None and loc[:4] == [node_id, off, plen, gen]
     version, status, answer, data = node.exchange(wire.encode(Op.READ, 2, [off, 0, plen, tag, gen, plen, b""],
                                                               version=OLD))
-    assert (version, status) == (OLD, Status.OK) and data[wire.OBJ_HEADER_SIZE:] == payload
+    assert (version, status) == (OLD, Status.OK) and data[objformat.OBJ_HEADER_SIZE:] == payload
     version, status, answer, _ = meta.exchange(FRAMES["exists"])
     assert (version, status, answer) == (OLD, Status.OK, {"exists": [True, False]})
     version, status, answer, _ = meta.exchange(FRAMES["stats"])

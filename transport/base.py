@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from transport import wire
+from transport import objformat, wire
+
 from umbp import copies
 from umbp.buffers import Rows
 from umbp.errors import CorruptionError, DeadlineExceeded, Unavailable
@@ -64,7 +65,7 @@ class ReadOp:
 @dataclass(slots=True)
 class WriteOp:
     offset: int
-    header: bytes  # wire.pack_object_header(...)
+    header: bytes  # objformat.pack_object_header(...)
     parts: list[memoryview]  # the payload, in order (one part, or one per layer)
     nbytes: int  # sum of the parts' lengths
     gen: int = 0  # the allocation's generation (part of what the write capability covers)
@@ -76,27 +77,27 @@ def check_payload(op: ReadOp, csum: int | None, component: str) -> CorruptionErr
     """The payload checksum check, when the header carries one and the read covered the whole payload."""
     if csum is not None and op.start == 0 and op.length == op.payload_len:
         out = op.out
-        if wire.payload_checksum(out.gather(op.length) if type(out) is Rows else out[:op.length]) != csum:
+        if objformat.payload_checksum(out.gather(op.length) if type(out) is Rows else out[:op.length]) != csum:
             return CorruptionError(component, "payload checksum mismatch")
     return None
 
 
 # the object header as a numpy record and the crc of its rows live with the header's layout in wire.py
-OBJ_HEADER_DTYPE = wire.OBJ_HEADER_DTYPE
-crc32_rows = wire.crc32_rows
-_WORD0 = np.uint64(wire.OBJ_MAGIC | wire.OBJ_VERSION << 32)  # a header's first 8 bytes: magic, version, flags 0
-_CRC_FLAT: list = []  # [wire.crc32_rows's table for header bytes 8..35 flat, each one's offset, the crc's constant]
+OBJ_HEADER_DTYPE = objformat.OBJ_HEADER_DTYPE
+crc32_rows = objformat.crc32_rows
+_WORD0 = np.uint64(objformat.OBJ_MAGIC | objformat.OBJ_VERSION << 32)  # a header's first 8 bytes: magic, version, flags 0
+_CRC_FLAT: list = []  # [objformat.crc32_rows's table for header bytes 8..35 flat, each one's offset, the crc's constant]
 
 
 def _crc_after_word0(heads: np.ndarray) -> np.ndarray:
     """``zlib.crc32`` of each row's first 36 bytes (``heads``: (n, >= 36) uint8) for rows whose first 8 bytes are
     ``_WORD0`` (for any other row the value is meaningless: ``headers_match`` fails it on that word): crc32 over a
-    fixed length is affine in the bytes (``wire.crc32_rows``), so the constant word's terms fold into one constant
+    fixed length is affine in the bytes (``objformat.crc32_rows``), so the constant word's terms fold into one constant
     and the table is looked up flat for the 28 bytes after it (one add, one ``take``, one reduce): 6 against 12 us
     for 64 rows on the 2-core VM."""
     if not _CRC_FLAT:
-        wire.crc32_rows(np.zeros((1, 36), np.uint8))  # builds wire's (36, 256) table
-        table, zero = wire._CRC
+        objformat.crc32_rows(np.zeros((1, 36), np.uint8))  # builds wire's (36, 256) table
+        table, zero = objformat._CRC
         word0 = np.frombuffer(_WORD0.tobytes(), np.uint8)
         const = np.bitwise_xor.reduce(table[np.arange(8), word0]) ^ zero
         _CRC_FLAT[:] = [np.ascontiguousarray(table[8:], np.uint32).reshape(-1), np.arange(28, dtype=np.intp) * 256,
@@ -107,7 +108,7 @@ def _crc_after_word0(heads: np.ndarray) -> np.ndarray:
 
 def headers_match(heads: np.ndarray, tag: np.ndarray, gen: np.ndarray, plen: np.ndarray) -> np.ndarray:
     """Per row of ``heads`` ((n, 64) uint8, each an object header read from an arena or a stream): True where
-    ``wire.check_object_header`` would pass it against (tag, gen, plen) and it carries no payload checksum (such a
+    ``objformat.check_object_header`` would pass it against (tag, gen, plen) and it carries no payload checksum (such a
     page takes the per-page path, which checks the payload). A False row may still be good: the per-page path
     decides it, with its own error."""
     w = heads.view("<u8")  # the header as 8 words: magic|version|flags, tag, gen, len, csum|crc, then padding
@@ -153,13 +154,13 @@ def read_from_arena(arena: memoryview, op: ReadOp, component: str) -> None:
     The second look catches a slot that was freed and rewritten while we copied (a torn read): a writer always
     rewrites the header of a reused slot, so an unchanged header means the payload we copied is the one it names."""
     o = op.offset
-    head = bytes(arena[o:o + wire.OBJ_HEADER_SIZE])
-    csum = wire.check_object_header(head, component, op.khash, op.generation, op.payload_len)
+    head = bytes(arena[o:o + objformat.OBJ_HEADER_SIZE])
+    csum = objformat.check_object_header(head, component, op.khash, op.generation, op.payload_len)
     if op.start < 0 or op.start + op.length > op.payload_len:
         raise CorruptionError(component, f"range {op.start}+{op.length} outside payload of {op.payload_len}")
-    src = o + wire.OBJ_HEADER_SIZE + op.start
+    src = o + objformat.OBJ_HEADER_SIZE + op.start
     op.out[:op.length] = arena[src:src + op.length]
-    if arena[o:o + wire.OBJ_HEADER_SIZE] != head:
+    if arena[o:o + objformat.OBJ_HEADER_SIZE] != head:
         raise CorruptionError(component, "slot rewritten during the read (torn read)")
     err = check_payload(op, csum, component)
     if err is not None:
@@ -174,14 +175,14 @@ def write_until(ops: list) -> float:
 
 def stale_message(gen: int, floor: int | None = None) -> str:
     """Why a write of generation ``gen`` is not made: a deposed metaserver term granted it, as the node's floor for it
-    (``floor``, where known: the node's own check) or the floor it publishes (``wire.stale_gens``: a writer's) says."""
+    (``floor``, where known: the node's own check) or the floor it publishes (``objformat.stale_gens``: a writer's) says."""
     where = f"this node's floor for it is {floor:#x}" if floor is not None else "the node's published floor is above it"
     return (f"write of generation {gen:#x} granted by a deposed metaserver term ({where}): its allocation may hold "
             f"another page now; not written")
 
 
 def stale_write(component: str, gen: int) -> Unavailable:
-    """A write the node's published floor says a deposed metaserver term granted (``wire.stale_gens``)."""
+    """A write the node's published floor says a deposed metaserver term granted (``objformat.stale_gens``)."""
     return Unavailable(component, stale_message(gen))
 
 
@@ -200,12 +201,12 @@ def late_write(component: str, until_ms: int) -> Unavailable:
 
 def write_to_arena(arena: memoryview, op: WriteOp) -> None:
     """Payload first, header last: a reader that races the writer sees no valid header until the bytes are in."""
-    pos = op.offset + wire.OBJ_HEADER_SIZE
+    pos = op.offset + objformat.OBJ_HEADER_SIZE
     arena[op.offset:op.offset + 4] = b"\0\0\0\0"  # invalidate any old header of a reused slot first
     for part in op.parts:
         arena[pos:pos + len(part)] = part
         pos += len(part)
-    arena[op.offset:op.offset + wire.OBJ_HEADER_SIZE] = op.header
+    arena[op.offset:op.offset + objformat.OBJ_HEADER_SIZE] = op.header
 
 
 def write_rows_to_arena(heads_at: np.ndarray, arena: memoryview, off: np.ndarray, plen: np.ndarray,
@@ -217,19 +218,19 @@ def write_rows_to_arena(heads_at: np.ndarray, arena: memoryview, off: np.ndarray
     every old header invalidated first, then the payloads, then the headers, so a reader racing the writes sees no
     valid header until its payload is in. Per page: 0 written, 1 not written (outside the arena or not 4 KiB
     aligned, or ``until`` (wall-clock seconds, 0.0: none) passed before its copy, or its generation ``gens[i]`` below
-    the floor the node publishes for it, ``wire.stale_gens``: the transport's ``start_write`` decides it, with its
+    the floor the node publishes for it, ``objformat.stale_gens``: the transport's ``start_write`` decides it, with its
     own error). Cost: a fixed number of numpy calls and one slice assignment a page (a ctypes
     ``memmove`` costs more a call, measured) with one clock read when ``until`` is set, or copy threads
     (``copies.Stream``, given up at ``until``: every page then 1) for batches of ``copies.SERIAL_BYTES``;
     DeadlineExceeded when those are not done by ``deadline``."""
-    hs, size = wire.OBJ_HEADER_SIZE, len(arena)
+    hs, size = objformat.OBJ_HEADER_SIZE, len(arena)
     off = off.astype(np.int64)
     plen = plen.astype(np.int64)
     status = np.ones(len(off), np.int8)
-    inside = ((off >= wire.ARENA_DATA_START) & (plen >= 0) & (plen <= size) & (off + hs + plen <= size)
-              & (off % wire.ALIGN == 0))
+    inside = ((off >= objformat.ARENA_DATA_START) & (plen >= 0) & (plen <= size) & (off + hs + plen <= size)
+              & (off % objformat.ALIGN == 0))
     if gens is not None:
-        inside &= ~wire.stale_gens(wire.floor_words(arena), gens)  # a deposed leader's grants: copied by no one
+        inside &= ~objformat.stale_gens(objformat.floor_words(arena), gens)  # a deposed leader's grants: copied by no one
     if inside.all():
         pick = None
     else:
@@ -240,7 +241,7 @@ def write_rows_to_arena(heads_at: np.ndarray, arena: memoryview, off: np.ndarray
         src = [src[i] for i in pick.tolist()]
     if until and time.time() > until:
         return status  # not one byte after the deadline: the transport fails each page
-    slot = off // wire.ALIGN
+    slot = off // objformat.ALIGN
     heads_at[slot, :4] = 0  # a reader racing this write sees no valid header until the end
     dst = (off + hs).tolist()
     n = plen.tolist()

@@ -37,7 +37,8 @@ import struct
 import time
 from typing import Any
 
-from transport import wire
+from transport import answerrows, wire
+
 from umbp.auth import ClientAuth
 from umbp.config import split_host_port
 from umbp.errors import AuthError, DeadlineExceeded, ProtocolError, RemoteError, TransportError, Unavailable
@@ -422,9 +423,9 @@ class FramedSocket:
             raise ProtocolError(self.component, f"answer for request {frame.request_id}, expected {rid}")
         wire.raise_for_status(frame, self.component)
         if op == wire.Op.LOOKUP:
-            wire.unpack_locs(frame.meta, self.component)  # packed rows (VERSION 12) as the ``locs`` list
+            answerrows.unpack_locs(frame.meta, self.component)  # packed rows (VERSION 12) as the ``locs`` list
         elif op == wire.Op.ALLOC:
-            wire.unpack_allocs(frame.meta, self.component)  # packed rows (VERSION 12) as the ``items`` list
+            answerrows.unpack_allocs(frame.meta, self.component)  # packed rows (VERSION 12) as the ``items`` list
         return frame
 
     def send_noreply(self, op: int, meta: Any, deadline: float) -> None:

@@ -18,9 +18,9 @@ the next batch), never delivering bytes.
 Staging: a registered area of ``ClientConfig.staging_bytes`` (default 64 MiB); a batch larger than it moves in waves.
 
 Fencing: a one-sided write cannot be refused by the node, so the client refuses it. Before each wave of writes it
-reads the generation floors the node publishes in its arena's superblock page (``wire.floor_words``; the node's MR
+reads the generation floors the node publishes in its arena's superblock page (``objformat.floor_words``; the node's MR
 covers the arena from offset 0) with one RDMA READ of the words up to the highest slot among the ops left (16 bytes
-in a one-slot pool) into a page of its own, stages the wave meanwhile, and posts no op that ``wire.stale_gens`` says
+in a one-slot pool) into a page of its own, stages the wave meanwhile, and posts no op that ``objformat.stale_gens`` says
 a deposed metaserver term granted (``base.stale_write``), nor one past its ``until_ms`` (``base.late_write``). Cost:
 one small READ's round trip a wave before its writes are posted (hidden behind the staging copies where they take
 longer) and a few us of numpy. What it cannot stop: a floor that rises between that READ and the write's landing (a
@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.base import Pending, Transport, check_payload, late_write, stale_write
 from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext, _address_of
 from transport.framed import FramedSocket
@@ -92,7 +93,7 @@ class RdmaTransport(Transport):
         self.component = f"transport rdma {node_id}"
         self.ctx = RdmaContext.default()
         self.staging = self.ctx.alloc(max(staging_bytes, 1 << 20), CLIENT_ACCESS)
-        self.floor_mr = self.ctx.alloc(wire.ALIGN, CLIENT_ACCESS)  # the node's floors land here (``_read_floors``)
+        self.floor_mr = self.ctx.alloc(objformat.ALIGN, CLIENT_ACCESS)  # the node's floors land here (``_read_floors``)
         self.registered: list[Any] = []  # MemoryRegions of caller buffers (zero copy)
         self.ep: RcEndpoint | None = None
         self.ctl: FramedSocket | None = None
@@ -160,7 +161,7 @@ class RdmaTransport(Transport):
         return None
 
     def _remote(self, offset: int, length: int) -> int:
-        if offset < wire.ARENA_DATA_START or offset + length > self.remote_len:
+        if offset < objformat.ARENA_DATA_START or offset + length > self.remote_len:
             raise CorruptionError(self.component, f"range {offset}+{length} outside the node's arena")
         return self.remote_base + offset
 
@@ -185,12 +186,12 @@ class RdmaTransport(Transport):
 
     def _read_floors(self, ops: list, first: int) -> tuple[int, np.ndarray]:
         """Post the RDMA READ of the generation floors the node publishes in its arena's superblock page, the words
-        that ``wire.stale_gens`` looks at for the generations of ``ops[first:]`` (writes): word 0 and the slot words
+        that ``objformat.stale_gens`` looks at for the generations of ``ops[first:]`` (writes): word 0 and the slot words
         up to the highest slot's, into ``self.floor_mr`` at the page's own layout. Returns (request id, gens)."""
         gens = np.fromiter((op.gen for op in ops[first:]), np.uint64, len(ops) - first)
-        top = int(gens.max() >> np.uint64(wire.SLOT_GEN_SHIFT)) if len(gens) else 0
-        n = 2 + min(top, wire.ARENA_FLOOR_SLOTS - 1)
-        at = wire.ARENA_FLOORS_AT
+        top = int(gens.max() >> np.uint64(objformat.SLOT_GEN_SHIFT)) if len(gens) else 0
+        n = 2 + min(top, objformat.ARENA_FLOOR_SLOTS - 1)
+        at = objformat.ARENA_FLOORS_AT
         (rid,) = self.ep.post_reads([(self.floor_mr, at, 8 * n, self.remote_base + at, self.rkey)])
         return rid, gens
 
@@ -205,7 +206,7 @@ class RdmaTransport(Transport):
                 raise DeadlineExceeded(self.component, "the node's generation floors unread at the deadline")
         if done[rid] is not None:
             raise TransportError(self.component, f"RDMA read of the node's generation floors failed: {done[rid]}")
-        return wire.stale_gens(wire.floor_words(self.floor_mr.view), gens)
+        return objformat.stale_gens(objformat.floor_words(self.floor_mr.view), gens)
 
     def _post_wave(self, p: Pending, deadline: float) -> None:
         """Post ops from p.state['next'] on while staging space lasts (always at least one op). A wave of writes
@@ -238,11 +239,11 @@ class RdmaTransport(Transport):
             # zero copy when every piece lies in registered memory (and the header slot plus the pieces fit in
             # one scatter-gather list); otherwise the pieces go through staging with one memcpy each
             in_place = all(loc is not None for loc in locs) and len(pieces) < self.ep.max_sge
-            staged = wire.align_up(wire.OBJ_HEADER_SIZE + length, 64)
-            need = wire.OBJ_HEADER_SIZE if in_place or staged > cap else staged
+            staged = objformat.align_up(objformat.OBJ_HEADER_SIZE + length, 64)
+            need = objformat.OBJ_HEADER_SIZE if in_place or staged > cap else staged
             if used and used + need > cap:
                 break
-            if not in_place and need == wire.OBJ_HEADER_SIZE:
+            if not in_place and need == objformat.OBJ_HEADER_SIZE:
                 # too big for staging: register the caller's buffers for this batch
                 try:
                     if len(pieces) >= self.ep.max_sge:
@@ -261,29 +262,29 @@ class RdmaTransport(Transport):
             used += need
             try:
                 if p.kind == "read" and op.start == 0:
-                    remote = self._remote(op.offset, wire.OBJ_HEADER_SIZE + length)
+                    remote = self._remote(op.offset, objformat.OBJ_HEADER_SIZE + length)
                 elif p.kind == "read" and not length:
-                    remote = self._remote(op.offset, wire.OBJ_HEADER_SIZE)
+                    remote = self._remote(op.offset, objformat.OBJ_HEADER_SIZE)
                 elif p.kind == "read":
                     # a ranged read: header and range are not contiguous, fetch them as two requests
-                    remote = self._remote(op.offset, wire.OBJ_HEADER_SIZE)
-                    reqs.append((self.staging, hslot, wire.OBJ_HEADER_SIZE, remote, self.rkey))
+                    remote = self._remote(op.offset, objformat.OBJ_HEADER_SIZE)
+                    reqs.append((self.staging, hslot, objformat.OBJ_HEADER_SIZE, remote, self.rkey))
                     idx.append(None)
-                    remote = self._remote(op.offset + wire.OBJ_HEADER_SIZE + op.start, length)
+                    remote = self._remote(op.offset + objformat.OBJ_HEADER_SIZE + op.start, length)
                 else:
-                    remote = self._remote(op.offset, wire.OBJ_HEADER_SIZE + length)
+                    remote = self._remote(op.offset, objformat.OBJ_HEADER_SIZE + length)
             except CorruptionError as e:
                 p.results[i] = e
                 i += 1
                 continue
             if p.kind == "write":
-                self.staging.view[hslot:hslot + wire.OBJ_HEADER_SIZE] = op.header
+                self.staging.view[hslot:hslot + objformat.OBJ_HEADER_SIZE] = op.header
             ranged = p.kind == "read" and op.start and length
-            segs = [] if ranged else [(self.staging, hslot, wire.OBJ_HEADER_SIZE)]
+            segs = [] if ranged else [(self.staging, hslot, objformat.OBJ_HEADER_SIZE)]
             if in_place:
                 segs.extend((loc[0], loc[1], len(q)) for loc, q in zip(locs, pieces))
             elif length:
-                dslot = pos = hslot + wire.OBJ_HEADER_SIZE
+                dslot = pos = hslot + objformat.OBJ_HEADER_SIZE
                 if p.kind == "write":
                     for q in pieces:
                         self.staging.view[pos:pos + len(q)] = q
@@ -374,7 +375,7 @@ class RdmaTransport(Transport):
 
     def _check_read(self, op, hslot: int, in_place: bool) -> Exception | None:
         try:
-            csum = wire.check_object_header(self.staging.view[hslot:hslot + wire.OBJ_HEADER_SIZE], self.component,
+            csum = objformat.check_object_header(self.staging.view[hslot:hslot + objformat.OBJ_HEADER_SIZE], self.component,
                                             op.khash, op.generation, op.payload_len)
         except CorruptionError as e:
             return e
@@ -382,7 +383,7 @@ class RdmaTransport(Transport):
 
     def _finish_copy(self, op, hslot: int, csum: int | None, in_place: bool) -> Exception | None:
         if op.length and not in_place:
-            dslot = hslot + wire.OBJ_HEADER_SIZE
+            dslot = hslot + objformat.OBJ_HEADER_SIZE
             op.out[:op.length] = self.staging.view[dslot:dslot + op.length]
         return check_payload(op, csum, self.component)
 

@@ -23,7 +23,7 @@ import uuid
 
 import numpy as np
 
-from transport import wire
+from transport import objformat
 from transport.base import Pending, Transport, check_payload, headers_match, late_write, stale_write, write_until
 from umbp import copies
 from umbp.buffers import Rows
@@ -66,7 +66,7 @@ class ShmTransport(Transport):
             os.close(fd)
         self.arena = memoryview(self._map)
         try:
-            found, _cap = wire.unpack_superblock(self.arena)
+            found, _cap = objformat.unpack_superblock(self.arena)
         except ValueError as e:
             self.close()
             raise TransportError(self.component, f"{arena_path}: {e}") from e
@@ -92,8 +92,8 @@ class ShmTransport(Transport):
         p = Pending(ops, "read")
         results = p.results
         arena, comp, size, base = self.arena, self.component, self.size, self._base
-        hs, lo = wire.OBJ_HEADER_SIZE, wire.ARENA_DATA_START
-        check = wire.check_object_header
+        hs, lo = objformat.OBJ_HEADER_SIZE, objformat.ARENA_DATA_START
+        check = objformat.check_object_header
         memo = self._checked
         address = copies.address_of_view
         # (dst, src, n) of each copy (threaded batches: handed to the copy threads as they come, ``copies.Stream``);
@@ -188,7 +188,7 @@ class ShmTransport(Transport):
         the bounds and the header match (pure functions of the columns and those bytes: the verdict cannot differ)
         and goes to the copy and the compare after it. Other header bytes take the full path (and, passing, replace
         the entry)."""
-        hs, size = wire.OBJ_HEADER_SIZE, self.size
+        hs, size = objformat.OBJ_HEADER_SIZE, self.size
         if key is not None:
             known = self._batches.get(key)
             if known is not None:
@@ -197,8 +197,8 @@ class ShmTransport(Transport):
                 if before.tobytes() == head:  # the very header bytes this batch passed with before: same verdict
                     return self._copy_rows(slot, before, slice(None), src, n, dst, deadline, np.ones(len(off), np.int8))
         status = np.ones(len(off), np.int8)
-        inside = ((off >= wire.ARENA_DATA_START) & (off <= size) & (plen <= size) & (off + hs + plen <= size)
-                  & (off % wire.ALIGN == 0))
+        inside = ((off >= objformat.ARENA_DATA_START) & (off <= size) & (plen <= size) & (off + hs + plen <= size)
+                  & (off % objformat.ALIGN == 0))
         if inside.all():  # the usual case: every page, without a gather of each column
             pick: slice | np.ndarray = slice(None)
         else:
@@ -207,7 +207,7 @@ class ShmTransport(Transport):
                 return status
             off, plen, tag, gen, dst = off[pick], plen[pick], tag[pick], gen[pick], dst[pick]
         heads = self._heads()
-        slot = (off // wire.ALIGN).astype(np.intp)
+        slot = (off // objformat.ALIGN).astype(np.intp)
         before = heads[slot]  # (n, 64) copies of the headers
         good = headers_match(before, tag, gen, plen)
         if not good.all():
@@ -253,8 +253,8 @@ class ShmTransport(Transport):
         if self._head_rows is None:
             arena = np.frombuffer(self.arena, np.uint8)
             self._head_rows = np.lib.stride_tricks.as_strided(
-                arena, ((self.size - wire.OBJ_HEADER_SIZE) // wire.ALIGN + 1, wire.OBJ_HEADER_SIZE),
-                (wire.ALIGN, 1), writeable=False)
+                arena, ((self.size - objformat.OBJ_HEADER_SIZE) // objformat.ALIGN + 1, objformat.OBJ_HEADER_SIZE),
+                (objformat.ALIGN, 1), writeable=False)
         return self._head_rows
 
     def start_write(self, ops, deadline):
@@ -266,14 +266,14 @@ class ShmTransport(Transport):
         p = Pending(ops, "write")
         results = p.results
         arena, comp, size, base = self.arena, self.component, self.size, self._base
-        hs, lo = wire.OBJ_HEADER_SIZE, wire.ARENA_DATA_START
+        hs, lo = objformat.OBJ_HEADER_SIZE, objformat.ARENA_DATA_START
         address = copies.address_of_view
         pieces, written = [], []
         total = sum(op.nbytes for op in ops)
         until = write_until(ops)
         clock = time.time
         # the node's published generation floors: a deposed leader's grants are copied by no one
-        stale = wire.stale_gens(wire.floor_words(arena), np.fromiter((op.gen for op in ops), np.uint64, len(ops)))
+        stale = objformat.stale_gens(objformat.floor_words(arena), np.fromiter((op.gen for op in ops), np.uint64, len(ops)))
         # keep=ops: a copy job still running past the deadline holds the views it writes into (or reads from)
         stream = copies.Stream(total, deadline if not until else min(deadline, time.monotonic() + until - clock()),
                                keep=ops) if copies.threads_for(total) > 1 else None

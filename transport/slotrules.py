@@ -1,5 +1,5 @@
 """The slot rules of a partitioned pool, shared by clients, metaservers and nodes: which slot a key belongs to
-(``slot_of``, ``slots_of``: ``wire.key_hash`` mod the slot count, computed without a round trip), which slot a
+(``slot_of``, ``slots_of``: ``objformat.key_hash`` mod the slot count, computed without a round trip), which slot a
 write-capability epoch names (``SLOT_EPOCH``, ``SLOT_GEN_SHIFT``, ``epoch_slot``) and which region of a node arena
 a slot owns (``slot_region``). They pack no bytes; ``transport/wire.py`` does that.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-from transport.wire import ALIGN, ARENA_DATA_START, SLOT_GEN_SHIFT, key_hash
+from transport.objformat import ALIGN, ARENA_DATA_START, SLOT_GEN_SHIFT, key_hash
 
 
 def slot_of(namespace: str, key: bytes | str, slots: int) -> int:

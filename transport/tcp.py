@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.base import Pending, Transport, check_payload
 from transport.framed import FramedSocket, connection_error
 from umbp.errors import CorruptionError, ProtocolError, RemoteError, TransportError
@@ -59,8 +60,8 @@ class TcpTransport(Transport):
         self.component = f"transport tcp {node_id}"
         self._conn: FramedSocket | None = None
         self._more: list[FramedSocket | None] = []  # TLS: the other connections of a split batch (tls_streams)
-        self._ohdr = memoryview(bytearray(wire.OBJ_HEADER_SIZE * 64))  # object headers of one READV answer
-        self._slots = [self._ohdr[n * wire.OBJ_HEADER_SIZE:(n + 1) * wire.OBJ_HEADER_SIZE] for n in range(64)]
+        self._ohdr = memoryview(bytearray(objformat.OBJ_HEADER_SIZE * 64))  # object headers of one READV answer
+        self._slots = [self._ohdr[n * objformat.OBJ_HEADER_SIZE:(n + 1) * objformat.OBJ_HEADER_SIZE] for n in range(64)]
         self._heads: list[list] = []  # [header buffer, its slots] of each other connection's answers
         # (offset, key hash, generation, payload length) -> (header bytes, checksum) that passed the header check:
         # the same bytes received again for the same directory entry pass without the unpack and crc
@@ -150,7 +151,7 @@ class TcpTransport(Transport):
         try:
             conn = self._connection(deadline)
             frames, bufs = [], []
-            encode, WRITEV, hs = wire.encode, wire.Op.WRITEV, wire.OBJ_HEADER_SIZE
+            encode, WRITEV, hs = wire.encode, wire.Op.WRITEV, objformat.OBJ_HEADER_SIZE
             for lo, hi in self._runs(ops, lambda op: op.nbytes):
                 rid = conn.next_id()
                 frames.append((rid, lo, hi))
@@ -175,11 +176,11 @@ class TcpTransport(Transport):
     def _runs(self, ops: list, size) -> list[tuple[int, int]]:
         """Split ops into [lo, hi) runs of at most VEC_OPS objects and about VEC_BYTES of data."""
         limit_ops, limit_bytes = self.VEC_OPS, self.VEC_BYTES
-        if len(ops) <= limit_ops and sum(map(size, ops)) + wire.OBJ_HEADER_SIZE * len(ops) <= limit_bytes:
+        if len(ops) <= limit_ops and sum(map(size, ops)) + objformat.OBJ_HEADER_SIZE * len(ops) <= limit_bytes:
             return [(0, len(ops))]  # what the loop below makes of a batch that fits one frame
         runs, lo, nbytes = [], 0, 0
         for i, op in enumerate(ops):
-            n = size(op) + wire.OBJ_HEADER_SIZE
+            n = size(op) + objformat.OBJ_HEADER_SIZE
             if i > lo and (i - lo >= limit_ops or nbytes + n > limit_bytes):
                 runs.append((lo, i))
                 lo, nbytes = i, 0
@@ -272,7 +273,7 @@ class TcpTransport(Transport):
 
     def _finish_reads(self, conn, rid, ops, lo, hi, results, deadline, stream: int = 0) -> None:
         data_len, failures = self._answer(conn, rid, hi - lo, deadline)
-        hs = wire.OBJ_HEADER_SIZE
+        hs = objformat.OBJ_HEADER_SIZE
         served = [j for j in range(lo, hi) if j - lo not in failures] if failures else range(lo, hi)
         for i, e in failures.items():
             results[lo + i] = e
@@ -308,7 +309,7 @@ class TcpTransport(Transport):
             err = e
         else:
             err = None
-        check = wire.check_object_header
+        check = objformat.check_object_header
         comp = self.component
         memo = self._checked
         heads = ohdr[:hs * len(served)].tobytes()

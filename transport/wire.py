@@ -1,4 +1,4 @@
-"""The UMBP wire format: frames, opcodes, status codes, the object header and the arena superblock. No I/O.
+"""The UMBP wire format: frames, opcodes, status codes, packed keys. No I/O.
 
 Every connection in UMBP (client -> metaserver, node -> metaserver, client -> node) carries the same frames::
 
@@ -18,14 +18,10 @@ and opcode; a ``status`` other than OK comes with ``{"error": "<component>: <mes
 (``FrameReader``) enforces magic, version and size limits (a peer's announcement allocates at most ``buffer_data``,
 0 in the metaserver and node); a malformed header poisons the connection, bad meta gets an error answer.
 
-Objects in an arena: a 64-byte header (``OBJ_HEADER``), then the payload, aligned to ``ALIGN`` (4 KiB)::
-
-     magic u32 | version u16 | flags u16 | key_hash u64 | generation u64 | payload_len u64 | checksum u32 |
-     header_crc u32 | 24 bytes reserved
-
-``header_crc`` catches a torn header, ``checksum`` (optional) the payload; a reader compares key hash, generation
-and length with what the metaserver told it, so a slot evicted and reused is detected instead of returned. Batched
-node ops (READV, WRITEV): see ``Op``; only failed objects are listed, so a reader knows the data's layout up front.
+Batched node ops (READV, WRITEV): see ``Op``; only failed objects are listed, so a reader knows the data's layout up
+front. The packed rows of LOOKUP, ALLOC, DEMOTE and PROMOTE metas are ``transport/answerrows.py``'s, the object
+header and the arena and disk superblocks ``transport/objformat.py``'s: these three modules are the only places that
+pack bytes.
 
 Costs: ``encode`` one struct and one msgpack pack; ``FrameReader`` copies header and meta once, payloads not at all
 (but bytes that arrive with their frame's header).
@@ -34,14 +30,11 @@ Costs: ``encode`` one struct and one msgpack pack; ``FrameReader`` copies header
 from __future__ import annotations
 
 import enum
-import hashlib
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgpack
-import numpy as np
 
 from umbp.errors import (AuthError, BadRequest, CorruptionError, FrameTooLarge, NotFound, NotLeader, PoolFull,
                          ProtocolError, QuotaExceeded, RemoteError, Unavailable)
@@ -490,303 +483,6 @@ class FrameReader:
 _DISCARD = memoryview(bytearray(1 << 16))  # scratch for refused data, shared: its bytes are never read
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Objects in an arena
-
-ALIGN = 4096
-OBJ_MAGIC = 0x4F424D55  # b"UMBO"
-OBJ_VERSION = 1
-OBJ_HEADER = struct.Struct("<IHHQQQII24x")
-OBJ_HEADER_SIZE = OBJ_HEADER.size  # 64
-OBJ_FLAG_CHECKSUM = 1
-_OBJ_CRC_SPAN = 36  # everything before header_crc
-_OBJ_HEAD = struct.Struct("<IHHQQQI")  # OBJ_HEADER's fields before header_crc (_OBJ_CRC_SPAN bytes)
-_OBJ_TAIL = struct.Struct("<I24x")  # header_crc and the padding
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-def object_size(payload_len: int) -> int:
-    """Bytes an object of ``payload_len`` occupies in an arena (header included, 4 KiB aligned)."""
-    return align_up(OBJ_HEADER_SIZE + payload_len)
-
-
-def key_hash(namespace: str, key: bytes) -> int:
-    """64-bit hash of (namespace, key) stored in the object header."""
-    h = hashlib.blake2b(namespace.encode() + b"\0" + key, digest_size=8)
-    return int.from_bytes(h.digest(), "little")
-
-
-def pack_object_header(khash: int, generation: int, payload_len: int, checksum: int | None = None) -> bytes:
-    """``OBJ_HEADER``'s bytes: the fields before header_crc, then their crc and the padding (two packs)."""
-    head = _OBJ_HEAD.pack(OBJ_MAGIC, OBJ_VERSION, 0 if checksum is None else OBJ_FLAG_CHECKSUM, khash, generation,
-                          payload_len, checksum or 0)
-    return head + _OBJ_TAIL.pack(zlib.crc32(head))
-
-
-# The object header as a numpy record (``OBJ_HEADER``'s fields): a batch's headers packed and checked as arrays.
-OBJ_HEADER_DTYPE = np.dtype([("magic", "<u4"), ("version", "<u2"), ("flags", "<u2"), ("tag", "<u8"), ("gen", "<u8"),
-                             ("len", "<u8"), ("csum", "<u4"), ("crc", "<u4"), ("rest", "V24")])
-_CRC: list = []  # [(36, 256) uint32 table, crc32 of 36 zero bytes]: built on first use
-
-
-def crc32_rows(rows: np.ndarray) -> np.ndarray:
-    """zlib.crc32 of each row of an (n, 36) uint8 array, without a crc call a row: over a fixed length crc32 is
-    affine in the bytes, so it is the crc of zeros xored with one table term per byte (36 look-ups, one reduce)."""
-    if not _CRC:
-        zero = zlib.crc32(bytes(36))
-        bits = np.array([[zlib.crc32(bytes(j) + bytes([1 << b]) + bytes(35 - j)) for b in range(8)] for j in range(36)],
-                        np.uint32) ^ np.uint32(zero)
-        on = (np.arange(256)[:, None] >> np.arange(8)) & 1 == 1
-        _CRC[:] = [np.bitwise_xor.reduce(np.where(on, bits[:, None, :], np.uint32(0)), axis=2), np.uint32(zero)]
-    table, zero = _CRC
-    return np.bitwise_xor.reduce(table[np.arange(36), rows], axis=1) ^ zero
-
-
-def pack_object_headers(tags: np.ndarray, gens: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """``pack_object_header`` (no payload checksum) of n objects as one (n, 64) uint8 array, row i object i's
-    header bytes: a fixed number of numpy calls, the crc by ``crc32_rows``."""
-    h = np.zeros(len(gens), OBJ_HEADER_DTYPE)
-    h["magic"] = OBJ_MAGIC
-    h["version"] = OBJ_VERSION
-    h["tag"] = tags
-    h["gen"] = gens
-    h["len"] = lens
-    raw = h.view(np.uint8).reshape(len(h), OBJ_HEADER_SIZE)
-    h["crc"] = crc32_rows(raw[:, :_OBJ_CRC_SPAN])
-    return raw
-
-
-def check_object_header(buf: bytes | memoryview, component: str, khash: int, generation: int,
-                        payload_len: int) -> int | None:
-    """Validate an object header against what the directory says; return the payload checksum if present.
-    CorruptionError when the slot holds another object, a torn header, or nothing."""
-    if len(buf) < OBJ_HEADER_SIZE:
-        raise CorruptionError(component, f"object header of {len(buf)} bytes, expected {OBJ_HEADER_SIZE}")
-    magic, version, flags, kh, gen, plen, csum, hcrc = OBJ_HEADER.unpack_from(buf)
-    if magic != OBJ_MAGIC or version != OBJ_VERSION:
-        raise CorruptionError(component, "no object header at this location (slot empty or overwritten)")
-    if zlib.crc32(bytes(buf[:_OBJ_CRC_SPAN])) != hcrc:
-        raise CorruptionError(component, "torn object header (header crc mismatch)")
-    if kh != khash or gen != generation:
-        raise CorruptionError(component, f"stale slot: holds generation {gen} of another key, expected {generation}")
-    if plen != payload_len:
-        raise CorruptionError(component, f"object length {plen} does not match the directory's {payload_len}")
-    return csum if flags & OBJ_FLAG_CHECKSUM else None
-
-
-def payload_checksum(data: bytes | memoryview | list) -> int:
-    """crc32 of a payload, given whole or as the list of parts it is written from."""
-    if isinstance(data, list):
-        crc = 0
-        for part in data:
-            crc = zlib.crc32(part, crc)
-        return crc
-    return zlib.crc32(data)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Arena superblock: the first ALIGN bytes of every arena file. Objects live in [ALIGN, ALIGN + capacity).
-
-ARENA_MAGIC = b"UMBPAREN"
-ARENA_SUPER = struct.Struct("<8sI16sQQ")  # magic, version, arena_id (uuid bytes), capacity, created_ns
-ARENA_VERSION = 1
-ARENA_DATA_START = ALIGN
-# Generation floors (umbp/node/server.py ``publish_floors``), published in the superblock's page for same-host shm
-# writers to compare before they copy (``stale_gens``): u64 little-endian words from ARENA_FLOORS_AT, a one-slot
-# pool's floor first, then slot s's at word 1 + s for s < ARENA_FLOOR_SLOTS (a slot past them is not published).
-ARENA_FLOORS_AT = 512
-ARENA_FLOOR_SLOTS = (ALIGN - ARENA_FLOORS_AT) // 8 - 1
-SLOT_GEN_SHIFT = 52  # slot s of a partitioned pool counts generations from (s << 52) + 1 (at most 1024 slots)
-
-
-def floor_words(arena) -> np.ndarray:
-    """The mapped arena's generation floor words (a writable view where the mapping is)."""
-    return np.frombuffer(arena, "<u8", 1 + ARENA_FLOOR_SLOTS, ARENA_FLOORS_AT)
-
-
-def stale_gens(words: np.ndarray, gens: np.ndarray) -> np.ndarray:
-    """Which of ``gens`` are below their term's floor as ``words`` publish it: writes a deposed leader granted."""
-    if words[0]:
-        return gens < words[0]
-    slot = gens >> np.uint64(SLOT_GEN_SHIFT)
-    fl = words[1 + np.minimum(slot, ARENA_FLOOR_SLOTS - 1).astype(np.int64)]
-    return (gens < fl) & (slot < ARENA_FLOOR_SLOTS)
-
-
 # A LOOKUP answer's read lease in ms when it does not say (``lease_ms``: version 11 servers, 10 s by default): a
 # tcp/rdma read finished later than this after the LOOKUP counts as a miss (its object may have been rewritten).
 DEFAULT_LEASE_MS = 10_000
-
-
-class NotAnArena(CorruptionError, ValueError):
-    """The bytes at the start of a mapped file are no arena superblock (a ValueError too, for older callers)."""
-
-
-def pack_superblock(arena_id: bytes, capacity: int, created_ns: int) -> bytes:
-    return ARENA_SUPER.pack(ARENA_MAGIC, ARENA_VERSION, arena_id, capacity, created_ns)
-
-
-def unpack_superblock(buf) -> tuple[bytes, int]:
-    """(arena_id, capacity) from an arena's first bytes; NotAnArena if it is not an arena."""
-    if len(buf) < ARENA_SUPER.size:
-        raise NotAnArena("arena", f"not a UMBP arena ({len(buf)} bytes, shorter than a superblock)")
-    magic, version, arena_id, capacity, _created = ARENA_SUPER.unpack_from(buf)
-    if magic != ARENA_MAGIC or version != ARENA_VERSION:
-        raise NotAnArena("arena", "not a UMBP arena (bad superblock)")
-    return arena_id, capacity
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The disk tier: a node's disk file is a superblock (``ARENA_SUPER`` with ``DISK_MAGIC``) then ``disk_capacity`` bytes
-# of objects laid out as in the arena (the same header, 4 KiB aligned), offsets from ``DISK_DATA_START``. A disk
-# address outside the node (READV_DISK ops, read capabilities, directory rows) is ``DISK_BIT | offset``: never a
-# DRAM offset, so no grant or row of one tier reads the other.
-DISK_MAGIC = b"UMBPDISK"
-DISK_DATA_START = ALIGN
-DISK_BIT = 1 << 63
-# DEMOTE / PROMOTE rows: the object's tag, generation and payload length (checked against the source header), its
-# DRAM offset and disk offset (plain, within each arena), and ``regen``: when not 0 the copy's header carries this
-# generation instead (a promoted copy in a closed pool needs a fresh one: umbp/node/ledger.py refuses older ones).
-TIER_ROW = np.dtype([("tag", "<u8"), ("gen", "<u8"), ("len", "<u8"), ("dram", "<u8"), ("disk", "<u8"),
-                     ("regen", "<u8")])
-
-
-def pack_disk_superblock(disk_id: bytes, capacity: int, created_ns: int) -> bytes:
-    return ARENA_SUPER.pack(DISK_MAGIC, ARENA_VERSION, disk_id, capacity, created_ns)
-
-
-def unpack_disk_superblock(buf) -> tuple[bytes, int]:
-    """(disk_id, capacity) from a disk file's first bytes; NotAnArena if it is not a disk arena."""
-    if len(buf) < ARENA_SUPER.size:
-        raise NotAnArena("disk", "not a UMBP disk arena (shorter than a superblock)")
-    magic, version, disk_id, capacity, _created = ARENA_SUPER.unpack_from(buf)
-    if magic != DISK_MAGIC or version != ARENA_VERSION:
-        raise NotAnArena("disk", "not a UMBP disk arena (bad superblock)")
-    return disk_id, capacity
-
-
-def pack_tier_rows(tags, gens, lens, drams, disks, regens=0) -> bytes:
-    """A DEMOTE/PROMOTE request's ``rows``, one a column (sequences or numpy arrays of one length)."""
-    rows = np.zeros(len(tags), TIER_ROW)
-    for name, col in (("tag", tags), ("gen", gens), ("len", lens), ("dram", drams), ("disk", disks),
-                      ("regen", regens)):
-        rows[name] = col
-    return rows.tobytes()
-
-
-def unpack_tier_rows(meta: Any, component: str) -> np.ndarray:
-    """A DEMOTE/PROMOTE request's rows (1..MAX_VEC_OPS of them); BadRequest when malformed."""
-    raw = meta.get("rows") if type(meta) is dict else None
-    if not isinstance(raw, bytes) or not raw or len(raw) % TIER_ROW.itemsize or \
-            len(raw) // TIER_ROW.itemsize > MAX_VEC_OPS:
-        raise BadRequest(component, f"tier move: meta must be {{'rows': 1..{MAX_VEC_OPS} packed TIER_ROWs}}")
-    return np.frombuffer(raw, TIER_ROW)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A LOOKUP answer's rows (VERSION 12): one ``LOC_ROW`` a key, in key order: the object header's words after its
-# magic/version/flags (a reader compares them with the header it reads), the object's arena offset, and the index of
-# its node in the answer's ``nodes`` (and of its capability in ``caps``), ``NO_NODE`` for a miss.
-LOC_ROW = np.dtype([("tag", "<u8"), ("gen", "<u8"), ("len", "<u8"), ("off", "<u8"), ("node", "<u4"), ("pad", "<u4")])
-NO_NODE = 0xFFFFFFFF
-
-
-# An ALLOC answer's rows: ``LOC_ROW``'s with the key's ``AllocState`` in the padding; a row not NEW: NO_NODE, zeros
-ALLOC_ROW = np.dtype(LOC_ROW.descr[:5] + [("state", "<u4")])
-
-
-def pack_allocs(state, new, tags, gens, lens, offs, nodes) -> bytes:
-    """An ALLOC answer's ``rows``: one a key of ``state``, the columns given for the NEW keys at ``new``, in order."""
-    n, m = len(state), len(new)
-    rows = np.zeros(n, ALLOC_ROW)
-    got = rows if m == n else np.zeros(m, ALLOC_ROW)  # m == n: every key NEW, in order
-    for name, col in (("tag", tags), ("gen", gens), ("len", lens), ("off", offs), ("node", nodes)):
-        got[name] = col
-    if m != n:
-        rows["node"] = NO_NODE
-        rows[new] = got
-        rows["state"] = state
-    return rows.tobytes()
-
-
-def _rows(answer: Any, dtype: np.dtype, unpack: Callable, what: str, component: str) -> tuple | None:
-    """(rows as ``dtype``, node list) of a packed answer, its ``parts`` unpacked first; None without rows."""
-    if type(answer) is not dict:
-        return None
-    for part in answer.get("parts") or ():
-        unpack(part, component)
-    raw = answer.pop("rows", None)
-    nodes = answer.get("nodes")
-    if raw is not None and (not isinstance(raw, bytes) or len(raw) % dtype.itemsize or not isinstance(nodes, list)):
-        raise ProtocolError(component, f"malformed {what} answer: rows must be bytes of whole rows with a node list")
-    return None if raw is None else (np.frombuffer(raw, dtype), nodes)
-
-
-def unpack_allocs(answer: Any, component: str, items: bool = True) -> Any:
-    """``unpack_locs`` for an ALLOC answer: its rows checked and kept as ``alloc_rows`` (the put path's array form,
-    umbp/putbatch.py), and (``items``) its ``items`` list, ``[NEW, node_id, off, payload_len, gen, tag, node index]``
-    or ``[state, None, None, None, None]`` a key (``alloc_items``; the client makes it only when it is read)."""
-    got = _rows(answer, ALLOC_ROW, lambda part, c: unpack_allocs(part, c, items), "ALLOC", component)
-    if got is None:
-        return answer
-    rows, nodes = got
-    answer["alloc_rows"] = rows
-    node, state = rows["node"], rows["state"]
-    new = state == AllocState.NEW
-    if (state > AllocState.IN_FLIGHT).any() or (new & (node >= len(nodes))).any() or (~new & (node != NO_NODE)).any():
-        raise ProtocolError(component, f"malformed ALLOC answer: a row's state or node (of {len(nodes)}) is invalid")
-    if items:
-        answer["items"] = alloc_items(rows, nodes)
-    return answer
-
-
-def alloc_items(rows: np.ndarray, nodes: list) -> list:
-    """An ALLOC answer's checked ``alloc_rows`` as its per-key ``items`` list (``unpack_allocs``)."""
-    node, state = rows["node"], rows["state"]
-    new = state == AllocState.NEW
-    names = np.array(nodes + [None], dtype=object)[np.where(new, node, len(nodes))].tolist()
-    return [[0, n, o, ln, g, t, i] if n is not None else [s, None, None, None, None] for s, n, o, ln, g, t, i
-            in zip(state.tolist(), names, *(rows[f].tolist() for f in ("off", "len", "gen", "tag", "node")))]
-
-
-def pack_locs(hit, tags, gens, lens, offs, nodes) -> bytes:
-    """A LOOKUP answer's ``rows``: one a key of the bool mask ``hit``, the columns given for the hits in order
-    (``nodes`` may be one int: every hit on one node). The hits' rows are filled compact, then put in place with one
-    masked assignment (none when every key hit) rather than one a column."""
-    n, m = len(hit), len(gens)
-    rows = np.zeros(n, LOC_ROW)
-    if not m:
-        rows["node"] = NO_NODE
-        return rows.tobytes()
-    got = rows if m == n else np.zeros(m, LOC_ROW)  # m == n: every key hit
-    got["tag"] = tags
-    got["gen"] = gens
-    got["len"] = lens
-    got["off"] = offs
-    got["node"] = nodes
-    if m != n:
-        rows["node"] = NO_NODE
-        rows[hit] = got
-    return rows.tobytes()
-
-
-def unpack_locs(answer: Any, component: str) -> Any:
-    """A LOOKUP answer (and its ``parts``) with packed ``rows`` given the ``locs`` list callers read: ``[node_id, off,
-    payload_len, gen, tag, node index] | None`` a key, one ``frombuffer`` and a ``tolist`` a column. Malformed rows
-    are a ProtocolError; an answer without rows (VERSION 11) is returned as is."""
-    got = _rows(answer, LOC_ROW, unpack_locs, "LOOKUP", component)
-    if got is None:
-        return answer
-    rows, nodes = got
-    node = rows["node"]
-    hit = node != NO_NODE
-    if (hit & (node >= len(nodes))).any():
-        raise ProtocolError(component, f"malformed LOOKUP answer: a row names a node beyond the {len(nodes)} given")
-    names = np.array(nodes + [None], dtype=object)[np.where(hit, node, len(nodes))].tolist()
-    answer["locs"] = [None if n is None else [n, o, ln, g, t, i] for n, o, ln, g, t, i in zip(
-        names, rows["off"].tolist(), rows["len"].tolist(), rows["gen"].tolist(), rows["tag"].tolist(),
-        node.tolist())]
-    return answer

@@ -238,7 +238,7 @@ class Tokens:
 
     def tag(self, ns: str, key: bytes) -> int:
         """The object header's key hash: keyed blake2b in a closed pool; in an open one (no key) exactly
-        ``wire.key_hash``, the hash every client computes itself."""
+        ``objformat.key_hash``, the hash every client computes itself."""
         return self.tags(ns, [key])[0]
 
     def tags(self, ns: str, keys: list, rank: int | None = None) -> list[int]:

@@ -15,7 +15,7 @@ Puts (``DeviceBatch`` + ``DeviceCopier.write``): payloads in device memory (CUDA
 ``(device address, length)`` per piece of each page. The put path (``umbp.puts``) ALLOCs as usual; the NEW places on
 nodes this client reaches over shm with a registered arena are written here: every old header invalidated, one
 kernel launch per device writing the payloads straight to ``arena + offset + OBJ_HEADER_SIZE``, one wait, then the
-headers (``wire.pack_object_header``, packed by the put path) written by the CPU, last; only then COMMIT. A failed
+headers (``objformat.pack_object_header``, packed by the put path) written by the CPU, last; only then COMMIT. A failed
 launch leaves its pages' headers invalid and reports them failed (the put path ABORTs them, never commits). Pages
 placed elsewhere, and every page where the kernel cannot run (no CUDA or CuPy, checksums on), are staged to pinned
 host memory by the batch's ``stager`` and written by their transport as before.
@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from transport import wire
+from transport import objformat
 from umbp.errors import CorruptionError, InvalidArgument, TransportError
 
 # One kernel segment is at most 65535 thread blocks of 16 KiB (gather.CHUNK): longer device pieces are cut.
@@ -169,7 +169,7 @@ class DeviceCopier:
         waited for), then the headers. Returns None (written) or the error per place: a place outside its arena is
         a ``CorruptionError``, a failed launch a ``TransportError`` for every page of its device (their headers
         stay invalid; the caller aborts them)."""
-        hs, lo = wire.OBJ_HEADER_SIZE, wire.ARENA_DATA_START
+        hs, lo = objformat.OBJ_HEADER_SIZE, objformat.ARENA_DATA_START
         results: list = [None] * len(places)
         ok = []
         for j, (i, arena, _base, off, _head) in enumerate(places):
@@ -208,12 +208,12 @@ class DeviceCopier:
     def read(self, items: list[tuple[memoryview, int, int, int, int, int, int, Any, int]]) -> None:
         """``items``: (arena, arena address, object offset, key hash, generation, payload length, start, tensor,
         length) per range. Checks every header, launches once per device, checks the headers again."""
-        hs = wire.OBJ_HEADER_SIZE
+        hs = objformat.OBJ_HEADER_SIZE
         by_dev: dict[Any, list[tuple[int, int, int]]] = {}
         heads = []
         for arena, base, off, khash, gen, plen, start, tensor, length in items:
             head = bytes(arena[off:off + hs])
-            wire.check_object_header(head, self.component, khash, gen, plen)
+            objformat.check_object_header(head, self.component, khash, gen, plen)
             heads.append((arena, off, head))
             if length:
                 by_dev.setdefault(tensor.device, []).append((base + off + hs + start, tensor.data_ptr(), length))

@@ -10,7 +10,7 @@ so a write of a lower generation in the slot, open pools included (they FENCE to
 deposed leader. A one-slot pool has one such floor, ``reg``, the REGISTER answer's epoch. The node refuses those
 writes (``umbp/node/server.py``), one whose data is still arriving when a floor rises lands no further byte
 (``umbp/node/writewatch.py``), and every floor is published in the arena's superblock page (``publish``) for the
-writers the node does not see, same-host shm and RDMA, to compare before they write (``wire.stale_gens``)."""
+writers the node does not see, same-host shm and RDMA, to compare before they write (``objformat.stale_gens``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from transport import slotrules, wire
+from transport import objformat, slotrules
 from umbp.errors import AuthError, BadRequest
 
 
@@ -34,7 +34,7 @@ class SlotFloors:
         # A one-slot pool's generation floor: the first generation of the term this node registered in (REGISTER's
         # answer; 0 from a partitioned pool's membership leader, whose slots FENCE their own). A reopened arena keeps
         # its last run's until this run registers.
-        self.reg = int(wire.floor_words(self.view)[0]) if arena.reopened else 0
+        self.reg = int(objformat.floor_words(self.view)[0]) if arena.reopened else 0
         self.path = "" if arena.remove_on_close else arena.path + ".floors"
         if arena.reopened:
             self._load()
@@ -89,13 +89,13 @@ class SlotFloors:
         self.publish()
 
     def publish(self) -> None:
-        """The generation floors into the superblock's page (``wire.floor_words``), where a same-host shm writer or
-        an RDMA writer compares its generations before it writes (``wire.stale_gens``): raised before the node acks
+        """The generation floors into the superblock's page (``objformat.floor_words``), where a same-host shm writer or
+        an RDMA writer compares its generations before it writes (``objformat.stale_gens``): raised before the node acks
         them, so no new term's page is placed here before a deposed term's writer would be refused."""
-        w = wire.floor_words(self.view)
+        w = objformat.floor_words(self.view)
         w[0] = self.reg
         for slot, epoch in self.floors.items():
-            if slot < wire.ARENA_FLOOR_SLOTS:
+            if slot < objformat.ARENA_FLOOR_SLOTS:
                 w[1 + slot] = epoch & ~slotrules.SLOT_EPOCH
 
     def _load(self) -> None:

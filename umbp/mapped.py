@@ -17,7 +17,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator, Sequence
 
-from transport import wire
+from transport import objformat, wire
+
 from umbp.errors import CorruptionError, TransportError
 from umbp.keys import normalize_keys
 
@@ -61,7 +62,7 @@ def _mapped(c: Any, keys: Sequence[Any]) -> Iterator[MappedPages]:
     m = MappedPages([None] * len(kb), {})
     checks: list[tuple[memoryview, int, bytes, int]] = []  # (arena, header offset, header bytes, size)
     arenas: dict[str, memoryview | None] = {}
-    hs = wire.OBJ_HEADER_SIZE
+    hs = objformat.OBJ_HEADER_SIZE
     try:
         for i, loc in enumerate(reply["locs"]):
             if loc is None:
@@ -75,10 +76,10 @@ def _mapped(c: Any, keys: Sequence[Any]) -> Iterator[MappedPages]:
                         t = None
                 arenas[node_id] = t.arena if t is not None and t.name == "shm" else None
             arena = arenas[node_id]
-            if arena is None or off & wire.DISK_BIT:  # on its disk tier: not in the arena (fetch it)
+            if arena is None or off & objformat.DISK_BIT:  # on its disk tier: not in the arena (fetch it)
                 continue
             head = bytes(arena[off:off + hs])
-            wire.check_object_header(head, c.component, khash, gen, size)
+            objformat.check_object_header(head, c.component, khash, gen, size)
             m.arenas[node_id] = arena
             m.locs[i] = (node_id, off + hs, size)
             checks.append((arena, off, head, size))

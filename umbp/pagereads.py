@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.base import ReadOp
 from umbp.buffers import CudaOut, Rows, new_bytes
 from umbp.errors import InvalidArgument, TransportError, UmbpError
@@ -70,7 +71,7 @@ def read_ops(self, locs: list, segs: list | None, deadline: float, kernel: dict 
         if loc is None:
             continue
         node_id, off, size, gen, khash, cap = loc
-        if off & wire.DISK_BIT:  # on the node's disk tier: its own transport (READV_DISK over TCP)
+        if off & objformat.DISK_BIT:  # on the node's disk tier: its own transport (READV_DISK over TCP)
             node_id += DISK
         ops = batches.get(node_id)
         if ops is None:

@@ -2,7 +2,7 @@
 a page.
 
 Taken for a chunk (``umbp/puts.py``'s ``_write_answer``) when its ALLOC answer has packed rows
-(``wire.unpack_allocs`` keeps them as ``alloc_rows``, ``wire.ALLOC_ROW``), the batch has no device pages, payload
+(``answerrows.unpack_allocs`` keeps them as ``alloc_rows``, ``answerrows.ALLOC_ROW``), the batch has no device pages, payload
 checksums are off, and every page of the chunk is one flat host view of the length the answer allocated. Anything
 else (``umbp.buffers.Rows`` parts, several parts a page, an answer without rows: VERSION 11, or a multi-slot one with
 such a part) keeps the per-page path of ``Puts._write_chunk``. A partitioned pool's answer, merged as rows
@@ -11,7 +11,7 @@ each ``WriteOp`` with its own page's capability.
 
 Per chunk: the states sorted into the put's lists with a few masks, the NEW pages grouped by node (one group without a
 sort for the usual single node; several by one stable argsort, in the order their first page comes, as the per-page
-path meets them), their object headers packed as one (n, 64) array (``wire.pack_object_headers``). A shm node is
+path meets them), their object headers packed as one (n, 64) array (``objformat.pack_object_headers``). A shm node is
 written by ``transport.base.write_rows_to_arena``: old headers invalidated with one fancy assignment, one
 ``memmove`` a page (``map``; copy threads for big batches), the headers last with one fancy assignment; a tcp or
 rdma node gets ``WriteOp``s built by one ``map``, written through ``Client._run`` as the per-page path's are (tcp
@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from transport import wire
+from transport import objformat, wire
+
+
 from transport.base import WriteOp, write_rows_to_arena
 from umbp import copies
 from umbp.errors import TransportError, TransportUnavailable
@@ -117,9 +119,9 @@ def arena_rows(t: Any) -> np.ndarray:
     got = _ROWS.get(t)
     if got is not None and got[0] == base and got[1] == t.size:
         return got[2]
-    face = {"data": (base, False), "shape": ((t.size - wire.OBJ_HEADER_SIZE) // wire.ALIGN + 1,
-                                             wire.OBJ_HEADER_SIZE),
-            "strides": (wire.ALIGN, 1), "typestr": "|u1", "version": 3}
+    face = {"data": (base, False), "shape": ((t.size - objformat.OBJ_HEADER_SIZE) // objformat.ALIGN + 1,
+                                             objformat.OBJ_HEADER_SIZE),
+            "strides": (objformat.ALIGN, 1), "typestr": "|u1", "version": 3}
     view = np.asarray(type("ArenaRows", (), {"__array_interface__": face})())
     _ROWS[t] = (base, t.size, view)
     return view
@@ -154,7 +156,7 @@ def write(client: Any, views: list, idxs: list[int], rows: np.ndarray, pos: np.n
     The shm nodes' copies run first, then the other nodes' WriteOps go through ``Client._run`` as the per-page
     path's do. TransportUnavailable is raised (as ``Client._run`` does); other errors come back as results."""
     r = rows[pos]
-    heads = wire.pack_object_headers(r["tag"], r["gen"], r["len"])
+    heads = objformat.pack_object_headers(r["tag"], r["gen"], r["len"])
     hb = heads.tobytes()
     ids = np.asarray(idxs, np.int64)[pos]
     index: dict[str, list[int]] = {}
@@ -200,7 +202,7 @@ def _ops(views: list, page: list[int], r: np.ndarray, g: np.ndarray, hb: bytes, 
          until_ms: int = 0) -> list[WriteOp]:
     """Today's WriteOps of a node's pages (``g`` their positions among the NEW pages), built by one ``map``;
     ``cap``: the node's capability, or one a page."""
-    hs = wire.OBJ_HEADER_SIZE
+    hs = objformat.OBJ_HEADER_SIZE
     return list(map(WriteOp, r["off"][g].tolist(), [hb[k * hs:(k + 1) * hs] for k in g.tolist()],
                     [views[i] for i in page], r["len"][g].tolist(), r["gen"][g].tolist(),
                     cap if type(cap) is list else repeat(cap), repeat(until_ms)))

@@ -32,7 +32,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.base import WriteOp, late_write
 from umbp import copies, putbatch
 from umbp.auth import with_caps
@@ -380,7 +381,7 @@ class Puts:
         index: dict[str, list[int]] = {}
         gens: dict[int, int] = {}
         checksum = c.config.checksum
-        pack = wire.pack_object_header
+        pack = objformat.pack_object_header
         kernel = c._kernel_nodes([(item[1],) for item in items if item[0] == NEW], deadline) if (
             dev is not None and any(views[i] is None for i in idxs)) else {}
         direct: list[tuple[int, memoryview, int, int, bytes]] = []  # device pages the kernel writes
@@ -391,7 +392,7 @@ class Puts:
             if (type(parts[0]) is Rows if len(parts) == 1 else any(type(p) is Rows for p in parts)) and (
                     checksum or not c._reads_rows(node_id, deadline)):
                 parts = [v for p in parts for v in (p.views() if type(p) is Rows else (p,))]  # one view per row
-            header = pack(tag, gen, size, wire.payload_checksum(parts) if checksum else None)
+            header = pack(tag, gen, size, objformat.payload_checksum(parts) if checksum else None)
             ops = batches.get(node_id)
             if ops is None:
                 ops = batches[node_id] = []

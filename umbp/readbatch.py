@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from transport import wire
+from transport import answerrows, objformat, wire
+
+
 from transport.base import Pending, ReadOp
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
@@ -136,7 +138,7 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, caps_of, idx:
     errs: list[tuple[int, Exception]] = []
     started: list[tuple[str, Any, Any, np.ndarray]] = []
     shm: list[tuple[str, Any, np.ndarray]] = []
-    disk = (rows["off"] & np.uint64(wire.DISK_BIT)) != 0  # pages on a node's disk tier: read over its own transport
+    disk = (rows["off"] & np.uint64(objformat.DISK_BIT)) != 0  # pages on a node's disk tier: read over its own transport
     if disk.any():
         node = np.where(disk, node + DISK_KEYS, node)
     for key, ids in _groups(node, idx):
@@ -226,7 +228,7 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
                 spec.settle_all(len(early))
                 hit, every, node, idx = early, True, guess[1], ()
             else:
-                hit = rows["node"] != wire.NO_NODE
+                hit = rows["node"] != answerrows.NO_NODE
                 every = bool(hit.all())
                 numbers = np.array([cache.node_number(n) for n in nodes] or [0], np.int64)
                 node = numbers[rows["node"]] if every else np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)

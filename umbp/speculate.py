@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from transport.wire import LOC_ROW, NO_NODE
+from transport.answerrows import LOC_ROW, NO_NODE
 
 CACHE_MAX = 1 << 16  # remembered locations per client (about 15 MiB at most); the oldest quarter dropped when full
 BACKOFF_BATCHES = 8  # batches read the plain way after one whose speculation was mostly wasted
@@ -73,7 +73,7 @@ class LocationCache:
     oldest quarter goes when full).
 
     The array read path (``umbp/readbatch.py``) keeps an answer's rows instead (``learn_rows``): the key's 40-byte
-    ``wire.LOC_ROW`` as bytes, its node field naming a *place* (node id and read capability, ``_places``), so a batch's
+    ``answerrows.LOC_ROW`` as bytes, its node field naming a *place* (node id and read capability, ``_places``), so a batch's
     remembered locations are one ``map(dict.get)`` and one ``b"".join`` away from an array (``rows``). Places are
     deduplicated; at PLACES_MAX (closed pools: a capability per answer) every remembered location is dropped."""
 

@@ -42,7 +42,7 @@ from metaserver import validate as v
 from metaserver.handlers.ownership import LEASES_PRUNE_AT, own_lease, release_held
 from metaserver.table.directory import by_node
 from metaserver.table.entry import random_id
-from transport import slotrules, wire
+from transport import answerrows, slotrules
 from transport.wire import Op, Status
 from umbp.auth import read_capabilities_packed
 from umbp.errors import NotLeader, RemoteError, UmbpError
@@ -221,7 +221,7 @@ def lookup_merged(p, meta: dict, conn) -> dict:
         base += len(names)
     hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
     if not held:
-        return {"lease": 0, "nodes": [], "caps": [], "rows": wire.pack_locs(hit, (), (), (), (), ()),
+        return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ()),
                 "failed": failed}
     if len(held) > 1:
         tags, slots, codes = np.concatenate(tags), np.concatenate(slots), np.concatenate(codes)
@@ -241,7 +241,7 @@ def lookup_merged(p, meta: dict, conn) -> dict:
             if any(cap_keys) else [b""] * len(cap_keys))
     lease = ProcessLeases.of(conn).add(p, held)
     return {"lease": lease, "lease_ms": min(p.servers[name].lease_ms for name, _ in held), "nodes": [n for n, _ in ids],
-            "caps": caps, "rows": wire.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv),
+            "caps": caps, "rows": answerrows.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv),
             "failed": failed}
 
 

@@ -4,7 +4,7 @@ Every tick (``Metaserver.tick``) the mover starts, per node with a disk and no m
 (``_round``): a demotion when the node's DRAM is above the high watermark (its least recently used pages, down to
 the low watermark, ``MOVE_ROWS`` at most: the table's plan, ``metaserver/table/tiers.py``), else a promotion of the
 disk pages read lately while its DRAM is below the low watermark (never past it, so promotions and demotions do not
-chase each other). The round sends the node one DEMOTE or PROMOTE (``wire.TIER_ROW`` rows) over the mover's own
+chase each other). The round sends the node one DEMOTE or PROMOTE (``answerrows.TIER_ROW`` rows) over the mover's own
 connection to the node's data port (HELLO/AUTH with the cluster secret, as a node's link to the metaserver does),
 waits for its answer (``MOVE_S`` at most) and hands it to the table's ``finish``; the commit records of the moved
 pages go to etcd like a COMMIT's. A promotion into a closed pool's DRAM carries fresh generations (the node's write

@@ -27,7 +27,7 @@ import logging
 from metaserver.table.entry import Effects
 from metaserver.handlers.membership import Node
 from metaserver.table.tiers import twin_id
-from transport import wire
+from transport import objformat
 
 log = logging.getLogger("umbp.metaserver")
 
@@ -136,10 +136,10 @@ class Rejoin:
         arena_id, capacity, _deadline, recs, disk_id = p
         same_arena = arena_id == node.arena_id and capacity == node.capacity
         same_disk = disk_id is not None and disk_id == node.disk_id  # a disk file outlives its host's arena
-        lost = [r for r in recs if not (same_disk if r[2] & wire.DISK_BIT else same_arena)]
+        lost = [r for r in recs if not (same_disk if r[2] & objformat.DISK_BIT else same_arena)]
         if lost:
             self.forget_parked(node.node_id, lost, arena=False)
-            recs = [r for r in recs if (same_disk if r[2] & wire.DISK_BIT else same_arena)]
+            recs = [r for r in recs if (same_disk if r[2] & objformat.DISK_BIT else same_arena)]
         if not recs:
             return 0
         restored, fx = self.svc.dir.unpark(node.node_id, recs)

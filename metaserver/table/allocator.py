@@ -1,7 +1,7 @@
 """Space allocator for one node's arena: segregated best-fit over free extents, in 4 KiB units.
 
-The data region of an arena is ``[base, base + capacity)`` (``base`` is ``wire.ARENA_DATA_START``); every object
-takes ``wire.object_size(payload_len)`` bytes, a multiple of ``wire.ALIGN``. The allocator hands out absolute arena
+The data region of an arena is ``[base, base + capacity)`` (``base`` is ``objformat.ARENA_DATA_START``); every object
+takes ``objformat.object_size(payload_len)`` bytes, a multiple of ``objformat.ALIGN``. The allocator hands out absolute arena
 offsets and never touches the arena itself: it is pure bookkeeping, owned by the directory.
 
 Structure (TLSF-like):
@@ -50,7 +50,7 @@ from collections import OrderedDict as _Bin
 from itertools import compress, islice
 from operator import add as _plus, le, lt
 
-from transport.wire import ALIGN
+from transport.objformat import ALIGN
 
 UNIT = ALIGN
 EXACT_UNITS = 256  # exact bins for lengths 1..255 units

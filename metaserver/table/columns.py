@@ -69,7 +69,7 @@ from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows, retire_if_done
 from metaserver.table.place import alloc_rows, items_of
 from metaserver.table.commits import CommitRecords
 from metaserver.table.tiers import Tiers
-from transport import wire
+from transport import objformat
 
 BLOCK = 1 << 12  # rows a node takes at a time
 COLUMNS = (("node", np.uint16), ("unit", np.uint32), ("size", np.uint16), ("gen", np.uint64), ("pins", np.uint32),
@@ -188,7 +188,7 @@ class PageTable:
     def node_region(self, capacity: int) -> tuple[int, int]:
         """(base, size) of the part of a node's arena of ``capacity`` bytes that this table places in and loads
         from: the whole data region; a slot's table in a partitioned pool its slot's region (``slots.SlotTable``)."""
-        return wire.ARENA_DATA_START, capacity
+        return objformat.ARENA_DATA_START, capacity
 
     def _rows_of(self, node) -> np.ndarray:
         """Every row of ``node``'s blocks (int64), in block order."""

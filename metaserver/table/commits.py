@@ -33,7 +33,7 @@ Parents (the parent's key) are written under ``prefix-lru`` only (``lru`` keeps 
 etcd. A crash (or a deposed leader) then loses the pages of the records not yet written: the next term's full load
 does not have them, so they are misses, never wrong bytes: their extents are free in the next term and may hold
 other objects, but every read checks the object header's key hash and generation against the directory's
-(``wire.check_object_header``, the client's array check), the next term's generations are above every one handed
+(``objformat.check_object_header``, the client's array check), the next term's generations are above every one handed
 out before (``metaserver/store/generations.py`` reserves ranges in etcd first), the nodes' write ledgers admit the new
 objects' writes by those newer generations (``umbp/node/ledger.py``), and the writer of a lost page finished writing it
 before its COMMIT (so no late write of it can land on a new object: a writer still writing has no COMMIT, which is

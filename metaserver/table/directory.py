@@ -40,7 +40,7 @@ from metaserver.table import queries
 from metaserver.table.quotas import TableQuotas
 from metaserver.table.shared import SharedEntries
 from metaserver.table.tiers import SUFFIX, twin_id
-from transport import wire
+from transport import answerrows, objformat
 from transport.keyform import pick
 from umbp.auth import rank_tags, read_capabilities_packed
 from umbp.errors import ConfigError
@@ -200,7 +200,7 @@ class TableDirectory(PageTable):
                        ) -> dict:
         """LOOKUP with its closed-pool grants, from the columns (no Python step per key): the answer's ``lease``,
         ``caps`` (one read capability per node, covering that node's slots of the batch in key order) and, ``packed``,
-        ``nodes`` and ``rows`` (``wire.pack_locs``: one row a key), else ``locs`` (wire VERSION 11: ``(node_id,
+        ``nodes`` and ``rows`` (``answerrows.pack_locs``: one row a key), else ``locs`` (wire VERSION 11: ``(node_id,
         offset, payload_len, gen, tag, cap_index)`` or None a key). Tags come from the ``tag`` column; a row that has
         none yet (0: never looked up since its ALLOC or the load) gets it computed once here (``Tokens.tags``) and
         kept; a shared row keeps its shard base there, and a rank's tags are one ``rank_tags`` step over them.
@@ -216,7 +216,7 @@ class TableDirectory(PageTable):
         lease, hit, tags, slots, nix = self.lookup_columns(ns, keys, now, owner, tokens, shard)
         if not lease:
             if packed:
-                return {"lease": 0, "nodes": [], "caps": [], "rows": wire.pack_locs(hit, (), (), (), (), ())}
+                return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ())}
             return {"lease": 0, "locs": [None] * len(keys), "caps": []}
         n = len(nix)
         uniq, inv, order, ends = by_node(nix)
@@ -226,7 +226,7 @@ class TableDirectory(PageTable):
                                          ends) if any(cap_keys) else [b""] * len(cap_keys))  # an open pool: none
         if packed:
             return {"lease": lease, "nodes": names, "caps": caps,
-                    "rows": wire.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv)}
+                    "rows": answerrows.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv)}
         inv = np.broadcast_to(inv, n)
         locs = list(zip(self.node_names.take(uniq.take(inv)).tolist(), slots[:, 0].tolist(), slots[:, 1].tolist(),
                         slots[:, 2].tolist(), tags.tolist(), inv.tolist()))
@@ -351,7 +351,7 @@ class TableDirectory(PageTable):
             self.effects(fx)
         if recs is None:
             return n, None
-        disk = wire.DISK_BIT if node_id.endswith(SUFFIX) else 0  # a disk page parks at its disk address
+        disk = objformat.DISK_BIT if node_id.endswith(SUFFIX) else 0  # a disk page parks at its disk address
         out = [(ns, k, off | disk, plen, gen, parent, st, name) for ns, k, off, plen, gen, st, name, parent in recs]
         if disk or twin_id(node_id) in self.dying:
             out = self.tiers.parked(node_id, out)  # the DRAM pages kept until its disk's are dropped too
@@ -370,11 +370,11 @@ class TableDirectory(PageTable):
         fx = Effects()
         if not keep:
             return 0, fx
-        disk = [r for r in keep if r[2] & wire.DISK_BIT]  # its disk tier's pages: back under its twin
+        disk = [r for r in keep if r[2] & objformat.DISK_BIT]  # its disk tier's pages: back under its twin
         if disk:
-            keep = [r for r in keep if not r[2] & wire.DISK_BIT]
+            keep = [r for r in keep if not r[2] & objformat.DISK_BIT]
             if twin_id(node_id) in self.node_by_id:
-                on, fx = self.unpark(twin_id(node_id), [(r[0], r[1], r[2] & ~wire.DISK_BIT) + tuple(r[3:])
+                on, fx = self.unpark(twin_id(node_id), [(r[0], r[1], r[2] & ~objformat.DISK_BIT) + tuple(r[3:])
                                                        for r in disk])
                 back, fx2 = self.unpark(node_id, keep) if keep else (0, Effects())
                 fx.deletes.extend(fx2.deletes)

@@ -18,7 +18,8 @@ import struct
 
 import numpy as np
 
-from transport.wire import AllocState, object_size
+from transport.wire import AllocState
+from transport.objformat import object_size
 
 PENDING, READY, GONE = 0, 1, 2
 SHARD_SHIFT = 41  # payload lengths are at most 1 << 40 (validate.MAX_PAYLOAD)

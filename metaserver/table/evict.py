@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from metaserver.table.entry import PART_MASK, PENDING, READY, SHARD_SHIFT, extent_size
-from transport.wire import ALIGN, OBJ_HEADER_SIZE
+from transport.objformat import ALIGN, OBJ_HEADER_SIZE
 from metaserver.table.nodes import NodeRows
 
 CANDIDATES = 1024  # the fewest victims a queue refill collects

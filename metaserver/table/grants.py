@@ -2,7 +2,7 @@
 one capability per node per batch, built from the placement's columns (``Placed``) without a Python object per key.
 
 An ALLOC answer (wire VERSION 12) is ``{"nodes": [node_id, ...], "caps": [cap, ...], "rows": bytes}``: one
-``wire.ALLOC_ROW`` a key (its state; for a NEW key its tag, generation, payload length, offset and the index of its
+``answerrows.ALLOC_ROW`` a key (its state; for a NEW key its tag, generation, payload length, offset and the index of its
 node in ``nodes``, which is also its capability's in ``caps``). A VERSION 11 request gets ``{"items": [[NEW, node,
 off, size, gen, tag, cap_index] | [state, None, None, None, None], ...], "caps": [...]}``. ``caps[j]`` covers every
 slot (offset, payload length, generation) of the batch on node j, so a batch costs one MAC per node instead of one
@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from metaserver.table.entry import NEW, factor
-from transport import wire
+from transport import answerrows
 from transport.keyform import pick
 from umbp.auth import Tokens, write_capabilities_packed
 
@@ -71,7 +71,7 @@ def grant_alloc(tokens: Tokens, member: Callable, ns: str, keys: list, p: Placed
     new = p.new
     if not len(new):
         if packed:
-            return {"nodes": [], "caps": [], "rows": wire.pack_allocs(p.state, new, (), (), (), (), ())}
+            return {"nodes": [], "caps": [], "rows": answerrows.pack_allocs(p.state, new, (), (), (), (), ())}
         return {"items": [(s, None, None, None, None) for s in p.state.tolist()], "caps": []}
     tags = np.array(tokens.tags(ns, pick(keys, new.tolist()), p.rank), np.uint64)
     if p.keep is not None:
@@ -88,7 +88,7 @@ def grant_alloc(tokens: Tokens, member: Callable, ns: str, keys: list, p: Placed
                                      [m.cap_epoch if m is not None else 0 for m in ms], slots.tobytes(), bounds,
                                      deadline_ms)
     if packed:
-        return {"nodes": names, "caps": caps, "rows": wire.pack_allocs(p.state, new, tags, p.gens, p.lens, p.offs, inv)}
+        return {"nodes": names, "caps": caps, "rows": answerrows.pack_allocs(p.state, new, tags, p.gens, p.lens, p.offs, inv)}
     out: list = [(s, None, None, None, None) for s in p.state.tolist()]
     for i, j, o, ln, g, t in zip(new.tolist(), inv.tolist(), p.offs.tolist(), p.lens.tolist(), p.gens.tolist(),
                                  tags.tolist()):

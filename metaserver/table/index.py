@@ -20,7 +20,7 @@ digest is not safe as the page's identity: a raw key is its own digest, so two c
 bytes (``b"\\x07" * 24 + counter`` shares 16) would be one page; and a reader is not saved by the object header,
 because a closed pool's LOOKUP answers the keyed tag kept in the row's ``tag`` column (``TableDirectory
 ._kept_tags``: computed from the key of the row's first LOOKUP), and the client checks the header against that
-tag (``wire.check_object_header`` via ``transport.base.read_from_arena``, ``umbp/client.py`` ``_read_ops``), not
+tag (``objformat.check_object_header`` via ``transport.base.read_from_arena``, ``umbp/client.py`` ``_read_ops``), not
 against one of its own key: the header would match and the reader would get the other key's bytes.
 
 Buckets (``_Buckets``): ``words``, (buckets, 16) u32, one 64-byte line a bucket: ``SLOTS`` = 10 slots, each a row + 1

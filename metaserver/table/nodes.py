@@ -26,7 +26,7 @@ import numpy as np
 
 from metaserver.table.allocator import Allocator
 from metaserver.table.entry import GONE, READY
-from transport import wire
+from transport import objformat
 from umbp.errors import ConfigError
 
 UNIT_SHIFT = 12  # offsets are multiples of the allocator's 4 KiB unit: the unit column holds offset >> 12
@@ -64,7 +64,7 @@ def add_node(t, node_id: str, capacity: int) -> None:
     previous incarnation still drains (a new index; the old one's rows stay hidden until dropped)."""
     if node_id in t.node_by_id:
         raise ConfigError("columns", f"node {node_id!r} already has rows")
-    if wire.ARENA_DATA_START + capacity > 1 << (32 + UNIT_SHIFT):
+    if objformat.ARENA_DATA_START + capacity > 1 << (32 + UNIT_SHIFT):
         raise ConfigError("columns", f"node {node_id!r}: an arena of {capacity} bytes is past the 16 TiB a u32 "
                                      "offset column of 4 KiB units addresses")
     if t.free_node_ix:

@@ -50,13 +50,13 @@ import numpy as np
 from metaserver.table.columns import PageTable, by_key
 from metaserver.table.entry import EXISTS_ITEM, IN_FLIGHT_ITEM, NEW, PART_MASK, PENDING, READY, layout, shards_of
 from metaserver.table.nodes import UNIT_SHIFT
-from transport import wire
+from transport import objformat
 
 
 def strides(codes: np.ndarray) -> np.ndarray:
     """The bytes between two sub-slots of each layout code (uint64): one object slot of its part length."""
-    a = np.uint64(wire.ALIGN)
-    return (np.uint64(wire.OBJ_HEADER_SIZE) + (codes & np.uint64(PART_MASK)) + a - np.uint64(1)) // a * a
+    a = np.uint64(objformat.ALIGN)
+    return (np.uint64(objformat.OBJ_HEADER_SIZE) + (codes & np.uint64(PART_MASK)) + a - np.uint64(1)) // a * a
 
 
 class ShardState:
@@ -127,7 +127,7 @@ class SharedEntries:
                 part = code & PART_MASK
                 sz = stride.get(part)
                 if sz is None:
-                    sz = stride[part] = wire.object_size(part)
+                    sz = stride[part] = objformat.object_size(part)
                 items[i] = (NEW, t.nodes[node[i]].node_id, (unit[i] << UNIT_SHIFT) + rk * sz, part, gen[i])
             else:
                 items[i] = IN_FLIGHT_ITEM
@@ -163,7 +163,7 @@ class SharedEntries:
             st.owners[rk] = owner
             _, node_id, off, code, gen = got[j]
             part = code & PART_MASK
-            got[j] = (NEW, node_id, off + rk * wire.object_size(part), part, gen)
+            got[j] = (NEW, node_id, off + rk * objformat.object_size(part), part, gen)
         for i, it in zip(place, got):
             items[i] = it
 

@@ -7,7 +7,7 @@ rows are the pages on that disk. A row's tier is therefore its ``node`` column, 
 node holds per tier: capacity and use, exact LRU (the twin's watermark pass is the disk tier's own eviction), loss,
 parking and return, commit records (a twin's pages name the twin in their segments, so a takeover's full load files
 them back under it). The twin is never placeable: only a move puts a page on it. A LOOKUP answers a twin's rows as
-its host's, their offsets with ``wire.DISK_BIT`` set (``answer``), so a client reads them with READV_DISK and the
+its host's, their offsets with ``objformat.DISK_BIT`` set (``answer``), so a client reads them with READV_DISK and the
 read capability names the disk address: a DRAM grant never reads the disk, nor a disk grant DRAM.
 
 A move (demotion: DRAM -> disk, promotion: disk -> DRAM) is two steps around the node's copy:
@@ -39,7 +39,7 @@ import numpy as np
 from metaserver.table.entry import GONE, READY, extent_size
 from metaserver.table.evict import victim
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows, add_node, set_placeable
-from transport import wire
+from transport import answerrows, objformat
 
 SUFFIX = "/disk"
 BASE = ("node", "unit", "size", "gen", "stamp", "state", "ns", "tag")  # the columns a moved page keeps (not its
@@ -75,11 +75,11 @@ class Move:
         self.lens = table.code_arr.take(c["size"].take(rows))
 
     def tier_rows(self) -> bytes:
-        """The DEMOTE/PROMOTE request's rows (``wire.pack_tier_rows``): each page's tag, generation, length, DRAM
+        """The DEMOTE/PROMOTE request's rows (``answerrows.pack_tier_rows``): each page's tag, generation, length, DRAM
         and disk offsets, and the generation of its copy when that differs (0: the same)."""
         dram, disk = (self.src_offs, self.offs) if self.to_disk else (self.offs, self.src_offs)
         regen = np.where(self.regen != self.gens, self.regen, 0)
-        return wire.pack_tier_rows(self.tags, self.gens, self.lens, dram, disk, regen)
+        return answerrows.pack_tier_rows(self.tags, self.gens, self.lens, dram, disk, regen)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -127,7 +127,7 @@ class Tiers:
         self.hosts = np.arange(len(nodes), dtype=np.int64)
         for n in nodes:
             if n is not None and n.node_id.endswith(SUFFIX):
-                self.bits[n.ix] = wire.DISK_BIT
+                self.bits[n.ix] = objformat.DISK_BIT
                 self.hosts[n.ix] = live.get(n.node_id[:-len(SUFFIX)], n.ix)
 
     def answer(self, nix: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ from metaserver.table.entry import NEW, Entry
 from metaserver.table.nodes import add_node
 from metaserver.table.records import SEG_BYTE, batch_entries, segment_entries, unpack_segment
 from metaserver.table.snapshot import PageRecords
-from transport.wire import object_size
+from transport.objformat import object_size
 
 PLEN = 60_000  # one 64 KiB object slot each
 

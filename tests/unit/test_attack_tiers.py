@@ -14,8 +14,8 @@ from metaserver.ha import handoff
 from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import NEW
 from metaserver.table.quarantine import Quarantine
-from transport import wire
-from transport.wire import object_size
+from transport import objformat
+from transport.objformat import object_size
 
 PLEN = 60_000  # a 64 KiB extent
 EXT = object_size(PLEN)
@@ -74,7 +74,7 @@ def test_a_leader_that_gives_up_hands_its_moves_destinations_on():
     assert handoff.hold(new, blob)[1] == 2 * EXT
     twin = new.tiers.twin("n1")
     assert all(twin.alloc.alloc(EXT) not in move.offs for _ in range(14))
-    assert wire.DISK_DATA_START <= min(move.offs)
+    assert objformat.DISK_DATA_START <= min(move.offs)
 
 
 class _Store:
@@ -110,10 +110,10 @@ def test_a_disk_page_a_reader_holds_is_neither_evicted_for_room_nor_its_extent_g
     keys = [b"k%d" % i for i in range(4)]
     put(d, keys, 1)
     assert d.tiers.finish(d.tiers.plan_demote("n1", 2 * EXT, 64, now=1.0), set()) == 2  # the disk is full
-    on_disk = [k for k, off in _lease(d, keys, 2.0)[1].items() if off & wire.DISK_BIT]
+    on_disk = [k for k, off in _lease(d, keys, 2.0)[1].items() if off & objformat.DISK_BIT]
     d.expire_leases(1e9, 100)
     lease, held = _lease(d, on_disk[:1], 3.0)  # a reader holds one disk page
-    extent = held[on_disk[0]] ^ wire.DISK_BIT
+    extent = held[on_disk[0]] ^ objformat.DISK_BIT
     move = d.tiers.plan_demote("n1", 2 * EXT, 64, now=4.0)
     assert move is not None and extent not in move.offs
     d.tiers.finish(move, set())
@@ -136,7 +136,7 @@ def test_a_promoted_pages_disk_extent_stays_allocated_while_a_reader_of_the_disk
     move = d.tiers.plan_promote("n1", 64, now=3.0)
     assert move is not None and len(move) == 1
     lease, held = _lease(d, keys[:1], 3.5)  # a reader of the disk copy, during the move
-    extent = held[keys[0]] ^ wire.DISK_BIT
+    extent = held[keys[0]] ^ objformat.DISK_BIT
     assert d.tiers.finish(move, set()) == 1
     d.check()
     twin = d.tiers.twin("n1")

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from transport import wire
+from transport import objformat
 from umbp.auth import ClientAuth, Tokens, rank_tags, token_id, with_caps
 from umbp.errors import AuthError, ConfigError, ProtocolError
 
@@ -135,11 +135,11 @@ def test_client_with_a_token_refuses_an_open_server():
 def test_tags_are_wire_key_hash_in_an_open_pool_and_keyed_in_a_closed_one():
     keys = [b"a", b"\xff" * 32, "k".encode() * 64]
     open_pool, closed = Tokens(None, {}), Tokens(b"cluster-secret-0123456789", {})
-    assert open_pool.tags("ns", keys) == [wire.key_hash("ns", k) for k in keys]
+    assert open_pool.tags("ns", keys) == [objformat.key_hash("ns", k) for k in keys]
     assert [open_pool.tag("ns", k) for k in keys] == open_pool.tags("ns", keys)
     tagged = closed.tags("ns", keys)
     assert tagged == [closed.tag("ns", k) for k in keys]
-    assert not set(tagged) & {wire.key_hash("ns", k) for k in keys}  # not computable from public fields
+    assert not set(tagged) & {objformat.key_hash("ns", k) for k in keys}  # not computable from public fields
     assert closed.tags("other", keys) != tagged  # the namespace is part of it
 
 

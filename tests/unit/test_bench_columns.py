@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from transport import wire
+from transport import answerrows
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "columns.py"
 
@@ -59,7 +59,7 @@ def test_the_columns_bench_wire_lookup_answers_what_a_node_accepts():
     asked = keys[100:140] + [b"\x00" * 31 + b"\x01"]  # the last is not stored
     reply = bench.msgpack.unpackb(s.wire_lookup(bench.msgpack.packb({"ns": "kv", "keys": asked})), raw=False)
     assert isinstance(reply["rows"], bytes) and reply["lease_ms"] > 0
-    answer = wire.unpack_locs(reply, "test")
+    answer = answerrows.unpack_locs(reply, "test")
     locs, caps = answer["locs"], answer["caps"]
     assert locs[-1] is None and all(loc is not None for loc in locs[:-1])
     assert [loc[4] for loc in locs[:-1]] == s.tokens.tags("kv", asked[:-1])

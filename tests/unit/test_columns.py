@@ -15,7 +15,7 @@ from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE
 from metaserver.table.index import MAX_LOAD, MIN_SLOTS
 from metaserver.table.nodes import add_node
 from metaserver.table.quarantine import Quarantine
-from transport.wire import object_size
+from transport.objformat import object_size
 from umbp.errors import ConfigError
 
 from tablekit import PLEN, put, table

@@ -9,7 +9,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from transport import wire
+from transport import objformat
 from umbp.devcopy import DeviceBatch, DeviceCopier
 from umbp.errors import CorruptionError, InvalidArgument, TransportError
 
@@ -28,7 +28,7 @@ def test_segments_in_page_order_with_relative_offsets():
 
 
 def test_write_bounds_launch_failure_and_header_last():
-    arena = bytearray(8 * wire.ALIGN)
+    arena = bytearray(8 * objformat.ALIGN)
     arena_mv = memoryview(arena)
     base = ctypes.addressof(ctypes.c_char.from_buffer(arena))
     payloads = [np.full(300, 7, np.uint8), np.full(200, 9, np.uint8), np.full(100, 5, np.uint8)]
@@ -45,17 +45,17 @@ def test_write_bounds_launch_failure_and_header_last():
 
     dev = DeviceCopier("client t")
     dev.launch = launch
-    a0, a1, a2 = wire.ARENA_DATA_START, wire.ARENA_DATA_START + wire.ALIGN, len(arena) - 64
+    a0, a1, a2 = objformat.ARENA_DATA_START, objformat.ARENA_DATA_START + objformat.ALIGN, len(arena) - 64
     for off in (a0, a1):
         arena[off:off + 4] = b"\xff\xff\xff\xff"  # a stale header
-    heads = [wire.pack_object_header(i + 1, 1, p.size) for i, p in enumerate(payloads)]
+    heads = [objformat.pack_object_header(i + 1, 1, p.size) for i, p in enumerate(payloads)]
     res = dev.write(b, [(0, arena_mv, base, a0, heads[0]), (1, arena_mv, base, a1, heads[1]),
                         (2, arena_mv, base, a2, heads[2])])
     assert res[0] is None
     assert isinstance(res[1], TransportError) and "device write on bad failed" in str(res[1])
     assert isinstance(res[2], CorruptionError) and "outside the arena" in str(res[2])
     assert sorted(launched) == [("bad", 1), ("good", 1)]  # the out-of-bounds place never reached a launch
-    hs = wire.OBJ_HEADER_SIZE
+    hs = objformat.OBJ_HEADER_SIZE
     assert bytes(arena[a0:a0 + hs]) == heads[0] and bytes(arena[a0 + hs:a0 + hs + 300]) == bytes([7]) * 300
     assert bytes(arena[a1:a1 + 4]) == b"\0\0\0\0"  # the failed page's header stays invalid
     assert b.via.tolist() == [DeviceBatch.VIA_KERNEL, DeviceBatch.VIA_NONE, DeviceBatch.VIA_NONE]

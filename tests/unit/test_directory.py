@@ -14,7 +14,7 @@ from metaserver.table import queries
 from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, PENDING, READY, Effects
 from metaserver.table.records import pages_of
 from metaserver.table.directory import TableDirectory
-from transport.wire import ALIGN, ARENA_DATA_START, object_size
+from transport.objformat import ALIGN, ARENA_DATA_START, object_size
 
 from tablekit import etcd_pages, named, write
 

@@ -16,7 +16,7 @@ from metaserver.table.records import pages_of, unpack_segment
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
-from transport.wire import ALIGN, ARENA_DATA_START, object_size
+from transport.objformat import ALIGN, ARENA_DATA_START, object_size
 
 PART = 3000  # one sub-slot: 3000 payload bytes + header = one 4 KiB unit
 STRIDE = object_size(PART)

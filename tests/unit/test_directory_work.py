@@ -9,7 +9,7 @@ import random
 
 from metaserver.table.entry import IN_FLIGHT, NEW, Effects
 from metaserver.table.load import load_pages
-from transport.wire import ALIGN, ARENA_DATA_START, object_size
+from transport.objformat import ALIGN, ARENA_DATA_START, object_size
 
 from test_directory import PAGE, make, pins, put
 

@@ -9,12 +9,14 @@ import random
 
 import pytest
 
-from transport import wire
+from transport import answerrows, objformat, wire
+
+
 from umbp.errors import ConfigError
 from umbp.node.disk import ALIGN, Buffers, DiskArena, Job
 
 CAP = 64 << 20
-HS = wire.OBJ_HEADER_SIZE
+HS = objformat.OBJ_HEADER_SIZE
 
 
 @pytest.fixture
@@ -24,12 +26,12 @@ def path(tmp_path):
 
 def layout(rng: random.Random, sizes: list[int]) -> list[int]:
     """Disjoint aligned offsets for extents of ``sizes``, in a shuffled order with gaps."""
-    offs, at = [], wire.DISK_DATA_START
+    offs, at = [], objformat.DISK_DATA_START
     for n in sizes:
         at += rng.choice((0, ALIGN, 3 * ALIGN))
         offs.append(at)
-        at += wire.align_up(n)
-    assert at <= wire.DISK_DATA_START + CAP
+        at += objformat.align_up(n)
+    assert at <= objformat.DISK_DATA_START + CAP
     return offs
 
 
@@ -71,18 +73,18 @@ def test_reopen_keeps_id_and_bytes_another_capacity_starts_afresh(path):
     assert not d.reopened and len(first) == 16
     buf = d.buffers.get(ALIGN)
     buf[:] = b"x" * ALIGN
-    d.wait([Job(True, wire.DISK_DATA_START + ALIGN, [buf])])
+    d.wait([Job(True, objformat.DISK_DATA_START + ALIGN, [buf])])
     d.close()
     d = DiskArena(path, CAP, 2)
     try:
         assert d.reopened and d.disk_id == first
-        got = d.wait([Job(False, wire.DISK_DATA_START + ALIGN, [d.buffers.get(ALIGN)])])[0]
+        got = d.wait([Job(False, objformat.DISK_DATA_START + ALIGN, [d.buffers.get(ALIGN)])])[0]
         assert bytes(got.views[0]) == b"x" * ALIGN
     finally:
         d.close()
     d = DiskArena(path, CAP // 2, 2)  # another capacity: another disk (its pages are nobody's)
     try:
-        assert not d.reopened and d.disk_id != first and os.path.getsize(path) == wire.DISK_DATA_START + CAP // 2
+        assert not d.reopened and d.disk_id != first and os.path.getsize(path) == objformat.DISK_DATA_START + CAP // 2
     finally:
         d.close()
     with open(path, "r+b") as fh:  # not a disk arena at all (a superblock overwritten)
@@ -90,7 +92,7 @@ def test_reopen_keeps_id_and_bytes_another_capacity_starts_afresh(path):
     d = DiskArena(path, CAP // 2, 2)
     try:
         assert not d.reopened
-        assert wire.unpack_disk_superblock(os.pread(os.open(path, os.O_RDONLY), ALIGN, 0)) == (d.disk_id, CAP // 2)
+        assert objformat.unpack_disk_superblock(os.pread(os.open(path, os.O_RDONLY), ALIGN, 0)) == (d.disk_id, CAP // 2)
     finally:
         d.close()
 
@@ -98,7 +100,7 @@ def test_reopen_keeps_id_and_bytes_another_capacity_starts_afresh(path):
 def test_check_refuses_ranges_outside_the_data_region(path):
     d = DiskArena(path, 1 << 20, 1)
     try:
-        start, end = wire.DISK_DATA_START, wire.DISK_DATA_START + (1 << 20)
+        start, end = objformat.DISK_DATA_START, objformat.DISK_DATA_START + (1 << 20)
         assert d.check(start, 1 << 20) is None and d.check(end - ALIGN, ALIGN) is None
         for off, n in ((0, ALIGN), (start + 1, ALIGN), (end - ALIGN, 2 * ALIGN), (start, -1), (end, ALIGN)):
             assert d.check(off, n) is not None and d.check(off, n) != "", (off, n)
@@ -123,8 +125,8 @@ def test_buffered_fallback_when_o_direct_is_refused(path, monkeypatch, capsys):
         assert len(out) == 1 and "WARNING" in out[0] and path in out[0] and "O_DIRECT" in out[0]
         buf = d.buffers.get(ALIGN)
         buf[:] = b"y" * ALIGN
-        d.wait([Job(True, wire.DISK_DATA_START, [buf])])
-        assert os.pread(real(path, os.O_RDONLY), ALIGN, wire.DISK_DATA_START) == b"y" * ALIGN
+        d.wait([Job(True, objformat.DISK_DATA_START, [buf])])
+        assert os.pread(real(path, os.O_RDONLY), ALIGN, objformat.DISK_DATA_START) == b"y" * ALIGN
     finally:
         d.close()
 
@@ -132,7 +134,7 @@ def test_buffered_fallback_when_o_direct_is_refused(path, monkeypatch, capsys):
 def test_a_failed_transfer_is_its_jobs_error_not_the_batchs(path):
     d = DiskArena(path, 1 << 20, 2)
     try:
-        ok = Job(False, wire.DISK_DATA_START, [d.buffers.get(ALIGN)])
+        ok = Job(False, objformat.DISK_DATA_START, [d.buffers.get(ALIGN)])
         bad = Job(False, d.size, [d.buffers.get(ALIGN)])  # past the end of the file: no progress
         d.wait([ok, bad])
         assert ok.error is None and isinstance(bad.error, OSError) and d.stats["errors"] == 1
@@ -205,24 +207,24 @@ def test_demote_writes_the_header_last_and_a_failed_sync_leaves_no_valid_extent(
 
     node, conn = _node(tmp_path)
     plens = [100, 9000, 70_000]
-    drams, disks, payloads, at = [], [], [], wire.ARENA_DATA_START
+    drams, disks, payloads, at = [], [], [], objformat.ARENA_DATA_START
     for i, n in enumerate(plens):
         payloads.append(bytes([i + 1]) * n)
-        node.arena.view[at:at + HS + n] = wire.pack_object_header(50 + i, 9, n) + payloads[-1]
+        node.arena.view[at:at + HS + n] = objformat.pack_object_header(50 + i, 9, n) + payloads[-1]
         drams.append(at)
-        disks.append(wire.DISK_DATA_START + at)
-        at += wire.object_size(n)
-    rows = {"rows": wire.pack_tier_rows([50, 51, 52], [9] * 3, plens, drams, disks)}
+        disks.append(objformat.DISK_DATA_START + at)
+        at += objformat.object_size(n)
+    rows = {"rows": answerrows.pack_tier_rows([50, 51, 52], [9] * 3, plens, drams, disks)}
     events = []
     real_run, real_sync = node.disk.run, node.disk.sync
     monkeypatch.setattr(node.disk, "run", lambda jobs, done: (events.extend(
         ("write", j.offset, bytes(memoryview(j.views[0])[:HS])) for j in jobs if j.write), real_run(jobs, done)))
     monkeypatch.setattr(node.disk, "sync", lambda: (events.append(("sync",)), real_sync()))
-    reads = [[wire.DISK_BIT | d, 0, n, 50 + i, 9, n, b""] for i, (d, n) in enumerate(zip(disks, plens))]
+    reads = [[objformat.DISK_BIT | d, 0, n, 50 + i, 9, n, b""] for i, (d, n) in enumerate(zip(disks, plens))]
     try:
         status, meta, _ = asyncio.run(_request(conn, wire.Op.DEMOTE, rows))
         assert status == 0 and meta is None
-        zero, heads = bytes(HS), [wire.pack_object_header(50 + i, 9, n) for i, n in enumerate(plens)]
+        zero, heads = bytes(HS), [objformat.pack_object_header(50 + i, 9, n) for i, n in enumerate(plens)]
         assert [e[0] for e in events] == ["write"] * 3 + ["sync"] + ["write"] * 3 + ["sync"]
         assert sorted(e[1:] for e in events[:3]) == sorted((d, zero) for d in disks)  # extents: no header yet
         assert sorted(e[1:] for e in events[4:7]) == sorted(zip(disks, heads))  # then the headers alone
@@ -231,12 +233,12 @@ def test_demote_writes_the_header_last_and_a_failed_sync_leaves_no_valid_extent(
         # the same batch over new objects, the first fdatasync failing (as a crash there would stop it): every row
         # failed, and no extent reads as valid, neither the new object nor the old one
         for i, (d, n) in enumerate(zip(drams, plens)):
-            node.arena.view[d:d + HS + n] = wire.pack_object_header(60 + i, 10, n) + bytes([9]) * n
+            node.arena.view[d:d + HS + n] = objformat.pack_object_header(60 + i, 10, n) + bytes([9]) * n
         monkeypatch.setattr(node.disk, "sync", lambda: (_ for _ in ()).throw(OSError(5, "Input/output error")))
-        rows = {"rows": wire.pack_tier_rows([60, 61, 62], [10] * 3, plens, drams, disks)}
+        rows = {"rows": answerrows.pack_tier_rows([60, 61, 62], [10] * 3, plens, drams, disks)}
         status, meta, _ = asyncio.run(_request(conn, wire.Op.DEMOTE, rows))
         assert [f[0] for f in meta] == [0, 1, 2] and all("sync failed" in f[2] for f in meta)
-        new_reads = [[wire.DISK_BIT | d, 0, n, 60 + i, 10, n, b""] for i, (d, n) in enumerate(zip(disks, plens))]
+        new_reads = [[objformat.DISK_BIT | d, 0, n, 60 + i, 10, n, b""] for i, (d, n) in enumerate(zip(disks, plens))]
         status, meta, data = asyncio.run(_request(conn, wire.Op.READV_DISK, reads + new_reads))
         assert data == b"" and sorted(f[0] for f in meta) == list(range(6))
         assert {f[1] for f in meta} == {wire.Status.CORRUPT}

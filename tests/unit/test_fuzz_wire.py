@@ -26,7 +26,8 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.wire import Op
 from umbp.errors import BadRequest, CorruptionError, ProtocolError, UmbpError
 
@@ -258,8 +259,8 @@ def _only(fn, allowed, component=None):
 
 @fuzz_settings(150)
 @given(head=st.binary(min_size=wire.HEADER_SIZE, max_size=wire.HEADER_SIZE + 8),
-       obj=st.binary(min_size=wire.OBJ_HEADER_SIZE, max_size=wire.OBJ_HEADER_SIZE + 8),
-       sb=st.binary(min_size=wire.ARENA_SUPER.size, max_size=wire.ARENA_SUPER.size + 8),
+       obj=st.binary(min_size=objformat.OBJ_HEADER_SIZE, max_size=objformat.OBJ_HEADER_SIZE + 8),
+       sb=st.binary(min_size=objformat.ARENA_SUPER.size, max_size=objformat.ARENA_SUPER.size + 8),
        meta=st.one_of(st.binary(max_size=200), junk.map(lambda m: msgpack.packb(m, use_bin_type=True))),
        khash=ints.map(lambda x: x & ((1 << 64) - 1)), gen=ints.map(lambda x: x & ((1 << 64) - 1)),
        plen=ints.map(lambda x: x & ((1 << 64) - 1)), limits=st.tuples(st.integers(0, 1 << 32),
@@ -268,10 +269,10 @@ def test_header_decoders_raise_only_their_own_errors(head, obj, sb, meta, khash,
     r = _only(lambda: wire.decode_header(head, "node n1", *limits), ProtocolError, "node n1")
     assert isinstance(r, (ProtocolError, tuple))
     r = _only(lambda: wire.unpack_meta(meta, "metaserver"), BadRequest, "metaserver")
-    r = _only(lambda: wire.check_object_header(memoryview(obj), "client x", khash, gen, plen), CorruptionError,
+    r = _only(lambda: objformat.check_object_header(memoryview(obj), "client x", khash, gen, plen), CorruptionError,
               "client x")
     assert isinstance(r, CorruptionError) or r is None or type(r) is int
-    r = _only(lambda: wire.unpack_superblock(sb), ValueError)
+    r = _only(lambda: objformat.unpack_superblock(sb), ValueError)
     assert isinstance(r, (ValueError, tuple))
 
 
@@ -279,20 +280,20 @@ def test_header_decoders_raise_only_their_own_errors(head, obj, sb, meta, khash,
 @given(khash=st.integers(0, (1 << 64) - 1), gen=st.integers(0, (1 << 64) - 1), plen=st.integers(0, 1 << 40),
        csum=st.one_of(st.none(), st.integers(0, (1 << 32) - 1)), pos=st.integers(0, 39), delta=st.integers(1, 255))
 def test_any_changed_byte_of_an_object_header_is_a_corruption_error(khash, gen, plen, csum, pos, delta):
-    good = wire.pack_object_header(khash, gen, plen, csum)
-    assert wire.check_object_header(good, "c", khash, gen, plen) == csum
+    good = objformat.pack_object_header(khash, gen, plen, csum)
+    assert objformat.check_object_header(good, "c", khash, gen, plen) == csum
     bad = bytearray(good)
     bad[pos] = (bad[pos] + delta) & 0xFF
     with pytest.raises(CorruptionError, match="^c: "):
-        wire.check_object_header(bytes(bad), "c", khash, gen, plen)
+        objformat.check_object_header(bytes(bad), "c", khash, gen, plen)
 
 
 # On a buffer shorter than their struct the decoders raise the component's error, not struct.error.
 @pytest.mark.parametrize("fn", ["decode_header", "check_object_header", "unpack_superblock"])
 def test_header_decoders_on_short_buffers(fn):
     calls = {"decode_header": (lambda b: wire.decode_header(b, "c"), ProtocolError),
-             "check_object_header": (lambda b: wire.check_object_header(b, "c", 0, 0, 0), CorruptionError),
-             "unpack_superblock": (lambda b: wire.unpack_superblock(b), ValueError)}
+             "check_object_header": (lambda b: objformat.check_object_header(b, "c", 0, 0, 0), CorruptionError),
+             "unpack_superblock": (lambda b: objformat.unpack_superblock(b), ValueError)}
     call, err = calls[fn]
     for n in (0, 1, 23, 47, 63):
         with pytest.raises(err):

@@ -11,7 +11,8 @@ import zlib
 import numpy as np
 import pytest
 
-from transport import wire
+from transport import answerrows, objformat
+
 from transport.base import _WORD0, _crc_after_word0, headers_match
 from umbp.errors import CorruptionError, InvalidArgument
 from umbp.keys import normalize_key, normalize_keys
@@ -86,13 +87,13 @@ def test_flat_crc_table_matches_zlib_and_headers_match_the_per_page_check():
     heads, want, expect = [], [], []
     for _ in range(300):
         tag, gen, plen = prng.getrandbits(64), prng.getrandbits(63), prng.randrange(1, 1 << 40)
-        h = bytearray(wire.pack_object_header(tag, gen, plen))
+        h = bytearray(objformat.pack_object_header(tag, gen, plen))
         if prng.random() < 0.5:  # corruption: one flipped bit anywhere in the header
             h[prng.randrange(64)] ^= 1 << prng.randrange(8)
         heads.append(bytes(h))
         want.append((tag, gen, plen))
         try:
-            expect.append(wire.check_object_header(bytes(h), "t", tag, gen, plen) is None)
+            expect.append(objformat.check_object_header(bytes(h), "t", tag, gen, plen) is None)
         except CorruptionError:
             expect.append(False)
     arr = np.frombuffer(b"".join(heads), np.uint8).reshape(-1, 64)
@@ -102,7 +103,7 @@ def test_flat_crc_table_matches_zlib_and_headers_match_the_per_page_check():
 
 def _rows(rng: random.Random, n: int, pages: dict, keys: list[bytes], nnodes: int) -> np.ndarray:
     """An answer's rows for ``keys``: each key's page in ``pages`` (moved now and then), or a miss."""
-    rows = np.zeros(n, wire.LOC_ROW)
+    rows = np.zeros(n, answerrows.LOC_ROW)
     for i, k in enumerate(keys):
         r = rng.random()
         if r < 0.1:
@@ -113,7 +114,7 @@ def _rows(rng: random.Random, n: int, pages: dict, keys: list[bytes], nnodes: in
         if k in pages:
             rows[i] = (*pages[k], 0)
         else:
-            rows[i]["node"] = wire.NO_NODE
+            rows[i]["node"] = answerrows.NO_NODE
     return rows
 
 
@@ -129,7 +130,7 @@ def test_learn_rows_skip_leaves_the_same_cache_as_storing_every_answer(seed):
         if rng.random() < 0.5:  # steady state: the same pages answered again, unchanged
             stable = {k: pages[k] for k in keys if k in pages}
             if len(stable) == len(keys):
-                rows = np.array([(*stable[k], 0) for k in keys], wire.LOC_ROW)
+                rows = np.array([(*stable[k], 0) for k in keys], answerrows.LOC_ROW)
             else:
                 rows = _rows(rng, len(keys), pages, keys, len(nodes))
         else:
@@ -149,19 +150,19 @@ def _arena(pages: int, size: int):
 
     from transport.shm import ShmTransport
     from umbp import copies
-    osz = wire.object_size(size)
-    m = mmap.mmap(-1, wire.ARENA_DATA_START + osz * pages)
+    osz = objformat.object_size(size)
+    m = mmap.mmap(-1, objformat.ARENA_DATA_START + osz * pages)
     t = ShmTransport.__new__(ShmTransport)
     t.component, t._map, t.arena, t.size = "transport shm t", m, memoryview(m), len(m)
     t._base, t._head_rows, t._checked = copies.address(t.arena), None, {}
     rng = np.random.default_rng(size)
-    off = (wire.ARENA_DATA_START + np.arange(pages) * osz).astype(np.uint64)
+    off = (objformat.ARENA_DATA_START + np.arange(pages) * osz).astype(np.uint64)
     tag = rng.integers(0, 1 << 63, pages, dtype=np.uint64)
     gen = rng.integers(1, 1 << 40, pages, dtype=np.uint64)
     data = rng.integers(0, 256, (pages, size), dtype=np.uint8)
     a8 = np.frombuffer(t.arena, np.uint8)
     for i, o in enumerate(off.tolist()):
-        a8[o:o + 64] = np.frombuffer(wire.pack_object_header(int(tag[i]), int(gen[i]), size), np.uint8)
+        a8[o:o + 64] = np.frombuffer(objformat.pack_object_header(int(tag[i]), int(gen[i]), size), np.uint8)
         a8[o + 64:o + 64 + size] = data[i]
     return t, a8, off, tag, gen, data
 
@@ -330,7 +331,7 @@ def test_learn_rows_says_same_only_when_settle_rows_serves_every_page(seed):
         keys = rng.sample(universe, rng.choice([2, 8, 16]))
         stable = {k: pages[k] for k in keys if k in pages}
         if rng.random() < 0.6 and len(stable) == len(keys):
-            rows = np.array([(*stable[k], 0) for k in keys], wire.LOC_ROW)
+            rows = np.array([(*stable[k], 0) for k in keys], answerrows.LOC_ROW)
         else:
             rows = _rows(rng, len(keys), pages, keys, len(nodes))
         caps = [b"c%d" % (step % 2)] * len(nodes) if rng.random() < 0.2 else []
@@ -342,7 +343,7 @@ def test_learn_rows_says_same_only_when_settle_rows_serves_every_page(seed):
             assert not same
             continue
         numbers = np.array([slow.cache.node_number(n) for n in nodes], np.int64)
-        hit = rows["node"] != wire.NO_NODE
+        hit = rows["node"] != answerrows.NO_NODE
         node = np.where(hit, numbers[np.where(hit, rows["node"], 0)], -1)
         ok = np.ones(len(keys), bool)
         done = slow.settle_rows(other, ok, rows, node)

@@ -12,7 +12,7 @@ from metaserver.table import queries
 from metaserver.table.entry import NEW
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.directory import TableDirectory
-from transport.wire import ALIGN, ARENA_DATA_START
+from transport.objformat import ALIGN, ARENA_DATA_START
 
 PAGE = ALIGN - 64  # one 4 KiB unit with its header
 

@@ -14,7 +14,7 @@ from metaserver.handlers import kvevents
 from processes import eventually
 from metaserver.table.entry import NEW
 from metaserver.table.directory import TableDirectory
-from transport.wire import ALIGN
+from transport.objformat import ALIGN
 from umbp.config import MetaserverConfig
 from umbp.errors import ConfigError
 

@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 import pytest
 
-from transport import base, shm, wire
+from transport import base, objformat, shm
 from transport.base import WriteOp, write_rows_to_arena
 from transport.shm import ShmTransport, boot_id
 from umbp import copies, putbatch
@@ -44,7 +44,7 @@ def transport(tmp_path):
     path = os.path.join(tmp_path, "arena")
     with open(path, "wb") as fh:
         # the superblock's page as a node leaves it (no generation floor published), the data region filled
-        fh.write(wire.pack_superblock(aid, size, 0).ljust(wire.ARENA_DATA_START, b"\0").ljust(size, b"\xee"))
+        fh.write(objformat.pack_superblock(aid, size, 0).ljust(objformat.ARENA_DATA_START, b"\0").ljust(size, b"\xee"))
     t = ShmTransport("n0", path, aid, boot_id())
     yield t
     t.close()
@@ -52,19 +52,19 @@ def transport(tmp_path):
 
 def _pages(n: int, plen: int = PAGE) -> tuple[list[WriteOp], list[bytes]]:
     payloads = [bytes([i + 1]) * plen for i in range(n)]
-    ops = [WriteOp(4096 + i * (plen + 4096), wire.pack_object_header(i + 7, 1, plen), [memoryview(p)], plen, 1, b"",
+    ops = [WriteOp(4096 + i * (plen + 4096), objformat.pack_object_header(i + 7, 1, plen), [memoryview(p)], plen, 1, b"",
                    UNTIL_MS) for i, p in enumerate(payloads)]
     return ops, payloads
 
 
 def _written(t: ShmTransport, op: WriteOp, payload: bytes) -> bool:
-    o, hs = op.offset, wire.OBJ_HEADER_SIZE
+    o, hs = op.offset, objformat.OBJ_HEADER_SIZE
     return bytes(t.arena[o:o + hs]) == op.header and bytes(t.arena[o + hs:o + hs + op.nbytes]) == payload
 
 
 def _untouched(t: ShmTransport, op: WriteOp) -> bool:
     o = op.offset
-    return bytes(t.arena[o:o + wire.OBJ_HEADER_SIZE + op.nbytes]) == b"\xee" * (wire.OBJ_HEADER_SIZE + op.nbytes)
+    return bytes(t.arena[o:o + objformat.OBJ_HEADER_SIZE + op.nbytes]) == b"\xee" * (objformat.OBJ_HEADER_SIZE + op.nbytes)
 
 
 @pytest.mark.parametrize("plen", [PAGE, 4 << 20])  # copied on this thread; by copy threads (4 x 4 MiB)

@@ -13,7 +13,8 @@ import pytest
 from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import NEW
 from metaserver.table.quarantine import Quarantine
-from transport.wire import AllocState, object_size
+from transport.wire import AllocState
+from transport.objformat import object_size
 
 PLEN = 60_000  # a 64 KiB extent
 EXT = object_size(PLEN)

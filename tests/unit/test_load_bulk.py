@@ -17,7 +17,7 @@ from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import READY
 from metaserver.table.load import fingerprint
 from metaserver.table.snapshot import PageRecords
-from transport.wire import ALIGN, ARENA_DATA_START
+from transport.objformat import ALIGN, ARENA_DATA_START
 
 PREFIX = b"/umbp/pages/"
 UNITS = 400

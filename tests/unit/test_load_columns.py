@@ -121,7 +121,7 @@ def test_a_load_of_shuffled_offsets_files_each_page_at_its_own(bad):
     from metaserver.table.columns import PageTable
     from metaserver.table.load import load_pages
     from metaserver.table.nodes import add_node
-    from transport.wire import ARENA_DATA_START, object_size
+    from transport.objformat import ARENA_DATA_START, object_size
     size = object_size(60_000)
     t = PageTable()
     add_node(t, "n0", 40 * size)

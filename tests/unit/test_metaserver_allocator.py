@@ -5,7 +5,7 @@ import random
 import pytest
 
 from metaserver.table.allocator import Allocator
-from transport.wire import ALIGN, ARENA_DATA_START
+from transport.objformat import ALIGN, ARENA_DATA_START
 
 MiB = 1 << 20
 

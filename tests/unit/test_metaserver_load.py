@@ -28,7 +28,7 @@ from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
 from test_tableload import model_load
-from transport.wire import ALIGN, ARENA_DATA_START
+from transport.objformat import ALIGN, ARENA_DATA_START
 
 PREFIX = b"/umbp/pages/"
 UNITS = 64

@@ -12,7 +12,7 @@ from metaserver.table.entry import NEW
 from metaserver.ha.partition import Partition
 from metaserver.ha.service import Metaserver
 from metaserver.table.directory import TableDirectory
-from transport.wire import ALIGN
+from transport.objformat import ALIGN
 from umbp.config import MetaserverConfig
 
 PAGE = ALIGN - 64

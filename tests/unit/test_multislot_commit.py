@@ -15,7 +15,7 @@ from metaserver.ha import multislot
 from metaserver.ha.partition import Partition
 from metaserver.ha.service import Metaserver
 from metaserver.store.persist import EtcdStore
-from transport import slotrules, wire
+from transport import answerrows, slotrules
 from transport.wire import AllocState, Op, Status
 from umbp.config import MetaserverConfig
 from umbp.errors import Unavailable
@@ -79,7 +79,7 @@ def test_a_commit_of_every_slot_is_one_transaction_and_a_failed_part_fails_alone
         conn = Conn()
         meta = request(3)
         ans = await _ask(p, Op.ALLOC, dict(meta, sizes=[4000] * 12), conn)
-        rows = np.concatenate([np.frombuffer(a["rows"], wire.ALLOC_ROW) for a in ans["parts"]])
+        rows = np.concatenate([np.frombuffer(a["rows"], answerrows.ALLOC_ROW) for a in ans["parts"]])
         assert (rows["state"] == AllocState.NEW).all()
         # slot 2's write fails: its part alone answers UNAVAILABLE, the others are durable and answered ok
         srv = p.servers["2"]
@@ -99,7 +99,7 @@ def test_a_commit_of_every_slot_is_one_transaction_and_a_failed_part_fails_alone
         count = p.servers["0"].metrics.etcd_commit
         assert sum(b.get() for b in count._buckets) >= 3  # each waiting part observed once
         found = await _ask(p, Op.LOOKUP, dict(meta, merge=True), conn)
-        hit = np.frombuffer(found["rows"], wire.LOC_ROW)["node"] != wire.NO_NODE
+        hit = np.frombuffer(found["rows"], answerrows.LOC_ROW)["node"] != answerrows.NO_NODE
         assert hit.tolist() == [True] * 12  # slot 2's pages are READY in its table: only its etcd write failed
 
     asyncio.run(run())

@@ -16,7 +16,7 @@ from metaserver.ha import multislot
 from metaserver.ha.partition import Partition
 from metaserver.ha.service import Metaserver
 from metaserver.table.entry import NEW
-from transport import slotrules, wire
+from transport import answerrows, slotrules
 from transport.wire import Op, Status
 from umbp.auth import check_read_capability
 from umbp.config import MetaserverConfig
@@ -89,8 +89,8 @@ def test_a_merged_lookup_is_one_answer_one_lease_one_capability_a_node(monkeypat
     ans = multislot.dispatch(p, Op.LOOKUP, request(by, [0, 1, 2, 3], 10), conn)
     assert set(ans) == {"lease", "lease_ms", "nodes", "caps", "rows", "failed"} and ans["failed"] == []
     assert ans["lease"] and ans["lease_ms"] == 10_000
-    rows = np.frombuffer(ans["rows"], wire.LOC_ROW)
-    assert len(rows) == 40 and (rows["node"] != wire.NO_NODE).all()
+    rows = np.frombuffer(ans["rows"], answerrows.LOC_ROW)
+    assert len(rows) == 40 and (rows["node"] != answerrows.NO_NODE).all()
     assert sorted(ans["nodes"]) == sorted(set(ans["nodes"])) and len(ans["caps"]) == len(ans["nodes"]) <= 3
     assert leases(p) == [1, 1, 1, 1]  # each part pinned in its own table, under one process lease
     # every key's object is granted by its node's one capability, whichever slot it came from; not by another's
@@ -105,7 +105,7 @@ def test_a_merged_lookup_is_one_answer_one_lease_one_capability_a_node(monkeypat
     # the same places, tags and generations as the per-part answers give
     old = multislot.dispatch(p, Op.LOOKUP, request(by, [0, 1, 2, 3], 10, merge=False), Conn())
     want = [(a["nodes"][r[4]], r[3], r[2], r[1], r[0]) for a in old["parts"]
-            for r in np.frombuffer(a["rows"], wire.LOC_ROW).tolist()]
+            for r in np.frombuffer(a["rows"], answerrows.LOC_ROW).tolist()]
     assert [(ans["nodes"][r[4]], r[3], r[2], r[1], r[0]) for r in rows.tolist()] == want
     assert len(old["parts"]) == 4 and sum(len(a["caps"]) for a in old["parts"]) >= len(ans["caps"])
 
@@ -148,13 +148,13 @@ def test_a_part_not_served_here_fails_alone_and_its_keys_miss(monkeypatch):
     assert len(ans["failed"]) == 1
     i, status, _msg, leader = ans["failed"][0]
     assert (i, status, leader) == (1, Status.NOT_LEADER, "10.0.0.9:7700")
-    node = np.frombuffer(ans["rows"], wire.LOC_ROW)["node"]
-    assert (node[:6] != wire.NO_NODE).all() and (node[6:12] == wire.NO_NODE).all() and (node[12:] != wire.NO_NODE).all()
+    node = np.frombuffer(ans["rows"], answerrows.LOC_ROW)["node"]
+    assert (node[:6] != answerrows.NO_NODE).all() and (node[6:12] == answerrows.NO_NODE).all() and (node[12:] != answerrows.NO_NODE).all()
     assert leases(p) == [1, 0, 0, 1]
     # every part failing: no lease, every key a miss
     ans = multislot.dispatch(p, Op.LOOKUP, request(by, [2], 6), conn)
     assert ans["lease"] == 0 and len(ans["failed"]) == 1
-    assert (np.frombuffer(ans["rows"], wire.LOC_ROW)["node"] == wire.NO_NODE).all()
+    assert (np.frombuffer(ans["rows"], answerrows.LOC_ROW)["node"] == answerrows.NO_NODE).all()
 
 
 def test_misses_an_open_pool_and_bad_requests(monkeypatch):
@@ -163,8 +163,8 @@ def test_misses_an_open_pool_and_bad_requests(monkeypatch):
     meta = request(by, [0, 1], 3)
     meta["keys"][1] = b"absent"
     ans = multislot.dispatch(p, Op.LOOKUP, meta, conn)
-    node = np.frombuffer(ans["rows"], wire.LOC_ROW)["node"]
-    assert (node == wire.NO_NODE).tolist() == [False, True, False, False, False, False]
+    node = np.frombuffer(ans["rows"], answerrows.LOC_ROW)["node"]
+    assert (node == answerrows.NO_NODE).tolist() == [False, True, False, False, False, False]
     assert all(c == b"" for c in ans["caps"]) and len(ans["caps"]) == len(ans["nodes"])  # open: no capabilities
     assert multislot.dispatch(p, Op.LOOKUP, {"ns": NS, "keys": [b"x" * 32], "parts": [[1, 1]], "merge": True},
                               conn)["lease"] == 0

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from transport import wire
-from transport.wire import ALIGN, ARENA_DATA_START
+from transport import objformat, wire
+
+from transport.objformat import ALIGN, ARENA_DATA_START
 from umbp.config import NodeConfig
 from umbp.node.server import DataProtocol, NodeServer
 
 PLEN = 1000
-HS = wire.OBJ_HEADER_SIZE
+HS = objformat.OBJ_HEADER_SIZE
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def node(tmp_path):
 def put(node, i: int, gen: int) -> bytes:
     off = ARENA_DATA_START + i * ALIGN
     payload = bytes([i + 1]) * PLEN
-    node.arena.view[off:off + HS + PLEN] = wire.pack_object_header(100 + i, gen, PLEN) + payload
+    node.arena.view[off:off + HS + PLEN] = objformat.pack_object_header(100 + i, gen, PLEN) + payload
     return payload
 
 
@@ -46,11 +47,11 @@ def readv(node, conn, ops):
 def test_readv_checks_a_header_once_and_a_rewritten_slot_again(node, monkeypatch):
     payloads = [put(node, i, 1) for i in range(4)]
     calls = []
-    real = wire.check_object_header
-    monkeypatch.setattr(wire, "check_object_header", lambda *a: calls.append(a[2:]) or real(*a))
+    real = objformat.check_object_header
+    monkeypatch.setattr(objformat, "check_object_header", lambda *a: calls.append(a[2:]) or real(*a))
     conn = DataProtocol(node)
     failures, data = readv(node, conn, [(i, 1) for i in range(4)])
-    want = b"".join(wire.pack_object_header(100 + i, 1, PLEN) + payloads[i] for i in range(4))
+    want = b"".join(objformat.pack_object_header(100 + i, 1, PLEN) + payloads[i] for i in range(4))
     assert failures is None and data == want and len(calls) == 4
     calls.clear()
     failures, data = readv(node, DataProtocol(node), [(i, 1) for i in range(4)])  # another connection too

@@ -1,5 +1,5 @@
 """The array write path of ``batch_put`` (``umbp/putbatch.py``) against the per-page path it replaces, no processes:
-headers packed as arrays are ``wire.pack_object_header``'s bytes, and on random chunks (every ALLOC state, pages on
+headers packed as arrays are ``objformat.pack_object_header``'s bytes, and on random chunks (every ALLOC state, pages on
 two shm arenas, a tcp-like node whose writes fail now and then, an unreachable node, pages outside an arena or
 unaligned) the two paths leave the same arena bytes, send the same ops, and report the same keys written, aborted,
 full and waiting, the same first error, node failures and dropped transports."""
@@ -16,7 +16,8 @@ import uuid
 import numpy as np
 import pytest
 
-from transport import wire
+from transport import answerrows, objformat
+
 from transport.base import Pending, Transport, write_rows_to_arena
 from transport.shm import ShmTransport, boot_id
 from umbp import putbatch
@@ -32,17 +33,17 @@ def test_packed_headers_are_the_per_page_headers():
     rng = random.Random(3)
     want = [(rng.getrandbits(64), rng.getrandbits(63), rng.randrange(0, 1 << 40)) for _ in range(300)]
     tag, gen, plen = (np.array(c, np.uint64) for c in zip(*want))
-    heads = wire.pack_object_headers(tag, gen, plen)
+    heads = objformat.pack_object_headers(tag, gen, plen)
     assert heads.shape == (300, 64) and heads.dtype == np.uint8
-    assert [bytes(h) for h in heads] == [wire.pack_object_header(*w) for w in want]
-    assert wire.pack_object_headers(tag[:0], gen[:0], plen[:0]).shape == (0, 64)
+    assert [bytes(h) for h in heads] == [objformat.pack_object_header(*w) for w in want]
+    assert objformat.pack_object_headers(tag[:0], gen[:0], plen[:0]).shape == (0, 64)
 
 
 def _arena(tmp_path, name: str) -> tuple[str, bytes]:
     aid = uuid.uuid4().bytes
     path = os.path.join(tmp_path, name)
     with open(path, "wb") as fh:
-        fh.write(wire.pack_superblock(aid, ARENA, 0).ljust(ARENA, b"\xee"))
+        fh.write(objformat.pack_superblock(aid, ARENA, 0).ljust(ARENA, b"\xee"))
     return path, aid
 
 
@@ -53,7 +54,7 @@ def test_write_rows_leaves_pages_outside_or_unaligned_to_the_caller(tmp_path):
         src = [np.full(n, i + 1, np.uint8) for i, n in enumerate((100, 5000, 10, 7))]
         off = np.array([4096, 8192 + 8, ARENA - 64, 0], np.uint64)  # ok, unaligned, no room, the superblock
         plen = np.array([len(s) for s in src], np.uint64)
-        heads = wire.pack_object_headers(np.arange(4, dtype=np.uint64), np.ones(4, np.uint64), plen)
+        heads = objformat.pack_object_headers(np.arange(4, dtype=np.uint64), np.ones(4, np.uint64), plen)
         rows = putbatch.arena_rows(t)
         before = bytes(t.arena)
         got = write_rows_to_arena(rows, t.arena, off, plen, heads, [memoryview(s) for s in src],
@@ -144,7 +145,7 @@ def _answer(rng: random.Random, n: int, sizes: list[int], nodes: list[str]) -> d
         offs.append(off)
         gens.append(rng.randrange(1, 1 << 40))
         node.append(rng.randrange(len(nodes)))
-    rows = wire.pack_allocs(state, new, [rng.getrandbits(64) for _ in new], gens, [sizes[i] for i in new], offs,
+    rows = answerrows.pack_allocs(state, new, [rng.getrandbits(64) for _ in new], gens, [sizes[i] for i in new], offs,
                             node)
     return {"nodes": nodes, "caps": [b"cap-" + x.encode() for x in nodes], "rows": rows}
 
@@ -173,7 +174,7 @@ def test_array_chunk_writes_and_reports_as_the_per_page_chunk(tmp_path, seed):
         rec = Recorder()
         stub = Stub({**shm, "n2": rec})  # n3: unreachable
         puts = StubPuts(stub)
-        reply = wire.unpack_allocs(dict(raw), "client")
+        reply = answerrows.unpack_allocs(dict(raw), "client")
         acc = _PutResult()
         deadline = time.monotonic() + 10
         if array:
@@ -214,7 +215,7 @@ def test_rows_that_do_not_fit_the_chunk_keep_the_per_page_path():
     """An answer of other length (a merged multi-slot answer), or a NEW row whose length is not the page's, is left
     to the per-page path (which raises or writes as it always did); malformed rows never reach either (unpack_allocs
     raises ProtocolError: test_wire)."""
-    rows = np.frombuffer(wire.pack_allocs([0, 1], [0], [5], [6], [100], [4096], [0]), wire.ALLOC_ROW)
+    rows = np.frombuffer(answerrows.pack_allocs([0, 1], [0], [5], [6], [100], [4096], [0]), answerrows.ALLOC_ROW)
     views = [[memoryview(bytes(100))], [memoryview(bytes(7))]]
     assert putbatch.answer_rows({"alloc_rows": rows}, 2) is rows
     assert putbatch.answer_rows({"alloc_rows": rows}, 3) is None

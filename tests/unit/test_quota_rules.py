@@ -13,7 +13,7 @@ from metaserver.table.entry import EXISTS, NEW, OVER_QUOTA, Effects
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import load_pages
-from transport.wire import ALIGN, ARENA_DATA_START, OBJ_HEADER_SIZE, object_size
+from transport.objformat import ALIGN, ARENA_DATA_START, OBJ_HEADER_SIZE, object_size
 from umbp.auth import Tokens
 from umbp.errors import ConfigError
 from umbp.quotarules import QuotaGroup, QuotaRules

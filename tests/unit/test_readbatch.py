@@ -1,5 +1,5 @@
 """The array pieces of the read path (no processes): the header checks over arrays agree with
-``wire.check_object_header`` row by row, a LOOKUP answer's rows give the same ``locs`` as ``wire.unpack_locs``,
+``objformat.check_object_header`` row by row, a LOOKUP answer's rows give the same ``locs`` as ``answerrows.unpack_locs``,
 slot parts join in key order, and the location cache's rows round-trip."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from transport import wire
+from transport import answerrows, objformat
+
 from transport.base import crc32_rows, headers_match
 from umbp.errors import CorruptionError, ProtocolError
 from umbp.lookup import answer_rows, merge
@@ -21,14 +22,14 @@ def test_array_header_check_agrees_with_the_per_page_check():
     heads, want, expect = [], [], []
     for _ in range(400):
         tag, gen, plen = rng.getrandbits(64), rng.getrandbits(63), rng.randrange(1, 1 << 40)
-        h = bytearray(wire.pack_object_header(tag, gen, plen, checksum=rng.getrandbits(32) if rng.random() < 0.2
+        h = bytearray(objformat.pack_object_header(tag, gen, plen, checksum=rng.getrandbits(32) if rng.random() < 0.2
                                               else None))
         if rng.random() < 0.5:  # one flipped bit anywhere in the first 40 bytes (or the reserved tail)
             h[rng.randrange(64)] ^= 1 << rng.randrange(8)
         heads.append(bytes(h))
         want.append((tag, gen, plen))
         try:
-            ok = wire.check_object_header(bytes(h), "t", tag, gen, plen) is None
+            ok = objformat.check_object_header(bytes(h), "t", tag, gen, plen) is None
         except CorruptionError:
             ok = False
         expect.append(ok)
@@ -41,7 +42,7 @@ def test_array_header_check_agrees_with_the_per_page_check():
 def _answer(hit, nodes, caps):
     n = len(hit)
     idx = np.flatnonzero(hit)
-    return {"lease": 3, "nodes": nodes, "caps": caps, "rows": wire.pack_locs(
+    return {"lease": 3, "nodes": nodes, "caps": caps, "rows": answerrows.pack_locs(
         np.array(hit), idx + 100, idx + 1, idx * 10 + 5, idx * 4096 + 4096, idx % max(1, len(nodes)))}
 
 
@@ -49,7 +50,7 @@ def test_answer_rows_give_the_same_locs_and_reject_bad_rows():
     a = _answer([True, False, True, True], ["n0", "n1"], [b"c0", b"c1"])
     ans = answer_rows(dict(a), "t")
     assert ans["rows"]["off"].tolist() == [4096, 0, 3 * 4096, 4 * 4096]
-    assert ans["locs"] == wire.unpack_locs(dict(a), "t")["locs"]
+    assert ans["locs"] == answerrows.unpack_locs(dict(a), "t")["locs"]
     assert "locs" in ans and ans["lease"] == 3
     with pytest.raises(ProtocolError):
         answer_rows({"nodes": ["n0"], "rows": a["rows"]}, "t")  # a row names node 1 of one

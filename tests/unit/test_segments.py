@@ -17,7 +17,7 @@ from metaserver.table.records import SEG_VERSION, listed_pairs, pack_segment, pa
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
-from transport.wire import object_size
+from transport.objformat import object_size
 
 from tablekit import record_entries
 

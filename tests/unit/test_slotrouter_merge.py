@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from test_metaclient import servers  # noqa: F401  (fixture)
-from transport import slotrules, wire
+from transport import answerrows, slotrules, wire
 from transport.wire import Op, Status
 from umbp.slotrouter import MetaRouter
 from waiting import eventually
@@ -25,7 +25,7 @@ def rows_for(keys: list[bytes], miss=()) -> bytes:
     hit = np.ones(len(keys), bool)
     hit[list(miss)] = False
     ids = np.array([int(k[3:]) for k in keys], np.uint64)[hit]
-    return wire.pack_locs(hit, ids + 7, ids, np.full(len(ids), 64, np.uint64), ids * 4096, 0)
+    return answerrows.pack_locs(hit, ids + 7, ids, np.full(len(ids), 64, np.uint64), ids * 4096, 0)
 
 
 def leader(a, b):
@@ -141,11 +141,11 @@ def test_merged_alloc_rows_are_the_parts_items_in_key_order():
         states = np.array(states, np.uint32)
         new = np.flatnonzero(states == NEW)
         m = len(new)
-        ans = {"rows": wire.pack_allocs(states, new, base + np.arange(m, dtype=np.uint64), base + 100 + np.arange(m),
+        ans = {"rows": answerrows.pack_allocs(states, new, base + np.arange(m, dtype=np.uint64), base + 100 + np.arange(m),
                                         np.full(m, 4096, np.uint64), 8192 * np.arange(m, dtype=np.uint64),
                                         np.arange(m, dtype=np.uint32) % len(node_ids)),
                "nodes": node_ids, "caps": caps, "write_until_ms": until}
-        return wire.unpack_allocs(ans, "test", items=False)
+        return answerrows.unpack_allocs(ans, "test", items=False)
 
     a = part([NEW, EXISTS, NEW, NEW], ["n1", "n2"], 1000, [b"c1", b"c2"], 9_000)
     b = part([FULL, NEW, NEW], ["n3"], 2000, [b"c3"], 7_000)
@@ -155,7 +155,7 @@ def test_merged_alloc_rows_are_the_parts_items_in_key_order():
     assert got["write_until_ms"] == 7_000
     want = [None] * 7
     for idx, ans, shift in ((idx_a, a, 0), (idx_b, b, 2)):
-        for i, item in zip(idx, wire.alloc_items(ans["alloc_rows"], ans["nodes"])):
+        for i, item in zip(idx, answerrows.alloc_items(ans["alloc_rows"], ans["nodes"])):
             if item[0] == NEW:
                 item[6] += shift
             want[i] = item

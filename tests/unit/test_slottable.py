@@ -14,7 +14,7 @@ from metaserver.ha.slots import SlotTable, own_parents, region
 from metaserver.table.load import load_pages
 from metaserver.table.nodes import UNIT_SHIFT
 from transport.slotrules import slot_of
-from transport.wire import ARENA_DATA_START, object_size
+from transport.objformat import ARENA_DATA_START, object_size
 
 SLOTS = 4
 SMALL, BIG = 60_000, 200_000  # a 64 KiB and a larger layout

@@ -21,7 +21,7 @@ from metaserver.table.directory import TableDirectory
 from metaserver.table.load import fingerprint
 from metaserver.ha import warmpace
 from metaserver.ha.standby import WarmDirectory
-from transport.wire import ARENA_DATA_START
+from transport.objformat import ARENA_DATA_START
 
 UNIT = 8192
 NODES = ("n0", "n1", "n2")

@@ -16,7 +16,7 @@ import numpy as np
 from metaserver.table import columns, index
 from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import NEW
-from transport.wire import object_size
+from transport.objformat import object_size
 
 PLEN = 4000
 

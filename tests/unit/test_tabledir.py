@@ -11,8 +11,8 @@ import pytest
 from metaserver.table.entry import NEW, Effects
 from metaserver.table.records import pages_of
 from metaserver.table.directory import TableDirectory
-from transport import wire
-from transport.wire import object_size
+from transport import answerrows
+from transport.objformat import object_size
 from umbp.auth import Tokens, read_capability
 from umbp.errors import ConfigError
 
@@ -66,7 +66,7 @@ def test_lookup_granted_answers_as_a_per_key_oracle(closed):
     for packed in (False, True, False):  # the second time on the tags come from the column
         ans = d.lookup_granted("a", ask, 0.0, None, tokens, members.get, None, packed)
         assert ("rows" in ans) == packed and ("locs" in ans) != packed
-        lease, locs, caps = ans["lease"], wire.unpack_locs(ans, "test")["locs"], ans["caps"]
+        lease, locs, caps = ans["lease"], answerrows.unpack_locs(ans, "test")["locs"], ans["caps"]
         want_lease, want = d.lookup("a", ask, 0.0)
         want, want_caps = granted(tokens, members, "a", ask, want)
         assert lease and want_lease and lease != want_lease
@@ -77,7 +77,7 @@ def test_lookup_granted_answers_as_a_per_key_oracle(closed):
     assert d.lookup_granted("a", [b"\xee" * 32], 0.0, None, tokens, members.get) == {
         "lease": 0, "locs": [None], "caps": []}
     missed = d.lookup_granted("a", [b"\xee" * 32] * 2, 0.0, None, tokens, members.get, None, True)
-    assert wire.unpack_locs(missed, "test") == {"lease": 0, "nodes": [], "caps": [], "locs": [None, None]}
+    assert answerrows.unpack_locs(missed, "test") == {"lease": 0, "nodes": [], "caps": [], "locs": [None, None]}
 
 
 
@@ -94,7 +94,7 @@ def test_lookup_granted_of_one_node_and_a_repeated_key_answers_as_the_oracle(pac
     on_n1 = [k for k, loc in zip(keys_of(0, 10), locs) if loc[0] == "n1"]
     ask = on_n1 + [b"\xff" * 32, on_n1[0]]
     ans = d.lookup_granted("a", ask, 0.0, None, tokens, members.get, None, packed)
-    got = wire.unpack_locs(ans, "test")["locs"]
+    got = answerrows.unpack_locs(ans, "test")["locs"]
     want_lease, want = d.lookup("a", ask, 0.0)
     want, want_caps = granted(tokens, members, "a", ask, want)
     assert [tuple(x[:5]) if x is not None else None for x in got] == want and got[len(on_n1)] is None
@@ -156,7 +156,7 @@ def test_shared_lookup_grants_a_ranks_sub_slot_with_its_rank_tag():
         assert d.commit("a", keys, [it[4] for it in items], 0.0, (rk, 2))[0] == [True] * 3
     members = {"n0": SimpleNamespace(cap_key=b"k" * 32)}
     for rk in range(2):
-        ans = wire.unpack_locs(d.lookup_granted("a", keys, 0.0, None, tokens, members.get, (rk, 2), True), "t")
+        ans = answerrows.unpack_locs(d.lookup_granted("a", keys, 0.0, None, tokens, members.get, (rk, 2), True), "t")
         locs, caps = ans["locs"], ans["caps"]
         want_lease, want = d.lookup("a", keys, 0.0, None, (rk, 2))
         assert [tuple(x) for x in locs] == [w + (t, 0) for w, t in zip(want, tokens.tags("a", keys, rk))]

@@ -17,7 +17,7 @@ from metaserver.table.snapshot import PageRecords
 from metaserver.table.directory import TableDirectory
 from metaserver.table.load import load_pages
 from metaserver.table.links import ORPHAN, UP0
-from transport.wire import ALIGN, ARENA_DATA_START
+from transport.objformat import ALIGN, ARENA_DATA_START
 
 PAGE = ALIGN - 64  # payload that fills exactly one 4 KiB unit with its header
 

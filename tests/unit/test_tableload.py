@@ -18,7 +18,7 @@ from metaserver.table.index import REBUILD_LOAD
 from metaserver.table.records import pages_of, unpack_segment
 from metaserver.table.load import fingerprint, load_pages, reserve
 from metaserver.table.nodes import FREE, UNIT_SHIFT, add_node, set_placeable
-from transport.wire import ARENA_DATA_START, object_size
+from transport.objformat import ARENA_DATA_START, object_size
 from umbp.errors import ConfigError
 
 PLEN = 60_000  # one 64 KiB object slot each (namespace "a")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import NEW
 from metaserver.table.nodes import add_node, detach_node, drain_rows, drop_rows
-from transport.wire import object_size
+from transport.objformat import object_size
 
 from tablekit import PLEN, keys_of, table
 

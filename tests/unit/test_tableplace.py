@@ -17,8 +17,8 @@ from metaserver.table.grants import grant_alloc
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.directory import TableDirectory
 from metaserver.table.evict import CANDIDATES
-from transport import wire
-from transport.wire import object_size
+from transport import answerrows, wire
+from transport.objformat import object_size
 from umbp.auth import Tokens, write_capability
 
 MIXED = (3000, 3000, 3000, 9000)  # mostly one extent size; some pages of three units (victims one at a time)
@@ -137,7 +137,7 @@ def test_the_packed_answer_carries_what_the_items_list_carries():
     assert p.state.tolist() == [1, 1, 3, 3] + [0] * 6
     packed = grant_alloc(tokens, members.get, "a", keys, p, 12345, True)
     old = grant_alloc(tokens, members.get, "a", keys, p, 12345, False)
-    got = wire.unpack_allocs(dict(packed), "client")
+    got = answerrows.unpack_allocs(dict(packed), "client")
     assert got["items"] == [list(it) for it in old["items"]] and got["caps"] == old["caps"]
     # one capability a node: that node's slots in key order, as write_capability makes it
     for j, nid in enumerate(packed["nodes"]):
@@ -157,8 +157,8 @@ def test_an_alloc_that_places_nothing_answers_packed_rows_of_states_only():
     p = d.alloc_placed("a", [b"x", b"y"], [100, 100], None, 1, 0.0)  # no node: NO_SPACE
     ans = grant_alloc(tokens, lambda n: None, "a", [b"x", b"y"], p, 0, True)
     assert ans["nodes"] == [] and ans["caps"] == []
-    rows = np.frombuffer(ans["rows"], wire.ALLOC_ROW)
-    assert rows["state"].tolist() == [wire.AllocState.NO_SPACE] * 2 and (rows["node"] == wire.NO_NODE).all()
+    rows = np.frombuffer(ans["rows"], answerrows.ALLOC_ROW)
+    assert rows["state"].tolist() == [wire.AllocState.NO_SPACE] * 2 and (rows["node"] == answerrows.NO_NODE).all()
 
 
 def test_the_queues_numpy_copy_keeps_each_nodes_last_queue_across_moves():

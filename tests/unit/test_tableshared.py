@@ -14,7 +14,7 @@ import pytest
 
 from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW
 from metaserver.table.directory import TableDirectory
-from transport.wire import object_size
+from transport.objformat import object_size
 
 PART = 30_000
 STRIDE = object_size(PART)

@@ -14,8 +14,8 @@ from metaserver.table.directory import TableDirectory
 from metaserver.table.entry import NEW, Effects
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.tiers import twin_id
-from transport import wire
-from transport.wire import object_size
+from transport import answerrows, objformat
+from transport.objformat import object_size
 
 PLEN = 60_000  # a 64 KiB extent
 EXT = object_size(PLEN)
@@ -75,7 +75,7 @@ def test_demotion_moves_the_oldest_pages_to_disk_and_lookups_answer_disk_address
     look(d, keys[4:])  # the last four are now the most recent
     move = d.tiers.plan_demote("n1", 4 * EXT, 64, now=2.0)
     assert move is not None and len(move) == 4 and move.to_disk
-    rows = np.frombuffer(move.tier_rows(), wire.TIER_ROW)
+    rows = np.frombuffer(move.tier_rows(), answerrows.TIER_ROW)
     assert sorted(rows["dram"].tolist()) == sorted(before[k][1] for k in keys[:4])  # the LRU four
     assert (rows["len"] == PLEN).all() and (rows["regen"] == 0).all()
     d.check()  # mid-move: the disk extents are held by the move, the sources pinned
@@ -84,8 +84,8 @@ def test_demotion_moves_the_oldest_pages_to_disk_and_lookups_answer_disk_address
     after = look(d, keys)
     for k in keys[:4]:
         node, off, gen = after[k]
-        assert node == "n1" and off & wire.DISK_BIT and gen == before[k][2]
-        assert (off & ~wire.DISK_BIT) in rows["disk"].tolist()
+        assert node == "n1" and off & objformat.DISK_BIT and gen == before[k][2]
+        assert (off & ~objformat.DISK_BIT) in rows["disk"].tolist()
     for k in keys[4:]:
         assert after[k] == before[k]
     assert d.tiers.usage("n1")["disk_objects"] == 4 and d.used == 4 * EXT
@@ -106,7 +106,7 @@ def test_rows_that_failed_or_changed_during_the_copy_stay_and_give_their_disk_ex
     after = look(d, keys)
     assert order[1] not in after
     assert after[order[2]] == before[order[2]]  # still in DRAM, where it was
-    assert after[order[0]][1] & wire.DISK_BIT and after[order[3]][1] & wire.DISK_BIT
+    assert after[order[0]][1] & objformat.DISK_BIT and after[order[3]][1] & objformat.DISK_BIT
     assert d.tiers.usage("n1")["disk_used_bytes"] == 2 * EXT and d.tiers.failed_moves == 2
 
 
@@ -117,7 +117,7 @@ def test_a_move_whose_lease_ran_out_moves_nothing():
     assert d.expire_leases(2.0 + d.read_lease_s + 1, 100) == 1
     assert d.tiers.finish(move, set()) == 0
     d.check()
-    assert all(off & wire.DISK_BIT == 0 for _, off, _ in look(d, keys_of(0, 2)).values())
+    assert all(off & objformat.DISK_BIT == 0 for _, off, _ in look(d, keys_of(0, 2)).values())
     assert d.tiers.usage("n1")["disk_used_bytes"] == 0
 
 
@@ -129,7 +129,7 @@ def test_a_full_disk_evicts_its_own_oldest_pages_to_take_newer_ones():
         assert d.tiers.finish(move, set()) == 2
         d.check()
     found = look(d, keys_of(0, 4))
-    assert len(found) == 2 and all(off & wire.DISK_BIT for _, off, _ in found.values())
+    assert len(found) == 2 and all(off & objformat.DISK_BIT for _, off, _ in found.values())
     assert d.tiers.usage("n1")["disk_objects"] == 2 and d.used == 0
 
 
@@ -142,15 +142,15 @@ def test_promotion_brings_read_disk_pages_back_under_a_fresh_generation():
     move = d.tiers.plan_promote("n1", 64, now=3.0)
     assert move is not None and not move.to_disk and sorted(d.key_of(r) for r in move.rows.tolist()) == keys[:2]
     move.regen[:] = [900, 901]
-    rows = np.frombuffer(move.tier_rows(), wire.TIER_ROW)
+    rows = np.frombuffer(move.tier_rows(), answerrows.TIER_ROW)
     assert sorted(rows["regen"].tolist()) == [900, 901]
     assert d.tiers.finish(move, set()) == 2
     d.check()
     after = look(d, keys)
-    assert {k: (off & wire.DISK_BIT == 0, gen) for k, (_, off, gen) in after.items() if k in keys[:2]} == {
+    assert {k: (off & objformat.DISK_BIT == 0, gen) for k, (_, off, gen) in after.items() if k in keys[:2]} == {
         keys[0]: (True, after[keys[0]][2]), keys[1]: (True, after[keys[1]][2])}
     assert sorted(after[k][2] for k in keys[:2]) == [900, 901]
-    assert all(after[k][1] & wire.DISK_BIT for k in keys[2:])
+    assert all(after[k][1] & objformat.DISK_BIT for k in keys[2:])
     assert d.tiers.promotions == 2
 
 
@@ -168,7 +168,7 @@ def test_a_lost_node_parks_both_tiers_and_gets_both_back():
         if recs is not None:
             break
     assert recs is not None and len(recs) == 6
-    assert sum(1 for r in recs if r[2] & wire.DISK_BIT) == 3
+    assert sum(1 for r in recs if r[2] & objformat.DISK_BIT) == 3
     d.drop_space("n1")
     d.add_space("n1", 8 * EXT)
     restored, _ = d.unpark("n1", recs)

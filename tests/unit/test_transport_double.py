@@ -2,14 +2,14 @@
 
 import os
 
-from transport import wire
+from transport import objformat
 from transport.base import MemoryTransport, ReadOp, WriteOp
 from umbp.errors import CorruptionError
 
 
 def put(t, off, key, gen, data, checksum=False):
-    kh = wire.key_hash("ns", key)
-    hdr = wire.pack_object_header(kh, gen, len(data), wire.payload_checksum(data) if checksum else None)
+    kh = objformat.key_hash("ns", key)
+    hdr = objformat.pack_object_header(kh, gen, len(data), objformat.payload_checksum(data) if checksum else None)
     assert t.finish(t.start_write([WriteOp(off, hdr, [memoryview(data)], len(data))], 0), 0) == [None]
     return kh
 
@@ -52,9 +52,9 @@ def test_write_from_parts_lands_back_to_back():
     t = MemoryTransport(1 << 20)
     parts = [os.urandom(n) for n in (4096, 1, 0, 7000)]
     whole = b"".join(parts)
-    kh = wire.key_hash("ns", b"p")
-    hdr = wire.pack_object_header(kh, 5, len(whole), wire.payload_checksum([memoryview(p) for p in parts]))
-    assert wire.payload_checksum([memoryview(p) for p in parts]) == wire.payload_checksum(whole)
+    kh = objformat.key_hash("ns", b"p")
+    hdr = objformat.pack_object_header(kh, 5, len(whole), objformat.payload_checksum([memoryview(p) for p in parts]))
+    assert objformat.payload_checksum([memoryview(p) for p in parts]) == objformat.payload_checksum(whole)
     op = WriteOp(8192, hdr, [memoryview(p) for p in parts], len(whole))
     assert t.finish(t.start_write([op], 0), 0) == [None]
     out = bytearray(len(whole))

@@ -20,7 +20,8 @@ import time
 
 import pytest
 
-from transport import wire
+from transport import objformat, wire
+
 from transport.base import ReadOp
 from transport.framed import FramedSocket
 from transport.tcp import TcpTransport
@@ -161,9 +162,9 @@ def objects(n: int, size: int):
     out = []
     for i in range(n):
         payload = os.urandom(size)
-        kh = wire.key_hash("ns", b"k%d" % i)
+        kh = objformat.key_hash("ns", b"k%d" % i)
         op = ReadOp(4096 * (i + 1), 0, size, kh, i + 1, size, memoryview(bytearray(size)))
-        out.append((op, wire.pack_object_header(kh, i + 1, size) + payload))
+        out.append((op, objformat.pack_object_header(kh, i + 1, size) + payload))
     return out
 
 
@@ -187,7 +188,7 @@ def test_tcp_batch_answered_before_the_deadline_is_delivered_after_it():
     peer.write(answer)
     settle(t._conn, len(answer))
     assert t.finish(p, late()) == [None, None]
-    assert [bytes(op.out) for op, _ in objs] == [body[wire.OBJ_HEADER_SIZE:] for _, body in objs]
+    assert [bytes(op.out) for op, _ in objs] == [body[objformat.OBJ_HEADER_SIZE:] for _, body in objs]
     assert not t._conn.closed
     t.close()
     peer.close()
@@ -203,7 +204,7 @@ def test_tcp_batch_cut_short_fails_the_object_not_all_there():
     peer.write(answer[:cut])
     settle(t._conn, cut)
     res = t.finish(p, late())
-    assert res[0] is None and bytes(objs[0][0].out) == objs[0][1][wire.OBJ_HEADER_SIZE:]
+    assert res[0] is None and bytes(objs[0][0].out) == objs[0][1][objformat.OBJ_HEADER_SIZE:]
     assert isinstance(res[1], DeadlineExceeded) and str(res[1]).startswith(COMP)
     assert t._conn.closed
     t.close()
@@ -247,7 +248,7 @@ def test_a_batch_arriving_in_pieces_is_received_with_one_syscall():
         assert t.finish(p, time.monotonic() + 10) == [None] * 8
     finally:
         later.join()
-    assert [bytes(op.out) for op, _ in objs] == [body[wire.OBJ_HEADER_SIZE:] for _, body in objs]
+    assert [bytes(op.out) for op, _ in objs] == [body[objformat.OBJ_HEADER_SIZE:] for _, body in objs]
     assert counting.calls == {"recv_into": 1, "recvmsg_into": 1}  # the frame header, then all the data
     assert not t._conn.closed
     t.close()
@@ -270,8 +271,8 @@ def test_a_header_received_again_is_not_checked_again_but_a_changed_one_is(monke
     64 bytes for the same (offset, tag, generation, length) pass without the unpack and crc; any other bytes there
     (a slot rewritten, a torn header) get the full check and fail that object only."""
     calls = []
-    real = wire.check_object_header
-    monkeypatch.setattr(wire, "check_object_header", lambda *a: calls.append(a[2:]) or real(*a))
+    real = objformat.check_object_header
+    monkeypatch.setattr(objformat, "check_object_header", lambda *a: calls.append(a[2:]) or real(*a))
     peer = Peer()
     objs = objects(3, 5_000)
     t, p, answer = started_read(peer, objs)
@@ -283,12 +284,12 @@ def test_a_header_received_again_is_not_checked_again_but_a_changed_one_is(monke
     p = t.start_read([op for op, _ in objs], time.monotonic() + 5)
     req = peer.read_request()
     torn = bytearray(answer)
-    torn[wire.HEADER_SIZE + (wire.OBJ_HEADER_SIZE + 5_000) + 20] ^= 0xFF  # object 1's header, a byte of its key tag
+    torn[wire.HEADER_SIZE + (objformat.OBJ_HEADER_SIZE + 5_000) + 20] ^= 0xFF  # object 1's header, a byte of its key tag
     peer.write(wire.encode(wire.Op.READV, req.request_id, None, data_len=len(torn) - wire.HEADER_SIZE,
                            flags=wire.Flag.RESPONSE) + bytes(torn[wire.HEADER_SIZE:]))
     res = t.finish(p, time.monotonic() + 10)
     assert res[0] is None and res[2] is None and "torn object header" in str(res[1])
     assert len(calls) == 1  # object 1 only: 0 and 2 were the very bytes checked before
-    assert [bytes(objs[i][0].out) for i in (0, 2)] == [objs[i][1][wire.OBJ_HEADER_SIZE:] for i in (0, 2)]
+    assert [bytes(objs[i][0].out) for i in (0, 2)] == [objs[i][1][objformat.OBJ_HEADER_SIZE:] for i in (0, 2)]
     t.close()
     peer.close()

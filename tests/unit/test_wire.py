@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from transport import slotrules, wire
+from transport import answerrows, objformat, slotrules, wire
 from umbp.errors import BadRequest, CorruptionError, NotLeader, PoolFull, ProtocolError
 
 
@@ -110,31 +110,31 @@ def test_error_status_maps_to_exception_classes():
 
 
 def test_object_header_detects_stale_torn_and_wrong_length():
-    kh = wire.key_hash("ns", b"key")
-    assert kh != wire.key_hash("ns2", b"key") and kh != wire.key_hash("ns", b"key2")
-    h = bytearray(wire.pack_object_header(kh, 42, 1000, 1234))
-    assert len(h) == wire.OBJ_HEADER_SIZE == 64
-    assert wire.check_object_header(h, "t", kh, 42, 1000) == 1234
-    assert wire.check_object_header(wire.pack_object_header(kh, 42, 1000), "t", kh, 42, 1000) is None
+    kh = objformat.key_hash("ns", b"key")
+    assert kh != objformat.key_hash("ns2", b"key") and kh != objformat.key_hash("ns", b"key2")
+    h = bytearray(objformat.pack_object_header(kh, 42, 1000, 1234))
+    assert len(h) == objformat.OBJ_HEADER_SIZE == 64
+    assert objformat.check_object_header(h, "t", kh, 42, 1000) == 1234
+    assert objformat.check_object_header(objformat.pack_object_header(kh, 42, 1000), "t", kh, 42, 1000) is None
     with pytest.raises(CorruptionError, match="stale slot"):
-        wire.check_object_header(h, "t", kh, 43, 1000)
+        objformat.check_object_header(h, "t", kh, 43, 1000)
     with pytest.raises(CorruptionError, match="does not match"):
-        wire.check_object_header(h, "t", kh, 42, 999)
+        objformat.check_object_header(h, "t", kh, 42, 999)
     torn = bytearray(h)
     torn[20] ^= 1
     with pytest.raises(CorruptionError, match="torn"):
-        wire.check_object_header(torn, "t", kh, 42, 1000)
+        objformat.check_object_header(torn, "t", kh, 42, 1000)
     with pytest.raises(CorruptionError, match="no object header"):
-        wire.check_object_header(bytes(64), "t", kh, 42, 1000)
-    assert wire.object_size(0) == 4096 and wire.object_size(4032) == 4096 and wire.object_size(4033) == 8192
+        objformat.check_object_header(bytes(64), "t", kh, 42, 1000)
+    assert objformat.object_size(0) == 4096 and objformat.object_size(4032) == 4096 and objformat.object_size(4033) == 8192
 
 
 @pytest.mark.parametrize("csum", [None, 0, 0xDEADBEEF])
 def test_object_header_bytes_are_the_documented_layout(csum):
     """The arena format, field by field: magic, version, flags, key hash, generation, payload length, checksum,
     then the crc of those 36 bytes and 24 zero bytes (nodes reopening an arena written by an older build read it)."""
-    h = wire.pack_object_header(0x0123456789ABCDEF, (1 << 63) - 5, 4000, csum)
-    head = struct.pack("<IHHQQQI", wire.OBJ_MAGIC, wire.OBJ_VERSION, 0 if csum is None else wire.OBJ_FLAG_CHECKSUM,
+    h = objformat.pack_object_header(0x0123456789ABCDEF, (1 << 63) - 5, 4000, csum)
+    head = struct.pack("<IHHQQQI", objformat.OBJ_MAGIC, objformat.OBJ_VERSION, 0 if csum is None else objformat.OBJ_FLAG_CHECKSUM,
                        0x0123456789ABCDEF, (1 << 63) - 5, 4000, csum or 0)
     assert h == head + struct.pack("<I", zlib.crc32(head)) + bytes(24)
 
@@ -186,55 +186,55 @@ def test_slots_of_equals_slot_of_per_key():
 
 def test_packed_lookup_rows_read_back_as_the_list_form_in_key_order():
     nodes = ["n0", "n1"]
-    rows = wire.pack_locs([True, False, True], [11, 33], [7, 9], [5000, 1], [4096, 1 << 40], [1, 0])
-    assert len(rows) == 3 * wire.LOC_ROW.itemsize == 120
+    rows = answerrows.pack_locs([True, False, True], [11, 33], [7, 9], [5000, 1], [4096, 1 << 40], [1, 0])
+    assert len(rows) == 3 * answerrows.LOC_ROW.itemsize == 120
     # the row starts with the object header's key hash, generation and length, as a node's header holds them
-    assert rows[:24] == wire.pack_object_header(11, 7, 5000)[8:32]
-    ans = wire.unpack_locs({"lease": 5, "nodes": nodes, "caps": [b"a", b"b"], "rows": rows}, "client")
+    assert rows[:24] == objformat.pack_object_header(11, 7, 5000)[8:32]
+    ans = answerrows.unpack_locs({"lease": 5, "nodes": nodes, "caps": [b"a", b"b"], "rows": rows}, "client")
     assert ans["locs"] == [["n1", 4096, 5000, 7, 11, 1], None, ["n0", 1 << 40, 1, 9, 33, 0]]
     assert "rows" not in ans
     # each part of a multi-slot answer; an answer of VERSION 11 (a "locs" list already) is left as it is
-    part = {"lease": 1, "nodes": ["x"], "caps": [b""], "rows": wire.pack_locs([True], [1], [2], [3], [4], [0])}
-    multi = wire.unpack_locs({"parts": [part, None], "failed": []}, "client")
+    part = {"lease": 1, "nodes": ["x"], "caps": [b""], "rows": answerrows.pack_locs([True], [1], [2], [3], [4], [0])}
+    multi = answerrows.unpack_locs({"parts": [part, None], "failed": []}, "client")
     assert multi["parts"][0]["locs"] == [["x", 4, 3, 2, 1, 0]]
     old = {"lease": 0, "locs": [None], "caps": []}
-    assert wire.unpack_locs(old, "client") == {"lease": 0, "locs": [None], "caps": []}
+    assert answerrows.unpack_locs(old, "client") == {"lease": 0, "locs": [None], "caps": []}
 
 
 @pytest.mark.parametrize("bad", [
     {"nodes": ["n0"], "rows": b"\0" * 39},  # not whole rows
-    {"nodes": ["n0"], "rows": wire.pack_locs([True], [1], [1], [1], [1], [1])},  # names a node beyond the list
-    {"nodes": "n0", "rows": wire.pack_locs([True], [1], [1], [1], [1], [0])},  # no node list
+    {"nodes": ["n0"], "rows": answerrows.pack_locs([True], [1], [1], [1], [1], [1])},  # names a node beyond the list
+    {"nodes": "n0", "rows": answerrows.pack_locs([True], [1], [1], [1], [1], [0])},  # no node list
     {"nodes": ["n0"], "rows": [1, 2]},  # not bytes
 ])
 def test_malformed_packed_lookup_rows_are_a_protocol_error_naming_the_component(bad):
     with pytest.raises(ProtocolError, match="^client: malformed LOOKUP answer"):
-        wire.unpack_locs(dict(bad, lease=1, caps=[]), "client")
+        answerrows.unpack_locs(dict(bad, lease=1, caps=[]), "client")
 
 
 def test_packed_alloc_rows_read_back_as_the_items_list_in_key_order():
     state = [wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NEW, wire.AllocState.IN_FLIGHT,
              wire.AllocState.NO_SPACE]
-    rows = wire.pack_allocs(state, [0, 2], [11, 33], [7, 9], [5000, 1], [4096, 1 << 40], [1, 0])
-    assert len(rows) == 5 * wire.ALLOC_ROW.itemsize == 200
-    assert rows[:24] == wire.pack_object_header(11, 7, 5000)[8:32]  # the header's key hash, generation, length
-    ans = wire.unpack_allocs({"nodes": ["n0", "n1"], "caps": [b"a", b"b"], "rows": rows}, "client")
+    rows = answerrows.pack_allocs(state, [0, 2], [11, 33], [7, 9], [5000, 1], [4096, 1 << 40], [1, 0])
+    assert len(rows) == 5 * answerrows.ALLOC_ROW.itemsize == 200
+    assert rows[:24] == objformat.pack_object_header(11, 7, 5000)[8:32]  # the header's key hash, generation, length
+    ans = answerrows.unpack_allocs({"nodes": ["n0", "n1"], "caps": [b"a", b"b"], "rows": rows}, "client")
     assert ans["items"] == [[0, "n1", 4096, 5000, 7, 11, 1], [1, None, None, None, None],
                             [0, "n0", 1 << 40, 1, 9, 33, 0], [3, None, None, None, None], [2, None, None, None, None]]
     assert "rows" not in ans and ans["caps"] == [b"a", b"b"]
     # each part of a multi-slot answer; an answer of VERSION 11 (an "items" list already) is left as it is
-    part = {"nodes": ["x"], "caps": [b""], "rows": wire.pack_allocs([0], [0], [1], [2], [3], [4], [0])}
-    multi = wire.unpack_allocs({"parts": [part, None], "failed": []}, "client")
+    part = {"nodes": ["x"], "caps": [b""], "rows": answerrows.pack_allocs([0], [0], [1], [2], [3], [4], [0])}
+    multi = answerrows.unpack_allocs({"parts": [part, None], "failed": []}, "client")
     assert multi["parts"][0]["items"] == [[0, "x", 4, 3, 2, 1, 0]]
     old = {"items": [[1, None, None, None, None]], "caps": []}
-    assert wire.unpack_allocs(dict(old), "client") == old
-    empty = wire.unpack_allocs({"nodes": [], "caps": [], "rows": wire.pack_allocs([], [], (), (), (), (), ())}, "c")
+    assert answerrows.unpack_allocs(dict(old), "client") == old
+    empty = answerrows.unpack_allocs({"nodes": [], "caps": [], "rows": answerrows.pack_allocs([], [], (), (), (), (), ())}, "c")
     assert empty["items"] == []
 
 
 def _alloc_rows(**fields) -> bytes:
-    rows = np.zeros(1, wire.ALLOC_ROW)
-    rows["node"] = wire.NO_NODE
+    rows = np.zeros(1, answerrows.ALLOC_ROW)
+    rows["node"] = answerrows.NO_NODE
     for k, x in fields.items():
         rows[k] = x
     return rows.tobytes()
@@ -251,6 +251,6 @@ def _alloc_rows(**fields) -> bytes:
 ])
 def test_malformed_packed_alloc_rows_are_a_protocol_error_naming_the_component(bad):
     with pytest.raises(ProtocolError, match="^client: malformed ALLOC answer"):
-        wire.unpack_allocs(dict(bad, caps=[]), "client")
+        answerrows.unpack_allocs(dict(bad, caps=[]), "client")
     with pytest.raises(ProtocolError, match="^client: malformed ALLOC answer"):  # in a part of a multi-slot answer
-        wire.unpack_allocs({"parts": [dict(bad, caps=[])], "failed": []}, "client")
+        answerrows.unpack_allocs({"parts": [dict(bad, caps=[])], "failed": []}, "client")

@@ -13,8 +13,8 @@ import pytest
 from metaserver.table.entry import NEW
 from metaserver.table.quarantine import NEVER, Quarantine
 from metaserver.table.directory import TableDirectory
-from transport import wire
-from transport.wire import ALIGN, ARENA_DATA_START, object_size
+from transport import objformat
+from transport.objformat import ALIGN, ARENA_DATA_START, object_size
 from umbp.auth import (WRITE_CAP_SIZE, CapCache, check_read_capability, check_write_capability, read_capability,
                        read_capability_packed, write_capability)
 from umbp.config import NodeConfig
@@ -125,7 +125,7 @@ def node(tmp_path):
 
 def test_the_node_refuses_old_epochs_and_writes_a_slot_once(node):
     off, plen = ARENA_DATA_START, 1000
-    n = wire.OBJ_HEADER_SIZE + plen
+    n = objformat.OBJ_HEADER_SIZE + plen
     later = int(time.time() * 1000) + 60_000
     node.cap_epoch = 5  # as REGISTER_NODE answered
     with pytest.raises(AuthError, match="stale capability"):
@@ -142,7 +142,7 @@ def test_the_node_refuses_old_epochs_and_writes_a_slot_once(node):
     node.check_write(off, n, 12, wcap(node.cap_key, off, plen, 12, 9, later))
     # the header bytes say nothing to the node (a client wrote them): neither a torn one nor a forged old one
     # reopens the slot to generation 10
-    node.arena.view[off:off + wire.OBJ_HEADER_SIZE] = wire.pack_object_header(1, 3, plen)
+    node.arena.view[off:off + objformat.OBJ_HEADER_SIZE] = objformat.pack_object_header(1, 3, plen)
     with pytest.raises(AuthError, match="already holds generation 12"):
         node.check_write(off, n, 10, wcap(node.cap_key, off, plen, 10, 9, later))
     node.arena.view[off + 20] ^= 0xFF
@@ -157,12 +157,12 @@ def test_a_kept_capability_cannot_write_across_a_newer_allocation_wherever_its_h
     later = int(time.time() * 1000) + 60_000
     big, small = 60_000, 8192
     off = ARENA_DATA_START
-    hs = wire.OBJ_HEADER_SIZE
+    hs = objformat.OBJ_HEADER_SIZE
     victims = [(off + 3 * ALIGN, 20), (off + 6 * ALIGN, 21)]
     for voff, vgen in victims:
         vcap = wcap(node.cap_key, voff, small, vgen, 0, later)
         node.check_write(voff, hs + small, vgen, vcap)
-        node.arena.view[voff:voff + hs] = wire.pack_object_header(7, vgen, small)
+        node.arena.view[voff:voff + hs] = objformat.pack_object_header(7, vgen, small)
     with pytest.raises(AuthError, match="already holds generation 21"):
         node.check_write(off, hs + big, 5, wcap(node.cap_key, off, big, 5, 0, later))
     # an extent no newer allocation touched stays writable by its own (fresh) capability
@@ -173,9 +173,9 @@ def test_a_poisoned_header_generation_does_not_block_the_next_owner(node):
     """Issue 42, finding 2: a tenant writes its slot with header generation 2**64 - 1 (the bytes are its own to
     choose). The next allocation of that slot, a newer generation from the metaserver, must be written."""
     later = int(time.time() * 1000) + 60_000
-    off, plen, hs = ARENA_DATA_START, 1000, wire.OBJ_HEADER_SIZE
+    off, plen, hs = ARENA_DATA_START, 1000, objformat.OBJ_HEADER_SIZE
     node.check_write(off, hs + plen, 30, wcap(node.cap_key, off, plen, 30, 0, later))
-    node.arena.view[off:off + hs] = wire.pack_object_header(1, (1 << 64) - 1, plen)
+    node.arena.view[off:off + hs] = objformat.pack_object_header(1, (1 << 64) - 1, plen)
     node.check_write(off, hs + plen, 31, wcap(node.cap_key, off, plen, 31, 0, later))
     assert int(node.ledger.gens[0]) == 31
 
@@ -185,7 +185,7 @@ def test_the_write_ledger_survives_a_restart_with_its_arena(tmp_path):
     the restart still writes once; a ledger of another arena is started afresh."""
     cfg = NodeConfig(capacity=1 << 20, arena_dir=str(tmp_path), token="cluster-secret-0123456789", node_id="n1")
     later = int(time.time() * 1000) + 60_000
-    off, plen, hs = ARENA_DATA_START, 1000, wire.OBJ_HEADER_SIZE
+    off, plen, hs = ARENA_DATA_START, 1000, objformat.OBJ_HEADER_SIZE
     first = NodeServer(cfg)
     cap = wcap(first.cap_key, off, plen, 40, 0, later)
     first.check_write(off, hs + plen, 40, cap)
@@ -202,7 +202,7 @@ def test_the_write_ledger_survives_a_restart_with_its_arena(tmp_path):
 def test_a_writev_checks_each_slot_of_one_batch_capability_sent_once(node):
     """Several frames of one batch: the capability crosses once per frame (b"" after the first op: the previous
     op's), is verified once per connection, each slot is checked and written once."""
-    plen, hs = 1000, wire.OBJ_HEADER_SIZE
+    plen, hs = 1000, objformat.OBJ_HEADER_SIZE
     offs = [ARENA_DATA_START + i * ALIGN for i in range(6)]
     later = int(time.time() * 1000) + 60_000
     cap = write_capability(node.cap_key, [(o, plen, 100 + i) for i, o in enumerate(offs)], 0, later)
@@ -212,7 +212,7 @@ def test_a_writev_checks_each_slot_of_one_batch_capability_sent_once(node):
     assert [f[0] for f in failures] == [2] and "no valid capability to write" in failures[0][2]  # wrong generation
     assert pieces[2] == hs + plen and isinstance(pieces[0], memoryview)  # the refused op's bytes are discarded
     for i in (0, 1):
-        pieces[i][:hs] = wire.pack_object_header(1, 100 + i, plen)
+        pieces[i][:hs] = objformat.pack_object_header(1, 100 + i, plen)
     second = [[offs[3], 103, cap, hs + plen], [offs[0], 100, b"", hs + plen]]  # op 0 again: written once
     pieces, failures = node.writev_pieces(second, 2 * (hs + plen), caps)
     assert [f[0] for f in failures] == [1] and "already holds generation 100" in failures[0][2]

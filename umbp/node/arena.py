@@ -6,7 +6,7 @@ the same arena id, and the metaserver keeps its pages (the id plus each object's
 same). A node started without a ``--node-id`` gets a fresh name and removes its file on a clean exit, since nobody
 could ever reopen it.
 
-Invariant: the mapping is page aligned and the data region starts at ``wire.ARENA_DATA_START``, so object offsets
+Invariant: the mapping is page aligned and the data region starts at ``objformat.ARENA_DATA_START``, so object offsets
 handed out by the metaserver are 4 KiB aligned in every process that maps the file (a same-host client, a GPU
 gather through pinned mapped memory, an RDMA memory region).
 """
@@ -18,7 +18,7 @@ import os
 import time
 import uuid
 
-from transport import wire
+from transport import objformat
 from umbp.errors import ConfigError
 
 
@@ -27,7 +27,7 @@ class Arena:
         self.path = path
         self.capacity = capacity
         self.remove_on_close = remove_on_close
-        self.size = wire.ARENA_DATA_START + capacity
+        self.size = objformat.ARENA_DATA_START + capacity
         self.reopened = False
         component = "node"
         try:
@@ -38,9 +38,9 @@ class Arena:
             st = os.fstat(fd)
             arena_id = None
             if st.st_size == self.size:
-                with mmap.mmap(fd, wire.ARENA_DATA_START, mmap.MAP_SHARED, mmap.PROT_READ) as head:
+                with mmap.mmap(fd, objformat.ARENA_DATA_START, mmap.MAP_SHARED, mmap.PROT_READ) as head:
                     try:
-                        found, cap = wire.unpack_superblock(head)
+                        found, cap = objformat.unpack_superblock(head)
                         if cap == capacity:
                             arena_id = found
                     except ValueError:
@@ -61,7 +61,7 @@ class Arena:
         self.view = memoryview(self._map)
         if arena_id is None:
             arena_id = uuid.uuid4().bytes
-            sb = wire.pack_superblock(arena_id, capacity, time.time_ns())
+            sb = objformat.pack_superblock(arena_id, capacity, time.time_ns())
             self.view[:len(sb)] = sb
         else:
             self.reopened = True

@@ -1,8 +1,8 @@
 """The storage node's disk arena: a file on local NVMe under the DRAM arena (``--disk PATH --disk-capacity SIZE``).
 
-Layout: a 4 KiB superblock (``wire.DISK_MAGIC``, version, disk id, capacity, creation time) then ``capacity`` bytes
+Layout: a 4 KiB superblock (``objformat.DISK_MAGIC``, version, disk id, capacity, creation time) then ``capacity`` bytes
 of objects laid out as in the DRAM arena (the same 64-byte header, extents 4 KiB aligned), offsets counted from the
-file's start (the data region is ``[wire.DISK_DATA_START, DISK_DATA_START + capacity)``). The metaserver allocates
+file's start (the data region is ``[objformat.DISK_DATA_START, DISK_DATA_START + capacity)``). The metaserver allocates
 the extents; this module only moves bytes and keeps the file. A node restarted with the same file and capacity
 reopens it and keeps its id (``reopened``), so the metaserver can tell its disk pages are still there; a file of
 another capacity, or no disk arena at all, is started afresh under a new id.
@@ -35,10 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from transport import wire
+from transport import objformat
 from umbp.errors import ConfigError
 
-ALIGN = wire.ALIGN
+ALIGN = objformat.ALIGN
 
 
 class Buffers:
@@ -51,7 +51,7 @@ class Buffers:
         self._lock = threading.Lock()  # the event loop takes buffers, workers (tests, bench) may too
 
     def get(self, nbytes: int) -> mmap.mmap:
-        n = wire.align_up(max(nbytes, 1))
+        n = objformat.align_up(max(nbytes, 1))
         with self._lock:
             got = self.free.get(n)
             if got:
@@ -85,8 +85,8 @@ class DiskArena:
         self.capacity = capacity
         self.threads = threads
         self.component = component
-        self.size = wire.DISK_DATA_START + capacity
-        self.data_start, self.data_end = wire.DISK_DATA_START, self.size
+        self.size = objformat.DISK_DATA_START + capacity
+        self.data_start, self.data_end = objformat.DISK_DATA_START, self.size
         self.reopened = False
         self.direct = True
         self.buffers = Buffers()
@@ -127,7 +127,7 @@ class DiskArena:
             n = os.preadv(self.fd, [head], 0)
         if n == ALIGN and os.fstat(self.fd).st_size == self.size:
             try:
-                found, cap = wire.unpack_disk_superblock(head)
+                found, cap = objformat.unpack_disk_superblock(head)
                 if cap == self.capacity:
                     self.reopened = True
                     return found
@@ -142,7 +142,7 @@ class DiskArena:
                 if e.errno not in (95, 22):  # EOPNOTSUPP / EINVAL: a filesystem without fallocate, sparse it is
                     raise
             disk_id = uuid.uuid4().bytes
-            sb = wire.pack_disk_superblock(disk_id, self.capacity, time.time_ns())
+            sb = objformat.pack_disk_superblock(disk_id, self.capacity, time.time_ns())
             head[:] = sb + bytes(ALIGN - len(sb))
             os.pwritev(self.fd, [head], 0)
             os.fsync(self.fd)

@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-from transport import wire
+from transport import objformat
 from umbp.errors import AuthError, ConfigError
 
 _HEAD = 16  # bytes before the block words: the arena id
@@ -40,7 +40,7 @@ class WriteLedger:
         self.component = component
         self.data_start = data_start
         self.path = path
-        nblocks = -(-capacity // wire.ALIGN)
+        nblocks = -(-capacity // objformat.ALIGN)
         self._map = None
         if not path:
             self.gens = np.zeros(nblocks, dtype=np.uint64)
@@ -67,8 +67,8 @@ class WriteLedger:
         """Record a verified capability's write of generation ``gen`` over ``[offset, offset + nbytes)``; AuthError
         when any block of it was written at ``gen`` or a newer generation (the capability wrote once already, or a
         newer allocation owns part of these bytes now). The range was checked to lie in the data region."""
-        b0 = (offset - self.data_start) // wire.ALIGN
-        b1 = -(-(offset + nbytes - self.data_start) // wire.ALIGN)
+        b0 = (offset - self.data_start) // objformat.ALIGN
+        b1 = -(-(offset + nbytes - self.data_start) // objformat.ALIGN)
         seg = self.gens[b0:b1]
         if not 0 <= gen < 1 << 64:
             raise AuthError(self.component, f"write of generation {gen}: not a generation")

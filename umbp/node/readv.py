@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from transport import wire
+from transport import objformat, wire
+
 from umbp.errors import BadRequest, CorruptionError, RemoteError
 
-HS = wire.OBJ_HEADER_SIZE
+HS = objformat.OBJ_HEADER_SIZE
 HEADER_MEMO = 65536  # READV headers remembered as checked (NodeServer.checked: about 10 MiB at most)
 
 
@@ -30,7 +31,7 @@ def check_ops(meta: Any, what: str, comp: str, check_cap: Callable | None, lo: i
               disk_check: Callable[[int, int], str | None] | None = None) -> tuple[list, list]:
     """The ops of one READV (``disk_check`` None: arena offsets, each object within [lo, hi) and aligned) or
     READV_DISK (``disk_check(offset, object bytes)``: why a disk extent is not readable, or None; addresses carry
-    ``wire.DISK_BIT``), ``check_cap`` the connection's ``CapCache.read`` (None: an open pool). Returns (rows,
+    ``objformat.DISK_BIT``), ``check_cap`` the connection's ``CapCache.read`` (None: an open pool). Returns (rows,
     failures): rows ``(index, offset, start, length, tag, gen, payload_len)`` of the ops that passed, in order
     (the offset without DISK_BIT), failures ``[index, status, message]``."""
     if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
@@ -39,7 +40,7 @@ def check_ops(meta: Any, what: str, comp: str, check_cap: Callable | None, lo: i
     rows: list = []
     failures: list = []
     prev = b""
-    align, bit = wire.ALIGN, wire.DISK_BIT
+    align, bit = objformat.ALIGN, objformat.DISK_BIT
     for i, m in enumerate(meta):
         if type(m) is not list or len(m) != 7:
             raise BadRequest(comp, f"{what}: op {i} must be [{_ADDR[disk_check is None]}, start, length, tag, gen, "
@@ -61,7 +62,7 @@ def check_ops(meta: Any, what: str, comp: str, check_cap: Callable | None, lo: i
             else:
                 off = addr ^ bit
                 why = None if addr & bit and plen >= 0 else "not a disk address"
-                why = why or disk_check(off, wire.object_size(plen))
+                why = why or disk_check(off, objformat.object_size(plen))
                 if why:
                     raise BadRequest(comp, f"{what}: {why}")
             if check_cap is not None:
@@ -92,8 +93,8 @@ def serve(conn, frame: wire.Frame) -> None:
     rows, failures = check_ops(meta, "READV", comp, None if node.cap_key is None else conn.caps.read,
                                node.data_start, node.data_end)
     refused = len(failures)
-    view, hs = node.arena.view, wire.OBJ_HEADER_SIZE
-    check_header = wire.check_object_header
+    view, hs = node.arena.view, objformat.OBJ_HEADER_SIZE
+    check_header = objformat.check_object_header
     memo = node.checked
     bufs: list = []
     total = 0

@@ -46,7 +46,7 @@ import time
 import uuid
 from typing import Any
 
-from transport import slotrules, tlsserve, wire
+from transport import objformat, slotrules, tlsserve, wire
 from transport.base import stale_message
 from transport.shm import boot_id
 from umbp.admission import Admission
@@ -96,7 +96,7 @@ class NodeServer:
         # Closed pools: the newest generation written per 4 KiB block (umbp/node/ledger.py): what a write capability may
         # still write is judged from it, never from headers (bytes a client wrote). Kept next to a reopenable arena.
         self.ledger = None if self.cap_key is None else WriteLedger(
-            self.arena.arena_id, wire.ARENA_DATA_START, config.capacity,
+            self.arena.arena_id, objformat.ARENA_DATA_START, config.capacity,
             "" if self.arena.remove_on_close else self.arena.path + ".ledger", self.component)
         # Generation floors (umbp/floors.py): a one-slot pool's from REGISTER, a partitioned pool's per slot (kept
         # next to a reopenable arena), published in the superblock's page. A write of a lower generation was granted
@@ -107,7 +107,7 @@ class NodeServer:
         self.admission = Admission(self.component, self.tokens.closed, config.max_connections,
                                    config.preauth_connections, config.auth_timeout_s, config.preauth_per_source)
         self.tls = None  # the server's TLS context (start): each connection runs its handshake once admitted
-        self.data_start = wire.ARENA_DATA_START
+        self.data_start = objformat.ARENA_DATA_START
         self.data_end = self.arena.size
         self.boot_id = boot_id()
         self.host = ""
@@ -125,7 +125,7 @@ class NodeServer:
     def check_range(self, offset: Any, length: Any, what: str) -> None:
         if type(offset) is not int or type(length) is not int:
             raise BadRequest(self.component, f"{what}: offset and length must be integers")
-        if offset < self.data_start or offset % wire.ALIGN or length < 0 or offset + length > self.data_end:
+        if offset < self.data_start or offset % objformat.ALIGN or length < 0 or offset + length > self.data_end:
             raise BadRequest(self.component, f"{what}: range {offset}+{length} outside the data region "
                                               f"[{self.data_start}, {self.data_end}) or unaligned")
 
@@ -138,7 +138,7 @@ class NodeServer:
         if not isinstance(meta, list) or len(meta) not in (3, 4) or type(meta[1]) is not int or (
                 len(meta) == 4 and type(meta[3]) is not int):
             raise BadRequest(self.component, "WRITE: meta must be [offset, generation, capability, until_ms?]")
-        if data_len < wire.OBJ_HEADER_SIZE:
+        if data_len < objformat.OBJ_HEADER_SIZE:
             raise BadRequest(self.component, "WRITE: data shorter than an object header")
         self.check_range(meta[0], data_len, "WRITE")
         self.check_write(meta[0], data_len, meta[1], meta[2], caps)
@@ -157,7 +157,7 @@ class NodeServer:
             if gen < floor:
                 raise Unavailable(self.component, stale_message(gen, floor), wire.Status.UNAVAILABLE)
             return
-        epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - wire.OBJ_HEADER_SIZE, gen,
+        epoch = (caps or CapCache(self.cap_key, 1)).write(cap, offset, nbytes - objformat.OBJ_HEADER_SIZE, gen,
                                                           self.cap_epoch, int(time.time() * 1000), self.component)
         slot = slotrules.epoch_slot(epoch)
         if slot is not None:
@@ -189,7 +189,7 @@ class NodeServer:
         if type(meta) is not list or not 0 < len(meta) <= wire.MAX_VEC_OPS:
             raise BadRequest(self.component, f"WRITEV: meta must be a list of 1..{wire.MAX_VEC_OPS} "
                                              f"[offset, generation, capability, nbytes]")
-        view, hs = self.arena.view, wire.OBJ_HEADER_SIZE
+        view, hs = self.arena.view, objformat.OBJ_HEADER_SIZE
         pieces, failures, total, prev, first = [], [], 0, b"", 0
         for i, m in enumerate(meta):
             if type(m) is not list or not 4 <= len(m) <= 5 or type(m[1]) is not int or type(m[3]) is not int or (
@@ -419,7 +419,7 @@ class DataProtocol(FramedProtocol):
                 node.stats["errors"] += len(failures)
                 reply = failures or None
             elif op == wire.Op.WRITE:
-                if frame.data_len < wire.OBJ_HEADER_SIZE:  # with data, the sink validated it before it landed
+                if frame.data_len < objformat.OBJ_HEADER_SIZE:  # with data, the sink validated it before it landed
                     raise BadRequest(node.component, "WRITE: data shorter than an object header")
                 late = self.watch.answer(frame.request_id)
                 if late is not None:
@@ -472,23 +472,23 @@ class DataProtocol(FramedProtocol):
             raise BadRequest(node.component, "READ: meta must be [offset, start, length, tag, gen, payload_len, "
                                              "capability]")
         off, start, length, khash, gen, plen, cap = meta
-        node.check_range(off, wire.OBJ_HEADER_SIZE + plen, "READ")
+        node.check_range(off, objformat.OBJ_HEADER_SIZE + plen, "READ")
         self.caps.read(cap, off, plen, gen, node.component)
         if start < 0 or length < 0 or start + length > plen:
             raise BadRequest(node.component, f"READ: range {start}+{length} outside the payload of {plen}")
         view = node.arena.view
-        head = view[off:off + wire.OBJ_HEADER_SIZE]
+        head = view[off:off + objformat.OBJ_HEADER_SIZE]
         try:
-            wire.check_object_header(head, node.component, khash, gen, plen)
+            objformat.check_object_header(head, node.component, khash, gen, plen)
         except CorruptionError as e:
             self._out.append(wire.encode_error(frame.op, frame.request_id, wire.Status.CORRUPT, str(e),
                                                version=self.reader.version))
             return
         node.stats["reads"] += 1
         node.stats["bytes_read"] += length
-        src = off + wire.OBJ_HEADER_SIZE + start
+        src = off + objformat.OBJ_HEADER_SIZE + start
         self._out.append(wire.encode(frame.op, frame.request_id, None, flags=wire.Flag.RESPONSE,
-                                     data_len=wire.OBJ_HEADER_SIZE + length, version=self.reader.version) + bytes(head))
+                                     data_len=objformat.OBJ_HEADER_SIZE + length, version=self.reader.version) + bytes(head))
         if length:
             self._out.append(view[src:src + length])
 

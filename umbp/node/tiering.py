@@ -7,13 +7,13 @@ behind it wait (``flush``). An answer of ``DIRECT_SEND`` bytes or more goes out 
 a duplicate of the socket, the GIL released), smaller ones and TLS through the transport; read buffers go back to the
 pool once sent.
 
-READV_DISK: READV's layout over disk addresses (``wire.DISK_BIT | offset``; a read capability names that address, so
+READV_DISK: READV's layout over disk addresses (``objformat.DISK_BIT | offset``; a read capability names that address, so
 a DRAM grant never reads the disk and back). Each extent's header is checked like a DRAM read's (key hash, generation,
-length, header crc: ``wire.check_object_header``) on the bytes just read: a stale or torn extent is a CORRUPT failure
+length, header crc: ``objformat.check_object_header``) on the bytes just read: a stale or torn extent is a CORRUPT failure
 of its op, never bytes. A ranged read fetches the header block and the aligned blocks holding the range.
 
 DEMOTE (DRAM -> disk) and PROMOTE (disk -> DRAM): the metaserver's identity only (the cluster secret, whose scope
-may act as a node; anyone in an open pool). Rows (``wire.TIER_ROW``) are independent; the answer lists the failed
+may act as a node; anyone in an open pool). Rows (``answerrows.TIER_ROW``) are independent; the answer lists the failed
 ones. A source whose header does not match its row is never copied. The copy's header lands LAST:
 - DEMOTE writes each extent whole with its header zeroed (one pwritev: the block holding the header from a scratch
   copy, the rest straight from the arena), ``fdatasync``, then the header block with the header, ``fdatasync``, and
@@ -42,12 +42,14 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from transport import wire
+from transport import answerrows, objformat, wire
+
+
 from umbp.errors import AuthError, BadRequest, CorruptionError, RemoteError
 from umbp.node.disk import ALIGN, DiskArena, Job
 from umbp.node.readv import check_ops
 
-HS = wire.OBJ_HEADER_SIZE
+HS = objformat.OBJ_HEADER_SIZE
 # A READV_DISK answer of this many bytes or more is written to the socket by a sender thread (``DiskTier.direct_send``)
 # rather than by the event loop: uvloop writes under the GIL, so a loop copying MiBs into the socket kept the disk
 # workers from taking the GIL back after each preadv. Plain TCP only (TLS goes through its transport).
@@ -241,7 +243,7 @@ class DiskTier:
         reads, jobs, nbytes = [], [], 0
         for i, off, start, length, khash, gen, plen in rows:
             a = (HS + start) // ALIGN * ALIGN  # the range's first block
-            end = wire.align_up(HS + start + length)
+            end = objformat.align_up(HS + start + length)
             bufs = [get(end)] if a <= ALIGN else [get(ALIGN), get(end - a)]
             jobs.append(Job(False, off, bufs[:1]))
             if a > ALIGN:
@@ -266,7 +268,7 @@ class DiskTier:
                     continue
                 head = memoryview(bufs[0])[:HS]
                 try:
-                    wire.check_object_header(head, comp, khash, gen, plen)
+                    objformat.check_object_header(head, comp, khash, gen, plen)
                 except CorruptionError as e:
                     failures.append([i, wire.Status.CORRUPT, str(e)])
                     continue
@@ -295,13 +297,13 @@ class DiskTier:
         """(rows that pass their checks as (index, tag, gen, plen, dram, disk, regen, size), failures). A request
         past its ``until_ms`` (wall clock, the mover's: ``late``) fails every row: its sender has given it up and may
         have placed other pages in its extents."""
-        rows = wire.unpack_tier_rows(frame.meta, self.component)
+        rows = answerrows.unpack_tier_rows(frame.meta, self.component)
         ok, failures = [], []
         why = late(frame.meta, what, self.component)
         if why:
             return [], [[i, wire.Status.UNAVAILABLE, why] for i in range(len(rows))]
         for i, (tag, gen, plen, dram, dsk, regen) in enumerate(rows.tolist()):
-            size = wire.object_size(plen)
+            size = objformat.object_size(plen)
             try:
                 self.node.check_range(dram, size, what)
                 why = self.disk.check(dsk, size)
@@ -315,8 +317,8 @@ class DiskTier:
 
     def _header(self, head, comp: str, tag: int, gen: int, plen: int, regen: int) -> bytes:
         """The copy's header: the source's, or with generation ``regen`` (its payload checksum kept)."""
-        csum = wire.check_object_header(head, comp, tag, gen, plen)
-        return bytes(head) if not regen else wire.pack_object_header(tag, regen, plen, csum)
+        csum = objformat.check_object_header(head, comp, tag, gen, plen)
+        return bytes(head) if not regen else objformat.pack_object_header(tag, regen, plen, csum)
 
     def demote(self, conn, frame: wire.Frame) -> None:
         rows, failures = self._rows(conn, frame, "DEMOTE")
@@ -488,7 +490,7 @@ def readv_disk(sock, ops: list, deadline: float, op: int = wire.Op.READV_DISK) -
         got = bytes(data[pos:pos + HS + length])
         pos += HS + length
         try:
-            wire.check_object_header(got[:HS], "reader", tag, gen, plen)
+            objformat.check_object_header(got[:HS], "reader", tag, gen, plen)
             out.append(got)
         except CorruptionError as e:
             out.append(e)

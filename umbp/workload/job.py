@@ -64,7 +64,7 @@ class JobConfig:
             raise ConfigError("replay", f"speed must be > 0, got {self.speed}")
 
     def node_capacity(self) -> int:
-        from transport.wire import object_size
+        from transport.objformat import object_size
 
         per_node = math.ceil(self.pool_pages * object_size(self.replay.page_bytes) / max(1, self.nodes))
         return max(1 << 20, (per_node + (1 << 20) - 1) // (1 << 20) * (1 << 20))

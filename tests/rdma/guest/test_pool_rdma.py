@@ -24,7 +24,7 @@ import pytest
 
 import umbp
 import umbp.client
-from transport import wire
+from transport import objformat, wire
 from transport.base import ReadOp
 from transport.rdma import rdma_available
 from umbp.errors import CorruptionError, TransportError, UmbpError
@@ -301,8 +301,8 @@ def test_stale_generation_is_detected(pool):
         try:
             ns = c.namespace
             outs = [bytearray(size), bytearray(size)]
-            ops = [ReadOp(off, 0, size, wire.key_hash(ns, b"old"), gen, size, memoryview(outs[0])),
-                   ReadOp(off, 0, size, wire.key_hash(ns, f"new{i}".encode()), reused[3], size,
+            ops = [ReadOp(off, 0, size, objformat.key_hash(ns, b"old"), gen, size, memoryview(outs[0])),
+                   ReadOp(off, 0, size, objformat.key_hash(ns, f"new{i}".encode()), reused[3], size,
                           memoryview(outs[1]))]
             res = t.finish(t.start_read(ops, time.monotonic() + 30), time.monotonic() + 30)
             assert isinstance(res[0], CorruptionError), res
@@ -312,7 +312,7 @@ def test_stale_generation_is_detected(pool):
             # the same with the destination registered (payload lands in place; the result still says corrupt)
             reg = np.zeros(size, dtype=np.uint8)
             t.register(memoryview(reg))
-            res = t.finish(t.start_read([ReadOp(off, 0, size, wire.key_hash(ns, b"old"), gen, size,
+            res = t.finish(t.start_read([ReadOp(off, 0, size, objformat.key_hash(ns, b"old"), gen, size,
                                                 memoryview(reg))], time.monotonic() + 30), time.monotonic() + 30)
             assert isinstance(res[0], CorruptionError), res
         finally:
