@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from transport import wire
 from transport.keyform import KEY32, PackedKeys, digest_forms, digest_key
 from transport.wire import Status
@@ -79,7 +77,7 @@ def unpack_keys(meta: Any) -> None:
     if len(blob) % w:
         raise Reject(f"packed keys of {w} bytes each: {len(blob)} bytes is not a whole number of them")
     p = PackedKeys(blob, w)
-    if w == 64 or (64 < w <= 68 and int(np.count_nonzero((p.last_bytes() - 48) < 10))):  # (u8: wraps below '0')
+    if p.may_hold_digest_text():
         meta["keys"] = digest_forms(p.tolist(), [w] * len(p))
     else:
         meta["keys"] = p

@@ -92,9 +92,14 @@ class PackedKeys:
         kl = self.tolist()
         return [kl[i] for i in at]
 
-    def last_bytes(self) -> np.ndarray:
-        """Each key's last byte (u8, a strided view of ``blob``)."""
-        return np.frombuffer(self.blob, np.uint8)[self.width - 1::self.width]
+    def may_hold_digest_text(self) -> bool:
+        """Whether a key may be a digest key's text, ``digest_forms``' rule for the batch at once: keys of 64 bytes,
+        or of 65..68 with one ending in a digit (one look at the last bytes, a strided view of ``blob``)."""
+        w = self.width
+        if w == 64:
+            return True
+        last = np.frombuffer(self.blob, np.uint8)[w - 1::w]
+        return 64 < w <= 68 and bool(np.count_nonzero((last - 48) < 10))  # (u8: below '0' wraps past 9)
 
     def digests(self) -> np.ndarray:
         """Keys of 32 bytes as an (n, 4) uint64 array (read-only, a view of ``blob``): each key its own digest."""

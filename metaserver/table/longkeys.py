@@ -43,12 +43,7 @@ def digests(keys: list[bytes]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
     if type(keys) is PackedKeys:  # (a request's packed keys: of 32 bytes each its own digest, else all long)
         if keys.width == 32:
             return keys.digests(), []
-        kl, copy, raw = keys.tolist(), _LONG0.copy, []
-        for k in kl:
-            h = copy()
-            h.update(k)
-            raw.append(h.digest())
-        return np.frombuffer(b"".join(raw), np.uint64).reshape(len(kl), 4), list(enumerate(kl))
+        keys = keys.tolist()
     n = len(keys)
     joined = b"".join(keys)
     if n and len(joined) == 32 * n and min(map(len, keys)) == 32:  # all 32 bytes (SGLang's digests), at C speed
