@@ -40,8 +40,8 @@ from umbp.errors import (AuthError, BadRequest, CorruptionError, FrameTooLarge, 
                          ProtocolError, QuotaExceeded, RemoteError, Unavailable)
 
 MAGIC = 0x4D55  # b"UM" little-endian
-# Versions: docs/operations/upgrades.md (12: LOOKUP and ALLOC answers as packed rows, ``answerrows.LOC_ROW``/``ALLOC_ROW``). A
-# reader takes VERSION and MIN_VERSION, a server answers a frame in its version (tests/test_wire_compat.py). The disk
+# Versions: docs/operations/upgrades.md (12: LOOKUP and ALLOC answers as packed rows, ``answerrows.LOC_ROW`` and
+# ``ALLOC_ROW``). A reader takes VERSION and MIN_VERSION, a server answers a frame in its version (tests/test_wire_compat.py). The disk
 # tier's opcodes (READV_DISK, DEMOTE, PROMOTE) are additive within 12: older peers never send them, a node without
 # them answers UNKNOWN_OPCODE. A keyed request's keys of one length packed into one bytes value (``pack_keys``) are
 # additive within 12 too: a client packs them only for a metaserver whose HELLO answer says ``"packed_keys": true``,
