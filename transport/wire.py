@@ -41,11 +41,11 @@ from umbp.errors import (AuthError, BadRequest, CorruptionError, FrameTooLarge, 
 
 MAGIC = 0x4D55  # b"UM" little-endian
 # Versions: docs/operations/upgrades.md (12: LOOKUP and ALLOC answers as packed rows, ``answerrows.LOC_ROW`` and
-# ``ALLOC_ROW``). A reader takes VERSION and MIN_VERSION, a server answers a frame in its version (tests/test_wire_compat.py). The disk
-# tier's opcodes (READV_DISK, DEMOTE, PROMOTE) are additive within 12: older peers never send them, a node without
-# them answers UNKNOWN_OPCODE. A keyed request's keys of one length packed into one bytes value (``pack_keys``) are
-# additive within 12 too: a client packs them only for a metaserver whose HELLO answer says ``"packed_keys": true``,
-# and such a metaserver takes either form.
+# ``ALLOC_ROW``). A reader takes VERSION and MIN_VERSION, a server answers a frame in its version
+# (tests/test_wire_compat.py). The disk tier's opcodes (READV_DISK, DEMOTE, PROMOTE) are additive within 12: older peers
+# never send them, a node without them answers UNKNOWN_OPCODE. A keyed request's keys of one length packed into one
+# bytes value (``pack_keys``) are additive within 12 too: a client packs them only for a metaserver whose HELLO answer
+# says ``"packed_keys": true``, and such a metaserver takes either form.
 VERSION = 12
 MIN_VERSION = VERSION - 1
 HEADER = struct.Struct("<HBBHHIIQ")
