@@ -127,6 +127,18 @@ def phase_split(c, one, batches: int, n: int) -> str:
             + " | ".join(f"{k} wall {w:.0f} cpu {u:.0f}" for k, (w, u) in parts.items()) + f" | rest cpu {rest:.0f}")
 
 
+def arena_pages(ms: str) -> str:
+    """How a same-host client maps the node's arena: bytes on 2 MiB pages (``--arena-root``; umbp/node/arena.py)."""
+    from umbp.node.arena import mapped_huge
+
+    with umbp.Client(ms, namespace="getpath-arena", transport="shm") as c:
+        c.put("probe", b"x")
+        (t,) = [t for t in c._transports.values() if t.name == "shm"]
+        huge = mapped_huge(t._map)
+        return (f"arena {t.size >> 20} MiB: {huge >> 20} MiB of it on 2 MiB pages in the client's mapping"
+                + ("" if huge else " (4 KiB pages: /dev/shm without huge=; see --arena-root)"))
+
+
 def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], min_time: float,
               phases: bool = False) -> dict:
     """GB/s of ``batch_get_into`` per out kind, after putting ``pages`` pages (bytes checked once); with ``phases``
@@ -312,12 +324,16 @@ def main() -> int:
     ap.add_argument("--tls", default="on", choices=("on", "off", "only"), help="TLS gets of 1 MiB vs plaintext")
     ap.add_argument("--big-view", default="on", choices=("on", "off"), help="tcp receive: _BIG_VIEW off vs 256 KiB")
     ap.add_argument("--phases", action="store_true", help="where a batch's time goes (client wall and CPU, us)")
+    ap.add_argument("--arena-root", default="", metavar="DIR",
+                    help="the node's arena under DIR (a tmpfs mounted with huge=within_size: 2 MiB pages), not /dev/shm")
     args = ap.parse_args()
     min_time = 0.5 if args.quick else 1.5
     ws = (128 << 20) if args.quick else (384 << 20)
     kinds = args.outs.split(",")
     lines = []
-    with LocalPool(nodes=1, capacity=args.capacity, port=0, metrics=False) as pool:
+    with LocalPool(nodes=1, capacity=args.capacity, port=0, metrics=False, arena_root=args.arena_root) as pool:
+        lines.append(arena_pages(pool.metaserver))
+        print(lines[-1], flush=True)
         for transport in args.transports.split(",") if args.tls != "only" else ():
             for size in (int(x) * KiB for x in args.sizes.split(",")):
                 pages = max(4 * BATCH, ws // size) // BATCH * BATCH

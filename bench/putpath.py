@@ -94,6 +94,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="16,64,1024", help="page sizes in KiB")
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--capacity", default="2GiB", help="node arena size")
+    ap.add_argument("--arena-root", default="", metavar="DIR",
+                    help="the node's arena under DIR (a tmpfs mounted with huge=within_size: 2 MiB pages), not /dev/shm")
     ap.add_argument("--commit", default="durable", help="the metaserver's commit modes, comma-separated: a pool each "
                                                         "(durable: answered once in etcd; async: before etcd)")
     args = ap.parse_args()
@@ -104,7 +106,7 @@ def main() -> int:
     ws = (64 << 20) if args.quick else (256 << 20)
     lines = []
     for mode in modes:
-        with LocalPool(nodes=1, capacity=args.capacity, port=0, metrics=False,
+        with LocalPool(nodes=1, capacity=args.capacity, port=0, metrics=False, arena_root=args.arena_root,
                        metaserver_args=["--commit", mode]) as pool:
             for transport in args.transports.split(","):
                 for size in (int(x) * KiB for x in args.sizes.split(",")):

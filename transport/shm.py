@@ -28,6 +28,7 @@ from transport.base import Pending, Transport, check_payload, headers_match, lat
 from umbp import copies
 from umbp.buffers import Rows
 from umbp.errors import CorruptionError, DeadlineExceeded, InvalidArgument, TransportError
+from umbp.node.arena import advise_huge
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 HEADER_MEMO = 65536  # headers remembered as checked (about 16 MiB at most); cleared when full
@@ -60,6 +61,7 @@ class ShmTransport(Transport):
             size = os.fstat(fd).st_size
             # MAP_POPULATE: fault the whole arena in now, not one 4 KiB page at a time on the hot path.
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            advise_huge(self._map)  # 2 MiB pages where the arena's tmpfs gives them on request (umbp/node/arena.py)
         except OSError as e:
             raise TransportError(self.component, f"cannot map arena {arena_path}: {e}") from e
         finally:

@@ -170,7 +170,7 @@ class LocalPool:
                  lease_ttl: float = 10.0, echo: bool = False, workdir: str | None = None,
                  metaserver_args: list[str] | None = None, max_restarts: int = 3, metrics: bool = True,
                  out=None, metaservers: int = 1, slots: int = 0, kv_events: str = "", disk: str = "",
-                 disk_capacity: str | int = 0):
+                 disk_capacity: str | int = 0, arena_root: str = ""):
         if not 1 <= metaservers <= 32:
             raise ConfigError("up", f"--metaservers must be within 1..32, got {metaservers}")
         if slots < 0 or slots == 1 and metaservers > 1 or slots > 1024:
@@ -199,7 +199,11 @@ class LocalPool:
         self.out = out or sys.stderr  # where supervision messages go
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix=f"umbp-up-{os.getpid()}-")
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else self.workdir
+        if arena_root and not (os.path.isdir(arena_root) and os.access(arena_root, os.W_OK)):
+            raise ConfigError("up", f"--arena-root {arena_root} is not a writable directory")
+        # arena_root: e.g. a tmpfs mounted with huge=within_size (2 MiB pages: umbp/node/arena.py)
+        shm = arena_root or ("/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+                             else self.workdir)
         self.arena_dir = tempfile.mkdtemp(prefix=f"umbp-up-{os.getpid()}-", dir=shm)
         self.children: list[Child] = []
         self.metaserver: str | None = None
