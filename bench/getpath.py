@@ -129,7 +129,7 @@ def phase_split(c, one, batches: int, n: int) -> str:
 
 def arena_pages(ms: str) -> str:
     """How a same-host client maps the node's arena: bytes on 2 MiB pages (``--arena-root``; umbp/node/arena.py)."""
-    from umbp.node.arena import mapped_huge
+    from transport.shm import mapped_huge
 
     with umbp.Client(ms, namespace="getpath-arena", transport="shm") as c:
         c.put("probe", b"x")

@@ -15,7 +15,8 @@ import pytest
 
 from umbp.errors import ConfigError
 from umbp.launcher import LocalPool
-from umbp.node.arena import Arena, advise_huge, mapped_huge
+from transport.shm import advise_huge, mapped_huge
+from umbp.node.arena import Arena
 
 
 def _mount_options(path: str) -> str:

@@ -5,6 +5,9 @@ this transport only when it runs on the same boot of the same host (``/proc/sys/
 the file at that path carries the same arena id in its superblock; otherwise ``ShmTransport.open`` raises and the
 selection rule falls through to RDMA or TCP.
 
+The arena's page size matters to the copy (umbp/node/arena.py "Huge pages"): ``advise_huge`` asks for 2 MiB pages
+for a mapping and ``mapped_huge`` says how much of it got them; the node and this transport share them.
+
 Cost: one memcpy per object range (one strided copy per ``umbp.buffers.Rows`` out), no syscalls, no node CPU; a batch's copies are split across threads
 (``umbp.copies``: memory bandwidth rather than one core's memcpy for batches of SERIAL_BYTES and more). Small
 batches copy with slice assignment on the calling thread; threaded ones take arena addresses as the mapping's base
@@ -28,7 +31,6 @@ from transport.base import Pending, Transport, check_payload, headers_match, lat
 from umbp import copies
 from umbp.buffers import Rows
 from umbp.errors import CorruptionError, DeadlineExceeded, InvalidArgument, TransportError
-from umbp.node.arena import advise_huge
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 HEADER_MEMO = 65536  # headers remembered as checked (about 16 MiB at most); cleared when full
@@ -43,6 +45,35 @@ def boot_id() -> str:
             return fh.read().strip()
     except OSError:
         return ""
+
+
+def advise_huge(m: mmap.mmap) -> None:
+    """Ask for 2 MiB pages for mapping ``m`` (``MADV_HUGEPAGE``): taken where the file's tmpfs is mounted with
+    ``huge=advise``; without effect elsewhere (and where the call is missing)."""
+    flag = getattr(mmap, "MADV_HUGEPAGE", None)
+    if flag is not None:
+        try:
+            m.madvise(flag)
+        except OSError:
+            pass
+
+
+def mapped_huge(m: mmap.mmap) -> int:
+    """Bytes of mapping ``m`` that this process maps with 2 MiB pages, from ``/proc/self/smaps`` (its
+    ``ShmemPmdMapped``, ``FilePmdMapped`` and ``AnonHugePages`` lines); 0 where that file is missing."""
+    start = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    want = f"{start:x}-"
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as fh:
+            for line in fh:
+                if "-" in line.split(" ", 1)[0] and not line[0].isupper():  # a mapping's first line
+                    inside = line.startswith(want)
+                elif inside and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:", "AnonHugePages:")):
+                    total += int(line.split()[1]) << 10
+    except OSError:
+        return 0
+    return total
 
 
 class ShmTransport(Transport):
@@ -61,7 +92,7 @@ class ShmTransport(Transport):
             size = os.fstat(fd).st_size
             # MAP_POPULATE: fault the whole arena in now, not one 4 KiB page at a time on the hot path.
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
-            advise_huge(self._map)  # 2 MiB pages where the arena's tmpfs gives them on request (umbp/node/arena.py)
+            advise_huge(self._map)  # 2 MiB pages where the arena's tmpfs gives them on request
         except OSError as e:
             raise TransportError(self.component, f"cannot map arena {arena_path}: {e}") from e
         finally:

@@ -11,7 +11,7 @@ runs at 0.8x of one out of 2 MiB pages: a TLB miss every 4 KiB, and the CPU's pr
 boundary (2-core VM, 64 KiB pages at random places of a 1 GiB file: 12.2 against 15.4 GB/s; 16 KiB 7.9 against 9.0).
 ``/dev/shm`` is usually a tmpfs without huge pages; a tmpfs mounted with ``huge=within_size`` (or ``always``) gives
 its files 2 MiB pages, and one mounted with ``huge=advise`` gives them where the mapping asks (``madvise``, done
-here). ``huge_bytes`` says how much of the mapping is on 2 MiB pages; the node says it at start
+here and by the shm transport: ``transport.shm.advise_huge``). ``huge_bytes`` says how much of the mapping is on 2 MiB pages; the node says it at start
 (docs/operations/kubernetes.md, "Huge pages for the arena").
 
 Invariant: the mapping is page aligned and the data region starts at ``objformat.ARENA_DATA_START``, so object offsets
@@ -27,6 +27,7 @@ import time
 import uuid
 
 from transport import objformat
+from transport.shm import advise_huge, mapped_huge
 from umbp.errors import ConfigError
 
 
@@ -106,33 +107,3 @@ def arena_dir_with_room(size: int) -> str | None:
         pass
     return None
 
-
-def advise_huge(m: mmap.mmap) -> None:
-    """Ask for 2 MiB pages for mapping ``m`` (``MADV_HUGEPAGE``): taken where the file's tmpfs is mounted with
-    ``huge=advise``; without effect elsewhere (and where the call is missing)."""
-    flag = getattr(mmap, "MADV_HUGEPAGE", None)
-    if flag is not None:
-        try:
-            m.madvise(flag)
-        except OSError:
-            pass
-
-
-def mapped_huge(m: mmap.mmap) -> int:
-    """Bytes of mapping ``m`` that this process maps with 2 MiB pages, from ``/proc/self/smaps`` (its
-    ``ShmemPmdMapped``, ``FilePmdMapped`` and ``AnonHugePages`` lines); 0 where that file is missing."""
-    import ctypes
-
-    start = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    want = f"{start:x}-"
-    total, inside = 0, False
-    try:
-        with open("/proc/self/smaps") as fh:
-            for line in fh:
-                if "-" in line.split(" ", 1)[0] and not line[0].isupper():  # a mapping's first line
-                    inside = line.startswith(want)
-                elif inside and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:", "AnonHugePages:")):
-                    total += int(line.split()[1]) << 10
-    except OSError:
-        return 0
-    return total
