@@ -32,11 +32,16 @@ def outs_of(kind: str, n: int, size: int = SIZE):
         return torch.zeros((n, size), dtype=torch.uint8)
     if kind == "tensors":
         return [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+    if kind == "views":  # as SGLang's HiCache backend passes them: writable views into one host pool, apart
+        pool = np.zeros((n, size + 4096), np.uint8)
+        return [memoryview(pool[i, 4096:]) for i in range(n)]
     return [np.zeros(size, np.uint8) for _ in range(n)]
 
 
 def as_bytes(outs, i: int, n: int = SIZE) -> bytes:
     o = outs[i]
+    if isinstance(o, memoryview):
+        return o[:n].tobytes()
     return (o.numpy() if isinstance(o, torch.Tensor) else o)[:n].tobytes()
 
 
@@ -49,7 +54,7 @@ def locate(c, key: str):
 @pytest.mark.shared_cluster
 @pytest.mark.cluster(nodes=2)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("kind", ["array", "tensor2d", "tensors", "arrays"])
+@pytest.mark.parametrize("kind", ["array", "tensor2d", "tensors", "arrays", "views"])
 def test_array_outs_get_every_byte_with_misses_among_hits(cluster, transport, kind):
     keys = [f"ar-{transport}-{kind}-{i}" for i in range(24)]
     stored = keys[::2]  # every other key is a miss

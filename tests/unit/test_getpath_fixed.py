@@ -241,6 +241,24 @@ def test_out_addresses_of_2d_outs_reuse_offsets_but_not_addresses():
     assert out_addresses(a, 4)[0].tolist() != out_addresses(b, 4)[0].tolist()
 
 
+def test_out_addresses_of_memoryview_lists_and_the_views_it_leaves_to_the_per_page_path():
+    """Writable C-contiguous views (SGLang's HiCache backend's outs) give their addresses and sizes; a read-only, a
+    strided or an empty view anywhere in the list leaves the whole batch to the per-page path (None)."""
+    import ctypes
+
+    from umbp.readbatch import out_addresses
+    pool = np.zeros((8, 5000), np.uint8)
+    views = [memoryview(pool[i, 100:100 + 1000 + i]) for i in range(8)]
+    addr, cap = out_addresses(views, 8)
+    assert addr.tolist() == [pool.ctypes.data + i * 5000 + 100 for i in range(8)]
+    assert cap.tolist() == [1000 + i for i in range(8)]
+    buf = (ctypes.c_ubyte * 4096).from_address(pool.ctypes.data)  # hostmem.view_at's kind: a ctypes array's view
+    assert out_addresses([memoryview(buf).cast("B"), views[1]], 2)[0].tolist() == [pool.ctypes.data, addr[1]]
+    for odd in (memoryview(bytes(1000)), memoryview(pool[:, 0]), memoryview(pool[0, :0])):
+        assert out_addresses(views[:3] + [odd], 4) is None
+    assert out_addresses(views[:1], 1) is None  # one page: the per-page path
+
+
 def test_read_rows_batch_memo_gives_the_full_paths_verdict_after_any_header_change(monkeypatch):
     """A batch read again by its key (``ShmTransport._batches``) skips the bounds and header match only while its
     headers are byte for byte the ones it passed with: after a header changes (a flipped bit in any field, the crc,
