@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 import umbp  # noqa: E402
 from umbp import copies  # noqa: E402
-from umbp.buffers import Rows  # noqa: E402
+from umbp.buffers import HostSpans, Rows  # noqa: E402
 from umbp import keys as umbp_keys  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 
@@ -209,13 +209,18 @@ def run_layout(ms: str, layout: str, args, cuda: bool) -> dict:
     src, dst = [], []
     for b in range(0, n, batch):
         pages = range(b, min(n, b + batch))
-        src += backend._kv_parts(pool, [""] * len(pages), indices(pages, pt))[1]
-        dst += backend._kv_parts(pool, [""] * len(pages), indices(range(n + b, n + pages.stop), pt))[1]
+        src += as_parts(backend._kv_parts(pool, [""] * len(pages), indices(pages, pt))[1])
+        dst += as_parts(backend._kv_parts(pool, [""] * len(pages), indices(range(n + b, n + pages.stop), pt))[1])
     src, dst = runs_of(src), runs_of(dst)
     rates = copy_rates(list(zip(dst, src)), args.rounds)
     parts = sum(len(p) for p in src) // (2 * n)
     backend.close()
     return {"set": max(sets), "get": max(gets), **rates, "parts_per_object": parts, "page_bytes": page_bytes}
+
+
+def as_parts(objs) -> list:
+    """The backend's objects of a batch as lists of views (``HostSpans``: one view a span)."""
+    return [[v] for v in objs.views()] if type(objs) is HostSpans else objs
 
 
 def plain_api(ms: str, args) -> dict:

@@ -1,10 +1,11 @@
 """The array read path of ``batch_get_into`` (``umbp/readbatch.py``): outs given as one 2-D array or tensor, or a
-list of tensors or arrays. Every test checks the bytes and counts returned, and that the pages the array checks do
+list of tensors, arrays or memoryviews, or ``HostSpans`` (raw host addresses). Every test checks the bytes and counts returned, and that the pages the array checks do
 not settle (a header that changed during the copy, a header with a payload checksum, a stale slot) get exactly the
 per-page path's answer: CorruptionError, never bytes."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 
@@ -14,10 +15,12 @@ import torch
 
 from transport import objformat, shm as shm_mod
 from transport.tcp import TcpTransport
+from umbp.buffers import HostSpans
 from umbp.errors import CorruptionError
 from umbp.keys import normalize_key
 
 SIZE = 20_000
+_KEEP: list = []  # host pools behind HostSpans outs: alive for the module
 
 
 def page(key: str, version: int = 1, size: int = SIZE) -> bytes:
@@ -35,10 +38,17 @@ def outs_of(kind: str, n: int, size: int = SIZE):
     if kind == "views":  # as SGLang's HiCache backend passes them: writable views into one host pool, apart
         pool = np.zeros((n, size + 4096), np.uint8)
         return [memoryview(pool[i, 4096:]) for i in range(n)]
+    if kind == "spans":  # a host pool's pages at raw addresses, in shuffled pool order (the backend's page_first)
+        pool = np.zeros((n, size + 4096), np.uint8)
+        _KEEP.append(pool)
+        rows = np.random.default_rng(n).permutation(n)
+        return HostSpans(pool.ctypes.data + rows * (size + 4096) + 4096, np.full(n, size))
     return [np.zeros(size, np.uint8) for _ in range(n)]
 
 
 def as_bytes(outs, i: int, n: int = SIZE) -> bytes:
+    if type(outs) is HostSpans:
+        return ctypes.string_at(int(outs.addr[i]), n)
     o = outs[i]
     if isinstance(o, memoryview):
         return o[:n].tobytes()
@@ -54,7 +64,7 @@ def locate(c, key: str):
 @pytest.mark.shared_cluster
 @pytest.mark.cluster(nodes=2)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("kind", ["array", "tensor2d", "tensors", "arrays", "views"])
+@pytest.mark.parametrize("kind", ["array", "tensor2d", "tensors", "arrays", "views", "spans"])
 def test_array_outs_get_every_byte_with_misses_among_hits(cluster, transport, kind):
     keys = [f"ar-{transport}-{kind}-{i}" for i in range(24)]
     stored = keys[::2]  # every other key is a miss
@@ -181,3 +191,18 @@ def test_a_batch_over_shm_and_tcp_nodes(cluster):
         assert sorted(names.values()) == ["shm", "tcp"], names
         on = {locate(c, k)[0] for k in stored}
         assert on == set(nodes), "pages on both nodes"
+
+
+@pytest.mark.shared_cluster
+@pytest.mark.cluster(nodes=1)
+def test_host_spans_as_put_values_and_as_the_outs_of_one_page(cluster):
+    keys = [f"spans-put-{i}" for i in range(5)]
+    src = np.frombuffer(b"".join(page(k) for k in keys), np.uint8).copy()
+    with cluster.client(transport="shm") as c:
+        spans = HostSpans(src.ctypes.data + np.arange(5) * SIZE, np.full(5, SIZE))
+        assert c.batch_put(keys, spans) == [True] * 5
+        one = outs_of("spans", 1)  # one page: the per-page path, through the spans' views
+        assert c.batch_get_into(keys[3:4], one) == [SIZE] and as_bytes(one, 0) == page(keys[3])
+        outs = outs_of("spans", 5)
+        assert c.batch_get_into(keys, outs) == [SIZE] * 5
+        assert [as_bytes(outs, i) for i in range(5)] == [page(k) for k in keys]

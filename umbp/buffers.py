@@ -17,6 +17,9 @@ issues every page's host-to-device copy asynchronously and waits once.
 layer, evenly spaced), as an out (a page read into it lands row by row) or as a value (its rows back to back are the
 page). Over shm one strided copy per page instead of one op per row; other transports take one view per row.
 
+``HostSpans``: pages at raw host addresses the caller vouches for (a host KV pool's pages), read into with no
+object a page.
+
 ``new_bytes(n)``: a fresh ``bytes`` object and a writable view of its memory, to fill it before it is handed out
 (``Client.get`` reads a page straight into the ``bytes`` it returns instead of into a bytearray copied again).
 """
@@ -260,6 +263,41 @@ class Rows:
     def gather(self, n: int) -> bytes:
         """The first ``n`` bytes of the rows joined (payload checksums; a copy)."""
         return b"".join(bytes(v) for v in self.views(n))
+
+
+class HostSpans:
+    """Pages at raw host addresses: page i is the ``nbytes[i]`` bytes at ``addr[i]`` (int64 arrays of one length), in
+    memory the caller owns, keeps alive for the call, and has checked (a host KV pool's pages: SGLang's HiCache
+    backend checks them against the pool's allocations, ``hostmem.Extents.check_all``). ``batch_get_into`` takes it
+    as its outs with no object a page (``umbp/readbatch.py``'s array path reads straight to the addresses);
+    ``batch_put`` as its values (``views``: one view a page, as the put path takes them). The spans must not overlap
+    when read into."""
+
+    __slots__ = ("addr", "nbytes")
+
+    def __init__(self, addr: Any, nbytes: Any):
+        import numpy as np
+
+        a, n = np.asarray(addr), np.asarray(nbytes)
+        if a.ndim != 1 or n.ndim != 1 or len(a) != len(n) or a.dtype.kind not in "iu" or n.dtype.kind not in "iu":
+            raise InvalidArgument("client", f"HostSpans needs two 1-D integer arrays of one length, got shapes "
+                                            f"{a.shape} and {n.shape}")
+        a, n = a.astype(np.int64), n.astype(np.int64)
+        if len(a) and (int(a.min()) <= 0 or int(n.min()) < 0):
+            raise InvalidArgument("client", "HostSpans: addresses must be positive and sizes non-negative")
+        a.flags.writeable = n.flags.writeable = False
+        self.addr, self.nbytes = a, n
+
+    def __len__(self) -> int:
+        return len(self.addr)
+
+    def __repr__(self) -> str:
+        return f"HostSpans({len(self)} pages, {int(self.nbytes.sum())} B)"
+
+    def views(self) -> list[memoryview]:
+        """One writable flat view a span (ctypes over the raw address; empty spans as empty views)."""
+        return [memoryview((ctypes.c_ubyte * n).from_address(a)).cast("B") if n else memoryview(bytearray(0))
+                for a, n in zip(self.addr.tolist(), self.nbytes.tolist())]
 
 
 def as_writable_view(out: Any, what: str = "out", index: int | None = None) -> memoryview | CudaOut | Rows:

@@ -49,7 +49,7 @@ from transport.base import Pending, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
 from umbp.auth import with_caps
-from umbp.buffers import CudaOut, as_writable_view, flush_cuda
+from umbp.buffers import CudaOut, HostSpans, as_writable_view, flush_cuda
 from umbp.config import ClientConfig, resolve
 from umbp.devcopy import DeviceBatch, DeviceCopier
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
@@ -253,7 +253,10 @@ class Client:
 
     def batch_put(self, keys: Sequence[Any], values: Sequence[Any], parents: Sequence[Any] | None = None
                   ) -> list[bool]:
-        """True = stored by this call, False = already there (see the module docstring): ``umbp.puts.Puts``."""
+        """True = stored by this call, False = already there (see the module docstring): ``umbp.puts.Puts``.
+        ``values``: a sequence of buffers, one 2-D array (a row a page), or ``umbp.buffers.HostSpans``."""
+        if type(values) is HostSpans:
+            values = values.views()
         return self.puts.batch_put(keys, values, parents)
 
     def batch_put_ranges(self, keys: Sequence[Any], parts: Sequence[Sequence[Any]],
@@ -406,12 +409,16 @@ class Client:
 
     def batch_get_into(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[int]:
         """Read each page's payload into ``outs[i]`` (a writable buffer at least the payload's size, a CUDA tensor,
-        or a ``umbp.buffers.Rows``: the payload laid row by row at a fixed stride). Returns the bytes written per
-        key, or -1 for a miss."""
+        or a ``umbp.buffers.Rows``: the payload laid row by row at a fixed stride); or into ``umbp.buffers.HostSpans``
+        (page i at its i-th raw address: no object a page). Returns the bytes written per key, or -1 for a miss."""
         if len(outs) != len(keys):
             raise InvalidArgument(self.component, f"batch_get_into: {len(keys)} keys but {len(outs)} outs")
         if not keys:
             return []
+        if type(outs) is HostSpans:  # raw host pages (a host KV pool's): the array path's own form
+            if len(keys) > 1 and outs.nbytes.all():
+                return get_into(self, normalize_keys(keys), outs.addr, outs.nbytes)
+            outs = outs.views()
         where = out_addresses(outs, len(keys))  # umbp/readbatch.py: the batch as arrays (2-D outs, tensor lists)
         if where is not None:
             return get_into(self, normalize_keys(keys), *where)

@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import umbp
+from umbp.buffers import HostSpans
 from umbp.errors import ConfigError, InvalidArgument, UmbpError
 from umbp.integrations.sglang import hostmem
 from umbp.integrations.sglang.naming import ObjectNaming, dtype_name, namespace_for, parents_for
@@ -215,12 +216,16 @@ class UmbpHiCacheStorage(HiCacheStorage):
 
     # ---- moving objects -------------------------------------------------------------------------------------
 
-    def _put_objects(self, names: list[str], parts: list[list[memoryview]], parents: list) -> list[bool]:
-        """Store each object (True: stored now or already there). A pool error fails the whole call."""
+    def _put_objects(self, names: list[str], parts: list[list[memoryview]] | HostSpans, parents: list
+                     ) -> list[bool]:
+        """Store each object (True: stored now or already there). A pool error fails the whole call. ``parts``: each
+        object's views, or ``HostSpans`` (one run an object)."""
         if not names:
             return []
         try:
-            if all(len(p) == 1 for p in parts):
+            if type(parts) is HostSpans:
+                self.client.batch_put(names, parts, parents)
+            elif all(len(p) == 1 for p in parts):
                 self.client.batch_put(names, [p[0] for p in parts], parents)
             else:
                 self.client.batch_put_ranges(names, parts, parents)
@@ -230,13 +235,17 @@ class UmbpHiCacheStorage(HiCacheStorage):
             logger.warning("%s: put of %d objects failed: %s", COMPONENT, len(names), e)
             return [False] * len(names)
 
-    def _get_objects(self, names: list[str], parts: list[list[memoryview]]) -> list[bool]:
-        """Fill each object's parts from the pool (True: every byte landed, sizes match exactly)."""
+    def _get_objects(self, names: list[str], parts: list[list[memoryview]] | HostSpans) -> list[bool]:
+        """Fill each object's parts from the pool (True: every byte landed, sizes match exactly). ``parts``: each
+        object's views, or ``HostSpans`` (one run an object: read with no object a page)."""
         if not names:
             return []
-        want = [sum(len(v) for v in p) for p in parts]
+        spans = type(parts) is HostSpans
+        want = parts.nbytes.tolist() if spans else [sum(len(v) for v in p) for p in parts]
         try:
-            if all(len(p) == 1 for p in parts):
+            if spans:
+                got = self.client.batch_get_into(names, parts)
+            elif all(len(p) == 1 for p in parts):
                 got = self.client.batch_get_into(names, [p[0] for p in parts])
             else:
                 ranges = []
@@ -283,8 +292,9 @@ class UmbpHiCacheStorage(HiCacheStorage):
         else:
             ptrs, sizes = pool.get_page_buffer_meta(host_indices)
         suffixes = self.naming.kv_suffixes()
-        parts = hostmem.object_parts(ptrs, sizes, n, len(suffixes), self._extents.get(id(pool)))
-        return self.naming.kv_objects(keys), parts
+        # one run an object (page_first layouts): raw spans, no view an object; else views and Rows
+        return self.naming.kv_objects(keys), hostmem.objects(ptrs, sizes, n, len(suffixes),
+                                                             self._extents.get(id(pool)))
 
     def batch_set_v1(self, keys: List[str], host_indices, extra_info: Optional[HiCacheStorageExtraInfo] = None
                      ) -> List[bool]:
@@ -298,7 +308,7 @@ class UmbpHiCacheStorage(HiCacheStorage):
         parents = parents_for(per, names, self._prefix_objects(extra_info, self.naming.kv_suffixes()))
         ok = self._per_page(self._put_objects(names, parts, parents), per)
         self.counters["pages_set"] += sum(ok)
-        self._record("backup", sum(ok), sum(len(v) for p in parts for v in p), started)
+        self._record("backup", sum(ok), _nbytes(parts), started)
         return ok
 
     def batch_get_v1(self, keys: List[str], host_indices, extra_info: Optional[HiCacheStorageExtraInfo] = None
@@ -312,7 +322,7 @@ class UmbpHiCacheStorage(HiCacheStorage):
         ok = self._per_page(self._get_objects(names, parts), len(self.naming.kv_suffixes()))
         self.counters["pages_got"] += sum(ok)
         self.counters["pages_missed"] += len(ok) - sum(ok)
-        self._record("prefetch", sum(ok), sum(len(v) for p in parts for v in p), started)
+        self._record("prefetch", sum(ok), _nbytes(parts), started)
         return ok
 
     # ---- existence ------------------------------------------------------------------------------------------
@@ -498,7 +508,7 @@ class UmbpHiCacheStorage(HiCacheStorage):
                                                  f"indices, got {len(transfer.host_indices)}")
             names, per = self._pool_objects(name, pool, keys)
             ptrs, sizes = pool.get_page_buffer_meta(transfer.host_indices)
-            parts = hostmem.object_parts(ptrs, sizes, len(keys), per, self._extents.get(id(pool)))
+            parts = hostmem.objects(ptrs, sizes, len(keys), per, self._extents.get(id(pool)))
             if is_set:
                 prefix = self._prefix_objects(extra_info, self._pool_suffixes(name, pool))
                 res = self._put_objects(names, parts, parents_for(per, names, prefix))
@@ -538,3 +548,8 @@ class UmbpHiCacheStorage(HiCacheStorage):
         """SGLang's ``StorageMetrics`` shape (pages and GB/s per call since the last call), then emptied."""
         m, self.metrics = self.metrics, StorageMetrics()
         return m
+
+
+def _nbytes(parts: list[list[memoryview]] | HostSpans) -> int:
+    """The bytes of a batch's objects (for the backend's bandwidth metrics)."""
+    return int(parts.nbytes.sum()) if type(parts) is HostSpans else sum(len(v) for p in parts for v in p)

@@ -24,7 +24,7 @@ import bisect
 import ctypes
 from typing import Any, Sequence
 
-from umbp.buffers import Rows
+from umbp.buffers import HostSpans, Rows
 from umbp.errors import InvalidArgument
 
 COMPONENT = "sglang hicache"
@@ -69,6 +69,19 @@ class Extents:
             raise InvalidArgument(COMPONENT, f"host page address 0x{ptr:x}+{size} lies outside the host pool's "
                                              f"buffers (bad host indices?)")
         return i
+
+    def check_all(self, ptrs: Any, sizes: Any) -> None:
+        """``check`` of every ``[ptrs[i], ptrs[i] + sizes[i])`` (int64 arrays) at once: one search of the
+        allocations' starts for the batch. InvalidArgument names the first span outside them."""
+        import numpy as np
+
+        starts = np.array(self._starts, np.int64)
+        ends = np.array([e for _, e in self.spans], np.int64)
+        i = starts.searchsorted(ptrs, "right") - 1
+        bad = (i < 0) | (sizes < 0) | (ptrs + sizes > ends[np.maximum(i, 0)])
+        if bad.any():
+            j = int(bad.argmax())
+            self.check(int(ptrs[j]), int(sizes[j]))  # raises, with the span named
 
     def view(self, ptr: int, size: int) -> memoryview:
         """A writable byte view of ``[ptr, ptr + size)``, checked: a slice of its allocation's one view (a slice
@@ -117,6 +130,36 @@ def object_parts(ptrs: Sequence[int], sizes: Sequence[int] | int, n_pages: int, 
                     continue
             out.append([view(int(ptrs[a]), int(sizes[a])) for a in range(base + j, base + per_page, n_objects)])
     return out
+
+
+def objects(ptrs: Any, sizes: Any, n_pages: int, n_objects: int, extents: Extents | None
+            ) -> HostSpans | list[list[Any]]:
+    """A batch's objects as the client takes them: ``object_spans`` where every object is one run, else
+    ``object_parts``."""
+    spans = object_spans(ptrs, sizes, n_pages, n_objects, extents)
+    return spans if spans is not None else object_parts(ptrs, sizes, n_pages, n_objects, extents)
+
+
+def object_spans(ptrs: Any, sizes: Any, n_pages: int, n_objects: int, extents: Extents | None) -> HostSpans | None:
+    """``object_parts`` as ``umbp.buffers.HostSpans`` when every object is one run (a page's meta lists one
+    address an object: page_first layouts), checked against ``extents`` in one pass: no view an object. None when
+    an object has several runs (layer_first: ``object_parts`` makes those ``Rows``)."""
+    import numpy as np
+
+    a = np.asarray(ptrs.numpy() if hasattr(ptrs, "numpy") else ptrs, np.int64).reshape(-1)
+    if not n_pages or len(a) != n_pages * n_objects:
+        return None
+    if isinstance(sizes, int):
+        n = np.full(len(a), sizes, np.int64)
+    else:
+        n = np.asarray(sizes.numpy() if hasattr(sizes, "numpy") else sizes, np.int64).reshape(-1)
+        if len(n) == 1:
+            n = np.repeat(n, len(a))
+        if len(n) != len(a):
+            return None
+    if extents is not None:
+        extents.check_all(a, n)
+    return HostSpans(a, n)
 
 
 def _rows(ptrs: Sequence[int], sizes: Sequence[int], first: int, step: int, k: int, view) -> Rows | None:
