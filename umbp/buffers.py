@@ -288,6 +288,31 @@ class HostSpans:
         a.flags.writeable = n.flags.writeable = False
         self.addr, self.nbytes = a, n
 
+    @classmethod
+    def rows(cls, pool: Any, indices: Any) -> "HostSpans":
+        """Rows ``indices`` of a host pool (a C-contiguous numpy array or CPU torch tensor of at least 2 dimensions: a
+        row a page), checked here: every index within the pool's rows. The pool must outlive the call."""
+        import numpy as np
+
+        if _is_torch(pool):
+            if pool.device.type != "cpu" or not pool.is_contiguous() or pool.dim() < 2:
+                raise InvalidArgument("client", "HostSpans.rows: the pool must be a contiguous CPU tensor of 2+ dims")
+            base, count, row = pool.data_ptr(), pool.shape[0], pool.stride(0) * pool.element_size()
+        else:
+            if not isinstance(pool, np.ndarray) or pool.ndim < 2 or not pool.flags.c_contiguous \
+                    or not pool.flags.writeable:
+                raise InvalidArgument("client", "HostSpans.rows: the pool must be a writable C-contiguous numpy "
+                                                "array of 2+ dims (or a CPU tensor)")
+            base, count, row = pool.ctypes.data, pool.shape[0], pool.strides[0]
+        ix = np.asarray(indices.numpy() if _is_torch(indices) else indices)
+        if ix.ndim != 1 or (len(ix) and ix.dtype.kind not in "iu"):
+            raise InvalidArgument("client", f"HostSpans.rows: indices must be a 1-D integer array, got {ix.dtype} "
+                                            f"of shape {ix.shape}")
+        ix = ix.astype(np.int64)
+        if len(ix) and (int(ix.min()) < 0 or int(ix.max()) >= count):
+            raise InvalidArgument("client", f"HostSpans.rows: an index outside the pool's {count} rows")
+        return cls(base + ix * row, np.full(len(ix), row, np.int64))
+
     def __len__(self) -> int:
         return len(self.addr)
 

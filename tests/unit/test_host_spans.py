@@ -73,3 +73,17 @@ def test_a_span_outside_the_pool_is_refused_by_name():
     with pytest.raises(InvalidArgument, match="lies outside the host pool"):
         object_spans(bad, run, 8, 1, ex)
     assert object_spans(ptrs, run, 8, 1, ex) is not None
+
+
+def test_host_spans_rows_of_a_host_pool_and_their_checks():
+    pool = np.arange(6 * 16, dtype=np.uint8).reshape(6, 16)
+    s = HostSpans.rows(pool, [4, 0, 5])
+    assert [bytes(v) for v in s.views()] == [pool[4].tobytes(), pool[0].tobytes(), pool[5].tobytes()]
+    t = torch.zeros((8, 4, 2), dtype=torch.float32)  # a row of 32 bytes
+    ts = HostSpans.rows(t, torch.tensor([7, 1]))
+    assert ts.addr.tolist() == [t.data_ptr() + 7 * 32, t.data_ptr() + 32] and ts.nbytes.tolist() == [32, 32]
+    for pool_, ix, what in ((pool, [6], "outside the pool's 6 rows"), (pool, [-1], "outside"),
+                            (pool, [[1]], "1-D integer"), (pool[:, ::2], [0], "C-contiguous"),
+                            (np.zeros(8, np.uint8), [0], "2\\+ dims"), (t[:, :, 0], [0], "contiguous CPU tensor")):
+        with pytest.raises(InvalidArgument, match=f"client: HostSpans.rows: .*{what}"):
+            HostSpans.rows(pool_, ix)
