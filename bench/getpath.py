@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import umbp  # noqa: E402
+from umbp.buffers import HostSpans  # noqa: E402
 from bench.common import environ, make_certs as _certs, tls_env  # noqa: E402
 from bench.pool import BATCH, KiB, best_rate, label, raw_tcp_gbps  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
@@ -155,10 +156,13 @@ def get_rates(ms: str, transport: str, size: int, pages: int, kinds: list[str], 
         batches = [keys[lo:lo + BATCH] for lo in range(0, pages, BATCH)]
         arr = np.zeros((BATCH, size), np.uint8)
         tensors = [torch.zeros(size, dtype=torch.uint8) for _ in range(BATCH)]
+        pool = np.zeros((2 * BATCH, size), np.uint8)  # a host pool, every other row a page (views, spans)
+        rows = np.arange(0, 2 * BATCH, 2)
         for kind in kinds:
-            outs = arr if kind == "array" else tensors
+            outs = {"array": arr, "tensors": tensors, "views": [memoryview(pool[r]) for r in rows.tolist()],
+                    "spans": HostSpans.rows(pool, rows)}[kind]
             assert c.batch_get_into(batches[1], outs) == [size] * BATCH
-            got = arr if kind == "array" else torch.stack(tensors).numpy()
+            got = arr if kind == "array" else torch.stack(tensors).numpy() if kind == "tensors" else pool[rows]
             assert np.array_equal(got, vals), f"{transport} {kind}: wrong bytes"
 
             def one(b: int, outs=outs, c=c) -> int:
@@ -319,7 +323,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="shorter runs, smaller working sets (noisier)")
     ap.add_argument("--sizes", default="16,64,1024", help="page sizes in KiB")
     ap.add_argument("--transports", default="shm,tcp")
-    ap.add_argument("--outs", default="array,tensors")
+    ap.add_argument("--outs", default="array,tensors",
+                    help="array (one 2-D array), tensors (a list), views (a list of memoryviews of a host pool: "
+                         "SGLang's HiCache backend's outs), spans (umbp.buffers.HostSpans of a host pool's rows)")
     ap.add_argument("--capacity", default="2GiB", help="node arena size")
     ap.add_argument("--tls", default="on", choices=("on", "off", "only"), help="TLS gets of 1 MiB vs plaintext")
     ap.add_argument("--big-view", default="on", choices=("on", "off"), help="tcp receive: _BIG_VIEW off vs 256 KiB")
