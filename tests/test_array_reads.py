@@ -1,5 +1,5 @@
 """The array read path of ``batch_get_into`` (``umbp/readbatch.py``): outs given as one 2-D array or tensor, or a
-list of tensors, arrays or memoryviews, or ``HostSpans`` (raw host addresses). Every test checks the bytes and counts returned, and that the pages the array checks do
+list of tensors, arrays, memoryviews or ``Rows`` of one shape, or ``HostSpans`` (raw host addresses). Every test checks the bytes and counts returned, and that the pages the array checks do
 not settle (a header that changed during the copy, a header with a payload checksum, a stale slot) get exactly the
 per-page path's answer: CorruptionError, never bytes."""
 
@@ -15,7 +15,7 @@ import torch
 
 from transport import objformat, shm as shm_mod
 from transport.tcp import TcpTransport
-from umbp.buffers import HostSpans
+from umbp.buffers import HostSpans, Rows
 from umbp.errors import CorruptionError
 from umbp.keys import normalize_key
 
@@ -38,6 +38,11 @@ def outs_of(kind: str, n: int, size: int = SIZE):
     if kind == "views":  # as SGLang's HiCache backend passes them: writable views into one host pool, apart
         pool = np.zeros((n, size + 4096), np.uint8)
         return [memoryview(pool[i, 4096:]) for i in range(n)]
+    if kind == "rows":  # a layer_first host pool's objects: 4 rows of 6,000 bytes every 7,000 (the last one short)
+        span = 3 * 7000 + 6000
+        pool = np.zeros(n * span, np.uint8)
+        _KEEP.append(pool)
+        return [Rows(memoryview(pool[i * span:(i + 1) * span]), 6000, 7000, 4) for i in range(n)]
     if kind == "spans":  # a host pool's pages at raw addresses, in shuffled pool order (the backend's page_first)
         pool = np.zeros((n, size + 4096), np.uint8)
         _KEEP.append(pool)
@@ -50,6 +55,8 @@ def as_bytes(outs, i: int, n: int = SIZE) -> bytes:
     if type(outs) is HostSpans:
         return ctypes.string_at(int(outs.addr[i]), n)
     o = outs[i]
+    if type(o) is Rows:
+        return o.gather(n)
     if isinstance(o, memoryview):
         return o[:n].tobytes()
     return (o.numpy() if isinstance(o, torch.Tensor) else o)[:n].tobytes()
@@ -64,7 +71,7 @@ def locate(c, key: str):
 @pytest.mark.shared_cluster
 @pytest.mark.cluster(nodes=2)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("kind", ["array", "tensor2d", "tensors", "arrays", "views", "spans"])
+@pytest.mark.parametrize("kind", ["array", "tensor2d", "tensors", "arrays", "views", "spans", "rows"])
 def test_array_outs_get_every_byte_with_misses_among_hits(cluster, transport, kind):
     keys = [f"ar-{transport}-{kind}-{i}" for i in range(24)]
     stored = keys[::2]  # every other key is a miss

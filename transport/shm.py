@@ -76,6 +76,18 @@ def mapped_huge(m: mmap.mmap) -> int:
     return total
 
 
+def _pieces(dst: np.ndarray, src: list[int], n: list[int], row: int, stride: int
+            ) -> tuple[list[int], list[int], list[int]]:
+    """Pages ``n[j]`` bytes long at ``src[j]`` cut into rows of ``row`` bytes (the last one short) that land
+    ``stride`` apart from ``dst[j]``: (dst, src, length) of every piece, in a fixed number of numpy calls."""
+    s, ln = np.asarray(src, np.int64), np.asarray(n, np.int64)
+    k = -(-ln // row)  # each page's rows
+    page = np.repeat(np.arange(len(ln)), k)
+    r = np.arange(len(page)) - np.repeat(np.cumsum(k) - k, k)  # each piece's row within its page
+    return ((dst.take(page) + r * stride).tolist(), (s.take(page) + r * row).tolist(),
+            np.minimum(row, ln.take(page) - r * row).tolist())
+
+
 class ShmTransport(Transport):
     name = "shm"
     reads_rows = True
@@ -204,7 +216,7 @@ class ShmTransport(Transport):
         return p
 
     def read_rows(self, off: np.ndarray, plen: np.ndarray, tag: np.ndarray, gen: np.ndarray, dst: np.ndarray,
-                  deadline: float, key: bytes | None = None) -> np.ndarray:
+                  deadline: float, key: bytes | None = None, geom: tuple[int, int] | None = None) -> np.ndarray:
         """The array form of ``start_read`` for whole payloads (``umbp/readbatch.py``): page i's payload (``plen[i]``
         bytes of the object at ``off[i]``) to the address ``dst[i]``, which the caller checked holds that many
         bytes. Per page: 0 copied and its header unchanged after the copy, 1 not copied (outside the arena, not
@@ -220,7 +232,10 @@ class ShmTransport(Transport):
         header bytes and source addresses; the same batch again whose headers are byte for byte those bytes skips
         the bounds and the header match (pure functions of the columns and those bytes: the verdict cannot differ)
         and goes to the copy and the compare after it. Other header bytes take the full path (and, passing, replace
-        the entry)."""
+        the entry).
+
+        ``geom``: ``(row, stride)`` when each out is ``umbp.buffers.Rows`` of that shape (``dst[i]`` its first row): a
+        page's payload lands ``row`` bytes a row, rows ``stride`` apart, the last one cut short (``_pieces``)."""
         hs, size = objformat.OBJ_HEADER_SIZE, self.size
         if key is not None:
             known = self._batches.get(key)
@@ -228,7 +243,8 @@ class ShmTransport(Transport):
                 slot, head, src, n = known
                 before = self._heads()[slot]
                 if before.tobytes() == head:  # the very header bytes this batch passed with before: same verdict
-                    return self._copy_rows(slot, before, slice(None), src, n, dst, deadline, np.ones(len(off), np.int8))
+                    return self._copy_rows(slot, before, slice(None), src, n, dst, deadline, np.ones(len(off), np.int8),
+                                           geom)
         status = np.ones(len(off), np.int8)
         inside = ((off >= objformat.ARENA_DATA_START) & (off <= size) & (plen <= size) & (off + hs + plen <= size)
                   & (off % objformat.ALIGN == 0))
@@ -257,14 +273,17 @@ class ShmTransport(Transport):
             while self._batch_pages > BATCH_MEMO_PAGES:  # the oldest go first
                 self._batch_pages -= len(batches.pop(next(iter(batches)))[0])
             batches[key] = (slot, before.tobytes(), src, n)
-        return self._copy_rows(slot, before, pick, src, n, dst, deadline, status)
+        return self._copy_rows(slot, before, pick, src, n, dst, deadline, status, geom)
 
     def _copy_rows(self, slot: np.ndarray, before: np.ndarray, pick, src: list[int], n: list[int], dst: np.ndarray,
-                   deadline: float, status: np.ndarray) -> np.ndarray:
+                   deadline: float, status: np.ndarray, geom: tuple[int, int] | None = None) -> np.ndarray:
         """``read_rows``' copy and its header check after it, for the pages ``pick`` whose headers ``before`` (at
-        arena slots ``slot``) passed: ``n[j]`` bytes from address ``src[j]`` to ``dst[j]``."""
-        d = dst.tolist()
+        arena slots ``slot``) passed: ``n[j]`` bytes from address ``src[j]`` to ``dst[j]`` (``geom``: as rows)."""
         total = sum(n)
+        if geom is not None:
+            d, src, n = _pieces(dst, src, n, *geom)
+        else:
+            d = dst.tolist()
         if copies.threads_for(total) > 1:
             stream = copies.Stream(total, deadline)
             add = stream.add

@@ -62,7 +62,7 @@ from umbp.speculate import Speculation
 from umbp.mapped import Mapped, MappedPages  # noqa: F401  (umbp.client.MappedPages is public)
 from umbp.puts import Puts
 from umbp.pagereads import read_ahead, read_ops
-from umbp.readbatch import DISK, get_into, late_reads_missed, out_addresses
+from umbp.readbatch import DISK, get_into, late_reads_missed, out_addresses, rows_outs
 
 NEW, EXISTS, NO_SPACE, IN_FLIGHT = (wire.AllocState.NEW, wire.AllocState.EXISTS, wire.AllocState.NO_SPACE,
                                     wire.AllocState.IN_FLIGHT)
@@ -419,7 +419,7 @@ class Client:
             if len(keys) > 1 and outs.nbytes.all():
                 return get_into(self, normalize_keys(keys), outs.addr, outs.nbytes)
             outs = outs.views()
-        where = out_addresses(outs, len(keys))  # umbp/readbatch.py: the batch as arrays (2-D outs, tensor lists)
+        where = out_addresses(outs, len(keys)) or rows_outs(outs, len(keys))  # umbp/readbatch.py: the array path
         if where is not None:
             return get_into(self, normalize_keys(keys), *where)
         segs = [[(0, -1, as_writable_view(o, "outs", i))] for i, o in enumerate(outs)]

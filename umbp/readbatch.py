@@ -3,8 +3,10 @@ answer (``umbp/lookup.py``), not as a Python object a page.
 
 Taken when the outs are one 2-D C-contiguous numpy array or CPU torch tensor (a row a page), or a list of contiguous
 CPU torch tensors, numpy arrays or writable memoryviews (``out_addresses``: addresses by ``map``, no view a page;
-memoryviews are what SGLang's HiCache backend passes), and the LOOKUP answer has rows. Other outs (bytearrays,
-``Rows``, CUDA tensors, empty views) and ranged reads keep the per-page path of ``Client._get``.
+memoryviews are what SGLang's HiCache backend passes), or a list of ``Rows`` of one shape (``rows_outs``: a
+layer_first host pool's objects; shm copies them a row a piece, ``ShmTransport.read_rows``' ``geom``), and the LOOKUP
+answer has rows. Other outs (bytearrays, mixed ``Rows``, CUDA tensors, empty views) and ranged reads keep the
+per-page path of ``Client._get``.
 
 Per batch: the read ahead of remembered rows (``Speculation.plan_rows``: one join, one compare to settle, as
 ``umbp/speculate.py`` argues), then the answer's rows: pages grouped by node (argsort, skipped for the usual single
@@ -34,6 +36,7 @@ from transport import answerrows, objformat, wire
 
 
 from transport.base import Pending, ReadOp
+from umbp.buffers import Rows
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
 from umbp.lookup import rows_of
@@ -43,6 +46,7 @@ DISK = "\0disk"  # a node id + this: the transport of its disk tier (READV_DISK 
 DISK_KEYS = 1 << 40  # a node key + this: the node's disk tier, in ``read``'s grouping
 
 _nbytes = attrgetter("nbytes")
+_address = attrgetter("address")
 _readonly, _contiguous = attrgetter("readonly"), attrgetter("c_contiguous")
 _addressof, _c_char = ctypes.addressof, ctypes.c_char
 _iface = attrgetter("__array_interface__")
@@ -91,6 +95,20 @@ def out_addresses(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
             return None
         return np.fromiter(map(_view_address, outs), np.int64, n), caps
     return None
+
+
+def rows_outs(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray, list] | None:
+    """``out_addresses`` for a list of ``umbp.buffers.Rows`` outs of one shape (a layer_first host pool's objects:
+    ``count`` rows of ``row`` bytes every ``stride``): (each one's first row's address, the bytes it takes, the list);
+    None for anything else. shm nodes copy each page as its rows (``ShmTransport.read_rows``' ``geom``), the others
+    get ReadOps with the Rows themselves."""
+    if n < 2 or (type(outs) is not list and type(outs) is not tuple) or len(outs) != n or set(map(type, outs)) != {Rows}:
+        return None
+    first = outs[0]
+    if {(o.row, o.stride, o.count) for o in outs} != {(first.row, first.stride, first.count)}:
+        return None
+    addr = np.fromiter(map(_address, outs), np.int64, n)
+    return addr, np.full(n, first.nbytes, np.int64), list(outs)
 
 
 def _view_address(mv: memoryview) -> int:
@@ -143,7 +161,7 @@ def _groups(node: np.ndarray, idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
 
 
 def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, caps_of, idx: np.ndarray, addr: np.ndarray,
-         deadline: float) -> tuple[list[tuple[int, Exception]], set[str]]:
+         deadline: float, routs: list | None = None) -> tuple[list[tuple[int, Exception]], set[str]]:
     """Read pages ``idx`` of ``rows`` (whole payloads) into ``addr``: ``node[i]`` a node key, ``name_of(key)`` its
     node id, ``caps_of(ids)`` the read capability of each page of ``ids``. Transports other than shm are started first (tcp sends its
     requests), then the shm copies run, then the others are finished. Returns (failed pages with their error, in
@@ -167,12 +185,13 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, caps_of, idx:
         if t.name == "shm" and hasattr(t, "read_rows"):
             shm.append((node_id, t, ids))
         else:
-            started.append((node_id, t, _start(t, rows, ids, addr, caps_of, deadline), ids))
+            started.append((node_id, t, _start(t, rows, ids, addr, caps_of, deadline, routs), ids))
     for node_id, t, ids in shm:
         # ids: sorted page indices (flatnonzero, kept in order by _groups): all of them are the rows as they are
         r, at = (rows, addr) if len(ids) == len(rows) else (rows[ids], addr[ids])
         try:
-            status = t.read_rows(r["off"], r["len"], r["tag"], r["gen"], at, deadline, r.tobytes())
+            status = t.read_rows(r["off"], r["len"], r["tag"], r["gen"], at, deadline, r.tobytes(),
+                                 None if routs is None else (routs[0].row, routs[0].stride))
         except DeadlineExceeded as e:
             errs.extend((i, e) for i in ids.tolist())
             continue
@@ -181,10 +200,10 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, caps_of, idx:
                 errs.append((i, CorruptionError(t.component, "slot rewritten during the read (torn read)")))
             rest = ids[status == 1]
             if len(rest):
-                started.append((node_id, t, _start(t, rows, rest, addr, caps_of, deadline), rest))
+                started.append((node_id, t, _start(t, rows, rest, addr, caps_of, deadline, routs), rest))
     failed: set[str] = set()
     for node_id, t, p, ids in started:
-        res = [p] * len(ids) if t is None else t.finish(p, deadline)
+        res = [p] * len(ids) if t is None else _finish(t, p, deadline)
         if any(res):  # all None: the usual case
             errs.extend((i, r) for i, r in zip(ids.tolist(), res) if r is not None)
             if any(isinstance(r, TransportError) for r in res) and node_id not in failed:
@@ -194,25 +213,61 @@ def read(client: Any, rows: np.ndarray, node: np.ndarray, name_of, caps_of, idx:
     return errs, failed
 
 
-def _start(t: Any, rows: np.ndarray, ids: np.ndarray, addr: np.ndarray, caps_of, deadline: float) -> Any:
-    """Today's per-page ReadOps of pages ``ids`` started on transport ``t`` (a TransportError fails them all)."""
+def _start(t: Any, rows: np.ndarray, ids: np.ndarray, addr: np.ndarray, caps_of, deadline: float,
+           routs: list | None = None) -> Any:
+    """Today's per-page ReadOps of pages ``ids`` started on transport ``t`` (a TransportError fails them all); outs
+    the views at ``addr``, or the ``Rows`` outs ``routs``."""
     r = rows[ids]
     n = r["len"].tolist()
-    ops = list(map(ReadOp, r["off"].tolist(), repeat(0), n, r["tag"].tolist(), r["gen"].tolist(), n,
-                   _views(addr[ids].tolist(), n), caps_of(ids)))
+    counts = None
+    if routs is None:
+        ops = list(map(ReadOp, r["off"].tolist(), repeat(0), n, r["tag"].tolist(), r["gen"].tolist(), n,
+                       _views(addr[ids].tolist(), n), caps_of(ids)))
+    elif t.reads_rows:
+        ops = list(map(ReadOp, r["off"].tolist(), repeat(0), n, r["tag"].tolist(), r["gen"].tolist(), n,
+                       list(map(routs.__getitem__, ids.tolist())), caps_of(ids)))
+    else:  # a transport that reads no Rows: a ReadOp a row, as the per-page path makes them (umbp/pagereads.py)
+        ops, counts = [], []
+        for i, o, tg, g, ln, cap in zip(ids.tolist(), r["off"].tolist(), r["tag"].tolist(), r["gen"].tolist(), n,
+                                        caps_of(ids)):
+            out = routs[i]
+            views = out.views(ln)
+            ops.extend(ReadOp(o, k * out.row, len(v), tg, g, ln, v, cap) for k, v in enumerate(views))
+            counts.append(len(views))
     try:
-        return t.start_read(ops, deadline)
+        p = t.start_read(ops, deadline)
     except TransportUnavailable:
         raise
     except TransportError as e:
         p = Pending(ops, "read")
         p.results = [e] * len(ops)
-        return p
+    return p if counts is None else _RowOps(p, counts)
 
 
-def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) -> list[int] | None:
-    """``batch_get_into`` of the normalised keys ``kb`` into the outs at ``addr`` (``cap`` bytes each); the bytes
-    written per key or -1 for a miss."""
+class _RowOps:
+    """A started batch whose pages went out as a ReadOp a row (``_start``): ``counts[j]`` ops of page j."""
+
+    __slots__ = ("pending", "counts")
+
+    def __init__(self, pending: Any, counts: list[int]):
+        self.pending, self.counts = pending, counts
+
+
+def _finish(t: Any, p: Any, deadline: float) -> list:
+    """``t.finish`` of a ``_start``ed batch: a result a page (a page of several ops: its first error, or None)."""
+    if type(p) is not _RowOps:
+        return t.finish(p, deadline)
+    res, out, i = t.finish(p.pending, deadline), [], 0
+    for k in p.counts:
+        out.append(next((x for x in res[i:i + k] if x is not None), None))
+        i += k
+    return out
+
+
+def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray, routs: list | None = None
+             ) -> list[int] | None:
+    """``batch_get_into`` of the normalised keys ``kb`` into the outs at ``addr`` (``cap`` bytes each; ``routs``:
+    those outs are these ``Rows``, ``rows_outs``); the bytes written per key or -1 for a miss."""
     c = client
     spec = c._spec
     cache = spec.cache
@@ -226,7 +281,7 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
         try:
             guess = spec.plan_rows(kb)
             if guess is not None:
-                early = _read_ahead(c, guess, addr, cap, deadline)
+                early = _read_ahead(c, guess, addr, cap, deadline, routs)
             reply = c._meta.result(ticket, deadline)
         except BaseException:
             c._meta.forget([ticket])
@@ -258,7 +313,7 @@ def get_into(client: Any, kb: list[bytes], addr: np.ndarray, cap: np.ndarray) ->
                                                        f"{int(plen[i])} are to be read")
             errs, _failed = read(c, rows, node, cache.node_name,
                                 (lambda ids: list(map(caps.__getitem__, rows["node"][ids].tolist()))) if caps else
-                                (lambda ids: [b""] * len(ids)), idx, addr, deadline) if len(idx) else ([], set())
+                                (lambda ids: [b""] * len(ids)), idx, addr, deadline, routs) if len(idx) else ([], set())
             late = time.monotonic() > sent + reply.get("lease_ms", wire.DEFAULT_LEASE_MS) / 1000
         finally:
             if lease:
@@ -300,7 +355,7 @@ def late_reads_missed(client: Any, locs: list, got: list[int]) -> None:
 
 
 def _read_ahead(c: Any, guess: tuple[np.ndarray, np.ndarray], addr: np.ndarray, cap: np.ndarray,
-                deadline: float) -> np.ndarray:
+                deadline: float, routs: list | None = None) -> np.ndarray:
     """Read the remembered rows into the outs while the LOOKUP is in flight; True per page read without error.
     A node whose read failed at the transport is forgotten (``LocationCache.forget_node``)."""
     rows, node = guess
@@ -313,7 +368,7 @@ def _read_ahead(c: Any, guess: tuple[np.ndarray, np.ndarray], addr: np.ndarray, 
     try:
         errs, failed = read(c, rows, node, cache.node_name,
                             lambda ids: list(map(cache.place_cap, rows["node"][ids].tolist())), idx, addr,
-                            read_deadline(deadline, time.monotonic(), nbytes))
+                            read_deadline(deadline, time.monotonic(), nbytes), routs)
     except TransportError:
         return np.zeros(len(rows), bool)
     for i, _e in errs:

@@ -374,3 +374,39 @@ def test_learn_rows_says_same_only_when_settle_rows_serves_every_page(seed):
         assert (fast.hits, fast.wasted, fast.skip) == (slow.hits, slow.wasted, slow.skip), step
         fast.skip = slow.skip = 0
     assert sames > 20
+
+
+def test_read_rows_into_rows_outs_agrees_with_start_read():
+    """``read_rows`` with ``geom`` (each out a ``Rows``: the payload cut into rows ``row`` bytes long, ``stride``
+    apart, the last row short) lands the bytes exactly where ``start_read`` with the same ``Rows`` does and leaves
+    every byte between the rows alone, for payloads of whole rows and of a short last row."""
+    from transport.base import ReadOp
+    from umbp.buffers import Rows
+    size, pages = 4096 * 3, 24
+    t, a8, off, tag, gen, data = _arena(pages, size)
+    prng = random.Random(50)
+    for row, stride in ((5000, 5000), (4096, 6000), (1000, 1500), (size, size + 64)):
+        count = -(-size // row)
+        span = (count - 1) * stride + row
+        n = prng.choice([2, 7, 24])
+        pick = np.array(prng.sample(range(pages), n))
+        plen = np.array([size if prng.random() < 0.7 else prng.randrange(1, size) for _ in range(n)], np.uint64)
+        pool, ref = np.full(n * span, 0xEE, np.uint8), np.full(n * span, 0xEE, np.uint8)
+        outs = [Rows(memoryview(pool[i * span:(i + 1) * span]), row, stride, count) for i in range(n)]
+        refs = [Rows(memoryview(ref[i * span:(i + 1) * span]), row, stride, count) for i in range(n)]
+        o, tg, g = off[pick], tag[pick], gen[pick]
+        for i in range(n):  # the directory's length: the object's header says it too
+            a8[int(o[i]):int(o[i]) + 64] = np.frombuffer(
+                objformat.pack_object_header(int(tg[i]), int(g[i]), int(plen[i])), np.uint8)
+        dst = np.array([x.address for x in outs], np.int64)
+        status = t.read_rows(o, plen, tg, g, dst, 1e18, None, (row, stride))
+        ops = [ReadOp(int(o[i]), 0, int(plen[i]), int(tg[i]), int(g[i]), int(plen[i]), refs[i], b"")
+               for i in range(n)]
+        res = t.start_read(ops, 1e18).results
+        assert status.tolist() == [0] * n and res == [None] * n
+        assert np.array_equal(pool, ref), (row, stride)
+        for i in range(n):
+            assert outs[i].gather(int(plen[i])) == data[pick[i]][:int(plen[i])].tobytes()
+        for i in range(n):
+            a8[int(o[i]):int(o[i]) + 64] = np.frombuffer(
+                objformat.pack_object_header(int(tg[i]), int(g[i]), size), np.uint8)
