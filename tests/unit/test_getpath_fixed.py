@@ -376,12 +376,19 @@ def test_learn_rows_says_same_only_when_settle_rows_serves_every_page(seed):
     assert sames > 20
 
 
-def test_read_rows_into_rows_outs_agrees_with_start_read():
+@pytest.mark.parametrize("threaded", [False, True])
+def test_read_rows_into_rows_outs_agrees_with_start_read(threaded, monkeypatch):
     """``read_rows`` with ``geom`` (each out a ``Rows``: the payload cut into rows ``row`` bytes long, ``stride``
     apart, the last row short) lands the bytes exactly where ``start_read`` with the same ``Rows`` does and leaves
-    every byte between the rows alone, for payloads of whole rows and of a short last row."""
+    every byte between the rows alone, for payloads of whole rows and of a short last row; on the calling thread and
+    on copy threads."""
     from transport.base import ReadOp
+    from umbp import copies
     from umbp.buffers import Rows
+    if threaded:
+        monkeypatch.setattr(copies, "SERIAL_BYTES", 0)
+        monkeypatch.setattr(copies, "MIN_BYTES_PER_THREAD", 1)
+        monkeypatch.setattr(copies, "_limit", 4)  # set_max_threads(4), undone after the test
     size, pages = 4096 * 3, 24
     t, a8, off, tag, gen, data = _arena(pages, size)
     prng = random.Random(50)
