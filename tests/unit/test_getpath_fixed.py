@@ -6,6 +6,7 @@ a cache that always stores (same remembered rows after each answer: hits, moves,
 from __future__ import annotations
 
 import random
+import time
 import zlib
 
 import numpy as np
@@ -406,7 +407,7 @@ def test_read_rows_into_rows_outs_agrees_with_start_read(threaded, monkeypatch):
             a8[int(o[i]):int(o[i]) + 64] = np.frombuffer(
                 objformat.pack_object_header(int(tg[i]), int(g[i]), int(plen[i])), np.uint8)
         dst = np.array([x.address for x in outs], np.int64)
-        status = t.read_rows(o, plen, tg, g, dst, 1e18, None, (row, stride))
+        status = t.read_rows(o, plen, tg, g, dst, time.monotonic() + 30, None, (row, stride))
         ops = [ReadOp(int(o[i]), 0, int(plen[i]), int(tg[i]), int(g[i]), int(plen[i]), refs[i], b"")
                for i in range(n)]
         res = t.start_read(ops, 1e18).results
