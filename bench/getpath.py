@@ -331,7 +331,8 @@ def main() -> int:
     ap.add_argument("--big-view", default="on", choices=("on", "off"), help="tcp receive: _BIG_VIEW off vs 256 KiB")
     ap.add_argument("--phases", action="store_true", help="where a batch's time goes (client wall and CPU, us)")
     ap.add_argument("--arena-root", default="", metavar="DIR",
-                    help="the node's arena under DIR (a tmpfs mounted with huge=within_size: 2 MiB pages), not /dev/shm")
+                    help="the node's arena under DIR (a tmpfs mounted with huge=within_size: 2 MiB pages), not "
+                         "/dev/shm")
     args = ap.parse_args()
     min_time = 0.5 if args.quick else 1.5
     ws = (128 << 20) if args.quick else (384 << 20)

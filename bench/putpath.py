@@ -95,7 +95,8 @@ def main() -> int:
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--capacity", default="2GiB", help="node arena size")
     ap.add_argument("--arena-root", default="", metavar="DIR",
-                    help="the node's arena under DIR (a tmpfs mounted with huge=within_size: 2 MiB pages), not /dev/shm")
+                    help="the node's arena under DIR (a tmpfs mounted with huge=within_size: 2 MiB pages), not "
+                         "/dev/shm")
     ap.add_argument("--commit", default="durable", help="the metaserver's commit modes, comma-separated: a pool each "
                                                         "(durable: answered once in etcd; async: before etcd)")
     args = ap.parse_args()

@@ -68,7 +68,8 @@ def huge_tmpfs(tmp_path):
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=always,size=256m", "tmpfs", str(where)],
                        capture_output=True, text=True)
     if r.returncode:
-        pytest.skip(f"!!! cannot mount a tmpfs with huge pages here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
+        pytest.skip(f"!!! cannot mount a tmpfs with huge pages here (needs root with CAP_SYS_ADMIN): "
+                    f"{r.stderr.strip()}")
     try:
         yield str(where)
     finally:

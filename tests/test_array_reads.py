@@ -1,7 +1,8 @@
 """The array read path of ``batch_get_into`` (``umbp/readbatch.py``): outs given as one 2-D array or tensor, or a
-list of tensors, arrays, memoryviews or ``Rows`` of one shape, or ``HostSpans`` (raw host addresses). Every test checks the bytes and counts returned, and that the pages the array checks do
-not settle (a header that changed during the copy, a header with a payload checksum, a stale slot) get exactly the
-per-page path's answer: CorruptionError, never bytes."""
+list of tensors, arrays, memoryviews or ``Rows`` of one shape, or ``HostSpans`` (raw host addresses). Every test
+checks the bytes and counts returned, and that the pages the array checks do not settle (a header that changed
+during the copy, a header with a payload checksum, a stale slot) get exactly the per-page path's answer:
+CorruptionError, never bytes."""
 
 from __future__ import annotations
 

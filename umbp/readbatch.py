@@ -102,7 +102,7 @@ def rows_outs(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray, list] | None:
     ``count`` rows of ``row`` bytes every ``stride``): (each one's first row's address, the bytes it takes, the list);
     None for anything else. shm nodes copy each page as its rows (``ShmTransport.read_rows``' ``geom``), the others
     get ReadOps with the Rows themselves."""
-    if n < 2 or (type(outs) is not list and type(outs) is not tuple) or len(outs) != n or set(map(type, outs)) != {Rows}:
+    if n < 2 or type(outs) not in (list, tuple) or len(outs) != n or set(map(type, outs)) != {Rows}:
         return None
     first = outs[0]
     if {(o.row, o.stride, o.count) for o in outs} != {(first.row, first.stride, first.count)}:

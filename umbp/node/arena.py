@@ -11,8 +11,8 @@ runs at 0.8x of one out of 2 MiB pages: a TLB miss every 4 KiB, and the CPU's pr
 boundary (2-core VM, 64 KiB pages at random places of a 1 GiB file: 12.2 against 15.4 GB/s; 16 KiB 7.9 against 9.0).
 ``/dev/shm`` is usually a tmpfs without huge pages; a tmpfs mounted with ``huge=within_size`` (or ``always``) gives
 its files 2 MiB pages, and one mounted with ``huge=advise`` gives them where the mapping asks (``madvise``, done
-here and by the shm transport: ``transport.shm.advise_huge``). ``huge_bytes`` says how much of the mapping is on 2 MiB pages; the node says it at start
-(docs/operations/kubernetes.md, "Huge pages for the arena").
+here and by the shm transport: ``transport.shm.advise_huge``). ``huge_bytes`` says how much of the mapping is on 2
+MiB pages; the node says it at start (docs/operations/kubernetes.md, "Huge pages for the arena").
 
 Invariant: the mapping is page aligned and the data region starts at ``objformat.ARENA_DATA_START``, so object offsets
 handed out by the metaserver are 4 KiB aligned in every process that maps the file (a same-host client, a GPU
