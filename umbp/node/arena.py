@@ -7,8 +7,9 @@ same). A node started without a ``--node-id`` gets a fresh name and removes its 
 could ever reopen it.
 
 Huge pages. A same-host client copies pages out of this file (the shm transport), and out of 4 KiB pages the copy
-runs at 0.8x of one out of 2 MiB pages: a TLB miss every 4 KiB, and the CPU's prefetcher stops at every 4 KiB
-boundary (2-core VM, 64 KiB pages at random places of a 1 GiB file: 12.2 against 15.4 GB/s; 16 KiB 7.9 against 9.0).
+runs slower than out of 2 MiB pages: a TLB miss every 4 KiB, and the CPU's prefetcher stops at every 4 KiB boundary
+(2-core VM, the copy alone, 64 KiB pages at random places of a 1 GiB file: 12.2 against 15.4 GB/s; whole gets on a
+16-core host: a few per cent at 64 KiB, more at 16 KiB; docs/benchmarks/getpath.md).
 ``/dev/shm`` is usually a tmpfs without huge pages; a tmpfs mounted with ``huge=within_size`` (or ``always``) gives
 its files 2 MiB pages, and one mounted with ``huge=advise`` gives them where the mapping asks (``madvise``, done
 here and by the shm transport: ``transport.shm.advise_huge``). ``huge_bytes`` says how much of the mapping is on 2

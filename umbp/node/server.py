@@ -528,7 +528,7 @@ async def serve(config: NodeConfig) -> None:
         print(f"{node.component}: rdma off ({e})", file=sys.stderr, flush=True)
     huge = node.arena.huge_bytes()
     print(f"{node.component}: arena {node.arena.path}: {huge >> 20} of {node.arena.size >> 20} MiB on 2 MiB pages"
-          + ("" if huge else " (same-host reads copy out of 4 KiB pages at about 0.8x: a tmpfs mounted with "
+          + ("" if huge else " (same-host reads copy out of 4 KiB pages, more slowly: a tmpfs mounted with "
                              "huge=within_size gives 2 MiB pages; docs/operations/kubernetes.md)"),
           file=sys.stderr, flush=True)
     if not node.tokens.closed:
