@@ -61,7 +61,7 @@ def advise_huge(m: mmap.mmap) -> None:
 def mapped_huge(m: mmap.mmap) -> int:
     """Bytes of mapping ``m`` that this process maps with 2 MiB pages, from ``/proc/self/smaps`` (its
     ``ShmemPmdMapped``, ``FilePmdMapped`` and ``AnonHugePages`` lines); 0 where that file is missing."""
-    start = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    start = copies.address(m)
     want = f"{start:x}-"
     total, inside = 0, False
     try:

@@ -265,6 +265,25 @@ class Rows:
         return b"".join(bytes(v) for v in self.views(n))
 
 
+def view_at(address: int, n: int) -> memoryview:
+    """A writable flat byte view of ``n`` bytes at ``address`` (memory someone else owns: the caller keeps it alive)."""
+    return memoryview((ctypes.c_char * n).from_address(address)).cast("B")
+
+
+def views_at(at: list[int], n: list[int]) -> list[memoryview]:
+    """``view_at`` of each (address, bytes): slices of one view over their span when they lie close together (the
+    rows of one 2-D out, a host pool's pages: a slice is a third of a ``view_at``'s cost), else one ``view_at``
+    each. Only the slices are written: the span's bytes between them are never touched."""
+    if not at:
+        return []
+    lo = min(at)
+    span = max(map(int.__add__, at, n)) - lo
+    if span > 2 * sum(n) + (1 << 20):
+        return list(map(view_at, at, n))
+    whole = view_at(lo, span)
+    return [whole[a - lo:a - lo + k] for a, k in zip(at, n)]
+
+
 class HostSpans:
     """Pages at raw host addresses: page i is the ``nbytes[i]`` bytes at ``addr[i]`` (int64 arrays of one length), in
     memory the caller owns, keeps alive for the call, and has checked (a host KV pool's pages: SGLang's HiCache
@@ -320,9 +339,8 @@ class HostSpans:
         return f"HostSpans({len(self)} pages, {int(self.nbytes.sum())} B)"
 
     def views(self) -> list[memoryview]:
-        """One writable flat view a span (ctypes over the raw address; empty spans as empty views)."""
-        return [memoryview((ctypes.c_ubyte * n).from_address(a)).cast("B") if n else memoryview(bytearray(0))
-                for a, n in zip(self.addr.tolist(), self.nbytes.tolist())]
+        """One writable flat view a span (``views_at``)."""
+        return views_at(self.addr.tolist(), self.nbytes.tolist())
 
 
 def as_writable_view(out: Any, what: str = "out", index: int | None = None) -> memoryview | CudaOut | Rows:

@@ -23,7 +23,6 @@ late reads past the lease, node failures, counters and the RELEASE are as in ``C
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import time
 from itertools import repeat
@@ -36,7 +35,8 @@ from transport import answerrows, objformat, wire
 
 
 from transport.base import Pending, ReadOp
-from umbp.buffers import Rows
+from umbp.buffers import Rows, views_at
+from umbp.copies import address_of_view
 from umbp.errors import (CorruptionError, DeadlineExceeded, InvalidArgument, NotFound, RemoteError, TransportError,
                          TransportUnavailable)
 from umbp.lookup import rows_of
@@ -46,9 +46,8 @@ DISK = "\0disk"  # a node id + this: the transport of its disk tier (READV_DISK 
 DISK_KEYS = 1 << 40  # a node key + this: the node's disk tier, in ``read``'s grouping
 
 _nbytes = attrgetter("nbytes")
-_address = attrgetter("address")
+_address, _shape = attrgetter("address"), attrgetter("row", "stride", "count")
 _readonly, _contiguous = attrgetter("readonly"), attrgetter("c_contiguous")
-_addressof, _c_char = ctypes.addressof, ctypes.c_char
 _iface = attrgetter("__array_interface__")
 
 
@@ -91,9 +90,9 @@ def out_addresses(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
         if any(map(_readonly, outs)) or not all(map(_contiguous, outs)):
             return None
         caps = np.fromiter(map(_nbytes, outs), np.int64, n)
-        if not caps.all():  # ctypes takes no address of an empty view: the per-page path reads those
+        if not caps.all():  # an empty view has no address: the per-page path reads (and refuses) those
             return None
-        return np.fromiter(map(_view_address, outs), np.int64, n), caps
+        return np.fromiter(map(address_of_view, outs), np.int64, n), caps
     return None
 
 
@@ -105,15 +104,10 @@ def rows_outs(outs: Any, n: int) -> tuple[np.ndarray, np.ndarray, list] | None:
     if n < 2 or type(outs) not in (list, tuple) or len(outs) != n or set(map(type, outs)) != {Rows}:
         return None
     first = outs[0]
-    if {(o.row, o.stride, o.count) for o in outs} != {(first.row, first.stride, first.count)}:
+    if set(map(_shape, outs)) != {_shape(first)}:
         return None
     addr = np.fromiter(map(_address, outs), np.int64, n)
     return addr, np.full(n, first.nbytes, np.int64), list(outs)
-
-
-def _view_address(mv: memoryview) -> int:
-    """The address of a writable C-contiguous view's first byte (ctypes: about a fifth of a microsecond)."""
-    return _addressof(_c_char.from_buffer(mv))
 
 
 _ROWS_AT: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (n, row bytes) -> ``_rows_at``; a few shapes
@@ -130,23 +124,6 @@ def _rows_at(n: int, row: int) -> tuple[np.ndarray, np.ndarray]:
         at.flags.writeable = caps.flags.writeable = False
         got = _ROWS_AT[(n, row)] = (at, caps)
     return got
-
-
-def _view(address: int, n: int) -> memoryview:
-    """A writable byte view of ``n`` bytes at ``address`` (an out the caller holds), for a per-page ReadOp."""
-    return memoryview((ctypes.c_char * n).from_address(address)).cast("B")
-
-
-def _views(at: list[int], n: list[int]) -> list[memoryview]:
-    """``_view`` of each (address, bytes): slices of one view over their span when the outs lie close together (the
-    rows of one 2-D out: a slice is a third of a ``_view``'s cost), else one ``_view`` each. Only the slices are
-    written: the span's bytes between them are never touched."""
-    lo = min(at)
-    span = max(map(int.__add__, at, n)) - lo
-    if span > 2 * sum(n) + (1 << 20):
-        return list(map(_view, at, n))
-    whole = _view(lo, span)
-    return [whole[a - lo:a - lo + k] for a, k in zip(at, n)]
 
 
 def _groups(node: np.ndarray, idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -222,7 +199,7 @@ def _start(t: Any, rows: np.ndarray, ids: np.ndarray, addr: np.ndarray, caps_of,
     counts = None
     if routs is None:
         ops = list(map(ReadOp, r["off"].tolist(), repeat(0), n, r["tag"].tolist(), r["gen"].tolist(), n,
-                       _views(addr[ids].tolist(), n), caps_of(ids)))
+                       views_at(addr[ids].tolist(), n), caps_of(ids)))
     elif t.reads_rows:
         ops = list(map(ReadOp, r["off"].tolist(), repeat(0), n, r["tag"].tolist(), r["gen"].tolist(), n,
                        list(map(routs.__getitem__, ids.tolist())), caps_of(ids)))

@@ -21,10 +21,11 @@ per batch, no copies.
 from __future__ import annotations
 
 import bisect
-import ctypes
 from typing import Any, Sequence
 
-from umbp.buffers import HostSpans, Rows
+import numpy as np
+
+from umbp.buffers import HostSpans, Rows, view_at
 from umbp.errors import InvalidArgument
 
 COMPONENT = "sglang hicache"
@@ -56,6 +57,8 @@ class Extents:
             spans.add((int(st.data_ptr()), int(st.data_ptr()) + int(st.nbytes())))
         self.spans = sorted(spans)
         self._starts = [s for s, _ in self.spans]
+        self._starts_a = np.array(self._starts, np.int64)  # (``check_all``)
+        self._ends_a = np.array([e for _, e in self.spans], np.int64)
         self._views: list[memoryview | None] = [None] * len(self.spans)
 
     def allocations(self) -> list[tuple[int, int]]:
@@ -73,12 +76,8 @@ class Extents:
     def check_all(self, ptrs: Any, sizes: Any) -> None:
         """``check`` of every ``[ptrs[i], ptrs[i] + sizes[i])`` (int64 arrays) at once: one search of the
         allocations' starts for the batch. InvalidArgument names the first span outside them."""
-        import numpy as np
-
-        starts = np.array(self._starts, np.int64)
-        ends = np.array([e for _, e in self.spans], np.int64)
-        i = starts.searchsorted(ptrs, "right") - 1
-        bad = (i < 0) | (sizes < 0) | (ptrs + sizes > ends[np.maximum(i, 0)])
+        i = self._starts_a.searchsorted(ptrs, "right") - 1
+        bad = (i < 0) | (sizes < 0) | (ptrs + sizes > self._ends_a[np.maximum(i, 0)])
         if bad.any():
             j = int(bad.argmax())
             self.check(int(ptrs[j]), int(sizes[j]))  # raises, with the span named
@@ -93,11 +92,6 @@ class Extents:
             whole = self._views[i] = view_at(start, end - start)
         off = ptr - self._starts[i]
         return whole[off:off + size]
-
-
-def view_at(ptr: int, size: int) -> memoryview:
-    """A writable byte view of ``size`` bytes at ``ptr`` (memory owned by someone else: keep the owner alive)."""
-    return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
 
 
 def object_parts(ptrs: Sequence[int], sizes: Sequence[int] | int, n_pages: int, n_objects: int,
@@ -144,15 +138,13 @@ def object_spans(ptrs: Any, sizes: Any, n_pages: int, n_objects: int, extents: E
     """``object_parts`` as ``umbp.buffers.HostSpans`` when every object is one run (a page's meta lists one
     address an object: page_first layouts), checked against ``extents`` in one pass: no view an object. None when
     an object has several runs (layer_first: ``object_parts`` makes those ``Rows``)."""
-    import numpy as np
-
-    a = np.asarray(ptrs.numpy() if hasattr(ptrs, "numpy") else ptrs, np.int64).reshape(-1)
+    a = _ints(ptrs)
     if not n_pages or len(a) != n_pages * n_objects:
         return None
     if isinstance(sizes, int):
         n = np.full(len(a), sizes, np.int64)
     else:
-        n = np.asarray(sizes.numpy() if hasattr(sizes, "numpy") else sizes, np.int64).reshape(-1)
+        n = _ints(sizes)
         if len(n) == 1:
             n = np.repeat(n, len(a))
         if len(n) != len(a):
@@ -160,6 +152,11 @@ def object_spans(ptrs: Any, sizes: Any, n_pages: int, n_objects: int, extents: E
     if extents is not None:
         extents.check_all(a, n)
     return HostSpans(a, n)
+
+
+def _ints(x: Any) -> np.ndarray:
+    """A flat int64 array of a tensor, an array or a sequence of ints (SGLang's buffer meta comes as any of them)."""
+    return np.asarray(x.numpy() if hasattr(x, "numpy") else x, np.int64).reshape(-1)
 
 
 def _rows(ptrs: Sequence[int], sizes: Sequence[int], first: int, step: int, k: int, view) -> Rows | None:
