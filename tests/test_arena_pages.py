@@ -1,8 +1,9 @@
 """The arena's page size (umbp/node/arena.py "Huge pages"): ``mapped_huge`` reads how much of a mapping is on 2 MiB
-pages from /proc/self/smaps; an arena in /dev/shm without ``huge=`` is on 4 KiB pages and the node says so at
-start; a pool whose arenas are under a tmpfs mounted with ``huge=always`` (``LocalPool(arena_root=...)``, ``umbp
-up --arena-root``) has its node's and its same-host clients' mappings on 2 MiB pages and serves exact bytes; an
-arena root that is not a writable directory is refused by name. Real etcd, metaserver and node processes."""
+pages from /proc/self/smaps; an arena in /dev/shm without ``huge=`` is on 4 KiB pages (and ``huge_mount`` says so); a
+pool whose arenas are under a tmpfs mounted with ``huge=always`` (``LocalPool(arena_root=...)``, ``umbp up
+--arena-root``) serves exact bytes, its node says at start that its arena is on 2 MiB pages, and a same-host
+client's mapping of it is; an arena root that is not a writable directory is refused by name. Real etcd, metaserver
+and node processes."""
 
 from __future__ import annotations
 
@@ -16,17 +17,7 @@ import pytest
 from umbp.errors import ConfigError
 from umbp.launcher import LocalPool
 from transport.shm import advise_huge, mapped_huge
-from umbp.node.arena import Arena
-
-
-def _mount_options(path: str) -> str:
-    best, opts = "", ""
-    with open("/proc/mounts") as fh:
-        for line in fh:
-            _dev, where, _fs, o = line.split()[:4]
-            if (path == where or path.startswith(where.rstrip("/") + "/")) and len(where) >= len(best):
-                best, opts = where, o
-    return opts
+from umbp.node.arena import Arena, huge_mount
 
 
 def test_mapped_huge_counts_an_anonymous_mapping_on_2mib_pages():
@@ -47,11 +38,11 @@ def test_mapped_huge_counts_an_anonymous_mapping_on_2mib_pages():
 
 
 def test_an_arena_in_dev_shm_without_huge_is_on_4kib_pages(tmp_path):
-    if "huge=" in _mount_options("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-        pytest.skip(f"!!! /dev/shm is mounted with {_mount_options('/dev/shm')!r} or not writable here")
+    if huge_mount("/dev/shm/x") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("!!! /dev/shm is mounted with huge pages, or is not writable, here: no 4 KiB-page arena to look at")
     a = Arena(f"/dev/shm/umbp-test-{os.getpid()}.arena", 16 << 20, remove_on_close=True)
     try:
-        assert a.huge_bytes() == 0
+        assert not a.on_huge_pages() and mapped_huge(a._map) == 0
     finally:
         a.close()
 
@@ -84,7 +75,7 @@ def test_a_pool_with_its_arenas_on_a_huge_tmpfs_maps_2mib_pages_and_serves_exact
     with LocalPool(nodes=1, capacity="64MiB", port=0, metrics=False, arena_root=huge_tmpfs) as pool:
         import umbp
 
-        assert os.path.dirname(pool.arena_dir) == huge_tmpfs
+        assert os.path.dirname(pool.arena_dir) == huge_tmpfs and huge_mount(pool.arena_dir + "/x")
         with umbp.Client(pool.metaserver, namespace="huge", transport="shm") as c:
             assert c.batch_put(keys, list(pages)) == [True] * n
             out = np.zeros((n, size), np.uint8)
@@ -96,4 +87,4 @@ def test_a_pool_with_its_arenas_on_a_huge_tmpfs_maps_2mib_pages_and_serves_exact
         (node,) = [ch for ch in pool.children if "node" in ch.name]
         with open(node.log_path) as fh:
             log = fh.read()
-        assert " of 64 MiB on 2 MiB pages\n" in log and " 0 of 64 MiB" not in log, log
+        assert " of 64 MiB: on 2 MiB pages\n" in log and "4 KiB pages" not in log, log

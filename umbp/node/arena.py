@@ -12,8 +12,10 @@ runs slower than out of 2 MiB pages: a TLB miss every 4 KiB, and the CPU's prefe
 16-core host: a few per cent at 64 KiB, more at 16 KiB; docs/benchmarks/getpath.md).
 ``/dev/shm`` is usually a tmpfs without huge pages; a tmpfs mounted with ``huge=within_size`` (or ``always``) gives
 its files 2 MiB pages, and one mounted with ``huge=advise`` gives them where the mapping asks (``madvise``, done
-here and by the shm transport: ``transport.shm.advise_huge``). ``huge_bytes`` says how much of the mapping is on 2
-MiB pages; the node says it at start (docs/operations/kubernetes.md, "Huge pages for the arena").
+here and by the shm transport: ``transport.shm.advise_huge``). The node says at start whether its arena's filesystem
+gives them (``huge_mount``: its mount options, no look at the pages; ``transport.shm.mapped_huge`` counts a
+mapping's 2 MiB pages, but from ``/proc/self/smaps``, whose kernel walk of every mapping's page tables costs 50 ms a
+4 GiB arena on the 2-core VM) (docs/operations/kubernetes.md, "Huge pages for the arena").
 
 Invariant: the mapping is page aligned and the data region starts at ``objformat.ARENA_DATA_START``, so object offsets
 handed out by the metaserver are 4 KiB aligned in every process that maps the file (a same-host client, a GPU
@@ -28,7 +30,7 @@ import time
 import uuid
 
 from transport import objformat
-from transport.shm import advise_huge, mapped_huge
+from transport.shm import advise_huge
 from umbp.errors import ConfigError
 
 
@@ -78,9 +80,9 @@ class Arena:
             self.reopened = True
         self.arena_id = arena_id
 
-    def huge_bytes(self) -> int:
-        """Bytes of this process's mapping of the arena on 2 MiB pages (``mapped_huge``)."""
-        return mapped_huge(self._map)
+    def on_huge_pages(self) -> bool:
+        """Whether the arena file's filesystem gives it 2 MiB pages (``huge_mount``)."""
+        return huge_mount(self.path)
 
     def close(self) -> None:
         view, self.view = self.view, None
@@ -108,3 +110,23 @@ def arena_dir_with_room(size: int) -> str | None:
         pass
     return None
 
+
+def huge_mount(path: str) -> bool:
+    """Whether the filesystem holding ``path`` gives its files 2 MiB pages: hugetlbfs, or a tmpfs mounted with
+    ``huge=always``, ``within_size`` or ``advise`` (the node and the shm transport ask, ``advise_huge``). Read from
+    ``/proc/self/mounts`` (the longest mount point above ``path``); False where that file is missing."""
+    where = os.path.realpath(path)
+    best, fs, opts = "", "", ""
+    try:
+        with open("/proc/self/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                point = parts[1]
+                if (where == point or where.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, fs, opts = point, parts[2], parts[3]
+    except OSError:
+        return False
+    return fs == "hugetlbfs" or (fs == "tmpfs" and any(o in opts.split(",") for o in
+                                                          ("huge=always", "huge=within_size", "huge=advise")))
