@@ -6,7 +6,7 @@ the file at that path carries the same arena id in its superblock; otherwise ``S
 selection rule falls through to RDMA or TCP.
 
 The arena's page size matters to the copy (umbp/node/arena.py "Huge pages"): ``advise_huge`` asks for 2 MiB pages
-for a mapping and ``mapped_huge`` says how much of it got them; the node and this transport share them.
+for a mapping (this transport's and the node's), ``mapped_huge`` says how much of one got them (benches, tests).
 
 Cost: one memcpy per object range (one strided copy per ``umbp.buffers.Rows`` out), no syscalls, no node CPU; a batch's copies are split across threads
 (``umbp.copies``: memory bandwidth rather than one core's memcpy for batches of SERIAL_BYTES and more). Small
