@@ -23,8 +23,6 @@ import re
 import time
 
 from transport import answerrows, objformat, wire
-
-
 from umbp.errors import UmbpError
 from umbp.node.tiering import readv_disk
 

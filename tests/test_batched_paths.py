@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from transport import objformat, wire
-
 from transport.framed import FramedSocket
 from umbp import puts as client_mod
 

@@ -20,8 +20,6 @@ import time
 import pytest
 
 from transport import answerrows, objformat, wire
-
-
 from transport.framed import FramedSocket
 from umbp.auth import Tokens, read_capability
 from umbp.errors import AuthError, BadRequest, CorruptionError

@@ -13,7 +13,6 @@ import time
 import pytest
 
 from transport import objformat, wire
-
 from transport.framed import FramedSocket
 from umbp.auth import with_caps
 from umbp.client import Client

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from transport import objformat, wire
-
 from transport.framed import FramedSocket
 from umbp.client import Client
 from umbp.errors import BadRequest, NotFound, QuotaExceeded

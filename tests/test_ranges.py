@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from transport import objformat, wire
-
 from umbp.errors import CorruptionError, InvalidArgument
 
 LAYERS = 8

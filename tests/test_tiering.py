@@ -12,7 +12,6 @@ import signal
 import numpy as np
 
 from transport import objformat, wire
-
 from umbp.keys import normalize_key
 
 from cluster import eventually

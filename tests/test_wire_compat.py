@@ -16,7 +16,6 @@ import msgpack
 import pytest
 
 from transport import objformat, wire
-
 from transport.wire import HEADER, HEADER_SIZE, Op, Status
 from umbp.config import split_host_port
 

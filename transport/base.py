@@ -44,7 +44,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from transport import objformat, wire
-
 from umbp import copies
 from umbp.buffers import Rows
 from umbp.errors import CorruptionError, DeadlineExceeded, Unavailable

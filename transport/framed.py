@@ -38,7 +38,6 @@ import time
 from typing import Any
 
 from transport import answerrows, wire
-
 from umbp.auth import ClientAuth
 from umbp.config import split_host_port
 from umbp.errors import AuthError, DeadlineExceeded, ProtocolError, RemoteError, TransportError, Unavailable

@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from transport import objformat, wire
-
 from transport.base import Pending, Transport, check_payload, late_write, stale_write
 from transport.rdma import ARENA_ACCESS, CLIENT_ACCESS, RcEndpoint, RdmaContext, _address_of
 from transport.framed import FramedSocket

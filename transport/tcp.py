@@ -16,7 +16,6 @@ from __future__ import annotations
 from operator import attrgetter
 
 from transport import objformat, wire
-
 from transport.base import Pending, Transport, check_payload
 from transport.framed import FramedSocket, connection_error
 from umbp.errors import CorruptionError, ProtocolError, RemoteError, TransportError

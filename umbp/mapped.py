@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator, Sequence
 
 from transport import objformat, wire
-
 from umbp.errors import CorruptionError, TransportError
 from umbp.keys import normalize_keys
 

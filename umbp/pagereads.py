@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from transport import objformat, wire
-
 from transport.base import ReadOp
 from umbp.buffers import CudaOut, Rows, new_bytes
 from umbp.errors import InvalidArgument, TransportError, UmbpError

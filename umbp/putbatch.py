@@ -35,8 +35,6 @@ from typing import Any
 import numpy as np
 
 from transport import objformat, wire
-
-
 from transport.base import WriteOp, write_rows_to_arena
 from umbp import copies
 from umbp.errors import TransportError, TransportUnavailable

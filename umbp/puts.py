@@ -33,7 +33,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from transport import objformat, wire
-
 from transport.base import WriteOp, late_write
 from umbp import copies, putbatch
 from umbp.auth import with_caps

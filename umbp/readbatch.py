@@ -32,8 +32,6 @@ from typing import Any
 import numpy as np
 
 from transport import answerrows, objformat, wire
-
-
 from transport.base import Pending, ReadOp
 from umbp.buffers import Rows, views_at
 from umbp.copies import address_of_view

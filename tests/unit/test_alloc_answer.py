@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from transport import answerrows, wire
-
 from umbp.errors import ProtocolError
 from umbp.lookup import AllocAnswer, alloc_rows
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import random
 
-
 from metaserver.table import queries
 from metaserver.table.entry import EXISTS, IN_FLIGHT, NEW, NO_SPACE, PENDING, READY, Effects
 from metaserver.table.records import pages_of

@@ -10,8 +10,6 @@ import random
 import pytest
 
 from transport import answerrows, objformat, wire
-
-
 from umbp.errors import ConfigError
 from umbp.node.disk import ALIGN, Buffers, DiskArena, Job
 

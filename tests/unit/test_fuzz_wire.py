@@ -27,7 +27,6 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from transport import objformat, wire
-
 from transport.wire import Op
 from umbp.errors import BadRequest, CorruptionError, ProtocolError, UmbpError
 

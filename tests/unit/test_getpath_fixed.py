@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from transport import answerrows, objformat
-
 from transport.base import _WORD0, _crc_after_word0, headers_match
 from umbp.errors import CorruptionError, InvalidArgument
 from umbp.keys import normalize_key, normalize_keys

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from transport import objformat, wire
-
 from transport.objformat import ALIGN, ARENA_DATA_START
 from umbp.config import NodeConfig
 from umbp.node.server import DataProtocol, NodeServer

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from transport import answerrows, objformat
-
 from transport.base import Pending, Transport, write_rows_to_arena
 from transport.shm import ShmTransport, boot_id
 from umbp import putbatch

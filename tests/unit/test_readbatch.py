@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from transport import answerrows, objformat
-
 from transport.base import crc32_rows, headers_match
 from umbp.errors import CorruptionError, ProtocolError
 from umbp.lookup import answer_rows, merge

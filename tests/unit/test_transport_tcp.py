@@ -21,7 +21,6 @@ import time
 import pytest
 
 from transport import objformat, wire
-
 from transport.base import ReadOp
 from transport.framed import FramedSocket
 from transport.tcp import TcpTransport

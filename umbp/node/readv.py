@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from transport import objformat, wire
-
 from umbp.errors import BadRequest, CorruptionError, RemoteError
 
 HS = objformat.OBJ_HEADER_SIZE

@@ -43,8 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transport import answerrows, objformat, wire
-
-
 from umbp.errors import AuthError, BadRequest, CorruptionError, RemoteError
 from umbp.node.disk import ALIGN, DiskArena, Job
 from umbp.node.readv import check_ops
