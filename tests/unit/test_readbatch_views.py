@@ -1,6 +1,7 @@
 """``umbp.buffers.views_at``: the per-page byte views of the array path's ReadOps (tcp, rdma, pages the shm arrays
-leave to ``start_read``) and of ``HostSpans`` are slices of one view over the outs' span when they lie close together, one view each
-otherwise: either way each view starts at its out's address, holds exactly its bytes, and writes land there only."""
+leave to ``start_read``) and of ``HostSpans`` are slices of one view over the outs' span when they lie close
+together, one view each otherwise: either way each view starts at its out's address, holds exactly its bytes, and
+writes land there only."""
 
 from __future__ import annotations
 

@@ -527,8 +527,8 @@ async def serve(config: NodeConfig) -> None:
     except (ImportError, UmbpError) as e:
         print(f"{node.component}: rdma off ({e})", file=sys.stderr, flush=True)
     print(f"{node.component}: arena {node.arena.path} of {node.arena.size >> 20} MiB: "
-          + ("on 2 MiB pages" if node.arena.on_huge_pages() else "on 4 KiB pages (same-host reads copy out of them more "
-             "slowly: a tmpfs mounted with huge=within_size gives 2 MiB pages; docs/operations/kubernetes.md)"),
+          + ("on 2 MiB pages" if node.arena.on_huge_pages() else "on 4 KiB pages (same-host reads copy out of "
+             "them more slowly: a tmpfs mounted with huge=within_size gives 2 MiB pages; docs/operations/kubernetes.md)"),
           file=sys.stderr, flush=True)
     if not node.tokens.closed:
         print(f"{node.component}: WARNING: no --token: this node serves anyone who connects (open pool)",
