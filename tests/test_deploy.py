@@ -238,7 +238,7 @@ def test_metaserver_statefulset(docs, target):
     etcd_host, etcd_port = flags["--etcd"].rsplit(":", 1)
     assert _one(docs, "Service", etcd_host)["spec"]["ports"][0]["port"] == int(etcd_port)
     assert flags["--listen"] == "0.0.0.0:7700"
-    assert int(flags["--slots"]) == (64 if target == "overlays/partitioned" else 1)
+    assert int(flags["--slots"]) == (6 if target == "overlays/partitioned" else 1)
     headless = _one(docs, "Service", sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"].get("publishNotReadyAddresses") is True
     assert flags["--advertise"] == f"$(POD_NAME).{headless['metadata']['name']}.{NAMESPACE}.svc:7700"
@@ -339,7 +339,7 @@ def test_command_lines_and_configmap_resolve_with_the_real_config(docs, target):
     cfg = resolve(MetaserverConfig, {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise,
                                      "eviction_policy": args.eviction_policy, "slots": args.slots}, env=cm)
     assert cfg.advertise == f"metaserver-1.metaserver.{NAMESPACE}.svc:7700"
-    assert cfg.slots == (64 if target == "overlays/partitioned" else 1)
+    assert cfg.slots == (6 if target == "overlays/partitioned" else 1)
     assert cfg.eviction_policy == cm["UMBP_EVICTION_POLICY"]
     assert cfg.high_watermark == float(cm["UMBP_HIGH_WATERMARK"])
 

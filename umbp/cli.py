@@ -306,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metaservers", type=int, default=1, metavar="N",
                    help="metaserver processes (default 1); more than one partition the directory into slots led by "
                         "all of them (ports --port, --port+1, ...)")
-    s.add_argument("--slots", type=int, default=0, help="slots of the partitioned pool (default 64 with "
-                                                        "--metaservers > 1)")
+    s.add_argument("--slots", type=int, default=0, help="slots of the partitioned pool (default two a metaserver "
+                                                        "with --metaservers > 1)")
     s.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="restart a process that dies (same node id and arena, same ports) at most N times within 10 "
                         "minutes; then leave it down (default 3)")

@@ -55,7 +55,11 @@ METRICS_RX = re.compile(r"metrics on (http://\S+)")
 KV_EVENTS_RX = re.compile(r"kv events on (tcp://\S+), replay on (tcp://\S+)")  # metaserver/server.py's line
 
 
-DEFAULT_SLOTS = 64  # slots of a pool `umbp up --metaservers N` (N > 1) creates
+# slots a metaserver process of a pool `umbp up --metaservers N` (N > 1) creates: 2N slots. Few on purpose: each
+# slot a request touches is one more pass over a slot's own table (about 50 us of metaserver CPU on the 2-core VM),
+# and each slot is its own region of every node's arena with its own LRU; two a process leave room to grow to 2N
+# processes and spread a dead process's slots over the survivors (docs/operations/partitioned-pool.md).
+SLOTS_PER_METASERVER = 2
 ARENA_DIR_RX = re.compile(r"^umbp-up-(\d+)-")
 _PR_SET_PDEATHSIG = 1
 
@@ -174,7 +178,7 @@ class LocalPool:
         if not 1 <= metaservers <= 32:
             raise ConfigError("up", f"--metaservers must be within 1..32, got {metaservers}")
         if slots < 0 or slots == 1 and metaservers > 1 or slots > 1024:
-            raise ConfigError("up", f"--slots must be 0 (default: {DEFAULT_SLOTS} with several metaservers) or "
+            raise ConfigError("up", f"--slots must be 0 (default: {SLOTS_PER_METASERVER} a metaserver when several) or "
                                     f"2..1024, got {slots}")
         if nodes < 0 or nodes > 64:
             raise ConfigError("up", f"--nodes must be within 0..64, got {nodes}")
@@ -193,7 +197,8 @@ class LocalPool:
         self.metaserver_args = metaserver_args or []
         self.kv_events = kv_events  # tcp://HOST:PORT: metaserver i publishes on PORT + 2i (replay PORT + 2i + 1)
         self.metaservers = metaservers
-        self.slots = slots or (DEFAULT_SLOTS if metaservers > 1 else 0)  # 0: one unpartitioned directory
+        # 0: one unpartitioned directory
+        self.slots = slots or (SLOTS_PER_METASERVER * metaservers if metaservers > 1 else 0)
         self.max_restarts = max_restarts
         self.with_metrics = metrics
         self.out = out or sys.stderr  # where supervision messages go
