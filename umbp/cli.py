@@ -58,6 +58,9 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+SLOTS_A_METASERVER_NOTE = 4  # more slots a metaserver than this: ``umbp stats`` says what they cost
+
+
 def _print_stats(s: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -89,6 +92,11 @@ def _print_stats(s: dict) -> None:
         vacant = [i for i, a in enumerate(s["slot_map"]) if not a]
         if vacant:
             t.add_row("  no leader", f"slots {_ranges(vacant)}")
+        many = (s.get("slots") or 0) / max(1, len(s.get("metaservers") or []))
+        if many > SLOTS_A_METASERVER_NOTE:  # a pool made with many slots (64 was `umbp up`'s default): say its cost
+            t.add_row("  note", f"{many:.0f} slots a metaserver: each slot a request's keys fall in costs its leader "
+                                "a table pass; a pool made with fewer serves more keys a CPU-second "
+                                "(docs/operations/partitioned-pool.md)")
     con.print(t)
     usage = s.get("namespace_usage") or {}
     if usage:  # per namespace: objects, use against quota (a scoped token sees its own namespaces only)
