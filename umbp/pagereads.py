@@ -17,7 +17,7 @@ from transport import objformat, wire
 from transport.base import ReadOp
 from umbp.buffers import CudaOut, Rows, new_bytes
 from umbp.errors import InvalidArgument, TransportError, UmbpError
-from umbp.readbatch import DISK
+from umbp.readbatch import DISK, row_ops
 from umbp.speculate import read_deadline
 
 
@@ -110,10 +110,9 @@ def read_ops(self, locs: list, segs: list | None, deadline: float, kernel: dict 
                 raise InvalidArgument(self.component, f"out {j} of key {i} holds {len(view)} bytes "
                                                       f"but {length} are to be read")
             if type(view) is Rows and not self._reads_rows(node_id, deadline):
-                row = view.row
-                for r, v in enumerate(view.views(length)):
-                    ops.append(ReadOp(off, start + r * row, len(v), khash, gen, size, v, cap))
-                    idx.append(i)
+                got = row_ops(off, start, view, length, khash, gen, size, cap)
+                ops.extend(got)
+                idx.extend([i] * len(got))
                 continue
             ops.append(ReadOp(off, start, length, khash, gen, size, view, cap))
             idx.append(i)

@@ -205,10 +205,9 @@ def _start(t: Any, rows: np.ndarray, ids: np.ndarray, addr: np.ndarray, caps_of,
         ops, counts = [], []
         for i, o, tg, g, ln, cap in zip(ids.tolist(), r["off"].tolist(), r["tag"].tolist(), r["gen"].tolist(), n,
                                         caps_of(ids)):
-            out = routs[i]
-            views = out.views(ln)
-            ops.extend(ReadOp(o, k * out.row, len(v), tg, g, ln, v, cap) for k, v in enumerate(views))
-            counts.append(len(views))
+            got = row_ops(o, 0, routs[i], ln, tg, g, ln, cap)
+            ops.extend(got)
+            counts.append(len(got))
     try:
         p = t.start_read(ops, deadline)
     except TransportUnavailable:
@@ -217,6 +216,13 @@ def _start(t: Any, rows: np.ndarray, ids: np.ndarray, addr: np.ndarray, caps_of,
         p = Pending(ops, "read")
         p.results = [e] * len(ops)
     return p if counts is None else _RowOps(p, counts)
+
+
+def row_ops(off: int, start: int, out: Rows, length: int, tag: int, gen: int, plen: int, cap: bytes) -> list:
+    """``length`` payload bytes from ``start`` of the object at ``off`` into the ``Rows`` out ``out`` as a ReadOp a
+    row, for a transport that reads no ``Rows`` (tcp, rdma)."""
+    row = out.row
+    return [ReadOp(off, start + r * row, len(v), tag, gen, plen, v, cap) for r, v in enumerate(out.views(length))]
 
 
 class _RowOps:
