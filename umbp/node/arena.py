@@ -13,9 +13,9 @@ runs slower than out of 2 MiB pages: a TLB miss every 4 KiB, and the CPU's prefe
 ``/dev/shm`` is usually a tmpfs without huge pages; a tmpfs mounted with ``huge=within_size`` (or ``always``) gives
 its files 2 MiB pages, and one mounted with ``huge=advise`` gives them where the mapping asks (``madvise``, done
 here and by the shm transport: ``transport.shm.advise_huge``). The node says at start whether its arena's filesystem
-gives them (``huge_mount``: its mount options, no look at the pages; ``transport.shm.mapped_huge`` counts a
-mapping's 2 MiB pages, but from ``/proc/self/smaps``, whose kernel walk of every mapping's page tables costs 50 ms a
-4 GiB arena on the 2-core VM) (docs/operations/kubernetes.md, "Huge pages for the arena").
+gives them (``huge_mount``: the mount options, 0.3 ms), not how many pages it got: ``transport.shm.mapped_huge``
+counts those from ``/proc/self/smaps``, whose walk of the page tables costs 50 ms a 4 GiB arena on the 2-core VM
+(benches and tests use it). Set-up: docs/operations/kubernetes.md, "Huge pages for the arena".
 
 Invariant: the mapping is page aligned and the data region starts at ``objformat.ARENA_DATA_START``, so object offsets
 handed out by the metaserver are 4 KiB aligned in every process that maps the file (a same-host client, a GPU
