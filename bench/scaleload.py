@@ -45,7 +45,7 @@ def _segment(ns: bytes, cur: list, parents: bool) -> bytes:
     keys = [c[0] for c in cur]
     lens = None if all(len(k) == 32 for k in keys) else [len(k) for k in keys]
     par = [c[5] for c in cur] if parents else None
-    from metaserver.table.longkeys import digests
+    from transport.keyform import digests
     return pack_segment([ns.decode()], None, nodes, [nix[c[1]] for c in cur], [c[2] >> 12 for c in cur], codes,
                         [cix[c[3]] for c in cur], [c[4] for c in cur], b"".join(keys), 32, lens,
                         None if par is None or all(p is None for p in par) else par,

@@ -146,7 +146,7 @@ class BenchClient:
             self.round += 1
             n = budget // batch * batch
             keys = [b"c%d/r%d/%d" % (self.cid, self.round, i) for i in range(n)]
-            ks = slotrules.slots_of(NS, keys, self.slots)
+            ks = slotrules.slots_of(NS, keys, self.slots).tolist()
             self.plan = [self._batch(keys[i:i + batch], ks[i:i + batch]) for i in range(0, n, batch)]
             self.keys, self.kslots = [], []
         else:

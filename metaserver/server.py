@@ -280,10 +280,10 @@ async def serve(config: MetaserverConfig, started: asyncio.Event | None = None) 
     except BaseException:
         sock.close()
         raise
-    slots = await pool_slots(config)  # 1 (the default): the unpartitioned layout; more: a partitioned pool
+    slots, rule = await pool_slots(config)  # 1 slot (the default): the unpartitioned layout; more: partitioned
     advertise = config.advertise or addr
     try:
-        ms = Partition(config, advertise, slots)  # a pool is always slots: a standby leads none of them yet
+        ms = Partition(config, advertise, slots, rule)  # a pool is always slots: a standby leads none of them yet
     except BaseException:
         sock.close()
         if config.kv_events:

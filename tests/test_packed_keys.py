@@ -124,7 +124,7 @@ def test_a_partitioned_pool_takes_packed_keys_and_keeps_each_alloc_in_its_keys_s
     with cl.client(namespace="parts") as c:
         c.batch_put(keys, values)  # one request a process, its parts' keys packed
         assert read_all(c, keys, 3000) == values
-    of = slotrules.slots_of("parts", keys, slots)
+    of = slotrules.slots_of("parts", keys, slots).tolist()
     s = of[0]
     other = next(k for k, x in zip(keys, of) if x != s)
     raw = Raw(cl.metaserver_addr)

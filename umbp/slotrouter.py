@@ -7,16 +7,17 @@ pool) makes this a plain ``MetaClient`` for good (one extra round trip per clien
 Otherwise it keeps the slot map (slot -> leader address) and the live processes, and one ``MetaClient`` per
 process address that does not follow NOT_LEADER by itself (``follow=False``).
 
-A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``slotrules.slot_of`` and the slots'
-parts are grouped by the process the map names as each slot's leader: one request per process, all in flight at
-once (submitted on each process's pipelined connection, then collected): a single-slot request naming its slot
-(``"slot"``, wire VERSION 10) when the process gets one slot's keys, a multi-slot one (``parts``: ``metaserver/ha/multislot.py``, answered per part) otherwise. The
-parts' answers are merged back into key order. A multi-slot LOOKUP asks for one answer (``"merge": true``): the
-process's rows for all its parts in one packed column, one capability a node and one read lease (its failed parts'
-keys misses, resent as any failed part); a process that does not know ``merge`` (it refuses the field) is asked per
-part from then on. Capabilities are concatenated and each item's ``cap_index``
-shifted; the read leases of the slots of one LOOKUP become one handle that RELEASE expands; PREFIX becomes EXISTS
-per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent
+A keyed request (ALLOC, COMMIT, ABORT, LOOKUP, EXISTS, PREFIX, REMOVE) is split by ``slotrules.slots_of`` under the
+pool's slot rule (LEADER's ``"slot_rule"``; a metaserver that names none is of a release before rule 2: rule 1) and
+the slots' parts are grouped by the process the map names as each slot's leader: one request per process, all in
+flight at once (submitted on each process's pipelined connection, then collected): a single-slot request naming its
+slot (``"slot"``, wire VERSION 10) when the process gets one slot's keys, a multi-slot one (``parts``:
+``metaserver/ha/multislot.py``, answered per part) otherwise. The parts' answers are merged back into key order. A
+multi-slot LOOKUP asks for one answer (``"merge": true``): the process's rows for all its parts in one packed column,
+one capability a node and one read lease (its failed parts' keys misses, resent as any failed part); a process that
+does not know ``merge`` (it refuses the field) is asked per part from then on. Capabilities are concatenated and each
+item's ``cap_index`` shifted; the read leases of the slots of one LOOKUP become one handle that RELEASE expands;
+PREFIX becomes EXISTS per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent
 there, only that part's keys; a part whose process cannot be reached re-reads the map from any process (LEADER) and
 is resent, with a backoff, until the call's deadline: a dead process's slots move within its lease TTL and the
 client follows without a restart. Waiting for one process's answer is bounded by half the time left (at most
@@ -35,6 +36,8 @@ import threading
 import time
 from collections import OrderedDict
 from typing import Any
+
+import numpy as np
 
 from transport import slotrules, wire
 from transport.wire import Op, Status
@@ -91,6 +94,7 @@ class MetaRouter:
         self.token, self.tls_ca = token, tls_ca
         self.seed = MetaClient(addrs, component, token, tls_ca=tls_ca)
         self.slots = 0  # 0: not discovered yet; 1: unpartitioned (everything goes to ``seed``)
+        self.rule = slotrules.RULE_DIGEST  # the pool's slot rule (LEADER's "slot_rule"), read with its slot count
         self.map: list[str | None] = []
         self.members: list[str] = list(addrs)
         self._conns: dict[str, MetaClient] = {}
@@ -186,7 +190,11 @@ class MetaRouter:
         if type(slots) is not int or slots <= 1:
             self.slots = 1
             return
-        self.slots = slots
+        rule = info.get("slot_rule", slotrules.RULE_KEY_HASH)  # none said: a release before rule 2, whose pools are 1
+        if rule not in slotrules.RULES:
+            raise ProtocolError(self.component, f"the pool places keys by slot rule {rule!r}, which this client does "
+                                                f"not know (it knows {slotrules.RULES}): upgrade the client")
+        self.slots, self.rule = slots, rule
         m = info.get("map")
         if type(m) is list and len(m) == slots:
             self.map = [a if type(a) is str else None for a in m]
@@ -219,19 +227,30 @@ class MetaRouter:
 
     # -- keyed requests ----------------------------------------------------------------------------------------
     def _split(self, op: int, meta: dict) -> list[_Part]:
+        """The request's parts, one a slot its keys fall in (ascending), each naming its slot: the keys' slots as
+        one array (``slotrules.slots_of`` under the pool's rule), grouped by one stable argsort."""
         ns, keys = meta["ns"], meta["keys"]
-        S = self.slots
-        by: dict[int, list[int]] = {}
-        for i, slot in enumerate(slotrules.slots_of(ns, keys, S)):  # -1 (not a key): slot 0 refuses it precisely
-            by.setdefault(max(slot, 0), []).append(i)
-        parts = []
-        for slot, idx in by.items():
-            if len(by) == 1:
-                m = dict(meta)
-            else:
-                m = {k: ([v[i] for i in idx] if k in _LISTS and type(v) is list else v) for k, v in meta.items()}
-            m["slot"] = slot  # sent as a single-slot request: the process needs not hash the keys again
+        sl = slotrules.slots_of(ns, keys, self.slots, self.rule)
+        np.maximum(sl, 0, out=sl)  # -1 (not a key): slot 0 refuses it precisely
+        n = len(sl)
+        first = int(sl[0]) if n else 0
+        if not n or not np.count_nonzero(sl != first):
+            m = dict(meta)
+            m["slot"] = first  # sent as a single-slot request: the process needs not hash the keys again
+            return [_Part(first, list(range(n)), m)]
+        order = sl.argsort(kind="stable")
+        counts = np.bincount(sl)
+        present = counts.nonzero()[0]
+        lists = [(k, v) for k, v in meta.items() if k in _LISTS and type(v) is list]
+        parts, a = [], 0
+        for slot, b in zip(present.tolist(), np.cumsum(counts.take(present)).tolist()):
+            idx = order[a:b].tolist()
+            m = dict(meta)
+            for k, v in lists:
+                m[k] = [v[i] for i in idx]
+            m["slot"] = slot
             parts.append(_Part(slot, idx, m))
+            a = b
         return parts
 
     def _start(self, op: int, meta: Any, deadline: float) -> SlotTicket:

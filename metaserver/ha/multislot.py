@@ -5,10 +5,11 @@ one request per process instead of one per slot (``umbp/slotrouter.py`` sends th
 Request: the op's usual meta (``ns``, ``keys``, the per-key lists ``sizes``/``parents``/``gens``, any per-request
 field such as ``token``) plus ``parts``: ``[[slot, n], ...]``: the keys grouped by slot in that order, ``n`` keys
 each (every slot once, every ``n`` >= 1, the counts adding up to ``len(keys)``). An ALLOC's keys are each checked to
-hash to their part's slot (``slotrules.slots_of``), so an entry only ever lives in its key's slot; the other requests
-trust the parts (a key sent under another slot can only miss there: not found, not committed, not removed), which
-saves a keyed hash per key on every read (12 % of a 4-process pool's CPU on lookups, py-spy on the GPU machine). A
-single-slot request names its slot the same way with ``"slot": s`` (wire VERSION 10, ``Partition.named_slot``).
+be of their part's slot under the pool's rule (``slotrules.slots_of``, ``check_slots``), so an entry only ever lives
+in its key's slot; the other requests trust the parts (a key sent under another slot can only miss there: not found,
+not committed, not removed), which saves a keyed hash per key on every read (12 % of a 4-process pool's CPU on
+lookups under rule 1, py-spy on the GPU machine). A single-slot request names its slot the same way with
+``"slot": s`` (wire VERSION 10, ``Partition.named_slot``).
 
 Answer, once, after every part is done: ``{"parts": [answer | None per part], "failed": [[index, status, message,
 leader], ...]}``. Each part is answered exactly as a single-slot request to that slot would be (its own
@@ -51,9 +52,19 @@ LISTS = ("keys", "sizes", "parents", "gens")  # per-key lists of a keyed request
 _MERGED = frozenset({"ns", "keys", "parts", "shard", "merge"})
 
 
-def split(meta: dict, slots: int, check: bool = True) -> list[tuple[int, dict]]:
+def check_slots(got: np.ndarray, slot: int, rule: int, at: int = 0) -> None:
+    """Reject an ALLOC's keys (part) unless each is of ``slot``: ``got`` their slots under the pool's ``rule``, -1
+    for what is no key at all (refused by the slot's own validation, precisely). Keys start at index ``at``."""
+    bad = np.flatnonzero((got != slot) & (got != -1))
+    if len(bad):
+        why = (" (a client of a release older than rule 2 routes keys by rule 1: upgrade it)"
+               if rule == slotrules.RULE_DIGEST else "")
+        raise v.Reject(f"key {at + int(bad[0])} is not of slot {slot} under this pool's slot rule {rule}{why}")
+
+
+def split(meta: dict, slots: int, check: bool = True, rule: int = slotrules.RULE_DIGEST) -> list[tuple[int, dict]]:
     """(slot, that part's meta) for each part of a multi-slot request; Reject when ``parts`` is malformed or
-    (``check``: an ALLOC) a key is not of its part's slot."""
+    (``check``: an ALLOC) a key is not of its part's slot under the pool's slot ``rule``."""
     parts, keys, ns = meta.get("parts"), meta.get("keys"), meta.get("ns")
     if type(keys) not in v.KEY_LISTS or type(ns) is not str:
         raise v.Reject("a multi-slot request needs 'ns' (string) and 'keys' (list, or packed)")
@@ -77,9 +88,8 @@ def split(meta: dict, slots: int, check: bool = True) -> list[tuple[int, dict]]:
                 m[k] = x[at:at + n]
             elif k in meta:
                 m[k] = x
-        for i, got in enumerate(slotrules.slots_of(ns, m["keys"], slots) if check else ()):
-            if got != slot and got != -1:  # -1: not a key at all, refused by the part's own validation
-                raise v.Reject(f"'parts': key {at + i} is not of slot {slot}")
+        if check:
+            check_slots(slotrules.slots_of(ns, m["keys"], slots, rule), slot, rule, at)
         out.append((slot, m))
         at += n
     if at != len(keys):
@@ -110,7 +120,7 @@ def dispatch(p, op: int, meta: dict, conn) -> Any:
     answers: list[Any] = []
     failed: list[list] = []
     waiting: list[int] = []
-    for i, (slot, m) in enumerate(split(meta, p.slots, op == Op.ALLOC)):
+    for i, (slot, m) in enumerate(split(meta, p.slots, op == Op.ALLOC, p.rule)):
         name = str(slot)
         srv = p.servers[name]
         try:

@@ -36,7 +36,7 @@ class ProcessAnswers:
         v.fields(meta, frozenset())
         p = self.p
         return {"leader": p.holder(MEMBERSHIP), "is_leader": p.membership.serving,
-                "slots": p.slots, "map": self.slot_map(), "members": sorted(p.members)}
+                "slots": p.slots, "slot_rule": p.rule, "map": self.slot_map(), "members": sorted(p.members)}
 
     def stats(self, meta: Any, conn) -> dict:
         v.fields(meta, frozenset())

@@ -101,10 +101,11 @@ class Partition(ElectedProcess):
     """The process: its slot servers and the request routing; its lease and election rounds are
     ``ElectedProcess``'s."""
 
-    def __init__(self, config: MetaserverConfig, advertise: str, slots: int):
+    def __init__(self, config: MetaserverConfig, advertise: str, slots: int, rule: int = slotrules.RULE_DIGEST):
         self.cfg = config
         self.addr = advertise
         self.slots = slots
+        self.rule = rule  # the pool's slot rule (transport/slotrules.py), fixed at its creation
         self.store = EtcdStore(config.etcd, config.etcd_prefix, config.etcd_timeout_s)
         self.combiner = TxnCombiner(self.store, config.persist_batch)  # the slots' etcd writes, combined
         self.tokens = Tokens.load(config.token, config.tokens_file, "metaserver")
@@ -197,7 +198,7 @@ class Partition(ElectedProcess):
             return "0"  # malformed: slot 0's handler answers with the precise error
         ns, keys = meta["ns"], meta["keys"]
         S = self.slots
-        slots = set(slotrules.slots_of(ns, keys, S))
+        slots = set(slotrules.slots_of(ns, keys, S, self.rule).tolist())
         slots.discard(-1)
         if len(slots) > 1:
             raise v.Reject(f"keys of {len(slots)} slots in one request: a partitioned pool ({S} slots) takes one "
@@ -213,9 +214,7 @@ class Partition(ElectedProcess):
         if type(s) is not int or not 0 <= s < self.slots:
             raise v.Reject(f"'slot' must be an int 0..{self.slots - 1}, got {s!r}")
         if check and type(meta.get("ns")) is str and type(meta.get("keys")) in v.KEY_LISTS:
-            for i, got in enumerate(slotrules.slots_of(meta["ns"], meta["keys"], self.slots)):
-                if got != s and got != -1:  # -1: not a key at all, refused by the slot's own validation
-                    raise v.Reject(f"key {i} is not of slot {s}")
+            multislot.check_slots(slotrules.slots_of(meta["ns"], meta["keys"], self.slots, self.rule), s, self.rule)
         return str(s)
 
     def _keyed(self, op: int):

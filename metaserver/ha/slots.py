@@ -3,9 +3,10 @@
 (``MembershipServer``); the ranking that spreads slots over processes (``rank``).
 
 A pool is always slots (``metaserver/ha/partition.py`` runs one process of it, ``metaserver/ha/election.py`` elects its
-slots): it cuts the key space into S slots, slot = ``slotrules.slot_of(ns, key, S)``. Each slot is a whole directory
-of its own: a ``SlotServer`` is a ``Metaserver`` whose store, leadership and directory are the slot's, so
-allocation, commit, lookup, expiry, eviction, node loss, warm standby and takeover are one code, per slot.
+slots): it cuts the key space into S slots, slot = ``slotrules.slot_of(ns, key, S, rule)`` (the pool's rule). Each
+slot is a whole directory of its own: a ``SlotServer`` is a ``Metaserver`` whose store, leadership and directory are
+the slot's, so allocation, commit, lookup, expiry, eviction, node loss, warm standby and takeover are one code, per
+slot.
 
 A one-slot pool (the default) is the unpartitioned pool: its slot's store keeps the unpartitioned keys
 (``SlotStore(at_root=True)``: pages under ``{prefix}/pages/``, ``{prefix}/gen``, ``{prefix}/open``, and the slot key
@@ -17,6 +18,7 @@ etcd layout of a pool of S > 1 slots under ``prefix`` (next to ``nodes/`` and ``
 leader writes)::
 
     {prefix}/slots/count              decimal S, written once when the pool is created
+    {prefix}/slots/rule               decimal slot rule (``slotrules``), written just before the count; absent: 1
     {prefix}/slotmap/{s}              slot s's leader address, under that process's lease (``m``: membership)
     {prefix}/members/{addr}           msgpack {"addr", "warm": [slots whose warm copy is loaded]}, same lease
     {prefix}/slots/{s}/pages/{ns}/+{term}.{n}   slot s's READY pages (commit records, as ``persist.py`` writes them)
@@ -205,14 +207,16 @@ class SlotStore(EtcdStore):
         return None  # the process's client is closed by the partition
 
 
-def own_parents(slot: int, slots: int, ns: str, parents: list | None) -> list | None:
+def own_parents(slot: int, slots: int, ns: str, parents: list | None, rule: int = slotrules.RULE_DIGEST
+                ) -> list | None:
     """An ALLOC's ``parents`` with those of other slots left out (None): they are never linked in this slot, so a
     page naming one would count as an orphan under ``prefix-lru`` and go first (it cost that policy 54 points of
     hit rate on bench/eviction.py); without it the page is ordinary, evicted by recency. O(parents), the
-    namespace hashed once (``slots_of``)."""
+    parents' slots as one array (``slots_of`` under the pool's rule)."""
     if not parents:
         return parents
-    return [p if s == slot else None for p, s in zip(parents, slotrules.slots_of(ns, parents, slots))]  # None: -1
+    return [p if s == slot else None  # None: -1
+            for p, s in zip(parents, slotrules.slots_of(ns, parents, slots, rule).tolist())]
 
 
 class SlotTable(TableDirectory):
@@ -221,15 +225,15 @@ class SlotTable(TableDirectory):
     and a page of the other slots' regions is rejected by its load; parents of other slots are left out at ALLOC
     (``own_parents``)."""
 
-    def __init__(self, slot: int, slots: int, **kw):
+    def __init__(self, slot: int, slots: int, rule: int = slotrules.RULE_DIGEST, **kw):
         super().__init__(**kw)
-        self.slot, self.slots = slot, slots
+        self.slot, self.slots, self.rule = slot, slots, rule
 
     def node_region(self, capacity: int) -> tuple[int, int]:
         return region(self.slot, self.slots, capacity)
 
     def own_parents(self, ns: str, parents: list | None) -> list | None:
-        return own_parents(self.slot, self.slots, ns, parents)
+        return own_parents(self.slot, self.slots, ns, parents, self.rule)
 
 
 class SlotLeadership:
@@ -370,7 +374,7 @@ class SlotServer(Metaserver):
         kw = dict(pending_ttl_s=cfg.pending_ttl_s, read_lease_s=cfg.read_lease_s, policy=cfg.eviction_policy,
                   quotas=QuotaRules.of(getattr(self.tokens, "quota_rules", None)).shared(
                       self.partition.slots))  # each slot leader enforces its share of every quota
-        return SlotTable(self.slot, self.partition.slots, namer=self.store.batch_name, **kw)
+        return SlotTable(self.slot, self.partition.slots, self.partition.rule, namer=self.store.batch_name, **kw)
 
     def _provisional_nodes(self, descs: dict, now: float) -> None:
         super()._provisional_nodes(descs, now)
@@ -446,24 +450,36 @@ class MembershipServer(SlotServer):
         return None  # nodes register here
 
 
-async def pool_slots(config: MetaserverConfig) -> int:
-    """The slot count of the pool at ``config.etcd_prefix`` (1: unpartitioned), creating it on first use with
-    ``config.slots``. Raises StartupError when the flag contradicts the pool."""
+async def pool_slots(config: MetaserverConfig) -> tuple[int, int]:
+    """The slot count and slot rule (``slotrules``) of the pool at ``config.etcd_prefix`` ((1, RULE_DIGEST):
+    unpartitioned), creating them on first use with ``config.slots`` and ``RULE_DIGEST``. The rule is written before
+    the count, so whoever reads a count reads its pool's rule; a count without a rule is a pool made before rule 2
+    (``RULE_KEY_HASH``). Raises StartupError when the flag contradicts the pool or the rule is one this release
+    does not know."""
     store = EtcdStore(config.etcd, config.etcd_prefix)
     try:
         await store.wait_ready(ETCD_START_DEADLINE_S)
         key = f"{store.prefix}/slots/count".encode()
+        rule_key = f"{store.prefix}/slots/rule".encode()
         cur = await store.get_value(key)
         if cur is None and config.slots > 1:
             if await store.get_value(store.gen_key) is not None:
                 raise StartupError("metaserver", f"the pool at {store.prefix} was created unpartitioned: it cannot "
                                                  f"take --slots {config.slots}")
+            await store.compare_and_put(rule_key, str(slotrules.RULE_DIGEST).encode(), None)
             await store.compare_and_put(key, str(config.slots).encode(), None)
             cur = await store.get_value(key)
         n = int(cur) if cur is not None else 1
         if config.slots and config.slots != n:
             raise StartupError("metaserver", f"the pool at {store.prefix} has {n} slots, not --slots {config.slots} "
                                              f"(fixed when the pool was created)")
-        return n
+        if n == 1:
+            return 1, slotrules.RULE_DIGEST
+        raw = await store.get_value(rule_key)
+        rule = int(raw) if raw is not None and raw.isdigit() else slotrules.RULE_KEY_HASH if raw is None else 0
+        if rule not in slotrules.RULES:
+            raise StartupError("metaserver", f"the pool at {store.prefix} places keys by slot rule {raw!r}, which "
+                                             f"this release does not know (it knows {slotrules.RULES}): upgrade it")
+        return n, rule
     finally:
         await store.close()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from metaserver.table.entry import READY, extent_size
-from metaserver.table.longkeys import digests
+from transport.keyform import digests
 from metaserver.table.load import UNIT, _namespaces, _take_rows, fill_ready
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 

@@ -60,7 +60,7 @@ import numpy as np
 
 from metaserver.table.entry import GONE, PENDING, READY, SHARD_SHIFT, expire_queue, extent_size, random_id
 from metaserver.table.index import KeyIndex, zeros
-from metaserver.table.longkeys import digests
+from transport.keyform import digests
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.evict import QueueCopy
 from metaserver.table import invariants, queries

@@ -46,7 +46,7 @@ import numpy as np
 
 from metaserver.table.entry import READY
 from metaserver.table.index import zeros
-from metaserver.table.longkeys import digests
+from transport.keyform import digests
 from metaserver.table.nodes import UNIT_SHIFT
 
 NO_UP = 0

@@ -51,7 +51,8 @@ from metaserver.table.columns import BLOCK, PageTable
 from metaserver.table.entry import PENDING, READY, extent_size
 from metaserver.table import indexbulk
 from metaserver.table.indexbulk import NO_ROW
-from metaserver.table.longkeys import LongCol, digests
+from metaserver.table.longkeys import LongCol
+from transport.keyform import digests
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows
 from umbp.errors import ConfigError
 

@@ -1,6 +1,6 @@
-"""Keys that are not their own digest: ``digests`` (a batch's digests, the form the key index files), and kept as
-columns, ``LongCol`` (a batch's long keys: positions and one byte blob) and ``LongKeys`` (the key index's row -> key
-store: ``metaserver/table/index.py``).
+"""Keys that are not their own digest (``transport.keyform.digests``: a batch's digests, the form the key index
+files), kept as columns: ``LongCol`` (a batch's long keys: positions and one byte blob) and ``LongKeys`` (the key
+index's row -> key store: ``metaserver/table/index.py``).
 
 Why columns. A key that is not 32 bytes (a TP rank's 33-byte key, a string key) is filed by its digest, and its
 bytes are kept for whoever reads keys back (commit records, listings). Kept as a dict of bytes objects, a cold load
@@ -22,43 +22,13 @@ search a chunk; ``keys_of``/``any_of``/``discard`` O(rows) numpy a chunk; a merg
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from transport.keyform import PackedKeys
 
 MAX_CHUNKS = 8  # bulk chunks kept before they are merged into one (each lookup searches every chunk)
 _EMPTY = np.zeros(0, np.int64)
 _GATHER = 1 << 22  # bytes ``gather`` indexes at once (an int64 a byte: 32 MiB of index)
-_LONG_PERSON = b"umbp-keyindex"
-_LONG0 = hashlib.blake2b(digest_size=32, person=_LONG_PERSON)  # no input yet: ``digests`` copies it a long key
-
-
-def digests(keys: list[bytes]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
-    """(n, 4) uint64 digests of ``keys`` and the (position, key) of those that are not 32 bytes long: a 32-byte key is
-    its own digest, any other its blake2b from a copy of ``_LONG0`` (0.26 us a key of 68 bytes, where a new blake2b
-    with its personalisation took 0.43)."""
-    if type(keys) is PackedKeys:  # (a request's packed keys: of 32 bytes each its own digest, else all long)
-        if keys.width == 32:
-            return keys.digests(), []
-        keys = keys.tolist()
-    n = len(keys)
-    joined = b"".join(keys)
-    if n and len(joined) == 32 * n and min(map(len, keys)) == 32:  # all 32 bytes (SGLang's digests), at C speed
-        return np.frombuffer(joined, np.uint64).reshape(n, 4), []
-    copy, raw, longs = _LONG0.copy, [], []
-    for i, k in enumerate(keys):
-        if len(k) != 32:
-            longs.append((i, k))
-            h = copy()
-            h.update(k)
-            k = h.digest()
-        raw.append(k)
-    return np.frombuffer(b"".join(raw), np.uint64).reshape(n, 4), longs
-
-
 def gather(blob: bytes, starts: np.ndarray, lens: np.ndarray) -> tuple[bytes, np.ndarray]:
     """The byte ranges ``blob[starts[i]:starts[i] + lens[i]]`` joined, and their ends in the result (int64): one
     numpy gather whatever their count."""

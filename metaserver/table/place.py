@@ -29,8 +29,8 @@ import numpy as np
 from metaserver.table.entry import (EXISTS, EXISTS_ITEM, GONE, IN_FLIGHT, IN_FLIGHT_ITEM, NEW, NO_SPACE, NO_SPACE_ITEM,
                               OVER_QUOTA, OVER_QUOTA_ITEM, PENDING, READY, extent_size)
 from metaserver.table.evict import handover, make_room
-from metaserver.table.longkeys import digests
 from metaserver.table.nodes import FREE, UNIT_SHIFT
+from transport.keyform import digests
 _INF = float("inf")
 # operands as 0-d arrays: a Python int operand costs a small request's ufunc twice its work (NumPy 2's promotion)
 _NO_ROW0, _READY0, _PENDING0 = np.array(0, np.int64), np.array(READY, np.uint8), np.array(PENDING, np.uint8)

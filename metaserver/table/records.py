@@ -25,8 +25,8 @@ import msgpack
 import numpy as np
 
 from metaserver.table.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, Entry
-from metaserver.table.longkeys import LongCol, digests, gather
-from transport.keyform import digest_key
+from metaserver.table.longkeys import LongCol, gather
+from transport.keyform import digest_key, digests
 
 _intern = sys.intern
 BATCH_MARK = b"+"  # a commit record's name: {pages}{ns}/+{term}.{n} (a page record's name is lower-case hex)

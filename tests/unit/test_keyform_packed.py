@@ -15,9 +15,8 @@ import pytest
 
 from metaserver import validate as v
 from metaserver.ha import multislot
-from metaserver.table.longkeys import digests
 from transport import slotrules, wire
-from transport.keyform import PackedKeys, pick
+from transport.keyform import PackedKeys, digests, pick
 from transport.wire import HEADER, HEADER_SIZE, Flag, Op
 from umbp.metaclient import MetaClient
 
@@ -105,7 +104,7 @@ def test_packed_keys_that_may_be_digest_text_take_the_digest_form_a_listed_key_t
 def test_a_multi_slot_request_with_packed_keys_splits_as_its_list_and_checks_each_keys_slot():
     slots = 4
     by_slot: dict[int, list[bytes]] = {}
-    for k, s in zip(KEYS, slotrules.slots_of("ns", KEYS, slots)):
+    for k, s in zip(KEYS, slotrules.slots_of("ns", KEYS, slots).tolist()):
         by_slot.setdefault(s, []).append(k)
     order = sorted(by_slot)
     keys = [k for s in order for k in by_slot[s]]

@@ -11,7 +11,7 @@ import random
 import numpy as np
 
 from metaserver.table.index import MAX_LOAD, MIN_SLOTS, SLOTS, KeyIndex
-from metaserver.table.longkeys import digests
+from transport.keyform import digests
 
 ROWS = 300_000
 

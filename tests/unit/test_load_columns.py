@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from metaserver.table.entry import MAX_SHARDS, SHARD_SHIFT
-from metaserver.table.longkeys import digests
+from transport.keyform import digests
 from metaserver.table.records import pack_segment, unpack_segment
 from metaserver.table.snapshot import PageRecords
 

@@ -63,7 +63,7 @@ def pool(monkeypatch) -> Partition:
 def request(per: int, slots=range(SLOTS)) -> dict:
     keys = [b"key-%d" % i for i in range(400)]
     by: dict[int, list[bytes]] = {}
-    for k, s in zip(keys, slotrules.slots_of(NS, keys, SLOTS)):
+    for k, s in zip(keys, slotrules.slots_of(NS, keys, SLOTS).tolist()):
         by.setdefault(s, []).append(k)
     return {"ns": NS, "keys": [k for s in slots for k in by[s][:per]], "parts": [[s, per] for s in slots]}
 

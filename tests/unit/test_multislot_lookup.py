@@ -55,7 +55,7 @@ def pool(monkeypatch, token: str | None = "cluster-secret-of-the-test", down: tu
     members = {n: SimpleNamespace(cap_key=p.tokens.cap_key(n, arenas[n]), cap_epoch=0) for n in NODES}
     keys = [b"%032d" % i for i in range(400)]
     by: dict[int, list[bytes]] = {}
-    for k, s in zip(keys, slotrules.slots_of(NS, keys, SLOTS)):
+    for k, s in zip(keys, slotrules.slots_of(NS, keys, SLOTS).tolist()):
         by.setdefault(s, []).append(k)
     for s in range(SLOTS):
         srv = p.servers[str(s)]

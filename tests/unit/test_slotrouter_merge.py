@@ -29,13 +29,13 @@ def rows_for(keys: list[bytes], miss=()) -> bytes:
 
 
 def leader(a, b):
-    return {"leader": a.addr, "is_leader": True, "slots": S, "map": [a.addr, a.addr, a.addr, b.addr],
-            "members": sorted([a.addr, b.addr])}
+    return {"leader": a.addr, "is_leader": True, "slots": S, "slot_rule": slotrules.RULE_DIGEST,
+            "map": [a.addr, a.addr, a.addr, b.addr], "members": sorted([a.addr, b.addr])}
 
 
 def keyset() -> tuple[list[bytes], list[int]]:
     keys = [b"key%d" % i for i in range(64)]
-    slots = slotrules.slots_of(NS, keys, S)
+    slots = slotrules.slots_of(NS, keys, S).tolist()
     assert set(slots) == set(range(S))
     return keys, slots
 

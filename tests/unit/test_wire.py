@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from transport import answerrows, objformat, slotrules, wire
+from transport.keyform import PackedKeys, digests
 from umbp.errors import BadRequest, CorruptionError, NotLeader, PoolFull, ProtocolError
 
 
@@ -174,14 +175,56 @@ def test_good_frames_before_a_bad_header_are_returned_then_the_reader_is_poisone
     assert isinstance(r.poisoned, ProtocolError) and "bad frame magic" in str(r.poisoned)
 
 
-def test_slots_of_equals_slot_of_per_key():
+def test_slots_of_equals_slot_of_per_key_under_either_rule():
     keys = [b"", b"a", "a", "caf\u00e9", b"\xff" * 600, *(b"page/%d" % i for i in range(200))]
-    for slots in (1, 2, 16, 64, 1024):
-        for ns in ("", "tenant-a", "n\u00e9"):
-            assert slotrules.slots_of(ns, keys, slots) == [slotrules.slot_of(ns, k, slots) for k in keys]
-    assert slotrules.slots_of("ns", [b"k", 7, None, "k"], 16) == [slotrules.slot_of("ns", b"k", 16), -1, -1,
-                                                              slotrules.slot_of("ns", b"k", 16)]
-    assert slotrules.slots_of("ns", [b"k", 7], 1) == [0, -1]
+    for rule in slotrules.RULES:
+        for slots in (1, 2, 16, 64, 1024):
+            for ns in ("", "tenant-a", "n\u00e9"):
+                assert (slotrules.slots_of(ns, keys, slots, rule).tolist()
+                        == [slotrules.slot_of(ns, k, slots, rule) for k in keys])
+        k16 = slotrules.slot_of("ns", b"k", 16, rule)
+        assert slotrules.slots_of("ns", [b"k", 7, None, "k"], 16, rule).tolist() == [k16, -1, -1, k16]
+        assert slotrules.slots_of("ns", [b"k", 7], 1, rule).tolist() == [0, -1]
+    with pytest.raises(ValueError, match="unknown slot rule 3"):
+        slotrules.slots_of("ns", [b"k"], 16, 3)
+
+
+def test_rule_1_is_the_namespaced_key_hash_and_rule_2_the_key_digests_bits():
+    """Rule 1 (pools made before rule 2) is ``objformat.key_hash`` mod S, as those pools placed their keys; rule 2
+    reads the key's digest as the key index files it (a 32-byte key is its own), by the formula written out here,
+    the same for a list, packed keys and str keys, and whatever the namespace."""
+    rng = np.random.default_rng(7)
+    raw = [rng.bytes(32) for _ in range(300)]
+    names = [b"page/%d" % i for i in range(300)]
+    for keys in (raw, names):
+        assert slotrules.slots_of("t", keys, 48, 1).tolist() == [objformat.key_hash("t", k) % 48 for k in keys]
+        dig, _ = digests(keys)
+        want = []
+        weights = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+        for w in dig.tolist():
+            h = sum(a * b for a, b in zip(w, weights)) % 2**64
+            for m in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):  # murmur3's fmix64
+                h = ((h ^ (h >> 33)) * m) % 2**64
+            want.append((h ^ (h >> 33)) % 48)
+        assert slotrules.slots_of("t", keys, 48).tolist() == want
+        assert slotrules.slots_of("other", keys, 48).tolist() == want  # no namespace in rule 2
+    assert dig.tolist()[0] != names[0]  # (names are digested: not their own bytes)
+    assert slotrules.slots_of("t", PackedKeys(b"".join(raw)), 48).tolist() == slotrules.slots_of("t", raw, 48).tolist()
+    assert (slotrules.slots_of("t", [k.decode() for k in names], 48).tolist()
+            == slotrules.slots_of("t", names, 48).tolist())
+    assert np.frombuffer(raw[0], np.uint64).tolist() == digests(raw[:1])[0][0].tolist()  # a 32-byte key: itself
+
+
+def test_rule_2_spreads_keys_evenly_over_the_slots():
+    """60,000 keys of each kind over 4, 6 and 64 slots, 32-byte keys random and counted in ASCII (only the top
+    bytes of their last word vary): every slot within 12 % of its share (fixed keys: the same counts every run)."""
+    rng = np.random.default_rng(11)
+    for keys in ([rng.bytes(32) for _ in range(60_000)], [b"%032d" % i for i in range(60_000)],
+                 [b"tenant/%d/page" % i for i in range(60_000)]):
+        for slots in (4, 6, 64):
+            counts = np.bincount(slotrules.slots_of("t", keys, slots), minlength=slots)
+            share = len(keys) / slots
+            assert counts.min() > 0.88 * share and counts.max() < 1.12 * share, (slots, counts.min(), counts.max())
 
 
 def test_packed_lookup_rows_read_back_as_the_list_form_in_key_order():
