@@ -10,6 +10,7 @@ import time
 
 from transport import wire
 from umbp import releases
+from test_slots import wait_map
 from waiting import eventually
 
 PAGE = 16 << 10
@@ -77,3 +78,31 @@ def test_leases_go_back_by_age_and_at_close(make_cluster, monkeypatch):
             c.close()
         assert c._meta.framed == 3, "close sent the queued lease"
         eventually(lambda: o.stats()["pinned"] == 0, 10.0, "the lease released at close")
+
+
+def test_a_partitioned_pool_takes_each_process_leases_inside_its_lookup(make_cluster, monkeypatch):
+    """Two processes over four slots: a batch's keys reach both, and a stream of gets gives each process its
+    leases of the last get inside its own part of the next LOOKUP (``"release_any"``: metaserver/ha/partition.py),
+    so no RELEASE frame goes out while gets follow each other; pages stay pinned until then, and every lease is
+    back after the next other request."""
+    monkeypatch.setattr(releases, "MAX_AGE_S", 600.0)
+    cl = make_cluster(nodes=1, metaservers=2, metaserver_flags={"slots": 4, "election_ttl": 2})
+    wait_map([m.addr for m in cl.metaservers], {m.addr for m in cl.metaservers}, 30.0, 4)
+    keys = [f"prel-{i}" for i in range(16)]
+    values = [bytes([i]) * PAGE for i in range(16)]
+    with cl.client() as w:
+        assert w.batch_put(keys, values) == [True] * 16
+    with cl.client() as c, cl.client() as o:
+        outs = [bytearray(PAGE) for _ in range(8)]
+        for i in range(12):
+            batch = keys[(i % 2) * 8:(i % 2) * 8 + 8]
+            got = c.batch_get_into(batch, outs)
+            assert got == [PAGE] * 8 and [bytes(x) for x in outs] == values[(i % 2) * 8:(i % 2) * 8 + 8]
+            if i:
+                assert o.stats()["pinned"] == 8, f"get {i}: only the last get's pages are leased"
+        assert len(set(c._meta.map)) == 2  # (the router's slot map: two processes)
+        assert (c._meta.piggybacked, c._meta.framed) == (10, 1)  # the first get's alone; the last one's queued
+        assert c._meta.sent[wire.Op.LOOKUP] == 24  # one LOOKUP a process a get
+        assert c.batch_exists(keys[:1]) == [True]  # any other request sends the queue first
+        eventually(lambda: o.stats()["pinned"] == 0, 10.0, "every lease released")
+        assert o.admin(wire.Op.EVICT, {"all": True})["evicted"] == 16

@@ -15,8 +15,9 @@ import os
 import numpy as np
 import pytest
 
-from cluster import Cluster, NotYet, eventually
+from cluster import Cluster
 from test_failover import raw
+from test_slots import wait_map
 from metaserver.ha.slots import pool_slots
 from metaserver.store.persist import EtcdStore
 from transport import slotrules
@@ -73,7 +74,8 @@ def test_a_new_pool_is_rule_2_an_earlier_releases_pool_keeps_rule_1_and_an_unkno
 
 
 def two_process_pool(harness, etcd, prefix: str) -> tuple[Cluster, list[str]]:
-    """Two metaserver processes of a SLOTS-slot pool at ``prefix`` and one node, every slot led (LEADER's map full)."""
+    """Two metaserver processes of a SLOTS-slot pool at ``prefix`` and one node, the slot map settled (each process
+    serving the slots the balanced map gives it)."""
     cl = Cluster(harness, nodes=1, metaservers=2, capacity="64MiB",
                  metaserver_flags={"slots": SLOTS, "election_ttl": 2, "etcd_prefix": prefix})
     cl.etcd = etcd
@@ -82,12 +84,7 @@ def two_process_pool(harness, etcd, prefix: str) -> tuple[Cluster, list[str]]:
     cl.add_node()
     cl.wait_nodes()
 
-    def settled() -> dict:
-        info = raw(addrs[0], Op.LEADER)
-        if None in info["map"] or len(info["map"]) != SLOTS:
-            raise NotYet(f"LEADER answered {info}")
-        return info
-    eventually(settled, 30.0, "every slot led")
+    wait_map(addrs, set(addrs), 30.0, SLOTS)  # (slots move once the second process joins: the balanced map)
     return cl, addrs
 
 

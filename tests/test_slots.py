@@ -38,12 +38,12 @@ def slot_map(addr: str) -> dict:
     return raw(addr, Op.LEADER)
 
 
-def wait_map(addrs: list[str], want: set[str], timeout: float) -> dict:
+def wait_map(addrs: list[str], want: set[str], timeout: float, slots: int = SLOTS) -> dict:
     """Poll LEADER until the slot map is the balanced ranking's over exactly the processes ``want`` (each slot
     led by its first-ranked one, the membership role too) and every one of them serves the slots the map gives it
     (its STATS ``slots_led``: a handover finished, so a client routed by the map meets no MOVED); returns the LEADER
     answer. Where STATS needs a token (a closed pool), the map alone."""
-    expect = leaders(SLOTS, want)
+    expect = leaders(slots, want)
     last = []
 
     def settled() -> dict | None:

@@ -8,10 +8,14 @@ answers (``metaserver/handlers/dataplane.py``), so a steady stream of gets costs
 
 Negotiation: a metaserver that knows the field says so in every LOOKUP answer (``"released"``: how many of the ids
 it released, 0 when none were sent); the HELLO carries only the wire version, which the field does not change.
-Leases are queued only while the last LOOKUP answer of an unpartitioned pool said so (a partitioned pool's lease is
-``umbp/slotrouter.py``'s handle over several processes: RELEASE frames, as before). A metaserver that refuses the
-field all the same (a failover to an older one between two LOOKUPs) answers BAD_REQUEST "unknown field 'release'":
-the LOOKUP is made again without it, the ids go in a RELEASE frame and queueing stops until an answer says it again.
+Leases are queued only while the last LOOKUP answer said so. In a partitioned pool a lease is ``umbp/slotrouter.py``'s
+handle over several processes' leases: the router gives each process its ids inside its own part of the next LOOKUP
+where that process's last answer said ``"release_any"`` (it releases any of its slots' and merged LOOKUPs' leases
+there: ``metaserver/ha/partition.py``), the others' in a RELEASE frame each, and answers ``"released"`` only while
+every process it asked said so. A metaserver that refuses the field all the same (a failover to an older one
+between two LOOKUPs) answers BAD_REQUEST "unknown field 'release'": the LOOKUP is made again without it, the ids go
+in a RELEASE frame and queueing stops until an answer says it again (the router sends again in frames the ids it
+had put inside a LOOKUP that failed).
 
 Only a get that follows another within ``MAX_AGE_S`` queues its lease: a lone get (the first after a pause) sends
 its RELEASE at once, as before, so a get, then another client's EVICT, finds the page unleased; a stream of gets
@@ -109,7 +113,8 @@ class ReleasingMeta:
         self.inner.forget(tickets)
 
     def _learn(self, answer: Any) -> Any:
-        self.capable = "released" in answer and getattr(self.inner, "slots", 1) == 1
+        self.capable = "released" in answer and (getattr(self.inner, "slots", 1) <= 1
+                                                 or answer.get("release_any") is True)
         return answer
 
     def _refused(self, e: BadRequest, meta: Any, deadline: float) -> Any:

@@ -75,13 +75,17 @@ class _Group:
 class SlotTicket:
     """A routed request in flight (``MetaRouter.submit``)."""
 
-    __slots__ = ("op", "meta", "parts", "n", "plain", "groups", "unrouted", "merged")
+    __slots__ = ("op", "meta", "parts", "n", "plain", "groups", "unrouted", "merged", "release", "released",
+                 "release_any")
 
     def __init__(self, op: int, meta: Any, parts: list[_Part], n: int, plain: Ticket | None = None):
         self.op, self.meta, self.parts, self.n, self.plain = op, meta, parts, n, plain
         self.groups: list[_Group] = []
         self.unrouted: list[_Part] = []  # parts whose slot has no known leader yet
         self.merged: list[tuple[list[int], dict, str]] = []  # merged LOOKUP answers: (key indices, answer, process)
+        self.release: dict[str, list[int]] | None = None  # a LOOKUP's lease ids to give back, by process, until sent
+        self.released: list[tuple[str, list[int]]] = []  # those sent inside this LOOKUP's requests
+        self.release_any = True  # every process answering this LOOKUP took "release" (its answer said so)
 
 
 _MERGED = object()  # a part's answer that is in one of its ticket's merged answers
@@ -105,6 +109,7 @@ class MetaRouter:
         self.refreshes = 0  # slot map re-reads
         self._suspects: set[str] = set()  # processes that did not answer in time: the map is re-read before a call
         self._no_merge: set[str] = set()  # processes that refused a merged LOOKUP (an older release): asked per part
+        self._release_any: set[str] = set()  # processes whose last LOOKUP answer said "release_any"
 
     # -- MetaClient's interface --------------------------------------------------------------------------------
     @property
@@ -171,11 +176,21 @@ class MetaRouter:
                 self.seed.send_noreply(op, meta, deadline)
                 return
             if op == Op.RELEASE and type(meta) is dict:
-                per: dict[str, list[int]] = {}
-                for addr, lease in self._leases.pop(meta.get("lease"), ()):
-                    per.setdefault(addr, []).append(lease)
-                for addr, ids in per.items():  # one frame per process for all of its slots' leases
-                    self._conn(addr).send_noreply(op, {"leases": ids}, deadline)
+                handles = meta["leases"] if type(meta.get("leases")) is list else [meta.get("lease")]
+                self._frame(self._by_process(handles), deadline)
+
+    def _by_process(self, handles: list) -> dict[str, list[int]]:
+        """The slots' read leases under composite lease ``handles`` (each forgotten here), by process."""
+        per: dict[str, list[int]] = {}
+        for h in handles:
+            for addr, lease in self._leases.pop(h, ()):
+                per.setdefault(addr, []).append(lease)
+        return per
+
+    def _frame(self, per: dict[str, list[int]], deadline: float) -> None:
+        """One RELEASE frame a process for all of its slots' leases in ``per``."""
+        for addr, ids in per.items():
+            self._conn(addr).send_noreply(Op.RELEASE, {"leases": ids}, deadline)
 
     # -- the slot map ------------------------------------------------------------------------------------------
     def _discover(self, deadline: float) -> None:
@@ -254,10 +269,17 @@ class MetaRouter:
         return parts
 
     def _start(self, op: int, meta: Any, deadline: float) -> SlotTicket:
+        asked, release = meta, None
+        if op == Op.LOOKUP and type(meta) is dict and "release" in meta:  # composite leases to give back first
+            release = self._by_process(meta["release"])
+            meta = {k: x for k, x in meta.items() if k != "release"}
         if type(meta) is not dict or type(meta.get("keys")) is not list or type(meta.get("ns")) is not str:
+            if release:
+                self._frame(release, deadline)
             return SlotTicket(op, meta, [], 0, plain=self.seed.submit(op, meta, deadline))
         parts = self._split(op, meta)
-        t = SlotTicket(op, meta, parts, len(meta["keys"]))
+        t = SlotTicket(op, asked, parts, len(meta["keys"]))  # (asked: a refused "release" is seen by ReleasingMeta)
+        t.release = release
         self._send(Op.EXISTS if op == Op.PREFIX else op, t, parts, deadline)
         return t
 
@@ -275,7 +297,14 @@ class MetaRouter:
             by.setdefault(addr, []).append(p)
         for addr, ps in by.items():
             meta = ps[0].meta if len(ps) == 1 else self._combine(ps, op == Op.LOOKUP and addr not in self._no_merge)
+            ids = t.release.pop(addr, None) if t.release and addr in self._release_any else None
+            if ids:  # this process's leases of earlier gets ride in its LOOKUP (umbp/releases.py)
+                meta = {**meta, "release": ids}
+                t.released.append((addr, ids))
             t.groups.append(_Group(addr, ps, self._conn(addr).submit(op, meta, deadline)))
+        if t.release:  # the other processes' leases: a RELEASE frame each, now
+            self._frame(t.release, deadline)
+        t.release = None
 
     @staticmethod
     def _combine(ps: list[_Part], merge: bool = False) -> dict:
@@ -328,6 +357,8 @@ class MetaRouter:
                     try:
                         res = conn.result(ticket, self._attempt_end(deadline))
                         self._suspects.discard(g.addr)
+                        if op == Op.LOOKUP:
+                            self._learn_release(g.addr, res, t)
                     except NotLeader as e:
                         last.update((p.slot, e) for p in g.parts)
                         if not (len(g.parts) == 1 and self._moved_to(g.parts[0].slot, e.leader)):
@@ -378,7 +409,19 @@ class MetaRouter:
             raise DeadlineExceeded(self.component, f"{len(retry)} slot parts: gave up after {_PART_TRIES} tries")
         except BaseException:
             self._forget(t)
+            if t.released:  # whether its process took them or not, they go again in frames (a second RELEASE of
+                self._frame(dict(t.released), time.monotonic() + 2.0)  # a lease changes nothing)
+                t.released = []
             raise
+
+    def _learn_release(self, addr: str, res: Any, t: SlotTicket) -> None:
+        """Whether process ``addr`` takes lease ids inside a LOOKUP, from its answer; the ticket's verdict is every
+        one of its processes'."""
+        if isinstance(res, dict) and res.get("release_any") is True:
+            self._release_any.add(addr)
+        else:
+            self._release_any.discard(addr)
+            t.release_any = False
 
     def _no_leader(self, slot: int, last: dict[int, Exception]) -> DeadlineExceeded:
         """The deadline's error for a part of ``slot``: the leader the map names and the part's last failure."""
@@ -468,6 +511,9 @@ class MetaRouter:
         leases += [(addr, a["lease"]) for _, a, addr in t.merged if a.get("lease")]
         answers = [a for a in answers if a is not _MERGED] + [a for _, a, _ in t.merged]
         res["lease"] = 0
+        if t.release_any:  # every process took "release" in its LOOKUP: ``ReleasingMeta`` may queue leases
+            res["released"] = sum(len(ids) for _, ids in t.released)
+            res["release_any"] = True
         if leases:
             handle = next(self._ids)
             self._leases[handle] = leases

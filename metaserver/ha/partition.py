@@ -219,8 +219,14 @@ class Partition(ElectedProcess):
 
     def _keyed(self, op: int):
         check = op == Op.ALLOC
+        releasing = op == Op.LOOKUP and self.slots > 1
 
         def handle(meta: Any, conn):
+            if releasing:
+                return self._lookup_releasing(keyed, meta, conn)
+            return keyed(meta, conn)
+
+        def keyed(meta: Any, conn):
             if type(meta) is dict and "parts" in meta:
                 return multislot.dispatch(self, op, meta, conn)  # several slots' keys in one request
             name = (self.named_slot(meta, check) if type(meta) is dict and "slot" in meta
@@ -230,6 +236,20 @@ class Partition(ElectedProcess):
                 raise self._moved(name)
             return srv.handlers[op](meta, self._slot_conn(conn, name))
         return handle
+
+    def _lookup_releasing(self, lookup, meta: Any, conn) -> Any:
+        """A partitioned pool's LOOKUP (single- or multi-slot) with ``"release"``: this connection's lease ids of any
+        of this process's slots, process leases of merged LOOKUPs included, released first as a RELEASE of them
+        would (a RELEASE frame fewer a get: umbp/releases.py). Its answer says ``"released"`` (how many) and
+        ``"release_any"`` (this process takes any of its lease ids here; a slot's own LOOKUP of an earlier release
+        took only that slot's), which tells a client it may."""
+        rel = meta.pop("release", None) if type(meta) is dict else None
+        n = self.release({"leases": rel}, conn)["released"] if rel is not None else 0
+        ans = lookup(meta, conn)
+        if type(ans) is dict:
+            ans["released"] = n
+            ans["release_any"] = True
+        return ans
 
     def _membership(self, op: int):
         def handle(meta: Any, conn):

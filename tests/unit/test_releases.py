@@ -1,5 +1,6 @@
 """``umbp.releases.ReleasingMeta`` against a fake metaserver layer: read leases queued and carried by the next LOOKUP
-only while the metaserver's answers say it takes them (``"released"``) and the pool is unpartitioned; an older
+only while the metaserver's answers say it takes them (``"released"``; a partitioned pool's router: and
+``"release_any"``, every process asked took them); an older
 metaserver (no ``"released"``) gets RELEASE frames as before; one that refuses the field after all has the LOOKUP
 made again without it and the ids in a RELEASE frame; other requests, the timer and ``close`` send the queue."""
 
@@ -23,8 +24,8 @@ class Fake:
     """Records what is sent; LOOKUPs answered with ``"released"`` when ``new``; ``refuse``: LOOKUPs that carry
     "release" refused as a metaserver without the field refuses them."""
 
-    def __init__(self, new: bool = True, slots: int = 1, refuse: bool = False):
-        self.new, self.slots, self.refuse = new, slots, refuse
+    def __init__(self, new: bool = True, slots: int = 1, refuse: bool = False, release_any: bool = False):
+        self.new, self.slots, self.refuse, self.release_any = new, slots, refuse, release_any
         self.log: list[tuple[str, int, dict]] = []
         self.closed = False
 
@@ -36,6 +37,8 @@ class Fake:
         out = {"lease": 7, "locs": []}
         if self.new:
             out["released"] = len(meta.get("release", ()))
+        if self.release_any:  # a partitioned pool's router whose every process took "release"
+            out["release_any"] = True
         return out
 
     def call(self, op, meta, deadline):
@@ -102,12 +105,21 @@ def test_an_old_metaserver_gets_release_frames():
     assert all("release" not in e[2] for e in f.log)
 
 
-def test_a_partitioned_pool_gets_release_frames():
-    f = Fake(slots=64)  # the lease is the router's handle over several processes
+def test_a_partitioned_pool_gets_release_frames_unless_every_process_takes_them():
+    f = Fake(slots=64)  # the lease is the router's handle over several processes, one of which said nothing
     m = ReleasingMeta(f)
     m.call(Op.LOOKUP, dict(LOOKUP), 0)
     m.send_noreply(Op.RELEASE, {"lease": 9}, 0)
     assert not m.capable and f.log[-1] == ("noreply", Op.RELEASE, {"lease": 9})
+
+    f = Fake(slots=64, release_any=True)  # every process the router asked said "release_any"
+    m = ReleasingMeta(f)
+    m.call(Op.LOOKUP, dict(LOOKUP), 0)
+    m.send_noreply(Op.RELEASE, {"lease": 9}, 0)  # a lone get's: a frame
+    m.send_noreply(Op.RELEASE, {"lease": 10}, 0)  # a get right after: queued for the next LOOKUP
+    assert m.capable and f.log[-1] == ("noreply", Op.RELEASE, {"lease": 9})
+    m.call(Op.LOOKUP, dict(LOOKUP), 0)
+    assert f.log[-1] == ("call", Op.LOOKUP, {**LOOKUP, "release": [10]}) and m.piggybacked == 1
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

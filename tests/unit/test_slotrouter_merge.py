@@ -90,6 +90,51 @@ def test_a_merged_answer_with_a_moved_part_and_one_release_a_process(servers):
         r.close()
 
 
+def test_lease_ids_ride_in_each_process_lookup_that_takes_them_and_go_in_frames_elsewhere(servers):
+    """Process a (slots 0-2) says ``release_any`` in its LOOKUP answers, b (slot 3) does not (an earlier release):
+    the composite lease of one LOOKUP, given back in the next (``"release": [handle]``), reaches a inside its
+    LOOKUP and b in a RELEASE frame; the router's answer says ``release_any`` only while every process did."""
+    got: dict[str, list] = {"a": [], "b": []}
+
+    def answer(srv, lease: int, release_any: bool) -> dict:
+        m = srv.meta
+        out = {"lease": lease, "lease_ms": 5000, "nodes": ["n"], "caps": [b""], "rows": rows_for(m["keys"])}
+        if "parts" in m:
+            out["failed"] = []
+        if release_any:
+            out.update(released=len(m.get("release", ())), release_any=True)
+        return out
+
+    def a_script(_n):
+        got["a"].append((a.op, dict(a.meta) if isinstance(a.meta, dict) else a.meta))
+        if a.op == Op.LEADER:
+            return leader(a, b)
+        return answer(a, 100 + len(got["a"]), True) if a.op == Op.LOOKUP else {}
+
+    def b_script(_n):
+        got["b"].append((b.op, dict(b.meta) if isinstance(b.meta, dict) else b.meta))
+        return answer(b, 200 + len(got["b"]), False) if b.op == Op.LOOKUP else {}
+
+    a = servers(a_script)
+    b = servers(b_script)
+    keys, _ = keyset()
+    r = MetaRouter([a.addr])
+    try:
+        first = r.call(Op.LOOKUP, {"ns": NS, "keys": keys}, time.monotonic() + 10)
+        assert first["lease"] and "release_any" not in first  # b did not say it
+        second = r.call(Op.LOOKUP, {"ns": NS, "keys": keys, "release": [first["lease"]]}, time.monotonic() + 10)
+        a_lookups = [m for op, m in got["a"] if op == Op.LOOKUP]
+        assert "release" not in a_lookups[0] and a_lookups[1]["release"] == [102]  # a's lease of the first LOOKUP
+        assert all("release" not in m for op, m in got["b"] if op == Op.LOOKUP)
+        eventually(lambda: any(op == Op.RELEASE for op, _ in got["b"]), 5.0, "b's RELEASE frame")
+        assert [m for op, m in got["b"] if op == Op.RELEASE] == [{"leases": [201]}]
+        assert not any(op == Op.RELEASE for op, _ in got["a"])
+        assert second["lease"] != first["lease"] and "release_any" not in second
+        assert r._leases.get(first["lease"]) is None  # the handle is spent
+    finally:
+        r.close()
+
+
 def test_a_process_that_refuses_merge_is_asked_per_part(servers):
     seen: list[dict] = []
 
