@@ -77,17 +77,38 @@ def crc32_rows(rows: np.ndarray) -> np.ndarray:
     return np.bitwise_xor.reduce(table[np.arange(36), rows], axis=1) ^ zero
 
 
+WORD0 = np.uint64(OBJ_MAGIC | OBJ_VERSION << 32)  # a header's first 8 bytes (magic, version, flags 0) as one word
+_CRC_FLAT: list = []  # [crc32_rows's table for header bytes 8..35 flat, each one's offset, the crc's constant]
+
+
+def crc32_headers(heads: np.ndarray) -> np.ndarray:
+    """``zlib.crc32`` of each row's first 36 bytes (``heads``: (n, >= 36) uint8) for rows whose first 8 bytes are
+    ``WORD0`` (for any other row the value is meaningless: a reader's check fails it on that word): crc32 over a
+    fixed length is affine in the bytes (``crc32_rows``), so the constant word's terms fold into one constant and the
+    table is looked up flat for the 28 bytes after it (one add, one ``take``, one reduce): 6 against 12 us for 64
+    rows on the 2-core VM."""
+    if not _CRC_FLAT:
+        crc32_rows(np.zeros((1, 36), np.uint8))  # builds the (36, 256) table
+        table, zero = _CRC
+        word0 = np.frombuffer(WORD0.tobytes(), np.uint8)
+        const = np.bitwise_xor.reduce(table[np.arange(8), word0]) ^ zero
+        _CRC_FLAT[:] = [np.ascontiguousarray(table[8:], np.uint32).reshape(-1), np.arange(28, dtype=np.intp) * 256,
+                        np.uint32(const)]
+    flat, at, const = _CRC_FLAT
+    return np.bitwise_xor.reduce(flat.take(heads[:, 8:36] + at), axis=1) ^ const
+
+
 def pack_object_headers(tags: np.ndarray, gens: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """``pack_object_header`` (no payload checksum) of n objects as one (n, 64) uint8 array, row i object i's
-    header bytes: a fixed number of numpy calls, the crc by ``crc32_rows``."""
-    h = np.zeros(len(gens), OBJ_HEADER_DTYPE)
-    h["magic"] = OBJ_MAGIC
-    h["version"] = OBJ_VERSION
-    h["tag"] = tags
-    h["gen"] = gens
-    h["len"] = lens
-    raw = h.view(np.uint8).reshape(len(h), OBJ_HEADER_SIZE)
-    h["crc"] = crc32_rows(raw[:, :_OBJ_CRC_SPAN])
+    header bytes: a fixed number of numpy calls, the crc by ``crc32_headers``."""
+    n = len(gens)
+    w = np.zeros((n, OBJ_HEADER_SIZE // 8), np.uint64)  # the header as 8 words (OBJ_HEADER_DTYPE's layout)
+    w[:, 0] = WORD0
+    w[:, 1] = tags
+    w[:, 2] = gens
+    w[:, 3] = lens
+    raw = w.view(np.uint8)
+    raw.view("<u4")[:, 9] = crc32_headers(raw)  # header_crc: bytes 36..39, after the payload checksum (0)
     return raw
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from transport import answerrows, objformat
-from transport.base import _WORD0, _crc_after_word0, headers_match
+from transport.base import headers_match
+from transport.objformat import WORD0, crc32_headers
 from umbp.errors import CorruptionError, InvalidArgument
 from umbp.keys import normalize_key, normalize_keys
 from umbp.speculate import LocationCache
@@ -81,8 +82,8 @@ def test_normalize_keys_digest_forms_and_page_names():
 def test_flat_crc_table_matches_zlib_and_headers_match_the_per_page_check():
     rng = np.random.default_rng(45)
     rows = rng.integers(0, 256, (300, 64), dtype=np.uint8)
-    rows[:, :8] = np.frombuffer(_WORD0.tobytes(), np.uint8)  # the rows it is meant for: valid magic, version, flags
-    assert _crc_after_word0(rows).tolist() == [zlib.crc32(r[:36].tobytes()) for r in rows]
+    rows[:, :8] = np.frombuffer(WORD0.tobytes(), np.uint8)  # the rows it is meant for: valid magic, version, flags
+    assert crc32_headers(rows).tolist() == [zlib.crc32(r[:36].tobytes()) for r in rows]
     prng = random.Random(46)
     heads, want, expect = [], [], []
     for _ in range(300):
