@@ -16,14 +16,16 @@ slot (``"slot"``, wire VERSION 10) when the process gets one slot's keys, a mult
 multi-slot LOOKUP asks for one answer (``"merge": true``): the process's rows for all its parts in one packed column,
 one capability a node and one read lease (its failed parts' keys misses, resent as any failed part); a process that
 does not know ``merge`` (it refuses the field) is asked per part from then on. Capabilities are concatenated and each
-item's ``cap_index`` shifted; the read leases of the slots of one LOOKUP become one handle that RELEASE expands;
-PREFIX becomes EXISTS per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis' MOVED) is resent
-there, only that part's keys; a part whose process cannot be reached re-reads the map from any process (LEADER) and
-is resent, with a backoff, until the call's deadline: a dead process's slots move within its lease TTL and the
-client follows without a restart. Waiting for one process's answer is bounded by half the time left (at most
-ATTEMPT_S, at least PART_ATTEMPT_MIN_S), so a process whose host went silent (no RST: a cut cable, a black hole)
-leaves the call time to re-read the map from another process and resend there; a call that still runs out of its
-deadline on such a process marks it suspect: the next call re-reads the map first, asking the suspects last.
+item's ``cap_index`` shifted; the read leases of the slots of one LOOKUP become one handle that RELEASE expands
+(or the next LOOKUP: each process its own ids, ``"release"``, where its last answer said ``"release_any"``); PREFIX
+becomes EXISTS per slot and the leading run is counted here. A part answered NOT_LEADER (``leader`` named: Redis'
+MOVED) is resent there, only that part's keys; a part whose process cannot be reached re-reads the map from any
+process (LEADER) and is resent, with a backoff, until the call's deadline: a dead process's slots move within its
+lease TTL and the client follows without a restart. Waiting for one process's answer is bounded by half the time
+left (at most ATTEMPT_S, at least PART_ATTEMPT_MIN_S), so a process whose host went silent (no RST: a cut cable, a
+black hole) leaves the call time to re-read the map from another process and resend there; a call that still runs
+out of its deadline on such a process marks it suspect: the next call re-reads the map first, asking the suspects
+last.
 Admin requests (STATS, NODES, LIST, EVICT, DRAIN) go to every live process and are summed (``slotmap``).
 
 Thread-safe: one lock serialises the router (a client makes one metaserver call per batch).
@@ -410,7 +412,10 @@ class MetaRouter:
         except BaseException:
             self._forget(t)
             if t.released:  # whether its process took them or not, they go again in frames (a second RELEASE of
-                self._frame(dict(t.released), time.monotonic() + 2.0)  # a lease changes nothing)
+                try:  # a lease changes nothing; one that goes nowhere expires at its process)
+                    self._frame(dict(t.released), time.monotonic() + 2.0)
+                except Exception:  # noqa: BLE001 - the request's own error is the one to raise
+                    pass
                 t.released = []
             raise
 
