@@ -59,6 +59,7 @@ def _jsonable(obj: Any) -> Any:
 
 
 SLOTS_A_METASERVER_NOTE = 4  # more slots a metaserver than this: ``umbp stats`` says what they cost
+_SLOT_RULES = {1: "rule 1: a hash of namespace and key", 2: "rule 2: the key digest's bits"}
 
 
 def _print_stats(s: dict) -> None:
@@ -81,7 +82,8 @@ def _print_stats(s: dict) -> None:
         t.add_row("disk tier", f"{format_size(dused)} / {format_size(dcap)} ({100 * dused / dcap:.1f}%), "
                                f"{s.get('demotions', 0)} demoted, {s.get('promotions', 0)} promoted")
     if s.get("slot_map"):  # a partitioned pool: which metaserver leads which slots (umbp/slotrouter.py)
-        t.add_row("slots", f"{s.get('slots')} slots over {len(s.get('metaservers') or [])} metaservers, "
+        rule = _SLOT_RULES.get(s.get("slot_rule"), "rule -")  # which slot a key is in: transport/slotrules.py
+        t.add_row("slots", f"{s.get('slots')} slots over {len(s.get('metaservers') or [])} metaservers ({rule}), "
                            f"membership leader {s.get('leader') or '-'}")
         for m in s.get("metaservers") or []:
             warm = m.get("warm_copies") or {}  # its copies of the slots it would take over: events not applied yet

@@ -562,7 +562,7 @@ class MetaRouter:
             raise TransportError(self.component, f"no metaserver of {', '.join(self.members)} answered")
         if op == Op.STATS:
             out = merge_stats(answers)
-            out.update({"slots": self.slots, "slot_map": list(self.map), "is_leader": True,
+            out.update({"slots": self.slots, "slot_rule": self.rule, "slot_map": list(self.map), "is_leader": True,
                         "leader": next((a.get("membership_leader") for a in answers if a.get("membership_leader")),
                                        None),
                         "metaservers": [{"addr": a.get("metaserver"), "slots_led": a.get("slots_led", []),
