@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from transport import objformat, shm as shm_mod
+from transport import objformat
 from transport.tcp import TcpTransport
+from umbp import copies
 from umbp.buffers import HostSpans, Rows
 from umbp.errors import CorruptionError
 from umbp.keys import normalize_key
@@ -115,18 +116,18 @@ def test_a_slot_rewritten_during_the_copy_is_corruption_not_bytes(cluster, monke
         node_id, off = locate(c, keys[3])
         arena = c._transports[node_id].arena
         good = bytes(arena[off:off + 64])
-        real = shm_mod._drain
+        real = copies.copy_shared
 
-        def rewrite_then_copy(it):  # after the headers were compared, while the copies run
+        def rewrite_then_copy(*a):  # after the headers were compared, while the copies run
             bad = bytearray(good)
             bad[16] ^= 1  # the generation: another object now holds the slot
             arena[off:off + 64] = bytes(bad)
-            return real(it)
+            return real(*a)
 
-        monkeypatch.setattr(shm_mod, "_drain", rewrite_then_copy)
+        monkeypatch.setattr(copies, "copy_shared", rewrite_then_copy)
         with pytest.raises(CorruptionError, match="torn read"):
             c.batch_get_into(keys, outs_of("array", 8))
-        monkeypatch.setattr(shm_mod, "_drain", real)
+        monkeypatch.setattr(copies, "copy_shared", real)
         arena[off:off + 64] = good
         outs = outs_of("tensors", 8)
         assert c.batch_get_into(keys, outs) == [SIZE] * 8

@@ -206,6 +206,89 @@ def test_sharing_cores_leaves_cores_to_other_work_on_this_thread_only():
         copies.set_max_threads(None)
 
 
+@pytest.fixture
+def shared(monkeypatch):
+    """``copy_shared`` splits every batch of two pieces or more with its helper thread, whatever the cores."""
+    monkeypatch.setattr(copies, "SHARE_BYTES", 0)
+    monkeypatch.setattr(copies, "_limit", copies.SHARE_THREADS)  # set_max_threads, undone after the test
+
+
+def _pieces(sizes: list[int], seed: int):
+    """Sources and 0xAB-filled destinations (each inside a bigger buffer, a guard either side) of ``sizes``, and
+    their raw (dst, src, n) lists."""
+    srcs = [_rand(n + 5, seed + i)[5:] for i, n in enumerate(sizes)]
+    backing = [np.full(n + 32, 0xAB, np.uint8) for n in sizes]
+    d = [b.ctypes.data + 16 for b in backing]
+    return srcs, backing, d, [x.ctypes.data for x in srcs], list(sizes)
+
+
+@pytest.mark.parametrize("sizes", [[4096] * 2, [65536] * 64, [3, 0, 70_001, 1 << 20, 5]])
+def test_copy_shared_moves_exact_bytes_with_the_helper(shared, sizes):
+    srcs, backing, d, s, n = _pieces(sizes, 7)
+    seq = copies._helper.seq if copies._helper is not None else 0
+    copies.copy_shared(d, s, n, sum(n))
+    assert copies._helper.seq == seq + 1  # the helper took its share
+    for b, x, k in zip(backing, srcs, sizes):
+        assert b[16:16 + k].tobytes() == x.tobytes() and (b[:16] == 0xAB).all() and (b[16 + k:] == 0xAB).all()
+
+
+def test_copy_shared_stays_on_the_calling_thread_below_its_cut_overs(monkeypatch):
+    """Below SHARE_BYTES, or with fewer than SHARE_THREADS cores to run on, the helper gets nothing."""
+    seq = copies._helper.seq if copies._helper is not None else 0
+    for limit, share in ((copies.SHARE_THREADS - 1, 0), (copies.SHARE_THREADS, 1 << 30)):
+        monkeypatch.setattr(copies, "_limit", limit)
+        monkeypatch.setattr(copies, "SHARE_BYTES", share)
+        srcs, backing, d, s, n = _pieces([8192] * 8, 11)
+        copies.copy_shared(d, s, n, sum(n))
+        assert all(b[16:16 + 8192].tobytes() == x.tobytes() for b, x in zip(backing, srcs))
+    assert (copies._helper.seq if copies._helper is not None else 0) == seq
+
+
+def test_copy_shared_from_several_threads_at_once_exact_bytes(shared):
+    """Batches of four threads at once: one has the helper at a time, the others copy alone; every byte exact."""
+    errors: list = []
+
+    def one(seed: int) -> None:
+        try:
+            for r in range(30):
+                srcs, backing, d, s, n = _pieces([16384 + seed] * 16, 100 * seed + r)
+                copies.copy_shared(d, s, n, sum(n))
+                for b, x in zip(backing, srcs):
+                    assert b[16:16 + len(x)].tobytes() == x.tobytes()
+                    assert (b[:16] == 0xAB).all() and (b[16 + len(x):] == 0xAB).all()
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_copy_shared_raises_the_helpers_error_after_both_halves_are_done(shared, monkeypatch):
+    """An error on the helper thread reaches the caller, once the calling thread's own half is copied; the next batch
+    takes its own answer (not the failed one's) and copies exact bytes."""
+    main = threading.get_ident()
+    real = copies._memmove
+
+    def failing(d, s, k):
+        if threading.get_ident() != main:
+            raise OSError("helper failed")
+        return real(d, s, k)
+
+    srcs, backing, d, s, n = _pieces([4096] * 8, 3)
+    monkeypatch.setattr(copies, "_memmove", failing)
+    with pytest.raises(OSError, match="helper failed"):
+        copies.copy_shared(d, s, n, sum(n))
+    assert all(b[16:16 + 4096].tobytes() == x.tobytes() for b, x in list(zip(backing, srcs))[4:])  # its own half
+    monkeypatch.setattr(copies, "_memmove", real)
+    srcs, backing, d, s, n = _pieces([4096] * 8, 4)
+    copies.copy_shared(d, s, n, sum(n))
+    assert all(b[16:16 + 4096].tobytes() == x.tobytes() for b, x in zip(backing, srcs))
+
+
 @one_node
 def test_a_pipelined_put_leaves_a_core_to_the_allocs_and_commits(cluster, monkeypatch):
     """A batch_put of several chunks writes each chunk while other chunks' ALLOCs and COMMITs are served: its shm

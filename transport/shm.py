@@ -17,8 +17,6 @@ the metaserver's allocation is what makes the range ours to write.
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import mmap
 import os
 import time
@@ -35,8 +33,6 @@ from umbp.errors import CorruptionError, DeadlineExceeded, InvalidArgument, Tran
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 HEADER_MEMO = 65536  # headers remembered as checked (about 16 MiB at most); cleared when full
 BATCH_MEMO_PAGES = 32768  # pages of the ``read_rows`` batches remembered as passed (about 190 B each: 6 MiB)
-_memmove = ctypes.memmove
-_drain = collections.deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
 
 
 def boot_id() -> str:
@@ -292,7 +288,7 @@ class ShmTransport(Transport):
                     add(a, b, k)
             stream.finish()
         else:
-            _drain(map(_memmove, d, src, n))  # one memmove a page, the loop in C
+            copies.copy_shared(d, src, n, total)  # one memmove a page, the loop in C (a helper thread copies half)
         after = self._heads()[slot]
         if after.tobytes() == before.tobytes():  # the usual case: one compare of the bytes, no row reduce
             status[pick] = 0

@@ -25,6 +25,9 @@ Contracts:
   batch writes into the caller's buffers any more (a job stops before its next piece; ``Stream._give_up``).
 - After ``fork`` the child gets a fresh pool (threads do not survive a fork).
 
+- ``copy_shared(dst, src, n, total)`` copies raw (dst address, src address, length) pieces of a batch below
+  SERIAL_BYTES (the shm transport's ``read_rows``), from SHARE_BYTES on with one helper thread taking half of them:
+  it returns, or raises the helper's error, only once both halves are done.
 - ``Stream(total, deadline)`` copies raw (dst address, src address, length) pieces the caller has checked while the
   caller is still adding them (the shm transport's path: arena addresses from the mapping's base, no view per page,
   its per-range checks beside the copies); ``add_rows`` queues a ``umbp.buffers.Rows`` page as strided runs in one
@@ -38,9 +41,11 @@ piece (PIECE_BYTES at most) or one numpy copy per strided run, and one future pe
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import ctypes
 import os
+import queue
 import threading
 import time
 from typing import Any, Sequence
@@ -62,9 +67,19 @@ RUN_BYTES = 4 << 20  # at most this much in one strided run of equal, evenly spa
 # plain threads of np.copyto at 46.8 / 44.4; 256 KiB x64 10.8 / 11.3 against 7.7 / 8.2 (2 jobs); 4 MiB x64 the
 # same either way (45.9). On the 2-core VM 1 or 2 made no difference beyond its noise (8.8-10.4 GB/s).
 JOBS_PER_THREAD = 1
+# ``copy_shared``: batches of SHARE_BYTES up to SERIAL_BYTES are split with one helper thread where the process may
+# run on SHARE_THREADS cores or more (on 2 cores the other processes of a get, the metaserver's and the node's, need
+# the second one); the helper takes HELPER_SHARE of the pieces (it starts a wake-up later than the calling thread).
+# 16-core H100 host, shm gets of 64 pages (bench/getpath.py --quick, two alternating rounds against one thread):
+# 64 KiB pages (4 MiB) 6.30-6.33 -> 7.85-7.99 GB/s; 32 KiB (2 MiB) 4.58-4.73 -> 3.96-4.67; 16 KiB (1 MiB) 3.29 ->
+# 2.59-2.63: the hand-over costs about as much as half of a 2 MiB copy, so the split starts at 4 MiB.
+SHARE_BYTES = 4 << 20
+SHARE_THREADS = 4
+HELPER_SHARE = 0.5
 WAIT_S = 60.0  # default bound of one batch's copies (copies at even 1 GB/s finish a 60 GB batch in that)
 
 _memmove = ctypes.memmove
+_drain = collections.deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
 _lock = threading.Lock()
 _pool: cf.ThreadPoolExecutor | None = None
 _limit: int | None = None  # set_max_threads override
@@ -138,8 +153,9 @@ def _executor(workers: int) -> cf.ThreadPoolExecutor:
 
 
 def _after_fork() -> None:
-    global _pool
+    global _pool, _helper
     _pool = None  # the parent's threads are not in the child; its executor object must not be used
+    _helper = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -238,6 +254,74 @@ def _runs(flat: list[tuple[int, int, int]]) -> list[tuple]:
         out.append(flat[i] if rows == 1 else (d0, s0, n, rows, ds, ss))
         i = j
     return out
+
+
+class _Helper:
+    """One thread that copies a share of a mid-size batch (``copy_shared``) while the calling thread copies the
+    rest: a queue in and a queue out, no futures. ``busy`` is held by the batch using it: a second thread's batch
+    meanwhile copies alone rather than queue behind it."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy = threading.Lock()
+        self.seq = 0  # jobs handed out; each answer names its job, so one left behind is never taken for another
+        threading.Thread(target=self._run, name="umbp-copy-helper", daemon=True).start()
+
+    def _run(self) -> None:
+        jobs, done = self.jobs, self.done
+        while True:
+            seq, d, s, n = jobs.get()
+            try:
+                _drain(map(_memmove, d, s, n))
+                done.put((seq, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the batch's thread, which raises it
+                done.put((seq, e))
+
+
+_helper: _Helper | None = None
+
+
+def copy_shared(dst: list[int], src: list[int], n: list[int], total: int) -> None:
+    """Copy ``n[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every i (raw addresses the caller checked and
+    keeps alive; pieces must not overlap), one ``memmove`` a piece in C (``map``), for batches below SERIAL_BYTES.
+    From SHARE_BYTES on, on a machine of SHARE_THREADS cores or more, one helper thread copies the first
+    ``HELPER_SHARE`` of the pieces while the calling thread copies the rest: each ``memmove`` drops the GIL, and
+    between two of them a thread holds it for a fraction of a microsecond, so two threads rarely wait for each
+    other (a pool thread a job, as ``Stream`` deals them, paid a future and a wake-up each: slower than one
+    thread below SERIAL_BYTES). Returns once every piece is copied; re-raises the helper's error."""
+    global _helper
+    if total < SHARE_BYTES or len(n) < 2 or max_threads() < SHARE_THREADS:
+        _drain(map(_memmove, dst, src, n))
+        return
+    h = _helper
+    if h is None:
+        with _lock:
+            h = _helper = _helper or _Helper()
+    if not h.busy.acquire(blocking=False):  # another thread's batch has it: copy alone
+        _drain(map(_memmove, dst, src, n))
+        return
+    try:
+        k = max(1, int(len(n) * HELPER_SHARE))
+        h.seq = seq = h.seq + 1
+        h.jobs.put((seq, dst[:k], src[:k], n[:k]))
+        err: BaseException | None = None
+        try:
+            _drain(map(_memmove, dst[k:], src[k:], n[k:]))
+        except BaseException as e:  # still wait for the helper: it writes into the caller's buffers
+            err = e
+        while True:  # a copy of a few MiB: bounded by the memory's speed
+            try:
+                got, fail = h.done.get()
+            except BaseException as e:  # interrupted: the helper still writes into the caller's buffers
+                err = err or e
+                continue
+            if got == seq:
+                break
+        if err is not None or fail is not None:
+            raise err or fail
+    finally:
+        h.busy.release()
 
 
 def copy_pieces(pieces: list[tuple[int, int, int]], total: int, deadline: float | None = None) -> int:

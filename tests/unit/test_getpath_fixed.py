@@ -168,8 +168,19 @@ def _arena(pages: int, size: int):
     return t, a8, off, tag, gen, data
 
 
-def test_read_rows_agrees_with_start_read_on_random_batches():
+def _shared(monkeypatch) -> None:
+    """Every ``copies.copy_shared`` batch split with the helper thread, whatever the machine's cores."""
+    from umbp import copies
+    monkeypatch.setattr(copies, "SHARE_BYTES", 0)
+    monkeypatch.setattr(copies, "_limit", copies.SHARE_THREADS)  # set_max_threads, undone after the test
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_read_rows_agrees_with_start_read_on_random_batches(shared, monkeypatch):
+    """On the calling thread alone and with the copy shared with the helper thread (``copies.copy_shared``)."""
     from transport.base import ReadOp
+    if shared:
+        _shared(monkeypatch)
     size, pages = 4096, 96
     t, a8, off, tag, gen, data = _arena(pages, size)
     prng = random.Random(47)
@@ -207,24 +218,29 @@ def test_read_rows_agrees_with_start_read_on_random_batches():
             a8[at] = v
 
 
-def test_read_rows_reports_only_the_header_rewritten_during_the_copy(monkeypatch):
-    import transport.shm as shm
+@pytest.mark.parametrize("shared", [False, True])
+def test_read_rows_reports_only_the_header_rewritten_during_the_copy(shared, monkeypatch):
+    from umbp import copies
+    if shared:
+        _shared(monkeypatch)
     size, pages = 4096, 16
     t, a8, off, tag, gen, data = _arena(pages, size)
     plen = np.full(pages, size, np.uint64)
     out = np.zeros((pages, size), np.uint8)
     dst = (np.arange(pages) * size + out.ctypes.data).astype(np.int64)
-    drain = shm._drain
+    copy = copies.copy_shared
+    seq = copies._helper.seq if copies._helper is not None else 0
     for victim in (0, 5, 15):
-        def rewrite(it, victim=victim):  # the copy, then a writer reuses one slot (its header changes)
-            drain(it)
+        def rewrite(*a, victim=victim):  # the copy, then a writer reuses one slot (its header changes)
+            copy(*a)
             a8[int(off[victim]) + 8] ^= np.uint8(0xFF)
-        monkeypatch.setattr(shm, "_drain", rewrite)
+        monkeypatch.setattr(copies, "copy_shared", rewrite)
         status = t.read_rows(off, plen, tag, gen, dst, 1e18)
         a8[int(off[victim]) + 8] ^= np.uint8(0xFF)
         assert status.tolist() == [2 if i == victim else 0 for i in range(pages)]
-    monkeypatch.setattr(shm, "_drain", drain)
+    monkeypatch.setattr(copies, "copy_shared", copy)
     assert not t.read_rows(off, plen, tag, gen, dst, 1e18).any() and np.array_equal(out, data)
+    assert (copies._helper is not None and copies._helper.seq == seq + 4) == shared  # the helper took a share each
 
 
 def test_out_addresses_of_2d_outs_reuse_offsets_but_not_addresses():
@@ -265,7 +281,7 @@ def test_read_rows_batch_memo_gives_the_full_paths_verdict_after_any_header_chan
     headers are byte for byte the ones it passed with: after a header changes (a flipped bit in any field, the crc,
     the padding; restored later or not) it answers exactly what the full path answers, bytes included; a slot
     rewritten during a remembered batch's copy is still a torn read."""
-    import transport.shm as shm
+    from umbp import copies
     size, pages = 4096, 48
     t, a8, off, tag, gen, data = _arena(pages, size)
     t._batches, t._batch_pages = {}, 0
@@ -302,14 +318,14 @@ def test_read_rows_batch_memo_gives_the_full_paths_verdict_after_any_header_chan
     out = np.zeros((8, size), np.uint8)
     dst = (np.arange(8) * size + out.ctypes.data).astype(np.int64)
     assert not t.read_rows(o, plen, tg, g, dst, 1e18, key).any() and key in t._batches
-    drain = shm._drain
+    copy = copies.copy_shared
 
-    def rewrite(it):  # the copy, then a writer reuses slot 3 (its header changes)
-        drain(it)
+    def rewrite(*a):  # the copy, then a writer reuses slot 3 (its header changes)
+        copy(*a)
         a8[int(off[3]) + 16] ^= np.uint8(0xFF)
-    monkeypatch.setattr(shm, "_drain", rewrite)
+    monkeypatch.setattr(copies, "copy_shared", rewrite)
     assert t.read_rows(o, plen, tg, g, dst, 1e18, key).tolist() == [2 if i == 3 else 0 for i in range(8)]
-    monkeypatch.setattr(shm, "_drain", drain)
+    monkeypatch.setattr(copies, "copy_shared", copy)
     assert t.read_rows(o, plen, tg, g, dst, 1e18, key).tolist() == [1 if i == 3 else 0 for i in range(8)]
     a8[int(off[3]) + 16] ^= np.uint8(0xFF)
     assert not t.read_rows(o, plen, tg, g, dst, 1e18, key).any() and np.array_equal(out, data[:8])
