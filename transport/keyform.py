@@ -21,8 +21,9 @@ def digest_key(key: bytes) -> bytes:
     ``{64 hex}_{rank}`` (rank 0..255, no leading zeros) the 32 bytes plus one rank byte; every other key is
     returned as it is. So the hex text, its bytes and its raw digest name the same page (a 32- or 33-byte binary
     key is the digest form of its hex text). The client sends this form (``normalize_key``) and the metaserver
-    applies it again to whatever it receives (``metaserver/validate.py``): one rule, here, for both sides, so the directory keeps 32-byte keys
-    (33 with a rank): 32 bytes less a page than the hex text, and half the bytes on the wire. Cost: ~0.3 us for a
+    applies it again to whatever it receives (``metaserver/validate.py``): one rule, here, for both sides, so the
+    directory keeps 32-byte keys (33 with a rank): 32 bytes less a page than the hex text, and half the bytes on the
+    wire. Cost: ~0.3 us for a
     key of 64..68 bytes, a length check for others."""
     n = len(key)
     if n < 64 or n > 68:

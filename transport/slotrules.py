@@ -7,11 +7,13 @@ A key's slot is a rule of the pool, fixed when the pool is created (``{prefix}/s
 ``metaserver/ha/slots.py``) and told to clients in the LEADER answer (``"slot_rule"``):
 - ``RULE_DIGEST`` (2, pools created since it exists): the bits of the key's digest, the form the metaserver's key
   index files (``keyform.digests``: a 32-byte key is its own digest, any other its blake2b): the four digest words
-  mixed (``slots_of_digests``), mod S. A batch of 32-byte keys (SGLang's page hashes) costs a
-  fixed number of numpy calls, no hash a key (128 keys on the 2-core VM: about 55 -> 15 us listed, 11 packed);
-  another key costs its blake2b, as under rule 1 (a few us a batch more: docs/benchmarks/slots.md). The namespace plays no part: a key's slot is the same in every namespace.
+  mixed (``slots_of_digests``), mod S. A batch of 32-byte keys (SGLang's page hashes) costs a fixed number of numpy
+  calls, no hash a key (128 keys on the 2-core VM: about 55 -> 15 us listed, 11 packed); another key costs its
+  blake2b, as under rule 1 (a few us a batch more: docs/benchmarks/slots.md). The namespace plays no part: a key's
+  slot is the same in every namespace.
 - ``RULE_KEY_HASH`` (1, pools created before): ``objformat.key_hash(ns, key)`` (blake2b of ns, 0, key) mod S, a
-  blake2b a key (0.37 us). A pool without a rule key is of this rule, so pools keep their keys' slots across upgrades.
+  blake2b a key (0.37 us). A pool without a rule key is of this rule, so pools keep their keys' slots across
+  upgrades.
 A client of a release without rule 2 routes a rule-2 pool's keys by rule 1: its ALLOCs are refused by name (the
 metaserver checks every ALLOC key's slot), its other requests miss; it never reads or writes another key's bytes.
 """

@@ -19,9 +19,9 @@ had put inside a LOOKUP that failed).
 
 Only a get that follows another within ``MAX_AGE_S`` queues its lease: a lone get (the first after a pause) sends
 its RELEASE at once, as before, so a get, then another client's EVICT, finds the page unleased; a stream of gets
-sends none. Bounds, so a lease never lingers: the queue is sent as one RELEASE frame (``"leases"``) before any other request
-(an ALLOC that may need to evict, STATS, EXISTS, admin: every request after a get sees its lease released, as
-before), by a timer thread once its oldest id is ``MAX_AGE_S`` old (a client that stops reading), and at ``close``;
+sends none. Bounds, so a lease never lingers: the queue is sent as one RELEASE frame (``"leases"``) before any other
+request (an ALLOC that may need to evict, STATS, EXISTS, admin: every request after a get sees its lease released,
+as before), by a timer thread once its oldest id is ``MAX_AGE_S`` old (a client that stops reading), and at ``close``;
 a connection that drops releases its leases at the metaserver anyway (``metaserver/handlers/ownership.py``).
 
 Costs a batch: a list swap under a lock and one dict copy of the LOOKUP meta; the timer wakes about once a
