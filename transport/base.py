@@ -81,11 +81,6 @@ def check_payload(op: ReadOp, csum: int | None, component: str) -> CorruptionErr
     return None
 
 
-# the object header as a numpy record and the crc of its rows live with the header's layout in objformat.py
-OBJ_HEADER_DTYPE = objformat.OBJ_HEADER_DTYPE
-crc32_rows = objformat.crc32_rows
-
-
 def headers_match(heads: np.ndarray, tag: np.ndarray, gen: np.ndarray, plen: np.ndarray) -> np.ndarray:
     """Per row of ``heads`` ((n, 64) uint8, each an object header read from an arena or a stream): True where
     ``objformat.check_object_header`` would pass it against (tag, gen, plen) and it carries no payload checksum (such a

@@ -23,8 +23,7 @@ def digest_key(key: bytes) -> bytes:
     key is the digest form of its hex text). The client sends this form (``normalize_key``) and the metaserver
     applies it again to whatever it receives (``metaserver/validate.py``): one rule, here, for both sides, so the
     directory keeps 32-byte keys (33 with a rank): 32 bytes less a page than the hex text, and half the bytes on the
-    wire. Cost: ~0.3 us for a
-    key of 64..68 bytes, a length check for others."""
+    wire. Cost: ~0.3 us for a key of 64..68 bytes, a length check for others."""
     n = len(key)
     if n < 64 or n > 68:
         return key

@@ -58,9 +58,8 @@ def pack_object_header(khash: int, generation: int, payload_len: int, checksum: 
     return head + _OBJ_TAIL.pack(zlib.crc32(head))
 
 
-# The object header as a numpy record (``OBJ_HEADER``'s fields): a batch's headers packed and checked as arrays.
-OBJ_HEADER_DTYPE = np.dtype([("magic", "<u4"), ("version", "<u2"), ("flags", "<u2"), ("tag", "<u8"), ("gen", "<u8"),
-                             ("len", "<u8"), ("csum", "<u4"), ("crc", "<u4"), ("rest", "V24")])
+# A batch's headers packed and checked as arrays: rows of 64 bytes read as 8 little-endian words (``OBJ_HEADER``:
+# magic|version|flags, key hash, generation, payload length, checksum|header crc, then padding).
 _CRC: list = []  # [(36, 256) uint32 table, crc32 of 36 zero bytes]: built on first use
 
 
@@ -102,7 +101,7 @@ def pack_object_headers(tags: np.ndarray, gens: np.ndarray, lens: np.ndarray) ->
     """``pack_object_header`` (no payload checksum) of n objects as one (n, 64) uint8 array, row i object i's
     header bytes: a fixed number of numpy calls, the crc by ``crc32_headers``."""
     n = len(gens)
-    w = np.zeros((n, OBJ_HEADER_SIZE // 8), np.uint64)  # the header as 8 words (OBJ_HEADER_DTYPE's layout)
+    w = np.zeros((n, OBJ_HEADER_SIZE // 8), np.uint64)  # the header as 8 words (OBJ_HEADER's layout)
     w[:, 0] = WORD0
     w[:, 1] = tags
     w[:, 2] = gens

@@ -52,7 +52,7 @@ class ReleasingMeta:
 
     def __init__(self, inner: Any):
         self.inner = inner
-        self.capable = False  # the last LOOKUP answer said its metaserver takes "release" (an unpartitioned pool)
+        self.capable = False  # the last LOOKUP answer said it takes "release" (a partitioned pool: every process)
         self.piggybacked = 0  # lease ids sent inside a LOOKUP (tests, stats)
         self.framed = 0  # lease ids sent in RELEASE frames
         self._ids: list[int] = []

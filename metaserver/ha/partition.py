@@ -21,6 +21,7 @@ one-slot pool); the election's are ``election.py``'s.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -123,6 +124,7 @@ class Partition(ElectedProcess):
         self.answers = a = ProcessAnswers(self)  # LEADER, STATS, NODES, LIST, EVICT, DRAIN of the process
         if slots == 1:
             self.handlers = dict(m.handlers)  # the unpartitioned answers; a standby's NOT_LEADER is server.py's
+            self.handlers[Op.LOOKUP] = functools.partial(self._lookup_releasing, m.handlers[Op.LOOKUP], m.release)
             return
         self.handlers = {op: self._keyed(op) for op in _KEYED}
         self.handlers.update({
@@ -219,11 +221,10 @@ class Partition(ElectedProcess):
 
     def _keyed(self, op: int):
         check = op == Op.ALLOC
-        releasing = op == Op.LOOKUP and self.slots > 1
 
         def handle(meta: Any, conn):
-            if releasing:
-                return self._lookup_releasing(keyed, meta, conn)
+            if op == Op.LOOKUP:
+                return self._lookup_releasing(keyed, self.release, meta, conn)
             return keyed(meta, conn)
 
         def keyed(meta: Any, conn):
@@ -237,14 +238,16 @@ class Partition(ElectedProcess):
             return srv.handlers[op](meta, self._slot_conn(conn, name))
         return handle
 
-    def _lookup_releasing(self, lookup, meta: Any, conn) -> Any:
-        """A partitioned pool's LOOKUP (single- or multi-slot) with ``"release"``: this connection's lease ids of any
-        of this process's slots, process leases of merged LOOKUPs included, released first as a RELEASE of them
-        would (a RELEASE frame fewer a get: umbp/releases.py). Its answer says ``"released"`` (how many) and
-        ``"release_any"`` (this process takes any of its lease ids here; a slot's own LOOKUP of an earlier release
-        took only that slot's), which tells a client it may."""
+    @staticmethod
+    def _lookup_releasing(lookup, release, meta: Any, conn) -> Any:
+        """``lookup`` of a LOOKUP (single- or multi-slot) with ``"release"``: this connection's lease ids of any of
+        this process's slots, process leases of merged LOOKUPs included, released first by ``release`` as a RELEASE
+        of them is (a RELEASE frame fewer a get: umbp/releases.py). Every answer says ``"released"`` (how many) and
+        ``"release_any"`` (this process takes any of its lease ids here; in a partitioned pool of an earlier release
+        a slot's LOOKUP took only that slot's), which tells a client it may. The one place a LOOKUP's ``"release"``
+        is taken, for a pool of one slot (``release``: the slot's RELEASE) and of several (the process's)."""
         rel = meta.pop("release", None) if type(meta) is dict else None
-        n = self.release({"leases": rel}, conn)["released"] if rel is not None else 0
+        n = release({"leases": rel}, conn)["released"] if rel is not None else 0
         ans = lookup(meta, conn)
         if type(ans) is dict:
             ans["released"] = n

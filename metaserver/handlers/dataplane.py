@@ -168,18 +168,8 @@ class DataPlane:
             return {"aborted": d.abort(ns, keys, gens)}
 
     def lookup(self, meta: Any, conn) -> dict:
-        """LOOKUP; ``"release"``: this connection's earlier lease ids, released first (a RELEASE frame fewer a get
-        batch: umbp/releases.py). Every answer says ``"released"`` (how many), which tells a client it may."""
-        rel = meta.pop("release", None) if type(meta) is dict else None
-        n = 0
-        if rel is not None:
-            from metaserver.handlers.ownership import release_held, release_ids
-            n = release_held(self.svc.dir, release_ids({"leases": rel}), conn)
-        ans = self._lookup(meta, conn)
-        ans["released"] = n
-        return ans
-
-    def _lookup(self, meta: Any, conn) -> dict:
+        """LOOKUP on this slot (a ``"release"`` of earlier leases it carries is taken out and released first by the
+        process: ``metaserver/ha/partition.py`` ``Partition._lookup_releasing``)."""
         m = v.fields(meta, _LOOKUP, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")

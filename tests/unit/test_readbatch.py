@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from transport import answerrows, objformat
-from transport.base import crc32_rows, headers_match
+from transport.base import headers_match
 from umbp.errors import CorruptionError, ProtocolError
 from umbp.lookup import answer_rows, merge
 from umbp.speculate import LocationCache, Speculation
@@ -35,7 +35,7 @@ def test_array_header_check_agrees_with_the_per_page_check():
     arr = np.frombuffer(b"".join(heads), np.uint8).reshape(-1, 64)
     tag, gen, plen = (np.array(c, np.uint64) for c in zip(*want))
     assert headers_match(arr, tag, gen, plen).tolist() == expect
-    assert crc32_rows(arr[:, :36]).tolist() == [__import__("zlib").crc32(h[:36]) for h in heads]
+    assert objformat.crc32_rows(arr[:, :36]).tolist() == [__import__("zlib").crc32(h[:36]) for h in heads]
 
 
 def _answer(hit, nodes, caps):
