@@ -219,7 +219,8 @@ class ShmTransport(Transport):
         4 KiB aligned, a header that does not match or carries a payload checksum: ``start_read`` decides it, with
         its own error), 2 copied but its header changed meanwhile (a torn read: the caller reports CorruptionError).
         Cost: a fixed number of numpy calls (bounds, the headers gathered and compared before and after: one
-        fancy index over a 4 KiB-stride view of the arena each) and one ``memmove`` a page (``map``), or copy
+        fancy index over a 4 KiB-stride view of the arena each) and one ``memmove`` a page (``map``; from
+        ``copies.SHARE_BYTES`` on 4 or more cores half of them on a helper thread, ``copies.copy_shared``), or copy
         threads (``copies.Stream``) for batches of ``copies.SERIAL_BYTES``. DeadlineExceeded: copy threads not
         done by ``deadline`` (stopped; no page counts).
 

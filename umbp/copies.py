@@ -8,7 +8,8 @@ numpy copy), which releases the GIL, so the threads copy in parallel.
 
 Sizing: at most ``max_threads()`` threads (the cores this process may run on, capped at MAX_THREADS), and at least
 MIN_BYTES_PER_THREAD bytes per thread; a batch below SERIAL_BYTES stays on the calling thread with plain memoryview
-slice assignment (no handoff: a thread wake-up costs tens of microseconds, a 64 KiB copy a few). SERIAL_BYTES is
+slice assignment (no handoff: a thread wake-up costs tens of microseconds, a 64 KiB copy a few), but for the shm read
+batch's ``copy_shared``, which gives half of a batch from SHARE_BYTES to one helper thread. SERIAL_BYTES is
 where the cut-over pays, measured on the 16-core H200 host (best of 15 batches over a 1 GiB working set): 64 KiB x64
 (4 MiB) one thread 8.8 GB/s, threaded 4.6-5.6; 1 MiB x8 (8 MiB) 9.1 vs 17.6 (4 threads); 1 MiB x64 6.9 vs 38.7
 (8-16 threads); 4 MiB x64 7.6 vs 42.2 (16 threads). On the shared 2-core machine 4 MiB batches threaded ran at a

@@ -25,10 +25,11 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-
 MAX_CHUNKS = 8  # bulk chunks kept before they are merged into one (each lookup searches every chunk)
 _EMPTY = np.zeros(0, np.int64)
 _GATHER = 1 << 22  # bytes ``gather`` indexes at once (an int64 a byte: 32 MiB of index)
+
+
 def gather(blob: bytes, starts: np.ndarray, lens: np.ndarray) -> tuple[bytes, np.ndarray]:
     """The byte ranges ``blob[starts[i]:starts[i] + lens[i]]`` joined, and their ends in the result (int64): one
     numpy gather whatever their count."""
