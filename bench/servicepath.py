@@ -16,6 +16,7 @@ CPU-second.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -86,7 +87,7 @@ class ServicePath:
         self.members = {nid: _Member(self.tokens.cap_key(nid, b"arena-" + nid.encode()))
                         for nid in (node_ids if node_ids is not None else list(d.spaces))}
         self.store = EtcdStore("127.0.0.1:2379", "/umbp")  # its key encoding only: never connected
-        self.conn_pending: set = set()  # the connection's PENDING allocations (server.Connection.pending)
+        self.conn_pending: dict = {}  # the connection's PENDING allocations and their rows (server.Connection.pending)
         self.gen = 1 << 40
 
     def lookup(self, frame: bytes) -> bytes:
@@ -140,9 +141,8 @@ class ServicePath:
         cns = v.ns(c)
         ckeys = v.keys(c, 4096)
         gens = v.ints(c, "gens", len(ckeys), 0, (1 << 63) - 1)
-        if pending:
-            d.settle_handles(pending, cns, ckeys, gens)
-        ok, fx = d.commit(cns, ckeys, gens, time.monotonic())
+        rows = d.settle_handles(pending, cns, ckeys, gens) if pending else None
+        ok, fx = d.commit(cns, ckeys, gens, time.monotonic(), None, rows)
         puts, _deletes = _apply(self.store, fx)
         msgpack.packb({"ok": ok}, use_bin_type=True)
         return sum(ok), len(puts)
@@ -159,6 +159,13 @@ def _apply(store: EtcdStore, fx) -> tuple[list, list]:
     return puts, deletes
 
 
+def bench_key(i: int, j: int, width: int) -> bytes:
+    """Key ``j`` of request ``i``: a blake2b digest (32 bytes) or its 64 hex digits and ``_k`` (66 bytes, an SGLang
+    page's K object: ``umbp/integrations/sglang/naming.py``)."""
+    h = hashlib.blake2b(b"%d/%d" % (i, j), digest_size=32)
+    return h.digest() if width == 32 else h.hexdigest().encode() + b"_k"
+
+
 def main() -> None:
     import argparse
 
@@ -169,19 +176,22 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=128, help="new 4 KiB pages a request")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--capacity", default="4GiB", help="per node (64MiB: a full pool, every put evicts)")
+    ap.add_argument("--key-bytes", type=int, default=66, choices=(32, 66),
+                    help="66: SGLang's object names (64 hex digits and '_k'); 32: raw digests, each its own")
     a = ap.parse_args()
     d = TableDirectory(policy="lru")
     for i in range(a.nodes):
         d.add_space(f"node-{i}", parse_size(a.capacity))
     sp = ServicePath(d)
-    frames = [Wire.frame({"ns": "bench", "keys": [b"c/%d/%d" % (i, j) for j in range(a.keys)],
+    frames = [Wire.frame({"ns": "bench", "keys": [bench_key(i, j, a.key_bytes) for j in range(a.keys)],
                           "sizes": [4000] * a.keys, "parents": None}) for i in range(a.requests)]
     t = time.process_time()
     for f in frames:
         sp.put(f)
     dt = time.process_time() - t
     n = a.requests * a.keys
-    print(f"servicepath: {n:,} keys in {a.requests:,} ALLOC+COMMIT requests, {a.nodes} node(s) of {a.capacity}: "
+    print(f"servicepath: {n:,} keys of {a.key_bytes} bytes in {a.requests:,} ALLOC+COMMIT requests, {a.nodes} "
+          f"node(s) of {a.capacity}: "
           f"{n / dt:,.0f} keys per CPU-second ({dt / n * 1e6:.2f} us a key), {d.evictions:,} evictions")
 
 

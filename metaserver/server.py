@@ -81,7 +81,7 @@ class Connection(FramedProtocol):
         self.tls = tls  # serve TLS: the handshake runs after admission, inside the auth deadline (umbp/serving.py)
         self.reader = wire.FrameReader("metaserver", max_data=MAX_REQUEST_DATA, buffer_data=0)
         self.auth = ServerAuth(ms.tokens, "metaserver")
-        self.pending: set = set()  # directory entries this connection allocated (ALLOC) and has not committed
+        self.pending: dict = {}  # (ns, key, gen) -> row: what this connection allocated and has not committed
         self.leases = HeldLeases()  # read lease ids its LOOKUPs took (released on close: metaserver/handlers/ownership.py)
         self.slot_conns: dict = {}  # a partitioned pool: slot name -> this connection's view there (partition.py)
         self.last_active = time.monotonic()

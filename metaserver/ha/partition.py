@@ -53,7 +53,7 @@ class SlotConn:
 
     def __init__(self, conn):
         self.conn = conn
-        self.pending: set = set()
+        self.pending: dict = {}  # (ns, key, gen) -> row, as ``Conn.pending``
         self.leases = HeldLeases()
 
     @property

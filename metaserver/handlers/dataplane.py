@@ -128,23 +128,24 @@ class DataPlane:
         ans = self._when_durable(self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard), term)
         return ans if type(ans) is dict else await ans
 
-    def _settle_request(self, meta: Any, conn, allowed: frozenset = _NS_KEYS_GENS) -> tuple[str, list, list]:
+    def _settle_request(self, meta: Any, conn, allowed: frozenset = _NS_KEYS_GENS
+                        ) -> tuple[str, list, list, list | None]:
         """The shared opening of COMMIT and ABORT: validate (ns, keys, gens), check write rights, and take the keys
-        out of this connection's pending set (they are settled by this request, whatever its outcome)."""
+        out of this connection's pending handles (they are settled by this request, whatever its outcome); the
+        rows the handles named (-1: not this connection's), None when it held none."""
         m = v.fields(meta, allowed, ("ns", "keys", "gens"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, True, "metaserver")
         keys = v.keys(m, self.svc.max_keys)
         gens = v.ints(m, "gens", len(keys), 0, (1 << 63) - 1)
-        if conn.pending:
-            self.svc.dir.settle_handles(conn.pending, ns, keys, gens)
-        return ns, keys, gens
+        rows = self.svc.dir.settle_handles(conn.pending, ns, keys, gens) if conn.pending else None
+        return ns, keys, gens, rows
 
     def commit(self, meta: Any, conn):
-        ns, keys, gens = self._settle_request(meta, conn, _COMMIT)
+        ns, keys, gens, rows = self._settle_request(meta, conn, _COMMIT)
         shard = v.shard(meta)
         svc = self.svc
-        ok, fx = svc.dir.commit(ns, keys, gens, time.monotonic(), shard)
+        ok, fx = svc.dir.commit(ns, keys, gens, time.monotonic(), shard, rows)
         fut = svc._apply(fx, wait=svc.cfg.commit == "durable")  # async: acknowledged before etcd (config.py)
         if fut is None:
             return {"ok": ok}
@@ -162,7 +163,7 @@ class DataPlane:
         """Give up open allocations. ``"written": true``: the writer tried to write them (its write failed), so a
         late write may still land: their extents stay out of placement for the quarantine's ``keep_s``
         (``Quarantine.keeping``); the keys are free at once either way."""
-        ns, keys, gens = self._settle_request(meta, conn, _ABORT)
+        ns, keys, gens, _ = self._settle_request(meta, conn, _ABORT)
         d = self.svc.dir
         with d.quarantine.keeping() if v.boolean(meta, "written") else contextlib.nullcontext():
             return {"aborted": d.abort(ns, keys, gens)}

@@ -60,7 +60,7 @@ import numpy as np
 
 from metaserver.table.entry import GONE, PENDING, READY, SHARD_SHIFT, expire_queue, extent_size, random_id
 from metaserver.table.index import KeyIndex, zeros
-from transport.keyform import digests
+from transport.keyform import digests, pick
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.evict import QueueCopy
 from metaserver.table import invariants, queries
@@ -323,12 +323,27 @@ class PageTable:
                     out[p] = node
         return out
 
-    def commit(self, ns: str, keys: list[bytes], gens: list[int]) -> list[bool]:
+    def commit(self, ns: str, keys: list[bytes], gens: list[int], rows: list[int] | None = None) -> list[bool]:
         """PENDING -> READY for each (key, gen) still pending with that generation; a key already READY with that
         generation reports True again (idempotent), anything else False (a shared entry's row too: its ranks
-        commit it)."""
-        rows = self._find(ns, keys)
+        commit it).
+
+        ``rows``: where the writer's connection says each key is (its ALLOC's rows, -1: not known), so a COMMIT
+        from the connection that allocated needs no key digest and no index probe (0.26 us a key of 66 bytes for
+        the digest alone). A generation names one allocation of this table (unique and never 0: ``GenCounter``),
+        so a row that is PENDING or READY with the key's generation holds that key; any other is found by key."""
+        g = np.fromiter(gens, np.uint64, len(gens))  # (a list of ints: a third cheaper than np.array)
         c = self.cols
+        if rows is None:
+            rows = self._find(ns, keys)
+        else:
+            rows = np.fromiter(rows, np.int64, len(g))
+            live = (rows >= _NO_ROW0) & (rows < len(c["gen"]))
+            at = np.where(live, rows, 0)
+            live &= (c["gen"].take(at) == g) & (c["state"].take(at) <= _READY0)
+            if np.count_nonzero(live) != len(live):
+                stale = np.flatnonzero(~live)
+                rows[stale] = self._find(ns, pick(keys, stale.tolist()))
         found = rows >= _NO_ROW0
         nf = np.count_nonzero(found)
         ok = np.zeros(len(keys), bool)
@@ -336,7 +351,6 @@ class PageTable:
             every = nf == len(keys)  # (every key found, the usual: no masks)
             fr = rows if every else rows[found]
             st = c["state"].take(fr)
-            g = np.fromiter(gens, np.uint64, len(gens))  # (a list of ints: a third cheaper than np.array)
             same = c["gen"].take(fr) == (g if every else g[found])
             if self.any_shared:  # never a shared entry's row: its ranks' COMMITs complete it (table/shared.py)
                 same &= self.code_parts.take(c["size"].take(fr)) == 0

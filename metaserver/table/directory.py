@@ -17,9 +17,10 @@ service reads of them). A standby keeps a warm copy of the table (``metaserver/h
 then ``metaserver/ha/warmrows.py``). Placement is in turn over the placeable nodes that can hold the page, a child near
 its parent unless the parent's node is much fuller (then the emptiest), and eviction makes room on the chosen node.
 
-A connection's PENDING allocations are ``(ns, key, gen)`` handles: COMMIT and ABORT settle them, and a closing
-connection aborts those still PENDING with that generation and still its own (``abort_owned``: another connection's
-retry with the writer's token took the allocation over).
+A connection's PENDING allocations are ``(ns, key, gen)`` handles, each kept with its row: COMMIT and ABORT settle
+them (a COMMIT starts from those rows, ``PageTable.commit``), and a closing connection aborts those still PENDING
+with that generation and still its own (``abort_owned``: another connection's retry with the writer's token took
+the allocation over).
 """
 
 from __future__ import annotations
@@ -144,11 +145,13 @@ class TableDirectory(PageTable):
         c = self.cols
         return Placed(state, new, c["node"].take(r), self.node_names, c["unit"].take(r).astype(np.uint64) << UNIT_U64,
                       self.code_arr.take(c["size"].take(r)), c["gen"].take(r), None,
-                      lambda tags: c["tag"].put(r, tags), self.effects())
+                      lambda tags: c["tag"].put(r, tags), self.effects(), r)
 
-    def commit(self, ns, keys, gens, now, shard=None):
+    def commit(self, ns, keys, gens, now, shard=None, rows=None):
+        """COMMIT (``PageTable.commit``; ``rows``: where the connection's handles say the keys are, from
+        ``settle_handles``), or of a shared entry's rank (``shard``)."""
         before = self.commits.committed_pages
-        ok = (PageTable.commit(self, ns, keys, gens) if shard is None
+        ok = (PageTable.commit(self, ns, keys, gens, rows) if shard is None
               else self.shared.commit(ns, keys, gens, shard))
         fx = self.effects()
         self.puts += self.commits.committed_pages - before
@@ -278,17 +281,17 @@ class TableDirectory(PageTable):
 
     # -- a connection's PENDING allocations -------------------------------------------------------------------
     @staticmethod
-    def pending_handles(ns: str, keys: list, items: list, new: list[int]) -> list:
-        return [(ns, keys[i], items[i][4]) for i in new]
-
-    @staticmethod
     def pending_of(ns: str, keys: list, p: Placed):
-        """The ``(ns, key, gen)`` handles of placement ``p``'s NEW keys."""
-        return zip(repeat(ns), pick(keys, p.new.tolist()), p.gens.tolist())
+        """``((ns, key, gen), row)`` of placement ``p``'s NEW keys: a connection's handles and where they are (-1:
+        a shared entry's sub-slot, found by key)."""
+        rows = repeat(-1) if p.rows is None else p.rows.tolist()
+        return zip(zip(repeat(ns), pick(keys, p.new.tolist()), p.gens.tolist()), rows)
 
     @staticmethod
-    def settle_handles(held: set, ns: str, keys: list, gens: list) -> None:
-        held.difference_update(zip(repeat(ns), keys, gens))
+    def settle_handles(held: dict, ns: str, keys: list, gens: list) -> list[int]:
+        """Take the handles ``(ns, key, gen)`` of a COMMIT or ABORT out of a connection's ``held`` ones; each one's
+        row, -1 for one it did not hold (a COMMIT finds those by key)."""
+        return list(map(held.pop, zip(repeat(ns), keys, gens), repeat(-1)))
 
     def abort_owned(self, handles, owner) -> int:
         """Abort the allocations of ``handles`` still PENDING with their generation and still ``owner``'s."""

@@ -31,14 +31,15 @@ class Placed:
     ``new`` the positions of the NEW keys (int64) and, for those in order, ``node`` (an index into ``names``, the
     node ids), ``offs``, ``lens`` (payload lengths) and ``gens`` (uint64); ``rank``: the items are that rank's
     sub-slots of shared entries (tags of (key, rank)); ``keep``: called with the NEW keys' tags (the table keeps
-    them), or None; ``fx``: the table's effects."""
+    them), or None; ``fx``: the table's effects; ``rows``: the NEW keys' rows in the table (int64), or None
+    (shared entries' sub-slots): what a connection's PENDING handles point at (``TableDirectory.pending_of``)."""
 
-    __slots__ = ("state", "new", "node", "names", "offs", "lens", "gens", "rank", "keep", "fx")
+    __slots__ = ("state", "new", "node", "names", "offs", "lens", "gens", "rank", "keep", "fx", "rows")
 
-    def __init__(self, state, new, node, names, offs, lens, gens, rank=None, keep=None, fx=None):
+    def __init__(self, state, new, node, names, offs, lens, gens, rank=None, keep=None, fx=None, rows=None):
         self.state, self.new, self.node, self.names = state, new, node, names
         self.offs, self.lens, self.gens = offs, lens, gens
-        self.rank, self.keep, self.fx = rank, keep, fx
+        self.rank, self.keep, self.fx, self.rows = rank, keep, fx, rows
 
     @classmethod
     def of_items(cls, items: list, rank: int | None = None, fx=None) -> "Placed":

@@ -18,6 +18,7 @@ def test_the_servicepath_bench_runs_and_a_full_pool_evicts_what_it_must():
                        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     print(r.stdout)
     assert r.returncode == 0, r.stderr
-    m = re.search(r"^servicepath: ([\d,]+) keys in 20 ALLOC\+COMMIT requests, .* ([\d,]+) evictions$", r.stdout, re.M)
+    m = re.search(r"^servicepath: ([\d,]+) keys of 66 bytes in 20 ALLOC\+COMMIT requests, .* ([\d,]+) evictions$",
+                  r.stdout, re.M)
     assert m is not None, r.stdout
     assert m.group(1) == "2,560" and m.group(2) == f"{2560 - 512:,}"

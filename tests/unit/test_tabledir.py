@@ -109,16 +109,40 @@ def test_pending_handles_settle_and_abort_only_the_owners():
     d = directory()
     me, other = object(), object()
     keys = keys_of(0, 6)
-    items, _ = d.alloc("a", keys, [PLEN] * 6, None, 100, 0.0, 7, me)
-    held = set(d.pending_handles("a", keys, items, list(range(6))))
-    assert held == {("a", k, 100 + i) for i, k in enumerate(keys)}
-    ok, _ = d.commit("a", keys[:2], [100, 101], 0.0)
-    d.settle_handles(held, "a", keys[:2], [100, 101])
-    assert ok == [True, True] and len(held) == 4
+    p = d.alloc_placed("a", keys, [PLEN] * 6, None, 100, 0.0, 7, me)
+    held = dict(d.pending_of("a", keys, p))
+    assert list(held) == [("a", k, 100 + i) for i, k in enumerate(keys)]
+    assert list(held.values()) == p.rows.tolist() and len(set(held.values())) == 6
+    rows = d.settle_handles(held, "a", keys[:2] + keys_of(9, 10), [100, 101, 100])
+    assert rows == p.rows[:2].tolist() + [-1] and len(held) == 4
+    ok, _ = d.commit("a", keys[:2] + keys_of(9, 10), [100, 101, 100], 0.0, None, rows)
+    assert ok == [True, True, False]
     d.alloc("a", keys[2:3], [PLEN], None, 200, 0.0, 7, other)  # a retry with the token: key 2 is other's now
     assert d.abort_owned(held, me) == 3 and d.pending == 1
     assert d.exists("a", keys) == [True, True, False, False, False, False]
     assert d.abort_owned([("a", keys[2], 102)], other) == 1 and d.pending == 0
+    d.check()
+
+
+def test_commit_from_handle_rows_equals_commit_by_key():
+    """A COMMIT starts from the rows its connection's handles name; any row that does not hold the key's allocation
+    (-1, out of the table, another allocation's, a row freed since) is found by key, so the answer and the table are
+    exactly a COMMIT by key's."""
+    d, ref = directory(slots=16), directory(slots=16)
+    keys = keys_of(0, 10)
+    p = d.alloc_placed("a", keys, [PLEN] * 10, None, 100, 0.0)
+    ref.alloc_placed("a", keys, [PLEN] * 10, None, 100, 0.0)
+    rows = p.rows.tolist()
+    d.abort("a", keys[9:], [109])  # key 9's row freed
+    ref.abort("a", keys[9:], [109])
+    stale = [-1, rows[0], 1 << 40, rows[1]]  # keys 1-4: not known, key 0's row, past the table, key 1's row
+    given = rows[:1] + stale + rows[5:8] + [rows[9], rows[9]]  # key 8: a freed row; key 9: its own, freed
+    gens = [100, 101, 102, 103, 104, 105, 106, 999, 108, 109]  # key 7: a generation it never had
+    ok, _ = d.commit("a", keys, gens, 0.0, None, given)
+    assert ok == ref.commit("a", keys, gens, 0.0)[0] == [True] * 7 + [False, True, False]
+    assert d.exists("a", keys) == ref.exists("a", keys) == [True] * 7 + [False, True, False]
+    again, _ = d.commit("a", keys[:2], [100, 101], 0.0, None, [rows[1], rows[0]])  # READY with those: True again
+    assert again == [True, True]
     d.check()
 
 
