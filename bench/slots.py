@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 from transport import answerrows, objformat, slotrules, wire  # noqa: E402
 from transport.framed import FramedSocket  # noqa: E402
 from transport.wire import AllocState, Op  # noqa: E402
+import umbp  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
 
 NS = "bench-slots"
@@ -391,11 +392,24 @@ def measure(clients: Clients, processes: int, slots: int, batch: int, args) -> l
             raise SystemExit(f"bench/slots.py: clients see {served} serving processes, not {processes}")
         pages = args.nodes * (parse_size(args.capacity) // objformat.object_size(args.page_bytes))
         budget = max(batch, int(pages * BUDGET_FILL) // len(clients.pipes))
-        runs = [phase(clients, op, batch, budget, args, ms_pids, etcd_pid) for op in ("put", "lookup")]
+        runs = []
+        for op in ("put", "lookup"):
+            t0 = turns(pool)
+            runs.append(phase(clients, op, batch, budget, args, ms_pids, etcd_pid))
+            asked, passes = (b - a for a, b in zip(t0, turns(pool)))
+            runs[-1]["lookups_per_pass"] = asked / passes if passes else None
         clients.ask("close")
     for r in runs:
         r.update(processes=processes, slots=slots, clients=len(clients.pipes), window=args.window)
     return runs
+
+
+def turns(pool) -> tuple[int, int]:
+    """(LOOKUPs answered a turn's at once, their table passes) of every metaserver of ``pool`` so far (STATS;
+    metaserver/handlers/lookups.py): their ratio is how many LOOKUPs a busy metaserver answers with one pass."""
+    with umbp.Client(pool.metaserver, namespace="bench") as c:
+        s = c.stats()
+    return s.get("turn_lookups", 0), s.get("turn_passes", 0)
 
 
 def parse_size(s: str) -> int:
@@ -517,6 +531,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def per_pass(r: dict) -> str:
+    """A lookup phase's LOOKUPs a table pass (``turns``), as printed."""
+    x = r.get("lookups_per_pass")
+    return "-" if r["op"] != "lookup" or x is None else f"{x:.2f}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     shapes = [(p, s) for p in args.processes for s in args.slots if (p == 1 or s >= p and s > 1)]
@@ -527,7 +547,8 @@ def main(argv=None) -> int:
           f"pages of {args.page_bytes} B (metadata only)" + (f"; skipped shapes {skipped}" if skipped else ""),
           flush=True)
     print(f"{'proc':>4} {'slots':>5} {'op':<6} {'batch':>5} {'keys/s':>10} {'k keys/CPU-s':>13} "
-          f"{'us/req':>7} {'busy (each)':<24} {'etcd us/pg':>10} {'clients':>7} {'machine':>7}", flush=True)
+          f"{'us/req':>7} {'busy (each)':<24} {'etcd us/pg':>10} {'clients':>7} {'machine':>7} {'per pass':>8}",
+          flush=True)
     clients = Clients(args.clients, args.window, args.page_bytes, args.decode, not args.lookup_parts)
     runs, warnings = [], []
     try:
@@ -544,7 +565,7 @@ def main(argv=None) -> int:
                           f"{sum(r['metaserver_cpu_s']) / max(r['requests'], 1) * 1e6:>7,.0f} "
                           f"{' '.join(f'{x:.0%}' for x in r['busy']):<24} {etcd:>10} "
                           f"{r['client_cpu_s'] / r['wall_s'] / args.clients:>7.0%} "
-                          f"{r['machine_busy_cores']:>7.1f}{flag}", flush=True)
+                          f"{r['machine_busy_cores']:>7.1f} {per_pass(r):>8}{flag}", flush=True)
                     if not r["busy_ok"]:
                         warnings.append(f"{p} processes / {s} slots, {r['op']} of {b}: a metaserver only "
                                         f"{min(r['busy']):.0%} busy: not saturated (too few clients, or no core free)")

@@ -34,6 +34,7 @@ takes its still-PENDING allocations with it. The process raises its open-file so
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -44,6 +45,7 @@ from metaserver.store import gcpolicy
 
 from metaserver.handlers import kvevents
 from metaserver.store.gcpolicy import GcPolicy
+from metaserver.handlers.lookups import COMMUTING, Later, flush_due
 from metaserver.handlers.ownership import HeldLeases
 from metaserver.ha.partition import Partition
 from metaserver.ha.service import LEADER_ONLY
@@ -73,6 +75,7 @@ def _op_name(op: int) -> str:
 class Connection(FramedProtocol):
     component = "metaserver"
     _out: list[bytes] | None = None  # answers queued for one socket write (``send``, ``flush``)
+    defer_lookups = True  # a turn's LOOKUPs answered together (metaserver/handlers/lookups.py)
 
     def __init__(self, ms: Partition, conns: set, admission: Admission, tls=None):
         self.ms = ms
@@ -177,6 +180,8 @@ class Connection(FramedProtocol):
                                             version=self.reader.version))
             return
         t0 = time.perf_counter()
+        if op not in COMMUTING and ms.lookups_due:
+            flush_due(ms.lookups_due)  # the turn's LOOKUPs read before this request run before it
         try:
             if op not in (Op.HELLO, Op.AUTH, Op.PING):
                 self.auth.require()
@@ -195,8 +200,18 @@ class Connection(FramedProtocol):
             ms.metrics.requests.since(op, t0)
             if reply:
                 self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE, version=self.reader.version))
+        elif type(res) is Later:
+            res.then = functools.partial(self._later, op, rid, reply, t0)
         else:
             ms._spawn(self._finish(op, rid, reply, res, t0))
+
+    def _later(self, op: int, rid: int, reply: bool, t0: float, res: dict | None, err: Exception | None) -> None:
+        """A LOOKUP answered at the end of its turn (``metaserver/handlers/lookups.py``)."""
+        self.ms.metrics.requests.since(op, t0)
+        if err is not None:
+            self._fail(op, rid, reply, err)
+        elif reply:
+            self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE, version=self.reader.version))
 
     async def _finish(self, op: int, rid: int, reply: bool, coro, t0: float) -> None:
         try:

@@ -114,6 +114,18 @@ class PackedKeys:
         return f"PackedKeys({self.n} keys of {self.width} bytes)"
 
 
+def joined_keys(batches: list) -> "list[bytes] | PackedKeys":
+    """The keys of several requests as one batch, in turn: ``PackedKeys`` of one blob where every batch is packed
+    keys of one width (no key becomes an object), else one list."""
+    widths = {k.width for k in batches if type(k) is PackedKeys}
+    if len(widths) == 1 and all(type(k) is PackedKeys for k in batches):
+        return PackedKeys(b"".join([k.blob for k in batches]), widths.pop())
+    out: list[bytes] = []
+    for k in batches:
+        out += k.tolist() if type(k) is PackedKeys else k
+    return out
+
+
 def pick(keys, at: list[int]) -> list[bytes]:
     """``[keys[i] for i in at]`` of a list of keys or ``PackedKeys`` (whose item is a method call: 0.2 us a key)."""
     if type(keys) is PackedKeys:

@@ -126,7 +126,8 @@ def dispatch(p, op: int, meta: dict, conn) -> Any:
         try:
             if not srv.serving:
                 raise p._moved(name)
-            res = srv.handlers[op](m, p._slot_conn(conn, name))
+            sc = p._slot_conn(conn, name)
+            res = srv.dataplane.lookup(m, sc, False) if op == Op.LOOKUP else srv.handlers[op](m, sc)
         except Exception as e:  # noqa: BLE001 - a part's failure is that part's answer
             answers.append(None)
             failed.append(_failure(i, e))

@@ -31,6 +31,7 @@ from metaserver.store.combine import TxnCombiner
 from metaserver.ha.election import RANK_DELAY_S, ElectedProcess  # noqa: F401 - RANK_DELAY_S: the pool's constant
 from metaserver.store.fullload import node_descs
 from metaserver.handlers.metrics import MetaserverMetrics
+from metaserver.handlers.lookups import Later
 from metaserver.handlers.ownership import HeldLeases, release_answer, release_held, release_ids
 from metaserver.ha.partanswers import ProcessAnswers
 from metaserver.store.persist import EtcdStore
@@ -50,6 +51,7 @@ class SlotConn:
     leases (ownership is per directory)."""
 
     __slots__ = ("conn", "pending", "leases")
+    defer_lookups = True  # as the server's connections: a turn's LOOKUPs together (metaserver/handlers/lookups.py)
 
     def __init__(self, conn):
         self.conn = conn
@@ -113,6 +115,7 @@ class Partition(ElectedProcess):
         self.leader = _Leadership(self)
         self.metrics = MetaserverMetrics(self)
         self._init_election()
+        self.lookups_due: set = set()  # slot servers' turns with LOOKUPs waiting (metaserver/handlers/lookups.py)
         self.page_slots = [str(s) for s in range(slots)]
         self.names = self.page_slots + ([MEMBERSHIP] if slots > 1 else [])
         self.servers: dict[str, SlotServer] = {s: SlotServer(config, self, s) for s in self.page_slots}
@@ -252,6 +255,8 @@ class Partition(ElectedProcess):
         if type(ans) is dict:
             ans["released"] = n
             ans["release_any"] = True
+        elif type(ans) is Later:
+            ans.extra = {"released": n, "release_any": True}
         return ans
 
     def _membership(self, op: int):

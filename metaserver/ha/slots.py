@@ -56,6 +56,7 @@ import time
 
 from metaserver.store.combine import TxnCombiner
 from metaserver.ha.fence import fence_nodes
+from metaserver.handlers.lookups import LookupTurn
 from metaserver.store.generations import GenCounter
 from metaserver.store.persist import EtcdStore
 from metaserver.ha.service import ETCD_START_DEADLINE_S, Metaserver
@@ -275,6 +276,7 @@ class SlotServer(Metaserver):
                           combiner=None if one else getattr(partition, "combiner", None), at_root=one)
         super().__init__(config, store, SlotLeadership(partition, name), partition.metrics)
         self.handlers[Op.ALLOC] = self.alloc  # the slot's own refusals first, then the data plane's ALLOC
+        self.lookups = LookupTurn(self, partition.lookups_due)  # a turn's LOOKUPs, answered together
 
     def _new_state(self) -> None:
         super()._new_state()

@@ -168,15 +168,19 @@ class DataPlane:
         with d.quarantine.keeping() if v.boolean(meta, "written") else contextlib.nullcontext():
             return {"aborted": d.abort(ns, keys, gens)}
 
-    def lookup(self, meta: Any, conn) -> dict:
+    def lookup(self, meta: Any, conn, defer: bool = True) -> Any:
         """LOOKUP on this slot (a ``"release"`` of earlier leases it carries is taken out and released first by the
-        process: ``metaserver/ha/partition.py`` ``Partition._lookup_releasing``)."""
+        process: ``metaserver/ha/partition.py`` ``Partition._lookup_releasing``): the answer, or (``defer``, for a
+        connection that waits: the server's) a ``Later`` answered with the turn's other LOOKUPs
+        (``metaserver/handlers/lookups.py``)."""
         m = v.fields(meta, _LOOKUP, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")
         svc = self.svc
         keys = v.keys(m, svc.max_keys)
         shard = v.shard(m)
+        if defer and shard is None and getattr(conn, "defer_lookups", False):
+            return svc.lookups.ask(ns, keys, conn)
         # tags and capabilities from the columns; packed rows from wire VERSION 12
         ans = svc.dir.lookup_granted(ns, keys, time.monotonic(), conn, svc.tokens, svc.members.get, shard,
                                      conn.version >= 12)

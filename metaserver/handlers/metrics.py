@@ -114,6 +114,11 @@ class _Collector(Collector):
         yield _gauge("umbp_metaserver_directory_load_seconds", "How long the last takeover's directory load took",
                      ms.load_s)
         yield _counter("umbp_metaserver_ticks", "Background ticks run (expiry, node loss, eviction)", ms.ticks)
+        turns = [s.lookups for s in ms.servers.values()]
+        yield _counter("umbp_metaserver_turn_lookups", "LOOKUPs answered with the others of their event-loop turn "
+                       "(metaserver/handlers/lookups.py)", sum(t.asked for t in turns))
+        yield _counter("umbp_metaserver_turn_passes", "Table passes those LOOKUPs took (fewer than LOOKUPs: "
+                       "turns of several)", sum(t.passes for t in turns))
         w = ms.writer
         yield _counter("umbp_etcd_txns", "etcd transactions written by this term's batch writer", w.txns)
         yield _counter("umbp_etcd_ops", "etcd operations (puts and deletes) written", w.ops)

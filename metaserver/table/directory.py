@@ -42,7 +42,7 @@ from metaserver.table.quotas import TableQuotas
 from metaserver.table.shared import SharedEntries
 from metaserver.table.tiers import SUFFIX, twin_id
 from transport import answerrows, objformat
-from transport.keyform import pick
+from transport.keyform import joined_keys, pick
 from umbp.auth import rank_tags, read_capabilities_packed
 from umbp.errors import ConfigError
 from umbp.quotarules import QuotaRules
@@ -217,10 +217,38 @@ class TableDirectory(PageTable):
         (``transport.keyform.PackedKeys``) cost no digest step: a view. docs/benchmarks/columns.md: where it goes and
         what is left."""
         lease, hit, tags, slots, nix = self.lookup_columns(ns, keys, now, owner, tokens, shard)
+        return self._granted(lease, hit, tags, slots, nix, member, packed)
+
+    def lookup_granted_many(self, ns: str, asks: list[tuple[list, object, bool]], now: float, tokens, member
+                            ) -> list[dict]:
+        """``lookup_granted`` of several LOOKUPs of namespace ``ns`` at once (a turn's requests: ``asks`` of (keys,
+        owner, packed)), each answered exactly as alone, with its own lease over its own hits, in turn: one key
+        digest and index pass, one stamp, pin, tag and capability-slot pass over all of them; the leases, the
+        capabilities a node and the answers one a request. Plain pages only (a rank's sub-slots ask alone)."""
+        if len(asks) == 1:
+            keys, owner, packed = asks[0]
+            return [self.lookup_granted(ns, keys, now, owner, tokens, member, None, packed)]
+        every = joined_keys([k for k, _, _ in asks])
+        hit, hr = self.pin_hits(ns, every)
+        tags, slots, nix = self._grant_columns(ns, every, hit, hr, tokens, None) if len(hr) else (None,) * 3
+        cuts = np.cumsum([len(k) for k, _, _ in asks]).tolist()
+        ends = np.cumsum(hit).take(np.array(cuts, np.int64) - 1).tolist() if len(hit) else [0] * len(asks)
+        out, a, h = [], 0, 0
+        for (keys, owner, packed), b, e in zip(asks, cuts, ends):
+            if e > h:
+                lease = self.new_lease(hr[h:e], e - h > 1, now, owner)
+                out.append(self._granted(lease, hit[a:b], tags[h:e], slots[h:e], nix[h:e], member, packed))
+            else:
+                out.append(self._granted(0, hit[a:b], None, None, None, member, packed))
+            a, h = b, e
+        return out
+
+    def _granted(self, lease: int, hit: np.ndarray, tags, slots, nix, member, packed: bool) -> dict:
+        """A LOOKUP's answer (``lookup_granted``) from its lease and grant columns (``lookup_columns``)."""
         if not lease:
             if packed:
                 return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ())}
-            return {"lease": 0, "locs": [None] * len(keys), "caps": []}
+            return {"lease": 0, "locs": [None] * len(hit), "caps": []}
         n = len(nix)
         uniq, inv, order, ends = by_node(nix)
         names = self.node_names.take(uniq).tolist()
@@ -244,6 +272,10 @@ class TableDirectory(PageTable):
         lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
         if not lease:
             return 0, hit, None, None, None
+        return (lease, hit) + self._grant_columns(ns, keys, hit, hr, tokens, shard)
+
+    def _grant_columns(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, tokens, shard) -> tuple:
+        """(tags, capability slots, node column values) of the hits ``hr`` (``lookup_columns``)."""
         c = self.cols
         slots = np.empty((len(hr), 3), "<u8")  # a capability's (offset, payload_len, gen) triples
         if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
@@ -260,7 +292,7 @@ class TableDirectory(PageTable):
         nix = c["node"].take(hr)
         if self.tiers.any:  # a disk page answers as its host's page at a disk address (metaserver/table/tiers.py)
             nix = self.tiers.answer(nix, slots, hr)
-        return lease, hit, tags, slots, nix
+        return tags, slots, nix
 
     def _kept_tags(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, compute) -> np.ndarray:
         """The ``tag`` column of rows ``hr`` (the keys at ``hit``), each computed by ``compute(ns, keys)`` once, at

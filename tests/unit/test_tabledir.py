@@ -12,6 +12,7 @@ from metaserver.table.entry import NEW, Effects
 from metaserver.table.records import pages_of
 from metaserver.table.directory import TableDirectory
 from transport import answerrows
+from transport.keyform import PackedKeys
 from transport.objformat import object_size
 from umbp.auth import Tokens, read_capability
 from umbp.errors import ConfigError
@@ -79,6 +80,39 @@ def test_lookup_granted_answers_as_a_per_key_oracle(closed):
     missed = d.lookup_granted("a", [b"\xee" * 32] * 2, 0.0, None, tokens, members.get, None, True)
     assert answerrows.unpack_locs(missed, "test") == {"lease": 0, "nodes": [], "caps": [], "locs": [None, None]}
 
+
+
+def test_a_turns_lookups_answer_each_exactly_as_alone():
+    """``lookup_granted_many``: every LOOKUP of a turn is answered as ``lookup_granted`` answers it alone on a twin
+    table (rows, tags, capabilities, misses, a key named twice, one with no hit at all, listed and packed keys, both
+    answer forms), under a lease of its own that pins its own hits, which its release gives back; the stamps are
+    the twin's."""
+    tokens = Tokens(b"s" * 32, {})
+    members = {f"n{i}": SimpleNamespace(cap_key=(b"%d" % i) * 32) for i in range(2)}
+    d, twin = directory(slots=16), directory(slots=16)
+    for t in (d, twin):
+        put(t, keys_of(0, 24), 1)
+    miss = [b"\xee" * 32]
+    asks = [(keys_of(0, 5), "a", True), (miss * 2, "b", True), (keys_of(3, 9) + miss + keys_of(3, 4), "c", False),
+            (PackedKeys(b"".join(keys_of(20, 24))), "d", True), (keys_of(9, 10), "e", True)]
+    for _ in range(2):  # the second time on, every tag comes from the column
+        got = d.lookup_granted_many("a", asks, 0.0, tokens, members.get)
+        want = [twin.lookup_granted("a", k, 0.0, o, tokens, members.get, None, p) for k, o, p in asks]
+        assert len(got) == len(asks)
+        for g, w in zip(got, want):
+            assert bool(g["lease"]) == bool(w["lease"]) and g["lease"] != w["lease"] or not w["lease"]
+            assert {k: x for k, x in g.items() if k != "lease"} == {k: x for k, x in w.items() if k != "lease"}
+        assert not got[1]["lease"] and len({g["lease"] for g in got}) == len(got)
+        assert (d.cols["pins"] == twin.cols["pins"]).all() and d.cols["pins"].sum() == 5 + 7 + 4 + 1
+        assert (d.cols["stamp"] == twin.cols["stamp"]).all()
+        assert [d._lease_owner[g["lease"]] for g in got if g["lease"]] == ["a", "c", "d", "e"]
+        assert d.release(got[2]["lease"]) and d.cols["pins"].sum() == 10  # its own hits only
+        for g, w in zip(got, want):
+            if w["lease"]:
+                d.release(g["lease"])
+                twin.release(w["lease"])
+        assert d.cols["pins"].sum() == 0 == twin.cols["pins"].sum()
+    d.check()
 
 
 @pytest.mark.parametrize("packed", [False, True])

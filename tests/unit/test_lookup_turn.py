@@ -1,0 +1,72 @@
+"""``metaserver/handlers/lookups.py``: a slot server's LOOKUPs of one event-loop turn are answered together at its
+end, each as alone (``lookup_granted_many``), each under a lease its connection holds; a request of another kind
+runs them first (``flush_due``); a closed connection's LOOKUP gets no lease; a deposed server's and a failed table
+pass's LOOKUPs are each answered with the error. A real table; the connections and the server are stand-ins."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from metaserver.handlers.lookups import LookupTurn, flush_due
+from metaserver.handlers.ownership import HeldLeases
+from tests.unit.test_tabledir import directory, keys_of, put
+from transport import answerrows
+from umbp.auth import Tokens
+from umbp.errors import Unavailable
+
+
+def conn(version: int = 12) -> SimpleNamespace:
+    return SimpleNamespace(closed=False, version=version, leases=HeldLeases())
+
+
+def server() -> SimpleNamespace:
+    d = directory(slots=16)
+    put(d, keys_of(0, 20), 1)
+    return SimpleNamespace(serving=True, dir=d, tokens=Tokens(None, {}), members={}, lease_ms=10_000)
+
+
+def asked(turn: LookupTurn, keys: list, c, got: dict, name) -> None:
+    later = turn.ask("a", keys, c)
+    later.then = lambda ans, err: got.__setitem__(name, (ans, err))
+
+
+def test_a_turns_lookups_are_answered_together_at_its_end_each_as_alone():
+    async def main():
+        svc, due = server(), set()
+        turn = LookupTurn(svc, due)
+        passes = []
+        many = svc.dir.lookup_granted_many
+        svc.dir.lookup_granted_many = lambda ns, asks, *a: passes.append(len(asks)) or many(ns, asks, *a)
+        cs, got = [conn(), conn(11), conn(), conn()], {}
+        for i, keys in enumerate([keys_of(0, 4), keys_of(2, 6) + [b"\xee" * 32], keys_of(6, 8), keys_of(8, 9)]):
+            asked(turn, keys, cs[i], got, i)
+        cs[2].closed = True  # gone before the turn ends: no lease, no answer
+        assert got == {} and due == {turn}
+        await asyncio.sleep(0)
+        assert passes == [3] and sorted(got) == [0, 1, 3] and due == set()
+        rows = answerrows.unpack_locs(got[0][0], "test")["locs"]
+        assert [loc is not None for loc in rows] == [True] * 4
+        assert [loc is not None for loc in got[1][0]["locs"]] == [True] * 4 + [False]  # VERSION 11: listed locs
+        for i in (0, 1, 3):
+            ans, err = got[i]
+            assert err is None and ans["lease"] in cs[i].leases and ans["lease_ms"] == 10_000
+        assert len(svc.dir.leases) == 3 and svc.dir.cols["pins"].sum() == 4 + 4 + 1
+
+        asked(turn, keys_of(10, 12), cs[0], got, "now")
+        flush_due(due)  # a request of another kind is next: the waiting LOOKUP runs first
+        assert got["now"][0]["lease"] and due == set() and passes == [3, 1]
+        await asyncio.sleep(0)  # its end of turn finds nothing left
+        assert passes == [3, 1]
+
+        svc.serving = False
+        asked(turn, keys_of(0, 2), cs[3], got, "deposed")
+        await asyncio.sleep(0)
+        assert got["deposed"][0] is None and isinstance(got["deposed"][1], Unavailable)
+        svc.serving = True
+        svc.dir.lookup_granted_many = lambda *a: 1 / 0
+        for name in ("x", "y"):
+            asked(turn, keys_of(0, 2), cs[3], got, name)
+        await asyncio.sleep(0)
+        assert all(got[n][0] is None and isinstance(got[n][1], ZeroDivisionError) for n in ("x", "y"))
+    asyncio.run(main())
