@@ -15,7 +15,7 @@ import pytest
 
 from tests.test_packed_keys import ask, hello
 from tests.test_wire_compat import Raw
-from transport import answerrows, wire
+from transport import answerrows, slotrules, wire
 from transport.wire import HEADER, HEADER_SIZE, Op, Status
 
 pytestmark = pytest.mark.timeout(180)
@@ -96,3 +96,64 @@ def test_lookups_read_in_one_turn_are_answered_together_each_as_alone(make_clust
     assert s["pinned"] == 0
     assert s["turn_lookups"] - before["turn_lookups"] == 1 + 4 + 4  # the first, the burst's four, four asked alone
     assert s["turn_passes"] - before["turn_passes"] < s["turn_lookups"] - before["turn_lookups"]
+
+
+def test_a_partitioned_pools_merged_lookups_share_each_slots_turn(make_cluster):
+    """One process leading 4 slots: merged multi-slot LOOKUPs (``"parts"``, ``"merge"``) and a single-slot one, sent
+    in one write, each join their slots' turns (one pass a slot for all of them), and each is answered as when asked
+    alone: the same rows, nodes and capabilities, no failed part, a process lease that holds its own hits."""
+    slots = 4
+    cl = make_cluster(nodes=2, metaserver_flags={"slots": slots})
+    keys = [os.urandom(32) for _ in range(64)]
+    with cl.client(namespace=NS) as c:
+        assert c.batch_put(keys[:48], [os.urandom(2000 + i) for i in range(48)]) == [True] * 48
+        before = c.stats()
+    of = slotrules.slots_of(NS, keys, slots).tolist()
+
+    def merged(ks: list[bytes]) -> dict:
+        order = sorted(range(len(ks)), key=lambda i: of[keys.index(ks[i])])
+        parts: list[list[int]] = []
+        for i in order:
+            s = of[keys.index(ks[i])]
+            if parts and parts[-1][0] == s:
+                parts[-1][1] += 1
+            else:
+                parts.append([s, 1])
+        return {"ns": NS, "keys": b"".join(ks[i] for i in order), "parts": parts, "merge": True}
+
+    asks = {1: merged(keys[0:20]), 2: merged(keys[10:40] + keys[50:60]), 3: merged(keys[40:64])}
+    one = next(k for k in keys[:48] if of[keys.index(k)] == 2)
+    asks[4] = {"ns": NS, "keys": [one], "slot": 2}
+    raw = Raw(cl.metaserver_addr)
+    hello(raw)
+    raw.sock.sendall(b"".join(wire.encode(Op.LOOKUP, rid, meta) for rid, meta in asks.items()))
+    by_rid = {rid: (status, meta) for rid, status, meta in answers(raw, len(asks))}
+    leases = []
+    for rid, meta in asks.items():
+        status, ans = by_rid[rid]
+        assert status == Status.OK and ans.get("failed", []) == [], ans
+        alone_status, alone = ask(raw, Op.LOOKUP, meta, rid=100 + rid)
+        assert alone_status == Status.OK
+        assert ans["rows"] == alone["rows"] and ans["nodes"] == alone["nodes"] and ans["caps"] == alone["caps"]
+        rows = np.frombuffer(ans["rows"], answerrows.LOC_ROW)
+        n = len(rows)
+        hits = int(np.count_nonzero(rows["node"] != answerrows.NO_NODE))
+        assert n == (len(meta["keys"]) // 32 if type(meta["keys"]) is bytes else 1)
+        assert hits == {1: 20, 2: 30, 3: 8, 4: 1}[rid] and ans["lease"] and alone["lease"]
+        leases.append(ans["lease"])
+        assert ask(raw, Op.RELEASE, {"lease": alone["lease"]}, rid=200) == (Status.OK, {})
+
+    def stats() -> dict:
+        with cl.client(namespace=NS) as c:
+            return c.stats()
+
+    s = stats()
+    assert s["pinned"] == 48  # the burst's leases hold every page that any of them found
+    assert ask(raw, Op.RELEASE, {"lease": leases[2]}, rid=201) == (Status.OK, {})
+    assert stats()["pinned"] == 40  # request 3's own hits (keys 40-47)
+    for lease in leases[:2] + leases[3:]:
+        assert ask(raw, Op.RELEASE, {"lease": lease}, rid=202) == (Status.OK, {})
+    s = stats()
+    assert s["pinned"] == 0
+    asked, passes = s["turn_lookups"] - before["turn_lookups"], s["turn_passes"] - before["turn_passes"]
+    assert asked >= 3 * 3 + 1 and passes < asked  # the burst's parts and the one-slot LOOKUP, fewer passes

@@ -23,23 +23,26 @@ one LOOKUP answer for the whole request (``lookup_merged``): ``{"lease", "lease_
 "failed"}``, one packed row a key in the request's order (a failed part's keys are misses), one read capability a
 node covering every part's slots on it (read capabilities carry no slot epoch: a node checks each (offset, length,
 generation) it is asked for against the capability alone), and one read lease for the process (``ProcessLeases``:
-its id names every part's lease; RELEASE of it releases them all). The parts still run on their own slot's table
-(one key-index pass a part), but the validation, the grants, the answer and the lease are the request's, once.
+its id names every part's lease; RELEASE of it releases them all). The parts still run on their own slot's table,
+each with the other LOOKUPs and parts of its slot's event-loop turn (``metaserver/handlers/lookups.py``: one table
+pass a slot and turn), but the validation, the grants, the answer and the lease are the request's, once.
 
 Cost: O(keys) to slice and check, plus each part's handler; COMMIT parts waiting on etcd are awaited together. A
-merged LOOKUP: each part's table pass (``TableDirectory.lookup_columns``), then O(keys) numpy over the request and
-one keyed blake2b a node.
+merged LOOKUP: its share of each slot's turn pass (``TableDirectory.lookup_columns_many``), then O(keys) numpy over
+the request and one keyed blake2b a node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
 import numpy as np
 
 from metaserver import validate as v
+from metaserver.handlers.lookups import Later
 from metaserver.handlers.ownership import LEASES_PRUNE_AT, own_lease, release_held
 from metaserver.table.directory import by_node
 from metaserver.table.entry import random_id
@@ -193,67 +196,113 @@ def cuts(parts: Any, slots: int, n: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def lookup_merged(p, meta: dict, conn) -> dict:
+def lookup_merged(p, meta: dict, conn) -> Any:
     """A multi-slot LOOKUP answered as one LOOKUP (module docstring): each part's rows found and pinned in its slot's
     table, then one capability a node, one packed answer and one process lease over all of them. A part whose slot
-    is not served here, or whose table call fails, is in ``failed`` and its keys are misses."""
+    is not served here, or whose table call fails, is in ``failed`` and its keys are misses. For a connection that
+    waits (the server's), each part joins its slot's turn (``metaserver/handlers/lookups.py``: one table pass for the
+    turn's LOOKUPs and parts of that slot) and the answer is a ``Later``, given when the last part is back."""
     m = v.fields(meta, _MERGED, ("ns", "keys", "parts"))
     ns = v.ns(m)
     conn.auth.scope.check(ns, False, "metaserver")
     keys = v.keys(m, p.membership.max_keys * (len(m["parts"]) if type(m["parts"]) is list else 1))
-    parts = cuts(m["parts"], p.slots, len(keys))
+    merged = Merged(p, conn, ns, cuts(m["parts"], p.slots, len(keys)))
     shard = v.shard(m)
+    defer = shard is None and getattr(conn, "defer_lookups", False)
     now = time.monotonic()
-    hits, tags, slots, codes, failed, held = [], [], [], [], [], []
-    coded: list = []  # node code -> (node id, its member in the part's slot): the parts' tables' nodes in turn
-    base = 0
-    for i, (slot, a, b) in enumerate(parts):
+    for i, (slot, a, b) in enumerate(merged.parts):
         name = str(slot)
         srv = p.servers[name]
+        if not srv.serving:
+            merged.got[i] = p._moved(name)
+        elif defer:
+            merged.waiting += 1
+            srv.lookups.ask_part(ns, keys[a:b], p._slot_conn(conn, name), functools.partial(merged.part, i))
+        else:
+            try:
+                merged.got[i] = srv.dir.lookup_columns(ns, keys[a:b], now, p._slot_conn(conn, name), srv.tokens, shard)
+            except Exception as e:  # noqa: BLE001 - a part's failure is that part's answer
+                merged.got[i] = e
+    if not merged.waiting:
+        return merged.answer()
+    merged.later = Later()
+    return merged.later
+
+
+class Merged:
+    """A merged LOOKUP's parts as they come back (``got``: each part's ``lookup_columns``, or its error), and its
+    answer once every one is (``answer``; ``later``: given then, when the parts waited for their turns)."""
+
+    __slots__ = ("p", "conn", "ns", "parts", "got", "waiting", "later")
+
+    def __init__(self, p, conn, ns: str, parts: list[tuple[int, int, int]]) -> None:
+        self.p, self.conn, self.ns, self.parts = p, conn, ns, parts
+        self.got: list = [None] * len(parts)
+        self.waiting = 0
+        self.later: Later | None = None
+
+    def part(self, i: int, got) -> None:
+        """Part ``i``'s columns (or error), from its slot's turn; the answer goes out with the last one."""
+        self.got[i] = got
+        self.waiting -= 1
+        if self.waiting:
+            return
         try:
-            if not srv.serving:
-                raise p._moved(name)
-            sc = p._slot_conn(conn, name)
-            lease, hit, tg, sl, nix = srv.dir.lookup_columns(ns, keys[a:b], now, sc, srv.tokens, shard)
-        except Exception as e:  # noqa: BLE001 - a part's failure is that part's answer
-            failed.append(_failure(i, e))
-            hits.append(np.zeros(b - a, bool))
-            continue
-        hits.append(hit)
-        if not lease:
-            continue
-        own_lease(srv.dir, sc, lease)
-        held.append((name, lease))
-        tags.append(tg)
-        slots.append(sl)
-        codes.append(nix + base if base else nix)  # node codes unique over the parts' tables
-        names = srv.dir.node_names.tolist()
-        coded.extend(zip(names, map(srv.members.get, names)))
-        base += len(names)
-    hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
-    if not held:
-        return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ()),
-                "failed": failed}
-    if len(held) > 1:
-        tags, slots, codes = np.concatenate(tags), np.concatenate(slots), np.concatenate(codes)
-    else:
-        tags, slots, codes = tags[0], slots[0], codes[0]
-    # each node code used to the answer's node index, numbered in order of first use (a few parts x nodes). A node
-    # is one entry by its id and capability key: a slot that has not seen a node's new arena yet keeps its own.
-    used = np.bincount(codes).nonzero()[0].tolist()
-    ids: dict[tuple, int] = {}
-    to_id = np.zeros(used[-1] + 1, np.int64)
-    for c in used:
-        nid, mem = coded[c]
-        to_id[c] = ids.setdefault((nid, None if mem is None else mem.cap_key), len(ids))
-    uniq, inv, order, ends = by_node(to_id.take(codes))
-    cap_keys = [key for _, key in ids]
-    caps = (read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(), ends)
-            if any(cap_keys) else [b""] * len(cap_keys))
-    lease = ProcessLeases.of(conn).add(p, held)
-    return {"lease": lease, "lease_ms": min(p.servers[name].lease_ms for name, _ in held), "nodes": [n for n, _ in ids],
-            "caps": caps, "rows": answerrows.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv),
-            "failed": failed}
+            ans = self.answer()
+        except Exception as e:  # noqa: BLE001 - the request is answered either way
+            self.later.fail(e)
+            return
+        self.later.done(ans)
+
+    def answer(self) -> dict:
+        p, conn = self.p, self.conn
+        hits, tags, slots, codes, failed, held = [], [], [], [], [], []
+        coded: list = []  # node code -> (node id, its member in the part's slot): the parts' tables' nodes in turn
+        base = 0
+        for i, ((slot, a, b), got) in enumerate(zip(self.parts, self.got)):
+            if isinstance(got, BaseException):
+                failed.append(_failure(i, got))
+                hits.append(np.zeros(b - a, bool))
+                continue
+            lease, hit, tg, sl, nix = got
+            hits.append(hit)
+            if not lease:
+                continue
+            name = str(slot)
+            srv = p.servers[name]
+            own_lease(srv.dir, p._slot_conn(conn, name), lease)
+            held.append((name, lease))
+            tags.append(tg)
+            slots.append(sl)
+            codes.append(nix + base if base else nix)  # node codes unique over the parts' tables
+            names = srv.dir.node_names.tolist()
+            coded.extend(zip(names, map(srv.members.get, names)))
+            base += len(names)
+        hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
+        if not held:
+            return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ()),
+                    "failed": failed}
+        if len(held) > 1:
+            tags, slots, codes = np.concatenate(tags), np.concatenate(slots), np.concatenate(codes)
+        else:
+            tags, slots, codes = tags[0], slots[0], codes[0]
+        # each node code used to the answer's node index, numbered in order of first use (a few parts x nodes). A
+        # node is one entry by its id and capability key: a slot that has not seen a node's new arena yet keeps its
+        # own.
+        used = np.bincount(codes).nonzero()[0].tolist()
+        ids: dict[tuple, int] = {}
+        to_id = np.zeros(used[-1] + 1, np.int64)
+        for c in used:
+            nid, mem = coded[c]
+            to_id[c] = ids.setdefault((nid, None if mem is None else mem.cap_key), len(ids))
+        uniq, inv, order, ends = by_node(to_id.take(codes))
+        cap_keys = [key for _, key in ids]
+        caps = (read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(),
+                                         ends) if any(cap_keys) else [b""] * len(cap_keys))
+        lease = ProcessLeases.of(conn).add(p, held)
+        return {"lease": lease, "lease_ms": min(p.servers[name].lease_ms for name, _ in held),
+                "nodes": [n for n, _ in ids], "caps": caps,
+                "rows": answerrows.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv), "failed": failed}
 
 
 class ProcessLeases(dict):

@@ -1,7 +1,8 @@
 """A turn's LOOKUPs answered together: the LOOKUPs a slot server receives in one turn of the event loop (from any
-connections) go through one table pass (``TableDirectory.lookup_granted_many``: one key digest and index pass, one
-stamp, pin, tag and capability-slot pass), each still answered as alone: its own lease over its own hits, its own
-capabilities, its own answer, its own errors.
+connections), and the parts for it of a partitioned pool's merged LOOKUPs (``metaserver/ha/multislot.py``), go
+through one table pass (``TableDirectory.lookup_columns_many``: one key digest and index pass, one stamp, pin, tag
+and capability-slot pass), each still answered as alone: its own lease over its own hits, its own capabilities,
+its own answer, its own errors.
 
 Why: a LOOKUP's cost is mostly per request, not per key (on the 16-core host about 100 us a request against 0.6 us a
 key: docs/benchmarks/slots.md), and a busy metaserver reads several requests in each turn. The table pass is most of
@@ -19,7 +20,7 @@ through the connection's queued writes, as any answer.
 Only connections that say so wait (``defer_lookups``: the server's connections and their slot views); the rest, and
 a rank's LOOKUP of a shared entry (``shard``), are answered at once by the same table call with one request.
 
-Costs: a LookupTurn per slot server, a list entry and a ``Later`` a LOOKUP; the pass is ``lookup_granted_many``'s.
+Costs: a LookupTurn per slot server, a list entry and a ``Later`` a LOOKUP; the pass is ``lookup_columns_many``'s.
 """
 
 from __future__ import annotations
@@ -67,19 +68,28 @@ class LookupTurn:
     def __init__(self, svc, due: set) -> None:
         self.svc = svc
         self.due = due
-        self.asks: list[tuple[str, object, object, Later]] = []  # (ns, keys, connection, answer)
-        self.asked = self.passes = 0  # LOOKUPs answered in turns, and their table passes (STATS turn_*)
+        self.asks: list[tuple] = []  # (ns, keys, connection, Later | None, part callback | None)
+        self.asked = self.passes = 0  # LOOKUPs (and parts) answered in turns, and their table passes (STATS turn_*)
 
     def ask(self, ns: str, keys, conn) -> Later:
+        """A LOOKUP answered at the end of the turn (``Later``)."""
         later = Later()
+        self._add((ns, keys, conn, later, None))
+        return later
+
+    def ask_part(self, ns: str, keys, conn, part) -> None:
+        """A merged LOOKUP's part for this slot: ``part(columns)`` at the end of the turn with its
+        ``lookup_columns`` (its lease its own), or ``part(error)``."""
+        self._add((ns, keys, conn, None, part))
+
+    def _add(self, ask: tuple) -> None:
         if not self.asks:
             self.due.add(self)
             asyncio.get_running_loop().call_soon(self.flush)
-        self.asks.append((ns, keys, conn, later))
-        return later
+        self.asks.append(ask)
 
     def flush(self) -> None:
-        """Answer every waiting LOOKUP: one ``lookup_granted_many`` a namespace, in the order they came."""
+        """Answer every waiting LOOKUP and part: one ``lookup_columns_many`` a namespace, in the order they came."""
         asks, self.asks = self.asks, []
         self.due.discard(self)
         if not asks:
@@ -92,28 +102,37 @@ class LookupTurn:
         now = time.monotonic()
         for ns, group in by_ns.items():
             if not svc.serving:  # deposed within the turn: the client asks again and learns the leader
-                for a in group:
-                    a[3].fail(Unavailable("metaserver", "this slot stopped serving; ask again", Status.UNAVAILABLE))
+                _fail(group, Unavailable("metaserver", "this slot stopped serving; ask again", Status.UNAVAILABLE))
                 continue
             d = svc.dir
             self.asked += len(group)
             self.passes += 1
             try:
-                answers = d.lookup_granted_many(ns, [(k, c, c.version >= 12) for _, k, c, _ in group], now,
-                                                svc.tokens, svc.members.get)
+                got = d.lookup_columns_many(ns, [(k, c) for _, k, c, _, _ in group], now, svc.tokens)
             except Exception as e:  # noqa: BLE001 - every LOOKUP of the group is answered, with the error
                 log.exception("metaserver: a turn's LOOKUPs of %r failed", ns)
-                for a in group:
-                    a[3].fail(e)
+                _fail(group, e)
                 continue
-            for (_, _, conn, later), ans in zip(group, answers):
-                if ans["lease"]:
-                    own_lease(d, conn, ans["lease"])
-                    ans["lease_ms"] = svc.lease_ms
+            for (_, _, conn, later, part), cols in zip(group, got):
                 try:
+                    if part is not None:
+                        part(cols)  # a merged LOOKUP's part: its lease is taken by its request
+                        continue
+                    ans = d.granted_answer(cols, svc.members.get, conn.version >= 12)
+                    if ans["lease"]:
+                        own_lease(d, conn, ans["lease"])
+                        ans["lease_ms"] = svc.lease_ms
                     later.done(ans)
                 except Exception:  # noqa: BLE001 - one answer that cannot be sent must not cost the others theirs
                     log.exception("metaserver: a LOOKUP's answer could not be sent")
+
+
+def _fail(group: list, e: Exception) -> None:
+    for _, _, _, later, part in group:
+        if part is not None:
+            part(e)
+        else:
+            later.fail(e)
 
 
 def flush_due(due: set) -> None:

@@ -417,7 +417,7 @@ class PageTable:
     def pin_hits(self, ns: str, keys: list[bytes], parts: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """``lookup_rows``' table pass without the lease: (which keys were found, their rows in key order), the rows
         stamped and pinned once a naming. The caller puts them under leases (``new_lease``: one, or one per request
-        of a turn's LOOKUPs, ``TableDirectory.lookup_granted_many``) before anything else runs."""
+        of a turn's LOOKUPs, ``TableDirectory.lookup_columns_many``) before anything else runs."""
         rows = self._find(ns, keys)
         c = self.cols
         st = c["state"]

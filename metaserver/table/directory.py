@@ -216,35 +216,35 @@ class TableDirectory(PageTable):
         1,024 keys about 315 us (the digests 38, the key index 115, capabilities 49). Packed keys
         (``transport.keyform.PackedKeys``) cost no digest step: a view. docs/benchmarks/columns.md: where it goes and
         what is left."""
-        lease, hit, tags, slots, nix = self.lookup_columns(ns, keys, now, owner, tokens, shard)
-        return self._granted(lease, hit, tags, slots, nix, member, packed)
+        return self.granted_answer(self.lookup_columns(ns, keys, now, owner, tokens, shard), member, packed)
 
-    def lookup_granted_many(self, ns: str, asks: list[tuple[list, object, bool]], now: float, tokens, member
-                            ) -> list[dict]:
-        """``lookup_granted`` of several LOOKUPs of namespace ``ns`` at once (a turn's requests: ``asks`` of (keys,
-        owner, packed)), each answered exactly as alone, with its own lease over its own hits, in turn: one key
-        digest and index pass, one stamp, pin, tag and capability-slot pass over all of them; the leases, the
-        capabilities a node and the answers one a request. Plain pages only (a rank's sub-slots ask alone)."""
+    def lookup_columns_many(self, ns: str, asks: list[tuple[list, object]], now: float, tokens) -> list[tuple]:
+        """``lookup_columns`` of several LOOKUPs (or multi-slot LOOKUPs' parts) of namespace ``ns`` at once (``asks``
+        of (keys, owner): a turn's, ``metaserver/handlers/lookups.py``), each exactly as alone, with its own lease
+        over its own hits: one key digest and index pass, one stamp, pin, tag and capability-slot pass over all of
+        them, then a slice and a lease each. Plain pages only (a rank's sub-slots ask alone)."""
         if len(asks) == 1:
-            keys, owner, packed = asks[0]
-            return [self.lookup_granted(ns, keys, now, owner, tokens, member, None, packed)]
-        every = joined_keys([k for k, _, _ in asks])
+            keys, owner = asks[0]
+            return [self.lookup_columns(ns, keys, now, owner, tokens)]
+        every = joined_keys([k for k, _ in asks])
         hit, hr = self.pin_hits(ns, every)
         tags, slots, nix = self._grant_columns(ns, every, hit, hr, tokens, None) if len(hr) else (None,) * 3
-        cuts = np.cumsum([len(k) for k, _, _ in asks]).tolist()
+        cuts = np.cumsum([len(k) for k, _ in asks]).tolist()
         ends = np.cumsum(hit).take(np.array(cuts, np.int64) - 1).tolist() if len(hit) else [0] * len(asks)
         out, a, h = [], 0, 0
-        for (keys, owner, packed), b, e in zip(asks, cuts, ends):
+        for (_, owner), b, e in zip(asks, cuts, ends):
             if e > h:
-                lease = self.new_lease(hr[h:e], e - h > 1, now, owner)
-                out.append(self._granted(lease, hit[a:b], tags[h:e], slots[h:e], nix[h:e], member, packed))
+                out.append((self.new_lease(hr[h:e], e - h > 1, now, owner), hit[a:b], tags[h:e], slots[h:e],
+                            nix[h:e]))
             else:
-                out.append(self._granted(0, hit[a:b], None, None, None, member, packed))
+                out.append((0, hit[a:b], None, None, None))
             a, h = b, e
         return out
 
-    def _granted(self, lease: int, hit: np.ndarray, tags, slots, nix, member, packed: bool) -> dict:
-        """A LOOKUP's answer (``lookup_granted``) from its lease and grant columns (``lookup_columns``)."""
+    def granted_answer(self, cols: tuple, member, packed: bool) -> dict:
+        """A LOOKUP's answer (``lookup_granted``) from its ``lookup_columns``: its capabilities (one a node) and its
+        rows, packed or (``packed`` False) listed."""
+        lease, hit, tags, slots, nix = cols
         if not lease:
             if packed:
                 return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ())}

@@ -1,5 +1,5 @@
 """``metaserver/handlers/lookups.py``: a slot server's LOOKUPs of one event-loop turn are answered together at its
-end, each as alone (``lookup_granted_many``), each under a lease its connection holds; a request of another kind
+end, each as alone (``lookup_columns_many``), each under a lease its connection holds; a request of another kind
 runs them first (``flush_due``); a closed connection's LOOKUP gets no lease; a deposed server's and a failed table
 pass's LOOKUPs are each answered with the error. A real table; the connections and the server are stand-ins."""
 
@@ -36,8 +36,8 @@ def test_a_turns_lookups_are_answered_together_at_its_end_each_as_alone():
         svc, due = server(), set()
         turn = LookupTurn(svc, due)
         passes = []
-        many = svc.dir.lookup_granted_many
-        svc.dir.lookup_granted_many = lambda ns, asks, *a: passes.append(len(asks)) or many(ns, asks, *a)
+        many = svc.dir.lookup_columns_many
+        svc.dir.lookup_columns_many = lambda ns, asks, *a: passes.append(len(asks)) or many(ns, asks, *a)
         cs, got = [conn(), conn(11), conn(), conn()], {}
         for i, keys in enumerate([keys_of(0, 4), keys_of(2, 6) + [b"\xee" * 32], keys_of(6, 8), keys_of(8, 9)]):
             asked(turn, keys, cs[i], got, i)
@@ -64,9 +64,32 @@ def test_a_turns_lookups_are_answered_together_at_its_end_each_as_alone():
         await asyncio.sleep(0)
         assert got["deposed"][0] is None and isinstance(got["deposed"][1], Unavailable)
         svc.serving = True
-        svc.dir.lookup_granted_many = lambda *a: 1 / 0
+        svc.dir.lookup_columns_many = lambda *a: 1 / 0
         for name in ("x", "y"):
             asked(turn, keys_of(0, 2), cs[3], got, name)
         await asyncio.sleep(0)
         assert all(got[n][0] is None and isinstance(got[n][1], ZeroDivisionError) for n in ("x", "y"))
+    asyncio.run(main())
+
+
+def test_a_merged_lookups_part_shares_its_slots_turn_and_gets_its_columns():
+    async def main():
+        svc, due = server(), set()
+        turn = LookupTurn(svc, due)
+        passes = []
+        many = svc.dir.lookup_columns_many
+        svc.dir.lookup_columns_many = lambda ns, asks, *a: passes.append(len(asks)) or many(ns, asks, *a)
+        cp, got, parts = conn(), {}, []
+        asked(turn, keys_of(0, 3), conn(), got, "plain")
+        turn.ask_part("a", keys_of(2, 6) + [b"\xee" * 32], cp, parts.append)
+        await asyncio.sleep(0)
+        assert passes == [2] and got["plain"][0]["lease"] and len(parts) == 1
+        lease, hit, tags, slots, nix = parts[0]
+        assert lease and hit.tolist() == [True] * 4 + [False] and len(tags) == len(slots) == len(nix) == 4
+        assert lease not in cp.leases  # a part's lease is its request's to take (multislot.Merged)
+        assert svc.dir.release(lease) and svc.dir.cols["pins"].sum() == 3
+        svc.serving = False
+        turn.ask_part("a", keys_of(0, 1), cp, parts.append)
+        await asyncio.sleep(0)
+        assert isinstance(parts[1], Unavailable)
     asyncio.run(main())

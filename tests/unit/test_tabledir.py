@@ -83,8 +83,8 @@ def test_lookup_granted_answers_as_a_per_key_oracle(closed):
 
 
 def test_a_turns_lookups_answer_each_exactly_as_alone():
-    """``lookup_granted_many``: every LOOKUP of a turn is answered as ``lookup_granted`` answers it alone on a twin
-    table (rows, tags, capabilities, misses, a key named twice, one with no hit at all, listed and packed keys, both
+    """``lookup_columns_many``: every LOOKUP of a turn is answered (``granted_answer``) as ``lookup_granted``
+    answers it alone on a twin table (rows, tags, capabilities, misses, a key named twice, one with no hit at all, listed and packed keys, both
     answer forms), under a lease of its own that pins its own hits, which its release gives back; the stamps are
     the twin's."""
     tokens = Tokens(b"s" * 32, {})
@@ -96,7 +96,8 @@ def test_a_turns_lookups_answer_each_exactly_as_alone():
     asks = [(keys_of(0, 5), "a", True), (miss * 2, "b", True), (keys_of(3, 9) + miss + keys_of(3, 4), "c", False),
             (PackedKeys(b"".join(keys_of(20, 24))), "d", True), (keys_of(9, 10), "e", True)]
     for _ in range(2):  # the second time on, every tag comes from the column
-        got = d.lookup_granted_many("a", asks, 0.0, tokens, members.get)
+        cols = d.lookup_columns_many("a", [(k, o) for k, o, _ in asks], 0.0, tokens)
+        got = [d.granted_answer(c, members.get, p) for c, (_, _, p) in zip(cols, asks)]
         want = [twin.lookup_granted("a", k, 0.0, o, tokens, members.get, None, p) for k, o, p in asks]
         assert len(got) == len(asks)
         for g, w in zip(got, want):
