@@ -26,6 +26,14 @@ def server() -> SimpleNamespace:
     return SimpleNamespace(serving=True, dir=d, tokens=Tokens(None, {}), members={}, lease_ms=10_000)
 
 
+def counted_turn() -> tuple:
+    """(server, its process's due set, its turn, the sizes of the table passes it makes)."""
+    svc, due, passes = server(), set(), []
+    many = svc.dir.lookup_columns_many
+    svc.dir.lookup_columns_many = lambda ns, asks, *a: passes.append(len(asks)) or many(ns, asks, *a)
+    return svc, due, LookupTurn(svc, due), passes
+
+
 def asked(turn: LookupTurn, keys: list, c, got: dict, name) -> None:
     later = turn.ask("a", keys, c)
     later.then = lambda ans, err: got.__setitem__(name, (ans, err))
@@ -33,11 +41,7 @@ def asked(turn: LookupTurn, keys: list, c, got: dict, name) -> None:
 
 def test_a_turns_lookups_are_answered_together_at_its_end_each_as_alone():
     async def main():
-        svc, due = server(), set()
-        turn = LookupTurn(svc, due)
-        passes = []
-        many = svc.dir.lookup_columns_many
-        svc.dir.lookup_columns_many = lambda ns, asks, *a: passes.append(len(asks)) or many(ns, asks, *a)
+        svc, due, turn, passes = counted_turn()
         cs, got = [conn(), conn(11), conn(), conn()], {}
         for i, keys in enumerate([keys_of(0, 4), keys_of(2, 6) + [b"\xee" * 32], keys_of(6, 8), keys_of(8, 9)]):
             asked(turn, keys, cs[i], got, i)
@@ -74,11 +78,7 @@ def test_a_turns_lookups_are_answered_together_at_its_end_each_as_alone():
 
 def test_a_merged_lookups_part_shares_its_slots_turn_and_gets_its_columns():
     async def main():
-        svc, due = server(), set()
-        turn = LookupTurn(svc, due)
-        passes = []
-        many = svc.dir.lookup_columns_many
-        svc.dir.lookup_columns_many = lambda ns, asks, *a: passes.append(len(asks)) or many(ns, asks, *a)
+        svc, due, turn, passes = counted_turn()
         cp, got, parts = conn(), {}, []
         asked(turn, keys_of(0, 3), conn(), got, "plain")
         turn.ask_part("a", keys_of(2, 6) + [b"\xee" * 32], cp, parts.append)
