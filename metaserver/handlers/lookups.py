@@ -123,8 +123,18 @@ class LookupTurn:
                         own_lease(d, conn, ans["lease"])
                         ans["lease_ms"] = svc.lease_ms
                     later.done(ans)
-                except Exception:  # noqa: BLE001 - one answer that cannot be sent must not cost the others theirs
-                    log.exception("metaserver: a LOOKUP's answer could not be sent")
+                except Exception as e:  # noqa: BLE001 - one answer that cannot be made must not cost the others
+                    log.exception("metaserver: a LOOKUP's answer could not be made")
+                    if later is not None:
+                        _answer_error(later, e)
+
+
+def _answer_error(later: Later, e: Exception) -> None:
+    """Answer with the error, as for a handler that raised; one that cannot even be sent is logged."""
+    try:
+        later.fail(e)
+    except Exception:  # noqa: BLE001 - the others of the turn are answered all the same
+        log.exception("metaserver: a LOOKUP's error answer could not be sent")
 
 
 def _fail(group: list, e: Exception) -> None:

@@ -93,3 +93,21 @@ def test_a_merged_lookups_part_shares_its_slots_turn_and_gets_its_columns():
         await asyncio.sleep(0)
         assert isinstance(parts[1], Unavailable)
     asyncio.run(main())
+
+
+def test_an_answer_that_cannot_be_made_is_answered_with_its_error_and_the_others_are_not_held_up():
+    async def main():
+        svc, due, turn, passes = counted_turn()
+        got = {}
+        asked(turn, keys_of(0, 2), conn(), got, "bad")
+        asked(turn, keys_of(2, 4), conn(), got, "good")
+        made, calls = svc.dir.granted_answer, []
+
+        def first_fails(cols, *a):
+            calls.append(1)
+            return 1 / 0 if len(calls) == 1 else made(cols, *a)
+
+        svc.dir.granted_answer = first_fails
+        await asyncio.sleep(0)
+        assert passes == [2] and isinstance(got["bad"][1], ZeroDivisionError) and got["good"][0]["lease"]
+    asyncio.run(main())
