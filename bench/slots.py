@@ -16,7 +16,8 @@ routed by the client as ``umbp/slotrouter.py`` does (one slot: ``"slot"``; sever
 ``parts``); keys and their slots are computed before the phase, so the timed client work is a frame out and a frame
 in (a LOOKUP answer's packed rows counted with one ``np.frombuffer``; ``--decode locs`` unpacks them as the client
 library does). Frames go over raw ``transport.framed.FramedSocket`` connections, one per client and process,
-answers matched by request id (a COMMIT waiting on etcd may be answered after later requests).
+answers matched by request id (a COMMIT waiting on etcd may be answered after later requests). The client
+processes are ``bench/slotclients.py``'s; this file is the bench process (pools, phases, figures, the fit).
 
 Measured per phase, between a common start and the last answer: keys/s; each metaserver's CPU-seconds (utime+stime
 from /proc/PID/stat) and busy fraction (CPU-s / wall-s; below 90 % the phase is flagged: the clients, not the
@@ -38,261 +39,22 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import random
-import selectors
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from transport import answerrows, objformat, slotrules, wire  # noqa: E402
-from transport.framed import FramedSocket  # noqa: E402
-from transport.wire import AllocState, Op  # noqa: E402
+from transport import objformat  # noqa: E402
 import umbp  # noqa: E402
 from umbp.launcher import LocalPool  # noqa: E402
+from umbp.sizes import parse_size  # noqa: E402
 
-NS = "bench-slots"
-DRAIN_S = 60.0  # after a phase's end, its requests in flight must all be answered within this
+from slotclients import DRAIN_S, NS, Clients  # noqa: E402 - the client processes
+
 BUDGET_FILL = 0.8  # of the pool's pages the puts of one phase may take (no eviction, slots' regions not full)
-LOOKUP_PLANS = 512  # lookup batches prepared per client (cycled through during the phase)
 BUSY_OK = 0.9
-
-
-# -- the client process --------------------------------------------------------------------------------------------
-
-class _Sub:
-    """One request of a batch to one process: its keys (grouped by slot), their slots, and the batch's counter."""
-
-    __slots__ = ("proc", "keys", "kslots", "route", "nparts", "batch", "op")
-
-    def __init__(self, proc: int, keys: list, kslots: list, route: dict, nparts: int):
-        self.proc, self.keys, self.kslots, self.route, self.nparts = proc, keys, kslots, route, nparts
-        self.batch: list | None = None  # [requests of the batch not answered yet]
-        self.op = 0
-
-
-def _route_meta(kslots: list[int]) -> tuple[dict, int]:
-    """The routing fields of a request whose keys (grouped by slot, in that order) have slots ``kslots``, and how
-    many slot parts it has: ``{"slot": s}`` for one slot, ``{"parts": [[slot, n], ...]}`` for several."""
-    parts: list[list[int]] = []
-    for s in kslots:
-        if parts and parts[-1][0] == s:
-            parts[-1][1] += 1
-        else:
-            parts.append([s, 1])
-    return ({"slot": parts[0][0]} if len(parts) == 1 else {"parts": parts}), len(parts)
-
-
-class BenchClient:
-    """One client process's state: a connection per metaserver process, the slot map, the keys it committed."""
-
-    def __init__(self, cid: int, window: int, page_bytes: int, decode: str, merge: bool = True):
-        self.cid, self.window, self.page_bytes, self.decode = cid, window, page_bytes, decode
-        self.merge = merge
-        self.socks: list[FramedSocket] = []
-        self.slots = 1
-        self.owner: list[int] = []  # slot -> index of its process in socks
-        self.keys: list[bytes] = []  # committed by the last put phase, with their slots
-        self.kslots: list[int] = []
-        self.plan: list[list[_Sub]] = []
-        self.op = 0
-        self.round = 0
-
-    def connect(self, addrs: list[str]) -> int:
-        self.close()
-        token = os.environ.get("UMBP_TOKEN") or None
-        first = FramedSocket(addrs[0], "bench", time.monotonic() + 10, token, hello=True)
-        info = first.request(Op.LEADER, {}, time.monotonic() + 10).meta
-        first.close()
-        slots = info.get("slots") if type(info) is dict else None
-        if type(slots) is int and slots > 1:
-            smap = info["map"]
-            if any(a is None for a in smap):
-                raise RuntimeError(f"bench: slots without a leader in the map {smap}")
-            procs = sorted(set(smap))
-            self.slots, self.owner = slots, [procs.index(a) for a in smap]
-        else:
-            procs, self.slots, self.owner = addrs[:1], 1, [0]
-        self.socks = [FramedSocket(a, f"bench metaserver {a}", time.monotonic() + 10, token, hello=True)
-                      for a in procs]
-        self.keys, self.kslots = [], []
-        return len(procs)
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close()
-        self.socks = []
-
-    def _batch(self, keys: list[bytes], kslots: list[int]) -> list[_Sub]:
-        """One batch as one request per process: its keys grouped by slot (stable, so a part keeps key order)."""
-        if self.slots <= 1:
-            return [_Sub(0, keys, kslots, {}, 1)]
-        by: dict[int, list[int]] = {}
-        for i in sorted(range(len(keys)), key=kslots.__getitem__):
-            by.setdefault(self.owner[kslots[i]], []).append(i)
-        subs = []
-        for proc, idx in by.items():
-            ks = [kslots[i] for i in idx]
-            route, nparts = _route_meta(ks)
-            subs.append(_Sub(proc, [keys[i] for i in idx], ks, route, nparts))
-        return subs
-
-    def prep(self, op: str, batch: int, budget: int) -> int:
-        """Build the next phase's batches before it starts (keys, their slots, the routing)."""
-        self.op = Op.ALLOC if op == "put" else Op.LOOKUP
-        if op == "put":
-            self.round += 1
-            n = budget // batch * batch
-            keys = [b"c%d/r%d/%d" % (self.cid, self.round, i) for i in range(n)]
-            ks = slotrules.slots_of(NS, keys, self.slots).tolist()
-            self.plan = [self._batch(keys[i:i + batch], ks[i:i + batch]) for i in range(0, n, batch)]
-            self.keys, self.kslots = [], []
-        else:
-            if len(self.keys) < batch:
-                raise RuntimeError(f"bench: client {self.cid} committed {len(self.keys)} keys, fewer than a batch")
-            rng = random.Random(self.cid * 7919 + self.round)
-            self.plan = []
-            for _ in range(max(LOOKUP_PLANS, 2 * self.window)):  # a batch is never in flight twice at once
-                idx = rng.sample(range(len(self.keys)), batch)
-                self.plan.append(self._batch([self.keys[i] for i in idx], [self.kslots[i] for i in idx]))
-        return len(self.plan)
-
-    def _send(self, sub: _Sub, op: int, meta: dict, inflight: dict, deadline: float) -> None:
-        fs = self.socks[sub.proc]
-        rid = fs.next_id()
-        meta.update(sub.route)
-        if op == Op.LOOKUP and self.merge and "parts" in sub.route:
-            meta["merge"] = True  # one answer for the parts, as umbp/slotrouter.py asks (metaserver/ha/multislot.py)
-        fs.send([wire.encode(op, rid, meta)], deadline)
-        sub.op = op
-        inflight[(sub.proc, rid)] = sub
-
-    @staticmethod
-    def _answers(sub: _Sub, meta: dict) -> list[dict]:
-        """The per-part answers of a request (one for a single-slot or unpartitioned one, or a merged LOOKUP)."""
-        if "parts" not in sub.route:
-            return [meta]
-        if meta.get("failed"):
-            raise RuntimeError(f"bench: parts failed (the slot map moved during the bench?): {meta['failed']}")
-        return meta["parts"] if "parts" in meta else [meta]
-
-    @staticmethod
-    def _allocs(answers: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        """(state, gen) of each key of an ALLOC's answers, in key order: their packed rows (wire VERSION 12)."""
-        rows = [np.frombuffer(a["rows"], answerrows.ALLOC_ROW) for a in answers]
-        rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
-        return rows["state"], rows["gen"]
-
-    def _hits(self, ans: dict) -> int:
-        if self.decode == "locs" or "rows" not in ans:
-            answerrows.unpack_locs(ans, "bench")
-            return sum(1 for x in ans["locs"] if x is not None)
-        return int(np.count_nonzero(np.frombuffer(ans["rows"], answerrows.LOC_ROW)["node"] != answerrows.NO_NODE))
-
-    def run(self, start_at: float, seconds: float) -> dict:
-        """One timed phase from ``start_at`` (wall clock, common to the clients) for ``seconds``: the window kept
-        full with the plan's batches (lookups cycle through theirs; puts stop at the end of theirs), then every
-        request in flight answered. Returns the counts and the time of the last answer."""
-        st = {"batches": 0, "requests": 0, "parts": 0, "keys": 0, "committed": 0, "found": 0, "not_new": 0,
-              "budget_hit": False}
-        sel = selectors.DefaultSelector()
-        for i, fs in enumerate(self.socks):
-            sel.register(fs.sock, selectors.EVENT_READ, i)
-        inflight: dict[tuple[int, int], _Sub] = {}
-        cycle = self.op == Op.LOOKUP
-        active = nxt = 0
-        time.sleep(max(0.0, start_at - time.time()))
-        cpu0, end, last = time.process_time(), start_at + seconds, time.time()
-        drain_by = time.monotonic() + seconds + DRAIN_S
-        while True:
-            now = time.time()
-            while active < self.window and now < end and (cycle or nxt < len(self.plan)):
-                subs = self.plan[nxt % len(self.plan)]
-                nxt += 1
-                counter = [len(subs)]
-                for sub in subs:
-                    sub.batch = counter
-                    meta = {"ns": NS, "keys": sub.keys}
-                    if self.op == Op.ALLOC:
-                        meta["sizes"] = [self.page_bytes] * len(sub.keys)
-                    self._send(sub, self.op, meta, inflight, drain_by)
-                    st["requests"] += 1
-                    st["parts"] += sub.nparts
-                    st["keys"] += len(sub.keys)
-                st["batches"] += 1
-                active += 1
-            if not cycle and nxt >= len(self.plan) and now < end:
-                st["budget_hit"] = True
-            if not inflight:
-                if now >= end or not cycle and nxt >= len(self.plan):
-                    break
-                continue
-            if time.monotonic() > drain_by:
-                raise RuntimeError(f"bench: {len(inflight)} requests unanswered {DRAIN_S:.0f} s after the phase")
-            for key, _ in sel.select(0.2):
-                p = key.data
-                fs = self.socks[p]
-                fr = fs.recv_frame(drain_by)
-                sub = inflight.pop((p, fr.request_id))
-                wire.raise_for_status(fr, fs.component)
-                if self._answer(sub, fr.meta, inflight, st, drain_by):
-                    sub.batch[0] -= 1
-                    if sub.batch[0] == 0:
-                        active -= 1
-                        last = time.time()
-        sel.close()
-        st["t_last"] = last
-        st["client_cpu_s"] = time.process_time() - cpu0
-        return st
-
-    def _answer(self, sub: _Sub, meta: dict, inflight: dict, st: dict, deadline: float) -> bool:
-        """Take one answer; True when ``sub`` is done (False: its COMMIT was sent)."""
-        answers = self._answers(sub, meta)
-        if sub.op == Op.LOOKUP:
-            leases = []
-            for a in answers:
-                st["found"] += self._hits(a)
-                if a.get("lease"):
-                    leases.append(a["lease"])
-            if leases:
-                self.socks[sub.proc].send_noreply(
-                    Op.RELEASE, {"lease": leases[0]} if len(leases) == 1 else {"leases": leases}, deadline)
-            return True
-        if sub.op == Op.ALLOC:
-            state, gen = self._allocs(answers)  # the packed rows: one frombuffer an answer
-            ok = np.flatnonzero(state == AllocState.NEW).tolist()
-            st["not_new"] += len(state) - len(ok)
-            if not ok:
-                return True
-            if len(ok) < len(state):  # only the allocated keys are committed; their parts counted again
-                sub.keys, sub.kslots = [sub.keys[i] for i in ok], [sub.kslots[i] for i in ok]
-                sub.route = _route_meta(sub.kslots)[0] if self.slots > 1 else {}
-            self._send(sub, Op.COMMIT, {"ns": NS, "keys": sub.keys, "gens": gen.take(ok).tolist()}, inflight,
-                       deadline)
-            return False
-        oks = [x for a in answers for x in a["ok"]]
-        st["committed"] += sum(oks)
-        self.keys += [k for k, x in zip(sub.keys, oks) if x]
-        self.kslots += [s for s, x in zip(sub.kslots, oks) if x]
-        return True
-
-
-def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge: bool = True) -> None:
-    """A client process: obeys the bench's commands on ``conn`` (connect, prep, go, close, exit)."""
-    c = BenchClient(cid, window, page_bytes, decode, merge)
-    while True:
-        cmd, *args = conn.recv()
-        try:
-            if cmd == "exit":
-                c.close()
-                return
-            out = {"connect": c.connect, "prep": c.prep, "go": c.run, "close": c.close}[cmd](*args)
-            conn.send(("ok", out))
-        except Exception:  # noqa: BLE001 - the bench process reports it and stops
-            conn.send(("error", traceback.format_exc()))
 
 
 # -- the bench process ---------------------------------------------------------------------------------------------
@@ -312,44 +74,6 @@ def busy_s() -> float:
     with open("/proc/stat") as fh:
         f = [int(x) for x in fh.readline().split()[1:]]
     return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
-
-
-class Clients:
-    """The client processes (spawned once, reconnected to each pool) and their command pipes."""
-
-    def __init__(self, n: int, window: int, page_bytes: int, decode: str, merge: bool = True):
-        ctx = mp.get_context("spawn")
-        self.pipes, self.procs = [], []
-        for cid in range(n):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge), daemon=True)
-            p.start()
-            self.pipes.append(a)
-            self.procs.append(p)
-
-    def ask(self, cmd: str, *args, timeout: float = 120.0) -> list:
-        for p in self.pipes:
-            p.send((cmd, *args))
-        out = []
-        for i, p in enumerate(self.pipes):
-            if not p.poll(timeout):
-                raise SystemExit(f"bench/slots.py: client {i} did not answer {cmd!r} within {timeout:.0f} s")
-            status, val = p.recv()
-            if status != "ok":
-                raise SystemExit(f"bench/slots.py: client {i} failed at {cmd!r}:\n{val}")
-            out.append(val)
-        return out
-
-    def stop(self) -> None:
-        for p in self.pipes:
-            try:
-                p.send(("exit",))
-            except OSError:
-                pass
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
 
 
 def phase(clients: Clients, op: str, batch: int, budget: int, args, ms_pids: list[int], etcd_pid: int) -> dict:
@@ -407,17 +131,9 @@ def measure(clients: Clients, processes: int, slots: int, batch: int, args) -> l
 def turns(pool) -> tuple[int, int]:
     """(LOOKUPs answered a turn's at once, their table passes) of every metaserver of ``pool`` so far (STATS;
     metaserver/handlers/lookups.py): their ratio is how many LOOKUPs a busy metaserver answers with one pass."""
-    with umbp.Client(pool.metaserver, namespace="bench") as c:
+    with umbp.Client(pool.metaserver, namespace=NS) as c:
         s = c.stats()
     return s.get("turn_lookups", 0), s.get("turn_passes", 0)
-
-
-def parse_size(s: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-    for u, m in units.items():
-        if s.endswith(u):
-            return int(float(s[:-len(u)]) * m)
-    return int(s)
 
 
 def fit(runs: list[dict]) -> dict:
