@@ -3,7 +3,9 @@
 Frames are parsed by ``transport.wire.FrameReader`` straight from the socket buffer (``get_buffer`` /
 ``buffer_updated`` delegate to it). Every request is answered with the same opcode and request id and the RESPONSE
 flag, unless it carries NO_REPLY. Answers to requests that wait on etcd (COMMIT, REGISTER_NODE) may overtake
-earlier ones on the same connection: clients match by request id.
+earlier ones on the same connection, and so may answers to requests read after a LOOKUP in the same turn of the loop
+(a LOOKUP is answered at the end of its turn with the turn's others, ``metaserver/handlers/lookups.py``; a request
+that does not commute with it runs it first): clients match by request id.
 
 Error contract, in order:
 
@@ -206,7 +208,8 @@ class Connection(FramedProtocol):
             ms._spawn(self._finish(op, rid, reply, res, t0))
 
     def _later(self, op: int, rid: int, reply: bool, t0: float, res: dict | None, err: Exception | None) -> None:
-        """A LOOKUP answered at the end of its turn (``metaserver/handlers/lookups.py``)."""
+        """Answer a request that was not answered by its handler's return: a coroutine's (``_finish``) or a LOOKUP
+        given at the end of its turn (``metaserver/handlers/lookups.py``)."""
         self.ms.metrics.requests.since(op, t0)
         if err is not None:
             self._fail(op, rid, reply, err)
@@ -220,12 +223,9 @@ class Connection(FramedProtocol):
             self._error(op, rid, reply, Status.UNAVAILABLE, "shutting down")
             raise
         except Exception as e:  # noqa: BLE001
-            self._fail(op, rid, reply, e)
-            self.ms.metrics.requests.since(op, t0)
+            self._later(op, rid, reply, t0, None, e)
             return
-        self.ms.metrics.requests.since(op, t0)
-        if reply:
-            self.send(wire.encode(op, rid, res, flags=Flag.RESPONSE, version=self.reader.version))
+        self._later(op, rid, reply, t0, res, None)
 
     def _not_serving(self, op: int, rid: int, reply: bool) -> None:
         el = self.ms.leader

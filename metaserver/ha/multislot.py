@@ -206,7 +206,7 @@ def lookup_merged(p, meta: dict, conn) -> Any:
     ns = v.ns(m)
     conn.auth.scope.check(ns, False, "metaserver")
     keys = v.keys(m, p.membership.max_keys * (len(m["parts"]) if type(m["parts"]) is list else 1))
-    merged = Merged(p, conn, ns, cuts(m["parts"], p.slots, len(keys)))
+    merged = Merged(p, conn, cuts(m["parts"], p.slots, len(keys)))
     shard = v.shard(m)
     defer = shard is None and getattr(conn, "defer_lookups", False)
     now = time.monotonic()
@@ -233,10 +233,10 @@ class Merged:
     """A merged LOOKUP's parts as they come back (``got``: each part's ``lookup_columns``, or its error), and its
     answer once every one is (``answer``; ``later``: given then, when the parts waited for their turns)."""
 
-    __slots__ = ("p", "conn", "ns", "parts", "got", "waiting", "later")
+    __slots__ = ("p", "conn", "parts", "got", "waiting", "later")
 
-    def __init__(self, p, conn, ns: str, parts: list[tuple[int, int, int]]) -> None:
-        self.p, self.conn, self.ns, self.parts = p, conn, ns, parts
+    def __init__(self, p, conn, parts: list[tuple[int, int, int]]) -> None:
+        self.p, self.conn, self.parts = p, conn, parts
         self.got: list = [None] * len(parts)
         self.waiting = 0
         self.later: Later | None = None

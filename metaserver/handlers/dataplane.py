@@ -7,7 +7,8 @@ before any await, so a request's effect is atomic), hands the etcd work to the b
 answers with the closed pool's tags and capabilities (``metaserver/table/grants.py``: an ALLOC's and a LOOKUP's places
 as packed rows from wire VERSION 12, built from the table's columns); only COMMIT waits for etcd, and ALLOC when
 generations run out, right after a takeover (at most ``ALLOC_HOLD_S``), or while a removal queued before it is not
-durable (``_when_durable``: its places may lie in the extents freed)."""
+durable (``_when_durable``: its places may lie in the extents freed). A LOOKUP from the server's connections is
+answered at the end of its event-loop turn, with the turn's others (``metaserver/handlers/lookups.py``)."""
 
 from __future__ import annotations
 
