@@ -41,8 +41,9 @@ def slot_map(addr: str) -> dict:
 def wait_map(addrs: list[str], want: set[str], timeout: float, slots: int = SLOTS) -> dict:
     """Poll LEADER until the slot map is the balanced ranking's over exactly the processes ``want`` (each slot
     led by its first-ranked one, the membership role too) and every one of them serves the slots the map gives it
-    (its STATS ``slots_led``: a handover finished, so a client routed by the map meets no MOVED); returns the LEADER
-    answer. Where STATS needs a token (a closed pool), the map alone."""
+    (its STATS ``slots_led``: a handover finished, so a client routed by the map meets no MOVED) and sees that map
+    itself (a client reads the map from whichever process answers first); returns the LEADER answer. Where STATS
+    needs a token (a closed pool), the map alone."""
     expect = leaders(slots, want)
     last = []
 
@@ -57,11 +58,14 @@ def wait_map(addrs: list[str], want: set[str], timeout: float, slots: int = SLOT
             raise NotYet(f"LEADER answered {last[0] if last else None}")
         for a in want:
             try:
-                led = set(raw(a, Op.STATS).get("slots_led") or ())
+                st = raw(a, Op.STATS)
             except AuthError:
                 continue
             except (UmbpError, OSError) as e:
                 raise NotYet(f"{a}: STATS: {e}") from e
+            if st.get("slot_map") != expect:  # each process's own view: a client may ask any of them for the map
+                raise NotYet(f"{a} sees the map {st.get('slot_map')}")
+            led = set(st.get("slots_led") or ())
             mine = {s for s, leader in enumerate(expect) if leader == a}
             if led != mine:
                 raise NotYet(f"{a} serves slots {sorted(led)}, the map gives it {sorted(mine)}")
