@@ -10,8 +10,8 @@ capability per node packed from the columns, the answer's locations as packed ro
 dataplane.lookup/alloc/commit so the figure needs no running metaserver; keep the two in step.
 
 Run alone (``python bench/servicepath.py``) it times ALLOC+COMMIT requests of ``--keys`` new 4 KiB pages into a
-table of ``--nodes`` nodes of ``--capacity`` each (a small capacity: every put evicts) and prints keys per
-CPU-second.
+table of ``--nodes`` nodes of ``--capacity`` each (a small capacity: every put evicts), each page naming the one
+before it as its parent as the engines' puts do (``--parents none``: no parents), and prints keys per CPU-second.
 """
 
 from __future__ import annotations
@@ -178,20 +178,25 @@ def main() -> None:
     ap.add_argument("--capacity", default="4GiB", help="per node (64MiB: a full pool, every put evicts)")
     ap.add_argument("--key-bytes", type=int, default=66, choices=(32, 66),
                     help="66: SGLang's object names (64 hex digits and '_k'); 32: raw digests, each its own")
+    ap.add_argument("--parents", default="chain", choices=("chain", "none"),
+                    help="chain: each page names the one before it as its parent, as the engines' puts do "
+                         "(the request's first names the last page of the request before); none: no parents")
     a = ap.parse_args()
     d = TableDirectory(policy="lru")
     for i in range(a.nodes):
         d.add_space(f"node-{i}", parse_size(a.capacity))
     sp = ServicePath(d)
-    frames = [Wire.frame({"ns": "bench", "keys": [bench_key(i, j, a.key_bytes) for j in range(a.keys)],
-                          "sizes": [4000] * a.keys, "parents": None}) for i in range(a.requests)]
+    keys = [[bench_key(i, j, a.key_bytes) for j in range(a.keys)] for i in range(a.requests)]
+    frames = [Wire.frame({"ns": "bench", "keys": ks, "sizes": [4000] * a.keys,
+                          "parents": [keys[i - 1][-1] if i else None] + ks[:-1] if a.parents == "chain" else None})
+              for i, ks in enumerate(keys)]
     t = time.process_time()
     for f in frames:
         sp.put(f)
     dt = time.process_time() - t
     n = a.requests * a.keys
-    print(f"servicepath: {n:,} keys of {a.key_bytes} bytes in {a.requests:,} ALLOC+COMMIT requests, {a.nodes} "
-          f"node(s) of {a.capacity}: "
+    print(f"servicepath: {n:,} keys of {a.key_bytes} bytes ({a.parents} parents) in {a.requests:,} ALLOC+COMMIT "
+          f"requests, {a.nodes} node(s) of {a.capacity}: "
           f"{n / dt:,.0f} keys per CPU-second ({dt / n * 1e6:.2f} us a key), {d.evictions:,} evictions")
 
 

@@ -5,16 +5,18 @@ The answer is columns: each key's ``AllocState`` (int8; ``entry.OVER_QUOTA`` too
 NEW), so the service packs it without a Python object per key (``TableDirectory.alloc_granted``); ``items_of``
 gives the list of tuples that list callers read.
 
-Two paths, one outcome. The array path (``_bulk``) takes a request whose keys are each new or READY, none given
-twice, no parents, every size fitting every placeable node's arena: the READY keys are stamped (a use) and pinned
-while the request places (so no placement evicts a key this request answers EXISTS); the new keys go in turn over
-the placeable nodes as the per-key path would send them (the ``j``-th new key to ``placing[(rr + j) % nodes]``);
+Two paths, one outcome. Where a page goes near its parent is decided for the whole request first (``homes``), and
+both paths place by it. The array path (``_bulk``) takes a request whose keys are each new or READY, none given
+twice, every size fitting every placeable node's arena: the READY keys are stamped (a use) and pinned while the
+request places (so no placement evicts a key this request answers EXISTS); the new keys go to their homes, the
+others in turn over the placeable nodes as the per-key path would send them (the ``j``-th of them to
+``placing[(rr + j) % nodes]``);
 each (node, layout) group then asks its node's allocator for runs of same-size extents (``Allocator.alloc_runs``),
 takes victims that hand over their extent and row in one pass over the eviction queue (``evict.handover``:
 exact size, old generation; plain LRU without reservations) and, for what is left, victims one at a time
 (``evict.make_room``: another size, a young generation, prefix-lru's order, a quota group's reservation); rows come in
 bulk (``take_rows``) and each column is written with one assignment. Anything else (a key given twice, a PENDING
-key, parents, a size some node cannot hold) takes the per-key path (``_each``), in key order as before.
+key, a size some node cannot hold) takes the per-key path (``_each``), in key order as before.
 
 Costs (2-core VM, 300k pages on 32 nodes, a full pool: every new key evicts): the array path is numpy work per
 request and per (node, layout) group plus O(1) Python per allocator run; the per-key path O(keys) Python.
@@ -30,8 +32,7 @@ from metaserver.table.entry import (EXISTS, EXISTS_ITEM, GONE, IN_FLIGHT, IN_FLI
                               OVER_QUOTA, OVER_QUOTA_ITEM, PENDING, READY, extent_size)
 from metaserver.table.evict import handover, make_room
 from metaserver.table.nodes import FREE, UNIT_SHIFT
-from transport.keyform import digests
-_INF = float("inf")
+from transport.keyform import PackedKeys, digests
 # operands as 0-d arrays: a Python int operand costs a small request's ufunc twice its work (NumPy 2's promotion)
 _NO_ROW0, _READY0, _PENDING0 = np.array(0, np.int64), np.array(READY, np.uint8), np.array(PENDING, np.uint8)
 _UNIT_SHIFT0 = np.array(UNIT_SHIFT, np.uint64)
@@ -115,15 +116,16 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
             found_st = np.where(hit, FREE, found_st)
     hit = found >= _NO_ROW0
     nh = np.count_nonzero(hit)
-    simple = ARRAYS and (parents is None or parents.count(None) == n) and not np.count_nonzero(found_st == _PENDING0) \
-        and len(set(keys)) == n and (not nh or nh == n or int(np.argmin(hit)) > int(hit.nonzero()[0][-1]))
+    home = homes(t, nsix, keys, sizes, parents, found, found_st) if parents is not None else None
+    simple = ARRAYS and not np.count_nonzero(found_st == _PENDING0) and len(set(keys)) == n \
+        and (not nh or nh == n or int(np.argmin(hit)) > int(hit.nonzero()[0][-1]))
     if simple and t.placing and n:
         top = extent_size(sizes[0] if _one_size(sizes) else max(sizes))
         simple = t.placing_min >= top
     if simple:
-        rows, new, used = _bulk(t, sizes, found, state)
+        rows, new, used = _bulk(t, sizes, found, state, home)
     else:
-        rows, new, used = _each(t, nsix, keys, sizes, found, found_st.tolist(), state, none, token, owner, parents)
+        rows, new, used = _each(t, keys, sizes, found, found_st.tolist(), state, none, token, owner, home)
     _file(t, nsix, dig, longs, tags, now, token, owner, parents, at, gen_base, rows, new, state, none)
     if len(used) and t.links.linking:
         t.links.requeue(np.unique(used))
@@ -187,10 +189,106 @@ def _codes(t, sizes: list) -> tuple[list[int], list[int], list[int | None]]:
     return out_s, out_e, out_c
 
 
-def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def homes(t, nsix: int, keys, sizes: list, parents: list, found: np.ndarray, found_st: np.ndarray
+          ) -> np.ndarray | None:
+    """Where each new page goes near its parent: the index in ``t.placing`` of its node, -1 for in turn (a page
+    without a known parent, or one its home cannot take); None when no page can go near a parent. Both paths place
+    by it, decided for the request at once from the nodes' free bytes when it came:
+
+    - a key's home is the node of its parent when that is READY or PENDING on a placeable node (a key of this
+      request too), or the home of its parent when the parent is an earlier new key of this request (a chain
+      followed to its first page); a chain's first page whose parent is named nowhere (or none) is homed in turn,
+      and a page that is no chain's first and names no known parent has none;
+    - a node takes the pages homed on it, in key order, while it has room for each besides those before it and
+      keeps at least half the free bytes of the emptiest placeable node; a page refused for being much fuller goes
+      to that emptiest node while it has room (counted the same way), any other refused page in turn.
+
+    A chain of one request so stays on one node and spills to the emptiest, not piling every chain of a shared
+    prefix onto one node. Costs: a dict of the request's keys, a map over the parents, a few dozen numpy calls and
+    a table look-up of the parents that are not keys of the request (usually one, a chain's first)."""
+    nodes = t.placing
+    n = len(parents)
+    if not nodes or parents.count(None) == n:
+        return None
+    kl = keys.tolist() if type(keys) is PackedKeys else keys
+    first = dict(zip(reversed(kl), range(n - 1, -1, -1)))  # a key's first position
+    ppos = np.array(list(map(first.get, parents, repeat(-1))), np.int64)  # the parent's position, -1: not a key here
+    idx = np.arange(n)
+    c = t.cols
+    live = (found_st == _READY0) | (found_st == _PENDING0)
+    pix = np.full(len(t.nodes), -1, np.int64)  # node index -> its place in ``nodes`` (-1: not placeable)
+    pix[[nd.ix for nd in nodes]] = np.arange(len(nodes))
+    at = np.where(live, pix.take(c["node"].take(np.where(live, found, 0))), -1)  # a live key's node, in ``nodes``
+    inb = ppos >= 0
+    pp = np.where(inb, ppos, 0)
+    base = np.where(inb, at.take(pp), -1)  # the node of a parent that is a live key of this request
+    outside = [i for i in (~inb).nonzero()[0].tolist() if parents[i] is not None]
+    if outside:  # parents that are no key of this request: found in the table
+        named = [parents[i] for i in outside]
+        near = t._parents_near(nsix, named)
+        if near:
+            base[outside] = [pix[near[p].ix] if p in near else -1 for p in named]
+    chain = inb & ~live.take(pp) & (ppos < idx)  # a new parent placed earlier in this request: its home
+    link = np.where(chain, ppos, idx)
+    if chain.any():  # pointer jumping to each chain's first page: a round doubles the distance, and none is n
+        for _ in range((n - 1).bit_length()):
+            link = link.take(link)
+    placed = ~live  # not a use, not a repeat
+    if len(first) < n:
+        placed &= np.fromiter(map(first.__getitem__, kl), np.int64, n) == idx
+    roots = np.zeros(n, bool)
+    roots[link[chain]] = True
+    roots = (roots & (base < 0) & placed).nonzero()[0]
+    if len(roots):  # a chain's first page with no known parent goes in turn, and its chain with it
+        base[roots] = np.arange(t._rr, t._rr + len(roots)) % len(nodes)
+        t._rr += len(roots)
+    home = base.take(link)
+    home[~placed] = -1
+    sel = (home >= 0).nonzero()[0]
+    if not len(sel):
+        return home
+    ext = np.array([extent_size(x) for x in sizes], np.int64) if not _one_size(sizes) else \
+        np.full(n, extent_size(sizes[0]), np.int64)
+    free = np.array([nd.alloc.free_bytes for nd in nodes], np.int64)
+    top = int(free.max())
+    left, e = _left(home, sel, ext, free, None)
+    room = left >= e
+    half = 2 * left >= top
+    home[sel[~room]] = -1
+    spill = sel[room & ~half]
+    if len(spill):  # much fuller than the emptiest: there, after what it takes of its own
+        most = int(free.argmax())
+        home[spill] = most
+        taken = int(ext.take(sel[room & half & (home.take(sel) == most)]).sum())
+        left, e = _left(home, spill, ext, free, taken)
+        home[spill[left < e]] = -1
+    return home
+
+
+def _left(home: np.ndarray, sel: np.ndarray, ext: np.ndarray, free: np.ndarray, taken: int | None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """For the keys ``sel`` (key order), each homed on ``home[sel]``: the free bytes its node has left before it
+    (``free`` less the extents ``ext`` of the keys before it on that node, and ``taken`` more when given: keys
+    all on one node) and its own extent."""
+    e = ext.take(sel)
+    h = home.take(sel)
+    if taken is not None or h.min() == h.max():  # one node (a chain): no grouping
+        return free.take(h) - (taken or 0) - (np.cumsum(e) - e), e
+    order = np.argsort(h, kind="stable")
+    hs, es = h.take(order), e.take(order)
+    cum = np.cumsum(es) - es  # bytes before each key, over all nodes in order
+    first = np.empty(len(hs), bool)  # a node's first key
+    first[0] = True
+    np.not_equal(hs[1:], hs[:-1], out=first[1:])
+    left = np.empty(len(sel), np.int64)
+    left[order] = free.take(hs) - (cum - np.maximum.accumulate(np.where(first, cum, 0)))  # (cum never falls)
+    return left, e
+
+
+def _bulk(t, sizes, found, state, home) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The array path (module docstring): the new keys placed per (node, layout) group. Returns (rows, positions)
     of the NEW keys in key order and the READY rows used; ``state`` says NO_SPACE for the keys that found none
-    (EXISTS stays for the READY ones)."""
+    (EXISTS stays for the READY ones). ``home``: ``homes``' answer, or None."""
     hit = found >= _NO_ROW0
     used = found[hit]
     newpos = (~hit).nonzero()[0]
@@ -205,9 +303,15 @@ def _bulk(t, sizes, found, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     new_sizes = sizes if m == len(sizes) else [sizes[i] for i in newpos.tolist()]
     us, ext, cix = _codes(t, new_sizes)
     u = len(us)
-    group = np.arange(t._rr, t._rr + m)  # in turn: the j-th new key to placing[(rr + j) % nodes]
-    group %= len(nodes)
-    t._rr += m
+    if home is None:
+        group = np.arange(t._rr, t._rr + m)  # in turn: the j-th new key to placing[(rr + j) % nodes]
+        group %= len(nodes)
+        t._rr += m
+    else:  # near its parent where it has a home, the others in turn
+        group = home.take(newpos)
+        turn = (group < _NO_ROW0).nonzero()[0]
+        group[turn] = np.arange(t._rr, t._rr + len(turn)) % len(nodes)
+        t._rr += len(turn)
     if u > 1:
         q_of = {s: q for q, s in enumerate(us)}
         group = group * u + np.array([q_of[s] for s in new_sizes], np.int64)
@@ -320,11 +424,11 @@ def _one_by_one(t, node, size: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(rows, np.int64), np.array(offs, np.uint64)
 
 
-def _each(t, nsix, keys, sizes, found, found_state, state, none, token, owner, parents
+def _each(t, keys, sizes, found, found_state, state, none, token, owner, home
           ) -> tuple[np.ndarray, list[int], np.ndarray]:
     """The per-key path (module docstring): keys in order, placement and eviction a key at a time. Returns (rows,
     positions) of the NEW keys placed here and the READY rows used; a retried allocation's own row is answered in
-    ``none`` directly."""
+    ``none`` directly. ``home``: ``homes``' answer, or None."""
     c = t.cols
     found = found.tolist()
     evicted = t._evicted_now
@@ -340,9 +444,8 @@ def _each(t, nsix, keys, sizes, found, found_state, state, none, token, owner, p
     pending = t._pending
     writer = (token, owner)
     st: list[int] = [EXISTS] * len(keys)
-    near_of = t._parents_near(nsix, parents) if parents is not None else None
-    top = _INF  # at least the most free bytes of a placeable node (rescanned when it does not decide)
-    for i, (k, plen) in enumerate(zip(keys, sizes)):
+    homes_of = home.tolist() if home is not None else repeat(-1)
+    for i, (k, plen, hi) in enumerate(zip(keys, sizes, homes_of)):
         if k in seen:
             continue  # EXISTS
         seen.add(k)
@@ -370,16 +473,9 @@ def _each(t, nsix, keys, sizes, found, found_state, state, none, token, owner, p
                 continue
             got = osize[plen] = (extent_size(plen), cix)  # a shared entry's layout: its n sub-slots
         size, cix = got
-        node = near_of.get(parents[i]) if near_of else None
-        if node is not None:  # near the parent: when it has room and half the free bytes of the emptiest
-            f = node.alloc.free_bytes
-            if f < size or not node.placeable:
-                node = None
-            elif 2 * f < top and 2 * f < (top := max(n.alloc.free_bytes for n in nodes)):
-                # much fuller than the emptiest: there instead, not in turn, where half the children of a shared
-                # prefix would come back to the parent's node
-                node = next(n for n in nodes if n.alloc.free_bytes == top)
-        if node is None:
+        if hi >= 0:
+            node = nodes[hi]
+        else:
             node = nodes[t._rr % len(nodes)]
             t._rr += 1
             if node.alloc.capacity < size:  # never fits there, whatever it evicts: in turn over those it fits
@@ -392,7 +488,6 @@ def _each(t, nsix, keys, sizes, found, found_state, state, none, token, owner, p
         off = node.alloc.alloc(size) if node.alloc.free_bytes >= size else None
         if off is None:
             off, r = make_room(t, node, size)
-            top = _INF  # evictions raised a node's free bytes: no longer a bound
             if off is None:
                 st[i] = NO_SPACE
                 continue
@@ -405,8 +500,6 @@ def _each(t, nsix, keys, sizes, found, found_state, state, none, token, owner, p
         offs.append(off)
         codes.append(cix)
         node_ix.append(node.ix)
-        if near_of is not None:
-            near_of[k] = node  # a child later in this request goes near it
     state[:] = st
     ra = np.array(rows, np.int64)
     if rows:

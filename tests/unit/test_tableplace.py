@@ -1,5 +1,5 @@
 """metaserver/table/place.py (ALLOC on the page table) and metaserver/table/grants.py (its answer): the array path against the
-per-key path on random requests of one page size (same states, same nodes, same victims, same pages left on each
+per-key path on random requests of one page size, with parents or none (same states, same nodes, same victims, same pages left on each
 node, the table's invariants after every step; with several sizes the two may fragment an arena differently, so
 there the invariants and each answer's own consistency are checked), and the packed ALLOC answer against the VERSION 11 items list (same places, tags and write
 capabilities, one per node, equal to ``write_capability`` over that node's slots in key order)."""
@@ -66,11 +66,15 @@ def test_the_array_path_places_and_evicts_as_the_per_key_path(seed, sizes, young
             if rng.random() < 0.05:
                 keys.append(keys[0])  # a key given twice: the per-key path
             plens = [rng.choice(sizes) for _ in keys]
+            parents = None
+            if rng.random() < 0.4:  # chains (the engines' puts), parents in the table or named nowhere, none
+                parents = [rng.choice((None, keys[i - 1] if i else None, keys[i - 1] if i else None,
+                                       rng.choice(universe), b"nowhere")) for i in range(len(keys))]
             got = []
             commit = rng.random() < 0.97  # most are committed at once; a few wait (PENDING rows)
             for d, flag in ((arrays, True), (each, False)):
                 monkeypatch.setattr(tableplace, "ARRAYS", flag)
-                items, _ = d.alloc("a", keys, plens, None, gen, 0.0)
+                items, _ = d.alloc("a", keys, plens, parents, gen, 0.0)
                 new = [(k, it[4]) for k, it in zip(keys, items) if it[0] == NEW]
                 assert len({k for k, _ in new}) == len(new) and all(it[3] == p for it, p in zip(items, plens)
                                                                     if it[0] == NEW)
