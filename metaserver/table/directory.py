@@ -31,12 +31,13 @@ from itertools import accumulate, repeat
 import numpy as np
 
 from metaserver.table.columns import PageTable, by_key
-from metaserver.table.entry import NEW, PENDING, READY, Effects, extent_size, factor
+from metaserver.table.entry import PENDING, READY, Effects, extent_size, factor
 from metaserver.table.grants import Placed
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.evict import bytes_to_low, over_high, victim
 from metaserver.table.load import load_nodes, load_pages, reserve
 from metaserver.table.nodes import UNIT_SHIFT, NodeRows, add_node, detach_node, drain_rows, drop_rows, set_placeable
+from metaserver.table.place import alloc_rows_many
 from metaserver.table import queries
 from metaserver.table.quotas import TableQuotas
 from metaserver.table.shared import SharedEntries
@@ -48,7 +49,6 @@ from umbp.errors import ConfigError
 from umbp.quotarules import QuotaRules
 
 
-UNIT_U64 = np.uint64(UNIT_SHIFT)
 _UNIT0 = np.array(UNIT_SHIFT, np.uint64)  # (a 0-d operand: a numpy scalar or int costs a small batch's ufunc twice)
 _SLOT0 = np.array(24, np.int64)  # bytes of a capability slot (offset, payload length, generation)
 SCAN_PER_DROP = 16  # rows a drop slice may visit per page of its budget (numpy work over the state column)
@@ -140,12 +140,17 @@ class TableDirectory(PageTable):
             items = self.shared.alloc(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
             return Placed.of_items(items, shard[0], self.effects())
         state, rows = self.alloc_rows(ns, keys, sizes, gen_base, None, now, token, owner, parents)
-        new = np.flatnonzero(state == NEW)
-        r = rows.take(new)
-        c = self.cols
-        return Placed(state, new, c["node"].take(r), self.node_names, c["unit"].take(r).astype(np.uint64) << UNIT_U64,
-                      self.code_arr.take(c["size"].take(r)), c["gen"].take(r), None,
-                      lambda tags: c["tag"].put(r, tags), self.effects(), r)
+        return Placed.of_rows(self, state, rows, self.effects())
+
+    def alloc_placed_many(self, ns: str, asks: list, gen_base: int, now: float) -> tuple[list[Placed], Effects] | None:
+        """``alloc_placed`` of several ALLOCs at once (``place.alloc_rows_many``: ``asks`` of (keys, sizes, parents,
+        token, owner), plain pages), each one's ``Placed`` and the effects of them all; None (nothing done) where
+        one pass would not give what they would one after the other."""
+        got = alloc_rows_many(self, ns, [(k, s, self.own_parents(ns, p), tok, own) for k, s, p, tok, own in asks],
+                              gen_base, now)
+        if got is None:
+            return None
+        return [Placed.of_rows(self, st, r) for st, r in got], self.effects()
 
     def commit(self, ns, keys, gens, now, shard=None, rows=None):
         """COMMIT (``PageTable.commit``; ``rows``: where the connection's handles say the keys are, from

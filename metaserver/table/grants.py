@@ -21,9 +21,12 @@ from typing import Callable
 import numpy as np
 
 from metaserver.table.entry import NEW, factor
+from metaserver.table.nodes import UNIT_SHIFT
 from transport import answerrows
 from transport.keyform import pick
 from umbp.auth import Tokens, write_capabilities_packed
+
+_UNIT_U64 = np.uint64(UNIT_SHIFT)
 
 
 class Placed:
@@ -54,6 +57,17 @@ class Placed:
         return cls(state, new, np.array([at[n] for n in ids], np.int64), names,
                    np.array([it[2] for it in got], np.uint64), np.array([it[3] for it in got], np.uint64),
                    np.array([it[4] for it in got], np.uint64), rank, None, fx)
+
+    @classmethod
+    def of_rows(cls, t, state: np.ndarray, rows: np.ndarray, fx=None) -> "Placed":
+        """The columns of ``alloc_rows``' answer (``state``, ``rows``) in page table ``t``: a plain page's tag is
+        kept in its row's ``tag`` column once granted."""
+        new = np.flatnonzero(state == NEW)
+        r = rows.take(new)
+        c = t.cols
+        return cls(state, new, c["node"].take(r), t.node_names, c["unit"].take(r).astype(np.uint64) << _UNIT_U64,
+                   t.code_arr.take(c["size"].take(r)), c["gen"].take(r), None, lambda tags: c["tag"].put(r, tags), fx,
+                   r)
 
     def items(self) -> list:
         """The list form: ``(NEW, node_id, off, plen, gen)`` a NEW key, ``(state, None, None, None, None)`` else."""

@@ -32,7 +32,7 @@ from metaserver.table.entry import (EXISTS, EXISTS_ITEM, GONE, IN_FLIGHT, IN_FLI
                               OVER_QUOTA, OVER_QUOTA_ITEM, PENDING, READY, extent_size)
 from metaserver.table.evict import handover, make_room
 from metaserver.table.nodes import FREE, UNIT_SHIFT
-from transport.keyform import PackedKeys, digests
+from transport.keyform import PackedKeys, digests, joined_keys
 # operands as 0-d arrays: a Python int operand costs a small request's ufunc twice its work (NumPy 2's promotion)
 _NO_ROW0, _READY0, _PENDING0 = np.array(0, np.int64), np.array(READY, np.uint8), np.array(PENDING, np.uint8)
 _UNIT_SHIFT0 = np.array(UNIT_SHIFT, np.uint64)
@@ -70,10 +70,13 @@ def items_of(t, state: np.ndarray, rows: np.ndarray) -> list:
     return items
 
 
-def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: float, token, owner, parents, at
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """``PageTable.alloc`` as columns: (each key's state, int8; each key's row, int64, -1 unless NEW)."""
+def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: float, token, owner, parents, at,
+               whole: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """``PageTable.alloc`` as columns: (each key's state, int8; each key's row, int64, -1 unless NEW). ``whole``:
+    on the array path only (every key READY, or ``_bulk``), else None with nothing done."""
     n = len(keys)
+    if whole and (t.dying or t.quota is not None or len(set(keys)) != n):
+        return None
     nsix = t._ns(ns)
     c = t.cols
     dig, longs = digests(keys)
@@ -116,12 +119,14 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
             found_st = np.where(hit, FREE, found_st)
     hit = found >= _NO_ROW0
     nh = np.count_nonzero(hit)
-    home = homes(t, nsix, keys, sizes, parents, found, found_st) if parents is not None else None
     simple = ARRAYS and not np.count_nonzero(found_st == _PENDING0) and len(set(keys)) == n \
         and (not nh or nh == n or int(np.argmin(hit)) > int(hit.nonzero()[0][-1]))
     if simple and t.placing and n:
         top = extent_size(sizes[0] if _one_size(sizes) else max(sizes))
         simple = t.placing_min >= top
+    if whole and not simple:
+        return None
+    home = homes(t, nsix, keys, sizes, parents, found, found_st) if parents is not None else None
     if simple:
         rows, new, used = _bulk(t, sizes, found, state, home)
     else:
@@ -130,6 +135,36 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
     if len(used) and t.links.linking:
         t.links.requeue(np.unique(used))
     return state, none
+
+
+def alloc_rows_many(t, ns: str, asks: list, gen_base: int, now: float) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """``alloc_rows`` of several ALLOCs of namespace ``ns`` at once (``asks``: (keys, sizes, parents, token, owner)
+    each, a turn's: ``metaserver/handlers/turns.py``), in order, their generations ``gen_base`` on: (state, rows)
+    each, as ``alloc_rows`` answers it. One digest, index, placement and filing pass over all their keys, so each
+    ALLOC's fixed cost is paid once: their keys are placed as one ALLOC of them all would place them (in turn over
+    the nodes, near their parents: ``homes``), and each PENDING row is its own ALLOC's (token and owner).
+
+    Only on the array path for them all together, else None with nothing done: every key READY, or new keys after
+    READY ones; no PENDING key, none given twice over them all, no quota groups, no node being dropped. Each key is
+    then answered as if its ALLOC came alone after the others: no key of one is another's, so none is IN_FLIGHT
+    for a sibling, and each READY key is stamped (a use) before any page is placed, as alone."""
+    keys = joined_keys([a[0] for a in asks])
+    sizes = [s for a in asks for s in a[1]]
+    parents = None
+    if any(a[2] is not None for a in asks):
+        parents = [p for a in asks for p in (a[2] if a[2] is not None else repeat(None, len(a[0])))]
+    got = alloc_rows(t, ns, keys, sizes, gen_base, None, now, None, None, parents, None, True)
+    if got is None:
+        return None
+    state, rows = got
+    out, lo, pending = [], 0, t._pending
+    for keys_, _, _, token, owner in asks:
+        hi = lo + len(keys_)
+        st, r = state[lo:hi], rows[lo:hi]
+        pending.update(dict.fromkeys(r[r >= _NO_ROW0].tolist(), (token, owner)))
+        out.append((st, r))
+        lo = hi
+    return out
 
 
 def _file(t, nsix, dig, longs, tags, now, token, owner, parents, at, gen_base, rows, new, state, none) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from metaserver.table import place as tableplace
-from metaserver.table.entry import NEW
+from metaserver.table.entry import NEW, PENDING
 from metaserver.table.grants import grant_alloc
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.directory import TableDirectory
@@ -153,6 +153,72 @@ def test_the_packed_answer_carries_what_the_items_list_carries():
     d.commit("a", [k for k, _ in new], [it[4] for _, it in new], 0.0)
     rows = d._find("a", [k for k, _ in new])
     assert d.cols["tag"][rows].tolist() == [it[5] for _, it in new]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_turns_allocs_in_one_pass_are_placed_as_one_alloc_of_them_all(seed):
+    """``TableDirectory.alloc_placed_many``: several ALLOCs in one pass, each answered from the slice of one ALLOC of
+    all their keys on a twin table (states, nodes, offsets, generations, victims; each PENDING row owned by its own
+    ALLOC); where the array path would not take them all (a key of two ALLOCs, a PENDING key, a READY key after a
+    new one), None and the table untouched."""
+    rng = random.Random(seed)
+    many, one = _tables(rng.randint(1, 4), rng.randint(30, 80))
+    universe: list[bytes] = []
+    gen = 1
+    for step in range(120):
+        asks = []
+        for j in range(rng.choice((1, 2, 4, 8))):
+            n = rng.choice((1, 5, 16, 40))
+            keys = [rng.randbytes(32) if rng.random() < 0.8 else b"long-key-%d-%d-%d" % (step, j, i) for i in range(n)]
+            parents = None
+            if rng.random() < 0.5:
+                parents = [rng.choice((None, keys[i - 1] if i else None, keys[i - 1] if i else None,
+                                       rng.choice(universe) if universe else None)) for i in range(n)]
+            asks.append([keys, [3000] * n, parents, rng.randrange(1, 1 << 40), f"conn{j}"])
+        odd = rng.random()
+        if odd < 0.1 and len(asks) > 1:
+            asks[-1][0][0] = asks[0][0][-1]  # a key in two ALLOCs
+        elif odd < 0.2 and universe:
+            asks[0][0][0] = rng.choice(universe)  # a READY (or PENDING) key first: still one pass if READY
+        elif odd < 0.25 and universe and len(asks) > 1:
+            asks[-1][0][-1] = rng.choice(universe)  # a READY key after new ones
+        asks = [tuple(a) for a in asks]
+        before = (many.exists("a", universe), [nd.alloc.used for nd in many.placing], many._rr, many.evictions)
+        got = many.alloc_placed_many("a", asks, gen, 0.0)
+        keys = [k for a in asks for k in a[0]]
+        if got is None:
+            assert before == (many.exists("a", universe), [nd.alloc.used for nd in many.placing], many._rr,
+                              many.evictions), "nothing done"
+            assert len(set(keys)) < len(keys) or step and any(
+                many._find("a", [k])[0] >= 0 for a in asks[1:] for k in a[0]) or any(
+                many.cols["state"][r] == PENDING for r in many._find("a", keys).tolist() if r >= 0), step
+            gen += len(keys)
+            continue
+        placed, _ = got
+        whole = one.alloc_placed("a", keys, [s for a in asks for s in a[1]],
+                                 [p for a in asks for p in (a[2] or [None] * len(a[0]))]
+                                 if any(a[2] for a in asks) else None, gen, 0.0)
+        lo = 0
+        for a, p in zip(asks, placed):
+            hi = lo + len(a[0])
+            sl = np.flatnonzero((whole.new >= lo) & (whole.new < hi))
+            assert p.state.tolist() == whole.state[lo:hi].tolist(), step
+            assert (p.new == whole.new[sl] - lo).all() and [p.names[x] for x in p.node.tolist()] == [
+                whole.names[x] for x in whole.node[sl].tolist()]
+            assert (p.offs == whole.offs[sl]).all() and (p.gens == whole.gens[sl]).all()
+            assert (p.rows == whole.rows[sl]).all()
+            assert all(many.writer_of(r) == a[4] for r in p.rows.tolist())
+            lo = hi
+        new = [(k, int(g)) for a, p in zip(asks, placed) for k, g in zip([a[0][i] for i in p.new.tolist()], p.gens)]
+        if new and rng.random() < 0.9:  # most are committed at once; a few wait (PENDING rows)
+            for d in (many, one):
+                assert d.commit("a", [k for k, _ in new], [g for _, g in new], 0.0)[0] == [True] * len(new)
+        universe += [k for k, _ in new]
+        gen += len(keys)
+        assert many.exists("a", universe) == one.exists("a", universe) and many.evictions == one.evictions
+        assert [nd.alloc.used for nd in many.placing] == [nd.alloc.used for nd in one.placing]
+        many.check()
+        one.check()
 
 
 def test_an_alloc_that_places_nothing_answers_packed_rows_of_states_only():
