@@ -118,21 +118,24 @@ def measure(clients: Clients, processes: int, slots: int, batch: int, args) -> l
         budget = max(batch, int(pages * BUDGET_FILL) // len(clients.pipes))
         runs = []
         for op in ("put", "lookup"):
-            t0 = turns(pool)
+            t0 = turns(pool, op)
             runs.append(phase(clients, op, batch, budget, args, ms_pids, etcd_pid))
-            asked, passes = (b - a for a, b in zip(t0, turns(pool)))
-            runs[-1]["lookups_per_pass"] = asked / passes if passes else None
+            asked, passes = (b - a for a, b in zip(t0, turns(pool, op)))
+            runs[-1]["per_pass"] = asked / passes if passes else None
         clients.ask("close")
     for r in runs:
         r.update(processes=processes, slots=slots, clients=len(clients.pipes), window=args.window)
     return runs
 
 
-def turns(pool) -> tuple[int, int]:
-    """(LOOKUPs answered a turn's at once, their table passes) of every metaserver of ``pool`` so far (STATS;
-    metaserver/handlers/lookups.py): their ratio is how many LOOKUPs a busy metaserver answers with one pass."""
+def turns(pool, op: str) -> tuple[int, int]:
+    """(LOOKUPs, or for ``op`` "put" ALLOCs, answered a turn's at once, their table passes) of every metaserver of
+    ``pool`` so far (STATS; metaserver/handlers/turns.py): their ratio is how many a busy metaserver answers with
+    one pass."""
     with umbp.Client(pool.metaserver, namespace=NS) as c:
         s = c.stats()
+    if op == "put":
+        return s.get("turn_allocs", 0), s.get("turn_alloc_passes", 0)
     return s.get("turn_lookups", 0), s.get("turn_passes", 0)
 
 
@@ -248,9 +251,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def per_pass(r: dict) -> str:
-    """A lookup phase's LOOKUPs a table pass (``turns``), as printed."""
-    x = r.get("lookups_per_pass")
-    return "-" if r["op"] != "lookup" or x is None else f"{x:.2f}"
+    """A phase's LOOKUPs, or ALLOCs, a table pass (``turns``), as printed."""
+    x = r.get("per_pass")
+    return "-" if x is None else f"{x:.2f}"
 
 
 def main(argv=None) -> int:

@@ -3,9 +3,9 @@
 Frames are parsed by ``transport.wire.FrameReader`` straight from the socket buffer (``get_buffer`` /
 ``buffer_updated`` delegate to it). Every request is answered with the same opcode and request id and the RESPONSE
 flag, unless it carries NO_REPLY. Answers to requests that wait on etcd (COMMIT, REGISTER_NODE) may overtake
-earlier ones on the same connection, and so may answers to requests read after a LOOKUP in the same turn of the loop
-(a LOOKUP is answered at the end of its turn with the turn's others, ``metaserver/handlers/lookups.py``; a request
-that does not commute with it runs it first): clients match by request id.
+earlier ones on the same connection, and so may answers to requests read after a LOOKUP or an ALLOC in the same turn
+of the loop (each is answered at the end of its turn with the turn's others, ``metaserver/handlers/turns.py``; a
+request that does not commute with it runs it first): clients match by request id.
 
 Error contract, in order:
 
@@ -47,7 +47,7 @@ from metaserver.store import gcpolicy
 
 from metaserver.handlers import kvevents
 from metaserver.store.gcpolicy import GcPolicy
-from metaserver.handlers.lookups import COMMUTING, Later, flush_due
+from metaserver.handlers.turns import Later, flush_due
 from metaserver.handlers.ownership import HeldLeases
 from metaserver.ha.partition import Partition
 from metaserver.ha.service import LEADER_ONLY
@@ -77,7 +77,7 @@ def _op_name(op: int) -> str:
 class Connection(FramedProtocol):
     component = "metaserver"
     _out: list[bytes] | None = None  # answers queued for one socket write (``send``, ``flush``)
-    defer_lookups = True  # a turn's LOOKUPs answered together (metaserver/handlers/lookups.py)
+    in_turns = True  # a turn's LOOKUPs, and its ALLOCs, answered together (metaserver/handlers/turns.py)
 
     def __init__(self, ms: Partition, conns: set, admission: Admission, tls=None):
         self.ms = ms
@@ -182,8 +182,8 @@ class Connection(FramedProtocol):
                                             version=self.reader.version))
             return
         t0 = time.perf_counter()
-        if op not in COMMUTING and ms.lookups_due:
-            flush_due(ms.lookups_due)  # the turn's LOOKUPs read before this request run before it
+        if ms.turns_due:
+            flush_due(ms.turns_due, op, self)  # the waiting requests it does not commute with run before it
         try:
             if op not in (Op.HELLO, Op.AUTH, Op.PING):
                 self.auth.require()
@@ -209,7 +209,7 @@ class Connection(FramedProtocol):
 
     def _later(self, op: int, rid: int, reply: bool, t0: float, res: dict | None, err: Exception | None) -> None:
         """Answer a request that was not answered by its handler's return: a coroutine's (``_finish``) or a LOOKUP
-        given at the end of its turn (``metaserver/handlers/lookups.py``)."""
+        given at the end of its turn (``metaserver/handlers/turns.py``)."""
         self.ms.metrics.requests.since(op, t0)
         if err is not None:
             self._fail(op, rid, reply, err)

@@ -1,5 +1,5 @@
 """A real metaserver answers the LOOKUPs it reads in one event-loop turn with one table pass
-(``metaserver/handlers/lookups.py``), each exactly as alone, and keeps the order it read requests in: frames sent in
+(``metaserver/handlers/turns.py``), each exactly as alone, and keeps the order it read requests in: frames sent in
 one write (LOOKUPs, a RELEASE and an EXISTS among them, which commute with them, a REMOVE, which does not, and a
 malformed LOOKUP) get one answer each, the LOOKUPs read before the REMOVE are answered before it, every LOOKUP's rows
 are the rows it gets asked alone, each holds a lease of its own until released, and STATS counts the LOOKUPs against

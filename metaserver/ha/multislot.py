@@ -24,7 +24,7 @@ one LOOKUP answer for the whole request (``lookup_merged``): ``{"lease", "lease_
 node covering every part's slots on it (read capabilities carry no slot epoch: a node checks each (offset, length,
 generation) it is asked for against the capability alone), and one read lease for the process (``ProcessLeases``:
 its id names every part's lease; RELEASE of it releases them all). The parts still run on their own slot's table,
-each with the other LOOKUPs and parts of its slot's event-loop turn (``metaserver/handlers/lookups.py``: one table
+each with the other LOOKUPs and parts of its slot's event-loop turn (``metaserver/handlers/turns.py``: one table
 pass a slot and turn), but the validation, the grants, the answer and the lease are the request's, once.
 
 Cost: O(keys) to slice and check, plus each part's handler; COMMIT parts waiting on etcd are awaited together. A
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from metaserver import validate as v
-from metaserver.handlers.lookups import Later
+from metaserver.handlers.turns import Later
 from metaserver.handlers.ownership import LEASES_PRUNE_AT, own_lease, release_held
 from metaserver.table.directory import by_node
 from metaserver.table.entry import random_id
@@ -130,7 +130,10 @@ def dispatch(p, op: int, meta: dict, conn) -> Any:
             if not srv.serving:
                 raise p._moved(name)
             sc = p._slot_conn(conn, name)
-            res = srv.dataplane.lookup(m, sc, False) if op == Op.LOOKUP else srv.handlers[op](m, sc)
+            if op == Op.LOOKUP or op == Op.ALLOC:  # a part answered now: its request gathers the parts
+                res = (srv.dataplane.lookup if op == Op.LOOKUP else srv.alloc)(m, sc, False)
+            else:
+                res = srv.handlers[op](m, sc)
         except Exception as e:  # noqa: BLE001 - a part's failure is that part's answer
             answers.append(None)
             failed.append(_failure(i, e))
@@ -200,7 +203,7 @@ def lookup_merged(p, meta: dict, conn) -> Any:
     """A multi-slot LOOKUP answered as one LOOKUP (module docstring): each part's rows found and pinned in its slot's
     table, then one capability a node, one packed answer and one process lease over all of them. A part whose slot
     is not served here, or whose table call fails, is in ``failed`` and its keys are misses. For a connection that
-    waits (the server's), each part joins its slot's turn (``metaserver/handlers/lookups.py``: one table pass for the
+    waits (the server's), each part joins its slot's turn (``metaserver/handlers/turns.py``: one table pass for the
     turn's LOOKUPs and parts of that slot) and the answer is a ``Later``, given when the last part is back."""
     m = v.fields(meta, _MERGED, ("ns", "keys", "parts"))
     ns = v.ns(m)
@@ -208,7 +211,7 @@ def lookup_merged(p, meta: dict, conn) -> Any:
     keys = v.keys(m, p.membership.max_keys * (len(m["parts"]) if type(m["parts"]) is list else 1))
     merged = Merged(p, conn, cuts(m["parts"], p.slots, len(keys)))
     shard = v.shard(m)
-    defer = shard is None and getattr(conn, "defer_lookups", False)
+    defer = shard is None and getattr(conn, "in_turns", False)
     now = time.monotonic()
     for i, (slot, a, b) in enumerate(merged.parts):
         name = str(slot)

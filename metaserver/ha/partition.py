@@ -31,7 +31,7 @@ from metaserver.store.combine import TxnCombiner
 from metaserver.ha.election import RANK_DELAY_S, ElectedProcess  # noqa: F401 - RANK_DELAY_S: the pool's constant
 from metaserver.store.fullload import node_descs
 from metaserver.handlers.metrics import MetaserverMetrics
-from metaserver.handlers.lookups import Later
+from metaserver.handlers.turns import Later
 from metaserver.handlers.ownership import HeldLeases, release_answer, release_held, release_ids
 from metaserver.ha.partanswers import ProcessAnswers
 from metaserver.store.persist import EtcdStore
@@ -51,7 +51,7 @@ class SlotConn:
     leases (ownership is per directory)."""
 
     __slots__ = ("conn", "pending", "leases")
-    defer_lookups = True  # as the server's connections: a turn's LOOKUPs together (metaserver/handlers/lookups.py)
+    in_turns = True  # as the server's connections: a turn's LOOKUPs and ALLOCs together (metaserver/handlers/turns.py)
 
     def __init__(self, conn):
         self.conn = conn
@@ -115,7 +115,7 @@ class Partition(ElectedProcess):
         self.leader = _Leadership(self)
         self.metrics = MetaserverMetrics(self)
         self._init_election()
-        self.lookups_due: set = set()  # slot servers' turns with LOOKUPs waiting (metaserver/handlers/lookups.py)
+        self.turns_due: set = set()  # slot servers' turns with requests waiting (metaserver/handlers/turns.py)
         self.page_slots = [str(s) for s in range(slots)]
         self.names = self.page_slots + ([MEMBERSHIP] if slots > 1 else [])
         self.servers: dict[str, SlotServer] = {s: SlotServer(config, self, s) for s in self.page_slots}

@@ -56,7 +56,7 @@ import time
 
 from metaserver.store.combine import TxnCombiner
 from metaserver.ha.fence import fence_nodes
-from metaserver.handlers.lookups import LookupTurn
+from metaserver.handlers.turns import AllocTurn, LookupTurn
 from metaserver.store.generations import GenCounter
 from metaserver.store.persist import EtcdStore
 from metaserver.ha.service import ETCD_START_DEADLINE_S, Metaserver
@@ -276,7 +276,8 @@ class SlotServer(Metaserver):
                           combiner=None if one else getattr(partition, "combiner", None), at_root=one)
         super().__init__(config, store, SlotLeadership(partition, name), partition.metrics)
         self.handlers[Op.ALLOC] = self.alloc  # the slot's own refusals first, then the data plane's ALLOC
-        self.lookups = LookupTurn(self, partition.lookups_due)  # a turn's LOOKUPs, answered together
+        self.lookups = LookupTurn(self, partition.turns_due)  # a turn's LOOKUPs, answered together
+        self.allocs = AllocTurn(self, partition.turns_due)  # and its ALLOCs
 
     def _new_state(self) -> None:
         super()._new_state()
@@ -385,8 +386,9 @@ class SlotServer(Metaserver):
         for node in self.members.nodes.values():
             node.lease_id = 0  # the membership leader's lease: a slot leader never revokes it
 
-    def alloc(self, meta, conn):
-        """ALLOC (its entry in ``handlers``): refused as a retry while this slot has no node to place on yet."""
+    def alloc(self, meta, conn, defer: bool = True):
+        """ALLOC (its entry in ``handlers``): refused as a retry while this slot has no node to place on yet; then
+        the data plane's (``defer``: False for a multi-slot ALLOC's part, answered at once)."""
         if not self.owns_nodes and not self.dir.spaces:
             # No node record has reached this slot yet (it took over before the nodes registered, and the next
             # round brings them): a retry, not a full pool.
@@ -396,7 +398,7 @@ class SlotServer(Metaserver):
             # pool.
             raise Unavailable("metaserver", f"slot {self.name}: storage nodes not fenced yet ({len(self.unfenced)})",
                               Status.UNAVAILABLE)
-        return self.dataplane.alloc(meta, conn)
+        return self.dataplane.alloc(meta, conn, defer)
 
     def sync_nodes(self, live: dict[str, dict], now: float) -> None:
         """The pool's leased node records (node id -> description) as the membership leader keeps them: a node

@@ -78,8 +78,10 @@ class Admin:
         out["dead_pages"] = d.commits.dead_pages  # pages that left named by a dead list, not a record rewrite
         # ALLOCs (and mover rounds) that waited for removals to be durable, and how long in all (handlers/dataplane.py)
         out["removal_waits"], out["removal_waited_s"] = w.barrier_waits, round(svc.dataplane.alloc_waited_s, 3)
-        # LOOKUPs (and merged LOOKUPs' parts) answered a turn's at once, and their table passes (handlers/lookups.py)
+        # LOOKUPs (and merged LOOKUPs' parts), and ALLOCs, answered a turn's at once, and their table passes
+        # (handlers/turns.py)
         out["turn_lookups"], out["turn_passes"] = svc.lookups.asked, svc.lookups.passes
+        out["turn_allocs"], out["turn_alloc_passes"] = svc.allocs.asked, svc.allocs.passes
         if not scope.admin:
             del out["etcd"]
         return out

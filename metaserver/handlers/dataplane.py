@@ -7,8 +7,8 @@ before any await, so a request's effect is atomic), hands the etcd work to the b
 answers with the closed pool's tags and capabilities (``metaserver/table/grants.py``: an ALLOC's and a LOOKUP's places
 as packed rows from wire VERSION 12, built from the table's columns); only COMMIT waits for etcd, and ALLOC when
 generations run out, right after a takeover (at most ``ALLOC_HOLD_S``), or while a removal queued before it is not
-durable (``_when_durable``: its places may lie in the extents freed). A LOOKUP from the server's connections is
-answered at the end of its event-loop turn, with the turn's others (``metaserver/handlers/lookups.py``)."""
+durable (``_when_durable``: its places may lie in the extents freed). A LOOKUP or an ALLOC from the server's
+connections is answered at the end of its event-loop turn, with the turn's others (``metaserver/handlers/turns.py``)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ class DataPlane:
         self.svc = svc
         self.alloc_waited_s = 0.0  # ALLOC answers' time spent waiting for removals to be durable (``_when_durable``)
 
-    def alloc(self, meta: Any, conn):
+    def alloc(self, meta: Any, conn, defer: bool = True):
+        """ALLOC: the answer, a coroutine for it, or (``defer``, for a connection that waits: the server's) a
+        ``Later`` answered with the turn's other ALLOCs (``metaserver/handlers/turns.py``, ``alloc_many``)."""
         svc = self.svc
         m = v.fields(meta, _ALLOC, ("ns", "keys", "sizes"))
         ns = v.ns(m)
@@ -52,10 +54,57 @@ class DataPlane:
         parents = v.parents(m, len(keys))
         token = v.integer(m, "token", 1, (1 << 63) - 1) if m.get("token") is not None else None
         shard = v.shard(m)
+        if defer and shard is None and svc.settled.is_set() and getattr(conn, "in_turns", False):
+            return svc.allocs.ask(ns, keys, conn, sizes, parents, token)
+        return self._alloc(ns, keys, sizes, parents, token, conn, shard)
+
+    def _alloc(self, ns, keys, sizes, parents, token, conn, shard=None):
+        svc = self.svc
         base = svc.gens.take_nowait(len(keys)) if svc.settled.is_set() else None
         if base is None:
             return self._alloc_later(ns, keys, sizes, parents, svc.term, token, conn, shard)
         return self._when_durable(self._alloc_now(ns, keys, sizes, parents, base, token, conn, shard), svc.term)
+
+    def alloc_many(self, ns: str, asks: list) -> tuple[list, int]:
+        """The ALLOCs of a turn (``asks``: (keys, sizes, parents, token, connection), validated, of namespace
+        ``ns``), in one table pass where ``TableDirectory.alloc_placed_many`` takes them, else one after the other:
+        (each one's answer, a coroutine for it or its error; the table passes made)."""
+        svc = self.svc
+        n = sum(len(a[0]) for a in asks)
+        base = svc.gens.take_nowait(n) if len(asks) > 1 and svc.settled.is_set() else None
+        got = None
+        if base is not None:
+            self._placeable()
+            got = svc.dir.alloc_placed_many(ns, [(k, s, p, tok, c) for k, s, p, tok, c in asks], base,
+                                            time.monotonic())
+        out: list = []
+        if got is None:  # one after the other, as alone (with the generations taken, when they were)
+            for k, s, p, tok, c in asks:
+                try:
+                    out.append(self._alloc(ns, k, s, p, tok, c) if base is None else
+                               self._when_durable(self._alloc_now(ns, k, s, p, base, tok, c), svc.term))
+                except Exception as e:  # noqa: BLE001 - that ALLOC's answer
+                    out.append(e)
+                if base is not None:
+                    base += len(k)
+            return out, len(asks)
+        placed, fx = got
+        svc._apply(fx)
+        for (k, _, _, _, c), p in zip(asks, placed):
+            try:
+                out.append(self._when_durable(self._answer(ns, k, p, base, c), svc.term))
+            except Exception as e:  # noqa: BLE001 - that ALLOC's answer
+                out.append(e)
+            base += len(k)
+        return out, 1
+
+    def _placeable(self) -> None:
+        """Unavailable right after a takeover, before any node has re-registered (and acked its floor): not a full
+        pool, ask again shortly."""
+        svc = self.svc
+        if not any(sp.placeable for sp in svc.dir.spaces.values()) and any(
+                n.provisional or not n.floor_acked for n in svc.members.nodes.values()):
+            raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
 
     def _when_durable(self, ans: dict, term: int):
         """``ans``, or a coroutine answering it once every removal queued before it (a commit record rewritten
@@ -80,14 +129,16 @@ class DataPlane:
 
     def _alloc_now(self, ns, keys, sizes, parents, base, token, conn, shard=None) -> dict:
         svc = self.svc
-        d = svc.dir
-        if not any(sp.placeable for sp in d.spaces.values()) and any(
-                n.provisional or not n.floor_acked for n in svc.members.nodes.values()):
-            # Right after a takeover no node has re-registered (and acked its floor) yet: not a full pool, ask again
-            # shortly.
-            raise Unavailable("metaserver", "no node has re-registered since the takeover yet", Status.UNAVAILABLE)
-        p = d.alloc_placed(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
+        self._placeable()
+        p = svc.dir.alloc_placed(ns, keys, sizes, parents, base, time.monotonic(), token, conn, shard)
         svc._apply(p.fx)
+        return self._answer(ns, keys, p, base, conn)
+
+    def _answer(self, ns, keys, p, base: int, conn) -> dict:
+        """The ALLOC answer of placement ``p`` (generations from ``base``): the quota refusal, the write deadline,
+        tags and capabilities (``grants.grant_alloc``), the connection's PENDING handles."""
+        svc = self.svc
+        d = svc.dir
         if d.quotas and (p.state == OVER_QUOTA).any():
             refuse_over_quota(d, ns, keys, p.items())
         deadline_ms = int((time.time() + svc.cfg.write_cap_ttl_s) * 1000)
@@ -173,14 +224,14 @@ class DataPlane:
         """LOOKUP on this slot (a ``"release"`` of earlier leases it carries is taken out and released first by the
         process: ``metaserver/ha/partition.py`` ``Partition._lookup_releasing``): the answer, or (``defer``, for a
         connection that waits: the server's) a ``Later`` answered with the turn's other LOOKUPs
-        (``metaserver/handlers/lookups.py``)."""
+        (``metaserver/handlers/turns.py``)."""
         m = v.fields(meta, _LOOKUP, ("ns", "keys"))
         ns = v.ns(m)
         conn.auth.scope.check(ns, False, "metaserver")
         svc = self.svc
         keys = v.keys(m, svc.max_keys)
         shard = v.shard(m)
-        if defer and shard is None and getattr(conn, "defer_lookups", False):
+        if defer and shard is None and getattr(conn, "in_turns", False):
             return svc.lookups.ask(ns, keys, conn)
         # tags and capabilities from the columns; packed rows from wire VERSION 12
         ans = svc.dir.lookup_granted(ns, keys, time.monotonic(), conn, svc.tokens, svc.members.get, shard,

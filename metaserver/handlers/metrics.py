@@ -116,9 +116,14 @@ class _Collector(Collector):
         yield _counter("umbp_metaserver_ticks", "Background ticks run (expiry, node loss, eviction)", ms.ticks)
         turns = [s.lookups for s in ms.servers.values()]
         yield _counter("umbp_metaserver_turn_lookups", "LOOKUPs answered with the others of their event-loop turn "
-                       "(metaserver/handlers/lookups.py)", sum(t.asked for t in turns))
+                       "(metaserver/handlers/turns.py)", sum(t.asked for t in turns))
         yield _counter("umbp_metaserver_turn_passes", "Table passes those LOOKUPs took (fewer than LOOKUPs: "
                        "turns of several)", sum(t.passes for t in turns))
+        turns = [s.allocs for s in ms.servers.values()]
+        yield _counter("umbp_metaserver_turn_allocs", "ALLOCs answered with the others of their event-loop turn",
+                       sum(t.asked for t in turns))
+        yield _counter("umbp_metaserver_turn_alloc_passes", "Table passes those ALLOCs took (one a turn's ALLOCs "
+                       "where one pass takes them all, else one each)", sum(t.passes for t in turns))
         w = ms.writer
         yield _counter("umbp_etcd_txns", "etcd transactions written by this term's batch writer", w.txns)
         yield _counter("umbp_etcd_ops", "etcd operations (puts and deletes) written", w.ops)

@@ -225,7 +225,7 @@ class TableDirectory(PageTable):
 
     def lookup_columns_many(self, ns: str, asks: list[tuple[list, object]], now: float, tokens) -> list[tuple]:
         """``lookup_columns`` of several LOOKUPs (or multi-slot LOOKUPs' parts) of namespace ``ns`` at once (``asks``
-        of (keys, owner): a turn's, ``metaserver/handlers/lookups.py``), each exactly as alone, with its own lease
+        of (keys, owner): a turn's, ``metaserver/handlers/turns.py``), each exactly as alone, with its own lease
         over its own hits: one key digest and index pass, one stamp, pin, tag and capability-slot pass over all of
         them, then a slice and a lease each. Plain pages only (a rank's sub-slots ask alone)."""
         if len(asks) == 1:

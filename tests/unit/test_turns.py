@@ -1,4 +1,4 @@
-"""``metaserver/handlers/lookups.py``: a slot server's LOOKUPs of one event-loop turn are answered together at its
+"""``metaserver/handlers/turns.py``: a slot server's LOOKUPs of one event-loop turn are answered together at its
 end, each as alone (``lookup_columns_many``), each under a lease its connection holds; a request of another kind
 runs them first (``flush_due``); a closed connection's LOOKUP gets no lease; a deposed server's and a failed table
 pass's LOOKUPs are each answered with the error. A real table; the connections and the server are stand-ins."""
@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from metaserver.handlers.lookups import LookupTurn, flush_due
+from metaserver.handlers.turns import LookupTurn, flush_due
 from metaserver.handlers.ownership import HeldLeases
 from tests.unit.test_tabledir import directory, keys_of, put
 from transport import answerrows
+from transport.wire import Op
 from umbp.auth import Tokens
 from umbp.errors import Unavailable
 
@@ -58,7 +59,7 @@ def test_a_turns_lookups_are_answered_together_at_its_end_each_as_alone():
         assert len(svc.dir.leases) == 3 and svc.dir.cols["pins"].sum() == 4 + 4 + 1
 
         asked(turn, keys_of(10, 12), cs[0], got, "now")
-        flush_due(due)  # a request of another kind is next: the waiting LOOKUP runs first
+        flush_due(due, Op.REMOVE, None)  # a request of another kind is next: the waiting LOOKUP runs first
         assert got["now"][0]["lease"] and due == set() and passes == [3, 1]
         await asyncio.sleep(0)  # its end of turn finds nothing left
         assert passes == [3, 1]
@@ -110,4 +111,63 @@ def test_an_answer_that_cannot_be_made_is_answered_with_its_error_and_the_others
         svc.dir.granted_answer = first_fails
         await asyncio.sleep(0)
         assert passes == [2] and isinstance(got["bad"][1], ZeroDivisionError) and got["good"][0]["lease"]
+    asyncio.run(main())
+
+
+def test_a_turns_allocs_wait_for_its_end_and_keep_each_connections_order():
+    """``AllocTurn``: ALLOCs wait for the end of the turn and go to the data plane together (a stand-in here that
+    answers each with a dict, a coroutine or an error); a closed connection's ALLOC is not asked; a COMMIT or ABORT
+    of a connection with an ALLOC waiting runs the turn first, another connection's does not, nor an ALLOC; any
+    other request does; a deposed server answers UNAVAILABLE."""
+    from metaserver.handlers.turns import AllocTurn
+
+    async def later_answer():
+        await asyncio.sleep(0)
+        return {"late": True}
+
+    asked: list = []
+
+    def alloc_many(ns, asks):
+        asked.append([a[0] for a in asks])
+        out = []
+        for keys, *_ in asks:
+            out.append({"keys": keys} if keys != ["late"] else later_answer())
+            if keys == ["bad"]:
+                out[-1] = ValueError("no room for bad")
+        return out, 1
+
+    svc = SimpleNamespace(serving=True, term=1, dataplane=SimpleNamespace(alloc_many=alloc_many))
+    due: set = set()
+    turn = AllocTurn(svc, due)
+    got: dict = {}
+
+    def ask(keys, c, name):
+        later = turn.ask("a", keys, c, [1] * len(keys), None, None)
+        later.then = lambda ans, err: got.__setitem__(name, (ans, err))
+
+    async def main():
+        x, y, gone = conn(), conn(), conn()
+        for keys, c in ((["k1"], x), (["late"], y), (["k2"], gone), (["bad"], x)):
+            ask(keys, c, keys[0])
+        gone.closed = True
+        flush_due(due, Op.ALLOC, x)  # another ALLOC: waits with them
+        flush_due(due, Op.COMMIT, SimpleNamespace())  # another connection's COMMIT: they may come in either order
+        assert got == {} and due == {turn}
+        await asyncio.sleep(0)
+        assert asked == [[["k1"], ["late"], ["bad"]]] and "k2" not in got
+        assert got["k1"] == ({"keys": ["k1"]}, None) and isinstance(got["bad"][1], ValueError)
+        for _ in range(10):  # the waiting answer's task: started, its sleep, its end, its callback
+            await asyncio.sleep(0)
+        assert got["late"] == ({"late": True}, None) and not turn.tasks
+        ask(["k3"], x, "k3")
+        flush_due(due, Op.COMMIT, x)  # its own COMMIT: the waiting ALLOC first
+        assert got["k3"] == ({"keys": ["k3"]}, None) and due == set()
+        ask(["k4"], y, "k4")
+        flush_due(due, Op.LOOKUP, SimpleNamespace())
+        assert "k4" in got
+        svc.serving = False
+        ask(["k5"], x, "k5")
+        await asyncio.sleep(0)
+        assert got["k5"][0] is None and isinstance(got["k5"][1], Unavailable)
+        assert turn.asked == 5 and turn.passes == 3
     asyncio.run(main())
