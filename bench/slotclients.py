@@ -33,12 +33,14 @@ LOOKUP_PLANS = 512  # lookup batches prepared per client (cycled through during 
 # -- the client process --------------------------------------------------------------------------------------------
 
 class _Sub:
-    """One request of a batch to one process: its keys (grouped by slot), their slots, and the batch's counter."""
+    """One request of a batch to one process: its keys (grouped by slot), their slots, their parents (a put's, or
+    None), and the batch's counter."""
 
-    __slots__ = ("proc", "keys", "kslots", "route", "nparts", "batch", "op")
+    __slots__ = ("proc", "keys", "kslots", "route", "nparts", "parents", "batch", "op")
 
-    def __init__(self, proc: int, keys: list, kslots: list, route: dict, nparts: int):
+    def __init__(self, proc: int, keys: list, kslots: list, route: dict, nparts: int, parents: list | None = None):
         self.proc, self.keys, self.kslots, self.route, self.nparts = proc, keys, kslots, route, nparts
+        self.parents = parents
         self.batch: list | None = None  # [requests of the batch not answered yet]
         self.op = 0
 
@@ -58,9 +60,10 @@ def _route_meta(kslots: list[int]) -> tuple[dict, int]:
 class BenchClient:
     """One client process's state: a connection per metaserver process, the slot map, the keys it committed."""
 
-    def __init__(self, cid: int, window: int, page_bytes: int, decode: str, merge: bool = True):
+    def __init__(self, cid: int, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True):
         self.cid, self.window, self.page_bytes, self.decode = cid, window, page_bytes, decode
         self.merge = merge
+        self.chain = chain  # puts name each page's predecessor in its batch as its parent, as the engines do
         self.socks: list[FramedSocket] = []
         self.slots = 1
         self.owner: list[int] = []  # slot -> index of its process in socks
@@ -95,10 +98,10 @@ class BenchClient:
             s.close()
         self.socks = []
 
-    def _batch(self, keys: list[bytes], kslots: list[int]) -> list[_Sub]:
+    def _batch(self, keys: list[bytes], kslots: list[int], parents: list | None = None) -> list[_Sub]:
         """One batch as one request per process: its keys grouped by slot (stable, so a part keeps key order)."""
         if self.slots <= 1:
-            return [_Sub(0, keys, kslots, {}, 1)]
+            return [_Sub(0, keys, kslots, {}, 1, parents)]
         by: dict[int, list[int]] = {}
         for i in sorted(range(len(keys)), key=kslots.__getitem__):
             by.setdefault(self.owner[kslots[i]], []).append(i)
@@ -106,7 +109,8 @@ class BenchClient:
         for proc, idx in by.items():
             ks = [kslots[i] for i in idx]
             route, nparts = _route_meta(ks)
-            subs.append(_Sub(proc, [keys[i] for i in idx], ks, route, nparts))
+            subs.append(_Sub(proc, [keys[i] for i in idx], ks, route, nparts,
+                             [parents[i] for i in idx] if parents is not None else None))
         return subs
 
     def prep(self, op: str, batch: int, budget: int) -> int:
@@ -117,7 +121,8 @@ class BenchClient:
             n = budget // batch * batch
             keys = [b"c%d/r%d/%d" % (self.cid, self.round, i) for i in range(n)]
             ks = slotrules.slots_of(NS, keys, self.slots).tolist()
-            self.plan = [self._batch(keys[i:i + batch], ks[i:i + batch]) for i in range(0, n, batch)]
+            self.plan = [self._batch(keys[i:i + batch], ks[i:i + batch],
+                                     [None] + keys[i:i + batch - 1] if self.chain else None) for i in range(0, n, batch)]
             self.keys, self.kslots = [], []
         else:
             if len(self.keys) < batch:
@@ -187,6 +192,8 @@ class BenchClient:
                     meta = {"ns": NS, "keys": sub.keys}
                     if self.op == Op.ALLOC:
                         meta["sizes"] = [self.page_bytes] * len(sub.keys)
+                        if sub.parents is not None:
+                            meta["parents"] = sub.parents
                     self._send(sub, self.op, meta, inflight, drain_by)
                     st["requests"] += 1
                     st["parts"] += sub.nparts
@@ -249,9 +256,10 @@ class BenchClient:
         return True
 
 
-def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge: bool = True) -> None:
+def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True
+                ) -> None:
     """A client process: obeys the bench's commands on ``conn`` (connect, prep, go, close, exit)."""
-    c = BenchClient(cid, window, page_bytes, decode, merge)
+    c = BenchClient(cid, window, page_bytes, decode, merge, chain)
     while True:
         cmd, *args = conn.recv()
         try:
@@ -267,12 +275,12 @@ def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge
 class Clients:
     """The client processes (spawned once, reconnected to each pool) and their command pipes."""
 
-    def __init__(self, n: int, window: int, page_bytes: int, decode: str, merge: bool = True):
+    def __init__(self, n: int, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True):
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         for cid in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge), daemon=True)
+            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge, chain), daemon=True)
             p.start()
             self.pipes.append(a)
             self.procs.append(p)

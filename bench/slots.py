@@ -6,7 +6,8 @@ at least N slots) and each request size (``--batches``) a fresh ``umbp.launcher.
 processes, ``--nodes`` nodes) serves two timed phases of ``--seconds`` each, driven by ``--clients`` client
 processes, the same number for every shape ("the same client load"):
 
-- puts: ALLOC then COMMIT of fresh keys of ``--page-bytes`` pages, metadata only. The node writes are skipped: COMMIT
+- puts: ALLOC then COMMIT of fresh keys of ``--page-bytes`` pages, each naming the page before it in its batch as its
+  parent as the engines' puts do (``--parents none``: none), metadata only. The node writes are skipped: COMMIT
   never reads the node (it turns the PENDING row READY and persists it), so a commit of a page not written is the
   metaserver's and etcd's full work; the node's write is the data path's cost, not measured here.
 - lookups: LOOKUP of random batches of the keys the puts committed, then RELEASE of each read lease (no reply).
@@ -229,6 +230,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=2, help="storage nodes of each pool (default 2)")
     p.add_argument("--capacity", default="8GiB", help="per node, fallocated in /dev/shm (default 8GiB)")
     p.add_argument("--page-bytes", type=int, default=4000, help="page payload (default 4000: a 4 KiB object)")
+    p.add_argument("--parents", default="chain", choices=("chain", "none"),
+                   help="puts: chain (default) names each page's predecessor in its batch as its parent, as SGLang's "
+                        "and vLLM's puts do; none names none")
     p.add_argument("--headline-batch", type=int, default=128, help="request size of the headline ratio")
     p.add_argument("--lookup-parts", action="store_true",
                    help="multi-slot LOOKUPs answered per part (no 'merge': the path before one answer a process)")
@@ -268,7 +272,8 @@ def main(argv=None) -> int:
     print(f"{'proc':>4} {'slots':>5} {'op':<6} {'batch':>5} {'keys/s':>10} {'k keys/CPU-s':>13} "
           f"{'us/req':>7} {'busy (each)':<24} {'etcd us/pg':>10} {'clients':>7} {'machine':>7} {'per pass':>8}",
           flush=True)
-    clients = Clients(args.clients, args.window, args.page_bytes, args.decode, not args.lookup_parts)
+    clients = Clients(args.clients, args.window, args.page_bytes, args.decode, not args.lookup_parts,
+                      args.parents == "chain")
     runs, warnings = [], []
     try:
         for p, s in shapes:
