@@ -130,3 +130,67 @@ def test_pages_put_by_clients_in_shared_turns_read_back(make_cluster):
         assert [bytes(o) for o in outs] == [values[k] for k in keys]
         s = c.stats()
     assert s["turn_allocs"] >= 24  # every ALLOC of a server connection waits for its turn's end
+
+
+def test_a_partitioned_pools_multi_slot_allocs_share_each_slots_turn(make_cluster):
+    """One process leading 4 slots: multi-slot ALLOCs (``"parts"``) and a single-slot one, sent in one write, each
+    part waiting in its slot's turn: one answer each, every part NEW with its own places (none shared, every
+    generation distinct), no failed part, fewer table passes than ALLOCs and parts; each one's COMMIT makes its
+    keys READY."""
+    from transport import slotrules
+
+    slots = 4
+    cl = make_cluster(nodes=2, metaserver_flags={"slots": slots})
+    warm = [os.urandom(32) for _ in range(32)]  # every slot knows the nodes once a put reached it (the client retries)
+    with cl.client(namespace=NS) as c:
+        assert c.batch_put(warm, [b"w" * 100] * 32) == [True] * 32
+        assert set(slotrules.slots_of(NS, warm, slots).tolist()) == set(range(slots))
+    before = stats(cl)
+    keys = [os.urandom(32) for _ in range(72)]
+    of = slotrules.slots_of(NS, keys, slots).tolist()
+
+    def grouped(ks: list[bytes]) -> tuple[list[bytes], list[list[int]]]:
+        ks = sorted(ks, key=lambda k: of[keys.index(k)])
+        parts: list[list[int]] = []
+        for k in ks:
+            s = of[keys.index(k)]
+            if parts and parts[-1][0] == s:
+                parts[-1][1] += 1
+            else:
+                parts.append([s, 1])
+        return ks, parts
+
+    asks = {}
+    for rid, ks in ((1, keys[0:24]), (2, keys[24:48]), (3, keys[48:70])):
+        g, parts = grouped(ks)
+        asks[rid] = {"ns": NS, "keys": g, "sizes": [3000] * len(g), "parts": parts, "token": rid}
+    one = [k for k in keys[70:] if of[keys.index(k)] == of[keys.index(keys[70])]]
+    asks[4] = {"ns": NS, "keys": one, "sizes": [3000] * len(one), "slot": of[keys.index(keys[70])]}
+    raw = Raw(cl.metaserver_addr)
+    hello(raw)
+    raw.sock.sendall(b"".join(wire.encode(Op.ALLOC, rid, meta) for rid, meta in asks.items()))
+    by_rid = {rid: (status, meta) for rid, status, meta in answers(raw, len(asks))}
+    places, gens, parts_asked = set(), set(), 0
+    for rid, meta in asks.items():
+        status, ans = by_rid[rid]
+        assert status == Status.OK, ans
+        got = [ans] if rid == 4 else ans["parts"]
+        assert rid == 4 or (ans["failed"] == [] and len(got) == len(meta["parts"]))
+        parts_asked += len(got)
+        lo = 0
+        for part, a in zip(meta.get("parts", [[meta.get("slot"), len(meta["keys"])]]), got):
+            rows = rows_of(a)
+            assert rows["state"].tolist() == [AllocState.NEW] * part[1]
+            places |= {(a["nodes"][n], int(o)) for n, o in zip(rows["node"], rows["off"])}
+            gens |= set(rows["gen"].tolist())
+            part_keys = meta["keys"][lo:lo + part[1]]
+            status, ok = ask(raw, Op.COMMIT, {"ns": NS, "keys": part_keys, "gens": rows["gen"].tolist(),
+                                              "slot": part[0]}, rid=50)
+            assert status == Status.OK and ok == {"ok": [True] * part[1]}
+            lo += part[1]
+    n = sum(len(m["keys"]) for m in asks.values())
+    assert len(places) == len(gens) == n
+    assert ask(raw, Op.EXISTS, {"ns": NS, "keys": keys[0:1], "slot": of[0]}, rid=51)[1] == {"exists": [True]}
+    s = stats(cl)
+    asked, passes = s["turn_allocs"] - before["turn_allocs"], s["turn_alloc_passes"] - before["turn_alloc_passes"]
+    assert asked >= parts_asked and passes < asked  # the burst's parts and the one-slot ALLOC, fewer passes

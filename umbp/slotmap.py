@@ -13,7 +13,8 @@ from typing import Any
 
 SUMMED = ("capacity_bytes", "used_bytes", "objects", "pending", "pinned", "leases_orphaned", "held_bytes", "hits",
           "misses", "evictions", "puts", "etcd_pending_ops", "etcd_txns", "etcd_ops", "etcd_retries", "ticks", "disk_capacity_bytes",
-          "disk_used_bytes", "demotions", "promotions", "dead_pages", "removal_waits", "turn_lookups", "turn_passes")
+          "disk_used_bytes", "demotions", "promotions", "dead_pages", "removal_waits", "turn_lookups", "turn_passes",
+          "turn_allocs", "turn_alloc_passes")
 
 
 def split_by_use(total: int, uses: list[int]) -> list[int]:

@@ -27,7 +27,9 @@ its id names every part's lease; RELEASE of it releases them all). The parts sti
 each with the other LOOKUPs and parts of its slot's event-loop turn (``metaserver/handlers/turns.py``: one table
 pass a slot and turn), but the validation, the grants, the answer and the lease are the request's, once.
 
-Cost: O(keys) to slice and check, plus each part's handler; COMMIT parts waiting on etcd are awaited together. A
+Cost: O(keys) to slice and check, plus each part's handler; COMMIT parts waiting on etcd are awaited together; an
+ALLOC's parts from a server connection each join their slot's turn (``metaserver/handlers/turns.py``: one table
+pass a slot for the turn's ALLOCs and parts), the answer given when the last part is back. A
 merged LOOKUP: its share of each slot's turn pass (``TableDirectory.lookup_columns_many``), then O(keys) numpy over
 the request and one keyed blake2b a node.
 """
@@ -49,7 +51,7 @@ from metaserver.table.entry import random_id
 from transport import answerrows, slotrules
 from transport.wire import Op, Status
 from umbp.auth import read_capabilities_packed
-from umbp.errors import NotLeader, RemoteError, UmbpError
+from umbp.errors import NotLeader, RemoteError, UmbpError, Unavailable
 
 LISTS = ("keys", "sizes", "parents", "gens")  # per-key lists of a keyed request, sliced per part
 _MERGED = frozenset({"ns", "keys", "parts", "shard", "merge"})
@@ -115,7 +117,8 @@ def _failure(i: int, e: BaseException) -> list:
 
 def dispatch(p, op: int, meta: dict, conn) -> Any:
     """Run each part on its slot server of partition ``p`` (``metaserver.ha.partition.Partition``); the merged answer
-    (a dict), or a coroutine for it when a part waits (COMMIT on etcd)."""
+    (a dict), a coroutine for it when a part waits (COMMIT on etcd), or a ``Later`` when an ALLOC's parts wait for
+    their slots' turns."""
     if op == Op.PREFIX:
         raise v.Reject("PREFIX is not split over slots: send EXISTS parts and count the leading run")
     if op == Op.LOOKUP and meta.get("merge") is True and conn.version >= 12:
@@ -123,6 +126,7 @@ def dispatch(p, op: int, meta: dict, conn) -> Any:
     answers: list[Any] = []
     failed: list[list] = []
     waiting: list[int] = []
+    turns = op == Op.ALLOC and getattr(conn, "in_turns", False)  # an ALLOC's parts join their slots' turns
     for i, (slot, m) in enumerate(split(meta, p.slots, op == Op.ALLOC, p.rule)):
         name = str(slot)
         srv = p.servers[name]
@@ -130,8 +134,10 @@ def dispatch(p, op: int, meta: dict, conn) -> Any:
             if not srv.serving:
                 raise p._moved(name)
             sc = p._slot_conn(conn, name)
-            if op == Op.LOOKUP or op == Op.ALLOC:  # a part answered now: its request gathers the parts
-                res = (srv.dataplane.lookup if op == Op.LOOKUP else srv.alloc)(m, sc, False)
+            if op == Op.LOOKUP:  # answered now (a merged LOOKUP's parts join the turns: lookup_merged)
+                res = srv.dataplane.lookup(m, sc, False)
+            elif op == Op.ALLOC:
+                res = srv.alloc(m, sc, turns)
             else:
                 res = srv.handlers[op](m, sc)
         except Exception as e:  # noqa: BLE001 - a part's failure is that part's answer
@@ -145,7 +151,47 @@ def dispatch(p, op: int, meta: dict, conn) -> Any:
         return {"parts": answers, "failed": failed}
     if op == Op.COMMIT:
         return _in_turn(answers, failed, waiting)
+    if turns:
+        return _when_answered(answers, failed, waiting)
     return _gather(answers, failed, waiting)
+
+
+_TASKS: set = set()  # parts' coroutines running (a task is held only weakly by the loop)
+
+
+def _when_answered(answers: list, failed: list, waiting: list[int]) -> Later:
+    """``_gather`` for an ALLOC whose parts wait for their slots' turns (a ``Later`` each) or for generations or a
+    durable removal (a coroutine each, run as a task): a ``Later`` answered when the last part is."""
+    out = Later()
+    left = [len(waiting)]
+
+    def got(i: int, res: dict | None, err: BaseException | None) -> None:
+        if err is not None:
+            answers[i] = None
+            failed.append(_failure(i, err))
+        else:
+            answers[i] = res
+        left[0] -= 1
+        if not left[0]:
+            failed.sort()
+            out.done({"parts": answers, "failed": failed})
+
+    def finished(i: int, task: asyncio.Task) -> None:
+        _TASKS.discard(task)
+        if task.cancelled():
+            got(i, None, Unavailable("metaserver", "shutting down", Status.UNAVAILABLE))
+        else:
+            got(i, task.result() if task.exception() is None else None, task.exception())
+
+    for i in waiting:
+        a = answers[i]
+        if type(a) is Later:
+            a.then = functools.partial(got, i)
+        else:
+            task = asyncio.get_running_loop().create_task(a)
+            _TASKS.add(task)
+            task.add_done_callback(functools.partial(finished, i))
+    return out
 
 
 async def _gather(answers: list, failed: list, waiting: list[int]) -> dict:

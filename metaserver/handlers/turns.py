@@ -29,8 +29,9 @@ A connection closed before its turn's pass gets nothing (no lease, no allocation
 through the connection's queued writes, as any answer; an answer that waits (an ALLOC whose places wait for a
 removal to be durable) is given when it is ready.
 
-Only connections that say so wait (``in_turns``: the server's connections and their slot views); the rest, a rank's
-LOOKUP or ALLOC of a shared entry (``shard``), and the parts of multi-slot ALLOCs are answered at once.
+Only connections that say so wait (``in_turns``: the server's connections and their slot views); the rest, and a
+rank's LOOKUP or ALLOC of a shared entry (``shard``), are answered at once. A multi-slot ALLOC's parts each wait in
+their slot's turn, and the request is answered when the last is (``metaserver/ha/multislot.py``).
 
 Costs: a turn of each kind per slot server, a list entry and a ``Later`` a request; the passes are the table's.
 """
