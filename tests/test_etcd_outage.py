@@ -97,8 +97,12 @@ def test_writes_dropped_while_etcd_is_frozen_end_the_term_and_no_lost_page_is_se
         writer = threading.Thread(target=put_during, daemon=True)
         writer.start()
         # The COMMIT's pages are READY in memory; their etcd write fails for the whole retry window and is dropped.
-        m = eventually(lambda: DROP_LINE.search(ms.stderr_text()), 40.0, "the metaserver dropping etcd writes",
-                       interval=0.1)
+        try:
+            m = eventually(lambda: DROP_LINE.search(ms.stderr_text()), 40.0, "the metaserver dropping etcd writes",
+                           interval=0.1)
+        except Exception as e:  # say where the outage's put was (it never reached its COMMIT: no write to drop)
+            raise AssertionError(f"{e}; the outage's put: {result or 'no answer yet'}, its thread "
+                                 f"{'still running' if writer.is_alive() else 'done'}") from e
         assert int(m.group(1)) >= 1
     finally:
         cl.etcd.kill(signal.SIGCONT)
