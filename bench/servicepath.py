@@ -112,40 +112,60 @@ class ServicePath:
         return msgpack.packb({"exists": self.d.exists(v.ns(m), v.keys(m, 4096))}, use_bin_type=True)
 
     def put(self, frame: bytes) -> tuple[int, int]:
-        """ALLOC then COMMIT of one request's keys, as dataplane.alloc/_alloc_now, service._apply and dataplane.commit/
-        _settle_request do them: field checks, the connection's pending set (filled by ALLOC, emptied by COMMIT),
-        the rewrites of the records the evictions left and the commit's records, encoded as the etcd writer encodes
-        them (``TableRecord.value``; the writer coalesces a record's rewrites while it waits, this encodes them once
-        a request). Returns (keys the COMMIT made READY, commit records it wrote)."""
-        m = v.fields(Wire.meta(frame), _ALLOC, ("ns", "keys", "sizes"))
-        ns = v.ns(m)
-        keys = v.keys(m, 4096)
-        sizes = v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD)
-        parents = v.parents(m, len(keys))
+        """ALLOC then COMMIT of one request's keys: ``puts`` of one."""
+        return self.puts([frame])
+
+    def puts(self, frames: list[bytes]) -> tuple[int, int]:
+        """ALLOCs read in one turn, then each one's COMMIT, as dataplane.alloc/alloc_many/_alloc_now,
+        service._apply and dataplane.commit/_settle_request do them: field checks, one table pass for the turn's
+        ALLOCs where ``alloc_placed_many`` takes them (else one at a time), the connection's pending set (filled by
+        ALLOC, emptied by COMMIT), the rewrites of the records the evictions left and the commit's records, encoded as
+        the etcd writer encodes them (``TableRecord.value``; the writer coalesces a record's rewrites while it waits,
+        this encodes them once a request). Returns (keys the COMMITs made READY, commit records they wrote)."""
+        asks = []
+        for frame in frames:
+            m = v.fields(Wire.meta(frame), _ALLOC, ("ns", "keys", "sizes"))
+            keys = v.keys(m, 4096)
+            asks.append((v.ns(m), keys, v.ints(m, "sizes", len(keys), 0, v.MAX_PAYLOAD), v.parents(m, len(keys))))
         d = self.d
-        p = d.alloc_placed(ns, keys, sizes, parents, self.gen, time.monotonic())
-        self.gen += len(keys)
-        _apply(self.store, p.fx)
-        deadline_ms = int((time.time() + 10.0) * 1000)
-        ans = grant_alloc(self.tokens, self.members.get, ns, keys, p, deadline_ms)  # VERSION 12: packed rows
-        pending = self.conn_pending
-        if len(p.new):
-            pending.update(d.pending_of(ns, keys, p))
-        # the client's side, what its COMMIT needs of the answer: the NEW keys and their generations, read from the
-        # packed rows with one frombuffer (bench/slots.py's clients read them so)
-        rows = np.frombuffer(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False)["rows"], answerrows.ALLOC_ROW)
-        ok = np.flatnonzero(rows["state"] == NEW).tolist()
-        news = list(zip(pick(keys, ok), rows["gen"].take(ok).tolist()))  # (the client holds its keys as a list)
-        c = v.fields(Wire.meta(Wire.frame({"ns": ns, "keys": [k for k, _ in news], "gens": [g for _, g in news]})),
-                     _COMMIT, ("ns", "keys", "gens"))
-        cns = v.ns(c)
-        ckeys = v.keys(c, 4096)
-        gens = v.ints(c, "gens", len(ckeys), 0, (1 << 63) - 1)
-        rows = d.settle_handles(pending, cns, ckeys, gens) if pending else None
-        ok, fx = d.commit(cns, ckeys, gens, time.monotonic(), None, rows)
-        puts, _deletes = _apply(self.store, fx)
-        msgpack.packb({"ok": ok}, use_bin_type=True)
-        return sum(ok), len(puts)
+        base = self.gen
+        got = d.alloc_placed_many(asks[0][0], [(k, sz, par, None, None) for _, k, sz, par in asks], base,
+                                  time.monotonic()) if len(asks) > 1 and len({a[0] for a in asks}) == 1 else None
+        if got is not None:
+            placed = got[0]
+            _apply(self.store, got[1])
+        else:
+            placed = []
+            for ns, keys, sizes, parents in asks:
+                placed.append(d.alloc_placed(ns, keys, sizes, parents, self.gen, time.monotonic()))
+                self.gen += len(keys)
+                _apply(self.store, placed[-1].fx)
+        self.gen = base + sum(len(a[1]) for a in asks)
+        stored = records = 0
+        for (ns, keys, _, _), p in zip(asks, placed):
+            deadline_ms = int((time.time() + 10.0) * 1000)
+            ans = grant_alloc(self.tokens, self.members.get, ns, keys, p, deadline_ms)  # VERSION 12: packed rows
+            pending = self.conn_pending
+            if len(p.new):
+                pending.update(d.pending_of(ns, keys, p))
+            # the client's side, what its COMMIT needs of the answer: the NEW keys and their generations, read from
+            # the packed rows with one frombuffer (bench/slots.py's clients read them so)
+            rows = np.frombuffer(msgpack.unpackb(msgpack.packb(ans, use_bin_type=True), raw=False)["rows"],
+                                 answerrows.ALLOC_ROW)
+            ok = np.flatnonzero(rows["state"] == NEW).tolist()
+            news = list(zip(pick(keys, ok), rows["gen"].take(ok).tolist()))  # (the client holds its keys as a list)
+            c = v.fields(Wire.meta(Wire.frame({"ns": ns, "keys": [k for k, _ in news], "gens": [g for _, g in news]})),
+                         _COMMIT, ("ns", "keys", "gens"))
+            cns = v.ns(c)
+            ckeys = v.keys(c, 4096)
+            gens = v.ints(c, "gens", len(ckeys), 0, (1 << 63) - 1)
+            at = d.settle_handles(pending, cns, ckeys, gens) if pending else None
+            ok, fx = d.commit(cns, ckeys, gens, time.monotonic(), None, at)
+            puts, _deletes = _apply(self.store, fx)
+            msgpack.packb({"ok": ok}, use_bin_type=True)
+            stored += sum(ok)
+            records += len(puts)
+        return stored, records
 
 
 def _apply(store: EtcdStore, fx) -> tuple[list, list]:
@@ -178,6 +198,8 @@ def main() -> None:
     ap.add_argument("--capacity", default="4GiB", help="per node (64MiB: a full pool, every put evicts)")
     ap.add_argument("--key-bytes", type=int, default=66, choices=(32, 66),
                     help="66: SGLang's object names (64 hex digits and '_k'); 32: raw digests, each its own")
+    ap.add_argument("--turn", type=int, default=1,
+                    help="ALLOCs read in one turn of the metaserver's loop, placed in one table pass (default 1)")
     ap.add_argument("--parents", default="chain", choices=("chain", "none"),
                     help="chain: each page names the one before it as its parent, as the engines' puts do "
                          "(the request's first names the last page of the request before); none: no parents")
@@ -191,12 +213,12 @@ def main() -> None:
                           "parents": [keys[i - 1][-1] if i else None] + ks[:-1] if a.parents == "chain" else None})
               for i, ks in enumerate(keys)]
     t = time.process_time()
-    for f in frames:
-        sp.put(f)
+    for i in range(0, len(frames), a.turn):
+        sp.puts(frames[i:i + a.turn])
     dt = time.process_time() - t
     n = a.requests * a.keys
     print(f"servicepath: {n:,} keys of {a.key_bytes} bytes ({a.parents} parents) in {a.requests:,} ALLOC+COMMIT "
-          f"requests, {a.nodes} node(s) of {a.capacity}: "
+          f"requests ({a.turn} a turn), {a.nodes} node(s) of {a.capacity}: "
           f"{n / dt:,.0f} keys per CPU-second ({dt / n * 1e6:.2f} us a key), {d.evictions:,} evictions")
 
 

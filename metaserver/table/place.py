@@ -235,8 +235,10 @@ def homes(t, nsix: int, keys, sizes: list, parents: list, found: np.ndarray, fou
       followed to its first page); a chain's first page whose parent is named nowhere (or none) is homed in turn,
       and a page that is no chain's first and names no known parent has none;
     - a node takes the pages homed on it, in key order, while it has room for each besides those before it and
-      keeps at least half the free bytes of the emptiest placeable node; a page refused for being much fuller goes
-      to that emptiest node while it has room (counted the same way), any other refused page in turn.
+      keeps at least half the free bytes of the emptiest placeable node;
+    - the pages their homes refuse go, in key order, to the node with the most room left after this request's
+      pages, as many as fit there, then the next such node; what none has room for goes in turn (a full node
+      makes room on itself).
 
     A chain of one request so stays on one node and spills to the emptiest, not piling every chain of a shared
     prefix onto one node. Costs: a dict of the request's keys, a map over the parents, a few dozen numpy calls and
@@ -285,30 +287,34 @@ def homes(t, nsix: int, keys, sizes: list, parents: list, found: np.ndarray, fou
     ext = np.array([extent_size(x) for x in sizes], np.int64) if not _one_size(sizes) else \
         np.full(n, extent_size(sizes[0]), np.int64)
     free = np.array([nd.alloc.free_bytes for nd in nodes], np.int64)
-    top = int(free.max())
-    left, e = _left(home, sel, ext, free, None)
-    room = left >= e
-    half = 2 * left >= top
-    home[sel[~room]] = -1
-    spill = sel[room & ~half]
-    if len(spill):  # much fuller than the emptiest: there, after what it takes of its own
-        most = int(free.argmax())
-        home[spill] = most
-        taken = int(ext.take(sel[room & half & (home.take(sel) == most)]).sum())
-        left, e = _left(home, spill, ext, free, taken)
-        home[spill[left < e]] = -1
+    left, e = _left(home, sel, ext, free)
+    ok = (left >= e) & (2 * left >= int(free.max()))
+    taken = np.zeros(len(nodes), np.int64)  # the bytes this request sends to each node so far
+    np.add.at(taken, home.take(sel[ok]), e[ok])
+    rest = sel[~ok]  # refused by their homes, in key order: to the node with the most room left, while they fit
+    home[rest] = -1
+    for _ in range(len(nodes)):
+        if not len(rest):
+            break
+        room = free - taken
+        most = int(room.argmax())
+        er = ext.take(rest)
+        k = int(np.count_nonzero(np.cumsum(er) <= room[most]))  # a prefix of them: a chain goes on together
+        if not k:
+            break  # no node has room for the next: in turn (a full node makes room on itself)
+        home[rest[:k]] = most
+        taken[most] += int(er[:k].sum())
+        rest = rest[k:]
     return home
 
 
-def _left(home: np.ndarray, sel: np.ndarray, ext: np.ndarray, free: np.ndarray, taken: int | None
-          ) -> tuple[np.ndarray, np.ndarray]:
+def _left(home: np.ndarray, sel: np.ndarray, ext: np.ndarray, free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For the keys ``sel`` (key order), each homed on ``home[sel]``: the free bytes its node has left before it
-    (``free`` less the extents ``ext`` of the keys before it on that node, and ``taken`` more when given: keys
-    all on one node) and its own extent."""
+    (``free`` less the extents ``ext`` of the keys before it on that node) and its own extent."""
     e = ext.take(sel)
     h = home.take(sel)
-    if taken is not None or h.min() == h.max():  # one node (a chain): no grouping
-        return free.take(h) - (taken or 0) - (np.cumsum(e) - e), e
+    if h.min() == h.max():  # one node (a chain): no grouping
+        return free.take(h) - (np.cumsum(e) - e), e
     order = np.argsort(h, kind="stable")
     hs, es = h.take(order), e.take(order)
     cum = np.cumsum(es) - es  # bytes before each key, over all nodes in order
