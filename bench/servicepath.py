@@ -6,8 +6,9 @@ call, tags and capabilities of a closed pool, the encoding of the commit records
 writer encodes them, the connection's pending set, encode). A LOOKUP is the service's own columnar call
 (``TableDirectory.lookup_granted(..., packed=True)``: tags kept in a column from a row's first LOOKUP on, one
 capability per node packed from the columns, the answer's locations as packed rows, wire VERSION 12); an ALLOC is
-``TableDirectory.alloc_placed`` and ``grants.grant_alloc`` (its answer as packed rows too). It mirrors
-dataplane.lookup/alloc/commit so the figure needs no running metaserver; keep the two in step.
+``TableDirectory.alloc_placed`` and ``grants.grant_alloc`` (its answer as packed rows too), or with ``--turn N`` one
+``TableDirectory.alloc_placed_many`` for N ALLOCs read in one turn (``DataPlane.alloc_many``). It mirrors
+dataplane.lookup/alloc/alloc_many/commit so the figure needs no running metaserver; keep the two in step.
 
 Run alone (``python bench/servicepath.py``) it times ALLOC+COMMIT requests of ``--keys`` new 4 KiB pages into a
 table of ``--nodes`` nodes of ``--capacity`` each (a small capacity: every put evicts), each page naming the one

@@ -208,8 +208,8 @@ class Connection(FramedProtocol):
             ms._spawn(self._finish(op, rid, reply, res, t0))
 
     def _later(self, op: int, rid: int, reply: bool, t0: float, res: dict | None, err: Exception | None) -> None:
-        """Answer a request that was not answered by its handler's return: a coroutine's (``_finish``) or a LOOKUP
-        given at the end of its turn (``metaserver/handlers/turns.py``)."""
+        """Answer a request that was not answered by its handler's return: a coroutine's (``_finish``), or a LOOKUP or
+        an ALLOC (a multi-slot one too) given at the end of its turn (``metaserver/handlers/turns.py``)."""
         self.ms.metrics.requests.since(op, t0)
         if err is not None:
             self._fail(op, rid, reply, err)

@@ -44,14 +44,14 @@ from typing import Any
 import numpy as np
 
 from metaserver import validate as v
-from metaserver.handlers.turns import Later
+from metaserver.handlers.turns import Later, when_done
 from metaserver.handlers.ownership import LEASES_PRUNE_AT, own_lease, release_held
 from metaserver.table.directory import by_node
 from metaserver.table.entry import random_id
 from transport import answerrows, slotrules
 from transport.wire import Op, Status
 from umbp.auth import read_capabilities_packed
-from umbp.errors import NotLeader, RemoteError, UmbpError, Unavailable
+from umbp.errors import NotLeader, RemoteError, UmbpError
 
 LISTS = ("keys", "sizes", "parents", "gens")  # per-key lists of a keyed request, sliced per part
 _MERGED = frozenset({"ns", "keys", "parts", "shard", "merge"})
@@ -156,9 +156,6 @@ def dispatch(p, op: int, meta: dict, conn) -> Any:
     return _gather(answers, failed, waiting)
 
 
-_TASKS: set = set()  # parts' coroutines running (a task is held only weakly by the loop)
-
-
 def _when_answered(answers: list, failed: list, waiting: list[int]) -> Later:
     """``_gather`` for an ALLOC whose parts wait for their slots' turns (a ``Later`` each) or for generations or a
     durable removal (a coroutine each, run as a task): a ``Later`` answered when the last part is."""
@@ -176,21 +173,12 @@ def _when_answered(answers: list, failed: list, waiting: list[int]) -> Later:
             failed.sort()
             out.done({"parts": answers, "failed": failed})
 
-    def finished(i: int, task: asyncio.Task) -> None:
-        _TASKS.discard(task)
-        if task.cancelled():
-            got(i, None, Unavailable("metaserver", "shutting down", Status.UNAVAILABLE))
-        else:
-            got(i, task.result() if task.exception() is None else None, task.exception())
-
     for i in waiting:
         a = answers[i]
         if type(a) is Later:
             a.then = functools.partial(got, i)
         else:
-            task = asyncio.get_running_loop().create_task(a)
-            _TASKS.add(task)
-            task.add_done_callback(functools.partial(finished, i))
+            when_done(a, functools.partial(got, i))
     return out
 
 

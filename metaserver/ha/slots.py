@@ -388,7 +388,7 @@ class SlotServer(Metaserver):
 
     def alloc(self, meta, conn, defer: bool = True):
         """ALLOC (its entry in ``handlers``): refused as a retry while this slot has no node to place on yet; then
-        the data plane's (``defer``: False for a multi-slot ALLOC's part, answered at once)."""
+        the data plane's (``defer``: whether it may wait for the end of the turn: ``DataPlane.alloc``)."""
         if not self.owns_nodes and not self.dir.spaces:
             # No node record has reached this slot yet (it took over before the nodes registered, and the next
             # round brings them): a retry, not a full pool.

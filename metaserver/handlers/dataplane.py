@@ -75,8 +75,7 @@ class DataPlane:
         got = None
         if base is not None:
             self._placeable()
-            got = svc.dir.alloc_placed_many(ns, [(k, s, p, tok, c) for k, s, p, tok, c in asks], base,
-                                            time.monotonic())
+            got = svc.dir.alloc_placed_many(ns, asks, base, time.monotonic())
         out: list = []
         if got is None:  # one after the other, as alone (with the generations taken, when they were)
             for k, s, p, tok, c in asks:

@@ -39,6 +39,7 @@ Costs: a turn of each kind per slot server, a list entry and a ``Later`` a reque
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -168,13 +169,12 @@ class LookupTurn(_Turn):
 class AllocTurn(_Turn):
     """The ALLOCs of one slot server (``ask``), answered by its data plane (``DataPlane.alloc_many``)."""
 
-    __slots__ = ("conns", "tasks")
+    __slots__ = ("conns",)
     kind = "ALLOC"
 
     def __init__(self, svc, due: set) -> None:
         super().__init__(svc, due)
         self.conns: set[int] = set()  # the server connections with an ALLOC waiting (ids)
-        self.tasks: set = set()  # answers waiting for a removal to be durable
 
     def ask(self, ns: str, keys, conn, sizes: list, parents: list | None, token: int | None) -> Later:
         """An ALLOC (validated, its rights checked) answered at the end of the turn (``Later``)."""
@@ -203,21 +203,37 @@ class AllocTurn(_Turn):
                 elif isinstance(ans, Exception):
                     _answer_error(later, ans)
                 else:  # a coroutine: the answer once the removals before it are durable
-                    task = asyncio.get_running_loop().create_task(ans)
-                    self.tasks.add(task)
-                    task.add_done_callback(lambda t, later=later: self._answered(t, later))
+                    when_done(ans, functools.partial(_give, later))
             except Exception as e:  # noqa: BLE001 - one answer that cannot be given must not cost the others
                 log.exception("metaserver: an ALLOC's answer could not be given")
                 _answer_error(later, e)
 
-    def _answered(self, task: asyncio.Task, later: Later) -> None:
-        self.tasks.discard(task)
+
+_TASKS: set = set()  # answers' coroutines running (the loop holds a task only weakly)
+
+
+def when_done(coro, then) -> None:
+    """Run ``coro`` (a request's answer that waits: generations, a durable removal) as a task, then
+    ``then(answer, None)`` or ``then(None, error)``; a task cancelled (shutting down) is UNAVAILABLE."""
+    def done(task: asyncio.Task) -> None:
+        _TASKS.discard(task)
         if task.cancelled():
-            _answer_error(later, Unavailable("metaserver", "shutting down", Status.UNAVAILABLE))
+            then(None, Unavailable("metaserver", "shutting down", Status.UNAVAILABLE))
         elif task.exception() is not None:
-            _answer_error(later, task.exception())
+            then(None, task.exception())
         else:
-            later.done(task.result())
+            then(task.result(), None)
+
+    task = asyncio.get_running_loop().create_task(coro)
+    _TASKS.add(task)
+    task.add_done_callback(done)
+
+
+def _give(later: Later, ans: dict | None, err: BaseException | None) -> None:
+    if err is None:
+        later.done(ans)
+    else:
+        _answer_error(later, err)
 
 
 def _answer_error(later: Later, e: BaseException) -> None:

@@ -75,7 +75,7 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
     """``PageTable.alloc`` as columns: (each key's state, int8; each key's row, int64, -1 unless NEW). ``whole``:
     on the array path only (every key READY, or ``_bulk``), else None with nothing done."""
     n = len(keys)
-    if whole and (t.dying or t.quota is not None or len(set(keys)) != n):
+    if whole and (t.dying or t.quota is not None or len(set(keys)) != n):  # (no key twice: checked once, here)
         return None
     nsix = t._ns(ns)
     c = t.cols
@@ -119,7 +119,7 @@ def alloc_rows(t, ns: str, keys: list, sizes: list, gen_base: int, tags, now: fl
             found_st = np.where(hit, FREE, found_st)
     hit = found >= _NO_ROW0
     nh = np.count_nonzero(hit)
-    simple = ARRAYS and not np.count_nonzero(found_st == _PENDING0) and len(set(keys)) == n \
+    simple = ARRAYS and not np.count_nonzero(found_st == _PENDING0) and (whole or len(set(keys)) == n) \
         and (not nh or nh == n or int(np.argmin(hit)) > int(hit.nonzero()[0][-1]))
     if simple and t.placing and n:
         top = extent_size(sizes[0] if _one_size(sizes) else max(sizes))
@@ -227,7 +227,7 @@ def _codes(t, sizes: list) -> tuple[list[int], list[int], list[int | None]]:
 def homes(t, nsix: int, keys, sizes: list, parents: list, found: np.ndarray, found_st: np.ndarray
           ) -> np.ndarray | None:
     """Where each new page goes near its parent: the index in ``t.placing`` of its node, -1 for in turn (a page
-    without a known parent, or one its home cannot take); None when no page can go near a parent. Both paths place
+    without a known parent, or one that no node has room for); None when no page can go near a parent. Both paths place
     by it, decided for the request at once from the nodes' free bytes when it came:
 
     - a key's home is the node of its parent when that is READY or PENDING on a placeable node (a key of this

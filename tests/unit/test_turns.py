@@ -1,7 +1,9 @@
 """``metaserver/handlers/turns.py``: a slot server's LOOKUPs of one event-loop turn are answered together at its
 end, each as alone (``lookup_columns_many``), each under a lease its connection holds; a request of another kind
 runs them first (``flush_due``); a closed connection's LOOKUP gets no lease; a deposed server's and a failed table
-pass's LOOKUPs are each answered with the error. A real table; the connections and the server are stand-ins."""
+pass's LOOKUPs are each answered with the error. A real table; the connections and the server are stand-ins. And
+its ALLOCs (``AllocTurn``): answered at the end of the turn by the data plane (a stand-in), each connection's own
+requests in order."""
 
 from __future__ import annotations
 
@@ -119,6 +121,7 @@ def test_a_turns_allocs_wait_for_its_end_and_keep_each_connections_order():
     answers each with a dict, a coroutine or an error); a closed connection's ALLOC is not asked; a COMMIT or ABORT
     of a connection with an ALLOC waiting runs the turn first, another connection's does not, nor an ALLOC; any
     other request does; a deposed server answers UNAVAILABLE."""
+    from metaserver.handlers import turns
     from metaserver.handlers.turns import AllocTurn
 
     async def later_answer():
@@ -158,7 +161,7 @@ def test_a_turns_allocs_wait_for_its_end_and_keep_each_connections_order():
         assert got["k1"] == ({"keys": ["k1"]}, None) and isinstance(got["bad"][1], ValueError)
         for _ in range(10):  # the waiting answer's task: started, its sleep, its end, its callback
             await asyncio.sleep(0)
-        assert got["late"] == ({"late": True}, None) and not turn.tasks
+        assert got["late"] == ({"late": True}, None) and not turns._TASKS  # answered, its task let go
         ask(["k3"], x, "k3")
         flush_due(due, Op.COMMIT, x)  # its own COMMIT: the waiting ALLOC first
         assert got["k3"] == ({"keys": ["k3"]}, None) and due == set()
