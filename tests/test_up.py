@@ -212,16 +212,20 @@ def test_up_with_several_metaservers_prints_its_line_once_every_slot_is_served(u
     own, while that process's share of the slots was still being handed over to it (it had just said "0 of 16
     slots led here"), and a first batch_put right after met slots in a handover. Now the line comes once every slot
     is served by the process the ranking gives it, and the membership role too: asked at once, each process leads
-    exactly its share."""
+    exactly its share. And each slot places on every node already (CI's bench met "storage nodes not fenced yet"
+    on its first put into a fresh 2-process pool)."""
     from test_failover import raw
 
     from metaserver.ha.slots import leaders, rank
     from transport.wire import Op
 
-    u = up("--metaservers", "3", "--slots", "16", "--nodes", "0", "--port", "0")
+    u = up("--metaservers", "3", "--slots", "16", "--nodes", "2", "--capacity", "16MiB", "--port", "0")
     (ms,) = u.stdout_until(r"^metaserver: (\S+)$")
     addrs = ms.group(1).split(",")
-    led = {a: sorted(raw(a, Op.STATS)["slots_led"]) for a in addrs}  # at once: no wait between the line and these
+    stats = {a: raw(a, Op.STATS) for a in addrs}  # at once: no wait between the line and these
+    led = {a: sorted(st["slots_led"]) for a, st in stats.items()}
+    placing = {int(s): n for st in stats.values() for s, n in st["placeable_nodes"].items()}
+    assert placing == {s: 2 for s in range(16)}, u.stderr()
     membership = [a for a in addrs if raw(a, Op.LEADER)["is_leader"]]
     want = leaders(16, addrs)
     assert led == {a: [s for s in range(16) if want[s] == a] for a in addrs}, u.stderr()

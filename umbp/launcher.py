@@ -355,9 +355,10 @@ class LocalPool:
             self._wait_served(addrs)
 
     def _wait_served(self, addrs: list[str], timeout: float = READY_S) -> None:
-        """A partitioned pool: block until every slot is served by the process the ranking gives it, and the
-        membership role by its first-ranked process (``_slot_state``). Each process's line only says it joined: the
-        last one to start is given its share of the slots over its first rounds (each warm copy loaded, then the
+        """A partitioned pool: block until every slot is served by the process the ranking gives it, the
+        membership role by its first-ranked process, and each slot places on every node (its FENCE reached them;
+        before, an ALLOC is answered "not fenced yet", a retry) (``_slot_state``). Each process's line only says it
+        joined: the last one to start is given its share of the slots over its first rounds (each warm copy loaded, then the
         slot handed over), and a batch_put right after ``start`` met those slots in a handover. At ``timeout`` a
         pool that serves every slot, not all of them where the ranking puts them yet (big warm copies still
         loading), goes on with a line that says so; one that leaves a slot unserved raises StartupError."""
@@ -384,6 +385,7 @@ class LocalPool:
         from umbp.metaclient import MetaClient
 
         led: dict[str, set[int]] = {}
+        placing: dict[int, int] = {}  # slot -> the nodes it places on now
         membership = []
         maps = []  # each process's LEADER map: what clients route by (it follows the handovers by a round)
         for addr in addrs:
@@ -391,7 +393,9 @@ class LocalPool:
                             tls_ca=os.environ.get("UMBP_TLS_CA", ""), follow=False)
             try:
                 deadline = time.monotonic() + 2.0
-                led[addr] = set(mc.call(Op.STATS, {}, deadline).get("slots_led") or ())
+                st = mc.call(Op.STATS, {}, deadline)
+                led[addr] = set(st.get("slots_led") or ())
+                placing.update((int(s), n) for s, n in (st.get("placeable_nodes") or {}).items())
                 ans = mc.call(Op.LEADER, {}, deadline)
                 if ans.get("is_leader"):
                     membership.append(addr)
@@ -405,11 +409,15 @@ class LocalPool:
         want = leaders(self.slots, addrs)
         moving = [s for s in range(self.slots) if s not in led[want[s]]]
         stale = [m for m in maps if m != want]
-        settled = served and not moving and not stale and membership == [rank("m", sorted(addrs))[0]]
+        unfenced = [s for s in range(self.slots) if placing.get(s, 0) < self.nodes]
+        settled = (served and not moving and not stale and membership == [rank("m", sorted(addrs))[0]]
+                   and not unfenced)
         why = (f"slots {unserved} not served" if unserved else
                f"the membership role served by {membership or 'none'}" if not served else
                f"slots {moving} still to move" if moving else
-               f"{len(stale)} processes' slot maps not updated yet" if stale else "the membership role still to move")
+               f"{len(stale)} processes' slot maps not updated yet" if stale else
+               f"slots {unfenced} not placing on every node yet (FENCE)" if unfenced else
+               "the membership role still to move")
         return served, settled, why
 
     def _pin_ports(self, child: Child, flag: str, port: str) -> None:

@@ -50,7 +50,10 @@ class ProcessAnswers:
                     "is_leader": bool(parts), "leader": p.holder(MEMBERSHIP),
                     "etcd_combined": {"txns": c.txns, "parts": c.parts, "split": c.split, "max_ops": c.max_ops},
                     "warm_copies": {str(s): srv.warm.state() for s, srv in p.servers.items()
-                                    if srv.warm is not None and s != MEMBERSHIP}})
+                                    if srv.warm is not None and s != MEMBERSHIP},
+                    # per slot led, the nodes it places on now (a node new to its term waits for its FENCE)
+                    "placeable_nodes": {str(s): sum(sp.placeable for sp in p.servers[s].dir.spaces.values())
+                                        for s in p.led()}})
         if not parts:
             out["nodes"] = self.nodes(meta, conn)["nodes"]
         return out
