@@ -80,10 +80,7 @@ def slots_of_digests(dig: np.ndarray, slots: int) -> np.ndarray:
     """``RULE_DIGEST``'s slots (int64) of (n, 4) uint64 key digests (``keyform.digests``): the words weighed by four
     odd constants and summed, then murmur3's 64-bit finalizer, so every bit of a key moves its slot (a key's varying
     bytes may be anywhere: ``b"%032d" % i`` varies only the top bytes of its last word), mod ``slots``."""
-    x = dig * _WEIGHTS  # (wraps, as meant)
-    h = x[:, 0] + x[:, 1]
-    h += x[:, 2]
-    h += x[:, 3]
+    h = dig @ _WEIGHTS  # (wraps, as meant)
     h ^= h >> _S33
     h *= _FMIX1
     h ^= h >> _S33

@@ -49,6 +49,7 @@ from metaserver.handlers.ownership import LEASES_PRUNE_AT, own_lease, release_he
 from metaserver.table.directory import by_node
 from metaserver.table.entry import random_id
 from transport import answerrows, slotrules
+from transport.keyform import PackedKeys
 from transport.wire import Op, Status
 from umbp.auth import read_capabilities_packed
 from umbp.errors import NotLeader, RemoteError, UmbpError
@@ -69,12 +70,15 @@ def check_slots(got: np.ndarray, slot: int, rule: int, at: int = 0) -> None:
 
 def split(meta: dict, slots: int, check: bool = True, rule: int = slotrules.RULE_DIGEST) -> list[tuple[int, dict]]:
     """(slot, that part's meta) for each part of a multi-slot request; Reject when ``parts`` is malformed or
-    (``check``: an ALLOC) a key is not of its part's slot under the pool's slot ``rule``."""
+    (``check``: an ALLOC) a key is not of its part's slot under the pool's slot ``rule``. An ALLOC's part names as
+    parents none of the request's keys of other slots (``_part_parents``)."""
     parts, keys, ns = meta.get("parts"), meta.get("keys"), meta.get("ns")
     if type(keys) not in v.KEY_LISTS or type(ns) is not str:
         raise v.Reject("a multi-slot request needs 'ns' (string) and 'keys' (list, or packed)")
     if type(parts) is not list or not 1 <= len(parts) <= slots:
         raise v.Reject(f"'parts' must be a list of 1..{slots} [slot, count] pairs")
+    key_slots = slotrules.slots_of(ns, keys, slots, rule) if check else None  # the request's keys at once
+    parents = _part_parents(keys, key_slots, meta.get("parents")) if check else None
     out: list[tuple[int, dict]] = []
     seen: set[int] = set()
     at = 0
@@ -94,12 +98,27 @@ def split(meta: dict, slots: int, check: bool = True, rule: int = slotrules.RULE
             elif k in meta:
                 m[k] = x
         if check:
-            check_slots(slotrules.slots_of(ns, m["keys"], slots, rule), slot, rule, at)
+            check_slots(key_slots[at:at + n], slot, rule, at)
+            if parents is not None:
+                m["parents"] = [p if s in (slot, -1) else None for p, s in zip(m["parents"], parents[at:at + n])]
         out.append((slot, m))
         at += n
     if at != len(keys):
         raise v.Reject(f"'parts' count {at} keys, the request has {len(keys)}")
     return out
+
+
+def _part_parents(keys, key_slots: np.ndarray, parents) -> list[int] | None:
+    """The slot of each parent of a multi-slot ALLOC that is one of its keys (from ``key_slots``, no digest), -1 for
+    the others (a slot's table finds theirs: ``SlotTable.own_parents``); None where ``parents`` is not a list of
+    hashables as long as the keys (the slot's own validation refuses it by name)."""
+    if type(parents) is not list or len(parents) != len(keys):
+        return None
+    of = dict(zip(keys.tolist() if type(keys) is PackedKeys else keys, key_slots.tolist()))
+    try:
+        return [of.get(p, -1) for p in parents]
+    except TypeError:  # an unhashable parent
+        return None
 
 
 def _failure(i: int, e: BaseException) -> list:

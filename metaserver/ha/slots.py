@@ -208,16 +208,25 @@ class SlotStore(EtcdStore):
         return None  # the process's client is closed by the partition
 
 
-def own_parents(slot: int, slots: int, ns: str, parents: list | None, rule: int = slotrules.RULE_DIGEST
+def own_parents(slot: int, slots: int, ns: str, parents: list | None, keys=(), rule: int = slotrules.RULE_DIGEST
                 ) -> list | None:
     """An ALLOC's ``parents`` with those of other slots left out (None): they are never linked in this slot, so a
     page naming one would count as an orphan under ``prefix-lru`` and go first (it cost that policy 54 points of
-    hit rate on bench/eviction.py); without it the page is ordinary, evicted by recency. O(parents), the
-    parents' slots as one array (``slots_of`` under the pool's rule)."""
+    hit rate on bench/eviction.py); without it the page is ordinary, evicted by recency. A parent that is one of the
+    ALLOC's ``keys`` is of this slot (its keys are checked to be); the others' slots are one array (``slots_of``
+    under the pool's rule), none when every parent is a key or nil (a chain: a multi-slot ALLOC's parts come with
+    those of other slots already left out, ``multislot.split``)."""
     if not parents:
         return parents
-    return [p if s == slot else None  # None: -1
-            for p, s in zip(parents, slotrules.slots_of(ns, parents, slots, rule).tolist())]
+    mine = set(keys)
+    at = [i for i, p in enumerate(parents) if p is not None and p not in mine]
+    if not at:
+        return parents
+    out = list(parents)
+    for i, s in zip(at, slotrules.slots_of(ns, [parents[i] for i in at], slots, rule).tolist()):
+        if s != slot:
+            out[i] = None
+    return out
 
 
 class SlotTable(TableDirectory):
@@ -233,8 +242,8 @@ class SlotTable(TableDirectory):
     def node_region(self, capacity: int) -> tuple[int, int]:
         return region(self.slot, self.slots, capacity)
 
-    def own_parents(self, ns: str, parents: list | None) -> list | None:
-        return own_parents(self.slot, self.slots, ns, parents, self.rule)
+    def own_parents(self, ns: str, parents: list | None, keys=()) -> list | None:
+        return own_parents(self.slot, self.slots, ns, parents, keys, self.rule)
 
 
 class SlotLeadership:

@@ -121,12 +121,12 @@ class TableDirectory(PageTable):
         return fx
 
     # -- requests -----------------------------------------------------------------------------------------------
-    def own_parents(self, ns: str, parents: list | None) -> list | None:
-        """The parents an ALLOC links (a slot's table: those of its own slot, ``slots.SlotTable``)."""
+    def own_parents(self, ns: str, parents: list | None, keys=()) -> list | None:
+        """The parents an ALLOC of ``keys`` links (a slot's table: those of its own slot, ``slots.SlotTable``)."""
         return parents
 
     def alloc(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None):
-        parents = self.own_parents(ns, parents)
+        parents = self.own_parents(ns, parents, keys)
         if shard is not None:
             return self.shared.alloc(ns, keys, sizes, parents, gen_base, now, token, owner, shard), self.effects()
         items = PageTable.alloc(self, ns, keys, sizes, gen_base, None, now, token, owner, parents)
@@ -135,7 +135,7 @@ class TableDirectory(PageTable):
     def alloc_placed(self, ns, keys, sizes, parents, gen_base, now, token=None, owner=None, shard=None) -> Placed:
         """``alloc`` as columns (``grants.Placed``, its effects in ``fx``): what the service's ALLOC answers from
         (``grants.grant_alloc``). A plain page's tag is kept in its row's ``tag`` column once granted."""
-        parents = self.own_parents(ns, parents)
+        parents = self.own_parents(ns, parents, keys)
         if shard is not None:
             items = self.shared.alloc(ns, keys, sizes, parents, gen_base, now, token, owner, shard)
             return Placed.of_items(items, shard[0], self.effects())
@@ -146,7 +146,7 @@ class TableDirectory(PageTable):
         """``alloc_placed`` of several ALLOCs at once (``place.alloc_rows_many``: ``asks`` of (keys, sizes, parents,
         token, owner), plain pages), each one's ``Placed`` and the effects of them all; None (nothing done) where
         one pass would not give what they would one after the other."""
-        got = alloc_rows_many(self, ns, [(k, s, self.own_parents(ns, p), tok, own) for k, s, p, tok, own in asks],
+        got = alloc_rows_many(self, ns, [(k, s, self.own_parents(ns, p, k), tok, own) for k, s, p, tok, own in asks],
                               gen_base, now)
         if got is None:
             return None

@@ -13,6 +13,7 @@ from metaserver.table.entry import GONE, NEW, PENDING, READY, Effects, extent_si
 from metaserver.ha.slots import SlotTable, own_parents, region
 from metaserver.table.load import load_pages
 from metaserver.table.nodes import UNIT_SHIFT
+from transport import slotrules
 from transport.slotrules import slot_of
 from transport.objformat import ARENA_DATA_START, object_size
 
@@ -155,6 +156,42 @@ def test_own_parents_leaves_out_the_parents_of_other_slots():
     other = next(k for k in cands if slot_of("m", k, SLOTS) != 1)
     assert own_parents(1, SLOTS, "m", [mine, other, None]) == [mine, None, None]
     assert own_parents(1, SLOTS, "m", None) is None and own_parents(1, SLOTS, "m", [None]) == [None]
+
+
+def test_a_parent_that_is_one_of_the_allocs_keys_is_kept_without_its_slot_computed(monkeypatch):
+    """A slot's ALLOC keys are checked to be of its slot, so a chain's parents that are its keys need no digest:
+    only the others' slots are asked for, in one call."""
+    cands = [b"p%d" % i for i in range(200)]
+    mine = [k for k in cands if slot_of("m", k, SLOTS) == 1][:3]
+    other = next(k for k in cands if slot_of("m", k, SLOTS) != 1)
+    asked = []
+    real = slotrules.slots_of
+    monkeypatch.setattr(slotrules, "slots_of", lambda ns, ks, *a: asked.append(list(ks)) or real(ns, ks, *a))
+    assert own_parents(1, SLOTS, "m", [None, mine[0], mine[1]], keys=mine) == [None, mine[0], mine[1]]
+    assert asked == []
+    outside = mine[2]
+    assert own_parents(1, SLOTS, "m", [outside, mine[0], other], keys=mine[:2]) == [outside, mine[0], None]
+    assert asked == [[outside, other]]
+
+
+def test_a_multi_slot_allocs_parts_name_no_key_of_another_part_as_parent():
+    """``multislot.split``: each ALLOC part keeps the parents that are its own keys or named outside the request
+    (its table decides those), and leaves out (None) those that are keys of other parts."""
+    from metaserver.ha import multislot
+
+    cands = [b"k%d" % i for i in range(400)]
+    per = {s: [k for k in cands if slot_of("m", k, SLOTS) == s][:3] for s in range(SLOTS)}
+    chain = [per[s][j] for j in range(3) for s in range(SLOTS)]  # the client's order: slots interleaved
+    parent_of = dict(zip(chain, [b"outside"] + chain[:-1]))
+    keys = [k for s in range(SLOTS) for k in per[s]]  # as sent: grouped by slot
+    meta = {"ns": "m", "keys": keys, "sizes": [SMALL] * len(keys), "parents": [parent_of[k] for k in keys],
+            "parts": [[s, 3] for s in range(SLOTS)]}
+    for s, m in multislot.split(meta, SLOTS, True):
+        assert m["keys"] == per[s]
+        want = [p if p == b"outside" or slot_of("m", p, SLOTS) == s else None for p in (parent_of[k] for k in per[s])]
+        assert m["parents"] == want and want.count(None) >= 2
+    assert [m["parents"] for _, m in multislot.split(meta, SLOTS, False)] == [meta["parents"][i:i + 3]
+                                                                            for i in range(0, 12, 3)]
 
 
 def test_a_slot_tables_alloc_passes_only_its_own_parents(monkeypatch):
