@@ -60,9 +60,11 @@ def _route_meta(kslots: list[int]) -> tuple[dict, int]:
 class BenchClient:
     """One client process's state: a connection per metaserver process, the slot map, the keys it committed."""
 
-    def __init__(self, cid: int, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True):
+    def __init__(self, cid: int, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True,
+                 digests: bool = True):
         self.cid, self.window, self.page_bytes, self.decode = cid, window, page_bytes, decode
         self.merge = merge
+        self.digests = digests  # LOOKUPs carry their keys' digests where the metaserver takes them, as umbp.Client
         self.chain = chain  # puts name each page's predecessor in its batch as its parent, as the engines do
         self.socks: list[FramedSocket] = []
         self.slots = 1
@@ -140,6 +142,8 @@ class BenchClient:
         meta.update(sub.route)
         if op == Op.LOOKUP and self.merge and "parts" in sub.route:
             meta["merge"] = True  # one answer for the parts, as umbp/slotrouter.py asks (metaserver/ha/multislot.py)
+        if op == Op.LOOKUP and self.digests and fs.digest_keys:
+            meta = wire.pack_keys(meta, True)  # packed, 32 bytes a key: the metaserver hashes none (umbp/metaclient.py)
         fs.send([wire.encode(op, rid, meta)], deadline)
         sub.op = op
         inflight[(sub.proc, rid)] = sub
@@ -256,10 +260,10 @@ class BenchClient:
         return True
 
 
-def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True
-                ) -> None:
+def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True,
+                digests: bool = True) -> None:
     """A client process: obeys the bench's commands on ``conn`` (connect, prep, go, close, exit)."""
-    c = BenchClient(cid, window, page_bytes, decode, merge, chain)
+    c = BenchClient(cid, window, page_bytes, decode, merge, chain, digests)
     while True:
         cmd, *args = conn.recv()
         try:
@@ -275,12 +279,14 @@ def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge
 class Clients:
     """The client processes (spawned once, reconnected to each pool) and their command pipes."""
 
-    def __init__(self, n: int, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True):
+    def __init__(self, n: int, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True,
+                 digests: bool = True):
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         for cid in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge, chain), daemon=True)
+            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge, chain, digests),
+                            daemon=True)
             p.start()
             self.pipes.append(a)
             self.procs.append(p)

@@ -234,6 +234,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="puts: chain (default) names each page's predecessor in its batch as its parent, as SGLang's "
                         "and vLLM's puts do; none names none")
     p.add_argument("--headline-batch", type=int, default=128, help="request size of the headline ratio")
+    p.add_argument("--lookup-keys", default="digests", choices=("digests", "keys"),
+                   help="LOOKUPs carry each key's 32-byte digest, as umbp.Client sends them to a metaserver that takes "
+                        "them (default), or the keys themselves (the metaserver hashes each)")
     p.add_argument("--lookup-parts", action="store_true",
                    help="multi-slot LOOKUPs answered per part (no 'merge': the path before one answer a process)")
     p.add_argument("--decode", choices=("rows", "locs"), default="rows",
@@ -273,7 +276,7 @@ def main(argv=None) -> int:
           f"{'us/req':>7} {'busy (each)':<24} {'etcd us/pg':>10} {'clients':>7} {'machine':>7} {'per pass':>8}",
           flush=True)
     clients = Clients(args.clients, args.window, args.page_bytes, args.decode, not args.lookup_parts,
-                      args.parents == "chain")
+                      args.parents == "chain", args.lookup_keys == "digests")
     runs, warnings = [], []
     try:
         for p, s in shapes:

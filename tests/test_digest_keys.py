@@ -93,3 +93,44 @@ def test_record_named_by_hex_text_is_deleted_at_load(cluster):
         outs = [bytearray(1000) for _ in hexes]
         assert c.batch_get_into(hexes, outs) == [1000] * 5  # the page's own record, its own generation
         assert all(bytes(o) == payload(h, 1000) for h, o in zip(hexes, outs))
+
+
+def test_lookups_go_as_digests_and_a_reloaded_pages_read_tag_comes_from_its_own_key(cluster, monkeypatch):
+    """A client's LOOKUP, EXISTS and PREFIX carry each key as its 32-byte digest (the metaserver's HELLO says
+    ``digest_keys``): the directory files keys by digest, so it finds the same rows and hashes no key. Keys of every
+    form: SGLang's page names (66 bytes, their own form), short names, hex text (its raw 32 bytes), rank keys (33).
+    A row's read tag is computed at its first LOOKUP after a load, which here names it by digest: from the row's own
+    key, so the reloaded pages read back byte for byte, and so they do for a LOOKUP that names the keys themselves."""
+    import umbp.metaclient as metaclient
+    from transport import keyform, wire
+
+    names = [f"{h}_k" for h in digests(20, "n")]
+    short = [f"s{i}" for i in range(10)]
+    hexes = digests(10, "h")
+    ranked = [f"{h}_7" for h in digests(5, "r")]
+    keys = names + short + hexes + ranked
+    data = {k: payload(k, 1500) for k in keys}
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert all(c.batch_put(keys, [data[k] for k in keys]))
+    cluster.metaserver.restart()  # a full load: every row's read tag is computed again at its first LOOKUP
+    cluster.wait_nodes()
+    sent = []
+    real = wire.pack_keys
+    monkeypatch.setattr(wire, "pack_keys", lambda meta, digests=False: sent.append((digests, got := real(meta, digests)))
+                        or got)
+    asked = keys + ["absent-page"]
+    with umbp.Client(cluster.metaserver_addr) as c:
+        outs = [bytearray(1500) for _ in asked]
+        assert c.batch_get_into(asked, outs) == [1500] * len(keys) + [-1]
+        assert [bytes(o) for o in outs[:-1]] == [data[k] for k in keys]
+        assert c.batch_exists(asked) == [True] * len(keys) + [False]
+    forms = [keyform.digest_forms([k.encode()], [len(k)])[0] for k in asked]
+    want = keyform.digests(forms)[0].tobytes()
+    lookups = [m for d, m in sent if d and m.get("keys") == want]
+    assert len(lookups) >= 2 and all("key_width" not in m for m in lookups), sent  # LOOKUP, EXISTS: 32 bytes a key
+    # a client that names the keys themselves (as before digest keys) reads the same bytes: the tags kept are right
+    monkeypatch.setattr(metaclient, "_packed", lambda conn, op, meta: real(meta) if conn.packed_keys else meta)
+    with umbp.Client(cluster.metaserver_addr) as c:  # (a new client: no locations remembered)
+        outs = [bytearray(1500) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [1500] * len(keys)
+        assert [bytes(o) for o in outs] == [data[k] for k in keys]

@@ -159,6 +159,7 @@ class FramedSocket:
             self.sock.settimeout(None)  # blocking: one syscall per call, deadlines kept by SO_RCVTIMEO/SO_SNDTIMEO
         self._rto = self._sto = 0.0  # the socket's receive / send timeout now (0.0: none set, which blocks forever)
         self.packed_keys = False  # the server takes keyed requests' keys packed (its HELLO said so: wire.pack_keys)
+        self.digest_keys = False  # and its LOOKUP, EXISTS and PREFIX take keys as their digests (wire.DIGEST_KEYS)
         self._next_id = 1
         self.closed = False
 
@@ -188,6 +189,7 @@ class FramedSocket:
             raise TransportError(self.component, f"{e.detail} during HELLO: if it serves TLS, give the client "
                                                  f"its CA (tls_ca=, UMBP_TLS_CA, --tls-ca)") from e
         self.packed_keys = type(hello.meta) is dict and hello.meta.get(wire.PACKED_KEYS) is True
+        self.digest_keys = self.packed_keys and hello.meta.get(wire.DIGEST_KEYS) is True
         meta = auth.auth_meta(hello.meta)
         if meta is None:
             return "open"

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import msgpack
 
+from transport import keyform
 from umbp.errors import (AuthError, BadRequest, CorruptionError, FrameTooLarge, NotFound, NotLeader, PoolFull,
                          ProtocolError, QuotaExceeded, RemoteError, Unavailable)
 
@@ -45,7 +46,10 @@ MAGIC = 0x4D55  # b"UM" little-endian
 # (tests/test_wire_compat.py). The disk tier's opcodes (READV_DISK, DEMOTE, PROMOTE) are additive within 12: older peers
 # never send them, a node without them answers UNKNOWN_OPCODE. A keyed request's keys of one length packed into one
 # bytes value (``pack_keys``) are additive within 12 too: a client packs them only for a metaserver whose HELLO answer
-# says ``"packed_keys": true``, and such a metaserver takes either form.
+# says ``"packed_keys": true``, and such a metaserver takes either form. So are a LOOKUP's, EXISTS' or PREFIX's keys
+# sent as their 32-byte digests (``pack_keys(digests=True)``): only to a metaserver whose HELLO answer says
+# ``"digest_keys": true`` (an older one would file a long key's read tag from its digest at the first LOOKUP after a
+# load: its readers would then miss).
 VERSION = 12
 MIN_VERSION = VERSION - 1
 HEADER = struct.Struct("<HBBHHIIQ")
@@ -185,15 +189,22 @@ def encode(op: int, request_id: int, meta: Any = None, *, data_len: int = 0, fla
 
 
 PACKED_KEYS = "packed_keys"  # a metaserver's HELLO answer field: true when it takes packed keys (``pack_keys``)
+DIGEST_KEYS = "digest_keys"  # and true when its DIGEST_OPS take each key as its digest (``pack_keys(digests=True)``)
+DIGEST_OPS = frozenset({Op.LOOKUP, Op.EXISTS, Op.PREFIX})  # keyed requests that only find keys: a digest names one
 
 
-def pack_keys(meta: Any) -> Any:
+def pack_keys(meta: Any, digests: bool = False) -> Any:
     """A keyed request's meta with its ``keys`` packed: when every key has one length w (32: SGLang's page hashes;
     67-68: its page names ``{hash}_{tag}_k``), the list becomes one bytes value of them back to back, plus
     ``"key_width": w`` when w is not 32; the metaserver reads it as ``transport.keyform.PackedKeys`` (no msgpack object
     or validation step a key, and for w = 32 no digest step either). Any other ``meta`` is returned as it is. Only for
     a metaserver whose HELLO answer carried ``PACKED_KEYS`` (one that does not would refuse it: BAD_REQUEST). A new
-    dict: the caller's meta is left as it was (it may be sent again, to another metaserver)."""
+    dict: the caller's meta is left as it was (it may be sent again, to another metaserver).
+
+    ``digests`` (a ``DIGEST_OPS`` request to a metaserver whose HELLO answer carried ``DIGEST_KEYS``): keys of any
+    lengths (each 1..MAX_KEY_BYTES bytes) go as their 32-byte digests (``keyform.digests`` of their digest forms,
+    packed): the directory files a key by its digest, so the metaserver finds the same rows without a hash a key
+    (blake2b: a quarter of its LOOKUP's CPU at keys of 66 bytes), and the bytes sent are 32 a key."""
     keys = meta.get("keys") if type(meta) is dict else None
     if type(keys) is not list or not keys:
         return meta
@@ -202,6 +213,12 @@ def pack_keys(meta: Any) -> Any:
     except TypeError:
         return meta  # not bytes: sent as a list, refused by the metaserver's validation as before
     w = len(keys[0])
+    if digests and (len(blob) != 32 * len(keys) or min(map(len, keys)) != 32):
+        lens = list(map(len, keys))
+        if 0 < min(lens) and max(lens) <= MAX_KEY_BYTES:  # (else as before: the metaserver refuses the key by name)
+            out = dict(meta)
+            out["keys"] = keyform.digests(keyform.digest_forms(keys, lens))[0].tobytes()
+            return out
     if not 0 < w <= MAX_KEY_BYTES or len(blob) != w * len(keys) or min(map(len, keys)) != w:
         return meta
     out = dict(meta)

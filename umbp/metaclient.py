@@ -45,6 +45,14 @@ CONNECT_S = 2.0  # connecting and the handshake: a black-holed host (no RST) cos
 REFUSED_PASSES = 4  # connection refused at every address this many times in a row: fail now (about 0.5 s)
 
 
+def _packed(conn: FramedSocket, op: int, meta: Any) -> Any:
+    """``meta`` as sent to ``conn``'s metaserver: keys packed where its HELLO said it takes them, and as their digests
+    for a LOOKUP, EXISTS or PREFIX where it said it finds them so (``wire.pack_keys``)."""
+    if not conn.packed_keys:
+        return meta
+    return wire.pack_keys(meta, conn.digest_keys and op in wire.DIGEST_OPS)
+
+
 def _answer(op: int, meta: Any, component: str) -> Any:
     """An answer's meta as callers read it: a LOOKUP's packed rows as one array (``umbp.lookup``), an ALLOC's
     checked rows as one array with its ``items`` list made when read (``umbp.lookup.AllocAnswer``); others as they
@@ -151,7 +159,7 @@ class MetaClient:
 
     def _roundtrip(self, conn: FramedSocket, op: int, meta: Any, deadline: float) -> Any:
         rid = conn.next_id()
-        conn.send([wire.encode(op, rid, wire.pack_keys(meta) if conn.packed_keys else meta)], deadline)
+        conn.send([wire.encode(op, rid, _packed(conn, op, meta))], deadline)
         frame = self._await(conn, rid, deadline)
         wire.raise_for_status(frame, conn.component)
         return _answer(op, frame.meta, conn.component)
@@ -182,7 +190,7 @@ class MetaClient:
                 conn = self._connect(min(deadline, time.monotonic() + CONNECT_S))
                 t.rid = conn.next_id()
                 self.sent[op] = self.sent.get(op, 0) + 1
-                conn.send([wire.encode(op, t.rid, wire.pack_keys(meta) if conn.packed_keys else meta)], deadline)
+                conn.send([wire.encode(op, t.rid, _packed(conn, op, meta))], deadline)
             except TransportError:
                 self._drop()
                 return t

@@ -65,7 +65,7 @@ from metaserver.store.fullload import gc_paused, node_descs
 from metaserver.ha.tiering import Mover
 from metaserver.ha.standby import CATCHUP_S, Handover, WarmDirectory
 from metaserver.table.directory import TableDirectory
-from transport.wire import PACKED_KEYS, VERSION, Op, Status
+from transport.wire import DIGEST_KEYS, PACKED_KEYS, VERSION, Op, Status
 from metaserver.table.quarantine import Quarantine
 from umbp.auth import CLOCK_SKEW_S, Tokens
 from umbp.config import MetaserverConfig
@@ -445,6 +445,7 @@ class Metaserver:
             v.string(m, "client", max_len=256)
         ans = conn.auth.hello(m, "metaserver", VERSION)
         ans[PACKED_KEYS] = True  # keyed requests may carry their keys packed (wire.pack_keys; server.py unpacks them)
+        ans[DIGEST_KEYS] = True  # and finds by their digests (a read tag comes from the row's own key: _kept_tags)
         return ans
 
     def authenticate(self, meta: Any, conn) -> dict:

@@ -233,7 +233,7 @@ class TableDirectory(PageTable):
             return [self.lookup_columns(ns, keys, now, owner, tokens)]
         every = joined_keys([k for k, _ in asks])
         hit, hr = self.pin_hits(ns, every)
-        tags, slots, nix = self._grant_columns(ns, every, hit, hr, tokens, None) if len(hr) else (None,) * 3
+        tags, slots, nix = self._grant_columns(ns, hr, tokens, None) if len(hr) else (None,) * 3
         cuts = np.cumsum([len(k) for k, _ in asks]).tolist()
         ends = np.cumsum(hit).take(np.array(cuts, np.int64) - 1).tolist() if len(hit) else [0] * len(asks)
         out, a, h = [], 0, 0
@@ -277,17 +277,17 @@ class TableDirectory(PageTable):
         lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
         if not lease:
             return 0, hit, None, None, None
-        return (lease, hit) + self._grant_columns(ns, keys, hit, hr, tokens, shard)
+        return (lease, hit) + self._grant_columns(ns, hr, tokens, shard)
 
-    def _grant_columns(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, tokens, shard) -> tuple:
+    def _grant_columns(self, ns: str, hr: np.ndarray, tokens, shard) -> tuple:
         """(tags, capability slots, node column values) of the hits ``hr`` (``lookup_columns``)."""
         c = self.cols
         slots = np.empty((len(hr), 3), "<u8")  # a capability's (offset, payload_len, gen) triples
         if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
-            tags = rank_tags(self._kept_tags(ns, keys, hit, hr, tokens.shard_bases), shard[0])
+            tags = rank_tags(self._kept_tags(ns, hr, tokens.shard_bases), shard[0])
             slots[:, 0], slots[:, 1] = self.shared.slots(hr, shard[0])
         else:
-            tags = self._kept_tags(ns, keys, hit, hr, tokens.tags)
+            tags = self._kept_tags(ns, hr, tokens.tags)
             np.left_shift(c["unit"].take(hr), _UNIT0, out=slots[:, 0])
             if len(self.codes) == 1:  # one layout interned (a namespace's pages share one): every row's
                 slots[:, 1] = self.code_arr
@@ -299,18 +299,20 @@ class TableDirectory(PageTable):
             nix = self.tiers.answer(nix, slots, hr)
         return tags, slots, nix
 
-    def _kept_tags(self, ns: str, keys: list, hit: np.ndarray, hr: np.ndarray, compute) -> np.ndarray:
-        """The ``tag`` column of rows ``hr`` (the keys at ``hit``), each computed by ``compute(ns, keys)`` once, at
+    def _kept_tags(self, ns: str, hr: np.ndarray, compute) -> np.ndarray:
+        """The ``tag`` column of rows ``hr``, each computed by ``compute(ns, keys)`` once, at
         its row's first LOOKUP, and kept: a plain row's tag, a shared row's shard base (``Tokens.shard_bases``; a
-        row is never both). 0 means not computed yet (a keyed blake2b is 0 once in 2^64 lookups: then recomputed)."""
+        row is never both). 0 means not computed yet (a keyed blake2b is 0 once in 2^64 lookups: then recomputed).
+        Computed from the row's own key (``KeyIndex.keys_of``), not the one asked by: a LOOKUP may name a key by its
+        digest (``wire.DIGEST_KEYS``), and the tag the writer's header holds is of the key it put."""
         c = self.cols
         tags = c["tag"].take(hr)
         if np.count_nonzero(tags) == len(tags):  # every tag kept already (the usual case after a row's first LOOKUP)
             return tags
         none = np.flatnonzero(tags == 0)
-        at = np.flatnonzero(hit).take(none).tolist()
-        tags[none] = compute(ns, pick(keys, at))
-        c["tag"][hr.take(none)] = tags.take(none)
+        rows = hr.take(none)
+        tags[none] = compute(ns, self.ix.keys_of(rows))
+        c["tag"][rows] = tags.take(none)
         return tags
 
     def remove(self, ns, keys):

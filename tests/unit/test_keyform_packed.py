@@ -70,6 +70,37 @@ def test_pack_keys_packs_only_batches_of_32_byte_keys_and_leaves_the_callers_met
     assert wire.pack_keys({"lease": 3}) == {"lease": 3} and wire.pack_keys(None) is None
 
 
+def test_pack_keys_sends_a_finding_requests_keys_as_their_digests_only_when_asked_and_valid():
+    """``digests``: keys of any lengths (1..MAX_KEY_BYTES) go as the 32-byte digests of their digest forms, which
+    the directory files them by; a batch of 32-byte keys is its own digests; keys the metaserver must refuse by name
+    (empty, too long, not bytes) go as before. The metaclient asks for digests for LOOKUP, EXISTS and PREFIX only,
+    and only of a metaserver that said ``digest_keys``."""
+    from umbp import metaclient
+
+    hexes = [os.urandom(32).hex().encode() for _ in range(3)]
+    keys = [b"s1", b"a" * 66, b"b" * 200, hexes[0], hexes[1] + b"_12", KEYS[0]]
+    forms = [b"s1", b"a" * 66, b"b" * 200, bytes.fromhex(hexes[0].decode()), bytes.fromhex(hexes[1].decode()) + b"\x0c",
+             KEYS[0]]
+    meta = {"ns": "a", "keys": list(keys)}
+    got = wire.pack_keys(meta, digests=True)
+    assert got == {"ns": "a", "keys": digests(forms)[0].tobytes()} and meta["keys"] == keys
+    assert got["keys"][32 * 3:32 * 4] == forms[3] and got["keys"][-32:] == KEYS[0]  # own digests: themselves
+    assert wire.pack_keys({"keys": list(KEYS)}, digests=True) == {"keys": b"".join(KEYS)}
+    for bad in ([b"ok", b""], [b"ok", b"k" * (wire.MAX_KEY_BYTES + 1)], [b"ok", "str"]):
+        m = {"ns": "a", "keys": bad}
+        assert wire.pack_keys(m, digests=True) is m, bad
+
+    class Conn:
+        packed_keys, digest_keys = True, True
+
+    for op, dig in ((Op.LOOKUP, True), (Op.EXISTS, True), (Op.PREFIX, True), (Op.ALLOC, False), (Op.REMOVE, False),
+                    (Op.COMMIT, False)):
+        assert metaclient._packed(Conn, op, {"keys": [b"k" * 40]}) == (
+            {"keys": digests([b"k" * 40])[0].tobytes()} if dig else {"keys": b"k" * 40, "key_width": 40}), op
+    Conn.digest_keys = False  # a metaserver that did not say digest_keys: its tags would come from the digests
+    assert metaclient._packed(Conn, Op.LOOKUP, {"keys": [b"k" * 40]}) == {"keys": b"k" * 40, "key_width": 40}
+
+
 def test_the_metaserver_unpacks_whole_keys_only_and_keeps_the_key_limit():
     m = {"ns": "a", "keys": b"".join(KEYS)}
     v.unpack_keys(m)
