@@ -217,7 +217,7 @@ def pack_keys(meta: Any, digests: bool = False) -> Any:
         lens = list(map(len, keys))
         if 0 < min(lens) and max(lens) <= MAX_KEY_BYTES:  # (else as before: the metaserver refuses the key by name)
             out = dict(meta)
-            out["keys"] = keyform.digests(keyform.digest_forms(keys, lens))[0].tobytes()
+            out["keys"] = keyform.digest_blob(keyform.digest_forms(keys, lens))
             return out
     if not 0 < w <= MAX_KEY_BYTES or len(blob) != w * len(keys) or min(map(len, keys)) != w:
         return meta

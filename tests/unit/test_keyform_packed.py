@@ -101,6 +101,25 @@ def test_pack_keys_sends_a_finding_requests_keys_as_their_digests_only_when_aske
     assert metaclient._packed(Conn, Op.LOOKUP, {"keys": [b"k" * 40]}) == {"keys": b"k" * 40, "key_width": 40}
 
 
+def test_digest_blob_is_the_digests_remembered_within_its_bound(monkeypatch):
+    """``keyform.digest_blob``: the digests of any keys back to back, the same whether remembered or not; a long
+    key's is remembered (a 32-byte key is its own), and the memory is forgotten at once when it would pass its
+    bound."""
+    from transport import keyform
+
+    monkeypatch.setattr(keyform, "MEMO_KEYS", 8)
+    monkeypatch.setattr(keyform, "_MEMO", {})
+    keys = [b"k%d" % i for i in range(5)] + [KEYS[3]]
+    want = digests(keys)[0].tobytes()
+    assert keyform.digest_blob(keys) == want and sorted(keyform._MEMO) == sorted(keys[:5])
+    assert keyform.digest_blob(keys[::-1]) == digests(keys[::-1])[0].tobytes()  # remembered, in the order asked
+    more = [b"m%d" % i for i in range(4)]
+    assert keyform.digest_blob(keys[:2] + more) == digests(keys[:2] + more)[0].tobytes()
+    assert sorted(keyform._MEMO) == sorted(more)  # 5 + 4 > 8: forgotten, then this batch's misses kept
+    keyform._MEMO[b"k0"] = bytes(32)  # (a remembered digest is the one sent: the memory is read, not hashed again)
+    assert keyform.digest_blob([b"k0"]) == bytes(32)
+
+
 def test_the_metaserver_unpacks_whole_keys_only_and_keeps_the_key_limit():
     m = {"ns": "a", "keys": b"".join(KEYS)}
     v.unpack_keys(m)
