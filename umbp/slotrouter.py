@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from transport import slotrules, wire
+from transport import keyform, slotrules, wire
 from transport.wire import Op, Status
 from umbp import lookup
 from umbp.errors import DeadlineExceeded, NotLeader, ProtocolError, RemoteError, TransportError, Unavailable
@@ -243,11 +243,23 @@ class MetaRouter:
         return c
 
     # -- keyed requests ----------------------------------------------------------------------------------------
+    def _slots(self, ns: str, keys: list) -> np.ndarray:
+        """``slotrules.slots_of`` of the keys; under rule 2 from their digests as this client remembers them
+        (``keyform.digest_blob``, which also packs a LOOKUP's: a key asked again is hashed once, not for each)."""
+        if self.rule == slotrules.RULE_DIGEST:
+            try:
+                blob = keyform.digest_blob(keys)  # (the keys as sent: the metaserver checks an ALLOC's so)
+            except TypeError:  # not all bytes: marked -1 one by one
+                pass
+            else:
+                return slotrules.slots_of_digests(np.frombuffer(blob, np.uint64).reshape(-1, 4), self.slots)
+        return slotrules.slots_of(ns, keys, self.slots, self.rule)
+
     def _split(self, op: int, meta: dict) -> list[_Part]:
         """The request's parts, one a slot its keys fall in (ascending), each naming its slot: the keys' slots as
         one array (``slotrules.slots_of`` under the pool's rule), grouped by one stable argsort."""
         ns, keys = meta["ns"], meta["keys"]
-        sl = slotrules.slots_of(ns, keys, self.slots, self.rule)
+        sl = self._slots(ns, keys)
         np.maximum(sl, 0, out=sl)  # -1 (not a key): slot 0 refuses it precisely
         n = len(sl)
         first = int(sl[0]) if n else 0

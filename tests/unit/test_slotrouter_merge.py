@@ -207,3 +207,22 @@ def test_merged_alloc_rows_are_the_parts_items_in_key_order():
     assert got["items"] == want
     assert [x[0] for x in want] == [NEW, FULL, EXISTS, NEW, NEW, NEW, NEW]
     assert putbatch.answer_rows(got, 7) is got["alloc_rows"]
+
+
+def test_the_router_routes_by_the_slot_rule_from_the_digests_it_remembers(monkeypatch):
+    """Under rule 2 the client's router takes the keys' slots from ``keyform.digest_blob`` (the digests it also
+    packs a LOOKUP's keys as, remembered): the same slots as ``slotrules.slots_of``, for keys of every length,
+    hex text as sent, and keys that are not bytes (-1, refused by the metaserver); rule 1 as before."""
+    import os
+
+    from transport import keyform
+
+    monkeypatch.setattr(keyform, "_MEMO", {})
+    r = MetaRouter.__new__(MetaRouter)
+    r.slots = 16
+    keys = [os.urandom(33).hex().encode() for _ in range(40)] + [b"x", b"k" * 32, os.urandom(32).hex().encode()]
+    for rule in slotrules.RULES:
+        r.rule = rule
+        for ks in (keys, keys + ["a str", 7]):
+            assert r._slots("ns", ks).tolist() == slotrules.slots_of("ns", ks, 16, rule).tolist(), (rule, ks[-1])
+    assert len(keyform._MEMO) == 42  # rule 2 remembered the keys that are not 32 bytes (the hex text as sent)
