@@ -116,8 +116,13 @@ def test_lookups_go_as_digests_and_a_reloaded_pages_read_tag_comes_from_its_own_
     cluster.wait_nodes()
     sent = []
     real = wire.pack_keys
-    monkeypatch.setattr(wire, "pack_keys", lambda meta, digests=False: sent.append((digests, got := real(meta, digests)))
-                        or got)
+
+    def spy(meta, digests=False):
+        got = real(meta, digests)
+        sent.append((digests, got))
+        return got
+
+    monkeypatch.setattr(wire, "pack_keys", spy)
     asked = keys + ["absent-page"]
     with umbp.Client(cluster.metaserver_addr) as c:
         outs = [bytearray(1500) for _ in asked]

@@ -202,8 +202,8 @@ def pack_keys(meta: Any, digests: bool = False) -> Any:
     dict: the caller's meta is left as it was (it may be sent again, to another metaserver).
 
     ``digests`` (a ``DIGEST_OPS`` request to a metaserver whose HELLO answer carried ``DIGEST_KEYS``): keys of any
-    lengths (each 1..MAX_KEY_BYTES bytes) go as their 32-byte digests (``keyform.digests`` of their digest forms,
-    packed): the directory files a key by its digest, so the metaserver finds the same rows without a hash a key
+    lengths (each 1..MAX_KEY_BYTES bytes) go as their 32-byte digests (``keyform.digest_blob`` of their digest
+    forms): the directory files a key by its digest, so the metaserver finds the same rows without a hash a key
     (blake2b: a quarter of its LOOKUP's CPU at keys of 66 bytes), and the bytes sent are 32 a key."""
     keys = meta.get("keys") if type(meta) is dict else None
     if type(keys) is not list or not keys:

@@ -358,10 +358,10 @@ class LocalPool:
         """A partitioned pool: block until every slot is served by the process the ranking gives it, the
         membership role by its first-ranked process, and each slot places on every node (its FENCE reached them;
         before, an ALLOC is answered "not fenced yet", a retry) (``_slot_state``). Each process's line only says it
-        joined: the last one to start is given its share of the slots over its first rounds (each warm copy loaded, then the
-        slot handed over), and a batch_put right after ``start`` met those slots in a handover. At ``timeout`` a
-        pool that serves every slot, not all of them where the ranking puts them yet (big warm copies still
-        loading), goes on with a line that says so; one that leaves a slot unserved raises StartupError."""
+        joined: the last one to start is given its share of the slots over its first rounds (each warm copy loaded,
+        then the slot handed over), and a batch_put right after ``start`` met those slots in a handover. At
+        ``timeout`` a pool that serves every slot, not all of them where the ranking puts them yet (big warm copies
+        still loading), goes on with a line that says so; one that leaves a slot unserved raises StartupError."""
         end = time.monotonic() + timeout
         while True:
             served, settled, why = self._slot_state(addrs)

@@ -114,10 +114,10 @@ def _part_parents(keys, key_slots: np.ndarray, parents) -> list[int] | None:
     hashables as long as the keys (the slot's own validation refuses it by name)."""
     if type(parents) is not list or len(parents) != len(keys):
         return None
-    of = dict(zip(keys.tolist() if type(keys) is PackedKeys else keys, key_slots.tolist()))
     try:
+        of = dict(zip(keys.tolist() if type(keys) is PackedKeys else keys, key_slots.tolist()))
         return [of.get(p, -1) for p in parents]
-    except TypeError:  # an unhashable parent
+    except TypeError:  # an unhashable key or parent
         return None
 
 

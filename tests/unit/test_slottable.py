@@ -192,6 +192,11 @@ def test_a_multi_slot_allocs_parts_name_no_key_of_another_part_as_parent():
         assert m["parents"] == want and want.count(None) >= 2
     assert [m["parents"] for _, m in multislot.split(meta, SLOTS, False)] == [meta["parents"][i:i + 3]
                                                                             for i in range(0, 12, 3)]
+    # malformed keys or parents (unhashable) are left to the slot's own validation, which refuses them by name
+    bad = {"ns": "m", "keys": [[1]] + per[0], "sizes": [SMALL] * 4, "parents": [[2], None, per[0][0], b"x"],
+           "parts": [[0, 4]]}
+    (s, m), = multislot.split(bad, SLOTS, True)
+    assert s == 0 and m["parents"] == bad["parents"]
 
 
 def test_a_slot_tables_alloc_passes_only_its_own_parents(monkeypatch):
