@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from metaserver.handlers.ownership import MAX_RELEASE  # noqa: E402
 from transport import answerrows, slotrules, wire  # noqa: E402
 from transport.framed import FramedSocket  # noqa: E402
 from transport.wire import AllocState, Op  # noqa: E402
@@ -61,10 +62,14 @@ class BenchClient:
     """One client process's state: a connection per metaserver process, the slot map, the keys it committed."""
 
     def __init__(self, cid: int, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True,
-                 digests: bool = True):
+                 digests: bool = True, release_next: bool = True):
         self.cid, self.window, self.page_bytes, self.decode = cid, window, page_bytes, decode
         self.merge = merge
         self.digests = digests  # LOOKUPs carry their keys' digests where the metaserver takes them, as umbp.Client
+        # a LOOKUP's read leases ride in the next LOOKUP to that process ("release", as umbp/releases.py sends
+        # them), not in a RELEASE frame each; those left at the end of a phase go in one RELEASE frame a process
+        self.release_next = release_next
+        self.to_release: dict[int, list[int]] = {}
         self.chain = chain  # puts name each page's predecessor in its batch as its parent, as the engines do
         self.socks: list[FramedSocket] = []
         self.slots = 1
@@ -142,6 +147,8 @@ class BenchClient:
         meta.update(sub.route)
         if op == Op.LOOKUP and self.merge and "parts" in sub.route:
             meta["merge"] = True  # one answer for the parts, as umbp/slotrouter.py asks (metaserver/ha/multislot.py)
+        if op == Op.LOOKUP and self.release_next and sub.proc in self.to_release:
+            meta["release"] = self.to_release.pop(sub.proc)
         if op == Op.LOOKUP and self.digests and fs.digest_keys:
             meta = wire.pack_keys(meta, True)  # packed, 32 bytes a key: the metaserver hashes none (umbp/metaclient.py)
         fs.send([wire.encode(op, rid, meta)], deadline)
@@ -175,6 +182,7 @@ class BenchClient:
         full with the plan's batches (lookups cycle through theirs; puts stop at the end of theirs), then every
         request in flight answered. Returns the counts and the time of the last answer."""
         st = {"batches": 0, "requests": 0, "parts": 0, "keys": 0, "committed": 0, "found": 0, "not_new": 0,
+              "leases": 0, "released": 0, "flushed": 0,
               "budget_hit": False}
         sel = selectors.DefaultSelector()
         for i, fs in enumerate(self.socks):
@@ -224,6 +232,11 @@ class BenchClient:
                         active -= 1
                         last = time.time()
         sel.close()
+        for proc, ids in self.to_release.items():  # the phase's last leases
+            st["flushed"] += len(ids)
+            for i in range(0, len(ids), MAX_RELEASE):
+                self.socks[proc].send_noreply(Op.RELEASE, {"leases": ids[i:i + MAX_RELEASE]}, drain_by)
+        self.to_release = {}
         st["t_last"] = last
         st["client_cpu_s"] = time.process_time() - cpu0
         return st
@@ -237,7 +250,11 @@ class BenchClient:
                 st["found"] += self._hits(a)
                 if a.get("lease"):
                     leases.append(a["lease"])
-            if leases:
+            st["leases"] += len(leases)
+            st["released"] += meta.get("released", 0)  # (leases of earlier LOOKUPs this one carried)
+            if leases and self.release_next:
+                self.to_release.setdefault(sub.proc, []).extend(leases)
+            elif leases:
                 self.socks[sub.proc].send_noreply(
                     Op.RELEASE, {"lease": leases[0]} if len(leases) == 1 else {"leases": leases}, deadline)
             return True
@@ -261,9 +278,9 @@ class BenchClient:
 
 
 def client_main(cid: int, conn, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True,
-                digests: bool = True) -> None:
+                digests: bool = True, release_next: bool = True) -> None:
     """A client process: obeys the bench's commands on ``conn`` (connect, prep, go, close, exit)."""
-    c = BenchClient(cid, window, page_bytes, decode, merge, chain, digests)
+    c = BenchClient(cid, window, page_bytes, decode, merge, chain, digests, release_next)
     while True:
         cmd, *args = conn.recv()
         try:
@@ -280,12 +297,12 @@ class Clients:
     """The client processes (spawned once, reconnected to each pool) and their command pipes."""
 
     def __init__(self, n: int, window: int, page_bytes: int, decode: str, merge: bool = True, chain: bool = True,
-                 digests: bool = True):
+                 digests: bool = True, release_next: bool = True):
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         for cid in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge, chain, digests),
+            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge, chain, digests, release_next),
                             daemon=True)
             p.start()
             self.pipes.append(a)

@@ -97,7 +97,7 @@ def phase(clients: Clients, op: str, batch: int, budget: int, args, ms_pids: lis
     etcd, mach = cpu_s(etcd_pid) - etcd0, busy_s() - mach0
     wall = max(max(r["t_last"] for r in res) - start_at, 1e-3)
     tot = {k: sum(r[k] for r in res) for k in ("batches", "requests", "parts", "keys", "committed", "found",
-                                                "not_new", "client_cpu_s")}
+                                                "not_new", "client_cpu_s", "leases", "released", "flushed")}
     busy = [c / wall for c in ms]
     return dict(tot, op=op, batch=batch, wall_s=wall, keys_per_s=tot["keys"] / wall,
                 metaserver_cpu_s=ms, busy=busy, busy_ok=min(busy) >= BUSY_OK,
@@ -237,6 +237,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lookup-keys", default="digests", choices=("digests", "keys"),
                    help="LOOKUPs carry each key's 32-byte digest, as umbp.Client sends them to a metaserver that takes "
                         "them (default), or the keys themselves (the metaserver hashes each)")
+    p.add_argument("--release", default="next", choices=("next", "frame"),
+                   help="a LOOKUP's read leases: released in the next LOOKUP to that process, as umbp.Client does "
+                        "(default), or each by a RELEASE frame of its own")
     p.add_argument("--lookup-parts", action="store_true",
                    help="multi-slot LOOKUPs answered per part (no 'merge': the path before one answer a process)")
     p.add_argument("--decode", choices=("rows", "locs"), default="rows",
@@ -276,7 +279,7 @@ def main(argv=None) -> int:
           f"{'us/req':>7} {'busy (each)':<24} {'etcd us/pg':>10} {'clients':>7} {'machine':>7} {'per pass':>8}",
           flush=True)
     clients = Clients(args.clients, args.window, args.page_bytes, args.decode, not args.lookup_parts,
-                      args.parents == "chain", args.lookup_keys == "digests")
+                      args.parents == "chain", args.lookup_keys == "digests", args.release == "next")
     runs, warnings = [], []
     try:
         for p, s in shapes:

@@ -57,6 +57,9 @@ def test_the_slots_bench_quick_run_writes_every_figure_and_its_counts_add_up(tmp
             assert type(x["etcd_us_per_page"]) is float and x["etcd_us_per_page"] > 0, what
         else:
             assert x["found"] == x["keys"] and x["committed"] == 0, what  # every key looked up was committed
+            # every read lease released: by a later LOOKUP that carried it (the metaserver's count), or at the end
+            assert x["leases"] >= x["requests"] and x["released"] + x["flushed"] == x["leases"], what
+            assert x["released"] > 0, what
             assert x["etcd_us_per_page"] is None, what
 
     for op in ("lookup", "put"):
