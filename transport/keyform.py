@@ -1,9 +1,10 @@
 """The pool's one form of a page key (``digest_key``), applied by the client before it sends a key
 (``umbp.keys.normalize_key``) and by the metaserver to whatever it receives (``metaserver/validate.py``), and read
 back from etcd's page names (``metaserver/table/records.py``); ``PackedKeys``, a batch of keys of one length carried
-as one bytes value (a keyed request's packed ``keys``: ``transport/wire.py`` ``pack_keys``); and ``digests``, a
+as one bytes value (a keyed request's packed ``keys``: ``transport/wire.py`` ``pack_keys``); ``digests``, a
 batch's 32-byte key digests as the metaserver's key index files them and a partitioned pool's slot rule reads them
-(``transport/slotrules.py``).
+(``transport/slotrules.py``); and ``digest_blob``, a client's digests of its keys, remembered, as it routes them and
+sends a LOOKUP's keys (``wire.pack_keys(digests=True)``).
 """
 
 from __future__ import annotations

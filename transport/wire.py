@@ -212,16 +212,16 @@ def pack_keys(meta: Any, digests: bool = False) -> Any:
         blob = b"".join(keys)
     except TypeError:
         return meta  # not bytes: sent as a list, refused by the metaserver's validation as before
-    w = len(keys[0])
-    if digests and (len(blob) != 32 * len(keys) or min(map(len, keys)) != 32):
-        lens = list(map(len, keys))
-        if 0 < min(lens) and max(lens) <= MAX_KEY_BYTES:  # (else as before: the metaserver refuses the key by name)
-            out = dict(meta)
-            out["keys"] = keyform.digest_blob(keyform.digest_forms(keys, lens))
-            return out
-    if not 0 < w <= MAX_KEY_BYTES or len(blob) != w * len(keys) or min(map(len, keys)) != w:
-        return meta
+    lens = list(map(len, keys))
+    w, hi = min(lens), max(lens)
+    if not 0 < w or hi > MAX_KEY_BYTES:
+        return meta  # sent as a list: the metaserver refuses the key by name
     out = dict(meta)
+    if digests and not w == hi == 32:
+        out["keys"] = keyform.digest_blob(keyform.digest_forms(keys, lens))
+        return out
+    if w != hi:
+        return meta
     out["keys"] = blob
     if w != 32:
         out["key_width"] = w
