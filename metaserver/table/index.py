@@ -298,19 +298,18 @@ class KeyIndex:
 
     # -- changes ----------------------------------------------------------------------------------------------
     def insert(self, rows: np.ndarray, dig: np.ndarray, ns_col: np.ndarray,
-               longs: list[tuple[int, bytes]] | None = None) -> None:
+               longs: list[tuple[int, bytes]] | None = None, row_list: list[int] | None = None) -> None:
         """File new rows (absent keys, their namespaces already in ``ns_col``; their digests ``dig`` go into
         ``kc``), starting a resize first if they would fill the table past ``MAX_LOAD`` (or rows wait in the stash),
         then drain the old table by this insert's share (module docstring). ``longs``: (position in ``rows``, key)
-        of keys that are not their own digest."""
+        of keys that are not their own digest; ``row_list``: ``rows`` as a list, where the caller has it."""
         rows = np.asarray(rows, np.int64)
         self.kc[rows] = dig
         if isinstance(longs, LongCol):  # a load's: columns, no object a key
             if longs:
                 self.long_keys.add_bulk(rows.take(longs.pos), longs)
-        else:
-            for i, k in longs or ():
-                self.long_keys[int(rows[i])] = k
+        elif longs:
+            self.long_keys.add(rows.tolist() if row_list is None else row_list, longs)
         if len(rows):
             self._file(rows, self._hash(ns_col.take(rows), dig), ns_col)
 

@@ -11,7 +11,7 @@ of the load). Here a load's long keys stay one blob and two arrays from the segm
 ``LongCol``: entry j is the key ``blob[ends[j] - len_j : ends[j]]`` at position ``pos[j]`` of its batch (``pos``
 ascending, int64; ``blob`` bytes, or a memoryview of a segment's value, which ``pick`` makes bytes). It iterates as (position, key) pairs, the list form the small paths use.
 
-``LongKeys``: rows filed one at a time (an ALLOC's long keys: a dict) and in bulk (a load's: chunks, each rows
+``LongKeys``: rows filed by request (an ALLOC's long keys: a dict) and in bulk (a load's: chunks, each rows
 sorted ascending, their keys' ends and blob, and an alive mask; a deleted row is marked dead in its chunk, a chunk
 less than half alive is compacted, more than ``MAX_CHUNKS`` chunks are merged into one). Invariant: a live row has
 at most one live entry, in the dict or in one chunk.
@@ -193,8 +193,11 @@ class LongKeys:
     def __bool__(self) -> bool:
         return bool(self.d) or any(c.live for c in self.chunks)
 
-    def __setitem__(self, row: int, key: bytes) -> None:
-        self.d[row] = key
+    def add(self, rows: list[int], longs: list[tuple[int, bytes]]) -> None:
+        """File an ALLOC's long keys, ``(position in rows, key)`` pairs, with one dict update (0.1 against 0.4 us a
+        key filed one at a time with a remap, 1,024 keys of 66 bytes on the 2-core VM)."""
+        pos, ks = zip(*longs)
+        self.d.update(zip(map(rows.__getitem__, pos), ks))
 
     def get(self, row: int) -> bytes | None:
         k = self.d.get(row)

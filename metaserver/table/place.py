@@ -195,10 +195,12 @@ def _file(t, nsix, dig, longs, tags, now, token, owner, parents, at, gen_base, r
     t._pending.update(dict.fromkeys(rl, (token, owner)))
     if parents is not None or t.links.pending:
         t.links.placed(rl, newa.tolist(), parents)
-    if longs:
-        where = {i: j for j, i in enumerate(newa.tolist())}
-        longs = [(where[i], k) for i, k in longs if i in where]
-    t.ix.insert(ra, dig[newa], c["ns"], longs)
+    if longs and len(newa) != len(state):  # not every key new: the new ones' long keys, by position among them
+        inv = np.full(len(state), -1, np.int64)
+        inv[newa] = np.arange(len(newa))
+        pos, ks = zip(*longs)
+        longs = [(j, k) for j, k in zip(inv.take(pos).tolist(), ks) if j >= 0]
+    t.ix.insert(ra, dig[newa], c["ns"], longs, rl)
 
 
 def _one_size(sizes) -> bool:

@@ -50,10 +50,12 @@ def test_longkeys_matches_a_dict_through_adds_discards_merges_and_compactions():
             col, pairs = _col(rng, m)
             lk.add_bulk(rows.take(col.pos), col)
             oracle.update({int(rows[i]): k for i, k in pairs.items()})
-        else:  # single adds (an ALLOC's)
-            for _ in range(rng.randrange(1, 10)):
-                r = free.pop()
-                lk[r] = oracle[r] = bytes([step % 256]) * 34
+        else:  # an ALLOC's: some of its new rows have long keys
+            rows = [free.pop() for _ in range(rng.randrange(1, 10))]
+            longs = [(i, bytes([step % 256, i]) * 17) for i in range(len(rows)) if rng.random() < 0.7] or [(0, b"k")]
+            lk.add(rows, longs)
+            oracle.update((rows[i], k) for i, k in longs)
+            free.extend(r for i, r in enumerate(rows) if i not in dict(longs))
         live = list(oracle)
         gone = rng.sample(live, len(live) // 3)
         lk.discard(np.array(gone + [10**6], np.int64))  # (a row with no long key is ignored)

@@ -257,3 +257,24 @@ def test_the_queues_numpy_copy_keeps_each_nodes_last_queue_across_moves():
                 got = qc.rows[x.qbase:x.qbase + len(last[x.ix])]
                 assert (got == last[x.ix]).all() and (qc.keys[x.qbase:x.qbase + len(got)] == got + 7).all()
     assert qc.end <= len(qc.rows)
+
+
+def test_an_allocs_long_keys_are_filed_under_its_new_rows_only():
+    """An ALLOC's keys that are not their own digest are kept for its NEW rows, by their positions among them: a
+    request whose keys are all new, and one that repeats committed keys and a key of its own between new ones (the
+    long keys of a row read back are its own, never a neighbour's)."""
+    d = TableDirectory()
+    d.add_space("n0", 64 * object_size(3000))
+    first = [b"long-key-%d" % i for i in range(4)] + [b"k" * 32]
+    items, _ = d.alloc("a", first, [3000] * 5, None, 1, 0.0)
+    assert [it[0] for it in items] == [NEW] * 5
+    assert d.commit("a", first, [it[4] for it in items], 0.0)[0] == [True] * 5
+    second = [first[1], b"new-%d" % 0, first[3], b"new-%d" % 0, b"x" * 32, b"a-longer-new-key", first[0]]
+    items, _ = d.alloc("a", second, [3000] * 7, None, 100, 0.0)
+    states = [it[0] for it in items]
+    assert states[1] == states[4] == states[5] == NEW and states[3] != NEW
+    rows = d._find("a", first + second).tolist()
+    assert all(r >= 0 for r in rows)
+    assert [d.key_of(r) for r in rows] == first + second
+    assert d.ix.long_keys.keys_of(np.array(rows, np.int64)) == first[:4] + [None] + [
+        k if len(k) != 32 else None for k in second]
