@@ -139,3 +139,36 @@ def test_lookups_go_as_digests_and_a_reloaded_pages_read_tag_comes_from_its_own_
         outs = [bytearray(1500) for _ in keys]
         assert c.batch_get_into(keys, outs) == [1500] * len(keys)
         assert [bytes(o) for o in outs] == [data[k] for k in keys]
+
+
+def test_keys_the_full_digest_memory_cannot_take_go_as_themselves_and_read_back(cluster, monkeypatch):
+    """A client whose memory of key digests is full (``keyform.digest_blob``: it keeps what it holds and takes no
+    more) sends a LOOKUP of keys it neither holds nor can take with the keys themselves, not hashing them; the
+    metaserver finds them by either form, and the pages read back byte for byte. Its STATS show the memory."""
+    from transport import keyform, wire
+
+    keys = [f"{h}_k" for h in digests(12, "full")]
+    data = {k: payload(k, 900) for k in keys}
+    with umbp.Client(cluster.metaserver_addr) as c:
+        assert all(c.batch_put(keys, [data[k] for k in keys]))
+    monkeypatch.setattr(keyform, "MEMO_KEYS", 4)
+    monkeypatch.setattr(keyform, "_MEMO", {b"other-%d" % i: bytes(32) for i in range(4)})  # full of other keys
+    monkeypatch.setattr(keyform, "_FULL", [False, 0, 0])
+    sent = []
+    real = wire.pack_keys
+
+    def spy(meta, digests=False):
+        got = real(meta, digests)
+        sent.append((digests, got))
+        return got
+
+    monkeypatch.setattr(wire, "pack_keys", spy)
+    with umbp.Client(cluster.metaserver_addr) as c:
+        outs = [bytearray(900) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [900] * len(keys)
+        assert [bytes(o) for o in outs] == [data[k] for k in keys]
+        st = c.stats()["client"]
+    asked = [m for d, m in sent if d and m.get("ns") is not None]
+    assert asked and all(m["keys"] == b"".join(k.encode() for k in keys) and m["key_width"] == 66 for m in asked), sent
+    assert sorted(keyform._MEMO) == [b"other-%d" % i for i in range(4)]  # kept what it held
+    assert (st["digest_keys"], st["digest_keys_limit"], st["digest_passed_full"]) == (4, 4, len(keys) * len(asked))

@@ -187,6 +187,14 @@ def digest_blob(keys: list[bytes], hash_misses: bool = True) -> bytes | None:
     return b"".join(out)
 
 
+def memory_stats() -> dict[str, int]:
+    """``digest_blob``'s memory as a client's STATS shows it (``umbp.Client.stats``): the keys it holds and may hold,
+    and, while full, the keys found in it and the long keys passed over since its window began."""
+    full = _FULL
+    return {"digest_keys": len(_MEMO), "digest_keys_limit": MEMO_KEYS, "digest_found_full": full[1],
+            "digest_passed_full": full[2]}
+
+
 def digests(keys: list[bytes]) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
     """(n, 4) uint64 digests of ``keys`` and the (position, key) of those that are not 32 bytes long: a 32-byte key is
     its own digest, any other its blake2b from a copy of ``_DIGEST0`` (0.26 us a key of 68 bytes, where a new blake2b

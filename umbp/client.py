@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any, ContextManager, Iterable, Sequence
 
-from transport import wire
+from transport import keyform, wire
 from transport.base import Pending, Transport
 from transport.shm import ShmTransport, boot_id
 from transport.tcp import TcpTransport
@@ -495,7 +495,8 @@ class Client:
 
     def stats(self) -> dict:
         s = self._meta.call(wire.Op.STATS, {}, self._deadline())
-        s["client"] = dict(self.counters, **self._spec.stats(), transports=self.transport_names(), pid=os.getpid(),
+        s["client"] = dict(self.counters, **self._spec.stats(), **keyform.memory_stats(),
+                           transports=self.transport_names(), pid=os.getpid(),
                            requests=self.requests_sent(), leases_in_lookups=self._meta.piggybacked,
                            leases_in_releases=self._meta.framed)
         return s
