@@ -65,7 +65,7 @@ class BenchClient:
                  digests: bool = True, release_next: bool = True):
         self.cid, self.window, self.page_bytes, self.decode = cid, window, page_bytes, decode
         self.merge = merge
-        self.digests = digests  # LOOKUPs carry their keys' digests where the metaserver takes them, as umbp.Client
+        self.digests = digests  # LOOKUPs packed as umbp.Client packs them (digests of the keys it remembers)
         # a LOOKUP's read leases ride in the next LOOKUP to that process ("release", as umbp/releases.py sends
         # them), not in a RELEASE frame each; those left at the end of a phase go in one RELEASE frame a process
         self.release_next = release_next
@@ -302,8 +302,8 @@ class Clients:
         self.pipes, self.procs = [], []
         for cid in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=client_main, args=(cid, b, window, page_bytes, decode, merge, chain, digests, release_next),
-                            daemon=True)
+            p = ctx.Process(target=client_main, daemon=True,
+                            args=(cid, b, window, page_bytes, decode, merge, chain, digests, release_next))
             p.start()
             self.pipes.append(a)
             self.procs.append(p)

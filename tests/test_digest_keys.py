@@ -95,6 +95,22 @@ def test_record_named_by_hex_text_is_deleted_at_load(cluster):
         assert all(bytes(o) == payload(h, 1000) for h, o in zip(hexes, outs))
 
 
+def _spy_packing(monkeypatch) -> tuple[list, object]:
+    """Record every ``wire.pack_keys`` call as (digests asked, what it packed); returns the record and the real
+    function."""
+    from transport import wire
+
+    sent, real = [], wire.pack_keys
+
+    def spy(meta, digests=False):
+        got = real(meta, digests)
+        sent.append((digests, got))
+        return got
+
+    monkeypatch.setattr(wire, "pack_keys", spy)
+    return sent, real
+
+
 def test_lookups_go_as_digests_and_a_reloaded_pages_read_tag_comes_from_its_own_key(cluster, monkeypatch):
     """A client's LOOKUP, EXISTS and PREFIX carry each key as its 32-byte digest (the metaserver's HELLO says
     ``digest_keys``): the directory files keys by digest, so it finds the same rows and hashes no key. Keys of every
@@ -102,7 +118,7 @@ def test_lookups_go_as_digests_and_a_reloaded_pages_read_tag_comes_from_its_own_
     A row's read tag is computed at its first LOOKUP after a load, which here names it by digest: from the row's own
     key, so the reloaded pages read back byte for byte, and so they do for a LOOKUP that names the keys themselves."""
     import umbp.metaclient as metaclient
-    from transport import keyform, wire
+    from transport import keyform
 
     names = [f"{h}_k" for h in digests(20, "n")]
     short = [f"s{i}" for i in range(10)]
@@ -114,15 +130,7 @@ def test_lookups_go_as_digests_and_a_reloaded_pages_read_tag_comes_from_its_own_
         assert all(c.batch_put(keys, [data[k] for k in keys]))
     cluster.metaserver.restart()  # a full load: every row's read tag is computed again at its first LOOKUP
     cluster.wait_nodes()
-    sent = []
-    real = wire.pack_keys
-
-    def spy(meta, digests=False):
-        got = real(meta, digests)
-        sent.append((digests, got))
-        return got
-
-    monkeypatch.setattr(wire, "pack_keys", spy)
+    sent, real = _spy_packing(monkeypatch)
     asked = keys + ["absent-page"]
     with umbp.Client(cluster.metaserver_addr) as c:
         outs = [bytearray(1500) for _ in asked]
@@ -145,7 +153,7 @@ def test_keys_the_full_digest_memory_cannot_take_go_as_themselves_and_read_back(
     """A client whose memory of key digests is full (``keyform.digest_blob``: it keeps what it holds and takes no
     more) sends a LOOKUP of keys it neither holds nor can take with the keys themselves, not hashing them; the
     metaserver finds them by either form, and the pages read back byte for byte. Its STATS show the memory."""
-    from transport import keyform, wire
+    from transport import keyform
 
     keys = [f"{h}_k" for h in digests(12, "full")]
     data = {k: payload(k, 900) for k in keys}
@@ -154,15 +162,7 @@ def test_keys_the_full_digest_memory_cannot_take_go_as_themselves_and_read_back(
     monkeypatch.setattr(keyform, "MEMO_KEYS", 4)
     monkeypatch.setattr(keyform, "_MEMO", {b"other-%d" % i: bytes(32) for i in range(4)})  # full of other keys
     monkeypatch.setattr(keyform, "_FULL", [False, 0, 0])
-    sent = []
-    real = wire.pack_keys
-
-    def spy(meta, digests=False):
-        got = real(meta, digests)
-        sent.append((digests, got))
-        return got
-
-    monkeypatch.setattr(wire, "pack_keys", spy)
+    sent, real = _spy_packing(monkeypatch)
     with umbp.Client(cluster.metaserver_addr) as c:
         outs = [bytearray(900) for _ in keys]
         assert c.batch_get_into(keys, outs) == [900] * len(keys)
