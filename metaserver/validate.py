@@ -19,12 +19,12 @@ from typing import Any
 from transport import wire
 from transport.keyform import KEY32, PackedKeys, digest_forms, digest_key
 from transport.wire import Status
+from umbp.config import MAX_SHARDS
 from umbp.errors import BadRequest
 
 MAX_KEY = wire.MAX_KEY_BYTES
 MAX_NS = 128
 MAX_PAYLOAD = 1 << 40
-MAX_SHARDS = 256  # parts of one shared entry (metaserver/table/entry.py MAX_SHARDS)
 
 
 class Reject(BadRequest):

@@ -14,7 +14,7 @@ import pytest
 
 from cluster import child_env
 from umbp.keys import chain_keys
-from umbp.workload.costmodel import CostModel
+from umbp.costmodel import CostModel
 from umbp.workload.generator import AgentXShape, generate
 from umbp.workload.replay import Replay, ReplayConfig, page_payload
 from umbp.workload.trace import dump_trace

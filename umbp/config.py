@@ -5,7 +5,8 @@ Precedence, highest first: explicit arguments (CLI flags, constructor arguments)
 ``UMBP_CONFIG`` (sections ``[metaserver]``, ``[node]``, ``[client]``) > the defaults below. This is the only module
 that reads the environment; everything else receives a config object.
 
-A leaf module: the metaserver imports it, so it imports nothing but ``umbp.errors`` and ``umbp.sizes``.
+A leaf module: the transports and the metaserver import it, so it imports nothing but ``umbp.errors`` and
+``umbp.sizes`` (``tests/unit/test_layers.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,26 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from umbp.errors import ConfigError
-from umbp.shard import check_shard
 from umbp.sizes import parse_size
+
+
+MAX_SHARDS = 256  # ranks of one TP-sharded page (``shard=(rank, nranks)``): parts of one shared entry
+
+
+def check_shard(shard: Any, component: str = "client") -> tuple[int, int] | None:
+    """``shard`` as (rank, nranks) with 0 <= rank < nranks <= MAX_SHARDS, None when None; ConfigError otherwise."""
+    if shard is None or shard == "":
+        return None
+    if type(shard) is str:  # UMBP_SHARD=3,8 or a config file's "3,8"
+        shard = shard.split(",")
+    try:
+        rank, n = (int(x) for x in shard)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(component, f"shard must be (rank, nranks), got {shard!r}") from e
+    if not 0 <= rank < n <= MAX_SHARDS:
+        raise ConfigError(component, f"shard must be (rank, nranks) with 0 <= rank < nranks <= {MAX_SHARDS}, "
+                                     f"got {shard!r}")
+    return rank, n
 
 
 def split_host_port(addr: str, component: str = "config", default_port: int | None = None) -> tuple[str, int]:

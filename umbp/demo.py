@@ -218,7 +218,7 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _add_replay_flags(s, demo: bool) -> None:
-    from umbp.workload.costmodel import CostModel
+    from umbp.costmodel import CostModel
     from umbp.workload.replay import ReplayConfig
 
     rc, cm = ReplayConfig(), CostModel()
@@ -268,7 +268,7 @@ def _add_replay_flags(s, demo: bool) -> None:
 
 def _job(args, title: str, mooncake: bool = False):
     """The job's configuration from the flags; flags left at None take the trace format's defaults."""
-    from umbp.workload.costmodel import CostModel
+    from umbp.costmodel import CostModel
     from umbp.workload.job import JobConfig
     from umbp.workload.replay import ReplayConfig
 

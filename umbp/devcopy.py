@@ -1,8 +1,8 @@
-"""CUDA tensors in the plain API: same-host pages moved by the gather kernel straight between the mapped arena and
+"""CUDA tensors in the plain API: same-host pages moved by the device copy kernel straight between the mapped arena and
 the tensors (``DeviceCopier``), instead of a host memcpy into pinned staging plus an upload.
 
 ``Client.batch_get_into`` / ``batch_get_ranges_into`` hand CUDA outs whose page lies on a same-host (shm) node to
-``DeviceCopier.read``: the node's mapped arena is registered with CUDA once per client (``gather.register_host``,
+``DeviceCopier.read``: the node's mapped arena is registered with CUDA once per client (``devkernel.register_host``,
 reference counted process-wide; the client gives its references back on close), every range becomes one segment
 ``(arena address, tensor address, length)`` of one kernel launch per device, one wait per device. Headers are checked
 before the launch and again after the wait, like shm's torn-read check: a slot rewritten meanwhile raises
@@ -20,9 +20,9 @@ launch leaves its pages' headers invalid and reports them failed (the put path A
 placed elsewhere, and every page where the kernel cannot run (no CUDA or CuPy, checksums on), are staged to pinned
 host memory by the batch's ``stager`` and written by their transport as before.
 
-Layering: this module imports ``umbp.engine.gather`` lazily, only when a CUDA out is seen; gather imports nothing of
-the client. Cost per call: one registration per node per client (first time only), a segment table of 24 bytes per
-range, one launch and one synchronize per device.
+Layering: the kernel is ``umbp/devkernel.py`` (the engine's gather uses it too), which imports torch and CuPy only
+when a CUDA out is seen. Cost per call: one registration per node per client (first time only), a segment table of
+24 bytes per range, one launch and one synchronize per device.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from transport import objformat
+from umbp import devkernel
 from umbp.errors import CorruptionError, InvalidArgument, TransportError
 
-# One kernel segment is at most 65535 thread blocks of 16 KiB (gather.CHUNK): longer device pieces are cut.
+# One kernel segment is at most 65535 thread blocks of 16 KiB (devkernel.CHUNK): longer device pieces are cut.
 SEG_MAX = 256 << 20
 Stager = Callable[[list], tuple[list, Callable[[], None]]]
 
@@ -131,9 +132,7 @@ class DeviceCopier:
             try:
                 import torch
 
-                from umbp.engine import gather
-
-                self._usable = bool(torch.cuda.is_available()) and gather.cupy_available()
+                self._usable = bool(torch.cuda.is_available()) and devkernel.cupy_available()
             except ModuleNotFoundError:  # no torch: nothing to say, the staged path serves CPU outs
                 self._usable = False
             except Exception as e:  # a broken torch or CUDA install: the staged path still works, said once
@@ -144,11 +143,9 @@ class DeviceCopier:
 
     def arena_address(self, node_id: str, arena: memoryview) -> int | None:
         if node_id not in self._arenas:
-            from umbp.engine import gather
-
             try:
-                self._arenas[node_id] = gather.register_host(arena)
-            except gather.GatherUnavailable:
+                self._arenas[node_id] = devkernel.register_host(arena)
+            except devkernel.GatherUnavailable:
                 self._arenas[node_id] = None
         buf = self._arenas[node_id]
         return None if buf is None else buf.addr
@@ -157,9 +154,7 @@ class DeviceCopier:
         """One kernel launch over the segment table on ``device``'s current stream, then wait for it."""
         import torch
 
-        from umbp.engine import gather
-
-        gather.run_kernel(gather.Plan(src, dst, lens), device)
+        devkernel.run_kernel(devkernel.Plan(src, dst, lens), device)
         torch.cuda.current_stream(device).synchronize()
         self.launches += 1
 
@@ -230,11 +225,9 @@ class DeviceCopier:
         arenas, self._arenas = self._arenas, {}
         if not any(b is not None for b in arenas.values()):
             return
-        from umbp.engine import gather
-
         for buf in arenas.values():
             if buf is not None:
                 try:
-                    gather.unregister_host(buf)
-                except gather.HostRegistrationError:
-                    pass  # logged by gather; the client is closing either way
+                    devkernel.unregister_host(buf)
+                except devkernel.HostRegistrationError:
+                    pass  # logged by devkernel; the client is closing either way

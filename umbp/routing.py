@@ -24,7 +24,7 @@ it, or the router's own approximation of it).
   holds the longest prefix of the prompt's pages, ties to the least loaded.
 - ``cache-aware``: for each rank, the pages its HBM can serve, then the pages the pool can serve after those
   (``pool.prefix_hits`` over the remaining keys, asked once per distinct HBM match), priced with the cost model
-  (``umbp.workload.costmodel``) plus the rank's backlog (the estimated prefill seconds of what it has in flight);
+  (``umbp.costmodel``) plus the rank's backlog (the estimated prefill seconds of what it has in flight);
   the cheapest rank wins. So the rank holding the prefix wins unless its backlog outweighs what it saves.
 
 Contract of ``route``: returns an index in ``range(n)`` and counts the request in flight there until
@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+from umbp.costmodel import CostModel
 from umbp.errors import ConfigError, InvalidArgument
 
 
@@ -164,11 +165,7 @@ class CacheAware(Router):
 
     def __init__(self, ranks: int, cost: Any = None, pool: Any = None, scale: float = 1.0):
         super().__init__(ranks)
-        if cost is None:
-            from umbp.workload.costmodel import CostModel
-
-            cost = CostModel()
-        self.cost = cost
+        self.cost = CostModel() if cost is None else cost
         self.pool = pool  # anything with prefix_hits(keys) -> int (umbp.Client); None: HBM only
         self.scale = scale
         self.backlog_s = [0.0] * ranks

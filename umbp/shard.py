@@ -19,26 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from transport.wire import Op
-from umbp.errors import ConfigError
 
 _SHARDED_OPS = frozenset({Op.ALLOC, Op.COMMIT, Op.LOOKUP})
-MAX_SHARDS = 256
-
-
-def check_shard(shard: Any, component: str = "client") -> tuple[int, int] | None:
-    """``shard`` as (rank, nranks) with 0 <= rank < nranks <= MAX_SHARDS, None when None; ConfigError otherwise."""
-    if shard is None or shard == "":
-        return None
-    if type(shard) is str:  # UMBP_SHARD=3,8 or a config file's "3,8"
-        shard = shard.split(",")
-    try:
-        rank, n = (int(x) for x in shard)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(component, f"shard must be (rank, nranks), got {shard!r}") from e
-    if not 0 <= rank < n <= MAX_SHARDS:
-        raise ConfigError(component, f"shard must be (rank, nranks) with 0 <= rank < nranks <= {MAX_SHARDS}, "
-                                     f"got {shard!r}")
-    return rank, n
 
 
 class ShardedMeta:

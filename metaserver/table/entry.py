@@ -24,7 +24,6 @@ from transport.objformat import object_size
 PENDING, READY, GONE = 0, 1, 2
 SHARD_SHIFT = 41  # payload lengths are at most 1 << 40 (validate.MAX_PAYLOAD)
 PART_MASK = (1 << SHARD_SHIFT) - 1
-MAX_SHARDS = 256
 
 
 def layout(part_len: int, n: int) -> int:

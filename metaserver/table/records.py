@@ -24,9 +24,10 @@ from binascii import unhexlify
 import msgpack
 import numpy as np
 
-from metaserver.table.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, Entry
+from metaserver.table.entry import PART_MASK, SHARD_SHIFT, Entry
 from metaserver.table.longkeys import LongCol, gather
 from transport.keyform import digest_key, digests
+from umbp.config import MAX_SHARDS
 
 _intern = sys.intern
 BATCH_MARK = b"+"  # a commit record's name: {pages}{ns}/+{term}.{n} (a page record's name is lower-case hex)

@@ -17,11 +17,12 @@ from operator import attrgetter, itemgetter
 import msgpack
 import numpy as np
 
-from metaserver.table.entry import MAX_SHARDS, PART_MASK, SHARD_SHIFT, Entry
+from metaserver.table.entry import PART_MASK, SHARD_SHIFT, Entry
 from metaserver.table.longkeys import LongCol, gather
 from metaserver.table.records import (BATCH_MARK, SEG_BYTE, UNREADABLE, Segment, batch_entries, segment_entries,
                                       unpack_segment)
 from transport.keyform import digest_key, digests
+from umbp.config import MAX_SHARDS
 
 _intern = sys.intern
 _key, _value, _mod_revision = attrgetter("key"), attrgetter("value"), attrgetter("mod_revision")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from umbp import devkernel
 from umbp.engine import gather
 from umbp.engine.gather import HostPages
 from umbp.engine.layout import PagedKV
@@ -100,7 +101,7 @@ def test_bounds_are_checked_before_any_byte_moves():
 def test_cuda_paths_fail_clearly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: tests/test_engine_gpu.py covers the CUDA paths")
-    with pytest.raises(gather.GatherUnavailable, match="engine gather: CUDA is not available"):
+    with pytest.raises(gather.GatherUnavailable, match="device copy kernel: CUDA is not available"):
         gather.register_host(np.zeros(4096, np.uint8))
 
 
@@ -144,9 +145,9 @@ def fake_cuda(monkeypatch):
 
     cudart = FakeCudart()
     fake_torch = SimpleNamespace(cuda=SimpleNamespace(cudart=lambda: cudart, current_device=lambda: 0))
-    monkeypatch.setattr(gather, "_require_cuda", lambda: fake_torch)
-    monkeypatch.setattr(gather, "_device_attr", lambda dev, attr: 1)
-    monkeypatch.setattr(gather, "_host_registry", gather.HostRegistry())
+    monkeypatch.setattr(devkernel, "_require_cuda", lambda: fake_torch)
+    monkeypatch.setattr(devkernel, "_device_attr", lambda dev, attr: 1)
+    monkeypatch.setattr(devkernel, "_host_registry", devkernel.HostRegistry())
     return cudart
 
 
@@ -165,15 +166,15 @@ def test_two_loaders_share_an_arena_registration(fake_cuda):
     assert all(ld._arena_buffer(view) is not None for ld in loaders)
     assert loaders[0]._arena_buffer(view) is not None  # a loader registers an arena once, however often asked
     assert fake_cuda.calls == {"register": 1, "unregister": 0}
-    assert gather._host_registry.refs(*key) == 2
+    assert devkernel._host_registry.refs(*key) == 2
     loaders[0].close()
     # the other loader's kernels may still read the arena: it stays registered, with one reference
     assert fake_cuda.calls == {"register": 1, "unregister": 0}
-    assert gather._host_registry.refs(*key) == 1 and key[0] in fake_cuda.pinned
+    assert devkernel._host_registry.refs(*key) == 1 and key[0] in fake_cuda.pinned
     assert gather.host_buffer(view, writable=False).pinned
     loaders[1].close()
     assert fake_cuda.calls == {"register": 1, "unregister": 1}
-    assert gather._host_registry.refs(*key) == 0 and not fake_cuda.pinned
+    assert devkernel._host_registry.refs(*key) == 0 and not fake_cuda.pinned
     assert not gather.host_buffer(view, writable=False).pinned
     loaders[1].close()  # closing twice gives back nothing twice
     assert fake_cuda.calls["unregister"] == 1
@@ -184,20 +185,20 @@ def test_registration_counts_and_failed_statuses(fake_cuda):
     a = gather.register_host(buf)
     b = gather.register_host(buf[4096:8192])  # inside a registered range: one more reference on that range
     assert a.pinned and b.pinned
-    assert fake_cuda.calls["register"] == 1 and gather._host_registry.refs(a.addr, a.nbytes) == 2
+    assert fake_cuda.calls["register"] == 1 and devkernel._host_registry.refs(a.addr, a.nbytes) == 2
     assert gather.unregister_host(b) is False  # not the last reference
     assert fake_cuda.calls["unregister"] == 0
     assert gather.unregister_host(np.zeros(16, np.uint8)) is False  # never registered: nothing to give back
     fake_cuda.fail_unregister = 1  # cudaErrorInvalidValue
-    with pytest.raises(gather.HostRegistrationError, match="engine gather: cudaHostUnregister of 16384 bytes .* "
+    with pytest.raises(gather.HostRegistrationError, match="device copy kernel: cudaHostUnregister of 16384 bytes .* "
                                                            "cudaError 1"):
         gather.unregister_host(a)
-    assert gather._host_registry.refs(a.addr, a.nbytes) == 0  # forgotten: CUDA's state for it is unknown
+    assert devkernel._host_registry.refs(a.addr, a.nbytes) == 0  # forgotten: CUDA's state for it is unknown
     # a registration CUDA refuses raises, and counts nothing
     fake_cuda.pinned[a.addr] = a.nbytes
-    with pytest.raises(gather.GatherUnavailable, match="engine gather: cudaHostRegister .* cudaError 712"):
+    with pytest.raises(gather.GatherUnavailable, match="device copy kernel: cudaHostRegister .* cudaError 712"):
         gather.register_host(buf)
-    assert gather._host_registry.refs(a.addr, a.nbytes) == 0
+    assert devkernel._host_registry.refs(a.addr, a.nbytes) == 0
 
 
 def test_a_broken_cupy_is_said_once_not_swallowed(monkeypatch, caplog):
@@ -207,8 +208,6 @@ def test_a_broken_cupy_is_said_once_not_swallowed(monkeypatch, caplog):
     import logging
     import sys
 
-    from umbp.engine import gather
-
     class Broken(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name == "cupy":
@@ -217,9 +216,9 @@ def test_a_broken_cupy_is_said_once_not_swallowed(monkeypatch, caplog):
 
     monkeypatch.delitem(sys.modules, "cupy", raising=False)
     monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
-    monkeypatch.setattr(gather, "_cupy_ok", None)
-    with caplog.at_level(logging.WARNING, logger="umbp.engine.gather"):
-        assert gather.cupy_available() is False
-        assert gather.cupy_available() is False
+    monkeypatch.setattr(devkernel, "_cupy_ok", None)
+    with caplog.at_level(logging.WARNING, logger="umbp.devkernel"):
+        assert devkernel.cupy_available() is False
+        assert devkernel.cupy_available() is False
     said = [r.getMessage() for r in caplog.records if "CuPy" in r.getMessage()]
     assert len(said) == 1 and "libcudart.so.13" in said[0]

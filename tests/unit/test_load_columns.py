@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from metaserver.table.entry import MAX_SHARDS, SHARD_SHIFT
+from metaserver.table.entry import SHARD_SHIFT
+from umbp.config import MAX_SHARDS
 from transport.keyform import digests
 from metaserver.table.records import pack_segment, unpack_segment
 from metaserver.table.snapshot import PageRecords

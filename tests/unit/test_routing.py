@@ -14,7 +14,7 @@ from umbp.errors import ConfigError, InvalidArgument
 from umbp.keys import chain_keys
 from umbp.routing import (ROUTERS, CacheAware, LeastLoaded, RoundRobin, RouteRequest, SessionAffinity,
                           make_router)
-from umbp.workload.costmodel import CostModel
+from umbp.costmodel import CostModel
 
 PS = 16
 KEYS = chain_keys(list(range(100 * PS)), PS)  # a 100-page prompt

@@ -12,7 +12,7 @@ import pytest
 
 from umbp.errors import ConfigError
 from umbp.keys import page_key
-from umbp.workload.costmodel import CostModel
+from umbp.costmodel import CostModel
 from umbp.workload.memorypool import MemoryPool
 from umbp.workload.mooncake import (MooncakeReplay, ceiling_pages, detect_format, load_mooncake, mooncake_stats,
                                     page_keys, parse_lines)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from umbp.errors import CorruptionError
-from umbp.workload.costmodel import CostModel
+from umbp.costmodel import CostModel
 from umbp.workload.generator import AgentXShape, generate
 from umbp.workload.hbm import HbmCache
 from umbp.workload.memorypool import MemoryPool

@@ -9,8 +9,9 @@
 
 Layering: they never import ``umbp.client``: the loader and the TP group take a client by duck typing and call only
 its public methods (``batch_get_ranges_into``, ``batch_put_ranges``, ``batch_exists``, ``mapped``,
-``local_arenas``), so a test double serves as well; they import ``umbp.keys`` and ``umbp.errors``. Nothing below
-imports them, apart from ``umbp.devcopy`` (the client's CUDA path), which calls ``gather`` lazily for its kernel.
+``local_arenas``), so a test double serves as well; they import ``umbp.keys``, ``umbp.errors`` and the device copy
+kernel (``umbp.devkernel``, which the client's CUDA path shares). Nothing below imports them
+(``tests/unit/test_layers.py``).
 """
 
 from umbp.engine.layout import PagedKV, PageLayout

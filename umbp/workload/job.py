@@ -29,7 +29,7 @@ from typing import Any
 
 from umbp.errors import ConfigError
 from umbp.workload import report
-from umbp.workload.costmodel import CostModel
+from umbp.costmodel import CostModel
 from umbp.workload.mooncake import MooncakeReplay, MooncakeTrace, ceiling_pages, mooncake_stats
 from umbp.workload.replay import Replay, ReplayConfig, RunResult
 from umbp.workload.trace import Trace, trace_stats

@@ -45,7 +45,7 @@ import numpy as np
 from umbp.errors import ConfigError
 from umbp.keys import page_key
 from umbp.routing import RouteRequest, Router
-from umbp.workload.costmodel import CostModel
+from umbp.costmodel import CostModel
 from umbp.workload.replay import Rank, Replay, ReplayConfig, ReplayError, RunResult, _Live, finish_result
 from umbp.workload.trace import json_lines
 

@@ -45,7 +45,7 @@ import numpy as np
 from umbp.errors import ConfigError, CorruptionError, UmbpError
 from umbp.keys import chain_keys
 from umbp.routing import RouteRequest, Router, make_router
-from umbp.workload.costmodel import CostModel
+from umbp.costmodel import CostModel
 from umbp.workload.hbm import HbmCache
 from umbp.workload.trace import Request, Trace, expand_items
 
