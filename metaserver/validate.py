@@ -132,10 +132,19 @@ def parents(meta: dict, n: int) -> list | None:
         raise Reject("parents must be a list of bytes or nil")
     if len(v) != n:
         raise Reject(f"parents has {len(v)} items, keys has {n}")
+    out = v
     for i, p in enumerate(v):
-        if p is not None and (type(p) is not bytes or not 0 < len(p) <= MAX_KEY):
+        if p is None:
+            continue
+        if type(p) is not bytes or not 0 < (k := len(p)) <= MAX_KEY:
             raise Reject(f"parents[{i}] must be 1..{MAX_KEY} bytes or nil")
-    return [digest_key(p) if p is not None and len(p) >= 64 else p for p in v]
+        # a parent in a digest key's text form (64 hex, or a rank key ending in a digit) is named by its digest,
+        # as keys are (``keyform.digest_forms``); SGLang's page names end in a letter and are their own form
+        if k == 64 or (64 < k <= 68 and 48 <= p[-1] <= 57):
+            if out is v:
+                out = list(v)
+            out[i] = digest_key(p)
+    return out
 
 
 def shard(meta: dict) -> tuple[int, int] | None:
