@@ -77,8 +77,8 @@ def imports(mods: dict[str, Path]) -> list[tuple[str, str, int]]:
     out = []
     for name, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                for n in ast.walk(node)}
+        skip = {id(n) for node in ast.walk(tree)
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         for node in ast.walk(tree):
             if id(node) in skip:
                 continue
