@@ -54,7 +54,7 @@ from metaserver.ha.service import LEADER_ONLY
 from metaserver.ha.slots import pool_slots
 from metaserver.validate import Reject, unpack_keys
 from transport import wire
-from transport.wire import Flag, Op, Status
+from transport.wire import F_NO_REPLY, F_RESPONSE, Flag, Op, Status
 from umbp.admission import Admission
 from umbp.auth import ServerAuth, Tokens
 from umbp.config import MetaserverConfig, split_host_port
@@ -168,9 +168,9 @@ class Connection(FramedProtocol):
         op, rid = frame.op, frame.request_id
         if self._out is None:
             self._out = []  # the receive's answers go out together: buffer_updated calls flush after its frames
-        if frame.flags & Flag.RESPONSE:
+        if frame.flags & F_RESPONSE:
             return  # nobody here asked a question
-        reply = not frame.flags & Flag.NO_REPLY
+        reply = not frame.flags & F_NO_REPLY
         ms = self.ms
         if err is not None:
             self._error(op, rid, reply, Status.BAD_REQUEST, getattr(err, "detail", str(err)))

@@ -79,7 +79,7 @@ def connection_error(frame: wire.Frame, component: str) -> None:
     """An error frame with request id 0 is the server's word on the whole connection (a cap evicted it before it
     authenticated, its authentication deadline passed, the stream was unframeable): raise it as its RemoteError,
     marked ``whole_connection``. Otherwise return."""
-    if frame.request_id == 0 and frame.status != wire.Status.OK and frame.flags & wire.Flag.RESPONSE:
+    if frame.request_id == 0 and frame.status != wire.Status.OK and frame.flags & wire.F_RESPONSE:
         try:
             wire.raise_for_status(frame, component)
         except RemoteError as e:

@@ -68,6 +68,11 @@ class Flag(enum.IntFlag):
     NO_REPLY = 2
 
 
+# The flags as plain ints, for the per-frame tests: ``frame.flags & Flag.RESPONSE`` (an int and an IntFlag) builds an
+# enum value, about 1 us on CPython 3.11 against 40 ns for two ints.
+F_RESPONSE, F_NO_REPLY = int(Flag.RESPONSE), int(Flag.NO_REPLY)
+
+
 class Op(enum.IntEnum):
     """Opcodes. 0x0_: any server; 0x1_/0x2_: metaserver; 0x4_: storage node."""
 

@@ -341,6 +341,6 @@ class FramedProtocol(asyncio.BufferedProtocol):
         v = self.reader.version
         self.transport.writelines([wire.encode_error(f.op, f.request_id, wire.Status.UNAVAILABLE, self.refused,
                                                      version=v)
-                                   for f, _err in frames if not f.flags & (wire.Flag.NO_REPLY | wire.Flag.RESPONSE)])
+                                   for f, _err in frames if not f.flags & (wire.F_NO_REPLY | wire.F_RESPONSE)])
         if frames or self.reader.poisoned is not None:
             self.transport.close()

@@ -453,7 +453,7 @@ class DataProtocol(FramedProtocol):
                                              f"{node.component}: unknown opcode {op}", version=self.reader.version))
                 node.stats["errors"] += 1
                 return
-            if not frame.flags & wire.Flag.NO_REPLY:
+            if not frame.flags & wire.F_NO_REPLY:
                 out.append(wire.encode(op, frame.request_id, reply, flags=wire.Flag.RESPONSE,
                                        version=self.reader.version))
         except RemoteError as e:
