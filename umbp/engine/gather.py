@@ -43,6 +43,7 @@ __all__ = ["GatherUnavailable", "HostBuffer", "HostPages", "HostRegistrationErro
 COMPONENT = "engine gather"
 _memmove = ctypes.memmove
 
+
 class HostPages:
     """Where the bytes of each page lie on the host: page ``p`` starts at ``buffers[index[p]].addr + offset[p]``.
 
