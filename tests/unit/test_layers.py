@@ -26,7 +26,8 @@ LEAVES = {
 ENGINE = ("umbp.engine", "umbp.integrations", "umbp.workload", "umbp.routing", "umbp.kvindex", "umbp.costmodel",
           "umbp.demo", "umbp.launcher")
 TOP = ("umbp.cli", "umbp.__main__", "umbp.watch")
-INSIDE_METASERVER = ("metaserver.validate", "metaserver.table", "metaserver.store", "metaserver.handlers",
+# (the package itself, a docstring, first)
+INSIDE_METASERVER = ("metaserver", "metaserver.validate", "metaserver.table", "metaserver.store", "metaserver.handlers",
                      "metaserver.ha", "metaserver.server", "metaserver.__main__")
 # the package's lazy ``umbp.Client``: the public entry point, resolved on first use (umbp/__init__.py)
 ENTRY = {("umbp", "umbp.client")}
@@ -55,7 +56,8 @@ def side(name: str) -> str:
 
 
 def inner(name: str) -> int:
-    return next(i for i, p in enumerate(INSIDE_METASERVER) if _under(name, (p,)))
+    """The place of a metaserver module's package in ``INSIDE_METASERVER`` (the most specific that holds it)."""
+    return max(i for i, p in enumerate(INSIDE_METASERVER) if _under(name, (p,)))
 
 
 def modules() -> dict[str, Path]:
