@@ -236,8 +236,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--headline-batch", type=int, default=128, help="request size of the headline ratio")
     p.add_argument("--lookup-keys", default="digests", choices=("digests", "keys"),
                    help="LOOKUPs carry each key's 32-byte digest as umbp.Client sends them to a metaserver that takes "
-                        "them (default; a client process's keys past keyform.MEMO_KEYS go as themselves), or the keys "
-                        "themselves (the metaserver hashes each)")
+                        "them (default; a client process's keys past keyform.MEMO_KEYS are hashed, not kept), or the "
+                        "keys themselves (the metaserver hashes each)")
     p.add_argument("--release", default="next", choices=("next", "frame"),
                    help="a LOOKUP's read leases: released in the next LOOKUP to that process, as umbp.Client does "
                         "(default), or each by a RELEASE frame of its own")

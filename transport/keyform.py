@@ -144,20 +144,20 @@ _FULL = [False, 0, 0]  # whether the memory has refused a key in this window; in
 # keys passed over (no room to remember them). A window ends after 4 x MEMO_KEYS keys passed over.
 
 
-def digest_blob(keys: list[bytes], hash_misses: bool = True) -> bytes | None:
+def digest_blob(keys: list[bytes]) -> bytes:
     """The 32-byte digests (``digests``) of ``keys`` back to back: what a client sends for a LOOKUP's keys
     (``wire.pack_keys(digests=True)``) and routes them by (``umbp/slotrouter.py``). A client asks for the same pages
     turn after turn (a session's prefix), so each long key's blake2b is remembered, up to ``MEMO_KEYS`` keys: a batch
     of remembered keys costs a dict look-up a key (64 keys: about 5 against 30 us to hash them).
 
     A full memory keeps what it holds and takes no more: a working set larger than the memory, asked for in turn,
-    would otherwise be forgotten and hashed again on every batch (a memory cleared when full cost 73 us a batch of 64
-    short keys over 24,576 keys asked in turn, against 5 remembered and 6 not hashed at all, 2-core VM). It is
+    would otherwise be forgotten and refilled on every batch (a memory cleared when full cost 73 us a batch of 64
+    short keys over 24,576 keys asked in turn, 2-core VM). Keys it cannot take are hashed all the same and not kept,
+    so a LOOKUP carries digests whatever the memory holds: the metaserver, whose CPU every client shares, hashes
+    none (keys sent as themselves made it hash each: twice its CPU for a LOOKUP of 1,024 short keys, 2-core VM). It is
     forgotten when, of the keys asked while it was full, the ones it could not take reach four times its size and
     outnumber eight times the ones found in it (the working set moved on; a cycle over more keys than it holds finds
-    its keys again). ``hash_misses`` False: None instead of the digests when a long key is neither
-    remembered nor can be: the caller sends the keys themselves (the metaserver hashes them), not hashing what
-    would not be used again."""
+    its keys again)."""
     memo, full = _MEMO, _FULL
     out = list(map(memo.get, keys))
     if None not in out:
@@ -176,8 +176,6 @@ def digest_blob(keys: list[bytes], hash_misses: bool = True) -> bytes | None:
                 memo.clear()
                 keep = longs <= MEMO_KEYS
             full[:] = False, 0, 0
-        if not keep and not hash_misses:
-            return None
     raw = digests([keys[i] for i in miss])[0].tobytes()
     for j, i in enumerate(miss):
         k, d = keys[i], raw[32 * j:32 * j + 32]

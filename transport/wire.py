@@ -209,9 +209,9 @@ def pack_keys(meta: Any, digests: bool = False) -> Any:
     ``digests`` (a ``DIGEST_OPS`` request to a metaserver whose HELLO answer carried ``DIGEST_KEYS``): keys of any
     lengths (each 1..MAX_KEY_BYTES bytes) go as their 32-byte digests (``keyform.digest_blob`` of their digest
     forms): the directory files a key by its digest, so the metaserver finds the same rows without a hash a key
-    (blake2b: a quarter of its LOOKUP's CPU at keys of 66 bytes), and the bytes sent are 32 a key. Keys whose
-    digests the client's full memory cannot take (``digest_blob(hash_misses=False)``) go as themselves instead: the
-    metaserver finds a key by either form, and hashing them here would be lost work."""
+    (blake2b: a quarter of its LOOKUP's CPU at keys of 66 bytes), and the bytes sent are 32 a key. Keys the client's
+    memory of digests does not hold are hashed here (``digest_blob``), kept or not: the metaserver's CPU is the
+    pool's to share, the clients' is each their own."""
     keys = meta.get("keys") if type(meta) is dict else None
     if type(keys) is not list or not keys:
         return meta
@@ -225,10 +225,8 @@ def pack_keys(meta: Any, digests: bool = False) -> Any:
         return meta  # sent as a list: the metaserver refuses the key by name
     out = dict(meta)
     if digests and not w == hi == 32:
-        dig = keyform.digest_blob(keyform.digest_forms(keys, lens), hash_misses=False)
-        if dig is not None:
-            out["keys"] = dig
-            return out  # (else keys the client's memory of digests cannot take: sent as themselves, below)
+        out["keys"] = keyform.digest_blob(keyform.digest_forms(keys, lens))
+        return out
     if w != hi:
         return meta
     out["keys"] = blob

@@ -246,7 +246,7 @@ class MetaRouter:
     def _slots(self, ns: str, keys: list) -> np.ndarray:
         """``slotrules.slots_of`` of the keys; under rule 2 from their digests as this client remembers them
         (``keyform.digest_blob``, which also packs a LOOKUP's: a key it remembers is hashed once, not for each; a key
-        its full memory cannot take is hashed here and sent as itself)."""
+        its full memory cannot take is hashed for each request, not kept)."""
         if self.rule == slotrules.RULE_DIGEST:
             try:
                 blob = keyform.digest_blob(keys)  # (the keys as sent: the metaserver checks an ALLOC's so)

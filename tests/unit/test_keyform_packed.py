@@ -104,8 +104,8 @@ def test_pack_keys_sends_a_finding_requests_keys_as_their_digests_only_when_aske
 def test_digest_blob_is_the_digests_remembered_within_its_bound(monkeypatch):
     """``keyform.digest_blob``: the digests of any keys back to back, the same whether remembered or not; a long
     key's is remembered (a 32-byte key is its own) while there is room. A full memory keeps what it holds: keys it
-    cannot take are hashed but not kept, or (``hash_misses`` False: a LOOKUP's packing) not hashed at all, the keys
-    then sent as themselves; it is forgotten only once the keys it could not take far outnumber those found in it."""
+    cannot take are hashed but not kept, and a LOOKUP's packing still carries digests (the metaserver hashes none);
+    it is forgotten only once the keys it could not take far outnumber those found in it."""
     from transport import keyform
 
     monkeypatch.setattr(keyform, "MEMO_KEYS", 8)
@@ -118,25 +118,24 @@ def test_digest_blob_is_the_digests_remembered_within_its_bound(monkeypatch):
     more = [b"m%d" % i for i in range(4)]
     assert keyform.digest_blob(keys[:2] + more) == digests(keys[:2] + more)[0].tobytes()
     assert sorted(keyform._MEMO) == sorted(keys[:5])  # 5 + 4 > 8: hashed, not kept; the memory kept as it was
-    assert keyform.digest_blob(more, hash_misses=False) is None
-    assert keyform.digest_blob(keys[:3] + [KEYS[0]], hash_misses=False) == digests(keys[:3] + [KEYS[0]])[0].tobytes()
-    # a LOOKUP's packing: remembered keys go as digests, keys the memory cannot take as themselves (still packed)
+    # a LOOKUP's packing: digests, remembered or not (keys the memory cannot take hashed all the same)
     assert wire.pack_keys({"keys": keys[:5]}, True) == {"keys": digests(keys[:5])[0].tobytes()}
-    assert wire.pack_keys({"keys": more}, True) == {"keys": b"".join(more), "key_width": 2}
+    assert wire.pack_keys({"keys": more}, True) == {"keys": digests(more)[0].tobytes()}
+    assert sorted(keyform._MEMO) == sorted(keys[:5])
     fill = [b"r%d" % i for i in range(3)]  # room for 3 more: taken
-    assert keyform.digest_blob(fill, hash_misses=False) == digests(fill)[0].tobytes() and len(keyform._MEMO) == 8
+    assert keyform.digest_blob(fill) == digests(fill)[0].tobytes() and len(keyform._MEMO) == 8
     # found again and again: kept, however many keys pass it by
     for i in range(40):
-        assert keyform.digest_blob(keys[:5], hash_misses=False) is not None
-        assert keyform.digest_blob([b"p%d" % i], hash_misses=False) is None
+        assert keyform.digest_blob(keys[:5]) == digests(keys[:5])[0].tobytes()
+        assert keyform.digest_blob([b"p%d" % i]) == digests([b"p%d" % i])[0].tobytes()
     assert sorted(keyform._MEMO) == sorted(keys[:5] + fill)
     # the working set moved on: forgotten once 4 x 8 keys it could not take outnumber 8 x those found in it
     for i in range(100):
-        got = keyform.digest_blob([b"q%d" % i], hash_misses=False)
+        got = keyform.digest_blob([b"q%d" % i])
+        assert got == digests([b"q%d" % i])[0].tobytes()
         if b"q%d" % i in keyform._MEMO:
             break
-        assert got is None
-    assert 30 < i < 100 and got == digests([b"q%d" % i])[0].tobytes() and list(keyform._MEMO) == [b"q%d" % i]
+    assert 30 < i < 100 and list(keyform._MEMO) == [b"q%d" % i]
     keyform._MEMO[b"k0"] = bytes(32)  # (a remembered digest is the one sent: the memory is read, not hashed again)
     assert keyform.digest_blob([b"k0"]) == bytes(32)
 
