@@ -65,7 +65,7 @@ class BenchClient:
                  digests: bool = True, release_next: bool = True):
         self.cid, self.window, self.page_bytes, self.decode = cid, window, page_bytes, decode
         self.merge = merge
-        self.digests = digests  # LOOKUPs packed as umbp.Client packs them (digests of the keys it remembers)
+        self.digests = digests  # LOOKUPs packed as umbp.Client packs them: every key as its digest
         # a LOOKUP's read leases ride in the next LOOKUP to that process ("release", as umbp/releases.py sends
         # them), not in a RELEASE frame each; those left at the end of a phase go in one RELEASE frame a process
         self.release_next = release_next
