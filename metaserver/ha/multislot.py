@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from metaserver import validate as v
-from metaserver.handlers.turns import Later, when_done
+from metaserver.handlers.turns import Later, release_turn, when_done
 from metaserver.handlers.ownership import LEASES_PRUNE_AT, own_lease, release_held
 from metaserver.table.directory import by_node
 from metaserver.table.entry import random_id
@@ -409,6 +409,6 @@ def release(p, conn, ids: list[int]) -> tuple[int, list[int]]:
         for name, lease in held:
             srv = p.servers[name]
             if srv.serving:
-                got += release_held(srv.dir, [lease], p._slot_conn(conn, name))
+                got += release_held(srv.dir, [lease], p._slot_conn(conn, name), release_turn(srv, conn))
         n += got > 0
     return n, rest

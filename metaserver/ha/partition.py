@@ -31,7 +31,7 @@ from metaserver.store.combine import TxnCombiner
 from metaserver.ha.election import RANK_DELAY_S, ElectedProcess  # noqa: F401 - RANK_DELAY_S: the pool's constant
 from metaserver.store.fullload import node_descs
 from metaserver.handlers.metrics import MetaserverMetrics
-from metaserver.handlers.turns import Later
+from metaserver.handlers.turns import Later, release_turn
 from metaserver.handlers.ownership import HeldLeases, release_answer, release_held, release_ids
 from metaserver.ha.partanswers import ProcessAnswers
 from metaserver.store.persist import EtcdStore
@@ -275,7 +275,8 @@ class Partition(ElectedProcess):
         for name, sc in conn.slot_conns.items() if rest else ():
             mine = [x for x in rest if x in sc.leases]
             if mine and self.servers[name].serving:
-                n += release_held(self.servers[name].dir, mine, sc)
+                srv = self.servers[name]
+                n += release_held(srv.dir, mine, sc, release_turn(srv, conn))
         return release_answer(meta, ids, n)
 
     def drop_pending(self, conn) -> int:

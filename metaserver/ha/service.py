@@ -61,6 +61,7 @@ from metaserver.handlers.rejoin import Rejoin
 from metaserver.store import gcpolicy
 from metaserver.ha import handoff
 from metaserver.handlers import kvevents
+from metaserver.handlers.turns import release_turn
 from metaserver.store.fullload import gc_paused, node_descs
 from metaserver.ha.tiering import Mover
 from metaserver.ha.standby import CATCHUP_S, Handover, WarmDirectory
@@ -432,7 +433,7 @@ class Metaserver:
 
     # -- a connection's leases and allocations (metaserver/handlers/ownership.py) ------------------------------
     def release(self, meta: Any, conn) -> dict:
-        return ownership.release(self.dir, meta, conn)
+        return ownership.release(self.dir, meta, conn, release_turn(self, conn))
 
     def drop_pending(self, conn) -> int:
         """``conn`` closed (``metaserver.server``): its PENDING allocations aborted, its read leases released."""

@@ -79,21 +79,29 @@ def release_answer(meta: dict, ids: list[int], released: int) -> dict:
     return {"released": released}
 
 
-def release(d, meta: Any, conn) -> dict:
+def release(d, meta: Any, conn, turn=None) -> dict:
     """RELEASE ``lease`` or ``leases``, a list of ids (the slots of one multi-slot LOOKUP: one frame for all of
-    them), on directory ``d``; an id this connection does not hold changes nothing (``release_answer``)."""
+    them), on directory ``d``; an id this connection does not hold changes nothing (``release_answer``). ``turn``:
+    as ``release_held``."""
     ids = release_ids(meta)
-    return release_answer(meta, ids, release_held(d, ids, conn))
+    return release_answer(meta, ids, release_held(d, ids, conn, turn))
 
 
-def release_held(d, ids: list[int], conn) -> int:
-    """Release those of ``ids`` that ``conn`` holds in directory ``d``; how many it held."""
+def release_held(d, ids: list[int], conn, turn=None) -> int:
+    """Release those of ``ids`` that ``conn`` holds in directory ``d``; how many it held. With ``turn`` (the slot
+    server's ``LookupTurn``, for a connection that waits in turns: ``turns.release_turn``) each leaves ``conn`` now
+    (``PageTable.disown``) and is unpinned at the end of the event loop's turn with the turn's other releases, in
+    one table call (``LookupTurn.free``); without, at once."""
     held = getattr(conn, "leases", None)
     n = 0
     for lease in ids:
         if held is not None:
             held.discard(lease)
-        n += d.release(lease, conn)
+        if turn is None:
+            n += d.release(lease, conn)
+        elif d.disown(lease, conn):
+            turn.free(d, lease)
+            n += 1
     return n
 
 

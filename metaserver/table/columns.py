@@ -459,15 +459,38 @@ class PageTable:
         """Unpin everything under ``lease`` and stamp it (a read's end is its last access); a row removed while
         pinned gives its extent and row back with its last pin. False, changing nothing, when the lease is unknown,
         already expired, or (``owner`` given) taken by another owner. ``owner`` None: expiry, tests."""
-        if owner is not None and self._lease_owner.get(lease) is not owner:
+        return self.release_many(((lease, owner),)) == 1
+
+    def disown(self, lease: int, owner: object) -> bool:
+        """Take ``lease`` from ``owner`` ahead of its release (``release_many`` with no owner, later in the event
+        loop's turn: ``metaserver/handlers/turns.py``): True when it was ``owner``'s and live. Its rows stay pinned
+        until then, and no connection can release it meanwhile (nor again: a lease is counted released once)."""
+        if self._lease_owner.get(lease) is not owner or lease not in self.leases:
             return False
-        held = self.leases.pop(lease, None)
-        if held is None:
-            return False
-        self._lease_owner.pop(lease, None)
-        hr, repeats = held
+        del self._lease_owner[lease]
+        return True
+
+    def release_many(self, asks) -> int:
+        """``release`` of each (lease, owner) of ``asks`` in one pass over their rows (a turn's RELEASEs: one unpin,
+        stamp and state pass, where a lease each cost about 8 us of numpy calls on the 2-core VM); how many it
+        released. The rows are stamped in the order of ``asks``, as releasing them one after the other would."""
+        owners, leases = self._lease_owner, self.leases
+        got: list[np.ndarray] = []
+        repeats = False
+        for lease, owner in asks:
+            if owner is not None and owners.get(lease) is not owner:
+                continue
+            held = leases.pop(lease, None)
+            if held is None:
+                continue
+            owners.pop(lease, None)
+            got.append(held[0])
+            repeats |= held[1]
+        if not got:
+            return 0
+        hr = got[0] if len(got) == 1 else np.concatenate(got)
         c = self.cols
-        if repeats:  # (a row may be named twice: ``lookup_rows``)
+        if repeats or len(got) > 1:  # (a row may be named twice: ``lookup_rows``, or by two leases)
             np.subtract.at(c["pins"], hr, _PIN0)
         else:
             c["pins"][hr] -= _PIN0
@@ -476,7 +499,7 @@ class PageTable:
             self._stamp(hr)
             if self.links.linking:
                 self.links.requeue(hr)
-            return True
+            return len(got)
         self._stamp(hr[st == READY])
         if self.links.linking:
             self.links.requeue(hr[st == READY])
@@ -491,7 +514,7 @@ class PageTable:
             self._free_row(r, node)
         for node in dead:
             retire_if_done(self, node)
-        return True
+        return len(got)
 
     def expire_leases(self, now: float, budget: int) -> int:
         """Release leases whose ``read_lease_s`` ran out by ``now``, at most ``budget`` of the oldest; returns how

@@ -267,6 +267,30 @@ def test_leases_belong_to_their_owner_and_expire_in_budgeted_steps():
     assert t.cols["pins"].sum() == 0
 
 
+def test_leases_released_together_unpin_shared_rows_stamp_in_order_and_free_a_zombie_once():
+    t = table(1, 4)
+    put(t, [b"x", b"y", b"z"])
+    mine, other = object(), object()
+    a, _ = t.lookup("a", [b"x", b"y"], owner=mine)
+    b, _ = t.lookup("a", [b"y", b"x"], owner=mine)
+    c, _ = t.lookup("a", [b"z"], owner=other)
+    x, y, z = t._find("a", [b"x", b"y", b"z"]).tolist()
+    assert t.remove("a", [b"x"]) == [True]  # x a zombie under two leases
+    assert t.nodes[0].alloc.used == 3 * object_size(PLEN)
+    # c is another owner's, 7 unknown, b named twice: a and b released, each once, in one pass
+    assert t.release_many([(a, mine), (c, mine), (7, mine), (b, mine), (b, mine)]) == 2
+    assert set(t.leases) == {c} and t.cols["pins"][[x, y, z]].tolist() == [0, 0, 1]
+    assert t.nodes[0].alloc.used == 2 * object_size(PLEN), "x's bytes came back once, with its last pin"
+    st = t.cols["stamp"]
+    assert st[y] > st[z], "b's rows were stamped last, as releasing a then b would"
+    t.check()
+    assert t.disown(c, other) and not t.disown(c, other), "taken from its owner once"
+    assert c in t.leases and t.cols["pins"][z] == 1, "still pinned until its release"
+    assert not t.release(c, other), "nor released by its former owner"
+    assert t.release_many([(c, None)]) == 1 and t.cols["pins"].sum() == 0
+    t.check()
+
+
 def test_uncommitted_rows_expire_oldest_first_within_a_budget():
     t = PageTable(pending_ttl_s=30.0)
     add_node(t, "n0", 8 * object_size(PLEN))

@@ -11,7 +11,7 @@ import asyncio
 from types import SimpleNamespace
 
 from metaserver.handlers.turns import LookupTurn, flush_due
-from metaserver.handlers.ownership import HeldLeases
+from metaserver.handlers.ownership import HeldLeases, release_held
 from tests.unit.test_tabledir import directory, keys_of, put
 from transport import answerrows
 from transport.wire import Op
@@ -175,4 +175,32 @@ def test_a_turns_allocs_wait_for_its_end_and_keep_each_connections_order():
         await asyncio.sleep(0)
         assert got["k5"][0] is None and isinstance(got["k5"][1], Unavailable)
         assert turn.asked == 5 and turn.passes == 3
+    asyncio.run(main())
+
+
+def test_a_turns_releases_leave_their_connections_at_once_and_unpin_in_one_pass_before_its_lookups():
+    async def main():
+        svc, due, turn, passes = counted_turn()
+        d, calls = svc.dir, []
+        many = d.release_many
+        d.release_many = lambda asks: calls.append(len(asks)) or many(asks)
+        c, other, got = conn(), conn(), {}
+        for i, keys in enumerate([keys_of(0, 4), keys_of(2, 6), keys_of(6, 8)]):
+            asked(turn, keys, other if i == 2 else c, got, i)
+        await asyncio.sleep(0)
+        mine, theirs = got[0][0]["lease"], got[2][0]["lease"]
+        assert d.cols["pins"].sum() == 10 and c.leases == {mine, got[1][0]["lease"]}
+        # one id twice, another connection's, an unknown one: counted as a RELEASE of them at once would count
+        assert release_held(d, [mine, mine, theirs, 99, got[1][0]["lease"]], c, turn) == 2
+        assert c.leases == set() and theirs in other.leases and due == {turn}
+        assert d.cols["pins"].sum() == 10 and calls == [], "unpinned at the end of the turn, not before"
+        assert not d.disown(mine, c), "the lease is no longer its connection's"
+        asked(turn, keys_of(0, 2), c, got, "after")
+        await asyncio.sleep(0)
+        assert calls == [2] and passes == [3, 1], "both leases in one call, before the turn's LOOKUP"
+        assert d.cols["pins"].sum() == 2 + 2 and set(d.leases) == {theirs, got["after"][0]["lease"]}
+        assert release_held(d, [theirs], other, turn) == 1 and due == {turn}
+        flush_due(due, Op.REMOVE, None)  # a request that does not commute sees it released
+        assert calls == [2, 1] and d.cols["pins"].sum() == 2 and due == set()
+        d.check()
     asyncio.run(main())
