@@ -37,6 +37,7 @@ the request and one keyed blake2b a node.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import time
 from typing import Any
@@ -313,7 +314,7 @@ class Merged:
     def answer(self) -> dict:
         p, conn = self.p, self.conn
         hits, tags, slots, codes, failed, held = [], [], [], [], [], []
-        coded: list = []  # node code -> (node id, its member in the part's slot): the parts' tables' nodes in turn
+        tabs: list[tuple[int, Any]] = []  # (its first node code, slot server) of each part's table, in code order
         base = 0
         for i, ((slot, a, b), got) in enumerate(zip(self.parts, self.got)):
             if isinstance(got, BaseException):
@@ -331,9 +332,8 @@ class Merged:
             tags.append(tg)
             slots.append(sl)
             codes.append(nix + base if base else nix)  # node codes unique over the parts' tables
-            names = srv.dir.node_names.tolist()
-            coded.extend(zip(names, map(srv.members.get, names)))
-            base += len(names)
+            tabs.append((base, srv))
+            base += len(srv.dir.node_names)
         hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
         if not held:
             return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ()),
@@ -342,14 +342,17 @@ class Merged:
             tags, slots, codes = np.concatenate(tags), np.concatenate(slots), np.concatenate(codes)
         else:
             tags, slots, codes = tags[0], slots[0], codes[0]
-        # each node code used to the answer's node index, numbered in order of first use (a few parts x nodes). A
-        # node is one entry by its id and capability key: a slot that has not seen a node's new arena yet keeps its
-        # own.
+        # each node code used to the answer's node index, in code order (the nodes the hits are on, a few parts x
+        # nodes; a part's table names every node of the pool). A node is one entry by its id and capability key: a
+        # slot that has not seen a node's new arena yet keeps its own.
         used = np.bincount(codes).nonzero()[0].tolist()
         ids: dict[tuple, int] = {}
         to_id = np.zeros(used[-1] + 1, np.int64)
+        firsts = [b for b, _ in tabs]
         for c in used:
-            nid, mem = coded[c]
+            b, srv = tabs[bisect.bisect_right(firsts, c) - 1]
+            nid = srv.dir.node_names[c - b]
+            mem = srv.members.get(nid)
             to_id[c] = ids.setdefault((nid, None if mem is None else mem.cap_key), len(ids))
         uniq, inv, order, ends = by_node(to_id.take(codes))
         cap_keys = [key for _, key in ids]

@@ -234,8 +234,8 @@ class TableDirectory(PageTable):
         every = joined_keys([k for k, _ in asks])
         hit, hr = self.pin_hits(ns, every)
         tags, slots, nix = self._grant_columns(ns, hr, tokens, None) if len(hr) else (None,) * 3
-        cuts = np.cumsum([len(k) for k, _ in asks]).tolist()
-        ends = np.cumsum(hit).take(np.array(cuts, np.int64) - 1).tolist() if len(hit) else [0] * len(asks)
+        cuts = list(accumulate([len(k) for k, _ in asks]))
+        ends = hit.cumsum().take(np.array(cuts, np.int64) - 1).tolist() if len(hit) else [0] * len(asks)
         out, a, h = [], 0, 0
         for (_, owner), b, e in zip(asks, cuts, ends):
             if e > h:
