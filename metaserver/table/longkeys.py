@@ -22,6 +22,8 @@ search a chunk; ``keys_of``/``any_of``/``discard`` O(rows) numpy a chunk; a merg
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -141,17 +143,22 @@ class LongCol:
 
     @staticmethod
     def cat(parts: list, sizes: list[int]) -> "LongCol":
-        """Batches joined: ``parts[i]`` the long keys of a batch of ``sizes[i]`` keys."""
-        parts_nz = [(p, at) for p, at in zip(parts, np.cumsum([0] + sizes[:-1]).tolist()) if p]
-        if not parts_nz:
+        """Batches joined: ``parts[i]`` the long keys of a batch of ``sizes[i]`` keys. A fixed number of numpy
+        calls however many parts (a load joins a batch's segments: thousands)."""
+        at = list(accumulate(sizes, initial=0))
+        nz = [i for i, p in enumerate(parts) if len(p.pos)]
+        if not nz:
             return LongCol(_EMPTY, _EMPTY, b"")
-        if len(parts_nz) == 1:
-            p, at = parts_nz[0]
-            return p if not at else LongCol(p.pos + at, p.ends, p.blob)
-        shift = np.cumsum([0] + [int(p.ends[-1]) for p, _ in parts_nz[:-1]])
-        return LongCol(np.concatenate([p.pos + at for p, at in parts_nz]),
-                       np.concatenate([p.ends + s for (p, _), s in zip(parts_nz, shift.tolist())]),
-                       b"".join(p.blob for p, _ in parts_nz))
+        if len(nz) == 1:
+            p, a = parts[nz[0]], at[nz[0]]
+            return p if not a else LongCol(p.pos + a, p.ends, p.blob)
+        ps = [parts[i] for i in nz]
+        counts = [len(p.pos) for p in ps]
+        pos = np.concatenate([p.pos for p in ps])
+        pos += np.repeat(np.array([at[i] for i in nz], np.int64), counts)
+        ends = np.concatenate([p.ends for p in ps])
+        ends += np.repeat(np.array(list(accumulate((int(p.ends[-1]) for p in ps[:-1]), initial=0)), np.int64), counts)
+        return LongCol(pos, ends, b"".join(p.blob for p in ps))
 
 
 class _Chunk:

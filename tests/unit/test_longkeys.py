@@ -34,6 +34,16 @@ def test_longcol_operations_match_a_list_of_pairs():
         col2, pairs2 = _col(rng, 7)
         both = LongCol.cat([col, col2], [n, 7])
         assert dict(both) == {**pairs, **{n + i: k for i, k in pairs2.items()}}
+    for _ in range(30):  # many parts, some empty, some uniform: as a load joins a batch's segments
+        parts, sizes, want, at = [], [], {}, 0
+        for _ in range(rng.randrange(0, 12)):
+            n = rng.randrange(1, 20)
+            col, pairs = (LongCol.uniform(n, bytes(range(n)) * 33, 33), None) if rng.random() < 0.3 else _col(rng, n)
+            parts.append(col)
+            sizes.append(n)
+            want.update({at + i: k for i, k in (pairs or dict(col)).items()})
+            at += n
+        assert dict(LongCol.cat(parts, sizes)) == want
     u = LongCol.uniform(3, b"a" * 33 + b"b" * 33 + b"c" * 33, 33)
     assert list(u) == [(0, b"a" * 33), (1, b"b" * 33), (2, b"c" * 33)]
 
