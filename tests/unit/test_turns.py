@@ -183,7 +183,7 @@ def test_a_turns_releases_leave_their_connections_at_once_and_unpin_in_one_pass_
         svc, due, turn, passes = counted_turn()
         d, calls = svc.dir, []
         many = d.release_many
-        d.release_many = lambda asks: calls.append(len(asks)) or many(asks)
+        d.release_many = lambda asks: calls.append((len(asks), len(passes))) or many(asks)  # (leases, passes before)
         c, other, got = conn(), conn(), {}
         for i, keys in enumerate([keys_of(0, 4), keys_of(2, 6), keys_of(6, 8)]):
             asked(turn, keys, other if i == 2 else c, got, i)
@@ -197,10 +197,10 @@ def test_a_turns_releases_leave_their_connections_at_once_and_unpin_in_one_pass_
         assert not d.disown(mine, c), "the lease is no longer its connection's"
         asked(turn, keys_of(0, 2), c, got, "after")
         await asyncio.sleep(0)
-        assert calls == [2] and passes == [3, 1], "both leases in one call, before the turn's LOOKUP"
+        assert calls == [(2, 1)] and passes == [3, 1], "both leases in one call, before the turn's LOOKUP"
         assert d.cols["pins"].sum() == 2 + 2 and set(d.leases) == {theirs, got["after"][0]["lease"]}
         assert release_held(d, [theirs], other, turn) == 1 and due == {turn}
         flush_due(due, Op.REMOVE, None)  # a request that does not commute sees it released
-        assert calls == [2, 1] and d.cols["pins"].sum() == 2 and due == set()
+        assert calls == [(2, 1), (1, 2)] and d.cols["pins"].sum() == 2 and due == set()
         d.check()
     asyncio.run(main())
