@@ -19,6 +19,7 @@ import tempfile
 import time
 
 import msgpack
+import numpy.random  # noqa: F401 - a metaserver has it before any load (its first table's key index, made at start)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself, for the helpers below

@@ -17,10 +17,9 @@ import os
 import struct
 
 import numpy as np
-# numpy imports these at their first use (np.unique's masked-array check, the key index's generator): 65 and 110
-# ms on the 2-core VM, paid at the process's start here, not inside a takeover's cold load
+# numpy imports numpy.ma at the first np.unique (its masked-array check): 65 ms on the 2-core VM, paid at the
+# process's start here, not inside a standby's first takeover load
 import numpy.ma  # noqa: F401
-import numpy.random  # noqa: F401
 
 from transport.wire import AllocState
 from transport.objformat import object_size
