@@ -311,10 +311,15 @@ def test_uncommitted_rows_expire_oldest_first_within_a_budget():
 def test_the_tables_step_drains_a_key_index_resize():
     """A page table whose index is mid-resize: ``step`` drains it in budgeted slices and every page stays found."""
     t = table(1, 40_000)
-    keys = [i.to_bytes(32, "little") for i in range(int(MAX_LOAD * MIN_SLOTS) + 1000)]
-    for i in range(0, len(keys), 1000):
-        put(t, keys[i:i + 1000], gen=1 + i)
-    assert t.ix.old is not None, "the last 1,000 keys resized the smallest index; the drain is under way"
+    keys: list[bytes] = []
+    # 1,000 keys at a time until an insert leaves a resize under way: the smallest index resizes at MAX_LOAD x
+    # MIN_SLOTS rows, or sooner when a row was kicked into the stash (random bucket salts: about 1 run in 150), and
+    # that earlier drain may end before the keys do; the next resize comes at about 34k rows, before the node is full
+    while t.ix.old is None or len(keys) < MAX_LOAD * MIN_SLOTS:
+        assert len(keys) < 39_000, "no resize under way after 39k keys"
+        batch = [i.to_bytes(32, "little") for i in range(len(keys), len(keys) + 1000)]
+        put(t, batch, gen=1 + len(keys))
+        keys += batch
     slices = 0
     while t.step(2048):
         slices += 1
