@@ -43,6 +43,8 @@ PYTEST_ARGS   ?=
 # so a module's shared cluster or guest VM starts once). Most of the suite waits on real timers (leases, elections,
 # a QEMU guest booting), so 3 workers on 2 cores cut its wall time about 2.5-3x; TEST_WORKERS=0 runs it serially.
 TEST_WORKERS  ?= 3
+# make check's workers: the fast tier is in-process CPU work, one worker a core (serial: about 3.5 minutes on 2 cores)
+CHECK_WORKERS ?= 2
 
 .PHONY: venv test-venv check-venv etcd check test docs docs-gen demo bench clean
 
@@ -78,7 +80,7 @@ test: test-venv etcd
 	$(VPY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
 check: check-venv etcd
-	$(VPY) -m pytest -q -ra --durations=10 $(PYTEST_ARGS) tests/unit
+	$(VPY) -m pytest -q -ra --durations=10 -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS) tests/unit
 
 docs: check-venv
 	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict
