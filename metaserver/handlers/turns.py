@@ -163,7 +163,8 @@ class LookupTurn(_Turn):
         if frees:
             try:
                 d.release_many(frees)
-            except Exception:  # noqa: BLE001 - the turn's LOOKUPs are answered all the same (the leases expire)
+            except Exception:  # noqa: BLE001 - the turn's LOOKUPs are answered all the same
+                # a bug: the leases it took are no more, so their rows stay pinned (never evicted) for this term
                 log.exception("metaserver: a turn's releases failed")
 
     def flush(self) -> None:

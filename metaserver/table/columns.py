@@ -473,7 +473,9 @@ class PageTable:
     def release_many(self, asks) -> int:
         """``release`` of each (lease, owner) of ``asks`` in one pass over their rows (a turn's RELEASEs: one unpin,
         stamp and state pass, where a lease each cost about 8 us of numpy calls on the 2-core VM); how many it
-        released. The rows are stamped in the order of ``asks``, as releasing them one after the other would."""
+        released. The rows are stamped in the order of ``asks``, as releasing them one after the other would; the
+        rows removed while pinned that lose their last pin here are freed in row order (one after the other would free
+        each with the lease that held it last: another free-list order, so a later ALLOC may be placed elsewhere)."""
         owners, leases = self._lease_owner, self.leases
         got: list[np.ndarray] = []
         repeats = False
