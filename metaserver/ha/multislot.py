@@ -277,6 +277,7 @@ def lookup_merged(p, meta: dict, conn) -> Any:
             srv.lookups.ask_part(ns, keys[a:b], p._slot_conn(conn, name), functools.partial(merged.part, i))
         else:
             try:
+                srv.lookups.free_now()  # (answered now: after the releases read before it)
                 merged.got[i] = srv.dir.lookup_columns(ns, keys[a:b], now, p._slot_conn(conn, name), srv.tokens, shard)
             except Exception as e:  # noqa: BLE001 - a part's failure is that part's answer
                 merged.got[i] = e

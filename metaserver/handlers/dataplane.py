@@ -232,6 +232,8 @@ class DataPlane:
         shard = v.shard(m)
         if defer and shard is None and getattr(conn, "in_turns", False):
             return svc.lookups.ask(ns, keys, conn)
+        if getattr(svc, "lookups", None) is not None:
+            svc.lookups.free_now()  # (answered now: after the releases read before it)
         # tags and capabilities from the columns; packed rows from wire VERSION 12
         ans = svc.dir.lookup_granted(ns, keys, time.monotonic(), conn, svc.tokens, svc.members.get, shard,
                                      conn.version >= 12)

@@ -157,6 +157,12 @@ class LookupTurn(_Turn):
         self.free_dir = d
         self.frees.append((lease, None))
 
+    def free_now(self) -> None:
+        """Unpin the turn's releases now: a LOOKUP answered outside the turn (a rank's shard LOOKUP, a multi-slot
+        LOOKUP not merged) comes after the releases read before it, as in the order read (its stamps after theirs)."""
+        if self.frees:
+            self._free()
+
     def _free(self) -> None:
         frees, self.frees = self.frees, []
         d, self.free_dir = self.free_dir, None

@@ -116,6 +116,33 @@ def test_an_answer_that_cannot_be_made_is_answered_with_its_error_and_the_others
     asyncio.run(main())
 
 
+
+def test_a_lookup_answered_outside_the_turn_comes_after_the_releases_read_before_it():
+    """A LOOKUP the data plane answers at once (a rank's shard LOOKUP, a multi-slot LOOKUP not merged) unpins the
+    turn's releases first (``LookupTurn.free_now``): its rows are stamped after the released ones, as in the order
+    read, and the turn's end releases nothing again."""
+    from metaserver.handlers.dataplane import DataPlane
+
+    async def main():
+        svc, due, turn, passes = counted_turn()
+        d = svc.dir
+        svc.lookups, svc.max_keys = turn, 4096
+        c = conn()
+        c.auth = SimpleNamespace(scope=SimpleNamespace(check=lambda *a: None))
+        dp = DataPlane(svc)
+        first = dp.lookup({"ns": "a", "keys": keys_of(0, 2)}, c, False)["lease"]
+        assert release_held(d, [first], c, turn) == 1 and first in d.leases, "released at the turn's end..."
+        dp.lookup({"ns": "a", "keys": keys_of(4, 6)}, c, False)
+        assert first not in d.leases, "... or before a LOOKUP answered now"
+        stamp = d.cols["stamp"]
+        released, looked = stamp[d._find("a", keys_of(0, 2))], stamp[d._find("a", keys_of(4, 6))]
+        assert released.max() < looked.min(), (released, looked)
+        assert d.cols["pins"].sum() == 2
+        await asyncio.sleep(0)
+        assert d.cols["pins"].sum() == 2 and passes == [] and due == set()
+        d.check()
+    asyncio.run(main())
+
 def test_a_turns_allocs_wait_for_its_end_and_keep_each_connections_order():
     """``AllocTurn``: ALLOCs wait for the end of the turn and go to the data plane together (a stand-in here that
     answers each with a dict, a coroutine or an error); a closed connection's ALLOC is not asked; a COMMIT or ABORT
