@@ -116,7 +116,6 @@ def test_an_answer_that_cannot_be_made_is_answered_with_its_error_and_the_others
     asyncio.run(main())
 
 
-
 def test_a_lookup_answered_outside_the_turn_comes_after_the_releases_read_before_it():
     """A LOOKUP the data plane answers at once (a rank's shard LOOKUP, a multi-slot LOOKUP not merged) unpins the
     turn's releases first (``LookupTurn.free_now``): its rows are stamped after the released ones, as in the order
@@ -142,6 +141,7 @@ def test_a_lookup_answered_outside_the_turn_comes_after_the_releases_read_before
         assert d.cols["pins"].sum() == 2 and passes == [] and due == set()
         d.check()
     asyncio.run(main())
+
 
 def test_a_turns_allocs_wait_for_its_end_and_keep_each_connections_order():
     """``AllocTurn``: ALLOCs wait for the end of the turn and go to the data plane together (a stand-in here that
