@@ -89,6 +89,7 @@ class Connection(FramedProtocol):
         self.pending: dict = {}  # (ns, key, gen) -> row: what this connection allocated and has not committed
         self.leases = HeldLeases()  # read lease ids its LOOKUPs took (released on close: metaserver/handlers/ownership.py)
         self.slot_conns: dict = {}  # a partitioned pool: slot name -> this connection's view there (partition.py)
+        self.process_leases = None  # and its merged LOOKUPs' leases (metaserver/ha/multislot.py ``ProcessLeases``)
         self.last_active = time.monotonic()
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -110,7 +111,7 @@ class Connection(FramedProtocol):
         self.closed = True
         if not self.release():
             return
-        if self.pending or self.leases or self.slot_conns:
+        if self.pending or self.leases or self.slot_conns or self.process_leases:
             n = self.ms.drop_pending(self)
             if n:
                 log.info("metaserver: %s closed with %d allocations pending: aborted (their bytes kept out of "

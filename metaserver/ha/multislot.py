@@ -23,9 +23,12 @@ one LOOKUP answer for the whole request (``lookup_merged``): ``{"lease", "lease_
 "failed"}``, one packed row a key in the request's order (a failed part's keys are misses), one read capability a
 node covering every part's slots on it (read capabilities carry no slot epoch: a node checks each (offset, length,
 generation) it is asked for against the capability alone), and one read lease for the process (``ProcessLeases``:
-its id names every part's lease; RELEASE of it releases them all). The parts still run on their own slot's table,
-each with the other LOOKUPs and parts of its slot's event-loop turn (``metaserver/handlers/turns.py``: one table
-pass a slot and turn), but the validation, the grants, the answer and the lease are the request's, once.
+its id names each part's slice of a lease its slot's table holds; RELEASE of it releases them all). The parts still
+run on their own slot's table, each with the other LOOKUPs and parts of its slot's event-loop turn
+(``metaserver/handlers/turns.py``: one table pass a slot and turn, one lease in slices for the turn's parts, so a part
+takes no lease, owner or expiry entry of its own), but the validation, the grants, the answer and the lease are the
+request's, once; the answer's nodes come from ``AnswerNodes`` (each slot table's node codes mapped once, not a
+Python step a node and part).
 
 Cost: O(keys) to slice and check, plus each part's handler; COMMIT parts waiting on etcd are awaited together; an
 ALLOC's parts from a server connection each join their slot's turn (``metaserver/handlers/turns.py``: one table
@@ -37,7 +40,6 @@ the request and one keyed blake2b a node.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import functools
 import time
 from typing import Any
@@ -45,9 +47,9 @@ from typing import Any
 import numpy as np
 
 from metaserver import validate as v
-from metaserver.handlers.turns import Later, release_turn, when_done
-from metaserver.handlers.ownership import LEASES_PRUNE_AT, own_lease, release_held
-from metaserver.table.directory import by_node
+from metaserver.handlers.turns import Later, when_done
+from metaserver.handlers.ownership import LEASES_PRUNE_AT
+from metaserver.table.directory import SLICED, by_node
 from metaserver.table.entry import random_id
 from transport import answerrows, slotrules
 from transport.keyform import PackedKeys
@@ -57,6 +59,7 @@ from umbp.errors import NotLeader, RemoteError, UmbpError
 
 LISTS = ("keys", "sizes", "parents", "gens")  # per-key lists of a keyed request, sliced per part
 _MERGED = frozenset({"ns", "keys", "parts", "shard", "merge"})
+_NODES_KEPT = 256  # entries ``AnswerNodes`` keeps at least before it starts over
 
 
 def check_slots(got: np.ndarray, slot: int, rule: int, at: int = 0) -> None:
@@ -76,36 +79,23 @@ def split(meta: dict, slots: int, check: bool = True, rule: int = slotrules.RULE
     parts, keys, ns = meta.get("parts"), meta.get("keys"), meta.get("ns")
     if type(keys) not in v.KEY_LISTS or type(ns) is not str:
         raise v.Reject("a multi-slot request needs 'ns' (string) and 'keys' (list, or packed)")
-    if type(parts) is not list or not 1 <= len(parts) <= slots:
-        raise v.Reject(f"'parts' must be a list of 1..{slots} [slot, count] pairs")
     key_slots = slotrules.slots_of(ns, keys, slots, rule) if check else None  # the request's keys at once
     parents = _part_parents(keys, key_slots, meta.get("parents")) if check else None
     out: list[tuple[int, dict]] = []
-    seen: set[int] = set()
-    at = 0
     base = {k: x for k, x in meta.items() if k != "parts" and k not in LISTS}
-    for part in parts:
-        if (type(part) is not list or len(part) != 2 or type(part[0]) is not int or type(part[1]) is not int
-                or not 0 <= part[0] < slots or part[0] in seen or part[1] < 1 or at + part[1] > len(keys)):
-            raise v.Reject(f"'parts': bad entry {part!r} (want [slot 0..{slots - 1}, count >= 1], each slot once, "
-                           f"counts adding up to the {len(keys)} keys)")
-        slot, n = part
-        seen.add(slot)
+    for slot, at, end in cuts(parts, slots, len(keys)):
         m = dict(base)
         for k in LISTS:
             x = meta.get(k)
             if type(x) in v.KEY_LISTS:  # (packed keys slice as packed keys)
-                m[k] = x[at:at + n]
+                m[k] = x[at:end]
             elif k in meta:
                 m[k] = x
         if check:
-            check_slots(key_slots[at:at + n], slot, rule, at)
+            check_slots(key_slots[at:end], slot, rule, at)
             if parents is not None:
-                m["parents"] = [p if s in (slot, -1) else None for p, s in zip(m["parents"], parents[at:at + n])]
+                m["parents"] = [p if s in (slot, -1) else None for p, s in zip(m["parents"], parents[at:end])]
         out.append((slot, m))
-        at += n
-    if at != len(keys):
-        raise v.Reject(f"'parts' count {at} keys, the request has {len(keys)}")
     return out
 
 
@@ -236,21 +226,38 @@ async def _in_turn(answers: list, failed: list, waiting: list[int]) -> dict:
 
 
 def cuts(parts: Any, slots: int, n: int) -> list[tuple[int, int, int]]:
-    """(slot, first key, end) of each part of ``parts`` over ``n`` keys; Reject as ``split`` does."""
+    """(slot, first key, end) of each part of ``parts`` over ``n`` keys. Reject unless ``parts`` is a list of 1..
+    ``slots`` [slot, count] pairs of ints, each slot once and in range, each count at least 1, the counts adding up to
+    ``n`` (``_refuse`` names the first bad entry). A few comprehensions and numpy calls, no Python step of checks a
+    part."""
     if type(parts) is not list or not 1 <= len(parts) <= slots:
         raise v.Reject(f"'parts' must be a list of 1..{slots} [slot, count] pairs")
-    out, seen, at = [], set(), 0
+    if all([type(q) is list and len(q) == 2 for q in parts]):
+        s, c = [q[0] for q in parts], [q[1] for q in parts]
+        if all([type(x) is int for x in s]) and all([type(x) is int for x in c]):
+            try:
+                sa, ca = np.array(s, np.int64), np.array(c, np.int64)
+            except OverflowError:
+                _refuse(parts, slots, n)
+            ends = ca.cumsum()  # (counts at most n each: no overflow)
+            if (sa.min() >= 0 and sa.max() < slots and ca.min() >= 1 and ca.max() <= n and ends[-1] == n
+                    and len(set(s)) == len(s)):
+                e = ends.tolist()
+                return list(zip(s, [0] + e[:-1], e))
+    _refuse(parts, slots, n)
+
+
+def _refuse(parts: list, slots: int, n: int) -> None:
+    """Reject a malformed ``parts`` (``cuts``) naming its first bad entry, or its count."""
+    seen, at = set(), 0
     for part in parts:
         if (type(part) is not list or len(part) != 2 or type(part[0]) is not int or type(part[1]) is not int
                 or not 0 <= part[0] < slots or part[0] in seen or part[1] < 1 or at + part[1] > n):
             raise v.Reject(f"'parts': bad entry {part!r} (want [slot 0..{slots - 1}, count >= 1], each slot once, "
                            f"counts adding up to the {n} keys)")
         seen.add(part[0])
-        out.append((part[0], at, at + part[1]))
         at += part[1]
-    if at != n:
-        raise v.Reject(f"'parts' count {at} keys, the request has {n}")
-    return out
+    raise v.Reject(f"'parts' count {at} keys, the request has {n}")
 
 
 def lookup_merged(p, meta: dict, conn) -> Any:
@@ -274,11 +281,11 @@ def lookup_merged(p, meta: dict, conn) -> Any:
             merged.got[i] = p._moved(name)
         elif defer:
             merged.waiting += 1
-            srv.lookups.ask_part(ns, keys[a:b], p._slot_conn(conn, name), functools.partial(merged.part, i))
+            srv.lookups.ask_part(ns, keys[a:b], conn, functools.partial(merged.part, i))
         else:
             try:
                 srv.lookups.free_now()  # (answered now: after the releases read before it)
-                merged.got[i] = srv.dir.lookup_columns(ns, keys[a:b], now, p._slot_conn(conn, name), srv.tokens, shard)
+                merged.got[i] = srv.dir.lookup_columns(ns, keys[a:b], now, SLICED, srv.tokens, shard)
             except Exception as e:  # noqa: BLE001 - a part's failure is that part's answer
                 merged.got[i] = e
     if not merged.waiting:
@@ -315,8 +322,8 @@ class Merged:
     def answer(self) -> dict:
         p, conn = self.p, self.conn
         hits, tags, slots, codes, failed, held = [], [], [], [], [], []
-        tabs: list[tuple[int, Any]] = []  # (its first node code, slot server) of each part's table, in code order
-        base = 0
+        nodes = p.answer_nodes
+        nodes.trim()
         for i, ((slot, a, b), got) in enumerate(zip(self.parts, self.got)):
             if isinstance(got, BaseException):
                 failed.append(_failure(i, got))
@@ -328,13 +335,10 @@ class Merged:
                 continue
             name = str(slot)
             srv = p.servers[name]
-            own_lease(srv.dir, p._slot_conn(conn, name), lease)
-            held.append((name, lease))
+            held.append((srv, srv.dir, lease))
             tags.append(tg)
             slots.append(sl)
-            codes.append(nix + base if base else nix)  # node codes unique over the parts' tables
-            tabs.append((base, srv))
-            base += len(srv.dir.node_names)
+            codes.append(nodes.codes(name, srv).take(nix))  # the answer's nodes, one entry each over the parts
         hit = hits[0] if len(hits) == 1 else np.concatenate(hits)
         if not held:
             return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ()),
@@ -343,33 +347,67 @@ class Merged:
             tags, slots, codes = np.concatenate(tags), np.concatenate(slots), np.concatenate(codes)
         else:
             tags, slots, codes = tags[0], slots[0], codes[0]
-        # each node code used to the answer's node index, in code order (the nodes the hits are on, a few parts x
-        # nodes; a part's table names every node of the pool). A node is one entry by its id and capability key: a
-        # slot that has not seen a node's new arena yet keeps its own.
-        used = np.bincount(codes).nonzero()[0].tolist()
-        ids: dict[tuple, int] = {}
-        to_id = np.zeros(used[-1] + 1, np.int64)
-        firsts = [b for b, _ in tabs]
-        for c in used:
-            b, srv = tabs[bisect.bisect_right(firsts, c) - 1]
-            nid = srv.dir.node_names[c - b]
-            mem = srv.members.get(nid)
-            to_id[c] = ids.setdefault((nid, None if mem is None else mem.cap_key), len(ids))
-        uniq, inv, order, ends = by_node(to_id.take(codes))
-        cap_keys = [key for _, key in ids]
+        uniq, inv, order, ends = by_node(codes)
+        used = uniq.tolist()
+        cap_keys = [nodes.keys[j] for j in used]
         caps = (read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(),
                                          ends) if any(cap_keys) else [b""] * len(cap_keys))
-        lease = ProcessLeases.of(conn).add(p, held)
-        return {"lease": lease, "lease_ms": min(p.servers[name].lease_ms for name, _ in held),
-                "nodes": [n for n, _ in ids], "caps": caps,
+        lease = ProcessLeases.of(conn).add(held)
+        return {"lease": lease, "lease_ms": min(srv.lease_ms for srv, _, _ in held),
+                "nodes": [nodes.ids[j] for j in used], "caps": caps,
                 "rows": answerrows.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv), "failed": failed}
 
 
+class AnswerNodes:
+    """The nodes a process's merged LOOKUP answers name, each once by (node id, capability key) over the parts'
+    tables (a slot that has not seen a node's new arena yet keeps its own entry): ``ids`` and ``keys`` by index.
+    ``codes(name, srv)``: slot server ``srv``'s ``node`` column values -> indexes here, an array kept while its
+    table's node names, its membership and the membership's version stay (a part costs a ``take``, not a Python step
+    a node of its table). ``trim`` starts over, before an answer, once entries of nodes gone or keys replaced have
+    made it more than twice what the slots' tables named: O(nodes x slots) then, as often as node churn asks."""
+
+    __slots__ = ("ix", "ids", "keys", "maps", "limit")
+
+    def __init__(self) -> None:
+        self.ix: dict[tuple, int] = {}
+        self.ids: list[str] = []
+        self.keys: list[bytes | None] = []
+        self.maps: dict[str, tuple] = {}  # slot name -> (node_names, membership, its version, codes -> indexes)
+        self.limit = _NODES_KEPT
+
+    def codes(self, name: str, srv) -> np.ndarray:
+        names, mem = srv.dir.node_names, srv.members
+        got = self.maps.get(name)
+        if got is not None and got[0] is names and got[1] is mem and got[2] == mem.version:
+            return got[3]
+        out = np.zeros(len(names), np.int64)  # (a retired index names None: no live row has it)
+        for j, nid in enumerate(names.tolist()):
+            if nid is not None:
+                m = mem.get(nid)
+                key = (nid, None if m is None else m.cap_key)
+                i = self.ix.get(key)
+                if i is None:
+                    i = self.ix[key] = len(self.ids)
+                    self.ids.append(nid)
+                    self.keys.append(key[1])
+                out[j] = i
+        self.maps[name] = (names, mem, mem.version, out)
+        return out
+
+    def trim(self) -> None:
+        if len(self.ids) > self.limit:
+            self.limit = max(_NODES_KEPT, 2 * sum(len(m[3]) for m in self.maps.values()))
+            self.ix.clear()
+            self.ids, self.keys = [], []
+            self.maps.clear()
+
+
 class ProcessLeases(dict):
-    """A connection's process leases (merged LOOKUPs): id -> [(slot name, that slot's table lease), ...]. Each table
-    lease is also its slot connection's (``SlotConn.leases``), so it expires, and is released at the connection's
-    close, as any other; this map only names them together. Pruned of ids none of whose leases is live when it has
-    doubled (as ``HeldLeases``): O(1) amortized a LOOKUP."""
+    """A connection's process leases (merged LOOKUPs): id -> [(slot server, its table, (lease, j)), ...], each part's
+    slice j of a lease in slices of that table (``TableDirectory.lookup_columns_many``: the parts of a slot's turn
+    share one lease, and no connection owns it). The lease runs out as any read lease of its table; at the
+    connection's close its slices are left to run out (``orphan``), as a connection's own leases are. Pruned of ids
+    none of whose slices is held when it has doubled (as ``HeldLeases``): O(1) amortized a LOOKUP."""
 
     __slots__ = ("prune_at",)
 
@@ -384,10 +422,9 @@ class ProcessLeases(dict):
             got = conn.process_leases = ProcessLeases()
         return got
 
-    def add(self, p, held: list[tuple[str, int]]) -> int:
+    def add(self, held: list[tuple]) -> int:
         if len(self) >= self.prune_at:
-            for x in [x for x, ls in self.items() if not any(lease in p.servers[name].dir.leases
-                                                               for name, lease in ls)]:
+            for x in [x for x, ls in self.items() if not any(d.slice_open(*lease) for _, d, lease in ls)]:
                 del self[x]
             self.prune_at = max(LEASES_PRUNE_AT, 2 * len(self))
         lease = random_id() or 1
@@ -398,21 +435,42 @@ class ProcessLeases(dict):
 
 
 def release(p, conn, ids: list[int]) -> tuple[int, list[int]]:
-    """Release the process leases among ``ids`` (each: every part's table lease); (how many of them were held,
-    the ids that are not process leases)."""
+    """Release the process leases among ``ids`` (each: every part's slice still held, on its slot's table of this
+    term), at the end of the turn for a connection that waits in turns (``LookupTurn.free_slice``), else at once;
+    (how many of them were held, the ids that are not process leases)."""
     mine = getattr(conn, "process_leases", None)
     if not mine:
         return 0, ids
+    turns = getattr(conn, "in_turns", False)
     n, rest = 0, []
     for x in ids:
         held = mine.pop(x, None)
         if held is None:
             rest.append(x)
             continue
-        got = 0
-        for name, lease in held:
-            srv = p.servers[name]
-            if srv.serving:
-                got += release_held(srv.dir, [lease], p._slot_conn(conn, name), release_turn(srv, conn))
-        n += got > 0
+        got = False
+        for srv, d, (lease, j) in held:
+            if srv.dir is not d or not d.slice_open(lease, j):  # another term's table, or run out
+                continue
+            got = True
+            if turns:
+                srv.lookups.free_slice(d, lease, j)
+            else:
+                d.release_many((), ((lease, j),))
+        n += got
     return n, rest
+
+
+def orphan(conn) -> int:
+    """``conn`` closed: its process leases' slices still held are left to run out, as its own leases are
+    (``ownership.drop_leases``), counted in each table's ``leases_orphaned``; how many."""
+    mine = getattr(conn, "process_leases", None)
+    n = 0
+    for held in (mine or {}).values():
+        for srv, d, lease in held:
+            if srv.dir is d and d.slice_open(*lease):
+                d.leases_orphaned += 1
+                n += 1
+    if mine:
+        mine.clear()
+    return n

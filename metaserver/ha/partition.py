@@ -116,6 +116,7 @@ class Partition(ElectedProcess):
         self.metrics = MetaserverMetrics(self)
         self._init_election()
         self.turns_due: set = set()  # slot servers' turns with requests waiting (metaserver/handlers/turns.py)
+        self.answer_nodes = multislot.AnswerNodes()  # the nodes merged LOOKUP answers name
         self.page_slots = [str(s) for s in range(slots)]
         self.names = self.page_slots + ([MEMBERSHIP] if slots > 1 else [])
         self.servers: dict[str, SlotServer] = {s: SlotServer(config, self, s) for s in self.page_slots}
@@ -282,6 +283,7 @@ class Partition(ElectedProcess):
     def drop_pending(self, conn) -> int:
         if self.slots == 1:
             return self.membership.drop_pending(conn)  # the connection's own PENDING set, as unpartitioned
+        multislot.orphan(conn)
         n = 0
         for name, sc in conn.slot_conns.items():
             n += self.servers[name].drop_pending(sc)

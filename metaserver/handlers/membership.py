@@ -85,6 +85,9 @@ class Node:
 class Membership:
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
+        # counts registrations and forgotten nodes: a node's capability key is set right after its registration
+        # (no await between), so an unchanged version means unchanged ids and keys (multislot.py's node maps)
+        self.version = 0
 
     def get(self, node_id: str) -> Node | None:
         return self.nodes.get(node_id)
@@ -92,6 +95,7 @@ class Membership:
     def register(self, desc: dict[str, Any], now: float) -> tuple[Node, bool]:
         """Record a registration. Returns (node, keep_pages): pages survive only when a live node re-registers
         the same arena (same arena_id and capacity: a node process restart that reopened its arena)."""
+        self.version += 1
         node = self.nodes.get(desc["node_id"])
         if node is None:
             node = self.nodes[desc["node_id"]] = Node(desc, now)
@@ -125,4 +129,5 @@ class Membership:
                 out.append(node)
             elif not node.alive and now - node.dead_since > DEAD_KEEP_S:
                 del self.nodes[node.node_id]
+                self.version += 1
         return out

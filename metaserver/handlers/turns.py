@@ -7,8 +7,8 @@ lease or allocations, its own capabilities, its own answer, its own errors.
   stamp, pin, tag and capability-slot pass), each exactly as alone.
 - RELEASEs (``LookupTurn.free``): the read leases a turn's RELEASEs and LOOKUPs' ``release`` give back leave their
   connections when read (counted, as a RELEASE answers) and are unpinned at the turn's end, before its LOOKUPs, in
-  one ``PageTable.release_many`` (a lease each cost about 8 us of numpy calls; a merged LOOKUP's process lease is
-  one a slot it touched).
+  one ``PageTable.release_many`` (a lease each cost about 8 us of numpy calls; a merged LOOKUP's process lease gives
+  back a slice a slot it touched, ``free_slice``: the turn's parts of a slot shared one lease in slices).
 - ALLOCs (``AllocTurn``): one ``TableDirectory.alloc_placed_many`` (one digest, index, placement, eviction and filing
   pass), the keys placed as one ALLOC of them all would place them, each PENDING row its own ALLOC's; where one
   pass would not answer each as alone (a key of two, a PENDING key, quotas: ``place.alloc_rows_many``), they are
@@ -48,6 +48,7 @@ import logging
 import time
 
 from metaserver.handlers.ownership import own_lease
+from metaserver.table.directory import SLICED
 from transport.wire import Op, Status
 from umbp.errors import Unavailable
 
@@ -137,12 +138,13 @@ class LookupTurn(_Turn):
     """The LOOKUPs (``ask``) and merged LOOKUPs' parts (``ask_part``) of one slot server, and the read leases its
     RELEASEs (and LOOKUPs' ``release``) gave back (``free``)."""
 
-    __slots__ = ("frees", "free_dir")
+    __slots__ = ("frees", "slices", "free_dir")
     kind = "LOOKUP"
 
     def __init__(self, svc, due: set) -> None:
         super().__init__(svc, due)
         self.frees: list[tuple[int, None]] = []  # leases taken from their owners in this turn: (lease, no owner)
+        self.slices: list[tuple[int, int]] = []  # merged LOOKUPs' parts given back: (lease in slices, slice)
         self.free_dir = None  # the directory they are of
 
     def free(self, d, lease: int) -> None:
@@ -150,25 +152,35 @@ class LookupTurn(_Turn):
         with the turn's other releases, before its LOOKUPs: one ``release_many`` (about 8 us of numpy calls a
         lease alone, 1.5 in eights: 2-core VM). A RELEASE commutes with LOOKUPs (pins are counts); a request that
         does not flushes the turn first (``flush_due``), so it sees the lease released, as in the order read."""
-        if self.frees and d is not self.free_dir:  # (a new term's directory: the old one's leases first)
+        self._freeing(d)
+        self.frees.append((lease, None))
+
+    def free_slice(self, d, lease: int, j: int) -> None:
+        """``free`` for slice ``j`` of lease ``lease`` of ``d`` (a merged LOOKUP's part, given back by its request's
+        release: ``metaserver/ha/multislot.py``)."""
+        self._freeing(d)
+        self.slices.append((lease, j))
+
+    def _freeing(self, d) -> None:
+        if (self.frees or self.slices) and d is not self.free_dir:  # (a new term's directory: the old one's first)
             self._free()
-        if not self.frees:
+        if not (self.frees or self.slices):
             self._due()
         self.free_dir = d
-        self.frees.append((lease, None))
 
     def free_now(self) -> None:
         """Unpin the turn's releases now: a LOOKUP answered outside the turn (a rank's shard LOOKUP, a multi-slot
         LOOKUP not merged) comes after the releases read before it, as in the order read (its stamps after theirs)."""
-        if self.frees:
+        if self.frees or self.slices:
             self._free()
 
     def _free(self) -> None:
         frees, self.frees = self.frees, []
+        slices, self.slices = self.slices, []
         d, self.free_dir = self.free_dir, None
-        if frees:
+        if frees or slices:
             try:
-                d.release_many(frees)
+                d.release_many(frees, slices)
             except Exception:  # noqa: BLE001 - the turn's LOOKUPs are answered all the same
                 # a bug: the leases it took are no more, so their rows stay pinned (never evicted) for this term
                 log.exception("metaserver: a turn's releases failed")
@@ -184,8 +196,8 @@ class LookupTurn(_Turn):
         return later
 
     def ask_part(self, ns: str, keys, conn, part) -> None:
-        """A merged LOOKUP's part for this slot: ``part(columns)`` at the end of the turn with its
-        ``lookup_columns`` (its lease its own), or ``part(error)``."""
+        """A merged LOOKUP's part for this slot, from ``conn``: ``part(columns)`` at the end of the turn with its
+        ``lookup_columns`` (``(lease, j)``: a slice of the lease the turn's parts share), or ``part(error)``."""
         self._add((ns, keys, conn, None, part))
 
     def commutes(self, op: int, conn) -> bool:
@@ -196,11 +208,12 @@ class LookupTurn(_Turn):
         svc = self.svc
         d = svc.dir
         self.passes += 1
-        got = d.lookup_columns_many(ns, [(k, c) for _, k, c, _, _ in group], time.monotonic(), svc.tokens)
+        got = d.lookup_columns_many(ns, [(k, c if p is None else SLICED) for _, k, c, _, p in group],
+                                    time.monotonic(), svc.tokens)
         for (_, _, conn, later, part), cols in zip(group, got):
             try:
                 if part is not None:
-                    part(cols)  # a merged LOOKUP's part: its lease is taken by its request
+                    part(cols)  # a merged LOOKUP's part: its slice is its request's
                     continue
                 ans = d.granted_answer(cols, svc.members.get, conn.version >= 12)
                 if ans["lease"]:

@@ -90,6 +90,25 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
+class Slices:
+    """The slices of a lease in slices (``PageTable.new_lease``'s ``ends``): slice j is the lease's rows
+    ``ends[j-1]:ends[j]``, ``held[j]`` while not released; ``left`` slices held. The lease goes with its last slice."""
+
+    __slots__ = ("ends", "held", "left")
+
+    def __init__(self, ends: list[int]) -> None:
+        self.ends = ends
+        self.held = bytearray(b"\x01" * len(ends))
+        self.left = len(ends)
+
+    def rows_held(self, rows: np.ndarray) -> np.ndarray:
+        """The rows of the slices held (``rows``: the lease's)."""
+        if self.left == len(self.ends):
+            return rows
+        starts = [0] + self.ends[:-1]
+        return np.concatenate([rows[a:b] for a, b, h in zip(starts, self.ends, self.held) if h] or [rows[:0]])
+
+
 class PageTable:
     """Pages as rows of columns: the requests (``alloc``, ``commit``, ``abort``, ``lookup``, ``release``, ``exists``,
     ``remove``), the budgeted expiries (``expire_leases``, ``expire_pending``) and the totals (functions over the
@@ -124,6 +143,7 @@ class PageTable:
         self.blocks_used = 0
         self.free_blocks: list[int] = []  # blocks of retired nodes, taken before the columns grow
         self.leases: dict[int, tuple[np.ndarray, bool]] = {}  # lease -> (its rows, whether a row may repeat)
+        self.sliced: dict[int, Slices] = {}  # the leases in slices (``new_lease``'s ``ends``) -> their slices
         self.read_lease_s = read_lease_s
         self.pending_ttl_s = pending_ttl_s
         # PENDING rows in allocation order (their deadline: the stamp column) -> their writer (token, owner)
@@ -443,17 +463,25 @@ class PageTable:
         np.add.at(c["pins"], hr, _PIN0)
         return hit, hr
 
-    def new_lease(self, rows: np.ndarray, repeats: bool, now: float, owner: object) -> int:
+    def new_lease(self, rows: np.ndarray, repeats: bool, now: float, owner: object, ends: list | None = None) -> int:
         """A read lease over ``rows``, pinned already (``repeats``: a row may be named more than once), that belongs to
-        ``owner`` and runs out ``read_lease_s`` after ``now``."""
+        ``owner`` and runs out ``read_lease_s`` after ``now``. ``ends``: a lease in slices, ``rows[ends[j-1]:ends[j]]``
+        slice j (``Slices``: a turn's merged LOOKUP parts, each released apart by its request)."""
         lease = random_id() or 1
         while lease in self.leases:
             lease = random_id() or 1
         self.leases[lease] = (rows, repeats)
         if owner is not None:
             self._lease_owner[lease] = owner
+        if ends is not None:
+            self.sliced[lease] = Slices(ends)
         self._lease_q.append((now + self.read_lease_s, lease))
         return lease
+
+    def slice_open(self, lease: int, j: int) -> bool:
+        """Whether slice ``j`` of lease ``lease`` is held (not released, not expired)."""
+        sl = self.sliced.get(lease)
+        return sl is not None and sl.held[j]
 
     def release(self, lease: int, owner: object = None) -> bool:
         """Unpin everything under ``lease`` and stamp it (a read's end is its last access); a row removed while
@@ -470,13 +498,15 @@ class PageTable:
         del self._lease_owner[lease]
         return True
 
-    def release_many(self, asks) -> int:
-        """``release`` of each (lease, owner) of ``asks`` in one pass over their rows (a turn's RELEASEs: one unpin,
-        stamp and state pass, where a lease each cost about 8 us of numpy calls on the 2-core VM); how many it
-        released. The rows are stamped in the order of ``asks``, as releasing them one after the other would; the
-        rows removed while pinned that lose their last pin here are freed in row order (one after the other would free
-        each with the lease that held it last: another free-list order, so a later ALLOC may be placed elsewhere)."""
-        owners, leases = self._lease_owner, self.leases
+    def release_many(self, asks, slices=()) -> int:
+        """``release`` of each (lease, owner) of ``asks``, and of each (lease, j) of ``slices`` (slice j of a lease in
+        slices, ``new_lease``'s ``ends``; a slice held only), in one pass over their rows (a turn's RELEASEs: one
+        unpin, stamp and state pass, where a lease each cost about 8 us of numpy calls on the 2-core VM); how many it
+        released. The rows are stamped in the order of ``asks``, then ``slices``, as releasing them one after the other
+        would; the rows removed while pinned that lose their last pin here are freed in row order (one after the other
+        would free each with the lease that held it last: another free-list order, so a later ALLOC may be placed
+        elsewhere). A lease in slices released whole (expiry) unpins the slices still held."""
+        owners, leases, sliced = self._lease_owner, self.leases, self.sliced
         got: list[np.ndarray] = []
         repeats = False
         for lease, owner in asks:
@@ -486,8 +516,19 @@ class PageTable:
             if held is None:
                 continue
             owners.pop(lease, None)
-            got.append(held[0])
+            sl = sliced.pop(lease, None) if sliced else None
+            got.append(held[0] if sl is None else sl.rows_held(held[0]))
             repeats |= held[1]
+        for lease, j in slices:
+            sl = sliced.get(lease)
+            if sl is None or not sl.held[j]:
+                continue
+            got.append(leases[lease][0][sl.ends[j - 1] if j else 0:sl.ends[j]])
+            repeats = True
+            sl.held[j] = 0
+            sl.left -= 1
+            if not sl.left:
+                del sliced[lease], leases[lease]
         if not got:
             return 0
         hr = got[0] if len(got) == 1 else np.concatenate(got)

@@ -61,6 +61,19 @@ def _by_ns(recs: list) -> dict[str, list]:
     return out
 
 
+class _Sliced:
+    """``SLICED``: the owner a merged LOOKUP's part asks with (``TableDirectory.lookup_columns_many``,
+    ``lookup_columns``): its hits go under a slice of a lease in slices, which no connection owns."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SLICED"
+
+
+SLICED = _Sliced()
+
+
 def by_node(nix: np.ndarray) -> tuple[np.ndarray, np.ndarray | int, np.ndarray | None, list[int]]:
     """A LOOKUP's hits grouped by their ``node`` column values ``nix``, in ``np.unique(nix, return_inverse=True)``'s
     order: (the node indexes, ascending; each hit's index among them, 0 when all are on one node; the hits' order
@@ -227,8 +240,11 @@ class TableDirectory(PageTable):
         """``lookup_columns`` of several LOOKUPs (or multi-slot LOOKUPs' parts) of namespace ``ns`` at once (``asks``
         of (keys, owner): a turn's, ``metaserver/handlers/turns.py``), each exactly as alone, with its own lease
         over its own hits: one key digest and index pass, one stamp, pin, tag and capability-slot pass over all of
-        them, then a slice and a lease each. Plain pages only (a rank's sub-slots ask alone)."""
-        if len(asks) == 1:
+        them, then a slice and a lease each. An ask whose owner is ``SLICED`` (a merged LOOKUP's part) gets a slice
+        of one lease in slices that the turn's parts share: ``(lease, j)`` in its tuple, released by its request
+        (``release_many``'s ``slices``), no lease and owner of its own. Plain pages only (a rank's sub-slots ask
+        alone)."""
+        if len(asks) == 1 and asks[0][1] is not SLICED:
             keys, owner = asks[0]
             return [self.lookup_columns(ns, keys, now, owner, tokens)]
         every = joined_keys([k for k, _ in asks])
@@ -237,13 +253,24 @@ class TableDirectory(PageTable):
         cuts = list(accumulate([len(k) for k, _ in asks]))
         ends = hit.cumsum().take(np.array(cuts, np.int64) - 1).tolist() if len(hit) else [0] * len(asks)
         out, a, h = [], 0, 0
+        parts: list[tuple[int, int, int]] = []  # (index in out, first hit, end) of the SLICED asks with hits
         for (_, owner), b, e in zip(asks, cuts, ends):
-            if e > h:
+            if e <= h:
+                out.append((0, hit[a:b], None, None, None))
+            elif owner is SLICED:
+                parts.append((len(out), h, e))
+                out.append((len(parts) - 1, hit[a:b], tags[h:e], slots[h:e], nix[h:e]))
+            else:
                 out.append((self.new_lease(hr[h:e], e - h > 1, now, owner), hit[a:b], tags[h:e], slots[h:e],
                             nix[h:e]))
-            else:
-                out.append((0, hit[a:b], None, None, None))
             a, h = b, e
+        if parts:
+            whole = sum(e - h for _, h, e in parts) == len(hr)  # (every hit a part's: no copy)
+            rows = hr if whole else np.concatenate([hr[h:e] for _, h, e in parts])
+            lease = self.new_lease(rows, True, now, None, list(accumulate(e - h for _, h, e in parts)))
+            for i, _, _ in parts:
+                got = out[i]
+                out[i] = ((lease, got[0]),) + got[1:]
         return out
 
     def granted_answer(self, cols: tuple, member, packed: bool) -> dict:
@@ -273,8 +300,13 @@ class TableDirectory(PageTable):
         the hits' tags (u64), capability slots ((n, 3) ``<u8``: offset, payload length, generation) and ``node``
         column values (indexes into ``node_names``), in key order; ``(0, hit, None, None, None)`` when nothing was
         found. A process answering several slots' parts of one LOOKUP grants them together
-        (``metaserver/ha/multislot.py``: one capability a node, one answer)."""
-        lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
+        (``metaserver/ha/multislot.py``: one capability a node, one answer); such a part asks as ``SLICED`` and gets
+        ``(lease, 0)``: the one slice of a lease in slices."""
+        if owner is SLICED:  # a merged LOOKUP's part answered alone: slice 0 of a lease of its own
+            hit, hr = self.pin_hits(ns, keys, shard[1] if shard is not None else 0)
+            lease = (self.new_lease(hr, True, now, None, [len(hr)]), 0) if len(hr) else 0
+        else:
+            lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
         if not lease:
             return 0, hit, None, None, None
         return (lease, hit) + self._grant_columns(ns, hr, tokens, shard)

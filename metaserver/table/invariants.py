@@ -21,8 +21,11 @@ def check(t) -> None:
     t.links.check()  # prefix links (metaserver/table/links.py)
     assert sorted(t._pending) == np.flatnonzero(state == PENDING).tolist(), "columns: pending rows differ"
     want = np.zeros(top, np.int64)
-    for hr, _ in t.leases.values():
-        np.add.at(want, hr, 1)
+    for lease, (hr, _) in t.leases.items():
+        sl = t.sliced.get(lease)
+        np.add.at(want, hr if sl is None else sl.rows_held(hr), 1)
+    assert set(t.sliced) <= set(t.leases), "columns: slices of a lease that is gone"
+    assert all(sl.left == sum(sl.held) > 0 for sl in t.sliced.values()), "columns: a lease's slices miscounted"
     assert np.array_equal(want, c["pins"][:top].astype(np.int64)), "columns: pins and leases disagree"
     assert not np.any((state == GONE) & (c["pins"][:top] == 0)), "columns: an unpinned GONE row kept its extent"
     ready = np.flatnonzero(state == READY)

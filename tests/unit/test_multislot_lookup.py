@@ -133,7 +133,8 @@ def test_releasing_the_process_lease_unpins_every_part(monkeypatch):
     multislot.dispatch(p, Op.LOOKUP, request(by, [0, 1, 2, 3], 3), conn)
     assert leases(p) == [1, 2, 1, 1]
     p.drop_pending(conn)  # the connection closed: its leases run out on their own (its reads may go on)
-    assert leases(p) == [1, 2, 1, 1]
+    assert leases(p) == [1, 2, 1, 1] and not conn.process_leases
+    assert [p.servers[str(s)].dir.leases_orphaned for s in range(SLOTS)] == [1, 2, 1, 1]  # counted: each slice
     for s in range(SLOTS):
         p.servers[str(s)].dir.expire_leases(time.monotonic() + 3600, 100)
     assert leases(p) == [0, 0, 0, 0] and all(int(p.servers[str(s)].dir.cols["pins"].sum()) == 0
@@ -177,3 +178,36 @@ def test_misses_an_open_pool_and_bad_requests(monkeypatch):
     assert len(old["parts"]) == 2 and all("locs" in a for a in old["parts"])
     got = multislot.dispatch(p, Op.LOOKUP, request(by, [0, 1], 2), Conn(version=11))
     assert [f[1] for f in got["failed"]] == [Status.BAD_REQUEST] * 2 and "'merge'" in got["failed"][0][2]
+
+
+@pytest.mark.parametrize("parts, why", [
+    ("x", "must be a list"), ([], "must be a list"), ([[0, 1]] * 5, "must be a list"),
+    ([[0, 2], 7], "bad entry 7"), ([[0, 1, 1]], "bad entry [0, 1, 1]"), ([[0.0, 2]], "bad entry [0.0, 2]"),
+    ([[True, 2]], "bad entry [True, 2]"), ([[4, 2]], "bad entry [4, 2]"), ([[-1, 2]], "bad entry [-1, 2]"),
+    ([[1, 1], [1, 1]], "bad entry [1, 1]"), ([[0, 0], [1, 2]], "bad entry [0, 0]"), ([[0, 1]], "count 1 keys"),
+    ([[0, 3]], "bad entry [0, 3]"), ([[0, 1 << 70]], "bad entry"), ([[1 << 70, 1]], "bad entry"),
+    ([[0, (1 << 63) - 1], [1, (1 << 63) - 1], [2, 4]], "bad entry"),  # counts that wrap int64 to 2
+])
+def test_a_malformed_parts_is_refused_naming_its_first_bad_entry(parts, why):
+    with pytest.raises(v.Reject) as e:
+        multislot.cuts(parts, SLOTS, 2)
+    assert why in str(e.value)
+
+
+def test_parts_cut_the_keys_in_their_order():
+    assert multislot.cuts([[2, 3], [0, 1], [3, 2]], SLOTS, 6) == [(2, 0, 3), (0, 3, 4), (3, 4, 6)]
+    assert multislot.cuts([[1, 2]], SLOTS, 2) == [(1, 0, 2)]
+
+
+def test_a_process_lease_whose_slot_lease_ran_out_releases_the_rest_once(monkeypatch):
+    p, by, _ = pool(monkeypatch)
+    conn = Conn()
+    ans = multislot.dispatch(p, Op.LOOKUP, request(by, [0, 1, 2], 5), conn)
+    d1 = p.servers["1"].dir
+    d1.expire_leases(time.monotonic() + 3600, 100)  # slot 1's lease ran out: its slice unpinned there
+    assert leases(p) == [1, 0, 1, 0] and int(d1.cols["pins"].sum()) == 0
+    assert p.release({"leases": [ans["lease"]]}, conn) == {"released": 1}
+    assert leases(p) == [0, 0, 0, 0] and all(int(p.servers[str(s)].dir.cols["pins"].sum()) == 0
+                                             for s in range(SLOTS))
+    for s in range(SLOTS):
+        p.servers[str(s)].dir.check()

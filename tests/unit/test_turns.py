@@ -85,16 +85,23 @@ def test_a_merged_lookups_part_shares_its_slots_turn_and_gets_its_columns():
         cp, got, parts = conn(), {}, []
         asked(turn, keys_of(0, 3), conn(), got, "plain")
         turn.ask_part("a", keys_of(2, 6) + [b"\xee" * 32], cp, parts.append)
+        turn.ask_part("a", keys_of(5, 7), cp, parts.append)
         await asyncio.sleep(0)
-        assert passes == [2] and got["plain"][0]["lease"] and len(parts) == 1
-        lease, hit, tags, slots, nix = parts[0]
-        assert lease and hit.tolist() == [True] * 4 + [False] and len(tags) == len(slots) == len(nix) == 4
-        assert lease not in cp.leases  # a part's lease is its request's to take (multislot.Merged)
-        assert svc.dir.release(lease) and svc.dir.cols["pins"].sum() == 3
+        assert passes == [3] and got["plain"][0]["lease"] and len(parts) == 2
+        (lease, j), hit, tags, slots, nix = parts[0]
+        assert j == 0 and hit.tolist() == [True] * 4 + [False] and len(tags) == len(slots) == len(nix) == 4
+        assert parts[1][0] == (lease, 1) and not cp.leases  # the turn's parts share a lease no connection owns
+        d = svc.dir
+        assert d.cols["pins"].sum() == 3 + 4 + 2 and d.slice_open(lease, 0) and d.slice_open(lease, 1)
+        assert d.release_many((), [(lease, 0)]) == 1 and d.cols["pins"].sum() == 3 + 2  # its slice only
+        assert not d.slice_open(lease, 0) and d.release_many((), [(lease, 0)]) == 0  # released once
+        d.check()
+        assert d.release(lease) and d.cols["pins"].sum() == 3 and lease not in d.leases  # the slice left (expiry)
+        d.check()
         svc.serving = False
         turn.ask_part("a", keys_of(0, 1), cp, parts.append)
         await asyncio.sleep(0)
-        assert isinstance(parts[1], Unavailable)
+        assert isinstance(parts[2], Unavailable)
     asyncio.run(main())
 
 
@@ -210,7 +217,7 @@ def test_a_turns_releases_leave_their_connections_at_once_and_unpin_in_one_pass_
         svc, due, turn, passes = counted_turn()
         d, calls = svc.dir, []
         many = d.release_many
-        d.release_many = lambda asks: calls.append((len(asks), len(passes))) or many(asks)  # (leases, passes before)
+        d.release_many = lambda asks, slices=(): calls.append((len(asks), len(passes))) or many(asks, slices)
         c, other, got = conn(), conn(), {}
         for i, keys in enumerate([keys_of(0, 4), keys_of(2, 6), keys_of(6, 8)]):
             asked(turn, keys, other if i == 2 else c, got, i)
