@@ -335,7 +335,7 @@ class Merged:
                 continue
             name = str(slot)
             srv = p.servers[name]
-            held.append((srv, srv.dir, lease))
+            held.append((srv, srv.term, lease))  # (the term names its table: no old table is kept alive)
             tags.append(tg)
             slots.append(sl)
             codes.append(nodes.codes(name, srv).take(nix))  # the answer's nodes, one entry each over the parts
@@ -403,11 +403,12 @@ class AnswerNodes:
 
 
 class ProcessLeases(dict):
-    """A connection's process leases (merged LOOKUPs): id -> [(slot server, its table, (lease, j)), ...], each part's
-    slice j of a lease in slices of that table (``TableDirectory.lookup_columns_many``: the parts of a slot's turn
-    share one lease, and no connection owns it). The lease runs out as any read lease of its table; at the
-    connection's close its slices are left to run out (``orphan``), as a connection's own leases are. Pruned of ids
-    none of whose slices is held when it has doubled (as ``HeldLeases``): O(1) amortized a LOOKUP."""
+    """A connection's process leases (merged LOOKUPs): id -> [(slot server, its term, (lease, j)), ...], each part's
+    slice j of a lease in slices of that term's table (``TableDirectory.lookup_columns_many``: the parts of a slot's
+    turn share one lease, and no connection owns it; a slot's table is its ``dir`` for exactly one term, made or
+    adopted before it serves: ``Metaserver._new_state``, ``_adopt``). The lease runs out as any read lease of its
+    table; at the connection's close its slices are left to run out (``orphan``), as a connection's own leases are.
+    Pruned of ids none of whose slices is held when it has doubled (as ``HeldLeases``): O(1) amortized a LOOKUP."""
 
     __slots__ = ("prune_at",)
 
@@ -424,7 +425,7 @@ class ProcessLeases(dict):
 
     def add(self, held: list[tuple]) -> int:
         if len(self) >= self.prune_at:
-            for x in [x for x, ls in self.items() if not any(d.slice_open(*lease) for _, d, lease in ls)]:
+            for x in [x for x, ls in self.items() if not any(held_now(*part) for part in ls)]:
                 del self[x]
             self.prune_at = max(LEASES_PRUNE_AT, 2 * len(self))
         lease = random_id() or 1
@@ -449,16 +450,22 @@ def release(p, conn, ids: list[int]) -> tuple[int, list[int]]:
             rest.append(x)
             continue
         got = False
-        for srv, d, (lease, j) in held:
-            if srv.dir is not d or not d.slice_open(lease, j):  # another term's table, or run out
+        for srv, term, (lease, j) in held:
+            if not held_now(srv, term, (lease, j)):  # another term's table, or run out
                 continue
             got = True
             if turns:
-                srv.lookups.free_slice(d, lease, j)
+                srv.lookups.free_slice(srv.dir, lease, j)
             else:
-                d.release_many((), ((lease, j),))
+                srv.dir.release_many((), ((lease, j),))
         n += got
     return n, rest
+
+
+def held_now(srv, term: int, lease: tuple[int, int]) -> bool:
+    """Whether a process lease's part (``ProcessLeases``) still holds its slice: its slot in the same term, the
+    slice neither released nor run out."""
+    return srv.term == term and srv.dir.slice_open(*lease)
 
 
 def orphan(conn) -> int:
@@ -467,9 +474,9 @@ def orphan(conn) -> int:
     mine = getattr(conn, "process_leases", None)
     n = 0
     for held in (mine or {}).values():
-        for srv, d, lease in held:
-            if srv.dir is d and d.slice_open(*lease):
-                d.leases_orphaned += 1
+        for part in held:
+            if held_now(*part):
+                part[0].dir.leases_orphaned += 1
                 n += 1
     if mine:
         mine.clear()

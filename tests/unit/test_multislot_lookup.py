@@ -5,7 +5,9 @@ of 4 slots whose slot servers serve without an election (no etcd is reached), ta
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -211,3 +213,22 @@ def test_a_process_lease_whose_slot_lease_ran_out_releases_the_rest_once(monkeyp
                                              for s in range(SLOTS))
     for s in range(SLOTS):
         p.servers[str(s)].dir.check()
+
+
+def test_a_process_lease_leaves_a_slot_that_changed_term_alone(monkeypatch):
+    p, by, _ = pool(monkeypatch)
+    conn = Conn()
+    ans = multislot.dispatch(p, Op.LOOKUP, request(by, [0, 1, 3], 5), conn)
+    srv = p.servers["1"]
+    old = weakref.ref(srv.dir)
+    srv.term += 1  # slot 1 deposed and elected again: a new term's table, with a lease of its own
+    srv._new_state()
+    gc.collect()
+    assert old() is None and conn.process_leases  # a process lease keeps no old table alive
+    for n in NODES:
+        srv.dir.add_space(n, 1 << 26)
+    kept = multislot.dispatch(p, Op.LOOKUP, request(by, [1], 1), Conn())  # (slot 1's new table: empty, a miss)
+    assert kept["lease"] == 0 and leases(p) == [1, 0, 0, 1]
+    assert p.release({"leases": [ans["lease"]]}, conn) == {"released": 1}  # slots 0 and 3, not the new table
+    assert leases(p) == [0, 0, 0, 0] and int(srv.dir.cols["pins"].sum()) == 0
+    assert not conn.process_leases
