@@ -58,7 +58,7 @@ from collections import deque
 
 import numpy as np
 
-from metaserver.table.entry import GONE, PENDING, READY, SHARD_SHIFT, expire_queue, extent_size, random_id
+from metaserver.table.entry import GONE, PENDING, READY, SHARD_SHIFT, Slices, expire_queue, extent_size, random_id
 from metaserver.table.index import KeyIndex, zeros
 from transport.keyform import digests, pick
 from metaserver.table.quarantine import Quarantine
@@ -90,25 +90,6 @@ def by_key(hit: np.ndarray, found: list) -> list:
     return out
 
 
-class Slices:
-    """The slices of a lease in slices (``PageTable.new_lease``'s ``ends``): slice j is the lease's rows
-    ``ends[j-1]:ends[j]``, ``held[j]`` while not released; ``left`` slices held. The lease goes with its last slice."""
-
-    __slots__ = ("ends", "held", "left")
-
-    def __init__(self, ends: list[int]) -> None:
-        self.ends = ends
-        self.held = bytearray(b"\x01" * len(ends))
-        self.left = len(ends)
-
-    def rows_held(self, rows: np.ndarray) -> np.ndarray:
-        """The rows of the slices held (``rows``: the lease's)."""
-        if self.left == len(self.ends):
-            return rows
-        starts = [0] + self.ends[:-1]
-        return np.concatenate([rows[a:b] for a, b, h in zip(starts, self.ends, self.held) if h] or [rows[:0]])
-
-
 class PageTable:
     """Pages as rows of columns: the requests (``alloc``, ``commit``, ``abort``, ``lookup``, ``release``, ``exists``,
     ``remove``), the budgeted expiries (``expire_leases``, ``expire_pending``) and the totals (functions over the
@@ -119,9 +100,10 @@ class PageTable:
     (``keyindex.KeyIndex.check``); a GONE row is pinned (a zombie: its extent stays allocated until its last pin
     goes); every FREE row is on its node's free list once; each node's allocator holds exactly
     the extents of its PENDING, READY and GONE rows (a detached node's allocator is not kept current: its arena is
-    gone); ``pins`` equals the number of open leases naming each row; ``_pending`` holds exactly the PENDING rows;
-    every block belongs to one node or to ``free_blocks`` (all FREE); a detached node holds no PENDING row and, once
-    its drop is done, no READY row; a READY row's ``rec`` (when not 0) names a live record whose rows include it."""
+    gone); ``pins`` equals the number of open leases naming each row (of a lease in slices, its slices held);
+    ``_pending`` holds exactly the PENDING rows; every block belongs to one node or to ``free_blocks`` (all FREE); a
+    detached node holds no PENDING row and, once its drop is done, no READY row; a READY row's ``rec`` (when not 0)
+    names a live record whose rows include it."""
 
     def __init__(self, read_lease_s: float = 10.0, pending_ttl_s: float = 30.0):
         self.cols: dict[str, np.ndarray] = {name: np.zeros(0, t) for name, t in COLUMNS}
