@@ -31,7 +31,7 @@ from itertools import accumulate, repeat
 import numpy as np
 
 from metaserver.table.columns import PageTable, by_key
-from metaserver.table.entry import PENDING, READY, Effects, extent_size, factor
+from metaserver.table.entry import PENDING, READY, SLICED, Effects, extent_size, factor
 from metaserver.table.grants import Placed
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.evict import bytes_to_low, over_high, victim
@@ -59,19 +59,6 @@ def _by_ns(recs: list) -> dict[str, list]:
     for r in recs:
         out.setdefault(r[0], []).append(r)
     return out
-
-
-class _Sliced:
-    """``SLICED``: the owner a merged LOOKUP's part asks with (``TableDirectory.lookup_columns_many``,
-    ``lookup_columns``): its hits go under a slice of a lease in slices, which no connection owns."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "SLICED"
-
-
-SLICED = _Sliced()
 
 
 def by_node(nix: np.ndarray) -> tuple[np.ndarray, np.ndarray | int, np.ndarray | None, list[int]]:

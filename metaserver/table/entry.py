@@ -1,6 +1,6 @@
 """The page table's shared vocabulary: row states, ALLOC item states, layout codes of shared (TP-sharded) pages
-and their extent sizes, read lease ids and a lease's slices (``Slices``), ``Effects`` (the etcd work a table mutation
-leaves to its caller) and ``Entry``, one page as the parse of its etcd record yields it
+and their extent sizes, read lease ids, a lease's slices (``Slices``) and their owner ``SLICED``, ``Effects`` (the
+etcd work a table mutation leaves to its caller) and ``Entry``, one page as the parse of its etcd record yields it
 (``metaserver/table/records.py``: the full load and the warm copy file those into the table's rows); ``factor``, the
 distinct values of a column of small indexes (namespaces, nodes, layout codes) and each row's among them, as commit
 records and LOOKUP answers group their rows. No I/O, no policy.
@@ -86,6 +86,19 @@ class Slices:
             return rows
         starts = [0] + self.ends[:-1]
         return np.concatenate([rows[a:b] for a, b, h in zip(starts, self.ends, self.held) if h] or [rows[:0]])
+
+
+class _Sliced:
+    """``SLICED``: the owner a merged LOOKUP's part asks with (``TableDirectory.lookup_columns_many``,
+    ``lookup_columns``): its hits go under a slice of a lease in slices, which no connection owns."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SLICED"
+
+
+SLICED = _Sliced()
 
 
 def expire_queue(q, now: float, budget: int, release) -> int:
