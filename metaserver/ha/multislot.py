@@ -49,8 +49,9 @@ import numpy as np
 from metaserver import validate as v
 from metaserver.handlers.turns import Later, when_done
 from metaserver.handlers.ownership import LEASES_PRUNE_AT
-from metaserver.table.directory import by_node
-from metaserver.table.entry import SLICED, random_id
+from metaserver.table.grants import by_node
+from metaserver.table.entry import random_id
+from metaserver.table.leases import SLICED
 from transport import answerrows, slotrules
 from transport.keyform import PackedKeys
 from transport.wire import Op, Status

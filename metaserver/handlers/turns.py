@@ -48,7 +48,7 @@ import logging
 import time
 
 from metaserver.handlers.ownership import own_lease
-from metaserver.table.entry import SLICED
+from metaserver.table.leases import SLICED
 from transport.wire import Op, Status
 from umbp.errors import Unavailable
 

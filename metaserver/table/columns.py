@@ -29,7 +29,8 @@ requests; the rest are parts it holds, each keeping a reference to it, or functi
 - ``tiers`` (``Tiers``, ``metaserver/table/tiers.py``): nodes' disk tiers; ``quarantine`` (``Quarantine``); ``quota``
   (``TableQuotas``, set by a ``TableDirectory`` that has quota groups); ``qcopy`` (``evict.QueueCopy``);
 - functions of the table: ``metaserver/table/evict.py`` (victims), ``nodes.py`` (the node side), ``place.py``
-  (ALLOC's placement), ``queries.py`` (totals, listings), ``invariants.py`` (``check``), ``load.py`` (the full load).
+  (ALLOC's placement), ``leases.py`` (read leases: taken, disowned, released, in slices), ``queries.py`` (totals,
+  listings), ``invariants.py`` (``check``), ``load.py`` (the full load).
 
 ``TableDirectory`` (``metaserver/table/directory.py``) adds the service's calls and holds ``shared``
 (``SharedEntries``, ``metaserver/table/shared.py``: TP-sharded pages).
@@ -58,14 +59,14 @@ from collections import deque
 
 import numpy as np
 
-from metaserver.table.entry import GONE, PENDING, READY, SHARD_SHIFT, Slices, expire_queue, extent_size, random_id
+from metaserver.table.entry import GONE, PENDING, READY, SHARD_SHIFT, expire_queue, extent_size
 from metaserver.table.index import KeyIndex, zeros
 from transport.keyform import digests, pick
 from metaserver.table.quarantine import Quarantine
 from metaserver.table.evict import QueueCopy
-from metaserver.table import invariants, queries
+from metaserver.table import invariants, leases, queries
 from metaserver.table.links import TableLinks
-from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows, retire_if_done
+from metaserver.table.nodes import FREE, UNIT_SHIFT, NodeRows
 from metaserver.table.place import alloc_rows, items_of
 from metaserver.table.commits import CommitRecords
 from metaserver.table.tiers import Tiers
@@ -125,7 +126,7 @@ class PageTable:
         self.blocks_used = 0
         self.free_blocks: list[int] = []  # blocks of retired nodes, taken before the columns grow
         self.leases: dict[int, tuple[np.ndarray, bool]] = {}  # lease -> (its rows, whether a row may repeat)
-        self.sliced: dict[int, Slices] = {}  # the leases in slices (``new_lease``'s ``ends``) -> their slices
+        self.sliced: dict[int, leases.Slices] = {}  # the leases in slices (``new_lease``'s ``ends``) -> their slices
         self.read_lease_s = read_lease_s
         self.pending_ttl_s = pending_ttl_s
         # PENDING rows in allocation order (their deadline: the stamp column) -> their writer (token, owner)
@@ -445,101 +446,24 @@ class PageTable:
         np.add.at(c["pins"], hr, _PIN0)
         return hit, hr
 
+    # -- read leases (metaserver/table/leases.py) ----------------------------------------------------------------
     def new_lease(self, rows: np.ndarray, repeats: bool, now: float, owner: object, ends: list | None = None) -> int:
-        """A read lease over ``rows``, pinned already (``repeats``: a row may be named more than once), that belongs to
-        ``owner`` and runs out ``read_lease_s`` after ``now``. ``ends``: a lease in slices, ``rows[ends[j-1]:ends[j]]``
-        slice j (``Slices``: a turn's merged LOOKUP parts, each released apart by its request)."""
-        lease = random_id() or 1
-        while lease in self.leases:
-            lease = random_id() or 1
-        self.leases[lease] = (rows, repeats)
-        if owner is not None:
-            self._lease_owner[lease] = owner
-        if ends is not None:
-            self.sliced[lease] = Slices(ends)
-        self._lease_q.append((now + self.read_lease_s, lease))
-        return lease
+        return leases.new_lease(self, rows, repeats, now, owner, ends)
 
     def slice_open(self, lease: int, j: int) -> bool:
-        """Whether slice ``j`` of lease ``lease`` is held (not released, not expired)."""
         sl = self.sliced.get(lease)
         return sl is not None and sl.held[j]
 
     def release(self, lease: int, owner: object = None) -> bool:
-        """Unpin everything under ``lease`` and stamp it (a read's end is its last access); a row removed while
-        pinned gives its extent and row back with its last pin. False, changing nothing, when the lease is unknown,
-        already expired, or (``owner`` given) taken by another owner. ``owner`` None: expiry, tests."""
-        return self.release_many(((lease, owner),)) == 1
+        """``release_many`` of one lease: False, changing nothing, when it is unknown, already expired, or (``owner``
+        given) another owner's. ``owner`` None: expiry, tests."""
+        return leases.release_many(self, ((lease, owner),)) == 1
 
     def disown(self, lease: int, owner: object) -> bool:
-        """Take ``lease`` from ``owner`` ahead of its release (``release_many`` with no owner, later in the event
-        loop's turn: ``metaserver/handlers/turns.py``): True when it was ``owner``'s and live. Its rows stay pinned
-        until then, and no connection can release it meanwhile (nor again: a lease is counted released once)."""
-        if self._lease_owner.get(lease) is not owner or lease not in self.leases:
-            return False
-        del self._lease_owner[lease]
-        return True
+        return leases.disown(self, lease, owner)
 
     def release_many(self, asks, slices=()) -> int:
-        """``release`` of each (lease, owner) of ``asks``, and of each (lease, j) of ``slices`` (slice j of a lease in
-        slices, ``new_lease``'s ``ends``; a slice held only), in one pass over their rows (a turn's RELEASEs: one
-        unpin, stamp and state pass, where a lease each cost about 8 us of numpy calls on the 2-core VM); how many it
-        released. The rows are stamped in the order of ``asks``, then ``slices``, as releasing them one after the other
-        would; the rows removed while pinned that lose their last pin here are freed in row order (one after the other
-        would free each with the lease that held it last: another free-list order, so a later ALLOC may be placed
-        elsewhere). A lease in slices released whole (expiry) unpins the slices still held."""
-        owners, leases, sliced = self._lease_owner, self.leases, self.sliced
-        got: list[np.ndarray] = []
-        repeats = False
-        for lease, owner in asks:
-            if owner is not None and owners.get(lease) is not owner:
-                continue
-            held = leases.pop(lease, None)
-            if held is None:
-                continue
-            owners.pop(lease, None)
-            sl = sliced.pop(lease, None) if sliced else None
-            got.append(held[0] if sl is None else sl.rows_held(held[0]))
-            repeats |= held[1]
-        for lease, j in slices:
-            sl = sliced.get(lease)
-            if sl is None or not sl.held[j]:
-                continue
-            got.append(leases[lease][0][sl.ends[j - 1] if j else 0:sl.ends[j]])
-            repeats = True
-            sl.held[j] = 0
-            sl.left -= 1
-            if not sl.left:
-                del sliced[lease], leases[lease]
-        if not got:
-            return 0
-        hr = got[0] if len(got) == 1 else np.concatenate(got)
-        c = self.cols
-        if repeats or len(got) > 1:  # (a row may be named twice: ``lookup_rows``, or by two leases)
-            np.subtract.at(c["pins"], hr, _PIN0)
-        else:
-            c["pins"][hr] -= _PIN0
-        st = c["state"].take(hr)
-        if np.count_nonzero(st == _READY0) == len(hr):  # (count_nonzero: a fifth of .all()'s cost on a few rows)
-            self._stamp(hr)
-            if self.links.linking:
-                self.links.requeue(hr)
-            return len(got)
-        self._stamp(hr[st == READY])
-        if self.links.linking:
-            self.links.requeue(hr[st == READY])
-        gone = hr[(st == GONE) & (c["pins"][hr] == 0)]
-        dead = set()
-        for r in np.unique(gone).tolist():
-            node = self.nodes[c["node"][r]]
-            if node.dead:  # its arena is gone: only the row comes back, and the node may now be retired
-                dead.add(node)
-            else:
-                self._free_extent(r, node)
-            self._free_row(r, node)
-        for node in dead:
-            retire_if_done(self, node)
-        return len(got)
+        return leases.release_many(self, asks, slices)
 
     def expire_leases(self, now: float, budget: int) -> int:
         """Release leases whose ``read_lease_s`` ran out by ``now``, at most ``budget`` of the oldest; returns how

@@ -26,31 +26,29 @@ the allocation over).
 from __future__ import annotations
 
 import heapq
-from itertools import accumulate, repeat
+from itertools import repeat
 
 import numpy as np
 
-from metaserver.table.columns import PageTable, by_key
-from metaserver.table.entry import PENDING, READY, SLICED, Effects, extent_size, factor
+from metaserver.table.columns import PageTable
+from metaserver.table.entry import PENDING, READY, Effects, extent_size
+from metaserver.table import grants
 from metaserver.table.grants import Placed
 from metaserver.table.snapshot import PageRecords
 from metaserver.table.evict import bytes_to_low, over_high, victim
 from metaserver.table.load import load_nodes, load_pages, reserve
-from metaserver.table.nodes import UNIT_SHIFT, NodeRows, add_node, detach_node, drain_rows, drop_rows, set_placeable
+from metaserver.table.nodes import NodeRows, add_node, detach_node, drain_rows, drop_rows, set_placeable
 from metaserver.table.place import alloc_rows_many
 from metaserver.table import queries
 from metaserver.table.quotas import TableQuotas
 from metaserver.table.shared import SharedEntries
 from metaserver.table.tiers import SUFFIX, twin_id
-from transport import answerrows, objformat
-from transport.keyform import joined_keys, pick
-from umbp.auth import rank_tags, read_capabilities_packed
+from transport import objformat
+from transport.keyform import pick
 from umbp.errors import ConfigError
 from umbp.quotarules import QuotaRules
 
 
-_UNIT0 = np.array(UNIT_SHIFT, np.uint64)  # (a 0-d operand: a numpy scalar or int costs a small batch's ufunc twice)
-_SLOT0 = np.array(24, np.int64)  # bytes of a capability slot (offset, payload length, generation)
 SCAN_PER_DROP = 16  # rows a drop slice may visit per page of its budget (numpy work over the state column)
 
 
@@ -59,19 +57,6 @@ def _by_ns(recs: list) -> dict[str, list]:
     for r in recs:
         out.setdefault(r[0], []).append(r)
     return out
-
-
-def by_node(nix: np.ndarray) -> tuple[np.ndarray, np.ndarray | int, np.ndarray | None, list[int]]:
-    """A LOOKUP's hits grouped by their ``node`` column values ``nix``, in ``np.unique(nix, return_inverse=True)``'s
-    order: (the node indexes, ascending; each hit's index among them, 0 when all are on one node; the hits' order
-    grouped by node, key order within one, None for one node; the byte ends of each node's run of 24-byte
-    capability slots, 0 first). ``entry.factor`` (a bincount, no sort) and one stable argsort."""
-    uniq, inv, cnt = factor(nix)
-    if len(uniq) <= 1:
-        return uniq, 0, None, [0, 24 * len(nix)]
-    # (a running sum of a few dozen counts in Python: numpy's cumsum and a scalar multiply cost 2 us more)
-    ends = list(accumulate((cnt.take(uniq) * _SLOT0).tolist(), initial=0))
-    return uniq, inv, nix.argsort(kind="stable"), ends
 
 
 class TableDirectory(PageTable):
@@ -223,116 +208,15 @@ class TableDirectory(PageTable):
         what is left."""
         return self.granted_answer(self.lookup_columns(ns, keys, now, owner, tokens, shard), member, packed)
 
+    # -- a LOOKUP's table work and answer: metaserver/table/grants.py -------------------------------------------
     def lookup_columns_many(self, ns: str, asks: list[tuple[list, object]], now: float, tokens) -> list[tuple]:
-        """``lookup_columns`` of several LOOKUPs (or multi-slot LOOKUPs' parts) of namespace ``ns`` at once (``asks``
-        of (keys, owner): a turn's, ``metaserver/handlers/turns.py``), each exactly as alone, with its own lease
-        over its own hits: one key digest and index pass, one stamp, pin, tag and capability-slot pass over all of
-        them, then a slice and a lease each. An ask whose owner is ``SLICED`` (a merged LOOKUP's part) gets a slice
-        of one lease in slices that the turn's parts share: ``(lease, j)`` in its tuple, released by its request
-        (``release_many``'s ``slices``), no lease and owner of its own. Plain pages only (a rank's sub-slots ask
-        alone)."""
-        if len(asks) == 1 and asks[0][1] is not SLICED:
-            keys, owner = asks[0]
-            return [self.lookup_columns(ns, keys, now, owner, tokens)]
-        every = joined_keys([k for k, _ in asks])
-        hit, hr = self.pin_hits(ns, every)
-        tags, slots, nix = self._grant_columns(ns, hr, tokens, None) if len(hr) else (None,) * 3
-        cuts = list(accumulate([len(k) for k, _ in asks]))
-        ends = hit.cumsum().take(np.array(cuts, np.int64) - 1).tolist() if len(hit) else [0] * len(asks)
-        out, a, h = [], 0, 0
-        parts: list[tuple[int, int, int]] = []  # (index in out, first hit, end) of the SLICED asks with hits
-        for (_, owner), b, e in zip(asks, cuts, ends):
-            if e <= h:
-                out.append((0, hit[a:b], None, None, None))
-            elif owner is SLICED:
-                parts.append((len(out), h, e))
-                out.append((len(parts) - 1, hit[a:b], tags[h:e], slots[h:e], nix[h:e]))
-            else:
-                out.append((self.new_lease(hr[h:e], e - h > 1, now, owner), hit[a:b], tags[h:e], slots[h:e],
-                            nix[h:e]))
-            a, h = b, e
-        if parts:
-            whole = sum(e - h for _, h, e in parts) == len(hr)  # (every hit a part's: no copy)
-            rows = hr if whole else np.concatenate([hr[h:e] for _, h, e in parts])
-            lease = self.new_lease(rows, True, now, None, list(accumulate(e - h for _, h, e in parts)))
-            for i, _, _ in parts:
-                got = out[i]
-                out[i] = ((lease, got[0]),) + got[1:]
-        return out
+        return grants.lookup_columns_many(self, ns, asks, now, tokens)
 
     def granted_answer(self, cols: tuple, member, packed: bool) -> dict:
-        """A LOOKUP's answer (``lookup_granted``) from its ``lookup_columns``: its capabilities (one a node) and its
-        rows, packed or (``packed`` False) listed."""
-        lease, hit, tags, slots, nix = cols
-        if not lease:
-            if packed:
-                return {"lease": 0, "nodes": [], "caps": [], "rows": answerrows.pack_locs(hit, (), (), (), (), ())}
-            return {"lease": 0, "locs": [None] * len(hit), "caps": []}
-        n = len(nix)
-        uniq, inv, order, ends = by_node(nix)
-        names = self.node_names.take(uniq).tolist()
-        cap_keys = [None if m is None else m.cap_key for m in map(member, names)]
-        caps = (read_capabilities_packed(cap_keys, (slots if order is None else slots.take(order, axis=0)).tobytes(),
-                                         ends) if any(cap_keys) else [b""] * len(cap_keys))  # an open pool: none
-        if packed:
-            return {"lease": lease, "nodes": names, "caps": caps,
-                    "rows": answerrows.pack_locs(hit, tags, slots[:, 2], slots[:, 1], slots[:, 0], inv)}
-        inv = np.broadcast_to(inv, n)
-        locs = list(zip(self.node_names.take(uniq.take(inv)).tolist(), slots[:, 0].tolist(), slots[:, 1].tolist(),
-                        slots[:, 2].tolist(), tags.tolist(), inv.tolist()))
-        return {"lease": lease, "locs": by_key(hit, locs), "caps": caps}
+        return grants.granted_answer(self, cols, member, packed)
 
     def lookup_columns(self, ns: str, keys: list, now: float, owner, tokens, shard=None) -> tuple:
-        """``lookup_granted``'s table work, without the grants and the answer: ``(lease, hit, tags, slots, nix)``,
-        the hits' tags (u64), capability slots ((n, 3) ``<u8``: offset, payload length, generation) and ``node``
-        column values (indexes into ``node_names``), in key order; ``(0, hit, None, None, None)`` when nothing was
-        found. A process answering several slots' parts of one LOOKUP grants them together
-        (``metaserver/ha/multislot.py``: one capability a node, one answer); such a part asks as ``SLICED`` and gets
-        ``(lease, 0)``: the one slice of a lease in slices."""
-        if owner is SLICED:  # a merged LOOKUP's part answered alone: slice 0 of a lease of its own
-            hit, hr = self.pin_hits(ns, keys, shard[1] if shard is not None else 0)
-            lease = (self.new_lease(hr, True, now, None, [len(hr)]), 0) if len(hr) else 0
-        else:
-            lease, hit, hr = self.lookup_rows(ns, keys, now, owner, shard[1] if shard is not None else 0)
-        if not lease:
-            return 0, hit, None, None, None
-        return (lease, hit) + self._grant_columns(ns, hr, tokens, shard)
-
-    def _grant_columns(self, ns: str, hr: np.ndarray, tokens, shard) -> tuple:
-        """(tags, capability slots, node column values) of the hits ``hr`` (``lookup_columns``)."""
-        c = self.cols
-        slots = np.empty((len(hr), 3), "<u8")  # a capability's (offset, payload_len, gen) triples
-        if shard is not None:  # a rank's sub-slots: its tags from the rows' shard bases, its part's offsets
-            tags = rank_tags(self._kept_tags(ns, hr, tokens.shard_bases), shard[0])
-            slots[:, 0], slots[:, 1] = self.shared.slots(hr, shard[0])
-        else:
-            tags = self._kept_tags(ns, hr, tokens.tags)
-            np.left_shift(c["unit"].take(hr), _UNIT0, out=slots[:, 0])
-            if len(self.codes) == 1:  # one layout interned (a namespace's pages share one): every row's
-                slots[:, 1] = self.code_arr
-            else:
-                slots[:, 1] = self.code_arr.take(c["size"].take(hr))
-        slots[:, 2] = c["gen"].take(hr)
-        nix = c["node"].take(hr)
-        if self.tiers.any:  # a disk page answers as its host's page at a disk address (metaserver/table/tiers.py)
-            nix = self.tiers.answer(nix, slots, hr)
-        return tags, slots, nix
-
-    def _kept_tags(self, ns: str, hr: np.ndarray, compute) -> np.ndarray:
-        """The ``tag`` column of rows ``hr``, each computed by ``compute(ns, keys)`` once, at
-        its row's first LOOKUP, and kept: a plain row's tag, a shared row's shard base (``Tokens.shard_bases``; a
-        row is never both). 0 means not computed yet (a keyed blake2b is 0 once in 2^64 lookups: then recomputed).
-        Computed from the row's own key (``KeyIndex.keys_of``), not the one asked by: a LOOKUP may name a key by its
-        digest (``wire.DIGEST_KEYS``), and the tag the writer's header holds is of the key it put."""
-        c = self.cols
-        tags = c["tag"].take(hr)
-        if np.count_nonzero(tags) == len(tags):  # every tag kept already (the usual case after a row's first LOOKUP)
-            return tags
-        none = np.flatnonzero(tags == 0)
-        rows = hr.take(none)
-        tags[none] = compute(ns, self.ix.keys_of(rows))
-        c["tag"][rows] = tags.take(none)
-        return tags
+        return grants.lookup_columns(self, ns, keys, now, owner, tokens, shard)
 
     def remove(self, ns, keys):
         return PageTable.remove(self, ns, keys), self.effects()

@@ -1,9 +1,9 @@
 """The page table's shared vocabulary: row states, ALLOC item states, layout codes of shared (TP-sharded) pages
-and their extent sizes, read lease ids, a lease's slices (``Slices``) and their owner ``SLICED``, ``Effects`` (the
-etcd work a table mutation leaves to its caller) and ``Entry``, one page as the parse of its etcd record yields it
-(``metaserver/table/records.py``: the full load and the warm copy file those into the table's rows); ``factor``, the
-distinct values of a column of small indexes (namespaces, nodes, layout codes) and each row's among them, as commit
-records and LOOKUP answers group their rows. No I/O, no policy.
+and their extent sizes, read lease ids, ``Effects`` (the etcd work a table mutation leaves to its caller) and
+``Entry``, one page as the parse of its etcd record yields it (``metaserver/table/records.py``: the full load and the
+warm copy file those into the table's rows); ``factor``, the distinct values of a column of small indexes
+(namespaces, nodes, layout codes) and each row's among them, as commit records and LOOKUP answers group their rows.
+No I/O, no policy.
 
 Shared entries (TP-sharded KV, ``metaserver/table/shared.py``): one row holds one extent of ``n`` sub-slots, each a
 normal object slot of ``part_len`` payload bytes; its layout code is ``part_len | n << SHARD_SHIFT`` (``layout``),
@@ -67,38 +67,6 @@ def random_id() -> int:
     if not _ids:
         _ids.extend(x >> 1 for x in struct.unpack(f"<{_ID_BATCH}Q", os.urandom(8 * _ID_BATCH)))
     return _ids.pop()
-
-
-class Slices:
-    """The slices of a lease in slices (``PageTable.new_lease``'s ``ends``): slice j is the lease's rows
-    ``ends[j-1]:ends[j]``, ``held[j]`` while not released; ``left`` slices held. The lease goes with its last slice."""
-
-    __slots__ = ("ends", "held", "left")
-
-    def __init__(self, ends: list[int]) -> None:
-        self.ends = ends
-        self.held = bytearray(b"\x01" * len(ends))
-        self.left = len(ends)
-
-    def rows_held(self, rows: np.ndarray) -> np.ndarray:
-        """The rows of the slices held (``rows``: the lease's)."""
-        if self.left == len(self.ends):
-            return rows
-        starts = [0] + self.ends[:-1]
-        return np.concatenate([rows[a:b] for a, b, h in zip(starts, self.ends, self.held) if h] or [rows[:0]])
-
-
-class _Sliced:
-    """``SLICED``: the owner a merged LOOKUP's part asks with (``TableDirectory.lookup_columns_many``,
-    ``lookup_columns``): its hits go under a slice of a lease in slices, which no connection owns."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "SLICED"
-
-
-SLICED = _Sliced()
 
 
 def expire_queue(q, now: float, budget: int, release) -> int:

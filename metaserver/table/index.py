@@ -18,8 +18,8 @@ rows' keys each time one is rewritten (``table/commits.py``), and listings, a re
 copy's rows and ``fingerprint`` read keys back; a shorter column would need the keys kept elsewhere. (2) A shorter
 digest is not safe as the page's identity: a raw key is its own digest, so two client keys that share the kept
 bytes (``b"\\x07" * 24 + counter`` shares 16) would be one page; and a reader is not saved by the object header,
-because a closed pool's LOOKUP answers the keyed tag kept in the row's ``tag`` column (``TableDirectory
-._kept_tags``: computed from the key of the row's first LOOKUP), and the client checks the header against that
+because a closed pool's LOOKUP answers the keyed tag kept in the row's ``tag`` column (``grants._kept_tags``:
+computed from the key of the row's first LOOKUP), and the client checks the header against that
 tag (``objformat.check_object_header`` via ``transport.base.read_from_arena``, ``umbp/client.py`` ``_read_ops``), not
 against one of its own key: the header would match and the reader would get the other key's bytes.
 
