@@ -469,16 +469,14 @@ def held_now(srv, term: int, lease: tuple[int, int]) -> bool:
     return srv.term == term and srv.dir.slice_open(*lease)
 
 
-def orphan(conn) -> int:
+def orphan(conn) -> None:
     """``conn`` closed: its process leases' slices still held are left to run out, as its own leases are
-    (``ownership.drop_leases``), counted in each table's ``leases_orphaned``; how many."""
+    (``ownership.drop_leases``), each counted in its table's ``leases_orphaned``."""
     mine = getattr(conn, "process_leases", None)
-    n = 0
-    for held in (mine or {}).values():
+    if not mine:
+        return
+    for held in mine.values():
         for part in held:
             if held_now(*part):
                 part[0].dir.leases_orphaned += 1
-                n += 1
-    if mine:
-        mine.clear()
-    return n
+    mine.clear()
